@@ -1,0 +1,197 @@
+//! Command-line definitions (clap derive) and nothing else: what the flags mean is decided in
+//! `plan`. torchrun's spellings are kept, including its underscore forms (`--nproc_per_node`),
+//! so `torchrun ARGS` becomes `nrun ARGS`. Every option can also come from `NRUN_<OPTION>`, or
+//! from torchrun's `PET_<OPTION>` (see [`apply_pet_env`]).
+
+use std::path::PathBuf;
+
+use clap::builder::BoolishValueParser;
+use clap::{ArgAction, CommandFactory, Parser};
+
+/// `nrun --version`: the package version and the git revision stamped in by build.rs.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("NRUN_GIT_REV"), ")");
+
+const EXAMPLES: &str = "\
+Examples:
+  nrun --nproc 8 train.py --lr 0.1        8 workers on this machine (python -u train.py --lr 0.1)
+  nrun --nproc gpu -m mypkg.train         one worker per visible GPU, running a module
+  nrun --nproc 4 --no-python ./a.out      any program, not only Python
+  nrun --nproc 8 --log-dir logs -t 3 x.py  also write logs/<run>/attempt_0/<rank>/std{out,err}.log
+  nrun --nproc 8 --max-restarts 2 x.py    restart the whole group up to twice on failure
+  torchrun --nproc-per-node 8 x.py  ->  nrun --nproc-per-node 8 x.py   (same flags, same env)
+
+Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)
+and rendezvous through the store nrun hosts, so init_process_group(\"env://\") needs no change.
+
+Exit status: 0 all workers succeeded; 2 bad usage or input; otherwise the first failing worker's
+exit code (128+N when it died of signal N), or 128+N when nrun itself was stopped by signal N.";
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "nrun",
+    version = VERSION,
+    about = "Launch distributed PyTorch/NCCL jobs: one process per GPU, a built-in rendezvous store, clear failures.",
+    after_help = EXAMPLES,
+    max_term_width = 100
+)]
+pub struct Cli {
+    /// Workers on this node: a number, `gpu` (one per visible GPU), `cpu` (one per core), or
+    /// `auto` (GPUs if any, else cores).
+    #[arg(
+        long = "nproc-per-node",
+        visible_alias = "nproc",
+        alias = "nproc_per_node",
+        env = "NRUN_NPROC_PER_NODE",
+        default_value = "1",
+        value_name = "N|gpu|cpu|auto"
+    )]
+    pub nproc_per_node: String,
+
+    /// Number of nodes, N or MIN:MAX (nrun needs MIN == MAX).
+    #[arg(long, env = "NRUN_NNODES", default_value = "1", value_name = "N")]
+    pub nnodes: String,
+
+    /// This node's rank among --nnodes (torchrun-style static multi-node: rank 0 hosts the store).
+    #[arg(long = "node-rank", alias = "node_rank", env = "NRUN_NODE_RANK", default_value_t = 0)]
+    pub node_rank: usize,
+
+    /// Address workers use to reach the store (default: 127.0.0.1 on one node).
+    #[arg(long = "master-addr", alias = "master_addr", env = "NRUN_MASTER_ADDR")]
+    pub master_addr: Option<String>,
+
+    /// Port of the store (default: a free port nrun binds and keeps).
+    #[arg(long = "master-port", alias = "master_port", env = "NRUN_MASTER_PORT")]
+    pub master_port: Option<u16>,
+
+    /// Single-node job with the store on a free local port (torchrun compatibility; the default).
+    #[arg(long, env = "NRUN_STANDALONE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub standalone: bool,
+
+    /// Rendezvous endpoint HOST[:PORT]; same as --master-addr/--master-port.
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "NRUN_RDZV_ENDPOINT")]
+    pub rdzv_endpoint: Option<String>,
+
+    /// Rendezvous backend (accepted for torchrun compatibility; nrun always hosts its own store).
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "NRUN_RDZV_BACKEND", hide = true)]
+    pub rdzv_backend: Option<String>,
+
+    /// Job id, exported as TORCHELASTIC_RUN_ID and used in log paths.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "NRUN_RDZV_ID", default_value = "none")]
+    pub rdzv_id: String,
+
+    /// Restart the whole worker group up to N times after a failure.
+    #[arg(long = "max-restarts", alias = "max_restarts", env = "NRUN_MAX_RESTARTS", default_value_t = 0)]
+    pub max_restarts: u32,
+
+    /// Accepted for torchrun compatibility: nrun reacts to worker exits at once, it does not poll.
+    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "NRUN_MONITOR_INTERVAL", hide = true)]
+    pub monitor_interval: Option<f64>,
+
+    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    #[arg(long = "shutdown-timeout", env = "NRUN_SHUTDOWN_TIMEOUT", default_value_t = 30.0, value_name = "SECS")]
+    pub shutdown_timeout: f64,
+
+    /// Write each worker's stdout and stderr to DIR/<run-id>/attempt_<n>/<local-rank>/.
+    #[arg(long = "log-dir", alias = "log_dir", env = "NRUN_LOG_DIR", value_name = "DIR")]
+    pub log_dir: Option<PathBuf>,
+
+    /// Send streams to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank
+    /// like 0:3,1:1.
+    #[arg(short = 'r', long, env = "NRUN_REDIRECTS", value_name = "SPEC")]
+    pub redirects: Option<String>,
+
+    /// Write streams to the log files as well as the console (same SPEC as --redirects).
+    #[arg(short = 't', long, env = "NRUN_TEE", value_name = "SPEC")]
+    pub tee: Option<String>,
+
+    /// Show console output of these local ranks only, e.g. 0 or 0,3 (log files get everything).
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "NRUN_LOCAL_RANKS_FILTER")]
+    pub local_ranks_filter: Option<String>,
+
+    /// Address of this node that workers and other nodes use for the store.
+    #[arg(long = "local-addr", alias = "local_addr", env = "NRUN_LOCAL_ADDR")]
+    pub local_addr: Option<String>,
+
+    /// Role name exported as ROLE_NAME.
+    #[arg(long, env = "NRUN_ROLE", default_value = "default")]
+    pub role: String,
+
+    /// Python interpreter for .py targets and -m (default: $PYTHON_EXEC, else python3 on PATH).
+    #[arg(long, env = "NRUN_PYTHON", value_name = "PATH")]
+    pub python: Option<PathBuf>,
+
+    /// Run TARGET as a Python module (python -u -m TARGET).
+    #[arg(short = 'm', long, env = "NRUN_MODULE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub module: bool,
+
+    /// Run TARGET as a program, not through Python.
+    #[arg(long = "no-python", alias = "no_python", env = "NRUN_NO_PYTHON", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub no_python: bool,
+
+    /// Accepted for torchrun compatibility: TARGET runs as a script either way.
+    #[arg(long = "run-path", alias = "run_path", action = ArgAction::SetTrue, hide = true)]
+    pub run_path: bool,
+
+    /// The script, module or program, followed by its arguments.
+    #[arg(
+        value_name = "TARGET [ARGS]...",
+        required = true,
+        num_args = 1..,
+        trailing_var_arg = true,
+    )]
+    pub command: Vec<String>,
+}
+
+/// torchrun reads `PET_<OPTION>` for each option; nrun reads `NRUN_<OPTION>`. Copy every
+/// `PET_` variable that has no `NRUN_` counterpart over, before parsing and before any thread
+/// starts (mutating the environment is only sound while single-threaded).
+pub fn apply_pet_env() {
+    for arg in Cli::command().get_arguments() {
+        let Some(name) = arg.get_env().and_then(|e| e.to_str()) else { continue };
+        let Some(option) = name.strip_prefix("NRUN_") else { continue };
+        if std::env::var_os(name).is_some() {
+            continue;
+        }
+        if let Some(v) = std::env::var_os(format!("PET_{option}")) {
+            // SAFETY: called first thing in main, before any other thread exists.
+            unsafe { std::env::set_var(name, v) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions_are_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn torchrun_spellings_parse() {
+        let c = Cli::try_parse_from([
+            "nrun",
+            "--nproc_per_node=4",
+            "--master_port",
+            "1234",
+            "--max-restarts",
+            "2",
+            "train.py",
+            "--lr",
+            "0.1",
+        ])
+        .unwrap();
+        assert_eq!(c.nproc_per_node, "4");
+        assert_eq!(c.master_port, Some(1234));
+        assert_eq!(c.max_restarts, 2);
+        assert_eq!(c.command, ["train.py", "--lr", "0.1"]);
+    }
+
+    #[test]
+    fn options_after_the_target_belong_to_it() {
+        let c = Cli::try_parse_from(["nrun", "--nproc", "2", "x.py", "--nproc", "9"]).unwrap();
+        assert_eq!(c.nproc_per_node, "2");
+        assert_eq!(c.command, ["x.py", "--nproc", "9"]);
+    }
+}

@@ -1,0 +1,51 @@
+//! Errors meant for people, and nrun's exit codes.
+//!
+//! An [`Error`] carries the exit code it ends nrun with and a message that says what failed,
+//! where, and what to check next. Bad input exits [`exit::USAGE`]; a failed worker's own code
+//! passes through, so scripts that check `$?` see what they would have seen without nrun.
+
+use std::fmt;
+
+/// Named exit codes. Codes a worker produced pass through unchanged; a death by signal N is
+/// 128+N, the shell's convention.
+pub mod exit {
+    /// Every worker exited 0.
+    pub const SUCCESS: u8 = 0;
+    /// nrun itself failed in a way that is not the user's input (a bug or the system refusing).
+    pub const INTERNAL: u8 = 1;
+    /// Bad usage or input: unknown option, bad value, missing script or program, port taken.
+    pub const USAGE: u8 = 2;
+
+    /// Exit code for death by signal `sig`.
+    pub fn signal(sig: i32) -> u8 {
+        (128 + sig).clamp(0, 255) as u8
+    }
+}
+
+#[derive(Debug)]
+pub struct Error {
+    pub code: u8,
+    pub message: String,
+}
+
+impl Error {
+    /// Bad usage or input (exit 2). The message names the input and the next thing to try.
+    pub fn usage(message: impl Into<String>) -> Error {
+        Error { code: exit::USAGE, message: message.into() }
+    }
+
+    /// A failure of nrun or the system (exit 1).
+    pub fn internal(message: impl Into<String>) -> Error {
+        Error { code: exit::INTERNAL, message: message.into() }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,76 @@
+//! nrun: a launcher for distributed PyTorch/NCCL jobs.
+//!
+//! Map of the crate (the phases of a run flow top to bottom):
+//! - [`cli`]: clap definitions only; torchrun spellings; NRUN_*/PET_* environment.
+//! - [`plan`]: from flags to a [`plan::Plan`]: workers, command, environment, logs. Pure.
+//! - [`store`]: the TCPStore-protocol server that workers rendezvous on, and its client.
+//! - [`node`]: spawning and supervising a node's workers: process groups, signals, output.
+//! - [`coordinator`]: the phases wired together.
+//! - [`report`]: how failures and log lines look.
+//! - [`error`]: errors for people and the exit codes.
+
+pub mod cli;
+pub mod coordinator;
+pub mod error;
+pub mod node;
+pub mod plan;
+pub mod report;
+pub mod store;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// The `nrun` binary.
+pub fn main() -> ExitCode {
+    cli::apply_pet_env();
+    let cli = match cli::Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
+            let _ = e.print();
+            return ExitCode::from(e.exit_code().clamp(0, 255) as u8);
+        }
+    };
+    init_logging();
+    match run(cli) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("nrun: error: {e}");
+            ExitCode::from(e.code)
+        }
+    }
+}
+
+fn run(cli: cli::Cli) -> error::Result<u8> {
+    let env = |k: &str| std::env::var(k).ok();
+    let plan = plan::Plan::from_cli(&cli, &env)?;
+    let listener = coordinator::bind_store(&plan)?;
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 4);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .map_err(|e| error::Error::internal(format!("cannot start the async runtime: {e}")))?;
+    // The coordinator future runs on this (main) thread; workers are spawned from it, which
+    // their PR_SET_PDEATHSIG relies on.
+    rt.block_on(coordinator::run(plan, listener))
+}
+
+/// NRUN_LOG=error|warn|info|debug|trace sets how much nrun says (default info).
+fn init_logging() {
+    use tracing::level_filters::LevelFilter;
+    let level = match std::env::var("NRUN_LOG").as_deref().map(str::to_ascii_lowercase).as_deref() {
+        Ok("error") => LevelFilter::ERROR,
+        Ok("warn") | Ok("warning") => LevelFilter::WARN,
+        Ok("debug") => LevelFilter::DEBUG,
+        Ok("trace") => LevelFilter::TRACE,
+        Ok("off") | Ok("quiet") => LevelFilter::OFF,
+        _ => LevelFilter::INFO,
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .event_format(report::LogFormat)
+        .try_init();
+}

@@ -1,0 +1,311 @@
+//! Running one attempt of a node's worker group: spawn, supervise, stop, clean up.
+//!
+//! [`run_group`] is the dispatcher: it alone holds the group's state and `select!`s over worker
+//! exits, signals to nrun, and the SIGKILL deadline. The first worker to fail (or a signal to
+//! nrun) stops the group: every process group gets SIGTERM (or the signal nrun received), and
+//! SIGKILL after the grace period; a second signal kills at once. When every worker has exited,
+//! leftovers are swept (process groups, then re-parented orphans) before the outcome is
+//! returned, so nothing outlives the attempt.
+
+pub mod output;
+pub mod process;
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::error::{Error, Result};
+use output::{Output, Stream, Tail, WorkerOutput};
+use process::ProcessGroup;
+
+/// One worker to start.
+pub struct WorkerCmd {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub program: OsString,
+    pub args: Vec<OsString>,
+    pub env: Vec<(String, String)>,
+    pub error_file: PathBuf,
+    pub output: WorkerOutput,
+}
+
+/// How a process ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Exit {
+    fn from_status(s: ExitStatus) -> Exit {
+        match (s.code(), s.signal()) {
+            (Some(c), _) => Exit::Code(c),
+            (None, Some(sig)) => Exit::Signal(sig),
+            (None, None) => Exit::Code(1),
+        }
+    }
+
+    pub fn success(self) -> bool {
+        self == Exit::Code(0)
+    }
+
+    /// The exit code nrun passes on: the code itself, or 128+N for signal N.
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Exit::Code(c) => c.clamp(0, 255) as u8,
+            Exit::Signal(s) => crate::error::exit::signal(s),
+        }
+    }
+
+    pub fn describe(self) -> String {
+        match self {
+            Exit::Code(c) => format!("exited with code {c}"),
+            Exit::Signal(s) => format!("was killed by {}", signal_name(s)),
+        }
+    }
+}
+
+pub fn signal_name(sig: i32) -> String {
+    Signal::try_from(sig).map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_string())
+}
+
+/// The first worker failure of an attempt, with what the summary shows.
+#[derive(Debug)]
+pub struct Failure {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub pid: u32,
+    pub exit: Exit,
+    pub at: SystemTime,
+    pub stderr_tail: Vec<String>,
+    pub error_file: PathBuf,
+}
+
+#[derive(Debug)]
+pub enum Outcome {
+    Success,
+    Failed(Failure),
+    /// nrun itself received this signal and stopped the workers.
+    Interrupted(i32),
+}
+
+/// SIGINT, SIGTERM and SIGHUP to nrun, as one stream. Installed once, before any worker starts,
+/// so a signal arriving during start-up is not lost.
+pub struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    pub fn install() -> Result<Signals> {
+        let s = |k: SignalKind| {
+            signal(k).map_err(|e| Error::internal(format!("cannot install signal handlers: {e}")))
+        };
+        Ok(Signals {
+            int: s(SignalKind::interrupt())?,
+            term: s(SignalKind::terminate())?,
+            hup: s(SignalKind::hangup())?,
+        })
+    }
+
+    pub async fn recv(&mut self) -> i32 {
+        tokio::select! {
+            _ = self.int.recv() => libc::SIGINT,
+            _ = self.term.recv() => libc::SIGTERM,
+            _ = self.hup.recv() => libc::SIGHUP,
+        }
+    }
+}
+
+struct Running {
+    rank: usize,
+    local_rank: usize,
+    pid: u32,
+    group: ProcessGroup,
+    exit: Option<(Exit, SystemTime)>,
+    tail: Tail,
+    error_file: PathBuf,
+}
+
+/// Runs one attempt of the worker group to its end. `grace` is the time between the polite
+/// signal and SIGKILL.
+pub async fn run_group(
+    workers: Vec<WorkerCmd>,
+    grace: Duration,
+    signals: &mut Signals,
+) -> Result<Outcome> {
+    let mut outputs = Vec::with_capacity(workers.len());
+    let mut cmds = Vec::with_capacity(workers.len());
+    for w in workers {
+        let WorkerCmd { output, .. } = w;
+        outputs.push(output);
+        cmds.push((w.rank, w.local_rank, w.program, w.args, w.env, w.error_file));
+    }
+    let out = Output::start(outputs);
+    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<(usize, Exit, SystemTime)>();
+    let mut running: Vec<Running> = Vec::with_capacity(cmds.len());
+    let mut pumps: Vec<JoinHandle<()>> = Vec::new();
+    let mut spawn_error = None;
+
+    for (idx, (rank, local_rank, program, args, env, error_file)) in cmds.into_iter().enumerate() {
+        let _ = std::fs::remove_file(&error_file);
+        let mut cmd = tokio::process::Command::new(&program);
+        cmd.args(&args)
+            .envs(env)
+            .process_group(0)
+            // Workers are in background process groups: a worker reading the terminal would be
+            // stopped by SIGTTIN and hang the job, so none gets nrun's stdin.
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                // If nrun is killed outright (SIGKILL), its workers die with it. Spawning happens
+                // on the main thread, whose exit is the process's exit (see prctl(2) on threads).
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                spawn_error = Some(Error::usage(format!(
+                    "cannot start rank {rank}: {} {}: {e}",
+                    program.to_string_lossy(),
+                    args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ")
+                )));
+                break;
+            }
+        };
+        let pid = child.id().unwrap_or(0);
+        let tail: Tail = Arc::new(Mutex::new(Default::default()));
+        if let Some(o) = child.stdout.take() {
+            pumps.push(tokio::spawn(output::pump(o, idx, Stream::Out, out.sender(), None)));
+        }
+        if let Some(e) = child.stderr.take() {
+            pumps.push(tokio::spawn(output::pump(e, idx, Stream::Err, out.sender(), Some(tail.clone()))));
+        }
+        let tx = ev_tx.clone();
+        tokio::spawn(async move {
+            let exit = match child.wait().await {
+                Ok(s) => Exit::from_status(s),
+                Err(_) => Exit::Code(1),
+            };
+            let _ = tx.send((idx, exit, SystemTime::now()));
+        });
+        running.push(Running {
+            rank,
+            local_rank,
+            pid,
+            group: ProcessGroup(Pid::from_raw(pid as i32)),
+            exit: None,
+            tail,
+            error_file,
+        });
+    }
+    drop(ev_tx);
+
+    let mut first_failure: Option<usize> = None;
+    let mut interrupted: Option<i32> = None;
+    let mut kill_at: Option<Instant> = None;
+    let stop_all = |running: &[Running], sig: Signal| {
+        for r in running.iter().filter(|r| r.exit.is_none()) {
+            r.group.signal(sig);
+        }
+    };
+    if spawn_error.is_some() {
+        stop_all(&running, Signal::SIGKILL);
+    }
+    let mut left = running.len();
+    while left > 0 {
+        tokio::select! {
+            ev = ev_rx.recv() => {
+                let Some((idx, exit, at)) = ev else { break };
+                running[idx].exit = Some((exit, at));
+                left -= 1;
+                if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() {
+                    first_failure = Some(idx);
+                    stop_all(&running, Signal::SIGTERM);
+                    kill_at = Some(Instant::now() + grace);
+                }
+            }
+            sig = signals.recv() => {
+                if kill_at.is_some() {
+                    // Second signal: no more waiting.
+                    stop_all(&running, Signal::SIGKILL);
+                } else {
+                    let s = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
+                    stop_all(&running, s);
+                    kill_at = Some(Instant::now() + grace);
+                }
+                interrupted.get_or_insert(sig);
+            }
+            _ = async { tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)).await }, if kill_at.is_some() => {
+                stop_all(&running, Signal::SIGKILL);
+                kill_at = None;
+                // A later exit must not be taken for a new first failure.
+                interrupted.get_or_insert(0);
+            }
+        }
+    }
+
+    // Everything the workers left behind: first what stayed in their process groups, then what
+    // escaped them and was re-parented to nrun.
+    let mut leftovers = Vec::new();
+    for r in &running {
+        if r.group.alive() {
+            r.group.signal(Signal::SIGKILL);
+            leftovers.push(r.rank);
+        }
+    }
+    let orphans = process::kill_orphans();
+    for p in pumps {
+        // A pipe still open means something we could not see holds it; do not hang on it.
+        let _ = tokio::time::timeout(Duration::from_secs(2), p).await;
+    }
+    out.finish();
+    if !leftovers.is_empty() || orphans > 0 {
+        tracing::warn!(
+            "workers left processes running after they exited (ranks {leftovers:?}, {orphans} outside \
+             their process group); nrun killed them"
+        );
+    }
+    if let Some(e) = spawn_error {
+        return Err(e);
+    }
+
+    if let Some(idx) = first_failure {
+        let r = &running[idx];
+        let (exit, at) = r.exit.unwrap_or((Exit::Code(1), SystemTime::now()));
+        let stderr_tail = r.tail.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+        return Ok(Outcome::Failed(Failure {
+            rank: r.rank,
+            local_rank: r.local_rank,
+            pid: r.pid,
+            exit,
+            at,
+            stderr_tail,
+            error_file: r.error_file.clone(),
+        }));
+    }
+    match interrupted {
+        Some(sig) if sig > 0 => Ok(Outcome::Interrupted(sig)),
+        _ => Ok(Outcome::Success),
+    }
+}

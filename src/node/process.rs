@@ -1,0 +1,89 @@
+//! Process groups and leftovers: the OS-level half of "nothing is left running".
+//!
+//! Each worker leads its own process group (`process_group(0)`), so one `killpg` reaches the
+//! worker and every descendant that stayed in its group; the terminal's Ctrl-C does not reach
+//! workers directly (they are not in the foreground group), nrun forwards it instead.
+//!
+//! A descendant that leaves its group (`setsid`, daemons) escapes `killpg`. nrun therefore makes
+//! itself a child subreaper (`PR_SET_CHILD_SUBREAPER`, Linux >= 3.4): orphaned descendants are
+//! re-parented to nrun rather than to init, so at the end nrun can find them among its own
+//! children and kill them too. See prctl(2).
+
+use nix::errno::Errno;
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::sys::wait::{WaitPidFlag, waitpid};
+use nix::unistd::Pid;
+
+/// A worker's process group; its id is the worker's pid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessGroup(pub Pid);
+
+impl ProcessGroup {
+    /// Sends `sig` to every process of the group; false when none is left.
+    pub fn signal(self, sig: Signal) -> bool {
+        killpg(self.0, sig) != Err(Errno::ESRCH)
+    }
+
+    /// Whether any process of the group is still alive (zombies included until reaped).
+    pub fn alive(self) -> bool {
+        killpg(self.0, None) != Err(Errno::ESRCH)
+    }
+}
+
+/// Makes orphaned descendants of nrun re-parent to nrun (see the module doc).
+pub fn become_subreaper() {
+    // SAFETY: prctl with integer arguments only.
+    unsafe {
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    }
+}
+
+/// Pids of this process's current children, from /proc/self/task/*/children.
+fn children() -> Vec<Pid> {
+    let mut pids = Vec::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return pids };
+    for t in tasks.flatten() {
+        if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+            pids.extend(s.split_whitespace().filter_map(|p| p.parse().ok()).map(Pid::from_raw));
+        }
+    }
+    pids
+}
+
+fn is_zombie(pid: Pid) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// Kills and reaps every process still parented to nrun: descendants of workers that escaped
+/// their process group and were re-parented here. Call only after every worker was waited for,
+/// or this would reap a worker's status out from under its waiter. Returns how many it killed.
+pub fn kill_orphans() -> usize {
+    let mut killed = 0;
+    // Killing one orphan re-parents its own children to us; a few rounds catch those.
+    for _ in 0..50 {
+        let kids = children();
+        if kids.is_empty() {
+            break;
+        }
+        for pid in &kids {
+            let running = !is_zombie(*pid);
+            let _ = killpg(*pid, Signal::SIGKILL);
+            if kill(*pid, Signal::SIGKILL).is_ok() && running {
+                killed += 1;
+            }
+        }
+        for pid in kids {
+            let _ = waitpid(pid, None);
+        }
+    }
+    // Zombies of orphans that had already exited on their own.
+    while let Ok(s) = waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+        if s == nix::sys::wait::WaitStatus::StillAlive {
+            break;
+        }
+    }
+    killed
+}

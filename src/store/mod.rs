@@ -1,0 +1,12 @@
+//! The rendezvous store: PyTorch's c10d TCPStore protocol, served by nrun so that
+//! `init_process_group("env://")` needs no change.
+//!
+//! - [`protocol`]: opcodes and a pure, never-panicking codec over byte buffers.
+//! - [`server`]: the tokio server (waits, barriers, queues, limits).
+//! - [`client`]: a Rust client for the same protocol (agents, preflight, tests, load generator).
+
+pub mod client;
+pub mod protocol;
+pub mod server;
+
+pub use server::Store;

@@ -1,0 +1,420 @@
+//! The TCPStore server: a tokio task per connection over one shared key-value state.
+//!
+//! The state sits behind a std `Mutex`: no `.await` happens while it is held and every operation
+//! is a few hash-map steps, so an async lock would only add cost. Replies are written only by the
+//! connection's own task, in request order; a WAIT or BARRIER that cannot finish at once parks
+//! the connection, and whoever later completes it sends a STOP_WAITING byte through that
+//! connection's channel. Keeping every write in one task is what makes the CANCEL_WAIT race come
+//! out right: a STOP_WAITING already queued is written before the WAIT_CANCELED reply.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+
+use super::protocol::{
+    put_bytes, put_i64, Parsed, Request, CHECK_NOT_READY, CHECK_READY, STOP_WAITING,
+    VALIDATE_MAGIC, WAIT_CANCELED,
+};
+
+type ConnId = u64;
+
+/// A connection parked in WAIT or BARRIER.
+struct Parked {
+    /// Distinguishes this wait from earlier ones of the same connection, whose entries in
+    /// `watchers` may still linger after a CANCEL_WAIT.
+    generation: u64,
+    /// Keys still missing (WAIT); barriers complete all at once instead.
+    remaining: usize,
+    wake: mpsc::UnboundedSender<u8>,
+}
+
+#[derive(Default)]
+struct State {
+    kv: HashMap<Vec<u8>, Vec<u8>>,
+    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
+    /// key -> waits that still miss it.
+    watchers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
+    parked: HashMap<ConnId, Parked>,
+    /// barrier key -> waits parked on it.
+    barriers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
+}
+
+impl State {
+    fn exists(&self, key: &[u8]) -> bool {
+        self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+    }
+
+    /// A key was written: every wait that missed it has one key fewer to wait for. `only_one`
+    /// serves queue pushes, which satisfy a single blocked pop.
+    fn written(&mut self, key: &[u8], only_one: bool) {
+        let Some(mut list) = self.watchers.remove(key) else { return };
+        let mut woken = 0;
+        let mut i = 0;
+        while i < list.len() {
+            if only_one && woken == 1 {
+                break;
+            }
+            let (conn, generation) = list[i];
+            i += 1;
+            let Some(p) = self.parked.get_mut(&conn) else { continue };
+            if p.generation != generation {
+                continue;
+            }
+            p.remaining -= 1;
+            woken += 1;
+            if p.remaining == 0 {
+                if let Some(p) = self.parked.remove(&conn) {
+                    let _ = p.wake.send(STOP_WAITING);
+                }
+            }
+        }
+        if i < list.len() {
+            list.drain(..i);
+            self.watchers.insert(key.to_vec(), list);
+        }
+    }
+
+    fn counter(&self, key: &[u8]) -> Result<i64, String> {
+        match self.kv.get(key) {
+            None => Ok(0),
+            Some(v) => std::str::from_utf8(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<i64>().ok())
+                .ok_or_else(|| {
+                    format!(
+                        "ADD on key {} whose value is not a decimal counter",
+                        String::from_utf8_lossy(key)
+                    )
+                }),
+        }
+    }
+
+    fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, String> {
+        let v = self.counter(key)?.wrapping_add(delta);
+        self.kv.insert(key.to_vec(), v.to_string().into_bytes());
+        self.written(key, false);
+        Ok(v)
+    }
+}
+
+/// The store shared by all connections.
+#[derive(Default)]
+pub struct Store {
+    state: Mutex<State>,
+    next_conn: AtomicU64,
+    next_wait: AtomicU64,
+}
+
+/// The per-connection part of the protocol state.
+struct Conn {
+    id: ConnId,
+    validated: bool,
+    wake: mpsc::UnboundedSender<u8>,
+}
+
+impl Store {
+    pub fn new() -> Arc<Store> {
+        Arc::new(Store::default())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the maps half-updated in a way that
+        // matters more than losing the store, so keep serving.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets every key, queue and wait: used between restart attempts so a new attempt never
+    /// reads the previous attempt's rendezvous keys (torch >= 2.6 does not prefix them).
+    pub fn clear(&self) {
+        *self.lock() = State::default();
+    }
+
+    /// Number of keys, as GETNUMKEYS would answer.
+    pub fn num_keys(&self) -> usize {
+        self.lock().kv.len()
+    }
+
+    fn disconnect(&self, conn: ConnId) {
+        self.lock().parked.remove(&conn);
+    }
+
+    /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
+    /// connection with that message.
+    fn apply(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), String> {
+        if !c.validated {
+            return match req {
+                Request::Validate { magic: VALIDATE_MAGIC } => {
+                    c.validated = true;
+                    Ok(())
+                }
+                _ => Err(PRE_2_2.to_string()),
+            };
+        }
+        let mut s = self.lock();
+        match req {
+            Request::Validate { magic } => {
+                if magic != VALIDATE_MAGIC {
+                    return Err(format!("VALIDATE with wrong magic {magic:#x}"));
+                }
+            }
+            Request::Set { key, value } => {
+                s.kv.insert(key.clone(), value);
+                s.written(&key, false);
+            }
+            Request::CompareSet { key, expected, desired } => {
+                let reply = match s.kv.get(&key) {
+                    None if expected.is_empty() => {
+                        s.kv.insert(key.clone(), desired.clone());
+                        s.written(&key, false);
+                        desired
+                    }
+                    None => expected,
+                    Some(cur) if *cur == expected => {
+                        s.kv.insert(key.clone(), desired.clone());
+                        s.written(&key, false);
+                        desired
+                    }
+                    Some(cur) => cur.clone(),
+                };
+                put_bytes(out, &reply);
+            }
+            Request::Get { key } => put_bytes(out, s.kv.get(&key).map_or(&[][..], |v| v)),
+            Request::Add { key, delta } => put_i64(out, s.add(&key, delta)?),
+            Request::Check { keys } => {
+                let ready = keys.iter().all(|k| s.exists(k));
+                out.push(if ready { CHECK_READY } else { CHECK_NOT_READY });
+            }
+            Request::Wait { mut keys } => {
+                keys.sort_unstable();
+                keys.dedup();
+                keys.retain(|k| !s.exists(k));
+                if keys.is_empty() {
+                    out.push(STOP_WAITING);
+                } else {
+                    let generation = self.next_wait.fetch_add(1, Ordering::Relaxed);
+                    let remaining = keys.len();
+                    for k in keys {
+                        s.watchers.entry(k).or_default().push((c.id, generation));
+                    }
+                    s.parked.insert(c.id, Parked { generation, remaining, wake: c.wake.clone() });
+                }
+            }
+            Request::GetNumKeys => put_i64(out, s.kv.len() as i64),
+            Request::DeleteKey { key } => {
+                let removed = s.kv.remove(&key).is_some();
+                put_i64(out, removed as i64);
+            }
+            Request::Append { key, value } => {
+                s.kv.entry(key.clone()).or_default().extend_from_slice(&value);
+                s.written(&key, false);
+            }
+            Request::MultiGet { keys } => {
+                for k in &keys {
+                    put_bytes(out, s.kv.get(k).map_or(&[][..], |v| v));
+                }
+            }
+            Request::MultiSet { pairs } => {
+                for (k, v) in pairs {
+                    s.kv.insert(k.clone(), v);
+                    s.written(&k, false);
+                }
+            }
+            Request::CancelWait => {
+                // Answered whether or not a wait is pending; a STOP_WAITING that was already
+                // queued for this connection goes out first (the caller drains it).
+                if let Some(p) = s.parked.remove(&c.id) {
+                    drop(p);
+                }
+                out.push(WAIT_CANCELED);
+            }
+            Request::Ping { nonce } => out.extend_from_slice(&nonce.to_le_bytes()),
+            Request::QueuePush { key, value } => {
+                s.queues.entry(key.clone()).or_default().push_back(value);
+                s.written(&key, true);
+            }
+            Request::QueuePop { key } => {
+                let q = s.queues.get_mut(&key);
+                let len = q.as_ref().map_or(0, |q| q.len());
+                put_i64(out, len as i64);
+                if let Some(item) = q.and_then(|q| q.pop_front()) {
+                    put_bytes(out, &item);
+                }
+            }
+            Request::QueueLen { key } => {
+                put_i64(out, s.queues.get(&key).map_or(0, |q| q.len()) as i64);
+            }
+            Request::ListKeys => {
+                put_i64(out, s.kv.len() as i64);
+                for k in s.kv.keys() {
+                    put_bytes(out, k);
+                }
+            }
+            Request::Barrier { key, world_size } => {
+                let arrived = s.add(&key, 1)?;
+                if arrived >= world_size {
+                    for (conn, generation) in s.barriers.remove(&key).unwrap_or_default() {
+                        if s.parked.get(&conn).is_some_and(|p| p.generation == generation) {
+                            if let Some(p) = s.parked.remove(&conn) {
+                                let _ = p.wake.send(STOP_WAITING);
+                            }
+                        }
+                    }
+                    out.push(STOP_WAITING);
+                } else {
+                    let generation = self.next_wait.fetch_add(1, Ordering::Relaxed);
+                    s.barriers.entry(key).or_default().push((c.id, generation));
+                    s.parked.insert(c.id, Parked { generation, remaining: 1, wake: c.wake.clone() });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+const PRE_2_2: &str = "first request is not VALIDATE: a torch client older than 2.2 (or not a \
+TCPStore client at all); nrun's store works with torch 2.2 and newer";
+
+/// Binds the store's listening socket: dual-stack `[::]` where IPv6 exists, else `0.0.0.0`,
+/// with a large backlog set explicitly (tokio's default of 128 makes the kernel reset clients
+/// when thousands connect at once). Port 0 picks a free port, and the socket stays bound for
+/// the whole job, so nothing can take the port between choosing and using it.
+pub fn bind(port: u16) -> io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let backlog = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+        .unwrap_or(4096)
+        .max(4096);
+    let v6 = (|| {
+        let s = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP))?;
+        s.set_only_v6(false)?;
+        Ok::<_, io::Error>(s)
+    })();
+    let (sock, addr): (Socket, SocketAddr) = match v6 {
+        Ok(s) => (s, (Ipv6Addr::UNSPECIFIED, port).into()),
+        Err(_) => (
+            Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP))?,
+            (Ipv4Addr::UNSPECIFIED, port).into(),
+        ),
+    };
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(backlog)?;
+    sock.set_nonblocking(true)?;
+    Ok(sock.into())
+}
+
+/// Serves connections until `shutdown` completes; open connections are then dropped.
+pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Future<Output = ()>) {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::pin!(shutdown);
+    let mut backoff_ms = 1;
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    backoff_ms = 1;
+                    let store = store.clone();
+                    let stop = stop_rx.clone();
+                    tokio::spawn(async move { connection(stream, peer, store, stop).await });
+                }
+                Err(e) => {
+                    // Out of file descriptors or similar: keep serving the connections we have.
+                    tracing::warn!("store: accept failed: {e}; retrying in {backoff_ms} ms");
+                    tokio::time::sleep(std::time::Duration::from_millis(backoff_ms)).await;
+                    backoff_ms = (backoff_ms * 2).min(1000);
+                }
+            }
+        }
+    }
+    let _ = stop_tx.send(true);
+}
+
+async fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    store: Arc<Store>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let (mut rd, mut wr) = stream.into_split();
+    let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<u8>();
+    let mut c = Conn {
+        id: store.next_conn.fetch_add(1, Ordering::Relaxed),
+        validated: false,
+        wake: wake_tx,
+    };
+    let mut buf = BytesMut::with_capacity(4096);
+    let mut out: Vec<u8> = Vec::with_capacity(256);
+    let mut need = 1usize;
+    'conn: loop {
+        if buf.capacity() - buf.len() < need.saturating_sub(buf.len()) {
+            buf.reserve(need - buf.len());
+        }
+        tokio::select! {
+            biased;
+            woke = wake_rx.recv() => {
+                if let Some(b) = woke {
+                    out.push(b);
+                }
+            }
+            read = rd.read_buf(&mut buf) => match read {
+                Ok(0) => {
+                    if !buf.is_empty() {
+                        tracing::debug!("store: {peer} closed with {} bytes of a request unread", buf.len());
+                    }
+                    break;
+                }
+                Err(_) => break,
+                Ok(_) => {
+                    // Refuse an old client on its first byte, before its differently-shaped
+                    // request could keep us waiting for bytes it never sends.
+                    if !c.validated && buf.first().is_some_and(|&b| b != 0) {
+                        tracing::warn!("store: closing connection from {peer}: {PRE_2_2}");
+                        break 'conn;
+                    }
+                    while buf.len() >= need {
+                        match Request::parse(&buf) {
+                            Ok(Parsed::Complete(req, used)) => {
+                                let _ = buf.split_to(used);
+                                need = 1;
+                                if matches!(req, Request::CancelWait) {
+                                    while let Ok(b) = wake_rx.try_recv() {
+                                        out.push(b);
+                                    }
+                                }
+                                if let Err(msg) = store.apply(&mut c, req, &mut out) {
+                                    tracing::warn!("store: closing connection from {peer}: {msg}");
+                                    break 'conn;
+                                }
+                            }
+                            Ok(Parsed::Incomplete { need: n }) => need = n,
+                            Err(e) => {
+                                let what = if c.validated { e.to_string() } else { PRE_2_2.to_string() };
+                                tracing::warn!("store: closing connection from {peer}: {what}");
+                                break 'conn;
+                            }
+                        }
+                    }
+                }
+            },
+            _ = stop.changed() => break,
+        }
+        if !out.is_empty() {
+            if wr.write_all(&out).await.is_err() {
+                break;
+            }
+            out.clear();
+        }
+    }
+    store.disconnect(c.id);
+}
