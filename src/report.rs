@@ -10,9 +10,10 @@ use crate::node::Failure;
 /// plus the worker's own last words.
 pub fn failure_summary(f: &Failure, host: &str, world_size: usize, program: &str) -> String {
     let mut s = String::new();
+    let others = if world_size > 1 { "; every other worker was stopped" } else { "" };
     let _ = writeln!(
         s,
-        "nrun: error: rank {} of {world_size} {} (first failure; every other worker was stopped)",
+        "nrun: error: rank {} of {world_size} {} (first failure{others})",
         f.rank,
         f.exit.describe()
     );

@@ -1,0 +1,158 @@
+//! Helpers for tests that run the real `nrun` binary.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn nrun_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_nrun"))
+}
+
+pub fn fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A test's private tag and scratch directory. Every process nrun starts inherits the tag in
+/// its environment, which is how the tests find leftovers.
+pub struct Scene {
+    pub tag: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Scene {
+    pub fn new() -> Scene {
+        let dir = tempfile::tempdir().unwrap();
+        let tag = format!("t{}-{}", std::process::id(), dir.path().file_name().unwrap().to_string_lossy());
+        Scene { tag, dir }
+    }
+
+    pub fn mark(&self) -> PathBuf {
+        self.dir.path().join("mark")
+    }
+
+    pub fn marks(&self) -> Vec<String> {
+        std::fs::read_to_string(self.mark()).unwrap_or_default().lines().map(String::from).collect()
+    }
+
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(nrun_bin());
+        c.args(args)
+            .env("NRUN_TEST_TAG", &self.tag)
+            .env("MARK", self.mark())
+            .env_remove("NRUN_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    }
+
+    pub fn run(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
+        let mut c = self.cmd(args);
+        c.envs(env.iter().copied());
+        c.output().unwrap()
+    }
+
+    pub fn spawn(&self, args: &[&str], env: &[(&str, &str)]) -> Child {
+        let mut c = self.cmd(args);
+        c.envs(env.iter().copied());
+        c.spawn().unwrap()
+    }
+
+    /// Waits until the mark file has `n` lines equal to `line`.
+    pub fn wait_marks(&self, line: &str, n: usize, timeout: Duration) {
+        let end = Instant::now() + timeout;
+        while self.marks().iter().filter(|l| *l == line).count() < n {
+            assert!(Instant::now() < end, "timed out waiting for {n} x {line:?}; marks: {:?}", self.marks());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Processes (other than zombies) that carry this test's tag.
+    pub fn survivors(&self) -> Vec<String> {
+        let needle = format!("NRUN_TEST_TAG={}", self.tag);
+        let mut found = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let name = e.file_name();
+            let Some(pid) = name.to_str().filter(|s| s.bytes().all(|b| b.is_ascii_digit())) else { continue };
+            let Ok(env) = std::fs::read(e.path().join("environ")) else { continue };
+            if env.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
+                let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+                if stat.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z')) {
+                    continue;
+                }
+                let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+                found.push(format!("{pid}: {}", String::from_utf8_lossy(&cmd).replace('\0', " ")));
+            }
+        }
+        found
+    }
+
+    /// Asserts that nothing tagged is left, allowing the kernel a moment to finish kills.
+    pub fn assert_no_survivors(&self) {
+        let end = Instant::now() + Duration::from_secs(3);
+        loop {
+            let s = self.survivors();
+            if s.is_empty() {
+                return;
+            }
+            if Instant::now() > end {
+                for p in &s {
+                    if let Some(pid) = p.split(':').next().and_then(|p| p.parse::<i32>().ok()) {
+                        kill9(pid);
+                    }
+                }
+                panic!("processes left running: {s:#?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn kill9(pid: i32) {
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+}
+
+pub fn signal(child: &Child, sig: &str) {
+    let st = Command::new("kill").args([&format!("-{sig}"), &child.id().to_string()]).status().unwrap();
+    assert!(st.success());
+}
+
+/// Waits for a child with a deadline; returns its output and how long it took.
+pub fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output, Duration) {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return (child.wait_with_output().unwrap(), start.elapsed());
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "nrun did not exit within {timeout:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The venv python with torch that scripts/test.sh prepares, if present.
+pub fn torch_python() -> Option<PathBuf> {
+    let p = std::env::var_os("NRUN_TEST_PYTHON").map(PathBuf::from).or_else(|| {
+        let home = std::env::var_os("HOME")?;
+        Some(Path::new(&home).join(".cache/nrun/venv/bin/python"))
+    })?;
+    let ok = Command::new(&p)
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(p)
+}

@@ -1,0 +1,241 @@
+//! The store over real sockets: nrun's client and raw protocol bytes against nrun's server.
+//! (Compatibility with torch's own client is in tests/torch.rs.)
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nrun::store::client::Client;
+use nrun::store::protocol::{Request, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED};
+use nrun::store::{Store, server};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+async fn start() -> (SocketAddr, Arc<Store>) {
+    let l = server::bind(0).unwrap();
+    let port = l.local_addr().unwrap().port();
+    let l = tokio::net::TcpListener::from_std(l).unwrap();
+    let store = Store::new();
+    let s = store.clone();
+    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
+    (SocketAddr::from(([127, 0, 0, 1], port)), store)
+}
+
+async fn client(addr: SocketAddr) -> Client {
+    Client::connect(addr, Duration::from_secs(5)).await.unwrap()
+}
+
+async fn raw(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&[0x00, 0xce, 0xf7, 0x85, 0x3c]).await.unwrap();
+    s
+}
+
+fn enc(r: Request) -> Vec<u8> {
+    let mut v = Vec::new();
+    r.encode(&mut v);
+    v
+}
+
+/// Reads one byte or reports that none came within `ms`.
+async fn read_byte(s: &mut TcpStream, ms: u64) -> Option<u8> {
+    tokio::time::timeout(Duration::from_millis(ms), s.read_u8()).await.ok().and_then(|r| r.ok())
+}
+
+#[tokio::test]
+async fn basic_operations() {
+    let (addr, store) = start().await;
+    let mut c = client(addr).await;
+    c.set(b"/a", b"1").await.unwrap();
+    assert_eq!(c.get(b"/a").await.unwrap(), b"1");
+    assert_eq!(c.get(b"/missing").await.unwrap(), b"");
+    assert_eq!(c.add(b"/n", 3).await.unwrap(), 3);
+    assert_eq!(c.add(b"/n", -1).await.unwrap(), 2);
+    assert_eq!(c.get(b"/n").await.unwrap(), b"2");
+    assert_eq!(c.compare_set(b"/cs", b"", b"x").await.unwrap(), b"x");
+    assert_eq!(c.compare_set(b"/cs2", b"e", b"x").await.unwrap(), b"e");
+    assert_eq!(c.compare_set(b"/cs", b"x", b"y").await.unwrap(), b"y");
+    assert_eq!(c.compare_set(b"/cs", b"no", b"z").await.unwrap(), b"y");
+    assert!(c.check(&[b"/a", b"/n"]).await.unwrap());
+    assert!(!c.check(&[b"/a", b"/cs2"]).await.unwrap());
+    c.append(b"/ap", b"ab").await.unwrap();
+    c.append(b"/ap", b"cd").await.unwrap();
+    assert_eq!(c.get(b"/ap").await.unwrap(), b"abcd");
+    c.multi_set(&[(b"/m1", b"1"), (b"/m2", b"")]).await.unwrap();
+    assert_eq!(c.multi_get(&[b"/m2", b"/m1", b"/none"]).await.unwrap(), vec![b"".to_vec(), b"1".to_vec(), vec![]]);
+    let n = c.num_keys().await.unwrap();
+    assert_eq!(n as usize, store.num_keys());
+    assert!(c.delete_key(b"/a").await.unwrap());
+    assert!(!c.delete_key(b"/a").await.unwrap());
+    assert_eq!(c.num_keys().await.unwrap(), n - 1);
+    let mut keys = c.list_keys().await.unwrap();
+    keys.sort();
+    assert_eq!(keys, [&b"/ap"[..], b"/cs", b"/m1", b"/m2", b"/n"]);
+    assert_eq!(c.ping(77).await.unwrap(), 77);
+    store.clear();
+    assert_eq!(c.num_keys().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn wait_is_answered_when_the_last_key_appears() {
+    let (addr, _) = start().await;
+    let mut w = raw(addr).await;
+    w.write_all(&enc(Request::Wait { keys: vec![b"/x".to_vec(), b"/y".to_vec(), b"/x".to_vec()] })).await.unwrap();
+    assert_eq!(read_byte(&mut w, 100).await, None, "answered before the keys exist");
+    let mut c = client(addr).await;
+    c.set(b"/x", b"1").await.unwrap();
+    assert_eq!(read_byte(&mut w, 100).await, None, "answered with one key still missing");
+    c.add(b"/y", 1).await.unwrap();
+    assert_eq!(read_byte(&mut w, 2000).await, Some(STOP_WAITING));
+    // An immediate wait on existing keys is answered at once.
+    let mut c2 = client(addr).await;
+    assert!(c2.wait(&[b"/x", b"/y"], None).await.unwrap());
+}
+
+#[tokio::test]
+async fn wait_timeout_cancel_and_the_race() {
+    let (addr, _) = start().await;
+    let mut c = client(addr).await;
+    // No wait pending: CANCEL_WAIT is still answered.
+    assert_eq!(c.cancel_wait().await.unwrap(), WAIT_CANCELED);
+    // A wait that times out is cancelled and the connection stays in step.
+    assert!(!c.wait(&[b"/never"], Some(Duration::from_millis(50))).await.unwrap());
+    c.set(b"/after", b"ok").await.unwrap();
+    assert_eq!(c.get(b"/after").await.unwrap(), b"ok");
+    // A cancelled wait must not fire later when its key appears.
+    let mut other = client(addr).await;
+    other.set(b"/never", b"now").await.unwrap();
+    assert_eq!(c.get(b"/never").await.unwrap(), b"now");
+
+    // The race: STOP_WAITING is already on the wire when CANCEL_WAIT is sent. The client then
+    // reads STOP_WAITING followed by WAIT_CANCELED, and nothing else.
+    let mut w = raw(addr).await;
+    w.write_all(&enc(Request::Wait { keys: vec![b"/race".to_vec()] })).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    other.set(b"/race", b"1").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    w.write_all(&enc(Request::CancelWait)).await.unwrap();
+    assert_eq!(read_byte(&mut w, 2000).await, Some(STOP_WAITING));
+    assert_eq!(read_byte(&mut w, 2000).await, Some(WAIT_CANCELED));
+    assert_eq!(read_byte(&mut w, 100).await, None, "unsolicited bytes after the cancel");
+}
+
+#[tokio::test]
+async fn barrier_releases_everyone_at_world_size() {
+    let (addr, _) = start().await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        tasks.push(tokio::spawn(async move {
+            let mut c = client(addr).await;
+            c.barrier(b"/bar", 4, Some(Duration::from_secs(5))).await.unwrap()
+        }));
+    }
+    for t in tasks {
+        assert!(t.await.unwrap());
+    }
+    // A barrier short of its world size times out and cancels cleanly.
+    let mut c = client(addr).await;
+    assert!(!c.barrier(b"/bar2", 2, Some(Duration::from_millis(50))).await.unwrap());
+    assert_eq!(c.get(b"/bar2").await.unwrap(), b"1");
+}
+
+#[tokio::test]
+async fn queues_wake_one_blocked_pop_per_push() {
+    let (addr, _) = start().await;
+    let mut c = client(addr).await;
+    assert_eq!(c.queue_len(b"/q").await.unwrap(), 0);
+    assert_eq!(c.queue_pop(b"/q").await.unwrap(), None);
+    assert!(!c.check(&[b"/q"]).await.unwrap());
+    // Two blocked pops (WAIT then POP, as torch does); one push wakes exactly one of them.
+    let mut w1 = raw(addr).await;
+    let mut w2 = raw(addr).await;
+    w1.write_all(&enc(Request::Wait { keys: vec![b"/q".to_vec()] })).await.unwrap();
+    w2.write_all(&enc(Request::Wait { keys: vec![b"/q".to_vec()] })).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    c.queue_push(b"/q", b"a").await.unwrap();
+    let (a, b) = tokio::join!(read_byte(&mut w1, 300), read_byte(&mut w2, 300));
+    assert_eq!([a, b].iter().filter(|x| **x == Some(STOP_WAITING)).count(), 1, "{a:?} {b:?}");
+    c.queue_push(b"/q", b"b").await.unwrap();
+    let (a2, b2) = tokio::join!(read_byte(&mut w1, 300), read_byte(&mut w2, 300));
+    assert_eq!([a, b, a2, b2].iter().filter(|x| **x == Some(STOP_WAITING)).count(), 2);
+    assert_eq!(c.queue_len(b"/q").await.unwrap(), 2);
+    assert!(c.check(&[b"/q"]).await.unwrap());
+    assert_eq!(c.queue_pop(b"/q").await.unwrap().as_deref(), Some(&b"a"[..]));
+    assert_eq!(c.queue_pop(b"/q").await.unwrap().as_deref(), Some(&b"b"[..]));
+    assert_eq!(c.queue_len(b"/q").await.unwrap(), 0);
+}
+
+/// Bad input costs the sender its connection, never the server or anyone else.
+#[tokio::test]
+async fn malformed_input_closes_only_that_connection() {
+    let (addr, _) = start().await;
+    let mut good = client(addr).await;
+    good.set(b"/k", b"v").await.unwrap();
+
+    let closed = |mut s: TcpStream| async move {
+        let mut b = [0u8; 16];
+        matches!(tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await, Ok(Ok(0)) | Ok(Err(_)))
+    };
+    // Unknown opcode after VALIDATE.
+    let mut s = raw(addr).await;
+    s.write_all(&[200]).await.unwrap();
+    assert!(closed(s).await);
+    // Oversized key, announced but never sent.
+    let mut s = raw(addr).await;
+    let mut req = vec![3u8];
+    req.extend_from_slice(&(1u64 << 40).to_le_bytes());
+    s.write_all(&req).await.unwrap();
+    assert!(closed(s).await);
+    // Too many keys in a WAIT.
+    let mut s = raw(addr).await;
+    let mut req = vec![6u8];
+    req.extend_from_slice(&u64::MAX.to_le_bytes());
+    s.write_all(&req).await.unwrap();
+    assert!(closed(s).await);
+    // A pre-2.2 client: its first request is not VALIDATE (2.1's ADD was opcode 3).
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&[3, 5, 0, 0, 0, 0, 0, 0, 0]).await.unwrap();
+    assert!(closed(s).await);
+    // VALIDATE with the wrong magic.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&enc(Request::Validate { magic: VALIDATE_MAGIC ^ 1 })).await.unwrap();
+    assert!(closed(s).await);
+    // ADD on a value that is not a counter.
+    let mut s = raw(addr).await;
+    s.write_all(&enc(Request::Add { key: b"/k".to_vec(), delta: 1 })).await.unwrap();
+    assert!(closed(s).await);
+
+    assert_eq!(good.get(b"/k").await.unwrap(), b"v");
+    assert_eq!(client(addr).await.get(b"/k").await.unwrap(), b"v");
+}
+
+#[tokio::test]
+async fn large_values_arrive_in_pieces() {
+    let (addr, _) = start().await;
+    let mut c = client(addr).await;
+    let big: Vec<u8> = (0..8 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    c.set(b"/big", &big).await.unwrap();
+    assert_eq!(c.get(b"/big").await.unwrap(), big);
+}
+
+#[tokio::test]
+async fn many_clients_rendezvous() {
+    let (addr, _) = start().await;
+    let n = 200;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        tasks.push(tokio::spawn(async move {
+            let mut c = client(addr).await;
+            c.add(b"/arrived", 1).await.unwrap();
+            if i == 0 {
+                c.set(b"/id", b"unique-id").await.unwrap();
+            }
+            assert!(c.wait(&[b"/id"], Some(Duration::from_secs(10))).await.unwrap());
+            c.get(b"/id").await.unwrap()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), b"unique-id");
+    }
+    assert_eq!(client(addr).await.get(b"/arrived").await.unwrap(), n.to_string().as_bytes());
+}

@@ -1,0 +1,163 @@
+//! Supervision with the real binary and misbehaving workers (tests/fixtures/worker.sh): exit
+//! codes, signals, the grace period, restarts, and that nothing is left running.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+fn worker() -> String {
+    fixture("worker.sh")
+}
+
+#[test]
+fn first_failure_stops_everyone_and_its_code_passes_through() {
+    let s = Scene::new();
+    let w = worker();
+    let out = s.run(&["--nproc", "3", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "fail-rank1")]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert!(err.contains("rank 1 of 3 exited with code 7 (first failure"), "{err}");
+    assert!(err.contains("| rank1 is about to fail"), "stderr tail missing: {err}");
+    assert!(err.contains("pid:") && err.contains("time:") && err.contains("host:"), "{err}");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn death_by_signal_is_128_plus_n() {
+    let s = Scene::new();
+    let w = worker();
+    let out = s.run(&["--nproc", "2", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "segv-rank0")]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 11), "{err}");
+    assert!(err.contains("rank 0 of 2 was killed by SIGSEGV"), "{err}");
+    s.assert_no_survivors();
+}
+
+fn forwarded(sig: &str, seen: &str, code: i32) {
+    let s = Scene::new();
+    let w = worker();
+    let child = s.spawn(&["--nproc", "3", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "trap")]);
+    s.wait_marks("ready", 3, Duration::from_secs(10));
+    signal(&child, sig);
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(10));
+    assert_eq!(out.status.code(), Some(code), "{}", text(&out.stderr));
+    for r in 0..3 {
+        let line = format!("rank {r} got {seen}");
+        assert!(s.marks().contains(&line), "{line} missing: {:?}", s.marks());
+    }
+    s.assert_no_survivors();
+}
+
+#[test]
+fn sigterm_reaches_every_worker() {
+    forwarded("TERM", "TERM", 143);
+}
+
+#[test]
+fn sigint_reaches_every_worker() {
+    forwarded("INT", "INT", 130);
+}
+
+#[test]
+fn sighup_stops_every_worker() {
+    // SIGHUP is forwarded as such; the fixture has no HUP trap, so the shell dies of it.
+    let s = Scene::new();
+    let w = worker();
+    let child = s.spawn(&["--nproc", "2", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "sleep")]);
+    s.wait_marks("ready", 2, Duration::from_secs(10));
+    signal(&child, "HUP");
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(10));
+    assert_eq!(out.status.code(), Some(129), "{}", text(&out.stderr));
+    s.assert_no_survivors();
+}
+
+#[test]
+fn workers_ignoring_sigterm_are_killed_after_the_grace_period() {
+    let s = Scene::new();
+    let w = worker();
+    let child = s.spawn(
+        &["--nproc", "3", "--shutdown-timeout", "1", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "stubborn"), ("FAIL_RANK0", "1")],
+    );
+    let (out, took) = wait_with_timeout(child, Duration::from_secs(15));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(took >= Duration::from_millis(1200), "SIGKILL came before the grace period: {took:?}");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn second_ctrl_c_kills_at_once() {
+    let s = Scene::new();
+    let w = worker();
+    let child = s.spawn(
+        &["--nproc", "2", "--shutdown-timeout", "60", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "stubborn")],
+    );
+    s.wait_marks("ready", 2, Duration::from_secs(10));
+    signal(&child, "INT");
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&child, "INT");
+    let (out, took) = wait_with_timeout(child, Duration::from_secs(10));
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
+    assert!(took < Duration::from_secs(5), "second Ctrl-C did not kill at once: {took:?}");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn background_grandchildren_do_not_outlive_the_job() {
+    for code in ["0", "5"] {
+        let s = Scene::new();
+        let w = worker();
+        let out = s.run(
+            &["--nproc", "2", "--no-python", "sh", &w],
+            &[("NRUN_FIXTURE", "grandchildren"), ("EXIT_CODE", code)],
+        );
+        assert_eq!(out.status.code(), Some(code.parse().unwrap()), "{}", text(&out.stderr));
+        // With a failure, the other rank may be stopped before it spawns anything.
+        let spawned = s.marks().len();
+        assert!(if code == "0" { spawned == 2 } else { spawned >= 1 }, "{:?}", s.marks());
+        assert!(text(&out.stderr).contains("left processes running"), "{}", text(&out.stderr));
+        s.assert_no_survivors();
+    }
+}
+
+#[test]
+fn killed_launcher_takes_its_workers_along() {
+    let s = Scene::new();
+    let w = worker();
+    let child = s.spawn(&["--nproc", "3", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "sleep")]);
+    s.wait_marks("ready", 3, Duration::from_secs(10));
+    signal(&child, "KILL");
+    let _ = wait_with_timeout(child, Duration::from_secs(5));
+    s.assert_no_survivors();
+}
+
+#[test]
+fn restarts_run_the_whole_group_again() {
+    let s = Scene::new();
+    let w = worker();
+    let out = s.run(
+        &["--nproc", "2", "--max-restarts", "2", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "restart"), ("SUCCEED_AT", "2")],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    for a in 0..3 {
+        for r in 0..2 {
+            assert!(s.marks().contains(&format!("rank {r} attempt {a}")), "{:?}", s.marks());
+        }
+    }
+    assert_eq!(err.matches("restarting the worker group").count(), 2, "{err}");
+
+    // Out of restarts: the last failure's code.
+    let s = Scene::new();
+    let out = s.run(
+        &["--nproc", "2", "--max-restarts", "1", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "restart")],
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(s.marks().contains(&"rank 1 attempt 1".to_string()));
+    s.assert_no_survivors();
+}
