@@ -16,7 +16,11 @@ fn main() {
         .output()
         .ok()
         .is_some_and(|o| o.status.success() && !o.stdout.is_empty());
-    let rev = if dirty && rev != "unknown" { format!("{rev}-dirty") } else { rev };
+    let rev = if dirty && rev != "unknown" {
+        format!("{rev}-dirty")
+    } else {
+        rev
+    };
     println!("cargo:rustc-env=NRUN_GIT_REV={rev}");
     println!("cargo:rerun-if-changed=.git/HEAD");
     println!("cargo:rerun-if-changed=.git/index");

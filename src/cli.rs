@@ -52,7 +52,12 @@ pub struct Cli {
     pub nnodes: String,
 
     /// This node's rank among --nnodes (torchrun-style static multi-node: rank 0 hosts the store).
-    #[arg(long = "node-rank", alias = "node_rank", env = "NRUN_NODE_RANK", default_value_t = 0)]
+    #[arg(
+        long = "node-rank",
+        alias = "node_rank",
+        env = "NRUN_NODE_RANK",
+        default_value_t = 0
+    )]
     pub node_rank: usize,
 
     /// Address workers use to reach the store (default: 127.0.0.1 on one node).
@@ -68,31 +73,65 @@ pub struct Cli {
     pub standalone: bool,
 
     /// Rendezvous endpoint HOST[:PORT]; same as --master-addr/--master-port.
-    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "NRUN_RDZV_ENDPOINT")]
+    #[arg(
+        long = "rdzv-endpoint",
+        alias = "rdzv_endpoint",
+        env = "NRUN_RDZV_ENDPOINT"
+    )]
     pub rdzv_endpoint: Option<String>,
 
     /// Rendezvous backend (accepted for torchrun compatibility; nrun always hosts its own store).
-    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "NRUN_RDZV_BACKEND", hide = true)]
+    #[arg(
+        long = "rdzv-backend",
+        alias = "rdzv_backend",
+        env = "NRUN_RDZV_BACKEND",
+        hide = true
+    )]
     pub rdzv_backend: Option<String>,
 
     /// Job id, exported as TORCHELASTIC_RUN_ID and used in log paths.
-    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "NRUN_RDZV_ID", default_value = "none")]
+    #[arg(
+        long = "rdzv-id",
+        alias = "rdzv_id",
+        env = "NRUN_RDZV_ID",
+        default_value = "none"
+    )]
     pub rdzv_id: String,
 
     /// Restart the whole worker group up to N times after a failure.
-    #[arg(long = "max-restarts", alias = "max_restarts", env = "NRUN_MAX_RESTARTS", default_value_t = 0)]
+    #[arg(
+        long = "max-restarts",
+        alias = "max_restarts",
+        env = "NRUN_MAX_RESTARTS",
+        default_value_t = 0
+    )]
     pub max_restarts: u32,
 
     /// Accepted for torchrun compatibility: nrun reacts to worker exits at once, it does not poll.
-    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "NRUN_MONITOR_INTERVAL", hide = true)]
+    #[arg(
+        long = "monitor-interval",
+        alias = "monitor_interval",
+        env = "NRUN_MONITOR_INTERVAL",
+        hide = true
+    )]
     pub monitor_interval: Option<f64>,
 
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
-    #[arg(long = "shutdown-timeout", env = "NRUN_SHUTDOWN_TIMEOUT", default_value_t = 30.0, value_name = "SECS")]
+    #[arg(
+        long = "shutdown-timeout",
+        env = "NRUN_SHUTDOWN_TIMEOUT",
+        default_value_t = 30.0,
+        value_name = "SECS"
+    )]
     pub shutdown_timeout: f64,
 
     /// Write each worker's stdout and stderr to DIR/<run-id>/attempt_<n>/<local-rank>/.
-    #[arg(long = "log-dir", alias = "log_dir", env = "NRUN_LOG_DIR", value_name = "DIR")]
+    #[arg(
+        long = "log-dir",
+        alias = "log_dir",
+        env = "NRUN_LOG_DIR",
+        value_name = "DIR"
+    )]
     pub log_dir: Option<PathBuf>,
 
     /// Send streams to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank
@@ -105,7 +144,11 @@ pub struct Cli {
     pub tee: Option<String>,
 
     /// Show console output of these local ranks only, e.g. 0 or 0,3 (log files get everything).
-    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "NRUN_LOCAL_RANKS_FILTER")]
+    #[arg(
+        long = "local-ranks-filter",
+        alias = "local_ranks_filter",
+        env = "NRUN_LOCAL_RANKS_FILTER"
+    )]
     pub local_ranks_filter: Option<String>,
 
     /// Address of this node that workers and other nodes use for the store.
@@ -147,8 +190,12 @@ pub struct Cli {
 /// starts (mutating the environment is only sound while single-threaded).
 pub fn apply_pet_env() {
     for arg in Cli::command().get_arguments() {
-        let Some(name) = arg.get_env().and_then(|e| e.to_str()) else { continue };
-        let Some(option) = name.strip_prefix("NRUN_") else { continue };
+        let Some(name) = arg.get_env().and_then(|e| e.to_str()) else {
+            continue;
+        };
+        let Some(option) = name.strip_prefix("NRUN_") else {
+            continue;
+        };
         if std::env::var_os(name).is_some() {
             continue;
         }

@@ -14,7 +14,9 @@ use crate::store::{self, Store};
 /// Binds the store's port when this node hosts it. Done before anything else starts so a port
 /// that is taken is a usage error with nothing to clean up.
 pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
-    let StorePlan::Host { port, .. } = plan.store else { return Ok(None) };
+    let StorePlan::Host { port, .. } = plan.store else {
+        return Ok(None);
+    };
     match store::server::bind(port) {
         Ok(l) => Ok(Some(l)),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(Error::usage(format!(
@@ -25,7 +27,9 @@ pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
             "--master-port {port}: permission denied binding it (ports below 1024 need root); pick \
              a port above 1024 or omit --master-port"
         ))),
-        Err(e) => Err(Error::internal(format!("cannot bind the store on port {port}: {e}"))),
+        Err(e) => Err(Error::internal(format!(
+            "cannot bind the store on port {port}: {e}"
+        ))),
     }
 }
 
@@ -36,7 +40,10 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
 
     let (master_addr, master_port, store, stop_store) = match (&plan.store, listener) {
         (StorePlan::Host { advertise, .. }, Some(l)) => {
-            let port = l.local_addr().map_err(|e| Error::internal(e.to_string()))?.port();
+            let port = l
+                .local_addr()
+                .map_err(|e| Error::internal(e.to_string()))?
+                .port();
             let l = tokio::net::TcpListener::from_std(l)
                 .map_err(|e| Error::internal(format!("store listener: {e}")))?;
             let store = Store::new();
@@ -68,7 +75,8 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
             tracing::info!("worker logs go to {}", d.display());
         }
     }
-    let host = nix::unistd::gethostname().map_or_else(|_| "localhost".into(), |h| h.to_string_lossy().into_owned());
+    let host = nix::unistd::gethostname()
+        .map_or_else(|_| "localhost".into(), |h| h.to_string_lossy().into_owned());
     let program = std::iter::once(plan.program.to_string_lossy())
         .chain(plan.args.iter().map(|a| a.to_string_lossy()))
         .collect::<Vec<_>>()
@@ -89,7 +97,10 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
                 break;
             }
             Outcome::Interrupted(sig) => {
-                tracing::warn!("stopped by {}; every worker was stopped", node::signal_name(sig));
+                tracing::warn!(
+                    "stopped by {}; every worker was stopped",
+                    node::signal_name(sig)
+                );
                 code = exit::signal(sig);
                 break;
             }
@@ -105,7 +116,10 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
                     );
                     continue;
                 }
-                eprint!("{}", report::failure_summary(&f, &host, plan.world_size(), &program));
+                eprint!(
+                    "{}",
+                    report::failure_summary(&f, &host, plan.world_size(), &program)
+                );
                 if code == exit::SUCCESS {
                     code = exit::INTERNAL;
                 }
@@ -131,10 +145,19 @@ fn build_workers(
     let mut workers = Vec::with_capacity(plan.nproc);
     for local_rank in 0..plan.nproc {
         let rank = plan.node_rank * plan.nproc + local_rank;
-        let log_dir = plan.log.dir.as_ref().map(|d| plan.worker_dir(d, attempt, local_rank));
-        let err_dir = log_dir.clone().unwrap_or_else(|| plan.worker_dir(temp_root, attempt, local_rank));
+        let log_dir = plan
+            .log
+            .dir
+            .as_ref()
+            .map(|d| plan.worker_dir(d, attempt, local_rank));
+        let err_dir = log_dir
+            .clone()
+            .unwrap_or_else(|| plan.worker_dir(temp_root, attempt, local_rank));
         std::fs::create_dir_all(&err_dir).map_err(|e| {
-            Error::usage(format!("cannot create log directory {}: {e}", err_dir.display()))
+            Error::usage(format!(
+                "cannot create log directory {}: {e}",
+                err_dir.display()
+            ))
         })?;
         let error_file = err_dir.join("error.json");
         let env = plan.worker_env(&WorkerSlot {
@@ -145,13 +168,20 @@ fn build_workers(
             error_file: &error_file,
         });
         let redirected = plan.log.redirects.for_rank(local_rank);
-        let shown = plan.log.console_ranks.as_ref().is_none_or(|s| s.contains(&local_rank));
+        let shown = plan
+            .log
+            .console_ranks
+            .as_ref()
+            .is_none_or(|s| s.contains(&local_rank));
         let sink = |redirect: bool, name: &str| -> Result<Sink> {
             let file = match &log_dir {
                 Some(d) => Some(create_log(&d.join(name))?),
                 None => None,
             };
-            Ok(Sink { console: shown && !redirect, file })
+            Ok(Sink {
+                console: shown && !redirect,
+                file,
+            })
         };
         workers.push(WorkerCmd {
             rank,
@@ -161,9 +191,16 @@ fn build_workers(
             env,
             error_file,
             output: WorkerOutput {
-                prefix: if prefixed { format!("[rank{rank:>width$}]: ") } else { String::new() },
+                prefix: if prefixed {
+                    format!("[rank{rank:>width$}]: ")
+                } else {
+                    String::new()
+                },
                 colour: rank,
-                sinks: [sink(redirected.stdout(), "stdout.log")?, sink(redirected.stderr(), "stderr.log")?],
+                sinks: [
+                    sink(redirected.stdout(), "stdout.log")?,
+                    sink(redirected.stderr(), "stderr.log")?,
+                ],
             },
         });
     }
@@ -171,5 +208,6 @@ fn build_workers(
 }
 
 fn create_log(p: &PathBuf) -> Result<File> {
-    File::create(p).map_err(|e| Error::usage(format!("cannot create log file {}: {e}", p.display())))
+    File::create(p)
+        .map_err(|e| Error::usage(format!("cannot create log file {}: {e}", p.display())))
 }

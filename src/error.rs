@@ -31,12 +31,18 @@ pub struct Error {
 impl Error {
     /// Bad usage or input (exit 2). The message names the input and the next thing to try.
     pub fn usage(message: impl Into<String>) -> Error {
-        Error { code: exit::USAGE, message: message.into() }
+        Error {
+            code: exit::USAGE,
+            message: message.into(),
+        }
     }
 
     /// A failure of nrun or the system (exit 1).
     pub fn internal(message: impl Into<String>) -> Error {
-        Error { code: exit::INTERNAL, message: message.into() }
+        Error {
+            code: exit::INTERNAL,
+            message: message.into(),
+        }
     }
 }
 

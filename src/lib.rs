@@ -46,7 +46,9 @@ fn run(cli: cli::Cli) -> error::Result<u8> {
     let env = |k: &str| std::env::var(k).ok();
     let plan = plan::Plan::from_cli(&cli, &env)?;
     let listener = coordinator::bind_store(&plan)?;
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 4);
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .clamp(1, 4);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .enable_all()
@@ -60,7 +62,11 @@ fn run(cli: cli::Cli) -> error::Result<u8> {
 /// NRUN_LOG=error|warn|info|debug|trace sets how much nrun says (default info).
 fn init_logging() {
     use tracing::level_filters::LevelFilter;
-    let level = match std::env::var("NRUN_LOG").as_deref().map(str::to_ascii_lowercase).as_deref() {
+    let level = match std::env::var("NRUN_LOG")
+        .as_deref()
+        .map(str::to_ascii_lowercase)
+        .as_deref()
+    {
         Ok("error") => LevelFilter::ERROR,
         Ok("warn") | Ok("warning") => LevelFilter::WARN,
         Ok("debug") => LevelFilter::DEBUG,

@@ -70,9 +70,10 @@ impl StreamSpec {
         match self {
             StreamSpec::None => Streams(0),
             StreamSpec::All(s) => *s,
-            StreamSpec::PerRank(v) => {
-                v.iter().find(|(r, _)| *r == local_rank).map_or(Streams(0), |(_, s)| *s)
-            }
+            StreamSpec::PerRank(v) => v
+                .iter()
+                .find(|(r, _)| *r == local_rank)
+                .map_or(Streams(0), |(_, s)| *s),
         }
     }
 
@@ -157,7 +158,10 @@ impl Plan {
         let wants_files = !redirects.is_none() || !tee.is_none();
         let (dir, dir_is_temp) = match &cli.log_dir {
             Some(d) => (Some(d.clone()), false),
-            None if wants_files => (Some(std::env::temp_dir().join(format!("nrun-logs-{}", std::process::id()))), true),
+            None if wants_files => (
+                Some(std::env::temp_dir().join(format!("nrun-logs-{}", std::process::id()))),
+                true,
+            ),
             None => (None, false),
         };
 
@@ -172,7 +176,12 @@ impl Plan {
             max_restarts: cli.max_restarts,
             shutdown_timeout: Duration::from_secs_f64(cli.shutdown_timeout),
             store,
-            log: LogPlan { dir, dir_is_temp, redirects, console_ranks },
+            log: LogPlan {
+                dir,
+                dir_is_temp,
+                redirects,
+                console_ranks,
+            },
             set_omp_threads: nproc > 1 && env("OMP_NUM_THREADS").is_none(),
             set_async_error_handling: env("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none(),
         })
@@ -193,11 +202,20 @@ impl Plan {
             ("ROLE_WORLD_SIZE".into(), self.world_size().to_string()),
             ("MASTER_ADDR".into(), w.master_addr.to_string()),
             ("MASTER_PORT".into(), w.master_port.to_string()),
-            ("TORCHELASTIC_RESTART_COUNT".into(), w.restart_count.to_string()),
-            ("TORCHELASTIC_MAX_RESTARTS".into(), self.max_restarts.to_string()),
+            (
+                "TORCHELASTIC_RESTART_COUNT".into(),
+                w.restart_count.to_string(),
+            ),
+            (
+                "TORCHELASTIC_MAX_RESTARTS".into(),
+                self.max_restarts.to_string(),
+            ),
             ("TORCHELASTIC_RUN_ID".into(), self.run_id.clone()),
             ("TORCHELASTIC_USE_AGENT_STORE".into(), "True".into()),
-            ("TORCHELASTIC_ERROR_FILE".into(), w.error_file.display().to_string()),
+            (
+                "TORCHELASTIC_ERROR_FILE".into(),
+                w.error_file.display().to_string(),
+            ),
         ];
         if self.set_async_error_handling {
             env.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING".into(), "1".into()));
@@ -210,7 +228,9 @@ impl Plan {
 
     /// `<dir>/<run_id>/attempt_<n>/<local_rank>`: torchrun's per-worker log directory.
     pub fn worker_dir(&self, root: &Path, attempt: u32, local_rank: usize) -> PathBuf {
-        root.join(&self.run_id).join(format!("attempt_{attempt}")).join(local_rank.to_string())
+        root.join(&self.run_id)
+            .join(format!("attempt_{attempt}"))
+            .join(local_rank.to_string())
     }
 }
 
@@ -255,7 +275,9 @@ fn resolve_nproc(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize>
             n => n,
         }),
         _ => match s.parse::<usize>() {
-            Ok(0) => Err(Error::usage("--nproc-per-node 0: at least one worker is needed")),
+            Ok(0) => Err(Error::usage(
+                "--nproc-per-node 0: at least one worker is needed",
+            )),
             Ok(n) => Ok(n),
             Err(_) => Err(Error::usage(format!(
                 "--nproc-per-node {s:?} is not a number, `gpu`, `cpu` or `auto`"
@@ -265,9 +287,16 @@ fn resolve_nproc(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize>
 }
 
 fn parse_nnodes(s: &str) -> Result<usize> {
-    let bad = || Error::usage(format!("--nnodes {s:?} must be N or MIN:MAX with MIN == MAX >= 1"));
+    let bad = || {
+        Error::usage(format!(
+            "--nnodes {s:?} must be N or MIN:MAX with MIN == MAX >= 1"
+        ))
+    };
     let (lo, hi) = match s.split_once(':') {
-        Some((a, b)) => (a.parse::<usize>().map_err(|_| bad())?, b.parse::<usize>().map_err(|_| bad())?),
+        Some((a, b)) => (
+            a.parse::<usize>().map_err(|_| bad())?,
+            b.parse::<usize>().map_err(|_| bad())?,
+        ),
         None => {
             let n = s.parse::<usize>().map_err(|_| bad())?;
             (n, n)
@@ -308,7 +337,10 @@ fn split_host_port(s: &str) -> Result<(String, Option<u16>)> {
     if let Some(rest) = s.strip_prefix('[') {
         if let Some((h, p)) = rest.split_once(']') {
             let port = match p.strip_prefix(':') {
-                Some(p) => Some(p.parse().map_err(|_| Error::usage(format!("bad port in {s:?}")))?),
+                Some(p) => Some(
+                    p.parse()
+                        .map_err(|_| Error::usage(format!("bad port in {s:?}")))?,
+                ),
                 None => None,
             };
             return Ok((h.to_string(), port));
@@ -316,7 +348,9 @@ fn split_host_port(s: &str) -> Result<(String, Option<u16>)> {
     }
     if s.matches(':').count() == 1 {
         let (h, p) = s.split_once(':').unwrap_or((s, ""));
-        let port = p.parse().map_err(|_| Error::usage(format!("bad port in {s:?}: {p:?}")))?;
+        let port = p
+            .parse()
+            .map_err(|_| Error::usage(format!("bad port in {s:?}: {p:?}")))?;
         return Ok((h.to_string(), Some(port)));
     }
     Ok((s.to_string(), None))
@@ -330,7 +364,9 @@ fn resolve_store(cli: &Cli, nnodes: usize) -> Result<StorePlan> {
         port = port.or(p);
     }
     if cli.standalone && nnodes > 1 {
-        return Err(Error::usage("--standalone is a single-node mode; drop it or use --nnodes 1"));
+        return Err(Error::usage(
+            "--standalone is a single-node mode; drop it or use --nnodes 1",
+        ));
     }
     if nnodes == 1 {
         let advertise = cli
@@ -338,7 +374,10 @@ fn resolve_store(cli: &Cli, nnodes: usize) -> Result<StorePlan> {
             .clone()
             .or(addr.filter(|a| !matches!(a.as_str(), "localhost" | "127.0.0.1" | "::1" | "")))
             .unwrap_or_else(|| "127.0.0.1".into());
-        return Ok(StorePlan::Host { port: port.unwrap_or(0), advertise });
+        return Ok(StorePlan::Host {
+            port: port.unwrap_or(0),
+            advertise,
+        });
     }
     // Static multi-node as torchrun: every node runs nrun with the same --master-addr/-port.
     let Some(addr) = addr else {
@@ -349,7 +388,10 @@ fn resolve_store(cli: &Cli, nnodes: usize) -> Result<StorePlan> {
     };
     let port = port.unwrap_or(29500);
     if cli.node_rank == 0 {
-        Ok(StorePlan::Host { port, advertise: cli.local_addr.clone().unwrap_or(addr) })
+        Ok(StorePlan::Host {
+            port,
+            advertise: cli.local_addr.clone().unwrap_or(addr),
+        })
     } else {
         Ok(StorePlan::Remote { addr, port })
     }
@@ -358,13 +400,18 @@ fn resolve_store(cli: &Cli, nnodes: usize) -> Result<StorePlan> {
 /// Finds an executable the way execvp would: a name with a '/' as given, else on PATH.
 pub fn find_program(name: &str, path: Option<&str>) -> Option<PathBuf> {
     let is_exec = |p: &Path| {
-        p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
     };
     if name.contains('/') {
         let p = PathBuf::from(name);
         return is_exec(&p).then_some(p);
     }
-    path?.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(name)).find(|p| is_exec(p))
+    path?
+        .split(':')
+        .filter(|d| !d.is_empty())
+        .map(|d| Path::new(d).join(name))
+        .find(|p| is_exec(p))
 }
 
 fn resolve_command(
@@ -376,12 +423,17 @@ fn resolve_command(
     let path = env("PATH");
     if cli.no_python {
         if cli.module {
-            return Err(Error::usage("-m and --no-python exclude each other: a module needs Python"));
+            return Err(Error::usage(
+                "-m and --no-python exclude each other: a module needs Python",
+            ));
         }
         let p = Path::new(target);
         if target.contains('/') {
             let meta = p.metadata().map_err(|_| {
-                Error::usage(format!("program {target} not found (cwd {})", cwd_display()))
+                Error::usage(format!(
+                    "program {target} not found (cwd {})",
+                    cwd_display()
+                ))
             })?;
             if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
                 return Err(Error::usage(format!(
@@ -444,7 +496,10 @@ mod tests {
 
     #[test]
     fn stream_specs() {
-        assert_eq!(StreamSpec::parse("-t", "3").unwrap().for_rank(5), Streams(3));
+        assert_eq!(
+            StreamSpec::parse("-t", "3").unwrap().for_rank(5),
+            Streams(3)
+        );
         let s = StreamSpec::parse("-t", "0:3,1:1").unwrap();
         assert_eq!(s.for_rank(0), Streams(3));
         assert_eq!(s.for_rank(1), Streams(1));
@@ -457,7 +512,12 @@ mod tests {
     fn nproc_values() {
         let env = |_: &str| None;
         assert_eq!(resolve_nproc("8", &env).unwrap(), 8);
-        assert!(resolve_nproc("0", &env).unwrap_err().message.contains("at least one"));
+        assert!(
+            resolve_nproc("0", &env)
+                .unwrap_err()
+                .message
+                .contains("at least one")
+        );
         assert!(resolve_nproc("x", &env).is_err());
         assert!(resolve_nproc("cpu", &env).unwrap() >= 1);
         let hidden = |k: &str| (k == "CUDA_VISIBLE_DEVICES").then(|| "-1".to_string());
@@ -499,11 +559,25 @@ mod tests {
     #[test]
     fn static_multi_node_ranks_and_store() {
         let p = plan(&[
-            "--nnodes", "2", "--node-rank", "1", "--nproc", "4", "--master-addr", "10.0.0.1",
-            "--no-python", "true",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc",
+            "4",
+            "--master-addr",
+            "10.0.0.1",
+            "--no-python",
+            "true",
         ])
         .unwrap();
-        assert_eq!(p.store, StorePlan::Remote { addr: "10.0.0.1".into(), port: 29500 });
+        assert_eq!(
+            p.store,
+            StorePlan::Remote {
+                addr: "10.0.0.1".into(),
+                port: 29500
+            }
+        );
         let env = p.worker_env(&WorkerSlot {
             local_rank: 3,
             restart_count: 0,
@@ -513,7 +587,12 @@ mod tests {
         });
         assert!(env.contains(&("RANK".into(), "7".into())));
         assert!(env.contains(&("WORLD_SIZE".into(), "8".into())));
-        assert!(plan(&["--nnodes", "2", "--no-python", "true"]).unwrap_err().message.contains("--master-addr"));
+        assert!(
+            plan(&["--nnodes", "2", "--no-python", "true"])
+                .unwrap_err()
+                .message
+                .contains("--master-addr")
+        );
     }
 
     #[test]
@@ -526,7 +605,12 @@ mod tests {
         let e = plan(&["--no-python", "no-such-program-xyz"]).unwrap_err();
         assert!(e.message.contains("not found on PATH"), "{}", e.message);
         let e = plan(&["--python", "/no/python", "x.py"]).unwrap_err();
-        assert!(e.message.contains("python interpreter /no/python not found"), "{}", e.message);
+        assert!(
+            e.message
+                .contains("python interpreter /no/python not found"),
+            "{}",
+            e.message
+        );
         let e = plan(&["true"]).unwrap_err();
         assert!(e.message.contains("--no-python"), "{}", e.message);
     }
@@ -535,7 +619,10 @@ mod tests {
     fn endpoints() {
         assert_eq!(split_host_port("h:5").unwrap(), ("h".into(), Some(5)));
         assert_eq!(split_host_port("[::1]:5").unwrap(), ("::1".into(), Some(5)));
-        assert_eq!(split_host_port("fe80::1").unwrap(), ("fe80::1".into(), None));
+        assert_eq!(
+            split_host_port("fe80::1").unwrap(),
+            ("fe80::1".into(), None)
+        );
         assert!(split_host_port("h:x").is_err());
     }
 }

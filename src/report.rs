@@ -10,7 +10,11 @@ use crate::node::Failure;
 /// plus the worker's own last words.
 pub fn failure_summary(f: &Failure, host: &str, world_size: usize, program: &str) -> String {
     let mut s = String::new();
-    let others = if world_size > 1 { "; every other worker was stopped" } else { "" };
+    let others = if world_size > 1 {
+        "; every other worker was stopped"
+    } else {
+        ""
+    };
     let _ = writeln!(
         s,
         "nrun: error: rank {} of {world_size} {} (first failure{others})",
@@ -21,7 +25,11 @@ pub fn failure_summary(f: &Failure, host: &str, world_size: usize, program: &str
     let _ = writeln!(s, "  host:       {host}");
     let _ = writeln!(s, "  local rank: {}", f.local_rank);
     let _ = writeln!(s, "  pid:        {}", f.pid);
-    let _ = writeln!(s, "  time:       {}", humantime::format_rfc3339_seconds(f.at));
+    let _ = writeln!(
+        s,
+        "  time:       {}",
+        humantime::format_rfc3339_seconds(f.at)
+    );
     if let Some(tb) = read_error_file(&f.error_file) {
         let _ = writeln!(s, "  traceback (from {}):", f.error_file.display());
         for line in tb.lines() {
@@ -49,13 +57,20 @@ pub fn read_error_file(path: &Path) -> Option<String> {
     if let Some(s) = m.as_str() {
         return Some(s.to_string());
     }
-    let msg = m.get("message").and_then(|x| x.as_str()).unwrap_or_default();
+    let msg = m
+        .get("message")
+        .and_then(|x| x.as_str())
+        .unwrap_or_default();
     let stack = m
         .get("extraInfo")
         .and_then(|e| e.get("py_callstack"))
         .and_then(|x| x.as_str())
         .unwrap_or_default();
-    let out = if stack.is_empty() { msg.to_string() } else { stack.trim_end().to_string() };
+    let out = if stack.is_empty() {
+        msg.to_string()
+    } else {
+        stack.trim_end().to_string()
+    };
     (!out.is_empty()).then_some(out)
 }
 
@@ -100,7 +115,10 @@ mod tests {
         )
         .unwrap();
         let tb = read_error_file(&p).unwrap();
-        assert!(tb.starts_with("Traceback") && tb.ends_with("ValueError: boom"), "{tb}");
+        assert!(
+            tb.starts_with("Traceback") && tb.ends_with("ValueError: boom"),
+            "{tb}"
+        );
         std::fs::write(&p, r#"{"message": "c++ error"}"#).unwrap();
         assert_eq!(read_error_file(&p).unwrap(), "c++ error");
         std::fs::write(&p, "not json").unwrap();

@@ -13,8 +13,14 @@ fn usage_error(args: &[&str], env: &[(&str, &str)], expect: &str) {
     let out = s.run(args, env);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-    assert!(err.contains(expect), "{args:?}: expected {expect:?} in: {err}");
-    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
+    assert!(
+        err.contains(expect),
+        "{args:?}: expected {expect:?} in: {err}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{err}"
+    );
     if !expect.contains("unexpected argument") {
         assert_eq!(err.lines().count(), 1, "not one line: {err}");
         assert!(err.starts_with("nrun: error: "), "{err}");
@@ -24,20 +30,60 @@ fn usage_error(args: &[&str], env: &[(&str, &str)], expect: &str) {
 #[test]
 fn bad_input_is_one_clear_line_and_exit_2() {
     usage_error(&["--bogus", "x.py"], &[], "unexpected argument '--bogus'");
-    usage_error(&["--nproc", "0", "--no-python", "true"], &[], "--nproc-per-node 0: at least one worker");
-    usage_error(&["--nproc", "lots", "--no-python", "true"], &[], "is not a number");
-    usage_error(&["missing_script.py"], &[], "script missing_script.py not found (cwd ");
+    usage_error(
+        &["--nproc", "0", "--no-python", "true"],
+        &[],
+        "--nproc-per-node 0: at least one worker",
+    );
+    usage_error(
+        &["--nproc", "lots", "--no-python", "true"],
+        &[],
+        "is not a number",
+    );
+    usage_error(
+        &["missing_script.py"],
+        &[],
+        "script missing_script.py not found (cwd ",
+    );
     let s = Scene::new();
     let plain = s.dir.path().join("plain.sh");
     std::fs::write(&plain, "echo hi\n").unwrap();
     let plain = plain.to_str().unwrap();
-    usage_error(&["--no-python", plain], &[], &format!("program {plain} is not executable"));
-    usage_error(&["--no-python", "no-such-prog-nrun"], &[], "program no-such-prog-nrun not found on PATH");
-    usage_error(&["--python", "/nope/python3", "x.py"], &[], "python interpreter /nope/python3 not found");
-    usage_error(&["x.py"], &[("PYTHON_EXEC", "no-such-python-nrun")], "python interpreter no-such-python-nrun not found on PATH");
-    usage_error(&["-r", "7", "--no-python", "true"], &[], "--redirects \"7\" is not a stream spec");
-    usage_error(&["--nnodes", "1:4", "--no-python", "true"], &[], "elastic ranges are not supported");
-    usage_error(&["--local-ranks-filter", "5", "--no-python", "true"], &[], "is not a local rank in 0..1");
+    usage_error(
+        &["--no-python", plain],
+        &[],
+        &format!("program {plain} is not executable"),
+    );
+    usage_error(
+        &["--no-python", "no-such-prog-nrun"],
+        &[],
+        "program no-such-prog-nrun not found on PATH",
+    );
+    usage_error(
+        &["--python", "/nope/python3", "x.py"],
+        &[],
+        "python interpreter /nope/python3 not found",
+    );
+    usage_error(
+        &["x.py"],
+        &[("PYTHON_EXEC", "no-such-python-nrun")],
+        "python interpreter no-such-python-nrun not found on PATH",
+    );
+    usage_error(
+        &["-r", "7", "--no-python", "true"],
+        &[],
+        "--redirects \"7\" is not a stream spec",
+    );
+    usage_error(
+        &["--nnodes", "1:4", "--no-python", "true"],
+        &[],
+        "elastic ranges are not supported",
+    );
+    usage_error(
+        &["--local-ranks-filter", "5", "--no-python", "true"],
+        &[],
+        "is not a local rank in 0..1",
+    );
 }
 
 #[test]
@@ -58,7 +104,14 @@ fn help_and_version() {
     let out = s.run(&["--help"], &[]);
     assert_eq!(out.status.code(), Some(0));
     let help = text(&out.stdout);
-    for needle in ["Examples:", "--nproc-per-node", "--max-restarts", "--log-dir", "Exit status:", "torchrun"] {
+    for needle in [
+        "Examples:",
+        "--nproc-per-node",
+        "--max-restarts",
+        "--log-dir",
+        "Exit status:",
+        "torchrun",
+    ] {
         assert!(help.contains(needle), "--help lacks {needle:?}");
     }
     let out = s.run(&["--version"], &[]);
@@ -74,22 +127,55 @@ fn lines_of(out: &std::process::Output) -> Vec<String> {
 fn worker_environment_is_torchruns() {
     let s = Scene::new();
     let out = s.run(
-        &["--nproc", "2", "--rdzv-id", "job7", "--no-python", "sh", "-c",
-          "echo RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE LWS=$LOCAL_WORLD_SIZE \
+        &[
+            "--nproc",
+            "2",
+            "--rdzv-id",
+            "job7",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE LWS=$LOCAL_WORLD_SIZE \
            GROUP_RANK=$GROUP_RANK ROLE=$ROLE_NAME MA=$MASTER_ADDR MP=$MASTER_PORT \
            AGENT=$TORCHELASTIC_USE_AGENT_STORE RUN=$TORCHELASTIC_RUN_ID OMP=$OMP_NUM_THREADS \
-           ASYNC=$TORCH_NCCL_ASYNC_ERROR_HANDLING ERR=$TORCHELASTIC_ERROR_FILE"],
+           ASYNC=$TORCH_NCCL_ASYNC_ERROR_HANDLING ERR=$TORCHELASTIC_ERROR_FILE",
+        ],
         &[],
     );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let lines = lines_of(&out);
     assert_eq!(lines.len(), 2, "{lines:?}");
-    let rank1 = lines.iter().find(|l| l.starts_with("[rank1]: ")).expect("rank prefix");
-    for kv in ["RANK=1", "LOCAL_RANK=1", "WORLD_SIZE=2", "LWS=2", "GROUP_RANK=0", "ROLE=default",
-               "MA=127.0.0.1", "AGENT=True", "RUN=job7", "OMP=1", "ASYNC=1"] {
-        assert!(rank1.split_whitespace().any(|w| w == kv), "{kv} not in {rank1}");
+    let rank1 = lines
+        .iter()
+        .find(|l| l.starts_with("[rank1]: "))
+        .expect("rank prefix");
+    for kv in [
+        "RANK=1",
+        "LOCAL_RANK=1",
+        "WORLD_SIZE=2",
+        "LWS=2",
+        "GROUP_RANK=0",
+        "ROLE=default",
+        "MA=127.0.0.1",
+        "AGENT=True",
+        "RUN=job7",
+        "OMP=1",
+        "ASYNC=1",
+    ] {
+        assert!(
+            rank1.split_whitespace().any(|w| w == kv),
+            "{kv} not in {rank1}"
+        );
     }
-    let port: u16 = rank1.split("MP=").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    let port: u16 = rank1
+        .split("MP=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(port > 0);
     assert!(rank1.contains("/job7/attempt_0/1/error.json"), "{rank1}");
     assert!(text(&out.stderr).contains("OMP_NUM_THREADS was unset"));
@@ -98,15 +184,30 @@ fn worker_environment_is_torchruns() {
 #[test]
 fn options_come_from_nrun_and_pet_environment() {
     let s = Scene::new();
-    let out = s.run(&["--no-python", "sh", "-c", "echo r$RANK"], &[("PET_NPROC_PER_NODE", "3")]);
+    let out = s.run(
+        &["--no-python", "sh", "-c", "echo r$RANK"],
+        &[("PET_NPROC_PER_NODE", "3")],
+    );
     assert_eq!(lines_of(&out).len(), 3, "{}", text(&out.stdout));
     let out = s.run(
         &["--no-python", "sh", "-c", "echo r$RANK"],
         &[("PET_NPROC_PER_NODE", "3"), ("NRUN_NPROC_PER_NODE", "2")],
     );
-    assert_eq!(lines_of(&out).len(), 2, "NRUN_ wins over PET_: {}", text(&out.stdout));
-    let out = s.run(&["--nproc", "1", "--no-python", "sh", "-c", "echo r$RANK"], &[("NRUN_NPROC_PER_NODE", "4")]);
-    assert_eq!(lines_of(&out).len(), 1, "the flag wins over the environment");
+    assert_eq!(
+        lines_of(&out).len(),
+        2,
+        "NRUN_ wins over PET_: {}",
+        text(&out.stdout)
+    );
+    let out = s.run(
+        &["--nproc", "1", "--no-python", "sh", "-c", "echo r$RANK"],
+        &[("NRUN_NPROC_PER_NODE", "4")],
+    );
+    assert_eq!(
+        lines_of(&out).len(),
+        1,
+        "the flag wins over the environment"
+    );
 }
 
 #[test]
@@ -125,32 +226,102 @@ fn log_dir_redirects_tee_and_filter() {
     let fx = [("NRUN_FIXTURE", "output")];
 
     // --log-dir alone: files for every rank and stream, console as usual.
-    let out = s.run(&["--nproc", "2", "--log-dir", logs_s, "--rdzv-id", "r1", "--no-python", "sh", &w], &fx);
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--log-dir",
+            logs_s,
+            "--rdzv-id",
+            "r1",
+            "--no-python",
+            "sh",
+            &w,
+        ],
+        &fx,
+    );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     for r in 0..2 {
         let d = logs.join(format!("r1/attempt_0/{r}"));
-        assert_eq!(std::fs::read_to_string(d.join("stdout.log")).unwrap(), format!("out of {r}\npartial of {r}\n"));
-        assert_eq!(std::fs::read_to_string(d.join("stderr.log")).unwrap(), format!("err of {r}\n"));
+        assert_eq!(
+            std::fs::read_to_string(d.join("stdout.log")).unwrap(),
+            format!("out of {r}\npartial of {r}\n")
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("stderr.log")).unwrap(),
+            format!("err of {r}\n")
+        );
     }
     let stdout = text(&out.stdout);
-    assert!(stdout.contains("[rank0]: out of 0\n") && stdout.contains("[rank1]: partial of 1\n"), "{stdout}");
+    assert!(
+        stdout.contains("[rank0]: out of 0\n") && stdout.contains("[rank1]: partial of 1\n"),
+        "{stdout}"
+    );
 
     // -r 1: stdout only to the files.
-    let out = s.run(&["--nproc", "2", "--log-dir", logs_s, "--rdzv-id", "r2", "-r", "1", "--no-python", "sh", &w], &fx);
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--log-dir",
+            logs_s,
+            "--rdzv-id",
+            "r2",
+            "-r",
+            "1",
+            "--no-python",
+            "sh",
+            &w,
+        ],
+        &fx,
+    );
     assert_eq!(text(&out.stdout), "");
     assert!(text(&out.stderr).contains("[rank1]: err of 1"));
-    assert!(std::fs::read_to_string(logs.join("r2/attempt_0/1/stdout.log")).unwrap().contains("out of 1"));
+    assert!(
+        std::fs::read_to_string(logs.join("r2/attempt_0/1/stdout.log"))
+            .unwrap()
+            .contains("out of 1")
+    );
 
     // --local-ranks-filter 1: console shows rank 1 only; files still get everything.
-    let out = s.run(&["--nproc", "2", "--log-dir", logs_s, "--rdzv-id", "r3", "--local-ranks-filter", "1", "--no-python", "sh", &w], &fx);
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--log-dir",
+            logs_s,
+            "--rdzv-id",
+            "r3",
+            "--local-ranks-filter",
+            "1",
+            "--no-python",
+            "sh",
+            &w,
+        ],
+        &fx,
+    );
     let stdout = text(&out.stdout);
-    assert!(!stdout.contains("rank0") && stdout.contains("[rank1]: out of 1"), "{stdout}");
-    assert!(std::fs::read_to_string(logs.join("r3/attempt_0/0/stdout.log")).unwrap().contains("out of 0"));
+    assert!(
+        !stdout.contains("rank0") && stdout.contains("[rank1]: out of 1"),
+        "{stdout}"
+    );
+    assert!(
+        std::fs::read_to_string(logs.join("r3/attempt_0/0/stdout.log"))
+            .unwrap()
+            .contains("out of 0")
+    );
 
     // -t without --log-dir: nrun picks a directory and says where.
     let out = s.run(&["--nproc", "2", "-t", "3", "--no-python", "sh", &w], &fx);
     let err = text(&out.stderr);
-    let dir = err.lines().find_map(|l| l.strip_prefix("nrun: worker logs go to ")).expect(&err);
-    assert!(std::path::Path::new(dir).join("none/attempt_0/0/stdout.log").exists());
+    let dir = err
+        .lines()
+        .find_map(|l| l.strip_prefix("nrun: worker logs go to "))
+        .expect(&err);
+    assert!(
+        std::path::Path::new(dir)
+            .join("none/attempt_0/0/stdout.log")
+            .exists()
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

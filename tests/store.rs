@@ -39,7 +39,10 @@ fn enc(r: Request) -> Vec<u8> {
 
 /// Reads one byte or reports that none came within `ms`.
 async fn read_byte(s: &mut TcpStream, ms: u64) -> Option<u8> {
-    tokio::time::timeout(Duration::from_millis(ms), s.read_u8()).await.ok().and_then(|r| r.ok())
+    tokio::time::timeout(Duration::from_millis(ms), s.read_u8())
+        .await
+        .ok()
+        .and_then(|r| r.ok())
 }
 
 #[tokio::test]
@@ -62,7 +65,10 @@ async fn basic_operations() {
     c.append(b"/ap", b"cd").await.unwrap();
     assert_eq!(c.get(b"/ap").await.unwrap(), b"abcd");
     c.multi_set(&[(b"/m1", b"1"), (b"/m2", b"")]).await.unwrap();
-    assert_eq!(c.multi_get(&[b"/m2", b"/m1", b"/none"]).await.unwrap(), vec![b"".to_vec(), b"1".to_vec(), vec![]]);
+    assert_eq!(
+        c.multi_get(&[b"/m2", b"/m1", b"/none"]).await.unwrap(),
+        vec![b"".to_vec(), b"1".to_vec(), vec![]]
+    );
     let n = c.num_keys().await.unwrap();
     assert_eq!(n as usize, store.num_keys());
     assert!(c.delete_key(b"/a").await.unwrap());
@@ -80,11 +86,23 @@ async fn basic_operations() {
 async fn wait_is_answered_when_the_last_key_appears() {
     let (addr, _) = start().await;
     let mut w = raw(addr).await;
-    w.write_all(&enc(Request::Wait { keys: vec![b"/x".to_vec(), b"/y".to_vec(), b"/x".to_vec()] })).await.unwrap();
-    assert_eq!(read_byte(&mut w, 100).await, None, "answered before the keys exist");
+    w.write_all(&enc(Request::Wait {
+        keys: vec![b"/x".to_vec(), b"/y".to_vec(), b"/x".to_vec()],
+    }))
+    .await
+    .unwrap();
+    assert_eq!(
+        read_byte(&mut w, 100).await,
+        None,
+        "answered before the keys exist"
+    );
     let mut c = client(addr).await;
     c.set(b"/x", b"1").await.unwrap();
-    assert_eq!(read_byte(&mut w, 100).await, None, "answered with one key still missing");
+    assert_eq!(
+        read_byte(&mut w, 100).await,
+        None,
+        "answered with one key still missing"
+    );
     c.add(b"/y", 1).await.unwrap();
     assert_eq!(read_byte(&mut w, 2000).await, Some(STOP_WAITING));
     // An immediate wait on existing keys is answered at once.
@@ -99,7 +117,11 @@ async fn wait_timeout_cancel_and_the_race() {
     // No wait pending: CANCEL_WAIT is still answered.
     assert_eq!(c.cancel_wait().await.unwrap(), WAIT_CANCELED);
     // A wait that times out is cancelled and the connection stays in step.
-    assert!(!c.wait(&[b"/never"], Some(Duration::from_millis(50))).await.unwrap());
+    assert!(
+        !c.wait(&[b"/never"], Some(Duration::from_millis(50)))
+            .await
+            .unwrap()
+    );
     c.set(b"/after", b"ok").await.unwrap();
     assert_eq!(c.get(b"/after").await.unwrap(), b"ok");
     // A cancelled wait must not fire later when its key appears.
@@ -110,14 +132,22 @@ async fn wait_timeout_cancel_and_the_race() {
     // The race: STOP_WAITING is already on the wire when CANCEL_WAIT is sent. The client then
     // reads STOP_WAITING followed by WAIT_CANCELED, and nothing else.
     let mut w = raw(addr).await;
-    w.write_all(&enc(Request::Wait { keys: vec![b"/race".to_vec()] })).await.unwrap();
+    w.write_all(&enc(Request::Wait {
+        keys: vec![b"/race".to_vec()],
+    }))
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     other.set(b"/race", b"1").await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     w.write_all(&enc(Request::CancelWait)).await.unwrap();
     assert_eq!(read_byte(&mut w, 2000).await, Some(STOP_WAITING));
     assert_eq!(read_byte(&mut w, 2000).await, Some(WAIT_CANCELED));
-    assert_eq!(read_byte(&mut w, 100).await, None, "unsolicited bytes after the cancel");
+    assert_eq!(
+        read_byte(&mut w, 100).await,
+        None,
+        "unsolicited bytes after the cancel"
+    );
 }
 
 #[tokio::test]
@@ -127,7 +157,9 @@ async fn barrier_releases_everyone_at_world_size() {
     for _ in 0..4 {
         tasks.push(tokio::spawn(async move {
             let mut c = client(addr).await;
-            c.barrier(b"/bar", 4, Some(Duration::from_secs(5))).await.unwrap()
+            c.barrier(b"/bar", 4, Some(Duration::from_secs(5)))
+                .await
+                .unwrap()
         }));
     }
     for t in tasks {
@@ -135,7 +167,11 @@ async fn barrier_releases_everyone_at_world_size() {
     }
     // A barrier short of its world size times out and cancels cleanly.
     let mut c = client(addr).await;
-    assert!(!c.barrier(b"/bar2", 2, Some(Duration::from_millis(50))).await.unwrap());
+    assert!(
+        !c.barrier(b"/bar2", 2, Some(Duration::from_millis(50)))
+            .await
+            .unwrap()
+    );
     assert_eq!(c.get(b"/bar2").await.unwrap(), b"1");
 }
 
@@ -149,19 +185,43 @@ async fn queues_wake_one_blocked_pop_per_push() {
     // Two blocked pops (WAIT then POP, as torch does); one push wakes exactly one of them.
     let mut w1 = raw(addr).await;
     let mut w2 = raw(addr).await;
-    w1.write_all(&enc(Request::Wait { keys: vec![b"/q".to_vec()] })).await.unwrap();
-    w2.write_all(&enc(Request::Wait { keys: vec![b"/q".to_vec()] })).await.unwrap();
+    w1.write_all(&enc(Request::Wait {
+        keys: vec![b"/q".to_vec()],
+    }))
+    .await
+    .unwrap();
+    w2.write_all(&enc(Request::Wait {
+        keys: vec![b"/q".to_vec()],
+    }))
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     c.queue_push(b"/q", b"a").await.unwrap();
     let (a, b) = tokio::join!(read_byte(&mut w1, 300), read_byte(&mut w2, 300));
-    assert_eq!([a, b].iter().filter(|x| **x == Some(STOP_WAITING)).count(), 1, "{a:?} {b:?}");
+    assert_eq!(
+        [a, b].iter().filter(|x| **x == Some(STOP_WAITING)).count(),
+        1,
+        "{a:?} {b:?}"
+    );
     c.queue_push(b"/q", b"b").await.unwrap();
     let (a2, b2) = tokio::join!(read_byte(&mut w1, 300), read_byte(&mut w2, 300));
-    assert_eq!([a, b, a2, b2].iter().filter(|x| **x == Some(STOP_WAITING)).count(), 2);
+    assert_eq!(
+        [a, b, a2, b2]
+            .iter()
+            .filter(|x| **x == Some(STOP_WAITING))
+            .count(),
+        2
+    );
     assert_eq!(c.queue_len(b"/q").await.unwrap(), 2);
     assert!(c.check(&[b"/q"]).await.unwrap());
-    assert_eq!(c.queue_pop(b"/q").await.unwrap().as_deref(), Some(&b"a"[..]));
-    assert_eq!(c.queue_pop(b"/q").await.unwrap().as_deref(), Some(&b"b"[..]));
+    assert_eq!(
+        c.queue_pop(b"/q").await.unwrap().as_deref(),
+        Some(&b"a"[..])
+    );
+    assert_eq!(
+        c.queue_pop(b"/q").await.unwrap().as_deref(),
+        Some(&b"b"[..])
+    );
     assert_eq!(c.queue_len(b"/q").await.unwrap(), 0);
 }
 
@@ -174,7 +234,10 @@ async fn malformed_input_closes_only_that_connection() {
 
     let closed = |mut s: TcpStream| async move {
         let mut b = [0u8; 16];
-        matches!(tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await, Ok(Ok(0)) | Ok(Err(_)))
+        matches!(
+            tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        )
     };
     // Unknown opcode after VALIDATE.
     let mut s = raw(addr).await;
@@ -198,11 +261,20 @@ async fn malformed_input_closes_only_that_connection() {
     assert!(closed(s).await);
     // VALIDATE with the wrong magic.
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(&enc(Request::Validate { magic: VALIDATE_MAGIC ^ 1 })).await.unwrap();
+    s.write_all(&enc(Request::Validate {
+        magic: VALIDATE_MAGIC ^ 1,
+    }))
+    .await
+    .unwrap();
     assert!(closed(s).await);
     // ADD on a value that is not a counter.
     let mut s = raw(addr).await;
-    s.write_all(&enc(Request::Add { key: b"/k".to_vec(), delta: 1 })).await.unwrap();
+    s.write_all(&enc(Request::Add {
+        key: b"/k".to_vec(),
+        delta: 1,
+    }))
+    .await
+    .unwrap();
     assert!(closed(s).await);
 
     assert_eq!(good.get(b"/k").await.unwrap(), b"v");
@@ -230,12 +302,19 @@ async fn many_clients_rendezvous() {
             if i == 0 {
                 c.set(b"/id", b"unique-id").await.unwrap();
             }
-            assert!(c.wait(&[b"/id"], Some(Duration::from_secs(10))).await.unwrap());
+            assert!(
+                c.wait(&[b"/id"], Some(Duration::from_secs(10)))
+                    .await
+                    .unwrap()
+            );
             c.get(b"/id").await.unwrap()
         }));
     }
     for t in tasks {
         assert_eq!(t.await.unwrap(), b"unique-id");
     }
-    assert_eq!(client(addr).await.get(b"/arrived").await.unwrap(), n.to_string().as_bytes());
+    assert_eq!(
+        client(addr).await.get(b"/arrived").await.unwrap(),
+        n.to_string().as_bytes()
+    );
 }

@@ -15,12 +15,24 @@ fn worker() -> String {
 fn first_failure_stops_everyone_and_its_code_passes_through() {
     let s = Scene::new();
     let w = worker();
-    let out = s.run(&["--nproc", "3", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "fail-rank1")]);
+    let out = s.run(
+        &["--nproc", "3", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "fail-rank1")],
+    );
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(7), "{err}");
-    assert!(err.contains("rank 1 of 3 exited with code 7 (first failure"), "{err}");
-    assert!(err.contains("| rank1 is about to fail"), "stderr tail missing: {err}");
-    assert!(err.contains("pid:") && err.contains("time:") && err.contains("host:"), "{err}");
+    assert!(
+        err.contains("rank 1 of 3 exited with code 7 (first failure"),
+        "{err}"
+    );
+    assert!(
+        err.contains("| rank1 is about to fail"),
+        "stderr tail missing: {err}"
+    );
+    assert!(
+        err.contains("pid:") && err.contains("time:") && err.contains("host:"),
+        "{err}"
+    );
     s.assert_no_survivors();
 }
 
@@ -28,7 +40,10 @@ fn first_failure_stops_everyone_and_its_code_passes_through() {
 fn death_by_signal_is_128_plus_n() {
     let s = Scene::new();
     let w = worker();
-    let out = s.run(&["--nproc", "2", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "segv-rank0")]);
+    let out = s.run(
+        &["--nproc", "2", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "segv-rank0")],
+    );
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(128 + 11), "{err}");
     assert!(err.contains("rank 0 of 2 was killed by SIGSEGV"), "{err}");
@@ -38,7 +53,10 @@ fn death_by_signal_is_128_plus_n() {
 fn forwarded(sig: &str, seen: &str, code: i32) {
     let s = Scene::new();
     let w = worker();
-    let child = s.spawn(&["--nproc", "3", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "trap")]);
+    let child = s.spawn(
+        &["--nproc", "3", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "trap")],
+    );
     s.wait_marks("ready", 3, Duration::from_secs(10));
     signal(&child, sig);
     let (out, _) = wait_with_timeout(child, Duration::from_secs(10));
@@ -65,7 +83,10 @@ fn sighup_stops_every_worker() {
     // SIGHUP is forwarded as such; the fixture has no HUP trap, so the shell dies of it.
     let s = Scene::new();
     let w = worker();
-    let child = s.spawn(&["--nproc", "2", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "sleep")]);
+    let child = s.spawn(
+        &["--nproc", "2", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "sleep")],
+    );
     s.wait_marks("ready", 2, Duration::from_secs(10));
     signal(&child, "HUP");
     let (out, _) = wait_with_timeout(child, Duration::from_secs(10));
@@ -78,12 +99,23 @@ fn workers_ignoring_sigterm_are_killed_after_the_grace_period() {
     let s = Scene::new();
     let w = worker();
     let child = s.spawn(
-        &["--nproc", "3", "--shutdown-timeout", "1", "--no-python", "sh", &w],
+        &[
+            "--nproc",
+            "3",
+            "--shutdown-timeout",
+            "1",
+            "--no-python",
+            "sh",
+            &w,
+        ],
         &[("NRUN_FIXTURE", "stubborn"), ("FAIL_RANK0", "1")],
     );
     let (out, took) = wait_with_timeout(child, Duration::from_secs(15));
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
-    assert!(took >= Duration::from_millis(1200), "SIGKILL came before the grace period: {took:?}");
+    assert!(
+        took >= Duration::from_millis(1200),
+        "SIGKILL came before the grace period: {took:?}"
+    );
     s.assert_no_survivors();
 }
 
@@ -92,7 +124,15 @@ fn second_ctrl_c_kills_at_once() {
     let s = Scene::new();
     let w = worker();
     let child = s.spawn(
-        &["--nproc", "2", "--shutdown-timeout", "60", "--no-python", "sh", &w],
+        &[
+            "--nproc",
+            "2",
+            "--shutdown-timeout",
+            "60",
+            "--no-python",
+            "sh",
+            &w,
+        ],
         &[("NRUN_FIXTURE", "stubborn")],
     );
     s.wait_marks("ready", 2, Duration::from_secs(10));
@@ -101,7 +141,10 @@ fn second_ctrl_c_kills_at_once() {
     signal(&child, "INT");
     let (out, took) = wait_with_timeout(child, Duration::from_secs(10));
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
-    assert!(took < Duration::from_secs(5), "second Ctrl-C did not kill at once: {took:?}");
+    assert!(
+        took < Duration::from_secs(5),
+        "second Ctrl-C did not kill at once: {took:?}"
+    );
     s.assert_no_survivors();
 }
 
@@ -114,11 +157,28 @@ fn background_grandchildren_do_not_outlive_the_job() {
             &["--nproc", "2", "--no-python", "sh", &w],
             &[("NRUN_FIXTURE", "grandchildren"), ("EXIT_CODE", code)],
         );
-        assert_eq!(out.status.code(), Some(code.parse().unwrap()), "{}", text(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(code.parse().unwrap()),
+            "{}",
+            text(&out.stderr)
+        );
         // With a failure, the other rank may be stopped before it spawns anything.
         let spawned = s.marks().len();
-        assert!(if code == "0" { spawned == 2 } else { spawned >= 1 }, "{:?}", s.marks());
-        assert!(text(&out.stderr).contains("left processes running"), "{}", text(&out.stderr));
+        assert!(
+            if code == "0" {
+                spawned == 2
+            } else {
+                spawned >= 1
+            },
+            "{:?}",
+            s.marks()
+        );
+        assert!(
+            text(&out.stderr).contains("left processes running"),
+            "{}",
+            text(&out.stderr)
+        );
         s.assert_no_survivors();
     }
 }
@@ -127,7 +187,10 @@ fn background_grandchildren_do_not_outlive_the_job() {
 fn killed_launcher_takes_its_workers_along() {
     let s = Scene::new();
     let w = worker();
-    let child = s.spawn(&["--nproc", "3", "--no-python", "sh", &w], &[("NRUN_FIXTURE", "sleep")]);
+    let child = s.spawn(
+        &["--nproc", "3", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "sleep")],
+    );
     s.wait_marks("ready", 3, Duration::from_secs(10));
     signal(&child, "KILL");
     let _ = wait_with_timeout(child, Duration::from_secs(5));
@@ -139,22 +202,46 @@ fn restarts_run_the_whole_group_again() {
     let s = Scene::new();
     let w = worker();
     let out = s.run(
-        &["--nproc", "2", "--max-restarts", "2", "--no-python", "sh", &w],
+        &[
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "2",
+            "--no-python",
+            "sh",
+            &w,
+        ],
         &[("NRUN_FIXTURE", "restart"), ("SUCCEED_AT", "2")],
     );
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     for a in 0..3 {
         for r in 0..2 {
-            assert!(s.marks().contains(&format!("rank {r} attempt {a}")), "{:?}", s.marks());
+            assert!(
+                s.marks().contains(&format!("rank {r} attempt {a}")),
+                "{:?}",
+                s.marks()
+            );
         }
     }
-    assert_eq!(err.matches("restarting the worker group").count(), 2, "{err}");
+    assert_eq!(
+        err.matches("restarting the worker group").count(),
+        2,
+        "{err}"
+    );
 
     // Out of restarts: the last failure's code.
     let s = Scene::new();
     let out = s.run(
-        &["--nproc", "2", "--max-restarts", "1", "--no-python", "sh", &w],
+        &[
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+            "--no-python",
+            "sh",
+            &w,
+        ],
         &[("NRUN_FIXTURE", "restart")],
     );
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));

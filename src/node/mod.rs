@@ -188,7 +188,10 @@ pub async fn run_group(
                 spawn_error = Some(Error::usage(format!(
                     "cannot start rank {rank}: {} {}: {e}",
                     program.to_string_lossy(),
-                    args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ")
+                    args.iter()
+                        .map(|a| a.to_string_lossy())
+                        .collect::<Vec<_>>()
+                        .join(" ")
                 )));
                 break;
             }
@@ -196,10 +199,22 @@ pub async fn run_group(
         let pid = child.id().unwrap_or(0);
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
         if let Some(o) = child.stdout.take() {
-            pumps.push(tokio::spawn(output::pump(o, idx, Stream::Out, out.sender(), None)));
+            pumps.push(tokio::spawn(output::pump(
+                o,
+                idx,
+                Stream::Out,
+                out.sender(),
+                None,
+            )));
         }
         if let Some(e) = child.stderr.take() {
-            pumps.push(tokio::spawn(output::pump(e, idx, Stream::Err, out.sender(), Some(tail.clone()))));
+            pumps.push(tokio::spawn(output::pump(
+                e,
+                idx,
+                Stream::Err,
+                out.sender(),
+                Some(tail.clone()),
+            )));
         }
         let tx = ev_tx.clone();
         tokio::spawn(async move {
@@ -293,7 +308,13 @@ pub async fn run_group(
     if let Some(idx) = first_failure {
         let r = &running[idx];
         let (exit, at) = r.exit.unwrap_or((Exit::Code(1), SystemTime::now()));
-        let stderr_tail = r.tail.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+        let stderr_tail = r
+            .tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect();
         return Ok(Outcome::Failed(Failure {
             rank: r.rank,
             local_rank: r.local_rank,

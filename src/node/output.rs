@@ -42,7 +42,11 @@ pub struct WorkerOutput {
 }
 
 pub enum Msg {
-    Line { worker: usize, stream: Stream, data: Vec<u8> },
+    Line {
+        worker: usize,
+        stream: Stream,
+        data: Vec<u8>,
+    },
 }
 
 /// Last lines of a worker's stderr, kept for the failure summary.
@@ -59,10 +63,20 @@ impl Output {
         let thread = std::thread::Builder::new()
             .name("nrun-output".into())
             .spawn(move || {
-                let colour = [std::io::stdout().is_terminal(), std::io::stderr().is_terminal()];
+                let colour = [
+                    std::io::stdout().is_terminal(),
+                    std::io::stderr().is_terminal(),
+                ];
                 let mut line = Vec::with_capacity(256);
-                while let Some(Msg::Line { worker, stream, data }) = rx.blocking_recv() {
-                    let Some(w) = workers.get_mut(worker) else { continue };
+                while let Some(Msg::Line {
+                    worker,
+                    stream,
+                    data,
+                }) = rx.blocking_recv()
+                {
+                    let Some(w) = workers.get_mut(worker) else {
+                        continue;
+                    };
                     let sink = &mut w.sinks[stream as usize];
                     if let Some(f) = &mut sink.file {
                         let _ = f.write_all(&data);
@@ -88,7 +102,10 @@ impl Output {
                 let _ = std::io::stdout().flush();
             })
             .ok();
-        Output { tx: Some(tx), thread }
+        Output {
+            tx: Some(tx),
+            thread,
+        }
     }
 
     pub fn sender(&self) -> mpsc::Sender<Msg> {
@@ -160,5 +177,11 @@ async fn emit(
         }
         t.push_back(text);
     }
-    let _ = tx.send(Msg::Line { worker, stream, data }).await;
+    let _ = tx
+        .send(Msg::Line {
+            worker,
+            stream,
+            data,
+        })
+        .await;
 }

@@ -41,10 +41,16 @@ pub fn become_subreaper() {
 /// Pids of this process's current children, from /proc/self/task/*/children.
 fn children() -> Vec<Pid> {
     let mut pids = Vec::new();
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return pids };
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return pids;
+    };
     for t in tasks.flatten() {
         if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
-            pids.extend(s.split_whitespace().filter_map(|p| p.parse().ok()).map(Pid::from_raw));
+            pids.extend(
+                s.split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .map(Pid::from_raw),
+            );
         }
     }
     pids

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-use super::protocol::{Request, CHECK_READY, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED};
+use super::protocol::{CHECK_READY, Request, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED};
 
 pub struct Client {
     stream: BufReader<TcpStream>,
@@ -17,7 +17,10 @@ pub struct Client {
 }
 
 fn bad_reply(what: &str) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, format!("store sent an unexpected {what}"))
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("store sent an unexpected {what}"),
+    )
 }
 
 impl Client {
@@ -35,13 +38,22 @@ impl Client {
                     delay = (delay * 2).min(Duration::from_millis(500));
                 }
                 Err(e) => {
-                    return Err(io::Error::new(e.kind(), format!("connect to store {addr}: {e}")))
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("connect to store {addr}: {e}"),
+                    ));
                 }
             }
         };
         stream.set_nodelay(true)?;
-        let mut c = Client { stream: BufReader::new(stream), out: Vec::with_capacity(64) };
-        c.send(&Request::Validate { magic: VALIDATE_MAGIC }).await?;
+        let mut c = Client {
+            stream: BufReader::new(stream),
+            out: Vec::with_capacity(64),
+        };
+        c.send(&Request::Validate {
+            magic: VALIDATE_MAGIC,
+        })
+        .await?;
         let nonce = std::process::id();
         if c.ping(nonce).await? != nonce {
             return Err(bad_reply("PING nonce"));
@@ -79,7 +91,11 @@ impl Client {
     }
 
     pub async fn set(&mut self, key: &[u8], value: &[u8]) -> io::Result<()> {
-        self.send(&Request::Set { key: key.to_vec(), value: value.to_vec() }).await
+        self.send(&Request::Set {
+            key: key.to_vec(),
+            value: value.to_vec(),
+        })
+        .await
     }
 
     /// GET without waiting: a missing key reads as empty.
@@ -89,7 +105,11 @@ impl Client {
     }
 
     pub async fn add(&mut self, key: &[u8], delta: i64) -> io::Result<i64> {
-        self.send(&Request::Add { key: key.to_vec(), delta }).await?;
+        self.send(&Request::Add {
+            key: key.to_vec(),
+            delta,
+        })
+        .await?;
         self.i64().await
     }
 
@@ -109,14 +129,20 @@ impl Client {
     }
 
     pub async fn check(&mut self, keys: &[&[u8]]) -> io::Result<bool> {
-        self.send(&Request::Check { keys: keys.iter().map(|k| k.to_vec()).collect() }).await?;
+        self.send(&Request::Check {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        })
+        .await?;
         Ok(self.u8().await? == CHECK_READY)
     }
 
     /// Waits until every key exists. With a timeout, a wait that runs out is cancelled the way
     /// torch does it, and `Ok(false)` is returned.
     pub async fn wait(&mut self, keys: &[&[u8]], timeout: Option<Duration>) -> io::Result<bool> {
-        self.send(&Request::Wait { keys: keys.iter().map(|k| k.to_vec()).collect() }).await?;
+        self.send(&Request::Wait {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        })
+        .await?;
         self.await_stop(timeout).await
     }
 
@@ -127,7 +153,11 @@ impl Client {
         world_size: i64,
         timeout: Option<Duration>,
     ) -> io::Result<bool> {
-        self.send(&Request::Barrier { key: key.to_vec(), world_size }).await?;
+        self.send(&Request::Barrier {
+            key: key.to_vec(),
+            world_size,
+        })
+        .await?;
         self.await_stop(timeout).await
     }
 
@@ -174,11 +204,18 @@ impl Client {
     }
 
     pub async fn append(&mut self, key: &[u8], value: &[u8]) -> io::Result<()> {
-        self.send(&Request::Append { key: key.to_vec(), value: value.to_vec() }).await
+        self.send(&Request::Append {
+            key: key.to_vec(),
+            value: value.to_vec(),
+        })
+        .await
     }
 
     pub async fn multi_get(&mut self, keys: &[&[u8]]) -> io::Result<Vec<Vec<u8>>> {
-        self.send(&Request::MultiGet { keys: keys.iter().map(|k| k.to_vec()).collect() }).await?;
+        self.send(&Request::MultiGet {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        })
+        .await?;
         let mut v = Vec::with_capacity(keys.len());
         for _ in keys {
             v.push(self.bytes().await?);
@@ -187,12 +224,19 @@ impl Client {
     }
 
     pub async fn multi_set(&mut self, pairs: &[(&[u8], &[u8])]) -> io::Result<()> {
-        let pairs = pairs.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
+        let pairs = pairs
+            .iter()
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .collect();
         self.send(&Request::MultiSet { pairs }).await
     }
 
     pub async fn queue_push(&mut self, key: &[u8], value: &[u8]) -> io::Result<()> {
-        self.send(&Request::QueuePush { key: key.to_vec(), value: value.to_vec() }).await
+        self.send(&Request::QueuePush {
+            key: key.to_vec(),
+            value: value.to_vec(),
+        })
+        .await
     }
 
     /// Pops without blocking: `None` when the queue is empty.

@@ -87,25 +87,64 @@ impl Op {
 /// values that need not be UTF-8.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
-    Validate { magic: u32 },
-    Set { key: Vec<u8>, value: Vec<u8> },
-    CompareSet { key: Vec<u8>, expected: Vec<u8>, desired: Vec<u8> },
-    Get { key: Vec<u8> },
-    Add { key: Vec<u8>, delta: i64 },
-    Check { keys: Vec<Vec<u8>> },
-    Wait { keys: Vec<Vec<u8>> },
+    Validate {
+        magic: u32,
+    },
+    Set {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    CompareSet {
+        key: Vec<u8>,
+        expected: Vec<u8>,
+        desired: Vec<u8>,
+    },
+    Get {
+        key: Vec<u8>,
+    },
+    Add {
+        key: Vec<u8>,
+        delta: i64,
+    },
+    Check {
+        keys: Vec<Vec<u8>>,
+    },
+    Wait {
+        keys: Vec<Vec<u8>>,
+    },
     GetNumKeys,
-    DeleteKey { key: Vec<u8> },
-    Append { key: Vec<u8>, value: Vec<u8> },
-    MultiGet { keys: Vec<Vec<u8>> },
-    MultiSet { pairs: Vec<(Vec<u8>, Vec<u8>)> },
+    DeleteKey {
+        key: Vec<u8>,
+    },
+    Append {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    MultiGet {
+        keys: Vec<Vec<u8>>,
+    },
+    MultiSet {
+        pairs: Vec<(Vec<u8>, Vec<u8>)>,
+    },
     CancelWait,
-    Ping { nonce: u32 },
-    QueuePush { key: Vec<u8>, value: Vec<u8> },
-    QueuePop { key: Vec<u8> },
-    QueueLen { key: Vec<u8> },
+    Ping {
+        nonce: u32,
+    },
+    QueuePush {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    QueuePop {
+        key: Vec<u8>,
+    },
+    QueueLen {
+        key: Vec<u8>,
+    },
     ListKeys,
-    Barrier { key: Vec<u8>, world_size: i64 },
+    Barrier {
+        key: Vec<u8>,
+        world_size: i64,
+    },
 }
 
 /// What [`Request::parse`] found in the buffer.
@@ -139,10 +178,16 @@ impl fmt::Display for ProtocolError {
                 write!(f, "value of {n} bytes exceeds the limit of {MAX_VALUE_LEN}")
             }
             ProtocolError::TooManyKeys(n) => {
-                write!(f, "request names {n} keys, more than the limit of {MAX_KEYS}")
+                write!(
+                    f,
+                    "request names {n} keys, more than the limit of {MAX_KEYS}"
+                )
             }
             ProtocolError::RequestTooLarge(n) => {
-                write!(f, "request of {n} bytes exceeds the limit of {MAX_REQUEST_LEN}")
+                write!(
+                    f,
+                    "request of {n} bytes exceeds the limit of {MAX_REQUEST_LEN}"
+                )
             }
         }
     }
@@ -170,7 +215,10 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], Stop> {
-        let end = self.pos.checked_add(n).ok_or(Stop::Bad(ProtocolError::RequestTooLarge(usize::MAX)))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .ok_or(Stop::Bad(ProtocolError::RequestTooLarge(usize::MAX)))?;
         if end > MAX_REQUEST_LEN {
             return Err(Stop::Bad(ProtocolError::RequestTooLarge(end)));
         }
@@ -253,19 +301,28 @@ impl Request {
         let op = Op::from_u8(code).ok_or(ProtocolError::UnknownOpcode(code))?;
         Ok(match op {
             Op::Validate => Request::Validate { magic: r.u32()? },
-            Op::Set => Request::Set { key: r.key()?, value: r.value()? },
+            Op::Set => Request::Set {
+                key: r.key()?,
+                value: r.value()?,
+            },
             Op::CompareSet => Request::CompareSet {
                 key: r.key()?,
                 expected: r.value()?,
                 desired: r.value()?,
             },
             Op::Get => Request::Get { key: r.key()? },
-            Op::Add => Request::Add { key: r.key()?, delta: r.i64()? },
+            Op::Add => Request::Add {
+                key: r.key()?,
+                delta: r.i64()?,
+            },
             Op::Check => Request::Check { keys: r.keys()? },
             Op::Wait => Request::Wait { keys: r.keys()? },
             Op::GetNumKeys => Request::GetNumKeys,
             Op::DeleteKey => Request::DeleteKey { key: r.key()? },
-            Op::Append => Request::Append { key: r.key()?, value: r.value()? },
+            Op::Append => Request::Append {
+                key: r.key()?,
+                value: r.value()?,
+            },
             Op::MultiGet => Request::MultiGet { keys: r.keys()? },
             Op::MultiSet => {
                 let n = r.count()?;
@@ -277,11 +334,17 @@ impl Request {
             }
             Op::CancelWait => Request::CancelWait,
             Op::Ping => Request::Ping { nonce: r.u32()? },
-            Op::QueuePush => Request::QueuePush { key: r.key()?, value: r.value()? },
+            Op::QueuePush => Request::QueuePush {
+                key: r.key()?,
+                value: r.value()?,
+            },
             Op::QueuePop => Request::QueuePop { key: r.key()? },
             Op::QueueLen => Request::QueueLen { key: r.key()? },
             Op::ListKeys => Request::ListKeys,
-            Op::Barrier => Request::Barrier { key: r.key()?, world_size: r.i64()? },
+            Op::Barrier => Request::Barrier {
+                key: r.key()?,
+                world_size: r.i64()?,
+            },
         })
     }
 
@@ -297,7 +360,11 @@ impl Request {
                 put_bytes(out, key);
                 put_bytes(out, value);
             }
-            Request::CompareSet { key, expected, desired } => {
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
                 out.push(Op::CompareSet as u8);
                 put_bytes(out, key);
                 put_bytes(out, expected);
@@ -387,7 +454,10 @@ mod tests {
     fn roundtrip(req: Request) {
         let mut buf = Vec::new();
         req.encode(&mut buf);
-        assert_eq!(Request::parse(&buf), Ok(Parsed::Complete(req.clone(), buf.len())));
+        assert_eq!(
+            Request::parse(&buf),
+            Ok(Parsed::Complete(req.clone(), buf.len()))
+        );
         // Every strict prefix is incomplete, and says it needs more than it has.
         for cut in 0..buf.len() {
             match Request::parse(&buf[..cut]) {
@@ -402,25 +472,54 @@ mod tests {
         let k = b"/key".to_vec();
         let v = vec![0u8, 255, 7];
         for req in [
-            Request::Validate { magic: VALIDATE_MAGIC },
-            Request::Set { key: k.clone(), value: v.clone() },
-            Request::CompareSet { key: k.clone(), expected: vec![], desired: v.clone() },
+            Request::Validate {
+                magic: VALIDATE_MAGIC,
+            },
+            Request::Set {
+                key: k.clone(),
+                value: v.clone(),
+            },
+            Request::CompareSet {
+                key: k.clone(),
+                expected: vec![],
+                desired: v.clone(),
+            },
             Request::Get { key: k.clone() },
-            Request::Add { key: k.clone(), delta: -5 },
-            Request::Check { keys: vec![k.clone(), b"/b".to_vec()] },
-            Request::Wait { keys: vec![k.clone()] },
+            Request::Add {
+                key: k.clone(),
+                delta: -5,
+            },
+            Request::Check {
+                keys: vec![k.clone(), b"/b".to_vec()],
+            },
+            Request::Wait {
+                keys: vec![k.clone()],
+            },
             Request::GetNumKeys,
             Request::DeleteKey { key: k.clone() },
-            Request::Append { key: k.clone(), value: v.clone() },
-            Request::MultiGet { keys: vec![k.clone(), vec![]] },
-            Request::MultiSet { pairs: vec![(k.clone(), v.clone()), (b"/c".to_vec(), vec![])] },
+            Request::Append {
+                key: k.clone(),
+                value: v.clone(),
+            },
+            Request::MultiGet {
+                keys: vec![k.clone(), vec![]],
+            },
+            Request::MultiSet {
+                pairs: vec![(k.clone(), v.clone()), (b"/c".to_vec(), vec![])],
+            },
             Request::CancelWait,
             Request::Ping { nonce: 4242 },
-            Request::QueuePush { key: k.clone(), value: v.clone() },
+            Request::QueuePush {
+                key: k.clone(),
+                value: v.clone(),
+            },
             Request::QueuePop { key: k.clone() },
             Request::QueueLen { key: k.clone() },
             Request::ListKeys,
-            Request::Barrier { key: k.clone(), world_size: 4 },
+            Request::Barrier {
+                key: k.clone(),
+                world_size: 4,
+            },
         ] {
             roundtrip(req);
         }
@@ -429,7 +528,10 @@ mod tests {
     #[test]
     fn validate_bytes_match_torch() {
         let mut buf = Vec::new();
-        Request::Validate { magic: VALIDATE_MAGIC }.encode(&mut buf);
+        Request::Validate {
+            magic: VALIDATE_MAGIC,
+        }
+        .encode(&mut buf);
         assert_eq!(buf, [0x00, 0xce, 0xf7, 0x85, 0x3c]);
     }
 
@@ -437,16 +539,25 @@ mod tests {
     fn limits_are_enforced_before_the_bytes_arrive() {
         let mut buf = vec![Op::Get as u8];
         buf.extend_from_slice(&(MAX_KEY_LEN + 1).to_le_bytes());
-        assert_eq!(Request::parse(&buf), Err(ProtocolError::KeyTooLong(MAX_KEY_LEN + 1)));
+        assert_eq!(
+            Request::parse(&buf),
+            Err(ProtocolError::KeyTooLong(MAX_KEY_LEN + 1))
+        );
 
         let mut buf = vec![Op::Set as u8];
         put_bytes(&mut buf, b"/k");
         buf.extend_from_slice(&(MAX_VALUE_LEN + 1).to_le_bytes());
-        assert_eq!(Request::parse(&buf), Err(ProtocolError::ValueTooLong(MAX_VALUE_LEN + 1)));
+        assert_eq!(
+            Request::parse(&buf),
+            Err(ProtocolError::ValueTooLong(MAX_VALUE_LEN + 1))
+        );
 
         let mut buf = vec![Op::Wait as u8];
         buf.extend_from_slice(&u64::MAX.to_le_bytes());
-        assert_eq!(Request::parse(&buf), Err(ProtocolError::TooManyKeys(u64::MAX)));
+        assert_eq!(
+            Request::parse(&buf),
+            Err(ProtocolError::TooManyKeys(u64::MAX))
+        );
 
         assert_eq!(Request::parse(&[99]), Err(ProtocolError::UnknownOpcode(99)));
     }
@@ -472,6 +583,9 @@ mod tests {
             // Pretend the value arrived: pad with zeroes up to what was announced.
             buf.resize(total, 0);
         }
-        assert!(matches!(result, Some(Err(ProtocolError::RequestTooLarge(_)))), "{result:?}");
+        assert!(
+            matches!(result, Some(Err(ProtocolError::RequestTooLarge(_)))),
+            "{result:?}"
+        );
     }
 }

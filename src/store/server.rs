@@ -20,8 +20,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 use super::protocol::{
-    put_bytes, put_i64, Parsed, Request, CHECK_NOT_READY, CHECK_READY, STOP_WAITING,
-    VALIDATE_MAGIC, WAIT_CANCELED,
+    CHECK_NOT_READY, CHECK_READY, Parsed, Request, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED,
+    put_bytes, put_i64,
 };
 
 type ConnId = u64;
@@ -55,7 +55,9 @@ impl State {
     /// A key was written: every wait that missed it has one key fewer to wait for. `only_one`
     /// serves queue pushes, which satisfy a single blocked pop.
     fn written(&mut self, key: &[u8], only_one: bool) {
-        let Some(mut list) = self.watchers.remove(key) else { return };
+        let Some(mut list) = self.watchers.remove(key) else {
+            return;
+        };
         let mut woken = 0;
         let mut i = 0;
         while i < list.len() {
@@ -64,7 +66,9 @@ impl State {
             }
             let (conn, generation) = list[i];
             i += 1;
-            let Some(p) = self.parked.get_mut(&conn) else { continue };
+            let Some(p) = self.parked.get_mut(&conn) else {
+                continue;
+            };
             if p.generation != generation {
                 continue;
             }
@@ -151,7 +155,9 @@ impl Store {
     fn apply(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), String> {
         if !c.validated {
             return match req {
-                Request::Validate { magic: VALIDATE_MAGIC } => {
+                Request::Validate {
+                    magic: VALIDATE_MAGIC,
+                } => {
                     c.validated = true;
                     Ok(())
                 }
@@ -169,7 +175,11 @@ impl Store {
                 s.kv.insert(key.clone(), value);
                 s.written(&key, false);
             }
-            Request::CompareSet { key, expected, desired } => {
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
                 let reply = match s.kv.get(&key) {
                     None if expected.is_empty() => {
                         s.kv.insert(key.clone(), desired.clone());
@@ -204,7 +214,14 @@ impl Store {
                     for k in keys {
                         s.watchers.entry(k).or_default().push((c.id, generation));
                     }
-                    s.parked.insert(c.id, Parked { generation, remaining, wake: c.wake.clone() });
+                    s.parked.insert(
+                        c.id,
+                        Parked {
+                            generation,
+                            remaining,
+                            wake: c.wake.clone(),
+                        },
+                    );
                 }
             }
             Request::GetNumKeys => put_i64(out, s.kv.len() as i64),
@@ -213,7 +230,9 @@ impl Store {
                 put_i64(out, removed as i64);
             }
             Request::Append { key, value } => {
-                s.kv.entry(key.clone()).or_default().extend_from_slice(&value);
+                s.kv.entry(key.clone())
+                    .or_default()
+                    .extend_from_slice(&value);
                 s.written(&key, false);
             }
             Request::MultiGet { keys } => {
@@ -261,7 +280,10 @@ impl Store {
                 let arrived = s.add(&key, 1)?;
                 if arrived >= world_size {
                     for (conn, generation) in s.barriers.remove(&key).unwrap_or_default() {
-                        if s.parked.get(&conn).is_some_and(|p| p.generation == generation) {
+                        if s.parked
+                            .get(&conn)
+                            .is_some_and(|p| p.generation == generation)
+                        {
                             if let Some(p) = s.parked.remove(&conn) {
                                 let _ = p.wake.send(STOP_WAITING);
                             }
@@ -271,7 +293,14 @@ impl Store {
                 } else {
                     let generation = self.next_wait.fetch_add(1, Ordering::Relaxed);
                     s.barriers.entry(key).or_default().push((c.id, generation));
-                    s.parked.insert(c.id, Parked { generation, remaining: 1, wake: c.wake.clone() });
+                    s.parked.insert(
+                        c.id,
+                        Parked {
+                            generation,
+                            remaining: 1,
+                            wake: c.wake.clone(),
+                        },
+                    );
                 }
             }
         }

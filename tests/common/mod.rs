@@ -23,7 +23,11 @@ pub struct Scene {
 impl Scene {
     pub fn new() -> Scene {
         let dir = tempfile::tempdir().unwrap();
-        let tag = format!("t{}-{}", std::process::id(), dir.path().file_name().unwrap().to_string_lossy());
+        let tag = format!(
+            "t{}-{}",
+            std::process::id(),
+            dir.path().file_name().unwrap().to_string_lossy()
+        );
         Scene { tag, dir }
     }
 
@@ -32,7 +36,11 @@ impl Scene {
     }
 
     pub fn marks(&self) -> Vec<String> {
-        std::fs::read_to_string(self.mark()).unwrap_or_default().lines().map(String::from).collect()
+        std::fs::read_to_string(self.mark())
+            .unwrap_or_default()
+            .lines()
+            .map(String::from)
+            .collect()
     }
 
     pub fn cmd(&self, args: &[&str]) -> Command {
@@ -63,7 +71,11 @@ impl Scene {
     pub fn wait_marks(&self, line: &str, n: usize, timeout: Duration) {
         let end = Instant::now() + timeout;
         while self.marks().iter().filter(|l| *l == line).count() < n {
-            assert!(Instant::now() < end, "timed out waiting for {n} x {line:?}; marks: {:?}", self.marks());
+            assert!(
+                Instant::now() < end,
+                "timed out waiting for {n} x {line:?}; marks: {:?}",
+                self.marks()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -74,15 +86,28 @@ impl Scene {
         let mut found = Vec::new();
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
             let name = e.file_name();
-            let Some(pid) = name.to_str().filter(|s| s.bytes().all(|b| b.is_ascii_digit())) else { continue };
-            let Ok(env) = std::fs::read(e.path().join("environ")) else { continue };
+            let Some(pid) = name
+                .to_str()
+                .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
+            else {
+                continue;
+            };
+            let Ok(env) = std::fs::read(e.path().join("environ")) else {
+                continue;
+            };
             if env.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
                 let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-                if stat.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z')) {
+                if stat
+                    .rsplit_once(") ")
+                    .is_some_and(|(_, r)| r.starts_with('Z'))
+                {
                     continue;
                 }
                 let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-                found.push(format!("{pid}: {}", String::from_utf8_lossy(&cmd).replace('\0', " ")));
+                found.push(format!(
+                    "{pid}: {}",
+                    String::from_utf8_lossy(&cmd).replace('\0', " ")
+                ));
             }
         }
         found
@@ -114,7 +139,10 @@ fn kill9(pid: i32) {
 }
 
 pub fn signal(child: &Child, sig: &str) {
-    let st = Command::new("kill").args([&format!("-{sig}"), &child.id().to_string()]).status().unwrap();
+    let st = Command::new("kill")
+        .args([&format!("-{sig}"), &child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(st.success());
 }
 
@@ -144,10 +172,12 @@ pub fn text(b: &[u8]) -> String {
 
 /// The venv python with torch that scripts/test.sh prepares, if present.
 pub fn torch_python() -> Option<PathBuf> {
-    let p = std::env::var_os("NRUN_TEST_PYTHON").map(PathBuf::from).or_else(|| {
-        let home = std::env::var_os("HOME")?;
-        Some(Path::new(&home).join(".cache/nrun/venv/bin/python"))
-    })?;
+    let p = std::env::var_os("NRUN_TEST_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let home = std::env::var_os("HOME")?;
+            Some(Path::new(&home).join(".cache/nrun/venv/bin/python"))
+        })?;
     let ok = Command::new(&p)
         .args(["-c", "import torch.distributed"])
         .stdout(Stdio::null())

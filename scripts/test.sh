@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what the tests need and runs all of them: formatting, lints, unit and integration
+# tests (real torch clients from a cached venv, real processes and signals).
+#   scripts/test.sh            everything
+#   scripts/test.sh -- FILTER  passes FILTER on to cargo test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v setsid >/dev/null 2>&1 || need_apt+=(util-linux)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "test.sh: installing ${need_apt[*]}" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}") >/dev/null
+  else
+    echo "test.sh: missing ${need_apt[*]} (not root: install them yourself)" >&2
+  fi
+fi
+
+venv=$(scripts/venv.sh)
+export NRUN_TEST_PYTHON="$venv/bin/python"
+
+cargo fmt --check
+cargo clippy --all-targets --quiet -- -D warnings
+if [ "${1:-}" = "--" ]; then shift; fi
+cargo test --all-targets "$@"
