@@ -25,4 +25,4 @@ export NRUN_TEST_PYTHON="$venv/bin/python"
 cargo fmt --check
 cargo clippy --all-targets --quiet -- -D warnings
 if [ "${1:-}" = "--" ]; then shift; fi
-cargo test --all-targets "$@"
+cargo test --all-targets --no-fail-fast "$@"

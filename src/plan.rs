@@ -600,7 +600,10 @@ mod tests {
         let e = plan(&["/definitely/missing.py"]).unwrap_err();
         assert_eq!(e.code, crate::error::exit::USAGE);
         assert!(e.message.contains("not found"), "{}", e.message);
-        let e = plan(&["--no-python", "/etc/hostname"]).unwrap_err();
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("plain.sh");
+        std::fs::write(&plain, "echo\n").unwrap();
+        let e = plan(&["--no-python", plain.to_str().unwrap()]).unwrap_err();
         assert!(e.message.contains("not executable"), "{}", e.message);
         let e = plan(&["--no-python", "no-such-program-xyz"]).unwrap_err();
         assert!(e.message.contains("not found on PATH"), "{}", e.message);

@@ -308,6 +308,10 @@ impl Store {
     }
 }
 
+/// Starting size of a connection's read buffer: requests are mostly tens of bytes, and with
+/// tens of thousands of connections a larger start costs real memory. It grows on demand.
+const INITIAL_BUFFER: usize = 512;
+
 const PRE_2_2: &str = "first request is not VALIDATE: a torch client older than 2.2 (or not a \
 TCPStore client at all); nrun's store works with torch 2.2 and newer";
 
@@ -382,7 +386,7 @@ async fn connection(
         validated: false,
         wake: wake_tx,
     };
-    let mut buf = BytesMut::with_capacity(4096);
+    let mut buf = BytesMut::with_capacity(INITIAL_BUFFER);
     let mut out: Vec<u8> = Vec::with_capacity(256);
     let mut need = 1usize;
     'conn: loop {

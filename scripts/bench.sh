@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Benchmarks nrun against its peers, in the same run, on this machine:
+#  1. launch overhead: nrun vs torchrun vs Open MPI's mpirun, 8 copies of `true`
+#  2. the store: nrun's vs PyTorch's own TCPStore server (libuv and legacy backends):
+#     round trip, a burst of N processes connecting at once, a rendezvous of N clients
+# Raw results go to bench-results/<time>.jsonl; a markdown summary is printed at the end.
+#   RUNS=10 scripts/bench.sh        (RUNS: repetitions of the fast cases; medians reported)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-10}
+SLOW_RUNS=${SLOW_RUNS:-5}
+
+cargo build --release --quiet
+cargo build --release --quiet --example storebench
+venv=$(scripts/venv.sh)
+PY=$venv/bin/python
+if ! command -v mpirun >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null
+fi
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+mkdir -p bench-results
+out=bench-results/$(date -u +%Y%m%dT%H%M%SZ).jsonl
+NRUN=target/release/nrun
+SB=target/release/examples/storebench
+measure() { python3 scripts/bench/measure.py "$@" | tee -a "$out"; }
+export NCCL_NVLS_ENABLE=0
+
+{
+  echo "{\"meta\": {\"date\": \"$(date -u +%FT%TZ)\", \"host\": \"$(hostname)\", \"cpus\": $(nproc),"
+  echo "  \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\","
+  echo "  \"mem_gib\": $(awk '/MemTotal/ {printf "%.0f", $2/1048576}' /proc/meminfo), \"kernel\": \"$(uname -r)\","
+  echo "  \"nrun\": \"$($NRUN --version)\", \"torch\": \"$($PY -c 'import torch; print(torch.__version__)')\","
+  echo "  \"mpirun\": \"$(mpirun --version 2>&1 | head -1)\"}}"
+} | tr -d '\n' >> "$out"; echo >> "$out"
+
+echo "== launch overhead: 8 copies of true" >&2
+measure launch/nrun "$RUNS" -- $NRUN --nproc 8 --no-python true
+measure launch/mpirun "$RUNS" -- mpirun --allow-run-as-root --oversubscribe -np 8 true
+measure launch/torchrun "$SLOW_RUNS" -- "$venv/bin/torchrun" --nproc-per-node 8 --no-python true
+
+echo "== store" >&2
+# One labelled storebench run; a run past its time limit is recorded as such.
+sb() {
+  local label=$1 limit=$2; shift 2
+  local r
+  if r=$(timeout "$limit" $SB "$@"); then
+    echo "{\"label\": \"$label\", \"result\": $r}" | tee -a "$out"
+  else
+    echo "{\"label\": \"$label\", \"timed_out_after_s\": $limit}" | tee -a "$out"
+  fi
+}
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
+$NRUN --master-port "$port" --no-python sleep 7200 2>/dev/null &
+nrun_pid=$!
+servers=("nrun $port")
+cleanup() { kill "$nrun_pid" 2>/dev/null || true; for p in "${torch_pids[@]:-}"; do kill "$p" 2>/dev/null || true; done; }
+torch_pids=()
+trap cleanup EXIT
+for be in libuv legacy; do
+  exec {fd}< <("$PY" scripts/bench/torch_store_server.py "$be"; echo)
+  read -r -u "$fd" tport
+  torch_pids+=("$(pgrep -n -f "torch_store_server.py $be")")
+  servers+=("torch-$be $tport")
+done
+sleep 0.5
+dst=1  # each rendezvous run connects to another 127.0.0.x, so TIME_WAIT ports of one run do not slow the next
+for s in "${servers[@]}"; do
+  read -r name p <<<"$s"
+  slow=$([ "$name" = nrun ] && echo no || echo yes)
+  for _ in $(seq "$SLOW_RUNS"); do sb "rtt/$name" 120 rtt "127.0.0.1:$p" 20000; done
+  for _ in $(seq "$SLOW_RUNS"); do sb "burst100/$name" 120 burst "127.0.0.1:$p" 100; done
+  if [ "$slow" = no ]; then
+    for _ in $(seq "$SLOW_RUNS"); do sb "burst1000/$name" 120 burst "127.0.0.1:$p" 1000; done
+    for n in 1000 4000 16000; do
+      for _ in $(seq "$SLOW_RUNS"); do dst=$((dst % 250 + 1)); sb "rendezvous$n/$name" 120 rendezvous "127.0.0.$dst:$p" "$n"; done
+    done
+  else
+    # PyTorch's server needs seconds per 100 connections: one run each, with a time limit.
+    sb "burst1000/$name" 120 burst "127.0.0.1:$p" 1000
+    dst=$((dst % 250 + 1)); sb "rendezvous1000/$name" 180 rendezvous "127.0.0.$dst:$p" 1000
+    for n in 4000 16000; do dst=$((dst % 250 + 1)); sb "rendezvous$n/$name" 60 rendezvous "127.0.0.$dst:$p" "$n"; done
+  fi
+done
+echo "results: $out" >&2
+python3 scripts/bench/summarize.py "$out"

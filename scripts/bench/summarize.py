@@ -1,0 +1,61 @@
+"""Turns a bench-results/*.jsonl file into the markdown tables of BENCHMARKS.md."""
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+meta = next((r["meta"] for r in rows if "meta" in r), {})
+print(f"Run {meta.get('date')} on {meta.get('host')}: {meta.get('cpus')} CPUs ({meta.get('cpu')}), "
+      f"{meta.get('mem_gib')} GiB, Linux {meta.get('kernel')}; nrun {meta.get('nrun')}, "
+      f"torch {meta.get('torch')}, {meta.get('mpirun')}\n")
+
+print("| launcher (8 x true) | runs | median wall | min wall | median peak memory |")
+print("|---|---|---|---|---|")
+for r in rows:
+    if r.get("label", "").startswith("launch/"):
+        print(f"| {r['label'][7:]} | {r['runs']} | {r.get('median_wall_ms', '-')} ms | "
+              f"{r.get('min_wall_ms', '-')} ms | {r.get('median_peak_mib', '-')} MiB |")
+
+groups = defaultdict(list)
+for r in rows:
+    lab = r.get("label", "")
+    if "/" in lab and not lab.startswith("launch/"):
+        groups[lab].append(r)
+
+
+def med(rs, key):
+    v = [r["result"][key] for r in rs if "result" in r]
+    return statistics.median(v) if v else None
+
+
+def timed_out(rs):
+    return next((r["timed_out_after_s"] for r in rs if "timed_out_after_s" in r), None)
+
+
+print("\n| store case | server | runs | median | p90 | max |")
+print("|---|---|---|---|---|---|")
+for lab, rs in groups.items():
+    case, server = lab.split("/", 1)
+    ok = [r for r in rs if "result" in r]
+    t = timed_out(rs)
+    if case == "rtt":
+        print(f"| SET+GET round trip | {server} | {len(ok)} | {med(rs, 'median_us'):.1f} us | "
+              f"{med(rs, 'p90_us'):.1f} us | p99 {med(rs, 'p99_us'):.1f} us |")
+    elif case.startswith("burst"):
+        n = case[5:]
+        if ok:
+            fails = sum(r["result"]["failed"] for r in ok)
+            print(f"| burst of {n} processes: admission | {server} | {len(ok)} | {med(rs, 'median_ms'):.1f} ms | "
+                  f"{med(rs, 'p90_ms'):.1f} ms | {med(rs, 'max_ms'):.1f} ms{' (%d failed)' % fails if fails else ''} |")
+        if t:
+            print(f"| burst of {n} processes: admission | {server} | {len(rs) - len(ok)} | > {t} s (timed out) | | |")
+    elif case.startswith("rendezvous"):
+        n = case[10:]
+        if ok:
+            secs = sorted(r["result"]["secs"] for r in ok)
+            errs = sum(r["result"]["errors"] for r in ok)
+            print(f"| rendezvous of {n} clients: total | {server} | {len(ok)} | {statistics.median(secs):.3f} s | | "
+                  f"{secs[-1]:.3f} s{' (%d client errors)' % errs if errs else ''} |")
+        if t:
+            print(f"| rendezvous of {n} clients: total | {server} | {len(rs) - len(ok)} | > {t} s (timed out) | | |")
