@@ -18,13 +18,17 @@ Examples:
   nrun --nproc 4 --no-python ./a.out      any program, not only Python
   nrun --nproc 8 --log-dir logs -t 3 x.py  also write logs/<run>/attempt_0/<rank>/std{out,err}.log
   nrun --nproc 8 --max-restarts 2 x.py    restart the whole group up to twice on failure
+  nrun --preflight-only --nproc 8         NCCL all-reduce health check of this node's 8 GPUs
+  nrun --preflight-only --preflight net --nproc 4   the TCP network path alone, no GPU needed
   torchrun --nproc-per-node 8 x.py  ->  nrun --nproc-per-node 8 x.py   (same flags, same env)
 
 Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)
 and rendezvous through the store nrun hosts, so init_process_group(\"env://\") needs no change.
 
-Exit status: 0 all workers succeeded; 2 bad usage or input; otherwise the first failing worker's
-exit code (128+N when it died of signal N), or 128+N when nrun itself was stopped by signal N.";
+Exit status: 0 all workers succeeded; 2 bad usage or input; 90-94 the preflight failed (90 could
+not run, 91 NCCL init failed, 92 timed out, 93 wrong results, 94 under --min-busbw); otherwise the
+first failing worker's exit code (128+N when it died of signal N), or 128+N when nrun itself was
+stopped by signal N.";
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -175,10 +179,59 @@ pub struct Cli {
     #[arg(long = "run-path", alias = "run_path", action = ArgAction::SetTrue, hide = true)]
     pub run_path: bool,
 
+    /// Before the job, prove the GPUs and links with an all-reduce: auto (NCCL when GPUs are
+    /// visible, else none), nccl, net (TCP ring over the network path, no GPU needed) or off;
+    /// add `,warn` to start the job even if the preflight fails.
+    #[arg(long, env = "NRUN_PREFLIGHT_MODE", default_value = "auto", value_name = "MODE[,warn]", help_heading = "Preflight")]
+    pub preflight: String,
+
+    /// Skip the preflight (same as --preflight off).
+    #[arg(long = "no-preflight", env = "NRUN_NO_PREFLIGHT", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Preflight")]
+    pub no_preflight: bool,
+
+    /// Run the preflight alone and report: a faster, clearer all_reduce_perf. No TARGET needed.
+    #[arg(long = "preflight-only", env = "NRUN_PREFLIGHT_ONLY", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Preflight")]
+    pub preflight_only: bool,
+
+    /// Message sizes of the sweep, MIN:MAX:FACTOR with K/M/G suffixes (default 8:256M:2; 8:16M:4
+    /// for --preflight net).
+    #[arg(long = "preflight-sizes", env = "NRUN_PREFLIGHT_SIZES", value_name = "MIN:MAX:FACTOR", help_heading = "Preflight")]
+    pub preflight_sizes: Option<String>,
+
+    /// Timed all-reduces per size (default 20; 5 for net).
+    #[arg(long, env = "NRUN_ITERS", value_name = "N", help_heading = "Preflight")]
+    pub iters: Option<u32>,
+
+    /// Untimed all-reduces per size before timing (default 5; 1 for net).
+    #[arg(long, env = "NRUN_WARMUP", value_name = "N", help_heading = "Preflight")]
+    pub warmup: Option<u32>,
+
+    /// Seconds a rank may take to join and finish communicator init before it is named as stuck.
+    #[arg(long = "preflight-timeout", env = "NRUN_PREFLIGHT_TIMEOUT", default_value_t = 30.0, value_name = "SECS", help_heading = "Preflight")]
+    pub preflight_timeout: f64,
+
+    /// Fail the preflight when busbw at the largest size is under this (GB/s).
+    #[arg(long = "min-busbw", env = "NRUN_MIN_BUSBW", value_name = "GB/s", help_heading = "Preflight")]
+    pub min_busbw: Option<f64>,
+
+    /// Write the preflight report as JSON to FILE.
+    #[arg(long, env = "NRUN_REPORT", value_name = "FILE", help_heading = "Preflight")]
+    pub report: Option<PathBuf>,
+
+    /// The libnccl to test (default: the one the target Python's torch loads, then
+    /// LD_LIBRARY_PATH, then the system's).
+    #[arg(long = "nccl-lib", env = "NRUN_NCCL_LIB", value_name = "PATH", help_heading = "Preflight")]
+    pub nccl_lib: Option<PathBuf>,
+
+    /// Push a single node's preflight traffic through its network path (NCCL_P2P_DISABLE=1
+    /// NCCL_SHM_DISABLE=1 for the preflight only).
+    #[arg(long = "preflight-loopback", env = "NRUN_PREFLIGHT_LOOPBACK", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Preflight")]
+    pub preflight_loopback: bool,
+
     /// The script, module or program, followed by its arguments.
     #[arg(
         value_name = "TARGET [ARGS]...",
-        required = true,
+        required_unless_present = "preflight_only",
         num_args = 1..,
         trailing_var_arg = true,
     )]

@@ -1,22 +1,24 @@
-//! The phases of a run, wired together; deliberately thin. Today: plan -> bind the store ->
-//! attempts of the local worker group -> summary and exit code.
+//! The phases of a run, wired together; deliberately thin: plan -> bind the store -> preflight
+//! (when one runs) -> attempts of the worker group -> summary and exit code.
 
 use std::fs::File;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, exit};
 use crate::node::output::{Sink, WorkerOutput};
 use crate::node::{self, Outcome, Signals, WorkerCmd};
-use crate::plan::{Plan, StorePlan, WorkerSlot};
+use crate::plan::{Plan, PreflightPlan, StorePlan, WorkerSlot};
+use crate::preflight::{self, Mode, RankReport};
 use crate::report;
+use crate::store::client::Client;
 use crate::store::{self, Store};
 
 /// Binds the store's port when this node hosts it. Done before anything else starts so a port
 /// that is taken is a usage error with nothing to clean up.
 pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
-    let StorePlan::Host { port, .. } = plan.store else {
-        return Ok(None);
-    };
+    let StorePlan::Host { port, .. } = plan.store else { return Ok(None) };
     match store::server::bind(port) {
         Ok(l) => Ok(Some(l)),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(Error::usage(format!(
@@ -27,10 +29,14 @@ pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
             "--master-port {port}: permission denied binding it (ports below 1024 need root); pick \
              a port above 1024 or omit --master-port"
         ))),
-        Err(e) => Err(Error::internal(format!(
-            "cannot bind the store on port {port}: {e}"
-        ))),
+        Err(e) => Err(Error::internal(format!("cannot bind the store on port {port}: {e}"))),
     }
+}
+
+/// Where workers find the store.
+struct StoreAddr {
+    addr: String,
+    port: u16,
 }
 
 /// Runs the job to its end and returns nrun's exit code.
@@ -38,12 +44,9 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
     let mut signals = Signals::install()?;
     node::process::become_subreaper();
 
-    let (master_addr, master_port, store, stop_store) = match (&plan.store, listener) {
+    let (store_addr, store, stop_store) = match (&plan.store, listener) {
         (StorePlan::Host { advertise, .. }, Some(l)) => {
-            let port = l
-                .local_addr()
-                .map_err(|e| Error::internal(e.to_string()))?
-                .port();
+            let port = l.local_addr().map_err(|e| Error::internal(e.to_string()))?.port();
             let l = tokio::net::TcpListener::from_std(l)
                 .map_err(|e| Error::internal(format!("store listener: {e}")))?;
             let store = Store::new();
@@ -55,12 +58,39 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
                 })
                 .await
             });
-            (advertise.clone(), port, Some(store), Some(tx))
+            (StoreAddr { addr: advertise.clone(), port }, Some(store), Some(tx))
         }
-        (StorePlan::Remote { addr, port }, _) => (addr.clone(), *port, None, None),
+        (StorePlan::Remote { addr, port }, _) => (StoreAddr { addr: addr.clone(), port: *port }, None, None),
         (StorePlan::Host { .. }, None) => return Err(Error::internal("store was not bound")),
     };
-    tracing::debug!("store at {master_addr}:{master_port}");
+    tracing::debug!("store at {}:{}", store_addr.addr, store_addr.port);
+    let temp_root = std::env::temp_dir().join(format!("nrun-{}", std::process::id()));
+
+    let mut code = exit::SUCCESS;
+    if let Some(pf) = &plan.preflight {
+        code = run_preflight(&plan, pf, &store_addr, &mut signals, &temp_root).await?;
+        if code != exit::SUCCESS && pf.warn_only && !plan.preflight_only {
+            tracing::warn!("the preflight failed (exit code {code}); starting the job anyway (--preflight ...,warn)");
+            code = exit::SUCCESS;
+        }
+    }
+    if code == exit::SUCCESS && !plan.preflight_only {
+        code = run_job(&plan, &store_addr, store.as_deref(), &mut signals, &temp_root).await?;
+    }
+    if let Some(tx) = stop_store {
+        let _ = tx.send(());
+    }
+    let _ = std::fs::remove_dir_all(&temp_root);
+    Ok(code)
+}
+
+async fn run_job(
+    plan: &Plan,
+    sa: &StoreAddr,
+    store: Option<&Store>,
+    signals: &mut Signals,
+    temp_root: &Path,
+) -> Result<u8> {
     if plan.set_omp_threads {
         tracing::info!(
             "OMP_NUM_THREADS was unset; set to 1 for each of the {} workers (as torchrun does); set \
@@ -68,15 +98,12 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
             plan.nproc
         );
     }
-
-    let temp_root = std::env::temp_dir().join(format!("nrun-{}", std::process::id()));
     if plan.log.dir_is_temp {
         if let Some(d) = &plan.log.dir {
             tracing::info!("worker logs go to {}", d.display());
         }
     }
-    let host = nix::unistd::gethostname()
-        .map_or_else(|_| "localhost".into(), |h| h.to_string_lossy().into_owned());
+    let host = hostname();
     let program = std::iter::once(plan.program.to_string_lossy())
         .chain(plan.args.iter().map(|a| a.to_string_lossy()))
         .collect::<Vec<_>>()
@@ -85,24 +112,17 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
     let mut code = exit::SUCCESS;
     for attempt in 0..=plan.max_restarts {
         if attempt > 0 {
-            if let Some(s) = &store {
+            if let Some(s) = store {
                 s.clear();
             }
         }
-        let workers = build_workers(&plan, attempt, &master_addr, master_port, &temp_root)?;
-        let outcome = node::run_group(workers, plan.shutdown_timeout, &mut signals).await?;
-        match outcome {
-            Outcome::Success => {
-                code = exit::SUCCESS;
-                break;
-            }
+        let workers = build_workers(plan, attempt, sa, temp_root, &plan.program, &plan.args, &[], true)?;
+        match node::run_group(workers, plan.shutdown_timeout, None, signals).await? {
+            Outcome::Success => return Ok(exit::SUCCESS),
+            Outcome::TimedOut => return Ok(exit::INTERNAL),
             Outcome::Interrupted(sig) => {
-                tracing::warn!(
-                    "stopped by {}; every worker was stopped",
-                    node::signal_name(sig)
-                );
-                code = exit::signal(sig);
-                break;
+                tracing::warn!("stopped by {}; every worker was stopped", node::signal_name(sig));
+                return Ok(exit::signal(sig));
             }
             Outcome::Failed(f) => {
                 code = f.exit.exit_code();
@@ -116,91 +136,218 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
                     );
                     continue;
                 }
-                eprint!(
-                    "{}",
-                    report::failure_summary(&f, &host, plan.world_size(), &program)
-                );
+                eprint!("{}", report::failure_summary(&f, &host, plan.world_size(), &program));
                 if code == exit::SUCCESS {
                     code = exit::INTERNAL;
                 }
             }
         }
     }
-    if let Some(tx) = stop_store {
-        let _ = tx.send(());
-    }
-    let _ = std::fs::remove_dir_all(&temp_root);
     Ok(code)
 }
 
+fn hostname() -> String {
+    nix::unistd::gethostname().map_or_else(|_| "localhost".into(), |h| h.to_string_lossy().into_owned())
+}
+
+/// The preflight phase: resolve the libnccl the job would load, run one preflight rank per
+/// worker slot with the job's environment, gather what each rank reported, print the verdict.
+async fn run_preflight(
+    plan: &Plan,
+    pf: &PreflightPlan,
+    sa: &StoreAddr,
+    signals: &mut Signals,
+    temp_root: &Path,
+) -> Result<u8> {
+    let started = Instant::now();
+    let (nccl_lib, other_libs) = match pf.mode {
+        Mode::Nccl => resolve_nccl(plan, pf).await,
+        Mode::Net => (None, Vec::new()),
+    };
+    let settings = preflight::Settings {
+        id: format!("{}/0", plan.run_id),
+        mode: pf.mode,
+        min_bytes: pf.min_bytes,
+        max_bytes: pf.max_bytes,
+        factor: pf.factor,
+        iters: pf.iters,
+        warmup: pf.warmup,
+        timeout_ms: pf.timeout.as_millis() as u64,
+        nccl_lib,
+        listen_addr: if sa.addr.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback()) {
+            sa.addr.clone()
+        } else {
+            "0.0.0.0".into()
+        },
+    };
+    let json = serde_json::to_string(&settings).map_err(|e| Error::internal(e.to_string()))?;
+    let mut extra = vec![(preflight::ENV.to_string(), json)];
+    if pf.loopback {
+        extra.push(("NCCL_P2P_DISABLE".into(), "1".into()));
+        extra.push(("NCCL_SHM_DISABLE".into(), "1".into()));
+    }
+    let exe = std::env::current_exe()
+        .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
+    let workers = build_workers(plan, 0, sa, temp_root, exe.as_os_str(), &["__preflight".into()], &extra, false)?;
+    // Ranks enforce the init timeout themselves; this deadline only catches a rank that hangs
+    // where it cannot (a CUDA call, a dead peer mid-collective).
+    let deadline = tokio::time::Instant::now() + pf.timeout * 2 + Duration::from_secs(120);
+    let outcome = node::run_group(workers, Duration::from_secs(3), Some(deadline), signals).await?;
+    let crashed = match &outcome {
+        Outcome::Interrupted(sig) => {
+            tracing::warn!("preflight stopped by {}", node::signal_name(*sig));
+            return Ok(exit::signal(*sig));
+        }
+        Outcome::Failed(f) => Some(format!("rank {} (pid {}) {}", f.rank, f.pid, f.exit.describe())),
+        Outcome::TimedOut => Some("the preflight ran past its deadline and was stopped".into()),
+        Outcome::Success => None,
+    };
+    let (reports, silent) = gather_reports(plan, sa, &settings).await;
+    let summary = preflight::Outcome {
+        world_size: plan.world_size(),
+        mode: pf.mode,
+        reports,
+        silent,
+        crashed,
+        min_busbw: pf.min_busbw,
+        wall_s: started.elapsed().as_secs_f64(),
+        other_libs,
+    }
+    .summarize();
+    print!("{}", summary.text);
+    if let Some(path) = &pf.report {
+        let text = serde_json::to_string_pretty(&summary.json).unwrap_or_default();
+        std::fs::write(path, text + "\n")
+            .map_err(|e| Error::usage(format!("cannot write --report {}: {e}", path.display())))?;
+    }
+    Ok(summary.verdict.exit_code())
+}
+
+/// Reads every rank's report from the store; a rank without one is listed with the last stage
+/// it reached (or none, when it never reached the store).
+async fn gather_reports(
+    plan: &Plan,
+    sa: &StoreAddr,
+    s: &preflight::Settings,
+) -> (std::collections::BTreeMap<usize, RankReport>, Vec<(usize, String, Option<String>)>) {
+    let mut reports = std::collections::BTreeMap::new();
+    let mut silent = Vec::new();
+    let addr: Option<SocketAddr> = (sa.addr.as_str(), sa.port).to_socket_addrs().ok().and_then(|mut a| a.next());
+    let mut client = match addr {
+        Some(a) => Client::connect(a, Duration::from_secs(5)).await.ok(),
+        None => None,
+    };
+    let host = hostname();
+    for rank in 0..plan.world_size() {
+        let Some(c) = client.as_mut() else {
+            silent.push((rank, host.clone(), None));
+            continue;
+        };
+        let r = c.get(&s.key(&format!("result/{rank}"))).await.unwrap_or_default();
+        match serde_json::from_slice::<RankReport>(&r) {
+            Ok(rep) => {
+                reports.insert(rank, rep);
+            }
+            Err(_) => {
+                let st = c.get(&s.key(&format!("stage/{rank}"))).await.unwrap_or_default();
+                let stage = (!st.is_empty()).then(|| String::from_utf8_lossy(&st).into_owned());
+                // Ranks are contiguous per node; this node's are the only ones it can name.
+                let h = if rank / plan.nproc == plan.node_rank { host.clone() } else { format!("node {}", rank / plan.nproc) };
+                silent.push((rank, h, stage));
+            }
+        }
+    }
+    (reports, silent)
+}
+
+/// The libnccl the job would load, and a line for every other one found (path and version).
+async fn resolve_nccl(plan: &Plan, pf: &PreflightPlan) -> (Option<PathBuf>, Vec<String>) {
+    // Even with --nccl-lib, torch's copy is looked up so that a mismatch can be reported.
+    let python_paths = plan.python.as_deref().map(preflight::nccl::python_sys_path).unwrap_or_default();
+    let ld = std::env::var("LD_LIBRARY_PATH").ok();
+    let cands = preflight::nccl::candidates(pf.nccl_lib.as_deref(), &python_paths, ld.as_deref());
+    let chosen = cands.first().map(|c| c.path.clone());
+    // Each other library's version, read by a separate nrun process: two libraries with the
+    // same soname should not share one process.
+    let exe = std::env::current_exe().ok();
+    let mut others = Vec::new();
+    for c in cands.iter().skip(1) {
+        let version = match &exe {
+            Some(exe) => tokio::process::Command::new(exe)
+                .arg("__nccl-version")
+                .arg(&c.path)
+                .output()
+                .await
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
+            None => None,
+        };
+        others.push(format!(
+            "NCCL {} at {} ({}; not used)",
+            version.as_deref().unwrap_or("?"),
+            c.path.display(),
+            c.source.describe()
+        ));
+    }
+    if let Some(c) = cands.first() {
+        tracing::debug!("preflight uses {} NCCL at {}", c.source.describe(), c.path.display());
+    }
+    (chosen, others)
+}
+
+/// One WorkerCmd per local rank. `logs` says whether the job's log files and console filters
+/// apply (the preflight's ranks write no log files).
+#[allow(clippy::too_many_arguments)]
 fn build_workers(
     plan: &Plan,
     attempt: u32,
-    master_addr: &str,
-    master_port: u16,
+    sa: &StoreAddr,
     temp_root: &Path,
+    program: &std::ffi::OsStr,
+    args: &[std::ffi::OsString],
+    extra_env: &[(String, String)],
+    logs: bool,
 ) -> Result<Vec<WorkerCmd>> {
     let prefixed = plan.world_size() > 1;
     let width = (plan.world_size().saturating_sub(1)).to_string().len();
     let mut workers = Vec::with_capacity(plan.nproc);
     for local_rank in 0..plan.nproc {
         let rank = plan.node_rank * plan.nproc + local_rank;
-        let log_dir = plan
-            .log
-            .dir
-            .as_ref()
-            .map(|d| plan.worker_dir(d, attempt, local_rank));
-        let err_dir = log_dir
-            .clone()
-            .unwrap_or_else(|| plan.worker_dir(temp_root, attempt, local_rank));
+        let log_dir = plan.log.dir.as_ref().filter(|_| logs).map(|d| plan.worker_dir(d, attempt, local_rank));
+        let err_dir = log_dir.clone().unwrap_or_else(|| plan.worker_dir(temp_root, attempt, local_rank));
         std::fs::create_dir_all(&err_dir).map_err(|e| {
-            Error::usage(format!(
-                "cannot create log directory {}: {e}",
-                err_dir.display()
-            ))
+            Error::usage(format!("cannot create log directory {}: {e}", err_dir.display()))
         })?;
         let error_file = err_dir.join("error.json");
-        let env = plan.worker_env(&WorkerSlot {
+        let mut env = plan.worker_env(&WorkerSlot {
             local_rank,
             restart_count: attempt,
-            master_addr,
-            master_port,
+            master_addr: &sa.addr,
+            master_port: sa.port,
             error_file: &error_file,
         });
-        let redirected = plan.log.redirects.for_rank(local_rank);
-        let shown = plan
-            .log
-            .console_ranks
-            .as_ref()
-            .is_none_or(|s| s.contains(&local_rank));
+        env.extend(extra_env.iter().cloned());
+        let redirected = if logs { plan.log.redirects.for_rank(local_rank) } else { Default::default() };
+        let shown = !logs || plan.log.console_ranks.as_ref().is_none_or(|s| s.contains(&local_rank));
         let sink = |redirect: bool, name: &str| -> Result<Sink> {
             let file = match &log_dir {
                 Some(d) => Some(create_log(&d.join(name))?),
                 None => None,
             };
-            Ok(Sink {
-                console: shown && !redirect,
-                file,
-            })
+            Ok(Sink { console: shown && !redirect, file })
         };
         workers.push(WorkerCmd {
             rank,
             local_rank,
-            program: plan.program.clone(),
-            args: plan.args.clone(),
+            program: program.to_os_string(),
+            args: args.to_vec(),
             env,
             error_file,
             output: WorkerOutput {
-                prefix: if prefixed {
-                    format!("[rank{rank:>width$}]: ")
-                } else {
-                    String::new()
-                },
+                prefix: if prefixed { format!("[rank{rank:>width$}]: ") } else { String::new() },
                 colour: rank,
-                sinks: [
-                    sink(redirected.stdout(), "stdout.log")?,
-                    sink(redirected.stderr(), "stderr.log")?,
-                ],
+                sinks: [sink(redirected.stdout(), "stdout.log")?, sink(redirected.stderr(), "stderr.log")?],
             },
         });
     }
@@ -208,6 +355,5 @@ fn build_workers(
 }
 
 fn create_log(p: &PathBuf) -> Result<File> {
-    File::create(p)
-        .map_err(|e| Error::usage(format!("cannot create log file {}: {e}", p.display())))
+    File::create(p).map_err(|e| Error::usage(format!("cannot create log file {}: {e}", p.display())))
 }

@@ -16,6 +16,17 @@ pub mod exit {
     /// Bad usage or input: unknown option, bad value, missing script or program, port taken.
     pub const USAGE: u8 = 2;
 
+    /// The preflight could not run: no usable libnccl, libcuda or GPU, or the store unreachable.
+    pub const PREFLIGHT_SETUP: u8 = 90;
+    /// NCCL communicator init failed on some rank.
+    pub const PREFLIGHT_INIT: u8 = 91;
+    /// Some rank did not finish in time (stuck in init, or never reached the store).
+    pub const PREFLIGHT_TIMEOUT: u8 = 92;
+    /// All-reduce results were wrong.
+    pub const PREFLIGHT_WRONG: u8 = 93;
+    /// Bus bandwidth under --min-busbw.
+    pub const PREFLIGHT_SLOW: u8 = 94;
+
     /// Exit code for death by signal `sig`.
     pub fn signal(sig: i32) -> u8 {
         (128 + sig).clamp(0, 255) as u8

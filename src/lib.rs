@@ -14,6 +14,7 @@ pub mod coordinator;
 pub mod error;
 pub mod node;
 pub mod plan;
+pub mod preflight;
 pub mod report;
 pub mod store;
 
@@ -23,6 +24,26 @@ use clap::Parser;
 
 /// The `nrun` binary.
 pub fn main() -> ExitCode {
+    // nrun re-runs itself as the preflight rank, and to read a libnccl's version in isolation;
+    // these internal entry points are dispatched before the user-facing command line.
+    let mut argv = std::env::args_os().skip(1);
+    match argv.next().as_deref().and_then(|a| a.to_str()) {
+        Some("__preflight") => return ExitCode::from(preflight::worker::main()),
+        Some("__nccl-version") => {
+            return match argv.next().map(|p| preflight::nccl::Nccl::open(std::path::Path::new(&p))) {
+                Some(Ok(n)) => {
+                    println!("{}", n.version);
+                    ExitCode::SUCCESS
+                }
+                Some(Err(e)) => {
+                    eprintln!("{e}");
+                    ExitCode::from(error::exit::INTERNAL)
+                }
+                None => ExitCode::from(error::exit::USAGE),
+            };
+        }
+        _ => {}
+    }
     cli::apply_pet_env();
     let cli = match cli::Cli::try_parse() {
         Ok(c) => c,

@@ -98,6 +98,24 @@ pub struct LogPlan {
     pub console_ranks: Option<BTreeSet<usize>>,
 }
 
+/// The preflight, when one runs.
+#[derive(Clone, Debug)]
+pub struct PreflightPlan {
+    pub mode: crate::preflight::Mode,
+    /// Start the job even if the preflight fails.
+    pub warn_only: bool,
+    pub min_bytes: u64,
+    pub max_bytes: u64,
+    pub factor: u64,
+    pub iters: u32,
+    pub warmup: u32,
+    pub timeout: Duration,
+    pub min_busbw: Option<f64>,
+    pub report: Option<PathBuf>,
+    pub nccl_lib: Option<PathBuf>,
+    pub loopback: bool,
+}
+
 /// Everything a run needs, decided before anything starts.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -116,6 +134,11 @@ pub struct Plan {
     pub set_omp_threads: bool,
     /// Whether TORCH_NCCL_ASYNC_ERROR_HANDLING gets torchrun's default of 1 (unset).
     pub set_async_error_handling: bool,
+    pub preflight: Option<PreflightPlan>,
+    /// Only the preflight runs (no TARGET).
+    pub preflight_only: bool,
+    /// The Python interpreter the job uses (or would use), for finding torch's NCCL.
+    pub python: Option<PathBuf>,
 }
 
 impl Plan {
@@ -140,7 +163,13 @@ impl Plan {
                 cli.shutdown_timeout
             )));
         }
-        let (program, args) = resolve_command(cli, env)?;
+        let preflight = resolve_preflight(cli, env)?;
+        let (program, args) = if cli.command.is_empty() {
+            (OsString::new(), Vec::new())
+        } else {
+            resolve_command(cli, env)?
+        };
+        let python = resolve_python(cli, env);
         let store = resolve_store(cli, nnodes)?;
 
         let redirects = match &cli.redirects {
@@ -184,6 +213,9 @@ impl Plan {
             },
             set_omp_threads: nproc > 1 && env("OMP_NUM_THREADS").is_none(),
             set_async_error_handling: env("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none(),
+            preflight,
+            preflight_only: cli.preflight_only,
+            python,
         })
     }
 
@@ -257,6 +289,87 @@ pub fn visible_gpus(env: &dyn Fn(&str) -> Option<String>) -> usize {
             .count()
             .min(present),
     }
+}
+
+fn resolve_preflight(cli: &Cli, env: &dyn Fn(&str) -> Option<String>) -> Result<Option<PreflightPlan>> {
+    use crate::preflight::Mode;
+    let mut mode: Option<Option<Mode>> = None;
+    let mut warn_only = false;
+    for part in cli.preflight.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part {
+            "warn" => warn_only = true,
+            "auto" => {}
+            "nccl" => mode = Some(Some(Mode::Nccl)),
+            "net" => mode = Some(Some(Mode::Net)),
+            "off" | "none" => mode = Some(None),
+            other => {
+                return Err(Error::usage(format!(
+                    "--preflight {other:?}: expected auto, nccl, net or off, optionally with ,warn"
+                )));
+            }
+        }
+    }
+    if cli.no_preflight {
+        if cli.preflight_only {
+            return Err(Error::usage("--no-preflight and --preflight-only exclude each other"));
+        }
+        mode = Some(None);
+    }
+    let mode = match mode {
+        Some(m) => m,
+        // auto: NCCL where GPUs are visible; elsewhere a job needs no GPU preflight.
+        None => (visible_gpus(env) > 0).then_some(Mode::Nccl),
+    };
+    let Some(mode) = mode else {
+        if cli.preflight_only {
+            return Err(Error::usage(
+                "--preflight-only: no GPU is visible here for the NCCL preflight; use --preflight net \
+                 to test the network path alone",
+            ));
+        }
+        return Ok(None);
+    };
+    let (min_bytes, max_bytes, factor) = match &cli.preflight_sizes {
+        Some(s) => crate::preflight::parse_sizes(s)?,
+        None if mode == Mode::Net => (8, 16 << 20, 4),
+        None => (8, 256 << 20, 2),
+    };
+    let net = mode == Mode::Net;
+    if !(cli.preflight_timeout.is_finite() && cli.preflight_timeout > 0.0) {
+        return Err(Error::usage(format!(
+            "--preflight-timeout {} must be a positive number of seconds",
+            cli.preflight_timeout
+        )));
+    }
+    if let Some(p) = &cli.nccl_lib {
+        if !p.is_file() {
+            return Err(Error::usage(format!("--nccl-lib {}: no such file", p.display())));
+        }
+    }
+    Ok(Some(PreflightPlan {
+        mode,
+        warn_only,
+        min_bytes,
+        max_bytes,
+        factor,
+        iters: cli.iters.unwrap_or(if net { 5 } else { 20 }).max(1),
+        warmup: cli.warmup.unwrap_or(if net { 1 } else { 5 }),
+        timeout: Duration::from_secs_f64(cli.preflight_timeout),
+        min_busbw: cli.min_busbw,
+        report: cli.report.clone(),
+        nccl_lib: cli.nccl_lib.clone(),
+        loopback: cli.preflight_loopback,
+    }))
+}
+
+/// The interpreter a Python job would use, if it can be found (for locating torch's NCCL).
+fn resolve_python(cli: &Cli, env: &dyn Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    let name = match (&cli.python, env("PYTHON_EXEC")) {
+        (Some(p), _) => p.display().to_string(),
+        (None, Some(p)) if !p.is_empty() => p,
+        _ => "python3".to_string(),
+    };
+    find_program(&name, env("PATH").as_deref())
 }
 
 fn resolve_nproc(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {

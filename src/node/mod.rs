@@ -97,6 +97,8 @@ pub enum Outcome {
     Failed(Failure),
     /// nrun itself received this signal and stopped the workers.
     Interrupted(i32),
+    /// The group's deadline passed; the workers were stopped.
+    TimedOut,
 }
 
 /// SIGINT, SIGTERM and SIGHUP to nrun, as one stream. Installed once, before any worker starts,
@@ -139,10 +141,11 @@ struct Running {
 }
 
 /// Runs one attempt of the worker group to its end. `grace` is the time between the polite
-/// signal and SIGKILL.
+/// signal and SIGKILL; past `deadline` (if any) the group is stopped as if it had failed.
 pub async fn run_group(
     workers: Vec<WorkerCmd>,
     grace: Duration,
+    deadline: Option<Instant>,
     signals: &mut Signals,
 ) -> Result<Outcome> {
     let mut outputs = Vec::with_capacity(workers.len());
@@ -238,6 +241,7 @@ pub async fn run_group(
 
     let mut first_failure: Option<usize> = None;
     let mut interrupted: Option<i32> = None;
+    let mut timed_out = false;
     let mut kill_at: Option<Instant> = None;
     let stop_all = |running: &[Running], sig: Signal| {
         for r in running.iter().filter(|r| r.exit.is_none()) {
@@ -254,7 +258,7 @@ pub async fn run_group(
                 let Some((idx, exit, at)) = ev else { break };
                 running[idx].exit = Some((exit, at));
                 left -= 1;
-                if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() {
+                if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() && !timed_out {
                     first_failure = Some(idx);
                     stop_all(&running, Signal::SIGTERM);
                     kill_at = Some(Instant::now() + grace);
@@ -270,6 +274,11 @@ pub async fn run_group(
                     kill_at = Some(Instant::now() + grace);
                 }
                 interrupted.get_or_insert(sig);
+            }
+            _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)).await }, if deadline.is_some() && !timed_out && kill_at.is_none() => {
+                timed_out = true;
+                stop_all(&running, Signal::SIGTERM);
+                kill_at = Some(Instant::now() + grace);
             }
             _ = async { tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)).await }, if kill_at.is_some() => {
                 stop_all(&running, Signal::SIGKILL);
@@ -327,6 +336,7 @@ pub async fn run_group(
     }
     match interrupted {
         Some(sig) if sig > 0 => Ok(Outcome::Interrupted(sig)),
+        _ if timed_out => Ok(Outcome::TimedOut),
         _ => Ok(Outcome::Success),
     }
 }

@@ -141,6 +141,11 @@ impl Store {
         *self.lock() = State::default();
     }
 
+    /// A key's value, read in-process.
+    pub fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.lock().kv.get(key).cloned()
+    }
+
     /// Number of keys, as GETNUMKEYS would answer.
     pub fn num_keys(&self) -> usize {
         self.lock().kv.len()

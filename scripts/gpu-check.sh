@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU half of the preflight's tests and its validation against torch, for a machine with
+# NVIDIA GPUs (nrun built elsewhere: pass NRUN=path). Writes logs to $OUT (or ./gpu-check-out).
+#   NRUN=target/release/nrun PYTHON=/opt/torch/.venv/bin/python3 scripts/gpu-check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+NRUN=${NRUN:-target/release/nrun}
+PY=${PYTHON:-python3}
+OUTDIR=${OUT:-gpu-check-out}
+mkdir -p "$OUTDIR"
+export NCCL_NVLS_ENABLE=0   # must reach every process on the shared GPU machines
+NGPU=$(ls /proc/driver/nvidia/gpus 2>/dev/null | wc -l)
+MAX=${MAX_SIZE:-2G}
+pass=0; fail=0
+check() {  # check NAME EXPECTED_RC CMD... : runs CMD, compares its exit code, keeps its output
+  local name=$1 want=$2; shift 2
+  local t0=$(date +%s.%N)
+  "$@" > "$OUTDIR/$name.log" 2>&1
+  local rc=$? t1=$(date +%s.%N)
+  printf '%-34s rc=%-3s want=%-3s %6.2fs  ' "$name" "$rc" "$want" "$(echo "$t1 - $t0" | bc)"
+  if [ "$rc" = "$want" ]; then pass=$((pass+1)); echo ok; else fail=$((fail+1)); echo FAILED; tail -20 "$OUTDIR/$name.log"; fi
+}
+echo "GPUs: $NGPU; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+[ "$NGPU" -ge 1 ] || { echo "no GPU: nothing to check"; exit 0; }
+NP=$([ "$NGPU" -ge 2 ] && echo "$NGPU" || echo 1)
+
+# Validation: default sweep, whole command timed (target <= 1.5 s), then the full sweep beside torch.
+check preflight-default 0 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --report "$OUTDIR/preflight-default.json"
+check preflight-one-gpu 0 "$NRUN" --preflight-only --nproc 1 --python "$PY"
+check preflight-full 0 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --preflight-sizes "8:$MAX:2" --report "$OUTDIR/preflight-full.json"
+maxb=$(python3 -c "import sys; s='$MAX'; m={'K':1<<10,'M':1<<20,'G':1<<30}; print(int(s[:-1])*m[s[-1]] if s[-1] in m else int(s))")
+check torch-allreduce 0 "$NRUN" --no-preflight --nproc "$NP" --python "$PY" scripts/bench/torch_allreduce.py 8 "$maxb" 2 20 5
+# Faults, each ending in a diagnosis within the timeout and nothing left running.
+check wrong-nccl-lib 90 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --nccl-lib /lib/x86_64-linux-gnu/libc.so.6
+check missing-nccl-lib 2 "$NRUN" --preflight-only --nproc "$NP" --nccl-lib /nonexistent/libnccl.so.2
+check missing-ifname-loopback 91 env NCCL_SOCKET_IFNAME==nosuch0 "$NRUN" --preflight-only --preflight-loopback --preflight-timeout 20 --nproc "$NP" --python "$PY"
+if [ -e /lib/x86_64-linux-gnu/libnccl.so.2 ]; then
+  check system-nccl 0 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --nccl-lib /lib/x86_64-linux-gnu/libnccl.so.2
+fi
+# A rank killed while the preflight runs: the supervisor names it, the rest are stopped.
+( sleep 0.4; pkill -9 -n -f '__preflight' ) &
+check rank-killed 90 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --preflight-sizes 8:2G:2
+wait
+check min-busbw-too-high 94 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --min-busbw 100000
+check preflight-net 0 "$NRUN" --preflight-only --preflight net --nproc "$NP"
+check train-with-preflight 0 "$NRUN" --nproc "$NP" --python "$PY" examples/train.py --steps 20
+leftover=$(pgrep -f '__preflight|examples/train.py' | wc -l)
+echo "left running: $leftover"
+[ "$leftover" = 0 ] || fail=$((fail+1))
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]

@@ -1,0 +1,597 @@
+//! The all-reduce preflight: before the job, prove with the job's exact rank layout, environment
+//! and libnccl that a communicator forms across all ranks and all-reduces correctly at speed.
+//!
+//! - [`nccl`]: libnccl by explicit path, and which one the job would load.
+//! - [`cuda`]: the CUDA driver calls (cudarc, loaded at run time).
+//! - [`worker`]: one preflight rank (nrun itself, started like a job worker): NCCL on a GPU, or a
+//!   TCP ring on the CPU (`--preflight=net`).
+//! - this file: settings, the store keys ranks report through, and the verdict.
+//!
+//! Ranks never exit non-zero for a failed check: each writes a [`RankReport`] to the store
+//! (error included) and exits 0, so the coordinator sees every rank's view, not only the first
+//! to die. A rank that fails sets an abort key; the others stop waiting at once.
+
+pub mod cuda;
+pub mod nccl;
+pub mod worker;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, exit};
+
+/// Which preflight runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// NCCL all-reduce on the GPUs.
+    Nccl,
+    /// TCP ring all-reduce over the network path, no GPU needed.
+    Net,
+}
+
+/// What every preflight rank is told (as JSON in NRUN_PREFLIGHT).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Settings {
+    /// Key space of this preflight run in the store.
+    pub id: String,
+    pub mode: Mode,
+    pub min_bytes: u64,
+    pub max_bytes: u64,
+    pub factor: u64,
+    pub iters: u32,
+    pub warmup: u32,
+    /// Deadline for communicator init (and for waiting on other ranks), milliseconds.
+    pub timeout_ms: u64,
+    pub nccl_lib: Option<PathBuf>,
+    /// Address this node's ranks listen on in net mode.
+    pub listen_addr: String,
+}
+
+pub const ENV: &str = "NRUN_PREFLIGHT";
+
+impl Settings {
+    /// Message sizes of the sweep, in bytes, each a multiple of 4 (float32 elements).
+    pub fn sizes(&self) -> Vec<u64> {
+        let mut v = Vec::new();
+        let mut s = self.min_bytes.max(4);
+        while s <= self.max_bytes {
+            v.push(s / 4 * 4);
+            let next = s.saturating_mul(self.factor.max(2));
+            if next == s {
+                break;
+            }
+            s = next;
+        }
+        v
+    }
+
+    pub fn key(&self, what: &str) -> Vec<u8> {
+        format!("nrun/pf/{}/{what}", self.id).into_bytes()
+    }
+}
+
+/// Parses `MIN:MAX:FACTOR` with sizes like 8, 64K, 256M, 2G.
+pub fn parse_sizes(s: &str) -> Result<(u64, u64, u64), Error> {
+    let bad = || {
+        Error::usage(format!(
+            "--preflight-sizes {s:?}: expected MIN:MAX:FACTOR, e.g. 8:256M:2 (sizes in bytes, K/M/G \
+             suffixes)"
+        ))
+    };
+    let parts: Vec<&str> = s.split(':').collect();
+    if parts.len() != 3 {
+        return Err(bad());
+    }
+    let size = |p: &str| -> Result<u64, Error> {
+        let p = p.trim();
+        let (num, mul) = match p.chars().last().map(|c| c.to_ascii_uppercase()) {
+            Some('K') => (&p[..p.len() - 1], 1u64 << 10),
+            Some('M') => (&p[..p.len() - 1], 1 << 20),
+            Some('G') => (&p[..p.len() - 1], 1 << 30),
+            _ => (p, 1),
+        };
+        num.parse::<u64>().ok().and_then(|n| n.checked_mul(mul)).ok_or_else(bad)
+    };
+    let (min, max) = (size(parts[0])?, size(parts[1])?);
+    let factor = parts[2].trim().parse::<u64>().map_err(|_| bad())?;
+    if min == 0 || max < min || factor < 2 {
+        return Err(bad());
+    }
+    Ok((min, max, factor))
+}
+
+/// One message size's measurements on one rank.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Row {
+    pub bytes: u64,
+    pub oop_us: f64,
+    pub oop_wrong: u64,
+    pub ip_us: f64,
+    pub ip_wrong: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RankError {
+    /// setup | store | init | init-timeout | aborted | collective
+    pub kind: String,
+    pub message: String,
+}
+
+/// What one rank reports.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RankReport {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub host: String,
+    pub pid: u32,
+    pub nccl_version: Option<String>,
+    pub nccl_path: Option<String>,
+    pub gpu: Option<String>,
+    pub driver: Option<String>,
+    pub init_ms: Option<f64>,
+    pub rows: Vec<Row>,
+    pub error: Option<RankError>,
+}
+
+/// Progress marks a rank leaves in the store, so a silent rank can be placed.
+pub const STAGES: [(&str, &str); 6] = [
+    ("started", "started, connected to the store"),
+    ("loaded", "loaded its libraries and GPU"),
+    ("id", "has the unique id, entering communicator init"),
+    ("init", "finished communicator init"),
+    ("sweep", "running the all-reduce sweep"),
+    ("done", "done"),
+];
+
+pub fn stage_text(stage: &str) -> &'static str {
+    STAGES.iter().find(|(s, _)| *s == stage).map_or("in an unknown stage", |(_, t)| t)
+}
+
+/// nccl-tests' bus bandwidth for all-reduce: algbw * 2(n-1)/n.
+pub fn busbw(bytes: u64, us: f64, nranks: usize) -> (f64, f64) {
+    if us <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let algbw = bytes as f64 / (us * 1e-6) / 1e9;
+    let n = nranks as f64;
+    (algbw, if nranks > 1 { algbw * 2.0 * (n - 1.0) / n } else { 0.0 })
+}
+
+/// How the preflight ended, and the exit code that goes with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Ok,
+    /// Libraries, GPUs or the store not usable.
+    Setup,
+    InitFailed,
+    Timeout,
+    Wrong,
+    Slow,
+}
+
+impl Verdict {
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Verdict::Ok => exit::SUCCESS,
+            Verdict::Setup => exit::PREFLIGHT_SETUP,
+            Verdict::InitFailed => exit::PREFLIGHT_INIT,
+            Verdict::Timeout => exit::PREFLIGHT_TIMEOUT,
+            Verdict::Wrong => exit::PREFLIGHT_WRONG,
+            Verdict::Slow => exit::PREFLIGHT_SLOW,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::Setup => "could not run",
+            Verdict::InitFailed => "communicator init failed",
+            Verdict::Timeout => "timed out",
+            Verdict::Wrong => "WRONG RESULTS",
+            Verdict::Slow => "too slow",
+        }
+    }
+}
+
+/// Everything the coordinator knows after the preflight group ended.
+pub struct Outcome {
+    pub world_size: usize,
+    pub mode: Mode,
+    pub reports: BTreeMap<usize, RankReport>,
+    /// Last stage each silent rank reached, with its host.
+    pub silent: Vec<(usize, String, Option<String>)>,
+    /// A rank that crashed (exit code or signal), from the supervisor.
+    pub crashed: Option<String>,
+    pub min_busbw: Option<f64>,
+    pub wall_s: f64,
+    /// Libraries found besides the one used.
+    pub other_libs: Vec<String>,
+}
+
+/// The table, diagnosis and verdict.
+pub struct Summary {
+    pub verdict: Verdict,
+    pub text: String,
+    pub json: serde_json::Value,
+}
+
+impl Outcome {
+    pub fn summarize(&self) -> Summary {
+        let mut t = String::new();
+        let mut problems: Vec<String> = Vec::new();
+        let mut hints: Vec<String> = Vec::new();
+        let mut verdict = Verdict::Ok;
+        let worse = |v: Verdict, cur: &mut Verdict| {
+            let rank = |v: Verdict| match v {
+                Verdict::Ok => 0,
+                Verdict::Slow => 1,
+                Verdict::Wrong => 2,
+                Verdict::Timeout => 3,
+                Verdict::InitFailed => 4,
+                Verdict::Setup => 5,
+            };
+            if rank(v) > rank(*cur) {
+                *cur = v;
+            }
+        };
+
+        // Libraries and versions.
+        let mut versions: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for r in self.reports.values() {
+            if let Some(v) = &r.nccl_version {
+                versions.entry(format!("{v} ({})", r.nccl_path.as_deref().unwrap_or("?"))).or_default().push(r.rank);
+            }
+        }
+        let hosts: std::collections::BTreeSet<&str> = self.reports.values().map(|r| r.host.as_str()).collect();
+        let what = match self.mode {
+            Mode::Nccl => "NCCL all-reduce",
+            Mode::Net => "network (TCP ring) all-reduce",
+        };
+        let _ = writeln!(
+            t,
+            "nrun preflight: {what}, {} ranks on {} node(s)",
+            self.world_size,
+            hosts.len().max(1)
+        );
+        match versions.len() {
+            0 => {}
+            1 => {
+                let _ = writeln!(t, "  NCCL {}", versions.keys().next().map_or("", |s| s.as_str()));
+            }
+            _ => {
+                let list: Vec<String> = versions.iter().map(|(v, ranks)| format!("{v} on ranks {}", ranks_text(ranks))).collect();
+                problems.push(format!("NCCL differs between ranks: {}", list.join("; ")));
+                hints.push("load one NCCL everywhere: the same torch build on every node, or --nccl-lib PATH".into());
+            }
+        }
+        for lib in &self.other_libs {
+            let _ = writeln!(t, "  also found: {lib}");
+        }
+        if let Some(r) = self.reports.values().find(|r| r.gpu.is_some()) {
+            let gpus: std::collections::BTreeSet<&str> = self.reports.values().filter_map(|r| r.gpu.as_deref()).collect();
+            let _ = writeln!(
+                t,
+                "  GPUs: {}; driver CUDA {}",
+                gpus.into_iter().collect::<Vec<_>>().join(", "),
+                r.driver.as_deref().unwrap_or("?")
+            );
+        }
+        // Init time per node.
+        let mut init_by_host: BTreeMap<&str, f64> = BTreeMap::new();
+        for r in self.reports.values() {
+            if let Some(ms) = r.init_ms {
+                let e = init_by_host.entry(r.host.as_str()).or_insert(0.0);
+                *e = e.max(ms);
+            }
+        }
+        if !init_by_host.is_empty() {
+            let parts: Vec<String> = init_by_host.iter().map(|(h, ms)| format!("{h} {:.0} ms", ms)).collect();
+            let _ = writeln!(t, "  communicator init: {}", parts.join(", "));
+        }
+
+        // Errors per rank.
+        let mut by_kind: BTreeMap<String, Vec<&RankReport>> = BTreeMap::new();
+        for r in self.reports.values() {
+            if let Some(e) = &r.error {
+                by_kind.entry(e.kind.clone()).or_default().push(r);
+            }
+        }
+        for (kind, rs) in &by_kind {
+            // Ranks that only stopped because another failed are noise next to the cause.
+            if kind == "aborted" && by_kind.len() > 1 {
+                continue;
+            }
+            let v = match kind.as_str() {
+                "setup" | "store" => Verdict::Setup,
+                "init" | "collective" => Verdict::InitFailed,
+                "init-timeout" => Verdict::Timeout,
+                _ => Verdict::InitFailed,
+            };
+            worse(v, &mut verdict);
+            for r in rs.iter().take(8) {
+                let e = r.error.as_ref().map_or("", |e| e.message.as_str());
+                problems.push(format!("rank {} on {} (pid {}): {e}", r.rank, r.host, r.pid));
+            }
+            if rs.len() > 8 {
+                problems.push(format!("... and {} more ranks with the same kind of failure", rs.len() - 8));
+            }
+            match kind.as_str() {
+                "init" => hints.push(
+                    "rerun with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET to see NCCL's own reasons; \
+                     check NCCL_SOCKET_IFNAME names an interface that exists and is up"
+                        .into(),
+                ),
+                "init-timeout" => hints.push(format!(
+                    "a rank stuck in init usually means a peer it cannot reach: check the firewall \
+                     between the hosts ({}) and the interface NCCL uses; rerun with NCCL_DEBUG=INFO \
+                     NCCL_DEBUG_SUBSYS=INIT,NET",
+                    hosts.iter().copied().collect::<Vec<_>>().join(", ")
+                )),
+                "setup" => hints.push(
+                    "check that the NVIDIA driver works (nvidia-smi) and which libnccl is used \
+                     (--nccl-lib PATH picks one)"
+                        .into(),
+                ),
+                _ => {}
+            }
+        }
+        for (rank, host, stage) in &self.silent {
+            worse(Verdict::Timeout, &mut verdict);
+            problems.push(match stage {
+                None => format!("rank {rank} on {host} never reached the store"),
+                Some(s) => format!("rank {rank} on {host} went silent: it last {}", stage_text(s)),
+            });
+        }
+        if !self.silent.is_empty() {
+            hints.push(
+                "a rank that never reached the store cannot connect to MASTER_ADDR:MASTER_PORT from \
+                 its host: check the address and the firewall; one stuck in init: see above"
+                    .into(),
+            );
+        }
+        if let Some(c) = &self.crashed {
+            worse(Verdict::Setup, &mut verdict);
+            problems.push(format!("a preflight rank crashed: {c}"));
+        }
+
+        // The sweep table: time is the slowest rank's (what a collective costs the job).
+        let complete: Vec<&RankReport> = self.reports.values().filter(|r| r.error.is_none()).collect();
+        let mut rows_json = Vec::new();
+        let mut peak: Option<(u64, f64)> = None;
+        let mut any_wrong = 0u64;
+        if complete.len() == self.world_size && self.world_size > 0 {
+            let n = complete[0].rows.len();
+            let _ = writeln!(t);
+            let _ = writeln!(
+                t,
+                "  {:>12} {:>11}   {:>10} {:>11} {:>11} {:>7}   {:>10} {:>11} {:>11} {:>7}",
+                "", "", "out-of-place", "", "", "", "in-place", "", "", ""
+            );
+            let _ = writeln!(
+                t,
+                "  {:>12} {:>11}   {:>10} {:>11} {:>11} {:>7}   {:>10} {:>11} {:>11} {:>7}",
+                "size (B)", "count", "time (us)", "algbw GB/s", "busbw GB/s", "#wrong", "time (us)", "algbw GB/s", "busbw GB/s", "#wrong"
+            );
+            let mut busbw_sum = 0.0;
+            for i in 0..n {
+                let bytes = complete[0].rows[i].bytes;
+                let oop = complete.iter().map(|r| r.rows.get(i).map_or(0.0, |x| x.oop_us)).fold(0.0, f64::max);
+                let ip = complete.iter().map(|r| r.rows.get(i).map_or(0.0, |x| x.ip_us)).fold(0.0, f64::max);
+                let ow: u64 = complete.iter().map(|r| r.rows.get(i).map_or(0, |x| x.oop_wrong)).sum();
+                let iw: u64 = complete.iter().map(|r| r.rows.get(i).map_or(0, |x| x.ip_wrong)).sum();
+                any_wrong += ow + iw;
+                let (oa, ob) = busbw(bytes, oop, self.world_size);
+                let (ia, ib) = busbw(bytes, ip, self.world_size);
+                busbw_sum += ob;
+                peak = Some((bytes, ob.max(ib)));
+                let _ = writeln!(
+                    t,
+                    "  {:>12} {:>11}   {:>10.2} {:>11.2} {:>11.2} {:>7}   {:>10.2} {:>11.2} {:>11.2} {:>7}",
+                    bytes, bytes / 4, oop, oa, ob, ow, ip, ia, ib, iw
+                );
+                rows_json.push(serde_json::json!({
+                    "bytes": bytes, "count": bytes / 4, "type": "float", "redop": "sum",
+                    "out_of_place": {"time_us": oop, "algbw_gbs": oa, "busbw_gbs": ob, "wrong": ow},
+                    "in_place": {"time_us": ip, "algbw_gbs": ia, "busbw_gbs": ib, "wrong": iw},
+                }));
+            }
+            if n > 0 {
+                let _ = writeln!(t, "  avg busbw (out-of-place, all sizes): {:.2} GB/s", busbw_sum / n as f64);
+            }
+            if any_wrong > 0 {
+                worse(Verdict::Wrong, &mut verdict);
+                problems.push(format!(
+                    "{any_wrong} elements of all-reduce results were wrong: data corruption on a GPU or \
+                     link; rerun to see whether it repeats, then test the nodes one by one"
+                ));
+            }
+            // Per-node busbw at the largest size, against the median node.
+            if let Some(last) = complete[0].rows.len().checked_sub(1) {
+                let bytes = complete[0].rows[last].bytes;
+                let mut node_us: BTreeMap<&str, f64> = BTreeMap::new();
+                for r in &complete {
+                    let e = node_us.entry(r.host.as_str()).or_insert(0.0);
+                    *e = e.max(r.rows[last].oop_us);
+                }
+                if node_us.len() > 1 {
+                    let mut bws: Vec<f64> = node_us.values().map(|us| busbw(bytes, *us, self.world_size).1).collect();
+                    bws.sort_by(f64::total_cmp);
+                    let median = bws[bws.len() / 2];
+                    for (h, us) in &node_us {
+                        let b = busbw(bytes, *us, self.world_size).1;
+                        if b < 0.8 * median {
+                            problems.push(format!(
+                                "node {h} is slow: busbw {b:.1} GB/s at {bytes} B, under 80% of the median node ({median:.1} GB/s)"
+                            ));
+                        }
+                    }
+                }
+            }
+            if let (Some(min), Some((bytes, bw))) = (self.min_busbw, peak) {
+                if bw < min {
+                    worse(Verdict::Slow, &mut verdict);
+                    problems.push(format!("busbw {bw:.2} GB/s at {bytes} B is under --min-busbw {min} GB/s"));
+                    hints.push("check that the GPUs use NVLink/InfiniBand (NCCL_DEBUG=INFO shows the transport) and that no other job shares them".into());
+                }
+            }
+        } else if complete.len() < self.world_size && verdict == Verdict::Ok {
+            worse(Verdict::Timeout, &mut verdict);
+            problems.push(format!("only {} of {} ranks reported", complete.len(), self.world_size));
+        }
+
+        let _ = writeln!(t);
+        for p in &problems {
+            let _ = writeln!(t, "  problem: {p}");
+        }
+        hints.dedup();
+        for h in &hints {
+            let _ = writeln!(t, "  hint: {h}");
+        }
+        let detail = match (verdict, peak) {
+            (Verdict::Ok, Some((bytes, bw))) if self.world_size > 1 => {
+                format!(": busbw {bw:.1} GB/s at {}, 0 wrong", human_bytes(bytes))
+            }
+            (Verdict::Ok, _) => ": 0 wrong".to_string(),
+            _ => String::new(),
+        };
+        let _ = writeln!(
+            t,
+            "preflight {}{detail} ({:.2} s; exit code {})",
+            verdict.name(),
+            self.wall_s,
+            verdict.exit_code()
+        );
+        let json = serde_json::json!({
+            "verdict": verdict.name(),
+            "exit_code": verdict.exit_code(),
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "wall_s": self.wall_s,
+            "nccl": versions.keys().collect::<Vec<_>>(),
+            "other_libraries": self.other_libs,
+            "ranks": self.reports.values().collect::<Vec<_>>(),
+            "silent_ranks": self.silent.iter().map(|(r, h, s)| serde_json::json!({"rank": r, "host": h, "last_stage": s})).collect::<Vec<_>>(),
+            "rows": rows_json,
+            "problems": problems,
+            "hints": hints,
+        });
+        Summary { verdict, text: t, json }
+    }
+}
+
+fn ranks_text(r: &[usize]) -> String {
+    r.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+}
+
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_and_sweep() {
+        assert_eq!(parse_sizes("8:256M:2").unwrap(), (8, 256 << 20, 2));
+        assert_eq!(parse_sizes("1K:2G:4").unwrap(), (1024, 2 << 30, 4));
+        assert!(parse_sizes("8:4:2").is_err());
+        assert!(parse_sizes("8:4K:1").is_err());
+        assert!(parse_sizes("x").is_err());
+        let s = Settings {
+            id: "x".into(),
+            mode: Mode::Net,
+            min_bytes: 8,
+            max_bytes: 1024,
+            factor: 4,
+            iters: 1,
+            warmup: 0,
+            timeout_ms: 1,
+            nccl_lib: None,
+            listen_addr: "127.0.0.1".into(),
+        };
+        assert_eq!(s.sizes(), vec![8, 32, 128, 512]);
+    }
+
+    #[test]
+    fn bus_bandwidth_as_nccl_tests() {
+        // 1 GB in 10 ms on 8 ranks: algbw 100 GB/s, busbw 175 GB/s.
+        let (a, b) = busbw(1_000_000_000, 10_000.0, 8);
+        assert!((a - 100.0).abs() < 1e-9 && (b - 175.0).abs() < 1e-9);
+    }
+
+    fn report(rank: usize, host: &str, us: f64, wrong: u64) -> RankReport {
+        RankReport {
+            rank,
+            local_rank: rank,
+            host: host.into(),
+            pid: 1,
+            nccl_version: Some("2.28.9".into()),
+            nccl_path: Some("/x/libnccl.so.2".into()),
+            gpu: None,
+            driver: None,
+            init_ms: Some(100.0),
+            rows: vec![Row { bytes: 1 << 20, oop_us: us, oop_wrong: wrong, ip_us: us, ip_wrong: 0 }],
+            error: None,
+        }
+    }
+
+    fn outcome(reports: Vec<RankReport>) -> Outcome {
+        Outcome {
+            world_size: reports.len(),
+            mode: Mode::Nccl,
+            reports: reports.into_iter().map(|r| (r.rank, r)).collect(),
+            silent: vec![],
+            crashed: None,
+            min_busbw: None,
+            wall_s: 1.0,
+            other_libs: vec![],
+        }
+    }
+
+    #[test]
+    fn verdicts() {
+        let ok = outcome(vec![report(0, "a", 10.0, 0), report(1, "a", 10.0, 0)]).summarize();
+        assert_eq!(ok.verdict, Verdict::Ok, "{}", ok.text);
+        let wrong = outcome(vec![report(0, "a", 10.0, 3), report(1, "a", 10.0, 0)]).summarize();
+        assert_eq!(wrong.verdict, Verdict::Wrong);
+        assert!(wrong.text.contains("3 elements"), "{}", wrong.text);
+        let mut slow = outcome(vec![report(0, "a", 10.0, 0), report(1, "a", 10.0, 0)]);
+        slow.min_busbw = Some(1000.0);
+        assert_eq!(slow.summarize().verdict, Verdict::Slow);
+        // A slow node among four is named.
+        let mut four = outcome(vec![
+            report(0, "a", 10.0, 0),
+            report(1, "b", 10.0, 0),
+            report(2, "c", 10.0, 0),
+            report(3, "d", 30.0, 0),
+        ]);
+        let s = four.summarize();
+        assert!(s.text.contains("node d is slow"), "{}", s.text);
+        // Silent and failing ranks.
+        four.silent.push((4, "e".into(), Some("id".into())));
+        four.world_size = 5;
+        let s = four.summarize();
+        assert_eq!(s.verdict, Verdict::Timeout);
+        assert!(s.text.contains("rank 4 on e went silent: it last has the unique id"), "{}", s.text);
+        let mut bad = report(1, "b", 0.0, 0);
+        bad.error = Some(RankError { kind: "init".into(), message: "ncclSystemError".into() });
+        let s = outcome(vec![report(0, "a", 1.0, 0), bad]).summarize();
+        assert_eq!(s.verdict, Verdict::InitFailed);
+        assert!(s.text.contains("rank 1 on b (pid 1): ncclSystemError") && s.text.contains("NCCL_DEBUG=INFO"), "{}", s.text);
+        // Different NCCL versions are named.
+        let mut other = report(1, "b", 10.0, 0);
+        other.nccl_version = Some("2.28.3".into());
+        let s = outcome(vec![report(0, "a", 10.0, 0), other]).summarize();
+        assert!(s.text.contains("NCCL differs between ranks"), "{}", s.text);
+    }
+}

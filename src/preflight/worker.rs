@@ -1,0 +1,505 @@
+//! One preflight rank: `nrun __preflight`, started by the coordinator exactly like a job worker
+//! (same RANK/WORLD_SIZE/MASTER_* environment, same NCCL_* variables), with its settings in
+//! NRUN_PREFLIGHT. It reports through the store and exits 0 whatever it found; see `mod.rs`.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use super::cuda::{self, Gpu};
+use super::nccl::{self, Nccl, UniqueId};
+use super::{Mode, RankError, RankReport, Row, Settings};
+use crate::store::client::Client;
+
+/// Element i of rank r's input: small integers, so float sums are exact in any order, and
+/// different per rank and position, so a misplaced or missing contribution shows.
+fn pattern(rank: usize, i: usize) -> f32 {
+    ((i + 3 * rank) % 13 + 1) as f32
+}
+
+const PERIOD: usize = 13;
+
+/// The expected all-reduce result, periodic in the element index.
+fn expected(world: usize) -> [f32; PERIOD] {
+    let mut e = [0f32; PERIOD];
+    for (i, v) in e.iter_mut().enumerate() {
+        *v = (0..world).map(|r| pattern(r, i)).sum();
+    }
+    e
+}
+
+fn count_wrong(out: &[f32], exp: &[f32; PERIOD]) -> u64 {
+    let mut wrong = 0u64;
+    for chunk in out.chunks(PERIOD) {
+        for (v, e) in chunk.iter().zip(exp.iter()) {
+            wrong += (v != e) as u64;
+        }
+    }
+    wrong
+}
+
+fn err(kind: &str, message: impl Into<String>) -> RankError {
+    RankError { kind: kind.into(), message: message.into() }
+}
+
+/// The store connection and what every step needs.
+struct Ctx {
+    rt: tokio::runtime::Runtime,
+    store: Client,
+    s: Settings,
+    rank: usize,
+    world: usize,
+}
+
+impl Ctx {
+    fn set(&mut self, what: &str, value: &[u8]) {
+        let key = self.s.key(what);
+        let _ = self.rt.block_on(self.store.set(&key, value));
+    }
+
+    fn stage(&mut self, stage: &str) {
+        let what = format!("stage/{}", self.rank);
+        self.set(&what, stage.as_bytes());
+    }
+
+    /// The rank that failed and made everyone stop, if any.
+    fn aborted(&mut self) -> Option<String> {
+        let key = self.s.key("abort");
+        let ready = self.rt.block_on(self.store.check(&[&key])).unwrap_or(false);
+        if !ready {
+            return None;
+        }
+        let v = self.rt.block_on(self.store.get(&key)).unwrap_or_default();
+        Some(String::from_utf8_lossy(&v).into_owned())
+    }
+
+    /// Waits for another rank's key until the deadline, watching for an abort.
+    fn wait_key(&mut self, what: &str, deadline: Instant, waiting_for: &str) -> Result<Vec<u8>, RankError> {
+        let key = self.s.key(what);
+        loop {
+            let got = self
+                .rt
+                .block_on(self.store.wait(&[&key], Some(Duration::from_millis(50))))
+                .map_err(|e| err("store", format!("lost the store while waiting for {waiting_for}: {e}")))?;
+            if got {
+                return self
+                    .rt
+                    .block_on(self.store.get(&key))
+                    .map_err(|e| err("store", format!("lost the store: {e}")));
+            }
+            if let Some(who) = self.aborted() {
+                return Err(err("aborted", format!("stopped: rank {who} failed")));
+            }
+            if Instant::now() > deadline {
+                return Err(err(
+                    "init-timeout",
+                    format!("timed out after {} ms waiting for {waiting_for}", self.s.timeout_ms),
+                ));
+            }
+        }
+    }
+}
+
+fn env_usize(k: &str) -> Result<usize, String> {
+    std::env::var(k)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("{k} is not set to a number (nrun __preflight runs only under nrun)"))
+}
+
+/// Entry point of `nrun __preflight`. Returns the process exit code.
+pub fn main() -> u8 {
+    match run() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("nrun preflight: error: {e}");
+            3
+        }
+    }
+}
+
+fn run() -> Result<(), String> {
+    let s: Settings = serde_json::from_str(&std::env::var(super::ENV).map_err(|_| format!("{} is not set", super::ENV))?)
+        .map_err(|e| format!("bad {}: {e}", super::ENV))?;
+    let rank = env_usize("RANK")?;
+    let world = env_usize("WORLD_SIZE")?;
+    let local_rank = env_usize("LOCAL_RANK")?;
+    let master = format!(
+        "{}:{}",
+        std::env::var("MASTER_ADDR").unwrap_or_default(),
+        std::env::var("MASTER_PORT").unwrap_or_default()
+    );
+    let addr: SocketAddr = master
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| format!("cannot resolve the store address {master}"))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let store = rt
+        .block_on(Client::connect(addr, Duration::from_millis(s.timeout_ms)))
+        .map_err(|e| format!("rank {rank} cannot reach the store at {master}: {e}"))?;
+    let host = nix::unistd::gethostname().map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned());
+    let mut ctx = Ctx { rt, store, s, rank, world };
+    ctx.stage("started");
+    let mut rep = RankReport {
+        rank,
+        local_rank,
+        host,
+        pid: std::process::id(),
+        nccl_version: None,
+        nccl_path: None,
+        gpu: None,
+        driver: None,
+        init_ms: None,
+        rows: Vec::new(),
+        error: None,
+    };
+    let result = match ctx.s.mode {
+        Mode::Nccl => run_nccl(&mut ctx, &mut rep, local_rank),
+        Mode::Net => run_net(&mut ctx, &mut rep),
+    };
+    if let Err(e) = result {
+        if e.kind != "aborted" {
+            ctx.set("abort", rank.to_string().as_bytes());
+        }
+        rep.error = Some(e);
+    }
+    let json = serde_json::to_vec(&rep).map_err(|e| e.to_string())?;
+    ctx.set(&format!("result/{rank}"), &json);
+    ctx.stage("done");
+    // Leave together: a rank whose last collective finished may still have bytes in flight to
+    // a peer (NCCL's proxy threads), and exiting would cut them off.
+    if rep.error.is_none() {
+        let key = ctx.s.key("finished");
+        let _ = ctx.rt.block_on(ctx.store.barrier(&key, ctx.world as i64, Some(Duration::from_secs(10))));
+    }
+    Ok(())
+}
+
+fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<(), RankError> {
+    let deadline = Instant::now() + Duration::from_millis(ctx.s.timeout_ms);
+    let path = ctx
+        .s
+        .nccl_lib
+        .clone()
+        .ok_or_else(|| err("setup", "no libnccl.so.2 found (torch's, LD_LIBRARY_PATH or the system's); pass --nccl-lib PATH"))?;
+    let nccl = Nccl::open(&path).map_err(|e| err("setup", e.0))?;
+    rep.nccl_version = Some(nccl.version.to_string());
+    rep.nccl_path = Some(path.display().to_string());
+    if !cuda::driver_present() {
+        return Err(err("setup", "libcuda.so.1 not found: no NVIDIA driver on this host (use --preflight=net for the network path alone)"));
+    }
+    let (dmaj, dmin) = cuda::driver_version().map_err(|e| err("setup", e.0))?;
+    rep.driver = Some(format!("{dmaj}.{dmin}"));
+    // The pip wheels say which CUDA the library was built for; an older driver cannot run it.
+    let built_for = path.to_string_lossy().contains("cu13").then_some(13).or_else(|| {
+        path.to_string_lossy().contains("cu12").then_some(12)
+    });
+    let gpu = Gpu::open(local_rank as i32).map_err(|e| {
+        let mut m = e.0;
+        if let Some(need) = built_for.filter(|n| *n > dmaj) {
+            m.push_str(&format!("; the driver supports CUDA {dmaj}.{dmin} but this NCCL is built for CUDA {need}: update the driver"));
+        }
+        err("setup", m)
+    })?;
+    rep.gpu = Some(format!("{} ({})", gpu.name, gpu.pci_bus_id));
+    let sizes = ctx.s.sizes();
+    let max_count = (sizes.last().copied().unwrap_or(4) / 4) as usize;
+    let send = gpu.alloc(max_count * 4).map_err(|e| err("setup", e.0))?;
+    let recv = gpu.alloc(max_count * 4).map_err(|e| err("setup", e.0))?;
+    let mut host = gpu.alloc_host(max_count).map_err(|e| err("setup", e.0))?;
+    {
+        let mut fill: Vec<f32> = Vec::with_capacity(max_count);
+        fill.extend((0..max_count).map(|i| pattern(ctx.rank, i)));
+        gpu.upload(&send, &fill).map_err(|e| err("setup", e.0))?;
+    }
+    ctx.stage("loaded");
+
+    let id = if ctx.rank == 0 {
+        let id = nccl.unique_id().map_err(|r| err("init", format!("ncclGetUniqueId: {}", nccl.error_string(r))))?;
+        ctx.set("uid", &id.internal);
+        id
+    } else {
+        let bytes = ctx.wait_key("uid", deadline, "rank 0's NCCL unique id")?;
+        let mut id = UniqueId { internal: [0; 128] };
+        if bytes.len() != 128 {
+            return Err(err("init", format!("unique id of {} bytes from the store, expected 128", bytes.len())));
+        }
+        id.internal.copy_from_slice(&bytes);
+        id
+    };
+    ctx.stage("id");
+
+    // Non-blocking init polled against a deadline, so a hang becomes a diagnosis.
+    let t0 = Instant::now();
+    let (comm, r) = nccl.init_nonblocking(ctx.world as i32, id, ctx.rank as i32);
+    let describe = |r| {
+        let mut m = format!("ncclCommInitRankConfig: {}", nccl.error_string(r));
+        if let Some(last) = nccl.last_error(comm) {
+            m.push_str(&format!(": {last}"));
+        }
+        m
+    };
+    if r != nccl::NCCL_SUCCESS && r != nccl::NCCL_IN_PROGRESS {
+        let m = describe(r);
+        nccl.abort(comm);
+        return Err(err("init", m));
+    }
+    let mut last_check = Instant::now();
+    loop {
+        let st = nccl.async_error(comm);
+        if st == nccl::NCCL_SUCCESS {
+            break;
+        }
+        if st != nccl::NCCL_IN_PROGRESS {
+            let m = describe(st);
+            nccl.abort(comm);
+            return Err(err("init", m));
+        }
+        if Instant::now() > deadline {
+            nccl.abort(comm);
+            return Err(err(
+                "init-timeout",
+                format!("NCCL communicator init did not finish within {} ms (stuck waiting for peers)", ctx.s.timeout_ms),
+            ));
+        }
+        if last_check.elapsed() > Duration::from_millis(50) {
+            last_check = Instant::now();
+            if let Some(who) = ctx.aborted() {
+                nccl.abort(comm);
+                return Err(err("aborted", format!("stopped during init: rank {who} failed")));
+            }
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+    ctx.stage("init");
+
+    let exp = expected(ctx.world);
+    let (start, end) = match (gpu.event(), gpu.event()) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => return Err(err("setup", e.0)),
+    };
+    let all_reduce = |src: u64, dst: u64, count: usize| -> Result<(), RankError> {
+        // SAFETY: src/dst are our device buffers of max_count floats; count <= max_count.
+        let r = unsafe { nccl.all_reduce_f32(src, dst, count, comm, gpu.stream.cast()) };
+        let mut st = r;
+        while st == nccl::NCCL_IN_PROGRESS {
+            st = nccl.async_error(comm);
+        }
+        if st != nccl::NCCL_SUCCESS {
+            return Err(err("collective", format!("ncclAllReduce of {count} floats: {}", describe(st))));
+        }
+        Ok(())
+    };
+    let cu = |e: cuda::CudaError| err("collective", e.0);
+    ctx.stage("sweep");
+    for bytes in sizes {
+        let count = (bytes / 4) as usize;
+        let timed = |src: u64, dst: u64| -> Result<f64, RankError> {
+            for _ in 0..ctx.s.warmup {
+                all_reduce(src, dst, count)?;
+            }
+            gpu.record(&start).map_err(cu)?;
+            for _ in 0..ctx.s.iters {
+                all_reduce(src, dst, count)?;
+            }
+            gpu.record(&end).map_err(cu)?;
+            Ok(gpu.elapsed_ms(&start, &end).map_err(cu)? as f64 * 1e3 / ctx.s.iters.max(1) as f64)
+        };
+        let oop_us = timed(send.ptr, recv.ptr)?;
+        gpu.download(&mut host, &recv, count).map_err(cu)?;
+        let oop_wrong = count_wrong(host.as_slice(count), &exp);
+        let ip_us = timed(recv.ptr, recv.ptr)?;
+        // Timed in-place runs compound the data; check one run on fresh input.
+        gpu.copy_async(&recv, &send, count * 4).map_err(cu)?;
+        all_reduce(recv.ptr, recv.ptr, count)?;
+        gpu.synchronize().map_err(cu)?;
+        gpu.download(&mut host, &recv, count).map_err(cu)?;
+        let ip_wrong = count_wrong(host.as_slice(count), &exp);
+        rep.rows.push(Row { bytes, oop_us, oop_wrong, ip_us, ip_wrong });
+    }
+    // No ncclCommDestroy: the process exits right after reporting and NCCL's resources go
+    // with it; the closing barrier (see `run`) keeps peers from losing data still in flight.
+    Ok(())
+}
+
+// ---- network-only preflight: a TCP ring all-reduce -------------------------------------------
+
+fn as_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding or invalid bit patterns as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+fn read_f32s(s: &mut TcpStream, out: &mut [f32]) -> std::io::Result<()> {
+    // SAFETY: every bit pattern is a valid f32.
+    let b = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out)) };
+    s.read_exact(b)
+}
+
+/// The ring: a stream to the next rank (written by a sender thread, so sending and receiving
+/// overlap and neither side blocks the other) and one from the previous rank.
+struct Ring {
+    to_next: std::sync::mpsc::Sender<Vec<u8>>,
+    from_prev: TcpStream,
+    sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Ring {
+    fn chunk(count: usize, n: usize, i: usize) -> std::ops::Range<usize> {
+        let base = count / n;
+        let extra = count % n;
+        let start = i * base + i.min(extra);
+        start..start + base + usize::from(i < extra)
+    }
+
+    /// In-place ring all-reduce of `data`: reduce-scatter, then all-gather.
+    fn all_reduce(&mut self, data: &mut [f32], rank: usize, n: usize) -> std::io::Result<()> {
+        let count = data.len();
+        let mut incoming = vec![0f32; count / n + 1];
+        let send = |ring: &Ring, r: std::ops::Range<usize>, data: &[f32]| {
+            ring.to_next.send(as_bytes(&data[r]).to_vec()).map_err(|_| std::io::Error::other("sender thread ended"))
+        };
+        for step in 0..n - 1 {
+            let s = Self::chunk(count, n, (rank + n - step) % n);
+            send(self, s, data)?;
+            let r = Self::chunk(count, n, (rank + n - step - 1) % n);
+            let buf = &mut incoming[..r.len()];
+            read_f32s(&mut self.from_prev, buf)?;
+            for (d, x) in data[r].iter_mut().zip(buf.iter()) {
+                *d += *x;
+            }
+        }
+        for step in 0..n - 1 {
+            let s = Self::chunk(count, n, (rank + 1 + n - step) % n);
+            send(self, s, data)?;
+            let r = Self::chunk(count, n, (rank + n - step) % n);
+            read_f32s(&mut self.from_prev, &mut data[r])?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        let (tx, _) = std::sync::mpsc::channel();
+        drop(std::mem::replace(&mut self.to_next, tx));
+        if let Some(t) = self.sender.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
+    let deadline = Instant::now() + Duration::from_millis(ctx.s.timeout_ms);
+    let (rank, n) = (ctx.rank, ctx.world);
+    let net = |what: &str, e: std::io::Error| err("init", format!("{what}: {e}"));
+    let listener = TcpListener::bind((ctx.s.listen_addr.as_str(), 0))
+        .map_err(|e| net(&format!("cannot listen on {}", ctx.s.listen_addr), e))?;
+    let me = listener.local_addr().map_err(|e| net("listener", e))?;
+    ctx.set(&format!("addr/{rank}"), me.to_string().as_bytes());
+    ctx.stage("loaded");
+
+    let t0 = Instant::now();
+    let mut ring = None;
+    if n > 1 {
+        let next = (rank + 1) % n;
+        let next_addr = String::from_utf8_lossy(&ctx.wait_key(&format!("addr/{next}"), deadline, &format!("rank {next}'s address"))?).into_owned();
+        ctx.stage("id");
+        let addr: SocketAddr = next_addr.parse().map_err(|_| err("init", format!("bad address {next_addr} from rank {next}")))?;
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        let mut out = TcpStream::connect_timeout(&addr, left).map_err(|e| {
+            let kind = if e.kind() == std::io::ErrorKind::TimedOut { "init-timeout" } else { "init" };
+            err(kind, format!("cannot connect to rank {next} at {addr}: {e} (firewall or wrong interface between the hosts?)"))
+        })?;
+        out.set_nodelay(true).ok();
+        listener.set_nonblocking(true).map_err(|e| net("listener", e))?;
+        let prev = (rank + n - 1) % n;
+        let from_prev = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        return Err(err("init-timeout", format!("rank {prev} never connected to {me} within {} ms", ctx.s.timeout_ms)));
+                    }
+                    if let Some(who) = ctx.aborted() {
+                        return Err(err("aborted", format!("stopped: rank {who} failed")));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(net("accept", e)),
+            }
+        };
+        from_prev.set_nonblocking(false).ok();
+        from_prev.set_nodelay(true).ok();
+        from_prev.set_read_timeout(Some(Duration::from_millis(ctx.s.timeout_ms))).ok();
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+        let sender = std::thread::spawn(move || -> std::io::Result<()> {
+            for buf in rx {
+                out.write_all(&buf)?;
+            }
+            Ok(())
+        });
+        ring = Some(Ring { to_next: tx, from_prev, sender: Some(sender) });
+    }
+    rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+    ctx.stage("init");
+    ctx.stage("sweep");
+    let exp = expected(n);
+    let sizes = ctx.s.sizes();
+    let max_count = (sizes.last().copied().unwrap_or(4) / 4) as usize;
+    let input: Vec<f32> = (0..max_count).map(|i| pattern(rank, i)).collect();
+    let mut buf = vec![0f32; max_count];
+    for bytes in sizes {
+        let count = (bytes / 4) as usize;
+        let mut run = |buf: &mut [f32], iters: u32| -> Result<f64, RankError> {
+            let t = Instant::now();
+            for _ in 0..iters {
+                buf.copy_from_slice(&input[..count]);
+                if let Some(r) = ring.as_mut() {
+                    r.all_reduce(buf, rank, n).map_err(|e| err("collective", format!("ring all-reduce of {bytes} B: {e}")))?;
+                }
+            }
+            Ok(t.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64)
+        };
+        run(&mut buf[..count], ctx.s.warmup)?;
+        let us = run(&mut buf[..count], ctx.s.iters.max(1))?;
+        let wrong = count_wrong(&buf[..count], &exp);
+        // The ring works in place; out-of-place would only add a copy, so both columns show the
+        // same run.
+        rep.rows.push(Row { bytes, oop_us: us, oop_wrong: wrong, ip_us: us, ip_wrong: wrong });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_chunks_cover_everything_once() {
+        for count in [1, 2, 7, 13, 100] {
+            for n in 1..6 {
+                let mut seen = vec![0; count];
+                for i in 0..n {
+                    for j in Ring::chunk(count, n, i) {
+                        seen[j] += 1;
+                    }
+                }
+                assert!(seen.iter().all(|&c| c == 1), "count {count} n {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_pattern_detects_a_missing_rank() {
+        let exp = expected(4);
+        let good: Vec<f32> = (0..100).map(|i| (0..4).map(|r| pattern(r, i)).sum()).collect();
+        assert_eq!(count_wrong(&good, &exp), 0);
+        let missing: Vec<f32> = (0..100).map(|i| (0..3).map(|r| pattern(r, i)).sum()).collect();
+        assert_eq!(count_wrong(&missing, &exp), 100);
+    }
+}
