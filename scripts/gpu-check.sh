@@ -47,5 +47,8 @@ check train-with-preflight 0 "$NRUN" --nproc "$NP" --python "$PY" examples/train
 leftover=$(pgrep -f '__preflight|examples/train.py' | wc -l)
 echo "left running: $leftover"
 [ "$leftover" = 0 ] || fail=$((fail+1))
+for f in "$OUTDIR"/*.log; do
+  echo "--- $(basename "$f" .log): $(grep -E '^preflight |communicator init:|time per phase|problem:' "$f" | tr '\n' '|' | cut -c1-600)"
+done
 echo "$pass passed, $fail failed"
 [ "$fail" = 0 ]

@@ -162,7 +162,7 @@ async fn run_preflight(
     let started = Instant::now();
     let (nccl_lib, other_libs) = match pf.mode {
         Mode::Nccl => resolve_nccl(plan, pf).await,
-        Mode::Net => (None, Vec::new()),
+        Mode::Net => (None, tokio::spawn(async { Vec::new() })),
     };
     let settings = preflight::Settings {
         id: format!("{}/0", plan.run_id),
@@ -198,17 +198,22 @@ async fn run_preflight(
             tracing::warn!("preflight stopped by {}", node::signal_name(*sig));
             return Ok(exit::signal(*sig));
         }
-        Outcome::Failed(f) => Some(format!("rank {} (pid {}) {}", f.rank, f.pid, f.exit.describe())),
-        Outcome::TimedOut => Some("the preflight ran past its deadline and was stopped".into()),
+        Outcome::Failed(f) => Some((f.rank, format!("pid {} {}", f.pid, f.exit.describe()))),
+        Outcome::TimedOut => {
+            tracing::warn!("the preflight ran past its deadline and was stopped");
+            None
+        }
         Outcome::Success => None,
     };
     let (reports, silent) = gather_reports(plan, sa, &settings).await;
+    let other_libs = other_libs.await.unwrap_or_default();
     let summary = preflight::Outcome {
         world_size: plan.world_size(),
         mode: pf.mode,
         reports,
         silent,
         crashed,
+        nccl_lib: settings.nccl_lib.as_ref().map(|p| p.display().to_string()),
         min_busbw: pf.min_busbw,
         wall_s: started.elapsed().as_secs_f64(),
         other_libs,
@@ -260,39 +265,43 @@ async fn gather_reports(
     (reports, silent)
 }
 
-/// The libnccl the job would load, and a line for every other one found (path and version).
-async fn resolve_nccl(plan: &Plan, pf: &PreflightPlan) -> (Option<PathBuf>, Vec<String>) {
+/// The libnccl the job would load, and (as a task that runs beside the preflight) a line for
+/// every other one found, with its version.
+async fn resolve_nccl(plan: &Plan, pf: &PreflightPlan) -> (Option<PathBuf>, tokio::task::JoinHandle<Vec<String>>) {
     // Even with --nccl-lib, torch's copy is looked up so that a mismatch can be reported.
-    let python_paths = plan.python.as_deref().map(preflight::nccl::python_sys_path).unwrap_or_default();
+    let python_paths = plan.python.as_deref().map(preflight::nccl::python_package_dirs).unwrap_or_default();
     let ld = std::env::var("LD_LIBRARY_PATH").ok();
     let cands = preflight::nccl::candidates(pf.nccl_lib.as_deref(), &python_paths, ld.as_deref());
     let chosen = cands.first().map(|c| c.path.clone());
-    // Each other library's version, read by a separate nrun process: two libraries with the
-    // same soname should not share one process.
-    let exe = std::env::current_exe().ok();
-    let mut others = Vec::new();
-    for c in cands.iter().skip(1) {
-        let version = match &exe {
-            Some(exe) => tokio::process::Command::new(exe)
-                .arg("__nccl-version")
-                .arg(&c.path)
-                .output()
-                .await
-                .ok()
-                .filter(|o| o.status.success())
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
-            None => None,
-        };
-        others.push(format!(
-            "NCCL {} at {} ({}; not used)",
-            version.as_deref().unwrap_or("?"),
-            c.path.display(),
-            c.source.describe()
-        ));
-    }
     if let Some(c) = cands.first() {
         tracing::debug!("preflight uses {} NCCL at {}", c.source.describe(), c.path.display());
     }
+    // Each other library's version is read by a separate nrun process: two libraries with the
+    // same soname should not share one process.
+    let others = tokio::spawn(async move {
+        let exe = std::env::current_exe().ok();
+        let mut lines = Vec::new();
+        for c in cands.iter().skip(1) {
+            let version = match &exe {
+                Some(exe) => tokio::process::Command::new(exe)
+                    .arg("__nccl-version")
+                    .arg(&c.path)
+                    .output()
+                    .await
+                    .ok()
+                    .filter(|o| o.status.success())
+                    .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
+                None => None,
+            };
+            lines.push(format!(
+                "NCCL {} at {} ({}; not used)",
+                version.as_deref().unwrap_or("?"),
+                c.path.display(),
+                c.source.describe()
+            ));
+        }
+        lines
+    });
     (chosen, others)
 }
 

@@ -111,10 +111,31 @@ impl Gpu {
         )
     }
 
-    pub fn download(&self, dst: &mut HostBuf, src: &DeviceBuf, floats: usize) -> Result<(), CudaError> {
-        assert!(floats <= dst.len);
-        // SAFETY: both sides hold at least `floats` floats.
-        check(unsafe { sys::cuMemcpyDtoH_v2(dst.ptr.cast(), src.ptr, floats * 4) }, "cuMemcpyDtoH")
+    /// Copies `floats` floats from `src` at float offset `off` into the start of `dst`, after
+    /// the work queued on our stream.
+    pub fn download_at(&self, dst: &mut HostBuf, src: &DeviceBuf, off: usize, floats: usize) -> Result<(), CudaError> {
+        if floats > dst.len {
+            return Err(CudaError(format!("staging buffer of {} floats is too small for {floats}", dst.len)));
+        }
+        // SAFETY: src holds off+floats floats (caller), dst holds at least `floats`.
+        unsafe {
+            check(
+                sys::cuMemcpyDtoHAsync_v2(dst.ptr.cast(), src.ptr + (off * 4) as u64, floats * 4, self.stream),
+                "cuMemcpyDtoHAsync",
+            )?;
+        }
+        self.synchronize()
+    }
+
+    /// Copies `n` floats within one buffer, from float offset `from` to `to`, on our stream.
+    pub fn copy_within_async(&self, buf: &DeviceBuf, from: usize, to: usize, n: usize) -> Result<(), CudaError> {
+        // SAFETY: the caller keeps both ranges inside the buffer and apart.
+        check(
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(buf.ptr + (to * 4) as u64, buf.ptr + (from * 4) as u64, n * 4, self.stream)
+            },
+            "cuMemcpyDtoDAsync",
+        )
     }
 
     pub fn copy_async(&self, dst: &DeviceBuf, src: &DeviceBuf, bytes: usize) -> Result<(), CudaError> {
@@ -168,9 +189,10 @@ pub struct HostBuf {
 }
 
 impl HostBuf {
-    pub fn as_slice(&self, n: usize) -> &[f32] {
-        // SAFETY: ptr holds len floats, allocated by cuMemAllocHost.
-        unsafe { std::slice::from_raw_parts(self.ptr, n.min(self.len)) }
+    /// The first `n` floats as their bit patterns (compared exactly, and as fast as memcmp).
+    pub fn as_bits(&self, n: usize) -> &[u32] {
+        // SAFETY: ptr holds len floats, allocated by cuMemAllocHost; u32 and f32 share layout.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u32>(), n.min(self.len)) }
     }
 }
 

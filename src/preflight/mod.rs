@@ -133,6 +133,9 @@ pub struct RankReport {
     pub gpu: Option<String>,
     pub driver: Option<String>,
     pub init_ms: Option<f64>,
+    /// Where this rank's time went, milliseconds per phase in order.
+    #[serde(default)]
+    pub phases_ms: Vec<(String, f64)>,
     pub rows: Vec<Row>,
     pub error: Option<RankError>,
 }
@@ -204,8 +207,10 @@ pub struct Outcome {
     pub reports: BTreeMap<usize, RankReport>,
     /// Last stage each silent rank reached, with its host.
     pub silent: Vec<(usize, String, Option<String>)>,
-    /// A rank that crashed (exit code or signal), from the supervisor.
-    pub crashed: Option<String>,
+    /// A rank that crashed, and how (exit code or signal), from the supervisor.
+    pub crashed: Option<(usize, String)>,
+    /// The library the ranks were told to load.
+    pub nccl_lib: Option<String>,
     pub min_busbw: Option<f64>,
     pub wall_s: f64,
     /// Libraries found besides the one used.
@@ -258,7 +263,11 @@ impl Outcome {
             hosts.len().max(1)
         );
         match versions.len() {
-            0 => {}
+            0 => {
+                if let Some(p) = &self.nccl_lib {
+                    let _ = writeln!(t, "  NCCL at {p} (no rank got as far as reporting its version)");
+                }
+            }
             1 => {
                 let _ = writeln!(t, "  NCCL {}", versions.keys().next().map_or("", |s| s.as_str()));
             }
@@ -291,6 +300,20 @@ impl Outcome {
         if !init_by_host.is_empty() {
             let parts: Vec<String> = init_by_host.iter().map(|(h, ms)| format!("{h} {:.0} ms", ms)).collect();
             let _ = writeln!(t, "  communicator init: {}", parts.join(", "));
+        }
+        // Where the time went, phase by phase (slowest rank of each phase).
+        let mut phases: Vec<(String, f64)> = Vec::new();
+        for r in self.reports.values() {
+            for (name, ms) in &r.phases_ms {
+                match phases.iter_mut().find(|(n, _)| n == name) {
+                    Some((_, m)) => *m = m.max(*ms),
+                    None => phases.push((name.clone(), *ms)),
+                }
+            }
+        }
+        if !phases.is_empty() {
+            let parts: Vec<String> = phases.iter().map(|(n, ms)| format!("{n} {ms:.0}")).collect();
+            let _ = writeln!(t, "  time per phase (ms, slowest rank): {}", parts.join(", "));
         }
 
         // Errors per rank.
@@ -340,22 +363,29 @@ impl Outcome {
             }
         }
         for (rank, host, stage) in &self.silent {
-            worse(Verdict::Timeout, &mut verdict);
-            problems.push(match stage {
-                None => format!("rank {rank} on {host} never reached the store"),
-                Some(s) => format!("rank {rank} on {host} went silent: it last {}", stage_text(s)),
+            let last = stage.as_deref().map_or("had not reached the store".to_string(), |s| format!("had last {}", stage_text(s)));
+            problems.push(match (&self.crashed, stage) {
+                (Some((cr, how)), _) if cr == rank => format!("rank {rank} on {host} crashed ({how}); it {last}"),
+                (Some((cr, _)), _) => format!("rank {rank} on {host} was stopped by nrun after rank {cr} crashed; it {last}"),
+                (None, None) => format!("rank {rank} on {host} never reached the store"),
+                (None, Some(s)) => format!("rank {rank} on {host} went silent: it last {}", stage_text(s)),
             });
         }
-        if !self.silent.is_empty() {
+        if let Some((cr, how)) = &self.crashed {
+            worse(Verdict::Setup, &mut verdict);
+            if !self.silent.iter().any(|(r, _, _)| r == cr) {
+                problems.push(format!("rank {cr} crashed ({how}) after reporting"));
+            }
+            hints.push(format!(
+                "rank {cr}'s own output above says why it crashed; rerun with NCCL_DEBUG=WARN for NCCL's view"
+            ));
+        } else if !self.silent.is_empty() {
+            worse(Verdict::Timeout, &mut verdict);
             hints.push(
                 "a rank that never reached the store cannot connect to MASTER_ADDR:MASTER_PORT from \
                  its host: check the address and the firewall; one stuck in init: see above"
                     .into(),
             );
-        }
-        if let Some(c) = &self.crashed {
-            worse(Verdict::Setup, &mut verdict);
-            problems.push(format!("a preflight rank crashed: {c}"));
         }
 
         // The sweep table: time is the slowest rank's (what a collective costs the job).
@@ -540,6 +570,7 @@ mod tests {
             gpu: None,
             driver: None,
             init_ms: Some(100.0),
+            phases_ms: vec![],
             rows: vec![Row { bytes: 1 << 20, oop_us: us, oop_wrong: wrong, ip_us: us, ip_wrong: 0 }],
             error: None,
         }
@@ -552,6 +583,7 @@ mod tests {
             reports: reports.into_iter().map(|r| (r.rank, r)).collect(),
             silent: vec![],
             crashed: None,
+            nccl_lib: None,
             min_busbw: None,
             wall_s: 1.0,
             other_libs: vec![],

@@ -46,6 +46,10 @@ const CONFIG_UNDEF_INT: c_int = c_int::MIN;
 impl Config {
     /// NCCL_CONFIG_INITIALIZER with `blocking` set as given.
     pub fn new(blocking: bool) -> Config {
+        Config::with(blocking, CONFIG_UNDEF_INT)
+    }
+
+    fn with(blocking: bool, split_share: c_int) -> Config {
         Config {
             size: std::mem::size_of::<Config>(),
             magic: 0xcafe_beef,
@@ -55,7 +59,7 @@ impl Config {
             min_ctas: CONFIG_UNDEF_INT,
             max_ctas: CONFIG_UNDEF_INT,
             net_name: std::ptr::null(),
-            split_share: CONFIG_UNDEF_INT,
+            split_share,
         }
     }
 }
@@ -66,6 +70,7 @@ type FnInitRankConfig =
     unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> NcclResult;
 type FnGetAsyncError = unsafe extern "C" fn(Comm, *mut NcclResult) -> NcclResult;
 type FnComm = unsafe extern "C" fn(Comm) -> NcclResult;
+type FnCommSplit = unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut Config) -> NcclResult;
 type FnGetErrorString = unsafe extern "C" fn(NcclResult) -> *const c_char;
 type FnGetLastError = unsafe extern "C" fn(Comm) -> *const c_char;
 type FnAllReduce = unsafe extern "C" fn(
@@ -86,9 +91,9 @@ pub struct Nccl {
     init_rank_config: FnInitRankConfig,
     get_async_error: FnGetAsyncError,
     comm_abort: FnComm,
-    comm_destroy: FnComm,
     get_error_string: FnGetErrorString,
     get_last_error: Option<FnGetLastError>,
+    comm_split: Option<FnCommSplit>,
     all_reduce: FnAllReduce,
     // Keeps the function pointers above valid.
     _lib: Library,
@@ -161,10 +166,11 @@ impl Nccl {
             init_rank_config: sym!(b"ncclCommInitRankConfig\0", FnInitRankConfig),
             get_async_error: sym!(b"ncclCommGetAsyncError\0", FnGetAsyncError),
             comm_abort: sym!(b"ncclCommAbort\0", FnComm),
-            comm_destroy: sym!(b"ncclCommDestroy\0", FnComm),
             get_error_string: sym!(b"ncclGetErrorString\0", FnGetErrorString),
             // ncclGetLastError arrived in 2.13; treat it as optional all the same.
             get_last_error: unsafe { lib.get::<FnGetLastError>(b"ncclGetLastError\0") }.ok().map(|s| *s),
+            // ncclCommSplit arrived in 2.18.
+            comm_split: unsafe { lib.get::<FnCommSplit>(b"ncclCommSplit\0") }.ok().map(|s| *s),
             all_reduce: sym!(b"ncclAllReduce\0", FnAllReduce),
             _lib: lib,
         };
@@ -208,18 +214,34 @@ impl Nccl {
         if r != NCCL_SUCCESS { r } else { state }
     }
 
+    /// A blocking child of `comm` over the same ranks, sharing its resources.
+    ///
+    /// Why: on a non-blocking communicator NCCL runs every collective's launch on a thread of
+    /// its own (and returns IN_PROGRESS), tens of microseconds per call that small-message
+    /// latency would show. Init stays non-blocking (for the deadline); timing uses this child.
+    /// `None` when the library has no ncclCommSplit (< 2.18).
+    pub fn split_blocking(&self, comm: Comm, rank: i32) -> Option<Result<Comm, NcclResult>> {
+        let f = self.comm_split?;
+        let mut child: Comm = std::ptr::null_mut();
+        let mut config = Config::with(true, 1);
+        // SAFETY: comm is an initialised communicator; child and config outlive the call.
+        let mut r = unsafe { f(comm, 0, rank, &mut child, &mut config) };
+        // The split is an operation of the (non-blocking) parent: wait for it to finish.
+        while r == NCCL_IN_PROGRESS {
+            std::thread::sleep(std::time::Duration::from_micros(100));
+            r = self.async_error(comm);
+            if r == NCCL_SUCCESS && !child.is_null() {
+                r = self.async_error(child);
+            }
+        }
+        Some(if r == NCCL_SUCCESS { Ok(child) } else { Err(r) })
+    }
+
     /// Abandons a communicator that failed or hung.
     pub fn abort(&self, comm: Comm) {
         if !comm.is_null() {
             // SAFETY: comm came from init and is not used afterwards.
             unsafe { (self.comm_abort)(comm) };
-        }
-    }
-
-    pub fn destroy(&self, comm: Comm) {
-        if !comm.is_null() {
-            // SAFETY: as above.
-            unsafe { (self.comm_destroy)(comm) };
         }
     }
 
@@ -352,7 +374,30 @@ fn system_libraries() -> Vec<PathBuf> {
     v
 }
 
-/// The target Python's sys.path, for finding the NCCL its torch loads. One short probe.
+/// Where the target Python keeps packages, for finding the NCCL its torch loads. The layout
+/// of a venv or prefix (`<prefix>/lib/python3.X/site-packages`) is looked at first; only when
+/// no libnccl is found there is the interpreter itself asked for its sys.path (tens of ms).
+pub fn python_package_dirs(python: &Path) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    // Not canonicalized: a venv's python is a link into the base install, but its packages
+    // live under the venv.
+    if let Some(prefix) = python.parent().and_then(Path::parent) {
+        for lib in ["lib", "lib64"] {
+            if let Ok(rd) = std::fs::read_dir(prefix.join(lib)) {
+                for e in rd.flatten() {
+                    if e.file_name().to_string_lossy().starts_with("python3") {
+                        dirs.push(e.path().join("site-packages"));
+                        dirs.push(e.path().join("dist-packages"));
+                    }
+                }
+            }
+        }
+    }
+    let has_nccl = dirs.iter().any(|d| d.join("nvidia/nccl/lib/libnccl.so.2").is_file() || d.join("torch/lib/libnccl.so.2").is_file());
+    if has_nccl { dirs } else { python_sys_path(python) }
+}
+
+/// The target Python's sys.path. One short probe of the interpreter.
 pub fn python_sys_path(python: &Path) -> Vec<PathBuf> {
     std::process::Command::new(python)
         .args(["-c", "import sys; print('\\n'.join(p for p in sys.path if p))"])

@@ -28,6 +28,7 @@ fn expected(world: usize) -> [f32; PERIOD] {
     e
 }
 
+#[cfg_attr(not(test), allow(dead_code))]
 fn count_wrong(out: &[f32], exp: &[f32; PERIOD]) -> u64 {
     let mut wrong = 0u64;
     for chunk in out.chunks(PERIOD) {
@@ -109,13 +110,19 @@ fn env_usize(k: &str) -> Result<usize, String> {
 
 /// Entry point of `nrun __preflight`. Returns the process exit code.
 pub fn main() -> u8 {
-    match run() {
+    let code = match run() {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("nrun preflight: error: {e}");
             3
         }
-    }
+    };
+    // Leave without running exit handlers: NCCL's and CUDA's teardown of communicators that
+    // were deliberately not destroyed can crash, and the driver reclaims everything anyway.
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit ends the process at once; nothing after it runs.
+    unsafe { libc::_exit(code as i32) }
 }
 
 fn run() -> Result<(), String> {
@@ -154,6 +161,7 @@ fn run() -> Result<(), String> {
         gpu: None,
         driver: None,
         init_ms: None,
+        phases_ms: Vec::new(),
         rows: Vec::new(),
         error: None,
     };
@@ -179,75 +187,162 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
+/// Times phases of a rank's work for the report.
+struct Phases {
+    last: Instant,
+    list: Vec<(String, f64)>,
+}
+
+impl Phases {
+    fn new() -> Phases {
+        Phases { last: Instant::now(), list: Vec::new() }
+    }
+
+    fn mark(&mut self, name: &str) {
+        let now = Instant::now();
+        self.list.push((name.to_string(), (now - self.last).as_secs_f64() * 1e3));
+        self.last = now;
+    }
+}
+
+/// Elements compared per block: a multiple of the pattern's period, so every block of a
+/// correct result equals the same expected block and the check is a memcmp.
+const CHECK_BLOCK: usize = PERIOD * 4096;
+/// Page-locked staging buffer for copying results back, in floats.
+const STAGING: usize = CHECK_BLOCK * 256;
+
+fn expected_block(world: usize) -> Vec<u32> {
+    let e = expected(world);
+    (0..CHECK_BLOCK).map(|i| e[i % PERIOD].to_bits()).collect()
+}
+
+/// Counts wrong elements of `dev[..count]`, copying it back through `staging`.
+fn check_device(
+    gpu: &Gpu,
+    dev: &cuda::DeviceBuf,
+    count: usize,
+    staging: &mut cuda::HostBuf,
+    exp: &[u32],
+) -> Result<u64, cuda::CudaError> {
+    let mut wrong = 0u64;
+    let mut off = 0;
+    while off < count {
+        let n = (count - off).min(STAGING);
+        gpu.download_at(staging, dev, off, n)?;
+        let got = staging.as_bits(n);
+        // Chunks start at multiples of STAGING and blocks at multiples of CHECK_BLOCK, so every
+        // block starts at a multiple of the pattern's period.
+        for block in got.chunks(CHECK_BLOCK) {
+            let want = &exp[..block.len()];
+            if block != want {
+                wrong += block.iter().zip(want).filter(|(a, b)| a != b).count() as u64;
+            }
+        }
+        off += n;
+    }
+    Ok(wrong)
+}
+
 fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<(), RankError> {
     let deadline = Instant::now() + Duration::from_millis(ctx.s.timeout_ms);
-    let path = ctx
-        .s
-        .nccl_lib
-        .clone()
-        .ok_or_else(|| err("setup", "no libnccl.so.2 found (torch's, LD_LIBRARY_PATH or the system's); pass --nccl-lib PATH"))?;
+    let mut ph = Phases::new();
+    let path = ctx.s.nccl_lib.clone().ok_or_else(|| {
+        err("setup", "no libnccl.so.2 found (torch's, LD_LIBRARY_PATH or the system's); pass --nccl-lib PATH")
+    })?;
     let nccl = Nccl::open(&path).map_err(|e| err("setup", e.0))?;
     rep.nccl_version = Some(nccl.version.to_string());
     rep.nccl_path = Some(path.display().to_string());
+    // Rank 0 publishes the unique id first: it needs no GPU, and the others can start init as
+    // soon as their GPU is ready.
+    if ctx.rank == 0 {
+        let id = nccl.unique_id().map_err(|r| {
+            let mut m = format!("ncclGetUniqueId: {}", nccl.error_string(r));
+            if let Some(last) = nccl.last_error(std::ptr::null_mut()) {
+                m.push_str(&format!(": {last}"));
+            }
+            err("init", m)
+        })?;
+        ctx.set("uid", &id.internal);
+    }
+    ph.mark("nccl-load");
     if !cuda::driver_present() {
-        return Err(err("setup", "libcuda.so.1 not found: no NVIDIA driver on this host (use --preflight=net for the network path alone)"));
+        return Err(err(
+            "setup",
+            "libcuda.so.1 not found: no NVIDIA driver on this host (use --preflight=net for the network path alone)",
+        ));
     }
     let (dmaj, dmin) = cuda::driver_version().map_err(|e| err("setup", e.0))?;
     rep.driver = Some(format!("{dmaj}.{dmin}"));
     // The pip wheels say which CUDA the library was built for; an older driver cannot run it.
-    let built_for = path.to_string_lossy().contains("cu13").then_some(13).or_else(|| {
-        path.to_string_lossy().contains("cu12").then_some(12)
-    });
+    let lib = path.to_string_lossy();
+    let built_for = if lib.contains("cu13") { Some(13) } else if lib.contains("cu12") { Some(12) } else { None };
     let gpu = Gpu::open(local_rank as i32).map_err(|e| {
         let mut m = e.0;
         if let Some(need) = built_for.filter(|n| *n > dmaj) {
-            m.push_str(&format!("; the driver supports CUDA {dmaj}.{dmin} but this NCCL is built for CUDA {need}: update the driver"));
+            m.push_str(&format!(
+                "; the driver supports CUDA {dmaj}.{dmin} but this NCCL is built for CUDA {need}: update the driver"
+            ));
         }
         err("setup", m)
     })?;
     rep.gpu = Some(format!("{} ({})", gpu.name, gpu.pci_bus_id));
-    let sizes = ctx.s.sizes();
-    let max_count = (sizes.last().copied().unwrap_or(4) / 4) as usize;
-    let send = gpu.alloc(max_count * 4).map_err(|e| err("setup", e.0))?;
-    let recv = gpu.alloc(max_count * 4).map_err(|e| err("setup", e.0))?;
-    let mut host = gpu.alloc_host(max_count).map_err(|e| err("setup", e.0))?;
-    {
-        let mut fill: Vec<f32> = Vec::with_capacity(max_count);
-        fill.extend((0..max_count).map(|i| pattern(ctx.rank, i)));
-        gpu.upload(&send, &fill).map_err(|e| err("setup", e.0))?;
-    }
     ctx.stage("loaded");
+    ph.mark("cuda");
 
     let id = if ctx.rank == 0 {
-        let id = nccl.unique_id().map_err(|r| err("init", format!("ncclGetUniqueId: {}", nccl.error_string(r))))?;
-        ctx.set("uid", &id.internal);
+        let mut id = UniqueId { internal: [0; 128] };
+        let k = ctx.s.key("uid");
+        let bytes = ctx.rt.block_on(ctx.store.get(&k)).map_err(|e| err("store", e.to_string()))?;
+        id.internal.copy_from_slice(&bytes[..128.min(bytes.len())]);
         id
     } else {
         let bytes = ctx.wait_key("uid", deadline, "rank 0's NCCL unique id")?;
-        let mut id = UniqueId { internal: [0; 128] };
         if bytes.len() != 128 {
             return Err(err("init", format!("unique id of {} bytes from the store, expected 128", bytes.len())));
         }
+        let mut id = UniqueId { internal: [0; 128] };
         id.internal.copy_from_slice(&bytes);
         id
     };
     ctx.stage("id");
+    ph.mark("unique-id");
 
-    // Non-blocking init polled against a deadline, so a hang becomes a diagnosis.
+    // Non-blocking init polled against a deadline, so a hang becomes a diagnosis. NCCL works in
+    // a thread of its own meanwhile, so the buffers are prepared here in the meantime.
     let t0 = Instant::now();
     let (comm, r) = nccl.init_nonblocking(ctx.world as i32, id, ctx.rank as i32);
-    let describe = |r| {
-        let mut m = format!("ncclCommInitRankConfig: {}", nccl.error_string(r));
+    let describe = |r, comm| {
+        let mut m = format!("{}", nccl.error_string(r));
         if let Some(last) = nccl.last_error(comm) {
             m.push_str(&format!(": {last}"));
         }
         m
     };
     if r != nccl::NCCL_SUCCESS && r != nccl::NCCL_IN_PROGRESS {
-        let m = describe(r);
+        let m = describe(r, comm);
         nccl.abort(comm);
-        return Err(err("init", m));
+        return Err(err("init", format!("ncclCommInitRankConfig: {m}")));
     }
+    let sizes = ctx.s.sizes();
+    let max_count = (sizes.last().copied().unwrap_or(4) / 4) as usize;
+    let buffers = (|| {
+        let send = gpu.alloc(max_count * 4)?;
+        let recv = gpu.alloc(max_count * 4)?;
+        let staging = gpu.alloc_host(STAGING.min(max_count.next_multiple_of(CHECK_BLOCK)))?;
+        // Fill: one block from the host, then doubling device-to-device copies (block sizes stay
+        // multiples of the pattern's period, so the pattern continues).
+        let first: Vec<f32> = (0..CHECK_BLOCK.min(max_count)).map(|i| pattern(ctx.rank, i)).collect();
+        gpu.upload(&send, &first)?;
+        let mut filled = first.len();
+        while filled < max_count {
+            let n = filled.min(max_count - filled);
+            gpu.copy_within_async(&send, 0, filled, n)?;
+            filled += n;
+        }
+        gpu.synchronize()?;
+        Ok::<_, cuda::CudaError>((send, recv, staging))
+    })();
+    ph.mark("buffers");
     let mut last_check = Instant::now();
     loop {
         let st = nccl.async_error(comm);
@@ -255,15 +350,18 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             break;
         }
         if st != nccl::NCCL_IN_PROGRESS {
-            let m = describe(st);
+            let m = describe(st, comm);
             nccl.abort(comm);
-            return Err(err("init", m));
+            return Err(err("init", format!("ncclCommInitRankConfig: {m}")));
         }
         if Instant::now() > deadline {
             nccl.abort(comm);
             return Err(err(
                 "init-timeout",
-                format!("NCCL communicator init did not finish within {} ms (stuck waiting for peers)", ctx.s.timeout_ms),
+                format!(
+                    "NCCL communicator init did not finish within {} ms (stuck waiting for peers)",
+                    ctx.s.timeout_ms
+                ),
             ));
         }
         if last_check.elapsed() > Duration::from_millis(50) {
@@ -276,22 +374,29 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         std::thread::sleep(Duration::from_micros(200));
     }
     rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+    ph.mark("init");
+    let (send, recv, mut staging) = buffers.map_err(|e| err("setup", e.0))?;
+    let comm = match nccl.split_blocking(comm, ctx.rank as i32) {
+        None => comm,
+        Some(Ok(child)) => child,
+        Some(Err(r)) => return Err(err("init", format!("ncclCommSplit: {}", describe(r, comm)))),
+    };
     ctx.stage("init");
+    ph.mark("split");
 
-    let exp = expected(ctx.world);
+    let exp = expected_block(ctx.world);
     let (start, end) = match (gpu.event(), gpu.event()) {
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => return Err(err("setup", e.0)),
     };
     let all_reduce = |src: u64, dst: u64, count: usize| -> Result<(), RankError> {
         // SAFETY: src/dst are our device buffers of max_count floats; count <= max_count.
-        let r = unsafe { nccl.all_reduce_f32(src, dst, count, comm, gpu.stream.cast()) };
-        let mut st = r;
+        let mut st = unsafe { nccl.all_reduce_f32(src, dst, count, comm, gpu.stream.cast()) };
         while st == nccl::NCCL_IN_PROGRESS {
             st = nccl.async_error(comm);
         }
         if st != nccl::NCCL_SUCCESS {
-            return Err(err("collective", format!("ncclAllReduce of {count} floats: {}", describe(st))));
+            return Err(err("collective", format!("ncclAllReduce of {count} floats: {}", describe(st, comm))));
         }
         Ok(())
     };
@@ -311,19 +416,20 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             Ok(gpu.elapsed_ms(&start, &end).map_err(cu)? as f64 * 1e3 / ctx.s.iters.max(1) as f64)
         };
         let oop_us = timed(send.ptr, recv.ptr)?;
-        gpu.download(&mut host, &recv, count).map_err(cu)?;
-        let oop_wrong = count_wrong(host.as_slice(count), &exp);
+        let oop_wrong = check_device(&gpu, &recv, count, &mut staging, &exp).map_err(cu)?;
         let ip_us = timed(recv.ptr, recv.ptr)?;
         // Timed in-place runs compound the data; check one run on fresh input.
         gpu.copy_async(&recv, &send, count * 4).map_err(cu)?;
         all_reduce(recv.ptr, recv.ptr, count)?;
         gpu.synchronize().map_err(cu)?;
-        gpu.download(&mut host, &recv, count).map_err(cu)?;
-        let ip_wrong = count_wrong(host.as_slice(count), &exp);
+        let ip_wrong = check_device(&gpu, &recv, count, &mut staging, &exp).map_err(cu)?;
         rep.rows.push(Row { bytes, oop_us, oop_wrong, ip_us, ip_wrong });
     }
-    // No ncclCommDestroy: the process exits right after reporting and NCCL's resources go
-    // with it; the closing barrier (see `run`) keeps peers from losing data still in flight.
+    ph.mark("sweep");
+    rep.phases_ms = ph.list;
+    // Neither the buffers nor the communicators are torn down: the process ends right after
+    // reporting (see `main`), and freeing memory NCCL may still reference only risks a crash.
+    std::mem::forget((send, recv, staging));
     Ok(())
 }
 
