@@ -14,10 +14,10 @@ MAX=${MAX_SIZE:-2G}
 pass=0; fail=0
 check() {  # check NAME EXPECTED_RC CMD... : runs CMD, compares its exit code, keeps its output
   local name=$1 want=$2; shift 2
-  local t0=$(date +%s.%N)
+  local t0=$(date +%s%N)
   "$@" > "$OUTDIR/$name.log" 2>&1
-  local rc=$? t1=$(date +%s.%N)
-  printf '%-34s rc=%-3s want=%-3s %6.2fs  ' "$name" "$rc" "$want" "$(echo "$t1 - $t0" | bc)"
+  local rc=$? t1=$(date +%s%N)
+  printf '%-34s rc=%-3s want=%-3s %6d ms  ' "$name" "$rc" "$want" "$(( (t1 - t0) / 1000000 ))"
   if [ "$rc" = "$want" ]; then pass=$((pass+1)); echo ok; else fail=$((fail+1)); echo FAILED; tail -20 "$OUTDIR/$name.log"; fi
 }
 echo "GPUs: $NGPU; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"

@@ -220,21 +220,34 @@ impl Nccl {
     /// its own (and returns IN_PROGRESS), tens of microseconds per call that small-message
     /// latency would show. Init stays non-blocking (for the deadline); timing uses this child.
     /// `None` when the library has no ncclCommSplit (< 2.18).
-    pub fn split_blocking(&self, comm: Comm, rank: i32) -> Option<Result<Comm, NcclResult>> {
+    pub fn split_blocking(&self, comm: Comm, rank: i32, deadline: std::time::Instant) -> Option<Result<Comm, NcclResult>> {
         let f = self.comm_split?;
         let mut child: Comm = std::ptr::null_mut();
         let mut config = Config::with(true, 1);
         // SAFETY: comm is an initialised communicator; child and config outlive the call.
-        let mut r = unsafe { f(comm, 0, rank, &mut child, &mut config) };
-        // The split is an operation of the (non-blocking) parent: wait for it to finish.
-        while r == NCCL_IN_PROGRESS {
-            std::thread::sleep(std::time::Duration::from_micros(100));
-            r = self.async_error(comm);
-            if r == NCCL_SUCCESS && !child.is_null() {
-                r = self.async_error(child);
-            }
+        let r = unsafe { f(comm, 0, rank, &mut child, &mut config) };
+        if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
+            return Some(Err(r));
         }
-        Some(if r == NCCL_SUCCESS { Ok(child) } else { Err(r) })
+        // On a non-blocking parent the split finishes in the background: wait until the parent
+        // is idle again and the child exists and is ready.
+        loop {
+            let parent = self.async_error(comm);
+            if parent != NCCL_SUCCESS && parent != NCCL_IN_PROGRESS {
+                return Some(Err(parent));
+            }
+            if parent == NCCL_SUCCESS && !child.is_null() {
+                match self.async_error(child) {
+                    NCCL_SUCCESS => return Some(Ok(child)),
+                    NCCL_IN_PROGRESS => {}
+                    e => return Some(Err(e)),
+                }
+            }
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
     }
 
     /// Abandons a communicator that failed or hung.

@@ -376,7 +376,16 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
     ph.mark("init");
     let (send, recv, mut staging) = buffers.map_err(|e| err("setup", e.0))?;
-    let comm = match nccl.split_blocking(comm, ctx.rank as i32) {
+    let split_deadline = Instant::now() + Duration::from_secs(10).min(deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)));
+    // NRUN_PREFLIGHT_NO_SPLIT=1 times on the non-blocking communicator itself (a way around an
+    // NCCL whose split misbehaves).
+    let split = if std::env::var_os("NRUN_PREFLIGHT_NO_SPLIT").is_some() {
+        None
+    } else {
+        nccl.split_blocking(comm, ctx.rank as i32, split_deadline)
+    };
+    let comm = match split {
+        // No ncclCommSplit, or it did not finish: time on the non-blocking parent instead.
         None => comm,
         Some(Ok(child)) => child,
         Some(Err(r)) => return Err(err("init", format!("ncclCommSplit: {}", describe(r, comm)))),
