@@ -16,17 +16,23 @@ use std::time::{Duration, Instant};
 use nrun::store::client::Client;
 
 fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec we own.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn addr(s: &str) -> SocketAddr {
-    s.to_socket_addrs().ok().and_then(|mut a| a.next()).unwrap_or_else(|| {
-        eprintln!("storebench: bad address {s:?}");
-        std::process::exit(2)
-    })
+    s.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .unwrap_or_else(|| {
+            eprintln!("storebench: bad address {s:?}");
+            std::process::exit(2)
+        })
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -48,7 +54,10 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mode = args.get(1).map(String::as_str).unwrap_or("");
     match mode {
-        "rtt" => rtt(addr(&args[2]), args.get(3).and_then(|n| n.parse().ok()).unwrap_or(20000)),
+        "rtt" => rtt(
+            addr(&args[2]),
+            args.get(3).and_then(|n| n.parse().ok()).unwrap_or(20000),
+        ),
         "burst" => burst(&args[2], args[3].parse().expect("N")),
         "burst-child" => burst_child(addr(&args[2])),
         "rendezvous" => {
@@ -63,7 +72,10 @@ fn main() {
 }
 
 fn rtt(a: SocketAddr, iters: usize) {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let mut c = Client::connect(a, Duration::from_secs(10)).await.expect("connect");
         let value = vec![7u8; 64];
@@ -176,7 +188,10 @@ fn burst_child(a: SocketAddr) {
 }
 
 fn rendezvous(a: SocketAddr, n: usize) {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let tag = format!("/rdzv{}", std::process::id());
     rt.block_on(async move {
         let t0 = Instant::now();

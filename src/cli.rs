@@ -182,7 +182,13 @@ pub struct Cli {
     /// Before the job, prove the GPUs and links with an all-reduce: auto (NCCL when GPUs are
     /// visible, else none), nccl, net (TCP ring over the network path, no GPU needed) or off;
     /// add `,warn` to start the job even if the preflight fails.
-    #[arg(long, env = "NRUN_PREFLIGHT_MODE", default_value = "auto", value_name = "MODE[,warn]", help_heading = "Preflight")]
+    #[arg(
+        long,
+        env = "NRUN_PREFLIGHT_MODE",
+        default_value = "auto",
+        value_name = "MODE[,warn]",
+        help_heading = "Preflight"
+    )]
     pub preflight: String,
 
     /// Skip the preflight (same as --preflight off).
@@ -195,7 +201,12 @@ pub struct Cli {
 
     /// Message sizes of the sweep, MIN:MAX:FACTOR with K/M/G suffixes (default 8:256M:2; 8:16M:4
     /// for --preflight net).
-    #[arg(long = "preflight-sizes", env = "NRUN_PREFLIGHT_SIZES", value_name = "MIN:MAX:FACTOR", help_heading = "Preflight")]
+    #[arg(
+        long = "preflight-sizes",
+        env = "NRUN_PREFLIGHT_SIZES",
+        value_name = "MIN:MAX:FACTOR",
+        help_heading = "Preflight"
+    )]
     pub preflight_sizes: Option<String>,
 
     /// Timed all-reduces per size (default 20; 5 for net).
@@ -203,24 +214,50 @@ pub struct Cli {
     pub iters: Option<u32>,
 
     /// Untimed all-reduces per size before timing (default 5; 1 for net).
-    #[arg(long, env = "NRUN_WARMUP", value_name = "N", help_heading = "Preflight")]
+    #[arg(
+        long,
+        env = "NRUN_WARMUP",
+        value_name = "N",
+        help_heading = "Preflight"
+    )]
     pub warmup: Option<u32>,
 
     /// Seconds a rank may take to join and finish communicator init before it is named as stuck.
-    #[arg(long = "preflight-timeout", env = "NRUN_PREFLIGHT_TIMEOUT", default_value_t = 30.0, value_name = "SECS", help_heading = "Preflight")]
+    #[arg(
+        long = "preflight-timeout",
+        env = "NRUN_PREFLIGHT_TIMEOUT",
+        default_value_t = 30.0,
+        value_name = "SECS",
+        help_heading = "Preflight"
+    )]
     pub preflight_timeout: f64,
 
     /// Fail the preflight when busbw at the largest size is under this (GB/s).
-    #[arg(long = "min-busbw", env = "NRUN_MIN_BUSBW", value_name = "GB/s", help_heading = "Preflight")]
+    #[arg(
+        long = "min-busbw",
+        env = "NRUN_MIN_BUSBW",
+        value_name = "GB/s",
+        help_heading = "Preflight"
+    )]
     pub min_busbw: Option<f64>,
 
     /// Write the preflight report as JSON to FILE.
-    #[arg(long, env = "NRUN_REPORT", value_name = "FILE", help_heading = "Preflight")]
+    #[arg(
+        long,
+        env = "NRUN_REPORT",
+        value_name = "FILE",
+        help_heading = "Preflight"
+    )]
     pub report: Option<PathBuf>,
 
     /// The libnccl to test (default: the one the target Python's torch loads, then
     /// LD_LIBRARY_PATH, then the system's).
-    #[arg(long = "nccl-lib", env = "NRUN_NCCL_LIB", value_name = "PATH", help_heading = "Preflight")]
+    #[arg(
+        long = "nccl-lib",
+        env = "NRUN_NCCL_LIB",
+        value_name = "PATH",
+        help_heading = "Preflight"
+    )]
     pub nccl_lib: Option<PathBuf>,
 
     /// Push a single node's preflight traffic through its network path (NCCL_P2P_DISABLE=1

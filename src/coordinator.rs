@@ -18,7 +18,9 @@ use crate::store::{self, Store};
 /// Binds the store's port when this node hosts it. Done before anything else starts so a port
 /// that is taken is a usage error with nothing to clean up.
 pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
-    let StorePlan::Host { port, .. } = plan.store else { return Ok(None) };
+    let StorePlan::Host { port, .. } = plan.store else {
+        return Ok(None);
+    };
     match store::server::bind(port) {
         Ok(l) => Ok(Some(l)),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(Error::usage(format!(
@@ -29,7 +31,9 @@ pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
             "--master-port {port}: permission denied binding it (ports below 1024 need root); pick \
              a port above 1024 or omit --master-port"
         ))),
-        Err(e) => Err(Error::internal(format!("cannot bind the store on port {port}: {e}"))),
+        Err(e) => Err(Error::internal(format!(
+            "cannot bind the store on port {port}: {e}"
+        ))),
     }
 }
 
@@ -46,7 +50,10 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
 
     let (store_addr, store, stop_store) = match (&plan.store, listener) {
         (StorePlan::Host { advertise, .. }, Some(l)) => {
-            let port = l.local_addr().map_err(|e| Error::internal(e.to_string()))?.port();
+            let port = l
+                .local_addr()
+                .map_err(|e| Error::internal(e.to_string()))?
+                .port();
             let l = tokio::net::TcpListener::from_std(l)
                 .map_err(|e| Error::internal(format!("store listener: {e}")))?;
             let store = Store::new();
@@ -58,9 +65,23 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
                 })
                 .await
             });
-            (StoreAddr { addr: advertise.clone(), port }, Some(store), Some(tx))
+            (
+                StoreAddr {
+                    addr: advertise.clone(),
+                    port,
+                },
+                Some(store),
+                Some(tx),
+            )
         }
-        (StorePlan::Remote { addr, port }, _) => (StoreAddr { addr: addr.clone(), port: *port }, None, None),
+        (StorePlan::Remote { addr, port }, _) => (
+            StoreAddr {
+                addr: addr.clone(),
+                port: *port,
+            },
+            None,
+            None,
+        ),
         (StorePlan::Host { .. }, None) => return Err(Error::internal("store was not bound")),
     };
     tracing::debug!("store at {}:{}", store_addr.addr, store_addr.port);
@@ -70,12 +91,21 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
     if let Some(pf) = &plan.preflight {
         code = run_preflight(&plan, pf, &store_addr, &mut signals, &temp_root).await?;
         if code != exit::SUCCESS && pf.warn_only && !plan.preflight_only {
-            tracing::warn!("the preflight failed (exit code {code}); starting the job anyway (--preflight ...,warn)");
+            tracing::warn!(
+                "the preflight failed (exit code {code}); starting the job anyway (--preflight ...,warn)"
+            );
             code = exit::SUCCESS;
         }
     }
     if code == exit::SUCCESS && !plan.preflight_only {
-        code = run_job(&plan, &store_addr, store.as_deref(), &mut signals, &temp_root).await?;
+        code = run_job(
+            &plan,
+            &store_addr,
+            store.as_deref(),
+            &mut signals,
+            &temp_root,
+        )
+        .await?;
     }
     if let Some(tx) = stop_store {
         let _ = tx.send(());
@@ -116,12 +146,24 @@ async fn run_job(
                 s.clear();
             }
         }
-        let workers = build_workers(plan, attempt, sa, temp_root, &plan.program, &plan.args, &[], true)?;
+        let workers = build_workers(
+            plan,
+            attempt,
+            sa,
+            temp_root,
+            &plan.program,
+            &plan.args,
+            &[],
+            true,
+        )?;
         match node::run_group(workers, plan.shutdown_timeout, None, signals).await? {
             Outcome::Success => return Ok(exit::SUCCESS),
             Outcome::TimedOut => return Ok(exit::INTERNAL),
             Outcome::Interrupted(sig) => {
-                tracing::warn!("stopped by {}; every worker was stopped", node::signal_name(sig));
+                tracing::warn!(
+                    "stopped by {}; every worker was stopped",
+                    node::signal_name(sig)
+                );
                 return Ok(exit::signal(sig));
             }
             Outcome::Failed(f) => {
@@ -136,7 +178,10 @@ async fn run_job(
                     );
                     continue;
                 }
-                eprint!("{}", report::failure_summary(&f, &host, plan.world_size(), &program));
+                eprint!(
+                    "{}",
+                    report::failure_summary(&f, &host, plan.world_size(), &program)
+                );
                 if code == exit::SUCCESS {
                     code = exit::INTERNAL;
                 }
@@ -147,7 +192,8 @@ async fn run_job(
 }
 
 fn hostname() -> String {
-    nix::unistd::gethostname().map_or_else(|_| "localhost".into(), |h| h.to_string_lossy().into_owned())
+    nix::unistd::gethostname()
+        .map_or_else(|_| "localhost".into(), |h| h.to_string_lossy().into_owned())
 }
 
 /// The preflight phase: resolve the libnccl the job would load, run one preflight rank per
@@ -174,7 +220,11 @@ async fn run_preflight(
         warmup: pf.warmup,
         timeout_ms: pf.timeout.as_millis() as u64,
         nccl_lib,
-        listen_addr: if sa.addr.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback()) {
+        listen_addr: if sa
+            .addr
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|a| a.is_loopback())
+        {
             sa.addr.clone()
         } else {
             "0.0.0.0".into()
@@ -188,7 +238,16 @@ async fn run_preflight(
     }
     let exe = std::env::current_exe()
         .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
-    let workers = build_workers(plan, 0, sa, temp_root, exe.as_os_str(), &["__preflight".into()], &extra, false)?;
+    let workers = build_workers(
+        plan,
+        0,
+        sa,
+        temp_root,
+        exe.as_os_str(),
+        &["__preflight".into()],
+        &extra,
+        false,
+    )?;
     // Ranks enforce the init timeout themselves; this deadline only catches a rank that hangs
     // where it cannot (a CUDA call, a dead peer mid-collective).
     let deadline = tokio::time::Instant::now() + pf.timeout * 2 + Duration::from_secs(120);
@@ -234,10 +293,16 @@ async fn gather_reports(
     plan: &Plan,
     sa: &StoreAddr,
     s: &preflight::Settings,
-) -> (std::collections::BTreeMap<usize, RankReport>, Vec<(usize, String, Option<String>)>) {
+) -> (
+    std::collections::BTreeMap<usize, RankReport>,
+    Vec<(usize, String, Option<String>)>,
+) {
     let mut reports = std::collections::BTreeMap::new();
     let mut silent = Vec::new();
-    let addr: Option<SocketAddr> = (sa.addr.as_str(), sa.port).to_socket_addrs().ok().and_then(|mut a| a.next());
+    let addr: Option<SocketAddr> = (sa.addr.as_str(), sa.port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next());
     let mut client = match addr {
         Some(a) => Client::connect(a, Duration::from_secs(5)).await.ok(),
         None => None,
@@ -248,16 +313,26 @@ async fn gather_reports(
             silent.push((rank, host.clone(), None));
             continue;
         };
-        let r = c.get(&s.key(&format!("result/{rank}"))).await.unwrap_or_default();
+        let r = c
+            .get(&s.key(&format!("result/{rank}")))
+            .await
+            .unwrap_or_default();
         match serde_json::from_slice::<RankReport>(&r) {
             Ok(rep) => {
                 reports.insert(rank, rep);
             }
             Err(_) => {
-                let st = c.get(&s.key(&format!("stage/{rank}"))).await.unwrap_or_default();
+                let st = c
+                    .get(&s.key(&format!("stage/{rank}")))
+                    .await
+                    .unwrap_or_default();
                 let stage = (!st.is_empty()).then(|| String::from_utf8_lossy(&st).into_owned());
                 // Ranks are contiguous per node; this node's are the only ones it can name.
-                let h = if rank / plan.nproc == plan.node_rank { host.clone() } else { format!("node {}", rank / plan.nproc) };
+                let h = if rank / plan.nproc == plan.node_rank {
+                    host.clone()
+                } else {
+                    format!("node {}", rank / plan.nproc)
+                };
                 silent.push((rank, h, stage));
             }
         }
@@ -267,14 +342,25 @@ async fn gather_reports(
 
 /// The libnccl the job would load, and (as a task that runs beside the preflight) a line for
 /// every other one found, with its version.
-async fn resolve_nccl(plan: &Plan, pf: &PreflightPlan) -> (Option<PathBuf>, tokio::task::JoinHandle<Vec<String>>) {
+async fn resolve_nccl(
+    plan: &Plan,
+    pf: &PreflightPlan,
+) -> (Option<PathBuf>, tokio::task::JoinHandle<Vec<String>>) {
     // Even with --nccl-lib, torch's copy is looked up so that a mismatch can be reported.
-    let python_paths = plan.python.as_deref().map(preflight::nccl::python_package_dirs).unwrap_or_default();
+    let python_paths = plan
+        .python
+        .as_deref()
+        .map(preflight::nccl::python_package_dirs)
+        .unwrap_or_default();
     let ld = std::env::var("LD_LIBRARY_PATH").ok();
     let cands = preflight::nccl::candidates(pf.nccl_lib.as_deref(), &python_paths, ld.as_deref());
     let chosen = cands.first().map(|c| c.path.clone());
     if let Some(c) = cands.first() {
-        tracing::debug!("preflight uses {} NCCL at {}", c.source.describe(), c.path.display());
+        tracing::debug!(
+            "preflight uses {} NCCL at {}",
+            c.source.describe(),
+            c.path.display()
+        );
     }
     // Each other library's version is read by a separate nrun process: two libraries with the
     // same soname should not share one process.
@@ -323,10 +409,20 @@ fn build_workers(
     let mut workers = Vec::with_capacity(plan.nproc);
     for local_rank in 0..plan.nproc {
         let rank = plan.node_rank * plan.nproc + local_rank;
-        let log_dir = plan.log.dir.as_ref().filter(|_| logs).map(|d| plan.worker_dir(d, attempt, local_rank));
-        let err_dir = log_dir.clone().unwrap_or_else(|| plan.worker_dir(temp_root, attempt, local_rank));
+        let log_dir = plan
+            .log
+            .dir
+            .as_ref()
+            .filter(|_| logs)
+            .map(|d| plan.worker_dir(d, attempt, local_rank));
+        let err_dir = log_dir
+            .clone()
+            .unwrap_or_else(|| plan.worker_dir(temp_root, attempt, local_rank));
         std::fs::create_dir_all(&err_dir).map_err(|e| {
-            Error::usage(format!("cannot create log directory {}: {e}", err_dir.display()))
+            Error::usage(format!(
+                "cannot create log directory {}: {e}",
+                err_dir.display()
+            ))
         })?;
         let error_file = err_dir.join("error.json");
         let mut env = plan.worker_env(&WorkerSlot {
@@ -337,14 +433,26 @@ fn build_workers(
             error_file: &error_file,
         });
         env.extend(extra_env.iter().cloned());
-        let redirected = if logs { plan.log.redirects.for_rank(local_rank) } else { Default::default() };
-        let shown = !logs || plan.log.console_ranks.as_ref().is_none_or(|s| s.contains(&local_rank));
+        let redirected = if logs {
+            plan.log.redirects.for_rank(local_rank)
+        } else {
+            Default::default()
+        };
+        let shown = !logs
+            || plan
+                .log
+                .console_ranks
+                .as_ref()
+                .is_none_or(|s| s.contains(&local_rank));
         let sink = |redirect: bool, name: &str| -> Result<Sink> {
             let file = match &log_dir {
                 Some(d) => Some(create_log(&d.join(name))?),
                 None => None,
             };
-            Ok(Sink { console: shown && !redirect, file })
+            Ok(Sink {
+                console: shown && !redirect,
+                file,
+            })
         };
         workers.push(WorkerCmd {
             rank,
@@ -354,9 +462,16 @@ fn build_workers(
             env,
             error_file,
             output: WorkerOutput {
-                prefix: if prefixed { format!("[rank{rank:>width$}]: ") } else { String::new() },
+                prefix: if prefixed {
+                    format!("[rank{rank:>width$}]: ")
+                } else {
+                    String::new()
+                },
                 colour: rank,
-                sinks: [sink(redirected.stdout(), "stdout.log")?, sink(redirected.stderr(), "stderr.log")?],
+                sinks: [
+                    sink(redirected.stdout(), "stdout.log")?,
+                    sink(redirected.stderr(), "stderr.log")?,
+                ],
             },
         });
     }
@@ -364,5 +479,6 @@ fn build_workers(
 }
 
 fn create_log(p: &PathBuf) -> Result<File> {
-    File::create(p).map_err(|e| Error::usage(format!("cannot create log file {}: {e}", p.display())))
+    File::create(p)
+        .map_err(|e| Error::usage(format!("cannot create log file {}: {e}", p.display())))
 }

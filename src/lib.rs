@@ -30,7 +30,10 @@ pub fn main() -> ExitCode {
     match argv.next().as_deref().and_then(|a| a.to_str()) {
         Some("__preflight") => return ExitCode::from(preflight::worker::main()),
         Some("__nccl-version") => {
-            return match argv.next().map(|p| preflight::nccl::Nccl::open(std::path::Path::new(&p))) {
+            return match argv
+                .next()
+                .map(|p| preflight::nccl::Nccl::open(std::path::Path::new(&p)))
+            {
                 Some(Ok(n)) => {
                     println!("{}", n.version);
                     ExitCode::SUCCESS

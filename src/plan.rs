@@ -291,11 +291,19 @@ pub fn visible_gpus(env: &dyn Fn(&str) -> Option<String>) -> usize {
     }
 }
 
-fn resolve_preflight(cli: &Cli, env: &dyn Fn(&str) -> Option<String>) -> Result<Option<PreflightPlan>> {
+fn resolve_preflight(
+    cli: &Cli,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<PreflightPlan>> {
     use crate::preflight::Mode;
     let mut mode: Option<Option<Mode>> = None;
     let mut warn_only = false;
-    for part in cli.preflight.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+    for part in cli
+        .preflight
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
         match part {
             "warn" => warn_only = true,
             "auto" => {}
@@ -311,7 +319,9 @@ fn resolve_preflight(cli: &Cli, env: &dyn Fn(&str) -> Option<String>) -> Result<
     }
     if cli.no_preflight {
         if cli.preflight_only {
-            return Err(Error::usage("--no-preflight and --preflight-only exclude each other"));
+            return Err(Error::usage(
+                "--no-preflight and --preflight-only exclude each other",
+            ));
         }
         mode = Some(None);
     }
@@ -343,7 +353,10 @@ fn resolve_preflight(cli: &Cli, env: &dyn Fn(&str) -> Option<String>) -> Result<
     }
     if let Some(p) = &cli.nccl_lib {
         if !p.is_file() {
-            return Err(Error::usage(format!("--nccl-lib {}: no such file", p.display())));
+            return Err(Error::usage(format!(
+                "--nccl-lib {}: no such file",
+                p.display()
+            )));
         }
     }
     Ok(Some(PreflightPlan {

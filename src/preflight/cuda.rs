@@ -40,7 +40,10 @@ pub fn driver_present() -> bool {
 pub fn driver_version() -> Result<(i32, i32), CudaError> {
     let mut v = 0;
     // SAFETY: writes one int.
-    check(unsafe { sys::cuDriverGetVersion(&mut v) }, "cuDriverGetVersion")?;
+    check(
+        unsafe { sys::cuDriverGetVersion(&mut v) },
+        "cuDriverGetVersion",
+    )?;
     Ok((v / 1000, (v % 1000) / 10))
 }
 
@@ -69,11 +72,17 @@ impl Gpu {
             let mut dev = 0;
             check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
             let mut name = [0 as c_char; 128];
-            check(sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev), "cuDeviceGetName")?;
+            check(
+                sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev),
+                "cuDeviceGetName",
+            )?;
             let mut bus = [0 as c_char; 32];
             let _ = sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 32, dev);
             let mut ctx = std::ptr::null_mut();
-            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
             check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
             let mut stream = std::ptr::null_mut();
             // CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream.
@@ -90,7 +99,10 @@ impl Gpu {
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuf, CudaError> {
         let mut p = 0;
         // SAFETY: writes the device pointer.
-        check(unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(4)) }, "cuMemAlloc")?;
+        check(
+            unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(4)) },
+            "cuMemAlloc",
+        )?;
         Ok(DeviceBuf { ptr: p })
     }
 
@@ -99,28 +111,50 @@ impl Gpu {
         let mut p = std::ptr::null_mut();
         let bytes = floats.max(1) * 4;
         // SAFETY: writes the host pointer.
-        check(unsafe { sys::cuMemAllocHost_v2(&mut p, bytes) }, "cuMemAllocHost")?;
-        Ok(HostBuf { ptr: p as *mut f32, len: floats })
+        check(
+            unsafe { sys::cuMemAllocHost_v2(&mut p, bytes) },
+            "cuMemAllocHost",
+        )?;
+        Ok(HostBuf {
+            ptr: p as *mut f32,
+            len: floats,
+        })
     }
 
     pub fn upload(&self, dst: &DeviceBuf, src: &[f32]) -> Result<(), CudaError> {
         // SAFETY: dst holds at least src.len() floats (caller's allocation).
         check(
-            unsafe { sys::cuMemcpyHtoD_v2(dst.ptr, src.as_ptr().cast(), std::mem::size_of_val(src)) },
+            unsafe {
+                sys::cuMemcpyHtoD_v2(dst.ptr, src.as_ptr().cast(), std::mem::size_of_val(src))
+            },
             "cuMemcpyHtoD",
         )
     }
 
     /// Copies `floats` floats from `src` at float offset `off` into the start of `dst`, after
     /// the work queued on our stream.
-    pub fn download_at(&self, dst: &mut HostBuf, src: &DeviceBuf, off: usize, floats: usize) -> Result<(), CudaError> {
+    pub fn download_at(
+        &self,
+        dst: &mut HostBuf,
+        src: &DeviceBuf,
+        off: usize,
+        floats: usize,
+    ) -> Result<(), CudaError> {
         if floats > dst.len {
-            return Err(CudaError(format!("staging buffer of {} floats is too small for {floats}", dst.len)));
+            return Err(CudaError(format!(
+                "staging buffer of {} floats is too small for {floats}",
+                dst.len
+            )));
         }
         // SAFETY: src holds off+floats floats (caller), dst holds at least `floats`.
         unsafe {
             check(
-                sys::cuMemcpyDtoHAsync_v2(dst.ptr.cast(), src.ptr + (off * 4) as u64, floats * 4, self.stream),
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.ptr.cast(),
+                    src.ptr + (off * 4) as u64,
+                    floats * 4,
+                    self.stream,
+                ),
                 "cuMemcpyDtoHAsync",
             )?;
         }
@@ -128,24 +162,46 @@ impl Gpu {
     }
 
     /// Copies `n` floats within one buffer, from float offset `from` to `to`, on our stream.
-    pub fn copy_within_async(&self, buf: &DeviceBuf, from: usize, to: usize, n: usize) -> Result<(), CudaError> {
+    pub fn copy_within_async(
+        &self,
+        buf: &DeviceBuf,
+        from: usize,
+        to: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
         // SAFETY: the caller keeps both ranges inside the buffer and apart.
         check(
             unsafe {
-                sys::cuMemcpyDtoDAsync_v2(buf.ptr + (to * 4) as u64, buf.ptr + (from * 4) as u64, n * 4, self.stream)
+                sys::cuMemcpyDtoDAsync_v2(
+                    buf.ptr + (to * 4) as u64,
+                    buf.ptr + (from * 4) as u64,
+                    n * 4,
+                    self.stream,
+                )
             },
             "cuMemcpyDtoDAsync",
         )
     }
 
-    pub fn copy_async(&self, dst: &DeviceBuf, src: &DeviceBuf, bytes: usize) -> Result<(), CudaError> {
+    pub fn copy_async(
+        &self,
+        dst: &DeviceBuf,
+        src: &DeviceBuf,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
         // SAFETY: both buffers hold at least `bytes` bytes.
-        check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, bytes, self.stream) }, "cuMemcpyDtoDAsync")
+        check(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, bytes, self.stream) },
+            "cuMemcpyDtoDAsync",
+        )
     }
 
     pub fn synchronize(&self) -> Result<(), CudaError> {
         // SAFETY: our own stream.
-        check(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
+        check(
+            unsafe { sys::cuStreamSynchronize(self.stream) },
+            "cuStreamSynchronize",
+        )
     }
 
     pub fn event(&self) -> Result<Event, CudaError> {
@@ -157,7 +213,10 @@ impl Gpu {
 
     pub fn record(&self, e: &Event) -> Result<(), CudaError> {
         // SAFETY: event and stream are ours.
-        check(unsafe { sys::cuEventRecord(e.0, self.stream) }, "cuEventRecord")
+        check(
+            unsafe { sys::cuEventRecord(e.0, self.stream) },
+            "cuEventRecord",
+        )
     }
 
     /// Milliseconds between two recorded events, waiting for the second.
@@ -166,7 +225,10 @@ impl Gpu {
         // SAFETY: both events were recorded on our stream.
         unsafe {
             check(sys::cuEventSynchronize(end.0), "cuEventSynchronize")?;
-            check(sys::cuEventElapsedTime(&mut ms, start.0, end.0), "cuEventElapsedTime")?;
+            check(
+                sys::cuEventElapsedTime(&mut ms, start.0, end.0),
+                "cuEventElapsedTime",
+            )?;
         }
         Ok(ms)
     }

@@ -94,7 +94,10 @@ pub fn parse_sizes(s: &str) -> Result<(u64, u64, u64), Error> {
             Some('G') => (&p[..p.len() - 1], 1 << 30),
             _ => (p, 1),
         };
-        num.parse::<u64>().ok().and_then(|n| n.checked_mul(mul)).ok_or_else(bad)
+        num.parse::<u64>()
+            .ok()
+            .and_then(|n| n.checked_mul(mul))
+            .ok_or_else(bad)
     };
     let (min, max) = (size(parts[0])?, size(parts[1])?);
     let factor = parts[2].trim().parse::<u64>().map_err(|_| bad())?;
@@ -151,7 +154,10 @@ pub const STAGES: [(&str, &str); 6] = [
 ];
 
 pub fn stage_text(stage: &str) -> &'static str {
-    STAGES.iter().find(|(s, _)| *s == stage).map_or("in an unknown stage", |(_, t)| t)
+    STAGES
+        .iter()
+        .find(|(s, _)| *s == stage)
+        .map_or("in an unknown stage", |(_, t)| t)
 }
 
 /// nccl-tests' bus bandwidth for all-reduce: algbw * 2(n-1)/n.
@@ -161,7 +167,14 @@ pub fn busbw(bytes: u64, us: f64, nranks: usize) -> (f64, f64) {
     }
     let algbw = bytes as f64 / (us * 1e-6) / 1e9;
     let n = nranks as f64;
-    (algbw, if nranks > 1 { algbw * 2.0 * (n - 1.0) / n } else { 0.0 })
+    (
+        algbw,
+        if nranks > 1 {
+            algbw * 2.0 * (n - 1.0) / n
+        } else {
+            0.0
+        },
+    )
 }
 
 /// How the preflight ended, and the exit code that goes with it.
@@ -248,10 +261,14 @@ impl Outcome {
         let mut versions: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         for r in self.reports.values() {
             if let Some(v) = &r.nccl_version {
-                versions.entry(format!("{v} ({})", r.nccl_path.as_deref().unwrap_or("?"))).or_default().push(r.rank);
+                versions
+                    .entry(format!("{v} ({})", r.nccl_path.as_deref().unwrap_or("?")))
+                    .or_default()
+                    .push(r.rank);
             }
         }
-        let hosts: std::collections::BTreeSet<&str> = self.reports.values().map(|r| r.host.as_str()).collect();
+        let hosts: std::collections::BTreeSet<&str> =
+            self.reports.values().map(|r| r.host.as_str()).collect();
         let what = match self.mode {
             Mode::Nccl => "NCCL all-reduce",
             Mode::Net => "network (TCP ring) all-reduce",
@@ -265,14 +282,24 @@ impl Outcome {
         match versions.len() {
             0 => {
                 if let Some(p) = &self.nccl_lib {
-                    let _ = writeln!(t, "  NCCL at {p} (no rank got as far as reporting its version)");
+                    let _ = writeln!(
+                        t,
+                        "  NCCL at {p} (no rank got as far as reporting its version)"
+                    );
                 }
             }
             1 => {
-                let _ = writeln!(t, "  NCCL {}", versions.keys().next().map_or("", |s| s.as_str()));
+                let _ = writeln!(
+                    t,
+                    "  NCCL {}",
+                    versions.keys().next().map_or("", |s| s.as_str())
+                );
             }
             _ => {
-                let list: Vec<String> = versions.iter().map(|(v, ranks)| format!("{v} on ranks {}", ranks_text(ranks))).collect();
+                let list: Vec<String> = versions
+                    .iter()
+                    .map(|(v, ranks)| format!("{v} on ranks {}", ranks_text(ranks)))
+                    .collect();
                 problems.push(format!("NCCL differs between ranks: {}", list.join("; ")));
                 hints.push("load one NCCL everywhere: the same torch build on every node, or --nccl-lib PATH".into());
             }
@@ -281,7 +308,11 @@ impl Outcome {
             let _ = writeln!(t, "  also found: {lib}");
         }
         if let Some(r) = self.reports.values().find(|r| r.gpu.is_some()) {
-            let gpus: std::collections::BTreeSet<&str> = self.reports.values().filter_map(|r| r.gpu.as_deref()).collect();
+            let gpus: std::collections::BTreeSet<&str> = self
+                .reports
+                .values()
+                .filter_map(|r| r.gpu.as_deref())
+                .collect();
             let _ = writeln!(
                 t,
                 "  GPUs: {}; driver CUDA {}",
@@ -298,7 +329,10 @@ impl Outcome {
             }
         }
         if !init_by_host.is_empty() {
-            let parts: Vec<String> = init_by_host.iter().map(|(h, ms)| format!("{h} {:.0} ms", ms)).collect();
+            let parts: Vec<String> = init_by_host
+                .iter()
+                .map(|(h, ms)| format!("{h} {:.0} ms", ms))
+                .collect();
             let _ = writeln!(t, "  communicator init: {}", parts.join(", "));
         }
         // Where the time went, phase by phase (slowest rank of each phase).
@@ -312,8 +346,15 @@ impl Outcome {
             }
         }
         if !phases.is_empty() {
-            let parts: Vec<String> = phases.iter().map(|(n, ms)| format!("{n} {ms:.0}")).collect();
-            let _ = writeln!(t, "  time per phase (ms, slowest rank): {}", parts.join(", "));
+            let parts: Vec<String> = phases
+                .iter()
+                .map(|(n, ms)| format!("{n} {ms:.0}"))
+                .collect();
+            let _ = writeln!(
+                t,
+                "  time per phase (ms, slowest rank): {}",
+                parts.join(", ")
+            );
         }
 
         // Errors per rank.
@@ -337,10 +378,16 @@ impl Outcome {
             worse(v, &mut verdict);
             for r in rs.iter().take(8) {
                 let e = r.error.as_ref().map_or("", |e| e.message.as_str());
-                problems.push(format!("rank {} on {} (pid {}): {e}", r.rank, r.host, r.pid));
+                problems.push(format!(
+                    "rank {} on {} (pid {}): {e}",
+                    r.rank, r.host, r.pid
+                ));
             }
             if rs.len() > 8 {
-                problems.push(format!("... and {} more ranks with the same kind of failure", rs.len() - 8));
+                problems.push(format!(
+                    "... and {} more ranks with the same kind of failure",
+                    rs.len() - 8
+                ));
             }
             match kind.as_str() {
                 "init" => hints.push(
@@ -363,12 +410,23 @@ impl Outcome {
             }
         }
         for (rank, host, stage) in &self.silent {
-            let last = stage.as_deref().map_or("had not reached the store".to_string(), |s| format!("had last {}", stage_text(s)));
+            let last = stage
+                .as_deref()
+                .map_or("had not reached the store".to_string(), |s| {
+                    format!("had last {}", stage_text(s))
+                });
             problems.push(match (&self.crashed, stage) {
-                (Some((cr, how)), _) if cr == rank => format!("rank {rank} on {host} crashed ({how}); it {last}"),
-                (Some((cr, _)), _) => format!("rank {rank} on {host} was stopped by nrun after rank {cr} crashed; it {last}"),
+                (Some((cr, how)), _) if cr == rank => {
+                    format!("rank {rank} on {host} crashed ({how}); it {last}")
+                }
+                (Some((cr, _)), _) => format!(
+                    "rank {rank} on {host} was stopped by nrun after rank {cr} crashed; it {last}"
+                ),
                 (None, None) => format!("rank {rank} on {host} never reached the store"),
-                (None, Some(s)) => format!("rank {rank} on {host} went silent: it last {}", stage_text(s)),
+                (None, Some(s)) => format!(
+                    "rank {rank} on {host} went silent: it last {}",
+                    stage_text(s)
+                ),
             });
         }
         if let Some((cr, how)) = &self.crashed {
@@ -389,7 +447,11 @@ impl Outcome {
         }
 
         // The sweep table: time is the slowest rank's (what a collective costs the job).
-        let complete: Vec<&RankReport> = self.reports.values().filter(|r| r.error.is_none()).collect();
+        let complete: Vec<&RankReport> = self
+            .reports
+            .values()
+            .filter(|r| r.error.is_none())
+            .collect();
         let mut rows_json = Vec::new();
         let mut peak: Option<(u64, f64)> = None;
         let mut any_wrong = 0u64;
@@ -404,15 +466,36 @@ impl Outcome {
             let _ = writeln!(
                 t,
                 "  {:>12} {:>11}   {:>10} {:>11} {:>11} {:>7}   {:>10} {:>11} {:>11} {:>7}",
-                "size (B)", "count", "time (us)", "algbw GB/s", "busbw GB/s", "#wrong", "time (us)", "algbw GB/s", "busbw GB/s", "#wrong"
+                "size (B)",
+                "count",
+                "time (us)",
+                "algbw GB/s",
+                "busbw GB/s",
+                "#wrong",
+                "time (us)",
+                "algbw GB/s",
+                "busbw GB/s",
+                "#wrong"
             );
             let mut busbw_sum = 0.0;
             for i in 0..n {
                 let bytes = complete[0].rows[i].bytes;
-                let oop = complete.iter().map(|r| r.rows.get(i).map_or(0.0, |x| x.oop_us)).fold(0.0, f64::max);
-                let ip = complete.iter().map(|r| r.rows.get(i).map_or(0.0, |x| x.ip_us)).fold(0.0, f64::max);
-                let ow: u64 = complete.iter().map(|r| r.rows.get(i).map_or(0, |x| x.oop_wrong)).sum();
-                let iw: u64 = complete.iter().map(|r| r.rows.get(i).map_or(0, |x| x.ip_wrong)).sum();
+                let oop = complete
+                    .iter()
+                    .map(|r| r.rows.get(i).map_or(0.0, |x| x.oop_us))
+                    .fold(0.0, f64::max);
+                let ip = complete
+                    .iter()
+                    .map(|r| r.rows.get(i).map_or(0.0, |x| x.ip_us))
+                    .fold(0.0, f64::max);
+                let ow: u64 = complete
+                    .iter()
+                    .map(|r| r.rows.get(i).map_or(0, |x| x.oop_wrong))
+                    .sum();
+                let iw: u64 = complete
+                    .iter()
+                    .map(|r| r.rows.get(i).map_or(0, |x| x.ip_wrong))
+                    .sum();
                 any_wrong += ow + iw;
                 let (oa, ob) = busbw(bytes, oop, self.world_size);
                 let (ia, ib) = busbw(bytes, ip, self.world_size);
@@ -421,7 +504,16 @@ impl Outcome {
                 let _ = writeln!(
                     t,
                     "  {:>12} {:>11}   {:>10.2} {:>11.2} {:>11.2} {:>7}   {:>10.2} {:>11.2} {:>11.2} {:>7}",
-                    bytes, bytes / 4, oop, oa, ob, ow, ip, ia, ib, iw
+                    bytes,
+                    bytes / 4,
+                    oop,
+                    oa,
+                    ob,
+                    ow,
+                    ip,
+                    ia,
+                    ib,
+                    iw
                 );
                 rows_json.push(serde_json::json!({
                     "bytes": bytes, "count": bytes / 4, "type": "float", "redop": "sum",
@@ -430,7 +522,11 @@ impl Outcome {
                 }));
             }
             if n > 0 {
-                let _ = writeln!(t, "  avg busbw (out-of-place, all sizes): {:.2} GB/s", busbw_sum / n as f64);
+                let _ = writeln!(
+                    t,
+                    "  avg busbw (out-of-place, all sizes): {:.2} GB/s",
+                    busbw_sum / n as f64
+                );
             }
             if any_wrong > 0 {
                 worse(Verdict::Wrong, &mut verdict);
@@ -448,7 +544,10 @@ impl Outcome {
                     *e = e.max(r.rows[last].oop_us);
                 }
                 if node_us.len() > 1 {
-                    let mut bws: Vec<f64> = node_us.values().map(|us| busbw(bytes, *us, self.world_size).1).collect();
+                    let mut bws: Vec<f64> = node_us
+                        .values()
+                        .map(|us| busbw(bytes, *us, self.world_size).1)
+                        .collect();
                     bws.sort_by(f64::total_cmp);
                     let median = bws[bws.len() / 2];
                     for (h, us) in &node_us {
@@ -464,13 +563,19 @@ impl Outcome {
             if let (Some(min), Some((bytes, bw))) = (self.min_busbw, peak) {
                 if bw < min {
                     worse(Verdict::Slow, &mut verdict);
-                    problems.push(format!("busbw {bw:.2} GB/s at {bytes} B is under --min-busbw {min} GB/s"));
+                    problems.push(format!(
+                        "busbw {bw:.2} GB/s at {bytes} B is under --min-busbw {min} GB/s"
+                    ));
                     hints.push("check that the GPUs use NVLink/InfiniBand (NCCL_DEBUG=INFO shows the transport) and that no other job shares them".into());
                 }
             }
         } else if complete.len() < self.world_size && verdict == Verdict::Ok {
             worse(Verdict::Timeout, &mut verdict);
-            problems.push(format!("only {} of {} ranks reported", complete.len(), self.world_size));
+            problems.push(format!(
+                "only {} of {} ranks reported",
+                complete.len(),
+                self.world_size
+            ));
         }
 
         let _ = writeln!(t);
@@ -509,12 +614,19 @@ impl Outcome {
             "problems": problems,
             "hints": hints,
         });
-        Summary { verdict, text: t, json }
+        Summary {
+            verdict,
+            text: t,
+            json,
+        }
     }
 }
 
 fn ranks_text(r: &[usize]) -> String {
-    r.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+    r.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 pub fn human_bytes(b: u64) -> String {
@@ -571,7 +683,13 @@ mod tests {
             driver: None,
             init_ms: Some(100.0),
             phases_ms: vec![],
-            rows: vec![Row { bytes: 1 << 20, oop_us: us, oop_wrong: wrong, ip_us: us, ip_wrong: 0 }],
+            rows: vec![Row {
+                bytes: 1 << 20,
+                oop_us: us,
+                oop_wrong: wrong,
+                ip_us: us,
+                ip_wrong: 0,
+            }],
             error: None,
         }
     }
@@ -614,12 +732,25 @@ mod tests {
         four.world_size = 5;
         let s = four.summarize();
         assert_eq!(s.verdict, Verdict::Timeout);
-        assert!(s.text.contains("rank 4 on e went silent: it last has the unique id"), "{}", s.text);
+        assert!(
+            s.text
+                .contains("rank 4 on e went silent: it last has the unique id"),
+            "{}",
+            s.text
+        );
         let mut bad = report(1, "b", 0.0, 0);
-        bad.error = Some(RankError { kind: "init".into(), message: "ncclSystemError".into() });
+        bad.error = Some(RankError {
+            kind: "init".into(),
+            message: "ncclSystemError".into(),
+        });
         let s = outcome(vec![report(0, "a", 1.0, 0), bad]).summarize();
         assert_eq!(s.verdict, Verdict::InitFailed);
-        assert!(s.text.contains("rank 1 on b (pid 1): ncclSystemError") && s.text.contains("NCCL_DEBUG=INFO"), "{}", s.text);
+        assert!(
+            s.text.contains("rank 1 on b (pid 1): ncclSystemError")
+                && s.text.contains("NCCL_DEBUG=INFO"),
+            "{}",
+            s.text
+        );
         // Different NCCL versions are named.
         let mut other = report(1, "b", 10.0, 0);
         other.nccl_version = Some("2.28.3".into());

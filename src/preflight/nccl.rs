@@ -16,8 +16,16 @@ pub const NCCL_IN_PROGRESS: NcclResult = 7;
 pub const NCCL_FLOAT32: c_int = 7;
 pub const NCCL_SUM: c_int = 0;
 
-/// Opaque `ncclComm_t`.
-pub type Comm = *mut c_void;
+/// An `ncclComm_t` made by [`Nccl::init_nonblocking`] or [`Nccl::split_blocking`]; only
+/// those make one, so the functions taking it never see a stray pointer.
+#[derive(Clone, Copy, Debug)]
+pub struct Comm(*mut c_void);
+
+impl Comm {
+    fn null() -> Comm {
+        Comm(std::ptr::null_mut())
+    }
+}
 
 /// `ncclUniqueId`: 128 opaque bytes, passed by value.
 #[repr(C)]
@@ -66,20 +74,22 @@ impl Config {
 
 type FnGetVersion = unsafe extern "C" fn(*mut c_int) -> NcclResult;
 type FnGetUniqueId = unsafe extern "C" fn(*mut UniqueId) -> NcclResult;
+type RawComm = *mut c_void;
 type FnInitRankConfig =
-    unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> NcclResult;
-type FnGetAsyncError = unsafe extern "C" fn(Comm, *mut NcclResult) -> NcclResult;
-type FnComm = unsafe extern "C" fn(Comm) -> NcclResult;
-type FnCommSplit = unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut Config) -> NcclResult;
+    unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int, *mut Config) -> NcclResult;
+type FnGetAsyncError = unsafe extern "C" fn(RawComm, *mut NcclResult) -> NcclResult;
+type FnComm = unsafe extern "C" fn(RawComm) -> NcclResult;
+type FnCommSplit =
+    unsafe extern "C" fn(RawComm, c_int, c_int, *mut RawComm, *mut Config) -> NcclResult;
 type FnGetErrorString = unsafe extern "C" fn(NcclResult) -> *const c_char;
-type FnGetLastError = unsafe extern "C" fn(Comm) -> *const c_char;
+type FnGetLastError = unsafe extern "C" fn(RawComm) -> *const c_char;
 type FnAllReduce = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
     usize,
     c_int,
     c_int,
-    Comm,
+    RawComm,
     *mut c_void,
 ) -> NcclResult;
 
@@ -113,9 +123,17 @@ impl NcclVersion {
     pub fn from_code(code: i32) -> NcclVersion {
         let c = code.max(0) as u32;
         if c >= 10000 {
-            NcclVersion { major: c / 10000, minor: (c % 10000) / 100, patch: c % 100 }
+            NcclVersion {
+                major: c / 10000,
+                minor: (c % 10000) / 100,
+                patch: c % 100,
+            }
         } else {
-            NcclVersion { major: c / 1000, minor: (c % 1000) / 100, patch: c % 100 }
+            NcclVersion {
+                major: c / 1000,
+                minor: (c % 1000) / 100,
+                patch: c % 100,
+            }
         }
     }
 }
@@ -168,9 +186,13 @@ impl Nccl {
             comm_abort: sym!(b"ncclCommAbort\0", FnComm),
             get_error_string: sym!(b"ncclGetErrorString\0", FnGetErrorString),
             // ncclGetLastError arrived in 2.13; treat it as optional all the same.
-            get_last_error: unsafe { lib.get::<FnGetLastError>(b"ncclGetLastError\0") }.ok().map(|s| *s),
+            get_last_error: unsafe { lib.get::<FnGetLastError>(b"ncclGetLastError\0") }
+                .ok()
+                .map(|s| *s),
             // ncclCommSplit arrived in 2.18.
-            comm_split: unsafe { lib.get::<FnCommSplit>(b"ncclCommSplit\0") }.ok().map(|s| *s),
+            comm_split: unsafe { lib.get::<FnCommSplit>(b"ncclCommSplit\0") }
+                .ok()
+                .map(|s| *s),
             all_reduce: sym!(b"ncclAllReduce\0", FnAllReduce),
             _lib: lib,
         };
@@ -183,11 +205,11 @@ impl Nccl {
         cstr(p).unwrap_or_else(|| format!("NCCL error {r}"))
     }
 
-    /// NCCL's own description of the last error (per communicator, or global with null).
-    pub fn last_error(&self, comm: Comm) -> Option<String> {
+    /// NCCL's own description of the last error, of a communicator or (None) global.
+    pub fn last_error(&self, comm: Option<Comm>) -> Option<String> {
         let f = self.get_last_error?;
         // SAFETY: returns a pointer to an internal, NUL-terminated buffer.
-        cstr(unsafe { f(comm) }).filter(|s| !s.is_empty())
+        cstr(unsafe { f(comm.unwrap_or_else(Comm::null).0) }).filter(|s| !s.is_empty())
     }
 
     pub fn unique_id(&self) -> Result<UniqueId, NcclResult> {
@@ -200,17 +222,17 @@ impl Nccl {
     /// Starts a non-blocking communicator init; poll [`Nccl::async_error`] until it is not
     /// IN_PROGRESS.
     pub fn init_nonblocking(&self, nranks: i32, id: UniqueId, rank: i32) -> (Comm, NcclResult) {
-        let mut comm: Comm = std::ptr::null_mut();
+        let mut comm: RawComm = std::ptr::null_mut();
         let mut config = Config::new(false);
         // SAFETY: comm and config outlive the call; NCCL copies the config.
         let r = unsafe { (self.init_rank_config)(&mut comm, nranks, id, rank, &mut config) };
-        (comm, r)
+        (Comm(comm), r)
     }
 
     pub fn async_error(&self, comm: Comm) -> NcclResult {
         let mut state = NCCL_SUCCESS;
         // SAFETY: comm came from init; state is written.
-        let r = unsafe { (self.get_async_error)(comm, &mut state) };
+        let r = unsafe { (self.get_async_error)(comm.0, &mut state) };
         if r != NCCL_SUCCESS { r } else { state }
     }
 
@@ -220,12 +242,17 @@ impl Nccl {
     /// its own (and returns IN_PROGRESS), tens of microseconds per call that small-message
     /// latency would show. Init stays non-blocking (for the deadline); timing uses this child.
     /// `None` when the library has no ncclCommSplit (< 2.18).
-    pub fn split_blocking(&self, comm: Comm, rank: i32, deadline: std::time::Instant) -> Option<Result<Comm, NcclResult>> {
+    pub fn split_blocking(
+        &self,
+        comm: Comm,
+        rank: i32,
+        deadline: std::time::Instant,
+    ) -> Option<Result<Comm, NcclResult>> {
         let f = self.comm_split?;
-        let mut child: Comm = std::ptr::null_mut();
+        let mut child: RawComm = std::ptr::null_mut();
         let mut config = Config::with(true, 1);
         // SAFETY: comm is an initialised communicator; child and config outlive the call.
-        let r = unsafe { f(comm, 0, rank, &mut child, &mut config) };
+        let r = unsafe { f(comm.0, 0, rank, &mut child, &mut config) };
         if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
             return Some(Err(r));
         }
@@ -237,8 +264,8 @@ impl Nccl {
                 return Some(Err(parent));
             }
             if parent == NCCL_SUCCESS && !child.is_null() {
-                match self.async_error(child) {
-                    NCCL_SUCCESS => return Some(Ok(child)),
+                match self.async_error(Comm(child)) {
+                    NCCL_SUCCESS => return Some(Ok(Comm(child))),
                     NCCL_IN_PROGRESS => {}
                     e => return Some(Err(e)),
                 }
@@ -252,9 +279,9 @@ impl Nccl {
 
     /// Abandons a communicator that failed or hung.
     pub fn abort(&self, comm: Comm) {
-        if !comm.is_null() {
+        if !comm.0.is_null() {
             // SAFETY: comm came from init and is not used afterwards.
-            unsafe { (self.comm_abort)(comm) };
+            unsafe { (self.comm_abort)(comm.0) };
         }
     }
 
@@ -278,7 +305,7 @@ impl Nccl {
                 count,
                 NCCL_FLOAT32,
                 NCCL_SUM,
-                comm,
+                comm.0,
                 stream,
             )
         }
@@ -336,7 +363,10 @@ pub fn candidates(
     let mut v: Vec<Candidate> = Vec::new();
     let mut push = |p: PathBuf, source: Source| {
         let real = std::fs::canonicalize(&p).unwrap_or_else(|_| p.clone());
-        if !v.iter().any(|c| std::fs::canonicalize(&c.path).unwrap_or_else(|_| c.path.clone()) == real) {
+        if !v
+            .iter()
+            .any(|c| std::fs::canonicalize(&c.path).unwrap_or_else(|_| c.path.clone()) == real)
+        {
             v.push(Candidate { path: p, source });
         }
     };
@@ -351,7 +381,11 @@ pub fn candidates(
             }
         }
     }
-    for dir in ld_library_path.unwrap_or_default().split(':').filter(|d| !d.is_empty()) {
+    for dir in ld_library_path
+        .unwrap_or_default()
+        .split(':')
+        .filter(|d| !d.is_empty())
+    {
         let p = Path::new(dir).join("libnccl.so.2");
         if p.is_file() {
             push(p, Source::LdLibraryPath);
@@ -377,7 +411,12 @@ fn system_libraries() -> Vec<PathBuf> {
         .filter_map(|l| l.rsplit_once("=> ").map(|(_, p)| PathBuf::from(p.trim())))
         .collect();
     if v.is_empty() {
-        for d in ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/lib", "/usr/lib"] {
+        for d in [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/local/lib",
+            "/usr/lib",
+        ] {
             let p = Path::new(d).join("libnccl.so.2");
             if p.is_file() {
                 v.push(p);
@@ -406,19 +445,34 @@ pub fn python_package_dirs(python: &Path) -> Vec<PathBuf> {
             }
         }
     }
-    let has_nccl = dirs.iter().any(|d| d.join("nvidia/nccl/lib/libnccl.so.2").is_file() || d.join("torch/lib/libnccl.so.2").is_file());
-    if has_nccl { dirs } else { python_sys_path(python) }
+    let has_nccl = dirs.iter().any(|d| {
+        d.join("nvidia/nccl/lib/libnccl.so.2").is_file()
+            || d.join("torch/lib/libnccl.so.2").is_file()
+    });
+    if has_nccl {
+        dirs
+    } else {
+        python_sys_path(python)
+    }
 }
 
 /// The target Python's sys.path. One short probe of the interpreter.
 pub fn python_sys_path(python: &Path) -> Vec<PathBuf> {
     std::process::Command::new(python)
-        .args(["-c", "import sys; print('\\n'.join(p for p in sys.path if p))"])
+        .args([
+            "-c",
+            "import sys; print('\\n'.join(p for p in sys.path if p))",
+        ])
         .stderr(std::process::Stdio::null())
         .output()
         .ok()
         .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().map(PathBuf::from).collect())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(PathBuf::from)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -444,9 +498,16 @@ mod tests {
 
     #[test]
     fn missing_library_is_an_error_not_a_panic() {
-        let e = Nccl::open(Path::new("/nonexistent/libnccl.so.2")).err().unwrap();
-        assert!(e.0.contains("cannot load NCCL library /nonexistent/libnccl.so.2"), "{e}");
-        let e = Nccl::open(Path::new("/lib/x86_64-linux-gnu/libc.so.6")).err().unwrap();
+        let e = Nccl::open(Path::new("/nonexistent/libnccl.so.2"))
+            .err()
+            .unwrap();
+        assert!(
+            e.0.contains("cannot load NCCL library /nonexistent/libnccl.so.2"),
+            "{e}"
+        );
+        let e = Nccl::open(Path::new("/lib/x86_64-linux-gnu/libc.so.6"))
+            .err()
+            .unwrap();
         assert!(e.0.contains("not a usable NCCL"), "{e}");
     }
 }

@@ -40,7 +40,10 @@ fn count_wrong(out: &[f32], exp: &[f32; PERIOD]) -> u64 {
 }
 
 fn err(kind: &str, message: impl Into<String>) -> RankError {
-    RankError { kind: kind.into(), message: message.into() }
+    RankError {
+        kind: kind.into(),
+        message: message.into(),
+    }
 }
 
 /// The store connection and what every step needs.
@@ -75,13 +78,23 @@ impl Ctx {
     }
 
     /// Waits for another rank's key until the deadline, watching for an abort.
-    fn wait_key(&mut self, what: &str, deadline: Instant, waiting_for: &str) -> Result<Vec<u8>, RankError> {
+    fn wait_key(
+        &mut self,
+        what: &str,
+        deadline: Instant,
+        waiting_for: &str,
+    ) -> Result<Vec<u8>, RankError> {
         let key = self.s.key(what);
         loop {
             let got = self
                 .rt
                 .block_on(self.store.wait(&[&key], Some(Duration::from_millis(50))))
-                .map_err(|e| err("store", format!("lost the store while waiting for {waiting_for}: {e}")))?;
+                .map_err(|e| {
+                    err(
+                        "store",
+                        format!("lost the store while waiting for {waiting_for}: {e}"),
+                    )
+                })?;
             if got {
                 return self
                     .rt
@@ -94,7 +107,10 @@ impl Ctx {
             if Instant::now() > deadline {
                 return Err(err(
                     "init-timeout",
-                    format!("timed out after {} ms waiting for {waiting_for}", self.s.timeout_ms),
+                    format!(
+                        "timed out after {} ms waiting for {waiting_for}",
+                        self.s.timeout_ms
+                    ),
                 ));
             }
         }
@@ -105,7 +121,9 @@ fn env_usize(k: &str) -> Result<usize, String> {
     std::env::var(k)
         .ok()
         .and_then(|v| v.parse().ok())
-        .ok_or_else(|| format!("{k} is not set to a number (nrun __preflight runs only under nrun)"))
+        .ok_or_else(|| {
+            format!("{k} is not set to a number (nrun __preflight runs only under nrun)")
+        })
 }
 
 /// Entry point of `nrun __preflight`. Returns the process exit code.
@@ -126,8 +144,10 @@ pub fn main() -> u8 {
 }
 
 fn run() -> Result<(), String> {
-    let s: Settings = serde_json::from_str(&std::env::var(super::ENV).map_err(|_| format!("{} is not set", super::ENV))?)
-        .map_err(|e| format!("bad {}: {e}", super::ENV))?;
+    let s: Settings = serde_json::from_str(
+        &std::env::var(super::ENV).map_err(|_| format!("{} is not set", super::ENV))?,
+    )
+    .map_err(|e| format!("bad {}: {e}", super::ENV))?;
     let rank = env_usize("RANK")?;
     let world = env_usize("WORLD_SIZE")?;
     let local_rank = env_usize("LOCAL_RANK")?;
@@ -148,8 +168,15 @@ fn run() -> Result<(), String> {
     let store = rt
         .block_on(Client::connect(addr, Duration::from_millis(s.timeout_ms)))
         .map_err(|e| format!("rank {rank} cannot reach the store at {master}: {e}"))?;
-    let host = nix::unistd::gethostname().map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned());
-    let mut ctx = Ctx { rt, store, s, rank, world };
+    let host = nix::unistd::gethostname()
+        .map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned());
+    let mut ctx = Ctx {
+        rt,
+        store,
+        s,
+        rank,
+        world,
+    };
     ctx.stage("started");
     let mut rep = RankReport {
         rank,
@@ -182,7 +209,11 @@ fn run() -> Result<(), String> {
     // a peer (NCCL's proxy threads), and exiting would cut them off.
     if rep.error.is_none() {
         let key = ctx.s.key("finished");
-        let _ = ctx.rt.block_on(ctx.store.barrier(&key, ctx.world as i64, Some(Duration::from_secs(10))));
+        let _ = ctx.rt.block_on(ctx.store.barrier(
+            &key,
+            ctx.world as i64,
+            Some(Duration::from_secs(10)),
+        ));
     }
     Ok(())
 }
@@ -195,12 +226,16 @@ struct Phases {
 
 impl Phases {
     fn new() -> Phases {
-        Phases { last: Instant::now(), list: Vec::new() }
+        Phases {
+            last: Instant::now(),
+            list: Vec::new(),
+        }
     }
 
     fn mark(&mut self, name: &str) {
         let now = Instant::now();
-        self.list.push((name.to_string(), (now - self.last).as_secs_f64() * 1e3));
+        self.list
+            .push((name.to_string(), (now - self.last).as_secs_f64() * 1e3));
         self.last = now;
     }
 }
@@ -257,7 +292,7 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     if ctx.rank == 0 {
         let id = nccl.unique_id().map_err(|r| {
             let mut m = format!("ncclGetUniqueId: {}", nccl.error_string(r));
-            if let Some(last) = nccl.last_error(std::ptr::null_mut()) {
+            if let Some(last) = nccl.last_error(None) {
                 m.push_str(&format!(": {last}"));
             }
             err("init", m)
@@ -275,7 +310,13 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     rep.driver = Some(format!("{dmaj}.{dmin}"));
     // The pip wheels say which CUDA the library was built for; an older driver cannot run it.
     let lib = path.to_string_lossy();
-    let built_for = if lib.contains("cu13") { Some(13) } else if lib.contains("cu12") { Some(12) } else { None };
+    let built_for = if lib.contains("cu13") {
+        Some(13)
+    } else if lib.contains("cu12") {
+        Some(12)
+    } else {
+        None
+    };
     let gpu = Gpu::open(local_rank as i32).map_err(|e| {
         let mut m = e.0;
         if let Some(need) = built_for.filter(|n| *n > dmaj) {
@@ -292,13 +333,22 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     let id = if ctx.rank == 0 {
         let mut id = UniqueId { internal: [0; 128] };
         let k = ctx.s.key("uid");
-        let bytes = ctx.rt.block_on(ctx.store.get(&k)).map_err(|e| err("store", e.to_string()))?;
+        let bytes = ctx
+            .rt
+            .block_on(ctx.store.get(&k))
+            .map_err(|e| err("store", e.to_string()))?;
         id.internal.copy_from_slice(&bytes[..128.min(bytes.len())]);
         id
     } else {
         let bytes = ctx.wait_key("uid", deadline, "rank 0's NCCL unique id")?;
         if bytes.len() != 128 {
-            return Err(err("init", format!("unique id of {} bytes from the store, expected 128", bytes.len())));
+            return Err(err(
+                "init",
+                format!(
+                    "unique id of {} bytes from the store, expected 128",
+                    bytes.len()
+                ),
+            ));
         }
         let mut id = UniqueId { internal: [0; 128] };
         id.internal.copy_from_slice(&bytes);
@@ -312,8 +362,8 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     let t0 = Instant::now();
     let (comm, r) = nccl.init_nonblocking(ctx.world as i32, id, ctx.rank as i32);
     let describe = |r, comm| {
-        let mut m = format!("{}", nccl.error_string(r));
-        if let Some(last) = nccl.last_error(comm) {
+        let mut m = nccl.error_string(r);
+        if let Some(last) = nccl.last_error(Some(comm)) {
             m.push_str(&format!(": {last}"));
         }
         m
@@ -331,7 +381,9 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         let staging = gpu.alloc_host(STAGING.min(max_count.next_multiple_of(CHECK_BLOCK)))?;
         // Fill: one block from the host, then doubling device-to-device copies (block sizes stay
         // multiples of the pattern's period, so the pattern continues).
-        let first: Vec<f32> = (0..CHECK_BLOCK.min(max_count)).map(|i| pattern(ctx.rank, i)).collect();
+        let first: Vec<f32> = (0..CHECK_BLOCK.min(max_count))
+            .map(|i| pattern(ctx.rank, i))
+            .collect();
         gpu.upload(&send, &first)?;
         let mut filled = first.len();
         while filled < max_count {
@@ -368,7 +420,10 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             last_check = Instant::now();
             if let Some(who) = ctx.aborted() {
                 nccl.abort(comm);
-                return Err(err("aborted", format!("stopped during init: rank {who} failed")));
+                return Err(err(
+                    "aborted",
+                    format!("stopped during init: rank {who} failed"),
+                ));
             }
         }
         std::thread::sleep(Duration::from_micros(200));
@@ -376,7 +431,12 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
     ph.mark("init");
     let (send, recv, mut staging) = buffers.map_err(|e| err("setup", e.0))?;
-    let split_deadline = Instant::now() + Duration::from_secs(10).min(deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)));
+    let split_deadline = Instant::now()
+        + Duration::from_secs(10).min(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_secs(1)),
+        );
     // NRUN_PREFLIGHT_NO_SPLIT=1 times on the non-blocking communicator itself (a way around an
     // NCCL whose split misbehaves).
     let split = if std::env::var_os("NRUN_PREFLIGHT_NO_SPLIT").is_some() {
@@ -405,7 +465,10 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             st = nccl.async_error(comm);
         }
         if st != nccl::NCCL_SUCCESS {
-            return Err(err("collective", format!("ncclAllReduce of {count} floats: {}", describe(st, comm))));
+            return Err(err(
+                "collective",
+                format!("ncclAllReduce of {count} floats: {}", describe(st, comm)),
+            ));
         }
         Ok(())
     };
@@ -432,7 +495,13 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         all_reduce(recv.ptr, recv.ptr, count)?;
         gpu.synchronize().map_err(cu)?;
         let ip_wrong = check_device(&gpu, &recv, count, &mut staging, &exp).map_err(cu)?;
-        rep.rows.push(Row { bytes, oop_us, oop_wrong, ip_us, ip_wrong });
+        rep.rows.push(Row {
+            bytes,
+            oop_us,
+            oop_wrong,
+            ip_us,
+            ip_wrong,
+        });
     }
     ph.mark("sweep");
     rep.phases_ms = ph.list;
@@ -451,7 +520,9 @@ fn as_bytes(v: &[f32]) -> &[u8] {
 
 fn read_f32s(s: &mut TcpStream, out: &mut [f32]) -> std::io::Result<()> {
     // SAFETY: every bit pattern is a valid f32.
-    let b = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out)) };
+    let b = unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
+    };
     s.read_exact(b)
 }
 
@@ -476,7 +547,9 @@ impl Ring {
         let count = data.len();
         let mut incoming = vec![0f32; count / n + 1];
         let send = |ring: &Ring, r: std::ops::Range<usize>, data: &[f32]| {
-            ring.to_next.send(as_bytes(&data[r]).to_vec()).map_err(|_| std::io::Error::other("sender thread ended"))
+            ring.to_next
+                .send(as_bytes(&data[r]).to_vec())
+                .map_err(|_| std::io::Error::other("sender thread ended"))
         };
         for step in 0..n - 1 {
             let s = Self::chunk(count, n, (rank + n - step) % n);
@@ -522,23 +595,40 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
     let mut ring = None;
     if n > 1 {
         let next = (rank + 1) % n;
-        let next_addr = String::from_utf8_lossy(&ctx.wait_key(&format!("addr/{next}"), deadline, &format!("rank {next}'s address"))?).into_owned();
+        let next_addr = String::from_utf8_lossy(&ctx.wait_key(
+            &format!("addr/{next}"),
+            deadline,
+            &format!("rank {next}'s address"),
+        )?)
+        .into_owned();
         ctx.stage("id");
-        let addr: SocketAddr = next_addr.parse().map_err(|_| err("init", format!("bad address {next_addr} from rank {next}")))?;
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        let addr: SocketAddr = next_addr
+            .parse()
+            .map_err(|_| err("init", format!("bad address {next_addr} from rank {next}")))?;
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
         let mut out = TcpStream::connect_timeout(&addr, left).map_err(|e| {
             let kind = if e.kind() == std::io::ErrorKind::TimedOut { "init-timeout" } else { "init" };
             err(kind, format!("cannot connect to rank {next} at {addr}: {e} (firewall or wrong interface between the hosts?)"))
         })?;
         out.set_nodelay(true).ok();
-        listener.set_nonblocking(true).map_err(|e| net("listener", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| net("listener", e))?;
         let prev = (rank + n - 1) % n;
         let from_prev = loop {
             match listener.accept() {
                 Ok((s, _)) => break s,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() > deadline {
-                        return Err(err("init-timeout", format!("rank {prev} never connected to {me} within {} ms", ctx.s.timeout_ms)));
+                        return Err(err(
+                            "init-timeout",
+                            format!(
+                                "rank {prev} never connected to {me} within {} ms",
+                                ctx.s.timeout_ms
+                            ),
+                        ));
                     }
                     if let Some(who) = ctx.aborted() {
                         return Err(err("aborted", format!("stopped: rank {who} failed")));
@@ -550,7 +640,9 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
         };
         from_prev.set_nonblocking(false).ok();
         from_prev.set_nodelay(true).ok();
-        from_prev.set_read_timeout(Some(Duration::from_millis(ctx.s.timeout_ms))).ok();
+        from_prev
+            .set_read_timeout(Some(Duration::from_millis(ctx.s.timeout_ms)))
+            .ok();
         let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
         let sender = std::thread::spawn(move || -> std::io::Result<()> {
             for buf in rx {
@@ -558,7 +650,11 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
             }
             Ok(())
         });
-        ring = Some(Ring { to_next: tx, from_prev, sender: Some(sender) });
+        ring = Some(Ring {
+            to_next: tx,
+            from_prev,
+            sender: Some(sender),
+        });
     }
     rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
     ctx.stage("init");
@@ -575,7 +671,9 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
             for _ in 0..iters {
                 buf.copy_from_slice(&input[..count]);
                 if let Some(r) = ring.as_mut() {
-                    r.all_reduce(buf, rank, n).map_err(|e| err("collective", format!("ring all-reduce of {bytes} B: {e}")))?;
+                    r.all_reduce(buf, rank, n).map_err(|e| {
+                        err("collective", format!("ring all-reduce of {bytes} B: {e}"))
+                    })?;
                 }
             }
             Ok(t.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64)
@@ -585,7 +683,13 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
         let wrong = count_wrong(&buf[..count], &exp);
         // The ring works in place; out-of-place would only add a copy, so both columns show the
         // same run.
-        rep.rows.push(Row { bytes, oop_us: us, oop_wrong: wrong, ip_us: us, ip_wrong: wrong });
+        rep.rows.push(Row {
+            bytes,
+            oop_us: us,
+            oop_wrong: wrong,
+            ip_us: us,
+            ip_wrong: wrong,
+        });
     }
     Ok(())
 }
@@ -612,9 +716,13 @@ mod tests {
     #[test]
     fn the_pattern_detects_a_missing_rank() {
         let exp = expected(4);
-        let good: Vec<f32> = (0..100).map(|i| (0..4).map(|r| pattern(r, i)).sum()).collect();
+        let good: Vec<f32> = (0..100)
+            .map(|i| (0..4).map(|r| pattern(r, i)).sum())
+            .collect();
         assert_eq!(count_wrong(&good, &exp), 0);
-        let missing: Vec<f32> = (0..100).map(|i| (0..3).map(|r| pattern(r, i)).sum()).collect();
+        let missing: Vec<f32> = (0..100)
+            .map(|i| (0..3).map(|r| pattern(r, i)).sum())
+            .collect();
         assert_eq!(count_wrong(&missing, &exp), 100);
     }
 }
