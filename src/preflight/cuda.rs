@@ -266,3 +266,140 @@ impl Drop for HostBuf {
 }
 
 pub struct Event(sys::CUevent);
+
+/// Counts elements that differ from a periodic expected pattern, on the GPU, so checking a
+/// result costs a pass over device memory instead of a copy to the host and a CPU scan.
+///
+/// The kernel is a few lines of hand-written PTX (no CUDA toolkit needed: the driver JIT-compiles
+/// it for the device at load). Callers self-test it before trusting it (see the worker).
+pub struct Checker {
+    func: sys::CUfunction,
+    expected: DeviceBuf,
+    counter: DeviceBuf,
+    period: u64,
+    result: HostBuf,
+}
+
+const CHECK_PTX: &str = r#"
+.version 6.0
+.target sm_50
+.address_size 64
+
+.visible .entry nrun_count_wrong(
+    .param .u64 p_data, .param .u64 p_n, .param .u64 p_exp, .param .u64 p_period, .param .u64 p_counter)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<20>;
+    ld.param.u64 %rd1, [p_data];
+    ld.param.u64 %rd2, [p_n];
+    ld.param.u64 %rd3, [p_exp];
+    ld.param.u64 %rd16, [p_period];
+    ld.param.u64 %rd4, [p_counter];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd3, %rd3;
+    cvta.to.global.u64 %rd4, %rd4;
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %nctaid.x;
+    mul.wide.u32 %rd5, %r1, %r2;
+    cvt.u64.u32 %rd6, %r3;
+    add.u64 %rd7, %rd5, %rd6;
+    mul.wide.u32 %rd8, %r4, %r2;
+    mov.u64 %rd9, 0;
+LOOP:
+    setp.ge.u64 %p1, %rd7, %rd2;
+    @%p1 bra DONE;
+    shl.b64 %rd10, %rd7, 2;
+    add.u64 %rd11, %rd1, %rd10;
+    ld.global.u32 %r5, [%rd11];
+    rem.u64 %rd12, %rd7, %rd16;
+    shl.b64 %rd13, %rd12, 2;
+    add.u64 %rd14, %rd3, %rd13;
+    ld.global.u32 %r6, [%rd14];
+    setp.ne.u32 %p2, %r5, %r6;
+    @%p2 add.u64 %rd9, %rd9, 1;
+    add.u64 %rd7, %rd7, %rd8;
+    bra LOOP;
+DONE:
+    setp.eq.u64 %p3, %rd9, 0;
+    @%p3 bra END;
+    atom.global.add.u64 %rd15, [%rd4], %rd9;
+END:
+    ret;
+}
+"#;
+
+impl Checker {
+    /// Loads the kernel and uploads one period of expected values (as f32 bit patterns).
+    pub fn new(gpu: &Gpu, expected: &[f32]) -> Result<Checker, CudaError> {
+        let ptx = std::ffi::CString::new(CHECK_PTX).map_err(|e| CudaError(e.to_string()))?;
+        let mut module = std::ptr::null_mut();
+        let mut func = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated PTX image; out-pointers we own.
+        unsafe {
+            check(sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "cuModuleLoadData (check kernel)")?;
+            check(
+                sys::cuModuleGetFunction(&mut func, module, c"nrun_count_wrong".as_ptr()),
+                "cuModuleGetFunction",
+            )?;
+        }
+        let exp = gpu.alloc(expected.len() * 4)?;
+        gpu.upload(&exp, expected)?;
+        Ok(Checker {
+            func,
+            expected: exp,
+            counter: gpu.alloc(8)?,
+            period: expected.len() as u64,
+            result: gpu.alloc_host(2)?,
+        })
+    }
+
+    /// Wrong elements among the first `count` floats of `data`, after the work queued on the
+    /// GPU's stream.
+    pub fn count_wrong(&mut self, gpu: &Gpu, data: &DeviceBuf, count: usize) -> Result<u64, CudaError> {
+        let mut p_data = data.ptr;
+        let mut p_n = count as u64;
+        let mut p_exp = self.expected.ptr;
+        let mut p_period = self.period;
+        let mut p_counter = self.counter.ptr;
+        let mut params: [*mut std::ffi::c_void; 5] = [
+            (&mut p_data as *mut u64).cast(),
+            (&mut p_n as *mut u64).cast(),
+            (&mut p_exp as *mut u64).cast(),
+            (&mut p_period as *mut u64).cast(),
+            (&mut p_counter as *mut u64).cast(),
+        ];
+        let threads = 256u32;
+        let blocks = count.div_ceil(threads as usize).clamp(1, 2048) as u32;
+        // SAFETY: the parameters match the kernel's signature and outlive the launch call
+        // (the driver copies them); buffers are ours.
+        unsafe {
+            check(sys::cuMemsetD32Async(self.counter.ptr, 0, 2, gpu.stream), "cuMemsetD32Async")?;
+            check(
+                sys::cuLaunchKernel(
+                    self.func,
+                    blocks,
+                    1,
+                    1,
+                    threads,
+                    1,
+                    1,
+                    0,
+                    gpu.stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
+                "cuLaunchKernel (check kernel)",
+            )?;
+            check(
+                sys::cuMemcpyDtoHAsync_v2(self.result.ptr.cast(), self.counter.ptr, 8, gpu.stream),
+                "cuMemcpyDtoHAsync",
+            )?;
+        }
+        gpu.synchronize()?;
+        let bits = self.result.as_bits(2);
+        Ok(bits[0] as u64 | ((bits[1] as u64) << 32))
+    }
+}

@@ -278,6 +278,36 @@ fn check_device(
     Ok(wrong)
 }
 
+/// The GPU-side checker, if it loads and passes a self-test on this rank's own input (which
+/// differs from the all-reduce result in every element when there are several ranks, and
+/// equals it with one). Otherwise results are checked on the host.
+fn gpu_checker(
+    gpu: &Gpu,
+    rank: usize,
+    world: usize,
+    send: Option<&cuda::DeviceBuf>,
+    max_count: usize,
+) -> Option<cuda::Checker> {
+    let send = send?;
+    let exp: Vec<f32> = expected(world).to_vec();
+    let mut c = match cuda::Checker::new(gpu, &exp) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!("rank {rank}: GPU check kernel unavailable ({e}); checking on the host");
+            return None;
+        }
+    };
+    let n = max_count.min(CHECK_BLOCK);
+    let want = if world > 1 { n as u64 } else { 0 };
+    match c.count_wrong(gpu, send, n) {
+        Ok(got) if got == want => Some(c),
+        other => {
+            eprintln!("nrun preflight: rank {rank}: GPU check kernel failed its self-test ({other:?}, expected {want}); checking on the host");
+            None
+        }
+    }
+}
+
 fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<(), RankError> {
     let deadline = Instant::now() + Duration::from_millis(ctx.s.timeout_ms);
     let mut ph = Phases::new();
@@ -394,6 +424,7 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         gpu.synchronize()?;
         Ok::<_, cuda::CudaError>((send, recv, staging))
     })();
+    let checker = gpu_checker(&gpu, ctx.rank, ctx.world, buffers.as_ref().ok().map(|b| &b.0), max_count);
     ph.mark("buffers");
     let mut last_check = Instant::now();
     loop {
@@ -454,6 +485,13 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     ph.mark("split");
 
     let exp = expected_block(ctx.world);
+    let mut checker = checker;
+    let mut check = |dev: &cuda::DeviceBuf, count: usize| -> Result<u64, cuda::CudaError> {
+        match checker.as_mut() {
+            Some(c) => c.count_wrong(&gpu, dev, count),
+            None => check_device(&gpu, dev, count, &mut staging, &exp),
+        }
+    };
     let (start, end) = match (gpu.event(), gpu.event()) {
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => return Err(err("setup", e.0)),
@@ -488,13 +526,13 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             Ok(gpu.elapsed_ms(&start, &end).map_err(cu)? as f64 * 1e3 / ctx.s.iters.max(1) as f64)
         };
         let oop_us = timed(send.ptr, recv.ptr)?;
-        let oop_wrong = check_device(&gpu, &recv, count, &mut staging, &exp).map_err(cu)?;
+        let oop_wrong = check(&recv, count).map_err(cu)?;
         let ip_us = timed(recv.ptr, recv.ptr)?;
         // Timed in-place runs compound the data; check one run on fresh input.
         gpu.copy_async(&recv, &send, count * 4).map_err(cu)?;
         all_reduce(recv.ptr, recv.ptr, count)?;
         gpu.synchronize().map_err(cu)?;
-        let ip_wrong = check_device(&gpu, &recv, count, &mut staging, &exp).map_err(cu)?;
+        let ip_wrong = check(&recv, count).map_err(cu)?;
         rep.rows.push(Row {
             bytes,
             oop_us,
@@ -505,6 +543,7 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     }
     ph.mark("sweep");
     rep.phases_ms = ph.list;
+    drop(check);
     // Neither the buffers nor the communicators are torn down: the process ends right after
     // reporting (see `main`), and freeing memory NCCL may still reference only risks a crash.
     std::mem::forget((send, recv, staging));
