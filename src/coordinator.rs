@@ -206,6 +206,12 @@ async fn run_preflight(
     temp_root: &Path,
 ) -> Result<u8> {
     let started = Instant::now();
+    let since = |what: &str| {
+        tracing::debug!(
+            "preflight: {what} at {:.0} ms",
+            started.elapsed().as_secs_f64() * 1e3
+        )
+    };
     let (nccl_lib, other_libs) = match pf.mode {
         Mode::Nccl => resolve_nccl(plan, pf).await,
         Mode::Net => (None, tokio::spawn(async { Vec::new() })),
@@ -248,6 +254,7 @@ async fn run_preflight(
         &extra,
         false,
     )?;
+    since("starting ranks");
     // Ranks enforce the init timeout themselves; this deadline only catches a rank that hangs
     // where it cannot (a CUDA call, a dead peer mid-collective).
     let deadline = tokio::time::Instant::now() + pf.timeout * 2 + Duration::from_secs(120);
@@ -264,8 +271,11 @@ async fn run_preflight(
         }
         Outcome::Success => None,
     };
+    since("ranks ended");
     let (reports, silent) = gather_reports(plan, sa, &settings).await;
+    since("reports gathered");
     let other_libs = other_libs.await.unwrap_or_default();
+    since("other libraries probed");
     let summary = preflight::Outcome {
         world_size: plan.world_size(),
         mode: pf.mode,
@@ -353,7 +363,14 @@ async fn resolve_nccl(
         .map(preflight::nccl::python_package_dirs)
         .unwrap_or_default();
     let ld = std::env::var("LD_LIBRARY_PATH").ok();
-    let cands = preflight::nccl::candidates(pf.nccl_lib.as_deref(), &python_paths, ld.as_deref());
+    // The system's copies (ldconfig) only matter for the choice when nothing better exists;
+    // otherwise they are listed by the background task below.
+    let mut cands =
+        preflight::nccl::candidates(pf.nccl_lib.as_deref(), &python_paths, ld.as_deref(), false);
+    let listed_system = cands.is_empty();
+    if listed_system {
+        cands = preflight::nccl::candidates(None, &[], None, true);
+    }
     let chosen = cands.first().map(|c| c.path.clone());
     if let Some(c) = cands.first() {
         tracing::debug!(
@@ -362,9 +379,18 @@ async fn resolve_nccl(
             c.path.display()
         );
     }
+    let explicit = pf.nccl_lib.clone();
     // Each other library's version is read by a separate nrun process: two libraries with the
     // same soname should not share one process.
     let others = tokio::spawn(async move {
+        if !listed_system {
+            cands = preflight::nccl::candidates(
+                explicit.as_deref(),
+                &python_paths,
+                ld.as_deref(),
+                true,
+            );
+        }
         let exe = std::env::current_exe().ok();
         let mut lines = Vec::new();
         for c in cands.iter().skip(1) {

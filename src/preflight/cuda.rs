@@ -339,7 +339,10 @@ impl Checker {
         let mut func = std::ptr::null_mut();
         // SAFETY: a NUL-terminated PTX image; out-pointers we own.
         unsafe {
-            check(sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "cuModuleLoadData (check kernel)")?;
+            check(
+                sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()),
+                "cuModuleLoadData (check kernel)",
+            )?;
             check(
                 sys::cuModuleGetFunction(&mut func, module, c"nrun_count_wrong".as_ptr()),
                 "cuModuleGetFunction",
@@ -358,7 +361,12 @@ impl Checker {
 
     /// Wrong elements among the first `count` floats of `data`, after the work queued on the
     /// GPU's stream.
-    pub fn count_wrong(&mut self, gpu: &Gpu, data: &DeviceBuf, count: usize) -> Result<u64, CudaError> {
+    pub fn count_wrong(
+        &mut self,
+        gpu: &Gpu,
+        data: &DeviceBuf,
+        count: usize,
+    ) -> Result<u64, CudaError> {
         let mut p_data = data.ptr;
         let mut p_n = count as u64;
         let mut p_exp = self.expected.ptr;
@@ -376,7 +384,10 @@ impl Checker {
         // SAFETY: the parameters match the kernel's signature and outlive the launch call
         // (the driver copies them); buffers are ours.
         unsafe {
-            check(sys::cuMemsetD32Async(self.counter.ptr, 0, 2, gpu.stream), "cuMemsetD32Async")?;
+            check(
+                sys::cuMemsetD32Async(self.counter.ptr, 0, 2, gpu.stream),
+                "cuMemsetD32Async",
+            )?;
             check(
                 sys::cuLaunchKernel(
                     self.func,

@@ -354,11 +354,13 @@ pub struct Candidate {
 }
 
 /// Every libnccl.so.2 nrun can see, best first: the explicit one, then the one the target
-/// Python's torch would load (given its sys.path), then LD_LIBRARY_PATH, then the system's.
+/// Python's torch would load (given its sys.path), then LD_LIBRARY_PATH, then (with `system`)
+/// the system's.
 pub fn candidates(
     explicit: Option<&Path>,
     python_paths: &[PathBuf],
     ld_library_path: Option<&str>,
+    system: bool,
 ) -> Vec<Candidate> {
     let mut v: Vec<Candidate> = Vec::new();
     let mut push = |p: PathBuf, source: Source| {
@@ -391,8 +393,10 @@ pub fn candidates(
             push(p, Source::LdLibraryPath);
         }
     }
-    for p in system_libraries() {
-        push(p, Source::System);
+    if system {
+        for p in system_libraries() {
+            push(p, Source::System);
+        }
     }
     v
 }

@@ -293,7 +293,9 @@ fn gpu_checker(
     let mut c = match cuda::Checker::new(gpu, &exp) {
         Ok(c) => c,
         Err(e) => {
-            tracing::debug!("rank {rank}: GPU check kernel unavailable ({e}); checking on the host");
+            tracing::debug!(
+                "rank {rank}: GPU check kernel unavailable ({e}); checking on the host"
+            );
             return None;
         }
     };
@@ -302,7 +304,9 @@ fn gpu_checker(
     match c.count_wrong(gpu, send, n) {
         Ok(got) if got == want => Some(c),
         other => {
-            eprintln!("nrun preflight: rank {rank}: GPU check kernel failed its self-test ({other:?}, expected {want}); checking on the host");
+            eprintln!(
+                "nrun preflight: rank {rank}: GPU check kernel failed its self-test ({other:?}, expected {want}); checking on the host"
+            );
             None
         }
     }
@@ -408,7 +412,6 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     let buffers = (|| {
         let send = gpu.alloc(max_count * 4)?;
         let recv = gpu.alloc(max_count * 4)?;
-        let staging = gpu.alloc_host(STAGING.min(max_count.next_multiple_of(CHECK_BLOCK)))?;
         // Fill: one block from the host, then doubling device-to-device copies (block sizes stay
         // multiples of the pattern's period, so the pattern continues).
         let first: Vec<f32> = (0..CHECK_BLOCK.min(max_count))
@@ -422,9 +425,15 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             filled += n;
         }
         gpu.synchronize()?;
-        Ok::<_, cuda::CudaError>((send, recv, staging))
+        Ok::<_, cuda::CudaError>((send, recv))
     })();
-    let checker = gpu_checker(&gpu, ctx.rank, ctx.world, buffers.as_ref().ok().map(|b| &b.0), max_count);
+    let checker = gpu_checker(
+        &gpu,
+        ctx.rank,
+        ctx.world,
+        buffers.as_ref().ok().map(|b| &b.0),
+        max_count,
+    );
     ph.mark("buffers");
     let mut last_check = Instant::now();
     loop {
@@ -461,7 +470,9 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     }
     rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
     ph.mark("init");
-    let (send, recv, mut staging) = buffers.map_err(|e| err("setup", e.0))?;
+    let (send, recv) = buffers.map_err(|e| err("setup", e.0))?;
+    // Host staging only where the GPU checker is unavailable.
+    let mut staging = None;
     let split_deadline = Instant::now()
         + Duration::from_secs(10).min(
             deadline
@@ -489,7 +500,15 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     let mut check = |dev: &cuda::DeviceBuf, count: usize| -> Result<u64, cuda::CudaError> {
         match checker.as_mut() {
             Some(c) => c.count_wrong(&gpu, dev, count),
-            None => check_device(&gpu, dev, count, &mut staging, &exp),
+            None => {
+                if staging.is_none() {
+                    staging = Some(gpu.alloc_host(STAGING.min(max_count.next_multiple_of(CHECK_BLOCK)))?);
+                }
+                match staging.as_mut() {
+                    Some(st) => check_device(&gpu, dev, count, st, &exp),
+                    None => Err(cuda::CudaError("no staging buffer".into())),
+                }
+            }
         }
     };
     let (start, end) = match (gpu.event(), gpu.event()) {
@@ -546,7 +565,7 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     drop(check);
     // Neither the buffers nor the communicators are torn down: the process ends right after
     // reporting (see `main`), and freeing memory NCCL may still reference only risks a crash.
-    std::mem::forget((send, recv, staging));
+    std::mem::forget((send, recv));
     Ok(())
 }
 
