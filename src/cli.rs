@@ -20,6 +20,8 @@ Examples:
   nrun --nproc 8 --max-restarts 2 x.py    restart the whole group up to twice on failure
   nrun --preflight-only --nproc 8         NCCL all-reduce health check of this node's 8 GPUs
   nrun --preflight-only --preflight net --nproc 4   the TCP network path alone, no GPU needed
+  nrun -H gpu1,gpu2 --nproc 8 train.py    16 workers on two nodes over ssh
+  nrun --hostfile hosts --nnodes 4 --nproc 8 train.py   the first 4 nodes of a hostfile
   torchrun --nproc-per-node 8 x.py  ->  nrun --nproc-per-node 8 x.py   (same flags, same env)
 
 Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)
@@ -264,6 +266,65 @@ pub struct Cli {
     /// NCCL_SHM_DISABLE=1 for the preflight only).
     #[arg(long = "preflight-loopback", env = "NRUN_PREFLIGHT_LOOPBACK", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Preflight")]
     pub preflight_loopback: bool,
+
+    /// Nodes: h1,h2 or h1:8,h2:8 (slots). Each runs --nproc-per-node workers, started over ssh.
+    #[arg(short = 'H', long, env = "NRUN_HOSTS", value_name = "HOSTS", help_heading = "Nodes")]
+    pub hosts: Option<String>,
+
+    /// Nodes from a file: `host slots=N` (Open MPI/DeepSpeed), `host:N` (MPICH) or `host` lines.
+    #[arg(long, env = "NRUN_HOSTFILE", value_name = "FILE", help_heading = "Nodes")]
+    pub hostfile: Option<PathBuf>,
+
+    /// Only these hosts/slots (DeepSpeed syntax: "h1@h2:0,2").
+    #[arg(long, env = "NRUN_INCLUDE", value_name = "SPEC", help_heading = "Nodes")]
+    pub include: Option<String>,
+
+    /// All but these hosts/slots (DeepSpeed syntax).
+    #[arg(long, env = "NRUN_EXCLUDE", value_name = "SPEC", help_heading = "Nodes")]
+    pub exclude: Option<String>,
+
+    /// How to start the node agents: auto (srun inside a Slurm allocation, else ssh), ssh, srun.
+    #[arg(long, env = "NRUN_LAUNCHER", default_value = "auto", value_name = "auto|ssh|srun", help_heading = "Nodes")]
+    pub launcher: String,
+
+    /// Extra options for ssh, e.g. "-F file -p 2222 -i key" (nrun always adds BatchMode=yes).
+    #[arg(long = "ssh-opts", env = "NRUN_SSH_OPTS", value_name = "OPTS", allow_hyphen_values = true, help_heading = "Nodes")]
+    pub ssh_opts: Option<String>,
+
+    /// ssh connections opened at once.
+    #[arg(long = "ssh-concurrency", env = "NRUN_SSH_CONCURRENCY", default_value_t = 64, help_heading = "Nodes")]
+    pub ssh_concurrency: usize,
+
+    /// Copy this nrun binary to every node first (to ~/.cache/nrun) and run that copy.
+    #[arg(long, env = "NRUN_SHIP", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Nodes")]
+    pub ship: bool,
+
+    /// Path of nrun on the other nodes (default: the same path as here).
+    #[arg(long = "remote-nrun", env = "NRUN_REMOTE_NRUN", value_name = "PATH", help_heading = "Nodes")]
+    pub remote_nrun: Option<String>,
+
+    /// Export a variable to every worker on every node: -x VAR (its value here) or -x VAR=VALUE.
+    /// NCCL_*, TORCH_*, CUDA_* (not CUDA_VISIBLE_DEVICES), PYTHON*, OMP_*, UCX_* and the
+    /// KEY=VALUE lines of .nrun_env (cwd, then home) are forwarded anyway.
+    #[arg(short = 'x', value_name = "VAR[=VALUE]", action = ArgAction::Append, help_heading = "Nodes")]
+    pub export: Vec<String>,
+
+    /// Network interface for NCCL and gloo on every node (default: the one each node uses to
+    /// reach this host, chosen per node).
+    #[arg(long, env = "NRUN_IFNAME", value_name = "NAME", help_heading = "Nodes")]
+    pub ifname: Option<String>,
+
+    /// Seconds every node has to start its agent and report.
+    #[arg(long = "join-timeout", env = "NRUN_JOIN_TIMEOUT", default_value_t = 30.0, value_name = "SECS", help_heading = "Nodes")]
+    pub join_timeout: f64,
+
+    /// Launch even when NCCL (major.minor) or torch differ between nodes.
+    #[arg(long = "allow-mismatch", env = "NRUN_ALLOW_MISMATCH", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Nodes")]
+    pub allow_mismatch: bool,
+
+    /// Do not run the target Python on each node to read torch's versions.
+    #[arg(long = "no-python-probe", env = "NRUN_NO_PYTHON_PROBE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Nodes")]
+    pub no_python_probe: bool,
 
     /// The script, module or program, followed by its arguments.
     #[arg(

@@ -156,9 +156,9 @@ async fn run_job(
             &[],
             true,
         )?;
-        match node::run_group(workers, plan.shutdown_timeout, None, signals).await? {
+        match node::run_group(workers, plan.shutdown_timeout, None, signals, None).await? {
             Outcome::Success => return Ok(exit::SUCCESS),
-            Outcome::TimedOut => return Ok(exit::INTERNAL),
+            Outcome::TimedOut | Outcome::Stopped => return Ok(exit::INTERNAL),
             Outcome::Interrupted(sig) => {
                 tracing::warn!(
                     "stopped by {}; every worker was stopped",
@@ -258,14 +258,15 @@ async fn run_preflight(
     // Ranks enforce the init timeout themselves; this deadline only catches a rank that hangs
     // where it cannot (a CUDA call, a dead peer mid-collective).
     let deadline = tokio::time::Instant::now() + pf.timeout * 2 + Duration::from_secs(120);
-    let outcome = node::run_group(workers, Duration::from_secs(3), Some(deadline), signals).await?;
+    let outcome =
+        node::run_group(workers, Duration::from_secs(3), Some(deadline), signals, None).await?;
     let crashed = match &outcome {
         Outcome::Interrupted(sig) => {
             tracing::warn!("preflight stopped by {}", node::signal_name(*sig));
             return Ok(exit::signal(*sig));
         }
         Outcome::Failed(f) => Some((f.rank, format!("pid {} {}", f.pid, f.exit.describe()))),
-        Outcome::TimedOut => {
+        Outcome::TimedOut | Outcome::Stopped => {
             tracing::warn!("the preflight ran past its deadline and was stopped");
             None
         }
@@ -507,4 +508,105 @@ fn build_workers(
 fn create_log(p: &PathBuf) -> Result<File> {
     File::create(p)
         .map_err(|e| Error::usage(format!("cannot create log file {}: {e}", p.display())))
+}
+
+/// The preflight of a multi-node run: one rank per worker slot on every node, started by the
+/// agents like the job's workers, each node's ranks told its own libnccl (or --nccl-lib) and,
+/// for the TCP ring, its own address.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_cluster_preflight(
+    plan: &Plan,
+    pf: &PreflightPlan,
+    cp: &crate::cluster::ClusterPlan,
+    store: &Store,
+    run_id: &str,
+    secret: &str,
+    port: u16,
+    view: Vec<crate::cluster::NodeView>,
+    step: usize,
+    signals: &mut Signals,
+) -> Result<u8> {
+    let started = Instant::now();
+    let base = preflight::Settings {
+        id: format!("{run_id}/pf"),
+        mode: pf.mode,
+        min_bytes: pf.min_bytes,
+        max_bytes: pf.max_bytes,
+        factor: pf.factor,
+        iters: pf.iters,
+        warmup: pf.warmup,
+        timeout_ms: pf.timeout.as_millis() as u64,
+        nccl_lib: pf.nccl_lib.clone(),
+        listen_addr: String::new(),
+    };
+    let per_node = |i: usize| -> Vec<(String, String)> {
+        let mut s = base.clone();
+        s.listen_addr = view[i].local_ip.to_string();
+        if s.nccl_lib.is_none() {
+            s.nccl_lib = view[i].nccl_lib.clone().map(PathBuf::from);
+        }
+        let mut env = vec![
+            (preflight::ENV.to_string(), serde_json::to_string(&s).unwrap_or_default()),
+            ("NRUN_SECRET".to_string(), secret.to_string()),
+        ];
+        if pf.loopback {
+            env.push(("NCCL_P2P_DISABLE".into(), "1".into()));
+            env.push(("NCCL_SHM_DISABLE".into(), "1".into()));
+        }
+        env
+    };
+    let specs = crate::cluster::job_specs_for_preflight(plan, cp, &view, port, &per_node);
+    let deadline_ms = (pf.timeout * 2 + Duration::from_secs(120)).as_millis() as u64;
+    for (i, s) in specs.into_iter().enumerate() {
+        crate::cluster::set_step(
+            store,
+            run_id,
+            i,
+            step,
+            &crate::agent::Step::Run { workers: s, grace_ms: 3000, deadline_ms: Some(deadline_ms) },
+        );
+    }
+    let results = crate::cluster::collect(store, run_id, view.len(), step, Some(step), signals).await?;
+    let mut crashed = None;
+    for r in results.iter().flatten() {
+        if let crate::agent::StepResult::Run(crate::agent::RunResult::Failed { rank, pid, how, .. }) = r {
+            crashed = Some((*rank, format!("pid {pid} {how}")));
+        }
+    }
+    // Reports, read in-process; a rank without one is named with its node and last stage.
+    let world: usize = cp.layout.iter().map(Vec::len).sum();
+    let mut reports = std::collections::BTreeMap::new();
+    let mut silent = Vec::new();
+    for (node, ranks) in cp.layout.iter().enumerate() {
+        for &(rank, _, _) in ranks {
+            match store.get(&base.key(&format!("result/{rank}"))).and_then(|r| serde_json::from_slice::<RankReport>(&r).ok()) {
+                Some(rep) => {
+                    reports.insert(rank, rep);
+                }
+                None => {
+                    let stage = store.get(&base.key(&format!("stage/{rank}"))).map(|s| String::from_utf8_lossy(&s).into_owned());
+                    silent.push((rank, view[node].label.clone(), stage));
+                }
+            }
+        }
+    }
+    let summary = preflight::Outcome {
+        world_size: world,
+        mode: pf.mode,
+        reports,
+        silent,
+        crashed,
+        nccl_lib: None,
+        min_busbw: pf.min_busbw,
+        wall_s: started.elapsed().as_secs_f64(),
+        other_libs: Vec::new(),
+    }
+    .summarize();
+    print!("{}", summary.text);
+    if let Some(path) = &pf.report {
+        let text = serde_json::to_string_pretty(&summary.json).unwrap_or_default();
+        std::fs::write(path, text + "\n")
+            .map_err(|e| Error::usage(format!("cannot write --report {}: {e}", path.display())))?;
+    }
+    Ok(summary.verdict.exit_code())
 }

@@ -27,6 +27,10 @@ pub mod exit {
     /// Bus bandwidth under --min-busbw.
     pub const PREFLIGHT_SLOW: u8 = 94;
 
+    /// A multi-node run could not start: a node did not join (ssh, nrun missing, cwd missing),
+    /// the nodes cannot reach each other, or their software differs.
+    pub const CLUSTER: u8 = 95;
+
     /// Exit code for death by signal `sig`.
     pub fn signal(sig: i32) -> u8 {
         (128 + sig).clamp(0, 255) as u8

@@ -9,12 +9,18 @@
 //! - [`report`]: how failures and log lines look.
 //! - [`error`]: errors for people and the exit codes.
 
+pub mod agent;
 pub mod cli;
+pub mod cluster;
 pub mod coordinator;
 pub mod error;
+pub mod hosts;
+pub mod facts;
+pub mod net;
 pub mod node;
 pub mod plan;
 pub mod preflight;
+pub mod remote;
 pub mod report;
 pub mod store;
 
@@ -29,6 +35,7 @@ pub fn main() -> ExitCode {
     let mut argv = std::env::args_os().skip(1);
     match argv.next().as_deref().and_then(|a| a.to_str()) {
         Some("__preflight") => return ExitCode::from(preflight::worker::main()),
+        Some("__agent") => return ExitCode::from(agent::main()),
         Some("__nccl-version") => {
             return match argv
                 .next()
@@ -69,6 +76,7 @@ pub fn main() -> ExitCode {
 fn run(cli: cli::Cli) -> error::Result<u8> {
     let env = |k: &str| std::env::var(k).ok();
     let plan = plan::Plan::from_cli(&cli, &env)?;
+    let cluster = cluster::plan_cluster(&cli, &plan, &env)?;
     let listener = coordinator::bind_store(&plan)?;
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
@@ -80,7 +88,11 @@ fn run(cli: cli::Cli) -> error::Result<u8> {
         .map_err(|e| error::Error::internal(format!("cannot start the async runtime: {e}")))?;
     // The coordinator future runs on this (main) thread; workers are spawned from it, which
     // their PR_SET_PDEATHSIG relies on.
-    rt.block_on(coordinator::run(plan, listener))
+    match (cluster, listener) {
+        (Some(cp), Some(l)) => rt.block_on(cluster::run(&plan, &cp, l)),
+        (Some(_), None) => Err(error::Error::internal("no store for a multi-node run")),
+        (None, l) => rt.block_on(coordinator::run(plan, l)),
+    }
 }
 
 /// NRUN_LOG=error|warn|info|debug|trace sets how much nrun says (default info).

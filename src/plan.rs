@@ -221,17 +221,29 @@ impl Plan {
 
     /// The environment a worker gets on top of nrun's own, exactly as torchrun sets it.
     pub fn worker_env(&self, w: &WorkerSlot<'_>) -> Vec<(String, String)> {
-        let rank = self.node_rank * self.nproc + w.local_rank;
+        let place = Place {
+            rank: self.node_rank * self.nproc + w.local_rank,
+            group_rank: self.node_rank,
+            local_world_size: self.nproc,
+            world_size: self.world_size(),
+            group_world_size: self.nnodes,
+        };
+        self.worker_env_at(&place, w)
+    }
+
+    /// The environment of a worker at an explicit place in the job (multi-node layouts, where
+    /// nodes may run different numbers of workers).
+    pub fn worker_env_at(&self, p: &Place, w: &WorkerSlot<'_>) -> Vec<(String, String)> {
         let mut env = vec![
-            ("RANK".into(), rank.to_string()),
+            ("RANK".into(), p.rank.to_string()),
             ("LOCAL_RANK".into(), w.local_rank.to_string()),
-            ("WORLD_SIZE".into(), self.world_size().to_string()),
-            ("LOCAL_WORLD_SIZE".into(), self.nproc.to_string()),
-            ("GROUP_RANK".into(), self.node_rank.to_string()),
-            ("GROUP_WORLD_SIZE".into(), self.nnodes.to_string()),
-            ("ROLE_RANK".into(), rank.to_string()),
+            ("WORLD_SIZE".into(), p.world_size.to_string()),
+            ("LOCAL_WORLD_SIZE".into(), p.local_world_size.to_string()),
+            ("GROUP_RANK".into(), p.group_rank.to_string()),
+            ("GROUP_WORLD_SIZE".into(), p.group_world_size.to_string()),
+            ("ROLE_RANK".into(), p.rank.to_string()),
             ("ROLE_NAME".into(), self.role.clone()),
-            ("ROLE_WORLD_SIZE".into(), self.world_size().to_string()),
+            ("ROLE_WORLD_SIZE".into(), p.world_size.to_string()),
             ("MASTER_ADDR".into(), w.master_addr.to_string()),
             ("MASTER_PORT".into(), w.master_port.to_string()),
             (
@@ -264,6 +276,16 @@ impl Plan {
             .join(format!("attempt_{attempt}"))
             .join(local_rank.to_string())
     }
+}
+
+/// Where a worker sits in the whole job.
+#[derive(Clone, Copy, Debug)]
+pub struct Place {
+    pub rank: usize,
+    pub group_rank: usize,
+    pub local_world_size: usize,
+    pub world_size: usize,
+    pub group_world_size: usize,
 }
 
 /// What differs between the workers of one attempt.
@@ -488,6 +510,10 @@ fn resolve_store(cli: &Cli, nnodes: usize) -> Result<StorePlan> {
         let (h, p) = split_host_port(ep)?;
         addr = addr.or(Some(h));
         port = port.or(p);
+    }
+    // With a host list nrun starts every node itself and hosts the one store here.
+    if cli.hosts.is_some() || cli.hostfile.is_some() {
+        return Ok(StorePlan::Host { port: port.unwrap_or(0), advertise: String::new() });
     }
     if cli.standalone && nnodes > 1 {
         return Err(Error::usage(

@@ -99,6 +99,34 @@ pub enum Outcome {
     Interrupted(i32),
     /// The group's deadline passed; the workers were stopped.
     TimedOut,
+    /// Stopped from outside (the coordinator, or a lost coordinator), not by a failure here.
+    Stopped,
+}
+
+/// A request from outside the group to stop it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopRequest {
+    /// Keep running.
+    None,
+    /// Another node failed or the user interrupted: SIGTERM, SIGKILL after the grace period.
+    Polite,
+    /// The coordinator is gone (ssh dropped, launcher killed): SIGTERM, SIGKILL within 2 s.
+    Abandon,
+}
+
+/// Resolves when `rx` holds something other than [`StopRequest::None`] (never, without one).
+async fn stop_requested(rx: &mut Option<tokio::sync::watch::Receiver<StopRequest>>) -> StopRequest {
+    let Some(rx) = rx.as_mut() else { return std::future::pending().await };
+    loop {
+        let v = *rx.borrow_and_update();
+        if v != StopRequest::None {
+            return v;
+        }
+        if rx.changed().await.is_err() {
+            // The sender went away without asking: treat as the coordinator being gone.
+            return StopRequest::Abandon;
+        }
+    }
 }
 
 /// SIGINT, SIGTERM and SIGHUP to nrun, as one stream. Installed once, before any worker starts,
@@ -147,6 +175,7 @@ pub async fn run_group(
     grace: Duration,
     deadline: Option<Instant>,
     signals: &mut Signals,
+    mut external: Option<tokio::sync::watch::Receiver<StopRequest>>,
 ) -> Result<Outcome> {
     let mut outputs = Vec::with_capacity(workers.len());
     let mut cmds = Vec::with_capacity(workers.len());
@@ -242,6 +271,7 @@ pub async fn run_group(
     let mut first_failure: Option<usize> = None;
     let mut interrupted: Option<i32> = None;
     let mut timed_out = false;
+    let mut stopped = false;
     let mut kill_at: Option<Instant> = None;
     let stop_all = |running: &[Running], sig: Signal| {
         for r in running.iter().filter(|r| r.exit.is_none()) {
@@ -258,7 +288,7 @@ pub async fn run_group(
                 let Some((idx, exit, at)) = ev else { break };
                 running[idx].exit = Some((exit, at));
                 left -= 1;
-                if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() && !timed_out {
+                if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() && !timed_out && !stopped {
                     first_failure = Some(idx);
                     stop_all(&running, Signal::SIGTERM);
                     kill_at = Some(Instant::now() + grace);
@@ -274,6 +304,14 @@ pub async fn run_group(
                     kill_at = Some(Instant::now() + grace);
                 }
                 interrupted.get_or_insert(sig);
+            }
+            req = stop_requested(&mut external), if !stopped => {
+                stopped = true;
+                external = None;
+                let fast = Instant::now() + grace.min(Duration::from_secs(2));
+                let by = if req == StopRequest::Abandon { fast } else { Instant::now() + grace };
+                stop_all(&running, Signal::SIGTERM);
+                kill_at = Some(kill_at.map_or(by, |k| k.min(by)));
             }
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)).await }, if deadline.is_some() && !timed_out && kill_at.is_none() => {
                 timed_out = true;
@@ -337,6 +375,7 @@ pub async fn run_group(
     match interrupted {
         Some(sig) if sig > 0 => Ok(Outcome::Interrupted(sig)),
         _ if timed_out => Ok(Outcome::TimedOut),
+        _ if stopped => Ok(Outcome::Stopped),
         _ => Ok(Outcome::Success),
     }
 }

@@ -115,18 +115,72 @@ pub struct Store {
     state: Mutex<State>,
     next_conn: AtomicU64,
     next_wait: AtomicU64,
+    /// With a secret, keys under `nrun/` (nrun's own control plane) are reserved to connections
+    /// that presented it: torch workers can neither read nor write them.
+    secret: Option<Vec<u8>>,
 }
+
+/// Prefix of nrun's own keys.
+pub const CONTROL_PREFIX: &[u8] = b"nrun/";
+/// SET this key to the secret to authenticate a connection (the value is not stored).
+pub const AUTH_KEY: &[u8] = b"nrun/auth";
+/// A SET under this prefix stores the address the server sees the connection come from, not
+/// the value sent: how an agent learns whether NAT sits between it and the coordinator.
+pub const OBSERVE_PREFIX: &[u8] = b"nrun/observed/";
 
 /// The per-connection part of the protocol state.
 struct Conn {
     id: ConnId,
     validated: bool,
+    authed: bool,
+    peer: SocketAddr,
     wake: mpsc::UnboundedSender<u8>,
+}
+
+fn is_control(key: &[u8]) -> bool {
+    key.starts_with(CONTROL_PREFIX)
+}
+
+/// Whether a request names any of nrun's control keys.
+fn touches_control(req: &Request) -> bool {
+    match req {
+        Request::Set { key, .. }
+        | Request::CompareSet { key, .. }
+        | Request::Get { key }
+        | Request::Add { key, .. }
+        | Request::DeleteKey { key }
+        | Request::Append { key, .. }
+        | Request::QueuePush { key, .. }
+        | Request::QueuePop { key }
+        | Request::QueueLen { key }
+        | Request::Barrier { key, .. } => is_control(key),
+        Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
+            keys.iter().any(|k| is_control(k))
+        }
+        Request::MultiSet { pairs } => pairs.iter().any(|(k, _)| is_control(k)),
+        Request::Validate { .. }
+        | Request::GetNumKeys
+        | Request::CancelWait
+        | Request::Ping { .. }
+        | Request::ListKeys => false,
+    }
 }
 
 impl Store {
     pub fn new() -> Arc<Store> {
         Arc::new(Store::default())
+    }
+
+    /// A store whose `nrun/` keys need `secret` (see [`AUTH_KEY`]).
+    pub fn with_secret(secret: Vec<u8>) -> Arc<Store> {
+        Arc::new(Store { secret: Some(secret), ..Store::default() })
+    }
+
+    /// Sets a key in-process (the coordinator's own writes), waking waiters.
+    pub fn set(&self, key: &[u8], value: &[u8]) {
+        let mut s = self.lock();
+        s.kv.insert(key.to_vec(), value.to_vec());
+        s.written(key, false);
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -139,6 +193,14 @@ impl Store {
     /// reads the previous attempt's rendezvous keys (torch >= 2.6 does not prefix them).
     pub fn clear(&self) {
         *self.lock() = State::default();
+    }
+
+    /// Forgets every key but nrun's own (`nrun/`): between restart attempts of a multi-node
+    /// job, whose agents keep using their control keys.
+    pub fn clear_user_keys(&self) {
+        let mut s = self.lock();
+        s.kv.retain(|k, _| is_control(k));
+        s.queues.clear();
     }
 
     /// A key's value, read in-process.
@@ -169,6 +231,27 @@ impl Store {
                 _ => Err(PRE_2_2.to_string()),
             };
         }
+        if let Some(secret) = &self.secret {
+            if let Request::Set { key, value } = &req {
+                if key == AUTH_KEY {
+                    if value == secret {
+                        c.authed = true;
+                        return Ok(());
+                    }
+                    return Err("wrong secret for nrun's control keys".into());
+                }
+            }
+            if !c.authed && touches_control(&req) {
+                return Err("a connection without nrun's secret touched nrun's control keys (nrun/...)".into());
+            }
+        }
+        let req = match req {
+            Request::Set { key, .. } if key.starts_with(OBSERVE_PREFIX) => {
+                let seen = crate::net::canonical(c.peer.ip());
+                Request::Set { key, value: seen.to_string().into_bytes() }
+            }
+            r => r,
+        };
         let mut s = self.lock();
         match req {
             Request::Validate { magic } => {
@@ -276,8 +359,11 @@ impl Store {
                 put_i64(out, s.queues.get(&key).map_or(0, |q| q.len()) as i64);
             }
             Request::ListKeys => {
-                put_i64(out, s.kv.len() as i64);
-                for k in s.kv.keys() {
+                // Without the secret, nrun's own keys are not listed.
+                let hide = self.secret.is_some() && !c.authed;
+                let keys: Vec<&Vec<u8>> = s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
+                put_i64(out, keys.len() as i64);
+                for k in keys {
                     put_bytes(out, k);
                 }
             }
@@ -389,6 +475,8 @@ async fn connection(
     let mut c = Conn {
         id: store.next_conn.fetch_add(1, Ordering::Relaxed),
         validated: false,
+        authed: false,
+        peer,
         wake: wake_tx,
     };
     let mut buf = BytesMut::with_capacity(INITIAL_BUFFER);

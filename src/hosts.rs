@@ -1,0 +1,1599 @@
+//! Host lists: which nodes a job runs on, how many workers each may take, and where each rank goes.
+//!
+//! Every source ends in a `Vec<Host>`; host order is rank order.
+//!
+//! - `-H/--hosts`: `h1,h2` or `h1:8,h2:8` (a slot count after `:`). Items are trimmed, empty items
+//!   are rejected. IPv6 addresses go in brackets so their colons are not read as a slot count:
+//!   `[fe80::1]:4`, `user@[fe80::1]`. The brackets are dropped from the name, which is what ssh
+//!   takes.
+//! - Hostfiles, one host per line, in any of the usual forms:
+//!   - Open MPI / DeepSpeed: `node1 slots=8` (`max_slots=N` is accepted and ignored);
+//!   - MPICH: `node1:8`;
+//!   - bare: `node1`.
+//!
+//!   `#` starts a comment, whole-line or trailing; blank lines are skipped.
+//! - Slurm hostlist expressions (`SLURM_JOB_NODELIST`): `node[01-04,07]`, `gpu[1-2],cpu3`,
+//!   `r[1-2]n[1-2]`. Zero padding follows the first number of each range.
+//!
+//! Then, in order: DeepSpeed's `--include`/`--exclude` (`worker-0@worker-1:0,2`), `--nnodes N`
+//! (the first N hosts), and [`rank_layout`], which numbers the workers contiguously per node.
+//!
+//! A host listed twice is an error everywhere: silently merging or doubling it would change the
+//! world size behind the user's back. Everything here is pure (no I/O, no environment) and returns
+//! a usage error rather than panicking, whatever the input.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::error::{Error, Result};
+
+/// Most slots one host may declare. Far above any real machine, and it bounds the slot lists
+/// `--exclude` builds.
+const MAX_SLOTS: usize = 1 << 20;
+/// Most workers one job may have, so a typo in `--nproc-per-node` cannot exhaust memory.
+const MAX_WORKERS: usize = 1 << 20;
+/// Most names a Slurm hostlist may expand to.
+const MAX_SLURM_NAMES: usize = 100_000;
+/// Longest host name (DNS allows 253); also bounds the memory a Slurm expansion can take.
+const MAX_NAME_LEN: usize = 255;
+/// How many host names an error message lists before "and N more".
+const LIST_SHOWN: usize = 8;
+
+/// One node of the job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Host {
+    /// As the user wrote it (an ssh destination: alias, name or address; may be user@host).
+    pub name: String,
+    /// Max workers on it, when the source says.
+    pub slots: Option<usize>,
+    /// Local ranks (slot indices) to use, from DeepSpeed-style `--include "host:0,2"`; None = all.
+    pub only_slots: Option<Vec<usize>>,
+}
+
+impl Host {
+    /// A host with nothing known about its slots.
+    pub fn new(name: impl Into<String>) -> Host {
+        Host {
+            name: name.into(),
+            slots: None,
+            only_slots: None,
+        }
+    }
+}
+
+fn usage(message: String) -> Error {
+    Error::usage(message)
+}
+
+/// Parses `-H/--hosts`: "h1,h2" or "h1:8,h2:8" (slots), surrounding whitespace ignored, empty items rejected.
+/// Also accepts IPv6 in brackets "[fe80::1]:4". A duplicate host is an error naming it.
+pub fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
+    if s.trim().is_empty() {
+        return Err(usage(
+            "-H/--hosts is empty; give host names separated by commas, e.g. -H node1:8,node2:8"
+                .to_string(),
+        ));
+    }
+    let mut hosts = Vec::new();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (i, raw) in s.split(',').enumerate() {
+        let number = i + 1;
+        let item = raw.trim();
+        if item.is_empty() {
+            return Err(usage(format!(
+                "-H/--hosts {s:?} has an empty item (number {number}); remove the extra comma"
+            )));
+        }
+        let ctx = format!("-H/--hosts item {item:?}");
+        let (name, slots) = parse_item(item, &ctx)?;
+        if let Some(first) = seen.insert(name.clone(), number) {
+            return Err(usage(format!(
+                "-H/--hosts names host {name:?} twice (items {first} and {number}); \
+                 list each host once, with its slot count as host:N"
+            )));
+        }
+        hosts.push(Host {
+            name,
+            slots,
+            only_slots: None,
+        });
+    }
+    Ok(hosts)
+}
+
+/// Parses a hostfile's text. `origin` names the file in messages. Accepted per line:
+/// Open MPI / DeepSpeed form `host slots=N` (also `max_slots=M`, ignored but accepted; other key=value -> error naming it),
+/// MPICH form `host:N`, bare `host`. `#` starts a comment (whole line or trailing), blank lines skipped.
+/// A duplicate host is an error naming both line numbers ("line 3 and line 7").
+pub fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
+    let mut hosts = Vec::new();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (i, raw) in text.lines().enumerate() {
+        let lineno = i + 1;
+        let line = raw.split('#').next().unwrap_or_default().trim();
+        let mut tokens = line.split_whitespace();
+        let Some(first) = tokens.next() else {
+            continue; // blank or comment-only
+        };
+        let ctx = format!("{origin} line {lineno}");
+        if first.contains('=') {
+            return Err(usage(format!(
+                "{ctx}: {first:?} is a key=value, but a line starts with the host name; \
+                 write e.g. node1 slots=8"
+            )));
+        }
+        let (name, mut slots) = parse_item(first, &ctx)?;
+        let colon_slots = slots.is_some();
+        let mut seen_slots_key = false;
+        let mut seen_max_slots = false;
+        for tok in tokens {
+            let Some((key, value)) = tok.split_once('=') else {
+                return Err(usage(format!(
+                    "{ctx}: unexpected {tok:?} after the host name; write `host slots=N` \
+                     (no spaces around '='), `host:N` or just `host`"
+                )));
+            };
+            match key {
+                "slots" => {
+                    if colon_slots {
+                        return Err(usage(format!(
+                            "{ctx}: the slot count is given twice, as host:N and as slots=; keep one"
+                        )));
+                    }
+                    if seen_slots_key {
+                        return Err(usage(format!("{ctx}: slots= is given twice; keep one")));
+                    }
+                    seen_slots_key = true;
+                    slots = Some(parse_count(value, &ctx, "slots=")?);
+                }
+                "max_slots" => {
+                    if seen_max_slots {
+                        return Err(usage(format!("{ctx}: max_slots= is given twice; keep one")));
+                    }
+                    seen_max_slots = true;
+                    // Accepted so Open MPI hostfiles work unchanged; nrun never oversubscribes,
+                    // so only slots= matters. Still checked, so a typo does not pass silently.
+                    parse_count(value, &ctx, "max_slots=")?;
+                }
+                _ => {
+                    return Err(usage(format!(
+                        "{ctx}: unknown key {key:?} in {tok:?}; nrun understands slots=N \
+                         (and accepts max_slots=N), remove the rest"
+                    )));
+                }
+            }
+        }
+        if let Some(&first_line) = seen.get(&name) {
+            return Err(usage(format!(
+                "{origin}: host {name:?} is listed twice, on line {first_line} and line {lineno}; \
+                 list each host once, with its slot count"
+            )));
+        }
+        seen.insert(name.clone(), lineno);
+        hosts.push(Host {
+            name,
+            slots,
+            only_slots: None,
+        });
+    }
+    if hosts.is_empty() {
+        return Err(usage(format!(
+            "{origin} lists no hosts; write one host per line, e.g. `node1 slots=8`"
+        )));
+    }
+    Ok(hosts)
+}
+
+/// Splits an item into its host name and what follows a ':' (a slot count or slot list),
+/// handling IPv6 addresses in brackets (`[fe80::1]:4`, `user@[fe80::1]`).
+fn split_host_suffix<'a>(item: &'a str, ctx: &str) -> Result<(String, Option<&'a str>)> {
+    let Some(open) = item.find('[') else {
+        return match item.split_once(':') {
+            None => Ok((item.to_string(), None)),
+            Some((_, rest)) if rest.contains(':') => Err(usage(format!(
+                "{ctx} has more than one ':'; write an IPv6 address in brackets, as in [fe80::1]:4"
+            ))),
+            Some((name, rest)) => Ok((name.to_string(), Some(rest))),
+        };
+    };
+    let prefix = &item[..open];
+    if !(prefix.is_empty() || prefix.ends_with('@')) {
+        return Err(usage(format!(
+            "{ctx}: brackets are only for IPv6 addresses, as in [fe80::1]:4 or user@[fe80::1]"
+        )));
+    }
+    let after_open = &item[open + 1..];
+    let Some(close) = after_open.find(']') else {
+        return Err(usage(format!(
+            "{ctx}: '[' has no matching ']'; write an IPv6 address as [fe80::1] or [fe80::1]:N"
+        )));
+    };
+    let addr = &after_open[..close];
+    let addr_ok = addr.contains(':')
+        && addr
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, ':' | '.' | '%' | '-' | '_'));
+    if !addr_ok {
+        return Err(usage(format!(
+            "{ctx}: [{addr}] is not an IPv6 address; brackets are only for IPv6 addresses, \
+             as in [fe80::1]:4"
+        )));
+    }
+    let rest = &after_open[close + 1..];
+    let suffix = if rest.is_empty() {
+        None
+    } else if let Some(s) = rest.strip_prefix(':') {
+        Some(s)
+    } else {
+        return Err(usage(format!(
+            "{ctx}: unexpected {rest:?} after ']'; write [address] or [address]:N"
+        )));
+    };
+    Ok((format!("{prefix}{addr}"), suffix))
+}
+
+/// One `-H` item or hostfile host token: a checked name and the slot count after ':', if any.
+fn parse_item(item: &str, ctx: &str) -> Result<(String, Option<usize>)> {
+    let (name, suffix) = split_host_suffix(item, ctx)?;
+    check_name(&name, ctx)?;
+    let slots = match suffix {
+        Some(n) => Some(parse_count(n, ctx, "slot count")?),
+        None => None,
+    };
+    Ok((name, slots))
+}
+
+/// Rejects names that cannot be an ssh destination, or that ssh would read as an option.
+fn check_name(name: &str, ctx: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(usage(format!(
+            "{ctx} has no host name; write a host name before any ':'"
+        )));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(usage(format!(
+            "{ctx}: the host name is longer than {MAX_NAME_LEN} characters; check for a missing separator"
+        )));
+    }
+    if name.starts_with('-') {
+        return Err(usage(format!(
+            "{ctx}: host name {name:?} starts with '-', which ssh would read as an option; fix the name"
+        )));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| c.is_whitespace() || c.is_control() || matches!(c, ',' | '[' | ']' | '=' | '#'))
+    {
+        return Err(usage(format!(
+            "{ctx}: host name {name:?} contains {c:?}, which no host name has; fix the name"
+        )));
+    }
+    if let Some((user, host)) = name.split_once('@') {
+        if user.is_empty() || host.is_empty() || host.contains('@') {
+            return Err(usage(format!(
+                "{ctx}: {name:?} is not a host or user@host; fix the name"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A slot count: a whole number from 1 to MAX_SLOTS.
+fn parse_count(s: &str, ctx: &str, what: &str) -> Result<usize> {
+    // Checked by hand: `str::parse` would also take "+4".
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(usage(format!(
+            "{ctx}: {what} {s:?} is not a whole number; give a count from 1 to {MAX_SLOTS}"
+        )));
+    }
+    match s.parse::<usize>() {
+        Ok(0) => Err(usage(format!(
+            "{ctx}: {what} is 0; give at least 1, or leave the host out"
+        ))),
+        Ok(n) if n <= MAX_SLOTS => Ok(n),
+        _ => Err(usage(format!(
+            "{ctx}: {what} {s} is too large; give a count from 1 to {MAX_SLOTS}"
+        ))),
+    }
+}
+
+/// Expands a Slurm hostlist expression (SLURM_JOB_NODELIST): "node[01-04,07]" -> node01..node04,node07
+/// (zero padding kept, width from the range's first number), several groups separated by commas
+/// outside brackets ("gpu[1-2],cpu3"), several bracket groups in one name ("r[1-2]n[1-2]" -> r1n1,r1n2,r2n1,r2n2),
+/// plain names. Reject malformed input (unbalanced brackets, reversed ranges, non-numeric ranges) with a clear error.
+/// Cap the expansion at 100_000 names (error beyond) so a typo cannot exhaust memory.
+pub fn expand_slurm_hostlist(s: &str) -> Result<Vec<String>> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Err(usage(
+            "the Slurm node list is empty; run inside a Slurm allocation or give hosts with -H"
+                .to_string(),
+        ));
+    }
+    if let Some(c) = s.chars().find(|c| c.is_whitespace() || c.is_control()) {
+        return Err(usage(format!(
+            "the Slurm node list {s:?} contains {c:?}; write it without spaces, as in node[01-04],gpu7"
+        )));
+    }
+    let mut groups = Vec::new();
+    let mut total = 0usize;
+    for group in split_top_level(s)? {
+        if group.is_empty() {
+            return Err(usage(format!(
+                "the Slurm node list {s:?} has an empty name (two commas in a row, or one at an end); \
+                 remove the extra comma"
+            )));
+        }
+        if group.starts_with('-') {
+            return Err(usage(format!(
+                "the Slurm node list {s:?}: name {group:?} starts with '-', which ssh would read as an option"
+            )));
+        }
+        let segs = parse_slurm_group(group, s)?;
+        let count = segs
+            .iter()
+            .try_fold(1usize, |acc, seg| acc.checked_mul(seg.count()?));
+        total = match count.and_then(|c| total.checked_add(c)) {
+            Some(t) if t <= MAX_SLURM_NAMES => t,
+            _ => {
+                return Err(usage(format!(
+                    "the Slurm node list {s:?} expands to more than {MAX_SLURM_NAMES} names; \
+                     check the ranges for a typo"
+                )));
+            }
+        };
+        let longest: usize = segs.iter().map(Seg::max_len).sum();
+        if longest > MAX_NAME_LEN {
+            return Err(usage(format!(
+                "the Slurm node list {s:?}: {group:?} makes names longer than {MAX_NAME_LEN} characters; \
+                 check for a missing comma"
+            )));
+        }
+        groups.push(segs);
+    }
+
+    let mut names = Vec::with_capacity(total);
+    for segs in &groups {
+        let mut partial = vec![String::new()];
+        for seg in segs {
+            partial = match seg {
+                Seg::Lit(lit) => {
+                    for p in &mut partial {
+                        p.push_str(lit);
+                    }
+                    partial
+                }
+                Seg::Set(ranges) => {
+                    let mut next =
+                        Vec::with_capacity(partial.len().saturating_mul(seg_len(ranges)));
+                    for p in &partial {
+                        for r in ranges {
+                            for n in r.start..=r.end {
+                                next.push(format!("{p}{n:0w$}", w = r.width));
+                            }
+                        }
+                    }
+                    next
+                }
+            };
+        }
+        names.extend(partial);
+    }
+
+    let mut seen = HashSet::with_capacity(names.len());
+    for name in &names {
+        if !seen.insert(name.as_str()) {
+            return Err(usage(format!(
+                "the Slurm node list {s:?} names {name:?} more than once; list each node once"
+            )));
+        }
+    }
+    Ok(names)
+}
+
+/// Splits on commas outside brackets, checking that brackets balance and do not nest.
+fn split_top_level(s: &str) -> Result<Vec<&str>> {
+    let mut groups = Vec::new();
+    let mut start = 0;
+    let mut open = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            '[' if open => {
+                return Err(usage(format!(
+                    "the Slurm node list {s:?} has a '[' inside brackets; brackets do not nest, \
+                     write e.g. node[1-4]"
+                )));
+            }
+            '[' => open = true,
+            ']' if !open => {
+                return Err(usage(format!(
+                    "the Slurm node list {s:?} has a ']' without a '['; check the brackets"
+                )));
+            }
+            ']' => open = false,
+            ',' if !open => {
+                groups.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if open {
+        return Err(usage(format!(
+            "the Slurm node list {s:?} has a '[' without a ']'; check the brackets"
+        )));
+    }
+    groups.push(&s[start..]);
+    Ok(groups)
+}
+
+/// One piece of a Slurm name: literal text, or a bracketed set of numbers.
+enum Seg<'a> {
+    Lit(&'a str),
+    Set(Vec<NumRange>),
+}
+
+/// `start..=end`, each printed zero-padded to `width` digits.
+struct NumRange {
+    start: u64,
+    end: u64,
+    width: usize,
+}
+
+impl Seg<'_> {
+    /// How many alternatives this piece contributes; None when that overflows.
+    fn count(&self) -> Option<usize> {
+        match self {
+            Seg::Lit(_) => Some(1),
+            Seg::Set(ranges) => ranges.iter().try_fold(0usize, |acc, r| {
+                let n = usize::try_from(r.end - r.start).ok()?.checked_add(1)?;
+                acc.checked_add(n)
+            }),
+        }
+    }
+
+    /// The most characters this piece adds to a name.
+    fn max_len(&self) -> usize {
+        match self {
+            Seg::Lit(lit) => lit.len(),
+            Seg::Set(ranges) => ranges
+                .iter()
+                .map(|r| r.width.max(r.end.to_string().len()))
+                .max()
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// The number of values in a set whose count was already checked to fit.
+fn seg_len(ranges: &[NumRange]) -> usize {
+    ranges.iter().map(|r| (r.end - r.start) as usize + 1).sum()
+}
+
+/// Parses one comma-free group (brackets already checked to balance) into its pieces.
+fn parse_slurm_group<'a>(group: &'a str, whole: &str) -> Result<Vec<Seg<'a>>> {
+    let mut segs = Vec::new();
+    let mut rest = group;
+    while let Some(open) = rest.find('[') {
+        if open > 0 {
+            segs.push(Seg::Lit(&rest[..open]));
+        }
+        let inner_and_after = &rest[open + 1..];
+        let Some(close) = inner_and_after.find(']') else {
+            return Err(usage(format!(
+                "the Slurm node list {whole:?} has a '[' without a ']'; check the brackets"
+            )));
+        };
+        let inner = &inner_and_after[..close];
+        segs.push(Seg::Set(parse_slurm_set(inner, whole)?));
+        rest = &inner_and_after[close + 1..];
+    }
+    if !rest.is_empty() {
+        segs.push(Seg::Lit(rest));
+    }
+    Ok(segs)
+}
+
+/// The inside of one pair of brackets: "01-04,07".
+fn parse_slurm_set(inner: &str, whole: &str) -> Result<Vec<NumRange>> {
+    if inner.is_empty() {
+        return Err(usage(format!(
+            "the Slurm node list {whole:?} has empty brackets; write numbers or ranges inside, as in node[1-4]"
+        )));
+    }
+    let mut ranges = Vec::new();
+    for item in inner.split(',') {
+        if item.is_empty() {
+            return Err(usage(format!(
+                "the Slurm node list {whole:?} has an empty item in [{inner}]; remove the extra comma"
+            )));
+        }
+        let range = match item.split_once('-') {
+            Some((a, b)) => {
+                let start = parse_slurm_num(a, item, whole)?;
+                let end = parse_slurm_num(b, item, whole)?;
+                if start > end {
+                    return Err(usage(format!(
+                        "the Slurm node list {whole:?} has the reversed range {item:?}; \
+                         write the smaller number first"
+                    )));
+                }
+                NumRange {
+                    start,
+                    end,
+                    width: a.len(),
+                }
+            }
+            None => {
+                let n = parse_slurm_num(item, item, whole)?;
+                NumRange {
+                    start: n,
+                    end: n,
+                    width: item.len(),
+                }
+            }
+        };
+        ranges.push(range);
+    }
+    Ok(ranges)
+}
+
+fn parse_slurm_num(digits: &str, item: &str, whole: &str) -> Result<u64> {
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(usage(format!(
+            "the Slurm node list {whole:?} has {item:?} in brackets, which is not a number or a range \
+             like 01-04"
+        )));
+    }
+    // 18 digits always fit in a u64 and are far beyond any node number.
+    if digits.len() > 18 {
+        return Err(usage(format!(
+            "the Slurm node list {whole:?} has the number {digits:?}, which is too long; check for a typo"
+        )));
+    }
+    digits.parse().map_err(|_| {
+        usage(format!(
+            "the Slurm node list {whole:?} has {item:?} in brackets, which is not a number"
+        ))
+    })
+}
+
+/// DeepSpeed's include/exclude syntax: "worker-0@worker-1:0,2" means all of worker-0, and slots 0 and 2 of worker-1
+/// (hosts separated by '@', slots after ':' comma separated). `include` keeps only those (setting only_slots where slots
+/// are given), `exclude` removes whole hosts (no slots) or the given slots of a host (setting only_slots to the remaining
+/// slots, which requires the host's slot count to be known -> error otherwise). Both given -> usage error "--include and
+/// --exclude exclude each other". A named host that is not in the list -> error naming it and listing the known hosts
+/// (suggest the closest name if one differs by a small edit distance).
+pub fn apply_include_exclude(
+    hosts: Vec<Host>,
+    include: Option<&str>,
+    exclude: Option<&str>,
+) -> Result<Vec<Host>> {
+    match (include, exclude) {
+        (None, None) => Ok(hosts),
+        (Some(_), Some(_)) => Err(usage(
+            "--include and --exclude exclude each other; give only one of them".to_string(),
+        )),
+        (Some(spec), None) => include_hosts(hosts, spec),
+        (None, Some(spec)) => exclude_hosts(hosts, spec),
+    }
+}
+
+/// One `host` or `host:0,2` of an include/exclude spec.
+struct Selection {
+    /// Index into the host list.
+    index: usize,
+    /// Sorted, distinct; None = the whole host.
+    slots: Option<Vec<usize>>,
+}
+
+fn parse_selection(hosts: &[Host], spec: &str, flag: &str) -> Result<Vec<Selection>> {
+    if spec.trim().is_empty() {
+        return Err(usage(format!(
+            "{flag} is empty; name hosts separated by '@', as in worker-0@worker-1:0,2"
+        )));
+    }
+    let index: HashMap<&str, usize> = hosts
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (h.name.as_str(), i))
+        .collect();
+    let mut out: Vec<Selection> = Vec::new();
+    for raw in spec.split('@') {
+        let item = raw.trim();
+        if item.is_empty() {
+            return Err(usage(format!(
+                "{flag} {spec:?} has an empty host (two '@' in a row, or one at an end); \
+                 write e.g. worker-0@worker-1:0,2"
+            )));
+        }
+        let ctx = format!("{flag} item {item:?}");
+        let (name, suffix) = split_host_suffix(item, &ctx)?;
+        let Some(&i) = index.get(name.as_str()) else {
+            return Err(unknown_host(flag, &name, hosts));
+        };
+        if out.iter().any(|s| s.index == i) {
+            return Err(usage(format!(
+                "{flag} names host {name:?} twice; name it once, with all its slots after ':'"
+            )));
+        }
+        let slots = match suffix {
+            None => None,
+            Some(list) => Some(parse_slot_list(list, &ctx)?),
+        };
+        out.push(Selection { index: i, slots });
+    }
+    Ok(out)
+}
+
+/// "0,2" -> [0, 2]: slot indices, sorted, each once.
+fn parse_slot_list(list: &str, ctx: &str) -> Result<Vec<usize>> {
+    let mut slots = Vec::new();
+    for raw in list.split(',') {
+        let s = raw.trim();
+        if s.is_empty() {
+            return Err(usage(format!(
+                "{ctx} has an empty slot; list slot numbers after ':', as in worker-1:0,2"
+            )));
+        }
+        let n = if s.bytes().all(|b| b.is_ascii_digit()) {
+            s.parse::<usize>().ok().filter(|&n| n < MAX_SLOTS)
+        } else {
+            None
+        };
+        let Some(n) = n else {
+            return Err(usage(format!(
+                "{ctx}: slot {s:?} is not a slot number; list numbers from 0, as in worker-1:0,2"
+            )));
+        };
+        if slots.contains(&n) {
+            return Err(usage(format!(
+                "{ctx} names slot {n} twice; name each slot once"
+            )));
+        }
+        slots.push(n);
+    }
+    slots.sort_unstable();
+    Ok(slots)
+}
+
+/// The slots a host may run today: its only_slots, else all of its slots; None when unknown.
+fn available_slots(host: &Host) -> Option<Vec<usize>> {
+    match (&host.only_slots, host.slots) {
+        (Some(only), _) => Some(only.clone()),
+        (None, Some(n)) => Some((0..n.min(MAX_SLOTS)).collect()),
+        (None, None) => None,
+    }
+}
+
+fn describe_slots(available: &[usize]) -> String {
+    let contiguous = available.iter().enumerate().all(|(i, &s)| i == s);
+    match available {
+        [] => "no slots".to_string(),
+        [only] => format!("only slot {only}"),
+        [.., last] if contiguous => format!("slots 0-{last}"),
+        _ => format!(
+            "slots {}",
+            join_limited(available.iter().map(|s| s.to_string()))
+        ),
+    }
+}
+
+fn include_hosts(hosts: Vec<Host>, spec: &str) -> Result<Vec<Host>> {
+    let selection = parse_selection(&hosts, spec, "--include")?;
+    let mut chosen: HashMap<usize, Option<Vec<usize>>> = HashMap::new();
+    for sel in selection {
+        if let Some(wanted) = &sel.slots {
+            let host = &hosts[sel.index];
+            if let Some(available) = available_slots(host) {
+                if let Some(bad) = wanted.iter().find(|s| !available.contains(s)) {
+                    return Err(usage(format!(
+                        "--include asks for slot {bad} of host {:?}, which has {}; \
+                         name only slots it has",
+                        host.name,
+                        describe_slots(&available)
+                    )));
+                }
+            }
+        }
+        chosen.insert(sel.index, sel.slots);
+    }
+    // Host-list order, not the order of the spec: rank order follows the host list.
+    Ok(hosts
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, mut host)| {
+            let slots = chosen.remove(&i)?;
+            if slots.is_some() {
+                host.only_slots = slots;
+            }
+            Some(host)
+        })
+        .collect())
+}
+
+fn exclude_hosts(hosts: Vec<Host>, spec: &str) -> Result<Vec<Host>> {
+    let selection = parse_selection(&hosts, spec, "--exclude")?;
+    // Index -> None (drop the host) or Some(slots it keeps).
+    let mut changes: HashMap<usize, Option<Vec<usize>>> = HashMap::new();
+    for sel in selection {
+        let host = &hosts[sel.index];
+        let keep = match sel.slots {
+            None => None,
+            Some(dropped) => {
+                let Some(available) = available_slots(host) else {
+                    return Err(usage(format!(
+                        "--exclude drops slots of host {:?}, but its slot count is unknown; \
+                         give it as {}:N in -H or with slots=N in the hostfile, \
+                         or exclude the whole host",
+                        host.name, host.name
+                    )));
+                };
+                if let Some(bad) = dropped.iter().find(|s| !available.contains(s)) {
+                    return Err(usage(format!(
+                        "--exclude drops slot {bad} of host {:?}, which has {}; \
+                         name only slots it has",
+                        host.name,
+                        describe_slots(&available)
+                    )));
+                }
+                let kept: Vec<usize> = available
+                    .into_iter()
+                    .filter(|s| !dropped.contains(s))
+                    .collect();
+                // Excluding every slot is excluding the host.
+                (!kept.is_empty()).then_some(kept)
+            }
+        };
+        changes.insert(sel.index, keep);
+    }
+    let kept: Vec<Host> = hosts
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, mut host)| match changes.remove(&i) {
+            None => Some(host),
+            Some(None) => None,
+            Some(Some(slots)) => {
+                host.only_slots = Some(slots);
+                Some(host)
+            }
+        })
+        .collect();
+    if kept.is_empty() {
+        return Err(usage(format!(
+            "--exclude {spec:?} leaves no hosts; exclude fewer"
+        )));
+    }
+    Ok(kept)
+}
+
+fn unknown_host(flag: &str, name: &str, hosts: &[Host]) -> Error {
+    let known = join_limited(hosts.iter().map(|h| h.name.clone()));
+    let hint = match closest(name, hosts) {
+        Some(near) => format!("; did you mean {near:?}?"),
+        None => String::new(),
+    };
+    if hosts.is_empty() {
+        return usage(format!(
+            "{flag} names host {name:?}, but the host list is empty; give hosts with -H or a hostfile"
+        ));
+    }
+    usage(format!(
+        "{flag} names host {name:?}, which is not in the host list (known: {known}){hint}"
+    ))
+}
+
+/// The known name nearest to `name`, if only a small edit away (a typo, not another host).
+fn closest<'a>(name: &str, hosts: &'a [Host]) -> Option<&'a str> {
+    let len = name.chars().count();
+    // Long names would make the distance costly and are not typed by hand.
+    if len > 128 {
+        return None;
+    }
+    let limit = if len >= 4 { 2 } else { 1 };
+    hosts
+        .iter()
+        .map(|h| h.name.as_str())
+        .filter(|h| h.chars().count().abs_diff(len) <= limit && h.len() <= 512)
+        .map(|h| (edit_distance(name, h), h))
+        .filter(|&(d, _)| d <= limit)
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, h)| h)
+}
+
+/// Levenshtein distance over chars.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    let mut cur = vec![0; b.len() + 1];
+    for (i, ca) in a.chars().enumerate() {
+        cur[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitute = prev[j] + usize::from(ca != cb);
+            cur[j + 1] = substitute.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        std::mem::swap(&mut prev, &mut cur);
+    }
+    prev[b.len()]
+}
+
+/// "a, b, c" with at most LIST_SHOWN items, then "and N more".
+fn join_limited(items: impl ExactSizeIterator<Item = String>) -> String {
+    let total = items.len();
+    let shown: Vec<String> = items.take(LIST_SHOWN).collect();
+    let mut out = shown.join(", ");
+    if total > LIST_SHOWN {
+        out.push_str(&format!(" and {} more", total - LIST_SHOWN));
+    }
+    out
+}
+
+/// `--nnodes N` takes the first N hosts; error if fewer are known ("--nnodes 4 but the host list has 3 hosts: a, b, c").
+pub fn take_nnodes(mut hosts: Vec<Host>, nnodes: usize) -> Result<Vec<Host>> {
+    if nnodes == 0 {
+        return Err(usage(
+            "--nnodes 0 asks for no nodes; give at least 1".to_string(),
+        ));
+    }
+    if hosts.len() < nnodes {
+        let have = match hosts.len() {
+            0 => "no hosts".to_string(),
+            1 => format!("1 host: {}", hosts[0].name),
+            n => format!(
+                "{n} hosts: {}",
+                join_limited(hosts.iter().map(|h| h.name.clone()))
+            ),
+        };
+        return Err(usage(format!(
+            "--nnodes {nnodes} but the host list has {have}; give more hosts or a smaller --nnodes"
+        )));
+    }
+    hosts.truncate(nnodes);
+    Ok(hosts)
+}
+
+/// Ranks are contiguous per node in host order. Given the hosts and the requested workers per node (nproc),
+/// returns per node the list of (global rank, local rank, slot index). A node's slot count limits its workers:
+/// if nproc > slots -> error naming the host ("host b has 4 slots but --nproc-per-node 8 asks for 8 workers").
+/// With only_slots set, the node runs exactly those slots (its worker count is their number; local ranks 0..k
+/// in slot order; the slot index is kept so the caller can pin GPUs).
+pub fn rank_layout(hosts: &[Host], nproc: usize) -> Result<Vec<Vec<(usize, usize, usize)>>> {
+    if hosts.is_empty() {
+        return Err(usage(
+            "the host list is empty; give hosts with -H or a hostfile".to_string(),
+        ));
+    }
+    let mut next_rank = 0usize;
+    let mut layout = Vec::with_capacity(hosts.len());
+    for host in hosts {
+        // Slot indices this node runs, as a count plus a way to get the i-th, so nothing is
+        // allocated before the total is known to be sane.
+        let slots: Option<Vec<usize>> = match &host.only_slots {
+            Some(only) => Some(checked_only_slots(host, only)?),
+            None => None,
+        };
+        let count = match &slots {
+            Some(s) => s.len(),
+            None => {
+                if nproc == 0 {
+                    return Err(usage(
+                        "--nproc-per-node 0 asks for no workers; give at least 1".to_string(),
+                    ));
+                }
+                if let Some(n) = host.slots {
+                    if nproc > n {
+                        return Err(usage(format!(
+                            "host {} has {n} slot{} but --nproc-per-node {nproc} asks for {nproc} workers; \
+                             lower --nproc-per-node or raise the host's slot count",
+                            host.name,
+                            if n == 1 { "" } else { "s" }
+                        )));
+                    }
+                }
+                nproc
+            }
+        };
+        let end = match next_rank.checked_add(count) {
+            Some(e) if e <= MAX_WORKERS => e,
+            _ => {
+                return Err(usage(format!(
+                    "the job would have more than {MAX_WORKERS} workers; check --nproc-per-node \
+                     and the host list"
+                )));
+            }
+        };
+        let node: Vec<(usize, usize, usize)> = (0..count)
+            .map(|local| {
+                let slot = slots.as_ref().map_or(local, |s| s[local]);
+                (next_rank + local, local, slot)
+            })
+            .collect();
+        layout.push(node);
+        next_rank = end;
+    }
+    Ok(layout)
+}
+
+/// A host's only_slots, sorted, after checking they are distinct and within its slot count.
+fn checked_only_slots(host: &Host, only: &[usize]) -> Result<Vec<usize>> {
+    if only.is_empty() {
+        return Err(usage(format!(
+            "host {} is left with no slots to run; include at least one slot or leave the host out",
+            host.name
+        )));
+    }
+    let mut sorted = only.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(usage(format!(
+            "host {} lists slot {} twice; name each slot once",
+            host.name, w[0]
+        )));
+    }
+    if let (Some(n), Some(&last)) = (host.slots, sorted.last()) {
+        if last >= n {
+            return Err(usage(format!(
+                "host {} has {n} slots (0-{}) but slot {last} is asked for; name only slots it has",
+                host.name,
+                n.saturating_sub(1)
+            )));
+        }
+    }
+    Ok(sorted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(name: &str, slots: Option<usize>) -> Host {
+        Host {
+            name: name.to_string(),
+            slots,
+            only_slots: None,
+        }
+    }
+
+    fn names(hosts: &[Host]) -> Vec<&str> {
+        hosts.iter().map(|h| h.name.as_str()).collect()
+    }
+
+    /// The error message, asserting the input was rejected as bad usage.
+    fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
+        let e = r.expect_err("expected an error");
+        assert_eq!(e.code, crate::error::exit::USAGE, "{}", e.message);
+        assert!(!e.message.contains('\n'), "one line: {}", e.message);
+        assert!(
+            e.message.starts_with(|c: char| !c.is_uppercase()),
+            "lower-case start: {}",
+            e.message
+        );
+        e.message
+    }
+
+    // ---- -H/--hosts ----
+
+    #[test]
+    fn flag_plain_names() {
+        let h = parse_hosts_flag("h1,h2").unwrap();
+        assert_eq!(h, vec![host("h1", None), host("h2", None)]);
+    }
+
+    #[test]
+    fn flag_slots_and_whitespace() {
+        let h = parse_hosts_flag("  h1:8 , h2:4,h3 ").unwrap();
+        assert_eq!(
+            h,
+            vec![host("h1", Some(8)), host("h2", Some(4)), host("h3", None)]
+        );
+    }
+
+    #[test]
+    fn flag_user_at_host_and_addresses() {
+        let h = parse_hosts_flag("alice@h1:2,10.0.0.7:8").unwrap();
+        assert_eq!(
+            h,
+            vec![host("alice@h1", Some(2)), host("10.0.0.7", Some(8))]
+        );
+    }
+
+    #[test]
+    fn flag_ipv6_in_brackets() {
+        let h = parse_hosts_flag("[fe80::1]:4,[::1],bob@[2001:db8::2]:1,[fe80::3%eth0]").unwrap();
+        assert_eq!(
+            h,
+            vec![
+                host("fe80::1", Some(4)),
+                host("::1", None),
+                host("bob@2001:db8::2", Some(1)),
+                host("fe80::3%eth0", None),
+            ]
+        );
+    }
+
+    #[test]
+    fn flag_bare_ipv6_asks_for_brackets() {
+        assert!(err(parse_hosts_flag("fe80::1")).contains("brackets"));
+    }
+
+    #[test]
+    fn flag_bad_brackets() {
+        for bad in [
+            "[fe80::1",
+            "[host]",
+            "[]:4",
+            "a[fe80::1]",
+            "[fe80::1]4",
+            "[fe80::1]:",
+            "[fe80::1]:x",
+            "[fe 80::1]",
+        ] {
+            err(parse_hosts_flag(bad));
+        }
+    }
+
+    #[test]
+    fn flag_empty_items_rejected() {
+        assert!(err(parse_hosts_flag("")).contains("empty"));
+        assert!(err(parse_hosts_flag("   ")).contains("empty"));
+        assert!(err(parse_hosts_flag("a,,b")).contains("empty item (number 2)"));
+        assert!(err(parse_hosts_flag(",a")).contains("empty item (number 1)"));
+        assert!(err(parse_hosts_flag("a, ")).contains("empty item (number 2)"));
+    }
+
+    #[test]
+    fn flag_duplicate_names_host() {
+        let m = err(parse_hosts_flag("a:2,b,a:4"));
+        assert!(m.contains("\"a\" twice"), "{m}");
+        assert!(m.contains("items 1 and 3"), "{m}");
+    }
+
+    #[test]
+    fn flag_bad_slot_counts() {
+        for (bad, needle) in [
+            ("a:", "not a whole number"),
+            ("a:x", "not a whole number"),
+            ("a:+4", "not a whole number"),
+            ("a:-1", "not a whole number"),
+            ("a:4.5", "not a whole number"),
+            ("a:0", "is 0"),
+            ("a:99999999999999999999999", "too large"),
+            ("a:2000000", "too large"),
+            ("a:1:2", "more than one ':'"),
+        ] {
+            let m = err(parse_hosts_flag(bad));
+            assert!(m.contains(needle), "{bad}: {m}");
+            assert!(m.contains("-H/--hosts"), "{bad}: {m}");
+        }
+    }
+
+    #[test]
+    fn flag_bad_names() {
+        for bad in [
+            ":4",
+            "-oProxyCommand=x",
+            "a b",
+            "@h",
+            "u@",
+            "a@b@c",
+            "a]",
+            "a=b",
+            "tab\there",
+        ] {
+            err(parse_hosts_flag(bad));
+        }
+        let long = "x".repeat(300);
+        assert!(err(parse_hosts_flag(&long)).contains("longer than"));
+    }
+
+    // ---- hostfiles ----
+
+    #[test]
+    fn hostfile_all_forms() {
+        let text = "node1 slots=8\nnode2:4\nnode3\nnode4 slots=2 max_slots=16\nnode5 max_slots=3\n";
+        let h = parse_hostfile(text, "hosts.txt").unwrap();
+        assert_eq!(
+            h,
+            vec![
+                host("node1", Some(8)),
+                host("node2", Some(4)),
+                host("node3", None),
+                host("node4", Some(2)),
+                host("node5", None),
+            ]
+        );
+    }
+
+    #[test]
+    fn hostfile_comments_blank_lines_and_crlf() {
+        let text = "# cluster A\n\n   \nnode1 slots=8   # the big one\r\n\t# indented comment\nnode2#tight\n  node3  slots=2  \n#";
+        let h = parse_hostfile(text, "hf").unwrap();
+        assert_eq!(
+            h,
+            vec![
+                host("node1", Some(8)),
+                host("node2", None),
+                host("node3", Some(2))
+            ]
+        );
+    }
+
+    #[test]
+    fn hostfile_ipv6_and_user() {
+        let h = parse_hostfile("[fe80::1] slots=2\n[fe80::2]:4\nme@n1 slots=1\n", "hf").unwrap();
+        assert_eq!(
+            h,
+            vec![
+                host("fe80::1", Some(2)),
+                host("fe80::2", Some(4)),
+                host("me@n1", Some(1))
+            ]
+        );
+    }
+
+    #[test]
+    fn hostfile_duplicate_names_both_lines() {
+        let text = "a\nb\nc slots=2\n# x\n\nd\nc slots=4\n";
+        let m = err(parse_hostfile(text, "/etc/hosts.nrun"));
+        assert!(m.contains("line 3 and line 7"), "{m}");
+        assert!(m.contains("\"c\""), "{m}");
+        assert!(m.contains("/etc/hosts.nrun"), "{m}");
+    }
+
+    #[test]
+    fn hostfile_unknown_key_named() {
+        let m = err(parse_hostfile("a slots=2\nb cpus=4\n", "hf"));
+        assert!(m.contains("hf line 2"), "{m}");
+        assert!(m.contains("\"cpus\""), "{m}");
+    }
+
+    #[test]
+    fn hostfile_malformed_lines() {
+        for (text, needle) in [
+            ("a slots=x", "not a whole number"),
+            ("a slots=", "not a whole number"),
+            ("a slots=0", "is 0"),
+            ("a max_slots=x", "not a whole number"),
+            ("a slots=2 slots=3", "twice"),
+            ("a max_slots=2 max_slots=3", "twice"),
+            ("a:2 slots=3", "twice"),
+            ("a slots = 4", "no spaces"),
+            ("a 4", "unexpected"),
+            ("slots=4", "starts with the host name"),
+            ("a:b", "not a whole number"),
+            ("-a", "starts with '-'"),
+            ("[fe80::1", "no matching"),
+        ] {
+            let m = err(parse_hostfile(&format!("ok\n{text}\n"), "hf"));
+            assert!(m.contains("hf line 2"), "{text}: {m}");
+            assert!(m.contains(needle), "{text}: {m}");
+        }
+    }
+
+    #[test]
+    fn hostfile_without_hosts() {
+        assert!(err(parse_hostfile("", "hf")).contains("hf lists no hosts"));
+        assert!(err(parse_hostfile("# only\n\n  # comments\n", "hf")).contains("no hosts"));
+    }
+
+    // ---- Slurm ----
+
+    fn slurm(s: &str) -> Vec<String> {
+        expand_slurm_hostlist(s).unwrap()
+    }
+
+    #[test]
+    fn slurm_plain_names() {
+        assert_eq!(slurm("node7"), ["node7"]);
+        assert_eq!(slurm("a,b,c"), ["a", "b", "c"]);
+        assert_eq!(slurm(" a \n"), ["a"]);
+    }
+
+    #[test]
+    fn slurm_ranges_keep_padding() {
+        assert_eq!(
+            slurm("node[01-04,07]"),
+            ["node01", "node02", "node03", "node04", "node07"]
+        );
+        assert_eq!(slurm("n[8-11]"), ["n8", "n9", "n10", "n11"]);
+        assert_eq!(slurm("n[098-101]"), ["n098", "n099", "n100", "n101"]);
+        assert_eq!(slurm("n[3,05]"), ["n3", "n05"]);
+        assert_eq!(slurm("n[0-0]"), ["n0"]);
+    }
+
+    #[test]
+    fn slurm_several_groups() {
+        assert_eq!(slurm("gpu[1-2],cpu3"), ["gpu1", "gpu2", "cpu3"]);
+        assert_eq!(slurm("a[1-2],b,c[09-10]"), ["a1", "a2", "b", "c09", "c10"]);
+    }
+
+    #[test]
+    fn slurm_several_brackets_in_one_name() {
+        assert_eq!(slurm("r[1-2]n[1-2]"), ["r1n1", "r1n2", "r2n1", "r2n2"]);
+        assert_eq!(slurm("[1-2]x"), ["1x", "2x"]);
+        assert_eq!(
+            slurm("rack[1,3]-node[01-02].ib"),
+            [
+                "rack1-node01.ib",
+                "rack1-node02.ib",
+                "rack3-node01.ib",
+                "rack3-node02.ib"
+            ]
+        );
+    }
+
+    #[test]
+    fn slurm_malformed() {
+        for (bad, needle) in [
+            ("", "empty"),
+            ("node[1-2", "without a ']'"),
+            ("node1-2]", "without a '['"),
+            ("node[[1-2]]", "do not nest"),
+            ("node[]", "empty brackets"),
+            ("node[1,,2]", "empty item"),
+            ("node[1,]", "empty item"),
+            ("node[4-2]", "reversed"),
+            ("node[a-b]", "not a number"),
+            ("node[1-b]", "not a number"),
+            ("node[1-2-3]", "not a number"),
+            ("node[1-]", "not a number"),
+            ("node[-2]", "not a number"),
+            ("node[+2]", "not a number"),
+            ("a,,b", "empty name"),
+            ("a,", "empty name"),
+            (",a", "empty name"),
+            ("a b", "without spaces"),
+            ("-a", "starts with '-'"),
+            ("n[1234567890123456789]", "too long"),
+            ("a,a", "more than once"),
+            ("n[1-3],n2", "more than once"),
+        ] {
+            let m = err(expand_slurm_hostlist(bad));
+            assert!(m.contains(needle), "{bad:?}: {m}");
+        }
+    }
+
+    #[test]
+    fn slurm_expansion_is_capped() {
+        assert_eq!(expand_slurm_hostlist("n[1-100000]").unwrap().len(), 100_000);
+        for bad in [
+            "n[1-100001]",
+            "n[0-999999999999999999]",
+            "a[1-1000]b[1-1000]",
+            "a[1-60000],b[1-60000]",
+            "a[0-999999999999999999]b[0-999999999999999999]c[0-999999999999999999]",
+        ] {
+            assert!(
+                err(expand_slurm_hostlist(bad)).contains("more than 100000"),
+                "{bad}"
+            );
+        }
+        let long = format!("{}[1-100000]", "x".repeat(1000));
+        assert!(err(expand_slurm_hostlist(&long)).contains("longer than"));
+    }
+
+    // ---- include / exclude ----
+
+    fn cluster() -> Vec<Host> {
+        vec![
+            host("worker-0", Some(4)),
+            host("worker-1", Some(4)),
+            host("worker-2", None),
+        ]
+    }
+
+    #[test]
+    fn neither_include_nor_exclude_is_identity() {
+        assert_eq!(
+            apply_include_exclude(cluster(), None, None).unwrap(),
+            cluster()
+        );
+    }
+
+    #[test]
+    fn include_and_exclude_together_rejected() {
+        let m = err(apply_include_exclude(
+            cluster(),
+            Some("worker-0"),
+            Some("worker-1"),
+        ));
+        assert!(
+            m.contains("--include and --exclude exclude each other"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn include_whole_hosts_and_slots() {
+        let h = apply_include_exclude(cluster(), Some("worker-2@worker-0:2,0"), None).unwrap();
+        // Host-list order, not spec order; slots sorted.
+        assert_eq!(names(&h), ["worker-0", "worker-2"]);
+        assert_eq!(h[0].only_slots, Some(vec![0, 2]));
+        assert_eq!(h[1].only_slots, None);
+    }
+
+    #[test]
+    fn include_slots_of_host_with_unknown_count() {
+        let h = apply_include_exclude(cluster(), Some("worker-2:5"), None).unwrap();
+        assert_eq!(h[0].only_slots, Some(vec![5]));
+    }
+
+    #[test]
+    fn include_slot_out_of_range() {
+        let m = err(apply_include_exclude(cluster(), Some("worker-1:4"), None));
+        assert!(m.contains("slot 4"), "{m}");
+        assert!(m.contains("slots 0-3"), "{m}");
+    }
+
+    #[test]
+    fn unknown_host_suggests_closest() {
+        let m = err(apply_include_exclude(cluster(), Some("wroker-1"), None));
+        assert!(m.contains("\"wroker-1\""), "{m}");
+        assert!(m.contains("known: worker-0, worker-1, worker-2"), "{m}");
+        assert!(m.contains("did you mean \"worker-1\"?"), "{m}");
+        let m = err(apply_include_exclude(cluster(), None, Some("gpu-9")));
+        assert!(m.contains("--exclude names host \"gpu-9\""), "{m}");
+        assert!(!m.contains("did you mean"), "{m}");
+    }
+
+    #[test]
+    fn unknown_host_list_is_shortened() {
+        let hosts: Vec<Host> = (0..20).map(|i| host(&format!("n{i}"), None)).collect();
+        let m = err(apply_include_exclude(hosts, Some("zzzzzz"), None));
+        assert!(m.contains("and 12 more"), "{m}");
+        let m = err(apply_include_exclude(Vec::new(), Some("a"), None));
+        assert!(m.contains("host list is empty"), "{m}");
+    }
+
+    #[test]
+    fn exclude_whole_hosts() {
+        let h = apply_include_exclude(cluster(), None, Some("worker-1@worker-2")).unwrap();
+        assert_eq!(h, vec![host("worker-0", Some(4))]);
+    }
+
+    #[test]
+    fn exclude_slots_keeps_the_rest() {
+        let h = apply_include_exclude(cluster(), None, Some("worker-1:0,2")).unwrap();
+        assert_eq!(names(&h), ["worker-0", "worker-1", "worker-2"]);
+        assert_eq!(h[1].only_slots, Some(vec![1, 3]));
+        assert_eq!(h[0].only_slots, None);
+    }
+
+    #[test]
+    fn exclude_every_slot_drops_the_host() {
+        let h = apply_include_exclude(cluster(), None, Some("worker-0:0,1,2,3")).unwrap();
+        assert_eq!(names(&h), ["worker-1", "worker-2"]);
+    }
+
+    #[test]
+    fn exclude_slots_needs_the_slot_count() {
+        let m = err(apply_include_exclude(cluster(), None, Some("worker-2:1")));
+        assert!(m.contains("slot count is unknown"), "{m}");
+        assert!(m.contains("worker-2"), "{m}");
+    }
+
+    #[test]
+    fn exclude_respects_earlier_only_slots() {
+        let mut hosts = cluster();
+        hosts[2].only_slots = Some(vec![1, 5]);
+        let h = apply_include_exclude(hosts, None, Some("worker-2:5")).unwrap();
+        assert_eq!(h[2].only_slots, Some(vec![1]));
+    }
+
+    #[test]
+    fn exclude_everything_rejected() {
+        let m = err(apply_include_exclude(
+            cluster(),
+            None,
+            Some("worker-0@worker-1@worker-2"),
+        ));
+        assert!(m.contains("leaves no hosts"), "{m}");
+    }
+
+    #[test]
+    fn include_exclude_malformed_specs() {
+        for (inc, exc, needle) in [
+            (Some(""), None, "empty"),
+            (None, Some("  "), "empty"),
+            (Some("worker-0@"), None, "empty host"),
+            (Some("@worker-0"), None, "empty host"),
+            (Some("worker-0@@worker-1"), None, "empty host"),
+            (Some("worker-0:"), None, "empty slot"),
+            (Some("worker-0:1,,2"), None, "empty slot"),
+            (Some("worker-0:x"), None, "not a slot number"),
+            (Some("worker-0:-1"), None, "not a slot number"),
+            (Some("worker-0:1,1"), None, "slot 1 twice"),
+            (Some("worker-0@worker-0:1"), None, "twice"),
+            (None, Some("worker-0:9"), "slot 9"),
+            (None, Some("worker-0:1:2"), "more than one ':'"),
+        ] {
+            let m = err(apply_include_exclude(cluster(), inc, exc));
+            assert!(m.contains(needle), "{inc:?} {exc:?}: {m}");
+        }
+    }
+
+    #[test]
+    fn include_ipv6_host() {
+        let hosts = parse_hosts_flag("[fe80::1]:4,b").unwrap();
+        let h = apply_include_exclude(hosts, Some("[fe80::1]:1,3"), None).unwrap();
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].only_slots, Some(vec![1, 3]));
+    }
+
+    // ---- --nnodes ----
+
+    #[test]
+    fn nnodes_takes_the_first() {
+        let h = take_nnodes(cluster(), 2).unwrap();
+        assert_eq!(names(&h), ["worker-0", "worker-1"]);
+        assert_eq!(take_nnodes(cluster(), 3).unwrap(), cluster());
+    }
+
+    #[test]
+    fn nnodes_too_many() {
+        let hosts = vec![host("a", None), host("b", None), host("c", None)];
+        assert_eq!(
+            err(take_nnodes(hosts, 4)),
+            "--nnodes 4 but the host list has 3 hosts: a, b, c; give more hosts or a smaller --nnodes"
+        );
+        assert!(err(take_nnodes(vec![host("a", None)], 2)).contains("has 1 host: a;"));
+        assert!(err(take_nnodes(Vec::new(), 1)).contains("has no hosts"));
+        assert!(err(take_nnodes(cluster(), 0)).contains("at least 1"));
+    }
+
+    // ---- rank layout ----
+
+    #[test]
+    fn layout_contiguous_per_node() {
+        let hosts = vec![host("a", Some(2)), host("b", None), host("c", Some(8))];
+        let l = rank_layout(&hosts, 2).unwrap();
+        assert_eq!(
+            l,
+            vec![
+                vec![(0, 0, 0), (1, 1, 1)],
+                vec![(2, 0, 0), (3, 1, 1)],
+                vec![(4, 0, 0), (5, 1, 1)],
+            ]
+        );
+    }
+
+    #[test]
+    fn layout_slot_limit() {
+        let hosts = vec![host("a", Some(8)), host("b", Some(4))];
+        assert_eq!(
+            err(rank_layout(&hosts, 8)),
+            "host b has 4 slots but --nproc-per-node 8 asks for 8 workers; \
+             lower --nproc-per-node or raise the host's slot count"
+        );
+        assert!(rank_layout(&hosts, 4).is_ok());
+        assert!(err(rank_layout(&[host("a", Some(1))], 2)).contains("has 1 slot but"));
+    }
+
+    #[test]
+    fn layout_only_slots() {
+        let mut hosts = vec![host("a", Some(4)), host("b", Some(4)), host("c", None)];
+        hosts[0].only_slots = Some(vec![3, 1]);
+        hosts[2].only_slots = Some(vec![6]);
+        // only_slots overrides nproc, even one larger than the slot count.
+        let l = rank_layout(&hosts, 4).unwrap();
+        assert_eq!(
+            l,
+            vec![
+                vec![(0, 0, 1), (1, 1, 3)],
+                vec![(2, 0, 0), (3, 1, 1), (4, 2, 2), (5, 3, 3)],
+                vec![(6, 0, 6)],
+            ]
+        );
+    }
+
+    #[test]
+    fn layout_after_include_and_exclude() {
+        let hosts = apply_include_exclude(cluster(), None, Some("worker-0:1")).unwrap();
+        let l = rank_layout(&hosts, 2).unwrap();
+        assert_eq!(l[0], vec![(0, 0, 0), (1, 1, 2), (2, 2, 3)]);
+        assert_eq!(l[1], vec![(3, 0, 0), (4, 1, 1)]);
+        assert_eq!(l[2], vec![(5, 0, 0), (6, 1, 1)]);
+    }
+
+    #[test]
+    fn layout_bad_inputs() {
+        assert!(err(rank_layout(&[], 1)).contains("empty"));
+        assert!(err(rank_layout(&cluster(), 0)).contains("at least 1"));
+        assert!(err(rank_layout(&[host("a", None)], usize::MAX)).contains("more than"));
+        let many: Vec<Host> = (0..3).map(|i| host(&format!("n{i}"), None)).collect();
+        assert!(err(rank_layout(&many, MAX_WORKERS / 2)).contains("more than"));
+
+        let mut h = host("a", Some(2));
+        h.only_slots = Some(vec![]);
+        assert!(err(rank_layout(&[h.clone()], 1)).contains("no slots"));
+        h.only_slots = Some(vec![1, 1]);
+        assert!(err(rank_layout(&[h.clone()], 1)).contains("twice"));
+        h.only_slots = Some(vec![2]);
+        assert!(err(rank_layout(&[h], 1)).contains("slot 2"));
+    }
+
+    #[test]
+    fn edit_distance_basics() {
+        assert_eq!(edit_distance("", ""), 0);
+        assert_eq!(edit_distance("abc", ""), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("worker-1", "wroker-1"), 2);
+        assert_eq!(edit_distance("nöde", "node"), 1);
+    }
+
+    // ---- robustness ----
+
+    /// Deterministic xorshift, so a failure reproduces.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    #[test]
+    fn random_input_never_panics() {
+        const ALPHABET: &[char] = &[
+            'a', 'b', 'n', '0', '1', '9', '0', '-', ',', ':', '[', ']', '@', '#', '=', ' ', '\n',
+            '\t', '\r', '.', '%', 'é', '字', 's', 'l', 'o', 't', '_', '\0',
+        ];
+        const PIECES: &[&str] = &[
+            "slots=",
+            "max_slots=",
+            "[1-3]",
+            "99999999999999999999",
+            "::",
+        ];
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let base = vec![host("a", Some(2)), host("b", None), host("n1", Some(3))];
+        for _ in 0..20_000 {
+            let len = rng.below(24);
+            let mut s = String::new();
+            for _ in 0..len {
+                if rng.below(8) == 0 {
+                    s.push_str(PIECES[rng.below(PIECES.len())]);
+                } else {
+                    s.push(ALPHABET[rng.below(ALPHABET.len())]);
+                }
+            }
+            let _ = parse_hosts_flag(&s);
+            let _ = parse_hostfile(&s, "fuzz");
+            let _ = expand_slurm_hostlist(&s);
+            let _ = apply_include_exclude(base.clone(), Some(&s), None);
+            let _ = apply_include_exclude(base.clone(), None, Some(&s));
+            if let Ok(hosts) = parse_hosts_flag(&s) {
+                let _ = rank_layout(&hosts, rng.below(4));
+                let _ = take_nnodes(hosts, rng.below(4));
+            }
+            if let Ok(hosts) = apply_include_exclude(base.clone(), Some(&s), None) {
+                let _ = rank_layout(&hosts, rng.below(4));
+            }
+            if let Ok(hosts) = apply_include_exclude(base.clone(), None, Some(&s)) {
+                let _ = rank_layout(&hosts, rng.below(4));
+            }
+        }
+    }
+
+    #[test]
+    fn parsed_names_reparse_to_themselves() {
+        // Whatever -H accepts, a hostfile accepts too, with the same result.
+        let mut rng = Rng(42);
+        const ALPHABET: &[char] = &['a', 'z', '0', '9', '-', '.', '_', '@', ':', '[', ']'];
+        for _ in 0..5_000 {
+            let len = 1 + rng.below(10);
+            let s: String = (0..len)
+                .map(|_| ALPHABET[rng.below(ALPHABET.len())])
+                .collect();
+            if let Ok(from_flag) = parse_hosts_flag(&s) {
+                let from_file = parse_hostfile(&s, "hf").unwrap();
+                assert_eq!(from_flag, from_file, "{s:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Ways to start `nrun __agent` on other nodes: the system `ssh` (so ~/.ssh/config, agents,
+//! known_hosts, ProxyJump all work as the user has them), or Slurm's `srun` inside an
+//! allocation. Building the command lines is pure and unit-tested.
+
+use std::ffi::OsString;
+
+/// How agents start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    Ssh,
+    Srun,
+}
+
+/// ssh options nrun always sets: fail instead of prompting (a host-key or password prompt would
+/// hang a launch), give up on a dead host quickly, and keep the connection alive so a dropped
+/// network is noticed.
+pub const SSH_BASE_OPTS: [&str; 8] = [
+    "-o",
+    "BatchMode=yes",
+    "-o",
+    "ConnectTimeout=10",
+    "-o",
+    "ServerAliveInterval=5",
+    "-o",
+    "ServerAliveCountMax=3",
+];
+
+/// `ssh [base] [user opts] -- HOST 'exec REMOTE_NRUN __agent'`.
+///
+/// No `-t`: without a tty, stdin is a plain pipe whose end the agent notices (a tty would merge
+/// stdout and stderr and mangle output). The remote command gets its own shell line so `~` in
+/// the path expands there.
+pub fn ssh_command(host: &str, user_opts: &[String], remote_nrun: &str) -> Vec<OsString> {
+    let mut v: Vec<OsString> = vec!["ssh".into()];
+    v.extend(SSH_BASE_OPTS.iter().map(OsString::from));
+    v.extend(user_opts.iter().map(OsString::from));
+    v.push(host.into());
+    v.push(format!("exec {} __agent", shell_quote(remote_nrun)).into());
+    v
+}
+
+/// `srun` starting one agent per node of the allocation, stdin broadcast to every task so each
+/// agent reads the same instructions (it finds its node index in SLURM_NODEID).
+pub fn srun_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
+    vec![
+        "srun".into(),
+        format!("--nodes={}", nodes.len()).into(),
+        format!("--ntasks={}", nodes.len()).into(),
+        "--ntasks-per-node=1".into(),
+        format!("--nodelist={}", nodes.join(",")).into(),
+        "--input=all".into(),
+        "--kill-on-bad-exit=1".into(),
+        "--unbuffered".into(),
+        remote_nrun.into(),
+        "__agent".into(),
+    ]
+}
+
+/// Splits `--ssh-opts "-F file -p 2222 -i key"` like a shell would (quotes, backslashes).
+pub fn split_opts(s: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut has = false;
+    let mut quote: Option<char> = None;
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some('"'), '\\') => {
+                if let Some(n) = chars.next() {
+                    cur.push(n);
+                }
+            }
+            (Some(_), c) => cur.push(c),
+            (None, '\'' | '"') => {
+                quote = Some(c);
+                has = true;
+            }
+            (None, '\\') => {
+                if let Some(n) = chars.next() {
+                    cur.push(n);
+                    has = true;
+                }
+            }
+            (None, c) if c.is_whitespace() => {
+                if has || !cur.is_empty() {
+                    out.push(std::mem::take(&mut cur));
+                    has = false;
+                }
+            }
+            (None, c) => cur.push(c),
+        }
+    }
+    if quote.is_some() {
+        return Err(format!("--ssh-opts {s:?}: unbalanced quote"));
+    }
+    if has || !cur.is_empty() {
+        out.push(cur);
+    }
+    Ok(out)
+}
+
+/// Quotes for a POSIX shell, keeping a leading `~/` expandable.
+pub fn shell_quote(s: &str) -> String {
+    if let Some(rest) = s.strip_prefix("~/") {
+        return format!("~/{}", shell_quote(rest));
+    }
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"/._-+=:,@".contains(&b)) {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Environment forwarded to every node: NCCL_*, TORCH_*, CUDA_* except CUDA_VISIBLE_DEVICES,
+/// PYTHON*, OMP_*, UCX_*. Never SSH_*, DISPLAY, terminal or shell-internal variables.
+pub fn forwarded(name: &str) -> bool {
+    let prefixed = ["NCCL_", "TORCH_", "CUDA_", "PYTHON", "OMP_", "UCX_", "GLOO_", "NRUN_ENV_"]
+        .iter()
+        .any(|p| name.starts_with(p));
+    prefixed && name != "CUDA_VISIBLE_DEVICES"
+}
+
+/// KEY=VALUE lines of a `.nrun_env` file (blank lines and `#` comments skipped; `export ` is
+/// allowed before KEY).
+pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>, String> {
+    let mut v = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let line = line.strip_prefix("export ").unwrap_or(line);
+        let Some((k, val)) = line.split_once('=') else {
+            return Err(format!("{origin} line {}: expected KEY=VALUE, got {raw:?}", i + 1));
+        };
+        let k = k.trim();
+        if k.is_empty() || !k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            return Err(format!("{origin} line {}: {k:?} is not a variable name", i + 1));
+        }
+        let val = val.trim();
+        let val = val
+            .strip_prefix('"')
+            .and_then(|x| x.strip_suffix('"'))
+            .or_else(|| val.strip_prefix('\'').and_then(|x| x.strip_suffix('\'')))
+            .unwrap_or(val);
+        v.push((k.to_string(), val.to_string()));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssh_and_srun_commands() {
+        let c = ssh_command("gpu1", &["-F".into(), "/tmp/cfg".into()], "~/bin/nrun");
+        let s: Vec<String> = c.iter().map(|x| x.to_string_lossy().into_owned()).collect();
+        assert_eq!(s[0], "ssh");
+        assert!(s.contains(&"BatchMode=yes".to_string()) && s.contains(&"ConnectTimeout=10".to_string()));
+        assert_eq!(&s[s.len() - 4..], ["-F", "/tmp/cfg", "gpu1", "exec ~/bin/nrun __agent"]);
+        assert!(!s.iter().any(|a| a == "-t" || a == "-tt"));
+        let c = srun_command(&["n01".into(), "n02".into()], "/opt/nrun");
+        let s: Vec<String> = c.iter().map(|x| x.to_string_lossy().into_owned()).collect();
+        assert_eq!(
+            s,
+            ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=n01,n02", "--input=all", "--kill-on-bad-exit=1", "--unbuffered", "/opt/nrun", "__agent"]
+        );
+    }
+
+    #[test]
+    fn opts_split_like_a_shell() {
+        assert_eq!(split_opts("-F file -p 2222 -i key").unwrap(), ["-F", "file", "-p", "2222", "-i", "key"]);
+        assert_eq!(split_opts(r#"-o "ProxyJump bastion" -i 'my key'"#).unwrap(), ["-o", "ProxyJump bastion", "-i", "my key"]);
+        assert_eq!(split_opts(r"a\ b ''").unwrap(), ["a b", ""]);
+        assert!(split_opts("-o 'x").is_err());
+        assert_eq!(shell_quote("/usr/bin/nrun"), "/usr/bin/nrun");
+        assert_eq!(shell_quote("/a b/it's"), r"'/a b/it'\''s'");
+    }
+
+    #[test]
+    fn forwarded_variables() {
+        for v in ["NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_LAUNCH_BLOCKING", "PYTHONPATH", "OMP_NUM_THREADS", "UCX_TLS"] {
+            assert!(forwarded(v), "{v}");
+        }
+        for v in ["CUDA_VISIBLE_DEVICES", "SSH_AUTH_SOCK", "DISPLAY", "TERM", "PWD", "SHLVL", "HOME"] {
+            assert!(!forwarded(v), "{v}");
+        }
+    }
+
+    #[test]
+    fn env_files() {
+        let v = parse_env_file("# c\n\nA=1\nexport B=\"two words\"\nC='x'\n", ".nrun_env").unwrap();
+        assert_eq!(v, [("A".into(), "1".into()), ("B".into(), "two words".into()), ("C".into(), "x".into())]);
+        assert!(parse_env_file("novalue\n", ".nrun_env").unwrap_err().contains("line 1"));
+    }
+}
