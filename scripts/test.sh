@@ -10,6 +10,7 @@ need_apt=()
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v setsid >/dev/null 2>&1 || need_apt+=(util-linux)
+command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need_apt+=(iptables)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "test.sh: installing ${need_apt[*]}" >&2

@@ -55,9 +55,16 @@ pub struct Joined {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Step {
     /// Connect to another node's probe listener.
-    Probe { target: String, timeout_ms: u64 },
+    Probe {
+        target: String,
+        timeout_ms: u64,
+    },
     /// Run a group of workers to its end.
-    Run { workers: Vec<WorkerSpec>, grace_ms: u64, deadline_ms: Option<u64> },
+    Run {
+        workers: Vec<WorkerSpec>,
+        grace_ms: u64,
+        deadline_ms: Option<u64>,
+    },
     End,
 }
 
@@ -98,6 +105,8 @@ pub enum RunResult {
     TimedOut,
     Stopped,
     SpawnError(String),
+    /// Set by the coordinator for a node whose agent connection ended without a result.
+    Lost(String),
 }
 
 pub fn key(run: &str, what: &str) -> Vec<u8> {
@@ -106,7 +115,11 @@ pub fn key(run: &str, what: &str) -> Vec<u8> {
 
 /// Entry point of `nrun __agent`; returns the exit code.
 pub fn main() -> u8 {
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("nrun agent: cannot start: {e}");
@@ -134,9 +147,15 @@ async fn run() -> Result<(), String> {
     let mut line = String::new();
     match tokio::time::timeout(Duration::from_secs(60), stdin.read_line(&mut line)).await {
         Ok(Ok(n)) if n > 0 => {}
-        _ => return Err(format!("nrun agent on {}: no instructions on stdin (it is started by nrun, not by hand)", host())),
+        _ => {
+            return Err(format!(
+                "nrun agent on {}: no instructions on stdin (it is started by nrun, not by hand)",
+                host()
+            ));
+        }
     }
-    let hello: Hello = serde_json::from_str(&line).map_err(|e| format!("nrun agent on {}: bad instructions: {e}", host()))?;
+    let hello: Hello = serde_json::from_str(&line)
+        .map_err(|e| format!("nrun agent on {}: bad instructions: {e}", host()))?;
     let me = format!("{} ({})", hello.label, host());
     if hello.version != crate::cli::VERSION {
         return Err(format!(
@@ -153,13 +172,24 @@ async fn run() -> Result<(), String> {
     }
 
     // The first coordinator address that answers wins; they are tried at once.
-    let (mut store, reached, local) = connect_any(&hello.addrs).await.map_err(|e| format!("{me} cannot reach the launch host's store: {e}"))?;
-    store.set(crate::store::server::AUTH_KEY, hello.secret.as_bytes()).await.map_err(|e| e.to_string())?;
-    let observe = [crate::store::server::OBSERVE_PREFIX, format!("{}/{}", hello.run, hello.node).as_bytes()].concat();
+    let (mut store, reached, local) = connect_any(&hello.addrs)
+        .await
+        .map_err(|e| format!("{me} cannot reach the launch host's store: {e}"))?;
+    store
+        .set(crate::store::server::AUTH_KEY, hello.secret.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let observe = [
+        crate::store::server::OBSERVE_PREFIX,
+        format!("{}/{}", hello.run, hello.node).as_bytes(),
+    ]
+    .concat();
     store.set(&observe, b"").await.map_err(|e| e.to_string())?;
 
     // Probes from other nodes are answered on this node's end of the path to the coordinator.
-    let probe = tokio::net::TcpListener::bind(SocketAddr::new(local.ip(), 0)).await.map_err(|e| format!("{me}: cannot open a probe listener on {}: {e}", local.ip()))?;
+    let probe = tokio::net::TcpListener::bind(SocketAddr::new(local.ip(), 0))
+        .await
+        .map_err(|e| format!("{me}: cannot open a probe listener on {}: {e}", local.ip()))?;
     let probe_addr = probe.local_addr().map_err(|e| e.to_string())?;
     tokio::spawn(async move {
         while let Ok((mut s, _)) = probe.accept().await {
@@ -184,7 +214,10 @@ async fn run() -> Result<(), String> {
         facts,
     };
     let k = key(&hello.run, &format!("n{}/joined", hello.node));
-    store.set(&k, &serde_json::to_vec(&joined).map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+    store
+        .set(&k, &serde_json::to_vec(&joined).map_err(|e| e.to_string())?)
+        .await
+        .map_err(|e| e.to_string())?;
 
     // Losing stdin means the launcher is gone: stop everything fast.
     let (gone_tx, mut gone_rx) = watch::channel(false);
@@ -206,15 +239,25 @@ async fn run() -> Result<(), String> {
         let step: Step = serde_json::from_slice(&raw).map_err(|e| format!("bad step: {e}"))?;
         let result = match step {
             Step::End => return Ok(()),
-            Step::Probe { target, timeout_ms } => StepResult::Probe { error: probe_peer(&target, timeout_ms).await.err() },
-            Step::Run { workers, grace_ms, deadline_ms } => {
+            Step::Probe { target, timeout_ms } => StepResult::Probe {
+                error: probe_peer(&target, timeout_ms).await.err(),
+            },
+            Step::Run {
+                workers,
+                grace_ms,
+                deadline_ms,
+            } => {
                 let (tx, rx) = watch::channel(StopRequest::None);
                 let stop_key = key(&hello.run, &format!("stop/{step_no}"));
                 let mut gone = gone_rx.clone();
                 // A second connection waits for the stop key while this one is idle: one request
                 // in flight per connection.
-                let mut conn = Client::connect(reached, Duration::from_secs(10)).await.map_err(|e| e.to_string())?;
-                conn.set(crate::store::server::AUTH_KEY, hello.secret.as_bytes()).await.map_err(|e| e.to_string())?;
+                let mut conn = Client::connect(reached, Duration::from_secs(10))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                conn.set(crate::store::server::AUTH_KEY, hello.secret.as_bytes())
+                    .await
+                    .map_err(|e| e.to_string())?;
                 let watcher = tokio::spawn(async move {
                     let wanted: [&[u8]; 1] = [&stop_key];
                     tokio::select! {
@@ -230,7 +273,13 @@ async fn run() -> Result<(), String> {
             }
         };
         let rk = key(&hello.run, &format!("n{}/result/{step_no}", hello.node));
-        store.set(&rk, &serde_json::to_vec(&result).map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+        store
+            .set(
+                &rk,
+                &serde_json::to_vec(&result).map_err(|e| e.to_string())?,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
         if *gone_rx.borrow() {
             return Err(format!("{me}: the launch host went away; stopped"));
         }
@@ -241,14 +290,20 @@ async fn run() -> Result<(), String> {
 async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr), String> {
     let mut set = tokio::task::JoinSet::new();
     for a in addrs {
-        let Ok(sa) = a.parse::<SocketAddr>() else { continue };
+        let Ok(sa) = a.parse::<SocketAddr>() else {
+            continue;
+        };
         set.spawn(async move {
-            let s = tokio::time::timeout(Duration::from_secs(10), tokio::net::TcpStream::connect(sa)).await;
+            let s =
+                tokio::time::timeout(Duration::from_secs(10), tokio::net::TcpStream::connect(sa))
+                    .await;
             match s {
                 Ok(Ok(s)) => {
                     let local = s.local_addr().map_err(|e| e.to_string())?;
                     drop(s);
-                    let c = Client::connect(sa, Duration::from_secs(10)).await.map_err(|e| e.to_string())?;
+                    let c = Client::connect(sa, Duration::from_secs(10))
+                        .await
+                        .map_err(|e| e.to_string())?;
                     Ok((c, sa, local))
                 }
                 Ok(Err(e)) => Err(format!("{sa}: {e}")),
@@ -264,16 +319,26 @@ async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr
             Err(e) => errors.push(e.to_string()),
         }
     }
-    Err(format!("tried {} ({}); check the firewall on the launch host and the route to it", addrs.join(", "), errors.join("; ")))
+    Err(format!(
+        "tried {} ({}); check the firewall on the launch host and the route to it",
+        addrs.join(", "),
+        errors.join("; ")
+    ))
 }
 
 async fn probe_peer(target: &str, timeout_ms: u64) -> Result<(), String> {
-    let sa: SocketAddr = target.parse().map_err(|_| format!("bad probe address {target}"))?;
+    let sa: SocketAddr = target
+        .parse()
+        .map_err(|_| format!("bad probe address {target}"))?;
     let t = Duration::from_millis(timeout_ms);
     let mut s = match tokio::time::timeout(t, tokio::net::TcpStream::connect(sa)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => return Err(format!("connect to {sa}: {e}")),
-        Err(_) => return Err(format!("connect to {sa}: no answer within {timeout_ms} ms (dropped by a firewall?)")),
+        Err(_) => {
+            return Err(format!(
+                "connect to {sa}: no answer within {timeout_ms} ms (dropped by a firewall?)"
+            ));
+        }
     };
     let msg = *b"nrun-probe";
     let mut back = [0u8; 10];
@@ -284,9 +349,13 @@ async fn probe_peer(target: &str, timeout_ms: u64) -> Result<(), String> {
     .await
     {
         Ok(Ok(_)) if back == msg => Ok(()),
-        Ok(Ok(_)) => Err(format!("{sa} answered with something else (another service on that port?)")),
+        Ok(Ok(_)) => Err(format!(
+            "{sa} answered with something else (another service on that port?)"
+        )),
         Ok(Err(e)) => Err(format!("{sa}: {e}")),
-        Err(_) => Err(format!("{sa}: connected but no echo within {timeout_ms} ms")),
+        Err(_) => Err(format!(
+            "{sa}: connected but no echo within {timeout_ms} ms"
+        )),
     }
 }
 
@@ -312,12 +381,29 @@ async fn run_workers(
             output: WorkerOutput {
                 prefix: w.prefix,
                 colour: w.colour,
-                sinks: [Sink { console: w.console[0], file: None }, Sink { console: w.console[1], file: None }],
+                sinks: [
+                    Sink {
+                        console: w.console[0],
+                        file: None,
+                    },
+                    Sink {
+                        console: w.console[1],
+                        file: None,
+                    },
+                ],
             },
         });
     }
     let deadline = deadline_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
-    match node::run_group(cmds, Duration::from_millis(grace_ms), deadline, signals, Some(stop)).await {
+    match node::run_group(
+        cmds,
+        Duration::from_millis(grace_ms),
+        deadline,
+        signals,
+        Some(stop),
+    )
+    .await
+    {
         Err(e) => RunResult::SpawnError(format!("{} on {}", e.message, host())),
         Ok(Outcome::Success) => RunResult::Success,
         Ok(Outcome::Interrupted(s)) => RunResult::Interrupted(s),

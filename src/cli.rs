@@ -268,31 +268,69 @@ pub struct Cli {
     pub preflight_loopback: bool,
 
     /// Nodes: h1,h2 or h1:8,h2:8 (slots). Each runs --nproc-per-node workers, started over ssh.
-    #[arg(short = 'H', long, env = "NRUN_HOSTS", value_name = "HOSTS", help_heading = "Nodes")]
+    #[arg(
+        short = 'H',
+        long,
+        env = "NRUN_HOSTS",
+        value_name = "HOSTS",
+        help_heading = "Nodes"
+    )]
     pub hosts: Option<String>,
 
     /// Nodes from a file: `host slots=N` (Open MPI/DeepSpeed), `host:N` (MPICH) or `host` lines.
-    #[arg(long, env = "NRUN_HOSTFILE", value_name = "FILE", help_heading = "Nodes")]
+    #[arg(
+        long,
+        env = "NRUN_HOSTFILE",
+        value_name = "FILE",
+        help_heading = "Nodes"
+    )]
     pub hostfile: Option<PathBuf>,
 
     /// Only these hosts/slots (DeepSpeed syntax: "h1@h2:0,2").
-    #[arg(long, env = "NRUN_INCLUDE", value_name = "SPEC", help_heading = "Nodes")]
+    #[arg(
+        long,
+        env = "NRUN_INCLUDE",
+        value_name = "SPEC",
+        help_heading = "Nodes"
+    )]
     pub include: Option<String>,
 
     /// All but these hosts/slots (DeepSpeed syntax).
-    #[arg(long, env = "NRUN_EXCLUDE", value_name = "SPEC", help_heading = "Nodes")]
+    #[arg(
+        long,
+        env = "NRUN_EXCLUDE",
+        value_name = "SPEC",
+        help_heading = "Nodes"
+    )]
     pub exclude: Option<String>,
 
     /// How to start the node agents: auto (srun inside a Slurm allocation, else ssh), ssh, srun.
-    #[arg(long, env = "NRUN_LAUNCHER", default_value = "auto", value_name = "auto|ssh|srun", help_heading = "Nodes")]
+    #[arg(
+        long,
+        env = "NRUN_LAUNCHER",
+        default_value = "auto",
+        value_name = "auto|ssh|srun",
+        help_heading = "Nodes"
+    )]
     pub launcher: String,
 
     /// Extra options for ssh, e.g. "-F file -p 2222 -i key" (nrun always adds BatchMode=yes).
-    #[arg(long = "ssh-opts", env = "NRUN_SSH_OPTS", value_name = "OPTS", allow_hyphen_values = true, help_heading = "Nodes")]
+    #[arg(
+        long = "ssh-opts",
+        env = "NRUN_SSH_OPTS",
+        value_name = "OPTS",
+        allow_hyphen_values = true,
+        help_heading = "Nodes"
+    )]
     pub ssh_opts: Option<String>,
 
     /// ssh connections opened at once.
-    #[arg(long = "ssh-concurrency", env = "NRUN_SSH_CONCURRENCY", default_value_t = 64, help_heading = "Nodes")]
+    #[arg(
+        long = "ssh-concurrency",
+        env = "NRUN_SSH_CONCURRENCY",
+        default_value_t = 64,
+        help_heading = "Nodes"
+    )]
     pub ssh_concurrency: usize,
 
     /// Copy this nrun binary to every node first (to ~/.cache/nrun) and run that copy.
@@ -300,7 +338,12 @@ pub struct Cli {
     pub ship: bool,
 
     /// Path of nrun on the other nodes (default: the same path as here).
-    #[arg(long = "remote-nrun", env = "NRUN_REMOTE_NRUN", value_name = "PATH", help_heading = "Nodes")]
+    #[arg(
+        long = "remote-nrun",
+        env = "NRUN_REMOTE_NRUN",
+        value_name = "PATH",
+        help_heading = "Nodes"
+    )]
     pub remote_nrun: Option<String>,
 
     /// Export a variable to every worker on every node: -x VAR (its value here) or -x VAR=VALUE.
@@ -315,7 +358,13 @@ pub struct Cli {
     pub ifname: Option<String>,
 
     /// Seconds every node has to start its agent and report.
-    #[arg(long = "join-timeout", env = "NRUN_JOIN_TIMEOUT", default_value_t = 30.0, value_name = "SECS", help_heading = "Nodes")]
+    #[arg(
+        long = "join-timeout",
+        env = "NRUN_JOIN_TIMEOUT",
+        default_value_t = 30.0,
+        value_name = "SECS",
+        help_heading = "Nodes"
+    )]
     pub join_timeout: f64,
 
     /// Launch even when NCCL (major.minor) or torch differ between nodes.

@@ -63,7 +63,11 @@ fn random_secret() -> String {
 }
 
 fn tail_of(t: &Arc<Mutex<VecDeque<String>>>) -> Vec<String> {
-    t.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect()
+    t.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .cloned()
+        .collect()
 }
 
 /// Runs a multi-node job; returns nrun's exit code.
@@ -72,19 +76,43 @@ pub async fn run(plan: &Plan, cp: &ClusterPlan, listener: std::net::TcpListener)
     crate::node::process::become_subreaper();
     let secret = random_secret();
     let run_id = format!("{}-{}", plan.run_id, std::process::id());
-    let port = listener.local_addr().map_err(|e| Error::internal(e.to_string()))?.port();
+    let port = listener
+        .local_addr()
+        .map_err(|e| Error::internal(e.to_string()))?
+        .port();
     let store = Store::with_secret(secret.clone().into_bytes());
-    let l = tokio::net::TcpListener::from_std(listener).map_err(|e| Error::internal(e.to_string()))?;
+    let l =
+        tokio::net::TcpListener::from_std(listener).map_err(|e| Error::internal(e.to_string()))?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let served = store.clone();
-    tokio::spawn(async move { store::server::serve(l, served, async { let _ = stop_rx.await; }).await });
+    tokio::spawn(async move {
+        store::server::serve(l, served, async {
+            let _ = stop_rx.await;
+        })
+        .await
+    });
 
-    let addrs: Vec<String> = net::reachable_addrs(&net::interfaces()).into_iter().map(|ip| SocketAddr::new(ip, port).to_string()).collect();
-    let cwd = std::env::current_dir().map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?;
+    let addrs: Vec<String> = net::reachable_addrs(&net::interfaces())
+        .into_iter()
+        .map(|ip| SocketAddr::new(ip, port).to_string())
+        .collect();
+    let cwd = std::env::current_dir()
+        .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?;
     let mut nodes = start_agents(plan, cp, &secret, &run_id, &addrs, &cwd).await?;
 
     let mut step = 0usize;
-    let code = drive(plan, cp, &store, &run_id, &secret, port, &mut nodes, &mut signals, &mut step).await;
+    let code = drive(
+        plan,
+        cp,
+        &store,
+        &run_id,
+        &secret,
+        port,
+        &mut nodes,
+        &mut signals,
+        &mut step,
+    )
+    .await;
     // The end: agents leave their step loop, then their ssh sessions close.
     for i in 0..nodes.len() {
         set_step(&store, &run_id, i, step, &Step::End);
@@ -94,7 +122,14 @@ pub async fn run(plan: &Plan, cp: &ClusterPlan, listener: std::net::TcpListener)
     code
 }
 
-async fn start_agents(plan: &Plan, cp: &ClusterPlan, secret: &str, run_id: &str, addrs: &[String], cwd: &Path) -> Result<Vec<Node>> {
+async fn start_agents(
+    plan: &Plan,
+    cp: &ClusterPlan,
+    secret: &str,
+    run_id: &str,
+    addrs: &[String],
+    cwd: &Path,
+) -> Result<Vec<Node>> {
     let sem = Arc::new(tokio::sync::Semaphore::new(cp.ssh_concurrency.max(1)));
     let mut tasks = Vec::new();
     for (i, h) in cp.hosts.iter().enumerate() {
@@ -106,7 +141,11 @@ async fn start_agents(plan: &Plan, cp: &ClusterPlan, secret: &str, run_id: &str,
             addrs: addrs.to_vec(),
             cwd: cwd.to_path_buf(),
             version: crate::cli::VERSION.to_string(),
-            python: if cp.python_probe { plan.python.clone() } else { None },
+            python: if cp.python_probe {
+                plan.python.clone()
+            } else {
+                None
+            },
         };
         let (sem, cp, label) = (sem.clone(), cp.clone(), h.name.clone());
         tasks.push(tokio::spawn(async move {
@@ -131,8 +170,24 @@ async fn start_one(cp: &ClusterPlan, label: &str, hello: &Hello) -> Result<Node>
         Launcher::Srun => remote::srun_command(&[label.to_string()], &remote_nrun),
     };
     let mut cmd = tokio::process::Command::new(&argv[0]);
-    cmd.args(&argv[1..]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
-    let mut child = cmd.spawn().map_err(|e| Error::usage(format!("cannot run {}: {e}", argv[0].to_string_lossy())))?;
+    // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
+    // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
+    // stdin close and the agent stops its workers.
+    cmd.args(&argv[1..])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| Error::usage(format!("cannot run {}: {e}", argv[0].to_string_lossy())))?;
     let mut stdin = child.stdin.take();
     if let Some(s) = stdin.as_mut() {
         let line = serde_json::to_string(hello).map_err(|e| Error::internal(e.to_string()))? + "\n";
@@ -179,11 +234,16 @@ async fn ship(cp: &ClusterPlan, label: &str) -> Result<String> {
     let version = env!("CARGO_PKG_VERSION");
     let rev = env!("NRUN_GIT_REV");
     let path = format!("~/.cache/nrun/nrun-{version}-{rev}");
-    let remote_cmd = format!("mkdir -p ~/.cache/nrun && cat > {p}.tmp && chmod +x {p}.tmp && mv {p}.tmp {p}", p = path);
+    // A per-copy temporary name: nodes that share a home directory must not race.
+    let remote_cmd = format!(
+        "mkdir -p ~/.cache/nrun && t={p}.tmp.$$ && cat > $t && chmod +x $t && mv -f $t {p}",
+        p = path
+    );
     let mut argv = remote::ssh_command(label, &cp.ssh_opts, "true");
     argv.pop();
     argv.push(remote_cmd.into());
-    let bin = std::fs::File::open(&exe).map_err(|e| Error::internal(format!("cannot read {}: {e}", exe.display())))?;
+    let bin = std::fs::File::open(&exe)
+        .map_err(|e| Error::internal(format!("cannot read {}: {e}", exe.display())))?;
     let out = tokio::process::Command::new(&argv[0])
         .args(&argv[1..])
         .stdin(Stdio::from(bin))
@@ -256,7 +316,11 @@ async fn drive(
                 n.joined = serde_json::from_slice(&raw).ok();
                 continue;
             }
-            let exited = n.child.as_mut().and_then(|c| c.try_wait().ok().flatten()).is_some();
+            let exited = n
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+                .is_some();
             if !exited {
                 pending += 1;
             }
@@ -295,37 +359,70 @@ async fn drive(
         });
     }
     if !failures.is_empty() {
-        eprintln!("nrun: error: {} of {k} nodes could not join:", failures.len());
+        eprintln!(
+            "nrun: error: {} of {k} nodes could not join:",
+            failures.len()
+        );
         for f in &failures {
             eprintln!("  {f}");
         }
-        eprintln!("  hint: check each with `ssh {} <host> true` (BatchMode: keys, no prompts), and that nrun {} is on its PATH or pass --ship", cp.ssh_opts.join(" "), env!("CARGO_PKG_VERSION"));
+        eprintln!(
+            "  hint: check each with `ssh {} <host> true` (BatchMode: keys, no prompts), and that nrun {} is on its PATH or pass --ship",
+            cp.ssh_opts.join(" "),
+            env!("CARGO_PKG_VERSION")
+        );
         return Ok(CLUSTER_FAILED);
     }
-    tracing::info!("{k}/{k} nodes joined in {:.2} s", started.elapsed().as_secs_f64());
+    tracing::info!(
+        "{k}/{k} nodes joined in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
 
     // ---- check --------------------------------------------------------------------------
     let mut problems = Vec::new();
     let mut warnings = Vec::new();
-    let user_ifname = cp.env.iter().find(|(k, _)| k == "NCCL_SOCKET_IFNAME").map(|(_, v)| v.clone());
+    let user_ifname = cp
+        .env
+        .iter()
+        .find(|(k, _)| k == "NCCL_SOCKET_IFNAME")
+        .map(|(_, v)| v.clone());
     for (i, n) in nodes.iter_mut().enumerate() {
         let j = n.joined.as_ref().expect("joined");
-        let local: SocketAddr = j.local_addr.parse().map_err(|_| Error::internal("bad local address"))?;
-        let reached: SocketAddr = j.reached.parse().map_err(|_| Error::internal("bad reached address"))?;
+        let local: SocketAddr = j
+            .local_addr
+            .parse()
+            .map_err(|_| Error::internal("bad local address"))?;
+        let reached: SocketAddr = j
+            .reached
+            .parse()
+            .map_err(|_| Error::internal("bad reached address"))?;
         let iface = net::owner(&j.facts.ifaces, local.ip());
         n.master_addr = net::canonical(reached.ip()).to_string();
         match (&cp.ifname, iface) {
             (Some(want), _) => {
                 let ok = j.facts.ifaces.iter().any(|f| &f.name == want && f.up);
                 if !ok {
-                    problems.push(format!("--ifname {want}: no such interface up on {}", n.label));
+                    problems.push(format!(
+                        "--ifname {want}: no such interface up on {}",
+                        n.label
+                    ));
                 }
                 n.ifname = want.clone();
             }
             (None, Some(f)) => n.ifname = f.name.clone(),
-            (None, None) => problems.push(format!("{}: reached the launch host from {}, which no interface of the node holds", n.label, local.ip())),
+            (None, None) => problems.push(format!(
+                "{}: reached the launch host from {}, which no interface of the node holds",
+                n.label,
+                local.ip()
+            )),
         }
-        if let Some(seen) = store.get(&[store::server::OBSERVE_PREFIX, format!("{run_id}/{i}").as_bytes()].concat()) {
+        if let Some(seen) = store.get(
+            &[
+                store::server::OBSERVE_PREFIX,
+                format!("{run_id}/{i}").as_bytes(),
+            ]
+            .concat(),
+        ) {
             let seen = String::from_utf8_lossy(&seen).into_owned();
             let mine = net::canonical(local.ip()).to_string();
             if seen != mine {
@@ -343,14 +440,23 @@ async fn drive(
                 problems.push(format!(
                     "NCCL_SOCKET_IFNAME={v} matches no interface that is up on {} (it has: {})",
                     n.label,
-                    ifs.iter().filter(|f| f.up).map(|f| f.name.as_str()).collect::<Vec<_>>().join(", ")
+                    ifs.iter()
+                        .filter(|f| f.up)
+                        .map(|f| f.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ));
             }
         }
     }
     let mtus: std::collections::BTreeSet<u32> = nodes
         .iter()
-        .filter_map(|n| n.joined.as_ref().and_then(|j| j.facts.ifaces.iter().find(|f| f.name == n.ifname)).and_then(|f| f.mtu))
+        .filter_map(|n| {
+            n.joined
+                .as_ref()
+                .and_then(|j| j.facts.ifaces.iter().find(|f| f.name == n.ifname))
+                .and_then(|f| f.mtu)
+        })
         .collect();
     if mtus.len() > 1 {
         warnings.push(format!("the chosen interfaces' MTUs differ between nodes ({mtus:?}): large messages may be dropped or fragmented"));
@@ -358,7 +464,10 @@ async fn drive(
     if cp.env.iter().any(|(k, _)| k == "NCCL_PORT_RANGE") {
         warnings.push("NCCL_PORT_RANGE is not an NCCL variable and does nothing: to confine NCCL's ports narrow the kernel's ephemeral range (sysctl net.ipv4.ip_local_port_range=\"50000 51000\"); NCCL_COMM_ID pins only the bootstrap port".into());
     }
-    let facts: Vec<(String, &crate::facts::Facts)> = nodes.iter().map(|n| (n.label.clone(), &n.joined.as_ref().expect("joined").facts)).collect();
+    let facts: Vec<(String, &crate::facts::Facts)> = nodes
+        .iter()
+        .map(|n| (n.label.clone(), &n.joined.as_ref().expect("joined").facts))
+        .collect();
     let cmp = crate::facts::compare(&facts);
     eprint!("{}", cmp.table);
     for d in &cmp.differences {
@@ -384,9 +493,18 @@ async fn drive(
             let next = &nodes[(i + 1) % k];
             let target = next.joined.as_ref().expect("joined").probe_addr.clone();
             let _ = n;
-            set_step(store, run_id, i, *step, &Step::Probe { target, timeout_ms: 5000 });
+            set_step(
+                store,
+                run_id,
+                i,
+                *step,
+                &Step::Probe {
+                    target,
+                    timeout_ms: 5000,
+                },
+            );
         }
-        let results = collect(store, run_id, k, *step, None, signals).await?;
+        let results = collect(store, run_id, k, *step, None, signals, &mut lost_fn(nodes)).await?;
         *step += 1;
         let mut bad = Vec::new();
         for (i, r) in results.iter().enumerate() {
@@ -411,8 +529,22 @@ async fn drive(
     if let Some(pf) = &plan.preflight {
         let this = *step;
         *step += 1;
-        let code = crate::coordinator::run_cluster_preflight(plan, pf, cp, store, run_id, secret, port, nodes_view(nodes), this, signals).await?;
-        if code != exit::SUCCESS && !(pf.warn_only && !plan.preflight_only) {
+        let view = nodes_view(nodes);
+        let code = crate::coordinator::run_cluster_preflight(
+            plan,
+            pf,
+            cp,
+            store,
+            run_id,
+            secret,
+            port,
+            view,
+            this,
+            signals,
+            &mut lost_fn(nodes),
+        )
+        .await?;
+        if code != exit::SUCCESS && (plan.preflight_only || !pf.warn_only) {
             return Ok(code);
         }
     }
@@ -421,7 +553,11 @@ async fn drive(
     }
 
     // ---- the job ------------------------------------------------------------------------
-    let exe_args: Vec<String> = plan.args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let exe_args: Vec<String> = plan
+        .args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     let program = plan.program.to_string_lossy().into_owned();
     let mut code = exit::SUCCESS;
     for attempt in 0..=plan.max_restarts {
@@ -433,16 +569,39 @@ async fn drive(
         *step += 1;
         for (i, s) in specs.into_iter().enumerate() {
             let deadline_ms = None;
-            set_step(store, run_id, i, this, &Step::Run { workers: s, grace_ms: plan.shutdown_timeout.as_millis() as u64, deadline_ms });
+            set_step(
+                store,
+                run_id,
+                i,
+                this,
+                &Step::Run {
+                    workers: s,
+                    grace_ms: plan.shutdown_timeout.as_millis() as u64,
+                    deadline_ms,
+                },
+            );
         }
-        let results = collect(store, run_id, k, this, Some(this), signals).await?;
+        let results = collect(
+            store,
+            run_id,
+            k,
+            this,
+            Some(this),
+            signals,
+            &mut lost_fn(nodes),
+        )
+        .await?;
         match summarize_job(plan, nodes, &results) {
             JobEnd::Success => return Ok(exit::SUCCESS),
             JobEnd::Interrupted(c) => return Ok(c),
             JobEnd::Failed(c, text) => {
                 code = c;
                 if attempt < plan.max_restarts {
-                    tracing::warn!("a worker failed; restarting the worker group on every node ({} of {} restarts)", attempt + 1, plan.max_restarts);
+                    tracing::warn!(
+                        "a worker failed; restarting the worker group on every node ({} of {} restarts)",
+                        attempt + 1,
+                        plan.max_restarts
+                    );
                     continue;
                 }
                 eprint!("{text}");
@@ -450,6 +609,23 @@ async fn drive(
         }
     }
     Ok(code)
+}
+
+/// Whether node i's agent connection (ssh) has ended, and how it ended.
+fn lost_fn(nodes: &mut [Node]) -> impl FnMut(usize) -> Option<String> + '_ {
+    move |i| {
+        let n = nodes.get_mut(i)?;
+        let st = n.child.as_mut()?.try_wait().ok().flatten()?;
+        let said = tail_of(&n.stderr_tail)
+            .into_iter()
+            .rev()
+            .find(|l| !l.trim().is_empty());
+        Some(format!(
+            "lost the connection to {} ({st}){}",
+            n.label,
+            said.map_or(String::new(), |s| format!(": {s}"))
+        ))
+    }
 }
 
 /// Node view for the preflight: (label, ifname, master_addr, local addr ip).
@@ -474,7 +650,11 @@ fn nodes_view(nodes: &[Node]) -> Vec<NodeView> {
                 .as_ref()
                 .and_then(|j| j.local_addr.parse::<SocketAddr>().ok())
                 .map_or(IpAddr::from([0, 0, 0, 0]), |a| net::canonical(a.ip())),
-            nccl_lib: n.joined.as_ref().and_then(|j| j.facts.nccl.first()).map(|l| l.path.clone()),
+            nccl_lib: n
+                .joined
+                .as_ref()
+                .and_then(|j| j.facts.nccl.first())
+                .map(|l| l.path.clone()),
         })
         .collect()
 }
@@ -491,7 +671,13 @@ fn ifname_matches_any(spec: &str, ifs: &[net::Iface]) -> bool {
     };
     let pats: Vec<&str> = list.split(',').filter(|p| !p.is_empty()).collect();
     ifs.iter().filter(|f| f.up && !f.loopback).any(|f| {
-        let hit = pats.iter().any(|p| if exact { f.name == *p } else { f.name.starts_with(p) });
+        let hit = pats.iter().any(|p| {
+            if exact {
+                f.name == *p
+            } else {
+                f.name.starts_with(p)
+            }
+        });
         hit != exclude
     })
 }
@@ -510,6 +696,7 @@ pub async fn collect(
     step: usize,
     stop_step: Option<usize>,
     signals: &mut Signals,
+    lost: &mut dyn FnMut(usize) -> Option<String>,
 ) -> Result<Vec<Option<StepResult>>> {
     let mut results: Vec<Option<StepResult>> = vec![None; k];
     let mut stopped = false;
@@ -519,13 +706,34 @@ pub async fn collect(
             if r.is_none() {
                 if let Some(raw) = store.get(&agent::key(run_id, &format!("n{i}/result/{step}"))) {
                     *r = serde_json::from_slice(&raw).ok();
+                    // Stopped without being asked: that agent lost its connection to us.
+                    if !stopped && matches!(r, Some(StepResult::Run(RunResult::Stopped))) {
+                        let why = lost(i).unwrap_or_else(|| {
+                            format!("node {i}'s agent lost its connection to the launch host")
+                        });
+                        *r = Some(StepResult::Run(RunResult::Lost(why)));
+                    }
+                } else if let Some(why) = lost(i) {
+                    // The node's agent is gone (ssh dropped, host died): it will not report.
+                    *r = Some(StepResult::Run(RunResult::Lost(why)));
                 }
             }
         }
         if results.iter().all(Option::is_some) {
             return Ok(results);
         }
-        let failed = results.iter().any(|r| matches!(r, Some(StepResult::Run(RunResult::Failed { .. } | RunResult::SpawnError(_) | RunResult::TimedOut))));
+        // A node stopped without being asked to (its agent lost the launcher) counts too.
+        let failed = results.iter().any(|r| {
+            matches!(
+                r,
+                Some(StepResult::Run(
+                    RunResult::Failed { .. }
+                        | RunResult::SpawnError(_)
+                        | RunResult::TimedOut
+                        | RunResult::Lost(_)
+                ))
+            )
+        });
         if let (Some(s), true, false) = (stop_step, failed, stopped) {
             store.set(&agent::key(run_id, &format!("stop/{s}")), b"");
             stopped = true;
@@ -566,10 +774,27 @@ fn job_specs(
         let n = &nodes[i];
         let mut specs = Vec::new();
         for &(rank, local_rank, _slot) in ranks {
-            let error_file: PathBuf = plan.worker_dir(&temp_root.join(format!("node{i}")), attempt, local_rank).join("error.json");
-            let place = Place { rank, group_rank: i, local_world_size: ranks.len(), world_size: world, group_world_size: cp.hosts.len() };
+            let error_file: PathBuf = plan
+                .worker_dir(&temp_root.join(format!("node{i}")), attempt, local_rank)
+                .join("error.json");
+            let place = Place {
+                rank,
+                group_rank: i,
+                local_world_size: ranks.len(),
+                world_size: world,
+                group_world_size: cp.hosts.len(),
+            };
             let mut env = cp.env.clone();
-            env.extend(plan.worker_env_at(&place, &WorkerSlot { local_rank, restart_count: attempt, master_addr: &n.master_addr, master_port: port, error_file: &error_file }));
+            env.extend(plan.worker_env_at(
+                &place,
+                &WorkerSlot {
+                    local_rank,
+                    restart_count: attempt,
+                    master_addr: &n.master_addr,
+                    master_port: port,
+                    error_file: &error_file,
+                },
+            ));
             if !cp.env.iter().any(|(k, _)| k == "NCCL_SOCKET_IFNAME") {
                 env.push(("NCCL_SOCKET_IFNAME".into(), format!("={}", n.ifname)));
             }
@@ -577,7 +802,11 @@ fn job_specs(
                 env.push(("GLOO_SOCKET_IFNAME".into(), n.ifname.clone()));
             }
             env.extend(extra.iter().cloned());
-            let shown = plan.log.console_ranks.as_ref().is_none_or(|s| s.contains(&local_rank));
+            let shown = plan
+                .log
+                .console_ranks
+                .as_ref()
+                .is_none_or(|s| s.contains(&local_rank));
             let red = plan.log.redirects.for_rank(local_rank);
             specs.push(WorkerSpec {
                 rank,
@@ -615,7 +844,16 @@ pub fn job_specs_for_preflight(
             master_addr: v.master_addr.clone(),
         })
         .collect();
-    let mut all = job_specs(plan, cp, &nodes, port, 0, &cp.remote_nrun, &["__preflight".to_string()], &[]);
+    let mut all = job_specs(
+        plan,
+        cp,
+        &nodes,
+        port,
+        0,
+        &cp.remote_nrun,
+        &["__preflight".to_string()],
+        &[],
+    );
     for (i, specs) in all.iter_mut().enumerate() {
         for s in specs.iter_mut() {
             s.env.extend(per_node_extra(i));
@@ -635,11 +873,19 @@ fn summarize_job(plan: &Plan, nodes: &[Node], results: &[Option<StepResult>]) ->
     let _ = world;
     let mut first: Option<(usize, &RunResult)> = None;
     for (i, r) in results.iter().enumerate() {
-        if let Some(StepResult::Run(rr @ (RunResult::Failed { .. } | RunResult::SpawnError(_) | RunResult::TimedOut))) = r {
+        if let Some(StepResult::Run(
+            rr @ (RunResult::Failed { .. }
+            | RunResult::SpawnError(_)
+            | RunResult::TimedOut
+            | RunResult::Lost(_)),
+        )) = r
+        {
             // The earliest failure by time: Failed results carry one.
             let better = match (first, rr) {
                 (None, _) => true,
-                (Some((_, RunResult::Failed { at: a, .. })), RunResult::Failed { at: b, .. }) => b < a,
+                (Some((_, RunResult::Failed { at: a, .. })), RunResult::Failed { at: b, .. }) => {
+                    b < a
+                }
                 _ => false,
             };
             if better {
@@ -651,9 +897,31 @@ fn summarize_job(plan: &Plan, nodes: &[Node], results: &[Option<StepResult>]) ->
         let mut t = String::new();
         use std::fmt::Write as _;
         match r {
-            RunResult::Failed { rank, local_rank, pid, exit_code, how, at, stderr_tail, traceback } => {
-                let _ = writeln!(t, "nrun: error: rank {rank} on {} {how} (first failure; every worker on every node was stopped)", nodes[i].label);
-                let _ = writeln!(t, "  command:    {} {}", plan.program.to_string_lossy(), plan.args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" "));
+            RunResult::Failed {
+                rank,
+                local_rank,
+                pid,
+                exit_code,
+                how,
+                at,
+                stderr_tail,
+                traceback,
+            } => {
+                let _ = writeln!(
+                    t,
+                    "nrun: error: rank {rank} on {} {how} (first failure; every worker on every node was stopped)",
+                    nodes[i].label
+                );
+                let _ = writeln!(
+                    t,
+                    "  command:    {} {}",
+                    plan.program.to_string_lossy(),
+                    plan.args
+                        .iter()
+                        .map(|a| a.to_string_lossy())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                );
                 let _ = writeln!(t, "  host:       {}", nodes[i].label);
                 let _ = writeln!(t, "  local rank: {local_rank}");
                 let _ = writeln!(t, "  pid:        {pid}");
@@ -673,11 +941,31 @@ fn summarize_job(plan: &Plan, nodes: &[Node], results: &[Option<StepResult>]) ->
                 return JobEnd::Failed((*exit_code).max(1), t);
             }
             RunResult::SpawnError(e) => {
-                let _ = writeln!(t, "nrun: error: cannot start workers on {}: {e}", nodes[i].label);
+                let _ = writeln!(
+                    t,
+                    "nrun: error: cannot start workers on {}: {e}",
+                    nodes[i].label
+                );
                 return JobEnd::Failed(exit::USAGE, t);
             }
+            RunResult::Lost(e) => {
+                let _ = writeln!(
+                    t,
+                    "nrun: error: {e}; every worker on the other nodes was stopped"
+                );
+                let _ = writeln!(
+                    t,
+                    "  hint: check that {} is up and reachable (ssh {} true)",
+                    nodes[i].label, nodes[i].label
+                );
+                return JobEnd::Failed(exit::CLUSTER, t);
+            }
             _ => {
-                let _ = writeln!(t, "nrun: error: workers on {} ran past their deadline", nodes[i].label);
+                let _ = writeln!(
+                    t,
+                    "nrun: error: workers on {} ran past their deadline",
+                    nodes[i].label
+                );
                 return JobEnd::Failed(exit::INTERNAL, t);
             }
         }
@@ -688,7 +976,10 @@ fn summarize_job(plan: &Plan, nodes: &[Node], results: &[Option<StepResult>]) ->
     }) {
         return JobEnd::Interrupted(exit::signal(sig));
     }
-    if results.iter().any(|r| matches!(r, Some(StepResult::Run(RunResult::Stopped)))) {
+    if results
+        .iter()
+        .any(|r| matches!(r, Some(StepResult::Run(RunResult::Stopped))))
+    {
         return JobEnd::Interrupted(exit::signal(libc::SIGINT));
     }
     JobEnd::Success
@@ -696,14 +987,23 @@ fn summarize_job(plan: &Plan, nodes: &[Node], results: &[Option<StepResult>]) ->
 
 /// Decides whether this is a multi-node run and with which nodes: `-H`, `--hostfile`, or,
 /// inside a Slurm allocation of several nodes, SLURM_JOB_NODELIST. `None`: a single-node run.
-pub fn plan_cluster(cli: &crate::cli::Cli, plan: &Plan, env: &dyn Fn(&str) -> Option<String>) -> Result<Option<ClusterPlan>> {
+pub fn plan_cluster(
+    cli: &crate::cli::Cli,
+    plan: &Plan,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<ClusterPlan>> {
     use crate::hosts;
     let mut from_slurm = false;
     let mut list = match (&cli.hosts, &cli.hostfile) {
-        (Some(_), Some(_)) => return Err(Error::usage("-H/--hosts and --hostfile exclude each other; give one of them")),
+        (Some(_), Some(_)) => {
+            return Err(Error::usage(
+                "-H/--hosts and --hostfile exclude each other; give one of them",
+            ));
+        }
         (Some(h), None) => Some(hosts::parse_hosts_flag(h)?),
         (None, Some(f)) => {
-            let text = std::fs::read_to_string(f).map_err(|e| Error::usage(format!("--hostfile {}: {e}", f.display())))?;
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| Error::usage(format!("--hostfile {}: {e}", f.display())))?;
             Some(hosts::parse_hostfile(&text, &f.display().to_string())?)
         }
         (None, None) => None,
@@ -719,7 +1019,9 @@ pub fn plan_cluster(cli: &crate::cli::Cli, plan: &Plan, env: &dyn Fn(&str) -> Op
     }
     let Some(mut list) = list else {
         if cli.include.is_some() || cli.exclude.is_some() {
-            return Err(Error::usage("--include/--exclude need a host list (-H, --hostfile or a Slurm allocation)"));
+            return Err(Error::usage(
+                "--include/--exclude need a host list (-H, --hostfile or a Slurm allocation)",
+            ));
         }
         return Ok(None);
     };
@@ -728,24 +1030,35 @@ pub fn plan_cluster(cli: &crate::cli::Cli, plan: &Plan, env: &dyn Fn(&str) -> Op
         list = hosts::take_nnodes(list, plan.nnodes)?;
     }
     if cli.node_rank != 0 {
-        return Err(Error::usage("--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself"));
+        return Err(Error::usage(
+            "--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself",
+        ));
     }
     let layout = hosts::rank_layout(&list, plan.nproc)?;
     let launcher = match cli.launcher.as_str() {
         "auto" if from_slurm => Launcher::Srun,
         "auto" | "ssh" => Launcher::Ssh,
         "srun" => Launcher::Srun,
-        other => return Err(Error::usage(format!("--launcher {other:?}: expected auto, ssh or srun"))),
+        other => {
+            return Err(Error::usage(format!(
+                "--launcher {other:?}: expected auto, ssh or srun"
+            )));
+        }
     };
-    let ssh_opts = remote::split_opts(cli.ssh_opts.as_deref().unwrap_or("")).map_err(Error::usage)?;
+    let ssh_opts =
+        remote::split_opts(cli.ssh_opts.as_deref().unwrap_or("")).map_err(Error::usage)?;
     // What every worker everywhere gets: forwarded variables, then .nrun_env (home, then the
     // cwd's, which wins), then -x.
-    let mut vars: Vec<(String, String)> = std::env::vars().filter(|(k, _)| remote::forwarded(k)).collect();
+    let mut vars: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| remote::forwarded(k))
+        .collect();
     let home = env("HOME").map(PathBuf::from);
     for dir in [home, std::env::current_dir().ok()].into_iter().flatten() {
         let p = dir.join(".nrun_env");
         if let Ok(text) = std::fs::read_to_string(&p) {
-            for (k, v) in remote::parse_env_file(&text, &p.display().to_string()).map_err(Error::usage)? {
+            for (k, v) in
+                remote::parse_env_file(&text, &p.display().to_string()).map_err(Error::usage)?
+            {
                 vars.retain(|(x, _)| *x != k);
                 vars.push((k, v));
             }
@@ -756,21 +1069,33 @@ pub fn plan_cluster(cli: &crate::cli::Cli, plan: &Plan, env: &dyn Fn(&str) -> Op
             Some((k, v)) => (k.to_string(), v.to_string()),
             None => match env(x) {
                 Some(v) => (x.clone(), v),
-                None => return Err(Error::usage(format!("-x {x}: {x} is not set here; give a value with -x {x}=VALUE"))),
+                None => {
+                    return Err(Error::usage(format!(
+                        "-x {x}: {x} is not set here; give a value with -x {x}=VALUE"
+                    )));
+                }
             },
         };
         if k.is_empty() || !k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-            return Err(Error::usage(format!("-x {x}: {k:?} is not a variable name")));
+            return Err(Error::usage(format!(
+                "-x {x}: {k:?} is not a variable name"
+            )));
         }
         vars.retain(|(x, _)| *x != k);
         vars.push((k, v));
     }
     if !(cli.join_timeout.is_finite() && cli.join_timeout > 0.0) {
-        return Err(Error::usage(format!("--join-timeout {} must be a positive number of seconds", cli.join_timeout)));
+        return Err(Error::usage(format!(
+            "--join-timeout {} must be a positive number of seconds",
+            cli.join_timeout
+        )));
     }
     let remote_nrun = match &cli.remote_nrun {
         Some(p) => p.clone(),
-        None => std::env::current_exe().map_err(|e| Error::internal(e.to_string()))?.display().to_string(),
+        None => std::env::current_exe()
+            .map_err(|e| Error::internal(e.to_string()))?
+            .display()
+            .to_string(),
     };
     Ok(Some(ClusterPlan {
         hosts: list,

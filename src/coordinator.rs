@@ -258,8 +258,14 @@ async fn run_preflight(
     // Ranks enforce the init timeout themselves; this deadline only catches a rank that hangs
     // where it cannot (a CUDA call, a dead peer mid-collective).
     let deadline = tokio::time::Instant::now() + pf.timeout * 2 + Duration::from_secs(120);
-    let outcome =
-        node::run_group(workers, Duration::from_secs(3), Some(deadline), signals, None).await?;
+    let outcome = node::run_group(
+        workers,
+        Duration::from_secs(3),
+        Some(deadline),
+        signals,
+        None,
+    )
+    .await?;
     let crashed = match &outcome {
         Outcome::Interrupted(sig) => {
             tracing::warn!("preflight stopped by {}", node::signal_name(*sig));
@@ -525,6 +531,7 @@ pub async fn run_cluster_preflight(
     view: Vec<crate::cluster::NodeView>,
     step: usize,
     signals: &mut Signals,
+    lost: &mut dyn FnMut(usize) -> Option<String>,
 ) -> Result<u8> {
     let started = Instant::now();
     let base = preflight::Settings {
@@ -546,7 +553,10 @@ pub async fn run_cluster_preflight(
             s.nccl_lib = view[i].nccl_lib.clone().map(PathBuf::from);
         }
         let mut env = vec![
-            (preflight::ENV.to_string(), serde_json::to_string(&s).unwrap_or_default()),
+            (
+                preflight::ENV.to_string(),
+                serde_json::to_string(&s).unwrap_or_default(),
+            ),
             ("NRUN_SECRET".to_string(), secret.to_string()),
         ];
         if pf.loopback {
@@ -563,13 +573,24 @@ pub async fn run_cluster_preflight(
             run_id,
             i,
             step,
-            &crate::agent::Step::Run { workers: s, grace_ms: 3000, deadline_ms: Some(deadline_ms) },
+            &crate::agent::Step::Run {
+                workers: s,
+                grace_ms: 3000,
+                deadline_ms: Some(deadline_ms),
+            },
         );
     }
-    let results = crate::cluster::collect(store, run_id, view.len(), step, Some(step), signals).await?;
+    let results =
+        crate::cluster::collect(store, run_id, view.len(), step, Some(step), signals, lost).await?;
     let mut crashed = None;
     for r in results.iter().flatten() {
-        if let crate::agent::StepResult::Run(crate::agent::RunResult::Failed { rank, pid, how, .. }) = r {
+        if let crate::agent::StepResult::Run(crate::agent::RunResult::Failed {
+            rank,
+            pid,
+            how,
+            ..
+        }) = r
+        {
             crashed = Some((*rank, format!("pid {pid} {how}")));
         }
     }
@@ -579,12 +600,17 @@ pub async fn run_cluster_preflight(
     let mut silent = Vec::new();
     for (node, ranks) in cp.layout.iter().enumerate() {
         for &(rank, _, _) in ranks {
-            match store.get(&base.key(&format!("result/{rank}"))).and_then(|r| serde_json::from_slice::<RankReport>(&r).ok()) {
+            match store
+                .get(&base.key(&format!("result/{rank}")))
+                .and_then(|r| serde_json::from_slice::<RankReport>(&r).ok())
+            {
                 Some(rep) => {
                     reports.insert(rank, rep);
                 }
                 None => {
-                    let stage = store.get(&base.key(&format!("stage/{rank}"))).map(|s| String::from_utf8_lossy(&s).into_owned());
+                    let stage = store
+                        .get(&base.key(&format!("stage/{rank}")))
+                        .map(|s| String::from_utf8_lossy(&s).into_owned());
                     silent.push((rank, view[node].label.clone(), stage));
                 }
             }

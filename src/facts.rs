@@ -41,7 +41,8 @@ pub struct Facts {
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
 pub fn gather(python: Option<&Path>) -> Facts {
     let mut f = Facts {
-        hostname: nix::unistd::gethostname().map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned()),
+        hostname: nix::unistd::gethostname()
+            .map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned()),
         os: os_name(),
         ifaces: crate::net::interfaces(),
         nrun: crate::cli::VERSION.to_string(),
@@ -53,18 +54,29 @@ pub fn gather(python: Option<&Path>) -> Facts {
             .map(|e| {
                 std::fs::read_to_string(e.path().join("information"))
                     .ok()
-                    .and_then(|t| t.lines().find_map(|l| l.strip_prefix("Model:").map(|m| m.trim().to_string())))
+                    .and_then(|t| {
+                        t.lines()
+                            .find_map(|l| l.strip_prefix("Model:").map(|m| m.trim().to_string()))
+                    })
                     .unwrap_or_else(|| "NVIDIA GPU".into())
             })
             .collect();
         gpus.sort();
         f.gpus = gpus;
     }
-    f.driver = std::fs::read_to_string("/proc/driver/nvidia/version").ok().and_then(|t| {
-        // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu ..."
-        t.lines().next()?.split_whitespace().find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.')).map(String::from)
-    });
-    let python_paths = python.map(crate::preflight::nccl::python_package_dirs).unwrap_or_default();
+    f.driver = std::fs::read_to_string("/proc/driver/nvidia/version")
+        .ok()
+        .and_then(|t| {
+            // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu ..."
+            t.lines()
+                .next()?
+                .split_whitespace()
+                .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.'))
+                .map(String::from)
+        });
+    let python_paths = python
+        .map(crate::preflight::nccl::python_package_dirs)
+        .unwrap_or_default();
     let ld = std::env::var("LD_LIBRARY_PATH").ok();
     let exe = std::env::current_exe().ok();
     for c in crate::preflight::nccl::candidates(None, &python_paths, ld.as_deref(), true) {
@@ -77,7 +89,11 @@ pub fn gather(python: Option<&Path>) -> Facts {
                 .filter(|o| o.status.success())
                 .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         });
-        f.nccl.push(NcclLib { path: c.path.display().to_string(), version, source: c.source.describe().to_string() });
+        f.nccl.push(NcclLib {
+            path: c.path.display().to_string(),
+            version,
+            source: c.source.describe().to_string(),
+        });
     }
     if let Some(py) = python {
         probe_torch(py, &mut f);
@@ -89,8 +105,10 @@ fn os_name() -> String {
     std::fs::read_to_string("/etc/os-release")
         .ok()
         .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("PRETTY_NAME=").map(|v| v.trim_matches('"').to_string()))
+            t.lines().find_map(|l| {
+                l.strip_prefix("PRETTY_NAME=")
+                    .map(|v| v.trim_matches('"').to_string())
+            })
         })
         .unwrap_or_else(|| "Linux".into())
 }
@@ -99,7 +117,10 @@ fn probe_torch(python: &Path, f: &mut Facts) {
     let code = "import torch, torch.cuda.nccl as n\n\
                 v = '.'.join(map(str, n.version())) if torch.version.cuda else ''\n\
                 print(torch.__version__); print(torch.version.cuda or ''); print(v)";
-    match std::process::Command::new(python).args(["-c", code]).output() {
+    match std::process::Command::new(python)
+        .args(["-c", code])
+        .output()
+    {
         Ok(o) if o.status.success() => {
             let out = String::from_utf8_lossy(&o.stdout).into_owned();
             let mut l = out.lines();
@@ -123,11 +144,36 @@ fn columns(nodes: &[(String, &Facts)]) -> Vec<(&'static str, Vec<String>)> {
         ("hostname", col(&|f| f.hostname.clone())),
         ("os", col(&|f| f.os.clone())),
         ("gpus", col(&|f| gpu_summary(&f.gpus))),
-        ("driver", col(&|f| f.driver.clone().unwrap_or_else(|| "-".into()))),
-        ("nccl (used)", col(&|f| f.nccl.first().map_or("-".into(), |n| n.version.clone().unwrap_or_else(|| "?".into())))),
-        ("torch", col(&|f| f.torch.clone().unwrap_or_else(|| "-".into()))),
-        ("torch cuda/nccl", col(&|f| format!("{}/{}", f.torch_cuda.as_deref().unwrap_or("-"), f.torch_nccl.as_deref().unwrap_or("-")))),
-        ("nrun", col(&|f| f.nrun.split_whitespace().next().unwrap_or("?").to_string())),
+        (
+            "driver",
+            col(&|f| f.driver.clone().unwrap_or_else(|| "-".into())),
+        ),
+        (
+            "nccl (used)",
+            col(&|f| {
+                f.nccl.first().map_or("-".into(), |n| {
+                    n.version.clone().unwrap_or_else(|| "?".into())
+                })
+            }),
+        ),
+        (
+            "torch",
+            col(&|f| f.torch.clone().unwrap_or_else(|| "-".into())),
+        ),
+        (
+            "torch cuda/nccl",
+            col(&|f| {
+                format!(
+                    "{}/{}",
+                    f.torch_cuda.as_deref().unwrap_or("-"),
+                    f.torch_nccl.as_deref().unwrap_or("-")
+                )
+            }),
+        ),
+        (
+            "nrun",
+            col(&|f| f.nrun.split_whitespace().next().unwrap_or("?").to_string()),
+        ),
     ]
 }
 
@@ -139,7 +185,11 @@ fn gpu_summary(g: &[String]) -> String {
     for m in g {
         *counts.entry(m.as_str()).or_default() += 1;
     }
-    counts.iter().map(|(m, n)| format!("{n}x {m}")).collect::<Vec<_>>().join("+")
+    counts
+        .iter()
+        .map(|(m, n)| format!("{n}x {m}"))
+        .collect::<Vec<_>>()
+        .join("+")
 }
 
 fn major_minor(v: &str) -> String {
@@ -156,7 +206,16 @@ pub struct Comparison {
 pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
     let cols = columns(nodes);
     let mut t = String::new();
-    let widths: Vec<usize> = cols.iter().map(|(h, v)| v.iter().map(|s| s.len()).chain([h.len()]).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = cols
+        .iter()
+        .map(|(h, v)| {
+            v.iter()
+                .map(|s| s.len())
+                .chain([h.len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
     let _ = write!(t, " ");
     for ((h, _), w) in cols.iter().zip(&widths) {
         let _ = write!(t, " {h:<w$}");
@@ -177,7 +236,12 @@ pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
             let groups: Vec<String> = distinct
                 .iter()
                 .map(|val| {
-                    let who: Vec<&str> = nodes.iter().zip(v).filter(|(_, x)| x == val).map(|((n, _), _)| n.as_str()).collect();
+                    let who: Vec<&str> = nodes
+                        .iter()
+                        .zip(v)
+                        .filter(|(_, x)| x == val)
+                        .map(|((n, _), _)| n.as_str())
+                        .collect();
                     format!("{val} on {}", who.join(","))
                 })
                 .collect();
@@ -187,13 +251,25 @@ pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
     // NCCL major.minor and torch must agree; patch-level NCCL differences only warn.
     let nccl: std::collections::BTreeSet<String> = nodes
         .iter()
-        .filter_map(|(_, f)| f.nccl.first().and_then(|n| n.version.as_deref()).map(major_minor))
+        .filter_map(|(_, f)| {
+            f.nccl
+                .first()
+                .and_then(|n| n.version.as_deref())
+                .map(major_minor)
+        })
         .collect();
-    let torch: std::collections::BTreeSet<&str> = nodes.iter().filter_map(|(_, f)| f.torch.as_deref()).collect();
+    let torch: std::collections::BTreeSet<&str> = nodes
+        .iter()
+        .filter_map(|(_, f)| f.torch.as_deref())
+        .collect();
     if nccl.len() > 1 || torch.len() > 1 {
         refuse = true;
     }
-    Comparison { table: t, differences, refuse }
+    Comparison {
+        table: t,
+        differences,
+        refuse,
+    }
 }
 
 #[cfg(test)]
@@ -205,7 +281,11 @@ mod tests {
             hostname: "h".into(),
             os: "Debian".into(),
             gpus: vec!["NVIDIA H200".into(); 2],
-            nccl: vec![NcclLib { path: "/x".into(), version: Some(nccl.into()), source: "torch's".into() }],
+            nccl: vec![NcclLib {
+                path: "/x".into(),
+                version: Some(nccl.into()),
+                source: "torch's".into(),
+            }],
             torch: Some(torch.into()),
             nrun: "0.1.0 (x)".into(),
             ..Facts::default()
@@ -214,12 +294,27 @@ mod tests {
 
     #[test]
     fn compare_names_differences_and_refuses_on_nccl_minor() {
-        let (a, b, c) = (f("2.28.9", "2.11.0"), f("2.28.3", "2.11.0"), f("2.27.3", "2.11.0"));
+        let (a, b, c) = (
+            f("2.28.9", "2.11.0"),
+            f("2.28.3", "2.11.0"),
+            f("2.27.3", "2.11.0"),
+        );
         let same = compare(&[("a".into(), &a), ("b".into(), &a)]);
-        assert!(same.differences.is_empty() && !same.refuse, "{:?}", same.differences);
+        assert!(
+            same.differences.is_empty() && !same.refuse,
+            "{:?}",
+            same.differences
+        );
         let patch = compare(&[("a".into(), &a), ("b".into(), &b)]);
         assert!(!patch.refuse);
-        assert!(patch.differences.iter().any(|d| d.contains("nccl (used) differs: 2.28.3 on b; 2.28.9 on a")), "{:?}", patch.differences);
+        assert!(
+            patch
+                .differences
+                .iter()
+                .any(|d| d.contains("nccl (used) differs: 2.28.3 on b; 2.28.9 on a")),
+            "{:?}",
+            patch.differences
+        );
         let minor = compare(&[("a".into(), &a), ("c".into(), &c)]);
         assert!(minor.refuse);
         let torch = compare(&[("a".into(), &a), ("d".into(), &f("2.28.9", "2.10.0"))]);

@@ -21,17 +21,22 @@ pub struct Iface {
 /// Every interface of this host, by name.
 pub fn interfaces() -> Vec<Iface> {
     let mut by_name: BTreeMap<String, Iface> = BTreeMap::new();
-    let Ok(list) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
+    let Ok(list) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
     for ifa in list {
-        let e = by_name.entry(ifa.interface_name.clone()).or_insert_with(|| Iface {
-            name: ifa.interface_name.clone(),
-            up: ifa.flags.contains(InterfaceFlags::IFF_UP) && ifa.flags.contains(InterfaceFlags::IFF_RUNNING),
-            loopback: ifa.flags.contains(InterfaceFlags::IFF_LOOPBACK),
-            mtu: std::fs::read_to_string(format!("/sys/class/net/{}/mtu", ifa.interface_name))
-                .ok()
-                .and_then(|s| s.trim().parse().ok()),
-            addrs: Vec::new(),
-        });
+        let e = by_name
+            .entry(ifa.interface_name.clone())
+            .or_insert_with(|| Iface {
+                name: ifa.interface_name.clone(),
+                up: ifa.flags.contains(InterfaceFlags::IFF_UP)
+                    && ifa.flags.contains(InterfaceFlags::IFF_RUNNING),
+                loopback: ifa.flags.contains(InterfaceFlags::IFF_LOOPBACK),
+                mtu: std::fs::read_to_string(format!("/sys/class/net/{}/mtu", ifa.interface_name))
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok()),
+                addrs: Vec::new(),
+            });
         let ip = ifa.address.as_ref().and_then(|a| {
             a.as_sockaddr_in()
                 .map(|v4| IpAddr::V4(v4.ip()))
@@ -47,9 +52,11 @@ pub fn interfaces() -> Vec<Iface> {
 }
 
 /// The interface that holds `addr`, if any (IPv4-mapped IPv6 addresses count as IPv4).
-pub fn owner<'a>(ifaces: &'a [Iface], addr: IpAddr) -> Option<&'a Iface> {
+pub fn owner(ifaces: &[Iface], addr: IpAddr) -> Option<&Iface> {
     let addr = canonical(addr);
-    ifaces.iter().find(|i| i.addrs.iter().any(|a| canonical(*a) == addr))
+    ifaces
+        .iter()
+        .find(|i| i.addrs.iter().any(|a| canonical(*a) == addr))
 }
 
 /// `::ffff:a.b.c.d` as `a.b.c.d`, so addresses seen by a dual-stack socket compare equal.
@@ -89,9 +96,18 @@ mod tests {
     #[test]
     fn this_host_has_a_loopback_interface() {
         let ifs = interfaces();
-        let lo = ifs.iter().find(|i| i.loopback).expect("a loopback interface");
+        let lo = ifs
+            .iter()
+            .find(|i| i.loopback)
+            .expect("a loopback interface");
         assert!(lo.addrs.contains(&"127.0.0.1".parse().unwrap()));
-        assert_eq!(owner(&ifs, "::ffff:127.0.0.1".parse().unwrap()).map(|i| &i.name), Some(&lo.name));
-        assert_eq!(reachable_addrs(&ifs).last(), Some(&"127.0.0.1".parse().unwrap()));
+        assert_eq!(
+            owner(&ifs, "::ffff:127.0.0.1".parse().unwrap()).map(|i| &i.name),
+            Some(&lo.name)
+        );
+        assert_eq!(
+            reachable_addrs(&ifs).last(),
+            Some(&"127.0.0.1".parse().unwrap())
+        );
     }
 }

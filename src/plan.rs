@@ -513,7 +513,10 @@ fn resolve_store(cli: &Cli, nnodes: usize) -> Result<StorePlan> {
     }
     // With a host list nrun starts every node itself and hosts the one store here.
     if cli.hosts.is_some() || cli.hostfile.is_some() {
-        return Ok(StorePlan::Host { port: port.unwrap_or(0), advertise: String::new() });
+        return Ok(StorePlan::Host {
+            port: port.unwrap_or(0),
+            advertise: String::new(),
+        });
     }
     if cli.standalone && nnodes > 1 {
         return Err(Error::usage(

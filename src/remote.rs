@@ -105,7 +105,10 @@ pub fn shell_quote(s: &str) -> String {
     if let Some(rest) = s.strip_prefix("~/") {
         return format!("~/{}", shell_quote(rest));
     }
-    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"/._-+=:,@".contains(&b)) {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-+=:,@".contains(&b))
+    {
         return s.to_string();
     }
     format!("'{}'", s.replace('\'', r"'\''"))
@@ -114,9 +117,18 @@ pub fn shell_quote(s: &str) -> String {
 /// Environment forwarded to every node: NCCL_*, TORCH_*, CUDA_* except CUDA_VISIBLE_DEVICES,
 /// PYTHON*, OMP_*, UCX_*. Never SSH_*, DISPLAY, terminal or shell-internal variables.
 pub fn forwarded(name: &str) -> bool {
-    let prefixed = ["NCCL_", "TORCH_", "CUDA_", "PYTHON", "OMP_", "UCX_", "GLOO_", "NRUN_ENV_"]
-        .iter()
-        .any(|p| name.starts_with(p));
+    let prefixed = [
+        "NCCL_",
+        "TORCH_",
+        "CUDA_",
+        "PYTHON",
+        "OMP_",
+        "UCX_",
+        "GLOO_",
+        "NRUN_ENV_",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p));
     prefixed && name != "CUDA_VISIBLE_DEVICES"
 }
 
@@ -131,11 +143,17 @@ pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>,
         }
         let line = line.strip_prefix("export ").unwrap_or(line);
         let Some((k, val)) = line.split_once('=') else {
-            return Err(format!("{origin} line {}: expected KEY=VALUE, got {raw:?}", i + 1));
+            return Err(format!(
+                "{origin} line {}: expected KEY=VALUE, got {raw:?}",
+                i + 1
+            ));
         };
         let k = k.trim();
         if k.is_empty() || !k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-            return Err(format!("{origin} line {}: {k:?} is not a variable name", i + 1));
+            return Err(format!(
+                "{origin} line {}: {k:?} is not a variable name",
+                i + 1
+            ));
         }
         let val = val.trim();
         let val = val
@@ -157,21 +175,44 @@ mod tests {
         let c = ssh_command("gpu1", &["-F".into(), "/tmp/cfg".into()], "~/bin/nrun");
         let s: Vec<String> = c.iter().map(|x| x.to_string_lossy().into_owned()).collect();
         assert_eq!(s[0], "ssh");
-        assert!(s.contains(&"BatchMode=yes".to_string()) && s.contains(&"ConnectTimeout=10".to_string()));
-        assert_eq!(&s[s.len() - 4..], ["-F", "/tmp/cfg", "gpu1", "exec ~/bin/nrun __agent"]);
+        assert!(
+            s.contains(&"BatchMode=yes".to_string())
+                && s.contains(&"ConnectTimeout=10".to_string())
+        );
+        assert_eq!(
+            &s[s.len() - 4..],
+            ["-F", "/tmp/cfg", "gpu1", "exec ~/bin/nrun __agent"]
+        );
         assert!(!s.iter().any(|a| a == "-t" || a == "-tt"));
         let c = srun_command(&["n01".into(), "n02".into()], "/opt/nrun");
         let s: Vec<String> = c.iter().map(|x| x.to_string_lossy().into_owned()).collect();
         assert_eq!(
             s,
-            ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=n01,n02", "--input=all", "--kill-on-bad-exit=1", "--unbuffered", "/opt/nrun", "__agent"]
+            [
+                "srun",
+                "--nodes=2",
+                "--ntasks=2",
+                "--ntasks-per-node=1",
+                "--nodelist=n01,n02",
+                "--input=all",
+                "--kill-on-bad-exit=1",
+                "--unbuffered",
+                "/opt/nrun",
+                "__agent"
+            ]
         );
     }
 
     #[test]
     fn opts_split_like_a_shell() {
-        assert_eq!(split_opts("-F file -p 2222 -i key").unwrap(), ["-F", "file", "-p", "2222", "-i", "key"]);
-        assert_eq!(split_opts(r#"-o "ProxyJump bastion" -i 'my key'"#).unwrap(), ["-o", "ProxyJump bastion", "-i", "my key"]);
+        assert_eq!(
+            split_opts("-F file -p 2222 -i key").unwrap(),
+            ["-F", "file", "-p", "2222", "-i", "key"]
+        );
+        assert_eq!(
+            split_opts(r#"-o "ProxyJump bastion" -i 'my key'"#).unwrap(),
+            ["-o", "ProxyJump bastion", "-i", "my key"]
+        );
         assert_eq!(split_opts(r"a\ b ''").unwrap(), ["a b", ""]);
         assert!(split_opts("-o 'x").is_err());
         assert_eq!(shell_quote("/usr/bin/nrun"), "/usr/bin/nrun");
@@ -180,10 +221,25 @@ mod tests {
 
     #[test]
     fn forwarded_variables() {
-        for v in ["NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_LAUNCH_BLOCKING", "PYTHONPATH", "OMP_NUM_THREADS", "UCX_TLS"] {
+        for v in [
+            "NCCL_DEBUG",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "CUDA_LAUNCH_BLOCKING",
+            "PYTHONPATH",
+            "OMP_NUM_THREADS",
+            "UCX_TLS",
+        ] {
             assert!(forwarded(v), "{v}");
         }
-        for v in ["CUDA_VISIBLE_DEVICES", "SSH_AUTH_SOCK", "DISPLAY", "TERM", "PWD", "SHLVL", "HOME"] {
+        for v in [
+            "CUDA_VISIBLE_DEVICES",
+            "SSH_AUTH_SOCK",
+            "DISPLAY",
+            "TERM",
+            "PWD",
+            "SHLVL",
+            "HOME",
+        ] {
             assert!(!forwarded(v), "{v}");
         }
     }
@@ -191,7 +247,18 @@ mod tests {
     #[test]
     fn env_files() {
         let v = parse_env_file("# c\n\nA=1\nexport B=\"two words\"\nC='x'\n", ".nrun_env").unwrap();
-        assert_eq!(v, [("A".into(), "1".into()), ("B".into(), "two words".into()), ("C".into(), "x".into())]);
-        assert!(parse_env_file("novalue\n", ".nrun_env").unwrap_err().contains("line 1"));
+        assert_eq!(
+            v,
+            [
+                ("A".into(), "1".into()),
+                ("B".into(), "two words".into()),
+                ("C".into(), "x".into())
+            ]
+        );
+        assert!(
+            parse_env_file("novalue\n", ".nrun_env")
+                .unwrap_err()
+                .contains("line 1")
+        );
     }
 }

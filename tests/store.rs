@@ -318,3 +318,53 @@ async fn many_clients_rendezvous() {
         n.to_string().as_bytes()
     );
 }
+
+/// With a secret, `nrun/` keys belong to connections that presented it: a torch worker can
+/// neither read nor write them, nor see them listed; everything else works as usual.
+#[tokio::test]
+async fn control_keys_need_the_secret() {
+    let l = server::bind(0).unwrap();
+    let port = l.local_addr().unwrap().port();
+    let l = tokio::net::TcpListener::from_std(l).unwrap();
+    let store = Store::with_secret(b"s3cret".to_vec());
+    let s = store.clone();
+    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+
+    let mut agent = client(addr).await;
+    agent
+        .set(nrun::store::server::AUTH_KEY, b"s3cret")
+        .await
+        .unwrap();
+    agent.set(b"nrun/run/plan", b"x").await.unwrap();
+    assert_eq!(agent.get(b"nrun/run/plan").await.unwrap(), b"x");
+    // The observe prefix stores the address the server saw, not the value sent.
+    agent.set(b"nrun/observed/r/0", b"forged").await.unwrap();
+    assert_eq!(agent.get(b"nrun/observed/r/0").await.unwrap(), b"127.0.0.1");
+
+    let mut worker = client(addr).await;
+    worker.set(b"/user", b"1").await.unwrap();
+    assert_eq!(
+        worker.list_keys().await.unwrap(),
+        vec![b"/user".to_vec()],
+        "nrun/ keys must not be listed"
+    );
+    assert!(
+        worker.get(b"nrun/run/plan").await.is_err(),
+        "read without the secret"
+    );
+    let mut worker = client(addr).await;
+    let _ = worker.set(b"nrun/run/plan", b"evil").await;
+    assert!(
+        worker.ping(1).await.is_err(),
+        "write without the secret must close the connection"
+    );
+    let mut wrong = client(addr).await;
+    let _ = wrong.set(nrun::store::server::AUTH_KEY, b"guess").await;
+    assert!(
+        wrong.ping(1).await.is_err(),
+        "a wrong secret must close the connection"
+    );
+    assert_eq!(agent.get(b"nrun/run/plan").await.unwrap(), b"x");
+    assert_eq!(store.get(b"nrun/run/plan").unwrap(), b"x");
+}

@@ -116,7 +116,9 @@ pub enum StopRequest {
 
 /// Resolves when `rx` holds something other than [`StopRequest::None`] (never, without one).
 async fn stop_requested(rx: &mut Option<tokio::sync::watch::Receiver<StopRequest>>) -> StopRequest {
-    let Some(rx) = rx.as_mut() else { return std::future::pending().await };
+    let Some(rx) = rx.as_mut() else {
+        return std::future::pending().await;
+    };
     loop {
         let v = *rx.borrow_and_update();
         if v != StopRequest::None {

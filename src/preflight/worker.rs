@@ -165,9 +165,14 @@ fn run() -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let store = rt
+    let mut store = rt
         .block_on(Client::connect(addr, Duration::from_millis(s.timeout_ms)))
         .map_err(|e| format!("rank {rank} cannot reach the store at {master}: {e}"))?;
+    // Multi-node runs reserve nrun's keys to those holding the run's secret.
+    if let Ok(secret) = std::env::var("NRUN_SECRET") {
+        rt.block_on(store.set(crate::store::server::AUTH_KEY, secret.as_bytes()))
+            .map_err(|e| format!("rank {rank}: store: {e}"))?;
+    }
     let host = nix::unistd::gethostname()
         .map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned());
     let mut ctx = Ctx {
@@ -502,7 +507,8 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             Some(c) => c.count_wrong(&gpu, dev, count),
             None => {
                 if staging.is_none() {
-                    staging = Some(gpu.alloc_host(STAGING.min(max_count.next_multiple_of(CHECK_BLOCK)))?);
+                    staging =
+                        Some(gpu.alloc_host(STAGING.min(max_count.next_multiple_of(CHECK_BLOCK)))?);
                 }
                 match staging.as_mut() {
                     Some(st) => check_device(&gpu, dev, count, st, &exp),
@@ -562,7 +568,6 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     }
     ph.mark("sweep");
     rep.phases_ms = ph.list;
-    drop(check);
     // Neither the buffers nor the communicators are torn down: the process ends right after
     // reporting (see `main`), and freeing memory NCCL may still reference only risks a crash.
     std::mem::forget((send, recv));

@@ -173,7 +173,10 @@ impl Store {
 
     /// A store whose `nrun/` keys need `secret` (see [`AUTH_KEY`]).
     pub fn with_secret(secret: Vec<u8>) -> Arc<Store> {
-        Arc::new(Store { secret: Some(secret), ..Store::default() })
+        Arc::new(Store {
+            secret: Some(secret),
+            ..Store::default()
+        })
     }
 
     /// Sets a key in-process (the coordinator's own writes), waking waiters.
@@ -242,13 +245,19 @@ impl Store {
                 }
             }
             if !c.authed && touches_control(&req) {
-                return Err("a connection without nrun's secret touched nrun's control keys (nrun/...)".into());
+                return Err(
+                    "a connection without nrun's secret touched nrun's control keys (nrun/...)"
+                        .into(),
+                );
             }
         }
         let req = match req {
             Request::Set { key, .. } if key.starts_with(OBSERVE_PREFIX) => {
                 let seen = crate::net::canonical(c.peer.ip());
-                Request::Set { key, value: seen.to_string().into_bytes() }
+                Request::Set {
+                    key,
+                    value: seen.to_string().into_bytes(),
+                }
             }
             r => r,
         };
@@ -361,7 +370,8 @@ impl Store {
             Request::ListKeys => {
                 // Without the secret, nrun's own keys are not listed.
                 let hide = self.secret.is_some() && !c.authed;
-                let keys: Vec<&Vec<u8>> = s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
+                let keys: Vec<&Vec<u8>> =
+                    s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
                 put_i64(out, keys.len() as i64);
                 for k in keys {
                     put_bytes(out, k);

@@ -1,0 +1,573 @@
+//! Multi-node runs against a real cluster on this machine: network namespaces, each with its
+//! own sshd (scripts/netns-cluster.sh), nrun started over the system ssh. Every test builds its
+//! own small cluster and tears it down when it ends, also when it fails.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+/// A cluster of namespace hosts, removed on drop.
+struct Cluster {
+    name: String,
+    config: String,
+}
+
+impl Cluster {
+    /// None (with a visible SKIPPED line) where namespaces cannot be made (not root).
+    fn up(name: &str, k: usize) -> Option<Cluster> {
+        let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
+        if !nix_is_root() {
+            eprintln!("SKIPPED cluster test {name}: needs root for network namespaces");
+            return None;
+        }
+        let out = Command::new("bash")
+            .args([&script, "up", &k.to_string(), name])
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            panic!(
+                "netns-cluster.sh up {k} {name} failed:\n{}",
+                text(&out.stderr)
+            );
+        }
+        let config = text(&out.stdout)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        Some(Cluster {
+            name: name.into(),
+            config,
+        })
+    }
+
+    fn host(&self, i: usize) -> String {
+        format!("{}-h{i}", self.name)
+    }
+
+    fn hosts(&self, k: usize) -> String {
+        (1..=k).map(|i| self.host(i)).collect::<Vec<_>>().join(",")
+    }
+
+    fn ssh_opts(&self) -> String {
+        format!("-F {}", self.config)
+    }
+
+    /// Processes still running inside the cluster's namespaces, other than each host's sshd
+    /// listener; waits up to 5 s for them to end (ssh sessions close asynchronously).
+    fn assert_nothing_left(&self, k: usize) {
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut left = Vec::new();
+            for i in 1..=k {
+                let out = Command::new("ip")
+                    .args(["netns", "pids", &self.host(i)])
+                    .output()
+                    .unwrap();
+                for pid in text(&out.stdout).split_whitespace() {
+                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                    let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                    let stat =
+                        std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                    let zombie = stat
+                        .rsplit_once(") ")
+                        .is_some_and(|(_, r)| r.starts_with('Z'));
+                    if cmd.is_empty() || zombie || cmd.contains("[listener]") {
+                        continue;
+                    }
+                    left.push(format!("{}: {pid} {cmd}", self.host(i)));
+                }
+            }
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < end,
+                "left running in the cluster: {left:#?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn exec(&self, i: usize, cmd: &str) {
+        let st = Command::new("ip")
+            .args(["netns", "exec", &self.host(i), "sh", "-c", cmd])
+            .status()
+            .unwrap();
+        assert!(st.success(), "in {}: {cmd}", self.host(i));
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
+        let _ = Command::new("bash")
+            .args([&script, "down", &self.name])
+            .output();
+    }
+}
+
+fn nix_is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| text(&o.stdout).trim() == "0")
+}
+
+fn run_on(
+    s: &Scene,
+    c: &Cluster,
+    k: usize,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    let hosts = c.hosts(k);
+    let opts = c.ssh_opts();
+    // The test's tag and mark file reach the workers on every node, so leftovers are found.
+    let mut args = vec![
+        "-H",
+        &hosts,
+        "--ssh-opts",
+        &opts,
+        "--no-python-probe",
+        "-x",
+        "NRUN_TEST_TAG",
+        "-x",
+        "MARK",
+    ];
+    args.extend_from_slice(extra);
+    s.run(&args, env)
+}
+
+#[test]
+fn workers_on_three_hosts_get_their_own_interface_and_ranks() {
+    let Some(c) = Cluster::up("ct1", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let out = run_on(
+        &s,
+        &c,
+        3,
+        &[
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo rank=$RANK of=$WORLD_SIZE node=$GROUP_RANK local=$LOCAL_RANK host=$(hostname) nccl=$NCCL_SOCKET_IFNAME gloo=$GLOO_SOCKET_IFNAME master=$MASTER_ADDR",
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    for r in 0..6 {
+        let node = r / 2 + 1;
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(&format!("rank={r} ")))
+            .unwrap_or_else(|| panic!("rank {r} missing: {stdout}"));
+        assert!(
+            line.starts_with(&format!("[ct1-h{node}:rank{r}]: ")),
+            "{line}"
+        );
+        assert!(line.contains(&format!("host=ct1-h{node}")), "{line}");
+        assert!(
+            line.contains("nccl==eth0") && line.contains("gloo=eth0"),
+            "{line}"
+        );
+        assert!(
+            line.contains("of=6") && line.contains(&format!("node={}", node - 1)),
+            "{line}"
+        );
+        // MASTER_ADDR is the launch host's address on the cluster's bridge, which the node reached.
+        assert!(line.contains("master=10.213."), "{line}");
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+#[test]
+fn gloo_all_reduce_across_three_hosts() {
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED gloo_all_reduce_across_three_hosts: no python with torch");
+        return;
+    };
+    let Some(c) = Cluster::up("ct2", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let script = format!(
+        "{}/tests/python/gloo_allreduce.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let out = run_on(
+        &s,
+        &c,
+        3,
+        &["--nproc", "2", "--python", py.to_str().unwrap(), &script],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    for r in 0..6 {
+        assert!(
+            stdout.contains(&format!("rank {r}/6: all_reduce ok (21)")),
+            "{stdout}"
+        );
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+#[test]
+fn a_failure_on_one_node_stops_every_node() {
+    let Some(c) = Cluster::up("ct3", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let started = std::time::Instant::now();
+    let out = run_on(
+        &s,
+        &c,
+        3,
+        &[
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "if [ $RANK = 3 ]; then sleep 0.5; echo dying >&2; exit 9; fi; exec sleep 60",
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(9), "{err}");
+    assert!(err.contains("rank 3 on ct3-h2 exited with code 9"), "{err}");
+    assert!(err.contains("| dying"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        started.elapsed()
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+#[test]
+fn killed_launcher_or_dropped_ssh_leaves_nothing_running() {
+    let Some(c) = Cluster::up("ct4", 3) else {
+        return;
+    };
+    for how in ["launcher", "ssh"] {
+        let s = Scene::new();
+        let hosts = c.hosts(3);
+        let opts = c.ssh_opts();
+        let child = s.spawn(
+            &[
+                "-H",
+                &hosts,
+                "--ssh-opts",
+                &opts,
+                "--no-python-probe",
+                "-x",
+                "NRUN_TEST_TAG",
+                "-x",
+                "MARK",
+                "--nproc",
+                "2",
+                "--no-python",
+                "sh",
+                "-c",
+                "echo up >> $MARK; exec sleep 60",
+            ],
+            &[],
+        );
+        s.wait_marks("up", 6, Duration::from_secs(30));
+        match how {
+            "launcher" => signal(&child, "KILL"),
+            _ => {
+                // Drop one node's ssh connection: its agent must stop its workers, and nrun the rest.
+                let st = Command::new("pkill")
+                    .args(["-f", &format!("ssh .*{} exec", c.host(2))])
+                    .status()
+                    .unwrap();
+                assert!(st.success(), "no ssh process for {}", c.host(2));
+            }
+        }
+        let (out, took) = wait_with_timeout(child, Duration::from_secs(20));
+        if how == "ssh" {
+            assert_eq!(out.status.code(), Some(95), "{}", text(&out.stderr));
+            assert!(
+                text(&out.stderr).contains("lost the connection to ct4-h2"),
+                "{}",
+                text(&out.stderr)
+            );
+        }
+        assert!(took < Duration::from_secs(15), "{how}: took {took:?}");
+        // Within 5 s every worker and agent on every node is gone.
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        while !s.survivors().is_empty() && std::time::Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        s.assert_no_survivors();
+        c.assert_nothing_left(3);
+    }
+}
+
+#[test]
+fn blocked_ports_between_two_nodes_are_named() {
+    let Some(c) = Cluster::up("ct5", 3) else {
+        return;
+    };
+    if Command::new("iptables").arg("--version").output().is_err() {
+        eprintln!("SKIPPED blocked_ports_between_two_nodes_are_named: no iptables");
+        return;
+    }
+    // ct5-h2 accepts ssh and established connections only: the store path (outgoing) works,
+    // connections from other nodes to its high ports are dropped.
+    c.exec(2, "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP");
+    let s = Scene::new();
+    let out = run_on(&s, &c, 3, &["--nproc", "1", "--no-python", "true"], &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(err.contains("ct5-h1 cannot reach ct5-h2"), "{err}");
+    assert!(
+        err.contains("check the firewall between ct5-h1 and ct5-h2"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("ct5-h2 cannot reach ct5-h3"),
+        "a good link was blamed: {err}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+#[test]
+fn nccl_socket_ifname_present_on_some_nodes_only_is_refused() {
+    let Some(c) = Cluster::up("ct6", 3) else {
+        return;
+    };
+    c.exec(
+        1,
+        "ip link add eth1 type veth peer name eth1p && ip link set eth1 up && ip link set eth1p up",
+    );
+    let s = Scene::new();
+    let out = run_on(
+        &s,
+        &c,
+        3,
+        &[
+            "-x",
+            "NCCL_SOCKET_IFNAME==eth1",
+            "--nproc",
+            "1",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains("NCCL_SOCKET_IFNAME==eth1 matches no interface that is up on ct6-h2"),
+        "{err}"
+    );
+    assert!(err.contains("on ct6-h3"), "{err}");
+    assert!(!err.contains("up on ct6-h1"), "{err}");
+    // The user's own setting, when valid everywhere, is kept as they wrote it.
+    let out = run_on(
+        &s,
+        &c,
+        2,
+        &[
+            "-x",
+            "NCCL_SOCKET_IFNAME=eth",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo nccl=$NCCL_SOCKET_IFNAME",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).matches("nccl=eth\n").count(),
+        2,
+        "{}",
+        text(&out.stdout)
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+#[test]
+fn unreachable_hosts_and_missing_nrun_are_reported_together() {
+    let Some(c) = Cluster::up("ct7", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let hosts = format!("{},nosuchhost-nrun,{}", c.host(1), c.host(2));
+    let opts = c.ssh_opts();
+    let out = s.run(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "--nproc",
+            "1",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(err.contains("1 of 3 nodes could not join"), "{err}");
+    assert_eq!(
+        err.lines()
+            .filter(|l| l.contains("could not join")
+                || l.starts_with("  ct7")
+                || l.starts_with("  nosuch"))
+            .count(),
+        2,
+        "{err}"
+    );
+    assert!(
+        err.contains("nosuchhost-nrun: ssh: Could not resolve hostname nosuchhost-nrun"),
+        "{err}"
+    );
+
+    let out = s.run(
+        &[
+            "-H",
+            &c.hosts(2),
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "--remote-nrun",
+            "/nonexistent/nrun",
+            "--nproc",
+            "1",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains("2 of 2 nodes could not join") && err.contains("/nonexistent/nrun"),
+        "{err}"
+    );
+    assert!(err.contains("--ship"), "{err}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
+#[test]
+fn two_jobs_at_once_on_the_same_hosts_and_ship() {
+    let Some(c) = Cluster::up("ct8", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let hosts = c.hosts(2);
+    let opts = c.ssh_opts();
+    let args = [
+        "-H",
+        &hosts,
+        "--ssh-opts",
+        &opts,
+        "--no-python-probe",
+        "--nproc",
+        "2",
+        "--no-python",
+        "sh",
+        "-c",
+        "sleep 1; echo done $RANK",
+    ];
+    let a = s.spawn(&args, &[]);
+    let b = s.spawn(&args, &[]);
+    for child in [a, b] {
+        let (out, _) = wait_with_timeout(child, Duration::from_secs(30));
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert_eq!(text(&out.stdout).matches("done ").count(), 4);
+    }
+    let out = s.run(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "--ship",
+            "--nproc",
+            "1",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
+#[test]
+fn network_preflight_across_hosts() {
+    let Some(c) = Cluster::up("cq1", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let out = run_on(
+        &s,
+        &c,
+        3,
+        &[
+            "--preflight-only",
+            "--preflight",
+            "net",
+            "--nproc",
+            "2",
+            "--preflight-sizes",
+            "8:1M:4",
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(
+        stdout.contains("network (TCP ring) all-reduce, 6 ranks on 3 node(s)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.lines().last().unwrap().starts_with("preflight ok"),
+        "{stdout}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
