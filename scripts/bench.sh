@@ -81,5 +81,18 @@ for s in "${servers[@]}"; do
     for n in 4000 16000; do dst=$((dst % 250 + 1)); sb "rendezvous$n/$name" 60 rendezvous "127.0.0.$dst:$p" "$n"; done
   fi
 done
+echo "== multi-node launch over ssh (namespace hosts)" >&2
+# K hosts of scripts/netns-cluster.sh, the same sshds for both launchers; 2 workers per host.
+for K in ${CLUSTER_SIZES:-2 4 8}; do
+  cfg=$(bash scripts/netns-cluster.sh up "$K" nbench | tail -1)
+  hosts=$(paste -sd, "$(dirname "$cfg")/hosts")
+  net=$(grep NRUN_CLUSTER_SUBNET "$(dirname "$cfg")/cluster.env" | cut -d= -f2)
+  measure "cluster$K/nrun" "$SLOW_RUNS" --timeout 60 -- $NRUN -H "$hosts" --ssh-opts "-F $cfg" --nproc 2 --no-python true
+  mpi_hosts=$(sed 's/$/:2/' "$(dirname "$cfg")/hosts" | paste -sd,)
+  measure "cluster$K/mpirun" "$SLOW_RUNS" --timeout 60 -- mpirun --allow-run-as-root --oversubscribe -H "$mpi_hosts" -np $((K * 2)) \
+    --mca plm_rsh_agent ssh --mca plm_rsh_args "-F $cfg" --mca oob_tcp_if_include "$net" --mca btl_tcp_if_include "$net" true
+  bash scripts/netns-cluster.sh down nbench >/dev/null
+done
+
 echo "results: $out" >&2
 python3 scripts/bench/summarize.py "$out"

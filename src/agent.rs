@@ -186,11 +186,20 @@ async fn run() -> Result<(), String> {
     .concat();
     store.set(&observe, b"").await.map_err(|e| e.to_string())?;
 
-    // Probes from other nodes are answered on this node's end of the path to the coordinator.
-    let probe = tokio::net::TcpListener::bind(SocketAddr::new(local.ip(), 0))
+    // Probes from other nodes arrive on the address the coordinator picks for this node
+    // (normally this end of the path to it), so listen on every address.
+    let any: std::net::IpAddr = if local.is_ipv4() {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    };
+    let probe = tokio::net::TcpListener::bind(SocketAddr::new(any, 0))
         .await
-        .map_err(|e| format!("{me}: cannot open a probe listener on {}: {e}", local.ip()))?;
-    let probe_addr = probe.local_addr().map_err(|e| e.to_string())?;
+        .map_err(|e| format!("{me}: cannot open a probe listener: {e}"))?;
+    let probe_addr = SocketAddr::new(
+        local.ip(),
+        probe.local_addr().map_err(|e| e.to_string())?.port(),
+    );
     tokio::spawn(async move {
         while let Ok((mut s, _)) = probe.accept().await {
             tokio::spawn(async move {

@@ -21,6 +21,7 @@ Examples:
   nrun --preflight-only --nproc 8         NCCL all-reduce health check of this node's 8 GPUs
   nrun --preflight-only --preflight net --nproc 4   the TCP network path alone, no GPU needed
   nrun -H gpu1,gpu2 --nproc 8 train.py    16 workers on two nodes over ssh
+  nrun doctor [-H gpu1,gpu2]              what each node has (GPUs, driver, NCCL, torch, interfaces)
   nrun --hostfile hosts --nnodes 4 --nproc 8 train.py   the first 4 nodes of a hostfile
   torchrun --nproc-per-node 8 x.py  ->  nrun --nproc-per-node 8 x.py   (same flags, same env)
 
@@ -375,10 +376,15 @@ pub struct Cli {
     #[arg(long = "no-python-probe", env = "NRUN_NO_PYTHON_PROBE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Nodes")]
     pub no_python_probe: bool,
 
+    /// `nrun doctor [-H ...]`: report this node's (or the given nodes') facts and checks, run
+    /// nothing. Set by the `doctor` subcommand.
+    #[arg(long, hide = true, action = ArgAction::SetTrue)]
+    pub doctor: bool,
+
     /// The script, module or program, followed by its arguments.
     #[arg(
         value_name = "TARGET [ARGS]...",
-        required_unless_present = "preflight_only",
+        required_unless_present_any = ["preflight_only", "doctor"],
         num_args = 1..,
         trailing_var_arg = true,
     )]

@@ -40,6 +40,8 @@ pub struct ClusterPlan {
     pub allow_mismatch: bool,
     pub python_probe: bool,
     pub remote_nrun: String,
+    /// `nrun doctor`: join, check, probe, report; run nothing.
+    pub doctor: bool,
 }
 
 /// A node's agent and what nrun saw of it.
@@ -52,6 +54,9 @@ struct Node {
     /// The interface this node uses (NCCL_SOCKET_IFNAME), and the coordinator address it reached.
     ifname: String,
     master_addr: String,
+    /// The address other nodes use to reach this one.
+    addr: Option<IpAddr>,
+    local: bool,
 }
 
 fn random_secret() -> String {
@@ -162,12 +167,19 @@ async fn start_agents(
 
 async fn start_one(cp: &ClusterPlan, label: &str, hello: &Hello) -> Result<Node> {
     let mut remote_nrun = cp.remote_nrun.clone();
-    if cp.ship {
+    if cp.ship && !is_this_host(label) {
         remote_nrun = ship(cp, label).await?;
     }
-    let argv = match cp.launcher {
-        Launcher::Ssh => remote::ssh_command(label, &cp.ssh_opts, &remote_nrun),
-        Launcher::Srun => remote::srun_command(&[label.to_string()], &remote_nrun),
+    let argv = if is_this_host(label) {
+        // The launch host's own node needs no ssh: its agent is a child of nrun, spoken to the
+        // same way (stdin, the store) so there is one code path.
+        let exe = std::env::current_exe().map_err(|e| Error::internal(e.to_string()))?;
+        vec![exe.into_os_string(), "__agent".into()]
+    } else {
+        match cp.launcher {
+            Launcher::Ssh => remote::ssh_command(label, &cp.ssh_opts, &remote_nrun),
+            Launcher::Srun => remote::srun_command(&[label.to_string()], &remote_nrun),
+        }
     };
     let mut cmd = tokio::process::Command::new(&argv[0]);
     // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
@@ -225,7 +237,30 @@ async fn start_one(cp: &ClusterPlan, label: &str, hello: &Hello) -> Result<Node>
         joined: None,
         ifname: String::new(),
         master_addr: String::new(),
+        addr: None,
+        local: is_this_host(label),
     })
+}
+
+/// Whether a host name means this machine: localhost, a loopback address, this host's name,
+/// or one of its addresses.
+fn is_this_host(label: &str) -> bool {
+    let name = label.rsplit('@').next().unwrap_or(label);
+    if name == "localhost" {
+        return true;
+    }
+    if let Ok(ip) = name.parse::<IpAddr>() {
+        return ip.is_loopback()
+            || net::interfaces().iter().any(|i| {
+                i.addrs
+                    .iter()
+                    .any(|a| net::canonical(*a) == net::canonical(ip))
+            });
+    }
+    let me = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    !me.is_empty() && (name == me || me.split('.').next() == Some(name))
 }
 
 /// Copies the running nrun to `~/.cache/nrun/nrun-<version>` on the host; returns that path.
@@ -398,6 +433,7 @@ async fn drive(
             .map_err(|_| Error::internal("bad reached address"))?;
         let iface = net::owner(&j.facts.ifaces, local.ip());
         n.master_addr = net::canonical(reached.ip()).to_string();
+        n.addr = Some(net::canonical(local.ip()));
         match (&cp.ifname, iface) {
             (Some(want), _) => {
                 let ok = j.facts.ifaces.iter().any(|f| &f.name == want && f.up);
@@ -430,6 +466,28 @@ async fn drive(
                     "{}: the launch host sees it connect from {seen} but it sent from {mine}: NAT or an asymmetric route between them; NCCL between nodes may not get through",
                     n.label
                 ));
+            }
+        }
+    }
+    // The launch host's own node reached the store over whichever of its addresses answered
+    // first; for the others it is the address they reached, on the interface holding it.
+    let remote_reached = nodes
+        .iter()
+        .filter(|n| !n.local)
+        .map(|n| n.master_addr.clone())
+        .next();
+    if let Some(ip) = remote_reached
+        .as_ref()
+        .and_then(|a| a.parse::<IpAddr>().ok())
+    {
+        for n in nodes.iter_mut().filter(|n| n.local) {
+            let ifs = &n.joined.as_ref().expect("joined").facts.ifaces;
+            if let Some(f) = net::owner(ifs, ip) {
+                if cp.ifname.is_none() {
+                    n.ifname = f.name.clone();
+                }
+                n.addr = Some(ip);
+                n.master_addr = ip.to_string();
             }
         }
     }
@@ -491,7 +549,15 @@ async fn drive(
     if k > 1 {
         for (i, n) in nodes.iter().enumerate() {
             let next = &nodes[(i + 1) % k];
-            let target = next.joined.as_ref().expect("joined").probe_addr.clone();
+            let published: SocketAddr = next
+                .joined
+                .as_ref()
+                .expect("joined")
+                .probe_addr
+                .parse()
+                .map_err(|_| Error::internal("bad probe address"))?;
+            let target =
+                SocketAddr::new(next.addr.unwrap_or(published.ip()), published.port()).to_string();
             let _ = n;
             set_step(
                 store,
@@ -523,6 +589,17 @@ async fn drive(
             }
             return Ok(CLUSTER_FAILED);
         }
+    }
+
+    if cp.doctor {
+        for n in nodes.iter() {
+            println!(
+                "{}: NCCL_SOCKET_IFNAME would be =={} (it reached the launch host at {})",
+                n.label, n.ifname, n.master_addr
+            );
+        }
+        println!("doctor: {k} nodes joined, checked and reach each other");
+        return Ok(exit::SUCCESS);
     }
 
     // ---- preflight ----------------------------------------------------------------------
@@ -645,11 +722,7 @@ fn nodes_view(nodes: &[Node]) -> Vec<NodeView> {
             label: n.label.clone(),
             ifname: n.ifname.clone(),
             master_addr: n.master_addr.clone(),
-            local_ip: n
-                .joined
-                .as_ref()
-                .and_then(|j| j.local_addr.parse::<SocketAddr>().ok())
-                .map_or(IpAddr::from([0, 0, 0, 0]), |a| net::canonical(a.ip())),
+            local_ip: n.addr.unwrap_or(IpAddr::from([0, 0, 0, 0])),
             nccl_lib: n
                 .joined
                 .as_ref()
@@ -842,6 +915,8 @@ pub fn job_specs_for_preflight(
             joined: None,
             ifname: v.ifname.clone(),
             master_addr: v.master_addr.clone(),
+            addr: Some(v.local_ip),
+            local: false,
         })
         .collect();
     let mut all = job_specs(
@@ -1110,5 +1185,56 @@ pub fn plan_cluster(
         allow_mismatch: cli.allow_mismatch,
         python_probe: !cli.no_python_probe && !cli.no_python && plan.python.is_some(),
         remote_nrun,
+        doctor: cli.doctor,
     }))
+}
+
+/// `nrun doctor` for this node alone: its facts and interfaces.
+pub fn doctor_local(plan: &Plan) -> u8 {
+    let f = crate::facts::gather(plan.python.as_deref());
+    let cmp = crate::facts::compare(&[("this host".to_string(), &f)]);
+    print!("{}", cmp.table);
+    println!("interfaces:");
+    for i in &f.ifaces {
+        let addrs: Vec<String> = i.addrs.iter().map(|a| a.to_string()).collect();
+        println!(
+            "  {:<12} {:<4} mtu {:<6} {}",
+            i.name,
+            if i.up { "up" } else { "down" },
+            i.mtu.map_or("?".into(), |m| m.to_string()),
+            addrs.join(" ")
+        );
+    }
+    println!("NCCL libraries (the first is what a job here would load):");
+    if f.nccl.is_empty() {
+        println!("  none found (torch's site-packages, LD_LIBRARY_PATH, ldconfig)");
+    }
+    for l in &f.nccl {
+        println!(
+            "  {} {} ({})",
+            l.version.as_deref().unwrap_or("?"),
+            l.path,
+            l.source
+        );
+    }
+    match (&f.torch, &f.torch_error) {
+        (Some(t), _) => println!(
+            "torch {t} (CUDA {}, NCCL {})",
+            f.torch_cuda.as_deref().unwrap_or("-"),
+            f.torch_nccl.as_deref().unwrap_or("-")
+        ),
+        (None, Some(e)) => println!(
+            "torch: not usable with {}: {e}",
+            plan.python
+                .as_ref()
+                .map_or("python3".into(), |p| p.display().to_string())
+        ),
+        (None, None) => println!("torch: not probed (no python found)"),
+    }
+    if std::env::var_os("NCCL_PORT_RANGE").is_some() {
+        println!(
+            "warning: NCCL_PORT_RANGE is not an NCCL variable; narrow net.ipv4.ip_local_port_range instead"
+        );
+    }
+    exit::SUCCESS
 }

@@ -55,7 +55,12 @@ pub fn main() -> ExitCode {
         _ => {}
     }
     cli::apply_pet_env();
-    let cli = match cli::Cli::try_parse() {
+    // `nrun doctor ...` is `nrun --doctor ...`: the same flags, no target.
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "doctor") {
+        args[1] = "--doctor".into();
+    }
+    let cli = match cli::Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {
             // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
@@ -88,6 +93,9 @@ fn run(cli: cli::Cli) -> error::Result<u8> {
         .map_err(|e| error::Error::internal(format!("cannot start the async runtime: {e}")))?;
     // The coordinator future runs on this (main) thread; workers are spawned from it, which
     // their PR_SET_PDEATHSIG relies on.
+    if cli.doctor && cluster.is_none() {
+        return Ok(cluster::doctor_local(&plan));
+    }
     match (cluster, listener) {
         (Some(cp), Some(l)) => rt.block_on(cluster::run(&plan, &cp, l)),
         (Some(_), None) => Err(error::Error::internal("no store for a multi-node run")),

@@ -339,6 +339,9 @@ fn resolve_preflight(
             }
         }
     }
+    if cli.doctor {
+        return Ok(None);
+    }
     if cli.no_preflight {
         if cli.preflight_only {
             return Err(Error::usage(

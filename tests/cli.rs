@@ -325,3 +325,21 @@ fn log_dir_redirects_tee_and_filter() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn doctor_on_this_host() {
+    let s = Scene::new();
+    let out = s.run(&["doctor", "--no-python-probe"], &[]);
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(
+        stdout.contains("this host") && stdout.contains("interfaces:") && stdout.contains("lo "),
+        "{stdout}"
+    );
+    assert!(stdout.contains("NCCL libraries"), "{stdout}");
+}

@@ -571,3 +571,84 @@ fn network_preflight_across_hosts() {
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
+
+#[test]
+fn the_launch_hosts_own_node_runs_without_ssh() {
+    let Some(c) = Cluster::up("cq3", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let hosts = format!("localhost,{}", c.hosts(2));
+    let opts = c.ssh_opts();
+    let out = s.run(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "-x",
+            "NRUN_TEST_TAG",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo rank=$RANK nccl=$NCCL_SOCKET_IFNAME",
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    // This host's node uses the interface the other nodes reach it on: the cluster's bridge.
+    assert!(
+        stdout.contains("[localhost:rank0]: rank=0 nccl==cq3-br"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("[cq3-h1:rank1]: rank=1 nccl==eth0"),
+        "{stdout}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
+#[test]
+fn doctor_reports_the_nodes_and_runs_nothing() {
+    let Some(c) = Cluster::up("cq4", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let opts = c.ssh_opts();
+    let out = s.run(
+        &[
+            "doctor",
+            "-H",
+            &c.hosts(2),
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("cq4-h1") && stderr.contains("cq4-h2") && stderr.contains("driver"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("cq4-h2: NCCL_SOCKET_IFNAME would be ==eth0"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("doctor: 2 nodes joined, checked and reach each other"),
+        "{stdout}"
+    );
+    c.assert_nothing_left(2);
+}

@@ -17,10 +17,18 @@ for r in rows:
         print(f"| {r['label'][7:]} | {r['runs']} | {r.get('median_wall_ms', '-')} ms | "
               f"{r.get('min_wall_ms', '-')} ms | {r.get('median_peak_mib', '-')} MiB |")
 
+cl = [r for r in rows if r.get("label", "").startswith("cluster")]
+if cl:
+    print("\n| launch over ssh (K hosts x 2 x true) | runs | median wall | min wall | exit codes |")
+    print("|---|---|---|---|---|")
+    for r in cl:
+        print(f"| {r['label']} | {r['runs']} | {r.get('median_wall_ms', '-')} ms | {r.get('min_wall_ms', '-')} ms | "
+              f"{','.join(r['exit_codes'])}{' (timed out after %ss)' % r['timed_out_after_s'] if 'timed_out_after_s' in r else ''} |")
+
 groups = defaultdict(list)
 for r in rows:
     lab = r.get("label", "")
-    if "/" in lab and not lab.startswith("launch/"):
+    if "/" in lab and not lab.startswith(("launch/", "cluster")):
         groups[lab].append(r)
 
 
