@@ -33,11 +33,18 @@ export NCCL_NVLS_ENABLE=0
   echo "  \"mpirun\": \"$(mpirun --version 2>&1 | head -1)\"}}"
 } | tr -d '\n' >> "$out"; echo >> "$out"
 
+# BENCH_ONLY=local|store|cluster runs one section.
+only() { [ -z "${BENCH_ONLY:-}" ] || [ "$BENCH_ONLY" = "$1" ]; }
+
+if only local; then
 echo "== launch overhead: 8 copies of true" >&2
 measure launch/nrun "$RUNS" -- $NRUN --nproc 8 --no-python true
 measure launch/mpirun "$RUNS" -- mpirun --allow-run-as-root --oversubscribe -np 8 true
 measure launch/torchrun "$SLOW_RUNS" -- "$venv/bin/torchrun" --nproc-per-node 8 --no-python true
 
+fi
+
+if only store; then
 echo "== store" >&2
 # One labelled storebench run; a run past its time limit is recorded as such.
 sb() {
@@ -81,6 +88,9 @@ for s in "${servers[@]}"; do
     for n in 4000 16000; do dst=$((dst % 250 + 1)); sb "rendezvous$n/$name" 60 rendezvous "127.0.0.$dst:$p" "$n"; done
   fi
 done
+fi
+
+if only cluster; then
 echo "== multi-node launch over ssh (namespace hosts)" >&2
 # K hosts of scripts/netns-cluster.sh, the same sshds for both launchers; 2 workers per host.
 for K in ${CLUSTER_SIZES:-2 4 8}; do
@@ -93,6 +103,7 @@ for K in ${CLUSTER_SIZES:-2 4 8}; do
     --mca plm_rsh_agent ssh --mca plm_rsh_args "-F $cfg" --mca oob_tcp_if_include "$net" --mca btl_tcp_if_include "$net" true
   bash scripts/netns-cluster.sh down nbench >/dev/null
 done
+fi
 
 echo "results: $out" >&2
 python3 scripts/bench/summarize.py "$out"

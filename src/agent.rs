@@ -127,13 +127,16 @@ pub fn main() -> u8 {
         }
     };
     // Workers are spawned from this (main) thread: see node::run_group on PR_SET_PDEATHSIG.
-    match rt.block_on(run()) {
+    let code = match rt.block_on(run()) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("{e}");
             3
         }
-    }
+    };
+    // Do not wait for the blocking read of stdin: it ends only when the launcher closes it.
+    rt.shutdown_background();
+    code
 }
 
 fn host() -> String {

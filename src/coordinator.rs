@@ -133,6 +133,13 @@ async fn run_job(
             tracing::info!("worker logs go to {}", d.display());
         }
     }
+    if std::env::var_os("NCCL_PORT_RANGE").is_some() {
+        tracing::warn!(
+            "NCCL_PORT_RANGE is not an NCCL variable and does nothing: to confine NCCL's ports \
+             narrow the kernel's ephemeral range (sysctl net.ipv4.ip_local_port_range=\"50000 51000\"); \
+             NCCL_COMM_ID pins only the bootstrap port"
+        );
+    }
     let host = hostname();
     let program = std::iter::once(plan.program.to_string_lossy())
         .chain(plan.args.iter().map(|a| a.to_string_lossy()))
