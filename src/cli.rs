@@ -22,13 +22,15 @@ Examples:
   nrun --preflight-only --preflight net --nproc 4   the TCP network path alone, no GPU needed
   nrun -H gpu1,gpu2 --nproc 8 train.py    16 workers on two nodes over ssh
   nrun doctor [-H gpu1,gpu2]              what each node has (GPUs, driver, NCCL, torch, interfaces)
+  nrun bisect --hostfile hosts --nproc 8 --write-hostfile good   find the bad nodes and links
   nrun --hostfile hosts --nnodes 4 --nproc 8 train.py   the first 4 nodes of a hostfile
   torchrun --nproc-per-node 8 x.py  ->  nrun --nproc-per-node 8 x.py   (same flags, same env)
 
 Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)
 and rendezvous through the store nrun hosts, so init_process_group(\"env://\") needs no change.
 
-Exit status: 0 all workers succeeded; 2 bad usage or input; 90-94 the preflight failed (90 could
+Exit status: 0 all workers succeeded; 2 bad usage or input; 95 nodes could not join or disagree;
+96 bisect found bad nodes; 90-94 the preflight failed (90 could
 not run, 91 NCCL init failed, 92 timed out, 93 wrong results, 94 under --min-busbw); otherwise the
 first failing worker's exit code (128+N when it died of signal N), or 128+N when nrun itself was
 stopped by signal N.";
@@ -381,10 +383,54 @@ pub struct Cli {
     #[arg(long, hide = true, action = ArgAction::SetTrue)]
     pub doctor: bool,
 
+    /// `nrun bisect ...`: the staged scale-up that finds bad nodes and links. Set by the
+    /// `bisect` subcommand.
+    #[arg(long, hide = true, action = ArgAction::SetTrue)]
+    pub bisect: bool,
+
+    /// bisect: what each group runs: nccl (the NCCL preflight), net (TCP ring, no GPU), or cmd
+    /// (the command after `--`, which must exit 0 within --timeout).
+    #[arg(
+        long,
+        env = "NRUN_PROBE",
+        default_value = "nccl",
+        value_name = "nccl|net|cmd",
+        help_heading = "Bisect"
+    )]
+    pub probe: String,
+
+    /// bisect: a group whose busbw is under this fraction of its stage's median is slow.
+    #[arg(
+        long = "slow-factor",
+        env = "NRUN_SLOW_FACTOR",
+        default_value_t = 0.8,
+        help_heading = "Bisect"
+    )]
+    pub slow_factor: f64,
+
+    /// bisect: seconds each group's run may take.
+    #[arg(
+        long,
+        env = "NRUN_TIMEOUT",
+        default_value_t = 120.0,
+        value_name = "SECS",
+        help_heading = "Bisect"
+    )]
+    pub timeout: f64,
+
+    /// bisect: write the good hosts to FILE, in the input hostfile's own format.
+    #[arg(
+        long = "write-hostfile",
+        env = "NRUN_WRITE_HOSTFILE",
+        value_name = "FILE",
+        help_heading = "Bisect"
+    )]
+    pub write_hostfile: Option<PathBuf>,
+
     /// The script, module or program, followed by its arguments.
     #[arg(
         value_name = "TARGET [ARGS]...",
-        required_unless_present_any = ["preflight_only", "doctor"],
+        required_unless_present_any = ["preflight_only", "doctor", "bisect"],
         num_args = 1..,
         trailing_var_arg = true,
     )]

@@ -45,21 +45,21 @@ pub struct ClusterPlan {
 }
 
 /// A node's agent and what nrun saw of it.
-struct Node {
-    label: String,
-    child: Option<Child>,
-    stdin: Option<ChildStdin>,
-    stderr_tail: Arc<Mutex<VecDeque<String>>>,
-    joined: Option<Joined>,
+pub(crate) struct Node {
+    pub(crate) label: String,
+    pub(crate) child: Option<Child>,
+    pub(crate) stdin: Option<ChildStdin>,
+    pub(crate) stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    pub(crate) joined: Option<Joined>,
     /// The interface this node uses (NCCL_SOCKET_IFNAME), and the coordinator address it reached.
-    ifname: String,
-    master_addr: String,
+    pub(crate) ifname: String,
+    pub(crate) master_addr: String,
     /// The address other nodes use to reach this one.
-    addr: Option<IpAddr>,
-    local: bool,
+    pub(crate) addr: Option<IpAddr>,
+    pub(crate) local: bool,
 }
 
-fn random_secret() -> String {
+pub(crate) fn random_secret() -> String {
     let mut b = [0u8; 16];
     if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
         let _ = std::io::Read::read_exact(&mut f, &mut b);
@@ -127,7 +127,7 @@ pub async fn run(plan: &Plan, cp: &ClusterPlan, listener: std::net::TcpListener)
     code
 }
 
-async fn start_agents(
+pub(crate) async fn start_agents(
     plan: &Plan,
     cp: &ClusterPlan,
     secret: &str,
@@ -244,7 +244,7 @@ async fn start_one(cp: &ClusterPlan, label: &str, hello: &Hello) -> Result<Node>
 
 /// Whether a host name means this machine: localhost, a loopback address, this host's name,
 /// or one of its addresses.
-fn is_this_host(label: &str) -> bool {
+pub(crate) fn is_this_host(label: &str) -> bool {
     let name = label.rsplit('@').next().unwrap_or(label);
     if name == "localhost" {
         return true;
@@ -294,7 +294,7 @@ async fn ship(cp: &ClusterPlan, label: &str) -> Result<String> {
     Ok(path)
 }
 
-async fn end_agents(nodes: &mut [Node]) {
+pub(crate) async fn end_agents(nodes: &mut [Node]) {
     // Agents leave on the End step by themselves; stdin is closed only after that, so they do
     // not mistake the end for the launcher going away. Stragglers: stdin closed, then killed.
     wait_exits(nodes, Duration::from_secs(2)).await;
@@ -325,104 +325,19 @@ async fn wait_exits(nodes: &mut [Node], d: Duration) {
 /// Exit code when nodes cannot join or do not agree.
 pub const CLUSTER_FAILED: u8 = exit::CLUSTER;
 
-#[allow(clippy::too_many_arguments)]
-async fn drive(
-    plan: &Plan,
+/// Decides each joined node's interface, its coordinator address and the address other nodes
+/// reach it on; returns (problems, warnings).
+pub(crate) fn assign_interfaces(
     cp: &ClusterPlan,
-    store: &Arc<Store>,
+    store: &Store,
     run_id: &str,
-    secret: &str,
-    port: u16,
     nodes: &mut [Node],
-    signals: &mut Signals,
-    step: &mut usize,
-) -> Result<u8> {
-    // ---- join ---------------------------------------------------------------------------
-    let started = Instant::now();
-    let k = nodes.len();
-    let mut last_report = 0;
-    loop {
-        let mut pending = 0;
-        for (i, n) in nodes.iter_mut().enumerate() {
-            if n.joined.is_some() {
-                continue;
-            }
-            if let Some(raw) = store.get(&agent::key(run_id, &format!("n{i}/joined"))) {
-                n.joined = serde_json::from_slice(&raw).ok();
-                continue;
-            }
-            let exited = n
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-                .is_some();
-            if !exited {
-                pending += 1;
-            }
-        }
-        let joined = nodes.iter().filter(|n| n.joined.is_some()).count();
-        if joined != last_report && joined < k && started.elapsed() > Duration::from_secs(1) {
-            tracing::info!("{joined}/{k} nodes joined");
-            last_report = joined;
-        }
-        if pending == 0 || started.elapsed() > cp.join_timeout {
-            break;
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-            sig = signals.recv() => return Ok(exit::signal(sig)),
-        }
-    }
-    // Let stderr relays catch the last words of agents that exited.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut failures = Vec::new();
-    for n in nodes.iter_mut() {
-        if n.joined.is_some() {
-            continue;
-        }
-        let tail = tail_of(&n.stderr_tail);
-        let said = tail.iter().rev().find(|l| !l.trim().is_empty()).cloned();
-        let status = n.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-        failures.push(match (status, said) {
-            (Some(st), Some(said)) => format!("{}: {} (exit {})", n.label, said, st.code().map_or("signal".into(), |c| c.to_string())),
-            (Some(st), None) => format!("{}: the agent exited ({st}) without a word; run `ssh {} nrun --version` to check nrun is installed there", n.label, n.label),
-            (None, _) => format!(
-                "{}: did not join within {} s (--join-timeout); ssh is still running: a slow host, or nrun hanging there",
-                n.label,
-                cp.join_timeout.as_secs()
-            ),
-        });
-    }
-    if !failures.is_empty() {
-        eprintln!(
-            "nrun: error: {} of {k} nodes could not join:",
-            failures.len()
-        );
-        for f in &failures {
-            eprintln!("  {f}");
-        }
-        eprintln!(
-            "  hint: check each with `ssh {} <host> true` (BatchMode: keys, no prompts), and that nrun {} is on its PATH or pass --ship",
-            cp.ssh_opts.join(" "),
-            env!("CARGO_PKG_VERSION")
-        );
-        return Ok(CLUSTER_FAILED);
-    }
-    tracing::info!(
-        "{k}/{k} nodes joined in {:.2} s",
-        started.elapsed().as_secs_f64()
-    );
-
-    // ---- check --------------------------------------------------------------------------
+) -> Result<(Vec<String>, Vec<String>)> {
     let mut problems = Vec::new();
     let mut warnings = Vec::new();
-    let user_ifname = cp
-        .env
-        .iter()
-        .find(|(k, _)| k == "NCCL_SOCKET_IFNAME")
-        .map(|(_, v)| v.clone());
     for (i, n) in nodes.iter_mut().enumerate() {
-        let j = n.joined.as_ref().expect("joined");
+        // Nodes that did not join (bisect goes on without them) have nothing to decide.
+        let Some(j) = n.joined.as_ref() else { continue };
         let local: SocketAddr = j
             .local_addr
             .parse()
@@ -481,7 +396,8 @@ async fn drive(
         .and_then(|a| a.parse::<IpAddr>().ok())
     {
         for n in nodes.iter_mut().filter(|n| n.local) {
-            let ifs = &n.joined.as_ref().expect("joined").facts.ifaces;
+            let Some(j) = n.joined.as_ref() else { continue };
+            let ifs = &j.facts.ifaces;
             if let Some(f) = net::owner(ifs, ip) {
                 if cp.ifname.is_none() {
                     n.ifname = f.name.clone();
@@ -491,6 +407,123 @@ async fn drive(
             }
         }
     }
+    Ok((problems, warnings))
+}
+
+/// Waits until every agent joined, exited, or --join-timeout passed. Returns the nodes that
+/// did not join, each with what ssh or the agent said. `Err`: interrupted (the exit code).
+pub(crate) async fn join(
+    cp: &ClusterPlan,
+    store: &Store,
+    run_id: &str,
+    nodes: &mut [Node],
+    signals: &mut Signals,
+) -> std::result::Result<Vec<(usize, String)>, u8> {
+    // ---- join ---------------------------------------------------------------------------
+    let started = Instant::now();
+    let k = nodes.len();
+    let mut last_report = 0;
+    loop {
+        let mut pending = 0;
+        for (i, n) in nodes.iter_mut().enumerate() {
+            if n.joined.is_some() {
+                continue;
+            }
+            if let Some(raw) = store.get(&agent::key(run_id, &format!("n{i}/joined"))) {
+                n.joined = serde_json::from_slice(&raw).ok();
+                continue;
+            }
+            let exited = n
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+                .is_some();
+            if !exited {
+                pending += 1;
+            }
+        }
+        let joined = nodes.iter().filter(|n| n.joined.is_some()).count();
+        if joined != last_report && joined < k && started.elapsed() > Duration::from_secs(1) {
+            tracing::info!("{joined}/{k} nodes joined");
+            last_report = joined;
+        }
+        if pending == 0 || started.elapsed() > cp.join_timeout {
+            break;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            sig = signals.recv() => return Err(exit::signal(sig)),
+        }
+    }
+    // Let stderr relays catch the last words of agents that exited.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut failures = Vec::new();
+    for (i, n) in nodes.iter_mut().enumerate() {
+        if n.joined.is_some() {
+            continue;
+        }
+        let tail = tail_of(&n.stderr_tail);
+        let said = tail.iter().rev().find(|l| !l.trim().is_empty()).cloned();
+        let status = n.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+        failures.push((i, match (status, said) {
+            (Some(st), Some(said)) => format!("{}: {} (exit {})", n.label, said, st.code().map_or("signal".into(), |c| c.to_string())),
+            (Some(st), None) => format!("{}: the agent exited ({st}) without a word; run `ssh {} nrun --version` to check nrun is installed there", n.label, n.label),
+            (None, _) => format!(
+                "{}: did not join within {} s (--join-timeout); ssh is still running: a slow host, or nrun hanging there",
+                n.label,
+                cp.join_timeout.as_secs()
+            ),
+        }));
+    }
+    tracing::info!(
+        "{}/{k} nodes joined in {:.2} s",
+        k - failures.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(failures)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn drive(
+    plan: &Plan,
+    cp: &ClusterPlan,
+    store: &Arc<Store>,
+    run_id: &str,
+    secret: &str,
+    port: u16,
+    nodes: &mut [Node],
+    signals: &mut Signals,
+    step: &mut usize,
+) -> Result<u8> {
+    let k = nodes.len();
+    let failures = match join(cp, store, run_id, nodes, signals).await {
+        Ok(f) => f,
+        Err(code) => return Ok(code),
+    };
+    let failures: Vec<String> = failures.into_iter().map(|(_, m)| m).collect();
+    if !failures.is_empty() {
+        eprintln!(
+            "nrun: error: {} of {k} nodes could not join:",
+            failures.len()
+        );
+        for f in &failures {
+            eprintln!("  {f}");
+        }
+        eprintln!(
+            "  hint: check each with `ssh {} <host> true` (BatchMode: keys, no prompts), and that nrun {} is on its PATH or pass --ship",
+            cp.ssh_opts.join(" "),
+            env!("CARGO_PKG_VERSION")
+        );
+        return Ok(CLUSTER_FAILED);
+    }
+
+    // ---- check --------------------------------------------------------------------------
+    let (mut problems, mut warnings) = assign_interfaces(cp, store, run_id, nodes)?;
+    let user_ifname = cp
+        .env
+        .iter()
+        .find(|(k, _)| k == "NCCL_SOCKET_IFNAME")
+        .map(|(_, v)| v.clone());
     if let Some(v) = &user_ifname {
         for n in nodes.iter() {
             let ifs = &n.joined.as_ref().expect("joined").facts.ifaces;
@@ -689,7 +722,7 @@ async fn drive(
 }
 
 /// Whether node i's agent connection (ssh) has ended, and how it ended.
-fn lost_fn(nodes: &mut [Node]) -> impl FnMut(usize) -> Option<String> + '_ {
+pub(crate) fn lost_fn(nodes: &mut [Node]) -> impl FnMut(usize) -> Option<String> + '_ {
     move |i| {
         let n = nodes.get_mut(i)?;
         let st = n.child.as_mut()?.try_wait().ok().flatten()?;
@@ -829,7 +862,7 @@ pub async fn collect(
 
 /// The worker specs of every node for one group run.
 #[allow(clippy::too_many_arguments)]
-fn job_specs(
+pub(crate) fn job_specs(
     plan: &Plan,
     cp: &ClusterPlan,
     nodes: &[Node],

@@ -30,6 +30,8 @@ pub mod exit {
     /// A multi-node run could not start: a node did not join (ssh, nrun missing, cwd missing),
     /// the nodes cannot reach each other, or their software differs.
     pub const CLUSTER: u8 = 95;
+    /// `nrun bisect` found nodes or links that are not good.
+    pub const BISECT_FOUND: u8 = 96;
 
     /// Exit code for death by signal `sig`.
     pub fn signal(sig: i32) -> u8 {

@@ -10,6 +10,7 @@
 //! - [`error`]: errors for people and the exit codes.
 
 pub mod agent;
+pub mod bisect;
 pub mod cli;
 pub mod cluster;
 pub mod coordinator;
@@ -57,8 +58,8 @@ pub fn main() -> ExitCode {
     cli::apply_pet_env();
     // `nrun doctor ...` is `nrun --doctor ...`: the same flags, no target.
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if args.get(1).is_some_and(|a| a == "doctor") {
-        args[1] = "--doctor".into();
+    if args.get(1).is_some_and(|a| a == "doctor" || a == "bisect") {
+        args[1] = format!("--{}", args[1].to_string_lossy()).into();
     }
     let cli = match cli::Cli::try_parse_from(args) {
         Ok(c) => c,
@@ -95,6 +96,52 @@ fn run(cli: cli::Cli) -> error::Result<u8> {
     // their PR_SET_PDEATHSIG relies on.
     if cli.doctor && cluster.is_none() {
         return Ok(cluster::doctor_local(&plan));
+    }
+    if cli.bisect {
+        let Some(cp) = cluster else {
+            return Err(error::Error::usage(
+                "nrun bisect needs nodes: -H, --hostfile, or a Slurm allocation of several nodes",
+            ));
+        };
+        let probe = match cli.probe.as_str() {
+            "nccl" => bisect::Probe::Nccl,
+            "net" => bisect::Probe::Net,
+            "cmd" if cli.command.is_empty() => {
+                return Err(error::Error::usage(
+                    "--probe cmd runs your command: give it after `--`",
+                ));
+            }
+            "cmd" => bisect::Probe::Cmd,
+            other => {
+                return Err(error::Error::usage(format!(
+                    "--probe {other:?}: expected nccl, net or cmd"
+                )));
+            }
+        };
+        let valid = cli.slow_factor > 0.0
+            && cli.slow_factor <= 1.0
+            && cli.timeout.is_finite()
+            && cli.timeout > 0.0;
+        if !valid {
+            return Err(error::Error::usage(
+                "--slow-factor must be in (0, 1] and --timeout a positive number of seconds",
+            ));
+        }
+        let bp = bisect::BisectPlan {
+            probe,
+            slow_factor: cli.slow_factor,
+            timeout: std::time::Duration::from_secs_f64(cli.timeout),
+            write_hostfile: cli.write_hostfile.clone(),
+            report: cli.report.clone(),
+            hostfile_text: cli
+                .hostfile
+                .as_ref()
+                .and_then(|f| std::fs::read_to_string(f).ok()),
+        };
+        let Some(l) = listener else {
+            return Err(error::Error::internal("no store for bisect"));
+        };
+        return rt.block_on(bisect::run(&plan, &cp, &bp, l));
     }
     match (cluster, listener) {
         (Some(cp), Some(l)) => rt.block_on(cluster::run(&plan, &cp, l)),

@@ -339,8 +339,15 @@ fn resolve_preflight(
             }
         }
     }
-    if cli.doctor {
+    if cli.doctor || (cli.bisect && cli.probe == "cmd") {
         return Ok(None);
+    }
+    if cli.bisect {
+        mode = Some(Some(if cli.probe == "net" {
+            Mode::Net
+        } else {
+            Mode::Nccl
+        }));
     }
     if cli.no_preflight {
         if cli.preflight_only {

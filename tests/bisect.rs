@@ -1,0 +1,275 @@
+//! `nrun bisect` on a real 8-host cluster (network namespaces with sshd), the TCP ring probe,
+//! one fault injected per test. Each must name exactly the faulty node, blame no good node, and
+//! leave it out of --write-hostfile.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+struct Cluster {
+    name: String,
+    dir: String,
+}
+
+impl Cluster {
+    fn up(name: &str, k: usize) -> Option<Cluster> {
+        if !Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| text(&o.stdout).trim() == "0")
+        {
+            eprintln!("SKIPPED bisect test {name}: needs root for network namespaces");
+            return None;
+        }
+        let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
+        let out = Command::new("bash")
+            .args([&script, "up", &k.to_string(), name])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "netns-cluster.sh up {k} {name}: {}",
+            text(&out.stderr)
+        );
+        let cfg = text(&out.stdout)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        let dir = std::path::Path::new(&cfg)
+            .parent()
+            .unwrap()
+            .display()
+            .to_string();
+        Some(Cluster {
+            name: name.into(),
+            dir,
+        })
+    }
+
+    fn exec(&self, i: usize, cmd: &str) -> bool {
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &format!("{}-h{i}", self.name),
+                "sh",
+                "-c",
+                cmd,
+            ])
+            .status()
+            .unwrap()
+            .success()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
+        let _ = Command::new("bash")
+            .args([&script, "down", &self.name])
+            .output();
+    }
+}
+
+/// Runs bisect over the cluster's hostfile (plus `extra_hosts` lines); returns (exit code,
+/// stdout, stderr, the written hostfile).
+fn bisect(
+    s: &Scene,
+    c: &Cluster,
+    extra_hosts: &str,
+    args: &[&str],
+) -> (Option<i32>, String, String, String) {
+    let hostfile = s.dir.path().join("hosts");
+    let mut text_in = std::fs::read_to_string(format!("{}/hosts", c.dir)).unwrap();
+    text_in.push_str(extra_hosts);
+    std::fs::write(&hostfile, text_in).unwrap();
+    let good = s.dir.path().join("good");
+    let report = s.dir.path().join("report.json");
+    let cfg = format!("-F {}/ssh_config", c.dir);
+    let mut a = vec![
+        "bisect",
+        "--hostfile",
+        hostfile.to_str().unwrap(),
+        "--ssh-opts",
+        &cfg,
+        "--probe",
+        "net",
+        "--nproc",
+        "2",
+        "--preflight-sizes",
+        "8:1M:4",
+        "--iters",
+        "3",
+        "--preflight-timeout",
+        "5",
+        "--timeout",
+        "40",
+        "--write-hostfile",
+        good.to_str().unwrap(),
+        "--report",
+        report.to_str().unwrap(),
+        "-x",
+        "NRUN_TEST_TAG",
+    ];
+    a.extend_from_slice(args);
+    let out = s.run(&a, &[]);
+    let good = std::fs::read_to_string(&good).unwrap_or_default();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap_or_else(|_| "{}".into()))
+            .unwrap_or_default();
+    if out.status.code() != Some(2) {
+        assert!(
+            v["nodes"].as_array().is_some_and(|n| !n.is_empty()),
+            "report without nodes: {v}"
+        );
+        assert!(
+            v["rounds"].as_array().is_some(),
+            "report without rounds: {v}"
+        );
+    }
+    (
+        out.status.code(),
+        text(&out.stdout),
+        text(&out.stderr),
+        good,
+    )
+}
+
+/// The verdict column of the final table for each host.
+fn verdicts(stdout: &str) -> Vec<(String, String)> {
+    stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("node "))
+        .skip(1)
+        .take_while(|l| !l.contains(" rounds ("))
+        .map(|l| {
+            let mut w = l.split_whitespace();
+            (
+                w.next().unwrap_or("").to_string(),
+                w.next().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+fn only_bad(stdout: &str, host: &str, verdict: &str) {
+    let v = verdicts(stdout);
+    assert_eq!(v.len(), 8, "every host of the list has a verdict: {stdout}");
+    for (h, ver) in &v {
+        if h == host {
+            assert_eq!(ver, verdict, "{host} should be {verdict}: {stdout}");
+        } else {
+            assert_eq!(ver, "good", "good node {h} blamed: {stdout}");
+        }
+    }
+}
+
+fn rounds_after_stage1(stdout: &str) -> usize {
+    let l = stdout.lines().find(|l| l.contains(" rounds (")).unwrap();
+    l.split('(')
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_node_with_blocked_high_ports_is_named() {
+    let Some(c) = Cluster::up("cb1", 8) else {
+        return;
+    };
+    // New connections from other hosts to cb1-h5 are dropped, ssh excepted.
+    assert!(c.exec(5, "iptables -A INPUT -i eth0 -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -i eth0 -p tcp -m state --state NEW -j DROP"));
+    let s = Scene::new();
+    let (code, stdout, stderr, good) =
+        bisect(&s, &c, "", &["--no-python-probe", "--slow-factor", "0.3"]);
+    assert_eq!(code, Some(96), "{stdout}\n{stderr}");
+    only_bad(&stdout, "cb1-h5", "bad");
+    assert!(
+        !good.contains("cb1-h5") && good.lines().count() == 7,
+        "{good}"
+    );
+    // One bad node among 8: at most ceil(log2 8) + 3 = 6 rounds after stage 1.
+    assert!(rounds_after_stage1(&stdout) <= 6, "{stdout}");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn a_rate_limited_node_is_slow() {
+    let Some(c) = Cluster::up("cb2", 8) else {
+        return;
+    };
+    // A slowed link: netem where the kernel has it, else a token bucket on the node's interface.
+    let limited = c.exec(3, "tc qdisc add dev eth0 root netem rate 50mbit 2>/dev/null || tc qdisc add dev eth0 root tbf rate 50mbit burst 64kbit latency 400ms");
+    if !limited {
+        eprintln!("SKIPPED a_rate_limited_node_is_slow: no tc qdisc for rate limiting");
+        return;
+    }
+    let s = Scene::new();
+    let (code, stdout, stderr, good) =
+        bisect(&s, &c, "", &["--no-python-probe", "--slow-factor", "0.3"]);
+    assert_eq!(code, Some(96), "{stdout}\n{stderr}");
+    only_bad(&stdout, "cb2-h3", "slow");
+    assert!(!good.contains("cb2-h3"), "{good}");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn a_node_whose_torch_differs_is_named() {
+    let Some(c) = Cluster::up("cb3", 8) else {
+        return;
+    };
+    let s = Scene::new();
+    // A stand-in Python answering the facts probe: torch differs on cb3-h6 only.
+    let py = s.dir.path().join("python3");
+    std::fs::write(&py, "#!/bin/sh\nif [ \"$(hostname)\" = cb3-h6 ]; then echo 2.14.0; else echo 2.15.0; fi\necho 13.2\necho 2.30.7\n").unwrap();
+    Command::new("chmod")
+        .args(["+x", py.to_str().unwrap()])
+        .status()
+        .unwrap();
+    let (code, stdout, stderr, good) = bisect(
+        &s,
+        &c,
+        "",
+        &["--python", py.to_str().unwrap(), "--slow-factor", "0.3"],
+    );
+    assert_eq!(code, Some(96), "{stdout}\n{stderr}");
+    only_bad(&stdout, "cb3-h6", "bad");
+    assert!(
+        stdout.contains(
+            "facts differ: NCCL - / torch 2.14.0 here, NCCL - / torch 2.15.0 on the other nodes"
+        ),
+        "{stdout}"
+    );
+    assert!(!good.contains("cb3-h6"), "{good}");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn an_unreachable_host_is_named_with_sshs_error() {
+    let Some(c) = Cluster::up("cb4", 7) else {
+        return;
+    };
+    let s = Scene::new();
+    let (code, stdout, stderr, good) = bisect(
+        &s,
+        &c,
+        "cb4-ghost\n",
+        &["--no-python-probe", "--slow-factor", "0.3"],
+    );
+    assert_eq!(code, Some(96), "{stdout}\n{stderr}");
+    only_bad(&stdout, "cb4-ghost", "unreachable");
+    assert!(
+        stdout.contains("Could not resolve hostname cb4-ghost"),
+        "{stdout}"
+    );
+    assert_eq!(good.lines().count(), 7, "{good}");
+    s.assert_no_survivors();
+}
