@@ -105,5 +105,30 @@ for K in ${CLUSTER_SIZES:-2 4 8}; do
 done
 fi
 
+if only bisect; then
+echo "== bisect: one bad node (high ports blocked) among N" >&2
+for N in ${BISECT_SIZES:-4 8 16}; do
+  cfg=$(bash scripts/netns-cluster.sh up "$N" nbis | tail -1)
+  dir=$(dirname "$cfg")
+  bad=$((N / 2 + 1))
+  ip netns exec "nbis-h$bad" sh -c "iptables -A INPUT -i eth0 -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -i eth0 -p tcp -m state --state NEW -j DROP"
+  t0=$(date +%s%N)
+  set +e
+  $NRUN bisect --hostfile "$dir/hosts" --ssh-opts "-F $cfg" --probe net --nproc 2 --preflight-sizes 8:1M:4 --iters 3 \
+    --preflight-timeout 5 --slow-factor 0.3 --no-python-probe --report "$dir/report.json" >/dev/null 2>&1
+  code=$?
+  set -e
+  t1=$(date +%s%N)
+  python3 - "$dir/report.json" "$N" "$bad" "$code" "$(( (t1 - t0) / 1000000 ))" <<'PY' | tee -a "$out"
+import json, sys
+r = json.load(open(sys.argv[1])); n, bad, code, ms = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+named = [x["host"] for x in r["nodes"] if x["verdict"] != "good"]
+print(json.dumps({"label": f"bisect{n}", "exit_code": code, "wall_ms": ms, "rounds": len(r["rounds"]),
+                  "rounds_after_stage1": r["rounds_after_stage1"], "named": named, "expected": f"nbis-h{bad}"}))
+PY
+  bash scripts/netns-cluster.sh down nbis >/dev/null
+done
+fi
+
 echo "results: $out" >&2
 python3 scripts/bench/summarize.py "$out"

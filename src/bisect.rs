@@ -463,6 +463,19 @@ impl Bisect<'_> {
                 );
             }
             (None, None) => {
+                // Both pass with other partners: a link problem, or a measurement disturbed by
+                // the rest of the stage. The pair alone, once more, tells them apart.
+                let again = self
+                    .round(
+                        &format!("isolate: {} and {} again", nodes[x].label, nodes[y].label),
+                        vec![vec![x, y]],
+                        nodes,
+                        signals,
+                    )
+                    .await?;
+                if again[0].ok && !self.is_slow(&again[0], median) {
+                    return Ok(());
+                }
                 self.mark(
                     x,
                     NodeVerdict::Link,

@@ -423,6 +423,17 @@ pub(crate) async fn join(
     let started = Instant::now();
     let k = nodes.len();
     let mut last_report = 0;
+    // A progress bar where a person watches (stderr is a terminal), plain lines elsewhere.
+    let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+        let b = indicatif::ProgressBar::new(k as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "nrun: joining nodes {bar:30} {pos}/{len} {elapsed}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
     loop {
         let mut pending = 0;
         for (i, n) in nodes.iter_mut().enumerate() {
@@ -443,11 +454,21 @@ pub(crate) async fn join(
             }
         }
         let joined = nodes.iter().filter(|n| n.joined.is_some()).count();
-        if joined != last_report && joined < k && started.elapsed() > Duration::from_secs(1) {
-            tracing::info!("{joined}/{k} nodes joined");
-            last_report = joined;
+        match &bar {
+            Some(b) => b.set_position(joined as u64),
+            None if joined != last_report
+                && joined < k
+                && started.elapsed() > Duration::from_secs(1) =>
+            {
+                tracing::info!("{joined}/{k} nodes joined");
+                last_report = joined;
+            }
+            None => {}
         }
         if pending == 0 || started.elapsed() > cp.join_timeout {
+            if let Some(b) = &bar {
+                b.finish_and_clear();
+            }
             break;
         }
         tokio::select! {

@@ -25,10 +25,18 @@ if cl:
         print(f"| {r['label']} | {r['runs']} | {r.get('median_wall_ms', '-')} ms | {r.get('min_wall_ms', '-')} ms | "
               f"{','.join(r['exit_codes'])}{' (timed out after %ss)' % r['timed_out_after_s'] if 'timed_out_after_s' in r else ''} |")
 
+bs = [r for r in rows if r.get("label", "").startswith("bisect")]
+if bs:
+    print("\n| bisect, one bad node among N | wall | rounds (after stage 1) | named | exit |")
+    print("|---|---|---|---|---|")
+    for r in bs:
+        print(f"| N={r['label'][6:]} | {r['wall_ms'] / 1000:.1f} s | {r['rounds']} ({r['rounds_after_stage1']}) | "
+              f"{', '.join(r['named'])} (expected {r['expected']}) | {r['exit_code']} |")
+
 groups = defaultdict(list)
 for r in rows:
     lab = r.get("label", "")
-    if "/" in lab and not lab.startswith(("launch/", "cluster")):
+    if "/" in lab and not lab.startswith(("launch/", "cluster", "bisect")):
         groups[lab].append(r)
 
 
