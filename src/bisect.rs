@@ -629,12 +629,7 @@ impl Bisect<'_> {
                     error_file: &error_file,
                 },
             ));
-            if !self.cp.env.iter().any(|(k, _)| k == "NCCL_SOCKET_IFNAME") {
-                env.push(("NCCL_SOCKET_IFNAME".into(), format!("={}", n.ifname)));
-            }
-            if !self.cp.env.iter().any(|(k, _)| k == "GLOO_SOCKET_IFNAME") {
-                env.push(("GLOO_SOCKET_IFNAME".into(), n.ifname.clone()));
-            }
+            env.extend(cluster::interface_env(self.cp, n));
             let (program, args) = match self.bp.probe {
                 Probe::Cmd => (
                     self.plan.program.to_string_lossy().into_owned(),
@@ -874,11 +869,7 @@ impl Bisect<'_> {
         );
         if let Some(path) = &self.bp.report {
             let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
-            std::fs::write(
-                path,
-                serde_json::to_string_pretty(&v).unwrap_or_default() + "\n",
-            )
-            .map_err(|e| Error::usage(format!("cannot write --report {}: {e}", path.display())))?;
+            crate::coordinator::write_report(path, &v)?;
         }
         if let Some(path) = &self.bp.write_hostfile {
             let good: Vec<&str> = self

@@ -881,6 +881,19 @@ pub async fn collect(
     }
 }
 
+/// NCCL_SOCKET_IFNAME (exact name) and GLOO_SOCKET_IFNAME for a node's workers, unless the
+/// user set them (then they were checked on every node).
+pub(crate) fn interface_env(cp: &ClusterPlan, n: &Node) -> Vec<(String, String)> {
+    let mut env = Vec::new();
+    if !cp.env.iter().any(|(k, _)| k == "NCCL_SOCKET_IFNAME") {
+        env.push(("NCCL_SOCKET_IFNAME".into(), format!("={}", n.ifname)));
+    }
+    if !cp.env.iter().any(|(k, _)| k == "GLOO_SOCKET_IFNAME") {
+        env.push(("GLOO_SOCKET_IFNAME".into(), n.ifname.clone()));
+    }
+    env
+}
+
 /// The worker specs of every node for one group run.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn job_specs(
@@ -922,12 +935,7 @@ pub(crate) fn job_specs(
                     error_file: &error_file,
                 },
             ));
-            if !cp.env.iter().any(|(k, _)| k == "NCCL_SOCKET_IFNAME") {
-                env.push(("NCCL_SOCKET_IFNAME".into(), format!("={}", n.ifname)));
-            }
-            if !cp.env.iter().any(|(k, _)| k == "GLOO_SOCKET_IFNAME") {
-                env.push(("GLOO_SOCKET_IFNAME".into(), n.ifname.clone()));
-            }
+            env.extend(interface_env(cp, n));
             env.extend(extra.iter().cloned());
             let shown = plan
                 .log

@@ -304,9 +304,7 @@ async fn run_preflight(
     .summarize();
     print!("{}", summary.text);
     if let Some(path) = &pf.report {
-        let text = serde_json::to_string_pretty(&summary.json).unwrap_or_default();
-        std::fs::write(path, text + "\n")
-            .map_err(|e| Error::usage(format!("cannot write --report {}: {e}", path.display())))?;
+        write_report(path, &summary.json)?;
     }
     Ok(summary.verdict.exit_code())
 }
@@ -637,9 +635,14 @@ pub async fn run_cluster_preflight(
     .summarize();
     print!("{}", summary.text);
     if let Some(path) = &pf.report {
-        let text = serde_json::to_string_pretty(&summary.json).unwrap_or_default();
-        std::fs::write(path, text + "\n")
-            .map_err(|e| Error::usage(format!("cannot write --report {}: {e}", path.display())))?;
+        write_report(path, &summary.json)?;
     }
     Ok(summary.verdict.exit_code())
+}
+
+/// Writes `--report FILE` as pretty JSON.
+pub fn write_report(path: &Path, json: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(json).unwrap_or_default();
+    std::fs::write(path, text + "\n")
+        .map_err(|e| Error::usage(format!("cannot write --report {}: {e}", path.display())))
 }

@@ -8,73 +8,6 @@ use std::process::Command;
 
 use common::*;
 
-struct Cluster {
-    name: String,
-    dir: String,
-}
-
-impl Cluster {
-    fn up(name: &str, k: usize) -> Option<Cluster> {
-        if !Command::new("id")
-            .arg("-u")
-            .output()
-            .is_ok_and(|o| text(&o.stdout).trim() == "0")
-        {
-            eprintln!("SKIPPED bisect test {name}: needs root for network namespaces");
-            return None;
-        }
-        let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
-        let out = Command::new("bash")
-            .args([&script, "up", &k.to_string(), name])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "netns-cluster.sh up {k} {name}: {}",
-            text(&out.stderr)
-        );
-        let cfg = text(&out.stdout)
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .trim()
-            .to_string();
-        let dir = std::path::Path::new(&cfg)
-            .parent()
-            .unwrap()
-            .display()
-            .to_string();
-        Some(Cluster {
-            name: name.into(),
-            dir,
-        })
-    }
-
-    fn exec(&self, i: usize, cmd: &str) -> bool {
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &format!("{}-h{i}", self.name),
-                "sh",
-                "-c",
-                cmd,
-            ])
-            .status()
-            .unwrap()
-            .success()
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
-        let _ = Command::new("bash")
-            .args([&script, "down", &self.name])
-            .output();
-    }
-}
-
 /// Runs bisect over the cluster's hostfile (plus `extra_hosts` lines); returns (exit code,
 /// stdout, stderr, the written hostfile).
 fn bisect(
@@ -84,12 +17,12 @@ fn bisect(
     args: &[&str],
 ) -> (Option<i32>, String, String, String) {
     let hostfile = s.dir.path().join("hosts");
-    let mut text_in = std::fs::read_to_string(format!("{}/hosts", c.dir)).unwrap();
+    let mut text_in = std::fs::read_to_string(format!("{}/hosts", c.dir())).unwrap();
     text_in.push_str(extra_hosts);
     std::fs::write(&hostfile, text_in).unwrap();
     let good = s.dir.path().join("good");
     let report = s.dir.path().join("report.json");
-    let cfg = format!("-F {}/ssh_config", c.dir);
+    let cfg = c.ssh_opts();
     let mut a = vec![
         "bisect",
         "--hostfile",
@@ -186,7 +119,7 @@ fn a_node_with_blocked_high_ports_is_named() {
         return;
     };
     // New connections from other hosts to cb1-h5 are dropped, ssh excepted.
-    assert!(c.exec(5, "iptables -A INPUT -i eth0 -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -i eth0 -p tcp -m state --state NEW -j DROP"));
+    assert!(c.try_exec(5, "iptables -A INPUT -i eth0 -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -i eth0 -p tcp -m state --state NEW -j DROP"));
     let s = Scene::new();
     let (code, stdout, stderr, good) =
         bisect(&s, &c, "", &["--no-python-probe", "--slow-factor", "0.3"]);
@@ -207,7 +140,7 @@ fn a_rate_limited_node_is_slow() {
         return;
     };
     // A slowed link: netem where the kernel has it, else a token bucket on the node's interface.
-    let limited = c.exec(3, "tc qdisc add dev eth0 root netem rate 50mbit 2>/dev/null || tc qdisc add dev eth0 root tbf rate 50mbit burst 64kbit latency 400ms");
+    let limited = c.try_exec(3, "tc qdisc add dev eth0 root netem rate 50mbit 2>/dev/null || tc qdisc add dev eth0 root tbf rate 50mbit burst 64kbit latency 400ms");
     if !limited {
         eprintln!("SKIPPED a_rate_limited_node_is_slow: no tc qdisc for rate limiting");
         return;

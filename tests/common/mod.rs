@@ -186,3 +186,129 @@ pub fn torch_python() -> Option<PathBuf> {
         .is_ok_and(|s| s.success());
     ok.then_some(p)
 }
+
+// ---- a cluster of network-namespace hosts, each with its own sshd -------------------
+
+/// A cluster of namespace hosts, removed on drop.
+pub struct Cluster {
+    pub name: String,
+    pub config: String,
+}
+
+impl Cluster {
+    /// None (with a visible SKIPPED line) where namespaces cannot be made (not root).
+    pub fn up(name: &str, k: usize) -> Option<Cluster> {
+        let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
+        if !nix_is_root() {
+            eprintln!("SKIPPED cluster test {name}: needs root for network namespaces");
+            return None;
+        }
+        let out = Command::new("bash")
+            .args([&script, "up", &k.to_string(), name])
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            panic!(
+                "netns-cluster.sh up {k} {name} failed:\n{}",
+                text(&out.stderr)
+            );
+        }
+        let config = text(&out.stdout)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        Some(Cluster {
+            name: name.into(),
+            config,
+        })
+    }
+
+    /// The cluster's state directory (ssh_config, hosts, cluster.env).
+    pub fn dir(&self) -> String {
+        std::path::Path::new(&self.config)
+            .parent()
+            .map_or(String::new(), |p| p.display().to_string())
+    }
+
+    /// Runs `cmd` inside host i's namespace; whether it succeeded.
+    pub fn try_exec(&self, i: usize, cmd: &str) -> bool {
+        Command::new("ip")
+            .args(["netns", "exec", &self.host(i), "sh", "-c", cmd])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    pub fn host(&self, i: usize) -> String {
+        format!("{}-h{i}", self.name)
+    }
+
+    pub fn hosts(&self, k: usize) -> String {
+        (1..=k).map(|i| self.host(i)).collect::<Vec<_>>().join(",")
+    }
+
+    pub fn ssh_opts(&self) -> String {
+        format!("-F {}", self.config)
+    }
+
+    /// Processes still running inside the cluster's namespaces, other than each host's sshd
+    /// listener; waits up to 5 s for them to end (ssh sessions close asynchronously).
+    pub fn assert_nothing_left(&self, k: usize) {
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut left = Vec::new();
+            for i in 1..=k {
+                let out = Command::new("ip")
+                    .args(["netns", "pids", &self.host(i)])
+                    .output()
+                    .unwrap();
+                for pid in text(&out.stdout).split_whitespace() {
+                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                    let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                    let stat =
+                        std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                    let zombie = stat
+                        .rsplit_once(") ")
+                        .is_some_and(|(_, r)| r.starts_with('Z'));
+                    if cmd.is_empty() || zombie || cmd.contains("[listener]") {
+                        continue;
+                    }
+                    left.push(format!("{}: {pid} {cmd}", self.host(i)));
+                }
+            }
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < end,
+                "left running in the cluster: {left:#?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn exec(&self, i: usize, cmd: &str) {
+        let st = Command::new("ip")
+            .args(["netns", "exec", &self.host(i), "sh", "-c", cmd])
+            .status()
+            .unwrap();
+        assert!(st.success(), "in {}: {cmd}", self.host(i));
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
+        let _ = Command::new("bash")
+            .args([&script, "down", &self.name])
+            .output();
+    }
+}
+
+pub fn nix_is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| text(&o.stdout).trim() == "0")
+}
