@@ -26,4 +26,5 @@ export NRUN_TEST_PYTHON="$venv/bin/python"
 cargo fmt --check
 cargo clippy --all-targets --quiet -- -D warnings
 if [ "${1:-}" = "--" ]; then shift; fi
-cargo test --all-targets --no-fail-fast "$@"
+# A hung test must fail the run, not stall it: 30 minutes is far above the suite's 2-3.
+timeout --kill-after=30 1800 cargo test --all-targets --no-fail-fast "$@"

@@ -80,6 +80,9 @@ pub struct WorkerSpec {
     pub colour: usize,
     /// Whether stdout / stderr reach the console.
     pub console: [bool; 2],
+    /// Where this worker's stdout.log and stderr.log go on its node (--log-dir), if anywhere.
+    #[serde(default)]
+    pub log_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -383,6 +386,14 @@ async fn run_workers(
         if let Some(dir) = w.error_file.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
+        // Log files live on the worker's own node, as torchrun's do.
+        let file = |name: &str| {
+            w.log_dir.as_ref().and_then(|d| {
+                std::fs::create_dir_all(d).ok()?;
+                std::fs::File::create(d.join(name)).ok()
+            })
+        };
+        let (out_file, err_file) = (file("stdout.log"), file("stderr.log"));
         cmds.push(WorkerCmd {
             rank: w.rank,
             local_rank: w.local_rank,
@@ -396,11 +407,11 @@ async fn run_workers(
                 sinks: [
                     Sink {
                         console: w.console[0],
-                        file: None,
+                        file: out_file,
                     },
                     Sink {
                         console: w.console[1],
-                        file: None,
+                        file: err_file,
                     },
                 ],
             },

@@ -679,6 +679,7 @@ impl Bisect<'_> {
                 prefix: format!("[{}:rank{rank}]: ", n.label),
                 colour: rank,
                 console: [self.bp.probe == Probe::Cmd, true],
+                log_dir: None,
             });
         }
         out

@@ -143,7 +143,13 @@ pub(crate) async fn start_agents(
             run: run_id.to_string(),
             node: i,
             label: h.name.clone(),
-            addrs: addrs.to_vec(),
+            // This machine's own node talks to the store over loopback: an address of some
+            // other interface could go away under it (and buys nothing).
+            addrs: if is_this_host(&h.name) {
+                loopback_addrs(addrs)
+            } else {
+                addrs.to_vec()
+            },
             cwd: cwd.to_path_buf(),
             version: crate::cli::VERSION.to_string(),
             python: if cp.python_probe {
@@ -240,6 +246,16 @@ async fn start_one(cp: &ClusterPlan, label: &str, hello: &Hello) -> Result<Node>
         addr: None,
         local: is_this_host(label),
     })
+}
+
+/// The loopback entries of the coordinator's address list (all of it, if it has none).
+fn loopback_addrs(addrs: &[String]) -> Vec<String> {
+    let lo: Vec<String> = addrs
+        .iter()
+        .filter(|a| a.parse::<SocketAddr>().is_ok_and(|s| s.ip().is_loopback()))
+        .cloned()
+        .collect();
+    if lo.is_empty() { addrs.to_vec() } else { lo }
 }
 
 /// Whether a host name means this machine: localhost, a loopback address, this host's name,
@@ -826,6 +842,7 @@ pub async fn collect(
     lost: &mut dyn FnMut(usize) -> Option<String>,
 ) -> Result<Vec<Option<StepResult>>> {
     let mut results: Vec<Option<StepResult>> = vec![None; k];
+    let started = Instant::now();
     let mut stopped = false;
     let mut signalled = 0;
     loop {
@@ -847,6 +864,17 @@ pub async fn collect(
             }
         }
         if results.iter().all(Option::is_some) {
+            return Ok(results);
+        }
+        // A probe answers within seconds; an agent silent for long has lost its connection.
+        if stop_step.is_none() && started.elapsed() > Duration::from_secs(30) {
+            for (i, r) in results.iter_mut().enumerate() {
+                if r.is_none() {
+                    *r = Some(StepResult::Probe {
+                        error: Some(format!("node {i}'s agent did not answer within 30 s")),
+                    });
+                }
+            }
             return Ok(results);
         }
         // A node stopped without being asked to (its agent lost the launcher) counts too.
@@ -953,6 +981,14 @@ pub(crate) fn job_specs(
                 prefix: format!("[{}:rank{rank:>width$}]: ", n.label),
                 colour: rank,
                 console: [shown && !red.stdout(), shown && !red.stderr()],
+                // <dir>/<run-id>/attempt_<n>/<host>/<local rank>: the host level keeps nodes
+                // apart on a shared filesystem.
+                log_dir: plan.log.dir.as_ref().map(|d| {
+                    d.join(&plan.run_id)
+                        .join(format!("attempt_{attempt}"))
+                        .join(&n.label)
+                        .join(local_rank.to_string())
+                }),
             });
         }
         out.push(specs);

@@ -40,11 +40,14 @@ fn workers_on_three_hosts_get_their_own_interface_and_ranks() {
         return;
     };
     let s = Scene::new();
+    let logs = s.dir.path().join("logs");
     let out = run_on(
         &s,
         &c,
         3,
         &[
+            "--log-dir",
+            logs.to_str().unwrap(),
             "--nproc",
             "2",
             "--no-python",
@@ -83,6 +86,9 @@ fn workers_on_three_hosts_get_their_own_interface_and_ranks() {
         // MASTER_ADDR is the launch host's address on the cluster's bridge, which the node reached.
         assert!(line.contains("master=10.213."), "{line}");
     }
+    // --log-dir: each worker's files on its own node, under the node's name.
+    let log = std::fs::read_to_string(logs.join("none/attempt_0/ct1-h2/1/stdout.log")).unwrap();
+    assert!(log.starts_with("rank=3 "), "{log}");
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
