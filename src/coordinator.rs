@@ -37,10 +37,12 @@ pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
     }
 }
 
-/// Where workers find the store.
+/// Where workers find the store, and the secret for nrun's own keys in it (when this nrun
+/// hosts it; a torchrun-style node of rank > 0 cannot know node 0's).
 struct StoreAddr {
     addr: String,
     port: u16,
+    secret: Option<String>,
 }
 
 /// Runs the job to its end and returns nrun's exit code.
@@ -56,7 +58,13 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
                 .port();
             let l = tokio::net::TcpListener::from_std(l)
                 .map_err(|e| Error::internal(format!("store listener: {e}")))?;
-            let store = Store::new();
+            // nrun's own keys (the preflight's) are out of the workers' reach. Not in
+            // torchrun-style static mode: the other nodes' nruns could not know the secret.
+            let secret = (plan.nnodes == 1).then(crate::cluster::random_secret);
+            let store = match &secret {
+                Some(s) => Store::with_secret(s.clone().into_bytes()),
+                None => Store::new(),
+            };
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             let served = store.clone();
             tokio::spawn(async move {
@@ -69,6 +77,7 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
                 StoreAddr {
                     addr: advertise.clone(),
                     port,
+                    secret,
                 },
                 Some(store),
                 Some(tx),
@@ -78,6 +87,7 @@ pub async fn run(plan: Plan, listener: Option<std::net::TcpListener>) -> Result<
             StoreAddr {
                 addr: addr.clone(),
                 port: *port,
+                secret: None,
             },
             None,
             None,
@@ -245,6 +255,9 @@ async fn run_preflight(
     };
     let json = serde_json::to_string(&settings).map_err(|e| Error::internal(e.to_string()))?;
     let mut extra = vec![(preflight::ENV.to_string(), json)];
+    if let Some(secret) = &sa.secret {
+        extra.push(("NRUN_SECRET".into(), secret.clone()));
+    }
     if pf.loopback {
         extra.push(("NCCL_P2P_DISABLE".into(), "1".into()));
         extra.push(("NCCL_SHM_DISABLE".into(), "1".into()));
@@ -329,6 +342,11 @@ async fn gather_reports(
         Some(a) => Client::connect(a, Duration::from_secs(5)).await.ok(),
         None => None,
     };
+    if let (Some(c), Some(secret)) = (client.as_mut(), &sa.secret) {
+        let _ = c
+            .set(crate::store::server::AUTH_KEY, secret.as_bytes())
+            .await;
+    }
     let host = hostname();
     for rank in 0..plan.world_size() {
         let Some(c) = client.as_mut() else {
