@@ -489,6 +489,7 @@ fn build_workers(
             error_file: &error_file,
         });
         env.extend(extra_env.iter().cloned());
+        env.extend(static_interface_env(plan, sa));
         let redirected = if logs {
             plan.log.redirects.for_rank(local_rank)
         } else {
@@ -663,4 +664,45 @@ pub fn write_report(path: &Path, json: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(json).unwrap_or_default();
     std::fs::write(path, text + "\n")
         .map_err(|e| Error::usage(format!("cannot write --report {}: {e}", path.display())))
+}
+
+/// torchrun-style static multi-node (`--nnodes N` on every node): the interface this node uses
+/// to reach node 0's store becomes NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME, unless the user set
+/// them. Left to themselves, gloo and NCCL pick by hostname lookup and often end up on loopback
+/// or the wrong network.
+fn static_interface_env(plan: &Plan, sa: &StoreAddr) -> Vec<(String, String)> {
+    if plan.nnodes < 2 {
+        return Vec::new();
+    }
+    let Some(target) = (sa.addr.as_str(), sa.port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+    else {
+        return Vec::new();
+    };
+    // A connected UDP socket sends nothing; it only asks the kernel for the route's source.
+    let bind: SocketAddr = if target.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let local = std::net::UdpSocket::bind(bind)
+        .and_then(|u| u.connect(target).and_then(|_| u.local_addr()));
+    let ifs = crate::net::interfaces();
+    let Some(name) = local
+        .ok()
+        .and_then(|l| crate::net::owner(&ifs, l.ip()))
+        .map(|i| i.name.clone())
+    else {
+        return Vec::new();
+    };
+    let mut env = Vec::new();
+    if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
+        env.push(("NCCL_SOCKET_IFNAME".to_string(), format!("={name}")));
+    }
+    if std::env::var_os("GLOO_SOCKET_IFNAME").is_none() {
+        env.push(("GLOO_SOCKET_IFNAME".to_string(), name));
+    }
+    env
 }

@@ -549,3 +549,65 @@ fn doctor_reports_the_nodes_and_runs_nothing() {
     );
     c.assert_nothing_left(2);
 }
+
+/// torchrun's own multi-node style: nrun on every node with --nnodes/--node-rank/--master-addr.
+/// Node 0's nrun hosts the store; each node's workers get the interface it reaches node 0 on.
+#[test]
+fn torchrun_style_static_nodes() {
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED torchrun_style_static_nodes: no python with torch");
+        return;
+    };
+    let Some(c) = Cluster::up("zs", 2) else {
+        return;
+    };
+    let env = std::fs::read_to_string(format!("{}/cluster.env", c.dir())).unwrap();
+    let net = env
+        .lines()
+        .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
+        .unwrap()
+        .trim()
+        .to_string();
+    let master = format!("10.213.{net}.11");
+    let script = format!(
+        "{}/tests/python/gloo_allreduce.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let s = Scene::new();
+    let node = |rank: &str| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &c.host(if rank == "0" { 1 } else { 2 })])
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--master-addr",
+                &master,
+                "--master-port",
+                "29555",
+                "--nproc",
+                "2",
+            ])
+            .args(["--python", py.to_str().unwrap(), &script])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    let (a, b) = (node("0"), node("1"));
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(120));
+    let (ob, _) = wait_with_timeout(b, Duration::from_secs(120));
+    let all = format!("{}{}", text(&oa.stdout), text(&ob.stdout));
+    assert_eq!(oa.status.code(), Some(0), "{all}\n{}", text(&oa.stderr));
+    assert_eq!(ob.status.code(), Some(0), "{all}\n{}", text(&ob.stderr));
+    for r in 0..4 {
+        assert!(
+            all.contains(&format!("rank {r}/4: all_reduce ok (10)")),
+            "{all}"
+        );
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
