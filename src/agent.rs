@@ -315,10 +315,9 @@ async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr
             match s {
                 Ok(Ok(s)) => {
                     let local = s.local_addr().map_err(|e| e.to_string())?;
-                    drop(s);
-                    let c = Client::connect(sa, Duration::from_secs(10))
+                    let c = Client::from_stream(s)
                         .await
-                        .map_err(|e| e.to_string())?;
+                        .map_err(|e| format!("{sa}: {e}"))?;
                     Ok((c, sa, local))
                 }
                 Ok(Err(e)) => Err(format!("{sa}: {e}")),

@@ -45,9 +45,16 @@ impl Client {
                 }
             }
         };
+        Client::from_stream(stream).await
+    }
+
+    /// Speaks the handshake (VALIDATE, then a PING as torch >= 2.5 does) on a connected stream.
+    pub async fn from_stream(stream: TcpStream) -> io::Result<Client> {
         stream.set_nodelay(true)?;
+        // Replies are small; a small buffer keeps thousands of clients cheap (large values are
+        // read straight into their own allocation).
         let mut c = Client {
-            stream: BufReader::new(stream),
+            stream: BufReader::with_capacity(512, stream),
             out: Vec::with_capacity(64),
         };
         c.send(&Request::Validate {
