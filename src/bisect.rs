@@ -725,7 +725,7 @@ impl Bisect<'_> {
                 return Ok(got);
             }
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+                _ = tokio::time::sleep(Duration::from_millis(2)) => {}
                 sig = signals.recv() => return Err(exit::signal(sig)),
             }
         }

@@ -487,8 +487,10 @@ pub(crate) async fn join(
             }
             break;
         }
+        // In-process checks of a few keys: polling every 2 ms costs nothing and keeps the
+        // phases from waiting on a timer.
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            _ = tokio::time::sleep(Duration::from_millis(2)) => {}
             sig = signals.recv() => return Err(exit::signal(sig)),
         }
     }
@@ -894,7 +896,7 @@ pub async fn collect(
             stopped = true;
         }
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+            _ = tokio::time::sleep(Duration::from_millis(2)) => {}
             _sig = signals.recv() => {
                 signalled += 1;
                 if let Some(s) = stop_step {
