@@ -251,7 +251,7 @@ async fn run() -> Result<(), String> {
         };
         got.map_err(|e| format!("{me}: lost the launch host's store: {e}"))?;
         let raw = store.get(&step_key).await.map_err(|e| e.to_string())?;
-        let step: Step = serde_json::from_slice(&raw).map_err(|e| format!("bad step: {e}"))?;
+        let step: Step = serde_json::from_slice(&raw).map_err(|e| format!("{me}: cannot read step {step_no} from the launch host ({e}); is nrun the same version on both?"))?;
         let result = match step {
             Step::End => return Ok(()),
             Step::Probe { target, timeout_ms } => StepResult::Probe {

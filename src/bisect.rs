@@ -24,8 +24,8 @@ use crate::agent::{RunResult, Step, StepResult, WorkerSpec};
 use crate::cluster::{self, ClusterPlan, Node};
 use crate::error::{Error, Result, exit};
 use crate::node::Signals;
-use crate::plan::{Place, Plan, WorkerSlot};
-use crate::preflight::{self, Mode, RankReport, Verdict};
+use crate::plan::Plan;
+use crate::preflight::{self, Mode, Verdict};
 use crate::store::{self, Store};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -591,6 +591,21 @@ impl Bisect<'_> {
         Ok(outs)
     }
 
+    /// Settings of the preflight ranks on node `n` (probes nccl and net).
+    fn settings(&self, n: &Node) -> Option<preflight::Settings> {
+        let pf = self.plan.preflight.as_ref()?;
+        let lib = pf.nccl_lib.clone().or_else(|| {
+            n.joined
+                .as_ref()
+                .and_then(|j| j.facts.nccl.first())
+                .map(|l| PathBuf::from(&l.path))
+        });
+        let listen = n.addr.map_or_else(|| "0.0.0.0".into(), |a| a.to_string());
+        Some(preflight::Settings::new(pf, "bisect".into(), lib, listen))
+    }
+
+    /// Node `node`'s workers as the `group_rank`-th node of a group of `group_size` nodes and
+    /// `world` ranks whose store listens on `port`, its ranks starting at `rank0`.
     #[allow(clippy::too_many_arguments)]
     fn specs(
         &self,
@@ -603,86 +618,39 @@ impl Bisect<'_> {
         nodes: &[Node],
     ) -> Vec<WorkerSpec> {
         let n = &nodes[node];
-        let ranks = &self.cp.layout[node];
-        let mut out = Vec::new();
-        for (k, &(_, local_rank, _)) in ranks.iter().enumerate() {
-            let rank = rank0 + k;
-            let temp = std::env::temp_dir()
-                .join(format!("nrun-{}", std::process::id()))
-                .join(format!("bisect{}-node{node}", self.step));
-            let error_file = temp.join(local_rank.to_string()).join("error.json");
-            let place = Place {
-                rank,
-                group_rank,
-                local_world_size: ranks.len(),
-                world_size: world,
-                group_world_size: group_size,
-            };
-            let mut env = self.cp.env.clone();
-            env.extend(self.plan.worker_env_at(
-                &place,
-                &WorkerSlot {
-                    local_rank,
-                    restart_count: 0,
-                    master_addr: &n.master_addr,
-                    master_port: port,
-                    error_file: &error_file,
-                },
-            ));
-            env.extend(cluster::interface_env(self.cp, n));
-            let (program, args) = match self.bp.probe {
-                Probe::Cmd => (
-                    self.plan.program.to_string_lossy().into_owned(),
-                    self.plan
-                        .args
-                        .iter()
-                        .map(|a| a.to_string_lossy().into_owned())
-                        .collect(),
-                ),
-                Probe::Nccl | Probe::Net => {
-                    let pf = self.plan.preflight.clone();
-                    let s = preflight::Settings {
-                        id: "bisect".into(),
-                        mode: if self.bp.probe == Probe::Net {
-                            Mode::Net
-                        } else {
-                            Mode::Nccl
-                        },
-                        min_bytes: pf.as_ref().map_or(8, |p| p.min_bytes),
-                        max_bytes: pf.as_ref().map_or(64 << 20, |p| p.max_bytes),
-                        factor: pf.as_ref().map_or(4, |p| p.factor),
-                        iters: pf.as_ref().map_or(5, |p| p.iters),
-                        warmup: pf.as_ref().map_or(1, |p| p.warmup),
-                        timeout_ms: pf.as_ref().map_or(30_000, |p| p.timeout.as_millis() as u64),
-                        nccl_lib: pf.as_ref().and_then(|p| p.nccl_lib.clone()).or_else(|| {
-                            n.joined
-                                .as_ref()
-                                .and_then(|j| j.facts.nccl.first())
-                                .map(|l| PathBuf::from(&l.path))
-                        }),
-                        listen_addr: n.addr.map_or_else(|| "0.0.0.0".into(), |a| a.to_string()),
-                    };
-                    env.push((
-                        preflight::ENV.into(),
-                        serde_json::to_string(&s).unwrap_or_default(),
-                    ));
-                    (self.cp.remote_nrun.clone(), vec!["__preflight".to_string()])
-                }
-            };
-            out.push(WorkerSpec {
-                rank,
-                local_rank,
-                program,
-                args,
-                env,
-                error_file,
-                prefix: format!("[{}:rank{rank}]: ", n.label),
-                colour: rank,
-                console: [self.bp.probe == Probe::Cmd, true],
-                log_dir: None,
-            });
-        }
-        out
+        let ranks: Vec<(usize, usize)> = self.cp.layout[node]
+            .iter()
+            .enumerate()
+            .map(|(k, &(_, local, _))| (rank0 + k, local))
+            .collect();
+        let (program, args, extra) = match (self.bp.probe, self.settings(n)) {
+            (Probe::Nccl | Probe::Net, Some(s)) => (
+                self.cp.remote_nrun.clone(),
+                vec!["__preflight".to_string()],
+                s.rank_env(false, None),
+            ),
+            _ => (
+                self.plan.program.to_string_lossy().into_owned(),
+                self.plan
+                    .args
+                    .iter()
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect(),
+                Vec::new(),
+            ),
+        };
+        let scratch = format!("bisect{}-node{node}", self.step);
+        let l = cluster::Launch {
+            world,
+            nnodes: group_size,
+            port,
+            attempt: 0,
+            program: &program,
+            args: &args,
+            logs: false,
+            scratch: &scratch,
+        };
+        cluster::node_specs(self.plan, self.cp, n, group_rank, &ranks, &l, &extra)
     }
 
     async fn collect(
@@ -778,20 +746,16 @@ impl Bisect<'_> {
         let mut busbw = None;
         if self.bp.probe != Probe::Cmd {
             let world: usize = g.iter().map(|i| self.cp.layout[*i].len()).sum();
-            let key = |what: &str| format!("nrun/pf/bisect/{what}").into_bytes();
-            let mut reports = BTreeMap::new();
-            for r in 0..world {
-                if let Some(rep) = st
-                    .get(&key(&format!("result/{r}")))
-                    .and_then(|v| serde_json::from_slice::<RankReport>(&v).ok())
-                {
-                    reports.insert(r, rep);
+            let mut ranks = Vec::new();
+            for &i in g {
+                for _ in &self.cp.layout[i] {
+                    ranks.push((ranks.len(), nodes[i].label.clone()));
                 }
             }
-            let silent: Vec<(usize, String, Option<String>)> = (0..world)
-                .filter(|r| !reports.contains_key(r))
-                .map(|r| (r, "?".to_string(), None))
-                .collect();
+            let (reports, silent) = match self.settings(&nodes[g[0]]) {
+                Some(s) => preflight::reports_from(&s, &ranks, &mut |k| st.get(k)),
+                None => Default::default(),
+            };
             let summary = preflight::Outcome {
                 world_size: world,
                 mode: if self.bp.probe == Probe::Net {

@@ -678,19 +678,8 @@ async fn drive(
     if let Some(pf) = &plan.preflight {
         let this = *step;
         *step += 1;
-        let view = nodes_view(nodes);
-        let code = crate::coordinator::run_cluster_preflight(
-            plan,
-            pf,
-            cp,
-            store,
-            run_id,
-            secret,
-            port,
-            view,
-            this,
-            signals,
-            &mut lost_fn(nodes),
+        let code = run_preflight(
+            plan, pf, cp, store, run_id, secret, port, nodes, this, signals,
         )
         .await?;
         if code != exit::SUCCESS && (plan.preflight_only || !pf.warn_only) {
@@ -713,7 +702,17 @@ async fn drive(
         if attempt > 0 {
             store.clear_user_keys();
         }
-        let specs = job_specs(plan, cp, nodes, port, attempt, &program, &exe_args, &[]);
+        let specs = job_specs(
+            plan,
+            cp,
+            nodes,
+            port,
+            attempt,
+            &program,
+            &exe_args,
+            true,
+            &|_| Vec::new(),
+        );
         let this = *step;
         *step += 1;
         for (i, s) in specs.into_iter().enumerate() {
@@ -775,33 +774,6 @@ pub(crate) fn lost_fn(nodes: &mut [Node]) -> impl FnMut(usize) -> Option<String>
             said.map_or(String::new(), |s| format!(": {s}"))
         ))
     }
-}
-
-/// Node view for the preflight: (label, ifname, master_addr, local addr ip).
-pub struct NodeView {
-    pub label: String,
-    pub ifname: String,
-    pub master_addr: String,
-    pub local_ip: IpAddr,
-    /// The libnccl this node's torch would load (its agent resolved it).
-    pub nccl_lib: Option<String>,
-}
-
-fn nodes_view(nodes: &[Node]) -> Vec<NodeView> {
-    nodes
-        .iter()
-        .map(|n| NodeView {
-            label: n.label.clone(),
-            ifname: n.ifname.clone(),
-            master_addr: n.master_addr.clone(),
-            local_ip: n.addr.unwrap_or(IpAddr::from([0, 0, 0, 0])),
-            nccl_lib: n
-                .joined
-                .as_ref()
-                .and_then(|j| j.facts.nccl.first())
-                .map(|l| l.path.clone()),
-        })
-        .collect()
 }
 
 /// NCCL_SOCKET_IFNAME semantics: comma list of prefixes; `=` exact names; `^` excludes.
@@ -924,9 +896,100 @@ pub(crate) fn interface_env(cp: &ClusterPlan, n: &Node) -> Vec<(String, String)>
     env
 }
 
-/// The worker specs of every node for one group run.
+/// What every worker of one group run shares.
+pub(crate) struct Launch<'a> {
+    /// Ranks in the whole group, and its nodes.
+    pub world: usize,
+    pub nnodes: usize,
+    /// The port of the store the group rendezvous on (MASTER_PORT).
+    pub port: u16,
+    pub attempt: u32,
+    pub program: &'a str,
+    pub args: &'a [String],
+    /// Whether the job's --log-dir, --redirects and --local-ranks-filter apply (the preflight's
+    /// and bisect's ranks show everything and write no files).
+    pub logs: bool,
+    /// Directory under nrun's temp dir keeping this run's error files apart.
+    pub scratch: &'a str,
+}
+
+/// One node's workers for a group run: `ranks` are (rank in the group, local rank), the node is
+/// the group's node number `group_rank`.
+pub(crate) fn node_specs(
+    plan: &Plan,
+    cp: &ClusterPlan,
+    n: &Node,
+    group_rank: usize,
+    ranks: &[(usize, usize)],
+    l: &Launch<'_>,
+    extra: &[(String, String)],
+) -> Vec<WorkerSpec> {
+    let width = l.world.saturating_sub(1).to_string().len();
+    let temp_root = std::env::temp_dir()
+        .join(format!("nrun-{}", std::process::id()))
+        .join(l.scratch);
+    let mut specs = Vec::new();
+    for &(rank, local_rank) in ranks {
+        let error_file: PathBuf = plan
+            .worker_dir(&temp_root, l.attempt, local_rank)
+            .join("error.json");
+        let place = Place {
+            rank,
+            group_rank,
+            local_world_size: ranks.len(),
+            world_size: l.world,
+            group_world_size: l.nnodes,
+        };
+        let mut env = cp.env.clone();
+        env.extend(plan.worker_env_at(
+            &place,
+            &WorkerSlot {
+                local_rank,
+                restart_count: l.attempt,
+                master_addr: &n.master_addr,
+                master_port: l.port,
+                error_file: &error_file,
+            },
+        ));
+        env.extend(interface_env(cp, n));
+        env.extend(extra.iter().cloned());
+        let shown = !l.logs
+            || plan
+                .log
+                .console_ranks
+                .as_ref()
+                .is_none_or(|s| s.contains(&local_rank));
+        let red = if l.logs {
+            plan.log.redirects.for_rank(local_rank)
+        } else {
+            Default::default()
+        };
+        specs.push(WorkerSpec {
+            rank,
+            local_rank,
+            program: l.program.to_string(),
+            args: l.args.to_vec(),
+            env,
+            error_file,
+            prefix: format!("[{}:rank{rank:>width$}]: ", n.label),
+            colour: rank,
+            console: [shown && !red.stdout(), shown && !red.stderr()],
+            // <dir>/<run-id>/attempt_<n>/<host>/<local rank>: the host level keeps nodes
+            // apart on a shared filesystem.
+            log_dir: plan.log.dir.as_ref().filter(|_| l.logs).map(|d| {
+                d.join(&plan.run_id)
+                    .join(format!("attempt_{}", l.attempt))
+                    .join(&n.label)
+                    .join(local_rank.to_string())
+            }),
+        });
+    }
+    specs
+}
+
+/// Every node's workers for one attempt of the job (or its preflight), ranks as laid out.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn job_specs(
+fn job_specs(
     plan: &Plan,
     cp: &ClusterPlan,
     nodes: &[Node],
@@ -934,107 +997,127 @@ pub(crate) fn job_specs(
     attempt: u32,
     program: &str,
     args: &[String],
-    extra: &[(String, String)],
-) -> Vec<Vec<WorkerSpec>> {
-    let world: usize = cp.layout.iter().map(Vec::len).sum();
-    let width = world.saturating_sub(1).to_string().len();
-    let temp_root = std::env::temp_dir().join(format!("nrun-{}", std::process::id()));
-    let mut out = Vec::new();
-    for (i, ranks) in cp.layout.iter().enumerate() {
-        let n = &nodes[i];
-        let mut specs = Vec::new();
-        for &(rank, local_rank, _slot) in ranks {
-            let error_file: PathBuf = plan
-                .worker_dir(&temp_root.join(format!("node{i}")), attempt, local_rank)
-                .join("error.json");
-            let place = Place {
-                rank,
-                group_rank: i,
-                local_world_size: ranks.len(),
-                world_size: world,
-                group_world_size: cp.hosts.len(),
-            };
-            let mut env = cp.env.clone();
-            env.extend(plan.worker_env_at(
-                &place,
-                &WorkerSlot {
-                    local_rank,
-                    restart_count: attempt,
-                    master_addr: &n.master_addr,
-                    master_port: port,
-                    error_file: &error_file,
-                },
-            ));
-            env.extend(interface_env(cp, n));
-            env.extend(extra.iter().cloned());
-            let shown = plan
-                .log
-                .console_ranks
-                .as_ref()
-                .is_none_or(|s| s.contains(&local_rank));
-            let red = plan.log.redirects.for_rank(local_rank);
-            specs.push(WorkerSpec {
-                rank,
-                local_rank,
-                program: program.to_string(),
-                args: args.to_vec(),
-                env,
-                error_file,
-                prefix: format!("[{}:rank{rank:>width$}]: ", n.label),
-                colour: rank,
-                console: [shown && !red.stdout(), shown && !red.stderr()],
-                // <dir>/<run-id>/attempt_<n>/<host>/<local rank>: the host level keeps nodes
-                // apart on a shared filesystem.
-                log_dir: plan.log.dir.as_ref().map(|d| {
-                    d.join(&plan.run_id)
-                        .join(format!("attempt_{attempt}"))
-                        .join(&n.label)
-                        .join(local_rank.to_string())
-                }),
-            });
-        }
-        out.push(specs);
-    }
-    out
-}
-
-pub fn job_specs_for_preflight(
-    plan: &Plan,
-    cp: &ClusterPlan,
-    view: &[NodeView],
-    port: u16,
+    logs: bool,
     per_node_extra: &dyn Fn(usize) -> Vec<(String, String)>,
 ) -> Vec<Vec<WorkerSpec>> {
-    let nodes: Vec<Node> = view
+    let world: usize = cp.layout.iter().map(Vec::len).sum();
+    cp.layout
         .iter()
-        .map(|v| Node {
-            label: v.label.clone(),
-            child: None,
-            stdin: None,
-            stderr_tail: Arc::new(Mutex::new(VecDeque::new())),
-            joined: None,
-            ifname: v.ifname.clone(),
-            master_addr: v.master_addr.clone(),
-            addr: Some(v.local_ip),
-            local: false,
+        .enumerate()
+        .map(|(i, layout)| {
+            let ranks: Vec<(usize, usize)> = layout.iter().map(|&(r, l, _)| (r, l)).collect();
+            let scratch = format!("node{i}");
+            let l = Launch {
+                world,
+                nnodes: cp.hosts.len(),
+                port,
+                attempt,
+                program,
+                args,
+                logs,
+                scratch: &scratch,
+            };
+            node_specs(plan, cp, &nodes[i], i, &ranks, &l, &per_node_extra(i))
         })
-        .collect();
-    let mut all = job_specs(
+        .collect()
+}
+
+/// The preflight of a multi-node run: one rank per worker slot on every node, started by the
+/// agents like the job's workers; each node's ranks load that node's libnccl (or --nccl-lib)
+/// and, for the TCP ring, listen on the node's own address.
+#[allow(clippy::too_many_arguments)]
+async fn run_preflight(
+    plan: &Plan,
+    pf: &crate::plan::PreflightPlan,
+    cp: &ClusterPlan,
+    store: &Store,
+    run_id: &str,
+    secret: &str,
+    port: u16,
+    nodes: &mut [Node],
+    step: usize,
+    signals: &mut Signals,
+) -> Result<u8> {
+    let started = Instant::now();
+    let settings = |n: &Node| {
+        let lib = pf.nccl_lib.clone().or_else(|| {
+            n.joined
+                .as_ref()
+                .and_then(|j| j.facts.nccl.first())
+                .map(|l| PathBuf::from(&l.path))
+        });
+        let listen = n.addr.map_or_else(|| "0.0.0.0".into(), |a| a.to_string());
+        crate::preflight::Settings::new(pf, format!("{run_id}/pf"), lib, listen)
+    };
+    let env = |i: usize| settings(&nodes[i]).rank_env(pf.loopback, Some(secret));
+    let specs = job_specs(
         plan,
         cp,
-        &nodes,
+        nodes,
         port,
         0,
         &cp.remote_nrun,
         &["__preflight".to_string()],
-        &[],
+        false,
+        &env,
     );
-    for (i, specs) in all.iter_mut().enumerate() {
-        for s in specs.iter_mut() {
-            s.env.extend(per_node_extra(i));
-        }
+    // Ranks enforce the init timeout themselves; this only catches one hung where it cannot.
+    let deadline_ms = (pf.timeout * 2 + Duration::from_secs(120)).as_millis() as u64;
+    for (i, s) in specs.into_iter().enumerate() {
+        set_step(
+            store,
+            run_id,
+            i,
+            step,
+            &Step::Run {
+                workers: s,
+                grace_ms: 3000,
+                deadline_ms: Some(deadline_ms),
+            },
+        );
     }
-    all
+    let results = collect(
+        store,
+        run_id,
+        nodes.len(),
+        step,
+        Some(step),
+        signals,
+        &mut lost_fn(nodes),
+    )
+    .await?;
+    let crashed = results.iter().flatten().find_map(|r| match r {
+        StepResult::Run(RunResult::Failed { rank, pid, how, .. }) => {
+            Some((*rank, format!("pid {pid} {how}")))
+        }
+        _ => None,
+    });
+    let ranks: Vec<(usize, String)> = cp
+        .layout
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| l.iter().map(move |&(r, _, _)| (r, i)))
+        .map(|(r, i)| (r, nodes[i].label.clone()))
+        .collect();
+    let base = settings(&nodes[0]);
+    let (reports, silent) = crate::preflight::reports_from(&base, &ranks, &mut |k| store.get(k));
+    let summary = crate::preflight::Outcome {
+        world_size: ranks.len(),
+        mode: pf.mode,
+        reports,
+        silent,
+        crashed,
+        nccl_lib: None,
+        min_busbw: pf.min_busbw,
+        wall_s: started.elapsed().as_secs_f64(),
+        other_libs: Vec::new(),
+    }
+    .summarize();
+    print!("{}", summary.text);
+    if let Some(path) = &pf.report {
+        crate::coordinator::write_report(path, &summary.json)?;
+    }
+    Ok(summary.verdict.exit_code())
 }
 
 enum JobEnd {

@@ -233,35 +233,13 @@ async fn run_preflight(
         Mode::Nccl => resolve_nccl(plan, pf).await,
         Mode::Net => (None, tokio::spawn(async { Vec::new() })),
     };
-    let settings = preflight::Settings {
-        id: format!("{}/0", plan.run_id),
-        mode: pf.mode,
-        min_bytes: pf.min_bytes,
-        max_bytes: pf.max_bytes,
-        factor: pf.factor,
-        iters: pf.iters,
-        warmup: pf.warmup,
-        timeout_ms: pf.timeout.as_millis() as u64,
-        nccl_lib,
-        listen_addr: if sa
-            .addr
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|a| a.is_loopback())
-        {
-            sa.addr.clone()
-        } else {
-            "0.0.0.0".into()
-        },
+    // Ranks on this one node listen where the store is, loopback included.
+    let listen = match sa.addr.parse::<std::net::IpAddr>() {
+        Ok(a) if a.is_loopback() => sa.addr.clone(),
+        _ => "0.0.0.0".into(),
     };
-    let json = serde_json::to_string(&settings).map_err(|e| Error::internal(e.to_string()))?;
-    let mut extra = vec![(preflight::ENV.to_string(), json)];
-    if let Some(secret) = &sa.secret {
-        extra.push(("NRUN_SECRET".into(), secret.clone()));
-    }
-    if pf.loopback {
-        extra.push(("NCCL_P2P_DISABLE".into(), "1".into()));
-        extra.push(("NCCL_SHM_DISABLE".into(), "1".into()));
-    }
+    let settings = preflight::Settings::new(pf, format!("{}/0", plan.run_id), nccl_lib, listen);
+    let extra = settings.rank_env(pf.loopback, sa.secret.as_deref());
     let exe = std::env::current_exe()
         .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
     let workers = build_workers(
@@ -322,62 +300,56 @@ async fn run_preflight(
     Ok(summary.verdict.exit_code())
 }
 
-/// Reads every rank's report from the store; a rank without one is listed with the last stage
-/// it reached (or none, when it never reached the store).
+/// Reads every rank's report from the store (one MULTI_GET: the store may be another node's, in
+/// torchrun-style static mode); a rank without one is listed with its last stage.
 async fn gather_reports(
     plan: &Plan,
     sa: &StoreAddr,
     s: &preflight::Settings,
 ) -> (
     std::collections::BTreeMap<usize, RankReport>,
-    Vec<(usize, String, Option<String>)>,
+    Vec<preflight::Silent>,
 ) {
-    let mut reports = std::collections::BTreeMap::new();
-    let mut silent = Vec::new();
-    let addr: Option<SocketAddr> = (sa.addr.as_str(), sa.port)
+    let host = hostname();
+    // Ranks are contiguous per node; this node's are the only ones it can name.
+    let ranks: Vec<(usize, String)> = (0..plan.world_size())
+        .map(|r| {
+            (
+                r,
+                if r / plan.nproc == plan.node_rank {
+                    host.clone()
+                } else {
+                    format!("node {}", r / plan.nproc)
+                },
+            )
+        })
+        .collect();
+    let keys: Vec<Vec<u8>> = ranks
+        .iter()
+        .flat_map(|(r, _)| [s.key(&format!("result/{r}")), s.key(&format!("stage/{r}"))])
+        .collect();
+    let mut values = std::collections::HashMap::new();
+    let addr = (sa.addr.as_str(), sa.port)
         .to_socket_addrs()
         .ok()
         .and_then(|mut a| a.next());
-    let mut client = match addr {
+    if let Some(mut c) = match addr {
         Some(a) => Client::connect(a, Duration::from_secs(5)).await.ok(),
         None => None,
-    };
-    if let (Some(c), Some(secret)) = (client.as_mut(), &sa.secret) {
-        let _ = c
-            .set(crate::store::server::AUTH_KEY, secret.as_bytes())
-            .await;
-    }
-    let host = hostname();
-    for rank in 0..plan.world_size() {
-        let Some(c) = client.as_mut() else {
-            silent.push((rank, host.clone(), None));
-            continue;
-        };
-        let r = c
-            .get(&s.key(&format!("result/{rank}")))
-            .await
-            .unwrap_or_default();
-        match serde_json::from_slice::<RankReport>(&r) {
-            Ok(rep) => {
-                reports.insert(rank, rep);
-            }
-            Err(_) => {
-                let st = c
-                    .get(&s.key(&format!("stage/{rank}")))
-                    .await
-                    .unwrap_or_default();
-                let stage = (!st.is_empty()).then(|| String::from_utf8_lossy(&st).into_owned());
-                // Ranks are contiguous per node; this node's are the only ones it can name.
-                let h = if rank / plan.nproc == plan.node_rank {
-                    host.clone()
-                } else {
-                    format!("node {}", rank / plan.nproc)
-                };
-                silent.push((rank, h, stage));
-            }
+    } {
+        if let Some(secret) = &sa.secret {
+            let _ = c
+                .set(crate::store::server::AUTH_KEY, secret.as_bytes())
+                .await;
+        }
+        let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+        if let Ok(vals) = c.multi_get(&refs).await {
+            values = keys.iter().cloned().zip(vals).collect();
         }
     }
-    (reports, silent)
+    preflight::reports_from(s, &ranks, &mut |k| {
+        values.get(k).cloned().filter(|v| !v.is_empty())
+    })
 }
 
 /// The libnccl the job would load, and (as a task that runs beside the preflight) a line for
@@ -538,125 +510,6 @@ fn build_workers(
 fn create_log(p: &PathBuf) -> Result<File> {
     File::create(p)
         .map_err(|e| Error::usage(format!("cannot create log file {}: {e}", p.display())))
-}
-
-/// The preflight of a multi-node run: one rank per worker slot on every node, started by the
-/// agents like the job's workers, each node's ranks told its own libnccl (or --nccl-lib) and,
-/// for the TCP ring, its own address.
-#[allow(clippy::too_many_arguments)]
-pub async fn run_cluster_preflight(
-    plan: &Plan,
-    pf: &PreflightPlan,
-    cp: &crate::cluster::ClusterPlan,
-    store: &Store,
-    run_id: &str,
-    secret: &str,
-    port: u16,
-    view: Vec<crate::cluster::NodeView>,
-    step: usize,
-    signals: &mut Signals,
-    lost: &mut dyn FnMut(usize) -> Option<String>,
-) -> Result<u8> {
-    let started = Instant::now();
-    let base = preflight::Settings {
-        id: format!("{run_id}/pf"),
-        mode: pf.mode,
-        min_bytes: pf.min_bytes,
-        max_bytes: pf.max_bytes,
-        factor: pf.factor,
-        iters: pf.iters,
-        warmup: pf.warmup,
-        timeout_ms: pf.timeout.as_millis() as u64,
-        nccl_lib: pf.nccl_lib.clone(),
-        listen_addr: String::new(),
-    };
-    let per_node = |i: usize| -> Vec<(String, String)> {
-        let mut s = base.clone();
-        s.listen_addr = view[i].local_ip.to_string();
-        if s.nccl_lib.is_none() {
-            s.nccl_lib = view[i].nccl_lib.clone().map(PathBuf::from);
-        }
-        let mut env = vec![
-            (
-                preflight::ENV.to_string(),
-                serde_json::to_string(&s).unwrap_or_default(),
-            ),
-            ("NRUN_SECRET".to_string(), secret.to_string()),
-        ];
-        if pf.loopback {
-            env.push(("NCCL_P2P_DISABLE".into(), "1".into()));
-            env.push(("NCCL_SHM_DISABLE".into(), "1".into()));
-        }
-        env
-    };
-    let specs = crate::cluster::job_specs_for_preflight(plan, cp, &view, port, &per_node);
-    let deadline_ms = (pf.timeout * 2 + Duration::from_secs(120)).as_millis() as u64;
-    for (i, s) in specs.into_iter().enumerate() {
-        crate::cluster::set_step(
-            store,
-            run_id,
-            i,
-            step,
-            &crate::agent::Step::Run {
-                workers: s,
-                grace_ms: 3000,
-                deadline_ms: Some(deadline_ms),
-            },
-        );
-    }
-    let results =
-        crate::cluster::collect(store, run_id, view.len(), step, Some(step), signals, lost).await?;
-    let mut crashed = None;
-    for r in results.iter().flatten() {
-        if let crate::agent::StepResult::Run(crate::agent::RunResult::Failed {
-            rank,
-            pid,
-            how,
-            ..
-        }) = r
-        {
-            crashed = Some((*rank, format!("pid {pid} {how}")));
-        }
-    }
-    // Reports, read in-process; a rank without one is named with its node and last stage.
-    let world: usize = cp.layout.iter().map(Vec::len).sum();
-    let mut reports = std::collections::BTreeMap::new();
-    let mut silent = Vec::new();
-    for (node, ranks) in cp.layout.iter().enumerate() {
-        for &(rank, _, _) in ranks {
-            match store
-                .get(&base.key(&format!("result/{rank}")))
-                .and_then(|r| serde_json::from_slice::<RankReport>(&r).ok())
-            {
-                Some(rep) => {
-                    reports.insert(rank, rep);
-                }
-                None => {
-                    let stage = store
-                        .get(&base.key(&format!("stage/{rank}")))
-                        .map(|s| String::from_utf8_lossy(&s).into_owned());
-                    silent.push((rank, view[node].label.clone(), stage));
-                }
-            }
-        }
-    }
-    let summary = preflight::Outcome {
-        world_size: world,
-        mode: pf.mode,
-        reports,
-        silent,
-        crashed,
-        nccl_lib: None,
-        min_busbw: pf.min_busbw,
-        wall_s: started.elapsed().as_secs_f64(),
-        other_libs: Vec::new(),
-    }
-    .summarize();
-    print!("{}", summary.text);
-    if let Some(path) = &pf.report {
-        write_report(path, &summary.json)?;
-    }
-    Ok(summary.verdict.exit_code())
 }
 
 /// Writes `--report FILE` as pretty JSON.

@@ -72,6 +72,74 @@ impl Settings {
     pub fn key(&self, what: &str) -> Vec<u8> {
         format!("nrun/pf/{}/{what}", self.id).into_bytes()
     }
+
+    /// A preflight run's settings from the plan; `id` keeps runs sharing a store apart.
+    pub fn new(
+        pf: &crate::plan::PreflightPlan,
+        id: String,
+        nccl_lib: Option<PathBuf>,
+        listen_addr: String,
+    ) -> Settings {
+        Settings {
+            id,
+            mode: pf.mode,
+            min_bytes: pf.min_bytes,
+            max_bytes: pf.max_bytes,
+            factor: pf.factor,
+            iters: pf.iters,
+            warmup: pf.warmup,
+            timeout_ms: pf.timeout.as_millis() as u64,
+            nccl_lib,
+            listen_addr,
+        }
+    }
+
+    /// What a preflight rank gets on top of the job's environment: these settings, the store's
+    /// secret for nrun's keys, and with --preflight-loopback no NVLink/shared-memory path.
+    pub fn rank_env(&self, loopback: bool, secret: Option<&str>) -> Vec<(String, String)> {
+        let mut env = vec![(
+            ENV.to_string(),
+            serde_json::to_string(self).unwrap_or_default(),
+        )];
+        if let Some(s) = secret {
+            env.push(("NRUN_SECRET".into(), s.to_string()));
+        }
+        if loopback {
+            env.push(("NCCL_P2P_DISABLE".into(), "1".into()));
+            env.push(("NCCL_SHM_DISABLE".into(), "1".into()));
+        }
+        env
+    }
+}
+
+/// A rank that did not report: its rank, host, and the last stage it reached.
+pub type Silent = (usize, String, Option<String>);
+
+/// Every rank's report, read with `get` (a key of these settings -> its value); a rank without
+/// one is listed with its host and the last stage it reached (None: it never reached the store).
+pub fn reports_from(
+    s: &Settings,
+    ranks: &[(usize, String)],
+    get: &mut dyn FnMut(&[u8]) -> Option<Vec<u8>>,
+) -> (BTreeMap<usize, RankReport>, Vec<Silent>) {
+    let mut reports = BTreeMap::new();
+    let mut silent = Vec::new();
+    for (rank, host) in ranks {
+        match get(&s.key(&format!("result/{rank}")))
+            .and_then(|r| serde_json::from_slice::<RankReport>(&r).ok())
+        {
+            Some(rep) => {
+                reports.insert(*rank, rep);
+            }
+            None => {
+                let stage = get(&s.key(&format!("stage/{rank}")))
+                    .filter(|v| !v.is_empty())
+                    .map(|v| String::from_utf8_lossy(&v).into_owned());
+                silent.push((*rank, host.clone(), stage));
+            }
+        }
+    }
+    (reports, silent)
 }
 
 /// Parses `MIN:MAX:FACTOR` with sizes like 8, 64K, 256M, 2G.
@@ -219,7 +287,7 @@ pub struct Outcome {
     pub mode: Mode,
     pub reports: BTreeMap<usize, RankReport>,
     /// Last stage each silent rank reached, with its host.
-    pub silent: Vec<(usize, String, Option<String>)>,
+    pub silent: Vec<Silent>,
     /// A rank that crashed, and how (exit code or signal), from the supervisor.
     pub crashed: Option<(usize, String)>,
     /// The library the ranks were told to load.

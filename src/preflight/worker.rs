@@ -28,7 +28,6 @@ fn expected(world: usize) -> [f32; PERIOD] {
     e
 }
 
-#[cfg_attr(not(test), allow(dead_code))]
 fn count_wrong(out: &[f32], exp: &[f32; PERIOD]) -> u64 {
     let mut wrong = 0u64;
     for chunk in out.chunks(PERIOD) {
