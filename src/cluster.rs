@@ -760,10 +760,16 @@ async fn drive(
 }
 
 /// Whether node i's agent connection (ssh) has ended, and how it ended.
-pub(crate) fn lost_fn(nodes: &mut [Node]) -> impl FnMut(usize) -> Option<String> + '_ {
-    move |i| {
+/// Whether node i's agent is lost, and how: its ssh ended, or (`stopped`: it stopped its
+/// workers unasked) its connection to the launch host broke while ssh may still be closing.
+pub(crate) fn lost_fn(nodes: &mut [Node]) -> impl FnMut(usize, bool) -> Option<String> + '_ {
+    move |i, stopped| {
         let n = nodes.get_mut(i)?;
-        let st = n.child.as_mut()?.try_wait().ok().flatten()?;
+        let Some(st) = n.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) else {
+            return stopped.then(|| {
+                format!("lost the connection to {}: its agent stopped its workers when the link to the launch host broke", n.label)
+            });
+        };
         let said = tail_of(&n.stderr_tail)
             .into_iter()
             .rev()
@@ -813,7 +819,7 @@ pub async fn collect(
     step: usize,
     stop_step: Option<usize>,
     signals: &mut Signals,
-    lost: &mut dyn FnMut(usize) -> Option<String>,
+    lost: &mut dyn FnMut(usize, bool) -> Option<String>,
 ) -> Result<Vec<Option<StepResult>>> {
     let mut results: Vec<Option<StepResult>> = vec![None; k];
     let started = Instant::now();
@@ -826,12 +832,12 @@ pub async fn collect(
                     *r = serde_json::from_slice(&raw).ok();
                     // Stopped without being asked: that agent lost its connection to us.
                     if !stopped && matches!(r, Some(StepResult::Run(RunResult::Stopped))) {
-                        let why = lost(i).unwrap_or_else(|| {
+                        let why = lost(i, true).unwrap_or_else(|| {
                             format!("node {i}'s agent lost its connection to the launch host")
                         });
                         *r = Some(StepResult::Run(RunResult::Lost(why)));
                     }
-                } else if let Some(why) = lost(i) {
+                } else if let Some(why) = lost(i, false) {
                     // The node's agent is gone (ssh dropped, host died): it will not report.
                     *r = Some(StepResult::Run(RunResult::Lost(why)));
                 }
