@@ -105,82 +105,117 @@ pub fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
 /// MPICH form `host:N`, bare `host`. `#` starts a comment (whole line or trailing), blank lines skipped.
 /// A duplicate host is an error naming both line numbers ("line 3 and line 7").
 pub fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
-    let mut hosts = Vec::new();
+    Ok(hostfile_lines(text, origin)?
+        .into_iter()
+        .filter_map(|(_, host)| host)
+        .collect())
+}
+
+/// The hostfile `text` with only the lines of hosts for which `keep(name)` is true; comments,
+/// blank lines and every kept line are copied byte for byte (format, slots, comments kept).
+///
+/// `name` is [`Host::name`] as [`parse_hostfile`] gives it (`[fe80::1]:4` -> `fe80::1`). Lines
+/// are split as `str::lines` does and each ends with "\n" in the output (a CRLF file comes out
+/// LF). Text that `parse_hostfile` rejects gives the same error; dropping every host is not one.
+pub fn filter_hostfile(text: &str, origin: &str, keep: &dyn Fn(&str) -> bool) -> Result<String> {
+    let mut out = String::with_capacity(text.len() + 1);
+    for (line, host) in hostfile_lines(text, origin)? {
+        if host.is_none_or(|h| keep(&h.name)) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    Ok(out)
+}
+
+/// Every line of a hostfile with the host it names (None: blank or comment only). Shared by
+/// [`parse_hostfile`] and [`filter_hostfile`] so both accept and reject exactly the same text.
+fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Option<Host>)>> {
+    let mut lines = Vec::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (i, raw) in text.lines().enumerate() {
         let lineno = i + 1;
-        let line = raw.split('#').next().unwrap_or_default().trim();
-        let mut tokens = line.split_whitespace();
-        let Some(first) = tokens.next() else {
-            continue; // blank or comment-only
-        };
-        let ctx = format!("{origin} line {lineno}");
-        if first.contains('=') {
-            return Err(usage(format!(
-                "{ctx}: {first:?} is a key=value, but a line starts with the host name; \
-                 write e.g. node1 slots=8"
-            )));
-        }
-        let (name, mut slots) = parse_item(first, &ctx)?;
-        let colon_slots = slots.is_some();
-        let mut seen_slots_key = false;
-        let mut seen_max_slots = false;
-        for tok in tokens {
-            let Some((key, value)) = tok.split_once('=') else {
+        let host = parse_hostfile_line(raw, origin, lineno)?;
+        if let Some(Host { name, .. }) = &host {
+            if let Some(&first_line) = seen.get(name) {
                 return Err(usage(format!(
-                    "{ctx}: unexpected {tok:?} after the host name; write `host slots=N` \
-                     (no spaces around '='), `host:N` or just `host`"
+                    "{origin}: host {name:?} is listed twice, on line {first_line} and line {lineno}; \
+                     list each host once, with its slot count"
                 )));
-            };
-            match key {
-                "slots" => {
-                    if colon_slots {
-                        return Err(usage(format!(
-                            "{ctx}: the slot count is given twice, as host:N and as slots=; keep one"
-                        )));
-                    }
-                    if seen_slots_key {
-                        return Err(usage(format!("{ctx}: slots= is given twice; keep one")));
-                    }
-                    seen_slots_key = true;
-                    slots = Some(parse_count(value, &ctx, "slots=")?);
-                }
-                "max_slots" => {
-                    if seen_max_slots {
-                        return Err(usage(format!("{ctx}: max_slots= is given twice; keep one")));
-                    }
-                    seen_max_slots = true;
-                    // Accepted so Open MPI hostfiles work unchanged; nrun never oversubscribes,
-                    // so only slots= matters. Still checked, so a typo does not pass silently.
-                    parse_count(value, &ctx, "max_slots=")?;
-                }
-                _ => {
-                    return Err(usage(format!(
-                        "{ctx}: unknown key {key:?} in {tok:?}; nrun understands slots=N \
-                         (and accepts max_slots=N), remove the rest"
-                    )));
-                }
             }
+            seen.insert(name.clone(), lineno);
         }
-        if let Some(&first_line) = seen.get(&name) {
-            return Err(usage(format!(
-                "{origin}: host {name:?} is listed twice, on line {first_line} and line {lineno}; \
-                 list each host once, with its slot count"
-            )));
-        }
-        seen.insert(name.clone(), lineno);
-        hosts.push(Host {
-            name,
-            slots,
-            only_slots: None,
-        });
+        lines.push((raw, host));
     }
-    if hosts.is_empty() {
+    if seen.is_empty() {
         return Err(usage(format!(
             "{origin} lists no hosts; write one host per line, e.g. `node1 slots=8`"
         )));
     }
-    Ok(hosts)
+    Ok(lines)
+}
+
+/// One hostfile line, without its line ending: the host it names, or None when it is blank or
+/// only a comment. `lineno` counts from 1.
+fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Option<Host>> {
+    let line = raw.split('#').next().unwrap_or_default().trim();
+    let mut tokens = line.split_whitespace();
+    let Some(first) = tokens.next() else {
+        return Ok(None); // blank or comment-only
+    };
+    let ctx = format!("{origin} line {lineno}");
+    if first.contains('=') {
+        return Err(usage(format!(
+            "{ctx}: {first:?} is a key=value, but a line starts with the host name; \
+             write e.g. node1 slots=8"
+        )));
+    }
+    let (name, mut slots) = parse_item(first, &ctx)?;
+    let colon_slots = slots.is_some();
+    let mut seen_slots_key = false;
+    let mut seen_max_slots = false;
+    for tok in tokens {
+        let Some((key, value)) = tok.split_once('=') else {
+            return Err(usage(format!(
+                "{ctx}: unexpected {tok:?} after the host name; write `host slots=N` \
+                 (no spaces around '='), `host:N` or just `host`"
+            )));
+        };
+        match key {
+            "slots" => {
+                if colon_slots {
+                    return Err(usage(format!(
+                        "{ctx}: the slot count is given twice, as host:N and as slots=; keep one"
+                    )));
+                }
+                if seen_slots_key {
+                    return Err(usage(format!("{ctx}: slots= is given twice; keep one")));
+                }
+                seen_slots_key = true;
+                slots = Some(parse_count(value, &ctx, "slots=")?);
+            }
+            "max_slots" => {
+                if seen_max_slots {
+                    return Err(usage(format!("{ctx}: max_slots= is given twice; keep one")));
+                }
+                seen_max_slots = true;
+                // Accepted so Open MPI hostfiles work unchanged; nrun never oversubscribes,
+                // so only slots= matters. Still checked, so a typo does not pass silently.
+                parse_count(value, &ctx, "max_slots=")?;
+            }
+            _ => {
+                return Err(usage(format!(
+                    "{ctx}: unknown key {key:?} in {tok:?}; nrun understands slots=N \
+                     (and accepts max_slots=N), remove the rest"
+                )));
+            }
+        }
+    }
+    Ok(Some(Host {
+        name,
+        slots,
+        only_slots: None,
+    }))
 }
 
 /// Splits an item into its host name and what follows a ':' (a slot count or slot list),
@@ -1175,6 +1210,111 @@ mod tests {
         assert!(err(parse_hostfile("# only\n\n  # comments\n", "hf")).contains("no hosts"));
     }
 
+    // ---- filter_hostfile ----
+
+    /// Keeps every host except those in `drop`.
+    fn filter_out(text: &str, drop: &[&str]) -> String {
+        filter_hostfile(text, "hf", &|name| !drop.contains(&name)).unwrap()
+    }
+
+    #[test]
+    fn filter_keeps_every_form_byte_for_byte() {
+        let text = "node1 slots=8\nnode2:4\nnode3\nnode4  slots=2 max_slots=16\n";
+        assert_eq!(filter_out(text, &[]), text);
+    }
+
+    #[test]
+    fn filter_drops_one_host_among_several() {
+        let text = "node1 slots=8\nnode2:4\nnode3\nnode4 slots=2\n";
+        assert_eq!(
+            filter_out(text, &["node2"]),
+            "node1 slots=8\nnode3\nnode4 slots=2\n"
+        );
+        assert_eq!(
+            filter_out(text, &["node1"]),
+            "node2:4\nnode3\nnode4 slots=2\n"
+        );
+        assert_eq!(
+            filter_out(text, &["node3"]),
+            "node1 slots=8\nnode2:4\nnode4 slots=2\n"
+        );
+    }
+
+    #[test]
+    fn filter_keeps_comments_and_blank_lines() {
+        let text =
+            "# cluster A\n\n   \nnode1 slots=8   # the big one\n\t# gpu nodes\nnode2#tight\n";
+        assert_eq!(filter_out(text, &[]), text);
+        // A dropped host's trailing comment goes with it; other comments stay.
+        assert_eq!(
+            filter_out(text, &["node1"]),
+            "# cluster A\n\n   \n\t# gpu nodes\nnode2#tight\n"
+        );
+        assert_eq!(
+            filter_out(text, &["node2"]),
+            "# cluster A\n\n   \nnode1 slots=8   # the big one\n\t# gpu nodes\n"
+        );
+    }
+
+    #[test]
+    fn filter_ipv6_and_user_compare_with_host_name() {
+        // keep() sees Host::name, brackets dropped; the kept line keeps them.
+        let text = "[fe80::1]:4\n[fe80::2] slots=2\nme@[fe80::3]:1\nme@n1 slots=1\n";
+        assert_eq!(parse_hostfile(text, "hf").unwrap()[2].name, "me@fe80::3");
+        assert_eq!(
+            filter_out(text, &["fe80::2", "me@n1"]),
+            "[fe80::1]:4\nme@[fe80::3]:1\n"
+        );
+        assert_eq!(
+            filter_out(text, &["fe80::1", "me@fe80::3"]),
+            "[fe80::2] slots=2\nme@n1 slots=1\n"
+        );
+    }
+
+    #[test]
+    fn filter_passes_names_as_parse_hostfile_does() {
+        let text = "# c\n[fe80::1]:4 # x\nme@n1 slots=1\nnode2:3\n\n";
+        let seen = std::cell::RefCell::new(Vec::new());
+        filter_hostfile(text, "hf", &|name| {
+            seen.borrow_mut().push(name.to_string());
+            true
+        })
+        .unwrap();
+        let parsed = parse_hostfile(text, "hf").unwrap();
+        assert_eq!(seen.into_inner(), names(&parsed));
+    }
+
+    #[test]
+    fn filter_ends_every_line_with_newline() {
+        assert_eq!(filter_out("a\n# end", &[]), "a\n# end\n");
+        assert_eq!(filter_out("a\nb", &["a"]), "b\n");
+        // Split as str::lines, so CRLF comes out as LF.
+        assert_eq!(filter_out("a\r\nb\r\n", &[]), "a\nb\n");
+        // Dropping every host is the caller's call, not an error.
+        assert_eq!(filter_out("# x\na\n", &["a"]), "# x\n");
+    }
+
+    #[test]
+    fn filter_rejects_what_parse_hostfile_rejects() {
+        for text in [
+            "ok\nfe80::1 slots=2\n", // bare IPv6 needs brackets, as in parse_hostfile
+            "ok\na slots=x\n",
+            "ok\na cpus=4\n",
+            "ok\n[fe80::1\n",
+            "a\nb\na:2\n",
+            "# only comments\n\n",
+            "",
+        ] {
+            let want = err(parse_hostfile(text, "hf"));
+            assert_eq!(
+                err(filter_hostfile(text, "hf", &|_| true)),
+                want,
+                "{text:?}"
+            );
+        }
+        assert!(err(parse_hostfile("fe80::1 slots=2\n", "hf")).contains("brackets"));
+    }
+
     // ---- Slurm ----
 
     fn slurm(s: &str) -> Vec<String> {
@@ -1563,7 +1703,18 @@ mod tests {
                 }
             }
             let _ = parse_hosts_flag(&s);
-            let _ = parse_hostfile(&s, "fuzz");
+            // filter_hostfile accepts exactly what parse_hostfile does, and keeping every host
+            // gives a file that parses the same.
+            match (
+                parse_hostfile(&s, "fuzz"),
+                filter_hostfile(&s, "fuzz", &|_| true),
+            ) {
+                (Ok(hosts), Ok(kept)) => {
+                    assert_eq!(parse_hostfile(&kept, "fuzz").unwrap(), hosts, "{s:?}");
+                }
+                (Err(a), Err(b)) => assert_eq!(a.message, b.message, "{s:?}"),
+                (a, b) => panic!("{s:?}: {a:?} vs {b:?}"),
+            }
             let _ = expand_slurm_hostlist(&s);
             let _ = apply_include_exclude(base.clone(), Some(&s), None);
             let _ = apply_include_exclude(base.clone(), None, Some(&s));

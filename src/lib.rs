@@ -1,19 +1,28 @@
 //! nrun: a launcher for distributed PyTorch/NCCL jobs.
 //!
-//! Map of the crate (the phases of a run flow top to bottom):
-//! - [`cli`]: clap definitions only; torchrun spellings; NRUN_*/PET_* environment.
-//! - [`plan`]: from flags to a [`plan::Plan`]: workers, command, environment, logs. Pure.
-//! - [`store`]: the TCPStore-protocol server that workers rendezvous on, and its client.
-//! - [`node`]: spawning and supervising a node's workers: process groups, signals, output.
-//! - [`coordinator`]: the phases wired together.
-//! - [`report`]: how failures and log lines look.
+//! Map of the crate. A run flows one way: the command line becomes a [`plan::Mode`]; a
+//! [`session::Session`] starts the store and one agent per node, joins and checks them and
+//! drives their steps; a command (the job, doctor, bisect) decides which steps.
+//! - [`cli`]: clap definitions only: the default run, `doctor`, `bisect`; flattened flag groups.
+//! - [`plan`]: from flags to a [`plan::Mode`] (workers, command, environment, logs, preflight,
+//!   nodes and rank layout); no I/O besides reading the hostfile and the filesystem checks.
+//! - [`hosts`]: host lists: hostfile formats, Slurm hostlists, include/exclude, rank layout.
+//! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session.
+//! - [`session`]: store + agents + join + checks + steps + end, for one node or many; the one
+//!   worker-spec builder.
+//! - [`agent`]: the per-node side: the protocol (messages and keys), executing a step, and the
+//!   `nrun __agent` process.
+//! - [`remote`]: ssh and srun command lines (pure).
+//! - [`node`]: one node's worker group: spawning, process groups, stop requests, output, logs.
+//! - [`store`]: the TCPStore protocol: a pure codec, the tokio server, a client.
+//! - [`preflight`]: NCCL by path, CUDA through cudarc, the per-rank worker, the verdict.
+//! - [`net`]: interfaces, this host's name, routes. [`facts`]: what a node reports, compared.
+//! - [`report`]: how a job ended, the failure summary, JSON reports, log format.
 //! - [`error`]: errors for people and the exit codes.
 
 pub mod agent;
-pub mod bisect;
 pub mod cli;
-pub mod cluster;
-pub mod coordinator;
+pub mod commands;
 pub mod error;
 pub mod facts;
 pub mod hosts;
@@ -23,6 +32,7 @@ pub mod plan;
 pub mod preflight;
 pub mod remote;
 pub mod report;
+pub mod session;
 pub mod store;
 
 use std::process::ExitCode;
@@ -56,12 +66,7 @@ pub fn main() -> ExitCode {
         _ => {}
     }
     cli::apply_pet_env();
-    // `nrun doctor ...` is `nrun --doctor ...`: the same flags, no target.
-    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if args.get(1).is_some_and(|a| a == "doctor" || a == "bisect") {
-        args[1] = format!("--{}", args[1].to_string_lossy()).into();
-    }
-    let cli = match cli::Cli::try_parse_from(args) {
+    let cli = match cli::Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
             // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
@@ -70,83 +75,13 @@ pub fn main() -> ExitCode {
         }
     };
     init_logging();
-    match run(cli) {
+    let env = |k: &str| std::env::var(k).ok();
+    match plan::resolve(cli, &env).and_then(commands::execute) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("nrun: error: {e}");
             ExitCode::from(e.code)
         }
-    }
-}
-
-fn run(cli: cli::Cli) -> error::Result<u8> {
-    let env = |k: &str| std::env::var(k).ok();
-    let plan = plan::Plan::from_cli(&cli, &env)?;
-    let cluster = cluster::plan_cluster(&cli, &plan, &env)?;
-    let listener = coordinator::bind_store(&plan)?;
-    let threads = std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .clamp(1, 4);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .enable_all()
-        .build()
-        .map_err(|e| error::Error::internal(format!("cannot start the async runtime: {e}")))?;
-    // The coordinator future runs on this (main) thread; workers are spawned from it, which
-    // their PR_SET_PDEATHSIG relies on.
-    if cli.doctor && cluster.is_none() {
-        return Ok(cluster::doctor_local(&plan));
-    }
-    if cli.bisect {
-        let Some(cp) = cluster else {
-            return Err(error::Error::usage(
-                "nrun bisect needs nodes: -H, --hostfile, or a Slurm allocation of several nodes",
-            ));
-        };
-        let probe = match cli.probe.as_str() {
-            "nccl" => bisect::Probe::Nccl,
-            "net" => bisect::Probe::Net,
-            "cmd" if cli.command.is_empty() => {
-                return Err(error::Error::usage(
-                    "--probe cmd runs your command: give it after `--`",
-                ));
-            }
-            "cmd" => bisect::Probe::Cmd,
-            other => {
-                return Err(error::Error::usage(format!(
-                    "--probe {other:?}: expected nccl, net or cmd"
-                )));
-            }
-        };
-        let valid = cli.slow_factor > 0.0
-            && cli.slow_factor <= 1.0
-            && cli.timeout.is_finite()
-            && cli.timeout > 0.0;
-        if !valid {
-            return Err(error::Error::usage(
-                "--slow-factor must be in (0, 1] and --timeout a positive number of seconds",
-            ));
-        }
-        let bp = bisect::BisectPlan {
-            probe,
-            slow_factor: cli.slow_factor,
-            timeout: std::time::Duration::from_secs_f64(cli.timeout),
-            write_hostfile: cli.write_hostfile.clone(),
-            report: cli.report.clone(),
-            hostfile_text: cli
-                .hostfile
-                .as_ref()
-                .and_then(|f| std::fs::read_to_string(f).ok()),
-        };
-        let Some(l) = listener else {
-            return Err(error::Error::internal("no store for bisect"));
-        };
-        return rt.block_on(bisect::run(&plan, &cp, &bp, l));
-    }
-    match (cluster, listener) {
-        (Some(cp), Some(l)) => rt.block_on(cluster::run(&plan, &cp, l)),
-        (Some(_), None) => Err(error::Error::internal("no store for a multi-node run")),
-        (None, l) => rt.block_on(coordinator::run(plan, l)),
     }
 }
 

@@ -89,6 +89,43 @@ pub fn reachable_addrs(ifaces: &[Iface]) -> Vec<IpAddr> {
     v4
 }
 
+/// This host's name (`?` if the system will not say): the one place nrun asks.
+pub fn hostname() -> String {
+    nix::unistd::gethostname().map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned())
+}
+
+/// Whether a host name means this machine: localhost, a loopback address, this host's name
+/// (or its short form), or one of its addresses. `user@` is ignored.
+pub fn is_this_host(label: &str) -> bool {
+    let name = label.rsplit('@').next().unwrap_or(label);
+    if name == "localhost" {
+        return true;
+    }
+    let bare = name.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        return ip.is_loopback()
+            || interfaces()
+                .iter()
+                .any(|i| i.addrs.iter().any(|a| canonical(*a) == canonical(ip)));
+    }
+    let me = hostname();
+    me != "?" && (name == me || me.split('.').next() == Some(name))
+}
+
+/// The interface this host would send from to reach `target`. A connected UDP socket sends
+/// nothing; it only asks the kernel for the route's source address.
+pub fn route_interface(target: std::net::SocketAddr) -> Option<String> {
+    let bind: std::net::SocketAddr = if target.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let local = std::net::UdpSocket::bind(bind)
+        .and_then(|u| u.connect(target).and_then(|_| u.local_addr()))
+        .ok()?;
+    owner(&interfaces(), local.ip()).map(|i| i.name.clone())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

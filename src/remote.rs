@@ -1,6 +1,7 @@
 //! Ways to start `nrun __agent` on other nodes: the system `ssh` (so ~/.ssh/config, agents,
 //! known_hosts, ProxyJump all work as the user has them), or Slurm's `srun` inside an
-//! allocation. Building the command lines is pure and unit-tested.
+//! allocation. Building the command lines is pure and unit-tested; starting them is
+//! `session::agents`.
 
 use std::ffi::OsString;
 
@@ -114,58 +115,6 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-/// Environment forwarded to every node: NCCL_*, TORCH_*, CUDA_* except CUDA_VISIBLE_DEVICES,
-/// PYTHON*, OMP_*, UCX_*. Never SSH_*, DISPLAY, terminal or shell-internal variables.
-pub fn forwarded(name: &str) -> bool {
-    let prefixed = [
-        "NCCL_",
-        "TORCH_",
-        "CUDA_",
-        "PYTHON",
-        "OMP_",
-        "UCX_",
-        "GLOO_",
-        "NRUN_ENV_",
-    ]
-    .iter()
-    .any(|p| name.starts_with(p));
-    prefixed && name != "CUDA_VISIBLE_DEVICES"
-}
-
-/// KEY=VALUE lines of a `.nrun_env` file (blank lines and `#` comments skipped; `export ` is
-/// allowed before KEY).
-pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>, String> {
-    let mut v = Vec::new();
-    for (i, raw) in text.lines().enumerate() {
-        let line = raw.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let line = line.strip_prefix("export ").unwrap_or(line);
-        let Some((k, val)) = line.split_once('=') else {
-            return Err(format!(
-                "{origin} line {}: expected KEY=VALUE, got {raw:?}",
-                i + 1
-            ));
-        };
-        let k = k.trim();
-        if k.is_empty() || !k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-            return Err(format!(
-                "{origin} line {}: {k:?} is not a variable name",
-                i + 1
-            ));
-        }
-        let val = val.trim();
-        let val = val
-            .strip_prefix('"')
-            .and_then(|x| x.strip_suffix('"'))
-            .or_else(|| val.strip_prefix('\'').and_then(|x| x.strip_suffix('\'')))
-            .unwrap_or(val);
-        v.push((k.to_string(), val.to_string()));
-    }
-    Ok(v)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,48 +166,5 @@ mod tests {
         assert!(split_opts("-o 'x").is_err());
         assert_eq!(shell_quote("/usr/bin/nrun"), "/usr/bin/nrun");
         assert_eq!(shell_quote("/a b/it's"), r"'/a b/it'\''s'");
-    }
-
-    #[test]
-    fn forwarded_variables() {
-        for v in [
-            "NCCL_DEBUG",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-            "CUDA_LAUNCH_BLOCKING",
-            "PYTHONPATH",
-            "OMP_NUM_THREADS",
-            "UCX_TLS",
-        ] {
-            assert!(forwarded(v), "{v}");
-        }
-        for v in [
-            "CUDA_VISIBLE_DEVICES",
-            "SSH_AUTH_SOCK",
-            "DISPLAY",
-            "TERM",
-            "PWD",
-            "SHLVL",
-            "HOME",
-        ] {
-            assert!(!forwarded(v), "{v}");
-        }
-    }
-
-    #[test]
-    fn env_files() {
-        let v = parse_env_file("# c\n\nA=1\nexport B=\"two words\"\nC='x'\n", ".nrun_env").unwrap();
-        assert_eq!(
-            v,
-            [
-                ("A".into(), "1".into()),
-                ("B".into(), "two words".into()),
-                ("C".into(), "x".into())
-            ]
-        );
-        assert!(
-            parse_env_file("novalue\n", ".nrun_env")
-                .unwrap_err()
-                .contains("line 1")
-        );
     }
 }

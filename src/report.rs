@@ -1,37 +1,136 @@
-//! What nrun tells people: the failure summary and log formatting. The one place that knows how
-//! messages look.
+//! What nrun tells people: how a job ended and the failure summary (one for one node or many),
+//! JSON reports, and log formatting. The one place that knows how messages look.
 
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::node::Failure;
+use crate::agent::protocol::{RunResult, StepResult, WorkerFailure};
+use crate::error::{Error, Result, exit};
+
+/// How one attempt of the job ended, over every node.
+#[derive(Debug)]
+pub enum JobEnd {
+    Success,
+    /// Stopped by a signal to nrun: the exit code.
+    Interrupted(u8),
+    /// The first failure: the exit code, a one-line headline and the whole summary.
+    Failed {
+        code: u8,
+        headline: String,
+        summary: String,
+    },
+}
+
+/// Where the job ran, for naming a failure.
+pub struct JobShape<'a> {
+    /// Each node's label, by node index.
+    pub hosts: &'a [String],
+    pub world: usize,
+    /// The command line the workers ran.
+    pub command: &'a str,
+}
+
+/// The earliest failure among the nodes' results (by time; a failing worker beats a lost
+/// node), or how the attempt otherwise ended.
+pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
+    let mut first: Option<(usize, &RunResult)> = None;
+    for (i, r) in results.iter().enumerate() {
+        let Some(StepResult::Run(rr)) = r else {
+            continue;
+        };
+        if !rr.is_failure() {
+            continue;
+        }
+        let better = match (first, rr) {
+            (None, _) => true,
+            (Some((_, RunResult::Failed(a))), RunResult::Failed(b)) => b.at < a.at,
+            (Some((_, RunResult::Failed(_))), _) => false,
+            (Some(_), RunResult::Failed(_)) => true,
+            _ => false,
+        };
+        if better {
+            first = Some((i, rr));
+        }
+    }
+    if let Some((i, r)) = first {
+        let host = shape.hosts.get(i).map_or("?", |h| h.as_str());
+        return match r {
+            RunResult::Failed(f) => {
+                let summary = failure_summary(f, host, shape);
+                JobEnd::Failed {
+                    code: f.exit_code.max(1),
+                    headline: format!("rank {} on {host} {}", f.rank, f.how),
+                    summary,
+                }
+            }
+            RunResult::SpawnError(e) => failed(
+                exit::USAGE,
+                format!("nrun: error: cannot start workers on {host}: {e}\n"),
+            ),
+            RunResult::Lost(e) => failed(
+                exit::CLUSTER,
+                format!(
+                    "nrun: error: {e}; every worker on the other nodes was stopped\n  hint: check that {host} is up and reachable (ssh {host} true)\n"
+                ),
+            ),
+            _ => failed(
+                exit::INTERNAL,
+                format!("nrun: error: workers on {host} ran past their deadline\n"),
+            ),
+        };
+    }
+    if let Some(sig) = results.iter().find_map(|r| match r {
+        Some(StepResult::Run(RunResult::Interrupted(s))) => Some(*s),
+        _ => None,
+    }) {
+        return JobEnd::Interrupted(exit::signal(sig));
+    }
+    if results
+        .iter()
+        .any(|r| matches!(r, Some(StepResult::Run(RunResult::Stopped))))
+    {
+        return JobEnd::Interrupted(exit::signal(libc::SIGINT));
+    }
+    JobEnd::Success
+}
+
+fn failed(code: u8, summary: String) -> JobEnd {
+    JobEnd::Failed {
+        code,
+        headline: summary.lines().next().unwrap_or_default().to_string(),
+        summary,
+    }
+}
 
 /// The failure summary, in the spirit of torchrun's "Root Cause (first observed failure)" block,
 /// plus the worker's own last words.
-pub fn failure_summary(f: &Failure, host: &str, world_size: usize, program: &str) -> String {
+pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> String {
     let mut s = String::new();
-    let others = if world_size > 1 {
-        "; every other worker was stopped"
-    } else {
-        ""
+    let several = shape.hosts.len() > 1;
+    let (who, others) = match (several, shape.world > 1) {
+        (true, _) => (
+            format!("rank {} on {host}", f.rank),
+            "; every worker on every node was stopped",
+        ),
+        (false, true) => (
+            format!("rank {} of {}", f.rank, shape.world),
+            "; every other worker was stopped",
+        ),
+        (false, false) => (format!("rank {} of {}", f.rank, shape.world), ""),
     };
-    let _ = writeln!(
-        s,
-        "nrun: error: rank {} of {world_size} {} (first failure{others})",
-        f.rank,
-        f.exit.describe()
-    );
-    let _ = writeln!(s, "  command:    {program}");
+    let _ = writeln!(s, "nrun: error: {who} {} (first failure{others})", f.how);
+    let _ = writeln!(s, "  command:    {}", shape.command);
     let _ = writeln!(s, "  host:       {host}");
     let _ = writeln!(s, "  local rank: {}", f.local_rank);
     let _ = writeln!(s, "  pid:        {}", f.pid);
-    let _ = writeln!(
-        s,
-        "  time:       {}",
-        humantime::format_rfc3339_seconds(f.at)
-    );
-    if let Some(tb) = read_error_file(&f.error_file) {
-        let _ = writeln!(s, "  traceback (from {}):", f.error_file.display());
+    let _ = writeln!(s, "  time:       {}", f.at);
+    if let Some(tb) = &f.traceback {
+        let on = if several {
+            format!(" on {host}")
+        } else {
+            String::new()
+        };
+        let _ = writeln!(s, "  traceback (from {}{on}):", f.error_file.display());
         for line in tb.lines() {
             let _ = writeln!(s, "    {line}");
         }
@@ -45,6 +144,13 @@ pub fn failure_summary(f: &Failure, host: &str, world_size: usize, program: &str
         let _ = writeln!(s, "  (it wrote nothing to stderr)");
     }
     s
+}
+
+/// Writes a `--report FILE` as pretty JSON.
+pub fn write_json(flag: &str, path: &Path, json: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(json).unwrap_or_default();
+    std::fs::write(path, text + "\n")
+        .map_err(|e| Error::usage(format!("cannot write {flag} {}: {e}", path.display())))
 }
 
 /// The traceback a worker decorated with torch's `@record` wrote to TORCHELASTIC_ERROR_FILE:

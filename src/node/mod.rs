@@ -1,9 +1,11 @@
 //! Running one attempt of a node's worker group: spawn, supervise, stop, clean up.
 //!
 //! [`run_group`] is the dispatcher: it alone holds the group's state and `select!`s over worker
-//! exits, signals to nrun, and the SIGKILL deadline. The first worker to fail (or a signal to
-//! nrun) stops the group: every process group gets SIGTERM (or the signal nrun received), and
-//! SIGKILL after the grace period; a second signal kills at once. When every worker has exited,
+//! exits, stop requests from outside (a signal to nrun, another node's failure, a lost
+//! coordinator) and the SIGKILL deadline. The first worker to fail (or a stop request) stops the
+//! group: every process group gets SIGTERM (or the signal nrun received), and SIGKILL after the
+//! grace period; a second signal kills at once. Signals themselves are caught by whoever drives
+//! the node (the session, or an agent) and arrive here as [`StopRequest`]s. When every worker has exited,
 //! leftovers are swept (process groups, then re-parented orphans) before the outcome is
 //! returned, so nothing outlives the attempt.
 
@@ -108,31 +110,33 @@ pub enum Outcome {
 pub enum StopRequest {
     /// Keep running.
     None,
-    /// Another node failed or the user interrupted: SIGTERM, SIGKILL after the grace period.
+    /// The user sent nrun this signal: forward it, SIGKILL after the grace period.
+    Signal(i32),
+    /// The user sent this signal again: SIGKILL now.
+    Kill(i32),
+    /// Another node failed: SIGTERM, SIGKILL after the grace period.
     Polite,
     /// The coordinator is gone (ssh dropped, launcher killed): SIGTERM, SIGKILL within 2 s.
     Abandon,
 }
 
-/// Resolves when `rx` holds something other than [`StopRequest::None`] (never, without one).
-async fn stop_requested(rx: &mut Option<tokio::sync::watch::Receiver<StopRequest>>) -> StopRequest {
-    let Some(rx) = rx.as_mut() else {
-        return std::future::pending().await;
-    };
+/// Resolves with the next request other than [`StopRequest::None`]; a sender that went away
+/// without asking reads as the coordinator being gone.
+async fn stop_requested(rx: &mut tokio::sync::watch::Receiver<StopRequest>) -> StopRequest {
     loop {
+        if rx.changed().await.is_err() {
+            return StopRequest::Abandon;
+        }
         let v = *rx.borrow_and_update();
         if v != StopRequest::None {
             return v;
-        }
-        if rx.changed().await.is_err() {
-            // The sender went away without asking: treat as the coordinator being gone.
-            return StopRequest::Abandon;
         }
     }
 }
 
 /// SIGINT, SIGTERM and SIGHUP to nrun, as one stream. Installed once, before any worker starts,
-/// so a signal arriving during start-up is not lost.
+/// so a signal arriving during start-up is not lost. Whoever drives a node turns them into
+/// [`StopRequest`]s.
 pub struct Signals {
     int: tokio::signal::unix::Signal,
     term: tokio::signal::unix::Signal,
@@ -176,8 +180,7 @@ pub async fn run_group(
     workers: Vec<WorkerCmd>,
     grace: Duration,
     deadline: Option<Instant>,
-    signals: &mut Signals,
-    mut external: Option<tokio::sync::watch::Receiver<StopRequest>>,
+    mut stop: tokio::sync::watch::Receiver<StopRequest>,
 ) -> Result<Outcome> {
     let mut outputs = Vec::with_capacity(workers.len());
     let mut cmds = Vec::with_capacity(workers.len());
@@ -274,6 +277,7 @@ pub async fn run_group(
     let mut interrupted: Option<i32> = None;
     let mut timed_out = false;
     let mut stopped = false;
+    let mut closed = false;
     let mut kill_at: Option<Instant> = None;
     let stop_all = |running: &[Running], sig: Signal| {
         for r in running.iter().filter(|r| r.exit.is_none()) {
@@ -296,24 +300,30 @@ pub async fn run_group(
                     kill_at = Some(Instant::now() + grace);
                 }
             }
-            sig = signals.recv() => {
-                if kill_at.is_some() {
-                    // Second signal: no more waiting.
-                    stop_all(&running, Signal::SIGKILL);
-                } else {
-                    let s = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
-                    stop_all(&running, s);
-                    kill_at = Some(Instant::now() + grace);
+            req = stop_requested(&mut stop), if !closed => {
+                match req {
+                    StopRequest::None => {}
+                    StopRequest::Signal(sig) if kill_at.is_none() => {
+                        let s = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
+                        stop_all(&running, s);
+                        kill_at = Some(Instant::now() + grace);
+                        interrupted.get_or_insert(sig);
+                    }
+                    // A second signal, or a request to kill: no more waiting.
+                    StopRequest::Signal(sig) | StopRequest::Kill(sig) => {
+                        stop_all(&running, Signal::SIGKILL);
+                        interrupted.get_or_insert(sig);
+                    }
+                    StopRequest::Polite | StopRequest::Abandon => {
+                        stopped = true;
+                        let fast = Instant::now() + grace.min(Duration::from_secs(2));
+                        let by = if req == StopRequest::Abandon { fast } else { Instant::now() + grace };
+                        stop_all(&running, Signal::SIGTERM);
+                        kill_at = Some(kill_at.map_or(by, |k| k.min(by)));
+                        // The sender is gone after Abandon; there is nothing more to hear.
+                        closed = req == StopRequest::Abandon;
+                    }
                 }
-                interrupted.get_or_insert(sig);
-            }
-            req = stop_requested(&mut external), if !stopped => {
-                stopped = true;
-                external = None;
-                let fast = Instant::now() + grace.min(Duration::from_secs(2));
-                let by = if req == StopRequest::Abandon { fast } else { Instant::now() + grace };
-                stop_all(&running, Signal::SIGTERM);
-                kill_at = Some(kill_at.map_or(by, |k| k.min(by)));
             }
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)).await }, if deadline.is_some() && !timed_out && kill_at.is_none() => {
                 timed_out = true;

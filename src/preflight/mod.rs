@@ -73,27 +73,6 @@ impl Settings {
         format!("nrun/pf/{}/{what}", self.id).into_bytes()
     }
 
-    /// A preflight run's settings from the plan; `id` keeps runs sharing a store apart.
-    pub fn new(
-        pf: &crate::plan::PreflightPlan,
-        id: String,
-        nccl_lib: Option<PathBuf>,
-        listen_addr: String,
-    ) -> Settings {
-        Settings {
-            id,
-            mode: pf.mode,
-            min_bytes: pf.min_bytes,
-            max_bytes: pf.max_bytes,
-            factor: pf.factor,
-            iters: pf.iters,
-            warmup: pf.warmup,
-            timeout_ms: pf.timeout.as_millis() as u64,
-            nccl_lib,
-            listen_addr,
-        }
-    }
-
     /// What a preflight rank gets on top of the job's environment: these settings, the store's
     /// secret for nrun's keys, and with --preflight-loopback no NVLink/shared-memory path.
     pub fn rank_env(&self, loopback: bool, secret: Option<&str>) -> Vec<(String, String)> {
@@ -303,6 +282,10 @@ pub struct Summary {
     pub verdict: Verdict,
     pub text: String,
     pub json: serde_json::Value,
+    /// What went wrong, most important first (empty when the verdict is ok).
+    pub problems: Vec<String>,
+    /// Out-of-place (algbw, busbw) in GB/s at the largest size, when every rank reported.
+    pub largest: Option<(f64, f64)>,
 }
 
 impl Outcome {
@@ -311,6 +294,7 @@ impl Outcome {
         let mut problems: Vec<String> = Vec::new();
         let mut hints: Vec<String> = Vec::new();
         let mut verdict = Verdict::Ok;
+        let mut largest = None;
         let worse = |v: Verdict, cur: &mut Verdict| {
             let rank = |v: Verdict| match v {
                 Verdict::Ok => 0,
@@ -569,6 +553,7 @@ impl Outcome {
                 let (ia, ib) = busbw(bytes, ip, self.world_size);
                 busbw_sum += ob;
                 peak = Some((bytes, ob.max(ib)));
+                largest = Some((oa, ob));
                 let _ = writeln!(
                     t,
                     "  {:>12} {:>11}   {:>10.2} {:>11.2} {:>11.2} {:>7}   {:>10.2} {:>11.2} {:>11.2} {:>7}",
@@ -686,6 +671,8 @@ impl Outcome {
             verdict,
             text: t,
             json,
+            problems,
+            largest,
         }
     }
 }

@@ -118,6 +118,9 @@ pub struct Store {
     /// With a secret, keys under `nrun/` (nrun's own control plane) are reserved to connections
     /// that presented it: torch workers can neither read nor write them.
     secret: Option<Vec<u8>>,
+    /// Bumped whenever a client SETs one of nrun's keys: the coordinator waits on this instead
+    /// of polling for its agents' records.
+    control_writes: watch::Sender<u64>,
 }
 
 /// Prefix of nrun's own keys.
@@ -179,6 +182,11 @@ impl Store {
         })
     }
 
+    /// Changes whenever a client has set one of nrun's own keys (`nrun/...`).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.control_writes.subscribe()
+    }
+
     /// Sets a key in-process (the coordinator's own writes), waking waiters.
     pub fn set(&self, key: &[u8], value: &[u8]) {
         let mut s = self.lock();
@@ -223,6 +231,16 @@ impl Store {
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
     /// connection with that message.
     fn apply(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), String> {
+        let control = matches!(&req, Request::Set { key, .. } if is_control(key));
+        let r = self.apply_request(c, req, out);
+        // After the write, so whoever wakes finds it.
+        if control && r.is_ok() {
+            self.control_writes.send_modify(|v| *v += 1);
+        }
+        r
+    }
+
+    fn apply_request(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), String> {
         if !c.validated {
             return match req {
                 Request::Validate {

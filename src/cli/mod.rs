@@ -1,12 +1,15 @@
 //! Command-line definitions (clap derive) and nothing else: what the flags mean is decided in
-//! `plan`. torchrun's spellings are kept, including its underscore forms (`--nproc_per_node`),
-//! so `torchrun ARGS` becomes `nrun ARGS`. Every option can also come from `NRUN_<OPTION>`, or
-//! from torchrun's `PET_<OPTION>` (see [`apply_pet_env`]).
+//! `plan`. `nrun [OPTIONS] TARGET` is the default command (a job); `doctor` and `bisect` are
+//! subcommands with their own flags. Flags shared by several commands live in flattened groups
+//! (`NodesArgs`, `SweepArgs`, ...), so each command takes exactly the groups it uses.
+//! torchrun's spellings are kept, including its underscore forms (`--nproc_per_node`), so
+//! `torchrun ARGS` becomes `nrun ARGS`. Every option can also come from `NRUN_<OPTION>`, or from
+//! torchrun's `PET_<OPTION>` (see [`apply_pet_env`]).
 
 use std::path::PathBuf;
 
 use clap::builder::BoolishValueParser;
-use clap::{ArgAction, CommandFactory, Parser};
+use clap::{ArgAction, Args, CommandFactory, Parser, Subcommand};
 
 /// `nrun --version`: the package version and the git revision stamped in by build.rs.
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("NRUN_GIT_REV"), ")");
@@ -23,6 +26,7 @@ Examples:
   nrun -H gpu1,gpu2 --nproc 8 train.py    16 workers on two nodes over ssh
   nrun doctor [-H gpu1,gpu2]              what each node has (GPUs, driver, NCCL, torch, interfaces)
   nrun bisect --hostfile hosts --nproc 8 --write-hostfile good   find the bad nodes and links
+  nrun ./doctor                           a script or program named like a command: give a path
   nrun --hostfile hosts --nnodes 4 --nproc 8 train.py   the first 4 nodes of a hostfile
   torchrun --nproc-per-node 8 x.py  ->  nrun --nproc-per-node 8 x.py   (same flags, same env)
 
@@ -35,15 +39,114 @@ not run, 91 NCCL init failed, 92 timed out, 93 wrong results, 94 under --min-bus
 first failing worker's exit code (128+N when it died of signal N), or 128+N when nrun itself was
 stopped by signal N.";
 
+const DOCTOR_EXAMPLES: &str = "\
+Examples:
+  nrun doctor                             this host: GPUs, driver, NCCL libraries, torch, interfaces
+  nrun doctor -H gpu1,gpu2                every node, checked as a job would check them (joins,
+                                          interfaces, versions, node-to-node reachability)
+
+Exit status: 0 the nodes are ready; 2 bad usage; 95 a node could not join or the nodes disagree.";
+
+const BISECT_EXAMPLES: &str = "\
+Examples:
+  nrun bisect --hostfile hosts --nproc 8 --write-hostfile good-hosts
+  nrun bisect --hostfile hosts --nproc 8 --probe net          no GPUs: the TCP network path
+  nrun bisect --hostfile hosts --nproc 8 --probe cmd --timeout 300 -- python train.py --steps 10
+
+Exit status: 0 every node is good; 2 bad usage; 96 a node or link is not good.";
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "nrun",
     version = VERSION,
     about = "Launch distributed PyTorch/NCCL jobs: one process per GPU, a built-in rendezvous store, clear failures.",
     after_help = EXAMPLES,
-    max_term_width = 100
+    max_term_width = 100,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    subcommand_value_name = "COMMAND",
+    subcommand_help_heading = "Commands (a script named like one runs as ./doctor)"
 )]
 pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    /// The default command: run a job.
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// Subcommands besides the default run. Each has its own `--help` and takes only its own flags.
+#[derive(Subcommand, Debug, Clone)]
+pub enum Command {
+    /// What each node has (GPUs, driver, NCCL, torch, interfaces) and whether the nodes reach
+    /// each other; runs nothing.
+    #[command(after_help = DOCTOR_EXAMPLES)]
+    Doctor(Box<DoctorArgs>),
+    /// The staged scale-up that finds the bad nodes and links: every node alone, pairs, 4, 8,
+    /// ... all, isolating what fails or is slow.
+    #[command(after_help = BISECT_EXAMPLES)]
+    Bisect(Box<BisectArgs>),
+}
+
+/// `nrun [OPTIONS] TARGET [ARGS]...`: the job, with its preflight, on one node or many.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub workers: WorkerArgs,
+    #[command(flatten)]
+    pub rdzv: RendezvousArgs,
+    #[command(flatten)]
+    pub job: JobArgs,
+    #[command(flatten)]
+    pub target: TargetArgs,
+    #[command(flatten)]
+    pub preflight: PreflightArgs,
+    #[command(flatten)]
+    pub nodes: NodesArgs,
+
+    /// The script, module or program, followed by its arguments.
+    #[arg(
+        value_name = "TARGET [ARGS]...",
+        required_unless_present_any = ["preflight_only"],
+        num_args = 1..,
+        trailing_var_arg = true,
+    )]
+    pub command: Vec<String>,
+}
+
+/// `nrun doctor [NODES]`.
+#[derive(Args, Debug, Clone)]
+pub struct DoctorArgs {
+    /// Python interpreter whose torch is reported (default: $PYTHON_EXEC, else python3 on PATH).
+    #[arg(long, env = "NRUN_PYTHON", value_name = "PATH")]
+    pub python: Option<PathBuf>,
+    #[command(flatten)]
+    pub nodes: NodesArgs,
+}
+
+/// `nrun bisect NODES [--probe ...] [-- COMMAND]`.
+#[derive(Args, Debug, Clone)]
+pub struct BisectArgs {
+    #[command(flatten)]
+    pub workers: WorkerArgs,
+    #[command(flatten)]
+    pub probe: ProbeArgs,
+    #[command(flatten)]
+    pub target: TargetArgs,
+    #[command(flatten)]
+    pub sweep: SweepArgs,
+    #[command(flatten)]
+    pub nodes: NodesArgs,
+
+    /// With --probe cmd: the command each group runs, after `--`.
+    #[arg(value_name = "COMMAND [ARGS]...", trailing_var_arg = true, num_args = 1..)]
+    pub command: Vec<String>,
+}
+
+/// How many workers each node runs.
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
     /// Workers on this node: a number, `gpu` (one per visible GPU), `cpu` (one per core), or
     /// `auto` (GPUs if any, else cores).
     #[arg(
@@ -55,7 +158,11 @@ pub struct Cli {
         value_name = "N|gpu|cpu|auto"
     )]
     pub nproc_per_node: String,
+}
 
+/// Where the store is and who hosts it (torchrun's rendezvous flags).
+#[derive(Args, Debug, Clone)]
+pub struct RendezvousArgs {
     /// Number of nodes, N or MIN:MAX (nrun needs MIN == MAX).
     #[arg(long, env = "NRUN_NNODES", default_value = "1", value_name = "N")]
     pub nnodes: String,
@@ -107,6 +214,14 @@ pub struct Cli {
     )]
     pub rdzv_id: String,
 
+    /// Address of this node that workers and other nodes use for the store.
+    #[arg(long = "local-addr", alias = "local_addr", env = "NRUN_LOCAL_ADDR")]
+    pub local_addr: Option<String>,
+}
+
+/// The worker group's life and its output.
+#[derive(Args, Debug, Clone)]
+pub struct JobArgs {
     /// Restart the whole worker group up to N times after a failure.
     #[arg(
         long = "max-restarts",
@@ -160,14 +275,14 @@ pub struct Cli {
     )]
     pub local_ranks_filter: Option<String>,
 
-    /// Address of this node that workers and other nodes use for the store.
-    #[arg(long = "local-addr", alias = "local_addr", env = "NRUN_LOCAL_ADDR")]
-    pub local_addr: Option<String>,
-
     /// Role name exported as ROLE_NAME.
     #[arg(long, env = "NRUN_ROLE", default_value = "default")]
     pub role: String,
+}
 
+/// How TARGET runs: a Python script, a module, or a program.
+#[derive(Args, Debug, Clone)]
+pub struct TargetArgs {
     /// Python interpreter for .py targets and -m (default: $PYTHON_EXEC, else python3 on PATH).
     #[arg(long, env = "NRUN_PYTHON", value_name = "PATH")]
     pub python: Option<PathBuf>,
@@ -183,7 +298,12 @@ pub struct Cli {
     /// Accepted for torchrun compatibility: TARGET runs as a script either way.
     #[arg(long = "run-path", alias = "run_path", action = ArgAction::SetTrue, hide = true)]
     pub run_path: bool,
+}
 
+/// The all-reduce preflight before the job.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Preflight")]
+pub struct PreflightArgs {
     /// Before the job, prove the GPUs and links with an all-reduce: auto (NCCL when GPUs are
     /// visible, else none), nccl, net (TCP ring over the network path, no GPU needed) or off;
     /// add `,warn` to start the job even if the preflight fails.
@@ -191,40 +311,54 @@ pub struct Cli {
         long,
         env = "NRUN_PREFLIGHT_MODE",
         default_value = "auto",
-        value_name = "MODE[,warn]",
-        help_heading = "Preflight"
+        value_name = "MODE[,warn]"
     )]
     pub preflight: String,
 
     /// Skip the preflight (same as --preflight off).
-    #[arg(long = "no-preflight", env = "NRUN_NO_PREFLIGHT", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Preflight")]
+    #[arg(long = "no-preflight", env = "NRUN_NO_PREFLIGHT", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub no_preflight: bool,
 
     /// Run the preflight alone and report: a faster, clearer all_reduce_perf. No TARGET needed.
-    #[arg(long = "preflight-only", env = "NRUN_PREFLIGHT_ONLY", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Preflight")]
+    #[arg(long = "preflight-only", env = "NRUN_PREFLIGHT_ONLY", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub preflight_only: bool,
 
+    #[command(flatten)]
+    pub sweep: SweepArgs,
+
+    /// Fail the preflight when busbw at the largest size is under this (GB/s).
+    #[arg(long = "min-busbw", env = "NRUN_MIN_BUSBW", value_name = "GB/s")]
+    pub min_busbw: Option<f64>,
+
+    /// Write the preflight report as JSON to FILE.
+    #[arg(long, env = "NRUN_REPORT", value_name = "FILE")]
+    pub report: Option<PathBuf>,
+
+    /// Push a single node's preflight traffic through its network path (NCCL_P2P_DISABLE=1
+    /// NCCL_SHM_DISABLE=1 for the preflight only).
+    #[arg(long = "preflight-loopback", env = "NRUN_PREFLIGHT_LOOPBACK", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub preflight_loopback: bool,
+}
+
+/// The all-reduce sweep: shared by the preflight and bisect's probes.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Preflight")]
+pub struct SweepArgs {
     /// Message sizes of the sweep, MIN:MAX:FACTOR with K/M/G suffixes (default 8:256M:2; 8:16M:4
     /// for --preflight net).
     #[arg(
         long = "preflight-sizes",
         env = "NRUN_PREFLIGHT_SIZES",
-        value_name = "MIN:MAX:FACTOR",
-        help_heading = "Preflight"
+        value_name = "MIN:MAX:FACTOR"
     )]
     pub preflight_sizes: Option<String>,
 
     /// Timed all-reduces per size (default 20; 5 for net).
-    #[arg(long, env = "NRUN_ITERS", value_name = "N", help_heading = "Preflight")]
+    #[arg(long, env = "NRUN_ITERS", value_name = "N")]
     pub iters: Option<u32>,
 
     /// Untimed all-reduces per size before timing (default 5; 1 for net).
-    #[arg(
-        long,
-        env = "NRUN_WARMUP",
-        value_name = "N",
-        help_heading = "Preflight"
-    )]
+    #[arg(long, env = "NRUN_WARMUP", value_name = "N")]
     pub warmup: Option<u32>,
 
     /// Seconds a rank may take to join and finish communicator init before it is named as stuck.
@@ -232,79 +366,34 @@ pub struct Cli {
         long = "preflight-timeout",
         env = "NRUN_PREFLIGHT_TIMEOUT",
         default_value_t = 30.0,
-        value_name = "SECS",
-        help_heading = "Preflight"
+        value_name = "SECS"
     )]
     pub preflight_timeout: f64,
 
-    /// Fail the preflight when busbw at the largest size is under this (GB/s).
-    #[arg(
-        long = "min-busbw",
-        env = "NRUN_MIN_BUSBW",
-        value_name = "GB/s",
-        help_heading = "Preflight"
-    )]
-    pub min_busbw: Option<f64>,
-
-    /// Write the preflight report as JSON to FILE.
-    #[arg(
-        long,
-        env = "NRUN_REPORT",
-        value_name = "FILE",
-        help_heading = "Preflight"
-    )]
-    pub report: Option<PathBuf>,
-
     /// The libnccl to test (default: the one the target Python's torch loads, then
     /// LD_LIBRARY_PATH, then the system's).
-    #[arg(
-        long = "nccl-lib",
-        env = "NRUN_NCCL_LIB",
-        value_name = "PATH",
-        help_heading = "Preflight"
-    )]
+    #[arg(long = "nccl-lib", env = "NRUN_NCCL_LIB", value_name = "PATH")]
     pub nccl_lib: Option<PathBuf>,
+}
 
-    /// Push a single node's preflight traffic through its network path (NCCL_P2P_DISABLE=1
-    /// NCCL_SHM_DISABLE=1 for the preflight only).
-    #[arg(long = "preflight-loopback", env = "NRUN_PREFLIGHT_LOOPBACK", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Preflight")]
-    pub preflight_loopback: bool,
-
+/// Which nodes, how their agents start, and what their workers get.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Nodes")]
+pub struct NodesArgs {
     /// Nodes: h1,h2 or h1:8,h2:8 (slots). Each runs --nproc-per-node workers, started over ssh.
-    #[arg(
-        short = 'H',
-        long,
-        env = "NRUN_HOSTS",
-        value_name = "HOSTS",
-        help_heading = "Nodes"
-    )]
+    #[arg(short = 'H', long, env = "NRUN_HOSTS", value_name = "HOSTS")]
     pub hosts: Option<String>,
 
     /// Nodes from a file: `host slots=N` (Open MPI/DeepSpeed), `host:N` (MPICH) or `host` lines.
-    #[arg(
-        long,
-        env = "NRUN_HOSTFILE",
-        value_name = "FILE",
-        help_heading = "Nodes"
-    )]
+    #[arg(long, env = "NRUN_HOSTFILE", value_name = "FILE")]
     pub hostfile: Option<PathBuf>,
 
     /// Only these hosts/slots (DeepSpeed syntax: "h1@h2:0,2").
-    #[arg(
-        long,
-        env = "NRUN_INCLUDE",
-        value_name = "SPEC",
-        help_heading = "Nodes"
-    )]
+    #[arg(long, env = "NRUN_INCLUDE", value_name = "SPEC")]
     pub include: Option<String>,
 
     /// All but these hosts/slots (DeepSpeed syntax).
-    #[arg(
-        long,
-        env = "NRUN_EXCLUDE",
-        value_name = "SPEC",
-        help_heading = "Nodes"
-    )]
+    #[arg(long, env = "NRUN_EXCLUDE", value_name = "SPEC")]
     pub exclude: Option<String>,
 
     /// How to start the node agents: auto (srun inside a Slurm allocation, else ssh), ssh, srun.
@@ -312,8 +401,7 @@ pub struct Cli {
         long,
         env = "NRUN_LAUNCHER",
         default_value = "auto",
-        value_name = "auto|ssh|srun",
-        help_heading = "Nodes"
+        value_name = "auto|ssh|srun"
     )]
     pub launcher: String,
 
@@ -322,8 +410,7 @@ pub struct Cli {
         long = "ssh-opts",
         env = "NRUN_SSH_OPTS",
         value_name = "OPTS",
-        allow_hyphen_values = true,
-        help_heading = "Nodes"
+        allow_hyphen_values = true
     )]
     pub ssh_opts: Option<String>,
 
@@ -331,33 +418,27 @@ pub struct Cli {
     #[arg(
         long = "ssh-concurrency",
         env = "NRUN_SSH_CONCURRENCY",
-        default_value_t = 64,
-        help_heading = "Nodes"
+        default_value_t = 64
     )]
     pub ssh_concurrency: usize,
 
     /// Copy this nrun binary to every node first (to ~/.cache/nrun) and run that copy.
-    #[arg(long, env = "NRUN_SHIP", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Nodes")]
+    #[arg(long, env = "NRUN_SHIP", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub ship: bool,
 
     /// Path of nrun on the other nodes (default: the same path as here).
-    #[arg(
-        long = "remote-nrun",
-        env = "NRUN_REMOTE_NRUN",
-        value_name = "PATH",
-        help_heading = "Nodes"
-    )]
+    #[arg(long = "remote-nrun", env = "NRUN_REMOTE_NRUN", value_name = "PATH")]
     pub remote_nrun: Option<String>,
 
     /// Export a variable to every worker on every node: -x VAR (its value here) or -x VAR=VALUE.
     /// NCCL_*, TORCH_*, CUDA_* (not CUDA_VISIBLE_DEVICES), PYTHON*, OMP_*, UCX_* and the
     /// KEY=VALUE lines of .nrun_env (cwd, then home) are forwarded anyway.
-    #[arg(short = 'x', value_name = "VAR[=VALUE]", action = ArgAction::Append, help_heading = "Nodes")]
+    #[arg(short = 'x', value_name = "VAR[=VALUE]", action = ArgAction::Append)]
     pub export: Vec<String>,
 
     /// Network interface for NCCL and gloo on every node (default: the one each node uses to
     /// reach this host, chosen per node).
-    #[arg(long, env = "NRUN_IFNAME", value_name = "NAME", help_heading = "Nodes")]
+    #[arg(long, env = "NRUN_IFNAME", value_name = "NAME")]
     pub ifname: Option<String>,
 
     /// Seconds every node has to start its agent and report.
@@ -365,83 +446,76 @@ pub struct Cli {
         long = "join-timeout",
         env = "NRUN_JOIN_TIMEOUT",
         default_value_t = 30.0,
-        value_name = "SECS",
-        help_heading = "Nodes"
+        value_name = "SECS"
     )]
     pub join_timeout: f64,
 
     /// Launch even when NCCL (major.minor) or torch differ between nodes.
-    #[arg(long = "allow-mismatch", env = "NRUN_ALLOW_MISMATCH", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Nodes")]
+    #[arg(long = "allow-mismatch", env = "NRUN_ALLOW_MISMATCH", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub allow_mismatch: bool,
 
     /// Do not run the target Python on each node to read torch's versions.
-    #[arg(long = "no-python-probe", env = "NRUN_NO_PYTHON_PROBE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new(), help_heading = "Nodes")]
+    #[arg(long = "no-python-probe", env = "NRUN_NO_PYTHON_PROBE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub no_python_probe: bool,
+}
 
-    /// `nrun doctor [-H ...]`: report this node's (or the given nodes') facts and checks, run
-    /// nothing. Set by the `doctor` subcommand.
-    #[arg(long, hide = true, action = ArgAction::SetTrue)]
-    pub doctor: bool,
-
-    /// `nrun bisect ...`: the staged scale-up that finds bad nodes and links. Set by the
-    /// `bisect` subcommand.
-    #[arg(long, hide = true, action = ArgAction::SetTrue)]
-    pub bisect: bool,
-
-    /// bisect: what each group runs: nccl (the NCCL preflight), net (TCP ring, no GPU), or cmd
+/// What bisect runs in each group and how it judges.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Bisect")]
+pub struct ProbeArgs {
+    /// what each group runs: nccl (the NCCL preflight), net (TCP ring, no GPU), or cmd
     /// (the command after `--`, which must exit 0 within --timeout).
     #[arg(
         long,
         env = "NRUN_PROBE",
         default_value = "nccl",
-        value_name = "nccl|net|cmd",
-        help_heading = "Bisect"
+        value_name = "nccl|net|cmd"
     )]
     pub probe: String,
 
-    /// bisect: a group whose busbw is under this fraction of its stage's median is slow.
-    #[arg(
-        long = "slow-factor",
-        env = "NRUN_SLOW_FACTOR",
-        default_value_t = 0.8,
-        help_heading = "Bisect"
-    )]
+    /// a group whose busbw is under this fraction of its stage's median is slow.
+    #[arg(long = "slow-factor", env = "NRUN_SLOW_FACTOR", default_value_t = 0.8)]
     pub slow_factor: f64,
 
-    /// bisect: seconds each group's run may take.
+    /// seconds each group's run may take.
     #[arg(
         long,
         env = "NRUN_TIMEOUT",
         default_value_t = 120.0,
-        value_name = "SECS",
-        help_heading = "Bisect"
+        value_name = "SECS"
     )]
     pub timeout: f64,
 
-    /// bisect: write the good hosts to FILE, in the input hostfile's own format.
+    /// Write the good hosts to FILE, in the input hostfile's own format.
     #[arg(
         long = "write-hostfile",
         env = "NRUN_WRITE_HOSTFILE",
-        value_name = "FILE",
-        help_heading = "Bisect"
+        value_name = "FILE"
     )]
     pub write_hostfile: Option<PathBuf>,
 
-    /// The script, module or program, followed by its arguments.
-    #[arg(
-        value_name = "TARGET [ARGS]...",
-        required_unless_present_any = ["preflight_only", "doctor", "bisect"],
-        num_args = 1..,
-        trailing_var_arg = true,
-    )]
-    pub command: Vec<String>,
+    /// Write the rounds and each node's verdict as JSON to FILE.
+    #[arg(long, env = "NRUN_REPORT", value_name = "FILE")]
+    pub report: Option<PathBuf>,
+}
+
+/// Whether `target` is the name of a subcommand (`doctor`, `bisect`), which a run refuses as a
+/// script name: `nrun -H a,b doctor` means the command with its flags misplaced.
+pub fn is_command_name(target: &str) -> bool {
+    Cli::command()
+        .get_subcommands()
+        .any(|c| c.get_name() == target)
 }
 
 /// torchrun reads `PET_<OPTION>` for each option; nrun reads `NRUN_<OPTION>`. Copy every
 /// `PET_` variable that has no `NRUN_` counterpart over, before parsing and before any thread
 /// starts (mutating the environment is only sound while single-threaded).
 pub fn apply_pet_env() {
-    for arg in Cli::command().get_arguments() {
+    let cmd = Cli::command();
+    let args = cmd
+        .get_arguments()
+        .chain(cmd.get_subcommands().flat_map(|c| c.get_arguments()));
+    for arg in args {
         let Some(name) = arg.get_env().and_then(|e| e.to_str()) else {
             continue;
         };
@@ -481,16 +555,46 @@ mod tests {
             "0.1",
         ])
         .unwrap();
-        assert_eq!(c.nproc_per_node, "4");
-        assert_eq!(c.master_port, Some(1234));
-        assert_eq!(c.max_restarts, 2);
-        assert_eq!(c.command, ["train.py", "--lr", "0.1"]);
+        assert_eq!(c.run.workers.nproc_per_node, "4");
+        assert_eq!(c.run.rdzv.master_port, Some(1234));
+        assert_eq!(c.run.job.max_restarts, 2);
+        assert_eq!(c.run.command, ["train.py", "--lr", "0.1"]);
     }
 
     #[test]
     fn options_after_the_target_belong_to_it() {
         let c = Cli::try_parse_from(["nrun", "--nproc", "2", "x.py", "--nproc", "9"]).unwrap();
-        assert_eq!(c.nproc_per_node, "2");
-        assert_eq!(c.command, ["x.py", "--nproc", "9"]);
+        assert_eq!(c.run.workers.nproc_per_node, "2");
+        assert_eq!(c.run.command, ["x.py", "--nproc", "9"]);
+    }
+
+    #[test]
+    fn subcommands_take_only_their_flags() {
+        let c = Cli::try_parse_from(["nrun", "doctor", "-H", "a,b"]).unwrap();
+        assert!(
+            matches!(c.command, Some(Command::Doctor(ref d)) if d.nodes.hosts.as_deref() == Some("a,b"))
+        );
+        // Run-only flags are not doctor's; bisect-only flags are not a run's.
+        assert!(Cli::try_parse_from(["nrun", "doctor", "--max-restarts", "2"]).is_err());
+        assert!(Cli::try_parse_from(["nrun", "--probe", "net", "x.py"]).is_err());
+        // After run flags, a command's name is TARGET to clap; `plan` refuses it.
+        let c = Cli::try_parse_from(["nrun", "-H", "a,b", "doctor"]).unwrap();
+        assert_eq!(c.run.command, ["doctor"]);
+        // A script of that name is reached by its path.
+        let c = Cli::try_parse_from(["nrun", "./doctor", "x"]).unwrap();
+        assert!(c.command.is_none());
+        assert_eq!(c.run.command, ["./doctor", "x"]);
+        let c = Cli::try_parse_from([
+            "nrun", "bisect", "-H", "a,b", "--probe", "cmd", "--", "python", "t.py",
+        ])
+        .unwrap();
+        let Some(Command::Bisect(b)) = c.command.clone() else {
+            panic!("not bisect")
+        };
+        assert_eq!(b.probe.probe, "cmd");
+        assert_eq!(b.command, ["python", "t.py"]);
+        // Options after the script are the script's.
+        let c = Cli::try_parse_from(["nrun", "x.py", "doctor"]).unwrap();
+        assert_eq!(c.run.command, ["x.py", "doctor"]);
     }
 }

@@ -1,6 +1,15 @@
-//! From the command line to a `Plan`: how many workers, what each runs, with which environment,
-//! where its output goes. Pure apart from looking at the filesystem to resolve the target (and
-//! counting GPUs), so every rule here is unit-tested.
+//! From the command line to a [`Mode`]: what nrun was asked to do, with which workers, running
+//! what, with which environment, where output goes ([`Plan`]), on which nodes ([`nodes`]).
+//! Decided once, before anything starts; no I/O besides reading the hostfile and `.nrun_env`,
+//! resolving the target on the filesystem and counting GPUs, so every rule is unit-tested.
+//!
+//! - [`nodes`]: host lists, rank layout, how agents start, what every worker gets ([`env`]).
+//! - [`env`]: forwarded variables, `.nrun_env`, `-x`, and warnings about variables.
+
+pub mod env;
+pub mod nodes;
+
+pub use nodes::{NodeLayout, NodesPlan};
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -8,7 +17,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::cli::Cli;
+use crate::cli::{
+    BisectArgs, Cli, Command, DoctorArgs, JobArgs, PreflightArgs, ProbeArgs, RendezvousArgs,
+    RunArgs, SweepArgs, TargetArgs, WorkerArgs,
+};
 use crate::error::{Error, Result};
 
 /// Where the store lives.
@@ -116,7 +128,7 @@ pub struct PreflightPlan {
     pub loopback: bool,
 }
 
-/// Everything a run needs, decided before anything starts.
+/// Everything a job (or bisect's probe) needs, decided before anything starts.
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub nproc: usize,
@@ -139,6 +151,75 @@ pub struct Plan {
     pub preflight_only: bool,
     /// The Python interpreter the job uses (or would use), for finding torch's NCCL.
     pub python: Option<PathBuf>,
+    /// TARGET is a program, not Python (--no-python).
+    pub no_python: bool,
+}
+
+/// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs).
+#[derive(Debug)]
+pub enum Mode {
+    /// The job (and its preflight), on one node or many.
+    Run { plan: Plan, nodes: NodesPlan },
+    /// Facts and checks only (of this host alone without a host list).
+    Doctor { plan: Plan, nodes: NodesPlan },
+    /// The staged scale-up over the nodes.
+    Bisect {
+        plan: Plan,
+        nodes: NodesPlan,
+        bisect: BisectPlan,
+    },
+}
+
+/// What each bisect group runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    Nccl,
+    Net,
+    Cmd,
+}
+
+/// `nrun bisect`'s own settings.
+#[derive(Clone, Debug)]
+pub struct BisectPlan {
+    pub probe: Probe,
+    pub slow_factor: f64,
+    pub timeout: Duration,
+    pub write_hostfile: Option<PathBuf>,
+    pub report: Option<PathBuf>,
+}
+
+type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// Decides the [`Mode`] from the parsed command line, the environment and the filesystem.
+pub fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
+    let Cli { command, run } = cli;
+    match command {
+        None => {
+            let plan = Plan::for_run(&run, env)?;
+            let nodes = NodesPlan::resolve(&run.nodes, &plan, env)?;
+            Ok(Mode::Run { plan, nodes })
+        }
+        Some(Command::Doctor(args)) => {
+            let DoctorArgs { python, nodes } = *args;
+            let plan = Plan::doctor(find_python(python.as_deref(), env));
+            let nodes = NodesPlan::resolve(&nodes, &plan, env)?;
+            Ok(Mode::Doctor { plan, nodes })
+        }
+        Some(Command::Bisect(args)) => {
+            let (plan, bisect) = Plan::for_bisect(&args, env)?;
+            let nodes = NodesPlan::resolve(&args.nodes, &plan, env)?;
+            if nodes.in_process {
+                return Err(Error::usage(
+                    "nrun bisect needs nodes: -H, --hostfile, or a Slurm allocation of several nodes",
+                ));
+            }
+            Ok(Mode::Bisect {
+                plan,
+                nodes,
+                bisect,
+            })
+        }
+    }
 }
 
 impl Plan {
@@ -146,46 +227,68 @@ impl Plan {
         self.nproc * self.nnodes
     }
 
-    /// Builds the plan from parsed flags, the process environment and the filesystem.
-    pub fn from_cli(cli: &Cli, env: &dyn Fn(&str) -> Option<String>) -> Result<Plan> {
-        let nproc = resolve_nproc(&cli.nproc_per_node, env)?;
-        let nnodes = parse_nnodes(&cli.nnodes)?;
-        if cli.node_rank >= nnodes {
+    /// The job's plan from the default command's flags.
+    fn for_run(run: &RunArgs, env: Env<'_>) -> Result<Plan> {
+        let uses_hosts = run.nodes.hosts.is_some() || run.nodes.hostfile.is_some();
+        let RunArgs {
+            workers: WorkerArgs { nproc_per_node },
+            rdzv,
+            job:
+                JobArgs {
+                    max_restarts,
+                    // nrun reacts to exits at once; accepted for torchrun's command lines.
+                    monitor_interval: _,
+                    shutdown_timeout,
+                    log_dir,
+                    redirects,
+                    tee,
+                    local_ranks_filter,
+                    role,
+                },
+            target,
+            preflight,
+            nodes: _,
+            command,
+        } = run;
+        let nproc = resolve_nproc(nproc_per_node, env)?;
+        let nnodes = parse_nnodes(&rdzv.nnodes)?;
+        if rdzv.node_rank >= nnodes {
             return Err(Error::usage(format!(
                 "--node-rank {} is out of range for --nnodes {nnodes} (ranks are 0..{})",
-                cli.node_rank,
+                rdzv.node_rank,
                 nnodes - 1
             )));
         }
-        if !(cli.shutdown_timeout.is_finite() && cli.shutdown_timeout >= 0.0) {
+        let shutdown_timeout = positive_secs("--shutdown-timeout", *shutdown_timeout, true)?;
+        let preflight_plan = resolve_preflight(preflight, env)?;
+        if let Some(name) = command.first().filter(|c| crate::cli::is_command_name(c)) {
             return Err(Error::usage(format!(
-                "--shutdown-timeout {} must be a non-negative number of seconds",
-                cli.shutdown_timeout
+                "`{name}` is a command: give its flags after it (nrun {name} -H ...); a script or \
+                 program named {name} runs as ./{name}"
             )));
         }
-        let preflight = resolve_preflight(cli, env)?;
-        let (program, args) = if cli.command.is_empty() {
+        let (program, args) = if command.is_empty() {
             (OsString::new(), Vec::new())
         } else {
-            resolve_command(cli, env)?
+            resolve_command(target, command, env)?
         };
-        let python = resolve_python(cli, env);
-        let store = resolve_store(cli, nnodes)?;
+        let python = find_python(target.python.as_deref(), env);
+        let store = resolve_store(rdzv, nnodes, uses_hosts)?;
 
-        let redirects = match &cli.redirects {
+        let redirects = match redirects {
             Some(s) => StreamSpec::parse("--redirects", s)?,
             None => StreamSpec::None,
         };
-        let tee = match &cli.tee {
+        let tee = match tee {
             Some(s) => StreamSpec::parse("--tee", s)?,
             None => StreamSpec::None,
         };
-        let console_ranks = match &cli.local_ranks_filter {
+        let console_ranks = match local_ranks_filter {
             None => None,
             Some(s) => Some(parse_rank_set(s, nproc)?),
         };
         let wants_files = !redirects.is_none() || !tee.is_none();
-        let (dir, dir_is_temp) = match &cli.log_dir {
+        let (dir, dir_is_temp) = match log_dir {
             Some(d) => (Some(d.clone()), false),
             None if wants_files => (
                 Some(std::env::temp_dir().join(format!("nrun-logs-{}", std::process::id()))),
@@ -197,13 +300,13 @@ impl Plan {
         Ok(Plan {
             nproc,
             nnodes,
-            node_rank: cli.node_rank,
+            node_rank: rdzv.node_rank,
             program,
             args,
-            run_id: cli.rdzv_id.clone(),
-            role: cli.role.clone(),
-            max_restarts: cli.max_restarts,
-            shutdown_timeout: Duration::from_secs_f64(cli.shutdown_timeout),
+            run_id: rdzv.rdzv_id.clone(),
+            role: role.clone(),
+            max_restarts: *max_restarts,
+            shutdown_timeout,
             store,
             log: LogPlan {
                 dir,
@@ -213,26 +316,118 @@ impl Plan {
             },
             set_omp_threads: nproc > 1 && env("OMP_NUM_THREADS").is_none(),
             set_async_error_handling: env("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none(),
-            preflight,
-            preflight_only: cli.preflight_only,
+            preflight: preflight_plan,
+            preflight_only: preflight.preflight_only,
             python,
+            no_python: target.no_python,
         })
     }
 
-    /// The environment a worker gets on top of nrun's own, exactly as torchrun sets it.
-    pub fn worker_env(&self, w: &WorkerSlot<'_>) -> Vec<(String, String)> {
-        let place = Place {
-            rank: self.node_rank * self.nproc + w.local_rank,
-            group_rank: self.node_rank,
-            local_world_size: self.nproc,
-            world_size: self.world_size(),
-            group_world_size: self.nnodes,
-        };
-        self.worker_env_at(&place, w)
+    /// `nrun doctor`: no workers run; the plan only carries the Python to probe.
+    fn doctor(python: Option<PathBuf>) -> Plan {
+        Plan {
+            nproc: 1,
+            nnodes: 1,
+            node_rank: 0,
+            program: OsString::new(),
+            args: Vec::new(),
+            run_id: "doctor".into(),
+            role: "default".into(),
+            max_restarts: 0,
+            shutdown_timeout: Duration::from_secs(3),
+            store: StorePlan::Host {
+                port: 0,
+                advertise: "127.0.0.1".into(),
+            },
+            log: LogPlan::default(),
+            set_omp_threads: false,
+            set_async_error_handling: false,
+            preflight: None,
+            preflight_only: false,
+            python,
+            no_python: false,
+        }
     }
 
-    /// The environment of a worker at an explicit place in the job (multi-node layouts, where
-    /// nodes may run different numbers of workers).
+    /// bisect's groups: the probe's preflight (nccl, net) or the user's command (cmd).
+    fn for_bisect(args: &BisectArgs, env: Env<'_>) -> Result<(Plan, BisectPlan)> {
+        let BisectArgs {
+            workers: WorkerArgs { nproc_per_node },
+            probe:
+                ProbeArgs {
+                    probe,
+                    slow_factor,
+                    timeout,
+                    write_hostfile,
+                    report,
+                },
+            target,
+            sweep,
+            nodes: _,
+            command,
+        } = args;
+        let nproc = resolve_nproc(nproc_per_node, env)?;
+        let probe = match probe.as_str() {
+            "nccl" => Probe::Nccl,
+            "net" => Probe::Net,
+            "cmd" if command.is_empty() => {
+                return Err(Error::usage(
+                    "--probe cmd runs your command: give it after `--`",
+                ));
+            }
+            "cmd" => Probe::Cmd,
+            other => {
+                return Err(Error::usage(format!(
+                    "--probe {other:?}: expected nccl, net or cmd"
+                )));
+            }
+        };
+        if probe != Probe::Cmd && !command.is_empty() {
+            return Err(Error::usage(format!(
+                "a command ({}) is only run with --probe cmd",
+                command.join(" ")
+            )));
+        }
+        if !(*slow_factor > 0.0 && *slow_factor <= 1.0) {
+            return Err(Error::usage(format!(
+                "--slow-factor {slow_factor} must be in (0, 1]"
+            )));
+        }
+        let timeout = positive_secs("--timeout", *timeout, false)?;
+        let preflight = match probe {
+            Probe::Cmd => None,
+            Probe::Net => Some(sweep_plan(sweep, crate::preflight::Mode::Net)?),
+            Probe::Nccl => Some(sweep_plan(sweep, crate::preflight::Mode::Nccl)?),
+        };
+        let (program, args) = if command.is_empty() {
+            (OsString::new(), Vec::new())
+        } else {
+            resolve_command(target, command, env)?
+        };
+        let mut plan = Plan::doctor(find_python(target.python.as_deref(), env));
+        plan.nproc = nproc;
+        plan.program = program;
+        plan.args = args;
+        plan.run_id = "bisect".into();
+        plan.preflight = preflight;
+        plan.no_python = target.no_python;
+        plan.store = StorePlan::Host {
+            port: 0,
+            advertise: String::new(),
+        };
+        Ok((
+            plan,
+            BisectPlan {
+                probe,
+                slow_factor: *slow_factor,
+                timeout,
+                write_hostfile: write_hostfile.clone(),
+                report: report.clone(),
+            },
+        ))
+    }
+
+    /// The environment a worker gets on top of nrun's own, exactly as torchrun sets it.
     pub fn worker_env_at(&self, p: &Place, w: &WorkerSlot<'_>) -> Vec<(String, String)> {
         let mut env = vec![
             ("RANK".into(), p.rank.to_string()),
@@ -313,15 +508,31 @@ pub fn visible_gpus(env: &dyn Fn(&str) -> Option<String>) -> usize {
     }
 }
 
-fn resolve_preflight(
-    cli: &Cli,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Option<PreflightPlan>> {
+fn positive_secs(flag: &str, v: f64, zero_ok: bool) -> Result<Duration> {
+    if v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) {
+        return Ok(Duration::from_secs_f64(v));
+    }
+    let what = if zero_ok { "non-negative" } else { "positive" };
+    Err(Error::usage(format!(
+        "{flag} {v} must be a {what} number of seconds"
+    )))
+}
+
+/// The job's preflight: which one runs (if any) and its sweep.
+fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<PreflightPlan>> {
     use crate::preflight::Mode;
+    let PreflightArgs {
+        preflight,
+        no_preflight,
+        preflight_only,
+        sweep,
+        min_busbw,
+        report,
+        preflight_loopback,
+    } = args;
     let mut mode: Option<Option<Mode>> = None;
     let mut warn_only = false;
-    for part in cli
-        .preflight
+    for part in preflight
         .split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
@@ -339,18 +550,8 @@ fn resolve_preflight(
             }
         }
     }
-    if cli.doctor || (cli.bisect && cli.probe == "cmd") {
-        return Ok(None);
-    }
-    if cli.bisect {
-        mode = Some(Some(if cli.probe == "net" {
-            Mode::Net
-        } else {
-            Mode::Nccl
-        }));
-    }
-    if cli.no_preflight {
-        if cli.preflight_only {
+    if *no_preflight {
+        if *preflight_only {
             return Err(Error::usage(
                 "--no-preflight and --preflight-only exclude each other",
             ));
@@ -363,7 +564,7 @@ fn resolve_preflight(
         None => (visible_gpus(env) > 0).then_some(Mode::Nccl),
     };
     let Some(mode) = mode else {
-        if cli.preflight_only {
+        if *preflight_only {
             return Err(Error::usage(
                 "--preflight-only: no GPU is visible here for the NCCL preflight; use --preflight net \
                  to test the network path alone",
@@ -371,19 +572,31 @@ fn resolve_preflight(
         }
         return Ok(None);
     };
-    let (min_bytes, max_bytes, factor) = match &cli.preflight_sizes {
+    let mut pf = sweep_plan(sweep, mode)?;
+    pf.warn_only = warn_only;
+    pf.min_busbw = *min_busbw;
+    pf.report = report.clone();
+    pf.loopback = *preflight_loopback;
+    Ok(Some(pf))
+}
+
+/// The all-reduce sweep of a preflight or a bisect probe.
+fn sweep_plan(sweep: &SweepArgs, mode: crate::preflight::Mode) -> Result<PreflightPlan> {
+    let SweepArgs {
+        preflight_sizes,
+        iters,
+        warmup,
+        preflight_timeout,
+        nccl_lib,
+    } = sweep;
+    let net = mode == crate::preflight::Mode::Net;
+    let (min_bytes, max_bytes, factor) = match preflight_sizes {
         Some(s) => crate::preflight::parse_sizes(s)?,
-        None if mode == Mode::Net => (8, 16 << 20, 4),
+        None if net => (8, 16 << 20, 4),
         None => (8, 256 << 20, 2),
     };
-    let net = mode == Mode::Net;
-    if !(cli.preflight_timeout.is_finite() && cli.preflight_timeout > 0.0) {
-        return Err(Error::usage(format!(
-            "--preflight-timeout {} must be a positive number of seconds",
-            cli.preflight_timeout
-        )));
-    }
-    if let Some(p) = &cli.nccl_lib {
+    let timeout = positive_secs("--preflight-timeout", *preflight_timeout, false)?;
+    if let Some(p) = nccl_lib {
         if !p.is_file() {
             return Err(Error::usage(format!(
                 "--nccl-lib {}: no such file",
@@ -391,30 +604,57 @@ fn resolve_preflight(
             )));
         }
     }
-    Ok(Some(PreflightPlan {
+    Ok(PreflightPlan {
         mode,
-        warn_only,
+        warn_only: false,
         min_bytes,
         max_bytes,
         factor,
-        iters: cli.iters.unwrap_or(if net { 5 } else { 20 }).max(1),
-        warmup: cli.warmup.unwrap_or(if net { 1 } else { 5 }),
-        timeout: Duration::from_secs_f64(cli.preflight_timeout),
-        min_busbw: cli.min_busbw,
-        report: cli.report.clone(),
-        nccl_lib: cli.nccl_lib.clone(),
-        loopback: cli.preflight_loopback,
-    }))
+        iters: iters.unwrap_or(if net { 5 } else { 20 }).max(1),
+        warmup: warmup.unwrap_or(if net { 1 } else { 5 }),
+        timeout,
+        min_busbw: None,
+        report: None,
+        nccl_lib: nccl_lib.clone(),
+        loopback: false,
+    })
 }
 
-/// The interpreter a Python job would use, if it can be found (for locating torch's NCCL).
-fn resolve_python(cli: &Cli, env: &dyn Fn(&str) -> Option<String>) -> Option<PathBuf> {
-    let name = match (&cli.python, env("PYTHON_EXEC")) {
+impl PreflightPlan {
+    /// What every preflight rank is told; `id` keeps runs sharing a store apart.
+    pub fn settings(
+        &self,
+        id: String,
+        nccl_lib: Option<PathBuf>,
+        listen_addr: String,
+    ) -> crate::preflight::Settings {
+        crate::preflight::Settings {
+            id,
+            mode: self.mode,
+            min_bytes: self.min_bytes,
+            max_bytes: self.max_bytes,
+            factor: self.factor,
+            iters: self.iters,
+            warmup: self.warmup,
+            timeout_ms: self.timeout.as_millis() as u64,
+            nccl_lib,
+            listen_addr,
+        }
+    }
+}
+
+/// The interpreter a Python job would use: --python, else $PYTHON_EXEC, else python3.
+fn python_name(python: Option<&Path>, env: Env<'_>) -> String {
+    match (python, env("PYTHON_EXEC")) {
         (Some(p), _) => p.display().to_string(),
         (None, Some(p)) if !p.is_empty() => p,
         _ => "python3".to_string(),
-    };
-    find_program(&name, env("PATH").as_deref())
+    }
+}
+
+/// The interpreter a Python job would use, if it can be found (for locating torch's NCCL).
+fn find_python(python: Option<&Path>, env: Env<'_>) -> Option<PathBuf> {
+    find_program(&python_name(python, env), env("PATH").as_deref())
 }
 
 fn resolve_nproc(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
@@ -514,28 +754,39 @@ fn split_host_port(s: &str) -> Result<(String, Option<u16>)> {
     Ok((s.to_string(), None))
 }
 
-fn resolve_store(cli: &Cli, nnodes: usize) -> Result<StorePlan> {
-    let (mut addr, mut port) = (cli.master_addr.clone(), cli.master_port);
-    if let Some(ep) = &cli.rdzv_endpoint {
+fn resolve_store(rdzv: &RendezvousArgs, nnodes: usize, uses_hosts: bool) -> Result<StorePlan> {
+    let RendezvousArgs {
+        nnodes: _,
+        node_rank,
+        master_addr,
+        master_port,
+        standalone,
+        rdzv_endpoint,
+        // nrun always hosts its own store; accepted for torchrun's command lines.
+        rdzv_backend: _,
+        rdzv_id: _,
+        local_addr,
+    } = rdzv;
+    let (mut addr, mut port) = (master_addr.clone(), *master_port);
+    if let Some(ep) = rdzv_endpoint {
         let (h, p) = split_host_port(ep)?;
         addr = addr.or(Some(h));
         port = port.or(p);
     }
     // With a host list nrun starts every node itself and hosts the one store here.
-    if cli.hosts.is_some() || cli.hostfile.is_some() {
+    if uses_hosts {
         return Ok(StorePlan::Host {
             port: port.unwrap_or(0),
             advertise: String::new(),
         });
     }
-    if cli.standalone && nnodes > 1 {
+    if *standalone && nnodes > 1 {
         return Err(Error::usage(
             "--standalone is a single-node mode; drop it or use --nnodes 1",
         ));
     }
     if nnodes == 1 {
-        let advertise = cli
-            .local_addr
+        let advertise = local_addr
             .clone()
             .or(addr.filter(|a| !matches!(a.as_str(), "localhost" | "127.0.0.1" | "::1" | "")))
             .unwrap_or_else(|| "127.0.0.1".into());
@@ -552,10 +803,10 @@ fn resolve_store(cli: &Cli, nnodes: usize) -> Result<StorePlan> {
         )));
     };
     let port = port.unwrap_or(29500);
-    if cli.node_rank == 0 {
+    if *node_rank == 0 {
         Ok(StorePlan::Host {
             port,
-            advertise: cli.local_addr.clone().unwrap_or(addr),
+            advertise: local_addr.clone().unwrap_or(addr),
         })
     } else {
         Ok(StorePlan::Remote { addr, port })
@@ -580,14 +831,22 @@ pub fn find_program(name: &str, path: Option<&str>) -> Option<PathBuf> {
 }
 
 fn resolve_command(
-    cli: &Cli,
-    env: &dyn Fn(&str) -> Option<String>,
+    target: &TargetArgs,
+    command: &[String],
+    env: Env<'_>,
 ) -> Result<(OsString, Vec<OsString>)> {
-    let target = &cli.command[0];
-    let rest = cli.command[1..].iter().map(OsString::from);
+    let TargetArgs {
+        python,
+        module,
+        no_python,
+        // TARGET runs as a script either way; accepted for torchrun's command lines.
+        run_path: _,
+    } = target;
+    let target = &command[0];
+    let rest = command[1..].iter().map(OsString::from);
     let path = env("PATH");
-    if cli.no_python {
-        if cli.module {
+    if *no_python {
+        if *module {
             return Err(Error::usage(
                 "-m and --no-python exclude each other: a module needs Python",
             ));
@@ -614,11 +873,7 @@ fn resolve_command(
         return Ok((target.into(), rest.collect()));
     }
 
-    let python = match (&cli.python, env("PYTHON_EXEC")) {
-        (Some(p), _) => p.display().to_string(),
-        (None, Some(p)) if !p.is_empty() => p,
-        _ => "python3".to_string(),
-    };
+    let python = python_name(python.as_deref(), env);
     let Some(python_path) = find_program(&python, path.as_deref()) else {
         return Err(Error::usage(format!(
             "python interpreter {python} not found{}; pass --python PATH or set PYTHON_EXEC \
@@ -627,7 +882,7 @@ fn resolve_command(
         )));
     };
     let mut args: Vec<OsString> = vec!["-u".into()];
-    if cli.module {
+    if *module {
         args.push("-m".into());
     } else if !Path::new(target).is_file() {
         let hint = if !target.ends_with(".py") && find_program(target, path.as_deref()).is_some() {
@@ -656,7 +911,22 @@ mod tests {
 
     fn plan(args: &[&str]) -> Result<Plan> {
         let cli = Cli::try_parse_from(std::iter::once("nrun").chain(args.iter().copied())).unwrap();
-        Plan::from_cli(&cli, &|k| std::env::var(k).ok())
+        match resolve(cli, &|k| std::env::var(k).ok())? {
+            Mode::Run { plan, .. } => Ok(plan),
+            other => panic!("not a run: {other:?}"),
+        }
+    }
+
+    /// A worker's environment on this node of a torchrun-style layout.
+    fn worker_env(p: &Plan, w: &WorkerSlot<'_>) -> Vec<(String, String)> {
+        let place = Place {
+            rank: p.node_rank * p.nproc + w.local_rank,
+            group_rank: p.node_rank,
+            local_world_size: p.nproc,
+            world_size: p.world_size(),
+            group_world_size: p.nnodes,
+        };
+        p.worker_env_at(&place, w)
     }
 
     #[test]
@@ -700,13 +970,16 @@ mod tests {
     #[test]
     fn worker_env_matches_torchrun() {
         let p = plan(&["--nproc", "4", "--no-python", "true"]).unwrap();
-        let env = p.worker_env(&WorkerSlot {
-            local_rank: 2,
-            restart_count: 1,
-            master_addr: "127.0.0.1",
-            master_port: 1234,
-            error_file: Path::new("/tmp/e.json"),
-        });
+        let env = worker_env(
+            &p,
+            &WorkerSlot {
+                local_rank: 2,
+                restart_count: 1,
+                master_addr: "127.0.0.1",
+                master_port: 1234,
+                error_file: Path::new("/tmp/e.json"),
+            },
+        );
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         assert_eq!(get("RANK"), Some("2"));
         assert_eq!(get("LOCAL_RANK"), Some("2"));
@@ -743,13 +1016,16 @@ mod tests {
                 port: 29500
             }
         );
-        let env = p.worker_env(&WorkerSlot {
-            local_rank: 3,
-            restart_count: 0,
-            master_addr: "10.0.0.1",
-            master_port: 29500,
-            error_file: Path::new("/e"),
-        });
+        let env = worker_env(
+            &p,
+            &WorkerSlot {
+                local_rank: 3,
+                restart_count: 0,
+                master_addr: "10.0.0.1",
+                master_port: 29500,
+                error_file: Path::new("/e"),
+            },
+        );
         assert!(env.contains(&("RANK".into(), "7".into())));
         assert!(env.contains(&("WORLD_SIZE".into(), "8".into())));
         assert!(
@@ -781,6 +1057,50 @@ mod tests {
         );
         let e = plan(&["true"]).unwrap_err();
         assert!(e.message.contains("--no-python"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_command_name_after_run_flags_is_refused() {
+        let e = plan(&["-H", "a,b", "doctor"]).unwrap_err();
+        assert_eq!(e.code, crate::error::exit::USAGE);
+        assert!(e.message.contains("runs as ./doctor"), "{}", e.message);
+    }
+
+    #[test]
+    fn include_slots_pin_gpus_on_that_host() {
+        let cli = Cli::try_parse_from([
+            "nrun",
+            "-H",
+            "a:4,b:4",
+            "--include",
+            "a@b:1,3",
+            "--nproc",
+            "4",
+            "--no-python",
+            "true",
+        ])
+        .unwrap();
+        let Mode::Run { nodes, .. } = resolve(cli, &|k| std::env::var(k).ok()).unwrap() else {
+            panic!("not a run")
+        };
+        assert_eq!(nodes.layout[0].devices, None);
+        assert_eq!(nodes.layout[1].devices.as_deref(), Some("1,3"));
+        assert_eq!(nodes.layout[1].ranks, vec![(4, 0, 1), (5, 1, 3)]);
+        assert_eq!(nodes.world, 6);
+        let cli = Cli::try_parse_from([
+            "nrun",
+            "-H",
+            "a:4,b:4",
+            "--include",
+            "b:1",
+            "-x",
+            "CUDA_VISIBLE_DEVICES=0",
+            "--no-python",
+            "true",
+        ])
+        .unwrap();
+        let e = resolve(cli, &|k| std::env::var(k).ok()).unwrap_err();
+        assert!(e.message.contains("CUDA_VISIBLE_DEVICES"), "{}", e.message);
     }
 
     #[test]

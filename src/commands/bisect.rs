@@ -13,38 +13,18 @@
 //! (the user's own command, which must exit 0 within `--timeout`).
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::agent::{RunResult, Step, StepResult, WorkerSpec};
-use crate::cluster::{self, ClusterPlan, Node};
+use super::preflight::{Extras, summarize};
+use crate::agent::protocol::{RunResult, Step, StepResult, THIS_NRUN};
 use crate::error::{Error, Result, exit};
-use crate::node::Signals;
-use crate::plan::Plan;
-use crate::preflight::{self, Mode, Verdict};
-use crate::store::{self, Store};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Probe {
-    Nccl,
-    Net,
-    Cmd,
-}
-
-#[derive(Clone, Debug)]
-pub struct BisectPlan {
-    pub probe: Probe,
-    pub slow_factor: f64,
-    pub timeout: Duration,
-    pub write_hostfile: Option<PathBuf>,
-    pub report: Option<PathBuf>,
-    /// The hostfile's text, to write the good hosts back in the input's own format.
-    pub hostfile_text: Option<String>,
-}
+use crate::plan::{BisectPlan, NodesPlan, Plan, Probe};
+use crate::preflight::{Settings, Verdict};
+use crate::session::spec::{Group, Launch};
+use crate::session::{Policy, Session};
+use crate::store::Store;
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -83,46 +63,17 @@ struct GroupOut {
 /// Entry point: runs the stages, prints the table, writes the report and hostfile.
 pub async fn run(
     plan: &Plan,
-    cp: &ClusterPlan,
+    nodes: &NodesPlan,
     bp: &BisectPlan,
-    listener: std::net::TcpListener,
+    listener: Option<std::net::TcpListener>,
 ) -> Result<u8> {
     let started = Instant::now();
-    let mut signals = Signals::install()?;
-    crate::node::process::become_subreaper();
-    let secret = cluster::random_secret();
-    let run_id = format!("{}-{}", plan.run_id, std::process::id());
-    let port = listener
-        .local_addr()
-        .map_err(|e| Error::internal(e.to_string()))?
-        .port();
-    let main_store = Store::with_secret(secret.clone().into_bytes());
-    let l =
-        tokio::net::TcpListener::from_std(listener).map_err(|e| Error::internal(e.to_string()))?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let served = main_store.clone();
-    tokio::spawn(async move {
-        store::server::serve(l, served, async {
-            let _ = stop_rx.await;
-        })
-        .await
-    });
-    let addrs: Vec<String> = crate::net::reachable_addrs(&crate::net::interfaces())
-        .into_iter()
-        .map(|ip| SocketAddr::new(ip, port).to_string())
-        .collect();
-    let cwd = std::env::current_dir()
-        .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?;
-    let mut nodes = cluster::start_agents(plan, cp, &secret, &run_id, &addrs, &cwd).await?;
-
+    let mut s = Session::start(plan, nodes, listener).await?;
     let mut b = Bisect {
         plan,
-        cp,
         bp,
-        store: main_store.clone(),
-        run_id: run_id.clone(),
-        step: 0,
-        results: nodes
+        results: s
+            .nodes
             .iter()
             .map(|n| NodeResult {
                 host: n.label.clone(),
@@ -133,25 +84,17 @@ pub async fn run(
         rounds: Vec::new(),
         stage1_rounds: 0,
     };
-    let outcome = b.stages(&mut nodes, &mut signals).await;
-    for i in 0..nodes.len() {
-        cluster::set_step(&main_store, &run_id, i, b.step, &Step::End);
-    }
-    cluster::end_agents(&mut nodes).await;
-    let _ = stop_tx.send(());
+    let outcome = b.stages(&mut s).await;
+    s.end().await;
     if let Err(code) = outcome {
         return Ok(code);
     }
-    b.finish(started.elapsed())
+    b.finish(nodes, started.elapsed())
 }
 
 struct Bisect<'a> {
     plan: &'a Plan,
-    cp: &'a ClusterPlan,
     bp: &'a BisectPlan,
-    store: Arc<Store>,
-    run_id: String,
-    step: usize,
     results: Vec<NodeResult>,
     rounds: Vec<Round>,
     /// Rounds up to and including stage 1 (the efficiency target counts those after it).
@@ -159,33 +102,25 @@ struct Bisect<'a> {
 }
 
 impl Bisect<'_> {
-    async fn stages(
-        &mut self,
-        nodes: &mut [Node],
-        signals: &mut Signals,
-    ) -> std::result::Result<(), u8> {
+    async fn stages(&mut self, s: &mut Session) -> std::result::Result<(), u8> {
         // ---- stage 0: reachability and facts --------------------------------------------
-        let failures = cluster::join(self.cp, &self.store, &self.run_id, nodes, signals).await?;
+        let failures = s.join(false, None).await?;
         for (i, msg) in failures {
             self.mark(i, NodeVerdict::Unreachable, msg);
         }
-        let (problems, _) = cluster::assign_interfaces(self.cp, &self.store, &self.run_id, nodes)
-            .map_err(|e| e.code)?;
-        for p in problems {
+        for p in s.assign_interfaces().problems {
             eprintln!("nrun bisect: {p}");
         }
-        self.facts_stage(nodes);
+        self.facts_stage(s);
         eprintln!(
             "nrun bisect: stage 0: {} of {} hosts reachable and consistent",
             self.alive().len(),
-            nodes.len()
+            s.len()
         );
 
         // ---- stage 1: every node alone ----------------------------------------------------
         let singles: Vec<Vec<usize>> = self.alive().into_iter().map(|i| vec![i]).collect();
-        let outs = self
-            .round("stage 1: every node alone", singles, nodes, signals)
-            .await?;
+        let outs = self.round("stage 1: every node alone", singles, s).await?;
         for g in &outs {
             if !g.ok {
                 self.mark(
@@ -215,7 +150,7 @@ impl Bisect<'_> {
             } else {
                 format!("stage: groups of {size}")
             };
-            let outs = self.round(&label, groups, nodes, signals).await?;
+            let outs = self.round(&label, groups, s).await?;
             let median = median_busbw(&outs);
             let mut suspects: Vec<GroupOut> = Vec::new();
             for g in outs {
@@ -228,7 +163,7 @@ impl Bisect<'_> {
                 }
             }
             for g in suspects {
-                self.isolate(g, median, nodes, signals).await?;
+                self.isolate(g, median, s).await?;
             }
             if size >= alive.len() {
                 break;
@@ -257,22 +192,21 @@ impl Bisect<'_> {
     }
 
     /// NCCL major.minor and torch against the majority of the joined nodes.
-    fn facts_stage(&mut self, nodes: &[Node]) {
-        let sig = |n: &Node| {
-            n.joined.as_ref().map(|j| {
-                let nccl = j
-                    .facts
+    fn facts_stage(&mut self, s: &Session) {
+        let sig = |n: &crate::session::Node| {
+            n.joined.as_ref().and_then(|j| j.facts.as_ref()).map(|f| {
+                let nccl = f
                     .nccl
                     .first()
                     .and_then(|l| l.version.clone())
                     .map(|v| v.split('.').take(2).collect::<Vec<_>>().join("."));
-                (nccl, j.facts.torch.clone())
+                (nccl, f.torch.clone())
             })
         };
         let mut counts: BTreeMap<(Option<String>, Option<String>), usize> = BTreeMap::new();
-        for n in nodes {
-            if let Some(s) = sig(n) {
-                *counts.entry(s).or_default() += 1;
+        for n in &s.nodes {
+            if let Some(x) = sig(n) {
+                *counts.entry(x).or_default() += 1;
             }
         }
         let Some((majority, _)) = counts
@@ -282,9 +216,9 @@ impl Bisect<'_> {
         else {
             return;
         };
-        for (i, n) in nodes.iter().enumerate() {
-            if let Some(s) = sig(n) {
-                if s != majority {
+        for (i, n) in s.nodes.iter().enumerate() {
+            if let Some(x) = sig(n) {
+                if x != majority {
                     let show = |x: &(Option<String>, Option<String>)| {
                         format!(
                             "NCCL {} / torch {}",
@@ -297,7 +231,7 @@ impl Bisect<'_> {
                         NodeVerdict::Bad,
                         format!(
                             "facts differ: {} here, {} on the other nodes",
-                            show(&s),
+                            show(&x),
                             show(&majority)
                         ),
                     );
@@ -331,8 +265,7 @@ impl Bisect<'_> {
         &mut self,
         g: GroupOut,
         median: Option<f64>,
-        nodes: &mut [Node],
-        signals: &mut Signals,
+        s: &mut Session,
     ) -> std::result::Result<(), u8> {
         let what = if g.ok { "slow" } else { "fails" };
         if g.members.len() > 2 {
@@ -340,27 +273,24 @@ impl Bisect<'_> {
             let (a, b) = g.members.split_at(g.members.len() / 2);
             let outs = self
                 .round(
-                    &format!("isolate: halves of {}", names(&g.members, nodes)),
+                    &format!("isolate: halves of {}", names(&g.members, s)),
                     vec![a.to_vec(), b.to_vec()],
-                    nodes,
-                    signals,
+                    s,
                 )
                 .await?;
             let mut any_bad = false;
             for h in outs {
                 if !h.ok || self.is_slow(&h, median) {
                     any_bad = true;
-                    Box::pin(self.isolate(h, median, nodes, signals)).await?;
+                    Box::pin(self.isolate(h, median, s)).await?;
                 }
             }
             if !any_bad {
                 let pairs: Vec<Vec<usize>> = a.iter().zip(b).map(|(x, y)| vec![*x, *y]).collect();
-                let outs = self
-                    .round("isolate: cross pairs", pairs, nodes, signals)
-                    .await?;
+                let outs = self.round("isolate: cross pairs", pairs, s).await?;
                 for p in outs {
                     if !p.ok || self.is_slow(&p, median) {
-                        Box::pin(self.isolate(p, median, nodes, signals)).await?;
+                        Box::pin(self.isolate(p, median, s)).await?;
                     }
                 }
             }
@@ -383,7 +313,7 @@ impl Bisect<'_> {
                     NodeVerdict::Link,
                     format!(
                         "{what} together with {}; too few other good nodes to tell which",
-                        nodes[if i == x { y } else { x }].label
+                        s.nodes[if i == x { y } else { x }].label
                     ),
                 );
             }
@@ -391,10 +321,12 @@ impl Bisect<'_> {
         }
         let outs = self
             .round(
-                &format!("isolate: re-pair {} and {}", nodes[x].label, nodes[y].label),
+                &format!(
+                    "isolate: re-pair {} and {}",
+                    s.nodes[x].label, s.nodes[y].label
+                ),
                 vec![vec![x, good[0]], vec![y, good[1]]],
-                nodes,
-                signals,
+                s,
             )
             .await?;
         let why = if g.evidence.is_empty() {
@@ -425,8 +357,8 @@ impl Bisect<'_> {
                 v,
                 format!(
                     "{what} with {}, and again with {} ({}), who pass elsewhere",
-                    nodes[y].label,
-                    nodes[good[0]].label,
+                    s.nodes[y].label,
+                    s.nodes[good[0]].label,
                     again(&outs[0])
                 ),
             ),
@@ -435,8 +367,8 @@ impl Bisect<'_> {
                 v,
                 format!(
                     "{what} with {}, and again with {} ({}), who pass elsewhere",
-                    nodes[x].label,
-                    nodes[good[1]].label,
+                    s.nodes[x].label,
+                    s.nodes[good[1]].label,
                     again(&outs[1])
                 ),
             ),
@@ -446,8 +378,8 @@ impl Bisect<'_> {
                     vx,
                     format!(
                         "{what} with {}, and again with {} ({})",
-                        nodes[y].label,
-                        nodes[good[0]].label,
+                        s.nodes[y].label,
+                        s.nodes[good[0]].label,
                         again(&outs[0])
                     ),
                 );
@@ -456,8 +388,8 @@ impl Bisect<'_> {
                     vy,
                     format!(
                         "{what} with {}, and again with {} ({})",
-                        nodes[x].label,
-                        nodes[good[1]].label,
+                        s.nodes[x].label,
+                        s.nodes[good[1]].label,
                         again(&outs[1])
                     ),
                 );
@@ -467,10 +399,12 @@ impl Bisect<'_> {
                 // the rest of the stage. The pair alone, once more, tells them apart.
                 let again = self
                     .round(
-                        &format!("isolate: {} and {} again", nodes[x].label, nodes[y].label),
+                        &format!(
+                            "isolate: {} and {} again",
+                            s.nodes[x].label, s.nodes[y].label
+                        ),
                         vec![vec![x, y]],
-                        nodes,
-                        signals,
+                        s,
                     )
                     .await?;
                 if again[0].ok && !self.is_slow(&again[0], median) {
@@ -481,7 +415,7 @@ impl Bisect<'_> {
                     NodeVerdict::Link,
                     format!(
                         "{what} only with {} (link or pair problem); passes with {}",
-                        nodes[y].label, nodes[good[0]].label
+                        s.nodes[y].label, s.nodes[good[0]].label
                     ),
                 );
                 self.mark(
@@ -489,7 +423,7 @@ impl Bisect<'_> {
                     NodeVerdict::Link,
                     format!(
                         "{what} only with {} (link or pair problem); passes with {}",
-                        nodes[x].label, nodes[good[1]].label
+                        s.nodes[x].label, s.nodes[good[1]].label
                     ),
                 );
             }
@@ -507,82 +441,78 @@ impl Bisect<'_> {
         &mut self,
         stage: &str,
         groups: Vec<Vec<usize>>,
-        nodes: &mut [Node],
-        signals: &mut Signals,
+        s: &mut Session,
     ) -> std::result::Result<Vec<GroupOut>, u8> {
-        let step = self.step;
-        self.step += 1;
-        let world_of = |g: &Vec<usize>| g.iter().map(|i| self.cp.layout[*i].len()).sum::<usize>();
+        let scratch = format!("bisect{}", self.rounds.len());
+        let settings: Vec<Option<Settings>> = (0..s.len()).map(|i| self.settings(s, i)).collect();
+        let extra = |i: usize| {
+            settings[i]
+                .as_ref()
+                .map_or_else(Vec::new, |x| x.rank_env(false, None))
+        };
+        let (program, args) = match self.bp.probe {
+            Probe::Nccl | Probe::Net => (THIS_NRUN.to_string(), vec!["__preflight".to_string()]),
+            Probe::Cmd => (
+                self.plan.program.to_string_lossy().into_owned(),
+                self.plan
+                    .args
+                    .iter()
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect(),
+            ),
+        };
+        // Joined nodes outside every group idle through this step.
+        let mut steps: Vec<Option<Step>> = s
+            .nodes
+            .iter()
+            .map(|n| n.joined.as_ref().map(|_| Step::idle()))
+            .collect();
         let mut stores = Vec::new();
         let mut stops = Vec::new();
         for g in &groups {
-            let l = store::server::bind(0).map_err(|_| exit::INTERNAL)?;
-            let gport = l.local_addr().map_err(|_| exit::INTERNAL)?.port();
-            let l = tokio::net::TcpListener::from_std(l).map_err(|_| exit::INTERNAL)?;
-            let st = Store::new();
-            let served = st.clone();
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            tokio::spawn(async move {
-                store::server::serve(l, served, async {
-                    let _ = rx.await;
-                })
-                .await
-            });
-            stops.push(tx);
-            let world = world_of(g);
-            let mut rank0 = 0;
-            for (gi, &node) in g.iter().enumerate() {
-                let specs = self.specs(node, gi, g.len(), rank0, world, gport, nodes);
-                rank0 += specs.len();
-                let deadline_ms = Some(self.bp.timeout.as_millis() as u64);
-                cluster::set_step(
-                    &self.store,
-                    &self.run_id,
-                    node,
-                    step,
-                    &Step::Run {
-                        workers: specs,
-                        grace_ms: 2000,
-                        deadline_ms,
-                    },
-                );
+            let (store, port, stop) = match group_store() {
+                Ok(x) => x,
+                Err(e) => {
+                    eprintln!("nrun: error: {e}");
+                    return Err(exit::INTERNAL);
+                }
+            };
+            let launch = Launch {
+                port,
+                attempt: 0,
+                program: &program,
+                args: &args,
+                logs: false,
+                scratch: &scratch,
+                extra: &extra,
+                grace_ms: 2000,
+                deadline_ms: Some(self.bp.timeout.as_millis() as u64),
+            };
+            let group = Group::of(s, g);
+            for (i, st) in s.steps(self.plan, &group, &launch).into_iter().enumerate() {
+                if st.is_some() {
+                    steps[i] = st;
+                }
             }
-            stores.push(st);
+            stores.push(store);
+            stops.push(stop);
         }
-        // Joined nodes outside every group idle through this step.
-        let busy: Vec<usize> = groups.iter().flatten().copied().collect();
-        let idle: Vec<usize> = (0..nodes.len())
-            .filter(|i| nodes[*i].joined.is_some() && !busy.contains(i))
-            .collect();
-        for &i in &idle {
-            cluster::set_step(
-                &self.store,
-                &self.run_id,
-                i,
-                step,
-                &Step::Run {
-                    workers: Vec::new(),
-                    grace_ms: 0,
-                    deadline_ms: None,
-                },
-            );
-        }
-        let wait: Vec<usize> = busy.iter().chain(idle.iter()).copied().collect();
-        let results = self.collect(&wait, step, nodes, signals).await?;
+        let deadline = self.bp.timeout + Duration::from_secs(30);
+        let results = s.run_step(steps, Policy::Apart { deadline }).await?;
         let mut outs = Vec::new();
         for (gi, g) in groups.iter().enumerate() {
-            let out = self.evaluate(g, &stores[gi], &results, nodes);
+            let out = self.evaluate(g, &stores[gi], &results, s, &settings);
             eprintln!(
                 "nrun bisect: {stage}: {} {}{}",
-                names(g, nodes),
+                names(g, s),
                 if out.ok { "ok" } else { "FAILED" },
                 out.busbw_gbs
                     .map_or(String::new(), |b| format!(" ({b:.2} GB/s)"))
             );
             outs.push(out);
         }
-        for s in stops {
-            let _ = s.send(());
+        for stop in stops {
+            let _ = stop.send(());
         }
         self.rounds.push(Round {
             stage: stage.to_string(),
@@ -591,144 +521,47 @@ impl Bisect<'_> {
         Ok(outs)
     }
 
-    /// Settings of the preflight ranks on node `n` (probes nccl and net).
-    fn settings(&self, n: &Node) -> Option<preflight::Settings> {
+    /// Settings of the preflight ranks on node `i` (probes nccl and net).
+    fn settings(&self, s: &Session, i: usize) -> Option<Settings> {
         let pf = self.plan.preflight.as_ref()?;
+        let j = s.nodes[i].joined.as_ref()?;
         let lib = pf.nccl_lib.clone().or_else(|| {
-            n.joined
+            j.facts
                 .as_ref()
-                .and_then(|j| j.facts.nccl.first())
-                .map(|l| PathBuf::from(&l.path))
+                .and_then(|f| f.nccl.first())
+                .map(|l| std::path::PathBuf::from(&l.path))
         });
-        let listen = n.addr.map_or_else(|| "0.0.0.0".into(), |a| a.to_string());
-        Some(preflight::Settings::new(pf, "bisect".into(), lib, listen))
-    }
-
-    /// Node `node`'s workers as the `group_rank`-th node of a group of `group_size` nodes and
-    /// `world` ranks whose store listens on `port`, its ranks starting at `rank0`.
-    #[allow(clippy::too_many_arguments)]
-    fn specs(
-        &self,
-        node: usize,
-        group_rank: usize,
-        group_size: usize,
-        rank0: usize,
-        world: usize,
-        port: u16,
-        nodes: &[Node],
-    ) -> Vec<WorkerSpec> {
-        let n = &nodes[node];
-        let ranks: Vec<(usize, usize)> = self.cp.layout[node]
-            .iter()
-            .enumerate()
-            .map(|(k, &(_, local, _))| (rank0 + k, local))
-            .collect();
-        let (program, args, extra) = match (self.bp.probe, self.settings(n)) {
-            (Probe::Nccl | Probe::Net, Some(s)) => (
-                self.cp.remote_nrun.clone(),
-                vec!["__preflight".to_string()],
-                s.rank_env(false, None),
-            ),
-            _ => (
-                self.plan.program.to_string_lossy().into_owned(),
-                self.plan
-                    .args
-                    .iter()
-                    .map(|a| a.to_string_lossy().into_owned())
-                    .collect(),
-                Vec::new(),
-            ),
-        };
-        let scratch = format!("bisect{}-node{node}", self.step);
-        let l = cluster::Launch {
-            world,
-            nnodes: group_size,
-            port,
-            attempt: 0,
-            program: &program,
-            args: &args,
-            logs: false,
-            scratch: &scratch,
-        };
-        cluster::node_specs(self.plan, self.cp, n, group_rank, &ranks, &l, &extra)
-    }
-
-    async fn collect(
-        &self,
-        wait: &[usize],
-        step: usize,
-        nodes: &mut [Node],
-        signals: &mut Signals,
-    ) -> std::result::Result<BTreeMap<usize, StepResult>, u8> {
-        let mut got = BTreeMap::new();
-        let deadline = Instant::now() + self.bp.timeout + Duration::from_secs(30);
-        loop {
-            for &i in wait {
-                if got.contains_key(&i) {
-                    continue;
-                }
-                if let Some(raw) = self.store.get(&crate::agent::key(
-                    &self.run_id,
-                    &format!("n{i}/result/{step}"),
-                )) {
-                    if let Ok(r) = serde_json::from_slice::<StepResult>(&raw) {
-                        got.insert(i, r);
-                    }
-                } else if nodes[i]
-                    .child
-                    .as_mut()
-                    .and_then(|c| c.try_wait().ok().flatten())
-                    .is_some()
-                {
-                    got.insert(
-                        i,
-                        StepResult::Run(RunResult::Lost(format!(
-                            "lost the connection to {}",
-                            nodes[i].label
-                        ))),
-                    );
-                }
-            }
-            if got.len() == wait.len() || Instant::now() > deadline {
-                return Ok(got);
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(2)) => {}
-                sig = signals.recv() => return Err(exit::signal(sig)),
-            }
-        }
+        let listen = j.addr.map_or_else(|| "0.0.0.0".into(), |a| a.to_string());
+        Some(pf.settings("bisect".into(), lib, listen))
     }
 
     fn evaluate(
         &self,
         g: &[usize],
         st: &Store,
-        results: &BTreeMap<usize, StepResult>,
-        nodes: &[Node],
+        results: &[Option<StepResult>],
+        s: &Session,
+        settings: &[Option<Settings>],
     ) -> GroupOut {
-        let hosts: Vec<String> = g.iter().map(|i| nodes[*i].label.clone()).collect();
+        let hosts: Vec<String> = g.iter().map(|i| s.nodes[*i].label.clone()).collect();
         let mut failure = None;
         for &i in g {
-            match results.get(&i) {
+            let label = &s.nodes[i].label;
+            match &results[i] {
                 Some(StepResult::Run(RunResult::Success)) => {}
-                Some(StepResult::Run(RunResult::Failed {
-                    rank,
-                    how,
-                    stderr_tail,
-                    ..
-                })) => {
+                Some(StepResult::Run(RunResult::Failed(f))) => {
                     failure.get_or_insert(format!(
-                        "rank {rank} on {} {how}{}",
-                        nodes[i].label,
-                        stderr_tail
+                        "rank {} on {label} {}{}",
+                        f.rank,
+                        f.how,
+                        f.stderr_tail
                             .last()
                             .map_or(String::new(), |l| format!(": {l}"))
                     ));
                 }
                 Some(StepResult::Run(RunResult::TimedOut)) => {
                     failure.get_or_insert(format!(
-                        "{} ran past --timeout {} s",
-                        nodes[i].label,
+                        "{label} ran past --timeout {} s",
                         self.bp.timeout.as_secs()
                     ));
                 }
@@ -736,64 +569,41 @@ impl Bisect<'_> {
                     failure.get_or_insert(m.clone());
                 }
                 Some(other) => {
-                    failure.get_or_insert(format!("{}: {other:?}", nodes[i].label));
+                    failure.get_or_insert(format!("{label}: {other:?}"));
                 }
                 None => {
-                    failure.get_or_insert(format!("{} did not report in time", nodes[i].label));
+                    failure.get_or_insert(format!("{label} did not report in time"));
                 }
             }
         }
         let mut busbw = None;
-        if self.bp.probe != Probe::Cmd {
-            let world: usize = g.iter().map(|i| self.cp.layout[*i].len()).sum();
-            let mut ranks = Vec::new();
-            for &i in g {
-                for _ in &self.cp.layout[i] {
-                    ranks.push((ranks.len(), nodes[i].label.clone()));
-                }
-            }
-            let (reports, silent) = match self.settings(&nodes[g[0]]) {
-                Some(s) => preflight::reports_from(&s, &ranks, &mut |k| st.get(k)),
-                None => Default::default(),
-            };
-            let summary = preflight::Outcome {
-                world_size: world,
-                mode: if self.bp.probe == Probe::Net {
-                    Mode::Net
-                } else {
-                    Mode::Nccl
-                },
-                reports,
-                silent,
-                crashed: None,
-                nccl_lib: None,
-                min_busbw: None,
-                wall_s: 0.0,
-                other_libs: Vec::new(),
-            }
-            .summarize();
+        let probe_settings = settings[g[0]]
+            .as_ref()
+            .filter(|_| self.bp.probe != Probe::Cmd);
+        if let Some(first) = probe_settings {
+            let group = Group::of(s, g);
+            let ranks = group.rank_hosts(s);
+            let summary = summarize(
+                first,
+                &ranks,
+                group.world,
+                None,
+                Extras::default(),
+                &mut |k| st.get(k),
+            );
             if summary.verdict != Verdict::Ok {
-                let problem = summary.json["problems"]
-                    .as_array()
-                    .and_then(|a| a.first())
-                    .and_then(|p| p.as_str())
-                    .unwrap_or("preflight failed")
-                    .to_string();
+                let problem = summary
+                    .problems
+                    .first()
+                    .cloned()
+                    .unwrap_or_else(|| "preflight failed".into());
                 failure.get_or_insert(problem);
             }
-            // The busbw at the largest size, for the slow checks (alone: the algbw, as busbw is 0
-            // for one rank).
-            busbw = summary.json["rows"]
-                .as_array()
-                .and_then(|rows| rows.last())
-                .and_then(|r| {
-                    let o = &r["out_of_place"];
-                    if world > 1 {
-                        o["busbw_gbs"].as_f64()
-                    } else {
-                        o["algbw_gbs"].as_f64()
-                    }
-                });
+            // The busbw at the largest size, for the slow checks (alone: the algbw, as busbw
+            // is 0 for one rank).
+            busbw = summary
+                .largest
+                .map(|(algbw, bus)| if group.world > 1 { bus } else { algbw });
         }
         GroupOut {
             hosts,
@@ -804,7 +614,7 @@ impl Bisect<'_> {
         }
     }
 
-    fn finish(&self, took: Duration) -> Result<u8> {
+    fn finish(&self, nodes: &NodesPlan, took: Duration) -> Result<u8> {
         let width = self
             .results
             .iter()
@@ -834,7 +644,7 @@ impl Bisect<'_> {
         );
         if let Some(path) = &self.bp.report {
             let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
-            crate::coordinator::write_report(path, &v)?;
+            crate::report::write_json("--report", path, &v)?;
         }
         if let Some(path) = &self.bp.write_hostfile {
             let good: Vec<&str> = self
@@ -843,23 +653,11 @@ impl Bisect<'_> {
                 .filter(|r| r.verdict == NodeVerdict::Good)
                 .map(|r| r.host.as_str())
                 .collect();
-            let text = match &self.bp.hostfile_text {
+            let text = match &nodes.hostfile {
                 // Keep the input's own lines (format, slots, comments) for the good hosts.
-                Some(t) => t
-                    .lines()
-                    .filter(|l| {
-                        let first = l
-                            .split('#')
-                            .next()
-                            .unwrap_or("")
-                            .split_whitespace()
-                            .next()
-                            .unwrap_or("");
-                        let host = first.split(':').next().unwrap_or("");
-                        host.is_empty() || good.contains(&host)
-                    })
-                    .map(|l| format!("{l}\n"))
-                    .collect::<String>(),
+                Some((origin, t)) => {
+                    crate::hosts::filter_hostfile(t, origin, &|h| good.contains(&h))?
+                }
                 None => good.iter().map(|h| format!("{h}\n")).collect(),
             };
             std::fs::write(path, text).map_err(|e| {
@@ -879,11 +677,24 @@ impl Bisect<'_> {
     }
 }
 
-fn names(g: &[usize], nodes: &[Node]) -> String {
+fn names(g: &[usize], s: &Session) -> String {
     g.iter()
-        .map(|i| nodes[*i].label.as_str())
+        .map(|i| s.nodes[*i].label.as_str())
         .collect::<Vec<_>>()
         .join("+")
+}
+
+/// A store of a group's own, on a free port, and what stops it.
+fn group_store() -> Result<(std::sync::Arc<Store>, u16, tokio::sync::oneshot::Sender<()>)> {
+    let l = crate::store::server::bind(0)
+        .map_err(|e| Error::internal(format!("cannot bind a group's store: {e}")))?;
+    let port = l
+        .local_addr()
+        .map_err(|e| Error::internal(format!("a group's store: {e}")))?
+        .port();
+    let store = Store::new();
+    let stop = crate::session::serve(l, store.clone())?;
+    Ok((store, port, stop))
 }
 
 fn median_busbw(outs: &[GroupOut]) -> Option<f64> {

@@ -1,0 +1,145 @@
+//! What a node does for a step, shared by the agent process (`nrun __agent` on another node)
+//! and the in-process agent of a single-node run: start a step's workers and supervise them to
+//! their end, or probe another node.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
+
+use super::protocol::{RunResult, THIS_NRUN, WorkerFailure, WorkerSpec};
+use crate::node::output::{Sink, WorkerOutput};
+use crate::node::{self, Outcome, StopRequest, WorkerCmd};
+
+/// Runs one step's workers to their end; `stop` carries requests from outside the node.
+pub async fn run_workers(
+    specs: Vec<WorkerSpec>,
+    grace_ms: u64,
+    deadline_ms: Option<u64>,
+    stop: watch::Receiver<StopRequest>,
+) -> RunResult {
+    let mut cmds = Vec::with_capacity(specs.len());
+    let this_nrun = std::env::current_exe();
+    for w in specs {
+        let program = match (w.program.as_str(), &this_nrun) {
+            (THIS_NRUN, Ok(exe)) => exe.clone().into_os_string(),
+            (THIS_NRUN, Err(e)) => {
+                return RunResult::SpawnError(format!("cannot find nrun's own executable: {e}"));
+            }
+            (p, _) => p.into(),
+        };
+        if let Some(dir) = w.error_file.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        // Log files live on the worker's own node, as torchrun's do.
+        let (out_file, err_file) = match &w.log_dir {
+            Some(d) => match open_logs(d) {
+                Ok(f) => f,
+                Err(e) => return RunResult::SpawnError(e),
+            },
+            None => (None, None),
+        };
+        cmds.push(WorkerCmd {
+            rank: w.rank,
+            local_rank: w.local_rank,
+            program,
+            args: w.args.into_iter().map(Into::into).collect(),
+            env: w.env,
+            error_file: w.error_file,
+            output: WorkerOutput {
+                prefix: w.prefix,
+                colour: w.colour,
+                sinks: [
+                    Sink {
+                        console: w.console[0],
+                        file: out_file,
+                    },
+                    Sink {
+                        console: w.console[1],
+                        file: err_file,
+                    },
+                ],
+            },
+        });
+    }
+    let deadline = deadline_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
+    match node::run_group(cmds, Duration::from_millis(grace_ms), deadline, stop).await {
+        Err(e) => RunResult::SpawnError(e.message),
+        Ok(Outcome::Success) => RunResult::Success,
+        Ok(Outcome::Interrupted(s)) => RunResult::Interrupted(s),
+        Ok(Outcome::TimedOut) => RunResult::TimedOut,
+        Ok(Outcome::Stopped) => RunResult::Stopped,
+        Ok(Outcome::Failed(f)) => RunResult::Failed(WorkerFailure {
+            rank: f.rank,
+            local_rank: f.local_rank,
+            pid: f.pid,
+            exit_code: f.exit.exit_code(),
+            how: f.exit.describe(),
+            at: humantime::format_rfc3339_seconds(f.at).to_string(),
+            traceback: crate::report::read_error_file(&f.error_file),
+            stderr_tail: f.stderr_tail,
+            error_file: f.error_file,
+        }),
+    }
+}
+
+type Logs = (Option<std::fs::File>, Option<std::fs::File>);
+
+fn open_logs(dir: &std::path::Path) -> Result<Logs, String> {
+    let fail = |p: &std::path::Path, e: std::io::Error| {
+        format!("cannot create log file {}: {e}", p.display())
+    };
+    std::fs::create_dir_all(dir).map_err(|e| fail(dir, e))?;
+    let open = |name: &str| {
+        let p = dir.join(name);
+        std::fs::File::create(&p).map_err(|e| fail(&p, e))
+    };
+    Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
+}
+
+/// Echoes 10 bytes back on every connection: the other side of [`probe_peer`].
+pub async fn serve_probes(listener: tokio::net::TcpListener) {
+    while let Ok((mut s, _)) = listener.accept().await {
+        tokio::spawn(async move {
+            let mut b = [0u8; 10];
+            if s.read_exact(&mut b).await.is_ok() {
+                let _ = s.write_all(&b).await;
+            }
+        });
+    }
+}
+
+/// Connects to another node's probe listener and checks its echo.
+pub async fn probe_peer(target: &str, timeout_ms: u64) -> Result<(), String> {
+    let sa: SocketAddr = target
+        .parse()
+        .map_err(|_| format!("bad probe address {target}"))?;
+    let t = Duration::from_millis(timeout_ms);
+    let mut s = match tokio::time::timeout(t, tokio::net::TcpStream::connect(sa)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(format!("connect to {sa}: {e}")),
+        Err(_) => {
+            return Err(format!(
+                "connect to {sa}: no answer within {timeout_ms} ms (dropped by a firewall?)"
+            ));
+        }
+    };
+    let msg = *b"nrun-probe";
+    let mut back = [0u8; 10];
+    match tokio::time::timeout(t, async {
+        s.write_all(&msg).await?;
+        s.read_exact(&mut back).await
+    })
+    .await
+    {
+        Ok(Ok(_)) if back == msg => Ok(()),
+        Ok(Ok(_)) => Err(format!(
+            "{sa} answered with something else (another service on that port?)"
+        )),
+        Ok(Err(e)) => Err(format!("{sa}: {e}")),
+        Err(_) => Err(format!(
+            "{sa}: connected but no echo within {timeout_ms} ms"
+        )),
+    }
+}

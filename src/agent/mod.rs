@@ -1,0 +1,248 @@
+//! `nrun __agent`: the per-node side of a run, started over ssh, srun, or as a local child.
+//!
+//! - [`protocol`]: the messages and the store keys they travel under.
+//! - [`exec`]: what a node does for a step (shared with the in-process agent of one node).
+//!
+//! The conversation goes through the coordinator's store (see [`protocol`]):
+//! 1. the agent reads a [`Hello`] line on stdin (the per-run secret never appears on a command
+//!    line), goes to the launch host's cwd, connects to the first coordinator address that
+//!    answers, authenticates, and publishes a [`Joined`] record with its facts;
+//! 2. it then executes numbered [`Step`]s (a reachability probe, a group of workers, the end)
+//!    and publishes a [`StepResult`] for each;
+//! 3. a `stop/<step>` key stops a running group politely; its stdin closing (ssh dropped, the
+//!    launcher killed) or the store connection failing stops it within 2 s. Nothing the agent
+//!    started outlives it.
+
+pub mod exec;
+pub mod protocol;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+use tokio::sync::watch;
+
+use crate::node::{Signals, StopRequest};
+use crate::store::client::Client;
+use protocol::{Hello, Joined, Keys, Step, StepResult};
+
+/// Entry point of `nrun __agent`; returns the exit code.
+pub fn main() -> u8 {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("nrun agent: cannot start: {e}");
+            return 1;
+        }
+    };
+    // Workers are spawned from this (main) thread: see node::run_group on PR_SET_PDEATHSIG.
+    let code = match rt.block_on(run()) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{e}");
+            3
+        }
+    };
+    // Do not wait for the blocking read of stdin: it ends only when the launcher closes it.
+    rt.shutdown_background();
+    code
+}
+
+async fn run() -> Result<(), String> {
+    let mut signals = Signals::install().map_err(|e| e.to_string())?;
+    crate::node::process::become_subreaper();
+    let here = crate::net::hostname();
+    let mut stdin = tokio::io::BufReader::new(tokio::io::stdin());
+    let mut line = String::new();
+    match tokio::time::timeout(Duration::from_secs(60), stdin.read_line(&mut line)).await {
+        Ok(Ok(n)) if n > 0 => {}
+        _ => {
+            return Err(format!(
+                "nrun agent on {here}: no instructions on stdin (it is started by nrun, not by hand)"
+            ));
+        }
+    }
+    let hello: Hello = serde_json::from_str(&line)
+        .map_err(|e| format!("nrun agent on {here}: bad instructions: {e}"))?;
+    let me = format!("{} ({here})", hello.label);
+    if hello.version != crate::cli::VERSION {
+        return Err(format!(
+            "nrun on {me} is version {} but the launch host runs {}: install the same nrun there, or pass --ship",
+            crate::cli::VERSION,
+            hello.version
+        ));
+    }
+    if let Err(e) = std::env::set_current_dir(&hello.cwd) {
+        return Err(format!(
+            "the launch host's working directory {} does not exist on {me} ({e}): make it exist there (a shared filesystem), or start nrun from a directory every node has",
+            hello.cwd.display()
+        ));
+    }
+    let keys = Keys::new(&hello.run);
+
+    // The first coordinator address that answers wins; they are tried at once.
+    let (mut store, reached, local) = connect_any(&hello.addrs)
+        .await
+        .map_err(|e| format!("{me} cannot reach the launch host's store: {e}"))?;
+    let lost = |e: std::io::Error| format!("{me}: lost the launch host's store: {e}");
+    store
+        .set(crate::store::server::AUTH_KEY, hello.secret.as_bytes())
+        .await
+        .map_err(lost)?;
+    store
+        .set(&keys.observe(hello.node), b"")
+        .await
+        .map_err(lost)?;
+
+    // Probes from other nodes arrive on the address the coordinator picks for this node
+    // (normally this end of the path to it), so listen on every address.
+    let any: std::net::IpAddr = if local.is_ipv4() {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    };
+    let probe = tokio::net::TcpListener::bind(SocketAddr::new(any, 0))
+        .await
+        .map_err(|e| format!("{me}: cannot open a probe listener: {e}"))?;
+    let probe_addr = SocketAddr::new(
+        local.ip(),
+        probe.local_addr().map_err(|e| e.to_string())?.port(),
+    );
+    tokio::spawn(exec::serve_probes(probe));
+    let facts = tokio::task::spawn_blocking({
+        let py = hello.python.clone();
+        move || crate::facts::gather(py.as_deref())
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let joined = Joined {
+        local_addr: local.to_string(),
+        reached: reached.to_string(),
+        probe_addr: probe_addr.to_string(),
+        facts,
+    };
+    let record = serde_json::to_vec(&joined).map_err(|e| e.to_string())?;
+    store
+        .set(&keys.joined(hello.node), &record)
+        .await
+        .map_err(lost)?;
+
+    // Losing stdin means the launcher is gone: stop everything fast.
+    let (gone_tx, mut gone_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let mut rest = Vec::new();
+        let _ = stdin.read_to_end(&mut rest).await;
+        let _ = gone_tx.send(true);
+    });
+
+    for step_no in 0.. {
+        let step_key = keys.step(hello.node, step_no);
+        let wanted: [&[u8]; 1] = [&step_key];
+        let got = tokio::select! {
+            r = store.wait(&wanted, None) => r,
+            _ = gone_rx.wait_for(|g| *g) => return Err(format!("{me}: the launch host went away; stopping")),
+        };
+        got.map_err(lost)?;
+        let raw = store.get(&step_key).await.map_err(lost)?;
+        let step: Step = serde_json::from_slice(&raw).map_err(|e| format!("{me}: cannot read step {step_no} from the launch host ({e}); is nrun the same version on both?"))?;
+        let result = match step {
+            Step::End => return Ok(()),
+            Step::Probe { target, timeout_ms } => StepResult::Probe {
+                error: exec::probe_peer(&target, timeout_ms).await.err(),
+            },
+            Step::Run {
+                workers,
+                grace_ms,
+                deadline_ms,
+            } => {
+                let (tx, rx) = watch::channel(StopRequest::None);
+                let stop_key = keys.stop(step_no);
+                let mut gone = gone_rx.clone();
+                // A second connection waits for the stop key while this one is idle: one request
+                // in flight per connection.
+                let mut conn = Client::connect(reached, Duration::from_secs(10))
+                    .await
+                    .map_err(lost)?;
+                conn.set(crate::store::server::AUTH_KEY, hello.secret.as_bytes())
+                    .await
+                    .map_err(lost)?;
+                let signals = &mut signals;
+                let watcher = async move {
+                    let wanted: [&[u8]; 1] = [&stop_key];
+                    let req = tokio::select! {
+                        r = conn.wait(&wanted, None) => match r {
+                            Ok(_) => match conn.get(&stop_key).await.ok().and_then(|v| protocol::stop_signal(&v)) {
+                                Some(sig) => StopRequest::Signal(sig),
+                                None => StopRequest::Polite,
+                            },
+                            Err(_) => StopRequest::Abandon,
+                        },
+                        _ = gone.wait_for(|g| *g) => StopRequest::Abandon,
+                        // A signal to the agent itself (srun's, or a user's on that node).
+                        sig = signals.recv() => StopRequest::Signal(sig),
+                    };
+                    let _ = tx.send(req);
+                    // Keep the sender: dropping it would read as the coordinator going away.
+                    std::future::pending::<()>().await;
+                };
+                let r = tokio::select! {
+                    r = exec::run_workers(workers, grace_ms, deadline_ms, rx) => r,
+                    // Never taken: the watcher waits forever once it has spoken.
+                    () = watcher => protocol::RunResult::Stopped,
+                };
+                StepResult::Run(r)
+            }
+        };
+        let value = serde_json::to_vec(&result).map_err(|e| e.to_string())?;
+        store
+            .set(&keys.result(hello.node, step_no), &value)
+            .await
+            .map_err(lost)?;
+        if *gone_rx.borrow() {
+            return Err(format!("{me}: the launch host went away; stopped"));
+        }
+    }
+    Ok(())
+}
+
+async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr), String> {
+    let mut set = tokio::task::JoinSet::new();
+    for a in addrs {
+        let Ok(sa) = a.parse::<SocketAddr>() else {
+            continue;
+        };
+        set.spawn(async move {
+            let s =
+                tokio::time::timeout(Duration::from_secs(10), tokio::net::TcpStream::connect(sa))
+                    .await;
+            match s {
+                Ok(Ok(s)) => {
+                    let local = s.local_addr().map_err(|e| e.to_string())?;
+                    let c = Client::from_stream(s)
+                        .await
+                        .map_err(|e| format!("{sa}: {e}"))?;
+                    Ok((c, sa, local))
+                }
+                Ok(Err(e)) => Err(format!("{sa}: {e}")),
+                Err(_) => Err(format!("{sa}: timed out")),
+            }
+        });
+    }
+    let mut errors = Vec::new();
+    while let Some(r) = set.join_next().await {
+        match r {
+            Ok(Ok(v)) => return Ok(v),
+            Ok(Err(e)) => errors.push(e),
+            Err(e) => errors.push(e.to_string()),
+        }
+    }
+    Err(format!(
+        "tried {} ({}); check the firewall on the launch host and the route to it",
+        addrs.join(", "),
+        errors.join("; ")
+    ))
+}

@@ -1,0 +1,213 @@
+//! The agent protocol: what the coordinator and a node's agent say to each other, and where.
+//!
+//! Everything goes through the coordinator's store, in nrun's authenticated key space
+//! (`nrun/<run>/...`), so there is one port, one protocol and one client. The coordinator
+//! writes a node's numbered [`Step`]s; the agent answers each with a [`StepResult`]; a stop key
+//! asks every node to stop the step's workers. [`Keys`] is the only place keys are spelled.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::facts::Facts;
+
+/// The first line an agent reads on stdin (the per-run secret never appears on a command line).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Hello {
+    pub secret: String,
+    pub run: String,
+    pub node: usize,
+    /// How the user named this host.
+    pub label: String,
+    /// Coordinator addresses to try, "ip:port".
+    pub addrs: Vec<String>,
+    pub cwd: PathBuf,
+    pub version: String,
+    /// The Python to probe for torch's versions; None skips the probe.
+    pub python: Option<PathBuf>,
+}
+
+/// What an agent publishes once connected.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Joined {
+    /// The address of this node's end of its store connection.
+    pub local_addr: String,
+    /// The coordinator address that answered.
+    pub reached: String,
+    /// Where this node answers reachability probes from other nodes.
+    pub probe_addr: String,
+    pub facts: Facts,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Step {
+    /// Connect to another node's probe listener.
+    Probe {
+        target: String,
+        timeout_ms: u64,
+    },
+    /// Run a group of workers to its end (an empty group: idle through this step).
+    Run {
+        workers: Vec<WorkerSpec>,
+        grace_ms: u64,
+        deadline_ms: Option<u64>,
+    },
+    End,
+}
+
+impl Step {
+    /// Nothing to do this step (a node outside every group of a bisect round).
+    pub fn idle() -> Step {
+        Step::Run {
+            workers: Vec::new(),
+            grace_ms: 0,
+            deadline_ms: None,
+        }
+    }
+}
+
+/// A [`WorkerSpec::program`] meaning "the nrun that runs this agent" (preflight ranks): the
+/// path differs between nodes with --ship or --remote-nrun.
+pub const THIS_NRUN: &str = "<nrun>";
+
+/// One worker as its node's agent starts it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WorkerSpec {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub program: String,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub error_file: PathBuf,
+    pub prefix: String,
+    pub colour: usize,
+    /// Whether stdout / stderr reach the console.
+    pub console: [bool; 2],
+    /// Where this worker's stdout.log and stderr.log go on its node (--log-dir), if anywhere.
+    #[serde(default)]
+    pub log_dir: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum StepResult {
+    Probe { error: Option<String> },
+    Run(RunResult),
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum RunResult {
+    Success,
+    Failed(WorkerFailure),
+    Interrupted(i32),
+    TimedOut,
+    Stopped,
+    SpawnError(String),
+    /// Set by the coordinator for a node whose agent connection ended without a result.
+    Lost(String),
+}
+
+impl RunResult {
+    /// A result that stops the other nodes' workers (a failure here, or a lost node).
+    pub fn is_failure(&self) -> bool {
+        matches!(
+            self,
+            RunResult::Failed(_)
+                | RunResult::SpawnError(_)
+                | RunResult::TimedOut
+                | RunResult::Lost(_)
+        )
+    }
+}
+
+/// The first failing worker of a node, with what the failure summary shows.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WorkerFailure {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub pid: u32,
+    pub exit_code: u8,
+    /// "exited with code 3", "was killed by SIGSEGV".
+    pub how: String,
+    /// RFC 3339, seconds.
+    pub at: String,
+    pub stderr_tail: Vec<String>,
+    pub traceback: Option<String>,
+    /// Where the traceback came from (TORCHELASTIC_ERROR_FILE on its node).
+    pub error_file: PathBuf,
+}
+
+/// What a stop key asks of a running step: its value is empty (another node failed: SIGTERM,
+/// SIGKILL after the grace period) or the number of a signal the user sent nrun (forwarded).
+pub fn stop_value(signal: Option<i32>) -> Vec<u8> {
+    signal.map_or_else(Vec::new, |s| s.to_string().into_bytes())
+}
+
+/// The signal a stop key's value carries, if any.
+pub fn stop_signal(value: &[u8]) -> Option<i32> {
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+/// The keys of one run's conversation.
+#[derive(Clone, Debug)]
+pub struct Keys {
+    run: String,
+}
+
+impl Keys {
+    pub fn new(run: &str) -> Keys {
+        Keys { run: run.into() }
+    }
+
+    fn key(&self, what: std::fmt::Arguments<'_>) -> Vec<u8> {
+        format!("nrun/{}/{what}", self.run).into_bytes()
+    }
+
+    /// Where node `node` publishes its [`Joined`] record.
+    pub fn joined(&self, node: usize) -> Vec<u8> {
+        self.key(format_args!("n{node}/joined"))
+    }
+
+    /// Node `node`'s step number `step`.
+    pub fn step(&self, node: usize, step: usize) -> Vec<u8> {
+        self.key(format_args!("n{node}/step/{step}"))
+    }
+
+    /// Node `node`'s result of step `step`.
+    pub fn result(&self, node: usize, step: usize) -> Vec<u8> {
+        self.key(format_args!("n{node}/result/{step}"))
+    }
+
+    /// Set (to a [`stop_value`]) to stop step `step` on every node.
+    pub fn stop(&self, step: usize) -> Vec<u8> {
+        self.key(format_args!("stop/{step}"))
+    }
+
+    /// A SET here stores the address the store sees node `node` connect from (NAT check).
+    pub fn observe(&self, node: usize) -> Vec<u8> {
+        [
+            crate::store::server::OBSERVE_PREFIX,
+            format!("{}/{node}", self.run).as_bytes(),
+        ]
+        .concat()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_in_nruns_space_and_stop_values_round_trip() {
+        let k = Keys::new("job-7");
+        assert_eq!(k.step(2, 5), b"nrun/job-7/n2/step/5");
+        assert_eq!(k.result(0, 1), b"nrun/job-7/n0/result/1");
+        assert_eq!(k.stop(3), b"nrun/job-7/stop/3");
+        assert_eq!(k.joined(1), b"nrun/job-7/n1/joined");
+        assert!(
+            k.observe(1)
+                .starts_with(crate::store::server::OBSERVE_PREFIX)
+        );
+        assert_eq!(stop_signal(&stop_value(Some(2))), Some(2));
+        assert_eq!(stop_signal(&stop_value(None)), None);
+    }
+}

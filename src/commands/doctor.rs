@@ -1,0 +1,114 @@
+//! `nrun doctor`: what each node has and whether the nodes are ready, running nothing. On this
+//! host alone: its facts, interfaces, NCCL libraries and torch in detail. With nodes: they join
+//! and are checked exactly as for a job (interfaces, versions, node-to-node reachability).
+
+use crate::error::{Result, exit};
+use crate::facts::Facts;
+use crate::plan::{NodesPlan, Plan};
+use crate::session::Session;
+
+pub async fn run(
+    plan: &Plan,
+    nodes: &NodesPlan,
+    listener: Option<std::net::TcpListener>,
+) -> Result<u8> {
+    let mut s = Session::start(plan, nodes, listener).await?;
+    let code = if nodes.in_process {
+        this_host(&mut s, plan).await
+    } else {
+        cluster(&mut s).await
+    };
+    s.end().await;
+    Ok(code)
+}
+
+async fn cluster(s: &mut Session) -> u8 {
+    if let Err(code) = super::run::ready(s).await {
+        return code;
+    }
+    for (_, n, j) in s.joined() {
+        println!(
+            "{}: NCCL_SOCKET_IFNAME would be =={} (it reached the launch host at {})",
+            n.label,
+            j.ifname.as_deref().unwrap_or("?"),
+            j.master_addr
+        );
+    }
+    println!(
+        "doctor: {} nodes joined, checked and reach each other",
+        s.len()
+    );
+    exit::SUCCESS
+}
+
+async fn this_host(s: &mut Session, plan: &Plan) -> u8 {
+    let python = plan.python.clone().filter(|_| s.plan.python_probe);
+    if let Err(code) = s.join(true, python).await {
+        return code;
+    }
+    let facts = s
+        .nodes
+        .first()
+        .and_then(|n| n.joined.as_ref())
+        .and_then(|j| j.facts.clone())
+        .unwrap_or_default();
+    print!("{}", describe(&facts, plan));
+    if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
+        println!("warning: {w}");
+    }
+    exit::SUCCESS
+}
+
+/// This host's facts, in detail.
+fn describe(f: &Facts, plan: &Plan) -> String {
+    use std::fmt::Write as _;
+    let mut t = crate::facts::compare(&[("this host".to_string(), f)]).table;
+    let _ = writeln!(t, "interfaces:");
+    for i in &f.ifaces {
+        let addrs: Vec<String> = i.addrs.iter().map(|a| a.to_string()).collect();
+        let _ = writeln!(
+            t,
+            "  {:<12} {:<4} mtu {:<6} {}",
+            i.name,
+            if i.up { "up" } else { "down" },
+            i.mtu.map_or("?".into(), |m| m.to_string()),
+            addrs.join(" ")
+        );
+    }
+    let _ = writeln!(
+        t,
+        "NCCL libraries (the first is what a job here would load):"
+    );
+    if f.nccl.is_empty() {
+        let _ = writeln!(
+            t,
+            "  none found (torch's site-packages, LD_LIBRARY_PATH, ldconfig)"
+        );
+    }
+    for l in &f.nccl {
+        let _ = writeln!(
+            t,
+            "  {} {} ({})",
+            l.version.as_deref().unwrap_or("?"),
+            l.path,
+            l.source
+        );
+    }
+    let _ = match (&f.torch, &f.torch_error) {
+        (Some(v), _) => writeln!(
+            t,
+            "torch {v} (CUDA {}, NCCL {})",
+            f.torch_cuda.as_deref().unwrap_or("-"),
+            f.torch_nccl.as_deref().unwrap_or("-")
+        ),
+        (None, Some(e)) => writeln!(
+            t,
+            "torch: not usable with {}: {e}",
+            plan.python
+                .as_ref()
+                .map_or("python3".into(), |p| p.display().to_string())
+        ),
+        (None, None) => writeln!(t, "torch: not probed (no python found)"),
+    };
+    t
+}

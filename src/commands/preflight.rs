@@ -1,0 +1,283 @@
+//! The preflight phase of a job: resolve the libnccl each node's ranks load, run one preflight
+//! rank per worker slot with the job's environment, gather what each rank reported, print the
+//! table and verdict. [`summarize`] is the one gather -> summary path, used by bisect too.
+
+use std::collections::HashMap;
+use std::net::ToSocketAddrs;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::agent::protocol::{RunResult, StepResult, THIS_NRUN};
+use crate::error::{Result, exit};
+use crate::plan::{Plan, PreflightPlan};
+use crate::preflight::{self, Mode, Settings, Summary};
+use crate::session::spec::{Group, Launch};
+use crate::session::{Agent, Policy, Session};
+use crate::store::client::Client;
+
+/// Runs the preflight over every node of the session; returns its exit code.
+pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8> {
+    let started = Instant::now();
+    let since = |what: &str| {
+        tracing::debug!(
+            "preflight: {what} at {:.0} ms",
+            started.elapsed().as_secs_f64() * 1e3
+        )
+    };
+    // An in-process node reported no facts: its libnccl is resolved here, and the others found
+    // are listed (by a task that runs beside the preflight).
+    let (here_lib, other_libs) = match (pf.mode, s.plan.in_process) {
+        (Mode::Nccl, true) => {
+            let (lib, others) = resolve_nccl(plan, pf).await;
+            (lib, Some(others))
+        }
+        _ => (None, None),
+    };
+    let settings: Vec<Settings> = (0..s.len())
+        .map(|i| node_settings(s, pf, i, here_lib.clone()))
+        .collect();
+    let secret = s.rendezvous.secret.clone();
+    let env = |i: usize| settings[i].rank_env(pf.loopback, secret.as_deref());
+    // Ranks enforce the init timeout themselves; this deadline only catches a rank that hangs
+    // where it cannot (a CUDA call, a dead peer mid-collective).
+    let deadline = pf.timeout * 2 + Duration::from_secs(120);
+    let group = Group::all(s);
+    let launch = Launch {
+        port: s.rendezvous.port,
+        attempt: 0,
+        program: THIS_NRUN,
+        args: &["__preflight".to_string()],
+        logs: false,
+        scratch: "preflight",
+        extra: &env,
+        grace_ms: 3000,
+        deadline_ms: Some(deadline.as_millis() as u64),
+    };
+    let steps = s.steps(plan, &group, &launch);
+    since("starting ranks");
+    let results = match s.run_step(steps, Policy::Together).await {
+        Ok(r) => r,
+        Err(code) => return Ok(code),
+    };
+    since("ranks ended");
+    let mut crashed = None;
+    for r in results.iter().flatten() {
+        match r {
+            StepResult::Run(RunResult::Interrupted(sig)) => {
+                tracing::warn!("preflight stopped by {}", crate::node::signal_name(*sig));
+                return Ok(exit::signal(*sig));
+            }
+            StepResult::Run(RunResult::Failed(f)) if crashed.is_none() => {
+                crashed = Some((f.rank, format!("pid {} {}", f.pid, f.how)));
+            }
+            StepResult::Run(RunResult::TimedOut) => {
+                tracing::warn!("the preflight ran past its deadline and was stopped")
+            }
+            StepResult::Run(RunResult::SpawnError(e) | RunResult::Lost(e)) => {
+                tracing::warn!("preflight: {e}")
+            }
+            _ => {}
+        }
+    }
+    let mut ranks = group.rank_hosts(s);
+    // A static launch's node sees only its own ranks; the others are named by node.
+    let mine: std::collections::BTreeSet<usize> = ranks.iter().map(|r| r.0).collect();
+    for r in (0..s.plan.world).filter(|r| !mine.contains(r)) {
+        ranks.push((r, format!("node {}", r / plan.nproc.max(1))));
+    }
+    ranks.sort();
+    let values = read_reports(s, &settings[0], &ranks).await;
+    since("reports gathered");
+    let other_libs = match other_libs {
+        Some(t) => t.await.unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let summary = summarize(
+        &settings[0],
+        &ranks,
+        s.plan.world,
+        crashed,
+        Extras {
+            nccl_lib: here_lib.map(|p| p.display().to_string()),
+            min_busbw: pf.min_busbw,
+            wall_s: started.elapsed().as_secs_f64(),
+            other_libs,
+        },
+        &mut |k| values.get(k).cloned().filter(|v| !v.is_empty()),
+    );
+    print!("{}", summary.text);
+    if let Some(path) = &pf.report {
+        crate::report::write_json("--report", path, &summary.json)?;
+    }
+    Ok(summary.verdict.exit_code())
+}
+
+/// Node `i`'s preflight settings: --nccl-lib, else the library the node reported, else
+/// `here_lib`; its ranks listen (net mode) on the address other nodes reach it on.
+fn node_settings(s: &Session, pf: &PreflightPlan, i: usize, here_lib: Option<PathBuf>) -> Settings {
+    let joined = s.nodes[i].joined.as_ref();
+    let lib = pf.nccl_lib.clone().or_else(|| {
+        joined
+            .and_then(|j| j.facts.as_ref())
+            .and_then(|f| f.nccl.first())
+            .map(|l| PathBuf::from(&l.path))
+            .or(here_lib)
+    });
+    let listen = match (joined.and_then(|j| j.addr), &s.nodes[i].agent) {
+        (Some(a), _) => a.to_string(),
+        // Ranks on a single node listen where the store is, loopback included.
+        (None, Agent::InProcess) => match s.rendezvous.addr.parse::<std::net::IpAddr>() {
+            Ok(a) if a.is_loopback() => s.rendezvous.addr.clone(),
+            _ => "0.0.0.0".into(),
+        },
+        (None, _) => "0.0.0.0".into(),
+    };
+    pf.settings(format!("{}/pf", s.run), lib, listen)
+}
+
+/// Every rank's report and last stage, in one read: from the store this nrun hosts, or with
+/// one MULTI_GET from node 0's (a static launch's node of rank > 0).
+async fn read_reports(
+    s: &Session,
+    settings: &Settings,
+    ranks: &[(usize, String)],
+) -> HashMap<Vec<u8>, Vec<u8>> {
+    let keys: Vec<Vec<u8>> = ranks
+        .iter()
+        .flat_map(|(r, _)| {
+            [
+                settings.key(&format!("result/{r}")),
+                settings.key(&format!("stage/{r}")),
+            ]
+        })
+        .collect();
+    if let Some(st) = s.store() {
+        return keys
+            .into_iter()
+            .filter_map(|k| st.get(&k).map(|v| (k, v)))
+            .collect();
+    }
+    let addr = (s.rendezvous.addr.as_str(), s.rendezvous.port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next());
+    let Some(addr) = addr else {
+        return HashMap::new();
+    };
+    let Ok(mut c) = Client::connect(addr, Duration::from_secs(5)).await else {
+        return HashMap::new();
+    };
+    if let Some(secret) = &s.rendezvous.secret {
+        let _ = c
+            .set(crate::store::server::AUTH_KEY, secret.as_bytes())
+            .await;
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    match c.multi_get(&refs).await {
+        Ok(vals) => keys.into_iter().zip(vals).collect(),
+        Err(_) => HashMap::new(),
+    }
+}
+
+/// What a summary says besides the ranks' reports.
+#[derive(Default)]
+pub struct Extras {
+    /// The library the ranks were told to load (when one node's choice stands for all).
+    pub nccl_lib: Option<String>,
+    pub min_busbw: Option<f64>,
+    pub wall_s: f64,
+    /// Libraries found besides the one used.
+    pub other_libs: Vec<String>,
+}
+
+/// Gathers every rank's report (`get`: a key -> its value) into the table, diagnosis and
+/// verdict. `ranks`: each rank with its host; `crashed`: a rank that died, and how.
+pub fn summarize(
+    settings: &Settings,
+    ranks: &[(usize, String)],
+    world_size: usize,
+    crashed: Option<(usize, String)>,
+    extras: Extras,
+    get: &mut dyn FnMut(&[u8]) -> Option<Vec<u8>>,
+) -> Summary {
+    let (reports, silent) = preflight::reports_from(settings, ranks, get);
+    preflight::Outcome {
+        world_size,
+        mode: settings.mode,
+        reports,
+        silent,
+        crashed,
+        nccl_lib: extras.nccl_lib,
+        min_busbw: extras.min_busbw,
+        wall_s: extras.wall_s,
+        other_libs: extras.other_libs,
+    }
+    .summarize()
+}
+
+/// The libnccl the job would load here, and (as a task that runs beside the preflight) a line
+/// for every other one found, with its version.
+async fn resolve_nccl(
+    plan: &Plan,
+    pf: &PreflightPlan,
+) -> (Option<PathBuf>, tokio::task::JoinHandle<Vec<String>>) {
+    // Even with --nccl-lib, torch's copy is looked up so that a mismatch can be reported.
+    let python_paths = plan
+        .python
+        .as_deref()
+        .map(preflight::nccl::python_package_dirs)
+        .unwrap_or_default();
+    let ld = std::env::var("LD_LIBRARY_PATH").ok();
+    // The system's copies (ldconfig) only matter for the choice when nothing better exists;
+    // otherwise they are listed by the background task below.
+    let mut cands =
+        preflight::nccl::candidates(pf.nccl_lib.as_deref(), &python_paths, ld.as_deref(), false);
+    let listed_system = cands.is_empty();
+    if listed_system {
+        cands = preflight::nccl::candidates(None, &[], None, true);
+    }
+    let chosen = cands.first().map(|c| c.path.clone());
+    if let Some(c) = cands.first() {
+        tracing::debug!(
+            "preflight uses {} NCCL at {}",
+            c.source.describe(),
+            c.path.display()
+        );
+    }
+    let explicit = pf.nccl_lib.clone();
+    // Each other library's version is read by a separate nrun process: two libraries with the
+    // same soname should not share one process.
+    let others = tokio::spawn(async move {
+        if !listed_system {
+            cands = preflight::nccl::candidates(
+                explicit.as_deref(),
+                &python_paths,
+                ld.as_deref(),
+                true,
+            );
+        }
+        let exe = std::env::current_exe().ok();
+        let mut lines = Vec::new();
+        for c in cands.iter().skip(1) {
+            let version = match &exe {
+                Some(exe) => tokio::process::Command::new(exe)
+                    .arg("__nccl-version")
+                    .arg(&c.path)
+                    .output()
+                    .await
+                    .ok()
+                    .filter(|o| o.status.success())
+                    .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
+                None => None,
+            };
+            lines.push(format!(
+                "NCCL {} at {} ({}; not used)",
+                version.as_deref().unwrap_or("?"),
+                c.path.display(),
+                c.source.describe()
+            ));
+        }
+        lines
+    });
+    (chosen, others)
+}

@@ -1,0 +1,154 @@
+//! The job: start the session, join and check the nodes, the preflight, then attempts of the
+//! worker group on every node until one succeeds or --max-restarts runs out.
+
+use super::preflight;
+use crate::error::{Result, exit};
+use crate::plan::{NodesPlan, Plan};
+use crate::report::{self, JobEnd, JobShape};
+use crate::session::spec::{Group, Launch};
+use crate::session::{Policy, Session};
+
+/// Runs the job to its end and returns nrun's exit code.
+pub async fn run(
+    plan: &Plan,
+    nodes: &NodesPlan,
+    listener: Option<std::net::TcpListener>,
+) -> Result<u8> {
+    let mut s = Session::start(plan, nodes, listener).await?;
+    let code = drive(&mut s, plan).await;
+    s.end().await;
+    code
+}
+
+async fn drive(s: &mut Session, plan: &Plan) -> Result<u8> {
+    if let Err(code) = ready(s).await {
+        return Ok(code);
+    }
+    let mut code = exit::SUCCESS;
+    if let Some(pf) = &plan.preflight {
+        code = preflight::run(s, plan, pf).await?;
+        if code != exit::SUCCESS && pf.warn_only && !plan.preflight_only {
+            tracing::warn!(
+                "the preflight failed (exit code {code}); starting the job anyway (--preflight ...,warn)"
+            );
+            code = exit::SUCCESS;
+        }
+    }
+    if code != exit::SUCCESS || plan.preflight_only {
+        return Ok(code);
+    }
+    attempts(s, plan).await
+}
+
+/// Join and check: every node joined, the nodes agree and reach each other. Err: the exit code.
+pub async fn ready(s: &mut Session) -> Result<(), u8> {
+    let failures = s.join(false, None).await?;
+    if !failures.is_empty() {
+        eprintln!(
+            "nrun: error: {} of {} nodes could not join:",
+            failures.len(),
+            s.len()
+        );
+        for (_, f) in &failures {
+            eprintln!("  {f}");
+        }
+        eprintln!(
+            "  hint: check each with `ssh {} <host> true` (BatchMode: keys, no prompts), and that nrun {} is on its PATH or pass --ship",
+            s.plan.ssh_opts.join(" "),
+            env!("CARGO_PKG_VERSION")
+        );
+        return Err(exit::CLUSTER);
+    }
+    if s.plan.in_process {
+        // Nothing to compare on one node; what the checks would say about variables still holds.
+        if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
+            tracing::warn!("{w}");
+        }
+        return Ok(());
+    }
+    let findings = s.assign_interfaces();
+    s.readiness(findings)?;
+    s.probe_ring().await
+}
+
+async fn attempts(s: &mut Session, plan: &Plan) -> Result<u8> {
+    if plan.set_omp_threads {
+        tracing::info!(
+            "OMP_NUM_THREADS was unset; set to 1 for each of the {} workers (as torchrun does); set \
+             it yourself to tune",
+            plan.nproc
+        );
+    }
+    if plan.log.dir_is_temp {
+        if let Some(d) = &plan.log.dir {
+            tracing::info!("worker logs go to {}", d.display());
+        }
+    }
+    let program = plan.program.to_string_lossy().into_owned();
+    let args: Vec<String> = plan
+        .args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let command = std::iter::once(program.clone())
+        .chain(args.iter().cloned())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let hosts: Vec<String> = s.nodes.iter().map(|n| n.label.clone()).collect();
+    let shape = JobShape {
+        hosts: &hosts,
+        world: s.plan.world,
+        command: &command,
+    };
+    let mut code = exit::SUCCESS;
+    for attempt in 0..=plan.max_restarts {
+        if attempt > 0 {
+            if let Some(st) = s.store() {
+                st.clear_user_keys();
+            }
+        }
+        let launch = Launch {
+            port: s.rendezvous.port,
+            attempt,
+            program: &program,
+            args: &args,
+            logs: true,
+            scratch: "job",
+            extra: &|_| Vec::new(),
+            grace_ms: plan.shutdown_timeout.as_millis() as u64,
+            deadline_ms: None,
+        };
+        let steps = s.steps(plan, &Group::all(s), &launch);
+        let results = match s.run_step(steps, Policy::Together).await {
+            Ok(r) => r,
+            Err(code) => return Ok(code),
+        };
+        match report::job_end(&shape, &results) {
+            JobEnd::Success => return Ok(exit::SUCCESS),
+            JobEnd::Interrupted(c) => {
+                tracing::warn!(
+                    "stopped by {}; every worker was stopped",
+                    crate::node::signal_name(i32::from(c) - 128)
+                );
+                return Ok(c);
+            }
+            JobEnd::Failed {
+                code: c,
+                headline,
+                summary,
+            } => {
+                code = c;
+                if attempt < plan.max_restarts {
+                    tracing::warn!(
+                        "{headline}; restarting the worker group ({} of {} restarts)",
+                        attempt + 1,
+                        plan.max_restarts
+                    );
+                    continue;
+                }
+                eprint!("{summary}");
+            }
+        }
+    }
+    Ok(code)
+}

@@ -1,0 +1,204 @@
+//! Which nodes a run uses and how: `-H`, `--hostfile`, or inside a Slurm allocation of several
+//! nodes SLURM_JOB_NODELIST; `--include/--exclude`, `--nnodes`; the rank layout; how each node's
+//! agent starts; what every worker everywhere gets. Without a host list the run is a single node
+//! (this host, or this node of a torchrun-style static launch) whose agent runs in-process.
+
+use std::time::Duration;
+
+use crate::cli::NodesArgs;
+use crate::error::{Error, Result};
+use crate::hosts::{self, Host};
+use crate::remote::{self, Launcher};
+
+use super::Plan;
+
+/// One node's place in the job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeLayout {
+    /// The node's GROUP_RANK.
+    pub group_rank: usize,
+    /// (global rank, local rank, slot index) of each of its workers.
+    pub ranks: Vec<(usize, usize, usize)>,
+    /// CUDA_VISIBLE_DEVICES for the node's workers when `--include host:SLOTS` picked GPUs.
+    pub devices: Option<String>,
+}
+
+/// Everything about the nodes, decided before anything starts.
+#[derive(Clone, Debug)]
+pub struct NodesPlan {
+    pub hosts: Vec<Host>,
+    pub layout: Vec<NodeLayout>,
+    /// Ranks and nodes in the whole job (a static launch runs one node of several).
+    pub world: usize,
+    pub group_world: usize,
+    /// The single node of a run without a host list: its agent runs inside nrun.
+    pub in_process: bool,
+    pub launcher: Launcher,
+    pub ssh_opts: Vec<String>,
+    pub ssh_concurrency: usize,
+    pub ship: bool,
+    /// Variables every worker on every node gets (forwarded, .nrun_env, -x).
+    pub env: Vec<(String, String)>,
+    pub ifname: Option<String>,
+    pub join_timeout: Duration,
+    pub allow_mismatch: bool,
+    pub python_probe: bool,
+    pub remote_nrun: String,
+    /// The hostfile's text, so bisect can write the good hosts back in the input's format.
+    pub hostfile: Option<(String, String)>,
+}
+
+impl NodesPlan {
+    /// The nodes of a run with `plan`'s workers.
+    pub fn resolve(
+        args: &NodesArgs,
+        plan: &Plan,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<NodesPlan> {
+        let NodesArgs {
+            hosts,
+            hostfile,
+            include,
+            exclude,
+            launcher,
+            ssh_opts,
+            ssh_concurrency,
+            ship,
+            remote_nrun,
+            export,
+            ifname,
+            join_timeout,
+            allow_mismatch,
+            no_python_probe,
+        } = args;
+        let mut from_slurm = false;
+        let mut source_text = None;
+        let mut list = match (hosts, hostfile) {
+            (Some(_), Some(_)) => {
+                return Err(Error::usage(
+                    "-H/--hosts and --hostfile exclude each other; give one of them",
+                ));
+            }
+            (Some(h), None) => Some(hosts::parse_hosts_flag(h)?),
+            (None, Some(f)) => {
+                let origin = f.display().to_string();
+                let text = std::fs::read_to_string(f)
+                    .map_err(|e| Error::usage(format!("--hostfile {origin}: {e}")))?;
+                let list = hosts::parse_hostfile(&text, &origin)?;
+                source_text = Some((origin, text));
+                Some(list)
+            }
+            (None, None) => None,
+        };
+        // Static torchrun-style launches name their nodes by rank, not by a host list.
+        let static_launch = plan.nnodes > 1 && list.is_none();
+        if list.is_none() && launcher != "ssh" && !static_launch {
+            if let Some(nl) = env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
+                let names = hosts::expand_slurm_hostlist(&nl)?;
+                if names.len() > 1 {
+                    from_slurm = true;
+                    list = Some(names.into_iter().map(Host::new).collect());
+                }
+            }
+        }
+        let launcher = match launcher.as_str() {
+            "auto" if from_slurm => Launcher::Srun,
+            "auto" | "ssh" => Launcher::Ssh,
+            "srun" => Launcher::Srun,
+            other => {
+                return Err(Error::usage(format!(
+                    "--launcher {other:?}: expected auto, ssh or srun"
+                )));
+            }
+        };
+        let vars = super::env::job_env(export, env)?;
+        let join_timeout = super::positive_secs("--join-timeout", *join_timeout, false)?;
+        let ssh_opts =
+            remote::split_opts(ssh_opts.as_deref().unwrap_or("")).map_err(Error::usage)?;
+        let remote_nrun = match remote_nrun {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()
+                .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?
+                .display()
+                .to_string(),
+        };
+        let mut nodes = NodesPlan {
+            hosts: Vec::new(),
+            layout: Vec::new(),
+            world: 0,
+            group_world: 0,
+            in_process: list.is_none(),
+            launcher,
+            ssh_opts,
+            ssh_concurrency: (*ssh_concurrency).max(1),
+            ship: *ship,
+            env: vars,
+            ifname: ifname.clone(),
+            join_timeout,
+            allow_mismatch: *allow_mismatch,
+            // A --no-python job has no torch to report.
+            python_probe: !no_python_probe && !plan.no_python && plan.python.is_some(),
+            remote_nrun,
+            hostfile: source_text,
+        };
+        let Some(mut list) = list else {
+            if include.is_some() || exclude.is_some() {
+                return Err(Error::usage(
+                    "--include/--exclude need a host list (-H, --hostfile or a Slurm allocation)",
+                ));
+            }
+            // This node alone, or this node's share of a static launch.
+            let r0 = plan.node_rank * plan.nproc;
+            nodes.hosts = vec![Host::new(crate::net::hostname())];
+            nodes.layout = vec![NodeLayout {
+                group_rank: plan.node_rank,
+                ranks: (0..plan.nproc).map(|l| (r0 + l, l, l)).collect(),
+                devices: None,
+            }];
+            nodes.world = plan.world_size();
+            nodes.group_world = plan.nnodes;
+            return Ok(nodes);
+        };
+        list = hosts::apply_include_exclude(list, include.as_deref(), exclude.as_deref())?;
+        if plan.nnodes != 1 {
+            list = hosts::take_nnodes(list, plan.nnodes)?;
+        }
+        if plan.node_rank != 0 {
+            return Err(Error::usage(
+                "--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself",
+            ));
+        }
+        let layout = hosts::rank_layout(&list, plan.nproc)?;
+        let pinned = nodes.env.iter().any(|(k, _)| k == "CUDA_VISIBLE_DEVICES");
+        nodes.layout = Vec::with_capacity(list.len());
+        for (i, (h, ranks)) in list.iter().zip(layout).enumerate() {
+            // DeepSpeed's meaning of `--include host:0,2`: those GPUs, as local ranks 0..k.
+            let devices = match &h.only_slots {
+                Some(_) if pinned => {
+                    return Err(Error::usage(format!(
+                        "--include/--exclude pick GPUs on {} but CUDA_VISIBLE_DEVICES is also \
+                         exported (-x or .nrun_env); give only one of them",
+                        h.name
+                    )));
+                }
+                Some(_) => Some(
+                    ranks
+                        .iter()
+                        .map(|r| r.2.to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                ),
+                None => None,
+            };
+            nodes.layout.push(NodeLayout {
+                group_rank: i,
+                ranks,
+                devices,
+            });
+        }
+        nodes.world = nodes.layout.iter().map(|l| l.ranks.len()).sum();
+        nodes.group_world = list.len();
+        nodes.hosts = list;
+        Ok(nodes)
+    }
+}

@@ -1,0 +1,517 @@
+//! A session: the store, one agent per node, and the numbered steps they run, from join to end.
+//! The job, its preflight, `doctor` and `bisect` all drive their nodes through one [`Session`],
+//! on one node or many.
+//!
+//! - this file: start (store, agents), join, [`Session::run_step`] (the one place that waits for
+//!   nodes, stops them on a failure or a signal, and notices lost ones), end.
+//! - [`agents`]: starting and ending agent processes (a local child, ssh, srun; `--ship`).
+//! - [`check`]: interfaces, NAT, user variables, facts across nodes, node-to-node reachability.
+//! - [`spec`]: the one builder of workers' specs (environment, prefixes, log and error files).
+//!
+//! A single node (no host list) is a cluster of one whose agent runs inside nrun: its steps are
+//! executed by [`crate::agent::exec`] in this process, on the main thread (which the workers'
+//! PR_SET_PDEATHSIG relies on), with the same stop requests a remote agent gets through the
+//! store. Remote agents get their steps through the store and answer there; the session waits
+//! on the store's change notification, not on a timer.
+
+pub mod agents;
+pub mod check;
+pub mod spec;
+
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{oneshot, watch};
+
+use crate::agent::exec;
+use crate::agent::protocol::{Joined, Keys, RunResult, Step, StepResult, stop_value};
+use crate::error::{Error, Result, exit};
+use crate::facts::Facts;
+use crate::node::{Signals, StopRequest};
+use crate::plan::{NodesPlan, Plan, StorePlan};
+use crate::store::{self, Store};
+
+pub use agents::AgentProcess;
+
+/// How a node's agent runs.
+pub enum Agent {
+    /// Inside nrun: the single node of a run without a host list.
+    InProcess,
+    /// A child process: `nrun __agent` here, over ssh, or under srun.
+    Process(Box<AgentProcess>),
+}
+
+/// A node of the session.
+pub struct Node {
+    /// How the user named it (for a single node, this host's name).
+    pub label: String,
+    pub agent: Agent,
+    /// Set once the node has joined.
+    pub joined: Option<JoinedNode>,
+}
+
+/// What the session knows of a node that joined.
+pub struct JoinedNode {
+    /// What the node reported (None for an in-process node asked for no facts).
+    pub facts: Option<Facts>,
+    /// The agent's record (remote nodes).
+    pub record: Option<Joined>,
+    /// The interface its workers use (NCCL_SOCKET_IFNAME), if nrun chooses one.
+    pub ifname: Option<String>,
+    /// The address its workers reach the store on (MASTER_ADDR).
+    pub master_addr: String,
+    /// The address other nodes reach it on.
+    pub addr: Option<IpAddr>,
+}
+
+impl Node {
+    pub fn is_local(&self) -> bool {
+        match &self.agent {
+            Agent::InProcess => true,
+            Agent::Process(p) => p.local,
+        }
+    }
+}
+
+/// Where workers find the store, and the secret of nrun's keys in it (when this nrun hosts it;
+/// a torchrun-style node of rank > 0 cannot know node 0's).
+#[derive(Clone, Debug)]
+pub struct Rendezvous {
+    pub addr: String,
+    pub port: u16,
+    pub secret: Option<String>,
+}
+
+/// How [`Session::run_step`] waits.
+#[derive(Clone, Copy, Debug)]
+pub enum Policy {
+    /// One job over all nodes: the first failure anywhere stops every node; a signal is
+    /// forwarded to every worker, a second one kills.
+    Together,
+    /// Independent groups (bisect): each runs to its end or until `deadline`.
+    Apart { deadline: Duration },
+    /// Quick checks: an agent silent for 30 s has lost its connection.
+    Probe,
+}
+
+/// The result of a step for each node (None: the node had no step, or did not answer).
+pub type Results = Vec<Option<StepResult>>;
+
+/// The store this nrun hosts.
+struct Hosted {
+    store: Arc<Store>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+pub struct Session {
+    pub nodes: Vec<Node>,
+    pub plan: NodesPlan,
+    pub rendezvous: Rendezvous,
+    /// Distinguishes this run's keys (and temp files) from any other's.
+    pub run: String,
+    keys: Keys,
+    hosted: Option<Hosted>,
+    signals: Signals,
+    step: usize,
+    /// nrun's scratch directory for this run (error files of workers without a log dir).
+    pub temp_root: PathBuf,
+}
+
+impl Session {
+    /// Serves the store on `listener` (bound earlier, so a taken port was a usage error with
+    /// nothing to clean up) and starts every node's agent.
+    pub async fn start(
+        plan: &Plan,
+        nodes: &NodesPlan,
+        listener: Option<std::net::TcpListener>,
+    ) -> Result<Session> {
+        let signals = Signals::install()?;
+        crate::node::process::become_subreaper();
+        // A static launch's other nodes run their own nrun, which cannot learn a secret.
+        let static_launch = nodes.in_process && nodes.group_world > 1;
+        let secret = (!static_launch).then(random_secret);
+        let (rendezvous, hosted) = match (&plan.store, listener) {
+            (StorePlan::Host { advertise, .. }, Some(l)) => {
+                let port = l
+                    .local_addr()
+                    .map_err(|e| Error::internal(format!("store listener: {e}")))?
+                    .port();
+                let store = match &secret {
+                    Some(s) => Store::with_secret(s.clone().into_bytes()),
+                    None => Store::new(),
+                };
+                let stop = serve(l, store.clone())?;
+                let addr = if advertise.is_empty() {
+                    "127.0.0.1".to_string()
+                } else {
+                    advertise.clone()
+                };
+                (
+                    Rendezvous { addr, port, secret },
+                    Some(Hosted {
+                        store,
+                        stop: Some(stop),
+                    }),
+                )
+            }
+            (StorePlan::Remote { addr, port }, _) => (
+                Rendezvous {
+                    addr: addr.clone(),
+                    port: *port,
+                    secret: None,
+                },
+                None,
+            ),
+            (StorePlan::Host { .. }, None) => return Err(Error::internal("store was not bound")),
+        };
+        tracing::debug!("store at {}:{}", rendezvous.addr, rendezvous.port);
+        let run = format!("{}-{}", plan.run_id, std::process::id());
+        let mut session = Session {
+            nodes: Vec::new(),
+            plan: nodes.clone(),
+            rendezvous,
+            keys: Keys::new(&run),
+            run,
+            hosted,
+            signals,
+            step: 0,
+            temp_root: std::env::temp_dir().join(format!("nrun-{}", std::process::id())),
+        };
+        session.nodes = if nodes.in_process {
+            vec![Node {
+                label: nodes.hosts[0].name.clone(),
+                agent: Agent::InProcess,
+                joined: None,
+            }]
+        } else {
+            agents::start_all(&session, plan).await?
+        };
+        Ok(session)
+    }
+
+    /// The store this nrun hosts (none on a static launch's node of rank > 0).
+    pub fn store(&self) -> Option<&Arc<Store>> {
+        self.hosted.as_ref().map(|h| &h.store)
+    }
+
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// How many nodes the session has.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Nodes that joined, in order.
+    pub fn joined(&self) -> impl Iterator<Item = (usize, &Node, &JoinedNode)> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| n.joined.as_ref().map(|j| (i, n, j)))
+    }
+
+    /// Waits until every agent joined, exited, or --join-timeout passed. Returns the nodes
+    /// that did not join, each with what ssh or the agent said. `Err`: interrupted (the exit
+    /// code). `facts`: gather an in-process node's facts too (doctor).
+    pub async fn join(
+        &mut self,
+        facts: bool,
+        python: Option<PathBuf>,
+    ) -> Result<Vec<(usize, String)>, u8> {
+        let static_launch = self.plan.group_world > 1;
+        for n in &mut self.nodes {
+            if !matches!(n.agent, Agent::InProcess) {
+                continue;
+            }
+            let facts = match facts {
+                true => {
+                    let py = python.clone();
+                    tokio::task::spawn_blocking(move || crate::facts::gather(py.as_deref()))
+                        .await
+                        .ok()
+                }
+                false => None,
+            };
+            // A static launch's node finds its interface by the route to node 0's store.
+            let ifname = static_launch
+                .then(|| {
+                    (self.rendezvous.addr.as_str(), self.rendezvous.port)
+                        .to_socket_addrs()
+                        .ok()
+                        .and_then(|mut a| a.next())
+                        .and_then(crate::net::route_interface)
+                })
+                .flatten();
+            n.joined = Some(JoinedNode {
+                facts,
+                record: None,
+                ifname,
+                master_addr: self.rendezvous.addr.clone(),
+                addr: None,
+            });
+        }
+        if self.nodes.iter().all(|n| n.joined.is_some()) {
+            return Ok(Vec::new());
+        }
+        agents::join(self).await
+    }
+
+    /// Sends each node its step (`None`: the node sits this step out) and waits for the results
+    /// as `policy` says. `Err`: interrupted, with the exit code.
+    pub async fn run_step(
+        &mut self,
+        steps: Vec<Option<Step>>,
+        policy: Policy,
+    ) -> Result<Results, u8> {
+        let step = self.step;
+        self.step += 1;
+        let mut local = None;
+        let mut waiting = Vec::new();
+        for (i, s) in steps.into_iter().enumerate() {
+            let Some(s) = s else { continue };
+            waiting.push(i);
+            match self.nodes[i].agent {
+                Agent::InProcess => local = Some((i, s)),
+                Agent::Process(_) => self.set_step(i, step, &s),
+            }
+        }
+        let (stop_tx, stop_rx) = watch::channel(StopRequest::None);
+        let (done_tx, done_rx) = oneshot::channel();
+        // The in-process node runs in this very future (see the module doc), beside the wait.
+        let local_node = local.as_ref().map(|(i, _)| *i);
+        let here = async move {
+            let Some((i, step)) = local else { return };
+            let r = match step {
+                Step::Run {
+                    workers,
+                    grace_ms,
+                    deadline_ms,
+                } => StepResult::Run(
+                    exec::run_workers(workers, grace_ms, deadline_ms, stop_rx).await,
+                ),
+                Step::Probe { target, timeout_ms } => StepResult::Probe {
+                    error: exec::probe_peer(&target, timeout_ms).await.err(),
+                },
+                Step::End => return,
+            };
+            let _ = done_tx.send((i, r));
+        };
+        let wait = self.wait(step, &waiting, local_node, done_rx, stop_tx, policy);
+        let ((), results) = tokio::join!(here, wait);
+        results
+    }
+
+    fn set_step(&self, node: usize, step: usize, s: &Step) {
+        if let Some(h) = &self.hosted {
+            let v = serde_json::to_vec(s).unwrap_or_default();
+            h.store.set(&self.keys.step(node, step), &v);
+        }
+    }
+
+    /// Waits for the results of `step` from the nodes in `waiting`.
+    async fn wait(
+        &mut self,
+        step: usize,
+        waiting: &[usize],
+        local: Option<usize>,
+        mut done: oneshot::Receiver<(usize, StepResult)>,
+        stop_local: watch::Sender<StopRequest>,
+        policy: Policy,
+    ) -> Result<Results, u8> {
+        let mut results: Results = vec![None; self.nodes.len()];
+        let started = Instant::now();
+        let mut changed = self.store().map(|s| s.subscribe());
+        let mut local_pending = local.is_some();
+        let mut stopped = false;
+        let mut signalled = 0;
+        loop {
+            if local_pending {
+                if let Ok((i, r)) = done.try_recv() {
+                    results[i] = Some(r);
+                    local_pending = false;
+                }
+            }
+            for &i in waiting {
+                if results[i].is_some() || Some(i) == local {
+                    continue;
+                }
+                results[i] = self.remote_result(i, step, stopped);
+            }
+            if waiting.iter().all(|&i| results[i].is_some()) {
+                return Ok(results);
+            }
+            match policy {
+                Policy::Probe if started.elapsed() > Duration::from_secs(30) => {
+                    for &i in waiting {
+                        results[i].get_or_insert_with(|| StepResult::Probe {
+                            error: Some(format!("node {i}'s agent did not answer within 30 s")),
+                        });
+                    }
+                    return Ok(results);
+                }
+                Policy::Apart { deadline } if started.elapsed() > deadline => return Ok(results),
+                _ => {}
+            }
+            let failed = results
+                .iter()
+                .any(|r| matches!(r, Some(StepResult::Run(r)) if r.is_failure()));
+            if matches!(policy, Policy::Together) && failed && !stopped {
+                self.stop_step(step, None, &stop_local);
+                stopped = true;
+            }
+            let tick = tokio::time::sleep(Duration::from_millis(50));
+            tokio::select! {
+                // An agent's record arrived.
+                _ = async { match changed.as_mut() { Some(c) => { let _ = c.changed().await; } None => std::future::pending().await } } => {}
+                r = &mut done, if local_pending => {
+                    local_pending = false;
+                    if let Ok((i, r)) = r {
+                        results[i] = Some(r);
+                    }
+                }
+                // Agents' processes are checked on this tick (a dropped ssh, a dead host).
+                _ = tick => {}
+                sig = self.signals.recv() => {
+                    signalled += 1;
+                    stopped = true;
+                    if signalled >= 2 {
+                        let _ = stop_local.send(StopRequest::Kill(sig));
+                    } else {
+                        self.stop_step(step, Some(sig), &stop_local);
+                    }
+                    // A job waits for its workers to stop; a second signal stops waiting, and
+                    // other kinds of steps stop waiting at once.
+                    if signalled >= 2 || !matches!(policy, Policy::Together) {
+                        tracing::warn!("interrupted; stopping every node");
+                        return Err(exit::signal(sig));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Asks every node to stop `step`: forwarding the user's signal, or politely.
+    fn stop_step(&self, step: usize, signal: Option<i32>, local: &watch::Sender<StopRequest>) {
+        if let Some(h) = &self.hosted {
+            h.store.set(&self.keys.stop(step), &stop_value(signal));
+        }
+        let _ = local.send(signal.map_or(StopRequest::Polite, StopRequest::Signal));
+    }
+
+    /// Node `i`'s result of `step`, if it has one or is lost.
+    fn remote_result(&mut self, i: usize, step: usize, stopped: bool) -> Option<StepResult> {
+        let raw = self.store().and_then(|s| s.get(&self.keys.result(i, step)));
+        let Some(raw) = raw else {
+            // The node's agent is gone (ssh dropped, host died): it will not report.
+            return self
+                .lost(i, false)
+                .map(|why| StepResult::Run(RunResult::Lost(why)));
+        };
+        let r: StepResult = serde_json::from_slice(&raw).ok()?;
+        // Stopped without being asked: that agent lost its connection to us.
+        if !stopped && matches!(r, StepResult::Run(RunResult::Stopped)) {
+            let why = self.lost(i, true).unwrap_or_else(|| {
+                format!("node {i}'s agent lost its connection to the launch host")
+            });
+            return Some(StepResult::Run(RunResult::Lost(why)));
+        }
+        Some(r)
+    }
+
+    /// Whether node `i`'s agent is lost, and how: its process ended, or (`stopped`: it stopped
+    /// its workers unasked) its connection to the launch host broke while ssh may still close.
+    fn lost(&mut self, i: usize, stopped: bool) -> Option<String> {
+        let n = self.nodes.get_mut(i)?;
+        let Agent::Process(p) = &mut n.agent else {
+            return None;
+        };
+        match p.exited() {
+            None => stopped.then(|| {
+                format!(
+                    "lost the connection to {}: its agent stopped its workers when the link to the launch host broke",
+                    n.label
+                )
+            }),
+            Some(st) => Some(format!(
+                "lost the connection to {} ({st}){}",
+                n.label,
+                p.last_words().map_or(String::new(), |s| format!(": {s}"))
+            )),
+        }
+    }
+
+    /// Ends the session: agents leave their step loop, their connections close, the store stops.
+    pub async fn end(mut self) {
+        let step = self.step;
+        for i in 0..self.nodes.len() {
+            if matches!(self.nodes[i].agent, Agent::Process(_)) {
+                self.set_step(i, step, &Step::End);
+            }
+        }
+        agents::end_all(&mut self.nodes).await;
+        if let Some(stop) = self.hosted.as_mut().and_then(|h| h.stop.take()) {
+            let _ = stop.send(());
+        }
+        let _ = std::fs::remove_dir_all(&self.temp_root);
+    }
+}
+
+/// Serves `store` on `listener` until the returned sender fires (or is dropped).
+pub fn serve(listener: std::net::TcpListener, store: Arc<Store>) -> Result<oneshot::Sender<()>> {
+    let l = tokio::net::TcpListener::from_std(listener)
+        .map_err(|e| Error::internal(format!("store listener: {e}")))?;
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        store::server::serve(l, store, async {
+            let _ = rx.await;
+        })
+        .await
+    });
+    Ok(tx)
+}
+
+/// Binds the store's port when this node hosts it. Done before anything else starts so a port
+/// that is taken is a usage error with nothing to clean up.
+pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
+    let StorePlan::Host { port, .. } = plan.store else {
+        return Ok(None);
+    };
+    match store::server::bind(port) {
+        Ok(l) => Ok(Some(l)),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(Error::usage(format!(
+            "--master-port {port} is already in use on this host (another job or store?); pick \
+             another port, or omit --master-port and nrun binds a free one"
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(Error::usage(format!(
+            "--master-port {port}: permission denied binding it (ports below 1024 need root); pick \
+             a port above 1024 or omit --master-port"
+        ))),
+        Err(e) => Err(Error::internal(format!(
+            "cannot bind the store on port {port}: {e}"
+        ))),
+    }
+}
+
+/// 128 random bits, hex: the secret of nrun's keys for one run.
+pub fn random_secret() -> String {
+    let mut b = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = std::io::Read::read_exact(&mut f, &mut b);
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The coordinator's addresses for agents to try, "ip:port".
+pub fn coordinator_addrs(port: u16) -> Vec<String> {
+    crate::net::reachable_addrs(&crate::net::interfaces())
+        .into_iter()
+        .map(|ip| SocketAddr::new(ip, port).to_string())
+        .collect()
+}

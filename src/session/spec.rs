@@ -1,0 +1,201 @@
+//! The one builder of workers' specs, for the job, its preflight and bisect's groups, on one
+//! node or many: torchrun's environment at each worker's place, the run's variables, the
+//! node's interface and GPUs, output prefixes, console filters, log and error files.
+
+use std::path::PathBuf;
+
+use super::Session;
+use crate::agent::protocol::{Step, WorkerSpec};
+use crate::plan::{Place, Plan, WorkerSlot};
+
+/// One node of a group that runs together, with its ranks in that group.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub node: usize,
+    pub group_rank: usize,
+    /// (rank in the group, local rank) of each of its workers.
+    pub ranks: Vec<(usize, usize)>,
+}
+
+/// Nodes that rendezvous together: the whole job, or one of bisect's groups.
+#[derive(Clone, Debug)]
+pub struct Group {
+    pub members: Vec<Member>,
+    pub world: usize,
+    /// GROUP_WORLD_SIZE (a static launch's node counts the nodes it does not see).
+    pub group_world: usize,
+}
+
+impl Group {
+    /// Every node of the session, ranks as laid out.
+    pub fn all(s: &Session) -> Group {
+        Group {
+            members: s
+                .plan
+                .layout
+                .iter()
+                .enumerate()
+                .map(|(i, l)| Member {
+                    node: i,
+                    group_rank: l.group_rank,
+                    ranks: l.ranks.iter().map(|&(r, local, _)| (r, local)).collect(),
+                })
+                .collect(),
+            world: s.plan.world,
+            group_world: s.plan.group_world,
+        }
+    }
+
+    /// `nodes` as a group of their own, ranks numbered from 0 in node order.
+    pub fn of(s: &Session, nodes: &[usize]) -> Group {
+        let mut next = 0;
+        let members: Vec<Member> = nodes
+            .iter()
+            .enumerate()
+            .map(|(g, &i)| {
+                let ranks = s.plan.layout[i]
+                    .ranks
+                    .iter()
+                    .map(|&(_, local, _)| {
+                        next += 1;
+                        (next - 1, local)
+                    })
+                    .collect();
+                Member {
+                    node: i,
+                    group_rank: g,
+                    ranks,
+                }
+            })
+            .collect();
+        Group {
+            world: next,
+            group_world: members.len(),
+            members,
+        }
+    }
+
+    /// Each member's host, per rank of the group (for naming ranks in reports).
+    pub fn rank_hosts(&self, s: &Session) -> Vec<(usize, String)> {
+        self.members
+            .iter()
+            .flat_map(|m| m.ranks.iter().map(move |&(r, _)| (r, m.node)))
+            .map(|(r, i)| (r, s.nodes[i].label.clone()))
+            .collect()
+    }
+}
+
+/// What every worker of one group run shares.
+pub struct Launch<'a> {
+    /// The port of the store the group rendezvous on (MASTER_PORT).
+    pub port: u16,
+    pub attempt: u32,
+    pub program: &'a str,
+    pub args: &'a [String],
+    /// Whether the job's --log-dir, --redirects and --local-ranks-filter apply (the
+    /// preflight's and bisect's ranks show everything and write no files).
+    pub logs: bool,
+    /// Keeps this group's error files apart in nrun's scratch directory.
+    pub scratch: &'a str,
+    /// Variables for one node's workers on top of the rest (the preflight's settings).
+    pub extra: &'a dyn Fn(usize) -> Vec<(String, String)>,
+    pub grace_ms: u64,
+    pub deadline_ms: Option<u64>,
+}
+
+impl Session {
+    /// A Run step for every member of `group` (None for the session's other nodes).
+    pub fn steps(&self, plan: &Plan, group: &Group, l: &Launch<'_>) -> Vec<Option<Step>> {
+        let mut steps: Vec<Option<Step>> = vec![None; self.nodes.len()];
+        for m in &group.members {
+            steps[m.node] = Some(Step::Run {
+                workers: self.specs(plan, group, m, l),
+                grace_ms: l.grace_ms,
+                deadline_ms: l.deadline_ms,
+            });
+        }
+        steps
+    }
+
+    /// One node's workers.
+    fn specs(&self, plan: &Plan, group: &Group, m: &Member, l: &Launch<'_>) -> Vec<WorkerSpec> {
+        let n = &self.nodes[m.node];
+        let joined = n.joined.as_ref();
+        let master_addr = joined.map_or(self.rendezvous.addr.as_str(), |j| &j.master_addr);
+        let several = self.nodes.len() > 1;
+        let width = group.world.saturating_sub(1).to_string().len();
+        // The run's variables first: torchrun's and nrun's own win over them.
+        let mut node_env = Vec::new();
+        if let Some(ifname) = joined.and_then(|j| j.ifname.as_deref()) {
+            node_env.extend(crate::plan::env::interface_env(&self.plan.env, ifname));
+        }
+        if let Some(d) = &self.plan.layout[m.node].devices {
+            node_env.push(("CUDA_VISIBLE_DEVICES".into(), d.clone()));
+        }
+        node_env.extend((l.extra)(m.node));
+        let mut specs = Vec::with_capacity(m.ranks.len());
+        for &(rank, local_rank) in &m.ranks {
+            // <dir>/<run-id>/attempt_<n>[/<host>]/<local rank>: the host level keeps nodes
+            // apart on a shared filesystem.
+            let log_dir = plan.log.dir.as_ref().filter(|_| l.logs).map(|d| {
+                let attempt = d.join(&plan.run_id).join(format!("attempt_{}", l.attempt));
+                match several {
+                    true => attempt.join(&n.label),
+                    false => attempt,
+                }
+                .join(local_rank.to_string())
+            });
+            let error_file: PathBuf = log_dir
+                .clone()
+                .unwrap_or_else(|| {
+                    plan.worker_dir(&self.temp_root.join(l.scratch), l.attempt, local_rank)
+                })
+                .join("error.json");
+            let place = Place {
+                rank,
+                group_rank: m.group_rank,
+                local_world_size: m.ranks.len(),
+                world_size: group.world,
+                group_world_size: group.group_world,
+            };
+            let slot = WorkerSlot {
+                local_rank,
+                restart_count: l.attempt,
+                master_addr,
+                master_port: l.port,
+                error_file: &error_file,
+            };
+            let mut env = self.plan.env.clone();
+            env.extend(plan.worker_env_at(&place, &slot));
+            env.extend(node_env.iter().cloned());
+            let shown = !l.logs
+                || plan
+                    .log
+                    .console_ranks
+                    .as_ref()
+                    .is_none_or(|s| s.contains(&local_rank));
+            let red = match l.logs {
+                true => plan.log.redirects.for_rank(local_rank),
+                false => Default::default(),
+            };
+            let prefix = match (several, group.world > 1) {
+                (true, _) => format!("[{}:rank{rank:>width$}]: ", n.label),
+                (false, true) => format!("[rank{rank:>width$}]: "),
+                (false, false) => String::new(),
+            };
+            specs.push(WorkerSpec {
+                rank,
+                local_rank,
+                program: l.program.to_string(),
+                args: l.args.to_vec(),
+                env,
+                error_file,
+                prefix,
+                colour: rank,
+                console: [shown && !red.stdout(), shown && !red.stderr()],
+                log_dir,
+            });
+        }
+        specs
+    }
+}
