@@ -64,8 +64,8 @@ fn usage(message: String) -> Error {
     Error::usage(message)
 }
 
-/// Parses `-H/--hosts`: "h1,h2" or "h1:8,h2:8" (slots), surrounding whitespace ignored, empty items rejected.
-/// Also accepts IPv6 in brackets "[fe80::1]:4". A duplicate host is an error naming it.
+/// Parses `-H/--hosts`: "h1,h2" or "h1:8,h2:8" (slots), surrounding whitespace ignored, empty items
+/// rejected. Also accepts IPv6 in brackets "[fe80::1]:4". A duplicate host is an error naming it.
 pub fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
     if s.trim().is_empty() {
         return Err(usage(
@@ -100,10 +100,11 @@ pub fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
     Ok(hosts)
 }
 
-/// Parses a hostfile's text. `origin` names the file in messages. Accepted per line:
-/// Open MPI / DeepSpeed form `host slots=N` (also `max_slots=M`, ignored but accepted; other key=value -> error naming it),
-/// MPICH form `host:N`, bare `host`. `#` starts a comment (whole line or trailing), blank lines skipped.
-/// A duplicate host is an error naming both line numbers ("line 3 and line 7").
+/// Parses a hostfile's text. `origin` names the file in messages. Accepted per line: Open MPI /
+/// DeepSpeed form `host slots=N` (also `max_slots=M`, ignored but accepted; other key=value ->
+/// error naming it), MPICH form `host:N`, bare `host`. `#` starts a comment (whole line or
+/// trailing), blank lines skipped. A duplicate host is an error naming both line numbers ("line 3
+/// and line 7").
 pub fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
     Ok(hostfile_lines(text, origin)?
         .into_iter()
@@ -331,11 +332,12 @@ fn parse_count(s: &str, ctx: &str, what: &str) -> Result<usize> {
     }
 }
 
-/// Expands a Slurm hostlist expression (SLURM_JOB_NODELIST): "node[01-04,07]" -> node01..node04,node07
-/// (zero padding kept, width from the range's first number), several groups separated by commas
-/// outside brackets ("gpu[1-2],cpu3"), several bracket groups in one name ("r[1-2]n[1-2]" -> r1n1,r1n2,r2n1,r2n2),
-/// plain names. Reject malformed input (unbalanced brackets, reversed ranges, non-numeric ranges) with a clear error.
-/// Cap the expansion at 100_000 names (error beyond) so a typo cannot exhaust memory.
+/// Expands a Slurm hostlist expression (SLURM_JOB_NODELIST): "node[01-04,07]" ->
+/// node01..node04,node07 (zero padding kept, width from the range's first number), several groups
+/// separated by commas outside brackets ("gpu[1-2],cpu3"), several bracket groups in one name
+/// ("r[1-2]n[1-2]" -> r1n1,r1n2,r2n1,r2n2), plain names. Reject malformed input (unbalanced
+/// brackets, reversed ranges, non-numeric ranges) with a clear error. Cap the expansion at 100_000
+/// names (error beyond) so a typo cannot exhaust memory.
 pub fn expand_slurm_hostlist(s: &str) -> Result<Vec<String>> {
     let s = s.trim();
     if s.is_empty() {
@@ -592,12 +594,13 @@ fn parse_slurm_num(digits: &str, item: &str, whole: &str) -> Result<u64> {
     })
 }
 
-/// DeepSpeed's include/exclude syntax: "worker-0@worker-1:0,2" means all of worker-0, and slots 0 and 2 of worker-1
-/// (hosts separated by '@', slots after ':' comma separated). `include` keeps only those (setting only_slots where slots
-/// are given), `exclude` removes whole hosts (no slots) or the given slots of a host (setting only_slots to the remaining
-/// slots, which requires the host's slot count to be known -> error otherwise). Both given -> usage error "--include and
-/// --exclude exclude each other". A named host that is not in the list -> error naming it and listing the known hosts
-/// (suggest the closest name if one differs by a small edit distance).
+/// DeepSpeed's include/exclude syntax: "worker-0@worker-1:0,2" means all of worker-0, and slots 0
+/// and 2 of worker-1 (hosts separated by '@', slots after ':' comma separated). `include` keeps
+/// only those (setting only_slots where slots are given), `exclude` removes whole hosts (no slots)
+/// or the given slots of a host (setting only_slots to the remaining slots, which requires the
+/// host's slot count to be known -> error otherwise). Both given -> usage error "--include and
+/// --exclude exclude each other". A named host that is not in the list -> error naming it and
+/// listing the known hosts (suggest the closest name if one differs by a small edit distance).
 pub fn apply_include_exclude(
     hosts: Vec<Host>,
     include: Option<&str>,
@@ -862,7 +865,8 @@ fn join_limited(items: impl ExactSizeIterator<Item = String>) -> String {
     out
 }
 
-/// `--nnodes N` takes the first N hosts; error if fewer are known ("--nnodes 4 but the host list has 3 hosts: a, b, c").
+/// `--nnodes N` takes the first N hosts; error if fewer are known ("--nnodes 4 but the host list
+/// has 3 hosts: a, b, c").
 pub fn take_nnodes(mut hosts: Vec<Host>, nnodes: usize) -> Result<Vec<Host>> {
     if nnodes == 0 {
         return Err(usage(
@@ -886,11 +890,12 @@ pub fn take_nnodes(mut hosts: Vec<Host>, nnodes: usize) -> Result<Vec<Host>> {
     Ok(hosts)
 }
 
-/// Ranks are contiguous per node in host order. Given the hosts and the requested workers per node (nproc),
-/// returns per node the list of (global rank, local rank, slot index). A node's slot count limits its workers:
-/// if nproc > slots -> error naming the host ("host b has 4 slots but --nproc-per-node 8 asks for 8 workers").
-/// With only_slots set, the node runs exactly those slots (its worker count is their number; local ranks 0..k
-/// in slot order; the slot index is kept so the caller can pin GPUs).
+/// Ranks are contiguous per node in host order. Given the hosts and the requested workers per node
+/// (nproc), returns per node the list of (global rank, local rank, slot index). A node's slot count
+/// limits its workers: if nproc > slots -> error naming the host ("host b has 4 slots but
+/// --nproc-per-node 8 asks for 8 workers"). With only_slots set, the node runs exactly those slots
+/// (its worker count is their number; local ranks 0..k in slot order; the slot index is kept so the
+/// caller can pin GPUs).
 pub fn rank_layout(hosts: &[Host], nproc: usize) -> Result<Vec<Vec<(usize, usize, usize)>>> {
     if hosts.is_empty() {
         return Err(usage(

@@ -153,33 +153,6 @@ pub fn write_json(flag: &str, path: &Path, json: &serde_json::Value) -> Result<(
         .map_err(|e| Error::usage(format!("cannot write {flag} {}: {e}", path.display())))
 }
 
-/// The traceback a worker decorated with torch's `@record` wrote to TORCHELASTIC_ERROR_FILE:
-/// `{"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}`, or a plain string
-/// message from C++ code.
-pub fn read_error_file(path: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let m = v.get("message")?;
-    if let Some(s) = m.as_str() {
-        return Some(s.to_string());
-    }
-    let msg = m
-        .get("message")
-        .and_then(|x| x.as_str())
-        .unwrap_or_default();
-    let stack = m
-        .get("extraInfo")
-        .and_then(|e| e.get("py_callstack"))
-        .and_then(|x| x.as_str())
-        .unwrap_or_default();
-    let out = if stack.is_empty() {
-        msg.to_string()
-    } else {
-        stack.trim_end().to_string()
-    };
-    (!out.is_empty()).then_some(out)
-}
-
 /// Log lines look like `nrun: warning: ...`, so they read as nrun's own next to worker output.
 pub struct LogFormat;
 
@@ -204,31 +177,5 @@ where
         write!(w, "nrun: {level}")?;
         ctx.field_format().format_fields(w.by_ref(), event)?;
         writeln!(w)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn error_file_formats() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("error.json");
-        std::fs::write(
-            &p,
-            r#"{"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "Traceback (most recent call last):\n  x\nValueError: boom\n", "timestamp": "1"}}}"#,
-        )
-        .unwrap();
-        let tb = read_error_file(&p).unwrap();
-        assert!(
-            tb.starts_with("Traceback") && tb.ends_with("ValueError: boom"),
-            "{tb}"
-        );
-        std::fs::write(&p, r#"{"message": "c++ error"}"#).unwrap();
-        assert_eq!(read_error_file(&p).unwrap(), "c++ error");
-        std::fs::write(&p, "not json").unwrap();
-        assert!(read_error_file(&p).is_none());
-        assert!(read_error_file(&dir.path().join("missing")).is_none());
     }
 }

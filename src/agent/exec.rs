@@ -77,7 +77,7 @@ pub async fn run_workers(
             exit_code: f.exit.exit_code(),
             how: f.exit.describe(),
             at: humantime::format_rfc3339_seconds(f.at).to_string(),
-            traceback: crate::report::read_error_file(&f.error_file),
+            traceback: node::read_error_file(&f.error_file),
             stderr_tail: f.stderr_tail,
             error_file: f.error_file,
         }),

@@ -1,20 +1,20 @@
 //! Running one attempt of a node's worker group: spawn, supervise, stop, clean up.
 //!
 //! [`run_group`] is the dispatcher: it alone holds the group's state and `select!`s over worker
-//! exits, stop requests from outside (a signal to nrun, another node's failure, a lost
-//! coordinator) and the SIGKILL deadline. The first worker to fail (or a stop request) stops the
-//! group: every process group gets SIGTERM (or the signal nrun received), and SIGKILL after the
-//! grace period; a second signal kills at once. Signals themselves are caught by whoever drives
-//! the node (the session, or an agent) and arrive here as [`StopRequest`]s. When every worker has exited,
-//! leftovers are swept (process groups, then re-parented orphans) before the outcome is
-//! returned, so nothing outlives the attempt.
+//! exits, stop requests from outside (a signal to nrun, another node's failure, a lost coordinator)
+//! and the SIGKILL deadline. The first worker to fail (or a stop request) stops the group: every
+//! process group gets SIGTERM (or the signal nrun received), and SIGKILL after the grace period; a
+//! second signal kills at once. Signals themselves are caught by whoever drives the node (the
+//! session, or an agent) and arrive here as [`StopRequest`]s. When every worker has exited,
+//! leftovers are swept (process groups, then re-parented orphans) before the outcome is returned,
+//! so nothing outlives the attempt.
 
 pub mod output;
 pub mod process;
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -389,5 +389,58 @@ pub async fn run_group(
         _ if timed_out => Ok(Outcome::TimedOut),
         _ if stopped => Ok(Outcome::Stopped),
         _ => Ok(Outcome::Success),
+    }
+}
+
+/// The traceback a worker decorated with torch's `@record` wrote to TORCHELASTIC_ERROR_FILE:
+/// `{"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}`, or a plain string
+/// message from C++ code.
+pub fn read_error_file(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let m = v.get("message")?;
+    if let Some(s) = m.as_str() {
+        return Some(s.to_string());
+    }
+    let msg = m
+        .get("message")
+        .and_then(|x| x.as_str())
+        .unwrap_or_default();
+    let stack = m
+        .get("extraInfo")
+        .and_then(|e| e.get("py_callstack"))
+        .and_then(|x| x.as_str())
+        .unwrap_or_default();
+    let out = if stack.is_empty() {
+        msg.to_string()
+    } else {
+        stack.trim_end().to_string()
+    };
+    (!out.is_empty()).then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_file_formats() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("error.json");
+        std::fs::write(
+            &p,
+            r#"{"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "Traceback (most recent call last):\n  x\nValueError: boom\n", "timestamp": "1"}}}"#,
+        )
+        .unwrap();
+        let tb = read_error_file(&p).unwrap();
+        assert!(
+            tb.starts_with("Traceback") && tb.ends_with("ValueError: boom"),
+            "{tb}"
+        );
+        std::fs::write(&p, r#"{"message": "c++ error"}"#).unwrap();
+        assert_eq!(read_error_file(&p).unwrap(), "c++ error");
+        std::fs::write(&p, "not json").unwrap();
+        assert!(read_error_file(&p).is_none());
+        assert!(read_error_file(&dir.path().join("missing")).is_none());
     }
 }

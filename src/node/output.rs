@@ -53,7 +53,7 @@ pub enum Msg {
 pub type Tail = Arc<Mutex<VecDeque<String>>>;
 
 pub struct Output {
-    tx: Option<mpsc::Sender<Msg>>,
+    tx: mpsc::Sender<Msg>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -102,21 +102,19 @@ impl Output {
                 let _ = std::io::stdout().flush();
             })
             .ok();
-        Output {
-            tx: Some(tx),
-            thread,
-        }
+        Output { tx, thread }
     }
 
     pub fn sender(&self) -> mpsc::Sender<Msg> {
-        self.tx.clone().expect("output sender used after finish")
+        self.tx.clone()
     }
 
     /// Waits until every line sent so far is written. Pumps hold their own senders: finish
     /// them first.
-    pub fn finish(mut self) {
-        self.tx.take();
-        if let Some(t) = self.thread.take() {
+    pub fn finish(self) {
+        let Output { tx, thread } = self;
+        drop(tx);
+        if let Some(t) = thread {
             let _ = t.join();
         }
     }
