@@ -343,3 +343,96 @@ fn doctor_on_this_host() {
     );
     assert!(stdout.contains("NCCL libraries"), "{stdout}");
 }
+
+/// `-x` and `.nrun_env` reach the workers of a single-node run too, as they do on several.
+#[test]
+fn exports_and_nrun_env_apply_on_one_node() {
+    let s = Scene::new();
+    std::fs::write(
+        s.dir.path().join(".nrun_env"),
+        "FROM_FILE=file-value\nBOTH=from-file\n",
+    )
+    .unwrap();
+    let out = s
+        .cmd(&[
+            "--nproc",
+            "2",
+            "-x",
+            "FROM_X=x-value",
+            "-x",
+            "BOTH=from-x",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo file=$FROM_FILE x=$FROM_X both=$BOTH rank=$RANK",
+        ])
+        .current_dir(s.dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let lines = lines_of(&out);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for l in &lines {
+        // -x wins over .nrun_env; torchrun's variables are still nrun's own.
+        assert!(
+            l.contains("file=file-value x=x-value both=from-x rank="),
+            "{l}"
+        );
+    }
+    usage_error(
+        &["-x", "NRUN_SURELY_UNSET_VAR", "--no-python", "true"],
+        &[],
+        "-x NRUN_SURELY_UNSET_VAR: NRUN_SURELY_UNSET_VAR is not set here",
+    );
+}
+
+/// `doctor` and `bisect` are commands with their own help and flags; a command's name after a
+/// run's flags is refused with the way to run a script of that name.
+#[test]
+fn subcommands_have_their_own_help_and_flags() {
+    let s = Scene::new();
+    let out = s.run(&["--help"], &[]);
+    let help = text(&out.stdout);
+    assert!(help.contains("doctor") && help.contains("bisect"), "{help}");
+    assert!(help.contains("./doctor"), "{help}");
+    let out = s.run(&["doctor", "--help"], &[]);
+    assert_eq!(out.status.code(), Some(0));
+    let help = text(&out.stdout);
+    assert!(
+        help.contains("--hostfile") && help.contains("Exit status"),
+        "{help}"
+    );
+    assert!(
+        !help.contains("--max-restarts") && !help.contains("--probe"),
+        "{help}"
+    );
+    let out = s.run(&["bisect", "--help"], &[]);
+    let help = text(&out.stdout);
+    assert!(
+        help.contains("--probe") && help.contains("--write-hostfile") && help.contains("--iters"),
+        "{help}"
+    );
+    assert!(!help.contains("--max-restarts"), "{help}");
+    // A bisect-only flag is not a run's, a run-only flag not doctor's.
+    usage_error(
+        &["--probe", "net", "--no-python", "true"],
+        &[],
+        "unexpected argument '--probe'",
+    );
+    usage_error(
+        &["doctor", "--max-restarts", "2"],
+        &[],
+        "unexpected argument '--max-restarts'",
+    );
+    usage_error(
+        &["-H", "a,b", "doctor"],
+        &[],
+        "`doctor` is a command: give its flags after it",
+    );
+    usage_error(
+        &["bisect", "--probe", "cmd", "-H", "a,b"],
+        &[],
+        "--probe cmd runs your command: give it after `--`",
+    );
+    usage_error(&["bisect"], &[], "nrun bisect needs nodes");
+}

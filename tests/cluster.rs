@@ -515,6 +515,64 @@ fn the_launch_hosts_own_node_runs_without_ssh() {
     c.assert_nothing_left(2);
 }
 
+/// DeepSpeed's `--include host:SLOTS` runs those slots as local ranks 0..k and pins the GPUs.
+#[test]
+fn include_slots_pin_those_gpus() {
+    let Some(c) = Cluster::up("ci7", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let hosts = "ci7-h1:4,ci7-h2:4";
+    let opts = c.ssh_opts();
+    let out = s.run(
+        &[
+            "-H",
+            hosts,
+            "--include",
+            "ci7-h1@ci7-h2:1,3",
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "-x",
+            "NRUN_TEST_TAG",
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo rank=$RANK local=$LOCAL_RANK cvd=${CUDA_VISIBLE_DEVICES:-unset} host=$(hostname)",
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    let line = |r: usize| {
+        stdout
+            .lines()
+            .find(|l| l.contains(&format!("rank={r} ")))
+            .unwrap_or_else(|| panic!("rank {r} missing: {stdout}"))
+            .to_string()
+    };
+    assert!(line(0).contains("cvd=unset host=ci7-h1"), "{}", line(0));
+    assert!(
+        line(2).contains("local=0 cvd=1,3 host=ci7-h2"),
+        "{}",
+        line(2)
+    );
+    assert!(
+        line(3).contains("local=1 cvd=1,3 host=ci7-h2"),
+        "{}",
+        line(3)
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
 #[test]
 fn doctor_reports_the_nodes_and_runs_nothing() {
     let Some(c) = Cluster::up("cq4", 2) else {
