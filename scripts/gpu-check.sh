@@ -43,6 +43,13 @@ check rank-killed 90 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --pre
 wait
 check min-busbw-too-high 94 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --min-busbw 100000
 check preflight-net 0 "$NRUN" --preflight-only --preflight net --nproc "$NP"
+# The same preflight with the node's agent as a process (a host list naming this host), and
+# --include HOST:SLOT pinning that GPU (CUDA_VISIBLE_DEVICES) for the preflight and the job.
+if [ "$NGPU" -ge 2 ]; then
+  check local-agent-preflight 0 "$NRUN" -H localhost --preflight-only --nproc "$NP" --python "$PY"
+  check include-slot-preflight 0 "$NRUN" -H "localhost:$NGPU" --include localhost:1 --preflight-only --python "$PY" --report "$OUTDIR/include-slot.json"
+  check include-slot-job 0 "$NRUN" -H "localhost:$NGPU" --include localhost:1 --no-preflight --no-python sh -c 'test "$CUDA_VISIBLE_DEVICES" = 1 && echo "rank $RANK sees GPU $CUDA_VISIBLE_DEVICES"'
+fi
 check train-with-preflight 0 "$NRUN" --nproc "$NP" --python "$PY" examples/train.py --steps 20
 leftover=$(pgrep -f '__preflight|examples/train.py' | wc -l)
 echo "left running: $leftover"
