@@ -5,6 +5,8 @@
 #     round trip, a burst of N processes connecting at once, a rendezvous of N clients
 # Raw results go to bench-results/<time>.jsonl; a markdown summary is printed at the end.
 #   RUNS=10 scripts/bench.sh        (RUNS: repetitions of the fast cases; medians reported)
+#   NRUN_BASE=/path/to/older/nrun scripts/bench.sh   also measures that nrun beside this one
+#                                   (launch and cluster sections), so a regression shows in one run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-10}
@@ -39,6 +41,9 @@ only() { [ -z "${BENCH_ONLY:-}" ] || [ "$BENCH_ONLY" = "$1" ]; }
 if only local; then
 echo "== launch overhead: 8 copies of true" >&2
 measure launch/nrun "$RUNS" -- $NRUN --nproc 8 --no-python true
+if [ -n "${NRUN_BASE:-}" ]; then
+  measure launch/nrun-base "$RUNS" -- "$NRUN_BASE" --nproc 8 --no-python true
+fi
 measure launch/mpirun "$RUNS" -- mpirun --allow-run-as-root --oversubscribe -np 8 true
 measure launch/torchrun "$SLOW_RUNS" -- "$venv/bin/torchrun" --nproc-per-node 8 --no-python true
 
@@ -98,6 +103,10 @@ for K in ${CLUSTER_SIZES:-2 4 8}; do
   hosts=$(paste -sd, "$(dirname "$cfg")/hosts")
   net=$(grep NRUN_CLUSTER_SUBNET "$(dirname "$cfg")/cluster.env" | cut -d= -f2)
   measure "cluster$K/nrun" "$SLOW_RUNS" --timeout 60 -- $NRUN -H "$hosts" --ssh-opts "-F $cfg" --nproc 2 --no-python true
+  if [ -n "${NRUN_BASE:-}" ]; then
+    measure "cluster$K/nrun-base" "$SLOW_RUNS" --timeout 60 -- "$NRUN_BASE" -H "$hosts" --ssh-opts "-F $cfg" --nproc 2 \
+      --remote-nrun "$NRUN_BASE" --no-python true
+  fi
   mpi_hosts=$(sed 's/$/:2/' "$(dirname "$cfg")/hosts" | paste -sd,)
   measure "cluster$K/mpirun" "$SLOW_RUNS" --timeout 60 -- mpirun --allow-run-as-root --oversubscribe -H "$mpi_hosts" -np $((K * 2)) \
     --mca plm_rsh_agent ssh --mca plm_rsh_args "-F $cfg" --mca oob_tcp_if_include "$net" --mca btl_tcp_if_include "$net" true

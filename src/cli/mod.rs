@@ -130,10 +130,11 @@ pub struct DoctorArgs {
 pub struct BisectArgs {
     #[command(flatten)]
     pub workers: WorkerArgs,
-    #[command(flatten)]
-    pub probe: ProbeArgs,
+    /// With --probe cmd, how COMMAND runs.
     #[command(flatten)]
     pub target: TargetArgs,
+    #[command(flatten)]
+    pub probe: ProbeArgs,
     #[command(flatten)]
     pub sweep: SweepArgs,
     #[command(flatten)]
@@ -463,7 +464,7 @@ pub struct NodesArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Bisect")]
 pub struct ProbeArgs {
-    /// what each group runs: nccl (the NCCL preflight), net (TCP ring, no GPU), or cmd
+    /// What each group runs: nccl (the NCCL preflight), net (TCP ring, no GPU), or cmd
     /// (the command after `--`, which must exit 0 within --timeout).
     #[arg(
         long,
@@ -473,11 +474,11 @@ pub struct ProbeArgs {
     )]
     pub probe: String,
 
-    /// a group whose busbw is under this fraction of its stage's median is slow.
+    /// A group whose busbw is under this fraction of its stage's median is slow.
     #[arg(long = "slow-factor", env = "NRUN_SLOW_FACTOR", default_value_t = 0.8)]
     pub slow_factor: f64,
 
-    /// seconds each group's run may take.
+    /// Seconds each group's run may take.
     #[arg(
         long,
         env = "NRUN_TIMEOUT",

@@ -276,11 +276,13 @@ impl Session {
         let mut waiting = Vec::new();
         for (i, s) in steps.into_iter().enumerate() {
             let Some(s) = s else { continue };
-            waiting.push(i);
             match self.nodes[i].agent {
+                // An in-process node has no loop to leave; it answers nothing to End.
+                Agent::InProcess if matches!(s, Step::End) => continue,
                 Agent::InProcess => local = Some((i, s)),
                 Agent::Process(_) => self.set_step(i, step, &s),
             }
+            waiting.push(i);
         }
         let (stop_tx, stop_rx) = watch::channel(StopRequest::None);
         let (done_tx, done_rx) = oneshot::channel();
