@@ -40,15 +40,15 @@ pub fn ssh_command(host: &str, user_opts: &[String], remote_nrun: &str) -> Vec<O
     v
 }
 
-/// `srun` starting one agent per node of the allocation, stdin broadcast to every task so each
-/// agent reads the same instructions (it finds its node index in SLURM_NODEID).
-pub fn srun_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
+/// `srun` starting the agent of one node of the allocation (one srun per node, as one ssh per
+/// node: each agent reads its own instructions on stdin and is ended on its own).
+pub fn srun_command(node: &str, remote_nrun: &str) -> Vec<OsString> {
     vec![
         "srun".into(),
-        format!("--nodes={}", nodes.len()).into(),
-        format!("--ntasks={}", nodes.len()).into(),
-        "--ntasks-per-node=1".into(),
-        format!("--nodelist={}", nodes.join(",")).into(),
+        "--nodes=1".into(),
+        "--ntasks=1".into(),
+        format!("--nodelist={node}").into(),
+        // The instructions (and the end of the launcher) arrive on stdin.
         "--input=all".into(),
         "--kill-on-bad-exit=1".into(),
         "--unbuffered".into(),
@@ -133,16 +133,15 @@ mod tests {
             ["-F", "/tmp/cfg", "gpu1", "exec ~/bin/nrun __agent"]
         );
         assert!(!s.iter().any(|a| a == "-t" || a == "-tt"));
-        let c = srun_command(&["n01".into(), "n02".into()], "/opt/nrun");
+        let c = srun_command("n02", "/opt/nrun");
         let s: Vec<String> = c.iter().map(|x| x.to_string_lossy().into_owned()).collect();
         assert_eq!(
             s,
             [
                 "srun",
-                "--nodes=2",
-                "--ntasks=2",
-                "--ntasks-per-node=1",
-                "--nodelist=n01,n02",
+                "--nodes=1",
+                "--ntasks=1",
+                "--nodelist=n02",
                 "--input=all",
                 "--kill-on-bad-exit=1",
                 "--unbuffered",

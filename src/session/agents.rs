@@ -107,7 +107,7 @@ async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> R
         };
         match np.launcher {
             Launcher::Ssh => remote::ssh_command(label, &np.ssh_opts, &remote_nrun),
-            Launcher::Srun => remote::srun_command(&[label.to_string()], &remote_nrun),
+            Launcher::Srun => remote::srun_command(label, &remote_nrun),
         }
     };
     let mut cmd = tokio::process::Command::new(&argv[0]);
