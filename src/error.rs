@@ -32,6 +32,8 @@ pub mod exit {
     pub const CLUSTER: u8 = 95;
     /// `nrun bisect` found nodes or links that are not good.
     pub const BISECT_FOUND: u8 = 96;
+    /// The watch found a hang and stopped the job (`--on-hang stop`).
+    pub const HANG: u8 = 97;
 
     /// Exit code for death by signal `sig`.
     pub fn signal(sig: i32) -> u8 {

@@ -10,13 +10,15 @@
 //! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session.
 //! - [`session`]: store + agents + join + checks + steps + end, for one node or many; the one
 //!   worker-spec builder.
-//! - [`agent`]: the per-node side: the protocol (messages and keys), executing a step, and the
-//!   `nrun __agent` process.
+//! - [`agent`]: the per-node side: the protocol (messages and keys), executing a step, sampling
+//!   the workers' Python stacks, and the `nrun __agent` process.
 //! - [`remote`]: ssh and srun command lines (pure).
 //! - [`node`]: one node's worker group: spawning, process groups, stop requests, output, logs.
 //! - [`store`]: the TCPStore protocol: a pure codec, the tokio server, a client.
 //! - [`preflight`]: NCCL by path, CUDA through cudarc, the per-rank worker, the verdict.
 //! - [`net`]: interfaces, this host's name, routes. [`facts`]: what a node reports, compared.
+//! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank
+//!   is missing from the collective the others wait in), stragglers, a failure's likely cause.
 //! - [`report`]: how a job ended, the failure summary, JSON reports, log format.
 //! - [`error`]: errors for people and the exit codes.
 
@@ -34,6 +36,7 @@ pub mod remote;
 pub mod report;
 pub mod session;
 pub mod store;
+pub mod watch;
 
 use std::process::ExitCode;
 

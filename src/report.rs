@@ -119,6 +119,14 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
         (false, false) => (format!("rank {} of {}", f.rank, shape.world), ""),
     };
     let _ = writeln!(s, "nrun: error: {who} {} (first failure{others})", f.how);
+    for (rank, before) in &f.left_early {
+        let _ = writeln!(
+            s,
+            "  likely cause: rank {rank} on {host} exited with code 0 {before:.1} s before this \
+             failure while the others still ran: a rank that leaves its loop early (one \
+             collective fewer) makes its peers fail"
+        );
+    }
     let _ = writeln!(s, "  command:    {}", shape.command);
     let _ = writeln!(s, "  host:       {host}");
     let _ = writeln!(s, "  local rank: {}", f.local_rank);

@@ -8,16 +8,18 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::protocol::{RunResult, THIS_NRUN, WorkerFailure, WorkerSpec};
+use super::protocol::{NodeWatch, RunResult, THIS_NRUN, WorkerFailure, WorkerSpec};
 use crate::node::output::{Sink, WorkerOutput};
 use crate::node::{self, Outcome, StopRequest, WorkerCmd};
 
-/// Runs one step's workers to their end; `stop` carries requests from outside the node.
+/// Runs one step's workers to their end; `stop` carries requests from outside the node. With
+/// `watch`, their stacks are sampled and the node's views sent there (see [`super::stacks`]).
 pub async fn run_workers(
     specs: Vec<WorkerSpec>,
     grace_ms: u64,
     deadline_ms: Option<u64>,
     stop: watch::Receiver<StopRequest>,
+    watch: Option<tokio::sync::mpsc::UnboundedSender<NodeWatch>>,
 ) -> RunResult {
     let mut cmds = Vec::with_capacity(specs.len());
     let this_nrun = std::env::current_exe();
@@ -64,7 +66,21 @@ pub async fn run_workers(
         });
     }
     let deadline = deadline_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
-    match node::run_group(cmds, Duration::from_millis(grace_ms), deadline, stop).await {
+    let events = match watch {
+        Some(out) if !cmds.is_empty() => {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            match super::stacks::spawn(rx, out) {
+                Ok(_) => Some(tx),
+                Err(e) => {
+                    tracing::warn!("cannot start the watch: {e}; the job runs unwatched");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    let grace = Duration::from_millis(grace_ms);
+    match node::run_group(cmds, grace, deadline, stop, events).await {
         Err(e) => RunResult::SpawnError(e.message),
         Ok(Outcome::Success) => RunResult::Success,
         Ok(Outcome::Interrupted(s)) => RunResult::Interrupted(s),
@@ -80,6 +96,7 @@ pub async fn run_workers(
             traceback: node::read_error_file(&f.error_file),
             stderr_tail: f.stderr_tail,
             error_file: f.error_file,
+            left_early: f.left_early,
         }),
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`protocol`]: the messages and the store keys they travel under.
 //! - [`exec`]: what a node does for a step (shared with the in-process agent of one node).
+//! - [`stacks`]: the watch's sampling of the workers' Python stacks.
 //!
 //! The conversation goes through the coordinator's store (see [`protocol`]):
 //! 1. the agent reads a [`Hello`] line on stdin (the per-run secret never appears on a command
@@ -15,6 +16,7 @@
 
 pub mod exec;
 pub mod protocol;
+pub mod stacks;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -158,6 +160,7 @@ async fn run() -> Result<(), String> {
                 workers,
                 grace_ms,
                 deadline_ms,
+                watch,
             } => {
                 let (tx, rx) = watch::channel(StopRequest::None);
                 let stop_key = keys.stop(step_no);
@@ -189,10 +192,29 @@ async fn run() -> Result<(), String> {
                     // Keep the sender: dropping it would read as the coordinator going away.
                     std::future::pending::<()>().await;
                 };
-                let r = tokio::select! {
-                    r = exec::run_workers(workers, grace_ms, deadline_ms, rx) => r,
-                    // Never taken: the watcher waits forever once it has spoken.
-                    () = watcher => protocol::RunResult::Stopped,
+                // The watch's views go out on the main connection, idle while workers run.
+                let (views_tx, mut views) = tokio::sync::mpsc::unbounded_channel();
+                let run = exec::run_workers(
+                    workers,
+                    grace_ms,
+                    deadline_ms,
+                    rx,
+                    watch.then_some(views_tx),
+                );
+                tokio::pin!(run);
+                tokio::pin!(watcher);
+                let view_key = keys.watch(hello.node, step_no);
+                let r = loop {
+                    tokio::select! {
+                        r = &mut run => break r,
+                        // Never ends: the watcher waits forever once it has spoken.
+                        () = &mut watcher => {}
+                        Some(v) = views.recv() => {
+                            if let Ok(json) = serde_json::to_vec(&v) {
+                                let _ = store.set(&view_key, &json).await;
+                            }
+                        }
+                    }
                 };
                 StepResult::Run(r)
             }

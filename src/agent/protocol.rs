@@ -51,6 +51,9 @@ pub enum Step {
         workers: Vec<WorkerSpec>,
         grace_ms: u64,
         deadline_ms: Option<u64>,
+        /// Sample the workers' Python stacks and publish a [`NodeWatch`] (see `watch`).
+        #[serde(default)]
+        watch: bool,
     },
     End,
 }
@@ -62,6 +65,7 @@ impl Step {
             workers: Vec::new(),
             grace_ms: 0,
             deadline_ms: None,
+            watch: false,
         }
     }
 }
@@ -134,6 +138,46 @@ pub struct WorkerFailure {
     pub traceback: Option<String>,
     /// Where the traceback came from (TORCHELASTIC_ERROR_FILE on its node).
     pub error_file: PathBuf,
+    /// Ranks of its node that exited 0 shortly before it failed (rank, seconds before).
+    #[serde(default)]
+    pub left_early: Vec<(usize, f64)>,
+}
+
+/// One frame of a rank's Python stack.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Frame {
+    pub name: String,
+    pub file: String,
+    pub line: i32,
+    /// The source line, read on the rank's node.
+    #[serde(default)]
+    pub code: Option<String>,
+}
+
+/// One rank as its node's watch last saw it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RankView {
+    pub rank: usize,
+    pub pid: u32,
+    /// The main thread's stack, innermost frame first (at most a few).
+    pub frames: Vec<Frame>,
+    /// The torch.distributed call it waits in (`all_reduce`, `barrier`, ...), if any.
+    pub collective: Option<String>,
+    /// How long its stack has not changed, milliseconds.
+    pub unchanged_ms: u64,
+    /// Samples taken, and in how many it waited in a collective (straggler statistics).
+    pub samples: u32,
+    pub waiting: u32,
+    /// Set once the worker has ended ("exited with code 0").
+    pub exited: Option<String>,
+    /// Why its stack could not be read, if it could not.
+    pub error: Option<String>,
+}
+
+/// What a node's watch publishes about its ranks, about once a second.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct NodeWatch {
+    pub ranks: Vec<RankView>,
 }
 
 /// What a stop key asks of a running step: its value is empty (another node failed: SIGTERM,
@@ -180,6 +224,11 @@ impl Keys {
     /// Set (to a [`stop_value`]) to stop step `step` on every node.
     pub fn stop(&self, step: usize) -> Vec<u8> {
         self.key(format_args!("stop/{step}"))
+    }
+
+    /// Node `node`'s latest [`NodeWatch`] during step `step`.
+    pub fn watch(&self, node: usize, step: usize) -> Vec<u8> {
+        self.key(format_args!("n{node}/watch/{step}"))
     }
 
     /// A SET here stores the address the store sees node `node` connect from (NAT check).

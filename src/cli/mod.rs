@@ -34,7 +34,7 @@ Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, M
 and rendezvous through the store nrun hosts, so init_process_group(\"env://\") needs no change.
 
 Exit status: 0 all workers succeeded; 2 bad usage or input; 95 nodes could not join or disagree;
-96 bisect found bad nodes; 90-94 the preflight failed (90 could
+96 bisect found bad nodes; 97 a hang stopped the job (--on-hang stop); 90-94 the preflight failed (90 could
 not run, 91 NCCL init failed, 92 timed out, 93 wrong results, 94 under --min-busbw); otherwise the
 first failing worker's exit code (128+N when it died of signal N), or 128+N when nrun itself was
 stopped by signal N.";
@@ -102,6 +102,8 @@ pub struct RunArgs {
     pub target: TargetArgs,
     #[command(flatten)]
     pub preflight: PreflightArgs,
+    #[command(flatten)]
+    pub watch: WatchArgs,
     #[command(flatten)]
     pub nodes: NodesArgs,
 
@@ -331,7 +333,8 @@ pub struct PreflightArgs {
     #[arg(long = "min-busbw", env = "NRUN_MIN_BUSBW", value_name = "GB/s")]
     pub min_busbw: Option<f64>,
 
-    /// Write the preflight report as JSON to FILE.
+    /// Write the preflight's report, and what the watch found (hangs, stragglers), as JSON to
+    /// FILE.
     #[arg(long, env = "NRUN_REPORT", value_name = "FILE")]
     pub report: Option<PathBuf>,
 
@@ -339,6 +342,39 @@ pub struct PreflightArgs {
     /// NCCL_SHM_DISABLE=1 for the preflight only).
     #[arg(long = "preflight-loopback", env = "NRUN_PREFLIGHT_LOOPBACK", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub preflight_loopback: bool,
+}
+
+/// The watch over the running job: hangs and stragglers named.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Watch")]
+pub struct WatchArgs {
+    /// Sample every worker's Python stack (from outside, twice a second) to name hangs and
+    /// stragglers: auto (Python jobs), on, off.
+    #[arg(
+        long,
+        env = "NRUN_WATCH",
+        default_value = "auto",
+        value_name = "auto|on|off"
+    )]
+    pub watch: String,
+
+    /// Seconds without progress on any rank (no stack changed) before a hang is diagnosed.
+    #[arg(
+        long = "hang-timeout",
+        env = "NRUN_HANG_TIMEOUT",
+        default_value_t = 60.0,
+        value_name = "SECS"
+    )]
+    pub hang_timeout: f64,
+
+    /// On a hang: report (say it, keep watching) or stop (say it, stop the job, exit 97).
+    #[arg(
+        long = "on-hang",
+        env = "NRUN_ON_HANG",
+        default_value = "report",
+        value_name = "report|stop"
+    )]
+    pub on_hang: String,
 }
 
 /// The all-reduce sweep: shared by the preflight and bisect's probes.

@@ -487,6 +487,7 @@ impl Bisect<'_> {
                 extra: &extra,
                 grace_ms: 2000,
                 deadline_ms: Some(self.bp.timeout.as_millis() as u64),
+                watch: false,
             };
             let group = Group::of(s, g);
             for (i, st) in s.steps(self.plan, &group, &launch).into_iter().enumerate() {

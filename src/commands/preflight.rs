@@ -52,6 +52,7 @@ pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8>
         extra: &env,
         grace_ms: 3000,
         deadline_ms: Some(deadline.as_millis() as u64),
+        watch: false,
     };
     let steps = s.steps(plan, &group, &launch);
     since("starting ranks");

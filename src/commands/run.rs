@@ -7,6 +7,7 @@ use crate::plan::{NodesPlan, Plan};
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::spec::{Group, Launch};
 use crate::session::{Policy, Session};
+use crate::watch::WatchState;
 
 /// Runs the job to its end and returns nrun's exit code.
 pub async fn run(
@@ -100,6 +101,30 @@ async fn attempts(s: &mut Session, plan: &Plan) -> Result<u8> {
         world: s.plan.world,
         command: &command,
     };
+    s.watch = plan.watch.map(WatchState::new);
+    let code = attempt_loop(s, plan, &program, &args, &shape).await;
+    // What the watch found goes into --report beside the preflight's findings.
+    if let (Some(w), Some(path)) = (&s.watch, &plan.report) {
+        if !w.hangs.is_empty() || !w.stragglers.is_empty() {
+            let mut json = std::fs::read_to_string(path)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .filter(|v| v.is_object())
+                .unwrap_or_else(|| serde_json::json!({}));
+            json["watch"] = w.json();
+            report::write_json("--report", path, &json)?;
+        }
+    }
+    Ok(code)
+}
+
+async fn attempt_loop(
+    s: &mut Session,
+    plan: &Plan,
+    program: &str,
+    args: &[String],
+    shape: &JobShape<'_>,
+) -> u8 {
     let mut code = exit::SUCCESS;
     for attempt in 0..=plan.max_restarts {
         if attempt > 0 {
@@ -107,30 +132,38 @@ async fn attempts(s: &mut Session, plan: &Plan) -> Result<u8> {
                 st.clear_user_keys();
             }
         }
+        if let Some(w) = s.watch.as_mut() {
+            w.reset();
+        }
         let launch = Launch {
             port: s.rendezvous.port,
             attempt,
-            program: &program,
-            args: &args,
+            program,
+            args,
             logs: true,
             scratch: "job",
             extra: &|_| Vec::new(),
             grace_ms: plan.shutdown_timeout.as_millis() as u64,
             deadline_ms: None,
+            watch: s.watch.is_some(),
         };
         let steps = s.steps(plan, &Group::all(s), &launch);
         let results = match s.run_step(steps, Policy::Together).await {
             Ok(r) => r,
-            Err(code) => return Ok(code),
+            Err(code) => return code,
         };
-        match report::job_end(&shape, &results) {
-            JobEnd::Success => return Ok(exit::SUCCESS),
+        if s.watch.as_ref().is_some_and(|w| w.stopped) {
+            eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
+            return exit::HANG;
+        }
+        match report::job_end(shape, &results) {
+            JobEnd::Success => return exit::SUCCESS,
             JobEnd::Interrupted(c) => {
                 tracing::warn!(
                     "stopped by {}; every worker was stopped",
                     crate::node::signal_name(i32::from(c) - 128)
                 );
-                return Ok(c);
+                return c;
             }
             JobEnd::Failed {
                 code: c,
@@ -146,9 +179,14 @@ async fn attempts(s: &mut Session, plan: &Plan) -> Result<u8> {
                     );
                     continue;
                 }
+                // The watch's likely cause goes right under the headline.
+                let summary = match s.watch.as_ref().and_then(|w| w.cause(shape.hosts)) {
+                    Some(cause) => summary.replacen('\n', &format!("\n{cause}"), 1),
+                    None => summary,
+                };
                 eprint!("{summary}");
             }
         }
     }
-    Ok(code)
+    code
 }

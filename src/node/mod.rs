@@ -41,6 +41,13 @@ pub struct WorkerCmd {
     pub output: WorkerOutput,
 }
 
+/// What happens to a group's workers, for whoever watches them (the stack sampler).
+#[derive(Clone, Debug)]
+pub enum GroupEvent {
+    Started { rank: usize, pid: u32 },
+    Exited { rank: usize, exit: Exit },
+}
+
 /// How a process ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Exit {
@@ -91,7 +98,13 @@ pub struct Failure {
     pub at: SystemTime,
     pub stderr_tail: Vec<String>,
     pub error_file: PathBuf,
+    /// Workers that exited 0 shortly before this failure while the others still ran (rank,
+    /// seconds before): a rank that left its loop early makes its peers fail.
+    pub left_early: Vec<(usize, f64)>,
 }
+
+/// How long before a failure a clean exit counts as a cause rather than a finished rank.
+const EARLY: Duration = Duration::from_secs(30);
 
 #[derive(Debug)]
 pub enum Outcome {
@@ -181,7 +194,13 @@ pub async fn run_group(
     grace: Duration,
     deadline: Option<Instant>,
     mut stop: tokio::sync::watch::Receiver<StopRequest>,
+    events: Option<mpsc::UnboundedSender<GroupEvent>>,
 ) -> Result<Outcome> {
+    let tell = |e: GroupEvent| {
+        if let Some(tx) = &events {
+            let _ = tx.send(e);
+        }
+    };
     let mut outputs = Vec::with_capacity(workers.len());
     let mut cmds = Vec::with_capacity(workers.len());
     for w in workers {
@@ -234,6 +253,7 @@ pub async fn run_group(
             }
         };
         let pid = child.id().unwrap_or(0);
+        tell(GroupEvent::Started { rank, pid });
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
         if let Some(o) = child.stdout.take() {
             pumps.push(tokio::spawn(output::pump(
@@ -293,6 +313,7 @@ pub async fn run_group(
             ev = ev_rx.recv() => {
                 let Some((idx, exit, at)) = ev else { break };
                 running[idx].exit = Some((exit, at));
+                tell(GroupEvent::Exited { rank: running[idx].rank, exit });
                 left -= 1;
                 if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() && !timed_out && !stopped {
                     first_failure = Some(idx);
@@ -374,6 +395,16 @@ pub async fn run_group(
             .iter()
             .cloned()
             .collect();
+        let left_early = running
+            .iter()
+            .filter_map(|o| match o.exit {
+                Some((Exit::Code(0), t)) => {
+                    let before = at.duration_since(t).ok()?;
+                    (before <= EARLY).then_some((o.rank, before.as_secs_f64()))
+                }
+                _ => None,
+            })
+            .collect();
         return Ok(Outcome::Failed(Failure {
             rank: r.rank,
             local_rank: r.local_rank,
@@ -382,6 +413,7 @@ pub async fn run_group(
             at,
             stderr_tail,
             error_file: r.error_file.clone(),
+            left_early,
         }));
     }
     match interrupted {

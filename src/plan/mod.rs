@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use crate::cli::{
     BisectArgs, Cli, Command, DoctorArgs, JobArgs, PreflightArgs, ProbeArgs, RendezvousArgs,
-    RunArgs, SweepArgs, TargetArgs, WorkerArgs,
+    RunArgs, SweepArgs, TargetArgs, WatchArgs, WorkerArgs,
 };
 use crate::error::{Error, Result};
 
@@ -153,6 +153,10 @@ pub struct Plan {
     pub python: Option<PathBuf>,
     /// TARGET is a program, not Python (--no-python).
     pub no_python: bool,
+    /// The watch over the running job, when it runs.
+    pub watch: Option<crate::watch::WatchPlan>,
+    /// `--report FILE`: the preflight's and the watch's findings as JSON.
+    pub report: Option<PathBuf>,
 }
 
 /// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs).
@@ -247,6 +251,7 @@ impl Plan {
                 },
             target,
             preflight,
+            watch,
             nodes: _,
             command,
         } = run;
@@ -320,6 +325,8 @@ impl Plan {
             preflight_only: preflight.preflight_only,
             python,
             no_python: target.no_python,
+            watch: resolve_watch(watch, target.no_python)?,
+            report: preflight.report.clone(),
         })
     }
 
@@ -346,6 +353,8 @@ impl Plan {
             preflight_only: false,
             python,
             no_python: false,
+            watch: None,
+            report: None,
         }
     }
 
@@ -506,6 +515,40 @@ pub fn visible_gpus(env: &dyn Fn(&str) -> Option<String>) -> usize {
             .count()
             .min(present),
     }
+}
+
+/// The watch: on for Python jobs unless turned off.
+fn resolve_watch(args: &WatchArgs, no_python: bool) -> Result<Option<crate::watch::WatchPlan>> {
+    use crate::watch::{OnHang, WatchPlan};
+    let WatchArgs {
+        watch,
+        hang_timeout,
+        on_hang,
+    } = args;
+    let on = match watch.as_str() {
+        "auto" => !no_python,
+        "on" => true,
+        "off" => false,
+        other => {
+            return Err(Error::usage(format!(
+                "--watch {other:?}: expected auto, on or off"
+            )));
+        }
+    };
+    let on_hang = match on_hang.as_str() {
+        "report" => OnHang::Report,
+        "stop" => OnHang::Stop,
+        other => {
+            return Err(Error::usage(format!(
+                "--on-hang {other:?}: expected report or stop"
+            )));
+        }
+    };
+    let hang_timeout = positive_secs("--hang-timeout", *hang_timeout, false)?;
+    Ok(on.then_some(WatchPlan {
+        hang_timeout,
+        on_hang,
+    }))
 }
 
 fn positive_secs(flag: &str, v: f64, zero_ok: bool) -> Result<Duration> {

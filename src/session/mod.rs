@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::agent::exec;
 use crate::agent::protocol::{Joined, Keys, RunResult, Step, StepResult, stop_value};
@@ -32,6 +32,7 @@ use crate::facts::Facts;
 use crate::node::{Signals, StopRequest};
 use crate::plan::{NodesPlan, Plan, StorePlan};
 use crate::store::{self, Store};
+use crate::watch::WatchState;
 
 pub use agents::AgentProcess;
 
@@ -99,6 +100,14 @@ pub enum Policy {
 /// The result of a step for each node (None: the node had no step, or did not answer).
 pub type Results = Vec<Option<StepResult>>;
 
+/// The in-process node's side of a step: its result, its watch views, its stop requests.
+struct Local {
+    node: Option<usize>,
+    done: oneshot::Receiver<(usize, StepResult)>,
+    views: mpsc::UnboundedReceiver<crate::agent::protocol::NodeWatch>,
+    stop: watch::Sender<StopRequest>,
+}
+
 /// The store this nrun hosts.
 struct Hosted {
     store: Arc<Store>,
@@ -117,6 +126,8 @@ pub struct Session {
     step: usize,
     /// nrun's scratch directory for this run (error files of workers without a log dir).
     pub temp_root: PathBuf,
+    /// The watch over the job's steps that ask for it (set by the run command).
+    pub watch: Option<WatchState>,
 }
 
 impl Session {
@@ -178,6 +189,7 @@ impl Session {
             signals,
             step: 0,
             temp_root: std::env::temp_dir().join(format!("nrun-{}", std::process::id())),
+            watch: None,
         };
         session.nodes = if nodes.in_process {
             vec![Node {
@@ -286,6 +298,7 @@ impl Session {
         }
         let (stop_tx, stop_rx) = watch::channel(StopRequest::None);
         let (done_tx, done_rx) = oneshot::channel();
+        let (views_tx, views_rx) = mpsc::unbounded_channel();
         // The in-process node runs in this very future (see the module doc), beside the wait.
         let local_node = local.as_ref().map(|(i, _)| *i);
         let here = async move {
@@ -295,9 +308,12 @@ impl Session {
                     workers,
                     grace_ms,
                     deadline_ms,
-                } => StepResult::Run(
-                    exec::run_workers(workers, grace_ms, deadline_ms, stop_rx).await,
-                ),
+                    watch,
+                } => {
+                    let views = watch.then_some(views_tx);
+                    let r = exec::run_workers(workers, grace_ms, deadline_ms, stop_rx, views);
+                    StepResult::Run(r.await)
+                }
                 Step::Probe { target, timeout_ms } => StepResult::Probe {
                     error: exec::probe_peer(&target, timeout_ms).await.err(),
                 },
@@ -305,7 +321,13 @@ impl Session {
             };
             let _ = done_tx.send((i, r));
         };
-        let wait = self.wait(step, &waiting, local_node, done_rx, stop_tx, policy);
+        let local = Local {
+            node: local_node,
+            done: done_rx,
+            views: views_rx,
+            stop: stop_tx,
+        };
+        let wait = self.wait(step, &waiting, local, policy);
         let ((), results) = tokio::join!(here, wait);
         results
     }
@@ -322,15 +344,20 @@ impl Session {
         &mut self,
         step: usize,
         waiting: &[usize],
-        local: Option<usize>,
-        mut done: oneshot::Receiver<(usize, StepResult)>,
-        stop_local: watch::Sender<StopRequest>,
+        here: Local,
         policy: Policy,
     ) -> Result<Results, u8> {
+        let Local {
+            node: local,
+            mut done,
+            mut views,
+            stop: stop_local,
+        } = here;
         let mut results: Results = vec![None; self.nodes.len()];
         let started = Instant::now();
         let mut changed = self.store().map(|s| s.subscribe());
         let mut local_pending = local.is_some();
+        let hosts: Vec<String> = self.nodes.iter().map(|n| n.label.clone()).collect();
         let mut stopped = false;
         let mut signalled = 0;
         loop {
@@ -368,10 +395,23 @@ impl Session {
                 self.stop_step(step, None, &stop_local);
                 stopped = true;
             }
+            if self.watch.is_some() {
+                self.remote_views(step, waiting, local);
+                let hang = self.watch.as_mut().is_some_and(|w| w.check(&hosts));
+                if hang && !stopped {
+                    self.stop_step(step, None, &stop_local);
+                    stopped = true;
+                }
+            }
             let tick = tokio::time::sleep(Duration::from_millis(50));
             tokio::select! {
                 // An agent's record arrived.
                 _ = async { match changed.as_mut() { Some(c) => { let _ = c.changed().await; } None => std::future::pending().await } } => {}
+                Some(v) = views.recv() => {
+                    if let (Some(w), Some(i)) = (self.watch.as_mut(), local) {
+                        w.observe(i, v);
+                    }
+                }
                 r = &mut done, if local_pending => {
                     local_pending = false;
                     if let Ok((i, r)) = r {
@@ -395,6 +435,22 @@ impl Session {
                         return Err(exit::signal(sig));
                     }
                 }
+            }
+        }
+    }
+
+    /// The latest views the remote nodes of `step` published, into the watch.
+    fn remote_views(&mut self, step: usize, waiting: &[usize], local: Option<usize>) {
+        let (Some(store), Some(w)) = (self.hosted.as_ref().map(|h| &h.store), self.watch.as_mut())
+        else {
+            return;
+        };
+        for &i in waiting.iter().filter(|i| Some(**i) != local) {
+            if let Some(v) = store
+                .get(&self.keys.watch(i, step))
+                .and_then(|raw| serde_json::from_slice(&raw).ok())
+            {
+                w.observe(i, v);
             }
         }
     }

@@ -101,6 +101,8 @@ pub struct Launch<'a> {
     pub extra: &'a dyn Fn(usize) -> Vec<(String, String)>,
     pub grace_ms: u64,
     pub deadline_ms: Option<u64>,
+    /// Sample the workers' stacks (the job's attempts, when the watch is on).
+    pub watch: bool,
 }
 
 impl Session {
@@ -112,6 +114,7 @@ impl Session {
                 workers: self.specs(plan, group, m, l),
                 grace_ms: l.grace_ms,
                 deadline_ms: l.deadline_ms,
+                watch: l.watch,
             });
         }
         steps

@@ -1,0 +1,216 @@
+//! The watch's eyes on one node: each worker's Python stack, read from outside the process
+//! (py-spy as a library, non-blocking, so a worker is never paused), twice a second, summed up
+//! in a [`NodeWatch`] about once a second. The agent is the workers' ancestor, so reading their
+//! memory (process_vm_readv) is allowed under Yama's default `ptrace_scope=1`; where it is not
+//! (scope 2 or 3, or a seccomp profile without process_vm_readv) each rank's view carries the
+//! error instead of a stack and the coordinator says so. Conclusions are drawn by the
+//! coordinator alone (`crate::watch`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use super::protocol::{Frame, NodeWatch, RankView};
+use crate::node::GroupEvent;
+
+/// Time between two samples of a rank's stack.
+const SAMPLE: Duration = Duration::from_millis(500);
+/// Time between two published views.
+const PUBLISH: Duration = Duration::from_secs(1);
+/// Frames kept per rank, innermost first.
+const MAX_FRAMES: usize = 8;
+/// A rank whose stack changed this recently is running (not stalled).
+const ACTIVE: Duration = Duration::from_secs(2);
+/// Failed attempts to open a rank (about 5 s: Python may still be starting) before saying why.
+const OPEN_TRIES: u32 = 10;
+
+struct Watched {
+    view: RankView,
+    spy: Option<py_spy::PythonSpy>,
+    tries: u32,
+    stack: u64,
+    since: Instant,
+}
+
+const THREAD: &str = "nrun-watch";
+
+/// A panic on the watch's thread (caught, see `sample`) prints nothing; any other still does.
+fn quiet_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if std::thread::current().name() != Some(THREAD) {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// Samples the workers of one step until `events` closes (the group ended); sends views to
+/// `out`. Runs on a thread of its own: reading another process's memory blocks.
+pub fn spawn(
+    mut events: mpsc::UnboundedReceiver<GroupEvent>,
+    out: mpsc::UnboundedSender<NodeWatch>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    quiet_panics();
+    std::thread::Builder::new()
+        .name(THREAD.into())
+        .spawn(move || {
+            let mut ranks: Vec<Watched> = Vec::new();
+            let mut sources: HashMap<String, Vec<String>> = HashMap::new();
+            let mut published = Instant::now();
+            loop {
+                loop {
+                    match events.try_recv() {
+                        Ok(GroupEvent::Started { rank, pid }) => ranks.push(Watched {
+                            view: RankView {
+                                rank,
+                                pid,
+                                ..RankView::default()
+                            },
+                            spy: None,
+                            tries: 0,
+                            stack: 0,
+                            since: Instant::now(),
+                        }),
+                        Ok(GroupEvent::Exited { rank, exit }) => {
+                            if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
+                                w.view.exited = Some(exit.describe());
+                                w.spy = None;
+                            }
+                        }
+                        Err(mpsc::error::TryRecvError::Empty) => break,
+                        Err(mpsc::error::TryRecvError::Disconnected) => return,
+                    }
+                }
+                for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
+                    sample(w, &mut sources);
+                }
+                // Straggler statistics count the job's running time, not a stall: a sample
+                // counts while some rank of the node moved in the last few seconds (a slow rank
+                // may be caught at the same line every time).
+                if ranks.iter().any(|w| w.since.elapsed() < ACTIVE) {
+                    for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
+                        w.view.samples += 1;
+                        if w.view.collective.is_some() {
+                            w.view.waiting += 1;
+                        }
+                    }
+                }
+                if published.elapsed() >= PUBLISH {
+                    published = Instant::now();
+                    let snapshot = NodeWatch {
+                        ranks: ranks
+                            .iter()
+                            .map(|w| RankView {
+                                unchanged_ms: w.since.elapsed().as_millis() as u64,
+                                ..w.view.clone()
+                            })
+                            .collect(),
+                    };
+                    if out.send(snapshot).is_err() {
+                        return;
+                    }
+                }
+                std::thread::sleep(SAMPLE);
+            }
+        })
+}
+
+fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
+    if w.spy.is_none() {
+        let mut config = py_spy::Config::default();
+        config.blocking = py_spy::config::LockingStrategy::NonBlocking;
+        // The addresses of each frame's arguments tell a new call from the same call: a rank
+        // that loops through the same line is sampled there again, but with new objects.
+        config.dump_locals = 1;
+        match py_spy::PythonSpy::new(w.view.pid as py_spy::Pid, &config) {
+            Ok(s) => {
+                w.spy = Some(s);
+                w.view.error = None;
+            }
+            Err(e) => {
+                w.tries += 1;
+                if w.tries >= OPEN_TRIES {
+                    w.view.error = Some(format!("cannot read its Python stack: {e}"));
+                }
+                return;
+            }
+        }
+    }
+    let Some(spy) = w.spy.as_mut() else { return };
+    // Reading a running process's memory races with it; py-spy can trip over a half-written
+    // object. That costs one sample, never the watch (see `quiet_panics`).
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spy.get_stack_traces()));
+    let traces = match read {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            // Gone, or between two states; the exit event says which.
+            w.view.error = Some(format!("cannot read its Python stack: {e}"));
+            return;
+        }
+        Err(_) => {
+            w.spy = None;
+            return;
+        }
+    };
+    // The main thread: the one that runs the script's module code.
+    let main = traces
+        .iter()
+        .find(|t| t.frames.last().is_some_and(|f| f.name == "<module>"))
+        .or_else(|| traces.first());
+    let Some(main) = main else { return };
+    let stack = fingerprint(&main.frames);
+    if stack != w.stack {
+        w.stack = stack;
+        w.since = Instant::now();
+        w.view.frames = main
+            .frames
+            .iter()
+            .take(MAX_FRAMES)
+            .map(|f| Frame {
+                name: f.name.clone(),
+                file: f.filename.clone(),
+                line: f.line,
+                code: source_line(sources, &f.filename, f.line),
+            })
+            .collect();
+        w.view.collective = collective(&w.view.frames);
+        w.view.error = None;
+    }
+}
+
+/// The torch.distributed call a stack waits in: its innermost frame in `distributed_c10d.py`.
+pub fn collective(frames: &[Frame]) -> Option<String> {
+    frames
+        .iter()
+        .find(|f| f.file.ends_with("distributed/distributed_c10d.py"))
+        .map(|f| f.name.clone())
+}
+
+fn fingerprint(frames: &[py_spy::Frame]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for f in frames {
+        f.name.hash(&mut h);
+        f.filename.hash(&mut h);
+        f.line.hash(&mut h);
+        for l in f.locals.iter().flatten() {
+            l.addr.hash(&mut h);
+        }
+    }
+    h.finish()
+}
+
+/// Line `line` of `file` (1-based), trimmed; files are read once.
+fn source_line(cache: &mut HashMap<String, Vec<String>>, file: &str, line: i32) -> Option<String> {
+    let lines = cache.entry(file.to_string()).or_insert_with(|| {
+        std::fs::read_to_string(file)
+            .map(|t| t.lines().map(str::to_string).collect())
+            .unwrap_or_default()
+    });
+    let l = lines.get(usize::try_from(line).ok()?.checked_sub(1)?)?;
+    Some(l.trim().to_string()).filter(|l| !l.is_empty())
+}

@@ -1,0 +1,646 @@
+//! The watch's conclusions, drawn by the coordinator alone from the views every node's agent
+//! publishes ([`NodeWatch`]: each rank's Python stack, the collective it waits in, how long its
+//! stack has not changed). A **hang**: no rank's stack has changed for `--hang-timeout`; the
+//! diagnosis names the ranks that wait, the rank that has not entered the collective the others
+//! wait in (or has exited), or the ranks that disagree on the collective. All ranks busy at the
+//! same place (a checkpoint, an evaluation) is said as such and blames nobody. A **straggler**:
+//! a rank that almost never waits in collectives while the others often do (they wait for it).
+//! The same judgement names the likely cause when the job fails with a collective timeout.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::agent::protocol::{NodeWatch, RankView};
+
+/// What to do when a hang is found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnHang {
+    /// Say it once (again after progress resumes), keep watching.
+    Report,
+    /// Say it, then stop the job (exit code [`crate::error::exit::HANG`]).
+    Stop,
+}
+
+/// The watch's settings.
+#[derive(Clone, Copy, Debug)]
+pub struct WatchPlan {
+    pub hang_timeout: Duration,
+    pub on_hang: OnHang,
+}
+
+/// How a stall looks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Some ranks wait in a collective that others have not entered (or have exited).
+    Missing,
+    /// The ranks wait in different collectives.
+    Disagree,
+    /// Every rank waits in the same collective: none is missing.
+    AllWaiting,
+    /// No rank waits in a collective; all are at the same place.
+    AllBusy,
+    /// No rank waits in a collective, and they are at different places.
+    Busy,
+}
+
+/// One rank's line in a diagnosis.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankState {
+    pub rank: usize,
+    pub host: String,
+    pub pid: u32,
+    /// "waiting in all_reduce", "in Python code", "exited with code 0", "unknown".
+    pub state: String,
+    /// Innermost first, "name (file:line): code".
+    pub frames: Vec<String>,
+}
+
+/// What the watch concluded about a stall.
+#[derive(Clone, Debug, Serialize)]
+pub struct Diagnosis {
+    pub kind: Kind,
+    /// The conclusion in one sentence.
+    pub conclusion: String,
+    /// The ranks it blames (none for AllWaiting, AllBusy, Busy).
+    pub culprits: Vec<usize>,
+    /// Seconds since the last progress of any rank.
+    pub stalled_s: f64,
+    pub ranks: Vec<RankState>,
+}
+
+/// A rank with where it runs.
+pub struct Seen<'a> {
+    pub host: &'a str,
+    pub view: &'a RankView,
+}
+
+fn frame_text(f: &crate::agent::protocol::Frame) -> String {
+    match &f.code {
+        Some(c) => format!("{} ({}:{}): {c}", f.name, f.file, f.line),
+        None => format!("{} ({}:{})", f.name, f.file, f.line),
+    }
+}
+
+/// Where a rank is, in a few words: its innermost frame outside torch and the standard library,
+/// else its innermost frame.
+fn place(v: &RankView) -> String {
+    let user = v
+        .frames
+        .iter()
+        .find(|f| !f.file.contains("/site-packages/") && !f.file.contains("/lib/python3"));
+    match user.or(v.frames.first()) {
+        Some(f) => frame_text(f),
+        None => "an unknown place".into(),
+    }
+}
+
+fn ranks_text(r: &[usize]) -> String {
+    let s: Vec<String> = r.iter().map(|x| x.to_string()).collect();
+    match r.len() {
+        1 => format!("rank {}", s[0]),
+        _ => format!("ranks {}", s.join(",")),
+    }
+}
+
+/// The diagnosis of a stall, from every rank's latest view.
+pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
+    if ranks.is_empty() {
+        return None;
+    }
+    let mut by_op: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    let mut busy: Vec<&Seen<'_>> = Vec::new();
+    let mut exited: Vec<&Seen<'_>> = Vec::new();
+    for s in ranks {
+        match (&s.view.exited, &s.view.collective) {
+            (Some(_), _) => exited.push(s),
+            (None, Some(op)) => by_op.entry(op.as_str()).or_default().push(s.view.rank),
+            (None, None) => busy.push(s),
+        }
+    }
+    let stalled_ms = ranks
+        .iter()
+        .filter(|s| s.view.exited.is_none())
+        .map(|s| s.view.unchanged_ms)
+        .min()
+        .unwrap_or(0);
+    let states = ranks
+        .iter()
+        .map(|s| RankState {
+            rank: s.view.rank,
+            host: s.host.to_string(),
+            pid: s.view.pid,
+            state: match (&s.view.exited, &s.view.collective, &s.view.error) {
+                (Some(e), _, _) => e.clone(),
+                (None, Some(op), _) => format!("waiting in {op}"),
+                (None, None, Some(e)) if s.view.frames.is_empty() => format!("unknown: {e}"),
+                (None, None, _) => "in Python code".into(),
+            },
+            frames: s.view.frames.iter().map(frame_text).collect(),
+        })
+        .collect();
+    let (kind, conclusion, culprits) = if !by_op.is_empty()
+        && (!busy.is_empty() || !exited.is_empty())
+    {
+        // The collective most ranks wait in is the one the others have not reached.
+        let (op, waiting) = by_op
+            .iter()
+            .max_by_key(|(_, r)| r.len())
+            .map(|(o, r)| (*o, r.clone()))
+            .unwrap_or_default();
+        let mut parts = Vec::new();
+        let mut culprits = Vec::new();
+        for s in &busy {
+            parts.push(format!(
+                "rank {} on {} has not entered it: it is in {}",
+                s.view.rank,
+                s.host,
+                place(s.view)
+            ));
+            culprits.push(s.view.rank);
+        }
+        for s in &exited {
+            parts.push(format!(
+                "rank {} on {} {} before entering it",
+                s.view.rank,
+                s.host,
+                s.view.exited.as_deref().unwrap_or("exited")
+            ));
+            culprits.push(s.view.rank);
+        }
+        for (o, r) in by_op.iter().filter(|(o, _)| **o != op) {
+            parts.push(format!("{} wait in {o} instead", ranks_text(r)));
+            culprits.extend(r);
+        }
+        (
+            Kind::Missing,
+            format!(
+                "{} wait in {op}; {}",
+                ranks_text(&waiting),
+                parts.join("; ")
+            ),
+            culprits,
+        )
+    } else if by_op.len() > 1 {
+        let (_, most) = by_op
+            .iter()
+            .max_by_key(|(_, r)| r.len())
+            .map(|(o, r)| (*o, r.clone()))
+            .unwrap_or_default();
+        let groups: Vec<String> = by_op
+            .iter()
+            .map(|(o, r)| format!("{} in {o}", ranks_text(r)))
+            .collect();
+        let culprits = by_op
+            .values()
+            .filter(|r| **r != most)
+            .flatten()
+            .copied()
+            .collect();
+        (
+            Kind::Disagree,
+            format!(
+                "the ranks disagree on the collective: {}",
+                groups.join(", ")
+            ),
+            culprits,
+        )
+    } else if let Some((op, r)) = by_op.iter().next() {
+        (
+            Kind::AllWaiting,
+            format!(
+                "{} wait in {op} and none is missing: a transport or link problem between them \
+                 (or different tensor sizes); run the preflight on these nodes",
+                ranks_text(r)
+            ),
+            Vec::new(),
+        )
+    } else {
+        let places: BTreeMap<String, Vec<usize>> = busy.iter().fold(BTreeMap::new(), |mut m, s| {
+            m.entry(place(s.view)).or_default().push(s.view.rank);
+            m
+        });
+        if places.len() == 1 {
+            let p = places.keys().next().cloned().unwrap_or_default();
+            (
+                Kind::AllBusy,
+                format!(
+                    "all ranks in {p}: a long step, checkpoint or evaluation, not one rank's hang"
+                ),
+                Vec::new(),
+            )
+        } else {
+            let list: Vec<String> = places
+                .iter()
+                .map(|(p, r)| format!("{} in {p}", ranks_text(r)))
+                .collect();
+            (
+                Kind::Busy,
+                format!("no rank waits in a collective: {}", list.join("; ")),
+                Vec::new(),
+            )
+        }
+    };
+    Some(Diagnosis {
+        kind,
+        conclusion,
+        culprits,
+        stalled_s: stalled_ms as f64 / 1e3,
+        ranks: states,
+    })
+}
+
+/// A rank the others keep waiting for.
+#[derive(Clone, Debug, Serialize)]
+pub struct Straggler {
+    pub rank: usize,
+    pub host: String,
+    /// Percent of its samples it waited in a collective, and the median rank's.
+    pub waited_pct: f64,
+    pub median_pct: f64,
+}
+
+/// Samples a rank needs before it can be called a straggler.
+const STRAGGLER_SAMPLES: u32 = 30;
+
+/// The straggler among `ranks`, if one stands out: it waits in collectives at most a third as
+/// often as the median rank, which waits in at least a fifth of its samples.
+pub fn straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
+    let live: Vec<&Seen<'_>> = ranks
+        .iter()
+        .filter(|s| s.view.exited.is_none() && s.view.samples >= STRAGGLER_SAMPLES)
+        .collect();
+    if live.len() < 2 {
+        return None;
+    }
+    let pct = |s: &Seen<'_>| 100.0 * f64::from(s.view.waiting) / f64::from(s.view.samples);
+    let mut all: Vec<f64> = live.iter().map(|s| pct(s)).collect();
+    all.sort_by(f64::total_cmp);
+    let median = all[all.len() / 2];
+    let low = live.iter().min_by(|a, b| pct(a).total_cmp(&pct(b)))?;
+    let second = all.get(1).copied().unwrap_or(median);
+    let p = pct(low);
+    // One rank alone at the bottom, far under the rest.
+    (median >= 20.0 && p <= median / 3.0 && second > median / 2.0).then(|| Straggler {
+        rank: low.view.rank,
+        host: low.host.to_string(),
+        waited_pct: p,
+        median_pct: median,
+    })
+}
+
+/// Every rank of `views`, with its host, by rank.
+fn seen_of<'a>(views: &'a HashMap<usize, NodeWatch>, hosts: &'a [String]) -> Vec<Seen<'a>> {
+    let mut v: Vec<Seen<'a>> = views
+        .iter()
+        .flat_map(|(n, w)| {
+            let host = hosts.get(*n).map_or("?", |h| h.as_str());
+            w.ranks.iter().map(move |view| Seen { host, view })
+        })
+        .collect();
+    v.sort_by_key(|s| s.view.rank);
+    v
+}
+
+/// The coordinator's watch over one step: the latest view of every node, what was said.
+pub struct WatchState {
+    pub plan: WatchPlan,
+    views: HashMap<usize, NodeWatch>,
+    hang_said: bool,
+    straggler_said: HashMap<usize, Instant>,
+    last_check: Option<Instant>,
+    /// Every hang found, for the report.
+    pub hangs: Vec<Diagnosis>,
+    pub stragglers: Vec<Straggler>,
+    /// The job was stopped because of a hang.
+    pub stopped: bool,
+}
+
+impl WatchState {
+    pub fn new(plan: WatchPlan) -> WatchState {
+        WatchState {
+            plan,
+            views: HashMap::new(),
+            hang_said: false,
+            straggler_said: HashMap::new(),
+            last_check: None,
+            hangs: Vec::new(),
+            stragglers: Vec::new(),
+            stopped: false,
+        }
+    }
+
+    /// Node `node`'s latest view.
+    pub fn observe(&mut self, node: usize, v: NodeWatch) {
+        self.views.insert(node, v);
+    }
+
+    /// Forgets the views of a finished step (a restart starts afresh).
+    pub fn reset(&mut self) {
+        self.views.clear();
+        self.hang_said = false;
+        self.last_check = None;
+    }
+
+    fn seen<'a>(&'a self, hosts: &'a [String]) -> Vec<Seen<'a>> {
+        seen_of(&self.views, hosts)
+    }
+
+    /// Looks at the views (at most once a second): prints a hang or a straggler when one is
+    /// found. Returns true when the job should stop (a hang, with `--on-hang stop`).
+    pub fn check(&mut self, hosts: &[String]) -> bool {
+        if self
+            .last_check
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return false;
+        }
+        self.last_check = Some(Instant::now());
+        let views = std::mem::take(&mut self.views);
+        let seen = seen_of(&views, hosts);
+        let live: Vec<&Seen<'_>> = seen.iter().filter(|s| s.view.exited.is_none()).collect();
+        if live.is_empty() {
+            drop(seen);
+            self.views = views;
+            return false;
+        }
+        for s in &live {
+            tracing::trace!(
+                "watch: rank {} samples {} waiting {} unchanged {} ms in {:?}",
+                s.view.rank,
+                s.view.samples,
+                s.view.waiting,
+                s.view.unchanged_ms,
+                s.view.collective
+            );
+        }
+        let timeout = self.plan.hang_timeout.as_millis() as u64;
+        let stalled = live.iter().all(|s| s.view.unchanged_ms >= timeout);
+        let mut stop = false;
+        if !stalled {
+            self.hang_said = false;
+        } else if !self.hang_said {
+            self.hang_said = true;
+            if let Some(d) = diagnose(&seen) {
+                eprint!("{}", hang_text(&d, self.plan.hang_timeout));
+                stop = self.plan.on_hang == OnHang::Stop && d.kind != Kind::AllBusy;
+                self.hangs.push(d);
+            }
+        }
+        if let Some(s) = straggler(&seen).filter(|_| !stalled) {
+            let due = self
+                .straggler_said
+                .get(&s.rank)
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
+            if due {
+                self.straggler_said.insert(s.rank, Instant::now());
+                tracing::warn!(
+                    "rank {} on {} is a straggler: it waited in collectives in {:.0}% of samples, \
+                     the median rank in {:.0}%: the others wait for it",
+                    s.rank,
+                    s.host,
+                    s.waited_pct,
+                    s.median_pct
+                );
+                self.stragglers.push(s);
+            }
+        }
+        drop(seen);
+        self.views = views;
+        if stop {
+            self.stopped = true;
+        }
+        stop
+    }
+
+    /// The likely cause of a failure, from the last views: a rank missing from the collective
+    /// the others had waited in for at least a few seconds.
+    pub fn cause(&self, hosts: &[String]) -> Option<String> {
+        let seen = self.seen(hosts);
+        let d = diagnose(&seen)?;
+        let waited = seen
+            .iter()
+            .filter(|s| s.view.collective.is_some())
+            .map(|s| s.view.unchanged_ms)
+            .max()
+            .unwrap_or(0);
+        (matches!(d.kind, Kind::Missing | Kind::Disagree) && waited >= 2000).then(|| {
+            format!(
+                "  likely cause (the watch saw ranks wait {:.0} s): {}\n",
+                waited as f64 / 1e3,
+                d.conclusion
+            )
+        })
+    }
+
+    /// The watch's findings for `--report`.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({ "hangs": self.hangs, "stragglers": self.stragglers })
+    }
+}
+
+/// The hang report, as printed.
+pub fn hang_text(d: &Diagnosis, timeout: Duration) -> String {
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "nrun: hang: no rank has made progress for {:.0} s (--hang-timeout {} s)",
+        d.stalled_s,
+        timeout.as_secs()
+    );
+    for r in &d.ranks {
+        let _ = writeln!(
+            t,
+            "  rank {} on {} (pid {}): {}",
+            r.rank, r.host, r.pid, r.state
+        );
+        for f in r.frames.iter().take(4) {
+            let _ = writeln!(t, "      {f}");
+        }
+    }
+    let _ = writeln!(t, "  conclusion: {}", d.conclusion);
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::protocol::Frame;
+
+    fn frame(name: &str, file: &str, line: i32) -> Frame {
+        Frame {
+            name: name.into(),
+            file: file.into(),
+            line,
+            code: None,
+        }
+    }
+
+    fn waiting(rank: usize, op: &str) -> RankView {
+        RankView {
+            rank,
+            pid: 100 + rank as u32,
+            frames: vec![
+                frame(
+                    op,
+                    "/v/site-packages/torch/distributed/distributed_c10d.py",
+                    2500,
+                ),
+                frame("main", "/job/train.py", 12),
+            ],
+            collective: Some(op.into()),
+            unchanged_ms: 61_000,
+            samples: 100,
+            waiting: 40,
+            ..RankView::default()
+        }
+    }
+
+    fn busy(rank: usize, line: i32) -> RankView {
+        RankView {
+            rank,
+            pid: 100 + rank as u32,
+            frames: vec![frame("main", "/job/train.py", line)],
+            unchanged_ms: 61_000,
+            samples: 100,
+            waiting: 1,
+            ..RankView::default()
+        }
+    }
+
+    fn seen(v: &[RankView]) -> Vec<Seen<'_>> {
+        v.iter().map(|view| Seen { host: "h1", view }).collect()
+    }
+
+    #[test]
+    fn the_rank_missing_from_the_collective_is_named() {
+        let v = [
+            waiting(0, "all_reduce"),
+            busy(1, 7),
+            waiting(2, "all_reduce"),
+        ];
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!(d.kind, Kind::Missing);
+        assert_eq!(d.culprits, [1]);
+        assert!(
+            d.conclusion.starts_with("ranks 0,2 wait in all_reduce; rank 1 on h1 has not entered it: it is in main (/job/train.py:7)"),
+            "{}",
+            d.conclusion
+        );
+        let mut gone = busy(1, 7);
+        gone.exited = Some("exited with code 0".into());
+        let v = [waiting(0, "all_reduce"), gone];
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!((d.kind, d.culprits), (Kind::Missing, vec![1]));
+        assert!(
+            d.conclusion
+                .contains("exited with code 0 before entering it"),
+            "{}",
+            d.conclusion
+        );
+    }
+
+    #[test]
+    fn disagreement_all_waiting_and_all_busy() {
+        let v = [
+            waiting(0, "all_reduce"),
+            waiting(1, "all_gather"),
+            waiting(2, "all_reduce"),
+        ];
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!((d.kind, d.culprits.clone()), (Kind::Disagree, vec![1]));
+        assert!(
+            d.conclusion.contains("rank 1 in all_gather"),
+            "{}",
+            d.conclusion
+        );
+        let v = [waiting(0, "all_reduce"), waiting(1, "all_reduce")];
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!(d.kind, Kind::AllWaiting);
+        assert!(d.culprits.is_empty());
+        let v = [busy(0, 30), busy(1, 30)];
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!(d.kind, Kind::AllBusy);
+        assert!(
+            d.conclusion
+                .starts_with("all ranks in main (/job/train.py:30)"),
+            "{}",
+            d.conclusion
+        );
+        let v = [busy(0, 30), busy(1, 31)];
+        assert_eq!(diagnose(&seen(&v)).unwrap().kind, Kind::Busy);
+    }
+
+    #[test]
+    fn a_straggler_stands_out_and_a_balanced_job_has_none() {
+        let mut v = vec![
+            waiting(0, "all_reduce"),
+            waiting(1, "all_reduce"),
+            waiting(2, "all_reduce"),
+        ];
+        v[2].waiting = 3;
+        let s = straggler(&seen(&v)).unwrap();
+        assert_eq!(s.rank, 2);
+        assert!(s.waited_pct < 5.0 && s.median_pct >= 40.0);
+        v[2].waiting = 38;
+        assert!(straggler(&seen(&v)).is_none());
+        // Too few samples to judge.
+        for r in &mut v {
+            r.samples = 10;
+        }
+        assert!(straggler(&seen(&v)).is_none());
+    }
+
+    #[test]
+    fn a_hang_is_said_once_until_progress_resumes_and_stop_obeys_the_kind() {
+        let plan = WatchPlan {
+            hang_timeout: Duration::from_secs(60),
+            on_hang: OnHang::Stop,
+        };
+        let hosts = vec!["h1".to_string()];
+        let mut w = WatchState::new(plan);
+        w.observe(
+            0,
+            NodeWatch {
+                ranks: vec![busy(0, 30), busy(1, 30)],
+            },
+        );
+        // Everyone at the same place: reported, never stopped.
+        assert!(!w.check(&hosts));
+        assert_eq!(w.hangs.len(), 1);
+        w.last_check = None;
+        w.observe(
+            0,
+            NodeWatch {
+                ranks: vec![waiting(0, "all_reduce"), busy(1, 7)],
+            },
+        );
+        assert!(!w.check(&hosts), "said once until progress resumes");
+        w.last_check = None;
+        let mut moving = busy(1, 8);
+        moving.unchanged_ms = 10;
+        w.observe(
+            0,
+            NodeWatch {
+                ranks: vec![waiting(0, "all_reduce"), moving],
+            },
+        );
+        assert!(!w.check(&hosts));
+        w.last_check = None;
+        w.observe(
+            0,
+            NodeWatch {
+                ranks: vec![waiting(0, "all_reduce"), busy(1, 7)],
+            },
+        );
+        assert!(w.check(&hosts));
+        assert!(w.stopped && w.hangs.len() == 2);
+        assert!(
+            w.cause(&hosts)
+                .is_some_and(|c| c.contains("rank 1 on h1 has not entered it"))
+        );
+    }
+}

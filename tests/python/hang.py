@@ -1,0 +1,53 @@
+"""A gloo training loop that goes wrong in one of several ways, chosen by NRUN_HANG_CASE:
+
+- sleep:     rank 1 sleeps instead of entering the 6th all_reduce
+- early:     rank 1 leaves its loop after 5 steps (one collective fewer) and exits
+- gather:    rank 1 calls all_gather where the others call all_reduce
+- timeout:   as `sleep`, with a collective timeout of NRUN_HANG_TIMEOUT_S (default 8) seconds
+- straggler: rank 2 is 0.5 s slower per step; the job ends after NRUN_STEPS steps
+- pause:     every rank pauses NRUN_PAUSE_S seconds (a checkpoint), then the job ends
+"""
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+case = os.environ.get("NRUN_HANG_CASE", "sleep")
+timeout = float(os.environ.get("NRUN_HANG_TIMEOUT_S", "600"))
+dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+rank, world = dist.get_rank(), dist.get_world_size()
+steps = int(os.environ.get("NRUN_STEPS", "1000000"))
+
+
+def stuck_forever():
+    time.sleep(3600)
+
+
+def checkpoint():
+    time.sleep(float(os.environ.get("NRUN_PAUSE_S", "8")))
+
+
+t = torch.ones(1024)
+for step in range(steps):
+    if step == 5 and rank == 1 and case in ("sleep", "timeout"):
+        stuck_forever()
+    if step == 5 and rank == 1 and case == "early":
+        break
+    if step == 5 and rank == 1 and case == "gather":
+        out = [torch.zeros(1024) for _ in range(world)]
+        dist.all_gather(out, t)
+        continue
+    if step == 5 and case == "pause":
+        checkpoint()
+    if case == "straggler":
+        time.sleep(0.55 if rank == 2 else 0.05)
+    else:
+        time.sleep(0.05)
+    dist.all_reduce(t)
+    if case == "pause" and step == 8:
+        break
+print(f"rank {rank}: done", flush=True)
+dist.destroy_process_group()

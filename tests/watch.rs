@@ -1,0 +1,201 @@
+//! The watch on real gloo jobs (tests/python/hang.py): a hang names the rank missing from the
+//! collective the others wait in, with its frame and line; ranks that disagree on the collective
+//! are named; a failure's likely cause is named; a straggler is named; a pause of every rank
+//! blames nobody. On one node, and across namespace hosts.
+
+mod common;
+
+use common::*;
+
+fn script() -> String {
+    format!("{}/tests/python/hang.py", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs hang.py's `case` on `nproc` ranks with extra flags; returns (exit code, stderr).
+fn hang(
+    s: &Scene,
+    py: &str,
+    case: &str,
+    nproc: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Option<i32>, String) {
+    let script = script();
+    let mut args = vec!["--nproc", nproc, "--python", py];
+    args.extend_from_slice(extra);
+    args.push(&script);
+    let mut env = env.to_vec();
+    env.push(("NRUN_HANG_CASE", case));
+    let out = s.run(&args, &env);
+    (out.status.code(), text(&out.stderr))
+}
+
+fn python(test: &str) -> Option<String> {
+    let p = torch_python().map(|p| p.display().to_string());
+    if p.is_none() {
+        eprintln!("SKIPPED {test}: no python with torch (run scripts/test.sh)");
+    }
+    p
+}
+
+#[test]
+fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
+    let Some(py) = python("sleep") else { return };
+    let s = Scene::new();
+    let report = s.dir.path().join("report.json");
+    let started = std::time::Instant::now();
+    let (code, err) = hang(
+        &s,
+        &py,
+        "sleep",
+        "4",
+        &[
+            "--hang-timeout",
+            "4",
+            "--on-hang",
+            "stop",
+            "--report",
+            report.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(97), "{err}");
+    assert!(
+        err.contains("conclusion: ranks 0,2,3 wait in all_reduce; rank 1 on ")
+            && err.contains("has not entered it: it is in stuck_forever (")
+            && err.contains("hang.py:26): time.sleep(3600)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("rank 0 on ") && err.contains("waiting in all_reduce"),
+        "{err}"
+    );
+    assert!(err.contains("(--on-hang stop)"), "{err}");
+    // Diagnosed within --hang-timeout + 10 s of the stall (torch's start-up included here).
+    assert!(
+        started.elapsed().as_secs() < 30,
+        "took {:?}",
+        started.elapsed()
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let h = &v["watch"]["hangs"][0];
+    assert_eq!(h["kind"], "missing", "{v}");
+    assert_eq!(h["culprits"], serde_json::json!([1]), "{v}");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn a_rank_that_leaves_early_or_calls_another_collective_is_named() {
+    let Some(py) = python("early") else { return };
+    let s = Scene::new();
+    // One collective fewer: the others fail at once; the summary names the rank that left.
+    let (code, err) = hang(&s, &py, "early", "3", &[], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("likely cause: rank 1 on ")
+            && err.contains("exited with code 0")
+            && err.contains("one collective fewer"),
+        "{err}"
+    );
+    let (code, err) = hang(
+        &s,
+        &py,
+        "gather",
+        "3",
+        &["--hang-timeout", "4", "--on-hang", "stop"],
+        &[],
+    );
+    assert_eq!(code, Some(97), "{err}");
+    assert!(
+        err.contains("conclusion: the ranks disagree on the collective: rank 1 in all_gather, ranks 0,2 in all_reduce"),
+        "{err}"
+    );
+    s.assert_no_survivors();
+}
+
+#[test]
+fn a_collective_timeout_names_the_rank_that_caused_it() {
+    let Some(py) = python("timeout") else { return };
+    let s = Scene::new();
+    // torch's own timeout (8 s) comes before --hang-timeout (60 s): the failure summary names
+    // rank 1, not only the first rank to exit.
+    let (code, err) = hang(
+        &s,
+        &py,
+        "timeout",
+        "3",
+        &[],
+        &[("NRUN_HANG_TIMEOUT_S", "8")],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("(first failure; every other worker was stopped)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("likely cause (the watch saw ranks wait ")
+            && err.contains("rank 1 on ")
+            && err.contains("has not entered it: it is in stuck_forever"),
+        "{err}"
+    );
+    s.assert_no_survivors();
+}
+
+#[test]
+fn a_straggler_is_named_and_a_pause_of_every_rank_blames_nobody() {
+    let Some(py) = python("straggler") else {
+        return;
+    };
+    let s = Scene::new();
+    let (code, err) = hang(&s, &py, "straggler", "3", &[], &[("NRUN_STEPS", "50")]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("rank 2 on ")
+            && err.contains("is a straggler")
+            && !err.contains("rank 0 on vm is a straggler"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("rank 0 on")
+            || !err.contains("rank 0 on ")
+            || err.matches("is a straggler").count() == 1,
+        "{err}"
+    );
+    // Every rank in the same checkpoint for longer than --hang-timeout: said, not stopped.
+    let (code, err) = hang(
+        &s,
+        &py,
+        "pause",
+        "3",
+        &["--hang-timeout", "3", "--on-hang", "stop"],
+        &[("NRUN_PAUSE_S", "7")],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("conclusion: all ranks in checkpoint (")
+            && err.contains("not one rank's hang"),
+        "{err}"
+    );
+    s.assert_no_survivors();
+}
+
+#[test]
+fn the_watch_is_off_for_programs_and_when_asked() {
+    let s = Scene::new();
+    let out = s.run(&["--watch", "sometimes", "--no-python", "true"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--watch \"sometimes\": expected auto, on or off"));
+    let out = s.run(&["--on-hang", "kill", "--no-python", "true"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = s.run(&["--hang-timeout", "0", "--no-python", "true"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    // A program that is not Python: no watch, no stack errors.
+    let out = s.run(&["--nproc", "2", "--no-python", "sleep", "0.2"], &[]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        !text(&out.stderr).contains("Python stack"),
+        "{}",
+        text(&out.stderr)
+    );
+}
