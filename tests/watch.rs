@@ -199,3 +199,49 @@ fn the_watch_is_off_for_programs_and_when_asked() {
         text(&out.stderr)
     );
 }
+
+/// Across namespace hosts: every node's agent samples its own ranks and publishes through the
+/// store; the coordinator names the rank on the other host.
+#[test]
+fn a_hang_across_hosts_names_the_rank_and_its_host() {
+    let Some(py) = python("cluster") else { return };
+    let Some(c) = Cluster::up("cw1", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let hosts = c.hosts(2);
+    let opts = c.ssh_opts();
+    let script = script();
+    let out = s.run(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "-x",
+            "NRUN_TEST_TAG",
+            "-x",
+            "NRUN_HANG_CASE=sleep",
+            "--nproc",
+            "2",
+            "--python",
+            &py,
+            "--hang-timeout",
+            "4",
+            "--on-hang",
+            "stop",
+            &script,
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(97), "{err}");
+    assert!(
+        err.contains("conclusion: ranks 0,2,3 wait in all_reduce; rank 1 on cw1-h1 has not entered it: it is in stuck_forever"),
+        "{err}"
+    );
+    assert!(err.contains("rank 3 on cw1-h2 (pid "), "{err}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
