@@ -35,7 +35,7 @@ export NCCL_NVLS_ENABLE=0
   echo "  \"mpirun\": \"$(mpirun --version 2>&1 | head -1)\"}}"
 } | tr -d '\n' >> "$out"; echo >> "$out"
 
-# BENCH_ONLY=local|store|cluster runs one section.
+# BENCH_ONLY=local|store|cluster|bisect|watch runs one section.
 only() { [ -z "${BENCH_ONLY:-}" ] || [ "$BENCH_ONLY" = "$1" ]; }
 
 if only local; then
@@ -137,6 +137,11 @@ print(json.dumps({"label": f"bisect{n}", "exit_code": code, "wall_ms": ms, "roun
 PY
   bash scripts/netns-cluster.sh down nbis >/dev/null
 done
+fi
+
+if only watch; then
+echo "== the watch: overhead on an 8-rank gloo loop, time from a stall to its diagnosis" >&2
+python3 scripts/bench/watch_bench.py "$NRUN" "$PY" "$SLOW_RUNS" | tee -a "$out"
 fi
 
 echo "results: $out" >&2

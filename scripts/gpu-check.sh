@@ -50,8 +50,11 @@ if [ "$NGPU" -ge 2 ]; then
   check include-slot-preflight 0 "$NRUN" -H "localhost:$NGPU" --include localhost:1 --preflight-only --python "$PY" --report "$OUTDIR/include-slot.json"
   check include-slot-job 0 "$NRUN" -H "localhost:$NGPU" --include localhost:1 --no-preflight --no-python sh -c 'test "$CUDA_VISIBLE_DEVICES" = 1 && echo "rank $RANK sees GPU $CUDA_VISIBLE_DEVICES"'
 fi
+# The watch on NCCL: rank 1 stops before an all_reduce; rank 0 waits at its next sync.
+check nccl-hang 97 env NRUN_HANG_CASE=sleep NRUN_HANG_BACKEND=nccl "$NRUN" --nproc "$NP" --python "$PY" --no-preflight --hang-timeout 10 --on-hang stop tests/python/hang.py
+check nccl-hang-named 0 grep -q "rank 1 on .* has not entered it: it is in stuck_forever" "$OUTDIR/nccl-hang.log"
 check train-with-preflight 0 "$NRUN" --nproc "$NP" --python "$PY" examples/train.py --steps 20
-leftover=$(pgrep -f '__preflight|examples/train.py' | wc -l)
+leftover=$(pgrep -f '__preflight|examples/train.py|hang.py' | wc -l)
 echo "left running: $leftover"
 [ "$leftover" = 0 ] || fail=$((fail+1))
 for f in "$OUTDIR"/*.log; do

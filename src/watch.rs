@@ -98,6 +98,14 @@ fn place(v: &RankView) -> String {
     }
 }
 
+/// "rank 0 waits" or "ranks 0,2 wait".
+fn wait_text(r: &[usize]) -> String {
+    match r.len() {
+        1 => format!("{} waits", ranks_text(r)),
+        _ => format!("{} wait", ranks_text(r)),
+    }
+}
+
 fn ranks_text(r: &[usize]) -> String {
     let s: Vec<String> = r.iter().map(|x| x.to_string()).collect();
     match r.len() {
@@ -106,18 +114,34 @@ fn ranks_text(r: &[usize]) -> String {
     }
 }
 
+/// What a rank waits in: a torch.distributed collective, or a point where the CPU waits for the
+/// GPU (NCCL collectives are asynchronous: a rank stuck behind one waits at its next `.item()`,
+/// `.cpu()` or `synchronize()`), said as "a GPU sync (<its line>)".
+pub fn waits_in(v: &RankView) -> Option<String> {
+    if let Some(op) = &v.collective {
+        return Some(op.clone());
+    }
+    const SYNCS: [&str; 6] = [".item()", ".cpu()", ".tolist()", ".numpy()", "synchronize(", ".wait()"];
+    let f = v.frames.iter().find(|f| {
+        (f.name == "synchronize" && f.file.ends_with("torch/cuda/__init__.py"))
+            || f.code.as_deref().is_some_and(|c| SYNCS.iter().any(|m| c.contains(m)))
+    })?;
+    let line = f.code.as_deref().unwrap_or(&f.name);
+    Some(format!("a GPU sync ({line})"))
+}
+
 /// The diagnosis of a stall, from every rank's latest view.
 pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
     if ranks.is_empty() {
         return None;
     }
-    let mut by_op: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    let mut by_op: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     let mut busy: Vec<&Seen<'_>> = Vec::new();
     let mut exited: Vec<&Seen<'_>> = Vec::new();
     for s in ranks {
-        match (&s.view.exited, &s.view.collective) {
+        match (&s.view.exited, waits_in(s.view)) {
             (Some(_), _) => exited.push(s),
-            (None, Some(op)) => by_op.entry(op.as_str()).or_default().push(s.view.rank),
+            (None, Some(op)) => by_op.entry(op).or_default().push(s.view.rank),
             (None, None) => busy.push(s),
         }
     }
@@ -133,7 +157,7 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
             rank: s.view.rank,
             host: s.host.to_string(),
             pid: s.view.pid,
-            state: match (&s.view.exited, &s.view.collective, &s.view.error) {
+            state: match (&s.view.exited, waits_in(s.view), &s.view.error) {
                 (Some(e), _, _) => e.clone(),
                 (None, Some(op), _) => format!("waiting in {op}"),
                 (None, None, Some(e)) if s.view.frames.is_empty() => format!("unknown: {e}"),
@@ -149,7 +173,7 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
         let (op, waiting) = by_op
             .iter()
             .max_by_key(|(_, r)| r.len())
-            .map(|(o, r)| (*o, r.clone()))
+            .map(|(o, r)| (o.clone(), r.clone()))
             .unwrap_or_default();
         let mut parts = Vec::new();
         let mut culprits = Vec::new();
@@ -172,23 +196,23 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
             culprits.push(s.view.rank);
         }
         for (o, r) in by_op.iter().filter(|(o, _)| **o != op) {
-            parts.push(format!("{} wait in {o} instead", ranks_text(r)));
+            parts.push(format!("{} in {o} instead", wait_text(r)));
             culprits.extend(r);
         }
         (
             Kind::Missing,
             format!(
-                "{} wait in {op}; {}",
-                ranks_text(&waiting),
+                "{} in {op}; {}",
+                wait_text(&waiting),
                 parts.join("; ")
             ),
             culprits,
         )
     } else if by_op.len() > 1 {
-        let (_, most) = by_op
-            .iter()
-            .max_by_key(|(_, r)| r.len())
-            .map(|(o, r)| (*o, r.clone()))
+        let most = by_op
+            .values()
+            .max_by_key(|r| r.len())
+            .cloned()
             .unwrap_or_default();
         let groups: Vec<String> = by_op
             .iter()
@@ -212,9 +236,9 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
         (
             Kind::AllWaiting,
             format!(
-                "{} wait in {op} and none is missing: a transport or link problem between them \
+                "{} in {op} and none is missing: a transport or link problem between them \
                  (or different tensor sizes); run the preflight on these nodes",
-                ranks_text(r)
+                wait_text(r)
             ),
             Vec::new(),
         )
@@ -423,7 +447,7 @@ impl WatchState {
         let d = diagnose(&seen)?;
         let waited = seen
             .iter()
-            .filter(|s| s.view.collective.is_some())
+            .filter(|s| waits_in(s.view).is_some())
             .map(|s| s.view.unchanged_ms)
             .max()
             .unwrap_or(0);
@@ -572,6 +596,22 @@ mod tests {
         );
         let v = [busy(0, 30), busy(1, 31)];
         assert_eq!(diagnose(&seen(&v)).unwrap().kind, Kind::Busy);
+    }
+
+    #[test]
+    fn a_rank_stuck_behind_an_nccl_collective_waits_at_its_next_sync() {
+        let mut gpu = busy(0, 50);
+        gpu.frames[0].code = Some("t[0].item()".into());
+        let mut sleeper = busy(1, 31);
+        sleeper.frames.insert(0, frame("stuck_forever", "/job/train.py", 31));
+        let v = [gpu, sleeper];
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!((d.kind, d.culprits.clone()), (Kind::Missing, vec![1]));
+        assert!(
+            d.conclusion.starts_with("rank 0 waits in a GPU sync (t[0].item()); rank 1 on h1 has not entered it: it is in stuck_forever"),
+            "{}",
+            d.conclusion
+        );
     }
 
     #[test]

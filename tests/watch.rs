@@ -63,7 +63,7 @@ fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
     assert!(
         err.contains("conclusion: ranks 0,2,3 wait in all_reduce; rank 1 on ")
             && err.contains("has not entered it: it is in stuck_forever (")
-            && err.contains("hang.py:26): time.sleep(3600)"),
+            && err.contains("hang.py:31): time.sleep(3600)"),
         "{err}"
     );
     assert!(

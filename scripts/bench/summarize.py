@@ -33,10 +33,18 @@ if bs:
         print(f"| N={r['label'][6:]} | {r['wall_ms'] / 1000:.1f} s | {r['rounds']} ({r['rounds_after_stage1']}) | "
               f"{', '.join(r['named'])} (expected {r['expected']}) | {r['exit_code']} |")
 
+ws = [r for r in rows if r.get("label", "").startswith("watch")]
+if ws:
+    print("\n| watch | result |")
+    print("|---|---|")
+    for r in ws:
+        rest = {k: v for k, v in r.items() if k != "label"}
+        print(f"| {r['label']} | {', '.join(f'{k} {v:.3f}' if isinstance(v, float) else f'{k} {v}' for k, v in rest.items())} |")
+
 groups = defaultdict(list)
 for r in rows:
     lab = r.get("label", "")
-    if "/" in lab and not lab.startswith(("launch/", "cluster", "bisect")):
+    if "/" in lab and not lab.startswith(("launch/", "cluster", "bisect", "watch")):
         groups[lab].append(r)
 
 

@@ -30,7 +30,8 @@ pub fn execute(mode: Mode) -> Result<u8> {
         .map_err(|e| Error::internal(format!("cannot start the async runtime: {e}")))?;
     // The command's future runs on this (main) thread; in-process workers are spawned from it,
     // which their PR_SET_PDEATHSIG relies on.
-    match mode {
+    let started = std::time::Instant::now();
+    let code = match mode {
         Mode::Run { plan, nodes } => rt.block_on(run::run(&plan, &nodes, listener)),
         Mode::Doctor { plan, nodes } => rt.block_on(doctor::run(&plan, &nodes, listener)),
         Mode::Bisect {
@@ -38,5 +39,16 @@ pub fn execute(mode: Mode) -> Result<u8> {
             nodes,
             bisect,
         } => rt.block_on(bisect::run(&plan, &nodes, &bisect, listener)),
+    };
+    // What nrun itself cost (its watch and store included, not its workers): for benchmarks.
+    if let Ok(u) = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF) {
+        let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+        tracing::debug!(
+            "nrun's own CPU: {:.3} s user + {:.3} s system in {:.3} s",
+            secs(u.user_time()),
+            secs(u.system_time()),
+            started.elapsed().as_secs_f64()
+        );
     }
+    code
 }

@@ -17,12 +17,17 @@ import torch.distributed as dist
 
 case = os.environ.get("NRUN_HANG_CASE", "sleep")
 timeout = float(os.environ.get("NRUN_HANG_TIMEOUT_S", "600"))
-dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+# NRUN_HANG_BACKEND=nccl: the same on GPUs, where a rank stuck behind an all_reduce waits at
+# its next sync (the .item() below).
+backend = os.environ.get("NRUN_HANG_BACKEND", "gloo")
+dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
 rank, world = dist.get_rank(), dist.get_world_size()
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else None
 steps = int(os.environ.get("NRUN_STEPS", "1000000"))
 
 
 def stuck_forever():
+    print(f"stalled at {time.time():.3f}", flush=True)
     time.sleep(3600)
 
 
@@ -30,14 +35,14 @@ def checkpoint():
     time.sleep(float(os.environ.get("NRUN_PAUSE_S", "8")))
 
 
-t = torch.ones(1024)
+t = torch.ones(1024, device=device)
 for step in range(steps):
     if step == 5 and rank == 1 and case in ("sleep", "timeout"):
         stuck_forever()
     if step == 5 and rank == 1 and case == "early":
         break
     if step == 5 and rank == 1 and case == "gather":
-        out = [torch.zeros(1024) for _ in range(world)]
+        out = [torch.zeros(1024, device=device) for _ in range(world)]
         dist.all_gather(out, t)
         continue
     if step == 5 and case == "pause":
@@ -47,6 +52,8 @@ for step in range(steps):
     else:
         time.sleep(0.05)
     dist.all_reduce(t)
+    if backend == "nccl":
+        t[0].item()
     if case == "pause" and step == 8:
         break
 print(f"rank {rank}: done", flush=True)
