@@ -121,10 +121,19 @@ pub fn waits_in(v: &RankView) -> Option<String> {
     if let Some(op) = &v.collective {
         return Some(op.clone());
     }
-    const SYNCS: [&str; 6] = [".item()", ".cpu()", ".tolist()", ".numpy()", "synchronize(", ".wait()"];
+    const SYNCS: [&str; 6] = [
+        ".item()",
+        ".cpu()",
+        ".tolist()",
+        ".numpy()",
+        "synchronize(",
+        ".wait()",
+    ];
     let f = v.frames.iter().find(|f| {
         (f.name == "synchronize" && f.file.ends_with("torch/cuda/__init__.py"))
-            || f.code.as_deref().is_some_and(|c| SYNCS.iter().any(|m| c.contains(m)))
+            || f.code
+                .as_deref()
+                .is_some_and(|c| SYNCS.iter().any(|m| c.contains(m)))
     })?;
     let line = f.code.as_deref().unwrap_or(&f.name);
     Some(format!("a GPU sync ({line})"))
@@ -138,10 +147,12 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
     let mut by_op: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     let mut busy: Vec<&Seen<'_>> = Vec::new();
     let mut exited: Vec<&Seen<'_>> = Vec::new();
+    let mut unreadable: Vec<usize> = Vec::new();
     for s in ranks {
         match (&s.view.exited, waits_in(s.view)) {
             (Some(_), _) => exited.push(s),
             (None, Some(op)) => by_op.entry(op).or_default().push(s.view.rank),
+            (None, None) if s.view.frames.is_empty() => unreadable.push(s.view.rank),
             (None, None) => busy.push(s),
         }
     }
@@ -201,11 +212,7 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
         }
         (
             Kind::Missing,
-            format!(
-                "{} in {op}; {}",
-                wait_text(&waiting),
-                parts.join("; ")
-            ),
+            format!("{} in {op}; {}", wait_text(&waiting), parts.join("; ")),
             culprits,
         )
     } else if by_op.len() > 1 {
@@ -267,6 +274,13 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
                 Vec::new(),
             )
         }
+    };
+    let conclusion = match unreadable.is_empty() {
+        true => conclusion,
+        false => format!(
+            "{conclusion} ({}: stack unreadable)",
+            ranks_text(&unreadable)
+        ),
     };
     Some(Diagnosis {
         kind,
@@ -334,6 +348,7 @@ pub struct WatchState {
     pub plan: WatchPlan,
     views: HashMap<usize, NodeWatch>,
     hang_said: bool,
+    unreadable_said: bool,
     straggler_said: HashMap<usize, Instant>,
     last_check: Option<Instant>,
     /// Every hang found, for the report.
@@ -349,6 +364,7 @@ impl WatchState {
             plan,
             views: HashMap::new(),
             hang_said: false,
+            unreadable_said: false,
             straggler_said: HashMap::new(),
             last_check: None,
             hangs: Vec::new(),
@@ -385,7 +401,26 @@ impl WatchState {
         self.last_check = Some(Instant::now());
         let views = std::mem::take(&mut self.views);
         let seen = seen_of(&views, hosts);
-        let live: Vec<&Seen<'_>> = seen.iter().filter(|s| s.view.exited.is_none()).collect();
+        // A rank whose stack cannot be read (not yet, or not at all) says nothing about progress.
+        let live: Vec<&Seen<'_>> = seen
+            .iter()
+            .filter(|s| s.view.exited.is_none() && !s.view.frames.is_empty())
+            .collect();
+        if !self.unreadable_said {
+            if let Some(s) = seen
+                .iter()
+                .find(|s| s.view.frames.is_empty() && s.view.error.is_some())
+            {
+                self.unreadable_said = true;
+                tracing::warn!(
+                    "the watch cannot read rank {}'s Python stack on {} ({}); a hang is named \
+                     only from the ranks it can read",
+                    s.view.rank,
+                    s.host,
+                    s.view.error.as_deref().unwrap_or("?")
+                );
+            }
+        }
         if live.is_empty() {
             drop(seen);
             self.views = views;
@@ -599,11 +634,45 @@ mod tests {
     }
 
     #[test]
+    fn an_unreadable_rank_is_said_and_never_blamed_nor_counted_as_stalled() {
+        let unread = RankView {
+            rank: 2,
+            error: Some("cannot read its Python stack: permission denied".into()),
+            unchanged_ms: 90_000,
+            ..RankView::default()
+        };
+        let v = [waiting(0, "all_reduce"), busy(1, 7), unread.clone()];
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!(d.culprits, [1]);
+        assert!(
+            d.conclusion.ends_with("(rank 2: stack unreadable)"),
+            "{}",
+            d.conclusion
+        );
+        // Nothing readable: no verdict at all.
+        let plan = WatchPlan {
+            hang_timeout: Duration::from_secs(60),
+            on_hang: OnHang::Stop,
+        };
+        let mut w = WatchState::new(plan);
+        w.observe(
+            0,
+            NodeWatch {
+                ranks: vec![unread],
+            },
+        );
+        assert!(!w.check(&["h1".to_string()]));
+        assert!(w.hangs.is_empty());
+    }
+
+    #[test]
     fn a_rank_stuck_behind_an_nccl_collective_waits_at_its_next_sync() {
         let mut gpu = busy(0, 50);
         gpu.frames[0].code = Some("t[0].item()".into());
         let mut sleeper = busy(1, 31);
-        sleeper.frames.insert(0, frame("stuck_forever", "/job/train.py", 31));
+        sleeper
+            .frames
+            .insert(0, frame("stuck_forever", "/job/train.py", 31));
         let v = [gpu, sleeper];
         let d = diagnose(&seen(&v)).unwrap();
         assert_eq!((d.kind, d.culprits.clone()), (Kind::Missing, vec![1]));
