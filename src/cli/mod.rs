@@ -333,6 +333,16 @@ pub struct PreflightArgs {
     #[arg(long = "min-busbw", env = "NRUN_MIN_BUSBW", value_name = "GB/s")]
     pub min_busbw: Option<f64>,
 
+    /// Fail the preflight when busbw at the largest size (64 MiB or more) is under this fraction
+    /// of the line rate of the node's GPU links (NVLink or PCIe, from NVML); 0 turns it off.
+    #[arg(
+        long = "min-efficiency",
+        env = "NRUN_MIN_EFFICIENCY",
+        default_value_t = 0.4,
+        value_name = "F"
+    )]
+    pub min_efficiency: f64,
+
     /// Write the preflight's report, and what the watch found (hangs, stragglers), as JSON to
     /// FILE.
     #[arg(long, env = "NRUN_REPORT", value_name = "FILE")]

@@ -101,6 +101,12 @@ pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8>
         Extras {
             nccl_lib: here_lib.map(|p| p.display().to_string()),
             min_busbw: pf.min_busbw,
+            // --preflight-loopback pushes the traffic off NVLink on purpose: no line rate applies.
+            min_efficiency: Some(pf.min_efficiency).filter(|_| !pf.loopback),
+            // What the ranks got: the run's variables (forwarded from here, .nrun_env, -x).
+            path_vars: preflight::hardware::path_variables(&|k| {
+                s.plan.env.iter().find(|(x, _)| x == k).map(|(_, v)| v.clone())
+            }),
             wall_s: started.elapsed().as_secs_f64(),
             other_libs,
         },
@@ -186,6 +192,9 @@ pub struct Extras {
     /// The library the ranks were told to load (when one node's choice stands for all).
     pub nccl_lib: Option<String>,
     pub min_busbw: Option<f64>,
+    pub min_efficiency: Option<f64>,
+    /// The NCCL variables set that change its path (see `hardware::path_variables`).
+    pub path_vars: Vec<String>,
     pub wall_s: f64,
     /// Libraries found besides the one used.
     pub other_libs: Vec<String>,
@@ -210,6 +219,8 @@ pub fn summarize(
         crashed,
         nccl_lib: extras.nccl_lib,
         min_busbw: extras.min_busbw,
+        min_efficiency: extras.min_efficiency,
+        path_vars: extras.path_vars,
         wall_s: extras.wall_s,
         other_libs: extras.other_libs,
     }

@@ -123,6 +123,8 @@ pub struct PreflightPlan {
     pub warmup: u32,
     pub timeout: Duration,
     pub min_busbw: Option<f64>,
+    /// Slow under this fraction of the links' line rate (one node).
+    pub min_efficiency: f64,
     pub report: Option<PathBuf>,
     pub nccl_lib: Option<PathBuf>,
     pub loopback: bool,
@@ -570,6 +572,7 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
         preflight_only,
         sweep,
         min_busbw,
+        min_efficiency,
         report,
         preflight_loopback,
     } = args;
@@ -617,7 +620,20 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
     };
     let mut pf = sweep_plan(sweep, mode)?;
     pf.warn_only = warn_only;
-    pf.min_busbw = *min_busbw;
+    pf.min_busbw = match min_busbw {
+        Some(b) if !(b.is_finite() && *b >= 0.0) => {
+            return Err(Error::usage(format!(
+                "--min-busbw {b} must be a non-negative number of GB/s"
+            )));
+        }
+        b => *b,
+    };
+    if !(min_efficiency.is_finite() && (0.0..=1.0).contains(min_efficiency)) {
+        return Err(Error::usage(format!(
+            "--min-efficiency {min_efficiency} must be a fraction in [0, 1] (0 turns it off)"
+        )));
+    }
+    pf.min_efficiency = *min_efficiency;
     pf.report = report.clone();
     pf.loopback = *preflight_loopback;
     Ok(Some(pf))
@@ -657,6 +673,7 @@ fn sweep_plan(sweep: &SweepArgs, mode: crate::preflight::Mode) -> Result<Preflig
         warmup: warmup.unwrap_or(if net { 1 } else { 5 }),
         timeout,
         min_busbw: None,
+        min_efficiency: 0.0,
         report: None,
         nccl_lib: nccl_lib.clone(),
         loopback: false,

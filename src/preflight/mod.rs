@@ -3,6 +3,7 @@
 //!
 //! - [`nccl`]: libnccl by explicit path, and which one the job would load.
 //! - [`cuda`]: the CUDA driver calls (cudarc, loaded at run time).
+//! - [`hardware`]: the GPU's links and line rate (NVML), the path NCCL took (its INFO log).
 //! - [`worker`]: one preflight rank (nrun itself, started like a job worker): NCCL on a GPU, or a
 //!   TCP ring on the CPU (`--preflight=net`).
 //! - this file: settings, the store keys ranks report through, and the verdict.
@@ -12,6 +13,7 @@
 //! to die. A rank that fails sets an abort key; the others stop waiting at once.
 
 pub mod cuda;
+pub mod hardware;
 pub mod nccl;
 pub mod worker;
 
@@ -188,6 +190,12 @@ pub struct RankReport {
     pub phases_ms: Vec<(String, f64)>,
     pub rows: Vec<Row>,
     pub error: Option<RankError>,
+    /// The GPU's links (NVML), when they could be read.
+    #[serde(default)]
+    pub links: Option<hardware::Links>,
+    /// The path NCCL took for this rank's connections (its INFO log).
+    #[serde(default)]
+    pub path: Option<hardware::NcclPath>,
 }
 
 /// Progress marks a rank leaves in the store, so a silent rank can be placed.
@@ -272,6 +280,11 @@ pub struct Outcome {
     /// The library the ranks were told to load.
     pub nccl_lib: Option<String>,
     pub min_busbw: Option<f64>,
+    /// Slow when busbw at the largest size (64 MiB or more) is under this fraction of the line
+    /// rate of the job's links (one node; None: not judged).
+    pub min_efficiency: Option<f64>,
+    /// The NCCL variables set that change its path or speed (named as causes when slow).
+    pub path_vars: Vec<String>,
     pub wall_s: f64,
     /// Libraries found besides the one used.
     pub other_libs: Vec<String>,
@@ -295,6 +308,8 @@ impl Outcome {
         let mut hints: Vec<String> = Vec::new();
         let mut verdict = Verdict::Ok;
         let mut largest = None;
+        let mut line_rate: Option<LineRate> = None;
+        let mut path_json: Option<hardware::NcclPath> = None;
         let worse = |v: Verdict, cur: &mut Verdict| {
             let rank = |v: Verdict| match v {
                 Verdict::Ok => 0,
@@ -613,6 +628,14 @@ impl Outcome {
                     }
                 }
             }
+            line_rate = self.against_hardware(&complete, peak, &mut t, &mut problems, &mut hints);
+            if let Some(p) = NcclPathSum::of(&complete) {
+                let _ = writeln!(t, "  NCCL path: {}", p.describe());
+                path_json = Some(p);
+            }
+            if line_rate.as_ref().is_some_and(|l| l.slow) {
+                worse(Verdict::Slow, &mut verdict);
+            }
             if let (Some(min), Some((bytes, bw))) = (self.min_busbw, peak) {
                 if bw < min {
                     worse(Verdict::Slow, &mut verdict);
@@ -666,6 +689,8 @@ impl Outcome {
             "rows": rows_json,
             "problems": problems,
             "hints": hints,
+            "line_rate": line_rate,
+            "nccl_path": path_json,
         });
         Summary {
             verdict,
@@ -674,6 +699,119 @@ impl Outcome {
             problems,
             largest,
         }
+    }
+}
+
+/// The job's line rate and how much of it the preflight got.
+#[derive(Clone, Debug, Serialize)]
+struct LineRate {
+    gbs: f64,
+    what: String,
+    busbw_gbs: f64,
+    efficiency: f64,
+    slow: bool,
+}
+
+/// The path NCCL took, summed over the ranks.
+struct NcclPathSum;
+
+impl NcclPathSum {
+    fn of(reports: &[&RankReport]) -> Option<hardware::NcclPath> {
+        let mut sum = hardware::NcclPath::default();
+        let mut channels = Vec::new();
+        for p in reports.iter().filter_map(|r| r.path.as_ref()) {
+            for (k, v) in &p.transports {
+                *sum.transports.entry(k.clone()).or_default() += v;
+            }
+            channels.push(p.channels);
+        }
+        sum.channels = channels.into_iter().min()?;
+        Some(sum)
+    }
+}
+
+impl Outcome {
+    /// The measured busbw against the line rate of the job's links (ranks on one node, with
+    /// NVML's view of every GPU), with the causes nrun can see when it is too low.
+    fn against_hardware(
+        &self,
+        complete: &[&RankReport],
+        peak: Option<(u64, f64)>,
+        t: &mut String,
+        problems: &mut Vec<String>,
+        hints: &mut Vec<String>,
+    ) -> Option<LineRate> {
+        let (bytes, bw) = peak?;
+        let hosts: std::collections::BTreeSet<&str> =
+            complete.iter().map(|r| r.host.as_str()).collect();
+        let links: Vec<(&RankReport, &hardware::Links)> = complete
+            .iter()
+            .filter_map(|r| r.links.as_ref().map(|l| (*r, l)))
+            .collect();
+        if self.world_size < 2 || hosts.len() != 1 || links.len() != complete.len() {
+            return None;
+        }
+        let (gbs, what) = links
+            .iter()
+            .map(|(_, l)| l.line_rate())
+            .min_by(|a, b| a.0.total_cmp(&b.0))?;
+        if gbs <= 0.0 {
+            return None;
+        }
+        let efficiency = bw / gbs;
+        let _ = writeln!(
+            t,
+            "  line rate: {what}; busbw {bw:.1} GB/s at {} is {:.0}% of it",
+            human_bytes(bytes),
+            efficiency * 100.0
+        );
+        // Small messages measure latency, not bandwidth: judge from 64 MiB up.
+        let min = self.min_efficiency.filter(|_| bytes >= 64 << 20)?;
+        let slow = efficiency < min;
+        if slow {
+            problems.push(format!(
+                "busbw {bw:.1} GB/s at {} is {:.0}% of the line rate ({what}), under \
+                 --min-efficiency {min}",
+                human_bytes(bytes),
+                efficiency * 100.0
+            ));
+            if !self.path_vars.is_empty() {
+                hints.push(format!(
+                    "set here and changing NCCL's path: {}; unset them unless they are meant",
+                    self.path_vars.join(", ")
+                ));
+            }
+            let path = NcclPathSum::of(complete);
+            let nvlink = links.iter().map(|(_, l)| l.nvlink_up).max().unwrap_or(0);
+            if let Some(p) = path.as_ref().filter(|p| nvlink > 0 && !p.all_p2p()) {
+                problems.push(format!(
+                    "NVLink is up ({nvlink} links) but NCCL connected through {}: peer to peer \
+                     is off or unavailable (NCCL_P2P_DISABLE/NCCL_P2P_LEVEL, or a container \
+                     without P2P)",
+                    p.describe()
+                ));
+            }
+            if let Some(p) = path.as_ref().filter(|p| p.channels > 0 && p.channels < 4) {
+                hints.push(format!(
+                    "NCCL used only {} channel(s) (NCCL_MAX_NCHANNELS/NCCL_MIN_NCHANNELS?)",
+                    p.channels
+                ));
+            }
+            for (r, l) in links.iter().filter(|(_, l)| l.pcie_degraded()) {
+                hints.push(format!(
+                    "rank {}'s GPU runs PCIe Gen{} x{}, below its Gen{} x{}: reseat it or check \
+                     the slot",
+                    r.rank, l.pcie_gen, l.pcie_width, l.pcie_max_gen, l.pcie_max_width
+                ));
+            }
+        }
+        Some(LineRate {
+            gbs,
+            what,
+            busbw_gbs: bw,
+            efficiency,
+            slow,
+        })
     }
 }
 
@@ -746,6 +884,8 @@ mod tests {
                 ip_wrong: 0,
             }],
             error: None,
+            links: None,
+            path: None,
         }
     }
 
@@ -758,9 +898,64 @@ mod tests {
             crashed: None,
             nccl_lib: None,
             min_busbw: None,
+            min_efficiency: Some(0.4),
+            path_vars: vec![],
             wall_s: 1.0,
             other_libs: vec![],
         }
+    }
+
+    /// Two ranks on one node with 18 NVLink links each, at 256 MiB in `us`, via `transport`.
+    fn nvlink_pair(us: f64, transport: &str) -> Outcome {
+        let links = hardware::Links {
+            nvlink_up: 18,
+            nvlink_gbs: 25.0,
+            pcie_gen: 5,
+            pcie_width: 16,
+            pcie_max_gen: 5,
+            pcie_max_width: 16,
+        };
+        let path = hardware::NcclPath {
+            transports: [(transport.to_string(), 24)].into(),
+            channels: 24,
+        };
+        let mut rs = vec![report(0, "a", us, 0), report(1, "a", us, 0)];
+        for r in &mut rs {
+            r.rows[0].bytes = 256 << 20;
+            r.links = Some(links.clone());
+            r.path = Some(path.clone());
+        }
+        outcome(rs)
+    }
+
+    #[test]
+    fn slow_against_the_line_rate_with_its_causes() {
+        // 256 MiB in 900 us on 2 ranks: busbw 298 GB/s, 66% of 450 GB/s.
+        let ok = nvlink_pair(900.0, "P2P/CUMEM").summarize();
+        assert_eq!(ok.verdict, Verdict::Ok, "{}", ok.text);
+        assert!(
+            ok.text.contains("line rate: NVLink 18 links x 25 GB/s = 450 GB/s; busbw 298.3 GB/s at 256 MiB is 66% of it")
+                && ok.text.contains("NCCL path: P2P/CUMEM x48, 24 channels"),
+            "{}",
+            ok.text
+        );
+        // Sockets instead of NVLink: 1% of the line rate, the variable and the path named.
+        let mut sockets = nvlink_pair(70_000.0, "NET/Socket");
+        sockets.path_vars = vec!["NCCL_P2P_DISABLE=1 (disables NVLink/PCIe peer to peer)".into()];
+        let s = sockets.summarize();
+        assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
+        assert!(s.text.contains("under --min-efficiency 0.4"), "{}", s.text);
+        assert!(
+            s.text.contains("NVLink is up (18 links) but NCCL connected through NET/Socket x48"),
+            "{}",
+            s.text
+        );
+        assert!(s.text.contains("NCCL_P2P_DISABLE=1"), "{}", s.text);
+        assert_eq!(s.json["line_rate"]["slow"], true);
+        // Turned off, or sizes too small to measure bandwidth: shown, not judged.
+        let mut off = nvlink_pair(70_000.0, "P2P/CUMEM");
+        off.min_efficiency = None;
+        assert_eq!(off.summarize().verdict, Verdict::Ok);
     }
 
     #[test]

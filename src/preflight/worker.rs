@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::cuda::{self, Gpu};
 use super::nccl::{self, Nccl, UniqueId};
-use super::{Mode, RankError, RankReport, Row, Settings};
+use super::{Mode, RankError, RankReport, Row, Settings, hardware};
 use crate::store::client::Client;
 
 /// Element i of rank r's input: small integers, so float sums are exact in any order, and
@@ -142,11 +142,30 @@ pub fn main() -> u8 {
     unsafe { libc::_exit(code as i32) }
 }
 
+/// Where this rank's NCCL writes its INFO log (see [`nccl_log_to_file`]).
+fn nccl_log_path() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("nrun-nccl-{}.log", std::process::id()))
+}
+
+/// NCCL's transport lines go to a file of this rank's own, read after the sweep: the path NCCL
+/// took, in its own words. Only this process is affected, never the job.
+fn nccl_log_to_file() {
+    // SAFETY: called before this process starts any thread.
+    unsafe {
+        std::env::set_var("NCCL_DEBUG", "INFO");
+        std::env::set_var("NCCL_DEBUG_SUBSYS", "P2P,SHM,NET");
+        std::env::set_var("NCCL_DEBUG_FILE", nccl_log_path());
+    }
+}
+
 fn run() -> Result<(), String> {
     let s: Settings = serde_json::from_str(
         &std::env::var(super::ENV).map_err(|_| format!("{} is not set", super::ENV))?,
     )
     .map_err(|e| format!("bad {}: {e}", super::ENV))?;
+    if s.mode == Mode::Nccl {
+        nccl_log_to_file();
+    }
     let rank = env_usize("RANK")?;
     let world = env_usize("WORLD_SIZE")?;
     let local_rank = env_usize("LOCAL_RANK")?;
@@ -172,8 +191,7 @@ fn run() -> Result<(), String> {
         rt.block_on(store.set(crate::store::server::AUTH_KEY, secret.as_bytes()))
             .map_err(|e| format!("rank {rank}: store: {e}"))?;
     }
-    let host = nix::unistd::gethostname()
-        .map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned());
+    let host = crate::net::hostname();
     let mut ctx = Ctx {
         rt,
         store,
@@ -195,11 +213,15 @@ fn run() -> Result<(), String> {
         phases_ms: Vec::new(),
         rows: Vec::new(),
         error: None,
+        links: None,
+        path: None,
     };
     let result = match ctx.s.mode {
         Mode::Nccl => run_nccl(&mut ctx, &mut rep, local_rank),
         Mode::Net => run_net(&mut ctx, &mut rep),
     };
+    // Read (or not, on a failure) by now; nothing of it stays behind.
+    let _ = std::fs::remove_file(nccl_log_path());
     if let Err(e) = result {
         if e.kind != "aborted" {
             ctx.set("abort", rank.to_string().as_bytes());
@@ -365,6 +387,11 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         err("setup", m)
     })?;
     rep.gpu = Some(format!("{} ({})", gpu.name, gpu.pci_bus_id));
+    // The GPU's links, read while NCCL initialises (NVML's own start costs tens of ms).
+    let links = {
+        let bus = gpu.pci_bus_id.clone();
+        std::thread::spawn(move || hardware::links(&bus))
+    };
     ctx.stage("loaded");
     ph.mark("cuda");
 
@@ -566,6 +593,12 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         });
     }
     ph.mark("sweep");
+    rep.links = links.join().ok().and_then(Result::ok);
+    let log = nccl_log_path();
+    if let Ok(text) = std::fs::read_to_string(&log) {
+        rep.path = Some(hardware::parse_nccl_log(&text)).filter(|p| !p.transports.is_empty());
+    }
+    let _ = std::fs::remove_file(&log);
     rep.phases_ms = ph.list;
     // Neither the buffers nor the communicators are torn down: the process ends right after
     // reporting (see `main`), and freeing memory NCCL may still reference only risks a crash.

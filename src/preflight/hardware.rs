@@ -1,0 +1,231 @@
+//! What good looks like for a rank's GPU: the links the hardware has (NVLink links up and their
+//! speed, PCIe generation and width against their maximum, read through NVML, which is loaded at
+//! run time like CUDA so nrun runs without a driver), the line rate they give, and the path NCCL
+//! actually took (its own INFO log, written to a file for the preflight's ranks only).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// A GPU's links, as NVML reports them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Links {
+    /// NVLink links that are up, and each one's data rate per direction (GB/s).
+    pub nvlink_up: u32,
+    pub nvlink_gbs: f64,
+    /// PCIe generation and width now, and the most the GPU supports.
+    pub pcie_gen: u32,
+    pub pcie_width: u32,
+    pub pcie_max_gen: u32,
+    pub pcie_max_width: u32,
+}
+
+/// Data rate of one NVLink link per direction, by NVLink version (NVML's numbering).
+fn nvlink_gbs(version: u32) -> f64 {
+    match version {
+        0 | 1 => 20.0,
+        2..=4 => 25.0,
+        _ => 50.0,
+    }
+}
+
+/// PCIe data rate per direction (GB/s): per-lane rate after encoding, times lanes.
+pub fn pcie_gbs(generation: u32, width: u32) -> f64 {
+    let lane = match generation {
+        1 => 0.25,
+        2 => 0.5,
+        3 => 0.985,
+        4 => 1.969,
+        5 => 3.938,
+        _ => 7.563,
+    };
+    lane * f64::from(width)
+}
+
+impl Links {
+    /// The line rate between this GPU and the others of its node: NVLink when links are up,
+    /// else PCIe; with a few words saying which.
+    pub fn line_rate(&self) -> (f64, String) {
+        if self.nvlink_up > 0 {
+            let r = f64::from(self.nvlink_up) * self.nvlink_gbs;
+            (
+                r,
+                format!(
+                    "NVLink {} links x {:.0} GB/s = {r:.0} GB/s",
+                    self.nvlink_up, self.nvlink_gbs
+                ),
+            )
+        } else {
+            let r = pcie_gbs(self.pcie_gen, self.pcie_width);
+            (
+                r,
+                format!("PCIe Gen{} x{} = {r:.0} GB/s", self.pcie_gen, self.pcie_width),
+            )
+        }
+    }
+
+    /// The PCIe link runs below what the GPU supports (a slot or riser trained down).
+    pub fn pcie_degraded(&self) -> bool {
+        self.pcie_max_gen > 0
+            && (self.pcie_gen < self.pcie_max_gen || self.pcie_width < self.pcie_max_width)
+    }
+}
+
+/// The links of the GPU at PCI bus id `bus_id` (as CUDA writes it).
+pub fn links(bus_id: &str) -> Result<Links, String> {
+    let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("NVML: {e}"))?;
+    let dev = nvml
+        .device_by_pci_bus_id(bus_id)
+        .map_err(|e| format!("NVML: GPU {bus_id}: {e}"))?;
+    let mut l = Links {
+        pcie_gen: dev.current_pcie_link_gen().unwrap_or(0),
+        pcie_width: dev.current_pcie_link_width().unwrap_or(0),
+        pcie_max_gen: dev.max_pcie_link_gen().unwrap_or(0),
+        pcie_max_width: dev.max_pcie_link_width().unwrap_or(0),
+        ..Links::default()
+    };
+    // NVML_NVLINK_MAX_LINKS is 18 on Hopper; a GPU without NVLink answers "not supported".
+    for link in 0..18 {
+        let w = dev.link_wrapper_for(link);
+        if w.is_active().unwrap_or(false) {
+            l.nvlink_up += 1;
+            l.nvlink_gbs = nvlink_gbs(w.version().unwrap_or(4));
+        }
+    }
+    Ok(l)
+}
+
+/// The path NCCL took, from its INFO log: connections per transport, and channels.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NcclPath {
+    /// "P2P/CUMEM" (NVLink or PCIe peer to peer), "SHM", "NET/Socket", "NET/IB", ... -> count.
+    pub transports: BTreeMap<String, u32>,
+    pub channels: u32,
+}
+
+impl NcclPath {
+    /// One line for the report: "P2P/CUMEM x48, 24 channels".
+    pub fn describe(&self) -> String {
+        let t: Vec<String> = self
+            .transports
+            .iter()
+            .map(|(k, v)| format!("{k} x{v}"))
+            .collect();
+        format!("{}, {} channels", t.join(" + "), self.channels)
+    }
+
+    /// Whether every connection went peer to peer (NVLink or PCIe P2P).
+    pub fn all_p2p(&self) -> bool {
+        !self.transports.is_empty() && self.transports.keys().all(|k| k.starts_with("P2P"))
+    }
+}
+
+/// Parses NCCL's INFO lines such as
+/// `host:123:456 [0] NCCL INFO Channel 03/0 : 0[0] -> 1[1] via P2P/CUMEM/read`.
+pub fn parse_nccl_log(text: &str) -> NcclPath {
+    let mut p = NcclPath::default();
+    let mut channels = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        let Some(rest) = line.split("NCCL INFO Channel ").nth(1) else {
+            continue;
+        };
+        let Some(via) = rest.split(" via ").nth(1) else {
+            continue;
+        };
+        if let Some(ch) = rest.split('/').next().and_then(|c| c.trim().parse::<u32>().ok()) {
+            channels.insert(ch);
+        }
+        // The transport and its kind: P2P/CUMEM/read -> P2P/CUMEM, NET/IB/0/GDRDMA -> NET/IB.
+        let mut parts = via.split_whitespace().next().unwrap_or("").split('/');
+        let kind = match (parts.next(), parts.next()) {
+            (Some(a @ ("P2P" | "NET")), Some(b)) => format!("{a}/{b}"),
+            (Some(a), _) => a.to_string(),
+            _ => continue,
+        };
+        *p.transports.entry(kind).or_default() += 1;
+    }
+    p.channels = channels.len() as u32;
+    p
+}
+
+/// The NCCL variables set that change its path or speed, each with what it does.
+pub fn path_variables(env: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
+    const VARS: [(&str, &str); 12] = [
+        ("NCCL_P2P_DISABLE", "disables NVLink/PCIe peer to peer"),
+        ("NCCL_P2P_LEVEL", "limits where peer to peer is used"),
+        ("NCCL_SHM_DISABLE", "disables shared memory between local GPUs"),
+        ("NCCL_NET", "forces a network transport"),
+        ("NCCL_IB_DISABLE", "disables InfiniBand/RoCE"),
+        ("NCCL_NET_GDR_LEVEL", "limits GPUDirect RDMA"),
+        ("NCCL_MAX_NCHANNELS", "caps the channels"),
+        ("NCCL_MIN_NCHANNELS", "sets the channels"),
+        ("NCCL_MAX_CTAS", "caps the channels' thread blocks"),
+        ("NCCL_BUFFSIZE", "sets the buffer per channel"),
+        ("NCCL_ALGO", "forces an algorithm"),
+        ("NCCL_PROTO", "forces a protocol"),
+    ];
+    VARS.iter()
+        .filter_map(|(k, what)| env(k).map(|v| format!("{k}={v} ({what})")))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines as NCCL 2.28 writes them on the 2x H200 machine, healthy and with P2P/SHM off.
+    const HEALTHY: &str = "\
+vm:1043:1101 [0] NCCL INFO Channel 00/24 : 0 1
+vm:1043:1101 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+vm:1043:1101 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+vm:1043:1101 [0] NCCL INFO Channel 23/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+vm:1043:1101 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 1
+";
+    const SOCKETS: &str = "\
+vm:1043:1101 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] [send] via NET/Socket/0
+vm:1043:1101 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] [send] via NET/Socket/0
+vm:1043:1101 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/0
+";
+
+    #[test]
+    fn nccl_logs_give_the_path() {
+        let p = parse_nccl_log(HEALTHY);
+        assert_eq!(p.transports.get("P2P/CUMEM"), Some(&3));
+        assert_eq!(p.channels, 3);
+        assert!(p.all_p2p());
+        assert_eq!(p.describe(), "P2P/CUMEM x3, 3 channels");
+        let p = parse_nccl_log(SOCKETS);
+        assert_eq!(p.transports.get("NET/Socket"), Some(&3));
+        assert_eq!(p.channels, 2);
+        assert!(!p.all_p2p());
+        assert_eq!(parse_nccl_log("nothing here"), NcclPath::default());
+    }
+
+    #[test]
+    fn line_rates() {
+        let nv = Links {
+            nvlink_up: 18,
+            nvlink_gbs: 25.0,
+            pcie_gen: 5,
+            pcie_width: 16,
+            pcie_max_gen: 5,
+            pcie_max_width: 16,
+        };
+        assert_eq!(nv.line_rate().0, 450.0);
+        assert!(nv.line_rate().1.starts_with("NVLink 18 links x 25 GB/s"));
+        assert!(!nv.pcie_degraded());
+        let pcie = Links {
+            nvlink_up: 0,
+            pcie_gen: 4,
+            pcie_width: 4,
+            ..nv
+        };
+        assert!((pcie.line_rate().0 - 7.876).abs() < 0.01);
+        assert!(pcie.pcie_degraded());
+        let env = |k: &str| (k == "NCCL_P2P_DISABLE").then(|| "1".to_string());
+        assert_eq!(
+            path_variables(&env),
+            ["NCCL_P2P_DISABLE=1 (disables NVLink/PCIe peer to peer)"]
+        );
+    }
+}
