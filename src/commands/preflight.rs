@@ -105,7 +105,11 @@ pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8>
             min_efficiency: Some(pf.min_efficiency).filter(|_| !pf.loopback),
             // What the ranks got: the run's variables (forwarded from here, .nrun_env, -x).
             path_vars: preflight::hardware::path_variables(&|k| {
-                s.plan.env.iter().find(|(x, _)| x == k).map(|(_, v)| v.clone())
+                s.plan
+                    .env
+                    .iter()
+                    .find(|(x, _)| x == k)
+                    .map(|(_, v)| v.clone())
             }),
             wall_s: started.elapsed().as_secs_f64(),
             other_libs,

@@ -13,6 +13,9 @@ pub struct Links {
     /// NVLink links that are up, and each one's data rate per direction (GB/s).
     pub nvlink_up: u32,
     pub nvlink_gbs: f64,
+    /// NVML's NVLink version of the links (see `nvlink_gbs`), 0 when none is up.
+    #[serde(default)]
+    pub nvlink_version: u32,
     /// PCIe generation and width now, and the most the GPU supports.
     pub pcie_gen: u32,
     pub pcie_width: u32,
@@ -20,11 +23,13 @@ pub struct Links {
     pub pcie_max_width: u32,
 }
 
-/// Data rate of one NVLink link per direction, by NVLink version (NVML's numbering).
+/// Data rate of one NVLink link per direction, by NVML's `nvmlNvlinkVersion_t`: 1 is NVLink
+/// 1.0 (P100), 2 and 3 are 2.0/2.2 (V100), 4 and 5 are 3.0/3.1 (A100), 6 is 4.0 (H100, H200),
+/// 7 is 5.0 (B200). Only 5.0 doubled the per-link rate.
 fn nvlink_gbs(version: u32) -> f64 {
     match version {
         0 | 1 => 20.0,
-        2..=4 => 25.0,
+        2..=6 => 25.0,
         _ => 50.0,
     }
 }
@@ -59,7 +64,10 @@ impl Links {
             let r = pcie_gbs(self.pcie_gen, self.pcie_width);
             (
                 r,
-                format!("PCIe Gen{} x{} = {r:.0} GB/s", self.pcie_gen, self.pcie_width),
+                format!(
+                    "PCIe Gen{} x{} = {r:.0} GB/s",
+                    self.pcie_gen, self.pcie_width
+                ),
             )
         }
     }
@@ -89,7 +97,8 @@ pub fn links(bus_id: &str) -> Result<Links, String> {
         let w = dev.link_wrapper_for(link);
         if w.is_active().unwrap_or(false) {
             l.nvlink_up += 1;
-            l.nvlink_gbs = nvlink_gbs(w.version().unwrap_or(4));
+            l.nvlink_version = w.version().unwrap_or(6);
+            l.nvlink_gbs = nvlink_gbs(l.nvlink_version);
         }
     }
     Ok(l)
@@ -132,7 +141,9 @@ pub fn parse_nccl_log(text: &str) -> NcclPath {
         let Some(via) = rest.split(" via ").nth(1) else {
             continue;
         };
-        if let Some(ch) = rest.split('/').next().and_then(|c| c.trim().parse::<u32>().ok()) {
+        // "03/0 : ..." (P2P, NET) or "03 : ..." (SHM): the channel is the leading number.
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        if let Ok(ch) = digits.parse::<u32>() {
             channels.insert(ch);
         }
         // The transport and its kind: P2P/CUMEM/read -> P2P/CUMEM, NET/IB/0/GDRDMA -> NET/IB.
@@ -153,7 +164,10 @@ pub fn path_variables(env: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
     const VARS: [(&str, &str); 12] = [
         ("NCCL_P2P_DISABLE", "disables NVLink/PCIe peer to peer"),
         ("NCCL_P2P_LEVEL", "limits where peer to peer is used"),
-        ("NCCL_SHM_DISABLE", "disables shared memory between local GPUs"),
+        (
+            "NCCL_SHM_DISABLE",
+            "disables shared memory between local GPUs",
+        ),
         ("NCCL_NET", "forces a network transport"),
         ("NCCL_IB_DISABLE", "disables InfiniBand/RoCE"),
         ("NCCL_NET_GDR_LEVEL", "limits GPUDirect RDMA"),
@@ -181,6 +195,10 @@ vm:1043:1101 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/CUMEM/read
 vm:1043:1101 [0] NCCL INFO Channel 23/0 : 0[0] -> 1[1] via P2P/CUMEM/read
 vm:1043:1101 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 1
 ";
+    const SHM: &str = "\
+vm:1043:1101 [0] NCCL INFO Channel 00 : 0[0] -> 1[1] via SHM/direct/direct
+vm:1043:1101 [0] NCCL INFO Channel 01 : 0[0] -> 1[1] via SHM/direct/direct
+";
     const SOCKETS: &str = "\
 vm:1043:1101 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] [send] via NET/Socket/0
 vm:1043:1101 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] [send] via NET/Socket/0
@@ -199,13 +217,18 @@ vm:1043:1101 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/
         assert_eq!(p.channels, 2);
         assert!(!p.all_p2p());
         assert_eq!(parse_nccl_log("nothing here"), NcclPath::default());
+        let p = parse_nccl_log(SHM);
+        assert_eq!((p.transports.get("SHM"), p.channels), (Some(&2), 2));
     }
 
     #[test]
     fn line_rates() {
+        assert_eq!(nvlink_gbs(6), 25.0);
+        assert_eq!(nvlink_gbs(7), 50.0);
         let nv = Links {
             nvlink_up: 18,
             nvlink_gbs: 25.0,
+            nvlink_version: 6,
             pcie_gen: 5,
             pcie_width: 16,
             pcie_max_gen: 5,

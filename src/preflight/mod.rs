@@ -910,6 +910,7 @@ mod tests {
         let links = hardware::Links {
             nvlink_up: 18,
             nvlink_gbs: 25.0,
+            nvlink_version: 6,
             pcie_gen: 5,
             pcie_width: 16,
             pcie_max_gen: 5,
@@ -946,7 +947,8 @@ mod tests {
         assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
         assert!(s.text.contains("under --min-efficiency 0.4"), "{}", s.text);
         assert!(
-            s.text.contains("NVLink is up (18 links) but NCCL connected through NET/Socket x48"),
+            s.text
+                .contains("NVLink is up (18 links) but NCCL connected through NET/Socket x48"),
             "{}",
             s.text
         );
