@@ -36,18 +36,24 @@ pub struct Facts {
     pub torch_nccl: Option<String>,
     pub torch_error: Option<String>,
     pub nrun: String,
+    /// Each GPU's PCI bus id and health, from NVML (empty without it).
+    #[serde(default)]
+    pub gpu_health: Vec<(String, crate::preflight::hardware::Health)>,
 }
 
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
 pub fn gather(python: Option<&Path>) -> Facts {
     let mut f = Facts {
-        hostname: nix::unistd::gethostname()
-            .map_or_else(|_| "?".into(), |h| h.to_string_lossy().into_owned()),
+        hostname: crate::net::hostname(),
         os: os_name(),
         ifaces: crate::net::interfaces(),
         nrun: crate::cli::VERSION.to_string(),
         ..Facts::default()
     };
+    // NVML only where the driver is: loading it elsewhere is a wasted search.
+    if std::path::Path::new("/proc/driver/nvidia/gpus").exists() {
+        f.gpu_health = crate::preflight::hardware::all_gpus().unwrap_or_default();
+    }
     if let Ok(rd) = std::fs::read_dir("/proc/driver/nvidia/gpus") {
         let mut gpus: Vec<String> = rd
             .flatten()
@@ -144,6 +150,7 @@ fn columns(nodes: &[(String, &Facts)]) -> Vec<(&'static str, Vec<String>)> {
         ("hostname", col(&|f| f.hostname.clone())),
         ("os", col(&|f| f.os.clone())),
         ("gpus", col(&|f| gpu_summary(&f.gpus))),
+        ("gpu health", col(&health_summary)),
         (
             "driver",
             col(&|f| f.driver.clone().unwrap_or_else(|| "-".into())),
@@ -175,6 +182,27 @@ fn columns(nodes: &[(String, &Facts)]) -> Vec<(&'static str, Vec<String>)> {
             col(&|f| f.nrun.split_whitespace().next().unwrap_or("?").to_string()),
         ),
     ]
+}
+
+/// "ok", "-" (no NVML) or what is wrong, by check: "ecc on 1 GPU".
+fn health_summary(f: &Facts) -> String {
+    if f.gpu_health.is_empty() {
+        return "-".into();
+    }
+    let mut checks: std::collections::BTreeMap<&str, usize> = Default::default();
+    for (_, h) in &f.gpu_health {
+        for p in h.problems() {
+            *checks.entry(p.check).or_default() += 1;
+        }
+    }
+    if checks.is_empty() {
+        return "ok".into();
+    }
+    checks
+        .iter()
+        .map(|(c, n)| format!("{c} on {n} GPU{}", if *n == 1 { "" } else { "s" }))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn gpu_summary(g: &[String]) -> String {

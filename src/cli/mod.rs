@@ -343,6 +343,11 @@ pub struct PreflightArgs {
     )]
     pub min_efficiency: f64,
 
+    /// GPU health checks not to fail the preflight on: ecc (uncorrectable errors), retired
+    /// (pages pending retirement), throttle (clocks slowed down), mig (MIG mode on).
+    #[arg(long, env = "NRUN_WAIVE", value_name = "CHECK[,CHECK]", action = ArgAction::Append)]
+    pub waive: Vec<String>,
+
     /// Write the preflight's report, and what the watch found (hangs, stragglers), as JSON to
     /// FILE.
     #[arg(long, env = "NRUN_REPORT", value_name = "FILE")]

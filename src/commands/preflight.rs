@@ -111,6 +111,7 @@ pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8>
                     .find(|(x, _)| x == k)
                     .map(|(_, v)| v.clone())
             }),
+            waived: pf.waived.clone(),
             wall_s: started.elapsed().as_secs_f64(),
             other_libs,
         },
@@ -199,6 +200,8 @@ pub struct Extras {
     pub min_efficiency: Option<f64>,
     /// The NCCL variables set that change its path (see `hardware::path_variables`).
     pub path_vars: Vec<String>,
+    /// GPU health checks waived (`--waive`).
+    pub waived: Vec<String>,
     pub wall_s: f64,
     /// Libraries found besides the one used.
     pub other_libs: Vec<String>,
@@ -225,6 +228,7 @@ pub fn summarize(
         min_busbw: extras.min_busbw,
         min_efficiency: extras.min_efficiency,
         path_vars: extras.path_vars,
+        waived: extras.waived,
         wall_s: extras.wall_s,
         other_libs: extras.other_libs,
     }

@@ -125,6 +125,8 @@ pub struct PreflightPlan {
     pub min_busbw: Option<f64>,
     /// Slow under this fraction of the links' line rate (one node).
     pub min_efficiency: f64,
+    /// GPU health checks not to fail on.
+    pub waived: Vec<String>,
     pub report: Option<PathBuf>,
     pub nccl_lib: Option<PathBuf>,
     pub loopback: bool,
@@ -573,6 +575,7 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
         sweep,
         min_busbw,
         min_efficiency,
+        waive,
         report,
         preflight_loopback,
     } = args;
@@ -634,6 +637,19 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
         )));
     }
     pf.min_efficiency = *min_efficiency;
+    for w in waive
+        .iter()
+        .flat_map(|w| w.split(','))
+        .map(str::trim)
+        .filter(|w| !w.is_empty())
+    {
+        if !["ecc", "retired", "throttle", "mig"].contains(&w) {
+            return Err(Error::usage(format!(
+                "--waive {w:?}: expected ecc, retired, throttle or mig"
+            )));
+        }
+        pf.waived.push(w.to_string());
+    }
     pf.report = report.clone();
     pf.loopback = *preflight_loopback;
     Ok(Some(pf))
@@ -674,6 +690,7 @@ fn sweep_plan(sweep: &SweepArgs, mode: crate::preflight::Mode) -> Result<Preflig
         timeout,
         min_busbw: None,
         min_efficiency: 0.0,
+        waived: Vec::new(),
         report: None,
         nccl_lib: nccl_lib.clone(),
         loopback: false,

@@ -1,4 +1,5 @@
-//! What good looks like for a rank's GPU: the links the hardware has (NVLink links up and their
+//! What good looks like for a rank's GPU: its health (ECC, retired pages, slowdowns, MIG), the
+//! links the hardware has (NVLink links up and their
 //! speed, PCIe generation and width against their maximum, read through NVML, which is loaded at
 //! run time like CUDA so nrun runs without a driver), the line rate they give, and the path NCCL
 //! actually took (its own INFO log, written to a file for the preflight's ranks only).
@@ -79,8 +80,142 @@ impl Links {
     }
 }
 
-/// The links of the GPU at PCI bus id `bus_id` (as CUDA writes it).
-pub fn links(bus_id: &str) -> Result<Links, String> {
+/// A device-to-device copy under this fraction of the GPU model's memory bandwidth is slow.
+pub const MEMORY_FLOOR: f64 = 0.5;
+
+/// The memory bandwidth (GB/s) of the GPU model named in `gpu` ("NVIDIA H200 (bus)"), with
+/// the model's short name; None for a model not in the table.
+pub fn memory_gbs(gpu: &str) -> Option<(f64, &'static str)> {
+    const MODELS: [(&str, f64); 8] = [
+        ("H200", 4800.0),
+        ("H100 NVL", 3900.0),
+        ("H100", 3350.0),
+        ("B200", 8000.0),
+        ("A100-SXM4-80GB", 2039.0),
+        ("A100 80GB PCIe", 1935.0),
+        ("A100", 1555.0),
+        ("L40S", 864.0),
+    ];
+    MODELS
+        .iter()
+        .find(|(name, _)| gpu.contains(name))
+        .map(|(name, gbs)| (*gbs, *name))
+}
+
+/// A GPU's health, as NVML reports it (None: not supported or not readable).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Health {
+    pub temperature_c: Option<u32>,
+    pub persistence: Option<bool>,
+    /// Uncorrectable ECC errors since the driver loaded.
+    pub ecc_uncorrected: Option<u64>,
+    /// Memory pages waiting to be retired (older GPUs; newer ones remap rows).
+    pub pages_pending_retirement: Option<bool>,
+    /// Clock slowdowns now in effect that make a job crawl (not the normal power cap).
+    pub slowdowns: Vec<String>,
+    pub mig: Option<bool>,
+}
+
+/// A health check that fails the preflight, by the name `--waive` takes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unhealthy {
+    pub check: &'static str,
+    pub what: String,
+    /// Slows a job down rather than failing it.
+    pub slows: bool,
+}
+
+impl Health {
+    /// What is wrong with the GPU, each with its check's name.
+    pub fn problems(&self) -> Vec<Unhealthy> {
+        let mut v = Vec::new();
+        if let Some(n) = self.ecc_uncorrected.filter(|n| *n > 0) {
+            v.push(Unhealthy {
+                check: "ecc",
+                what: format!("{n} uncorrectable ECC errors since the driver loaded: drain the node and reset the GPU"),
+                slows: false,
+            });
+        }
+        if self.pages_pending_retirement == Some(true) {
+            v.push(Unhealthy {
+                check: "retired",
+                what: "memory pages wait to be retired: reset the GPU (or reboot) before using it"
+                    .into(),
+                slows: false,
+            });
+        }
+        if !self.slowdowns.is_empty() {
+            v.push(Unhealthy {
+                check: "throttle",
+                what: format!(
+                    "clocks slowed down now ({}): check cooling and power",
+                    self.slowdowns.join(", ")
+                ),
+                slows: true,
+            });
+        }
+        if self.mig == Some(true) {
+            v.push(Unhealthy {
+                check: "mig",
+                what: "MIG mode is on: NCCL cannot span MIG instances of several GPUs".into(),
+                slows: false,
+            });
+        }
+        v
+    }
+
+    /// One line: "41 C, persistence on, ECC 0, no slowdown".
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(t) = self.temperature_c {
+            parts.push(format!("{t} C"));
+        }
+        if let Some(p) = self.persistence {
+            parts.push(format!("persistence {}", if p { "on" } else { "off" }));
+        }
+        if let Some(n) = self.ecc_uncorrected {
+            parts.push(format!("uncorrectable ECC {n}"));
+        }
+        parts.push(match self.slowdowns.is_empty() {
+            true => "no slowdown".into(),
+            false => format!("slowed down: {}", self.slowdowns.join(", ")),
+        });
+        if self.mig == Some(true) {
+            parts.push("MIG on".into());
+        }
+        parts.join(", ")
+    }
+}
+
+/// The health of a GPU NVML has opened.
+fn health(dev: &nvml_wrapper::Device<'_>) -> Health {
+    use nvml_wrapper::bitmasks::device::ThrottleReasons as T;
+    use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
+    let reasons = dev.current_throttle_reasons().unwrap_or(T::empty());
+    let slowdowns = [
+        (T::HW_SLOWDOWN, "hardware slowdown"),
+        (T::HW_THERMAL_SLOWDOWN, "hardware thermal"),
+        (T::HW_POWER_BRAKE_SLOWDOWN, "power brake"),
+        (T::SW_THERMAL_SLOWDOWN, "software thermal"),
+    ]
+    .iter()
+    .filter(|(r, _)| reasons.contains(*r))
+    .map(|(_, n)| n.to_string())
+    .collect();
+    Health {
+        temperature_c: dev.temperature(TemperatureSensor::Gpu).ok(),
+        persistence: dev.is_in_persistent_mode().ok(),
+        ecc_uncorrected: dev
+            .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+            .ok(),
+        pages_pending_retirement: dev.are_pages_pending_retired().ok(),
+        slowdowns,
+        mig: dev.mig_mode().ok().map(|m| m.current == 1),
+    }
+}
+
+/// The links and health of the GPU at PCI bus id `bus_id` (as CUDA writes it).
+pub fn inspect(bus_id: &str) -> Result<(Links, Health), String> {
     let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("NVML: {e}"))?;
     let dev = nvml
         .device_by_pci_bus_id(bus_id)
@@ -101,7 +236,22 @@ pub fn links(bus_id: &str) -> Result<Links, String> {
             l.nvlink_gbs = nvlink_gbs(l.nvlink_version);
         }
     }
-    Ok(l)
+    Ok((l, health(&dev)))
+}
+
+/// Every GPU of this host with its health, for `nrun doctor` and the facts (None: no NVML).
+pub fn all_gpus() -> Option<Vec<(String, Health)>> {
+    let nvml = nvml_wrapper::Nvml::init().ok()?;
+    let n = nvml.device_count().ok()?;
+    Some(
+        (0..n)
+            .filter_map(|i| nvml.device_by_index(i).ok())
+            .map(|d| {
+                let bus = d.pci_info().map(|p| p.bus_id).unwrap_or_default();
+                (bus, health(&d))
+            })
+            .collect(),
+    )
 }
 
 /// The path NCCL took, from its INFO log: connections per transport, and channels.
@@ -219,6 +369,33 @@ vm:1043:1101 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/
         assert_eq!(parse_nccl_log("nothing here"), NcclPath::default());
         let p = parse_nccl_log(SHM);
         assert_eq!((p.transports.get("SHM"), p.channels), (Some(&2), 2));
+    }
+
+    #[test]
+    fn health_problems_by_check() {
+        let ok = Health {
+            temperature_c: Some(41),
+            persistence: Some(true),
+            ecc_uncorrected: Some(0),
+            pages_pending_retirement: Some(false),
+            slowdowns: vec![],
+            mig: Some(false),
+        };
+        assert!(ok.problems().is_empty());
+        assert_eq!(
+            ok.describe(),
+            "41 C, persistence on, uncorrectable ECC 0, no slowdown"
+        );
+        let bad = Health {
+            ecc_uncorrected: Some(3),
+            slowdowns: vec!["power brake".into()],
+            mig: Some(true),
+            ..ok
+        };
+        let p = bad.problems();
+        let checks: Vec<&str> = p.iter().map(|u| u.check).collect();
+        assert_eq!(checks, ["ecc", "throttle", "mig"]);
+        assert!(p[1].slows && !p[0].slows);
     }
 
     #[test]

@@ -190,12 +190,17 @@ pub struct RankReport {
     pub phases_ms: Vec<(String, f64)>,
     pub rows: Vec<Row>,
     pub error: Option<RankError>,
-    /// The GPU's links (NVML), when they could be read.
+    /// The GPU's links and health (NVML), when they could be read.
     #[serde(default)]
     pub links: Option<hardware::Links>,
+    #[serde(default)]
+    pub health: Option<hardware::Health>,
     /// The path NCCL took for this rank's connections (its INFO log).
     #[serde(default)]
     pub path: Option<hardware::NcclPath>,
+    /// The GPU's device-to-device copy bandwidth (GB/s, read and write counted).
+    #[serde(default)]
+    pub mem_gbs: Option<f64>,
 }
 
 /// Progress marks a rank leaves in the store, so a silent rank can be placed.
@@ -285,6 +290,8 @@ pub struct Outcome {
     pub min_efficiency: Option<f64>,
     /// The NCCL variables set that change its path or speed (named as causes when slow).
     pub path_vars: Vec<String>,
+    /// GPU health checks not to fail on (`--waive ecc,throttle`).
+    pub waived: Vec<String>,
     pub wall_s: f64,
     /// Libraries found besides the one used.
     pub other_libs: Vec<String>,
@@ -629,6 +636,12 @@ impl Outcome {
                 }
             }
             line_rate = self.against_hardware(&complete, peak, &mut t, &mut problems, &mut hints);
+            if let Some(v) = self.health(&complete, &mut t, &mut problems) {
+                worse(v, &mut verdict);
+            }
+            if self.memory(&complete, &mut t, &mut problems) {
+                worse(Verdict::Slow, &mut verdict);
+            }
             if let Some(p) = NcclPathSum::of(&complete) {
                 let _ = writeln!(t, "  NCCL path: {}", p.describe());
                 path_json = Some(p);
@@ -731,6 +744,110 @@ impl NcclPathSum {
 }
 
 impl Outcome {
+    /// Each GPU's memory bandwidth against the job's other GPUs and the model's figure; true
+    /// when one is degraded.
+    fn memory(&self, reports: &[&RankReport], t: &mut String, problems: &mut Vec<String>) -> bool {
+        let seen: Vec<(&RankReport, f64)> = reports
+            .iter()
+            .filter_map(|r| r.mem_gbs.map(|g| (*r, g)))
+            .collect();
+        if seen.is_empty() {
+            return false;
+        }
+        let mut all: Vec<f64> = seen.iter().map(|(_, g)| *g).collect();
+        all.sort_by(f64::total_cmp);
+        let median = all[all.len() / 2];
+        let model = seen
+            .first()
+            .and_then(|(r, _)| r.gpu.as_deref())
+            .and_then(hardware::memory_gbs);
+        let _ = writeln!(
+            t,
+            "  GPU memory: copies at {:.0}-{:.0} GB/s{}",
+            all[0],
+            all[all.len() - 1],
+            model.map_or(String::new(), |(m, name)| format!(
+                " ({:.0}% of the {name}'s {m:.0} GB/s)",
+                100.0 * median / m
+            ))
+        );
+        let mut slow = false;
+        for (r, g) in &seen {
+            let gpu = r.gpu.as_deref().unwrap_or("its GPU");
+            if seen.len() > 1 && *g < 0.8 * median {
+                slow = true;
+                problems.push(format!(
+                    "rank {} on {} ({gpu}): its memory copies at {g:.0} GB/s, under 80% of the \
+                     job's median GPU ({median:.0} GB/s): a degraded GPU",
+                    r.rank, r.host
+                ));
+            } else if let Some((m, name)) = model.filter(|(m, _)| *g < hardware::MEMORY_FLOOR * m) {
+                slow = true;
+                problems.push(format!(
+                    "rank {} on {} ({gpu}): its memory copies at {g:.0} GB/s, under {:.0}% of the \
+                     {name}'s {m:.0} GB/s",
+                    r.rank,
+                    r.host,
+                    100.0 * hardware::MEMORY_FLOOR
+                ));
+            }
+        }
+        slow
+    }
+
+    /// Each GPU's health: one line when all are well, a problem for each check that fails and is
+    /// not waived; the verdict that goes with the worst.
+    fn health(
+        &self,
+        reports: &[&RankReport],
+        t: &mut String,
+        problems: &mut Vec<String>,
+    ) -> Option<Verdict> {
+        let seen: Vec<(&RankReport, &hardware::Health)> = reports
+            .iter()
+            .filter_map(|r| r.health.as_ref().map(|h| (*r, h)))
+            .collect();
+        let first = seen.first()?;
+        let mut verdict = None;
+        let mut unwell = 0;
+        for (r, h) in &seen {
+            for u in h.problems() {
+                unwell += 1;
+                let gpu = r.gpu.as_deref().unwrap_or("its GPU");
+                if self.waived.iter().any(|w| w == u.check) {
+                    let _ = writeln!(
+                        t,
+                        "  GPU health: rank {} on {} ({gpu}): {} (waived: {})",
+                        r.rank, r.host, u.what, u.check
+                    );
+                    continue;
+                }
+                problems.push(format!(
+                    "rank {} on {} ({gpu}): {} (--waive {} to run anyway)",
+                    r.rank, r.host, u.what, u.check
+                ));
+                let v = if u.slows {
+                    Verdict::Slow
+                } else {
+                    Verdict::Setup
+                };
+                verdict = Some(match verdict {
+                    Some(Verdict::Setup) => Verdict::Setup,
+                    _ => v,
+                });
+            }
+        }
+        if unwell == 0 {
+            let _ = writeln!(
+                t,
+                "  GPU health: {} GPU(s) ok ({})",
+                seen.len(),
+                first.1.describe()
+            );
+        }
+        verdict
+    }
+
     /// The measured busbw against the line rate of the job's links (ranks on one node, with
     /// NVML's view of every GPU), with the causes nrun can see when it is too low.
     fn against_hardware(
@@ -885,7 +1002,9 @@ mod tests {
             }],
             error: None,
             links: None,
+            health: None,
             path: None,
+            mem_gbs: None,
         }
     }
 
@@ -900,6 +1019,7 @@ mod tests {
             min_busbw: None,
             min_efficiency: Some(0.4),
             path_vars: vec![],
+            waived: vec![],
             wall_s: 1.0,
             other_libs: vec![],
         }
@@ -954,6 +1074,44 @@ mod tests {
         );
         assert!(s.text.contains("NCCL_P2P_DISABLE=1"), "{}", s.text);
         assert_eq!(s.json["line_rate"]["slow"], true);
+        // GPU health: shown when well, a problem (and its verdict) when not, unless waived.
+        let mut hot = nvlink_pair(900.0, "P2P/CUMEM");
+        let h = hardware::Health {
+            temperature_c: Some(41),
+            slowdowns: vec!["hardware thermal".into()],
+            ..Default::default()
+        };
+        hot.reports.get_mut(&1).unwrap().health = Some(h.clone());
+        let s = hot.summarize();
+        assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
+        assert!(
+            s.text
+                .contains("rank 1 on a (its GPU): clocks slowed down now (hardware thermal)"),
+            "{}",
+            s.text
+        );
+        assert!(s.text.contains("--waive throttle"), "{}", s.text);
+        hot.waived = vec!["throttle".into()];
+        assert_eq!(hot.summarize().verdict, Verdict::Ok);
+        // GPU memory: a GPU far under the others (or its model's figure) is named.
+        let mut mem = nvlink_pair(900.0, "P2P/CUMEM");
+        for (r, g) in mem.reports.values_mut().zip([3900.0, 1500.0]) {
+            r.gpu = Some("NVIDIA H200 (0000:00:06.0)".into());
+            r.mem_gbs = Some(g);
+        }
+        let s = mem.summarize();
+        assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
+        assert!(
+            s.text.contains("GPU memory: copies at 1500-3900 GB/s"),
+            "{}",
+            s.text
+        );
+        assert!(
+            s.text
+                .contains("under 80% of the job's median GPU (3900 GB/s): a degraded GPU"),
+            "{}",
+            s.text
+        );
         // Turned off, or sizes too small to measure bandwidth: shown, not judged.
         let mut off = nvlink_pair(70_000.0, "P2P/CUMEM");
         off.min_efficiency = None;

@@ -143,6 +143,9 @@ pub fn main() -> u8 {
 }
 
 /// Where this rank's NCCL writes its INFO log (see [`nccl_log_to_file`]).
+/// Device-to-device copies timed for the memory bandwidth check.
+const MEM_COPIES: usize = 5;
+
 fn nccl_log_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("nrun-nccl-{}.log", std::process::id()))
 }
@@ -214,7 +217,9 @@ fn run() -> Result<(), String> {
         rows: Vec::new(),
         error: None,
         links: None,
+        health: None,
         path: None,
+        mem_gbs: None,
     };
     let result = match ctx.s.mode {
         Mode::Nccl => run_nccl(&mut ctx, &mut rep, local_rank),
@@ -390,7 +395,7 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     // The GPU's links, read while NCCL initialises (NVML's own start costs tens of ms).
     let links = {
         let bus = gpu.pci_bus_id.clone();
-        std::thread::spawn(move || hardware::links(&bus))
+        std::thread::spawn(move || hardware::inspect(&bus))
     };
     ctx.stage("loaded");
     ph.mark("cuda");
@@ -456,7 +461,24 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             filled += n;
         }
         gpu.synchronize()?;
-        Ok::<_, cuda::CudaError>((send, recv))
+        // The GPU's memory bandwidth, while NCCL initialises: device-to-device copies of the
+        // largest buffer (read and write both count), from 64 MiB up where it is meaningful.
+        let bytes = max_count * 4;
+        let mem_gbs = if bytes >= 64 << 20 {
+            let (start, end) = (gpu.event()?, gpu.event()?);
+            gpu.copy_async(&recv, &send, bytes)?;
+            gpu.record(&start)?;
+            for _ in 0..MEM_COPIES {
+                gpu.copy_async(&recv, &send, bytes)?;
+            }
+            gpu.record(&end)?;
+            gpu.synchronize()?;
+            let ms = gpu.elapsed_ms(&start, &end)? as f64;
+            (ms > 0.0).then(|| 2.0 * bytes as f64 * MEM_COPIES as f64 / (ms * 1e-3) / 1e9)
+        } else {
+            None
+        };
+        Ok::<_, cuda::CudaError>((send, recv, mem_gbs))
     })();
     let checker = gpu_checker(
         &gpu,
@@ -501,7 +523,8 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     }
     rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
     ph.mark("init");
-    let (send, recv) = buffers.map_err(|e| err("setup", e.0))?;
+    let (send, recv, mem_gbs) = buffers.map_err(|e| err("setup", e.0))?;
+    rep.mem_gbs = mem_gbs;
     // Host staging only where the GPU checker is unavailable.
     let mut staging = None;
     let split_deadline = Instant::now()
@@ -593,7 +616,10 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         });
     }
     ph.mark("sweep");
-    rep.links = links.join().ok().and_then(Result::ok);
+    if let Some((l, h)) = links.join().ok().and_then(Result::ok) {
+        rep.links = Some(l);
+        rep.health = Some(h);
+    }
     let log = nccl_log_path();
     if let Ok(text) = std::fs::read_to_string(&log) {
         rep.path = Some(hardware::parse_nccl_log(&text)).filter(|p| !p.transports.is_empty());
