@@ -75,6 +75,15 @@ fn describe(f: &Facts, plan: &Plan) -> String {
             addrs.join(" ")
         );
     }
+    if !f.gpu_health.is_empty() {
+        let _ = writeln!(t, "GPU health (NVML):");
+        for (bus, h) in &f.gpu_health {
+            let _ = writeln!(t, "  {bus:<16} {}", h.describe());
+            for p in h.problems() {
+                let _ = writeln!(t, "    problem ({}): {}", p.check, p.what);
+            }
+        }
+    }
     let _ = writeln!(
         t,
         "NCCL libraries (the first is what a job here would load):"

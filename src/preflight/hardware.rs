@@ -236,7 +236,11 @@ pub fn inspect(bus_id: &str) -> Result<(Links, Health), String> {
             l.nvlink_gbs = nvlink_gbs(l.nvlink_version);
         }
     }
-    Ok((l, health(&dev)))
+    let h = health(&dev);
+    // No nvmlShutdown: the preflight rank ends with _exit beside CUDA and NCCL, and NVML's
+    // teardown racing them is not worth the tidiness.
+    std::mem::forget(nvml);
+    Ok((l, h))
 }
 
 /// Every GPU of this host with its health, for `nrun doctor` and the facts (None: no NVML).
@@ -354,6 +358,24 @@ vm:1043:1101 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] [send] via NET/Socket/0
 vm:1043:1101 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] [send] via NET/Socket/0
 vm:1043:1101 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/0
 ";
+
+    /// NCCL 2.28.9's own logs (NCCL_DEBUG_SUBSYS=P2P,SHM,NET), rank 0 of 2 on the 2x H200
+    /// machine: healthy, NCCL_P2P_DISABLE=1, and NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1.
+    #[test]
+    fn real_nccl_logs_give_the_path() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/nccl/");
+        let read = |f: &str| std::fs::read_to_string(format!("{dir}{f}")).unwrap();
+        let p = parse_nccl_log(&read("h200x2-healthy.log"));
+        assert_eq!(p.transports.get("P2P/CUMEM"), Some(&24), "{p:?}");
+        assert_eq!(p.channels, 24);
+        assert!(p.all_p2p());
+        let p = parse_nccl_log(&read("h200x2-p2p-disable.log"));
+        assert_eq!((p.transports.get("SHM"), p.channels), (Some(&4), 4), "{p:?}");
+        assert!(!p.all_p2p());
+        let p = parse_nccl_log(&read("h200x2-p2p-shm-disable.log"));
+        assert_eq!(p.transports.get("NET/Socket"), Some(&4), "{p:?}");
+        assert_eq!(p.channels, 2);
+    }
 
     #[test]
     fn nccl_logs_give_the_path() {
