@@ -436,3 +436,57 @@ fn subcommands_have_their_own_help_and_flags() {
     );
     usage_error(&["bisect"], &[], "nrun bisect needs nodes");
 }
+
+/// Numbers out of range are one clear line and exit 2, never a panic (issue 14's findings).
+#[test]
+fn huge_negative_and_odd_numbers_are_usage_errors() {
+    usage_error(
+        &["--nproc", "-1", "--no-python", "true"],
+        &[],
+        "--nproc-per-node -1: at least one worker is needed",
+    );
+    for flag in [
+        "--shutdown-timeout",
+        "--preflight-timeout",
+        "--join-timeout",
+        "--hang-timeout",
+    ] {
+        usage_error(
+            &[flag, "1e20", "--no-python", "true"],
+            &[],
+            &format!("{flag} 100000000000000000000 must be a"),
+        );
+    }
+    usage_error(
+        &["--preflight", "net", "--iters", "0", "--no-python", "true"],
+        &[],
+        "--iters 0: at least one timed all-reduce",
+    );
+    usage_error(
+        &[
+            "--preflight",
+            "net",
+            "--min-busbw",
+            "nan",
+            "--no-python",
+            "true",
+        ],
+        &[],
+        "--min-busbw NaN must be a non-negative number",
+    );
+    usage_error(
+        &["--rdzv-id", "../../x", "--no-python", "true"],
+        &[],
+        "--rdzv-id \"../../x\": a run id names a log directory",
+    );
+    usage_error(
+        &["-x", "", "--no-python", "true"],
+        &[],
+        "-x needs a variable",
+    );
+    usage_error(
+        &["-x", "A B=1", "--no-python", "true"],
+        &[],
+        "-x A B=1: \"A B\" is not a variable name",
+    );
+}

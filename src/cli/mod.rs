@@ -158,7 +158,8 @@ pub struct WorkerArgs {
         alias = "nproc_per_node",
         env = "NRUN_NPROC_PER_NODE",
         default_value = "1",
-        value_name = "N|gpu|cpu|auto"
+        value_name = "N|gpu|cpu|auto",
+        allow_negative_numbers = true
     )]
     pub nproc_per_node: String,
 }
@@ -167,7 +168,13 @@ pub struct WorkerArgs {
 #[derive(Args, Debug, Clone)]
 pub struct RendezvousArgs {
     /// Number of nodes, N or MIN:MAX (nrun needs MIN == MAX).
-    #[arg(long, env = "NRUN_NNODES", default_value = "1", value_name = "N")]
+    #[arg(
+        long,
+        env = "NRUN_NNODES",
+        default_value = "1",
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     pub nnodes: String,
 
     /// This node's rank among --nnodes (torchrun-style static multi-node: rank 0 hosts the store).
@@ -175,7 +182,8 @@ pub struct RendezvousArgs {
         long = "node-rank",
         alias = "node_rank",
         env = "NRUN_NODE_RANK",
-        default_value_t = 0
+        default_value_t = 0,
+        allow_negative_numbers = true
     )]
     pub node_rank: usize,
 
@@ -184,7 +192,12 @@ pub struct RendezvousArgs {
     pub master_addr: Option<String>,
 
     /// Port of the store (default: a free port nrun binds and keeps).
-    #[arg(long = "master-port", alias = "master_port", env = "NRUN_MASTER_PORT")]
+    #[arg(
+        long = "master-port",
+        alias = "master_port",
+        env = "NRUN_MASTER_PORT",
+        allow_negative_numbers = true
+    )]
     pub master_port: Option<u16>,
 
     /// Single-node job with the store on a free local port (torchrun compatibility; the default).
@@ -230,7 +243,8 @@ pub struct JobArgs {
         long = "max-restarts",
         alias = "max_restarts",
         env = "NRUN_MAX_RESTARTS",
-        default_value_t = 0
+        default_value_t = 0,
+        allow_negative_numbers = true
     )]
     pub max_restarts: u32,
 
@@ -239,7 +253,8 @@ pub struct JobArgs {
         long = "monitor-interval",
         alias = "monitor_interval",
         env = "NRUN_MONITOR_INTERVAL",
-        hide = true
+        hide = true,
+        allow_negative_numbers = true
     )]
     pub monitor_interval: Option<f64>,
 
@@ -248,7 +263,8 @@ pub struct JobArgs {
         long = "shutdown-timeout",
         env = "NRUN_SHUTDOWN_TIMEOUT",
         default_value_t = 30.0,
-        value_name = "SECS"
+        value_name = "SECS",
+        allow_negative_numbers = true
     )]
     pub shutdown_timeout: f64,
 
@@ -330,7 +346,12 @@ pub struct PreflightArgs {
     pub sweep: SweepArgs,
 
     /// Fail the preflight when busbw at the largest size is under this (GB/s).
-    #[arg(long = "min-busbw", env = "NRUN_MIN_BUSBW", value_name = "GB/s")]
+    #[arg(
+        long = "min-busbw",
+        env = "NRUN_MIN_BUSBW",
+        value_name = "GB/s",
+        allow_negative_numbers = true
+    )]
     pub min_busbw: Option<f64>,
 
     /// Fail the preflight when busbw at the largest size (64 MiB or more) is under this fraction
@@ -339,7 +360,8 @@ pub struct PreflightArgs {
         long = "min-efficiency",
         env = "NRUN_MIN_EFFICIENCY",
         default_value_t = 0.4,
-        value_name = "F"
+        value_name = "F",
+        allow_negative_numbers = true
     )]
     pub min_efficiency: f64,
 
@@ -378,7 +400,8 @@ pub struct WatchArgs {
         long = "hang-timeout",
         env = "NRUN_HANG_TIMEOUT",
         default_value_t = 60.0,
-        value_name = "SECS"
+        value_name = "SECS",
+        allow_negative_numbers = true
     )]
     pub hang_timeout: f64,
 
@@ -406,11 +429,21 @@ pub struct SweepArgs {
     pub preflight_sizes: Option<String>,
 
     /// Timed all-reduces per size (default 20; 5 for net).
-    #[arg(long, env = "NRUN_ITERS", value_name = "N")]
+    #[arg(
+        long,
+        env = "NRUN_ITERS",
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     pub iters: Option<u32>,
 
     /// Untimed all-reduces per size before timing (default 5; 1 for net).
-    #[arg(long, env = "NRUN_WARMUP", value_name = "N")]
+    #[arg(
+        long,
+        env = "NRUN_WARMUP",
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     pub warmup: Option<u32>,
 
     /// Seconds a rank may take to join and finish communicator init before it is named as stuck.
@@ -418,7 +451,8 @@ pub struct SweepArgs {
         long = "preflight-timeout",
         env = "NRUN_PREFLIGHT_TIMEOUT",
         default_value_t = 30.0,
-        value_name = "SECS"
+        value_name = "SECS",
+        allow_negative_numbers = true
     )]
     pub preflight_timeout: f64,
 
@@ -470,7 +504,8 @@ pub struct NodesArgs {
     #[arg(
         long = "ssh-concurrency",
         env = "NRUN_SSH_CONCURRENCY",
-        default_value_t = 64
+        default_value_t = 64,
+        allow_negative_numbers = true
     )]
     pub ssh_concurrency: usize,
 
@@ -498,7 +533,8 @@ pub struct NodesArgs {
         long = "join-timeout",
         env = "NRUN_JOIN_TIMEOUT",
         default_value_t = 30.0,
-        value_name = "SECS"
+        value_name = "SECS",
+        allow_negative_numbers = true
     )]
     pub join_timeout: f64,
 
@@ -526,7 +562,12 @@ pub struct ProbeArgs {
     pub probe: String,
 
     /// A group whose busbw is under this fraction of its stage's median is slow.
-    #[arg(long = "slow-factor", env = "NRUN_SLOW_FACTOR", default_value_t = 0.8)]
+    #[arg(
+        long = "slow-factor",
+        env = "NRUN_SLOW_FACTOR",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
     pub slow_factor: f64,
 
     /// Seconds each group's run may take.
@@ -534,7 +575,8 @@ pub struct ProbeArgs {
         long,
         env = "NRUN_TIMEOUT",
         default_value_t = 120.0,
-        value_name = "SECS"
+        value_name = "SECS",
+        allow_negative_numbers = true
     )]
     pub timeout: f64,
 

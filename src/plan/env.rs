@@ -39,6 +39,11 @@ pub fn job_env(
         }
     }
     for x in exports {
+        if x.is_empty() {
+            return Err(Error::usage(
+                "-x needs a variable: -x VAR (its value here) or -x VAR=VALUE",
+            ));
+        }
         let (k, v) = match x.split_once('=') {
             Some((k, v)) => (k.to_string(), v.to_string()),
             None => match env(x) {

@@ -261,6 +261,14 @@ impl Plan {
         } = run;
         let nproc = resolve_nproc(nproc_per_node, env)?;
         let nnodes = parse_nnodes(&rdzv.nnodes)?;
+        // The run id names log directories: it must stay one path component.
+        let id = &rdzv.rdzv_id;
+        if id.is_empty() || id.contains('/') || id == "." || id == ".." {
+            return Err(Error::usage(format!(
+                "--rdzv-id {id:?}: a run id names a log directory; use letters, digits, '-' or '_' \
+                 (no '/', not '.' or '..')"
+            )));
+        }
         if rdzv.node_rank >= nnodes {
             return Err(Error::usage(format!(
                 "--node-rank {} is out of range for --nnodes {nnodes} (ranks are 0..{})",
@@ -555,13 +563,18 @@ fn resolve_watch(args: &WatchArgs, no_python: bool) -> Result<Option<crate::watc
     }))
 }
 
+/// Longest duration a flag takes (about 3 years): deadlines computed from it cannot overflow.
+const MAX_SECS: f64 = 1e8;
+
 fn positive_secs(flag: &str, v: f64, zero_ok: bool) -> Result<Duration> {
-    if v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) {
-        return Ok(Duration::from_secs_f64(v));
+    if v.is_finite() && v <= MAX_SECS && (v > 0.0 || (zero_ok && v == 0.0)) {
+        if let Ok(d) = Duration::try_from_secs_f64(v) {
+            return Ok(d);
+        }
     }
     let what = if zero_ok { "non-negative" } else { "positive" };
     Err(Error::usage(format!(
-        "{flag} {v} must be a {what} number of seconds"
+        "{flag} {v} must be a {what} number of seconds, at most {MAX_SECS:.0}"
     )))
 }
 
@@ -613,6 +626,8 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
         None => (visible_gpus(env) > 0).then_some(Mode::Nccl),
     };
     let Some(mode) = mode else {
+        // Flags of a preflight that does not run are still checked: a typo is still a typo.
+        sweep_plan(sweep, crate::preflight::Mode::Net)?;
         if *preflight_only {
             return Err(Error::usage(
                 "--preflight-only: no GPU is visible here for the NCCL preflight; use --preflight net \
@@ -685,7 +700,16 @@ fn sweep_plan(sweep: &SweepArgs, mode: crate::preflight::Mode) -> Result<Preflig
         min_bytes,
         max_bytes,
         factor,
-        iters: iters.unwrap_or(if net { 5 } else { 20 }).max(1),
+        iters: match iters {
+            Some(0) => {
+                return Err(Error::usage(
+                    "--iters 0: at least one timed all-reduce per size is needed",
+                ));
+            }
+            Some(n) => *n,
+            None if net => 5,
+            None => 20,
+        },
         warmup: warmup.unwrap_or(if net { 1 } else { 5 }),
         timeout,
         min_busbw: None,
@@ -753,6 +777,9 @@ fn resolve_nproc(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize>
             Ok(0) => Err(Error::usage(
                 "--nproc-per-node 0: at least one worker is needed",
             )),
+            Err(_) if s.starts_with('-') => Err(Error::usage(format!(
+                "--nproc-per-node {s}: at least one worker is needed"
+            ))),
             Ok(n) => Ok(n),
             Err(_) => Err(Error::usage(format!(
                 "--nproc-per-node {s:?} is not a number, `gpu`, `cpu` or `auto`"

@@ -370,7 +370,11 @@ vm:1043:1101 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/
         assert_eq!(p.channels, 24);
         assert!(p.all_p2p());
         let p = parse_nccl_log(&read("h200x2-p2p-disable.log"));
-        assert_eq!((p.transports.get("SHM"), p.channels), (Some(&4), 4), "{p:?}");
+        assert_eq!(
+            (p.transports.get("SHM"), p.channels),
+            (Some(&4), 4),
+            "{p:?}"
+        );
         assert!(!p.all_p2p());
         let p = parse_nccl_log(&read("h200x2-p2p-shm-disable.log"));
         assert_eq!(p.transports.get("NET/Socket"), Some(&4), "{p:?}");

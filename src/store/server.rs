@@ -339,7 +339,12 @@ impl Store {
                     );
                 }
             }
-            Request::GetNumKeys => put_i64(out, s.kv.len() as i64),
+            Request::GetNumKeys => {
+                // Counted as LIST_KEYS lists them: nrun's own keys are hidden without the secret.
+                let hide = self.secret.is_some() && !c.authed;
+                let n = s.kv.keys().filter(|k| !(hide && is_control(k))).count();
+                put_i64(out, n as i64);
+            }
             Request::DeleteKey { key } => {
                 let removed = s.kv.remove(&key).is_some();
                 put_i64(out, removed as i64);
