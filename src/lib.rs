@@ -46,6 +46,7 @@ use clap::Parser;
 pub fn main() -> ExitCode {
     // nrun re-runs itself as the preflight rank, and to read a libnccl's version in isolation;
     // these internal entry points are dispatched before the user-facing command line.
+    node::process::raise_fd_limit();
     let mut argv = std::env::args_os().skip(1);
     match argv.next().as_deref().and_then(|a| a.to_str()) {
         Some("__preflight") => return ExitCode::from(preflight::worker::main()),

@@ -120,11 +120,15 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
     };
     let _ = writeln!(s, "nrun: error: {who} {} (first failure{others})", f.how);
     for (rank, before) in &f.left_early {
+        let when = match *before >= 0.0 {
+            true => format!("{before:.1} s before"),
+            false => format!("{:.1} s after", -before),
+        };
         let _ = writeln!(
             s,
-            "  likely cause: rank {rank} on {host} exited with code 0 {before:.1} s before this \
-             failure while the others still ran: a rank that leaves its loop early (one \
-             collective fewer) makes its peers fail"
+            "  likely cause: rank {rank} on {host} exited with code 0 {when} this failure while \
+             the others still ran: a rank that leaves its loop early (one collective fewer) \
+             makes its peers fail"
         );
     }
     let _ = writeln!(s, "  command:    {}", shape.command);

@@ -490,3 +490,33 @@ fn huge_negative_and_odd_numbers_are_usage_errors() {
         "-x A B=1: \"A B\" is not a variable name",
     );
 }
+
+/// nrun raises its own limit on open files to the hard limit (its store holds a connection per
+/// worker); its workers get the limit they would have had without it.
+#[test]
+fn the_open_file_limit_is_raised_for_nrun_not_for_workers() {
+    let s = Scene::new();
+    let out = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -S -n 1024 && exec \"$0\" \"$@\"",
+            common::nrun_bin().to_str().unwrap(),
+            "--no-python",
+            "sh",
+            "-c",
+            "echo worker=$(ulimit -n) nrun=$(awk '/open files/ {print $4}' /proc/$PPID/limits) hard=$(ulimit -H -n)",
+        ])
+        .env("NRUN_TEST_TAG", &s.tag)
+        .output()
+        .unwrap();
+    let line = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{line}{}", text(&out.stderr));
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(field("worker="), "1024", "{line}");
+    assert_eq!(field("nrun="), field("hard="), "{line}");
+}

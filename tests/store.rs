@@ -368,3 +368,89 @@ async fn control_keys_need_the_secret() {
     assert_eq!(agent.get(b"nrun/run/plan").await.unwrap(), b"x");
     assert_eq!(store.get(b"nrun/run/plan").unwrap(), b"x");
 }
+
+/// One small request asking for a huge reply (an 8 MiB value named 131,072 times: 1 TiB)
+/// closes that connection; the store keeps serving everyone else.
+#[tokio::test]
+async fn a_huge_multi_get_closes_only_that_connection() {
+    let (addr, store) = start().await;
+    let mut c = client(addr).await;
+    c.set(b"/k", &vec![b'v'; 8 << 20]).await.unwrap();
+    let mut bomb = raw(addr).await;
+    let keys = vec![b"/k".to_vec(); 131_072];
+    bomb.write_all(&enc(Request::MultiGet { keys }))
+        .await
+        .unwrap();
+    let mut b = [0u8; 1];
+    let closed = tokio::time::timeout(Duration::from_secs(5), bomb.read(&mut b)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "the bomb's connection stayed open: {closed:?}"
+    );
+    // Everyone else is served as before.
+    assert_eq!(c.get(b"/k").await.unwrap().len(), 8 << 20);
+    let mut d = client(addr).await;
+    d.set(b"/after", b"1").await.unwrap();
+    assert_eq!(d.get(b"/after").await.unwrap(), b"1");
+    assert_eq!(store.get(b"/after").unwrap(), b"1");
+}
+
+/// Waits that are cancelled or whose connection goes leave no state behind (10 clients x 400
+/// distinct keys each, as in the finding).
+#[tokio::test]
+async fn ended_waits_leave_nothing_behind() {
+    let (addr, store) = start().await;
+    let mut conns = Vec::new();
+    for c in 0..10 {
+        let mut s = raw(addr).await;
+        let keys: Vec<Vec<u8>> = (0..400)
+            .map(|k| format!("/w{c}/{k}").into_bytes())
+            .collect();
+        s.write_all(&enc(Request::Wait { keys })).await.unwrap();
+        conns.push(s);
+    }
+    let barrier = {
+        let mut s = raw(addr).await;
+        s.write_all(&enc(Request::Barrier {
+            key: b"/b".to_vec(),
+            world_size: 5,
+        }))
+        .await
+        .unwrap();
+        s
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while store.pending_waits() != (11, 4000, 1) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            store.pending_waits()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // One cancels, the others hang up.
+    let mut first = conns.remove(0);
+    first.write_all(&enc(Request::CancelWait)).await.unwrap();
+    assert_eq!(read_byte(&mut first, 2000).await, Some(WAIT_CANCELED));
+    drop(conns);
+    drop(barrier);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while store.pending_waits() != (0, 0, 0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            store.pending_waits()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A connection that never says VALIDATE is closed after the handshake time (10 s).
+#[tokio::test]
+async fn a_silent_connection_is_closed() {
+    let (addr, _store) = start().await;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut b = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(15), s.read(&mut b)).await;
+    assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "still open: {r:?}");
+}

@@ -30,6 +30,14 @@ fn hang(
     (out.status.code(), text(&out.stderr))
 }
 
+/// The cases run one at a time: each starts several torch processes, and a machine of two
+/// cores shared by all of them at once would blur the timings the watch judges.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn python(test: &str) -> Option<String> {
     let p = torch_python().map(|p| p.display().to_string());
     if p.is_none() {
@@ -41,6 +49,7 @@ fn python(test: &str) -> Option<String> {
 #[test]
 fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
     let Some(py) = python("sleep") else { return };
+    let _one = serial();
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
     let started = std::time::Instant::now();
@@ -88,6 +97,7 @@ fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
 #[test]
 fn a_rank_that_leaves_early_or_calls_another_collective_is_named() {
     let Some(py) = python("early") else { return };
+    let _one = serial();
     let s = Scene::new();
     // One collective fewer: the others fail at once; the summary names the rank that left.
     let (code, err) = hang(&s, &py, "early", "3", &[], &[]);
@@ -117,6 +127,7 @@ fn a_rank_that_leaves_early_or_calls_another_collective_is_named() {
 #[test]
 fn a_collective_timeout_names_the_rank_that_caused_it() {
     let Some(py) = python("timeout") else { return };
+    let _one = serial();
     let s = Scene::new();
     // torch's own timeout (8 s) comes before --hang-timeout (60 s): the failure summary names
     // rank 1, not only the first rank to exit.
@@ -147,6 +158,7 @@ fn a_straggler_is_named_and_a_pause_of_every_rank_blames_nobody() {
     let Some(py) = python("straggler") else {
         return;
     };
+    let _one = serial();
     let s = Scene::new();
     let (code, err) = hang(&s, &py, "straggler", "3", &[], &[("NRUN_STEPS", "50")]);
     assert_eq!(code, Some(0), "{err}");
@@ -205,6 +217,7 @@ fn the_watch_is_off_for_programs_and_when_asked() {
 #[test]
 fn a_hang_across_hosts_names_the_rank_and_its_host() {
     let Some(py) = python("cluster") else { return };
+    let _one = serial();
     let Some(c) = Cluster::up("cw1", 2) else {
         return;
     };

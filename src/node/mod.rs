@@ -98,13 +98,16 @@ pub struct Failure {
     pub at: SystemTime,
     pub stderr_tail: Vec<String>,
     pub error_file: PathBuf,
-    /// Workers that exited 0 shortly before this failure while the others still ran (rank,
-    /// seconds before): a rank that left its loop early makes its peers fail.
+    /// Workers that exited 0 shortly before this failure (or within 2 s after it) while the
+    /// others still ran (rank, seconds before; negative: after): a rank that left its loop
+    /// early makes its peers fail.
     pub left_early: Vec<(usize, f64)>,
 }
 
 /// How long before a failure a clean exit counts as a cause rather than a finished rank.
 const EARLY: Duration = Duration::from_secs(30);
+/// ... and how long after it.
+const AROUND: Duration = Duration::from_secs(2);
 
 #[derive(Debug)]
 pub enum Outcome {
@@ -235,6 +238,7 @@ pub async fn run_group(
                 if libc::getppid() != parent {
                     libc::_exit(1);
                 }
+                process::restore_fd_limit();
                 Ok(())
             });
         }
@@ -395,12 +399,19 @@ pub async fn run_group(
             .iter()
             .cloned()
             .collect();
+        // A clean exit just after the failure counts too: the peers of a rank that leaves early
+        // often fail while it is still tearing down.
         let left_early = running
             .iter()
+            .filter(|o| o.rank != r.rank)
             .filter_map(|o| match o.exit {
                 Some((Exit::Code(0), t)) => {
-                    let before = at.duration_since(t).ok()?;
-                    (before <= EARLY).then_some((o.rank, before.as_secs_f64()))
+                    let before = match at.duration_since(t) {
+                        Ok(d) => d.as_secs_f64(),
+                        Err(e) if e.duration() <= AROUND => -e.duration().as_secs_f64(),
+                        Err(_) => return None,
+                    };
+                    (before <= EARLY.as_secs_f64()).then_some((o.rank, before))
                 }
                 _ => None,
             })

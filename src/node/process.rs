@@ -30,6 +30,47 @@ impl ProcessGroup {
     }
 }
 
+/// The soft limit on open files nrun started with (what its workers get back).
+static FD_SOFT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+/// Raises nrun's own limit on open files to the hard limit: the store holds a connection per
+/// worker, and the common soft limit of 1024 locks clients out of a large job. Workers get the
+/// limit they would have had without nrun (see [`restore_fd_limit`]).
+pub fn raise_fd_limit() {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+            FD_SOFT.store(l.rlim_cur, std::sync::atomic::Ordering::Relaxed);
+            l.rlim_cur = l.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
+}
+
+/// In a child between fork and exec: puts back the soft limit nrun started with.
+/// Async-signal-safe (an atomic load and two syscalls).
+pub fn restore_fd_limit() {
+    let soft = FD_SOFT.load(std::sync::atomic::Ordering::Relaxed);
+    if soft == u64::MAX {
+        return;
+    }
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 {
+            l.rlim_cur = soft;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
+}
+
 /// Makes orphaned descendants of nrun re-parent to nrun (see the module doc).
 pub fn become_subreaper() {
     // SAFETY: prctl with integer arguments only.

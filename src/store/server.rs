@@ -34,6 +34,10 @@ struct Parked {
     /// Keys still missing (WAIT); barriers complete all at once instead.
     remaining: usize,
     wake: mpsc::UnboundedSender<u8>,
+    /// The keys it is listed under (in `watchers`, or its barrier key in `barriers`), so a
+    /// cancelled wait or a closed connection leaves nothing behind.
+    keys: Vec<Vec<u8>>,
+    barrier: bool,
 }
 
 #[derive(Default)]
@@ -48,6 +52,26 @@ struct State {
 }
 
 impl State {
+    /// Drops connection `conn`'s pending WAIT or BARRIER and every entry listing it.
+    fn forget_wait(&mut self, conn: ConnId) {
+        let Some(p) = self.parked.remove(&conn) else {
+            return;
+        };
+        let lists = if p.barrier {
+            &mut self.barriers
+        } else {
+            &mut self.watchers
+        };
+        for k in &p.keys {
+            if let Some(list) = lists.get_mut(k) {
+                list.retain(|(c, g)| !(*c == conn && *g == p.generation));
+                if list.is_empty() {
+                    lists.remove(k);
+                }
+            }
+        }
+    }
+
     fn exists(&self, key: &[u8]) -> bool {
         self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
     }
@@ -219,13 +243,24 @@ impl Store {
         self.lock().kv.get(key).cloned()
     }
 
+    /// Pending waits, and the watcher and barrier entries listing them (tests, diagnostics):
+    /// all three drop to 0 once every wait has ended, been cancelled or lost its connection.
+    pub fn pending_waits(&self) -> (usize, usize, usize) {
+        let s = self.lock();
+        (
+            s.parked.len(),
+            s.watchers.values().map(Vec::len).sum(),
+            s.barriers.values().map(Vec::len).sum(),
+        )
+    }
+
     /// Number of keys, as GETNUMKEYS would answer.
     pub fn num_keys(&self) -> usize {
         self.lock().kv.len()
     }
 
     fn disconnect(&self, conn: ConnId) {
-        self.lock().parked.remove(&conn);
+        self.lock().forget_wait(conn);
     }
 
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
@@ -326,15 +361,21 @@ impl Store {
                 } else {
                     let generation = self.next_wait.fetch_add(1, Ordering::Relaxed);
                     let remaining = keys.len();
-                    for k in keys {
-                        s.watchers.entry(k).or_default().push((c.id, generation));
+                    for k in &keys {
+                        s.watchers
+                            .entry(k.clone())
+                            .or_default()
+                            .push((c.id, generation));
                     }
+                    s.forget_wait(c.id);
                     s.parked.insert(
                         c.id,
                         Parked {
                             generation,
                             remaining,
                             wake: c.wake.clone(),
+                            keys,
+                            barrier: false,
                         },
                     );
                 }
@@ -356,6 +397,19 @@ impl Store {
                 s.written(&key, false);
             }
             Request::MultiGet { keys } => {
+                // Sized before it is built: one request naming a large value many times must
+                // cost that connection, not the store's memory.
+                let size: usize = keys
+                    .iter()
+                    .map(|k| 8 + s.kv.get(k).map_or(0, |v| v.len()))
+                    .fold(0usize, usize::saturating_add);
+                if size > MAX_REPLY {
+                    return Err(format!(
+                        "MULTI_GET reply of {size} bytes is over the store's limit of {MAX_REPLY}"
+                    ));
+                }
+                out.try_reserve(size)
+                    .map_err(|_| format!("cannot allocate a MULTI_GET reply of {size} bytes"))?;
                 for k in &keys {
                     put_bytes(out, s.kv.get(k).map_or(&[][..], |v| v));
                 }
@@ -369,9 +423,7 @@ impl Store {
             Request::CancelWait => {
                 // Answered whether or not a wait is pending; a STOP_WAITING that was already
                 // queued for this connection goes out first (the caller drains it).
-                if let Some(p) = s.parked.remove(&c.id) {
-                    drop(p);
-                }
+                s.forget_wait(c.id);
                 out.push(WAIT_CANCELED);
             }
             Request::Ping { nonce } => out.extend_from_slice(&nonce.to_le_bytes()),
@@ -416,13 +468,19 @@ impl Store {
                     out.push(STOP_WAITING);
                 } else {
                     let generation = self.next_wait.fetch_add(1, Ordering::Relaxed);
-                    s.barriers.entry(key).or_default().push((c.id, generation));
+                    s.barriers
+                        .entry(key.clone())
+                        .or_default()
+                        .push((c.id, generation));
+                    s.forget_wait(c.id);
                     s.parked.insert(
                         c.id,
                         Parked {
                             generation,
                             remaining: 1,
                             wake: c.wake.clone(),
+                            keys: vec![key],
+                            barrier: true,
                         },
                     );
                 }
@@ -435,6 +493,10 @@ impl Store {
 /// Starting size of a connection's read buffer: requests are mostly tens of bytes, and with
 /// tens of thousands of connections a larger start costs real memory. It grows on demand.
 const INITIAL_BUFFER: usize = 512;
+/// Largest reply the store builds (MULTI_GET): beyond it the asking connection is closed.
+pub const MAX_REPLY: usize = 256 << 20;
+/// Time a new connection has to send VALIDATE before it is closed.
+const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
 
 const PRE_2_2: &str = "first request is not VALIDATE: a torch client older than 2.2 (or not a \
 TCPStore client at all); nrun's store works with torch 2.2 and newer";
@@ -470,6 +532,27 @@ pub fn bind(port: u16) -> io::Result<std::net::TcpListener> {
 }
 
 /// Serves connections until `shutdown` completes; open connections are then dropped.
+/// A warning about a client, at most 10 in any 10 s; the rest are counted and said once the
+/// window passes, so a flood of bad connections cannot flood the output.
+fn quiet_warn(msg: std::fmt::Arguments<'_>) {
+    static WINDOW: Mutex<Option<(std::time::Instant, u32, u32)>> = Mutex::new(None);
+    let mut w = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
+    let now = std::time::Instant::now();
+    let (start, said, quiet) = w.get_or_insert((now, 0, 0));
+    if now.duration_since(*start) > std::time::Duration::from_secs(10) {
+        if *quiet > 0 {
+            tracing::warn!("store: {quiet} more such warnings were not shown");
+        }
+        (*start, *said, *quiet) = (now, 0, 0);
+    }
+    if *said < 10 {
+        *said += 1;
+        tracing::warn!("{msg}");
+    } else {
+        *quiet += 1;
+    }
+}
+
 pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Future<Output = ()>) {
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::pin!(shutdown);
@@ -515,6 +598,7 @@ async fn connection(
     let mut buf = BytesMut::with_capacity(INITIAL_BUFFER);
     let mut out: Vec<u8> = Vec::with_capacity(256);
     let mut need = 1usize;
+    let handshake_by = tokio::time::Instant::now() + HANDSHAKE;
     'conn: loop {
         if buf.capacity() - buf.len() < need.saturating_sub(buf.len()) {
             buf.reserve(need - buf.len());
@@ -538,7 +622,7 @@ async fn connection(
                     // Refuse an old client on its first byte, before its differently-shaped
                     // request could keep us waiting for bytes it never sends.
                     if !c.validated && buf.first().is_some_and(|&b| b != 0) {
-                        tracing::warn!("store: closing connection from {peer}: {PRE_2_2}");
+                        quiet_warn(format_args!("store: closing connection from {peer}: {PRE_2_2}"));
                         break 'conn;
                     }
                     while buf.len() >= need {
@@ -552,14 +636,14 @@ async fn connection(
                                     }
                                 }
                                 if let Err(msg) = store.apply(&mut c, req, &mut out) {
-                                    tracing::warn!("store: closing connection from {peer}: {msg}");
+                                    quiet_warn(format_args!("store: closing connection from {peer}: {msg}"));
                                     break 'conn;
                                 }
                             }
                             Ok(Parsed::Incomplete { need: n }) => need = n,
                             Err(e) => {
                                 let what = if c.validated { e.to_string() } else { PRE_2_2.to_string() };
-                                tracing::warn!("store: closing connection from {peer}: {what}");
+                                quiet_warn(format_args!("store: closing connection from {peer}: {what}"));
                                 break 'conn;
                             }
                         }
@@ -567,6 +651,10 @@ async fn connection(
                 }
             },
             _ = stop.changed() => break,
+            _ = tokio::time::sleep_until(handshake_by), if !c.validated => {
+                quiet_warn(format_args!("store: closing connection from {peer}: no VALIDATE within {} s", HANDSHAKE.as_secs()));
+                break;
+            }
         }
         if !out.is_empty() {
             if wr.write_all(&out).await.is_err() {
