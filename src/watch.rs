@@ -347,6 +347,8 @@ fn seen_of<'a>(views: &'a HashMap<usize, NodeWatch>, hosts: &'a [String]) -> Vec
 pub struct WatchState {
     pub plan: WatchPlan,
     views: HashMap<usize, NodeWatch>,
+    /// The views as they were when a rank first failed.
+    before_failure: Option<HashMap<usize, NodeWatch>>,
     hang_said: bool,
     unreadable_said: bool,
     straggler_said: HashMap<usize, Instant>,
@@ -363,6 +365,7 @@ impl WatchState {
         WatchState {
             plan,
             views: HashMap::new(),
+            before_failure: None,
             hang_said: false,
             unreadable_said: false,
             straggler_said: HashMap::new(),
@@ -375,18 +378,25 @@ impl WatchState {
 
     /// Node `node`'s latest view.
     pub fn observe(&mut self, node: usize, v: NodeWatch) {
+        // The views just before the first rank failed are what explains the failure; later
+        // ones show every rank stopped.
+        let failed = v.ranks.iter().any(|r| {
+            r.exited
+                .as_deref()
+                .is_some_and(|e| e != "exited with code 0")
+        });
+        if failed && self.before_failure.is_none() {
+            self.before_failure = Some(self.views.clone());
+        }
         self.views.insert(node, v);
     }
 
     /// Forgets the views of a finished step (a restart starts afresh).
     pub fn reset(&mut self) {
         self.views.clear();
+        self.before_failure = None;
         self.hang_said = false;
         self.last_check = None;
-    }
-
-    fn seen<'a>(&'a self, hosts: &'a [String]) -> Vec<Seen<'a>> {
-        seen_of(&self.views, hosts)
     }
 
     /// Looks at the views (at most once a second): prints a hang or a straggler when one is
@@ -478,7 +488,7 @@ impl WatchState {
     /// The likely cause of a failure, from the last views: a rank missing from the collective
     /// the others had waited in for at least a few seconds.
     pub fn cause(&self, hosts: &[String]) -> Option<String> {
-        let seen = self.seen(hosts);
+        let seen = seen_of(self.before_failure.as_ref().unwrap_or(&self.views), hosts);
         let d = diagnose(&seen)?;
         let waited = seen
             .iter()

@@ -104,6 +104,9 @@ pub struct Failure {
     pub left_early: Vec<(usize, f64)>,
 }
 
+/// How long the rest of a group keeps running after its first failure before it is stopped.
+const SETTLE: Duration = Duration::from_millis(300);
+
 /// How long before a failure a clean exit counts as a cause rather than a finished rank.
 const EARLY: Duration = Duration::from_secs(30);
 /// ... and how long after it.
@@ -303,6 +306,7 @@ pub async fn run_group(
     let mut stopped = false;
     let mut closed = false;
     let mut kill_at: Option<Instant> = None;
+    let mut term_at: Option<Instant> = None;
     let stop_all = |running: &[Running], sig: Signal| {
         for r in running.iter().filter(|r| r.exit.is_none()) {
             r.group.signal(sig);
@@ -319,10 +323,11 @@ pub async fn run_group(
                 running[idx].exit = Some((exit, at));
                 tell(GroupEvent::Exited { rank: running[idx].rank, exit });
                 left -= 1;
-                if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() && !timed_out && !stopped {
+                if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() && term_at.is_none() && !timed_out && !stopped {
                     first_failure = Some(idx);
-                    stop_all(&running, Signal::SIGTERM);
-                    kill_at = Some(Instant::now() + grace);
+                    // A moment before stopping the rest: a peer already on its way out (a rank
+                    // that left its loop early) ends by itself and can be named as the cause.
+                    term_at = Some(Instant::now() + SETTLE.min(grace));
                 }
             }
             req = stop_requested(&mut stop), if !closed => {
@@ -354,6 +359,13 @@ pub async fn run_group(
                 timed_out = true;
                 stop_all(&running, Signal::SIGTERM);
                 kill_at = Some(Instant::now() + grace);
+            }
+            _ = async { tokio::time::sleep_until(term_at.unwrap_or_else(Instant::now)).await }, if term_at.is_some() => {
+                term_at = None;
+                if kill_at.is_none() {
+                    stop_all(&running, Signal::SIGTERM);
+                    kill_at = Some(Instant::now() + grace);
+                }
             }
             _ = async { tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)).await }, if kill_at.is_some() => {
                 stop_all(&running, Signal::SIGKILL);

@@ -142,7 +142,10 @@ impl Session {
         crate::node::process::become_subreaper();
         // A static launch's other nodes run their own nrun, which cannot learn a secret.
         let static_launch = nodes.in_process && nodes.group_world > 1;
-        let secret = (!static_launch).then(random_secret);
+        let secret = match static_launch {
+            true => None,
+            false => Some(random_secret()?),
+        };
         let (rendezvous, hosted) = match (&plan.store, listener) {
             (StorePlan::Host { advertise, .. }, Some(l)) => {
                 let port = l
@@ -557,13 +560,19 @@ pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
     }
 }
 
-/// 128 random bits, hex: the secret of nrun's keys for one run.
-pub fn random_secret() -> String {
+/// 128 random bits from the OS, hex: the secret of nrun's keys for one run. No randomness is an
+/// error, never a predictable secret.
+pub fn random_secret() -> Result<String> {
     let mut b = [0u8; 16];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = std::io::Read::read_exact(&mut f, &mut b);
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        return Err(Error::internal(format!(
+            "cannot get random bytes from the OS for the run's secret: {}",
+            std::io::Error::last_os_error()
+        )));
     }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// The coordinator's addresses for agents to try, "ip:port".
