@@ -330,6 +330,21 @@ pub fn straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
     })
 }
 
+/// How long after the last stall seen a failure is still put down to it.
+const STALL_TO_FAILURE: Duration = Duration::from_secs(5);
+
+/// A stall that blames someone: ranks waiting at least 2 s in a collective another rank has
+/// not entered (or a different one); with the longest wait, milliseconds.
+fn stall_of(seen: &[Seen<'_>]) -> Option<(Diagnosis, u64)> {
+    let waited = seen
+        .iter()
+        .filter(|s| s.view.exited.is_none() && waits_in(s.view).is_some())
+        .map(|s| s.view.unchanged_ms)
+        .max()?;
+    let d = diagnose(seen)?;
+    (matches!(d.kind, Kind::Missing | Kind::Disagree) && waited >= 2000).then_some((d, waited))
+}
+
 /// Every rank of `views`, with its host, by rank.
 fn seen_of<'a>(views: &'a HashMap<usize, NodeWatch>, hosts: &'a [String]) -> Vec<Seen<'a>> {
     let mut v: Vec<Seen<'a>> = views
@@ -347,8 +362,8 @@ fn seen_of<'a>(views: &'a HashMap<usize, NodeWatch>, hosts: &'a [String]) -> Vec
 pub struct WatchState {
     pub plan: WatchPlan,
     views: HashMap<usize, NodeWatch>,
-    /// The views as they were when a rank first failed.
-    before_failure: Option<HashMap<usize, NodeWatch>>,
+    /// The views when ranks last waited for a missing rank, and when.
+    last_stall: Option<(Instant, HashMap<usize, NodeWatch>)>,
     hang_said: bool,
     unreadable_said: bool,
     straggler_said: HashMap<usize, Instant>,
@@ -365,7 +380,7 @@ impl WatchState {
         WatchState {
             plan,
             views: HashMap::new(),
-            before_failure: None,
+            last_stall: None,
             hang_said: false,
             unreadable_said: false,
             straggler_said: HashMap::new(),
@@ -378,23 +393,18 @@ impl WatchState {
 
     /// Node `node`'s latest view.
     pub fn observe(&mut self, node: usize, v: NodeWatch) {
-        // The views just before the first rank failed are what explains the failure; later
-        // ones show every rank stopped.
-        let failed = v.ranks.iter().any(|r| {
-            r.exited
-                .as_deref()
-                .is_some_and(|e| e != "exited with code 0")
-        });
-        if failed && self.before_failure.is_none() {
-            self.before_failure = Some(self.views.clone());
-        }
         self.views.insert(node, v);
+        // The last stall seen is what explains a failure that follows it: by the time ranks
+        // fail, their stacks show the error being raised, then every rank stopped.
+        if stall_of(&seen_of(&self.views, &[])).is_some() {
+            self.last_stall = Some((Instant::now(), self.views.clone()));
+        }
     }
 
     /// Forgets the views of a finished step (a restart starts afresh).
     pub fn reset(&mut self) {
         self.views.clear();
-        self.before_failure = None;
+        self.last_stall = None;
         self.hang_said = false;
         self.last_check = None;
     }
@@ -488,21 +498,17 @@ impl WatchState {
     /// The likely cause of a failure, from the last views: a rank missing from the collective
     /// the others had waited in for at least a few seconds.
     pub fn cause(&self, hosts: &[String]) -> Option<String> {
-        let seen = seen_of(self.before_failure.as_ref().unwrap_or(&self.views), hosts);
-        let d = diagnose(&seen)?;
-        let waited = seen
-            .iter()
-            .filter(|s| waits_in(s.view).is_some())
-            .map(|s| s.view.unchanged_ms)
-            .max()
-            .unwrap_or(0);
-        (matches!(d.kind, Kind::Missing | Kind::Disagree) && waited >= 2000).then(|| {
-            format!(
-                "  likely cause (the watch saw ranks wait {:.0} s): {}\n",
-                waited as f64 / 1e3,
-                d.conclusion
-            )
-        })
+        // A stall that ended long before the failure did not cause it.
+        let (at, views) = self.last_stall.as_ref()?;
+        if at.elapsed() > STALL_TO_FAILURE {
+            return None;
+        }
+        let (d, waited) = stall_of(&seen_of(views, hosts))?;
+        Some(format!(
+            "  likely cause (the watch saw ranks wait {:.0} s): {}\n",
+            waited as f64 / 1e3,
+            d.conclusion
+        ))
     }
 
     /// The watch's findings for `--report`.

@@ -332,10 +332,7 @@ async fn control_keys_need_the_secret() {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
 
     let mut agent = client(addr).await;
-    agent
-        .set(nrun::store::server::AUTH_KEY, b"s3cret")
-        .await
-        .unwrap();
+    agent.authenticate(b"s3cret").await.unwrap();
     agent.set(b"nrun/run/plan", b"x").await.unwrap();
     assert_eq!(agent.get(b"nrun/run/plan").await.unwrap(), b"x");
     // The observe prefix stores the address the server saw, not the value sent.
@@ -359,8 +356,32 @@ async fn control_keys_need_the_secret() {
         worker.ping(1).await.is_err(),
         "write without the secret must close the connection"
     );
+    // The plain secret is no proof (it never crosses the wire), nor is a proof made for
+    // another connection's challenge.
+    let mut plain = client(addr).await;
+    let _ = plain.set(nrun::store::server::AUTH_KEY, b"s3cret").await;
+    assert!(
+        plain.ping(1).await.is_err(),
+        "the plain secret was accepted"
+    );
+    let mut sniffer = client(addr).await;
+    let theirs = sniffer
+        .get(nrun::store::server::CHALLENGE_KEY)
+        .await
+        .unwrap();
+    let _ = sniffer
+        .set(
+            nrun::store::server::AUTH_KEY,
+            &nrun::store::auth::prove(b"s3cret", b"an-earlier-nonce"),
+        )
+        .await;
+    assert!(!theirs.is_empty());
+    assert!(
+        sniffer.ping(1).await.is_err(),
+        "a replayed proof was accepted"
+    );
     let mut wrong = client(addr).await;
-    let _ = wrong.set(nrun::store::server::AUTH_KEY, b"guess").await;
+    let _ = wrong.authenticate(b"guess").await;
     assert!(
         wrong.ping(1).await.is_err(),
         "a wrong secret must close the connection"

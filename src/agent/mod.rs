@@ -92,7 +92,7 @@ async fn run() -> Result<(), String> {
         .map_err(|e| format!("{me} cannot reach the launch host's store: {e}"))?;
     let lost = |e: std::io::Error| format!("{me}: lost the launch host's store: {e}");
     store
-        .set(crate::store::server::AUTH_KEY, hello.secret.as_bytes())
+        .authenticate(hello.secret.as_bytes())
         .await
         .map_err(lost)?;
     store
@@ -150,7 +150,13 @@ async fn run() -> Result<(), String> {
         };
         got.map_err(lost)?;
         let raw = store.get(&step_key).await.map_err(lost)?;
-        let step: Step = serde_json::from_slice(&raw).map_err(|e| format!("{me}: cannot read step {step_no} from the launch host ({e}); is nrun the same version on both?"))?;
+        // Only steps sealed with the run's secret are run: nothing injected starts a process.
+        let Some(json) = crate::store::auth::open(hello.secret.as_bytes(), &step_key, &raw) else {
+            return Err(format!(
+                "{me}: step {step_no} from the launch host is not sealed with this run's secret; refusing it"
+            ));
+        };
+        let step: Step = serde_json::from_slice(json).map_err(|e| format!("{me}: cannot read step {step_no} from the launch host ({e}); is nrun the same version on both?"))?;
         let result = match step {
             Step::End => return Ok(()),
             Step::Probe { target, timeout_ms } => StepResult::Probe {
@@ -170,7 +176,7 @@ async fn run() -> Result<(), String> {
                 let mut conn = Client::connect(reached, Duration::from_secs(10))
                     .await
                     .map_err(lost)?;
-                conn.set(crate::store::server::AUTH_KEY, hello.secret.as_bytes())
+                conn.authenticate(hello.secret.as_bytes())
                     .await
                     .map_err(lost)?;
                 let signals = &mut signals;

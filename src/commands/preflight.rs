@@ -180,9 +180,7 @@ async fn read_reports(
         return HashMap::new();
     };
     if let Some(secret) = &s.rendezvous.secret {
-        let _ = c
-            .set(crate::store::server::AUTH_KEY, secret.as_bytes())
-            .await;
+        let _ = c.authenticate(secret.as_bytes()).await;
     }
     let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
     match c.multi_get(&refs).await {

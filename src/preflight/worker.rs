@@ -191,7 +191,7 @@ fn run() -> Result<(), String> {
         .map_err(|e| format!("rank {rank} cannot reach the store at {master}: {e}"))?;
     // Multi-node runs reserve nrun's keys to those holding the run's secret.
     if let Ok(secret) = std::env::var("NRUN_SECRET") {
-        rt.block_on(store.set(crate::store::server::AUTH_KEY, secret.as_bytes()))
+        rt.block_on(store.authenticate(secret.as_bytes()))
             .map_err(|e| format!("rank {rank}: store: {e}"))?;
     }
     let host = crate::net::hostname();

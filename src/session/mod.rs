@@ -337,8 +337,14 @@ impl Session {
 
     fn set_step(&self, node: usize, step: usize, s: &Step) {
         if let Some(h) = &self.hosted {
-            let v = serde_json::to_vec(s).unwrap_or_default();
-            h.store.set(&self.keys.step(node, step), &v);
+            let key = self.keys.step(node, step);
+            let json = serde_json::to_vec(s).unwrap_or_default();
+            // Sealed with the run's secret: an agent runs no step it cannot verify.
+            let secret = self.rendezvous.secret.as_deref().unwrap_or("");
+            h.store.set(
+                &key,
+                &crate::store::auth::seal(secret.as_bytes(), &key, &json),
+            );
         }
     }
 

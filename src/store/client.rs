@@ -92,6 +92,14 @@ impl Client {
         Ok(v)
     }
 
+    /// Proves the run's secret to the store (challenge and response; the secret is not sent),
+    /// unlocking nrun's control keys for this connection.
+    pub async fn authenticate(&mut self, secret: &[u8]) -> io::Result<()> {
+        let nonce = self.get(super::server::CHALLENGE_KEY).await?;
+        let proof = super::auth::prove(secret, &nonce);
+        self.set(super::server::AUTH_KEY, &proof).await
+    }
+
     pub async fn ping(&mut self, nonce: u32) -> io::Result<u32> {
         self.send(&Request::Ping { nonce }).await?;
         self.stream.read_u32_le().await

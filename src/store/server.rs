@@ -149,7 +149,9 @@ pub struct Store {
 
 /// Prefix of nrun's own keys.
 pub const CONTROL_PREFIX: &[u8] = b"nrun/";
-/// SET this key to the secret to authenticate a connection (the value is not stored).
+/// GET this key for a challenge (a fresh nonce for this connection), then SET [`AUTH_KEY`] to
+/// the proof of the secret over it (see `store::auth`); neither is stored.
+pub const CHALLENGE_KEY: &[u8] = b"nrun/challenge";
 pub const AUTH_KEY: &[u8] = b"nrun/auth";
 /// A SET under this prefix stores the address the server sees the connection come from, not
 /// the value sent: how an agent learns whether NAT sits between it and the coordinator.
@@ -160,6 +162,8 @@ struct Conn {
     id: ConnId,
     validated: bool,
     authed: bool,
+    /// The challenge this connection was given, until it answers.
+    nonce: Option<Vec<u8>>,
     peer: SocketAddr,
     wake: mpsc::UnboundedSender<u8>,
 }
@@ -288,13 +292,26 @@ impl Store {
             };
         }
         if let Some(secret) = &self.secret {
+            // Challenge and response: the secret itself never crosses the wire.
+            if let Request::Get { key } = &req {
+                if key == CHALLENGE_KEY {
+                    let nonce = super::auth::nonce().map_err(|e| format!("no challenge: {e}"))?;
+                    put_bytes(out, &nonce);
+                    c.nonce = Some(nonce);
+                    return Ok(());
+                }
+            }
             if let Request::Set { key, value } = &req {
                 if key == AUTH_KEY {
-                    if value == secret {
+                    let proven = c
+                        .nonce
+                        .take()
+                        .is_some_and(|n| super::auth::verify(secret, &n, value));
+                    if proven {
                         c.authed = true;
                         return Ok(());
                     }
-                    return Err("wrong secret for nrun's control keys".into());
+                    return Err("wrong proof of nrun's secret for its control keys".into());
                 }
             }
             if !c.authed && touches_control(&req) {
@@ -592,6 +609,7 @@ async fn connection(
         id: store.next_conn.fetch_add(1, Ordering::Relaxed),
         validated: false,
         authed: false,
+        nonce: None,
         peer,
         wake: wake_tx,
     };

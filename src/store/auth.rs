@@ -1,0 +1,115 @@
+//! Proving the run's secret without sending it: the store gives each connection a fresh nonce
+//! (GET `nrun/challenge`), the client answers with HMAC-SHA256(secret, nonce) (SET `nrun/auth`).
+//! A sniffer sees a nonce and a proof good for that connection only. Values that start processes
+//! (the agents' steps) are sealed with the same MAC over their key and value, so an injected or
+//! replayed step is refused by the agent.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+type HmacSha256 = Hmac<Sha256>;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &[u8]) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    s.chunks(2)
+        .map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok())
+        .collect()
+}
+
+/// The MAC over `parts`, each prefixed by its length so that no two splits collide. (HMAC
+/// takes a key of any length: the error case does not happen.)
+fn mac(secret: &[u8], parts: &[&[u8]]) -> Option<HmacSha256> {
+    let mut m = HmacSha256::new_from_slice(secret).ok()?;
+    for p in parts {
+        m.update(&(p.len() as u64).to_le_bytes());
+        m.update(p);
+    }
+    Some(m)
+}
+
+/// A fresh challenge: 16 random bytes from the OS, hex.
+pub fn nonce() -> std::io::Result<Vec<u8>> {
+    let mut b = [0u8; 16];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(hex(&b).into_bytes())
+}
+
+/// The proof of `secret` for challenge `nonce`.
+pub fn prove(secret: &[u8], nonce: &[u8]) -> Vec<u8> {
+    mac(secret, &[b"nrun-auth", nonce])
+        .map(|m| hex(&m.finalize().into_bytes()).into_bytes())
+        .unwrap_or_default()
+}
+
+/// Whether `proof` proves `secret` for `nonce` (compared in constant time).
+pub fn verify(secret: &[u8], nonce: &[u8], proof: &[u8]) -> bool {
+    let (Some(p), Some(m)) = (unhex(proof), mac(secret, &[b"nrun-auth", nonce])) else {
+        return false;
+    };
+    m.verify_slice(&p).is_ok()
+}
+
+/// `value` stored under `key`, sealed: the MAC (hex), a newline, the value.
+pub fn seal(secret: &[u8], key: &[u8], value: &[u8]) -> Vec<u8> {
+    let tag = mac(secret, &[b"nrun-seal", key, value])
+        .map(|m| hex(&m.finalize().into_bytes()))
+        .unwrap_or_default();
+    [tag.as_bytes(), b"\n", value].concat()
+}
+
+/// The value of a sealed `raw` under `key`, if its MAC is right.
+pub fn open<'a>(secret: &[u8], key: &[u8], raw: &'a [u8]) -> Option<&'a [u8]> {
+    let at = raw.iter().position(|b| *b == b'\n')?;
+    let (tag, value) = (unhex(&raw[..at])?, &raw[at + 1..]);
+    mac(secret, &[b"nrun-seal", key, value])?
+        .verify_slice(&tag)
+        .ok()
+        .map(|_| value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proofs_and_seals() {
+        let n = nonce().unwrap();
+        assert_eq!(n.len(), 32);
+        assert_ne!(n, nonce().unwrap());
+        let p = prove(b"s3cret", &n);
+        assert!(verify(b"s3cret", &n, &p));
+        assert!(!verify(b"guess", &n, &p));
+        assert!(
+            !verify(b"s3cret", &nonce().unwrap(), &p),
+            "a proof is good for its nonce only"
+        );
+        assert!(
+            !verify(b"s3cret", &n, b"s3cret"),
+            "the plain secret is no proof"
+        );
+        let sealed = seal(b"k", b"nrun/r/n0/step/3", b"{\"End\":null}");
+        assert_eq!(
+            open(b"k", b"nrun/r/n0/step/3", &sealed),
+            Some(&b"{\"End\":null}"[..])
+        );
+        assert_eq!(
+            open(b"k", b"nrun/r/n0/step/4", &sealed),
+            None,
+            "replayed under another key"
+        );
+        assert_eq!(open(b"other", b"nrun/r/n0/step/3", &sealed), None);
+        let mut forged = sealed.clone();
+        *forged.last_mut().unwrap() ^= 1;
+        assert_eq!(open(b"k", b"nrun/r/n0/step/3", &forged), None);
+    }
+}
