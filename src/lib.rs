@@ -14,7 +14,8 @@
 //!   the workers' Python stacks, and the `nrun __agent` process.
 //! - [`remote`]: ssh and srun command lines (pure).
 //! - [`node`]: one node's worker group: spawning, process groups, stop requests, output, logs.
-//! - [`store`]: the TCPStore protocol: a pure codec, the tokio server, a client.
+//! - [`store`]: the TCPStore protocol: a pure codec, the tokio server, a client, and the
+//!   proof of the run's secret (challenge-response, sealed steps).
 //! - [`preflight`]: NCCL by path, CUDA through cudarc, the per-rank worker, the verdict.
 //! - [`net`]: interfaces, this host's name, routes. [`facts`]: what a node reports, compared.
 //! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank

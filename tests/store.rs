@@ -475,3 +475,33 @@ async fn a_silent_connection_is_closed() {
     let r = tokio::time::timeout(Duration::from_secs(15), s.read(&mut b)).await;
     assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "still open: {r:?}");
 }
+
+/// A single node's store serves this host only: a client from another address is closed at
+/// once, loopback clients (every 127.0.0.x) are served.
+#[tokio::test]
+async fn a_loopback_only_store_refuses_other_hosts() {
+    let (addr, store) = start().await;
+    store.loopback_only();
+    let mut c = Client::connect(
+        SocketAddr::from(([127, 0, 0, 7], addr.port())),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    c.set(b"/k", b"v").await.unwrap();
+    assert_eq!(c.get(b"/k").await.unwrap(), b"v");
+    // This host's own non-loopback address stands in for another host.
+    let other = nrun::net::reachable_addrs(&nrun::net::interfaces())
+        .into_iter()
+        .find(|ip| ip.is_ipv4() && !ip.is_loopback());
+    let Some(ip) = other else {
+        eprintln!("SKIPPED the remote half: no non-loopback IPv4 address here");
+        return;
+    };
+    let mut s = TcpStream::connect(SocketAddr::new(ip, addr.port()))
+        .await
+        .unwrap();
+    let mut b = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(5), s.read(&mut b)).await;
+    assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "served {ip}: {r:?}");
+}

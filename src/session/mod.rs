@@ -156,6 +156,13 @@ impl Session {
                     Some(s) => Store::with_secret(s.clone().into_bytes()),
                     None => Store::new(),
                 };
+                // One node whose workers reach the store over loopback: nothing else may.
+                let local = nodes.in_process
+                    && !static_launch
+                    && advertise.parse::<IpAddr>().is_ok_and(|a| a.is_loopback());
+                if local {
+                    store.loopback_only();
+                }
                 let stop = serve(l, store.clone())?;
                 let addr = if advertise.is_empty() {
                     "127.0.0.1".to_string()

@@ -145,6 +145,8 @@ pub struct Store {
     /// Bumped whenever a client SETs one of nrun's keys: the coordinator waits on this instead
     /// of polling for its agents' records.
     control_writes: watch::Sender<u64>,
+    /// Serve only clients on this host (a single node's store): others are closed at accept.
+    loopback_only: std::sync::atomic::AtomicBool,
 }
 
 /// Prefix of nrun's own keys.
@@ -208,6 +210,13 @@ impl Store {
             secret: Some(secret),
             ..Store::default()
         })
+    }
+
+    /// Serve clients on this host only: a single node's workers reach the store over loopback,
+    /// and nothing on the network should reach it at all.
+    pub fn loopback_only(&self) {
+        self.loopback_only
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Changes whenever a client has set one of nrun's own keys (`nrun/...`).
@@ -580,6 +589,14 @@ pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Futu
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     backoff_ms = 1;
+                    if store.loopback_only.load(Ordering::Relaxed)
+                        && !crate::net::canonical(peer.ip()).is_loopback()
+                    {
+                        quiet_warn(format_args!(
+                            "store: refusing {peer}: this single-node store serves this host only"
+                        ));
+                        continue;
+                    }
                     let store = store.clone();
                     let stop = stop_rx.clone();
                     tokio::spawn(async move { connection(stream, peer, store, stop).await });
