@@ -505,3 +505,23 @@ async fn a_loopback_only_store_refuses_other_hosts() {
     let r = tokio::time::timeout(Duration::from_secs(5), s.read(&mut b)).await;
     assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "served {ip}: {r:?}");
 }
+
+/// Past the store's cap a write fails the client that made it; the store and its other clients
+/// go on, and freeing keys makes room again.
+#[tokio::test]
+async fn a_full_store_fails_the_writer_not_the_store() {
+    let (addr, store) = start().await;
+    store.set_max_bytes(4 << 20);
+    let mut a = client(addr).await;
+    a.set(b"/a", &vec![1u8; 3 << 20]).await.unwrap();
+    assert_eq!(a.get(b"/a").await.unwrap().len(), 3 << 20);
+    let mut b = client(addr).await;
+    let _ = b.set(b"/b", &vec![2u8; 2 << 20]).await;
+    assert!(b.ping(1).await.is_err(), "the write past the cap was taken");
+    assert!(store.get(b"/b").is_none());
+    // The others are served; a delete makes room.
+    assert!(a.delete_key(b"/a").await.unwrap());
+    let mut c = client(addr).await;
+    c.set(b"/b", &vec![2u8; 2 << 20]).await.unwrap();
+    assert_eq!(c.get(b"/b").await.unwrap().len(), 2 << 20);
+}

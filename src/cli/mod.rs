@@ -230,6 +230,16 @@ pub struct RendezvousArgs {
     )]
     pub rdzv_id: String,
 
+    /// Most bytes the store holds for its clients (K/M/G suffixes); a write past it fails that
+    /// client with a message, never the job's store.
+    #[arg(
+        long = "store-max-bytes",
+        env = "NRUN_STORE_MAX_BYTES",
+        default_value = "4G",
+        value_name = "SIZE"
+    )]
+    pub store_max_bytes: String,
+
     /// Address of this node that workers and other nodes use for the store.
     #[arg(long = "local-addr", alias = "local_addr", env = "NRUN_LOCAL_ADDR")]
     pub local_addr: Option<String>,

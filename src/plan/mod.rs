@@ -161,6 +161,8 @@ pub struct Plan {
     pub watch: Option<crate::watch::WatchPlan>,
     /// `--report FILE`: the preflight's and the watch's findings as JSON.
     pub report: Option<PathBuf>,
+    /// Most bytes the store holds for its clients.
+    pub store_max_bytes: u64,
 }
 
 /// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs).
@@ -339,6 +341,7 @@ impl Plan {
             no_python: target.no_python,
             watch: resolve_watch(watch, target.no_python)?,
             report: preflight.report.clone(),
+            store_max_bytes: parse_bytes("--store-max-bytes", &rdzv.store_max_bytes)?,
         })
     }
 
@@ -367,6 +370,7 @@ impl Plan {
             no_python: false,
             watch: None,
             report: None,
+            store_max_bytes: crate::store::server::DEFAULT_MAX_BYTES,
         }
     }
 
@@ -526,6 +530,24 @@ pub fn visible_gpus(env: &dyn Fn(&str) -> Option<String>) -> usize {
             .take_while(|s| !s.is_empty() && !s.starts_with('-'))
             .count()
             .min(present),
+    }
+}
+
+/// A size like 4G, 512M, 64K or 1000000 (bytes), at least 1 MiB.
+fn parse_bytes(flag: &str, s: &str) -> Result<u64> {
+    let t = s.trim();
+    let (num, mul) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        Some('T') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    match num.parse::<u64>().ok().and_then(|n| n.checked_mul(mul)) {
+        Some(n) if n >= 1 << 20 => Ok(n),
+        _ => Err(Error::usage(format!(
+            "{flag} {s:?}: expected a size of at least 1M, like 4G or 512M"
+        ))),
     }
 }
 
@@ -869,6 +891,7 @@ fn resolve_store(rdzv: &RendezvousArgs, nnodes: usize, uses_hosts: bool) -> Resu
         // nrun always hosts its own store; accepted for torchrun's command lines.
         rdzv_backend: _,
         rdzv_id: _,
+        store_max_bytes: _,
         local_addr,
     } = rdzv;
     let (mut addr, mut port) = (master_addr.clone(), *master_port);

@@ -156,6 +156,7 @@ impl Session {
                     Some(s) => Store::with_secret(s.clone().into_bytes()),
                     None => Store::new(),
                 };
+                store.set_max_bytes(plan.store_max_bytes);
                 // One node whose workers reach the store over loopback: nothing else may.
                 let local = nodes.in_process
                     && !static_launch

@@ -49,9 +49,40 @@ struct State {
     parked: HashMap<ConnId, Parked>,
     /// barrier key -> waits parked on it.
     barriers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
+    /// Bytes held in keys, values and queued items (checked against the store's cap).
+    bytes: usize,
 }
 
 impl State {
+    /// Stores `value` under `key`, keeping the byte count.
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.bytes += key.len() + value.len();
+        if let Some(old) = self.kv.insert(key.clone(), value) {
+            self.bytes = self.bytes.saturating_sub(key.len() + old.len());
+        }
+    }
+
+    fn remove(&mut self, key: &[u8]) -> bool {
+        match self.kv.remove(key) {
+            Some(old) => {
+                self.bytes = self.bytes.saturating_sub(key.len() + old.len());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The byte count from scratch (after a clear).
+    fn recount(&mut self) {
+        let kv: usize = self.kv.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let q: usize = self
+            .queues
+            .iter()
+            .map(|(k, q)| k.len() + q.iter().map(Vec::len).sum::<usize>())
+            .sum();
+        self.bytes = kv + q;
+    }
+
     /// Drops connection `conn`'s pending WAIT or BARRIER and every entry listing it.
     fn forget_wait(&mut self, conn: ConnId) {
         let Some(p) = self.parked.remove(&conn) else {
@@ -127,7 +158,7 @@ impl State {
 
     fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, String> {
         let v = self.counter(key)?.wrapping_add(delta);
-        self.kv.insert(key.to_vec(), v.to_string().into_bytes());
+        self.put(key.to_vec(), v.to_string().into_bytes());
         self.written(key, false);
         Ok(v)
     }
@@ -147,6 +178,8 @@ pub struct Store {
     control_writes: watch::Sender<u64>,
     /// Serve only clients on this host (a single node's store): others are closed at accept.
     loopback_only: std::sync::atomic::AtomicBool,
+    /// Most bytes clients may store (keys, values, queued items); 0: no cap.
+    max_bytes: AtomicU64,
 }
 
 /// Prefix of nrun's own keys.
@@ -201,15 +234,24 @@ fn touches_control(req: &Request) -> bool {
 
 impl Store {
     pub fn new() -> Arc<Store> {
-        Arc::new(Store::default())
+        let s = Store::default();
+        s.max_bytes.store(DEFAULT_MAX_BYTES, Ordering::Relaxed);
+        Arc::new(s)
     }
 
     /// A store whose `nrun/` keys need `secret` (see [`AUTH_KEY`]).
     pub fn with_secret(secret: Vec<u8>) -> Arc<Store> {
-        Arc::new(Store {
+        let s = Store {
             secret: Some(secret),
             ..Store::default()
-        })
+        };
+        s.max_bytes.store(DEFAULT_MAX_BYTES, Ordering::Relaxed);
+        Arc::new(s)
+    }
+
+    /// Caps what clients may store: a write past it fails that client, not the store.
+    pub fn set_max_bytes(&self, max: u64) {
+        self.max_bytes.store(max, Ordering::Relaxed);
     }
 
     /// Serve clients on this host only: a single node's workers reach the store over loopback,
@@ -227,7 +269,7 @@ impl Store {
     /// Sets a key in-process (the coordinator's own writes), waking waiters.
     pub fn set(&self, key: &[u8], value: &[u8]) {
         let mut s = self.lock();
-        s.kv.insert(key.to_vec(), value.to_vec());
+        s.put(key.to_vec(), value.to_vec());
         s.written(key, false);
     }
 
@@ -249,6 +291,7 @@ impl Store {
         let mut s = self.lock();
         s.kv.retain(|k, _| is_control(k));
         s.queues.clear();
+        s.recount();
     }
 
     /// A key's value, read in-process.
@@ -341,6 +384,21 @@ impl Store {
             r => r,
         };
         let mut s = self.lock();
+        let incoming = match &req {
+            Request::Set { key, value } | Request::Append { key, value } => key.len() + value.len(),
+            Request::CompareSet { key, desired, .. } => key.len() + desired.len(),
+            Request::QueuePush { key, value } => key.len() + value.len(),
+            Request::MultiSet { pairs } => pairs.iter().map(|(k, v)| k.len() + v.len()).sum(),
+            _ => 0,
+        };
+        let max = self.max_bytes.load(Ordering::Relaxed) as usize;
+        if incoming > 0 && max > 0 && s.bytes.saturating_add(incoming) > max {
+            return Err(format!(
+                "the store is full: {} bytes held, {incoming} more asked, limit {max} \
+                 (--store-max-bytes)",
+                s.bytes
+            ));
+        }
         match req {
             Request::Validate { magic } => {
                 if magic != VALIDATE_MAGIC {
@@ -348,7 +406,7 @@ impl Store {
                 }
             }
             Request::Set { key, value } => {
-                s.kv.insert(key.clone(), value);
+                s.put(key.clone(), value);
                 s.written(&key, false);
             }
             Request::CompareSet {
@@ -358,13 +416,13 @@ impl Store {
             } => {
                 let reply = match s.kv.get(&key) {
                     None if expected.is_empty() => {
-                        s.kv.insert(key.clone(), desired.clone());
+                        s.put(key.clone(), desired.clone());
                         s.written(&key, false);
                         desired
                     }
                     None => expected,
                     Some(cur) if *cur == expected => {
-                        s.kv.insert(key.clone(), desired.clone());
+                        s.put(key.clone(), desired.clone());
                         s.written(&key, false);
                         desired
                     }
@@ -413,10 +471,12 @@ impl Store {
                 put_i64(out, n as i64);
             }
             Request::DeleteKey { key } => {
-                let removed = s.kv.remove(&key).is_some();
+                let removed = s.remove(&key);
                 put_i64(out, removed as i64);
             }
             Request::Append { key, value } => {
+                let fresh = !s.kv.contains_key(&key);
+                s.bytes += value.len() + if fresh { key.len() } else { 0 };
                 s.kv.entry(key.clone())
                     .or_default()
                     .extend_from_slice(&value);
@@ -442,7 +502,7 @@ impl Store {
             }
             Request::MultiSet { pairs } => {
                 for (k, v) in pairs {
-                    s.kv.insert(k.clone(), v);
+                    s.put(k.clone(), v);
                     s.written(&k, false);
                 }
             }
@@ -454,6 +514,7 @@ impl Store {
             }
             Request::Ping { nonce } => out.extend_from_slice(&nonce.to_le_bytes()),
             Request::QueuePush { key, value } => {
+                s.bytes += value.len();
                 s.queues.entry(key.clone()).or_default().push_back(value);
                 s.written(&key, true);
             }
@@ -462,6 +523,7 @@ impl Store {
                 let len = q.as_ref().map_or(0, |q| q.len());
                 put_i64(out, len as i64);
                 if let Some(item) = q.and_then(|q| q.pop_front()) {
+                    s.bytes = s.bytes.saturating_sub(item.len());
                     put_bytes(out, &item);
                 }
             }
@@ -519,6 +581,8 @@ impl Store {
 /// Starting size of a connection's read buffer: requests are mostly tens of bytes, and with
 /// tens of thousands of connections a larger start costs real memory. It grows on demand.
 const INITIAL_BUFFER: usize = 512;
+/// What clients may store by default (--store-max-bytes): generous, but not the whole machine.
+pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
 /// Largest reply the store builds (MULTI_GET): beyond it the asking connection is closed.
 pub const MAX_REPLY: usize = 256 << 20;
 /// Time a new connection has to send VALIDATE before it is closed.
