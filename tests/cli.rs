@@ -520,3 +520,27 @@ fn the_open_file_limit_is_raised_for_nrun_not_for_workers() {
     assert_eq!(field("worker="), "1024", "{line}");
     assert_eq!(field("nrun="), field("hard="), "{line}");
 }
+
+/// A job larger than the open-file hard limit allows is told so before it starts.
+#[test]
+fn a_job_too_large_for_the_open_file_limit_is_warned() {
+    let out = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -n 100 && ulimit -H -n 100 && exec \"$0\" \"$@\"",
+            common::nrun_bin().to_str().unwrap(),
+            "--nproc",
+            "30",
+            "--no-python",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("the job's 30 workers may need about")
+            && err.contains("this host allows 100 open files"),
+        "{err}"
+    );
+}

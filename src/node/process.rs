@@ -51,6 +51,17 @@ pub fn raise_fd_limit() {
     }
 }
 
+/// The hard limit on open files (None where it is unlimited or cannot be read).
+pub fn fd_hard_limit() -> Option<u64> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a plain syscall on a local struct.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } == 0;
+    (ok && l.rlim_max != libc::RLIM_INFINITY).then_some(l.rlim_max)
+}
+
 /// In a child between fork and exec: puts back the soft limit nrun started with.
 /// Async-signal-safe (an atomic load and two syscalls).
 pub fn restore_fd_limit() {

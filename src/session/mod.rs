@@ -157,6 +157,16 @@ impl Session {
                     None => Store::new(),
                 };
                 store.set_max_bytes(plan.store_max_bytes);
+                // Every worker keeps a connection (torch opens more on init), every agent two.
+                let needed = nodes.world as u64 * 2 + nodes.hosts.len() as u64 * 2 + 64;
+                if let Some(hard) = crate::node::process::fd_hard_limit().filter(|h| *h < needed) {
+                    tracing::warn!(
+                        "the job's {} workers may need about {needed} open connections to the store, \
+                         but this host allows {hard} open files (hard limit): raise it (limits.conf \
+                         nofile, or ulimit -Hn as root) or expect clients to be refused",
+                        nodes.world
+                    );
+                }
                 // One node whose workers reach the store over loopback: nothing else may.
                 let local = nodes.in_process
                     && !static_launch
