@@ -49,7 +49,16 @@ pub fn main() -> ExitCode {
     // these internal entry points are dispatched before the user-facing command line.
     node::process::raise_fd_limit();
     let mut argv = std::env::args_os().skip(1);
-    match argv.next().as_deref().and_then(|a| a.to_str()) {
+    let first = argv.next();
+    // Everything but a preflight rank or a library probe gets a keeper (see node::keeper):
+    // forked here, before any thread exists.
+    if !matches!(
+        first.as_deref().and_then(|a| a.to_str()),
+        Some("__preflight" | "__nccl-version")
+    ) {
+        node::keeper::start();
+    }
+    match first.as_deref().and_then(|a| a.to_str()) {
         Some("__preflight") => return ExitCode::from(preflight::worker::main()),
         Some("__agent") => return ExitCode::from(agent::main()),
         Some("__nccl-version") => {

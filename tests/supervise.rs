@@ -248,3 +248,52 @@ fn restarts_run_the_whole_group_again() {
     assert!(s.marks().contains(&"rank 1 attempt 1".to_string()));
     s.assert_no_survivors();
 }
+
+/// `kill -9` of nrun leaves nothing, not even what its workers started (same process group or
+/// after setsid): the keeper (the pid the user sees) and nrun each clean up after the other.
+#[test]
+fn kill_9_leaves_no_grandchildren() {
+    // The launcher the user started (the keeper): nrun stops everything when it goes.
+    let s = Scene::new();
+    let w = worker();
+    let child = s.spawn(
+        &[
+            "--nproc",
+            "2",
+            "--shutdown-timeout",
+            "2",
+            "--no-python",
+            "sh",
+            &w,
+        ],
+        &[("NRUN_FIXTURE", "grandchildren-stay")],
+    );
+    s.wait_marks("ready", 2, Duration::from_secs(10));
+    signal(&child, "KILL");
+    let _ = wait_with_timeout(child, Duration::from_secs(5));
+    s.assert_no_survivors();
+
+    // nrun itself (the keeper's child): the keeper kills what is left and dies as nrun did.
+    let s = Scene::new();
+    let child = s.spawn(
+        &["--nproc", "2", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "grandchildren-stay")],
+    );
+    s.wait_marks("ready", 2, Duration::from_secs(10));
+    let kids = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))
+        .unwrap_or_default();
+    let nrun: i32 = kids.split_whitespace().next().unwrap().parse().unwrap();
+    assert_eq!(
+        std::process::Command::new("kill")
+            .args(["-KILL", &nrun.to_string()])
+            .status()
+            .unwrap()
+            .code(),
+        Some(0)
+    );
+    let (out, took) = wait_with_timeout(child, Duration::from_secs(5));
+    assert!(took < Duration::from_secs(5), "the keeper did not end");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(9), "the keeper dies as nrun did");
+    s.assert_no_survivors();
+}

@@ -9,6 +9,7 @@
 //! leftovers are swept (process groups, then re-parented orphans) before the outcome is returned,
 //! so nothing outlives the attempt.
 
+pub mod keeper;
 pub mod output;
 pub mod process;
 

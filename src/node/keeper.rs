@@ -1,0 +1,137 @@
+//! The keeper: what makes "nothing outlives the job" hold even when nrun is killed with SIGKILL.
+//!
+//! A worker's own children (same process group, or after `setsid`) are not reached by the
+//! parent-death signal, which goes to direct children only. So nrun starts as two processes: the
+//! keeper (the pid the user sees) forks the real nrun at once and becomes a child subreaper.
+//! - nrun (the child) gets SIGTERM when the keeper dies (PR_SET_PDEATHSIG): killing the keeper
+//!   with SIGKILL is a stop request, and nrun stops its workers and sweeps what they left, as it
+//!   does for any stop (it is a subreaper of its own subtree).
+//! - When nrun itself dies (even by SIGKILL), its workers get SIGKILL from the kernel and every
+//!   descendant left is re-parented to the keeper, which kills them all before it exits with
+//!   nrun's status.
+//! - Signals sent to the keeper are passed on to nrun. A signal the terminal sent (Ctrl-C, Ctrl-\)
+//!   reached nrun too, being in the same foreground process group, so it is not passed twice:
+//!   `si_code` tells the terminal (SI_KERNEL) from a `kill` (SI_USER).
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{ForkResult, Pid, fork};
+
+const PASSED_ON: [Signal; 7] = [
+    Signal::SIGINT,
+    Signal::SIGTERM,
+    Signal::SIGHUP,
+    Signal::SIGQUIT,
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+    Signal::SIGCHLD,
+];
+
+/// Forks the keeper off. Returns in the child (the real nrun); never returns in the keeper.
+/// Must run before any thread exists. Where fork fails, nrun runs without a keeper.
+pub fn start() {
+    let mut set = SigSet::empty();
+    for s in PASSED_ON {
+        set.add(s);
+    }
+    // Blocked across the fork so nothing is lost; the child unblocks at once.
+    let Ok(old) = set.thread_swap_mask(SigmaskHow::SIG_BLOCK) else {
+        return;
+    };
+    let keeper = nix::unistd::getpid();
+    // SAFETY: no other thread exists yet (called first thing in main).
+    match unsafe { fork() } {
+        Err(_) => {
+            let _ = old.thread_set_mask();
+        }
+        Ok(ForkResult::Child) => {
+            // SAFETY: prctl with integer arguments.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM, 0, 0, 0) };
+            if nix::unistd::getppid() != keeper {
+                // The keeper is already gone: behave as if told to stop.
+                std::process::exit(i32::from(crate::error::exit::signal(libc::SIGTERM)));
+            }
+            let _ = old.thread_set_mask();
+        }
+        Ok(ForkResult::Parent { child }) => keep(child, &set),
+    }
+}
+
+fn keep(child: Pid, set: &SigSet) -> ! {
+    super::process::become_subreaper();
+    let mut status = None;
+    while status.is_none() {
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waits for one of the blocked signals in `set`.
+        let sig = unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) };
+        if sig == libc::SIGCHLD {
+            status = reap(Some(child));
+        } else if sig > 0 && (info.si_code != libc::SI_KERNEL) {
+            let _ = nix::sys::signal::kill(child, Signal::try_from(sig).ok());
+        }
+    }
+    // nrun is gone: whatever it left is now ours.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let left = orphans();
+        if left.is_empty() {
+            break;
+        }
+        for p in left {
+            let _ = nix::sys::signal::killpg(p, Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        let _ = reap(None);
+    }
+    match status {
+        Some(WaitStatus::Signaled(_, sig, _)) => {
+            // Die the way nrun died, so the shell sees the same status.
+            // SAFETY: resets one signal's disposition, unblocks it and raises it.
+            unsafe {
+                libc::signal(sig as i32, libc::SIG_DFL);
+                let mut one = SigSet::empty();
+                one.add(sig);
+                let _ = one.thread_unblock();
+                libc::raise(sig as i32);
+            }
+            std::process::exit(i32::from(crate::error::exit::signal(sig as i32)))
+        }
+        Some(WaitStatus::Exited(_, code)) => std::process::exit(code),
+        _ => std::process::exit(1),
+    }
+}
+
+/// Reaps every child that ended; returns `child`'s status if it was among them.
+fn reap(child: Option<Pid>) -> Option<WaitStatus> {
+    let mut found = None;
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(_) => return found,
+            Ok(s) => {
+                if s.pid() == child {
+                    found = Some(s);
+                }
+            }
+        }
+    }
+}
+
+/// This process's children (the re-parented orphans), from /proc.
+fn orphans() -> Vec<Pid> {
+    let me = std::process::id().to_string();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // pid (comm) state ppid ...: comm may hold spaces, so split after the last ')'.
+            let ppid = stat.rsplit_once(") ")?.1.split_whitespace().nth(1)?;
+            (ppid == me).then_some(Pid::from_raw(pid))
+        })
+        .collect()
+}
