@@ -119,19 +119,14 @@ fn reap(child: Option<Pid>) -> Option<WaitStatus> {
     }
 }
 
-/// This process's children (the re-parented orphans), from /proc.
+/// This process's children (the re-parented orphans): the keeper is single-threaded, so its
+/// task's `children` file lists them all (no scan of /proc).
 fn orphans() -> Vec<Pid> {
-    let me = std::process::id().to_string();
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    rd.flatten()
-        .filter_map(|e| {
-            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-            // pid (comm) state ppid ...: comm may hold spaces, so split after the last ')'.
-            let ppid = stat.rsplit_once(") ")?.1.split_whitespace().nth(1)?;
-            (ppid == me).then_some(Pid::from_raw(pid))
-        })
+    let me = std::process::id();
+    std::fs::read_to_string(format!("/proc/{me}/task/{me}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .map(Pid::from_raw)
         .collect()
 }
