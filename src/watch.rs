@@ -394,11 +394,6 @@ impl WatchState {
     /// Node `node`'s latest view.
     pub fn observe(&mut self, node: usize, v: NodeWatch) {
         self.views.insert(node, v);
-        // The last stall seen is what explains a failure that follows it: by the time ranks
-        // fail, their stacks show the error being raised, then every rank stopped.
-        if stall_of(&seen_of(&self.views, &[])).is_some() {
-            self.last_stall = Some((Instant::now(), self.views.clone()));
-        }
     }
 
     /// Forgets the views of a finished step (a restart starts afresh).
@@ -419,8 +414,12 @@ impl WatchState {
             return false;
         }
         self.last_check = Some(Instant::now());
-        let views = std::mem::take(&mut self.views);
-        let seen = seen_of(&views, hosts);
+        let seen = seen_of(&self.views, hosts);
+        // The last stall seen is what explains a failure that follows it: by the time ranks
+        // fail, their stacks show the error being raised, then every rank stopped.
+        if stall_of(&seen).is_some() {
+            self.last_stall = Some((Instant::now(), self.views.clone()));
+        }
         // A rank whose stack cannot be read (not yet, or not at all) says nothing about progress.
         let live: Vec<&Seen<'_>> = seen
             .iter()
@@ -442,8 +441,6 @@ impl WatchState {
             }
         }
         if live.is_empty() {
-            drop(seen);
-            self.views = views;
             return false;
         }
         for s in &live {
@@ -487,11 +484,7 @@ impl WatchState {
                 self.stragglers.push(s);
             }
         }
-        drop(seen);
-        self.views = views;
-        if stop {
-            self.stopped = true;
-        }
+        self.stopped |= stop;
         stop
     }
 

@@ -9,31 +9,6 @@ use std::time::Duration;
 
 use common::*;
 
-fn run_on(
-    s: &Scene,
-    c: &Cluster,
-    k: usize,
-    extra: &[&str],
-    env: &[(&str, &str)],
-) -> std::process::Output {
-    let hosts = c.hosts(k);
-    let opts = c.ssh_opts();
-    // The test's tag and mark file reach the workers on every node, so leftovers are found.
-    let mut args = vec![
-        "-H",
-        &hosts,
-        "--ssh-opts",
-        &opts,
-        "--no-python-probe",
-        "-x",
-        "NRUN_TEST_TAG",
-        "-x",
-        "MARK",
-    ];
-    args.extend_from_slice(extra);
-    s.run(&args, env)
-}
-
 #[test]
 fn workers_on_three_hosts_get_their_own_interface_and_ranks() {
     let Some(c) = Cluster::up("ct1", 3) else {
@@ -41,9 +16,8 @@ fn workers_on_three_hosts_get_their_own_interface_and_ranks() {
     };
     let s = Scene::new();
     let logs = s.dir.path().join("logs");
-    let out = run_on(
+    let out = c.run_on(
         &s,
-        &c,
         3,
         &[
             "--log-dir",
@@ -107,9 +81,8 @@ fn gloo_all_reduce_across_three_hosts() {
         "{}/tests/python/gloo_allreduce.py",
         env!("CARGO_MANIFEST_DIR")
     );
-    let out = run_on(
+    let out = c.run_on(
         &s,
-        &c,
         3,
         &["--nproc", "2", "--python", py.to_str().unwrap(), &script],
         &[],
@@ -138,9 +111,8 @@ fn a_failure_on_one_node_stops_every_node() {
     };
     let s = Scene::new();
     let started = std::time::Instant::now();
-    let out = run_on(
+    let out = c.run_on(
         &s,
-        &c,
         3,
         &[
             "--nproc",
@@ -239,7 +211,7 @@ fn blocked_ports_between_two_nodes_are_named() {
     // connections from other nodes to its high ports are dropped.
     c.exec(2, "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP");
     let s = Scene::new();
-    let out = run_on(&s, &c, 3, &["--nproc", "1", "--no-python", "true"], &[]);
+    let out = c.run_on(&s, 3, &["--nproc", "1", "--no-python", "true"], &[]);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(95), "{err}");
     assert!(err.contains("ct5-h1 cannot reach ct5-h2"), "{err}");
@@ -265,9 +237,8 @@ fn nccl_socket_ifname_present_on_some_nodes_only_is_refused() {
         "ip link add eth1 type veth peer name eth1p && ip link set eth1 up && ip link set eth1p up",
     );
     let s = Scene::new();
-    let out = run_on(
+    let out = c.run_on(
         &s,
-        &c,
         3,
         &[
             "-x",
@@ -288,9 +259,8 @@ fn nccl_socket_ifname_present_on_some_nodes_only_is_refused() {
     assert!(err.contains("on ct6-h3"), "{err}");
     assert!(!err.contains("up on ct6-h1"), "{err}");
     // The user's own setting, when valid everywhere, is kept as they wrote it.
-    let out = run_on(
+    let out = c.run_on(
         &s,
-        &c,
         2,
         &[
             "-x",
@@ -435,9 +405,8 @@ fn network_preflight_across_hosts() {
         return;
     };
     let s = Scene::new();
-    let out = run_on(
+    let out = c.run_on(
         &s,
-        &c,
         3,
         &[
             "--preflight-only",

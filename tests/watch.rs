@@ -222,18 +222,11 @@ fn a_hang_across_hosts_names_the_rank_and_its_host() {
         return;
     };
     let s = Scene::new();
-    let hosts = c.hosts(2);
-    let opts = c.ssh_opts();
     let script = script();
-    let out = s.run(
+    let out = c.run_on(
+        &s,
+        2,
         &[
-            "-H",
-            &hosts,
-            "--ssh-opts",
-            &opts,
-            "--no-python-probe",
-            "-x",
-            "NRUN_TEST_TAG",
             "-x",
             "NRUN_HANG_CASE=sleep",
             "--nproc",

@@ -153,7 +153,9 @@ async fn run() -> Result<(), String> {
         // Only steps sealed with the run's secret are run: nothing injected starts a process.
         let Some(json) = crate::store::auth::open(hello.secret.as_bytes(), &step_key, &raw) else {
             return Err(format!(
-                "{me}: step {step_no} from the launch host is not sealed with this run's secret; refusing it"
+                "{me}: step {step_no} in the launch host's store is not sealed with this run's \
+                 secret; refusing it (something other than this run's nrun wrote it, or the \
+                 nruns differ: compare `nrun --version` on both)"
             ));
         };
         let step: Step = serde_json::from_slice(json).map_err(|e| format!("{me}: cannot read step {step_no} from the launch host ({e}); is nrun the same version on both?"))?;
@@ -162,6 +164,10 @@ async fn run() -> Result<(), String> {
             Step::Probe { target, timeout_ms } => StepResult::Probe {
                 error: exec::probe_peer(&target, timeout_ms).await.err(),
             },
+            // Nothing to run here this step (a node outside every group of a bisect round).
+            Step::Run { workers, .. } if workers.is_empty() => {
+                StepResult::Run(protocol::RunResult::Success)
+            }
             Step::Run {
                 workers,
                 grace_ms,

@@ -17,11 +17,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::preflight::{Extras, summarize};
 use crate::agent::protocol::{RunResult, Step, StepResult, THIS_NRUN};
 use crate::error::{Error, Result, exit};
 use crate::plan::{BisectPlan, NodesPlan, Plan, Probe};
-use crate::preflight::{Settings, Verdict};
+use crate::preflight::{self, Settings, Verdict};
 use crate::session::spec::{Group, Launch};
 use crate::session::{Policy, Session};
 use crate::store::Store;
@@ -522,18 +521,11 @@ impl Bisect<'_> {
         Ok(outs)
     }
 
-    /// Settings of the preflight ranks on node `i` (probes nccl and net).
+    /// Settings of the preflight ranks on joined node `i` (probes nccl and net).
     fn settings(&self, s: &Session, i: usize) -> Option<Settings> {
         let pf = self.plan.preflight.as_ref()?;
-        let j = s.nodes[i].joined.as_ref()?;
-        let lib = pf.nccl_lib.clone().or_else(|| {
-            j.facts
-                .as_ref()
-                .and_then(|f| f.nccl.first())
-                .map(|l| std::path::PathBuf::from(&l.path))
-        });
-        let listen = j.addr.map_or_else(|| "0.0.0.0".into(), |a| a.to_string());
-        Some(pf.settings("bisect".into(), lib, listen))
+        s.nodes[i].joined.as_ref()?;
+        Some(super::preflight::node_settings(s, pf, i, None, "bisect"))
     }
 
     fn evaluate(
@@ -569,8 +561,20 @@ impl Bisect<'_> {
                 Some(StepResult::Run(RunResult::Lost(m) | RunResult::SpawnError(m))) => {
                     failure.get_or_insert(m.clone());
                 }
-                Some(other) => {
-                    failure.get_or_insert(format!("{label}: {other:?}"));
+                Some(StepResult::Run(RunResult::Interrupted(sig))) => {
+                    failure.get_or_insert(format!(
+                        "{label}: its agent was stopped by {}",
+                        crate::node::signal_name(*sig)
+                    ));
+                }
+                Some(StepResult::Run(RunResult::Stopped)) => {
+                    failure.get_or_insert(format!(
+                        "{label}: its workers were stopped before the group finished (its agent \
+                         lost the launch host?)"
+                    ));
+                }
+                Some(StepResult::Probe { .. }) => {
+                    failure.get_or_insert(format!("{label} answered a probe instead of running"));
                 }
                 None => {
                     failure.get_or_insert(format!("{label} did not report in time"));
@@ -584,14 +588,9 @@ impl Bisect<'_> {
         if let Some(first) = probe_settings {
             let group = Group::of(s, g);
             let ranks = group.rank_hosts(s);
-            let summary = summarize(
-                first,
-                &ranks,
-                group.world,
-                None,
-                Extras::default(),
-                &mut |k| st.get(k),
-            );
+            let summary =
+                preflight::Outcome::gather(first, &ranks, group.world, &mut |k| st.get(k))
+                    .summarize();
             if summary.verdict != Verdict::Ok {
                 let problem = summary
                     .problems

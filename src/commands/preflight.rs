@@ -1,6 +1,7 @@
 //! The preflight phase of a job: resolve the libnccl each node's ranks load, run one preflight
 //! rank per worker slot with the job's environment, gather what each rank reported, print the
-//! table and verdict. [`summarize`] is the one gather -> summary path, used by bisect too.
+//! table and verdict. Reports are gathered into a summary by `preflight::Outcome::gather`, as
+//! bisect's probes are.
 
 use std::collections::HashMap;
 use std::net::ToSocketAddrs;
@@ -10,13 +11,18 @@ use std::time::{Duration, Instant};
 use crate::agent::protocol::{RunResult, StepResult, THIS_NRUN};
 use crate::error::{Result, exit};
 use crate::plan::{Plan, PreflightPlan};
-use crate::preflight::{self, Mode, Settings, Summary};
+use crate::preflight::{self, Mode, Settings};
 use crate::session::spec::{Group, Launch};
 use crate::session::{Agent, Policy, Session};
 use crate::store::client::Client;
 
-/// Runs the preflight over every node of the session; returns its exit code.
-pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8> {
+/// Runs the preflight over every node of the session; returns its exit code, and its report
+/// (the JSON of `--report`) when it got that far.
+pub async fn run(
+    s: &mut Session,
+    plan: &Plan,
+    pf: &PreflightPlan,
+) -> Result<(u8, Option<serde_json::Value>)> {
     let started = Instant::now();
     let since = |what: &str| {
         tracing::debug!(
@@ -33,8 +39,9 @@ pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8>
         }
         _ => (None, None),
     };
+    let id = format!("{}/pf", s.run);
     let settings: Vec<Settings> = (0..s.len())
-        .map(|i| node_settings(s, pf, i, here_lib.clone()))
+        .map(|i| node_settings(s, pf, i, here_lib.clone(), &id))
         .collect();
     let secret = s.rendezvous.secret.clone();
     let env = |i: usize| settings[i].rank_env(pf.loopback, secret.as_deref());
@@ -58,7 +65,7 @@ pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8>
     since("starting ranks");
     let results = match s.run_step(steps, Policy::Together).await {
         Ok(r) => r,
-        Err(code) => return Ok(code),
+        Err(code) => return Ok((code, None)),
     };
     since("ranks ended");
     let mut crashed = None;
@@ -66,7 +73,7 @@ pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8>
         match r {
             StepResult::Run(RunResult::Interrupted(sig)) => {
                 tracing::warn!("preflight stopped by {}", crate::node::signal_name(*sig));
-                return Ok(exit::signal(*sig));
+                return Ok((exit::signal(*sig), None));
             }
             StepResult::Run(RunResult::Failed(f)) if crashed.is_none() => {
                 crashed = Some((f.rank, format!("pid {} {}", f.pid, f.how)));
@@ -93,40 +100,43 @@ pub async fn run(s: &mut Session, plan: &Plan, pf: &PreflightPlan) -> Result<u8>
         Some(t) => t.await.unwrap_or_default(),
         None => Vec::new(),
     };
-    let summary = summarize(
-        &settings[0],
-        &ranks,
-        s.plan.world,
-        crashed,
-        Extras {
-            nccl_lib: here_lib.map(|p| p.display().to_string()),
-            min_busbw: pf.min_busbw,
-            // --preflight-loopback pushes the traffic off NVLink on purpose: no line rate applies.
-            min_efficiency: Some(pf.min_efficiency).filter(|_| !pf.loopback),
-            // What the ranks got: the run's variables (forwarded from here, .nrun_env, -x).
-            path_vars: preflight::hardware::path_variables(&|k| {
-                s.plan
-                    .env
-                    .iter()
-                    .find(|(x, _)| x == k)
-                    .map(|(_, v)| v.clone())
-            }),
-            waived: pf.waived.clone(),
-            wall_s: started.elapsed().as_secs_f64(),
-            other_libs,
-        },
-        &mut |k| values.get(k).cloned().filter(|v| !v.is_empty()),
-    );
+    let mut outcome = preflight::Outcome::gather(&settings[0], &ranks, s.plan.world, &mut |k| {
+        values.get(k).cloned().filter(|v| !v.is_empty())
+    });
+    outcome.crashed = crashed;
+    outcome.nccl_lib = here_lib.map(|p| p.display().to_string());
+    outcome.min_busbw = pf.min_busbw;
+    // --preflight-loopback pushes the traffic off NVLink on purpose: no line rate applies.
+    outcome.min_efficiency = Some(pf.min_efficiency).filter(|_| !pf.loopback);
+    // What the ranks got: the run's variables (forwarded from here, .nrun_env, -x).
+    outcome.path_vars = preflight::hardware::path_variables(&|k| {
+        s.plan
+            .env
+            .iter()
+            .find(|(x, _)| x == k)
+            .map(|(_, v)| v.clone())
+    });
+    outcome.waived = pf.waived.clone();
+    outcome.wall_s = started.elapsed().as_secs_f64();
+    outcome.other_libs = other_libs;
+    let summary = outcome.summarize();
     print!("{}", summary.text);
     if let Some(path) = &pf.report {
         crate::report::write_json("--report", path, &summary.json)?;
     }
-    Ok(summary.verdict.exit_code())
+    Ok((summary.verdict.exit_code(), Some(summary.json)))
 }
 
-/// Node `i`'s preflight settings: --nccl-lib, else the library the node reported, else
-/// `here_lib`; its ranks listen (net mode) on the address other nodes reach it on.
-fn node_settings(s: &Session, pf: &PreflightPlan, i: usize, here_lib: Option<PathBuf>) -> Settings {
+/// Node `i`'s preflight settings (`id`: the run's key space): --nccl-lib, else the library the
+/// node reported, else `here_lib`; its ranks listen (net mode) on the address other nodes reach
+/// it on. Bisect's probes use the same.
+pub(super) fn node_settings(
+    s: &Session,
+    pf: &PreflightPlan,
+    i: usize,
+    here_lib: Option<PathBuf>,
+    id: &str,
+) -> Settings {
     let joined = s.nodes[i].joined.as_ref();
     let lib = pf.nccl_lib.clone().or_else(|| {
         joined
@@ -144,7 +154,7 @@ fn node_settings(s: &Session, pf: &PreflightPlan, i: usize, here_lib: Option<Pat
         },
         (None, _) => "0.0.0.0".into(),
     };
-    pf.settings(format!("{}/pf", s.run), lib, listen)
+    pf.settings(id.to_string(), lib, listen)
 }
 
 /// Every rank's report and last stage, in one read: from the store this nrun hosts, or with
@@ -169,68 +179,30 @@ async fn read_reports(
             .filter_map(|k| st.get(&k).map(|v| (k, v)))
             .collect();
     }
-    let addr = (s.rendezvous.addr.as_str(), s.rendezvous.port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.next());
-    let Some(addr) = addr else {
-        return HashMap::new();
+    let store = format!("{}:{}", s.rendezvous.addr, s.rendezvous.port);
+    let read = async {
+        let addr = store
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| std::io::Error::other("the address resolves to nothing"))?;
+        let mut c = Client::connect(addr, Duration::from_secs(5)).await?;
+        if let Some(secret) = &s.rendezvous.secret {
+            c.authenticate(secret.as_bytes()).await?;
+        }
+        let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+        c.multi_get(&refs).await
     };
-    let Ok(mut c) = Client::connect(addr, Duration::from_secs(5)).await else {
-        return HashMap::new();
-    };
-    if let Some(secret) = &s.rendezvous.secret {
-        let _ = c.authenticate(secret.as_bytes()).await;
-    }
-    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
-    match c.multi_get(&refs).await {
+    match read.await {
         Ok(vals) => keys.into_iter().zip(vals).collect(),
-        Err(_) => HashMap::new(),
+        Err(e) => {
+            // Every rank would read as silent: say why instead.
+            tracing::warn!(
+                "cannot read the preflight ranks' reports from the store at {store} (node 0's): \
+                 {e}; check that node 0's nrun still runs and this node reaches it"
+            );
+            HashMap::new()
+        }
     }
-}
-
-/// What a summary says besides the ranks' reports.
-#[derive(Default)]
-pub struct Extras {
-    /// The library the ranks were told to load (when one node's choice stands for all).
-    pub nccl_lib: Option<String>,
-    pub min_busbw: Option<f64>,
-    pub min_efficiency: Option<f64>,
-    /// The NCCL variables set that change its path (see `hardware::path_variables`).
-    pub path_vars: Vec<String>,
-    /// GPU health checks waived (`--waive`).
-    pub waived: Vec<String>,
-    pub wall_s: f64,
-    /// Libraries found besides the one used.
-    pub other_libs: Vec<String>,
-}
-
-/// Gathers every rank's report (`get`: a key -> its value) into the table, diagnosis and
-/// verdict. `ranks`: each rank with its host; `crashed`: a rank that died, and how.
-pub fn summarize(
-    settings: &Settings,
-    ranks: &[(usize, String)],
-    world_size: usize,
-    crashed: Option<(usize, String)>,
-    extras: Extras,
-    get: &mut dyn FnMut(&[u8]) -> Option<Vec<u8>>,
-) -> Summary {
-    let (reports, silent) = preflight::reports_from(settings, ranks, get);
-    preflight::Outcome {
-        world_size,
-        mode: settings.mode,
-        reports,
-        silent,
-        crashed,
-        nccl_lib: extras.nccl_lib,
-        min_busbw: extras.min_busbw,
-        min_efficiency: extras.min_efficiency,
-        path_vars: extras.path_vars,
-        waived: extras.waived,
-        wall_s: extras.wall_s,
-        other_libs: extras.other_libs,
-    }
-    .summarize()
 }
 
 /// The libnccl the job would load here, and (as a task that runs beside the preflight) a line

@@ -26,8 +26,9 @@ async fn drive(s: &mut Session, plan: &Plan) -> Result<u8> {
         return Ok(code);
     }
     let mut code = exit::SUCCESS;
+    let mut report = None;
     if let Some(pf) = &plan.preflight {
-        code = preflight::run(s, plan, pf).await?;
+        (code, report) = preflight::run(s, plan, pf).await?;
         if code != exit::SUCCESS && pf.warn_only && !plan.preflight_only {
             tracing::warn!(
                 "the preflight failed (exit code {code}); starting the job anyway (--preflight ...,warn)"
@@ -38,7 +39,7 @@ async fn drive(s: &mut Session, plan: &Plan) -> Result<u8> {
     if code != exit::SUCCESS || plan.preflight_only {
         return Ok(code);
     }
-    attempts(s, plan).await
+    attempts(s, plan, report).await
 }
 
 /// Join and check: every node joined, the nodes agree and reach each other. Err: the exit code.
@@ -53,9 +54,15 @@ pub async fn ready(s: &mut Session) -> Result<(), u8> {
         for (_, f) in &failures {
             eprintln!("  {f}");
         }
+        let reach = match s.plan.launcher {
+            crate::remote::Launcher::Ssh => format!(
+                "`ssh {} <host> true` (BatchMode: keys, no prompts)",
+                s.plan.ssh_opts.join(" ")
+            ),
+            crate::remote::Launcher::Srun => "`srun --nodelist=<host> true`".to_string(),
+        };
         eprintln!(
-            "  hint: check each with `ssh {} <host> true` (BatchMode: keys, no prompts), and that nrun {} is on its PATH or pass --ship",
-            s.plan.ssh_opts.join(" "),
+            "  hint: check each with {reach}, and that nrun {} is on its PATH or pass --ship",
             env!("CARGO_PKG_VERSION")
         );
         return Err(exit::CLUSTER);
@@ -72,7 +79,9 @@ pub async fn ready(s: &mut Session) -> Result<(), u8> {
     s.probe_ring().await
 }
 
-async fn attempts(s: &mut Session, plan: &Plan) -> Result<u8> {
+/// The job's attempts; `report` is what the preflight wrote to `--report`, which the watch's
+/// findings join.
+async fn attempts(s: &mut Session, plan: &Plan, report: Option<serde_json::Value>) -> Result<u8> {
     if plan.set_omp_threads {
         tracing::info!(
             "OMP_NUM_THREADS was unset; set to 1 for each of the {} workers (as torchrun does); set \
@@ -106,11 +115,7 @@ async fn attempts(s: &mut Session, plan: &Plan) -> Result<u8> {
     // What the watch found goes into --report beside the preflight's findings.
     if let (Some(w), Some(path)) = (&s.watch, &plan.report) {
         if !w.hangs.is_empty() || !w.stragglers.is_empty() {
-            let mut json = std::fs::read_to_string(path)
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .filter(|v| v.is_object())
-                .unwrap_or_else(|| serde_json::json!({}));
+            let mut json = report.unwrap_or_else(|| serde_json::json!({}));
             json["watch"] = w.json();
             report::write_json("--report", path, &json)?;
         }

@@ -211,7 +211,7 @@ pub fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
         }
         Some(Command::Doctor(args)) => {
             let DoctorArgs { python, nodes } = *args;
-            let plan = Plan::doctor(find_python(python.as_deref(), env));
+            let plan = Plan::bare("doctor", find_python(python.as_deref(), env));
             let nodes = NodesPlan::resolve(&nodes, &plan, env)?;
             Ok(Mode::Doctor { plan, nodes })
         }
@@ -345,15 +345,15 @@ impl Plan {
         })
     }
 
-    /// `nrun doctor`: no workers run; the plan only carries the Python to probe.
-    fn doctor(python: Option<PathBuf>) -> Plan {
+    /// A plan with no job of its own: doctor's, and the base bisect fills in.
+    fn bare(run_id: &str, python: Option<PathBuf>) -> Plan {
         Plan {
             nproc: 1,
             nnodes: 1,
             node_rank: 0,
             program: OsString::new(),
             args: Vec::new(),
-            run_id: "doctor".into(),
+            run_id: run_id.into(),
             role: "default".into(),
             max_restarts: 0,
             shutdown_timeout: Duration::from_secs(3),
@@ -429,11 +429,10 @@ impl Plan {
         } else {
             resolve_command(target, command, env)?
         };
-        let mut plan = Plan::doctor(find_python(target.python.as_deref(), env));
+        let mut plan = Plan::bare("bisect", find_python(target.python.as_deref(), env));
         plan.nproc = nproc;
         plan.program = program;
         plan.args = args;
-        plan.run_id = "bisect".into();
         plan.preflight = preflight;
         plan.no_python = target.no_python;
         plan.store = StorePlan::Host {
@@ -490,11 +489,20 @@ impl Plan {
         env
     }
 
-    /// `<dir>/<run_id>/attempt_<n>/<local_rank>`: torchrun's per-worker log directory.
-    pub fn worker_dir(&self, root: &Path, attempt: u32, local_rank: usize) -> PathBuf {
-        root.join(&self.run_id)
-            .join(format!("attempt_{attempt}"))
-            .join(local_rank.to_string())
+    /// `<dir>/<run_id>/attempt_<n>[/<host>]/<local_rank>`: torchrun's per-worker log directory;
+    /// the host level keeps the nodes of a multi-node run apart on a shared filesystem.
+    pub fn worker_dir(
+        &self,
+        root: &Path,
+        attempt: u32,
+        host: Option<&str>,
+        local_rank: usize,
+    ) -> PathBuf {
+        let mut d = root.join(&self.run_id).join(format!("attempt_{attempt}"));
+        if let Some(h) = host {
+            d.push(h);
+        }
+        d.join(local_rank.to_string())
     }
 }
 

@@ -309,6 +309,32 @@ pub struct Summary {
 }
 
 impl Outcome {
+    /// Every rank's report, read with `get` (a key of `settings` -> its value), as an outcome
+    /// with nothing else known yet: the caller adds what it knows (a crash, limits, timings).
+    /// `ranks`: each rank with its host.
+    pub fn gather(
+        settings: &Settings,
+        ranks: &[(usize, String)],
+        world_size: usize,
+        get: &mut dyn FnMut(&[u8]) -> Option<Vec<u8>>,
+    ) -> Outcome {
+        let (reports, silent) = reports_from(settings, ranks, get);
+        Outcome {
+            world_size,
+            mode: settings.mode,
+            reports,
+            silent,
+            crashed: None,
+            nccl_lib: None,
+            min_busbw: None,
+            min_efficiency: None,
+            path_vars: Vec::new(),
+            waived: Vec::new(),
+            wall_s: 0.0,
+            other_libs: Vec::new(),
+        }
+    }
+
     pub fn summarize(&self) -> Summary {
         let mut t = String::new();
         let mut problems: Vec<String> = Vec::new();

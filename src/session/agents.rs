@@ -245,9 +245,19 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
             }
             let raw = s.store().and_then(|st| st.get(&s.keys.joined(i)));
             if let Some(record) = raw.and_then(|r| serde_json::from_slice::<Joined>(&r).ok()) {
+                let Joined {
+                    local_addr,
+                    reached,
+                    probe_addr,
+                    facts,
+                } = record;
                 s.nodes[i].joined = Some(JoinedNode {
-                    facts: Some(record.facts.clone()),
-                    record: Some(record),
+                    facts: Some(facts),
+                    link: Some(super::AgentLink {
+                        local_addr,
+                        reached,
+                        probe_addr,
+                    }),
                     ifname: None,
                     master_addr: String::new(),
                     addr: None,
@@ -280,7 +290,7 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
         }
         // Records arrive as store writes; exits of agents are seen on the tick.
         tokio::select! {
-            _ = async { match changed.as_mut() { Some(c) => { let _ = c.changed().await; } None => std::future::pending().await } } => {}
+            () = super::store_changed(&mut changed) => {}
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             sig = s.signals.recv() => return Err(exit::signal(sig)),
         }

@@ -33,10 +33,12 @@ impl Session {
         for (i, n) in self.nodes.iter_mut().enumerate() {
             // Nodes that did not join (bisect goes on without them) have nothing to decide.
             let Some(j) = n.joined.as_mut() else { continue };
-            let Some(rec) = &j.record else { continue };
+            let (Some(link), Some(facts)) = (&j.link, &j.facts) else {
+                continue;
+            };
             let (Ok(local), Ok(reached)) = (
-                rec.local_addr.parse::<SocketAddr>(),
-                rec.reached.parse::<SocketAddr>(),
+                link.local_addr.parse::<SocketAddr>(),
+                link.reached.parse::<SocketAddr>(),
             ) else {
                 f.problems.push(format!(
                     "{}: its agent reported unreadable addresses",
@@ -44,7 +46,7 @@ impl Session {
                 ));
                 continue;
             };
-            let ifaces = &rec.facts.ifaces;
+            let ifaces = &facts.ifaces;
             j.master_addr = net::canonical(reached.ip()).to_string();
             j.addr = Some(net::canonical(local.ip()));
             match (&want, net::owner(ifaces, local.ip())) {
@@ -173,7 +175,7 @@ impl Session {
         for i in 0..k {
             let next = self.nodes[(i + 1) % k].joined.as_ref();
             let target = next.and_then(|j| {
-                let published: SocketAddr = j.record.as_ref()?.probe_addr.parse().ok()?;
+                let published: SocketAddr = j.link.as_ref()?.probe_addr.parse().ok()?;
                 Some(SocketAddr::new(
                     j.addr.unwrap_or(published.ip()),
                     published.port(),

@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::agent::exec;
-use crate::agent::protocol::{Joined, Keys, RunResult, Step, StepResult, stop_value};
+use crate::agent::protocol::{Keys, RunResult, Step, StepResult, stop_value};
+
 use crate::error::{Error, Result, exit};
 use crate::facts::Facts;
 use crate::node::{Signals, StopRequest};
@@ -53,12 +54,20 @@ pub struct Node {
     pub joined: Option<JoinedNode>,
 }
 
+/// Where a remote agent connected from and where it answers probes: its
+/// [`crate::agent::protocol::Joined`] record, the facts kept apart in [`JoinedNode::facts`].
+pub struct AgentLink {
+    pub local_addr: String,
+    pub reached: String,
+    pub probe_addr: String,
+}
+
 /// What the session knows of a node that joined.
 pub struct JoinedNode {
     /// What the node reported (None for an in-process node asked for no facts).
     pub facts: Option<Facts>,
-    /// The agent's record (remote nodes).
-    pub record: Option<Joined>,
+    /// How a remote agent reached the launch host.
+    pub link: Option<AgentLink>,
     /// The interface its workers use (NCCL_SOCKET_IFNAME), if nrun chooses one.
     pub ifname: Option<String>,
     /// The address its workers reach the store on (MASTER_ADDR).
@@ -284,7 +293,7 @@ impl Session {
                 .flatten();
             n.joined = Some(JoinedNode {
                 facts,
-                record: None,
+                link: None,
                 ifname,
                 master_addr: self.rendezvous.addr.clone(),
                 addr: None,
@@ -385,6 +394,8 @@ impl Session {
         let mut changed = self.store().map(|s| s.subscribe());
         let mut local_pending = local.is_some();
         let hosts: Vec<String> = self.nodes.iter().map(|n| n.label.clone()).collect();
+        // The remote views last read, so an unchanged one is not parsed again.
+        let mut last_views: Vec<Vec<u8>> = vec![Vec::new(); self.nodes.len()];
         let mut stopped = false;
         let mut signalled = 0;
         loop {
@@ -406,8 +417,12 @@ impl Session {
             match policy {
                 Policy::Probe if started.elapsed() > Duration::from_secs(30) => {
                     for &i in waiting {
+                        let label = &self.nodes[i].label;
                         results[i].get_or_insert_with(|| StepResult::Probe {
-                            error: Some(format!("node {i}'s agent did not answer within 30 s")),
+                            error: Some(format!(
+                                "{label}'s agent did not answer within 30 s; check that the \
+                                 launch host still reaches it (ssh {label} true)"
+                            )),
                         });
                     }
                     return Ok(results);
@@ -423,7 +438,7 @@ impl Session {
                 stopped = true;
             }
             if self.watch.is_some() {
-                self.remote_views(step, waiting, local);
+                self.remote_views(step, waiting, local, &mut last_views);
                 let hang = self.watch.as_mut().is_some_and(|w| w.check(&hosts));
                 if hang && !stopped {
                     self.stop_step(step, None, &stop_local);
@@ -433,7 +448,7 @@ impl Session {
             let tick = tokio::time::sleep(Duration::from_millis(50));
             tokio::select! {
                 // An agent's record arrived.
-                _ = async { match changed.as_mut() { Some(c) => { let _ = c.changed().await; } None => std::future::pending().await } } => {}
+                () = store_changed(&mut changed) => {}
                 Some(v) = views.recv() => {
                     if let (Some(w), Some(i)) = (self.watch.as_mut(), local) {
                         w.observe(i, v);
@@ -466,19 +481,29 @@ impl Session {
         }
     }
 
-    /// The latest views the remote nodes of `step` published, into the watch.
-    fn remote_views(&mut self, step: usize, waiting: &[usize], local: Option<usize>) {
+    /// The views the remote nodes of `step` published since `last` was read, into the watch.
+    fn remote_views(
+        &mut self,
+        step: usize,
+        waiting: &[usize],
+        local: Option<usize>,
+        last: &mut [Vec<u8>],
+    ) {
         let (Some(store), Some(w)) = (self.hosted.as_ref().map(|h| &h.store), self.watch.as_mut())
         else {
             return;
         };
         for &i in waiting.iter().filter(|i| Some(**i) != local) {
-            if let Some(v) = store
-                .get(&self.keys.watch(i, step))
-                .and_then(|raw| serde_json::from_slice(&raw).ok())
-            {
+            let Some(raw) = store.get(&self.keys.watch(i, step)) else {
+                continue;
+            };
+            if raw == last[i] {
+                continue;
+            }
+            if let Ok(v) = serde_json::from_slice(&raw) {
                 w.observe(i, v);
             }
+            last[i] = raw;
         }
     }
 
@@ -503,7 +528,10 @@ impl Session {
         // Stopped without being asked: that agent lost its connection to us.
         if !stopped && matches!(r, StepResult::Run(RunResult::Stopped)) {
             let why = self.lost(i, true).unwrap_or_else(|| {
-                format!("node {i}'s agent lost its connection to the launch host")
+                format!(
+                    "{}'s agent lost its connection to the launch host",
+                    self.nodes[i].label
+                )
             });
             return Some(StepResult::Run(RunResult::Lost(why)));
         }
@@ -548,6 +576,16 @@ impl Session {
     }
 }
 
+/// Resolves when a client has written one of nrun's keys (never, without a store here).
+pub(crate) async fn store_changed(rx: &mut Option<watch::Receiver<u64>>) {
+    match rx.as_mut() {
+        Some(c) => {
+            let _ = c.changed().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
 /// Serves `store` on `listener` until the returned sender fires (or is dropped).
 pub fn serve(listener: std::net::TcpListener, store: Arc<Store>) -> Result<oneshot::Sender<()>> {
     let l = tokio::net::TcpListener::from_std(listener)
@@ -584,19 +622,13 @@ pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
     }
 }
 
-/// 128 random bits from the OS, hex: the secret of nrun's keys for one run. No randomness is an
-/// error, never a predictable secret.
-pub fn random_secret() -> Result<String> {
-    let mut b = [0u8; 16];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n != b.len() as isize {
-        return Err(Error::internal(format!(
-            "cannot get random bytes from the OS for the run's secret: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+/// The secret of nrun's keys for one run.
+fn random_secret() -> Result<String> {
+    crate::store::auth::random_hex().map_err(|e| {
+        Error::internal(format!(
+            "cannot get random bytes from the OS (getrandom) for the run's secret: {e}"
+        ))
+    })
 }
 
 /// The coordinator's addresses for agents to try, "ip:port".

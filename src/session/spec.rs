@@ -138,20 +138,18 @@ impl Session {
         node_env.extend((l.extra)(m.node));
         let mut specs = Vec::with_capacity(m.ranks.len());
         for &(rank, local_rank) in &m.ranks {
-            // <dir>/<run-id>/attempt_<n>[/<host>]/<local rank>: the host level keeps nodes
-            // apart on a shared filesystem.
-            let log_dir = plan.log.dir.as_ref().filter(|_| l.logs).map(|d| {
-                let attempt = d.join(&plan.run_id).join(format!("attempt_{}", l.attempt));
-                match several {
-                    true => attempt.join(&n.label),
-                    false => attempt,
-                }
-                .join(local_rank.to_string())
-            });
+            let host = several.then_some(n.label.as_str());
+            let log_dir = plan
+                .log
+                .dir
+                .as_ref()
+                .filter(|_| l.logs)
+                .map(|d| plan.worker_dir(d, l.attempt, host, local_rank));
             let error_file: PathBuf = log_dir
                 .clone()
                 .unwrap_or_else(|| {
-                    plan.worker_dir(&self.temp_root.join(l.scratch), l.attempt, local_rank)
+                    let scratch = self.temp_root.join(l.scratch);
+                    plan.worker_dir(&scratch, l.attempt, host, local_rank)
                 })
                 .join("error.json");
             let place = Place {

@@ -33,15 +33,21 @@ fn mac(secret: &[u8], parts: &[&[u8]]) -> Option<HmacSha256> {
     Some(m)
 }
 
-/// A fresh challenge: 16 random bytes from the OS, hex.
-pub fn nonce() -> std::io::Result<Vec<u8>> {
+/// 128 random bits from the OS, hex: a run's secret, or a challenge. No randomness is an error,
+/// never a predictable value.
+pub fn random_hex() -> std::io::Result<String> {
     let mut b = [0u8; 16];
     // SAFETY: getrandom writes at most b.len() bytes into b.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     if n != b.len() as isize {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(hex(&b).into_bytes())
+    Ok(hex(&b))
+}
+
+/// A fresh challenge for a connection.
+pub fn nonce() -> std::io::Result<Vec<u8>> {
+    random_hex().map(String::into_bytes)
 }
 
 /// The proof of `secret` for challenge `nonce`.

@@ -234,19 +234,20 @@ fn touches_control(req: &Request) -> bool {
 
 impl Store {
     pub fn new() -> Arc<Store> {
-        let s = Store::default();
-        s.max_bytes.store(DEFAULT_MAX_BYTES, Ordering::Relaxed);
-        Arc::new(s)
+        Store::build(None)
     }
 
     /// A store whose `nrun/` keys need `secret` (see [`AUTH_KEY`]).
     pub fn with_secret(secret: Vec<u8>) -> Arc<Store> {
-        let s = Store {
-            secret: Some(secret),
+        Store::build(Some(secret))
+    }
+
+    fn build(secret: Option<Vec<u8>>) -> Arc<Store> {
+        Arc::new(Store {
+            secret,
+            max_bytes: AtomicU64::new(DEFAULT_MAX_BYTES),
             ..Store::default()
-        };
-        s.max_bytes.store(DEFAULT_MAX_BYTES, Ordering::Relaxed);
-        Arc::new(s)
+        })
     }
 
     /// Caps what clients may store: a write past it fails that client, not the store.

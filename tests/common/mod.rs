@@ -248,6 +248,32 @@ impl Cluster {
         (1..=k).map(|i| self.host(i)).collect::<Vec<_>>().join(",")
     }
 
+    /// Runs nrun as `s` on the first `k` hosts over their sshds, the test's tag and mark file
+    /// passed to every worker (so leftovers are found), with `extra` flags and TARGET.
+    pub fn run_on(
+        &self,
+        s: &Scene,
+        k: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> std::process::Output {
+        let hosts = self.hosts(k);
+        let opts = self.ssh_opts();
+        let mut args = vec![
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "-x",
+            "NRUN_TEST_TAG",
+            "-x",
+            "MARK",
+        ];
+        args.extend_from_slice(extra);
+        s.run(&args, env)
+    }
+
     pub fn ssh_opts(&self) -> String {
         format!("-F {}", self.config)
     }
