@@ -438,6 +438,87 @@ fn network_preflight_across_hosts() {
     c.assert_nothing_left(3);
 }
 
+/// One host's link shaped to a fraction of the others' and another's NIC reporting a tenth of
+/// their speed: the preflight names both, each against its speed and against its peers.
+#[test]
+fn a_shaped_link_and_a_slow_nic_are_named() {
+    let Some(c) = Cluster::up("cq4", 3) else {
+        return;
+    };
+    if !c.try_exec(
+        3,
+        "tc qdisc add dev eth0 root tbf rate 200mbit burst 256kbit latency 400ms",
+    ) {
+        eprintln!("SKIPPED a_shaped_link_and_a_slow_nic_are_named: no tc qdisc for rate limiting");
+        return;
+    }
+    c.report_speed(2, 1000);
+    let s = Scene::new();
+    let out = c.run_on(
+        &s,
+        3,
+        &[
+            "--preflight-only",
+            "--preflight",
+            "net",
+            "--nproc",
+            "1",
+            "--preflight-sizes",
+            "8:256K:4",
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(94),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(
+        stdout.contains("network: cq4-h1 eth0 10 Gb/s; cq4-h2 eth0 1 Gb/s; cq4-h3 eth0 10 Gb/s"),
+        "{stdout}"
+    );
+    let problems: Vec<&str> = stdout.lines().filter(|l| l.contains("problem:")).collect();
+    let named = |needle: &str| problems.iter().filter(|p| p.contains(needle)).count();
+    // The shaped link, against the median link and against the 10 Gb/s its NIC reports.
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("the link from cq4-h3 to cq4-h1")
+                && p.contains("of the median link's")
+                && p.contains("cq4-h3's eth0 is slow")),
+        "{stdout}"
+    );
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("the link from cq4-h3 to cq4-h1")
+                && p.contains("of the 10 Gb/s that cq4-h3's eth0 reports")),
+        "{stdout}"
+    );
+    // The slow NIC, against its peers'.
+    assert!(
+        problems.iter().any(|p| p.contains(
+            "node cq4-h2's network (eth0 1 Gb/s, 0.12 GB/s) is 10% of the median node's"
+        )),
+        "{stdout}"
+    );
+    // Nothing else is blamed.
+    assert_eq!(named("the link from cq4-h1"), 0, "{stdout}");
+    assert_eq!(named("the link from cq4-h2"), 0, "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("preflight too slow"),
+        "{stdout}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
 #[test]
 fn the_launch_hosts_own_node_runs_without_ssh() {
     let Some(c) = Cluster::up("cq3", 2) else {

@@ -376,7 +376,8 @@ pub struct PreflightArgs {
     pub min_efficiency: f64,
 
     /// GPU health checks not to fail the preflight on: ecc (uncorrectable errors), retired
-    /// (pages pending retirement), throttle (clocks slowed down), mig (MIG mode on).
+    /// (pages pending retirement), remap (rows pending remap or a failed remap), throttle
+    /// (clocks slowed down), mig (MIG mode on).
     #[arg(long, env = "NRUN_WAIVE", value_name = "CHECK[,CHECK]", action = ArgAction::Append)]
     pub waive: Vec<String>,
 

@@ -688,9 +688,9 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
         .map(str::trim)
         .filter(|w| !w.is_empty())
     {
-        if !["ecc", "retired", "throttle", "mig"].contains(&w) {
+        if !["ecc", "retired", "remap", "throttle", "mig"].contains(&w) {
             return Err(Error::usage(format!(
-                "--waive {w:?}: expected ecc, retired, throttle or mig"
+                "--waive {w:?}: expected ecc, retired, remap, throttle or mig"
             )));
         }
         pf.waived.push(w.to_string());

@@ -114,6 +114,15 @@ pub struct Health {
     /// Clock slowdowns now in effect that make a job crawl (not the normal power cap).
     pub slowdowns: Vec<String>,
     pub mig: Option<bool>,
+    /// Rows of memory waiting to be remapped (A100 and later), and whether a remap failed.
+    #[serde(default)]
+    pub remap_pending: Option<bool>,
+    #[serde(default)]
+    pub remap_failed: Option<bool>,
+    /// NVLink replay, recovery and CRC errors of the links that are up, since the driver
+    /// loaded: shown, not judged (a count without a rate does not tell a bad link).
+    #[serde(default)]
+    pub nvlink_errors: Option<u64>,
 }
 
 /// A health check that fails the preflight, by the name `--waive` takes.
@@ -141,6 +150,19 @@ impl Health {
                 check: "retired",
                 what: "memory pages wait to be retired: reset the GPU (or reboot) before using it"
                     .into(),
+                slows: false,
+            });
+        }
+        if self.remap_failed == Some(true) {
+            v.push(Unhealthy {
+                check: "remap",
+                what: "a memory row remap failed: the GPU needs service".into(),
+                slows: false,
+            });
+        } else if self.remap_pending == Some(true) {
+            v.push(Unhealthy {
+                check: "remap",
+                what: "memory rows wait to be remapped: reset the GPU before using it".into(),
                 slows: false,
             });
         }
@@ -183,6 +205,9 @@ impl Health {
         if self.mig == Some(true) {
             parts.push("MIG on".into());
         }
+        if let Some(n) = self.nvlink_errors.filter(|n| *n > 0) {
+            parts.push(format!("NVLink errors {n} since the driver loaded"));
+        }
         parts.join(", ")
     }
 }
@@ -202,6 +227,8 @@ fn health(dev: &nvml_wrapper::Device<'_>) -> Health {
     .filter(|(r, _)| reasons.contains(*r))
     .map(|(_, n)| n.to_string())
     .collect();
+    let remap = remapped_rows(dev);
+    let nvlink_errors = nvlink_errors(dev);
     Health {
         temperature_c: dev.temperature(TemperatureSensor::Gpu).ok(),
         persistence: dev.is_in_persistent_mode().ok(),
@@ -211,7 +238,39 @@ fn health(dev: &nvml_wrapper::Device<'_>) -> Health {
         pages_pending_retirement: dev.are_pages_pending_retired().ok(),
         slowdowns,
         mig: dev.mig_mode().ok().map(|m| m.current == 1),
+        remap_pending: remap.map(|r| r.0),
+        remap_failed: remap.map(|r| r.1),
+        nvlink_errors,
     }
+}
+
+/// Whether rows wait to be remapped, and whether a remap failed (None: not supported). The
+/// wrapper crate has no call for it; the symbol is looked up like the others, so a driver
+/// without it answers None.
+fn remapped_rows(dev: &nvml_wrapper::Device<'_>) -> Option<(bool, bool)> {
+    let f = dev.nvml().lib().nvmlDeviceGetRemappedRows.as_ref().ok()?;
+    let (mut corr, mut unc, mut pending, mut failed) = (0, 0, 0, 0);
+    // SAFETY: the handle is live while `dev` is; NVML writes the four out-parameters.
+    let rc = unsafe { f(dev.handle(), &mut corr, &mut unc, &mut pending, &mut failed) };
+    (rc == 0).then_some((pending != 0, failed != 0))
+}
+
+/// NVLink replay, recovery and CRC errors summed over the links that are up.
+fn nvlink_errors(dev: &nvml_wrapper::Device<'_>) -> Option<u64> {
+    use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter as E;
+    let mut sum = None;
+    for link in 0..18 {
+        let w = dev.link_wrapper_for(link);
+        if !w.is_active().unwrap_or(false) {
+            continue;
+        }
+        for c in [E::DlReplay, E::DlRecovery, E::DlCrcFlit, E::DlCrcData] {
+            if let Ok(n) = w.error_counter(c) {
+                *sum.get_or_insert(0) += n;
+            }
+        }
+    }
+    sum
 }
 
 /// The links and health of the GPU at PCI bus id `bus_id` (as CUDA writes it).
@@ -258,12 +317,93 @@ pub fn all_gpus() -> Option<Vec<(String, Health)>> {
     )
 }
 
+/// A network interface a rank's traffic leaves by, as sysfs reports it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Nic {
+    /// "eth0", or an InfiniBand/RoCE port as NCCL names it, "mlx5_0:1".
+    pub name: String,
+    /// Link speed in Mb/s (None: the interface does not say, as loopback and some virtual ones).
+    pub mbps: Option<u64>,
+    pub up: bool,
+}
+
+impl Nic {
+    pub fn read(name: &str) -> Nic {
+        Nic::read_at(std::path::Path::new("/sys/class"), name)
+    }
+
+    /// `name` under a sysfs class directory `root` (tests pass a recorded tree).
+    pub fn read_at(root: &std::path::Path, name: &str) -> Nic {
+        let read = |p: std::path::PathBuf| {
+            std::fs::read_to_string(p)
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default()
+        };
+        match name.split_once(':') {
+            // An InfiniBand/RoCE port: rate "400 Gb/sec (4X NDR)", state "4: ACTIVE".
+            Some((dev, port)) => {
+                let dir = root.join("infiniband").join(dev).join("ports").join(port);
+                let rate = read(dir.join("rate"));
+                let gbits = rate
+                    .split_whitespace()
+                    .next()
+                    .and_then(|n| n.parse::<f64>().ok());
+                Nic {
+                    name: name.to_string(),
+                    mbps: gbits.map(|g| (g * 1000.0) as u64).filter(|m| *m > 0),
+                    up: read(dir.join("state")).contains("ACTIVE"),
+                }
+            }
+            None => {
+                let dir = root.join("net").join(name);
+                // -1 (or an error) when the driver does not know, e.g. a link that is down.
+                let speed = read(dir.join("speed")).parse::<i64>().ok();
+                Nic {
+                    name: name.to_string(),
+                    mbps: speed.filter(|s| *s > 0).map(|s| s as u64),
+                    up: matches!(read(dir.join("operstate")).as_str(), "up" | "unknown"),
+                }
+            }
+        }
+    }
+
+    /// Bytes per second it carries at its speed, in GB/s.
+    pub fn gbs(&self) -> Option<f64> {
+        self.mbps.map(|m| m as f64 / 8000.0)
+    }
+
+    /// "eth0 10 Gb/s", "mlx5_0:1 400 Gb/s", "eth0 (speed unknown)".
+    pub fn describe(&self) -> String {
+        match self.mbps {
+            Some(m) => format!("{} {}", self.name, speed_text(m)),
+            None => format!("{} (speed unknown)", self.name),
+        }
+    }
+}
+
+/// "10 Gb/s", "2.5 Gb/s", "100 Mb/s".
+pub fn speed_text(mbps: u64) -> String {
+    if mbps >= 1000 {
+        let g = mbps as f64 / 1000.0;
+        if g.fract() == 0.0 {
+            format!("{g:.0} Gb/s")
+        } else {
+            format!("{g:.1} Gb/s")
+        }
+    } else {
+        format!("{mbps} Mb/s")
+    }
+}
+
 /// The path NCCL took, from its INFO log: connections per transport, and channels.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NcclPath {
     /// "P2P/CUMEM" (NVLink or PCIe peer to peer), "SHM", "NET/Socket", "NET/IB", ... -> count.
     pub transports: BTreeMap<String, u32>,
     pub channels: u32,
+    /// The network devices NET connections went through ("eth0", "mlx5_0:1").
+    #[serde(default)]
+    pub nics: Vec<String>,
 }
 
 impl NcclPath {
@@ -274,7 +414,11 @@ impl NcclPath {
             .iter()
             .map(|(k, v)| format!("{k} x{v}"))
             .collect();
-        format!("{}, {} channels", t.join(" + "), self.channels)
+        let nics = match self.nics.is_empty() {
+            true => String::new(),
+            false => format!(" through {}", self.nics.join(", ")),
+        };
+        format!("{}{nics}, {} channels", t.join(" + "), self.channels)
     }
 
     /// Whether every connection went peer to peer (NVLink or PCIe P2P).
@@ -288,7 +432,32 @@ impl NcclPath {
 pub fn parse_nccl_log(text: &str) -> NcclPath {
     let mut p = NcclPath::default();
     let mut channels = std::collections::BTreeSet::new();
+    // Each network transport's devices by index, from `NET/IB : Using [0]mlx5_0:1/IB [1]...`
+    // and `NET/Socket : Using [0]eth0:10.0.0.1<0>`.
+    let mut devices: BTreeMap<(String, String), String> = BTreeMap::new();
+    let mut used = std::collections::BTreeSet::new();
     for line in text.lines() {
+        if let Some((kind, list)) = line
+            .split("NCCL INFO NET/")
+            .nth(1)
+            .and_then(|r| r.split_once(" : Using "))
+        {
+            for dev in list.split(';').next().unwrap_or("").split_whitespace() {
+                let Some((idx, name)) = dev.strip_prefix('[').and_then(|d| d.split_once(']'))
+                else {
+                    continue;
+                };
+                // mlx5_0:1/IB -> mlx5_0:1; eth0:10.0.0.1<0> -> eth0.
+                let name = match kind {
+                    "Socket" => name.split(':').next().unwrap_or(name),
+                    _ => name.split('/').next().unwrap_or(name),
+                };
+                if idx.chars().all(|c| c.is_ascii_digit()) && !name.is_empty() {
+                    devices.insert((kind.to_string(), idx.to_string()), name.to_string());
+                }
+            }
+            continue;
+        }
         let Some(rest) = line.split("NCCL INFO Channel ").nth(1) else {
             continue;
         };
@@ -303,13 +472,24 @@ pub fn parse_nccl_log(text: &str) -> NcclPath {
         // The transport and its kind: P2P/CUMEM/read -> P2P/CUMEM, NET/IB/0/GDRDMA -> NET/IB.
         let mut parts = via.split_whitespace().next().unwrap_or("").split('/');
         let kind = match (parts.next(), parts.next()) {
-            (Some(a @ ("P2P" | "NET")), Some(b)) => format!("{a}/{b}"),
+            (Some("NET"), Some(b)) => {
+                if let Some(idx) = parts.next() {
+                    used.insert((b.to_string(), idx.to_string()));
+                }
+                format!("NET/{b}")
+            }
+            (Some(a @ "P2P"), Some(b)) => format!("{a}/{b}"),
             (Some(a), _) => a.to_string(),
             _ => continue,
         };
         *p.transports.entry(kind).or_default() += 1;
     }
     p.channels = channels.len() as u32;
+    let nics: std::collections::BTreeSet<String> = used
+        .iter()
+        .filter_map(|k| devices.get(k).cloned())
+        .collect();
+    p.nics = nics.into_iter().collect();
     p
 }
 
@@ -379,6 +559,58 @@ vm:1043:1101 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/
         let p = parse_nccl_log(&read("h200x2-p2p-shm-disable.log"));
         assert_eq!(p.transports.get("NET/Socket"), Some(&4), "{p:?}");
         assert_eq!(p.channels, 2);
+        assert_eq!(p.nics, ["eth0"]);
+        assert_eq!(p.describe(), "NET/Socket x4 through eth0, 2 channels");
+        // Devices listed but unused are not a path.
+        assert!(parse_nccl_log(&read("h200x2-healthy.log")).nics.is_empty());
+    }
+
+    /// NCCL's lines on an InfiniBand cluster: the devices by index, then channels through them.
+    #[test]
+    fn the_nics_nccl_used_are_named() {
+        let log = "\
+n1:9:9 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_3:1/RoCE [RO]; OOB ib0:10.0.0.1<0>
+n1:9:9 [0] NCCL INFO Channel 00/0 : 7[7] -> 8[0] [send] via NET/IB/1/GDRDMA
+n1:9:9 [0] NCCL INFO Channel 01/0 : 15[7] -> 0[0] [receive] via NET/IB/0/GDRDMA
+n1:9:9 [0] NCCL INFO Channel 02/0 : 15[7] -> 0[0] [receive] via NET/IB/0/GDRDMA
+";
+        let p = parse_nccl_log(log);
+        assert_eq!(p.nics, ["mlx5_0:1", "mlx5_3:1"]);
+        assert_eq!(p.transports.get("NET/IB"), Some(&3));
+    }
+
+    #[test]
+    fn nic_speeds_from_sysfs() {
+        let root = tempfile::tempdir().unwrap();
+        let put = |p: &str, v: &str| {
+            let f = root.path().join(p);
+            std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+            std::fs::write(f, v).unwrap();
+        };
+        put("net/eth0/speed", "25000\n");
+        put("net/eth0/operstate", "up\n");
+        put("net/eth1/speed", "-1\n");
+        put("net/eth1/operstate", "down\n");
+        put("infiniband/mlx5_0/ports/1/rate", "400 Gb/sec (4X NDR)\n");
+        put("infiniband/mlx5_0/ports/1/state", "4: ACTIVE\n");
+        put("infiniband/mlx5_1/ports/1/rate", "2.5 Gb/sec (1X SDR)\n");
+        put("infiniband/mlx5_1/ports/1/state", "1: DOWN\n");
+        let n = Nic::read_at(root.path(), "eth0");
+        assert_eq!((n.mbps, n.up), (Some(25000), true));
+        assert_eq!(n.describe(), "eth0 25 Gb/s");
+        assert_eq!(n.gbs(), Some(3.125));
+        let n = Nic::read_at(root.path(), "eth1");
+        assert_eq!((n.mbps, n.up), (None, false));
+        assert_eq!(n.describe(), "eth1 (speed unknown)");
+        let n = Nic::read_at(root.path(), "mlx5_0:1");
+        assert_eq!((n.mbps, n.up), (Some(400_000), true));
+        let n = Nic::read_at(root.path(), "mlx5_1:1");
+        assert_eq!(
+            (n.describe(), n.up),
+            ("mlx5_1:1 2.5 Gb/s".to_string(), false)
+        );
+        assert_eq!(Nic::read_at(root.path(), "nope").mbps, None);
+        assert_eq!(speed_text(100), "100 Mb/s");
     }
 
     #[test]
@@ -406,6 +638,9 @@ vm:1043:1101 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/
             pages_pending_retirement: Some(false),
             slowdowns: vec![],
             mig: Some(false),
+            remap_pending: Some(false),
+            remap_failed: Some(false),
+            nvlink_errors: Some(0),
         };
         assert!(ok.problems().is_empty());
         assert_eq!(
@@ -416,12 +651,24 @@ vm:1043:1101 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/
             ecc_uncorrected: Some(3),
             slowdowns: vec!["power brake".into()],
             mig: Some(true),
-            ..ok
+            remap_pending: Some(true),
+            nvlink_errors: Some(12),
+            ..ok.clone()
         };
         let p = bad.problems();
         let checks: Vec<&str> = p.iter().map(|u| u.check).collect();
-        assert_eq!(checks, ["ecc", "throttle", "mig"]);
-        assert!(p[1].slows && !p[0].slows);
+        assert_eq!(checks, ["ecc", "remap", "throttle", "mig"]);
+        assert!(p[2].slows && !p[0].slows && !p[1].slows);
+        assert!(
+            bad.describe().contains("NVLink errors 12"),
+            "{}",
+            bad.describe()
+        );
+        let failed = Health {
+            remap_failed: Some(true),
+            ..ok
+        };
+        assert!(failed.problems()[0].what.contains("remap failed"));
     }
 
     #[test]

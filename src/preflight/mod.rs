@@ -201,6 +201,20 @@ pub struct RankReport {
     /// The GPU's device-to-device copy bandwidth (GB/s, read and write counted).
     #[serde(default)]
     pub mem_gbs: Option<f64>,
+    /// The network interfaces this rank's traffic to other nodes leaves by.
+    #[serde(default)]
+    pub nics: Vec<hardware::Nic>,
+    /// The link from the previous rank of the ring, measured alone (`--preflight net`).
+    #[serde(default)]
+    pub link_in: Option<LinkIn>,
+}
+
+/// What one ring link carried when it was the only thing being measured.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct LinkIn {
+    /// The rank that sent.
+    pub from: usize,
+    pub gbs: f64,
 }
 
 /// Progress marks a rank leaves in the store, so a silent rank can be placed.
@@ -662,6 +676,12 @@ impl Outcome {
                 }
             }
             line_rate = self.against_hardware(&complete, peak, &mut t, &mut problems, &mut hints);
+            let (net_rate, net_slow) =
+                self.network(&complete, peak, &mut t, &mut problems, &mut hints);
+            if net_slow {
+                worse(Verdict::Slow, &mut verdict);
+            }
+            line_rate = line_rate.or(net_rate);
             if let Some(v) = self.health(&complete, &mut t, &mut problems) {
                 worse(v, &mut verdict);
             }
@@ -761,6 +781,11 @@ impl NcclPathSum {
         for p in reports.iter().filter_map(|r| r.path.as_ref()) {
             for (k, v) in &p.transports {
                 *sum.transports.entry(k.clone()).or_default() += v;
+            }
+            for n in &p.nics {
+                if !sum.nics.contains(n) {
+                    sum.nics.push(n.clone());
+                }
             }
             channels.push(p.channels);
         }
@@ -901,6 +926,20 @@ impl Outcome {
         if gbs <= 0.0 {
             return None;
         }
+        // GPUs of one model on one node have the same NVLink links: fewer up is a link down.
+        let most = links.iter().map(|(_, l)| l.nvlink_up).max().unwrap_or(0);
+        for (r, l) in links.iter().filter(|(r, l)| {
+            l.nvlink_up < most
+                && links
+                    .iter()
+                    .any(|(o, m)| m.nvlink_up == most && o.gpu == r.gpu)
+        }) {
+            problems.push(format!(
+                "rank {}'s GPU on {} has {} NVLink links up, its peers {most}: a link is down \
+                 (nvidia-smi nvlink --status); the ring runs at the slowest GPU's rate",
+                r.rank, r.host, l.nvlink_up
+            ));
+        }
         let efficiency = bw / gbs;
         let _ = writeln!(
             t,
@@ -908,10 +947,19 @@ impl Outcome {
             human_bytes(bytes),
             efficiency * 100.0
         );
+        let link_down = links.iter().any(|(_, l)| l.nvlink_up < most);
         // Small messages measure latency, not bandwidth: judge from 64 MiB up.
-        let min = self.min_efficiency.filter(|_| bytes >= 64 << 20)?;
-        let slow = efficiency < min;
-        if slow {
+        let Some(min) = self.min_efficiency.filter(|_| bytes >= 64 << 20) else {
+            return Some(LineRate {
+                gbs,
+                what,
+                busbw_gbs: bw,
+                efficiency,
+                slow: link_down,
+            });
+        };
+        let slow = efficiency < min || link_down;
+        if efficiency < min {
             problems.push(format!(
                 "busbw {bw:.1} GB/s at {} is {:.0}% of the line rate ({what}), under \
                  --min-efficiency {min}",
@@ -955,6 +1003,222 @@ impl Outcome {
             efficiency,
             slow,
         })
+    }
+}
+
+/// Under this fraction of the median node's network rate, a node's NIC is named slow.
+const PEER_FLOOR: f64 = 0.5;
+/// A TCP stream of the net preflight reaches well over a tenth of any NIC's speed up to
+/// 100 Gb/s; a link under it is shaped, erroring or negotiated down.
+const TCP_FLOOR: f64 = 0.1;
+
+impl Outcome {
+    /// Several nodes: each node's network rate from the NICs its ranks use, the line rate of the
+    /// slowest, and (net mode) each measured link against its NIC's speed and the other links.
+    /// The line rate, and whether something here makes the run slow.
+    fn network(
+        &self,
+        complete: &[&RankReport],
+        peak: Option<(u64, f64)>,
+        t: &mut String,
+        problems: &mut Vec<String>,
+        hints: &mut Vec<String>,
+    ) -> (Option<LineRate>, bool) {
+        let mut nics: BTreeMap<&str, BTreeMap<&str, &hardware::Nic>> = BTreeMap::new();
+        for r in complete {
+            let e = nics.entry(r.host.as_str()).or_default();
+            for n in &r.nics {
+                e.insert(n.name.as_str(), n);
+            }
+        }
+        if nics.len() < 2 {
+            return (None, false);
+        }
+        let mut slow = false;
+        for (h, ns) in &nics {
+            for n in ns.values().filter(|n| !n.up) {
+                slow = true;
+                problems.push(format!("node {h}: {} is down", n.name));
+            }
+        }
+        // A node's rate: the NICs its ranks use, together; None when one's speed is unknown.
+        let rates: BTreeMap<&str, (f64, String)> = nics
+            .iter()
+            .filter(|(_, ns)| !ns.is_empty())
+            .filter_map(|(h, ns)| {
+                let sum = ns.values().map(|n| n.gbs()).sum::<Option<f64>>()?;
+                let what: Vec<String> = ns.values().map(|n| n.describe()).collect();
+                Some((*h, (sum, what.join(" + "))))
+            })
+            .collect();
+        let described: Vec<String> = nics
+            .iter()
+            .map(|(h, ns)| {
+                let d: Vec<String> = ns.values().map(|n| n.describe()).collect();
+                format!(
+                    "{h} {}",
+                    if d.is_empty() {
+                        "?".into()
+                    } else {
+                        d.join(" + ")
+                    }
+                )
+            })
+            .collect();
+        let same = rates.len() == nics.len()
+            && rates
+                .values()
+                .all(|(_, w)| Some(w) == rates.values().next().map(|(_, w)| w));
+        match same {
+            true => {
+                let w = rates.values().next().map_or("", |(_, w)| w.as_str());
+                let _ = writeln!(t, "  network: {w} on each of {} nodes", nics.len());
+            }
+            false => {
+                let _ = writeln!(t, "  network: {}", described.join("; "));
+            }
+        }
+        if rates.len() >= 2 {
+            let mut all: Vec<f64> = rates.values().map(|(g, _)| *g).collect();
+            all.sort_by(f64::total_cmp);
+            let median = all[all.len() / 2];
+            for (h, (g, what)) in &rates {
+                if *g < PEER_FLOOR * median {
+                    slow = true;
+                    problems.push(format!(
+                        "node {h}'s network ({what}, {g:.2} GB/s) is {:.0}% of the median \
+                         node's ({median:.2} GB/s): the ring runs at its slowest node's rate; \
+                         check the cable, the switch port and the negotiated speed (ethtool)",
+                        100.0 * g / median
+                    ));
+                }
+            }
+        }
+        if self.mode == Mode::Net {
+            slow |= self.links(complete, &nics, t, problems);
+        }
+        let (Some((bytes, bw)), Some((h, (gbs, what)))) = (
+            peak,
+            rates
+                .iter()
+                .min_by(|a, b| a.1.0.total_cmp(&b.1.0))
+                .filter(|_| rates.len() == nics.len()),
+        ) else {
+            return (None, slow);
+        };
+        let efficiency = bw / gbs;
+        let what = format!("network, slowest node {h} {what} = {gbs:.2} GB/s");
+        let _ = writeln!(
+            t,
+            "  line rate: {what}; busbw {bw:.2} GB/s at {} is {:.0}% of it",
+            human_bytes(bytes),
+            efficiency * 100.0
+        );
+        // The TCP ring is bounded by the CPU, not the NIC, on fast networks: judged by its links
+        // above. NCCL's busbw is judged against the line rate as on one node.
+        let min = self
+            .min_efficiency
+            .filter(|_| self.mode == Mode::Nccl && bytes >= 64 << 20);
+        let line_slow = min.is_some_and(|m| efficiency < m);
+        if let Some(m) = min.filter(|_| line_slow) {
+            problems.push(format!(
+                "busbw {bw:.2} GB/s at {} is {:.0}% of the network's line rate ({what}), under \
+                 --min-efficiency {m}",
+                human_bytes(bytes),
+                efficiency * 100.0
+            ));
+            let path = NcclPathSum::of(complete);
+            if let Some(p) = path.filter(|p| p.transports.contains_key("NET/Socket")) {
+                hints.push(format!(
+                    "NCCL went through sockets ({}): if the nodes have InfiniBand or RoCE, check \
+                     NCCL_IB_DISABLE/NCCL_NET and that the IB devices are visible (ibv_devinfo)",
+                    p.describe()
+                ));
+            }
+            if !self.path_vars.is_empty() {
+                hints.push(format!(
+                    "set here and changing NCCL's path: {}; unset them unless they are meant",
+                    self.path_vars.join(", ")
+                ));
+            }
+        }
+        (
+            Some(LineRate {
+                gbs: *gbs,
+                what,
+                busbw_gbs: bw,
+                efficiency,
+                slow: line_slow,
+            }),
+            slow || line_slow,
+        )
+    }
+
+    /// The net preflight's ring links between nodes, each measured alone: one far under the
+    /// others or under its NIC's speed is named with the node it leaves. True when one is.
+    fn links(
+        &self,
+        complete: &[&RankReport],
+        nics: &BTreeMap<&str, BTreeMap<&str, &hardware::Nic>>,
+        t: &mut String,
+        problems: &mut Vec<String>,
+    ) -> bool {
+        let by_rank: BTreeMap<usize, &RankReport> = complete.iter().map(|r| (r.rank, *r)).collect();
+        // (from host, to host, GB/s): only the links that cross between nodes.
+        let links: Vec<(&str, &str, f64)> = complete
+            .iter()
+            .filter_map(|r| {
+                let l = r.link_in?;
+                let from = by_rank.get(&l.from)?;
+                (from.host != r.host).then_some((from.host.as_str(), r.host.as_str(), l.gbs))
+            })
+            .collect();
+        if links.is_empty() {
+            return false;
+        }
+        let parts: Vec<String> = links
+            .iter()
+            .map(|(a, b, g)| format!("{a} -> {b} {g:.2}"))
+            .collect();
+        let _ = writeln!(
+            t,
+            "  links between nodes (GB/s, each alone): {}",
+            parts.join(", ")
+        );
+        let mut all: Vec<f64> = links.iter().map(|l| l.2).collect();
+        all.sort_by(f64::total_cmp);
+        let median = all[all.len() / 2];
+        let mut slow = false;
+        for (from, to, g) in &links {
+            let nic = nics.get(from).and_then(|ns| {
+                (ns.len() == 1)
+                    .then(|| ns.values().next().copied())
+                    .flatten()
+            });
+            if links.len() >= 2 && *g < PEER_FLOOR * median {
+                slow = true;
+                problems.push(format!(
+                    "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the median \
+                     link's {median:.2} GB/s: {from}'s {} is slow (traffic shaping, errors, a \
+                     bad cable or port)",
+                    100.0 * g / median,
+                    nic.map_or("network", |n| n.name.as_str())
+                ));
+            }
+            if let Some((n, speed)) = nic.and_then(|n| n.gbs().map(|s| (n, s))) {
+                if *g < TCP_FLOOR * speed {
+                    slow = true;
+                    problems.push(format!(
+                        "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the {} \
+                         that {from}'s {} reports ({speed:.2} GB/s)",
+                        100.0 * g / speed,
+                        hardware::speed_text(n.mbps.unwrap_or(0)),
+                        n.name
+                    ));
+                }
+            }
+        }
+        slow
     }
 }
 
@@ -1009,6 +1273,8 @@ mod tests {
 
     fn report(rank: usize, host: &str, us: f64, wrong: u64) -> RankReport {
         RankReport {
+            nics: Vec::new(),
+            link_in: None,
             rank,
             local_rank: rank,
             host: host.into(),
@@ -1065,6 +1331,7 @@ mod tests {
         let path = hardware::NcclPath {
             transports: [(transport.to_string(), 24)].into(),
             channels: 24,
+            nics: vec![],
         };
         let mut rs = vec![report(0, "a", us, 0), report(1, "a", us, 0)];
         for r in &mut rs {
@@ -1138,10 +1405,122 @@ mod tests {
             "{}",
             s.text
         );
+        // A GPU with NVLink links down among peers with all up.
+        let mut down = nvlink_pair(900.0, "P2P/CUMEM");
+        if let Some(l) = down.reports.get_mut(&1).unwrap().links.as_mut() {
+            l.nvlink_up = 16;
+        }
+        let s = down.summarize();
+        assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
+        assert!(
+            s.text
+                .contains("rank 1's GPU on a has 16 NVLink links up, its peers 18: a link is down"),
+            "{}",
+            s.text
+        );
         // Turned off, or sizes too small to measure bandwidth: shown, not judged.
         let mut off = nvlink_pair(70_000.0, "P2P/CUMEM");
         off.min_efficiency = None;
         assert_eq!(off.summarize().verdict, Verdict::Ok);
+    }
+
+    fn nic(name: &str, mbps: u64) -> hardware::Nic {
+        hardware::Nic {
+            name: name.into(),
+            mbps: Some(mbps),
+            up: true,
+        }
+    }
+
+    /// Three nodes, one rank each, in a net-mode ring 0 -> 1 -> 2 -> 0; `gbs[i]` is what the
+    /// link into rank i carried, `mbps[i]` the speed its eth0 reports.
+    fn net_ring(gbs: [f64; 3], mbps: [u64; 3]) -> Outcome {
+        let mut rs: Vec<RankReport> = (0..3)
+            .map(|i| {
+                let mut r = report(i, &format!("h{}", i + 1), 10_000.0, 0);
+                r.nics = vec![nic("eth0", mbps[i])];
+                r.link_in = Some(LinkIn {
+                    from: (i + 2) % 3,
+                    gbs: gbs[i],
+                });
+                r
+            })
+            .collect();
+        rs[0].rows[0].bytes = 16 << 20;
+        let mut o = outcome(std::mem::take(&mut rs));
+        for r in o.reports.values_mut() {
+            r.rows[0].bytes = 16 << 20;
+        }
+        o.mode = Mode::Net;
+        o
+    }
+
+    #[test]
+    fn the_network_against_its_speed_and_the_peers() {
+        let ok = net_ring([1.0, 1.1, 0.9], [10_000; 3]).summarize();
+        assert_eq!(ok.verdict, Verdict::Ok, "{}", ok.text);
+        assert!(
+            ok.text.contains("network: eth0 10 Gb/s on each of 3 nodes")
+                && ok.text.contains("line rate: network, slowest node h1 eth0 10 Gb/s = 1.25 GB/s")
+                && ok.text.contains("links between nodes (GB/s, each alone): h3 -> h1 1.00, h1 -> h2 1.10, h2 -> h3 0.90"),
+            "{}",
+            ok.text
+        );
+        // h3's egress shaped to a tenth: the link into h1 names h3, against its speed and peers.
+        let s = net_ring([0.1, 1.1, 0.9], [10_000; 3]).summarize();
+        assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
+        assert!(
+            s.text.contains("the link from h3 to h1 carried 0.100 GB/s, 11% of the median link's 0.90 GB/s: h3's eth0 is slow")
+                && s.text.contains("the link from h3 to h1 carried 0.100 GB/s, 8% of the 10 Gb/s that h3's eth0 reports"),
+            "{}",
+            s.text
+        );
+        assert_eq!(
+            s.problems
+                .iter()
+                .filter(|p| p.contains("h1 to") || p.contains("h2 to"))
+                .count(),
+            0,
+            "{}",
+            s.text
+        );
+        // A node whose NIC negotiated a tenth of the others' speed.
+        let s = net_ring([1.0, 0.12, 0.9], [10_000, 1000, 10_000]).summarize();
+        assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
+        assert!(
+            s.text.contains("network: h1 eth0 10 Gb/s; h2 eth0 1 Gb/s; h3 eth0 10 Gb/s")
+                && s.text.contains("node h2's network (eth0 1 Gb/s, 0.12 GB/s) is 10% of the median node's (1.25 GB/s)"),
+            "{}",
+            s.text
+        );
+        // A NIC that is down.
+        let mut down = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
+        down.reports.get_mut(&2).unwrap().nics[0].up = false;
+        let s = down.summarize();
+        assert!(s.text.contains("node h3: eth0 is down"), "{}", s.text);
+        // NCCL across nodes: busbw judged against the slowest node's NICs.
+        let mut nccl = net_ring([1.0; 3], [100_000; 3]);
+        nccl.mode = Mode::Nccl;
+        for r in nccl.reports.values_mut() {
+            r.link_in = None;
+            r.rows[0].bytes = 256 << 20;
+            // busbw 2 GB/s of the 12.5 the NICs give.
+            r.rows[0].oop_us = 268_435_456.0 / 1.5e3;
+            r.rows[0].ip_us = r.rows[0].oop_us;
+            r.path = Some(hardware::NcclPath {
+                transports: [("NET/Socket".to_string(), 4)].into(),
+                channels: 2,
+                nics: vec!["eth0".into()],
+            });
+        }
+        let s = nccl.summarize();
+        assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
+        assert!(
+            s.text.contains("of the network's line rate (network, slowest node h1 eth0 100 Gb/s = 12.50 GB/s), under --min-efficiency 0.4")
+                && s.text.contains("NCCL went through sockets (NET/Socket x12 through eth0, 2 channels)"),
+            "{}",
+            s.text
+        );
     }
 
     #[test]

@@ -220,6 +220,8 @@ fn run() -> Result<(), String> {
         health: None,
         path: None,
         mem_gbs: None,
+        nics: Vec::new(),
+        link_in: None,
     };
     let result = match ctx.s.mode {
         Mode::Nccl => run_nccl(&mut ctx, &mut rep, local_rank),
@@ -624,6 +626,9 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     if let Ok(text) = std::fs::read_to_string(&log) {
         rep.path = Some(hardware::parse_nccl_log(&text)).filter(|p| !p.transports.is_empty());
     }
+    if let Some(p) = &rep.path {
+        rep.nics = p.nics.iter().map(|n| hardware::Nic::read(n)).collect();
+    }
     let _ = std::fs::remove_file(&log);
     rep.phases_ms = ph.list;
     // Neither the buffers nor the communicators are torn down: the process ends right after
@@ -655,7 +660,38 @@ struct Ring {
     sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
 }
 
+/// What each link of the net preflight's ring carries alone before the sweep.
+const LINK_BYTES: usize = 8 << 20;
+
 impl Ring {
+    fn send_link(&mut self, bytes: usize) -> std::io::Result<()> {
+        self.to_next
+            .send(vec![0x5a; bytes])
+            .map_err(|_| std::io::Error::other("sender thread ended"))
+    }
+
+    /// Receives `bytes` from the previous rank: the rate in GB/s, timed from the first bytes
+    /// to arrive (not the wait for the sender).
+    fn recv_link(&mut self, bytes: usize) -> std::io::Result<f64> {
+        let mut buf = vec![0u8; 1 << 20];
+        let (mut got, mut first) = (0, 0);
+        let mut start = None;
+        while got < bytes {
+            let want = (bytes - got).min(buf.len());
+            let k = self.from_prev.read(&mut buf[..want])?;
+            if k == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            if start.is_none() {
+                start = Some(Instant::now());
+                first = k;
+            }
+            got += k;
+        }
+        let secs = start.map_or(0.0, |s| s.elapsed().as_secs_f64()).max(1e-6);
+        Ok((bytes - first) as f64 / secs / 1e9)
+    }
+
     fn chunk(count: usize, n: usize, i: usize) -> std::ops::Range<usize> {
         let base = count / n;
         let extra = count % n;
@@ -710,6 +746,9 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
         .map_err(|e| net(&format!("cannot listen on {}", ctx.s.listen_addr), e))?;
     let me = listener.local_addr().map_err(|e| net("listener", e))?;
     ctx.set(&format!("addr/{rank}"), me.to_string().as_bytes());
+    if let Some(i) = crate::net::owner(&crate::net::interfaces(), me.ip()).filter(|i| !i.loopback) {
+        rep.nics = vec![hardware::Nic::read(&i.name)];
+    }
     ctx.stage("loaded");
 
     let t0 = Instant::now();
@@ -771,11 +810,48 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
             }
             Ok(())
         });
-        ring = Some(Ring {
+        let mut r = Ring {
             to_next: tx,
             from_prev,
             sender: Some(sender),
-        });
+        };
+        // Each link alone on its wire, so a slow one is seen and placed (in the all-reduce the
+        // slowest link sets every rank's time). Neighbouring links take turns: a host sending
+        // while it receives delays its own ACKs behind its data, and a shaped or slow egress
+        // would then drag the link into it down too.
+        let phases = if n % 2 == 1 { 3 } else { 2 };
+        let phase = |link: usize| {
+            if n % 2 == 1 && link == n - 1 {
+                2
+            } else {
+                link % 2
+            }
+        };
+        for p in 0..phases {
+            if phase(rank) == p {
+                r.send_link(LINK_BYTES)
+                    .map_err(|e| err("collective", format!("link test to rank {next}: {e}")))?;
+            }
+            if phase(prev) == p {
+                let gbs = r
+                    .recv_link(LINK_BYTES)
+                    .map_err(|e| err("collective", format!("link test from rank {prev}: {e}")))?;
+                rep.link_in = Some(super::LinkIn { from: prev, gbs });
+            }
+            let key = ctx.s.key(&format!("link/{p}"));
+            let left = deadline.saturating_duration_since(Instant::now());
+            let all = ctx
+                .rt
+                .block_on(ctx.store.barrier(&key, n as i64, Some(left)))
+                .map_err(|e| err("collective", format!("link test, turn {p}: {e}")))?;
+            if !all {
+                return Err(err(
+                    "init-timeout",
+                    format!("link test, turn {p}: not every rank arrived within the timeout"),
+                ));
+            }
+        }
+        ring = Some(r);
     }
     rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
     ctx.stage("init");

@@ -314,6 +314,22 @@ impl Cluster {
         }
     }
 
+    /// Makes host i's eth0 report `mbps` as its speed (veth always says 10000): a file bound
+    /// over the sysfs attribute in the mount namespace of the host's sshd, which every ssh
+    /// session there inherits.
+    pub fn report_speed(&self, i: usize, mbps: u64) {
+        let dir = format!("{}/{}", self.dir(), self.host(i));
+        let pid = std::fs::read_to_string(format!("{dir}/sshd.pid")).unwrap();
+        std::fs::write(format!("{dir}/speed"), format!("{mbps}\n")).unwrap();
+        let st = Command::new("nsenter")
+            .args(["-t", pid.trim(), "-m", "mount", "--bind"])
+            .arg(format!("{dir}/speed"))
+            .arg("/sys/class/net/eth0/speed")
+            .status()
+            .unwrap();
+        assert!(st.success(), "bind a speed over {}'s eth0", self.host(i));
+    }
+
     pub fn exec(&self, i: usize, cmd: &str) {
         let st = Command::new("ip")
             .args(["netns", "exec", &self.host(i), "sh", "-c", cmd])
