@@ -591,7 +591,8 @@ impl Bisect<'_> {
             let summary =
                 preflight::Outcome::gather(first, &ranks, group.world, &mut |k| st.get(k))
                     .summarize();
-            if summary.verdict != Verdict::Ok {
+            // Slow is judged here, against the other groups of the stage.
+            if !matches!(summary.verdict, Verdict::Ok | Verdict::Slow) {
                 let problem = summary
                     .problems
                     .first()

@@ -1008,6 +1008,9 @@ impl Outcome {
 
 /// Under this fraction of the median node's network rate, a node's NIC is named slow.
 const PEER_FLOOR: f64 = 0.5;
+/// Under this fraction of the median link, a measured link is named slow: measurements vary
+/// with the hosts' CPU load far more than the speeds NICs report do.
+const LINK_FLOOR: f64 = 0.25;
 /// A TCP stream of the net preflight reaches well over a tenth of any NIC's speed up to
 /// 100 Gb/s; a link under it is shaped, erroring or negotiated down.
 const TCP_FLOOR: f64 = 0.1;
@@ -1188,26 +1191,24 @@ impl Outcome {
         let mut all: Vec<f64> = links.iter().map(|l| l.2).collect();
         all.sort_by(f64::total_cmp);
         let median = all[all.len() / 2];
-        let mut slow = false;
+        let mut slow: Vec<(&str, &str)> = Vec::new();
         for (from, to, g) in &links {
             let nic = nics.get(from).and_then(|ns| {
                 (ns.len() == 1)
                     .then(|| ns.values().next().copied())
                     .flatten()
             });
-            if links.len() >= 2 && *g < PEER_FLOOR * median {
-                slow = true;
+            if links.len() >= 2 && *g < LINK_FLOOR * median {
+                slow.push((from, to));
                 problems.push(format!(
                     "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the median \
-                     link's {median:.2} GB/s: {from}'s {} is slow (traffic shaping, errors, a \
-                     bad cable or port)",
+                     link's {median:.2} GB/s",
                     100.0 * g / median,
-                    nic.map_or("network", |n| n.name.as_str())
                 ));
             }
             if let Some((n, speed)) = nic.and_then(|n| n.gbs().map(|s| (n, s))) {
                 if *g < TCP_FLOOR * speed {
-                    slow = true;
+                    slow.push((from, to));
                     problems.push(format!(
                         "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the {} \
                          that {from}'s {} reports ({speed:.2} GB/s)",
@@ -1218,7 +1219,34 @@ impl Outcome {
                 }
             }
         }
-        slow
+        slow.dedup();
+        // A link's data leaves one host and its ACKs the other: either end may be at fault. A
+        // host in every slow link (of several) is the one to look at.
+        let common: Vec<&str> = slow
+            .first()
+            .map(|(a, b)| {
+                [*a, *b]
+                    .into_iter()
+                    .filter(|h| slow.iter().all(|(x, y)| x == h || y == h))
+                    .collect()
+            })
+            .unwrap_or_default();
+        match (slow.len(), common.as_slice()) {
+            (0, _) => {}
+            (n, [h]) if n > 1 => problems.push(format!(
+                "{h} is in every slow link: check its network first (traffic shaping, errors, \
+                 a bad cable or port, its negotiated speed)"
+            )),
+            (_, _) => {
+                for (a, b) in &slow {
+                    problems.push(format!(
+                        "{a} or {b}: check their network (traffic shaping, errors, a bad cable or \
+                         port, the negotiated speed)"
+                    ));
+                }
+            }
+        }
+        !slow.is_empty()
     }
 }
 
@@ -1470,7 +1498,8 @@ mod tests {
         let s = net_ring([0.1, 1.1, 0.9], [10_000; 3]).summarize();
         assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
         assert!(
-            s.text.contains("the link from h3 to h1 carried 0.100 GB/s, 11% of the median link's 0.90 GB/s: h3's eth0 is slow")
+            s.text.contains("the link from h3 to h1 carried 0.100 GB/s, 11% of the median link's 0.90 GB/s")
+                && s.text.contains("h3 or h1: check their network")
                 && s.text.contains("the link from h3 to h1 carried 0.100 GB/s, 8% of the 10 Gb/s that h3's eth0 reports"),
             "{}",
             s.text
