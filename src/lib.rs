@@ -89,6 +89,18 @@ pub fn main() -> ExitCode {
         }
     };
     init_logging();
+    // Completions and the manual page need the command line's definition, not a plan.
+    let shell = match &cli.command {
+        Some(cli::Command::Completions { shell }) => Some(shell.as_str()),
+        None => cli.run.print_completion.as_deref(),
+        _ => None,
+    };
+    if let Some(shell) = shell {
+        return ExitCode::from(cli::print_completions(shell));
+    }
+    if matches!(cli.command, Some(cli::Command::Man)) {
+        return ExitCode::from(cli::print_man());
+    }
     let env = |k: &str| std::env::var(k).ok();
     match plan::resolve(cli, &env).and_then(commands::execute) {
         Ok(code) => ExitCode::from(code),

@@ -12,6 +12,45 @@ use super::protocol::{NodeWatch, RunResult, THIS_NRUN, WorkerFailure, WorkerSpec
 use crate::node::output::{Sink, WorkerOutput};
 use crate::node::{self, Outcome, StopRequest, WorkerCmd};
 
+/// The CPUs close to the GPU a worker uses (NVML's affinity of the device CUDA numbers first in
+/// its CUDA_VISIBLE_DEVICES, else its local rank); None, with a warning, when unknown.
+fn gpu_cpus(env: &[(String, String)], local_rank: usize) -> Option<Vec<usize>> {
+    let visible = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok());
+    // Each worker sees every listed GPU and uses the one at its local rank, or sees one alone.
+    let index = match visible.as_deref().filter(|v| !v.trim().is_empty()) {
+        None => Some(local_rank as u32),
+        Some(v) => {
+            let list: Vec<&str> = v.split(',').map(str::trim).collect();
+            let pick = if list.len() == 1 {
+                list[0]
+            } else {
+                list.get(local_rank).copied().unwrap_or("")
+            };
+            pick.parse::<u32>().ok()
+        }
+    };
+    let Some(index) = index else {
+        tracing::warn!(
+            "--numa-binding: cannot tell local rank {local_rank}'s GPU from CUDA_VISIBLE_DEVICES={}; \
+             not bound",
+            visible.as_deref().unwrap_or("")
+        );
+        return None;
+    };
+    match crate::preflight::hardware::cpu_affinity(index) {
+        Ok(cpus) => Some(cpus),
+        Err(e) => {
+            tracing::warn!("--numa-binding: local rank {local_rank}: {e}; not bound");
+            None
+        }
+    }
+}
+
 /// Runs one step's workers to their end; `stop` carries requests from outside the node. With
 /// `watch`, their stacks are sampled and the node's views sent there (see [`super::stacks`]).
 pub async fn run_workers(
@@ -42,7 +81,13 @@ pub async fn run_workers(
             },
             None => (None, None),
         };
+        let cpus = match w.numa {
+            true => gpu_cpus(&w.env, w.local_rank),
+            false => None,
+        };
         cmds.push(WorkerCmd {
+            stdin: w.stdin,
+            cpus,
             rank: w.rank,
             local_rank: w.local_rank,
             program,
@@ -52,6 +97,7 @@ pub async fn run_workers(
             output: WorkerOutput {
                 prefix: w.prefix,
                 colour: w.colour,
+                color: w.color,
                 sinks: [
                     Sink {
                         console: w.console[0],

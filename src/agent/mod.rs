@@ -24,7 +24,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio::sync::watch;
 
-use crate::node::{Signals, StopRequest};
+use crate::node::{Caught, Signals, StopRequest};
 use crate::store::client::Client;
 use protocol::{Hello, Joined, Keys, Step, StepResult};
 
@@ -54,8 +54,24 @@ pub fn main() -> u8 {
     code
 }
 
+/// Waits for the signal key `key` on `conn`: the signal to pass on (None: the connection broke,
+/// or a bad value), and the connection back for the next key.
+async fn wait_signal(mut conn: Client, key: Vec<u8>) -> (Client, Option<i32>) {
+    let keys: [&[u8]; 1] = [&key];
+    let sig = match conn.wait(&keys, None).await {
+        Ok(_) => conn
+            .get(&key)
+            .await
+            .ok()
+            .and_then(|v| String::from_utf8_lossy(&v).parse().ok()),
+        // The connection is gone: the stop watch sees the same and ends the step.
+        Err(_) => std::future::pending().await,
+    };
+    (conn, sig)
+}
+
 async fn run() -> Result<(), String> {
-    let mut signals = Signals::install().map_err(|e| e.to_string())?;
+    let mut signals = Signals::install(&[]).map_err(|e| e.to_string())?;
     crate::node::process::become_subreaper();
     let here = crate::net::hostname();
     let mut stdin = tokio::io::BufReader::new(tokio::io::stdin());
@@ -71,6 +87,9 @@ async fn run() -> Result<(), String> {
     let hello: Hello = serde_json::from_str(&line)
         .map_err(|e| format!("nrun agent on {here}: bad instructions: {e}"))?;
     let me = format!("{} ({here})", hello.label);
+    signals
+        .also_forward(&hello.forward_signals)
+        .map_err(|e| format!("nrun agent on {here}: {e}"))?;
     if hello.version != crate::cli::VERSION {
         return Err(format!(
             "nrun on {me} is version {} but the launch host runs {}: install the same nrun there, or pass --ship",
@@ -185,22 +204,61 @@ async fn run() -> Result<(), String> {
                 conn.authenticate(hello.secret.as_bytes())
                     .await
                     .map_err(lost)?;
+                // A third waits for signals to pass on, one key after another.
+                let mut sig_conn = Client::connect(reached, Duration::from_secs(10))
+                    .await
+                    .map_err(lost)?;
+                sig_conn
+                    .authenticate(hello.secret.as_bytes())
+                    .await
+                    .map_err(lost)?;
                 let signals = &mut signals;
+                let keys = &keys;
                 let watcher = async move {
                     let wanted: [&[u8]; 1] = [&stop_key];
-                    let req = tokio::select! {
-                        r = conn.wait(&wanted, None) => match r {
-                            Ok(_) => match conn.get(&stop_key).await.ok().and_then(|v| protocol::stop_signal(&v)) {
+                    // Both waits live across the loop: a WAIT dropped mid-flight would leave its
+                    // reply to confuse the next request on that connection.
+                    let stop_wait = async {
+                        match conn.wait(&wanted, None).await {
+                            Ok(_) => match conn
+                                .get(&stop_key)
+                                .await
+                                .ok()
+                                .and_then(|v| protocol::stop_signal(&v))
+                            {
                                 Some(sig) => StopRequest::Signal(sig),
                                 None => StopRequest::Polite,
                             },
                             Err(_) => StopRequest::Abandon,
-                        },
-                        _ = gone.wait_for(|g| *g) => StopRequest::Abandon,
-                        // A signal to the agent itself (srun's, or a user's on that node).
-                        sig = signals.recv() => StopRequest::Signal(sig),
+                        }
                     };
-                    let _ = tx.send(req);
+                    tokio::pin!(stop_wait);
+                    let mut seq = 0;
+                    let mut sig_wait = Box::pin(wait_signal(sig_conn, keys.signal(step_no, seq)));
+                    let last = loop {
+                        let req = tokio::select! {
+                            r = &mut stop_wait => r,
+                            (c, sig) = &mut sig_wait => {
+                                seq += 1;
+                                sig_wait = Box::pin(wait_signal(c, keys.signal(step_no, seq)));
+                                match sig {
+                                    Some(sig) => StopRequest::Forward(sig),
+                                    None => continue,
+                                }
+                            }
+                            _ = gone.wait_for(|g| *g) => StopRequest::Abandon,
+                            // A signal to the agent itself (srun's, or a user's on that node).
+                            caught = signals.recv() => match caught {
+                                Caught::Stop(sig) => StopRequest::Signal(sig),
+                                Caught::Forward(sig) => StopRequest::Forward(sig),
+                            },
+                        };
+                        if !matches!(req, StopRequest::Forward(_)) {
+                            break req;
+                        }
+                        let _ = tx.send(req);
+                    };
+                    let _ = tx.send(last);
                     // Keep the sender: dropping it would read as the coordinator going away.
                     std::future::pending::<()>().await;
                 };

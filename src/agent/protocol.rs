@@ -25,6 +25,9 @@ pub struct Hello {
     pub version: String,
     /// The Python to probe for torch's versions; None skips the probe.
     pub python: Option<PathBuf>,
+    /// Signals the agent passes on to its workers when it gets them itself (from srun, say).
+    #[serde(default)]
+    pub forward_signals: Vec<i32>,
 }
 
 /// What an agent publishes once connected.
@@ -90,6 +93,14 @@ pub struct WorkerSpec {
     /// Where this worker's stdout.log and stderr.log go on its node (--log-dir), if anywhere.
     #[serde(default)]
     pub log_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub color: crate::node::output::Color,
+    /// Reads nrun's stdin (a rank on the launch host only).
+    #[serde(default)]
+    pub stdin: bool,
+    /// Bound to the CPUs of its GPU's NUMA node, found on its node.
+    #[serde(default)]
+    pub numa: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -224,6 +235,11 @@ impl Keys {
     /// Set (to a [`stop_value`]) to stop step `step` on every node.
     pub fn stop(&self, step: usize) -> Vec<u8> {
         self.key(format_args!("stop/{step}"))
+    }
+
+    /// The `seq`th signal to pass on to every worker of step `step` (its number as text).
+    pub fn signal(&self, step: usize, seq: usize) -> Vec<u8> {
+        self.key(format_args!("signal/{step}/{seq}"))
     }
 
     /// Node `node`'s latest [`NodeWatch`] during step `step`.

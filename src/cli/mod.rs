@@ -65,7 +65,9 @@ Exit status: 0 every node is good; 2 bad usage; 96 a node or link is not good.";
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true,
     subcommand_value_name = "COMMAND",
-    subcommand_help_heading = "Commands (a script named like one runs as ./doctor)"
+    subcommand_help_heading = "Commands (a script named like one runs as ./doctor)",
+    // argparse (torchrun) takes the last of a repeated flag.
+    args_override_self = true
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -81,12 +83,20 @@ pub struct Cli {
 pub enum Command {
     /// What each node has (GPUs, driver, NCCL, torch, interfaces) and whether the nodes reach
     /// each other; runs nothing.
-    #[command(after_help = DOCTOR_EXAMPLES)]
+    #[command(after_help = DOCTOR_EXAMPLES, args_override_self = true)]
     Doctor(Box<DoctorArgs>),
     /// The staged scale-up that finds the bad nodes and links: every node alone, pairs, 4, 8,
     /// ... all, isolating what fails or is slow.
-    #[command(after_help = BISECT_EXAMPLES)]
+    #[command(after_help = BISECT_EXAMPLES, args_override_self = true)]
     Bisect(Box<BisectArgs>),
+    /// Shell completions on stdout: `nrun completions bash > /etc/bash_completion.d/nrun`
+    /// (zsh: a file `_nrun` on $fpath; fish: ~/.config/fish/completions/nrun.fish).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: String,
+    },
+    /// The manual page on stdout: `nrun man > /usr/local/share/man/man1/nrun.1`.
+    Man,
 }
 
 /// `nrun [OPTIONS] TARGET [ARGS]...`: the job, with its preflight, on one node or many.
@@ -106,11 +116,22 @@ pub struct RunArgs {
     pub watch: WatchArgs,
     #[command(flatten)]
     pub nodes: NodesArgs,
+    #[command(flatten)]
+    pub compat: CompatArgs,
+
+    /// Print a completion script for SHELL (bash, zsh, fish) and exit (torchrun's flag; same as
+    /// `nrun completions SHELL`).
+    #[arg(
+        long = "print-completion",
+        alias = "print_completion",
+        value_name = "SHELL"
+    )]
+    pub print_completion: Option<String>,
 
     /// The script, module or program, followed by its arguments.
     #[arg(
         value_name = "TARGET [ARGS]...",
-        required_unless_present_any = ["preflight_only"],
+        required_unless_present_any = ["preflight_only", "print_completion"],
         num_args = 1..,
         trailing_var_arg = true,
     )]
@@ -212,14 +233,24 @@ pub struct RendezvousArgs {
     )]
     pub rdzv_endpoint: Option<String>,
 
-    /// Rendezvous backend (accepted for torchrun compatibility; nrun always hosts its own store).
+    /// Rendezvous backend: static (the default) or c10d, which nrun serves with its own store.
     #[arg(
         long = "rdzv-backend",
         alias = "rdzv_backend",
         env = "NRUN_RDZV_BACKEND",
-        hide = true
+        value_name = "NAME"
     )]
     pub rdzv_backend: Option<String>,
+
+    /// Rendezvous settings KEY=VALUE[,KEY=VALUE] (torchrun's): join_timeout sets --join-timeout;
+    /// timeout, last_call_timeout, close_timeout, read_timeout, is_host are accepted.
+    #[arg(
+        long = "rdzv-conf",
+        alias = "rdzv_conf",
+        env = "NRUN_RDZV_CONF",
+        value_name = "KEY=VALUE,..."
+    )]
+    pub rdzv_conf: Option<String>,
 
     /// Job id, exported as TORCHELASTIC_RUN_ID and used in log paths.
     #[arg(
@@ -271,6 +302,7 @@ pub struct JobArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
     #[arg(
         long = "shutdown-timeout",
+        alias = "shutdown_timeout",
         env = "NRUN_SHUTDOWN_TIMEOUT",
         default_value_t = 30.0,
         value_name = "SECS",
@@ -307,6 +339,87 @@ pub struct JobArgs {
     /// Role name exported as ROLE_NAME.
     #[arg(long, env = "NRUN_ROLE", default_value = "default")]
     pub role: String,
+
+    /// Prefix of each console line, with ${rank}, ${local_rank}, ${role_name} (torchrun's
+    /// fields) and ${host}; empty for none (default "[rank${rank}]: ", host first on several
+    /// nodes).
+    #[arg(
+        long = "log-line-prefix-template",
+        alias = "log_line_prefix_template",
+        env = "NRUN_LOG_LINE_PREFIX_TEMPLATE",
+        value_name = "TEMPLATE"
+    )]
+    pub log_line_prefix_template: Option<String>,
+
+    /// Colour the rank prefixes: auto (on a terminal, unless NO_COLOR is set), always, never.
+    #[arg(long, env = "NRUN_COLOR", default_value = "auto", value_name = "WHEN")]
+    pub color: String,
+
+    /// Signals passed on to every worker on every node while the job goes on (a handler in the
+    /// workers decides what they mean, e.g. Slurm's --signal=USR1@90 to checkpoint). SIGINT,
+    /// SIGTERM and SIGHUP always stop the job: they are forwarded, then SIGKILL after
+    /// --shutdown-timeout.
+    #[arg(
+        long = "signals-to-handle",
+        alias = "signals_to_handle",
+        env = "NRUN_SIGNALS_TO_HANDLE",
+        default_value = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+        value_name = "SIG,..."
+    )]
+    pub signals_to_handle: String,
+
+    /// Which rank reads nrun's stdin (a rank on this host), or none. Default: local rank 0 of a
+    /// single-node job when stdin is a terminal or a pipe, so pdb and `cat data | nrun` work; on
+    /// a terminal that worker gets the foreground, the others read /dev/null.
+    #[arg(long, env = "NRUN_STDIN", value_name = "RANK|none")]
+    pub stdin: Option<String>,
+
+    /// Every worker sees LOCAL_RANK=0 and only its own GPU (CUDA_VISIBLE_DEVICES narrowed to it).
+    #[arg(long = "virtual-local-rank", alias = "virtual_local_rank", env = "NRUN_VIRTUAL_LOCAL_RANK", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub virtual_local_rank: bool,
+
+    /// Bind each worker to the CPUs of its GPU's NUMA node: node (or socket, exclusive,
+    /// core-complex, treated as node).
+    #[arg(
+        long = "numa-binding",
+        alias = "numa_binding",
+        env = "NRUN_NUMA_BINDING",
+        value_name = "MODE"
+    )]
+    pub numa_binding: Option<String>,
+}
+
+/// torchrun flags that have no effect in nrun: accepted, with a note, so command lines carry over.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Accepted from torchrun (no effect in nrun)")]
+pub struct CompatArgs {
+    /// torchrun's multiprocessing start method; nrun starts every worker as a new process.
+    #[arg(long = "start-method", alias = "start_method", value_name = "METHOD")]
+    pub start_method: Option<String>,
+    /// torchrun's event log handler.
+    #[arg(
+        long = "event-log-handler",
+        alias = "event_log_handler",
+        value_name = "NAME"
+    )]
+    pub event_log_handler: Option<String>,
+    /// torchrun's LogsSpecs plugin; nrun's log files are set with --log-dir/-r/-t.
+    #[arg(long = "logs-specs", alias = "logs_specs", value_name = "NAME")]
+    pub logs_specs: Option<String>,
+    /// torchrun's filtered copy of stdout lines.
+    #[arg(
+        long = "duplicate-stdout-filters",
+        alias = "duplicate_stdout_filters",
+        value_name = "FILTERS"
+    )]
+    pub duplicate_stdout_filters: Option<String>,
+    /// torchrun's filtered copy of stderr lines.
+    #[arg(
+        long = "duplicate-stderr-filters",
+        alias = "duplicate_stderr_filters",
+        value_name = "FILTERS"
+    )]
+    pub duplicate_stderr_filters: Option<String>,
 }
 
 /// How TARGET runs: a Python script, a module, or a program.
@@ -606,6 +719,75 @@ pub struct ProbeArgs {
 
 /// Whether `target` is the name of a subcommand (`doctor`, `bisect`), which a run refuses as a
 /// script name: `nrun -H a,b doctor` means the command with its flags misplaced.
+impl CompatArgs {
+    /// One line for each torchrun flag given that does nothing here.
+    pub fn notes(&self) {
+        let CompatArgs {
+            start_method,
+            event_log_handler,
+            logs_specs,
+            duplicate_stdout_filters,
+            duplicate_stderr_filters,
+        } = self;
+        let given = [
+            (
+                "--start-method",
+                start_method,
+                "every worker is a new process",
+            ),
+            (
+                "--event-log-handler",
+                event_log_handler,
+                "nrun logs to stderr (NRUN_LOG)",
+            ),
+            (
+                "--logs-specs",
+                logs_specs,
+                "log files are set with --log-dir, -r and -t",
+            ),
+            (
+                "--duplicate-stdout-filters",
+                duplicate_stdout_filters,
+                "use -t and grep the logs",
+            ),
+            (
+                "--duplicate-stderr-filters",
+                duplicate_stderr_filters,
+                "use -t and grep the logs",
+            ),
+        ];
+        for (flag, _, why) in given.iter().filter(|(_, v, _)| v.is_some()) {
+            tracing::info!("{flag} is accepted from torchrun and has no effect: {why}");
+        }
+    }
+}
+
+/// `nrun completions SHELL` and `--print-completion SHELL`: the script on stdout; the exit code.
+pub fn print_completions(shell: &str) -> u8 {
+    use clap_complete::Shell;
+    let Ok(sh) = shell.parse::<Shell>() else {
+        eprintln!(
+            "nrun: error: no completions for shell {shell:?}: expected bash, zsh, fish, elvish or \
+             powershell"
+        );
+        return crate::error::exit::USAGE;
+    };
+    clap_complete::generate(sh, &mut Cli::command(), "nrun", &mut std::io::stdout());
+    0
+}
+
+/// `nrun man`: the manual page (roff) on stdout; the exit code.
+pub fn print_man() -> u8 {
+    let page = clap_mangen::Man::new(Cli::command());
+    match page.render(&mut std::io::stdout()) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("nrun: error: cannot write the manual page: {e}");
+            crate::error::exit::INTERNAL
+        }
+    }
+}
+
 pub fn is_command_name(target: &str) -> bool {
     Cli::command()
         .get_subcommands()

@@ -40,6 +40,10 @@ pub struct WorkerCmd {
     pub env: Vec<(String, String)>,
     pub error_file: PathBuf,
     pub output: WorkerOutput,
+    /// Reads nrun's stdin (in the terminal's foreground when stdin is one).
+    pub stdin: bool,
+    /// CPUs to bind the worker to (--numa-binding).
+    pub cpus: Option<Vec<usize>>,
 }
 
 /// What happens to a group's workers, for whoever watches them (the stack sampler).
@@ -138,6 +142,8 @@ pub enum StopRequest {
     Polite,
     /// The coordinator is gone (ssh dropped, launcher killed): SIGTERM, SIGKILL within 2 s.
     Abandon,
+    /// Not a stop: pass this signal to every worker's process group and go on.
+    Forward(i32),
 }
 
 /// Resolves with the next request other than [`StopRequest::None`]; a sender that went away
@@ -154,32 +160,109 @@ async fn stop_requested(rx: &mut tokio::sync::watch::Receiver<StopRequest>) -> S
     }
 }
 
-/// SIGINT, SIGTERM and SIGHUP to nrun, as one stream. Installed once, before any worker starts,
-/// so a signal arriving during start-up is not lost. Whoever drives a node turns them into
+/// SIGINT, SIGTERM and SIGHUP to nrun, which stop the job, and the signals to pass on to the
+/// workers (`--signals-to-handle`), as one stream. Installed once, before any worker starts, so
+/// a signal arriving during start-up is not lost. Whoever drives a node turns them into
 /// [`StopRequest`]s.
 pub struct Signals {
     int: tokio::signal::unix::Signal,
     term: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
+    forward: Vec<(i32, tokio::signal::unix::Signal)>,
+}
+
+/// A signal nrun caught.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caught {
+    /// Stops the job.
+    Stop(i32),
+    /// Passed on to every worker; the job goes on.
+    Forward(i32),
 }
 
 impl Signals {
-    pub fn install() -> Result<Signals> {
+    pub fn install(forward: &[i32]) -> Result<Signals> {
         let s = |k: SignalKind| {
             signal(k).map_err(|e| Error::internal(format!("cannot install signal handlers: {e}")))
         };
-        Ok(Signals {
+        let mut me = Signals {
             int: s(SignalKind::interrupt())?,
             term: s(SignalKind::terminate())?,
             hup: s(SignalKind::hangup())?,
-        })
+            forward: Vec::new(),
+        };
+        me.also_forward(forward)?;
+        Ok(me)
     }
 
-    pub async fn recv(&mut self) -> i32 {
-        tokio::select! {
-            _ = self.int.recv() => libc::SIGINT,
-            _ = self.term.recv() => libc::SIGTERM,
-            _ = self.hup.recv() => libc::SIGHUP,
+    /// Catches these signals too, to pass them on.
+    pub fn also_forward(&mut self, forward: &[i32]) -> Result<()> {
+        for &sig in forward {
+            if self.forward.iter().any(|(s, _)| *s == sig) {
+                continue;
+            }
+            let st = signal(SignalKind::from_raw(sig)).map_err(|e| {
+                Error::internal(format!(
+                    "cannot catch {} to pass it on: {e}",
+                    signal_name(sig)
+                ))
+            })?;
+            self.forward.push((sig, st));
+        }
+        Ok(())
+    }
+
+    pub async fn recv(&mut self) -> Caught {
+        std::future::poll_fn(|cx| {
+            use std::task::Poll;
+            for (sig, st) in [
+                (libc::SIGINT, &mut self.int),
+                (libc::SIGTERM, &mut self.term),
+                (libc::SIGHUP, &mut self.hup),
+            ] {
+                if let Poll::Ready(Some(())) = st.poll_recv(cx) {
+                    return Poll::Ready(Caught::Stop(sig));
+                }
+            }
+            for (sig, st) in &mut self.forward {
+                if let Poll::Ready(Some(())) = st.poll_recv(cx) {
+                    return Poll::Ready(Caught::Forward(*sig));
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// The next stop signal; signals to pass on that arrive meanwhile have no one to reach.
+    pub async fn stop(&mut self) -> i32 {
+        loop {
+            if let Caught::Stop(sig) = self.recv().await {
+                return sig;
+            }
+        }
+    }
+}
+
+/// nrun's terminal, when stdin is one and nrun is in its foreground (not started with `&`).
+struct Terminal;
+
+impl Terminal {
+    fn ours() -> bool {
+        use std::io::IsTerminal;
+        // SAFETY: plain queries of this process's own state.
+        std::io::stdin().is_terminal()
+            && unsafe { libc::tcgetpgrp(libc::STDIN_FILENO) == libc::getpgrp() }
+    }
+
+    /// Makes nrun's group the terminal's foreground again, after a worker had it.
+    fn take_back() {
+        // SAFETY: SIGTTOU ignored around tcsetpgrp, as a background group must to ask for the
+        // foreground; the old disposition is put back.
+        unsafe {
+            let old = libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+            libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
+            libc::signal(libc::SIGTTOU, old);
         }
     }
 }
@@ -213,27 +296,54 @@ pub async fn run_group(
     for w in workers {
         let WorkerCmd { output, .. } = w;
         outputs.push(output);
-        cmds.push((w.rank, w.local_rank, w.program, w.args, w.env, w.error_file));
+        cmds.push((
+            w.rank,
+            w.local_rank,
+            w.program,
+            w.args,
+            w.env,
+            w.error_file,
+            w.stdin,
+            w.cpus,
+        ));
     }
+    let terminal = Terminal::ours();
+    let mut gave_terminal = false;
     let out = Output::start(outputs);
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<(usize, Exit, SystemTime)>();
     let mut running: Vec<Running> = Vec::with_capacity(cmds.len());
     let mut pumps: Vec<JoinHandle<()>> = Vec::new();
     let mut spawn_error = None;
 
-    for (idx, (rank, local_rank, program, args, env, error_file)) in cmds.into_iter().enumerate() {
+    for (idx, (rank, local_rank, program, args, env, error_file, stdin, cpus)) in
+        cmds.into_iter().enumerate()
+    {
         let _ = std::fs::remove_file(&error_file);
         let mut cmd = tokio::process::Command::new(&program);
+        // Workers are in background process groups: a worker reading the terminal would be
+        // stopped by SIGTTIN and hang the job, so only the one chosen gets nrun's stdin, and the
+        // terminal's foreground with it.
+        let foreground = stdin && terminal;
+        gave_terminal |= foreground;
         cmd.args(&args)
             .envs(env)
             .process_group(0)
-            // Workers are in background process groups: a worker reading the terminal would be
-            // stopped by SIGTTIN and hang the job, so none gets nrun's stdin.
-            .stdin(Stdio::null())
+            .stdin(if stdin {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let parent = std::process::id() as libc::pid_t;
-        // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) between fork and exec.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for c in cpus.iter().flatten() {
+            // SAFETY: CPU_SET on a zeroed set; indexes past CPU_SETSIZE are ignored by the libc.
+            unsafe { libc::CPU_SET(*c, &mut set) };
+        }
+        let bind = cpus.is_some();
+        // SAFETY: only async-signal-safe calls (prctl, getppid, setpgid, signal, tcsetpgrp,
+        // sched_setaffinity, _exit) between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
                 // If nrun is killed outright (SIGKILL), its workers die with it. Spawning happens
@@ -241,6 +351,17 @@ pub async fn run_group(
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
                 if libc::getppid() != parent {
                     libc::_exit(1);
+                }
+                if foreground {
+                    // Its own group first (as process_group(0) makes it), then the terminal's
+                    // foreground, asked for with SIGTTOU ignored as a background group must.
+                    libc::setpgid(0, 0);
+                    libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+                    libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpid());
+                    libc::signal(libc::SIGTTOU, libc::SIG_DFL);
+                }
+                if bind {
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
                 }
                 process::restore_fd_limit();
                 Ok(())
@@ -334,6 +455,11 @@ pub async fn run_group(
             req = stop_requested(&mut stop), if !closed => {
                 match req {
                     StopRequest::None => {}
+                    StopRequest::Forward(sig) => {
+                        if let Ok(s) = Signal::try_from(sig) {
+                            stop_all(&running, s);
+                        }
+                    }
                     StopRequest::Signal(sig) if kill_at.is_none() => {
                         let s = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
                         stop_all(&running, s);
@@ -387,6 +513,9 @@ pub async fn run_group(
         }
     }
     let orphans = process::kill_orphans();
+    if gave_terminal {
+        Terminal::take_back();
+    }
     for p in pumps {
         // A pipe still open means something we could not see holds it; do not hang on it.
         let _ = tokio::time::timeout(Duration::from_secs(2), p).await;

@@ -1,7 +1,12 @@
 //! Worker output: pumps read each worker's pipes line by line, and one writer thread puts the
 //! lines on the console (with a rank prefix) and into the per-rank log files.
 //!
-//! One writer means lines of different ranks never interleave mid-line. It is a plain thread fed
+//! A line ends at '\n'; a segment ending at '\r' (a progress bar redrawing itself) and the
+//! start of a line that stays unfinished for a moment (a prompt such as pdb's) are passed on as
+//! they come, so the console shows them live. Files get the bytes as written.
+//!
+//! One writer means lines of different ranks never interleave mid-line: a rank's unfinished
+//! line is ended before another rank's output goes out. It is a plain thread fed
 //! by a bounded channel, so a slow terminal slows the workers' pipes (back-pressure), never the
 //! store, which shares the async runtime with the pumps.
 
@@ -18,6 +23,19 @@ use tokio::sync::mpsc;
 const MAX_LINE: usize = 64 * 1024;
 /// Lines of stderr kept per worker for the failure summary.
 pub const TAIL_LINES: usize = 20;
+/// How long the start of a line may wait for its end before it is shown on its own.
+const PARTIAL_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Whether rank prefixes are coloured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Color {
+    /// On a terminal.
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stream {
@@ -38,6 +56,7 @@ pub struct WorkerOutput {
     pub prefix: String,
     /// Colour index for the prefix on a terminal.
     pub colour: usize,
+    pub color: Color,
     pub sinks: [Sink; 2],
 }
 
@@ -68,6 +87,20 @@ impl Output {
                     std::io::stderr().is_terminal(),
                 ];
                 let mut line = Vec::with_capacity(256);
+                // The console line left unfinished: whose, on which stream, and whether it
+                // ended at '\r' (the cursor is back at its start) or mid-line.
+                let mut open: Option<(usize, Stream, bool)> = None;
+                let write = |stream: Stream, b: &[u8], flush: bool| {
+                    // Errors writing to the console (a closed pipe) must not stop the job.
+                    let _ = match stream {
+                        Stream::Out => {
+                            let mut o = std::io::stdout().lock();
+                            o.write_all(b)
+                                .and_then(|()| if flush { o.flush() } else { Ok(()) })
+                        }
+                        Stream::Err => std::io::stderr().lock().write_all(b),
+                    };
+                };
                 while let Some(Msg::Line {
                     worker,
                     stream,
@@ -81,23 +114,40 @@ impl Output {
                     if let Some(f) = &mut sink.file {
                         let _ = f.write_all(&data);
                     }
-                    if sink.console {
-                        line.clear();
-                        if !w.prefix.is_empty() {
-                            if colour[stream as usize] {
-                                let c = COLOURS[w.colour % COLOURS.len()];
-                                let _ = write!(line, "\x1b[{c}m{}\x1b[0m", w.prefix);
-                            } else {
-                                line.extend_from_slice(w.prefix.as_bytes());
-                            }
-                        }
-                        line.extend_from_slice(&data);
-                        // Errors writing to the console (a closed pipe) must not stop the job.
-                        let _ = match stream {
-                            Stream::Out => std::io::stdout().lock().write_all(&line),
-                            Stream::Err => std::io::stderr().lock().write_all(&line),
-                        };
+                    if !sink.console {
+                        continue;
                     }
+                    let mut continues = false;
+                    if let Some((ow, os, cr)) = open.take() {
+                        if (ow, os) == (worker, stream) {
+                            continues = !cr;
+                        } else {
+                            write(os, b"\n", true);
+                        }
+                    }
+                    line.clear();
+                    if !w.prefix.is_empty() && !continues {
+                        let coloured = match w.color {
+                            Color::Always => true,
+                            Color::Never => false,
+                            Color::Auto => colour[stream as usize],
+                        };
+                        if coloured {
+                            let c = COLOURS[w.colour % COLOURS.len()];
+                            let _ = write!(line, "\x1b[{c}m{}\x1b[0m", w.prefix);
+                        } else {
+                            line.extend_from_slice(w.prefix.as_bytes());
+                        }
+                    }
+                    line.extend_from_slice(&data);
+                    let end = data.last().copied();
+                    if end != Some(b'\n') {
+                        open = Some((worker, stream, end == Some(b'\r')));
+                    }
+                    write(stream, &line, open.is_some());
+                }
+                if let Some((_, os, _)) = open {
+                    write(os, b"\n", true);
                 }
                 let _ = std::io::stdout().flush();
             })
@@ -122,7 +172,9 @@ impl Output {
 
 const COLOURS: [&str; 6] = ["36", "32", "33", "35", "34", "31"];
 
-/// Copies one pipe to the writer, a line at a time, keeping the last lines in `tail`.
+/// Copies one pipe to the writer a line at a time ('\n'), a progress segment at a time ('\r'),
+/// and the start of a line that waits longer than [`PARTIAL_AFTER`] for its end; the last
+/// lines go to `tail`.
 pub async fn pump(
     mut pipe: impl AsyncRead + Unpin,
     worker: usize,
@@ -132,49 +184,97 @@ pub async fn pump(
 ) {
     let mut buf: Vec<u8> = Vec::with_capacity(8192);
     let mut chunk = vec![0u8; 16384];
+    let mut t = TailLine::new(tail);
     loop {
-        let n = match pipe.read(&mut chunk).await {
-            Ok(0) | Err(_) => 0,
-            Ok(n) => n,
+        let read = pipe.read(&mut chunk);
+        let n = if buf.is_empty() {
+            read.await.unwrap_or(0)
+        } else {
+            match tokio::time::timeout(PARTIAL_AFTER, read).await {
+                Ok(r) => r.unwrap_or(0),
+                Err(_) => {
+                    // Nothing more for a while: show what there is (a prompt).
+                    let part = std::mem::take(&mut buf);
+                    t.add(&part);
+                    send(&tx, worker, stream, part).await;
+                    continue;
+                }
+            }
         };
         if n == 0 {
             if !buf.is_empty() {
                 buf.push(b'\n');
-                emit(&tx, worker, stream, &tail, std::mem::take(&mut buf)).await;
+                t.add(&buf);
+                send(&tx, worker, stream, std::mem::take(&mut buf)).await;
             }
             return;
         }
         buf.extend_from_slice(&chunk[..n]);
         let mut start = 0;
-        while let Some(i) = buf[start..].iter().position(|&b| b == b'\n') {
-            let end = start + i + 1;
-            emit(&tx, worker, stream, &tail, buf[start..end].to_vec()).await;
+        while let Some(i) = buf[start..].iter().position(|&b| b == b'\n' || b == b'\r') {
+            let mut end = start + i + 1;
+            if buf[end - 1] == b'\r' {
+                match buf.get(end) {
+                    // "\r\n" ends one line.
+                    Some(b'\n') => end += 1,
+                    Some(_) => {}
+                    // A '\n' may follow in the next read.
+                    None => break,
+                }
+            }
+            let seg = buf[start..end].to_vec();
+            t.add(&seg);
+            send(&tx, worker, stream, seg).await;
             start = end;
         }
         buf.drain(..start);
         if buf.len() >= MAX_LINE {
             let mut part = std::mem::take(&mut buf);
             part.push(b'\n');
-            emit(&tx, worker, stream, &tail, part).await;
+            t.add(&part);
+            send(&tx, worker, stream, part).await;
         }
     }
 }
 
-async fn emit(
-    tx: &mpsc::Sender<Msg>,
-    worker: usize,
-    stream: Stream,
-    tail: &Option<Tail>,
-    data: Vec<u8>,
-) {
-    if let Some(t) = tail {
-        let text = String::from_utf8_lossy(&data).trim_end().to_string();
-        let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
-        if t.len() == TAIL_LINES {
-            t.pop_front();
+/// The line being built for the tail: a '\r' starts it over (only a progress bar's last state
+/// is kept), a '\n' keeps it.
+struct TailLine {
+    tail: Option<Tail>,
+    line: Vec<u8>,
+}
+
+impl TailLine {
+    fn new(tail: Option<Tail>) -> TailLine {
+        TailLine {
+            tail,
+            line: Vec::new(),
         }
-        t.push_back(text);
     }
+
+    fn add(&mut self, seg: &[u8]) {
+        let Some(t) = &self.tail else { return };
+        match seg.last() {
+            Some(b'\n') => {
+                self.line.extend_from_slice(seg);
+                let text = String::from_utf8_lossy(&self.line).trim_end().to_string();
+                self.line.clear();
+                let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+                if t.len() == TAIL_LINES {
+                    t.pop_front();
+                }
+                t.push_back(text);
+            }
+            Some(b'\r') => {
+                self.line.clear();
+                self.line.extend_from_slice(&seg[..seg.len() - 1]);
+            }
+            _ => self.line.extend_from_slice(seg),
+        }
+    }
+}
+
+async fn send(tx: &mpsc::Sender<Msg>, worker: usize, stream: Stream, data: Vec<u8>) {
     let _ = tx
         .send(Msg::Line {
             worker,

@@ -163,6 +163,26 @@ pub struct Plan {
     pub report: Option<PathBuf>,
     /// Most bytes the store holds for its clients.
     pub store_max_bytes: u64,
+    /// How worker lines look on the console.
+    pub console: ConsolePlan,
+    /// Signals passed on to the workers without stopping the job.
+    pub forward_signals: Vec<i32>,
+    /// The rank that reads nrun's stdin, if any.
+    pub stdin_rank: Option<usize>,
+    /// Every worker sees LOCAL_RANK=0 and only its own GPU.
+    pub virtual_local_rank: bool,
+    /// Each worker bound to the CPUs of its GPU's NUMA node.
+    pub numa_binding: bool,
+    /// `--rdzv-conf join_timeout=S`, which overrides --join-timeout.
+    pub rdzv_join_timeout: Option<Duration>,
+}
+
+/// How worker lines look on the console.
+#[derive(Clone, Debug, Default)]
+pub struct ConsolePlan {
+    /// `--log-line-prefix-template`: None for nrun's own prefix.
+    pub prefix_template: Option<String>,
+    pub color: crate::node::output::Color,
 }
 
 /// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs).
@@ -215,6 +235,9 @@ pub fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
             let nodes = NodesPlan::resolve(&nodes, &plan, env)?;
             Ok(Mode::Doctor { plan, nodes })
         }
+        Some(Command::Completions { .. } | Command::Man) => Err(Error::internal(
+            "completions and the manual page are printed before a plan is made",
+        )),
         Some(Command::Bisect(args)) => {
             let (plan, bisect) = Plan::for_bisect(&args, env)?;
             let nodes = NodesPlan::resolve(&args.nodes, &plan, env)?;
@@ -254,13 +277,23 @@ impl Plan {
                     tee,
                     local_ranks_filter,
                     role,
+                    log_line_prefix_template,
+                    color,
+                    signals_to_handle,
+                    stdin,
+                    virtual_local_rank,
+                    numa_binding,
                 },
             target,
             preflight,
             watch,
             nodes: _,
+            compat,
+            // Handled before a plan is made (see `lib.rs`).
+            print_completion: _,
             command,
         } = run;
+        compat.notes();
         let nproc = resolve_nproc(nproc_per_node, env)?;
         let nnodes = parse_nnodes(&rdzv.nnodes)?;
         // The run id names log directories: it must stay one path component.
@@ -342,6 +375,23 @@ impl Plan {
             watch: resolve_watch(watch, target.no_python)?,
             report: preflight.report.clone(),
             store_max_bytes: parse_bytes("--store-max-bytes", &rdzv.store_max_bytes)?,
+            console: ConsolePlan {
+                prefix_template: log_line_prefix_template.clone(),
+                color: parse_color(color, env)?,
+            },
+            forward_signals: parse_signals(signals_to_handle)?,
+            stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
+            virtual_local_rank: *virtual_local_rank,
+            rdzv_join_timeout: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?,
+            numa_binding: match numa_binding.as_deref() {
+                None => false,
+                Some("node" | "socket" | "exclusive" | "core-complex") => true,
+                Some(other) => {
+                    return Err(Error::usage(format!(
+                        "--numa-binding {other:?}: expected node, socket, exclusive or core-complex"
+                    )));
+                }
+            },
         })
     }
 
@@ -371,6 +421,12 @@ impl Plan {
             watch: None,
             report: None,
             store_max_bytes: crate::store::server::DEFAULT_MAX_BYTES,
+            console: ConsolePlan::default(),
+            forward_signals: Vec::new(),
+            stdin_rank: None,
+            virtual_local_rank: false,
+            numa_binding: false,
+            rdzv_join_timeout: None,
         }
     }
 
@@ -898,6 +954,8 @@ fn resolve_store(rdzv: &RendezvousArgs, nnodes: usize, uses_hosts: bool) -> Resu
         rdzv_endpoint,
         // nrun always hosts its own store; accepted for torchrun's command lines.
         rdzv_backend: _,
+        // Read with the nodes (join_timeout).
+        rdzv_conf: _,
         rdzv_id: _,
         store_max_bytes: _,
         local_addr,
@@ -945,6 +1003,122 @@ fn resolve_store(rdzv: &RendezvousArgs, nnodes: usize, uses_hosts: bool) -> Resu
         })
     } else {
         Ok(StorePlan::Remote { addr, port })
+    }
+}
+
+/// `--rdzv-conf k=v,...` (torchrun's keys): the join timeout, if given; the other keys are
+/// checked for form and accepted.
+fn parse_rdzv_conf(s: Option<&str>) -> Result<Option<Duration>> {
+    let mut join = None;
+    for kv in s
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+    {
+        let Some((k, v)) = kv.split_once('=') else {
+            return Err(Error::usage(format!(
+                "--rdzv-conf {kv:?}: expected KEY=VALUE, e.g. join_timeout=600"
+            )));
+        };
+        match k.trim() {
+            "join_timeout" => {
+                let secs = v.trim().parse::<f64>().map_err(|_| {
+                    Error::usage(format!("--rdzv-conf join_timeout={v}: expected seconds"))
+                })?;
+                join = Some(positive_secs("--rdzv-conf join_timeout", secs, false)?);
+            }
+            "timeout"
+            | "last_call_timeout"
+            | "close_timeout"
+            | "read_timeout"
+            | "is_host"
+            | "keep_alive_interval"
+            | "keep_alive_max_attempt"
+            | "use_libuv"
+            | "store_type" => {}
+            other => tracing::info!("--rdzv-conf: {other} has no meaning for nrun; ignored"),
+        }
+    }
+    Ok(join)
+}
+
+/// `--color`: auto (a terminal, and NO_COLOR unset or empty), always, never.
+fn parse_color(s: &str, env: Env<'_>) -> Result<crate::node::output::Color> {
+    use crate::node::output::Color;
+    match s {
+        "auto" if env("NO_COLOR").is_some_and(|v| !v.is_empty()) => Ok(Color::Never),
+        "auto" => Ok(Color::Auto),
+        "always" => Ok(Color::Always),
+        "never" => Ok(Color::Never),
+        other => Err(Error::usage(format!(
+            "--color {other:?}: expected auto, always or never"
+        ))),
+    }
+}
+
+/// The stop signals: forwarded, then SIGKILL after the grace period, whatever the list says.
+const STOP_SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// `--signals-to-handle SIGTERM,USR1,10`: the signals to pass on without stopping the job.
+fn parse_signals(s: &str) -> Result<Vec<i32>> {
+    let mut out = Vec::new();
+    for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let upper = name.to_ascii_uppercase();
+        let full = match upper.starts_with("SIG") {
+            true => upper.clone(),
+            false => format!("SIG{upper}"),
+        };
+        let sig = match name.parse::<i32>() {
+            Ok(n) => nix::sys::signal::Signal::try_from(n).ok(),
+            Err(_) => full.parse::<nix::sys::signal::Signal>().ok(),
+        };
+        let Some(sig) = sig else {
+            return Err(Error::usage(format!(
+                "--signals-to-handle: {name:?} is not a signal (names like SIGUSR1 or USR1, or                  numbers)"
+            )));
+        };
+        let n = sig as i32;
+        if matches!(n, libc::SIGKILL | libc::SIGSTOP) {
+            return Err(Error::usage(format!(
+                "--signals-to-handle: {} cannot be caught, so it cannot be passed on",
+                sig.as_str()
+            )));
+        }
+        if !STOP_SIGNALS.contains(&n) && !out.contains(&n) {
+            out.push(n);
+        }
+    }
+    Ok(out)
+}
+
+/// `--stdin RANK|none`; by default local rank 0 of a single-node job gets a terminal or pipe.
+fn parse_stdin(s: Option<&str>, several_nodes: bool) -> Result<Option<usize>> {
+    use std::io::IsTerminal;
+    match s {
+        Some("none") => Ok(None),
+        Some(r) => {
+            let rank = r.parse::<usize>().map_err(|_| {
+                Error::usage(format!(
+                    "--stdin {r:?}: expected a rank (0, 1, ...) or none"
+                ))
+            })?;
+            if several_nodes {
+                return Err(Error::usage(
+                    "--stdin: nrun passes its stdin to a rank of a single-node job only (pdb on \
+                     a remote node: use a remote debugger such as `python -m remote_pdb`)",
+                ));
+            }
+            Ok(Some(rank))
+        }
+        None if several_nodes => Ok(None),
+        None => {
+            let stdin = std::io::stdin();
+            // A pipe or a file given with `<`; not /dev/null (a character device, as a tty).
+            let data = nix::sys::stat::fstat(libc::STDIN_FILENO)
+                .is_ok_and(|st| matches!(st.st_mode & libc::S_IFMT, libc::S_IFIFO | libc::S_IFREG));
+            Ok((stdin.is_terminal() || data).then_some(0))
+        }
     }
 }
 

@@ -112,7 +112,10 @@ impl NodesPlan {
             }
         };
         let vars = super::env::job_env(export, env)?;
-        let join_timeout = super::positive_secs("--join-timeout", *join_timeout, false)?;
+        let join_timeout = match plan.rdzv_join_timeout {
+            Some(t) => t,
+            None => super::positive_secs("--join-timeout", *join_timeout, false)?,
+        };
         let ssh_opts =
             remote::split_opts(ssh_opts.as_deref().unwrap_or("")).map_err(Error::usage)?;
         let remote_nrun = match remote_nrun {

@@ -302,6 +302,31 @@ pub fn inspect(bus_id: &str) -> Result<(Links, Health), String> {
     Ok((l, h))
 }
 
+/// The CPUs NVML calls close to GPU `index` (its NUMA node's).
+pub fn cpu_affinity(index: u32) -> Result<Vec<usize>, String> {
+    let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("NVML: {e}"))?;
+    let dev = nvml
+        .device_by_index(index)
+        .map_err(|e| format!("NVML: GPU {index}: {e}"))?;
+    let words = dev
+        .cpu_affinity(16)
+        .map_err(|e| format!("NVML: GPU {index}'s CPUs: {e}"))?;
+    let bits = 8 * std::mem::size_of::<std::os::raw::c_ulong>();
+    let cpus: Vec<usize> = words
+        .iter()
+        .enumerate()
+        .flat_map(|(w, word)| {
+            (0..bits)
+                .filter(move |b| word >> b & 1 == 1)
+                .map(move |b| w * bits + b)
+        })
+        .collect();
+    if cpus.is_empty() {
+        return Err(format!("NVML names no CPUs for GPU {index}"));
+    }
+    Ok(cpus)
+}
+
 /// Every GPU of this host with its health, for `nrun doctor` and the facts (None: no NVML).
 pub fn all_gpus() -> Option<Vec<(String, Health)>> {
     let nvml = nvml_wrapper::Nvml::init().ok()?;

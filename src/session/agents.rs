@@ -76,6 +76,7 @@ pub async fn start_all(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
             } else {
                 None
             },
+            forward_signals: plan.forward_signals.clone(),
         };
         let (sem, np, label) = (sem.clone(), np.clone(), h.name.clone());
         tasks.push(tokio::spawn(async move {
@@ -292,7 +293,7 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
         tokio::select! {
             () = super::store_changed(&mut changed) => {}
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-            sig = s.signals.recv() => return Err(exit::signal(sig)),
+            sig = s.signals.stop() => return Err(exit::signal(sig)),
         }
     }
     // Let stderr relays catch the last words of agents that exited.

@@ -30,7 +30,7 @@ use crate::agent::protocol::{Keys, RunResult, Step, StepResult, stop_value};
 
 use crate::error::{Error, Result, exit};
 use crate::facts::Facts;
-use crate::node::{Signals, StopRequest};
+use crate::node::{Caught, Signals, StopRequest};
 use crate::plan::{NodesPlan, Plan, StorePlan};
 use crate::store::{self, Store};
 use crate::watch::WatchState;
@@ -147,7 +147,7 @@ impl Session {
         nodes: &NodesPlan,
         listener: Option<std::net::TcpListener>,
     ) -> Result<Session> {
-        let signals = Signals::install()?;
+        let signals = Signals::install(&plan.forward_signals)?;
         crate::node::process::become_subreaper();
         // A static launch's other nodes run their own nrun, which cannot learn a secret.
         let static_launch = nodes.in_process && nodes.group_world > 1;
@@ -398,6 +398,8 @@ impl Session {
         let mut last_views: Vec<Vec<u8>> = vec![Vec::new(); self.nodes.len()];
         let mut stopped = false;
         let mut signalled = 0;
+        // Signals passed on during this step, numbering their keys.
+        let mut forwarded = 0;
         loop {
             if local_pending {
                 if let Ok((i, r)) = done.try_recv() {
@@ -462,7 +464,15 @@ impl Session {
                 }
                 // Agents' processes are checked on this tick (a dropped ssh, a dead host).
                 _ = tick => {}
-                sig = self.signals.recv() => {
+                caught = self.signals.recv() => {
+                    let sig = match caught {
+                        Caught::Stop(sig) => sig,
+                        Caught::Forward(sig) => {
+                            self.forward_step(step, forwarded, sig, &stop_local);
+                            forwarded += 1;
+                            continue;
+                        }
+                    };
                     signalled += 1;
                     stopped = true;
                     if signalled >= 2 {
@@ -505,6 +515,15 @@ impl Session {
             }
             last[i] = raw;
         }
+    }
+
+    /// Passes signal `sig` (the `seq`th of the step) to every worker of `step` on every node.
+    fn forward_step(&self, step: usize, seq: usize, sig: i32, local: &watch::Sender<StopRequest>) {
+        if let Some(h) = &self.hosted {
+            h.store
+                .set(&self.keys.signal(step, seq), sig.to_string().as_bytes());
+        }
+        let _ = local.send(StopRequest::Forward(sig));
     }
 
     /// Asks every node to stop `step`: forwarding the user's signal, or politely.

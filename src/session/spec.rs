@@ -169,6 +169,9 @@ impl Session {
             let mut env = self.plan.env.clone();
             env.extend(plan.worker_env_at(&place, &slot));
             env.extend(node_env.iter().cloned());
+            if l.logs && plan.virtual_local_rank {
+                virtual_local_rank(&mut env, local_rank);
+            }
             let shown = !l.logs
                 || plan
                     .log
@@ -179,10 +182,15 @@ impl Session {
                 true => plan.log.redirects.for_rank(local_rank),
                 false => Default::default(),
             };
-            let prefix = match (several, group.world > 1) {
-                (true, _) => format!("[{}:rank{rank:>width$}]: ", n.label),
-                (false, true) => format!("[rank{rank:>width$}]: "),
-                (false, false) => String::new(),
+            let prefix = match (&plan.console.prefix_template, several, group.world > 1) {
+                (Some(t), _, _) if l.logs => t
+                    .replace("${rank}", &rank.to_string())
+                    .replace("${local_rank}", &local_rank.to_string())
+                    .replace("${role_name}", &plan.role)
+                    .replace("${host}", &n.label),
+                (_, true, _) => format!("[{}:rank{rank:>width$}]: ", n.label),
+                (_, false, true) => format!("[rank{rank:>width$}]: "),
+                (_, false, false) => String::new(),
             };
             specs.push(WorkerSpec {
                 rank,
@@ -195,8 +203,31 @@ impl Session {
                 colour: rank,
                 console: [shown && !red.stdout(), shown && !red.stderr()],
                 log_dir,
+                color: plan.console.color,
+                stdin: l.logs && plan.stdin_rank == Some(rank),
+                numa: l.logs && plan.numa_binding,
             });
         }
         specs
     }
+}
+
+/// `--virtual-local-rank`: LOCAL_RANK 0, and CUDA_VISIBLE_DEVICES narrowed to the GPU the
+/// worker would have used (its local rank's entry of the list it would have seen).
+fn virtual_local_rank(env: &mut Vec<(String, String)>, local_rank: usize) {
+    let seen = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok());
+    let gpu = match seen {
+        Some(list) => list
+            .split(',')
+            .nth(local_rank)
+            .map_or_else(|| local_rank.to_string(), |g| g.trim().to_string()),
+        None => local_rank.to_string(),
+    };
+    env.push(("LOCAL_RANK".into(), "0".into()));
+    env.push(("CUDA_VISIBLE_DEVICES".into(), gpu));
 }

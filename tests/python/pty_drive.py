@@ -1,0 +1,43 @@
+"""Runs a command on a pseudo-terminal as a user at a terminal would: each PATTERN seen in the
+output is answered with its TEXT (backslash escapes allowed), in order. Prints what the terminal
+showed as JSON: {"chunks": [[seconds since start, text], ...], "status": exit code, "end": s}.
+
+    pty_drive.py [PATTERN TEXT]... -- COMMAND [ARGS]...
+"""
+import json
+import os
+import pty
+import select
+import sys
+import time
+
+args = sys.argv[1:]
+sep = args.index("--")
+pairs, cmd = args[:sep], args[sep + 1 :]
+answers = [(p.encode(), t.encode().decode("unicode_escape").encode()) for p, t in zip(pairs[0::2], pairs[1::2])]
+pid, fd = pty.fork()
+if pid == 0:
+    os.execvp(cmd[0], cmd)
+t0 = time.time()
+seen = b""
+chunks = []
+while time.time() - t0 < 60:
+    r, _, _ = select.select([fd], [], [], 0.1)
+    if not r:
+        continue
+    try:
+        data = os.read(fd, 4096)
+    except OSError:  # EIO: every process on the terminal is gone
+        break
+    if not data:
+        break
+    chunks.append([time.time() - t0, data.decode(errors="replace")])
+    seen += data
+    while answers and answers[0][0] in seen:
+        seen = seen.split(answers[0][0], 1)[1]
+        os.write(fd, answers[0][1])
+        answers.pop(0)
+else:
+    os.kill(pid, 9)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"chunks": chunks, "status": os.waitstatus_to_exitcode(status), "end": time.time() - t0}))

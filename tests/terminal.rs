@@ -1,0 +1,225 @@
+//! nrun at a terminal and in a pipeline, as torchrun users use it: pdb on rank 0 through nrun's
+//! stdin on a real pseudo-terminal, progress bars drawn with '\r' shown as they come, stdin
+//! piped to rank 0, signals passed on to every worker while the job goes on.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+fn python() -> Option<String> {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import pty"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIPPED: no python3 with the pty module");
+    }
+    ok.then(|| "python3".to_string())
+}
+
+fn script(name: &str) -> String {
+    format!("{}/tests/python/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// What the terminal showed, and how the command ended.
+struct Screen {
+    chunks: Vec<(f64, String)>,
+    status: i64,
+    end: f64,
+}
+
+impl Screen {
+    fn text(&self) -> String {
+        self.chunks.iter().map(|(_, c)| c.as_str()).collect()
+    }
+
+    /// When `needle` had first been shown (seconds from the start).
+    fn shown_at(&self, needle: &str) -> Option<f64> {
+        let mut acc = String::new();
+        for (t, c) in &self.chunks {
+            acc.push_str(c);
+            if acc.contains(needle) {
+                return Some(*t);
+            }
+        }
+        None
+    }
+}
+
+/// Runs `nrun ARGS` on a pseudo-terminal, answering each pattern with its text.
+fn on_terminal(s: &Scene, answers: &[(&str, &str)], args: &[&str]) -> Screen {
+    let mut cmd = std::process::Command::new("python3");
+    cmd.arg(script("pty_drive.py"));
+    for (p, t) in answers {
+        cmd.args([p, t]);
+    }
+    cmd.arg("--").arg(nrun_bin()).args(args);
+    cmd.env("NRUN_TEST_TAG", &s.tag).env("MARK", s.mark());
+    let out = cmd.output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "pty_drive: {e}: {}\n{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        )
+    });
+    Screen {
+        chunks: v["chunks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (c[0].as_f64().unwrap(), c[1].as_str().unwrap().to_string()))
+            .collect(),
+        status: v["status"].as_i64().unwrap(),
+        end: v["end"].as_f64().unwrap(),
+    }
+}
+
+#[test]
+fn pdb_on_rank_0_through_the_terminal() {
+    let Some(py) = python() else { return };
+    let s = Scene::new();
+    let sc = on_terminal(
+        &s,
+        &[("(Pdb) ", "p answer + 41\\n"), ("(Pdb) ", "c\\n")],
+        &[
+            "--nproc",
+            "2",
+            "--watch",
+            "off",
+            "--python",
+            &py,
+            &script("pdb_rank0.py"),
+        ],
+    );
+    let t = sc.text();
+    assert_eq!(sc.status, 0, "{t}");
+    // pdb's answer, on the line after the echoed command (the prompt's line continued).
+    assert!(t.lines().any(|l| l.trim_end() == "42"), "{t}");
+    assert!(
+        t.contains("[rank0]: \u{1b}[0m(Pdb) ") || t.contains("[rank0]: (Pdb) "),
+        "{t}"
+    );
+    assert!(t.contains("rank 0 after the breakpoint"), "{t}");
+    assert!(t.contains("rank 1 after the breakpoint"), "{t}");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn a_progress_bar_is_shown_before_its_line_ends() {
+    let s = Scene::new();
+    let sc = on_terminal(
+        &s,
+        &[],
+        &[
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "printf '10%%\\r'; sleep 1; printf '60%%\\r'; sleep 1; printf '100%%\\n'",
+        ],
+    );
+    let t = sc.text();
+    assert_eq!(sc.status, 0, "{t}");
+    let first = sc
+        .shown_at("10%")
+        .unwrap_or_else(|| panic!("never shown: {t:?}"));
+    // Shown while the worker still sleeps, not when the line ended ~2 s in.
+    assert!(
+        first < sc.end - 1.0,
+        "10% shown at {first:.2} s of {:.2}: {t:?}",
+        sc.end
+    );
+    assert!(
+        t.contains("10%\r") && t.contains("60%\r") && t.contains("100%"),
+        "{t:?}"
+    );
+    s.assert_no_survivors();
+}
+
+#[test]
+fn a_pipe_reaches_rank_0_alone() {
+    let s = Scene::new();
+    let mut c = s.cmd(&[
+        "--nproc",
+        "2",
+        "--no-python",
+        "sh",
+        "-c",
+        "read x; echo \"rank $RANK read [$x]\"",
+    ]);
+    c.stdin(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"hello from the pipe\n").unwrap();
+    }
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(20));
+    let stdout = text(&out.stdout);
+    // `read` fails at the end of /dev/null: rank 1 exits 1, which is the job's exit code.
+    assert!(
+        stdout.contains("[rank0]: rank 0 read [hello from the pipe]"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("[rank1]: rank 1 read []"), "{stdout}");
+    // --stdin none: nobody reads it.
+    let mut c = s.cmd(&[
+        "--nproc",
+        "1",
+        "--stdin",
+        "none",
+        "--no-python",
+        "sh",
+        "-c",
+        "cat; echo end",
+    ]);
+    c.stdin(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    {
+        use std::io::Write;
+        let _ = child.stdin.take().unwrap().write_all(b"unread\n");
+    }
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(20));
+    assert_eq!(text(&out.stdout), "end\n");
+    s.assert_no_survivors();
+}
+
+#[test]
+fn sigusr1_reaches_every_worker_and_the_job_goes_on() {
+    let Some(py) = python() else { return };
+    let s = Scene::new();
+    let child = s.spawn(
+        &[
+            "--nproc",
+            "3",
+            "--watch",
+            "off",
+            "--python",
+            &py,
+            &script("usr1_handler.py"),
+        ],
+        &[],
+    );
+    s.wait_marks("ready", 3, Duration::from_secs(20));
+    signal(&child, "USR1");
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(30));
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    for r in 0..3 {
+        assert!(
+            stdout.contains(&format!("rank {r} handled SIGUSR1: True")),
+            "{stdout}"
+        );
+    }
+    assert_eq!(s.marks().iter().filter(|l| *l == "handled True").count(), 3);
+    s.assert_no_survivors();
+}
