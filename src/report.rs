@@ -18,6 +18,8 @@ pub enum JobEnd {
         code: u8,
         headline: String,
         summary: String,
+        /// For the launcher's TORCHELASTIC_ERROR_FILE (a worker failed).
+        error_json: Option<String>,
     },
 }
 
@@ -61,6 +63,7 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
                     code: f.exit_code.max(1),
                     headline: format!("rank {} on {host} {}", f.rank, f.how),
                     summary,
+                    error_json: Some(launcher_error_json(f, host)),
                 }
             }
             RunResult::SpawnError(e) => failed(
@@ -99,6 +102,7 @@ fn failed(code: u8, summary: String) -> JobEnd {
         code,
         headline: summary.lines().next().unwrap_or_default().to_string(),
         summary,
+        error_json: None,
     }
 }
 
@@ -142,7 +146,15 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
         } else {
             String::new()
         };
-        let _ = writeln!(s, "  traceback (from {}{on}):", f.error_file.display());
+        // A scratch error file is gone when nrun exits: name it only when it stays.
+        match f.error_file_kept {
+            true => {
+                let _ = writeln!(s, "  traceback (from {}{on}):", f.error_file.display());
+            }
+            false => {
+                let _ = writeln!(s, "  traceback (from its error file):");
+            }
+        }
         for line in tb.lines() {
             let _ = writeln!(s, "    {line}");
         }
@@ -155,7 +167,46 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
     } else {
         let _ = writeln!(s, "  (it wrote nothing to stderr)");
     }
+    if f.stderr_tail
+        .iter()
+        .any(|l| l.contains("No module named 'torch'"))
+    {
+        let python = shape.command.split_whitespace().next().unwrap_or("python3");
+        let _ = writeln!(
+            s,
+            "  hint: {python} has no torch: pass --python PATH (or set PYTHON_EXEC) to the python \
+             of your torch environment (`python -c 'import sys; print(sys.executable)'` there)"
+        );
+    }
     s
+}
+
+/// What the launcher's own TORCHELASTIC_ERROR_FILE gets, as torchrun writes it: the root-cause
+/// worker's error file with its exit code added, or a record of the failure when it wrote none.
+pub fn launcher_error_json(f: &WorkerFailure, host: &str) -> String {
+    let parsed = f
+        .error_json
+        .as_deref()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok());
+    let v = match parsed {
+        Some(mut v) => {
+            if let Some(m) = v.get_mut("message").and_then(|m| m.as_object_mut()) {
+                m.entry("errorCode").or_insert(f.exit_code.into());
+            }
+            v
+        }
+        None => serde_json::json!({
+            "message": {
+                "message": format!("rank {} (local rank {}) on {host} {}", f.rank, f.local_rank, f.how),
+                "extraInfo": {
+                    "py_callstack": f.stderr_tail.join("\n"),
+                    "timestamp": f.at,
+                },
+                "errorCode": f.exit_code,
+            }
+        }),
+    };
+    v.to_string()
 }
 
 /// Writes a `--report FILE` as pretty JSON.

@@ -177,7 +177,7 @@ fn worker_environment_is_torchruns() {
         .parse()
         .unwrap();
     assert!(port > 0);
-    assert!(rank1.contains("/job7/attempt_0/1/error.json"), "{rank1}");
+    assert!(rank1.contains("/attempt_0/1/error.json"), "{rank1}");
     assert!(text(&out.stderr).contains("OMP_NUM_THREADS was unset"));
 }
 
@@ -242,7 +242,7 @@ fn log_dir_redirects_tee_and_filter() {
     );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     for r in 0..2 {
-        let d = logs.join(format!("r1/attempt_0/{r}"));
+        let d = run_dir(&logs, "r1").join(format!("attempt_0/{r}"));
         assert_eq!(
             std::fs::read_to_string(d.join("stdout.log")).unwrap(),
             format!("out of {r}\npartial of {r}\n")
@@ -278,7 +278,7 @@ fn log_dir_redirects_tee_and_filter() {
     assert_eq!(text(&out.stdout), "");
     assert!(text(&out.stderr).contains("[rank1]: err of 1"));
     assert!(
-        std::fs::read_to_string(logs.join("r2/attempt_0/1/stdout.log"))
+        std::fs::read_to_string(run_dir(&logs, "r2").join("attempt_0/1/stdout.log"))
             .unwrap()
             .contains("out of 1")
     );
@@ -306,7 +306,7 @@ fn log_dir_redirects_tee_and_filter() {
         "{stdout}"
     );
     assert!(
-        std::fs::read_to_string(logs.join("r3/attempt_0/0/stdout.log"))
+        std::fs::read_to_string(run_dir(&logs, "r3").join("attempt_0/0/stdout.log"))
             .unwrap()
             .contains("out of 0")
     );
@@ -320,10 +320,44 @@ fn log_dir_redirects_tee_and_filter() {
         .expect(&err);
     assert!(
         std::path::Path::new(dir)
-            .join("none/attempt_0/0/stdout.log")
-            .exists()
+            .join("attempt_0/0/stdout.log")
+            .exists(),
+        "{dir}"
     );
     let _ = std::fs::remove_dir_all(dir);
+
+    // The same --log-dir and id again: a directory of its own, the first run's logs kept.
+    let again = |_| {
+        s.run(
+            &[
+                "--nproc",
+                "1",
+                "--log-dir",
+                logs_s,
+                "--rdzv-id",
+                "same",
+                "--no-python",
+                "echo",
+                "x",
+            ],
+            &[],
+        )
+    };
+    let (a, b) = (again(1), again(2));
+    assert!(a.status.success() && b.status.success());
+    let runs: Vec<String> = std::fs::read_dir(&logs)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("same_"))
+        .collect();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    for r in &runs {
+        assert_eq!(
+            std::fs::read_to_string(logs.join(r).join("attempt_0/0/stdout.log")).unwrap(),
+            "x\n"
+        );
+        assert!(text(&a.stderr).contains(r.as_str()) || text(&b.stderr).contains(r.as_str()));
+    }
 }
 
 #[test]
@@ -542,5 +576,175 @@ fn a_job_too_large_for_the_open_file_limit_is_warned() {
         err.contains("the job's 30 workers may need about")
             && err.contains("this host allows 100 open files"),
         "{err}"
+    );
+}
+
+#[test]
+fn torchrun_output_and_flag_habits() {
+    let s = Scene::new();
+    // A repeated flag takes the last value, as argparse does.
+    let out = s.run(
+        &[
+            "--nproc",
+            "3",
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo $WORLD_SIZE",
+        ],
+        &[],
+    );
+    assert_eq!(
+        lines_of(&out),
+        ["[rank0]: 2", "[rank1]: 2"],
+        "{}",
+        text(&out.stderr)
+    );
+    // torchrun's prefix template; an empty one means no prefix.
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--role",
+            "trainer",
+            "--log-line-prefix-template",
+            "<${role_name}:${rank}/${local_rank}> ",
+            "--local-ranks-filter",
+            "1",
+            "--no-python",
+            "echo",
+            "hi",
+        ],
+        &[],
+    );
+    assert_eq!(lines_of(&out), ["<trainer:1/1> hi"]);
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--log_line_prefix_template",
+            "",
+            "--no-python",
+            "echo",
+            "hi",
+        ],
+        &[],
+    );
+    assert_eq!(lines_of(&out), ["hi", "hi"]);
+    // Colour: always colours even into a pipe; NO_COLOR wins over auto.
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--color",
+            "always",
+            "--local-ranks-filter",
+            "0",
+            "--no-python",
+            "echo",
+            "x",
+        ],
+        &[],
+    );
+    assert!(
+        text(&out.stdout).starts_with("\x1b[36m[rank0]: \x1b[0mx"),
+        "{:?}",
+        text(&out.stdout)
+    );
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--local-ranks-filter",
+            "0",
+            "--no-python",
+            "echo",
+            "x",
+        ],
+        &[("NO_COLOR", "1")],
+    );
+    assert_eq!(text(&out.stdout), "[rank0]: x\n");
+    // --virtual-local-rank: LOCAL_RANK 0 and one GPU each.
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--virtual-local-rank",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo $LOCAL_RANK $CUDA_VISIBLE_DEVICES",
+        ],
+        &[("CUDA_VISIBLE_DEVICES", "4,6")],
+    );
+    let mut got = lines_of(&out);
+    got.sort();
+    assert_eq!(got, ["[rank0]: 0 4", "[rank1]: 0 6"]);
+    // Flags with no effect here say so, and the job runs.
+    let out = s.run(&["--start-method", "fork", "--no-python", "true"], &[]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        text(&out.stderr).contains("--start-method is accepted from torchrun and has no effect"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Completions and the manual page.
+    let out = s.run(&["completions", "fish"], &[]);
+    assert!(out.status.success() && text(&out.stdout).contains("complete -c nrun"));
+    let out = s.run(&["--print-completion", "zsh"], &[]);
+    assert!(out.status.success() && text(&out.stdout).contains("#compdef nrun"));
+    let out = s.run(&["man"], &[]);
+    assert!(
+        out.status.success() && text(&out.stdout).contains(".TH nrun"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = s.run(&["completions", "cmd.exe"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn torchrun_flag_values_are_checked() {
+    usage_error(
+        &[
+            "--signals-to-handle",
+            "SIGTERM,SIGNOPE",
+            "--no-python",
+            "true",
+        ],
+        &[],
+        "--signals-to-handle: \"SIGNOPE\" is not a signal",
+    );
+    usage_error(
+        &["--signals-to-handle", "KILL", "--no-python", "true"],
+        &[],
+        "SIGKILL cannot be caught",
+    );
+    usage_error(
+        &["--stdin", "first", "--no-python", "true"],
+        &[],
+        "--stdin \"first\": expected a rank",
+    );
+    usage_error(
+        &["--numa-binding", "everywhere", "--no-python", "true"],
+        &[],
+        "--numa-binding \"everywhere\": expected node",
+    );
+    usage_error(
+        &["--rdzv-conf", "join_timeout", "--no-python", "true"],
+        &[],
+        "--rdzv-conf \"join_timeout\": expected KEY=VALUE",
+    );
+    usage_error(
+        &["--rdzv-conf", "join_timeout=-3", "--no-python", "true"],
+        &[],
+        "--rdzv-conf join_timeout",
+    );
+    usage_error(
+        &["--color", "sometimes", "--no-python", "true"],
+        &[],
+        "--color \"sometimes\"",
     );
 }

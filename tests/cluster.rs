@@ -61,7 +61,13 @@ fn workers_on_three_hosts_get_their_own_interface_and_ranks() {
         assert!(line.contains("master=10.213."), "{line}");
     }
     // --log-dir: each worker's files on its own node, under the node's name.
-    let log = std::fs::read_to_string(logs.join("none/attempt_0/ct1-h2/1/stdout.log")).unwrap();
+    let run = std::fs::read_dir(&logs)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let log = std::fs::read_to_string(run.join("attempt_0/ct1-h2/1/stdout.log")).unwrap();
     assert!(log.starts_with("rank=3 "), "{log}");
     s.assert_no_survivors();
     c.assert_nothing_left(3);

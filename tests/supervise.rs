@@ -283,6 +283,9 @@ fn kill_9_leaves_no_grandchildren() {
     let kids = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))
         .unwrap_or_default();
     let nrun: i32 = kids.split_whitespace().next().unwrap().parse().unwrap();
+    // Its scratch directory (the workers' error files) goes with it.
+    let scratch = std::env::temp_dir().join(format!("nrun-{nrun}"));
+    assert!(scratch.exists(), "{}", scratch.display());
     assert_eq!(
         std::process::Command::new("kill")
             .args(["-KILL", &nrun.to_string()])
@@ -296,4 +299,76 @@ fn kill_9_leaves_no_grandchildren() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), Some(9), "the keeper dies as nrun did");
     s.assert_no_survivors();
+    assert!(!scratch.exists(), "{} left behind", scratch.display());
+}
+
+#[test]
+fn the_launchers_error_file_gets_the_root_cause() {
+    let s = Scene::new();
+    let launcher = s.dir.path().join("launcher-error.json");
+    let launcher_s = launcher.display().to_string();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "[ $RANK = 1 ] && { echo boom >&2; exit 3; }; sleep 5",
+        ],
+        &[("TORCHELASTIC_ERROR_FILE", &launcher_s)],
+    );
+    assert_eq!(out.status.code(), Some(3));
+    let err = text(&out.stderr);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&launcher).unwrap()).unwrap();
+    assert_eq!(v["message"]["errorCode"], 3, "{v}");
+    assert!(
+        v["message"]["extraInfo"]["py_callstack"]
+            .as_str()
+            .unwrap()
+            .contains("boom"),
+        "{v}"
+    );
+    assert!(
+        v["message"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("rank 1 (local rank 1)"),
+        "{v}"
+    );
+    // No scratch path is named in the summary: it is gone once nrun exits.
+    assert!(!err.contains("/nrun-"), "{err}");
+}
+
+#[test]
+fn a_python_without_torch_gets_a_hint() {
+    let has_torch = std::process::Command::new("python3")
+        .args(["-c", "import torch"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|st| st.success());
+    if has_torch {
+        eprintln!("SKIPPED a_python_without_torch_gets_a_hint: python3 here has torch");
+        return;
+    }
+    let s = Scene::new();
+    let script = s.dir.path().join("t.py");
+    std::fs::write(&script, "import torch\n").unwrap();
+    let out = s.run(
+        &[
+            "--python",
+            "python3",
+            "--watch",
+            "off",
+            script.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("python3 has no torch: pass --python PATH (or set PYTHON_EXEC)"),
+        "{err}"
+    );
 }

@@ -169,3 +169,95 @@ fn restart_rendezvous_again() {
     );
     assert!(stdout.contains("attempt 1 all_reduce ok"), "{stdout}");
 }
+
+/// Every option of the installed torch's `torchrun` parser, with both spellings, is accepted by
+/// nrun on a one-node command line (with a value where it takes one).
+#[test]
+fn every_torchrun_flag_parses() {
+    let Some(py) = python_or_skip("every_torchrun_flag_parses") else {
+        return;
+    };
+    let dump = std::process::Command::new(&py)
+        .args([
+            "-c",
+            "import json; from torch.distributed.run import get_args_parser as g\n\
+             print(json.dumps([[a.option_strings, a.nargs == 0] for a in g()._actions if a.option_strings]))",
+        ])
+        .output()
+        .unwrap();
+    assert!(dump.status.success(), "{}", text(&dump.stderr));
+    let opts: Vec<(Vec<String>, bool)> = serde_json::from_slice(&dump.stdout).unwrap();
+    assert!(opts.len() > 30, "{opts:?}");
+    let s = Scene::new();
+    let logs = s.dir.path().join("logs").display().to_string();
+    let hello = s.dir.path().join("hello.py").display().to_string();
+    std::fs::write(&hello, "print('hello')\n").unwrap();
+    // A value each valued option can take on one node; the rest take torch's own defaults.
+    let value = |flag: &str| -> &str {
+        match flag.trim_start_matches('-').replace('_', "-").as_str() {
+            "nnodes" => "1:1",
+            "nproc-per-node" => "1",
+            "rdzv-backend" => "static",
+            "rdzv-endpoint" => "127.0.0.1:0",
+            "rdzv-id" => "flagtest",
+            "rdzv-conf" => "join_timeout=30,read_timeout=60",
+            "max-restarts" => "0",
+            "monitor-interval" => "0.1",
+            "start-method" => "spawn",
+            "event-log-handler" => "null",
+            "role" => "trainer",
+            "log-dir" => &logs,
+            "r" | "redirects" | "t" | "tee" => "0",
+            "log-line-prefix-template" => "[${role_name}${rank}]:",
+            "local-ranks-filter" => "0",
+            "duplicate-stdout-filters" | "duplicate-stderr-filters" => "x",
+            "node-rank" => "0",
+            "master-addr" => "127.0.0.1",
+            "master-port" => "0",
+            "local-addr" => "127.0.0.1",
+            "logs-specs" => "default",
+            "numa-binding" => "node",
+            "signals-to-handle" => "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            "shutdown-timeout" => "5",
+            "print-completion" => "bash",
+            other => panic!("no test value for torchrun's --{other}: add one (and support it)"),
+        }
+    };
+    let mut failed = Vec::new();
+    for (spellings, flag_only) in &opts {
+        for spelling in spellings.iter().filter(|s| *s != "-h" && *s != "--help") {
+            let mut args = vec![spelling.as_str()];
+            if !flag_only {
+                args.push(value(spelling));
+            }
+            // numa binding needs GPUs to mean anything; it is accepted either way.
+            args.extend(["--no-preflight", "--watch", "off", "--no-python", "true"]);
+            if *spelling == "-m" || *spelling == "--module" {
+                args.truncate(1);
+                args.extend(["--no-preflight", "--python", &py, "json.tool", "--help"]);
+            }
+            if spelling.contains("run") && spelling.contains("path") {
+                args.truncate(1);
+                args.extend(["--no-preflight", "--python", &py, &hello]);
+            }
+            if spelling.contains("no-python") || spelling.contains("no_python") {
+                args.truncate(1);
+                args.extend(["--no-preflight", "true"]);
+            }
+            let out = s.run(&args, &[]);
+            let ok = match spelling.contains("completion") {
+                true => out.status.success() && text(&out.stdout).contains("complete"),
+                false => out.status.success(),
+            };
+            if !ok {
+                failed.push(format!(
+                    "{}: exit {:?}: {}",
+                    args.join(" "),
+                    out.status.code(),
+                    text(&out.stderr)
+                ));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
+}

@@ -62,6 +62,12 @@ pub async fn run_workers(
 ) -> RunResult {
     let mut cmds = Vec::with_capacity(specs.len());
     let this_nrun = std::env::current_exe();
+    // Error files in nrun's scratch (no --log-dir) are read, then removed with the attempt.
+    let scratch: Vec<std::path::PathBuf> = specs
+        .iter()
+        .filter(|w| w.log_dir.is_none())
+        .map(|w| w.error_file.clone())
+        .collect();
     for w in specs {
         let program = match (w.program.as_str(), &this_nrun) {
             (THIS_NRUN, Ok(exe)) => exe.clone().into_os_string(),
@@ -126,7 +132,8 @@ pub async fn run_workers(
         _ => None,
     };
     let grace = Duration::from_millis(grace_ms);
-    match node::run_group(cmds, grace, deadline, stop, events).await {
+    let outcome = node::run_group(cmds, grace, deadline, stop, events).await;
+    let result = match outcome {
         Err(e) => RunResult::SpawnError(e.message),
         Ok(Outcome::Success) => RunResult::Success,
         Ok(Outcome::Interrupted(s)) => RunResult::Interrupted(s),
@@ -140,10 +147,29 @@ pub async fn run_workers(
             how: f.exit.describe(),
             at: humantime::format_rfc3339_seconds(f.at).to_string(),
             traceback: node::read_error_file(&f.error_file),
+            error_json: std::fs::read_to_string(&f.error_file).ok(),
+            error_file_kept: !scratch.contains(&f.error_file),
             stderr_tail: f.stderr_tail,
             error_file: f.error_file,
             left_early: f.left_early,
         }),
+    };
+    for f in &scratch {
+        remove_with_empty_parents(f);
+    }
+    result
+}
+
+/// Removes `file`, then each parent directory that is left empty, up to the temp directory.
+fn remove_with_empty_parents(file: &std::path::Path) {
+    let _ = std::fs::remove_file(file);
+    let top = std::env::temp_dir();
+    let mut dir = file.parent();
+    while let Some(d) = dir.filter(|d| d.starts_with(&top) && *d != top) {
+        if std::fs::remove_dir(d).is_err() {
+            break;
+        }
+        dir = d.parent();
     }
 }
 

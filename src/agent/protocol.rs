@@ -152,6 +152,12 @@ pub struct WorkerFailure {
     /// Ranks of its node that exited 0 shortly before it failed (rank, seconds before).
     #[serde(default)]
     pub left_early: Vec<(usize, f64)>,
+    /// The error file as the worker wrote it (for the launcher's own TORCHELASTIC_ERROR_FILE).
+    #[serde(default)]
+    pub error_json: Option<String>,
+    /// The error file stays after the job (it is under --log-dir, not nrun's scratch).
+    #[serde(default)]
+    pub error_file_kept: bool,
 }
 
 /// One frame of a rank's Python stack.

@@ -252,14 +252,16 @@ pub struct RendezvousArgs {
     )]
     pub rdzv_conf: Option<String>,
 
-    /// Job id, exported as TORCHELASTIC_RUN_ID and used in log paths.
+    /// Job id, exported as TORCHELASTIC_RUN_ID and naming the log directory (default: a fresh
+    /// UUID when nrun starts every node, as torchrun's standalone mode; "none" for a static
+    /// --node-rank launch, whose nodes must agree).
     #[arg(
         long = "rdzv-id",
         alias = "rdzv_id",
         env = "NRUN_RDZV_ID",
-        default_value = "none"
+        value_name = "ID"
     )]
-    pub rdzv_id: String,
+    pub rdzv_id: Option<String>,
 
     /// Most bytes the store holds for its clients (K/M/G suffixes); a write past it fails that
     /// client with a message, never the job's store.

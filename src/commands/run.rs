@@ -89,10 +89,8 @@ async fn attempts(s: &mut Session, plan: &Plan, report: Option<serde_json::Value
             plan.nproc
         );
     }
-    if plan.log.dir_is_temp {
-        if let Some(d) = &plan.log.dir {
-            tracing::info!("worker logs go to {}", d.display());
-        }
+    if let Some(d) = &plan.log.dir {
+        tracing::info!("worker logs go to {}", d.display());
     }
     let program = plan.program.to_string_lossy().into_owned();
     let args: Vec<String> = plan
@@ -174,6 +172,7 @@ async fn attempt_loop(
                 code: c,
                 headline,
                 summary,
+                error_json,
             } => {
                 code = c;
                 if attempt < plan.max_restarts {
@@ -190,6 +189,15 @@ async fn attempt_loop(
                     None => summary,
                 };
                 eprint!("{summary}");
+                // torchrun's habit: the launcher's own error file gets the root cause.
+                if let (Some(path), Some(json)) = (&plan.launcher_error_file, error_json) {
+                    if let Err(e) = std::fs::write(path, json) {
+                        tracing::warn!(
+                            "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
+                            path.display()
+                        );
+                    }
+                }
             }
         }
     }

@@ -175,6 +175,8 @@ pub struct Plan {
     pub numa_binding: bool,
     /// `--rdzv-conf join_timeout=S`, which overrides --join-timeout.
     pub rdzv_join_timeout: Option<Duration>,
+    /// TORCHELASTIC_ERROR_FILE set for nrun itself: the root cause goes there on failure.
+    pub launcher_error_file: Option<PathBuf>,
 }
 
 /// How worker lines look on the console.
@@ -297,13 +299,18 @@ impl Plan {
         let nproc = resolve_nproc(nproc_per_node, env)?;
         let nnodes = parse_nnodes(&rdzv.nnodes)?;
         // The run id names log directories: it must stay one path component.
-        let id = &rdzv.rdzv_id;
-        if id.is_empty() || id.contains('/') || id == "." || id == ".." {
-            return Err(Error::usage(format!(
-                "--rdzv-id {id:?}: a run id names a log directory; use letters, digits, '-' or '_' \
-                 (no '/', not '.' or '..')"
-            )));
-        }
+        let run_id = match &rdzv.rdzv_id {
+            Some(id) if id.is_empty() || id.contains('/') || id == "." || id == ".." => {
+                return Err(Error::usage(format!(
+                    "--rdzv-id {id:?}: a run id names a log directory; use letters, digits, '-' \
+                     or '_' (no '/', not '.' or '..')"
+                )));
+            }
+            Some(id) => id.clone(),
+            // A static launch's nodes each run their own nrun: only a given id is shared.
+            None if nnodes > 1 && !uses_hosts => "none".to_string(),
+            None => uuid4()?,
+        };
         if rdzv.node_rank >= nnodes {
             return Err(Error::usage(format!(
                 "--node-rank {} is out of range for --nnodes {nnodes} (ranks are 0..{})",
@@ -340,13 +347,21 @@ impl Plan {
             Some(s) => Some(parse_rank_set(s, nproc)?),
         };
         let wants_files = !redirects.is_none() || !tee.is_none();
-        let (dir, dir_is_temp) = match log_dir {
+        // torchrun's layout: a directory of its own for each run, `<run id>_<random>`, so a
+        // second run with the same --log-dir and id keeps the first's logs.
+        let (base, dir_is_temp) = match log_dir {
             Some(d) => (Some(d.clone()), false),
-            None if wants_files => (
-                Some(std::env::temp_dir().join(format!("nrun-logs-{}", std::process::id()))),
-                true,
-            ),
+            None if wants_files => (Some(std::env::temp_dir()), true),
             None => (None, false),
+        };
+        let dir = match base {
+            Some(b) => {
+                let suffix = crate::store::auth::random_hex()
+                    .map_err(|e| Error::internal(format!("cannot read random bytes: {e}")))?;
+                let prefix = if dir_is_temp { "nrun-logs-" } else { "" };
+                Some(b.join(format!("{prefix}{run_id}_{}", &suffix[..8])))
+            }
+            None => None,
         };
 
         Ok(Plan {
@@ -355,7 +370,7 @@ impl Plan {
             node_rank: rdzv.node_rank,
             program,
             args,
-            run_id: rdzv.rdzv_id.clone(),
+            run_id: run_id.clone(),
             role: role.clone(),
             max_restarts: *max_restarts,
             shutdown_timeout,
@@ -383,6 +398,9 @@ impl Plan {
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
             virtual_local_rank: *virtual_local_rank,
             rdzv_join_timeout: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?,
+            launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
             numa_binding: match numa_binding.as_deref() {
                 None => false,
                 Some("node" | "socket" | "exclusive" | "core-complex") => true,
@@ -427,6 +445,7 @@ impl Plan {
             virtual_local_rank: false,
             numa_binding: false,
             rdzv_join_timeout: None,
+            launcher_error_file: None,
         }
     }
 
@@ -545,8 +564,8 @@ impl Plan {
         env
     }
 
-    /// `<dir>/<run_id>/attempt_<n>[/<host>]/<local_rank>`: torchrun's per-worker log directory;
-    /// the host level keeps the nodes of a multi-node run apart on a shared filesystem.
+    /// `<run dir>/attempt_<n>[/<host>]/<local_rank>`: torchrun's per-worker log directory; the
+    /// host level keeps the nodes of a multi-node run apart on a shared filesystem.
     pub fn worker_dir(
         &self,
         root: &Path,
@@ -554,7 +573,7 @@ impl Plan {
         host: Option<&str>,
         local_rank: usize,
     ) -> PathBuf {
-        let mut d = root.join(&self.run_id).join(format!("attempt_{attempt}"));
+        let mut d = root.join(format!("attempt_{attempt}"));
         if let Some(h) = host {
             d.push(h);
         }
@@ -1006,6 +1025,22 @@ fn resolve_store(rdzv: &RendezvousArgs, nnodes: usize, uses_hosts: bool) -> Resu
     }
 }
 
+/// A random (version 4) UUID, as torchrun's standalone run ids.
+fn uuid4() -> Result<String> {
+    let h = crate::store::auth::random_hex()
+        .map_err(|e| Error::internal(format!("cannot read random bytes: {e}")))?;
+    // Version 4 and the RFC 4122 variant, in their nibbles.
+    let variant = ["8", "9", "a", "b"][usize::from(h.as_bytes()[16] % 4)];
+    Ok(format!(
+        "{}-{}-4{}-{variant}{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[13..16],
+        &h[17..20],
+        &h[20..32]
+    ))
+}
+
 /// `--rdzv-conf k=v,...` (torchrun's keys): the join timeout, if given; the other keys are
 /// checked for form and accepted.
 fn parse_rdzv_conf(s: Option<&str>) -> Result<Option<Duration>> {
@@ -1300,7 +1335,13 @@ mod tests {
         assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("1"));
         assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), Some("True"));
         assert_eq!(get("TORCHELASTIC_ERROR_FILE"), Some("/tmp/e.json"));
-        assert_eq!(get("TORCHELASTIC_RUN_ID"), Some("none"));
+        // A run nrun starts alone gets a fresh UUID, as torchrun's standalone runs.
+        let id = get("TORCHELASTIC_RUN_ID").unwrap();
+        assert_eq!(
+            (id.len(), &id[14..15], id.matches('-').count()),
+            (36, "4", 4),
+            "{id}"
+        );
     }
 
     #[test]

@@ -148,6 +148,7 @@ impl Session {
         listener: Option<std::net::TcpListener>,
     ) -> Result<Session> {
         let signals = Signals::install(&plan.forward_signals)?;
+        crate::node::keeper::sweep_scratch();
         crate::node::process::become_subreaper();
         // A static launch's other nodes run their own nrun, which cannot learn a secret.
         let static_launch = nodes.in_process && nodes.group_world > 1;
@@ -218,7 +219,7 @@ impl Session {
             hosted,
             signals,
             step: 0,
-            temp_root: std::env::temp_dir().join(format!("nrun-{}", std::process::id())),
+            temp_root: crate::node::keeper::scratch_dir(std::process::id()),
             watch: None,
         };
         session.nodes = if nodes.in_process {

@@ -166,6 +166,25 @@ pub fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output, Durati
     }
 }
 
+/// The one run directory `<logs>/<id>_<random>` a run with `--rdzv-id id` made.
+pub fn run_dir(logs: &Path, id: &str) -> PathBuf {
+    let runs: Vec<PathBuf> = std::fs::read_dir(logs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{id}_")))
+        })
+        .collect();
+    assert_eq!(
+        runs.len(),
+        1,
+        "runs of {id} in {}: {runs:?}",
+        logs.display()
+    );
+    runs[0].clone()
+}
+
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
