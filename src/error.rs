@@ -56,6 +56,14 @@ impl Error {
         }
     }
 
+    /// Nodes that could not join or lost each other (exit 95).
+    pub fn cluster(message: impl Into<String>) -> Error {
+        Error {
+            code: exit::CLUSTER,
+            message: message.into(),
+        }
+    }
+
     /// A failure of nrun or the system (exit 1).
     pub fn internal(message: impl Into<String>) -> Error {
         Error {

@@ -730,3 +730,135 @@ fn torchrun_style_static_nodes() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// torchrun's c10d habit: the very same command on every node, no --node-rank. The nrun on the
+/// endpoint's host hosts the store (whenever it starts), the other joins and gets node rank 1.
+/// A failure on either node stops both, and each nrun exits with the job's code.
+#[test]
+fn the_same_c10d_command_on_every_node() {
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED the_same_c10d_command_on_every_node: no python with torch");
+        return;
+    };
+    let Some(c) = Cluster::up("zc", 2) else {
+        return;
+    };
+    let env = std::fs::read_to_string(format!("{}/cluster.env", c.dir())).unwrap();
+    let net = env
+        .lines()
+        .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
+        .unwrap()
+        .trim()
+        .to_string();
+    let endpoint = format!("10.213.{net}.11:29661");
+    let script = format!(
+        "{}/tests/python/gloo_allreduce.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let s = Scene::new();
+    let node = |host: usize, target: &[&str]| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &c.host(host)])
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "2",
+                "--nproc",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "j1",
+                "--no-python-probe",
+            ])
+            .args(target)
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    // The joining node first: it waits for the host's nrun.
+    let gloo = ["--python", py.to_str().unwrap(), &script];
+    let b = node(2, &gloo);
+    std::thread::sleep(Duration::from_millis(500));
+    let a = node(1, &gloo);
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(120));
+    let (ob, _) = wait_with_timeout(b, Duration::from_secs(120));
+    let all = format!("{}{}", text(&oa.stdout), text(&ob.stdout));
+    assert_eq!(oa.status.code(), Some(0), "{all}\n{}", text(&oa.stderr));
+    assert_eq!(ob.status.code(), Some(0), "{all}\n{}", text(&ob.stderr));
+    for r in 0..4 {
+        assert_eq!(
+            all.matches(&format!("rank {r}/4: all_reduce ok (10)"))
+                .count(),
+            1,
+            "{all}"
+        );
+    }
+    // Ranks 2 and 3 ran on the joining node.
+    assert!(text(&ob.stdout).contains("rank 2/4") && text(&ob.stdout).contains("rank 3/4"));
+    assert!(
+        text(&ob.stderr).contains("joined the rendezvous at")
+            && text(&ob.stderr).contains("as node 1"),
+        "{}",
+        text(&ob.stderr)
+    );
+
+    // A worker failing on the joining node stops both nodes; both exit with its code.
+    let fail = [
+        "--no-python",
+        "sh",
+        "-c",
+        "[ $RANK = 3 ] && exit 7; exec sleep 60",
+    ];
+    let a = node(1, &fail);
+    let b = node(2, &fail);
+    let (oa, ta) = wait_with_timeout(a, Duration::from_secs(60));
+    let (ob, tb) = wait_with_timeout(b, Duration::from_secs(60));
+    assert_eq!(oa.status.code(), Some(7), "{}", text(&oa.stderr));
+    assert_eq!(ob.status.code(), Some(7), "{}", text(&ob.stderr));
+    assert!(ta < Duration::from_secs(30) && tb < Duration::from_secs(30));
+    assert!(
+        text(&oa.stderr).contains("rank 3 on"),
+        "{}",
+        text(&oa.stderr)
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+
+    // A different --rdzv-id does not join this job: it says so.
+    let a = node(1, &["--no-python", "sleep", "3"]);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut other = Command::new("ip");
+    other
+        .args(["netns", "exec", &c.host(2)])
+        .arg(nrun_bin())
+        .args([
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            "other",
+            "--join-timeout",
+            "2",
+            "--no-python",
+            "true",
+        ]);
+    let out = other.output().unwrap();
+    assert_eq!(out.status.code(), Some(95), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("hosts no rendezvous with id \"other\""),
+        "{}",
+        text(&out.stderr)
+    );
+    // The host waits for its second node still; stopping it leaves nothing.
+    signal(&a, "TERM");
+    let (oa, took) = wait_with_timeout(a, Duration::from_secs(20));
+    assert!(took < Duration::from_secs(10), "{}", text(&oa.stderr));
+    c.assert_nothing_left(2);
+}

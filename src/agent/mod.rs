@@ -15,6 +15,7 @@
 //!    started outlives it.
 
 pub mod exec;
+pub mod peer;
 pub mod protocol;
 pub mod stacks;
 
@@ -54,6 +55,15 @@ pub fn main() -> u8 {
     code
 }
 
+/// Proves the run's secret on a connection; a run without one (a c10d rendezvous whose nodes
+/// share none) has nothing to prove.
+pub async fn prove(conn: &mut Client, secret: &str) -> std::io::Result<()> {
+    match secret.is_empty() {
+        true => Ok(()),
+        false => conn.authenticate(secret.as_bytes()).await,
+    }
+}
+
 /// Waits for the signal key `key` on `conn`: the signal to pass on (None: the connection broke,
 /// or a bad value), and the connection back for the next key.
 async fn wait_signal(mut conn: Client, key: Vec<u8>) -> (Client, Option<i32>) {
@@ -71,7 +81,7 @@ async fn wait_signal(mut conn: Client, key: Vec<u8>) -> (Client, Option<i32>) {
 }
 
 async fn run() -> Result<(), String> {
-    let mut signals = Signals::install(&[]).map_err(|e| e.to_string())?;
+    let signals = Signals::install(&[]).map_err(|e| e.to_string())?;
     crate::node::process::become_subreaper();
     let here = crate::net::hostname();
     let mut stdin = tokio::io::BufReader::new(tokio::io::stdin());
@@ -86,6 +96,25 @@ async fn run() -> Result<(), String> {
     }
     let hello: Hello = serde_json::from_str(&line)
         .map_err(|e| format!("nrun agent on {here}: bad instructions: {e}"))?;
+    // Losing stdin means the launcher is gone: stop everything fast.
+    let (gone_tx, gone_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let mut rest = Vec::new();
+        let _ = stdin.read_to_end(&mut rest).await;
+        let _ = gone_tx.send(true);
+    });
+    serve(hello, signals, gone_rx).await.map(|_| ())
+}
+
+/// The agent's life after its [`Hello`]: join the coordinator's store, run the steps it is
+/// given, until the end (Ok: the job's exit code, when the coordinator left one) or the
+/// coordinator is gone (`gone`, or its store lost).
+pub async fn serve(
+    hello: Hello,
+    mut signals: Signals,
+    mut gone_rx: watch::Receiver<bool>,
+) -> Result<Option<u8>, String> {
+    let here = crate::net::hostname();
     let me = format!("{} ({here})", hello.label);
     signals
         .also_forward(&hello.forward_signals)
@@ -110,10 +139,7 @@ async fn run() -> Result<(), String> {
         .await
         .map_err(|e| format!("{me} cannot reach the launch host's store: {e}"))?;
     let lost = |e: std::io::Error| format!("{me}: lost the launch host's store: {e}");
-    store
-        .authenticate(hello.secret.as_bytes())
-        .await
-        .map_err(lost)?;
+    prove(&mut store, &hello.secret).await.map_err(lost)?;
     store
         .set(&keys.observe(hello.node), b"")
         .await
@@ -152,14 +178,6 @@ async fn run() -> Result<(), String> {
         .await
         .map_err(lost)?;
 
-    // Losing stdin means the launcher is gone: stop everything fast.
-    let (gone_tx, mut gone_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        let mut rest = Vec::new();
-        let _ = stdin.read_to_end(&mut rest).await;
-        let _ = gone_tx.send(true);
-    });
-
     for step_no in 0.. {
         let step_key = keys.step(hello.node, step_no);
         let wanted: [&[u8]; 1] = [&step_key];
@@ -179,7 +197,13 @@ async fn run() -> Result<(), String> {
         };
         let step: Step = serde_json::from_slice(json).map_err(|e| format!("{me}: cannot read step {step_no} from the launch host ({e}); is nrun the same version on both?"))?;
         let result = match step {
-            Step::End => return Ok(()),
+            Step::End => {
+                let code = store.get(&keys.exit()).await.ok();
+                // Acknowledged, so a coordinator waiting for nodes that joined by themselves
+                // can close its store.
+                let _ = store.set(&keys.result(hello.node, step_no), b"end").await;
+                return Ok(code.and_then(|c| String::from_utf8_lossy(&c).parse().ok()));
+            }
             Step::Probe { target, timeout_ms } => StepResult::Probe {
                 error: exec::probe_peer(&target, timeout_ms).await.err(),
             },
@@ -201,17 +225,12 @@ async fn run() -> Result<(), String> {
                 let mut conn = Client::connect(reached, Duration::from_secs(10))
                     .await
                     .map_err(lost)?;
-                conn.authenticate(hello.secret.as_bytes())
-                    .await
-                    .map_err(lost)?;
+                prove(&mut conn, &hello.secret).await.map_err(lost)?;
                 // A third waits for signals to pass on, one key after another.
                 let mut sig_conn = Client::connect(reached, Duration::from_secs(10))
                     .await
                     .map_err(lost)?;
-                sig_conn
-                    .authenticate(hello.secret.as_bytes())
-                    .await
-                    .map_err(lost)?;
+                prove(&mut sig_conn, &hello.secret).await.map_err(lost)?;
                 let signals = &mut signals;
                 let keys = &keys;
                 let watcher = async move {
@@ -298,7 +317,7 @@ async fn run() -> Result<(), String> {
             return Err(format!("{me}: the launch host went away; stopped"));
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr), String> {

@@ -243,6 +243,16 @@ impl Keys {
         self.key(format_args!("stop/{step}"))
     }
 
+    /// The job's exit code, set before the end (a node started on its own exits with it).
+    pub fn exit(&self) -> Vec<u8> {
+        self.key(format_args!("exit"))
+    }
+
+    /// Bumped every second by a node started on its own (c10d): it is alive.
+    pub fn alive(&self, node: usize) -> Vec<u8> {
+        self.key(format_args!("n{node}/alive"))
+    }
+
     /// The `seq`th signal to pass on to every worker of step `step` (its number as text).
     pub fn signal(&self, step: usize, seq: usize) -> Vec<u8> {
         self.key(format_args!("signal/{step}/{seq}"))
@@ -261,6 +271,16 @@ impl Keys {
         ]
         .concat()
     }
+}
+
+/// Where the nrun hosting a c10d rendezvous `id` leaves its run's name (the keys' namespace).
+pub fn c10d_run_key(id: &str) -> Vec<u8> {
+    format!("nrun/c10d/{id}/run").into_bytes()
+}
+
+/// The counter a joining node adds 1 to for its node index, in join order.
+pub fn c10d_next_key(id: &str) -> Vec<u8> {
+    format!("nrun/c10d/{id}/next").into_bytes()
 }
 
 #[cfg(test)]

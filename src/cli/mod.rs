@@ -199,14 +199,14 @@ pub struct RendezvousArgs {
     pub nnodes: String,
 
     /// This node's rank among --nnodes (torchrun-style static multi-node: rank 0 hosts the store).
+    /// Without it, several nodes rendezvous as torchrun's c10d: ranks in join order.
     #[arg(
         long = "node-rank",
         alias = "node_rank",
         env = "NRUN_NODE_RANK",
-        default_value_t = 0,
         allow_negative_numbers = true
     )]
-    pub node_rank: usize,
+    pub node_rank: Option<usize>,
 
     /// Address workers use to reach the store (default: 127.0.0.1 on one node).
     #[arg(long = "master-addr", alias = "master_addr", env = "NRUN_MASTER_ADDR")]

@@ -16,6 +16,8 @@ use crate::plan::Mode;
 /// Runs what the command line asked for; returns nrun's exit code.
 pub fn execute(mode: Mode) -> Result<u8> {
     let listener = match &mode {
+        // c10d: the nrun on the endpoint's host that binds its port hosts; the rest join.
+        Mode::Run { plan, .. } if plan.c10d.is_some() => crate::session::bind_rendezvous(plan)?,
         Mode::Run { plan, .. } | Mode::Bisect { plan, .. } | Mode::Doctor { plan, .. } => {
             crate::session::bind_store(plan)?
         }
@@ -32,7 +34,10 @@ pub fn execute(mode: Mode) -> Result<u8> {
     // which their PR_SET_PDEATHSIG relies on.
     let started = std::time::Instant::now();
     let code = match mode {
-        Mode::Run { plan, nodes } => rt.block_on(run::run(&plan, &nodes, listener)),
+        Mode::Run { plan, nodes } => match (&plan.c10d, listener) {
+            (Some(c), None) => rt.block_on(crate::agent::peer::join(&plan, &nodes, c)),
+            (_, listener) => rt.block_on(run::run(&plan, &nodes, listener)),
+        },
         Mode::Doctor { plan, nodes } => rt.block_on(doctor::run(&plan, &nodes, listener)),
         Mode::Bisect {
             plan,

@@ -17,7 +17,8 @@ pub async fn run(
 ) -> Result<u8> {
     let mut s = Session::start(plan, nodes, listener).await?;
     let code = drive(&mut s, plan).await;
-    s.end().await;
+    // Nodes whose own nrun joined (c10d) exit with the job's code.
+    s.end_with(*code.as_ref().unwrap_or(&exit::INTERNAL)).await;
     code
 }
 

@@ -177,6 +177,20 @@ pub struct Plan {
     pub rdzv_join_timeout: Option<Duration>,
     /// TORCHELASTIC_ERROR_FILE set for nrun itself: the root cause goes there on failure.
     pub launcher_error_file: Option<PathBuf>,
+    /// The same command on every node, rendezvousing as torchrun's c10d.
+    pub c10d: Option<C10d>,
+}
+
+/// torchrun's c10d rendezvous: every node runs the same nrun command; the one on the endpoint's
+/// host that binds its port hosts the store and drives the job, the others join it and get
+/// node ranks in join order.
+#[derive(Clone, Debug)]
+pub struct C10d {
+    pub host: String,
+    pub port: u16,
+    pub id: String,
+    /// Derived from NRUN_RDZV_SECRET when every node has it; None: nrun's keys are open.
+    pub secret: Option<String>,
 }
 
 /// How worker lines look on the console.
@@ -311,13 +325,14 @@ impl Plan {
             None if nnodes > 1 && !uses_hosts => "none".to_string(),
             None => uuid4()?,
         };
-        if rdzv.node_rank >= nnodes {
+        let node_rank = rdzv.node_rank.unwrap_or(0);
+        if node_rank >= nnodes {
             return Err(Error::usage(format!(
-                "--node-rank {} is out of range for --nnodes {nnodes} (ranks are 0..{})",
-                rdzv.node_rank,
+                "--node-rank {node_rank} is out of range for --nnodes {nnodes} (ranks are 0..{})",
                 nnodes - 1
             )));
         }
+        let c10d = resolve_c10d(rdzv, nnodes, uses_hosts, &run_id, env)?;
         let shutdown_timeout = positive_secs("--shutdown-timeout", *shutdown_timeout, true)?;
         let preflight_plan = resolve_preflight(preflight, env)?;
         if let Some(name) = command.first().filter(|c| crate::cli::is_command_name(c)) {
@@ -367,7 +382,7 @@ impl Plan {
         Ok(Plan {
             nproc,
             nnodes,
-            node_rank: rdzv.node_rank,
+            node_rank,
             program,
             args,
             run_id: run_id.clone(),
@@ -398,6 +413,7 @@ impl Plan {
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
             virtual_local_rank: *virtual_local_rank,
             rdzv_join_timeout: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?,
+            c10d,
             launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
@@ -446,6 +462,7 @@ impl Plan {
             numa_binding: false,
             rdzv_join_timeout: None,
             launcher_error_file: None,
+            c10d: None,
         }
     }
 
@@ -1015,7 +1032,8 @@ fn resolve_store(rdzv: &RendezvousArgs, nnodes: usize, uses_hosts: bool) -> Resu
         )));
     };
     let port = port.unwrap_or(29500);
-    if *node_rank == 0 {
+    // c10d: the node that binds the endpoint's port hosts the store (decided at start).
+    if node_rank.unwrap_or(0) == 0 {
         Ok(StorePlan::Host {
             port,
             advertise: local_addr.clone().unwrap_or(addr),
@@ -1023,6 +1041,60 @@ fn resolve_store(rdzv: &RendezvousArgs, nnodes: usize, uses_hosts: bool) -> Resu
     } else {
         Ok(StorePlan::Remote { addr, port })
     }
+}
+
+/// torchrun's c10d rendezvous, when asked for (`--rdzv-backend c10d`), or implied (an endpoint
+/// and several nodes without `--node-rank`, where a static launch would make every node rank 0).
+fn resolve_c10d(
+    rdzv: &RendezvousArgs,
+    nnodes: usize,
+    uses_hosts: bool,
+    run_id: &str,
+    env: Env<'_>,
+) -> Result<Option<C10d>> {
+    let backend = rdzv.rdzv_backend.as_deref().unwrap_or("static");
+    if !matches!(backend, "static" | "c10d") {
+        return Err(Error::usage(format!(
+            "--rdzv-backend {backend:?}: nrun serves static and c10d rendezvous itself (etcd is \
+             not needed); use c10d"
+        )));
+    }
+    let endpoint = rdzv
+        .rdzv_endpoint
+        .as_deref()
+        .or(rdzv.master_addr.as_deref());
+    let wanted = backend == "c10d" || (endpoint.is_some() && rdzv.node_rank.is_none());
+    if nnodes < 2 || uses_hosts || !wanted {
+        return Ok(None);
+    }
+    if rdzv.node_rank.is_some() {
+        return Err(Error::usage(
+            "--rdzv-backend c10d assigns node ranks in join order: drop --node-rank (or use the \
+             static backend, where every node gives its own)",
+        ));
+    }
+    let Some(ep) = endpoint else {
+        return Err(Error::usage(
+            "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]: the host whose nrun hosts the \
+             store (the same on every node)",
+        ));
+    };
+    let (host, port) = split_host_port(ep)?;
+    let port = port.or(rdzv.master_port).unwrap_or(29400);
+    if port == 0 {
+        return Err(Error::usage(
+            "--rdzv-endpoint: every node must know the port; give one (e.g. HOST:29400)",
+        ));
+    }
+    let secret = env("NRUN_RDZV_SECRET")
+        .filter(|s| !s.is_empty())
+        .map(|s| crate::store::auth::derive(s.as_bytes(), run_id));
+    Ok(Some(C10d {
+        host,
+        port,
+        id: run_id.to_string(),
+        secret,
+    }))
 }
 
 /// A random (version 4) UUID, as torchrun's standalone run ids.

@@ -46,6 +46,8 @@ pub struct NodesPlan {
     pub remote_nrun: String,
     /// The hostfile's text, so bisect can write the good hosts back in the input's format.
     pub hostfile: Option<(String, String)>,
+    /// The last `peers` hosts are nodes whose own nrun joins (c10d): placeholders until then.
+    pub peers: usize,
 }
 
 impl NodesPlan {
@@ -143,7 +145,28 @@ impl NodesPlan {
             python_probe: !no_python_probe && !plan.no_python && plan.python.is_some(),
             remote_nrun,
             hostfile: source_text,
+            peers: 0,
         };
+        if plan.c10d.is_some() {
+            // This host's node (a local agent, as in ssh mode) and the nodes that will join.
+            let mut list = vec![Host::new(crate::net::hostname())];
+            list.extend((1..plan.nnodes).map(|i| Host::new(format!("node{i}"))));
+            nodes.layout = hosts::rank_layout(&list, plan.nproc)?
+                .into_iter()
+                .enumerate()
+                .map(|(i, ranks)| NodeLayout {
+                    group_rank: i,
+                    ranks,
+                    devices: None,
+                })
+                .collect();
+            nodes.world = plan.world_size();
+            nodes.group_world = plan.nnodes;
+            nodes.in_process = false;
+            nodes.peers = plan.nnodes - 1;
+            nodes.hosts = list;
+            return Ok(nodes);
+        }
         let Some(mut list) = list else {
             if include.is_some() || exclude.is_some() {
                 return Err(Error::usage(

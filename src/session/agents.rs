@@ -55,7 +55,11 @@ pub async fn start_all(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
     let secret = s.rendezvous.secret.clone().unwrap_or_default();
     let sem = Arc::new(tokio::sync::Semaphore::new(np.ssh_concurrency));
     let mut tasks = Vec::new();
+    let first_peer = np.hosts.len() - np.peers;
     for (i, h) in np.hosts.iter().enumerate() {
+        if i >= first_peer {
+            continue;
+        }
         let local = crate::net::is_this_host(&h.name);
         let hello = Hello {
             secret: secret.clone(),
@@ -91,6 +95,12 @@ pub async fn start_all(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
                 .map_err(|e| Error::internal(format!("starting an agent: {e}")))??,
         );
     }
+    // Nodes whose own nrun joins (c10d): named when they do.
+    nodes.extend(np.hosts[first_peer..].iter().map(|h| Node {
+        label: h.name.clone(),
+        agent: Agent::Peer(super::PeerBeat::default()),
+        joined: None,
+    }));
     Ok(nodes)
 }
 
@@ -252,6 +262,15 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
                     probe_addr,
                     facts,
                 } = record;
+                if matches!(s.nodes[i].agent, Agent::Peer(_)) {
+                    // A joined node is named by its host, kept apart from a namesake.
+                    let name = facts.hostname.clone();
+                    let taken = |n: &str| s.nodes.iter().any(|o| o.label == n);
+                    s.nodes[i].label = match taken(&name) {
+                        false => name,
+                        true => format!("{name}#{i}"),
+                    };
+                }
                 s.nodes[i].joined = Some(JoinedNode {
                     facts: Some(facts),
                     link: Some(super::AgentLink {
@@ -265,10 +284,10 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
                 });
                 continue;
             }
-            if let Agent::Process(p) = &mut s.nodes[i].agent {
-                if p.exited().is_none() {
-                    pending += 1;
-                }
+            match &mut s.nodes[i].agent {
+                Agent::Process(p) => pending += usize::from(p.exited().is_none()),
+                Agent::Peer(_) => pending += 1,
+                Agent::InProcess => {}
             }
         }
         let joined = s.nodes.iter().filter(|n| n.joined.is_some()).count();
@@ -303,10 +322,23 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
         if n.joined.is_some() {
             continue;
         }
-        let Agent::Process(p) = &mut n.agent else {
-            continue;
-        };
         let label = &n.label;
+        let p = match &mut n.agent {
+            Agent::Process(p) => p,
+            Agent::Peer(_) => {
+                failures.push((
+                    i,
+                    format!(
+                        "{label}: no nrun joined as this node within {} s (--join-timeout): start \
+                         the same nrun command on every node, with the same --rdzv-endpoint and \
+                         --rdzv-id",
+                        timeout.as_secs()
+                    ),
+                ));
+                continue;
+            }
+            Agent::InProcess => continue,
+        };
         failures.push((i, match (p.exited(), p.last_words()) {
             (Some(st), Some(said)) => format!("{label}: {said} (exit {})", st.code().map_or("signal".into(), |c| c.to_string())),
             (Some(st), None) => format!("{label}: the agent exited ({st}) without a word; run `ssh {label} nrun --version` to check nrun is installed there"),

@@ -43,7 +43,19 @@ pub enum Agent {
     InProcess,
     /// A child process: `nrun __agent` here, over ssh, or under srun.
     Process(Box<AgentProcess>),
+    /// A node's own nrun that joins by itself (c10d): alive while its heartbeat moves.
+    Peer(PeerBeat),
 }
+
+/// The last heartbeat seen from a node that joined by itself, and when it was seen.
+#[derive(Default)]
+pub struct PeerBeat {
+    last: Option<(Vec<u8>, Instant)>,
+}
+
+/// A node's nrun that joined by itself is lost when its heartbeat (every second) stops this
+/// long.
+const PEER_SILENCE: Duration = Duration::from_secs(10);
 
 /// A node of the session.
 pub struct Node {
@@ -81,6 +93,7 @@ impl Node {
         match &self.agent {
             Agent::InProcess => true,
             Agent::Process(p) => p.local,
+            Agent::Peer(_) => false,
         }
     }
 }
@@ -152,9 +165,11 @@ impl Session {
         crate::node::process::become_subreaper();
         // A static launch's other nodes run their own nrun, which cannot learn a secret.
         let static_launch = nodes.in_process && nodes.group_world > 1;
-        let secret = match static_launch {
-            true => None,
-            false => Some(random_secret()?),
+        let secret = match (&plan.c10d, static_launch) {
+            // Nodes that start on their own agree on a secret only if they share one.
+            (Some(c), _) => c.secret.clone(),
+            (None, true) => None,
+            (None, false) => Some(random_secret()?),
         };
         let (rendezvous, hosted) = match (&plan.store, listener) {
             (StorePlan::Host { advertise, .. }, Some(l)) => {
@@ -222,6 +237,13 @@ impl Session {
             temp_root: crate::node::keeper::scratch_dir(std::process::id()),
             watch: None,
         };
+        if let (Some(c), Some(st)) = (&plan.c10d, session.store()) {
+            // What a joining node needs to find this run's keys.
+            st.set(
+                &crate::agent::protocol::c10d_run_key(&c.id),
+                session.run.as_bytes(),
+            );
+        }
         session.nodes = if nodes.in_process {
             vec![Node {
                 label: nodes.hosts[0].name.clone(),
@@ -323,7 +345,7 @@ impl Session {
                 // An in-process node has no loop to leave; it answers nothing to End.
                 Agent::InProcess if matches!(s, Step::End) => continue,
                 Agent::InProcess => local = Some((i, s)),
-                Agent::Process(_) => self.set_step(i, step, &s),
+                Agent::Process(_) | Agent::Peer(_) => self.set_step(i, step, &s),
             }
             waiting.push(i);
         }
@@ -561,7 +583,27 @@ impl Session {
     /// Whether node `i`'s agent is lost, and how: its process ended, or (`stopped`: it stopped
     /// its workers unasked) its connection to the launch host broke while ssh may still close.
     fn lost(&mut self, i: usize, stopped: bool) -> Option<String> {
+        let beat = self.store().and_then(|st| st.get(&self.keys.alive(i)));
         let n = self.nodes.get_mut(i)?;
+        if let Agent::Peer(b) = &mut n.agent {
+            let now = Instant::now();
+            let beat = beat.unwrap_or_default();
+            match &b.last {
+                Some((v, _)) if *v == beat => {}
+                _ => b.last = Some((beat, now)),
+            }
+            let quiet = b.last.as_ref().map_or(Duration::ZERO, |(_, t)| now - *t);
+            return (quiet > PEER_SILENCE || stopped).then(|| {
+                format!(
+                    "lost {}: its nrun {}; check that it still runs and reaches this host",
+                    n.label,
+                    match stopped {
+                        true => "stopped its workers when its link to this host broke",
+                        false => "stopped sending its heartbeat 10 s ago",
+                    }
+                )
+            });
+        }
         let Agent::Process(p) = &mut n.agent else {
             return None;
         };
@@ -581,18 +623,53 @@ impl Session {
     }
 
     /// Ends the session: agents leave their step loop, their connections close, the store stops.
-    pub async fn end(mut self) {
+    pub async fn end(self) {
+        self.end_with(exit::SUCCESS).await
+    }
+
+    /// Ends the session, telling nodes that joined by themselves the job's exit code (their nrun
+    /// exits with it).
+    pub async fn end_with(mut self, code: u8) {
         let step = self.step;
+        if let Some(st) = self.store() {
+            st.set(&self.keys.exit(), code.to_string().as_bytes());
+        }
         for i in 0..self.nodes.len() {
-            if matches!(self.nodes[i].agent, Agent::Process(_)) {
+            if matches!(self.nodes[i].agent, Agent::Process(_) | Agent::Peer(_)) {
                 self.set_step(i, step, &Step::End);
             }
+        }
+        // A node that joined by itself reads its End before the store goes away.
+        if self.nodes.iter().any(|n| matches!(n.agent, Agent::Peer(_))) {
+            self.wait_peers_ended(step).await;
         }
         agents::end_all(&mut self.nodes).await;
         if let Some(stop) = self.hosted.as_mut().and_then(|h| h.stop.take()) {
             let _ = stop.send(());
         }
         let _ = std::fs::remove_dir_all(&self.temp_root);
+    }
+}
+
+impl Session {
+    /// Waits (up to 5 s) until every node that joined by itself acknowledged the End step.
+    async fn wait_peers_ended(&self, step: usize) {
+        let until = Instant::now() + Duration::from_secs(5);
+        let peers: Vec<usize> = (0..self.nodes.len())
+            .filter(|i| {
+                matches!(self.nodes[*i].agent, Agent::Peer(_)) && self.nodes[*i].joined.is_some()
+            })
+            .collect();
+        while Instant::now() < until {
+            let done = peers.iter().all(|i| {
+                self.store()
+                    .is_none_or(|st| st.get(&self.keys.result(*i, step)).is_some())
+            });
+            if done {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 
@@ -638,6 +715,25 @@ pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
         ))),
         Err(e) => Err(Error::internal(format!(
             "cannot bind the store on port {port}: {e}"
+        ))),
+    }
+}
+
+/// A c10d rendezvous' store, when this nrun is the one to host it: its endpoint names this
+/// host and the port was free. None: another nrun hosts it (join that one).
+pub fn bind_rendezvous(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
+    let Some(c) = &plan.c10d else {
+        return Ok(None);
+    };
+    if !crate::net::is_this_host(&c.host) {
+        return Ok(None);
+    }
+    match store::server::bind(c.port) {
+        Ok(l) => Ok(Some(l)),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok(None),
+        Err(e) => Err(Error::usage(format!(
+            "--rdzv-endpoint {}:{}: cannot listen on that port here: {e}",
+            c.host, c.port
         ))),
     }
 }

@@ -45,6 +45,14 @@ pub fn random_hex() -> std::io::Result<String> {
     Ok(hex(&b))
 }
 
+/// A run's secret derived from one shared by every node (`NRUN_RDZV_SECRET`) and the run id,
+/// for nodes that start on their own and must agree without sending it.
+pub fn derive(shared: &[u8], run_id: &str) -> String {
+    mac(shared, &[b"nrun-rdzv", run_id.as_bytes()])
+        .map(|m| hex(&m.finalize().into_bytes()))
+        .unwrap_or_default()
+}
+
 /// A fresh challenge for a connection.
 pub fn nonce() -> std::io::Result<Vec<u8>> {
     random_hex().map(String::into_bytes)
