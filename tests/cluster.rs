@@ -862,3 +862,110 @@ fn the_same_c10d_command_on_every_node() {
     assert!(took < Duration::from_secs(10), "{}", text(&oa.stderr));
     c.assert_nothing_left(2);
 }
+
+/// Elastic `--nnodes 2:3`: a host that cannot join does not stop the start, and a node lost
+/// mid-run makes the job re-form on the remaining two (a restart: RESTART_COUNT 1) and finish.
+#[test]
+fn an_elastic_job_goes_on_with_the_nodes_it_has() {
+    let Some(c) = Cluster::up("ze", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    // Attempt 0 waits (to be cut short); attempt 1 reports and ends.
+    let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(hostname)\"; \
+                echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
+    let child = {
+        let hosts = c.hosts(3);
+        let opts = c.ssh_opts();
+        s.spawn(
+            &[
+                "-H",
+                &hosts,
+                "--ssh-opts",
+                &opts,
+                "--no-python-probe",
+                "-x",
+                "NRUN_TEST_TAG",
+                "-x",
+                "MARK",
+                "--nnodes",
+                "2:3",
+                "--max-restarts",
+                "1",
+                "--nproc",
+                "2",
+                "--no-python",
+                "sh",
+                "-c",
+                work,
+            ],
+            &[],
+        )
+    };
+    s.wait_marks("started", 6, Duration::from_secs(30));
+    // ze-h3's agent dies (and its keeper): the node is lost. (Process ids are not per
+    // namespace: the host's own are picked by `ip netns pids`.)
+    let killed = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "n=0; for p in $(ip netns pids {}); do tr '\\0' ' ' < /proc/$p/cmdline | grep -q __agent              && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
+            c.host(3)
+        ))
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("the job goes on with 2 nodes: ze-h1, ze-h2 (lost: ze-h3)"),
+        "{stderr}"
+    );
+    let second: Vec<&str> = stdout.lines().filter(|l| l.contains("attempt=1")).collect();
+    assert_eq!(second.len(), 4, "{stdout}");
+    for r in 0..4 {
+        assert!(
+            second
+                .iter()
+                .any(|l| l.contains(&format!("world=4 rank={r} "))),
+            "{stdout}"
+        );
+    }
+    assert!(!second.iter().any(|l| l.contains("host=ze-h3")), "{stdout}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+
+    // A host that cannot join at all: the job starts with the two that did.
+    let s = Scene::new();
+    let hosts = format!("{},no-such-host-nrun", c.hosts(2));
+    let opts = c.ssh_opts();
+    let out = s.run(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "--nnodes",
+            "2:3",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo rank=$RANK world=$WORLD_SIZE",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("2 of 3 nodes joined; the job starts with them"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("rank=0 world=2") && stdout.contains("rank=1 world=2"),
+        "{stdout}"
+    );
+    c.assert_nothing_left(2);
+}

@@ -12,7 +12,7 @@ use crate::agent::protocol::{RunResult, StepResult, THIS_NRUN};
 use crate::error::{Result, exit};
 use crate::plan::{Plan, PreflightPlan};
 use crate::preflight::{self, Mode, Settings};
-use crate::session::spec::{Group, Launch};
+use crate::session::spec::Launch;
 use crate::session::{Agent, Policy, Session};
 use crate::store::client::Client;
 
@@ -48,7 +48,7 @@ pub async fn run(
     // Ranks enforce the init timeout themselves; this deadline only catches a rank that hangs
     // where it cannot (a CUDA call, a dead peer mid-collective).
     let deadline = pf.timeout * 2 + Duration::from_secs(120);
-    let group = Group::all(s);
+    let group = s.group();
     let launch = Launch {
         port: s.rendezvous.port,
         attempt: 0,

@@ -2,10 +2,11 @@
 //! worker group on every node until one succeeds or --max-restarts runs out.
 
 use super::preflight;
+use crate::agent::protocol::{RunResult, StepResult};
 use crate::error::{Result, exit};
 use crate::plan::{NodesPlan, Plan};
 use crate::report::{self, JobEnd, JobShape};
-use crate::session::spec::{Group, Launch};
+use crate::session::spec::Launch;
 use crate::session::{Policy, Session};
 use crate::watch::WatchState;
 
@@ -46,7 +47,19 @@ async fn drive(s: &mut Session, plan: &Plan) -> Result<u8> {
 /// Join and check: every node joined, the nodes agree and reach each other. Err: the exit code.
 pub async fn ready(s: &mut Session) -> Result<(), u8> {
     let failures = s.join(false, None).await?;
-    if !failures.is_empty() {
+    let joined = s.len() - failures.len();
+    if !failures.is_empty() && s.elastic() && joined >= s.plan.min_nodes {
+        tracing::warn!(
+            "{joined} of {} nodes joined; the job starts with them (--nnodes {}:{}); the others \
+             come in at a restart if they join by then:",
+            s.len(),
+            s.plan.min_nodes,
+            s.len()
+        );
+        for (_, f) in &failures {
+            tracing::warn!("  {f}");
+        }
+    } else if !failures.is_empty() {
         eprintln!(
             "nrun: error: {} of {} nodes could not join:",
             failures.len(),
@@ -68,6 +81,7 @@ pub async fn ready(s: &mut Session) -> Result<(), u8> {
         );
         return Err(exit::CLUSTER);
     }
+    s.active = s.joined().map(|(i, _, _)| i).collect();
     if s.plan.in_process {
         // Nothing to compare on one node; what the checks would say about variables still holds.
         if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
@@ -151,7 +165,7 @@ async fn attempt_loop(
             deadline_ms: None,
             watch: s.watch.is_some(),
         };
-        let steps = s.steps(plan, &Group::all(s), &launch);
+        let steps = s.steps(plan, &s.group(), &launch);
         let results = match s.run_step(steps, Policy::Together).await {
             Ok(r) => r,
             Err(code) => return code,
@@ -176,6 +190,20 @@ async fn attempt_loop(
                 error_json,
             } => {
                 code = c;
+                // Elastic: lost nodes leave, late ones come in, if MIN nodes remain.
+                if attempt < plan.max_restarts && s.elastic() {
+                    let lost: Vec<usize> = results
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| matches!(r, Some(StepResult::Run(RunResult::Lost(_)))))
+                        .map(|(i, _)| i)
+                        .collect();
+                    if let Err(why) = s.reform(&lost) {
+                        eprint!("{summary}");
+                        eprintln!("nrun: error: {why}; the job cannot go on");
+                        return c;
+                    }
+                }
                 if attempt < plan.max_restarts {
                     tracing::warn!(
                         "{headline}; restarting the worker group ({} of {} restarts)",

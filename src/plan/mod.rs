@@ -179,6 +179,10 @@ pub struct Plan {
     pub launcher_error_file: Option<PathBuf>,
     /// The same command on every node, rendezvousing as torchrun's c10d.
     pub c10d: Option<C10d>,
+    /// Elastic `--nnodes MIN:MAX`: the job goes on with at least this many nodes.
+    pub min_nodes: usize,
+    /// `--rdzv-conf last_call_timeout`: how long to wait for more nodes once MIN have joined.
+    pub last_call: Duration,
 }
 
 /// torchrun's c10d rendezvous: every node runs the same nrun command; the one on the endpoint's
@@ -311,7 +315,8 @@ impl Plan {
         } = run;
         compat.notes();
         let nproc = resolve_nproc(nproc_per_node, env)?;
-        let nnodes = parse_nnodes(&rdzv.nnodes)?;
+        // Elastic MIN:MAX: up to MAX nodes, going on with MIN or more.
+        let (min_nodes, nnodes) = parse_nnodes(&rdzv.nnodes)?;
         // The run id names log directories: it must stay one path component.
         let run_id = match &rdzv.rdzv_id {
             Some(id) if id.is_empty() || id.contains('/') || id == "." || id == ".." => {
@@ -326,6 +331,13 @@ impl Plan {
             None => uuid4()?,
         };
         let node_rank = rdzv.node_rank.unwrap_or(0);
+        if min_nodes < nnodes && rdzv.node_rank.is_some() {
+            return Err(Error::usage(format!(
+                "--nnodes {}: an elastic range needs nodes that join (a host list, or c10d \
+                 without --node-rank); a static --node-rank launch has a fixed number of nodes",
+                rdzv.nnodes
+            )));
+        }
         if node_rank >= nnodes {
             return Err(Error::usage(format!(
                 "--node-rank {node_rank} is out of range for --nnodes {nnodes} (ranks are 0..{})",
@@ -412,8 +424,10 @@ impl Plan {
             forward_signals: parse_signals(signals_to_handle)?,
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
             virtual_local_rank: *virtual_local_rank,
-            rdzv_join_timeout: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?,
+            rdzv_join_timeout: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?.0,
             c10d,
+            min_nodes,
+            last_call: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?.1,
             launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
@@ -463,6 +477,8 @@ impl Plan {
             rdzv_join_timeout: None,
             launcher_error_file: None,
             c10d: None,
+            min_nodes: 1,
+            last_call: LAST_CALL,
         }
     }
 
@@ -910,33 +926,27 @@ fn resolve_nproc(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize>
     }
 }
 
-fn parse_nnodes(s: &str) -> Result<usize> {
+/// `--nnodes N` or torchrun's elastic `MIN:MAX`: (MIN, MAX).
+fn parse_nnodes(s: &str) -> Result<(usize, usize)> {
     let bad = || {
         Error::usage(format!(
-            "--nnodes {s:?} must be N or MIN:MAX with MIN == MAX >= 1"
+            "--nnodes {s:?} must be N or MIN:MAX with 1 <= MIN <= MAX"
         ))
     };
     let (lo, hi) = match s.split_once(':') {
         Some((a, b)) => (
-            a.parse::<usize>().map_err(|_| bad())?,
-            b.parse::<usize>().map_err(|_| bad())?,
+            a.trim().parse::<usize>().map_err(|_| bad())?,
+            b.trim().parse::<usize>().map_err(|_| bad())?,
         ),
         None => {
-            let n = s.parse::<usize>().map_err(|_| bad())?;
+            let n = s.trim().parse::<usize>().map_err(|_| bad())?;
             (n, n)
         }
     };
-    if lo == 0 || lo != hi {
-        return Err(if lo != hi && lo > 0 {
-            Error::usage(format!(
-                "--nnodes {s}: elastic ranges are not supported; nrun starts a fixed number of nodes \
-                 (use --nnodes {hi})"
-            ))
-        } else {
-            bad()
-        });
+    if lo == 0 || lo > hi {
+        return Err(bad());
     }
-    Ok(lo)
+    Ok((lo, hi))
 }
 
 fn parse_rank_set(s: &str, nproc: usize) -> Result<BTreeSet<usize>> {
@@ -1113,10 +1123,13 @@ fn uuid4() -> Result<String> {
     ))
 }
 
-/// `--rdzv-conf k=v,...` (torchrun's keys): the join timeout, if given; the other keys are
-/// checked for form and accepted.
-fn parse_rdzv_conf(s: Option<&str>) -> Result<Option<Duration>> {
-    let mut join = None;
+/// torchrun's default wait for more nodes once MIN have joined.
+const LAST_CALL: Duration = Duration::from_secs(30);
+
+/// `--rdzv-conf k=v,...` (torchrun's keys): the join timeout, if given, and the last call; the
+/// other keys are checked for form and accepted.
+fn parse_rdzv_conf(s: Option<&str>) -> Result<(Option<Duration>, Duration)> {
+    let (mut join, mut last) = (None, LAST_CALL);
     for kv in s
         .unwrap_or("")
         .split(',')
@@ -1128,15 +1141,17 @@ fn parse_rdzv_conf(s: Option<&str>) -> Result<Option<Duration>> {
                 "--rdzv-conf {kv:?}: expected KEY=VALUE, e.g. join_timeout=600"
             )));
         };
+        let secs = |name: &str| -> Result<Duration> {
+            let n = v
+                .trim()
+                .parse::<f64>()
+                .map_err(|_| Error::usage(format!("--rdzv-conf {name}={v}: expected seconds")))?;
+            positive_secs(&format!("--rdzv-conf {name}"), n, true)
+        };
         match k.trim() {
-            "join_timeout" => {
-                let secs = v.trim().parse::<f64>().map_err(|_| {
-                    Error::usage(format!("--rdzv-conf join_timeout={v}: expected seconds"))
-                })?;
-                join = Some(positive_secs("--rdzv-conf join_timeout", secs, false)?);
-            }
+            "join_timeout" => join = Some(secs("join_timeout")?),
+            "last_call_timeout" => last = secs("last_call_timeout")?,
             "timeout"
-            | "last_call_timeout"
             | "close_timeout"
             | "read_timeout"
             | "is_host"
@@ -1147,7 +1162,10 @@ fn parse_rdzv_conf(s: Option<&str>) -> Result<Option<Duration>> {
             other => tracing::info!("--rdzv-conf: {other} has no meaning for nrun; ignored"),
         }
     }
-    Ok(join)
+    if join.is_some_and(|j| j.is_zero()) {
+        return Err(Error::usage("--rdzv-conf join_timeout must be more than 0"));
+    }
+    Ok((join, last))
 }
 
 /// `--color`: auto (a terminal, and NO_COLOR unset or empty), always, never.
@@ -1377,10 +1395,12 @@ mod tests {
 
     #[test]
     fn nnodes_values() {
-        assert_eq!(parse_nnodes("2").unwrap(), 2);
-        assert_eq!(parse_nnodes("3:3").unwrap(), 3);
-        assert!(parse_nnodes("1:4").unwrap_err().message.contains("elastic"));
+        assert_eq!(parse_nnodes("2").unwrap(), (2, 2));
+        assert_eq!(parse_nnodes("3:3").unwrap(), (3, 3));
+        assert_eq!(parse_nnodes("1:4").unwrap(), (1, 4));
+        assert!(parse_nnodes("3:2").is_err());
         assert!(parse_nnodes("0").is_err());
+        assert!(parse_nnodes("0:2").is_err());
     }
 
     #[test]

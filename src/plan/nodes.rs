@@ -48,6 +48,10 @@ pub struct NodesPlan {
     pub hostfile: Option<(String, String)>,
     /// The last `peers` hosts are nodes whose own nrun joins (c10d): placeholders until then.
     pub peers: usize,
+    /// Elastic: the job goes on with at least this many nodes (all of them otherwise).
+    pub min_nodes: usize,
+    /// Elastic: how long to wait for more nodes once `min_nodes` joined.
+    pub last_call: Duration,
 }
 
 impl NodesPlan {
@@ -146,6 +150,8 @@ impl NodesPlan {
             remote_nrun,
             hostfile: source_text,
             peers: 0,
+            min_nodes: plan.min_nodes,
+            last_call: plan.last_call,
         };
         if plan.c10d.is_some() {
             // This host's node (a local agent, as in ssh mode) and the nodes that will join.
@@ -186,7 +192,11 @@ impl NodesPlan {
             return Ok(nodes);
         };
         list = hosts::apply_include_exclude(list, include.as_deref(), exclude.as_deref())?;
-        if plan.nnodes != 1 {
+        if plan.min_nodes < plan.nnodes {
+            // Elastic: at least MIN hosts to start with, at most MAX used.
+            let max = list.len().min(plan.nnodes);
+            list = hosts::take_nnodes(list, plan.min_nodes.max(max))?;
+        } else if plan.nnodes != 1 {
             list = hosts::take_nnodes(list, plan.nnodes)?;
         }
         if plan.node_rank != 0 {

@@ -237,6 +237,7 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
     let timeout = s.plan.join_timeout;
     let mut changed = s.store().map(|st| st.subscribe());
     let mut last_report = 0;
+    let mut min_reached: Option<Instant> = None;
     // A progress bar where a person watches (stderr is a terminal), plain lines elsewhere.
     let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
         let b = indicatif::ProgressBar::new(k as u64);
@@ -254,34 +255,7 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
             if s.nodes[i].joined.is_some() {
                 continue;
             }
-            let raw = s.store().and_then(|st| st.get(&s.keys.joined(i)));
-            if let Some(record) = raw.and_then(|r| serde_json::from_slice::<Joined>(&r).ok()) {
-                let Joined {
-                    local_addr,
-                    reached,
-                    probe_addr,
-                    facts,
-                } = record;
-                if matches!(s.nodes[i].agent, Agent::Peer(_)) {
-                    // A joined node is named by its host, kept apart from a namesake.
-                    let name = facts.hostname.clone();
-                    let taken = |n: &str| s.nodes.iter().any(|o| o.label == n);
-                    s.nodes[i].label = match taken(&name) {
-                        false => name,
-                        true => format!("{name}#{i}"),
-                    };
-                }
-                s.nodes[i].joined = Some(JoinedNode {
-                    facts: Some(facts),
-                    link: Some(super::AgentLink {
-                        local_addr,
-                        reached,
-                        probe_addr,
-                    }),
-                    ifname: None,
-                    master_addr: String::new(),
-                    addr: None,
-                });
+            if take_joined(s, i) {
                 continue;
             }
             match &mut s.nodes[i].agent {
@@ -302,7 +276,12 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
             }
             None => {}
         }
-        if pending == 0 || started.elapsed() > timeout {
+        // Elastic: once MIN nodes are in, the others get the last call, then the job starts.
+        let last_call = match joined >= s.plan.min_nodes && joined < k {
+            true => min_reached.get_or_insert_with(Instant::now).elapsed() >= s.plan.last_call,
+            false => false,
+        };
+        if pending == 0 || started.elapsed() > timeout || last_call {
             if let Some(b) = &bar {
                 b.finish_and_clear();
             }
@@ -329,10 +308,9 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
                 failures.push((
                     i,
                     format!(
-                        "{label}: no nrun joined as this node within {} s (--join-timeout): start \
-                         the same nrun command on every node, with the same --rdzv-endpoint and \
-                         --rdzv-id",
-                        timeout.as_secs()
+                        "{label}: no nrun joined as this node in {:.0} s: start the same nrun \
+                         command on every node, with the same --rdzv-endpoint and --rdzv-id",
+                        started.elapsed().as_secs_f64()
                     ),
                 ));
                 continue;
@@ -354,6 +332,49 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
         started.elapsed().as_secs_f64()
     );
     Ok(failures)
+}
+
+/// Takes node `i`'s joined record into the session, if it has published one.
+fn take_joined(s: &mut Session, i: usize) -> bool {
+    let raw = s.store().and_then(|st| st.get(&s.keys.joined(i)));
+    let Some(record) = raw.and_then(|r| serde_json::from_slice::<Joined>(&r).ok()) else {
+        return false;
+    };
+    let Joined {
+        local_addr,
+        reached,
+        probe_addr,
+        facts,
+    } = record;
+    if matches!(s.nodes[i].agent, Agent::Peer(_)) {
+        // A joined node is named by its host, kept apart from a namesake.
+        let name = facts.hostname.clone();
+        let taken = |n: &str| s.nodes.iter().any(|o| o.label == n);
+        s.nodes[i].label = match taken(&name) {
+            false => name,
+            true => format!("{name}#{i}"),
+        };
+    }
+    s.nodes[i].joined = Some(JoinedNode {
+        facts: Some(facts),
+        link: Some(super::AgentLink {
+            local_addr,
+            reached,
+            probe_addr,
+        }),
+        ifname: None,
+        master_addr: String::new(),
+        addr: None,
+    });
+    true
+}
+
+/// Nodes that joined after the join ended (elastic): taken in, their indices returned.
+pub(super) fn admit_late(s: &mut Session) -> Vec<usize> {
+    let waiting: Vec<usize> = (0..s.nodes.len())
+        .filter(|i| s.nodes[*i].joined.is_none())
+        .collect();
+    waiting.into_iter().filter(|i| take_joined(s, *i)).collect()
 }
 
 /// Ends every agent process: they leave on the End step by themselves; stdin is closed only

@@ -167,21 +167,27 @@ impl Session {
     /// Every node connects to the next one (a ring) on the addresses NCCL will use, so a
     /// firewall between two nodes is named before NCCL hangs on it.
     pub async fn probe_ring(&mut self) -> Result<(), u8> {
-        let k = self.nodes.len();
+        // The ring of the nodes that joined (an elastic job starts without the others).
+        let ring: Vec<usize> = (0..self.nodes.len())
+            .filter(|i| self.nodes[*i].joined.is_some())
+            .collect();
+        let k = ring.len();
         if k < 2 {
             return Ok(());
         }
-        let mut steps = Vec::with_capacity(k);
-        for i in 0..k {
-            let next = self.nodes[(i + 1) % k].joined.as_ref();
-            let target = next.and_then(|j| {
+        let mut next_of = vec![None; self.nodes.len()];
+        let mut steps = vec![None; self.nodes.len()];
+        for (pos, &i) in ring.iter().enumerate() {
+            let next = ring[(pos + 1) % k];
+            next_of[i] = Some(next);
+            let target = self.nodes[next].joined.as_ref().and_then(|j| {
                 let published: SocketAddr = j.link.as_ref()?.probe_addr.parse().ok()?;
                 Some(SocketAddr::new(
                     j.addr.unwrap_or(published.ip()),
                     published.port(),
                 ))
             });
-            steps.push(Some(match target {
+            steps[i] = Some(match target {
                 Some(t) => Step::Probe {
                     target: t.to_string(),
                     timeout_ms: 5000,
@@ -190,13 +196,13 @@ impl Session {
                     target: String::new(),
                     timeout_ms: 0,
                 },
-            }));
+            });
         }
         let results = self.run_step(steps, Policy::Probe).await?;
         let mut bad = Vec::new();
         for (i, r) in results.iter().enumerate() {
-            if let Some(StepResult::Probe { error: Some(e) }) = r {
-                let (me, next) = (&self.nodes[i], &self.nodes[(i + 1) % k]);
+            if let (Some(StepResult::Probe { error: Some(e) }), Some(n)) = (r, next_of[i]) {
+                let (me, next) = (&self.nodes[i], &self.nodes[n]);
                 let ifname = next
                     .joined
                     .as_ref()

@@ -150,6 +150,9 @@ pub struct Session {
     pub temp_root: PathBuf,
     /// The watch over the job's steps that ask for it (set by the run command).
     pub watch: Option<WatchState>,
+    /// The nodes the job runs on now: those that joined; elastic runs drop lost nodes and take
+    /// in late ones between attempts.
+    pub active: Vec<usize>,
 }
 
 impl Session {
@@ -236,6 +239,7 @@ impl Session {
             step: 0,
             temp_root: crate::node::keeper::scratch_dir(std::process::id()),
             watch: None,
+            active: Vec::new(),
         };
         if let (Some(c), Some(st)) = (&plan.c10d, session.store()) {
             // What a joining node needs to find this run's keys.
@@ -328,6 +332,67 @@ impl Session {
         agents::join(self).await
     }
 
+    /// Whether the job may go on with fewer nodes than it has (`--nnodes MIN:MAX`).
+    pub fn elastic(&self) -> bool {
+        self.plan.min_nodes < self.nodes.len()
+    }
+
+    /// The job's group: every node, or (elastic) the active ones, ranks numbered anew.
+    pub fn group(&self) -> spec::Group {
+        match self.active.len() == self.nodes.len() || self.active.is_empty() {
+            true => spec::Group::all(self),
+            false => spec::Group::of(self, &self.active),
+        }
+    }
+
+    /// Between attempts of an elastic job: nodes `lost` leave the group, nodes that joined
+    /// since come in. Err: fewer than MIN nodes are left (the message).
+    pub fn reform(&mut self, lost: &[usize]) -> std::result::Result<(), String> {
+        let before = self.active.len();
+        self.active.retain(|i| !lost.contains(i));
+        let late = agents::admit_late(self);
+        if !late.is_empty() {
+            // Their interfaces and addresses, as for the nodes that joined in time.
+            let f = self.assign_interfaces();
+            for w in f.warnings.iter().chain(&f.problems) {
+                tracing::warn!("{w}");
+            }
+        }
+        self.active.extend(late.iter().copied());
+        self.active.sort_unstable();
+        let names = |v: &[usize]| {
+            v.iter()
+                .map(|i| self.nodes[*i].label.clone())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if self.active.len() < self.plan.min_nodes {
+            return Err(format!(
+                "{} node(s) left ({}) after losing {}: under the --nnodes minimum of {}",
+                self.active.len(),
+                names(&self.active),
+                names(lost),
+                self.plan.min_nodes
+            ));
+        }
+        if self.active.len() != before || !late.is_empty() {
+            tracing::warn!(
+                "the job goes on with {} nodes: {}{}{}",
+                self.active.len(),
+                names(&self.active),
+                match lost.is_empty() {
+                    true => String::new(),
+                    false => format!(" (lost: {})", names(lost)),
+                },
+                match late.is_empty() {
+                    true => String::new(),
+                    false => format!(" (joined: {})", names(&late)),
+                }
+            );
+        }
+        Ok(())
+    }
+
     /// Sends each node its step (`None`: the node sits this step out) and waits for the results
     /// as `policy` says. `Err`: interrupted, with the exit code.
     pub async fn run_step(
@@ -340,7 +405,20 @@ impl Session {
         let mut local = None;
         let mut waiting = Vec::new();
         for (i, s) in steps.into_iter().enumerate() {
-            let Some(s) = s else { continue };
+            let Some(s) = s else {
+                // Sitting out: an empty step keeps its agent's count of steps in line (a node
+                // outside the group, or one that joined late); nobody waits for its answer.
+                if matches!(self.nodes[i].agent, Agent::Process(_) | Agent::Peer(_)) {
+                    let idle = Step::Run {
+                        workers: Vec::new(),
+                        grace_ms: 0,
+                        deadline_ms: None,
+                        watch: false,
+                    };
+                    self.set_step(i, step, &idle);
+                }
+                continue;
+            };
             match self.nodes[i].agent {
                 // An in-process node has no loop to leave; it answers nothing to End.
                 Agent::InProcess if matches!(s, Step::End) => continue,
