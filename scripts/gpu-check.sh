@@ -65,6 +65,25 @@ check hw-tree-simple 0 env NCCL_PROTO=Simple NCCL_ALGO=Tree "$NRUN" --preflight-
 check nccl-hang 97 env NRUN_HANG_CASE=sleep NRUN_HANG_BACKEND=nccl "$NRUN" --nproc "$NP" --python "$PY" --no-preflight --hang-timeout 10 --on-hang stop tests/python/hang.py
 check nccl-hang-named 0 grep -q "rank 1 on .* has not entered it: it is in stuck_forever" "$OUTDIR/nccl-hang.log"
 check train-with-preflight 0 "$NRUN" --nproc "$NP" --python "$PY" examples/train.py --steps 20
+check hw-health-line 0 grep -q "GPU health: .* GPU(s) ok" "$OUTDIR/hw-healthy.log"
+# torchrun's flags on GPUs: each worker bound to its GPU's CPUs; one GPU each as local rank 0.
+check numa-binding 0 "$NRUN" --nproc "$NP" --numa-binding node --no-preflight --no-python sh -c 'grep Cpus_allowed_list /proc/self/status'
+check numa-binding-bound 1 grep -q "not bound" "$OUTDIR/numa-binding.log"
+cat > "$OUTDIR/vlr.py" <<'PY'
+import os, torch
+assert torch.cuda.device_count() == 1 and os.environ["LOCAL_RANK"] == "0"
+print("rank", os.environ["RANK"], "GPU", os.environ["CUDA_VISIBLE_DEVICES"], torch.cuda.get_device_name(0))
+PY
+check virtual-local-rank 0 "$NRUN" --nproc "$NP" --virtual-local-rank --no-preflight --python "$PY" "$OUTDIR/vlr.py"
+# c10d: the same command twice on this machine, one GPU each, as two nodes: the NCCL preflight
+# spans both.
+if [ "$NGPU" -ge 2 ]; then
+  C10D="--nnodes 2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29671 --rdzv-id gpucheck --preflight-only --python $PY"
+  ( CUDA_VISIBLE_DEVICES=1 "$NRUN" $C10D > "$OUTDIR/c10d-joiner.log" 2>&1; echo "rc=$?" >> "$OUTDIR/c10d-joiner.log" ) &
+  check c10d-preflight 0 env CUDA_VISIBLE_DEVICES=0 "$NRUN" $C10D
+  wait
+  check c10d-joiner 0 grep -q "rc=0" "$OUTDIR/c10d-joiner.log"
+fi
 leftover=$(pgrep -f '__preflight|examples/train.py|hang.py' | wc -l)
 echo "left running: $leftover"
 [ "$leftover" = 0 ] || fail=$((fail+1))

@@ -77,7 +77,7 @@ fn bad_input_is_one_clear_line_and_exit_2() {
     usage_error(
         &["--nnodes", "1:4", "--no-python", "true"],
         &[],
-        "elastic ranges are not supported",
+        "--nnodes 1:4: an elastic range needs nodes that join",
     );
     usage_error(
         &["--local-ranks-filter", "5", "--no-python", "true"],

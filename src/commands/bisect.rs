@@ -525,7 +525,10 @@ impl Bisect<'_> {
     fn settings(&self, s: &Session, i: usize) -> Option<Settings> {
         let pf = self.plan.preflight.as_ref()?;
         s.nodes[i].joined.as_ref()?;
-        Some(super::preflight::node_settings(s, pf, i, None, "bisect"))
+        let mut st = super::preflight::node_settings(s, pf, i, None, "bisect");
+        // Groups are compared with each other; a link test per group would only add noise.
+        st.links = false;
+        Some(st)
     }
 
     fn evaluate(

@@ -345,6 +345,14 @@ impl Plan {
             )));
         }
         let c10d = resolve_c10d(rdzv, nnodes, uses_hosts, &run_id, env)?;
+        if min_nodes < nnodes && !uses_hosts && c10d.is_none() {
+            return Err(Error::usage(format!(
+                "--nnodes {}: an elastic range needs nodes that join: a host list (-H, \
+                 --hostfile), or the same command on every node with --rdzv-backend c10d \
+                 --rdzv-endpoint HOST:PORT",
+                rdzv.nnodes
+            )));
+        }
         let shutdown_timeout = positive_secs("--shutdown-timeout", *shutdown_timeout, true)?;
         let preflight_plan = resolve_preflight(preflight, env)?;
         if let Some(name) = command.first().filter(|c| crate::cli::is_command_name(c)) {
@@ -878,6 +886,7 @@ impl PreflightPlan {
             timeout_ms: self.timeout.as_millis() as u64,
             nccl_lib,
             listen_addr,
+            links: true,
         }
     }
 }

@@ -150,9 +150,11 @@ impl NodesPlan {
             remote_nrun,
             hostfile: source_text,
             peers: 0,
-            min_nodes: plan.min_nodes,
+            // Every node, unless elastic (set below with the nodes).
+            min_nodes: plan.nnodes,
             last_call: plan.last_call,
         };
+        let elastic = plan.min_nodes < plan.nnodes;
         if plan.c10d.is_some() {
             // This host's node (a local agent, as in ssh mode) and the nodes that will join.
             let mut list = vec![Host::new(crate::net::hostname())];
@@ -170,6 +172,7 @@ impl NodesPlan {
             nodes.group_world = plan.nnodes;
             nodes.in_process = false;
             nodes.peers = plan.nnodes - 1;
+            nodes.min_nodes = plan.min_nodes;
             nodes.hosts = list;
             return Ok(nodes);
         }
@@ -234,6 +237,10 @@ impl NodesPlan {
         }
         nodes.world = nodes.layout.iter().map(|l| l.ranks.len()).sum();
         nodes.group_world = list.len();
+        nodes.min_nodes = match elastic {
+            true => plan.min_nodes,
+            false => list.len(),
+        };
         nodes.hosts = list;
         Ok(nodes)
     }

@@ -51,6 +51,10 @@ pub struct Settings {
     pub nccl_lib: Option<PathBuf>,
     /// Address this node's ranks listen on in net mode.
     pub listen_addr: String,
+    /// Net mode: measure each ring link alone before the sweep (the job's preflight; bisect
+    /// compares whole groups instead).
+    #[serde(default)]
+    pub links: bool,
 }
 
 pub const ENV: &str = "NRUN_PREFLIGHT";
@@ -1288,6 +1292,7 @@ mod tests {
             timeout_ms: 1,
             nccl_lib: None,
             listen_addr: "127.0.0.1".into(),
+            links: true,
         };
         assert_eq!(s.sizes(), vec![8, 32, 128, 512]);
     }

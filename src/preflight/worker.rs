@@ -819,7 +819,11 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
         // slowest link sets every rank's time). Neighbouring links take turns: a host sending
         // while it receives delays its own ACKs behind its data, and a shaped or slow egress
         // would then drag the link into it down too.
-        let phases = if n % 2 == 1 { 3 } else { 2 };
+        let phases = match (ctx.s.links, n % 2 == 1) {
+            (false, _) => 0,
+            (true, true) => 3,
+            (true, false) => 2,
+        };
         let phase = |link: usize| {
             if n % 2 == 1 && link == n - 1 {
                 2
