@@ -79,10 +79,10 @@ check virtual-local-rank 0 "$NRUN" --nproc "$NP" --virtual-local-rank --no-prefl
 # spans both.
 if [ "$NGPU" -ge 2 ]; then
   C10D="--nnodes 2 --nproc 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29671 --rdzv-id gpucheck --preflight-only --python $PY"
-  ( CUDA_VISIBLE_DEVICES=1 "$NRUN" $C10D > "$OUTDIR/c10d-joiner.log" 2>&1; echo "rc=$?" >> "$OUTDIR/c10d-joiner.log" ) &
+  ( CUDA_VISIBLE_DEVICES=1 "$NRUN" $C10D > "$OUTDIR/c10d-first.out" 2>&1; echo "rc=$?" >> "$OUTDIR/c10d-first.out" ) &
   check c10d-preflight 0 env CUDA_VISIBLE_DEVICES=0 "$NRUN" $C10D
   wait
-  check c10d-joiner 0 grep -q "rc=0" "$OUTDIR/c10d-joiner.log"
+  check c10d-first 0 grep -q "rc=0" "$OUTDIR/c10d-first.out"
 fi
 leftover=$(pgrep -f '__preflight|examples/train.py|hang.py' | wc -l)
 echo "left running: $leftover"

@@ -655,6 +655,16 @@ impl Session {
             });
             return Some(StepResult::Run(RunResult::Lost(why)));
         }
+        // Interrupted without being asked: a signal on that node (its agent's keeper killed,
+        // srun's, or a user's there) took it out of the job.
+        if let (false, StepResult::Run(RunResult::Interrupted(sig))) = (stopped, &r) {
+            let why = format!(
+                "{}'s agent was stopped by {} on that node",
+                self.nodes[i].label,
+                crate::node::signal_name(*sig)
+            );
+            return Some(StepResult::Run(RunResult::Lost(why)));
+        }
         Some(r)
     }
 
