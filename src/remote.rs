@@ -40,6 +40,28 @@ pub fn ssh_command(host: &str, user_opts: &[String], remote_nrun: &str) -> Vec<O
     v
 }
 
+/// One `srun` step starting every node's agent at once (as Open MPI's PRRTE starts its daemons):
+/// one task per node, the same instructions to all on stdin (each agent finds its node by name),
+/// the whole of each node's allocation (CPUs and GPUs) for the step, and the step killed if one
+/// agent fails.
+pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
+    vec![
+        "srun".into(),
+        format!("--nodes={}", nodes.len()).into(),
+        format!("--ntasks={}", nodes.len()).into(),
+        "--ntasks-per-node=1".into(),
+        format!("--nodelist={}", nodes.join(",")).into(),
+        // Workers inherit the agent's CPUs and GPUs: the step takes the nodes' whole share.
+        "--whole".into(),
+        "--input=all".into(),
+        "--kill-on-bad-exit=1".into(),
+        "--unbuffered".into(),
+        "--mpi=none".into(),
+        remote_nrun.into(),
+        "__agent".into(),
+    ]
+}
+
 /// `srun` starting the agent of one node of the allocation (one srun per node, as one ssh per
 /// node: each agent reads its own instructions on stdin and is ended on its own).
 pub fn srun_command(node: &str, remote_nrun: &str) -> Vec<OsString> {

@@ -115,6 +115,12 @@ pub async fn serve(
     mut gone_rx: watch::Receiver<bool>,
 ) -> Result<Option<u8>, String> {
     let here = crate::net::hostname();
+    let (node, label) = hello.place()?;
+    let hello = Hello {
+        node,
+        label,
+        ..hello
+    };
     let me = format!("{} ({here})", hello.label);
     signals
         .also_forward(&hello.forward_signals)
@@ -177,6 +183,13 @@ pub async fn serve(
         .set(&keys.joined(hello.node), &record)
         .await
         .map_err(lost)?;
+    if hello.heartbeat {
+        tokio::spawn(peer::heartbeat(
+            reached,
+            hello.secret.clone(),
+            keys.alive(hello.node),
+        ));
+    }
 
     for step_no in 0.. {
         let step_key = keys.step(hello.node, step_no);

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::protocol::{Hello, Keys, c10d_next_key, c10d_run_key};
+use super::protocol::{Hello, c10d_next_key, c10d_run_key};
 use crate::error::{Error, Result};
 use crate::node::Signals;
 use crate::plan::{C10d, NodesPlan, Plan};
@@ -17,10 +17,8 @@ use crate::store::client::Client;
 /// Joins the rendezvous `c` and serves as a node of its job; nrun's exit code.
 pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
     let endpoint = format!("{}:{}", c.host, c.port);
-    let addrs: Vec<SocketAddr> = endpoint
-        .to_socket_addrs()
-        .map_err(|e| Error::usage(format!("--rdzv-endpoint {endpoint}: {e}")))?
-        .collect();
+    let addrs = resolve(&c.host, c.port)
+        .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {e}")))?;
     let deadline = Instant::now() + nodes.join_timeout;
     let secs = nodes.join_timeout.as_secs();
     // The hosting nrun may start after this one: try until the join timeout.
@@ -56,8 +54,14 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
         )));
     }
     let run = String::from_utf8_lossy(&store.get(&run_key).await.map_err(lost)?).into_owned();
-    let index = store.add(&c10d_next_key(&c.id), 1).await.map_err(lost)?;
-    let node = usize::try_from(index).unwrap_or(usize::MAX);
+    // A node index the launcher fixed (srun's SLURM_NODEID), else the next in join order.
+    let node = match c.node {
+        Some(n) => n,
+        None => {
+            let index = store.add(&c10d_next_key(&c.id), 1).await.map_err(lost)?;
+            usize::try_from(index).unwrap_or(usize::MAX)
+        }
+    };
     if node >= plan.nnodes {
         return Err(Error::cluster(format!(
             "the rendezvous at {endpoint} (id {:?}) already has its --nnodes {} nodes; this one \
@@ -76,9 +80,10 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
         version: crate::cli::VERSION.to_string(),
         python: nodes.python_probe.then(|| plan.python.clone()).flatten(),
         forward_signals: plan.forward_signals.clone(),
+        nodes: Vec::new(),
+        heartbeat: true,
     };
     tracing::info!("joined the rendezvous at {endpoint} as node {node}");
-    tokio::spawn(heartbeat(reached, secret, Keys::new(&run).alive(node)));
     let signals = Signals::install(&plan.forward_signals)?;
     // Nothing closes: the host going away shows as its store going away.
     let (_keep, gone) = watch::channel(false);
@@ -89,7 +94,7 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
 }
 
 /// Bumps this node's heartbeat key every second while the process lives.
-async fn heartbeat(addr: SocketAddr, secret: String, key: Vec<u8>) {
+pub(super) async fn heartbeat(addr: SocketAddr, secret: String, key: Vec<u8>) {
     let Ok(mut c) = Client::connect(addr, Duration::from_secs(5)).await else {
         return;
     };
@@ -101,5 +106,31 @@ async fn heartbeat(addr: SocketAddr, secret: String, key: Vec<u8>) {
             return;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The endpoint's addresses: its name resolved, or (a Slurm node name the resolver does not
+/// know) the NodeAddr Slurm has for it.
+fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
+    let found = (host, port)
+        .to_socket_addrs()
+        .map(|a| a.collect::<Vec<_>>());
+    match found {
+        Ok(a) if !a.is_empty() => Ok(a),
+        Ok(_) => Err("resolves to no address".into()),
+        Err(e) => {
+            let out = std::process::Command::new("scontrol")
+                .args(["show", "node", "-o", host])
+                .output();
+            let addr = out.ok().and_then(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("NodeAddr=").map(str::to_string))
+            });
+            match addr.and_then(|a| (a.as_str(), port).to_socket_addrs().ok()) {
+                Some(a) => Ok(a.collect()),
+                None => Err(format!("{e} (and Slurm knows no NodeAddr for it)")),
+            }
+        }
     }
 }

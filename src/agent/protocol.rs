@@ -28,6 +28,37 @@ pub struct Hello {
     /// Signals the agent passes on to its workers when it gets them itself (from srun, say).
     #[serde(default)]
     pub forward_signals: Vec<i32>,
+    /// One srun step started every agent with this same Hello: each finds its node by name
+    /// (SLURMD_NODENAME) among these labels, and `node`/`label` are ignored.
+    #[serde(default)]
+    pub nodes: Vec<String>,
+    /// Bump a heartbeat key every second (agents the coordinator cannot watch as processes).
+    #[serde(default)]
+    pub heartbeat: bool,
+}
+
+impl Hello {
+    /// This agent's node index and label: its own, or (a shared Hello) found by node name.
+    pub fn place(&self) -> Result<(usize, String), String> {
+        if self.nodes.is_empty() {
+            return Ok((self.node, self.label.clone()));
+        }
+        let me = std::env::var("SLURMD_NODENAME").unwrap_or_else(|_| crate::net::hostname());
+        if let Some(i) = self.nodes.iter().position(|n| *n == me) {
+            return Ok((i, me));
+        }
+        // Names can differ in form (short, FQDN): the step's node index is the same order.
+        match std::env::var("SLURM_NODEID")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            Some(i) if i < self.nodes.len() => Ok((i, self.nodes[i].clone())),
+            _ => Err(format!(
+                "nrun agent on {me}: this node is not among the job's nodes ({})",
+                self.nodes.join(", ")
+            )),
+        }
+    }
 }
 
 /// What an agent publishes once connected.

@@ -195,6 +195,9 @@ pub struct C10d {
     pub id: String,
     /// Derived from NRUN_RDZV_SECRET when every node has it; None: nrun's keys are open.
     pub secret: Option<String>,
+    /// This node's index when the launcher fixed it (srun: SLURM_NODEID; 0 hosts the store);
+    /// None: the nrun that binds the endpoint hosts, the others join in order.
+    pub node: Option<usize>,
 }
 
 /// How worker lines look on the console.
@@ -344,7 +347,20 @@ impl Plan {
                 nnodes - 1
             )));
         }
-        let c10d = resolve_c10d(rdzv, nnodes, uses_hosts, &run_id, env)?;
+        let mut c10d = resolve_c10d(rdzv, nnodes, uses_hosts, &run_id, env)?;
+        let mut nnodes = nnodes;
+        let mut min_nodes = min_nodes;
+        let mut run_id = run_id;
+        // Under `srun` on every node, Slurm says how many nodes there are and which this is.
+        if c10d.is_none() && !uses_hosts && rdzv.node_rank.is_none() && nnodes == 1 {
+            if let Some((n, c)) = slurm_every_node(env)? {
+                (nnodes, min_nodes) = (n, n);
+                if rdzv.rdzv_id.is_none() {
+                    run_id = c.id.clone();
+                }
+                c10d = Some(c);
+            }
+        }
         if min_nodes < nnodes && !uses_hosts && c10d.is_none() {
             return Err(Error::usage(format!(
                 "--nnodes {}: an elastic range needs nodes that join: a host list (-H, \
@@ -367,7 +383,14 @@ impl Plan {
             resolve_command(target, command, env)?
         };
         let python = find_python(target.python.as_deref(), env);
-        let store = resolve_store(rdzv, nnodes, uses_hosts)?;
+        let store = match &c10d {
+            // As with a host list: every node learns its store address when it joins.
+            Some(c) => StorePlan::Host {
+                port: c.port,
+                advertise: String::new(),
+            },
+            None => resolve_store(rdzv, nnodes, uses_hosts)?,
+        };
 
         let redirects = match redirects {
             Some(s) => StreamSpec::parse("--redirects", s)?,
@@ -1113,7 +1136,60 @@ fn resolve_c10d(
         port,
         id: run_id.to_string(),
         secret,
+        node: None,
     }))
+}
+
+/// `srun --ntasks-per-node=1 nrun ...` (torchrun's `srun torchrun` form): one nrun per node of
+/// a step of several nodes. Node SLURM_NODEID 0 hosts the store on a port derived from the job
+/// and step ids; the others join it as their node index. None: not inside such a step.
+fn slurm_every_node(env: Env<'_>) -> Result<Option<(usize, C10d)>> {
+    let (Some(step), Some(nodes)) = (env("SLURM_STEP_ID"), env("SLURM_STEP_NUM_NODES")) else {
+        return Ok(None);
+    };
+    let nodes: usize = nodes.trim().parse().unwrap_or(1);
+    if nodes < 2 {
+        return Ok(None);
+    }
+    let tasks: usize = env("SLURM_STEP_NUM_TASKS")
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(nodes);
+    if tasks != nodes {
+        return Err(Error::usage(format!(
+            "this srun step runs {tasks} tasks on {nodes} nodes: nrun starts the workers itself, \
+             one nrun per node (srun --ntasks-per-node=1 nrun --nproc N ...)"
+        )));
+    }
+    let node: usize = env("SLURM_NODEID")
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| Error::usage("SLURM_NODEID is not set in this srun step"))?;
+    let list = env("SLURM_STEP_NODELIST")
+        .or_else(|| env("SLURM_JOB_NODELIST"))
+        .ok_or_else(|| Error::usage("SLURM_STEP_NODELIST is not set in this srun step"))?;
+    let first = crate::hosts::expand_slurm_hostlist(&list)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::usage(format!("SLURM_STEP_NODELIST {list:?} names no node")))?;
+    let job: u64 = env("SLURM_JOB_ID")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let step: u64 = step.trim().parse().unwrap_or(0);
+    // Steps of one job, and jobs sharing a node, get different ports.
+    let port = 20000 + ((job * 64 + step) % 20000) as u16;
+    let id = format!("slurm-{job}.{step}");
+    let secret = env("NRUN_RDZV_SECRET")
+        .filter(|s| !s.is_empty())
+        .map(|s| crate::store::auth::derive(s.as_bytes(), &id));
+    Ok(Some((
+        nodes,
+        C10d {
+            host: first,
+            port,
+            id,
+            secret,
+            node: Some(node),
+        },
+    )))
 }
 
 /// A random (version 4) UUID, as torchrun's standalone run ids.

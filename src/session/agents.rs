@@ -47,7 +47,7 @@ impl AgentProcess {
 }
 
 /// Starts every node's agent, at most --ssh-concurrency at a time.
-pub async fn start_all(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
+pub async fn start_all(s: &Session, plan: &Plan) -> Result<(Vec<Node>, Option<AgentProcess>)> {
     let np = &s.plan;
     let addrs = super::coordinator_addrs(s.rendezvous.port);
     let cwd = std::env::current_dir()
@@ -56,6 +56,9 @@ pub async fn start_all(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
     let sem = Arc::new(tokio::sync::Semaphore::new(np.ssh_concurrency));
     let mut tasks = Vec::new();
     let first_peer = np.hosts.len() - np.peers;
+    if np.launcher == Launcher::Srun && np.peers == 0 {
+        return start_step(s, plan, &addrs, cwd, &secret).await;
+    }
     for (i, h) in np.hosts.iter().enumerate() {
         if i >= first_peer {
             continue;
@@ -81,6 +84,8 @@ pub async fn start_all(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
                 None
             },
             forward_signals: plan.forward_signals.clone(),
+            nodes: Vec::new(),
+            heartbeat: false,
         };
         let (sem, np, label) = (sem.clone(), np.clone(), h.name.clone());
         tasks.push(tokio::spawn(async move {
@@ -101,7 +106,44 @@ pub async fn start_all(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
         agent: Agent::Peer(super::PeerBeat::default()),
         joined: None,
     }));
-    Ok(nodes)
+    Ok((nodes, None))
+}
+
+/// Inside a Slurm allocation: every node's agent from one srun step, each finding its node by
+/// name in a shared Hello and beating its heartbeat (the coordinator sees one process).
+async fn start_step(
+    s: &Session,
+    plan: &Plan,
+    addrs: &[String],
+    cwd: std::path::PathBuf,
+    secret: &str,
+) -> Result<(Vec<Node>, Option<AgentProcess>)> {
+    let np = &s.plan;
+    let names: Vec<String> = np.hosts.iter().map(|h| h.name.clone()).collect();
+    let hello = Hello {
+        secret: secret.to_string(),
+        run: s.run.clone(),
+        node: 0,
+        label: String::new(),
+        addrs: addrs.to_vec(),
+        cwd,
+        version: crate::cli::VERSION.to_string(),
+        python: np.python_probe.then(|| plan.python.clone()).flatten(),
+        forward_signals: plan.forward_signals.clone(),
+        nodes: names.clone(),
+        heartbeat: true,
+    };
+    let argv = remote::srun_step_command(&names, &np.remote_nrun);
+    let step = spawn_process(&argv, "the srun step", false, &hello).await?;
+    let nodes = names
+        .into_iter()
+        .map(|label| Node {
+            label,
+            agent: Agent::Peer(super::PeerBeat::default()),
+            joined: None,
+        })
+        .collect();
+    Ok((nodes, Some(step)))
 }
 
 async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> Result<Node> {
@@ -121,6 +163,22 @@ async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> R
             Launcher::Srun => remote::srun_command(label, &remote_nrun),
         }
     };
+    let process = spawn_process(&argv, label, local, hello).await?;
+    Ok(Node {
+        label: label.to_string(),
+        agent: Agent::Process(Box::new(process)),
+        joined: None,
+    })
+}
+
+/// Starts `argv` (an agent, or the srun step of all of them) and gives it `hello` on stdin;
+/// its stdout is passed on, its stderr too and kept for explaining a failure.
+async fn spawn_process(
+    argv: &[std::ffi::OsString],
+    label: &str,
+    local: bool,
+    hello: &Hello,
+) -> Result<AgentProcess> {
     let mut cmd = tokio::process::Command::new(&argv[0]);
     // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
     // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
@@ -173,15 +231,11 @@ async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> R
             }
         });
     }
-    Ok(Node {
-        label: label.to_string(),
-        agent: Agent::Process(Box::new(AgentProcess {
-            child,
-            stdin,
-            stderr_tail: tail,
-            local,
-        })),
-        joined: None,
+    Ok(AgentProcess {
+        child,
+        stdin,
+        stderr_tail: tail,
+        local,
     })
 }
 
@@ -251,6 +305,8 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
     });
     loop {
         let mut pending = 0;
+        // The srun step that started the agents, if it ended: none of them will join now.
+        let step_gone = s.step_process.as_mut().and_then(|p| p.exited()).is_some();
         for i in 0..k {
             if s.nodes[i].joined.is_some() {
                 continue;
@@ -260,7 +316,7 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
             }
             match &mut s.nodes[i].agent {
                 Agent::Process(p) => pending += usize::from(p.exited().is_none()),
-                Agent::Peer(_) => pending += 1,
+                Agent::Peer(_) => pending += usize::from(!step_gone),
                 Agent::InProcess => {}
             }
         }
@@ -304,6 +360,21 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
         let label = &n.label;
         let p = match &mut n.agent {
             Agent::Process(p) => p,
+            Agent::Peer(_) if s.step_process.is_some() => {
+                let step = s.step_process.as_mut();
+                let why = match step.map(|p| (p.exited(), p.last_words())) {
+                    Some((Some(st), said)) => format!(
+                        "the srun step of the agents ended ({st}){}",
+                        said.map_or(String::new(), |w| format!(": {w}"))
+                    ),
+                    _ => format!(
+                        "its agent did not join within {} s (--join-timeout); srun is still running",
+                        timeout.as_secs()
+                    ),
+                };
+                failures.push((i, format!("{label}: {why}")));
+                continue;
+            }
             Agent::Peer(_) => {
                 failures.push((
                     i,
@@ -349,7 +420,12 @@ fn take_joined(s: &mut Session, i: usize) -> bool {
     if matches!(s.nodes[i].agent, Agent::Peer(_)) {
         // A joined node is named by its host, kept apart from a namesake.
         let name = facts.hostname.clone();
-        let taken = |n: &str| s.nodes.iter().any(|o| o.label == n);
+        let taken = |n: &str| {
+            s.nodes
+                .iter()
+                .enumerate()
+                .any(|(j, o)| j != i && o.label == n)
+        };
         s.nodes[i].label = match taken(&name) {
             false => name,
             true => format!("{name}#{i}"),
@@ -380,6 +456,17 @@ pub(super) fn admit_late(s: &mut Session) -> Vec<usize> {
 /// Ends every agent process: they leave on the End step by themselves; stdin is closed only
 /// after that, so they do not mistake the end for the launcher going away. Stragglers: stdin
 /// closed, then killed.
+pub(super) async fn end_step(step: &mut Option<AgentProcess>) {
+    let Some(p) = step.as_mut() else { return };
+    let _ = tokio::time::timeout(Duration::from_secs(2), p.child.wait()).await;
+    p.stdin.take();
+    let _ = tokio::time::timeout(Duration::from_secs(3), p.child.wait()).await;
+    if p.exited().is_none() {
+        let _ = p.child.start_kill();
+        let _ = p.child.wait().await;
+    }
+}
+
 pub(super) async fn end_all(nodes: &mut [Node]) {
     wait_exits(nodes, Duration::from_secs(2)).await;
     for n in nodes.iter_mut() {

@@ -153,6 +153,8 @@ pub struct Session {
     /// The nodes the job runs on now: those that joined; elastic runs drop lost nodes and take
     /// in late ones between attempts.
     pub active: Vec<usize>,
+    /// The one srun step that started every node's agent (inside a Slurm allocation).
+    pub step_process: Option<AgentProcess>,
 }
 
 impl Session {
@@ -240,6 +242,7 @@ impl Session {
             temp_root: crate::node::keeper::scratch_dir(std::process::id()),
             watch: None,
             active: Vec::new(),
+            step_process: None,
         };
         if let (Some(c), Some(st)) = (&plan.c10d, session.store()) {
             // What a joining node needs to find this run's keys.
@@ -255,7 +258,9 @@ impl Session {
                 joined: None,
             }]
         } else {
-            agents::start_all(&session, plan).await?
+            let (nodes, step) = agents::start_all(&session, plan).await?;
+            session.step_process = step;
+            nodes
         };
         Ok(session)
     }
@@ -672,7 +677,18 @@ impl Session {
     /// its workers unasked) its connection to the launch host broke while ssh may still close.
     fn lost(&mut self, i: usize, stopped: bool) -> Option<String> {
         let beat = self.store().and_then(|st| st.get(&self.keys.alive(i)));
+        let step_end = self
+            .step_process
+            .as_mut()
+            .and_then(|p| p.exited().map(|st| (st, p.last_words())));
         let n = self.nodes.get_mut(i)?;
+        if let (Agent::Peer(_), Some((st, said))) = (&n.agent, step_end) {
+            return Some(format!(
+                "lost {}: the srun step running its agent ended ({st}){}",
+                n.label,
+                said.map_or(String::new(), |w| format!(": {w}"))
+            ));
+        }
         if let Agent::Peer(b) = &mut n.agent {
             let now = Instant::now();
             let beat = beat.unwrap_or_default();
@@ -732,6 +748,7 @@ impl Session {
             self.wait_peers_ended(step).await;
         }
         agents::end_all(&mut self.nodes).await;
+        agents::end_step(&mut self.step_process).await;
         if let Some(stop) = self.hosted.as_mut().and_then(|h| h.stop.take()) {
             let _ = stop.send(());
         }
@@ -813,12 +830,21 @@ pub fn bind_rendezvous(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
     let Some(c) = &plan.c10d else {
         return Ok(None);
     };
-    if !crate::net::is_this_host(&c.host) {
-        return Ok(None);
+    // A node index the launcher fixed decides: node 0 hosts, whatever its name resolves to.
+    match c.node {
+        Some(0) => {}
+        Some(_) => return Ok(None),
+        None if !crate::net::is_this_host(&c.host) => return Ok(None),
+        None => {}
     }
     match store::server::bind(c.port) {
         Ok(l) => Ok(Some(l)),
-        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && c.node.is_none() => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(Error::usage(format!(
+            "port {} on {} (node 0 of this srun step) is taken: another job's store? give \
+             --rdzv-endpoint HOST:PORT with a free port",
+            c.port, c.host
+        ))),
         Err(e) => Err(Error::usage(format!(
             "--rdzv-endpoint {}:{}: cannot listen on that port here: {e}",
             c.host, c.port

@@ -2,10 +2,12 @@
 //! node or many: torchrun's environment at each worker's place, the run's variables, the
 //! node's interface and GPUs, output prefixes, console filters, log and error files.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use super::Session;
 use crate::agent::protocol::{Step, WorkerSpec};
+use crate::node::output::Color;
 use crate::plan::{Place, Plan, WorkerSlot};
 
 /// One node of a group that runs together, with its ranks in that group.
@@ -203,7 +205,13 @@ impl Session {
                 colour: rank,
                 console: [shown && !red.stdout(), shown && !red.stderr()],
                 log_dir,
-                color: plan.console.color,
+                // A remote agent's own stdout is a pipe (ssh) or srun's: the launcher's
+                // terminal decides.
+                color: match (plan.console.color, n.is_local()) {
+                    (Color::Auto, false) if std::io::stdout().is_terminal() => Color::Always,
+                    (Color::Auto, false) => Color::Never,
+                    (c, _) => c,
+                },
                 stdin: l.logs && plan.stdin_rank == Some(rank),
                 numa: l.logs && plan.numa_binding,
             });
