@@ -20,6 +20,18 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   fi
 fi
 
+# A real Slurm for tests/slurm.rs (scripts/slurm-cluster.sh runs its own daemons): the
+# packages only, their services kept from starting.
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "test.sh: installing slurm-wlm munge" >&2
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends slurm-wlm munge) >/dev/null || echo "test.sh: slurm-wlm not installed; its tests will fail" >&2
+    rm -f /usr/sbin/policy-rc.d
+  fi
+fi
+
 venv=$(scripts/venv.sh)
 export NRUN_TEST_PYTHON="$venv/bin/python"
 

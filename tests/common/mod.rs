@@ -300,6 +300,15 @@ impl Cluster {
     /// Processes still running inside the cluster's namespaces, other than each host's sshd
     /// listener; waits up to 5 s for them to end (ssh sessions close asynchronously).
     pub fn assert_nothing_left(&self, k: usize) {
+        self.assert_nothing_left_except(k, &[]);
+    }
+
+    /// As [`Cluster::assert_nothing_left`], with each host's slurmd allowed to stay.
+    pub fn assert_nothing_left_but_slurmd(&self, k: usize) {
+        self.assert_nothing_left_except(k, &["slurmd -f "]);
+    }
+
+    fn assert_nothing_left_except(&self, k: usize, daemons: &[&str]) {
         let end = std::time::Instant::now() + Duration::from_secs(5);
         loop {
             let mut left = Vec::new();
@@ -316,7 +325,11 @@ impl Cluster {
                     let zombie = stat
                         .rsplit_once(") ")
                         .is_some_and(|(_, r)| r.starts_with('Z'));
-                    if cmd.is_empty() || zombie || cmd.contains("[listener]") {
+                    if cmd.is_empty()
+                        || zombie
+                        || cmd.contains("[listener]")
+                        || daemons.iter().any(|d| cmd.contains(d))
+                    {
                         continue;
                     }
                     left.push(format!("{}: {pid} {cmd}", self.host(i)));

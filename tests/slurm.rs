@@ -1,0 +1,241 @@
+//! nrun with a real Slurm: slurmctld in the root namespace, one slurmd per namespace host
+//! (scripts/slurm-cluster.sh). Inside an allocation (salloc, sbatch) nrun starts every node's
+//! agent with one srun step; started by srun on every node, each nrun takes its node index from
+//! Slurm. Skipped (visibly) without root or where Slurm cannot be installed.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A Slurm cluster of namespace hosts, taken down on drop.
+struct Slurm {
+    name: String,
+    conf: String,
+    cluster: Cluster,
+}
+
+impl Slurm {
+    fn up(name: &str, k: usize) -> Option<Slurm> {
+        if !nix_is_root() {
+            eprintln!("SKIPPED slurm test {name}: needs root");
+            return None;
+        }
+        let script = format!("{}/scripts/slurm-cluster.sh", env!("CARGO_MANIFEST_DIR"));
+        let out = Command::new("bash")
+            .args([&script, "up", &k.to_string(), name])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "slurm-cluster.sh up {k} {name}: {}",
+            text(&out.stderr)
+        );
+        let env =
+            std::fs::read_to_string(text(&out.stdout).lines().last().unwrap().trim()).unwrap();
+        let conf = env
+            .trim()
+            .strip_prefix("export SLURM_CONF=")
+            .unwrap()
+            .to_string();
+        Some(Slurm {
+            name: name.into(),
+            conf,
+            cluster: Cluster {
+                name: name.into(),
+                config: String::new(),
+            },
+        })
+    }
+
+    /// A Slurm client command (salloc, sbatch, srun, scancel, squeue) for this cluster, with
+    /// the scene's tag for every process it starts.
+    fn cmd(&self, s: &Scene, prog: &str) -> Command {
+        let mut c = Command::new(prog);
+        c.env("SLURM_CONF", &self.conf)
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .env_remove("NRUN_LOG")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    }
+}
+
+impl Drop for Slurm {
+    fn drop(&mut self) {
+        let script = format!("{}/scripts/slurm-cluster.sh", env!("CARGO_MANIFEST_DIR"));
+        let _ = Command::new("bash")
+            .args([&script, "down", &self.name])
+            .output();
+        // The netns cluster is gone with it: nothing left for Cluster's own drop to do.
+        self.cluster.name = format!("{}-gone", self.name);
+    }
+}
+
+fn nrun() -> String {
+    nrun_bin().display().to_string()
+}
+
+fn run(mut c: Command, timeout: Duration) -> Output {
+    let child = c.spawn().unwrap();
+    wait_with_timeout(child, timeout).0
+}
+
+#[test]
+fn inside_an_allocation_one_srun_step_starts_every_node() {
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED inside_an_allocation_one_srun_step_starts_every_node: no torch");
+        return;
+    };
+    let Some(sl) = Slurm::up("sa1", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let script = format!(
+        "{}/tests/python/gloo_allreduce.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mut c = sl.cmd(&s, "salloc");
+    c.args(["-N3", &nrun(), "--nproc", "2", "--no-python-probe"])
+        .args(["--python", py.to_str().unwrap(), &script]);
+    let out = run(c, Duration::from_secs(120));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for r in 0..6 {
+        assert_eq!(
+            stdout
+                .matches(&format!("rank {r}/6: all_reduce ok (21)"))
+                .count(),
+            1,
+            "{stdout}"
+        );
+    }
+    // Each node's workers on its own interface and host.
+    for i in 1..=3 {
+        assert!(stdout.contains(&format!("[sa1-h{i}:rank")), "{stdout}");
+    }
+    assert!(stderr.contains("3/3 nodes joined"), "{stderr}");
+    // The network preflight across the allocation.
+    let mut c = sl.cmd(&s, "salloc");
+    c.args(["-N3", &nrun(), "--nproc", "2", "--no-python-probe"])
+        .args([
+            "--preflight-only",
+            "--preflight",
+            "net",
+            "--preflight-sizes",
+            "8:1M:4",
+        ]);
+    let out = run(c, Duration::from_secs(120));
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(stdout.contains("6 ranks on 3 node(s)"), "{stdout}");
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(3);
+}
+
+#[test]
+fn srun_on_every_node_and_a_failure_ends_the_job_everywhere() {
+    let Some(sl) = Slurm::up("sa2", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    // The sbatch form: `srun nrun ...` in the batch script, one nrun per node.
+    let dir = s.dir.path();
+    let batch = dir.join("job.sh");
+    let out_file = dir.join("job.out");
+    std::fs::write(
+        &batch,
+        format!(
+            "#!/bin/sh\nsrun --ntasks-per-node=1 {} --nproc 2 --no-python-probe --no-python sh -c \
+             'echo rank=$RANK group=$GROUP_RANK of=$WORLD_SIZE host=$(hostname); \
+             [ \"$FAIL_ON\" = \"$GROUP_RANK\" ] && exit 3; exit 0'\n",
+            nrun()
+        ),
+    )
+    .unwrap();
+    let mut c = sl.cmd(&s, "sbatch");
+    c.args(["-N3", "--wait", "-o"])
+        .arg(&out_file)
+        .arg(&batch)
+        .env("FAIL_ON", "none");
+    let out = run(c, Duration::from_secs(120));
+    let log = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert_eq!(out.status.code(), Some(0), "{log}\n{}", text(&out.stderr));
+    for r in 0..6 {
+        assert_eq!(log.matches(&format!("rank={r} ")).count(), 1, "{log}");
+    }
+    // Node index from Slurm: group 1 runs on the second node.
+    assert!(log.contains("rank=2 group=1 of=6 host=sa2-h2"), "{log}");
+
+    // A worker failing on node 2 (group 2): every node's nrun exits with its code.
+    let t0 = Instant::now();
+    let mut c = sl.cmd(&s, "sbatch");
+    c.args(["-N3", "--wait", "-o"])
+        .arg(&out_file)
+        .arg(&batch)
+        .env("FAIL_ON", "2");
+    let out = run(c, Duration::from_secs(120));
+    let log = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert_ne!(out.status.code(), Some(0), "{log}");
+    assert!(
+        log.contains("rank 4 on sa2-h3") || log.contains("rank 5 on sa2-h3"),
+        "{log}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(60));
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(3);
+}
+
+#[test]
+fn scancel_ends_every_worker_and_agent() {
+    let Some(sl) = Slurm::up("sa3", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let mut c = sl.cmd(&s, "salloc");
+    c.args([
+        "-N3",
+        "-J",
+        "nrun-scancel",
+        &nrun(),
+        "--nproc",
+        "2",
+        "--no-python-probe",
+    ])
+    .args([
+        "-x",
+        "MARK",
+        "--no-python",
+        "sh",
+        "-c",
+        "echo up >> $MARK; exec sleep 300",
+    ]);
+    let child = c.spawn().unwrap();
+    s.wait_marks("up", 6, Duration::from_secs(60));
+    let mut q = sl.cmd(&s, "squeue");
+    q.args(["-h", "-o", "%i", "-n", "nrun-scancel"]);
+    let id = text(&q.output().unwrap().stdout).trim().to_string();
+    assert!(!id.is_empty());
+    let t0 = Instant::now();
+    let mut k = sl.cmd(&s, "scancel");
+    k.arg(&id);
+    assert!(k.status().unwrap().success());
+    let _ = wait_with_timeout(child, Duration::from_secs(30));
+    // Within 5 s nothing of the job is left on any node.
+    let end = t0 + Duration::from_secs(5);
+    while !s.survivors().is_empty() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(3);
+}
