@@ -35,7 +35,7 @@ export NCCL_NVLS_ENABLE=0
   echo "  \"mpirun\": \"$(mpirun --version 2>&1 | head -1)\"}}"
 } | tr -d '\n' >> "$out"; echo >> "$out"
 
-# BENCH_ONLY=local|store|cluster|bisect|watch runs one section.
+# BENCH_ONLY=local|store|cluster|bisect|slurm|watch runs one section.
 only() { [ -z "${BENCH_ONLY:-}" ] || [ "$BENCH_ONLY" = "$1" ]; }
 
 if only local; then
@@ -137,6 +137,18 @@ print(json.dumps({"label": f"bisect{n}", "exit_code": code, "wall_ms": ms, "roun
 PY
   bash scripts/netns-cluster.sh down nbis >/dev/null
 done
+fi
+
+if only slurm; then
+echo "== launch inside a Slurm allocation of 3 nodes (real slurmctld/slurmd in namespaces)" >&2
+# Measured inside one allocation, so salloc's own cost is not counted; srun alone is the peer.
+env_file=$(bash scripts/slurm-cluster.sh up 3 nslb | tail -1)
+# shellcheck disable=SC1090
+. "$env_file"
+salloc -N3 --ntasks-per-node=2 -Q python3 scripts/bench/measure.py slurm3/nrun "$RUNS" -- $NRUN --nproc 2 --no-python-probe --no-python true | tee -a "$out"
+salloc -N3 --ntasks-per-node=2 -Q python3 scripts/bench/measure.py slurm3/srun "$RUNS" -- srun --ntasks-per-node=2 true | tee -a "$out"
+salloc -N3 --ntasks-per-node=2 -Q python3 scripts/bench/measure.py slurm3/srun-nrun "$RUNS" -- srun -n3 --ntasks-per-node=1 $NRUN --nproc 2 --no-python-probe --no-python true | tee -a "$out"
+bash scripts/slurm-cluster.sh down nslb >/dev/null
 fi
 
 if only watch; then

@@ -969,3 +969,65 @@ fn an_elastic_job_goes_on_with_the_nodes_it_has() {
     );
     c.assert_nothing_left(2);
 }
+
+/// Kubernetes (Kubeflow's PyTorchJob, JobSet): each pod gets torchrun's PET_* variables, the
+/// head service's address and its node rank from the pod index. The same nrun command in each
+/// "pod" (a namespace host given that environment) forms the job as torchrun would.
+#[test]
+fn pods_with_pet_environment_form_the_job() {
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED pods_with_pet_environment_form_the_job: no python with torch");
+        return;
+    };
+    let Some(c) = Cluster::up("zk", 2) else {
+        return;
+    };
+    let env = std::fs::read_to_string(format!("{}/cluster.env", c.dir())).unwrap();
+    let net = env
+        .lines()
+        .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
+        .unwrap()
+        .trim()
+        .to_string();
+    let head = format!("10.213.{net}.11");
+    let script = format!(
+        "{}/tests/python/gloo_allreduce.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let s = Scene::new();
+    let pod = |index: usize| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &c.host(index + 1)])
+            .arg(nrun_bin())
+            .args(["--python", py.to_str().unwrap(), &script])
+            // What the operator puts in each pod's environment.
+            .env("PET_NNODES", "2")
+            .env("PET_NPROC_PER_NODE", "2")
+            .env("PET_NODE_RANK", index.to_string())
+            .env("PET_MASTER_ADDR", &head)
+            .env("PET_MASTER_PORT", "23456")
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    // The worker pod may start before the head.
+    let b = pod(1);
+    std::thread::sleep(Duration::from_millis(300));
+    let a = pod(0);
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(120));
+    let (ob, _) = wait_with_timeout(b, Duration::from_secs(120));
+    let all = format!("{}{}", text(&oa.stdout), text(&ob.stdout));
+    assert_eq!(oa.status.code(), Some(0), "{all}\n{}", text(&oa.stderr));
+    assert_eq!(ob.status.code(), Some(0), "{all}\n{}", text(&ob.stderr));
+    for r in 0..4 {
+        assert_eq!(
+            all.matches(&format!("rank {r}/4: all_reduce ok (10)"))
+                .count(),
+            1,
+            "{all}"
+        );
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}

@@ -239,3 +239,63 @@ fn scancel_ends_every_worker_and_agent() {
     s.assert_no_survivors();
     sl.cluster.assert_nothing_left_but_slurmd(3);
 }
+
+/// Slurm's signal before preemption (`--signal=USR1@90`, or scancel -s USR1): every nrun passes
+/// it to its workers, whose handler runs, and the job goes on to finish.
+#[test]
+fn a_slurm_signal_reaches_every_worker() {
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED a_slurm_signal_reaches_every_worker: no python");
+        return;
+    };
+    let Some(sl) = Slurm::up("sa4", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let script = format!(
+        "{}/tests/python/usr1_handler.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mut c = sl.cmd(&s, "srun");
+    c.args([
+        "-N2",
+        "--ntasks-per-node=1",
+        "-J",
+        "nrun-usr1",
+        &nrun(),
+        "--nproc",
+        "2",
+    ])
+    .args([
+        "--no-python-probe",
+        "--watch",
+        "off",
+        "--python",
+        py.to_str().unwrap(),
+        &script,
+    ]);
+    let child = c.spawn().unwrap();
+    s.wait_marks("ready", 4, Duration::from_secs(60));
+    let mut q = sl.cmd(&s, "squeue");
+    q.args(["-h", "-o", "%i", "-n", "nrun-usr1"]);
+    let id = text(&q.output().unwrap().stdout).trim().to_string();
+    let mut k = sl.cmd(&s, "scancel");
+    k.args(["-s", "USR1", &id]);
+    assert!(k.status().unwrap().success());
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    for r in 0..4 {
+        assert!(
+            stdout.contains(&format!("rank {r} handled SIGUSR1: True")),
+            "{stdout}"
+        );
+    }
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(2);
+}
