@@ -1031,3 +1031,96 @@ fn pods_with_pet_environment_form_the_job() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// A passive sniffer on a node's interface during a c10d run with a shared secret: it sees the
+/// store's traffic, never the shared secret nor the run's secret derived from it (agents prove
+/// it by challenge and response; steps carry a MAC, not the key).
+#[test]
+fn the_secret_never_crosses_the_wire() {
+    let Some(c) = Cluster::up("zw", 2) else {
+        return;
+    };
+    let env = std::fs::read_to_string(format!("{}/cluster.env", c.dir())).unwrap();
+    let net = env
+        .lines()
+        .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
+        .unwrap()
+        .trim()
+        .to_string();
+    let endpoint = format!("10.213.{net}.11:29681");
+    let s = Scene::new();
+    let capture = s.dir.path().join("eth0.bin");
+    let sniff = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));
+    let mut sniffer = Command::new("ip")
+        .args(["netns", "exec", &c.host(2), "python3", &sniff, "eth0", "8"])
+        .arg(&capture)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::BufRead;
+        let mut line = String::new();
+        std::io::BufReader::new(sniffer.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "sniffing");
+    }
+    let shared = "a-shared-secret-of-this-cluster";
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "2",
+                "--nproc",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "j-sniff",
+                "--no-python-probe",
+                "--preflight",
+                "net",
+                "--no-python",
+                "sh",
+                "-c",
+                "echo rank $RANK",
+            ])
+            .env("NRUN_RDZV_SECRET", shared)
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    let b = node(2);
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let (ob, _) = wait_with_timeout(b, Duration::from_secs(60));
+    assert_eq!(oa.status.code(), Some(0), "{}", text(&oa.stderr));
+    assert_eq!(ob.status.code(), Some(0), "{}", text(&ob.stderr));
+    let _ = sniffer.wait();
+    let wire = std::fs::read(&capture).unwrap();
+    let derived = nrun::store::auth::derive(shared.as_bytes(), "j-sniff");
+    let has = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
+    // The capture saw the store's conversation...
+    assert!(
+        has(b"nrun/c10d/j-sniff/run"),
+        "{} bytes captured",
+        wire.len()
+    );
+    // ... and neither secret in it.
+    assert!(
+        !has(shared.as_bytes()),
+        "the shared secret crossed the wire"
+    );
+    assert!(
+        !has(derived.as_bytes()),
+        "the run's secret crossed the wire"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}

@@ -261,3 +261,191 @@ fn every_torchrun_flag_parses() {
     }
     assert!(failed.is_empty(), "{failed:#?}");
 }
+
+/// A small seeded generator (xorshift64*), so a failing fuzz case can be replayed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn bytes(&mut self, max: u64) -> Vec<u8> {
+        let n = self.below(max + 1);
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+    fn key(&mut self) -> Vec<u8> {
+        // Mostly a small set of names (collisions, counters, appends), sometimes anything.
+        match self.below(8) {
+            0 => self.bytes(64),
+            _ => format!("/k{}", self.below(32)).into_bytes(),
+        }
+    }
+}
+
+/// One generated request: well formed, or cut short, flipped, or followed by garbage.
+fn fuzz_frame(r: &mut Rng) -> Vec<u8> {
+    use nrun::store::protocol::Request as R;
+    let keys = |r: &mut Rng| (0..r.below(6)).map(|_| r.key()).collect::<Vec<_>>();
+    let req = match r.below(15) {
+        0 => R::Set {
+            key: r.key(),
+            value: r.bytes(512),
+        },
+        1 => R::CompareSet {
+            key: r.key(),
+            expected: r.bytes(16),
+            desired: r.bytes(256),
+        },
+        2 => R::Get { key: r.key() },
+        3 => R::Add {
+            key: r.key(),
+            delta: r.next() as i64 % 1000,
+        },
+        4 => R::Check { keys: keys(r) },
+        5 => R::Wait { keys: keys(r) },
+        6 => R::GetNumKeys,
+        7 => R::DeleteKey { key: r.key() },
+        8 => R::Append {
+            key: r.key(),
+            value: r.bytes(512),
+        },
+        9 => R::MultiGet { keys: keys(r) },
+        10 => R::MultiSet {
+            pairs: (0..r.below(4)).map(|_| (r.key(), r.bytes(256))).collect(),
+        },
+        11 => R::CancelWait,
+        12 => R::Ping {
+            nonce: r.next() as u32,
+        },
+        13 => R::QueuePush {
+            key: r.key(),
+            value: r.bytes(256),
+        },
+        _ => R::QueuePop { key: r.key() },
+    };
+    let mut v = Vec::new();
+    req.encode(&mut v);
+    match r.below(10) {
+        0 if !v.is_empty() => v.truncate(r.below(v.len() as u64) as usize),
+        1 if !v.is_empty() => {
+            let i = r.below(v.len() as u64) as usize;
+            v[i] ^= 1 << r.below(8);
+        }
+        2 => v.extend(r.bytes(64)),
+        _ => {}
+    }
+    v
+}
+
+/// 20,000 generated frames (seeded) against the store of a running nrun under a 2 GiB address
+/// space limit: nrun survives, its memory stays bounded, and a real torch client still gets
+/// answers.
+#[test]
+fn fuzzed_frames_do_not_hurt_the_store() {
+    use std::io::{Read, Write};
+    let Some(py) = python_or_skip("fuzzed_frames_do_not_hurt_the_store") else {
+        return;
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let s = Scene::new();
+    let mut c = s.cmd(&[
+        "--master-port",
+        &port.to_string(),
+        "--no-python",
+        "sleep",
+        "120",
+    ]);
+    // SAFETY: setrlimit only, between fork and exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(|| {
+            let two_gib = 2u64 << 30;
+            nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_AS, two_gib, two_gib)
+                .map_err(std::io::Error::from)
+        });
+    }
+    let mut child = c.spawn().unwrap();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nrun's store never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // nrun itself is the keeper's child.
+    let nrun_pid: u32 = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let rss_mib = || {
+        std::fs::read_to_string(format!("/proc/{nrun_pid}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .map_or(0, |kib| kib / 1024)
+    };
+    let before = rss_mib();
+    let mut rng = Rng(0x6e72_756e_2d66_757a);
+    let mut sent = 0;
+    while sent < 20_000 {
+        let Ok(mut conn) = std::net::TcpStream::connect(addr) else {
+            panic!("the store stopped accepting after {sent} frames");
+        };
+        conn.set_read_timeout(Some(Duration::from_millis(2)))
+            .unwrap();
+        conn.set_write_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let _ = conn.write_all(&[0x00, 0xce, 0xf7, 0x85, 0x3c]);
+        for _ in 0..10 {
+            let _ = conn.write_all(&fuzz_frame(&mut rng));
+            sent += 1;
+        }
+        let mut sink = [0u8; 4096];
+        let _ = conn.read(&mut sink);
+        // Dropped: waits and half-read frames end with the connection.
+    }
+    let after = rss_mib();
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "nrun died under the fuzz"
+    );
+    assert!(
+        after < before + 128,
+        "nrun's RSS grew from {before} to {after} MiB"
+    );
+    let probe = format!(
+        "import datetime, torch.distributed as d\n\
+         s = d.TCPStore('127.0.0.1', {port}, is_master=False, timeout=datetime.timedelta(seconds=10))\n\
+         s.set('after-fuzz', 'ok'); assert s.get('after-fuzz') == b'ok'; assert s.add('ctr', 2) == 2\n\
+         s.wait(['after-fuzz']); print('torch client ok')"
+    );
+    let out = std::process::Command::new(&py)
+        .args(["-c", &probe])
+        .output()
+        .unwrap();
+    assert!(
+        text(&out.stdout).contains("torch client ok"),
+        "{}\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    signal(&child, "TERM");
+    let _ = wait_with_timeout(child, Duration::from_secs(10));
+    s.assert_no_survivors();
+}

@@ -59,6 +59,7 @@ pub async fn run_workers(
     deadline_ms: Option<u64>,
     stop: watch::Receiver<StopRequest>,
     watch: Option<tokio::sync::mpsc::UnboundedSender<NodeWatch>>,
+    secret: Option<&str>,
 ) -> RunResult {
     let mut cmds = Vec::with_capacity(specs.len());
     let this_nrun = std::env::current_exe();
@@ -91,6 +92,10 @@ pub async fn run_workers(
             true => gpu_cpus(&w.env, w.local_rank),
             false => None,
         };
+        let mut env = w.env;
+        if let (true, Some(s)) = (w.secret, secret) {
+            env.push(("NRUN_SECRET".into(), s.to_string()));
+        }
         cmds.push(WorkerCmd {
             stdin: w.stdin,
             cpus,
@@ -98,7 +103,7 @@ pub async fn run_workers(
             local_rank: w.local_rank,
             program,
             args: w.args.into_iter().map(Into::into).collect(),
-            env: w.env,
+            env,
             error_file: w.error_file,
             output: WorkerOutput {
                 prefix: w.prefix,

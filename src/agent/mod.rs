@@ -296,12 +296,14 @@ pub async fn serve(
                 };
                 // The watch's views go out on the main connection, idle while workers run.
                 let (views_tx, mut views) = tokio::sync::mpsc::unbounded_channel();
+                let secret = (!hello.secret.is_empty()).then_some(hello.secret.as_str());
                 let run = exec::run_workers(
                     workers,
                     grace_ms,
                     deadline_ms,
                     rx,
                     watch.then_some(views_tx),
+                    secret,
                 );
                 tokio::pin!(run);
                 tokio::pin!(watcher);

@@ -132,6 +132,10 @@ pub struct WorkerSpec {
     /// Bound to the CPUs of its GPU's NUMA node, found on its node.
     #[serde(default)]
     pub numa: bool,
+    /// One of nrun's own ranks: its agent gives it the run's secret (NRUN_SECRET), which is
+    /// never written into a step (a step is signed, not encrypted).
+    #[serde(default)]
+    pub secret: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -447,7 +447,7 @@ impl Bisect<'_> {
         let extra = |i: usize| {
             settings[i]
                 .as_ref()
-                .map_or_else(Vec::new, |x| x.rank_env(false, None))
+                .map_or_else(Vec::new, |x| x.rank_env(false))
         };
         let (program, args) = match self.bp.probe {
             Probe::Nccl | Probe::Net => (THIS_NRUN.to_string(), vec!["__preflight".to_string()]),
@@ -487,6 +487,7 @@ impl Bisect<'_> {
                 grace_ms: 2000,
                 deadline_ms: Some(self.bp.timeout.as_millis() as u64),
                 watch: false,
+                secret: false,
             };
             let group = Group::of(s, g);
             for (i, st) in s.steps(self.plan, &group, &launch).into_iter().enumerate() {

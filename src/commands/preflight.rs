@@ -43,8 +43,7 @@ pub async fn run(
     let settings: Vec<Settings> = (0..s.len())
         .map(|i| node_settings(s, pf, i, here_lib.clone(), &id))
         .collect();
-    let secret = s.rendezvous.secret.clone();
-    let env = |i: usize| settings[i].rank_env(pf.loopback, secret.as_deref());
+    let env = |i: usize| settings[i].rank_env(pf.loopback);
     // Ranks enforce the init timeout themselves; this deadline only catches a rank that hangs
     // where it cannot (a CUDA call, a dead peer mid-collective).
     let deadline = pf.timeout * 2 + Duration::from_secs(120);
@@ -60,6 +59,7 @@ pub async fn run(
         grace_ms: 3000,
         deadline_ms: Some(deadline.as_millis() as u64),
         watch: false,
+        secret: true,
     };
     let steps = s.steps(plan, &group, &launch);
     since("starting ranks");

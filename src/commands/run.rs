@@ -164,6 +164,7 @@ async fn attempt_loop(
             grace_ms: plan.shutdown_timeout.as_millis() as u64,
             deadline_ms: None,
             watch: s.watch.is_some(),
+            secret: false,
         };
         let steps = s.steps(plan, &s.group(), &launch);
         let results = match s.run_step(steps, Policy::Together).await {

@@ -183,6 +183,9 @@ pub struct Plan {
     pub min_nodes: usize,
     /// `--rdzv-conf last_call_timeout`: how long to wait for more nodes once MIN have joined.
     pub last_call: Duration,
+    /// A static --node-rank launch's secret for nrun's keys, derived from NRUN_RDZV_SECRET and
+    /// the run id when every node has it (None: the store is open, as torchrun's).
+    pub static_secret: Option<String>,
 }
 
 /// torchrun's c10d rendezvous: every node runs the same nrun command; the one on the endpoint's
@@ -456,6 +459,9 @@ impl Plan {
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
             virtual_local_rank: *virtual_local_rank,
             rdzv_join_timeout: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?.0,
+            static_secret: env("NRUN_RDZV_SECRET")
+                .filter(|v| !v.is_empty() && nnodes > 1 && !uses_hosts && c10d.is_none())
+                .map(|v| crate::store::auth::derive(v.as_bytes(), &run_id)),
             c10d,
             min_nodes,
             last_call: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?.1,
@@ -510,6 +516,7 @@ impl Plan {
             c10d: None,
             min_nodes: 1,
             last_call: LAST_CALL,
+            static_secret: None,
         }
     }
 

@@ -79,16 +79,14 @@ impl Settings {
         format!("nrun/pf/{}/{what}", self.id).into_bytes()
     }
 
-    /// What a preflight rank gets on top of the job's environment: these settings, the store's
-    /// secret for nrun's keys, and with --preflight-loopback no NVLink/shared-memory path.
-    pub fn rank_env(&self, loopback: bool, secret: Option<&str>) -> Vec<(String, String)> {
+    /// What a preflight rank gets on top of the job's environment: these settings, and with
+    /// --preflight-loopback no NVLink/shared-memory path. (The store's secret for nrun's keys
+    /// is added by the rank's own agent: it never travels in a step.)
+    pub fn rank_env(&self, loopback: bool) -> Vec<(String, String)> {
         let mut env = vec![(
             ENV.to_string(),
             serde_json::to_string(self).unwrap_or_default(),
         )];
-        if let Some(s) = secret {
-            env.push(("NRUN_SECRET".into(), s.to_string()));
-        }
         if loopback {
             env.push(("NCCL_P2P_DISABLE".into(), "1".into()));
             env.push(("NCCL_SHM_DISABLE".into(), "1".into()));

@@ -173,7 +173,8 @@ impl Session {
         let secret = match (&plan.c10d, static_launch) {
             // Nodes that start on their own agree on a secret only if they share one.
             (Some(c), _) => c.secret.clone(),
-            (None, true) => None,
+            // Static: only a secret every node was given (NRUN_RDZV_SECRET), derived alike.
+            (None, true) => plan.static_secret.clone(),
             (None, false) => Some(random_secret()?),
         };
         let (rendezvous, hosted) = match (&plan.store, listener) {
@@ -222,7 +223,7 @@ impl Session {
                 Rendezvous {
                     addr: addr.clone(),
                     port: *port,
-                    secret: None,
+                    secret: plan.static_secret.clone(),
                 },
                 None,
             ),
@@ -414,13 +415,7 @@ impl Session {
                 // Sitting out: an empty step keeps its agent's count of steps in line (a node
                 // outside the group, or one that joined late); nobody waits for its answer.
                 if matches!(self.nodes[i].agent, Agent::Process(_) | Agent::Peer(_)) {
-                    let idle = Step::Run {
-                        workers: Vec::new(),
-                        grace_ms: 0,
-                        deadline_ms: None,
-                        watch: false,
-                    };
-                    self.set_step(i, step, &idle);
+                    self.set_step(i, step, &Step::idle());
                 }
                 continue;
             };
@@ -437,6 +432,7 @@ impl Session {
         let (views_tx, views_rx) = mpsc::unbounded_channel();
         // The in-process node runs in this very future (see the module doc), beside the wait.
         let local_node = local.as_ref().map(|(i, _)| *i);
+        let secret = self.rendezvous.secret.clone();
         let here = async move {
             let Some((i, step)) = local else { return };
             let r = match step {
@@ -447,7 +443,14 @@ impl Session {
                     watch,
                 } => {
                     let views = watch.then_some(views_tx);
-                    let r = exec::run_workers(workers, grace_ms, deadline_ms, stop_rx, views);
+                    let r = exec::run_workers(
+                        workers,
+                        grace_ms,
+                        deadline_ms,
+                        stop_rx,
+                        views,
+                        secret.as_deref(),
+                    );
                     StepResult::Run(r.await)
                 }
                 Step::Probe { target, timeout_ms } => StepResult::Probe {

@@ -105,6 +105,8 @@ pub struct Launch<'a> {
     pub deadline_ms: Option<u64>,
     /// Sample the workers' stacks (the job's attempts, when the watch is on).
     pub watch: bool,
+    /// The workers are nrun's own (preflight ranks) and get the run's secret from their agent.
+    pub secret: bool,
 }
 
 impl Session {
@@ -214,6 +216,7 @@ impl Session {
                 },
                 stdin: l.logs && plan.stdin_rank == Some(rank),
                 numa: l.logs && plan.numa_binding,
+                secret: l.secret,
             });
         }
         specs
