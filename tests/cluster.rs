@@ -1124,3 +1124,65 @@ fn the_secret_never_crosses_the_wire() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// `kill -9` of nrun (the pid the user started, then nrun itself under its keeper) while the
+/// workers on two namespace hosts have children of their own, one in a new session: nothing is
+/// left on any host.
+#[test]
+fn kill_9_leaves_no_grandchildren_on_any_node() {
+    let Some(c) = Cluster::up("zg", 2) else {
+        return;
+    };
+    let worker = fixture("worker.sh");
+    for target in ["keeper", "nrun"] {
+        let s = Scene::new();
+        let hosts = c.hosts(2);
+        let opts = c.ssh_opts();
+        let child = s.spawn(
+            &[
+                "-H",
+                &hosts,
+                "--ssh-opts",
+                &opts,
+                "--no-python-probe",
+                "-x",
+                "NRUN_TEST_TAG",
+                "-x",
+                "MARK",
+                "-x",
+                "NRUN_FIXTURE",
+                "--nproc",
+                "2",
+                "--no-python",
+                "sh",
+                &worker,
+            ],
+            &[("NRUN_FIXTURE", "grandchildren-stay")],
+        );
+        s.wait_marks("ready", 4, Duration::from_secs(30));
+        let pid = match target {
+            "keeper" => child.id().to_string(),
+            _ => std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))
+                .unwrap()
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .to_string(),
+        };
+        assert!(
+            Command::new("kill")
+                .args(["-KILL", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let _ = wait_with_timeout(child, Duration::from_secs(20));
+        // Workers' own children (same group and setsid) included, on both hosts, within 5 s.
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        while !s.survivors().is_empty() && std::time::Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        s.assert_no_survivors();
+        c.assert_nothing_left(2);
+    }
+}
