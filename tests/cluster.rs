@@ -1006,6 +1006,10 @@ fn pods_with_pet_environment_form_the_job() {
             .env("PET_NODE_RANK", index.to_string())
             .env("PET_MASTER_ADDR", &head)
             .env("PET_MASTER_PORT", "23456")
+            // A secret from the cluster's secret store, and the network preflight, whose
+            // ranks on every pod write nrun's keys with the secret derived from it.
+            .env("NRUN_RDZV_SECRET", "from-a-kubernetes-secret")
+            .env("PET_PREFLIGHT_MODE", "net")
             .env("NRUN_TEST_TAG", &s.tag)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
@@ -1028,6 +1032,12 @@ fn pods_with_pet_environment_form_the_job() {
             "{all}"
         );
     }
+    assert!(
+        text(&oa.stdout).contains("preflight ok"),
+        "{all}\n{}\n{}",
+        text(&oa.stderr),
+        text(&ob.stderr)
+    );
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }

@@ -40,6 +40,12 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let secret = c.secret.clone().unwrap_or_default();
+    if secret.is_empty() {
+        tracing::warn!(
+            "no NRUN_RDZV_SECRET here: this node runs the steps any client of {endpoint} writes; \
+             give every node the same NRUN_RDZV_SECRET to have them signed"
+        );
+    }
     let lost = |e: std::io::Error| Error::cluster(format!("the rendezvous at {endpoint}: {e}"));
     super::prove(&mut store, &secret).await.map_err(lost)?;
     // The host publishes its run's name as soon as its store is up.

@@ -52,6 +52,8 @@ struct Ctx {
     s: Settings,
     rank: usize,
     world: usize,
+    /// The store's address (where the other nodes are reached from).
+    master: SocketAddr,
 }
 
 impl Ctx {
@@ -201,6 +203,7 @@ fn run() -> Result<(), String> {
         s,
         rank,
         world,
+        master: addr,
     };
     ctx.stage("started");
     let mut rep = RankReport {
@@ -744,7 +747,16 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
     let net = |what: &str, e: std::io::Error| err("init", format!("{what}: {e}"));
     let listener = TcpListener::bind((ctx.s.listen_addr.as_str(), 0))
         .map_err(|e| net(&format!("cannot listen on {}", ctx.s.listen_addr), e))?;
-    let me = listener.local_addr().map_err(|e| net("listener", e))?;
+    let mut me = listener.local_addr().map_err(|e| net("listener", e))?;
+    // Listening on every address (a node that does not know its own): the others reach it at
+    // the address this host uses towards the store.
+    if me.ip().is_unspecified() {
+        let toward = std::net::UdpSocket::bind(SocketAddr::new(me.ip(), 0))
+            .and_then(|u| u.connect(ctx.master).and_then(|()| u.local_addr()));
+        if let Ok(a) = toward {
+            me.set_ip(a.ip());
+        }
+    }
     ctx.set(&format!("addr/{rank}"), me.to_string().as_bytes());
     if let Some(i) = crate::net::owner(&crate::net::interfaces(), me.ip()).filter(|i| !i.loopback) {
         rep.nics = vec![hardware::Nic::read(&i.name)];

@@ -230,7 +230,11 @@ impl Session {
             (StorePlan::Host { .. }, None) => return Err(Error::internal("store was not bound")),
         };
         tracing::debug!("store at {}:{}", rendezvous.addr, rendezvous.port);
-        let run = format!("{}-{}", plan.run_id, std::process::id());
+        // A static launch's nodes each run their own nrun: they share a run's keys by its id.
+        let run = match static_launch {
+            true => plan.run_id.clone(),
+            false => format!("{}-{}", plan.run_id, std::process::id()),
+        };
         let mut session = Session {
             nodes: Vec::new(),
             plan: nodes.clone(),
