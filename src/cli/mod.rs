@@ -28,16 +28,20 @@ Examples:
   nrun bisect --hostfile hosts --nproc 8 --write-hostfile good   find the bad nodes and links
   nrun ./doctor                           a script or program named like a command: give a path
   nrun --hostfile hosts --nnodes 4 --nproc 8 train.py   the first 4 nodes of a hostfile
+  nrun --nnodes 2 --nproc 8 --rdzv-backend c10d --rdzv-endpoint gpu1:29400 train.py
+                                          the same command on every node (torchrun's c10d)
+  srun -N 4 --ntasks-per-node 1 nrun --nproc 8 train.py   under Slurm: one nrun per node
+  salloc -N 4 nrun --nproc 8 train.py     inside an allocation: nrun starts the nodes (one srun)
   torchrun --nproc-per-node 8 x.py  ->  nrun --nproc-per-node 8 x.py   (same flags, same env)
 
 Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)
 and rendezvous through the store nrun hosts, so init_process_group(\"env://\") needs no change.
 
 Exit status: 0 all workers succeeded; 2 bad usage or input; 95 nodes could not join or disagree;
-96 bisect found bad nodes; 97 a hang stopped the job (--on-hang stop); 90-94 the preflight failed (90 could
-not run, 91 NCCL init failed, 92 timed out, 93 wrong results, 94 under --min-busbw); otherwise the
-first failing worker's exit code (128+N when it died of signal N), or 128+N when nrun itself was
-stopped by signal N.";
+96 bisect found bad nodes; 97 a hang stopped the job (--on-hang stop); 90-94 the preflight
+failed (90 could not run, 91 NCCL init failed, 92 timed out, 93 wrong results, 94 too slow);
+otherwise the first failing worker's exit code (128+N when it died of signal N), or 128+N when
+nrun itself was stopped by signal N.";
 
 const DOCTOR_EXAMPLES: &str = "\
 Examples:
