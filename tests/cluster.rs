@@ -680,14 +680,7 @@ fn torchrun_style_static_nodes() {
     let Some(c) = Cluster::up("zs", 2) else {
         return;
     };
-    let env = std::fs::read_to_string(format!("{}/cluster.env", c.dir())).unwrap();
-    let net = env
-        .lines()
-        .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
-        .unwrap()
-        .trim()
-        .to_string();
-    let master = format!("10.213.{net}.11");
+    let master = c.addr(1);
     let script = format!(
         "{}/tests/python/gloo_allreduce.py",
         env!("CARGO_MANIFEST_DIR")
@@ -743,14 +736,7 @@ fn the_same_c10d_command_on_every_node() {
     let Some(c) = Cluster::up("zc", 2) else {
         return;
     };
-    let env = std::fs::read_to_string(format!("{}/cluster.env", c.dir())).unwrap();
-    let net = env
-        .lines()
-        .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
-        .unwrap()
-        .trim()
-        .to_string();
-    let endpoint = format!("10.213.{net}.11:29661");
+    let endpoint = format!("{}:29661", c.addr(1));
     let script = format!(
         "{}/tests/python/gloo_allreduce.py",
         env!("CARGO_MANIFEST_DIR")
@@ -982,14 +968,7 @@ fn pods_with_pet_environment_form_the_job() {
     let Some(c) = Cluster::up("zk", 2) else {
         return;
     };
-    let env = std::fs::read_to_string(format!("{}/cluster.env", c.dir())).unwrap();
-    let net = env
-        .lines()
-        .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
-        .unwrap()
-        .trim()
-        .to_string();
-    let head = format!("10.213.{net}.11");
+    let head = c.addr(1);
     let script = format!(
         "{}/tests/python/gloo_allreduce.py",
         env!("CARGO_MANIFEST_DIR")
@@ -1050,14 +1029,7 @@ fn the_secret_never_crosses_the_wire() {
     let Some(c) = Cluster::up("zw", 2) else {
         return;
     };
-    let env = std::fs::read_to_string(format!("{}/cluster.env", c.dir())).unwrap();
-    let net = env
-        .lines()
-        .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
-        .unwrap()
-        .trim()
-        .to_string();
-    let endpoint = format!("10.213.{net}.11:29681");
+    let endpoint = format!("{}:29681", c.addr(1));
     let s = Scene::new();
     let capture = s.dir.path().join("eth0.bin");
     let sniff = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));

@@ -12,33 +12,14 @@ use super::protocol::{NodeWatch, RunResult, THIS_NRUN, WorkerFailure, WorkerSpec
 use crate::node::output::{Sink, WorkerOutput};
 use crate::node::{self, Outcome, StopRequest, WorkerCmd};
 
-/// The CPUs close to the GPU a worker uses (NVML's affinity of the device CUDA numbers first in
-/// its CUDA_VISIBLE_DEVICES, else its local rank); None, with a warning, when unknown.
+/// The CPUs close to the GPU a worker uses (NVML's affinity of that device); None, with a
+/// warning, when unknown. NVML numbers GPUs in PCI order, as CUDA does for GPUs of one model
+/// (CUDA_DEVICE_ORDER=PCI_BUS_ID makes it so for mixed ones).
 fn gpu_cpus(env: &[(String, String)], local_rank: usize) -> Option<Vec<usize>> {
-    let visible = env
-        .iter()
-        .rev()
-        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
-        .map(|(_, v)| v.clone())
-        .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok());
-    // Each worker sees every listed GPU and uses the one at its local rank, or sees one alone.
-    let index = match visible.as_deref().filter(|v| !v.trim().is_empty()) {
-        None => Some(local_rank as u32),
-        Some(v) => {
-            let list: Vec<&str> = v.split(',').map(str::trim).collect();
-            let pick = if list.len() == 1 {
-                list[0]
-            } else {
-                list.get(local_rank).copied().unwrap_or("")
-            };
-            pick.parse::<u32>().ok()
-        }
-    };
-    let Some(index) = index else {
+    let gpu = crate::plan::env::worker_gpu(env, local_rank);
+    let Ok(index) = gpu.parse::<u32>() else {
         tracing::warn!(
-            "--numa-binding: cannot tell local rank {local_rank}'s GPU from CUDA_VISIBLE_DEVICES={}; \
-             not bound",
-            visible.as_deref().unwrap_or("")
+            "--numa-binding: local rank {local_rank}'s GPU is {gpu:?}, not an index; not bound"
         );
         return None;
     };

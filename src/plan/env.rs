@@ -136,9 +136,41 @@ pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>,
     Ok(v)
 }
 
+/// The GPU (as CUDA_VISIBLE_DEVICES names it) a worker of local rank `local_rank` uses: the
+/// entry at its local rank of the list it sees (its own variables, else nrun's), the one entry
+/// when it sees one, or its local rank when nothing narrows the GPUs.
+pub fn worker_gpu(env: &[(String, String)], local_rank: usize) -> String {
+    let seen = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok())
+        .filter(|v| !v.trim().is_empty());
+    let Some(list) = seen else {
+        return local_rank.to_string();
+    };
+    let list: Vec<&str> = list.split(',').map(str::trim).collect();
+    match list.as_slice() {
+        [one] => one.to_string(),
+        many => many
+            .get(local_rank)
+            .map_or_else(|| local_rank.to_string(), |g| g.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_workers_gpu() {
+        let env = |v: &str| vec![("CUDA_VISIBLE_DEVICES".to_string(), v.to_string())];
+        assert_eq!(worker_gpu(&env("4,6"), 1), "6");
+        assert_eq!(worker_gpu(&env("5"), 1), "5");
+        assert_eq!(worker_gpu(&env("0,1"), 3), "3");
+        assert_eq!(worker_gpu(&env("GPU-ab12,GPU-cd34"), 0), "GPU-ab12");
+    }
 
     #[test]
     fn forwarded_variables() {

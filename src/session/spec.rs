@@ -226,19 +226,7 @@ impl Session {
 /// `--virtual-local-rank`: LOCAL_RANK 0, and CUDA_VISIBLE_DEVICES narrowed to the GPU the
 /// worker would have used (its local rank's entry of the list it would have seen).
 fn virtual_local_rank(env: &mut Vec<(String, String)>, local_rank: usize) {
-    let seen = env
-        .iter()
-        .rev()
-        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
-        .map(|(_, v)| v.clone())
-        .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok());
-    let gpu = match seen {
-        Some(list) => list
-            .split(',')
-            .nth(local_rank)
-            .map_or_else(|| local_rank.to_string(), |g| g.trim().to_string()),
-        None => local_rank.to_string(),
-    };
+    let gpu = crate::plan::env::worker_gpu(env, local_rank);
     env.push(("LOCAL_RANK".into(), "0".into()));
     env.push(("CUDA_VISIBLE_DEVICES".into(), gpu));
 }

@@ -259,6 +259,18 @@ impl Cluster {
             .is_ok_and(|s| s.success())
     }
 
+    /// Host i's address on the cluster's bridge (10.213.N.(10+i)).
+    pub fn addr(&self, i: usize) -> String {
+        let env = std::fs::read_to_string(format!("{}/cluster.env", self.dir())).unwrap();
+        let net = env
+            .lines()
+            .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
+            .unwrap()
+            .trim()
+            .to_string();
+        format!("10.213.{net}.{}", 10 + i)
+    }
+
     pub fn host(&self, i: usize) -> String {
         format!("{}-h{i}", self.name)
     }
