@@ -1168,3 +1168,65 @@ fn kill_9_leaves_no_grandchildren_on_any_node() {
         c.assert_nothing_left(2);
     }
 }
+
+/// Elastic growth, as torchrun: a c10d job started with MIN of its MIN:MAX nodes takes in a node
+/// that joins while it runs (the group restarts with it, not counted as a failure's restart).
+#[test]
+fn an_elastic_job_takes_in_a_node_that_joins_later() {
+    let Some(c) = Cluster::up("zl", 2) else {
+        return;
+    };
+    let endpoint = format!("{}:29691", c.addr(1));
+    let s = Scene::new();
+    let work = "echo \"world=$WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT rank=$RANK\"; \
+                [ $WORLD_SIZE = 2 ] && exec sleep 60; exit 0";
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "1:2",
+                "--nproc",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-conf",
+                "last_call_timeout=1",
+                "--no-python-probe",
+                "--no-python",
+                "sh",
+                "-c",
+                work,
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    // The first node starts alone after its last call; the second arrives while it runs.
+    std::thread::sleep(Duration::from_secs(3));
+    let b = node(2);
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let (ob, _) = wait_with_timeout(b, Duration::from_secs(60));
+    let (sa, ea) = (text(&oa.stdout), text(&oa.stderr));
+    assert_eq!(oa.status.code(), Some(0), "{sa}\n{ea}");
+    assert_eq!(ob.status.code(), Some(0), "{}", text(&ob.stderr));
+    assert!(sa.contains("world=2 restart=0 rank=0"), "{sa}");
+    assert!(sa.contains("world=4 restart=0 rank=1"), "{sa}");
+    assert!(
+        text(&ob.stdout).contains("world=4 restart=0 rank=3"),
+        "{}",
+        text(&ob.stdout)
+    );
+    assert!(
+        ea.contains("a node joined: the worker group restarts to take it in"),
+        "{ea}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}

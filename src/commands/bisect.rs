@@ -479,6 +479,7 @@ impl Bisect<'_> {
             let launch = Launch {
                 port,
                 attempt: 0,
+                restart_count: 0,
                 program: &program,
                 args: &args,
                 logs: false,

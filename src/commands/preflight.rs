@@ -51,6 +51,7 @@ pub async fn run(
     let launch = Launch {
         port: s.rendezvous.port,
         attempt: 0,
+        restart_count: 0,
         program: THIS_NRUN,
         args: &["__preflight".to_string()],
         logs: false,

@@ -50,8 +50,8 @@ pub async fn ready(s: &mut Session) -> Result<(), u8> {
     let joined = s.len() - failures.len();
     if !failures.is_empty() && s.elastic() && joined >= s.plan.min_nodes {
         tracing::warn!(
-            "{joined} of {} nodes joined; the job starts with them (--nnodes {}:{}); the others \
-             come in at a restart if they join by then:",
+            "{joined} of {} nodes joined; the job starts with them (--nnodes {}:{}); a node that \
+             joins later is taken in (the worker group restarts with it):",
             s.len(),
             s.plan.min_nodes,
             s.len()
@@ -144,7 +144,10 @@ async fn attempt_loop(
     shape: &JobShape<'_>,
 ) -> u8 {
     let mut code = exit::SUCCESS;
-    for attempt in 0..=plan.max_restarts {
+    // `attempt` numbers the worker groups started (log directories); `restarts` those after a
+    // failure (TORCHELASTIC_RESTART_COUNT): an elastic job growing is not a failure.
+    let mut restarts = 0;
+    for attempt in 0.. {
         if attempt > 0 {
             if let Some(st) = s.store() {
                 st.clear_user_keys();
@@ -156,6 +159,7 @@ async fn attempt_loop(
         let launch = Launch {
             port: s.rendezvous.port,
             attempt,
+            restart_count: restarts,
             program,
             args,
             logs: true,
@@ -175,6 +179,14 @@ async fn attempt_loop(
             eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
             return exit::HANG;
         }
+        // Elastic: nodes arrived while the group ran; it was stopped to take them in.
+        if std::mem::take(&mut s.grow) {
+            if let Err(why) = s.reform(&[]) {
+                eprintln!("nrun: error: {why}; the job cannot go on");
+                return exit::CLUSTER;
+            }
+            continue;
+        }
         match report::job_end(shape, &results) {
             JobEnd::Success => return exit::SUCCESS,
             JobEnd::Interrupted(c) => {
@@ -192,7 +204,7 @@ async fn attempt_loop(
             } => {
                 code = c;
                 // Elastic: lost nodes leave, late ones come in, if MIN nodes remain.
-                if attempt < plan.max_restarts && s.elastic() {
+                if restarts < plan.max_restarts && s.elastic() {
                     let lost: Vec<usize> = results
                         .iter()
                         .enumerate()
@@ -205,10 +217,10 @@ async fn attempt_loop(
                         return c;
                     }
                 }
-                if attempt < plan.max_restarts {
+                if restarts < plan.max_restarts {
+                    restarts += 1;
                     tracing::warn!(
-                        "{headline}; restarting the worker group ({} of {} restarts)",
-                        attempt + 1,
+                        "{headline}; restarting the worker group ({restarts} of {} restarts)",
                         plan.max_restarts
                     );
                     continue;
@@ -228,6 +240,7 @@ async fn attempt_loop(
                         );
                     }
                 }
+                return code;
             }
         }
     }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::agent::exec;
-use crate::agent::protocol::{Keys, RunResult, Step, StepResult, stop_value};
+use crate::agent::protocol::{Joined, Keys, RunResult, Step, StepResult, stop_value};
 
 use crate::error::{Error, Result, exit};
 use crate::facts::Facts;
@@ -155,6 +155,9 @@ pub struct Session {
     pub active: Vec<usize>,
     /// The one srun step that started every node's agent (inside a Slurm allocation).
     pub step_process: Option<AgentProcess>,
+    /// Elastic: the running group was stopped because nodes arrived to take in.
+    pub grow: bool,
+    arrivals_checked: Option<Instant>,
 }
 
 impl Session {
@@ -248,6 +251,8 @@ impl Session {
             watch: None,
             active: Vec::new(),
             step_process: None,
+            grow: false,
+            arrivals_checked: None,
         };
         if let (Some(c), Some(st)) = (&plan.c10d, session.store()) {
             // What a joining node needs to find this run's keys.
@@ -340,6 +345,32 @@ impl Session {
             return Ok(Vec::new());
         }
         agents::join(self).await
+    }
+
+    /// Elastic: whether a node outside the group has published its joined record (checked at
+    /// most once a second).
+    fn arrivals(&mut self) -> bool {
+        if !self.elastic() || self.active.len() >= self.nodes.len() || self.active.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        if self
+            .arrivals_checked
+            .is_some_and(|t| now - t < Duration::from_secs(1))
+        {
+            return false;
+        }
+        self.arrivals_checked = Some(now);
+        let Some(store) = self.store() else {
+            return false;
+        };
+        (0..self.nodes.len())
+            .filter(|i| !self.active.contains(i) && self.nodes[*i].joined.is_none())
+            .any(|i| {
+                store
+                    .get(&self.keys.joined(i))
+                    .is_some_and(|r| serde_json::from_slice::<Joined>(&r).is_ok())
+            })
     }
 
     /// Whether the job may go on with fewer nodes than it has (`--nnodes MIN:MAX`).
@@ -548,6 +579,13 @@ impl Session {
             let failed = results
                 .iter()
                 .any(|r| matches!(r, Some(StepResult::Run(r)) if r.is_failure()));
+            // Elastic, as torchrun: a node waiting to join makes the group re-form with it.
+            if matches!(policy, Policy::Together) && !stopped && self.arrivals() {
+                tracing::warn!("a node joined: the worker group restarts to take it in");
+                self.grow = true;
+                self.stop_step(step, None, &stop_local);
+                stopped = true;
+            }
             if matches!(policy, Policy::Together) && failed && !stopped {
                 self.stop_step(step, None, &stop_local);
                 stopped = true;

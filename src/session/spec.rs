@@ -91,7 +91,10 @@ impl Group {
 pub struct Launch<'a> {
     /// The port of the store the group rendezvous on (MASTER_PORT).
     pub port: u16,
+    /// Which worker group of the job this is (its log directory, attempt_<n>).
     pub attempt: u32,
+    /// TORCHELASTIC_RESTART_COUNT: restarts after failures so far.
+    pub restart_count: u32,
     pub program: &'a str,
     pub args: &'a [String],
     /// Whether the job's --log-dir, --redirects and --local-ranks-filter apply (the
@@ -165,7 +168,7 @@ impl Session {
             };
             let slot = WorkerSlot {
                 local_rank,
-                restart_count: l.attempt,
+                restart_count: l.restart_count,
                 master_addr,
                 master_port: l.port,
                 error_file: &error_file,
