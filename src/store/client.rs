@@ -63,7 +63,12 @@ impl Client {
         .await?;
         let nonce = std::process::id();
         if c.ping(nonce).await? != nonce {
-            return Err(bad_reply("PING nonce"));
+            // Something accepted the connection and answered, but not as a store does.
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "something answered on that port, but not as a TCPStore does (wrong reply to \
+                 PING): another service there, or a proxy in the way?",
+            ));
         }
         Ok(c)
     }
