@@ -1230,3 +1230,72 @@ fn an_elastic_job_takes_in_a_node_that_joins_later() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// A joined c10d node whose nrun is killed outright: its workers die with it, the host names
+/// the node by its silent heartbeat and stops the job; nothing is left on either host.
+#[test]
+fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
+    let Some(c) = Cluster::up("zh", 2) else {
+        return;
+    };
+    let endpoint = format!("{}:29695", c.addr(1));
+    let s = Scene::new();
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "2",
+                "--nproc",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--no-python-probe",
+                "--no-python",
+                "sh",
+                "-c",
+                "echo up >> $MARK; exec sleep 120",
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    let b = node(2);
+    s.wait_marks("up", 2, Duration::from_secs(30));
+    // The joiner's nrun itself (its keeper's child), not the keeper: no signal to pass on.
+    let kid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", b.id()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    // `ip netns exec` execs nrun (the keeper), whose child is nrun proper (the joined node's
+    // agent runs inside it).
+    assert!(
+        Command::new("kill")
+            .args(["-KILL", &kid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let t0 = std::time::Instant::now();
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    let err = text(&oa.stderr);
+    assert_eq!(oa.status.code(), Some(95), "{err}");
+    assert!(err.contains("lost"), "{err}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
