@@ -223,3 +223,33 @@ fn sigusr1_reaches_every_worker_and_the_job_goes_on() {
     assert_eq!(s.marks().iter().filter(|l| *l == "handled True").count(), 3);
     s.assert_no_survivors();
 }
+
+/// Ctrl-C at the terminal while rank 0 holds its foreground (for pdb): the whole job stops as
+/// if nrun had received it, with the interrupt's exit code, not a failure of rank 0.
+#[test]
+fn ctrl_c_at_the_terminal_stops_the_job() {
+    let Some(py) = python() else { return };
+    let s = Scene::new();
+    let sc = on_terminal(
+        &s,
+        &[("rank 1 ready", "\\x03")],
+        &[
+            "--nproc",
+            "2",
+            "--watch",
+            "off",
+            "--python",
+            &py,
+            &script("sleep_ready.py"),
+        ],
+    );
+    let t = sc.text();
+    assert_eq!(sc.status, 130, "{t}");
+    assert!(
+        t.contains("stopped by SIGINT; every worker was stopped"),
+        "{t}"
+    );
+    assert!(!t.contains("first failure"), "{t}");
+    assert!(sc.end < 20.0, "{t}");
+    s.assert_no_survivors();
+}

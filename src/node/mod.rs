@@ -309,6 +309,8 @@ pub async fn run_group(
     }
     let terminal = Terminal::ours();
     let mut gave_terminal = false;
+    // The worker holding the terminal's foreground: the terminal's Ctrl-C reaches it alone.
+    let mut foreground_idx: Option<usize> = None;
     let out = Output::start(outputs);
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<(usize, Exit, SystemTime)>();
     let mut running: Vec<Running> = Vec::with_capacity(cmds.len());
@@ -325,6 +327,9 @@ pub async fn run_group(
         // terminal's foreground with it.
         let foreground = stdin && terminal;
         gave_terminal |= foreground;
+        if foreground {
+            foreground_idx = Some(idx);
+        }
         cmd.args(&args)
             .envs(env)
             .process_group(0)
@@ -445,6 +450,17 @@ pub async fn run_group(
                 running[idx].exit = Some((exit, at));
                 tell(GroupEvent::Exited { rank: running[idx].rank, exit });
                 left -= 1;
+                // The terminal's Ctrl-C, which only the foreground worker got: the user's
+                // interrupt, passed on to the rest as if nrun had received it. The terminal
+                // comes back to nrun, so a second Ctrl-C reaches it.
+                if Some(idx) == foreground_idx && exit == Exit::Signal(libc::SIGINT) && first_failure.is_none() && interrupted.is_none() {
+                    Terminal::take_back();
+                    foreground_idx = None;
+                    stop_all(&running, Signal::SIGINT);
+                    kill_at = Some(Instant::now() + grace);
+                    interrupted = Some(libc::SIGINT);
+                    continue;
+                }
                 if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() && term_at.is_none() && !timed_out && !stopped {
                     first_failure = Some(idx);
                     // A moment before stopping the rest: a peer already on its way out (a rank

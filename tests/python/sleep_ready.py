@@ -1,0 +1,6 @@
+# Each rank says it is ready, then sleeps: a job to interrupt.
+import os
+import time
+
+print(f"rank {os.environ['RANK']} ready", flush=True)
+time.sleep(60)
