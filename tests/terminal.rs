@@ -232,7 +232,8 @@ fn ctrl_c_at_the_terminal_stops_the_job() {
     let s = Scene::new();
     let sc = on_terminal(
         &s,
-        &[("rank 1 ready", "\\x03")],
+        // Both ranks ready (either order), then Ctrl-C.
+        &[("ready", ""), ("ready", "\\x03")],
         &[
             "--nproc",
             "2",
