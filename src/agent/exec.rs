@@ -119,6 +119,11 @@ pub async fn run_workers(
     };
     let grace = Duration::from_millis(grace_ms);
     let outcome = node::run_group(cmds, grace, deadline, stop, events).await;
+    // The failing worker's error file, read once: its traceback, and the file as written.
+    let error_json = match &outcome {
+        Ok(Outcome::Failed(f)) => std::fs::read_to_string(&f.error_file).ok(),
+        _ => None,
+    };
     let result = match outcome {
         Err(e) => RunResult::SpawnError(e.message),
         Ok(Outcome::Success) => RunResult::Success,
@@ -132,8 +137,8 @@ pub async fn run_workers(
             exit_code: f.exit.exit_code(),
             how: f.exit.describe(),
             at: humantime::format_rfc3339_seconds(f.at).to_string(),
-            traceback: node::read_error_file(&f.error_file),
-            error_json: std::fs::read_to_string(&f.error_file).ok(),
+            traceback: error_json.as_deref().and_then(node::error_file_traceback),
+            error_json,
             error_file_kept: !scratch.contains(&f.error_file),
             stderr_tail: f.stderr_tail,
             error_file: f.error_file,

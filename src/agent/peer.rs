@@ -89,6 +89,8 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
         nodes: Vec::new(),
         heartbeat: true,
     };
+    // The agent opens its own connections; this one has done its part.
+    drop(store);
     tracing::info!("joined the rendezvous at {endpoint} as node {node}");
     let signals = Signals::install(&plan.forward_signals)?;
     // Nothing closes: the host going away shows as its store going away.

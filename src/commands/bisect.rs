@@ -460,12 +460,8 @@ impl Bisect<'_> {
                     .collect(),
             ),
         };
-        // Joined nodes outside every group idle through this step.
-        let mut steps: Vec<Option<Step>> = s
-            .nodes
-            .iter()
-            .map(|n| n.joined.as_ref().map(|_| Step::idle()))
-            .collect();
+        // Nodes outside every group sit the round out (the session keeps their steps in line).
+        let mut steps: Vec<Option<Step>> = vec![None; s.len()];
         let mut stores = Vec::new();
         let mut stops = Vec::new();
         for g in &groups {

@@ -19,7 +19,8 @@ pub async fn run(
     let mut s = Session::start(plan, nodes, listener).await?;
     let code = drive(&mut s, plan).await;
     // Nodes whose own nrun joined (c10d) exit with the job's code.
-    s.end_with(*code.as_ref().unwrap_or(&exit::INTERNAL)).await;
+    s.end_with(code.as_ref().map_or_else(|e| e.code, |c| *c))
+        .await;
     code
 }
 

@@ -597,8 +597,12 @@ pub async fn run_group(
 /// `{"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}`, or a plain string
 /// message from C++ code.
 pub fn read_error_file(path: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    error_file_traceback(&std::fs::read_to_string(path).ok()?)
+}
+
+/// The traceback in an error file's text (see [`read_error_file`]).
+pub fn error_file_traceback(text: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
     let m = v.get("message")?;
     if let Some(s) = m.as_str() {
         return Some(s.to_string());

@@ -195,8 +195,7 @@ pub async fn pump(
                 Err(_) => {
                     // Nothing more for a while: show what there is (a prompt).
                     let part = std::mem::take(&mut buf);
-                    t.add(&part);
-                    send(&tx, worker, stream, part).await;
+                    emit(&tx, worker, stream, &mut t, part).await;
                     continue;
                 }
             }
@@ -204,8 +203,7 @@ pub async fn pump(
         if n == 0 {
             if !buf.is_empty() {
                 buf.push(b'\n');
-                t.add(&buf);
-                send(&tx, worker, stream, std::mem::take(&mut buf)).await;
+                emit(&tx, worker, stream, &mut t, std::mem::take(&mut buf)).await;
             }
             return;
         }
@@ -222,17 +220,14 @@ pub async fn pump(
                     None => break,
                 }
             }
-            let seg = buf[start..end].to_vec();
-            t.add(&seg);
-            send(&tx, worker, stream, seg).await;
+            emit(&tx, worker, stream, &mut t, buf[start..end].to_vec()).await;
             start = end;
         }
         buf.drain(..start);
         if buf.len() >= MAX_LINE {
             let mut part = std::mem::take(&mut buf);
             part.push(b'\n');
-            t.add(&part);
-            send(&tx, worker, stream, part).await;
+            emit(&tx, worker, stream, &mut t, part).await;
         }
     }
 }
@@ -274,7 +269,15 @@ impl TailLine {
     }
 }
 
-async fn send(tx: &mpsc::Sender<Msg>, worker: usize, stream: Stream, data: Vec<u8>) {
+/// One segment to the writer, and to the tail.
+async fn emit(
+    tx: &mpsc::Sender<Msg>,
+    worker: usize,
+    stream: Stream,
+    tail: &mut TailLine,
+    data: Vec<u8>,
+) {
+    tail.add(&data);
     let _ = tx
         .send(Msg::Line {
             worker,

@@ -323,6 +323,7 @@ impl Plan {
         let nproc = resolve_nproc(nproc_per_node, env)?;
         // Elastic MIN:MAX: up to MAX nodes, going on with MIN or more.
         let (min_nodes, nnodes) = parse_nnodes(&rdzv.nnodes)?;
+        let (rdzv_join_timeout, last_call) = parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?;
         // The run id names log directories: it must stay one path component.
         let run_id = match &rdzv.rdzv_id {
             Some(id) if id.is_empty() || id.contains('/') || id == "." || id == ".." => {
@@ -458,13 +459,13 @@ impl Plan {
             forward_signals: parse_signals(signals_to_handle)?,
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
             virtual_local_rank: *virtual_local_rank,
-            rdzv_join_timeout: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?.0,
+            rdzv_join_timeout,
             static_secret: env("NRUN_RDZV_SECRET")
                 .filter(|v| !v.is_empty() && nnodes > 1 && !uses_hosts && c10d.is_none())
                 .map(|v| crate::store::auth::derive(v.as_bytes(), &run_id)),
             c10d,
             min_nodes,
-            last_call: parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?.1,
+            last_call,
             launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),

@@ -368,7 +368,8 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
                         said.map_or(String::new(), |w| format!(": {w}"))
                     ),
                     _ => format!(
-                        "its agent did not join within {} s (--join-timeout); srun is still running",
+                        "its agent did not join within {} s (--join-timeout) though srun still \
+                         runs: check that the node reaches this host (and `srun -w {label} true`)",
                         timeout.as_secs()
                     ),
                 };
@@ -405,10 +406,15 @@ pub(super) async fn join(s: &mut Session) -> std::result::Result<Vec<(usize, Str
     Ok(failures)
 }
 
+/// Node `i`'s joined record, if its agent has published one.
+pub(super) fn joined_record(s: &Session, i: usize) -> Option<Joined> {
+    let raw = s.store()?.get(&s.keys.joined(i))?;
+    serde_json::from_slice(&raw).ok()
+}
+
 /// Takes node `i`'s joined record into the session, if it has published one.
 fn take_joined(s: &mut Session, i: usize) -> bool {
-    let raw = s.store().and_then(|st| st.get(&s.keys.joined(i)));
-    let Some(record) = raw.and_then(|r| serde_json::from_slice::<Joined>(&r).ok()) else {
+    let Some(record) = joined_record(s, i) else {
         return false;
     };
     let Joined {
@@ -453,44 +459,35 @@ pub(super) fn admit_late(s: &mut Session) -> Vec<usize> {
     waiting.into_iter().filter(|i| take_joined(s, *i)).collect()
 }
 
-/// Ends every agent process: they leave on the End step by themselves; stdin is closed only
-/// after that, so they do not mistake the end for the launcher going away. Stragglers: stdin
-/// closed, then killed.
-pub(super) async fn end_step(step: &mut Option<AgentProcess>) {
-    let Some(p) = step.as_mut() else { return };
-    let _ = tokio::time::timeout(Duration::from_secs(2), p.child.wait()).await;
-    p.stdin.take();
-    let _ = tokio::time::timeout(Duration::from_secs(3), p.child.wait()).await;
-    if p.exited().is_none() {
-        let _ = p.child.start_kill();
-        let _ = p.child.wait().await;
+/// Ends every agent process (and the srun step that started them, if one did): they leave on
+/// the End step by themselves; stdin is closed only after that, so they do not mistake the end
+/// for the launcher going away. Stragglers: stdin closed, then killed.
+pub(super) async fn end_all(nodes: &mut [Node], step: &mut Option<AgentProcess>) {
+    let mut procs: Vec<&mut AgentProcess> = nodes
+        .iter_mut()
+        .filter_map(|n| match &mut n.agent {
+            Agent::Process(p) => Some(&mut **p),
+            _ => None,
+        })
+        .chain(step.as_mut())
+        .collect();
+    wait_exits(&mut procs, Duration::from_secs(2)).await;
+    for p in procs.iter_mut() {
+        p.stdin.take();
     }
-}
-
-pub(super) async fn end_all(nodes: &mut [Node]) {
-    wait_exits(nodes, Duration::from_secs(2)).await;
-    for n in nodes.iter_mut() {
-        if let Agent::Process(p) = &mut n.agent {
-            p.stdin.take();
-        }
-    }
-    wait_exits(nodes, Duration::from_secs(3)).await;
-    for n in nodes.iter_mut() {
-        if let Agent::Process(p) = &mut n.agent {
-            if p.exited().is_none() {
-                let _ = p.child.start_kill();
-                let _ = p.child.wait().await;
-            }
+    wait_exits(&mut procs, Duration::from_secs(3)).await;
+    for p in procs.iter_mut() {
+        if p.exited().is_none() {
+            let _ = p.child.start_kill();
+            let _ = p.child.wait().await;
         }
     }
 }
 
-/// Waits until every agent process has exited or `d` has passed.
-async fn wait_exits(nodes: &mut [Node], d: Duration) {
+/// Waits until every process has exited or `d` has passed.
+async fn wait_exits(procs: &mut [&mut AgentProcess], d: Duration) {
     let deadline = tokio::time::Instant::now() + d;
-    for n in nodes.iter_mut() {
-        if let Agent::Process(p) = &mut n.agent {
-            let _ = tokio::time::timeout_at(deadline, p.child.wait()).await;
-        }
+    for p in procs.iter_mut() {
+        let _ = tokio::time::timeout_at(deadline, p.child.wait()).await;
     }
 }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::agent::exec;
-use crate::agent::protocol::{Joined, Keys, RunResult, Step, StepResult, stop_value};
+use crate::agent::protocol::{Keys, RunResult, Step, StepResult, stop_value};
 
 use crate::error::{Error, Result, exit};
 use crate::facts::Facts;
@@ -169,7 +169,8 @@ impl Session {
         listener: Option<std::net::TcpListener>,
     ) -> Result<Session> {
         let signals = Signals::install(&plan.forward_signals)?;
-        crate::node::keeper::sweep_scratch();
+        // Leftovers of killed nruns: a directory listing off the launch's path.
+        tokio::task::spawn_blocking(crate::node::keeper::sweep_scratch);
         crate::node::process::become_subreaper();
         // A static launch's other nodes run their own nrun, which cannot learn a secret.
         let static_launch = nodes.in_process && nodes.group_world > 1;
@@ -361,16 +362,9 @@ impl Session {
             return false;
         }
         self.arrivals_checked = Some(now);
-        let Some(store) = self.store() else {
-            return false;
-        };
         (0..self.nodes.len())
             .filter(|i| !self.active.contains(i) && self.nodes[*i].joined.is_none())
-            .any(|i| {
-                store
-                    .get(&self.keys.joined(i))
-                    .is_some_and(|r| serde_json::from_slice::<Joined>(&r).is_ok())
-            })
+            .any(|i| agents::joined_record(self, i).is_some())
     }
 
     /// Whether the job may go on with fewer nodes than it has (`--nnodes MIN:MAX`).
@@ -721,38 +715,10 @@ impl Session {
     /// Whether node `i`'s agent is lost, and how: its process ended, or (`stopped`: it stopped
     /// its workers unasked) its connection to the launch host broke while ssh may still close.
     fn lost(&mut self, i: usize, stopped: bool) -> Option<String> {
-        let beat = self.store().and_then(|st| st.get(&self.keys.alive(i)));
-        let step_end = self
-            .step_process
-            .as_mut()
-            .and_then(|p| p.exited().map(|st| (st, p.last_words())));
+        if matches!(self.nodes.get(i)?.agent, Agent::Peer(_)) {
+            return self.peer_lost(i, stopped);
+        }
         let n = self.nodes.get_mut(i)?;
-        if let (Agent::Peer(_), Some((st, said))) = (&n.agent, step_end) {
-            return Some(format!(
-                "lost {}: the srun step running its agent ended ({st}){}",
-                n.label,
-                said.map_or(String::new(), |w| format!(": {w}"))
-            ));
-        }
-        if let Agent::Peer(b) = &mut n.agent {
-            let now = Instant::now();
-            let beat = beat.unwrap_or_default();
-            match &b.last {
-                Some((v, _)) if *v == beat => {}
-                _ => b.last = Some((beat, now)),
-            }
-            let quiet = b.last.as_ref().map_or(Duration::ZERO, |(_, t)| now - *t);
-            return (quiet > PEER_SILENCE || stopped).then(|| {
-                format!(
-                    "lost {}: its nrun {}; check that it still runs and reaches this host",
-                    n.label,
-                    match stopped {
-                        true => "stopped its workers when its link to this host broke",
-                        false => "stopped sending its heartbeat 10 s ago",
-                    }
-                )
-            });
-        }
         let Agent::Process(p) = &mut n.agent else {
             return None;
         };
@@ -769,6 +735,40 @@ impl Session {
                 p.last_words().map_or(String::new(), |s| format!(": {s}"))
             )),
         }
+    }
+
+    /// Whether node `i`, whose own nrun joined (c10d) or whose agent the srun step started, is
+    /// lost: the step ended, it stopped unasked, or its heartbeat has been still too long.
+    fn peer_lost(&mut self, i: usize, stopped: bool) -> Option<String> {
+        let label = self.nodes[i].label.clone();
+        if let Some(p) = self.step_process.as_mut() {
+            if let Some(st) = p.exited() {
+                return Some(format!(
+                    "lost {label}: the srun step running its agent ended ({st}){}",
+                    p.last_words().map_or(String::new(), |w| format!(": {w}"))
+                ));
+            }
+        }
+        let beat = self
+            .store()
+            .and_then(|st| st.get(&self.keys.alive(i)))
+            .unwrap_or_default();
+        let Agent::Peer(b) = &mut self.nodes[i].agent else {
+            return None;
+        };
+        let now = Instant::now();
+        if b.last.as_ref().is_none_or(|(v, _)| *v != beat) {
+            b.last = Some((beat, now));
+        }
+        let quiet = b.last.as_ref().map_or(Duration::ZERO, |(_, t)| now - *t);
+        let why = match (stopped, quiet > PEER_SILENCE) {
+            (true, _) => "stopped its workers when its link to this host broke".to_string(),
+            (false, true) => format!("sent no heartbeat for {} s", PEER_SILENCE.as_secs()),
+            (false, false) => return None,
+        };
+        Some(format!(
+            "lost {label}: its nrun {why}; check that it still runs there and reaches this host"
+        ))
     }
 
     /// Ends the session: agents leave their step loop, their connections close, the store stops.
@@ -792,8 +792,7 @@ impl Session {
         if self.nodes.iter().any(|n| matches!(n.agent, Agent::Peer(_))) {
             self.wait_peers_ended(step).await;
         }
-        agents::end_all(&mut self.nodes).await;
-        agents::end_step(&mut self.step_process).await;
+        agents::end_all(&mut self.nodes, &mut self.step_process).await;
         if let Some(stop) = self.hosted.as_mut().and_then(|h| h.stop.take()) {
             let _ = stop.send(());
         }
