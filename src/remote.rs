@@ -1,7 +1,7 @@
 //! Ways to start `nrun __agent` on other nodes: the system `ssh` (so ~/.ssh/config, agents,
 //! known_hosts, ProxyJump all work as the user has them), or Slurm's `srun` inside an
 //! allocation. Building the command lines is pure and unit-tested; starting them is
-//! `session::agents`.
+//! `session::link` (`child` for ssh, `srun` for the step).
 
 use std::ffi::OsString;
 
@@ -10,6 +10,40 @@ use std::ffi::OsString;
 pub enum Launcher {
     Ssh,
     Srun,
+}
+
+impl Launcher {
+    /// Why `--ship` cannot work with this launcher, if it cannot: ssh copies the binary to each
+    /// host first; an srun step has no per-node stdin to copy it through.
+    pub fn refuses_ship(self) -> Option<&'static str> {
+        match self {
+            Launcher::Ssh => None,
+            Launcher::Srun => Some(
+                "--ship copies nrun to each host over ssh, but here the agents start under srun \
+                 (a Slurm allocation): put nrun on a path every node sees (--remote-nrun PATH), \
+                 copy it with `sbcast`, or pass --launcher ssh",
+            ),
+        }
+    }
+
+    /// How to check by hand that this launcher reaches a host, for a join failure's hint.
+    pub fn reach_hint(self, ssh_opts: &[String]) -> String {
+        match self {
+            Launcher::Ssh => format!(
+                "`ssh {} <host> true` (BatchMode: keys, no prompts)",
+                ssh_opts.join(" ")
+            ),
+            Launcher::Srun => "`srun --nodelist=<host> true`".to_string(),
+        }
+    }
+
+    /// How to get nrun onto a node that lacks it.
+    pub fn install_hint(self) -> &'static str {
+        match self {
+            Launcher::Ssh => "is on its PATH or pass --ship",
+            Launcher::Srun => "is at the same path there (--remote-nrun PATH, or `sbcast`)",
+        }
+    }
 }
 
 /// ssh options nrun always sets: fail instead of prompting (a host-key or password prompt would
@@ -57,23 +91,6 @@ pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
         "--kill-on-bad-exit=1".into(),
         "--unbuffered".into(),
         "--mpi=none".into(),
-        remote_nrun.into(),
-        "__agent".into(),
-    ]
-}
-
-/// `srun` starting the agent of one node of the allocation (one srun per node, as one ssh per
-/// node: each agent reads its own instructions on stdin and is ended on its own).
-pub fn srun_command(node: &str, remote_nrun: &str) -> Vec<OsString> {
-    vec![
-        "srun".into(),
-        "--nodes=1".into(),
-        "--ntasks=1".into(),
-        format!("--nodelist={node}").into(),
-        // The instructions (and the end of the launcher) arrive on stdin.
-        "--input=all".into(),
-        "--kill-on-bad-exit=1".into(),
-        "--unbuffered".into(),
         remote_nrun.into(),
         "__agent".into(),
     ]
@@ -155,18 +172,21 @@ mod tests {
             ["-F", "/tmp/cfg", "gpu1", "exec ~/bin/nrun __agent"]
         );
         assert!(!s.iter().any(|a| a == "-t" || a == "-tt"));
-        let c = srun_command("n02", "/opt/nrun");
+        let c = srun_step_command(&["n01".into(), "n02".into()], "/opt/nrun");
         let s: Vec<String> = c.iter().map(|x| x.to_string_lossy().into_owned()).collect();
         assert_eq!(
             s,
             [
                 "srun",
-                "--nodes=1",
-                "--ntasks=1",
-                "--nodelist=n02",
+                "--nodes=2",
+                "--ntasks=2",
+                "--ntasks-per-node=1",
+                "--nodelist=n01,n02",
+                "--whole",
                 "--input=all",
                 "--kill-on-bad-exit=1",
                 "--unbuffered",
+                "--mpi=none",
                 "/opt/nrun",
                 "__agent"
             ]

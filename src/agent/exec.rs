@@ -1,6 +1,6 @@
 //! What a node does for a step, shared by the agent process (`nrun __agent` on another node)
-//! and the in-process agent of a single-node run: start a step's workers and supervise them to
-//! their end, or probe another node.
+//! and the in-process agent of a single-node run: [`dispatch`] is the one step dispatcher (start
+//! a step's workers and supervise them to their end, probe another node, or end).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -8,7 +8,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::protocol::{NodeWatch, RunResult, THIS_NRUN, WorkerFailure, WorkerSpec};
+use super::protocol::{
+    NodeWatch, RunResult, Step, StepResult, THIS_NRUN, WorkerFailure, WorkerSpec,
+};
 use crate::node::output::{Sink, WorkerOutput};
 use crate::node::{self, Outcome, StopRequest, WorkerCmd};
 
@@ -32,9 +34,51 @@ fn gpu_cpus(env: &[(String, String)], local_rank: usize) -> Option<Vec<usize>> {
     }
 }
 
+/// What a node made of a step.
+#[derive(Debug)]
+pub enum Done {
+    /// Its result, to publish.
+    Result(StepResult),
+    /// The session ended: leave the step loop.
+    End,
+}
+
+/// What a node's side of a running step gets from outside the node.
+pub struct StepIo<'a> {
+    /// Stop requests and signals to pass on.
+    pub stop: watch::Receiver<StopRequest>,
+    /// Where the watch's views go, if the step asks for the watch.
+    pub views: Option<tokio::sync::mpsc::UnboundedSender<NodeWatch>>,
+    /// The run's secret, for nrun's own ranks.
+    pub secret: Option<&'a str>,
+}
+
+/// The one step dispatcher: does `step` on this node. A Run with no workers (a node outside
+/// every group of a bisect round) succeeds at once.
+pub async fn dispatch(step: Step, io: StepIo<'_>) -> Done {
+    let result = match step {
+        Step::End => return Done::End,
+        Step::Probe { target, timeout_ms } => StepResult::Probe {
+            error: probe_peer(&target, timeout_ms).await.err(),
+        },
+        Step::Run { workers, .. } if workers.is_empty() => StepResult::Run(RunResult::Success),
+        Step::Run {
+            workers,
+            grace_ms,
+            deadline_ms,
+            watch,
+        } => {
+            let views = io.views.filter(|_| watch);
+            let r = run_workers(workers, grace_ms, deadline_ms, io.stop, views, io.secret);
+            StepResult::Run(r.await)
+        }
+    };
+    Done::Result(result)
+}
+
 /// Runs one step's workers to their end; `stop` carries requests from outside the node. With
 /// `watch`, their stacks are sampled and the node's views sent there (see [`super::stacks`]).
-pub async fn run_workers(
+async fn run_workers(
     specs: Vec<WorkerSpec>,
     grace_ms: u64,
     deadline_ms: Option<u64>,

@@ -27,7 +27,8 @@ use tokio::sync::watch;
 
 use crate::node::{Caught, Signals, StopRequest};
 use crate::store::client::Client;
-use protocol::{Hello, Joined, Keys, Step, StepResult};
+use exec::{Done, StepIo};
+use protocol::{Hello, Joined, Keys, Step};
 
 /// Entry point of `nrun __agent`; returns the exit code.
 pub fn main() -> u8 {
@@ -112,7 +113,7 @@ async fn run() -> Result<(), String> {
 pub async fn serve(
     hello: Hello,
     mut signals: Signals,
-    mut gone_rx: watch::Receiver<bool>,
+    gone_rx: watch::Receiver<bool>,
 ) -> Result<Option<u8>, String> {
     let here = crate::net::hostname();
     let (node, label) = hello.place()?;
@@ -191,148 +192,212 @@ pub async fn serve(
         ));
     }
 
-    for step_no in 0.. {
-        let step_key = keys.step(hello.node, step_no);
-        let wanted: [&[u8]; 1] = [&step_key];
-        let got = tokio::select! {
-            r = store.wait(&wanted, None) => r,
-            _ = gone_rx.wait_for(|g| *g) => return Err(format!("{me}: the launch host went away; stopping")),
-        };
-        got.map_err(lost)?;
-        let raw = store.get(&step_key).await.map_err(lost)?;
-        // Only steps sealed with the run's secret are run: nothing injected starts a process.
-        let Some(json) = crate::store::auth::open(hello.secret.as_bytes(), &step_key, &raw) else {
+    let node = Node {
+        keys,
+        reached,
+        secret: hello.secret.clone(),
+        index: hello.node,
+        me,
+    };
+    node.steps(&mut store, &mut signals, gone_rx).await
+}
+
+/// A joined agent's side of the conversation: where it reached the store and under which keys
+/// it speaks.
+struct Node {
+    keys: Keys,
+    reached: SocketAddr,
+    secret: String,
+    index: usize,
+    /// "label (host)", for messages.
+    me: String,
+}
+
+impl Node {
+    fn lost(&self, e: std::io::Error) -> String {
+        format!("{}: lost the launch host's store: {e}", self.me)
+    }
+
+    /// Does the steps it is given, one after another, until the End (Ok: the job's exit code,
+    /// when the coordinator left one) or the coordinator is gone.
+    async fn steps(
+        &self,
+        store: &mut Client,
+        signals: &mut Signals,
+        mut gone_rx: watch::Receiver<bool>,
+    ) -> Result<Option<u8>, String> {
+        let me = &self.me;
+        let lost = |e| self.lost(e);
+        for no in 0.. {
+            let step = tokio::select! {
+                r = self.next_step(store, no) => r?,
+                _ = gone_rx.wait_for(|g| *g) => return Err(format!("{me}: the launch host went away; stopping")),
+            };
+            let done = match step.runs_workers() {
+                true => self.run(store, signals, &gone_rx, no, step).await?,
+                // Nothing runs: no stop requests to wait for.
+                false => {
+                    let (_keep, stop) = watch::channel(StopRequest::None);
+                    let io = StepIo {
+                        stop,
+                        views: None,
+                        secret: None,
+                    };
+                    exec::dispatch(step, io).await
+                }
+            };
+            let result = match done {
+                Done::Result(r) => r,
+                Done::End => {
+                    let code = store.get(&self.keys.exit()).await.ok();
+                    // Acknowledged, so a coordinator waiting for nodes that joined by
+                    // themselves can close its store.
+                    let _ = store.set(&self.keys.result(self.index, no), b"end").await;
+                    return Ok(code.and_then(|c| String::from_utf8_lossy(&c).parse().ok()));
+                }
+            };
+            let value = serde_json::to_vec(&result).map_err(|e| e.to_string())?;
+            store
+                .set(&self.keys.result(self.index, no), &value)
+                .await
+                .map_err(lost)?;
+            if *gone_rx.borrow() {
+                return Err(format!("{me}: the launch host went away; stopped"));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Waits for step `no` and opens it: only steps sealed with the run's secret are run, so
+    /// nothing injected starts a process.
+    async fn next_step(&self, store: &mut Client, no: usize) -> Result<Step, String> {
+        let me = &self.me;
+        let lost = |e| self.lost(e);
+        let key = self.keys.step(self.index, no);
+        let wanted: [&[u8]; 1] = [&key];
+        store.wait(&wanted, None).await.map_err(lost)?;
+        let raw = store.get(&key).await.map_err(lost)?;
+        let Some(json) = crate::store::auth::open(self.secret.as_bytes(), &key, &raw) else {
             return Err(format!(
-                "{me}: step {step_no} in the launch host's store is not sealed with this run's \
+                "{me}: step {no} in the launch host's store is not sealed with this run's \
                  secret; refusing it (something other than this run's nrun wrote it, or the \
                  nruns differ: compare `nrun --version` on both)"
             ));
         };
-        let step: Step = serde_json::from_slice(json).map_err(|e| format!("{me}: cannot read step {step_no} from the launch host ({e}); is nrun the same version on both?"))?;
-        let result = match step {
-            Step::End => {
-                let code = store.get(&keys.exit()).await.ok();
-                // Acknowledged, so a coordinator waiting for nodes that joined by themselves
-                // can close its store.
-                let _ = store.set(&keys.result(hello.node, step_no), b"end").await;
-                return Ok(code.and_then(|c| String::from_utf8_lossy(&c).parse().ok()));
-            }
-            Step::Probe { target, timeout_ms } => StepResult::Probe {
-                error: exec::probe_peer(&target, timeout_ms).await.err(),
-            },
-            // Nothing to run here this step (a node outside every group of a bisect round).
-            Step::Run { workers, .. } if workers.is_empty() => {
-                StepResult::Run(protocol::RunResult::Success)
-            }
-            Step::Run {
-                workers,
-                grace_ms,
-                deadline_ms,
-                watch,
-            } => {
-                let (tx, rx) = watch::channel(StopRequest::None);
-                let stop_key = keys.stop(step_no);
-                let mut gone = gone_rx.clone();
-                // A second connection waits for the stop key while this one is idle: one request
-                // in flight per connection.
-                let mut conn = Client::connect(reached, Duration::from_secs(10))
-                    .await
-                    .map_err(lost)?;
-                prove(&mut conn, &hello.secret).await.map_err(lost)?;
-                // A third waits for signals to pass on, one key after another.
-                let mut sig_conn = Client::connect(reached, Duration::from_secs(10))
-                    .await
-                    .map_err(lost)?;
-                prove(&mut sig_conn, &hello.secret).await.map_err(lost)?;
-                let signals = &mut signals;
-                let keys = &keys;
-                let watcher = async move {
-                    let wanted: [&[u8]; 1] = [&stop_key];
-                    // Both waits live across the loop: a WAIT dropped mid-flight would leave its
-                    // reply to confuse the next request on that connection.
-                    let stop_wait = async {
-                        match conn.wait(&wanted, None).await {
-                            Ok(_) => match conn
-                                .get(&stop_key)
-                                .await
-                                .ok()
-                                .and_then(|v| protocol::stop_signal(&v))
-                            {
-                                Some(sig) => StopRequest::Signal(sig),
-                                None => StopRequest::Polite,
-                            },
-                            Err(_) => StopRequest::Abandon,
-                        }
-                    };
-                    tokio::pin!(stop_wait);
-                    let mut seq = 0;
-                    let mut sig_wait = Box::pin(wait_signal(sig_conn, keys.signal(step_no, seq)));
-                    let last = loop {
-                        let req = tokio::select! {
-                            r = &mut stop_wait => r,
-                            (c, sig) = &mut sig_wait => {
-                                seq += 1;
-                                sig_wait = Box::pin(wait_signal(c, keys.signal(step_no, seq)));
-                                match sig {
-                                    Some(sig) => StopRequest::Forward(sig),
-                                    None => continue,
-                                }
-                            }
-                            _ = gone.wait_for(|g| *g) => StopRequest::Abandon,
-                            // A signal to the agent itself (srun's, or a user's on that node).
-                            caught = signals.recv() => match caught {
-                                Caught::Stop(sig) => StopRequest::Signal(sig),
-                                Caught::Forward(sig) => StopRequest::Forward(sig),
-                            },
-                        };
-                        if !matches!(req, StopRequest::Forward(_)) {
-                            break req;
-                        }
-                        let _ = tx.send(req);
-                    };
-                    let _ = tx.send(last);
-                    // Keep the sender: dropping it would read as the coordinator going away.
-                    std::future::pending::<()>().await;
-                };
-                // The watch's views go out on the main connection, idle while workers run.
-                let (views_tx, mut views) = tokio::sync::mpsc::unbounded_channel();
-                let secret = (!hello.secret.is_empty()).then_some(hello.secret.as_str());
-                let run = exec::run_workers(
-                    workers,
-                    grace_ms,
-                    deadline_ms,
-                    rx,
-                    watch.then_some(views_tx),
-                    secret,
-                );
-                tokio::pin!(run);
-                tokio::pin!(watcher);
-                let view_key = keys.watch(hello.node, step_no);
-                let r = loop {
-                    tokio::select! {
-                        r = &mut run => break r,
-                        // Never ends: the watcher waits forever once it has spoken.
-                        () = &mut watcher => {}
-                        Some(v) = views.recv() => {
-                            if let Ok(json) = serde_json::to_vec(&v) {
-                                let _ = store.set(&view_key, &json).await;
-                            }
-                        }
-                    }
-                };
-                StepResult::Run(r)
-            }
-        };
-        let value = serde_json::to_vec(&result).map_err(|e| e.to_string())?;
-        store
-            .set(&keys.result(hello.node, step_no), &value)
+        serde_json::from_slice(json).map_err(|e| {
+            format!(
+                "{me}: cannot read step {no} from the launch host ({e}); is nrun the same version on both?"
+            )
+        })
+    }
+
+    /// A connection of its own, authenticated (one request in flight per connection).
+    async fn connect(&self) -> Result<Client, String> {
+        let lost = |e| self.lost(e);
+        let mut conn = Client::connect(self.reached, Duration::from_secs(10))
             .await
             .map_err(lost)?;
-        if *gone_rx.borrow() {
-            return Err(format!("{me}: the launch host went away; stopped"));
+        prove(&mut conn, &self.secret).await.map_err(lost)?;
+        Ok(conn)
+    }
+
+    /// Runs a step that starts workers: stop requests and signals to pass on arrive on two
+    /// connections of their own, and the watch's views go out on the main one, idle meanwhile.
+    async fn run(
+        &self,
+        store: &mut Client,
+        signals: &mut Signals,
+        gone_rx: &watch::Receiver<bool>,
+        no: usize,
+        step: Step,
+    ) -> Result<Done, String> {
+        let (tx, rx) = watch::channel(StopRequest::None);
+        let stop_conn = self.connect().await?;
+        let sig_conn = self.connect().await?;
+        let watcher = self.stop_requests(stop_conn, sig_conn, signals, gone_rx.clone(), no, tx);
+        let (views_tx, mut views) = tokio::sync::mpsc::unbounded_channel();
+        let io = StepIo {
+            stop: rx,
+            views: Some(views_tx),
+            secret: (!self.secret.is_empty()).then_some(self.secret.as_str()),
+        };
+        let run = exec::dispatch(step, io);
+        tokio::pin!(run);
+        tokio::pin!(watcher);
+        let view_key = self.keys.watch(self.index, no);
+        loop {
+            tokio::select! {
+                r = &mut run => return Ok(r),
+                // Never ends: the watcher waits forever once it has spoken.
+                () = &mut watcher => {}
+                Some(v) = views.recv() => {
+                    if let Ok(json) = serde_json::to_vec(&v) {
+                        let _ = store.set(&view_key, &json).await;
+                    }
+                }
+            }
         }
     }
-    Ok(None)
+
+    /// Turns step `no`'s stop key, its signal keys, the launcher going away and signals to the
+    /// agent itself into requests for the running group, on `tx`.
+    async fn stop_requests(
+        &self,
+        mut conn: Client,
+        sig_conn: Client,
+        signals: &mut Signals,
+        mut gone: watch::Receiver<bool>,
+        no: usize,
+        tx: watch::Sender<StopRequest>,
+    ) {
+        let stop_key = self.keys.stop(no);
+        let wanted: [&[u8]; 1] = [&stop_key];
+        // Both waits live across the loop: a WAIT dropped mid-flight would leave its reply to
+        // confuse the next request on that connection.
+        let stop_wait = async {
+            match conn.wait(&wanted, None).await {
+                Ok(_) => match conn
+                    .get(&stop_key)
+                    .await
+                    .ok()
+                    .and_then(|v| protocol::stop_signal(&v))
+                {
+                    Some(sig) => StopRequest::Signal(sig),
+                    None => StopRequest::Polite,
+                },
+                Err(_) => StopRequest::Abandon,
+            }
+        };
+        tokio::pin!(stop_wait);
+        let mut seq = 0;
+        let mut sig_wait = Box::pin(wait_signal(sig_conn, self.keys.signal(no, seq)));
+        let last = loop {
+            let req = tokio::select! {
+                r = &mut stop_wait => r,
+                (c, sig) = &mut sig_wait => {
+                    seq += 1;
+                    sig_wait = Box::pin(wait_signal(c, self.keys.signal(no, seq)));
+                    match sig {
+                        Some(sig) => StopRequest::Forward(sig),
+                        None => continue,
+                    }
+                }
+                _ = gone.wait_for(|g| *g) => StopRequest::Abandon,
+                // A signal to the agent itself (srun's, or a user's on that node).
+                caught = signals.recv() => match caught {
+                    Caught::Stop(sig) => StopRequest::Signal(sig),
+                    Caught::Forward(sig) => StopRequest::Forward(sig),
+                },
+            };
+            if !matches!(req, StopRequest::Forward(_)) {
+                break req;
+            }
+            let _ = tx.send(req);
+        };
+        let _ = tx.send(last);
+        // Keep the sender: dropping it would read as the coordinator going away.
+        std::future::pending::<()>().await;
+    }
 }
 
 async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr), String> {

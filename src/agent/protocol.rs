@@ -93,6 +93,11 @@ pub enum Step {
 }
 
 impl Step {
+    /// Whether it starts workers (and so needs stop requests and signals while it runs).
+    pub fn runs_workers(&self) -> bool {
+        matches!(self, Step::Run { workers, .. } if !workers.is_empty())
+    }
+
     /// Nothing to do this step (a node outside every group of a bisect round).
     pub fn idle() -> Step {
         Step::Run {

@@ -13,7 +13,7 @@ use crate::error::{Result, exit};
 use crate::plan::{Plan, PreflightPlan};
 use crate::preflight::{self, Mode, Settings};
 use crate::session::spec::Launch;
-use crate::session::{Agent, Policy, Session};
+use crate::session::{Policy, Session};
 use crate::store::client::Client;
 
 /// Runs the preflight over every node of the session; returns its exit code, and its report
@@ -146,10 +146,10 @@ pub(super) fn node_settings(
             .map(|l| PathBuf::from(&l.path))
             .or(here_lib)
     });
-    let listen = match (joined.and_then(|j| j.addr), &s.nodes[i].agent) {
+    let listen = match (joined.and_then(|j| j.addr), s.nodes[i].link.in_process()) {
         (Some(a), _) => a.to_string(),
         // Ranks on a single node listen where the store is, loopback included.
-        (None, Agent::InProcess) => match s.rendezvous.addr.parse::<std::net::IpAddr>() {
+        (None, true) => match s.rendezvous.addr.parse::<std::net::IpAddr>() {
             Ok(a) if a.is_loopback() => s.rendezvous.addr.clone(),
             _ => "0.0.0.0".into(),
         },

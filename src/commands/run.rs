@@ -69,16 +69,12 @@ pub async fn ready(s: &mut Session) -> Result<(), u8> {
         for (_, f) in &failures {
             eprintln!("  {f}");
         }
-        let reach = match s.plan.launcher {
-            crate::remote::Launcher::Ssh => format!(
-                "`ssh {} <host> true` (BatchMode: keys, no prompts)",
-                s.plan.ssh_opts.join(" ")
-            ),
-            crate::remote::Launcher::Srun => "`srun --nodelist=<host> true`".to_string(),
-        };
+        let launcher = s.plan.launcher;
         eprintln!(
-            "  hint: check each with {reach}, and that nrun {} is on its PATH or pass --ship",
-            env!("CARGO_PKG_VERSION")
+            "  hint: check each with {}, and that nrun {} {}",
+            launcher.reach_hint(&s.plan.ssh_opts),
+            env!("CARGO_PKG_VERSION"),
+            launcher.install_hint()
         );
         return Err(exit::CLUSTER);
     }

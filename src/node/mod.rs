@@ -169,6 +169,8 @@ pub struct Signals {
     term: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
     forward: Vec<(i32, tokio::signal::unix::Signal)>,
+    /// Signals a test sends without signalling the test process.
+    injected: Option<tokio::sync::mpsc::UnboundedReceiver<Caught>>,
 }
 
 /// A signal nrun caught.
@@ -190,6 +192,7 @@ impl Signals {
             term: s(SignalKind::terminate())?,
             hup: s(SignalKind::hangup())?,
             forward: Vec::new(),
+            injected: None,
         };
         me.also_forward(forward)?;
         Ok(me)
@@ -212,9 +215,21 @@ impl Signals {
         Ok(())
     }
 
+    /// Signals as a test sends them on the returned channel.
+    #[cfg(test)]
+    pub(crate) fn injected() -> (Signals, tokio::sync::mpsc::UnboundedSender<Caught>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut me = Signals::install(&[]).expect("signal handlers");
+        me.injected = Some(rx);
+        (me, tx)
+    }
+
     pub async fn recv(&mut self) -> Caught {
         std::future::poll_fn(|cx| {
             use std::task::Poll;
+            if let Some(Poll::Ready(Some(c))) = self.injected.as_mut().map(|r| r.poll_recv(cx)) {
+                return Poll::Ready(c);
+            }
             for (sig, st) in [
                 (libc::SIGINT, &mut self.int),
                 (libc::SIGTERM, &mut self.term),

@@ -55,6 +55,40 @@ pub struct NodesPlan {
 }
 
 impl NodesPlan {
+    /// Every node of `hosts` with one worker, joined by agents over ssh: the plan of a session a
+    /// unit test builds by hand.
+    #[cfg(test)]
+    pub(crate) fn for_tests(hosts: Vec<Host>) -> NodesPlan {
+        let n = hosts.len();
+        NodesPlan {
+            layout: (0..n)
+                .map(|i| NodeLayout {
+                    group_rank: i,
+                    ranks: vec![(i, 0, 0)],
+                    devices: None,
+                })
+                .collect(),
+            hosts,
+            world: n,
+            group_world: n,
+            in_process: false,
+            launcher: Launcher::Ssh,
+            ssh_opts: Vec::new(),
+            ssh_concurrency: 1,
+            ship: false,
+            env: Vec::new(),
+            ifname: None,
+            join_timeout: Duration::from_secs(30),
+            allow_mismatch: false,
+            python_probe: false,
+            remote_nrun: "nrun".into(),
+            hostfile: None,
+            peers: 0,
+            min_nodes: n,
+            last_call: Duration::from_secs(30),
+        }
+    }
+
     /// The nodes of a run with `plan`'s workers.
     pub fn resolve(
         args: &NodesArgs,
@@ -117,6 +151,9 @@ impl NodesPlan {
                 )));
             }
         };
+        if let Some(why) = launcher.refuses_ship().filter(|_| *ship) {
+            return Err(Error::usage(why));
+        }
         let vars = super::env::job_env(export, env)?;
         let join_timeout = match plan.rdzv_join_timeout {
             Some(t) => t,

@@ -1,69 +1,66 @@
-//! A session: the store, one agent per node, and the numbered steps they run, from join to end.
+//! A session: the store, one link per node, and the numbered steps they run, from join to end.
 //! The job, its preflight, `doctor` and `bisect` all drive their nodes through one [`Session`],
 //! on one node or many.
 //!
-//! - this file: start (store, agents), join, [`Session::run_step`] (the one place that waits for
-//!   nodes, stops them on a failure or a signal, and notices lost ones), end.
-//! - [`agents`]: starting and ending agent processes (a local child, ssh, srun; `--ship`).
+//! - this file: start (store, links), elastic re-forming, end.
+//! - [`link`]: the seam: one [`link::NodeLink`] per node, whatever kind of agent serves it
+//!   (in-process, a child process here or over ssh, an srun step, a c10d peer), and the launcher
+//!   choice. Nothing else in the session knows the kinds.
+//! - [`join`]: waiting for the nodes' join records; late arrivals of an elastic job.
+//! - [`step`]: [`Session::run_step`], the one place that waits for nodes, stops them on a
+//!   failure or a signal, and notices lost ones.
 //! - [`check`]: interfaces, NAT, user variables, facts across nodes, node-to-node reachability.
 //! - [`spec`]: the one builder of workers' specs (environment, prefixes, log and error files).
 //!
-//! A single node (no host list) is a cluster of one whose agent runs inside nrun: its steps are
-//! executed by [`crate::agent::exec`] in this process, on the main thread (which the workers'
-//! PR_SET_PDEATHSIG relies on), with the same stop requests a remote agent gets through the
-//! store. Remote agents get their steps through the store and answer there; the session waits
-//! on the store's change notification, not on a timer.
+//! Remote agents get their steps through the store and answer there; the session waits on the
+//! store's change notification (and the in-process node's wake), not on a timer.
 
-pub mod agents;
 pub mod check;
+pub mod join;
+pub mod link;
 pub mod spec;
+pub mod step;
 
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
-use crate::agent::exec;
-use crate::agent::protocol::{Keys, RunResult, Step, StepResult, stop_value};
-
+use crate::agent::protocol::{Keys, Step};
 use crate::error::{Error, Result, exit};
 use crate::facts::Facts;
-use crate::node::{Caught, Signals, StopRequest};
+use crate::node::Signals;
 use crate::plan::{NodesPlan, Plan, StorePlan};
 use crate::store::{self, Store};
 use crate::watch::WatchState;
 
-pub use agents::AgentProcess;
-
-/// How a node's agent runs.
-pub enum Agent {
-    /// Inside nrun: the single node of a run without a host list.
-    InProcess,
-    /// A child process: `nrun __agent` here, over ssh, or under srun.
-    Process(Box<AgentProcess>),
-    /// A node's own nrun that joins by itself (c10d): alive while its heartbeat moves.
-    Peer(PeerBeat),
-}
-
-/// The last heartbeat seen from a node that joined by itself, and when it was seen.
-#[derive(Default)]
-pub struct PeerBeat {
-    last: Option<(Vec<u8>, Instant)>,
-}
-
-/// A node's nrun that joined by itself is lost when its heartbeat (every second) stops this
-/// long.
-const PEER_SILENCE: Duration = Duration::from_secs(10);
+pub use link::NodeLink;
+pub use step::{Policy, Results};
 
 /// A node of the session.
 pub struct Node {
     /// How the user named it (for a single node, this host's name).
     pub label: String,
-    pub agent: Agent,
+    /// How the session reaches it.
+    pub link: Box<dyn NodeLink>,
     /// Set once the node has joined.
     pub joined: Option<JoinedNode>,
+}
+
+impl Node {
+    pub fn new(label: &str, link: Box<dyn NodeLink>) -> Node {
+        Node {
+            label: label.to_string(),
+            link,
+            joined: None,
+        }
+    }
+
+    pub fn is_local(&self) -> bool {
+        self.link.is_local()
+    }
 }
 
 /// Where a remote agent connected from and where it answers probes: its
@@ -88,16 +85,6 @@ pub struct JoinedNode {
     pub addr: Option<IpAddr>,
 }
 
-impl Node {
-    pub fn is_local(&self) -> bool {
-        match &self.agent {
-            Agent::InProcess => true,
-            Agent::Process(p) => p.local,
-            Agent::Peer(_) => false,
-        }
-    }
-}
-
 /// Where workers find the store, and the secret of nrun's keys in it (when this nrun hosts it;
 /// a torchrun-style node of rank > 0 cannot know node 0's).
 #[derive(Clone, Debug)]
@@ -107,43 +94,16 @@ pub struct Rendezvous {
     pub secret: Option<String>,
 }
 
-/// How [`Session::run_step`] waits.
-#[derive(Clone, Copy, Debug)]
-pub enum Policy {
-    /// One job over all nodes: the first failure anywhere stops every node; a signal is
-    /// forwarded to every worker, a second one kills.
-    Together,
-    /// Independent groups (bisect): each runs to its end or until `deadline`.
-    Apart { deadline: Duration },
-    /// Quick checks: an agent silent for 30 s has lost its connection.
-    Probe,
-}
-
-/// The result of a step for each node (None: the node had no step, or did not answer).
-pub type Results = Vec<Option<StepResult>>;
-
-/// The in-process node's side of a step: its result, its watch views, its stop requests.
-struct Local {
-    node: Option<usize>,
-    done: oneshot::Receiver<(usize, StepResult)>,
-    views: mpsc::UnboundedReceiver<crate::agent::protocol::NodeWatch>,
-    stop: watch::Sender<StopRequest>,
-}
-
-/// The store this nrun hosts.
-struct Hosted {
-    store: Arc<Store>,
-    stop: Option<oneshot::Sender<()>>,
-}
-
 pub struct Session {
     pub nodes: Vec<Node>,
     pub plan: NodesPlan,
     pub rendezvous: Rendezvous,
     /// Distinguishes this run's keys (and temp files) from any other's.
     pub run: String,
-    keys: Keys,
-    hosted: Option<Hosted>,
+    /// The conversation with the nodes' agents through the store.
+    bus: link::Bus,
+    /// Stops the store this nrun hosts.
+    store_stop: Option<oneshot::Sender<()>>,
     signals: Signals,
     step: usize,
     /// nrun's scratch directory for this run (error files of workers without a log dir).
@@ -153,8 +113,6 @@ pub struct Session {
     /// The nodes the job runs on now: those that joined; elastic runs drop lost nodes and take
     /// in late ones between attempts.
     pub active: Vec<usize>,
-    /// The one srun step that started every node's agent (inside a Slurm allocation).
-    pub step_process: Option<AgentProcess>,
     /// Elastic: the running group was stopped because nodes arrived to take in.
     pub grow: bool,
     arrivals_checked: Option<Instant>,
@@ -215,13 +173,7 @@ impl Session {
                 } else {
                     advertise.clone()
                 };
-                (
-                    Rendezvous { addr, port, secret },
-                    Some(Hosted {
-                        store,
-                        stop: Some(stop),
-                    }),
-                )
+                (Rendezvous { addr, port, secret }, Some((store, stop)))
             }
             (StorePlan::Remote { addr, port }, _) => (
                 Rendezvous {
@@ -239,19 +191,24 @@ impl Session {
             true => plan.run_id.clone(),
             false => format!("{}-{}", plan.run_id, std::process::id()),
         };
+        let (store, store_stop) = hosted.unzip();
         let mut session = Session {
             nodes: Vec::new(),
             plan: nodes.clone(),
+            bus: link::Bus {
+                store,
+                keys: Keys::new(&run),
+                secret: rendezvous.secret.clone(),
+                wake: Arc::default(),
+            },
             rendezvous,
-            keys: Keys::new(&run),
             run,
-            hosted,
+            store_stop,
             signals,
             step: 0,
             temp_root: crate::node::keeper::scratch_dir(std::process::id()),
             watch: None,
             active: Vec::new(),
-            step_process: None,
             grow: false,
             arrivals_checked: None,
         };
@@ -262,36 +219,22 @@ impl Session {
                 session.run.as_bytes(),
             );
         }
-        session.nodes = if nodes.in_process {
-            vec![Node {
-                label: nodes.hosts[0].name.clone(),
-                agent: Agent::InProcess,
-                joined: None,
-            }]
-        } else {
-            let (nodes, step) = agents::start_all(&session, plan).await?;
-            session.step_process = step;
-            nodes
-        };
+        session.nodes = link::start(&session, plan).await?;
         Ok(session)
     }
 
     /// The store this nrun hosts (none on a static launch's node of rank > 0).
     pub fn store(&self) -> Option<&Arc<Store>> {
-        self.hosted.as_ref().map(|h| &h.store)
+        self.bus.store.as_ref()
     }
 
     pub fn keys(&self) -> &Keys {
-        &self.keys
+        &self.bus.keys
     }
 
     /// How many nodes the session has.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.nodes.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
     }
 
     /// Nodes that joined, in order.
@@ -300,71 +243,6 @@ impl Session {
             .iter()
             .enumerate()
             .filter_map(|(i, n)| n.joined.as_ref().map(|j| (i, n, j)))
-    }
-
-    /// Waits until every agent joined, exited, or --join-timeout passed. Returns the nodes
-    /// that did not join, each with what ssh or the agent said. `Err`: interrupted (the exit
-    /// code). `facts`: gather an in-process node's facts too (doctor).
-    pub async fn join(
-        &mut self,
-        facts: bool,
-        python: Option<PathBuf>,
-    ) -> Result<Vec<(usize, String)>, u8> {
-        let static_launch = self.plan.group_world > 1;
-        for n in &mut self.nodes {
-            if !matches!(n.agent, Agent::InProcess) {
-                continue;
-            }
-            let facts = match facts {
-                true => {
-                    let py = python.clone();
-                    tokio::task::spawn_blocking(move || crate::facts::gather(py.as_deref()))
-                        .await
-                        .ok()
-                }
-                false => None,
-            };
-            // A static launch's node finds its interface by the route to node 0's store.
-            let ifname = static_launch
-                .then(|| {
-                    (self.rendezvous.addr.as_str(), self.rendezvous.port)
-                        .to_socket_addrs()
-                        .ok()
-                        .and_then(|mut a| a.next())
-                        .and_then(crate::net::route_interface)
-                })
-                .flatten();
-            n.joined = Some(JoinedNode {
-                facts,
-                link: None,
-                ifname,
-                master_addr: self.rendezvous.addr.clone(),
-                addr: None,
-            });
-        }
-        if self.nodes.iter().all(|n| n.joined.is_some()) {
-            return Ok(Vec::new());
-        }
-        agents::join(self).await
-    }
-
-    /// Elastic: whether a node outside the group has published its joined record (checked at
-    /// most once a second).
-    fn arrivals(&mut self) -> bool {
-        if !self.elastic() || self.active.len() >= self.nodes.len() || self.active.is_empty() {
-            return false;
-        }
-        let now = Instant::now();
-        if self
-            .arrivals_checked
-            .is_some_and(|t| now - t < Duration::from_secs(1))
-        {
-            return false;
-        }
-        self.arrivals_checked = Some(now);
-        (0..self.nodes.len())
-            .filter(|i| !self.active.contains(i) && self.nodes[*i].joined.is_none())
-            .any(|i| agents::joined_record(self, i).is_some())
     }
 
     /// Whether the job may go on with fewer nodes than it has (`--nnodes MIN:MAX`).
@@ -385,7 +263,7 @@ impl Session {
     pub fn reform(&mut self, lost: &[usize]) -> std::result::Result<(), String> {
         let before = self.active.len();
         self.active.retain(|i| !lost.contains(i));
-        let late = agents::admit_late(self);
+        let late = self.admit_late();
         if !late.is_empty() {
             // Their interfaces and addresses, as for the nodes that joined in time.
             let f = self.assign_interfaces();
@@ -428,349 +306,6 @@ impl Session {
         Ok(())
     }
 
-    /// Sends each node its step (`None`: the node sits this step out) and waits for the results
-    /// as `policy` says. `Err`: interrupted, with the exit code.
-    pub async fn run_step(
-        &mut self,
-        steps: Vec<Option<Step>>,
-        policy: Policy,
-    ) -> Result<Results, u8> {
-        let step = self.step;
-        self.step += 1;
-        let mut local = None;
-        let mut waiting = Vec::new();
-        for (i, s) in steps.into_iter().enumerate() {
-            let Some(s) = s else {
-                // Sitting out: an empty step keeps its agent's count of steps in line (a node
-                // outside the group, or one that joined late); nobody waits for its answer.
-                if matches!(self.nodes[i].agent, Agent::Process(_) | Agent::Peer(_)) {
-                    self.set_step(i, step, &Step::idle());
-                }
-                continue;
-            };
-            match self.nodes[i].agent {
-                // An in-process node has no loop to leave; it answers nothing to End.
-                Agent::InProcess if matches!(s, Step::End) => continue,
-                Agent::InProcess => local = Some((i, s)),
-                Agent::Process(_) | Agent::Peer(_) => self.set_step(i, step, &s),
-            }
-            waiting.push(i);
-        }
-        let (stop_tx, stop_rx) = watch::channel(StopRequest::None);
-        let (done_tx, done_rx) = oneshot::channel();
-        let (views_tx, views_rx) = mpsc::unbounded_channel();
-        // The in-process node runs in this very future (see the module doc), beside the wait.
-        let local_node = local.as_ref().map(|(i, _)| *i);
-        let secret = self.rendezvous.secret.clone();
-        let here = async move {
-            let Some((i, step)) = local else { return };
-            let r = match step {
-                Step::Run {
-                    workers,
-                    grace_ms,
-                    deadline_ms,
-                    watch,
-                } => {
-                    let views = watch.then_some(views_tx);
-                    let r = exec::run_workers(
-                        workers,
-                        grace_ms,
-                        deadline_ms,
-                        stop_rx,
-                        views,
-                        secret.as_deref(),
-                    );
-                    StepResult::Run(r.await)
-                }
-                Step::Probe { target, timeout_ms } => StepResult::Probe {
-                    error: exec::probe_peer(&target, timeout_ms).await.err(),
-                },
-                Step::End => return,
-            };
-            let _ = done_tx.send((i, r));
-        };
-        let local = Local {
-            node: local_node,
-            done: done_rx,
-            views: views_rx,
-            stop: stop_tx,
-        };
-        let wait = self.wait(step, &waiting, local, policy);
-        let ((), results) = tokio::join!(here, wait);
-        results
-    }
-
-    fn set_step(&self, node: usize, step: usize, s: &Step) {
-        if let Some(h) = &self.hosted {
-            let key = self.keys.step(node, step);
-            let json = serde_json::to_vec(s).unwrap_or_default();
-            // Sealed with the run's secret: an agent runs no step it cannot verify.
-            let secret = self.rendezvous.secret.as_deref().unwrap_or("");
-            h.store.set(
-                &key,
-                &crate::store::auth::seal(secret.as_bytes(), &key, &json),
-            );
-        }
-    }
-
-    /// Waits for the results of `step` from the nodes in `waiting`.
-    async fn wait(
-        &mut self,
-        step: usize,
-        waiting: &[usize],
-        here: Local,
-        policy: Policy,
-    ) -> Result<Results, u8> {
-        let Local {
-            node: local,
-            mut done,
-            mut views,
-            stop: stop_local,
-        } = here;
-        let mut results: Results = vec![None; self.nodes.len()];
-        let started = Instant::now();
-        let mut changed = self.store().map(|s| s.subscribe());
-        let mut local_pending = local.is_some();
-        let hosts: Vec<String> = self.nodes.iter().map(|n| n.label.clone()).collect();
-        // The remote views last read, so an unchanged one is not parsed again.
-        let mut last_views: Vec<Vec<u8>> = vec![Vec::new(); self.nodes.len()];
-        let mut stopped = false;
-        let mut signalled = 0;
-        // Signals passed on during this step, numbering their keys.
-        let mut forwarded = 0;
-        loop {
-            if local_pending {
-                if let Ok((i, r)) = done.try_recv() {
-                    results[i] = Some(r);
-                    local_pending = false;
-                }
-            }
-            for &i in waiting {
-                if results[i].is_some() || Some(i) == local {
-                    continue;
-                }
-                results[i] = self.remote_result(i, step, stopped);
-            }
-            if waiting.iter().all(|&i| results[i].is_some()) {
-                return Ok(results);
-            }
-            match policy {
-                Policy::Probe if started.elapsed() > Duration::from_secs(30) => {
-                    for &i in waiting {
-                        let label = &self.nodes[i].label;
-                        results[i].get_or_insert_with(|| StepResult::Probe {
-                            error: Some(format!(
-                                "{label}'s agent did not answer within 30 s; check that the \
-                                 launch host still reaches it (ssh {label} true)"
-                            )),
-                        });
-                    }
-                    return Ok(results);
-                }
-                Policy::Apart { deadline } if started.elapsed() > deadline => return Ok(results),
-                _ => {}
-            }
-            let failed = results
-                .iter()
-                .any(|r| matches!(r, Some(StepResult::Run(r)) if r.is_failure()));
-            // Elastic, as torchrun: a node waiting to join makes the group re-form with it.
-            if matches!(policy, Policy::Together) && !stopped && self.arrivals() {
-                tracing::warn!("a node joined: the worker group restarts to take it in");
-                self.grow = true;
-                self.stop_step(step, None, &stop_local);
-                stopped = true;
-            }
-            if matches!(policy, Policy::Together) && failed && !stopped {
-                self.stop_step(step, None, &stop_local);
-                stopped = true;
-            }
-            if self.watch.is_some() {
-                self.remote_views(step, waiting, local, &mut last_views);
-                let hang = self.watch.as_mut().is_some_and(|w| w.check(&hosts));
-                if hang && !stopped {
-                    self.stop_step(step, None, &stop_local);
-                    stopped = true;
-                }
-            }
-            let tick = tokio::time::sleep(Duration::from_millis(50));
-            tokio::select! {
-                // An agent's record arrived.
-                () = store_changed(&mut changed) => {}
-                Some(v) = views.recv() => {
-                    if let (Some(w), Some(i)) = (self.watch.as_mut(), local) {
-                        w.observe(i, v);
-                    }
-                }
-                r = &mut done, if local_pending => {
-                    local_pending = false;
-                    if let Ok((i, r)) = r {
-                        results[i] = Some(r);
-                    }
-                }
-                // Agents' processes are checked on this tick (a dropped ssh, a dead host).
-                _ = tick => {}
-                caught = self.signals.recv() => {
-                    let sig = match caught {
-                        Caught::Stop(sig) => sig,
-                        Caught::Forward(sig) => {
-                            self.forward_step(step, forwarded, sig, &stop_local);
-                            forwarded += 1;
-                            continue;
-                        }
-                    };
-                    signalled += 1;
-                    stopped = true;
-                    if signalled >= 2 {
-                        let _ = stop_local.send(StopRequest::Kill(sig));
-                    } else {
-                        self.stop_step(step, Some(sig), &stop_local);
-                    }
-                    // A job waits for its workers to stop; a second signal stops waiting, and
-                    // other kinds of steps stop waiting at once.
-                    if signalled >= 2 || !matches!(policy, Policy::Together) {
-                        tracing::warn!("interrupted; stopping every node");
-                        return Err(exit::signal(sig));
-                    }
-                }
-            }
-        }
-    }
-
-    /// The views the remote nodes of `step` published since `last` was read, into the watch.
-    fn remote_views(
-        &mut self,
-        step: usize,
-        waiting: &[usize],
-        local: Option<usize>,
-        last: &mut [Vec<u8>],
-    ) {
-        let (Some(store), Some(w)) = (self.hosted.as_ref().map(|h| &h.store), self.watch.as_mut())
-        else {
-            return;
-        };
-        for &i in waiting.iter().filter(|i| Some(**i) != local) {
-            let Some(raw) = store.get(&self.keys.watch(i, step)) else {
-                continue;
-            };
-            if raw == last[i] {
-                continue;
-            }
-            if let Ok(v) = serde_json::from_slice(&raw) {
-                w.observe(i, v);
-            }
-            last[i] = raw;
-        }
-    }
-
-    /// Passes signal `sig` (the `seq`th of the step) to every worker of `step` on every node.
-    fn forward_step(&self, step: usize, seq: usize, sig: i32, local: &watch::Sender<StopRequest>) {
-        if let Some(h) = &self.hosted {
-            h.store
-                .set(&self.keys.signal(step, seq), sig.to_string().as_bytes());
-        }
-        let _ = local.send(StopRequest::Forward(sig));
-    }
-
-    /// Asks every node to stop `step`: forwarding the user's signal, or politely.
-    fn stop_step(&self, step: usize, signal: Option<i32>, local: &watch::Sender<StopRequest>) {
-        if let Some(h) = &self.hosted {
-            h.store.set(&self.keys.stop(step), &stop_value(signal));
-        }
-        let _ = local.send(signal.map_or(StopRequest::Polite, StopRequest::Signal));
-    }
-
-    /// Node `i`'s result of `step`, if it has one or is lost.
-    fn remote_result(&mut self, i: usize, step: usize, stopped: bool) -> Option<StepResult> {
-        let raw = self.store().and_then(|s| s.get(&self.keys.result(i, step)));
-        let Some(raw) = raw else {
-            // The node's agent is gone (ssh dropped, host died): it will not report.
-            return self
-                .lost(i, false)
-                .map(|why| StepResult::Run(RunResult::Lost(why)));
-        };
-        let r: StepResult = serde_json::from_slice(&raw).ok()?;
-        // Stopped without being asked: that agent lost its connection to us.
-        if !stopped && matches!(r, StepResult::Run(RunResult::Stopped)) {
-            let why = self.lost(i, true).unwrap_or_else(|| {
-                format!(
-                    "{}'s agent lost its connection to the launch host",
-                    self.nodes[i].label
-                )
-            });
-            return Some(StepResult::Run(RunResult::Lost(why)));
-        }
-        // Interrupted without being asked: a signal on that node (its agent's keeper killed,
-        // srun's, or a user's there) took it out of the job.
-        if let (false, StepResult::Run(RunResult::Interrupted(sig))) = (stopped, &r) {
-            let why = format!(
-                "{}'s agent was stopped by {} on that node",
-                self.nodes[i].label,
-                crate::node::signal_name(*sig)
-            );
-            return Some(StepResult::Run(RunResult::Lost(why)));
-        }
-        Some(r)
-    }
-
-    /// Whether node `i`'s agent is lost, and how: its process ended, or (`stopped`: it stopped
-    /// its workers unasked) its connection to the launch host broke while ssh may still close.
-    fn lost(&mut self, i: usize, stopped: bool) -> Option<String> {
-        if matches!(self.nodes.get(i)?.agent, Agent::Peer(_)) {
-            return self.peer_lost(i, stopped);
-        }
-        let n = self.nodes.get_mut(i)?;
-        let Agent::Process(p) = &mut n.agent else {
-            return None;
-        };
-        match p.exited() {
-            None => stopped.then(|| {
-                format!(
-                    "lost the connection to {}: its agent stopped its workers when the link to the launch host broke",
-                    n.label
-                )
-            }),
-            Some(st) => Some(format!(
-                "lost the connection to {} ({st}){}",
-                n.label,
-                p.last_words().map_or(String::new(), |s| format!(": {s}"))
-            )),
-        }
-    }
-
-    /// Whether node `i`, whose own nrun joined (c10d) or whose agent the srun step started, is
-    /// lost: the step ended, it stopped unasked, or its heartbeat has been still too long.
-    fn peer_lost(&mut self, i: usize, stopped: bool) -> Option<String> {
-        let label = self.nodes[i].label.clone();
-        if let Some(p) = self.step_process.as_mut() {
-            if let Some(st) = p.exited() {
-                return Some(format!(
-                    "lost {label}: the srun step running its agent ended ({st}){}",
-                    p.last_words().map_or(String::new(), |w| format!(": {w}"))
-                ));
-            }
-        }
-        let beat = self
-            .store()
-            .and_then(|st| st.get(&self.keys.alive(i)))
-            .unwrap_or_default();
-        let Agent::Peer(b) = &mut self.nodes[i].agent else {
-            return None;
-        };
-        let now = Instant::now();
-        if b.last.as_ref().is_none_or(|(v, _)| *v != beat) {
-            b.last = Some((beat, now));
-        }
-        let quiet = b.last.as_ref().map_or(Duration::ZERO, |(_, t)| now - *t);
-        let why = match (stopped, quiet > PEER_SILENCE) {
-            (true, _) => "stopped its workers when its link to this host broke".to_string(),
-            (false, true) => format!("sent no heartbeat for {} s", PEER_SILENCE.as_secs()),
-            (false, false) => return None,
-        };
-        Some(format!(
-            "lost {label}: its nrun {why}; check that it still runs there and reaches this host"
-        ))
-    }
-
     /// Ends the session: agents leave their step loop, their connections close, the store stops.
     pub async fn end(self) {
         self.end_with(exit::SUCCESS).await
@@ -779,46 +314,23 @@ impl Session {
     /// Ends the session, telling nodes that joined by themselves the job's exit code (their nrun
     /// exits with it).
     pub async fn end_with(mut self, code: u8) {
-        let step = self.step;
-        if let Some(st) = self.store() {
-            st.set(&self.keys.exit(), code.to_string().as_bytes());
+        let no = self.step;
+        self.bus.exit(code);
+        for (i, n) in self.nodes.iter_mut().enumerate() {
+            n.link.deliver(&self.bus, i, no, Some(&Step::End));
         }
-        for i in 0..self.nodes.len() {
-            if matches!(self.nodes[i].agent, Agent::Process(_) | Agent::Peer(_)) {
-                self.set_step(i, step, &Step::End);
-            }
-        }
-        // A node that joined by itself reads its End before the store goes away.
-        if self.nodes.iter().any(|n| matches!(n.agent, Agent::Peer(_))) {
-            self.wait_peers_ended(step).await;
-        }
-        agents::end_all(&mut self.nodes, &mut self.step_process).await;
-        if let Some(stop) = self.hosted.as_mut().and_then(|h| h.stop.take()) {
+        let bus = &self.bus;
+        let ends = self
+            .nodes
+            .iter_mut()
+            .enumerate()
+            .map(|(i, n)| n.link.end(bus, i, no, n.joined.is_some()))
+            .collect();
+        link::join_all(ends).await;
+        if let Some(stop) = self.store_stop.take() {
             let _ = stop.send(());
         }
         let _ = std::fs::remove_dir_all(&self.temp_root);
-    }
-}
-
-impl Session {
-    /// Waits (up to 5 s) until every node that joined by itself acknowledged the End step.
-    async fn wait_peers_ended(&self, step: usize) {
-        let until = Instant::now() + Duration::from_secs(5);
-        let peers: Vec<usize> = (0..self.nodes.len())
-            .filter(|i| {
-                matches!(self.nodes[*i].agent, Agent::Peer(_)) && self.nodes[*i].joined.is_some()
-            })
-            .collect();
-        while Instant::now() < until {
-            let done = peers.iter().all(|i| {
-                self.store()
-                    .is_none_or(|st| st.get(&self.keys.result(*i, step)).is_some())
-            });
-            if done {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
     }
 }
 

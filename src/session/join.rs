@@ -1,0 +1,185 @@
+//! Joining: every node's agent publishes its [`Joined`] record in the store (an in-process node
+//! is joined here); the session waits until all did, their links say they cannot any more, or
+//! --join-timeout passed, and names every node that did not join with its link's words. An
+//! elastic job takes in nodes that join later, between attempts.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use super::link::{JoinHere, Joining};
+use super::{AgentLink, JoinedNode, Session};
+use crate::agent::protocol::Joined;
+use crate::error::exit;
+
+impl Session {
+    /// Waits until every agent joined, exited, or --join-timeout passed. Returns the nodes
+    /// that did not join, each with what ssh or the agent said. `Err`: interrupted (the exit
+    /// code). `facts`: gather an in-process node's facts too (doctor).
+    pub async fn join(
+        &mut self,
+        facts: bool,
+        python: Option<PathBuf>,
+    ) -> Result<Vec<(usize, String)>, u8> {
+        let how = JoinHere {
+            facts,
+            python,
+            store_addr: self.rendezvous.addr.clone(),
+            store_port: self.rendezvous.port,
+            static_launch: self.plan.group_world > 1,
+        };
+        for n in &mut self.nodes {
+            if let Some(here) = n.link.join_here(&how) {
+                n.joined = Some(here.await);
+            }
+        }
+        if self.nodes.iter().all(|n| n.joined.is_some()) {
+            return Ok(Vec::new());
+        }
+        self.join_agents().await
+    }
+
+    async fn join_agents(&mut self) -> Result<Vec<(usize, String)>, u8> {
+        let started = Instant::now();
+        let k = self.nodes.len();
+        let timeout = self.plan.join_timeout;
+        let mut changed = self.store().map(|st| st.subscribe());
+        let mut last_report = 0;
+        let mut min_reached: Option<Instant> = None;
+        // A progress bar where a person watches (stderr is a terminal), plain lines elsewhere.
+        let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+            let b = indicatif::ProgressBar::new(k as u64);
+            b.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "nrun: joining nodes {bar:30} {pos}/{len} {elapsed}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b
+        });
+        loop {
+            let mut pending = 0;
+            for i in 0..k {
+                if self.nodes[i].joined.is_some() || self.take_joined(i) {
+                    continue;
+                }
+                pending += usize::from(self.nodes[i].link.joining() == Joining::Pending);
+            }
+            let joined = self.nodes.iter().filter(|n| n.joined.is_some()).count();
+            match &bar {
+                Some(b) => b.set_position(joined as u64),
+                None if joined != last_report
+                    && joined < k
+                    && started.elapsed() > Duration::from_secs(1) =>
+                {
+                    tracing::info!("{joined}/{k} nodes joined");
+                    last_report = joined;
+                }
+                None => {}
+            }
+            // Elastic: once MIN nodes are in, the others get the last call, then the job starts.
+            let last_call = match joined >= self.plan.min_nodes && joined < k {
+                true => {
+                    min_reached.get_or_insert_with(Instant::now).elapsed() >= self.plan.last_call
+                }
+                false => false,
+            };
+            if pending == 0 || started.elapsed() > timeout || last_call {
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+                break;
+            }
+            // Records arrive as store writes; exits of agents are seen on the tick.
+            tokio::select! {
+                () = super::store_changed(&mut changed) => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                sig = self.signals.stop() => return Err(exit::signal(sig)),
+            }
+        }
+        // Let stderr relays catch the last words of agents that exited.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let waited = started.elapsed();
+        let failures: Vec<(usize, String)> = self
+            .nodes
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, n)| n.joined.is_none())
+            .map(|(i, n)| (i, n.link.join_failure(&n.label, waited, timeout)))
+            .collect();
+        tracing::info!(
+            "{}/{k} nodes joined in {:.2} s",
+            k - failures.len(),
+            waited.as_secs_f64()
+        );
+        Ok(failures)
+    }
+
+    /// Takes node `i`'s joined record into the session, if it has published one.
+    fn take_joined(&mut self, i: usize) -> bool {
+        let Some(record) = self.bus.joined(i) else {
+            return false;
+        };
+        let Joined {
+            local_addr,
+            reached,
+            probe_addr,
+            facts,
+        } = record;
+        if self.nodes[i].link.named_on_join() {
+            // A joined node is named by its host, kept apart from a namesake.
+            let name = facts.hostname.clone();
+            let taken = |n: &str| {
+                self.nodes
+                    .iter()
+                    .enumerate()
+                    .any(|(j, o)| j != i && o.label == n)
+            };
+            self.nodes[i].label = match taken(&name) {
+                false => name,
+                true => format!("{name}#{i}"),
+            };
+        }
+        self.nodes[i].joined = Some(JoinedNode {
+            facts: Some(facts),
+            link: Some(AgentLink {
+                local_addr,
+                reached,
+                probe_addr,
+            }),
+            ifname: None,
+            master_addr: String::new(),
+            addr: None,
+        });
+        true
+    }
+
+    /// Nodes that joined after the join ended (elastic): taken in, their indices returned.
+    pub(super) fn admit_late(&mut self) -> Vec<usize> {
+        let waiting: Vec<usize> = (0..self.nodes.len())
+            .filter(|i| self.nodes[*i].joined.is_none())
+            .collect();
+        waiting
+            .into_iter()
+            .filter(|i| self.take_joined(*i))
+            .collect()
+    }
+
+    /// Elastic: whether a node outside the group has published its joined record (checked at
+    /// most once a second).
+    pub(super) fn arrivals(&mut self) -> bool {
+        if !self.elastic() || self.active.len() >= self.nodes.len() || self.active.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        if self
+            .arrivals_checked
+            .is_some_and(|t| now - t < Duration::from_secs(1))
+        {
+            return false;
+        }
+        self.arrivals_checked = Some(now);
+        (0..self.nodes.len())
+            .filter(|i| !self.active.contains(i) && self.nodes[*i].joined.is_none())
+            .any(|i| self.bus.joined(i).is_some())
+    }
+}

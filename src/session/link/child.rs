@@ -1,0 +1,286 @@
+//! `nrun __agent` as a child process of nrun: on this host (the launch host's own node, no
+//! ssh) or over the system ssh (`--ship` copies this binary first). The process is the link:
+//! its exit loses the node, its stderr explains why, and closing its stdin tells the agent the
+//! launcher is gone. [`AgentProcess`] is shared with the srun step, which is one such process
+//! for every node.
+
+use std::collections::VecDeque;
+use std::io::Write as _;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStdin};
+
+use super::{BoxFuture, Bus, Instructions, Joining, NodeLink};
+use crate::agent::protocol::Hello;
+use crate::error::{Error, Result};
+use crate::hosts::Host;
+use crate::plan::NodesPlan;
+use crate::remote;
+use crate::session::Node;
+
+/// Lines of an agent's stderr kept to explain why it failed.
+const TAIL_LINES: usize = 10;
+
+/// An agent process (or the srun step of all of them) and what nrun saw of it.
+pub struct AgentProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+impl AgentProcess {
+    /// Starts `argv` and gives it `hello` on stdin; its stdout is passed on, its stderr too
+    /// and kept for explaining a failure. `what` names it in an error.
+    pub async fn spawn(argv: &[std::ffi::OsString], what: &str, hello: &Hello) -> Result<Self> {
+        let mut cmd = tokio::process::Command::new(&argv[0]);
+        // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
+        // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
+        // stdin close and the agent stops its workers.
+        cmd.args(&argv[1..])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| {
+            Error::usage(format!(
+                "cannot run {} to start the agent on {what}: {e}",
+                argv[0].to_string_lossy()
+            ))
+        })?;
+        let mut stdin = child.stdin.take();
+        if let Some(s) = stdin.as_mut() {
+            let line = serde_json::to_string(hello)
+                .map_err(|e| Error::internal(format!("encoding the agent's instructions: {e}")))?;
+            let _ = s.write_all(format!("{line}\n").as_bytes()).await;
+        }
+        let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
+        // The agent prefixes its workers' lines; pass them on line by line.
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(async move {
+                let mut lines = tokio::io::BufReader::new(out).lines();
+                while let Ok(Some(l)) = lines.next_line().await {
+                    let _ = writeln!(std::io::stdout().lock(), "{l}");
+                }
+            });
+        }
+        if let Some(err) = child.stderr.take() {
+            let tail = tail.clone();
+            tokio::spawn(async move {
+                let mut lines = tokio::io::BufReader::new(err).lines();
+                while let Ok(Some(l)) = lines.next_line().await {
+                    let _ = writeln!(std::io::stderr().lock(), "{l}");
+                    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
+                    if t.len() == TAIL_LINES {
+                        t.pop_front();
+                    }
+                    t.push_back(l);
+                }
+            });
+        }
+        Ok(AgentProcess {
+            child,
+            stdin,
+            stderr_tail: tail,
+        })
+    }
+
+    /// How the process ended, if it has.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// The last non-empty line it wrote to stderr.
+    pub fn last_words(&self) -> Option<String> {
+        self.stderr_tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .cloned()
+    }
+
+    /// How it ended, with its last words: " (exit status 3): what it said".
+    pub fn epitaph(&mut self) -> Option<String> {
+        let st = self.exited()?;
+        Some(format!(
+            " ({st}){}",
+            self.last_words()
+                .map_or(String::new(), |w| format!(": {w}"))
+        ))
+    }
+
+    /// Ends it after the End step: agents leave by themselves; stdin is closed only after
+    /// that, so they do not mistake the end for the launcher going away. Stragglers: stdin
+    /// closed, then killed.
+    pub async fn finish(&mut self) {
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
+        self.stdin.take();
+        let _ = tokio::time::timeout(Duration::from_secs(3), self.child.wait()).await;
+        if self.exited().is_none() {
+            let _ = self.child.start_kill();
+            let _ = self.child.wait().await;
+        }
+    }
+}
+
+/// A node whose agent is a child process of nrun.
+pub struct ChildLink {
+    process: AgentProcess,
+    local: bool,
+}
+
+/// Starts every owned node's agent, at most --ssh-concurrency at a time.
+pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result<Vec<Node>> {
+    let sem = Arc::new(tokio::sync::Semaphore::new(np.ssh_concurrency));
+    let mut tasks = Vec::new();
+    for (i, h) in hosts.iter().enumerate() {
+        let local = crate::net::is_this_host(&h.name);
+        // This machine's own node talks to the store over loopback: an address of some other
+        // interface could go away under it (and buys nothing).
+        let addrs = match local {
+            true => loopback_addrs(&how.addrs),
+            false => how.addrs.clone(),
+        };
+        let hello = how.hello(i, &h.name, addrs, Vec::new());
+        let (sem, np, label) = (sem.clone(), np.clone(), h.name.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            start_one(&np, &label, local, &hello).await
+        }));
+    }
+    let mut nodes = Vec::new();
+    for t in tasks {
+        nodes.push(
+            t.await
+                .map_err(|e| Error::internal(format!("starting an agent: {e}")))??,
+        );
+    }
+    Ok(nodes)
+}
+
+async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> Result<Node> {
+    let argv = if local {
+        // The launch host's own node needs no ssh: its agent is a child of nrun, spoken to the
+        // same way (stdin, the store) so there is one code path.
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
+        vec![exe.into_os_string(), "__agent".into()]
+    } else {
+        let remote_nrun = match np.ship {
+            true => ship(np, label).await?,
+            false => np.remote_nrun.clone(),
+        };
+        remote::ssh_command(label, &np.ssh_opts, &remote_nrun)
+    };
+    let process = AgentProcess::spawn(&argv, label, hello).await?;
+    Ok(Node::new(label, Box::new(ChildLink { process, local })))
+}
+
+impl NodeLink for ChildLink {
+    fn is_local(&self) -> bool {
+        self.local
+    }
+
+    fn joining(&mut self) -> Joining {
+        match self.process.exited() {
+            None => Joining::Pending,
+            Some(_) => Joining::Gone,
+        }
+    }
+
+    fn join_failure(&mut self, label: &str, _waited: Duration, timeout: Duration) -> String {
+        match (self.process.exited(), self.process.last_words()) {
+            (Some(st), Some(said)) => format!(
+                "{label}: {said} (exit {})",
+                st.code().map_or("signal".into(), |c| c.to_string())
+            ),
+            (Some(st), None) => format!(
+                "{label}: the agent exited ({st}) without a word; run `ssh {label} nrun --version` \
+                 to check nrun is installed there"
+            ),
+            (None, _) => format!(
+                "{label}: did not join within {} s (--join-timeout); ssh is still running: a slow \
+                 host, or nrun hanging there",
+                timeout.as_secs()
+            ),
+        }
+    }
+
+    fn lost(&mut self, _bus: &Bus, _node: usize, label: &str, stopped: bool) -> Option<String> {
+        match self.process.epitaph() {
+            None => stopped.then(|| {
+                format!(
+                    "lost the connection to {label}: its agent stopped its workers when the link \
+                     to the launch host broke"
+                )
+            }),
+            Some(how) => Some(format!("lost the connection to {label}{how}")),
+        }
+    }
+
+    fn end<'a>(
+        &'a mut self,
+        _bus: &'a Bus,
+        _node: usize,
+        _no: usize,
+        _joined: bool,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(self.process.finish())
+    }
+}
+
+/// The loopback entries of the coordinator's address list (all of it, if it has none).
+fn loopback_addrs(addrs: &[String]) -> Vec<String> {
+    let lo: Vec<String> = addrs
+        .iter()
+        .filter(|a| {
+            a.parse::<std::net::SocketAddr>()
+                .is_ok_and(|s| s.ip().is_loopback())
+        })
+        .cloned()
+        .collect();
+    if lo.is_empty() { addrs.to_vec() } else { lo }
+}
+
+/// Copies the running nrun to `~/.cache/nrun/nrun-<version>` on the host; returns that path.
+async fn ship(np: &NodesPlan, label: &str) -> Result<String> {
+    let exe = std::env::current_exe()
+        .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
+    let version = env!("CARGO_PKG_VERSION");
+    let rev = env!("NRUN_GIT_REV");
+    let path = format!("~/.cache/nrun/nrun-{version}-{rev}");
+    // A per-copy temporary name: nodes that share a home directory must not race.
+    let remote_cmd = format!(
+        "mkdir -p ~/.cache/nrun && t={p}.tmp.$$ && cat > $t && chmod +x $t && mv -f $t {p}",
+        p = path
+    );
+    let mut argv = remote::ssh_command(label, &np.ssh_opts, "true");
+    argv.pop();
+    argv.push(remote_cmd.into());
+    let bin = std::fs::File::open(&exe)
+        .map_err(|e| Error::internal(format!("cannot read {}: {e}", exe.display())))?;
+    let out = tokio::process::Command::new(&argv[0])
+        .args(&argv[1..])
+        .stdin(Stdio::from(bin))
+        .output()
+        .await
+        .map_err(|e| Error::usage(format!("cannot run ssh: {e}")))?;
+    if !out.status.success() {
+        return Err(Error::usage(format!(
+            "--ship: copying nrun to {label} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(path)
+}

@@ -1,0 +1,445 @@
+//! A scripted node for unit tests of the session's policies, with no processes: its "agent" is a
+//! task that answers through a real in-memory [`Store`] as a remote agent does (so the session's
+//! reading of results, lost nodes and unasked stops is the real one), on tokio's paused clock.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{BoxFuture, Bus, Joining, NodeLink};
+use crate::agent::protocol::{Keys, RunResult, Step, StepResult};
+use crate::node::{Signals, StopRequest};
+use crate::session::{Node, Rendezvous, Session};
+use crate::store::Store;
+
+/// What a fake node does with the steps it is given.
+#[derive(Clone, Debug)]
+pub enum Script {
+    /// Answers each step with this after a while.
+    Answer(StepResult, Duration),
+    /// Runs until asked to stop: then answers Stopped (or Interrupted by the forwarded signal);
+    /// a Kill is not needed to make it answer.
+    UntilStopped,
+    /// Runs until asked to stop, and then never answers (workers that ignore SIGTERM).
+    Deaf,
+    /// Its agent's process ends after a while, with these last words.
+    Dies(Duration, &'static str),
+}
+
+/// What a fake node saw, for the test to check.
+#[derive(Default, Debug)]
+pub struct Seen {
+    pub steps: Vec<(usize, Option<Step>)>,
+    pub requests: Vec<StopRequest>,
+    pub ended: bool,
+}
+
+pub struct FakeLink {
+    script: Script,
+    seen: Arc<Mutex<Seen>>,
+    requests: watch::Sender<StopRequest>,
+    started: Option<Instant>,
+}
+
+/// A fake node and what it will have seen.
+pub fn node(label: &str, script: Script) -> (Node, Arc<Mutex<Seen>>) {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let link = FakeLink {
+        script,
+        seen: seen.clone(),
+        requests: watch::channel(StopRequest::None).0,
+        started: None,
+    };
+    (Node::new(label, Box::new(link)), seen)
+}
+
+/// A session over `nodes` (joined), with a store of its own and signals a test injects.
+pub fn session(
+    nodes: Vec<Node>,
+) -> (
+    Session,
+    tokio::sync::mpsc::UnboundedSender<crate::node::Caught>,
+) {
+    let (signals, inject) = Signals::injected();
+    let hosts = nodes
+        .iter()
+        .map(|n| crate::hosts::Host::new(n.label.clone()))
+        .collect();
+    let mut s = Session {
+        plan: crate::plan::NodesPlan::for_tests(hosts),
+        nodes,
+        rendezvous: Rendezvous {
+            addr: "127.0.0.1".into(),
+            port: 0,
+            secret: None,
+        },
+        run: "fake".into(),
+        bus: Bus {
+            store: Some(Store::new()),
+            keys: Keys::new("fake"),
+            secret: None,
+            wake: Arc::default(),
+        },
+        store_stop: None,
+        signals,
+        step: 0,
+        temp_root: std::env::temp_dir().join("nrun-fake-session"),
+        watch: None,
+        active: Vec::new(),
+        grow: false,
+        arrivals_checked: None,
+    };
+    for n in &mut s.nodes {
+        n.joined = Some(crate::session::JoinedNode {
+            facts: None,
+            link: None,
+            ifname: None,
+            master_addr: "127.0.0.1".into(),
+            addr: None,
+        });
+    }
+    s.active = (0..s.nodes.len()).collect();
+    (s, inject)
+}
+
+impl NodeLink for FakeLink {
+    fn joining(&mut self) -> Joining {
+        Joining::Pending
+    }
+
+    fn join_failure(&mut self, label: &str, _waited: Duration, _timeout: Duration) -> String {
+        format!("{label}: a fake node never joins")
+    }
+
+    fn deliver(&mut self, bus: &Bus, node: usize, no: usize, step: Option<&Step>) -> bool {
+        self.seen.lock().unwrap().steps.push((no, step.cloned()));
+        let Some(step) = step else { return false };
+        self.started = Some(Instant::now());
+        let (tx, mut rx) = watch::channel(StopRequest::None);
+        self.requests = tx;
+        let store = bus.store.clone().expect("a fake session has a store");
+        let key = bus.keys.result(node, no);
+        let publish = move |r: StepResult| store.set(&key, &serde_json::to_vec(&r).unwrap());
+        let script = self.script.clone();
+        let probe = matches!(step, Step::Probe { .. });
+        tokio::spawn(async move {
+            let stopped = async {
+                let _ = rx
+                    .wait_for(|r| !matches!(r, StopRequest::None | StopRequest::Forward(_)))
+                    .await;
+                *rx.borrow()
+            };
+            match script {
+                Script::Answer(r, after) => {
+                    tokio::time::sleep(after).await;
+                    publish(r);
+                }
+                Script::UntilStopped => {
+                    let r = match stopped.await {
+                        StopRequest::Signal(sig) | StopRequest::Kill(sig) => {
+                            RunResult::Interrupted(sig)
+                        }
+                        _ => RunResult::Stopped,
+                    };
+                    match probe {
+                        true => publish(StepResult::Probe { error: None }),
+                        false => publish(StepResult::Run(r)),
+                    }
+                }
+                Script::Deaf | Script::Dies(..) => std::future::pending().await,
+            }
+        });
+        true
+    }
+
+    fn lost(&mut self, _bus: &Bus, _node: usize, label: &str, stopped: bool) -> Option<String> {
+        match self.script {
+            Script::Dies(after, words) if self.started.is_some_and(|t| t.elapsed() >= after) => {
+                Some(format!(
+                    "lost the connection to {label} (exit status: 255): {words}"
+                ))
+            }
+            _ => stopped.then(|| format!("lost the connection to {label}: it stopped unasked")),
+        }
+    }
+
+    fn request(&mut self, req: StopRequest) {
+        self.seen.lock().unwrap().requests.push(req);
+        let _ = self.requests.send(req);
+    }
+
+    fn end<'a>(
+        &'a mut self,
+        _bus: &'a Bus,
+        _node: usize,
+        _no: usize,
+        _joined: bool,
+    ) -> BoxFuture<'a, ()> {
+        self.seen.lock().unwrap().ended = true;
+        Box::pin(async {})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::protocol::WorkerFailure;
+    use crate::node::Caught;
+    use crate::session::Policy;
+
+    fn run_step() -> Step {
+        Step::Run {
+            workers: Vec::new(),
+            grace_ms: 1000,
+            deadline_ms: None,
+            watch: false,
+        }
+    }
+
+    fn failed(rank: usize) -> StepResult {
+        StepResult::Run(RunResult::Failed(WorkerFailure {
+            rank,
+            local_rank: 0,
+            pid: 1,
+            exit_code: 3,
+            how: "exited with code 3".into(),
+            at: String::new(),
+            stderr_tail: Vec::new(),
+            traceback: None,
+            error_file: Default::default(),
+            left_early: Vec::new(),
+            error_json: None,
+            error_file_kept: false,
+        }))
+    }
+
+    fn ok() -> StepResult {
+        StepResult::Run(RunResult::Success)
+    }
+
+    fn is(r: &Option<StepResult>, f: impl Fn(&RunResult) -> bool) -> bool {
+        matches!(r, Some(StepResult::Run(x)) if f(x))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn together_the_first_failure_stops_every_other_node() {
+        let (a, _) = node("a", Script::Answer(failed(0), Duration::from_millis(200)));
+        let (b, seen_b) = node("b", Script::UntilStopped);
+        let (c, seen_c) = node("c", Script::UntilStopped);
+        let (mut s, _sig) = session(vec![a, b, c]);
+        let steps = vec![Some(run_step()); 3];
+        let r = s.run_step(steps, Policy::Together).await.unwrap();
+        assert!(is(
+            &r[0],
+            |x| matches!(x, RunResult::Failed(f) if f.rank == 0)
+        ));
+        assert!(is(&r[1], |x| matches!(x, RunResult::Stopped)));
+        assert!(is(&r[2], |x| matches!(x, RunResult::Stopped)));
+        assert_eq!(seen_b.lock().unwrap().requests, [StopRequest::Polite]);
+        assert_eq!(seen_c.lock().unwrap().requests, [StopRequest::Polite]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn together_a_lost_node_is_named_by_its_link_and_stops_the_rest() {
+        let (a, _) = node(
+            "a",
+            Script::Dies(Duration::from_secs(2), "Connection reset by peer"),
+        );
+        let (b, seen_b) = node("b", Script::UntilStopped);
+        let (mut s, _sig) = session(vec![a, b]);
+        let r = s
+            .run_step(vec![Some(run_step()); 2], Policy::Together)
+            .await
+            .unwrap();
+        assert!(is(&r[0], |x| matches!(x, RunResult::Lost(w)
+            if w == "lost the connection to a (exit status: 255): Connection reset by peer")));
+        assert!(is(&r[1], |x| matches!(x, RunResult::Stopped)));
+        assert_eq!(seen_b.lock().unwrap().requests, [StopRequest::Polite]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_agent_that_stops_or_is_interrupted_unasked_is_lost() {
+        let stopped = StepResult::Run(RunResult::Stopped);
+        let interrupted = StepResult::Run(RunResult::Interrupted(libc::SIGTERM));
+        let (a, _) = node("a", Script::Answer(stopped, Duration::from_millis(10)));
+        let (b, _) = node("b", Script::Answer(interrupted, Duration::from_millis(10)));
+        let (mut s, _sig) = session(vec![a, b]);
+        let r = s
+            .run_step(
+                vec![Some(run_step()); 2],
+                Policy::Apart {
+                    deadline: Duration::from_secs(5),
+                },
+            )
+            .await
+            .unwrap();
+        assert!(is(
+            &r[0],
+            |x| matches!(x, RunResult::Lost(w) if w.contains("a: it stopped unasked"))
+        ));
+        assert!(is(
+            &r[1],
+            |x| matches!(x, RunResult::Lost(w) if w == "b's agent was stopped by SIGTERM on that node")
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn apart_groups_run_to_their_end_or_the_deadline_and_stop_nobody() {
+        let (a, seen_a) = node("a", Script::Answer(failed(0), Duration::from_secs(1)));
+        let (b, _) = node("b", Script::Answer(ok(), Duration::from_secs(3)));
+        let (c, seen_c) = node("c", Script::Deaf);
+        let (mut s, _sig) = session(vec![a, b, c]);
+        let t = Instant::now();
+        let deadline = Duration::from_secs(10);
+        let r = s
+            .run_step(vec![Some(run_step()); 3], Policy::Apart { deadline })
+            .await
+            .unwrap();
+        assert!(is(&r[0], |x| matches!(x, RunResult::Failed(_))));
+        assert!(is(&r[1], |x| matches!(x, RunResult::Success)));
+        assert!(r[2].is_none(), "a node that never answers has no result");
+        assert!(t.elapsed() >= deadline && t.elapsed() < deadline + Duration::from_secs(1));
+        assert!(seen_a.lock().unwrap().requests.is_empty());
+        assert!(seen_c.lock().unwrap().requests.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn probe_a_silent_agent_is_named_after_30_s() {
+        let (a, _) = node("a", Script::UntilStopped);
+        let (b, _) = node("b", Script::Deaf);
+        let (mut s, _sig) = session(vec![a, b]);
+        let probe = Step::Probe {
+            target: "10.0.0.2:1".into(),
+            timeout_ms: 100,
+        };
+        let t = Instant::now();
+        let r = s
+            .run_step(vec![None, Some(probe)], Policy::Probe)
+            .await
+            .unwrap();
+        assert!(
+            r[0].is_none(),
+            "a node sitting the step out is not waited for"
+        );
+        match &r[1] {
+            Some(StepResult::Probe { error: Some(e) }) => {
+                assert_eq!(
+                    e,
+                    "b's agent did not answer within 30 s; check that the launch host still reaches it (ssh b true)"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(t.elapsed() >= Duration::from_secs(30));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sitting_out_keeps_the_count_of_steps_and_needs_no_answer() {
+        let (a, seen_a) = node("a", Script::Answer(ok(), Duration::from_millis(5)));
+        let (b, seen_b) = node("b", Script::Deaf);
+        let (mut s, _sig) = session(vec![a, b]);
+        s.run_step(vec![Some(run_step()), None], Policy::Together)
+            .await
+            .unwrap();
+        s.run_step(vec![Some(run_step()), None], Policy::Together)
+            .await
+            .unwrap();
+        let steps: Vec<(usize, bool)> = seen_b
+            .lock()
+            .unwrap()
+            .steps
+            .iter()
+            .map(|(n, s)| (*n, s.is_some()))
+            .collect();
+        assert_eq!(steps, [(0, false), (1, false)]);
+        assert_eq!(seen_a.lock().unwrap().steps.len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_signal_is_forwarded_and_a_second_one_kills_and_stops_waiting() {
+        let (a, seen_a) = node("a", Script::Deaf);
+        let (b, seen_b) = node("b", Script::Deaf);
+        let (mut s, sig) = session(vec![a, b]);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            sig.send(Caught::Forward(libc::SIGUSR1)).unwrap();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            sig.send(Caught::Stop(libc::SIGINT)).unwrap();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            sig.send(Caught::Stop(libc::SIGINT)).unwrap();
+        });
+        let code = s
+            .run_step(vec![Some(run_step()); 2], Policy::Together)
+            .await
+            .unwrap_err();
+        assert_eq!(code, crate::error::exit::signal(libc::SIGINT));
+        let want = [
+            StopRequest::Forward(libc::SIGUSR1),
+            StopRequest::Signal(libc::SIGINT),
+            StopRequest::Kill(libc::SIGINT),
+        ];
+        assert_eq!(seen_a.lock().unwrap().requests, want);
+        assert_eq!(seen_b.lock().unwrap().requests, want);
+        // Agents read the same through the store: the stop key carries the signal.
+        let stop = s.store().unwrap().get(&s.keys().stop(0)).unwrap();
+        assert_eq!(
+            crate::agent::protocol::stop_signal(&stop),
+            Some(libc::SIGINT)
+        );
+        let fwd = s.store().unwrap().get(&s.keys().signal(0, 0)).unwrap();
+        assert_eq!(fwd, libc::SIGUSR1.to_string().as_bytes());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_signal_stops_the_job_and_waits_for_its_workers() {
+        let (a, _) = node("a", Script::UntilStopped);
+        let (b, _) = node("b", Script::UntilStopped);
+        let (mut s, sig) = session(vec![a, b]);
+        sig.send(Caught::Stop(libc::SIGTERM)).unwrap();
+        let r = s
+            .run_step(vec![Some(run_step()); 2], Policy::Together)
+            .await
+            .unwrap();
+        for x in &r {
+            assert!(
+                is(
+                    x,
+                    |x| matches!(x, RunResult::Interrupted(s) if *s == libc::SIGTERM)
+                ),
+                "{x:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_signal_stops_waiting_at_once_outside_a_job() {
+        let (a, seen_a) = node("a", Script::Deaf);
+        let (mut s, sig) = session(vec![a]);
+        sig.send(Caught::Stop(libc::SIGINT)).unwrap();
+        let deadline = Duration::from_secs(60);
+        let code = s
+            .run_step(vec![Some(run_step())], Policy::Apart { deadline })
+            .await
+            .unwrap_err();
+        assert_eq!(code, 130);
+        assert_eq!(
+            seen_a.lock().unwrap().requests,
+            [StopRequest::Signal(libc::SIGINT)]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_end_reaches_every_link() {
+        let (a, seen_a) = node("a", Script::Deaf);
+        let (b, seen_b) = node("b", Script::Deaf);
+        let (s, _sig) = session(vec![a, b]);
+        s.end_with(3).await;
+        for seen in [seen_a, seen_b] {
+            let seen = seen.lock().unwrap();
+            assert!(seen.ended);
+            assert!(matches!(seen.steps.last(), Some((0, Some(Step::End)))));
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! The seam between a session and its nodes: one [`NodeLink`] per node, whatever kind of agent
+//! serves it (the shape of PRRTE's plm module table and of torch elastic's
+//! `_start_workers/_monitor_workers/_stop_workers`). The session delivers steps, reads results,
+//! asks whether a node is lost and ends it through this trait only; it never asks which kind a
+//! link is.
+//!
+//! - [`inproc`]: the single node of a run without a host list, served inside nrun.
+//! - [`child`]: `nrun __agent` as a child process: on this host, or over ssh (`--ship`).
+//! - [`srun`]: one srun step that starts every node's agent; a link per node on it.
+//! - [`peer`]: a node whose own nrun joined (torchrun's c10d), alive while its heartbeat moves.
+//! - `fake` (tests): a scripted node, to test the session's policies without processes.
+//!
+//! Every link but the in-process one speaks through the store: the session's [`Bus`] seals its
+//! steps and reads its results, views and heartbeats, so the kinds differ only in how they
+//! start, stay alive, explain themselves and end. Adding a launcher: a new file here with a
+//! `start` function and its `NodeLink`, and one line in [`start`].
+
+pub mod child;
+pub mod inproc;
+pub mod peer;
+pub mod srun;
+
+#[cfg(test)]
+pub(crate) mod fake;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::{JoinedNode, Node, Session};
+use crate::agent::protocol::{Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
+use crate::error::{Error, Result};
+use crate::node::StopRequest;
+use crate::plan::Plan;
+use crate::remote::Launcher;
+use crate::store::Store;
+
+/// A future a link hands the session (async methods of a trait object).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Where a node stands while the session waits for it to join.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Joining {
+    /// Its agent may still join.
+    Pending,
+    /// Its agent cannot join any more (its process ended): the session stops waiting for it.
+    Gone,
+}
+
+/// What an in-process node needs to join (it has no agent to report for it).
+pub struct JoinHere {
+    /// Gather its facts (doctor), with this Python for torch's versions.
+    pub facts: bool,
+    pub python: Option<std::path::PathBuf>,
+    /// Where its workers find the store.
+    pub store_addr: String,
+    pub store_port: u16,
+    /// Its node is one of a static launch's (it finds its interface by the route to the store).
+    pub static_launch: bool,
+}
+
+/// One node of a session, as the session sees it, whatever serves it.
+pub trait NodeLink: Send {
+    /// The launch host's own node (its output needs no colour decision from afar).
+    fn is_local(&self) -> bool {
+        false
+    }
+
+    /// Served inside nrun: its ranks listen where the store is.
+    fn in_process(&self) -> bool {
+        false
+    }
+
+    /// Named by the host it reports when it joins, not by a label the user gave (a node whose
+    /// own nrun joined, or one an srun step started).
+    fn named_on_join(&self) -> bool {
+        false
+    }
+
+    /// The node's join record built here, for a node with no agent to report one.
+    fn join_here<'a>(&'a mut self, _how: &'a JoinHere) -> Option<BoxFuture<'a, JoinedNode>> {
+        None
+    }
+
+    /// Whether its agent may still join.
+    fn joining(&mut self) -> Joining;
+
+    /// Why the node did not join (after `waited`, with `timeout` the limit), for the user.
+    fn join_failure(&mut self, label: &str, waited: Duration, timeout: Duration) -> String;
+
+    /// Gives the node step `no` (`None`: it sits the step out, keeping its count of steps in
+    /// line). Returns whether an answer is to be waited for.
+    fn deliver(&mut self, bus: &Bus, node: usize, no: usize, step: Option<&Step>) -> bool {
+        bus.set_step(node, no, step.unwrap_or(&Step::idle()));
+        step.is_some()
+    }
+
+    /// The node's part of the step, run in this very process beside the session's wait (the
+    /// in-process node); None for nodes served elsewhere.
+    fn local_work(&mut self) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+
+    /// The node's result of step `no`, once it has one or is lost. `stopped`: the session
+    /// asked every node to stop. An agent that stopped or was interrupted without being asked
+    /// has left the job: it is lost.
+    fn result(
+        &mut self,
+        bus: &Bus,
+        node: usize,
+        no: usize,
+        label: &str,
+        stopped: bool,
+    ) -> Option<StepResult> {
+        let Some(r) = bus.result(node, no) else {
+            // Its agent is gone (ssh dropped, host died): it will not report.
+            return self
+                .lost(bus, node, label, false)
+                .map(|why| StepResult::Run(RunResult::Lost(why)));
+        };
+        let why = match (stopped, &r) {
+            // Stopped without being asked: that agent lost its connection to us.
+            (false, StepResult::Run(RunResult::Stopped)) => {
+                self.lost(bus, node, label, true).unwrap_or_else(|| {
+                    format!("{label}'s agent lost its connection to the launch host")
+                })
+            }
+            // Interrupted without being asked: a signal on that node (its agent's keeper
+            // killed, srun's, or a user's there) took it out of the job.
+            (false, StepResult::Run(RunResult::Interrupted(sig))) => format!(
+                "{label}'s agent was stopped by {} on that node",
+                crate::node::signal_name(*sig)
+            ),
+            _ => return Some(r),
+        };
+        Some(StepResult::Run(RunResult::Lost(why)))
+    }
+
+    /// The node's watch view during step `no`, if a new one arrived.
+    fn view(&mut self, bus: &Bus, node: usize, no: usize, last: &mut Vec<u8>) -> Option<NodeWatch> {
+        bus.view(node, no, last)
+    }
+
+    /// Whether the node is lost, and why, in words. `stopped`: its agent stopped its workers
+    /// without being asked (it lost its link to this host).
+    fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String>;
+
+    /// A stop or a signal for its running step, for a node that does not read the store's
+    /// broadcast keys (which the session writes for all the others).
+    fn request(&mut self, _req: StopRequest) {}
+
+    /// Ends the link, once the session delivered End: waits for its agent to leave, then ends
+    /// what is left of it (`joined`: its agent joined, so it acknowledges End). Every link's
+    /// end runs at once.
+    fn end<'a>(
+        &'a mut self,
+        bus: &'a Bus,
+        node: usize,
+        no: usize,
+        joined: bool,
+    ) -> BoxFuture<'a, ()>;
+}
+
+/// The coordinator's side of the conversation through the store: the one place that seals
+/// steps and reads what agents publish.
+pub struct Bus {
+    pub(super) store: Option<Arc<Store>>,
+    pub(super) keys: Keys,
+    pub(super) secret: Option<String>,
+    /// Woken by work done in this process (the in-process node's result and views), as the
+    /// store's own notification is by agents' writes.
+    pub(super) wake: Arc<Notify>,
+}
+
+impl Bus {
+    /// Writes node `node`'s step `no`, sealed with the run's secret (an agent runs no step it
+    /// cannot verify).
+    pub fn set_step(&self, node: usize, no: usize, step: &Step) {
+        let Some(store) = &self.store else { return };
+        let key = self.keys.step(node, no);
+        let json = serde_json::to_vec(step).unwrap_or_default();
+        let secret = self.secret.as_deref().unwrap_or("");
+        store.set(
+            &key,
+            &crate::store::auth::seal(secret.as_bytes(), &key, &json),
+        );
+    }
+
+    /// Node `node`'s result of step `no`, if it published one.
+    pub fn result(&self, node: usize, no: usize) -> Option<StepResult> {
+        let raw = self.store.as_ref()?.get(&self.keys.result(node, no))?;
+        serde_json::from_slice(&raw).ok()
+    }
+
+    /// Whether node `node` published anything as its result of step `no` (End's is no JSON).
+    pub fn answered(&self, node: usize, no: usize) -> bool {
+        self.store
+            .as_ref()
+            .is_none_or(|st| st.get(&self.keys.result(node, no)).is_some())
+    }
+
+    /// Node `node`'s view during step `no`, if it changed since `last`.
+    pub fn view(&self, node: usize, no: usize, last: &mut Vec<u8>) -> Option<NodeWatch> {
+        let raw = self.store.as_ref()?.get(&self.keys.watch(node, no))?;
+        if raw == *last {
+            return None;
+        }
+        let v = serde_json::from_slice(&raw).ok();
+        *last = raw;
+        v
+    }
+
+    /// Node `node`'s joined record, if its agent has published one.
+    pub fn joined(&self, node: usize) -> Option<Joined> {
+        let raw = self.store.as_ref()?.get(&self.keys.joined(node))?;
+        serde_json::from_slice(&raw).ok()
+    }
+
+    /// Node `node`'s heartbeat counter as last written (empty before the first).
+    pub fn heartbeat(&self, node: usize) -> Vec<u8> {
+        self.store
+            .as_ref()
+            .and_then(|st| st.get(&self.keys.alive(node)))
+            .unwrap_or_default()
+    }
+
+    /// Asks every agent to stop step `no`: forwarding the user's signal, or politely.
+    pub fn stop(&self, no: usize, signal: Option<i32>) {
+        if let Some(st) = &self.store {
+            st.set(
+                &self.keys.stop(no),
+                &crate::agent::protocol::stop_value(signal),
+            );
+        }
+    }
+
+    /// Passes signal `sig` (the `seq`th of step `no`) to every agent's workers.
+    pub fn signal(&self, no: usize, seq: usize, sig: i32) {
+        if let Some(st) = &self.store {
+            st.set(&self.keys.signal(no, seq), sig.to_string().as_bytes());
+        }
+    }
+
+    /// Leaves the job's exit code for nodes that exit with it.
+    pub fn exit(&self, code: u8) {
+        if let Some(st) = &self.store {
+            st.set(&self.keys.exit(), code.to_string().as_bytes());
+        }
+    }
+}
+
+/// What every agent started by this nrun is told, less its own node's place.
+pub struct Instructions {
+    pub secret: String,
+    pub run: String,
+    pub addrs: Vec<String>,
+    pub cwd: std::path::PathBuf,
+    pub python: Option<std::path::PathBuf>,
+    pub forward_signals: Vec<i32>,
+}
+
+impl Instructions {
+    fn new(s: &Session, plan: &Plan) -> Result<Instructions> {
+        Ok(Instructions {
+            secret: s.rendezvous.secret.clone().unwrap_or_default(),
+            run: s.run.clone(),
+            addrs: super::coordinator_addrs(s.rendezvous.port),
+            cwd: std::env::current_dir()
+                .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?,
+            python: s.plan.python_probe.then(|| plan.python.clone()).flatten(),
+            forward_signals: plan.forward_signals.clone(),
+        })
+    }
+
+    /// The Hello of node `node` (`label`), or with `nodes` the one Hello of a step starting
+    /// all of them (each agent finds its own by name).
+    pub fn hello(&self, node: usize, label: &str, addrs: Vec<String>, nodes: Vec<String>) -> Hello {
+        Hello {
+            secret: self.secret.clone(),
+            run: self.run.clone(),
+            node,
+            label: label.to_string(),
+            addrs,
+            cwd: self.cwd.clone(),
+            version: crate::cli::VERSION.to_string(),
+            python: self.python.clone(),
+            forward_signals: self.forward_signals.clone(),
+            heartbeat: !nodes.is_empty(),
+            nodes,
+        }
+    }
+}
+
+/// The launcher choice: a link for every node of the session. The one place that knows the
+/// kinds: a run without a host list is served in-process; otherwise the launcher starts the
+/// agents of the hosts it owns, and the hosts whose own nrun joins (c10d) wait as peers.
+pub async fn start(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
+    let np = &s.plan;
+    if np.in_process {
+        return Ok(vec![Node::new(&np.hosts[0].name, inproc::link())]);
+    }
+    let owned = &np.hosts[..np.hosts.len() - np.peers];
+    let how = Instructions::new(s, plan)?;
+    let mut nodes = match np.launcher {
+        Launcher::Ssh => child::start(np, owned, &how).await?,
+        Launcher::Srun => srun::start(np, owned, &how).await?,
+    };
+    let peers = &np.hosts[owned.len()..];
+    nodes.extend(peers.iter().map(|h| Node::new(&h.name, peer::link())));
+    Ok(nodes)
+}
+
+/// Drives every future of `work` to its end, together.
+pub(super) async fn join_all(mut work: Vec<BoxFuture<'_, ()>>) {
+    std::future::poll_fn(|cx| {
+        work.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        match work.is_empty() {
+            true => std::task::Poll::Ready(()),
+            false => std::task::Poll::Pending,
+        }
+    })
+    .await
+}

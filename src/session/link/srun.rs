@@ -1,0 +1,103 @@
+//! Inside a Slurm allocation: every node's agent from one srun step (as PRRTE starts its
+//! daemons), each agent finding its node by name in one shared Hello and beating its heartbeat.
+//! The coordinator sees one process: a link per node shares it, and a node is lost when the step
+//! ends or its heartbeat stops. `--ship` is refused at plan time (srun has no per-node stdin to
+//! copy a binary through; `sbcast` is Slurm's way).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Mutex;
+
+use super::child::AgentProcess;
+use super::peer::Heartbeat;
+use super::{BoxFuture, Bus, Instructions, Joining, NodeLink};
+use crate::error::Result;
+use crate::hosts::Host;
+use crate::plan::NodesPlan;
+use crate::remote;
+use crate::session::Node;
+
+/// One node of the srun step.
+pub struct StepLink {
+    step: Arc<Mutex<AgentProcess>>,
+    beat: Heartbeat,
+}
+
+/// Starts the one srun step of every node's agent.
+pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result<Vec<Node>> {
+    let names: Vec<String> = hosts.iter().map(|h| h.name.clone()).collect();
+    let hello = how.hello(0, "", how.addrs.clone(), names.clone());
+    let argv = remote::srun_step_command(&names, &np.remote_nrun);
+    let step = Arc::new(Mutex::new(
+        AgentProcess::spawn(&argv, "the srun step", &hello).await?,
+    ));
+    Ok(names
+        .iter()
+        .map(|label| {
+            let link = StepLink {
+                step: step.clone(),
+                beat: Heartbeat::default(),
+            };
+            Node::new(label, Box::new(link))
+        })
+        .collect())
+}
+
+impl StepLink {
+    /// How the step ended and what it said last, if it has ended (unknown while another
+    /// link is ending it).
+    fn ended(&self) -> Option<String> {
+        self.step.try_lock().ok()?.epitaph()
+    }
+}
+
+impl NodeLink for StepLink {
+    fn named_on_join(&self) -> bool {
+        true
+    }
+
+    fn joining(&mut self) -> Joining {
+        match self.ended() {
+            None => Joining::Pending,
+            Some(_) => Joining::Gone,
+        }
+    }
+
+    fn join_failure(&mut self, label: &str, _waited: Duration, timeout: Duration) -> String {
+        let why = match self.ended() {
+            Some(how) => format!("the srun step of the agents ended{how}"),
+            None => format!(
+                "its agent did not join within {} s (--join-timeout) though srun still runs: \
+                 check that the node reaches this host (and `srun -w {label} true`)",
+                timeout.as_secs()
+            ),
+        };
+        format!("{label}: {why}")
+    }
+
+    fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
+        if let Some(how) = self.ended() {
+            return Some(format!(
+                "lost {label}: the srun step running its agent ended{how}"
+            ));
+        }
+        self.beat.lost(bus, node, label, stopped)
+    }
+
+    fn end<'a>(
+        &'a mut self,
+        bus: &'a Bus,
+        node: usize,
+        no: usize,
+        joined: bool,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if joined {
+                super::peer::acknowledged(bus, node, no).await;
+            }
+            // The first link here ends the step; the others find it ended.
+            self.step.lock().await.finish().await;
+        })
+    }
+}

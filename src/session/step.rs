@@ -1,0 +1,196 @@
+//! [`Session::run_step`]: sends each node its numbered step and waits for the results as a
+//! [`Policy`] says, the one place that stops nodes on a failure or a signal, forwards signals,
+//! feeds the watch, and names lost nodes. It speaks to nodes through their links only.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::Session;
+use crate::agent::protocol::{Step, StepResult};
+use crate::node::{Caught, StopRequest};
+
+/// How [`Session::run_step`] waits.
+#[derive(Clone, Copy, Debug)]
+pub enum Policy {
+    /// One job over all nodes: the first failure anywhere stops every node; a signal is
+    /// forwarded to every worker, a second one kills.
+    Together,
+    /// Independent groups (bisect): each runs to its end or until `deadline`.
+    Apart { deadline: Duration },
+    /// Quick checks: an agent silent for 30 s has lost its connection.
+    Probe,
+}
+
+/// How long a [`Policy::Probe`] step waits for an answer.
+const PROBE_WAIT: Duration = Duration::from_secs(30);
+
+/// The result of a step for each node (None: the node had no step, or did not answer).
+pub type Results = Vec<Option<StepResult>>;
+
+/// What one wait has done so far.
+#[derive(Default)]
+struct Waiting {
+    /// Every node was asked to stop (a failure, a hang, a signal, arrivals).
+    stopped: bool,
+    /// Stop signals the user sent.
+    signalled: usize,
+    /// Signals passed on during this step, numbering their keys.
+    forwarded: usize,
+}
+
+impl Session {
+    /// Sends each node its step (`None`: the node sits this step out) and waits for the results
+    /// as `policy` says. `Err`: interrupted, with the exit code.
+    pub async fn run_step(
+        &mut self,
+        steps: Vec<Option<Step>>,
+        policy: Policy,
+    ) -> Result<Results, u8> {
+        let no = self.step;
+        self.step += 1;
+        let mut waiting = Vec::new();
+        for (i, s) in steps.iter().enumerate() {
+            if self.nodes[i].link.deliver(&self.bus, i, no, s.as_ref()) {
+                waiting.push(i);
+            }
+        }
+        // A node served in this process does its part here, beside the wait (see link::inproc).
+        let work = self
+            .nodes
+            .iter_mut()
+            .filter_map(|n| n.link.local_work())
+            .collect();
+        let ((), results) =
+            tokio::join!(super::link::join_all(work), self.wait(no, &waiting, policy));
+        results
+    }
+
+    /// Waits for the results of step `no` from the nodes in `waiting`.
+    async fn wait(&mut self, no: usize, waiting: &[usize], policy: Policy) -> Result<Results, u8> {
+        let mut results: Results = vec![None; self.nodes.len()];
+        let started = Instant::now();
+        let mut changed = self.store().map(|s| s.subscribe());
+        let wake = self.bus.wake.clone();
+        let hosts: Vec<String> = self.nodes.iter().map(|n| n.label.clone()).collect();
+        // The views last read, so an unchanged one is not parsed again.
+        let mut last_views: Vec<Vec<u8>> = vec![Vec::new(); self.nodes.len()];
+        let mut w = Waiting::default();
+        loop {
+            for &i in waiting {
+                if results[i].is_none() {
+                    results[i] = self.node_result(i, no, w.stopped);
+                }
+            }
+            if waiting.iter().all(|&i| results[i].is_some()) {
+                return Ok(results);
+            }
+            match policy {
+                Policy::Probe if started.elapsed() > PROBE_WAIT => {
+                    for &i in waiting {
+                        let label = &self.nodes[i].label;
+                        results[i].get_or_insert_with(|| StepResult::Probe {
+                            error: Some(format!(
+                                "{label}'s agent did not answer within {} s; check that the \
+                                 launch host still reaches it (ssh {label} true)",
+                                PROBE_WAIT.as_secs()
+                            )),
+                        });
+                    }
+                    return Ok(results);
+                }
+                Policy::Apart { deadline } if started.elapsed() > deadline => return Ok(results),
+                _ => {}
+            }
+            let together = matches!(policy, Policy::Together);
+            let failed = results
+                .iter()
+                .any(|r| matches!(r, Some(StepResult::Run(r)) if r.is_failure()));
+            // Elastic, as torchrun: a node waiting to join makes the group re-form with it.
+            if together && !w.stopped && self.arrivals() {
+                tracing::warn!("a node joined: the worker group restarts to take it in");
+                self.grow = true;
+                self.stop_step(no, None, &mut w);
+            }
+            if together && failed && !w.stopped {
+                self.stop_step(no, None, &mut w);
+            }
+            if self.watch.is_some() {
+                self.read_views(no, waiting, &mut last_views);
+                let hang = self.watch.as_mut().is_some_and(|ws| ws.check(&hosts));
+                if hang && !w.stopped {
+                    self.stop_step(no, None, &mut w);
+                }
+            }
+            tokio::select! {
+                // An agent's record arrived.
+                () = super::store_changed(&mut changed) => {}
+                // The in-process node finished its part.
+                () = wake.notified() => {}
+                // Agents' processes are checked on this tick (a dropped ssh, a dead host).
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                caught = self.signals.recv() => {
+                    let sig = match caught {
+                        Caught::Stop(sig) => sig,
+                        Caught::Forward(sig) => {
+                            self.forward(no, sig, &mut w);
+                            continue;
+                        }
+                    };
+                    w.signalled += 1;
+                    if w.signalled >= 2 {
+                        w.stopped = true;
+                        self.request_all(StopRequest::Kill(sig));
+                    } else {
+                        self.stop_step(no, Some(sig), &mut w);
+                    }
+                    // A job waits for its workers to stop; a second signal stops waiting, and
+                    // other kinds of steps stop waiting at once.
+                    if w.signalled >= 2 || !together {
+                        tracing::warn!("interrupted; stopping every node");
+                        return Err(crate::error::exit::signal(sig));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The views the nodes of step `no` published since they were last read, into the watch.
+    fn read_views(&mut self, no: usize, waiting: &[usize], last: &mut [Vec<u8>]) {
+        let Some(ws) = self.watch.as_mut() else {
+            return;
+        };
+        for &i in waiting {
+            while let Some(v) = self.nodes[i].link.view(&self.bus, i, no, &mut last[i]) {
+                ws.observe(i, v);
+            }
+        }
+    }
+
+    /// Gives every link a request (those that read the store's keys ignore it).
+    fn request_all(&mut self, req: StopRequest) {
+        for n in &mut self.nodes {
+            n.link.request(req);
+        }
+    }
+
+    /// Passes signal `sig` to every worker of step `no` on every node.
+    fn forward(&mut self, no: usize, sig: i32, w: &mut Waiting) {
+        self.bus.signal(no, w.forwarded, sig);
+        w.forwarded += 1;
+        self.request_all(StopRequest::Forward(sig));
+    }
+
+    /// Asks every node to stop step `no`: forwarding the user's signal, or politely.
+    fn stop_step(&mut self, no: usize, signal: Option<i32>, w: &mut Waiting) {
+        w.stopped = true;
+        self.bus.stop(no, signal);
+        self.request_all(signal.map_or(StopRequest::Polite, StopRequest::Signal));
+    }
+
+    /// Node `i`'s result of step `no`, if it has one or is lost.
+    fn node_result(&mut self, i: usize, no: usize, stopped: bool) -> Option<StepResult> {
+        let n = &mut self.nodes[i];
+        n.link.result(&self.bus, i, no, &n.label, stopped)
+    }
+}
