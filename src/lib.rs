@@ -1,17 +1,20 @@
 //! nrun: a launcher for distributed PyTorch/NCCL jobs.
 //!
 //! Map of the crate. A run flows one way: the command line becomes a [`plan::Mode`]; a
-//! [`session::Session`] starts the store and one agent per node, joins and checks them and
+//! [`session::Session`] starts the store and one link per node, joins and checks them and
 //! drives their steps; a command (the job, doctor, bisect) decides which steps.
 //! - [`cli`]: clap definitions only: the default run, `doctor`, `bisect`; flattened flag groups.
 //! - [`plan`]: from flags to a [`plan::Mode`] (workers, command, environment, logs, preflight,
 //!   nodes and rank layout); no I/O besides reading the hostfile and the filesystem checks.
 //! - [`hosts`]: host lists: hostfile formats, Slurm hostlists, include/exclude, rank layout.
 //! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session.
-//! - [`session`]: store + agents + join + checks + steps + end, for one node or many; the one
-//!   worker-spec builder.
-//! - [`agent`]: the per-node side: the protocol (messages and keys), executing a step, sampling
-//!   the workers' Python stacks, and the `nrun __agent` process.
+//! - [`session`]: store + links + join + checks + steps + end, for one node or many; the one
+//!   worker-spec builder. The seam: [`session::link::NodeLink`], one per node, implemented by
+//!   each kind of agent (in-process, a child here or over ssh, an srun step, a c10d peer; a
+//!   fake in tests); only [`session::link::start`] knows the kinds.
+//! - [`agent`]: the per-node side: the protocol (messages and keys), the one step dispatcher
+//!   ([`agent::exec::dispatch`], also the in-process node's), sampling the workers' Python
+//!   stacks, and the `nrun __agent` process.
 //! - [`remote`]: ssh and srun command lines (pure).
 //! - [`node`]: one node's worker group: spawning, process groups, stop requests, output, logs.
 //! - [`store`]: the TCPStore protocol: a pure codec, the tokio server, a client, and the

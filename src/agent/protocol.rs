@@ -3,7 +3,9 @@
 //! Everything goes through the coordinator's store, in nrun's authenticated key space
 //! (`nrun/<run>/...`), so there is one port, one protocol and one client. The coordinator
 //! writes a node's numbered [`Step`]s; the agent answers each with a [`StepResult`]; a stop key
-//! asks every node to stop the step's workers. [`Keys`] is the only place keys are spelled.
+//! asks every node to stop the step's workers. [`Keys`] spells the agents' keys (the preflight's
+//! ranks spell theirs in `preflight::Settings`); the coordinator reads and writes them through
+//! `session::link::Bus`.
 
 use std::path::PathBuf;
 

@@ -723,8 +723,6 @@ pub struct ProbeArgs {
     pub report: Option<PathBuf>,
 }
 
-/// Whether `target` is the name of a subcommand (`doctor`, `bisect`), which a run refuses as a
-/// script name: `nrun -H a,b doctor` means the command with its flags misplaced.
 impl CompatArgs {
     /// One line for each torchrun flag given that does nothing here.
     pub fn notes(&self) {
@@ -794,6 +792,8 @@ pub fn print_man() -> u8 {
     }
 }
 
+/// Whether `target` is the name of a subcommand (`doctor`, `bisect`), which a run refuses as a
+/// script name: `nrun -H a,b doctor` means the command with its flags misplaced.
 pub fn is_command_name(target: &str) -> bool {
     Cli::command()
         .get_subcommands()
