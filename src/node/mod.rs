@@ -1,10 +1,11 @@
 //! Running one attempt of a node's worker group: spawn, supervise, stop, clean up.
 //!
-//! [`run_group`] is the dispatcher: it alone holds the group's state and `select!`s over worker
-//! exits, stop requests from outside (a signal to nrun, another node's failure, a lost coordinator)
-//! and the SIGKILL deadline. The first worker to fail (or a stop request) stops the group: every
-//! process group gets SIGTERM (or the signal nrun received), and SIGKILL after the grace period; a
-//! second signal kills at once. Signals themselves are caught by whoever drives the node (the
+//! [`run_group`] is the dispatcher: it alone holds the group's state (a `Group`: its workers, the
+//! phase of stopping them and why) and `select!`s over worker exits, stop requests from outside (a
+//! signal to nrun, another node's failure, a lost coordinator), the group's deadline and the
+//! phase's timer; `Group`'s methods say what each of those does. The first worker to fail (or a
+//! stop request) stops the group: every process group gets SIGTERM (or the signal nrun
+//! received), and SIGKILL after the grace period; a second signal kills at once. Signals themselves are caught by whoever drives the node (the
 //! session, or an agent) and arrive here as [`StopRequest`]s. When every worker has exited,
 //! leftovers are swept (process groups, then re-parented orphans) before the outcome is returned,
 //! so nothing outlives the attempt.
@@ -282,73 +283,53 @@ impl Terminal {
     }
 }
 
-struct Running {
+/// A worker's command, less its output settings (those go to the one writer, [`Output`]).
+struct Start {
     rank: usize,
     local_rank: usize,
-    pid: u32,
-    group: ProcessGroup,
-    exit: Option<(Exit, SystemTime)>,
-    tail: Tail,
+    program: OsString,
+    args: Vec<OsString>,
+    env: Vec<(String, String)>,
     error_file: PathBuf,
+    stdin: bool,
+    cpus: Option<Vec<usize>>,
 }
 
-/// Runs one attempt of the worker group to its end. `grace` is the time between the polite
-/// signal and SIGKILL; past `deadline` (if any) the group is stopped as if it had failed.
-pub async fn run_group(
-    workers: Vec<WorkerCmd>,
-    grace: Duration,
-    deadline: Option<Instant>,
-    mut stop: tokio::sync::watch::Receiver<StopRequest>,
-    events: Option<mpsc::UnboundedSender<GroupEvent>>,
-) -> Result<Outcome> {
-    let tell = |e: GroupEvent| {
-        if let Some(tx) = &events {
-            let _ = tx.send(e);
-        }
-    };
-    let mut outputs = Vec::with_capacity(workers.len());
-    let mut cmds = Vec::with_capacity(workers.len());
-    for w in workers {
-        let WorkerCmd { output, .. } = w;
-        outputs.push(output);
-        cmds.push((
-            w.rank,
-            w.local_rank,
-            w.program,
-            w.args,
-            w.env,
-            w.error_file,
-            w.stdin,
-            w.cpus,
-        ));
+impl Start {
+    fn split(w: WorkerCmd) -> (Start, WorkerOutput) {
+        let WorkerCmd {
+            rank,
+            local_rank,
+            program,
+            args,
+            env,
+            error_file,
+            output,
+            stdin,
+            cpus,
+        } = w;
+        let start = Start {
+            rank,
+            local_rank,
+            program,
+            args,
+            env,
+            error_file,
+            stdin,
+            cpus,
+        };
+        (start, output)
     }
-    let terminal = Terminal::ours();
-    let mut gave_terminal = false;
-    // The worker holding the terminal's foreground: the terminal's Ctrl-C reaches it alone.
-    let mut foreground_idx: Option<usize> = None;
-    let out = Output::start(outputs);
-    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<(usize, Exit, SystemTime)>();
-    let mut running: Vec<Running> = Vec::with_capacity(cmds.len());
-    let mut pumps: Vec<JoinHandle<()>> = Vec::new();
-    let mut spawn_error = None;
 
-    for (idx, (rank, local_rank, program, args, env, error_file, stdin, cpus)) in
-        cmds.into_iter().enumerate()
-    {
-        let _ = std::fs::remove_file(&error_file);
-        let mut cmd = tokio::process::Command::new(&program);
-        // Workers are in background process groups: a worker reading the terminal would be
-        // stopped by SIGTTIN and hang the job, so only the one chosen gets nrun's stdin, and the
-        // terminal's foreground with it.
-        let foreground = stdin && terminal;
-        gave_terminal |= foreground;
-        if foreground {
-            foreground_idx = Some(idx);
-        }
-        cmd.args(&args)
-            .envs(env)
+    /// Starts the worker as the leader of its own process group; with `foreground`, it also
+    /// takes the terminal's foreground (it reads nrun's stdin).
+    fn spawn(&self, foreground: bool) -> Result<tokio::process::Child> {
+        let _ = std::fs::remove_file(&self.error_file);
+        let mut cmd = tokio::process::Command::new(&self.program);
+        cmd.args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .process_group(0)
-            .stdin(if stdin {
+            .stdin(if self.stdin {
                 Stdio::inherit()
             } else {
                 Stdio::null()
@@ -357,11 +338,11 @@ pub async fn run_group(
             .stderr(Stdio::piped());
         let parent = std::process::id() as libc::pid_t;
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        for c in cpus.iter().flatten() {
+        for c in self.cpus.iter().flatten() {
             // SAFETY: CPU_SET on a zeroed set; indexes past CPU_SETSIZE are ignored by the libc.
             unsafe { libc::CPU_SET(*c, &mut set) };
         }
-        let bind = cpus.is_some();
+        let bind = self.cpus.is_some();
         // SAFETY: only async-signal-safe calls (prctl, getppid, setpgid, signal, tcsetpgrp,
         // sched_setaffinity, _exit) between fork and exec.
         unsafe {
@@ -387,22 +368,44 @@ pub async fn run_group(
                 Ok(())
             });
         }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                spawn_error = Some(Error::usage(format!(
-                    "cannot start rank {rank}: {} {}: {e}",
-                    program.to_string_lossy(),
-                    args.iter()
-                        .map(|a| a.to_string_lossy())
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                )));
-                break;
-            }
-        };
+        cmd.spawn().map_err(|e| {
+            Error::usage(format!(
+                "cannot start rank {}: {} {}: {e}",
+                self.rank,
+                self.program.to_string_lossy(),
+                self.args
+                    .iter()
+                    .map(|a| a.to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ))
+        })
+    }
+}
+
+/// One started worker: running until its exit is reported.
+struct Worker {
+    rank: usize,
+    local_rank: usize,
+    pid: u32,
+    group: ProcessGroup,
+    exit: Option<(Exit, SystemTime)>,
+    tail: Tail,
+    error_file: PathBuf,
+}
+
+impl Worker {
+    /// Supervises a started worker: its pipes go to the writer (the tail of stderr kept), and
+    /// its exit is reported on `exits` as its index in the group.
+    fn watch(
+        idx: usize,
+        start: Start,
+        mut child: tokio::process::Child,
+        out: &Output,
+        pumps: &mut Vec<JoinHandle<()>>,
+        exits: &mpsc::UnboundedSender<(usize, Exit, SystemTime)>,
+    ) -> Worker {
         let pid = child.id().unwrap_or(0);
-        tell(GroupEvent::Started { rank, pid });
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
         if let Some(o) = child.stdout.take() {
             pumps.push(tokio::spawn(output::pump(
@@ -422,7 +425,7 @@ pub async fn run_group(
                 Some(tail.clone()),
             )));
         }
-        let tx = ev_tx.clone();
+        let tx = exits.clone();
         tokio::spawn(async move {
             let exit = match child.wait().await {
                 Ok(s) => Exit::from_status(s),
@@ -430,119 +433,352 @@ pub async fn run_group(
             };
             let _ = tx.send((idx, exit, SystemTime::now()));
         });
-        running.push(Running {
-            rank,
-            local_rank,
+        Worker {
+            rank: start.rank,
+            local_rank: start.local_rank,
             pid,
             group: ProcessGroup(Pid::from_raw(pid as i32)),
             exit: None,
             tail,
-            error_file,
-        });
+            error_file: start.error_file,
+        }
     }
-    drop(ev_tx);
 
-    let mut first_failure: Option<usize> = None;
-    let mut interrupted: Option<i32> = None;
-    let mut timed_out = false;
-    let mut stopped = false;
-    let mut closed = false;
-    let mut kill_at: Option<Instant> = None;
-    let mut term_at: Option<Instant> = None;
-    let stop_all = |running: &[Running], sig: Signal| {
-        for r in running.iter().filter(|r| r.exit.is_none()) {
-            r.group.signal(sig);
+    fn running(&self) -> bool {
+        self.exit.is_none()
+    }
+}
+
+/// Where the group is in being stopped: Running, Settling, Grace, Killed, in that order, except
+/// that a stop request or the deadline coming after SIGKILL signals again and starts another
+/// grace period.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Nothing has asked the group to stop.
+    Running,
+    /// A worker failed: the rest get until then to end by themselves (see [`SETTLE`]), then
+    /// SIGTERM.
+    Settling(Instant),
+    /// The polite signal went out: SIGKILL then.
+    Grace(Instant),
+    /// SIGKILL went out.
+    Killed,
+}
+
+/// Why the group is ending; several can pile up, and [`Group::outcome`] says which one wins.
+#[derive(Default)]
+struct Ending {
+    /// The first worker to fail while nothing was stopping the group.
+    failure: Option<usize>,
+    /// The signal that stopped the group; `Some(0)` once SIGKILL ended a grace period that no
+    /// signal started, so a signal after that is not taken for the cause.
+    interrupted: Option<i32>,
+    timed_out: bool,
+    /// Stopped from outside (a polite stop, the coordinator gone).
+    stopped: bool,
+}
+
+/// The state [`run_group`] alone holds: the workers, how far stopping them has got and why.
+struct Group {
+    workers: Vec<Worker>,
+    grace: Duration,
+    phase: Phase,
+    ending: Ending,
+    /// The worker holding the terminal's foreground: the terminal's Ctrl-C reaches it alone.
+    foreground: Option<usize>,
+}
+
+impl Group {
+    fn new(grace: Duration) -> Group {
+        Group {
+            workers: Vec::new(),
+            grace,
+            phase: Phase::Running,
+            ending: Ending::default(),
+            foreground: None,
+        }
+    }
+
+    fn running(&self) -> usize {
+        self.workers.iter().filter(|w| w.running()).count()
+    }
+
+    /// `sig` to the process group of every worker not yet exited.
+    fn signal(&self, sig: Signal) {
+        for w in self.workers.iter().filter(|w| w.running()) {
+            w.group.signal(sig);
+        }
+    }
+
+    /// `sig` now, SIGKILL after the grace period.
+    fn terminate(&mut self, sig: Signal) {
+        self.signal(sig);
+        self.phase = Phase::Grace(Instant::now() + self.grace);
+    }
+
+    fn kill(&mut self) {
+        self.signal(Signal::SIGKILL);
+        self.phase = Phase::Killed;
+    }
+
+    /// Worker `idx` exited.
+    fn exited(&mut self, idx: usize, exit: Exit, at: SystemTime) {
+        self.workers[idx].exit = Some((exit, at));
+        // The terminal's Ctrl-C, which only the foreground worker got: the user's interrupt,
+        // passed on to the rest as if nrun had received it. The terminal comes back to nrun, so
+        // a second Ctrl-C reaches it.
+        if Some(idx) == self.foreground
+            && exit == Exit::Signal(libc::SIGINT)
+            && self.ending.failure.is_none()
+            && self.ending.interrupted.is_none()
+        {
+            Terminal::take_back();
+            self.foreground = None;
+            self.terminate(Signal::SIGINT);
+            self.ending.interrupted = Some(libc::SIGINT);
+            return;
+        }
+        // Once anything is stopping the group, a worker failing is its consequence, not a
+        // cause.
+        if !exit.success() && self.phase == Phase::Running {
+            self.ending.failure = Some(idx);
+            // A moment before stopping the rest: a peer already on its way out (a rank that
+            // left its loop early) ends by itself and can be named as the cause.
+            self.phase = Phase::Settling(Instant::now() + SETTLE.min(self.grace));
+        }
+    }
+
+    /// A request from outside the group.
+    fn requested(&mut self, req: StopRequest) {
+        match req {
+            StopRequest::None => {}
+            StopRequest::Forward(sig) => {
+                if let Ok(s) = Signal::try_from(sig) {
+                    self.signal(s);
+                }
+            }
+            StopRequest::Signal(sig) if !matches!(self.phase, Phase::Grace(_)) => {
+                self.terminate(Signal::try_from(sig).unwrap_or(Signal::SIGTERM));
+                self.ending.interrupted.get_or_insert(sig);
+            }
+            // A second signal, or a request to kill: no more waiting.
+            StopRequest::Signal(sig) | StopRequest::Kill(sig) => {
+                self.kill();
+                self.ending.interrupted.get_or_insert(sig);
+            }
+            StopRequest::Polite | StopRequest::Abandon => {
+                self.ending.stopped = true;
+                let grace = match req {
+                    StopRequest::Abandon => self.grace.min(ABANDON_GRACE),
+                    _ => self.grace,
+                };
+                let by = Instant::now() + grace;
+                self.signal(Signal::SIGTERM);
+                // A SIGKILL already due sooner stays due.
+                self.phase = match self.phase {
+                    Phase::Grace(k) => Phase::Grace(k.min(by)),
+                    _ => Phase::Grace(by),
+                };
+            }
+        }
+    }
+
+    /// Whether the group's deadline may still stop it: once, and not during a grace period.
+    fn may_time_out(&self) -> bool {
+        !self.ending.timed_out && !matches!(self.phase, Phase::Grace(_))
+    }
+
+    fn timed_out(&mut self) {
+        self.ending.timed_out = true;
+        self.terminate(Signal::SIGTERM);
+    }
+
+    /// When the phase moves on by itself (the settling time or the grace period ends).
+    fn timer(&self) -> Option<Instant> {
+        match self.phase {
+            Phase::Settling(t) | Phase::Grace(t) => Some(t),
+            Phase::Running | Phase::Killed => None,
+        }
+    }
+
+    fn timer_passed(&mut self) {
+        match self.phase {
+            Phase::Settling(_) => self.terminate(Signal::SIGTERM),
+            Phase::Grace(_) => {
+                self.kill();
+                // A later signal is not the cause: whatever started the grace period is.
+                self.ending.interrupted.get_or_insert(0);
+            }
+            Phase::Running | Phase::Killed => {}
+        }
+    }
+
+    /// Ranks whose process group still has processes (after every worker exited), killed.
+    fn kill_leftovers(&self) -> Vec<usize> {
+        let mut leftovers = Vec::new();
+        for w in &self.workers {
+            if w.group.alive() {
+                w.group.signal(Signal::SIGKILL);
+                leftovers.push(w.rank);
+            }
+        }
+        leftovers
+    }
+
+    /// A failure wins over a signal, a signal over the deadline, the deadline over a stop from
+    /// outside.
+    fn outcome(self) -> Outcome {
+        if let Some(idx) = self.ending.failure {
+            return Outcome::Failed(self.failure(idx));
+        }
+        match self.ending.interrupted {
+            Some(sig) if sig > 0 => Outcome::Interrupted(sig),
+            _ if self.ending.timed_out => Outcome::TimedOut,
+            _ if self.ending.stopped => Outcome::Stopped,
+            _ => Outcome::Success,
+        }
+    }
+
+    fn failure(&self, idx: usize) -> Failure {
+        let w = &self.workers[idx];
+        let (exit, at) = w.exit.unwrap_or((Exit::Code(1), SystemTime::now()));
+        let stderr_tail = w
+            .tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect();
+        // A clean exit just after the failure counts too: the peers of a rank that leaves early
+        // often fail while it is still tearing down.
+        let left_early = self
+            .workers
+            .iter()
+            .filter(|o| o.rank != w.rank)
+            .filter_map(|o| {
+                let Some((Exit::Code(0), t)) = o.exit else {
+                    return None;
+                };
+                let before = match at.duration_since(t) {
+                    Ok(d) => d.as_secs_f64(),
+                    Err(e) if e.duration() <= AROUND => -e.duration().as_secs_f64(),
+                    Err(_) => return None,
+                };
+                (before <= EARLY.as_secs_f64()).then_some((o.rank, before))
+            })
+            .collect();
+        Failure {
+            rank: w.rank,
+            local_rank: w.local_rank,
+            pid: w.pid,
+            exit,
+            at,
+            stderr_tail,
+            error_file: w.error_file.clone(),
+            left_early,
+        }
+    }
+}
+
+/// How soon SIGKILL follows SIGTERM at most once the coordinator is gone.
+const ABANDON_GRACE: Duration = Duration::from_secs(2);
+
+/// The next request on `stop`, or never once it is gone (`None`).
+async fn next_request(stop: &mut Option<tokio::sync::watch::Receiver<StopRequest>>) -> StopRequest {
+    match stop {
+        Some(rx) => stop_requested(rx).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs one attempt of the worker group to its end. `grace` is the time between the polite
+/// signal and SIGKILL; past `deadline` (if any) the group is stopped as if it had failed.
+pub async fn run_group(
+    workers: Vec<WorkerCmd>,
+    grace: Duration,
+    deadline: Option<Instant>,
+    stop: tokio::sync::watch::Receiver<StopRequest>,
+    events: Option<mpsc::UnboundedSender<GroupEvent>>,
+) -> Result<Outcome> {
+    let tell = |e: GroupEvent| {
+        if let Some(tx) = &events {
+            let _ = tx.send(e);
         }
     };
-    if spawn_error.is_some() {
-        stop_all(&running, Signal::SIGKILL);
+    let (starts, outputs): (Vec<Start>, Vec<WorkerOutput>) =
+        workers.into_iter().map(Start::split).unzip();
+    let terminal = Terminal::ours();
+    let mut gave_terminal = false;
+    let out = Output::start(outputs);
+    let (exits, mut exited) = mpsc::unbounded_channel::<(usize, Exit, SystemTime)>();
+    let mut group = Group::new(grace);
+    let mut pumps: Vec<JoinHandle<()>> = Vec::new();
+    let mut spawn_error = None;
+    for (idx, start) in starts.into_iter().enumerate() {
+        // Workers are in background process groups: a worker reading the terminal would be
+        // stopped by SIGTTIN and hang the job, so only the one chosen gets nrun's stdin, and the
+        // terminal's foreground with it.
+        let foreground = start.stdin && terminal;
+        gave_terminal |= foreground;
+        if foreground {
+            group.foreground = Some(idx);
+        }
+        let child = match start.spawn(foreground) {
+            Ok(c) => c,
+            Err(e) => {
+                spawn_error = Some(e);
+                break;
+            }
+        };
+        tell(GroupEvent::Started {
+            rank: start.rank,
+            pid: child.id().unwrap_or(0),
+        });
+        let worker = Worker::watch(idx, start, child, &out, &mut pumps, &exits);
+        group.workers.push(worker);
     }
-    let mut left = running.len();
-    while left > 0 {
+    drop(exits);
+    if spawn_error.is_some() {
+        group.signal(Signal::SIGKILL);
+    }
+
+    // After Abandon the sender is gone; there is nothing more to hear.
+    let mut stop = Some(stop);
+    while group.running() > 0 {
+        let timer = group.timer();
         tokio::select! {
-            ev = ev_rx.recv() => {
+            ev = exited.recv() => {
                 let Some((idx, exit, at)) = ev else { break };
-                running[idx].exit = Some((exit, at));
-                tell(GroupEvent::Exited { rank: running[idx].rank, exit });
-                left -= 1;
-                // The terminal's Ctrl-C, which only the foreground worker got: the user's
-                // interrupt, passed on to the rest as if nrun had received it. The terminal
-                // comes back to nrun, so a second Ctrl-C reaches it.
-                if Some(idx) == foreground_idx && exit == Exit::Signal(libc::SIGINT) && first_failure.is_none() && interrupted.is_none() {
-                    Terminal::take_back();
-                    foreground_idx = None;
-                    stop_all(&running, Signal::SIGINT);
-                    kill_at = Some(Instant::now() + grace);
-                    interrupted = Some(libc::SIGINT);
-                    continue;
-                }
-                if !exit.success() && first_failure.is_none() && interrupted.is_none() && kill_at.is_none() && term_at.is_none() && !timed_out && !stopped {
-                    first_failure = Some(idx);
-                    // A moment before stopping the rest: a peer already on its way out (a rank
-                    // that left its loop early) ends by itself and can be named as the cause.
-                    term_at = Some(Instant::now() + SETTLE.min(grace));
-                }
+                tell(GroupEvent::Exited { rank: group.workers[idx].rank, exit });
+                group.exited(idx, exit, at);
             }
-            req = stop_requested(&mut stop), if !closed => {
-                match req {
-                    StopRequest::None => {}
-                    StopRequest::Forward(sig) => {
-                        if let Ok(s) = Signal::try_from(sig) {
-                            stop_all(&running, s);
-                        }
-                    }
-                    StopRequest::Signal(sig) if kill_at.is_none() => {
-                        let s = Signal::try_from(sig).unwrap_or(Signal::SIGTERM);
-                        stop_all(&running, s);
-                        kill_at = Some(Instant::now() + grace);
-                        interrupted.get_or_insert(sig);
-                    }
-                    // A second signal, or a request to kill: no more waiting.
-                    StopRequest::Signal(sig) | StopRequest::Kill(sig) => {
-                        stop_all(&running, Signal::SIGKILL);
-                        interrupted.get_or_insert(sig);
-                    }
-                    StopRequest::Polite | StopRequest::Abandon => {
-                        stopped = true;
-                        let fast = Instant::now() + grace.min(Duration::from_secs(2));
-                        let by = if req == StopRequest::Abandon { fast } else { Instant::now() + grace };
-                        stop_all(&running, Signal::SIGTERM);
-                        kill_at = Some(kill_at.map_or(by, |k| k.min(by)));
-                        // The sender is gone after Abandon; there is nothing more to hear.
-                        closed = req == StopRequest::Abandon;
-                    }
+            req = next_request(&mut stop) => {
+                if req == StopRequest::Abandon {
+                    stop = None;
                 }
+                group.requested(req);
             }
-            _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)).await }, if deadline.is_some() && !timed_out && kill_at.is_none() => {
-                timed_out = true;
-                stop_all(&running, Signal::SIGTERM);
-                kill_at = Some(Instant::now() + grace);
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() && group.may_time_out() => {
+                group.timed_out();
             }
-            _ = async { tokio::time::sleep_until(term_at.unwrap_or_else(Instant::now)).await }, if term_at.is_some() => {
-                term_at = None;
-                if kill_at.is_none() {
-                    stop_all(&running, Signal::SIGTERM);
-                    kill_at = Some(Instant::now() + grace);
-                }
-            }
-            _ = async { tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)).await }, if kill_at.is_some() => {
-                stop_all(&running, Signal::SIGKILL);
-                kill_at = None;
-                // A later exit must not be taken for a new first failure.
-                interrupted.get_or_insert(0);
+            _ = tokio::time::sleep_until(timer.unwrap_or_else(Instant::now)), if timer.is_some() => {
+                group.timer_passed();
             }
         }
     }
 
-    // Everything the workers left behind: first what stayed in their process groups, then what
-    // escaped them and was re-parented to nrun.
-    let mut leftovers = Vec::new();
-    for r in &running {
-        if r.group.alive() {
-            r.group.signal(Signal::SIGKILL);
-            leftovers.push(r.rank);
-        }
+    sweep(&group, gave_terminal, pumps, out).await;
+    match spawn_error {
+        Some(e) => Err(e),
+        None => Ok(group.outcome()),
     }
+}
+
+/// Once every worker has exited: kills what they left behind (first what stayed in their process
+/// groups, then what escaped them and was re-parented to nrun), takes the terminal back, and
+/// writes out the last of their output.
+async fn sweep(group: &Group, gave_terminal: bool, pumps: Vec<JoinHandle<()>>, out: Output) {
+    let leftovers = group.kill_leftovers();
     let orphans = process::kill_orphans();
     if gave_terminal {
         Terminal::take_back();
@@ -557,54 +793,6 @@ pub async fn run_group(
             "workers left processes running after they exited (ranks {leftovers:?}, {orphans} outside \
              their process group); nrun killed them"
         );
-    }
-    if let Some(e) = spawn_error {
-        return Err(e);
-    }
-
-    if let Some(idx) = first_failure {
-        let r = &running[idx];
-        let (exit, at) = r.exit.unwrap_or((Exit::Code(1), SystemTime::now()));
-        let stderr_tail = r
-            .tail
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .cloned()
-            .collect();
-        // A clean exit just after the failure counts too: the peers of a rank that leaves early
-        // often fail while it is still tearing down.
-        let left_early = running
-            .iter()
-            .filter(|o| o.rank != r.rank)
-            .filter_map(|o| match o.exit {
-                Some((Exit::Code(0), t)) => {
-                    let before = match at.duration_since(t) {
-                        Ok(d) => d.as_secs_f64(),
-                        Err(e) if e.duration() <= AROUND => -e.duration().as_secs_f64(),
-                        Err(_) => return None,
-                    };
-                    (before <= EARLY.as_secs_f64()).then_some((o.rank, before))
-                }
-                _ => None,
-            })
-            .collect();
-        return Ok(Outcome::Failed(Failure {
-            rank: r.rank,
-            local_rank: r.local_rank,
-            pid: r.pid,
-            exit,
-            at,
-            stderr_tail,
-            error_file: r.error_file.clone(),
-            left_early,
-        }));
-    }
-    match interrupted {
-        Some(sig) if sig > 0 => Ok(Outcome::Interrupted(sig)),
-        _ if timed_out => Ok(Outcome::TimedOut),
-        _ if stopped => Ok(Outcome::Stopped),
-        _ => Ok(Outcome::Success),
     }
 }
 
@@ -642,6 +830,128 @@ pub fn error_file_traceback(text: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A group of `n` workers that exist only on paper: their process group id is above any
+    /// pid_max, so the signals the group sends reach nothing.
+    fn on_paper(n: usize, grace: Duration) -> Group {
+        let mut g = Group::new(grace);
+        for rank in 0..n {
+            g.workers.push(Worker {
+                rank,
+                local_rank: rank,
+                pid: 0,
+                group: ProcessGroup(Pid::from_raw(i32::MAX)),
+                exit: None,
+                tail: Default::default(),
+                error_file: PathBuf::new(),
+            });
+        }
+        g
+    }
+
+    const GRACE: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn a_failure_settles_then_terminates_then_kills() {
+        let mut g = on_paper(2, GRACE);
+        g.exited(0, Exit::Code(1), SystemTime::now());
+        assert!(matches!(g.phase, Phase::Settling(_)));
+        g.timer_passed();
+        assert!(matches!(g.phase, Phase::Grace(_)));
+        g.timer_passed();
+        assert_eq!(g.phase, Phase::Killed);
+        g.exited(1, Exit::Signal(libc::SIGKILL), SystemTime::now());
+        assert_eq!(g.running(), 0);
+        match g.outcome() {
+            Outcome::Failed(f) => assert_eq!((f.rank, f.exit), (0, Exit::Code(1))),
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn a_failure_once_the_group_is_stopping_is_not_the_cause() {
+        let mut g = on_paper(2, GRACE);
+        g.requested(StopRequest::Polite);
+        g.exited(0, Exit::Code(1), SystemTime::now());
+        g.exited(1, Exit::Signal(libc::SIGTERM), SystemTime::now());
+        assert!(matches!(g.outcome(), Outcome::Stopped));
+    }
+
+    #[test]
+    fn a_second_signal_kills_at_once() {
+        let mut g = on_paper(1, GRACE);
+        g.requested(StopRequest::Signal(libc::SIGINT));
+        assert!(matches!(g.phase, Phase::Grace(_)));
+        g.requested(StopRequest::Signal(libc::SIGINT));
+        assert_eq!(g.phase, Phase::Killed);
+        assert!(matches!(g.outcome(), Outcome::Interrupted(libc::SIGINT)));
+    }
+
+    #[test]
+    fn a_forwarded_signal_changes_nothing() {
+        let mut g = on_paper(1, GRACE);
+        g.requested(StopRequest::Forward(libc::SIGUSR1));
+        assert_eq!(g.phase, Phase::Running);
+        g.exited(0, Exit::Code(0), SystemTime::now());
+        assert!(matches!(g.outcome(), Outcome::Success));
+    }
+
+    #[test]
+    fn a_signal_after_the_grace_ran_out_is_not_the_cause() {
+        let mut g = on_paper(1, GRACE);
+        g.requested(StopRequest::Polite);
+        g.timer_passed();
+        assert_eq!(g.phase, Phase::Killed);
+        // Another grace period, but the stop that came first stays the cause.
+        g.requested(StopRequest::Signal(libc::SIGTERM));
+        assert!(matches!(g.phase, Phase::Grace(_)));
+        assert!(matches!(g.outcome(), Outcome::Stopped));
+    }
+
+    #[test]
+    fn a_lost_coordinator_shortens_the_grace_period() {
+        let mut g = on_paper(1, Duration::from_secs(60));
+        g.requested(StopRequest::Polite);
+        g.requested(StopRequest::Abandon);
+        let Phase::Grace(kill_at) = g.phase else {
+            panic!("{:?}", g.phase)
+        };
+        assert!(kill_at <= Instant::now() + ABANDON_GRACE);
+        // A later polite stop does not put SIGKILL off again.
+        g.requested(StopRequest::Polite);
+        assert_eq!(g.phase, Phase::Grace(kill_at));
+    }
+
+    #[test]
+    fn the_deadline_waits_out_a_grace_period() {
+        let mut g = on_paper(1, GRACE);
+        assert!(g.may_time_out());
+        g.requested(StopRequest::Polite);
+        assert!(!g.may_time_out());
+        g.timer_passed();
+        assert!(g.may_time_out());
+        g.timed_out();
+        assert!(!g.may_time_out());
+        // Timed out wins over stopped from outside.
+        assert!(matches!(g.outcome(), Outcome::TimedOut));
+    }
+
+    #[test]
+    fn ranks_that_left_shortly_before_a_failure_are_named() {
+        let mut g = on_paper(4, GRACE);
+        let at = SystemTime::now();
+        g.exited(1, Exit::Code(0), at - Duration::from_secs(5));
+        g.exited(2, Exit::Code(0), at - Duration::from_secs(40));
+        g.exited(0, Exit::Code(1), at);
+        g.exited(3, Exit::Code(0), at + Duration::from_secs(1));
+        let Outcome::Failed(f) = g.outcome() else {
+            panic!("not a failure")
+        };
+        let ranks: Vec<usize> = f.left_early.iter().map(|(r, _)| *r).collect();
+        assert_eq!(ranks, [1, 3]);
+        assert!((f.left_early[0].1 - 5.0).abs() < 1e-6);
+        assert!((f.left_early[1].1 + 1.0).abs() < 1e-6);
+    }
 
     #[test]
     fn error_file_formats() {

@@ -19,10 +19,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
-use super::protocol::{
-    CHECK_NOT_READY, CHECK_READY, Parsed, Request, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED,
-    put_bytes, put_i64,
-};
+use super::protocol::{Parsed, Request, STOP_WAITING, VALIDATE_MAGIC, put_bytes};
+
+mod cmd;
 
 type ConnId = u64;
 
@@ -332,60 +331,57 @@ impl Store {
         r
     }
 
+    /// Who may ask and whether it fits are settled here, in this order: VALIDATE first, then
+    /// nrun's secret for its own keys, then the byte cap; each verb is then served by its own
+    /// function in [`cmd`].
     fn apply_request(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), String> {
         if !c.validated {
-            return match req {
-                Request::Validate {
-                    magic: VALIDATE_MAGIC,
-                } => {
-                    c.validated = true;
-                    Ok(())
-                }
-                _ => Err(PRE_2_2.to_string()),
-            };
+            return validate_first(c, req);
         }
         if let Some(secret) = &self.secret {
-            // Challenge and response: the secret itself never crosses the wire.
-            if let Request::Get { key } = &req {
-                if key == CHALLENGE_KEY {
-                    let nonce = super::auth::nonce().map_err(|e| format!("no challenge: {e}"))?;
-                    put_bytes(out, &nonce);
-                    c.nonce = Some(nonce);
-                    return Ok(());
-                }
-            }
-            if let Request::Set { key, value } = &req {
-                if key == AUTH_KEY {
-                    let proven = c
-                        .nonce
-                        .take()
-                        .is_some_and(|n| super::auth::verify(secret, &n, value));
-                    if proven {
-                        c.authed = true;
-                        return Ok(());
-                    }
-                    return Err("wrong proof of nrun's secret for its control keys".into());
-                }
-            }
-            if !c.authed && touches_control(&req) {
-                return Err(
-                    "a connection without nrun's secret touched nrun's control keys (nrun/...)"
-                        .into(),
-                );
+            if authenticate(secret, c, &req, out)? {
+                return Ok(());
             }
         }
-        let req = match req {
-            Request::Set { key, .. } if key.starts_with(OBSERVE_PREFIX) => {
-                let seen = crate::net::canonical(c.peer.ip());
-                Request::Set {
-                    key,
-                    value: seen.to_string().into_bytes(),
-                }
-            }
-            r => r,
-        };
+        let req = observed(c, req);
         let mut s = self.lock();
-        let incoming = match &req {
+        self.check_room(&s, &req)?;
+        let s = &mut *s;
+        // Without the secret, nrun's own keys are neither listed nor counted.
+        let hide = self.secret.is_some() && !c.authed;
+        match req {
+            Request::Validate { magic } => cmd::validate(magic)?,
+            Request::Set { key, value } => cmd::set(s, key, value),
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => cmd::compare_set(s, key, expected, desired, out),
+            Request::Get { key } => cmd::get(s, &key, out),
+            Request::Add { key, delta } => cmd::add(s, &key, delta, out)?,
+            Request::Check { keys } => cmd::check(s, &keys, out),
+            Request::Wait { keys } => cmd::wait(s, c, &self.next_wait, keys, out),
+            Request::GetNumKeys => cmd::get_num_keys(s, hide, out),
+            Request::DeleteKey { key } => cmd::delete_key(s, &key, out),
+            Request::Append { key, value } => cmd::append(s, key, value),
+            Request::MultiGet { keys } => cmd::multi_get(s, &keys, out)?,
+            Request::MultiSet { pairs } => cmd::multi_set(s, pairs),
+            Request::CancelWait => cmd::cancel_wait(s, c, out),
+            Request::Ping { nonce } => cmd::ping(nonce, out),
+            Request::QueuePush { key, value } => cmd::queue_push(s, key, value),
+            Request::QueuePop { key } => cmd::queue_pop(s, &key, out),
+            Request::QueueLen { key } => cmd::queue_len(s, &key, out),
+            Request::ListKeys => cmd::list_keys(s, hide, out),
+            Request::Barrier { key, world_size } => {
+                cmd::barrier(s, c, &self.next_wait, key, world_size, out)?
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a write that would take the store past --store-max-bytes (0: no cap).
+    fn check_room(&self, s: &State, req: &Request) -> Result<(), String> {
+        let incoming = match req {
             Request::Set { key, value } | Request::Append { key, value } => key.len() + value.len(),
             Request::CompareSet { key, desired, .. } => key.len() + desired.len(),
             Request::QueuePush { key, value } => key.len() + value.len(),
@@ -400,182 +396,73 @@ impl Store {
                 s.bytes
             ));
         }
-        match req {
-            Request::Validate { magic } => {
-                if magic != VALIDATE_MAGIC {
-                    return Err(format!("VALIDATE with wrong magic {magic:#x}"));
-                }
+        Ok(())
+    }
+}
+
+/// A connection's first request must be VALIDATE with torch's magic.
+fn validate_first(c: &mut Conn, req: Request) -> Result<(), String> {
+    match req {
+        Request::Validate {
+            magic: VALIDATE_MAGIC,
+        } => {
+            c.validated = true;
+            Ok(())
+        }
+        _ => Err(PRE_2_2.to_string()),
+    }
+}
+
+/// nrun's secret, by challenge and response (the secret itself never crosses the wire): a GET
+/// of [`CHALLENGE_KEY`] or a SET of [`AUTH_KEY`] is answered here (`Ok(true)`); any other
+/// request may go on (`Ok(false)`) unless it touches `nrun/` keys without the secret.
+fn authenticate(
+    secret: &[u8],
+    c: &mut Conn,
+    req: &Request,
+    out: &mut Vec<u8>,
+) -> Result<bool, String> {
+    if let Request::Get { key } = req {
+        if key == CHALLENGE_KEY {
+            let nonce = super::auth::nonce().map_err(|e| format!("no challenge: {e}"))?;
+            put_bytes(out, &nonce);
+            c.nonce = Some(nonce);
+            return Ok(true);
+        }
+    }
+    if let Request::Set { key, value } = req {
+        if key == AUTH_KEY {
+            let proven = c
+                .nonce
+                .take()
+                .is_some_and(|n| super::auth::verify(secret, &n, value));
+            if proven {
+                c.authed = true;
+                return Ok(true);
             }
-            Request::Set { key, value } => {
-                s.put(key.clone(), value);
-                s.written(&key, false);
-            }
-            Request::CompareSet {
+            return Err("wrong proof of nrun's secret for its control keys".into());
+        }
+    }
+    if !c.authed && touches_control(req) {
+        return Err(
+            "a connection without nrun's secret touched nrun's control keys (nrun/...)".into(),
+        );
+    }
+    Ok(false)
+}
+
+/// A SET under [`OBSERVE_PREFIX`] stores the address the connection comes from instead of its
+/// value.
+fn observed(c: &Conn, req: Request) -> Request {
+    match req {
+        Request::Set { key, .. } if key.starts_with(OBSERVE_PREFIX) => {
+            let seen = crate::net::canonical(c.peer.ip());
+            Request::Set {
                 key,
-                expected,
-                desired,
-            } => {
-                let reply = match s.kv.get(&key) {
-                    None if expected.is_empty() => {
-                        s.put(key.clone(), desired.clone());
-                        s.written(&key, false);
-                        desired
-                    }
-                    None => expected,
-                    Some(cur) if *cur == expected => {
-                        s.put(key.clone(), desired.clone());
-                        s.written(&key, false);
-                        desired
-                    }
-                    Some(cur) => cur.clone(),
-                };
-                put_bytes(out, &reply);
-            }
-            Request::Get { key } => put_bytes(out, s.kv.get(&key).map_or(&[][..], |v| v)),
-            Request::Add { key, delta } => put_i64(out, s.add(&key, delta)?),
-            Request::Check { keys } => {
-                let ready = keys.iter().all(|k| s.exists(k));
-                out.push(if ready { CHECK_READY } else { CHECK_NOT_READY });
-            }
-            Request::Wait { mut keys } => {
-                keys.sort_unstable();
-                keys.dedup();
-                keys.retain(|k| !s.exists(k));
-                if keys.is_empty() {
-                    out.push(STOP_WAITING);
-                } else {
-                    let generation = self.next_wait.fetch_add(1, Ordering::Relaxed);
-                    let remaining = keys.len();
-                    for k in &keys {
-                        s.watchers
-                            .entry(k.clone())
-                            .or_default()
-                            .push((c.id, generation));
-                    }
-                    s.forget_wait(c.id);
-                    s.parked.insert(
-                        c.id,
-                        Parked {
-                            generation,
-                            remaining,
-                            wake: c.wake.clone(),
-                            keys,
-                            barrier: false,
-                        },
-                    );
-                }
-            }
-            Request::GetNumKeys => {
-                // Counted as LIST_KEYS lists them: nrun's own keys are hidden without the secret.
-                let hide = self.secret.is_some() && !c.authed;
-                let n = s.kv.keys().filter(|k| !(hide && is_control(k))).count();
-                put_i64(out, n as i64);
-            }
-            Request::DeleteKey { key } => {
-                let removed = s.remove(&key);
-                put_i64(out, removed as i64);
-            }
-            Request::Append { key, value } => {
-                let fresh = !s.kv.contains_key(&key);
-                s.bytes += value.len() + if fresh { key.len() } else { 0 };
-                s.kv.entry(key.clone())
-                    .or_default()
-                    .extend_from_slice(&value);
-                s.written(&key, false);
-            }
-            Request::MultiGet { keys } => {
-                // Sized before it is built: one request naming a large value many times must
-                // cost that connection, not the store's memory.
-                let size: usize = keys
-                    .iter()
-                    .map(|k| 8 + s.kv.get(k).map_or(0, |v| v.len()))
-                    .fold(0usize, usize::saturating_add);
-                if size > MAX_REPLY {
-                    return Err(format!(
-                        "MULTI_GET reply of {size} bytes is over the store's limit of {MAX_REPLY}"
-                    ));
-                }
-                out.try_reserve(size)
-                    .map_err(|_| format!("cannot allocate a MULTI_GET reply of {size} bytes"))?;
-                for k in &keys {
-                    put_bytes(out, s.kv.get(k).map_or(&[][..], |v| v));
-                }
-            }
-            Request::MultiSet { pairs } => {
-                for (k, v) in pairs {
-                    s.put(k.clone(), v);
-                    s.written(&k, false);
-                }
-            }
-            Request::CancelWait => {
-                // Answered whether or not a wait is pending; a STOP_WAITING that was already
-                // queued for this connection goes out first (the caller drains it).
-                s.forget_wait(c.id);
-                out.push(WAIT_CANCELED);
-            }
-            Request::Ping { nonce } => out.extend_from_slice(&nonce.to_le_bytes()),
-            Request::QueuePush { key, value } => {
-                s.bytes += value.len();
-                s.queues.entry(key.clone()).or_default().push_back(value);
-                s.written(&key, true);
-            }
-            Request::QueuePop { key } => {
-                let q = s.queues.get_mut(&key);
-                let len = q.as_ref().map_or(0, |q| q.len());
-                put_i64(out, len as i64);
-                if let Some(item) = q.and_then(|q| q.pop_front()) {
-                    s.bytes = s.bytes.saturating_sub(item.len());
-                    put_bytes(out, &item);
-                }
-            }
-            Request::QueueLen { key } => {
-                put_i64(out, s.queues.get(&key).map_or(0, |q| q.len()) as i64);
-            }
-            Request::ListKeys => {
-                // Without the secret, nrun's own keys are not listed.
-                let hide = self.secret.is_some() && !c.authed;
-                let keys: Vec<&Vec<u8>> =
-                    s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
-                put_i64(out, keys.len() as i64);
-                for k in keys {
-                    put_bytes(out, k);
-                }
-            }
-            Request::Barrier { key, world_size } => {
-                let arrived = s.add(&key, 1)?;
-                if arrived >= world_size {
-                    for (conn, generation) in s.barriers.remove(&key).unwrap_or_default() {
-                        if s.parked
-                            .get(&conn)
-                            .is_some_and(|p| p.generation == generation)
-                        {
-                            if let Some(p) = s.parked.remove(&conn) {
-                                let _ = p.wake.send(STOP_WAITING);
-                            }
-                        }
-                    }
-                    out.push(STOP_WAITING);
-                } else {
-                    let generation = self.next_wait.fetch_add(1, Ordering::Relaxed);
-                    s.barriers
-                        .entry(key.clone())
-                        .or_default()
-                        .push((c.id, generation));
-                    s.forget_wait(c.id);
-                    s.parked.insert(
-                        c.id,
-                        Parked {
-                            generation,
-                            remaining: 1,
-                            wake: c.wake.clone(),
-                            keys: vec![key],
-                            barrier: true,
-                        },
-                    );
-                }
+                value: seen.to_string().into_bytes(),
             }
         }
-        Ok(())
+        r => r,
     }
 }
 
@@ -622,7 +509,6 @@ pub fn bind(port: u16) -> io::Result<std::net::TcpListener> {
     Ok(sock.into())
 }
 
-/// Serves connections until `shutdown` completes; open connections are then dropped.
 /// A warning about a client, at most 10 in any 10 s; the rest are counted and said once the
 /// window passes, so a flood of bad connections cannot flood the output.
 fn quiet_warn(msg: std::fmt::Arguments<'_>) {
@@ -644,6 +530,7 @@ fn quiet_warn(msg: std::fmt::Arguments<'_>) {
     }
 }
 
+/// Serves connections until `shutdown` completes; open connections are then dropped.
 pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Future<Output = ()>) {
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::pin!(shutdown);

@@ -1,0 +1,238 @@
+//! One function per TCPStore verb, over the store's state with its lock held.
+//!
+//! Each takes what the request carried and appends its reply (if the verb has one) to `out`;
+//! an `Err` closes the asking connection with that message. Who may ask (VALIDATE first, nrun's
+//! secret for its own keys) and whether a write fits (--store-max-bytes) is decided before, in
+//! `Store::apply_request`, so every verb here sees a request it must serve.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{Conn, MAX_REPLY, Parked, State, is_control};
+use crate::store::protocol::{
+    CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED, put_bytes, put_i64,
+};
+
+/// VALIDATE again, once validated: only the magic is checked.
+pub(super) fn validate(magic: u32) -> Result<(), String> {
+    if magic != VALIDATE_MAGIC {
+        return Err(format!("VALIDATE with wrong magic {magic:#x}"));
+    }
+    Ok(())
+}
+
+pub(super) fn set(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
+    s.put(key.clone(), value);
+    s.written(&key, false);
+}
+
+/// Replies with the value the key holds afterwards: `desired` if it was swapped in, else the
+/// current value (or `expected` when the key is missing and `expected` is not empty).
+pub(super) fn compare_set(
+    s: &mut State,
+    key: Vec<u8>,
+    expected: Vec<u8>,
+    desired: Vec<u8>,
+    out: &mut Vec<u8>,
+) {
+    let reply = match s.kv.get(&key) {
+        None if expected.is_empty() => {
+            s.put(key.clone(), desired.clone());
+            s.written(&key, false);
+            desired
+        }
+        None => expected,
+        Some(cur) if *cur == expected => {
+            s.put(key.clone(), desired.clone());
+            s.written(&key, false);
+            desired
+        }
+        Some(cur) => cur.clone(),
+    };
+    put_bytes(out, &reply);
+}
+
+pub(super) fn get(s: &State, key: &[u8], out: &mut Vec<u8>) {
+    put_bytes(out, s.kv.get(key).map_or(&[][..], |v| v));
+}
+
+pub(super) fn add(s: &mut State, key: &[u8], delta: i64, out: &mut Vec<u8>) -> Result<(), String> {
+    put_i64(out, s.add(key, delta)?);
+    Ok(())
+}
+
+pub(super) fn check(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) {
+    let ready = keys.iter().all(|k| s.exists(k));
+    out.push(if ready { CHECK_READY } else { CHECK_NOT_READY });
+}
+
+/// Answers at once when every key exists; else parks the connection until they all do (see
+/// `State::written`), replacing any wait it had pending.
+pub(super) fn wait(
+    s: &mut State,
+    c: &Conn,
+    next_wait: &AtomicU64,
+    mut keys: Vec<Vec<u8>>,
+    out: &mut Vec<u8>,
+) {
+    keys.sort_unstable();
+    keys.dedup();
+    keys.retain(|k| !s.exists(k));
+    if keys.is_empty() {
+        out.push(STOP_WAITING);
+        return;
+    }
+    let generation = next_wait.fetch_add(1, Ordering::Relaxed);
+    let remaining = keys.len();
+    for k in &keys {
+        s.watchers
+            .entry(k.clone())
+            .or_default()
+            .push((c.id, generation));
+    }
+    s.forget_wait(c.id);
+    s.parked.insert(
+        c.id,
+        Parked {
+            generation,
+            remaining,
+            wake: c.wake.clone(),
+            keys,
+            barrier: false,
+        },
+    );
+}
+
+/// Counted as LIST_KEYS lists them: with `hide`, nrun's own keys are left out.
+pub(super) fn get_num_keys(s: &State, hide: bool, out: &mut Vec<u8>) {
+    let n = s.kv.keys().filter(|k| !(hide && is_control(k))).count();
+    put_i64(out, n as i64);
+}
+
+pub(super) fn delete_key(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
+    let removed = s.remove(key);
+    put_i64(out, removed as i64);
+}
+
+pub(super) fn append(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
+    let fresh = !s.kv.contains_key(&key);
+    s.bytes += value.len() + if fresh { key.len() } else { 0 };
+    s.kv.entry(key.clone())
+        .or_default()
+        .extend_from_slice(&value);
+    s.written(&key, false);
+}
+
+/// Refuses a reply over [`MAX_REPLY`] before building it.
+pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) -> Result<(), String> {
+    // Sized before it is built: one request naming a large value many times must cost that
+    // connection, not the store's memory.
+    let size: usize = keys
+        .iter()
+        .map(|k| 8 + s.kv.get(k).map_or(0, |v| v.len()))
+        .fold(0usize, usize::saturating_add);
+    if size > MAX_REPLY {
+        return Err(format!(
+            "MULTI_GET reply of {size} bytes is over the store's limit of {MAX_REPLY}"
+        ));
+    }
+    out.try_reserve(size)
+        .map_err(|_| format!("cannot allocate a MULTI_GET reply of {size} bytes"))?;
+    for k in keys {
+        put_bytes(out, s.kv.get(k).map_or(&[][..], |v| v));
+    }
+    Ok(())
+}
+
+pub(super) fn multi_set(s: &mut State, pairs: Vec<(Vec<u8>, Vec<u8>)>) {
+    for (k, v) in pairs {
+        s.put(k.clone(), v);
+        s.written(&k, false);
+    }
+}
+
+/// Answered whether or not a wait is pending.
+pub(super) fn cancel_wait(s: &mut State, c: &Conn, out: &mut Vec<u8>) {
+    // A STOP_WAITING already queued for this connection goes out first: the connection drains
+    // its wake channel before applying CANCEL_WAIT.
+    s.forget_wait(c.id);
+    out.push(WAIT_CANCELED);
+}
+
+pub(super) fn ping(nonce: u32, out: &mut Vec<u8>) {
+    out.extend_from_slice(&nonce.to_le_bytes());
+}
+
+/// Wakes at most one blocked pop (a pushed item serves one reader).
+pub(super) fn queue_push(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
+    s.bytes += value.len();
+    s.queues.entry(key.clone()).or_default().push_back(value);
+    s.written(&key, true);
+}
+
+/// Replies with the queue's length before the pop, then the item if there was one.
+pub(super) fn queue_pop(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
+    let q = s.queues.get_mut(key);
+    let len = q.as_ref().map_or(0, |q| q.len());
+    put_i64(out, len as i64);
+    if let Some(item) = q.and_then(|q| q.pop_front()) {
+        s.bytes = s.bytes.saturating_sub(item.len());
+        put_bytes(out, &item);
+    }
+}
+
+pub(super) fn queue_len(s: &State, key: &[u8], out: &mut Vec<u8>) {
+    put_i64(out, s.queues.get(key).map_or(0, |q| q.len()) as i64);
+}
+
+/// With `hide`, nrun's own keys are not listed.
+pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) {
+    let keys: Vec<&Vec<u8>> = s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
+    put_i64(out, keys.len() as i64);
+    for k in keys {
+        put_bytes(out, k);
+    }
+}
+
+/// Counts this arrival under `key`; the last of `world_size` releases every connection parked
+/// on it, the others park until then.
+pub(super) fn barrier(
+    s: &mut State,
+    c: &Conn,
+    next_wait: &AtomicU64,
+    key: Vec<u8>,
+    world_size: i64,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    let arrived = s.add(&key, 1)?;
+    if arrived >= world_size {
+        for (conn, generation) in s.barriers.remove(&key).unwrap_or_default() {
+            if s.parked
+                .get(&conn)
+                .is_some_and(|p| p.generation == generation)
+            {
+                if let Some(p) = s.parked.remove(&conn) {
+                    let _ = p.wake.send(STOP_WAITING);
+                }
+            }
+        }
+        out.push(STOP_WAITING);
+        return Ok(());
+    }
+    let generation = next_wait.fetch_add(1, Ordering::Relaxed);
+    s.barriers
+        .entry(key.clone())
+        .or_default()
+        .push((c.id, generation));
+    s.forget_wait(c.id);
+    s.parked.insert(
+        c.id,
+        Parked {
+            generation,
+            remaining: 1,
+            wake: c.wake.clone(),
+            keys: vec![key],
+            barrier: true,
+        },
+    );
+    Ok(())
+}
