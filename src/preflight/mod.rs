@@ -1555,6 +1555,273 @@ mod tests {
         );
     }
 
+    /// Summaries of many outcomes, text and JSON, against files recorded from the summary as
+    /// it was before findings became data (NRUN_BLESS=1 records them again): a refactor of the
+    /// checks must not change a byte of either.
+    #[test]
+    fn summaries_match_the_recorded_ones() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/summaries");
+        let bless = std::env::var_os("NRUN_BLESS").is_some();
+        let mut differ = Vec::new();
+        for (name, o) in golden_outcomes() {
+            let s = o.summarize();
+            let got = format!(
+                "exit {}\n{}\n--- problems\n{}\n--- json\n{}\n",
+                s.verdict.exit_code(),
+                s.text,
+                s.problems.join("\n"),
+                serde_json::to_string_pretty(&s.json).unwrap()
+            );
+            let path = dir.join(format!("{name}.txt"));
+            if bless {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&path, &got).unwrap();
+            } else if std::fs::read_to_string(&path).ok().as_deref() != Some(got.as_str()) {
+                differ.push(format!("{name}:\n{got}"));
+            }
+        }
+        assert!(differ.is_empty(), "{}", differ.join("\n"));
+    }
+
+    fn golden_outcomes() -> Vec<(&'static str, Outcome)> {
+        let mut v: Vec<(&'static str, Outcome)> = Vec::new();
+        let two = || outcome(vec![report(0, "a", 10.0, 0), report(1, "a", 10.0, 0)]);
+        v.push(("ok-two", two()));
+        let mut one = outcome(vec![report(0, "a", 10.0, 0)]);
+        one.nccl_lib = Some("/lib/libnccl.so.2".into());
+        one.other_libs =
+            vec!["NCCL 2.21.5 at /usr/lib/libnccl.so.2 (the system's; not used)".into()];
+        v.push(("ok-one", one));
+        v.push((
+            "wrong",
+            outcome(vec![report(0, "a", 10.0, 3), report(1, "a", 10.0, 0)]),
+        ));
+        let mut slow = two();
+        slow.min_busbw = Some(1000.0);
+        v.push(("min-busbw", slow));
+        let mut four = outcome(vec![
+            report(0, "a", 10.0, 0),
+            report(1, "b", 10.0, 0),
+            report(2, "c", 10.0, 0),
+            report(3, "d", 30.0, 0),
+        ]);
+        for r in four.reports.values_mut() {
+            r.gpu = Some(format!("NVIDIA H200 (0000:00:0{}.0)", r.rank));
+            r.driver = Some("12.8".into());
+            r.phases_ms = vec![
+                ("nccl-load".into(), 5.0 + r.rank as f64),
+                ("init".into(), 90.0),
+            ];
+            r.init_ms = Some(100.0 + 10.0 * r.rank as f64);
+        }
+        v.push(("slow-node", four));
+        let mut silent = outcome(vec![report(0, "a", 10.0, 0), report(1, "b", 10.0, 0)]);
+        silent.silent = vec![
+            (2, "c".into(), Some("id".into())),
+            (3, "d".into(), None),
+            (4, "e".into(), Some("bogus".into())),
+        ];
+        silent.world_size = 5;
+        v.push(("silent", silent));
+        let mut crashed = outcome(vec![report(0, "a", 10.0, 0)]);
+        crashed.silent = vec![(1, "b".into(), Some("init".into())), (2, "c".into(), None)];
+        crashed.world_size = 3;
+        crashed.crashed = Some((1, "pid 7 killed by SIGSEGV".into()));
+        v.push(("crashed-silent", crashed));
+        let mut after = two();
+        after.crashed = Some((1, "pid 7 exit code 3".into()));
+        v.push(("crashed-after-reporting", after));
+        let mut partial = two();
+        partial.world_size = 3;
+        v.push(("incomplete", partial));
+        let errs = |kinds: &[&str]| {
+            let rs = kinds
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    let mut r = report(i, &format!("h{}", i % 3), 0.0, 0);
+                    if !k.is_empty() {
+                        r.error = Some(RankError {
+                            kind: k.to_string(),
+                            message: format!("{k} went wrong"),
+                        });
+                    }
+                    r
+                })
+                .collect();
+            outcome(rs)
+        };
+        v.push(("init-error", errs(&["", "init"])));
+        v.push(("many-init-errors", errs(&["init"; 11])));
+        v.push((
+            "errors-and-aborted",
+            errs(&[
+                "aborted",
+                "setup",
+                "init-timeout",
+                "aborted",
+                "store",
+                "collective",
+            ]),
+        ));
+        v.push(("only-aborted", errs(&["aborted", "aborted"])));
+        v.push(("odd-kind", errs(&["", "weird"])));
+        let mut other = report(1, "b", 10.0, 0);
+        other.nccl_version = Some("2.28.3".into());
+        v.push((
+            "nccl-differs",
+            outcome(vec![report(0, "a", 10.0, 0), other]),
+        ));
+        let mut empty = outcome(vec![]);
+        empty.nccl_lib = Some("/lib/libnccl.so.2".into());
+        v.push(("empty", empty));
+
+        // One node's links.
+        v.push(("nvlink-ok", nvlink_pair(900.0, "P2P/CUMEM")));
+        let mut sockets = nvlink_pair(70_000.0, "NET/Socket");
+        sockets.path_vars = vec!["NCCL_P2P_DISABLE=1 (disables NVLink/PCIe peer to peer)".into()];
+        v.push(("nvlink-sockets", sockets));
+        let mut narrow = nvlink_pair(70_000.0, "P2P/CUMEM");
+        for r in narrow.reports.values_mut() {
+            if let Some(p) = r.path.as_mut() {
+                p.channels = 2;
+            }
+            if let Some(l) = r.links.as_mut() {
+                l.pcie_gen = 4;
+                l.pcie_width = 8;
+            }
+        }
+        v.push(("nvlink-narrow", narrow));
+        let mut pcie = nvlink_pair(70_000.0, "SHM");
+        for r in pcie.reports.values_mut() {
+            if let Some(l) = r.links.as_mut() {
+                l.nvlink_up = 0;
+                l.nvlink_gbs = 0.0;
+            }
+        }
+        v.push(("pcie", pcie));
+        let mut small = nvlink_pair(70_000.0, "P2P/CUMEM");
+        for r in small.reports.values_mut() {
+            r.rows[0].bytes = 1 << 20;
+        }
+        v.push(("nvlink-small", small));
+        let mut off = nvlink_pair(70_000.0, "P2P/CUMEM");
+        off.min_efficiency = None;
+        v.push(("nvlink-off", off));
+        let mut down = nvlink_pair(900.0, "P2P/CUMEM");
+        if let Some(l) = down.reports.get_mut(&1).unwrap().links.as_mut() {
+            l.nvlink_up = 16;
+        }
+        v.push(("nvlink-down", down));
+        // As real ranks report them: each GPU named with its own bus id.
+        let mut down = nvlink_pair(900.0, "P2P/CUMEM");
+        for r in down.reports.values_mut() {
+            r.gpu = Some(format!("NVIDIA H200 (0000:00:0{}.0)", r.rank));
+        }
+        if let Some(l) = down.reports.get_mut(&1).unwrap().links.as_mut() {
+            l.nvlink_up = 16;
+        }
+        v.push(("nvlink-down-bus-ids", down));
+        let mut hot = nvlink_pair(900.0, "P2P/CUMEM");
+        hot.reports.get_mut(&1).unwrap().health = Some(hardware::Health {
+            temperature_c: Some(41),
+            slowdowns: vec!["hardware thermal".into()],
+            ..Default::default()
+        });
+        v.push(("health-throttle", hot));
+        let mut waived = nvlink_pair(900.0, "P2P/CUMEM");
+        for r in waived.reports.values_mut() {
+            r.gpu = Some(format!("NVIDIA H200 (0000:00:0{}.0)", r.rank));
+            r.health = Some(hardware::Health {
+                temperature_c: Some(41),
+                persistence: Some(true),
+                ecc_uncorrected: Some(r.rank as u64 * 2),
+                slowdowns: if r.rank == 1 {
+                    vec!["hardware thermal".into()]
+                } else {
+                    vec![]
+                },
+                mig: Some(r.rank == 1),
+                ..Default::default()
+            });
+        }
+        waived.waived = vec!["throttle".into(), "ecc".into()];
+        v.push(("health-waived-and-mig", waived));
+        let mut well = nvlink_pair(900.0, "P2P/CUMEM");
+        for r in well.reports.values_mut() {
+            r.health = Some(hardware::Health {
+                temperature_c: Some(35),
+                persistence: Some(true),
+                ecc_uncorrected: Some(0),
+                nvlink_errors: Some(3),
+                ..Default::default()
+            });
+        }
+        v.push(("health-ok", well));
+        let mut mem = nvlink_pair(900.0, "P2P/CUMEM");
+        for (r, g) in mem.reports.values_mut().zip([3900.0, 1500.0]) {
+            r.gpu = Some("NVIDIA H200 (0000:00:06.0)".into());
+            r.mem_gbs = Some(g);
+        }
+        v.push(("memory-peer", mem));
+        let mut mem = nvlink_pair(900.0, "P2P/CUMEM");
+        for r in mem.reports.values_mut() {
+            r.gpu = Some("NVIDIA H100 (0000:00:06.0)".into());
+            r.mem_gbs = Some(1000.0);
+        }
+        v.push(("memory-model", mem));
+        let mut mem = nvlink_pair(900.0, "P2P/CUMEM");
+        for r in mem.reports.values_mut() {
+            r.mem_gbs = Some(1000.0);
+        }
+        v.push(("memory-unknown-model", mem));
+
+        // Several nodes.
+        v.push(("net-ok", net_ring([1.0, 1.1, 0.9], [10_000; 3])));
+        v.push(("net-shaped", net_ring([0.1, 1.1, 0.9], [10_000; 3])));
+        v.push(("net-common-host", net_ring([0.1, 0.05, 0.9], [10_000; 3])));
+        v.push(("net-two-slow", net_ring([0.01, 1.1, 0.01], [10_000; 3])));
+        v.push((
+            "net-slow-nic",
+            net_ring([1.0, 0.12, 0.9], [10_000, 1000, 10_000]),
+        ));
+        let mut down = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
+        down.reports.get_mut(&2).unwrap().nics[0].up = false;
+        v.push(("net-nic-down", down));
+        let mut unknown = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
+        unknown.reports.get_mut(&1).unwrap().nics[0].mbps = None;
+        v.push(("net-speed-unknown", unknown));
+        let mut none = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
+        none.reports.get_mut(&0).unwrap().nics.clear();
+        v.push(("net-no-nic", none));
+        let mut two_nics = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
+        for r in two_nics.reports.values_mut() {
+            r.nics.push(nic("eth1", 25_000));
+        }
+        v.push(("net-two-nics", two_nics));
+        for (name, us) in [
+            ("nccl-nodes-slow", 268_435_456.0 / 1.5e3),
+            ("nccl-nodes-ok", 268_435_456.0 / 12e3),
+        ] {
+            let mut nccl = net_ring([1.0; 3], [100_000; 3]);
+            nccl.mode = Mode::Nccl;
+            nccl.path_vars = vec!["NCCL_IB_DISABLE=1 (no InfiniBand)".into()];
+            for r in nccl.reports.values_mut() {
+                r.link_in = None;
+                r.rows[0].bytes = 256 << 20;
+                r.rows[0].oop_us = us;
+                r.rows[0].ip_us = us;
+                r.path = Some(hardware::NcclPath {
+                    transports: [("NET/Socket".to_string(), 4)].into(),
+                    channels: 2,
+                    nics: vec!["eth0".into()],
+                });
+            }
+            v.push((name, nccl));
+        }
+        v
+    }
+
     #[test]
     fn verdicts() {
         let ok = outcome(vec![report(0, "a", 10.0, 0), report(1, "a", 10.0, 0)]).summarize();
