@@ -307,7 +307,7 @@ pub struct Outcome {
     /// The NCCL variables set that change its path or speed (named as causes when slow).
     pub path_vars: Vec<String>,
     /// GPU health checks not to fail on (`--waive ecc,throttle`).
-    pub waived: Vec<String>,
+    pub waived: Vec<hardware::Waiver>,
     pub wall_s: f64,
     /// Libraries found besides the one used.
     pub other_libs: Vec<String>,
@@ -867,7 +867,7 @@ impl Outcome {
             for u in h.problems() {
                 unwell += 1;
                 let gpu = r.gpu.as_deref().unwrap_or("its GPU");
-                if self.waived.iter().any(|w| w == u.check) {
+                if self.waived.contains(&u.check) {
                     let _ = writeln!(
                         t,
                         "  GPU health: rank {} on {} ({gpu}): {} (waived: {})",
@@ -1415,7 +1415,7 @@ mod tests {
             s.text
         );
         assert!(s.text.contains("--waive throttle"), "{}", s.text);
-        hot.waived = vec!["throttle".into()];
+        hot.waived = vec![hardware::Waiver::Throttle];
         assert_eq!(hot.summarize().verdict, Verdict::Ok);
         // GPU memory: a GPU far under the others (or its model's figure) is named.
         let mut mem = nvlink_pair(900.0, "P2P/CUMEM");
@@ -1745,7 +1745,7 @@ mod tests {
                 ..Default::default()
             });
         }
-        waived.waived = vec!["throttle".into(), "ecc".into()];
+        waived.waived = vec![hardware::Waiver::Throttle, hardware::Waiver::Ecc];
         v.push(("health-waived-and-mig", waived));
         let mut well = nvlink_pair(900.0, "P2P/CUMEM");
         for r in well.reports.values_mut() {
