@@ -75,8 +75,45 @@ impl Settings {
         v
     }
 
-    pub fn key(&self, what: &str) -> Vec<u8> {
+    /// Every key of this preflight run, spelled here only: the ranks write them, the coordinator
+    /// and bisect read them.
+    fn key(&self, what: std::fmt::Arguments<'_>) -> Vec<u8> {
         format!("nrun/pf/{}/{what}", self.id).into_bytes()
+    }
+
+    /// Rank `rank`'s [`RankReport`], as JSON.
+    pub fn result_key(&self, rank: usize) -> Vec<u8> {
+        self.key(format_args!("result/{rank}"))
+    }
+
+    /// The last of the [`STAGES`] rank `rank` reached.
+    pub fn stage_key(&self, rank: usize) -> Vec<u8> {
+        self.key(format_args!("stage/{rank}"))
+    }
+
+    /// Set (to its rank) by the first rank that fails, so the others stop waiting.
+    pub fn abort_key(&self) -> Vec<u8> {
+        self.key(format_args!("abort"))
+    }
+
+    /// Rank 0's NCCL unique id.
+    pub fn uid_key(&self) -> Vec<u8> {
+        self.key(format_args!("uid"))
+    }
+
+    /// The barrier the ranks leave through together.
+    pub fn finished_key(&self) -> Vec<u8> {
+        self.key(format_args!("finished"))
+    }
+
+    /// Net mode: the address rank `rank` listens on.
+    pub fn addr_key(&self, rank: usize) -> Vec<u8> {
+        self.key(format_args!("addr/{rank}"))
+    }
+
+    /// Net mode: the barrier ending turn `turn` of the link test.
+    pub fn link_key(&self, turn: usize) -> Vec<u8> {
+        self.key(format_args!("link/{turn}"))
     }
 
     /// What a preflight rank gets on top of the job's environment: these settings, and with
@@ -108,14 +145,13 @@ pub fn reports_from(
     let mut reports = BTreeMap::new();
     let mut silent = Vec::new();
     for (rank, host) in ranks {
-        match get(&s.key(&format!("result/{rank}")))
-            .and_then(|r| serde_json::from_slice::<RankReport>(&r).ok())
+        match get(&s.result_key(*rank)).and_then(|r| serde_json::from_slice::<RankReport>(&r).ok())
         {
             Some(rep) => {
                 reports.insert(*rank, rep);
             }
             None => {
-                let stage = get(&s.key(&format!("stage/{rank}")))
+                let stage = get(&s.stage_key(*rank))
                     .filter(|v| !v.is_empty())
                     .map(|v| String::from_utf8_lossy(&v).into_owned());
                 silent.push((*rank, host.clone(), stage));
@@ -1293,6 +1329,10 @@ mod tests {
             links: true,
         };
         assert_eq!(s.sizes(), vec![8, 32, 128, 512]);
+        // The keys ranks report through, as the coordinator and bisect read them.
+        assert_eq!(s.result_key(3), b"nrun/pf/x/result/3");
+        assert_eq!(s.stage_key(3), b"nrun/pf/x/stage/3");
+        assert_eq!(s.abort_key(), b"nrun/pf/x/abort");
     }
 
     #[test]

@@ -57,19 +57,18 @@ struct Ctx {
 }
 
 impl Ctx {
-    fn set(&mut self, what: &str, value: &[u8]) {
-        let key = self.s.key(what);
-        let _ = self.rt.block_on(self.store.set(&key, value));
+    fn set(&mut self, key: &[u8], value: &[u8]) {
+        let _ = self.rt.block_on(self.store.set(key, value));
     }
 
     fn stage(&mut self, stage: &str) {
-        let what = format!("stage/{}", self.rank);
-        self.set(&what, stage.as_bytes());
+        let key = self.s.stage_key(self.rank);
+        self.set(&key, stage.as_bytes());
     }
 
     /// The rank that failed and made everyone stop, if any.
     fn aborted(&mut self) -> Option<String> {
-        let key = self.s.key("abort");
+        let key = self.s.abort_key();
         let ready = self.rt.block_on(self.store.check(&[&key])).unwrap_or(false);
         if !ready {
             return None;
@@ -81,15 +80,14 @@ impl Ctx {
     /// Waits for another rank's key until the deadline, watching for an abort.
     fn wait_key(
         &mut self,
-        what: &str,
+        key: &[u8],
         deadline: Instant,
         waiting_for: &str,
     ) -> Result<Vec<u8>, RankError> {
-        let key = self.s.key(what);
         loop {
             let got = self
                 .rt
-                .block_on(self.store.wait(&[&key], Some(Duration::from_millis(50))))
+                .block_on(self.store.wait(&[key], Some(Duration::from_millis(50))))
                 .map_err(|e| {
                     err(
                         "store",
@@ -99,7 +97,7 @@ impl Ctx {
             if got {
                 return self
                     .rt
-                    .block_on(self.store.get(&key))
+                    .block_on(self.store.get(key))
                     .map_err(|e| err("store", format!("lost the store: {e}")));
             }
             if let Some(who) = self.aborted() {
@@ -234,17 +232,19 @@ fn run() -> Result<(), String> {
     let _ = std::fs::remove_file(nccl_log_path());
     if let Err(e) = result {
         if e.kind != "aborted" {
-            ctx.set("abort", rank.to_string().as_bytes());
+            let key = ctx.s.abort_key();
+            ctx.set(&key, rank.to_string().as_bytes());
         }
         rep.error = Some(e);
     }
     let json = serde_json::to_vec(&rep).map_err(|e| e.to_string())?;
-    ctx.set(&format!("result/{rank}"), &json);
+    let key = ctx.s.result_key(rank);
+    ctx.set(&key, &json);
     ctx.stage("done");
     // Leave together: a rank whose last collective finished may still have bytes in flight to
     // a peer (NCCL's proxy threads), and exiting would cut them off.
     if rep.error.is_none() {
-        let key = ctx.s.key("finished");
+        let key = ctx.s.finished_key();
         let _ = ctx.rt.block_on(ctx.store.barrier(
             &key,
             ctx.world as i64,
@@ -367,7 +367,8 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             }
             err("init", m)
         })?;
-        ctx.set("uid", &id.internal);
+        let key = ctx.s.uid_key();
+        ctx.set(&key, &id.internal);
     }
     ph.mark("nccl-load");
     if !cuda::driver_present() {
@@ -407,7 +408,7 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
 
     let id = if ctx.rank == 0 {
         let mut id = UniqueId { internal: [0; 128] };
-        let k = ctx.s.key("uid");
+        let k = ctx.s.uid_key();
         let bytes = ctx
             .rt
             .block_on(ctx.store.get(&k))
@@ -415,7 +416,8 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         id.internal.copy_from_slice(&bytes[..128.min(bytes.len())]);
         id
     } else {
-        let bytes = ctx.wait_key("uid", deadline, "rank 0's NCCL unique id")?;
+        let key = ctx.s.uid_key();
+        let bytes = ctx.wait_key(&key, deadline, "rank 0's NCCL unique id")?;
         if bytes.len() != 128 {
             return Err(err(
                 "init",
@@ -758,7 +760,8 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
             me.set_ip(a.ip());
         }
     }
-    ctx.set(&format!("addr/{rank}"), me.to_string().as_bytes());
+    let key = ctx.s.addr_key(rank);
+    ctx.set(&key, me.to_string().as_bytes());
     if let Some(i) = crate::net::owner(&crate::net::interfaces(), me.ip()).filter(|i| !i.loopback) {
         rep.nics = vec![hardware::Nic::read(&i.name)];
     }
@@ -768,8 +771,9 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
     let mut ring = None;
     if n > 1 {
         let next = (rank + 1) % n;
+        let key = ctx.s.addr_key(next);
         let next_addr = String::from_utf8_lossy(&ctx.wait_key(
-            &format!("addr/{next}"),
+            &key,
             deadline,
             &format!("rank {next}'s address"),
         )?)
@@ -862,7 +866,7 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
                     gbs: best,
                 });
             }
-            let key = ctx.s.key(&format!("link/{turn}"));
+            let key = ctx.s.link_key(turn);
             let left = deadline.saturating_duration_since(Instant::now());
             let all = ctx
                 .rt
