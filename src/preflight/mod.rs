@@ -965,13 +965,18 @@ impl Outcome {
             return None;
         }
         // GPUs of one model on one node have the same NVLink links: fewer up is a link down.
+        // (The model: a rank's GPU is named with its bus id, which no other GPU shares.)
         let most = links.iter().map(|(_, l)| l.nvlink_up).max().unwrap_or(0);
-        for (r, l) in links.iter().filter(|(r, l)| {
-            l.nvlink_up < most
-                && links
-                    .iter()
-                    .any(|(o, m)| m.nvlink_up == most && o.gpu == r.gpu)
-        }) {
+        let down: Vec<&(&RankReport, &hardware::Links)> = links
+            .iter()
+            .filter(|(r, l)| {
+                l.nvlink_up < most
+                    && links
+                        .iter()
+                        .any(|(o, m)| m.nvlink_up == most && gpu_model(o) == gpu_model(r))
+            })
+            .collect();
+        for (r, l) in &down {
             problems.push(format!(
                 "rank {}'s GPU on {} has {} NVLink links up, its peers {most}: a link is down \
                  (nvidia-smi nvlink --status); the ring runs at the slowest GPU's rate",
@@ -985,7 +990,7 @@ impl Outcome {
             human_bytes(bytes),
             efficiency * 100.0
         );
-        let link_down = links.iter().any(|(_, l)| l.nvlink_up < most);
+        let link_down = !down.is_empty();
         // Small messages measure latency, not bandwidth: judge from 64 MiB up.
         let Some(min) = self.min_efficiency.filter(|_| bytes >= 64 << 20) else {
             return Some(LineRate {
@@ -1286,6 +1291,12 @@ impl Outcome {
         }
         !slow.is_empty()
     }
+}
+
+/// The model of a rank's GPU, without the bus id its name ends with.
+fn gpu_model(r: &RankReport) -> Option<&str> {
+    let g = r.gpu.as_deref()?;
+    Some(g.rsplit_once(" (").map_or(g, |(model, _)| model))
 }
 
 fn ranks_text(r: &[usize]) -> String {
