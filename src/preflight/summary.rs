@@ -386,3 +386,126 @@ fn render_table(t: &mut String, sw: &Sweep) {
         let _ = writeln!(t, "  avg busbw (out-of-place, all sizes): {avg:.2} GB/s");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preflight::finding::Severity;
+    use crate::preflight::hardware::Waiver;
+
+    fn empty(world_size: usize) -> Outcome {
+        Outcome {
+            world_size,
+            mode: Mode::Nccl,
+            reports: Default::default(),
+            silent: vec![],
+            crashed: None,
+            nccl_lib: None,
+            min_busbw: None,
+            min_efficiency: None,
+            path_vars: vec![],
+            waived: vec![],
+            wall_s: 0.5,
+            other_libs: vec![],
+        }
+    }
+
+    #[test]
+    fn the_renderer_prints_facts_then_problems_then_hints_then_the_verdict() {
+        let findings = [
+            Finding::info(
+                Check::LineRate,
+                "line rate: NVLink 18 links x 25 GB/s = 450 GB/s",
+            ),
+            Finding::fail(Check::Memory, Verdict::Slow, "rank 1 on a: a degraded GPU")
+                .node("a")
+                .rank(1)
+                .hint("reset the GPU"),
+            Finding::info(Check::NcclPath, "NCCL path: P2P/CUMEM x48, 24 channels"),
+            Finding::warn(Check::NodeSpeed, "node b is slow").hint("reset the GPU"),
+        ];
+        let o = empty(2);
+        let verdict = finding::verdict(&findings);
+        assert_eq!(
+            o.render(None, &findings, verdict),
+            "nrun preflight: NCCL all-reduce, 2 ranks on 1 node(s)\n\
+             \x20 line rate: NVLink 18 links x 25 GB/s = 450 GB/s\n\
+             \x20 NCCL path: P2P/CUMEM x48, 24 channels\n\
+             \n\
+             \x20 problem: rank 1 on a: a degraded GPU\n\
+             \x20 problem: node b is slow\n\
+             \x20 hint: reset the GPU\n\
+             preflight too slow (0.50 s; exit code 94)\n"
+        );
+        // Nothing found: ok, with nothing measured to quote.
+        assert_eq!(
+            o.render(None, &[], Verdict::Ok),
+            "nrun preflight: NCCL all-reduce, 2 ranks on 1 node(s)\n\
+             \n\
+             preflight ok: 0 wrong (0.50 s; exit code 0)\n"
+        );
+    }
+
+    #[test]
+    fn findings_say_where_and_the_json_is_the_same_result() {
+        // A rank that never reported, and one whose GPU is throttled.
+        let mut o = empty(1);
+        o.silent = vec![(0, "b".into(), Some("init".into()))];
+        let s = o.summarize();
+        assert_eq!(s.verdict, Verdict::Timeout);
+        let f = &s.findings[0];
+        assert_eq!(
+            (f.check, f.node.as_deref(), f.rank, f.severity),
+            (
+                Check::Silent,
+                Some("b"),
+                Some(0),
+                Severity::Fail(Verdict::Timeout)
+            )
+        );
+        assert_eq!(s.json["verdict"], "timed out");
+        assert_eq!(s.json["exit_code"], 92);
+        assert_eq!(s.json["problems"][0], f.evidence.as_str());
+        assert_eq!(s.json["hints"].as_array().unwrap().len(), f.hints.len());
+        assert_eq!(s.json["silent_ranks"][0]["last_stage"], "init");
+
+        let h = hardware::Health {
+            slowdowns: vec!["power brake".into()],
+            ..Default::default()
+        };
+        let mut o = empty(0);
+        let r: RankReport = serde_json::from_value(serde_json::json!({
+            "rank": 0, "local_rank": 0, "host": "a", "pid": 9, "nccl_version": null,
+            "nccl_path": null, "gpu": "NVIDIA H200 (0000:00:06.0)", "driver": null,
+            "init_ms": null, "rows": [], "error": null,
+        }))
+        .unwrap();
+        o.reports.insert(
+            0,
+            RankReport {
+                health: Some(h),
+                ..r
+            },
+        );
+        o.world_size = 1;
+        let s = o.summarize();
+        let f = s
+            .findings
+            .iter()
+            .find(|f| f.check == Check::Health(Some(Waiver::Throttle)))
+            .unwrap();
+        assert_eq!(f.severity, Severity::Fail(Verdict::Slow));
+        assert_eq!(f.gpu.as_deref(), Some("NVIDIA H200 (0000:00:06.0)"));
+        assert_eq!(s.verdict, Verdict::Slow);
+        // Waived, the same finding is a fact, and the verdict ok.
+        o.waived = vec![Waiver::Throttle];
+        let s = o.summarize();
+        assert_eq!(s.verdict, Verdict::Ok);
+        assert!(
+            s.findings.iter().all(|f| f.severity == Severity::Info),
+            "{:?}",
+            s.findings
+        );
+        assert!(s.text.contains("(waived: throttle)"), "{}", s.text);
+    }
+}
