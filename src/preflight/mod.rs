@@ -6,6 +6,9 @@
 //! - [`hardware`]: the GPU's links and line rate (NVML), the path NCCL took (its INFO log).
 //! - [`worker`]: one preflight rank (nrun itself, started like a job worker): NCCL on a GPU, or a
 //!   TCP ring on the CPU (`--preflight=net`).
+//! - [`finding`]: what a check found, as data, and the fold of findings into the verdict.
+//! - `checks.rs`: the checks, each a function from the ranks' reports to findings.
+//! - `summary.rs`: the sweep table, the checks run in order, the text and the JSON report.
 //! - this file: settings, the store keys ranks report through, and the verdict.
 //!
 //! Ranks never exit non-zero for a failed check: each writes a [`RankReport`] to the store
