@@ -192,7 +192,7 @@ fn health_summary(f: &Facts) -> String {
     let mut checks: std::collections::BTreeMap<&str, usize> = Default::default();
     for (_, h) in &f.gpu_health {
         for p in h.problems() {
-            *checks.entry(p.check).or_default() += 1;
+            *checks.entry(p.check.name()).or_default() += 1;
         }
     }
     if checks.is_empty() {

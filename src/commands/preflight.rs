@@ -167,12 +167,7 @@ async fn read_reports(
 ) -> HashMap<Vec<u8>, Vec<u8>> {
     let keys: Vec<Vec<u8>> = ranks
         .iter()
-        .flat_map(|(r, _)| {
-            [
-                settings.key(&format!("result/{r}")),
-                settings.key(&format!("stage/{r}")),
-            ]
-        })
+        .flat_map(|(r, _)| [settings.result_key(*r), settings.stage_key(*r)])
         .collect();
     if let Some(st) = s.store() {
         return keys

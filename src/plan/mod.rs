@@ -126,7 +126,7 @@ pub struct PreflightPlan {
     /// Slow under this fraction of the links' line rate (one node).
     pub min_efficiency: f64,
     /// GPU health checks not to fail on.
-    pub waived: Vec<String>,
+    pub waived: Vec<crate::preflight::hardware::Waiver>,
     pub report: Option<PathBuf>,
     pub nccl_lib: Option<PathBuf>,
     pub loopback: bool,
@@ -835,12 +835,7 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
         .map(str::trim)
         .filter(|w| !w.is_empty())
     {
-        if !["ecc", "retired", "remap", "throttle", "mig"].contains(&w) {
-            return Err(Error::usage(format!(
-                "--waive {w:?}: expected ecc, retired, remap, throttle or mig"
-            )));
-        }
-        pf.waived.push(w.to_string());
+        pf.waived.push(w.parse()?);
     }
     pf.report = report.clone();
     pf.loopback = *preflight_loopback;

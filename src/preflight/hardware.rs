@@ -125,10 +125,72 @@ pub struct Health {
     pub nvlink_errors: Option<u64>,
 }
 
-/// A health check that fails the preflight, by the name `--waive` takes.
+/// A GPU health check that fails the preflight, by the name `--waive` takes: the one list both
+/// the flag's parsing and the checks read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Waiver {
+    /// Uncorrectable ECC errors.
+    Ecc,
+    /// Pages pending retirement.
+    Retired,
+    /// Rows pending remap, or a failed remap.
+    Remap,
+    /// Clocks slowed down.
+    Throttle,
+    /// MIG mode on.
+    Mig,
+}
+
+impl Waiver {
+    pub const ALL: [Waiver; 5] = [
+        Waiver::Ecc,
+        Waiver::Retired,
+        Waiver::Remap,
+        Waiver::Throttle,
+        Waiver::Mig,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Waiver::Ecc => "ecc",
+            Waiver::Retired => "retired",
+            Waiver::Remap => "remap",
+            Waiver::Throttle => "throttle",
+            Waiver::Mig => "mig",
+        }
+    }
+}
+
+impl std::fmt::Display for Waiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Waiver {
+    type Err = crate::error::Error;
+
+    /// One name as `--waive` takes it ("ecc"); the error names them all.
+    fn from_str(w: &str) -> Result<Waiver, Self::Err> {
+        Waiver::ALL
+            .into_iter()
+            .find(|x| x.name() == w)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Waiver::ALL.iter().map(|x| x.name()).collect();
+                let (last, rest) = names.split_last().unwrap_or((&"", &[]));
+                crate::error::Error::usage(format!(
+                    "--waive {w:?}: expected {} or {last}",
+                    rest.join(", ")
+                ))
+            })
+    }
+}
+
+/// Something wrong with a GPU, with the check that found it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unhealthy {
-    pub check: &'static str,
+    pub check: Waiver,
     pub what: String,
     /// Slows a job down rather than failing it.
     pub slows: bool,
@@ -140,14 +202,14 @@ impl Health {
         let mut v = Vec::new();
         if let Some(n) = self.ecc_uncorrected.filter(|n| *n > 0) {
             v.push(Unhealthy {
-                check: "ecc",
+                check: Waiver::Ecc,
                 what: format!("{n} uncorrectable ECC errors since the driver loaded: drain the node and reset the GPU"),
                 slows: false,
             });
         }
         if self.pages_pending_retirement == Some(true) {
             v.push(Unhealthy {
-                check: "retired",
+                check: Waiver::Retired,
                 what: "memory pages wait to be retired: reset the GPU (or reboot) before using it"
                     .into(),
                 slows: false,
@@ -155,20 +217,20 @@ impl Health {
         }
         if self.remap_failed == Some(true) {
             v.push(Unhealthy {
-                check: "remap",
+                check: Waiver::Remap,
                 what: "a memory row remap failed: the GPU needs service".into(),
                 slows: false,
             });
         } else if self.remap_pending == Some(true) {
             v.push(Unhealthy {
-                check: "remap",
+                check: Waiver::Remap,
                 what: "memory rows wait to be remapped: reset the GPU before using it".into(),
                 slows: false,
             });
         }
         if !self.slowdowns.is_empty() {
             v.push(Unhealthy {
-                check: "throttle",
+                check: Waiver::Throttle,
                 what: format!(
                     "clocks slowed down now ({}): check cooling and power",
                     self.slowdowns.join(", ")
@@ -178,7 +240,7 @@ impl Health {
         }
         if self.mig == Some(true) {
             v.push(Unhealthy {
-                check: "mig",
+                check: Waiver::Mig,
                 what: "MIG mode is on: NCCL cannot span MIG instances of several GPUs".into(),
                 slows: false,
             });
@@ -681,9 +743,17 @@ n1:9:9 [0] NCCL INFO Channel 02/0 : 15[7] -> 0[0] [receive] via NET/IB/0/GDRDMA
             ..ok.clone()
         };
         let p = bad.problems();
-        let checks: Vec<&str> = p.iter().map(|u| u.check).collect();
+        let checks: Vec<&str> = p.iter().map(|u| u.check.name()).collect();
         assert_eq!(checks, ["ecc", "remap", "throttle", "mig"]);
         assert!(p[2].slows && !p[0].slows && !p[1].slows);
+        // The names --waive takes are the checks' own.
+        for w in Waiver::ALL {
+            assert_eq!(w.name().parse::<Waiver>().unwrap(), w);
+        }
+        assert_eq!(
+            "ECC".parse::<Waiver>().unwrap_err().to_string(),
+            "--waive \"ECC\": expected ecc, retired, remap, throttle or mig"
+        );
         assert!(
             bad.describe().contains("NVLink errors 12"),
             "{}",

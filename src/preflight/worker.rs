@@ -57,19 +57,18 @@ struct Ctx {
 }
 
 impl Ctx {
-    fn set(&mut self, what: &str, value: &[u8]) {
-        let key = self.s.key(what);
-        let _ = self.rt.block_on(self.store.set(&key, value));
+    fn set(&mut self, key: &[u8], value: &[u8]) {
+        let _ = self.rt.block_on(self.store.set(key, value));
     }
 
     fn stage(&mut self, stage: &str) {
-        let what = format!("stage/{}", self.rank);
-        self.set(&what, stage.as_bytes());
+        let key = self.s.stage_key(self.rank);
+        self.set(&key, stage.as_bytes());
     }
 
     /// The rank that failed and made everyone stop, if any.
     fn aborted(&mut self) -> Option<String> {
-        let key = self.s.key("abort");
+        let key = self.s.abort_key();
         let ready = self.rt.block_on(self.store.check(&[&key])).unwrap_or(false);
         if !ready {
             return None;
@@ -81,15 +80,14 @@ impl Ctx {
     /// Waits for another rank's key until the deadline, watching for an abort.
     fn wait_key(
         &mut self,
-        what: &str,
+        key: &[u8],
         deadline: Instant,
         waiting_for: &str,
     ) -> Result<Vec<u8>, RankError> {
-        let key = self.s.key(what);
         loop {
             let got = self
                 .rt
-                .block_on(self.store.wait(&[&key], Some(Duration::from_millis(50))))
+                .block_on(self.store.wait(&[key], Some(Duration::from_millis(50))))
                 .map_err(|e| {
                     err(
                         "store",
@@ -99,7 +97,7 @@ impl Ctx {
             if got {
                 return self
                     .rt
-                    .block_on(self.store.get(&key))
+                    .block_on(self.store.get(key))
                     .map_err(|e| err("store", format!("lost the store: {e}")));
             }
             if let Some(who) = self.aborted() {
@@ -234,17 +232,19 @@ fn run() -> Result<(), String> {
     let _ = std::fs::remove_file(nccl_log_path());
     if let Err(e) = result {
         if e.kind != "aborted" {
-            ctx.set("abort", rank.to_string().as_bytes());
+            let key = ctx.s.abort_key();
+            ctx.set(&key, rank.to_string().as_bytes());
         }
         rep.error = Some(e);
     }
     let json = serde_json::to_vec(&rep).map_err(|e| e.to_string())?;
-    ctx.set(&format!("result/{rank}"), &json);
+    let key = ctx.s.result_key(rank);
+    ctx.set(&key, &json);
     ctx.stage("done");
     // Leave together: a rank whose last collective finished may still have bytes in flight to
     // a peer (NCCL's proxy threads), and exiting would cut them off.
     if rep.error.is_none() {
-        let key = ctx.s.key("finished");
+        let key = ctx.s.finished_key();
         let _ = ctx.rt.block_on(ctx.store.barrier(
             &key,
             ctx.world as i64,
@@ -348,9 +348,67 @@ fn gpu_checker(
     }
 }
 
+/// The send and receive buffers, and the GPU's memory bandwidth (GB/s) measured on them.
+type Buffers = (cuda::DeviceBuf, cuda::DeviceBuf, Option<f64>);
+
+/// NVML's read of a GPU's links and health, in a thread of its own.
+type LinksRead = std::thread::JoinHandle<Result<(hardware::Links, hardware::Health), String>>;
+
+/// What the NCCL preflight's setup opened: this rank's GPU, the library, and NVML's read of the
+/// GPU's links, under way in a thread. (The GPU first: fields drop in order, and the GPU went
+/// before the library when this was one function.)
+struct NcclRank {
+    gpu: Gpu,
+    nccl: Nccl,
+    links: LinksRead,
+}
+
+/// A communicator that formed, and the buffers filled while it did.
+struct Formed {
+    comm: nccl::Comm,
+    send: cuda::DeviceBuf,
+    recv: cuda::DeviceBuf,
+    checker: Option<cuda::Checker>,
+    max_count: usize,
+}
+
+/// NCCL's words for a failure: its error string and, where it has one, its last message.
+fn nccl_error(nccl: &Nccl, r: nccl::NcclResult, comm: nccl::Comm) -> String {
+    let mut m = nccl.error_string(r);
+    if let Some(last) = nccl.last_error(Some(comm)) {
+        m.push_str(&format!(": {last}"));
+    }
+    m
+}
+
+/// The NCCL preflight of one rank: set up, form the communicator, sweep, report what the
+/// hardware and NCCL's path were.
 fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<(), RankError> {
     let deadline = Instant::now() + Duration::from_millis(ctx.s.timeout_ms);
     let mut ph = Phases::new();
+    let r = nccl_setup(ctx, rep, local_rank, &mut ph)?;
+    let id = unique_id(ctx, deadline)?;
+    ctx.stage("id");
+    ph.mark("unique-id");
+    let mut formed = nccl_init(ctx, rep, &r, id, deadline, &mut ph)?;
+    nccl_sweep(ctx, rep, &r, &mut formed)?;
+    ph.mark("sweep");
+    nccl_hardware(rep, r.links);
+    rep.phases_ms = ph.list;
+    // Neither the buffers nor the communicators are torn down: the process ends right after
+    // reporting (see `main`), and freeing memory NCCL may still reference only risks a crash.
+    std::mem::forget((formed.send, formed.recv));
+    Ok(())
+}
+
+/// Loads libnccl (rank 0 publishes the unique id at once), checks the driver, opens this
+/// rank's GPU and starts reading its links.
+fn nccl_setup(
+    ctx: &mut Ctx,
+    rep: &mut RankReport,
+    local_rank: usize,
+    ph: &mut Phases,
+) -> Result<NcclRank, RankError> {
     let path = ctx.s.nccl_lib.clone().ok_or_else(|| {
         err("setup", "no libnccl.so.2 found (torch's, LD_LIBRARY_PATH or the system's); pass --nccl-lib PATH")
     })?;
@@ -367,7 +425,8 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             }
             err("init", m)
         })?;
-        ctx.set("uid", &id.internal);
+        let key = ctx.s.uid_key();
+        ctx.set(&key, &id.internal);
     }
     ph.mark("nccl-load");
     if !cuda::driver_present() {
@@ -404,18 +463,21 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     };
     ctx.stage("loaded");
     ph.mark("cuda");
+    Ok(NcclRank { gpu, nccl, links })
+}
 
-    let id = if ctx.rank == 0 {
-        let mut id = UniqueId { internal: [0; 128] };
-        let k = ctx.s.key("uid");
+/// The communicator's unique id: rank 0 reads back its own, the others wait for it.
+fn unique_id(ctx: &mut Ctx, deadline: Instant) -> Result<UniqueId, RankError> {
+    let key = ctx.s.uid_key();
+    let mut id = UniqueId { internal: [0; 128] };
+    if ctx.rank == 0 {
         let bytes = ctx
             .rt
-            .block_on(ctx.store.get(&k))
+            .block_on(ctx.store.get(&key))
             .map_err(|e| err("store", e.to_string()))?;
         id.internal.copy_from_slice(&bytes[..128.min(bytes.len())]);
-        id
     } else {
-        let bytes = ctx.wait_key("uid", deadline, "rank 0's NCCL unique id")?;
+        let bytes = ctx.wait_key(&key, deadline, "rank 0's NCCL unique id")?;
         if bytes.len() != 128 {
             return Err(err(
                 "init",
@@ -425,68 +487,36 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
                 ),
             ));
         }
-        let mut id = UniqueId { internal: [0; 128] };
         id.internal.copy_from_slice(&bytes);
-        id
-    };
-    ctx.stage("id");
-    ph.mark("unique-id");
+    }
+    Ok(id)
+}
 
-    // Non-blocking init polled against a deadline, so a hang becomes a diagnosis. NCCL works in
-    // a thread of its own meanwhile, so the buffers are prepared here in the meantime.
+/// Forms the communicator: non-blocking init polled against the deadline (so a hang becomes a
+/// diagnosis), the buffers filled and the memory bandwidth measured meanwhile, then a blocking
+/// child communicator split off to time on.
+fn nccl_init(
+    ctx: &mut Ctx,
+    rep: &mut RankReport,
+    r: &NcclRank,
+    id: UniqueId,
+    deadline: Instant,
+    ph: &mut Phases,
+) -> Result<Formed, RankError> {
+    let (nccl, gpu) = (&r.nccl, &r.gpu);
     let t0 = Instant::now();
-    let (comm, r) = nccl.init_nonblocking(ctx.world as i32, id, ctx.rank as i32);
-    let describe = |r, comm| {
-        let mut m = nccl.error_string(r);
-        if let Some(last) = nccl.last_error(Some(comm)) {
-            m.push_str(&format!(": {last}"));
-        }
-        m
-    };
-    if r != nccl::NCCL_SUCCESS && r != nccl::NCCL_IN_PROGRESS {
-        let m = describe(r, comm);
+    let (comm, st) = nccl.init_nonblocking(ctx.world as i32, id, ctx.rank as i32);
+    if st != nccl::NCCL_SUCCESS && st != nccl::NCCL_IN_PROGRESS {
+        let m = nccl_error(nccl, st, comm);
         nccl.abort(comm);
         return Err(err("init", format!("ncclCommInitRankConfig: {m}")));
     }
+    // NCCL works in a thread of its own meanwhile, so the buffers are prepared here.
     let sizes = ctx.s.sizes();
     let max_count = (sizes.last().copied().unwrap_or(4) / 4) as usize;
-    let buffers = (|| {
-        let send = gpu.alloc(max_count * 4)?;
-        let recv = gpu.alloc(max_count * 4)?;
-        // Fill: one block from the host, then doubling device-to-device copies (block sizes stay
-        // multiples of the pattern's period, so the pattern continues).
-        let first: Vec<f32> = (0..CHECK_BLOCK.min(max_count))
-            .map(|i| pattern(ctx.rank, i))
-            .collect();
-        gpu.upload(&send, &first)?;
-        let mut filled = first.len();
-        while filled < max_count {
-            let n = filled.min(max_count - filled);
-            gpu.copy_within_async(&send, 0, filled, n)?;
-            filled += n;
-        }
-        gpu.synchronize()?;
-        // The GPU's memory bandwidth, while NCCL initialises: device-to-device copies of the
-        // largest buffer (read and write both count), from 64 MiB up where it is meaningful.
-        let bytes = max_count * 4;
-        let mem_gbs = if bytes >= 64 << 20 {
-            let (start, end) = (gpu.event()?, gpu.event()?);
-            gpu.copy_async(&recv, &send, bytes)?;
-            gpu.record(&start)?;
-            for _ in 0..MEM_COPIES {
-                gpu.copy_async(&recv, &send, bytes)?;
-            }
-            gpu.record(&end)?;
-            gpu.synchronize()?;
-            let ms = gpu.elapsed_ms(&start, &end)? as f64;
-            (ms > 0.0).then(|| 2.0 * bytes as f64 * MEM_COPIES as f64 / (ms * 1e-3) / 1e9)
-        } else {
-            None
-        };
-        Ok::<_, cuda::CudaError>((send, recv, mem_gbs))
-    })();
+    let buffers = fill_buffers(gpu, ctx.rank, max_count);
     let checker = gpu_checker(
-        &gpu,
+        gpu,
         ctx.rank,
         ctx.world,
         buffers.as_ref().ok().map(|b| &b.0),
@@ -500,7 +530,7 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             break;
         }
         if st != nccl::NCCL_IN_PROGRESS {
-            let m = describe(st, comm);
+            let m = nccl_error(nccl, st, comm);
             nccl.abort(comm);
             return Err(err("init", format!("ncclCommInitRankConfig: {m}")));
         }
@@ -530,8 +560,6 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
     ph.mark("init");
     let (send, recv, mem_gbs) = buffers.map_err(|e| err("setup", e.0))?;
     rep.mem_gbs = mem_gbs;
-    // Host staging only where the GPU checker is unavailable.
-    let mut staging = None;
     let split_deadline = Instant::now()
         + Duration::from_secs(10).min(
             deadline
@@ -549,23 +577,84 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         // No ncclCommSplit, or it did not finish: time on the non-blocking parent instead.
         None => comm,
         Some(Ok(child)) => child,
-        Some(Err(r)) => return Err(err("init", format!("ncclCommSplit: {}", describe(r, comm)))),
+        Some(Err(st)) => {
+            return Err(err(
+                "init",
+                format!("ncclCommSplit: {}", nccl_error(nccl, st, comm)),
+            ));
+        }
     };
     ctx.stage("init");
     ph.mark("split");
+    Ok(Formed {
+        comm,
+        send,
+        recv,
+        checker,
+        max_count,
+    })
+}
 
+/// The send buffer filled with this rank's pattern, the receive buffer, and the GPU's memory
+/// bandwidth from device-to-device copies of the largest buffer (read and write both count),
+/// from 64 MiB up where it is meaningful.
+fn fill_buffers(gpu: &Gpu, rank: usize, max_count: usize) -> Result<Buffers, cuda::CudaError> {
+    let send = gpu.alloc(max_count * 4)?;
+    let recv = gpu.alloc(max_count * 4)?;
+    // Fill: one block from the host, then doubling device-to-device copies (block sizes stay
+    // multiples of the pattern's period, so the pattern continues).
+    let first: Vec<f32> = (0..CHECK_BLOCK.min(max_count))
+        .map(|i| pattern(rank, i))
+        .collect();
+    gpu.upload(&send, &first)?;
+    let mut filled = first.len();
+    while filled < max_count {
+        let n = filled.min(max_count - filled);
+        gpu.copy_within_async(&send, 0, filled, n)?;
+        filled += n;
+    }
+    gpu.synchronize()?;
+    let bytes = max_count * 4;
+    let mem_gbs = if bytes >= 64 << 20 {
+        let (start, end) = (gpu.event()?, gpu.event()?);
+        gpu.copy_async(&recv, &send, bytes)?;
+        gpu.record(&start)?;
+        for _ in 0..MEM_COPIES {
+            gpu.copy_async(&recv, &send, bytes)?;
+        }
+        gpu.record(&end)?;
+        gpu.synchronize()?;
+        let ms = gpu.elapsed_ms(&start, &end)? as f64;
+        (ms > 0.0).then(|| 2.0 * bytes as f64 * MEM_COPIES as f64 / (ms * 1e-3) / 1e9)
+    } else {
+        None
+    };
+    Ok((send, recv, mem_gbs))
+}
+
+/// The sweep: every size out-of-place then in-place, timed over the iterations, each result
+/// checked (on the GPU where its checker loaded, else on the host).
+fn nccl_sweep(
+    ctx: &mut Ctx,
+    rep: &mut RankReport,
+    r: &NcclRank,
+    f: &mut Formed,
+) -> Result<(), RankError> {
+    let (nccl, gpu, comm, max_count) = (&r.nccl, &r.gpu, f.comm, f.max_count);
+    let (send, recv, checker) = (&f.send, &f.recv, &mut f.checker);
+    // Host staging only where the GPU checker is unavailable.
+    let mut staging = None;
     let exp = expected_block(ctx.world);
-    let mut checker = checker;
     let mut check = |dev: &cuda::DeviceBuf, count: usize| -> Result<u64, cuda::CudaError> {
         match checker.as_mut() {
-            Some(c) => c.count_wrong(&gpu, dev, count),
+            Some(c) => c.count_wrong(gpu, dev, count),
             None => {
                 if staging.is_none() {
                     staging =
                         Some(gpu.alloc_host(STAGING.min(max_count.next_multiple_of(CHECK_BLOCK)))?);
                 }
                 match staging.as_mut() {
-                    Some(st) => check_device(&gpu, dev, count, st, &exp),
+                    Some(st) => check_device(gpu, dev, count, st, &exp),
                     None => Err(cuda::CudaError("no staging buffer".into())),
                 }
             }
@@ -584,14 +673,17 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         if st != nccl::NCCL_SUCCESS {
             return Err(err(
                 "collective",
-                format!("ncclAllReduce of {count} floats: {}", describe(st, comm)),
+                format!(
+                    "ncclAllReduce of {count} floats: {}",
+                    nccl_error(nccl, st, comm)
+                ),
             ));
         }
         Ok(())
     };
     let cu = |e: cuda::CudaError| err("collective", e.0);
     ctx.stage("sweep");
-    for bytes in sizes {
+    for bytes in ctx.s.sizes() {
         let count = (bytes / 4) as usize;
         let timed = |src: u64, dst: u64| -> Result<f64, RankError> {
             for _ in 0..ctx.s.warmup {
@@ -605,13 +697,13 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             Ok(gpu.elapsed_ms(&start, &end).map_err(cu)? as f64 * 1e3 / ctx.s.iters.max(1) as f64)
         };
         let oop_us = timed(send.ptr, recv.ptr)?;
-        let oop_wrong = check(&recv, count).map_err(cu)?;
+        let oop_wrong = check(recv, count).map_err(cu)?;
         let ip_us = timed(recv.ptr, recv.ptr)?;
         // Timed in-place runs compound the data; check one run on fresh input.
-        gpu.copy_async(&recv, &send, count * 4).map_err(cu)?;
+        gpu.copy_async(recv, send, count * 4).map_err(cu)?;
         all_reduce(recv.ptr, recv.ptr, count)?;
         gpu.synchronize().map_err(cu)?;
-        let ip_wrong = check(&recv, count).map_err(cu)?;
+        let ip_wrong = check(recv, count).map_err(cu)?;
         rep.rows.push(Row {
             bytes,
             oop_us,
@@ -620,7 +712,12 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
             ip_wrong,
         });
     }
-    ph.mark("sweep");
+    Ok(())
+}
+
+/// What the sweep ran on: the GPU's links and health (NVML), and the path NCCL took (its INFO
+/// log, removed once read) with the network interfaces it went through.
+fn nccl_hardware(rep: &mut RankReport, links: LinksRead) {
     if let Some((l, h)) = links.join().ok().and_then(Result::ok) {
         rep.links = Some(l);
         rep.health = Some(h);
@@ -633,11 +730,6 @@ fn run_nccl(ctx: &mut Ctx, rep: &mut RankReport, local_rank: usize) -> Result<()
         rep.nics = p.nics.iter().map(|n| hardware::Nic::read(n)).collect();
     }
     let _ = std::fs::remove_file(&log);
-    rep.phases_ms = ph.list;
-    // Neither the buffers nor the communicators are torn down: the process ends right after
-    // reporting (see `main`), and freeing memory NCCL may still reference only risks a crash.
-    std::mem::forget((send, recv));
-    Ok(())
 }
 
 // ---- network-only preflight: a TCP ring all-reduce -------------------------------------------
@@ -758,7 +850,8 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
             me.set_ip(a.ip());
         }
     }
-    ctx.set(&format!("addr/{rank}"), me.to_string().as_bytes());
+    let key = ctx.s.addr_key(rank);
+    ctx.set(&key, me.to_string().as_bytes());
     if let Some(i) = crate::net::owner(&crate::net::interfaces(), me.ip()).filter(|i| !i.loopback) {
         rep.nics = vec![hardware::Nic::read(&i.name)];
     }
@@ -768,8 +861,9 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
     let mut ring = None;
     if n > 1 {
         let next = (rank + 1) % n;
+        let key = ctx.s.addr_key(next);
         let next_addr = String::from_utf8_lossy(&ctx.wait_key(
-            &format!("addr/{next}"),
+            &key,
             deadline,
             &format!("rank {next}'s address"),
         )?)
@@ -862,7 +956,7 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
                     gbs: best,
                 });
             }
-            let key = ctx.s.key(&format!("link/{turn}"));
+            let key = ctx.s.link_key(turn);
             let left = deadline.saturating_duration_since(Instant::now());
             let all = ctx
                 .rt
