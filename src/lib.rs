@@ -108,7 +108,9 @@ pub fn main() -> ExitCode {
     match plan::resolve(cli, &env).and_then(commands::execute) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("nrun: error: {e}");
+            if e.has_message() {
+                eprintln!("nrun: error: {e}");
+            }
             ExitCode::from(e.code)
         }
     }

@@ -18,7 +18,7 @@ use crate::store::client::Client;
 pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
     let endpoint = format!("{}:{}", c.host, c.port);
     let addrs = resolve(&c.host, c.port)
-        .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {e}")))?;
+        .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {}", e.message)))?;
     let deadline = Instant::now() + nodes.join_timeout;
     let secs = nodes.join_timeout.as_secs();
     // The hosting nrun may start after this one: try until the join timeout.
@@ -97,7 +97,7 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
     let (_keep, gone) = watch::channel(false);
     match super::serve(hello, signals, gone).await {
         Ok(code) => Ok(code.unwrap_or(0)),
-        Err(e) => Err(Error::cluster(e)),
+        Err(e) => Err(Error::cluster(e.message)),
     }
 }
 
@@ -119,13 +119,13 @@ pub(super) async fn heartbeat(addr: SocketAddr, secret: String, key: Vec<u8>) {
 
 /// The endpoint's addresses: its name resolved, or (a Slurm node name the resolver does not
 /// know) the NodeAddr Slurm has for it.
-fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
+fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
     let found = (host, port)
         .to_socket_addrs()
         .map(|a| a.collect::<Vec<_>>());
     match found {
         Ok(a) if !a.is_empty() => Ok(a),
-        Ok(_) => Err("resolves to no address".into()),
+        Ok(_) => Err(Error::usage("resolves to no address")),
         Err(e) => {
             let out = std::process::Command::new("scontrol")
                 .args(["show", "node", "-o", host])
@@ -137,7 +137,9 @@ fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
             });
             match addr.and_then(|a| (a.as_str(), port).to_socket_addrs().ok()) {
                 Some(a) => Ok(a.collect()),
-                None => Err(format!("{e} (and Slurm knows no NodeAddr for it)")),
+                None => Err(Error::usage(format!(
+                    "{e} (and Slurm knows no NodeAddr for it)"
+                ))),
             }
         }
     }

@@ -85,9 +85,8 @@ pub async fn run(
     };
     let outcome = b.stages(&mut s).await;
     s.end().await;
-    if let Err(code) = outcome {
-        return Ok(code);
-    }
+    // An interrupted or failed stage has said why; only its exit code is left.
+    outcome?;
     b.finish(nodes, started.elapsed())
 }
 
@@ -101,7 +100,7 @@ struct Bisect<'a> {
 }
 
 impl Bisect<'_> {
-    async fn stages(&mut self, s: &mut Session) -> std::result::Result<(), u8> {
+    async fn stages(&mut self, s: &mut Session) -> Result<()> {
         // ---- stage 0: reachability and facts --------------------------------------------
         let failures = s.join(false, None).await?;
         for (i, msg) in failures {
@@ -260,12 +259,7 @@ impl Bisect<'_> {
     }
 
     /// Narrows a failing or slow group down to nodes or links, re-testing with known-good nodes.
-    async fn isolate(
-        &mut self,
-        g: GroupOut,
-        median: Option<f64>,
-        s: &mut Session,
-    ) -> std::result::Result<(), u8> {
+    async fn isolate(&mut self, g: GroupOut, median: Option<f64>, s: &mut Session) -> Result<()> {
         let what = if g.ok { "slow" } else { "fails" };
         if g.members.len() > 2 {
             // Halves first; then, if both halves pass, the pairs across them.
@@ -441,7 +435,7 @@ impl Bisect<'_> {
         stage: &str,
         groups: Vec<Vec<usize>>,
         s: &mut Session,
-    ) -> std::result::Result<Vec<GroupOut>, u8> {
+    ) -> Result<Vec<GroupOut>> {
         let scratch = format!("bisect{}", self.rounds.len());
         let settings: Vec<Option<Settings>> = (0..s.len()).map(|i| self.settings(s, i)).collect();
         let extra = |i: usize| {
@@ -468,8 +462,9 @@ impl Bisect<'_> {
             let (store, port, stop) = match group_store() {
                 Ok(x) => x,
                 Err(e) => {
+                    // Said now, before the nodes are ended, as every stage's failure is.
                     eprintln!("nrun: error: {e}");
-                    return Err(exit::INTERNAL);
+                    return Err(Error::exit(exit::INTERNAL));
                 }
             };
             let launch = Launch {

@@ -23,8 +23,8 @@ pub async fn run(
 }
 
 async fn cluster(s: &mut Session) -> u8 {
-    if let Err(code) = super::run::ready(s).await {
-        return code;
+    if let Err(e) = super::run::ready(s).await {
+        return e.code;
     }
     for (_, n, j) in s.joined() {
         println!(
@@ -43,8 +43,8 @@ async fn cluster(s: &mut Session) -> u8 {
 
 async fn this_host(s: &mut Session, plan: &Plan) -> u8 {
     let python = plan.python.clone().filter(|_| s.plan.python_probe);
-    if let Err(code) = s.join(true, python).await {
-        return code;
+    if let Err(e) = s.join(true, python).await {
+        return e.code;
     }
     let facts = s
         .nodes

@@ -66,7 +66,7 @@ pub async fn run(
     since("starting ranks");
     let results = match s.run_step(steps, Policy::Together).await {
         Ok(r) => r,
-        Err(code) => return Ok((code, None)),
+        Err(e) => return Ok((e.code, None)),
     };
     since("ranks ended");
     let mut crashed = None;

@@ -3,7 +3,7 @@
 
 use super::preflight;
 use crate::agent::protocol::{RunResult, StepResult};
-use crate::error::{Result, exit};
+use crate::error::{Error, Result, exit};
 use crate::plan::{NodesPlan, Plan};
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::spec::Launch;
@@ -25,9 +25,7 @@ pub async fn run(
 }
 
 async fn drive(s: &mut Session, plan: &Plan) -> Result<u8> {
-    if let Err(code) = ready(s).await {
-        return Ok(code);
-    }
+    ready(s).await?;
     let mut code = exit::SUCCESS;
     let mut report = None;
     if let Some(pf) = &plan.preflight {
@@ -45,8 +43,9 @@ async fn drive(s: &mut Session, plan: &Plan) -> Result<u8> {
     attempts(s, plan, report).await
 }
 
-/// Join and check: every node joined, the nodes agree and reach each other. Err: the exit code.
-pub async fn ready(s: &mut Session) -> Result<(), u8> {
+/// Join and check: every node joined, the nodes agree and reach each other. `Err`: the exit
+/// code, the reason already printed.
+pub async fn ready(s: &mut Session) -> Result<()> {
     let failures = s.join(false, None).await?;
     let joined = s.len() - failures.len();
     if !failures.is_empty() && s.elastic() && joined >= s.plan.min_nodes {
@@ -76,7 +75,7 @@ pub async fn ready(s: &mut Session) -> Result<(), u8> {
             env!("CARGO_PKG_VERSION"),
             launcher.install_hint()
         );
-        return Err(exit::CLUSTER);
+        return Err(Error::exit(exit::CLUSTER));
     }
     s.active = s.joined().map(|(i, _, _)| i).collect();
     if s.plan.in_process {
@@ -170,7 +169,7 @@ async fn attempt_loop(
         let steps = s.steps(plan, &s.group(), &launch);
         let results = match s.run_step(steps, Policy::Together).await {
             Ok(r) => r,
-            Err(code) => return code,
+            Err(e) => return e.code,
         };
         if s.watch.as_ref().is_some_and(|w| w.stopped) {
             eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");

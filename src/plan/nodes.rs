@@ -159,8 +159,7 @@ impl NodesPlan {
             Some(t) => t,
             None => super::positive_secs("--join-timeout", *join_timeout, false)?,
         };
-        let ssh_opts =
-            remote::split_opts(ssh_opts.as_deref().unwrap_or("")).map_err(Error::usage)?;
+        let ssh_opts = remote::split_opts(ssh_opts.as_deref().unwrap_or(""))?;
         let remote_nrun = match remote_nrun {
             Some(p) => p.clone(),
             None => std::env::current_exe()

@@ -260,7 +260,7 @@ impl Session {
 
     /// Between attempts of an elastic job: nodes `lost` leave the group, nodes that joined
     /// since come in. Err: fewer than MIN nodes are left (the message).
-    pub fn reform(&mut self, lost: &[usize]) -> std::result::Result<(), String> {
+    pub fn reform(&mut self, lost: &[usize]) -> Result<()> {
         let before = self.active.len();
         self.active.retain(|i| !lost.contains(i));
         let late = self.admit_late();
@@ -280,13 +280,13 @@ impl Session {
                 .join(", ")
         };
         if self.active.len() < self.plan.min_nodes {
-            return Err(format!(
+            return Err(Error::cluster(format!(
                 "{} node(s) left ({}) after losing {}: under the --nnodes minimum of {}",
                 self.active.len(),
                 names(&self.active),
                 names(lost),
                 self.plan.min_nodes
-            ));
+            )));
         }
         if self.active.len() != before || !late.is_empty() {
             tracing::warn!(
