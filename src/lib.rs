@@ -86,6 +86,12 @@ pub fn main() -> ExitCode {
     let cli = match cli::Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
+            // A closed choice refused (cli::Choice): nrun's own one line, as for any bad value.
+            let ours = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<error::Error>());
+            if let Some(ours) = ours {
+                eprintln!("nrun: error: {ours}");
+                return ExitCode::from(ours.code);
+            }
             // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
             let _ = e.print();
             return ExitCode::from(e.exit_code().clamp(0, 255) as u8);

@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cli::{
-    BisectArgs, Cli, Command, DoctorArgs, JobArgs, PreflightArgs, ProbeArgs, RendezvousArgs,
-    RunArgs, SweepArgs, TargetArgs, WatchArgs, WorkerArgs,
+    BisectArgs, Cli, ColorWhen, Command, DoctorArgs, JobArgs, PreflightArgs, ProbeArgs,
+    RendezvousArgs, RunArgs, SweepArgs, TargetArgs, WatchArgs, WatchWhen, WorkerArgs,
 };
 use crate::error::{Error, Result};
 
@@ -226,8 +226,8 @@ pub enum Mode {
     },
 }
 
-/// What each bisect group runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What each bisect group runs (`--probe`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Probe {
     Nccl,
     Net,
@@ -454,7 +454,7 @@ impl Plan {
             store_max_bytes: parse_bytes("--store-max-bytes", &rdzv.store_max_bytes)?,
             console: ConsolePlan {
                 prefix_template: log_line_prefix_template.clone(),
-                color: parse_color(color, env)?,
+                color: resolve_color(*color, env),
             },
             forward_signals: parse_signals(signals_to_handle)?,
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
@@ -539,21 +539,12 @@ impl Plan {
             command,
         } = args;
         let nproc = resolve_nproc(nproc_per_node, env)?;
-        let probe = match probe.as_str() {
-            "nccl" => Probe::Nccl,
-            "net" => Probe::Net,
-            "cmd" if command.is_empty() => {
-                return Err(Error::usage(
-                    "--probe cmd runs your command: give it after `--`",
-                ));
-            }
-            "cmd" => Probe::Cmd,
-            other => {
-                return Err(Error::usage(format!(
-                    "--probe {other:?}: expected nccl, net or cmd"
-                )));
-            }
-        };
+        let probe = *probe;
+        if probe == Probe::Cmd && command.is_empty() {
+            return Err(Error::usage(
+                "--probe cmd runs your command: give it after `--`",
+            ));
+        }
         if probe != Probe::Cmd && !command.is_empty() {
             return Err(Error::usage(format!(
                 "a command ({}) is only run with --probe cmd",
@@ -708,35 +699,21 @@ fn parse_bytes(flag: &str, s: &str) -> Result<u64> {
 
 /// The watch: on for Python jobs unless turned off.
 fn resolve_watch(args: &WatchArgs, no_python: bool) -> Result<Option<crate::watch::WatchPlan>> {
-    use crate::watch::{OnHang, WatchPlan};
+    use crate::watch::WatchPlan;
     let WatchArgs {
         watch,
         hang_timeout,
         on_hang,
     } = args;
-    let on = match watch.as_str() {
-        "auto" => !no_python,
-        "on" => true,
-        "off" => false,
-        other => {
-            return Err(Error::usage(format!(
-                "--watch {other:?}: expected auto, on or off"
-            )));
-        }
-    };
-    let on_hang = match on_hang.as_str() {
-        "report" => OnHang::Report,
-        "stop" => OnHang::Stop,
-        other => {
-            return Err(Error::usage(format!(
-                "--on-hang {other:?}: expected report or stop"
-            )));
-        }
+    let on = match watch {
+        WatchWhen::Auto => !no_python,
+        WatchWhen::On => true,
+        WatchWhen::Off => false,
     };
     let hang_timeout = positive_secs("--hang-timeout", *hang_timeout, false)?;
     Ok(on.then_some(WatchPlan {
         hang_timeout,
-        on_hang,
+        on_hang: *on_hang,
     }))
 }
 
@@ -1262,16 +1239,13 @@ fn parse_rdzv_conf(s: Option<&str>) -> Result<(Option<Duration>, Duration)> {
 }
 
 /// `--color`: auto (a terminal, and NO_COLOR unset or empty), always, never.
-fn parse_color(s: &str, env: Env<'_>) -> Result<crate::node::output::Color> {
+fn resolve_color(when: ColorWhen, env: Env<'_>) -> crate::node::output::Color {
     use crate::node::output::Color;
-    match s {
-        "auto" if env("NO_COLOR").is_some_and(|v| !v.is_empty()) => Ok(Color::Never),
-        "auto" => Ok(Color::Auto),
-        "always" => Ok(Color::Always),
-        "never" => Ok(Color::Never),
-        other => Err(Error::usage(format!(
-            "--color {other:?}: expected auto, always or never"
-        ))),
+    match when {
+        ColorWhen::Auto if env("NO_COLOR").is_some_and(|v| !v.is_empty()) => Color::Never,
+        ColorWhen::Auto => Color::Auto,
+        ColorWhen::Always => Color::Always,
+        ColorWhen::Never => Color::Never,
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::cli::NodesArgs;
+use crate::cli::{LauncherChoice, NodesArgs};
 use crate::error::{Error, Result};
 use crate::hosts::{self, Host};
 use crate::remote::{self, Launcher};
@@ -132,7 +132,7 @@ impl NodesPlan {
         };
         // Static torchrun-style launches name their nodes by rank, not by a host list.
         let static_launch = plan.nnodes > 1 && list.is_none();
-        if list.is_none() && launcher != "ssh" && !static_launch {
+        if list.is_none() && *launcher != LauncherChoice::Ssh && !static_launch {
             if let Some(nl) = env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
                 let names = hosts::expand_slurm_hostlist(&nl)?;
                 if names.len() > 1 {
@@ -141,15 +141,10 @@ impl NodesPlan {
                 }
             }
         }
-        let launcher = match launcher.as_str() {
-            "auto" if from_slurm => Launcher::Srun,
-            "auto" | "ssh" => Launcher::Ssh,
-            "srun" => Launcher::Srun,
-            other => {
-                return Err(Error::usage(format!(
-                    "--launcher {other:?}: expected auto, ssh or srun"
-                )));
-            }
+        let launcher = match launcher {
+            LauncherChoice::Auto if from_slurm => Launcher::Srun,
+            LauncherChoice::Auto | LauncherChoice::Ssh => Launcher::Ssh,
+            LauncherChoice::Srun => Launcher::Srun,
         };
         if let Some(why) = launcher.refuses_ship().filter(|_| *ship) {
             return Err(Error::usage(why));
