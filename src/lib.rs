@@ -4,8 +4,9 @@
 //! [`session::Session`] starts the store and one link per node, joins and checks them and
 //! drives their steps; a command (the job, doctor, bisect) decides which steps.
 //! - [`cli`]: clap definitions only: the default run, `doctor`, `bisect`; flattened flag groups.
-//! - [`plan`]: from flags to a [`plan::Mode`] (workers, command, environment, logs, preflight,
-//!   nodes and rank layout); no I/O besides reading the hostfile and the filesystem checks.
+//! - [`plan`]: from flags to a [`plan::Mode`]: each command's own resolved settings (the
+//!   session's, the workers', the preflight's...) and its nodes and rank layout; no I/O besides
+//!   reading the hostfile and the filesystem checks.
 //! - [`hosts`]: host lists: hostfile formats, Slurm hostlists, include/exclude, rank layout.
 //! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session.
 //! - [`session`]: store + links + join + checks + steps + end, for one node or many; the one

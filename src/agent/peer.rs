@@ -11,11 +11,11 @@ use tokio::sync::watch;
 use super::protocol::{Hello, c10d_next_key, c10d_run_key};
 use crate::error::{Error, Result};
 use crate::node::Signals;
-use crate::plan::{C10d, NodesPlan, Plan};
+use crate::plan::{C10d, NodesPlan, RunSettings};
 use crate::store::client::Client;
 
 /// Joins the rendezvous `c` and serves as a node of its job; nrun's exit code.
-pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
+pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
     let endpoint = format!("{}:{}", c.host, c.port);
     let addrs = resolve(&c.host, c.port)
         .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {}", e.message)))?;
@@ -68,11 +68,11 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
             usize::try_from(index).unwrap_or(usize::MAX)
         }
     };
-    if node >= plan.nnodes {
+    if node >= job.shape.nnodes {
         return Err(Error::cluster(format!(
             "the rendezvous at {endpoint} (id {:?}) already has its --nnodes {} nodes; this one \
              is one too many",
-            c.id, plan.nnodes
+            c.id, job.shape.nnodes
         )));
     }
     let hello = Hello {
@@ -84,15 +84,18 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
         cwd: std::env::current_dir()
             .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?,
         version: crate::cli::VERSION.to_string(),
-        python: nodes.python_probe.then(|| plan.python.clone()).flatten(),
-        forward_signals: plan.forward_signals.clone(),
+        python: nodes
+            .python_probe
+            .then(|| job.session.python.clone())
+            .flatten(),
+        forward_signals: job.session.forward_signals.clone(),
         nodes: Vec::new(),
         heartbeat: true,
     };
     // The agent opens its own connections; this one has done its part.
     drop(store);
     tracing::info!("joined the rendezvous at {endpoint} as node {node}");
-    let signals = Signals::install(&plan.forward_signals)?;
+    let signals = Signals::install(&job.session.forward_signals)?;
     // Nothing closes: the host going away shows as its store going away.
     let (_keep, gone) = watch::channel(false);
     match super::serve(hello, signals, gone).await {

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::agent::protocol::{RunResult, Step, StepResult, THIS_NRUN};
 use crate::error::{Error, Result, exit};
-use crate::plan::{BisectPlan, NodesPlan, Plan, Probe};
+use crate::plan::{BisectSettings, NodesPlan, Probe};
 use crate::preflight::{self, Settings, Verdict};
 use crate::session::spec::{Group, Launch};
 use crate::session::{Policy, Session};
@@ -61,15 +61,13 @@ struct GroupOut {
 
 /// Entry point: runs the stages, prints the table, writes the report and hostfile.
 pub async fn run(
-    plan: &Plan,
+    bp: &BisectSettings,
     nodes: &NodesPlan,
-    bp: &BisectPlan,
     listener: Option<std::net::TcpListener>,
 ) -> Result<u8> {
     let started = Instant::now();
-    let mut s = Session::start(plan, nodes, listener).await?;
+    let mut s = Session::start(&bp.session, nodes, listener).await?;
     let mut b = Bisect {
-        plan,
         bp,
         results: s
             .nodes
@@ -91,8 +89,7 @@ pub async fn run(
 }
 
 struct Bisect<'a> {
-    plan: &'a Plan,
-    bp: &'a BisectPlan,
+    bp: &'a BisectSettings,
     results: Vec<NodeResult>,
     rounds: Vec<Round>,
     /// Rounds up to and including stage 1 (the efficiency target counts those after it).
@@ -446,8 +443,9 @@ impl Bisect<'_> {
         let (program, args) = match self.bp.probe {
             Probe::Nccl | Probe::Net => (THIS_NRUN.to_string(), vec!["__preflight".to_string()]),
             Probe::Cmd => (
-                self.plan.program.to_string_lossy().into_owned(),
-                self.plan
+                self.bp.workers.program.to_string_lossy().into_owned(),
+                self.bp
+                    .workers
                     .args
                     .iter()
                     .map(|a| a.to_string_lossy().into_owned())
@@ -482,7 +480,11 @@ impl Bisect<'_> {
                 secret: false,
             };
             let group = Group::of(s, g);
-            for (i, st) in s.steps(self.plan, &group, &launch).into_iter().enumerate() {
+            for (i, st) in s
+                .steps(&self.bp.workers, &group, &launch)
+                .into_iter()
+                .enumerate()
+            {
                 if st.is_some() {
                     steps[i] = st;
                 }
@@ -516,7 +518,7 @@ impl Bisect<'_> {
 
     /// Settings of the preflight ranks on joined node `i` (probes nccl and net).
     fn settings(&self, s: &Session, i: usize) -> Option<Settings> {
-        let pf = self.plan.preflight.as_ref()?;
+        let pf = self.bp.sweep.as_ref()?;
         s.nodes[i].joined.as_ref()?;
         let mut st = super::preflight::node_settings(s, pf, i, None, "bisect");
         // Groups are compared with each other; a link test per group would only add noise.

@@ -76,6 +76,7 @@ pub fn session(
             secret: None,
         },
         run: "fake".into(),
+        run_id: "fake".into(),
         bus: Bus {
             store: Some(Store::new()),
             keys: Keys::new("fake"),
