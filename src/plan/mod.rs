@@ -12,7 +12,7 @@
 pub mod env;
 pub mod nodes;
 
-pub use nodes::{NodeLayout, NodesPlan};
+pub use nodes::NodesPlan;
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;

@@ -37,7 +37,7 @@ use crate::store::{self, Store};
 use crate::watch::WatchState;
 
 pub use link::NodeLink;
-pub use step::{Policy, Results};
+pub use step::Policy;
 
 /// A node of the session.
 pub struct Node {
