@@ -35,6 +35,10 @@ pub mod exit {
     /// The watch found a hang and stopped the job (`--on-hang stop`).
     pub const HANG: u8 = 97;
 
+    /// nrun's own helper process (`nrun __agent`, `nrun __preflight`) could not do its part;
+    /// the reason is on its stderr.
+    pub const HELPER: u8 = 3;
+
     /// Exit code for death by signal `sig`.
     pub fn signal(sig: i32) -> u8 {
         (128 + sig).clamp(0, 255) as u8
@@ -44,6 +48,8 @@ pub mod exit {
 #[derive(Debug)]
 pub struct Error {
     pub code: u8,
+    /// Empty when what went wrong was already said where it happened (or is the job's own exit
+    /// code): then nothing more is printed.
     pub message: String,
 }
 
@@ -62,6 +68,33 @@ impl Error {
             code: exit::CLUSTER,
             message: message.into(),
         }
+    }
+
+    /// An end whose cause was already printed, or a worker's own exit code passed through: only
+    /// the code remains to give.
+    pub fn exit(code: u8) -> Error {
+        Error {
+            code,
+            message: String::new(),
+        }
+    }
+
+    /// Stopped by signal `sig` (exit 128+sig); the interruption was already reported.
+    pub fn interrupted(sig: i32) -> Error {
+        Error::exit(exit::signal(sig))
+    }
+
+    /// nrun's helper process could not do its part (exit 3); the message goes to its stderr.
+    pub fn helper(message: impl Into<String>) -> Error {
+        Error {
+            code: exit::HELPER,
+            message: message.into(),
+        }
+    }
+
+    /// Whether there is something left to tell the user (see [`Error::exit`]).
+    pub fn has_message(&self) -> bool {
+        !self.message.is_empty()
     }
 
     /// A failure of nrun or the system (exit 1).

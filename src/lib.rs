@@ -4,8 +4,9 @@
 //! [`session::Session`] starts the store and one link per node, joins and checks them and
 //! drives their steps; a command (the job, doctor, bisect) decides which steps.
 //! - [`cli`]: clap definitions only: the default run, `doctor`, `bisect`; flattened flag groups.
-//! - [`plan`]: from flags to a [`plan::Mode`] (workers, command, environment, logs, preflight,
-//!   nodes and rank layout); no I/O besides reading the hostfile and the filesystem checks.
+//! - [`plan`]: from flags to a [`plan::Mode`]: each command's own resolved settings (the
+//!   session's, the workers', the preflight's...) and its nodes and rank layout; no I/O besides
+//!   reading the hostfile and the filesystem checks.
 //! - [`hosts`]: host lists: hostfile formats, Slurm hostlists, include/exclude, rank layout.
 //! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session.
 //! - [`session`]: store + links + join + checks + steps + end, for one node or many; the one
@@ -26,21 +27,24 @@
 //! - [`report`]: how a job ended, the failure summary, JSON reports, log format.
 //! - [`error`]: errors for people and the exit codes.
 
-pub mod agent;
-pub mod cli;
-pub mod commands;
-pub mod error;
-pub mod facts;
-pub mod hosts;
+// Public: what the integration tests (tests/*.rs) use as a library (the store, NCCL by path,
+// interfaces) and `node`, whose owners still prune it; the rest is the crate's own, so an
+// item nobody uses is reported as dead.
+pub(crate) mod agent;
+pub(crate) mod cli;
+pub(crate) mod commands;
+pub(crate) mod error;
+pub(crate) mod facts;
+pub(crate) mod hosts;
 pub mod net;
 pub mod node;
-pub mod plan;
+pub(crate) mod plan;
 pub mod preflight;
-pub mod remote;
-pub mod report;
-pub mod session;
+pub(crate) mod remote;
+pub(crate) mod report;
+pub(crate) mod session;
 pub mod store;
-pub mod watch;
+pub(crate) mod watch;
 
 use std::process::ExitCode;
 
@@ -86,6 +90,12 @@ pub fn main() -> ExitCode {
     let cli = match cli::Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
+            // A closed choice refused (cli::Choice): nrun's own one line, as for any bad value.
+            let ours = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<error::Error>());
+            if let Some(ours) = ours {
+                eprintln!("nrun: error: {ours}");
+                return ExitCode::from(ours.code);
+            }
             // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
             let _ = e.print();
             return ExitCode::from(e.exit_code().clamp(0, 255) as u8);
@@ -108,7 +118,9 @@ pub fn main() -> ExitCode {
     match plan::resolve(cli, &env).and_then(commands::execute) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("nrun: error: {e}");
+            if e.has_message() {
+                eprintln!("nrun: error: {e}");
+            }
             ExitCode::from(e.code)
         }
     }

@@ -97,7 +97,7 @@ pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
 }
 
 /// Splits `--ssh-opts "-F file -p 2222 -i key"` like a shell would (quotes, backslashes).
-pub fn split_opts(s: &str) -> Result<Vec<String>, String> {
+pub fn split_opts(s: &str) -> crate::error::Result<Vec<String>> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut has = false;
@@ -132,7 +132,9 @@ pub fn split_opts(s: &str) -> Result<Vec<String>, String> {
         }
     }
     if quote.is_some() {
-        return Err(format!("--ssh-opts {s:?}: unbalanced quote"));
+        return Err(crate::error::Error::usage(format!(
+            "--ssh-opts {s:?}: unbalanced quote"
+        )));
     }
     if has || !cur.is_empty() {
         out.push(cur);

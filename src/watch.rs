@@ -15,8 +15,8 @@ use serde::Serialize;
 
 use crate::agent::protocol::{NodeWatch, RankView};
 
-/// What to do when a hang is found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What to do when a hang is found (`--on-hang`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum OnHang {
     /// Say it once (again after progress resumes), keep watching.
     Report,

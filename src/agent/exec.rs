@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use super::protocol::{
     NodeWatch, RunResult, Step, StepResult, THIS_NRUN, WorkerFailure, WorkerSpec,
 };
+use crate::error::{Error, Result};
 use crate::node::output::{Sink, WorkerOutput};
 use crate::node::{self, Outcome, StopRequest, WorkerCmd};
 
@@ -59,7 +60,10 @@ pub async fn dispatch(step: Step, io: StepIo<'_>) -> Done {
     let result = match step {
         Step::End => return Done::End,
         Step::Probe { target, timeout_ms } => StepResult::Probe {
-            error: probe_peer(&target, timeout_ms).await.err(),
+            error: probe_peer(&target, timeout_ms)
+                .await
+                .err()
+                .map(|e| e.message),
         },
         Step::Run { workers, .. } if workers.is_empty() => StepResult::Run(RunResult::Success),
         Step::Run {
@@ -109,7 +113,7 @@ async fn run_workers(
         let (out_file, err_file) = match &w.log_dir {
             Some(d) => match open_logs(d) {
                 Ok(f) => f,
-                Err(e) => return RunResult::SpawnError(e),
+                Err(e) => return RunResult::SpawnError(e.message),
             },
             None => (None, None),
         };
@@ -210,9 +214,9 @@ fn remove_with_empty_parents(file: &std::path::Path) {
 
 type Logs = (Option<std::fs::File>, Option<std::fs::File>);
 
-fn open_logs(dir: &std::path::Path) -> Result<Logs, String> {
+fn open_logs(dir: &std::path::Path) -> Result<Logs> {
     let fail = |p: &std::path::Path, e: std::io::Error| {
-        format!("cannot create log file {}: {e}", p.display())
+        Error::internal(format!("cannot create log file {}: {e}", p.display()))
     };
     std::fs::create_dir_all(dir).map_err(|e| fail(dir, e))?;
     let open = |name: &str| {
@@ -235,18 +239,18 @@ pub async fn serve_probes(listener: tokio::net::TcpListener) {
 }
 
 /// Connects to another node's probe listener and checks its echo.
-pub async fn probe_peer(target: &str, timeout_ms: u64) -> Result<(), String> {
+pub async fn probe_peer(target: &str, timeout_ms: u64) -> Result<()> {
     let sa: SocketAddr = target
         .parse()
-        .map_err(|_| format!("bad probe address {target}"))?;
+        .map_err(|_| Error::cluster(format!("bad probe address {target}")))?;
     let t = Duration::from_millis(timeout_ms);
     let mut s = match tokio::time::timeout(t, tokio::net::TcpStream::connect(sa)).await {
         Ok(Ok(s)) => s,
-        Ok(Err(e)) => return Err(format!("connect to {sa}: {e}")),
+        Ok(Err(e)) => return Err(Error::cluster(format!("connect to {sa}: {e}"))),
         Err(_) => {
-            return Err(format!(
+            return Err(Error::cluster(format!(
                 "connect to {sa}: no answer within {timeout_ms} ms (dropped by a firewall?)"
-            ));
+            )));
         }
     };
     let msg = *b"nrun-probe";
@@ -258,12 +262,12 @@ pub async fn probe_peer(target: &str, timeout_ms: u64) -> Result<(), String> {
     .await
     {
         Ok(Ok(_)) if back == msg => Ok(()),
-        Ok(Ok(_)) => Err(format!(
+        Ok(Ok(_)) => Err(Error::cluster(format!(
             "{sa} answered with something else (another service on that port?)"
-        )),
-        Ok(Err(e)) => Err(format!("{sa}: {e}")),
-        Err(_) => Err(format!(
+        ))),
+        Ok(Err(e)) => Err(Error::cluster(format!("{sa}: {e}"))),
+        Err(_) => Err(Error::cluster(format!(
             "{sa}: connected but no echo within {timeout_ms} ms"
-        )),
+        ))),
     }
 }

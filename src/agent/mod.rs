@@ -25,6 +25,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio::sync::watch;
 
+use crate::error::{Error, Result, exit};
 use crate::node::{Caught, Signals, StopRequest};
 use crate::store::client::Client;
 use exec::{Done, StepIo};
@@ -48,7 +49,7 @@ pub fn main() -> u8 {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("{e}");
-            3
+            exit::HELPER
         }
     };
     // Do not wait for the blocking read of stdin: it ends only when the launcher closes it.
@@ -81,8 +82,8 @@ async fn wait_signal(mut conn: Client, key: Vec<u8>) -> (Client, Option<i32>) {
     (conn, sig)
 }
 
-async fn run() -> Result<(), String> {
-    let signals = Signals::install(&[]).map_err(|e| e.to_string())?;
+async fn run() -> Result<()> {
+    let signals = Signals::install(&[]).map_err(|e| Error::helper(e.to_string()))?;
     crate::node::process::become_subreaper();
     let here = crate::net::hostname();
     let mut stdin = tokio::io::BufReader::new(tokio::io::stdin());
@@ -90,13 +91,13 @@ async fn run() -> Result<(), String> {
     match tokio::time::timeout(Duration::from_secs(60), stdin.read_line(&mut line)).await {
         Ok(Ok(n)) if n > 0 => {}
         _ => {
-            return Err(format!(
+            return Err(Error::helper(format!(
                 "nrun agent on {here}: no instructions on stdin (it is started by nrun, not by hand)"
-            ));
+            )));
         }
     }
     let hello: Hello = serde_json::from_str(&line)
-        .map_err(|e| format!("nrun agent on {here}: bad instructions: {e}"))?;
+        .map_err(|e| Error::helper(format!("nrun agent on {here}: bad instructions: {e}")))?;
     // Losing stdin means the launcher is gone: stop everything fast.
     let (gone_tx, gone_rx) = watch::channel(false);
     tokio::spawn(async move {
@@ -114,7 +115,7 @@ pub async fn serve(
     hello: Hello,
     mut signals: Signals,
     gone_rx: watch::Receiver<bool>,
-) -> Result<Option<u8>, String> {
+) -> Result<Option<u8>> {
     let here = crate::net::hostname();
     let (node, label) = hello.place()?;
     let hello = Hello {
@@ -125,27 +126,28 @@ pub async fn serve(
     let me = format!("{} ({here})", hello.label);
     signals
         .also_forward(&hello.forward_signals)
-        .map_err(|e| format!("nrun agent on {here}: {e}"))?;
+        .map_err(|e| Error::helper(format!("nrun agent on {here}: {e}")))?;
     if hello.version != crate::cli::VERSION {
-        return Err(format!(
+        return Err(Error::helper(format!(
             "nrun on {me} is version {} but the launch host runs {}: install the same nrun there, or pass --ship",
             crate::cli::VERSION,
             hello.version
-        ));
+        )));
     }
     if let Err(e) = std::env::set_current_dir(&hello.cwd) {
-        return Err(format!(
+        return Err(Error::helper(format!(
             "the launch host's working directory {} does not exist on {me} ({e}): make it exist there (a shared filesystem), or start nrun from a directory every node has",
             hello.cwd.display()
-        ));
+        )));
     }
     let keys = Keys::new(&hello.run);
 
     // The first coordinator address that answers wins; they are tried at once.
     let (mut store, reached, local) = connect_any(&hello.addrs)
         .await
-        .map_err(|e| format!("{me} cannot reach the launch host's store: {e}"))?;
-    let lost = |e: std::io::Error| format!("{me}: lost the launch host's store: {e}");
+        .map_err(|e| Error::helper(format!("{me} cannot reach the launch host's store: {e}")))?;
+    let lost =
+        |e: std::io::Error| Error::helper(format!("{me}: lost the launch host's store: {e}"));
     prove(&mut store, &hello.secret).await.map_err(lost)?;
     store
         .set(&keys.observe(hello.node), b"")
@@ -161,10 +163,13 @@ pub async fn serve(
     };
     let probe = tokio::net::TcpListener::bind(SocketAddr::new(any, 0))
         .await
-        .map_err(|e| format!("{me}: cannot open a probe listener: {e}"))?;
+        .map_err(|e| Error::helper(format!("{me}: cannot open a probe listener: {e}")))?;
     let probe_addr = SocketAddr::new(
         local.ip(),
-        probe.local_addr().map_err(|e| e.to_string())?.port(),
+        probe
+            .local_addr()
+            .map_err(|e| Error::helper(e.to_string()))?
+            .port(),
     );
     tokio::spawn(exec::serve_probes(probe));
     let facts = tokio::task::spawn_blocking({
@@ -172,14 +177,14 @@ pub async fn serve(
         move || crate::facts::gather(py.as_deref())
     })
     .await
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| Error::helper(e.to_string()))?;
     let joined = Joined {
         local_addr: local.to_string(),
         reached: reached.to_string(),
         probe_addr: probe_addr.to_string(),
         facts,
     };
-    let record = serde_json::to_vec(&joined).map_err(|e| e.to_string())?;
+    let record = serde_json::to_vec(&joined).map_err(|e| Error::helper(e.to_string()))?;
     store
         .set(&keys.joined(hello.node), &record)
         .await
@@ -214,8 +219,8 @@ struct Node {
 }
 
 impl Node {
-    fn lost(&self, e: std::io::Error) -> String {
-        format!("{}: lost the launch host's store: {e}", self.me)
+    fn lost(&self, e: std::io::Error) -> Error {
+        Error::helper(format!("{}: lost the launch host's store: {e}", self.me))
     }
 
     /// Does the steps it is given, one after another, until the End (Ok: the job's exit code,
@@ -225,13 +230,13 @@ impl Node {
         store: &mut Client,
         signals: &mut Signals,
         mut gone_rx: watch::Receiver<bool>,
-    ) -> Result<Option<u8>, String> {
+    ) -> Result<Option<u8>> {
         let me = &self.me;
         let lost = |e| self.lost(e);
         for no in 0.. {
             let step = tokio::select! {
                 r = self.next_step(store, no) => r?,
-                _ = gone_rx.wait_for(|g| *g) => return Err(format!("{me}: the launch host went away; stopping")),
+                _ = gone_rx.wait_for(|g| *g) => return Err(Error::helper(format!("{me}: the launch host went away; stopping"))),
             };
             let done = match step.runs_workers() {
                 true => self.run(store, signals, &gone_rx, no, step).await?,
@@ -256,13 +261,15 @@ impl Node {
                     return Ok(code.and_then(|c| String::from_utf8_lossy(&c).parse().ok()));
                 }
             };
-            let value = serde_json::to_vec(&result).map_err(|e| e.to_string())?;
+            let value = serde_json::to_vec(&result).map_err(|e| Error::helper(e.to_string()))?;
             store
                 .set(&self.keys.result(self.index, no), &value)
                 .await
                 .map_err(lost)?;
             if *gone_rx.borrow() {
-                return Err(format!("{me}: the launch host went away; stopped"));
+                return Err(Error::helper(format!(
+                    "{me}: the launch host went away; stopped"
+                )));
             }
         }
         Ok(None)
@@ -270,7 +277,7 @@ impl Node {
 
     /// Waits for step `no` and opens it: only steps sealed with the run's secret are run, so
     /// nothing injected starts a process.
-    async fn next_step(&self, store: &mut Client, no: usize) -> Result<Step, String> {
+    async fn next_step(&self, store: &mut Client, no: usize) -> Result<Step> {
         let me = &self.me;
         let lost = |e| self.lost(e);
         let key = self.keys.step(self.index, no);
@@ -278,21 +285,21 @@ impl Node {
         store.wait(&wanted, None).await.map_err(lost)?;
         let raw = store.get(&key).await.map_err(lost)?;
         let Some(json) = crate::store::auth::open(self.secret.as_bytes(), &key, &raw) else {
-            return Err(format!(
+            return Err(Error::helper(format!(
                 "{me}: step {no} in the launch host's store is not sealed with this run's \
                  secret; refusing it (something other than this run's nrun wrote it, or the \
                  nruns differ: compare `nrun --version` on both)"
-            ));
+            )));
         };
         serde_json::from_slice(json).map_err(|e| {
-            format!(
+            Error::helper(format!(
                 "{me}: cannot read step {no} from the launch host ({e}); is nrun the same version on both?"
-            )
+            ))
         })
     }
 
     /// A connection of its own, authenticated (one request in flight per connection).
-    async fn connect(&self) -> Result<Client, String> {
+    async fn connect(&self) -> Result<Client> {
         let lost = |e| self.lost(e);
         let mut conn = Client::connect(self.reached, Duration::from_secs(10))
             .await
@@ -310,7 +317,7 @@ impl Node {
         gone_rx: &watch::Receiver<bool>,
         no: usize,
         step: Step,
-    ) -> Result<Done, String> {
+    ) -> Result<Done> {
         let (tx, rx) = watch::channel(StopRequest::None);
         let stop_conn = self.connect().await?;
         let sig_conn = self.connect().await?;
@@ -400,7 +407,7 @@ impl Node {
     }
 }
 
-async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr), String> {
+async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr)> {
     let mut set = tokio::task::JoinSet::new();
     for a in addrs {
         let Ok(sa) = a.parse::<SocketAddr>() else {
@@ -412,14 +419,14 @@ async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr
                     .await;
             match s {
                 Ok(Ok(s)) => {
-                    let local = s.local_addr().map_err(|e| e.to_string())?;
+                    let local = s.local_addr().map_err(|e| Error::helper(e.to_string()))?;
                     let c = Client::from_stream(s)
                         .await
-                        .map_err(|e| format!("{sa}: {e}"))?;
+                        .map_err(|e| Error::helper(format!("{sa}: {e}")))?;
                     Ok((c, sa, local))
                 }
-                Ok(Err(e)) => Err(format!("{sa}: {e}")),
-                Err(_) => Err(format!("{sa}: timed out")),
+                Ok(Err(e)) => Err(Error::helper(format!("{sa}: {e}"))),
+                Err(_) => Err(Error::helper(format!("{sa}: timed out"))),
             }
         });
     }
@@ -427,13 +434,13 @@ async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr
     while let Some(r) = set.join_next().await {
         match r {
             Ok(Ok(v)) => return Ok(v),
-            Ok(Err(e)) => errors.push(e),
+            Ok(Err(e)) => errors.push(e.message),
             Err(e) => errors.push(e.to_string()),
         }
     }
-    Err(format!(
+    Err(Error::helper(format!(
         "tried {} ({}); check the firewall on the launch host and the route to it",
         addrs.join(", "),
         errors.join("; ")
-    ))
+    )))
 }

@@ -11,14 +11,14 @@ use tokio::sync::watch;
 use super::protocol::{Hello, c10d_next_key, c10d_run_key};
 use crate::error::{Error, Result};
 use crate::node::Signals;
-use crate::plan::{C10d, NodesPlan, Plan};
+use crate::plan::{C10d, NodesPlan, RunSettings};
 use crate::store::client::Client;
 
 /// Joins the rendezvous `c` and serves as a node of its job; nrun's exit code.
-pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
+pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
     let endpoint = format!("{}:{}", c.host, c.port);
     let addrs = resolve(&c.host, c.port)
-        .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {e}")))?;
+        .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {}", e.message)))?;
     let deadline = Instant::now() + nodes.join_timeout;
     let secs = nodes.join_timeout.as_secs();
     // The hosting nrun may start after this one: try until the join timeout.
@@ -68,11 +68,11 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
             usize::try_from(index).unwrap_or(usize::MAX)
         }
     };
-    if node >= plan.nnodes {
+    if node >= job.shape.nnodes {
         return Err(Error::cluster(format!(
             "the rendezvous at {endpoint} (id {:?}) already has its --nnodes {} nodes; this one \
              is one too many",
-            c.id, plan.nnodes
+            c.id, job.shape.nnodes
         )));
     }
     let hello = Hello {
@@ -84,20 +84,23 @@ pub async fn join(plan: &Plan, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
         cwd: std::env::current_dir()
             .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?,
         version: crate::cli::VERSION.to_string(),
-        python: nodes.python_probe.then(|| plan.python.clone()).flatten(),
-        forward_signals: plan.forward_signals.clone(),
+        python: nodes
+            .python_probe
+            .then(|| job.session.python.clone())
+            .flatten(),
+        forward_signals: job.session.forward_signals.clone(),
         nodes: Vec::new(),
         heartbeat: true,
     };
     // The agent opens its own connections; this one has done its part.
     drop(store);
     tracing::info!("joined the rendezvous at {endpoint} as node {node}");
-    let signals = Signals::install(&plan.forward_signals)?;
+    let signals = Signals::install(&job.session.forward_signals)?;
     // Nothing closes: the host going away shows as its store going away.
     let (_keep, gone) = watch::channel(false);
     match super::serve(hello, signals, gone).await {
         Ok(code) => Ok(code.unwrap_or(0)),
-        Err(e) => Err(Error::cluster(e)),
+        Err(e) => Err(Error::cluster(e.message)),
     }
 }
 
@@ -119,13 +122,13 @@ pub(super) async fn heartbeat(addr: SocketAddr, secret: String, key: Vec<u8>) {
 
 /// The endpoint's addresses: its name resolved, or (a Slurm node name the resolver does not
 /// know) the NodeAddr Slurm has for it.
-fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
+fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
     let found = (host, port)
         .to_socket_addrs()
         .map(|a| a.collect::<Vec<_>>());
     match found {
         Ok(a) if !a.is_empty() => Ok(a),
-        Ok(_) => Err("resolves to no address".into()),
+        Ok(_) => Err(Error::usage("resolves to no address")),
         Err(e) => {
             let out = std::process::Command::new("scontrol")
                 .args(["show", "node", "-o", host])
@@ -137,7 +140,9 @@ fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
             });
             match addr.and_then(|a| (a.as_str(), port).to_socket_addrs().ok()) {
                 Some(a) => Ok(a.collect()),
-                None => Err(format!("{e} (and Slurm knows no NodeAddr for it)")),
+                None => Err(Error::usage(format!(
+                    "{e} (and Slurm knows no NodeAddr for it)"
+                ))),
             }
         }
     }

@@ -41,7 +41,7 @@ pub struct Hello {
 
 impl Hello {
     /// This agent's node index and label: its own, or (a shared Hello) found by node name.
-    pub fn place(&self) -> Result<(usize, String), String> {
+    pub fn place(&self) -> crate::error::Result<(usize, String)> {
         if self.nodes.is_empty() {
             return Ok((self.node, self.label.clone()));
         }
@@ -55,10 +55,10 @@ impl Hello {
             .and_then(|v| v.parse::<usize>().ok())
         {
             Some(i) if i < self.nodes.len() => Ok((i, self.nodes[i].clone())),
-            _ => Err(format!(
+            _ => Err(crate::error::Error::helper(format!(
                 "nrun agent on {me}: this node is not among the job's nodes ({})",
                 self.nodes.join(", ")
-            )),
+            ))),
         }
     }
 }

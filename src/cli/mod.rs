@@ -9,7 +9,8 @@
 use std::path::PathBuf;
 
 use clap::builder::BoolishValueParser;
-use clap::{ArgAction, Args, CommandFactory, Parser, Subcommand};
+use clap::builder::TypedValueParser;
+use clap::{ArgAction, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
 /// `nrun --version`: the package version and the git revision stamped in by build.rs.
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("NRUN_GIT_REV"), ")");
@@ -358,8 +359,9 @@ pub struct JobArgs {
     pub log_line_prefix_template: Option<String>,
 
     /// Colour the rank prefixes: auto (on a terminal, unless NO_COLOR is set), always, never.
-    #[arg(long, env = "NRUN_COLOR", default_value = "auto", value_name = "WHEN")]
-    pub color: String,
+    #[arg(long, env = "NRUN_COLOR", default_value = "auto", value_name = "WHEN",
+          value_parser = Choice::<ColorWhen>::new("--color"), hide_possible_values = true)]
+    pub color: ColorWhen,
 
     /// Signals passed on to every worker on every node while the job goes on (a handler in the
     /// workers decides what they mean, e.g. Slurm's --signal=USR1@90 to checkpoint). SIGINT,
@@ -521,9 +523,11 @@ pub struct WatchArgs {
         long,
         env = "NRUN_WATCH",
         default_value = "auto",
-        value_name = "auto|on|off"
+        value_name = "auto|on|off",
+        value_parser = Choice::<WatchWhen>::new("--watch"),
+        hide_possible_values = true
     )]
-    pub watch: String,
+    pub watch: WatchWhen,
 
     /// Seconds without progress on any rank (no stack changed) before a hang is diagnosed.
     #[arg(
@@ -540,9 +544,11 @@ pub struct WatchArgs {
         long = "on-hang",
         env = "NRUN_ON_HANG",
         default_value = "report",
-        value_name = "report|stop"
+        value_name = "report|stop",
+        value_parser = Choice::<crate::watch::OnHang>::new("--on-hang"),
+        hide_possible_values = true
     )]
-    pub on_hang: String,
+    pub on_hang: crate::watch::OnHang,
 }
 
 /// The all-reduce sweep: shared by the preflight and bisect's probes.
@@ -617,9 +623,11 @@ pub struct NodesArgs {
         long,
         env = "NRUN_LAUNCHER",
         default_value = "auto",
-        value_name = "auto|ssh|srun"
+        value_name = "auto|ssh|srun",
+        value_parser = Choice::<LauncherChoice>::new("--launcher"),
+        hide_possible_values = true
     )]
-    pub launcher: String,
+    pub launcher: LauncherChoice,
 
     /// Extra options for ssh, e.g. "-F file -p 2222 -i key" (nrun always adds BatchMode=yes).
     #[arg(
@@ -687,9 +695,11 @@ pub struct ProbeArgs {
         long,
         env = "NRUN_PROBE",
         default_value = "nccl",
-        value_name = "nccl|net|cmd"
+        value_name = "nccl|net|cmd",
+        value_parser = Choice::<crate::plan::Probe>::new("--probe"),
+        hide_possible_values = true
     )]
-    pub probe: String,
+    pub probe: crate::plan::Probe,
 
     /// A group whose busbw is under this fraction of its stage's median is slow.
     #[arg(
@@ -763,6 +773,93 @@ impl CompatArgs {
         for (flag, _, why) in given.iter().filter(|(_, v, _)| v.is_some()) {
             tracing::info!("{flag} is accepted from torchrun and has no effect: {why}");
         }
+    }
+}
+
+/// `--color`: when rank prefixes are coloured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ColorWhen {
+    /// On a terminal, unless NO_COLOR is set.
+    Auto,
+    Always,
+    Never,
+}
+
+/// `--watch`: whether the watch samples the workers' stacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WatchWhen {
+    /// For Python jobs.
+    Auto,
+    On,
+    Off,
+}
+
+/// `--launcher`: how node agents start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LauncherChoice {
+    /// srun inside a Slurm allocation of several nodes, else ssh.
+    Auto,
+    Ssh,
+    Srun,
+}
+
+/// A closed choice (a [`ValueEnum`]) whose refusal is nrun's own one line, `--color
+/// "sometimes": expected auto, always or never`, rather than clap's block: the error is an
+/// [`crate::error::Error`] that `lib.rs` finds as the clap error's source and prints as nrun's.
+/// Its possible values still reach completions; `hide_possible_values` keeps `--help` as the
+/// doc comment words it.
+#[derive(Clone)]
+pub struct Choice<T> {
+    flag: &'static str,
+    kind: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T> Choice<T> {
+    pub fn new(flag: &'static str) -> Choice<T> {
+        Choice {
+            flag,
+            kind: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T: ValueEnum + Clone + Send + Sync + 'static> TypedValueParser for Choice<T> {
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<T, clap::Error> {
+        let flag = self.flag;
+        // clap's own parser for a closure turns its error into the clap error's source.
+        let parse = move |s: &str| {
+            T::from_str(s, false).map_err(|_| {
+                let names: Vec<String> = T::value_variants()
+                    .iter()
+                    .filter_map(|v| v.to_possible_value())
+                    .map(|p| p.get_name().to_string())
+                    .collect();
+                let list = match names.split_last() {
+                    Some((last, [])) => last.clone(),
+                    Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+                    None => String::new(),
+                };
+                crate::error::Error::usage(format!("{flag} {s:?}: expected {list}"))
+            })
+        };
+        parse.parse_ref(cmd, arg, value)
+    }
+
+    fn possible_values(
+        &self,
+    ) -> Option<Box<dyn Iterator<Item = clap::builder::PossibleValue> + '_>> {
+        Some(Box::new(
+            T::value_variants()
+                .iter()
+                .filter_map(|v| v.to_possible_value()),
+        ))
     }
 }
 
@@ -884,7 +981,7 @@ mod tests {
         let Some(Command::Bisect(b)) = c.command.clone() else {
             panic!("not bisect")
         };
-        assert_eq!(b.probe.probe, "cmd");
+        assert_eq!(b.probe.probe, crate::plan::Probe::Cmd);
         assert_eq!(b.command, ["python", "t.py"]);
         // Options after the script are the script's.
         let c = Cli::try_parse_from(["nrun", "x.py", "doctor"]).unwrap();

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::agent::protocol::{RunResult, Step, StepResult, THIS_NRUN};
 use crate::error::{Error, Result, exit};
-use crate::plan::{BisectPlan, NodesPlan, Plan, Probe};
+use crate::plan::{BisectSettings, NodesPlan, Probe};
 use crate::preflight::{self, Settings, Verdict};
 use crate::session::spec::{Group, Launch};
 use crate::session::{Policy, Session};
@@ -61,15 +61,13 @@ struct GroupOut {
 
 /// Entry point: runs the stages, prints the table, writes the report and hostfile.
 pub async fn run(
-    plan: &Plan,
+    bp: &BisectSettings,
     nodes: &NodesPlan,
-    bp: &BisectPlan,
     listener: Option<std::net::TcpListener>,
 ) -> Result<u8> {
     let started = Instant::now();
-    let mut s = Session::start(plan, nodes, listener).await?;
+    let mut s = Session::start(&bp.session, nodes, listener).await?;
     let mut b = Bisect {
-        plan,
         bp,
         results: s
             .nodes
@@ -85,15 +83,13 @@ pub async fn run(
     };
     let outcome = b.stages(&mut s).await;
     s.end().await;
-    if let Err(code) = outcome {
-        return Ok(code);
-    }
+    // An interrupted or failed stage has said why; only its exit code is left.
+    outcome?;
     b.finish(nodes, started.elapsed())
 }
 
 struct Bisect<'a> {
-    plan: &'a Plan,
-    bp: &'a BisectPlan,
+    bp: &'a BisectSettings,
     results: Vec<NodeResult>,
     rounds: Vec<Round>,
     /// Rounds up to and including stage 1 (the efficiency target counts those after it).
@@ -101,7 +97,7 @@ struct Bisect<'a> {
 }
 
 impl Bisect<'_> {
-    async fn stages(&mut self, s: &mut Session) -> std::result::Result<(), u8> {
+    async fn stages(&mut self, s: &mut Session) -> Result<()> {
         // ---- stage 0: reachability and facts --------------------------------------------
         let failures = s.join(false, None).await?;
         for (i, msg) in failures {
@@ -260,12 +256,7 @@ impl Bisect<'_> {
     }
 
     /// Narrows a failing or slow group down to nodes or links, re-testing with known-good nodes.
-    async fn isolate(
-        &mut self,
-        g: GroupOut,
-        median: Option<f64>,
-        s: &mut Session,
-    ) -> std::result::Result<(), u8> {
+    async fn isolate(&mut self, g: GroupOut, median: Option<f64>, s: &mut Session) -> Result<()> {
         let what = if g.ok { "slow" } else { "fails" };
         if g.members.len() > 2 {
             // Halves first; then, if both halves pass, the pairs across them.
@@ -441,7 +432,7 @@ impl Bisect<'_> {
         stage: &str,
         groups: Vec<Vec<usize>>,
         s: &mut Session,
-    ) -> std::result::Result<Vec<GroupOut>, u8> {
+    ) -> Result<Vec<GroupOut>> {
         let scratch = format!("bisect{}", self.rounds.len());
         let settings: Vec<Option<Settings>> = (0..s.len()).map(|i| self.settings(s, i)).collect();
         let extra = |i: usize| {
@@ -452,8 +443,9 @@ impl Bisect<'_> {
         let (program, args) = match self.bp.probe {
             Probe::Nccl | Probe::Net => (THIS_NRUN.to_string(), vec!["__preflight".to_string()]),
             Probe::Cmd => (
-                self.plan.program.to_string_lossy().into_owned(),
-                self.plan
+                self.bp.workers.program.to_string_lossy().into_owned(),
+                self.bp
+                    .workers
                     .args
                     .iter()
                     .map(|a| a.to_string_lossy().into_owned())
@@ -468,8 +460,9 @@ impl Bisect<'_> {
             let (store, port, stop) = match group_store() {
                 Ok(x) => x,
                 Err(e) => {
+                    // Said now, before the nodes are ended, as every stage's failure is.
                     eprintln!("nrun: error: {e}");
-                    return Err(exit::INTERNAL);
+                    return Err(Error::exit(exit::INTERNAL));
                 }
             };
             let launch = Launch {
@@ -487,7 +480,11 @@ impl Bisect<'_> {
                 secret: false,
             };
             let group = Group::of(s, g);
-            for (i, st) in s.steps(self.plan, &group, &launch).into_iter().enumerate() {
+            for (i, st) in s
+                .steps(&self.bp.workers, &group, &launch)
+                .into_iter()
+                .enumerate()
+            {
                 if st.is_some() {
                     steps[i] = st;
                 }
@@ -521,7 +518,7 @@ impl Bisect<'_> {
 
     /// Settings of the preflight ranks on joined node `i` (probes nccl and net).
     fn settings(&self, s: &Session, i: usize) -> Option<Settings> {
-        let pf = self.plan.preflight.as_ref()?;
+        let pf = self.bp.sweep.as_ref()?;
         s.nodes[i].joined.as_ref()?;
         let mut st = super::preflight::node_settings(s, pf, i, None, "bisect");
         // Groups are compared with each other; a link test per group would only add noise.

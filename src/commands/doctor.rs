@@ -4,17 +4,18 @@
 
 use crate::error::{Result, exit};
 use crate::facts::Facts;
-use crate::plan::{NodesPlan, Plan};
+use crate::plan::{DoctorSettings, NodesPlan};
 use crate::session::Session;
 
 pub async fn run(
-    plan: &Plan,
+    doctor: &DoctorSettings,
     nodes: &NodesPlan,
     listener: Option<std::net::TcpListener>,
 ) -> Result<u8> {
-    let mut s = Session::start(plan, nodes, listener).await?;
+    let mut s = Session::start(&doctor.session, nodes, listener).await?;
+    let python = doctor.session.python.as_deref();
     let code = if nodes.in_process {
-        this_host(&mut s, plan).await
+        this_host(&mut s, python).await
     } else {
         cluster(&mut s).await
     };
@@ -23,8 +24,8 @@ pub async fn run(
 }
 
 async fn cluster(s: &mut Session) -> u8 {
-    if let Err(code) = super::run::ready(s).await {
-        return code;
+    if let Err(e) = super::run::ready(s).await {
+        return e.code;
     }
     for (_, n, j) in s.joined() {
         println!(
@@ -41,10 +42,10 @@ async fn cluster(s: &mut Session) -> u8 {
     exit::SUCCESS
 }
 
-async fn this_host(s: &mut Session, plan: &Plan) -> u8 {
-    let python = plan.python.clone().filter(|_| s.plan.python_probe);
-    if let Err(code) = s.join(true, python).await {
-        return code;
+async fn this_host(s: &mut Session, python: Option<&std::path::Path>) -> u8 {
+    let probe = python.filter(|_| s.plan.python_probe).map(Into::into);
+    if let Err(e) = s.join(true, probe).await {
+        return e.code;
     }
     let facts = s
         .nodes
@@ -52,7 +53,7 @@ async fn this_host(s: &mut Session, plan: &Plan) -> u8 {
         .and_then(|n| n.joined.as_ref())
         .and_then(|j| j.facts.clone())
         .unwrap_or_default();
-    print!("{}", describe(&facts, plan));
+    print!("{}", describe(&facts, python));
     if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
         println!("warning: {w}");
     }
@@ -60,7 +61,7 @@ async fn this_host(s: &mut Session, plan: &Plan) -> u8 {
 }
 
 /// This host's facts, in detail.
-fn describe(f: &Facts, plan: &Plan) -> String {
+fn describe(f: &Facts, python: Option<&std::path::Path>) -> String {
     use std::fmt::Write as _;
     let mut t = crate::facts::compare(&[("this host".to_string(), f)]).table;
     let _ = writeln!(t, "interfaces:");
@@ -113,9 +114,7 @@ fn describe(f: &Facts, plan: &Plan) -> String {
         (None, Some(e)) => writeln!(
             t,
             "torch: not usable with {}: {e}",
-            plan.python
-                .as_ref()
-                .map_or("python3".into(), |p| p.display().to_string())
+            python.map_or("python3".into(), |p| p.display().to_string())
         ),
         (None, None) => writeln!(t, "torch: not probed (no python found)"),
     };

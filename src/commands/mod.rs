@@ -15,12 +15,15 @@ use crate::plan::Mode;
 
 /// Runs what the command line asked for; returns nrun's exit code.
 pub fn execute(mode: Mode) -> Result<u8> {
-    let listener = match &mode {
+    let session = match &mode {
+        Mode::Run { run, .. } => &run.session,
+        Mode::Doctor { doctor, .. } => &doctor.session,
+        Mode::Bisect { bisect, .. } => &bisect.session,
+    };
+    let listener = match session.c10d {
         // c10d: the nrun on the endpoint's host that binds its port hosts; the rest join.
-        Mode::Run { plan, .. } if plan.c10d.is_some() => crate::session::bind_rendezvous(plan)?,
-        Mode::Run { plan, .. } | Mode::Bisect { plan, .. } | Mode::Doctor { plan, .. } => {
-            crate::session::bind_store(plan)?
-        }
+        Some(_) => crate::session::bind_rendezvous(session)?,
+        None => crate::session::bind_store(session)?,
     };
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
@@ -34,16 +37,12 @@ pub fn execute(mode: Mode) -> Result<u8> {
     // which their PR_SET_PDEATHSIG relies on.
     let started = std::time::Instant::now();
     let code = match mode {
-        Mode::Run { plan, nodes } => match (&plan.c10d, listener) {
-            (Some(c), None) => rt.block_on(crate::agent::peer::join(&plan, &nodes, c)),
-            (_, listener) => rt.block_on(run::run(&plan, &nodes, listener)),
+        Mode::Run { run, nodes } => match (&run.session.c10d, listener) {
+            (Some(c), None) => rt.block_on(crate::agent::peer::join(&run, &nodes, c)),
+            (_, listener) => rt.block_on(run::run(&run, &nodes, listener)),
         },
-        Mode::Doctor { plan, nodes } => rt.block_on(doctor::run(&plan, &nodes, listener)),
-        Mode::Bisect {
-            plan,
-            nodes,
-            bisect,
-        } => rt.block_on(bisect::run(&plan, &nodes, &bisect, listener)),
+        Mode::Doctor { doctor, nodes } => rt.block_on(doctor::run(&doctor, &nodes, listener)),
+        Mode::Bisect { bisect, nodes } => rt.block_on(bisect::run(&bisect, &nodes, listener)),
     };
     // What nrun itself cost (its watch and store included, not its workers): for benchmarks.
     if let Ok(u) = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF) {

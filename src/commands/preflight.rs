@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::agent::protocol::{RunResult, StepResult, THIS_NRUN};
 use crate::error::{Result, exit};
-use crate::plan::{Plan, PreflightPlan};
+use crate::plan::{PreflightPlan, RunSettings};
 use crate::preflight::{self, Mode, Settings};
 use crate::session::spec::Launch;
 use crate::session::{Policy, Session};
@@ -20,7 +20,7 @@ use crate::store::client::Client;
 /// (the JSON of `--report`) when it got that far.
 pub async fn run(
     s: &mut Session,
-    plan: &Plan,
+    job: &RunSettings,
     pf: &PreflightPlan,
 ) -> Result<(u8, Option<serde_json::Value>)> {
     let started = Instant::now();
@@ -34,7 +34,7 @@ pub async fn run(
     // are listed (by a task that runs beside the preflight).
     let (here_lib, other_libs) = match (pf.mode, s.plan.in_process) {
         (Mode::Nccl, true) => {
-            let (lib, others) = resolve_nccl(plan, pf).await;
+            let (lib, others) = resolve_nccl(job.session.python.as_deref(), pf).await;
             (lib, Some(others))
         }
         _ => (None, None),
@@ -62,11 +62,11 @@ pub async fn run(
         watch: false,
         secret: true,
     };
-    let steps = s.steps(plan, &group, &launch);
+    let steps = s.steps(&job.workers, &group, &launch);
     since("starting ranks");
     let results = match s.run_step(steps, Policy::Together).await {
         Ok(r) => r,
-        Err(code) => return Ok((code, None)),
+        Err(e) => return Ok((e.code, None)),
     };
     since("ranks ended");
     let mut crashed = None;
@@ -92,7 +92,7 @@ pub async fn run(
     // A static launch's node sees only its own ranks; the others are named by node.
     let mine: std::collections::BTreeSet<usize> = ranks.iter().map(|r| r.0).collect();
     for r in (0..s.plan.world).filter(|r| !mine.contains(r)) {
-        ranks.push((r, format!("node {}", r / plan.nproc.max(1))));
+        ranks.push((r, format!("node {}", r / job.workers.nproc.max(1))));
     }
     ranks.sort();
     let values = read_reports(s, &settings[0], &ranks).await;
@@ -204,13 +204,11 @@ async fn read_reports(
 /// The libnccl the job would load here, and (as a task that runs beside the preflight) a line
 /// for every other one found, with its version.
 async fn resolve_nccl(
-    plan: &Plan,
+    python: Option<&std::path::Path>,
     pf: &PreflightPlan,
 ) -> (Option<PathBuf>, tokio::task::JoinHandle<Vec<String>>) {
     // Even with --nccl-lib, torch's copy is looked up so that a mismatch can be reported.
-    let python_paths = plan
-        .python
-        .as_deref()
+    let python_paths = python
         .map(preflight::nccl::python_package_dirs)
         .unwrap_or_default();
     let ld = std::env::var("LD_LIBRARY_PATH").ok();

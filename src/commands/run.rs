@@ -3,8 +3,8 @@
 
 use super::preflight;
 use crate::agent::protocol::{RunResult, StepResult};
-use crate::error::{Result, exit};
-use crate::plan::{NodesPlan, Plan};
+use crate::error::{Error, Result, exit};
+use crate::plan::{NodesPlan, RunSettings};
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::spec::Launch;
 use crate::session::{Policy, Session};
@@ -12,41 +12,40 @@ use crate::watch::WatchState;
 
 /// Runs the job to its end and returns nrun's exit code.
 pub async fn run(
-    plan: &Plan,
+    job: &RunSettings,
     nodes: &NodesPlan,
     listener: Option<std::net::TcpListener>,
 ) -> Result<u8> {
-    let mut s = Session::start(plan, nodes, listener).await?;
-    let code = drive(&mut s, plan).await;
+    let mut s = Session::start(&job.session, nodes, listener).await?;
+    let code = drive(&mut s, job).await;
     // Nodes whose own nrun joined (c10d) exit with the job's code.
     s.end_with(code.as_ref().map_or_else(|e| e.code, |c| *c))
         .await;
     code
 }
 
-async fn drive(s: &mut Session, plan: &Plan) -> Result<u8> {
-    if let Err(code) = ready(s).await {
-        return Ok(code);
-    }
+async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
+    ready(s).await?;
     let mut code = exit::SUCCESS;
     let mut report = None;
-    if let Some(pf) = &plan.preflight {
-        (code, report) = preflight::run(s, plan, pf).await?;
-        if code != exit::SUCCESS && pf.warn_only && !plan.preflight_only {
+    if let Some(pf) = &job.preflight {
+        (code, report) = preflight::run(s, job, pf).await?;
+        if code != exit::SUCCESS && pf.warn_only && !job.preflight_only {
             tracing::warn!(
                 "the preflight failed (exit code {code}); starting the job anyway (--preflight ...,warn)"
             );
             code = exit::SUCCESS;
         }
     }
-    if code != exit::SUCCESS || plan.preflight_only {
+    if code != exit::SUCCESS || job.preflight_only {
         return Ok(code);
     }
-    attempts(s, plan, report).await
+    attempts(s, job, report).await
 }
 
-/// Join and check: every node joined, the nodes agree and reach each other. Err: the exit code.
-pub async fn ready(s: &mut Session) -> Result<(), u8> {
+/// Join and check: every node joined, the nodes agree and reach each other. `Err`: the exit
+/// code, the reason already printed.
+pub async fn ready(s: &mut Session) -> Result<()> {
     let failures = s.join(false, None).await?;
     let joined = s.len() - failures.len();
     if !failures.is_empty() && s.elastic() && joined >= s.plan.min_nodes {
@@ -76,7 +75,7 @@ pub async fn ready(s: &mut Session) -> Result<(), u8> {
             env!("CARGO_PKG_VERSION"),
             launcher.install_hint()
         );
-        return Err(exit::CLUSTER);
+        return Err(Error::exit(exit::CLUSTER));
     }
     s.active = s.joined().map(|(i, _, _)| i).collect();
     if s.plan.in_process {
@@ -93,19 +92,24 @@ pub async fn ready(s: &mut Session) -> Result<(), u8> {
 
 /// The job's attempts; `report` is what the preflight wrote to `--report`, which the watch's
 /// findings join.
-async fn attempts(s: &mut Session, plan: &Plan, report: Option<serde_json::Value>) -> Result<u8> {
-    if plan.set_omp_threads {
+async fn attempts(
+    s: &mut Session,
+    job: &RunSettings,
+    report: Option<serde_json::Value>,
+) -> Result<u8> {
+    if job.workers.set_omp_threads {
         tracing::info!(
             "OMP_NUM_THREADS was unset; set to 1 for each of the {} workers (as torchrun does); set \
              it yourself to tune",
-            plan.nproc
+            job.workers.nproc
         );
     }
-    if let Some(d) = &plan.log.dir {
+    if let Some(d) = &job.workers.log.dir {
         tracing::info!("worker logs go to {}", d.display());
     }
-    let program = plan.program.to_string_lossy().into_owned();
-    let args: Vec<String> = plan
+    let program = job.workers.program.to_string_lossy().into_owned();
+    let args: Vec<String> = job
+        .workers
         .args
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
@@ -120,10 +124,10 @@ async fn attempts(s: &mut Session, plan: &Plan, report: Option<serde_json::Value
         world: s.plan.world,
         command: &command,
     };
-    s.watch = plan.watch.map(WatchState::new);
-    let code = attempt_loop(s, plan, &program, &args, &shape).await;
+    s.watch = job.watch.map(WatchState::new);
+    let code = attempt_loop(s, job, &program, &args, &shape).await;
     // What the watch found goes into --report beside the preflight's findings.
-    if let (Some(w), Some(path)) = (&s.watch, &plan.report) {
+    if let (Some(w), Some(path)) = (&s.watch, &job.report) {
         if !w.hangs.is_empty() || !w.stragglers.is_empty() {
             let mut json = report.unwrap_or_else(|| serde_json::json!({}));
             json["watch"] = w.json();
@@ -135,7 +139,7 @@ async fn attempts(s: &mut Session, plan: &Plan, report: Option<serde_json::Value
 
 async fn attempt_loop(
     s: &mut Session,
-    plan: &Plan,
+    job: &RunSettings,
     program: &str,
     args: &[String],
     shape: &JobShape<'_>,
@@ -162,15 +166,15 @@ async fn attempt_loop(
             logs: true,
             scratch: "job",
             extra: &|_| Vec::new(),
-            grace_ms: plan.shutdown_timeout.as_millis() as u64,
+            grace_ms: job.shutdown_timeout.as_millis() as u64,
             deadline_ms: None,
             watch: s.watch.is_some(),
             secret: false,
         };
-        let steps = s.steps(plan, &s.group(), &launch);
+        let steps = s.steps(&job.workers, &s.group(), &launch);
         let results = match s.run_step(steps, Policy::Together).await {
             Ok(r) => r,
-            Err(code) => return code,
+            Err(e) => return e.code,
         };
         if s.watch.as_ref().is_some_and(|w| w.stopped) {
             eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
@@ -201,7 +205,7 @@ async fn attempt_loop(
             } => {
                 code = c;
                 // Elastic: lost nodes leave, late ones come in, if MIN nodes remain.
-                if restarts < plan.max_restarts && s.elastic() {
+                if restarts < job.workers.max_restarts && s.elastic() {
                     let lost: Vec<usize> = results
                         .iter()
                         .enumerate()
@@ -214,11 +218,11 @@ async fn attempt_loop(
                         return c;
                     }
                 }
-                if restarts < plan.max_restarts {
+                if restarts < job.workers.max_restarts {
                     restarts += 1;
                     tracing::warn!(
                         "{headline}; restarting the worker group ({restarts} of {} restarts)",
-                        plan.max_restarts
+                        job.workers.max_restarts
                     );
                     continue;
                 }
@@ -229,7 +233,7 @@ async fn attempt_loop(
                 };
                 eprint!("{summary}");
                 // torchrun's habit: the launcher's own error file gets the root cause.
-                if let (Some(path), Some(json)) = (&plan.launcher_error_file, error_json) {
+                if let (Some(path), Some(json)) = (&job.launcher_error_file, error_json) {
                     if let Err(e) = std::fs::write(path, json) {
                         tracing::warn!(
                             "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",

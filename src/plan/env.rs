@@ -33,7 +33,7 @@ pub fn job_env(
     for dir in [home, std::env::current_dir().ok()].into_iter().flatten() {
         let p = dir.join(".nrun_env");
         if let Ok(text) = std::fs::read_to_string(&p) {
-            for (k, v) in parse_env_file(&text, &p.display().to_string()).map_err(Error::usage)? {
+            for (k, v) in parse_env_file(&text, &p.display().to_string())? {
                 put(&mut vars, k, v);
             }
         }
@@ -104,7 +104,7 @@ pub fn forwarded(name: &str) -> bool {
 
 /// KEY=VALUE lines of a `.nrun_env` file (blank lines and `#` comments skipped; `export ` is
 /// allowed before KEY).
-pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>, String> {
+pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>> {
     let mut v = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();
@@ -113,17 +113,17 @@ pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>,
         }
         let line = line.strip_prefix("export ").unwrap_or(line);
         let Some((k, val)) = line.split_once('=') else {
-            return Err(format!(
+            return Err(Error::usage(format!(
                 "{origin} line {}: expected KEY=VALUE, got {raw:?}",
                 i + 1
-            ));
+            )));
         };
         let k = k.trim();
         if !is_var_name(k) {
-            return Err(format!(
+            return Err(Error::usage(format!(
                 "{origin} line {}: {k:?} is not a variable name",
                 i + 1
-            ));
+            )));
         }
         let val = val.trim();
         let val = val
@@ -211,6 +211,7 @@ mod tests {
         assert!(
             parse_env_file("novalue\n", ".nrun_env")
                 .unwrap_err()
+                .message
                 .contains("line 1")
         );
     }

@@ -1,5 +1,8 @@
-//! From the command line to a [`Mode`]: what nrun was asked to do, with which workers, running
-//! what, with which environment, where output goes ([`Plan`]), on which nodes ([`nodes`]).
+//! From the command line to a [`Mode`]: what nrun was asked to do, as each command's own
+//! resolved settings ([`RunSettings`], [`DoctorSettings`], [`BisectSettings`], uv's habit),
+//! built from shared parts: the session's ([`SessionPlan`]: store, run id, signals), the
+//! workers' ([`WorkersPlan`]: command, environment, logs, console), the nodes' [`Shape`]; and
+//! on which nodes ([`nodes`]).
 //! Decided once, before anything starts; no I/O besides reading the hostfile and `.nrun_env`,
 //! resolving the target on the filesystem and counting GPUs, so every rule is unit-tested.
 //!
@@ -9,7 +12,7 @@
 pub mod env;
 pub mod nodes;
 
-pub use nodes::{NodeLayout, NodesPlan};
+pub use nodes::NodesPlan;
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -18,8 +21,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cli::{
-    BisectArgs, Cli, Command, DoctorArgs, JobArgs, PreflightArgs, ProbeArgs, RendezvousArgs,
-    RunArgs, SweepArgs, TargetArgs, WatchArgs, WorkerArgs,
+    BisectArgs, Cli, ColorWhen, Command, DoctorArgs, JobArgs, PreflightArgs, ProbeArgs,
+    RendezvousArgs, RunArgs, SweepArgs, TargetArgs, WatchArgs, WatchWhen, WorkerArgs,
 };
 use crate::error::{Error, Result};
 
@@ -103,8 +106,6 @@ impl StreamSpec {
 pub struct LogPlan {
     /// Root of the per-rank log files; `None`: no files.
     pub dir: Option<PathBuf>,
-    /// `dir` was made up by nrun because --redirects/--tee were given without --log-dir.
-    pub dir_is_temp: bool,
     pub redirects: StreamSpec,
     /// Local ranks whose output reaches the console; `None`: all.
     pub console_ranks: Option<BTreeSet<usize>>,
@@ -132,60 +133,132 @@ pub struct PreflightPlan {
     pub loopback: bool,
 }
 
-/// Everything a job (or bisect's probe) needs, decided before anything starts.
+/// What a session needs from any command: where the store lives, who may write nrun's keys,
+/// and what every agent is told.
 #[derive(Clone, Debug)]
-pub struct Plan {
+pub struct SessionPlan {
+    /// The run's name (TORCHELASTIC_RUN_ID; log directories; a static launch's keys).
+    pub run_id: String,
+    pub store: StorePlan,
+    /// Most bytes the store holds for its clients.
+    pub store_max_bytes: u64,
+    /// Signals passed on to the workers without stopping the job.
+    pub forward_signals: Vec<i32>,
+    /// The same command on every node, rendezvousing as torchrun's c10d.
+    pub c10d: Option<C10d>,
+    /// A static --node-rank launch's secret for nrun's keys, derived from NRUN_RDZV_SECRET and
+    /// the run id when every node has it (None: the store is open, as torchrun's).
+    pub static_secret: Option<String>,
+    /// The Python interpreter the job uses (or would use): torch's NCCL, the nodes' facts.
+    pub python: Option<PathBuf>,
+}
+
+impl SessionPlan {
+    /// A session of nrun's own (doctor, bisect) on a store it hosts on any free port, named
+    /// `run_id`, open to nothing but its agents.
+    fn own(run_id: &str, advertise: &str, python: Option<PathBuf>) -> SessionPlan {
+        SessionPlan {
+            run_id: run_id.into(),
+            store: StorePlan::Host {
+                port: 0,
+                advertise: advertise.into(),
+            },
+            store_max_bytes: crate::store::server::DEFAULT_MAX_BYTES,
+            forward_signals: Vec::new(),
+            c10d: None,
+            static_secret: None,
+            python,
+        }
+    }
+}
+
+/// What every worker of a group gets, besides its place: the job's, or a bisect probe's.
+#[derive(Clone, Debug)]
+pub struct WorkersPlan {
+    /// Workers per node.
     pub nproc: usize,
-    pub nnodes: usize,
-    pub node_rank: usize,
     pub program: OsString,
     pub args: Vec<OsString>,
-    pub run_id: String,
     pub role: String,
     pub max_restarts: u32,
-    pub shutdown_timeout: Duration,
-    pub store: StorePlan,
     pub log: LogPlan,
     /// Whether OMP_NUM_THREADS gets torchrun's default of 1 (unset and more than one worker).
     pub set_omp_threads: bool,
     /// Whether TORCH_NCCL_ASYNC_ERROR_HANDLING gets torchrun's default of 1 (unset).
     pub set_async_error_handling: bool,
-    pub preflight: Option<PreflightPlan>,
-    /// Only the preflight runs (no TARGET).
-    pub preflight_only: bool,
-    /// The Python interpreter the job uses (or would use), for finding torch's NCCL.
-    pub python: Option<PathBuf>,
-    /// TARGET is a program, not Python (--no-python).
-    pub no_python: bool,
-    /// The watch over the running job, when it runs.
-    pub watch: Option<crate::watch::WatchPlan>,
-    /// `--report FILE`: the preflight's and the watch's findings as JSON.
-    pub report: Option<PathBuf>,
-    /// Most bytes the store holds for its clients.
-    pub store_max_bytes: u64,
     /// How worker lines look on the console.
     pub console: ConsolePlan,
-    /// Signals passed on to the workers without stopping the job.
-    pub forward_signals: Vec<i32>,
     /// The rank that reads nrun's stdin, if any.
     pub stdin_rank: Option<usize>,
     /// Every worker sees LOCAL_RANK=0 and only its own GPU.
     pub virtual_local_rank: bool,
     /// Each worker bound to the CPUs of its GPU's NUMA node.
     pub numa_binding: bool,
-    /// `--rdzv-conf join_timeout=S`, which overrides --join-timeout.
-    pub rdzv_join_timeout: Option<Duration>,
-    /// TORCHELASTIC_ERROR_FILE set for nrun itself: the root cause goes there on failure.
-    pub launcher_error_file: Option<PathBuf>,
-    /// The same command on every node, rendezvousing as torchrun's c10d.
-    pub c10d: Option<C10d>,
+}
+
+/// The nodes and workers a command asks for, which [`NodesPlan::resolve`] lays out on hosts.
+#[derive(Clone, Debug)]
+pub struct Shape {
+    pub nproc: usize,
+    /// Nodes wanted (the most, for an elastic range).
+    pub nnodes: usize,
     /// Elastic `--nnodes MIN:MAX`: the job goes on with at least this many nodes.
     pub min_nodes: usize,
+    /// This node's rank in a static launch.
+    pub node_rank: usize,
     /// `--rdzv-conf last_call_timeout`: how long to wait for more nodes once MIN have joined.
     pub last_call: Duration,
-    /// A static --node-rank launch's secret for nrun's keys, derived from NRUN_RDZV_SECRET and
-    /// the run id when every node has it (None: the store is open, as torchrun's).
-    pub static_secret: Option<String>,
+    /// `--rdzv-conf join_timeout=S`, which overrides --join-timeout.
+    pub rdzv_join_timeout: Option<Duration>,
+    /// Nodes rendezvous as torchrun's c10d.
+    pub c10d: bool,
+    /// The nodes' Python can be probed for torch (a Python job, an interpreter found).
+    pub python: bool,
+}
+
+impl Shape {
+    /// `nproc` workers on each node of a host list (doctor, bisect: the list decides how many).
+    fn per_host(nproc: usize, python: bool) -> Shape {
+        Shape {
+            nproc,
+            nnodes: 1,
+            min_nodes: 1,
+            node_rank: 0,
+            last_call: LAST_CALL,
+            rdzv_join_timeout: None,
+            c10d: false,
+            python,
+        }
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.nproc * self.nnodes
+    }
+}
+
+/// The job's settings (the default command), decided before anything starts.
+#[derive(Clone, Debug)]
+pub struct RunSettings {
+    pub session: SessionPlan,
+    pub workers: WorkersPlan,
+    pub shape: Shape,
+    pub shutdown_timeout: Duration,
+    pub preflight: Option<PreflightPlan>,
+    /// Only the preflight runs (no TARGET).
+    pub preflight_only: bool,
+    /// The watch over the running job, when it runs.
+    pub watch: Option<crate::watch::WatchPlan>,
+    /// `--report FILE`: the preflight's and the watch's findings as JSON.
+    pub report: Option<PathBuf>,
+    /// TORCHELASTIC_ERROR_FILE set for nrun itself: the root cause goes there on failure.
+    pub launcher_error_file: Option<PathBuf>,
+}
+
+/// `nrun doctor`'s settings: a session to join and check the nodes (its Python is the one
+/// probed for torch).
+#[derive(Clone, Debug)]
+pub struct DoctorSettings {
+    pub session: SessionPlan,
 }
 
 /// torchrun's c10d rendezvous: every node runs the same nrun command; the one on the endpoint's
@@ -211,32 +284,39 @@ pub struct ConsolePlan {
     pub color: crate::node::output::Color,
 }
 
-/// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs).
+/// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs):
+/// each command's own resolved settings (uv's), and the nodes.
 #[derive(Debug)]
 pub enum Mode {
     /// The job (and its preflight), on one node or many.
-    Run { plan: Plan, nodes: NodesPlan },
+    Run { run: RunSettings, nodes: NodesPlan },
     /// Facts and checks only (of this host alone without a host list).
-    Doctor { plan: Plan, nodes: NodesPlan },
+    Doctor {
+        doctor: DoctorSettings,
+        nodes: NodesPlan,
+    },
     /// The staged scale-up over the nodes.
     Bisect {
-        plan: Plan,
+        bisect: BisectSettings,
         nodes: NodesPlan,
-        bisect: BisectPlan,
     },
 }
 
-/// What each bisect group runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What each bisect group runs (`--probe`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Probe {
     Nccl,
     Net,
     Cmd,
 }
 
-/// `nrun bisect`'s own settings.
+/// `nrun bisect`'s settings: its session, what each group's workers get, and the stages' rules.
 #[derive(Clone, Debug)]
-pub struct BisectPlan {
+pub struct BisectSettings {
+    pub session: SessionPlan,
+    pub workers: WorkersPlan,
+    /// The sweep of the nccl and net probes (None: --probe cmd).
+    pub sweep: Option<PreflightPlan>,
     pub probe: Probe,
     pub slow_factor: f64,
     pub timeout: Duration,
@@ -251,43 +331,42 @@ pub fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
     let Cli { command, run } = cli;
     match command {
         None => {
-            let plan = Plan::for_run(&run, env)?;
-            let nodes = NodesPlan::resolve(&run.nodes, &plan, env)?;
-            Ok(Mode::Run { plan, nodes })
+            let run_settings = RunSettings::resolve(&run, env)?;
+            let nodes = NodesPlan::resolve(&run.nodes, &run_settings.shape, env)?;
+            Ok(Mode::Run {
+                run: run_settings,
+                nodes,
+            })
         }
         Some(Command::Doctor(args)) => {
             let DoctorArgs { python, nodes } = *args;
-            let plan = Plan::bare("doctor", find_python(python.as_deref(), env));
-            let nodes = NodesPlan::resolve(&nodes, &plan, env)?;
-            Ok(Mode::Doctor { plan, nodes })
+            let python = find_python(python.as_deref(), env);
+            let shape = Shape::per_host(1, python.is_some());
+            let nodes = NodesPlan::resolve(&nodes, &shape, env)?;
+            let doctor = DoctorSettings {
+                session: SessionPlan::own("doctor", "127.0.0.1", python),
+            };
+            Ok(Mode::Doctor { doctor, nodes })
         }
         Some(Command::Completions { .. } | Command::Man) => Err(Error::internal(
             "completions and the manual page are printed before a plan is made",
         )),
         Some(Command::Bisect(args)) => {
-            let (plan, bisect) = Plan::for_bisect(&args, env)?;
-            let nodes = NodesPlan::resolve(&args.nodes, &plan, env)?;
+            let (bisect, shape) = BisectSettings::resolve(&args, env)?;
+            let nodes = NodesPlan::resolve(&args.nodes, &shape, env)?;
             if nodes.in_process {
                 return Err(Error::usage(
                     "nrun bisect needs nodes: -H, --hostfile, or a Slurm allocation of several nodes",
                 ));
             }
-            Ok(Mode::Bisect {
-                plan,
-                nodes,
-                bisect,
-            })
+            Ok(Mode::Bisect { bisect, nodes })
         }
     }
 }
 
-impl Plan {
-    pub fn world_size(&self) -> usize {
-        self.nproc * self.nnodes
-    }
-
-    /// The job's plan from the default command's flags.
-    fn for_run(run: &RunArgs, env: Env<'_>) -> Result<Plan> {
+impl RunSettings {
+    /// The job's settings from the default command's flags.
+    fn resolve(run: &RunArgs, env: Env<'_>) -> Result<RunSettings> {
         let uses_hosts = run.nodes.hosts.is_some() || run.nodes.hostfile.is_some();
         let RunArgs {
             workers: WorkerArgs { nproc_per_node },
@@ -426,49 +505,35 @@ impl Plan {
             None => None,
         };
 
-        Ok(Plan {
+        let shape = Shape {
             nproc,
             nnodes,
+            min_nodes,
             node_rank,
+            last_call,
+            rdzv_join_timeout,
+            c10d: c10d.is_some(),
+            python: !target.no_python && python.is_some(),
+        };
+        let workers = WorkersPlan {
+            nproc,
             program,
             args,
-            run_id: run_id.clone(),
             role: role.clone(),
             max_restarts: *max_restarts,
-            shutdown_timeout,
-            store,
             log: LogPlan {
                 dir,
-                dir_is_temp,
                 redirects,
                 console_ranks,
             },
             set_omp_threads: nproc > 1 && env("OMP_NUM_THREADS").is_none(),
             set_async_error_handling: env("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none(),
-            preflight: preflight_plan,
-            preflight_only: preflight.preflight_only,
-            python,
-            no_python: target.no_python,
-            watch: resolve_watch(watch, target.no_python)?,
-            report: preflight.report.clone(),
-            store_max_bytes: parse_bytes("--store-max-bytes", &rdzv.store_max_bytes)?,
             console: ConsolePlan {
                 prefix_template: log_line_prefix_template.clone(),
-                color: parse_color(color, env)?,
+                color: resolve_color(*color, env),
             },
-            forward_signals: parse_signals(signals_to_handle)?,
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
             virtual_local_rank: *virtual_local_rank,
-            rdzv_join_timeout,
-            static_secret: env("NRUN_RDZV_SECRET")
-                .filter(|v| !v.is_empty() && nnodes > 1 && !uses_hosts && c10d.is_none())
-                .map(|v| crate::store::auth::derive(v.as_bytes(), &run_id)),
-            c10d,
-            min_nodes,
-            last_call,
-            launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
-                .filter(|p| !p.is_empty())
-                .map(PathBuf::from),
             numa_binding: match numa_binding.as_deref() {
                 None => false,
                 Some("node" | "socket" | "exclusive" | "core-complex") => true,
@@ -478,51 +543,38 @@ impl Plan {
                     )));
                 }
             },
+        };
+        let session = SessionPlan {
+            run_id: run_id.clone(),
+            store,
+            store_max_bytes: parse_bytes("--store-max-bytes", &rdzv.store_max_bytes)?,
+            forward_signals: parse_signals(signals_to_handle)?,
+            static_secret: env("NRUN_RDZV_SECRET")
+                .filter(|v| !v.is_empty() && nnodes > 1 && !uses_hosts && c10d.is_none())
+                .map(|v| crate::store::auth::derive(v.as_bytes(), &run_id)),
+            c10d,
+            python,
+        };
+        Ok(RunSettings {
+            session,
+            workers,
+            shape,
+            shutdown_timeout,
+            preflight: preflight_plan,
+            preflight_only: preflight.preflight_only,
+            watch: resolve_watch(watch, target.no_python)?,
+            report: preflight.report.clone(),
+            launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
         })
     }
+}
 
-    /// A plan with no job of its own: doctor's, and the base bisect fills in.
-    fn bare(run_id: &str, python: Option<PathBuf>) -> Plan {
-        Plan {
-            nproc: 1,
-            nnodes: 1,
-            node_rank: 0,
-            program: OsString::new(),
-            args: Vec::new(),
-            run_id: run_id.into(),
-            role: "default".into(),
-            max_restarts: 0,
-            shutdown_timeout: Duration::from_secs(3),
-            store: StorePlan::Host {
-                port: 0,
-                advertise: "127.0.0.1".into(),
-            },
-            log: LogPlan::default(),
-            set_omp_threads: false,
-            set_async_error_handling: false,
-            preflight: None,
-            preflight_only: false,
-            python,
-            no_python: false,
-            watch: None,
-            report: None,
-            store_max_bytes: crate::store::server::DEFAULT_MAX_BYTES,
-            console: ConsolePlan::default(),
-            forward_signals: Vec::new(),
-            stdin_rank: None,
-            virtual_local_rank: false,
-            numa_binding: false,
-            rdzv_join_timeout: None,
-            launcher_error_file: None,
-            c10d: None,
-            min_nodes: 1,
-            last_call: LAST_CALL,
-            static_secret: None,
-        }
-    }
-
-    /// bisect's groups: the probe's preflight (nccl, net) or the user's command (cmd).
-    fn for_bisect(args: &BisectArgs, env: Env<'_>) -> Result<(Plan, BisectPlan)> {
+impl BisectSettings {
+    /// bisect's groups: the probe's preflight (nccl, net) or the user's command (cmd); and the
+    /// shape of its nodes (`--nproc` on every host).
+    fn resolve(args: &BisectArgs, env: Env<'_>) -> Result<(BisectSettings, Shape)> {
         let BisectArgs {
             workers: WorkerArgs { nproc_per_node },
             probe:
@@ -539,21 +591,12 @@ impl Plan {
             command,
         } = args;
         let nproc = resolve_nproc(nproc_per_node, env)?;
-        let probe = match probe.as_str() {
-            "nccl" => Probe::Nccl,
-            "net" => Probe::Net,
-            "cmd" if command.is_empty() => {
-                return Err(Error::usage(
-                    "--probe cmd runs your command: give it after `--`",
-                ));
-            }
-            "cmd" => Probe::Cmd,
-            other => {
-                return Err(Error::usage(format!(
-                    "--probe {other:?}: expected nccl, net or cmd"
-                )));
-            }
-        };
+        let probe = *probe;
+        if probe == Probe::Cmd && command.is_empty() {
+            return Err(Error::usage(
+                "--probe cmd runs your command: give it after `--`",
+            ));
+        }
         if probe != Probe::Cmd && !command.is_empty() {
             return Err(Error::usage(format!(
                 "a command ({}) is only run with --probe cmd",
@@ -576,30 +619,47 @@ impl Plan {
         } else {
             resolve_command(target, command, env)?
         };
-        let mut plan = Plan::bare("bisect", find_python(target.python.as_deref(), env));
-        plan.nproc = nproc;
-        plan.program = program;
-        plan.args = args;
-        plan.preflight = preflight;
-        plan.no_python = target.no_python;
-        plan.store = StorePlan::Host {
-            port: 0,
-            advertise: String::new(),
+        let python = find_python(target.python.as_deref(), env);
+        let shape = Shape::per_host(nproc, !target.no_python && python.is_some());
+        // A probe's workers: torchrun's defaults, every line on the console, no log files.
+        let workers = WorkersPlan {
+            nproc,
+            program,
+            args,
+            role: "default".into(),
+            max_restarts: 0,
+            log: LogPlan::default(),
+            set_omp_threads: false,
+            set_async_error_handling: false,
+            console: ConsolePlan::default(),
+            stdin_rank: None,
+            virtual_local_rank: false,
+            numa_binding: false,
         };
         Ok((
-            plan,
-            BisectPlan {
+            BisectSettings {
+                session: SessionPlan::own("bisect", "", python),
+                workers,
+                sweep: preflight,
                 probe,
                 slow_factor: *slow_factor,
                 timeout,
                 write_hostfile: write_hostfile.clone(),
                 report: report.clone(),
             },
+            shape,
         ))
     }
+}
 
+impl WorkersPlan {
     /// The environment a worker gets on top of nrun's own, exactly as torchrun sets it.
-    pub fn worker_env_at(&self, p: &Place, w: &WorkerSlot<'_>) -> Vec<(String, String)> {
+    pub fn worker_env_at(
+        &self,
+        run_id: &str,
+        p: &Place,
+        w: &WorkerSlot<'_>,
+    ) -> Vec<(String, String)> {
         let mut env = vec![
             ("RANK".into(), p.rank.to_string()),
             ("LOCAL_RANK".into(), w.local_rank.to_string()),
@@ -620,7 +680,7 @@ impl Plan {
                 "TORCHELASTIC_MAX_RESTARTS".into(),
                 self.max_restarts.to_string(),
             ),
-            ("TORCHELASTIC_RUN_ID".into(), self.run_id.clone()),
+            ("TORCHELASTIC_RUN_ID".into(), run_id.to_string()),
             ("TORCHELASTIC_USE_AGENT_STORE".into(), "True".into()),
             (
                 "TORCHELASTIC_ERROR_FILE".into(),
@@ -708,35 +768,21 @@ fn parse_bytes(flag: &str, s: &str) -> Result<u64> {
 
 /// The watch: on for Python jobs unless turned off.
 fn resolve_watch(args: &WatchArgs, no_python: bool) -> Result<Option<crate::watch::WatchPlan>> {
-    use crate::watch::{OnHang, WatchPlan};
+    use crate::watch::WatchPlan;
     let WatchArgs {
         watch,
         hang_timeout,
         on_hang,
     } = args;
-    let on = match watch.as_str() {
-        "auto" => !no_python,
-        "on" => true,
-        "off" => false,
-        other => {
-            return Err(Error::usage(format!(
-                "--watch {other:?}: expected auto, on or off"
-            )));
-        }
-    };
-    let on_hang = match on_hang.as_str() {
-        "report" => OnHang::Report,
-        "stop" => OnHang::Stop,
-        other => {
-            return Err(Error::usage(format!(
-                "--on-hang {other:?}: expected report or stop"
-            )));
-        }
+    let on = match watch {
+        WatchWhen::Auto => !no_python,
+        WatchWhen::On => true,
+        WatchWhen::Off => false,
     };
     let hang_timeout = positive_secs("--hang-timeout", *hang_timeout, false)?;
     Ok(on.then_some(WatchPlan {
         hang_timeout,
-        on_hang,
+        on_hang: *on_hang,
     }))
 }
 
@@ -1257,16 +1303,13 @@ fn parse_rdzv_conf(s: Option<&str>) -> Result<(Option<Duration>, Duration)> {
 }
 
 /// `--color`: auto (a terminal, and NO_COLOR unset or empty), always, never.
-fn parse_color(s: &str, env: Env<'_>) -> Result<crate::node::output::Color> {
+fn resolve_color(when: ColorWhen, env: Env<'_>) -> crate::node::output::Color {
     use crate::node::output::Color;
-    match s {
-        "auto" if env("NO_COLOR").is_some_and(|v| !v.is_empty()) => Ok(Color::Never),
-        "auto" => Ok(Color::Auto),
-        "always" => Ok(Color::Always),
-        "never" => Ok(Color::Never),
-        other => Err(Error::usage(format!(
-            "--color {other:?}: expected auto, always or never"
-        ))),
+    match when {
+        ColorWhen::Auto if env("NO_COLOR").is_some_and(|v| !v.is_empty()) => Color::Never,
+        ColorWhen::Auto => Color::Auto,
+        ColorWhen::Always => Color::Always,
+        ColorWhen::Never => Color::Never,
     }
 }
 
@@ -1431,24 +1474,25 @@ mod tests {
     use super::*;
     use clap::Parser;
 
-    fn plan(args: &[&str]) -> Result<Plan> {
+    fn plan(args: &[&str]) -> Result<RunSettings> {
         let cli = Cli::try_parse_from(std::iter::once("nrun").chain(args.iter().copied())).unwrap();
         match resolve(cli, &|k| std::env::var(k).ok())? {
-            Mode::Run { plan, .. } => Ok(plan),
+            Mode::Run { run, .. } => Ok(run),
             other => panic!("not a run: {other:?}"),
         }
     }
 
     /// A worker's environment on this node of a torchrun-style layout.
-    fn worker_env(p: &Plan, w: &WorkerSlot<'_>) -> Vec<(String, String)> {
+    fn worker_env(p: &RunSettings, w: &WorkerSlot<'_>) -> Vec<(String, String)> {
+        let shape = &p.shape;
         let place = Place {
-            rank: p.node_rank * p.nproc + w.local_rank,
-            group_rank: p.node_rank,
-            local_world_size: p.nproc,
-            world_size: p.world_size(),
-            group_world_size: p.nnodes,
+            rank: shape.node_rank * shape.nproc + w.local_rank,
+            group_rank: shape.node_rank,
+            local_world_size: shape.nproc,
+            world_size: shape.world_size(),
+            group_world_size: shape.nnodes,
         };
-        p.worker_env_at(&place, w)
+        p.workers.worker_env_at(&p.session.run_id, &place, w)
     }
 
     #[test]
@@ -1540,7 +1584,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(
-            p.store,
+            p.session.store,
             StorePlan::Remote {
                 addr: "10.0.0.1".into(),
                 port: 29500

@@ -5,12 +5,12 @@
 
 use std::time::Duration;
 
-use crate::cli::NodesArgs;
+use crate::cli::{LauncherChoice, NodesArgs};
 use crate::error::{Error, Result};
 use crate::hosts::{self, Host};
 use crate::remote::{self, Launcher};
 
-use super::Plan;
+use super::Shape;
 
 /// One node's place in the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,10 +89,10 @@ impl NodesPlan {
         }
     }
 
-    /// The nodes of a run with `plan`'s workers.
+    /// The nodes of a command of `shape`.
     pub fn resolve(
         args: &NodesArgs,
-        plan: &Plan,
+        shape: &Shape,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<NodesPlan> {
         let NodesArgs {
@@ -131,8 +131,8 @@ impl NodesPlan {
             (None, None) => None,
         };
         // Static torchrun-style launches name their nodes by rank, not by a host list.
-        let static_launch = plan.nnodes > 1 && list.is_none();
-        if list.is_none() && launcher != "ssh" && !static_launch {
+        let static_launch = shape.nnodes > 1 && list.is_none();
+        if list.is_none() && *launcher != LauncherChoice::Ssh && !static_launch {
             if let Some(nl) = env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
                 let names = hosts::expand_slurm_hostlist(&nl)?;
                 if names.len() > 1 {
@@ -141,26 +141,20 @@ impl NodesPlan {
                 }
             }
         }
-        let launcher = match launcher.as_str() {
-            "auto" if from_slurm => Launcher::Srun,
-            "auto" | "ssh" => Launcher::Ssh,
-            "srun" => Launcher::Srun,
-            other => {
-                return Err(Error::usage(format!(
-                    "--launcher {other:?}: expected auto, ssh or srun"
-                )));
-            }
+        let launcher = match launcher {
+            LauncherChoice::Auto if from_slurm => Launcher::Srun,
+            LauncherChoice::Auto | LauncherChoice::Ssh => Launcher::Ssh,
+            LauncherChoice::Srun => Launcher::Srun,
         };
         if let Some(why) = launcher.refuses_ship().filter(|_| *ship) {
             return Err(Error::usage(why));
         }
         let vars = super::env::job_env(export, env)?;
-        let join_timeout = match plan.rdzv_join_timeout {
+        let join_timeout = match shape.rdzv_join_timeout {
             Some(t) => t,
             None => super::positive_secs("--join-timeout", *join_timeout, false)?,
         };
-        let ssh_opts =
-            remote::split_opts(ssh_opts.as_deref().unwrap_or("")).map_err(Error::usage)?;
+        let ssh_opts = remote::split_opts(ssh_opts.as_deref().unwrap_or(""))?;
         let remote_nrun = match remote_nrun {
             Some(p) => p.clone(),
             None => std::env::current_exe()
@@ -183,20 +177,20 @@ impl NodesPlan {
             join_timeout,
             allow_mismatch: *allow_mismatch,
             // A --no-python job has no torch to report.
-            python_probe: !no_python_probe && !plan.no_python && plan.python.is_some(),
+            python_probe: !no_python_probe && shape.python,
             remote_nrun,
             hostfile: source_text,
             peers: 0,
             // Every node, unless elastic (set below with the nodes).
-            min_nodes: plan.nnodes,
-            last_call: plan.last_call,
+            min_nodes: shape.nnodes,
+            last_call: shape.last_call,
         };
-        let elastic = plan.min_nodes < plan.nnodes;
-        if plan.c10d.is_some() {
+        let elastic = shape.min_nodes < shape.nnodes;
+        if shape.c10d {
             // This host's node (a local agent, as in ssh mode) and the nodes that will join.
             let mut list = vec![Host::new(crate::net::hostname())];
-            list.extend((1..plan.nnodes).map(|i| Host::new(format!("node{i}"))));
-            nodes.layout = hosts::rank_layout(&list, plan.nproc)?
+            list.extend((1..shape.nnodes).map(|i| Host::new(format!("node{i}"))));
+            nodes.layout = hosts::rank_layout(&list, shape.nproc)?
                 .into_iter()
                 .enumerate()
                 .map(|(i, ranks)| NodeLayout {
@@ -205,11 +199,11 @@ impl NodesPlan {
                     devices: None,
                 })
                 .collect();
-            nodes.world = plan.world_size();
-            nodes.group_world = plan.nnodes;
+            nodes.world = shape.world_size();
+            nodes.group_world = shape.nnodes;
             nodes.in_process = false;
-            nodes.peers = plan.nnodes - 1;
-            nodes.min_nodes = plan.min_nodes;
+            nodes.peers = shape.nnodes - 1;
+            nodes.min_nodes = shape.min_nodes;
             nodes.hosts = list;
             return Ok(nodes);
         }
@@ -220,31 +214,31 @@ impl NodesPlan {
                 ));
             }
             // This node alone, or this node's share of a static launch.
-            let r0 = plan.node_rank * plan.nproc;
+            let r0 = shape.node_rank * shape.nproc;
             nodes.hosts = vec![Host::new(crate::net::hostname())];
             nodes.layout = vec![NodeLayout {
-                group_rank: plan.node_rank,
-                ranks: (0..plan.nproc).map(|l| (r0 + l, l, l)).collect(),
+                group_rank: shape.node_rank,
+                ranks: (0..shape.nproc).map(|l| (r0 + l, l, l)).collect(),
                 devices: None,
             }];
-            nodes.world = plan.world_size();
-            nodes.group_world = plan.nnodes;
+            nodes.world = shape.world_size();
+            nodes.group_world = shape.nnodes;
             return Ok(nodes);
         };
         list = hosts::apply_include_exclude(list, include.as_deref(), exclude.as_deref())?;
-        if plan.min_nodes < plan.nnodes {
+        if shape.min_nodes < shape.nnodes {
             // Elastic: at least MIN hosts to start with, at most MAX used.
-            let max = list.len().min(plan.nnodes);
-            list = hosts::take_nnodes(list, plan.min_nodes.max(max))?;
-        } else if plan.nnodes != 1 {
-            list = hosts::take_nnodes(list, plan.nnodes)?;
+            let max = list.len().min(shape.nnodes);
+            list = hosts::take_nnodes(list, shape.min_nodes.max(max))?;
+        } else if shape.nnodes != 1 {
+            list = hosts::take_nnodes(list, shape.nnodes)?;
         }
-        if plan.node_rank != 0 {
+        if shape.node_rank != 0 {
             return Err(Error::usage(
                 "--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself",
             ));
         }
-        let layout = hosts::rank_layout(&list, plan.nproc)?;
+        let layout = hosts::rank_layout(&list, shape.nproc)?;
         let pinned = nodes.env.iter().any(|(k, _)| k == "CUDA_VISIBLE_DEVICES");
         nodes.layout = Vec::with_capacity(list.len());
         for (i, (h, ranks)) in list.iter().zip(layout).enumerate() {
@@ -275,7 +269,7 @@ impl NodesPlan {
         nodes.world = nodes.layout.iter().map(|l| l.ranks.len()).sum();
         nodes.group_world = list.len();
         nodes.min_nodes = match elastic {
-            true => plan.min_nodes,
+            true => shape.min_nodes,
             false => list.len(),
         };
         nodes.hosts = list;

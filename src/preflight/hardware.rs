@@ -336,11 +336,12 @@ fn nvlink_errors(dev: &nvml_wrapper::Device<'_>) -> Option<u64> {
 }
 
 /// The links and health of the GPU at PCI bus id `bus_id` (as CUDA writes it).
-pub fn inspect(bus_id: &str) -> Result<(Links, Health), String> {
-    let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("NVML: {e}"))?;
+pub fn inspect(bus_id: &str) -> crate::error::Result<(Links, Health)> {
+    let nvml = nvml_wrapper::Nvml::init()
+        .map_err(|e| crate::error::Error::internal(format!("NVML: {e}")))?;
     let dev = nvml
         .device_by_pci_bus_id(bus_id)
-        .map_err(|e| format!("NVML: GPU {bus_id}: {e}"))?;
+        .map_err(|e| crate::error::Error::internal(format!("NVML: GPU {bus_id}: {e}")))?;
     let mut l = Links {
         pcie_gen: dev.current_pcie_link_gen().unwrap_or(0),
         pcie_width: dev.current_pcie_link_width().unwrap_or(0),
@@ -365,14 +366,15 @@ pub fn inspect(bus_id: &str) -> Result<(Links, Health), String> {
 }
 
 /// The CPUs NVML calls close to GPU `index` (its NUMA node's).
-pub fn cpu_affinity(index: u32) -> Result<Vec<usize>, String> {
-    let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("NVML: {e}"))?;
+pub fn cpu_affinity(index: u32) -> crate::error::Result<Vec<usize>> {
+    let nvml = nvml_wrapper::Nvml::init()
+        .map_err(|e| crate::error::Error::internal(format!("NVML: {e}")))?;
     let dev = nvml
         .device_by_index(index)
-        .map_err(|e| format!("NVML: GPU {index}: {e}"))?;
+        .map_err(|e| crate::error::Error::internal(format!("NVML: GPU {index}: {e}")))?;
     let words = dev
         .cpu_affinity(16)
-        .map_err(|e| format!("NVML: GPU {index}'s CPUs: {e}"))?;
+        .map_err(|e| crate::error::Error::internal(format!("NVML: GPU {index}'s CPUs: {e}")))?;
     let bits = 8 * std::mem::size_of::<std::os::raw::c_ulong>();
     let cpus: Vec<usize> = words
         .iter()
@@ -384,7 +386,9 @@ pub fn cpu_affinity(index: u32) -> Result<Vec<usize>, String> {
         })
         .collect();
     if cpus.is_empty() {
-        return Err(format!("NVML names no CPUs for GPU {index}"));
+        return Err(crate::error::Error::internal(format!(
+            "NVML names no CPUs for GPU {index}"
+        )));
     }
     Ok(cpus)
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::cuda::{self, Gpu};
 use super::nccl::{self, Nccl, UniqueId};
 use super::{Mode, RankError, RankReport, Row, Settings, hardware};
+use crate::error::{Error, Result, exit};
 use crate::store::client::Client;
 
 /// Element i of rank r's input: small integers, so float sums are exact in any order, and
@@ -116,12 +117,14 @@ impl Ctx {
     }
 }
 
-fn env_usize(k: &str) -> Result<usize, String> {
+fn env_usize(k: &str) -> Result<usize> {
     std::env::var(k)
         .ok()
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| {
-            format!("{k} is not set to a number (nrun __preflight runs only under nrun)")
+            Error::helper(format!(
+                "{k} is not set to a number (nrun __preflight runs only under nrun)"
+            ))
         })
 }
 
@@ -131,7 +134,7 @@ pub fn main() -> u8 {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("nrun preflight: error: {e}");
-            3
+            exit::HELPER
         }
     };
     // Leave without running exit handlers: NCCL's and CUDA's teardown of communicators that
@@ -161,11 +164,12 @@ fn nccl_log_to_file() {
     }
 }
 
-fn run() -> Result<(), String> {
+fn run() -> Result<()> {
     let s: Settings = serde_json::from_str(
-        &std::env::var(super::ENV).map_err(|_| format!("{} is not set", super::ENV))?,
+        &std::env::var(super::ENV)
+            .map_err(|_| Error::helper(format!("{} is not set", super::ENV)))?,
     )
-    .map_err(|e| format!("bad {}: {e}", super::ENV))?;
+    .map_err(|e| Error::helper(format!("bad {}: {e}", super::ENV)))?;
     if s.mode == Mode::Nccl {
         nccl_log_to_file();
     }
@@ -181,18 +185,22 @@ fn run() -> Result<(), String> {
         .to_socket_addrs()
         .ok()
         .and_then(|mut a| a.next())
-        .ok_or_else(|| format!("cannot resolve the store address {master}"))?;
+        .ok_or_else(|| Error::helper(format!("cannot resolve the store address {master}")))?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Error::helper(e.to_string()))?;
     let mut store = rt
         .block_on(Client::connect(addr, Duration::from_millis(s.timeout_ms)))
-        .map_err(|e| format!("rank {rank} cannot reach the store at {master}: {e}"))?;
+        .map_err(|e| {
+            Error::helper(format!(
+                "rank {rank} cannot reach the store at {master}: {e}"
+            ))
+        })?;
     // Multi-node runs reserve nrun's keys to those holding the run's secret.
     if let Ok(secret) = std::env::var("NRUN_SECRET") {
         rt.block_on(store.authenticate(secret.as_bytes()))
-            .map_err(|e| format!("rank {rank}: store: {e}"))?;
+            .map_err(|e| Error::helper(format!("rank {rank}: store: {e}")))?;
     }
     let host = crate::net::hostname();
     let mut ctx = Ctx {
@@ -237,7 +245,7 @@ fn run() -> Result<(), String> {
         }
         rep.error = Some(e);
     }
-    let json = serde_json::to_vec(&rep).map_err(|e| e.to_string())?;
+    let json = serde_json::to_vec(&rep).map_err(|e| Error::helper(e.to_string()))?;
     let key = ctx.s.result_key(rank);
     ctx.set(&key, &json);
     ctx.stage("done");
@@ -352,7 +360,7 @@ fn gpu_checker(
 type Buffers = (cuda::DeviceBuf, cuda::DeviceBuf, Option<f64>);
 
 /// NVML's read of a GPU's links and health, in a thread of its own.
-type LinksRead = std::thread::JoinHandle<Result<(hardware::Links, hardware::Health), String>>;
+type LinksRead = std::thread::JoinHandle<Result<(hardware::Links, hardware::Health), Error>>;
 
 /// What the NCCL preflight's setup opened: this rank's GPU, the library, and NVML's read of the
 /// GPU's links, under way in a thread. (The GPU first: fields drop in order, and the GPU went

@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::{Policy, Session};
 use crate::agent::protocol::{Step, StepResult};
-use crate::error::exit;
+use crate::error::{Error, Result, exit};
 use crate::net;
 
 /// What the checks found: problems refuse the launch, warnings do not.
@@ -103,8 +103,8 @@ impl Session {
 
     /// Everything else a job needs before it starts: the user's interface variable matches on
     /// every node, MTUs agree, NCCL and torch agree (unless --allow-mismatch). Prints the
-    /// facts table, the warnings and (as an error) the problems.
-    pub fn readiness(&self, mut f: Findings) -> Result<(), u8> {
+    /// facts table, the warnings and (as an error) the problems; `Err` only carries the exit code.
+    pub fn readiness(&self, mut f: Findings) -> Result<()> {
         let user_ifname = self
             .plan
             .env
@@ -161,12 +161,12 @@ impl Session {
         for p in &f.problems {
             eprintln!("  {p}");
         }
-        Err(exit::CLUSTER)
+        Err(Error::exit(exit::CLUSTER))
     }
 
     /// Every node connects to the next one (a ring) on the addresses NCCL will use, so a
     /// firewall between two nodes is named before NCCL hangs on it.
-    pub async fn probe_ring(&mut self) -> Result<(), u8> {
+    pub async fn probe_ring(&mut self) -> Result<()> {
         // The ring of the nodes that joined (an elastic job starts without the others).
         let ring: Vec<usize> = (0..self.nodes.len())
             .filter(|i| self.nodes[*i].joined.is_some())
@@ -222,7 +222,7 @@ impl Session {
         for b in &bad {
             eprintln!("  {b}");
         }
-        Err(exit::CLUSTER)
+        Err(Error::exit(exit::CLUSTER))
     }
 }
 

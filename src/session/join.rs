@@ -9,17 +9,17 @@ use std::time::{Duration, Instant};
 use super::link::{JoinHere, Joining};
 use super::{AgentLink, JoinedNode, Session};
 use crate::agent::protocol::Joined;
-use crate::error::exit;
+use crate::error::{Error, Result};
 
 impl Session {
     /// Waits until every agent joined, exited, or --join-timeout passed. Returns the nodes
-    /// that did not join, each with what ssh or the agent said. `Err`: interrupted (the exit
-    /// code). `facts`: gather an in-process node's facts too (doctor).
+    /// that did not join, each with what ssh or the agent said. `Err`: interrupted (only the
+    /// exit code). `facts`: gather an in-process node's facts too (doctor).
     pub async fn join(
         &mut self,
         facts: bool,
         python: Option<PathBuf>,
-    ) -> Result<Vec<(usize, String)>, u8> {
+    ) -> Result<Vec<(usize, String)>> {
         let how = JoinHere {
             facts,
             python,
@@ -38,7 +38,7 @@ impl Session {
         self.join_agents().await
     }
 
-    async fn join_agents(&mut self) -> Result<Vec<(usize, String)>, u8> {
+    async fn join_agents(&mut self) -> Result<Vec<(usize, String)>> {
         let started = Instant::now();
         let k = self.nodes.len();
         let timeout = self.plan.join_timeout;
@@ -93,7 +93,7 @@ impl Session {
             tokio::select! {
                 () = super::store_changed(&mut changed) => {}
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                sig = self.signals.stop() => return Err(exit::signal(sig)),
+                sig = self.signals.stop() => return Err(Error::interrupted(sig)),
             }
         }
         // Let stderr relays catch the last words of agents that exited.

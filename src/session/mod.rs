@@ -32,12 +32,12 @@ use crate::agent::protocol::{Keys, Step};
 use crate::error::{Error, Result, exit};
 use crate::facts::Facts;
 use crate::node::Signals;
-use crate::plan::{NodesPlan, Plan, StorePlan};
+use crate::plan::{NodesPlan, SessionPlan, StorePlan};
 use crate::store::{self, Store};
 use crate::watch::WatchState;
 
 pub use link::NodeLink;
-pub use step::{Policy, Results};
+pub use step::Policy;
 
 /// A node of the session.
 pub struct Node {
@@ -100,6 +100,8 @@ pub struct Session {
     pub rendezvous: Rendezvous,
     /// Distinguishes this run's keys (and temp files) from any other's.
     pub run: String,
+    /// The run's name as the user gave it (TORCHELASTIC_RUN_ID).
+    pub run_id: String,
     /// The conversation with the nodes' agents through the store.
     bus: link::Bus,
     /// Stops the store this nrun hosts.
@@ -122,7 +124,7 @@ impl Session {
     /// Serves the store on `listener` (bound earlier, so a taken port was a usage error with
     /// nothing to clean up) and starts every node's agent.
     pub async fn start(
-        plan: &Plan,
+        plan: &SessionPlan,
         nodes: &NodesPlan,
         listener: Option<std::net::TcpListener>,
     ) -> Result<Session> {
@@ -203,6 +205,7 @@ impl Session {
             },
             rendezvous,
             run,
+            run_id: plan.run_id.clone(),
             store_stop,
             signals,
             step: 0,
@@ -260,7 +263,7 @@ impl Session {
 
     /// Between attempts of an elastic job: nodes `lost` leave the group, nodes that joined
     /// since come in. Err: fewer than MIN nodes are left (the message).
-    pub fn reform(&mut self, lost: &[usize]) -> std::result::Result<(), String> {
+    pub fn reform(&mut self, lost: &[usize]) -> Result<()> {
         let before = self.active.len();
         self.active.retain(|i| !lost.contains(i));
         let late = self.admit_late();
@@ -280,13 +283,13 @@ impl Session {
                 .join(", ")
         };
         if self.active.len() < self.plan.min_nodes {
-            return Err(format!(
+            return Err(Error::cluster(format!(
                 "{} node(s) left ({}) after losing {}: under the --nnodes minimum of {}",
                 self.active.len(),
                 names(&self.active),
                 names(lost),
                 self.plan.min_nodes
-            ));
+            )));
         }
         if self.active.len() != before || !late.is_empty() {
             tracing::warn!(
@@ -360,7 +363,7 @@ pub fn serve(listener: std::net::TcpListener, store: Arc<Store>) -> Result<onesh
 
 /// Binds the store's port when this node hosts it. Done before anything else starts so a port
 /// that is taken is a usage error with nothing to clean up.
-pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
+pub fn bind_store(plan: &SessionPlan) -> Result<Option<std::net::TcpListener>> {
     let StorePlan::Host { port, .. } = plan.store else {
         return Ok(None);
     };
@@ -382,7 +385,7 @@ pub fn bind_store(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
 
 /// A c10d rendezvous' store, when this nrun is the one to host it: its endpoint names this
 /// host and the port was free. None: another nrun hosts it (join that one).
-pub fn bind_rendezvous(plan: &Plan) -> Result<Option<std::net::TcpListener>> {
+pub fn bind_rendezvous(plan: &SessionPlan) -> Result<Option<std::net::TcpListener>> {
     let Some(c) = &plan.c10d else {
         return Ok(None);
     };

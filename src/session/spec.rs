@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use super::Session;
 use crate::agent::protocol::{Step, WorkerSpec};
 use crate::node::output::Color;
-use crate::plan::{Place, Plan, WorkerSlot};
+use crate::plan::{Place, WorkerSlot, WorkersPlan};
 
 /// One node of a group that runs together, with its ranks in that group.
 #[derive(Clone, Debug)]
@@ -114,7 +114,7 @@ pub struct Launch<'a> {
 
 impl Session {
     /// A Run step for every member of `group` (None for the session's other nodes).
-    pub fn steps(&self, plan: &Plan, group: &Group, l: &Launch<'_>) -> Vec<Option<Step>> {
+    pub fn steps(&self, plan: &WorkersPlan, group: &Group, l: &Launch<'_>) -> Vec<Option<Step>> {
         let mut steps: Vec<Option<Step>> = vec![None; self.nodes.len()];
         for m in &group.members {
             steps[m.node] = Some(Step::Run {
@@ -128,7 +128,13 @@ impl Session {
     }
 
     /// One node's workers.
-    fn specs(&self, plan: &Plan, group: &Group, m: &Member, l: &Launch<'_>) -> Vec<WorkerSpec> {
+    fn specs(
+        &self,
+        plan: &WorkersPlan,
+        group: &Group,
+        m: &Member,
+        l: &Launch<'_>,
+    ) -> Vec<WorkerSpec> {
         let n = &self.nodes[m.node];
         let joined = n.joined.as_ref();
         let master_addr = joined.map_or(self.rendezvous.addr.as_str(), |j| &j.master_addr);
@@ -174,7 +180,7 @@ impl Session {
                 error_file: &error_file,
             };
             let mut env = self.plan.env.clone();
-            env.extend(plan.worker_env_at(&place, &slot));
+            env.extend(plan.worker_env_at(&self.run_id, &place, &slot));
             env.extend(node_env.iter().cloned());
             if l.logs && plan.virtual_local_rank {
                 virtual_local_rank(&mut env, local_rank);

@@ -8,6 +8,7 @@ use tokio::time::Instant;
 
 use super::Session;
 use crate::agent::protocol::{Step, StepResult};
+use crate::error::{Error, Result};
 use crate::node::{Caught, StopRequest};
 
 /// How [`Session::run_step`] waits.
@@ -42,11 +43,7 @@ struct Waiting {
 impl Session {
     /// Sends each node its step (`None`: the node sits this step out) and waits for the results
     /// as `policy` says. `Err`: interrupted, with the exit code.
-    pub async fn run_step(
-        &mut self,
-        steps: Vec<Option<Step>>,
-        policy: Policy,
-    ) -> Result<Results, u8> {
+    pub async fn run_step(&mut self, steps: Vec<Option<Step>>, policy: Policy) -> Result<Results> {
         let no = self.step;
         self.step += 1;
         let mut waiting = Vec::new();
@@ -67,7 +64,7 @@ impl Session {
     }
 
     /// Waits for the results of step `no` from the nodes in `waiting`.
-    async fn wait(&mut self, no: usize, waiting: &[usize], policy: Policy) -> Result<Results, u8> {
+    async fn wait(&mut self, no: usize, waiting: &[usize], policy: Policy) -> Result<Results> {
         let mut results: Results = vec![None; self.nodes.len()];
         let started = Instant::now();
         let mut changed = self.store().map(|s| s.subscribe());
@@ -148,7 +145,7 @@ impl Session {
                     // other kinds of steps stop waiting at once.
                     if w.signalled >= 2 || !together {
                         tracing::warn!("interrupted; stopping every node");
-                        return Err(crate::error::exit::signal(sig));
+                        return Err(Error::interrupted(sig));
                     }
                 }
             }

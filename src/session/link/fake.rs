@@ -76,6 +76,7 @@ pub fn session(
             secret: None,
         },
         run: "fake".into(),
+        run_id: "fake".into(),
         bus: Bus {
             store: Some(Store::new()),
             keys: Keys::new("fake"),
@@ -373,7 +374,8 @@ mod tests {
         let code = s
             .run_step(vec![Some(run_step()); 2], Policy::Together)
             .await
-            .unwrap_err();
+            .unwrap_err()
+            .code;
         assert_eq!(code, crate::error::exit::signal(libc::SIGINT));
         let want = [
             StopRequest::Forward(libc::SIGUSR1),
@@ -422,7 +424,8 @@ mod tests {
         let code = s
             .run_step(vec![Some(run_step())], Policy::Apart { deadline })
             .await
-            .unwrap_err();
+            .unwrap_err()
+            .code;
         assert_eq!(code, 130);
         assert_eq!(
             seen_a.lock().unwrap().requests,

@@ -34,7 +34,7 @@ use super::{JoinedNode, Node, Session};
 use crate::agent::protocol::{Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
 use crate::error::{Error, Result};
 use crate::node::StopRequest;
-use crate::plan::Plan;
+use crate::plan::SessionPlan;
 use crate::remote::Launcher;
 use crate::store::Store;
 
@@ -263,7 +263,7 @@ pub struct Instructions {
 }
 
 impl Instructions {
-    fn new(s: &Session, plan: &Plan) -> Result<Instructions> {
+    fn new(s: &Session, plan: &SessionPlan) -> Result<Instructions> {
         Ok(Instructions {
             secret: s.rendezvous.secret.clone().unwrap_or_default(),
             run: s.run.clone(),
@@ -297,7 +297,7 @@ impl Instructions {
 /// The launcher choice: a link for every node of the session. The one place that knows the
 /// kinds: a run without a host list is served in-process; otherwise the launcher starts the
 /// agents of the hosts it owns, and the hosts whose own nrun joins (c10d) wait as peers.
-pub async fn start(s: &Session, plan: &Plan) -> Result<Vec<Node>> {
+pub async fn start(s: &Session, plan: &SessionPlan) -> Result<Vec<Node>> {
     let np = &s.plan;
     if np.in_process {
         return Ok(vec![Node::new(&np.hosts[0].name, inproc::link())]);
