@@ -16,7 +16,7 @@ pub mod process;
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -798,12 +798,7 @@ async fn sweep(group: &Group, gave_terminal: bool, pumps: Vec<JoinHandle<()>>, o
 
 /// The traceback a worker decorated with torch's `@record` wrote to TORCHELASTIC_ERROR_FILE:
 /// `{"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}`, or a plain string
-/// message from C++ code.
-pub fn read_error_file(path: &Path) -> Option<String> {
-    error_file_traceback(&std::fs::read_to_string(path).ok()?)
-}
-
-/// The traceback in an error file's text (see [`read_error_file`]).
+/// message from C++ code. The file is read once, by its node's agent (`agent::exec`).
 pub fn error_file_traceback(text: &str) -> Option<String> {
     let v: serde_json::Value = serde_json::from_str(text).ok()?;
     let m = v.get("message")?;
@@ -955,22 +950,18 @@ mod tests {
 
     #[test]
     fn error_file_formats() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("error.json");
-        std::fs::write(
-            &p,
+        let tb = error_file_traceback(
             r#"{"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "Traceback (most recent call last):\n  x\nValueError: boom\n", "timestamp": "1"}}}"#,
         )
         .unwrap();
-        let tb = read_error_file(&p).unwrap();
         assert!(
             tb.starts_with("Traceback") && tb.ends_with("ValueError: boom"),
             "{tb}"
         );
-        std::fs::write(&p, r#"{"message": "c++ error"}"#).unwrap();
-        assert_eq!(read_error_file(&p).unwrap(), "c++ error");
-        std::fs::write(&p, "not json").unwrap();
-        assert!(read_error_file(&p).is_none());
-        assert!(read_error_file(&dir.path().join("missing")).is_none());
+        assert_eq!(
+            error_file_traceback(r#"{"message": "c++ error"}"#).unwrap(),
+            "c++ error"
+        );
+        assert!(error_file_traceback("not json").is_none());
     }
 }

@@ -49,7 +49,6 @@ pub fn driver_version() -> Result<(i32, i32), CudaError> {
 
 /// One GPU with a current context and a stream of its own.
 pub struct Gpu {
-    pub ordinal: i32,
     pub name: String,
     pub pci_bus_id: String,
     pub stream: sys::CUstream,
@@ -88,7 +87,6 @@ impl Gpu {
             // CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream.
             check(sys::cuStreamCreate(&mut stream, 1), "cuStreamCreate")?;
             Ok(Gpu {
-                ordinal,
                 name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(),
                 pci_bus_id: CStr::from_ptr(bus.as_ptr()).to_string_lossy().into_owned(),
                 stream,

@@ -140,7 +140,7 @@ impl State {
         }
     }
 
-    fn counter(&self, key: &[u8]) -> Result<i64, String> {
+    fn counter(&self, key: &[u8]) -> Result<i64, Refusal> {
         match self.kv.get(key) {
             None => Ok(0),
             Some(v) => std::str::from_utf8(v)
@@ -151,11 +151,12 @@ impl State {
                         "ADD on key {} whose value is not a decimal counter",
                         String::from_utf8_lossy(key)
                     )
+                    .into()
                 }),
         }
     }
 
-    fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, String> {
+    fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, Refusal> {
         let v = self.counter(key)?.wrapping_add(delta);
         self.put(key.to_vec(), v.to_string().into_bytes());
         self.written(key, false);
@@ -228,6 +229,29 @@ fn touches_control(req: &Request) -> bool {
         | Request::CancelWait
         | Request::Ping { .. }
         | Request::ListKeys => false,
+    }
+}
+
+/// Why the store closes a client's connection: logged (rate-limited), and the client sees its
+/// connection close, as PyTorch's own server does with a request it cannot serve.
+#[derive(Debug)]
+pub(super) struct Refusal(String);
+
+impl From<String> for Refusal {
+    fn from(s: String) -> Refusal {
+        Refusal(s)
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(s: &str) -> Refusal {
+        Refusal(s.to_string())
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
     }
 }
 
@@ -321,7 +345,7 @@ impl Store {
 
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
     /// connection with that message.
-    fn apply(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), String> {
+    fn apply(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), Refusal> {
         let control = matches!(&req, Request::Set { key, .. } if is_control(key));
         let r = self.apply_request(c, req, out);
         // After the write, so whoever wakes finds it.
@@ -334,7 +358,7 @@ impl Store {
     /// Who may ask and whether it fits are settled here, in this order: VALIDATE first, then
     /// nrun's secret for its own keys, then the byte cap; each verb is then served by its own
     /// function in [`cmd`].
-    fn apply_request(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), String> {
+    fn apply_request(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), Refusal> {
         if !c.validated {
             return validate_first(c, req);
         }
@@ -380,7 +404,7 @@ impl Store {
     }
 
     /// Refuses a write that would take the store past --store-max-bytes (0: no cap).
-    fn check_room(&self, s: &State, req: &Request) -> Result<(), String> {
+    fn check_room(&self, s: &State, req: &Request) -> Result<(), Refusal> {
         let incoming = match req {
             Request::Set { key, value } | Request::Append { key, value } => key.len() + value.len(),
             Request::CompareSet { key, desired, .. } => key.len() + desired.len(),
@@ -394,14 +418,15 @@ impl Store {
                 "the store is full: {} bytes held, {incoming} more asked, limit {max} \
                  (--store-max-bytes)",
                 s.bytes
-            ));
+            )
+            .into());
         }
         Ok(())
     }
 }
 
 /// A connection's first request must be VALIDATE with torch's magic.
-fn validate_first(c: &mut Conn, req: Request) -> Result<(), String> {
+fn validate_first(c: &mut Conn, req: Request) -> Result<(), Refusal> {
     match req {
         Request::Validate {
             magic: VALIDATE_MAGIC,
@@ -409,7 +434,7 @@ fn validate_first(c: &mut Conn, req: Request) -> Result<(), String> {
             c.validated = true;
             Ok(())
         }
-        _ => Err(PRE_2_2.to_string()),
+        _ => Err(PRE_2_2.into()),
     }
 }
 

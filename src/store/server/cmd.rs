@@ -7,15 +7,15 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Conn, MAX_REPLY, Parked, State, is_control};
+use super::{Conn, MAX_REPLY, Parked, Refusal, State, is_control};
 use crate::store::protocol::{
     CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED, put_bytes, put_i64,
 };
 
 /// VALIDATE again, once validated: only the magic is checked.
-pub(super) fn validate(magic: u32) -> Result<(), String> {
+pub(super) fn validate(magic: u32) -> Result<(), Refusal> {
     if magic != VALIDATE_MAGIC {
-        return Err(format!("VALIDATE with wrong magic {magic:#x}"));
+        return Err(format!("VALIDATE with wrong magic {magic:#x}").into());
     }
     Ok(())
 }
@@ -55,7 +55,7 @@ pub(super) fn get(s: &State, key: &[u8], out: &mut Vec<u8>) {
     put_bytes(out, s.kv.get(key).map_or(&[][..], |v| v));
 }
 
-pub(super) fn add(s: &mut State, key: &[u8], delta: i64, out: &mut Vec<u8>) -> Result<(), String> {
+pub(super) fn add(s: &mut State, key: &[u8], delta: i64, out: &mut Vec<u8>) -> Result<(), Refusal> {
     put_i64(out, s.add(key, delta)?);
     Ok(())
 }
@@ -123,7 +123,7 @@ pub(super) fn append(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
 }
 
 /// Refuses a reply over [`MAX_REPLY`] before building it.
-pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) -> Result<(), String> {
+pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) -> Result<(), Refusal> {
     // Sized before it is built: one request naming a large value many times must cost that
     // connection, not the store's memory.
     let size: usize = keys
@@ -133,7 +133,8 @@ pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) -> Resul
     if size > MAX_REPLY {
         return Err(format!(
             "MULTI_GET reply of {size} bytes is over the store's limit of {MAX_REPLY}"
-        ));
+        )
+        .into());
     }
     out.try_reserve(size)
         .map_err(|_| format!("cannot allocate a MULTI_GET reply of {size} bytes"))?;
@@ -202,7 +203,7 @@ pub(super) fn barrier(
     key: Vec<u8>,
     world_size: i64,
     out: &mut Vec<u8>,
-) -> Result<(), String> {
+) -> Result<(), Refusal> {
     let arrived = s.add(&key, 1)?;
     if arrived >= world_size {
         for (conn, generation) in s.barriers.remove(&key).unwrap_or_default() {
