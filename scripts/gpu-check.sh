@@ -45,25 +45,30 @@ check min-busbw-too-high 94 "$NRUN" --preflight-only --nproc "$NP" --python "$PY
 check preflight-net 0 "$NRUN" --preflight-only --preflight net --nproc "$NP"
 # The same preflight with the node's agent as a process (a host list naming this host), and
 # --include HOST:SLOT pinning that GPU (CUDA_VISIBLE_DEVICES) for the preflight and the job.
+check local-agent-preflight 0 "$NRUN" -H localhost --preflight-only --nproc "$NP" --python "$PY"
 if [ "$NGPU" -ge 2 ]; then
-  check local-agent-preflight 0 "$NRUN" -H localhost --preflight-only --nproc "$NP" --python "$PY"
   check include-slot-preflight 0 "$NRUN" -H "localhost:$NGPU" --include localhost:1 --preflight-only --python "$PY" --report "$OUTDIR/include-slot.json"
   check include-slot-job 0 "$NRUN" -H "localhost:$NGPU" --include localhost:1 --no-preflight --no-python sh -c 'test "$CUDA_VISIBLE_DEVICES" = 1 && echo "rank $RANK sees GPU $CUDA_VISIBLE_DEVICES"'
 fi
 # The preflight against the hardware: the line rate shown, each degradation slow (94) with its
 # cause named, a forced algorithm that is not slower still ok.
 check hw-healthy 0 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --report "$OUTDIR/hw-healthy.json"
-check hw-healthy-line-rate 0 grep -q "line rate: NVLink" "$OUTDIR/hw-healthy.log"
-for c in "NCCL_P2P_DISABLE=1" "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1" "NCCL_MAX_NCHANNELS=1" \
-         "NCCL_MIN_NCHANNELS=1 NCCL_MAX_NCHANNELS=2" "NCCL_P2P_LEVEL=LOC" "NCCL_BUFFSIZE=65536"; do
-  name=hw-$(echo "$c" | tr ' =' '_-' | tr 'A-Z' 'a-z')
-  check "$name" 94 env $c "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --preflight-sizes 8:1G:2
-  check "$name-cause" 0 grep -q "hint: set here and changing NCCL's path:.*${c%% *}" "$OUTDIR/$name.log"
-done
+# The line rate and the degradations need a link between GPUs (NVLink): two GPUs or more.
+if [ "$NGPU" -ge 2 ]; then
+  check hw-healthy-line-rate 0 grep -q "line rate: NVLink" "$OUTDIR/hw-healthy.log"
+  for c in "NCCL_P2P_DISABLE=1" "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1" "NCCL_MAX_NCHANNELS=1" \
+           "NCCL_MIN_NCHANNELS=1 NCCL_MAX_NCHANNELS=2" "NCCL_P2P_LEVEL=LOC" "NCCL_BUFFSIZE=65536"; do
+    name=hw-$(echo "$c" | tr ' =' '_-' | tr 'A-Z' 'a-z')
+    check "$name" 94 env $c "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --preflight-sizes 8:1G:2
+    check "$name-cause" 0 grep -q "hint: set here and changing NCCL's path:.*${c%% *}" "$OUTDIR/$name.log"
+  done
+fi
 check hw-tree-simple 0 env NCCL_PROTO=Simple NCCL_ALGO=Tree "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --preflight-sizes 8:1G:2
 # The watch on NCCL: rank 1 stops before an all_reduce; rank 0 waits at its next sync.
-check nccl-hang 97 env NRUN_HANG_CASE=sleep NRUN_HANG_BACKEND=nccl "$NRUN" --nproc "$NP" --python "$PY" --no-preflight --hang-timeout 10 --on-hang stop tests/python/hang.py
-check nccl-hang-named 0 grep -q "rank 1 on .* has not entered it: it is in stuck_forever" "$OUTDIR/nccl-hang.log"
+if [ "$NGPU" -ge 2 ]; then
+  check nccl-hang 97 env NRUN_HANG_CASE=sleep NRUN_HANG_BACKEND=nccl "$NRUN" --nproc "$NP" --python "$PY" --no-preflight --hang-timeout 10 --on-hang stop tests/python/hang.py
+  check nccl-hang-named 0 grep -q "rank 1 on .* has not entered it: it is in stuck_forever" "$OUTDIR/nccl-hang.log"
+fi
 check train-with-preflight 0 "$NRUN" --nproc "$NP" --python "$PY" examples/train.py --steps 20
 check hw-health-line 0 grep -q "GPU health: .* GPU(s) ok" "$OUTDIR/hw-healthy.log"
 # torchrun's flags on GPUs: each worker bound to its GPU's CPUs; one GPU each as local rank 0.

@@ -327,7 +327,15 @@ impl Session {
             .nodes
             .iter_mut()
             .enumerate()
-            .map(|(i, n)| n.link.end(bus, i, no, n.joined.is_some()))
+            .map(|(i, n)| {
+                let joined = n.joined.is_some();
+                n.link.end(link::Ending {
+                    bus,
+                    node: i,
+                    no,
+                    joined,
+                })
+            })
             .collect();
         link::join_all(ends).await;
         if let Some(stop) = self.store_stop.take() {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin};
 
-use super::{BoxFuture, Bus, Instructions, Joining, NodeLink};
+use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink};
 use crate::agent::protocol::Hello;
 use crate::error::{Error, Result};
 use crate::hosts::Host;
@@ -229,13 +229,7 @@ impl NodeLink for ChildLink {
         }
     }
 
-    fn end<'a>(
-        &'a mut self,
-        _bus: &'a Bus,
-        _node: usize,
-        _no: usize,
-        _joined: bool,
-    ) -> BoxFuture<'a, ()> {
+    fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {
         Box::pin(self.process.finish())
     }
 }

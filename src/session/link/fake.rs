@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{BoxFuture, Bus, Joining, NodeLink};
+use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
 use crate::agent::protocol::{Keys, RunResult, Step, StepResult};
 use crate::node::{Signals, StopRequest};
 use crate::session::{Node, Rendezvous, Session};
@@ -171,13 +171,7 @@ impl NodeLink for FakeLink {
         let _ = self.requests.send(req);
     }
 
-    fn end<'a>(
-        &'a mut self,
-        _bus: &'a Bus,
-        _node: usize,
-        _no: usize,
-        _joined: bool,
-    ) -> BoxFuture<'a, ()> {
+    fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {
         self.seen.lock().unwrap().ended = true;
         Box::pin(async {})
     }

@@ -142,14 +142,4 @@ impl NodeLink for InProcess {
             let _ = tx.send(req);
         }
     }
-
-    fn end<'a>(
-        &'a mut self,
-        _bus: &'a Bus,
-        _node: usize,
-        _no: usize,
-        _joined: bool,
-    ) -> BoxFuture<'a, ()> {
-        Box::pin(async {})
-    }
 }

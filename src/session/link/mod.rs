@@ -153,15 +153,34 @@ pub trait NodeLink: Send {
     fn request(&mut self, _req: StopRequest) {}
 
     /// Ends the link, once the session delivered End: waits for its agent to leave, then ends
-    /// what is left of it (`joined`: its agent joined, so it acknowledges End). Every link's
-    /// end runs at once.
-    fn end<'a>(
-        &'a mut self,
-        bus: &'a Bus,
-        node: usize,
-        no: usize,
-        joined: bool,
-    ) -> BoxFuture<'a, ()>;
+    /// what is left of it. Every link's end runs at once. Nothing to end by default.
+    fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
+}
+
+/// What a link's end needs to know.
+pub struct Ending<'a> {
+    pub bus: &'a Bus,
+    pub node: usize,
+    /// The End step's number.
+    pub no: usize,
+    /// Its agent joined (and so acknowledges the End).
+    pub joined: bool,
+}
+
+impl Ending<'_> {
+    /// Waits (up to 5 s) until a node that joined acknowledged the End, so that its nrun reads
+    /// the job's exit code before the store goes away.
+    pub async fn acknowledged(self) {
+        let until = tokio::time::Instant::now() + Duration::from_secs(5);
+        while self.joined
+            && tokio::time::Instant::now() < until
+            && !self.bus.answered(self.node, self.no)
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// The coordinator's side of the conversation through the store: the one place that seals

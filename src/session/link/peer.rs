@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{BoxFuture, Bus, Joining, NodeLink};
+use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
 
 /// A node is lost when its heartbeat (every second) stops this long.
 pub const SILENCE: Duration = Duration::from_secs(10);
@@ -34,14 +34,6 @@ impl Heartbeat {
         Some(format!(
             "lost {label}: its nrun {why}; check that it still runs there and reaches this host"
         ))
-    }
-}
-
-/// Waits (up to 5 s) until node `node` acknowledged the End step `no`.
-pub async fn acknowledged(bus: &Bus, node: usize, no: usize) {
-    let until = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < until && !bus.answered(node, no) {
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -77,17 +69,7 @@ impl NodeLink for PeerLink {
         self.beat.lost(bus, node, label, stopped)
     }
 
-    fn end<'a>(
-        &'a mut self,
-        bus: &'a Bus,
-        node: usize,
-        no: usize,
-        joined: bool,
-    ) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            if joined {
-                acknowledged(bus, node, no).await;
-            }
-        })
+    fn end<'a>(&'a mut self, e: Ending<'a>) -> BoxFuture<'a, ()> {
+        Box::pin(e.acknowledged())
     }
 }

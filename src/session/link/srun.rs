@@ -11,7 +11,7 @@ use tokio::sync::Mutex;
 
 use super::child::AgentProcess;
 use super::peer::Heartbeat;
-use super::{BoxFuture, Bus, Instructions, Joining, NodeLink};
+use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink};
 use crate::error::Result;
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
@@ -85,17 +85,9 @@ impl NodeLink for StepLink {
         self.beat.lost(bus, node, label, stopped)
     }
 
-    fn end<'a>(
-        &'a mut self,
-        bus: &'a Bus,
-        node: usize,
-        no: usize,
-        joined: bool,
-    ) -> BoxFuture<'a, ()> {
+    fn end<'a>(&'a mut self, e: Ending<'a>) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if joined {
-                super::peer::acknowledged(bus, node, no).await;
-            }
+            e.acknowledged().await;
             // The first link here ends the step; the others find it ended.
             self.step.lock().await.finish().await;
         })

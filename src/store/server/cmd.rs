@@ -82,24 +82,27 @@ pub(super) fn wait(
         return;
     }
     let generation = next_wait.fetch_add(1, Ordering::Relaxed);
-    let remaining = keys.len();
     for k in &keys {
         s.watchers
             .entry(k.clone())
             .or_default()
             .push((c.id, generation));
     }
+    park(s, c, generation, keys, false);
+}
+
+/// Parks connection `c` until `keys` are all set (a WAIT) or the barrier fills: one wait per
+/// connection, so an earlier one it left is forgotten.
+fn park(s: &mut State, c: &Conn, generation: u64, keys: Vec<Vec<u8>>, barrier: bool) {
     s.forget_wait(c.id);
-    s.parked.insert(
-        c.id,
-        Parked {
-            generation,
-            remaining,
-            wake: c.wake.clone(),
-            keys,
-            barrier: false,
-        },
-    );
+    let parked = Parked {
+        generation,
+        remaining: if barrier { 1 } else { keys.len() },
+        wake: c.wake.clone(),
+        keys,
+        barrier,
+    };
+    s.parked.insert(c.id, parked);
 }
 
 /// Counted as LIST_KEYS lists them: with `hide`, nrun's own keys are left out.
@@ -224,16 +227,6 @@ pub(super) fn barrier(
         .entry(key.clone())
         .or_default()
         .push((c.id, generation));
-    s.forget_wait(c.id);
-    s.parked.insert(
-        c.id,
-        Parked {
-            generation,
-            remaining: 1,
-            wake: c.wake.clone(),
-            keys: vec![key],
-            barrier: true,
-        },
-    );
+    park(s, c, generation, vec![key], true);
     Ok(())
 }
