@@ -486,6 +486,8 @@ struct Group {
     ending: Ending,
     /// The worker holding the terminal's foreground: the terminal's Ctrl-C reaches it alone.
     foreground: Option<usize>,
+    /// The signal last passed on, and when.
+    passed_on: Option<(i32, Instant)>,
 }
 
 impl Group {
@@ -496,7 +498,23 @@ impl Group {
             phase: Phase::Running,
             ending: Ending::default(),
             foreground: None,
+            passed_on: None,
         }
+    }
+
+    /// Whether to pass `sig` on now. One signal can reach a node's agent by several paths (the
+    /// launcher's forward through the store, and the agent's own catch when Slurm signals every
+    /// process of its step): the same signal within [`ONE_SIGNAL`] is passed on once, or a
+    /// worker that handled it and is exiting would be killed by the copy.
+    fn pass_on(&mut self, sig: i32) -> bool {
+        let now = Instant::now();
+        let again = self
+            .passed_on
+            .is_some_and(|(s, at)| s == sig && now.duration_since(at) < ONE_SIGNAL);
+        if !again {
+            self.passed_on = Some((sig, now));
+        }
+        !again
     }
 
     fn running(&self) -> usize {
@@ -553,7 +571,7 @@ impl Group {
         match req {
             StopRequest::None => {}
             StopRequest::Forward(sig) => {
-                if let Ok(s) = Signal::try_from(sig) {
+                if let (Ok(s), true) = (Signal::try_from(sig), self.pass_on(sig)) {
                     self.signal(s);
                 }
             }
@@ -682,6 +700,9 @@ impl Group {
 
 /// How soon SIGKILL follows SIGTERM at most once the coordinator is gone.
 const ABANDON_GRACE: Duration = Duration::from_secs(2);
+
+/// Copies of one signal to pass on arrive within this of each other.
+const ONE_SIGNAL: Duration = Duration::from_secs(1);
 
 /// The next request on `stop`, or never once it is gone (`None`).
 async fn next_request(stop: &mut Option<tokio::sync::watch::Receiver<StopRequest>>) -> StopRequest {
@@ -880,6 +901,23 @@ mod tests {
         g.requested(StopRequest::Signal(libc::SIGINT));
         assert_eq!(g.phase, Phase::Killed);
         assert!(matches!(g.outcome(), Outcome::Interrupted(libc::SIGINT)));
+    }
+
+    #[test]
+    fn one_signal_arriving_by_two_paths_is_passed_on_once() {
+        let mut g = on_paper(1, GRACE);
+        assert!(g.pass_on(libc::SIGUSR1));
+        assert!(!g.pass_on(libc::SIGUSR1), "the copy within a second");
+        assert!(g.pass_on(libc::SIGUSR2), "another signal passes");
+        assert!(
+            g.pass_on(libc::SIGUSR1),
+            "after another signal, it passes again"
+        );
+        g.passed_on = Some((libc::SIGUSR1, Instant::now() - ONE_SIGNAL));
+        assert!(
+            g.pass_on(libc::SIGUSR1),
+            "a second later it is a new signal"
+        );
     }
 
     #[test]

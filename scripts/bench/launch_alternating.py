@@ -1,0 +1,12 @@
+import subprocess, time, statistics, sys, os
+cmds = {"nrun": ["target/release/nrun","--nproc","8","--no-python","true"],
+        "nrun-base": ["./nrun-base","--nproc","8","--no-python","true"],
+        "mpirun": ["mpirun","--allow-run-as-root","--oversubscribe","-np","8","true"]}
+t = {k: [] for k in cmds}
+for i in range(int(sys.argv[1])):
+    for k, c in cmds.items():
+        s = time.perf_counter(); r = subprocess.run(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); e = time.perf_counter() - s
+        if r.returncode == 0: t[k].append(e * 1000)
+for k, v in t.items():
+    print(f"{k}: n={len(v)} median={statistics.median(v):.2f} ms min={min(v):.2f} ms" if v else f"{k}: failed")
+print(f"ratio nrun/mpirun = {statistics.median(t['nrun'])/statistics.median(t['mpirun']):.3f}")
