@@ -146,6 +146,9 @@ env_file=$(bash scripts/slurm-cluster.sh up 3 nslb | tail -1)
 # shellcheck disable=SC1090
 . "$env_file"
 salloc -N3 --ntasks-per-node=2 -Q python3 scripts/bench/measure.py slurm3/nrun "$RUNS" -- $NRUN --nproc 2 --no-python-probe --no-python true | tee -a "$out"
+if [ -n "${NRUN_BASE:-}" ]; then
+  salloc -N3 --ntasks-per-node=2 -Q python3 scripts/bench/measure.py slurm3/nrun-base "$RUNS" -- "$NRUN_BASE" --nproc 2 --no-python-probe --no-python true | tee -a "$out"
+fi
 salloc -N3 --ntasks-per-node=2 -Q python3 scripts/bench/measure.py slurm3/srun "$RUNS" -- srun --ntasks-per-node=2 true | tee -a "$out"
 salloc -N3 --ntasks-per-node=2 -Q python3 scripts/bench/measure.py slurm3/srun-nrun "$RUNS" -- srun -n3 --ntasks-per-node=1 $NRUN --nproc 2 --no-python-probe --no-python true | tee -a "$out"
 bash scripts/slurm-cluster.sh down nslb >/dev/null

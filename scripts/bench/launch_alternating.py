@@ -1,6 +1,14 @@
-import subprocess, time, statistics, sys, os
-cmds = {"nrun": ["target/release/nrun","--nproc","8","--no-python","true"],
-        "nrun-base": ["./nrun-base","--nproc","8","--no-python","true"],
+"""8 copies of `true` through nrun, an earlier nrun (NRUN_BASE) and mpirun, alternating, so
+that a shared machine's noise falls on all three alike. Usage: launch_alternating.py RUNS"""
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+base = os.environ.get("NRUN_BASE", "./nrun-base")
+cmds = {"nrun": ["target/release/nrun", "--nproc", "8", "--no-python", "true"],
+        "nrun-base": [base, "--nproc", "8", "--no-python", "true"],
         "mpirun": ["mpirun","--allow-run-as-root","--oversubscribe","-np","8","true"]}
 t = {k: [] for k in cmds}
 for i in range(int(sys.argv[1])):
