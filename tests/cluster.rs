@@ -1299,3 +1299,82 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// A host cut off (every packet dropped, nothing refused): no connection closes for many seconds,
+/// but its agent notices the store's silence and stops its workers by itself within
+/// --agent-timeout; the launcher names the node lost and says so.
+#[test]
+fn a_partitioned_node_stops_its_workers_by_itself() {
+    if Command::new("iptables").arg("--version").output().is_err() {
+        eprintln!("SKIPPED a_partitioned_node_stops_its_workers_by_itself: no iptables");
+        return;
+    }
+    let Some(c) = Cluster::up("ct9", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let hosts = c.hosts(2);
+    let opts = c.ssh_opts();
+    let child = s.spawn(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "--agent-timeout",
+            "2",
+            "-x",
+            "NRUN_TEST_TAG",
+            "-x",
+            "MARK",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo ready >> $MARK; exec sleep 60",
+        ],
+        &[],
+    );
+    s.wait_marks("ready", 2, Duration::from_secs(30));
+    c.exec(2, "iptables -A INPUT -j DROP && iptables -A OUTPUT -j DROP");
+    let cut = std::time::Instant::now();
+    // nrun's agent and the worker on the cut-off host, by their command lines.
+    let running_there = || {
+        let out = Command::new("ip")
+            .args(["netns", "pids", &c.host(2)])
+            .output()
+            .unwrap();
+        text(&out.stdout)
+            .split_whitespace()
+            .filter(|pid| {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                cmd.contains("__agent") || cmd.starts_with("sleep 60")
+            })
+            .count()
+    };
+    while running_there() > 0 && cut.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let stopped_after = cut.elapsed();
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    c.exec(2, "iptables -F INPUT && iptables -F OUTPUT");
+    let err = text(&out.stderr);
+    assert_eq!(
+        running_there(),
+        0,
+        "the cut-off node's agent or worker still runs: {err}"
+    );
+    // 2 s of silence, a request every second: a margin for a loaded machine, far under the
+    // 15 s ssh's keepalive takes.
+    assert!(
+        stopped_after < Duration::from_secs(8),
+        "stopped {stopped_after:?} after the cut: {err}"
+    );
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("lost the connection to ct9-h2"), "{err}");
+    assert!(err.contains("--agent-timeout"), "{err}");
+    s.assert_no_survivors();
+}

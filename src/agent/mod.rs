@@ -15,6 +15,7 @@
 //!    started outlives it.
 
 pub mod exec;
+mod liveness;
 pub mod peer;
 pub mod protocol;
 pub mod stacks;
@@ -189,13 +190,25 @@ pub async fn serve(
         .set(&keys.joined(hello.node), &record)
         .await
         .map_err(lost)?;
-    if hello.heartbeat {
-        tokio::spawn(peer::heartbeat(
-            reached,
-            hello.secret.clone(),
-            keys.alive(hello.node),
-        ));
-    }
+    // The launch host gone (stdin closed) or out of reach (the store silent): one signal.
+    let (gone_tx, gone_rx) = {
+        let (tx, rx) = watch::channel(false);
+        let (from_stdin, mut outer) = (tx.clone(), gone_rx);
+        tokio::spawn(async move {
+            if outer.wait_for(|g| *g).await.is_ok() {
+                let _ = from_stdin.send(true);
+            }
+        });
+        (tx, rx)
+    };
+    tokio::spawn(liveness::watch(
+        reached,
+        hello.secret.clone(),
+        hello.heartbeat.then(|| keys.alive(hello.node)),
+        Duration::from_millis(hello.agent_timeout_ms),
+        gone_tx,
+        me.clone(),
+    ));
 
     let node = Node {
         keys,

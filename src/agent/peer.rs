@@ -91,6 +91,7 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
         forward_signals: job.session.forward_signals.clone(),
         nodes: Vec::new(),
         heartbeat: true,
+        agent_timeout_ms: nodes.agent_timeout.as_millis() as u64,
     };
     // The agent opens its own connections; this one has done its part.
     drop(store);
@@ -101,22 +102,6 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
     match super::serve(hello, signals, gone).await {
         Ok(code) => Ok(code.unwrap_or(0)),
         Err(e) => Err(Error::cluster(e.message)),
-    }
-}
-
-/// Bumps this node's heartbeat key every second while the process lives.
-pub(super) async fn heartbeat(addr: SocketAddr, secret: String, key: Vec<u8>) {
-    let Ok(mut c) = Client::connect(addr, Duration::from_secs(5)).await else {
-        return;
-    };
-    if super::prove(&mut c, &secret).await.is_err() {
-        return;
-    }
-    loop {
-        if c.add(&key, 1).await.is_err() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

@@ -37,6 +37,16 @@ pub struct Hello {
     /// Bump a heartbeat key every second (agents the coordinator cannot watch as processes).
     #[serde(default)]
     pub heartbeat: bool,
+    /// The launch host's store unanswered this long: the agent stops its workers by itself.
+    #[serde(default = "default_agent_timeout_ms")]
+    pub agent_timeout_ms: u64,
+}
+
+/// `--agent-timeout`'s default, 5 s.
+pub const AGENT_TIMEOUT_MS: u64 = 5000;
+
+fn default_agent_timeout_ms() -> u64 {
+    AGENT_TIMEOUT_MS
 }
 
 impl Hello {

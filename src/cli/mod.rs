@@ -683,6 +683,17 @@ pub struct NodesArgs {
     /// Do not run the target Python on each node to read torch's versions.
     #[arg(long = "no-python-probe", env = "NRUN_NO_PYTHON_PROBE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub no_python_probe: bool,
+
+    /// An agent whose launch host (its store) does not answer for SECS stops its node's workers
+    /// by itself (a partition closes no connection for a long while).
+    #[arg(
+        long = "agent-timeout",
+        env = "NRUN_AGENT_TIMEOUT",
+        default_value_t = 5.0,
+        value_name = "SECS",
+        allow_negative_numbers = true
+    )]
+    pub agent_timeout: f64,
 }
 
 /// What bisect runs in each group and how it judges.

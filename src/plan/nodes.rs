@@ -52,6 +52,8 @@ pub struct NodesPlan {
     pub min_nodes: usize,
     /// Elastic: how long to wait for more nodes once `min_nodes` joined.
     pub last_call: Duration,
+    /// An agent stops its workers when the launch host's store is silent this long.
+    pub agent_timeout: Duration,
 }
 
 impl NodesPlan {
@@ -86,6 +88,7 @@ impl NodesPlan {
             peers: 0,
             min_nodes: n,
             last_call: Duration::from_secs(30),
+            agent_timeout: Duration::from_secs(5),
         }
     }
 
@@ -110,6 +113,7 @@ impl NodesPlan {
             join_timeout,
             allow_mismatch,
             no_python_probe,
+            agent_timeout,
         } = args;
         let mut from_slurm = false;
         let mut source_text = None;
@@ -184,6 +188,7 @@ impl NodesPlan {
             // Every node, unless elastic (set below with the nodes).
             min_nodes: shape.nnodes,
             last_call: shape.last_call,
+            agent_timeout: super::positive_secs("--agent-timeout", *agent_timeout, false)?,
         };
         let elastic = shape.min_nodes < shape.nnodes;
         if shape.c10d {

@@ -110,13 +110,28 @@ impl AgentProcess {
             .cloned()
     }
 
-    /// How it ended, with its last words: " (exit status 3): what it said".
+    /// The last line nrun itself (the agent) or ssh wrote: the agent's stderr also carries its
+    /// workers' lines, and a worker's unrelated complaint is no cause of a lost node.
+    pub fn own_words(&self) -> Option<String> {
+        let ours = |l: &str| {
+            let l = l.trim_start();
+            l.starts_with("nrun") || l.starts_with("ssh:") || l.starts_with("Connection to ")
+        };
+        self.stderr_tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .rev()
+            .find(|l| ours(l))
+            .cloned()
+    }
+
+    /// How it ended, with nrun's or ssh's last words: " (exit status: 255): what it said".
     pub fn epitaph(&mut self) -> Option<String> {
         let st = self.exited()?;
         Some(format!(
             " ({st}){}",
-            self.last_words()
-                .map_or(String::new(), |w| format!(": {w}"))
+            self.own_words().map_or(String::new(), |w| format!(": {w}"))
         ))
     }
 
@@ -138,6 +153,8 @@ impl AgentProcess {
 pub struct ChildLink {
     process: AgentProcess,
     local: bool,
+    /// How soon its agent stops its workers by itself once it cannot reach this host.
+    agent_timeout: Duration,
 }
 
 /// Starts every owned node's agent, at most --ssh-concurrency at a time.
@@ -184,7 +201,13 @@ async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> R
         remote::ssh_command(label, &np.ssh_opts, &remote_nrun)
     };
     let process = AgentProcess::spawn(&argv, label, hello).await?;
-    Ok(Node::new(label, Box::new(ChildLink { process, local })))
+    let agent_timeout = np.agent_timeout;
+    let link = ChildLink {
+        process,
+        local,
+        agent_timeout,
+    };
+    Ok(Node::new(label, Box::new(link)))
 }
 
 impl NodeLink for ChildLink {
@@ -225,7 +248,11 @@ impl NodeLink for ChildLink {
                      to the launch host broke"
                 )
             }),
-            Some(how) => Some(format!("lost the connection to {label}{how}")),
+            Some(how) => Some(format!(
+                "lost the connection to {label}{how}; its agent stops its workers there by itself \
+                 within {} s of losing this host (--agent-timeout)",
+                self.agent_timeout.as_secs_f64()
+            )),
         }
     }
 

@@ -279,6 +279,7 @@ pub struct Instructions {
     pub cwd: std::path::PathBuf,
     pub python: Option<std::path::PathBuf>,
     pub forward_signals: Vec<i32>,
+    pub agent_timeout: Duration,
 }
 
 impl Instructions {
@@ -291,6 +292,7 @@ impl Instructions {
                 .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?,
             python: s.plan.python_probe.then(|| plan.python.clone()).flatten(),
             forward_signals: plan.forward_signals.clone(),
+            agent_timeout: s.plan.agent_timeout,
         })
     }
 
@@ -309,6 +311,7 @@ impl Instructions {
             forward_signals: self.forward_signals.clone(),
             heartbeat: !nodes.is_empty(),
             nodes,
+            agent_timeout_ms: self.agent_timeout.as_millis() as u64,
         }
     }
 }
