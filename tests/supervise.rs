@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -371,4 +372,62 @@ fn a_python_without_torch_gets_a_hint() {
         err.contains("python3 has no torch: pass --python PATH (or set PYTHON_EXEC)"),
         "{err}"
     );
+}
+
+/// The --log-dir filesystem fills up mid-job: the failed write is said once per file, the
+/// console takes the output from there (nothing more is lost), and the end says which files
+/// are incomplete.
+#[test]
+fn a_full_log_filesystem_is_said_and_the_console_keeps_the_output() {
+    if !nix_is_root() {
+        eprintln!(
+            "SKIPPED a_full_log_filesystem_is_said_and_the_console_keeps_the_output: not root"
+        );
+        return;
+    }
+    let s = Scene::new();
+    let dir = tempfile::tempdir().unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+        .arg(dir.path())
+        .status()
+        .is_ok_and(|st| st.success());
+    if !mounted {
+        eprintln!(
+            "SKIPPED a_full_log_filesystem_is_said_and_the_console_keeps_the_output: no tmpfs"
+        );
+        return;
+    }
+    let logs = dir.path().to_str().unwrap();
+    let out = s.run(
+        &[
+            "--nproc",
+            "1",
+            "--log-dir",
+            logs,
+            "--redirects",
+            "3",
+            "--no-python",
+            "sh",
+            "-c",
+            "i=0; while [ $i -lt 3000 ]; do echo line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; \
+             i=$((i+1)); done; echo END",
+        ],
+        &[],
+    );
+    let _ = Command::new("umount").arg(dir.path()).status();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(stderr.matches("cannot write").count(), 1, "{stderr}");
+    assert!(stderr.contains("No space left on device"), "{stderr}");
+    assert!(stderr.contains("stdout.log"), "{stderr}");
+    assert!(
+        stderr.contains("1 log file(s) of this group are incomplete"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("line-2999-") && stdout.ends_with("END\n"),
+        "{stdout}"
+    );
+    s.assert_no_survivors();
 }

@@ -135,6 +135,7 @@ async fn run_workers(
             env,
             error_file: w.error_file,
             output: WorkerOutput {
+                rank: w.rank,
                 prefix: w.prefix,
                 colour: w.colour,
                 color: w.color,
@@ -142,10 +143,12 @@ async fn run_workers(
                     Sink {
                         console: w.console[0],
                         file: out_file,
+                        path: w.log_dir.as_ref().map(|d| d.join("stdout.log")),
                     },
                     Sink {
                         console: w.console[1],
                         file: err_file,
+                        path: w.log_dir.as_ref().map(|d| d.join("stderr.log")),
                     },
                 ],
             },

@@ -48,10 +48,38 @@ pub enum Stream {
 pub struct Sink {
     pub console: bool,
     pub file: Option<File>,
+    /// The file's path, to name it when a write fails.
+    pub path: Option<std::path::PathBuf>,
+}
+
+impl Sink {
+    /// Writes `data` to the log file. A write that fails (a full disk, an I/O error) is said
+    /// once; the file is given up and the console takes this stream's output from then on,
+    /// so nothing more is lost. Returns whether this write failed.
+    fn log(&mut self, data: &[u8], rank: usize) -> bool {
+        let Some(f) = &mut self.file else {
+            return false;
+        };
+        let Err(e) = f.write_all(data) else {
+            return false;
+        };
+        let path = self
+            .path
+            .as_ref()
+            .map_or("its log file".into(), |p| p.display().to_string());
+        tracing::warn!(
+            "rank {rank}: cannot write {path} ({e}); its output goes to the console from here \
+             on, and what was not written is lost from the file"
+        );
+        self.file = None;
+        self.console = true;
+        true
+    }
 }
 
 /// One worker's output settings.
 pub struct WorkerOutput {
+    pub rank: usize,
     /// e.g. "[rank3]: "; empty when there is a single worker.
     pub prefix: String,
     /// Colour index for the prefix on a terminal.
@@ -90,6 +118,8 @@ impl Output {
                 // The console line left unfinished: whose, on which stream, and whether it
                 // ended at '\r' (the cursor is back at its start) or mid-line.
                 let mut open: Option<(usize, Stream, bool)> = None;
+                // Log files given up on a failed write.
+                let mut lost = 0;
                 let write = |stream: Stream, b: &[u8], flush: bool| {
                     // Errors writing to the console (a closed pipe) must not stop the job.
                     let _ = match stream {
@@ -111,9 +141,7 @@ impl Output {
                         continue;
                     };
                     let sink = &mut w.sinks[stream as usize];
-                    if let Some(f) = &mut sink.file {
-                        let _ = f.write_all(&data);
-                    }
+                    lost += usize::from(sink.log(&data, w.rank));
                     if !sink.console {
                         continue;
                     }
@@ -150,6 +178,14 @@ impl Output {
                     write(os, b"\n", true);
                 }
                 let _ = std::io::stdout().flush();
+                if lost > 0 {
+                    tracing::warn!(
+                        "on {}: {lost} log file(s) of this group are incomplete: writing them \
+                         failed (see above; check the --log-dir filesystem's free space); their \
+                         output after the failure went to the console",
+                        crate::net::hostname()
+                    );
+                }
             })
             .ok();
         Output { tx, thread }
