@@ -431,3 +431,34 @@ fn a_full_log_filesystem_is_said_and_the_console_keeps_the_output() {
     );
     s.assert_no_survivors();
 }
+
+/// SIGTERM while agents are still being started (here: --ship copying to hosts that never
+/// answer) ends nrun at once, with nothing left behind.
+#[test]
+fn sigterm_while_agents_start_is_honoured_at_once() {
+    if Command::new("ssh").arg("-V").output().is_err() {
+        eprintln!("SKIPPED sigterm_while_agents_start_is_honoured_at_once: no ssh");
+        return;
+    }
+    let s = Scene::new();
+    let child = s.spawn(
+        &[
+            "-H",
+            "nohost-a.invalid,nohost-b.invalid",
+            "--ship",
+            "--ssh-opts",
+            "-o ProxyCommand=sleep\\ 100",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    signal(&child, "TERM");
+    let (out, took) = wait_with_timeout(child, Duration::from_secs(20));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 15), "{err}");
+    assert!(took < Duration::from_secs(3), "took {took:?}: {err}");
+    assert!(err.contains("interrupted while starting"), "{err}");
+    s.assert_no_survivors();
+}

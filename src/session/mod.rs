@@ -222,7 +222,20 @@ impl Session {
                 session.run.as_bytes(),
             );
         }
-        session.nodes = link::start(&session, plan).await?;
+        let starting = link::Starting {
+            plan: &session.plan,
+            rendezvous: &session.rendezvous,
+            run: &session.run,
+        };
+        // Thousands of agents take a while to start: a stop signal meanwhile ends nrun at once
+        // (the agents started so far die with it: PR_SET_PDEATHSIG, their stdin closed).
+        session.nodes = tokio::select! {
+            nodes = link::start(starting, plan) => nodes?,
+            sig = session.signals.stop() => {
+                tracing::warn!("interrupted while starting the nodes' agents; stopping");
+                return Err(Error::interrupted(sig));
+            }
+        };
         Ok(session)
     }
 

@@ -30,10 +30,11 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::{JoinedNode, Node, Session};
+use super::{JoinedNode, Node};
 use crate::agent::protocol::{Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
 use crate::error::{Error, Result};
 use crate::node::StopRequest;
+use crate::plan::NodesPlan;
 use crate::plan::SessionPlan;
 use crate::remote::Launcher;
 use crate::store::Store;
@@ -283,10 +284,10 @@ pub struct Instructions {
 }
 
 impl Instructions {
-    fn new(s: &Session, plan: &SessionPlan) -> Result<Instructions> {
+    fn new(s: &Starting<'_>, plan: &SessionPlan) -> Result<Instructions> {
         Ok(Instructions {
             secret: s.rendezvous.secret.clone().unwrap_or_default(),
-            run: s.run.clone(),
+            run: s.run.to_string(),
             addrs: super::coordinator_addrs(s.rendezvous.port),
             cwd: std::env::current_dir()
                 .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?,
@@ -316,16 +317,23 @@ impl Instructions {
     }
 }
 
+/// What starting the links needs of the session.
+pub struct Starting<'a> {
+    pub plan: &'a NodesPlan,
+    pub rendezvous: &'a super::Rendezvous,
+    pub run: &'a str,
+}
+
 /// The launcher choice: a link for every node of the session. The one place that knows the
 /// kinds: a run without a host list is served in-process; otherwise the launcher starts the
 /// agents of the hosts it owns, and the hosts whose own nrun joins (c10d) wait as peers.
-pub async fn start(s: &Session, plan: &SessionPlan) -> Result<Vec<Node>> {
+pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
     let np = &s.plan;
     if np.in_process {
         return Ok(vec![Node::new(&np.hosts[0].name, inproc::link())]);
     }
     let owned = &np.hosts[..np.hosts.len() - np.peers];
-    let how = Instructions::new(s, plan)?;
+    let how = Instructions::new(&s, plan)?;
     let mut nodes = match np.launcher {
         Launcher::Ssh => child::start(np, owned, &how).await?,
         Launcher::Srun => srun::start(np, owned, &how).await?,
