@@ -281,9 +281,7 @@ fn kill_9_leaves_no_grandchildren() {
         &[("NRUN_FIXTURE", "grandchildren-stay")],
     );
     s.wait_marks("ready", 2, Duration::from_secs(10));
-    let kids = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))
-        .unwrap_or_default();
-    let nrun: i32 = kids.split_whitespace().next().unwrap().parse().unwrap();
+    let nrun: i32 = nrun_under(child.id()).parse().unwrap();
     // Its scratch directory (the workers' error files) goes with it.
     let scratch = std::env::temp_dir().join(format!("nrun-{nrun}"));
     assert!(scratch.exists(), "{}", scratch.display());
@@ -461,4 +459,44 @@ fn sigterm_while_agents_start_is_honoured_at_once() {
     assert!(took < Duration::from_secs(3), "took {took:?}: {err}");
     assert!(err.contains("interrupted while starting"), "{err}");
     s.assert_no_survivors();
+}
+
+/// `kill -9` of the keeper and nrun at once (as `kill -9` of both pids does): neither can clean
+/// up, and what the workers left (own process group, setsid, double fork) is killed by the watch.
+#[test]
+fn kill_9_of_keeper_and_nrun_at_once_leaves_nothing() {
+    let s = Scene::new();
+    let w = worker();
+    let child = s.spawn(
+        &["--nproc", "2", "--no-python", "sh", &w],
+        &[("NRUN_FIXTURE", "grandchildren-stay")],
+    );
+    s.wait_marks("ready", 2, Duration::from_secs(10));
+    let st = Command::new("kill")
+        .args(["-KILL", &child.id().to_string(), &nrun_under(child.id())])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _ = wait_with_timeout(child, Duration::from_secs(5));
+    s.assert_no_survivors();
+}
+
+/// The real nrun under the keeper `keeper`: its child that is not the watch (the watch leads a
+/// session of its own).
+fn nrun_under(keeper: u32) -> String {
+    let kids = std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
+        .unwrap_or_default();
+    let nrun: Vec<&str> = kids
+        .split_whitespace()
+        .filter(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // After the command's closing parenthesis: state, ppid, pgrp, session.
+            let session = stat
+                .rsplit_once(") ")
+                .map(|(_, r)| r.split(' ').nth(3).unwrap_or("").to_string());
+            session.as_deref() != Some(*p)
+        })
+        .collect();
+    assert_eq!(nrun.len(), 1, "the keeper's children: {kids}");
+    nrun[0].to_string()
 }

@@ -12,6 +12,12 @@
 //! - Signals sent to the keeper are passed on to nrun. A signal the terminal sent (Ctrl-C, Ctrl-\)
 //!   reached nrun too, being in the same foreground process group, so it is not passed twice:
 //!   `si_code` tells the terminal (SI_KERNEL) from a `kill` (SI_USER).
+//! - When both die at once (`kill -9` of the two), neither can clean up: the watch does. The
+//!   keeper forks it first, in a process group of its own, deaf to signals, holding the read end
+//!   of a pipe whose write ends only the keeper and nrun hold (close-on-exec: no worker has
+//!   one). When the pipe reads end-of-file, both are gone: every process whose environment
+//!   carries this run's token in [`KEEP_VAR`] (set before the forks, so every worker and its
+//!   descendants inherit it) is killed. At a normal end it finds none and exits at once.
 
 use std::time::{Duration, Instant};
 
@@ -29,9 +35,28 @@ const PASSED_ON: [Signal; 7] = [
     Signal::SIGCHLD,
 ];
 
+/// The variable every process of a run inherits, listing the tokens of the keepers above it
+/// (an agent started by nrun on the same host adds its own).
+pub const KEEP_VAR: &str = "NRUN_KEEP";
+
 /// Forks the keeper off. Returns in the child (the real nrun); never returns in the keeper.
 /// Must run before any thread exists. Where fork fails, nrun runs without a keeper.
 pub fn start() {
+    let token = format!(
+        "{}.{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos())
+    );
+    let tokens = match std::env::var(KEEP_VAR) {
+        Ok(v) if !v.is_empty() => format!("{v} {token}"),
+        _ => token.clone(),
+    };
+    // SAFETY: no other thread exists yet (called first thing in main).
+    unsafe { std::env::set_var(KEEP_VAR, tokens) };
+    // Both ends open in nrun and the keeper; each closes what it does not need below.
+    let pipe = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).ok();
     let mut set = SigSet::empty();
     for s in PASSED_ON {
         set.add(s);
@@ -54,9 +79,100 @@ pub fn start() {
                 std::process::exit(i32::from(crate::error::exit::signal(libc::SIGTERM)));
             }
             let _ = old.thread_set_mask();
+            // The real nrun holds its write end of the watch's pipe until it exits.
+            if let Some((read, write)) = pipe {
+                drop(read);
+                std::mem::forget(write);
+            }
         }
-        Ok(ForkResult::Parent { child }) => keep(child, &set),
+        Ok(ForkResult::Parent { child }) => {
+            // After nrun, so nrun stays the keeper's first child.
+            let _pipe = pipe.and_then(|(read, write)| start_watch(read, write, &token));
+            keep(child, &set)
+        }
     }
+}
+
+/// Forks the watch (see the module doc); returns the write end of its pipe, which the keeper
+/// keeps open for its life (None: no watch, where fork fails).
+fn start_watch(
+    read: std::os::fd::OwnedFd,
+    write: std::os::fd::OwnedFd,
+    token: &str,
+) -> Option<std::os::fd::OwnedFd> {
+    // SAFETY: the keeper has no other thread.
+    match unsafe { fork() } {
+        Err(_) => None,
+        Ok(ForkResult::Child) => {
+            drop(write);
+            watch(read, token)
+        }
+        Ok(ForkResult::Parent { .. }) => {
+            drop(read);
+            Some(write)
+        }
+    }
+}
+
+/// The watch's life: deaf to signals and out of the job's process group and terminal, it
+/// waits for the pipe's end, then kills what carries `token`.
+fn watch(read: std::os::fd::OwnedFd, token: &str) -> ! {
+    let _ = SigSet::all().thread_block();
+    let _ = nix::unistd::setsid();
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
+        use std::os::fd::AsRawFd;
+        for fd in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors, which this process owns.
+            unsafe { libc::dup2(null.as_raw_fd(), fd) };
+        }
+    }
+    let mut buf = [0u8; 1];
+    loop {
+        match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&read), &mut buf) {
+            Ok(0) => break,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Ok(_) => continue,
+            Err(_) => break,
+        }
+    }
+    let me = std::process::id();
+    let until = Instant::now() + Duration::from_secs(3);
+    loop {
+        let left = carrying(token, me);
+        if left.is_empty() || Instant::now() > until {
+            break;
+        }
+        for p in left {
+            let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::process::exit(0)
+}
+
+/// Processes (other than `me`) whose environment lists `token` in [`KEEP_VAR`].
+fn carrying(token: &str, me: u32) -> Vec<Pid> {
+    let needle = format!("{KEEP_VAR}=");
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me)
+        .filter(|pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            env.split(|b| *b == 0).any(|v| {
+                v.strip_prefix(needle.as_bytes()).is_some_and(|list| {
+                    String::from_utf8_lossy(list).split(' ').any(|t| t == token)
+                })
+            })
+        })
+        .map(|pid| Pid::from_raw(pid as i32))
+        .collect()
 }
 
 fn keep(child: Pid, set: &SigSet) -> ! {
