@@ -500,3 +500,18 @@ fn nrun_under(keeper: u32) -> String {
     assert_eq!(nrun.len(), 1, "the keeper's children: {kids}");
     nrun[0].to_string()
 }
+
+/// SIGTERM while a thousand workers are being started: no more start, those started stop, and
+/// nrun ends within a couple of seconds.
+#[test]
+fn sigterm_while_workers_start_is_honoured_at_once() {
+    let s = Scene::new();
+    let child = s.spawn(&["--nproc", "1000", "--no-python", "sleep", "60"], &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&child, "TERM");
+    let (out, took) = wait_with_timeout(child, Duration::from_secs(30));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 15), "{err}");
+    assert!(took < Duration::from_secs(3), "took {took:?}: {err}");
+    s.assert_no_survivors();
+}

@@ -736,6 +736,15 @@ pub async fn run_group(
     let mut pumps: Vec<JoinHandle<()>> = Vec::new();
     let mut spawn_error = None;
     for (idx, start) in starts.into_iter().enumerate() {
+        // Thousands of workers take seconds to start: a stop asked for meanwhile starts no
+        // more (the loop below acts on it). Yielding now and then lets the coordinator's wait,
+        // which shares this task on a single node, hear a signal.
+        if idx % 64 == 63 {
+            tokio::task::yield_now().await;
+        }
+        if !matches!(*stop.borrow(), StopRequest::None | StopRequest::Forward(_)) {
+            break;
+        }
         // Workers are in background process groups: a worker reading the terminal would be
         // stopped by SIGTTIN and hang the job, so only the one chosen gets nrun's stdin, and the
         // terminal's foreground with it.
