@@ -87,8 +87,8 @@ pub fn start() {
         }
         Ok(ForkResult::Parent { child }) => {
             // After nrun, so nrun stays the keeper's first child.
-            let _pipe = pipe.and_then(|(read, write)| start_watch(read, write, &token));
-            keep(child, &set)
+            let watch = pipe.and_then(|(read, write)| start_watch(read, write, &token));
+            keep(child, &set, watch)
         }
     }
 }
@@ -99,7 +99,7 @@ fn start_watch(
     read: std::os::fd::OwnedFd,
     write: std::os::fd::OwnedFd,
     token: &str,
-) -> Option<std::os::fd::OwnedFd> {
+) -> Option<(std::os::fd::OwnedFd, Pid)> {
     // SAFETY: the keeper has no other thread.
     match unsafe { fork() } {
         Err(_) => None,
@@ -107,9 +107,9 @@ fn start_watch(
             drop(write);
             watch(read, token)
         }
-        Ok(ForkResult::Parent { .. }) => {
+        Ok(ForkResult::Parent { child }) => {
             drop(read);
-            Some(write)
+            Some((write, child))
         }
     }
 }
@@ -175,7 +175,10 @@ fn carrying(token: &str, me: u32) -> Vec<Pid> {
         .collect()
 }
 
-fn keep(child: Pid, set: &SigSet) -> ! {
+/// `watch`: the watch's pipe (held open while the keeper lives) and pid, which is no orphan to
+/// kill: it ends by itself once the keeper has gone.
+fn keep(child: Pid, set: &SigSet, watch: Option<(std::os::fd::OwnedFd, Pid)>) -> ! {
+    let watch_pid = watch.as_ref().map(|(_, p)| *p);
     super::process::become_subreaper();
     let mut status = None;
     while status.is_none() {
@@ -191,7 +194,10 @@ fn keep(child: Pid, set: &SigSet) -> ! {
     // nrun is gone: whatever it left is now ours.
     let until = Instant::now() + Duration::from_secs(3);
     while Instant::now() < until {
-        let left = orphans();
+        let left: Vec<Pid> = orphans()
+            .into_iter()
+            .filter(|p| Some(*p) != watch_pid)
+            .collect();
         if left.is_empty() {
             break;
         }
