@@ -745,3 +745,99 @@ fn torchrun_flag_values_are_checked() {
         "--color \"sometimes\"",
     );
 }
+
+/// Every accepted value is checked: malformed endpoints, non-finite or out-of-range durations,
+/// booleans torch would not take, NaN thresholds, unknown template fields.
+#[test]
+fn malformed_values_are_usage_errors() {
+    let run = |extra: &[&str]| {
+        let mut a = extra.to_vec();
+        a.extend(["--no-python", "true"]);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--rdzv-endpoint", "[::1"],
+            "--rdzv-endpoint \"[::1\": '[' has no closing ']'; expected HOST, HOST:PORT, [IPV6]",
+        ),
+        (&["--rdzv-endpoint", "[::1]x"], "\"x\" after ']'"),
+        (&["--rdzv-endpoint", "::1]:80"], "unbalanced brackets"),
+        (&["--rdzv-endpoint", "h:99999"], "\"99999\" is not a port"),
+        (&["--rdzv-endpoint", ":80"], "no host"),
+        (&["--rdzv-endpoint", "a:b:c"], "not an IPv6 address"),
+        (
+            &["--rdzv-conf", "timeout=1e400"],
+            "--rdzv-conf timeout=1e400: expected a number of seconds",
+        ),
+        (&["--rdzv-conf", "read_timeout=nan"], "read_timeout=nan"),
+        (
+            &["--rdzv-conf", "is_host=maybe"],
+            "--rdzv-conf is_host=maybe: expected a boolean: true, false, 1, 0, yes, no",
+        ),
+        (
+            &["--min-busbw", "nan"],
+            "--min-busbw NaN must be a non-negative number",
+        ),
+        (
+            &["--min-busbw", "-1"],
+            "--min-busbw -1 must be a non-negative",
+        ),
+        (
+            &["--min-efficiency", "inf"],
+            "--min-efficiency inf must be a fraction",
+        ),
+        (&["--monitor-interval", "nan"], "--monitor-interval NaN"),
+        (
+            &["--log-line-prefix-template", "${nope}"],
+            "unknown field ${nope}; the fields are ${rank}, ${local_rank}, ${role_name}, ${host}",
+        ),
+        (
+            &["--log-line-prefix-template", "[${rank]"],
+            "is not closed by '}'",
+        ),
+    ];
+    for (args, expect) in cases {
+        let a = run(args);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        usage_error(&a, &[], expect);
+    }
+    // The same values from the environment (NRUN_/PET_) are checked alike.
+    usage_error(
+        &["--no-python", "true"],
+        &[("PET_RDZV_ENDPOINT", "[::1")],
+        "'[' has no closing ']'",
+    );
+}
+
+/// Values torch accepts still run; unknown --rdzv-conf keys are one warning line, however many.
+#[test]
+fn good_values_run_and_unknown_keys_warn_once() {
+    let s = Scene::new();
+    let out = s.run(
+        &[
+            "--rdzv-endpoint",
+            "[::1]:0",
+            "--rdzv-conf",
+            "is_host=YES,use_libuv=0,timeout=900,read_timeout=60",
+            "--log-line-prefix-template",
+            "${host}/${role_name}/${rank}/${local_rank}: ",
+            "--min-busbw",
+            "0",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let conf: Vec<String> = (0..5000).map(|i| format!("k{i}=1")).collect();
+    let conf = conf.join(",");
+    let out = s.run(&["--rdzv-conf", &conf, "--no-python", "true"], &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("--rdzv-conf")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("5000 unknown keys (\"k0\", \"k1\"") && lines[0].contains("4992 more"),
+        "{err}"
+    );
+}
