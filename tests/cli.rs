@@ -841,3 +841,81 @@ fn good_values_run_and_unknown_keys_warn_once() {
         "{err}"
     );
 }
+
+/// Inputs are bounded before anything is spawned: workers per node, hostfile kind and size,
+/// host count.
+#[test]
+fn unbounded_inputs_are_refused_before_spawning() {
+    usage_error(
+        &["--nproc", "100000", "--no-python", "true"],
+        &[],
+        "--nproc-per-node 100000: at most 4096 workers per node",
+    );
+    for dev in ["/dev/zero", "/dev/urandom"] {
+        usage_error(
+            &["--hostfile", dev, "--no-python", "true"],
+            &[],
+            &format!("--hostfile {dev}: is a device; give a regular file of host lines"),
+        );
+    }
+    let s = Scene::new();
+    let fifo = s.dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let fifo = fifo.to_str().unwrap();
+    usage_error(
+        &["--hostfile", fifo, "--no-python", "true"],
+        &[],
+        "is a FIFO; give a regular file",
+    );
+    let big = s.dir.path().join("big");
+    std::fs::write(&big, vec![b'#'; (16 << 20) + 1]).unwrap();
+    usage_error(
+        &["--hostfile", big.to_str().unwrap(), "--no-python", "true"],
+        &[],
+        "is larger than 16 MiB",
+    );
+    let many: Vec<String> = (0..16_385).map(|i| format!("h{i}")).collect();
+    let hostfile = s.dir.path().join("many");
+    std::fs::write(&hostfile, many.join("\n")).unwrap();
+    usage_error(
+        &[
+            "--hostfile",
+            hostfile.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+        "more than 16384 hosts",
+    );
+    usage_error(
+        &["-H", &many.join(","), "--no-python", "true"],
+        &[],
+        "-H/--hosts names more than 16384 hosts",
+    );
+}
+
+/// More ssh nodes than the open-file limit holds: the system's refusal (exit 1, as the table
+/// says), naming `ulimit -n`, before any ssh starts.
+#[test]
+fn too_many_nodes_for_the_open_file_limit_exit_1() {
+    let hosts: Vec<String> = (0..400).map(|i| format!("h{i}")).collect();
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
+        .arg(nrun_bin())
+        .args(["-H", &hosts.join(","), "--no-python", "true"])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("nrun: error: 400 nodes started over ssh need about 2064 open files")
+            && err.contains("allows 1024 (hard limit): raise it (ulimit -n 2064"),
+        "{err}"
+    );
+}

@@ -983,7 +983,50 @@ fn find_python(python: Option<&Path>, env: Env<'_>) -> Option<PathBuf> {
     find_program(&python_name(python, env), env("PATH").as_deref())
 }
 
+/// Most workers one node runs: far above any machine's GPUs or useful CPU workers, and low
+/// enough that a typo (`--nproc 100000`) is refused before anything is spawned.
+pub const MAX_NPROC: usize = 4096;
+
+/// The soft limit on this user's processes (`ulimit -u`), where there is one and the kernel
+/// enforces it (not for root).
+fn process_limit() -> Option<u64> {
+    // SAFETY: a plain syscall.
+    if unsafe { libc::geteuid() } == 0 {
+        return None;
+    }
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a plain syscall on a local struct.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut l) } == 0;
+    (ok && l.rlim_cur != libc::RLIM_INFINITY).then_some(l.rlim_cur)
+}
+
+/// `--nproc-per-node`: the count, at most [`MAX_NPROC`] and at most what this machine's process
+/// limit lets one user run.
 fn resolve_nproc(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let n = resolve_nproc_value(s, env)?;
+    check_nproc(n, process_limit())
+}
+
+fn check_nproc(n: usize, process_limit: Option<u64>) -> Result<usize> {
+    if n > MAX_NPROC {
+        return Err(Error::usage(format!(
+            "--nproc-per-node {n}: at most {MAX_NPROC} workers per node; use more nodes for more \
+             workers"
+        )));
+    }
+    if let Some(limit) = process_limit.filter(|l| n as u64 > *l) {
+        return Err(Error::usage(format!(
+            "--nproc-per-node {n}: this machine lets this user run at most {limit} processes \
+             (ulimit -u); ask for fewer workers or raise the limit"
+        )));
+    }
+    Ok(n)
+}
+
+fn resolve_nproc_value(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
     let cpus = || std::thread::available_parallelism().map_or(1, |n| n.get());
     match s {
         "cpu" => Ok(cpus()),
@@ -1836,6 +1879,27 @@ mod tests {
         .unwrap();
         let e = resolve(cli, &|k| std::env::var(k).ok()).unwrap_err();
         assert!(e.message.contains("CUDA_VISIBLE_DEVICES"), "{}", e.message);
+    }
+
+    #[test]
+    fn nproc_is_bounded() {
+        assert_eq!(check_nproc(MAX_NPROC, None).unwrap(), MAX_NPROC);
+        let e = check_nproc(MAX_NPROC + 1, None).unwrap_err();
+        assert_eq!(e.code, crate::error::exit::USAGE);
+        assert!(
+            e.message.contains("at most 4096 workers per node"),
+            "{}",
+            e.message
+        );
+        let e = check_nproc(100, Some(50)).unwrap_err();
+        assert!(
+            e.message.contains("at most 50 processes (ulimit -u)"),
+            "{}",
+            e.message
+        );
+        assert_eq!(check_nproc(50, Some(50)).unwrap(), 50);
+        let e = resolve_nproc("100000", &|_| None).unwrap_err();
+        assert_eq!(e.code, crate::error::exit::USAGE);
     }
 
     #[test]
