@@ -919,3 +919,28 @@ fn too_many_nodes_for_the_open_file_limit_exit_1() {
         "{err}"
     );
 }
+
+/// A node count is bounded as a host list is: c10d lays out every node up front (found by the
+/// fuzz: 99999999999 nodes aborted on a 6 TB allocation).
+#[test]
+fn huge_node_counts_are_usage_errors() {
+    usage_error(
+        &[
+            "--nnodes",
+            "99999999999",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            "--no-python",
+            "true",
+        ],
+        &[],
+        "--nnodes \"99999999999\": at most 16384 nodes",
+    );
+    usage_error(
+        &["--nnodes", "1:16385", "--no-python", "true"],
+        &[],
+        "at most 16384 nodes",
+    );
+}

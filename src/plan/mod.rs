@@ -10,6 +10,8 @@
 //! - [`env`]: forwarded variables, `.nrun_env`, `-x`, and warnings about variables.
 
 pub mod env;
+#[cfg(test)]
+mod fuzz;
 pub mod nodes;
 
 pub use nodes::NodesPlan;
@@ -1076,6 +1078,13 @@ fn parse_nnodes(s: &str) -> Result<(usize, usize)> {
     if lo == 0 || lo > hi {
         return Err(bad());
     }
+    // c10d and static launches lay out every node up front: bounded as a host list is.
+    if hi > crate::hosts::MAX_HOSTS {
+        return Err(Error::usage(format!(
+            "--nnodes {s:?}: at most {} nodes",
+            crate::hosts::MAX_HOSTS
+        )));
+    }
     Ok((lo, hi))
 }
 
@@ -1879,6 +1888,14 @@ mod tests {
         .unwrap();
         let e = resolve(cli, &|k| std::env::var(k).ok()).unwrap_err();
         assert!(e.message.contains("CUDA_VISIBLE_DEVICES"), "{}", e.message);
+    }
+
+    #[test]
+    fn nnodes_is_bounded() {
+        assert_eq!(parse_nnodes("16384").unwrap(), (16384, 16384));
+        assert!(parse_nnodes("16385").is_err());
+        assert!(parse_nnodes("1:99999999999").is_err());
+        assert!(parse_nnodes("18446744073709551616").is_err());
     }
 
     #[test]
