@@ -795,6 +795,19 @@ fn malformed_values_are_usage_errors() {
             &["--log-line-prefix-template", "[${rank]"],
             "is not closed by '}'",
         ),
+        (
+            &["--master-addr", "[::1"],
+            "--master-addr \"[::1\": expected a host name (letters, digits, '-', '.', '_') or an \
+             IP address; write an IPv6 address without brackets",
+        ),
+        (
+            &["--master-addr", "h:1"],
+            "give the port with --master-port",
+        ),
+        (
+            &["--local-addr", "a b"],
+            "--local-addr \"a b\": expected a host name",
+        ),
     ];
     for (args, expect) in cases {
         let a = run(args);

@@ -409,6 +409,12 @@ impl RunSettings {
         // Elastic MIN:MAX: up to MAX nodes, going on with MIN or more.
         let (min_nodes, nnodes) = parse_nnodes(&rdzv.nnodes)?;
         let (rdzv_join_timeout, last_call) = parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?;
+        if let Some(a) = &rdzv.master_addr {
+            check_host("--master-addr", a)?;
+        }
+        if let Some(a) = &rdzv.local_addr {
+            check_host("--local-addr", a)?;
+        }
         // The run id names log directories: it must stay one path component.
         let run_id = match &rdzv.rdzv_id {
             Some(id) if id.is_empty() || id.contains('/') || id == "." || id == ".." => {
@@ -1103,6 +1109,33 @@ fn parse_rank_set(s: &str, nproc: usize) -> Result<BTreeSet<usize>> {
         }
     }
     Ok(set)
+}
+
+/// An address flag's value (`--master-addr`, `--local-addr`): a host name (letters, digits,
+/// '-', '.', '_') or an IP address (IPv6 bare, as workers get it in MASTER_ADDR, with an
+/// optional zone). The port has its own flag.
+fn check_host(flag: &str, s: &str) -> Result<()> {
+    let v6 = s
+        .split_once('%')
+        .map_or(s, |(a, _)| a)
+        .parse::<std::net::Ipv6Addr>()
+        .is_ok();
+    let name = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+    if v6 || name {
+        return Ok(());
+    }
+    let hint = if s.contains(['[', ']']) {
+        "; write an IPv6 address without brackets"
+    } else if s.contains(':') {
+        "; give the port with --master-port"
+    } else {
+        ""
+    };
+    Err(Error::usage(format!(
+        "{flag} {s:?}: expected a host name (letters, digits, '-', '.', '_') or an IP address{hint}"
+    )))
 }
 
 /// `--rdzv-endpoint HOST[:PORT]`: `[v6]:port`, `[v6]`, a bare IPv6 address, `host:port` or
@@ -1888,6 +1921,24 @@ mod tests {
         .unwrap();
         let e = resolve(cli, &|k| std::env::var(k).ok()).unwrap_err();
         assert!(e.message.contains("CUDA_VISIBLE_DEVICES"), "{}", e.message);
+    }
+
+    #[test]
+    fn addresses_checked() {
+        for good in [
+            "gpu1",
+            "10.0.0.1",
+            "fe80::1",
+            "fe80::1%eth0",
+            "node-1.example_x",
+        ] {
+            check_host("--master-addr", good).unwrap();
+        }
+        for bad in ["", "[::1]", "[::1", "h:29500", "a b", "h/x", "é"] {
+            let e = check_host("--master-addr", bad).unwrap_err();
+            assert_eq!(e.code, crate::error::exit::USAGE, "{bad:?}");
+            assert!(e.message.contains("expected a host name"), "{}", e.message);
+        }
     }
 
     #[test]
