@@ -882,7 +882,7 @@ fn unbounded_inputs_are_refused_before_spawning() {
     usage_error(
         &["--hostfile", fifo, "--no-python", "true"],
         &[],
-        "is a FIFO; give a regular file",
+        "is a FIFO (a pipe, as <(...) gives",
     );
     let big = s.dir.path().join("big");
     std::fs::write(&big, vec![b'#'; (16 << 20) + 1]).unwrap();
@@ -956,4 +956,100 @@ fn huge_node_counts_are_usage_errors() {
         &[],
         "at most 16384 nodes",
     );
+}
+
+/// A seeded sample of hostile values for the flags a one-node run reads, through the real
+/// binary (the in-process fuzz in src/plan/fuzz.rs covers every flag): exit 0, 1 or 2, never a
+/// panic or a backtrace. The target is always `true`, so nothing runs for long.
+#[test]
+fn hostile_values_through_the_binary_exit_0_1_or_2() {
+    const FLAGS: &[&str] = &[
+        "--rdzv-conf",
+        "--rdzv-endpoint",
+        "--min-busbw",
+        "--min-efficiency",
+        "--log-line-prefix-template",
+        "--monitor-interval",
+        "--master-addr",
+        "--local-addr",
+        "--store-max-bytes",
+        "--signals-to-handle",
+        "--redirects",
+        "--tee",
+        "--local-ranks-filter",
+        "--stdin",
+        "--numa-binding",
+        "--color",
+        "--role",
+        "--shutdown-timeout",
+        "--max-restarts",
+        "--hang-timeout",
+        "--rdzv-id",
+        "--preflight-sizes",
+        "--nproc",
+    ];
+    const VALUES: &[&str] = &[
+        "",
+        "0",
+        "1",
+        "2",
+        "-1",
+        "1e400",
+        "nan",
+        "inf",
+        "-inf",
+        "[::1",
+        "[::1]x",
+        "::1]",
+        "a:b:c",
+        "h:99999",
+        ":80",
+        "timeout=1e400",
+        "is_host=maybe",
+        "a=1,b=2",
+        "${nope}",
+        "${rank",
+        "${rank}",
+        "0:3,1:1",
+        "99999999T",
+        "SIGKILL",
+        "é",
+        "a\nb",
+        "\u{1b}[31m",
+        "18446744073709551616",
+        "x=",
+        ",,",
+        "[fe80::1]:4",
+        "../x",
+        "8:1:2",
+        "3",
+    ];
+    // xorshift64*: a fixed sequence, the same on every run.
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = |n: usize| {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as usize % n
+    };
+    let s = Scene::new();
+    for _ in 0..40 {
+        let mut args: Vec<&str> = Vec::new();
+        for _ in 0..1 + next(3) {
+            args.push(FLAGS[next(FLAGS.len())]);
+            args.push(VALUES[next(VALUES.len())]);
+        }
+        args.extend(["--no-preflight", "--watch", "off", "--no-python", "true"]);
+        let out = s.run(&args, &[]);
+        let err = text(&out.stderr);
+        assert!(
+            matches!(out.status.code(), Some(0..=2)),
+            "{args:?}: {:?} {err}",
+            out.status
+        );
+        assert!(
+            !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+            "{args:?}: {err}"
+        );
+    }
 }

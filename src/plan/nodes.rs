@@ -320,7 +320,7 @@ fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
         let what = if t.is_dir() {
             "a directory"
         } else if t.is_fifo() {
-            "a FIFO"
+            "a FIFO (a pipe, as <(...) gives: a writer that never ends would hang nrun)"
         } else if t.is_char_device() || t.is_block_device() {
             "a device"
         } else if t.is_socket() {
