@@ -31,6 +31,9 @@ use crate::error::{Error, Result};
 const MAX_SLOTS: usize = 1 << 20;
 /// Most workers one job may have, so a typo in `--nproc-per-node` cannot exhaust memory.
 const MAX_WORKERS: usize = 1 << 20;
+/// Most hosts a `-H` list or a hostfile may name: far above any cluster one launch host drives
+/// over ssh, and it bounds the memory and processes a mistyped or hostile list can cost.
+pub const MAX_HOSTS: usize = 16_384;
 /// Most names a Slurm hostlist may expand to.
 const MAX_SLURM_NAMES: usize = 100_000;
 /// Longest host name (DNS allows 253); also bounds the memory a Slurm expansion can take.
@@ -77,6 +80,12 @@ pub fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (i, raw) in s.split(',').enumerate() {
         let number = i + 1;
+        if number > MAX_HOSTS {
+            return Err(usage(format!(
+                "-H/--hosts names more than {MAX_HOSTS} hosts; nrun drives at most {MAX_HOSTS} \
+                 nodes from one launch host"
+            )));
+        }
         let item = raw.trim();
         if item.is_empty() {
             return Err(usage(format!(
@@ -137,6 +146,13 @@ fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Optio
     for (i, raw) in text.lines().enumerate() {
         let lineno = i + 1;
         let host = parse_hostfile_line(raw, origin, lineno)?;
+        if host.is_some() && seen.len() >= MAX_HOSTS {
+            return Err(usage(format!(
+                "{origin}: more than {MAX_HOSTS} hosts (line {lineno} names host number {}); \
+                 nrun drives at most {MAX_HOSTS} nodes from one launch host",
+                MAX_HOSTS + 1
+            )));
+        }
         if let Some(Host { name, .. }) = &host {
             if let Some(&first_line) = seen.get(name) {
                 return Err(usage(format!(
@@ -1126,6 +1142,27 @@ mod tests {
     }
 
     // ---- hostfiles ----
+
+    #[test]
+    fn host_count_is_bounded() {
+        let names: Vec<String> = (0..=MAX_HOSTS).map(|i| format!("h{i}")).collect();
+        let e = err(parse_hosts_flag(&names.join(",")));
+        assert!(e.contains("more than 16384 hosts"), "{e}");
+        assert_eq!(
+            parse_hosts_flag(&names[..MAX_HOSTS].join(","))
+                .unwrap()
+                .len(),
+            MAX_HOSTS
+        );
+        let text = names.join("\n");
+        let e = err(parse_hostfile(&text, "hosts"));
+        assert!(
+            e.contains("hosts: more than 16384 hosts (line 16385"),
+            "{e}"
+        );
+        let text = format!("# many\n{}\n", names[..MAX_HOSTS].join("\n"));
+        assert_eq!(parse_hostfile(&text, "hosts").unwrap().len(), MAX_HOSTS);
+    }
 
     #[test]
     fn hostfile_all_forms() {

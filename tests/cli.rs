@@ -745,3 +745,311 @@ fn torchrun_flag_values_are_checked() {
         "--color \"sometimes\"",
     );
 }
+
+/// Every accepted value is checked: malformed endpoints, non-finite or out-of-range durations,
+/// booleans torch would not take, NaN thresholds, unknown template fields.
+#[test]
+fn malformed_values_are_usage_errors() {
+    let run = |extra: &[&str]| {
+        let mut a = extra.to_vec();
+        a.extend(["--no-python", "true"]);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--rdzv-endpoint", "[::1"],
+            "--rdzv-endpoint \"[::1\": '[' has no closing ']'; expected HOST, HOST:PORT, [IPV6]",
+        ),
+        (&["--rdzv-endpoint", "[::1]x"], "\"x\" after ']'"),
+        (&["--rdzv-endpoint", "::1]:80"], "unbalanced brackets"),
+        (&["--rdzv-endpoint", "h:99999"], "\"99999\" is not a port"),
+        (&["--rdzv-endpoint", ":80"], "no host"),
+        (&["--rdzv-endpoint", "a:b:c"], "not an IPv6 address"),
+        (
+            &["--rdzv-conf", "timeout=1e400"],
+            "--rdzv-conf timeout=1e400: expected a number of seconds",
+        ),
+        (&["--rdzv-conf", "read_timeout=nan"], "read_timeout=nan"),
+        (
+            &["--rdzv-conf", "is_host=maybe"],
+            "--rdzv-conf is_host=maybe: expected a boolean: true, false, 1, 0, yes, no",
+        ),
+        (
+            &["--min-busbw", "nan"],
+            "--min-busbw NaN must be a non-negative number",
+        ),
+        (
+            &["--min-busbw", "-1"],
+            "--min-busbw -1 must be a non-negative",
+        ),
+        (
+            &["--min-efficiency", "inf"],
+            "--min-efficiency inf must be a fraction",
+        ),
+        (&["--monitor-interval", "nan"], "--monitor-interval NaN"),
+        (
+            &["--log-line-prefix-template", "${nope}"],
+            "unknown field ${nope}; the fields are ${rank}, ${local_rank}, ${role_name}, ${host}",
+        ),
+        (
+            &["--log-line-prefix-template", "[${rank]"],
+            "is not closed by '}'",
+        ),
+        (
+            &["--master-addr", "[::1"],
+            "--master-addr \"[::1\": expected a host name (letters, digits, '-', '.', '_') or an \
+             IP address; write an IPv6 address without brackets",
+        ),
+        (
+            &["--master-addr", "h:1"],
+            "give the port with --master-port",
+        ),
+        (
+            &["--local-addr", "a b"],
+            "--local-addr \"a b\": expected a host name",
+        ),
+    ];
+    for (args, expect) in cases {
+        let a = run(args);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        usage_error(&a, &[], expect);
+    }
+    // The same values from the environment (NRUN_/PET_) are checked alike.
+    usage_error(
+        &["--no-python", "true"],
+        &[("PET_RDZV_ENDPOINT", "[::1")],
+        "'[' has no closing ']'",
+    );
+}
+
+/// Values torch accepts still run; unknown --rdzv-conf keys are one warning line, however many.
+#[test]
+fn good_values_run_and_unknown_keys_warn_once() {
+    let s = Scene::new();
+    let out = s.run(
+        &[
+            "--rdzv-endpoint",
+            "[::1]:0",
+            "--rdzv-conf",
+            "is_host=YES,use_libuv=0,timeout=900,read_timeout=60",
+            "--log-line-prefix-template",
+            "${host}/${role_name}/${rank}/${local_rank}: ",
+            "--min-busbw",
+            "0",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let conf: Vec<String> = (0..5000).map(|i| format!("k{i}=1")).collect();
+    let conf = conf.join(",");
+    let out = s.run(&["--rdzv-conf", &conf, "--no-python", "true"], &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("--rdzv-conf")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("5000 unknown keys (\"k0\", \"k1\"") && lines[0].contains("4992 more"),
+        "{err}"
+    );
+}
+
+/// Inputs are bounded before anything is spawned: workers per node, hostfile kind and size,
+/// host count.
+#[test]
+fn unbounded_inputs_are_refused_before_spawning() {
+    usage_error(
+        &["--nproc", "100000", "--no-python", "true"],
+        &[],
+        "--nproc-per-node 100000: at most 4096 workers per node",
+    );
+    for dev in ["/dev/zero", "/dev/urandom"] {
+        usage_error(
+            &["--hostfile", dev, "--no-python", "true"],
+            &[],
+            &format!("--hostfile {dev}: is a device; give a regular file of host lines"),
+        );
+    }
+    let s = Scene::new();
+    let fifo = s.dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let fifo = fifo.to_str().unwrap();
+    usage_error(
+        &["--hostfile", fifo, "--no-python", "true"],
+        &[],
+        "is a FIFO (a pipe, as <(...) gives",
+    );
+    let big = s.dir.path().join("big");
+    std::fs::write(&big, vec![b'#'; (16 << 20) + 1]).unwrap();
+    usage_error(
+        &["--hostfile", big.to_str().unwrap(), "--no-python", "true"],
+        &[],
+        "is larger than 16 MiB",
+    );
+    let many: Vec<String> = (0..16_385).map(|i| format!("h{i}")).collect();
+    let hostfile = s.dir.path().join("many");
+    std::fs::write(&hostfile, many.join("\n")).unwrap();
+    usage_error(
+        &[
+            "--hostfile",
+            hostfile.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+        "more than 16384 hosts",
+    );
+    usage_error(
+        &["-H", &many.join(","), "--no-python", "true"],
+        &[],
+        "-H/--hosts names more than 16384 hosts",
+    );
+}
+
+/// More ssh nodes than the open-file limit holds: the system's refusal (exit 1, as the table
+/// says), naming `ulimit -n`, before any ssh starts.
+#[test]
+fn too_many_nodes_for_the_open_file_limit_exit_1() {
+    let hosts: Vec<String> = (0..400).map(|i| format!("h{i}")).collect();
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
+        .arg(nrun_bin())
+        .args(["-H", &hosts.join(","), "--no-python", "true"])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("nrun: error: 400 nodes started over ssh need about 2064 open files")
+            && err.contains("allows 1024 (hard limit): raise it (ulimit -n 2064"),
+        "{err}"
+    );
+}
+
+/// A node count is bounded as a host list is: c10d lays out every node up front (found by the
+/// fuzz: 99999999999 nodes aborted on a 6 TB allocation).
+#[test]
+fn huge_node_counts_are_usage_errors() {
+    usage_error(
+        &[
+            "--nnodes",
+            "99999999999",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            "--no-python",
+            "true",
+        ],
+        &[],
+        "--nnodes \"99999999999\": at most 16384 nodes",
+    );
+    usage_error(
+        &["--nnodes", "1:16385", "--no-python", "true"],
+        &[],
+        "at most 16384 nodes",
+    );
+}
+
+/// A seeded sample of hostile values for the flags a one-node run reads, through the real
+/// binary (the in-process fuzz in src/plan/fuzz.rs covers every flag): exit 0, 1 or 2, never a
+/// panic or a backtrace. The target is always `true`, so nothing runs for long.
+#[test]
+fn hostile_values_through_the_binary_exit_0_1_or_2() {
+    const FLAGS: &[&str] = &[
+        "--rdzv-conf",
+        "--rdzv-endpoint",
+        "--min-busbw",
+        "--min-efficiency",
+        "--log-line-prefix-template",
+        "--monitor-interval",
+        "--master-addr",
+        "--local-addr",
+        "--store-max-bytes",
+        "--signals-to-handle",
+        "--redirects",
+        "--tee",
+        "--local-ranks-filter",
+        "--stdin",
+        "--numa-binding",
+        "--color",
+        "--role",
+        "--shutdown-timeout",
+        "--max-restarts",
+        "--hang-timeout",
+        "--rdzv-id",
+        "--preflight-sizes",
+        "--nproc",
+    ];
+    const VALUES: &[&str] = &[
+        "",
+        "0",
+        "1",
+        "2",
+        "-1",
+        "1e400",
+        "nan",
+        "inf",
+        "-inf",
+        "[::1",
+        "[::1]x",
+        "::1]",
+        "a:b:c",
+        "h:99999",
+        ":80",
+        "timeout=1e400",
+        "is_host=maybe",
+        "a=1,b=2",
+        "${nope}",
+        "${rank",
+        "${rank}",
+        "0:3,1:1",
+        "99999999T",
+        "SIGKILL",
+        "é",
+        "a\nb",
+        "\u{1b}[31m",
+        "18446744073709551616",
+        "x=",
+        ",,",
+        "[fe80::1]:4",
+        "../x",
+        "8:1:2",
+        "3",
+    ];
+    // xorshift64*: a fixed sequence, the same on every run.
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = |n: usize| {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as usize % n
+    };
+    let s = Scene::new();
+    for _ in 0..40 {
+        let mut args: Vec<&str> = Vec::new();
+        for _ in 0..1 + next(3) {
+            args.push(FLAGS[next(FLAGS.len())]);
+            args.push(VALUES[next(VALUES.len())]);
+        }
+        args.extend(["--no-preflight", "--watch", "off", "--no-python", "true"]);
+        let out = s.run(&args, &[]);
+        let err = text(&out.stderr);
+        assert!(
+            matches!(out.status.code(), Some(0..=2)),
+            "{args:?}: {:?} {err}",
+            out.status
+        );
+        assert!(
+            !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+            "{args:?}: {err}"
+        );
+    }
+}

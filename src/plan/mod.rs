@@ -10,6 +10,8 @@
 //! - [`env`]: forwarded variables, `.nrun_env`, `-x`, and warnings about variables.
 
 pub mod env;
+#[cfg(test)]
+mod fuzz;
 pub mod nodes;
 
 pub use nodes::NodesPlan;
@@ -374,8 +376,9 @@ impl RunSettings {
             job:
                 JobArgs {
                     max_restarts,
-                    // nrun reacts to exits at once; accepted for torchrun's command lines.
-                    monitor_interval: _,
+                    // nrun reacts to exits at once; accepted (and checked) for torchrun's
+                    // command lines.
+                    monitor_interval,
                     shutdown_timeout,
                     log_dir,
                     redirects,
@@ -399,10 +402,19 @@ impl RunSettings {
             command,
         } = run;
         compat.notes();
+        if let Some(m) = monitor_interval {
+            positive_secs("--monitor-interval", *m, true)?;
+        }
         let nproc = resolve_nproc(nproc_per_node, env)?;
         // Elastic MIN:MAX: up to MAX nodes, going on with MIN or more.
         let (min_nodes, nnodes) = parse_nnodes(&rdzv.nnodes)?;
         let (rdzv_join_timeout, last_call) = parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?;
+        if let Some(a) = &rdzv.master_addr {
+            check_host("--master-addr", a)?;
+        }
+        if let Some(a) = &rdzv.local_addr {
+            check_host("--local-addr", a)?;
+        }
         // The run id names log directories: it must stay one path component.
         let run_id = match &rdzv.rdzv_id {
             Some(id) if id.is_empty() || id.contains('/') || id == "." || id == ".." => {
@@ -529,7 +541,10 @@ impl RunSettings {
             set_omp_threads: nproc > 1 && env("OMP_NUM_THREADS").is_none(),
             set_async_error_handling: env("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none(),
             console: ConsolePlan {
-                prefix_template: log_line_prefix_template.clone(),
+                prefix_template: match log_line_prefix_template {
+                    Some(t) => Some(check_prefix_template(t)?),
+                    None => None,
+                },
                 color: resolve_color(*color, env),
             },
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
@@ -815,6 +830,17 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
         report,
         preflight_loopback,
     } = args;
+    // Checked whether or not a preflight runs: a bad value is a bad value.
+    if let Some(b) = min_busbw.filter(|b| !(b.is_finite() && *b >= 0.0)) {
+        return Err(Error::usage(format!(
+            "--min-busbw {b} must be a non-negative number of GB/s (finite, 0 or more)"
+        )));
+    }
+    if !(min_efficiency.is_finite() && (0.0..=1.0).contains(min_efficiency)) {
+        return Err(Error::usage(format!(
+            "--min-efficiency {min_efficiency} must be a fraction in [0, 1] (0 turns it off)"
+        )));
+    }
     let mut mode: Option<Option<Mode>> = None;
     let mut warn_only = false;
     for part in preflight
@@ -861,19 +887,7 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
     };
     let mut pf = sweep_plan(sweep, mode)?;
     pf.warn_only = warn_only;
-    pf.min_busbw = match min_busbw {
-        Some(b) if !(b.is_finite() && *b >= 0.0) => {
-            return Err(Error::usage(format!(
-                "--min-busbw {b} must be a non-negative number of GB/s"
-            )));
-        }
-        b => *b,
-    };
-    if !(min_efficiency.is_finite() && (0.0..=1.0).contains(min_efficiency)) {
-        return Err(Error::usage(format!(
-            "--min-efficiency {min_efficiency} must be a fraction in [0, 1] (0 turns it off)"
-        )));
-    }
+    pf.min_busbw = *min_busbw;
     pf.min_efficiency = *min_efficiency;
     for w in waive
         .iter()
@@ -977,7 +991,50 @@ fn find_python(python: Option<&Path>, env: Env<'_>) -> Option<PathBuf> {
     find_program(&python_name(python, env), env("PATH").as_deref())
 }
 
+/// Most workers one node runs: far above any machine's GPUs or useful CPU workers, and low
+/// enough that a typo (`--nproc 100000`) is refused before anything is spawned.
+pub const MAX_NPROC: usize = 4096;
+
+/// The soft limit on this user's processes (`ulimit -u`), where there is one and the kernel
+/// enforces it (not for root).
+fn process_limit() -> Option<u64> {
+    // SAFETY: a plain syscall.
+    if unsafe { libc::geteuid() } == 0 {
+        return None;
+    }
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a plain syscall on a local struct.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut l) } == 0;
+    (ok && l.rlim_cur != libc::RLIM_INFINITY).then_some(l.rlim_cur)
+}
+
+/// `--nproc-per-node`: the count, at most [`MAX_NPROC`] and at most what this machine's process
+/// limit lets one user run.
 fn resolve_nproc(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let n = resolve_nproc_value(s, env)?;
+    check_nproc(n, process_limit())
+}
+
+fn check_nproc(n: usize, process_limit: Option<u64>) -> Result<usize> {
+    if n > MAX_NPROC {
+        return Err(Error::usage(format!(
+            "--nproc-per-node {n}: at most {MAX_NPROC} workers per node; use more nodes for more \
+             workers"
+        )));
+    }
+    if let Some(limit) = process_limit.filter(|l| n as u64 > *l) {
+        return Err(Error::usage(format!(
+            "--nproc-per-node {n}: this machine lets this user run at most {limit} processes \
+             (ulimit -u); ask for fewer workers or raise the limit"
+        )));
+    }
+    Ok(n)
+}
+
+fn resolve_nproc_value(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
     let cpus = || std::thread::available_parallelism().map_or(1, |n| n.get());
     match s {
         "cpu" => Ok(cpus()),
@@ -1027,6 +1084,13 @@ fn parse_nnodes(s: &str) -> Result<(usize, usize)> {
     if lo == 0 || lo > hi {
         return Err(bad());
     }
+    // c10d and static launches lay out every node up front: bounded as a host list is.
+    if hi > crate::hosts::MAX_HOSTS {
+        return Err(Error::usage(format!(
+            "--nnodes {s:?}: at most {} nodes",
+            crate::hosts::MAX_HOSTS
+        )));
+    }
     Ok((lo, hi))
 }
 
@@ -1047,28 +1111,103 @@ fn parse_rank_set(s: &str, nproc: usize) -> Result<BTreeSet<usize>> {
     Ok(set)
 }
 
+/// An address flag's value (`--master-addr`, `--local-addr`): a host name (letters, digits,
+/// '-', '.', '_') or an IP address (IPv6 bare, as workers get it in MASTER_ADDR, with an
+/// optional zone). The port has its own flag.
+fn check_host(flag: &str, s: &str) -> Result<()> {
+    let v6 = s
+        .split_once('%')
+        .map_or(s, |(a, _)| a)
+        .parse::<std::net::Ipv6Addr>()
+        .is_ok();
+    let name = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+    if v6 || name {
+        return Ok(());
+    }
+    let hint = if s.contains(['[', ']']) {
+        "; write an IPv6 address without brackets"
+    } else if s.contains(':') {
+        "; give the port with --master-port"
+    } else {
+        ""
+    };
+    Err(Error::usage(format!(
+        "{flag} {s:?}: expected a host name (letters, digits, '-', '.', '_') or an IP address{hint}"
+    )))
+}
+
+/// `--rdzv-endpoint HOST[:PORT]`: `[v6]:port`, `[v6]`, a bare IPv6 address, `host:port` or
+/// `host`. Anything else (unbalanced brackets, text after `]`, an empty host, a port outside
+/// 0-65535, a character no host name or address has) is refused, naming what is accepted.
 fn split_host_port(s: &str) -> Result<(String, Option<u16>)> {
-    // [v6]:port, v6 alone, host:port or host.
+    split_endpoint("--rdzv-endpoint", s)
+}
+
+/// [`split_host_port`] for `flag`'s value, named in its errors.
+fn split_endpoint(flag: &str, s: &str) -> Result<(String, Option<u16>)> {
+    let bad = |why: String| {
+        Error::usage(format!(
+            "{flag} {s:?}: {why}; expected HOST, HOST:PORT, [IPV6] or [IPV6]:PORT \
+             (port 0-65535)"
+        ))
+    };
+    let port_of = |p: &str| {
+        p.parse::<u16>()
+            .map_err(|_| bad(format!("{p:?} is not a port")))
+    };
+    let is_v6 = |a: &str| {
+        // A zone (`fe80::1%eth0`) is allowed after the address.
+        let addr = a.split_once('%').map_or(a, |(a, _)| a);
+        addr.parse::<std::net::Ipv6Addr>().is_ok()
+    };
     if let Some(rest) = s.strip_prefix('[') {
-        if let Some((h, p)) = rest.split_once(']') {
-            let port = match p.strip_prefix(':') {
-                Some(p) => Some(
-                    p.parse()
-                        .map_err(|_| Error::usage(format!("bad port in {s:?}")))?,
-                ),
-                None => None,
-            };
-            return Ok((h.to_string(), port));
+        let Some((h, after)) = rest.split_once(']') else {
+            return Err(bad("'[' has no closing ']'".into()));
+        };
+        if !is_v6(h) {
+            return Err(bad(format!("{h:?} in brackets is not an IPv6 address")));
         }
+        let port = match after {
+            "" => None,
+            p => match p.strip_prefix(':') {
+                Some(p) => Some(port_of(p)?),
+                None => return Err(bad(format!("{after:?} after ']'"))),
+            },
+        };
+        return Ok((h.to_string(), port));
     }
-    if s.matches(':').count() == 1 {
-        let (h, p) = s.split_once(':').unwrap_or((s, ""));
-        let port = p
-            .parse()
-            .map_err(|_| Error::usage(format!("bad port in {s:?}: {p:?}")))?;
-        return Ok((h.to_string(), Some(port)));
+    if s.contains(['[', ']']) {
+        return Err(bad("unbalanced brackets".into()));
     }
-    Ok((s.to_string(), None))
+    let (host, port) = match s.matches(':').count() {
+        0 => (s, None),
+        1 => {
+            let (h, p) = s.split_once(':').unwrap_or((s, ""));
+            (h, Some(port_of(p)?))
+        }
+        _ if is_v6(s) => return Ok((s.to_string(), None)),
+        _ => {
+            return Err(bad(
+                "several ':' but not an IPv6 address (an IPv6 address with a port is written \
+                 [ADDR]:PORT)"
+                    .into(),
+            ));
+        }
+    };
+    if host.is_empty() {
+        return Err(bad("no host".into()));
+    }
+    if !host
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
+    {
+        return Err(bad(format!(
+            "{host:?} is not a host name or address (letters, digits, '-', '.', '_')"
+        )));
+    }
+    Ok((host.to_string(), port))
 }
 
 fn resolve_store(rdzv: &RendezvousArgs, nnodes: usize, uses_hosts: bool) -> Result<StorePlan> {
@@ -1170,7 +1309,11 @@ fn resolve_c10d(
              store (the same on every node)",
         ));
     };
-    let (host, port) = split_host_port(ep)?;
+    let flag = match rdzv.rdzv_endpoint {
+        Some(_) => "--rdzv-endpoint",
+        None => "--master-addr",
+    };
+    let (host, port) = split_endpoint(flag, ep)?;
     let port = port.or(rdzv.master_port).unwrap_or(29400);
     if port == 0 {
         return Err(Error::usage(
@@ -1260,10 +1403,58 @@ fn uuid4() -> Result<String> {
 /// torchrun's default wait for more nodes once MIN have joined.
 const LAST_CALL: Duration = Duration::from_secs(30);
 
-/// `--rdzv-conf k=v,...` (torchrun's keys): the join timeout, if given, and the last call; the
-/// other keys are checked for form and accepted.
+/// The fields `--log-line-prefix-template` may name.
+const PREFIX_FIELDS: [&str; 4] = ["rank", "local_rank", "role_name", "host"];
+
+/// `--log-line-prefix-template`: every `${...}` must be one of [`PREFIX_FIELDS`] and closed.
+fn check_prefix_template(t: &str) -> Result<String> {
+    let known = || {
+        PREFIX_FIELDS
+            .iter()
+            .map(|f| format!("${{{f}}}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut rest = t;
+    while let Some(at) = rest.find("${") {
+        let after = &rest[at + 2..];
+        let Some(end) = after.find('}') else {
+            return Err(Error::usage(format!(
+                "--log-line-prefix-template {t:?}: a '${{' is not closed by '}}'; the fields are {}",
+                known()
+            )));
+        };
+        let name = &after[..end];
+        if !PREFIX_FIELDS.contains(&name) {
+            return Err(Error::usage(format!(
+                "--log-line-prefix-template {t:?}: unknown field ${{{name}}}; the fields are {}",
+                known()
+            )));
+        }
+        rest = &after[end + 1..];
+    }
+    Ok(t.to_string())
+}
+
+/// torchrun's boolean spellings (`RendezvousParameters.get_as_bool`), any case.
+fn parse_bool(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "t" | "yes" | "y" => Some(true),
+        "0" | "false" | "f" | "no" | "n" => Some(false),
+        _ => None,
+    }
+}
+
+/// Unknown `--rdzv-conf` keys named in the one warning line, at most.
+const UNKNOWN_KEYS_SHOWN: usize = 8;
+
+/// `--rdzv-conf k=v,...` (torchrun's keys): the join timeout, if given, and the last call.
+/// Every key nrun knows has its value checked (durations finite and in range, booleans as
+/// torch spells them, counts whole numbers), even those with no effect here; unknown keys are
+/// warned about once, in one line.
 fn parse_rdzv_conf(s: Option<&str>) -> Result<(Option<Duration>, Duration)> {
     let (mut join, mut last) = (None, LAST_CALL);
+    let mut unknown: Vec<&str> = Vec::new();
     for kv in s
         .unwrap_or("")
         .split(',')
@@ -1275,31 +1466,86 @@ fn parse_rdzv_conf(s: Option<&str>) -> Result<(Option<Duration>, Duration)> {
                 "--rdzv-conf {kv:?}: expected KEY=VALUE, e.g. join_timeout=600"
             )));
         };
-        let secs = |name: &str| -> Result<Duration> {
-            let n = v
-                .trim()
-                .parse::<f64>()
-                .map_err(|_| Error::usage(format!("--rdzv-conf {name}={v}: expected seconds")))?;
-            positive_secs(&format!("--rdzv-conf {name}"), n, true)
+        let (k, v) = (k.trim(), v.trim());
+        let secs = || -> Result<Duration> {
+            v.parse::<f64>()
+                .ok()
+                .and_then(|n| positive_secs(k, n, true).ok())
+                .ok_or_else(|| {
+                    Error::usage(format!(
+                        "--rdzv-conf {k}={v}: expected a number of seconds, from 0 to \
+                         {MAX_SECS:.0}"
+                    ))
+                })
         };
-        match k.trim() {
-            "join_timeout" => join = Some(secs("join_timeout")?),
-            "last_call_timeout" => last = secs("last_call_timeout")?,
-            "timeout"
-            | "close_timeout"
-            | "read_timeout"
-            | "is_host"
-            | "keep_alive_interval"
-            | "keep_alive_max_attempt"
-            | "use_libuv"
-            | "store_type" => {}
-            other => tracing::info!("--rdzv-conf: {other} has no meaning for nrun; ignored"),
+        match k {
+            "join_timeout" => join = Some(secs()?),
+            "last_call_timeout" => last = secs()?,
+            "timeout" | "close_timeout" | "read_timeout" | "keep_alive_interval" => {
+                secs()?;
+            }
+            "is_host" | "use_libuv" => {
+                if parse_bool(v).is_none() {
+                    return Err(Error::usage(format!(
+                        "--rdzv-conf {k}={v}: expected a boolean: true, false, 1, 0, yes, no \
+                         (also t, f, y, n)"
+                    )));
+                }
+            }
+            "keep_alive_max_attempt" => {
+                if v.parse::<u32>().is_err() {
+                    return Err(Error::usage(format!(
+                        "--rdzv-conf {k}={v}: expected a whole number from 0 to {}",
+                        u32::MAX
+                    )));
+                }
+            }
+            "store_type" => {
+                if v.is_empty() {
+                    return Err(Error::usage(format!(
+                        "--rdzv-conf {k}=: expected a store type, e.g. tcp"
+                    )));
+                }
+            }
+            other => {
+                if !unknown.contains(&other) {
+                    unknown.push(other);
+                }
+            }
         }
     }
     if join.is_some_and(|j| j.is_zero()) {
         return Err(Error::usage("--rdzv-conf join_timeout must be more than 0"));
     }
+    if !unknown.is_empty() {
+        tracing::warn!("{}", unknown_keys_line(&unknown));
+    }
     Ok((join, last))
+}
+
+/// The one line about unknown `--rdzv-conf` keys: the first few named, the rest counted.
+fn unknown_keys_line(unknown: &[&str]) -> String {
+    let shown: Vec<String> = unknown
+        .iter()
+        .take(UNKNOWN_KEYS_SHOWN)
+        .map(|k| format!("{k:?}"))
+        .collect();
+    let more = match unknown.len().saturating_sub(UNKNOWN_KEYS_SHOWN) {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    let (noun, verb) = match unknown.len() {
+        1 => ("key", "has"),
+        _ => ("keys", "have"),
+    };
+    format!(
+        "--rdzv-conf: {} unknown {noun} ({}{more}) {verb} no meaning for nrun and {} ignored; \
+         nrun knows join_timeout, last_call_timeout, timeout, close_timeout, read_timeout, \
+         keep_alive_interval, keep_alive_max_attempt, is_host, use_libuv, store_type",
+        unknown.len(),
+        shown.join(", "),
+        if unknown.len() == 1 { "is" } else { "are" },
+    )
 }
 
 /// `--color`: auto (a terminal, and NO_COLOR unset or empty), always, never.
@@ -1675,6 +1921,169 @@ mod tests {
         .unwrap();
         let e = resolve(cli, &|k| std::env::var(k).ok()).unwrap_err();
         assert!(e.message.contains("CUDA_VISIBLE_DEVICES"), "{}", e.message);
+    }
+
+    #[test]
+    fn addresses_checked() {
+        for good in [
+            "gpu1",
+            "10.0.0.1",
+            "fe80::1",
+            "fe80::1%eth0",
+            "node-1.example_x",
+        ] {
+            check_host("--master-addr", good).unwrap();
+        }
+        for bad in ["", "[::1]", "[::1", "h:29500", "a b", "h/x", "é"] {
+            let e = check_host("--master-addr", bad).unwrap_err();
+            assert_eq!(e.code, crate::error::exit::USAGE, "{bad:?}");
+            assert!(e.message.contains("expected a host name"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn nnodes_is_bounded() {
+        assert_eq!(parse_nnodes("16384").unwrap(), (16384, 16384));
+        assert!(parse_nnodes("16385").is_err());
+        assert!(parse_nnodes("1:99999999999").is_err());
+        assert!(parse_nnodes("18446744073709551616").is_err());
+    }
+
+    #[test]
+    fn nproc_is_bounded() {
+        assert_eq!(check_nproc(MAX_NPROC, None).unwrap(), MAX_NPROC);
+        let e = check_nproc(MAX_NPROC + 1, None).unwrap_err();
+        assert_eq!(e.code, crate::error::exit::USAGE);
+        assert!(
+            e.message.contains("at most 4096 workers per node"),
+            "{}",
+            e.message
+        );
+        let e = check_nproc(100, Some(50)).unwrap_err();
+        assert!(
+            e.message.contains("at most 50 processes (ulimit -u)"),
+            "{}",
+            e.message
+        );
+        assert_eq!(check_nproc(50, Some(50)).unwrap(), 50);
+        let e = resolve_nproc("100000", &|_| None).unwrap_err();
+        assert_eq!(e.code, crate::error::exit::USAGE);
+    }
+
+    #[test]
+    fn endpoints_malformed_are_refused() {
+        for bad in [
+            "[::1",
+            "[::1]x",
+            "[::1]:",
+            "[::1]:70000",
+            "[nope]:1",
+            "::1]",
+            "a]",
+            "host:",
+            ":80",
+            "a:b:c:d",
+            "h st:1",
+            "h/x",
+            "",
+            "[]:1",
+        ] {
+            let e = split_endpoint("--rdzv-endpoint", bad).unwrap_err();
+            assert_eq!(e.code, crate::error::exit::USAGE, "{bad:?}");
+            assert!(
+                e.message.contains("expected HOST, HOST:PORT"),
+                "{}",
+                e.message
+            );
+        }
+        assert_eq!(
+            split_endpoint("--rdzv-endpoint", "[fe80::1%eth0]:7").unwrap(),
+            ("fe80::1%eth0".into(), Some(7))
+        );
+        assert_eq!(
+            split_endpoint("--rdzv-endpoint", "[::1]").unwrap(),
+            ("::1".into(), None)
+        );
+        assert_eq!(
+            split_endpoint("--rdzv-endpoint", "node-1.example_x:0").unwrap(),
+            ("node-1.example_x".into(), Some(0))
+        );
+    }
+
+    #[test]
+    fn rdzv_conf_values_checked() {
+        for bad in [
+            "timeout=1e400",
+            "timeout=nan",
+            "read_timeout=-1",
+            "close_timeout=x",
+            "last_call_timeout=inf",
+            "keep_alive_interval=1e9",
+            "is_host=maybe",
+            "use_libuv=2",
+            "keep_alive_max_attempt=-1",
+            "store_type=",
+        ] {
+            let e = parse_rdzv_conf(Some(bad)).unwrap_err();
+            assert_eq!(e.code, crate::error::exit::USAGE, "{bad:?}");
+        }
+        for good in [
+            "is_host=true",
+            "is_host=0",
+            "is_host=YES",
+            "use_libuv=no",
+            "timeout=0",
+        ] {
+            parse_rdzv_conf(Some(good)).unwrap();
+        }
+        let (join, last) = parse_rdzv_conf(Some("join_timeout=5, last_call_timeout=1.5")).unwrap();
+        assert_eq!(join, Some(Duration::from_secs(5)));
+        assert_eq!(last, Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn unknown_rdzv_conf_keys_are_one_line() {
+        let keys: Vec<String> = (0..5000).map(|i| format!("k{i}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let line = unknown_keys_line(&refs);
+        assert!(!line.contains('\n'));
+        assert!(line.contains("5000 unknown keys"), "{line}");
+        assert!(line.contains("and 4992 more"), "{line}");
+        assert!(line.len() < 400, "{line}");
+        assert!(unknown_keys_line(&["x"]).contains("1 unknown key (\"x\") has"));
+    }
+
+    #[test]
+    fn prefix_template_fields() {
+        for good in [
+            "",
+            "[${rank}]",
+            "${local_rank}/${role_name}@${host}: ",
+            "$rank {x} $ {",
+        ] {
+            assert_eq!(check_prefix_template(good).unwrap(), good);
+        }
+        for bad in ["${nope}", "${rank", "${}", "${ rank}", "a${rank}${RANK}"] {
+            let e = check_prefix_template(bad).unwrap_err();
+            assert!(
+                e.message.contains("${local_rank}, ${role_name}, ${host}"),
+                "{}",
+                e.message
+            );
+        }
+    }
+
+    #[test]
+    fn booleans_as_torch_spells_them() {
+        for t in ["1", "true", "TRUE", "t", "yes", "Y"] {
+            assert_eq!(parse_bool(t), Some(true), "{t}");
+        }
+        for f in ["0", "false", "F", "no", "n"] {
+            assert_eq!(parse_bool(f), Some(false), "{f}");
+        }
+        for x in ["maybe", "", "2", "on"] {
+            assert_eq!(parse_bool(x), None, "{x}");
+        }
     }
 
     #[test]

@@ -126,8 +126,7 @@ impl NodesPlan {
             (Some(h), None) => Some(hosts::parse_hosts_flag(h)?),
             (None, Some(f)) => {
                 let origin = f.display().to_string();
-                let text = std::fs::read_to_string(f)
-                    .map_err(|e| Error::usage(format!("--hostfile {origin}: {e}")))?;
+                let text = read_hostfile(f, &origin)?;
                 let list = hosts::parse_hostfile(&text, &origin)?;
                 source_text = Some((origin, text));
                 Some(list)
@@ -243,6 +242,9 @@ impl NodesPlan {
                 "--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself",
             ));
         }
+        if launcher == Launcher::Ssh {
+            check_fd_limit(list.len(), crate::node::process::fd_hard_limit())?;
+        }
         let layout = hosts::rank_layout(&list, shape.nproc)?;
         let pinned = nodes.env.iter().any(|(k, _)| k == "CUDA_VISIBLE_DEVICES");
         nodes.layout = Vec::with_capacity(list.len());
@@ -279,5 +281,153 @@ impl NodesPlan {
         };
         nodes.hosts = list;
         Ok(nodes)
+    }
+}
+
+/// Open files the launch host holds for each node started over ssh for the whole run: the ssh
+/// child's stdin, stdout and stderr pipes and the agent's two store connections.
+pub const FDS_PER_SSH_NODE: u64 = 5;
+/// Open files kept for everything else (the store's listener, logs, the local node's workers'
+/// first connections).
+const FDS_RESERVED: u64 = 64;
+
+/// Refuses (exit 1: the system's limit, not the input) a host list that this process's open-file
+/// limit cannot hold: nrun raises its soft limit to the hard one, so the hard limit is what
+/// counts. `hard` None: unlimited or unknown.
+fn check_fd_limit(nodes: usize, hard: Option<u64>) -> Result<()> {
+    let needed = nodes as u64 * FDS_PER_SSH_NODE + FDS_RESERVED;
+    match hard {
+        Some(hard) if hard < needed => Err(Error::internal(format!(
+            "{nodes} nodes started over ssh need about {needed} open files here ({FDS_PER_SSH_NODE} \
+             per node: ssh's pipes and the agent's store connections), but this host allows \
+             {hard} (hard limit): raise it (ulimit -n {needed} as root, or nofile in \
+             /etc/security/limits.conf) or use fewer nodes"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Largest hostfile read: 16 MiB is hundreds of thousands of lines, more than [`hosts::MAX_HOSTS`]
+/// needs, and bounds what a wrong path (a log, an image) costs.
+pub const MAX_HOSTFILE_BYTES: u64 = 16 << 20;
+
+/// A hostfile's text: a regular file (not a device such as /dev/zero or /dev/urandom, not a
+/// FIFO, socket or directory, which could block or never end) of at most
+/// [`MAX_HOSTFILE_BYTES`], in UTF-8. The file is opened without blocking and checked again
+/// once open, so one swapped in between cannot hang the read either.
+fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let bad = |why: String| Error::usage(format!("--hostfile {origin}: {why}"));
+    let not_regular = |m: &std::fs::Metadata| {
+        use std::os::unix::fs::FileTypeExt;
+        let t = m.file_type();
+        let what = if t.is_dir() {
+            "a directory"
+        } else if t.is_fifo() {
+            "a FIFO (a pipe, as <(...) gives: a writer that never ends would hang nrun)"
+        } else if t.is_char_device() || t.is_block_device() {
+            "a device"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        };
+        bad(format!(
+            "is {what}; give a regular file of host lines (`host slots=N`, `host:N` or `host`)"
+        ))
+    };
+    let too_big = || {
+        bad(format!(
+            "is larger than {} MiB; a hostfile lists at most {} hosts, one per line",
+            MAX_HOSTFILE_BYTES >> 20,
+            hosts::MAX_HOSTS
+        ))
+    };
+    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    if meta.len() > MAX_HOSTFILE_BYTES {
+        return Err(too_big());
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| bad(e.to_string()))?;
+    let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_HOSTFILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| bad(e.to_string()))?;
+    if bytes.len() as u64 > MAX_HOSTFILE_BYTES {
+        return Err(too_big());
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        bad(format!(
+            "is not UTF-8 text (invalid byte at offset {}); write one host per line",
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fd_limit_refuses_too_many_ssh_nodes_as_a_system_refusal() {
+        let e = check_fd_limit(400, Some(1024)).unwrap_err();
+        assert_eq!(e.code, crate::error::exit::INTERNAL);
+        assert!(e.message.contains("ulimit -n 2064"), "{}", e.message);
+        check_fd_limit(400, None).unwrap();
+        check_fd_limit(192, Some(1024)).unwrap();
+        assert!(check_fd_limit(193, Some(1024)).is_err());
+    }
+
+    #[test]
+    fn hostfile_reads_only_bounded_regular_files() {
+        let msg = |p: &str| {
+            read_hostfile(std::path::Path::new(p), p)
+                .unwrap_err()
+                .message
+        };
+        assert!(
+            msg("/dev/zero").contains("is a device"),
+            "{}",
+            msg("/dev/zero")
+        );
+        assert!(msg("/dev/urandom").contains("is a device"));
+        assert!(msg("/").contains("is a directory"));
+        assert!(msg("/nonexistent/nrun-hosts").contains("No such file"));
+        let dir = std::env::temp_dir().join(format!("nrun-hostfile-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a plain syscall on a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = read_hostfile(&fifo, "fifo").unwrap_err();
+        assert!(e.message.contains("is a FIFO"), "{}", e.message);
+        let big = dir.join("big");
+        std::fs::write(&big, vec![b'a'; MAX_HOSTFILE_BYTES as usize + 1]).unwrap();
+        let e = read_hostfile(&big, "big").unwrap_err();
+        assert!(e.message.contains("larger than 16 MiB"), "{}", e.message);
+        let bin = dir.join("bin");
+        std::fs::write(&bin, b"node1\n\xff\xfe\n").unwrap();
+        let e = read_hostfile(&bin, "bin").unwrap_err();
+        assert!(
+            e.message
+                .contains("not UTF-8 text (invalid byte at offset 6)"),
+            "{}",
+            e.message
+        );
+        let ok = dir.join("ok");
+        std::fs::write(&ok, "node1 slots=2\n").unwrap();
+        assert_eq!(read_hostfile(&ok, "ok").unwrap(), "node1 slots=2\n");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
