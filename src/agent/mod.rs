@@ -57,12 +57,43 @@ pub fn main() -> u8 {
     code
 }
 
-/// Proves the run's secret on a connection; a run without one (a c10d rendezvous whose nodes
-/// share none) has nothing to prove.
-pub async fn prove(conn: &mut Client, secret: &str) -> std::io::Result<()> {
-    match secret.is_empty() {
-        true => Ok(()),
-        false => conn.authenticate(secret.as_bytes()).await,
+/// Proves the run's secret on a connection, after the store has proved it knows it too (a
+/// challenge of this side's own, answered with [`crate::store::auth::prove_store`]): a store
+/// that cannot is refused with an error of kind `PermissionDenied` naming the secret (see
+/// [`refusal`]). A run without a secret (a c10d rendezvous whose nodes share none) has nothing
+/// to prove. `at` names the store in messages.
+pub async fn prove(
+    conn: &mut Client,
+    secret: &str,
+    at: &(dyn std::fmt::Display + Sync),
+) -> std::io::Result<()> {
+    if secret.is_empty() {
+        return Ok(());
+    }
+    let mine = crate::store::auth::nonce()?;
+    let key = [crate::store::server::STORE_PROOF_PREFIX, &mine].concat();
+    // Something that is not nrun's store may never answer: no answer is no proof.
+    let answer = tokio::time::timeout(Duration::from_secs(10), conn.get(&key))
+        .await
+        .unwrap_or_else(|_| Ok(Vec::new()))?;
+    if !crate::store::auth::verify_store(secret.as_bytes(), &mine, &answer) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET differs?): \
+                 refusing it"
+            ),
+        ));
+    }
+    conn.authenticate(secret.as_bytes()).await
+}
+
+/// The error for a failed [`prove`]: a store refused for not knowing the secret as it is,
+/// anything else as `lost` words it.
+pub fn refusal(e: std::io::Error, lost: impl FnOnce(std::io::Error) -> Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::PermissionDenied => Error::helper(e.to_string()),
+        _ => lost(e),
     }
 }
 
@@ -148,7 +179,9 @@ pub async fn serve(
         .map_err(|e| Error::helper(format!("{me} cannot reach the launch host's store: {e}")))?;
     let lost =
         |e: std::io::Error| Error::helper(format!("{me}: lost the launch host's store: {e}"));
-    prove(&mut store, &hello.secret).await.map_err(lost)?;
+    prove(&mut store, &hello.secret, &reached)
+        .await
+        .map_err(|e| refusal(e, lost))?;
     store
         .set(&keys.observe(hello.node), b"")
         .await
@@ -304,7 +337,9 @@ impl Node {
         let mut conn = Client::connect(self.reached, Duration::from_secs(10))
             .await
             .map_err(lost)?;
-        prove(&mut conn, &self.secret).await.map_err(lost)?;
+        prove(&mut conn, &self.secret, &self.reached)
+            .await
+            .map_err(|e| refusal(e, lost))?;
         Ok(conn)
     }
 
@@ -443,4 +478,57 @@ async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr
         addrs.join(", "),
         errors.join("; ")
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::store::Store;
+    use crate::store::server;
+
+    async fn serve(store: Arc<Store>) -> SocketAddr {
+        let l = server::bind(0).unwrap();
+        let port = l.local_addr().unwrap().port();
+        let l = tokio::net::TcpListener::from_std(l).unwrap();
+        tokio::spawn(async move { server::serve(l, store, std::future::pending()).await });
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    async fn client(at: SocketAddr) -> Client {
+        Client::connect(at, Duration::from_secs(5)).await.unwrap()
+    }
+
+    /// The store proves the secret before the agent does: a store that knows it is served; one
+    /// with another secret (a wrong proof) or none (it stores anything and proves nothing, as a
+    /// fake that accepts any proof) is refused, naming the secret.
+    #[tokio::test]
+    async fn an_agent_refuses_a_store_that_does_not_know_the_secret() {
+        let good = serve(Store::with_secret(b"s3cret".to_vec())).await;
+        let mut c = client(good).await;
+        prove(&mut c, "s3cret", &good).await.unwrap();
+        c.set(b"nrun/r/x", b"1").await.unwrap();
+        assert_eq!(c.get(b"nrun/r/x").await.unwrap(), b"1", "authenticated");
+
+        for store in [Store::with_secret(b"other".to_vec()), Store::new()] {
+            let at = serve(store).await;
+            let mut c = client(at).await;
+            let e = prove(&mut c, "s3cret", &at).await.unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
+            let said = refusal(e, |e| Error::helper(format!("lost: {e}"))).message;
+            assert_eq!(
+                said,
+                format!(
+                    "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET \
+                     differs?): refusing it"
+                )
+            );
+        }
+
+        // Torch clients (no secret, no proof either way) still use the store.
+        let mut torch = client(good).await;
+        torch.set(b"/user", b"v").await.unwrap();
+        assert_eq!(torch.get(b"/user").await.unwrap(), b"v");
+    }
 }

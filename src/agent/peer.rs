@@ -47,7 +47,9 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
         );
     }
     let lost = |e: std::io::Error| Error::cluster(format!("the rendezvous at {endpoint}: {e}"));
-    super::prove(&mut store, &secret).await.map_err(lost)?;
+    super::prove(&mut store, &secret, &endpoint)
+        .await
+        .map_err(|e| Error::cluster(super::refusal(e, lost).message))?;
     // The host publishes its run's name as soon as its store is up.
     let run_key = c10d_run_key(&c.id);
     let wanted: [&[u8]; 1] = [&run_key];
@@ -109,7 +111,7 @@ pub(super) async fn heartbeat(addr: SocketAddr, secret: String, key: Vec<u8>) {
     let Ok(mut c) = Client::connect(addr, Duration::from_secs(5)).await else {
         return;
     };
-    if super::prove(&mut c, &secret).await.is_err() {
+    if super::prove(&mut c, &secret, &addr).await.is_err() {
         return;
     }
     loop {

@@ -3,6 +3,12 @@
 //! A sniffer sees a nonce and a proof good for that connection only. Values that start processes
 //! (the agents' steps) are sealed with the same MAC over their key and value, so an injected or
 //! replayed step is refused by the agent.
+//!
+//! The proof goes both ways: before proving the secret, a client that holds it (an agent, a
+//! joining c10d node) sends a challenge of its own and the store answers with
+//! [`prove_store`], a MAC under a label of its own, so a store's proof is never a client's
+//! (a fake store cannot reflect a client's challenge back to it) and a store that does not
+//! know the secret is refused before it can hand out a step.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -73,6 +79,22 @@ pub fn verify(secret: &[u8], nonce: &[u8], proof: &[u8]) -> bool {
     m.verify_slice(&p).is_ok()
 }
 
+/// The store's proof of `secret` for a client's challenge `nonce` (labelled apart from
+/// [`prove`]: neither proof stands for the other).
+pub fn prove_store(secret: &[u8], nonce: &[u8]) -> Vec<u8> {
+    mac(secret, &[b"nrun-store-proof", nonce])
+        .map(|m| hex(&m.finalize().into_bytes()).into_bytes())
+        .unwrap_or_default()
+}
+
+/// Whether the store's `proof` proves `secret` for the client's challenge `nonce`.
+pub fn verify_store(secret: &[u8], nonce: &[u8], proof: &[u8]) -> bool {
+    let (Some(p), Some(m)) = (unhex(proof), mac(secret, &[b"nrun-store-proof", nonce])) else {
+        return false;
+    };
+    m.verify_slice(&p).is_ok()
+}
+
 /// `value` stored under `key`, sealed: the MAC (hex), a newline, the value.
 pub fn seal(secret: &[u8], key: &[u8], value: &[u8]) -> Vec<u8> {
     let tag = mac(secret, &[b"nrun-seal", key, value])
@@ -122,6 +144,18 @@ mod tests {
             "replayed under another key"
         );
         assert_eq!(open(b"other", b"nrun/r/n0/step/3", &sealed), None);
+        // The store's proof: its own label, so it is never a client's proof (no reflection).
+        let mine = nonce().unwrap();
+        let answer = prove_store(b"s3cret", &mine);
+        assert!(verify_store(b"s3cret", &mine, &answer));
+        assert!(!verify_store(b"guess", &mine, &answer));
+        assert!(!verify_store(b"s3cret", &nonce().unwrap(), &answer));
+        assert!(!verify_store(b"s3cret", &mine, b""), "no proof");
+        assert!(
+            !verify_store(b"s3cret", &mine, &prove(b"s3cret", &mine)),
+            "a client's proof reflected back is no store's proof"
+        );
+        assert!(!verify(b"s3cret", &mine, &answer));
         let mut forged = sealed.clone();
         *forged.last_mut().unwrap() ^= 1;
         assert_eq!(open(b"k", b"nrun/r/n0/step/3", &forged), None);
