@@ -211,7 +211,11 @@ pub async fn serve(
     })
     .await
     .map_err(|e| Error::helper(e.to_string()))?;
+    // This join's own nonce: steps sealed for it cover it (no replay from an earlier run).
+    let nonce = crate::store::auth::random_hex()
+        .map_err(|e| Error::helper(format!("{me}: no random bytes from the OS: {e}")))?;
     let joined = Joined {
+        nonce: nonce.clone(),
         local_addr: local.to_string(),
         reached: reached.to_string(),
         probe_addr: probe_addr.to_string(),
@@ -234,6 +238,7 @@ pub async fn serve(
         keys,
         reached,
         secret: hello.secret.clone(),
+        nonce,
         index: hello.node,
         me,
     };
@@ -246,6 +251,8 @@ struct Node {
     keys: Keys,
     reached: SocketAddr,
     secret: String,
+    /// Chosen for this join and published in its [`Joined`] record: steps are sealed for it.
+    nonce: String,
     index: usize,
     /// "label (host)", for messages.
     me: String,
@@ -308,8 +315,10 @@ impl Node {
         Ok(None)
     }
 
-    /// Waits for step `no` and opens it: only steps sealed with the run's secret are run, so
-    /// nothing injected starts a process.
+    /// Waits for step `no` and opens it: only steps sealed with the run's secret for this
+    /// join's nonce are run, so nothing injected starts a process, nor does a step captured
+    /// from an earlier run. A step sealed before this node joined (bound to no nonce) is taken
+    /// only if it runs nothing: an idle step or the End.
     async fn next_step(&self, store: &mut Client, no: usize) -> Result<Step> {
         let me = &self.me;
         let lost = |e| self.lost(e);
@@ -317,18 +326,33 @@ impl Node {
         let wanted: [&[u8]; 1] = [&key];
         store.wait(&wanted, None).await.map_err(lost)?;
         let raw = store.get(&key).await.map_err(lost)?;
-        let Some(json) = crate::store::auth::open(self.secret.as_bytes(), &key, &raw) else {
-            return Err(Error::helper(format!(
-                "{me}: step {no} in the launch host's store is not sealed with this run's \
-                 secret; refusing it (something other than this run's nrun wrote it, or the \
-                 nruns differ: compare `nrun --version` on both)"
-            )));
+        let secret = self.secret.as_bytes();
+        let read = |json: &[u8]| {
+            serde_json::from_slice::<Step>(json).map_err(|e| {
+                Error::helper(format!(
+                    "{me}: cannot read step {no} from the launch host ({e}); is nrun the same version on both?"
+                ))
+            })
         };
-        serde_json::from_slice(json).map_err(|e| {
-            Error::helper(format!(
-                "{me}: cannot read step {no} from the launch host ({e}); is nrun the same version on both?"
-            ))
-        })
+        if let Some(json) = crate::store::auth::open(secret, &key, self.nonce.as_bytes(), &raw) {
+            return read(&json);
+        }
+        let unbound = crate::store::auth::open(secret, &key, b"", &raw)
+            .map(|json| read(&json))
+            .transpose()?;
+        match unbound {
+            Some(step) if !step.runs_workers() && !matches!(step, Step::Probe { .. }) => Ok(step),
+            Some(_) => Err(Error::helper(format!(
+                "{me}: step {no} in the launch host's store is not sealed for this node's join \
+                 (a step replayed from an earlier run?); refusing it"
+            ))),
+            None => Err(Error::helper(format!(
+                "{me}: step {no} in the launch host's store is not sealed with this run's \
+                 secret for this node's join; refusing it (something other than this run's nrun \
+                 wrote it, a step replayed from an earlier run, or the nruns differ: compare \
+                 `nrun --version` on both)"
+            ))),
+        }
     }
 
     /// A connection of its own, authenticated (one request in flight per connection).

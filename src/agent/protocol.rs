@@ -72,6 +72,9 @@ pub struct Joined {
     pub reached: String,
     /// Where this node answers reachability probes from other nodes.
     pub probe_addr: String,
+    /// Chosen at random by the agent for this join: every step sealed for it covers this, so a
+    /// step captured from an earlier run (or join) does not open here.
+    pub nonce: String,
     pub facts: Facts,
 }
 

@@ -1,8 +1,9 @@
 //! Proving the run's secret without sending it: the store gives each connection a fresh nonce
 //! (GET `nrun/challenge`), the client answers with HMAC-SHA256(secret, nonce) (SET `nrun/auth`).
 //! A sniffer sees a nonce and a proof good for that connection only. Values that start processes
-//! (the agents' steps) are sealed with the same MAC over their key and value, so an injected or
-//! replayed step is refused by the agent.
+//! (the agents' steps) are sealed with the same MAC over their key, their value and a nonce
+//! the agent chose when it joined (published in its `Joined` record), so an injected step, or
+//! one replayed from an earlier run, is refused by the agent.
 //!
 //! The proof goes both ways: before proving the secret, a client that holds it (an agent, a
 //! joining c10d node) sends a challenge of its own and the store answers with
@@ -95,22 +96,26 @@ pub fn verify_store(secret: &[u8], nonce: &[u8], proof: &[u8]) -> bool {
     m.verify_slice(&p).is_ok()
 }
 
-/// `value` stored under `key`, sealed: the MAC (hex), a newline, the value.
-pub fn seal(secret: &[u8], key: &[u8], value: &[u8]) -> Vec<u8> {
-    let tag = mac(secret, &[b"nrun-seal", key, value])
+/// `value` stored under `key` for the node that chose `bound` when it joined (empty: a step
+/// written before that node joined), sealed: the MAC (hex), a newline, the value. The MAC
+/// covers the key (run, node index, step number), the node's choice and the value, so a step
+/// sealed for another run, node, step or join of that node opens nowhere else.
+pub fn seal(secret: &[u8], key: &[u8], bound: &[u8], value: &[u8]) -> Vec<u8> {
+    let tag = mac(secret, &[b"nrun-seal", key, bound, value])
         .map(|m| hex(&m.finalize().into_bytes()))
         .unwrap_or_default();
     [tag.as_bytes(), b"\n", value].concat()
 }
 
-/// The value of a sealed `raw` under `key`, if its MAC is right.
-pub fn open<'a>(secret: &[u8], key: &[u8], raw: &'a [u8]) -> Option<&'a [u8]> {
+/// The value of a sealed `raw` under `key` for the node that chose `bound`, if its MAC is
+/// right.
+pub fn open(secret: &[u8], key: &[u8], bound: &[u8], raw: &[u8]) -> Option<Vec<u8>> {
     let at = raw.iter().position(|b| *b == b'\n')?;
     let (tag, value) = (unhex(&raw[..at])?, &raw[at + 1..]);
-    mac(secret, &[b"nrun-seal", key, value])?
+    mac(secret, &[b"nrun-seal", key, bound, value])?
         .verify_slice(&tag)
         .ok()
-        .map(|_| value)
+        .map(|_| value.to_vec())
 }
 
 #[cfg(test)]
@@ -133,17 +138,26 @@ mod tests {
             !verify(b"s3cret", &n, b"s3cret"),
             "the plain secret is no proof"
         );
-        let sealed = seal(b"k", b"nrun/r/n0/step/3", b"{\"End\":null}");
+        let sealed = seal(b"k", b"nrun/r/n0/step/3", b"n0nce", b"{\"End\":null}");
         assert_eq!(
-            open(b"k", b"nrun/r/n0/step/3", &sealed),
+            open(b"k", b"nrun/r/n0/step/3", b"n0nce", &sealed).as_deref(),
             Some(&b"{\"End\":null}"[..])
         );
         assert_eq!(
-            open(b"k", b"nrun/r/n0/step/4", &sealed),
+            open(b"k", b"nrun/r/n0/step/4", b"n0nce", &sealed),
             None,
             "replayed under another key"
         );
-        assert_eq!(open(b"other", b"nrun/r/n0/step/3", &sealed), None);
+        assert_eq!(
+            open(b"k", b"nrun/r/n0/step/3", b"another", &sealed),
+            None,
+            "replayed to a node that chose another nonce (another run, or a later join)"
+        );
+        assert_eq!(open(b"k", b"nrun/r/n0/step/3", b"", &sealed), None);
+        assert_eq!(open(b"other", b"nrun/r/n0/step/3", b"n0nce", &sealed), None);
+        let mut forged = sealed.clone();
+        *forged.last_mut().unwrap() ^= 1;
+        assert_eq!(open(b"k", b"nrun/r/n0/step/3", b"n0nce", &forged), None);
         // The store's proof: its own label, so it is never a client's proof (no reflection).
         let mine = nonce().unwrap();
         let answer = prove_store(b"s3cret", &mine);
@@ -156,8 +170,5 @@ mod tests {
             "a client's proof reflected back is no store's proof"
         );
         assert!(!verify(b"s3cret", &mine, &answer));
-        let mut forged = sealed.clone();
-        *forged.last_mut().unwrap() ^= 1;
-        assert_eq!(open(b"k", b"nrun/r/n0/step/3", &forged), None);
     }
 }
