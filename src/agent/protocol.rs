@@ -143,7 +143,7 @@ pub struct WorkerSpec {
     #[serde(default)]
     pub numa: bool,
     /// One of nrun's own ranks: its agent gives it the run's secret (NRUN_SECRET), which is
-    /// never written into a step (a step is signed, not encrypted).
+    /// never written into a step (nothing that opens a step belongs in one).
     #[serde(default)]
     pub secret: bool,
 }
