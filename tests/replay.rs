@@ -26,12 +26,13 @@ async fn serve(store: Arc<Store>) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
-/// A step running one worker that touches `marker`, as a coordinator writes it.
+/// A step running one worker that writes its environment to `marker`, as a coordinator
+/// writes it.
 fn run_step(marker: &std::path::Path) -> Vec<u8> {
     serde_json::json!({"Run": {
         "workers": [{
             "rank": 0, "local_rank": 0, "program": "sh",
-            "args": ["-c", format!("touch {}; echo ran-the-step", marker.display())],
+            "args": ["-c", format!("env > {}; echo ran-the-step", marker.display())],
             "env": [], "error_file": marker.with_extension("error.json"),
             "prefix": "", "colour": 0, "console": [true, true],
         }],
@@ -198,5 +199,55 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
     let (code, all) = finish(child).await;
     assert_eq!(code, Some(0), "{all}");
     assert!(marker.exists(), "the live step did not run: {all}");
+    // Its worker did not inherit the shared secret from the joining nrun's environment.
+    let env = std::fs::read_to_string(&marker).unwrap();
+    assert!(env.contains("NRUN_TEST_TAG="), "{env}");
+    assert!(
+        !env.contains("NRUN_RDZV_SECRET") && !env.contains(SHARED),
+        "{env}"
+    );
+    s.assert_no_survivors();
+}
+
+/// The shared secret never reaches a worker: not inherited from nrun's environment, not even
+/// when forwarded by name with -x; other variables are forwarded as asked.
+#[test]
+fn workers_never_see_the_shared_secret() {
+    let s = Scene::new();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "-x",
+            "NRUN_RDZV_SECRET",
+            "-x",
+            "HF_TOKEN=hf_forwarded_token",
+            "--no-python",
+            "sh",
+            "-c",
+            "env; echo printed env of rank $RANK",
+        ],
+        &[("NRUN_RDZV_SECRET", SHARED)],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!("printed env of rank {r}")),
+            "{stdout}"
+        );
+    }
+    assert_eq!(
+        stdout.matches("HF_TOKEN=hf_forwarded_token").count(),
+        2,
+        "{stdout}"
+    );
+    assert!(!stdout.contains("NRUN_RDZV_SECRET"), "{stdout}");
+    assert!(!stdout.contains(SHARED), "{stdout}");
     s.assert_no_survivors();
 }

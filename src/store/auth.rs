@@ -19,6 +19,11 @@ use sha2::Sha256;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// The secret every node of a c10d or static launch shares, from its environment. nrun reads
+/// it; the job's workers never see it (their environment goes without it, inherited or
+/// given), and nrun's own ranks get the run's secret from their agent instead.
+pub const SHARED_SECRET_VAR: &str = "NRUN_RDZV_SECRET";
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
