@@ -54,35 +54,43 @@ fn host_keys(store: &Store, id: &str) {
 
 /// The same nrun command a second node of rendezvous `id` at `at` runs, with the shared secret.
 fn join(s: &Scene, at: SocketAddr, id: &str) -> tokio::process::Child {
+    join_with(s, at, id, Some(SHARED))
+}
+
+fn join_with(s: &Scene, at: SocketAddr, id: &str, shared: Option<&str>) -> tokio::process::Child {
     let marker = s.dir.path().join("ran");
-    tokio::process::Command::new(nrun_bin())
-        .args([
-            "--nnodes",
-            "2",
-            "--nproc",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            &at.to_string(),
-            "--rdzv-id",
-            id,
-            "--join-timeout",
-            "10",
-            "--no-python-probe",
-            "--no-python",
-            "sh",
-            "-c",
-            &format!("touch {}", marker.display()),
-        ])
-        .env("NRUN_RDZV_SECRET", SHARED)
-        .env("NRUN_TEST_TAG", &s.tag)
-        .current_dir(s.dir.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap()
+    let mut cmd = tokio::process::Command::new(nrun_bin());
+    if let Some(v) = shared {
+        cmd.env("NRUN_RDZV_SECRET", v);
+    } else {
+        cmd.env_remove("NRUN_RDZV_SECRET");
+    }
+    cmd.args([
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &at.to_string(),
+        "--rdzv-id",
+        id,
+        "--join-timeout",
+        "10",
+        "--no-python-probe",
+        "--no-python",
+        "sh",
+        "-c",
+        &format!("touch {}", marker.display()),
+    ])
+    .env("NRUN_TEST_TAG", &s.tag)
+    .current_dir(s.dir.path())
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .kill_on_drop(true)
+    .spawn()
+    .unwrap()
 }
 
 async fn finish(child: tokio::process::Child) -> (Option<i32>, String) {
@@ -250,4 +258,23 @@ fn workers_never_see_the_shared_secret() {
     assert!(!stdout.contains("NRUN_RDZV_SECRET"), "{stdout}");
     assert!(!stdout.contains(SHARED), "{stdout}");
     s.assert_no_survivors();
+}
+
+/// A node without the shared secret joining a host that has one is told why it was turned
+/// away, not just that the connection ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_the_secret_is_told_why() {
+    let id = "j-nosecret";
+    let secret = nrun::store::auth::derive(SHARED.as_bytes(), id);
+    let store = Store::with_secret(secret.into_bytes());
+    host_keys(&store, id);
+    let at = serve(store).await;
+    let s = Scene::new();
+    let (code, all) = finish(join_with(&s, at, id, None)).await;
+    assert_ne!(code, Some(0), "{all}");
+    assert!(
+        all.contains("the hosting nrun has NRUN_RDZV_SECRET and this node has none?"),
+        "{all}"
+    );
+    assert!(!s.dir.path().join("ran").exists());
 }

@@ -46,7 +46,19 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
              give every node the same NRUN_RDZV_SECRET to have them signed"
         );
     }
-    let lost = |e: std::io::Error| Error::cluster(format!("the rendezvous at {endpoint}: {e}"));
+    let lost = |e: std::io::Error| {
+        // A store with a secret closes a client without one that touches nrun's keys.
+        let hint = match e.kind() {
+            std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                if secret.is_empty() =>
+            {
+                " (the hosting nrun has NRUN_RDZV_SECRET and this node has none? give every \
+                 node the same one)"
+            }
+            _ => "",
+        };
+        Error::cluster(format!("the rendezvous at {endpoint}: {e}{hint}"))
+    };
     super::prove(&mut store, &secret, &endpoint)
         .await
         .map_err(|e| Error::cluster(super::refusal(e, lost).message))?;
