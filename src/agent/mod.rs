@@ -7,9 +7,10 @@
 //! The conversation goes through the coordinator's store (see [`protocol`]):
 //! 1. the agent reads a [`Hello`] line on stdin (the per-run secret never appears on a command
 //!    line), goes to the launch host's cwd, connects to the first coordinator address that
-//!    answers, authenticates, and publishes a [`Joined`] record with its facts;
-//! 2. it then executes numbered [`Step`]s (a reachability probe, a group of workers, the end)
-//!    and publishes a [`StepResult`] for each;
+//!    answers, authenticates both ways ([`prove`]: the store proves the secret first), and
+//!    publishes a [`Joined`] record with its facts and a nonce chosen for this join;
+//! 2. it then executes numbered [`Step`]s (a reachability probe, a group of workers, the end),
+//!    each sealed for that nonce, and publishes a [`StepResult`] for each;
 //! 3. a `stop/<step>` key stops a running group politely; its stdin closing (ssh dropped, the
 //!    launcher killed) or the store connection failing stops it within 2 s. Nothing the agent
 //!    started outlives it.
