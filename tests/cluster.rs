@@ -1107,6 +1107,106 @@ fn the_secret_never_crosses_the_wire() {
     c.assert_nothing_left(2);
 }
 
+/// A token given to the job's workers (`-x HF_TOKEN=...`) travels in the steps of a c10d run
+/// with a shared secret: a passive sniffer on the joining node's interface never sees it (steps
+/// are encrypted), every worker gets it, and no worker sees the shared secret itself.
+#[test]
+fn a_token_in_the_steps_is_never_on_the_wire_and_workers_lack_the_shared_secret() {
+    let Some(c) = Cluster::up("zt", 2) else {
+        return;
+    };
+    let endpoint = format!("{}:29683", c.addr(1));
+    let s = Scene::new();
+    let capture = s.dir.path().join("eth0.bin");
+    let sniff = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));
+    let mut sniffer = Command::new("ip")
+        .args(["netns", "exec", &c.host(2), "python3", &sniff, "eth0", "8"])
+        .arg(&capture)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::BufRead;
+        let mut line = String::new();
+        std::io::BufReader::new(sniffer.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "sniffing");
+    }
+    let shared = "a-shared-secret-of-this-cluster";
+    let token = "hf_TOKENnotForTheWire0123456789";
+    let export = format!("HF_TOKEN={token}");
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "2",
+                "--nproc",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "j-token",
+                "--no-python-probe",
+                "-x",
+                &export,
+                "--no-python",
+                "sh",
+                "-c",
+                "echo \"rank $RANK token=${HF_TOKEN:+given} shared=${NRUN_RDZV_SECRET:-absent}\"",
+            ])
+            .env("NRUN_RDZV_SECRET", shared)
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    let b = node(2);
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let (ob, _) = wait_with_timeout(b, Duration::from_secs(60));
+    assert_eq!(oa.status.code(), Some(0), "{}", text(&oa.stderr));
+    assert_eq!(ob.status.code(), Some(0), "{}", text(&ob.stderr));
+    let all = format!("{}{}", text(&oa.stdout), text(&ob.stdout));
+    for r in 0..4 {
+        assert_eq!(
+            all.matches(&format!("rank {r} token=given shared=absent"))
+                .count(),
+            1,
+            "{all}"
+        );
+    }
+    // Ranks 2 and 3 ran on the joining node: their step crossed host 2's wire.
+    assert!(text(&ob.stdout).contains("rank 2 ") && text(&ob.stdout).contains("rank 3 "));
+    let _ = sniffer.wait();
+    let wire = std::fs::read(&capture).unwrap();
+    let has = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
+    assert!(
+        has(b"nrun/c10d/j-token/run"),
+        "{} bytes captured",
+        wire.len()
+    );
+    assert!(
+        !has(token.as_bytes()),
+        "the token crossed the wire in clear"
+    );
+    assert!(
+        !has(b"HF_TOKEN"),
+        "a step's environment crossed the wire in clear"
+    );
+    assert!(
+        !has(shared.as_bytes()),
+        "the shared secret crossed the wire"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
 /// `kill -9` of nrun (the pid the user started, then nrun itself under its keeper) while the
 /// workers on two namespace hosts have children of their own, one in a new session: nothing is
 /// left on any host.

@@ -36,7 +36,7 @@ pub async fn watch(
 ) {
     let alive = async {
         let mut c = Client::connect(addr, timeout).await?;
-        tokio::time::timeout(timeout, super::prove(&mut c, &secret))
+        tokio::time::timeout(timeout, super::prove(&mut c, &secret, &addr))
             .await
             .map_err(|_| std::io::ErrorKind::TimedOut)??;
         let mut n = 0u32;

@@ -7,9 +7,10 @@
 //! The conversation goes through the coordinator's store (see [`protocol`]):
 //! 1. the agent reads a [`Hello`] line on stdin (the per-run secret never appears on a command
 //!    line), goes to the launch host's cwd, connects to the first coordinator address that
-//!    answers, authenticates, and publishes a [`Joined`] record with its facts;
-//! 2. it then executes numbered [`Step`]s (a reachability probe, a group of workers, the end)
-//!    and publishes a [`StepResult`] for each;
+//!    answers, authenticates both ways ([`prove`]: the store proves the secret first), and
+//!    publishes a [`Joined`] record with its facts and a nonce chosen for this join;
+//! 2. it then executes numbered [`Step`]s (a reachability probe, a group of workers, the end),
+//!    each sealed for that nonce, and publishes a [`StepResult`] for each;
 //! 3. a `stop/<step>` key stops a running group politely; its stdin closing (ssh dropped, the
 //!    launcher killed) or the store connection failing stops it within 2 s. Nothing the agent
 //!    started outlives it.
@@ -58,12 +59,43 @@ pub fn main() -> u8 {
     code
 }
 
-/// Proves the run's secret on a connection; a run without one (a c10d rendezvous whose nodes
-/// share none) has nothing to prove.
-pub async fn prove(conn: &mut Client, secret: &str) -> std::io::Result<()> {
-    match secret.is_empty() {
-        true => Ok(()),
-        false => conn.authenticate(secret.as_bytes()).await,
+/// Proves the run's secret on a connection, after the store has proved it knows it too (a
+/// challenge of this side's own, answered with [`crate::store::auth::prove_store`]): a store
+/// that cannot is refused with an error of kind `PermissionDenied` naming the secret (see
+/// [`refusal`]). A run without a secret (a c10d rendezvous whose nodes share none) has nothing
+/// to prove. `at` names the store in messages.
+pub async fn prove(
+    conn: &mut Client,
+    secret: &str,
+    at: &(dyn std::fmt::Display + Sync),
+) -> std::io::Result<()> {
+    if secret.is_empty() {
+        return Ok(());
+    }
+    let mine = crate::store::auth::nonce()?;
+    let key = [crate::store::server::STORE_PROOF_PREFIX, &mine].concat();
+    // Something that is not nrun's store may never answer: no answer is no proof.
+    let answer = tokio::time::timeout(Duration::from_secs(10), conn.get(&key))
+        .await
+        .unwrap_or_else(|_| Ok(Vec::new()))?;
+    if !crate::store::auth::verify_store(secret.as_bytes(), &mine, &answer) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET differs?): \
+                 refusing it"
+            ),
+        ));
+    }
+    conn.authenticate(secret.as_bytes()).await
+}
+
+/// The error for a failed [`prove`]: a store refused for not knowing the secret as it is,
+/// anything else as `lost` words it.
+pub fn refusal(e: std::io::Error, lost: impl FnOnce(std::io::Error) -> Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::PermissionDenied => Error::helper(e.to_string()),
+        _ => lost(e),
     }
 }
 
@@ -149,7 +181,9 @@ pub async fn serve(
         .map_err(|e| Error::helper(format!("{me} cannot reach the launch host's store: {e}")))?;
     let lost =
         |e: std::io::Error| Error::helper(format!("{me}: lost the launch host's store: {e}"));
-    prove(&mut store, &hello.secret).await.map_err(lost)?;
+    prove(&mut store, &hello.secret, &reached)
+        .await
+        .map_err(|e| refusal(e, lost))?;
     store
         .set(&keys.observe(hello.node), b"")
         .await
@@ -179,7 +213,11 @@ pub async fn serve(
     })
     .await
     .map_err(|e| Error::helper(e.to_string()))?;
+    // This join's own nonce: steps sealed for it cover it (no replay from an earlier run).
+    let nonce = crate::store::auth::random_hex()
+        .map_err(|e| Error::helper(format!("{me}: no random bytes from the OS: {e}")))?;
     let joined = Joined {
+        nonce: nonce.clone(),
         local_addr: local.to_string(),
         reached: reached.to_string(),
         probe_addr: probe_addr.to_string(),
@@ -214,6 +252,7 @@ pub async fn serve(
         keys,
         reached,
         secret: hello.secret.clone(),
+        nonce,
         index: hello.node,
         me,
     };
@@ -226,6 +265,8 @@ struct Node {
     keys: Keys,
     reached: SocketAddr,
     secret: String,
+    /// Chosen for this join and published in its [`Joined`] record: steps are sealed for it.
+    nonce: String,
     index: usize,
     /// "label (host)", for messages.
     me: String,
@@ -288,8 +329,10 @@ impl Node {
         Ok(None)
     }
 
-    /// Waits for step `no` and opens it: only steps sealed with the run's secret are run, so
-    /// nothing injected starts a process.
+    /// Waits for step `no` and opens it: only steps sealed with the run's secret for this
+    /// join's nonce are run, so nothing injected starts a process, nor does a step captured
+    /// from an earlier run. A step sealed before this node joined (bound to no nonce) is taken
+    /// only if it runs nothing: an idle step or the End.
     async fn next_step(&self, store: &mut Client, no: usize) -> Result<Step> {
         let me = &self.me;
         let lost = |e| self.lost(e);
@@ -297,18 +340,33 @@ impl Node {
         let wanted: [&[u8]; 1] = [&key];
         store.wait(&wanted, None).await.map_err(lost)?;
         let raw = store.get(&key).await.map_err(lost)?;
-        let Some(json) = crate::store::auth::open(self.secret.as_bytes(), &key, &raw) else {
-            return Err(Error::helper(format!(
-                "{me}: step {no} in the launch host's store is not sealed with this run's \
-                 secret; refusing it (something other than this run's nrun wrote it, or the \
-                 nruns differ: compare `nrun --version` on both)"
-            )));
+        let secret = self.secret.as_bytes();
+        let read = |json: &[u8]| {
+            serde_json::from_slice::<Step>(json).map_err(|e| {
+                Error::helper(format!(
+                    "{me}: cannot read step {no} from the launch host ({e}); is nrun the same version on both?"
+                ))
+            })
         };
-        serde_json::from_slice(json).map_err(|e| {
-            Error::helper(format!(
-                "{me}: cannot read step {no} from the launch host ({e}); is nrun the same version on both?"
-            ))
-        })
+        if let Some(json) = crate::store::auth::open(secret, &key, self.nonce.as_bytes(), &raw) {
+            return read(&json);
+        }
+        let unbound = crate::store::auth::open(secret, &key, b"", &raw)
+            .map(|json| read(&json))
+            .transpose()?;
+        match unbound {
+            Some(step) if !step.runs_workers() && !matches!(step, Step::Probe { .. }) => Ok(step),
+            Some(_) => Err(Error::helper(format!(
+                "{me}: step {no} in the launch host's store is not sealed for this node's join \
+                 (a step replayed from an earlier run?); refusing it"
+            ))),
+            None => Err(Error::helper(format!(
+                "{me}: step {no} in the launch host's store is not sealed with this run's \
+                 secret for this node's join; refusing it (something other than this run's nrun \
+                 wrote it, a step replayed from an earlier run, or the nruns differ: compare \
+                 `nrun --version` on both)"
+            ))),
+        }
     }
 
     /// A connection of its own, authenticated (one request in flight per connection).
@@ -317,7 +375,9 @@ impl Node {
         let mut conn = Client::connect(self.reached, Duration::from_secs(10))
             .await
             .map_err(lost)?;
-        prove(&mut conn, &self.secret).await.map_err(lost)?;
+        prove(&mut conn, &self.secret, &self.reached)
+            .await
+            .map_err(|e| refusal(e, lost))?;
         Ok(conn)
     }
 
@@ -456,4 +516,57 @@ async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr
         addrs.join(", "),
         errors.join("; ")
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::store::Store;
+    use crate::store::server;
+
+    async fn serve(store: Arc<Store>) -> SocketAddr {
+        let l = server::bind(0).unwrap();
+        let port = l.local_addr().unwrap().port();
+        let l = tokio::net::TcpListener::from_std(l).unwrap();
+        tokio::spawn(async move { server::serve(l, store, std::future::pending()).await });
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    async fn client(at: SocketAddr) -> Client {
+        Client::connect(at, Duration::from_secs(5)).await.unwrap()
+    }
+
+    /// The store proves the secret before the agent does: a store that knows it is served; one
+    /// with another secret (a wrong proof) or none (it stores anything and proves nothing, as a
+    /// fake that accepts any proof) is refused, naming the secret.
+    #[tokio::test]
+    async fn an_agent_refuses_a_store_that_does_not_know_the_secret() {
+        let good = serve(Store::with_secret(b"s3cret".to_vec())).await;
+        let mut c = client(good).await;
+        prove(&mut c, "s3cret", &good).await.unwrap();
+        c.set(b"nrun/r/x", b"1").await.unwrap();
+        assert_eq!(c.get(b"nrun/r/x").await.unwrap(), b"1", "authenticated");
+
+        for store in [Store::with_secret(b"other".to_vec()), Store::new()] {
+            let at = serve(store).await;
+            let mut c = client(at).await;
+            let e = prove(&mut c, "s3cret", &at).await.unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
+            let said = refusal(e, |e| Error::helper(format!("lost: {e}"))).message;
+            assert_eq!(
+                said,
+                format!(
+                    "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET \
+                     differs?): refusing it"
+                )
+            );
+        }
+
+        // Torch clients (no secret, no proof either way) still use the store.
+        let mut torch = client(good).await;
+        torch.set(b"/user", b"v").await.unwrap();
+        assert_eq!(torch.get(b"/user").await.unwrap(), b"v");
+    }
 }

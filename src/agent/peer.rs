@@ -46,8 +46,22 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
              give every node the same NRUN_RDZV_SECRET to have them signed"
         );
     }
-    let lost = |e: std::io::Error| Error::cluster(format!("the rendezvous at {endpoint}: {e}"));
-    super::prove(&mut store, &secret).await.map_err(lost)?;
+    let lost = |e: std::io::Error| {
+        // A store with a secret closes a client without one that touches nrun's keys.
+        let hint = match e.kind() {
+            std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                if secret.is_empty() =>
+            {
+                " (the hosting nrun has NRUN_RDZV_SECRET and this node has none? give every \
+                 node the same one)"
+            }
+            _ => "",
+        };
+        Error::cluster(format!("the rendezvous at {endpoint}: {e}{hint}"))
+    };
+    super::prove(&mut store, &secret, &endpoint)
+        .await
+        .map_err(|e| Error::cluster(super::refusal(e, lost).message))?;
     // The host publishes its run's name as soon as its store is up.
     let run_key = c10d_run_key(&c.id);
     let wanted: [&[u8]; 1] = [&run_key];

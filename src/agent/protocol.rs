@@ -82,6 +82,9 @@ pub struct Joined {
     pub reached: String,
     /// Where this node answers reachability probes from other nodes.
     pub probe_addr: String,
+    /// Chosen at random by the agent for this join: every step sealed for it covers this, so a
+    /// step captured from an earlier run (or join) does not open here.
+    pub nonce: String,
     pub facts: Facts,
 }
 
@@ -150,7 +153,7 @@ pub struct WorkerSpec {
     #[serde(default)]
     pub numa: bool,
     /// One of nrun's own ranks: its agent gives it the run's secret (NRUN_SECRET), which is
-    /// never written into a step (a step is signed, not encrypted).
+    /// never written into a step (nothing that opens a step belongs in one).
     #[serde(default)]
     pub secret: bool,
 }

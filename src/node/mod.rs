@@ -328,6 +328,9 @@ impl Start {
         let mut cmd = tokio::process::Command::new(&self.program);
         cmd.args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            // nrun's environment (a c10d node's, a static launch's) may hold the shared secret:
+            // workers never inherit it.
+            .env_remove(crate::store::auth::SHARED_SECRET_VAR)
             .process_group(0)
             .stdin(if self.stdin {
                 Stdio::inherit()

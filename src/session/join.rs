@@ -124,6 +124,8 @@ impl Session {
             reached,
             probe_addr,
             facts,
+            // The join's nonce: read where steps are sealed (link::Bus::set_step).
+            nonce: _,
         } = record;
         if self.nodes[i].link.named_on_join() {
             // A joined node is named by its host, kept apart from a namesake.

@@ -179,7 +179,15 @@ impl Session {
                 master_port: l.port,
                 error_file: &error_file,
             };
-            let mut env = self.plan.env.clone();
+            // The shared secret never reaches a worker, even if a user forwards it (-x,
+            // .nrun_env); what workers inherit goes without it too (node::Start::spawn).
+            let mut env: Vec<(String, String)> = self
+                .plan
+                .env
+                .iter()
+                .filter(|(k, _)| k != crate::store::auth::SHARED_SECRET_VAR)
+                .cloned()
+                .collect();
             env.extend(plan.worker_env_at(&self.run_id, &place, &slot));
             env.extend(node_env.iter().cloned());
             if l.logs && plan.virtual_local_rank {

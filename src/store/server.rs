@@ -188,6 +188,9 @@ pub const CONTROL_PREFIX: &[u8] = b"nrun/";
 /// the proof of the secret over it (see `store::auth`); neither is stored.
 pub const CHALLENGE_KEY: &[u8] = b"nrun/challenge";
 pub const AUTH_KEY: &[u8] = b"nrun/auth";
+/// A GET of this prefix and a client's own challenge (hex) is answered with the store's proof
+/// of the secret over it ([`super::auth::prove_store`]): the client checks the store too.
+pub const STORE_PROOF_PREFIX: &[u8] = b"nrun/store-proof/";
 /// A SET under this prefix stores the address the server sees the connection come from, not
 /// the value sent: how an agent learns whether NAT sits between it and the coordinator.
 pub const OBSERVE_PREFIX: &[u8] = b"nrun/observed/";
@@ -439,7 +442,8 @@ fn validate_first(c: &mut Conn, req: Request) -> Result<(), Refusal> {
 }
 
 /// nrun's secret, by challenge and response (the secret itself never crosses the wire): a GET
-/// of [`CHALLENGE_KEY`] or a SET of [`AUTH_KEY`] is answered here (`Ok(true)`); any other
+/// of [`CHALLENGE_KEY`], a SET of [`AUTH_KEY`] or a GET under [`STORE_PROOF_PREFIX`] (the store
+/// proving the secret to a client) is answered here (`Ok(true)`); any other
 /// request may go on (`Ok(false)`) unless it touches `nrun/` keys without the secret.
 fn authenticate(
     secret: &[u8],
@@ -448,6 +452,13 @@ fn authenticate(
     out: &mut Vec<u8>,
 ) -> Result<bool, String> {
     if let Request::Get { key } = req {
+        if let Some(theirs) = key.strip_prefix(STORE_PROOF_PREFIX) {
+            if theirs.is_empty() || theirs.len() > 256 {
+                return Err("a challenge to the store must be 1 to 256 bytes".into());
+            }
+            put_bytes(out, &super::auth::prove_store(secret, theirs));
+            return Ok(true);
+        }
         if key == CHALLENGE_KEY {
             let nonce = super::auth::nonce().map_err(|e| format!("no challenge: {e}"))?;
             put_bytes(out, &nonce);

@@ -196,16 +196,19 @@ pub struct Bus {
 }
 
 impl Bus {
-    /// Writes node `node`'s step `no`, sealed with the run's secret (an agent runs no step it
-    /// cannot verify).
+    /// Writes node `node`'s step `no`, sealed with the run's secret for the nonce its agent
+    /// chose when it joined (an agent runs no step it cannot verify, nor one sealed for another
+    /// join). A node that has not joined yet gets steps bound to no nonce: its agent takes
+    /// such a step only if it runs nothing (see `agent::Node::next_step`).
     pub fn set_step(&self, node: usize, no: usize, step: &Step) {
         let Some(store) = &self.store else { return };
         let key = self.keys.step(node, no);
         let json = serde_json::to_vec(step).unwrap_or_default();
         let secret = self.secret.as_deref().unwrap_or("");
+        let bound = self.joined(node).map(|j| j.nonce).unwrap_or_default();
         store.set(
             &key,
-            &crate::store::auth::seal(secret.as_bytes(), &key, &json),
+            &crate::store::auth::seal(secret.as_bytes(), &key, bound.as_bytes(), &json),
         );
     }
 
