@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Conn, MAX_REPLY, Parked, Refusal, State, is_control};
+use super::{Conn, ENTRY_COST, ITEM_COST, MAX_REPLY, Parked, Refusal, State, is_control};
 use crate::store::protocol::{
     CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED, put_bytes, put_i64,
 };
@@ -95,6 +95,7 @@ pub(super) fn wait(
 /// connection, so an earlier one it left is forgotten.
 fn park(s: &mut State, c: &Conn, generation: u64, keys: Vec<Vec<u8>>, barrier: bool) {
     s.forget_wait(c.id);
+    c.live.parked.store(true, Ordering::Relaxed);
     let parked = Parked {
         generation,
         remaining: if barrier { 1 } else { keys.len() },
@@ -118,7 +119,7 @@ pub(super) fn delete_key(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
 
 pub(super) fn append(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
     let fresh = !s.kv.contains_key(&key);
-    s.bytes += value.len() + if fresh { key.len() } else { 0 };
+    s.bytes += value.len() + if fresh { ENTRY_COST + key.len() } else { 0 };
     s.kv.entry(key.clone())
         .or_default()
         .extend_from_slice(&value);
@@ -166,9 +167,13 @@ pub(super) fn ping(nonce: u32, out: &mut Vec<u8>) {
     out.extend_from_slice(&nonce.to_le_bytes());
 }
 
-/// Wakes at most one blocked pop (a pushed item serves one reader).
+/// Wakes at most one blocked pop (a pushed item serves one reader). The item, and the key
+/// of a new queue, count toward --store-max-bytes like any stored byte.
 pub(super) fn queue_push(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
-    s.bytes += value.len();
+    s.bytes += ITEM_COST + value.len();
+    if !s.queues.contains_key(&key) {
+        s.bytes += ENTRY_COST + key.len();
+    }
     s.queues.entry(key.clone()).or_default().push_back(value);
     s.written(&key, true);
 }
@@ -179,8 +184,12 @@ pub(super) fn queue_pop(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
     let len = q.as_ref().map_or(0, |q| q.len());
     put_i64(out, len as i64);
     if let Some(item) = q.and_then(|q| q.pop_front()) {
-        s.bytes = s.bytes.saturating_sub(item.len());
+        s.bytes = s.bytes.saturating_sub(ITEM_COST + item.len());
         put_bytes(out, &item);
+    }
+    // An emptied queue is forgotten, and its key with it.
+    if len == 1 && s.queues.remove(key).is_some() {
+        s.bytes = s.bytes.saturating_sub(ENTRY_COST + key.len());
     }
 }
 
