@@ -389,6 +389,16 @@ impl Store {
         )
     }
 
+    /// Bytes all connections' read buffers hold (tests, diagnostics).
+    pub fn buffered_bytes(&self) -> usize {
+        self.partial.load(Ordering::Relaxed)
+    }
+
+    /// Bytes counted against --store-max-bytes (tests, diagnostics).
+    pub fn stored_bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
     /// Number of keys, as GETNUMKEYS would answer.
     pub fn num_keys(&self) -> usize {
         self.lock().kv.len()
@@ -770,7 +780,12 @@ async fn connection(
                             break 'conn;
                         }
                     };
-                    let _ = buf.split_to(len);
+                    if len == buf.len() && len > KEEP_BUFFER {
+                        // A large request, now served: its buffer goes back at once.
+                        buf = BytesMut::with_capacity(INITIAL_BUFFER);
+                    } else {
+                        let _ = buf.split_to(len);
+                    }
                     live.touch();
                     live.parked.store(false, Ordering::Relaxed);
                     if matches!(req, Request::CancelWait) {
