@@ -430,3 +430,64 @@ async fn many_idle_connections_do_not_lock_out_a_torch_client() {
     assert!(store.connections() <= 600);
     drop(idle);
 }
+
+/// Item 3: nrun under an open-file limit of 256 (soft and hard) with 1,000 idle sockets thrown
+/// at its store: the total cap stays below the limit, so accept never fails with "Too many open
+/// files" (no loop of it in the log), the idle sockets are the ones closed, and a torch client
+/// still connects and completes set/get.
+#[test]
+fn idle_sockets_never_run_nrun_out_of_file_descriptors() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let s = Scene::new();
+    let mut c = s.cmd(&[
+        "--master-port",
+        &port.to_string(),
+        "--no-python",
+        "sleep",
+        "300",
+    ]);
+    // SAFETY: setrlimit only, between fork and exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(|| {
+            nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, 256, 256)
+                .map_err(std::io::Error::from)
+        });
+    }
+    let mut child = c.spawn().unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "nrun's store never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let idle = rt.block_on(async {
+        let mut idle = Vec::new();
+        for _ in 0..1000 {
+            if let Ok(s) = raw_from([127, 0, 0, 1], addr).await {
+                idle.push(s);
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        idle
+    });
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "nrun died under the idle sockets"
+    );
+    torch_set_get(port, "after-fds");
+    drop(idle);
+    signal(&child, "TERM");
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(20));
+    let stderr = text(&out.stderr);
+    assert!(
+        !stderr.contains("Too many open files") && !stderr.contains("accept failed"),
+        "{stderr}"
+    );
+    s.assert_no_survivors();
+}
