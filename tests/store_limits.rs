@@ -500,3 +500,49 @@ fn idle_sockets_never_run_nrun_out_of_file_descriptors() {
     );
     s.assert_no_survivors();
 }
+
+/// Item 2: unfinished requests of all connections together stay under the store's budget for
+/// them: the connection whose request would pass it is closed; the others are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_requests_share_one_budget() {
+    let store = Store::new();
+    store.set_limits(Limits {
+        partial_budget: 6 << 20,
+        ..Limits::default()
+    });
+    let addr = start(store.clone()).await;
+    let mut frame = enc(Request::Set {
+        key: b"/k".to_vec(),
+        value: vec![3u8; 4 << 20],
+    });
+    frame.truncate(frame.len() - 1);
+    let mut a = raw_from([127, 0, 0, 1], addr).await.unwrap();
+    a.write_all(&frame).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.buffered_bytes() < 4 << 20 {
+        assert!(
+            Instant::now() < deadline,
+            "the first frame was never buffered"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut b = raw_from([127, 0, 0, 2], addr).await.unwrap();
+    let _ = b.write_all(&frame).await;
+    assert!(
+        closed(&mut b, Duration::from_secs(5)).await,
+        "a second 4 MiB unfinished request fit a 6 MiB budget"
+    );
+    assert!(store.buffered_bytes() <= 6 << 20);
+    // The first finishes and is served; small requests always are.
+    a.write_all(&[3]).await.unwrap();
+    let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.get(b"/k").is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the first request was not served"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(c.get(b"/k").await.unwrap().len(), 4 << 20);
+}

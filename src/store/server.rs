@@ -460,7 +460,7 @@ impl Store {
             Request::QueuePush { key, value } => cmd::queue_push(s, key, value),
             Request::QueuePop { key } => cmd::queue_pop(s, &key, out),
             Request::QueueLen { key } => cmd::queue_len(s, &key, out),
-            Request::ListKeys => cmd::list_keys(s, hide, out),
+            Request::ListKeys => cmd::list_keys(s, hide, out)?,
             Request::Barrier { key, world_size } => {
                 cmd::barrier(s, c, &self.next_wait, key, world_size, out)?
             }

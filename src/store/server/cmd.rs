@@ -197,13 +197,22 @@ pub(super) fn queue_len(s: &State, key: &[u8], out: &mut Vec<u8>) {
     put_i64(out, s.queues.get(key).map_or(0, |q| q.len()) as i64);
 }
 
-/// With `hide`, nrun's own keys are not listed.
-pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) {
+/// With `hide`, nrun's own keys are not listed. Like MULTI_GET, a reply over [`MAX_REPLY`]
+/// (a store of millions of keys) closes the asking connection instead of being built.
+pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) -> Result<(), Refusal> {
     let keys: Vec<&Vec<u8>> = s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
+    let size: usize = keys.iter().map(|k| 8 + k.len()).sum();
+    if size > MAX_REPLY {
+        return Err(format!(
+            "LIST_KEYS reply of {size} bytes is over the store's limit of {MAX_REPLY}"
+        )
+        .into());
+    }
     put_i64(out, keys.len() as i64);
     for k in keys {
         put_bytes(out, k);
     }
+    Ok(())
 }
 
 /// Counts this arrival under `key`; the last of `world_size` releases every connection parked
