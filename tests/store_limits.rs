@@ -214,9 +214,10 @@ async fn a_client_that_never_reads_is_closed() {
             key: b"/big".to_vec(),
         }));
     }
+    // Timed from before the request: the store cannot give up sooner than the stall time.
+    let t0 = Instant::now();
     s.write_all(&req).await.unwrap();
     // Wait for the store to give up on it, without reading; then the reads see the close.
-    let t0 = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(20);
     while store.connections() > 1 {
         assert!(
@@ -226,8 +227,9 @@ async fn a_client_that_never_reads_is_closed() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(
-        t0.elapsed() >= Duration::from_millis(500),
-        "closed too early"
+        t0.elapsed() >= Duration::from_millis(950),
+        "closed too early: {:?}",
+        t0.elapsed()
     );
     assert!(closed(&mut s, Duration::from_secs(20)).await);
     // The others are served.
@@ -545,4 +547,72 @@ async fn unfinished_requests_share_one_budget() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(c.get(b"/k").await.unwrap().len(), 4 << 20);
+}
+
+/// Every held byte counted: the keys of parked WAITs share one budget; a WAIT past it closes
+/// its connection, and ended waits give their share back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_waits_share_one_budget() {
+    let store = Store::new();
+    store.set_limits(Limits {
+        wait_budget: 1 << 20,
+        ..Limits::default()
+    });
+    let addr = start(store.clone()).await;
+    let big = |tag: &str| {
+        (0..100)
+            .map(|i| {
+                let mut k = format!("/{tag}/{i}/").into_bytes();
+                k.resize(4000, b'w');
+                k
+            })
+            .collect::<Vec<_>>()
+    };
+    // 100 keys of 4,000 bytes: 0.8 MB held while parked; a second such wait does not fit.
+    let mut a = raw_from([127, 0, 0, 1], addr).await.unwrap();
+    a.write_all(&enc(Request::Wait { keys: big("a") }))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.pending_waits().0 < 1 {
+        assert!(Instant::now() < deadline, "the first wait never parked");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut b = raw_from([127, 0, 0, 1], addr).await.unwrap();
+    b.write_all(&enc(Request::Wait { keys: big("b") }))
+        .await
+        .unwrap();
+    assert!(
+        closed(&mut b, Duration::from_secs(5)).await,
+        "a wait past the budget was parked"
+    );
+    // Small waits still park and are answered.
+    let mut c = raw_from([127, 0, 0, 1], addr).await.unwrap();
+    c.write_all(&enc(Request::Wait {
+        keys: vec![b"/small".to_vec()],
+    }))
+    .await
+    .unwrap();
+    let mut setter = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
+    setter.set(b"/small", b"1").await.unwrap();
+    assert_eq!(
+        c.read_u8().await.unwrap(),
+        nrun::store::protocol::STOP_WAITING
+    );
+    // The first wait ends (its connection goes): its share comes back.
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.pending_waits() != (0, 0, 0) {
+        assert!(Instant::now() < deadline, "{:?}", store.pending_waits());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut d = raw_from([127, 0, 0, 1], addr).await.unwrap();
+    d.write_all(&enc(Request::Wait { keys: big("d") }))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.pending_waits().0 < 1 {
+        assert!(Instant::now() < deadline, "the budget was not given back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

@@ -45,6 +45,8 @@ struct Parked {
     /// cancelled wait or a closed connection leaves nothing behind.
     keys: Vec<Vec<u8>>,
     barrier: bool,
+    /// What its keys cost while it waits (counted in `State::waiting`).
+    cost: usize,
 }
 
 #[derive(Default)]
@@ -56,6 +58,8 @@ struct State {
     parked: HashMap<ConnId, Parked>,
     /// barrier key -> waits parked on it.
     barriers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
+    /// Bytes held by parked waits' keys (each listed twice: in the wait and in `watchers`).
+    waiting: usize,
     /// Bytes held in keys, values and queued items, each entry with its [`ENTRY_COST`] or
     /// [`ITEM_COST`] (checked against the store's cap).
     bytes: usize,
@@ -107,9 +111,16 @@ impl State {
         self.bytes = kv + q;
     }
 
+    /// Takes connection `conn`'s parked wait, giving back what its keys cost.
+    fn unpark(&mut self, conn: ConnId) -> Option<Parked> {
+        let p = self.parked.remove(&conn)?;
+        self.waiting = self.waiting.saturating_sub(p.cost);
+        Some(p)
+    }
+
     /// Drops connection `conn`'s pending WAIT or BARRIER and every entry listing it.
     fn forget_wait(&mut self, conn: ConnId) {
-        let Some(p) = self.parked.remove(&conn) else {
+        let Some(p) = self.unpark(conn) else {
             return;
         };
         let lists = if p.barrier {
@@ -154,7 +165,7 @@ impl State {
             p.remaining -= 1;
             woken += 1;
             if p.remaining == 0 {
-                if let Some(p) = self.parked.remove(&conn) {
+                if let Some(p) = self.unpark(conn) {
                     let _ = p.wake.send(STOP_WAITING);
                 }
             }
@@ -211,6 +222,8 @@ pub struct Store {
     conns: Mutex<Conns>,
     /// Bytes held in connections' read buffers (requests not yet whole), all together.
     partial: AtomicUsize,
+    /// [`Limits::wait_budget`], where the state's lock holder reads it.
+    wait_budget: AtomicUsize,
 }
 
 /// Prefix of nrun's own keys.
@@ -314,7 +327,16 @@ impl Store {
     /// Replaces the budgets, timeouts and connection caps (before serving: open connections
     /// keep the limits they started with).
     pub fn set_limits(&self, limits: Limits) {
+        self.wait_budget
+            .store(limits.wait_budget, Ordering::Relaxed);
         *self.limits.lock().unwrap_or_else(|e| e.into_inner()) = limits;
+    }
+
+    fn wait_budget(&self) -> usize {
+        match self.wait_budget.load(Ordering::Relaxed) {
+            0 => Limits::default().wait_budget,
+            n => n,
+        }
     }
 
     pub fn limits(&self) -> Limits {
@@ -449,7 +471,9 @@ impl Store {
             Request::Get { key } => cmd::get(s, &key, out),
             Request::Add { key, delta } => cmd::add(s, &key, delta, out)?,
             Request::Check { keys } => cmd::check(s, &keys, out),
-            Request::Wait { keys } => cmd::wait(s, c, &self.next_wait, keys, out),
+            Request::Wait { keys } => {
+                cmd::wait(s, c, &self.next_wait, keys, self.wait_budget(), out)?
+            }
             Request::GetNumKeys => cmd::get_num_keys(s, hide, out),
             Request::DeleteKey { key } => cmd::delete_key(s, &key, out),
             Request::Append { key, value } => cmd::append(s, key, value),

@@ -72,14 +72,26 @@ pub(super) fn wait(
     c: &Conn,
     next_wait: &AtomicU64,
     mut keys: Vec<Vec<u8>>,
+    budget: usize,
     out: &mut Vec<u8>,
-) {
+) -> Result<(), Refusal> {
     keys.sort_unstable();
     keys.dedup();
     keys.retain(|k| !s.exists(k));
     if keys.is_empty() {
         out.push(STOP_WAITING);
-        return;
+        return Ok(());
+    }
+    let cost = wait_cost(&keys);
+    let before = s.parked.get(&c.id).map_or(0, |p| p.cost);
+    if s.waiting.saturating_sub(before).saturating_add(cost) > budget {
+        return Err(format!(
+            "a WAIT on {} missing keys ({cost} bytes) is past the store's budget for waits \
+             ({budget} bytes, {} held)",
+            keys.len(),
+            s.waiting
+        )
+        .into());
     }
     let generation = next_wait.fetch_add(1, Ordering::Relaxed);
     for k in &keys {
@@ -89,6 +101,13 @@ pub(super) fn wait(
             .push((c.id, generation));
     }
     park(s, c, generation, keys, false);
+    Ok(())
+}
+
+/// What a wait's keys cost while it is parked: each key is held twice (the wait's list and
+/// the watchers' map), each with an entry's cost.
+fn wait_cost(keys: &[Vec<u8>]) -> usize {
+    keys.iter().map(|k| 2 * (ENTRY_COST + k.len())).sum()
 }
 
 /// Parks connection `c` until `keys` are all set (a WAIT) or the barrier fills: one wait per
@@ -96,12 +115,15 @@ pub(super) fn wait(
 fn park(s: &mut State, c: &Conn, generation: u64, keys: Vec<Vec<u8>>, barrier: bool) {
     s.forget_wait(c.id);
     c.live.parked.store(true, Ordering::Relaxed);
+    let cost = wait_cost(&keys);
+    s.waiting += cost;
     let parked = Parked {
         generation,
         remaining: if barrier { 1 } else { keys.len() },
         wake: c.wake.clone(),
         keys,
         barrier,
+        cost,
     };
     s.parked.insert(c.id, parked);
 }
@@ -232,7 +254,7 @@ pub(super) fn barrier(
                 .get(&conn)
                 .is_some_and(|p| p.generation == generation)
             {
-                if let Some(p) = s.parked.remove(&conn) {
+                if let Some(p) = s.unpark(conn) {
                     let _ = p.wake.send(STOP_WAITING);
                 }
             }

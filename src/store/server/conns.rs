@@ -33,6 +33,9 @@ pub struct Limits {
     pub frame_timeout: Duration,
     /// Bytes all connections' read buffers may hold together.
     pub partial_budget: usize,
+    /// Bytes the keys of all parked WAITs may hold together; a WAIT past it closes its
+    /// connection.
+    pub wait_budget: usize,
     /// Most connections from one address.
     pub per_peer: usize,
     /// Most connections in all; 0: the open-file limit less a reserve for nrun's own files.
@@ -46,6 +49,7 @@ impl Default for Limits {
             stall: Duration::from_secs(30),
             frame_timeout: Duration::from_secs(30),
             partial_budget: 1 << 30,
+            wait_budget: 1 << 30,
             per_peer: 1024,
             total: 0,
         }
@@ -216,6 +220,10 @@ impl<'a> Held<'a> {
     }
 
     pub(super) fn set(&mut self, n: usize) {
+        // Most calls change nothing: skip the shared atomic then.
+        if n == self.n {
+            return;
+        }
         if n > self.n {
             self.total.fetch_add(n - self.n, Ordering::Relaxed);
         } else {
