@@ -483,6 +483,11 @@ pub struct FrameScan {
 }
 
 impl FrameScan {
+    /// Whether nothing of a request has been scanned yet.
+    pub fn is_fresh(&self) -> bool {
+        self.op.is_none()
+    }
+
     /// Scans `buf`, which starts with the request and extends the buffer of the previous call.
     pub fn scan(&mut self, buf: &[u8]) -> Result<Scanned, ProtocolError> {
         match self.walk(buf) {

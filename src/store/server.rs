@@ -22,14 +22,14 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 use super::protocol::{
-    FrameScan, Parsed, Request, STOP_WAITING, Scanned, VALIDATE_MAGIC, put_bytes,
+    FrameScan, Parsed, ProtocolError, Request, STOP_WAITING, Scanned, VALIDATE_MAGIC, put_bytes,
 };
 
 mod cmd;
 mod conns;
 
 pub use conns::Limits;
-use conns::{Conns, Held, Live};
+use conns::{Conns, EVICT, Held, Live};
 
 type ConnId = u64;
 
@@ -727,7 +727,12 @@ impl Store {
 
 /// Writes `out`, closing (an error) when the peer takes nothing for `stall`.
 async fn write_out(wr: &mut OwnedWriteHalf, out: &[u8], stall: Duration) -> io::Result<()> {
-    let mut pos = 0;
+    // Most replies fit the socket's buffer at once: no timer for those.
+    let mut pos = match wr.try_write(out) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(e) => return Err(e),
+    };
     while pos < out.len() {
         match tokio::time::timeout(stall, wr.write(&out[pos..])).await {
             Err(_) => {
@@ -748,6 +753,36 @@ async fn write_out(wr: &mut OwnedWriteHalf, out: &[u8], stall: Duration) -> io::
     Ok(())
 }
 
+/// What [`next_request`] found.
+enum Next {
+    /// A whole request, which used the first `len` bytes.
+    Request(Request, usize),
+    /// At least this many bytes in all are needed first.
+    Need(usize),
+}
+
+/// The next whole request at the start of `buf`. Most requests arrive whole and are parsed at
+/// once; one that does not is framed by the resumable scan (each byte looked at once, however
+/// many reads it takes) and parsed when whole, so a request costs at most two parses.
+fn next_request(scan: &mut FrameScan, buf: &[u8]) -> Result<Next, ProtocolError> {
+    if scan.is_fresh() {
+        if let Parsed::Complete(req, len) = Request::parse(buf)? {
+            return Ok(Next::Request(req, len));
+        }
+    }
+    match scan.scan(buf)? {
+        Scanned::Incomplete { need } => Ok(Next::Need(need)),
+        Scanned::Complete(len) => {
+            *scan = FrameScan::default();
+            match Request::parse(&buf[..len])? {
+                Parsed::Complete(req, _) => Ok(Next::Request(req, len)),
+                // The scan and the parse agree on every input (tests/codec_scan_props.rs).
+                Parsed::Incomplete { .. } => Err(ProtocolError::RequestTooLarge(len)),
+            }
+        }
+    }
+}
+
 /// Largest idle buffer a connection keeps: beyond it, a buffer that served a large request or
 /// reply is given back once empty.
 const KEEP_BUFFER: usize = 1 << 20;
@@ -764,6 +799,10 @@ async fn connection(
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
     let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<u8>();
+    let _ = live.wake.set(wake_tx.clone());
+    if live.evicted.load(Ordering::Relaxed) {
+        return;
+    }
     let mut c = Conn {
         id,
         validated: false,
@@ -787,23 +826,9 @@ async fn connection(
         // Serve the whole requests already here, while the replies fit the output budget;
         // past it, the replies are written before anything more is read or served.
         while out.len() < limits.out_budget {
-            match scan.scan(&buf) {
-                Ok(Scanned::Complete(len)) => {
-                    scan = FrameScan::default();
+            match next_request(&mut scan, &buf) {
+                Ok(Next::Request(req, len)) => {
                     begun = None;
-                    let req = match Request::parse(&buf[..len]) {
-                        Ok(Parsed::Complete(req, _)) => req,
-                        Ok(Parsed::Incomplete { .. }) => {
-                            quiet_warn(format_args!(
-                                "store: closing connection from {peer}: request framing disagrees with its parse"
-                            ));
-                            break 'conn;
-                        }
-                        Err(e) => {
-                            quiet_warn(format_args!("store: closing connection from {peer}: {e}"));
-                            break 'conn;
-                        }
-                    };
                     if len == buf.len() && len > KEEP_BUFFER {
                         // A large request, now served: its buffer goes back at once.
                         buf = BytesMut::with_capacity(INITIAL_BUFFER);
@@ -814,6 +839,12 @@ async fn connection(
                     live.parked.store(false, Ordering::Relaxed);
                     if matches!(req, Request::CancelWait) {
                         while let Ok(b) = wake_rx.try_recv() {
+                            if b == EVICT {
+                                quiet_warn(format_args!(
+                                    "store: closing an idle connection from {peer} to make room for others (connection caps)"
+                                ));
+                                break 'conn;
+                            }
                             out.push(b);
                         }
                     }
@@ -828,7 +859,7 @@ async fn connection(
                         live.authed.store(c.authed, Ordering::Relaxed);
                     }
                 }
-                Ok(Scanned::Incomplete { need: n }) => {
+                Ok(Next::Need(n)) => {
                     need = n;
                     break;
                 }
@@ -883,12 +914,20 @@ async fn connection(
         let frame_by = begun.map(|t| t + limits.frame_timeout);
         tokio::select! {
             biased;
-            woke = wake_rx.recv() => {
-                if let Some(b) = woke {
+            woke = wake_rx.recv() => match woke {
+                Some(EVICT) => {
+                    quiet_warn(format_args!(
+                        "store: closing an idle connection from {peer} to make room for others \
+                         (connection caps)"
+                    ));
+                    break;
+                }
+                Some(b) => {
                     live.parked.store(false, Ordering::Relaxed);
                     out.push(b);
                 }
-            }
+                None => {}
+            },
             read = rd.read_buf(&mut buf) => match read {
                 Ok(0) => {
                     if !buf.is_empty() {
@@ -907,13 +946,6 @@ async fn connection(
                 }
             },
             _ = stop.changed() => break,
-            _ = live.close.notified() => {
-                quiet_warn(format_args!(
-                    "store: closing an idle connection from {peer} to make room for others \
-                     (connection caps)"
-                ));
-                break;
-            }
             _ = tokio::time::sleep_until(handshake_by), if !c.validated => {
                 quiet_warn(format_args!("store: closing connection from {peer}: no VALIDATE within {} s", HANDSHAKE.as_secs()));
                 break;

@@ -16,11 +16,15 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
+use tokio::sync::mpsc;
+
+/// Sent through a connection's wake channel to close it. Never a reply: the channel otherwise
+/// carries only STOP_WAITING (0).
+pub(super) const EVICT: u8 = 0xff;
 
 /// Budgets, timeouts and caps of the store's connections ([`super::Store::set_limits`]).
 #[derive(Clone, Debug)]
@@ -86,8 +90,11 @@ pub(super) struct Live {
     pub(super) authed: AtomicBool,
     /// In a WAIT or BARRIER: idle on the wire, but waiting on purpose.
     pub(super) parked: AtomicBool,
-    /// Fired to close the connection (it was chosen to make room).
-    pub(super) close: Notify,
+    /// The connection's wake channel, where [`EVICT`] asks it to close (it was chosen to make
+    /// room): the channel its task already listens on, so the common path polls nothing more.
+    pub(super) wake: OnceLock<mpsc::UnboundedSender<u8>>,
+    /// Chosen to make room (read by a task that had not yet set `wake`).
+    pub(super) evicted: AtomicBool,
     origin: Instant,
 }
 
@@ -151,7 +158,8 @@ impl Conns {
             validated: AtomicBool::new(false),
             authed: AtomicBool::new(false),
             parked: AtomicBool::new(false),
-            close: Notify::new(),
+            wake: OnceLock::new(),
+            evicted: AtomicBool::new(false),
             origin: self.origin,
         });
         self.by_peer.entry(ip).or_default().insert(id, live.clone());
@@ -194,7 +202,10 @@ impl Conns {
         let Some((id, live)) = victim else {
             return false;
         };
-        live.close.notify_one();
+        live.evicted.store(true, Ordering::Relaxed);
+        if let Some(tx) = live.wake.get() {
+            let _ = tx.send(EVICT);
+        }
         self.remove(id, ip);
         true
     }
