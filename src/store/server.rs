@@ -6,22 +6,35 @@
 //! the connection, and whoever later completes it sends a STOP_WAITING byte through that
 //! connection's channel. Keeping every write in one task is what makes the CANCEL_WAIT race come
 //! out right: a STOP_WAITING already queued is written before the WAIT_CANCELED reply.
+//!
+//! That task serves the requests it has buffered only while their replies fit its output budget,
+//! then writes them before reading or serving more: a client that pipelines GETs of a large
+//! value without reading holds one budget's worth of replies, not all of them. What else a
+//! client may hold (unfinished requests, time, connections) is in [`conns`].
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
-use super::protocol::{Parsed, Request, STOP_WAITING, VALIDATE_MAGIC, put_bytes};
+use super::protocol::{
+    FrameScan, Parsed, ProtocolError, Request, STOP_WAITING, Scanned, VALIDATE_MAGIC, put_bytes,
+};
 
 mod cmd;
+mod conns;
+
+pub use conns::Limits;
+use conns::{Conns, EVICT, Held, Live};
 
 type ConnId = u64;
 
@@ -37,6 +50,8 @@ struct Parked {
     /// cancelled wait or a closed connection leaves nothing behind.
     keys: Vec<Vec<u8>>,
     barrier: bool,
+    /// What its keys cost while it waits (counted in `State::waiting`).
+    cost: usize,
 }
 
 #[derive(Default)]
@@ -48,23 +63,36 @@ struct State {
     parked: HashMap<ConnId, Parked>,
     /// barrier key -> waits parked on it.
     barriers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
-    /// Bytes held in keys, values and queued items (checked against the store's cap).
+    /// Bytes held by parked waits' keys (each listed twice: in the wait and in `watchers`).
+    waiting: usize,
+    /// Bytes held in keys, values and queued items, each entry with its [`ENTRY_COST`] or
+    /// [`ITEM_COST`] (checked against the store's cap).
     bytes: usize,
 }
+
+/// What a key (of the map or a queue) costs beyond its bytes: the map's slot, the vectors'
+/// headers, the allocator's rounding. Counted so that many empty values still fill the cap.
+const ENTRY_COST: usize = 64;
+/// What a queued item costs beyond its bytes.
+const ITEM_COST: usize = 32;
 
 impl State {
     /// Stores `value` under `key`, keeping the byte count.
     fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
-        self.bytes += key.len() + value.len();
+        self.bytes += ENTRY_COST + key.len() + value.len();
         if let Some(old) = self.kv.insert(key.clone(), value) {
-            self.bytes = self.bytes.saturating_sub(key.len() + old.len());
+            self.bytes = self
+                .bytes
+                .saturating_sub(ENTRY_COST + key.len() + old.len());
         }
     }
 
     fn remove(&mut self, key: &[u8]) -> bool {
         match self.kv.remove(key) {
             Some(old) => {
-                self.bytes = self.bytes.saturating_sub(key.len() + old.len());
+                self.bytes = self
+                    .bytes
+                    .saturating_sub(ENTRY_COST + key.len() + old.len());
                 true
             }
             None => false,
@@ -73,18 +101,31 @@ impl State {
 
     /// The byte count from scratch (after a clear).
     fn recount(&mut self) {
-        let kv: usize = self.kv.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let kv: usize = self
+            .kv
+            .iter()
+            .map(|(k, v)| ENTRY_COST + k.len() + v.len())
+            .sum();
         let q: usize = self
             .queues
             .iter()
-            .map(|(k, q)| k.len() + q.iter().map(Vec::len).sum::<usize>())
+            .map(|(k, q)| {
+                ENTRY_COST + k.len() + q.iter().map(|v| ITEM_COST + v.len()).sum::<usize>()
+            })
             .sum();
         self.bytes = kv + q;
     }
 
+    /// Takes connection `conn`'s parked wait, giving back what its keys cost.
+    fn unpark(&mut self, conn: ConnId) -> Option<Parked> {
+        let p = self.parked.remove(&conn)?;
+        self.waiting = self.waiting.saturating_sub(p.cost);
+        Some(p)
+    }
+
     /// Drops connection `conn`'s pending WAIT or BARRIER and every entry listing it.
     fn forget_wait(&mut self, conn: ConnId) {
-        let Some(p) = self.parked.remove(&conn) else {
+        let Some(p) = self.unpark(conn) else {
             return;
         };
         let lists = if p.barrier {
@@ -129,7 +170,7 @@ impl State {
             p.remaining -= 1;
             woken += 1;
             if p.remaining == 0 {
-                if let Some(p) = self.parked.remove(&conn) {
+                if let Some(p) = self.unpark(conn) {
                     let _ = p.wake.send(STOP_WAITING);
                 }
             }
@@ -180,6 +221,14 @@ pub struct Store {
     loopback_only: std::sync::atomic::AtomicBool,
     /// Most bytes clients may store (keys, values, queued items); 0: no cap.
     max_bytes: AtomicU64,
+    /// Budgets, timeouts and connection caps (see [`Limits`]).
+    limits: Mutex<Limits>,
+    /// Every open connection, by peer address (the caps, and who is closed first).
+    conns: Mutex<Conns>,
+    /// Bytes held in connections' read buffers (requests not yet whole), all together.
+    partial: AtomicUsize,
+    /// [`Limits::wait_budget`], where the state's lock holder reads it.
+    wait_budget: AtomicUsize,
 }
 
 /// Prefix of nrun's own keys.
@@ -204,6 +253,8 @@ struct Conn {
     nonce: Option<Vec<u8>>,
     peer: SocketAddr,
     wake: mpsc::UnboundedSender<u8>,
+    /// What the connection caps see of this connection.
+    live: Arc<Live>,
 }
 
 fn is_control(key: &[u8]) -> bool {
@@ -281,6 +332,37 @@ impl Store {
         self.max_bytes.store(max, Ordering::Relaxed);
     }
 
+    /// Replaces the budgets, timeouts and connection caps (before serving: open connections
+    /// keep the limits they started with).
+    pub fn set_limits(&self, limits: Limits) {
+        self.wait_budget
+            .store(limits.wait_budget, Ordering::Relaxed);
+        *self.limits.lock().unwrap_or_else(|e| e.into_inner()) = limits;
+    }
+
+    fn wait_budget(&self) -> usize {
+        match self.wait_budget.load(Ordering::Relaxed) {
+            0 => Limits::default().wait_budget,
+            n => n,
+        }
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Open connections (tests, diagnostics).
+    pub fn connections(&self) -> usize {
+        self.conns_lock().total()
+    }
+
+    fn conns_lock(&self) -> MutexGuard<'_, Conns> {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Serve clients on this host only: a single node's workers reach the store over loopback,
     /// and nothing on the network should reach it at all.
     pub fn loopback_only(&self) {
@@ -337,6 +419,16 @@ impl Store {
         )
     }
 
+    /// Bytes all connections' read buffers hold (tests, diagnostics).
+    pub fn buffered_bytes(&self) -> usize {
+        self.partial.load(Ordering::Relaxed)
+    }
+
+    /// Bytes counted against --store-max-bytes (tests, diagnostics).
+    pub fn stored_bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
     /// Number of keys, as GETNUMKEYS would answer.
     pub fn num_keys(&self) -> usize {
         self.lock().kv.len()
@@ -387,7 +479,9 @@ impl Store {
             Request::Get { key } => cmd::get(s, &key, out),
             Request::Add { key, delta } => cmd::add(s, &key, delta, out)?,
             Request::Check { keys } => cmd::check(s, &keys, out),
-            Request::Wait { keys } => cmd::wait(s, c, &self.next_wait, keys, out),
+            Request::Wait { keys } => {
+                cmd::wait(s, c, &self.next_wait, keys, self.wait_budget(), out)?
+            }
             Request::GetNumKeys => cmd::get_num_keys(s, hide, out),
             Request::DeleteKey { key } => cmd::delete_key(s, &key, out),
             Request::Append { key, value } => cmd::append(s, key, value),
@@ -398,7 +492,7 @@ impl Store {
             Request::QueuePush { key, value } => cmd::queue_push(s, key, value),
             Request::QueuePop { key } => cmd::queue_pop(s, &key, out),
             Request::QueueLen { key } => cmd::queue_len(s, &key, out),
-            Request::ListKeys => cmd::list_keys(s, hide, out),
+            Request::ListKeys => cmd::list_keys(s, hide, out)?,
             Request::Barrier { key, world_size } => {
                 cmd::barrier(s, c, &self.next_wait, key, world_size, out)?
             }
@@ -409,10 +503,17 @@ impl Store {
     /// Refuses a write that would take the store past --store-max-bytes (0: no cap).
     fn check_room(&self, s: &State, req: &Request) -> Result<(), Refusal> {
         let incoming = match req {
-            Request::Set { key, value } | Request::Append { key, value } => key.len() + value.len(),
-            Request::CompareSet { key, desired, .. } => key.len() + desired.len(),
-            Request::QueuePush { key, value } => key.len() + value.len(),
-            Request::MultiSet { pairs } => pairs.iter().map(|(k, v)| k.len() + v.len()).sum(),
+            Request::Set { key, value } | Request::Append { key, value } => {
+                ENTRY_COST + key.len() + value.len()
+            }
+            Request::CompareSet { key, desired, .. } => ENTRY_COST + key.len() + desired.len(),
+            Request::QueuePush { key, value } => ENTRY_COST + ITEM_COST + key.len() + value.len(),
+            // A counter: at most 20 decimal digits.
+            Request::Add { key, .. } | Request::Barrier { key, .. } => ENTRY_COST + key.len() + 20,
+            Request::MultiSet { pairs } => pairs
+                .iter()
+                .map(|(k, v)| ENTRY_COST + k.len() + v.len())
+                .sum(),
             _ => 0,
         };
         let max = self.max_bytes.load(Ordering::Relaxed) as usize;
@@ -571,6 +672,7 @@ pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Futu
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::pin!(shutdown);
     let mut backoff_ms = 1;
+    let mut said_emfile = false;
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
@@ -585,14 +687,37 @@ pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Futu
                         ));
                         continue;
                     }
+                    let Some((id, live)) = store.admit(peer) else {
+                        quiet_warn(format_args!(
+                            "store: refusing {peer}: every connection slot is held by nrun's own agents"
+                        ));
+                        continue;
+                    };
                     let store = store.clone();
                     let stop = stop_rx.clone();
-                    tokio::spawn(async move { connection(stream, peer, store, stop).await });
+                    tokio::spawn(async move {
+                        connection(stream, peer, &store, stop, id, live.clone()).await;
+                        store.conns_lock().remove(id, live.ip);
+                    });
                 }
                 Err(e) => {
-                    // Out of file descriptors or similar: keep serving the connections we have.
-                    tracing::warn!("store: accept failed: {e}; retrying in {backoff_ms} ms");
-                    tokio::time::sleep(std::time::Duration::from_millis(backoff_ms)).await;
+                    // Out of file descriptors (or similar): close the idlest connection of the
+                    // address holding the most, keep serving the others, and say so once
+                    // rather than once a second.
+                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if out_of_fds {
+                        store.conns_lock().evict_one();
+                        if !said_emfile {
+                            said_emfile = true;
+                            tracing::warn!(
+                                "store: accept failed: {e}; closing idle connections to make room \
+                                 (said once)"
+                            );
+                        }
+                    } else {
+                        quiet_warn(format_args!("store: accept failed: {e}; retrying in {backoff_ms} ms"));
+                    }
+                    tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
                     backoff_ms = (backoff_ms * 2).min(1000);
                 }
             }
@@ -601,38 +726,224 @@ pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Futu
     let _ = stop_tx.send(true);
 }
 
+impl Store {
+    /// Registers a new connection under the caps (see [`Limits`]); None: refused.
+    fn admit(&self, peer: SocketAddr) -> Option<(ConnId, Arc<Live>)> {
+        let limits = self.limits();
+        let total = match limits.total {
+            0 => conns::fd_cap(),
+            n => n,
+        };
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let ip = crate::net::canonical(peer.ip());
+        let live = self.conns_lock().admit(id, ip, limits.per_peer, total)?;
+        Some((id, live))
+    }
+}
+
+/// Writes `out`, closing (an error) when the peer takes nothing for `stall`.
+async fn write_out(wr: &mut OwnedWriteHalf, out: &[u8], stall: Duration) -> io::Result<()> {
+    // Most replies fit the socket's buffer at once: no timer for those.
+    let mut pos = match wr.try_write(out) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(e) => return Err(e),
+    };
+    while pos < out.len() {
+        match tokio::time::timeout(stall, wr.write(&out[pos..])).await {
+            Err(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "it read none of its replies for {} s ({} bytes waiting)",
+                        stall.as_secs(),
+                        out.len() - pos
+                    ),
+                ));
+            }
+            Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => pos += n,
+            Ok(Err(e)) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// What [`next_request`] found.
+enum Next {
+    /// A whole request, which used the first `len` bytes.
+    Request(Request, usize),
+    /// At least this many bytes in all are needed first.
+    Need(usize),
+}
+
+/// The next whole request at the start of `buf`. Most requests arrive whole and are parsed at
+/// once; one that does not is framed by the resumable scan (each byte looked at once, however
+/// many reads it takes) and parsed when whole, so a request costs at most two parses.
+fn next_request(scan: &mut FrameScan, buf: &[u8]) -> Result<Next, ProtocolError> {
+    if scan.is_fresh() {
+        if let Parsed::Complete(req, len) = Request::parse(buf)? {
+            return Ok(Next::Request(req, len));
+        }
+    }
+    match scan.scan(buf)? {
+        Scanned::Incomplete { need } => Ok(Next::Need(need)),
+        Scanned::Complete(len) => {
+            *scan = FrameScan::default();
+            match Request::parse(&buf[..len])? {
+                Parsed::Complete(req, _) => Ok(Next::Request(req, len)),
+                // The scan and the parse agree on every input (tests/codec_scan_props.rs).
+                Parsed::Incomplete { .. } => Err(ProtocolError::RequestTooLarge(len)),
+            }
+        }
+    }
+}
+
+/// Largest idle buffer a connection keeps: beyond it, a buffer that served a large request or
+/// reply is given back once empty.
+const KEEP_BUFFER: usize = 1 << 20;
+
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
-    store: Arc<Store>,
+    store: &Store,
     mut stop: watch::Receiver<bool>,
+    id: ConnId,
+    live: Arc<Live>,
 ) {
+    let limits = store.limits();
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
     let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<u8>();
+    let _ = live.wake.set(wake_tx.clone());
+    if live.evicted.load(Ordering::Relaxed) {
+        return;
+    }
     let mut c = Conn {
-        id: store.next_conn.fetch_add(1, Ordering::Relaxed),
+        id,
         validated: false,
         authed: false,
         nonce: None,
         peer,
         wake: wake_tx,
+        live: live.clone(),
     };
     let mut buf = BytesMut::with_capacity(INITIAL_BUFFER);
+    let mut held = Held::new(&store.partial);
+    held.set(buf.capacity());
     let mut out: Vec<u8> = Vec::with_capacity(256);
     let mut need = 1usize;
+    // Where the request being received has got to, so each byte is scanned once.
+    let mut scan = FrameScan::default();
+    // When the first byte of the request being received arrived.
+    let mut begun: Option<tokio::time::Instant> = None;
     let handshake_by = tokio::time::Instant::now() + HANDSHAKE;
     'conn: loop {
-        if buf.capacity() - buf.len() < need.saturating_sub(buf.len()) {
-            buf.reserve(need - buf.len());
-        }
-        tokio::select! {
-            biased;
-            woke = wake_rx.recv() => {
-                if let Some(b) = woke {
-                    out.push(b);
+        // Serve the whole requests already here, while the replies fit the output budget;
+        // past it, the replies are written before anything more is read or served.
+        while out.len() < limits.out_budget {
+            match next_request(&mut scan, &buf) {
+                Ok(Next::Request(req, len)) => {
+                    begun = None;
+                    if len == buf.len() && len > KEEP_BUFFER {
+                        // A large request, now served: its buffer goes back at once.
+                        buf = BytesMut::with_capacity(INITIAL_BUFFER);
+                    } else {
+                        let _ = buf.split_to(len);
+                    }
+                    live.touch();
+                    live.parked.store(false, Ordering::Relaxed);
+                    if matches!(req, Request::CancelWait) {
+                        while let Ok(b) = wake_rx.try_recv() {
+                            if b == EVICT {
+                                quiet_warn(format_args!(
+                                    "store: closing an idle connection from {peer} to make room for others (connection caps)"
+                                ));
+                                break 'conn;
+                            }
+                            out.push(b);
+                        }
+                    }
+                    if let Err(msg) = store.apply(&mut c, req, &mut out) {
+                        quiet_warn(format_args!("store: closing connection from {peer}: {msg}"));
+                        break 'conn;
+                    }
+                    if c.validated != live.validated.load(Ordering::Relaxed) {
+                        live.validated.store(c.validated, Ordering::Relaxed);
+                    }
+                    if c.authed != live.authed.load(Ordering::Relaxed) {
+                        live.authed.store(c.authed, Ordering::Relaxed);
+                    }
+                }
+                Ok(Next::Need(n)) => {
+                    need = n;
+                    break;
+                }
+                Err(e) => {
+                    let what = if c.validated {
+                        e.to_string()
+                    } else {
+                        PRE_2_2.to_string()
+                    };
+                    quiet_warn(format_args!(
+                        "store: closing connection from {peer}: {what}"
+                    ));
+                    break 'conn;
                 }
             }
+        }
+        if !out.is_empty() {
+            if let Err(e) = write_out(&mut wr, &out, limits.stall).await {
+                if e.kind() == io::ErrorKind::TimedOut {
+                    quiet_warn(format_args!("store: closing connection from {peer}: {e}"));
+                }
+                break;
+            }
+            out.clear();
+            if out.capacity() > KEEP_BUFFER {
+                out = Vec::with_capacity(256);
+            }
+            continue;
+        }
+        if buf.is_empty() {
+            begun = None;
+            if buf.capacity() > KEEP_BUFFER {
+                buf = BytesMut::with_capacity(INITIAL_BUFFER);
+            }
+        } else if begun.is_none() {
+            begun = Some(tokio::time::Instant::now());
+        }
+        // The request under way says how much more it needs (`need` > what is buffered).
+        let want = need.saturating_sub(buf.len());
+        if buf.capacity() - buf.len() < want {
+            if !held.may_grow(buf.len() + want, limits.partial_budget) {
+                quiet_warn(format_args!(
+                    "store: closing connection from {peer}: unfinished requests hold the store's \
+                     whole budget for them ({} bytes)",
+                    limits.partial_budget
+                ));
+                break;
+            }
+            buf.reserve(want);
+        }
+        held.set(buf.capacity());
+        let frame_by = begun.map(|t| t + limits.frame_timeout);
+        tokio::select! {
+            biased;
+            woke = wake_rx.recv() => match woke {
+                Some(EVICT) => {
+                    quiet_warn(format_args!(
+                        "store: closing an idle connection from {peer} to make room for others \
+                         (connection caps)"
+                    ));
+                    break;
+                }
+                Some(b) => {
+                    live.parked.store(false, Ordering::Relaxed);
+                    out.push(b);
+                }
+                None => {}
+            },
             read = rd.read_buf(&mut buf) => match read {
                 Ok(0) => {
                     if !buf.is_empty() {
@@ -648,29 +959,6 @@ async fn connection(
                         quiet_warn(format_args!("store: closing connection from {peer}: {PRE_2_2}"));
                         break 'conn;
                     }
-                    while buf.len() >= need {
-                        match Request::parse(&buf) {
-                            Ok(Parsed::Complete(req, used)) => {
-                                let _ = buf.split_to(used);
-                                need = 1;
-                                if matches!(req, Request::CancelWait) {
-                                    while let Ok(b) = wake_rx.try_recv() {
-                                        out.push(b);
-                                    }
-                                }
-                                if let Err(msg) = store.apply(&mut c, req, &mut out) {
-                                    quiet_warn(format_args!("store: closing connection from {peer}: {msg}"));
-                                    break 'conn;
-                                }
-                            }
-                            Ok(Parsed::Incomplete { need: n }) => need = n,
-                            Err(e) => {
-                                let what = if c.validated { e.to_string() } else { PRE_2_2.to_string() };
-                                quiet_warn(format_args!("store: closing connection from {peer}: {what}"));
-                                break 'conn;
-                            }
-                        }
-                    }
                 }
             },
             _ = stop.changed() => break,
@@ -678,12 +966,15 @@ async fn connection(
                 quiet_warn(format_args!("store: closing connection from {peer}: no VALIDATE within {} s", HANDSHAKE.as_secs()));
                 break;
             }
-        }
-        if !out.is_empty() {
-            if wr.write_all(&out).await.is_err() {
+            _ = tokio::time::sleep_until(frame_by.unwrap_or(handshake_by)), if c.validated && frame_by.is_some() => {
+                quiet_warn(format_args!(
+                    "store: closing connection from {peer}: a request begun {} s ago is still \
+                     unfinished ({} bytes received)",
+                    limits.frame_timeout.as_secs(),
+                    buf.len()
+                ));
                 break;
             }
-            out.clear();
         }
     }
     store.disconnect(c.id);

@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Conn, MAX_REPLY, Parked, Refusal, State, is_control};
+use super::{Conn, ENTRY_COST, ITEM_COST, MAX_REPLY, Parked, Refusal, State, is_control};
 use crate::store::protocol::{
     CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED, put_bytes, put_i64,
 };
@@ -72,14 +72,26 @@ pub(super) fn wait(
     c: &Conn,
     next_wait: &AtomicU64,
     mut keys: Vec<Vec<u8>>,
+    budget: usize,
     out: &mut Vec<u8>,
-) {
+) -> Result<(), Refusal> {
     keys.sort_unstable();
     keys.dedup();
     keys.retain(|k| !s.exists(k));
     if keys.is_empty() {
         out.push(STOP_WAITING);
-        return;
+        return Ok(());
+    }
+    let cost = wait_cost(&keys);
+    let before = s.parked.get(&c.id).map_or(0, |p| p.cost);
+    if s.waiting.saturating_sub(before).saturating_add(cost) > budget {
+        return Err(format!(
+            "a WAIT on {} missing keys ({cost} bytes) is past the store's budget for waits \
+             ({budget} bytes, {} held)",
+            keys.len(),
+            s.waiting
+        )
+        .into());
     }
     let generation = next_wait.fetch_add(1, Ordering::Relaxed);
     for k in &keys {
@@ -89,18 +101,29 @@ pub(super) fn wait(
             .push((c.id, generation));
     }
     park(s, c, generation, keys, false);
+    Ok(())
+}
+
+/// What a wait's keys cost while it is parked: each key is held twice (the wait's list and
+/// the watchers' map), each with an entry's cost.
+fn wait_cost(keys: &[Vec<u8>]) -> usize {
+    keys.iter().map(|k| 2 * (ENTRY_COST + k.len())).sum()
 }
 
 /// Parks connection `c` until `keys` are all set (a WAIT) or the barrier fills: one wait per
 /// connection, so an earlier one it left is forgotten.
 fn park(s: &mut State, c: &Conn, generation: u64, keys: Vec<Vec<u8>>, barrier: bool) {
     s.forget_wait(c.id);
+    c.live.parked.store(true, Ordering::Relaxed);
+    let cost = wait_cost(&keys);
+    s.waiting += cost;
     let parked = Parked {
         generation,
         remaining: if barrier { 1 } else { keys.len() },
         wake: c.wake.clone(),
         keys,
         barrier,
+        cost,
     };
     s.parked.insert(c.id, parked);
 }
@@ -118,7 +141,7 @@ pub(super) fn delete_key(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
 
 pub(super) fn append(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
     let fresh = !s.kv.contains_key(&key);
-    s.bytes += value.len() + if fresh { key.len() } else { 0 };
+    s.bytes += value.len() + if fresh { ENTRY_COST + key.len() } else { 0 };
     s.kv.entry(key.clone())
         .or_default()
         .extend_from_slice(&value);
@@ -166,9 +189,13 @@ pub(super) fn ping(nonce: u32, out: &mut Vec<u8>) {
     out.extend_from_slice(&nonce.to_le_bytes());
 }
 
-/// Wakes at most one blocked pop (a pushed item serves one reader).
+/// Wakes at most one blocked pop (a pushed item serves one reader). The item, and the key
+/// of a new queue, count toward --store-max-bytes like any stored byte.
 pub(super) fn queue_push(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
-    s.bytes += value.len();
+    s.bytes += ITEM_COST + value.len();
+    if !s.queues.contains_key(&key) {
+        s.bytes += ENTRY_COST + key.len();
+    }
     s.queues.entry(key.clone()).or_default().push_back(value);
     s.written(&key, true);
 }
@@ -179,8 +206,12 @@ pub(super) fn queue_pop(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
     let len = q.as_ref().map_or(0, |q| q.len());
     put_i64(out, len as i64);
     if let Some(item) = q.and_then(|q| q.pop_front()) {
-        s.bytes = s.bytes.saturating_sub(item.len());
+        s.bytes = s.bytes.saturating_sub(ITEM_COST + item.len());
         put_bytes(out, &item);
+    }
+    // An emptied queue is forgotten, and its key with it.
+    if len == 1 && s.queues.remove(key).is_some() {
+        s.bytes = s.bytes.saturating_sub(ENTRY_COST + key.len());
     }
 }
 
@@ -188,13 +219,22 @@ pub(super) fn queue_len(s: &State, key: &[u8], out: &mut Vec<u8>) {
     put_i64(out, s.queues.get(key).map_or(0, |q| q.len()) as i64);
 }
 
-/// With `hide`, nrun's own keys are not listed.
-pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) {
+/// With `hide`, nrun's own keys are not listed. Like MULTI_GET, a reply over [`MAX_REPLY`]
+/// (a store of millions of keys) closes the asking connection instead of being built.
+pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) -> Result<(), Refusal> {
     let keys: Vec<&Vec<u8>> = s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
+    let size: usize = keys.iter().map(|k| 8 + k.len()).sum();
+    if size > MAX_REPLY {
+        return Err(format!(
+            "LIST_KEYS reply of {size} bytes is over the store's limit of {MAX_REPLY}"
+        )
+        .into());
+    }
     put_i64(out, keys.len() as i64);
     for k in keys {
         put_bytes(out, k);
     }
+    Ok(())
 }
 
 /// Counts this arrival under `key`; the last of `world_size` releases every connection parked
@@ -214,7 +254,7 @@ pub(super) fn barrier(
                 .get(&conn)
                 .is_some_and(|p| p.generation == generation)
             {
-                if let Some(p) = s.parked.remove(&conn) {
+                if let Some(p) = s.unpark(conn) {
                     let _ = p.wake.send(STOP_WAITING);
                 }
             }

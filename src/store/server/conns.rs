@@ -1,0 +1,251 @@
+//! What one client may hold of the store's process: memory in replies and unfinished requests,
+//! time, and file descriptors.
+//!
+//! - Replies: a connection with more than [`Limits::out_budget`] of replies queued stops being
+//!   read until its socket takes them (backpressure, so pipelined GETs of a large value cost a
+//!   bounded buffer), and one whose socket takes nothing for [`Limits::stall`] is closed.
+//! - Unfinished requests: a request begun must be whole within [`Limits::frame_timeout`], and all
+//!   connections' read buffers together stay under [`Limits::partial_budget`] (the connection
+//!   whose growth would pass it is closed).
+//! - File descriptors: at most [`Limits::per_peer`] connections from one address and a total
+//!   kept below the process's open-file limit. A connection past either cap does not lock others
+//!   out: the idlest connection of the address holding the most (never one that proved nrun's
+//!   secret, unvalidated ones first, parked waits last) is closed to make room. The job's ranks
+//!   and nrun's agents therefore always get in, while an abuser's idle sockets are the ones that
+//!   go.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+/// Sent through a connection's wake channel to close it. Never a reply: the channel otherwise
+/// carries only STOP_WAITING (0).
+pub(super) const EVICT: u8 = 0xff;
+
+/// Budgets, timeouts and caps of the store's connections ([`super::Store::set_limits`]).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Replies queued but unwritten past which a connection is no longer read.
+    pub out_budget: usize,
+    /// A connection whose socket accepts no reply bytes for this long is closed.
+    pub stall: Duration,
+    /// A request begun must be whole within this (from its first byte).
+    pub frame_timeout: Duration,
+    /// Bytes all connections' read buffers may hold together.
+    pub partial_budget: usize,
+    /// Bytes the keys of all parked WAITs may hold together; a WAIT past it closes its
+    /// connection.
+    pub wait_budget: usize,
+    /// Most connections from one address.
+    pub per_peer: usize,
+    /// Most connections in all; 0: the open-file limit less a reserve for nrun's own files.
+    pub total: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            out_budget: 64 << 20,
+            stall: Duration::from_secs(30),
+            frame_timeout: Duration::from_secs(30),
+            partial_budget: 1 << 30,
+            wait_budget: 1 << 30,
+            per_peer: 1024,
+            total: 0,
+        }
+    }
+}
+
+/// Read buffers up to this size never count against the partial budget's refusal (every
+/// connection may always read ordinary requests); they are still counted.
+pub(super) const SMALL_BUFFER: usize = 1 << 20;
+
+/// The most connections this process can hold: its open-file limit less room for nrun's own
+/// files (workers' pipes and logs, agents' links, the listener itself).
+pub(super) fn fd_cap() -> usize {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct it is given.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } == 0 {
+        l.rlim_cur.min(1 << 20) as usize
+    } else {
+        1024
+    };
+    let reserve = (soft / 8).max(128);
+    soft.saturating_sub(reserve).max(16)
+}
+
+/// One connection as the caps see it; shared between its task and the registry.
+pub(super) struct Live {
+    pub(super) ip: IpAddr,
+    /// Milliseconds since the registry started, at its last whole request.
+    last: AtomicU64,
+    pub(super) validated: AtomicBool,
+    pub(super) authed: AtomicBool,
+    /// In a WAIT or BARRIER: idle on the wire, but waiting on purpose.
+    pub(super) parked: AtomicBool,
+    /// The connection's wake channel, where [`EVICT`] asks it to close (it was chosen to make
+    /// room): the channel its task already listens on, so the common path polls nothing more.
+    pub(super) wake: OnceLock<mpsc::UnboundedSender<u8>>,
+    /// Chosen to make room (read by a task that had not yet set `wake`).
+    pub(super) evicted: AtomicBool,
+    origin: Instant,
+}
+
+impl Live {
+    pub(super) fn touch(&self) {
+        let ms = self.origin.elapsed().as_millis() as u64;
+        self.last.store(ms, Ordering::Relaxed);
+    }
+
+    /// The order in which connections are closed to make room: smallest first.
+    fn keep_rank(&self) -> (bool, bool, u64) {
+        (
+            self.validated.load(Ordering::Relaxed),
+            self.parked.load(Ordering::Relaxed),
+            self.last.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Every open connection, by peer address.
+pub(super) struct Conns {
+    by_peer: HashMap<IpAddr, HashMap<u64, Arc<Live>>>,
+    total: usize,
+    origin: Instant,
+}
+
+impl Default for Conns {
+    fn default() -> Conns {
+        Conns {
+            by_peer: HashMap::new(),
+            total: 0,
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Conns {
+    pub(super) fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Registers connection `id` from `ip`, first closing another to make room where a cap is
+    /// reached; None when nothing can be closed (the new connection is refused).
+    pub(super) fn admit(
+        &mut self,
+        id: u64,
+        ip: IpAddr,
+        per_peer: usize,
+        total: usize,
+    ) -> Option<Arc<Live>> {
+        let from_peer = self.by_peer.get(&ip).map_or(0, HashMap::len);
+        if from_peer >= per_peer && !self.evict_from(ip) {
+            return None;
+        }
+        if self.total >= total && !self.evict_one() {
+            return None;
+        }
+        let live = Arc::new(Live {
+            ip,
+            last: AtomicU64::new(self.origin.elapsed().as_millis() as u64),
+            validated: AtomicBool::new(false),
+            authed: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
+            wake: OnceLock::new(),
+            evicted: AtomicBool::new(false),
+            origin: self.origin,
+        });
+        self.by_peer.entry(ip).or_default().insert(id, live.clone());
+        self.total += 1;
+        Some(live)
+    }
+
+    /// Forgets connection `id` (it ended, or was closed to make room).
+    pub(super) fn remove(&mut self, id: u64, ip: IpAddr) {
+        if let Some(m) = self.by_peer.get_mut(&ip) {
+            if m.remove(&id).is_some() {
+                self.total -= 1;
+            }
+            if m.is_empty() {
+                self.by_peer.remove(&ip);
+            }
+        }
+    }
+
+    /// Closes the idlest connection of the address holding the most (out of file descriptors,
+    /// or the total cap reached).
+    pub(super) fn evict_one(&mut self) -> bool {
+        let mut peers: Vec<(usize, IpAddr)> =
+            self.by_peer.iter().map(|(ip, m)| (m.len(), *ip)).collect();
+        peers.sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
+        peers.into_iter().any(|(_, ip)| self.evict_from(ip))
+    }
+
+    /// Closes the connection from `ip` that matters least: never one that proved nrun's
+    /// secret; unvalidated before validated, not waiting before waiting, idlest first.
+    fn evict_from(&mut self, ip: IpAddr) -> bool {
+        let Some(m) = self.by_peer.get(&ip) else {
+            return false;
+        };
+        let victim = m
+            .iter()
+            .filter(|(_, l)| !l.authed.load(Ordering::Relaxed))
+            .min_by_key(|(_, l)| l.keep_rank())
+            .map(|(id, l)| (*id, l.clone()));
+        let Some((id, live)) = victim else {
+            return false;
+        };
+        live.evicted.store(true, Ordering::Relaxed);
+        if let Some(tx) = live.wake.get() {
+            let _ = tx.send(EVICT);
+        }
+        self.remove(id, ip);
+        true
+    }
+}
+
+/// Bytes one connection holds in a shared budget, given back when it ends.
+pub(super) struct Held<'a> {
+    total: &'a AtomicUsize,
+    n: usize,
+}
+
+impl<'a> Held<'a> {
+    pub(super) fn new(total: &'a AtomicUsize) -> Held<'a> {
+        Held { total, n: 0 }
+    }
+
+    /// Whether growing to `n` bytes keeps the total within `budget` (small holdings always
+    /// may).
+    pub(super) fn may_grow(&self, n: usize, budget: usize) -> bool {
+        n <= SMALL_BUFFER
+            || n <= self.n
+            || self.total.load(Ordering::Relaxed).saturating_sub(self.n) + n <= budget
+    }
+
+    pub(super) fn set(&mut self, n: usize) {
+        // Most calls change nothing: skip the shared atomic then.
+        if n == self.n {
+            return;
+        }
+        if n > self.n {
+            self.total.fetch_add(n - self.n, Ordering::Relaxed);
+        } else {
+            self.total.fetch_sub(self.n - n, Ordering::Relaxed);
+        }
+        self.n = n;
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.n, Ordering::Relaxed);
+    }
+}
