@@ -152,6 +152,17 @@ impl Session {
                     None => Store::new(),
                 };
                 store.set_max_bytes(plan.store_max_bytes);
+                // A node's ranks all connect from its address (torch opens more than one each
+                // on init): the cap per address must hold the largest node's.
+                let most = nodes
+                    .layout
+                    .iter()
+                    .map(|l| l.ranks.len())
+                    .max()
+                    .unwrap_or(1);
+                let limits = store.limits();
+                let per_peer = limits.per_peer.max(4 * most + 64);
+                store.set_limits(crate::store::server::Limits { per_peer, ..limits });
                 // Every worker keeps a connection (torch opens more on init), every agent two.
                 let needed = nodes.world as u64 * 2 + nodes.hosts.len() as u64 * 2 + 64;
                 if let Some(hard) = crate::node::process::fd_hard_limit().filter(|h| *h < needed) {

@@ -7,7 +7,8 @@
 //! - Unfinished requests: a request begun must be whole within [`Limits::frame_timeout`], and all
 //!   connections' read buffers together stay under [`Limits::partial_budget`] (the connection
 //!   whose growth would pass it is closed).
-//! - File descriptors: at most [`Limits::per_peer`] connections from one address and a total
+//! - File descriptors: at most [`Limits::per_peer`] connections from one address (loopback,
+//!   this host's own ranks and agents, excepted) and a total
 //!   kept below the process's open-file limit. A connection past either cap does not lock others
 //!   out: the idlest connection of the address holding the most (never one that proved nrun's
 //!   secret, unvalidated ones first, parked waits last) is closed to make room. The job's ranks
@@ -40,7 +41,8 @@ pub struct Limits {
     /// Bytes the keys of all parked WAITs may hold together; a WAIT past it closes its
     /// connection.
     pub wait_budget: usize,
-    /// Most connections from one address.
+    /// Most connections from one address other than loopback (the session raises it to what
+    /// its largest node's ranks need).
     pub per_peer: usize,
     /// Most connections in all; 0: the open-file limit less a reserve for nrun's own files.
     pub total: usize,
@@ -146,7 +148,8 @@ impl Conns {
         total: usize,
     ) -> Option<Arc<Live>> {
         let from_peer = self.by_peer.get(&ip).map_or(0, HashMap::len);
-        if from_peer >= per_peer && !self.evict_from(ip) {
+        // This host's own clients (a single node's ranks, all on loopback) have only the total.
+        if !ip.is_loopback() && from_peer >= per_peer && !self.evict_from(ip) {
             return None;
         }
         if self.total >= total && !self.evict_one() {
