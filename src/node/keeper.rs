@@ -119,6 +119,10 @@ fn start_watch(
 fn watch(read: std::os::fd::OwnedFd, token: &str) -> ! {
     let _ = SigSet::all().thread_block();
     let _ = nix::unistd::setsid();
+    // Not named "nrun": `pkill -9 nrun`, which kills the keeper and nrun at once, is the case
+    // the watch is for.
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"nr-watch".as_ptr(), 0, 0, 0) };
     if let Ok(null) = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
