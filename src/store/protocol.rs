@@ -213,18 +213,24 @@ struct Reader<'a> {
     pos: usize,
 }
 
+/// Where a field of `n` bytes starting at `pos` ends, if `have` bytes hold it: a request past
+/// [`MAX_REQUEST_LEN`] is refused before its bytes are waited for.
+fn field_end(pos: usize, n: usize, have: usize) -> Result<usize, Stop> {
+    let end = pos
+        .checked_add(n)
+        .ok_or(Stop::Bad(ProtocolError::RequestTooLarge(usize::MAX)))?;
+    if end > MAX_REQUEST_LEN {
+        return Err(Stop::Bad(ProtocolError::RequestTooLarge(end)));
+    }
+    if end > have {
+        return Err(Stop::Need(end));
+    }
+    Ok(end)
+}
+
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], Stop> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .ok_or(Stop::Bad(ProtocolError::RequestTooLarge(usize::MAX)))?;
-        if end > MAX_REQUEST_LEN {
-            return Err(Stop::Bad(ProtocolError::RequestTooLarge(end)));
-        }
-        if end > self.buf.len() {
-            return Err(Stop::Need(end));
-        }
+        let end = field_end(self.pos, n, self.buf.len())?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -499,17 +505,7 @@ impl FrameScan {
 
     /// Offset of the end of a field of `n` bytes starting at `self.pos`, if it has arrived.
     fn end(&self, buf: &[u8], n: usize) -> Result<usize, Stop> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .ok_or(Stop::Bad(ProtocolError::RequestTooLarge(usize::MAX)))?;
-        if end > MAX_REQUEST_LEN {
-            return Err(Stop::Bad(ProtocolError::RequestTooLarge(end)));
-        }
-        if end > buf.len() {
-            return Err(Stop::Need(end));
-        }
-        Ok(end)
+        field_end(self.pos, n, buf.len())
     }
 
     fn u64_at(&self, buf: &[u8]) -> Result<u64, Stop> {
