@@ -16,7 +16,7 @@ use crate::store::client::Client;
 const EVERY: Duration = Duration::from_secs(1);
 
 /// Why the launch host counts as gone, for the agent's last words.
-pub fn why(addr: SocketAddr, timeout: Duration) -> String {
+fn why(addr: SocketAddr, timeout: Duration) -> String {
     format!(
         "no answer from the launch host's store at {addr} for {} s (--agent-timeout): it is down \
          or cut off from this node; stopping this node's workers",

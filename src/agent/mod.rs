@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio::sync::watch;
 
-use crate::error::{Error, Result, exit};
+use crate::error::{Error, Result};
 use crate::node::{Caught, Signals, StopRequest};
 use crate::store::client::Client;
 use exec::{Done, StepIo};
@@ -51,7 +51,7 @@ pub fn main() -> u8 {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("{e}");
-            exit::HELPER
+            e.code
         }
     };
     // Do not wait for the blocking read of stdin: it ends only when the launcher closes it.
@@ -74,18 +74,20 @@ pub async fn prove(
     }
     let mine = crate::store::auth::nonce()?;
     let key = [crate::store::server::STORE_PROOF_PREFIX, &mine].concat();
+    let refuse = |why: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why);
     // Something that is not nrun's store may never answer: no answer is no proof.
-    let answer = tokio::time::timeout(Duration::from_secs(10), conn.get(&key))
-        .await
-        .unwrap_or_else(|_| Ok(Vec::new()))?;
-    if !crate::store::auth::verify_store(secret.as_bytes(), &mine, &answer) {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::PermissionDenied,
-            format!(
-                "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET differs?): \
-                 refusing it"
-            ),
-        ));
+    let Ok(answer) = tokio::time::timeout(Duration::from_secs(10), conn.get(&key)).await else {
+        return Err(refuse(format!(
+            "the store at {at} did not answer this run's challenge within 10 s: refusing it \
+             (something other than this run's nrun listens there; compare `nrun --version` on \
+             both hosts)"
+        )));
+    };
+    if !crate::store::auth::verify_store(secret.as_bytes(), &mine, &answer?) {
+        return Err(refuse(format!(
+            "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET differs?): \
+             refusing it"
+        )));
     }
     conn.authenticate(secret.as_bytes()).await
 }
@@ -176,11 +178,16 @@ pub async fn serve(
     let keys = Keys::new(&hello.run);
 
     // The first coordinator address that answers wins; they are tried at once.
-    let (mut store, reached, local) = connect_any(&hello.addrs)
-        .await
-        .map_err(|e| Error::helper(format!("{me} cannot reach the launch host's store: {e}")))?;
-    let lost =
-        |e: std::io::Error| Error::helper(format!("{me}: lost the launch host's store: {e}"));
+    let (mut store, reached, local) = connect_any(&hello.addrs).await.map_err(|e| {
+        Error::helper(format!(
+            "nrun agent on {me}: cannot reach the launch host's store: {e}"
+        ))
+    })?;
+    let lost = |e: std::io::Error| {
+        Error::helper(format!(
+            "nrun agent on {me}: lost the launch host's store: {e}"
+        ))
+    };
     prove(&mut store, &hello.secret, &reached)
         .await
         .map_err(|e| refusal(e, lost))?;
@@ -198,7 +205,11 @@ pub async fn serve(
     };
     let probe = tokio::net::TcpListener::bind(SocketAddr::new(any, 0))
         .await
-        .map_err(|e| Error::helper(format!("{me}: cannot open a probe listener: {e}")))?;
+        .map_err(|e| {
+            Error::helper(format!(
+                "nrun agent on {me}: cannot open a probe listener: {e}"
+            ))
+        })?;
     let probe_addr = SocketAddr::new(
         local.ip(),
         probe
@@ -214,8 +225,11 @@ pub async fn serve(
     .await
     .map_err(|e| Error::helper(e.to_string()))?;
     // This join's own nonce: steps sealed for it cover it (no replay from an earlier run).
-    let nonce = crate::store::auth::random_hex()
-        .map_err(|e| Error::helper(format!("{me}: no random bytes from the OS: {e}")))?;
+    let nonce = crate::store::auth::random_hex().map_err(|e| {
+        Error::helper(format!(
+            "nrun agent on {me}: no random bytes from the OS: {e}"
+        ))
+    })?;
     let joined = Joined {
         nonce: nonce.clone(),
         local_addr: local.to_string(),
@@ -274,7 +288,10 @@ struct Node {
 
 impl Node {
     fn lost(&self, e: std::io::Error) -> Error {
-        Error::helper(format!("{}: lost the launch host's store: {e}", self.me))
+        Error::helper(format!(
+            "nrun agent on {}: lost the launch host's store: {e}",
+            self.me
+        ))
     }
 
     /// Does the steps it is given, one after another, until the End (Ok: the job's exit code,
@@ -290,7 +307,7 @@ impl Node {
         for no in 0.. {
             let step = tokio::select! {
                 r = self.next_step(store, no) => r?,
-                _ = gone_rx.wait_for(|g| *g) => return Err(Error::helper(format!("{me}: the launch host went away; stopping"))),
+                _ = gone_rx.wait_for(|g| *g) => return Err(Error::helper(format!("nrun agent on {me}: the launch host went away; stopping"))),
             };
             let done = match step.runs_workers() {
                 true => self.run(store, signals, &gone_rx, no, step).await?,
@@ -322,7 +339,7 @@ impl Node {
                 .map_err(lost)?;
             if *gone_rx.borrow() {
                 return Err(Error::helper(format!(
-                    "{me}: the launch host went away; stopped"
+                    "nrun agent on {me}: the launch host went away; stopped"
                 )));
             }
         }
@@ -344,7 +361,7 @@ impl Node {
         let read = |json: &[u8]| {
             serde_json::from_slice::<Step>(json).map_err(|e| {
                 Error::helper(format!(
-                    "{me}: cannot read step {no} from the launch host ({e}); is nrun the same version on both?"
+                    "nrun agent on {me}: cannot read step {no} from the launch host ({e}); is nrun the same version on both?"
                 ))
             })
         };
@@ -357,11 +374,11 @@ impl Node {
         match unbound {
             Some(step) if !step.runs_workers() && !matches!(step, Step::Probe { .. }) => Ok(step),
             Some(_) => Err(Error::helper(format!(
-                "{me}: step {no} in the launch host's store is not sealed for this node's join \
+                "nrun agent on {me}: step {no} in the launch host's store is not sealed for this node's join \
                  (a step replayed from an earlier run?); refusing it"
             ))),
             None => Err(Error::helper(format!(
-                "{me}: step {no} in the launch host's store is not sealed with this run's \
+                "nrun agent on {me}: step {no} in the launch host's store is not sealed with this run's \
                  secret for this node's join; refusing it (something other than this run's nrun \
                  wrote it, a step replayed from an earlier run, or the nruns differ: compare \
                  `nrun --version` on both)"

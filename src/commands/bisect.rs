@@ -462,7 +462,7 @@ impl Bisect<'_> {
                 Err(e) => {
                     // Said now, before the nodes are ended, as every stage's failure is.
                     eprintln!("nrun: error: {e}");
-                    return Err(Error::exit(exit::INTERNAL));
+                    return Err(Error::exit(e.code));
                 }
             };
             let launch = Launch {
@@ -591,10 +591,14 @@ impl Bisect<'_> {
                     .summarize();
             // Slow is judged here, against the other groups of the stage.
             if !matches!(summary.verdict, Verdict::Ok | Verdict::Slow) {
+                // The finding that decided the verdict, not the first warning listed.
+                let fail = crate::preflight::finding::Severity::Fail(summary.verdict);
                 let problem = summary
-                    .problems
-                    .first()
-                    .cloned()
+                    .findings
+                    .iter()
+                    .find(|f| f.severity == fail)
+                    .map(|f| f.evidence.clone())
+                    .or_else(|| summary.problems.first().cloned())
                     .unwrap_or_else(|| "preflight failed".into());
                 failure.get_or_insert(problem);
             }
@@ -697,16 +701,12 @@ fn group_store() -> Result<(std::sync::Arc<Store>, u16, tokio::sync::oneshot::Se
 }
 
 fn median_busbw(outs: &[GroupOut]) -> Option<f64> {
-    let mut v: Vec<f64> = outs
+    let v: Vec<f64> = outs
         .iter()
         .filter(|g| g.ok)
         .filter_map(|g| g.busbw_gbs)
         .collect();
-    if v.len() < 2 {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    Some(v[v.len() / 2])
+    (v.len() >= 2).then(|| crate::preflight::median(v))
 }
 
 /// Disjoint groups of `size` in order; a leftover smaller than 2 joins the last group.

@@ -134,26 +134,24 @@ fn watch(read: std::os::fd::OwnedFd, token: &str) -> ! {
             unsafe { libc::dup2(null.as_raw_fd(), fd) };
         }
     }
+    // A byte: the keeper cleaned up and ended normally; nothing to do. End of file with no
+    // byte: both writers died without a word.
     let mut buf = [0u8; 1];
-    loop {
+    let clean = loop {
         match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&read), &mut buf) {
-            Ok(0) => break,
             Err(nix::errno::Errno::EINTR) => continue,
-            Ok(_) => continue,
-            Err(_) => break,
+            Ok(n) => break n > 0,
+            Err(_) => break false,
         }
-    }
-    let me = std::process::id();
-    let until = Instant::now() + Duration::from_secs(3);
-    loop {
-        let left = carrying(token, me);
-        if left.is_empty() || Instant::now() > until {
-            break;
-        }
-        for p in left {
-            let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    };
+    if !clean {
+        let me = std::process::id();
+        kill_until_gone(
+            || carrying(token, me),
+            |p| {
+                let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
+            },
+        );
     }
     std::process::exit(0)
 }
@@ -196,21 +194,20 @@ fn keep(child: Pid, set: &SigSet, watch: Option<(std::os::fd::OwnedFd, Pid)>) ->
         }
     }
     // nrun is gone: whatever it left is now ours.
-    let until = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < until {
-        let left: Vec<Pid> = orphans()
+    let left = || {
+        let _ = reap(None);
+        orphans()
             .into_iter()
             .filter(|p| Some(*p) != watch_pid)
-            .collect();
-        if left.is_empty() {
-            break;
-        }
-        for p in left {
-            let _ = nix::sys::signal::killpg(p, Signal::SIGKILL);
-            let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-        let _ = reap(None);
+            .collect()
+    };
+    kill_until_gone(left, |p| {
+        let _ = nix::sys::signal::killpg(p, Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
+    });
+    // The watch need not look for survivors: there are none.
+    if let Some((pipe, _)) = &watch {
+        let _ = nix::unistd::write(pipe, b"k");
     }
     // nrun's scratch directory, which it had no chance to remove when it was killed.
     if matches!(status, Some(WaitStatus::Signaled(..))) {
@@ -231,6 +228,20 @@ fn keep(child: Pid, set: &SigSet, watch: Option<(std::os::fd::OwnedFd, Pid)>) ->
         }
         Some(WaitStatus::Exited(_, code)) => std::process::exit(code),
         _ => std::process::exit(1),
+    }
+}
+
+/// Kills what `left` lists until it lists nothing, for at most 3 s (a process may be between
+/// fork and exec, or re-parented a moment late).
+fn kill_until_gone(left: impl Fn() -> Vec<Pid>, kill: impl Fn(Pid)) {
+    let until = Instant::now() + Duration::from_secs(3);
+    loop {
+        let pids = left();
+        if pids.is_empty() || Instant::now() > until {
+            return;
+        }
+        pids.into_iter().for_each(&kill);
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

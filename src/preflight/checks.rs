@@ -341,12 +341,11 @@ impl Outcome {
         if node_us.len() < 2 {
             return Vec::new();
         }
-        let mut bws: Vec<f64> = node_us
+        let bws: Vec<f64> = node_us
             .values()
             .map(|us| busbw(bytes, *us, self.world_size).1)
             .collect();
-        bws.sort_by(f64::total_cmp);
-        let median = bws[bws.len() / 2];
+        let median = median(bws);
         node_us
             .iter()
             .filter_map(|(h, us)| {
@@ -548,9 +547,8 @@ impl Outcome {
         };
         out.push(Finding::info(Check::Network, line));
         if rates.len() >= 2 {
-            let mut all: Vec<f64> = rates.values().map(|(g, _)| *g).collect();
-            all.sort_by(f64::total_cmp);
-            let median = all[all.len() / 2];
+            let all: Vec<f64> = rates.values().map(|(g, _)| *g).collect();
+            let median = median(all);
             for (h, (g, what)) in rates {
                 if *g < PEER_FLOOR * median {
                     out.push(
@@ -680,9 +678,8 @@ impl Outcome {
                 parts.join(", ")
             ),
         )];
-        let mut all: Vec<f64> = links.iter().map(|l| l.2).collect();
-        all.sort_by(f64::total_cmp);
-        let median = all[all.len() / 2];
+        let all: Vec<f64> = links.iter().map(|l| l.2).collect();
+        let median = median(all);
         let mut slow: Vec<(&str, &str)> = Vec::new();
         // Named by the node the link leaves, whose egress is the likelier cause.
         let slow_link =
@@ -772,10 +769,8 @@ impl Outcome {
             return Vec::new();
         };
         let mut out = Vec::new();
-        let mut unwell = 0;
         for (r, h) in &seen {
             for u in h.problems() {
-                unwell += 1;
                 let gpu = r.gpu.as_deref().unwrap_or("its GPU");
                 let check = Check::Health(Some(u.check));
                 let f = if self.waived.contains(&u.check) {
@@ -804,7 +799,7 @@ impl Outcome {
                 out.push(f.node(&r.host).rank(r.rank).gpu(r.gpu.as_deref()));
             }
         }
-        if unwell == 0 {
+        if out.is_empty() {
             out.push(Finding::info(
                 Check::Health(None),
                 format!(
@@ -827,6 +822,7 @@ impl Outcome {
             return Vec::new();
         }
         let mut all: Vec<f64> = seen.iter().map(|(_, g)| *g).collect();
+        // Sorted: the range is shown beside the median.
         all.sort_by(f64::total_cmp);
         let median = all[all.len() / 2];
         let model = seen
@@ -894,4 +890,10 @@ impl Outcome {
             ),
         ]
     }
+}
+
+/// The upper median of `v` (not empty): the middle value, the higher of two.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }

@@ -16,6 +16,7 @@
 //! to die. A rank that fails sets an abort key; the others stop waiting at once.
 
 mod checks;
+pub(crate) use checks::median;
 pub mod cuda;
 pub mod finding;
 pub mod hardware;

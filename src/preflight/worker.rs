@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::cuda::{self, Gpu};
 use super::nccl::{self, Nccl, UniqueId};
 use super::{Mode, RankError, RankReport, Row, Settings, hardware};
-use crate::error::{Error, Result, exit};
+use crate::error::{Error, Result};
 use crate::store::client::Client;
 
 /// Element i of rank r's input: small integers, so float sums are exact in any order, and
@@ -134,7 +134,7 @@ pub fn main() -> u8 {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("nrun preflight: error: {e}");
-            exit::HELPER
+            e.code
         }
     };
     // Leave without running exit handlers: NCCL's and CUDA's teardown of communicators that

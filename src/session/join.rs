@@ -124,9 +124,10 @@ impl Session {
             reached,
             probe_addr,
             facts,
-            // The join's nonce: read where steps are sealed (link::Bus::set_step).
-            nonce: _,
+            nonce,
         } = record;
+        // Every later step of this node is sealed for it (link::Bus::set_step).
+        self.bus.nonces.insert(i, nonce);
         if self.nodes[i].link.named_on_join() {
             // A joined node is named by its host, kept apart from a namesake.
             let name = facts.hostname.clone();
@@ -182,6 +183,6 @@ impl Session {
         self.arrivals_checked = Some(now);
         (0..self.nodes.len())
             .filter(|i| !self.active.contains(i) && self.nodes[*i].joined.is_none())
-            .any(|i| self.bus.joined(i).is_some())
+            .any(|i| self.bus.has_joined(i))
     }
 }

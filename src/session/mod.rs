@@ -213,6 +213,7 @@ impl Session {
                 keys: Keys::new(&run),
                 secret: rendezvous.secret.clone(),
                 wake: Arc::default(),
+                nonces: Default::default(),
             },
             rendezvous,
             run,

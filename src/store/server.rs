@@ -79,11 +79,10 @@ const ITEM_COST: usize = 32;
 impl State {
     /// Stores `value` under `key`, keeping the byte count.
     fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
-        self.bytes += ENTRY_COST + key.len() + value.len();
-        if let Some(old) = self.kv.insert(key.clone(), value) {
-            self.bytes = self
-                .bytes
-                .saturating_sub(ENTRY_COST + key.len() + old.len());
+        let klen = key.len();
+        self.bytes += ENTRY_COST + klen + value.len();
+        if let Some(old) = self.kv.insert(key, value) {
+            self.bytes = self.bytes.saturating_sub(ENTRY_COST + klen + old.len());
         }
     }
 
@@ -406,6 +405,11 @@ impl Store {
     /// A key's value, read in-process.
     pub fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
         self.lock().kv.get(key).cloned()
+    }
+
+    /// Whether `key` is set (nothing copied).
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.lock().kv.contains_key(key)
     }
 
     /// Pending waits, and the watcher and barrier entries listing them (tests, diagnostics):

@@ -110,12 +110,15 @@ impl AgentProcess {
             .cloned()
     }
 
-    /// The last line nrun itself (the agent) or ssh wrote: the agent's stderr also carries its
-    /// workers' lines, and a worker's unrelated complaint is no cause of a lost node.
+    /// The last line nrun itself (the agent: its lines start with "nrun"), ssh or srun wrote:
+    /// the agent's stderr also carries its workers' lines, and a worker's unrelated complaint
+    /// is no cause of a lost node.
     pub fn own_words(&self) -> Option<String> {
         let ours = |l: &str| {
             let l = l.trim_start();
-            l.starts_with("nrun") || l.starts_with("ssh:") || l.starts_with("Connection to ")
+            ["nrun", "ssh:", "srun:", "Connection to "]
+                .iter()
+                .any(|p| l.starts_with(p))
         };
         self.stderr_tail
             .lock()

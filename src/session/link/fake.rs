@@ -82,6 +82,7 @@ pub fn session(
             keys: Keys::new("fake"),
             secret: None,
             wake: Arc::default(),
+            nonces: Default::default(),
         },
         store_stop: None,
         signals,

@@ -193,19 +193,21 @@ pub struct Bus {
     /// Woken by work done in this process (the in-process node's result and views), as the
     /// store's own notification is by agents' writes.
     pub(super) wake: Arc<Notify>,
+    /// Each joined node's nonce, from its Joined record (read once, when the node is taken in).
+    pub(super) nonces: std::collections::HashMap<usize, String>,
 }
 
 impl Bus {
     /// Writes node `node`'s step `no`, sealed with the run's secret for the nonce its agent
     /// chose when it joined (an agent runs no step it cannot verify, nor one sealed for another
-    /// join). A node that has not joined yet gets steps bound to no nonce: its agent takes
-    /// such a step only if it runs nothing (see `agent::Node::next_step`).
+    /// join). A node the session has not taken in yet gets steps bound to no nonce: its agent
+    /// takes such a step only if it runs nothing (see `agent::Node::next_step`).
     pub fn set_step(&self, node: usize, no: usize, step: &Step) {
         let Some(store) = &self.store else { return };
         let key = self.keys.step(node, no);
         let json = serde_json::to_vec(step).unwrap_or_default();
         let secret = self.secret.as_deref().unwrap_or("");
-        let bound = self.joined(node).map(|j| j.nonce).unwrap_or_default();
+        let bound = self.nonces.get(&node).map_or("", String::as_str);
         store.set(
             &key,
             &crate::store::auth::seal(secret.as_bytes(), &key, bound.as_bytes(), &json),
@@ -222,7 +224,7 @@ impl Bus {
     pub fn answered(&self, node: usize, no: usize) -> bool {
         self.store
             .as_ref()
-            .is_none_or(|st| st.get(&self.keys.result(node, no)).is_some())
+            .is_none_or(|st| st.contains(&self.keys.result(node, no)))
     }
 
     /// Node `node`'s view during step `no`, if it changed since `last`.
@@ -240,6 +242,14 @@ impl Bus {
     pub fn joined(&self, node: usize) -> Option<Joined> {
         let raw = self.store.as_ref()?.get(&self.keys.joined(node))?;
         serde_json::from_slice(&raw).ok()
+    }
+
+    /// Whether node `node`'s agent has published its joined record (not read: it carries the
+    /// node's facts, and this is asked every second of an elastic job).
+    pub fn has_joined(&self, node: usize) -> bool {
+        self.store
+            .as_ref()
+            .is_some_and(|st| st.contains(&self.keys.joined(node)))
     }
 
     /// Node `node`'s heartbeat counter as last written (empty before the first).

@@ -21,8 +21,9 @@ pub(super) fn validate(magic: u32) -> Result<(), Refusal> {
 }
 
 pub(super) fn set(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
-    s.put(key.clone(), value);
+    // Woken first, stored after: both under the state's lock, so no one sees the order.
     s.written(&key, false);
+    s.put(key, value);
 }
 
 /// Replies with the value the key holds afterwards: `desired` if it was swapped in, else the
@@ -172,8 +173,8 @@ pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) -> Resul
 
 pub(super) fn multi_set(s: &mut State, pairs: Vec<(Vec<u8>, Vec<u8>)>) {
     for (k, v) in pairs {
-        s.put(k.clone(), v);
         s.written(&k, false);
+        s.put(k, v);
     }
 }
 
