@@ -68,6 +68,6 @@ pub async fn watch(
             };
             eprintln!("nrun agent on {me}: {what}");
         }
-        let _ = gone.send(true);
+        gone.send_replace(true);
     }
 }

@@ -134,23 +134,26 @@ async fn run() -> Result<()> {
     let hello: Hello = serde_json::from_str(&line)
         .map_err(|e| Error::helper(format!("nrun agent on {here}: bad instructions: {e}")))?;
     // Losing stdin means the launcher is gone: stop everything fast.
-    let (gone_tx, gone_rx) = watch::channel(false);
+    let (gone, _) = watch::channel(false);
+    let from_stdin = gone.clone();
     tokio::spawn(async move {
         let mut rest = Vec::new();
         let _ = stdin.read_to_end(&mut rest).await;
-        let _ = gone_tx.send(true);
+        // Kept even with no one subscribed yet: the agent reads it once it does.
+        from_stdin.send_replace(true);
     });
-    serve(hello, signals, gone_rx).await.map(|_| ())
+    serve(hello, signals, gone).await.map(|_| ())
 }
 
 /// The agent's life after its [`Hello`]: join the coordinator's store, run the steps it is
 /// given, until the end (Ok: the job's exit code, when the coordinator left one) or the
-/// coordinator is gone (`gone`, or its store lost).
+/// coordinator is gone (`gone` set: stdin closed, or the store silent; or the store lost).
 pub async fn serve(
     hello: Hello,
     mut signals: Signals,
-    gone_rx: watch::Receiver<bool>,
+    gone: watch::Sender<bool>,
 ) -> Result<Option<u8>> {
+    let gone_rx = gone.subscribe();
     let here = crate::net::hostname();
     let (node, label) = hello.place()?;
     let hello = Hello {
@@ -242,23 +245,13 @@ pub async fn serve(
         .set(&keys.joined(hello.node), &record)
         .await
         .map_err(lost)?;
-    // The launch host gone (stdin closed) or out of reach (the store silent): one signal.
-    let (gone_tx, gone_rx) = {
-        let (tx, rx) = watch::channel(false);
-        let (from_stdin, mut outer) = (tx.clone(), gone_rx);
-        tokio::spawn(async move {
-            if outer.wait_for(|g| *g).await.is_ok() {
-                let _ = from_stdin.send(true);
-            }
-        });
-        (tx, rx)
-    };
+    // Out of reach (the store silent) sets the same `gone` as stdin closing.
     tokio::spawn(liveness::watch(
         reached,
         hello.secret.clone(),
         hello.heartbeat.then(|| keys.alive(hello.node)),
         Duration::from_millis(hello.agent_timeout_ms),
-        gone_tx,
+        gone,
         me.clone(),
     ));
 

@@ -112,7 +112,7 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
     tracing::info!("joined the rendezvous at {endpoint} as node {node}");
     let signals = Signals::install(&job.session.forward_signals)?;
     // Nothing closes: the host going away shows as its store going away.
-    let (_keep, gone) = watch::channel(false);
+    let (gone, _) = watch::channel(false);
     match super::serve(hello, signals, gone).await {
         Ok(code) => Ok(code.unwrap_or(0)),
         Err(e) => Err(Error::cluster(e.message)),

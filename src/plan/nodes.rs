@@ -344,13 +344,8 @@ fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
             hosts::MAX_HOSTS
         ))
     };
-    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
-    if !meta.is_file() {
-        return Err(not_regular(&meta));
-    }
-    if meta.len() > MAX_HOSTFILE_BYTES {
-        return Err(too_big());
-    }
+    // Opened without blocking (a FIFO's open would wait for a writer), then judged by what
+    // was opened, not by a name that could change in between.
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
@@ -359,6 +354,9 @@ fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
     let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
     if !meta.is_file() {
         return Err(not_regular(&meta));
+    }
+    if meta.len() > MAX_HOSTFILE_BYTES {
+        return Err(too_big());
     }
     let mut bytes = Vec::new();
     file.take(MAX_HOSTFILE_BYTES + 1)

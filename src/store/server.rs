@@ -676,7 +676,6 @@ pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Futu
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::pin!(shutdown);
     let mut backoff_ms = 1;
-    let mut said_emfile = false;
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
@@ -692,8 +691,14 @@ pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Futu
                         continue;
                     }
                     let Some((id, live)) = store.admit(peer) else {
+                        let limits = store.limits();
                         quiet_warn(format_args!(
-                            "store: refusing {peer}: every connection slot is held by nrun's own agents"
+                            "store: refusing {peer}: no connection slot is free (at most \
+                             {} from one address, {} in all, set by this host's open-file limit) \
+                             and every open one is an agent of this run; raise `ulimit -n` for \
+                             nrun here",
+                            limits.per_peer,
+                            limits.total_cap()
                         ));
                         continue;
                     };
@@ -711,13 +716,9 @@ pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Futu
                     let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
                     if out_of_fds {
                         store.conns_lock().evict_one();
-                        if !said_emfile {
-                            said_emfile = true;
-                            tracing::warn!(
-                                "store: accept failed: {e}; closing idle connections to make room \
-                                 (said once)"
-                            );
-                        }
+                        quiet_warn(format_args!(
+                            "store: accept failed: {e}; closing idle connections to make room"
+                        ));
                     } else {
                         quiet_warn(format_args!("store: accept failed: {e}; retrying in {backoff_ms} ms"));
                     }
@@ -734,10 +735,7 @@ impl Store {
     /// Registers a new connection under the caps (see [`Limits`]); None: refused.
     fn admit(&self, peer: SocketAddr) -> Option<(ConnId, Arc<Live>)> {
         let limits = self.limits();
-        let total = match limits.total {
-            0 => conns::fd_cap(),
-            n => n,
-        };
+        let total = limits.total_cap();
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let ip = crate::net::canonical(peer.ip());
         let live = self.conns_lock().admit(id, ip, limits.per_peer, total)?;

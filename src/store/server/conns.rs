@@ -62,6 +62,16 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// Most connections in all: the set cap, else what the open-file limit allows.
+    pub(super) fn total_cap(&self) -> usize {
+        match self.total {
+            0 => fd_cap(),
+            n => n,
+        }
+    }
+}
+
 /// Read buffers up to this size never count against the partial budget's refusal (every
 /// connection may always read ordinary requests); they are still counted.
 pub(super) const SMALL_BUFFER: usize = 1 << 20;
