@@ -34,6 +34,10 @@ pub mod exit {
     pub const BISECT_FOUND: u8 = 96;
     /// The watch found a hang and stopped the job (`--on-hang stop`).
     pub const HANG: u8 = 97;
+    /// Too few healthy nodes: nodes were left out (did not join, failed the checks, were lost
+    /// or listed in --exclude-file) and no spares remained. A requeue script can tell it from
+    /// a failure of the program itself.
+    pub const NO_NODES: u8 = 98;
 
     /// nrun's own helper process (`nrun __agent`, `nrun __preflight`) could not do its part;
     /// the reason is on its stderr.
@@ -66,6 +70,14 @@ impl Error {
     pub fn cluster(message: impl Into<String>) -> Error {
         Error {
             code: exit::CLUSTER,
+            message: message.into(),
+        }
+    }
+
+    /// Too few healthy nodes for the job (exit 98).
+    pub fn no_nodes(message: impl Into<String>) -> Error {
+        Error {
+            code: exit::NO_NODES,
             message: message.into(),
         }
     }

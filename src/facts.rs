@@ -224,11 +224,35 @@ fn major_minor(v: &str) -> String {
     v.split('.').take(2).collect::<Vec<_>>().join(".")
 }
 
+/// What must agree between nodes for a job to run: NCCL major.minor and torch ("?" unknown).
+pub fn compat_key(f: &Facts) -> String {
+    let nccl = f
+        .nccl
+        .first()
+        .and_then(|n| n.version.as_deref())
+        .map_or("?".to_string(), major_minor);
+    format!("NCCL {nccl}, torch {}", f.torch.as_deref().unwrap_or("?"))
+}
+
+/// Indices whose key differs from the one a strict majority shares (none without one).
+fn outliers(keys: &[String]) -> Vec<usize> {
+    let mut counts: std::collections::BTreeMap<&str, usize> = Default::default();
+    for k in keys {
+        *counts.entry(k).or_default() += 1;
+    }
+    match counts.iter().find(|(_, c)| **c * 2 > keys.len()) {
+        Some((major, _)) => (0..keys.len()).filter(|i| keys[*i] != *major).collect(),
+        None => Vec::new(),
+    }
+}
+
 /// The table, what differs between nodes, and whether that must refuse the launch.
 pub struct Comparison {
     pub table: String,
     pub differences: Vec<String>,
     pub refuse: bool,
+    /// Nodes (indices into the compared list) whose NCCL/torch differ from the majority's.
+    pub odd: Vec<usize>,
 }
 
 pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
@@ -293,10 +317,17 @@ pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
     if nccl.len() > 1 || torch.len() > 1 {
         refuse = true;
     }
+    // The nodes that differ from a strict majority can be left out; without one, nobody is
+    // to blame.
+    let odd = match refuse {
+        true => outliers(&nodes.iter().map(|(_, f)| compat_key(f)).collect::<Vec<_>>()),
+        false => Vec::new(),
+    };
     Comparison {
         table: t,
         differences,
         refuse,
+        odd,
     }
 }
 

@@ -1,4 +1,4 @@
-//! The agent's watch over its link to the launch host: a request to the store every second, on
+//! The agent's watch over its link to the launch host: a request to the store every half second, on
 //! a connection of its own, each given `--agent-timeout` to be answered. A partition (packets
 //! dropped, not refused) closes no socket and no ssh for many seconds; this notices it, and the
 //! agent stops its workers by itself, as when its stdin closes. Agents the coordinator cannot
@@ -12,8 +12,9 @@ use tokio::sync::watch;
 
 use crate::store::client::Client;
 
-/// How often the store is asked.
-const EVERY: Duration = Duration::from_secs(1);
+/// How often the store is asked: the coordinator calls a node lost after 2.5 s without a
+/// beat (session::link::peer::SILENCE).
+const EVERY: Duration = Duration::from_millis(500);
 
 /// Why the launch host counts as gone, for the agent's last words.
 fn why(addr: SocketAddr, timeout: Duration) -> String {
@@ -24,7 +25,7 @@ fn why(addr: SocketAddr, timeout: Duration) -> String {
     )
 }
 
-/// Asks the store at `addr` every second (bumping `heartbeat`, if given); when a request is not
+/// Asks the store at `addr` every half second (bumping `heartbeat`, if given); when a request is not
 /// answered within `timeout`, or the connection fails, says so once and sets `gone`.
 pub async fn watch(
     addr: SocketAddr,

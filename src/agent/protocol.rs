@@ -34,7 +34,7 @@ pub struct Hello {
     /// (SLURMD_NODENAME) among these labels, and `node`/`label` are ignored.
     #[serde(default)]
     pub nodes: Vec<String>,
-    /// Bump a heartbeat key every second (agents the coordinator cannot watch as processes).
+    /// Bump a heartbeat key every half second (the coordinator names a silent node lost).
     #[serde(default)]
     pub heartbeat: bool,
     /// The launch host's store unanswered this long: the agent stops its workers by itself.

@@ -694,6 +694,27 @@ pub struct NodesArgs {
         allow_negative_numbers = true
     )]
     pub agent_timeout: f64,
+
+    /// How many hosts of the list are spares, where --nnodes is not given (with --nnodes N,
+    /// the hosts beyond N are). Spares join and are checked, run nothing, and take the place
+    /// of a node left out: one that fails to join or the checks, or is lost mid-run.
+    #[arg(long, env = "NRUN_SPARES", value_name = "K")]
+    pub spares: Option<usize>,
+
+    /// Nodes to avoid, remembered across runs: hosts listed here (and younger than
+    /// --exclude-ttl) are not used, and the nodes this run leaves out are appended, one
+    /// `HOST TIME REASON` line each.
+    #[arg(long = "exclude-file", env = "NRUN_EXCLUDE_FILE", value_name = "PATH")]
+    pub exclude_file: Option<PathBuf>,
+
+    /// How long an --exclude-file entry counts: 24h, 90m, 3600 (seconds).
+    #[arg(
+        long = "exclude-ttl",
+        env = "NRUN_EXCLUDE_TTL",
+        default_value = "24h",
+        value_name = "DURATION"
+    )]
+    pub exclude_ttl: String,
 }
 
 /// What bisect runs in each group and how it judges.

@@ -103,7 +103,7 @@ impl Bisect<'_> {
         for (i, msg) in failures {
             self.mark(i, NodeVerdict::Unreachable, msg);
         }
-        for p in s.assign_interfaces().problems {
+        for (_, p) in s.assign_interfaces().problems {
             eprintln!("nrun bisect: {p}");
         }
         self.facts_stage(s);

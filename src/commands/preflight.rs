@@ -16,13 +16,26 @@ use crate::session::spec::Launch;
 use crate::session::{Policy, Session};
 use crate::store::client::Client;
 
-/// Runs the preflight over every node of the session; returns its exit code, and its report
-/// (the JSON of `--report`) when it got that far.
-pub async fn run(
-    s: &mut Session,
-    job: &RunSettings,
-    pf: &PreflightPlan,
-) -> Result<(u8, Option<serde_json::Value>)> {
+/// How a preflight ended: its exit code, its report (the JSON of `--report`) when it got that
+/// far, and the nodes its failing findings name (host, evidence).
+pub struct Ended {
+    pub code: u8,
+    pub report: Option<serde_json::Value>,
+    pub blamed: Vec<(String, String)>,
+}
+
+impl Ended {
+    fn early(code: u8) -> Ended {
+        Ended {
+            code,
+            report: None,
+            blamed: Vec::new(),
+        }
+    }
+}
+
+/// Runs the preflight over the job's nodes (the session's group).
+pub async fn run(s: &mut Session, job: &RunSettings, pf: &PreflightPlan) -> Result<Ended> {
     let started = Instant::now();
     let since = |what: &str| {
         tracing::debug!(
@@ -66,7 +79,7 @@ pub async fn run(
     since("starting ranks");
     let results = match s.run_step(steps, Policy::Together).await {
         Ok(r) => r,
-        Err(e) => return Ok((e.code, None)),
+        Err(e) => return Ok(Ended::early(e.code)),
     };
     since("ranks ended");
     let mut crashed = None;
@@ -74,7 +87,7 @@ pub async fn run(
         match r {
             StepResult::Run(RunResult::Interrupted(sig)) => {
                 tracing::warn!("preflight stopped by {}", crate::node::signal_name(*sig));
-                return Ok((exit::signal(*sig), None));
+                return Ok(Ended::early(exit::signal(*sig)));
             }
             StepResult::Run(RunResult::Failed(f)) if crashed.is_none() => {
                 crashed = Some((f.rank, format!("pid {} {}", f.pid, f.how)));
@@ -91,7 +104,7 @@ pub async fn run(
     let mut ranks = group.rank_hosts(s);
     // A static launch's node sees only its own ranks; the others are named by node.
     let mine: std::collections::BTreeSet<usize> = ranks.iter().map(|r| r.0).collect();
-    for r in (0..s.plan.world).filter(|r| !mine.contains(r)) {
+    for r in (0..group.world).filter(|r| !mine.contains(r)) {
         ranks.push((r, format!("node {}", r / job.workers.nproc.max(1))));
     }
     ranks.sort();
@@ -101,7 +114,7 @@ pub async fn run(
         Some(t) => t.await.unwrap_or_default(),
         None => Vec::new(),
     };
-    let mut outcome = preflight::Outcome::gather(&settings[0], &ranks, s.plan.world, &mut |k| {
+    let mut outcome = preflight::Outcome::gather(&settings[0], &ranks, group.world, &mut |k| {
         values.get(k).cloned().filter(|v| !v.is_empty())
     });
     outcome.crashed = crashed;
@@ -125,7 +138,25 @@ pub async fn run(
     if let Some(path) = &pf.report {
         crate::report::write_json("--report", path, &summary.json)?;
     }
-    Ok((summary.verdict.exit_code(), Some(summary.json)))
+    // Failing findings that all name a node blame those nodes; one without a node (wrong
+    // results everywhere, a version mismatch) blames nobody.
+    let failing: Vec<&preflight::finding::Finding> = summary
+        .findings
+        .iter()
+        .filter(|f| matches!(f.severity, preflight::finding::Severity::Fail(_)))
+        .collect();
+    let blamed = match failing.iter().all(|f| f.node.is_some()) {
+        true => failing
+            .iter()
+            .filter_map(|f| Some((f.node.clone()?, f.evidence.clone())))
+            .collect(),
+        false => Vec::new(),
+    };
+    Ok(Ended {
+        code: summary.verdict.exit_code(),
+        report: Some(summary.json),
+        blamed,
+    })
 }
 
 /// Node `i`'s preflight settings (`id`: the run's key space): --nccl-lib, else the library the

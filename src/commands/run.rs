@@ -6,6 +6,7 @@ use crate::agent::protocol::{RunResult, StepResult};
 use crate::error::{Error, Result, exit};
 use crate::plan::{NodesPlan, RunSettings};
 use crate::report::{self, JobEnd, JobShape};
+use crate::session::roster::Stage;
 use crate::session::spec::Launch;
 use crate::session::{Policy, Session};
 use crate::watch::WatchState;
@@ -18,6 +19,7 @@ pub async fn run(
 ) -> Result<u8> {
     let mut s = Session::start(&job.session, nodes, listener).await?;
     let code = drive(&mut s, job).await;
+    s.settle(job.report.as_deref(), code.is_ok());
     // Nodes whose own nrun joined (c10d) exit with the job's code.
     s.end_with(code.as_ref().map_or_else(|e| e.code, |c| *c))
         .await;
@@ -29,7 +31,35 @@ async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
     let mut code = exit::SUCCESS;
     let mut report = None;
     if let Some(pf) = &job.preflight {
-        (code, report) = preflight::run(s, job, pf).await?;
+        let mut rounds = 0;
+        loop {
+            let ended = preflight::run(s, job, pf).await?;
+            (code, report) = (ended.code, ended.report);
+            rounds += 1;
+            // A job (not the health check alone) with spares leaves out the nodes the
+            // preflight blames and checks the new set.
+            if code == exit::SUCCESS
+                || job.preflight_only
+                || ended.blamed.is_empty()
+                || s.spares().is_empty()
+                || rounds > 3
+            {
+                break;
+            }
+            let blamed = blamed_nodes(s, &ended.blamed);
+            if blamed.is_empty() || blamed.len() * 2 > s.active.len() {
+                break;
+            }
+            for (i, why) in &blamed {
+                s.leave_out(*i, Stage::Preflight, why);
+            }
+            let came = s.fill()?;
+            tracing::warn!(
+                "the preflight runs again with {} in place of {}",
+                s.names(&came),
+                s.names(&blamed.iter().map(|b| b.0).collect::<Vec<_>>())
+            );
+        }
         if code != exit::SUCCESS && pf.warn_only && !job.preflight_only {
             tracing::warn!(
                 "the preflight failed (exit code {code}); starting the job anyway (--preflight ...,warn)"
@@ -43,41 +73,27 @@ async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
     attempts(s, job, report).await
 }
 
-/// Join and check: every node joined, the nodes agree and reach each other. `Err`: the exit
-/// code, the reason already printed.
+/// Join and check: the job's nodes joined, agree and reach each other. A node that fails to
+/// join or a check is left out and a spare takes its place (see session::roster). `Err`: the
+/// exit code, the reason already printed.
 pub async fn ready(s: &mut Session) -> Result<()> {
     let failures = s.join(false, None).await?;
-    let joined = s.len() - failures.len();
-    if !failures.is_empty() && s.elastic() && joined >= s.plan.min_nodes {
-        tracing::warn!(
-            "{joined} of {} nodes joined; the job starts with them (--nnodes {}:{}); a node that \
-             joins later is taken in (the worker group restarts with it):",
-            s.len(),
-            s.plan.min_nodes,
-            s.len()
-        );
-        for (_, f) in &failures {
-            tracing::warn!("  {f}");
-        }
-    } else if !failures.is_empty() {
-        eprintln!(
-            "nrun: error: {} of {} nodes could not join:",
-            failures.len(),
-            s.len()
-        );
-        for (_, f) in &failures {
-            eprintln!("  {f}");
-        }
-        let launcher = s.plan.launcher;
-        eprintln!(
-            "  hint: check each with {}, and that nrun {} {}",
-            launcher.reach_hint(&s.plan.ssh_opts),
-            env!("CARGO_PKG_VERSION"),
-            launcher.install_hint()
-        );
-        return Err(Error::exit(exit::CLUSTER));
+    for (i, why) in &failures {
+        s.leave_out(*i, Stage::Join, why);
     }
-    s.active = s.joined().map(|(i, _, _)| i).collect();
+    if let Err(e) = s.fill() {
+        return Err(short_at_join(s, &failures, e));
+    }
+    if s.active.len() < s.plan.size && s.elastic() {
+        tracing::warn!(
+            "{} of {} nodes joined; the job starts with them (--nnodes {}:{}); a node that \
+             joins later is taken in (the worker group restarts with it)",
+            s.active.len(),
+            s.plan.size,
+            s.plan.min_nodes,
+            s.plan.size
+        );
+    }
     if s.plan.in_process {
         // Nothing to compare on one node; what the checks would say about variables still holds.
         if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
@@ -86,8 +102,59 @@ pub async fn ready(s: &mut Session) -> Result<()> {
         return Ok(());
     }
     let findings = s.assign_interfaces();
-    s.readiness(findings)?;
-    s.probe_ring().await
+    for (i, why) in s.readiness(findings)? {
+        s.leave_out(i, Stage::Check, &why);
+    }
+    // A sick GPU leaves its node out only where a spare can take its place.
+    for (i, why) in s.gpu_trouble() {
+        match s.spares().is_empty() {
+            true => tracing::warn!("{why}; no spare to take its place, so it stays in"),
+            false => s.leave_out(i, Stage::Check, &why),
+        }
+    }
+    s.fill()?;
+    for (i, why) in s.probe_ring().await? {
+        s.leave_out(i, Stage::Check, &why);
+    }
+    s.fill()?;
+    let spares = s.spares();
+    if !spares.is_empty() {
+        tracing::info!(
+            "the job runs on {} nodes; spare(s): {}",
+            s.active.len(),
+            s.names(&spares)
+        );
+    }
+    Ok(())
+}
+
+/// Too few nodes joined: the nodes that did not, as before spares existed, then exit 98.
+fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
+    if failures.is_empty() || s.left_out.iter().any(|l| l.stage != Stage::Join) {
+        return e;
+    }
+    eprintln!(
+        "nrun: error: {} of {} nodes could not join:",
+        failures.len(),
+        s.len()
+    );
+    for (_, f) in failures {
+        eprintln!("  {f}");
+    }
+    let launcher = s.plan.launcher;
+    eprintln!(
+        "  hint: check each with {}, and that nrun {} {}",
+        launcher.reach_hint(&s.plan.ssh_opts),
+        env!("CARGO_PKG_VERSION"),
+        launcher.install_hint()
+    );
+    eprintln!(
+        "nrun: error: the job needs {} node(s) and {} joined (exit {}: too few healthy nodes)",
+        s.plan.min_nodes,
+        s.active.len(),
+        exit::NO_NODES
+    );
+    Error::exit(exit::NO_NODES)
 }
 
 /// The job's attempts; `report` is what the preflight wrote to `--report`, which the watch's
@@ -135,6 +202,84 @@ async fn attempts(
         }
     }
     Ok(code)
+}
+
+/// The session's nodes named by the preflight's findings, each with its evidence joined.
+fn blamed_nodes(s: &Session, blamed: &[(String, String)]) -> Vec<(usize, String)> {
+    let mut out: Vec<(usize, String)> = Vec::new();
+    for (host, why) in blamed {
+        let Some(i) = s
+            .active
+            .iter()
+            .copied()
+            .find(|i| s.nodes[*i].label == *host)
+        else {
+            continue;
+        };
+        match out.iter_mut().find(|(j, _)| *j == i) {
+            Some((_, w)) => {
+                w.push_str("; ");
+                w.push_str(why);
+            }
+            None => out.push((i, why.clone())),
+        }
+    }
+    out
+}
+
+/// Nodes a failed attempt's failure is pinned on, with the evidence: a lost node (agent or
+/// link), or the one node whose workers died by a signal or with a GPU/driver error while no
+/// other node's did (the same error everywhere is the program's).
+fn pin_failures(results: &[Option<StepResult>]) -> Vec<(usize, String)> {
+    let mut lost = Vec::new();
+    let mut hard = Vec::new();
+    for (i, r) in results.iter().enumerate() {
+        match r {
+            Some(StepResult::Run(RunResult::Lost(why))) => lost.push((i, why.clone())),
+            Some(StepResult::Run(RunResult::Failed(f))) => {
+                if let Some(e) = node_fault(f) {
+                    hard.push((i, format!("rank {} {}: {e}", f.rank, f.how)));
+                }
+            }
+            _ => {}
+        }
+    }
+    // One node's fault; others' failures are its consequences. On several nodes at once it
+    // is more likely the program's.
+    if hard.len() == 1 {
+        lost.extend(hard);
+    }
+    lost
+}
+
+/// What in a worker's failure points at its node rather than the program: death by a signal
+/// the program does not send itself, or a GPU/driver error in its last words.
+fn node_fault(f: &crate::agent::protocol::WorkerFailure) -> Option<String> {
+    const SIGNS: [&str; 9] = [
+        "unhandled cuda error",
+        "uncorrectable ecc",
+        "ecc error",
+        "xid",
+        "gpu is lost",
+        "fallen off the bus",
+        "nvml_error_gpu_is_lost",
+        "cudaerrordevicesunavailable",
+        "unspecified launch failure",
+    ];
+    if f.how.contains("killed by SIGKILL") || f.how.contains("killed by SIGBUS") {
+        return Some("killed by the system (out of memory, or the node)".into());
+    }
+    let text = f
+        .stderr_tail
+        .iter()
+        .chain(f.traceback.iter())
+        .map(|l| l.to_lowercase())
+        .collect::<Vec<_>>();
+    SIGNS.iter().find_map(|sign| {
+        text.iter()
+            .find(|l| l.contains(sign))
+            .map(|l| format!("its output shows a GPU fault: {}", l.trim()))
+    })
 }
 
 async fn attempt_loop(
@@ -204,18 +349,20 @@ async fn attempt_loop(
                 error_json,
             } => {
                 code = c;
-                // Elastic: lost nodes leave, late ones come in, if MIN nodes remain.
-                if restarts < job.workers.max_restarts && s.elastic() {
-                    let lost: Vec<usize> = results
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, r)| matches!(r, Some(StepResult::Run(RunResult::Lost(_)))))
-                        .map(|(i, _)| i)
-                        .collect();
-                    if let Err(why) = s.reform(&lost) {
+                // A failure pinned on nodes (lost, killed, a GPU error of theirs only) leaves
+                // them out; spares (or, elastic, the rest) go on. The program's own failure
+                // leaves nobody out.
+                let pinned = pin_failures(&results);
+                if restarts < job.workers.max_restarts && (!pinned.is_empty() || s.elastic()) {
+                    if let Err(why) = s.reform(&pinned) {
                         eprint!("{summary}");
                         eprintln!("nrun: error: {why}; the job cannot go on");
-                        return c;
+                        return exit::NO_NODES;
+                    }
+                } else {
+                    // No restart left: remembered all the same (--exclude-file, --report).
+                    for (i, why) in &pinned {
+                        s.leave_out(*i, Stage::Run, why);
                     }
                 }
                 if restarts < job.workers.max_restarts {
@@ -246,4 +393,79 @@ async fn attempt_loop(
         }
     }
     code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::protocol::WorkerFailure;
+
+    fn failed(rank: usize, how: &str, tail: &[&str]) -> Option<StepResult> {
+        Some(StepResult::Run(RunResult::Failed(WorkerFailure {
+            rank,
+            local_rank: 0,
+            pid: 1,
+            exit_code: 1,
+            how: how.into(),
+            at: String::new(),
+            stderr_tail: tail.iter().map(|s| s.to_string()).collect(),
+            traceback: None,
+            error_file: Default::default(),
+            left_early: Vec::new(),
+            error_json: None,
+            error_file_kept: false,
+        })))
+    }
+
+    #[test]
+    fn failures_are_pinned_on_a_node_only_with_evidence_against_it() {
+        let stopped = Some(StepResult::Run(RunResult::Stopped));
+        let lost = Some(StepResult::Run(RunResult::Lost(
+            "lost b: no heartbeat".into(),
+        )));
+        // The program's own failure, on every node: nobody is left out.
+        let r = [
+            failed(0, "exited with code 1", &["ValueError: bad"]),
+            failed(1, "exited with code 1", &["ValueError: bad"]),
+        ];
+        assert!(pin_failures(&r).is_empty());
+        // A lost node, and the consequences elsewhere.
+        let r = [
+            failed(0, "exited with code 1", &["connection closed"]),
+            lost,
+        ];
+        assert_eq!(pin_failures(&r), [(1, "lost b: no heartbeat".to_string())]);
+        // One node's worker killed by the system.
+        let r = [stopped.clone(), failed(1, "was killed by SIGKILL", &[])];
+        let p = pin_failures(&r);
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].0, 1);
+        assert!(p[0].1.contains("killed by the system"), "{}", p[0].1);
+        // A GPU fault in one node's output only; the others failed because of it.
+        let r = [
+            failed(
+                0,
+                "exited with code 1",
+                &["RuntimeError: NCCL communicator was aborted"],
+            ),
+            failed(
+                1,
+                "exited with code 1",
+                &["torch.distributed.DistBackendError: NCCL error: unhandled cuda error"],
+            ),
+        ];
+        let p = pin_failures(&r);
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].0, 1);
+        assert!(p[0].1.contains("GPU fault"), "{}", p[0].1);
+        // The same GPU error on two nodes: more likely the program's.
+        let r = [
+            failed(0, "exited with code 1", &["unhandled cuda error"]),
+            failed(1, "exited with code 1", &["unhandled cuda error"]),
+        ];
+        assert!(pin_failures(&r).is_empty());
+        // A segfault (a bug as often as not) is the program's.
+        let r = [stopped, failed(1, "was killed by SIGSEGV", &[])];
+        assert!(pin_failures(&r).is_empty());
+    }
 }

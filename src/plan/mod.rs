@@ -10,6 +10,7 @@
 //! - [`env`]: forwarded variables, `.nrun_env`, `-x`, and warnings about variables.
 
 pub mod env;
+pub mod exclude;
 #[cfg(test)]
 mod fuzz;
 pub mod nodes;
@@ -219,6 +220,14 @@ pub struct Shape {
 }
 
 impl Shape {
+    /// `--nnodes` as the user wrote it: "4" or "2:4".
+    pub fn nnodes_text(&self) -> String {
+        match self.min_nodes < self.nnodes {
+            true => format!("{}:{}", self.min_nodes, self.nnodes),
+            false => self.nnodes.to_string(),
+        }
+    }
+
     /// `nproc` workers on each node of a host list (doctor, bisect: the list decides how many).
     fn per_host(nproc: usize, python: bool) -> Shape {
         Shape {

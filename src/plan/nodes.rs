@@ -54,6 +54,14 @@ pub struct NodesPlan {
     pub last_call: Duration,
     /// An agent stops its workers when the launch host's store is silent this long.
     pub agent_timeout: Duration,
+    /// How many nodes the job runs on (MAX when elastic); the hosts beyond are spares.
+    pub size: usize,
+    /// Hosts --exclude-file kept out of this run, with the reason it gives.
+    pub avoided: Vec<super::exclude::Entry>,
+    /// Where nodes this run leaves out are remembered.
+    pub exclude_file: Option<super::exclude::ExcludeFile>,
+    /// The hosts came from a Slurm allocation (the next sbatch gets an --exclude= list).
+    pub from_slurm: bool,
 }
 
 impl NodesPlan {
@@ -89,6 +97,10 @@ impl NodesPlan {
             min_nodes: n,
             last_call: Duration::from_secs(30),
             agent_timeout: Duration::from_secs(5),
+            size: n,
+            avoided: Vec::new(),
+            exclude_file: None,
+            from_slurm: false,
         }
     }
 
@@ -114,6 +126,9 @@ impl NodesPlan {
             allow_mismatch,
             no_python_probe,
             agent_timeout,
+            spares,
+            exclude_file,
+            exclude_ttl,
         } = args;
         let mut from_slurm = false;
         let mut source_text = None;
@@ -188,6 +203,13 @@ impl NodesPlan {
             min_nodes: shape.nnodes,
             last_call: shape.last_call,
             agent_timeout: super::positive_secs("--agent-timeout", *agent_timeout, false)?,
+            size: shape.nnodes,
+            avoided: Vec::new(),
+            exclude_file: match exclude_file {
+                Some(p) => Some(super::exclude::new(p, exclude_ttl)?),
+                None => None,
+            },
+            from_slurm,
         };
         let elastic = shape.min_nodes < shape.nnodes;
         if shape.c10d {
@@ -230,12 +252,55 @@ impl NodesPlan {
             return Ok(nodes);
         };
         list = hosts::apply_include_exclude(list, include.as_deref(), exclude.as_deref())?;
-        if shape.min_nodes < shape.nnodes {
-            // Elastic: at least MIN hosts to start with, at most MAX used.
-            let max = list.len().min(shape.nnodes);
-            list = hosts::take_nnodes(list, shape.min_nodes.max(max))?;
-        } else if shape.nnodes != 1 {
-            list = hosts::take_nnodes(list, shape.nnodes)?;
+        if let Some(f) = &nodes.exclude_file {
+            let avoid = f.read(std::time::SystemTime::now())?;
+            list.retain(|h| match avoid.iter().find(|e| e.host == h.name) {
+                Some(e) => {
+                    nodes.avoided.push(e.clone());
+                    false
+                }
+                None => true,
+            });
+        }
+        let nnodes_given = shape.nnodes != 1 || elastic;
+        nodes.size = match (*spares, nnodes_given) {
+            (Some(_), true) => {
+                return Err(Error::usage(format!(
+                    "--spares and --nnodes both say how many nodes run the job; give one (with \
+                     --nnodes {}, the hosts beyond {} are the spares)",
+                    shape.nnodes_text(),
+                    shape.nnodes
+                )));
+            }
+            (Some(k), false) if k >= list.len() => {
+                return Err(Error::usage(format!(
+                    "--spares {k} leaves no node to run the job: the host list has {}",
+                    hosts_text(&list)
+                )));
+            }
+            (Some(k), false) => list.len() - k,
+            // Elastic: up to MAX nodes run, at least MIN to start.
+            (None, true) if elastic => list.len().min(shape.nnodes),
+            (None, true) => shape.nnodes,
+            (None, false) => list.len(),
+        };
+        let short = shape.min_nodes.max(if elastic { 0 } else { nodes.size });
+        if list.len() < short {
+            if !nodes.avoided.is_empty() {
+                return Err(Error::no_nodes(format!(
+                    "--nnodes {} but only {} remain after --exclude-file left out {}; give \
+                         more hosts, or remove repaired nodes from the file",
+                    shape.nnodes_text(),
+                    hosts_text(&list),
+                    nodes
+                        .avoided
+                        .iter()
+                        .map(|e| format!("{} ({})", e.host, e.why))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+            hosts::take_nnodes(list.clone(), short)?;
         }
         if shape.node_rank != 0 {
             return Err(Error::usage(
@@ -273,14 +338,34 @@ impl NodesPlan {
                 devices,
             });
         }
-        nodes.world = nodes.layout.iter().map(|l| l.ranks.len()).sum();
-        nodes.group_world = list.len();
+        // The world as the job starts: the first `size` nodes (spares renumber it when they
+        // come in).
+        nodes.world = nodes.layout[..nodes.size]
+            .iter()
+            .map(|l| l.ranks.len())
+            .sum();
+        nodes.group_world = nodes.size;
         nodes.min_nodes = match elastic {
             true => shape.min_nodes,
-            false => list.len(),
+            false => nodes.size,
         };
         nodes.hosts = list;
         Ok(nodes)
+    }
+}
+
+/// "2 hosts: a, b" for messages.
+fn hosts_text(list: &[Host]) -> String {
+    match list.len() {
+        0 => "no hosts".to_string(),
+        1 => format!("1 host: {}", list[0].name),
+        n => format!(
+            "{n} hosts: {}",
+            list.iter()
+                .map(|h| h.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     }
 }
 

@@ -10,10 +10,11 @@ use crate::agent::protocol::{Step, StepResult};
 use crate::error::{Error, Result, exit};
 use crate::net;
 
-/// What the checks found: problems refuse the launch, warnings do not.
+/// What the checks found: problems keep a node out of the job (`Some(node)`: pinned on it) or
+/// refuse the launch (`None`); warnings do not.
 #[derive(Debug, Default)]
 pub struct Findings {
-    pub problems: Vec<String>,
+    pub problems: Vec<(Option<usize>, String)>,
     pub warnings: Vec<String>,
 }
 
@@ -40,9 +41,9 @@ impl Session {
                 link.local_addr.parse::<SocketAddr>(),
                 link.reached.parse::<SocketAddr>(),
             ) else {
-                f.problems.push(format!(
-                    "{}: its agent reported unreadable addresses",
-                    n.label
+                f.problems.push((
+                    Some(i),
+                    format!("{}: its agent reported unreadable addresses", n.label),
                 ));
                 continue;
             };
@@ -52,18 +53,21 @@ impl Session {
             match (&want, net::owner(ifaces, local.ip())) {
                 (Some(want), _) => {
                     if !ifaces.iter().any(|x| &x.name == want && x.up) {
-                        f.problems.push(format!(
-                            "--ifname {want}: no such interface up on {}",
-                            n.label
+                        f.problems.push((
+                            Some(i),
+                            format!("--ifname {want}: no such interface up on {}", n.label),
                         ));
                     }
                     j.ifname = Some(want.clone());
                 }
                 (None, Some(x)) => j.ifname = Some(x.name.clone()),
-                (None, None) => f.problems.push(format!(
-                    "{}: reached the launch host from {}, which no interface of the node holds",
-                    n.label,
-                    local.ip()
+                (None, None) => f.problems.push((
+                    Some(i),
+                    format!(
+                        "{}: reached the launch host from {}, which no interface of the node holds",
+                        n.label,
+                        local.ip()
+                    ),
                 )),
             }
             if let Some(seen) = &seen_by_store[i] {
@@ -103,8 +107,10 @@ impl Session {
 
     /// Everything else a job needs before it starts: the user's interface variable matches on
     /// every node, MTUs agree, NCCL and torch agree (unless --allow-mismatch). Prints the
-    /// facts table, the warnings and (as an error) the problems; `Err` only carries the exit code.
-    pub fn readiness(&self, mut f: Findings) -> Result<()> {
+    /// facts table and the warnings; returns the problems pinned on one node each (the caller
+    /// leaves those nodes out). `Err`: a problem no single node can be blamed for (printed;
+    /// only the exit code).
+    pub fn readiness(&self, mut f: Findings) -> Result<Vec<(usize, String)>> {
         let user_ifname = self
             .plan
             .env
@@ -112,17 +118,20 @@ impl Session {
             .find(|(k, _)| k == "NCCL_SOCKET_IFNAME")
             .map(|(_, v)| v.clone());
         if let Some(v) = &user_ifname {
-            for (_, n, j) in self.joined() {
+            for (i, n, j) in self.joined() {
                 let ifs = j.facts.as_ref().map_or(&[][..], |x| &x.ifaces[..]);
                 if !ifname_matches_any(v, ifs) {
-                    f.problems.push(format!(
-                        "NCCL_SOCKET_IFNAME={v} matches no interface that is up on {} (it has: {})",
-                        n.label,
-                        ifs.iter()
-                            .filter(|x| x.up)
-                            .map(|x| x.name.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
+                    f.problems.push((
+                        Some(i),
+                        format!(
+                            "NCCL_SOCKET_IFNAME={v} matches no interface that is up on {} (it has: {})",
+                            n.label,
+                            ifs.iter()
+                                .filter(|x| x.up)
+                                .map(|x| x.name.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
                     ));
                 }
             }
@@ -141,53 +150,170 @@ impl Session {
         if let Some(w) = crate::plan::env::port_range_warning(&self.plan.env) {
             f.warnings.push(w.to_string());
         }
-        let facts: Vec<(String, &crate::facts::Facts)> = self
+        let joined: Vec<(usize, String, &crate::facts::Facts)> = self
             .joined()
-            .filter_map(|(_, n, j)| j.facts.as_ref().map(|x| (n.label.clone(), x)))
+            .filter_map(|(i, n, j)| j.facts.as_ref().map(|x| (i, n.label.clone(), x)))
             .collect();
+        let facts: Vec<(String, &crate::facts::Facts)> =
+            joined.iter().map(|(_, l, x)| (l.clone(), *x)).collect();
         let cmp = crate::facts::compare(&facts);
         eprint!("{}", cmp.table);
         f.warnings.extend(cmp.differences.iter().cloned());
         if cmp.refuse && !self.plan.allow_mismatch {
-            f.problems.push("NCCL major.minor or torch differ between nodes (see above): a job would fail or hang in init; make them equal, or pass --allow-mismatch".into());
+            match cmp.odd.is_empty() {
+                true => f.problems.push((None, "NCCL major.minor or torch differ between nodes (see above): a job would fail or hang in init; make them equal, or pass --allow-mismatch".into())),
+                false => {
+                    for &k in &cmp.odd {
+                        let (i, label, x) = &joined[k];
+                        f.problems.push((
+                            Some(*i),
+                            format!(
+                                "{label}: {} where most nodes have {} (see above): a job would fail or hang in init; --allow-mismatch runs anyway",
+                                crate::facts::compat_key(x),
+                                joined
+                                    .iter()
+                                    .enumerate()
+                                    .find(|(o, _)| !cmp.odd.contains(o))
+                                    .map_or(String::new(), |(_, (_, _, y))| crate::facts::compat_key(y))
+                            ),
+                        ));
+                    }
+                }
+            }
         }
         for w in &f.warnings {
             tracing::warn!("{w}");
         }
-        if f.problems.is_empty() {
-            return Ok(());
+        let (mut pinned, mut unpinned): (Vec<_>, Vec<_>) =
+            f.problems.into_iter().partition(|(n, _)| n.is_some());
+        // Most nodes failing the same way is the setting's fault, not theirs.
+        let blamed: std::collections::BTreeSet<_> = pinned.iter().map(|(n, _)| *n).collect();
+        if blamed.len() * 2 > self.joined().count() {
+            unpinned.append(&mut pinned);
+        }
+        if unpinned.is_empty() {
+            return Ok(pinned
+                .into_iter()
+                .map(|(n, p)| (n.unwrap_or(0), p))
+                .collect());
         }
         eprintln!("nrun: error: the nodes are not ready:");
-        for p in &f.problems {
+        for (_, p) in unpinned.iter().chain(&pinned) {
             eprintln!("  {p}");
         }
         Err(Error::exit(exit::CLUSTER))
     }
 
     /// Every node connects to the next one (a ring) on the addresses NCCL will use, so a
-    /// firewall between two nodes is named before NCCL hangs on it.
-    pub async fn probe_ring(&mut self) -> Result<()> {
-        // The ring of the nodes that joined (an elastic job starts without the others).
+    /// firewall between two nodes is named before NCCL hangs on it. The job's nodes and the
+    /// spares are probed together. Returns the nodes a failure is pinned on (the caller leaves
+    /// them out); `Err`: failed links no single node can be blamed for (printed; exit 95).
+    pub async fn probe_ring(&mut self) -> Result<Vec<(usize, String)>> {
         let ring: Vec<usize> = (0..self.nodes.len())
-            .filter(|i| self.nodes[*i].joined.is_some())
+            .filter(|i| self.nodes[*i].joined.is_some() && !self.is_left_out(*i))
             .collect();
         let k = ring.len();
         if k < 2 {
-            return Ok(());
+            return Ok(Vec::new());
         }
-        let mut next_of = vec![None; self.nodes.len()];
+        let pairs: Vec<(usize, usize)> = (0..k).map(|p| (ring[p], ring[(p + 1) % k])).collect();
+        let failed = self.probe_pairs(&pairs).await?;
+        if failed.is_empty() {
+            return Ok(Vec::new());
+        }
+        // A node on both of its ring links' failures is the one cut off. A single failed link
+        // a -> b is asked again through a third node c (c -> b, a -> c): whichever of a and b
+        // also fails with c is the bad one.
+        let mut pinned: Vec<(usize, String)> = Vec::new();
+        let count = |n: usize| failed.iter().filter(|(a, b, _)| *a == n || *b == n).count();
+        for &n in &ring {
+            if count(n) >= 2 && count(n) < failed.len() + usize::from(k == 2) * 2 {
+                let (a, b, e) = failed.iter().find(|(a, b, _)| *a == n || *b == n).unwrap();
+                pinned.push((n, self.unreachable(*a, *b, e)));
+            }
+        }
+        let single: Vec<&(usize, usize, String)> = failed
+            .iter()
+            .filter(|(a, b, _)| count(*a) == 1 && count(*b) == 1)
+            .collect();
+        let mut unresolved: Vec<String> = Vec::new();
+        let third = ring.iter().copied().find(|n| count(*n) == 0);
+        if let (Some(c), false) = (third, single.is_empty()) {
+            // One more round with the first ambiguous link (one probe per node and step).
+            let (a, b, e) = single[0].clone();
+            let again = self.probe_pairs(&[(c, b), (a, c)]).await?;
+            let b_bad = again.iter().any(|(x, y, _)| *x == c && *y == b);
+            let a_bad = again.iter().any(|(x, y, _)| *x == a && *y == c);
+            match (a_bad, b_bad) {
+                (false, true) => pinned.push((
+                    b,
+                    format!(
+                        "{} cannot be reached from {} nor {}: {e}",
+                        self.nodes[b].label, self.nodes[a].label, self.nodes[c].label
+                    ),
+                )),
+                (true, false) => pinned.push((
+                    a,
+                    format!(
+                        "{} cannot reach {} nor {}: {e}",
+                        self.nodes[a].label, self.nodes[b].label, self.nodes[c].label
+                    ),
+                )),
+                _ => unresolved.push(self.unreachable(a, b, &e)),
+            }
+            for (a, b, e) in single.iter().skip(1) {
+                unresolved.push(self.unreachable(*a, *b, e));
+            }
+        } else {
+            for (a, b, e) in &single {
+                unresolved.push(self.unreachable(*a, *b, e));
+            }
+        }
+        if k == 2 && pinned.is_empty() && unresolved.is_empty() {
+            unresolved.extend(failed.iter().map(|(a, b, e)| self.unreachable(*a, *b, e)));
+        }
+        if unresolved.is_empty() {
+            return Ok(pinned);
+        }
+        eprintln!("nrun: error: nodes cannot reach each other:");
+        for b in unresolved.iter().chain(pinned.iter().map(|(_, w)| w)) {
+            eprintln!("  {b}");
+        }
+        Err(Error::exit(exit::CLUSTER))
+    }
+
+    /// "a cannot reach b: ...; check the firewall ..." for a failed probe.
+    fn unreachable(&self, a: usize, b: usize, e: &str) -> String {
+        let (me, next) = (&self.nodes[a], &self.nodes[b]);
+        let ifname = next
+            .joined
+            .as_ref()
+            .and_then(|j| j.ifname.as_deref())
+            .unwrap_or("?");
+        format!(
+            "{a} cannot reach {b}: {e}; check the firewall between {a} and {b} (nrun probed the address {b} uses for NCCL, interface {ifname})",
+            a = me.label,
+            b = next.label
+        )
+    }
+
+    /// Each `(a, b)`: a connects to b's probe address. Returns the failed ones with the error.
+    async fn probe_pairs(
+        &mut self,
+        pairs: &[(usize, usize)],
+    ) -> Result<Vec<(usize, usize, String)>> {
         let mut steps = vec![None; self.nodes.len()];
-        for (pos, &i) in ring.iter().enumerate() {
-            let next = ring[(pos + 1) % k];
-            next_of[i] = Some(next);
-            let target = self.nodes[next].joined.as_ref().and_then(|j| {
+        let mut target_of = vec![None; self.nodes.len()];
+        for &(a, b) in pairs {
+            let target = self.nodes[b].joined.as_ref().and_then(|j| {
                 let published: SocketAddr = j.link.as_ref()?.probe_addr.parse().ok()?;
                 Some(SocketAddr::new(
                     j.addr.unwrap_or(published.ip()),
                     published.port(),
                 ))
             });
-            steps[i] = Some(match target {
+            target_of[a] = Some(b);
+            steps[a] = Some(match target {
                 Some(t) => Step::Probe {
                     target: t.to_string(),
                     timeout_ms: 5000,
@@ -199,30 +325,55 @@ impl Session {
             });
         }
         let results = self.run_step(steps, Policy::Probe).await?;
-        let mut bad = Vec::new();
-        for (i, r) in results.iter().enumerate() {
-            if let (Some(StepResult::Probe { error: Some(e) }), Some(n)) = (r, next_of[i]) {
-                let (me, next) = (&self.nodes[i], &self.nodes[n]);
-                let ifname = next
-                    .joined
-                    .as_ref()
-                    .and_then(|j| j.ifname.as_deref())
-                    .unwrap_or("?");
-                bad.push(format!(
-                    "{a} cannot reach {b}: {e}; check the firewall between {a} and {b} (nrun probed the address {b} uses for NCCL, interface {ifname})",
-                    a = me.label,
-                    b = next.label
+        Ok(results
+            .into_iter()
+            .enumerate()
+            .filter_map(|(a, r)| match (r, target_of[a]) {
+                (Some(StepResult::Probe { error: Some(e) }), Some(b)) => Some((a, b, e)),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Nodes whose GPUs are unhealthy (NVML's health checks), or that have fewer GPUs than
+    /// workers where the other nodes have enough, each with the evidence.
+    pub fn gpu_trouble(&self) -> Vec<(usize, String)> {
+        let any_gpus = self
+            .joined()
+            .any(|(_, _, j)| j.facts.as_ref().is_some_and(|f| !f.gpus.is_empty()));
+        let mut out = Vec::new();
+        for (i, n, j) in self.joined() {
+            let Some(f) = &j.facts else { continue };
+            if self.is_left_out(i) {
+                continue;
+            }
+            let sick: Vec<String> = f
+                .gpu_health
+                .iter()
+                .flat_map(|(gpu, h)| {
+                    h.problems()
+                        .into_iter()
+                        .map(move |p| format!("GPU {gpu}: {}", p.what))
+                })
+                .collect();
+            let workers = self.plan.layout[i].ranks.len();
+            if !sick.is_empty() {
+                out.push((
+                    i,
+                    format!("{}: unhealthy GPU ({})", n.label, sick.join("; ")),
+                ));
+            } else if any_gpus && f.gpus.len() < workers && self.plan.layout[i].devices.is_none() {
+                out.push((
+                    i,
+                    format!(
+                        "{}: has {} GPU(s) for its {workers} workers (the other nodes have theirs)",
+                        n.label,
+                        f.gpus.len()
+                    ),
                 ));
             }
         }
-        if bad.is_empty() {
-            return Ok(());
-        }
-        eprintln!("nrun: error: nodes cannot reach each other:");
-        for b in &bad {
-            eprintln!("  {b}");
-        }
-        Err(Error::exit(exit::CLUSTER))
+        out
     }
 }
 

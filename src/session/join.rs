@@ -11,6 +11,9 @@ use super::{AgentLink, JoinedNode, Session};
 use crate::agent::protocol::Joined;
 use crate::error::{Error, Result};
 
+/// How long nodes beyond the job's size may still join once the job has its nodes.
+const SPARE_GRACE: Duration = Duration::from_secs(2);
+
 impl Session {
     /// Waits until every agent joined, exited, or --join-timeout passed. Returns the nodes
     /// that did not join, each with what ssh or the agent said. `Err`: interrupted (only the
@@ -45,6 +48,8 @@ impl Session {
         let mut changed = self.store().map(|st| st.subscribe());
         let mut last_report = 0;
         let mut min_reached: Option<Instant> = None;
+        let mut size_reached: Option<Instant> = None;
+        let early;
         // A progress bar where a person watches (stderr is a terminal), plain lines elsewhere.
         let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
             let b = indicatif::ProgressBar::new(k as u64);
@@ -77,13 +82,21 @@ impl Session {
                 None => {}
             }
             // Elastic: once MIN nodes are in, the others get the last call, then the job starts.
-            let last_call = match joined >= self.plan.min_nodes && joined < k {
+            let size = self.plan.size;
+            let last_call = match joined >= self.plan.min_nodes && joined < size {
                 true => {
                     min_reached.get_or_insert_with(Instant::now).elapsed() >= self.plan.last_call
                 }
                 false => false,
             };
-            if pending == 0 || started.elapsed() > timeout || last_call {
+            // Spares: once the job has its nodes, the rest get a moment more; a spare that
+            // joins later is taken in when it is needed.
+            let spares_waited = match joined >= size && joined < k {
+                true => size_reached.get_or_insert_with(Instant::now).elapsed() >= SPARE_GRACE,
+                false => false,
+            };
+            if pending == 0 || started.elapsed() > timeout || last_call || spares_waited {
+                early = !(pending == 0 || started.elapsed() > timeout);
                 if let Some(b) = &bar {
                     b.finish_and_clear();
                 }
@@ -99,16 +112,21 @@ impl Session {
         // Let stderr relays catch the last words of agents that exited.
         tokio::time::sleep(Duration::from_millis(50)).await;
         let waited = started.elapsed();
+        // A node still on its way when the job had its nodes is no failure (yet): it is taken
+        // in as a spare if it joins.
         let failures: Vec<(usize, String)> = self
             .nodes
             .iter_mut()
             .enumerate()
             .filter(|(_, n)| n.joined.is_none())
-            .map(|(i, n)| (i, n.link.join_failure(&n.label, waited, timeout)))
+            .filter_map(|(i, n)| {
+                let gone = n.link.joining() == Joining::Gone;
+                (!early || gone).then(|| (i, n.link.join_failure(&n.label, waited, timeout)))
+            })
             .collect();
         tracing::info!(
             "{}/{k} nodes joined in {:.2} s",
-            k - failures.len(),
+            self.nodes.iter().filter(|n| n.joined.is_some()).count(),
             waited.as_secs_f64()
         );
         Ok(failures)
@@ -167,10 +185,10 @@ impl Session {
             .collect()
     }
 
-    /// Elastic: whether a node outside the group has published its joined record (checked at
-    /// most once a second).
+    /// Whether a node outside the group has published its joined record while the job is
+    /// short of its size (elastic, or spares used up), checked at most once a second.
     pub(super) fn arrivals(&mut self) -> bool {
-        if !self.elastic() || self.active.len() >= self.nodes.len() || self.active.is_empty() {
+        if self.active.len() >= self.plan.size || self.active.is_empty() {
             return false;
         }
         let now = Instant::now();
@@ -182,7 +200,9 @@ impl Session {
         }
         self.arrivals_checked = Some(now);
         (0..self.nodes.len())
-            .filter(|i| !self.active.contains(i) && self.nodes[*i].joined.is_none())
+            .filter(|i| {
+                !self.active.contains(i) && self.nodes[*i].joined.is_none() && !self.is_left_out(*i)
+            })
             .any(|i| self.bus.has_joined(i))
     }
 }

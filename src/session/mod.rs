@@ -10,6 +10,7 @@
 //! - [`step`]: [`Session::run_step`], the one place that waits for nodes, stops them on a
 //!   failure or a signal, and notices lost ones.
 //! - [`check`]: interfaces, NAT, user variables, facts across nodes, node-to-node reachability.
+//! - [`roster`]: which nodes run the job, the spares, the nodes left out and why.
 //! - [`spec`]: the one builder of workers' specs (environment, prefixes, log and error files).
 //!
 //! Remote agents get their steps through the store and answer there; the session waits on the
@@ -18,6 +19,7 @@
 pub mod check;
 pub mod join;
 pub mod link;
+pub mod roster;
 pub mod spec;
 pub mod step;
 
@@ -112,9 +114,11 @@ pub struct Session {
     pub temp_root: PathBuf,
     /// The watch over the job's steps that ask for it (set by the run command).
     pub watch: Option<WatchState>,
-    /// The nodes the job runs on now: those that joined; elastic runs drop lost nodes and take
-    /// in late ones between attempts.
+    /// The nodes the job runs on now (see [`roster`]): lost or failing nodes leave, spares and
+    /// an elastic job's late joiners come in, between attempts.
     pub active: Vec<usize>,
+    /// Nodes taken out of the job, with the evidence.
+    pub left_out: Vec<roster::LeftOut>,
     /// Elastic: the running group was stopped because nodes arrived to take in.
     pub grow: bool,
     arrivals_checked: Option<Instant>,
@@ -224,6 +228,7 @@ impl Session {
             temp_root: crate::node::keeper::scratch_dir(std::process::id()),
             watch: None,
             active: Vec::new(),
+            left_out: Vec::new(),
             grow: false,
             arrivals_checked: None,
         };
@@ -273,65 +278,18 @@ impl Session {
             .filter_map(|(i, n)| n.joined.as_ref().map(|j| (i, n, j)))
     }
 
-    /// Whether the job may go on with fewer nodes than it has (`--nnodes MIN:MAX`).
+    /// Whether the job may go on with fewer nodes than it wants (`--nnodes MIN:MAX`).
     pub fn elastic(&self) -> bool {
-        self.plan.min_nodes < self.nodes.len()
+        self.plan.min_nodes < self.plan.size
     }
 
-    /// The job's group: every node, or (elastic) the active ones, ranks numbered anew.
+    /// The job's group: every node as laid out, or the active ones, ranks numbered anew in
+    /// node order (spares, left-out nodes, an elastic job's re-forming).
     pub fn group(&self) -> spec::Group {
         match self.active.len() == self.nodes.len() || self.active.is_empty() {
             true => spec::Group::all(self),
             false => spec::Group::of(self, &self.active),
         }
-    }
-
-    /// Between attempts of an elastic job: nodes `lost` leave the group, nodes that joined
-    /// since come in. Err: fewer than MIN nodes are left (the message).
-    pub fn reform(&mut self, lost: &[usize]) -> Result<()> {
-        let before = self.active.len();
-        self.active.retain(|i| !lost.contains(i));
-        let late = self.admit_late();
-        if !late.is_empty() {
-            // Their interfaces and addresses, as for the nodes that joined in time.
-            let f = self.assign_interfaces();
-            for w in f.warnings.iter().chain(&f.problems) {
-                tracing::warn!("{w}");
-            }
-        }
-        self.active.extend(late.iter().copied());
-        self.active.sort_unstable();
-        let names = |v: &[usize]| {
-            v.iter()
-                .map(|i| self.nodes[*i].label.clone())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        if self.active.len() < self.plan.min_nodes {
-            return Err(Error::cluster(format!(
-                "{} node(s) left ({}) after losing {}: under the --nnodes minimum of {}",
-                self.active.len(),
-                names(&self.active),
-                names(lost),
-                self.plan.min_nodes
-            )));
-        }
-        if self.active.len() != before || !late.is_empty() {
-            tracing::warn!(
-                "the job goes on with {} nodes: {}{}{}",
-                self.active.len(),
-                names(&self.active),
-                match lost.is_empty() {
-                    true => String::new(),
-                    false => format!(" (lost: {})", names(lost)),
-                },
-                match late.is_empty() {
-                    true => String::new(),
-                    false => format!(" (joined: {})", names(&late)),
-                }
-            );
-        }
-        Ok(())
     }
 
     /// Ends the session: agents leave their step loop, their connections close, the store stops.

@@ -158,6 +158,8 @@ pub struct ChildLink {
     local: bool,
     /// How soon its agent stops its workers by itself once it cannot reach this host.
     agent_timeout: Duration,
+    /// A partition closes no ssh for many seconds; the agent's heartbeat stops at once.
+    beat: super::peer::Heartbeat,
 }
 
 /// Starts every owned node's agent, at most --ssh-concurrency at a time.
@@ -209,6 +211,7 @@ async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> R
         process,
         local,
         agent_timeout,
+        beat: Default::default(),
     };
     Ok(Node::new(label, Box::new(link)))
 }
@@ -243,14 +246,13 @@ impl NodeLink for ChildLink {
         }
     }
 
-    fn lost(&mut self, _bus: &Bus, _node: usize, label: &str, stopped: bool) -> Option<String> {
+    fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
         match self.process.epitaph() {
-            None => stopped.then(|| {
-                format!(
-                    "lost the connection to {label}: its agent stopped its workers when the link \
-                     to the launch host broke"
-                )
-            }),
+            None if stopped => Some(format!(
+                "lost the connection to {label}: its agent stopped its workers when the link \
+                 to the launch host broke"
+            )),
+            None => self.beat.lost(bus, node, label, false),
             Some(how) => Some(format!(
                 "lost the connection to {label}{how}; its agent stops its workers there by itself \
                  within {} s of losing this host (--agent-timeout)",

@@ -90,6 +90,7 @@ pub fn session(
         temp_root: std::env::temp_dir().join("nrun-fake-session"),
         watch: None,
         active: Vec::new(),
+        left_out: Vec::new(),
         grow: false,
         arrivals_checked: None,
     };
@@ -439,5 +440,70 @@ mod tests {
             assert!(seen.ended);
             assert!(matches!(seen.steps.last(), Some((0, Some(Step::End)))));
         }
+    }
+
+    /// Three nodes for a job of two: the third is a spare; a node lost mid-run leaves, the
+    /// spare comes in, ranks renumbered by node order; without a spare the job is short (98).
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_node_is_left_out_and_a_spare_takes_its_place() {
+        let (a, _) = node("a", Script::UntilStopped);
+        let (b, _) = node(
+            "b",
+            Script::Dies(Duration::from_secs(1), "Connection reset by peer"),
+        );
+        let (c, seen_c) = node("c", Script::UntilStopped);
+        let (mut s, _sig) = session(vec![a, b, c]);
+        s.plan.size = 2;
+        s.plan.min_nodes = 2;
+        s.plan.world = 2;
+        s.plan.group_world = 2;
+        s.active = vec![0, 1];
+        assert_eq!(s.spares(), [2]);
+        let mut steps = vec![None; 3];
+        for m in &s.group().members {
+            steps[m.node] = Some(run_step());
+        }
+        let r = s.run_step(steps, Policy::Together).await.unwrap();
+        // The spare sat the step out.
+        let seen: Vec<(usize, bool)> = seen_c
+            .lock()
+            .unwrap()
+            .steps
+            .iter()
+            .map(|(no, st)| (*no, st.is_some()))
+            .collect();
+        assert_eq!(seen, [(0, false)]);
+        let lost: Vec<(usize, String)> = r
+            .iter()
+            .enumerate()
+            .filter_map(|(i, x)| match x {
+                Some(StepResult::Run(RunResult::Lost(w))) => Some((i, w.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(lost.len(), 1);
+        assert_eq!(lost[0].0, 1);
+        s.reform(&lost).unwrap();
+        assert_eq!(s.active, [0, 2]);
+        assert!(s.spares().is_empty());
+        assert_eq!(s.left_out.len(), 1);
+        assert_eq!(s.left_out[0].host, "b");
+        assert!(s.left_out[0].why.contains("Connection reset by peer"));
+        let g = s.group();
+        let placed: Vec<(usize, usize)> =
+            g.members.iter().map(|m| (m.node, m.group_rank)).collect();
+        assert_eq!(placed, [(0, 0), (2, 1)]);
+        assert_eq!(g.members[1].ranks, [(1, 0)]);
+        assert_eq!((g.world, g.group_world), (2, 2));
+        // Now no spare is left: losing another node leaves the job short, exit 98.
+        let e = s.reform(&[(0, "lost a".to_string())]).unwrap_err();
+        assert_eq!(e.code, crate::error::exit::NO_NODES);
+        assert!(
+            e.message.contains("needs 2 healthy node(s) but has 1 (c)"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("b (run): "), "{}", e.message);
+        assert!(e.message.contains("a (run): lost a"), "{}", e.message);
     }
 }

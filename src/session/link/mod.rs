@@ -323,7 +323,8 @@ impl Instructions {
             version: crate::cli::VERSION.to_string(),
             python: self.python.clone(),
             forward_signals: self.forward_signals.clone(),
-            heartbeat: !nodes.is_empty(),
+            // Every remote agent beats: a dead or cut-off node is named within 3 s.
+            heartbeat: true,
             nodes,
             agent_timeout_ms: self.agent_timeout.as_millis() as u64,
         }

@@ -1,39 +1,65 @@
 //! A node whose own nrun joins by itself (torchrun's c10d: the same command on every node): a
-//! placeholder until it joins, then alive while its heartbeat moves. Nothing of it is a process
+//! placeholder until it joins, then alive while its heartbeat moves (the [`Heartbeat`] every
+//! link with a remote agent keeps). Nothing of it is a process
 //! of this nrun, so its end is its acknowledgement of the End step (its nrun then exits with the
 //! job's code, which it reads before the store goes away).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
 
-/// A node is lost when its heartbeat (every second) stops this long.
-pub const SILENCE: Duration = Duration::from_secs(10);
+/// A node is lost when its heartbeat (every half second, [`crate::agent::liveness`]) stops
+/// this long: five beats missed, noticed within 3 s of a node dying or being cut off.
+pub const SILENCE: Duration = Duration::from_millis(2500);
 
-/// The last heartbeat seen from a node, and when it was seen.
+/// Longer than this between two looks at a heartbeat, this process was not looking (busy, or
+/// between steps): the time does not count against the node.
+const LOOKED_AWAY: Duration = Duration::from_millis(500);
+
+/// The last heartbeat seen from a node, and since when it has been still.
 #[derive(Default)]
 pub struct Heartbeat {
     last: Option<(Vec<u8>, Instant)>,
+    looked: Option<Instant>,
 }
 
 impl Heartbeat {
     /// Whether node `node` is lost: it stopped its workers unasked, or its heartbeat has been
     /// still too long.
     pub fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
-        let beat = bus.heartbeat(node);
         let now = Instant::now();
-        if self.last.as_ref().is_none_or(|(v, _)| *v != beat) {
-            self.last = Some((beat, now));
-        }
-        let quiet = self.last.as_ref().map_or(Duration::ZERO, |(_, t)| now - *t);
+        let quiet = self.quiet(bus.heartbeat(node), now);
         let why = match (stopped, quiet > SILENCE) {
             (true, _) => "stopped its workers when its link to this host broke".to_string(),
-            (false, true) => format!("sent no heartbeat for {} s", SILENCE.as_secs()),
+            (false, true) => format!(
+                "sent no heartbeat for {:.1} s: its host is down or cut off from this one",
+                quiet.as_secs_f64()
+            ),
             (false, false) => return None,
         };
         Some(format!(
-            "lost {label}: its nrun {why}; check that it still runs there and reaches this host"
+            "lost {label}: its agent {why}; check that it still runs there and reaches this host"
         ))
+    }
+
+    /// How long the heartbeat has been still at `now`, not counting time this process spent
+    /// elsewhere (a launch host under load must not call its nodes dead).
+    fn quiet(&mut self, beat: Vec<u8>, now: Instant) -> Duration {
+        if let (Some(looked), Some((_, since))) = (self.looked, self.last.as_mut()) {
+            let away = now - looked;
+            if away > LOOKED_AWAY {
+                *since += away;
+            }
+        }
+        self.looked = Some(now);
+        if self.last.as_ref().is_none_or(|(v, _)| *v != beat) {
+            self.last = Some((beat, now));
+        }
+        self.last
+            .as_ref()
+            .map_or(Duration::ZERO, |(_, t)| now.saturating_duration_since(*t))
     }
 }
 

@@ -1,0 +1,317 @@
+//! Which nodes the job runs on: the active ones (at most the plan's `size`, ranks numbered by
+//! node order), the spares (joined, checked, running nothing), and the nodes left out with the
+//! evidence that put them out. One mechanism for every reason a node leaves (it did not join,
+//! failed a check, was lost or failed in a way pinned on it mid-run) and for every way one
+//! comes in (a spare, or an elastic job's late joiner).
+
+use std::time::SystemTime;
+
+use super::Session;
+use crate::error::{Error, Result};
+
+/// When a node was left out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// It did not join (in time).
+    Join,
+    /// Its facts, interface or links failed the checks before the job.
+    Check,
+    /// The preflight named it bad or slow.
+    Preflight,
+    /// It was lost, or a failure was pinned on it, while the job ran.
+    Run,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Join => "join",
+            Stage::Check => "check",
+            Stage::Preflight => "preflight",
+            Stage::Run => "run",
+        }
+    }
+}
+
+/// A node left out, and why.
+#[derive(Clone, Debug)]
+pub struct LeftOut {
+    pub node: usize,
+    pub host: String,
+    pub stage: Stage,
+    /// The evidence, in words.
+    pub why: String,
+    pub at: SystemTime,
+}
+
+impl Session {
+    /// Nodes that joined and wait to take a left-out node's place, in node order.
+    pub fn spares(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|i| {
+                self.nodes[*i].joined.is_some() && !self.active.contains(i) && !self.is_left_out(*i)
+            })
+            .collect()
+    }
+
+    pub fn is_left_out(&self, i: usize) -> bool {
+        self.left_out.iter().any(|l| l.node == i)
+    }
+
+    /// Takes node `i` out of the job for good, saying why.
+    pub fn leave_out(&mut self, i: usize, stage: Stage, why: &str) {
+        if self.is_left_out(i) {
+            return;
+        }
+        self.active.retain(|a| *a != i);
+        let host = self.nodes[i].label.clone();
+        // The reason usually names the node already.
+        let why = why
+            .strip_prefix(&format!("{host}: "))
+            .unwrap_or(why)
+            .to_string();
+        tracing::warn!("leaving out {host} ({}): {why}", stage.as_str());
+        self.left_out.push(LeftOut {
+            node: i,
+            host,
+            stage,
+            why,
+            at: SystemTime::now(),
+        });
+    }
+
+    /// Brings the job back to its size: nodes that joined since are taken in (their interfaces
+    /// decided), then spares take the empty places, in node order. Returns the nodes that came
+    /// in. `Err`: fewer nodes than the job's minimum remain (exit 98, the left-out nodes named).
+    pub fn fill(&mut self) -> Result<Vec<usize>> {
+        let late = self.admit_late();
+        if !late.is_empty() {
+            let f = self.assign_interfaces();
+            for w in f.warnings.iter() {
+                tracing::warn!("{w}");
+            }
+            for (node, p) in f.problems {
+                match node.filter(|n| late.contains(n)) {
+                    Some(n) => self.leave_out(n, Stage::Check, &p),
+                    None => tracing::warn!("{p}"),
+                }
+            }
+            for &n in &late {
+                if let Some(why) = self.mismatch(n) {
+                    self.leave_out(n, Stage::Check, &why);
+                }
+            }
+        }
+        let mut came = Vec::new();
+        for i in self.spares() {
+            if self.active.len() >= self.plan.size {
+                break;
+            }
+            // A spare that died while it waited is no spare.
+            let n = &mut self.nodes[i];
+            if let Some(why) = n.link.lost(&self.bus, i, &n.label, false) {
+                self.leave_out(i, Stage::Run, &format!("lost while a spare: {why}"));
+                continue;
+            }
+            self.active.push(i);
+            came.push(i);
+        }
+        self.active.sort_unstable();
+        if self.active.len() < self.plan.min_nodes {
+            return Err(self.too_few());
+        }
+        Ok(came)
+    }
+
+    /// The error for a job left with fewer healthy nodes than it needs, naming every node left
+    /// out and why.
+    pub fn too_few(&self) -> Error {
+        let mut m = format!(
+            "the job needs {} healthy node(s) but has {}",
+            self.plan.min_nodes,
+            self.active.len()
+        );
+        if !self.active.is_empty() {
+            m.push_str(&format!(" ({})", self.names(&self.active)));
+        }
+        m.push_str("; left out:");
+        for l in &self.left_out {
+            m.push_str(&format!("\n  {} ({}): {}", l.host, l.stage.as_str(), l.why));
+        }
+        let spares = self.plan.hosts.len().saturating_sub(self.plan.size);
+        m.push_str(&match spares {
+            0 => "\n  hint: list more hosts than --nnodes and nrun takes spares in the place of \
+                  nodes it leaves out"
+                .to_string(),
+            k => format!("\n  hint: all {k} spare(s) were used or left out too; list more hosts"),
+        });
+        Error::no_nodes(m)
+    }
+
+    /// Labels of nodes, comma separated.
+    pub(crate) fn names(&self, v: &[usize]) -> String {
+        v.iter()
+            .map(|i| self.nodes[*i].label.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Between attempts: nodes `lost` (each with the evidence) leave the job, spares and late
+    /// joiners come in. Err: fewer than the minimum are left.
+    pub fn reform(&mut self, lost: &[(usize, String)]) -> Result<()> {
+        let before: Vec<usize> = self.active.clone();
+        for (i, why) in lost {
+            self.leave_out(*i, Stage::Run, why);
+        }
+        let came = self.fill()?;
+        if self.active != before {
+            let gone: Vec<usize> = before
+                .iter()
+                .copied()
+                .filter(|i| !self.active.contains(i))
+                .collect();
+            let (spare, joined): (Vec<usize>, Vec<usize>) =
+                came.iter().partition(|i| *i >= &self.plan.size);
+            tracing::warn!(
+                "the job goes on with {} nodes: {}{}{}{}",
+                self.active.len(),
+                self.names(&self.active),
+                match gone.is_empty() {
+                    true => String::new(),
+                    false => format!(" (lost: {})", self.names(&gone)),
+                },
+                match spare.is_empty() {
+                    true => String::new(),
+                    false => format!(" (spare in: {})", self.names(&spare)),
+                },
+                match joined.is_empty() {
+                    true => String::new(),
+                    false => format!(" (joined: {})", self.names(&joined)),
+                }
+            );
+        }
+        Ok(())
+    }
+
+    /// Why node `n` cannot run with the active nodes (NCCL major.minor or torch differ from
+    /// theirs), unless --allow-mismatch.
+    fn mismatch(&self, n: usize) -> Option<String> {
+        if self.plan.allow_mismatch {
+            return None;
+        }
+        let key = |i: usize| {
+            self.nodes[i]
+                .joined
+                .as_ref()
+                .and_then(|j| j.facts.as_ref())
+                .map(crate::facts::compat_key)
+        };
+        let mine = key(n)?;
+        let other = self.active.iter().find_map(|&a| key(a))?;
+        (mine != other).then(|| {
+            format!(
+                "its NCCL/torch ({}) differ from the job's nodes' ({})",
+                mine, other
+            )
+        })
+    }
+
+    /// The nodes left out, as `--report` JSON.
+    pub fn left_out_json(&self) -> serde_json::Value {
+        serde_json::Value::Array(
+            self.left_out
+                .iter()
+                .map(|l| {
+                    serde_json::json!({
+                        "host": l.host,
+                        "stage": l.stage.as_str(),
+                        "why": l.why,
+                        "at": humantime::format_rfc3339_seconds(l.at).to_string(),
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// At the job's end: nodes that never joined are named with their links' last words, the
+    /// nodes left out are listed, remembered in --exclude-file, given as the next sbatch's
+    /// --exclude= inside Slurm, and written into `report` (its `nodes` section, beside what the
+    /// preflight and the watch wrote there).
+    /// `list`: print the nodes left out (an error that ended the job named them already).
+    pub fn settle(&mut self, report: Option<&std::path::Path>, list: bool) {
+        let timeout = self.plan.join_timeout;
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].joined.is_some() || self.is_left_out(i) {
+                continue;
+            }
+            let n = &mut self.nodes[i];
+            let why = match n.link.joining() {
+                super::link::Joining::Gone => n.link.join_failure(&n.label, timeout, timeout),
+                super::link::Joining::Pending => format!(
+                    "{}: had not joined when the job started and never did (its agent was still \
+                     starting: a slow host, or a network that drops its packets)",
+                    n.label
+                ),
+            };
+            self.leave_out(i, Stage::Join, &why);
+        }
+        if self.left_out.is_empty() {
+            return;
+        }
+        let mut text = format!(
+            "nrun: {} node(s) left out of this job:",
+            self.left_out.len()
+        );
+        for l in &self.left_out {
+            text.push_str(&format!("\n  {} ({}): {}", l.host, l.stage.as_str(), l.why));
+        }
+        if list {
+            eprintln!("{text}");
+        }
+        if let Some(f) = &self.plan.exclude_file {
+            let entries: Vec<crate::plan::exclude::Entry> = self
+                .left_out
+                .iter()
+                .map(|l| crate::plan::exclude::Entry {
+                    host: l.host.clone(),
+                    at: l.at,
+                    why: format!("{}: {}", l.stage.as_str(), l.why),
+                })
+                .collect();
+            match f.append(&entries) {
+                Ok(()) => eprintln!(
+                    "nrun: remembered in {} (later runs avoid them for {})",
+                    f.path.display(),
+                    humantime::format_duration(f.ttl)
+                ),
+                Err(e) => tracing::warn!("{e}"),
+            }
+        }
+        if self.plan.from_slurm {
+            let hosts: Vec<&str> = self.left_out.iter().map(|l| l.host.as_str()).collect();
+            eprintln!(
+                "nrun: for the next sbatch of this job: --exclude={}",
+                hosts.join(",")
+            );
+        }
+        if let Some(path) = report {
+            let mut json = std::fs::read_to_string(path)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .filter(|v| v.is_object())
+                .unwrap_or_else(|| serde_json::json!({}));
+            let names = |v: &[usize]| -> Vec<String> {
+                v.iter().map(|i| self.nodes[*i].label.clone()).collect()
+            };
+            json["nodes"] = serde_json::json!({
+                "size": self.plan.size,
+                "ran_on": names(&self.active),
+                "spares": names(&self.spares()),
+                "left_out": self.left_out_json(),
+            });
+            if let Err(e) = crate::report::write_json("--report", path, &json) {
+                tracing::warn!("{e}");
+            }
+        }
+    }
+}
