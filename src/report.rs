@@ -100,7 +100,12 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
 fn failed(code: u8, summary: String) -> JobEnd {
     JobEnd::Failed {
         code,
-        headline: summary.lines().next().unwrap_or_default().to_string(),
+        headline: summary
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim_start_matches("nrun: error: ")
+            .to_string(),
         summary,
         error_json: None,
     }

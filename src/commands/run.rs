@@ -77,6 +77,21 @@ async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
 /// join or a check is left out and a spare takes its place (see session::roster). `Err`: the
 /// exit code, the reason already printed.
 pub async fn ready(s: &mut Session) -> Result<()> {
+    if let Some(f) = &s.plan.exclude_file {
+        for e in &s.plan.avoided {
+            let age = std::time::SystemTime::now()
+                .duration_since(e.at)
+                .unwrap_or_default();
+            tracing::warn!(
+                "not using {}: in --exclude-file {} since {} ago ({}); it counts for {}",
+                e.host,
+                f.path.display(),
+                humantime::format_duration(std::time::Duration::from_secs(age.as_secs())),
+                e.why,
+                humantime::format_duration(f.ttl)
+            );
+        }
+    }
     let failures = s.join(false, None).await?;
     for (i, why) in &failures {
         s.leave_out(*i, Stage::Join, why);
@@ -118,6 +133,14 @@ pub async fn ready(s: &mut Session) -> Result<()> {
     }
     s.fill()?;
     let spares = s.spares();
+    if !s.left_out.is_empty() {
+        tracing::warn!(
+            "the job runs on {} nodes: {} ({} left out, see above)",
+            s.active.len(),
+            s.names(&s.active),
+            s.left_out.len()
+        );
+    }
     if !spares.is_empty() {
         tracing::info!(
             "the job runs on {} nodes; spare(s): {}",

@@ -217,7 +217,7 @@ impl Session {
             return Ok(Vec::new());
         }
         let pairs: Vec<(usize, usize)> = (0..k).map(|p| (ring[p], ring[(p + 1) % k])).collect();
-        let failed = self.probe_pairs(&pairs).await?;
+        let failed = self.probe_pairs(&pairs, 5000).await?;
         if failed.is_empty() {
             return Ok(Vec::new());
         }
@@ -241,7 +241,7 @@ impl Session {
         if let (Some(c), false) = (third, single.is_empty()) {
             // One more round with the first ambiguous link (one probe per node and step).
             let (a, b, e) = single[0].clone();
-            let again = self.probe_pairs(&[(c, b), (a, c)]).await?;
+            let again = self.probe_pairs(&[(c, b), (a, c)], 3000).await?;
             let b_bad = again.iter().any(|(x, y, _)| *x == c && *y == b);
             let a_bad = again.iter().any(|(x, y, _)| *x == a && *y == c);
             match (a_bad, b_bad) {
@@ -297,10 +297,13 @@ impl Session {
         )
     }
 
-    /// Each `(a, b)`: a connects to b's probe address. Returns the failed ones with the error.
+    /// Each `(a, b)`: a connects to b's probe address within `timeout_ms` (the second round is
+    /// shorter: a link that answered anything answers in milliseconds). Returns the failed ones
+    /// with the error.
     async fn probe_pairs(
         &mut self,
         pairs: &[(usize, usize)],
+        timeout_ms: u64,
     ) -> Result<Vec<(usize, usize, String)>> {
         let mut steps = vec![None; self.nodes.len()];
         let mut target_of = vec![None; self.nodes.len()];
@@ -316,7 +319,7 @@ impl Session {
             steps[a] = Some(match target {
                 Some(t) => Step::Probe {
                     target: t.to_string(),
-                    timeout_ms: 5000,
+                    timeout_ms,
                 },
                 None => Step::Probe {
                     target: String::new(),

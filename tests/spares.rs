@@ -1,0 +1,372 @@
+//! Spares and exclusion on a real cluster of network-namespace hosts (real sshd, real
+//! iptables): a bad node is left out and a spare takes its place, at the start and mid-run; the
+//! program's own failure leaves nobody out; --exclude-file remembers across runs; too few
+//! healthy nodes is exit 98; a loaded launch host calls no node dead.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Drops other nodes' connections to host `i` (ssh and its own outgoing traffic still work),
+/// so only the node-to-node ring can tell.
+fn firewall(c: &Cluster, i: usize) {
+    c.exec(
+        i,
+        "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state \
+         ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP",
+    );
+}
+
+fn has_iptables(test: &str) -> bool {
+    let ok = Command::new("iptables").arg("--version").output().is_ok();
+    if !ok {
+        eprintln!("SKIPPED {test}: no iptables");
+    }
+    ok
+}
+
+/// nrun on `hosts` (names) with the cluster's ssh config.
+fn run_hosts(c: &Cluster, s: &Scene, hosts: &[String], extra: &[&str]) -> std::process::Output {
+    let list = hosts.join(",");
+    let opts = c.ssh_opts();
+    let mut args = vec![
+        "-H",
+        &list,
+        "--ssh-opts",
+        &opts,
+        "--no-python-probe",
+        "-x",
+        "NRUN_TEST_TAG",
+        "-x",
+        "MARK",
+    ];
+    args.extend_from_slice(extra);
+    s.run(&args, &[])
+}
+
+#[test]
+fn a_firewalled_host_is_left_out_and_a_spare_runs_in_its_place() {
+    let Some(c) = Cluster::up("sq1", 5) else {
+        return;
+    };
+    if !has_iptables("a_firewalled_host_is_left_out_and_a_spare_runs_in_its_place") {
+        return;
+    }
+    firewall(&c, 2);
+    let hosts: Vec<String> = (1..=5).map(|i| c.host(i)).collect();
+    // As listed, and with the bad host first.
+    let first: Vec<String> = [2, 1, 3, 4, 5].iter().map(|i| c.host(*i)).collect();
+    for order in [hosts, first] {
+        let s = Scene::new();
+        let report = s.dir.path().join("report.json");
+        let out = run_hosts(
+            &c,
+            &s,
+            &order,
+            &[
+                "--nnodes",
+                "4",
+                "--nproc",
+                "1",
+                "--report",
+                report.to_str().unwrap(),
+                "--no-python",
+                "sh",
+                "-c",
+                "echo rank=$RANK world=$WORLD_SIZE host=$(hostname)",
+            ],
+        );
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+        for r in 0..4 {
+            assert!(
+                stdout.contains(&format!("rank={r} world=4 ")),
+                "{stdout}\n{stderr}"
+            );
+        }
+        assert!(!stdout.contains("host=sq1-h2"), "{stdout}");
+        assert!(stdout.contains("host=sq1-h5"), "the spare ran: {stdout}");
+        assert!(
+            stderr.contains("leaving out sq1-h2 (check): sq1-h2 cannot be reached from"),
+            "{stderr}"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let out = &json["nodes"]["left_out"];
+        assert_eq!(out.as_array().map(Vec::len), Some(1), "{json}");
+        assert_eq!(out[0]["host"], "sq1-h2");
+        assert_eq!(out[0]["stage"], "check");
+        assert!(
+            out[0]["why"].as_str().unwrap().contains("no answer within"),
+            "{json}"
+        );
+        assert_eq!(json["nodes"]["ran_on"].as_array().unwrap().len(), 4);
+        s.assert_no_survivors();
+    }
+    c.assert_nothing_left(5);
+}
+
+#[test]
+fn a_node_lost_mid_run_is_replaced_by_the_spare() {
+    let Some(c) = Cluster::up("sq2", 5) else {
+        return;
+    };
+    let s = Scene::new();
+    let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(hostname) t=$(date +%s.%N)\"; \
+                echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
+    let child = {
+        let hosts = c.hosts(5);
+        let opts = c.ssh_opts();
+        s.spawn(
+            &[
+                "-H",
+                &hosts,
+                "--ssh-opts",
+                &opts,
+                "--no-python-probe",
+                "-x",
+                "NRUN_TEST_TAG",
+                "-x",
+                "MARK",
+                "--nnodes",
+                "4",
+                "--max-restarts",
+                "1",
+                "--nproc",
+                "2",
+                "--no-python",
+                "sh",
+                "-c",
+                work,
+            ],
+            &[],
+        )
+    };
+    s.wait_marks("started", 8, Duration::from_secs(30));
+    let killed = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "n=0; for p in $(ip netns pids {}); do tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | grep -q __agent && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
+            c.host(3)
+        ))
+        .status()
+        .unwrap();
+    let at_kill = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(killed.success());
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(
+            "the job goes on with 4 nodes: sq2-h1, sq2-h2, sq2-h4, sq2-h5 (lost: sq2-h3) (spare in: sq2-h5)"
+        ),
+        "{stderr}"
+    );
+    let second: Vec<&str> = stdout.lines().filter(|l| l.contains("attempt=1")).collect();
+    assert_eq!(second.len(), 8, "{stdout}");
+    for r in 0..8 {
+        assert!(
+            second
+                .iter()
+                .any(|l| l.contains(&format!("world=8 rank={r} "))),
+            "{stdout}"
+        );
+    }
+    assert!(
+        !second.iter().any(|l| l.contains("host=sq2-h3")),
+        "{stdout}"
+    );
+    assert_eq!(
+        second.iter().filter(|l| l.contains("host=sq2-h5")).count(),
+        2
+    );
+    // nrun's own part of the recovery: from the kill to the first worker of the new group.
+    let first_start = second
+        .iter()
+        .filter_map(|l| l.rsplit("t=").next()?.trim().parse::<f64>().ok())
+        .fold(f64::MAX, f64::min);
+    eprintln!(
+        "recovery: kill -> first restarted worker {:.3} s",
+        first_start - at_kill
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(5);
+}
+
+#[test]
+fn the_programs_own_failure_leaves_nobody_out() {
+    let Some(c) = Cluster::up("sq3", 3) else {
+        return;
+    };
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED the_programs_own_failure_leaves_nobody_out: no torch python");
+        return;
+    };
+    let s = Scene::new();
+    let py = py.display().to_string();
+    let out = c.run_on(
+        &s,
+        3,
+        &[
+            "--nnodes",
+            "2",
+            "--max-restarts",
+            "1",
+            "--nproc",
+            "1",
+            "--no-python",
+            &py,
+            "-c",
+            "import os; raise ValueError('bad batch on rank ' + os.environ['RANK'])",
+        ],
+        &[],
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("ValueError: bad batch on rank"), "{stderr}");
+    assert!(
+        stderr.contains("restarting the worker group (1 of 1 restarts)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("leaving out"), "{stderr}");
+    assert!(!stderr.contains("left out"), "{stderr}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+#[test]
+fn the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires() {
+    let Some(c) = Cluster::up("sq4", 4) else {
+        return;
+    };
+    if !has_iptables("the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires") {
+        return;
+    }
+    let s = Scene::new();
+    let file = s.dir.path().join("bad-nodes");
+    let file_s = file.to_str().unwrap().to_string();
+    let job = |extra: &[&str]| {
+        let mut a = vec!["--nnodes", "3", "--exclude-file", &file_s, "--nproc", "1"];
+        a.extend_from_slice(extra);
+        a.extend_from_slice(&["--no-python", "sh", "-c", "echo host=$(hostname)"]);
+        c.run_on(&s, 4, &a, &[])
+    };
+    firewall(&c, 1);
+    let out = job(&[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let memo = std::fs::read_to_string(&file).unwrap();
+    let lines: Vec<&str> = memo.lines().collect();
+    assert_eq!(lines.len(), 1, "{memo}");
+    assert!(lines[0].starts_with("sq4-h1  20"), "{memo}");
+    assert!(
+        lines[0].contains("check: sq4-h1 cannot be reached"),
+        "{memo}"
+    );
+    // Repaired, but remembered: the next run does not use it (and loses no time on it).
+    c.exec(1, "iptables -F");
+    let t = Instant::now();
+    let out = job(&[]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("not using sq4-h1: in --exclude-file"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("host=sq4-h1"), "{stdout}");
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    // An entry older than --exclude-ttl counts no more.
+    std::thread::sleep(Duration::from_millis(2100));
+    let out = job(&["--exclude-ttl", "2"]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stdout.contains("host=sq4-h1"), "{stdout}\n{stderr}");
+    assert!(!stderr.contains("not using"), "{stderr}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(4);
+}
+
+#[test]
+fn without_a_spare_a_bad_node_fails_the_job_with_98_naming_it() {
+    let Some(c) = Cluster::up("sq5", 3) else {
+        return;
+    };
+    if !has_iptables("without_a_spare_a_bad_node_fails_the_job_with_98_naming_it") {
+        return;
+    }
+    firewall(&c, 3);
+    let s = Scene::new();
+    let out = c.run_on(&s, 3, &["--nproc", "1", "--no-python", "true"], &[]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(98), "{stderr}");
+    assert!(
+        stderr.contains("the job needs 3 healthy node(s) but has 2 (sq5-h1, sq5-h2)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("sq5-h3 (check): sq5-h3 cannot be reached from"),
+        "{stderr}"
+    );
+    // A host that cannot join: as before, then 98.
+    let s = Scene::new();
+    let hosts: Vec<String> = vec![c.host(1), "nosuchhost-nrun".into()];
+    let out = run_hosts(&c, &s, &hosts, &["--nproc", "1", "--no-python", "true"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(98), "{stderr}");
+    assert!(stderr.contains("1 of 2 nodes could not join"), "{stderr}");
+    assert!(
+        stderr.contains("nosuchhost-nrun: ssh: Could not resolve"),
+        "{stderr}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+#[test]
+fn a_loaded_launch_host_calls_no_node_dead() {
+    let Some(c) = Cluster::up("sq6", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    // Twice as many busy loops as cores, at normal priority, for the job's whole run.
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let hogs: Vec<std::process::Child> = (0..cores * 2)
+        .map(|_| {
+            Command::new("sh")
+                .args([
+                    "-c",
+                    "end=$(( $(date +%s) + 12 )); while [ $(date +%s) -lt $end ]; do :; done",
+                ])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let out = c.run_on(
+        &s,
+        3,
+        &[
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "i=0; while [ $i -lt 8 ]; do sleep 1; i=$((i+1)); done; echo done",
+        ],
+        &[],
+    );
+    for mut h in hogs {
+        let _ = h.kill();
+        let _ = h.wait();
+    }
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("lost"), "{stderr}");
+    assert_eq!(text(&out.stdout).matches("done").count(), 3);
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
