@@ -299,3 +299,55 @@ fn a_slurm_signal_reaches_every_worker() {
     s.assert_no_survivors();
     sl.cluster.assert_nothing_left_but_slurmd(2);
 }
+
+#[test]
+fn inside_an_allocation_of_four_a_bad_node_is_left_out_for_a_job_of_three() {
+    if Command::new("iptables").arg("--version").output().is_err() {
+        eprintln!("SKIPPED inside_an_allocation_of_four_...: no iptables");
+        return;
+    }
+    let Some(sl) = Slurm::up("sa5", 4) else {
+        return;
+    };
+    // sa5-h2 takes new connections from the launch host (x.x.x.1: slurmctld, srun, the
+    // store's side) but not from the other nodes: only the ring between nodes can tell.
+    sl.cluster.exec(
+        2,
+        "net=$(ip -4 -o addr show eth0 | awk '{print $4}' | cut -d. -f1-3) && iptables -A INPUT \
+         -p tcp -m state --state NEW -m iprange --src-range $net.2-$net.254 -j DROP",
+    );
+    let s = Scene::new();
+    let mut c = sl.cmd(&s, "salloc");
+    c.args([
+        "-N4",
+        &nrun(),
+        "--nnodes",
+        "3",
+        "--nproc",
+        "1",
+        "--no-python-probe",
+    ])
+    .args([
+        "--no-python",
+        "sh",
+        "-c",
+        "echo host=$(hostname) rank=$RANK world=$WORLD_SIZE",
+    ]);
+    let out = run(c, Duration::from_secs(120));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for r in 0..3 {
+        assert!(
+            stdout.contains(&format!("rank={r} world=3")),
+            "{stdout}\n{stderr}"
+        );
+    }
+    assert!(!stdout.contains("host=sa5-h2 "), "{stdout}");
+    assert!(stderr.contains("leaving out sa5-h2 (check)"), "{stderr}");
+    assert!(
+        stderr.contains("for the next sbatch of this job: --exclude=sa5-h2"),
+        "{stderr}"
+    );
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(4);
+}

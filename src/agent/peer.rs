@@ -82,11 +82,18 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
             usize::try_from(index).unwrap_or(usize::MAX)
         }
     };
-    if node >= job.shape.nnodes {
+    // The job's --nnodes and the --spares that may wait beside them.
+    let slots = nodes.hosts.len();
+    if node >= slots {
         return Err(Error::cluster(format!(
-            "the rendezvous at {endpoint} (id {:?}) already has its --nnodes {} nodes; this one \
-             is one too many",
-            c.id, job.shape.nnodes
+            "the rendezvous at {endpoint} (id {:?}) already has its --nnodes {} nodes{}; this one \
+             is one too many (give every node --spares K to let K more join as spares)",
+            c.id,
+            job.shape.nnodes,
+            match slots - job.shape.nnodes {
+                0 => String::new(),
+                k => format!(" and {k} spare(s)"),
+            }
         )));
     }
     let hello = Hello {

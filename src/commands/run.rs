@@ -156,6 +156,11 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
     if failures.is_empty() || s.left_out.iter().any(|l| l.stage != Stage::Join) {
         return e;
     }
+    // Most nodes failing to join is the setup's fault (ssh, nrun's path), not theirs.
+    let code = match failures.len() * 2 > s.len() {
+        true => exit::CLUSTER,
+        false => exit::NO_NODES,
+    };
     eprintln!(
         "nrun: error: {} of {} nodes could not join:",
         failures.len(),
@@ -171,13 +176,15 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
         env!("CARGO_PKG_VERSION"),
         launcher.install_hint()
     );
-    eprintln!(
-        "nrun: error: the job needs {} node(s) and {} joined (exit {}: too few healthy nodes)",
-        s.plan.min_nodes,
-        s.active.len(),
-        exit::NO_NODES
-    );
-    Error::exit(exit::NO_NODES)
+    if code == exit::NO_NODES {
+        eprintln!(
+            "nrun: error: the job needs {} node(s) and {} joined (exit {code}: too few healthy \
+             nodes)",
+            s.plan.min_nodes,
+            s.active.len(),
+        );
+    }
+    Error::exit(code)
 }
 
 /// The job's attempts; `report` is what the preflight wrote to `--report`, which the watch's

@@ -378,7 +378,14 @@ pub fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
 impl RunSettings {
     /// The job's settings from the default command's flags.
     fn resolve(run: &RunArgs, env: Env<'_>) -> Result<RunSettings> {
-        let uses_hosts = run.nodes.hosts.is_some() || run.nodes.hostfile.is_some();
+        // Inside a Slurm allocation of several nodes (salloc, sbatch; not a step on every
+        // node), `--nnodes N` without a rank or an address takes its nodes from the allocation,
+        // the rest of it being spares.
+        let allocation = nodes::in_allocation(&run.nodes, env)
+            && run.rdzv.node_rank.is_none()
+            && run.rdzv.master_addr.is_none()
+            && run.rdzv.rdzv_endpoint.is_none();
+        let uses_hosts = run.nodes.hosts.is_some() || run.nodes.hostfile.is_some() || allocation;
         let RunArgs {
             workers: WorkerArgs { nproc_per_node },
             rdzv,

@@ -148,8 +148,10 @@ impl NodesPlan {
             }
             (None, None) => None,
         };
-        // Static torchrun-style launches name their nodes by rank, not by a host list.
-        let static_launch = shape.nnodes > 1 && list.is_none();
+        // Static torchrun-style launches name their nodes by rank, not by a host list (inside
+        // an allocation, a c10d or a ranked launch is one).
+        let static_launch =
+            shape.nnodes > 1 && list.is_none() && (shape.c10d || !in_allocation(args, env));
         if list.is_none() && *launcher != LauncherChoice::Ssh && !static_launch {
             if let Some(nl) = env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
                 let names = hosts::expand_slurm_hostlist(&nl)?;
@@ -213,9 +215,11 @@ impl NodesPlan {
         };
         let elastic = shape.min_nodes < shape.nnodes;
         if shape.c10d {
-            // This host's node (a local agent, as in ssh mode) and the nodes that will join.
+            // This host's node (a local agent, as in ssh mode) and the nodes that will join:
+            // up to --nnodes (MAX) run the job, `--spares K` more may join and wait.
+            let k = spares.unwrap_or(0);
             let mut list = vec![Host::new(crate::net::hostname())];
-            list.extend((1..shape.nnodes).map(|i| Host::new(format!("node{i}"))));
+            list.extend((1..shape.nnodes + k).map(|i| Host::new(format!("node{i}"))));
             nodes.layout = hosts::rank_layout(&list, shape.nproc)?
                 .into_iter()
                 .enumerate()
@@ -228,8 +232,9 @@ impl NodesPlan {
             nodes.world = shape.world_size();
             nodes.group_world = shape.nnodes;
             nodes.in_process = false;
-            nodes.peers = shape.nnodes - 1;
+            nodes.peers = shape.nnodes - 1 + k;
             nodes.min_nodes = shape.min_nodes;
+            nodes.size = shape.nnodes;
             nodes.hosts = list;
             return Ok(nodes);
         }
@@ -249,6 +254,8 @@ impl NodesPlan {
             }];
             nodes.world = shape.world_size();
             nodes.group_world = shape.nnodes;
+            // The session holds this node only (the others run their own nrun).
+            (nodes.size, nodes.min_nodes) = (1, 1);
             return Ok(nodes);
         };
         list = hosts::apply_include_exclude(list, include.as_deref(), exclude.as_deref())?;
@@ -352,6 +359,24 @@ impl NodesPlan {
         nodes.hosts = list;
         Ok(nodes)
     }
+}
+
+/// Inside a Slurm allocation of several nodes and not in a step of several (srun on every
+/// node), with no host list and a launcher that may be srun: the allocation is the host list.
+pub fn in_allocation(args: &NodesArgs, env: &dyn Fn(&str) -> Option<String>) -> bool {
+    let several = |k: &str| {
+        env(k)
+            .and_then(|v| hosts::expand_slurm_hostlist(&v).ok())
+            .is_some_and(|l| l.len() > 1)
+    };
+    let in_step = env("SLURM_STEP_NUM_NODES")
+        .and_then(|n| n.parse::<usize>().ok())
+        .is_some_and(|n| n > 1);
+    args.hosts.is_none()
+        && args.hostfile.is_none()
+        && args.launcher != LauncherChoice::Ssh
+        && (several("SLURM_JOB_NODELIST") || several("SLURM_NODELIST"))
+        && !in_step
 }
 
 /// "2 hosts: a, b" for messages.

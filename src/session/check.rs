@@ -248,15 +248,22 @@ impl Session {
                 (false, true) => pinned.push((
                     b,
                     format!(
-                        "{} cannot be reached from {} nor {}: {e}",
-                        self.nodes[b].label, self.nodes[a].label, self.nodes[c].label
+                        "{x} cannot be reached from {} nor {}: {e}; check the firewall on {x} \
+                         (nrun probed the address it uses for NCCL, interface {})",
+                        self.nodes[a].label,
+                        self.nodes[c].label,
+                        self.ifname(b),
+                        x = self.nodes[b].label,
                     ),
                 )),
                 (true, false) => pinned.push((
                     a,
                     format!(
-                        "{} cannot reach {} nor {}: {e}",
-                        self.nodes[a].label, self.nodes[b].label, self.nodes[c].label
+                        "{x} cannot reach {} nor {}: {e}; check the firewall on {x} (its \
+                         outgoing connections)",
+                        self.nodes[b].label,
+                        self.nodes[c].label,
+                        x = self.nodes[a].label,
                     ),
                 )),
                 _ => unresolved.push(self.unreachable(a, b, &e)),
@@ -282,14 +289,19 @@ impl Session {
         Err(Error::exit(exit::CLUSTER))
     }
 
-    /// "a cannot reach b: ...; check the firewall ..." for a failed probe.
-    fn unreachable(&self, a: usize, b: usize, e: &str) -> String {
-        let (me, next) = (&self.nodes[a], &self.nodes[b]);
-        let ifname = next
+    /// The interface node `i`'s workers use ("?" before it is known).
+    fn ifname(&self, i: usize) -> &str {
+        self.nodes[i]
             .joined
             .as_ref()
             .and_then(|j| j.ifname.as_deref())
-            .unwrap_or("?");
+            .unwrap_or("?")
+    }
+
+    /// "a cannot reach b: ...; check the firewall ..." for a failed probe.
+    fn unreachable(&self, a: usize, b: usize, e: &str) -> String {
+        let (me, next) = (&self.nodes[a], &self.nodes[b]);
+        let ifname = self.ifname(b);
         format!(
             "{a} cannot reach {b}: {e}; check the firewall between {a} and {b} (nrun probed the address {b} uses for NCCL, interface {ifname})",
             a = me.label,

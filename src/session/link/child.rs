@@ -252,7 +252,15 @@ impl NodeLink for ChildLink {
                 "lost the connection to {label}: its agent stopped its workers when the link \
                  to the launch host broke"
             )),
-            None => self.beat.lost(bus, node, label, false),
+            None => self.beat.silent(bus, node).map(|quiet| {
+                format!(
+                    "lost the connection to {label}: its agent sent no heartbeat for {:.1} s (its \
+                     host is down or cut off from this one); it stops its workers there by itself \
+                     within {} s of losing this host (--agent-timeout)",
+                    quiet.as_secs_f64(),
+                    self.agent_timeout.as_secs_f64()
+                )
+            }),
             Some(how) => Some(format!(
                 "lost the connection to {label}{how}; its agent stops its workers there by itself \
                  within {} s of losing this host (--agent-timeout)",

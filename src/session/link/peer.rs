@@ -29,8 +29,7 @@ impl Heartbeat {
     /// Whether node `node` is lost: it stopped its workers unasked, or its heartbeat has been
     /// still too long.
     pub fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
-        let now = Instant::now();
-        let quiet = self.quiet(bus.heartbeat(node), now);
+        let quiet = self.silent(bus, node).unwrap_or(Duration::ZERO);
         let why = match (stopped, quiet > SILENCE) {
             (true, _) => "stopped its workers when its link to this host broke".to_string(),
             (false, true) => format!(
@@ -42,6 +41,12 @@ impl Heartbeat {
         Some(format!(
             "lost {label}: its agent {why}; check that it still runs there and reaches this host"
         ))
+    }
+
+    /// How long node `node`'s heartbeat has been still, once that is longer than [`SILENCE`].
+    pub fn silent(&mut self, bus: &Bus, node: usize) -> Option<Duration> {
+        let quiet = self.quiet(bus.heartbeat(node), Instant::now());
+        (quiet > SILENCE).then_some(quiet)
     }
 
     /// How long the heartbeat has been still at `now`, not counting time this process spent
