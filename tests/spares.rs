@@ -370,3 +370,87 @@ fn a_loaded_launch_host_calls_no_node_dead() {
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
+
+/// c10d: `--spares 1` on every node lets a third node join beyond `--nnodes 2`; it waits, and
+/// takes the place of a joined node that dies mid-run.
+#[test]
+fn a_c10d_spare_takes_the_place_of_a_node_that_dies() {
+    let Some(c) = Cluster::up("sq7", 3) else {
+        return;
+    };
+    let endpoint = format!("{}:29671", c.addr(1));
+    let s = Scene::new();
+    let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(ip netns identify)\"; \
+                echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
+    let node = |host: usize| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &c.host(host)])
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "2",
+                "--spares",
+                "1",
+                "--nproc",
+                "1",
+                "--max-restarts",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "sp",
+                "--no-python-probe",
+                "--no-python",
+                "sh",
+                "-c",
+                work,
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    let a = node(1);
+    std::thread::sleep(Duration::from_millis(300));
+    let b = node(2);
+    s.wait_marks("started", 2, Duration::from_secs(30));
+    // The spare joins while the job runs: it waits, running nothing.
+    let spare = node(3);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(s.marks().len(), 2, "the spare ran something");
+    // sq7-h2's nrun dies (kill -9; its keeper then ends its worker).
+    let kid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", b.id()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-KILL", &kid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let t = Instant::now();
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let (os, _) = wait_with_timeout(spare, Duration::from_secs(30));
+    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    let all = format!("{}{}", text(&oa.stdout), text(&os.stdout));
+    let err = text(&oa.stderr);
+    assert_eq!(oa.status.code(), Some(0), "{all}\n{err}");
+    assert_eq!(os.status.code(), Some(0), "{all}\n{}", text(&os.stderr));
+    // Namespace hosts share one host name: the joined nodes are told apart as vm#1, vm#2.
+    assert!(err.contains("(run): lost vm#1"), "{err}");
+    assert!(err.contains("(spare in: vm#2)"), "{err}");
+    let second: Vec<&str> = all.lines().filter(|l| l.contains("attempt=1")).collect();
+    assert_eq!(second.len(), 2, "{all}");
+    assert!(second.iter().any(|l| l.contains("host=sq7-h3")), "{all}");
+    assert!(second.iter().all(|l| l.contains("world=2")), "{all}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}

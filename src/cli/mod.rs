@@ -28,7 +28,9 @@ Examples:
   nrun doctor [-H gpu1,gpu2]              what each node has (GPUs, driver, NCCL, torch, interfaces)
   nrun bisect --hostfile hosts --nproc 8 --write-hostfile good   find the bad nodes and links
   nrun ./doctor                           a script or program named like a command: give a path
-  nrun --hostfile hosts --nnodes 4 --nproc 8 train.py   the first 4 nodes of a hostfile
+  nrun --hostfile hosts --nnodes 4 --max-restarts 3 --nproc 8 train.py
+                                          4 nodes of the hostfile, the rest spares: a bad or
+                                          lost node is left out and a spare takes its place
   nrun --nnodes 2 --nproc 8 --rdzv-backend c10d --rdzv-endpoint gpu1:29400 train.py
                                           the same command on every node (torchrun's c10d)
   srun -N 4 --ntasks-per-node 1 nrun --nproc 8 train.py   under Slurm: one nrun per node
@@ -39,7 +41,8 @@ Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, M
 and rendezvous through the store nrun hosts, so init_process_group(\"env://\") needs no change.
 
 Exit status: 0 all workers succeeded; 2 bad usage or input; 95 nodes could not join or disagree;
-96 bisect found bad nodes; 97 a hang stopped the job (--on-hang stop); 90-94 the preflight
+96 bisect found bad nodes; 97 a hang stopped the job (--on-hang stop); 98 too few healthy
+nodes (nodes left out, no spare left); 90-94 the preflight
 failed (90 could not run, 91 NCCL init failed, 92 timed out, 93 wrong results, 94 too slow);
 otherwise the first failing worker's exit code (128+N when it died of signal N), or 128+N when
 nrun itself was stopped by signal N.";
@@ -760,6 +763,11 @@ pub struct ProbeArgs {
         value_name = "FILE"
     )]
     pub write_hostfile: Option<PathBuf>,
+
+    /// Append the nodes found not good to --exclude-file (host, time, verdict and evidence), so
+    /// later runs leave them out.
+    #[arg(long = "write-exclude", env = "NRUN_WRITE_EXCLUDE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub write_exclude: bool,
 
     /// Write the rounds and each node's verdict as JSON to FILE.
     #[arg(long, env = "NRUN_REPORT", value_name = "FILE")]

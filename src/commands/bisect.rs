@@ -670,6 +670,36 @@ impl Bisect<'_> {
                 ))
             })?;
         }
+        if self.bp.write_exclude {
+            let Some(f) = &nodes.exclude_file else {
+                return Err(Error::usage(
+                    "--write-exclude appends to --exclude-file PATH: give that too",
+                ));
+            };
+            let now = std::time::SystemTime::now();
+            let found: Vec<crate::plan::exclude::Entry> = self
+                .results
+                .iter()
+                .filter(|r| r.verdict != NodeVerdict::Good)
+                .map(|r| crate::plan::exclude::Entry {
+                    host: r.host.clone(),
+                    at: now,
+                    why: format!(
+                        "bisect: {}: {}",
+                        format!("{:?}", r.verdict).to_lowercase(),
+                        r.evidence.join("; ")
+                    ),
+                })
+                .collect();
+            f.append(&found)?;
+            if !found.is_empty() {
+                eprintln!(
+                    "nrun bisect: {} node(s) added to {}",
+                    found.len(),
+                    f.path.display()
+                );
+            }
+        }
         Ok(
             if self.results.iter().all(|r| r.verdict == NodeVerdict::Good) {
                 exit::SUCCESS

@@ -332,6 +332,8 @@ pub struct BisectSettings {
     pub slow_factor: f64,
     pub timeout: Duration,
     pub write_hostfile: Option<PathBuf>,
+    /// Append the nodes found not good to --exclude-file.
+    pub write_exclude: bool,
     pub report: Option<PathBuf>,
 }
 
@@ -614,11 +616,12 @@ impl BisectSettings {
                     slow_factor,
                     timeout,
                     write_hostfile,
+                    write_exclude,
                     report,
                 },
             target,
             sweep,
-            nodes: _,
+            nodes,
             command,
         } = args;
         let nproc = resolve_nproc(nproc_per_node, env)?;
@@ -667,6 +670,11 @@ impl BisectSettings {
             virtual_local_rank: false,
             numa_binding: false,
         };
+        if *write_exclude && nodes.exclude_file.is_none() {
+            return Err(Error::usage(
+                "--write-exclude appends to --exclude-file PATH: give that too",
+            ));
+        }
         Ok((
             BisectSettings {
                 session: SessionPlan::own("bisect", "", python),
@@ -676,6 +684,7 @@ impl BisectSettings {
                 slow_factor: *slow_factor,
                 timeout,
                 write_hostfile: write_hostfile.clone(),
+                write_exclude: *write_exclude,
                 report: report.clone(),
             },
             shape,
