@@ -454,3 +454,63 @@ fn a_c10d_spare_takes_the_place_of_a_node_that_dies() {
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
+
+/// The preflight fails with no single node to blame (a shaped link names a pair): the staged
+/// scale-up runs on the spot over the nodes and the spare, the slow node is left out, the
+/// preflight passes on the new set and the job runs.
+#[test]
+fn a_preflight_without_a_culprit_is_bisected_on_the_spot() {
+    let Some(c) = Cluster::up("sq8", 5) else {
+        return;
+    };
+    if !c.try_exec(
+        3,
+        "tc qdisc add dev eth0 root tbf rate 200mbit burst 256kbit latency 400ms",
+    ) {
+        eprintln!("SKIPPED a_preflight_without_a_culprit_is_bisected_on_the_spot: no tc");
+        return;
+    }
+    let s = Scene::new();
+    let report = s.dir.path().join("report.json");
+    let out = c.run_on(
+        &s,
+        5,
+        &[
+            "--nnodes",
+            "4",
+            "--nproc",
+            "1",
+            "--preflight",
+            "net",
+            "--preflight-sizes",
+            "8:256K:4",
+            "--report",
+            report.to_str().unwrap(),
+            "--no-python",
+            "sh",
+            "-c",
+            "echo rank=$RANK world=$WORLD_SIZE host=$(ip netns identify)",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("the preflight failed and names no single node: bisecting 5 nodes"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("leaving out sq8-h3 (preflight): bisect: slow"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("preflight ok"), "{stdout}");
+    assert!(!stdout.contains("host=sq8-h3"), "{stdout}");
+    assert!(stdout.contains("rank=3 world=4 host=sq8-h5"), "{stdout}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(json["verdict"], "ok", "{json}");
+    assert_eq!(json["nodes"]["left_out"][0]["host"], "sq8-h3", "{json}");
+    assert_eq!(json["nodes"]["left_out"][0]["stage"], "preflight", "{json}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(5);
+}

@@ -183,9 +183,11 @@ def torchrun_c10d(how):
     ep = f"{addr(1)}:29412"
     procs = []
     for i in range(1, 4):
+        # Namespace hosts share a host name: torchrun is told which one hosts its store.
         procs.append(popen(["ip", "netns", "exec", host(i), TORCHRUN, "--nnodes", "2:3",
                             "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                             "--rdzv-endpoint", ep, "--rdzv-id", "rcv", "--max-restarts", "3",
+                            "--rdzv-conf", f"is_host={'true' if i == 1 else 'false'}",
                             TRAIN]))
     w = Watch(procs)
     r = measure(procs, w, how, 3, 2)

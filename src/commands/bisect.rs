@@ -88,6 +88,70 @@ pub async fn run(
     b.finish(nodes, started.elapsed())
 }
 
+/// The staged scale-up on the spot, over a job's nodes and spares, when its preflight failed
+/// with no node to blame: the nodes found not good, each with the evidence. Nodes that did not
+/// join or were left out already take no part.
+pub async fn on_the_spot(
+    s: &mut Session,
+    job: &crate::plan::RunSettings,
+    pf: &crate::plan::PreflightPlan,
+) -> Result<Vec<(usize, String)>> {
+    let bp = BisectSettings {
+        session: job.session.clone(),
+        workers: job.workers.clone(),
+        sweep: Some(pf.clone()),
+        probe: match pf.mode {
+            crate::preflight::Mode::Net => Probe::Net,
+            _ => Probe::Nccl,
+        },
+        slow_factor: 0.8,
+        timeout: pf.timeout,
+        write_hostfile: None,
+        write_exclude: false,
+        report: None,
+    };
+    let mut b = Bisect {
+        bp: &bp,
+        results: s
+            .nodes
+            .iter()
+            .map(|n| NodeResult {
+                host: n.label.clone(),
+                verdict: NodeVerdict::Good,
+                evidence: Vec::new(),
+            })
+            .collect(),
+        rounds: Vec::new(),
+        stage1_rounds: 0,
+    };
+    let outside: Vec<usize> = (0..s.len())
+        .filter(|i| s.nodes[*i].joined.is_none() || s.is_left_out(*i))
+        .collect();
+    for &i in &outside {
+        b.mark(i, NodeVerdict::Unreachable, "not in the job".into());
+    }
+    eprintln!(
+        "nrun: the preflight failed and names no single node: bisecting {} nodes on the spot",
+        b.alive().len()
+    );
+    b.scale_up(s).await?;
+    Ok(b.results
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| r.verdict != NodeVerdict::Good && !outside.contains(i))
+        .map(|(i, r)| {
+            (
+                i,
+                format!(
+                    "bisect: {}: {}",
+                    format!("{:?}", r.verdict).to_lowercase(),
+                    r.evidence.join("; ")
+                ),
+            )
+        })
+        .collect())
+}
+
 struct Bisect<'a> {
     bp: &'a BisectSettings,
     results: Vec<NodeResult>,
@@ -112,7 +176,11 @@ impl Bisect<'_> {
             self.alive().len(),
             s.len()
         );
+        self.scale_up(s).await
+    }
 
+    /// Stage 1 (every node alone), then pairs, groups of 4, ... all, isolating what fails.
+    async fn scale_up(&mut self, s: &mut Session) -> Result<()> {
         // ---- stage 1: every node alone ----------------------------------------------------
         let singles: Vec<Vec<usize>> = self.alive().into_iter().map(|i| vec![i]).collect();
         let outs = self.round("stage 1: every node alone", singles, s).await?;

@@ -35,7 +35,13 @@ impl Ended {
 }
 
 /// Runs the preflight over the job's nodes (the session's group).
-pub async fn run(s: &mut Session, job: &RunSettings, pf: &PreflightPlan) -> Result<Ended> {
+/// `round`: how many times it ran before in this session.
+pub async fn run(
+    s: &mut Session,
+    job: &RunSettings,
+    pf: &PreflightPlan,
+    round: usize,
+) -> Result<Ended> {
     let started = Instant::now();
     let since = |what: &str| {
         tracing::debug!(
@@ -52,7 +58,12 @@ pub async fn run(s: &mut Session, job: &RunSettings, pf: &PreflightPlan) -> Resu
         }
         _ => (None, None),
     };
-    let id = format!("{}/pf", s.run);
+    // Each run of the preflight its own keys (it runs again after nodes were left out); the
+    // first's are the same on every node of a static launch.
+    let id = match round {
+        0 => format!("{}/pf", s.run),
+        n => format!("{}/pf{n}", s.run),
+    };
     let settings: Vec<Settings> = (0..s.len())
         .map(|i| node_settings(s, pf, i, here_lib.clone(), &id))
         .collect();

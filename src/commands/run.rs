@@ -33,20 +33,19 @@ async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
     if let Some(pf) = &job.preflight {
         let mut rounds = 0;
         loop {
-            let ended = preflight::run(s, job, pf).await?;
+            let ended = preflight::run(s, job, pf, rounds).await?;
             (code, report) = (ended.code, ended.report);
             rounds += 1;
             // A job (not the health check alone) with spares leaves out the nodes the
             // preflight blames and checks the new set.
-            if code == exit::SUCCESS
-                || job.preflight_only
-                || ended.blamed.is_empty()
-                || s.spares().is_empty()
-                || rounds > 3
-            {
+            if code == exit::SUCCESS || job.preflight_only || s.spares().is_empty() || rounds > 3 {
                 break;
             }
-            let blamed = blamed_nodes(s, &ended.blamed);
+            // No node to blame: the staged scale-up finds it, over the nodes and spares.
+            let blamed = match ended.blamed.is_empty() {
+                true => super::bisect::on_the_spot(s, job, pf).await?,
+                false => blamed_nodes(s, &ended.blamed),
+            };
             if blamed.is_empty() || blamed.len() * 2 > s.active.len() {
                 break;
             }
