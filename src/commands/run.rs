@@ -256,6 +256,27 @@ fn blamed_nodes(s: &Session, blamed: &[(String, String)]) -> Vec<(usize, String)
     out
 }
 
+/// The node of the ranks the watch's last hang blames, when they are all on one node.
+fn hang_pinned(s: &Session, group: &crate::session::spec::Group) -> Option<(usize, String)> {
+    let d = s.watch.as_ref()?.hangs.last()?;
+    let node_of = |r: usize| {
+        group
+            .members
+            .iter()
+            .find(|m| m.ranks.iter().any(|&(g, _)| g == r))
+            .map(|m| m.node)
+    };
+    let nodes: std::collections::BTreeSet<usize> =
+        d.culprits.iter().filter_map(|r| node_of(*r)).collect();
+    match (nodes.len(), nodes.first()) {
+        (1, Some(&n)) => Some((
+            n,
+            format!("the watch pinned a hang on it: {}", d.conclusion),
+        )),
+        _ => None,
+    }
+}
+
 /// Nodes a failed attempt's failure is pinned on, with the evidence: a lost node (agent or
 /// link), or the one node whose workers died by a signal or with a GPU/driver error while no
 /// other node's did (the same error everywhere is the program's).
@@ -345,12 +366,32 @@ async fn attempt_loop(
             watch: s.watch.is_some(),
             secret: false,
         };
-        let steps = s.steps(&job.workers, &s.group(), &launch);
+        let group = s.group();
+        let steps = s.steps(&job.workers, &group, &launch);
         let results = match s.run_step(steps, Policy::Together).await {
             Ok(r) => r,
             Err(e) => return e.code,
         };
         if s.watch.as_ref().is_some_and(|w| w.stopped) {
+            // A hang the watch pins on one node's ranks: that node out, a spare in.
+            let pinned = hang_pinned(s, &group);
+            if let (Some(p), true) = (pinned, restarts < job.workers.max_restarts) {
+                if !s.spares().is_empty() {
+                    if let Err(why) = s.reform(&[p]) {
+                        eprintln!("nrun: error: {why}; the job cannot go on");
+                        return exit::NO_NODES;
+                    }
+                    restarts += 1;
+                    if let Some(w) = s.watch.as_mut() {
+                        w.stopped = false;
+                    }
+                    tracing::warn!(
+                        "restarting the worker group after the hang ({restarts} of {} restarts)",
+                        job.workers.max_restarts
+                    );
+                    continue;
+                }
+            }
             eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
             return exit::HANG;
         }
