@@ -1911,6 +1911,67 @@ mod tests {
         assert!(e.message.contains("runs as ./doctor"), "{}", e.message);
     }
 
+    /// Hosts beyond --nnodes (or --spares K of them) are spares; a Slurm allocation of several
+    /// nodes is a host list for `--nnodes N`; --exclude-file keeps its hosts out.
+    #[test]
+    fn spares_come_from_the_host_list_and_the_allocation() {
+        let nodes_of = |args: &[&str], env: &dyn Fn(&str) -> Option<String>| {
+            let mut v = vec!["nrun"];
+            v.extend_from_slice(args);
+            v.extend_from_slice(&["--nproc", "2", "--no-python", "true"]);
+            match resolve(Cli::try_parse_from(v).unwrap(), env) {
+                Ok(Mode::Run { nodes, .. }) => Ok(nodes),
+                Ok(_) => panic!("not a run"),
+                Err(e) => Err(e),
+            }
+        };
+        let none = |k: &str| std::env::var(k).ok().filter(|_| !k.starts_with("SLURM"));
+        let n = nodes_of(&["-H", "a,b,c,d,e", "--nnodes", "4"], &none).unwrap();
+        assert_eq!((n.hosts.len(), n.size, n.min_nodes), (5, 4, 4));
+        assert_eq!((n.world, n.group_world), (8, 4));
+        let n = nodes_of(&["-H", "a,b,c,d,e", "--spares", "2"], &none).unwrap();
+        assert_eq!((n.hosts.len(), n.size, n.world), (5, 3, 6));
+        let n = nodes_of(&["-H", "a,b,c,d,e", "--nnodes", "2:3"], &none).unwrap();
+        assert_eq!((n.hosts.len(), n.size, n.min_nodes), (5, 3, 2));
+        let slurm = |k: &str| match k {
+            "SLURM_JOB_NODELIST" => Some("n[1-4]".to_string()),
+            _ => none(k),
+        };
+        let n = nodes_of(&["--nnodes", "3"], &slurm).unwrap();
+        assert_eq!((n.hosts.len(), n.size), (4, 3));
+        assert!(n.from_slurm);
+        // Under srun on every node it stays one node of a static launch.
+        let step = |k: &str| match k {
+            "SLURM_JOB_NODELIST" => Some("n[1-4]".to_string()),
+            "SLURM_STEP_NUM_NODES" => Some("4".to_string()),
+            _ => none(k),
+        };
+        assert!(
+            nodes_of(
+                &["--nnodes", "3", "--node-rank", "1", "--master-addr", "n1"],
+                &step
+            )
+            .unwrap()
+            .in_process
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let memo = dir.path().join("bad");
+        let now = humantime::format_rfc3339_seconds(std::time::SystemTime::now());
+        std::fs::write(&memo, format!("b  {now}  lost\nz  {now}  other\n")).unwrap();
+        let m = memo.to_str().unwrap();
+        let n = nodes_of(&["-H", "a,b,c", "--exclude-file", m], &none).unwrap();
+        let names: Vec<&str> = n.hosts.iter().map(|h| h.name.as_str()).collect();
+        assert_eq!(names, ["a", "c"]);
+        assert_eq!(n.avoided.len(), 1);
+        let e = nodes_of(
+            &["-H", "a,b,c", "--nnodes", "3", "--exclude-file", m],
+            &none,
+        )
+        .unwrap_err();
+        assert_eq!(e.code, crate::error::exit::NO_NODES);
+        assert!(e.message.contains("b (lost)"), "{}", e.message);
+    }
+
     #[test]
     fn include_slots_pin_gpus_on_that_host() {
         let cli = Cli::try_parse_from([

@@ -239,6 +239,12 @@ impl NodesPlan {
             return Ok(nodes);
         }
         let Some(mut list) = list else {
+            if spares.is_some() {
+                return Err(Error::usage(
+                    "--spares needs more nodes than the job uses: a host list (-H, --hostfile, a \
+                     Slurm allocation), or --rdzv-backend c10d where spares join by themselves",
+                ));
+            }
             if include.is_some() || exclude.is_some() {
                 return Err(Error::usage(
                     "--include/--exclude need a host list (-H, --hostfile or a Slurm allocation)",
