@@ -165,6 +165,8 @@ pub struct ChildLink {
 /// Starts every owned node's agent, at most --ssh-concurrency at a time.
 pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result<Vec<Node>> {
     let sem = Arc::new(tokio::sync::Semaphore::new(np.ssh_concurrency));
+    // One copy of the plan shared by every start (a copy each was O(nodes^2) memory).
+    let shared = Arc::new(np.clone());
     let mut tasks = Vec::new();
     for (i, h) in hosts.iter().enumerate() {
         let local = crate::net::is_this_host(&h.name);
@@ -175,7 +177,7 @@ pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result
             false => how.addrs.clone(),
         };
         let hello = how.hello(i, &h.name, addrs, Vec::new());
-        let (sem, np, label) = (sem.clone(), np.clone(), h.name.clone());
+        let (sem, np, label) = (sem.clone(), shared.clone(), h.name.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
             start_one(&np, &label, local, &hello).await
