@@ -119,11 +119,20 @@ pub async fn ready(s: &mut Session) -> Result<()> {
     for (i, why) in s.readiness(findings)? {
         s.leave_out(i, Stage::Check, &why);
     }
-    // A sick GPU leaves its node out only where a spare can take its place.
-    for (i, why) in s.gpu_trouble() {
-        match s.spares().is_empty() {
-            true => tracing::warn!("{why}; no spare to take its place, so it stays in"),
-            false => s.leave_out(i, Stage::Check, &why),
+    // A sick GPU leaves its node out only where a spare can take its place (a sick spare is
+    // no spare).
+    let sick = s.gpu_trouble();
+    let mut free = s
+        .spares()
+        .into_iter()
+        .filter(|i| !sick.iter().any(|(j, _)| j == i))
+        .count();
+    for (i, why) in sick {
+        if !s.active.contains(&i) || free > 0 {
+            free -= usize::from(s.active.contains(&i));
+            s.leave_out(i, Stage::Check, &why);
+        } else {
+            tracing::warn!("{why}; no spare to take its place, so it stays in");
         }
     }
     s.fill()?;

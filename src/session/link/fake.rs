@@ -506,4 +506,55 @@ mod tests {
         assert!(e.message.contains("b (run): "), "{}", e.message);
         assert!(e.message.contains("a (run): lost a"), "{}", e.message);
     }
+
+    /// A node whose GPU is sick or missing is named with the evidence; a node with its GPUs
+    /// well is not; nodes without GPUs in a job without GPUs are not.
+    #[tokio::test(start_paused = true)]
+    async fn sick_or_missing_gpus_are_pinned_on_their_node() {
+        use crate::preflight::hardware::Health;
+        let (a, _) = node("a", Script::UntilStopped);
+        let (b, _) = node("b", Script::UntilStopped);
+        let (c, _) = node("c", Script::UntilStopped);
+        let (mut s, _sig) = session(vec![a, b, c]);
+        let well = Health {
+            temperature_c: Some(40),
+            persistence: Some(true),
+            ecc_uncorrected: Some(0),
+            pages_pending_retirement: Some(false),
+            slowdowns: vec![],
+            mig: Some(false),
+            remap_pending: Some(false),
+            remap_failed: Some(false),
+            nvlink_errors: Some(0),
+        };
+        assert!(s.gpu_trouble().is_empty());
+        let facts = |gpus: usize, h: &Health| crate::facts::Facts {
+            gpus: vec!["H200".into(); gpus],
+            gpu_health: (0..gpus)
+                .map(|g| (format!("0000:0{g}:00.0"), h.clone()))
+                .collect(),
+            ..Default::default()
+        };
+        let sick = Health {
+            ecc_uncorrected: Some(7),
+            ..well.clone()
+        };
+        s.nodes[0].joined.as_mut().unwrap().facts = Some(facts(1, &well));
+        s.nodes[1].joined.as_mut().unwrap().facts = Some(facts(1, &sick));
+        s.nodes[2].joined.as_mut().unwrap().facts = Some(facts(0, &well));
+        let t = s.gpu_trouble();
+        assert_eq!(t.len(), 2, "{t:?}");
+        assert_eq!(t[0].0, 1);
+        assert!(
+            t[0].1.starts_with("b: unhealthy GPU (GPU 0000:00:00.0: "),
+            "{}",
+            t[0].1
+        );
+        assert_eq!(t[1].0, 2);
+        assert!(
+            t[1].1.contains("c: has 0 GPU(s) for its 1 workers"),
+            "{}",
+            t[1].1
+        );
+    }
 }
