@@ -88,7 +88,9 @@ pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
         // Workers inherit the agent's CPUs and GPUs: the step takes the nodes' whole share.
         "--whole".into(),
         "--input=all".into(),
-        "--kill-on-bad-exit=1".into(),
+        // One agent ending must not end the others: nrun decides what a lost node means (a
+        // spare takes its place), whatever the cluster's default.
+        "--kill-on-bad-exit=0".into(),
         "--unbuffered".into(),
         "--mpi=none".into(),
         remote_nrun.into(),
@@ -186,7 +188,7 @@ mod tests {
                 "--nodelist=n01,n02",
                 "--whole",
                 "--input=all",
-                "--kill-on-bad-exit=1",
+                "--kill-on-bad-exit=0",
                 "--unbuffered",
                 "--mpi=none",
                 "/opt/nrun",

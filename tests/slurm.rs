@@ -351,3 +351,48 @@ fn inside_an_allocation_of_four_a_bad_node_is_left_out_for_a_job_of_three() {
     s.assert_no_survivors();
     sl.cluster.assert_nothing_left_but_slurmd(4);
 }
+
+#[test]
+fn inside_an_allocation_a_node_lost_mid_run_is_replaced_by_the_spare() {
+    let Some(sl) = Slurm::up("sa6", 4) else {
+        return;
+    };
+    let s = Scene::new();
+    let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT rank=$RANK world=$WORLD_SIZE host=$(ip netns identify)\"; \
+                echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
+    let mut c = sl.cmd(&s, "salloc");
+    c.args([
+        "-N4",
+        &nrun(),
+        "--nnodes",
+        "3",
+        "--nproc",
+        "1",
+        "--no-python-probe",
+    ])
+    .args(["--max-restarts", "1", "--no-python", "sh", "-c", work]);
+    let child = c.spawn().unwrap();
+    s.wait_marks("started", 3, Duration::from_secs(60));
+    let killed = Command::new("sh")
+        .arg("-c")
+        .arg(
+            "n=0; for p in $(ip netns pids sa6-h2); do tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | grep -q __agent && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
+        )
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(90));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let second: Vec<&str> = stdout.lines().filter(|l| l.contains("attempt=1")).collect();
+    assert_eq!(second.len(), 3, "{stdout}\n{stderr}");
+    assert!(second.iter().all(|l| l.contains("world=3")), "{stdout}");
+    assert!(
+        !second.iter().any(|l| l.contains("host=sa6-h2")),
+        "{stdout}"
+    );
+    assert!(second.iter().any(|l| l.contains("host=sa6-h4")), "{stdout}");
+    assert!(stderr.contains("--exclude=sa6-h2"), "{stderr}");
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(4);
+}
