@@ -7,6 +7,17 @@ use std::path::Path;
 use crate::agent::protocol::{RunResult, StepResult, WorkerFailure};
 use crate::error::{Error, Result, exit};
 
+/// Writes `text` to stdout. A reader that stopped early (`nrun completions zsh | head -c1`,
+/// `nrun doctor | head`) is a quiet end, not a panic: `print!` would panic on the broken
+/// pipe (Rust ignores SIGPIPE). Returns false when stdout was closed or failed.
+pub fn stdout(text: impl AsRef<[u8]>) -> bool {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_ref())
+        .and_then(|()| out.flush())
+        .is_ok()
+}
+
 /// How one attempt of the job ended, over every node.
 #[derive(Debug)]
 pub enum JobEnd {

@@ -119,6 +119,38 @@ fn help_and_version() {
     assert!(text(&out.stdout).starts_with(&format!("nrun {}", env!("CARGO_PKG_VERSION"))));
 }
 
+/// stdout closed before nrun writes (`nrun completions zsh | head -c1` once head has gone):
+/// a quiet exit 0, no panic, no backtrace, nothing on stderr (issue 23, item 9).
+#[test]
+fn stdout_closed_early_is_a_quiet_exit() {
+    let s = Scene::new();
+    for args in [
+        &["completions", "zsh"][..],
+        &["completions", "bash"],
+        &["--print-completion", "fish"],
+        &["man"],
+        &["--help"],
+        &["doctor", "--help"],
+        &["--version"],
+        &["doctor"],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = s
+            .cmd(args)
+            .env("RUST_BACKTRACE", "1")
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("backtrace") && !err.contains("Broken pipe"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 fn lines_of(out: &std::process::Output) -> Vec<String> {
     text(&out.stdout).lines().map(String::from).collect()
 }

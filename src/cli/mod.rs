@@ -884,17 +884,25 @@ pub fn print_completions(shell: &str) -> u8 {
         );
         return crate::error::exit::USAGE;
     };
-    clap_complete::generate(sh, &mut Cli::command(), "nrun", &mut std::io::stdout());
+    // Into a buffer: clap_complete panics when its writer fails (a closed pipe).
+    let mut script = Vec::new();
+    clap_complete::generate(sh, &mut Cli::command(), "nrun", &mut script);
+    crate::report::stdout(script);
     0
 }
 
 /// `nrun man`: the manual page (roff) on stdout; the exit code.
 pub fn print_man() -> u8 {
     let page = clap_mangen::Man::new(Cli::command());
-    match page.render(&mut std::io::stdout()) {
-        Ok(()) => 0,
+    let mut roff = Vec::new();
+    match page.render(&mut roff) {
+        Ok(()) => {
+            // A reader that stopped early (`nrun man | head`) is a quiet end.
+            crate::report::stdout(roff);
+            0
+        }
         Err(e) => {
-            eprintln!("nrun: error: cannot write the manual page: {e}");
+            eprintln!("nrun: error: cannot render the manual page: {e}");
             crate::error::exit::INTERNAL
         }
     }

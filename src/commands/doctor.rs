@@ -27,18 +27,23 @@ async fn cluster(s: &mut Session) -> u8 {
     if let Err(e) = super::run::ready(s).await {
         return e.code;
     }
+    use std::fmt::Write as _;
+    let mut out = String::new();
     for (_, n, j) in s.joined() {
-        println!(
+        let _ = writeln!(
+            out,
             "{}: NCCL_SOCKET_IFNAME would be =={} (it reached the launch host at {})",
             n.label,
             j.ifname.as_deref().unwrap_or("?"),
             j.master_addr
         );
     }
-    println!(
+    let _ = writeln!(
+        out,
         "doctor: {} nodes joined, checked and reach each other",
         s.len()
     );
+    crate::report::stdout(out);
     exit::SUCCESS
 }
 
@@ -53,10 +58,11 @@ async fn this_host(s: &mut Session, python: Option<&std::path::Path>) -> u8 {
         .and_then(|n| n.joined.as_ref())
         .and_then(|j| j.facts.clone())
         .unwrap_or_default();
-    print!("{}", describe(&facts, python));
+    let mut out = describe(&facts, python);
     if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
-        println!("warning: {w}");
+        out.push_str(&format!("warning: {w}\n"));
     }
+    crate::report::stdout(out);
     exit::SUCCESS
 }
 
