@@ -211,13 +211,23 @@ pub fn launcher_error_json(f: &WorkerFailure, host: &str) -> String {
                 "message": format!("rank {} (local rank {}) on {host} {}", f.rank, f.local_rank, f.how),
                 "extraInfo": {
                     "py_callstack": f.stderr_tail.join("\n"),
-                    "timestamp": f.at,
+                    "timestamp": epoch_seconds(&f.at),
                 },
                 "errorCode": f.exit_code,
             }
         }),
     };
     v.to_string()
+}
+
+/// torch's error files carry the time as a string of seconds since the epoch
+/// (`str(int(time.time()))`, elastic's error_handler), which ProcessFailure reads with `int()`;
+/// nrun's records carry RFC 3339 (shown in the summary).
+fn epoch_seconds(rfc3339: &str) -> String {
+    humantime::parse_rfc3339_weak(rfc3339)
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or_else(|| "0".to_string(), |d| d.as_secs().to_string())
 }
 
 /// Writes a `--report FILE` as pretty JSON.

@@ -449,3 +449,70 @@ fn fuzzed_frames_do_not_hurt_the_store() {
     let _ = wait_with_timeout(child, Duration::from_secs(10));
     s.assert_no_survivors();
 }
+
+/// The launcher's TORCHELASTIC_ERROR_FILE and the workers' environment as torchrun writes
+/// them (issue 23, item 12): torch's own ProcessFailure reads the file's timestamp as epoch
+/// seconds, and workers see TORCHELASTIC_SIGNALS_TO_HANDLE.
+#[test]
+fn launcher_error_file_and_env_read_as_torchs() {
+    let Some(py) = python_or_skip("launcher_error_file_and_env_read_as_torchs") else {
+        return;
+    };
+    let s = Scene::new();
+    let launcher = s.dir.path().join("launcher-error.json");
+    let launcher_s = launcher.display().to_string();
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo SIGS=$TORCHELASTIC_SIGNALS_TO_HANDLE; [ $RANK = 1 ] && { echo boom >&2; exit 3; }; sleep 5",
+        ],
+        &[("TORCHELASTIC_ERROR_FILE", &launcher_s)],
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("SIGS=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"),
+        "{}",
+        text(&out.stdout)
+    );
+    let read = std::process::Command::new(&py)
+        .args([
+            "-c",
+            "import sys\n\
+             from torch.distributed.elastic.multiprocessing.errors import ProcessFailure\n\
+             f = ProcessFailure(local_rank=1, pid=1, exitcode=3, error_file=sys.argv[1])\n\
+             print(f.timestamp, f.error_file_data['message']['errorCode'])",
+            &launcher_s,
+        ])
+        .output()
+        .unwrap();
+    assert!(read.status.success(), "{}", text(&read.stderr));
+    let got = text(&read.stdout);
+    let mut it = got.split_whitespace();
+    let ts: u64 = it.next().unwrap().parse().unwrap();
+    assert!(
+        ts >= before && ts <= before + 60,
+        "timestamp {ts}, started at {before}"
+    );
+    assert_eq!(it.next(), Some("3"), "{got}");
+    // A signal list of the user's own passes through as given.
+    let out = s.run(
+        &[
+            "--signals-to-handle",
+            "SIGTERM,SIGUSR1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo SIGS=$TORCHELASTIC_SIGNALS_TO_HANDLE",
+        ],
+        &[],
+    );
+    assert_eq!(text(&out.stdout), "SIGS=SIGTERM,SIGUSR1\n");
+}
