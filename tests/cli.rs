@@ -151,6 +151,206 @@ fn stdout_closed_early_is_a_quiet_exit() {
     }
 }
 
+/// Help text with its line wraps undone, so a phrase can be found whole.
+fn flat(help: &str) -> String {
+    help.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The `[default: X]` clap shows for `flag` in `help`.
+fn documented_default(help: &str, flag: &str) -> String {
+    let h = flat(help);
+    let at = h
+        .find(&format!("{flag} "))
+        .unwrap_or_else(|| panic!("{flag} not in help"));
+    let rest = &h[at..];
+    let d = rest.find("[default: ").expect("a default") + "[default: ".len();
+    rest[d..rest[d..].find(']').unwrap() + d].to_string()
+}
+
+/// The long options a command's help defines (with their aliases).
+fn defined_flags(help: &str) -> Vec<String> {
+    let mut out = vec!["--help".to_string()];
+    for line in help.lines() {
+        let t = line.trim_start();
+        let t = t.strip_prefix("-").map_or(t, |_| t);
+        let t = match t.split_once(", ") {
+            Some((short, rest)) if short.len() == 2 && short.starts_with('-') => rest,
+            _ => t,
+        };
+        if let Some(f) = t.strip_prefix("--") {
+            let name: String = f
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+                .collect();
+            out.push(format!("--{name}"));
+        }
+        for key in ["[alias: ", "[aliases: "] {
+            if let Some(i) = line.find(key) {
+                let list = &line[i + key.len()..];
+                let list = &list[..list.find(']').unwrap_or(list.len())];
+                out.extend(list.split(", ").map(|a| a.trim().to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// The `--flags` a help text mentions anywhere (descriptions, examples).
+fn mentioned_flags(help: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let b = help.as_bytes();
+    for (i, _) in help.match_indices("--") {
+        if i > 0 && !matches!(b[i - 1], b' ' | b'(' | b'[' | b'`' | b'\n') {
+            continue;
+        }
+        let name: String = help[i + 2..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+            .collect();
+        if !name.is_empty() {
+            out.push(format!("--{name}"));
+        }
+    }
+    out
+}
+
+/// What `--help` documents (defaults, the log directory's layout, `.nrun_env`'s order, the
+/// flags each command's help names) is what nrun does (issue 23, item 8).
+#[test]
+fn help_texts_are_true() {
+    let s = Scene::new();
+    let help = text(&s.run(&["--help"], &[]).stdout);
+    let doctor = text(&s.run(&["doctor", "--help"], &[]).stdout);
+    let bisect = text(&s.run(&["bisect", "--help"], &[]).stdout);
+
+    // Every flag a subcommand's help names is one of its own (its examples' scripts aside).
+    for (name, h) in [("doctor", &doctor), ("bisect", &bisect)] {
+        let defined = defined_flags(h);
+        for f in mentioned_flags(h) {
+            if f == "--steps" {
+                continue; // train.py's own, in bisect's --probe cmd example
+            }
+            assert!(
+                defined.contains(&f),
+                "`nrun {name} --help` names {f}, which {name} does not take"
+            );
+        }
+    }
+    // Every flag the run's help names is nrun's (a run's or, in their examples, doctor's and
+    // bisect's), or srun's/sbatch's/the script's in an example.
+    let mut defined = defined_flags(&help);
+    defined.extend(defined_flags(&doctor));
+    defined.extend(defined_flags(&bisect));
+    for f in mentioned_flags(&help) {
+        let foreign = [
+            "--lr",
+            "--ntasks-per-node",
+            "--gpus-per-node",
+            "--signal",
+            "--epochs",
+        ];
+        assert!(
+            defined.contains(&f) || foreign.contains(&f.as_str()),
+            "`nrun --help` names {f}, which nrun does not take"
+        );
+    }
+
+    // --nnodes: MIN:MAX is elastic (with nodes that join), not refused unless MIN == MAX.
+    let h = flat(&help);
+    assert!(!h.contains("MIN == MAX"), "stale --nnodes help");
+    assert!(
+        h.contains("MIN:MAX (elastic, with a host list or c10d"),
+        "{h}"
+    );
+    let out = s.run(&["--nnodes", "1:2", "--no-python", "true"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("an elastic range needs nodes that join: a host list"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // Documented defaults, as the workers see them.
+    let out = s.run(
+        &[
+            "--no-python",
+            "sh",
+            "-c",
+            "echo \"$LOCAL_WORLD_SIZE|$ROLE_NAME|$TORCHELASTIC_MAX_RESTARTS|$TORCHELASTIC_SIGNALS_TO_HANDLE\"",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let want = format!(
+        "{}|{}|{}|{}\n",
+        documented_default(&help, "--nproc-per-node"),
+        documented_default(&help, "--role"),
+        documented_default(&help, "--max-restarts"),
+        documented_default(&help, "--signals-to-handle"),
+    );
+    assert_eq!(text(&out.stdout), want);
+
+    // --log-dir's documented layout, filled in, is where the files are.
+    let layout = "DIR/<run-id>_<8 hex>/attempt_<n>/[<host>/]<local-rank>/";
+    assert!(h.contains(layout), "--log-dir help lacks {layout}");
+    assert!(
+        h.contains("logs/<run-id>_<8 hex>/attempt_0/<local-rank>/"),
+        "the --log-dir example"
+    );
+    let logs = s.dir.path().join("logs");
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--rdzv-id",
+            "helpid",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let run = run_dir(&logs, "helpid");
+    let hex = run.file_name().unwrap().to_string_lossy()["helpid_".len()..].to_string();
+    assert!(
+        hex.len() == 8 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+        "{hex}"
+    );
+    let path = layout
+        .replace("DIR", logs.to_str().unwrap())
+        .replace("<run-id>", "helpid")
+        .replace("<8 hex>", &hex)
+        .replace("<n>", "0")
+        .replace("[<host>/]", "")
+        .replace("<local-rank>", "1");
+    for f in ["stdout.log", "stderr.log"] {
+        let p = std::path::Path::new(&path).join(f);
+        assert!(p.exists(), "{} (from --help) is missing", p.display());
+    }
+
+    // -x: .nrun_env is read from home, then the cwd, the later winning, as --help and README say.
+    let said = "KEY=VALUE lines of .nrun_env (home, then cwd; the later wins)";
+    assert!(h.contains(said), "-x help lacks {said:?}");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    assert!(flat(&readme).contains("`.nrun_env` (home, then cwd"));
+    let home = s.dir.path().join("home");
+    let cwd = s.dir.path().join("cwd");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(&cwd).unwrap();
+    std::fs::write(home.join(".nrun_env"), "A=home\nB=home\n").unwrap();
+    std::fs::write(cwd.join(".nrun_env"), "A=cwd\n").unwrap();
+    let out = s
+        .cmd(&["--no-python", "sh", "-c", "echo $A $B"])
+        .env("HOME", &home)
+        .current_dir(&cwd)
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "cwd home\n", "{}", text(&out.stderr));
+}
+
 fn lines_of(out: &std::process::Output) -> Vec<String> {
     text(&out.stdout).lines().map(String::from).collect()
 }
