@@ -516,3 +516,35 @@ fn launcher_error_file_and_env_read_as_torchs() {
     );
     assert_eq!(text(&out.stdout), "SIGS=SIGTERM,SIGUSR1\n");
 }
+
+/// torch's excepthook already starts each traceback line with "[rank1]: "; nrun's console
+/// says the rank once, as torchrun shows it (issue 23, item 7).
+#[test]
+fn torchs_own_rank_prefix_is_not_doubled() {
+    let Some(py) = python_or_skip("torchs_own_rank_prefix_is_not_doubled") else {
+        return;
+    };
+    let s = Scene::new();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--python",
+            &py,
+            &script("raise_after_init.py"),
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[rank1]: Traceback (most recent call last):"),
+        "{err}"
+    );
+    assert!(
+        err.contains("[rank1]: ValueError: rank 1 cannot go on"),
+        "{err}"
+    );
+    assert!(!err.contains("[rank1]: [rank1]: "), "{err}");
+    s.assert_no_survivors();
+}
