@@ -351,6 +351,54 @@ fn help_texts_are_true() {
     assert_eq!(text(&out.stdout), "cwd home\n", "{}", text(&out.stderr));
 }
 
+/// A c10d node that does not join gets a hint about c10d (the endpoint, the join timeout), or
+/// about pods under Kubernetes; no ssh is involved, so no ssh hint (issue 23, item 3).
+#[test]
+fn a_c10d_join_failure_gets_a_hint_of_its_mode() {
+    let s = Scene::new();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let endpoint = format!("127.0.0.1:{port}");
+    let args = [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "hint",
+        "--join-timeout",
+        "1",
+        "--no-python",
+        "true",
+    ];
+    let out = s.run(&args, &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "hint: check that every node's nrun started within --join-timeout (1 s) of this one \
+             and reaches {endpoint}"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("ssh") && !err.contains("--ship"), "{err}");
+    assert!(!err.contains("  <host>") && !err.contains("` ("), "{err}");
+    let out = s.run(&args, &[("KUBERNETES_SERVICE_HOST", "10.0.0.1")]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains("hint: check that every pod of the job is running (`kubectl get pods`)"),
+        "{err}"
+    );
+    assert!(!err.contains("ssh"), "{err}");
+}
+
 fn lines_of(out: &std::process::Output) -> Vec<String> {
     text(&out.stdout).lines().map(String::from).collect()
 }

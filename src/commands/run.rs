@@ -68,13 +68,7 @@ pub async fn ready(s: &mut Session) -> Result<()> {
         for (_, f) in &failures {
             eprintln!("  {f}");
         }
-        let launcher = s.plan.launcher;
-        eprintln!(
-            "  hint: check each with {}, and that nrun {} {}",
-            launcher.reach_hint(&s.plan.ssh_opts),
-            env!("CARGO_PKG_VERSION"),
-            launcher.install_hint()
-        );
+        eprintln!("  hint: {}", join_hint(s, &failures));
         return Err(Error::exit(exit::CLUSTER));
     }
     s.active = s.joined().map(|(i, _, _)| i).collect();
@@ -88,6 +82,36 @@ pub async fn ready(s: &mut Session) -> Result<()> {
     let findings = s.assign_interfaces();
     s.readiness(findings)?;
     s.probe_ring().await
+}
+
+/// What to check next when nodes did not join, in the words of how they start: nodes whose own
+/// nrun joins (c10d: by hand, a batch script, Kubernetes pods) involve no ssh or srun.
+fn join_hint(s: &Session, failures: &[(usize, String)]) -> String {
+    let first_peer = s.plan.hosts.len() - s.plan.peers;
+    if failures.iter().all(|(i, _)| *i >= first_peer) {
+        let endpoint = format!("{}:{}", s.rendezvous.addr, s.rendezvous.port);
+        let secs = s.plan.join_timeout.as_secs_f64();
+        if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+            return format!(
+                "check that every pod of the job is running (`kubectl get pods`) and reaches \
+                 {endpoint} (the head pod's service), and that each started within --join-timeout \
+                 ({secs:.0} s) of this one"
+            );
+        }
+        return format!(
+            "check that every node's nrun started within --join-timeout ({secs:.0} s) of this one \
+             and reaches {endpoint} (`nc -z {} {}` there: a firewall, or another \
+             --rdzv-endpoint)",
+            s.rendezvous.addr, s.rendezvous.port
+        );
+    }
+    let launcher = s.plan.launcher;
+    format!(
+        "check each with {}, and that nrun {} {}",
+        launcher.reach_hint(&s.plan.ssh_opts),
+        env!("CARGO_PKG_VERSION"),
+        launcher.install_hint()
+    )
 }
 
 /// The job's attempts; `report` is what the preflight wrote to `--report`, which the watch's
