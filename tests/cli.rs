@@ -399,6 +399,103 @@ fn a_c10d_join_failure_gets_a_hint_of_its_mode() {
     assert!(!err.contains("ssh"), "{err}");
 }
 
+fn c10d_args<'a>(endpoint: &'a str, id: &'a str, timeout: &'a str) -> Vec<&'a str> {
+    vec![
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        id,
+        "--join-timeout",
+        timeout,
+    ]
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Another job holding the endpoint (a single-node nrun on that port, a c10d job of another
+/// id) is named at once as such, not as "unexpected end of file" (issue 23, item 5).
+#[test]
+fn another_job_holding_the_endpoint_is_named() {
+    let s = Scene::new();
+    let port = free_port().to_string();
+    let endpoint = format!("127.0.0.1:{port}");
+    let other = s.spawn(&["--master-port", &port, "--no-python", "sleep", "20"], &[]);
+    // The other job's store is up once its port is taken.
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while TcpListener::bind(&endpoint).is_ok() {
+        assert!(
+            std::time::Instant::now() < end,
+            "the other job never bound {endpoint}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let mut args = c10d_args(&endpoint, "mine", "20");
+    args.extend(["--no-python", "true"]);
+    let started = std::time::Instant::now();
+    let out = s.run(&args, &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "an nrun listens at {endpoint} but hosts no rendezvous with id \"mine\": another job \
+             holds this endpoint (one job per endpoint port)"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("end of file"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    signal(&other, "TERM");
+    let _ = wait_with_timeout(other, std::time::Duration::from_secs(20));
+    s.assert_no_survivors();
+}
+
+/// A joiner started before the hosting nrun says once what it waits for, then a progress line,
+/// and joins when the host comes (issue 23, item 11).
+#[test]
+fn a_joiner_started_first_says_what_it_waits_for() {
+    let s = Scene::new();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let mut args = c10d_args(&endpoint, "early", "30");
+    args.extend(["--no-python", "true"]);
+    // The joiner must not host: the port is taken (by nothing that answers) until the host
+    // takes it over.
+    let hold = TcpListener::bind(&endpoint).unwrap();
+    let joiner = s.spawn(&args, &[]);
+    std::thread::sleep(std::time::Duration::from_millis(9000));
+    drop(hold);
+    let host = s.spawn(&args, &[]);
+    let (oj, _) = wait_with_timeout(joiner, std::time::Duration::from_secs(60));
+    let (oh, _) = wait_with_timeout(host, std::time::Duration::from_secs(60));
+    let err = text(&oj.stderr);
+    assert_eq!(oj.status.code(), Some(0), "{err}\n{}", text(&oh.stderr));
+    assert_eq!(oh.status.code(), Some(0), "{}", text(&oh.stderr));
+    assert_eq!(
+        err.matches(&format!(
+            "waiting for the nrun that hosts rendezvous \"early\" at {endpoint} (it may start \
+             after this one; up to 30 s, --join-timeout)"
+        ))
+        .count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("still waiting for the rendezvous at {endpoint}: "))
+            && err.contains(" of 30 s ("),
+        "{err}"
+    );
+    assert!(err.contains("joined the rendezvous at"), "{err}");
+}
+
 fn lines_of(out: &std::process::Output) -> Vec<String> {
     text(&out.stdout).lines().map(String::from).collect()
 }

@@ -1478,3 +1478,72 @@ fn a_partitioned_node_stops_its_workers_by_itself() {
     assert!(err.contains("--agent-timeout"), "{err}");
     s.assert_no_survivors();
 }
+
+/// c10d with the joiner's packets dropped (a firewall that drops, not refuses): both nodes end
+/// when --join-timeout says, to the second, not when TCP gives up minutes later (issue 23,
+/// item 4).
+#[test]
+fn join_timeout_is_kept_when_packets_are_dropped() {
+    if Command::new("iptables").arg("--version").output().is_err() {
+        eprintln!("SKIPPED join_timeout_is_kept_when_packets_are_dropped: no iptables");
+        return;
+    }
+    let Some(c) = Cluster::up("jd", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let endpoint = format!("{}:29671", c.addr(1));
+    let node = |host: usize| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &c.host(host)])
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "dropped",
+                "--join-timeout",
+                "4",
+                "--no-python-probe",
+                "--no-python",
+                "true",
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    // Host 2's packets never reach host 1.
+    c.exec(2, "iptables -A OUTPUT -d 0/0 -p tcp --dport 29671 -j DROP");
+    let started = std::time::Instant::now();
+    let a = node(1);
+    std::thread::sleep(Duration::from_millis(300));
+    let b = node(2);
+    let (ob, tb) = wait_with_timeout(b, Duration::from_secs(60));
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let ta = started.elapsed();
+    c.exec(2, "iptables -F OUTPUT");
+    let (ea, eb) = (text(&oa.stderr), text(&ob.stderr));
+    assert_eq!(ob.status.code(), Some(95), "{eb}");
+    assert_eq!(oa.status.code(), Some(95), "{ea}");
+    assert!(
+        tb >= Duration::from_secs(4) && tb < Duration::from_millis(5500),
+        "the joiner ended after {tb:?}: {eb}"
+    );
+    assert!(
+        ta < Duration::from_millis(6000),
+        "both had ended only after {ta:?}: {ea}"
+    );
+    assert!(
+        eb.contains(&format!("no nrun hosts the rendezvous at {endpoint}"))
+            && eb.contains("no answer within 2 s (packets dropped on the way?)")
+            && eb.contains("after 4 s (--join-timeout)"),
+        "{eb}"
+    );
+    assert!(ea.contains("no nrun joined as this node in 4 s"), "{ea}");
+    s.assert_no_survivors();
+}

@@ -548,3 +548,101 @@ fn torchs_own_rank_prefix_is_not_doubled() {
     assert!(!err.contains("[rank1]: [rank1]: "), "{err}");
     s.assert_no_survivors();
 }
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// torchrun (the venv's own) hosting a c10d rendezvous with nrun joining it, and the reverse:
+/// each nrun says the endpoint is the other launcher's, within its join timeout (issue 23,
+/// item 2).
+#[test]
+fn mixed_launchers_are_named_both_ways() {
+    let Some(py) = python_or_skip("mixed_launchers_are_named_both_ways") else {
+        return;
+    };
+    let torchrun = std::path::Path::new(&py).with_file_name("torchrun");
+    assert!(torchrun.exists(), "{} is missing", torchrun.display());
+    let s = Scene::new();
+    let c10d = |endpoint: &str, timeout: &str| {
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-id",
+            "mixed",
+            "--rdzv-endpoint",
+            endpoint,
+            "--join-timeout",
+            timeout,
+        ]
+        .map(String::from)
+    };
+    let torchrun_node = |endpoint: &str| {
+        std::process::Command::new(&torchrun)
+            .args(c10d(endpoint, "20")[..8].iter())
+            .args(["--nproc-per-node", "1", "--no-python", "sleep", "30"])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    // torchrun hosts; nrun joins and says so at once.
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let mut host = torchrun_node(&endpoint);
+    // Once torchrun holds the port, nrun joins (rather than hosts); torchrun writes its
+    // rendezvous state soon after, and nrun waits for a rendezvous until then.
+    let started = std::time::Instant::now();
+    while std::net::TcpListener::bind(&endpoint).is_ok() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "torchrun never bound {endpoint}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut args: Vec<String> = c10d(&endpoint, "20").into();
+    args.extend(["--no-python", "true"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = s.run(&args, &[]);
+    let _ = host.kill();
+    let _ = host.wait();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(
+            "this endpoint is a torchrun rendezvous (every node must use the same launcher)"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("give every node the same --rdzv-id"), "{err}");
+
+    // nrun hosts; a torchrun comes to it; nrun says so when its join timeout ends.
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let mut args: Vec<String> = c10d(&endpoint, "6").into();
+    args.extend(["--no-python", "true"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let nrun = s.spawn(&args, &[]);
+    std::thread::sleep(Duration::from_millis(800));
+    let mut joiner = torchrun_node(&endpoint);
+    let (out, took) = wait_with_timeout(nrun, Duration::from_secs(30));
+    let _ = joiner.kill();
+    let _ = joiner.wait();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(took < Duration::from_secs(9), "{took:?}: {err}");
+    assert!(
+        err.contains("a torchrun node came to 127.0.0.1:")
+            && err.contains(
+                "this endpoint is an nrun rendezvous (every node must use the same launcher)"
+            ),
+        "{err}"
+    );
+}

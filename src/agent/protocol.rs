@@ -333,6 +333,24 @@ pub fn c10d_run_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/run").into_bytes()
 }
 
+/// Readable without the secret: set by every nrun that hosts a store (its version), so a
+/// joining nrun knows an nrun listens there.
+pub const NRUN_STORE_KEY: &[u8] = b"nrun/public/store";
+
+/// Readable without the secret: set by the nrun hosting c10d rendezvous `id`, so a node with
+/// another id (another job on that endpoint) is told so at once.
+pub fn c10d_public_key(id: &str) -> Vec<u8> {
+    format!("nrun/public/c10d/{id}").into_bytes()
+}
+
+/// What torchrun's c10d rendezvous backend writes first, for run `id`
+/// (`torch.distributed.elastic.rendezvous.c10d_rendezvous_backend`: `"torch.rendezvous." +
+/// run_id`, by compare_set at its start): how nrun tells a torchrun node apart. On the wire,
+/// as torch's TCPStore client sends every key, with its "/" prefix (`keyPrefix_`).
+pub fn torchrun_rdzv_key(id: &str) -> Vec<u8> {
+    format!("/torch.rendezvous.{id}").into_bytes()
+}
+
 /// The counter a joining node adds 1 to for its node index, in join order.
 pub fn c10d_next_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/next").into_bytes()

@@ -68,7 +68,20 @@ pub async fn ready(s: &mut Session) -> Result<()> {
         for (_, f) in &failures {
             eprintln!("  {f}");
         }
-        eprintln!("  hint: {}", join_hint(s, &failures));
+        // A torchrun started against this endpoint writes its rendezvous state into our store.
+        let torchrun = crate::agent::protocol::torchrun_rdzv_key(&s.run_id);
+        let torchrun_came = s.store().is_some_and(|st| st.contains(&torchrun));
+        if torchrun_came {
+            eprintln!(
+                "  a torchrun node came to {}:{} for rendezvous {:?}: this endpoint is an nrun \
+                 rendezvous (every node must use the same launcher): start every node with nrun, \
+                 or every node with torchrun",
+                s.rendezvous.addr, s.rendezvous.port, s.run_id
+            );
+        }
+        if !torchrun_came {
+            eprintln!("  hint: {}", join_hint(s, &failures));
+        }
         return Err(Error::exit(exit::CLUSTER));
     }
     s.active = s.joined().map(|(i, _, _)| i).collect();
