@@ -132,7 +132,7 @@ fn stdout_closed_early_is_a_quiet_exit() {
         &["--help"],
         &["doctor", "--help"],
         &["--version"],
-        &["doctor"],
+        &["doctor", "--no-python-probe"],
     ] {
         let (reader, writer) = std::io::pipe().unwrap();
         drop(reader);
@@ -753,6 +753,50 @@ fn doctor_on_this_host() {
         "{stdout}"
     );
     assert!(stdout.contains("NCCL libraries"), "{stdout}");
+}
+
+/// A python that cannot import torch: the system's python3 without its site directories.
+pub fn python_without_torch(dir: &std::path::Path) -> String {
+    let p = dir.join("python-without-torch");
+    std::fs::write(&p, "#!/bin/sh\nexec python3 -I -S \"$@\"\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p.display().to_string()
+}
+
+/// doctor judges the python a job would run: torch missing there is not ready (exit 95, as
+/// `doctor --help` says); the venv's python with torch is (issue 23, item 10).
+#[test]
+fn doctor_judges_the_python_that_would_run() {
+    let s = Scene::new();
+    let nopy = python_without_torch(s.dir.path());
+    let out = s.run(&["doctor", "--python", &nopy], &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "nrun: error: not ready: {nopy} has no usable torch ("
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let help = text(&s.run(&["doctor", "--help"], &[]).stdout);
+    assert!(
+        flat(&help).contains("95 a node could not join, the nodes disagree, or the python a job would run has no torch"),
+        "{help}"
+    );
+    // Not asked to look: ready.
+    let out = s.run(&["doctor", "--python", &nopy, "--no-python-probe"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    if let Some(py) = torch_python() {
+        let out = s.run(&["doctor", "--python", py.to_str().unwrap()], &[]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert!(
+            text(&out.stdout).contains("torch 2."),
+            "{}",
+            text(&out.stdout)
+        );
+    }
 }
 
 /// `-x` and `.nrun_env` reach the workers of a single-node run too, as they do on several.

@@ -666,6 +666,33 @@ fn doctor_reports_the_nodes_and_runs_nothing() {
         stdout.contains("doctor: 2 nodes joined, checked and reach each other"),
         "{stdout}"
     );
+    // The python a job would run, without torch on every node: not ready, each node named.
+    let nopy = s.dir.path().join("python-without-torch");
+    std::fs::write(&nopy, "#!/bin/sh\nexec python3 -I -S \"$@\"\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&nopy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = s.run(
+        &[
+            "doctor",
+            "-H",
+            &c.hosts(2),
+            "--ssh-opts",
+            &opts,
+            "--python",
+            nopy.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(95), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("not ready: 2 of 2 nodes cannot run a Python job")
+            && stderr.contains("cq4-h1: ")
+            && stderr.contains("cq4-h2: ")
+            && stderr.contains("has no usable torch"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("doctor: 2 nodes joined"), "{stdout}");
     c.assert_nothing_left(2);
 }
 

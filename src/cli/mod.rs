@@ -50,7 +50,8 @@ Examples:
   nrun doctor -H gpu1,gpu2                every node, checked as a job would check them (joins,
                                           interfaces, versions, node-to-node reachability)
 
-Exit status: 0 the nodes are ready; 2 bad usage; 95 a node could not join or the nodes disagree.";
+Exit status: 0 the nodes are ready; 2 bad usage; 95 a node could not join, the nodes disagree,
+or the python a job would run has no torch there (--no-python-probe: not looked at).";
 
 const BISECT_EXAMPLES: &str = "\
 Examples:
