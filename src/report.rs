@@ -41,6 +41,8 @@ pub struct JobShape<'a> {
     pub world: usize,
     /// The command line the workers ran.
     pub command: &'a str,
+    /// By node index, a node's own command line where it differs (c10d nodes bring theirs).
+    pub node_commands: &'a [Option<String>],
 }
 
 /// The earliest failure among the nodes' results (by time; a failing worker beats a lost
@@ -146,7 +148,13 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
              makes its peers fail"
         );
     }
-    let _ = writeln!(s, "  command:    {}", shape.command);
+    let command = shape
+        .hosts
+        .iter()
+        .position(|h| h == host)
+        .and_then(|i| shape.node_commands.get(i)?.as_deref())
+        .unwrap_or(shape.command);
+    let _ = writeln!(s, "  command:    {command}");
     let _ = writeln!(s, "  host:       {host}");
     let _ = writeln!(s, "  local rank: {}", f.local_rank);
     let _ = writeln!(s, "  pid:        {}", f.pid);
@@ -182,7 +190,7 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
         .iter()
         .any(|l| l.contains("No module named 'torch'"))
     {
-        let python = shape.command.split_whitespace().next().unwrap_or("python3");
+        let python = command.split_whitespace().next().unwrap_or("python3");
         let _ = writeln!(
             s,
             "  hint: {python} has no torch: pass --python PATH (or set PYTHON_EXEC) to the python \

@@ -67,14 +67,44 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
         nodes: Vec::new(),
         heartbeat: true,
         agent_timeout_ms: nodes.agent_timeout.as_millis() as u64,
+        // torchrun's c10d: this node runs its own command line and worker count.
+        own: Some(own_work(job)),
     };
     tracing::info!("joined the rendezvous at {endpoint} as node {node}");
     let signals = Signals::install(&job.session.forward_signals)?;
     // Nothing closes: the host going away shows as its store going away.
     let (gone, _) = watch::channel(false);
     match super::serve(hello, signals, gone).await {
-        Ok(code) => Ok(code.unwrap_or(0)),
+        Ok(ended) => {
+            // This node's console (a pod's log) ends with the job's root cause, as the hosting
+            // node's does, and its own TORCHELASTIC_ERROR_FILE gets it (issue 23).
+            let why = &ended.root_cause;
+            if !why.summary.is_empty() {
+                eprint!("{}", why.summary);
+            }
+            if let (Some(path), Some(json)) = (&job.launcher_error_file, &why.error_json) {
+                if let Err(e) = std::fs::write(path, json) {
+                    tracing::warn!(
+                        "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
+                        path.display()
+                    );
+                }
+            }
+            Ok(ended.code.unwrap_or(0))
+        }
         Err(e) => Err(Error::cluster(e.message)),
+    }
+}
+
+/// This node's own worker count and command line, as its workers run them.
+pub fn own_work(job: &RunSettings) -> crate::facts::OwnWork {
+    let w = &job.workers;
+    crate::facts::OwnWork {
+        nproc: w.nproc,
+        command: std::iter::once(&w.program)
+            .chain(&w.args)
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect(),
     }
 }
 

@@ -13,6 +13,25 @@ use serde::{Deserialize, Serialize};
 
 use crate::facts::Facts;
 
+/// Why the job ended, as the coordinator told it: every node whose own nrun joined (c10d)
+/// tells it too, so each node's console (a Kubernetes pod's log) says which rank failed,
+/// where and how.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RootCause {
+    /// The failure summary as the coordinator printed it (empty: nothing failed).
+    pub summary: String,
+    /// What the launcher's own TORCHELASTIC_ERROR_FILE gets (torchrun's habit).
+    pub error_json: Option<String>,
+}
+
+/// How the coordinator ended the job, as an agent read it at the End.
+#[derive(Debug, Default)]
+pub struct Ended {
+    /// The job's exit code, when the coordinator left one.
+    pub code: Option<u8>,
+    pub root_cause: RootCause,
+}
+
 /// The first line an agent reads on stdin (the per-run secret never appears on a command line).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Hello {
@@ -40,6 +59,10 @@ pub struct Hello {
     /// The launch host's store unanswered this long: the agent stops its workers by itself.
     #[serde(default = "default_agent_timeout_ms")]
     pub agent_timeout_ms: u64,
+    /// A node whose own nrun joins (c10d): its own worker count and command line, reported in
+    /// its facts; the job's workers there are these.
+    #[serde(default)]
+    pub own: Option<crate::facts::OwnWork>,
 }
 
 /// `--agent-timeout`'s default, 5 s.
@@ -301,6 +324,12 @@ impl Keys {
     /// The job's exit code, set before the end (a node started on its own exits with it).
     pub fn exit(&self) -> Vec<u8> {
         self.key(format_args!("exit"))
+    }
+
+    /// The job's [`RootCause`] (JSON), set with the exit code: a node started on its own ends
+    /// its console with it and writes it to its TORCHELASTIC_ERROR_FILE.
+    pub fn root_cause(&self) -> Vec<u8> {
+        self.key(format_args!("root-cause"))
     }
 
     /// Bumped every second by a node started on its own (c10d): it is alive.

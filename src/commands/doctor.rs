@@ -52,7 +52,7 @@ fn python_not_ready(
 }
 
 async fn cluster(s: &mut Session, python: Option<&std::path::Path>) -> u8 {
-    if let Err(e) = super::run::ready(s).await {
+    if let Err(e) = super::run::ready(s, None).await {
         return e.code;
     }
     let not_ready: Vec<String> = s

@@ -25,7 +25,7 @@ pub async fn run(
 }
 
 async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
-    ready(s).await?;
+    ready(s, Some(&crate::agent::peer::own_work(job))).await?;
     let mut code = exit::SUCCESS;
     let mut report = None;
     if let Some(pf) = &job.preflight {
@@ -44,9 +44,17 @@ async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
 }
 
 /// Join and check: every node joined, the nodes agree and reach each other. `Err`: the exit
-/// code, the reason already printed.
-pub async fn ready(s: &mut Session) -> Result<()> {
+/// code, the reason already printed. `own`: this nrun's workers, shown for its node beside
+/// the nodes whose own nrun joined with theirs (c10d).
+pub async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) -> Result<()> {
     let failures = s.join(false, None).await?;
+    if let Some(own) = own.filter(|_| s.plan.peers > 0) {
+        for n in s.nodes.iter_mut() {
+            if let Some(f) = n.joined.as_mut().and_then(|j| j.facts.as_mut()) {
+                f.own.get_or_insert_with(|| own.clone());
+            }
+        }
+    }
     let joined = s.len() - failures.len();
     if !failures.is_empty() && s.elastic() && joined >= s.plan.min_nodes {
         tracing::warn!(
@@ -95,6 +103,18 @@ pub async fn ready(s: &mut Session) -> Result<()> {
     let findings = s.assign_interfaces();
     s.readiness(findings)?;
     s.probe_ring().await
+}
+
+/// The job's root cause for every node whose own nrun joined (c10d): each ends its console with
+/// it and writes it to its TORCHELASTIC_ERROR_FILE when the End comes (agent::peer).
+fn tell_every_node(s: &Session, summary: &str, error_json: Option<&str>) {
+    let why = crate::agent::protocol::RootCause {
+        summary: summary.to_string(),
+        error_json: error_json.map(str::to_string),
+    };
+    if let (Some(st), Ok(v)) = (s.store(), serde_json::to_vec(&why)) {
+        st.set(&s.keys().root_cause(), &v);
+    }
 }
 
 /// What to check next when nodes did not join, in the words of how they start: nodes whose own
@@ -156,9 +176,19 @@ async fn attempts(
         .collect::<Vec<_>>()
         .join(" ");
     let hosts: Vec<String> = s.nodes.iter().map(|n| n.label.clone()).collect();
+    let node_commands: Vec<Option<String>> = s
+        .nodes
+        .iter()
+        .map(|n| {
+            let own = n.joined.as_ref()?.facts.as_ref()?.own.as_ref()?;
+            Some(own.command.join(" "))
+        })
+        .collect();
     let shape = JobShape {
+        node_commands: &node_commands,
         hosts: &hosts,
-        world: s.plan.world,
+        // c10d nodes with their own worker counts: the sum (as torchrun's WORLD_SIZE).
+        world: s.group().world,
         command: &command,
     };
     s.watch = job.watch.map(WatchState::new);
@@ -214,7 +244,10 @@ async fn attempt_loop(
             Err(e) => return e.code,
         };
         if s.watch.as_ref().is_some_and(|w| w.stopped) {
+            let line = "nrun: error: the job hung and was stopped (--on-hang stop); the hosting \
+                        node's console names the ranks";
             eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
+            tell_every_node(s, &format!("{line}\n"), None);
             return exit::HANG;
         }
         // Elastic: nodes arrived while the group ran; it was stopped to take them in.
@@ -250,8 +283,9 @@ async fn attempt_loop(
                         .map(|(i, _)| i)
                         .collect();
                     if let Err(why) = s.reform(&lost) {
-                        eprint!("{summary}");
-                        eprintln!("nrun: error: {why}; the job cannot go on");
+                        let told = format!("{summary}nrun: error: {why}; the job cannot go on\n");
+                        eprint!("{told}");
+                        tell_every_node(s, &told, error_json.as_deref());
                         return c;
                     }
                 }
@@ -269,6 +303,7 @@ async fn attempt_loop(
                     None => summary,
                 };
                 eprint!("{summary}");
+                tell_every_node(s, &summary, error_json.as_deref());
                 // torchrun's habit: the launcher's own error file gets the root cause.
                 if let (Some(path), Some(json)) = (&job.launcher_error_file, error_json) {
                     if let Err(e) = std::fs::write(path, json) {

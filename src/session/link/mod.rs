@@ -326,6 +326,7 @@ impl Instructions {
             heartbeat: !nodes.is_empty(),
             nodes,
             agent_timeout_ms: self.agent_timeout.as_millis() as u64,
+            own: None,
         }
     }
 }
