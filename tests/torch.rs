@@ -626,7 +626,8 @@ fn mixed_launchers_are_named_both_ways() {
 
     // nrun hosts; a torchrun comes to it; nrun says so when its join timeout ends.
     let endpoint = format!("127.0.0.1:{}", free_port());
-    let mut args: Vec<String> = c10d(&endpoint, "6").into();
+    // torchrun's Python takes seconds to start on a loaded machine: a join timeout with room.
+    let mut args: Vec<String> = c10d(&endpoint, "20").into();
     args.extend(["--no-python", "true"].map(String::from));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let nrun = s.spawn(&args, &[]);
@@ -637,7 +638,7 @@ fn mixed_launchers_are_named_both_ways() {
     let _ = joiner.wait();
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(95), "{err}");
-    assert!(took < Duration::from_secs(9), "{took:?}: {err}");
+    assert!(took < Duration::from_secs(23), "{took:?}: {err}");
     assert!(
         err.contains("a torchrun node came to 127.0.0.1:")
             && err.contains(
