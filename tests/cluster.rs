@@ -1220,6 +1220,12 @@ fn a_token_in_the_steps_is_never_on_the_wire_and_workers_lack_the_shared_secret(
     }
     // Ranks 2 and 3 ran on the joining node: their step crossed host 2's wire.
     assert!(text(&ob.stdout).contains("rank 2 ") && text(&ob.stdout).contains("rank 3 "));
+    // The joining node's own command line came sealed, and opened with the run's secret.
+    assert!(
+        !text(&oa.stderr).contains("could not be opened"),
+        "{}",
+        text(&oa.stderr)
+    );
     let _ = sniffer.wait();
     let wire = std::fs::read(&capture).unwrap();
     let has = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
@@ -1620,7 +1626,10 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
         if let Some(f) = error_file {
-            cmd.env("TORCHELASTIC_ERROR_FILE", f);
+            // This phase with a shared secret too: a node's own command line then travels
+            // sealed, and must still be what its workers run.
+            cmd.env("TORCHELASTIC_ERROR_FILE", f)
+                .env("NRUN_RDZV_SECRET", "shared-by-both-nodes");
         }
         cmd.spawn().unwrap()
     };
@@ -1686,7 +1695,7 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
             .to_string()
     };
     assert!(tail(&ea).contains("\n  host:       "), "{ea}");
-    // The failed rank's own node's command line.
+    // The failed rank's own node's command line (sealed on the way, as the secret is set).
     assert!(
         tail(&ea).contains(&format!("\n  command:    sh -c {fail} from-b\n")),
         "{ea}"

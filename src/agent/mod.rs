@@ -227,19 +227,34 @@ pub async fn serve(
     })
     .await
     .map_err(|e| Error::helper(e.to_string()))?;
-    facts.own = hello.own.clone();
     // This join's own nonce: steps sealed for it cover it (no replay from an earlier run).
     let nonce = crate::store::auth::random_hex().map_err(|e| {
         Error::helper(format!(
             "nrun agent on {me}: no random bytes from the OS: {e}"
         ))
     })?;
+    let own_sealed = match (&hello.own, hello.secret.is_empty()) {
+        (Some(own), false) => {
+            let json = serde_json::to_vec(own).map_err(|e| Error::helper(e.to_string()))?;
+            Some(crate::store::auth::seal(
+                hello.secret.as_bytes(),
+                &keys.joined(hello.node),
+                nonce.as_bytes(),
+                &json,
+            ))
+        }
+        (own, _) => {
+            facts.own = own.clone();
+            None
+        }
+    };
     let joined = Joined {
         nonce: nonce.clone(),
         local_addr: local.to_string(),
         reached: reached.to_string(),
         probe_addr: probe_addr.to_string(),
         facts,
+        own_sealed,
     };
     let record = serde_json::to_vec(&joined).map_err(|e| Error::helper(e.to_string()))?;
     store

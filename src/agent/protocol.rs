@@ -109,6 +109,11 @@ pub struct Joined {
     /// step captured from an earlier run (or join) does not open here.
     pub nonce: String,
     pub facts: Facts,
+    /// With the run's secret, a node's own work (c10d) travels sealed like a step (its command
+    /// line may carry what the wire must not show), bound to this join's nonce; without it,
+    /// in `facts.own`, in clear as the steps are.
+    #[serde(default)]
+    pub own_sealed: Option<Vec<u8>>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
