@@ -39,6 +39,18 @@ pub struct Facts {
     /// Each GPU's PCI bus id and health, from NVML (empty without it).
     #[serde(default)]
     pub gpu_health: Vec<(String, crate::preflight::hardware::Health)>,
+    /// The workers this node's own nrun was asked for (c10d: each node its own command line
+    /// and --nproc-per-node, as torchrun's); None where the launch host decides.
+    #[serde(default)]
+    pub own: Option<OwnWork>,
+}
+
+/// One node's own worker count and command line (c10d).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnWork {
+    pub nproc: usize,
+    /// The program and its arguments, as the workers run them.
+    pub command: Vec<String>,
 }
 
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
@@ -145,7 +157,7 @@ fn probe_torch(python: &Path, f: &mut Facts) {
 /// The columns of the facts table, as (header, value per node).
 fn columns(nodes: &[(String, &Facts)]) -> Vec<(&'static str, Vec<String>)> {
     let col = |f: &dyn Fn(&Facts) -> String| nodes.iter().map(|(_, x)| f(x)).collect::<Vec<_>>();
-    vec![
+    let mut cols = vec![
         ("host", nodes.iter().map(|(h, _)| h.clone()).collect()),
         ("hostname", col(&|f| f.hostname.clone())),
         ("os", col(&|f| f.os.clone())),
@@ -181,8 +193,23 @@ fn columns(nodes: &[(String, &Facts)]) -> Vec<(&'static str, Vec<String>)> {
             "nrun",
             col(&|f| f.nrun.split_whitespace().next().unwrap_or("?").to_string()),
         ),
-    ]
+    ];
+    if nodes.iter().any(|(_, f)| f.own.is_some()) {
+        let own = |f: &dyn Fn(&OwnWork) -> String| {
+            nodes
+                .iter()
+                .map(|(_, x)| x.own.as_ref().map_or("-".into(), f))
+                .collect::<Vec<_>>()
+        };
+        cols.push(("workers", own(&|o| o.nproc.to_string())));
+        cols.push(("command", own(&|o| o.command.join(" "))));
+    }
+    cols
 }
+
+/// Columns whose values may differ between nodes without a word (torchrun allows each node its
+/// own worker count and command line; differing commands get a note of their own).
+const PER_NODE: [&str; 2] = ["workers", "command"];
 
 /// "ok", "-" (no NVML) or what is wrong, by check: "ecc on 1 GPU".
 fn health_summary(f: &Facts) -> String {
@@ -253,6 +280,8 @@ pub struct Comparison {
     pub refuse: bool,
     /// Nodes (indices into the compared list) whose NCCL/torch differ from the majority's.
     pub odd: Vec<usize>,
+    /// Said once, not warned: the nodes run different commands (torchrun allows it).
+    pub notes: Vec<String>,
 }
 
 pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
@@ -282,6 +311,7 @@ pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
     }
     let mut differences = Vec::new();
     let mut refuse = false;
+    let mut notes = Vec::new();
     for (h, v) in cols.iter().skip(2) {
         let distinct: std::collections::BTreeSet<&String> = v.iter().collect();
         if distinct.len() > 1 {
@@ -297,7 +327,14 @@ pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
                     format!("{val} on {}", who.join(","))
                 })
                 .collect();
-            differences.push(format!("{h} differs: {}", groups.join("; ")));
+            match PER_NODE.contains(h) {
+                true if *h == "command" => notes.push(format!(
+                    "the nodes run different commands (each its own, as torchrun allows): {}",
+                    groups.join("; ")
+                )),
+                true => {}
+                false => differences.push(format!("{h} differs: {}", groups.join("; "))),
+            }
         }
     }
     // NCCL major.minor and torch must agree; patch-level NCCL differences only warn.
@@ -328,6 +365,7 @@ pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
         differences,
         refuse,
         odd,
+        notes,
     }
 }
 

@@ -29,10 +29,13 @@ impl Launcher {
     /// How to check by hand that this launcher reaches a host, for a join failure's hint.
     pub fn reach_hint(self, ssh_opts: &[String]) -> String {
         match self {
-            Launcher::Ssh => format!(
-                "`ssh {} <host> true` (BatchMode: keys, no prompts)",
-                ssh_opts.join(" ")
-            ),
+            Launcher::Ssh => {
+                let cmd: Vec<&str> = std::iter::once("ssh")
+                    .chain(ssh_opts.iter().map(String::as_str))
+                    .chain(["<host>", "true"])
+                    .collect();
+                format!("`{}` (BatchMode: keys, no prompts)", cmd.join(" "))
+            }
             Launcher::Srun => "`srun --nodelist=<host> true`".to_string(),
         }
     }
@@ -194,6 +197,18 @@ mod tests {
                 "/opt/nrun",
                 "__agent"
             ]
+        );
+    }
+
+    #[test]
+    fn reach_hints_have_no_double_space() {
+        assert_eq!(
+            Launcher::Ssh.reach_hint(&[]),
+            "`ssh <host> true` (BatchMode: keys, no prompts)"
+        );
+        assert_eq!(
+            Launcher::Ssh.reach_hint(&["-p".into(), "2222".into()]),
+            "`ssh -p 2222 <host> true` (BatchMode: keys, no prompts)"
         );
     }
 

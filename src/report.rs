@@ -7,6 +7,17 @@ use std::path::Path;
 use crate::agent::protocol::{RunResult, StepResult, WorkerFailure};
 use crate::error::{Error, Result, exit};
 
+/// Writes `text` to stdout. A reader that stopped early (`nrun completions zsh | head -c1`,
+/// `nrun doctor | head`) is a quiet end, not a panic: `print!` would panic on the broken
+/// pipe (Rust ignores SIGPIPE). Returns false when stdout was closed or failed.
+pub fn stdout(text: impl AsRef<[u8]>) -> bool {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_ref())
+        .and_then(|()| out.flush())
+        .is_ok()
+}
+
 /// How one attempt of the job ended, over every node.
 #[derive(Debug)]
 pub enum JobEnd {
@@ -30,6 +41,8 @@ pub struct JobShape<'a> {
     pub world: usize,
     /// The command line the workers ran.
     pub command: &'a str,
+    /// By node index, a node's own command line where it differs (c10d nodes bring theirs).
+    pub node_commands: &'a [Option<String>],
 }
 
 /// The earliest failure among the nodes' results (by time; a failing worker beats a lost
@@ -140,7 +153,13 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
              makes its peers fail"
         );
     }
-    let _ = writeln!(s, "  command:    {}", shape.command);
+    let command = shape
+        .hosts
+        .iter()
+        .position(|h| h == host)
+        .and_then(|i| shape.node_commands.get(i)?.as_deref())
+        .unwrap_or(shape.command);
+    let _ = writeln!(s, "  command:    {command}");
     let _ = writeln!(s, "  host:       {host}");
     let _ = writeln!(s, "  local rank: {}", f.local_rank);
     let _ = writeln!(s, "  pid:        {}", f.pid);
@@ -176,7 +195,7 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
         .iter()
         .any(|l| l.contains("No module named 'torch'"))
     {
-        let python = shape.command.split_whitespace().next().unwrap_or("python3");
+        let python = command.split_whitespace().next().unwrap_or("python3");
         let _ = writeln!(
             s,
             "  hint: {python} has no torch: pass --python PATH (or set PYTHON_EXEC) to the python \
@@ -205,13 +224,23 @@ pub fn launcher_error_json(f: &WorkerFailure, host: &str) -> String {
                 "message": format!("rank {} (local rank {}) on {host} {}", f.rank, f.local_rank, f.how),
                 "extraInfo": {
                     "py_callstack": f.stderr_tail.join("\n"),
-                    "timestamp": f.at,
+                    "timestamp": epoch_seconds(&f.at),
                 },
                 "errorCode": f.exit_code,
             }
         }),
     };
     v.to_string()
+}
+
+/// torch's error files carry the time as a string of seconds since the epoch
+/// (`str(int(time.time()))`, elastic's error_handler), which ProcessFailure reads with `int()`;
+/// nrun's records carry RFC 3339 (shown in the summary).
+fn epoch_seconds(rfc3339: &str) -> String {
+    humantime::parse_rfc3339_weak(rfc3339)
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or_else(|| "0".to_string(), |d| d.as_secs().to_string())
 }
 
 /// Writes a `--report FILE` as pretty JSON.

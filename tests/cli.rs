@@ -119,6 +119,383 @@ fn help_and_version() {
     assert!(text(&out.stdout).starts_with(&format!("nrun {}", env!("CARGO_PKG_VERSION"))));
 }
 
+/// stdout closed before nrun writes (`nrun completions zsh | head -c1` once head has gone):
+/// a quiet exit 0, no panic, no backtrace, nothing on stderr (issue 23, item 9).
+#[test]
+fn stdout_closed_early_is_a_quiet_exit() {
+    let s = Scene::new();
+    for args in [
+        &["completions", "zsh"][..],
+        &["completions", "bash"],
+        &["--print-completion", "fish"],
+        &["man"],
+        &["--help"],
+        &["doctor", "--help"],
+        &["--version"],
+        &["doctor", "--no-python-probe"],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = s
+            .cmd(args)
+            .env("RUST_BACKTRACE", "1")
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("backtrace") && !err.contains("Broken pipe"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// Help text with its line wraps undone, so a phrase can be found whole.
+fn flat(help: &str) -> String {
+    help.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The `[default: X]` clap shows for `flag` in `help`.
+fn documented_default(help: &str, flag: &str) -> String {
+    let h = flat(help);
+    let at = h
+        .find(&format!("{flag} "))
+        .unwrap_or_else(|| panic!("{flag} not in help"));
+    let rest = &h[at..];
+    let d = rest.find("[default: ").expect("a default") + "[default: ".len();
+    rest[d..rest[d..].find(']').unwrap() + d].to_string()
+}
+
+/// The long options a command's help defines (with their aliases).
+fn defined_flags(help: &str) -> Vec<String> {
+    let mut out = vec!["--help".to_string()];
+    for line in help.lines() {
+        let t = line.trim_start();
+        let t = t.strip_prefix("-").map_or(t, |_| t);
+        let t = match t.split_once(", ") {
+            Some((short, rest)) if short.len() == 2 && short.starts_with('-') => rest,
+            _ => t,
+        };
+        if let Some(f) = t.strip_prefix("--") {
+            let name: String = f
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+                .collect();
+            out.push(format!("--{name}"));
+        }
+        for key in ["[alias: ", "[aliases: "] {
+            if let Some(i) = line.find(key) {
+                let list = &line[i + key.len()..];
+                let list = &list[..list.find(']').unwrap_or(list.len())];
+                out.extend(list.split(", ").map(|a| a.trim().to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// The `--flags` a help text mentions anywhere (descriptions, examples).
+fn mentioned_flags(help: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let b = help.as_bytes();
+    for (i, _) in help.match_indices("--") {
+        if i > 0 && !matches!(b[i - 1], b' ' | b'(' | b'[' | b'`' | b'\n') {
+            continue;
+        }
+        let name: String = help[i + 2..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+            .collect();
+        if !name.is_empty() {
+            out.push(format!("--{name}"));
+        }
+    }
+    out
+}
+
+/// What `--help` documents (defaults, the log directory's layout, `.nrun_env`'s order, the
+/// flags each command's help names) is what nrun does (issue 23, item 8).
+#[test]
+fn help_texts_are_true() {
+    let s = Scene::new();
+    let help = text(&s.run(&["--help"], &[]).stdout);
+    let doctor = text(&s.run(&["doctor", "--help"], &[]).stdout);
+    let bisect = text(&s.run(&["bisect", "--help"], &[]).stdout);
+
+    // Every flag a subcommand's help names is one of its own (its examples' scripts aside).
+    for (name, h) in [("doctor", &doctor), ("bisect", &bisect)] {
+        let defined = defined_flags(h);
+        for f in mentioned_flags(h) {
+            if f == "--steps" {
+                continue; // train.py's own, in bisect's --probe cmd example
+            }
+            assert!(
+                defined.contains(&f),
+                "`nrun {name} --help` names {f}, which {name} does not take"
+            );
+        }
+    }
+    // Every flag the run's help names is nrun's (a run's or, in their examples, doctor's and
+    // bisect's), or srun's/sbatch's/the script's in an example.
+    let mut defined = defined_flags(&help);
+    defined.extend(defined_flags(&doctor));
+    defined.extend(defined_flags(&bisect));
+    for f in mentioned_flags(&help) {
+        let foreign = [
+            "--lr",
+            "--ntasks-per-node",
+            "--gpus-per-node",
+            "--signal",
+            "--epochs",
+        ];
+        assert!(
+            defined.contains(&f) || foreign.contains(&f.as_str()),
+            "`nrun --help` names {f}, which nrun does not take"
+        );
+    }
+
+    // --nnodes: MIN:MAX is elastic (with nodes that join), not refused unless MIN == MAX.
+    let h = flat(&help);
+    assert!(!h.contains("MIN == MAX"), "stale --nnodes help");
+    assert!(
+        h.contains("MIN:MAX (elastic, with a host list or c10d"),
+        "{h}"
+    );
+    let out = s.run(&["--nnodes", "1:2", "--no-python", "true"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("an elastic range needs nodes that join: a host list"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // Documented defaults, as the workers see them.
+    let out = s.run(
+        &[
+            "--no-python",
+            "sh",
+            "-c",
+            "echo \"$LOCAL_WORLD_SIZE|$ROLE_NAME|$TORCHELASTIC_MAX_RESTARTS|$TORCHELASTIC_SIGNALS_TO_HANDLE\"",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let want = format!(
+        "{}|{}|{}|{}\n",
+        documented_default(&help, "--nproc-per-node"),
+        documented_default(&help, "--role"),
+        documented_default(&help, "--max-restarts"),
+        documented_default(&help, "--signals-to-handle"),
+    );
+    assert_eq!(text(&out.stdout), want);
+
+    // --log-dir's documented layout, filled in, is where the files are.
+    let layout = "DIR/<run-id>_<8 hex>/attempt_<n>/[<host>/]<local-rank>/";
+    assert!(h.contains(layout), "--log-dir help lacks {layout}");
+    assert!(
+        h.contains("logs/<run-id>_<8 hex>/attempt_0/<local-rank>/"),
+        "the --log-dir example"
+    );
+    let logs = s.dir.path().join("logs");
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--rdzv-id",
+            "helpid",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let run = run_dir(&logs, "helpid");
+    let hex = run.file_name().unwrap().to_string_lossy()["helpid_".len()..].to_string();
+    assert!(
+        hex.len() == 8 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+        "{hex}"
+    );
+    let path = layout
+        .replace("DIR", logs.to_str().unwrap())
+        .replace("<run-id>", "helpid")
+        .replace("<8 hex>", &hex)
+        .replace("<n>", "0")
+        .replace("[<host>/]", "")
+        .replace("<local-rank>", "1");
+    for f in ["stdout.log", "stderr.log"] {
+        let p = std::path::Path::new(&path).join(f);
+        assert!(p.exists(), "{} (from --help) is missing", p.display());
+    }
+
+    // -x: .nrun_env is read from home, then the cwd, the later winning, as --help and README say.
+    let said = "KEY=VALUE lines of .nrun_env (home, then cwd; the later wins)";
+    assert!(h.contains(said), "-x help lacks {said:?}");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    assert!(flat(&readme).contains("`.nrun_env` (home, then cwd"));
+    let home = s.dir.path().join("home");
+    let cwd = s.dir.path().join("cwd");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(&cwd).unwrap();
+    std::fs::write(home.join(".nrun_env"), "A=home\nB=home\n").unwrap();
+    std::fs::write(cwd.join(".nrun_env"), "A=cwd\n").unwrap();
+    let out = s
+        .cmd(&["--no-python", "sh", "-c", "echo $A $B"])
+        .env("HOME", &home)
+        .current_dir(&cwd)
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "cwd home\n", "{}", text(&out.stderr));
+}
+
+/// A c10d node that does not join gets a hint about c10d (the endpoint, the join timeout), or
+/// about pods under Kubernetes; no ssh is involved, so no ssh hint (issue 23, item 3).
+#[test]
+fn a_c10d_join_failure_gets_a_hint_of_its_mode() {
+    let s = Scene::new();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let endpoint = format!("127.0.0.1:{port}");
+    let args = [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "hint",
+        "--join-timeout",
+        "1",
+        "--no-python",
+        "true",
+    ];
+    let out = s.run(&args, &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "hint: check that every node's nrun started within --join-timeout (1 s) of this one \
+             and reaches {endpoint}"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("ssh") && !err.contains("--ship"), "{err}");
+    assert!(!err.contains("  <host>") && !err.contains("` ("), "{err}");
+    let out = s.run(&args, &[("KUBERNETES_SERVICE_HOST", "10.0.0.1")]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains("hint: check that every pod of the job is running (`kubectl get pods`)"),
+        "{err}"
+    );
+    assert!(!err.contains("ssh"), "{err}");
+}
+
+fn c10d_args<'a>(endpoint: &'a str, id: &'a str, timeout: &'a str) -> Vec<&'a str> {
+    vec![
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        id,
+        "--join-timeout",
+        timeout,
+    ]
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Another job holding the endpoint (a single-node nrun on that port, a c10d job of another
+/// id) is named at once as such, not as "unexpected end of file" (issue 23, item 5).
+#[test]
+fn another_job_holding_the_endpoint_is_named() {
+    let s = Scene::new();
+    let port = free_port().to_string();
+    let endpoint = format!("127.0.0.1:{port}");
+    let other = s.spawn(&["--master-port", &port, "--no-python", "sleep", "20"], &[]);
+    // The other job's store is up once its port is taken.
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while TcpListener::bind(&endpoint).is_ok() {
+        assert!(
+            std::time::Instant::now() < end,
+            "the other job never bound {endpoint}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let mut args = c10d_args(&endpoint, "mine", "20");
+    args.extend(["--no-python", "true"]);
+    let started = std::time::Instant::now();
+    let out = s.run(&args, &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "an nrun listens at {endpoint} but hosts no rendezvous with id \"mine\": another job \
+             holds this endpoint (one job per endpoint port)"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("end of file"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    signal(&other, "TERM");
+    let _ = wait_with_timeout(other, std::time::Duration::from_secs(20));
+    s.assert_no_survivors();
+}
+
+/// A joiner started before the hosting nrun says once what it waits for, then a progress line,
+/// and joins when the host comes (issue 23, item 11).
+#[test]
+fn a_joiner_started_first_says_what_it_waits_for() {
+    let s = Scene::new();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let mut args = c10d_args(&endpoint, "early", "30");
+    args.extend(["--no-python", "true"]);
+    // The joiner must not host: the port is taken (by nothing that answers) until the host
+    // takes it over.
+    let hold = TcpListener::bind(&endpoint).unwrap();
+    let joiner = s.spawn(&args, &[]);
+    std::thread::sleep(std::time::Duration::from_millis(9000));
+    drop(hold);
+    let host = s.spawn(&args, &[]);
+    let (oj, _) = wait_with_timeout(joiner, std::time::Duration::from_secs(60));
+    let (oh, _) = wait_with_timeout(host, std::time::Duration::from_secs(60));
+    let err = text(&oj.stderr);
+    assert_eq!(oj.status.code(), Some(0), "{err}\n{}", text(&oh.stderr));
+    assert_eq!(oh.status.code(), Some(0), "{}", text(&oh.stderr));
+    assert_eq!(
+        err.matches(&format!(
+            "waiting for the nrun that hosts rendezvous \"early\" at {endpoint} (it may start \
+             after this one; up to 30 s, --join-timeout)"
+        ))
+        .count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("still waiting for the rendezvous at {endpoint}: "))
+            && err.contains(" of 30 s ("),
+        "{err}"
+    );
+    assert!(err.contains("joined the rendezvous at"), "{err}");
+}
+
 fn lines_of(out: &std::process::Output) -> Vec<String> {
     text(&out.stdout).lines().map(String::from).collect()
 }
@@ -376,6 +753,50 @@ fn doctor_on_this_host() {
         "{stdout}"
     );
     assert!(stdout.contains("NCCL libraries"), "{stdout}");
+}
+
+/// A python that cannot import torch: the system's python3 without its site directories.
+pub fn python_without_torch(dir: &std::path::Path) -> String {
+    let p = dir.join("python-without-torch");
+    std::fs::write(&p, "#!/bin/sh\nexec python3 -I -S \"$@\"\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p.display().to_string()
+}
+
+/// doctor judges the python a job would run: torch missing there is not ready (exit 95, as
+/// `doctor --help` says); the venv's python with torch is (issue 23, item 10).
+#[test]
+fn doctor_judges_the_python_that_would_run() {
+    let s = Scene::new();
+    let nopy = python_without_torch(s.dir.path());
+    let out = s.run(&["doctor", "--python", &nopy], &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "nrun: error: not ready: {nopy} has no usable torch ("
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let help = text(&s.run(&["doctor", "--help"], &[]).stdout);
+    assert!(
+        flat(&help).contains("95 a node could not join, the nodes disagree, or the python a job would run has no torch"),
+        "{help}"
+    );
+    // Not asked to look: ready.
+    let out = s.run(&["doctor", "--python", &nopy, "--no-python-probe"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    if let Some(py) = torch_python() {
+        let out = s.run(&["doctor", "--python", py.to_str().unwrap()], &[]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert!(
+            text(&out.stdout).contains("torch 2."),
+            "{}",
+            text(&out.stdout)
+        );
+    }
 }
 
 /// `-x` and `.nrun_env` reach the workers of a single-node run too, as they do on several.

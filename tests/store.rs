@@ -356,6 +356,27 @@ async fn control_keys_need_the_secret() {
         worker.ping(1).await.is_err(),
         "write without the secret must close the connection"
     );
+    // nrun/public/ keys are readable by anyone (what a joining nrun needs before it can prove
+    // anything: whether an nrun listens, which c10d rendezvous it hosts), never writable.
+    store.set(b"nrun/public/store", b"v1");
+    let mut stranger = client(addr).await;
+    assert!(stranger.check(&[b"nrun/public/store"]).await.unwrap());
+    assert!(!stranger.check(&[b"nrun/public/c10d/x"]).await.unwrap());
+    assert_eq!(stranger.get(b"nrun/public/store").await.unwrap(), b"v1");
+    let _ = stranger
+        .check(&[b"nrun/public/store", b"nrun/run/plan"])
+        .await;
+    assert!(
+        stranger.ping(1).await.is_err(),
+        "a read naming a private key beside a public one without the secret"
+    );
+    let mut stranger = client(addr).await;
+    let _ = stranger.set(b"nrun/public/store", b"forged").await;
+    assert!(
+        stranger.ping(1).await.is_err(),
+        "a write of a public key without the secret"
+    );
+    assert_eq!(store.get(b"nrun/public/store").unwrap(), b"v1");
     // The plain secret is no proof (it never crosses the wire), nor is a proof made for
     // another connection's challenge.
     let mut plain = client(addr).await;

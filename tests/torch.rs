@@ -449,3 +449,201 @@ fn fuzzed_frames_do_not_hurt_the_store() {
     let _ = wait_with_timeout(child, Duration::from_secs(10));
     s.assert_no_survivors();
 }
+
+/// The launcher's TORCHELASTIC_ERROR_FILE and the workers' environment as torchrun writes
+/// them (issue 23, item 12): torch's own ProcessFailure reads the file's timestamp as epoch
+/// seconds, and workers see TORCHELASTIC_SIGNALS_TO_HANDLE.
+#[test]
+fn launcher_error_file_and_env_read_as_torchs() {
+    let Some(py) = python_or_skip("launcher_error_file_and_env_read_as_torchs") else {
+        return;
+    };
+    let s = Scene::new();
+    let launcher = s.dir.path().join("launcher-error.json");
+    let launcher_s = launcher.display().to_string();
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo SIGS=$TORCHELASTIC_SIGNALS_TO_HANDLE; [ $RANK = 1 ] && { echo boom >&2; exit 3; }; sleep 5",
+        ],
+        &[("TORCHELASTIC_ERROR_FILE", &launcher_s)],
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("SIGS=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"),
+        "{}",
+        text(&out.stdout)
+    );
+    let read = std::process::Command::new(&py)
+        .args([
+            "-c",
+            "import sys\n\
+             from torch.distributed.elastic.multiprocessing.errors import ProcessFailure\n\
+             f = ProcessFailure(local_rank=1, pid=1, exitcode=3, error_file=sys.argv[1])\n\
+             print(f.timestamp, f.error_file_data['message']['errorCode'])",
+            &launcher_s,
+        ])
+        .output()
+        .unwrap();
+    assert!(read.status.success(), "{}", text(&read.stderr));
+    let got = text(&read.stdout);
+    let mut it = got.split_whitespace();
+    let ts: u64 = it.next().unwrap().parse().unwrap();
+    assert!(
+        ts >= before && ts <= before + 60,
+        "timestamp {ts}, started at {before}"
+    );
+    assert_eq!(it.next(), Some("3"), "{got}");
+    // A signal list of the user's own passes through as given.
+    let out = s.run(
+        &[
+            "--signals-to-handle",
+            "SIGTERM,SIGUSR1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo SIGS=$TORCHELASTIC_SIGNALS_TO_HANDLE",
+        ],
+        &[],
+    );
+    assert_eq!(text(&out.stdout), "SIGS=SIGTERM,SIGUSR1\n");
+}
+
+/// torch's excepthook already starts each traceback line with "[rank1]: "; nrun's console
+/// says the rank once, as torchrun shows it (issue 23, item 7).
+#[test]
+fn torchs_own_rank_prefix_is_not_doubled() {
+    let Some(py) = python_or_skip("torchs_own_rank_prefix_is_not_doubled") else {
+        return;
+    };
+    let s = Scene::new();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--python",
+            &py,
+            &script("raise_after_init.py"),
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[rank1]: Traceback (most recent call last):"),
+        "{err}"
+    );
+    assert!(
+        err.contains("[rank1]: ValueError: rank 1 cannot go on"),
+        "{err}"
+    );
+    assert!(!err.contains("[rank1]: [rank1]: "), "{err}");
+    s.assert_no_survivors();
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// torchrun (the venv's own) hosting a c10d rendezvous with nrun joining it, and the reverse:
+/// each nrun says the endpoint is the other launcher's, within its join timeout (issue 23,
+/// item 2).
+#[test]
+fn mixed_launchers_are_named_both_ways() {
+    let Some(py) = python_or_skip("mixed_launchers_are_named_both_ways") else {
+        return;
+    };
+    let torchrun = std::path::Path::new(&py).with_file_name("torchrun");
+    assert!(torchrun.exists(), "{} is missing", torchrun.display());
+    let s = Scene::new();
+    let c10d = |endpoint: &str, timeout: &str| {
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-id",
+            "mixed",
+            "--rdzv-endpoint",
+            endpoint,
+            "--join-timeout",
+            timeout,
+        ]
+        .map(String::from)
+    };
+    let torchrun_node = |endpoint: &str| {
+        std::process::Command::new(&torchrun)
+            .args(c10d(endpoint, "20")[..8].iter())
+            .args(["--nproc-per-node", "1", "--no-python", "sleep", "30"])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    // torchrun hosts; nrun joins and says so at once.
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let mut host = torchrun_node(&endpoint);
+    // Once torchrun holds the port, nrun joins (rather than hosts); torchrun writes its
+    // rendezvous state soon after, and nrun waits for a rendezvous until then.
+    let started = std::time::Instant::now();
+    while std::net::TcpListener::bind(&endpoint).is_ok() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "torchrun never bound {endpoint}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut args: Vec<String> = c10d(&endpoint, "20").into();
+    args.extend(["--no-python", "true"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = s.run(&args, &[]);
+    let _ = host.kill();
+    let _ = host.wait();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(
+            "this endpoint is a torchrun rendezvous (every node must use the same launcher)"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("give every node the same --rdzv-id"), "{err}");
+
+    // nrun hosts; a torchrun comes to it; nrun says so when its join timeout ends.
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    // torchrun's Python takes seconds to start on a loaded machine: a join timeout with room.
+    let mut args: Vec<String> = c10d(&endpoint, "20").into();
+    args.extend(["--no-python", "true"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let nrun = s.spawn(&args, &[]);
+    std::thread::sleep(Duration::from_millis(800));
+    let mut joiner = torchrun_node(&endpoint);
+    let (out, took) = wait_with_timeout(nrun, Duration::from_secs(30));
+    let _ = joiner.kill();
+    let _ = joiner.wait();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(took < Duration::from_secs(23), "{took:?}: {err}");
+    assert!(
+        err.contains("a torchrun node came to 127.0.0.1:")
+            && err.contains(
+                "this endpoint is an nrun rendezvous (every node must use the same launcher)"
+            ),
+        "{err}"
+    );
+}

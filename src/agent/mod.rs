@@ -152,7 +152,7 @@ pub async fn serve(
     hello: Hello,
     mut signals: Signals,
     gone: watch::Sender<bool>,
-) -> Result<Option<u8>> {
+) -> Result<protocol::Ended> {
     let gone_rx = gone.subscribe();
     let here = crate::net::hostname();
     let (node, label) = hello.place()?;
@@ -221,7 +221,7 @@ pub async fn serve(
             .port(),
     );
     tokio::spawn(exec::serve_probes(probe));
-    let facts = tokio::task::spawn_blocking({
+    let mut facts = tokio::task::spawn_blocking({
         let py = hello.python.clone();
         move || crate::facts::gather(py.as_deref())
     })
@@ -233,12 +233,28 @@ pub async fn serve(
             "nrun agent on {me}: no random bytes from the OS: {e}"
         ))
     })?;
+    let own_sealed = match (&hello.own, hello.secret.is_empty()) {
+        (Some(own), false) => {
+            let json = serde_json::to_vec(own).map_err(|e| Error::helper(e.to_string()))?;
+            Some(crate::store::auth::seal(
+                hello.secret.as_bytes(),
+                &keys.joined(hello.node),
+                nonce.as_bytes(),
+                &json,
+            ))
+        }
+        (own, _) => {
+            facts.own = own.clone();
+            None
+        }
+    };
     let joined = Joined {
         nonce: nonce.clone(),
         local_addr: local.to_string(),
         reached: reached.to_string(),
         probe_addr: probe_addr.to_string(),
         facts,
+        own_sealed,
     };
     let record = serde_json::to_vec(&joined).map_err(|e| Error::helper(e.to_string()))?;
     store
@@ -287,14 +303,14 @@ impl Node {
         ))
     }
 
-    /// Does the steps it is given, one after another, until the End (Ok: the job's exit code,
-    /// when the coordinator left one) or the coordinator is gone.
+    /// Does the steps it is given, one after another, until the End (Ok: the job's exit code
+    /// and root cause, when the coordinator left them) or the coordinator is gone.
     async fn steps(
         &self,
         store: &mut Client,
         signals: &mut Signals,
         mut gone_rx: watch::Receiver<bool>,
-    ) -> Result<Option<u8>> {
+    ) -> Result<protocol::Ended> {
         let me = &self.me;
         let lost = |e| self.lost(e);
         for no in 0.. {
@@ -319,10 +335,21 @@ impl Node {
                 Done::Result(r) => r,
                 Done::End => {
                     let code = store.get(&self.keys.exit()).await.ok();
+                    // Read only if set (a GET of a missing key would wait for it).
+                    let why = self.keys.root_cause();
+                    let root_cause = match store.check(&[&why]).await {
+                        Ok(true) => store.get(&why).await.ok(),
+                        _ => None,
+                    };
                     // Acknowledged, so a coordinator waiting for nodes that joined by
                     // themselves can close its store.
                     let _ = store.set(&self.keys.result(self.index, no), b"end").await;
-                    return Ok(code.and_then(|c| String::from_utf8_lossy(&c).parse().ok()));
+                    return Ok(protocol::Ended {
+                        code: code.and_then(|c| String::from_utf8_lossy(&c).parse().ok()),
+                        root_cause: root_cause
+                            .and_then(|v| serde_json::from_slice(&v).ok())
+                            .unwrap_or_default(),
+                    });
                 }
             };
             let value = serde_json::to_vec(&result).map_err(|e| Error::helper(e.to_string()))?;
@@ -336,7 +363,7 @@ impl Node {
                 )));
             }
         }
-        Ok(None)
+        Ok(protocol::Ended::default())
     }
 
     /// Waits for step `no` and opens it: only steps sealed with the run's secret for this

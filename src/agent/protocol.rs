@@ -13,6 +13,25 @@ use serde::{Deserialize, Serialize};
 
 use crate::facts::Facts;
 
+/// Why the job ended, as the coordinator told it: every node whose own nrun joined (c10d)
+/// tells it too, so each node's console (a Kubernetes pod's log) says which rank failed,
+/// where and how.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RootCause {
+    /// The failure summary as the coordinator printed it (empty: nothing failed).
+    pub summary: String,
+    /// What the launcher's own TORCHELASTIC_ERROR_FILE gets (torchrun's habit).
+    pub error_json: Option<String>,
+}
+
+/// How the coordinator ended the job, as an agent read it at the End.
+#[derive(Debug, Default)]
+pub struct Ended {
+    /// The job's exit code, when the coordinator left one.
+    pub code: Option<u8>,
+    pub root_cause: RootCause,
+}
+
 /// The first line an agent reads on stdin (the per-run secret never appears on a command line).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Hello {
@@ -40,6 +59,10 @@ pub struct Hello {
     /// The launch host's store unanswered this long: the agent stops its workers by itself.
     #[serde(default = "default_agent_timeout_ms")]
     pub agent_timeout_ms: u64,
+    /// A node whose own nrun joins (c10d): its own worker count and command line, reported in
+    /// its facts; the job's workers there are these.
+    #[serde(default)]
+    pub own: Option<crate::facts::OwnWork>,
 }
 
 /// `--agent-timeout`'s default, 5 s.
@@ -86,6 +109,11 @@ pub struct Joined {
     /// step captured from an earlier run (or join) does not open here.
     pub nonce: String,
     pub facts: Facts,
+    /// With the run's secret, a node's own work (c10d) travels sealed like a step (its command
+    /// line may carry what the wire must not show), bound to this join's nonce; without it,
+    /// in `facts.own`, in clear as the steps are.
+    #[serde(default)]
+    pub own_sealed: Option<Vec<u8>>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -303,6 +331,12 @@ impl Keys {
         self.key(format_args!("exit"))
     }
 
+    /// The job's [`RootCause`] (JSON), set with the exit code: a node started on its own ends
+    /// its console with it and writes it to its TORCHELASTIC_ERROR_FILE.
+    pub fn root_cause(&self) -> Vec<u8> {
+        self.key(format_args!("root-cause"))
+    }
+
     /// Bumped every second by a node started on its own (c10d): it is alive.
     pub fn alive(&self, node: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/alive"))
@@ -331,6 +365,24 @@ impl Keys {
 /// Where the nrun hosting a c10d rendezvous `id` leaves its run's name (the keys' namespace).
 pub fn c10d_run_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/run").into_bytes()
+}
+
+/// Readable without the secret: set by every nrun that hosts a store (its version), so a
+/// joining nrun knows an nrun listens there.
+pub const NRUN_STORE_KEY: &[u8] = b"nrun/public/store";
+
+/// Readable without the secret: set by the nrun hosting c10d rendezvous `id`, so a node with
+/// another id (another job on that endpoint) is told so at once.
+pub fn c10d_public_key(id: &str) -> Vec<u8> {
+    format!("nrun/public/c10d/{id}").into_bytes()
+}
+
+/// What torchrun's c10d rendezvous backend writes first, for run `id`
+/// (`torch.distributed.elastic.rendezvous.c10d_rendezvous_backend`: `"torch.rendezvous." +
+/// run_id`, by compare_set at its start): how nrun tells a torchrun node apart. On the wire,
+/// as torch's TCPStore client sends every key, with its "/" prefix (`keyPrefix_`).
+pub fn torchrun_rdzv_key(id: &str) -> Vec<u8> {
+    format!("/torch.rendezvous.{id}").into_bytes()
 }
 
 /// The counter a joining node adds 1 to for its node index, in join order.

@@ -20,7 +20,7 @@ Examples:
   nrun --nproc 8 train.py --lr 0.1        8 workers on this machine (python -u train.py --lr 0.1)
   nrun --nproc gpu -m mypkg.train         one worker per visible GPU, running a module
   nrun --nproc 4 --no-python ./a.out      any program, not only Python
-  nrun --nproc 8 --log-dir logs -t 3 x.py  also write logs/<run>/attempt_0/<rank>/std{out,err}.log
+  nrun --nproc 8 --log-dir logs -t 3 x.py  also write logs/<run-id>_<8 hex>/attempt_0/<local-rank>/...
   nrun --nproc 8 --max-restarts 2 x.py    restart the whole group up to twice on failure
   nrun --preflight-only --nproc 8         NCCL all-reduce health check of this node's 8 GPUs
   nrun --preflight-only --preflight net --nproc 4   the TCP network path alone, no GPU needed
@@ -53,7 +53,8 @@ Examples:
   nrun doctor -H gpu1,gpu2                every node, checked as a job would check them (joins,
                                           interfaces, versions, node-to-node reachability)
 
-Exit status: 0 the nodes are ready; 2 bad usage; 95 a node could not join or the nodes disagree.";
+Exit status: 0 the nodes are ready; 2 bad usage; 95 a node could not join, the nodes disagree,
+or the python a job would run has no torch there (--no-python-probe: not looked at).";
 
 const BISECT_EXAMPLES: &str = "\
 Examples:
@@ -196,7 +197,8 @@ pub struct WorkerArgs {
 /// Where the store is and who hosts it (torchrun's rendezvous flags).
 #[derive(Args, Debug, Clone)]
 pub struct RendezvousArgs {
-    /// Number of nodes, N or MIN:MAX (nrun needs MIN == MAX).
+    /// Number of nodes, N or MIN:MAX (elastic, with a host list or c10d: starts with MAX nodes,
+    /// or MIN after last_call_timeout, and goes on while at least MIN remain).
     #[arg(
         long,
         env = "NRUN_NNODES",
@@ -251,7 +253,8 @@ pub struct RendezvousArgs {
     pub rdzv_backend: Option<String>,
 
     /// Rendezvous settings KEY=VALUE[,KEY=VALUE] (torchrun's): join_timeout sets --join-timeout;
-    /// timeout, last_call_timeout, close_timeout, read_timeout, is_host are accepted.
+    /// last_call_timeout (30 s) is how long an elastic MIN:MAX waits for more nodes past MIN;
+    /// timeout, close_timeout, read_timeout, is_host and the like are accepted.
     #[arg(
         long = "rdzv-conf",
         alias = "rdzv_conf",
@@ -320,7 +323,8 @@ pub struct JobArgs {
     )]
     pub shutdown_timeout: f64,
 
-    /// Write each worker's stdout and stderr to DIR/<run-id>/attempt_<n>/<local-rank>/.
+    /// Write each worker's stdout and stderr (and error.json) to
+    /// DIR/<run-id>_<8 hex>/attempt_<n>/[<host>/]<local-rank>/ (a directory of its own per run).
     #[arg(
         long = "log-dir",
         alias = "log_dir",
@@ -559,7 +563,7 @@ pub struct WatchArgs {
 #[command(next_help_heading = "Preflight")]
 pub struct SweepArgs {
     /// Message sizes of the sweep, MIN:MAX:FACTOR with K/M/G suffixes (default 8:256M:2; 8:16M:4
-    /// for --preflight net).
+    /// over the TCP network path, net).
     #[arg(
         long = "preflight-sizes",
         env = "NRUN_PREFLIGHT_SIZES",
@@ -605,7 +609,7 @@ pub struct SweepArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Nodes")]
 pub struct NodesArgs {
-    /// Nodes: h1,h2 or h1:8,h2:8 (slots). Each runs --nproc-per-node workers, started over ssh.
+    /// Nodes: h1,h2 or h1:8,h2:8 (slots), reached over ssh (or srun inside a Slurm allocation).
     #[arg(short = 'H', long, env = "NRUN_HOSTS", value_name = "HOSTS")]
     pub hosts: Option<String>,
 
@@ -660,7 +664,7 @@ pub struct NodesArgs {
 
     /// Export a variable to every worker on every node: -x VAR (its value here) or -x VAR=VALUE.
     /// NCCL_*, TORCH_*, CUDA_* (not CUDA_VISIBLE_DEVICES), PYTHON*, OMP_*, UCX_* and the
-    /// KEY=VALUE lines of .nrun_env (cwd, then home) are forwarded anyway.
+    /// KEY=VALUE lines of .nrun_env (home, then cwd; the later wins) are forwarded anyway.
     #[arg(short = 'x', value_name = "VAR[=VALUE]", action = ArgAction::Append)]
     pub export: Vec<String>,
 
@@ -914,17 +918,25 @@ pub fn print_completions(shell: &str) -> u8 {
         );
         return crate::error::exit::USAGE;
     };
-    clap_complete::generate(sh, &mut Cli::command(), "nrun", &mut std::io::stdout());
+    // Into a buffer: clap_complete panics when its writer fails (a closed pipe).
+    let mut script = Vec::new();
+    clap_complete::generate(sh, &mut Cli::command(), "nrun", &mut script);
+    crate::report::stdout(script);
     0
 }
 
 /// `nrun man`: the manual page (roff) on stdout; the exit code.
 pub fn print_man() -> u8 {
     let page = clap_mangen::Man::new(Cli::command());
-    match page.render(&mut std::io::stdout()) {
-        Ok(()) => 0,
+    let mut roff = Vec::new();
+    match page.render(&mut roff) {
+        Ok(()) => {
+            // A reader that stopped early (`nrun man | head`) is a quiet end.
+            crate::report::stdout(roff);
+            0
+        }
         Err(e) => {
-            eprintln!("nrun: error: cannot write the manual page: {e}");
+            eprintln!("nrun: error: cannot render the manual page: {e}");
             crate::error::exit::INTERNAL
         }
     }

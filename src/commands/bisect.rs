@@ -693,10 +693,12 @@ impl Bisect<'_> {
             .max()
             .unwrap_or(4)
             .max(4);
-        println!("{:<width$}  {:<11}  evidence", "node", "verdict");
+        use std::fmt::Write as _;
+        let mut table = format!("{:<width$}  {:<11}  evidence\n", "node", "verdict");
         for r in &self.results {
             let v = format!("{:?}", r.verdict).to_lowercase();
-            println!(
+            let _ = writeln!(
+                table,
                 "{:<width$}  {:<11}  {}",
                 r.host,
                 v,
@@ -708,11 +710,13 @@ impl Bisect<'_> {
             );
         }
         let after = self.rounds.len().saturating_sub(self.stage1_rounds);
-        println!(
+        let _ = writeln!(
+            table,
             "{} rounds ({after} after stage 1) in {:.1} s",
             self.rounds.len(),
             took.as_secs_f64()
         );
+        crate::report::stdout(table);
         if let Some(path) = &self.bp.report {
             let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
             crate::report::write_json("--report", path, &v)?;

@@ -1,6 +1,8 @@
 //! `nrun doctor`: what each node has and whether the nodes are ready, running nothing. On this
 //! host alone: its facts, interfaces, NCCL libraries and torch in detail. With nodes: they join
 //! and are checked exactly as for a job (interfaces, versions, node-to-node reachability).
+//! Ready also means the python a job would run imports torch on every node (torch missing is
+//! not ready: exit 95), unless `--no-python-probe` says not to look.
 
 use crate::error::{Result, exit};
 use crate::facts::Facts;
@@ -17,28 +19,79 @@ pub async fn run(
     let code = if nodes.in_process {
         this_host(&mut s, python).await
     } else {
-        cluster(&mut s).await
+        cluster(&mut s, python).await
     };
     s.end().await;
     Ok(code)
 }
 
-async fn cluster(s: &mut Session) -> u8 {
-    if let Err(e) = super::run::ready(s).await {
+/// Why the python a job would run is not usable on a node (None: it is, or nobody asked).
+fn python_not_ready(
+    facts: Option<&Facts>,
+    python: Option<&std::path::Path>,
+    probed: bool,
+) -> Option<String> {
+    let Some(py) = python else {
+        return Some(
+            "no python found to run a job (python3 on PATH, $PYTHON_EXEC or --python)".into(),
+        );
+    };
+    if !probed {
+        return None;
+    }
+    let f = facts?;
+    if f.torch.is_some() {
+        return None;
+    }
+    Some(format!(
+        "{} has no usable torch ({}): pass --python PATH (or set PYTHON_EXEC) to the python of \
+         your torch environment, or install torch there",
+        py.display(),
+        f.torch_error.as_deref().unwrap_or("not found")
+    ))
+}
+
+async fn cluster(s: &mut Session, python: Option<&std::path::Path>) -> u8 {
+    if let Err(e) = super::run::ready(s, None).await {
         return e.code;
     }
+    let not_ready: Vec<String> = s
+        .joined()
+        .filter_map(|(_, n, j)| {
+            python_not_ready(j.facts.as_ref(), python, s.plan.python_probe)
+                .map(|why| format!("{}: {why}", n.label))
+        })
+        .collect();
+    use std::fmt::Write as _;
+    let mut out = String::new();
     for (_, n, j) in s.joined() {
-        println!(
+        let _ = writeln!(
+            out,
             "{}: NCCL_SOCKET_IFNAME would be =={} (it reached the launch host at {})",
             n.label,
             j.ifname.as_deref().unwrap_or("?"),
             j.master_addr
         );
     }
-    println!(
-        "doctor: {} nodes joined, checked and reach each other",
-        s.len()
-    );
+    if not_ready.is_empty() {
+        let _ = writeln!(
+            out,
+            "doctor: {} nodes joined, checked and reach each other",
+            s.len()
+        );
+    }
+    crate::report::stdout(out);
+    if !not_ready.is_empty() {
+        eprintln!(
+            "nrun: error: not ready: {} of {} nodes cannot run a Python job:",
+            not_ready.len(),
+            s.len()
+        );
+        for l in &not_ready {
+            eprintln!("  {l}");
+        }
+        return exit::CLUSTER;
+    }
     exit::SUCCESS
 }
 
@@ -53,9 +106,14 @@ async fn this_host(s: &mut Session, python: Option<&std::path::Path>) -> u8 {
         .and_then(|n| n.joined.as_ref())
         .and_then(|j| j.facts.clone())
         .unwrap_or_default();
-    print!("{}", describe(&facts, python));
+    let mut out = describe(&facts, python);
     if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
-        println!("warning: {w}");
+        out.push_str(&format!("warning: {w}\n"));
+    }
+    crate::report::stdout(out);
+    if let Some(why) = python_not_ready(Some(&facts), python, s.plan.python_probe) {
+        eprintln!("nrun: error: not ready: {why}");
+        return exit::CLUSTER;
     }
     exit::SUCCESS
 }

@@ -145,7 +145,7 @@ pub async fn run(
     outcome.wall_s = started.elapsed().as_secs_f64();
     outcome.other_libs = other_libs;
     let summary = outcome.summarize();
-    print!("{}", summary.text);
+    crate::report::stdout(&summary.text);
     if let Some(path) = &pf.report {
         crate::report::write_json("--report", path, &summary.json)?;
     }

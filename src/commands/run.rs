@@ -27,7 +27,7 @@ pub async fn run(
 }
 
 async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
-    ready(s).await?;
+    ready(s, Some(&crate::agent::peer::own_work(job))).await?;
     let mut code = exit::SUCCESS;
     let mut report = None;
     if let Some(pf) = &job.preflight {
@@ -74,8 +74,9 @@ async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
 
 /// Join and check: the job's nodes joined, agree and reach each other. A node that fails to
 /// join or a check is left out and a spare takes its place (see session::roster). `Err`: the
-/// exit code, the reason already printed.
-pub async fn ready(s: &mut Session) -> Result<()> {
+/// exit code, the reason already printed. `own`: this nrun's workers, shown for its node beside
+/// the nodes whose own nrun joined with theirs (c10d).
+pub async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) -> Result<()> {
     if let Some(f) = &s.plan.exclude_file {
         for e in &s.plan.avoided {
             let age = std::time::SystemTime::now()
@@ -92,6 +93,13 @@ pub async fn ready(s: &mut Session) -> Result<()> {
         }
     }
     let failures = s.join(false, None).await?;
+    if let Some(own) = own.filter(|_| s.plan.peers > 0) {
+        for n in s.nodes.iter_mut() {
+            if let Some(f) = n.joined.as_mut().and_then(|j| j.facts.as_mut()) {
+                f.own.get_or_insert_with(|| own.clone());
+            }
+        }
+    }
     for (i, why) in &failures {
         s.leave_out(*i, Stage::Join, why);
     }
@@ -177,13 +185,17 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
     for (_, f) in failures {
         eprintln!("  {f}");
     }
-    let launcher = s.plan.launcher;
-    eprintln!(
-        "  hint: check each with {}, and that nrun {} {}",
-        launcher.reach_hint(&s.plan.ssh_opts),
-        env!("CARGO_PKG_VERSION"),
-        launcher.install_hint()
-    );
+    // A torchrun started against this endpoint writes its rendezvous state into our store.
+    let torchrun = crate::agent::protocol::torchrun_rdzv_key(&s.run_id);
+    match s.store().is_some_and(|st| st.contains(&torchrun)) {
+        true => eprintln!(
+            "  a torchrun node came to {}:{} for rendezvous {:?}: this endpoint is an nrun \
+             rendezvous (every node must use the same launcher): start every node with nrun, \
+             or every node with torchrun",
+            s.rendezvous.addr, s.rendezvous.port, s.run_id
+        ),
+        false => eprintln!("  hint: {}", join_hint(s, failures)),
+    }
     if code == exit::NO_NODES {
         eprintln!(
             "nrun: error: the job needs {} node(s) and {} joined (exit {code}: too few healthy \
@@ -193,6 +205,48 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
         );
     }
     Error::exit(code)
+}
+
+/// The job's root cause for every node whose own nrun joined (c10d): each ends its console with
+/// it and writes it to its TORCHELASTIC_ERROR_FILE when the End comes (agent::peer).
+fn tell_every_node(s: &Session, summary: &str, error_json: Option<&str>) {
+    let why = crate::agent::protocol::RootCause {
+        summary: summary.to_string(),
+        error_json: error_json.map(str::to_string),
+    };
+    if let (Some(st), Ok(v)) = (s.store(), serde_json::to_vec(&why)) {
+        st.set(&s.keys().root_cause(), &v);
+    }
+}
+
+/// What to check next when nodes did not join, in the words of how they start: nodes whose own
+/// nrun joins (c10d: by hand, a batch script, Kubernetes pods) involve no ssh or srun.
+fn join_hint(s: &Session, failures: &[(usize, String)]) -> String {
+    let first_peer = s.plan.hosts.len() - s.plan.peers;
+    if failures.iter().all(|(i, _)| *i >= first_peer) {
+        let endpoint = format!("{}:{}", s.rendezvous.addr, s.rendezvous.port);
+        let secs = s.plan.join_timeout.as_secs_f64();
+        if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+            return format!(
+                "check that every pod of the job is running (`kubectl get pods`) and reaches \
+                 {endpoint} (the head pod's service), and that each started within --join-timeout \
+                 ({secs:.0} s) of this one"
+            );
+        }
+        return format!(
+            "check that every node's nrun started within --join-timeout ({secs:.0} s) of this one \
+             and reaches {endpoint} (`nc -z {} {}` there: a firewall, or another \
+             --rdzv-endpoint)",
+            s.rendezvous.addr, s.rendezvous.port
+        );
+    }
+    let launcher = s.plan.launcher;
+    format!(
+        "check each with {}, and that nrun {} {}",
+        launcher.reach_hint(&s.plan.ssh_opts),
+        env!("CARGO_PKG_VERSION"),
+        launcher.install_hint()
+    )
 }
 
 /// The job's attempts; `report` is what the preflight wrote to `--report`, which the watch's
@@ -224,9 +278,19 @@ async fn attempts(
         .collect::<Vec<_>>()
         .join(" ");
     let hosts: Vec<String> = s.nodes.iter().map(|n| n.label.clone()).collect();
+    let node_commands: Vec<Option<String>> = s
+        .nodes
+        .iter()
+        .map(|n| {
+            let own = n.joined.as_ref()?.facts.as_ref()?.own.as_ref()?;
+            Some(own.command.join(" "))
+        })
+        .collect();
     let shape = JobShape {
+        node_commands: &node_commands,
         hosts: &hosts,
-        world: s.plan.world,
+        // c10d nodes with their own worker counts: the sum (as torchrun's WORLD_SIZE).
+        world: s.group().world,
         command: &command,
     };
     s.watch = job.watch.map(WatchState::new);
@@ -401,7 +465,10 @@ async fn attempt_loop(
                     continue;
                 }
             }
+            let line = "nrun: error: the job hung and was stopped (--on-hang stop); the hosting \
+                        node's console names the ranks";
             eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
+            tell_every_node(s, &format!("{line}\n"), None);
             return exit::HANG;
         }
         // Elastic: nodes arrived while the group ran; it was stopped to take them in.
@@ -434,8 +501,9 @@ async fn attempt_loop(
                 let pinned = pin_failures(&results);
                 if restarts < job.workers.max_restarts && (!pinned.is_empty() || s.elastic()) {
                     if let Err(why) = s.reform(&pinned) {
-                        eprint!("{summary}");
-                        eprintln!("nrun: error: {why}; the job cannot go on");
+                        let told = format!("{summary}nrun: error: {why}; the job cannot go on\n");
+                        eprint!("{told}");
+                        tell_every_node(s, &told, error_json.as_deref());
                         return exit::NO_NODES;
                     }
                 } else {
@@ -458,6 +526,7 @@ async fn attempt_loop(
                     None => summary,
                 };
                 eprint!("{summary}");
+                tell_every_node(s, &summary, error_json.as_deref());
                 // torchrun's habit: the launcher's own error file gets the root cause.
                 if let (Some(path), Some(json)) = (&job.launcher_error_file, error_json) {
                     if let Err(e) = std::fs::write(path, json) {

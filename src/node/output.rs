@@ -96,6 +96,24 @@ pub enum Msg {
     },
 }
 
+/// `line` without the "[rank<rank>]: " that torch's distributed excepthook puts before every
+/// line of an uncaught exception (distributed_c10d.py, `_distributed_excepthook`); a line with
+/// another rank's prefix, or none, is left as it is.
+fn strip_torch_prefix(line: &[u8], rank: usize) -> &[u8] {
+    let Some(rest) = line.strip_prefix(b"[rank") else {
+        return line;
+    };
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    let ours = std::str::from_utf8(&rest[..digits])
+        .ok()
+        .and_then(|d| d.parse::<usize>().ok())
+        == Some(rank);
+    match rest[digits..].strip_prefix(b"]: ") {
+        Some(body) if ours => body,
+        _ => line,
+    }
+}
+
 /// Last lines of a worker's stderr, kept for the failure summary.
 pub type Tail = Arc<Mutex<VecDeque<String>>>;
 
@@ -154,7 +172,12 @@ impl Output {
                         }
                     }
                     line.clear();
+                    let mut body = &data[..];
                     if !w.prefix.is_empty() && !continues {
+                        // torch's excepthook (init_process_group's) already starts each line
+                        // of an uncaught exception with "[rankN]: ": ours replaces it, so the
+                        // rank is said once (`[rank1]: Traceback`, as torchrun shows it).
+                        body = strip_torch_prefix(body, w.rank);
                         let coloured = match w.color {
                             Color::Always => true,
                             Color::Never => false,
@@ -167,7 +190,7 @@ impl Output {
                             line.extend_from_slice(w.prefix.as_bytes());
                         }
                     }
-                    line.extend_from_slice(&data);
+                    line.extend_from_slice(body);
                     let end = data.last().copied();
                     if end != Some(b'\n') {
                         open = Some((worker, stream, end == Some(b'\r')));
@@ -321,4 +344,28 @@ async fn emit(
             data,
         })
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strip_torch_prefix;
+
+    #[test]
+    fn torchs_own_rank_prefix_is_said_once() {
+        assert_eq!(
+            strip_torch_prefix(b"[rank1]: Traceback (most recent call last):\n", 1),
+            b"Traceback (most recent call last):\n"
+        );
+        // Another rank's, a prefix without its ": ", or none: the line as it is.
+        for (line, rank) in [
+            (&b"[rank12]: x\n"[..], 1),
+            (b"[rank1]:x\n", 1),
+            (b"[rank]: x\n", 1),
+            (b"plain [rank1]: x\n", 1),
+            (b"[rank1", 1),
+        ] {
+            assert_eq!(strip_torch_prefix(line, rank), line);
+        }
+        assert_eq!(strip_torch_prefix(b"[rank12]: x\n", 12), b"x\n");
+    }
 }

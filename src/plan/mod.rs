@@ -197,6 +197,9 @@ pub struct WorkersPlan {
     pub virtual_local_rank: bool,
     /// Each worker bound to the CPUs of its GPU's NUMA node.
     pub numa_binding: bool,
+    /// `--signals-to-handle` as given, exported as TORCHELASTIC_SIGNALS_TO_HANDLE (torchrun sets
+    /// it in its own environment, which its workers inherit); empty: not set.
+    pub signals_to_handle: String,
 }
 
 /// The nodes and workers a command asks for, which [`NodesPlan::resolve`] lays out on hosts.
@@ -566,6 +569,7 @@ impl RunSettings {
                 color: resolve_color(*color, env),
             },
             stdin_rank: parse_stdin(stdin.as_deref(), nnodes > 1 || uses_hosts)?,
+            signals_to_handle: signals_to_handle.clone(),
             virtual_local_rank: *virtual_local_rank,
             numa_binding: match numa_binding.as_deref() {
                 None => false,
@@ -669,6 +673,7 @@ impl BisectSettings {
             stdin_rank: None,
             virtual_local_rank: false,
             numa_binding: false,
+            signals_to_handle: String::new(),
         };
         if *write_exclude && nodes.exclude_file.is_none() {
             return Err(Error::usage(
@@ -727,6 +732,12 @@ impl WorkersPlan {
                 w.error_file.display().to_string(),
             ),
         ];
+        if !self.signals_to_handle.is_empty() {
+            env.push((
+                "TORCHELASTIC_SIGNALS_TO_HANDLE".into(),
+                self.signals_to_handle.clone(),
+            ));
+        }
         if self.set_async_error_handling {
             env.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING".into(), "1".into()));
         }
@@ -1602,7 +1613,8 @@ fn parse_signals(s: &str) -> Result<Vec<i32>> {
         };
         let Some(sig) = sig else {
             return Err(Error::usage(format!(
-                "--signals-to-handle: {name:?} is not a signal (names like SIGUSR1 or USR1, or                  numbers)"
+                "--signals-to-handle: {name:?} is not a signal (names like SIGUSR1 or USR1, or \
+                 numbers)"
             )));
         };
         let n = sig as i32;

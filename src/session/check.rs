@@ -159,6 +159,9 @@ impl Session {
         let cmp = crate::facts::compare(&facts);
         eprint!("{}", cmp.table);
         f.warnings.extend(cmp.differences.iter().cloned());
+        for n in &cmp.notes {
+            tracing::info!("{n}");
+        }
         if cmp.refuse && !self.plan.allow_mismatch {
             match cmp.odd.is_empty() {
                 true => f.problems.push((None, "NCCL major.minor or torch differ between nodes (see above): a job would fail or hang in init; make them equal, or pass --allow-mismatch".into())),

@@ -141,9 +141,23 @@ impl Session {
             local_addr,
             reached,
             probe_addr,
-            facts,
+            mut facts,
             nonce,
+            own_sealed,
         } = record;
+        // A c10d node's own command line, sealed with the run's secret for this join.
+        if let (Some(sealed), Some(secret)) = (own_sealed, &self.rendezvous.secret) {
+            let key = self.bus.keys.joined(i);
+            facts.own =
+                crate::store::auth::open(secret.as_bytes(), &key, nonce.as_bytes(), &sealed)
+                    .and_then(|json| serde_json::from_slice(&json).ok());
+            if facts.own.is_none() {
+                tracing::warn!(
+                    "node {i}'s own command line could not be opened with the run's secret; \
+                     it runs the hosting node's"
+                );
+            }
+        }
         // Every later step of this node is sealed for it (link::Bus::set_step).
         self.bus.nonces.insert(i, nonce);
         if self.nodes[i].link.named_on_join() {

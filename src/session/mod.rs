@@ -238,6 +238,16 @@ impl Session {
                 &crate::agent::protocol::c10d_run_key(&c.id),
                 session.run.as_bytes(),
             );
+            st.set(&crate::agent::protocol::c10d_public_key(&c.id), b"1");
+        }
+        if let Some(st) = session.store() {
+            // Any nrun that connects may read that an nrun listens here, and (set before this,
+            // so one who sees this sees that) which c10d rendezvous it hosts: a node of another
+            // job or launcher is told so (agent::peer).
+            st.set(
+                crate::agent::protocol::NRUN_STORE_KEY,
+                crate::cli::VERSION.as_bytes(),
+            );
         }
         let starting = link::Starting {
             plan: &session.plan,

@@ -29,8 +29,13 @@ pub struct Group {
 }
 
 impl Group {
-    /// Every node of the session, ranks as laid out.
+    /// Every node of the session, ranks as laid out (c10d nodes with their own worker counts:
+    /// numbered in node order, as torchrun's).
     pub fn all(s: &Session) -> Group {
+        if (0..s.nodes.len()).any(|i| own_work(s, i).is_some()) {
+            let every: Vec<usize> = (0..s.nodes.len()).collect();
+            return Group::of(s, &every);
+        }
         Group {
             members: s
                 .plan
@@ -55,10 +60,17 @@ impl Group {
             .iter()
             .enumerate()
             .map(|(g, &i)| {
-                let ranks = s.plan.layout[i]
-                    .ranks
-                    .iter()
-                    .map(|&(_, local, _)| {
+                let locals: Vec<usize> = match own_work(s, i) {
+                    Some(o) => (0..o.nproc).collect(),
+                    None => s.plan.layout[i]
+                        .ranks
+                        .iter()
+                        .map(|&(_, local, _)| local)
+                        .collect(),
+                };
+                let ranks = locals
+                    .into_iter()
+                    .map(|local| {
                         next += 1;
                         (next - 1, local)
                     })
@@ -85,6 +97,11 @@ impl Group {
             .map(|(r, i)| (r, s.nodes[i].label.clone()))
             .collect()
     }
+}
+
+/// Node `i`'s own worker count and command line, where its own nrun joined with them (c10d).
+fn own_work(s: &Session, i: usize) -> Option<&crate::facts::OwnWork> {
+    s.nodes[i].joined.as_ref()?.facts.as_ref()?.own.as_ref()
 }
 
 /// What every worker of one group run shares.
@@ -137,6 +154,11 @@ impl Session {
     ) -> Vec<WorkerSpec> {
         let n = &self.nodes[m.node];
         let joined = n.joined.as_ref();
+        // The job's workers on a node that came with its own command line run that (c10d);
+        // the preflight's and bisect's ranks (`logs` off) are nrun's own everywhere.
+        let own = own_work(self, m.node)
+            .filter(|_| l.logs)
+            .and_then(|o| o.command.split_first());
         let master_addr = joined.map_or(self.rendezvous.addr.as_str(), |j| &j.master_addr);
         let several = self.nodes.len() > 1;
         let width = group.world.saturating_sub(1).to_string().len();
@@ -216,8 +238,8 @@ impl Session {
             specs.push(WorkerSpec {
                 rank,
                 local_rank,
-                program: l.program.to_string(),
-                args: l.args.to_vec(),
+                program: own.map_or_else(|| l.program.to_string(), |(p, _)| p.clone()),
+                args: own.map_or_else(|| l.args.to_vec(), |(_, a)| a.to_vec()),
                 env,
                 error_file,
                 prefix,

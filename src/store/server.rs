@@ -260,12 +260,25 @@ fn is_control(key: &[u8]) -> bool {
     key.starts_with(CONTROL_PREFIX)
 }
 
+/// nrun's keys anyone may read (never write) without the secret: what an nrun that connects
+/// needs to know before it can prove anything, namely whether this store is an nrun's and which
+/// c10d rendezvous it hosts (so a node of another job, or of another launcher, is told so).
+pub const PUBLIC_PREFIX: &[u8] = b"nrun/public/";
+
+/// A key a read request may name without the secret: not nrun's, or nrun's public ones.
+fn readable(key: &[u8]) -> bool {
+    !is_control(key) || key.starts_with(PUBLIC_PREFIX)
+}
+
 /// Whether a request names any of nrun's control keys.
 fn touches_control(req: &Request) -> bool {
     match req {
+        Request::Get { key } => !readable(key),
+        Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
+            !keys.iter().all(|k| readable(k))
+        }
         Request::Set { key, .. }
         | Request::CompareSet { key, .. }
-        | Request::Get { key }
         | Request::Add { key, .. }
         | Request::DeleteKey { key }
         | Request::Append { key, .. }
@@ -273,9 +286,6 @@ fn touches_control(req: &Request) -> bool {
         | Request::QueuePop { key }
         | Request::QueueLen { key }
         | Request::Barrier { key, .. } => is_control(key),
-        Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
-            keys.iter().any(|k| is_control(k))
-        }
         Request::MultiSet { pairs } => pairs.iter().any(|(k, _)| is_control(k)),
         Request::Validate { .. }
         | Request::GetNumKeys

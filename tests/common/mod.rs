@@ -216,7 +216,14 @@ pub struct Cluster {
 
 impl Cluster {
     /// None (with a visible SKIPPED line) where namespaces cannot be made (not root).
+    /// `NRUN_TEST_CLUSTER_PREFIX` goes before `name`, so test runs of several worktrees at
+    /// once on one machine make clusters of their own (names up to 11 characters in all).
     pub fn up(name: &str, k: usize) -> Option<Cluster> {
+        let prefixed = format!(
+            "{}{name}",
+            std::env::var("NRUN_TEST_CLUSTER_PREFIX").unwrap_or_default()
+        );
+        let name = prefixed.as_str();
         let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
         if !nix_is_root() {
             eprintln!("SKIPPED cluster test {name}: needs root for network namespaces");

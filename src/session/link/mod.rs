@@ -327,6 +327,7 @@ impl Instructions {
             heartbeat: true,
             nodes,
             agent_timeout_ms: self.agent_timeout.as_millis() as u64,
+            own: None,
         }
     }
 }
