@@ -702,8 +702,8 @@ pub struct NodesArgs {
     )]
     pub agent_timeout: f64,
 
-    /// How many hosts of the list are spares, where --nnodes is not given (with --nnodes N,
-    /// the hosts beyond N are); with --rdzv-backend c10d, how many nodes beyond --nnodes may
+    /// How many hosts of the list are spares, where the job's node count is not given (given,
+    /// the hosts beyond it are); with a c10d rendezvous, how many nodes beyond that count may
     /// join as spares. Spares join and are checked, run nothing, and take the place of a node
     /// left out: one that fails to join or the checks, or is lost mid-run.
     #[arg(long, env = "NRUN_SPARES", value_name = "K")]

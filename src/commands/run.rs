@@ -100,7 +100,9 @@ pub async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) -> Resu
             }
         }
     }
-    for (i, why) in &failures {
+    // A c10d slot nobody came to is no node to leave out.
+    let first_peer = s.plan.hosts.len() - s.plan.peers;
+    for (i, why) in failures.iter().filter(|(i, _)| *i < first_peer) {
         s.leave_out(*i, Stage::Join, why);
     }
     if let Err(e) = s.fill() {
@@ -172,8 +174,11 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
     if failures.is_empty() || s.left_out.iter().any(|l| l.stage != Stage::Join) {
         return e;
     }
-    // Most nodes failing to join is the setup's fault (ssh, nrun's path), not theirs.
-    let code = match failures.len() * 2 > s.len() {
+    // Most nodes failing to join is the setup's fault (ssh, nrun's path), not theirs; so is a
+    // c10d node that never started.
+    let first_peer = s.plan.hosts.len() - s.plan.peers;
+    let code = match failures.len() * 2 > s.len() || failures.iter().all(|(i, _)| *i >= first_peer)
+    {
         true => exit::CLUSTER,
         false => exit::NO_NODES,
     };

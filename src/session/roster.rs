@@ -240,7 +240,9 @@ impl Session {
     /// `list`: print the nodes left out (an error that ended the job named them already).
     pub fn settle(&mut self, report: Option<&std::path::Path>, list: bool) {
         let timeout = self.plan.join_timeout;
-        for i in 0..self.nodes.len() {
+        // c10d slots nobody came to are no nodes.
+        let first_peer = self.plan.hosts.len() - self.plan.peers;
+        for i in 0..first_peer {
             if self.nodes[i].joined.is_some() || self.is_left_out(i) {
                 continue;
             }
