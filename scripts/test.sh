@@ -12,6 +12,9 @@ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-s
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v setsid >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need_apt+=(iptables)
+# The wheel's checks: objdump reads its GLIBC versions, debootstrap makes the old Debian.
+command -v objdump >/dev/null 2>&1 || need_apt+=(binutils)
+command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need_apt+=(debootstrap)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "test.sh: installing ${need_apt[*]}" >&2
