@@ -49,13 +49,15 @@ fn mac(secret: &[u8], parts: &[&[u8]]) -> Option<HmacSha256> {
 }
 
 /// Fills `b` from the OS. No randomness is an error, never a predictable value.
+///
+/// Through the getrandom crate, not libc's getrandom(3): that function is glibc 2.25's, and the
+/// wheel's binary must link against glibc 2.17 (the crate looks the function up at run time and
+/// falls back to the syscall or /dev/urandom).
 fn random_bytes(b: &mut [u8]) -> std::io::Result<()> {
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n != b.len() as isize {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    getrandom::fill(b).map_err(|e| match e.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::other(e.to_string()),
+    })
 }
 
 /// 128 random bits from the OS, hex: a run's secret, or a challenge.
