@@ -192,6 +192,91 @@ fn a_straggler_is_named_and_a_pause_of_every_rank_blames_nobody() {
     s.assert_no_survivors();
 }
 
+/// After a restart the watch follows the new group: the hang in the second attempt is named
+/// with the new worker's pid, and `--report` (with `--no-preflight`) says how the job ended.
+#[test]
+fn the_watch_follows_a_restarted_group_and_the_report_says_how_the_job_ended() {
+    let Some(py) = python("restart") else { return };
+    let _one = serial();
+    let s = Scene::new();
+    let report = s.dir.path().join("report.json");
+    let script = script();
+    let out = s.run(
+        &[
+            "--nproc",
+            "3",
+            "--python",
+            &py,
+            "--no-preflight",
+            "--max-restarts",
+            "1",
+            "--hang-timeout",
+            "4",
+            "--on-hang",
+            "stop",
+            "--report",
+            report.to_str().unwrap(),
+            &script,
+        ],
+        &[("NRUN_HANG_CASE", "restart")],
+    );
+    let (stdout, err) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(97), "{stdout}\n{err}");
+    assert!(
+        err.contains("restarting the worker group (1 of 1 restarts)"),
+        "{err}"
+    );
+    // The second attempt's rank 1, by the pid it printed.
+    let pid = stdout
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("[rank1]: rank 1 pid ")?
+                .strip_suffix(" case sleep")
+        })
+        .unwrap_or_else(|| panic!("no second attempt in {stdout}"));
+    assert!(
+        err.contains("rank 1 on ") && err.contains(&format!("(pid {pid}): in Python code")),
+        "{err}"
+    );
+    assert!(
+        err.contains("has not entered it: it is in stuck_forever"),
+        "{err}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(v["job"]["outcome"], "hang", "{v}");
+    assert_eq!(v["job"]["exit_code"], 97, "{v}");
+    assert_eq!(v["job"]["restarts"], 1, "{v}");
+    assert_eq!(v["job"]["attempts"], 2, "{v}");
+    assert_eq!(v["watch"]["hangs"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(
+        v["watch"]["hangs"][0]["ranks"][1]["pid"].to_string(),
+        pid,
+        "{v}"
+    );
+    s.assert_no_survivors();
+
+    // A job that ends well, with nothing found, still gets its report.
+    std::fs::remove_file(&report).unwrap();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--no-preflight",
+            "--report",
+            report.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(v["job"]["outcome"], "success", "{v}");
+    assert_eq!(v["job"]["restarts"], 0, "{v}");
+}
+
 #[test]
 fn the_watch_is_off_for_programs_and_when_asked() {
     let s = Scene::new();

@@ -17,19 +17,67 @@ pub async fn run(
     listener: Option<std::net::TcpListener>,
 ) -> Result<u8> {
     let mut s = Session::start(&job.session, nodes, listener).await?;
-    let code = drive(&mut s, job).await;
+    let mut rec = Record::default();
+    let code = drive(&mut s, job, &mut rec).await;
+    let code_of = code.as_ref().map_or_else(|e| e.code, |c| *c);
+    // --report is written at the end of every job, however it ended; --preflight-only's own
+    // report is the preflight's (written by it).
+    let written = match (&job.report, job.preflight_only) {
+        (Some(path), false) => report::write_json("--report", path, &rec.json(code_of, &s)),
+        _ => Ok(()),
+    };
     // Nodes whose own nrun joined (c10d) exit with the job's code.
-    s.end_with(code.as_ref().map_or_else(|e| e.code, |c| *c))
-        .await;
+    s.end_with(code_of).await;
+    written?;
     code
 }
 
-async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
+/// What `--report` says about the job beside the preflight's findings.
+#[derive(Default)]
+struct Record {
+    /// The preflight's report, when one ran.
+    preflight: Option<serde_json::Value>,
+    /// Worker groups started, and restarts after a failure (TORCHELASTIC_RESTART_COUNT).
+    attempts: usize,
+    restarts: u32,
+    /// How the job ended ("success", "failed", "hang", "interrupted"); None: it never started.
+    outcome: Option<&'static str>,
+    /// The last failure, in one line (a restart may have followed it).
+    headline: Option<String>,
+}
+
+impl Record {
+    fn json(&self, code: u8, s: &Session) -> serde_json::Value {
+        let outcome = match (self.outcome, code) {
+            (Some(o), _) => o,
+            (None, exit::SUCCESS) => "success",
+            (None, _) => "not started",
+        };
+        // The preflight's keys stay at the top level, where --preflight-only puts them.
+        let mut v = self
+            .preflight
+            .clone()
+            .unwrap_or_else(|| serde_json::json!({}));
+        v["job"] = serde_json::json!({
+            "outcome": outcome,
+            "exit_code": code,
+            "headline": self.headline,
+            "attempts": self.attempts,
+            "restarts": self.restarts,
+        });
+        v["watch"] = s
+            .watch
+            .as_ref()
+            .map_or(serde_json::Value::Null, WatchState::json);
+        v
+    }
+}
+
+async fn drive(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u8> {
     ready(s).await?;
     let mut code = exit::SUCCESS;
-    let mut report = None;
     if let Some(pf) = &job.preflight {
-        (code, report) = preflight::run(s, job, pf).await?;
+        (code, rec.preflight) = preflight::run(s, job, pf).await?;
         if code != exit::SUCCESS && pf.warn_only && !job.preflight_only {
             tracing::warn!(
                 "the preflight failed (exit code {code}); starting the job anyway (--preflight ...,warn)"
@@ -40,7 +88,7 @@ async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
     if code != exit::SUCCESS || job.preflight_only {
         return Ok(code);
     }
-    attempts(s, job, report).await
+    attempts(s, job, rec).await
 }
 
 /// Join and check: every node joined, the nodes agree and reach each other. `Err`: the exit
@@ -90,13 +138,8 @@ pub async fn ready(s: &mut Session) -> Result<()> {
     s.probe_ring().await
 }
 
-/// The job's attempts; `report` is what the preflight wrote to `--report`, which the watch's
-/// findings join.
-async fn attempts(
-    s: &mut Session,
-    job: &RunSettings,
-    report: Option<serde_json::Value>,
-) -> Result<u8> {
+/// The job's attempts, counted in `rec`.
+async fn attempts(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u8> {
     if job.workers.set_omp_threads {
         tracing::info!(
             "OMP_NUM_THREADS was unset; set to 1 for each of the {} workers (as torchrun does); set \
@@ -125,16 +168,7 @@ async fn attempts(
         command: &command,
     };
     s.watch = job.watch.map(WatchState::new);
-    let code = attempt_loop(s, job, &program, &args, &shape).await;
-    // What the watch found goes into --report beside the preflight's findings.
-    if let (Some(w), Some(path)) = (&s.watch, &job.report) {
-        if !w.hangs.is_empty() || !w.stragglers.is_empty() {
-            let mut json = report.unwrap_or_else(|| serde_json::json!({}));
-            json["watch"] = w.json();
-            report::write_json("--report", path, &json)?;
-        }
-    }
-    Ok(code)
+    Ok(attempt_loop(s, job, &program, &args, &shape, rec).await)
 }
 
 async fn attempt_loop(
@@ -143,12 +177,15 @@ async fn attempt_loop(
     program: &str,
     args: &[String],
     shape: &JobShape<'_>,
+    rec: &mut Record,
 ) -> u8 {
     let mut code = exit::SUCCESS;
     // `attempt` numbers the worker groups started (log directories); `restarts` those after a
     // failure (TORCHELASTIC_RESTART_COUNT): an elastic job growing is not a failure.
     let mut restarts = 0;
-    for attempt in 0.. {
+    for attempt in 0u32.. {
+        rec.attempts = attempt as usize + 1;
+        rec.restarts = restarts;
         if attempt > 0 {
             if let Some(st) = s.store() {
                 st.clear_user_keys();
@@ -174,23 +211,36 @@ async fn attempt_loop(
         let steps = s.steps(&job.workers, &s.group(), &launch);
         let results = match s.run_step(steps, Policy::Together).await {
             Ok(r) => r,
-            Err(e) => return e.code,
+            Err(e) => {
+                rec.outcome = Some(if e.code > 128 {
+                    "interrupted"
+                } else {
+                    "failed"
+                });
+                return e.code;
+            }
         };
         if s.watch.as_ref().is_some_and(|w| w.stopped) {
             eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
+            rec.outcome = Some("hang");
             return exit::HANG;
         }
         // Elastic: nodes arrived while the group ran; it was stopped to take them in.
         if std::mem::take(&mut s.grow) {
             if let Err(why) = s.reform(&[]) {
                 eprintln!("nrun: error: {why}; the job cannot go on");
+                rec.outcome = Some("failed");
                 return exit::CLUSTER;
             }
             continue;
         }
         match report::job_end(shape, &results) {
-            JobEnd::Success => return exit::SUCCESS,
+            JobEnd::Success => {
+                rec.outcome = Some("success");
+                return exit::SUCCESS;
+            }
             JobEnd::Interrupted(c) => {
+                rec.outcome = Some("interrupted");
                 tracing::warn!(
                     "stopped by {}; every worker was stopped",
                     crate::node::signal_name(i32::from(c) - 128)
@@ -204,6 +254,8 @@ async fn attempt_loop(
                 error_json,
             } => {
                 code = c;
+                rec.outcome = Some("failed");
+                rec.headline = Some(headline.clone());
                 // Elastic: lost nodes leave, late ones come in, if MIN nodes remain.
                 if restarts < job.workers.max_restarts && s.elastic() {
                     let lost: Vec<usize> = results

@@ -35,10 +35,18 @@ def checkpoint():
     time.sleep(float(os.environ.get("NRUN_PAUSE_S", "8")))
 
 
+# restart (kept below the lines above, whose numbers tests check): in the first attempt rank 1
+# fails after 3 steps; the restarted group goes on as `sleep`.
+if case == "restart":
+    case = "fail" if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else "sleep"
+    print(f"rank {os.environ['RANK']} pid {os.getpid()} case {case}", flush=True)
+
 t = torch.ones(1024, device=device)
 for step in range(steps):
     if step == 5 and rank == 1 and case in ("sleep", "timeout"):
         stuck_forever()
+    if step == 3 and rank == 1 and case == "fail":
+        raise SystemExit("rank 1 fails on purpose")
     if step == 5 and rank == 1 and case == "early":
         break
     if step == 5 and rank == 1 and case == "gather":
