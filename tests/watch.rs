@@ -277,6 +277,44 @@ fn the_watch_follows_a_restarted_group_and_the_report_says_how_the_job_ended() {
     assert_eq!(v["job"]["restarts"], 0, "{v}");
 }
 
+/// A worker launched through a shell wrapper is watched by default: one that execs python
+/// (the same process becomes Python) and one that starts python as its child.
+#[test]
+fn a_hang_under_a_no_python_wrapper_is_named() {
+    let Some(py) = python("wrapper") else { return };
+    let _one = serial();
+    let s = Scene::new();
+    let script = script();
+    for wrapper in [
+        format!("exec {py} {script}"),
+        format!("{py} {script}; exit $?"),
+    ] {
+        let out = s.run(
+            &[
+                "--nproc",
+                "3",
+                "--hang-timeout",
+                "4",
+                "--on-hang",
+                "stop",
+                "--no-python",
+                "sh",
+                "-c",
+                &wrapper,
+            ],
+            &[("NRUN_HANG_CASE", "sleep")],
+        );
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(97), "{wrapper}: {err}");
+        assert!(
+            err.contains("conclusion: ranks 0,2 wait in all_reduce; rank 1 on ")
+                && err.contains("has not entered it: it is in stuck_forever ("),
+            "{wrapper}: {err}"
+        );
+        s.assert_no_survivors();
+    }
+}
+
 #[test]
 fn the_watch_is_off_for_programs_and_when_asked() {
     let s = Scene::new();

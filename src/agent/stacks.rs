@@ -5,6 +5,11 @@
 //! (scope 2 or 3, or a seccomp profile without process_vm_readv) each rank's view carries the
 //! error instead of a stack and the coordinator says so. Conclusions are drawn by the
 //! coordinator alone (`crate::watch`).
+//!
+//! A worker need not be Python itself: a launch script (`sh -c 'exec python train.py'`, a
+//! wrapper that starts python as its child) is followed to the Python process it becomes or
+//! starts, the topmost Python process of the worker's tree; a worker with no Python in its tree
+//! is simply not watched (and nothing is said about it).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -27,11 +32,19 @@ const OPEN_TRIES: u32 = 10;
 
 struct Watched {
     view: RankView,
+    /// The worker's own pid (the view's pid is the Python process watched, which may be a
+    /// descendant).
+    worker: u32,
     spy: Option<py_spy::PythonSpy>,
     tries: u32,
     stack: u64,
     since: Instant,
+    /// When the worker's tree was last searched for a Python process.
+    searched: Option<Instant>,
 }
+
+/// Time between two searches of a worker's tree for Python (a wrapper may start it later).
+const SEARCH: Duration = Duration::from_secs(2);
 
 const THREAD: &str = "nrun-watch";
 
@@ -70,10 +83,12 @@ pub fn spawn(
                                 pid,
                                 ..RankView::default()
                             },
+                            worker: pid,
                             spy: None,
                             tries: 0,
                             stack: 0,
                             since: Instant::now(),
+                            searched: None,
                         }),
                         Ok(GroupEvent::Exited { rank, exit }) => {
                             if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
@@ -121,6 +136,19 @@ pub fn spawn(
 
 fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
     if w.spy.is_none() {
+        // The Python process to watch: the worker, what it exec'd, or its topmost Python
+        // descendant; searched again every few seconds until found.
+        if w.searched.is_some_and(|t| t.elapsed() < SEARCH) {
+            return;
+        }
+        let Some(pid) = python_in_tree(w.worker) else {
+            w.searched = Some(Instant::now());
+            return;
+        };
+        if pid != w.view.pid {
+            w.view.pid = pid;
+            w.tries = 0;
+        }
         let mut config = py_spy::Config::default();
         config.blocking = py_spy::config::LockingStrategy::NonBlocking;
         // The addresses of each frame's arguments tell a new call from the same call: a rank
@@ -147,6 +175,13 @@ fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
     let traces = match read {
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
+            // A Python process under a wrapper may end while the worker goes on (a script that
+            // runs python twice): look for the next one.
+            if w.view.pid != w.worker && !alive(w.view.pid) {
+                w.spy = None;
+                w.searched = None;
+                return;
+            }
             // Gone, or between two states; the exit event says which.
             w.view.error = Some(format!("cannot read its Python stack: {e}"));
             return;
@@ -156,10 +191,17 @@ fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
             return;
         }
     };
-    // The main thread: the one that runs the script's module code.
+    // The main thread: its OS thread id is the pid. (Another thread's stack, such as a data
+    // loader's idle one, says nothing about the training loop's progress.)
+    let pid = u64::from(w.view.pid);
     let main = traces
         .iter()
-        .find(|t| t.frames.last().is_some_and(|f| f.name == "<module>"))
+        .find(|t| t.os_thread_id == Some(pid))
+        .or_else(|| {
+            traces
+                .iter()
+                .find(|t| t.frames.last().is_some_and(|f| f.name == "<module>"))
+        })
         .or_else(|| traces.first());
     let Some(main) = main else { return };
     let stack = fingerprint(&main.frames);
@@ -182,6 +224,66 @@ fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
     }
 }
 
+/// Whether process `pid` runs Python: its executable is a python, or it maps libpython (an
+/// embedding program). Read from /proc, which any process of the same user may.
+fn is_python(pid: u32) -> bool {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+    let named = exe
+        .as_ref()
+        .and_then(|p| p.file_name())
+        .is_some_and(|n| n.to_string_lossy().starts_with("python"));
+    named
+        || std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .is_ok_and(|m| m.contains("/libpython"))
+}
+
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The topmost Python process of `root`'s tree (`root` itself first), breadth first.
+fn python_in_tree(root: u32) -> Option<u32> {
+    if is_python(root) {
+        return Some(root);
+    }
+    let children = children_by_parent();
+    let mut queue = std::collections::VecDeque::from([root]);
+    while let Some(p) = queue.pop_front() {
+        for &c in children.get(&p).into_iter().flatten() {
+            if is_python(c) {
+                return Some(c);
+            }
+            queue.push_back(c);
+        }
+    }
+    None
+}
+
+/// Every process's children, from /proc/*/stat (the parent is the 4th field, after the name in
+/// parentheses, which may itself hold spaces and parentheses).
+fn children_by_parent() -> HashMap<u32, Vec<u32>> {
+    let mut m: HashMap<u32, Vec<u32>> = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return m;
+    };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            m.entry(ppid).or_default().push(pid);
+        }
+    }
+    m
+}
+
 /// The torch.distributed call a stack waits in: its innermost frame in `distributed_c10d.py`.
 pub fn collective(frames: &[Frame]) -> Option<String> {
     frames
@@ -197,8 +299,12 @@ fn fingerprint(frames: &[py_spy::Frame]) -> u64 {
         f.name.hash(&mut h);
         f.filename.hash(&mut h);
         f.line.hash(&mut h);
+        // Addresses alone can repeat: CPython hands a freed object's memory to the next one
+        // of its size, so a loop caught at the same line may show the same addresses step after
+        // step. The values' text (a loop counter, a step number) tells those steps apart.
         for l in f.locals.iter().flatten() {
             l.addr.hash(&mut h);
+            l.repr.hash(&mut h);
         }
     }
     h.finish()
