@@ -192,6 +192,45 @@ fn a_straggler_is_named_and_a_pause_of_every_rank_blames_nobody() {
     s.assert_no_survivors();
 }
 
+/// A rank half again as slow each step, sustained, is named within a minute with every rank's
+/// wait fraction; the same job balanced names nobody. (Sampled stacks at 2 Hz resolve this much
+/// within a minute on gloo; a rank 20% slower on NCCL is named from the flight recorder's
+/// timings, on the GPU machine: scripts/gpu-check.sh.)
+#[test]
+fn a_slower_rank_is_named_within_a_minute_and_a_balanced_job_names_nobody() {
+    let Some(py) = python("slow20") else { return };
+    let _one = serial();
+    let s = Scene::new();
+    for (slow, named) in [("0.15", true), ("0.10", false)] {
+        // 350 steps of 0.15 s for rank 2: named within the 53 s the job straggles.
+        let (code, err) = hang(
+            &s,
+            &py,
+            "straggler",
+            "3",
+            &[],
+            &[
+                ("NRUN_STEPS", "350"),
+                ("NRUN_BASE_S", "0.10"),
+                ("NRUN_SLOW_S", slow),
+            ],
+        );
+        assert_eq!(code, Some(0), "{err}");
+        match named {
+            true => {
+                assert!(
+                    err.contains("rank 2 on ")
+                        && err.contains("is a straggler")
+                        && err.contains("(each rank's wait: 0: "),
+                    "{err}"
+                );
+            }
+            false => assert!(!err.contains("straggler"), "balanced: {err}"),
+        }
+    }
+    s.assert_no_survivors();
+}
+
 /// After a restart the watch follows the new group: the hang in the second attempt is named
 /// with the new worker's pid, and `--report` (with `--no-preflight`) says how the job ended.
 #[test]

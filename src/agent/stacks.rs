@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
+use super::flight::{self, FrFiles, FrState};
 use super::protocol::{Frame, NodeWatch, RankView};
 use crate::node::GroupEvent;
 
@@ -39,9 +40,26 @@ struct Watched {
     tries: u32,
     stack: u64,
     since: Instant,
+    /// When its stack was last read whole.
+    read: Option<Instant>,
+    /// The main thread's voluntary context switches at the last sample.
+    switches: Option<u64>,
+    /// It runs collectives: seen in one, or it loaded NCCL (whose collectives return at once
+    /// and are waited for at the next GPU sync).
+    collectives: bool,
+    /// Its memory map was searched for NCCL (once, at its first GPU sync: torch is loaded).
+    nccl_checked: bool,
     /// When the worker's tree was last searched for a Python process.
     searched: Option<Instant>,
+    /// Its flight recorder (NCCL jobs).
+    fr: FrState,
 }
+
+/// A node's ranks all unchanged this long: their flight recorders are asked for a dump, so
+/// that the collective they stall in is known by the time a hang is called.
+const STALL_DUMP: Duration = Duration::from_secs(5);
+/// A dump asked for and not there after this long is not coming (not an NCCL job).
+const DUMP_WAIT: Duration = Duration::from_secs(10);
 
 /// Time between two searches of a worker's tree for Python (a wrapper may start it later).
 const SEARCH: Duration = Duration::from_secs(2);
@@ -66,6 +84,7 @@ fn quiet_panics() {
 pub fn spawn(
     mut events: mpsc::UnboundedReceiver<GroupEvent>,
     out: mpsc::UnboundedSender<NodeWatch>,
+    flight_files: Vec<(usize, FrFiles)>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     quiet_panics();
     std::thread::Builder::new()
@@ -74,6 +93,7 @@ pub fn spawn(
             let mut ranks: Vec<Watched> = Vec::new();
             let mut sources: HashMap<String, Vec<String>> = HashMap::new();
             let mut published = Instant::now();
+            let mut periodic = Instant::now();
             loop {
                 loop {
                     match events.try_recv() {
@@ -88,7 +108,18 @@ pub fn spawn(
                             tries: 0,
                             stack: 0,
                             since: Instant::now(),
+                            read: None,
+                            switches: None,
+                            collectives: false,
+                            nccl_checked: false,
                             searched: None,
+                            fr: FrState {
+                                files: flight_files
+                                    .iter()
+                                    .find(|(r, _)| *r == rank)
+                                    .map(|(_, f)| f.clone()),
+                                ..FrState::default()
+                            },
                         }),
                         Ok(GroupEvent::Exited { rank, exit }) => {
                             if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
@@ -108,19 +139,21 @@ pub fn spawn(
                 // may be caught at the same line every time).
                 if ranks.iter().any(|w| w.since.elapsed() < ACTIVE) {
                     for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
-                        w.view.samples += 1;
-                        if w.view.collective.is_some() {
-                            w.view.waiting += 1;
-                        }
+                        count(w);
                     }
                 }
+                let periodic_due = periodic.elapsed() >= flight::PERIOD;
+                if periodic_due {
+                    periodic = Instant::now();
+                }
+                flight_recorders(&mut ranks, periodic_due);
                 if published.elapsed() >= PUBLISH {
                     published = Instant::now();
                     let snapshot = NodeWatch {
                         ranks: ranks
                             .iter()
                             .map(|w| RankView {
-                                unchanged_ms: w.since.elapsed().as_millis() as u64,
+                                unchanged_ms: unchanged(w).as_millis() as u64,
                                 ..w.view.clone()
                             })
                             .collect(),
@@ -132,6 +165,105 @@ pub fn spawn(
                 std::thread::sleep(SAMPLE);
             }
         })
+}
+
+/// Asks the ranks' flight recorders for dumps (when the node's ranks stall, and when `periodic`)
+/// and reads the dumps that arrived.
+fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
+    let live = || {
+        ranks
+            .iter()
+            .filter(|w| w.view.exited.is_none() && w.fr.files.is_some())
+    };
+    let stalled = live().count() > 0 && live().all(|w| unchanged(w) >= STALL_DUMP);
+    for w in ranks
+        .iter_mut()
+        .filter(|w| w.view.exited.is_none() && w.spy.is_some())
+    {
+        let Some(files) = &w.fr.files else { continue };
+        if !stalled {
+            w.fr.asked_in_stall = false;
+        }
+        let ask = (stalled && !w.fr.asked_in_stall) || periodic;
+        if ask && w.fr.asked.is_none() && flight::ask(files) {
+            w.fr.asked = Some((Instant::now(), std::time::SystemTime::now()));
+            w.fr.asked_in_stall |= stalled;
+        }
+    }
+    // The dumps that arrived, read together by one interpreter.
+    let mut ready: Vec<usize> = Vec::new();
+    for (i, w) in ranks.iter_mut().enumerate() {
+        let (Some(files), Some((at, wall))) = (&w.fr.files, w.fr.asked) else {
+            continue;
+        };
+        if flight::dumped_since(files, wall) {
+            ready.push(i);
+        } else if at.elapsed() > DUMP_WAIT {
+            w.fr.asked = None;
+        }
+    }
+    let Some(&first) = ready.first() else { return };
+    let Ok(python) = std::fs::read_link(format!("/proc/{}/exe", ranks[first].view.pid)) else {
+        return;
+    };
+    let paths: Vec<&std::path::Path> = ready
+        .iter()
+        .filter_map(|&i| ranks[i].fr.files.as_ref().map(|f| f.dump.as_path()))
+        .collect();
+    let read = flight::read(&python, &paths);
+    for (&i, v) in ready.iter().zip(read) {
+        let w = &mut ranks[i];
+        // A dump caught half-written is read again at the next sample (until DUMP_WAIT).
+        if let Some(v) = v {
+            w.view.fr = Some(v);
+            w.fr.asked = None;
+        }
+    }
+}
+
+/// Samples in the straggler statistics' window: counts are halved when they reach it, so they
+/// speak of the last one to two minutes (a rank that turns slow is named within a minute).
+const WINDOW: u32 = 240;
+
+/// One sample in the straggler statistics: a rank waits when it is in a collective, or in a GPU
+/// sync (`.item()`, `synchronize()`, a copy to the CPU) of a job that runs collectives: NCCL's
+/// return at once and the wait for the peers happens at the next sync.
+fn count(w: &mut Watched) {
+    let v = &mut w.view;
+    if v.samples >= WINDOW {
+        v.samples /= 2;
+        v.waiting /= 2;
+    }
+    v.samples += 1;
+    w.collectives |= v.collective.is_some();
+    let waits = match &v.collective {
+        Some(_) => true,
+        None if crate::watch::waits_in(v).is_none() => false,
+        None => {
+            if !w.collectives && !w.nccl_checked {
+                w.nccl_checked = true;
+                w.collectives = std::fs::read_to_string(format!("/proc/{}/maps", v.pid))
+                    .is_ok_and(|m| m.contains("/libnccl"));
+            }
+            w.collectives
+        }
+    };
+    if waits {
+        v.waiting += 1;
+    }
+}
+
+/// Reads that fail while a process runs (its memory changing under the reader) say nothing of
+/// whether its stack moved: a stack counts as unchanged only as long as it keeps being read.
+const READ_RECENTLY: Duration = Duration::from_secs(5);
+
+/// How long the rank's stack is known not to have changed: zero when it was not read whole
+/// lately, so that failed reads can never make a running rank look stalled.
+fn unchanged(w: &Watched) -> Duration {
+    match w.read {
+        Some(t) if t.elapsed() <= READ_RECENTLY => w.since.elapsed(),
+        _ => Duration::ZERO,
+    }
 }
 
 fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
@@ -204,6 +336,16 @@ fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
         })
         .or_else(|| traces.first());
     let Some(main) = main else { return };
+    w.read = Some(Instant::now());
+    // A loop that spends most of its time on one line of module code (no locals to tell one
+    // step from the next) is sampled at the same stack again and again: the main thread
+    // blocking and waking (a sleep, a socket read, a lock) since the last sample says it moved.
+    // A rank that hangs blocks once and stays blocked; one spinning in a GPU sync never blocks.
+    let switches = voluntary_switches(w.view.pid);
+    if switches.is_some() && w.switches.is_some() && switches != w.switches {
+        w.since = Instant::now();
+    }
+    w.switches = switches;
     let stack = fingerprint(&main.frames);
     if stack != w.stack {
         w.stack = stack;
@@ -235,6 +377,17 @@ fn is_python(pid: u32) -> bool {
     named
         || std::fs::read_to_string(format!("/proc/{pid}/maps"))
             .is_ok_and(|m| m.contains("/libpython"))
+}
+
+/// The main thread's count of voluntary context switches (times it blocked).
+fn voluntary_switches(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 fn alive(pid: u32) -> bool {
@@ -319,4 +472,105 @@ fn source_line(cache: &mut HashMap<String, Vec<String>>, file: &str, line: i32) 
     });
     let l = lines.get(usize::try_from(line).ok()?.checked_sub(1)?)?;
     Some(l.trim().to_string()).filter(|l| !l.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn watched(code: &str, collective: Option<&str>) -> Watched {
+        Watched {
+            view: RankView {
+                // This process: its memory map is real (and holds no libnccl).
+                pid: std::process::id(),
+                frames: vec![Frame {
+                    name: "main".into(),
+                    file: "/job/train.py".into(),
+                    line: 9,
+                    code: Some(code.into()),
+                }],
+                collective: collective.map(str::to_string),
+                ..RankView::default()
+            },
+            worker: std::process::id(),
+            spy: None,
+            tries: 0,
+            stack: 0,
+            since: Instant::now(),
+            read: Some(Instant::now()),
+            switches: None,
+            collectives: false,
+            nccl_checked: false,
+            searched: None,
+            fr: FrState::default(),
+        }
+    }
+
+    #[test]
+    fn a_gpu_sync_counts_as_waiting_once_the_rank_runs_collectives() {
+        let mut w = watched("loss.item()", None);
+        count(&mut w);
+        assert_eq!(
+            (w.view.samples, w.view.waiting),
+            (1, 0),
+            "no collectives yet"
+        );
+        w.view.collective = Some("all_reduce".into());
+        count(&mut w);
+        w.view.collective = None;
+        count(&mut w);
+        assert_eq!((w.view.samples, w.view.waiting), (3, 2));
+        // Plain Python code never counts.
+        w.view.frames[0].code = Some("x = x + 1".into());
+        count(&mut w);
+        assert_eq!((w.view.samples, w.view.waiting), (4, 2));
+    }
+
+    #[test]
+    fn the_statistics_speak_of_the_last_minutes_and_unread_stacks_are_not_stalled() {
+        let mut w = watched("loss.item()", Some("all_reduce"));
+        for _ in 0..WINDOW {
+            count(&mut w);
+        }
+        count(&mut w);
+        assert_eq!(
+            (w.view.samples, w.view.waiting),
+            (WINDOW / 2 + 1, WINDOW / 2 + 1)
+        );
+        w.since = Instant::now() - Duration::from_secs(100);
+        assert!(unchanged(&w) >= Duration::from_secs(100));
+        // Not read whole lately: how long it has not changed is unknown, never a stall.
+        w.read = Some(Instant::now() - READ_RECENTLY - Duration::from_secs(1));
+        assert_eq!(unchanged(&w), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_python_process_of_a_worker_tree_is_found() {
+        // This test binary is not Python, and (run by cargo) has no Python child.
+        assert!(!is_python(std::process::id()));
+        let Some(py) = std::env::var_os("NRUN_TEST_PYTHON") else {
+            eprintln!("SKIPPED: NRUN_TEST_PYTHON unset");
+            return;
+        };
+        // sh -> python: the wrapper's child is found, and is Python.
+        let mut sh = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "{} -c 'import time; time.sleep(30)'; true",
+                py.to_string_lossy()
+            ))
+            .spawn()
+            .unwrap();
+        let root = sh.id();
+        let found = (0..50).find_map(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            python_in_tree(root)
+        });
+        let found = found.expect("the python child");
+        // SAFETY: kill(2) on the pid of the child we just found, and its parent we started.
+        unsafe { libc::kill(found as i32, libc::SIGKILL) };
+        let _ = sh.kill();
+        let _ = sh.wait();
+        assert_ne!(found, root);
+    }
 }

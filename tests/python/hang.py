@@ -35,6 +35,9 @@ def checkpoint():
     time.sleep(float(os.environ.get("NRUN_PAUSE_S", "8")))
 
 
+# straggler: rank 2 sleeps NRUN_SLOW_S (0.55) per step, the others NRUN_BASE_S (0.05).
+slow_s = float(os.environ.get("NRUN_SLOW_S", "0.55"))
+base_s = float(os.environ.get("NRUN_BASE_S", "0.05"))
 # restart (kept below the lines above, whose numbers tests check): in the first attempt rank 1
 # fails after 3 steps; the restarted group goes on as `sleep`.
 if case == "restart":
@@ -56,7 +59,7 @@ for step in range(steps):
     if step == 5 and case == "pause":
         checkpoint()
     if case == "straggler":
-        time.sleep(0.55 if rank == 2 else 0.05)
+        time.sleep(slow_s if rank == 2 else base_s)
     else:
         time.sleep(0.05)
     dist.all_reduce(t)
