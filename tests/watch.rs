@@ -413,3 +413,70 @@ fn a_hang_across_hosts_names_the_rank_and_its_host() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// Elastic: a node lost mid-run, the group re-formed on the other two and training goes on
+/// (a loop that spends most of its time on one line of module code, the shape that once looked
+/// stalled): no hang is called, before or after the re-form.
+#[test]
+fn an_elastic_group_that_re_forms_while_training_raises_no_false_hang() {
+    let Some(py) = python("elastic") else { return };
+    let _one = serial();
+    let Some(c) = Cluster::up("cwe", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let script = script();
+    let hosts = c.hosts(3);
+    let opts = c.ssh_opts();
+    let child = s.spawn(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--nnodes",
+            "2:3",
+            "--max-restarts",
+            "1",
+            "--nproc",
+            "1",
+            "--python",
+            &py,
+            "-x",
+            "NRUN_HANG_CASE=straggler",
+            "-x",
+            "NRUN_SLOW_S=0.05",
+            "-x",
+            "NRUN_STEPS=500",
+            "--hang-timeout",
+            "6",
+            "--on-hang",
+            "stop",
+            &script,
+        ],
+        &[],
+    );
+    // Training runs on three nodes; then cwe-h3's agent dies and the group re-forms.
+    std::thread::sleep(std::time::Duration::from_secs(15));
+    let killed = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "n=0; for p in $(ip netns pids {}); do tr '\\0' ' ' < /proc/$p/cmdline | grep -q __agent && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
+            c.host(3)
+        ))
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (out, _) = wait_with_timeout(child, std::time::Duration::from_secs(120));
+    let err = text(&out.stderr);
+    assert!(err.contains("(lost: cwe-h3)"), "{err}");
+    assert!(!err.contains("nrun: hang:"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        text(&out.stdout).contains("rank 1: done"),
+        "{}",
+        text(&out.stdout)
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}

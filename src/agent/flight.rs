@@ -112,7 +112,7 @@ pub fn dumped_since(f: &FrFiles, since: SystemTime) -> bool {
 const HELPER: &str = r#"
 import json, pickle, sys
 keys = ("record_id", "collective_seq_id", "profiling_name", "state", "input_sizes",
-        "input_dtypes", "duration_ms", "time_created_ns", "is_p2p")
+        "input_dtypes", "duration_ms", "time_created_ns", "is_p2p", "retired")
 for f in sys.argv[1:]:
     try:
         with open(f, "rb") as h:
@@ -153,8 +153,18 @@ struct Entry {
     time_created_ns: Option<u64>,
     #[serde(default)]
     is_p2p: bool,
+    /// Done with: torch retires an entry once the work completed (gloo's entries keep the
+    /// state "scheduled").
+    #[serde(default)]
+    retired: bool,
     #[serde(default)]
     pg: String,
+}
+
+impl Entry {
+    fn done(&self) -> bool {
+        self.state == "completed" || self.retired
+    }
 }
 
 /// Reads the dumps in `files` with `python` (the workers' interpreter); one summary per file, in
@@ -213,7 +223,10 @@ fn op_of(e: &Entry) -> FrOp {
             .to_string(),
         bytes,
         pg: e.pg.clone(),
-        state: e.state.clone(),
+        state: match e.done() {
+            true => "completed".into(),
+            false => e.state.clone(),
+        },
     }
 }
 
@@ -225,13 +238,13 @@ fn summarize(entries: &[Entry]) -> Option<FrView> {
     let group: Vec<&&Entry> = coll.iter().filter(|e| e.pg == last.pg).collect();
     let completed = group
         .iter()
-        .filter(|e| e.state == "completed")
+        .filter(|e| e.done())
         .max_by_key(|e| e.collective_seq_id);
     // The straggler statistics: time in collectives over the time the ring covers, from the
     // completed entries with a duration.
     let timed: Vec<&&&Entry> = group
         .iter()
-        .filter(|e| e.state == "completed" && e.duration_ms.is_some())
+        .filter(|e| e.done() && e.duration_ms.is_some())
         .collect();
     let created: Vec<u64> = timed.iter().filter_map(|e| e.time_created_ns).collect();
     let (waited_ms, span_ms) = match (created.iter().min(), created.iter().max()) {
@@ -279,6 +292,7 @@ mod tests {
             duration_ms: Some(ms),
             time_created_ns: Some(at_ms * 1_000_000),
             is_p2p: false,
+            retired: false,
             pg: "0".into(),
         }
     }
@@ -298,6 +312,48 @@ mod tests {
         assert_eq!(v.waited_ms, Some(60.0));
         assert_eq!(v.span_ms, Some(200.0));
         assert!(summarize(&[]).is_none());
+    }
+
+    /// A real dump: torch's own recorder of a one-rank gloo group, read by the helper.
+    #[test]
+    fn a_real_dump_is_read() {
+        let Some(py) = std::env::var_os("NRUN_TEST_PYTHON") else {
+            eprintln!("SKIPPED: NRUN_TEST_PYTHON unset");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let dump = dir.path().join("dump0");
+        let script = r#"
+import sys, torch, torch.distributed as dist
+import torch._C._distributed_c10d as c
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
+t = torch.ones(1024)
+for _ in range(5):
+    dist.all_reduce(t)
+open(sys.argv[1], "wb").write(c._dump_fr_trace())
+dist.destroy_process_group()
+"#;
+        let ok = std::process::Command::new(&py)
+            .args(["-c", script])
+            .arg(&dump)
+            .env("TORCH_FR_BUFFER_SIZE", "64")
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let v = read(Path::new(&py), &[dump.as_path(), Path::new("/nonexistent")]);
+        assert_eq!(v.len(), 2);
+        let fr = v[0].clone().expect("the dump read");
+        assert_eq!(
+            (
+                fr.last.seq,
+                fr.last.op.as_str(),
+                fr.last.bytes,
+                fr.last.state.as_str()
+            ),
+            (5, "all_reduce", 4096, "completed")
+        );
+        assert_eq!(fr.completed.map(|c| c.seq), Some(5));
+        assert!(v[1].is_none());
     }
 
     #[test]
