@@ -94,6 +94,7 @@ if [ "$SECTION" != preflight ]; then
 # own NCCL_HOSTID), so NCCL connects them over NET/Socket as it would two nodes. Launched through
 # a shell wrapper that execs python, which the watch follows by default.
 W2=(--nproc 2 --no-preflight --no-python sh -c 'NCCL_HOSTID=h$RANK exec "$0" "$@"' "$PY")
+T="timeout -k 5 120"  # a case that goes wrong costs two minutes, not the machine
 stamped() {  # stamped CMD...: CMD's output, each line after its arrival time (s since epoch)
   bash -c 'set -o pipefail; "$@" 2>&1 | while IFS= read -r l; do echo "$(date +%s.%N) $l"; done' _ "$@"
 }
@@ -102,20 +103,21 @@ since() {  # since LOG PATTERN-FROM PATTERN-TO: seconds between the first lines 
 }
 # Rank 1 sleeps before the 6th all_reduce; rank 0 waits at its next sync. The flight recorder
 # names the collective.
-check nccl-hang 97 stamped env NRUN_HANG_CASE=sleep NRUN_HANG_BACKEND=nccl "$NRUN" --hang-timeout 10 --on-hang stop "${W2[@]}" tests/python/hang.py
+check nccl-hang 97 stamped $T env NRUN_HANG_CASE=sleep NRUN_HANG_BACKEND=nccl "$NRUN" --hang-timeout 10 --on-hang stop "${W2[@]}" tests/python/hang.py
 check nccl-hang-named 0 grep -Eq "rank 0 waits in all_reduce #[0-9]+ \(4 KiB\); rank 1 completed #[0-9]+ and is in stuck_forever" "$OUTDIR/nccl-hang.log"
 echo "  hang named $(since "$OUTDIR/nccl-hang.log" 'stalled at' 'nrun: hang:') s after the stall (--hang-timeout 10)"
-# From the 6th all_reduce on, rank 1 reduces 4x as many elements.
-check nccl-size 97 stamped env NRUN_HANG_CASE=size NRUN_HANG_BACKEND=nccl "$NRUN" --hang-timeout 10 --on-hang stop "${W2[@]}" tests/python/hang.py
+# From the 6th all_reduce on, rank 1 reduces 4x as many elements (60 steps: a run that does not
+# hang ends).
+check nccl-size 97 stamped $T env NRUN_HANG_CASE=size NRUN_STEPS=60 NRUN_HANG_BACKEND=nccl "$NRUN" --hang-timeout 10 --on-hang stop "${W2[@]}" tests/python/hang.py
 check nccl-size-named 0 grep -Eq "conclusion: .*(disagree on collective #|all_reduce #[0-9]+ \()" "$OUTDIR/nccl-size.log"
 # Rank 1 does 3x the matrix work of rank 0 each step: named within a minute, with each rank's
 # wait; the same job balanced names nobody; the watch's cost beside --watch off.
-check nccl-straggler 0 stamped env NRUN_MM=6 NRUN_SLOW_MM=18 NRUN_SECONDS=50 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py
+check nccl-straggler 0 stamped $T env NRUN_MM=6 NRUN_SLOW_MM=18 NRUN_SECONDS=45 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py
 check nccl-straggler-named 0 grep -q "rank 1 on .* is a straggler" "$OUTDIR/nccl-straggler.log"
 echo "  straggler named $(since "$OUTDIR/nccl-straggler.log" '.' 'is a straggler') s after the job's first line"
-check nccl-balanced 0 stamped env NRUN_MM=6 NRUN_SECONDS=50 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py
+check nccl-balanced 0 stamped $T env NRUN_MM=6 NRUN_SECONDS=40 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py
 check nccl-balanced-none 1 grep -q "straggler" "$OUTDIR/nccl-balanced.log"
-check nccl-watch-off 0 env NRUN_MM=6 NRUN_SECONDS=30 "$NRUN" --watch off "${W2[@]}" tests/python/gpu_steps.py
+check nccl-watch-off 0 $T env NRUN_MM=6 NRUN_SECONDS=25 "$NRUN" --watch off "${W2[@]}" tests/python/gpu_steps.py
 echo "  step time, watch on (flight recorder on) vs off: $(grep -ho 'median step .* ms' "$OUTDIR/nccl-balanced.log" | tr '\n' ' ')vs $(grep -ho 'median step .* ms' "$OUTDIR/nccl-watch-off.log" | tr '\n' ' ')"
 fi  # watch section
 

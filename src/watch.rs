@@ -382,7 +382,10 @@ fn flight_conclusion(ranks: &[Seen<'_>]) -> Option<(Kind, String, Vec<usize>)> {
             .and_then(|f| f.completed.as_ref())
             .map_or("no collective".to_string(), |c| format!("#{}", c.seq));
         let text = match (&s.view.exited, fr.and_then(|_| waits(s))) {
-            (Some(e), _) => format!("rank {} {e} after completing {done}", s.view.rank),
+            (Some(e), _) if fr.is_some() => {
+                format!("rank {} {e} after completing {done}", s.view.rank)
+            }
+            (Some(e), _) => format!("rank {} {e}", s.view.rank),
             (None, Some(o)) => format!("rank {} waits in {} behind them", s.view.rank, op_text(&o)),
             (None, None) => format!(
                 "rank {} completed {done} and is in {}",

@@ -344,15 +344,13 @@ dist.destroy_process_group()
         assert_eq!(v.len(), 2);
         let fr = v[0].clone().expect("the dump read");
         assert_eq!(
-            (
-                fr.last.seq,
-                fr.last.op.as_str(),
-                fr.last.bytes,
-                fr.last.state.as_str()
-            ),
-            (5, "all_reduce", 4096, "completed")
+            (fr.last.seq, fr.last.op.as_str(), fr.last.bytes),
+            (5, "all_reduce", 4096)
         );
-        assert_eq!(fr.completed.map(|c| c.seq), Some(5));
+        // torch retires an entry from the work's completion callback, which may come just
+        // after all_reduce returned: the last one may still be "scheduled" in the dump.
+        let done = fr.completed.map(|c| c.seq);
+        assert!(matches!(done, Some(4 | 5)), "{done:?}");
         assert!(v[1].is_none());
     }
 

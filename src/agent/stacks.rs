@@ -56,8 +56,10 @@ struct Watched {
 }
 
 /// A node's ranks all unchanged this long: their flight recorders are asked for a dump, so
-/// that the collective they stall in is known by the time a hang is called.
-const STALL_DUMP: Duration = Duration::from_secs(5);
+/// that the collective they stall in is known by the time a hang is called. Early: on an H200
+/// torch wrote the dump about 5 s after the request (it gathers C++ stacks first), which missed
+/// a 10 s --hang-timeout when asked at 5 s.
+const STALL_DUMP: Duration = Duration::from_secs(2);
 /// A dump asked for and not there after this long is not coming (not an NCCL job).
 const DUMP_WAIT: Duration = Duration::from_secs(10);
 
@@ -203,7 +205,7 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
         }
     }
     let Some(&first) = ready.first() else { return };
-    let Ok(python) = std::fs::read_link(format!("/proc/{}/exe", ranks[first].view.pid)) else {
+    let Some(python) = interpreter(ranks[first].view.pid) else {
         return;
     };
     let paths: Vec<&std::path::Path> = ready
@@ -218,6 +220,18 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
             w.view.fr = Some(v);
             w.fr.asked = None;
         }
+    }
+}
+
+/// The command that runs rank `pid`'s Python as it was started (a venv's `bin/python`, which
+/// finds the venv's packages; /proc's exe is the binary the link resolves to), else its exe.
+fn interpreter(pid: u32) -> Option<std::path::PathBuf> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let argv0 = cmdline.split(|b| *b == 0).next()?;
+    let argv0 = std::path::PathBuf::from(String::from_utf8_lossy(argv0).into_owned());
+    match argv0.is_absolute() && argv0.exists() {
+        true => Some(argv0),
+        false => std::fs::read_link(format!("/proc/{pid}/exe")).ok(),
     }
 }
 
