@@ -44,38 +44,33 @@ pub fn setup(
             .or_else(|| std::env::var(k).ok())
     };
     let mut add = Vec::new();
-    // torch renamed these (TORCH_NCCL_* to TORCH_FR_*); both spellings are set, the user's
-    // either one wins.
-    let pick = |names: [&str; 2], ours: String, add: &mut Vec<(String, String)>| -> String {
-        match names.iter().find_map(|n| given(n)) {
+    // torch renamed some of these (TORCH_NCCL_* to TORCH_FR_*) and warns in every worker's
+    // stderr when it finds an old name set, so nrun sets the name torch 2.11 reads without a
+    // warning; the user's value under either name wins. (An older torch that knows only the
+    // old names keeps its own ring and dumps to its default file, which is read as well.)
+    let pick =
+        |names: &[&str], set: &[&str], ours: String, add: &mut Vec<(String, String)>| match names
+            .iter()
+            .find_map(|n| given(n))
+        {
             Some(v) => v,
             None => {
-                for n in names {
+                for n in set {
                     add.push((n.to_string(), ours.clone()));
                 }
                 ours
             }
-        }
-    };
+        };
     let stem = |name: &str| dir.join(name).to_string_lossy().into_owned();
-    pick(
-        ["TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"],
-        BUFFER.into(),
-        &mut add,
-    );
-    let pipe = pick(
-        [
-            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
-            "TORCH_FR_DEBUG_INFO_PIPE_FILE",
-        ],
-        stem("fr-pipe-"),
-        &mut add,
-    );
-    let dump = pick(
-        ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"],
-        stem("fr-dump-"),
-        &mut add,
-    );
+    const BUF: [&str; 2] = ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"];
+    pick(&BUF, &BUF[..1], BUFFER.into(), &mut add);
+    const PIPE: [&str; 2] = [
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+        "TORCH_FR_DEBUG_INFO_PIPE_FILE",
+    ];
+    let pipe = pick(&PIPE, &PIPE, stem("fr-pipe-"), &mut add);
+    const DUMP: [&str; 2] = ["TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"];
+    let dump = pick(&DUMP, &DUMP[..1], stem("fr-dump-"), &mut add);
     // Each collective's duration on the GPU: the straggler statistics of NCCL jobs, whose ranks
     // all wait at the same GPU sync. Measured on an H200: +0.07% of step time.
     if given("TORCH_NCCL_ENABLE_TIMING").is_none() {
@@ -101,11 +96,15 @@ pub fn ask(f: &FrFiles) -> bool {
         .is_ok()
 }
 
-/// Whether a dump newer than `since` is there.
-pub fn dumped_since(f: &FrFiles, since: SystemTime) -> bool {
-    std::fs::metadata(&f.dump)
-        .and_then(|m| m.modified())
-        .is_ok_and(|t| t >= since)
+/// The dump newer than `since`, if one is there: in the file nrun named, or in torch's
+/// default one (a torch that does not know TORCH_FR_DUMP_TEMP_FILE).
+pub fn dumped_since(f: &FrFiles, rank: usize, since: SystemTime) -> Option<PathBuf> {
+    let default = PathBuf::from(format!("/tmp/nccl_trace_rank_{rank}"));
+    [f.dump.clone(), default].into_iter().find(|p| {
+        std::fs::metadata(p)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t >= since)
+    })
 }
 
 /// Turns each pickled dump into one JSON line with the fields read here.
@@ -358,7 +357,12 @@ dist.destroy_process_group()
     fn the_users_own_settings_win() {
         let dir = Path::new("/scratch/w0");
         let (add, f) = setup(&[], 3, dir);
-        assert!(add.contains(&("TORCH_NCCL_TRACE_BUFFER_SIZE".into(), BUFFER.into())));
+        assert!(add.contains(&("TORCH_FR_BUFFER_SIZE".into(), BUFFER.into())));
+        // Never a name torch warns about.
+        assert!(
+            !add.iter().any(|(k, _)| k == "TORCH_NCCL_TRACE_BUFFER_SIZE"
+                || k == "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+        );
         assert_eq!(f.pipe, Path::new("/scratch/w0/fr-pipe-3.pipe"));
         assert_eq!(f.dump, Path::new("/scratch/w0/fr-dump-3"));
         let env = [

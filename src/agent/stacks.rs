@@ -133,8 +133,11 @@ pub fn spawn(
                         Err(mpsc::error::TryRecvError::Disconnected) => return,
                     }
                 }
+                // One look at /proc's process tree serves every rank searched for Python in
+                // this round (a thousand workers of another program cost one scan, not 1000).
+                let mut tree = None;
                 for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
-                    sample(w, &mut sources);
+                    sample(w, &mut sources, &mut tree);
                 }
                 // Straggler statistics count the job's running time, not a stall: a sample
                 // counts while some rank of the node moved in the last few seconds (a slow rank
@@ -193,27 +196,27 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
         }
     }
     // The dumps that arrived, read together by one interpreter.
-    let mut ready: Vec<usize> = Vec::new();
+    let mut ready: Vec<(usize, std::path::PathBuf)> = Vec::new();
     for (i, w) in ranks.iter_mut().enumerate() {
         let (Some(files), Some((at, wall))) = (&w.fr.files, w.fr.asked) else {
             continue;
         };
-        if flight::dumped_since(files, wall) {
-            ready.push(i);
+        if let Some(p) = flight::dumped_since(files, w.view.rank, wall) {
+            ready.push((i, p));
         } else if at.elapsed() > DUMP_WAIT {
             w.fr.asked = None;
         }
     }
-    let Some(&first) = ready.first() else { return };
-    let Some(python) = interpreter(ranks[first].view.pid) else {
+    let Some((first, _)) = ready.first() else {
         return;
     };
-    let paths: Vec<&std::path::Path> = ready
-        .iter()
-        .filter_map(|&i| ranks[i].fr.files.as_ref().map(|f| f.dump.as_path()))
-        .collect();
+    let Some(python) = interpreter(ranks[*first].view.pid) else {
+        return;
+    };
+    let paths: Vec<&std::path::Path> = ready.iter().map(|(_, p)| p.as_path()).collect();
     let read = flight::read(&python, &paths);
-    for (&i, v) in ready.iter().zip(read) {
+    for ((i, _), v) in ready.iter().zip(read) {
+        let i = *i;
         let w = &mut ranks[i];
         // A dump caught half-written is read again at the next sample (until DUMP_WAIT).
         if let Some(v) = v {
@@ -280,14 +283,24 @@ fn unchanged(w: &Watched) -> Duration {
     }
 }
 
-fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
+fn sample(
+    w: &mut Watched,
+    sources: &mut HashMap<String, Vec<String>>,
+    tree: &mut Option<HashMap<u32, Vec<u32>>>,
+) {
     if w.spy.is_none() {
         // The Python process to watch: the worker, what it exec'd, or its topmost Python
         // descendant; searched again every few seconds until found.
         if w.searched.is_some_and(|t| t.elapsed() < SEARCH) {
             return;
         }
-        let Some(pid) = python_in_tree(w.worker) else {
+        // The worker's descendants are looked at from the second search on: a wrapper starts
+        // its python within moments, and a start of many workers is not slowed by a scan.
+        let found = match w.searched {
+            None => Some(w.worker).filter(|p| is_python(*p)),
+            Some(_) => python_in_tree(w.worker, tree),
+        };
+        let Some(pid) = found else {
             w.searched = Some(Instant::now());
             return;
         };
@@ -380,17 +393,17 @@ fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
     }
 }
 
-/// Whether process `pid` runs Python: its executable is a python, or it maps libpython (an
-/// embedding program). Read from /proc, which any process of the same user may.
+/// Whether process `pid` runs Python: its executable is a python (python3, python3.12, a
+/// venv's link to one). One readlink in /proc, which any process of the same user may: cheap
+/// enough for a thousand workers of another program.
 fn is_python(pid: u32) -> bool {
-    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
-    let named = exe
-        .as_ref()
-        .and_then(|p| p.file_name())
-        .is_some_and(|n| n.to_string_lossy().starts_with("python"));
-    named
-        || std::fs::read_to_string(format!("/proc/{pid}/maps"))
-            .is_ok_and(|m| m.contains("/libpython"))
+    std::fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .and_then(|p| {
+            p.file_name()
+                .map(|n| n.to_string_lossy().starts_with("python"))
+        })
+        .unwrap_or(false)
 }
 
 /// The main thread's count of voluntary context switches (times it blocked).
@@ -409,11 +422,11 @@ fn alive(pid: u32) -> bool {
 }
 
 /// The topmost Python process of `root`'s tree (`root` itself first), breadth first.
-fn python_in_tree(root: u32) -> Option<u32> {
+fn python_in_tree(root: u32, tree: &mut Option<HashMap<u32, Vec<u32>>>) -> Option<u32> {
     if is_python(root) {
         return Some(root);
     }
-    let children = children_by_parent();
+    let children = tree.get_or_insert_with(children_by_parent);
     let mut queue = std::collections::VecDeque::from([root]);
     while let Some(p) = queue.pop_front() {
         for &c in children.get(&p).into_iter().flatten() {
@@ -578,7 +591,7 @@ mod tests {
         let root = sh.id();
         let found = (0..50).find_map(|_| {
             std::thread::sleep(Duration::from_millis(100));
-            python_in_tree(root)
+            python_in_tree(root, &mut None)
         });
         let found = found.expect("the python child");
         // SAFETY: kill(2) on the pid of the child we just found, and its parent we started.
