@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU half of the preflight's tests and its validation against torch, for a machine with
-# NVIDIA GPUs (nrun built elsewhere: pass NRUN=path). Writes logs to $OUT (or ./gpu-check-out).
+# The GPU half of the preflight's and the watch's tests, and the preflight's validation against
+# torch, for a machine with one NVIDIA GPU or more (nrun built elsewhere: pass NRUN=path).
+# Writes logs to $OUT (or ./gpu-check-out). GPU_CHECK=preflight or watch runs one half.
 #   NRUN=target/release/nrun PYTHON=/opt/torch/.venv/bin/python3 scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,8 @@ check() {  # check NAME EXPECTED_RC CMD... : runs CMD, compares its exit code, k
 echo "GPUs: $NGPU; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 [ "$NGPU" -ge 1 ] || { echo "no GPU: nothing to check"; exit 0; }
 NP=$([ "$NGPU" -ge 2 ] && echo "$NGPU" || echo 1)
+SECTION=${GPU_CHECK:-all}
+if [ "$SECTION" != watch ]; then
 
 # Validation: default sweep, whole command timed (target <= 1.5 s), then the full sweep beside torch.
 check preflight-default 0 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --report "$OUTDIR/preflight-default.json"
@@ -64,11 +67,6 @@ if [ "$NGPU" -ge 2 ]; then
   done
 fi
 check hw-tree-simple 0 env NCCL_PROTO=Simple NCCL_ALGO=Tree "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --preflight-sizes 8:1G:2
-# The watch on NCCL: rank 1 stops before an all_reduce; rank 0 waits at its next sync.
-if [ "$NGPU" -ge 2 ]; then
-  check nccl-hang 97 env NRUN_HANG_CASE=sleep NRUN_HANG_BACKEND=nccl "$NRUN" --nproc "$NP" --python "$PY" --no-preflight --hang-timeout 10 --on-hang stop tests/python/hang.py
-  check nccl-hang-named 0 grep -q "rank 1 on .* has not entered it: it is in stuck_forever" "$OUTDIR/nccl-hang.log"
-fi
 check train-with-preflight 0 "$NRUN" --nproc "$NP" --python "$PY" examples/train.py --steps 20
 check hw-health-line 0 grep -q "GPU health: .* GPU(s) ok" "$OUTDIR/hw-healthy.log"
 # torchrun's flags on GPUs: each worker bound to its GPU's CPUs; one GPU each as local rank 0.
@@ -89,11 +87,45 @@ if [ "$NGPU" -ge 2 ]; then
   wait
   check c10d-first 0 grep -q "rc=0" "$OUTDIR/c10d-first.out"
 fi
-leftover=$(pgrep -f '__preflight|examples/train.py|hang.py' | wc -l)
+fi  # preflight section
+
+if [ "$SECTION" != preflight ]; then
+# The watch on NCCL, with any number of GPUs: two ranks share GPU 0 as two NCCL "hosts" (their
+# own NCCL_HOSTID), so NCCL connects them over NET/Socket as it would two nodes. Launched through
+# a shell wrapper that execs python, which the watch follows by default.
+W2=(--nproc 2 --no-preflight --no-python sh -c 'NCCL_HOSTID=h$RANK exec "$0" "$@"' "$PY")
+T="timeout -k 5 120"  # a case that goes wrong costs two minutes, not the machine
+stamped() {  # stamped CMD...: CMD's output, each line after its arrival time (s since epoch)
+  bash -c 'set -o pipefail; "$@" 2>&1 | while IFS= read -r l; do echo "$(date +%s.%N) $l"; done' _ "$@"
+}
+since() {  # since LOG PATTERN-FROM PATTERN-TO: seconds between the first lines matching each
+  awk -v a="$2" -v b="$3" '$0 ~ a && !x {x=$1} $0 ~ b && !y {y=$1} END {if (x && y) printf "%.1f", y-x; else print "?"}' "$1"
+}
+# Rank 1 sleeps before the 6th all_reduce; rank 0 waits at its next sync. The flight recorder
+# names the collective.
+check nccl-hang 97 stamped $T env NRUN_HANG_CASE=sleep NRUN_HANG_BACKEND=nccl "$NRUN" --hang-timeout 10 --on-hang stop "${W2[@]}" tests/python/hang.py
+check nccl-hang-named 0 grep -Eq "rank 0 waits in all_reduce #[0-9]+ \(4 KiB\); rank 1 completed #[0-9]+ and is in stuck_forever" "$OUTDIR/nccl-hang.log"
+echo "  hang named $(since "$OUTDIR/nccl-hang.log" 'stalled at' 'nrun: hang:') s after the stall (--hang-timeout 10)"
+# From the 6th all_reduce on, rank 1 reduces 4x as many elements (60 steps: a run that does not
+# hang ends).
+check nccl-size 97 stamped $T env NRUN_HANG_CASE=size NRUN_STEPS=60 NRUN_HANG_BACKEND=nccl "$NRUN" --hang-timeout 10 --on-hang stop "${W2[@]}" tests/python/hang.py
+check nccl-size-named 0 grep -Eq "conclusion: .*(disagree on collective #|all_reduce #[0-9]+ \()" "$OUTDIR/nccl-size.log"
+# Rank 1 does 3x the matrix work of rank 0 each step: named within a minute, with each rank's
+# wait; the same job balanced names nobody; the watch's cost beside --watch off.
+check nccl-straggler 0 stamped $T env NRUN_MM=6 NRUN_SLOW_MM=18 NRUN_SECONDS=45 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py
+check nccl-straggler-named 0 grep -q "rank 1 on .* is a straggler" "$OUTDIR/nccl-straggler.log"
+echo "  straggler named $(since "$OUTDIR/nccl-straggler.log" '.' 'is a straggler') s after the job's first line"
+check nccl-balanced 0 stamped $T env NRUN_MM=6 NRUN_SECONDS=40 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py
+check nccl-balanced-none 1 grep -q "straggler" "$OUTDIR/nccl-balanced.log"
+check nccl-watch-off 0 $T env NRUN_MM=6 NRUN_SECONDS=25 "$NRUN" --watch off "${W2[@]}" tests/python/gpu_steps.py
+echo "  step time, watch on (flight recorder on) vs off: $(grep -ho 'median step .* ms' "$OUTDIR/nccl-balanced.log" | tr '\n' ' ')vs $(grep -ho 'median step .* ms' "$OUTDIR/nccl-watch-off.log" | tr '\n' ' ')"
+fi  # watch section
+
+leftover=$(pgrep -f '__preflight|examples/train.py|hang.py|gpu_steps.py' | wc -l)
 echo "left running: $leftover"
 [ "$leftover" = 0 ] || fail=$((fail+1))
 for f in "$OUTDIR"/*.log; do
-  echo "--- $(basename "$f" .log): $(grep -E '^preflight |communicator init:|time per phase|problem:|line rate:|NCCL path:|hint: set here' "$f" | tr '\n' '|' | cut -c1-600)"
+  echo "--- $(basename "$f" .log): $(grep -E '^preflight |communicator init:|time per phase|problem:|line rate:|NCCL path:|hint: set here|conclusion:|straggler|median step' "$f" | tr '\n' '|' | cut -c1-600)"
 done
 echo "$pass passed, $fail failed"
 [ "$fail" = 0 ]

@@ -275,6 +275,12 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
             )
         }
     };
+    // The flight recorder (NCCL jobs) knows which collective each rank last enqueued and
+    // completed: where it speaks, its sentence is the conclusion.
+    let (kind, conclusion, culprits) = match flight_conclusion(ranks) {
+        Some(fr) => fr,
+        None => (kind, conclusion, culprits),
+    };
     let conclusion = match unreadable.is_empty() {
         true => conclusion,
         false => format!(
@@ -291,21 +297,144 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
     })
 }
 
+/// "4 MiB", "512 KiB", "8 B".
+fn size_text(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 => format!("{:.0} MiB", b as f64 / (1 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.0} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
+
+/// "all_reduce #6 (4 MiB)", naming the process group when it is not the default one.
+fn op_text(o: &crate::agent::protocol::FrOp) -> String {
+    let group = match o.pg.as_str() {
+        "0" | "" | "default_pg" => String::new(),
+        g => format!(", group {g}"),
+    };
+    format!("{} #{} ({}{group})", o.op, o.seq, size_text(o.bytes))
+}
+
+/// The stall as the ranks' flight recorders tell it: the collective the most advanced ranks
+/// wait in (sequence number, op, size), the ranks that completed only the one before (and
+/// where their stack is), or the ranks that disagree on its op or size. None unless every rank
+/// still running has a dump and one of them waits.
+fn flight_conclusion(ranks: &[Seen<'_>]) -> Option<(Kind, String, Vec<usize>)> {
+    use crate::agent::protocol::FrOp;
+    let running: Vec<&Seen<'_>> = ranks.iter().filter(|s| s.view.exited.is_none()).collect();
+    if running.is_empty() || running.iter().any(|s| s.view.fr.is_none()) {
+        return None;
+    }
+    let waits = |s: &Seen<'_>| -> Option<FrOp> {
+        let fr = s.view.fr.as_ref()?;
+        (fr.last.state != "completed").then(|| fr.last.clone())
+    };
+    let top = running
+        .iter()
+        .filter_map(|s| waits(s))
+        .map(|o| o.seq)
+        .max()?;
+    // The ranks waiting in collective #top, by what they call it.
+    let mut at_top: BTreeMap<(String, u64), Vec<usize>> = BTreeMap::new();
+    for s in &running {
+        if let Some(o) = waits(s).filter(|o| o.seq == top) {
+            at_top
+                .entry((o.op.clone(), o.bytes))
+                .or_default()
+                .push(s.view.rank);
+        }
+    }
+    if at_top.len() > 1 {
+        let most = at_top.values().map(Vec::len).max().unwrap_or(0);
+        let groups: Vec<String> = at_top
+            .iter()
+            .map(|((op, b), r)| format!("{} {op} ({})", ranks_text(r), size_text(*b)))
+            .collect();
+        let culprits: Vec<usize> = match at_top.values().filter(|r| r.len() == most).count() {
+            // A tie blames nobody in particular.
+            1 => at_top
+                .values()
+                .filter(|r| r.len() != most)
+                .flatten()
+                .copied()
+                .collect(),
+            _ => Vec::new(),
+        };
+        return Some((
+            Kind::Disagree,
+            format!(
+                "the ranks disagree on collective #{top}: {} (flight recorder)",
+                groups.join(", ")
+            ),
+            culprits,
+        ));
+    }
+    let (_, waiting) = at_top.iter().next()?;
+    let op = running
+        .iter()
+        .find_map(|s| waits(s).filter(|o| o.seq == top))?;
+    let mut parts = vec![format!("{} in {}", wait_text(waiting), op_text(&op))];
+    let mut culprits = Vec::new();
+    for s in ranks.iter().filter(|s| !waiting.contains(&s.view.rank)) {
+        let fr = s.view.fr.as_ref();
+        let done = fr
+            .and_then(|f| f.completed.as_ref())
+            .map_or("no collective".to_string(), |c| format!("#{}", c.seq));
+        let text = match (&s.view.exited, fr.and_then(|_| waits(s))) {
+            (Some(e), _) if fr.is_some() => {
+                format!("rank {} {e} after completing {done}", s.view.rank)
+            }
+            (Some(e), _) => format!("rank {} {e}", s.view.rank),
+            (None, Some(o)) => format!("rank {} waits in {} behind them", s.view.rank, op_text(&o)),
+            (None, None) => format!(
+                "rank {} completed {done} and is in {}",
+                s.view.rank,
+                place(s.view)
+            ),
+        };
+        parts.push(text);
+        culprits.push(s.view.rank);
+    }
+    let kind = match culprits.is_empty() {
+        true => {
+            parts.push(
+                "none is missing: a transport or link problem between them; run the preflight \
+                 on these nodes"
+                    .into(),
+            );
+            Kind::AllWaiting
+        }
+        false => Kind::Missing,
+    };
+    Some((kind, parts.join("; "), culprits))
+}
+
 /// A rank the others keep waiting for.
 #[derive(Clone, Debug, Serialize)]
 pub struct Straggler {
     pub rank: usize,
     pub host: String,
-    /// Percent of its samples it waited in a collective, and the median rank's.
+    /// Percent of its samples it waited for peers (in a collective, or in the GPU sync after
+    /// one), and the median rank's.
     pub waited_pct: f64,
     pub median_pct: f64,
+    /// The evidence: every rank's wait percentage, by rank.
+    pub waits: Vec<(usize, f64)>,
 }
 
 /// Samples a rank needs before it can be called a straggler.
 const STRAGGLER_SAMPLES: u32 = 30;
 
-/// The straggler among `ranks`, if one stands out: it waits in collectives at most a third as
-/// often as the median rank, which waits in at least a fifth of its samples.
+/// How many standard errors the gap between the median rank and the lowest must be: each
+/// rank's percentage is a count of samples, which on a balanced job differ by chance; 3.5 makes
+/// a balanced job of 2 to 1000 ranks name nobody (binomial tail under 1e-4 per rank).
+const STRAGGLER_Z: f64 = 3.5;
+
+/// The straggler among `ranks`, if one stands out: the median rank waits for peers in at least
+/// a tenth of its samples, one rank alone waits at most a third as often, and the gap is too
+/// large for sampling chance. A rank 20% slower than the others makes them wait about a sixth
+/// of each step while it hardly waits.
 pub fn straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
     let live: Vec<&Seen<'_>> = ranks
         .iter()
@@ -321,12 +450,61 @@ pub fn straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
     let low = live.iter().min_by(|a, b| pct(a).total_cmp(&pct(b)))?;
     let second = all.get(1).copied().unwrap_or(median);
     let p = pct(low);
+    let m = median / 100.0;
+    let n = f64::from(
+        low.view
+            .samples
+            .min(live.iter().map(|s| s.view.samples).max()?),
+    );
+    let sigma = 100.0 * (m * (1.0 - m) / n).sqrt();
     // One rank alone at the bottom, far under the rest.
-    (median >= 20.0 && p <= median / 3.0 && second > median / 2.0).then(|| Straggler {
+    let stands_out = median >= 10.0
+        && p <= median / 3.0
+        && second > median / 2.0
+        && median - p >= STRAGGLER_Z * sigma;
+    stands_out.then(|| Straggler {
         rank: low.view.rank,
         host: low.host.to_string(),
         waited_pct: p,
         median_pct: median,
+        waits: live.iter().map(|s| (s.view.rank, pct(s))).collect(),
+    })
+}
+
+/// How much more of its time the median rank must spend in collectives on the GPU than the
+/// straggler: a rank 20% slower makes the others wait 1/6 (17%) of each step.
+const FR_GAP: f64 = 0.15;
+
+/// The straggler by the flight recorders' timings (NCCL jobs, where every rank waits at the
+/// same GPU sync and stacks cannot tell them apart): each rank's time in collectives on the GPU
+/// over the span of its ring. The others wait for a slow rank inside the collective; it does not.
+pub fn flight_straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
+    let timed: Vec<(&Seen<'_>, f64)> = ranks
+        .iter()
+        .filter(|s| s.view.exited.is_none())
+        .filter_map(|s| {
+            let fr = s.view.fr.as_ref()?;
+            let (w, span) = (fr.waited_ms?, fr.span_ms?);
+            (span >= 500.0).then_some((s, (w / span).clamp(0.0, 1.0)))
+        })
+        .collect();
+    if timed.len() < 2 {
+        return None;
+    }
+    let mut all: Vec<f64> = timed.iter().map(|(_, f)| *f).collect();
+    all.sort_by(f64::total_cmp);
+    let median = all[all.len() / 2];
+    let second = all[1];
+    let (low, p) = timed.iter().min_by(|a, b| a.1.total_cmp(&b.1))?;
+    (median - p >= FR_GAP && second - p >= FR_GAP).then(|| Straggler {
+        rank: low.view.rank,
+        host: low.host.to_string(),
+        waited_pct: 100.0 * p,
+        median_pct: 100.0 * median,
+        waits: timed
+            .iter()
+            .map(|(s, f)| (s.view.rank, 100.0 * f))
+            .collect(),
     })
 }
 
@@ -367,6 +545,9 @@ pub struct WatchState {
     hang_said: bool,
     unreadable_said: bool,
     straggler_said: HashMap<usize, Instant>,
+    /// The flight recorders' straggler, and the dumps in a row (told apart by their span) that
+    /// named it: one dump covers a few seconds, two in a row make it sustained.
+    fr_suspect: Option<(usize, u32, u64)>,
     last_check: Option<Instant>,
     /// Every hang found, for the report.
     pub hangs: Vec<Diagnosis>,
@@ -384,6 +565,7 @@ impl WatchState {
             hang_said: false,
             unreadable_said: false,
             straggler_said: HashMap::new(),
+            fr_suspect: None,
             last_check: None,
             hangs: Vec::new(),
             stragglers: Vec::new(),
@@ -466,20 +648,44 @@ impl WatchState {
                 self.hangs.push(d);
             }
         }
-        if let Some(s) = straggler(&seen).filter(|_| !stalled) {
+        let by_fr = flight_straggler(&seen).and_then(|s| {
+            let span = seen
+                .iter()
+                .find(|x| x.view.rank == s.rank)
+                .and_then(|x| x.view.fr.as_ref()?.span_ms)
+                .map_or(0, f64::to_bits);
+            let n = match self.fr_suspect {
+                Some((r, n, last)) if r == s.rank && last != span => n + 1,
+                Some((r, n, last)) if r == s.rank && last == span => n,
+                _ => 1,
+            };
+            self.fr_suspect = Some((s.rank, n, span));
+            (n >= 2).then_some(s)
+        });
+        if by_fr.is_none() && flight_straggler(&seen).is_none() {
+            self.fr_suspect = None;
+        }
+        if let Some(s) = straggler(&seen).or(by_fr).filter(|_| !stalled) {
             let due = self
                 .straggler_said
                 .get(&s.rank)
                 .is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
             if due {
                 self.straggler_said.insert(s.rank, Instant::now());
+                let each: Vec<String> = s
+                    .waits
+                    .iter()
+                    .map(|(r, p)| format!("{r}: {p:.0}%"))
+                    .collect();
                 tracing::warn!(
-                    "rank {} on {} is a straggler: it waited in collectives in {:.0}% of samples, \
-                     the median rank in {:.0}%: the others wait for it",
+                    "rank {} on {} is a straggler: it waited for peers (in collectives or the GPU \
+                     sync after them) {:.0}% of the time, the median rank {:.0}%: the others \
+                     wait for it (each rank's wait: {})",
                     s.rank,
                     s.host,
                     s.waited_pct,
-                    s.median_pct
+                    s.median_pct,
+                    each.join(", ")
                 );
                 self.stragglers.push(s);
             }
@@ -710,6 +916,120 @@ mod tests {
             r.samples = 10;
         }
         assert!(straggler(&seen(&v)).is_none());
+    }
+
+    #[test]
+    fn a_rank_a_fifth_slower_is_a_straggler_and_sampling_chance_is_not() {
+        // Two ranks, one 20% slower: the other waits a sixth of each step at its GPU sync.
+        let mut fast = busy(0, 50);
+        fast.frames[0].code = Some("loss.item()".into());
+        let (mut fast, mut slow) = (fast.clone(), fast);
+        slow.rank = 1;
+        (fast.samples, fast.waiting) = (120, 20);
+        (slow.samples, slow.waiting) = (120, 1);
+        let v = [fast.clone(), slow.clone()];
+        let s = straggler(&seen(&v)).unwrap();
+        assert_eq!(s.rank, 1);
+        assert_eq!(s.waits.len(), 2);
+        assert!((s.waits[0].1 - 16.7).abs() < 0.1, "{:?}", s.waits);
+        // The same figures after 30 samples are within chance: nobody named yet.
+        (fast.samples, fast.waiting) = (30, 5);
+        (slow.samples, slow.waiting) = (30, 1);
+        assert!(straggler(&seen(&[fast.clone(), slow.clone()])).is_none());
+        // A balanced job whose ranks' counts differ by chance.
+        let balanced: Vec<RankView> = [18, 20, 22, 15]
+            .iter()
+            .enumerate()
+            .map(|(r, w)| RankView {
+                rank: r,
+                samples: 120,
+                waiting: *w,
+                ..fast.clone()
+            })
+            .collect();
+        assert!(straggler(&seen(&balanced)).is_none());
+    }
+
+    fn fr(seq: u64, state: &str, bytes: u64) -> crate::agent::protocol::FrView {
+        use crate::agent::protocol::{FrOp, FrView};
+        let op = |seq, state: &str| FrOp {
+            seq,
+            op: "all_reduce".into(),
+            bytes,
+            pg: "0".into(),
+            state: state.into(),
+        };
+        FrView {
+            last: op(seq, state),
+            completed: Some(op(
+                if state == "completed" { seq } else { seq - 1 },
+                "completed",
+            )),
+            waited_ms: None,
+            span_ms: None,
+        }
+    }
+
+    #[test]
+    fn the_flight_recorder_names_the_collective_and_the_rank_behind() {
+        let mut v = [
+            waiting(0, "all_reduce"),
+            busy(1, 31),
+            waiting(2, "all_reduce"),
+        ];
+        v[1].frames
+            .insert(0, frame("stuck_forever", "/job/train.py", 31));
+        v[0].fr = Some(fr(6, "started", 4 << 20));
+        v[1].fr = Some(fr(5, "completed", 4 << 20));
+        v[2].fr = Some(fr(6, "scheduled", 4 << 20));
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!(
+            (d.kind.clone(), d.culprits.clone()),
+            (Kind::Missing, vec![1])
+        );
+        assert_eq!(
+            d.conclusion,
+            "ranks 0,2 wait in all_reduce #6 (4 MiB); rank 1 completed #5 and is in \
+             stuck_forever (/job/train.py:31)"
+        );
+        // Different sizes of the same collective.
+        v[1] = waiting(1, "all_reduce");
+        v[1].fr = Some(fr(6, "started", 16 << 20));
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!(
+            (d.kind.clone(), d.culprits.clone()),
+            (Kind::Disagree, vec![1])
+        );
+        assert_eq!(
+            d.conclusion,
+            "the ranks disagree on collective #6: ranks 0,2 all_reduce (4 MiB), rank 1 \
+             all_reduce (16 MiB) (flight recorder)"
+        );
+        // A rank without a dump: the stacks' conclusion stands.
+        v[1].fr = None;
+        let d = diagnose(&seen(&v)).unwrap();
+        assert_eq!(d.kind, Kind::AllWaiting);
+        assert!(!d.conclusion.contains('#'), "{}", d.conclusion);
+    }
+
+    #[test]
+    fn the_flight_recorders_timings_name_a_gpu_straggler_and_not_a_balanced_job() {
+        let mut v = [busy(0, 50), busy(1, 50)];
+        let timed = |w: f64| {
+            let mut f = fr(100, "completed", 4 << 20);
+            (f.waited_ms, f.span_ms) = (Some(w), Some(5000.0));
+            f
+        };
+        // Rank 1 is 20% slower: rank 0 waits a sixth of each step in the all_reduce.
+        v[0].fr = Some(timed(900.0));
+        v[1].fr = Some(timed(60.0));
+        let s = flight_straggler(&seen(&v)).unwrap();
+        assert_eq!((s.rank, s.waits.len()), (1, 2));
+        assert!((s.median_pct - 18.0).abs() < 0.1, "{s:?}");
+        // Balanced, one rank always a little later (it waits less): nobody.
+        v[0].fr = Some(timed(400.0));
+        v[1].fr = Some(timed(100.0));
+        assert!(flight_straggler(&seen(&v)).is_none());
     }
 
     #[test]

@@ -98,6 +98,8 @@ async fn run_workers(
         .filter(|w| w.log_dir.is_none())
         .map(|w| w.error_file.clone())
         .collect();
+    let mut flight_files = Vec::new();
+    let errors: Vec<std::path::PathBuf> = specs.iter().map(|w| w.error_file.clone()).collect();
     for w in specs {
         let program = match (w.program.as_str(), &this_nrun) {
             (THIS_NRUN, Ok(exe)) => exe.clone().into_os_string(),
@@ -122,6 +124,13 @@ async fn run_workers(
             false => None,
         };
         let mut env = w.env;
+        // The watch turns on PyTorch's flight recorder (NCCL jobs), its files beside the
+        // worker's error file.
+        if let (true, Some(dir)) = (watch.is_some(), w.error_file.parent()) {
+            let (add, files) = super::flight::setup(&env, w.rank, dir);
+            env.extend(add);
+            flight_files.push((w.rank, files));
+        }
         if let (true, Some(s)) = (w.secret, secret) {
             env.push(("NRUN_SECRET".into(), s.to_string()));
         }
@@ -158,7 +167,7 @@ async fn run_workers(
     let events = match watch {
         Some(out) if !cmds.is_empty() => {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            match super::stacks::spawn(rx, out) {
+            match super::stacks::spawn(rx, out, flight_files.clone()) {
                 Ok(_) => Some(tx),
                 Err(e) => {
                     tracing::warn!("cannot start the watch: {e}; the job runs unwatched");
@@ -196,6 +205,18 @@ async fn run_workers(
             left_early: f.left_early,
         }),
     };
+    // The dump pipes are nrun's; a dump stays where the error file stays (--log-dir).
+    for (_, f) in &flight_files {
+        let ours = |p: &std::path::Path, among: &[std::path::PathBuf]| {
+            among.iter().any(|e| e.parent() == p.parent())
+        };
+        if ours(&f.pipe, &errors) {
+            let _ = std::fs::remove_file(&f.pipe);
+        }
+        if ours(&f.dump, &scratch) {
+            let _ = std::fs::remove_file(&f.dump);
+        }
+    }
     for f in &scratch {
         remove_with_empty_parents(f);
     }

@@ -16,6 +16,7 @@
 //!    started outlives it.
 
 pub mod exec;
+pub mod flight;
 mod liveness;
 pub mod peer;
 pub mod protocol;

@@ -272,6 +272,35 @@ pub struct RankView {
     pub exited: Option<String>,
     /// Why its stack could not be read, if it could not.
     pub error: Option<String>,
+    /// Its flight recorder's last dump (NCCL jobs), if one was read.
+    #[serde(default)]
+    pub fr: Option<FrView>,
+}
+
+/// A rank's flight recorder, summed up (see `agent::flight`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FrView {
+    /// The last collective enqueued, and the last completed (of the same process group).
+    pub last: FrOp,
+    pub completed: Option<FrOp>,
+    /// Time its completed collectives took on the GPU over the span of the ring (ms), when
+    /// torch timed them: the time it waited for its peers.
+    pub waited_ms: Option<f64>,
+    pub span_ms: Option<f64>,
+}
+
+/// One collective in a flight recorder.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FrOp {
+    /// The collective's sequence number in its process group.
+    pub seq: u64,
+    pub op: String,
+    /// Bytes of its inputs.
+    pub bytes: u64,
+    /// The process group's name.
+    pub pg: String,
+    /// "scheduled", "started" or "completed".
+    pub state: String,
 }
 
 /// What a node's watch publishes about its ranks, about once a second.

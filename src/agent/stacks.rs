@@ -5,12 +5,18 @@
 //! (scope 2 or 3, or a seccomp profile without process_vm_readv) each rank's view carries the
 //! error instead of a stack and the coordinator says so. Conclusions are drawn by the
 //! coordinator alone (`crate::watch`).
+//!
+//! A worker need not be Python itself: a launch script (`sh -c 'exec python train.py'`, a
+//! wrapper that starts python as its child) is followed to the Python process it becomes or
+//! starts, the topmost Python process of the worker's tree; a worker with no Python in its tree
+//! is simply not watched (and nothing is said about it).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
+use super::flight::{self, FrFiles, FrState};
 use super::protocol::{Frame, NodeWatch, RankView};
 use crate::node::GroupEvent;
 
@@ -27,11 +33,38 @@ const OPEN_TRIES: u32 = 10;
 
 struct Watched {
     view: RankView,
+    /// The worker's own pid (the view's pid is the Python process watched, which may be a
+    /// descendant).
+    worker: u32,
     spy: Option<py_spy::PythonSpy>,
     tries: u32,
     stack: u64,
     since: Instant,
+    /// When its stack was last read whole.
+    read: Option<Instant>,
+    /// The main thread's voluntary context switches at the last sample.
+    switches: Option<u64>,
+    /// It runs collectives: seen in one, or it loaded NCCL (whose collectives return at once
+    /// and are waited for at the next GPU sync).
+    collectives: bool,
+    /// Its memory map was searched for NCCL (once, at its first GPU sync: torch is loaded).
+    nccl_checked: bool,
+    /// When the worker's tree was last searched for a Python process.
+    searched: Option<Instant>,
+    /// Its flight recorder (NCCL jobs).
+    fr: FrState,
 }
+
+/// A node's ranks all unchanged this long: their flight recorders are asked for a dump, so
+/// that the collective they stall in is known by the time a hang is called. Early: on an H200
+/// torch wrote the dump about 5 s after the request (it gathers C++ stacks first), which missed
+/// a 10 s --hang-timeout when asked at 5 s.
+const STALL_DUMP: Duration = Duration::from_secs(2);
+/// A dump asked for and not there after this long is not coming (not an NCCL job).
+const DUMP_WAIT: Duration = Duration::from_secs(10);
+
+/// Time between two searches of a worker's tree for Python (a wrapper may start it later).
+const SEARCH: Duration = Duration::from_secs(2);
 
 const THREAD: &str = "nrun-watch";
 
@@ -53,6 +86,7 @@ fn quiet_panics() {
 pub fn spawn(
     mut events: mpsc::UnboundedReceiver<GroupEvent>,
     out: mpsc::UnboundedSender<NodeWatch>,
+    flight_files: Vec<(usize, FrFiles)>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     quiet_panics();
     std::thread::Builder::new()
@@ -61,6 +95,7 @@ pub fn spawn(
             let mut ranks: Vec<Watched> = Vec::new();
             let mut sources: HashMap<String, Vec<String>> = HashMap::new();
             let mut published = Instant::now();
+            let mut periodic = Instant::now();
             loop {
                 loop {
                     match events.try_recv() {
@@ -70,10 +105,23 @@ pub fn spawn(
                                 pid,
                                 ..RankView::default()
                             },
+                            worker: pid,
                             spy: None,
                             tries: 0,
                             stack: 0,
                             since: Instant::now(),
+                            read: None,
+                            switches: None,
+                            collectives: false,
+                            nccl_checked: false,
+                            searched: None,
+                            fr: FrState {
+                                files: flight_files
+                                    .iter()
+                                    .find(|(r, _)| *r == rank)
+                                    .map(|(_, f)| f.clone()),
+                                ..FrState::default()
+                            },
                         }),
                         Ok(GroupEvent::Exited { rank, exit }) => {
                             if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
@@ -85,27 +133,32 @@ pub fn spawn(
                         Err(mpsc::error::TryRecvError::Disconnected) => return,
                     }
                 }
+                // One look at /proc's process tree serves every rank searched for Python in
+                // this round (a thousand workers of another program cost one scan, not 1000).
+                let mut tree = None;
                 for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
-                    sample(w, &mut sources);
+                    sample(w, &mut sources, &mut tree);
                 }
                 // Straggler statistics count the job's running time, not a stall: a sample
                 // counts while some rank of the node moved in the last few seconds (a slow rank
                 // may be caught at the same line every time).
                 if ranks.iter().any(|w| w.since.elapsed() < ACTIVE) {
                     for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
-                        w.view.samples += 1;
-                        if w.view.collective.is_some() {
-                            w.view.waiting += 1;
-                        }
+                        count(w);
                     }
                 }
+                let periodic_due = periodic.elapsed() >= flight::PERIOD;
+                if periodic_due {
+                    periodic = Instant::now();
+                }
+                flight_recorders(&mut ranks, periodic_due);
                 if published.elapsed() >= PUBLISH {
                     published = Instant::now();
                     let snapshot = NodeWatch {
                         ranks: ranks
                             .iter()
                             .map(|w| RankView {
-                                unchanged_ms: w.since.elapsed().as_millis() as u64,
+                                unchanged_ms: unchanged(w).as_millis() as u64,
                                 ..w.view.clone()
                             })
                             .collect(),
@@ -119,8 +172,142 @@ pub fn spawn(
         })
 }
 
-fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
+/// Asks the ranks' flight recorders for dumps (when the node's ranks stall, and when `periodic`)
+/// and reads the dumps that arrived.
+fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
+    let live = || {
+        ranks
+            .iter()
+            .filter(|w| w.view.exited.is_none() && w.fr.files.is_some())
+    };
+    let stalled = live().count() > 0 && live().all(|w| unchanged(w) >= STALL_DUMP);
+    for w in ranks
+        .iter_mut()
+        .filter(|w| w.view.exited.is_none() && w.spy.is_some())
+    {
+        let Some(files) = &w.fr.files else { continue };
+        if !stalled {
+            w.fr.asked_in_stall = false;
+        }
+        let ask = (stalled && !w.fr.asked_in_stall) || periodic;
+        if ask && w.fr.asked.is_none() && flight::ask(files) {
+            w.fr.asked = Some((Instant::now(), std::time::SystemTime::now()));
+            w.fr.asked_in_stall |= stalled;
+        }
+    }
+    // The dumps that arrived, read together by one interpreter.
+    let mut ready: Vec<(usize, std::path::PathBuf)> = Vec::new();
+    for (i, w) in ranks.iter_mut().enumerate() {
+        let (Some(files), Some((at, wall))) = (&w.fr.files, w.fr.asked) else {
+            continue;
+        };
+        if let Some(p) = flight::dumped_since(files, w.view.rank, wall) {
+            ready.push((i, p));
+        } else if at.elapsed() > DUMP_WAIT {
+            w.fr.asked = None;
+        }
+    }
+    let Some((first, _)) = ready.first() else {
+        return;
+    };
+    let Some(python) = interpreter(ranks[*first].view.pid) else {
+        return;
+    };
+    let paths: Vec<&std::path::Path> = ready.iter().map(|(_, p)| p.as_path()).collect();
+    let read = flight::read(&python, &paths);
+    for ((i, _), v) in ready.iter().zip(read) {
+        let i = *i;
+        let w = &mut ranks[i];
+        // A dump caught half-written is read again at the next sample (until DUMP_WAIT).
+        if let Some(v) = v {
+            w.view.fr = Some(v);
+            w.fr.asked = None;
+        }
+    }
+}
+
+/// The command that runs rank `pid`'s Python as it was started (a venv's `bin/python`, which
+/// finds the venv's packages; /proc's exe is the binary the link resolves to), else its exe.
+fn interpreter(pid: u32) -> Option<std::path::PathBuf> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let argv0 = cmdline.split(|b| *b == 0).next()?;
+    let argv0 = std::path::PathBuf::from(String::from_utf8_lossy(argv0).into_owned());
+    match argv0.is_absolute() && argv0.exists() {
+        true => Some(argv0),
+        false => std::fs::read_link(format!("/proc/{pid}/exe")).ok(),
+    }
+}
+
+/// Samples in the straggler statistics' window: counts are halved when they reach it, so they
+/// speak of the last one to two minutes (a rank that turns slow is named within a minute).
+const WINDOW: u32 = 240;
+
+/// One sample in the straggler statistics: a rank waits when it is in a collective, or in a GPU
+/// sync (`.item()`, `synchronize()`, a copy to the CPU) of a job that runs collectives: NCCL's
+/// return at once and the wait for the peers happens at the next sync.
+fn count(w: &mut Watched) {
+    let v = &mut w.view;
+    if v.samples >= WINDOW {
+        v.samples /= 2;
+        v.waiting /= 2;
+    }
+    v.samples += 1;
+    w.collectives |= v.collective.is_some();
+    let waits = match &v.collective {
+        Some(_) => true,
+        None if crate::watch::waits_in(v).is_none() => false,
+        None => {
+            if !w.collectives && !w.nccl_checked {
+                w.nccl_checked = true;
+                w.collectives = std::fs::read_to_string(format!("/proc/{}/maps", v.pid))
+                    .is_ok_and(|m| m.contains("/libnccl"));
+            }
+            w.collectives
+        }
+    };
+    if waits {
+        v.waiting += 1;
+    }
+}
+
+/// Reads that fail while a process runs (its memory changing under the reader) say nothing of
+/// whether its stack moved: a stack counts as unchanged only as long as it keeps being read.
+const READ_RECENTLY: Duration = Duration::from_secs(5);
+
+/// How long the rank's stack is known not to have changed: zero when it was not read whole
+/// lately, so that failed reads can never make a running rank look stalled.
+fn unchanged(w: &Watched) -> Duration {
+    match w.read {
+        Some(t) if t.elapsed() <= READ_RECENTLY => w.since.elapsed(),
+        _ => Duration::ZERO,
+    }
+}
+
+fn sample(
+    w: &mut Watched,
+    sources: &mut HashMap<String, Vec<String>>,
+    tree: &mut Option<HashMap<u32, Vec<u32>>>,
+) {
     if w.spy.is_none() {
+        // The Python process to watch: the worker, what it exec'd, or its topmost Python
+        // descendant; searched again every few seconds until found.
+        if w.searched.is_some_and(|t| t.elapsed() < SEARCH) {
+            return;
+        }
+        // The worker's descendants are looked at from the second search on: a wrapper starts
+        // its python within moments, and a start of many workers is not slowed by a scan.
+        let found = match w.searched {
+            None => Some(w.worker).filter(|p| is_python(*p)),
+            Some(_) => python_in_tree(w.worker, tree),
+        };
+        let Some(pid) = found else {
+            w.searched = Some(Instant::now());
+            return;
+        };
+        if pid != w.view.pid {
+            w.view.pid = pid;
+            w.tries = 0;
+        }
         let mut config = py_spy::Config::default();
         config.blocking = py_spy::config::LockingStrategy::NonBlocking;
         // The addresses of each frame's arguments tell a new call from the same call: a rank
@@ -147,6 +334,13 @@ fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
     let traces = match read {
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
+            // A Python process under a wrapper may end while the worker goes on (a script that
+            // runs python twice): look for the next one.
+            if w.view.pid != w.worker && !alive(w.view.pid) {
+                w.spy = None;
+                w.searched = None;
+                return;
+            }
             // Gone, or between two states; the exit event says which.
             w.view.error = Some(format!("cannot read its Python stack: {e}"));
             return;
@@ -156,12 +350,29 @@ fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
             return;
         }
     };
-    // The main thread: the one that runs the script's module code.
+    // The main thread: its OS thread id is the pid. (Another thread's stack, such as a data
+    // loader's idle one, says nothing about the training loop's progress.)
+    let pid = u64::from(w.view.pid);
     let main = traces
         .iter()
-        .find(|t| t.frames.last().is_some_and(|f| f.name == "<module>"))
+        .find(|t| t.os_thread_id == Some(pid))
+        .or_else(|| {
+            traces
+                .iter()
+                .find(|t| t.frames.last().is_some_and(|f| f.name == "<module>"))
+        })
         .or_else(|| traces.first());
     let Some(main) = main else { return };
+    w.read = Some(Instant::now());
+    // A loop that spends most of its time on one line of module code (no locals to tell one
+    // step from the next) is sampled at the same stack again and again: the main thread
+    // blocking and waking (a sleep, a socket read, a lock) since the last sample says it moved.
+    // A rank that hangs blocks once and stays blocked; one spinning in a GPU sync never blocks.
+    let switches = voluntary_switches(w.view.pid);
+    if switches.is_some() && w.switches.is_some() && switches != w.switches {
+        w.since = Instant::now();
+    }
+    w.switches = switches;
     let stack = fingerprint(&main.frames);
     if stack != w.stack {
         w.stack = stack;
@@ -182,6 +393,77 @@ fn sample(w: &mut Watched, sources: &mut HashMap<String, Vec<String>>) {
     }
 }
 
+/// Whether process `pid` runs Python: its executable is a python (python3, python3.12, a
+/// venv's link to one). One readlink in /proc, which any process of the same user may: cheap
+/// enough for a thousand workers of another program.
+fn is_python(pid: u32) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .and_then(|p| {
+            p.file_name()
+                .map(|n| n.to_string_lossy().starts_with("python"))
+        })
+        .unwrap_or(false)
+}
+
+/// The main thread's count of voluntary context switches (times it blocked).
+fn voluntary_switches(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The topmost Python process of `root`'s tree (`root` itself first), breadth first.
+fn python_in_tree(root: u32, tree: &mut Option<HashMap<u32, Vec<u32>>>) -> Option<u32> {
+    if is_python(root) {
+        return Some(root);
+    }
+    let children = tree.get_or_insert_with(children_by_parent);
+    let mut queue = std::collections::VecDeque::from([root]);
+    while let Some(p) = queue.pop_front() {
+        for &c in children.get(&p).into_iter().flatten() {
+            if is_python(c) {
+                return Some(c);
+            }
+            queue.push_back(c);
+        }
+    }
+    None
+}
+
+/// Every process's children, from /proc/*/stat (the parent is the 4th field, after the name in
+/// parentheses, which may itself hold spaces and parentheses).
+fn children_by_parent() -> HashMap<u32, Vec<u32>> {
+    let mut m: HashMap<u32, Vec<u32>> = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return m;
+    };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            m.entry(ppid).or_default().push(pid);
+        }
+    }
+    m
+}
+
 /// The torch.distributed call a stack waits in: its innermost frame in `distributed_c10d.py`.
 pub fn collective(frames: &[Frame]) -> Option<String> {
     frames
@@ -197,8 +479,12 @@ fn fingerprint(frames: &[py_spy::Frame]) -> u64 {
         f.name.hash(&mut h);
         f.filename.hash(&mut h);
         f.line.hash(&mut h);
+        // Addresses alone can repeat: CPython hands a freed object's memory to the next one
+        // of its size, so a loop caught at the same line may show the same addresses step after
+        // step. The values' text (a loop counter, a step number) tells those steps apart.
         for l in f.locals.iter().flatten() {
             l.addr.hash(&mut h);
+            l.repr.hash(&mut h);
         }
     }
     h.finish()
@@ -213,4 +499,105 @@ fn source_line(cache: &mut HashMap<String, Vec<String>>, file: &str, line: i32) 
     });
     let l = lines.get(usize::try_from(line).ok()?.checked_sub(1)?)?;
     Some(l.trim().to_string()).filter(|l| !l.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn watched(code: &str, collective: Option<&str>) -> Watched {
+        Watched {
+            view: RankView {
+                // This process: its memory map is real (and holds no libnccl).
+                pid: std::process::id(),
+                frames: vec![Frame {
+                    name: "main".into(),
+                    file: "/job/train.py".into(),
+                    line: 9,
+                    code: Some(code.into()),
+                }],
+                collective: collective.map(str::to_string),
+                ..RankView::default()
+            },
+            worker: std::process::id(),
+            spy: None,
+            tries: 0,
+            stack: 0,
+            since: Instant::now(),
+            read: Some(Instant::now()),
+            switches: None,
+            collectives: false,
+            nccl_checked: false,
+            searched: None,
+            fr: FrState::default(),
+        }
+    }
+
+    #[test]
+    fn a_gpu_sync_counts_as_waiting_once_the_rank_runs_collectives() {
+        let mut w = watched("loss.item()", None);
+        count(&mut w);
+        assert_eq!(
+            (w.view.samples, w.view.waiting),
+            (1, 0),
+            "no collectives yet"
+        );
+        w.view.collective = Some("all_reduce".into());
+        count(&mut w);
+        w.view.collective = None;
+        count(&mut w);
+        assert_eq!((w.view.samples, w.view.waiting), (3, 2));
+        // Plain Python code never counts.
+        w.view.frames[0].code = Some("x = x + 1".into());
+        count(&mut w);
+        assert_eq!((w.view.samples, w.view.waiting), (4, 2));
+    }
+
+    #[test]
+    fn the_statistics_speak_of_the_last_minutes_and_unread_stacks_are_not_stalled() {
+        let mut w = watched("loss.item()", Some("all_reduce"));
+        for _ in 0..WINDOW {
+            count(&mut w);
+        }
+        count(&mut w);
+        assert_eq!(
+            (w.view.samples, w.view.waiting),
+            (WINDOW / 2 + 1, WINDOW / 2 + 1)
+        );
+        w.since = Instant::now() - Duration::from_secs(100);
+        assert!(unchanged(&w) >= Duration::from_secs(100));
+        // Not read whole lately: how long it has not changed is unknown, never a stall.
+        w.read = Some(Instant::now() - READ_RECENTLY - Duration::from_secs(1));
+        assert_eq!(unchanged(&w), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_python_process_of_a_worker_tree_is_found() {
+        // This test binary is not Python, and (run by cargo) has no Python child.
+        assert!(!is_python(std::process::id()));
+        let Some(py) = std::env::var_os("NRUN_TEST_PYTHON") else {
+            eprintln!("SKIPPED: NRUN_TEST_PYTHON unset");
+            return;
+        };
+        // sh -> python: the wrapper's child is found, and is Python.
+        let mut sh = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "{} -c 'import time; time.sleep(30)'; true",
+                py.to_string_lossy()
+            ))
+            .spawn()
+            .unwrap();
+        let root = sh.id();
+        let found = (0..50).find_map(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            python_in_tree(root, &mut None)
+        });
+        let found = found.expect("the python child");
+        // SAFETY: kill(2) on the pid of the child we just found, and its parent we started.
+        unsafe { libc::kill(found as i32, libc::SIGKILL) };
+        let _ = sh.kill();
+        let _ = sh.wait();
+        assert_ne!(found, root);
+    }
 }

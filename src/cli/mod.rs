@@ -525,7 +525,8 @@ pub struct PreflightArgs {
 #[command(next_help_heading = "Watch")]
 pub struct WatchArgs {
     /// Sample every worker's Python stack (from outside, twice a second) to name hangs and
-    /// stragglers: auto (Python jobs), on, off.
+    /// stragglers: auto or on (every worker whose process tree runs Python, wrappers included),
+    /// off.
     #[arg(
         long,
         env = "NRUN_WATCH",
@@ -833,7 +834,7 @@ pub enum ColorWhen {
 /// `--watch`: whether the watch samples the workers' stacks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum WatchWhen {
-    /// For Python jobs.
+    /// Every worker whose process tree runs Python.
     Auto,
     On,
     Off,

@@ -18,23 +18,71 @@ pub async fn run(
     listener: Option<std::net::TcpListener>,
 ) -> Result<u8> {
     let mut s = Session::start(&job.session, nodes, listener).await?;
-    let code = drive(&mut s, job).await;
+    let mut rec = Record::default();
+    let code = drive(&mut s, job, &mut rec).await;
+    let code_of = code.as_ref().map_or_else(|e| e.code, |c| *c);
+    // --report is written at the end of every job, however it ended; --preflight-only's own
+    // report is the preflight's (written by it). The nodes left out join either.
+    let written = match (&job.report, job.preflight_only) {
+        (Some(path), false) => report::write_json("--report", path, &rec.json(code_of, &s)),
+        _ => Ok(()),
+    };
     s.settle(job.report.as_deref(), code.is_ok());
     // Nodes whose own nrun joined (c10d) exit with the job's code.
-    s.end_with(code.as_ref().map_or_else(|e| e.code, |c| *c))
-        .await;
+    s.end_with(code_of).await;
+    written?;
     code
 }
 
-async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
+/// What `--report` says about the job beside the preflight's findings.
+#[derive(Default)]
+struct Record {
+    /// The preflight's report, when one ran.
+    preflight: Option<serde_json::Value>,
+    /// Worker groups started, and restarts after a failure (TORCHELASTIC_RESTART_COUNT).
+    attempts: usize,
+    restarts: u32,
+    /// How the job ended ("success", "failed", "hang", "interrupted"); None: it never started.
+    outcome: Option<&'static str>,
+    /// The last failure, in one line (a restart may have followed it).
+    headline: Option<String>,
+}
+
+impl Record {
+    fn json(&self, code: u8, s: &Session) -> serde_json::Value {
+        let outcome = match (self.outcome, code) {
+            (Some(o), _) => o,
+            (None, exit::SUCCESS) => "success",
+            (None, _) => "not started",
+        };
+        // The preflight's keys stay at the top level, where --preflight-only puts them.
+        let mut v = self
+            .preflight
+            .clone()
+            .unwrap_or_else(|| serde_json::json!({}));
+        v["job"] = serde_json::json!({
+            "outcome": outcome,
+            "exit_code": code,
+            "headline": self.headline,
+            "attempts": self.attempts,
+            "restarts": self.restarts,
+        });
+        v["watch"] = s
+            .watch
+            .as_ref()
+            .map_or(serde_json::Value::Null, WatchState::json);
+        v
+    }
+}
+
+async fn drive(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u8> {
     ready(s, Some(&crate::agent::peer::own_work(job))).await?;
     let mut code = exit::SUCCESS;
-    let mut report = None;
     if let Some(pf) = &job.preflight {
         let mut rounds = 0;
         loop {
             let ended = preflight::run(s, job, pf, rounds).await?;
-            (code, report) = (ended.code, ended.report);
+            (code, rec.preflight) = (ended.code, ended.report);
             rounds += 1;
             // A job (not the health check alone) with spares leaves out the nodes the
             // preflight blames and checks the new set.
@@ -69,7 +117,7 @@ async fn drive(s: &mut Session, job: &RunSettings) -> Result<u8> {
     if code != exit::SUCCESS || job.preflight_only {
         return Ok(code);
     }
-    attempts(s, job, report).await
+    attempts(s, job, rec).await
 }
 
 /// Join and check: the job's nodes joined, agree and reach each other. A node that fails to
@@ -254,13 +302,8 @@ fn join_hint(s: &Session, failures: &[(usize, String)]) -> String {
     )
 }
 
-/// The job's attempts; `report` is what the preflight wrote to `--report`, which the watch's
-/// findings join.
-async fn attempts(
-    s: &mut Session,
-    job: &RunSettings,
-    report: Option<serde_json::Value>,
-) -> Result<u8> {
+/// The job's attempts, counted in `rec`.
+async fn attempts(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u8> {
     if job.workers.set_omp_threads {
         tracing::info!(
             "OMP_NUM_THREADS was unset; set to 1 for each of the {} workers (as torchrun does); set \
@@ -299,16 +342,7 @@ async fn attempts(
         command: &command,
     };
     s.watch = job.watch.map(WatchState::new);
-    let code = attempt_loop(s, job, &program, &args, &shape).await;
-    // What the watch found goes into --report beside the preflight's findings.
-    if let (Some(w), Some(path)) = (&s.watch, &job.report) {
-        if !w.hangs.is_empty() || !w.stragglers.is_empty() {
-            let mut json = report.unwrap_or_else(|| serde_json::json!({}));
-            json["watch"] = w.json();
-            report::write_json("--report", path, &json)?;
-        }
-    }
-    Ok(code)
+    Ok(attempt_loop(s, job, &program, &args, &shape, rec).await)
 }
 
 /// The session's nodes named by the preflight's findings, each with its evidence joined.
@@ -416,12 +450,15 @@ async fn attempt_loop(
     program: &str,
     args: &[String],
     shape: &JobShape<'_>,
+    rec: &mut Record,
 ) -> u8 {
     let mut code = exit::SUCCESS;
     // `attempt` numbers the worker groups started (log directories); `restarts` those after a
     // failure (TORCHELASTIC_RESTART_COUNT): an elastic job growing is not a failure.
     let mut restarts = 0;
-    for attempt in 0.. {
+    for attempt in 0u32.. {
+        rec.attempts = attempt as usize + 1;
+        rec.restarts = restarts;
         if attempt > 0 {
             if let Some(st) = s.store() {
                 st.clear_user_keys();
@@ -448,7 +485,14 @@ async fn attempt_loop(
         let steps = s.steps(&job.workers, &group, &launch);
         let results = match s.run_step(steps, Policy::Together).await {
             Ok(r) => r,
-            Err(e) => return e.code,
+            Err(e) => {
+                rec.outcome = Some(if e.code > 128 {
+                    "interrupted"
+                } else {
+                    "failed"
+                });
+                return e.code;
+            }
         };
         if s.watch.as_ref().is_some_and(|w| w.stopped) {
             // A hang the watch pins on one node's ranks: that node out, a spare in.
@@ -457,6 +501,7 @@ async fn attempt_loop(
                 if !s.spares().is_empty() {
                     if let Err(why) = s.reform(&[p]) {
                         eprintln!("nrun: error: {why}; the job cannot go on");
+                        rec.outcome = Some("hang");
                         return exit::NO_NODES;
                     }
                     restarts += 1;
@@ -474,19 +519,25 @@ async fn attempt_loop(
                         node's console names the ranks";
             eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
             tell_every_node(s, &format!("{line}\n"), None);
+            rec.outcome = Some("hang");
             return exit::HANG;
         }
         // Elastic: nodes arrived while the group ran; it was stopped to take them in.
         if std::mem::take(&mut s.grow) {
             if let Err(why) = s.reform(&[]) {
                 eprintln!("nrun: error: {why}; the job cannot go on");
+                rec.outcome = Some("failed");
                 return exit::CLUSTER;
             }
             continue;
         }
         match report::job_end(shape, &results) {
-            JobEnd::Success => return exit::SUCCESS,
+            JobEnd::Success => {
+                rec.outcome = Some("success");
+                return exit::SUCCESS;
+            }
             JobEnd::Interrupted(c) => {
+                rec.outcome = Some("interrupted");
                 tracing::warn!(
                     "stopped by {}; every worker was stopped",
                     crate::node::signal_name(i32::from(c) - 128)
@@ -500,6 +551,8 @@ async fn attempt_loop(
                 error_json,
             } => {
                 code = c;
+                rec.outcome = Some("failed");
+                rec.headline = Some(headline.clone());
                 // A failure pinned on nodes (lost, killed, a GPU error of theirs only) leaves
                 // them out; spares (or, elastic, the rest) go on. The program's own failure
                 // leaves nobody out.

@@ -599,7 +599,7 @@ impl RunSettings {
             shutdown_timeout,
             preflight: preflight_plan,
             preflight_only: preflight.preflight_only,
-            watch: resolve_watch(watch, target.no_python)?,
+            watch: resolve_watch(watch)?,
             report: preflight.report.clone(),
             launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
                 .filter(|p| !p.is_empty())
@@ -817,8 +817,10 @@ fn parse_bytes(flag: &str, s: &str) -> Result<u64> {
     }
 }
 
-/// The watch: on for Python jobs unless turned off.
-fn resolve_watch(args: &WatchArgs, no_python: bool) -> Result<Option<crate::watch::WatchPlan>> {
+/// The watch: on unless turned off. `auto` and `on` differ no more: with either, each node's
+/// agent watches every worker whose process tree runs Python (a `--no-python` wrapper that
+/// execs or starts python included) and leaves other programs alone.
+fn resolve_watch(args: &WatchArgs) -> Result<Option<crate::watch::WatchPlan>> {
     use crate::watch::WatchPlan;
     let WatchArgs {
         watch,
@@ -826,8 +828,7 @@ fn resolve_watch(args: &WatchArgs, no_python: bool) -> Result<Option<crate::watc
         on_hang,
     } = args;
     let on = match watch {
-        WatchWhen::Auto => !no_python,
-        WatchWhen::On => true,
+        WatchWhen::Auto | WatchWhen::On => true,
         WatchWhen::Off => false,
     };
     let hang_timeout = positive_secs("--hang-timeout", *hang_timeout, false)?;

@@ -22,7 +22,7 @@ timeout = float(os.environ.get("NRUN_HANG_TIMEOUT_S", "600"))
 backend = os.environ.get("NRUN_HANG_BACKEND", "gloo")
 dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
 rank, world = dist.get_rank(), dist.get_world_size()
-device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else None
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()) if backend == "nccl" else None
 steps = int(os.environ.get("NRUN_STEPS", "1000000"))
 
 
@@ -35,20 +35,34 @@ def checkpoint():
     time.sleep(float(os.environ.get("NRUN_PAUSE_S", "8")))
 
 
+# straggler: rank 2 sleeps NRUN_SLOW_S (0.55) per step, the others NRUN_BASE_S (0.05).
+slow_s = float(os.environ.get("NRUN_SLOW_S", "0.55"))
+base_s = float(os.environ.get("NRUN_BASE_S", "0.05"))
+# size: from the 6th all_reduce on, rank 1 reduces 4x as many elements as the others.
+# restart (kept below the lines above, whose numbers tests check): in the first attempt rank 1
+# fails after 3 steps; the restarted group goes on as `sleep`.
+if case == "restart":
+    case = "fail" if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else "sleep"
+    print(f"rank {os.environ['RANK']} pid {os.getpid()} case {case}", flush=True)
+
 t = torch.ones(1024, device=device)
 for step in range(steps):
     if step == 5 and rank == 1 and case in ("sleep", "timeout"):
         stuck_forever()
+    if step == 3 and rank == 1 and case == "fail":
+        raise SystemExit("rank 1 fails on purpose")
     if step == 5 and rank == 1 and case == "early":
         break
     if step == 5 and rank == 1 and case == "gather":
         out = [torch.zeros(1024, device=device) for _ in range(world)]
         dist.all_gather(out, t)
         continue
+    if step == 5 and rank == 1 and case == "size":
+        t = torch.ones(4096, device=device)
     if step == 5 and case == "pause":
         checkpoint()
     if case == "straggler":
-        time.sleep(0.55 if rank == 2 else 0.05)
+        time.sleep(slow_s if rank == 2 else base_s)
     else:
         time.sleep(0.05)
     dist.all_reduce(t)
