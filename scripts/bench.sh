@@ -2,7 +2,8 @@
 # Benchmarks nrun against its peers, in the same run, on this machine:
 #  1. launch overhead: nrun vs torchrun vs Open MPI's mpirun, 8 copies of `true`
 #  2. the store: nrun's vs PyTorch's own TCPStore server (libuv and legacy backends):
-#     round trip, a burst of N processes connecting at once, a rendezvous of N clients
+#     round trip, a burst of N processes connecting at once, a rendezvous of N clients, a burst of
+#     N real torch clients connecting at once
 # Raw results go to bench-results/<time>.jsonl; a markdown summary is printed at the end.
 #   RUNS=10 scripts/bench.sh        (RUNS: repetitions of the fast cases; medians reported)
 #   NRUN_BASE=/path/to/older/nrun scripts/bench.sh   also measures that nrun beside this one
@@ -22,8 +23,9 @@ fi
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 mkdir -p bench-results
 out=bench-results/$(date -u +%Y%m%dT%H%M%SZ).jsonl
-NRUN=target/release/nrun
-SB=target/release/examples/storebench
+tgt=${CARGO_TARGET_DIR:-target}
+NRUN=$tgt/release/nrun
+SB=$tgt/release/examples/storebench
 measure() { python3 scripts/bench/measure.py "$@" | tee -a "$out"; }
 export NCCL_NVLS_ENABLE=0
 
@@ -35,7 +37,8 @@ export NCCL_NVLS_ENABLE=0
   echo "  \"mpirun\": \"$(mpirun --version 2>&1 | head -1)\"}}"
 } | tr -d '\n' >> "$out"; echo >> "$out"
 
-# BENCH_ONLY=local|store|cluster|bisect|slurm|watch runs one section.
+# BENCH_ONLY=local|store|cluster|bisect|slurm|watch runs one section; BENCH_ONLY=torchburst runs
+# only the store section's bursts of real torch clients.
 only() { [ -z "${BENCH_ONLY:-}" ] || [ "$BENCH_ONLY" = "$1" ]; }
 
 if only local; then
@@ -49,7 +52,7 @@ measure launch/torchrun "$SLOW_RUNS" -- "$venv/bin/torchrun" --nproc-per-node 8 
 
 fi
 
-if only store; then
+if only store || only torchburst; then
 echo "== store" >&2
 # One labelled storebench run; a run past its time limit is recorded as such.
 sb() {
@@ -75,6 +78,7 @@ for be in libuv legacy; do
   servers+=("torch-$be $tport")
 done
 sleep 0.5
+if only store; then
 dst=1  # each rendezvous run connects to another 127.0.0.x, so TIME_WAIT ports of one run do not slow the next
 for s in "${servers[@]}"; do
   read -r name p <<<"$s"
@@ -93,6 +97,37 @@ for s in "${servers[@]}"; do
     for n in 4000 16000; do dst=$((dst % 250 + 1)); sb "rendezvous$n/$name" 60 rendezvous "127.0.0.$dst:$p" "$n"; done
   fi
 done
+fi
+# N real torch clients released at once (tests/python/torch_burst.py), each server in turn per
+# round: first as this host's resolver has them (each torch client asks DNS for the store's name
+# before it connects: BENCHMARKS.md, section 11), then, where a private mount namespace can be
+# made, with that name in /etc/hosts, which leaves what the store's accept path itself costs.
+TORCH_BURST=${TORCH_BURST:-300}
+hosts_ptr=$(mktemp)
+{ cat /etc/hosts; printf '127.0.0.1 localhost\n::ffff:127.0.0.1 localhost\n::1 localhost\n'; } >"$hosts_ptr"
+if [ "$(id -u)" = 0 ]; then ns=(unshare -m); else ns=(unshare -r -m); fi
+"${ns[@]}" mount --bind /etc/hosts /etc/hosts 2>/dev/null || { ns=(); echo "no mount namespace: torch bursts with DNS only" >&2; }
+tb() {
+  local label=$1 p=$2; shift 2
+  local r
+  if r=$(timeout 180 "$@" "$PY" tests/python/torch_burst.py 127.0.0.1 "$p" "$TORCH_BURST" 2>/dev/null | tail -1) && [ -n "$r" ]; then
+    echo "{\"label\": \"$label\", \"result\": $r}" | tee -a "$out"
+  else
+    echo "{\"label\": \"$label\", \"timed_out_after_s\": 180}" | tee -a "$out"
+  fi
+}
+for round in $(seq "$SLOW_RUNS"); do
+  for s in "${servers[@]}"; do
+    read -r name p <<<"$s"
+    # PyTorch's servers take tens of seconds per burst (they too ask DNS, once per accept): 3 rounds.
+    [ "$name" != nrun ] && [ "$round" -gt 3 ] && continue
+    tb "torchburst$TORCH_BURST/$name" "$p"
+    if [ ${#ns[@]} -gt 0 ]; then
+      tb "torchburst$TORCH_BURST-localptr/$name" "$p" "${ns[@]}" sh -c 'mount --bind "$1" /etc/hosts && shift && exec "$@"' sh "$hosts_ptr"
+    fi
+  done
+done
+rm -f "$hosts_ptr"
 fi
 
 if only cluster; then

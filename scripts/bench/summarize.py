@@ -66,6 +66,19 @@ for lab, rs in groups.items():
     if case == "rtt":
         print(f"| SET+GET round trip | {server} | {len(ok)} | {med(rs, 'median_us'):.1f} us | "
               f"{med(rs, 'p90_us'):.1f} us | p99 {med(rs, 'p99_us'):.1f} us |")
+    elif case.startswith("torchburst"):
+        # torchburstN: real torch clients, their reverse lookup of the store's address asked of
+        # the host's DNS; torchburstN-localptr: answered from /etc/hosts (BENCHMARKS.md, 11).
+        n, _, how = case[10:].partition("-")
+        how = "PTR answered by /etc/hosts" if how else "PTR asked of DNS"
+        if ok:
+            fails = sum(r["result"]["failed"] for r in ok)
+            over = statistics.median(r["result"]["over_1s"] for r in ok)
+            print(f"| {n} torch clients at once ({how}): connect | {server} | {len(ok)} | "
+                  f"{med(rs, 'median_ms'):.1f} ms | {med(rs, 'p90_ms'):.1f} ms | {med(rs, 'max_ms'):.1f} ms "
+                  f"({over:g} over 1 s){' (%d failed)' % fails if fails else ''} |")
+        if t:
+            print(f"| {n} torch clients at once ({how}): connect | {server} | {len(rs) - len(ok)} | > {t} s (timed out) | | |")
     elif case.startswith("burst"):
         n = case[5:]
         if ok:
