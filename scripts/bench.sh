@@ -100,7 +100,7 @@ done
 fi
 # N real torch clients released at once (tests/python/torch_burst.py), each server in turn per
 # round: first as this host's resolver has them (each torch client asks DNS for the store's name
-# before it connects: BENCHMARKS.md, section 11), then, where a private mount namespace can be
+# before it connects: BENCHMARKS.md, section 13), then, where a private mount namespace can be
 # made, with that name in /etc/hosts, which leaves what the store's accept path itself costs.
 TORCH_BURST=${TORCH_BURST:-300}
 hosts_ptr=$(mktemp)

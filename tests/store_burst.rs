@@ -7,7 +7,7 @@
 //! AF_INET6 with AI_V4MAPPED first), which /etc/hosts' IPv4 lines never match. So each client
 //! sends a PTR query to the host's DNS server before its SYN. A DNS server that drops part of a
 //! burst of queries costs those clients glibc's 5 s resolver timeout, whatever store they
-//! connect to (BENCHMARKS.md, section 11, has the traces). That stall is the client's and the
+//! connect to (BENCHMARKS.md, section 13, has the traces). That stall is the client's and the
 //! DNS server's, not the store's; to measure what is the store's, the clients here run in a
 //! mount namespace whose /etc/hosts names the mapped loopback address, so the lookup is answered
 //! from the file. Where no such namespace can be made (no `unshare`, no user namespaces) the

@@ -638,7 +638,7 @@ TCPStore client at all); nrun's store works with torch 2.2 and newer";
 /// Torch clients that arrive in hundreds can still take 5 s each to connect, whatever store they
 /// reach: each first asks DNS for the store's name (c10d formats the address it is about to
 /// connect to with `getnameinfo`), and a DNS server that drops part of the burst costs glibc's
-/// 5 s resolver timeout before the SYN is even sent (BENCHMARKS.md, section 11;
+/// 5 s resolver timeout before the SYN is even sent (BENCHMARKS.md, section 13;
 /// tests/store_burst.rs measures the accept path with that lookup answered locally).
 pub fn bind(port: u16) -> io::Result<std::net::TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
