@@ -31,14 +31,15 @@ fn python_not_ready(
     python: Option<&std::path::Path>,
     probed: bool,
 ) -> Option<String> {
+    // --no-python-probe: a job that runs no Python; nothing to judge.
+    if !probed {
+        return None;
+    }
     let Some(py) = python else {
         return Some(
             "no python found to run a job (python3 on PATH, $PYTHON_EXEC or --python)".into(),
         );
     };
-    if !probed {
-        return None;
-    }
     let f = facts?;
     if f.torch.is_some() {
         return None;
