@@ -97,8 +97,9 @@ pub enum Msg {
 }
 
 /// `line` without the "[rank<rank>]: " that torch's distributed excepthook puts before every
-/// line of an uncaught exception (distributed_c10d.py, `_distributed_excepthook`); a line with
-/// another rank's prefix, or none, is left as it is.
+/// line of an uncaught exception (distributed_c10d.py, `_distributed_excepthook`), or the
+/// "[rank<rank>]:" before its C++ log lines' "[E...]"; a line with another rank's prefix, or
+/// none, is left as it is.
 fn strip_torch_prefix(line: &[u8], rank: usize) -> &[u8] {
     let Some(rest) = line.strip_prefix(b"[rank") else {
         return line;
@@ -108,8 +109,11 @@ fn strip_torch_prefix(line: &[u8], rank: usize) -> &[u8] {
         .ok()
         .and_then(|d| d.parse::<usize>().ok())
         == Some(rank);
-    match rest[digits..].strip_prefix(b"]: ") {
+    let after = &rest[digits..];
+    match after.strip_prefix(b"]: ") {
         Some(body) if ours => body,
+        // torch's C++ log lines: "[rank1]:[E1201 14:53:58.470 ProcessGroupNCCL.cpp:1628] ...".
+        _ if ours && after.starts_with(b"]:[") => &after[2..],
         _ => line,
     }
 }
@@ -367,5 +371,14 @@ mod tests {
             assert_eq!(strip_torch_prefix(line, rank), line);
         }
         assert_eq!(strip_torch_prefix(b"[rank12]: x\n", 12), b"x\n");
+        assert_eq!(
+            strip_torch_prefix(
+                b"[rank1]:[E1201 14:53:58.470 ProcessGroupNCCL.cpp:1628] x\n",
+                1
+            ),
+            b"[E1201 14:53:58.470 ProcessGroupNCCL.cpp:1628] x\n"
+        );
+        let other = b"[rank0]:[E1201 14:53:58.470 ProcessGroupNCCL.cpp:1628] x\n";
+        assert_eq!(strip_torch_prefix(other, 1), other);
     }
 }
