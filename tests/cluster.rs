@@ -921,15 +921,8 @@ fn an_elastic_job_goes_on_with_the_nodes_it_has() {
     s.wait_marks("started", 6, Duration::from_secs(30));
     // ze-h3's agent dies (and its keeper): the node is lost. (Process ids are not per
     // namespace: the host's own are picked by `ip netns pids`.)
-    let killed = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "n=0; for p in $(ip netns pids {}); do tr '\\0' ' ' < /proc/$p/cmdline | grep -q __agent              && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
-            c.host(3)
-        ))
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    let killed = c.kill_agents(3);
+    assert!(killed);
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");

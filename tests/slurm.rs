@@ -373,14 +373,8 @@ fn inside_an_allocation_a_node_lost_mid_run_is_replaced_by_the_spare() {
     .args(["--max-restarts", "1", "--no-python", "sh", "-c", work]);
     let child = c.spawn().unwrap();
     s.wait_marks("started", 3, Duration::from_secs(60));
-    let killed = Command::new("sh")
-        .arg("-c")
-        .arg(
-            "n=0; for p in $(ip netns pids sa6-h2); do tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | grep -q __agent && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
-        )
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    let killed = sl.cluster.kill_agents(2);
+    assert!(killed);
     let (out, _) = wait_with_timeout(child, Duration::from_secs(90));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");

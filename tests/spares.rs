@@ -117,48 +117,30 @@ fn a_node_lost_mid_run_is_replaced_by_the_spare() {
     let s = Scene::new();
     let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(hostname) t=$(date +%s.%N)\"; \
                 echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
-    let child = {
-        let hosts = c.hosts(5);
-        let opts = c.ssh_opts();
-        s.spawn(
-            &[
-                "-H",
-                &hosts,
-                "--ssh-opts",
-                &opts,
-                "--no-python-probe",
-                "-x",
-                "NRUN_TEST_TAG",
-                "-x",
-                "MARK",
-                "--nnodes",
-                "4",
-                "--max-restarts",
-                "1",
-                "--nproc",
-                "2",
-                "--no-python",
-                "sh",
-                "-c",
-                work,
-            ],
-            &[],
-        )
-    };
+    let child = c.spawn_on(
+        &s,
+        5,
+        &[
+            "--nnodes",
+            "4",
+            "--max-restarts",
+            "1",
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            work,
+        ],
+        &[],
+    );
     s.wait_marks("started", 8, Duration::from_secs(30));
-    let killed = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "n=0; for p in $(ip netns pids {}); do tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | grep -q __agent && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
-            c.host(3)
-        ))
-        .status()
-        .unwrap();
+    let killed = c.kill_agents(3);
     let at_kill = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs_f64();
-    assert!(killed.success());
+    assert!(killed);
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");

@@ -458,15 +458,8 @@ fn an_elastic_group_that_re_forms_while_training_raises_no_false_hang() {
     );
     // Training runs on three nodes; then cwe-h3's agent dies and the group re-forms.
     std::thread::sleep(std::time::Duration::from_secs(15));
-    let killed = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "n=0; for p in $(ip netns pids {}); do tr '\\0' ' ' < /proc/$p/cmdline | grep -q __agent && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
-            c.host(3)
-        ))
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    let killed = c.kill_agents(3);
+    assert!(killed);
     let (out, _) = wait_with_timeout(child, std::time::Duration::from_secs(120));
     let err = text(&out.stderr);
     assert!(err.contains("(lost: cwe-h3)"), "{err}");

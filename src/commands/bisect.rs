@@ -36,6 +36,13 @@ pub enum NodeVerdict {
     Link,
 }
 
+impl NodeVerdict {
+    /// As the table, the report's evidence and the exclude file say it.
+    fn name(&self) -> String {
+        format!("{self:?}").to_lowercase()
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 struct NodeResult {
     host: String,
@@ -142,11 +149,7 @@ pub async fn on_the_spot(
         .map(|(i, r)| {
             (
                 i,
-                format!(
-                    "bisect: {}: {}",
-                    format!("{:?}", r.verdict).to_lowercase(),
-                    r.evidence.join("; ")
-                ),
+                format!("bisect: {}: {}", r.verdict.name(), r.evidence.join("; ")),
             )
         })
         .collect())
@@ -696,7 +699,7 @@ impl Bisect<'_> {
         use std::fmt::Write as _;
         let mut table = format!("{:<width$}  {:<11}  evidence\n", "node", "verdict");
         for r in &self.results {
-            let v = format!("{:?}", r.verdict).to_lowercase();
+            let v = r.verdict.name();
             let _ = writeln!(
                 table,
                 "{:<width$}  {:<11}  {}",
@@ -756,11 +759,7 @@ impl Bisect<'_> {
                 .map(|r| crate::plan::exclude::Entry {
                     host: r.host.clone(),
                     at: now,
-                    why: format!(
-                        "bisect: {}: {}",
-                        format!("{:?}", r.verdict).to_lowercase(),
-                        r.evidence.join("; ")
-                    ),
+                    why: format!("bisect: {}: {}", r.verdict.name(), r.evidence.join("; ")),
                 })
                 .collect();
             f.append(&found)?;

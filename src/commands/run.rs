@@ -21,13 +21,26 @@ pub async fn run(
     let mut rec = Record::default();
     let code = drive(&mut s, job, &mut rec).await;
     let code_of = code.as_ref().map_or_else(|e| e.code, |c| *c);
-    // --report is written at the end of every job, however it ended; --preflight-only's own
-    // report is the preflight's (written by it). The nodes left out join either.
-    let written = match (&job.report, job.preflight_only) {
-        (Some(path), false) => report::write_json("--report", path, &rec.json(code_of, &s)),
+    s.settle(code.is_ok());
+    // --report is written at the end of every job, however it ended, with the nodes left out;
+    // --preflight-only's own report is the preflight's (written by it), rewritten only to add
+    // the nodes left out.
+    let nodes = s.nodes_json();
+    let written = match (&job.report, job.preflight_only, &rec.preflight) {
+        (Some(path), false, _) => {
+            let mut v = rec.json(code_of, &s);
+            if let Some(n) = nodes {
+                v["nodes"] = n;
+            }
+            report::write_json("--report", path, &v)
+        }
+        (Some(path), true, Some(pf)) if nodes.is_some() => {
+            let mut v = pf.clone();
+            v["nodes"] = nodes.unwrap_or_default();
+            report::write_json("--report", path, &v)
+        }
         _ => Ok(()),
     };
-    s.settle(job.report.as_deref(), code.is_ok());
     // Nodes whose own nrun joined (c10d) exit with the job's code.
     s.end_with(code_of).await;
     written?;
@@ -149,8 +162,8 @@ pub async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) -> Resu
         }
     }
     // A c10d slot nobody came to is no node to leave out.
-    let first_peer = s.plan.hosts.len() - s.plan.peers;
-    for (i, why) in failures.iter().filter(|(i, _)| *i < first_peer) {
+    let owned = s.plan.owned();
+    for (i, why) in failures.iter().filter(|(i, _)| *i < owned) {
         s.leave_out(*i, Stage::Join, why);
     }
     if let Err(e) = s.fill() {
@@ -224,12 +237,11 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
     }
     // Most nodes failing to join is the setup's fault (ssh, nrun's path), not theirs; so is a
     // c10d node that never started.
-    let first_peer = s.plan.hosts.len() - s.plan.peers;
-    let code = match failures.len() * 2 > s.len() || failures.iter().all(|(i, _)| *i >= first_peer)
-    {
-        true => exit::CLUSTER,
-        false => exit::NO_NODES,
-    };
+    let code =
+        match failures.len() * 2 > s.len() || failures.iter().all(|(i, _)| *i >= s.plan.owned()) {
+            true => exit::CLUSTER,
+            false => exit::NO_NODES,
+        };
     eprintln!(
         "nrun: error: {} of {} nodes could not join:",
         failures.len(),
@@ -275,8 +287,7 @@ fn tell_every_node(s: &Session, summary: &str, error_json: Option<&str>) {
 /// What to check next when nodes did not join, in the words of how they start: nodes whose own
 /// nrun joins (c10d: by hand, a batch script, Kubernetes pods) involve no ssh or srun.
 fn join_hint(s: &Session, failures: &[(usize, String)]) -> String {
-    let first_peer = s.plan.hosts.len() - s.plan.peers;
-    if failures.iter().all(|(i, _)| *i >= first_peer) {
+    if failures.iter().all(|(i, _)| *i >= s.plan.owned()) {
         let endpoint = format!("{}:{}", s.rendezvous.addr, s.rendezvous.port);
         let secs = s.plan.join_timeout.as_secs_f64();
         if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {

@@ -65,6 +65,12 @@ pub struct NodesPlan {
 }
 
 impl NodesPlan {
+    /// How many nodes this nrun starts itself; the rest (the last `peers`) are c10d slots that a
+    /// node's own nrun fills by joining.
+    pub fn owned(&self) -> usize {
+        self.hosts.len() - self.peers
+    }
+
     /// Every node of `hosts` with one worker, joined by agents over ssh: the plan of a session a
     /// unit test builds by hand.
     #[cfg(test)]

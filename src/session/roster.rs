@@ -234,15 +234,13 @@ impl Session {
     }
 
     /// At the job's end: nodes that never joined are named with their links' last words, the
-    /// nodes left out are listed, remembered in --exclude-file, given as the next sbatch's
-    /// --exclude= inside Slurm, and written into `report` (its `nodes` section, beside what the
-    /// preflight and the watch wrote there).
-    /// `list`: print the nodes left out (an error that ended the job named them already).
-    pub fn settle(&mut self, report: Option<&std::path::Path>, list: bool) {
+    /// nodes left out are listed, remembered in --exclude-file and given as the next sbatch's
+    /// --exclude= inside Slurm. `list`: print the nodes left out (an error that ended the job
+    /// named them already).
+    pub fn settle(&mut self, list: bool) {
         let timeout = self.plan.join_timeout;
         // c10d slots nobody came to are no nodes.
-        let first_peer = self.plan.hosts.len() - self.plan.peers;
-        for i in 0..first_peer {
+        for i in 0..self.plan.owned() {
             if self.nodes[i].joined.is_some() || self.is_left_out(i) {
                 continue;
             }
@@ -296,24 +294,22 @@ impl Session {
                 hosts.join(",")
             );
         }
-        if let Some(path) = report {
-            let mut json = std::fs::read_to_string(path)
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .filter(|v| v.is_object())
-                .unwrap_or_else(|| serde_json::json!({}));
-            let names = |v: &[usize]| -> Vec<String> {
-                v.iter().map(|i| self.nodes[*i].label.clone()).collect()
-            };
-            json["nodes"] = serde_json::json!({
-                "size": self.plan.size,
-                "ran_on": names(&self.active),
-                "spares": names(&self.spares()),
-                "left_out": self.left_out_json(),
-            });
-            if let Err(e) = crate::report::write_json("--report", path, &json) {
-                tracing::warn!("{e}");
-            }
+    }
+
+    /// `--report`'s `nodes` section: the job's size, where it ran, the spares left, the nodes
+    /// left out with their evidence; None when nothing was left out.
+    pub fn nodes_json(&self) -> Option<serde_json::Value> {
+        if self.left_out.is_empty() {
+            return None;
         }
+        let names = |v: &[usize]| -> Vec<String> {
+            v.iter().map(|i| self.nodes[*i].label.clone()).collect()
+        };
+        Some(serde_json::json!({
+            "size": self.plan.size,
+            "ran_on": names(&self.active),
+            "spares": names(&self.spares()),
+            "left_out": self.left_out_json(),
+        }))
     }
 }

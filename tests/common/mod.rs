@@ -312,6 +312,38 @@ impl Cluster {
         s.run(&args, env)
     }
 
+    /// Starts nrun as `s` on the first `k` hosts, as [`Cluster::run_on`] runs it, without waiting.
+    pub fn spawn_on(&self, s: &Scene, k: usize, extra: &[&str], env: &[(&str, &str)]) -> Child {
+        let hosts = self.hosts(k);
+        let opts = self.ssh_opts();
+        let mut args = vec![
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "-x",
+            "NRUN_TEST_TAG",
+            "-x",
+            "MARK",
+        ];
+        args.extend_from_slice(extra);
+        s.spawn(&args, env)
+    }
+
+    /// Kills host i's nrun agents with SIGKILL (as a node dies); whether there was one.
+    pub fn kill_agents(&self, i: usize) -> bool {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "n=0; for p in $(ip netns pids {}); do tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null \
+                 | grep -q __agent && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
+                self.host(i)
+            ))
+            .status()
+            .is_ok_and(|st| st.success())
+    }
+
     pub fn ssh_opts(&self) -> String {
         format!("-F {}", self.config)
     }

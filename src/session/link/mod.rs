@@ -347,7 +347,7 @@ pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
     if np.in_process {
         return Ok(vec![Node::new(&np.hosts[0].name, inproc::link())]);
     }
-    let owned = &np.hosts[..np.hosts.len() - np.peers];
+    let owned = &np.hosts[..np.owned()];
     let how = Instructions::new(&s, plan)?;
     let mut nodes = match np.launcher {
         Launcher::Ssh => child::start(np, owned, &how).await?,
