@@ -110,14 +110,24 @@ async fn drive(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u
             if blamed.is_empty() || blamed.len() * 2 > s.active.len() {
                 break;
             }
+            // A spare the bisect found bad is left out too, but only a node of the job being
+            // replaced makes the preflight worth running again.
+            let replaced: Vec<usize> = blamed
+                .iter()
+                .map(|b| b.0)
+                .filter(|i| s.active.contains(i))
+                .collect();
             for (i, why) in &blamed {
                 s.leave_out(*i, Stage::Preflight, why);
+            }
+            if replaced.is_empty() {
+                break;
             }
             let came = s.fill()?;
             tracing::warn!(
                 "the preflight runs again with {} in place of {}",
                 s.names(&came),
-                s.names(&blamed.iter().map(|b| b.0).collect::<Vec<_>>())
+                s.names(&replaced)
             );
         }
         if code != exit::SUCCESS && pf.warn_only && !job.preflight_only {
