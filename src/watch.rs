@@ -281,6 +281,11 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
         Some(fr) => fr,
         None => (kind, conclusion, culprits),
     };
+    // A collective the ranks called differently before the stall is where it went wrong.
+    let (kind, conclusion, culprits) = match mismatch(ranks) {
+        Some(m) => (Kind::Disagree, m.text(), m.culprits),
+        None => (kind, conclusion, culprits),
+    };
     let conclusion = match unreadable.is_empty() {
         true => conclusion,
         false => format!(
@@ -408,6 +413,120 @@ fn flight_conclusion(ranks: &[Seen<'_>]) -> Option<(Kind, String, Vec<usize>)> {
         false => Kind::Missing,
     };
     Some((kind, parts.join("; "), culprits))
+}
+
+/// Ops whose input must be the same size on every rank of the group. all_to_all, gather,
+/// scatter and the list forms of all_gather and reduce_scatter (uneven inputs allowed) may
+/// differ by design.
+const SAME_SIZE: &[&str] = &[
+    "all_reduce",
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "reduce",
+    "_allgather_base",
+    "all_gather_into_tensor",
+    "_reduce_scatter_base",
+    "reduce_scatter_tensor",
+];
+
+/// The first collective the ranks' flight recorders disagree on: a rank that calls another op,
+/// or the same all_reduce (broadcast, all_gather, ...) with another size, at the same sequence
+/// number of the same process group. NCCL does not check: such a job hangs, or goes on with
+/// wrong results.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Mismatch {
+    pub pg: String,
+    pub seq: u64,
+    /// What each set of ranks called there: op, bytes (where every rank must agree on them),
+    /// ranks.
+    pub calls: Vec<(String, Option<u64>, Vec<usize>)>,
+    /// The ranks apart from the most (none on a tie).
+    pub culprits: Vec<usize>,
+}
+
+impl Mismatch {
+    pub fn text(&self) -> String {
+        let group = match self.pg.as_str() {
+            "0" | "" | "default_pg" => String::new(),
+            g => format!(" of group {g}"),
+        };
+        let calls: Vec<String> = self
+            .calls
+            .iter()
+            .map(|(op, b, r)| match b {
+                Some(b) => format!("{} {op} ({})", ranks_text(r), size_text(*b)),
+                None => format!("{} {op}", ranks_text(r)),
+            })
+            .collect();
+        format!(
+            "the ranks disagree on collective #{}{group}: {} (flight recorder)",
+            self.seq,
+            calls.join(", ")
+        )
+    }
+}
+
+/// Compares the runs of every rank's flight recorder: the lowest sequence number that two or
+/// more ranks of one group both recorded and called differently.
+pub fn mismatch(ranks: &[Seen<'_>]) -> Option<Mismatch> {
+    use crate::agent::protocol::FrRun;
+    let mut by_pg: BTreeMap<&str, Vec<(usize, &[FrRun])>> = BTreeMap::new();
+    for s in ranks {
+        if let Some(fr) = &s.view.fr {
+            by_pg
+                .entry(fr.last.pg.as_str())
+                .or_default()
+                .push((s.view.rank, fr.runs.as_slice()));
+        }
+    }
+    let mut found: Option<Mismatch> = None;
+    for (pg, members) in by_pg {
+        // Calls can differ only where some rank's run begins.
+        let mut starts: Vec<u64> = members
+            .iter()
+            .flat_map(|(_, runs)| runs.iter().map(|r| r.first))
+            .collect();
+        starts.sort_unstable();
+        starts.dedup();
+        for seq in starts {
+            if found.as_ref().is_some_and(|f| f.seq <= seq) {
+                break;
+            }
+            let mut calls: BTreeMap<(&str, Option<u64>), Vec<usize>> = BTreeMap::new();
+            for (rank, runs) in &members {
+                if let Some(r) = runs.iter().find(|r| r.first <= seq && seq <= r.last) {
+                    // Sizes that may differ by design are not compared.
+                    let bytes = SAME_SIZE.contains(&r.op.as_str()).then_some(r.bytes);
+                    calls.entry((r.op.as_str(), bytes)).or_default().push(*rank);
+                }
+            }
+            if calls.len() < 2 {
+                continue;
+            }
+            let most = calls.values().map(Vec::len).max().unwrap_or(0);
+            let culprits = match calls.values().filter(|r| r.len() == most).count() {
+                1 => calls
+                    .values()
+                    .filter(|r| r.len() != most)
+                    .flatten()
+                    .copied()
+                    .collect(),
+                _ => Vec::new(),
+            };
+            found = Some(Mismatch {
+                pg: pg.to_string(),
+                seq,
+                calls: calls
+                    .into_iter()
+                    .map(|((op, b), r)| (op.to_string(), b, r))
+                    .collect(),
+                culprits,
+            });
+            break;
+        }
+    }
+    found
 }
 
 /// A rank the others keep waiting for.
@@ -548,11 +667,14 @@ pub struct WatchState {
     /// The flight recorders' straggler, and the dumps in a row (told apart by their span) that
     /// named it: one dump covers a few seconds, two in a row make it sustained.
     fr_suspect: Option<(usize, u32, u64)>,
+    /// The collective mismatch last said (process group, sequence number).
+    mismatch_said: Option<(String, u64)>,
     last_check: Option<Instant>,
     /// Every hang found, for the report.
     pub hangs: Vec<Diagnosis>,
     pub stragglers: Vec<Straggler>,
-    /// The job was stopped because of a hang.
+    pub mismatches: Vec<Mismatch>,
+    /// The job was stopped because of a hang (or a collective mismatch).
     pub stopped: bool,
 }
 
@@ -566,9 +688,11 @@ impl WatchState {
             unreadable_said: false,
             straggler_said: HashMap::new(),
             fr_suspect: None,
+            mismatch_said: None,
             last_check: None,
             hangs: Vec::new(),
             stragglers: Vec::new(),
+            mismatches: Vec::new(),
             stopped: false,
         }
     }
@@ -583,6 +707,7 @@ impl WatchState {
         self.views.clear();
         self.last_stall = None;
         self.hang_said = false;
+        self.mismatch_said = None;
         self.last_check = None;
     }
 
@@ -601,6 +726,34 @@ impl WatchState {
         // fail, their stacks show the error being raised, then every rank stopped.
         if stall_of(&seen).is_some() {
             self.last_stall = Some((Instant::now(), self.views.clone()));
+        }
+        // A collective called differently by some ranks is said as soon as the dumps show it:
+        // NCCL may hang on it, or go on with wrong results while the stacks keep moving.
+        if let Some(m) = mismatch(&seen) {
+            let key = (m.pg.clone(), m.seq);
+            if self.mismatch_said.as_ref() != Some(&key) {
+                self.mismatch_said = Some(key);
+                let stop = self.plan.on_hang == OnHang::Stop;
+                let who = match m.culprits.as_slice() {
+                    [] => "each rank does".to_string(),
+                    [r] => format!("rank {r} does"),
+                    r => format!("{} do", ranks_text(r)),
+                };
+                tracing::warn!(
+                    "collective mismatch: {}; NCCL does not check this, so the job hangs or                      computes wrong results: see what {who} differently before that collective{}",
+                    m.text(),
+                    if stop {
+                        "; stopping the job (--on-hang stop)"
+                    } else {
+                        ""
+                    }
+                );
+                self.mismatches.push(m);
+                if stop {
+                    self.stopped = true;
+                    return true;
+                }
+            }
         }
         // A rank whose stack cannot be read (not yet, or not at all) says nothing about progress.
         let live: Vec<&Seen<'_>> = seen
@@ -712,7 +865,11 @@ impl WatchState {
 
     /// The watch's findings for `--report`.
     pub fn json(&self) -> serde_json::Value {
-        serde_json::json!({ "hangs": self.hangs, "stragglers": self.stragglers })
+        serde_json::json!({
+            "hangs": self.hangs,
+            "stragglers": self.stragglers,
+            "mismatches": self.mismatches,
+        })
     }
 }
 
@@ -967,6 +1124,7 @@ mod tests {
             )),
             waited_ms: None,
             span_ms: None,
+            runs: Vec::new(),
         }
     }
 
@@ -1030,6 +1188,124 @@ mod tests {
         v[0].fr = Some(timed(400.0));
         v[1].fr = Some(timed(100.0));
         assert!(flight_straggler(&seen(&v)).is_none());
+    }
+
+    /// A view whose flight recorder holds `runs` (first, last, op, bytes) of group `pg`.
+    fn recorded(rank: usize, pg: &str, runs: &[(u64, u64, &str, u64)]) -> RankView {
+        use crate::agent::protocol::FrRun;
+        let mut v = busy(rank, 40);
+        let mut f = fr(runs.last().map_or(1, |r| r.1), "completed", 0);
+        f.last.pg = pg.into();
+        f.runs = runs
+            .iter()
+            .map(|&(first, last, op, bytes)| FrRun {
+                first,
+                last,
+                op: op.into(),
+                bytes,
+            })
+            .collect();
+        v.fr = Some(f);
+        v
+    }
+
+    #[test]
+    fn the_first_collective_called_differently_is_found_in_the_recorders() {
+        let ar = "all_reduce";
+        // Rank 1 all-reduces 4x the bytes from #6 on; rank 0 went on further.
+        let v = [
+            recorded(0, "0", &[(1, 40, ar, 4096)]),
+            recorded(1, "0", &[(1, 5, ar, 4096), (6, 12, ar, 16384)]),
+        ];
+        let m = mismatch(&seen(&v)).unwrap();
+        assert_eq!(
+            (m.seq, m.culprits.clone()),
+            (6, vec![]),
+            "a tie blames nobody"
+        );
+        assert_eq!(
+            m.text(),
+            "the ranks disagree on collective #6: rank 0 all_reduce (4 KiB), rank 1 all_reduce \
+             (16 KiB) (flight recorder)"
+        );
+        // With a third rank the odd one out is named, and the hang's conclusion says it.
+        let mut v3 = vec![
+            v[0].clone(),
+            v[1].clone(),
+            recorded(2, "0", &[(1, 9, ar, 4096)]),
+        ];
+        assert_eq!(mismatch(&seen(&v3)).unwrap().culprits, vec![1]);
+        v3[0] = waiting(0, "all_reduce");
+        v3[0].fr = v[0].fr.clone();
+        let d = diagnose(&seen(&v3)).unwrap();
+        assert_eq!(
+            (d.kind.clone(), d.culprits.clone()),
+            (Kind::Disagree, vec![1])
+        );
+        assert!(d.conclusion.contains("collective #6"), "{}", d.conclusion);
+        // Another op at the same number: named, sizes left out where they may differ.
+        let v = [
+            recorded(0, "0", &[(1, 8, ar, 4096)]),
+            recorded(1, "0", &[(1, 6, ar, 4096), (7, 7, "all_to_all", 512)]),
+        ];
+        let m = mismatch(&seen(&v)).unwrap();
+        assert_eq!(m.seq, 7);
+        assert!(
+            m.text().contains("rank 1 all_to_all (flight"),
+            "{}",
+            m.text()
+        );
+        // Nothing to find: all_to_all sizes differ by design; ranks of other groups, and
+        // records that do not overlap, are not compared; the same calls agree.
+        for v in [
+            [
+                recorded(0, "0", &[(1, 8, "all_to_all", 4096)]),
+                recorded(1, "0", &[(1, 8, "all_to_all", 512)]),
+            ],
+            [
+                recorded(0, "0", &[(1, 8, ar, 4096)]),
+                recorded(1, "1", &[(1, 8, ar, 512)]),
+            ],
+            [
+                recorded(0, "0", &[(30, 40, ar, 4096)]),
+                recorded(1, "0", &[(1, 12, ar, 512)]),
+            ],
+            [
+                recorded(0, "0", &[(1, 3, ar, 4096), (4, 9, "broadcast", 8)]),
+                recorded(1, "0", &[(2, 3, ar, 4096), (4, 5, "broadcast", 8)]),
+            ],
+        ] {
+            assert_eq!(mismatch(&seen(&v)), None);
+        }
+    }
+
+    #[test]
+    fn a_mismatch_is_said_once_and_stops_the_job_only_when_asked() {
+        let hosts = vec!["h1".to_string()];
+        let ranks = || NodeWatch {
+            ranks: vec![
+                recorded(0, "0", &[(1, 40, "all_reduce", 4096)]),
+                recorded(
+                    1,
+                    "0",
+                    &[(1, 5, "all_reduce", 4096), (6, 9, "all_reduce", 64)],
+                ),
+            ],
+        };
+        for (on_hang, stops) in [(OnHang::Report, false), (OnHang::Stop, true)] {
+            let mut w = WatchState::new(WatchPlan {
+                hang_timeout: Duration::from_secs(600),
+                on_hang,
+            });
+            w.observe(0, ranks());
+            assert_eq!(w.check(&hosts), stops);
+            assert_eq!((w.mismatches.len(), w.stopped), (1, stops));
+            w.last_check = None;
+            w.observe(0, ranks());
+            assert!(!w.check(&hosts) || stops);
+            assert_eq!(w.mismatches.len(), 1, "said once");
+            assert_eq!(w.json()["mismatches"][0]["seq"], 6);
+        }
     }
 
     #[test]

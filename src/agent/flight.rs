@@ -16,7 +16,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Deserialize;
 
-use super::protocol::{FrOp, FrView};
+use super::protocol::{FrOp, FrRun, FrView};
 
 /// Entries in each process group's ring: enough to see the last few steps' collectives.
 pub const BUFFER: &str = "64";
@@ -263,7 +263,33 @@ fn summarize(entries: &[Entry]) -> Option<FrView> {
         completed: completed.map(|e| op_of(e)),
         waited_ms,
         span_ms,
+        runs: runs(&group),
     })
+}
+
+/// Runs kept per rank: a training step's collectives repeat, so a few runs cover the ring.
+const RUNS: usize = 16;
+
+/// The group's collectives by sequence number, folded into runs of the same op and size (the
+/// most recent [`RUNS`] of them).
+fn runs(group: &[&&Entry]) -> Vec<FrRun> {
+    let mut ops: Vec<FrOp> = group.iter().map(|e| op_of(e)).collect();
+    ops.sort_by_key(|o| o.seq);
+    ops.dedup_by_key(|o| o.seq);
+    let mut runs: Vec<FrRun> = Vec::new();
+    for o in ops {
+        match runs.last_mut() {
+            Some(r) if r.last + 1 == o.seq && r.op == o.op && r.bytes == o.bytes => r.last = o.seq,
+            _ => runs.push(FrRun {
+                first: o.seq,
+                last: o.seq,
+                op: o.op,
+                bytes: o.bytes,
+            }),
+        }
+    }
+    let skip = runs.len().saturating_sub(RUNS);
+    runs.split_off(skip)
 }
 
 /// Where the recorder stands for one rank of the watch thread.
@@ -313,6 +339,39 @@ mod tests {
         assert!(summarize(&[]).is_none());
     }
 
+    #[test]
+    fn the_ring_is_folded_into_runs_of_the_same_op_and_size() {
+        let mut e: Vec<Entry> = (1..=8)
+            .map(|i| entry(i, i, "completed", 1.0, i * 100))
+            .collect();
+        // #6 on: a quarter of the elements; a p2p entry between them is no collective.
+        for x in e.iter_mut().skip(5) {
+            x.input_sizes = vec![vec![1 << 18]];
+        }
+        e.push(Entry {
+            is_p2p: true,
+            ..entry(9, 0, "completed", 1.0, 900)
+        });
+        let runs = summarize(&e).unwrap().runs;
+        let got: Vec<(u64, u64, &str, u64)> = runs
+            .iter()
+            .map(|r| (r.first, r.last, r.op.as_str(), r.bytes))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(1, 5, "all_reduce", 4 << 20), (6, 8, "all_reduce", 1 << 20)]
+        );
+        // Alternating sizes keep the most recent runs only.
+        let e: Vec<Entry> = (1..=40)
+            .map(|i| Entry {
+                input_sizes: vec![vec![1 + i % 2]],
+                ..entry(i, i, "completed", 1.0, i)
+            })
+            .collect();
+        let runs = summarize(&e).unwrap().runs;
+        assert_eq!((runs.len(), runs[0].first, runs[15].last), (RUNS, 25, 40));
+    }
+
     /// A real dump: torch's own recorder of a one-rank gloo group, read by the helper.
     #[test]
     fn a_real_dump_is_read() {
@@ -330,6 +389,9 @@ t = torch.ones(1024)
 for _ in range(5):
     dist.all_reduce(t)
 open(sys.argv[1], "wb").write(c._dump_fr_trace())
+for _ in range(2):
+    dist.all_reduce(torch.ones(256))
+open(sys.argv[1] + "b", "wb").write(c._dump_fr_trace())
 dist.destroy_process_group()
 "#;
         let ok = std::process::Command::new(&py)
@@ -351,6 +413,12 @@ dist.destroy_process_group()
         let done = fr.completed.map(|c| c.seq);
         assert!(matches!(done, Some(4 | 5)), "{done:?}");
         assert!(v[1].is_none());
+        // The sizes in order, as the coordinator compares them across ranks.
+        let later = dir.path().join("dump0b");
+        let fr = read(Path::new(&py), &[later.as_path()])[0].clone().unwrap();
+        let runs: Vec<(u64, u64, u64)> =
+            fr.runs.iter().map(|r| (r.first, r.last, r.bytes)).collect();
+        assert_eq!(runs, vec![(1, 5, 4096), (6, 7, 1024)], "{:?}", fr.runs);
     }
 
     #[test]

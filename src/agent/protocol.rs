@@ -287,6 +287,19 @@ pub struct FrView {
     /// torch timed them: the time it waited for its peers.
     pub waited_ms: Option<f64>,
     pub span_ms: Option<f64>,
+    /// The ring's collectives of that group in order, as runs of the same op and size: what
+    /// the coordinator compares across ranks to find the first collective they disagree on.
+    #[serde(default)]
+    pub runs: Vec<FrRun>,
+}
+
+/// Collectives `first..=last` of one process group, all the same op and size.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FrRun {
+    pub first: u64,
+    pub last: u64,
+    pub op: String,
+    pub bytes: u64,
 }
 
 /// One collective in a flight recorder.

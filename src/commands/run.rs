@@ -391,7 +391,16 @@ fn blamed_nodes(s: &Session, blamed: &[(String, String)]) -> Vec<(usize, String)
 
 /// The node of the ranks the watch's last hang blames, when they are all on one node.
 fn hang_pinned(s: &Session, group: &crate::session::spec::Group) -> Option<(usize, String)> {
-    let d = s.watch.as_ref()?.hangs.last()?;
+    let w = s.watch.as_ref()?;
+    // Ranks that called different collectives (or sizes) are the program's doing, not a
+    // node's: nobody is left out for it.
+    if !w.mismatches.is_empty() {
+        return None;
+    }
+    let d = w.hangs.last()?;
+    if d.kind == crate::watch::Kind::Disagree {
+        return None;
+    }
     let node_of = |r: usize| {
         group
             .members
@@ -538,7 +547,13 @@ async fn attempt_loop(
             }
             let line = "nrun: error: the job hung and was stopped (--on-hang stop); the hosting \
                         node's console names the ranks";
-            eprintln!("nrun: error: the job hung (see above) and was stopped (--on-hang stop)");
+            eprintln!(
+                "nrun: error: the watch found the job {} (see above) and stopped it (--on-hang stop)",
+                match s.watch.as_ref().is_some_and(|w| !w.mismatches.is_empty()) {
+                    true => "calling a collective differently on some ranks",
+                    false => "hung",
+                }
+            );
             tell_every_node(s, &format!("{line}\n"), None);
             rec.outcome = Some("hang");
             return exit::HANG;
