@@ -627,6 +627,9 @@ pub fn flight_straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
     })
 }
 
+/// How long a rank's stack stays unreadable before the watch says so.
+const UNREADABLE_SAID: Duration = Duration::from_secs(10);
+
 /// How long after the last stall seen a failure is still put down to it.
 const STALL_TO_FAILURE: Duration = Duration::from_secs(5);
 
@@ -663,6 +666,9 @@ pub struct WatchState {
     last_stall: Option<(Instant, HashMap<usize, NodeWatch>)>,
     hang_said: bool,
     unreadable_said: bool,
+    /// Since when each rank's stack could not be read: a Python that is still starting (or
+    /// exiting) cannot be, for a moment, which is not worth a warning.
+    unreadable_since: HashMap<usize, Instant>,
     straggler_said: HashMap<usize, Instant>,
     /// The flight recorders' straggler, and the dumps in a row (told apart by their span) that
     /// named it: one dump covers a few seconds, two in a row make it sustained.
@@ -686,6 +692,7 @@ impl WatchState {
             last_stall: None,
             hang_said: false,
             unreadable_said: false,
+            unreadable_since: HashMap::new(),
             straggler_said: HashMap::new(),
             fr_suspect: None,
             mismatch_said: None,
@@ -760,11 +767,25 @@ impl WatchState {
             .iter()
             .filter(|s| s.view.exited.is_none() && !s.view.frames.is_empty())
             .collect();
+        let unreadable = |s: &Seen<'_>| s.view.frames.is_empty() && s.view.error.is_some();
+        self.unreadable_since.retain(|r, _| {
+            seen.iter()
+                .any(|s| s.view.rank == *r && unreadable(s) && s.view.exited.is_none())
+        });
+        for s in seen
+            .iter()
+            .filter(|s| unreadable(s) && s.view.exited.is_none())
+        {
+            self.unreadable_since
+                .entry(s.view.rank)
+                .or_insert_with(Instant::now);
+        }
         if !self.unreadable_said {
-            if let Some(s) = seen
-                .iter()
-                .find(|s| s.view.frames.is_empty() && s.view.error.is_some())
-            {
+            if let Some(s) = seen.iter().find(|s| {
+                self.unreadable_since
+                    .get(&s.view.rank)
+                    .is_some_and(|t| t.elapsed() >= UNREADABLE_SAID)
+            }) {
                 self.unreadable_said = true;
                 tracing::warn!(
                     "the watch cannot read rank {}'s Python stack on {} ({}); a hang is named \
@@ -1035,6 +1056,23 @@ mod tests {
         );
         assert!(!w.check(&["h1".to_string()]));
         assert!(w.hangs.is_empty());
+        // Said only once it has stayed unreadable a while (a Python still starting cannot be
+        // read for a moment); a rank read again starts over.
+        assert!(!w.unreadable_said);
+        let since = Instant::now() - UNREADABLE_SAID;
+        w.unreadable_since.insert(2, since);
+        w.last_check = None;
+        w.check(&["h1".to_string()]);
+        assert!(w.unreadable_said);
+        w.observe(
+            0,
+            NodeWatch {
+                ranks: vec![busy(2, 7)],
+            },
+        );
+        w.last_check = None;
+        w.check(&["h1".to_string()]);
+        assert!(w.unreadable_since.is_empty());
     }
 
     #[test]
