@@ -10,10 +10,14 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-use tokio::process::{Child, ChildStdin};
+use std::os::unix::process::ExitStatusExt as _;
+use std::process::ExitStatus;
 
-use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::process::ChildStdin;
+use tokio::sync::{oneshot, watch};
+
+use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
 use crate::agent::protocol::Hello;
 use crate::error::{Error, Result};
 use crate::hosts::Host;
@@ -24,17 +28,33 @@ use crate::session::Node;
 /// Lines of an agent's stderr kept to explain why it failed.
 const TAIL_LINES: usize = 10;
 
-/// An agent process (or the srun step of all of them) and what nrun saw of it.
+/// An agent process (or the srun step of all of them) and what nrun saw of it. A task of its
+/// own waits for it (and kills it when asked, or when this is dropped), so that its end is an
+/// event for the session (a nudge for its node), not something to ask every node about.
 pub struct AgentProcess {
-    child: Child,
+    /// How it ended, once it has (set by its task).
+    ended: watch::Receiver<Option<ExitStatus>>,
+    /// Tells its task to kill it (dropped: the same).
+    kill: Option<oneshot::Sender<()>>,
     stdin: Option<ChildStdin>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl AgentProcess {
     /// Starts `argv` and gives it `hello` on stdin; its stdout is passed on, its stderr too
-    /// and kept for explaining a failure. `what` names it in an error.
-    pub async fn spawn(argv: &[std::ffi::OsString], what: &str, hello: &Hello) -> Result<Self> {
+    /// and kept for explaining a failure. `what` names it in an error. `own_agent`: `argv` is
+    /// this very binary's agent, which sets its parent-death signal itself (see
+    /// [`crate::agent::PARENT_VAR`]), so nothing runs between fork and exec and the process is
+    /// started with posix_spawn (vfork): a fork of nrun, whose page tables grow with the nodes,
+    /// was most of a thousand-node launch's cost.
+    /// `nudge`: whom to tell, for which node, when it ends.
+    pub async fn spawn(
+        argv: &[std::ffi::OsString],
+        what: &str,
+        hello: &Hello,
+        own_agent: bool,
+        nudge: Option<(Arc<Nudges>, usize)>,
+    ) -> Result<Self> {
         let mut cmd = tokio::process::Command::new(&argv[0]);
         // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
         // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
@@ -44,12 +64,16 @@ impl AgentProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-                Ok(())
-            });
+        if own_agent {
+            cmd.env(crate::agent::PARENT_VAR, std::process::id().to_string());
+        } else {
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+                    Ok(())
+                });
+            }
         }
         let mut child = cmd.spawn().map_err(|e| {
             Error::usage(format!(
@@ -87,16 +111,40 @@ impl AgentProcess {
                 }
             });
         }
+        let (ended_tx, ended) = watch::channel(None);
+        let (kill, killed) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let status = tokio::select! {
+                st = child.wait() => st,
+                // Asked to, or nobody holds this process any more.
+                _ = killed => {
+                    let _ = child.start_kill();
+                    child.wait().await
+                }
+            };
+            // A wait that failed (it cannot, for a child of ours) reads as an end.
+            let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0xff << 8));
+            ended_tx.send_replace(Some(status));
+            if let Some((nudges, node)) = nudge {
+                nudges.nudge(node);
+            }
+        });
         Ok(AgentProcess {
-            child,
+            ended,
+            kill: Some(kill),
             stdin,
             stderr_tail: tail,
         })
     }
 
     /// How the process ended, if it has.
-    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        *self.ended.borrow()
+    }
+
+    /// Until the process ended.
+    async fn wait(&mut self) {
+        let _ = self.ended.wait_for(|s| s.is_some()).await;
     }
 
     /// The last non-empty line it wrote to stderr.
@@ -142,12 +190,14 @@ impl AgentProcess {
     /// that, so they do not mistake the end for the launcher going away. Stragglers: stdin
     /// closed, then killed.
     pub async fn finish(&mut self) {
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.wait()).await;
         self.stdin.take();
-        let _ = tokio::time::timeout(Duration::from_secs(3), self.child.wait()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(3), self.wait()).await;
         if self.exited().is_none() {
-            let _ = self.child.start_kill();
-            let _ = self.child.wait().await;
+            if let Some(k) = self.kill.take() {
+                let _ = k.send(());
+            }
+            self.wait().await;
         }
     }
 }
@@ -162,8 +212,14 @@ pub struct ChildLink {
     beat: super::peer::Heartbeat,
 }
 
-/// Starts every owned node's agent, at most --ssh-concurrency at a time.
-pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result<Vec<Node>> {
+/// Starts every owned node's agent, at most --ssh-concurrency at a time; each one's end
+/// nudges its node in `nudges`.
+pub async fn start(
+    np: &NodesPlan,
+    hosts: &[Host],
+    how: &Instructions,
+    nudges: &Arc<Nudges>,
+) -> Result<Vec<Node>> {
     let sem = Arc::new(tokio::sync::Semaphore::new(np.ssh_concurrency));
     // One copy of the plan shared by every start (a copy each was O(nodes^2) memory).
     let shared = Arc::new(np.clone());
@@ -178,9 +234,10 @@ pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result
         };
         let hello = how.hello(i, &h.name, addrs, Vec::new());
         let (sem, np, label) = (sem.clone(), shared.clone(), h.name.clone());
+        let nudge = (nudges.clone(), i);
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
-            start_one(&np, &label, local, &hello).await
+            start_one(&np, &label, local, &hello, nudge).await
         }));
     }
     let mut nodes = Vec::new();
@@ -193,7 +250,13 @@ pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result
     Ok(nodes)
 }
 
-async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> Result<Node> {
+async fn start_one(
+    np: &NodesPlan,
+    label: &str,
+    local: bool,
+    hello: &Hello,
+    nudge: (Arc<Nudges>, usize),
+) -> Result<Node> {
     let argv = if local {
         // The launch host's own node needs no ssh: its agent is a child of nrun, spoken to the
         // same way (stdin, the store) so there is one code path.
@@ -207,7 +270,7 @@ async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> R
         };
         remote::ssh_command(label, &np.ssh_opts, &remote_nrun)
     };
-    let process = AgentProcess::spawn(&argv, label, hello).await?;
+    let process = AgentProcess::spawn(&argv, label, hello, local, Some(nudge)).await?;
     let agent_timeout = np.agent_timeout;
     let link = ChildLink {
         process,
