@@ -59,13 +59,18 @@ pub fn tie_to_parent() -> bool {
         // Re-parented before the signal was set: the launcher died during the spawn.
         std::process::exit(i32::from(crate::error::exit::signal(libc::SIGKILL)));
     }
+    TIED.store(true, std::sync::atomic::Ordering::Relaxed);
     true
 }
 
+/// This agent dies with the nrun that started it on this host ([`tie_to_parent`]).
+static TIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Entry point of `nrun __agent`; returns the exit code.
 pub fn main() -> u8 {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread: an agent waits on its store connections and its workers, and a thousand
+    // agents on one host each waking idle worker threads cost their host more than the work.
+    let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
@@ -290,15 +295,23 @@ pub async fn serve(
         .set(&keys.joined(hello.node), &record)
         .await
         .map_err(lost)?;
-    // Out of reach (the store silent) sets the same `gone` as stdin closing.
-    tokio::spawn(liveness::watch(
-        reached,
-        hello.secret.clone(),
-        hello.heartbeat.then(|| keys.alive(hello.node)),
-        Duration::from_millis(hello.agent_timeout_ms),
-        gone,
-        me.clone(),
-    ));
+    // Out of reach (the store silent) sets the same `gone` as stdin closing. An agent of nrun
+    // on this very host needs no watch over a link, nor a heartbeat: nrun sees its process,
+    // and it dies with nrun (a request every half second per agent, and a connection, saved).
+    let _gone = match TIED.load(std::sync::atomic::Ordering::Relaxed) && !hello.heartbeat {
+        true => Some(gone),
+        false => {
+            tokio::spawn(liveness::watch(
+                reached,
+                hello.secret.clone(),
+                hello.heartbeat.then(|| keys.alive(hello.node)),
+                Duration::from_millis(hello.agent_timeout_ms),
+                gone,
+                me.clone(),
+            ));
+            None
+        }
+    };
 
     let node = Node {
         keys,

@@ -14,7 +14,6 @@ use std::os::unix::process::ExitStatusExt as _;
 use std::process::ExitStatus;
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-use tokio::process::ChildStdin;
 use tokio::sync::{oneshot, watch};
 
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
@@ -36,7 +35,7 @@ pub struct AgentProcess {
     ended: watch::Receiver<Option<ExitStatus>>,
     /// Tells its task to kill it (dropped: the same).
     kill: Option<oneshot::Sender<()>>,
-    stdin: Option<ChildStdin>,
+    stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
 }
 
@@ -44,10 +43,10 @@ impl AgentProcess {
     /// Starts `argv` and gives it `hello` on stdin; its stdout is passed on, its stderr too
     /// and kept for explaining a failure. `what` names it in an error. `own_agent`: `argv` is
     /// this very binary's agent, which sets its parent-death signal itself (see
-    /// [`crate::agent::PARENT_VAR`]), so nothing runs between fork and exec and the process is
-    /// started with posix_spawn (vfork): a fork of nrun, whose page tables grow with the nodes,
-    /// was most of a thousand-node launch's cost.
-    /// `nudge`: whom to tell, for which node, when it ends.
+    /// [`crate::agent::PARENT_VAR`]); anything else (ssh) gets it between fork and exec.
+    /// Started by nrun's spawner where there is one (see [`crate::node::spawner`]: starting a
+    /// program from nrun itself costs a copy of its file table, which grows with the nodes),
+    /// else by nrun. `nudge`: whom to tell, for which node, when it ends.
     pub async fn spawn(
         argv: &[std::ffi::OsString],
         what: &str,
@@ -55,33 +54,23 @@ impl AgentProcess {
         own_agent: bool,
         nudge: Option<(Arc<Nudges>, usize)>,
     ) -> Result<Self> {
-        let mut cmd = tokio::process::Command::new(&argv[0]);
-        // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
-        // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
-        // stdin close and the agent stops its workers.
-        cmd.args(&argv[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        if own_agent {
-            cmd.env(crate::agent::PARENT_VAR, std::process::id().to_string());
-        } else {
-            // SAFETY: only async-signal-safe calls between fork and exec.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-                    Ok(())
-                });
-            }
-        }
-        let mut child = cmd.spawn().map_err(|e| {
+        let cannot = |e: &dyn std::fmt::Display| {
             Error::usage(format!(
                 "cannot run {} to start the agent on {what}: {e}",
                 argv[0].to_string_lossy()
             ))
-        })?;
-        let mut stdin = child.stdin.take();
+        };
+        let started = match crate::node::spawner::client() {
+            Some(sp) => by_spawner(&sp, argv, own_agent).await,
+            None => by_nrun(argv, own_agent),
+        };
+        let Started {
+            mut stdin,
+            stdout,
+            stderr,
+            ended,
+            kill,
+        } = started.map_err(|e| cannot(&e))?;
         if let Some(s) = stdin.as_mut() {
             let line = serde_json::to_string(hello)
                 .map_err(|e| Error::internal(format!("encoding the agent's instructions: {e}")))?;
@@ -89,7 +78,7 @@ impl AgentProcess {
         }
         let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
         // The agent prefixes its workers' lines; pass them on line by line.
-        if let Some(out) = child.stdout.take() {
+        if let Some(out) = stdout {
             tokio::spawn(async move {
                 let mut lines = tokio::io::BufReader::new(out).lines();
                 while let Ok(Some(l)) = lines.next_line().await {
@@ -97,7 +86,7 @@ impl AgentProcess {
                 }
             });
         }
-        if let Some(err) = child.stderr.take() {
+        if let Some(err) = stderr {
             let tail = tail.clone();
             tokio::spawn(async move {
                 let mut lines = tokio::io::BufReader::new(err).lines();
@@ -111,24 +100,13 @@ impl AgentProcess {
                 }
             });
         }
-        let (ended_tx, ended) = watch::channel(None);
-        let (kill, killed) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let status = tokio::select! {
-                st = child.wait() => st,
-                // Asked to, or nobody holds this process any more.
-                _ = killed => {
-                    let _ = child.start_kill();
-                    child.wait().await
-                }
-            };
-            // A wait that failed (it cannot, for a child of ours) reads as an end.
-            let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0xff << 8));
-            ended_tx.send_replace(Some(status));
-            if let Some((nudges, node)) = nudge {
+        if let Some((nudges, node)) = nudge {
+            let mut done = ended.clone();
+            tokio::spawn(async move {
+                let _ = done.wait_for(|s| s.is_some()).await;
                 nudges.nudge(node);
-            }
-        });
+            });
+        }
         Ok(AgentProcess {
             ended,
             kill: Some(kill),
@@ -202,6 +180,108 @@ impl AgentProcess {
     }
 }
 
+type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+
+/// A process just started: its standard descriptors, its end once it came, and how to kill it.
+struct Started {
+    stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
+    stdout: Option<Reader>,
+    stderr: Option<Reader>,
+    ended: watch::Receiver<Option<ExitStatus>>,
+    /// Fire (or drop) to kill it.
+    kill: oneshot::Sender<()>,
+}
+
+/// Starts `argv` through nrun's spawner, on pipes nrun holds the other ends of.
+async fn by_spawner(
+    sp: &Arc<crate::node::spawner::Client>,
+    argv: &[std::ffi::OsString],
+    own_agent: bool,
+) -> std::io::Result<Started> {
+    use tokio::net::unix::pipe;
+    let flags = nix::fcntl::OFlag::O_CLOEXEC;
+    let (in_r, in_w) = nix::unistd::pipe2(flags)?;
+    let (out_r, out_w) = nix::unistd::pipe2(flags)?;
+    let (err_r, err_w) = nix::unistd::pipe2(flags)?;
+    let env = match (own_agent, crate::node::spawner::pid()) {
+        (true, Some(pid)) => vec![(crate::agent::PARENT_VAR.into(), pid.to_string().into())],
+        _ => Vec::new(),
+    };
+    let child = sp
+        .start(argv, &env, [in_r, out_w, err_w], !own_agent)
+        .await
+        .map_err(std::io::Error::other)?;
+    let (kill, killed) = oneshot::channel::<()>();
+    let (sp, pid, mut ended) = (sp.clone(), child.pid, child.ended.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = async { ended.wait_for(|s| s.is_some()).await.is_ok() } => {}
+            // Asked to, or nobody holds this process any more.
+            _ = killed => sp.kill(pid, libc::SIGKILL).await,
+        }
+    });
+    Ok(Started {
+        stdin: Some(Box::new(pipe::Sender::from_owned_fd(in_w)?)),
+        stdout: Some(Box::new(pipe::Receiver::from_owned_fd(out_r)?)),
+        stderr: Some(Box::new(pipe::Receiver::from_owned_fd(err_r)?)),
+        ended: child.ended,
+        kill,
+    })
+}
+
+/// Starts `argv` from nrun itself (no spawner).
+fn by_nrun(argv: &[std::ffi::OsString], own_agent: bool) -> std::io::Result<Started> {
+    let mut cmd = tokio::process::Command::new(&argv[0]);
+    // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
+    // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
+    // stdin close and the agent stops its workers.
+    cmd.args(&argv[1..])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    if own_agent {
+        cmd.env(crate::agent::PARENT_VAR, std::process::id().to_string());
+    } else {
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn()?;
+    let stdin = child
+        .stdin
+        .take()
+        .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>);
+    let stdout = child.stdout.take().map(|s| Box::new(s) as Reader);
+    let stderr = child.stderr.take().map(|s| Box::new(s) as Reader);
+    let (ended_tx, ended) = watch::channel(None);
+    let (kill, killed) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let status = tokio::select! {
+            st = child.wait() => st,
+            // Asked to, or nobody holds this process any more.
+            _ = killed => {
+                let _ = child.start_kill();
+                child.wait().await
+            }
+        };
+        // A wait that failed (it cannot, for a child of ours) reads as an end.
+        let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0xff << 8));
+        ended_tx.send_replace(Some(status));
+    });
+    Ok(Started {
+        stdin,
+        stdout,
+        stderr,
+        ended,
+        kill,
+    })
+}
+
 /// A node whose agent is a child process of nrun.
 pub struct ChildLink {
     process: AgentProcess,
@@ -232,7 +312,9 @@ pub async fn start(
             true => loopback_addrs(&how.addrs),
             false => how.addrs.clone(),
         };
-        let hello = how.hello(i, &h.name, addrs, Vec::new());
+        let mut hello = how.hello(i, &h.name, addrs, Vec::new());
+        // This host's own agent is watched as a process, not by its heartbeat.
+        hello.heartbeat = !local;
         let (sem, np, label) = (sem.clone(), shared.clone(), h.name.clone());
         let nudge = (nudges.clone(), i);
         tasks.push(tokio::spawn(async move {
@@ -317,6 +399,8 @@ impl NodeLink for ChildLink {
                 "lost the connection to {label}: its agent stopped its workers when the link \
                  to the launch host broke"
             )),
+            // A process of this host that runs is no node cut off (it beats no heartbeat).
+            None if self.local => None,
             None => self.beat.silent(bus, node).map(|quiet| {
                 format!(
                     "lost the connection to {label}: its agent sent no heartbeat for {:.1} s (its \
