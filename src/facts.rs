@@ -63,7 +63,8 @@ pub fn gather(python: Option<&Path>) -> Facts {
         ..Facts::default()
     };
     // NVML only where the driver is: loading it elsewhere is a wasted search.
-    if std::path::Path::new("/proc/driver/nvidia/gpus").exists() {
+    let driver = std::path::Path::new("/proc/driver/nvidia/gpus").exists();
+    if driver {
         f.gpu_health = crate::preflight::hardware::all_gpus().unwrap_or_default();
     }
     if let Ok(rd) = std::fs::read_dir("/proc/driver/nvidia/gpus") {
@@ -97,7 +98,9 @@ pub fn gather(python: Option<&Path>) -> Facts {
         .unwrap_or_default();
     let ld = std::env::var("LD_LIBRARY_PATH").ok();
     let exe = std::env::current_exe().ok();
-    for c in crate::preflight::nccl::candidates(None, &python_paths, ld.as_deref(), true) {
+    // The system's copies (an `ldconfig -p` run, most of an agent's start) only where a driver
+    // could load one: NCCL needs GPUs.
+    for c in crate::preflight::nccl::candidates(None, &python_paths, ld.as_deref(), driver) {
         let version = exe.as_ref().and_then(|exe| {
             std::process::Command::new(exe)
                 .arg("__nccl-version")

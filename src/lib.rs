@@ -57,12 +57,15 @@ pub fn main() -> ExitCode {
     node::process::raise_fd_limit();
     let mut argv = std::env::args_os().skip(1);
     let first = argv.next();
-    // Everything but a preflight rank or a library probe gets a keeper (see node::keeper):
-    // forked here, before any thread exists.
-    if !matches!(
-        first.as_deref().and_then(|a| a.to_str()),
-        Some("__preflight" | "__nccl-version")
-    ) {
+    // Everything but a preflight rank, a library probe or an agent of nrun on this very host
+    // (covered by that nrun's keeper) gets a keeper (see node::keeper): forked here, before any
+    // thread exists.
+    let kept = match first.as_deref().and_then(|a| a.to_str()) {
+        Some("__preflight" | "__nccl-version") => false,
+        Some("__agent") => !agent::tie_to_parent(),
+        _ => true,
+    };
+    if kept {
         node::keeper::start();
     }
     match first.as_deref().and_then(|a| a.to_str()) {

@@ -515,3 +515,59 @@ fn sigterm_while_workers_start_is_honoured_at_once() {
     assert!(took < Duration::from_secs(3), "took {took:?}: {err}");
     s.assert_no_survivors();
 }
+
+/// An agent nrun starts on its own host is spawned with nothing run between fork and exec
+/// (posix_spawn): it sets its own parent-death signal from NRUN_AGENT_PARENT, so it dies with
+/// whatever started it even with its stdin still open and no keeper or watch of that launcher
+/// to clean up; started under another parent than it was told, it exits at once.
+#[test]
+fn a_local_agent_dies_with_its_launcher_by_itself() {
+    use std::io::BufRead;
+    let s = Scene::new();
+    let mut sh = Command::new("sh")
+        // A background command's stdin would be /dev/null: the test's pipe goes by fd 3.
+        .args([
+            "-c",
+            "exec 3<&0; NRUN_AGENT_PARENT=$$ \"$0\" __agent <&3 3<&- & echo $!; wait",
+        ])
+        .arg(nrun_bin())
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(sh.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let agent: u32 = line.trim().parse().unwrap();
+    let state = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|st| st.rsplit_once(") ").map(|(_, r)| r.to_string()))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let st = state(agent).expect("the agent runs, waiting for its instructions");
+    let ppid: u32 = st.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert_eq!(ppid, sh.id(), "its parent is the one it was told: {st}");
+    assert!(!st.starts_with('Z'), "{st}");
+    signal(&sh, "KILL");
+    let _ = sh.wait();
+    let end = std::time::Instant::now() + Duration::from_secs(2);
+    while state(agent).is_some_and(|st| !st.starts_with('Z')) {
+        assert!(
+            std::time::Instant::now() < end,
+            "the agent outlived its parent"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Told of a parent it does not have (its launcher died before it could set the signal).
+    let out = Command::new(nrun_bin())
+        .arg("__agent")
+        .env("NRUN_AGENT_PARENT", "1")
+        .stdin(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(128 + 9));
+    s.assert_no_survivors();
+}

@@ -34,10 +34,43 @@ use crate::store::client::Client;
 use exec::{Done, StepIo};
 use protocol::{Hello, Joined, Keys, Step};
 
+/// Set by nrun (to its pid) on an agent it starts on its own host, without ssh. nrun starts it
+/// with posix_spawn, which runs nothing between fork and exec, so the agent sets its own
+/// parent-death signal ([`tie_to_parent`]). It forks no keeper either: the launcher's keeper
+/// and watch on this same host already cover every process below the launcher (they are
+/// re-parented to that keeper, and carry its token).
+pub const PARENT_VAR: &str = "NRUN_AGENT_PARENT";
+
+/// For an agent started by nrun on this host ([`PARENT_VAR`]): it gets SIGKILL when nrun dies
+/// (as the parent's pre_exec used to arrange), and exits at once if nrun is already gone (the
+/// signal could not be set in time). Returns whether this is such an agent. Must run before any
+/// thread exists.
+pub fn tie_to_parent() -> bool {
+    let Some(want) = std::env::var_os(PARENT_VAR) else {
+        return false;
+    };
+    // SAFETY: no other thread exists yet (called first thing in main). Not inherited by the
+    // workers, whose own nrun (if any) is no agent of this one.
+    unsafe { std::env::remove_var(PARENT_VAR) };
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    let want = want.to_str().and_then(|s| s.parse::<i32>().ok());
+    if want != Some(nix::unistd::getppid().as_raw()) {
+        // Re-parented before the signal was set: the launcher died during the spawn.
+        std::process::exit(i32::from(crate::error::exit::signal(libc::SIGKILL)));
+    }
+    TIED.store(true, std::sync::atomic::Ordering::Relaxed);
+    true
+}
+
+/// This agent dies with the nrun that started it on this host ([`tie_to_parent`]).
+static TIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Entry point of `nrun __agent`; returns the exit code.
 pub fn main() -> u8 {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread: an agent waits on its store connections and its workers, and a thousand
+    // agents on one host each waking idle worker threads cost their host more than the work.
+    let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
@@ -262,15 +295,23 @@ pub async fn serve(
         .set(&keys.joined(hello.node), &record)
         .await
         .map_err(lost)?;
-    // Out of reach (the store silent) sets the same `gone` as stdin closing.
-    tokio::spawn(liveness::watch(
-        reached,
-        hello.secret.clone(),
-        hello.heartbeat.then(|| keys.alive(hello.node)),
-        Duration::from_millis(hello.agent_timeout_ms),
-        gone,
-        me.clone(),
-    ));
+    // Out of reach (the store silent) sets the same `gone` as stdin closing. An agent of nrun
+    // on this very host needs no watch over a link, nor a heartbeat: nrun sees its process,
+    // and it dies with nrun (a request every half second per agent, and a connection, saved).
+    let _gone = match TIED.load(std::sync::atomic::Ordering::Relaxed) && !hello.heartbeat {
+        true => Some(gone),
+        false => {
+            tokio::spawn(liveness::watch(
+                reached,
+                hello.secret.clone(),
+                hello.heartbeat.then(|| keys.alive(hello.node)),
+                Duration::from_millis(hello.agent_timeout_ms),
+                gone,
+                me.clone(),
+            ));
+            None
+        }
+    };
 
     let node = Node {
         keys,

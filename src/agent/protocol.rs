@@ -348,6 +348,19 @@ impl Keys {
         format!("nrun/{}/{what}", self.run).into_bytes()
     }
 
+    /// The node a key of this run is about (`nrun/<run>/n<node>/...`), if any.
+    pub fn node_of(&self, key: &[u8]) -> Option<usize> {
+        let rest = key
+            .strip_prefix(b"nrun/")?
+            .strip_prefix(self.run.as_bytes())?
+            .strip_prefix(b"/n")?;
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        if rest.get(digits) != Some(&b'/') {
+            return None;
+        }
+        std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+    }
+
     /// Where node `node` publishes its [`Joined`] record.
     pub fn joined(&self, node: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/joined"))
@@ -449,5 +462,19 @@ mod tests {
         );
         assert_eq!(stop_signal(&stop_value(Some(2))), Some(2));
         assert_eq!(stop_signal(&stop_value(None)), None);
+    }
+
+    /// The coordinator looks again only at the node a changed key names.
+    #[test]
+    fn a_key_names_its_node() {
+        let k = Keys::new("job-7");
+        assert_eq!(k.node_of(&k.joined(12)), Some(12));
+        assert_eq!(k.node_of(&k.result(0, 3)), Some(0));
+        assert_eq!(k.node_of(&k.alive(2047)), Some(2047));
+        assert_eq!(k.node_of(&k.stop(3)), None);
+        assert_eq!(k.node_of(&Keys::new("job-70").joined(1)), None);
+        assert_eq!(k.node_of(b"nrun/job-7/n"), None);
+        assert_eq!(k.node_of(b"nrun/job-7/n5"), None);
+        assert_eq!(k.node_of(b"nrun/job-7/nx/joined"), None);
     }
 }

@@ -25,6 +25,14 @@ pub fn execute(mode: Mode) -> Result<u8> {
         Some(_) => crate::session::bind_rendezvous(session)?,
         None => crate::session::bind_store(session)?,
     };
+    // Agents started on this host or over ssh are started by a small process forked now,
+    // while nrun has one thread and few descriptors (see node::spawner).
+    let nodes = match &mode {
+        Mode::Run { nodes, .. } | Mode::Doctor { nodes, .. } | Mode::Bisect { nodes, .. } => nodes,
+    };
+    if !nodes.in_process && nodes.launcher == crate::remote::Launcher::Ssh && nodes.owned() > 0 {
+        crate::node::spawner::fork();
+    }
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
         .clamp(1, 4);

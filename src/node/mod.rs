@@ -13,6 +13,7 @@
 pub mod keeper;
 pub mod output;
 pub mod process;
+pub mod spawner;
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;

@@ -61,15 +61,42 @@ impl Session {
             );
             b
         });
+        // Counted as they change: a node is looked at when a key of its changed or its link
+        // nudged (its agent's process ended), and every node on the periodic look (links that
+        // nudge nothing: an srun step, a heartbeat).
+        let mut joined = self.nodes.iter().filter(|n| n.joined.is_some()).count();
+        let mut gone = vec![false; k];
+        let mut gones = 0;
+        let mut looked: Option<Instant> = None;
         loop {
-            let mut pending = 0;
-            for i in 0..k {
-                if self.nodes[i].joined.is_some() || self.take_joined(i) {
+            let touched = super::link::touched(&self.bus);
+            let look: Vec<usize> = match (touched, looked) {
+                (Some(t), Some(at)) if at.elapsed() < super::LOOK_ALL => t,
+                _ => {
+                    looked = Some(Instant::now());
+                    (0..k).collect()
+                }
+            };
+            for i in look {
+                if self.nodes[i].joined.is_some() {
                     continue;
                 }
-                pending += usize::from(self.nodes[i].link.joining() == Joining::Pending);
+                let now_gone = match self.take_joined(i) {
+                    true => {
+                        joined += 1;
+                        false
+                    }
+                    false => self.nodes[i].link.joining() == Joining::Gone,
+                };
+                if now_gone != gone[i] {
+                    gone[i] = now_gone;
+                    match now_gone {
+                        true => gones += 1,
+                        false => gones -= 1,
+                    }
+                }
             }
-            let joined = self.nodes.iter().filter(|n| n.joined.is_some()).count();
+            let pending = k - joined - gones;
             match &bar {
                 Some(b) => b.set_position(joined as u64),
                 None if joined != last_report
@@ -102,9 +129,11 @@ impl Session {
                 }
                 break;
             }
-            // Records arrive as store writes; exits of agents are seen on the tick.
+            // Records arrive as store writes, exits of agents as nudges; the tick keeps the
+            // clocks above (and the periodic look).
             tokio::select! {
                 () = super::store_changed(&mut changed) => {}
+                () = self.bus.nudges.notify.notified() => {}
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                 sig = self.signals.stop() => return Err(Error::interrupted(sig)),
             }

@@ -218,6 +218,7 @@ impl Session {
                 secret: rendezvous.secret.clone(),
                 wake: Arc::default(),
                 nonces: Default::default(),
+                nudges: Arc::default(),
             },
             rendezvous,
             run,
@@ -253,6 +254,7 @@ impl Session {
             plan: &session.plan,
             rendezvous: &session.rendezvous,
             run: &session.run,
+            nudges: &session.bus.nudges,
         };
         // Thousands of agents take a while to start: a stop signal meanwhile ends nrun at once
         // (the agents started so far die with it: PR_SET_PDEATHSIG, their stdin closed).
@@ -337,6 +339,11 @@ impl Session {
         let _ = std::fs::remove_dir_all(&self.temp_root);
     }
 }
+
+/// How often the join and the step's wait look at every node (links with nothing to nudge: an
+/// srun step, a silent heartbeat; below the heartbeat's 500 ms "looked away"): between those
+/// looks, only the nodes whose keys changed or whose links nudged are looked at.
+const LOOK_ALL: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Resolves when a client has written one of nrun's keys (never, without a store here).
 pub(crate) async fn store_changed(rx: &mut Option<watch::Receiver<u64>>) {

@@ -73,13 +73,39 @@ impl Session {
         // The views last read, so an unchanged one is not parsed again.
         let mut last_views: Vec<Vec<u8>> = vec![Vec::new(); self.nodes.len()];
         let mut w = Waiting::default();
+        // Counted as results arrive: a node is looked at when a key of its changed or its link
+        // nudged, every node on the periodic look (a silent heartbeat, an srun step) and when
+        // work in this process woke the wait.
+        let mut waited = vec![false; self.nodes.len()];
+        for &i in waiting {
+            waited[i] = true;
+        }
+        let mut left = waiting.len();
+        let mut failed = false;
+        let mut looked: Option<Instant> = None;
+        let mut look_all = true;
         loop {
-            for &i in waiting {
+            let touched = super::link::touched(&self.bus);
+            let look: Vec<usize> = match touched {
+                Some(t) if !look_all && looked.is_some_and(|at| at.elapsed() < super::LOOK_ALL) => {
+                    t.into_iter().filter(|&i| waited[i]).collect()
+                }
+                _ => {
+                    looked = Some(Instant::now());
+                    waiting.to_vec()
+                }
+            };
+            look_all = false;
+            for &i in &look {
                 if results[i].is_none() {
                     results[i] = self.node_result(i, no, w.stopped);
+                    if let Some(r) = &results[i] {
+                        left -= 1;
+                        failed |= matches!(r, StepResult::Run(r) if r.is_failure());
+                    }
                 }
             }
-            if waiting.iter().all(|&i| results[i].is_some()) {
+            if left == 0 {
                 return Ok(results);
             }
             match policy {
@@ -100,9 +126,6 @@ impl Session {
                 _ => {}
             }
             let together = matches!(policy, Policy::Together);
-            let failed = results
-                .iter()
-                .any(|r| matches!(r, Some(StepResult::Run(r)) if r.is_failure()));
             // Elastic, as torchrun: a node waiting to join makes the group re-form with it.
             if together && !w.stopped && self.arrivals() {
                 tracing::warn!("a node joined: the worker group restarts to take it in");
@@ -113,7 +136,7 @@ impl Session {
                 self.stop_step(no, None, &mut w);
             }
             if self.watch.is_some() {
-                self.read_views(no, waiting, &mut last_views);
+                self.read_views(no, &look, &mut last_views);
                 let hang = self.watch.as_mut().is_some_and(|ws| ws.check(&hosts));
                 if hang && !w.stopped {
                     self.stop_step(no, None, &mut w);
@@ -122,9 +145,11 @@ impl Session {
             tokio::select! {
                 // An agent's record arrived.
                 () = super::store_changed(&mut changed) => {}
-                // The in-process node finished its part.
-                () = wake.notified() => {}
-                // Agents' processes are checked on this tick (a dropped ssh, a dead host).
+                // The in-process node finished its part (it reads no store key).
+                () = wake.notified() => look_all = true,
+                // An agent's process ended (a dropped ssh).
+                () = self.bus.nudges.notify.notified() => {}
+                // The watch's clock, and the periodic look (a dead host's heartbeat).
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                 caught = self.signals.recv() => {
                     let sig = match caught {

@@ -216,6 +216,9 @@ pub struct Store {
     /// Bumped whenever a client SETs one of nrun's keys: the coordinator waits on this instead
     /// of polling for its agents' records.
     control_writes: watch::Sender<u64>,
+    /// Which of nrun's keys clients set since the coordinator last asked ([`Store::take_changes`]):
+    /// it looks again at those nodes only, not at every node on every write.
+    changes: Mutex<Changes>,
     /// Serve only clients on this host (a single node's store): others are closed at accept.
     loopback_only: std::sync::atomic::AtomicBool,
     /// Most bytes clients may store (keys, values, queued items); 0: no cap.
@@ -229,6 +232,19 @@ pub struct Store {
     /// [`Limits::wait_budget`], where the state's lock holder reads it.
     wait_budget: AtomicUsize,
 }
+
+/// nrun's keys that clients set, in order, until the coordinator takes them.
+#[derive(Default, Debug)]
+pub struct Changes {
+    pub keys: Vec<Vec<u8>>,
+    /// More were set than [`MAX_CHANGES`] (nobody took them for a while): the taker must look
+    /// at everything.
+    pub overflowed: bool,
+}
+
+/// Keys kept for [`Store::take_changes`] (a few MiB at most): past it, only "look at
+/// everything" is kept.
+const MAX_CHANGES: usize = 1 << 16;
 
 /// Prefix of nrun's own keys.
 pub const CONTROL_PREFIX: &[u8] = b"nrun/";
@@ -455,13 +471,32 @@ impl Store {
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
     /// connection with that message.
     fn apply(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), Refusal> {
-        let control = matches!(&req, Request::Set { key, .. } if is_control(key));
+        let control = match &req {
+            Request::Set { key, .. } if is_control(key) => Some(key.clone()),
+            _ => None,
+        };
         let r = self.apply_request(c, req, out);
         // After the write, so whoever wakes finds it.
-        if control && r.is_ok() {
+        if let (Some(key), true) = (control, r.is_ok()) {
+            self.changed(key);
             self.control_writes.send_modify(|v| *v += 1);
         }
         r
+    }
+
+    fn changed(&self, key: Vec<u8>) {
+        let mut c = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        if c.keys.len() < MAX_CHANGES {
+            c.keys.push(key);
+        } else {
+            c.overflowed = true;
+            c.keys = Vec::new();
+        }
+    }
+
+    /// nrun's keys clients set since the last call, for the coordinator (see [`Changes`]).
+    pub fn take_changes(&self) -> Changes {
+        std::mem::take(&mut *self.changes.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Who may ask and whether it fits are settled here, in this order: VALIDATE first, then

@@ -10,10 +10,13 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-use tokio::process::{Child, ChildStdin};
+use std::os::unix::process::ExitStatusExt as _;
+use std::process::ExitStatus;
 
-use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::sync::{oneshot, watch};
+
+use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
 use crate::agent::protocol::Hello;
 use crate::error::{Error, Result};
 use crate::hosts::Host;
@@ -24,40 +27,50 @@ use crate::session::Node;
 /// Lines of an agent's stderr kept to explain why it failed.
 const TAIL_LINES: usize = 10;
 
-/// An agent process (or the srun step of all of them) and what nrun saw of it.
+/// An agent process (or the srun step of all of them) and what nrun saw of it. A task of its
+/// own waits for it (and kills it when asked, or when this is dropped), so that its end is an
+/// event for the session (a nudge for its node), not something to ask every node about.
 pub struct AgentProcess {
-    child: Child,
-    stdin: Option<ChildStdin>,
+    /// How it ended, once it has (set by its task).
+    ended: watch::Receiver<Option<ExitStatus>>,
+    /// Tells its task to kill it (dropped: the same).
+    kill: Option<oneshot::Sender<()>>,
+    stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl AgentProcess {
     /// Starts `argv` and gives it `hello` on stdin; its stdout is passed on, its stderr too
-    /// and kept for explaining a failure. `what` names it in an error.
-    pub async fn spawn(argv: &[std::ffi::OsString], what: &str, hello: &Hello) -> Result<Self> {
-        let mut cmd = tokio::process::Command::new(&argv[0]);
-        // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
-        // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
-        // stdin close and the agent stops its workers.
-        cmd.args(&argv[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().map_err(|e| {
+    /// and kept for explaining a failure. `what` names it in an error. `own_agent`: `argv` is
+    /// this very binary's agent, which sets its parent-death signal itself (see
+    /// [`crate::agent::PARENT_VAR`]); anything else (ssh) gets it between fork and exec.
+    /// Started by nrun's spawner where there is one (see [`crate::node::spawner`]: starting a
+    /// program from nrun itself costs a copy of its file table, which grows with the nodes),
+    /// else by nrun. `nudge`: whom to tell, for which node, when it ends.
+    pub async fn spawn(
+        argv: &[std::ffi::OsString],
+        what: &str,
+        hello: &Hello,
+        own_agent: bool,
+        nudge: Option<(Arc<Nudges>, usize)>,
+    ) -> Result<Self> {
+        let cannot = |e: &dyn std::fmt::Display| {
             Error::usage(format!(
                 "cannot run {} to start the agent on {what}: {e}",
                 argv[0].to_string_lossy()
             ))
-        })?;
-        let mut stdin = child.stdin.take();
+        };
+        let started = match crate::node::spawner::client() {
+            Some(sp) => by_spawner(&sp, argv, own_agent).await,
+            None => by_nrun(argv, own_agent),
+        };
+        let Started {
+            mut stdin,
+            stdout,
+            stderr,
+            ended,
+            kill,
+        } = started.map_err(|e| cannot(&e))?;
         if let Some(s) = stdin.as_mut() {
             let line = serde_json::to_string(hello)
                 .map_err(|e| Error::internal(format!("encoding the agent's instructions: {e}")))?;
@@ -65,7 +78,7 @@ impl AgentProcess {
         }
         let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
         // The agent prefixes its workers' lines; pass them on line by line.
-        if let Some(out) = child.stdout.take() {
+        if let Some(out) = stdout {
             tokio::spawn(async move {
                 let mut lines = tokio::io::BufReader::new(out).lines();
                 while let Ok(Some(l)) = lines.next_line().await {
@@ -73,7 +86,7 @@ impl AgentProcess {
                 }
             });
         }
-        if let Some(err) = child.stderr.take() {
+        if let Some(err) = stderr {
             let tail = tail.clone();
             tokio::spawn(async move {
                 let mut lines = tokio::io::BufReader::new(err).lines();
@@ -87,16 +100,29 @@ impl AgentProcess {
                 }
             });
         }
+        if let Some((nudges, node)) = nudge {
+            let mut done = ended.clone();
+            tokio::spawn(async move {
+                let _ = done.wait_for(|s| s.is_some()).await;
+                nudges.nudge(node);
+            });
+        }
         Ok(AgentProcess {
-            child,
+            ended,
+            kill: Some(kill),
             stdin,
             stderr_tail: tail,
         })
     }
 
     /// How the process ended, if it has.
-    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        *self.ended.borrow()
+    }
+
+    /// Until the process ended.
+    async fn wait(&mut self) {
+        let _ = self.ended.wait_for(|s| s.is_some()).await;
     }
 
     /// The last non-empty line it wrote to stderr.
@@ -142,14 +168,118 @@ impl AgentProcess {
     /// that, so they do not mistake the end for the launcher going away. Stragglers: stdin
     /// closed, then killed.
     pub async fn finish(&mut self) {
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.wait()).await;
         self.stdin.take();
-        let _ = tokio::time::timeout(Duration::from_secs(3), self.child.wait()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(3), self.wait()).await;
         if self.exited().is_none() {
-            let _ = self.child.start_kill();
-            let _ = self.child.wait().await;
+            if let Some(k) = self.kill.take() {
+                let _ = k.send(());
+            }
+            self.wait().await;
         }
     }
+}
+
+type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+
+/// A process just started: its standard descriptors, its end once it came, and how to kill it.
+struct Started {
+    stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
+    stdout: Option<Reader>,
+    stderr: Option<Reader>,
+    ended: watch::Receiver<Option<ExitStatus>>,
+    /// Fire (or drop) to kill it.
+    kill: oneshot::Sender<()>,
+}
+
+/// Starts `argv` through nrun's spawner, on pipes nrun holds the other ends of.
+async fn by_spawner(
+    sp: &Arc<crate::node::spawner::Client>,
+    argv: &[std::ffi::OsString],
+    own_agent: bool,
+) -> std::io::Result<Started> {
+    use tokio::net::unix::pipe;
+    let flags = nix::fcntl::OFlag::O_CLOEXEC;
+    let (in_r, in_w) = nix::unistd::pipe2(flags)?;
+    let (out_r, out_w) = nix::unistd::pipe2(flags)?;
+    let (err_r, err_w) = nix::unistd::pipe2(flags)?;
+    let env = match (own_agent, crate::node::spawner::pid()) {
+        (true, Some(pid)) => vec![(crate::agent::PARENT_VAR.into(), pid.to_string().into())],
+        _ => Vec::new(),
+    };
+    let child = sp
+        .start(argv, &env, [in_r, out_w, err_w], !own_agent)
+        .await
+        .map_err(std::io::Error::other)?;
+    let (kill, killed) = oneshot::channel::<()>();
+    let (sp, pid, mut ended) = (sp.clone(), child.pid, child.ended.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = async { ended.wait_for(|s| s.is_some()).await.is_ok() } => {}
+            // Asked to, or nobody holds this process any more.
+            _ = killed => sp.kill(pid, libc::SIGKILL).await,
+        }
+    });
+    Ok(Started {
+        stdin: Some(Box::new(pipe::Sender::from_owned_fd(in_w)?)),
+        stdout: Some(Box::new(pipe::Receiver::from_owned_fd(out_r)?)),
+        stderr: Some(Box::new(pipe::Receiver::from_owned_fd(err_r)?)),
+        ended: child.ended,
+        kill,
+    })
+}
+
+/// Starts `argv` from nrun itself (no spawner).
+fn by_nrun(argv: &[std::ffi::OsString], own_agent: bool) -> std::io::Result<Started> {
+    let mut cmd = tokio::process::Command::new(&argv[0]);
+    // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
+    // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
+    // stdin close and the agent stops its workers.
+    cmd.args(&argv[1..])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    if own_agent {
+        cmd.env(crate::agent::PARENT_VAR, std::process::id().to_string());
+    } else {
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn()?;
+    let stdin = child
+        .stdin
+        .take()
+        .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>);
+    let stdout = child.stdout.take().map(|s| Box::new(s) as Reader);
+    let stderr = child.stderr.take().map(|s| Box::new(s) as Reader);
+    let (ended_tx, ended) = watch::channel(None);
+    let (kill, killed) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let status = tokio::select! {
+            st = child.wait() => st,
+            // Asked to, or nobody holds this process any more.
+            _ = killed => {
+                let _ = child.start_kill();
+                child.wait().await
+            }
+        };
+        // A wait that failed (it cannot, for a child of ours) reads as an end.
+        let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0xff << 8));
+        ended_tx.send_replace(Some(status));
+    });
+    Ok(Started {
+        stdin,
+        stdout,
+        stderr,
+        ended,
+        kill,
+    })
 }
 
 /// A node whose agent is a child process of nrun.
@@ -162,8 +292,14 @@ pub struct ChildLink {
     beat: super::peer::Heartbeat,
 }
 
-/// Starts every owned node's agent, at most --ssh-concurrency at a time.
-pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result<Vec<Node>> {
+/// Starts every owned node's agent, at most --ssh-concurrency at a time; each one's end
+/// nudges its node in `nudges`.
+pub async fn start(
+    np: &NodesPlan,
+    hosts: &[Host],
+    how: &Instructions,
+    nudges: &Arc<Nudges>,
+) -> Result<Vec<Node>> {
     let sem = Arc::new(tokio::sync::Semaphore::new(np.ssh_concurrency));
     // One copy of the plan shared by every start (a copy each was O(nodes^2) memory).
     let shared = Arc::new(np.clone());
@@ -176,11 +312,14 @@ pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result
             true => loopback_addrs(&how.addrs),
             false => how.addrs.clone(),
         };
-        let hello = how.hello(i, &h.name, addrs, Vec::new());
+        let mut hello = how.hello(i, &h.name, addrs, Vec::new());
+        // This host's own agent is watched as a process, not by its heartbeat.
+        hello.heartbeat = !local;
         let (sem, np, label) = (sem.clone(), shared.clone(), h.name.clone());
+        let nudge = (nudges.clone(), i);
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
-            start_one(&np, &label, local, &hello).await
+            start_one(&np, &label, local, &hello, nudge).await
         }));
     }
     let mut nodes = Vec::new();
@@ -193,7 +332,13 @@ pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result
     Ok(nodes)
 }
 
-async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> Result<Node> {
+async fn start_one(
+    np: &NodesPlan,
+    label: &str,
+    local: bool,
+    hello: &Hello,
+    nudge: (Arc<Nudges>, usize),
+) -> Result<Node> {
     let argv = if local {
         // The launch host's own node needs no ssh: its agent is a child of nrun, spoken to the
         // same way (stdin, the store) so there is one code path.
@@ -207,7 +352,7 @@ async fn start_one(np: &NodesPlan, label: &str, local: bool, hello: &Hello) -> R
         };
         remote::ssh_command(label, &np.ssh_opts, &remote_nrun)
     };
-    let process = AgentProcess::spawn(&argv, label, hello).await?;
+    let process = AgentProcess::spawn(&argv, label, hello, local, Some(nudge)).await?;
     let agent_timeout = np.agent_timeout;
     let link = ChildLink {
         process,
@@ -254,6 +399,8 @@ impl NodeLink for ChildLink {
                 "lost the connection to {label}: its agent stopped its workers when the link \
                  to the launch host broke"
             )),
+            // A process of this host that runs is no node cut off (it beats no heartbeat).
+            None if self.local => None,
             None => self.beat.silent(bus, node).map(|quiet| {
                 format!(
                     "lost the connection to {label}: its agent sent no heartbeat for {:.1} s (its \

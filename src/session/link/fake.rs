@@ -83,6 +83,7 @@ pub fn session(
             secret: None,
             wake: Arc::default(),
             nonces: Default::default(),
+            nudges: Arc::default(),
         },
         store_stop: None,
         signals,

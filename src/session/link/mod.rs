@@ -195,6 +195,47 @@ pub struct Bus {
     pub(super) wake: Arc<Notify>,
     /// Each joined node's nonce, from its Joined record (read once, when the node is taken in).
     pub(super) nonces: std::collections::HashMap<usize, String>,
+    /// Nodes whose links have news the store does not carry (an agent's process ended).
+    pub(super) nudges: Arc<Nudges>,
+}
+
+/// Nodes a link asks the session to look at again (its agent's process ended), and the wake-up
+/// that goes with them: with the store's changed keys, what lets the session look at the nodes
+/// that changed instead of at every node on every event.
+#[derive(Default)]
+pub struct Nudges {
+    nodes: std::sync::Mutex<Vec<usize>>,
+    pub(super) notify: Notify,
+}
+
+impl Nudges {
+    pub fn nudge(&self, node: usize) {
+        self.nodes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(node);
+        self.notify.notify_one();
+    }
+
+    fn take(&self) -> Vec<usize> {
+        std::mem::take(&mut *self.nodes.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The nodes to look at again since the last call: named by a key the store says changed, or
+/// nudged by their links. None: every node (the store dropped its list).
+pub(super) fn touched(bus: &Bus) -> Option<Vec<usize>> {
+    let mut nodes = bus.nudges.take();
+    if let Some(st) = &bus.store {
+        let changes = st.take_changes();
+        if changes.overflowed {
+            return None;
+        }
+        nodes.extend(changes.keys.iter().filter_map(|k| bus.keys.node_of(k)));
+    }
+    nodes.sort_unstable();
+    nodes.dedup();
+    Some(nodes)
 }
 
 impl Bus {
@@ -337,6 +378,7 @@ pub struct Starting<'a> {
     pub plan: &'a NodesPlan,
     pub rendezvous: &'a super::Rendezvous,
     pub run: &'a str,
+    pub nudges: &'a Arc<Nudges>,
 }
 
 /// The launcher choice: a link for every node of the session. The one place that knows the
@@ -350,7 +392,7 @@ pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
     let owned = &np.hosts[..np.owned()];
     let how = Instructions::new(&s, plan)?;
     let mut nodes = match np.launcher {
-        Launcher::Ssh => child::start(np, owned, &how).await?,
+        Launcher::Ssh => child::start(np, owned, &how, s.nudges).await?,
         Launcher::Srun => srun::start(np, owned, &how).await?,
     };
     let peers = &np.hosts[owned.len()..];
@@ -358,13 +400,72 @@ pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
     Ok(nodes)
 }
 
-/// Drives every future of `work` to its end, together.
-pub(super) async fn join_all(mut work: Vec<BoxFuture<'_, ()>>) {
+/// Drives every future of `work` to its end, together. Each is polled only when it was woken
+/// (a waker of its own): polling all of them on every wake-up was quadratic in the nodes when
+/// a thousand agents' ends wake one by one.
+pub(super) async fn join_all(work: Vec<BoxFuture<'_, ()>>) {
+    use std::task::{Poll, Wake, Waker};
+
+    /// Futures woken since the last poll, and the task to wake for them.
+    #[derive(Default)]
+    struct Woken {
+        ready: std::sync::Mutex<(Vec<usize>, Option<Waker>)>,
+    }
+    struct One {
+        index: usize,
+        woken: Arc<Woken>,
+    }
+    impl Wake for One {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref()
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            let mut r = self.woken.ready.lock().unwrap_or_else(|e| e.into_inner());
+            r.0.push(self.index);
+            if let Some(w) = r.1.take() {
+                w.wake();
+            }
+        }
+    }
+
+    let woken = Arc::new(Woken::default());
+    let wakers: Vec<Waker> = (0..work.len())
+        .map(|index| {
+            Waker::from(Arc::new(One {
+                index,
+                woken: woken.clone(),
+            }))
+        })
+        .collect();
+    let mut work: Vec<Option<BoxFuture<'_, ()>>> = work.into_iter().map(Some).collect();
+    let mut left = work.len();
+    // Every future is polled once to begin with.
+    woken
+        .ready
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .0
+        .extend(0..work.len());
     std::future::poll_fn(|cx| {
-        work.retain_mut(|f| f.as_mut().poll(cx).is_pending());
-        match work.is_empty() {
-            true => std::task::Poll::Ready(()),
-            false => std::task::Poll::Pending,
+        // One round per poll, the task's waker registered first: a future woken while this
+        // round runs (or at once, by tokio's budget) has this task polled again after the
+        // runtime had its turn, never in a loop here.
+        let ready = {
+            let mut r = woken.ready.lock().unwrap_or_else(|e| e.into_inner());
+            r.1 = Some(cx.waker().clone());
+            std::mem::take(&mut r.0)
+        };
+        for i in ready {
+            let Some(f) = work[i].as_mut() else { continue };
+            let mut own = std::task::Context::from_waker(&wakers[i]);
+            if f.as_mut().poll(&mut own).is_ready() {
+                work[i] = None;
+                left -= 1;
+            }
+        }
+        match left {
+            0 => Poll::Ready(()),
+            _ => Poll::Pending,
         }
     })
     .await

@@ -30,7 +30,7 @@ pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result
     let hello = how.hello(0, "", how.addrs.clone(), names.clone());
     let argv = remote::srun_step_command(&names, &np.remote_nrun);
     let step = Arc::new(Mutex::new(
-        AgentProcess::spawn(&argv, "the srun step", &hello).await?,
+        AgentProcess::spawn(&argv, "the srun step", &hello, false, None).await?,
     ));
     Ok(names
         .iter()

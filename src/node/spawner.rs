@@ -1,0 +1,464 @@
+//! The spawner: a small process forked before nrun's runtime starts, which starts the agents
+//! (`nrun __agent` here, ssh for other hosts) on nrun's behalf and reports their ends.
+//!
+//! Why a process of its own: starting a program copies the starter's file table and closes
+//! every descriptor marked close-on-exec again in the child (`do_close_on_exec`). nrun holds
+//! several descriptors per node (pipes, store connections), so the k-th of a thousand agents
+//! started by nrun itself paid for thousands of descriptors: quadratic in the nodes, a tenth
+//! of a thousand-node launch. The spawner holds a handful, and it is small, so even a fork
+//! (ssh needs its parent-death signal set between fork and exec) costs little.
+//!
+//! - It is forked while nrun has one thread ([`fork`]), sets its own parent-death signal
+//!   (SIGKILL) and checks nrun is still its parent, and keeps only its socket to nrun.
+//! - nrun asks over a `SOCK_SEQPACKET` socket pair: start this program with these three
+//!   descriptors as its standard ones (passed with `SCM_RIGHTS`), or signal a child of yours.
+//!   Its children are its to reap: it reports each end (pid and wait status) on the socket,
+//!   one event for nrun where each agent's pidfd was one descriptor and one wake-up apiece.
+//! - Its children die with it: nrun's own agents set their parent-death signal against it
+//!   (`NRUN_AGENT_PARENT`), ssh gets it before its exec. When nrun goes (its socket closes, or
+//!   the parent-death signal), so does the spawner, and so does everything it started.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::ExitStatus;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use nix::sys::socket::{
+    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, recvmsg,
+    sendmsg, socketpair,
+};
+use serde::{Deserialize, Serialize};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{oneshot, watch};
+
+/// The largest message either side sends (a request's argv and environment).
+const MAX_MESSAGE: usize = 1 << 16;
+
+/// A start request.
+#[derive(Serialize, Deserialize)]
+struct Start {
+    id: u64,
+    argv: Vec<Vec<u8>>,
+    env: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Set the parent-death signal between fork and exec (a program that is not nrun's agent).
+    pdeathsig: bool,
+}
+
+/// What travels on the socket, either way.
+#[derive(Serialize, Deserialize)]
+enum Message {
+    Start(Start),
+    /// Signal this child (nrun to the spawner), if it has not been reaped.
+    Kill {
+        pid: u32,
+        signal: i32,
+    },
+    /// The child of request `id` runs as `pid` (spawner to nrun).
+    Started {
+        id: u64,
+        pid: u32,
+    },
+    /// Request `id` could not start its program: why.
+    Failed {
+        id: u64,
+        error: String,
+    },
+    /// Child `pid` ended with this wait status.
+    Ended {
+        pid: u32,
+        status: i32,
+    },
+}
+
+/// nrun's end of the socket, until the runtime makes a [`Client`] of it.
+static SOCKET: OnceLock<Mutex<Option<OwnedFd>>> = OnceLock::new();
+static CLIENT: OnceLock<Option<Arc<Client>>> = OnceLock::new();
+
+/// Forks the spawner. Must run while nrun has a single thread (before its runtime). Without
+/// it (fork failed), agents are started by nrun itself.
+pub fn fork() {
+    let Ok((ours, theirs)) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    ) else {
+        return;
+    };
+    let nrun = nix::unistd::getpid();
+    // SAFETY: nrun has one thread here (see the doc); the child runs only `serve`.
+    match unsafe { nix::unistd::fork() } {
+        Err(_) => {}
+        Ok(nix::unistd::ForkResult::Child) => {
+            drop(ours);
+            serve(theirs, nrun)
+        }
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            drop(theirs);
+            let _ = SOCKET.set(Mutex::new(Some(ours)));
+            let _ = SPAWNER_PID.set(child.as_raw() as u32);
+        }
+    }
+}
+
+/// The spawner's life.
+fn serve(sock: OwnedFd, nrun: nix::unistd::Pid) -> ! {
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    if nix::unistd::getppid() != nrun {
+        std::process::exit(1);
+    }
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"nrun-spawner".as_ptr(), 0, 0, 0) };
+    // Out of the terminal's foreground group: a Ctrl-C is nrun's to handle (it stops the job
+    // in order), not a reason for the spawner, and with it every agent, to die.
+    let _ = nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0));
+    // Only its socket (on 3) and the standard descriptors stay: the point of this process.
+    let raw = sock.as_raw_fd();
+    // SAFETY: dup2 and close_range on descriptors this process owns.
+    unsafe {
+        if raw != 3 {
+            libc::dup2(raw, 3);
+        }
+        libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, 0u32);
+    }
+    std::mem::forget(sock);
+    // SAFETY: 3 is the socket, dup'ed above (without close-on-exec: set it again).
+    let sock = unsafe { OwnedFd::from_raw_fd(3) };
+    let _ = nix::fcntl::fcntl(
+        sock.as_raw_fd(),
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+    );
+    // Children's ends arrive on a signalfd; the signal is blocked so that it queues there.
+    let mut mask = nix::sys::signal::SigSet::empty();
+    mask.add(nix::sys::signal::Signal::SIGCHLD);
+    let _ = mask.thread_block();
+    let Ok(sfd) = nix::sys::signalfd::SignalFd::with_flags(
+        &mask,
+        nix::sys::signalfd::SfdFlags::SFD_CLOEXEC | nix::sys::signalfd::SfdFlags::SFD_NONBLOCK,
+    ) else {
+        std::process::exit(1);
+    };
+    let mut children: std::collections::HashSet<u32> = Default::default();
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let mut fds = [
+            nix::poll::PollFd::new(sock.as_fd(), nix::poll::PollFlags::POLLIN),
+            nix::poll::PollFd::new(sfd.as_fd(), nix::poll::PollFlags::POLLIN),
+        ];
+        if let Err(e) = nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+            if e == nix::errno::Errno::EINTR {
+                continue;
+            }
+            break;
+        }
+        let sock_ready = fds[0].revents().is_some_and(|r| !r.is_empty());
+        let child_ready = fds[1].revents().is_some_and(|r| !r.is_empty());
+        if child_ready {
+            while let Ok(Some(_)) = sfd.read_signal() {}
+            reap(&sock, &mut children);
+        }
+        if sock_ready {
+            match receive(sock.as_raw_fd(), &mut buf) {
+                Ok(Some((msg, fds))) => handle(&sock, msg, fds, &mut children),
+                Ok(None) => break,
+                Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => {}
+                Err(_) => break,
+            }
+        }
+    }
+    // nrun is gone: so is everything started for it.
+    for pid in &children {
+        // SAFETY: a plain kill of a child not yet reaped.
+        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+    }
+    std::process::exit(0)
+}
+
+/// Reaps every child that ended and says so.
+fn reap(sock: &OwnedFd, children: &mut std::collections::HashSet<u32>) {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on this process's own children.
+        let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        if pid <= 0 {
+            return;
+        }
+        children.remove(&(pid as u32));
+        send(
+            sock.as_raw_fd(),
+            &Message::Ended {
+                pid: pid as u32,
+                status,
+            },
+            &[],
+        );
+    }
+}
+
+fn handle(
+    sock: &OwnedFd,
+    msg: Message,
+    fds: Vec<OwnedFd>,
+    children: &mut std::collections::HashSet<u32>,
+) {
+    match msg {
+        Message::Start(s) => {
+            let reply = match start(&s, fds) {
+                Ok(pid) => {
+                    children.insert(pid);
+                    Message::Started { id: s.id, pid }
+                }
+                Err(error) => Message::Failed { id: s.id, error },
+            };
+            send(sock.as_raw_fd(), &reply, &[]);
+        }
+        Message::Kill { pid, signal } if children.contains(&pid) => {
+            // SAFETY: a plain kill of a child not yet reaped (so its pid is still its own).
+            unsafe { libc::kill(pid as i32, signal) };
+        }
+        _ => {}
+    }
+}
+
+/// Starts `s` with `fds` as its stdin, stdout and stderr, in a process group of its own.
+fn start(s: &Start, fds: Vec<OwnedFd>) -> Result<u32, String> {
+    let [stdin, stdout, stderr]: [OwnedFd; 3] = fds
+        .try_into()
+        .map_err(|_| "the start request came without its three descriptors".to_string())?;
+    let Some((program, args)) = s.argv.split_first() else {
+        return Err("an empty command line".into());
+    };
+    let mut cmd = std::process::Command::new(std::ffi::OsStr::from_bytes(program));
+    cmd.args(args.iter().map(|a| std::ffi::OsStr::from_bytes(a)))
+        .envs(s.env.iter().map(|(k, v)| {
+            (
+                std::ffi::OsStr::from_bytes(k),
+                std::ffi::OsStr::from_bytes(v),
+            )
+        }))
+        .stdin(stdin)
+        .stdout(stdout)
+        .stderr(stderr)
+        .process_group(0);
+    if s.pdeathsig {
+        // SAFETY: only async-signal-safe calls between fork and exec (this process has one
+        // thread anyway).
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+                Ok(())
+            });
+        }
+    }
+    let child = cmd.spawn().map_err(|e| e.to_string())?;
+    // Reaped by `reap`, not by std.
+    Ok(child.id())
+}
+
+fn send(sock: RawFd, msg: &Message, fds: &[RawFd]) -> bool {
+    let Ok(bytes) = serde_json::to_vec(msg) else {
+        return false;
+    };
+    let iov = [IoSlice::new(&bytes)];
+    let cmsg = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
+    loop {
+        match sendmsg::<()>(sock, &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(_) => return true,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// One message and the descriptors that came with it; None: the other side closed.
+fn receive(
+    sock: RawFd,
+    buf: &mut [u8],
+) -> Result<Option<(Message, Vec<OwnedFd>)>, nix::errno::Errno> {
+    let mut space = nix::cmsg_space!([RawFd; 3]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let r = recvmsg::<()>(sock, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let mut fds = Vec::new();
+    for c in r.cmsgs().into_iter().flatten() {
+        if let ControlMessageOwned::ScmRights(got) = c {
+            // SAFETY: descriptors just received, owned by nobody else.
+            fds.extend(
+                got.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    let n = r.bytes;
+    if n == 0 {
+        return Ok(None);
+    }
+    // A message nrun cannot read is ignored (both sides are this binary).
+    Ok(serde_json::from_slice(&buf[..n]).ok().map(|m| (m, fds)))
+}
+
+/// nrun's side: requests go out on the socket, one task reads the answers and the ends.
+pub struct Client {
+    sock: AsyncFd<OwnedFd>,
+    state: Mutex<State>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    waiting: HashMap<u64, oneshot::Sender<Result<Child, String>>>,
+    running: HashMap<u32, watch::Sender<Option<ExitStatus>>>,
+}
+
+/// A process the spawner started: its pid and its end, once reported.
+pub struct Child {
+    pub pid: u32,
+    pub ended: watch::Receiver<Option<ExitStatus>>,
+}
+
+/// The spawner, if nrun forked one; inside the runtime (its socket is read by a task).
+pub fn client() -> Option<Arc<Client>> {
+    CLIENT
+        .get_or_init(|| {
+            let fd = SOCKET.get()?.lock().ok()?.take()?;
+            let _ = nix::fcntl::fcntl(
+                fd.as_raw_fd(),
+                nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+            );
+            // SAFETY: the descriptor is owned by the AsyncFd, never replaced nor closed while
+            // registered.
+            let sock = unsafe { AsyncFd::register(fd) }.ok()?;
+            let client = Arc::new(Client {
+                sock,
+                state: Mutex::default(),
+                next: Default::default(),
+            });
+            tokio::spawn(read_answers(client.clone()));
+            Some(client)
+        })
+        .clone()
+}
+
+async fn read_answers(c: Arc<Client>) {
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let Ok(mut guard) = c.sock.readable().await else {
+            break;
+        };
+        let got = guard.try_io(|s| receive(s.as_raw_fd(), &mut buf).map_err(std::io::Error::from));
+        let msg = match got {
+            Err(_would_block) => continue,
+            Ok(Ok(Some((m, _)))) => m,
+            Ok(Ok(None)) | Ok(Err(_)) => break,
+        };
+        let mut st = c.state.lock().unwrap_or_else(|e| e.into_inner());
+        match msg {
+            Message::Started { id, pid } => {
+                let (tx, ended) = watch::channel(None);
+                st.running.insert(pid, tx);
+                if let Some(w) = st.waiting.remove(&id) {
+                    let _ = w.send(Ok(Child { pid, ended }));
+                }
+            }
+            Message::Failed { id, error } => {
+                if let Some(w) = st.waiting.remove(&id) {
+                    let _ = w.send(Err(error));
+                }
+            }
+            Message::Ended { pid, status } => {
+                if let Some(tx) = st.running.remove(&pid) {
+                    tx.send_replace(Some(ExitStatus::from_raw(status)));
+                }
+            }
+            _ => {}
+        }
+    }
+    // The spawner is gone (it cannot be, while nrun lives): every child reads as ended.
+    let mut st = c.state.lock().unwrap_or_else(|e| e.into_inner());
+    for (_, tx) in st.running.drain() {
+        tx.send_replace(Some(ExitStatus::from_raw(0xff << 8)));
+    }
+    st.waiting.clear();
+}
+
+impl Client {
+    async fn send(&self, msg: &Message, fds: &[RawFd]) -> bool {
+        let Ok(bytes) = serde_json::to_vec(msg) else {
+            return false;
+        };
+        loop {
+            let Ok(mut guard) = self.sock.writable().await else {
+                return false;
+            };
+            let sent = guard.try_io(|s| {
+                let iov = [IoSlice::new(&bytes)];
+                let cmsg = [ControlMessage::ScmRights(fds)];
+                let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
+                sendmsg::<()>(s.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)
+                    .map_err(std::io::Error::from)
+            });
+            match sent {
+                Err(_would_block) => continue,
+                Ok(r) => return r.is_ok(),
+            }
+        }
+    }
+
+    /// Starts `argv` (with `env` on top of nrun's environment as it was when the spawner
+    /// forked) with these descriptors as its standard ones. `pdeathsig`: set its parent-death
+    /// signal between fork and exec (a program that does not set its own).
+    pub async fn start(
+        &self,
+        argv: &[OsString],
+        env: &[(OsString, OsString)],
+        stdio: [OwnedFd; 3],
+        pdeathsig: bool,
+    ) -> Result<Child, String> {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .waiting
+            .insert(id, tx);
+        let msg = Message::Start(Start {
+            id,
+            argv: argv.iter().map(|a| a.clone().into_vec()).collect(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.clone().into_vec(), v.clone().into_vec()))
+                .collect(),
+            pdeathsig,
+        });
+        let raw: Vec<RawFd> = stdio.iter().map(|f| f.as_raw_fd()).collect();
+        if !self.send(&msg, &raw).await {
+            self.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .waiting
+                .remove(&id);
+            return Err("nrun's spawner process is gone".into());
+        }
+        // Ours are closed now that the spawner holds its copies.
+        drop(stdio);
+        rx.await
+            .unwrap_or_else(|_| Err("nrun's spawner process is gone".into()))
+    }
+
+    /// Sends `signal` to child `pid`, if it has not ended.
+    pub async fn kill(&self, pid: u32, signal: i32) {
+        self.send(&Message::Kill { pid, signal }, &[]).await;
+    }
+}
+
+/// The spawner's pid: its children's parent (for `NRUN_AGENT_PARENT`).
+pub fn pid() -> Option<u32> {
+    SPAWNER_PID.get().copied()
+}
+
+static SPAWNER_PID: OnceLock<u32> = OnceLock::new();
