@@ -319,6 +319,38 @@ async fn many_clients_rendezvous() {
     );
 }
 
+/// An agent's `/alive` counter is removed when its connection closes: the coordinator knows at
+/// once that an agent ended or was killed.
+#[tokio::test]
+async fn an_agents_alive_counter_goes_with_its_connection() {
+    let l = server::bind(0).unwrap();
+    let port = l.local_addr().unwrap().port();
+    let l = tokio::net::TcpListener::from_std(l).unwrap();
+    let store = Store::with_secret(b"s3cret".to_vec());
+    let s = store.clone();
+    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut agent = client(addr).await;
+    agent.authenticate(b"s3cret").await.unwrap();
+    agent.add(b"nrun/run/n3/alive", 1).await.unwrap();
+    agent.add(b"nrun/run/n3/alive", 1).await.unwrap();
+    agent.add(b"nrun/run/n3/count", 1).await.unwrap();
+    assert_eq!(store.get(b"nrun/run/n3/alive").unwrap(), b"2");
+    // A torch client's key of the same name is its own business: it stays.
+    let mut worker = client(addr).await;
+    worker.add(b"job/alive", 1).await.unwrap();
+    drop(worker);
+    // The agent's process ends (or is killed: its kernel closes the socket the same way).
+    drop(agent);
+    let end = std::time::Instant::now() + Duration::from_secs(5);
+    while store.contains(b"nrun/run/n3/alive") && std::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!store.contains(b"nrun/run/n3/alive"), "removed with its connection");
+    assert_eq!(store.get(b"nrun/run/n3/count").unwrap(), b"1", "other keys stay");
+    assert_eq!(store.get(b"job/alive").unwrap(), b"1");
+}
+
 /// With a secret, `nrun/` keys belong to connections that presented it: a torch worker can
 /// neither read nor write them, nor see them listed; everything else works as usual.
 #[tokio::test]

@@ -259,11 +259,22 @@ pub const STORE_PROOF_PREFIX: &[u8] = b"nrun/store-proof/";
 /// the value sent: how an agent learns whether NAT sits between it and the coordinator.
 pub const OBSERVE_PREFIX: &[u8] = b"nrun/observed/";
 
+/// A control key ending in this that an authenticated connection ADDs to is that connection's:
+/// the store removes it when the connection closes (as ZooKeeper's ephemeral nodes). An
+/// agent's heartbeat counter is such a key, so an agent that ends or is killed (its socket
+/// closed by its kernel) is known at once, not after its heartbeat has been silent a while.
+pub const LIVE_SUFFIX: &[u8] = b"/alive";
+
+/// Keys one connection may tie to itself ([`LIVE_SUFFIX`]): an agent needs one.
+const MAX_LIVE_KEYS: usize = 4;
+
 /// The per-connection part of the protocol state.
 struct Conn {
     id: ConnId,
     validated: bool,
     authed: bool,
+    /// The keys removed when this connection closes ([`LIVE_SUFFIX`]).
+    live_keys: Vec<Vec<u8>>,
     /// The challenge this connection was given, until it answers.
     nonce: Option<Vec<u8>>,
     peer: SocketAddr,
@@ -464,8 +475,17 @@ impl Store {
         self.lock().kv.len()
     }
 
-    fn disconnect(&self, conn: ConnId) {
-        self.lock().forget_wait(conn);
+    /// Forgets connection `conn`: its parked wait, and the keys it tied to itself.
+    fn disconnect(&self, conn: ConnId, live_keys: &[Vec<u8>]) {
+        let mut s = self.lock();
+        s.forget_wait(conn);
+        for k in live_keys {
+            s.remove(k);
+        }
+        drop(s);
+        for k in live_keys {
+            self.changed(k.clone());
+        }
     }
 
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
@@ -475,7 +495,22 @@ impl Store {
             Request::Set { key, .. } if is_control(key) => Some(key.clone()),
             _ => None,
         };
+        let live = match &req {
+            Request::Add { key, .. }
+                if c.authed
+                    && is_control(key)
+                    && key.ends_with(LIVE_SUFFIX)
+                    && c.live_keys.len() < MAX_LIVE_KEYS
+                    && !c.live_keys.contains(key) =>
+            {
+                Some(key.clone())
+            }
+            _ => None,
+        };
         let r = self.apply_request(c, req, out);
+        if let (Some(key), true) = (live, r.is_ok()) {
+            c.live_keys.push(key);
+        }
         // After the write, so whoever wakes finds it.
         if let (Some(key), true) = (control, r.is_ok()) {
             self.changed(key);
@@ -876,6 +911,7 @@ async fn connection(
         id,
         validated: false,
         authed: false,
+        live_keys: Vec::new(),
         nonce: None,
         peer,
         wake: wake_tx,
@@ -1030,5 +1066,5 @@ async fn connection(
             }
         }
     }
-    store.disconnect(c.id);
+    store.disconnect(c.id, &c.live_keys);
 }

@@ -11,7 +11,9 @@ use tokio::time::Instant;
 use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
 
 /// A node is lost when its heartbeat (every half second, [`crate::agent::liveness`]) stops
-/// this long: five beats missed, noticed within 3 s of a node dying or being cut off.
+/// this long: five beats missed, noticed within 3 s of a node dying or being cut off. An agent
+/// whose connection closes is lost at once: the store removes its counter
+/// ([`crate::store::server::LIVE_SUFFIX`]).
 pub const SILENCE: Duration = Duration::from_millis(2500);
 
 /// Longer than this between two looks at a heartbeat, this process was not looking (busy, or
@@ -29,14 +31,20 @@ impl Heartbeat {
     /// Whether node `node` is lost: it stopped its workers unasked, or its heartbeat has been
     /// still too long.
     pub fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
-        let quiet = self.silent(bus, node).unwrap_or(Duration::ZERO);
-        let why = match (stopped, quiet > SILENCE) {
-            (true, _) => "stopped its workers when its link to this host broke".to_string(),
-            (false, true) => format!(
+        let beat = bus.heartbeat(node);
+        // The store removes the counter when the agent's connection closes: the agent ended,
+        // or its process was killed (its kernel closed the socket). Silence is for the rest.
+        let closed = beat.is_empty() && self.last.as_ref().is_some_and(|(v, _)| !v.is_empty());
+        let quiet = self.quiet(beat, Instant::now());
+        let why = match (stopped, closed, quiet > SILENCE) {
+            (true, ..) => "stopped its workers when its link to this host broke".to_string(),
+            (false, true, _) => "closed its connection to this host: its nrun ended there, or                                  was killed"
+                .to_string(),
+            (false, false, true) => format!(
                 "sent no heartbeat for {:.1} s: its host is down or cut off from this one",
                 quiet.as_secs_f64()
             ),
-            (false, false) => return None,
+            (false, false, false) => return None,
         };
         Some(format!(
             "lost {label}: its agent {why}; check that it still runs there and reaches this host"
