@@ -486,6 +486,10 @@ impl Store {
         for k in live_keys {
             self.changed(k.clone());
         }
+        if !live_keys.is_empty() {
+            // Whoever watches nrun's keys looks again (the coordinator, at that node).
+            self.control_writes.send_modify(|v| *v += 1);
+        }
     }
 
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
