@@ -571,3 +571,55 @@ fn a_local_agent_dies_with_its_launcher_by_itself() {
     assert_eq!(out.status.code(), Some(128 + 9));
     s.assert_no_survivors();
 }
+
+/// The process that starts nrun's agents (nrun-spawner) blocks every signal: Slurm signals
+/// every process of a step (its --signal=USR1, scancel's TERM) and a user may signal the whole
+/// tree; those are nrun's to handle through its agents. Signalled, the job goes on and ends as
+/// it would; it still dies with nrun.
+#[test]
+fn signals_to_the_agent_spawner_leave_the_job_to_nrun() {
+    let s = Scene::new();
+    let child = s.spawn(
+        &[
+            "-H",
+            "localhost,127.0.0.2,127.0.0.3",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo up >> $MARK; sleep 2; echo done-$RANK",
+        ],
+        &[],
+    );
+    s.wait_marks("up", 3, Duration::from_secs(20));
+    let spawner = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            stat.contains("(nrun-spawner)")
+                && stat
+                    .rsplit_once(") ")
+                    .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(child.id())
+        })
+        .expect("nrun's spawner runs as its child");
+    for sig in ["USR1", "TERM", "HUP", "INT"] {
+        assert!(
+            Command::new("kill")
+                .args([&format!("-{sig}"), &spawner.to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(30));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for r in 0..3 {
+        assert!(stdout.contains(&format!("done-{r}")), "{stdout}\n{stderr}");
+    }
+    s.assert_no_survivors();
+}

@@ -133,10 +133,14 @@ fn serve(sock: OwnedFd, nrun: nix::unistd::Pid) -> ! {
         sock.as_raw_fd(),
         nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
     );
-    // Children's ends arrive on a signalfd; the signal is blocked so that it queues there.
+    // Every signal blocked: Slurm signals each process of a step (its --signal, the TERM of
+    // scancel), a user may signal the whole tree; those are nrun's to handle, through its
+    // agents, in order. The spawner ends with nrun (its socket, its parent-death SIGKILL).
+    // Its children start with an empty mask again (std's spawn resets it).
+    let _ = nix::sys::signal::SigSet::all().thread_block();
+    // Children's ends arrive on a signalfd (SIGCHLD, blocked above, queues there).
     let mut mask = nix::sys::signal::SigSet::empty();
     mask.add(nix::sys::signal::Signal::SIGCHLD);
-    let _ = mask.thread_block();
     let Ok(sfd) = nix::sys::signalfd::SignalFd::with_flags(
         &mask,
         nix::sys::signalfd::SfdFlags::SFD_CLOEXEC | nix::sys::signalfd::SfdFlags::SFD_NONBLOCK,
