@@ -214,6 +214,16 @@ async fn a_client_that_never_reads_is_closed() {
             key: b"/big".to_vec(),
         }));
     }
+    // Counted by the store first (its accept may lag the client's connect on a busy host),
+    // so that the wait below sees this connection close, not its arrival.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while store.connections() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the store never took the connection"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // Timed from before the request: the store cannot give up sooner than the stall time.
     let t0 = Instant::now();
     s.write_all(&req).await.unwrap();
