@@ -207,7 +207,6 @@ impl Bisect<'_> {
 
         // ---- stages 2..: pairs, 4, 8, ... all ----------------------------------------------
         let mut size = 2;
-        let mut before: Option<f64> = None;
         loop {
             let alive = self.alive();
             if alive.len() < 2 {
@@ -219,11 +218,11 @@ impl Bisect<'_> {
             } else {
                 format!("stage: groups of {size}")
             };
-            let outs = self.round(&label, groups, s).await?;
-            // A stage of one group has no peers to be slow against: the stage before is the
-            // measure (busbw is normalised for the group's size, so the two compare).
-            let median = median_busbw(&outs).or(before);
-            before = median;
+            let mut outs = self.round(&label, groups, s).await?;
+            let median = median_busbw(&outs);
+            // A group slow once is measured again before it is taken apart: isolating it costs
+            // rounds, and on a busy host one slow figure is often the host's, not the group's.
+            self.confirm_slow(&mut outs, median, s).await?;
             let mut suspects: Vec<GroupOut> = Vec::new();
             for g in outs {
                 let slow = matches!((g.busbw_gbs, median), (Some(b), Some(m)) if b < self.bp.slow_factor * m);
@@ -506,9 +505,10 @@ impl Bisect<'_> {
         Ok(())
     }
 
-    /// A re-pair that ran but slow is measured once more and keeps the better figure: one
+    /// A group that ran but slow is measured once more and keeps the better figure: one
     /// measurement on a busy host (a shared machine, another job's burst) is not enough to call
-    /// a node slow, while a slow NIC or link is slow both times. A failure needs no second look.
+    /// a group or a node slow, while a slow NIC or link is slow both times. A failure needs no
+    /// second look.
     async fn confirm_slow(
         &mut self,
         outs: &mut [GroupOut],
@@ -528,7 +528,7 @@ impl Bisect<'_> {
             .collect::<Vec<_>>()
             .join(", ");
         let again = self
-            .round(&format!("isolate: slow, once more: {label}"), groups, s)
+            .round(&format!("slow, once more: {label}"), groups, s)
             .await?;
         for (k, o) in slow.into_iter().zip(again) {
             // The better of the two is kept (a second run that fails says no more than slow).
