@@ -346,8 +346,15 @@ async fn an_agents_alive_counter_goes_with_its_connection() {
     while store.contains(b"nrun/run/n3/alive") && std::time::Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(!store.contains(b"nrun/run/n3/alive"), "removed with its connection");
-    assert_eq!(store.get(b"nrun/run/n3/count").unwrap(), b"1", "other keys stay");
+    assert!(
+        !store.contains(b"nrun/run/n3/alive"),
+        "removed with its connection"
+    );
+    assert_eq!(
+        store.get(b"nrun/run/n3/count").unwrap(),
+        b"1",
+        "other keys stay"
+    );
     assert_eq!(store.get(b"job/alive").unwrap(), b"1");
 }
 
