@@ -58,8 +58,15 @@ impl Session {
             .iter_mut()
             .filter_map(|n| n.link.local_work())
             .collect();
+        let began = Instant::now();
         let ((), results) =
             tokio::join!(super::link::join_all(work), self.wait(no, &waiting, policy));
+        // Where a launch's time goes, step by step (benchmarks at scale).
+        tracing::debug!(
+            "step {no} ({} nodes, {policy:?}) took {:.3} s",
+            waiting.len(),
+            began.elapsed().as_secs_f64()
+        );
         results
     }
 
