@@ -95,7 +95,10 @@ impl Session {
             let touched = super::link::touched(&self.bus);
             let look: Vec<usize> = match touched {
                 Some(t) if !look_all && looked.is_some_and(|at| at.elapsed() < super::LOOK_ALL) => {
-                    t.into_iter().filter(|&i| waited[i]).collect()
+                    // A key may name a node this session does not have (a client's own key).
+                    t.into_iter()
+                        .filter(|&i| waited.get(i) == Some(&true))
+                        .collect()
                 }
                 _ => {
                     looked = Some(Instant::now());
