@@ -17,7 +17,8 @@
 //!   ([`agent::exec::dispatch`], also the in-process node's), sampling the workers' Python
 //!   stacks, and the `nrun __agent` process.
 //! - [`remote`]: ssh and srun command lines (pure).
-//! - [`node`]: one node's worker group: spawning, process groups, stop requests, output, logs.
+//! - [`node`]: one node's worker group: spawning, process groups, stop requests, output, logs;
+//!   the keeper, and the spawner that starts the agents.
 //! - [`store`]: the TCPStore protocol: a pure codec, the tokio server, a client, and the
 //!   proof of the run's secret (challenge-response, sealed steps).
 //! - [`preflight`]: NCCL by path, CUDA through cudarc, the per-rank worker, the verdict.

@@ -585,3 +585,37 @@ async fn a_full_store_fails_the_writer_not_the_store() {
     c.set(b"/b", &vec![2u8; 2 << 20]).await.unwrap();
     assert_eq!(c.get(b"/b").await.unwrap().len(), 2 << 20);
 }
+
+/// The coordinator learns which of nrun's keys clients set (and only those, in order), so that
+/// it looks again at those nodes alone; a list nobody took for long becomes "look at all".
+#[tokio::test]
+async fn the_store_lists_the_control_keys_clients_set() {
+    let (addr, store) = start().await;
+    let mut c = client(addr).await;
+    c.set(b"nrun/r/n3/joined", b"{}").await.unwrap();
+    c.set(b"/user", b"1").await.unwrap();
+    c.add(b"nrun/r/n1/alive", 1).await.unwrap();
+    c.set(b"nrun/r/n0/result/0", b"{}").await.unwrap();
+    // SET has no reply: a GET behind it is answered once it was applied.
+    c.get(b"/user").await.unwrap();
+    // The coordinator's own writes are no news to it.
+    store.set(b"nrun/r/n2/step/0", b"x");
+    let got = store.take_changes();
+    assert!(!got.overflowed);
+    assert_eq!(
+        got.keys,
+        vec![b"nrun/r/n3/joined".to_vec(), b"nrun/r/n0/result/0".to_vec()]
+    );
+    assert!(store.take_changes().keys.is_empty(), "taken once");
+
+    for i in 0..70_000 {
+        c.set(format!("nrun/r/n{i}/joined").as_bytes(), b"")
+            .await
+            .unwrap();
+    }
+    c.get(b"/user").await.unwrap();
+    let got = store.take_changes();
+    assert!(got.overflowed, "{} keys kept", got.keys.len());
+    assert!(got.keys.len() < 70_000);
+    assert!(!store.take_changes().overflowed, "cleared by the taking");
+}

@@ -439,6 +439,17 @@ impl Client {
                 .collect(),
             pdeathsig,
         });
+        // A request the spawner could not read whole would never be answered.
+        if serde_json::to_vec(&msg).map_or(true, |b| b.len() > MAX_MESSAGE) {
+            self.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .waiting
+                .remove(&id);
+            return Err(format!(
+                "its command line is longer than nrun's spawner takes ({MAX_MESSAGE} bytes)"
+            ));
+        }
         let raw: Vec<RawFd> = stdio.iter().map(|f| f.as_raw_fd()).collect();
         if !self.send(&msg, &raw).await {
             self.state

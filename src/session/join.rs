@@ -71,7 +71,10 @@ impl Session {
         loop {
             let touched = super::link::touched(&self.bus);
             let look: Vec<usize> = match (touched, looked) {
-                (Some(t), Some(at)) if at.elapsed() < super::LOOK_ALL => t,
+                // A key may name a node this session does not have (a client's own key).
+                (Some(t), Some(at)) if at.elapsed() < super::LOOK_ALL => {
+                    t.into_iter().filter(|&i| i < k).collect()
+                }
                 _ => {
                     looked = Some(Instant::now());
                     (0..k).collect()

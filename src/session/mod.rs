@@ -258,6 +258,7 @@ impl Session {
         };
         // Thousands of agents take a while to start: a stop signal meanwhile ends nrun at once
         // (the agents started so far die with it: PR_SET_PDEATHSIG, their stdin closed).
+        let began = Instant::now();
         session.nodes = tokio::select! {
             nodes = link::start(starting, plan) => nodes?,
             sig = session.signals.stop() => {
@@ -265,6 +266,11 @@ impl Session {
                 return Err(Error::interrupted(sig));
             }
         };
+        tracing::debug!(
+            "{} agents started in {:.3} s",
+            session.nodes.len(),
+            began.elapsed().as_secs_f64()
+        );
         Ok(session)
     }
 
@@ -332,7 +338,9 @@ impl Session {
                 })
             })
             .collect();
+        let began = Instant::now();
         link::join_all(ends).await;
+        tracing::debug!("the nodes ended in {:.3} s", began.elapsed().as_secs_f64());
         if let Some(stop) = self.store_stop.take() {
             let _ = stop.send(());
         }

@@ -58,8 +58,15 @@ impl Session {
             .iter_mut()
             .filter_map(|n| n.link.local_work())
             .collect();
+        let began = Instant::now();
         let ((), results) =
             tokio::join!(super::link::join_all(work), self.wait(no, &waiting, policy));
+        // Where a launch's time goes, step by step (benchmarks at scale).
+        tracing::debug!(
+            "step {no} ({} nodes, {policy:?}) took {:.3} s",
+            waiting.len(),
+            began.elapsed().as_secs_f64()
+        );
         results
     }
 
@@ -88,7 +95,10 @@ impl Session {
             let touched = super::link::touched(&self.bus);
             let look: Vec<usize> = match touched {
                 Some(t) if !look_all && looked.is_some_and(|at| at.elapsed() < super::LOOK_ALL) => {
-                    t.into_iter().filter(|&i| waited[i]).collect()
+                    // A key may name a node this session does not have (a client's own key).
+                    t.into_iter()
+                        .filter(|&i| waited.get(i) == Some(&true))
+                        .collect()
                 }
                 _ => {
                     looked = Some(Instant::now());

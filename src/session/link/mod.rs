@@ -470,3 +470,29 @@ pub(super) async fn join_all(work: Vec<BoxFuture<'_, ()>>) {
     })
     .await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Each future is polled when it was woken, not on every other one's wake-up (the ends of
+    /// a thousand links wake one by one).
+    #[tokio::test]
+    async fn join_all_polls_only_what_was_woken() {
+        let polls = Arc::new(AtomicUsize::new(0));
+        let mut work: Vec<BoxFuture<'static, ()>> = Vec::new();
+        for i in 0..100u64 {
+            let polls = polls.clone();
+            let mut sleep = Box::pin(tokio::time::sleep(Duration::from_millis(2 * i)));
+            work.push(Box::pin(std::future::poll_fn(move |cx| {
+                polls.fetch_add(1, Ordering::Relaxed);
+                sleep.as_mut().poll(cx)
+            })));
+        }
+        join_all(work).await;
+        // Once to begin with, once when woken (all of them on every wake-up: about 5,000).
+        let n = polls.load(Ordering::Relaxed);
+        assert!(n <= 300, "{n} polls");
+    }
+}
