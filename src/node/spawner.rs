@@ -136,7 +136,7 @@ fn serve(sock: OwnedFd, nrun: nix::unistd::Pid) -> ! {
     // Every signal blocked: Slurm signals each process of a step (its --signal, the TERM of
     // scancel), a user may signal the whole tree; those are nrun's to handle, through its
     // agents, in order. The spawner ends with nrun (its socket, its parent-death SIGKILL).
-    // Its children start with an empty mask again (std's spawn resets it).
+    // Its children start with an empty mask again (see `start`).
     let _ = nix::sys::signal::SigSet::all().thread_block();
     // Children's ends arrive on a signalfd (SIGCHLD, blocked above, queues there).
     let mut mask = nix::sys::signal::SigSet::empty();
@@ -249,15 +249,22 @@ fn start(s: &Start, fds: Vec<OwnedFd>) -> Result<u32, String> {
         .stdout(stdout)
         .stderr(stderr)
         .process_group(0);
-    if s.pdeathsig {
-        // SAFETY: only async-signal-safe calls between fork and exec (this process has one
-        // thread anyway).
-        unsafe {
-            cmd.pre_exec(|| {
+    let pdeathsig = s.pdeathsig;
+    // The child starts with no signal blocked: this process blocks them all, and a mask is
+    // inherited through exec (an agent with SIGUSR1 blocked never passed Slurm's on, its
+    // workers with SIGCHLD blocked would miss their own children's ends). A fork of this small
+    // process costs little.
+    // SAFETY: only async-signal-safe calls between fork and exec (this process has one thread).
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+            if pdeathsig {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-                Ok(())
-            });
-        }
+            }
+            Ok(())
+        });
     }
     let child = cmd.spawn().map_err(|e| e.to_string())?;
     // Reaped by `reap`, not by std.

@@ -259,7 +259,7 @@ pub const STORE_PROOF_PREFIX: &[u8] = b"nrun/store-proof/";
 /// the value sent: how an agent learns whether NAT sits between it and the coordinator.
 pub const OBSERVE_PREFIX: &[u8] = b"nrun/observed/";
 
-/// A control key ending in this that an authenticated connection ADDs to is that connection's:
+/// A control key ending in this that a connection ADDs to is that connection's:
 /// the store removes it when the connection closes (as ZooKeeper's ephemeral nodes). An
 /// agent's heartbeat counter is such a key, so an agent that ends or is killed (its socket
 /// closed by its kernel) is known at once, not after its heartbeat has been silent a while.
@@ -500,9 +500,10 @@ impl Store {
             _ => None,
         };
         let live = match &req {
+            // Whoever may write nrun's keys (with the secret, or any client of a store without
+            // one, as torch's) may tie one: the write itself is checked as any other.
             Request::Add { key, .. }
-                if c.authed
-                    && is_control(key)
+                if is_control(key)
                     && key.ends_with(LIVE_SUFFIX)
                     && c.live_keys.len() < MAX_LIVE_KEYS
                     && !c.live_keys.contains(key) =>
