@@ -176,7 +176,9 @@ async fn run() -> Result<()> {
         // Kept even with no one subscribed yet: the agent reads it once it does.
         from_stdin.send_replace(true);
     });
-    serve(hello, signals, gone).await.map(|_| ())
+    // Its exit code is not the job's (nrun reads the job's from its results): the End's code
+    // and root cause are not read.
+    serve(hello, signals, gone, false).await.map(|_| ())
 }
 
 /// The agent's life after its [`Hello`]: join the coordinator's store, run the steps it is
@@ -186,6 +188,7 @@ pub async fn serve(
     hello: Hello,
     mut signals: Signals,
     gone: watch::Sender<bool>,
+    read_end: bool,
 ) -> Result<protocol::Ended> {
     let gone_rx = gone.subscribe();
     let here = crate::net::hostname();
@@ -320,6 +323,7 @@ pub async fn serve(
         nonce,
         index: hello.node,
         me,
+        read_end,
     };
     node.steps(&mut store, &mut signals, gone_rx).await
 }
@@ -335,6 +339,9 @@ struct Node {
     index: usize,
     /// "label (host)", for messages.
     me: String,
+    /// At the End, read the job's exit code and root cause (a node whose own nrun exits with
+    /// them).
+    read_end: bool,
 }
 
 impl Node {
@@ -376,12 +383,18 @@ impl Node {
             let result = match done {
                 Done::Result(r) => r,
                 Done::End => {
-                    let code = store.get(&self.keys.exit()).await.ok();
-                    // Read only if set (a GET of a missing key would wait for it).
-                    let why = self.keys.root_cause();
-                    let root_cause = match store.check(&[&why]).await {
-                        Ok(true) => store.get(&why).await.ok(),
-                        _ => None,
+                    let (code, root_cause) = match self.read_end {
+                        true => {
+                            let code = store.get(&self.keys.exit()).await.ok();
+                            // Read only if set (a GET of a missing key would wait for it).
+                            let why = self.keys.root_cause();
+                            let root_cause = match store.check(&[&why]).await {
+                                Ok(true) => store.get(&why).await.ok(),
+                                _ => None,
+                            };
+                            (code, root_cause)
+                        }
+                        false => (None, None),
                     };
                     // Acknowledged, so a coordinator waiting for nodes that joined by
                     // themselves can close its store.

@@ -81,7 +81,7 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
     let signals = Signals::install(&job.session.forward_signals)?;
     // Nothing closes: the host going away shows as its store going away.
     let (gone, _) = watch::channel(false);
-    match super::serve(hello, signals, gone).await {
+    match super::serve(hello, signals, gone, true).await {
         Ok(ended) => {
             // This node's console (a pod's log) ends with the job's root cause, as the hosting
             // node's does, and its own TORCHELASTIC_ERROR_FILE gets it (issue 23).

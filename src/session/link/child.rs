@@ -27,6 +27,9 @@ use crate::session::Node;
 /// Lines of an agent's stderr kept to explain why it failed.
 const TAIL_LINES: usize = 10;
 
+/// Bytes read at a time from an agent's stdout and stderr.
+const RELAY_BUFFER: usize = 2048;
+
 /// An agent process (or the srun step of all of them) and what nrun saw of it. A task of its
 /// own waits for it (and kills it when asked, or when this is dropped), so that its end is an
 /// event for the session (a nudge for its node), not something to ask every node about.
@@ -77,10 +80,12 @@ impl AgentProcess {
             let _ = s.write_all(format!("{line}\n").as_bytes()).await;
         }
         let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
-        // The agent prefixes its workers' lines; pass them on line by line.
+        // The agent prefixes its workers' lines; pass them on line by line. Small buffers: two
+        // per node, they were a third of the launch host's memory at a thousand nodes (8 KiB
+        // each), and a longer line still comes through whole.
         if let Some(out) = stdout {
             tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::new(out).lines();
+                let mut lines = tokio::io::BufReader::with_capacity(RELAY_BUFFER, out).lines();
                 while let Ok(Some(l)) = lines.next_line().await {
                     let _ = writeln!(std::io::stdout().lock(), "{l}");
                 }
@@ -89,7 +94,7 @@ impl AgentProcess {
         if let Some(err) = stderr {
             let tail = tail.clone();
             tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::new(err).lines();
+                let mut lines = tokio::io::BufReader::with_capacity(RELAY_BUFFER, err).lines();
                 while let Ok(Some(l)) = lines.next_line().await {
                     let _ = writeln!(std::io::stderr().lock(), "{l}");
                     let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
