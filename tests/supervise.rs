@@ -516,8 +516,8 @@ fn sigterm_while_workers_start_is_honoured_at_once() {
     s.assert_no_survivors();
 }
 
-/// An agent nrun starts on its own host is spawned with nothing run between fork and exec
-/// (posix_spawn): it sets its own parent-death signal from NRUN_AGENT_PARENT, so it dies with
+/// An agent nrun starts on its own host is spawned with nothing of nrun's run between fork and
+/// exec: it sets its own parent-death signal from NRUN_AGENT_PARENT, so it dies with
 /// whatever started it even with its stdin still open and no keeper or watch of that launcher
 /// to clean up; started under another parent than it was told, it exits at once.
 #[test]

@@ -35,8 +35,8 @@ use exec::{Done, StepIo};
 use protocol::{Hello, Joined, Keys, Step};
 
 /// Set by nrun (to its pid) on an agent it starts on its own host, without ssh. nrun starts it
-/// with posix_spawn, which runs nothing between fork and exec, so the agent sets its own
-/// parent-death signal ([`tie_to_parent`]). It forks no keeper either: the launcher's keeper
+/// through the small spawner, whose child only clears its signal mask before the exec, so the
+/// agent sets its own parent-death signal ([`tie_to_parent`]). It forks no keeper either: the launcher's keeper
 /// and watch on this same host already cover every process below the launcher (they are
 /// re-parented to that keeper, and carry its token).
 pub const PARENT_VAR: &str = "NRUN_AGENT_PARENT";
