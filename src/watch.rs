@@ -351,21 +351,11 @@ fn flight_conclusion(ranks: &[Seen<'_>]) -> Option<(Kind, String, Vec<usize>)> {
         }
     }
     if at_top.len() > 1 {
-        let most = at_top.values().map(Vec::len).max().unwrap_or(0);
         let groups: Vec<String> = at_top
             .iter()
             .map(|((op, b), r)| format!("{} {op} ({})", ranks_text(r), size_text(*b)))
             .collect();
-        let culprits: Vec<usize> = match at_top.values().filter(|r| r.len() == most).count() {
-            // A tie blames nobody in particular.
-            1 => at_top
-                .values()
-                .filter(|r| r.len() != most)
-                .flatten()
-                .copied()
-                .collect(),
-            _ => Vec::new(),
-        };
+        let culprits = odd_ones_out(at_top.values());
         return Some((
             Kind::Disagree,
             format!(
@@ -413,6 +403,20 @@ fn flight_conclusion(ranks: &[Seen<'_>]) -> Option<(Kind, String, Vec<usize>)> {
         false => Kind::Missing,
     };
     Some((kind, parts.join("; "), culprits))
+}
+
+/// Of ranks grouped by what they did, those outside the largest group; nobody when two groups
+/// tie for largest (a tie blames nobody in particular).
+fn odd_ones_out<'a>(groups: impl Iterator<Item = &'a Vec<usize>> + Clone) -> Vec<usize> {
+    let most = groups.clone().map(Vec::len).max().unwrap_or(0);
+    match groups.clone().filter(|r| r.len() == most).count() {
+        1 => groups
+            .filter(|r| r.len() != most)
+            .flatten()
+            .copied()
+            .collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// Ops whose input must be the same size on every rank of the group. all_to_all, gather,
@@ -504,16 +508,7 @@ pub fn mismatch(ranks: &[Seen<'_>]) -> Option<Mismatch> {
             if calls.len() < 2 {
                 continue;
             }
-            let most = calls.values().map(Vec::len).max().unwrap_or(0);
-            let culprits = match calls.values().filter(|r| r.len() == most).count() {
-                1 => calls
-                    .values()
-                    .filter(|r| r.len() != most)
-                    .flatten()
-                    .copied()
-                    .collect(),
-                _ => Vec::new(),
-            };
+            let culprits = odd_ones_out(calls.values());
             found = Some(Mismatch {
                 pg: pg.to_string(),
                 seq,
@@ -741,10 +736,19 @@ impl WatchState {
             if self.mismatch_said.as_ref() != Some(&key) {
                 self.mismatch_said = Some(key);
                 let stop = self.plan.on_hang == OnHang::Stop;
+                let host = |r: usize| {
+                    seen.iter()
+                        .find(|s| s.view.rank == r)
+                        .map_or("?", |s| s.host)
+                };
                 let who = match m.culprits.as_slice() {
                     [] => "each rank does".to_string(),
-                    [r] => format!("rank {r} does"),
-                    r => format!("{} do", ranks_text(r)),
+                    [r] => format!("rank {r} on {} does", host(*r)),
+                    r => format!(
+                        "{} (on {}) do",
+                        ranks_text(r),
+                        r.iter().map(|&r| host(r)).collect::<Vec<_>>().join(", ")
+                    ),
                 };
                 tracing::warn!(
                     "collective mismatch: {}; NCCL does not check this, so the job hangs or                      computes wrong results: see what {who} differently before that collective{}",
@@ -767,19 +771,17 @@ impl WatchState {
             .iter()
             .filter(|s| s.view.exited.is_none() && !s.view.frames.is_empty())
             .collect();
-        let unreadable = |s: &Seen<'_>| s.view.frames.is_empty() && s.view.error.is_some();
-        self.unreadable_since.retain(|r, _| {
-            seen.iter()
-                .any(|s| s.view.rank == *r && unreadable(s) && s.view.exited.is_none())
-        });
-        for s in seen
+        // Ranks unreadable now, each since when it was first seen so (read again: forgotten).
+        let before = std::mem::take(&mut self.unreadable_since);
+        self.unreadable_since = seen
             .iter()
-            .filter(|s| unreadable(s) && s.view.exited.is_none())
-        {
-            self.unreadable_since
-                .entry(s.view.rank)
-                .or_insert_with(Instant::now);
-        }
+            .filter(|s| s.view.frames.is_empty() && s.view.error.is_some())
+            .filter(|s| s.view.exited.is_none())
+            .map(|s| {
+                let r = s.view.rank;
+                (r, before.get(&r).copied().unwrap_or_else(Instant::now))
+            })
+            .collect();
         if !self.unreadable_said {
             if let Some(s) = seen.iter().find(|s| {
                 self.unreadable_since

@@ -25,6 +25,17 @@ async fn client(addr: SocketAddr) -> Client {
     Client::connect(addr, Duration::from_secs(5)).await.unwrap()
 }
 
+/// nrun's store with `secret`, served on a loopback port of its own.
+async fn serve_with_secret(secret: &[u8]) -> (std::sync::Arc<Store>, SocketAddr) {
+    let l = server::bind(0).unwrap();
+    let port = l.local_addr().unwrap().port();
+    let l = tokio::net::TcpListener::from_std(l).unwrap();
+    let store = Store::with_secret(secret.to_vec());
+    let s = store.clone();
+    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
+    (store, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
 async fn raw(addr: SocketAddr) -> TcpStream {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(&[0x00, 0xce, 0xf7, 0x85, 0x3c]).await.unwrap();
@@ -323,13 +334,7 @@ async fn many_clients_rendezvous() {
 /// once that an agent ended or was killed.
 #[tokio::test]
 async fn an_agents_alive_counter_goes_with_its_connection() {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    let store = Store::with_secret(b"s3cret".to_vec());
-    let s = store.clone();
-    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let (store, addr) = serve_with_secret(b"s3cret").await;
     let mut agent = client(addr).await;
     agent.authenticate(b"s3cret").await.unwrap();
     agent.add(b"nrun/run/n3/alive", 1).await.unwrap();
@@ -362,13 +367,7 @@ async fn an_agents_alive_counter_goes_with_its_connection() {
 /// neither read nor write them, nor see them listed; everything else works as usual.
 #[tokio::test]
 async fn control_keys_need_the_secret() {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    let store = Store::with_secret(b"s3cret".to_vec());
-    let s = store.clone();
-    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let (store, addr) = serve_with_secret(b"s3cret").await;
 
     let mut agent = client(addr).await;
     agent.authenticate(b"s3cret").await.unwrap();

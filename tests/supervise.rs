@@ -541,20 +541,15 @@ fn a_local_agent_dies_with_its_launcher_by_itself() {
         .read_line(&mut line)
         .unwrap();
     let agent: u32 = line.trim().parse().unwrap();
-    let state = |pid: u32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|st| st.rsplit_once(") ").map(|(_, r)| r.to_string()))
-    };
     std::thread::sleep(Duration::from_millis(300));
-    let st = state(agent).expect("the agent runs, waiting for its instructions");
+    let st = proc_stat(agent).expect("the agent runs, waiting for its instructions");
     let ppid: u32 = st.split_whitespace().nth(1).unwrap().parse().unwrap();
     assert_eq!(ppid, sh.id(), "its parent is the one it was told: {st}");
     assert!(!st.starts_with('Z'), "{st}");
     signal(&sh, "KILL");
     let _ = sh.wait();
     let end = std::time::Instant::now() + Duration::from_secs(2);
-    while state(agent).is_some_and(|st| !st.starts_with('Z')) {
+    while proc_stat(agent).is_some_and(|st| !st.starts_with('Z')) {
         assert!(
             std::time::Instant::now() < end,
             "the agent outlived its parent"
@@ -593,20 +588,15 @@ fn signals_to_the_agent_spawner_leave_the_job_to_nrun() {
         &[],
     );
     s.wait_marks("up", 3, Duration::from_secs(20));
-    let stat = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let ppid = |pid: u32| {
-        stat(pid)
-            .rsplit_once(") ")
-            .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok())
-    };
     // The launched nrun is the keeper; nrun proper, its child, forked the spawner.
     let spawner = std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .find(|&pid| {
-            stat(pid).contains("(nrun-spawner)")
-                && [ppid(pid), ppid(pid).and_then(ppid)].contains(&Some(child.id()))
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "nrun-spawner")
+                && [parent_of(pid), parent_of(pid).and_then(parent_of)].contains(&Some(child.id()))
         })
         .expect("nrun's spawner runs under the nrun started");
     for sig in ["USR1", "TERM", "HUP", "INT"] {

@@ -225,7 +225,7 @@ impl Bisect<'_> {
             self.confirm_slow(&mut outs, median, s).await?;
             let mut suspects: Vec<GroupOut> = Vec::new();
             for g in outs {
-                let slow = matches!((g.busbw_gbs, median), (Some(b), Some(m)) if b < self.bp.slow_factor * m);
+                let slow = self.is_slow(&g, median);
                 if !g.ok || slow {
                     suspects.push(GroupOut {
                         ok: g.ok && !slow,

@@ -545,16 +545,21 @@ async fn attempt_loop(
                     continue;
                 }
             }
-            let line = "nrun: error: the job hung and was stopped (--on-hang stop); the hosting \
-                        node's console names the ranks";
+            let what = match s.watch.as_ref().is_some_and(|w| !w.mismatches.is_empty()) {
+                true => "calling a collective differently on some ranks",
+                false => "hung",
+            };
             eprintln!(
-                "nrun: error: the watch found the job {} (see above) and stopped it (--on-hang stop)",
-                match s.watch.as_ref().is_some_and(|w| !w.mismatches.is_empty()) {
-                    true => "calling a collective differently on some ranks",
-                    false => "hung",
-                }
+                "nrun: error: the watch found the job {what} (see above) and stopped it (--on-hang stop)"
             );
-            tell_every_node(s, &format!("{line}\n"), None);
+            tell_every_node(
+                s,
+                &format!(
+                    "nrun: error: the watch found the job {what} and stopped it (--on-hang \
+                     stop); the hosting node's console names the ranks\n"
+                ),
+                None,
+            );
             rec.outcome = Some("hang");
             return exit::HANG;
         }

@@ -96,11 +96,7 @@ impl Scene {
                 continue;
             };
             if env.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
-                let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-                if stat
-                    .rsplit_once(") ")
-                    .is_some_and(|(_, r)| r.starts_with('Z'))
-                {
+                if proc_stat(pid.parse().unwrap_or(0)).is_some_and(|st| st.starts_with('Z')) {
                     continue;
                 }
                 let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
@@ -136,6 +132,18 @@ impl Scene {
 
 fn kill9(pid: i32) {
     let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+}
+
+/// The fields of /proc/PID/stat after the command's name (state first, then the parent's pid),
+/// while the process exists.
+pub fn proc_stat(pid: u32) -> Option<String> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    st.rsplit_once(") ").map(|(_, r)| r.to_string())
+}
+
+/// The parent of process `pid`, while it exists.
+pub fn parent_of(pid: u32) -> Option<u32> {
+    proc_stat(pid)?.split_whitespace().nth(1)?.parse().ok()
 }
 
 pub fn signal(child: &Child, sig: &str) {
