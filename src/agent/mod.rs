@@ -36,9 +36,9 @@ use protocol::{Hello, Joined, Keys, Step};
 
 /// Set by nrun (to its pid) on an agent it starts on its own host, without ssh. nrun starts it
 /// through the small spawner, whose child only clears its signal mask before the exec, so the
-/// agent sets its own parent-death signal ([`tie_to_parent`]). It forks no keeper either: the launcher's keeper
-/// and watch on this same host already cover every process below the launcher (they are
-/// re-parented to that keeper, and carry its token).
+/// agent sets its own parent-death signal ([`tie_to_parent`]). It forks no keeper either: the
+/// launcher's keeper and watch on this same host already cover every process below the
+/// launcher (they are re-parented to that keeper, and carry its token).
 pub const PARENT_VAR: &str = "NRUN_AGENT_PARENT";
 
 /// For an agent started by nrun on this host ([`PARENT_VAR`]): it gets SIGKILL when nrun dies
