@@ -109,7 +109,8 @@ echo "  hang named $(since "$OUTDIR/nccl-hang.log" 'stalled at' 'nrun: hang:') s
 # From the 6th all_reduce on, rank 1 reduces 4x as many elements (60 steps: a run that does not
 # hang ends).
 check nccl-size 97 stamped $T env NRUN_HANG_CASE=size NRUN_STEPS=60 NRUN_HANG_BACKEND=nccl "$NRUN" --hang-timeout 10 --on-hang stop "${W2[@]}" tests/python/hang.py
-check nccl-size-named 0 grep -Eq "conclusion: .*(disagree on collective #|all_reduce #[0-9]+ \()" "$OUTDIR/nccl-size.log"
+check nccl-size-named 0 grep -Eq "disagree on collective #6: rank 0 all_reduce \(4 KiB\), rank 1 all_reduce \(16 KiB\)" "$OUTDIR/nccl-size.log"
+echo "  mismatch named $(since "$OUTDIR/nccl-size.log" '.' 'collective mismatch') s after the job's first line"
 # Rank 1 does 3x the matrix work of rank 0 each step: named within a minute, with each rank's
 # wait; the same job balanced names nobody; the watch's cost beside --watch off.
 check nccl-straggler 0 stamped $T env NRUN_MM=6 NRUN_SLOW_MM=18 NRUN_SECONDS=45 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py

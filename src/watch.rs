@@ -70,6 +70,48 @@ pub struct Diagnosis {
     /// Seconds since the last progress of any rank.
     pub stalled_s: f64,
     pub ranks: Vec<RankState>,
+    /// NCCL's own account of the job (its RAS), asked during this stall, where it answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nccl_ras: Option<NcclRas>,
+}
+
+/// What NCCL's RAS said during a stall (see `agent::ras`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct NcclRas {
+    /// The node that asked.
+    pub host: String,
+    /// Its "Errors" and "Warnings" lines.
+    pub findings: Vec<String>,
+    /// The whole answer, or why there was none.
+    pub status: Option<String>,
+    pub error: Option<String>,
+}
+
+/// Lines of RAS's findings printed with a hang (the report has all of them).
+const RAS_LINES: usize = 8;
+
+/// The RAS answer among `views` given during the last `stalled_s` seconds (asked while the
+/// ranks stalled: an older one speaks of another moment).
+fn ras_of(views: &HashMap<usize, NodeWatch>, hosts: &[String], stalled_s: f64) -> Option<NcclRas> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let since = now_ms.saturating_sub((stalled_s * 1e3) as u64);
+    let (node, r) = views
+        .iter()
+        .filter_map(|(n, v)| Some((*n, v.ras.as_ref()?)))
+        .filter(|(_, r)| r.at_ms >= since)
+        .max_by_key(|(_, r)| r.at_ms)?;
+    Some(NcclRas {
+        host: hosts.get(node).cloned().unwrap_or_else(|| "?".into()),
+        findings: r
+            .text
+            .as_deref()
+            .map(crate::agent::ras::findings)
+            .unwrap_or_default(),
+        status: r.text.clone(),
+        error: r.error.clone(),
+    })
 }
 
 /// A rank with where it runs.
@@ -299,6 +341,7 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
         culprits,
         stalled_s: stalled_ms as f64 / 1e3,
         ranks: states,
+        nccl_ras: None,
     })
 }
 
@@ -751,7 +794,8 @@ impl WatchState {
                     ),
                 };
                 tracing::warn!(
-                    "collective mismatch: {}; NCCL does not check this, so the job hangs or                      computes wrong results: see what {who} differently before that collective{}",
+                    "collective mismatch: {}; NCCL does not check this, so the job hangs or computes \
+                     wrong results: see what {who} differently before that collective{}",
                     m.text(),
                     if stop {
                         "; stopping the job (--on-hang stop)"
@@ -818,7 +862,8 @@ impl WatchState {
             self.hang_said = false;
         } else if !self.hang_said {
             self.hang_said = true;
-            if let Some(d) = diagnose(&seen) {
+            if let Some(mut d) = diagnose(&seen) {
+                d.nccl_ras = ras_of(&self.views, hosts, d.stalled_s);
                 eprint!("{}", hang_text(&d, self.plan.hang_timeout));
                 stop = self.plan.on_hang == OnHang::Stop && d.kind != Kind::AllBusy;
                 self.hangs.push(d);
@@ -916,6 +961,19 @@ pub fn hang_text(d: &Diagnosis, timeout: Duration) -> String {
         }
     }
     let _ = writeln!(t, "  conclusion: {}", d.conclusion);
+    if let Some(ras) = d.nccl_ras.as_ref().filter(|r| !r.findings.is_empty()) {
+        let _ = writeln!(t, "  NCCL's RAS (asked on {}):", ras.host);
+        for l in ras.findings.iter().take(RAS_LINES) {
+            let _ = writeln!(t, "      {l}");
+        }
+        if ras.findings.len() > RAS_LINES {
+            let _ = writeln!(
+                t,
+                "      ... {} more lines in --report",
+                ras.findings.len() - RAS_LINES
+            );
+        }
+    }
     t
 }
 
@@ -1053,6 +1111,7 @@ mod tests {
         w.observe(
             0,
             NodeWatch {
+                ras: None,
                 ranks: vec![unread],
             },
         );
@@ -1069,6 +1128,7 @@ mod tests {
         w.observe(
             0,
             NodeWatch {
+                ras: None,
                 ranks: vec![busy(2, 7)],
             },
         );
@@ -1323,6 +1383,7 @@ mod tests {
     fn a_mismatch_is_said_once_and_stops_the_job_only_when_asked() {
         let hosts = vec!["h1".to_string()];
         let ranks = || NodeWatch {
+            ras: None,
             ranks: vec![
                 recorded(0, "0", &[(1, 40, "all_reduce", 4096)]),
                 recorded(
@@ -1359,6 +1420,7 @@ mod tests {
         w.observe(
             0,
             NodeWatch {
+                ras: None,
                 ranks: vec![busy(0, 30), busy(1, 30)],
             },
         );
@@ -1369,6 +1431,7 @@ mod tests {
         w.observe(
             0,
             NodeWatch {
+                ras: None,
                 ranks: vec![waiting(0, "all_reduce"), busy(1, 7)],
             },
         );
@@ -1379,6 +1442,7 @@ mod tests {
         w.observe(
             0,
             NodeWatch {
+                ras: None,
                 ranks: vec![waiting(0, "all_reduce"), moving],
             },
         );
@@ -1387,6 +1451,7 @@ mod tests {
         w.observe(
             0,
             NodeWatch {
+                ras: None,
                 ranks: vec![waiting(0, "all_reduce"), busy(1, 7)],
             },
         );
@@ -1396,5 +1461,57 @@ mod tests {
             w.cause(&hosts)
                 .is_some_and(|c| c.contains("rank 1 on h1 has not entered it"))
         );
+    }
+
+    /// NCCL's RAS answer given during the stall goes with the hang (its findings printed, the
+    /// whole of it in the report); one from before the stall does not.
+    #[test]
+    fn a_hang_carries_what_nccls_ras_said_during_it() {
+        let plan = WatchPlan {
+            hang_timeout: Duration::from_secs(60),
+            on_hang: OnHang::Report,
+        };
+        let hosts = vec!["h1".to_string(), "h2".to_string()];
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let status = "Errors\n======\n\nWarnings\n========\n\n#0-0 (f4) MISMATCH\n  \
+                      Communicator ranks have different AllReduce operation counts\n";
+        let ras = |at_ms| crate::agent::protocol::RasView {
+            at_ms,
+            text: Some(status.into()),
+            error: None,
+        };
+        for (at_ms, said) in [(now_ms - 5_000, true), (now_ms - 120_000, false)] {
+            let mut w = WatchState::new(plan);
+            w.observe(
+                0,
+                NodeWatch {
+                    ras: None,
+                    ranks: vec![waiting(0, "all_reduce")],
+                },
+            );
+            w.observe(
+                1,
+                NodeWatch {
+                    ras: Some(ras(at_ms)),
+                    ranks: vec![busy(1, 7)],
+                },
+            );
+            w.check(&hosts);
+            let d = &w.hangs[0];
+            assert_eq!(d.nccl_ras.is_some(), said, "{:?}", d.nccl_ras);
+            let text = hang_text(d, plan.hang_timeout);
+            assert_eq!(text.contains("NCCL's RAS (asked on h2):"), said, "{text}");
+            if said {
+                assert!(text.contains(
+                    "      Communicator ranks have different AllReduce operation counts\n"
+                ));
+                let json = w.json();
+                assert_eq!(json["hangs"][0]["nccl_ras"]["host"], "h2");
+                assert_eq!(json["hangs"][0]["nccl_ras"]["status"], status);
+            }
+        }
     }
 }

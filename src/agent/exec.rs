@@ -99,6 +99,11 @@ async fn run_workers(
         .map(|w| w.error_file.clone())
         .collect();
     let mut flight_files = Vec::new();
+    // The node of rank 0 asks NCCL's RAS about the job when its ranks stall.
+    let ras = specs
+        .iter()
+        .find(|w| w.rank == 0)
+        .and_then(|w| super::ras::target(&w.env));
     let errors: Vec<std::path::PathBuf> = specs.iter().map(|w| w.error_file.clone()).collect();
     for w in specs {
         let program = match (w.program.as_str(), &this_nrun) {
@@ -167,7 +172,7 @@ async fn run_workers(
     let events = match watch {
         Some(out) if !cmds.is_empty() => {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            match super::stacks::spawn(rx, out, flight_files.clone()) {
+            match super::stacks::spawn(rx, out, flight_files.clone(), ras) {
                 Ok(_) => Some(tx),
                 Err(e) => {
                     tracing::warn!("cannot start the watch: {e}; the job runs unwatched");

@@ -20,6 +20,7 @@ pub mod flight;
 mod liveness;
 pub mod peer;
 pub mod protocol;
+pub mod ras;
 pub mod stacks;
 
 use std::net::SocketAddr;

@@ -320,6 +320,18 @@ pub struct FrOp {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct NodeWatch {
     pub ranks: Vec<RankView>,
+    /// NCCL's RAS status, asked while the node's ranks stall (the node of rank 0 only).
+    #[serde(default)]
+    pub ras: Option<RasView>,
+}
+
+/// What NCCL's RAS said when last asked (see `agent::ras`), or why it could not be asked.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct RasView {
+    /// When it answered, ms since the Unix epoch.
+    pub at_ms: u64,
+    pub text: Option<String>,
+    pub error: Option<String>,
 }
 
 /// What a stop key asks of a running step: its value is empty (another node failed: SIGTERM,

@@ -47,8 +47,10 @@ struct Watched {
     /// It runs collectives: seen in one, or it loaded NCCL (whose collectives return at once
     /// and are waited for at the next GPU sync).
     collectives: bool,
-    /// Its memory map was searched for NCCL (once, at its first GPU sync: torch is loaded).
+    /// Its memory map was searched for NCCL (once, at its first GPU sync: torch is loaded),
+    /// and what was found.
     nccl_checked: bool,
+    nccl: bool,
     /// When the worker's tree was last searched for a Python process.
     searched: Option<Instant>,
     /// Its flight recorder (NCCL jobs).
@@ -87,6 +89,7 @@ pub fn spawn(
     mut events: mpsc::UnboundedReceiver<GroupEvent>,
     out: mpsc::UnboundedSender<NodeWatch>,
     flight_files: Vec<(usize, FrFiles)>,
+    ras: Option<String>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     quiet_panics();
     std::thread::Builder::new()
@@ -96,6 +99,7 @@ pub fn spawn(
             let mut sources: HashMap<String, Vec<String>> = HashMap::new();
             let mut published = Instant::now();
             let mut periodic = Instant::now();
+            let mut ras = ras.map(super::ras::Asker::new);
             loop {
                 loop {
                     match events.try_recv() {
@@ -114,6 +118,7 @@ pub fn spawn(
                             switches: None,
                             collectives: false,
                             nccl_checked: false,
+                            nccl: false,
                             searched: None,
                             fr: FrState {
                                 files: flight_files
@@ -152,6 +157,9 @@ pub fn spawn(
                     periodic = Instant::now();
                 }
                 flight_recorders(&mut ranks, periodic_due);
+                if let Some(asker) = ras.as_mut() {
+                    asker.poll(nccl_stalled(&mut ranks));
+                }
                 if published.elapsed() >= PUBLISH {
                     published = Instant::now();
                     let snapshot = NodeWatch {
@@ -162,6 +170,7 @@ pub fn spawn(
                                 ..w.view.clone()
                             })
                             .collect(),
+                        ras: ras.as_ref().and_then(|a| a.view.clone()),
                     };
                     if out.send(snapshot).is_err() {
                         return;
@@ -226,6 +235,38 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
     }
 }
 
+/// Whether the node's live ranks have all been still for a while and some of them run NCCL
+/// (its RAS has something to say).
+fn nccl_stalled(ranks: &mut [Watched]) -> bool {
+    let mut live = ranks
+        .iter_mut()
+        .filter(|w| w.view.exited.is_none())
+        .peekable();
+    if live.peek().is_none() {
+        return false;
+    }
+    let mut nccl = false;
+    for w in live {
+        if unchanged(w) < STALL_DUMP {
+            return false;
+        }
+        nccl |= loaded_nccl(w);
+    }
+    nccl
+}
+
+/// Whether the rank's process loaded libnccl (looked up once, at its first GPU sync or stall:
+/// torch is loaded by then).
+fn loaded_nccl(w: &mut Watched) -> bool {
+    if !w.nccl_checked {
+        w.nccl_checked = true;
+        w.nccl = std::fs::read_to_string(format!("/proc/{}/maps", w.view.pid))
+            .is_ok_and(|m| m.contains("/libnccl"));
+        w.collectives |= w.nccl;
+    }
+    w.nccl
+}
+
 /// The command that runs rank `pid`'s Python as it was started (a venv's `bin/python`, which
 /// finds the venv's packages; /proc's exe is the binary the link resolves to), else its exe.
 fn interpreter(pid: u32) -> Option<std::path::PathBuf> {
@@ -252,21 +293,12 @@ fn count(w: &mut Watched) {
         v.waiting /= 2;
     }
     v.samples += 1;
-    w.collectives |= v.collective.is_some();
-    let waits = match &v.collective {
-        Some(_) => true,
-        None if crate::watch::waits_in(v).is_none() => false,
-        None => {
-            if !w.collectives && !w.nccl_checked {
-                w.nccl_checked = true;
-                w.collectives = std::fs::read_to_string(format!("/proc/{}/maps", v.pid))
-                    .is_ok_and(|m| m.contains("/libnccl"));
-            }
-            w.collectives
-        }
-    };
+    let in_collective = v.collective.is_some();
+    let in_sync = crate::watch::waits_in(v).is_some();
+    w.collectives |= in_collective;
+    let waits = in_collective || (in_sync && (w.collectives || loaded_nccl(w)));
     if waits {
-        v.waiting += 1;
+        w.view.waiting += 1;
     }
 }
 
@@ -528,6 +560,7 @@ mod tests {
             switches: None,
             collectives: false,
             nccl_checked: false,
+            nccl: false,
             searched: None,
             fr: FrState::default(),
         }
