@@ -161,6 +161,48 @@ async fn wait_timeout_cancel_and_the_race() {
     );
 }
 
+/// One connection waits for a key and does other work between waits (an agent's controls and
+/// its views): an interrupted wait leaves the connection in step, a key that came as the wait
+/// was cancelled is reported, and a wait that ends by itself gives no interrupt.
+#[tokio::test]
+async fn a_wait_interrupted_by_other_work_keeps_the_connection_in_step() {
+    let (addr, _) = start().await;
+    let mut c = client(addr).await;
+    let mut other = client(addr).await;
+    let (ready, woke) = c
+        .wait_or(&[b"/ctl/0"], tokio::time::sleep(Duration::from_millis(50)))
+        .await
+        .unwrap();
+    assert_eq!((ready, woke), (false, Some(())));
+    // Work between waits is answered in order.
+    c.set(b"/view", b"v1").await.unwrap();
+    assert_eq!(c.get(b"/view").await.unwrap(), b"v1");
+    // The key comes while waiting: ready, no interrupt.
+    let setter = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        other.set(b"/ctl/0", b"stop").await.unwrap();
+        other
+    });
+    let (ready, woke) = c
+        .wait_or(&[b"/ctl/0"], std::future::pending::<()>())
+        .await
+        .unwrap();
+    assert_eq!((ready, woke), (true, None));
+    assert_eq!(c.get(b"/ctl/0").await.unwrap(), b"stop");
+    // The key and the interrupt together: both said, and the connection still in step.
+    let mut other = setter.await.unwrap();
+    other.set(b"/ctl/1", b"signal 10").await.unwrap();
+    let (ready, woke) = c.wait_or(&[b"/ctl/1"], async { 7 }).await.unwrap();
+    assert!(ready || woke == Some(7), "{ready} {woke:?}");
+    assert_eq!(c.get(b"/ctl/1").await.unwrap(), b"signal 10");
+    let (ready, woke) = c
+        .wait_or(&[b"/ctl/2"], tokio::time::sleep(Duration::from_millis(20)))
+        .await
+        .unwrap();
+    assert_eq!((ready, woke), (false, Some(())));
+    assert_eq!(c.num_keys().await.unwrap(), 3);
+}
+
 #[tokio::test]
 async fn barrier_releases_everyone_at_world_size() {
     let (addr, _) = start().await;

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::node::{Caught, Signals, StopRequest};
 use crate::store::client::Client;
 use exec::{Done, StepIo};
-use protocol::{Hello, Joined, Keys, Step};
+use protocol::{Control, Hello, Joined, Keys, NodeWatch, Step};
 
 /// Set by nrun (to its pid) on an agent it starts on its own host, without ssh. nrun starts it
 /// through the small spawner, whose child only clears its signal mask before the exec, so the
@@ -134,22 +134,6 @@ pub fn refusal(e: std::io::Error, lost: impl FnOnce(std::io::Error) -> Error) ->
         std::io::ErrorKind::PermissionDenied => Error::helper(e.to_string()),
         _ => lost(e),
     }
-}
-
-/// Waits for the signal key `key` on `conn`: the signal to pass on (None: the connection broke,
-/// or a bad value), and the connection back for the next key.
-async fn wait_signal(mut conn: Client, key: Vec<u8>) -> (Client, Option<i32>) {
-    let keys: [&[u8]; 1] = [&key];
-    let sig = match conn.wait(&keys, None).await {
-        Ok(_) => conn
-            .get(&key)
-            .await
-            .ok()
-            .and_then(|v| String::from_utf8_lossy(&v).parse().ok()),
-        // The connection is gone: the stop watch sees the same and ends the step.
-        Err(_) => std::future::pending().await,
-    };
-    (conn, sig)
 }
 
 async fn run() -> Result<()> {
@@ -319,7 +303,6 @@ pub async fn serve(
 
     let node = Node {
         keys,
-        reached,
         secret: hello.secret.clone(),
         nonce,
         index: hello.node,
@@ -329,11 +312,10 @@ pub async fn serve(
     node.steps(&mut store, &mut signals, gone_rx).await
 }
 
-/// A joined agent's side of the conversation: where it reached the store and under which keys
-/// it speaks.
+/// A joined agent's side of the conversation: under which keys it speaks (on its one
+/// connection to the store).
 struct Node {
     keys: Keys,
-    reached: SocketAddr,
     secret: String,
     /// Chosen for this join and published in its [`Joined`] record: steps are sealed for it.
     nonce: String,
@@ -462,20 +444,11 @@ impl Node {
         }
     }
 
-    /// A connection of its own, authenticated (one request in flight per connection).
-    async fn connect(&self) -> Result<Client> {
-        let lost = |e| self.lost(e);
-        let mut conn = Client::connect(self.reached, Duration::from_secs(10))
-            .await
-            .map_err(lost)?;
-        prove(&mut conn, &self.secret, &self.reached)
-            .await
-            .map_err(|e| refusal(e, lost))?;
-        Ok(conn)
-    }
-
-    /// Runs a step that starts workers: stop requests and signals to pass on arrive on two
-    /// connections of their own, and the watch's views go out on the main one, idle meanwhile.
+    /// Runs a step that starts workers. The one connection to the store waits for the step's
+    /// next control (a stop, a signal to pass on) and, between waits, publishes the watch's
+    /// views: a wait is cancelled when a view is due, the workers end, or a signal or the
+    /// launcher's loss comes first (two more connections per agent and step were a third of a
+    /// thousand-node job's descriptors).
     async fn run(
         &self,
         store: &mut Client,
@@ -485,9 +458,6 @@ impl Node {
         step: Step,
     ) -> Result<Done> {
         let (tx, rx) = watch::channel(StopRequest::None);
-        let stop_conn = self.connect().await?;
-        let sig_conn = self.connect().await?;
-        let watcher = self.stop_requests(stop_conn, sig_conn, signals, gone_rx.clone(), no, tx);
         let (views_tx, mut views) = tokio::sync::mpsc::unbounded_channel();
         let io = StepIo {
             stop: rx,
@@ -496,80 +466,95 @@ impl Node {
         };
         let run = exec::dispatch(step, io);
         tokio::pin!(run);
-        tokio::pin!(watcher);
+        let mut gone = gone_rx.clone();
         let view_key = self.keys.watch(self.index, no);
+        let mut seq = 0;
+        // Once a stop went to the workers, later controls change nothing (a second one is the
+        // launcher's to act on); the connection then only carries views. None: the store is
+        // lost, and so is every later control.
+        let mut stopping = false;
+        let mut conn = Some(store);
+        // Each source of wake-ups is left out once it has nothing more to say.
+        let (mut views_open, mut gone_seen) = (true, false);
+
+        /// What ended a wait for the next control.
+        enum Woke {
+            Ran(Done),
+            View(Option<NodeWatch>),
+            Caught(Caught),
+            Gone,
+        }
         loop {
-            tokio::select! {
-                r = &mut run => return Ok(r),
-                // Never ends: the watcher waits forever once it has spoken.
-                () = &mut watcher => {}
-                Some(v) = views.recv() => {
-                    if let Ok(json) = serde_json::to_vec(&v) {
-                        let _ = store.set(&view_key, &json).await;
+            let key = self.keys.control(no, seq);
+            let interrupt = async {
+                tokio::select! {
+                    d = &mut run => Woke::Ran(d),
+                    v = views.recv(), if views_open => Woke::View(v),
+                    c = signals.recv() => Woke::Caught(c),
+                    _ = gone.wait_for(|g| *g), if !gone_seen => Woke::Gone,
+                }
+            };
+            let (ready, woke) = match conn.as_mut() {
+                Some(c) => match c.wait_or(&[&key], interrupt).await {
+                    Ok(r) => r,
+                    // The store is gone: the workers stop; no more controls or views.
+                    Err(_) => {
+                        conn = None;
+                        let _ = tx.send(StopRequest::Abandon);
+                        stopping = true;
+                        continue;
                     }
+                },
+                None => (false, Some(interrupt.await)),
+            };
+            if ready {
+                seq += 1;
+                let value = match conn.as_mut() {
+                    Some(c) => c.get(&key).await.ok(),
+                    None => None,
+                };
+                let req = match value.as_deref().and_then(Control::decode) {
+                    Some(Control::Forward(sig)) => StopRequest::Forward(sig),
+                    Some(Control::Stop(Some(sig))) => StopRequest::Signal(sig),
+                    Some(Control::Stop(None)) => StopRequest::Polite,
+                    // A value nrun did not write: nothing to do.
+                    None => StopRequest::None,
+                };
+                self.request(&tx, &mut stopping, req);
+            }
+            match woke {
+                None => {}
+                Some(Woke::Ran(done)) => return Ok(done),
+                Some(Woke::View(Some(v))) => {
+                    if let (Some(c), Ok(json)) = (conn.as_mut(), serde_json::to_vec(&v)) {
+                        let _ = c.set(&view_key, &json).await;
+                    }
+                }
+                // The watch ended before the workers did: nothing more to publish.
+                Some(Woke::View(None)) => views_open = false,
+                // A signal to the agent itself (srun's, or a user's on that node).
+                Some(Woke::Caught(Caught::Stop(sig))) => {
+                    self.request(&tx, &mut stopping, StopRequest::Signal(sig))
+                }
+                Some(Woke::Caught(Caught::Forward(sig))) => {
+                    self.request(&tx, &mut stopping, StopRequest::Forward(sig))
+                }
+                Some(Woke::Gone) => {
+                    gone_seen = true;
+                    self.request(&tx, &mut stopping, StopRequest::Abandon)
                 }
             }
         }
     }
 
-    /// Turns step `no`'s stop key, its signal keys, the launcher going away and signals to the
-    /// agent itself into requests for the running group, on `tx`.
-    async fn stop_requests(
-        &self,
-        mut conn: Client,
-        sig_conn: Client,
-        signals: &mut Signals,
-        mut gone: watch::Receiver<bool>,
-        no: usize,
-        tx: watch::Sender<StopRequest>,
-    ) {
-        let stop_key = self.keys.stop(no);
-        let wanted: [&[u8]; 1] = [&stop_key];
-        // Both waits live across the loop: a WAIT dropped mid-flight would leave its reply to
-        // confuse the next request on that connection.
-        let stop_wait = async {
-            match conn.wait(&wanted, None).await {
-                Ok(_) => match conn
-                    .get(&stop_key)
-                    .await
-                    .ok()
-                    .and_then(|v| protocol::stop_signal(&v))
-                {
-                    Some(sig) => StopRequest::Signal(sig),
-                    None => StopRequest::Polite,
-                },
-                Err(_) => StopRequest::Abandon,
-            }
-        };
-        tokio::pin!(stop_wait);
-        let mut seq = 0;
-        let mut sig_wait = Box::pin(wait_signal(sig_conn, self.keys.signal(no, seq)));
-        let last = loop {
-            let req = tokio::select! {
-                r = &mut stop_wait => r,
-                (c, sig) = &mut sig_wait => {
-                    seq += 1;
-                    sig_wait = Box::pin(wait_signal(c, self.keys.signal(no, seq)));
-                    match sig {
-                        Some(sig) => StopRequest::Forward(sig),
-                        None => continue,
-                    }
-                }
-                _ = gone.wait_for(|g| *g) => StopRequest::Abandon,
-                // A signal to the agent itself (srun's, or a user's on that node).
-                caught = signals.recv() => match caught {
-                    Caught::Stop(sig) => StopRequest::Signal(sig),
-                    Caught::Forward(sig) => StopRequest::Forward(sig),
-                },
-            };
-            if !matches!(req, StopRequest::Forward(_)) {
-                break req;
-            }
-            let _ = tx.send(req);
-        };
-        let _ = tx.send(last);
-        // Keep the sender: dropping it would read as the coordinator going away.
-        std::future::pending::<()>().await;
+    /// Passes `req` on to the running workers, unless a stop already went: the first request
+    /// other than a forwarded signal is the last.
+    fn request(&self, tx: &watch::Sender<StopRequest>, stopping: &mut bool, req: StopRequest) {
+        if *stopping || matches!(req, StopRequest::None) {
+            return;
+        }
+        *stopping = !matches!(req, StopRequest::Forward(_));
+        let _ = tx.send(req);
     }
 }
 

@@ -334,15 +334,39 @@ pub struct RasView {
     pub error: Option<String>,
 }
 
-/// What a stop key asks of a running step: its value is empty (another node failed: SIGTERM,
-/// SIGKILL after the grace period) or the number of a signal the user sent nrun (forwarded).
-pub fn stop_value(signal: Option<i32>) -> Vec<u8> {
-    signal.map_or_else(Vec::new, |s| s.to_string().into_bytes())
+/// A request to every node running step `no`, the `seq`th of that step ([`Keys::control`]):
+/// stops and forwarded signals are one series, so an agent waits on one key at a time on its
+/// one connection to the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    /// Stop the step: politely (None: another node failed; SIGTERM, SIGKILL after the grace
+    /// period), or with the signal the user sent nrun.
+    Stop(Option<i32>),
+    /// Pass this signal on to every worker.
+    Forward(i32),
 }
 
-/// The signal a stop key's value carries, if any.
-pub fn stop_signal(value: &[u8]) -> Option<i32> {
-    std::str::from_utf8(value).ok()?.parse().ok()
+impl Control {
+    pub fn encode(self) -> Vec<u8> {
+        match self {
+            Control::Stop(None) => b"stop".to_vec(),
+            Control::Stop(Some(s)) => format!("stop {s}").into_bytes(),
+            Control::Forward(s) => format!("signal {s}").into_bytes(),
+        }
+    }
+
+    pub fn decode(value: &[u8]) -> Option<Control> {
+        let text = std::str::from_utf8(value).ok()?;
+        let mut words = text.split(' ');
+        let what = words.next()?;
+        let sig = words.next().map(str::parse::<i32>);
+        match (what, sig, words.next()) {
+            ("stop", None, None) => Some(Control::Stop(None)),
+            ("stop", Some(Ok(s)), None) => Some(Control::Stop(Some(s))),
+            ("signal", Some(Ok(s)), None) => Some(Control::Forward(s)),
+            _ => None,
+        }
+    }
 }
 
 /// The keys of one run's conversation.
@@ -388,9 +412,9 @@ impl Keys {
         self.key(format_args!("n{node}/result/{step}"))
     }
 
-    /// Set (to a [`stop_value`]) to stop step `step` on every node.
-    pub fn stop(&self, step: usize) -> Vec<u8> {
-        self.key(format_args!("stop/{step}"))
+    /// The `seq`th [`Control`] of step `step`, for every node.
+    pub fn control(&self, step: usize, seq: usize) -> Vec<u8> {
+        self.key(format_args!("ctl/{step}/{seq}"))
     }
 
     /// The job's exit code, set before the end (a node started on its own exits with it).
@@ -407,11 +431,6 @@ impl Keys {
     /// Bumped every second by a node started on its own (c10d): it is alive.
     pub fn alive(&self, node: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/alive"))
-    }
-
-    /// The `seq`th signal to pass on to every worker of step `step` (its number as text).
-    pub fn signal(&self, step: usize, seq: usize) -> Vec<u8> {
-        self.key(format_args!("signal/{step}/{seq}"))
     }
 
     /// Node `node`'s latest [`NodeWatch`] during step `step`.
@@ -466,14 +485,22 @@ mod tests {
         let k = Keys::new("job-7");
         assert_eq!(k.step(2, 5), b"nrun/job-7/n2/step/5");
         assert_eq!(k.result(0, 1), b"nrun/job-7/n0/result/1");
-        assert_eq!(k.stop(3), b"nrun/job-7/stop/3");
+        assert_eq!(k.control(3, 0), b"nrun/job-7/ctl/3/0");
         assert_eq!(k.joined(1), b"nrun/job-7/n1/joined");
         assert!(
             k.observe(1)
                 .starts_with(crate::store::server::OBSERVE_PREFIX)
         );
-        assert_eq!(stop_signal(&stop_value(Some(2))), Some(2));
-        assert_eq!(stop_signal(&stop_value(None)), None);
+        for c in [
+            Control::Stop(None),
+            Control::Stop(Some(2)),
+            Control::Forward(10),
+        ] {
+            assert_eq!(Control::decode(&c.encode()), Some(c));
+        }
+        for bad in [&b""[..], b"stop x", b"signal", b"signal 1 2", b"go"] {
+            assert_eq!(Control::decode(bad), None);
+        }
     }
 
     /// The coordinator looks again only at the node a changed key names.
@@ -483,7 +510,7 @@ mod tests {
         assert_eq!(k.node_of(&k.joined(12)), Some(12));
         assert_eq!(k.node_of(&k.result(0, 3)), Some(0));
         assert_eq!(k.node_of(&k.alive(2047)), Some(2047));
-        assert_eq!(k.node_of(&k.stop(3)), None);
+        assert_eq!(k.node_of(&k.control(3, 1)), None);
         assert_eq!(k.node_of(&Keys::new("job-70").joined(1)), None);
         assert_eq!(k.node_of(b"nrun/job-7/n"), None);
         assert_eq!(k.node_of(b"nrun/job-7/n5"), None);

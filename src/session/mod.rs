@@ -219,6 +219,7 @@ impl Session {
                 wake: Arc::default(),
                 nonces: Default::default(),
                 nudges: Arc::default(),
+                controls: Default::default(),
             },
             rendezvous,
             run,

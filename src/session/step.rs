@@ -36,8 +36,6 @@ struct Waiting {
     stopped: bool,
     /// Stop signals the user sent.
     signalled: usize,
-    /// Signals passed on during this step, numbering their keys.
-    forwarded: usize,
 }
 
 impl Session {
@@ -165,7 +163,7 @@ impl Session {
                     let sig = match caught {
                         Caught::Stop(sig) => sig,
                         Caught::Forward(sig) => {
-                            self.forward(no, sig, &mut w);
+                            self.forward(no, sig);
                             continue;
                         }
                     };
@@ -207,9 +205,8 @@ impl Session {
     }
 
     /// Passes signal `sig` to every worker of step `no` on every node.
-    fn forward(&mut self, no: usize, sig: i32, w: &mut Waiting) {
-        self.bus.signal(no, w.forwarded, sig);
-        w.forwarded += 1;
+    fn forward(&mut self, no: usize, sig: i32) {
+        self.bus.signal(no, sig);
         self.request_all(StopRequest::Forward(sig));
     }
 

@@ -166,6 +166,45 @@ impl Client {
         self.await_stop(timeout).await
     }
 
+    /// Waits until every key exists, or until `interrupt` finishes first: then the wait is
+    /// cancelled the way torch cancels one, and the connection is ready for the next request.
+    /// Returns whether the keys exist (they may have come as the wait was cancelled) and what
+    /// `interrupt` gave, if it finished. What lets one connection both wait for a key and serve
+    /// other work meanwhile (an agent's controls and its views).
+    pub async fn wait_or<T>(
+        &mut self,
+        keys: &[&[u8]],
+        interrupt: impl std::future::Future<Output = T>,
+    ) -> io::Result<(bool, Option<T>)> {
+        self.send(&Request::Wait {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        })
+        .await?;
+        tokio::pin!(interrupt);
+        // One byte read at a time is cancel-safe: it is read whole or not at all.
+        let got = tokio::select! {
+            biased;
+            b = self.u8() => Err(b?),
+            t = &mut interrupt => Ok(t),
+        };
+        match got {
+            Err(b) if b == STOP_WAITING => Ok((true, None)),
+            Err(_) => Err(bad_reply("reply to WAIT")),
+            Ok(t) => {
+                self.send(&Request::CancelWait).await?;
+                let mut b = self.u8().await?;
+                let ready = b == STOP_WAITING;
+                if ready {
+                    b = self.u8().await?;
+                }
+                if b != WAIT_CANCELED {
+                    return Err(bad_reply("reply to CANCEL_WAIT"));
+                }
+                Ok((ready, Some(t)))
+            }
+        }
+    }
+
     /// Joins the barrier at `key` of `world_size` participants.
     pub async fn barrier(
         &mut self,

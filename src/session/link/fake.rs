@@ -84,6 +84,7 @@ pub fn session(
             wake: Arc::default(),
             nonces: Default::default(),
             nudges: Arc::default(),
+            controls: Default::default(),
         },
         store_stop: None,
         signals,
@@ -381,14 +382,16 @@ mod tests {
         ];
         assert_eq!(seen_a.lock().unwrap().requests, want);
         assert_eq!(seen_b.lock().unwrap().requests, want);
-        // Agents read the same through the store: the stop key carries the signal.
-        let stop = s.store().unwrap().get(&s.keys().stop(0)).unwrap();
-        assert_eq!(
-            crate::agent::protocol::stop_signal(&stop),
-            Some(libc::SIGINT)
-        );
-        let fwd = s.store().unwrap().get(&s.keys().signal(0, 0)).unwrap();
-        assert_eq!(fwd, libc::SIGUSR1.to_string().as_bytes());
+        // Agents read the same through the store, in order: the signal passed on, then the
+        // stop with the user's signal.
+        use crate::agent::protocol::Control;
+        let control = |seq| {
+            let v = s.store().unwrap().get(&s.keys().control(0, seq));
+            v.and_then(|v| Control::decode(&v))
+        };
+        assert_eq!(control(0), Some(Control::Forward(libc::SIGUSR1)));
+        assert_eq!(control(1), Some(Control::Stop(Some(libc::SIGINT))));
+        assert_eq!(control(2), None);
     }
 
     #[tokio::test(start_paused = true)]

@@ -31,7 +31,9 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::{JoinedNode, Node};
-use crate::agent::protocol::{Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
+use crate::agent::protocol::{
+    Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
+};
 use crate::error::{Error, Result};
 use crate::node::StopRequest;
 use crate::plan::NodesPlan;
@@ -197,6 +199,8 @@ pub struct Bus {
     pub(super) nonces: std::collections::HashMap<usize, String>,
     /// Nodes whose links have news the store does not carry (an agent's process ended).
     pub(super) nudges: Arc<Nudges>,
+    /// The step whose controls were last written, and how many (see [`Keys::control`]).
+    pub(super) controls: std::sync::Mutex<(usize, usize)>,
 }
 
 /// Nodes a link asks the session to look at again (its agent's process ended), and the wake-up
@@ -303,19 +307,26 @@ impl Bus {
 
     /// Asks every agent to stop step `no`: forwarding the user's signal, or politely.
     pub fn stop(&self, no: usize, signal: Option<i32>) {
-        if let Some(st) = &self.store {
-            st.set(
-                &self.keys.stop(no),
-                &crate::agent::protocol::stop_value(signal),
-            );
-        }
+        self.control(no, Control::Stop(signal));
     }
 
-    /// Passes signal `sig` (the `seq`th of step `no`) to every agent's workers.
-    pub fn signal(&self, no: usize, seq: usize, sig: i32) {
-        if let Some(st) = &self.store {
-            st.set(&self.keys.signal(no, seq), sig.to_string().as_bytes());
-        }
+    /// Passes signal `sig` to every agent's workers of step `no`.
+    pub fn signal(&self, no: usize, sig: i32) {
+        self.control(no, Control::Forward(sig));
+    }
+
+    /// Writes step `no`'s next control, in the one series agents read in order.
+    fn control(&self, no: usize, c: Control) {
+        let Some(st) = &self.store else { return };
+        let seq = {
+            let mut at = self.controls.lock().unwrap_or_else(|e| e.into_inner());
+            if at.0 != no {
+                *at = (no, 0);
+            }
+            at.1 += 1;
+            at.1 - 1
+        };
+        st.set(&self.keys.control(no, seq), &c.encode());
     }
 
     /// Leaves the job's exit code for nodes that exit with it.
