@@ -171,9 +171,8 @@ async fn a_wait_interrupted_by_other_work_keeps_the_connection_in_step() {
     let mut other = client(addr).await;
     let (ready, woke) = c
         .wait_or(&[b"/ctl/0"], tokio::time::sleep(Duration::from_millis(50)))
-        .await
-        .unwrap();
-    assert_eq!((ready, woke), (false, Some(())));
+        .await;
+    assert_eq!((ready.unwrap(), woke), (false, Some(())));
     // Work between waits is answered in order.
     c.set(b"/view", b"v1").await.unwrap();
     assert_eq!(c.get(b"/view").await.unwrap(), b"v1");
@@ -183,24 +182,75 @@ async fn a_wait_interrupted_by_other_work_keeps_the_connection_in_step() {
         other.set(b"/ctl/0", b"stop").await.unwrap();
         other
     });
-    let (ready, woke) = c
-        .wait_or(&[b"/ctl/0"], std::future::pending::<()>())
-        .await
-        .unwrap();
-    assert_eq!((ready, woke), (true, None));
+    let (ready, woke) = c.wait_or(&[b"/ctl/0"], std::future::pending::<()>()).await;
+    assert_eq!((ready.unwrap(), woke), (true, None));
     assert_eq!(c.get(b"/ctl/0").await.unwrap(), b"stop");
     // The key and the interrupt together: both said, and the connection still in step.
     let mut other = setter.await.unwrap();
     other.set(b"/ctl/1", b"signal 10").await.unwrap();
-    let (ready, woke) = c.wait_or(&[b"/ctl/1"], async { 7 }).await.unwrap();
+    let (ready, woke) = c.wait_or(&[b"/ctl/1"], async { 7 }).await;
+    let ready = ready.unwrap();
     assert!(ready || woke == Some(7), "{ready} {woke:?}");
     assert_eq!(c.get(b"/ctl/1").await.unwrap(), b"signal 10");
     let (ready, woke) = c
         .wait_or(&[b"/ctl/2"], tokio::time::sleep(Duration::from_millis(20)))
-        .await
-        .unwrap();
-    assert_eq!((ready, woke), (false, Some(())));
+        .await;
+    assert_eq!((ready.unwrap(), woke), (false, Some(())));
     assert_eq!(c.num_keys().await.unwrap(), 3);
+}
+
+/// A store cut off (packets dropped: nothing answers, nothing closes) never answers the cancel
+/// of an interrupted wait: the wait gives up within CANCEL_REPLY and still hands back what
+/// interrupted it (an agent must act on it: its workers stop when the launch host is lost).
+#[tokio::test]
+async fn an_interrupted_wait_on_a_store_cut_off_gives_up_and_keeps_the_interrupt() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (addr, _) = start().await;
+    let cut = Arc::new(AtomicBool::new(false));
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let via = proxy.local_addr().unwrap();
+    let forward = cut.clone();
+    tokio::spawn(async move {
+        let (a, _) = proxy.accept().await.unwrap();
+        let b = TcpStream::connect(addr).await.unwrap();
+        let (ar, aw) = a.into_split();
+        let (br, bw) = b.into_split();
+        // Bytes are dropped once cut; the sockets stay open, as a partition leaves them.
+        let pipe = |cut: Arc<AtomicBool>| {
+            move |mut r: tokio::net::tcp::OwnedReadHalf, mut w: tokio::net::tcp::OwnedWriteHalf| async move {
+                let mut buf = vec![0u8; 4096];
+                while let Ok(n) = r.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    if !cut.load(Ordering::SeqCst) {
+                        let _ = w.write_all(&buf[..n]).await;
+                    }
+                }
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::spawn(pipe(forward.clone())(ar, bw));
+        pipe(forward)(br, aw).await;
+    });
+    let mut c = client(via).await;
+    c.set(b"/before", b"1").await.unwrap();
+    cut.store(true, Ordering::SeqCst);
+    let t = std::time::Instant::now();
+    let (ready, woke) = c
+        .wait_or(&[b"/ctl/0"], async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            "gone"
+        })
+        .await;
+    let took = t.elapsed();
+    assert_eq!(woke, Some("gone"));
+    let e = ready.unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    assert!(
+        took >= nrun::store::client::CANCEL_REPLY && took < Duration::from_secs(10),
+        "{took:?}"
+    );
 }
 
 #[tokio::test]

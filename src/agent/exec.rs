@@ -45,18 +45,18 @@ pub enum Done {
 }
 
 /// What a node's side of a running step gets from outside the node.
-pub struct StepIo<'a> {
+pub struct StepIo {
     /// Stop requests and signals to pass on.
     pub stop: watch::Receiver<StopRequest>,
     /// Where the watch's views go, if the step asks for the watch.
     pub views: Option<tokio::sync::mpsc::UnboundedSender<NodeWatch>>,
     /// The run's secret, for nrun's own ranks.
-    pub secret: Option<&'a str>,
+    pub secret: Option<String>,
 }
 
 /// The one step dispatcher: does `step` on this node. A Run with no workers (a node outside
 /// every group of a bisect round) succeeds at once.
-pub async fn dispatch(step: Step, io: StepIo<'_>) -> Done {
+pub async fn dispatch(step: Step, io: StepIo) -> Done {
     let result = match step {
         Step::End => return Done::End,
         Step::Probe { target, timeout_ms } => StepResult::Probe {
@@ -73,7 +73,14 @@ pub async fn dispatch(step: Step, io: StepIo<'_>) -> Done {
             watch,
         } => {
             let views = io.views.filter(|_| watch);
-            let r = run_workers(workers, grace_ms, deadline_ms, io.stop, views, io.secret);
+            let r = run_workers(
+                workers,
+                grace_ms,
+                deadline_ms,
+                io.stop,
+                views,
+                io.secret.as_deref(),
+            );
             StepResult::Run(r.await)
         }
     };

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::node::{Caught, Signals, StopRequest};
 use crate::store::client::Client;
 use exec::{Done, StepIo};
-use protocol::{Control, Hello, Joined, Keys, NodeWatch, Step};
+use protocol::{Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
 
 /// Set by nrun (to its pid) on an agent it starts on its own host, without ssh. nrun starts it
 /// through the small spawner, whose child only clears its signal mask before the exec, so the
@@ -448,7 +448,8 @@ impl Node {
     /// next control (a stop, a signal to pass on) and, between waits, publishes the watch's
     /// views: a wait is cancelled when a view is due, the workers end, or a signal or the
     /// launcher's loss comes first (two more connections per agent and step were a third of a
-    /// thousand-node job's descriptors).
+    /// thousand-node job's descriptors). The workers run in a task of their own, and requests
+    /// reach them before a wait is cancelled: a store cut off never answers the cancel.
     async fn run(
         &self,
         store: &mut Client,
@@ -462,17 +463,17 @@ impl Node {
         let io = StepIo {
             stop: rx,
             views: Some(views_tx),
-            secret: (!self.secret.is_empty()).then_some(self.secret.as_str()),
+            secret: (!self.secret.is_empty()).then(|| self.secret.clone()),
         };
-        let run = exec::dispatch(step, io);
-        tokio::pin!(run);
+        let mut run = tokio::spawn(exec::dispatch(step, io));
         let mut gone = gone_rx.clone();
         let view_key = self.keys.watch(self.index, no);
         let mut seq = 0;
-        // Once a stop went to the workers, later controls change nothing (a second one is the
-        // launcher's to act on); the connection then only carries views. None: the store is
-        // lost, and so is every later control.
-        let mut stopping = false;
+        let mut requests = Requests {
+            tx,
+            stopping: false,
+        };
+        // None once the store is lost (and with it every later control and view).
         let mut conn = Some(store);
         // Each source of wake-ups is left out once it has nothing more to say.
         let (mut views_open, mut gone_seen) = (true, false);
@@ -481,49 +482,62 @@ impl Node {
         enum Woke {
             Ran(Done),
             View(Option<NodeWatch>),
-            Caught(Caught),
-            Gone,
+            /// A signal or the launcher's loss, already passed on to the workers.
+            Told,
         }
         loop {
             let key = self.keys.control(no, seq);
+            let reqs = &mut requests;
             let interrupt = async {
                 tokio::select! {
-                    d = &mut run => Woke::Ran(d),
+                    d = &mut run => Woke::Ran(d.unwrap_or_else(|e| {
+                        Done::Result(StepResult::Run(RunResult::SpawnError(format!(
+                            "the agent's worker supervision failed: {e}"
+                        ))))
+                    })),
                     v = views.recv(), if views_open => Woke::View(v),
-                    c = signals.recv() => Woke::Caught(c),
-                    _ = gone.wait_for(|g| *g), if !gone_seen => Woke::Gone,
+                    // A signal to the agent itself (srun's, or a user's on that node).
+                    c = signals.recv() => {
+                        reqs.send(match c {
+                            Caught::Stop(sig) => StopRequest::Signal(sig),
+                            Caught::Forward(sig) => StopRequest::Forward(sig),
+                        });
+                        Woke::Told
+                    }
+                    _ = gone.wait_for(|g| *g), if !gone_seen => {
+                        reqs.send(StopRequest::Abandon);
+                        gone_seen = true;
+                        Woke::Told
+                    }
                 }
             };
             let (ready, woke) = match conn.as_mut() {
-                Some(c) => match c.wait_or(&[&key], interrupt).await {
-                    Ok(r) => r,
-                    // The store is gone: the workers stop; no more controls or views.
-                    Err(_) => {
-                        conn = None;
-                        let _ = tx.send(StopRequest::Abandon);
-                        stopping = true;
-                        continue;
-                    }
-                },
-                None => (false, Some(interrupt.await)),
+                Some(c) => c.wait_or(&[&key], interrupt).await,
+                None => (Ok(false), Some(interrupt.await)),
             };
-            if ready {
-                seq += 1;
-                let value = match conn.as_mut() {
-                    Some(c) => c.get(&key).await.ok(),
-                    None => None,
-                };
-                let req = match value.as_deref().and_then(Control::decode) {
-                    Some(Control::Forward(sig)) => StopRequest::Forward(sig),
-                    Some(Control::Stop(Some(sig))) => StopRequest::Signal(sig),
-                    Some(Control::Stop(None)) => StopRequest::Polite,
-                    // A value nrun did not write: nothing to do.
-                    None => StopRequest::None,
-                };
-                self.request(&tx, &mut stopping, req);
+            match ready {
+                Ok(true) => {
+                    seq += 1;
+                    let value = match conn.as_mut() {
+                        Some(c) => c.get(&key).await.ok(),
+                        None => None,
+                    };
+                    requests.send(match value.as_deref().and_then(Control::decode) {
+                        Some(Control::Forward(sig)) => StopRequest::Forward(sig),
+                        Some(Control::Stop(Some(sig))) => StopRequest::Signal(sig),
+                        Some(Control::Stop(None)) => StopRequest::Polite,
+                        // A value nrun did not write: nothing to do.
+                        None => StopRequest::None,
+                    });
+                }
+                Ok(false) => {}
+                // The store is gone: the workers stop; no more controls or views.
+                Err(_) => {
+                    conn = None;
+                    requests.send(StopRequest::Abandon);
+                }
             }
             match woke {
-                None => {}
                 Some(Woke::Ran(done)) => return Ok(done),
                 Some(Woke::View(Some(v))) => {
                     if let (Some(c), Ok(json)) = (conn.as_mut(), serde_json::to_vec(&v)) {
@@ -532,29 +546,26 @@ impl Node {
                 }
                 // The watch ended before the workers did: nothing more to publish.
                 Some(Woke::View(None)) => views_open = false,
-                // A signal to the agent itself (srun's, or a user's on that node).
-                Some(Woke::Caught(Caught::Stop(sig))) => {
-                    self.request(&tx, &mut stopping, StopRequest::Signal(sig))
-                }
-                Some(Woke::Caught(Caught::Forward(sig))) => {
-                    self.request(&tx, &mut stopping, StopRequest::Forward(sig))
-                }
-                Some(Woke::Gone) => {
-                    gone_seen = true;
-                    self.request(&tx, &mut stopping, StopRequest::Abandon)
-                }
+                Some(Woke::Told) | None => {}
             }
         }
     }
+}
 
-    /// Passes `req` on to the running workers, unless a stop already went: the first request
-    /// other than a forwarded signal is the last.
-    fn request(&self, tx: &watch::Sender<StopRequest>, stopping: &mut bool, req: StopRequest) {
-        if *stopping || matches!(req, StopRequest::None) {
+/// The requests of one step on their way to its workers: the first one other than a forwarded
+/// signal is the last (a second stop is the launcher's to act on).
+struct Requests {
+    tx: watch::Sender<StopRequest>,
+    stopping: bool,
+}
+
+impl Requests {
+    fn send(&mut self, req: StopRequest) {
+        if self.stopping || matches!(req, StopRequest::None) {
             return;
         }
-        *stopping = !matches!(req, StopRequest::Forward(_));
-        let _ = tx.send(req);
+        self.stopping = !matches!(req, StopRequest::Forward(_));
+        let _ = self.tx.send(req);
     }
 }
 

@@ -11,6 +11,9 @@ use tokio::net::TcpStream;
 
 use super::protocol::{CHECK_READY, Request, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED};
 
+/// How long [`Client::wait_or`] waits for the answer to its CANCEL_WAIT.
+pub const CANCEL_REPLY: Duration = Duration::from_secs(3);
+
 pub struct Client {
     stream: BufReader<TcpStream>,
     out: Vec<u8>,
@@ -168,41 +171,60 @@ impl Client {
 
     /// Waits until every key exists, or until `interrupt` finishes first: then the wait is
     /// cancelled the way torch cancels one, and the connection is ready for the next request.
-    /// Returns whether the keys exist (they may have come as the wait was cancelled) and what
-    /// `interrupt` gave, if it finished. What lets one connection both wait for a key and serve
-    /// other work meanwhile (an agent's controls and its views).
+    /// Returns whether the keys exist (they may have come as the wait was cancelled), or the
+    /// error that broke the connection, and what `interrupt` gave if it finished (even when the
+    /// cancel then failed: a store cut off never answers it, and gets [`CANCEL_REPLY`]). What
+    /// lets one connection both wait for a key and serve other work meanwhile (an agent's
+    /// controls and its views).
     pub async fn wait_or<T>(
         &mut self,
         keys: &[&[u8]],
         interrupt: impl std::future::Future<Output = T>,
-    ) -> io::Result<(bool, Option<T>)> {
-        self.send(&Request::Wait {
-            keys: keys.iter().map(|k| k.to_vec()).collect(),
-        })
-        .await?;
+    ) -> (io::Result<bool>, Option<T>) {
+        let sent = self
+            .send(&Request::Wait {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            })
+            .await;
+        if let Err(e) = sent {
+            return (Err(e), None);
+        }
         tokio::pin!(interrupt);
         // One byte read at a time is cancel-safe: it is read whole or not at all.
         let got = tokio::select! {
             biased;
-            b = self.u8() => Err(b?),
+            b = self.u8() => Err(b),
             t = &mut interrupt => Ok(t),
         };
         match got {
-            Err(b) if b == STOP_WAITING => Ok((true, None)),
-            Err(_) => Err(bad_reply("reply to WAIT")),
+            Err(Ok(STOP_WAITING)) => (Ok(true), None),
+            Err(Ok(_)) => (Err(bad_reply("reply to WAIT")), None),
+            Err(Err(e)) => (Err(e), None),
             Ok(t) => {
-                self.send(&Request::CancelWait).await?;
-                let mut b = self.u8().await?;
-                let ready = b == STOP_WAITING;
-                if ready {
-                    b = self.u8().await?;
-                }
-                if b != WAIT_CANCELED {
-                    return Err(bad_reply("reply to CANCEL_WAIT"));
-                }
-                Ok((ready, Some(t)))
+                let cancelled = tokio::time::timeout(CANCEL_REPLY, self.cancel()).await;
+                let r = cancelled.unwrap_or_else(|_| {
+                    Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the store did not answer CANCEL_WAIT",
+                    ))
+                });
+                (r, Some(t))
             }
         }
+    }
+
+    /// Cancels the pending wait: whether it had finished (STOP_WAITING came first).
+    async fn cancel(&mut self) -> io::Result<bool> {
+        self.send(&Request::CancelWait).await?;
+        let mut b = self.u8().await?;
+        let ready = b == STOP_WAITING;
+        if ready {
+            b = self.u8().await?;
+        }
+        if b != WAIT_CANCELED {
+            return Err(bad_reply("reply to CANCEL_WAIT"));
+        }
+        Ok(ready)
     }
 
     /// Joins the barrier at `key` of `world_size` participants.

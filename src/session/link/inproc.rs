@@ -101,7 +101,7 @@ impl NodeLink for InProcess {
                 stop,
                 // Views come about once a second: the session's tick reads them.
                 views: Some(views_tx),
-                secret: secret.as_deref(),
+                secret: secret.clone(),
             };
             if let Done::Result(r) = exec::dispatch(step, io).await {
                 let _ = done_tx.send(r);
