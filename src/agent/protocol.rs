@@ -63,6 +63,45 @@ pub struct Hello {
     /// its facts; the job's workers there are these.
     #[serde(default)]
     pub own: Option<crate::facts::OwnWork>,
+    /// The launch tree below this agent: the nodes it starts over ssh from its own node, each
+    /// with its own subtree (empty: a leaf, or no tree). See `agent::tree`.
+    #[serde(default)]
+    pub tree: Vec<Branch>,
+    /// How to start them (set when `tree` is not empty).
+    #[serde(default)]
+    pub tree_ssh: Option<TreeSsh>,
+}
+
+/// A node of the launch tree and the nodes its agent starts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Branch {
+    pub node: usize,
+    pub label: String,
+    #[serde(default)]
+    pub children: Vec<Branch>,
+}
+
+impl Branch {
+    /// Every node below this one, depth first.
+    pub fn below(&self) -> Vec<&Branch> {
+        let mut out = Vec::new();
+        let mut todo: Vec<&Branch> = self.children.iter().rev().collect();
+        while let Some(b) = todo.pop() {
+            out.push(b);
+            todo.extend(b.children.iter().rev());
+        }
+        out
+    }
+}
+
+/// What an inner agent of the launch tree needs to start its children as the launch host
+/// starts its own: the same ssh options, nrun's path there, how many at once, `--ship`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeSsh {
+    pub ssh_opts: Vec<String>,
+    pub remote_nrun: String,
+    pub concurrency: usize,
+    pub ship: bool,
 }
 
 /// `--agent-timeout`'s default, 5 s.
@@ -400,6 +439,12 @@ impl Keys {
     /// The `seq`th signal to pass on to every worker of step `step` (its number as text).
     pub fn signal(&self, step: usize, seq: usize) -> Vec<u8> {
         self.key(format_args!("signal/{step}/{seq}"))
+    }
+
+    /// Set by an inner agent of the launch tree when the ssh that starts node `node`'s agent
+    /// ended before the End: how it ended and what ssh or nrun said last (text).
+    pub fn tree_lost(&self, node: usize) -> Vec<u8> {
+        self.key(format_args!("n{node}/tree-lost"))
     }
 
     /// Node `node`'s latest [`NodeWatch`] during step `step`.

@@ -36,6 +36,9 @@ pub struct NodesPlan {
     pub launcher: Launcher,
     pub ssh_opts: Vec<String>,
     pub ssh_concurrency: usize,
+    /// Agents one agent starts over ssh at most, the launch host's included (`--tree-width`;
+    /// 0: no launch tree). See `plan::tree`.
+    pub tree_width: usize,
     pub ship: bool,
     /// Variables every worker on every node gets (forwarded, .nrun_env, -x).
     pub env: Vec<(String, String)>,
@@ -91,6 +94,7 @@ impl NodesPlan {
             launcher: Launcher::Ssh,
             ssh_opts: Vec::new(),
             ssh_concurrency: 1,
+            tree_width: 0,
             ship: false,
             env: Vec::new(),
             ifname: None,
@@ -124,6 +128,7 @@ impl NodesPlan {
             launcher,
             ssh_opts,
             ssh_concurrency,
+            tree_width,
             ship,
             remote_nrun,
             export,
@@ -197,6 +202,11 @@ impl NodesPlan {
             launcher,
             ssh_opts,
             ssh_concurrency: (*ssh_concurrency).max(1),
+            // Width 1 would be a chain of ssh hops, one handshake after another: no tree.
+            tree_width: match *tree_width {
+                0 | 1 => 0,
+                w => w,
+            },
             ship: *ship,
             env: vars,
             ifname: ifname.clone(),
