@@ -334,7 +334,6 @@ fn by_nrun(argv: &[std::ffi::OsString], own_agent: bool) -> std::io::Result<Star
     })
 }
 
-
 /// Copies the running nrun to `~/.cache/nrun/nrun-<version>` on the host; returns that path.
 pub async fn ship(ssh_opts: &[String], label: &str) -> Result<String> {
     let exe = std::env::current_exe()
@@ -380,7 +379,9 @@ mod tests {
             how_it_ended(&ExitStatus::from_raw(9)),
             "was killed by SIGKILL"
         );
-        assert!(own_line("ssh: connect to host b7 port 22: Connection refused"));
+        assert!(own_line(
+            "ssh: connect to host b7 port 22: Connection refused"
+        ));
         assert!(own_line("nrun agent on b7 (b7): the launch host went away"));
         assert!(!own_line("[b7:rank3]: ssh: not ours"));
     }

@@ -509,6 +509,67 @@ mod tests {
         assert_eq!(stop_signal(&stop_value(None)), None);
     }
 
+    /// An inner agent's Hello carries its subtree and how to start it; a Hello from before
+    /// the launch tree reads as a leaf.
+    #[test]
+    fn a_hello_with_a_subtree_round_trips() {
+        let leaf = |node: usize| Branch {
+            node,
+            label: format!("b{node}"),
+            children: Vec::new(),
+        };
+        let hello = Hello {
+            secret: "s".into(),
+            run: "r".into(),
+            node: 1,
+            label: "b1".into(),
+            addrs: vec!["10.0.0.1:29500".into()],
+            cwd: "/w".into(),
+            version: "v".into(),
+            python: None,
+            forward_signals: vec![10],
+            nodes: Vec::new(),
+            heartbeat: true,
+            agent_timeout_ms: 5000,
+            own: None,
+            tree: vec![
+                Branch {
+                    node: 3,
+                    label: "b3".into(),
+                    children: vec![leaf(5)],
+                },
+                leaf(4),
+            ],
+            tree_ssh: Some(TreeSsh {
+                ssh_opts: vec!["-F".into(), "/c".into()],
+                remote_nrun: "/opt/nrun".into(),
+                concurrency: 64,
+                ship: true,
+            }),
+        };
+        let json = serde_json::to_string(&hello).unwrap();
+        let back: Hello = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.tree, hello.tree);
+        assert_eq!(back.tree_ssh, hello.tree_ssh);
+        assert_eq!(
+            back.tree[0]
+                .below()
+                .iter()
+                .map(|b| b.node)
+                .collect::<Vec<_>>(),
+            [5]
+        );
+        let old = r#"{"secret":"s","run":"r","node":0,"label":"a","addrs":[],"cwd":"/",
+            "version":"v","python":null}"#;
+        let old: Hello = serde_json::from_str(old).unwrap();
+        assert!(old.tree.is_empty() && old.tree_ssh.is_none());
+        assert_eq!(Keys::new("r").tree_lost(7), b"nrun/r/n7/tree-lost");
+        assert_eq!(
+            Keys::new("r").node_of(&Keys::new("r").tree_lost(7)),
+            Some(7)
+        );
+    }
+
     /// The coordinator looks again only at the node a changed key names.
     #[test]
     fn a_key_names_its_node() {

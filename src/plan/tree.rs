@@ -5,7 +5,7 @@
 //! rest are split among those in contiguous, balanced blocks, and each block's first `width`
 //! nodes are started by its head while the rest are split among them again (Open MPI's PRRTE
 //! routes its daemons through a radix tree the same way). Width 32 covers 32 + 32 x 32 = 1,056
-//! nodes in two levels and about 34,000 in three. Nodes that must stay direct children of the
+//! nodes in two levels and 33,824 in three. Nodes that must stay direct children of the
 //! launch host (its own node, which needs no ssh; spares, so that a spare taking the place of
 //! a node lost with its subtree does not hang off another node) are left to the caller.
 //!
@@ -70,7 +70,12 @@ mod tests {
         let mut seen = Vec::new();
         let mut todo: Vec<&Branch> = roots.iter().collect();
         while let Some(b) = todo.pop() {
-            assert!(b.children.len() <= width, "{} has {}", b.label, b.children.len());
+            assert!(
+                b.children.len() <= width,
+                "{} has {}",
+                b.label,
+                b.children.len()
+            );
             assert_eq!(b.label, format!("b{}", b.node));
             // An inner agent's number is below its whole subtree's.
             assert!(b.below().iter().all(|c| c.node > b.node));
@@ -114,7 +119,8 @@ mod tests {
             (1056, 32, 2),
             (1057, 32, 3),
             (16384, 32, 3),
-            (34_000, 32, 3),
+            (33_824, 32, 3),
+            (33_825, 32, 4),
             (100, 4, 4),
         ] {
             let roots = split(&nodes(n), w);

@@ -160,11 +160,9 @@ pub fn judge_result<L: NodeLink + ?Sized>(
     };
     let why = match (stopped, &r) {
         // Stopped without being asked: that agent lost its connection to us.
-        (false, StepResult::Run(RunResult::Stopped)) => {
-            link.lost(bus, node, label, true).unwrap_or_else(|| {
-                format!("{label}'s agent lost its connection to the launch host")
-            })
-        }
+        (false, StepResult::Run(RunResult::Stopped)) => link
+            .lost(bus, node, label, true)
+            .unwrap_or_else(|| format!("{label}'s agent lost its connection to the launch host")),
         // Interrupted without being asked: a signal on that node (its agent's keeper
         // killed, srun's, or a user's there) took it out of the job.
         (false, StepResult::Run(RunResult::Interrupted(sig))) => format!(

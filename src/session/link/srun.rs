@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use tokio::sync::Mutex;
 
-use crate::agent::child::{AgentProcess, Relay};
 use super::peer::Heartbeat;
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink};
+use crate::agent::child::{AgentProcess, Relay};
 use crate::error::Result;
 use crate::hosts::Host;
 use crate::plan::NodesPlan;

@@ -88,9 +88,7 @@ impl Inner {
             return Some(w);
         }
         if let Some(st) = self.ended.as_ref().and_then(|e| *e.borrow()) {
-            return Some(format!(
-                "its ssh from the launch host ended ({st})"
-            ));
+            return Some(format!("its ssh from the launch host ended ({st})"));
         }
         let said = store?.get(&keys.tree_lost(self.node))?;
         Some(format!(
@@ -266,7 +264,12 @@ impl NodeLink for TreeLink {
         stopped: bool,
     ) -> Option<StepResult> {
         // Stopped unasked: say why only once the line above had its chance to explain it.
-        if !stopped && matches!(bus.result(node, no), Some(StepResult::Run(RunResult::Stopped))) {
+        if !stopped
+            && matches!(
+                bus.result(node, no),
+                Some(StepResult::Run(RunResult::Stopped))
+            )
+        {
             return self
                 .lost(bus, node, label, true)
                 .map(|why| StepResult::Run(RunResult::Lost(why)));
@@ -312,11 +315,7 @@ mod tests {
         // Its loss is said once, and looks at the nodes below again.
         inner.lost_as("first");
         inner.lost_as("second");
-        assert_eq!(
-            inner.gone(None, &Keys::new("r")).as_deref(),
-            Some("first")
-        );
+        assert_eq!(inner.gone(None, &Keys::new("r")).as_deref(), Some("first"));
         assert_eq!(nudges.take().len(), 37);
     }
-
 }
