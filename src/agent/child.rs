@@ -303,7 +303,14 @@ fn by_nrun(argv: &[std::ffi::OsString], own_agent: bool) -> std::io::Result<Star
             });
         }
     }
-    let mut child = cmd.spawn()?;
+    // Spared by the sweep of the workers' orphans (this is no orphan: an inner agent's ssh
+    // lives from one group of workers to the next).
+    let mut child = crate::node::process::spawn_own(|| {
+        let c = cmd.spawn()?;
+        let pid = c.id();
+        Ok((c, pid))
+    })?;
+    let pid = child.id();
     let stdin = child
         .stdin
         .take()
@@ -321,6 +328,9 @@ fn by_nrun(argv: &[std::ffi::OsString], own_agent: bool) -> std::io::Result<Star
                 child.wait().await
             }
         };
+        if let Some(pid) = pid {
+            crate::node::process::disown(pid);
+        }
         // A wait that failed (it cannot, for a child of ours) reads as an end.
         let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0xff << 8));
         ended_tx.send_replace(Some(status));
