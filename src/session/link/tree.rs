@@ -200,16 +200,24 @@ impl TreeLink {
                 "lost {label} with {anc}, which started its agent in the launch tree: {anc}: {why}"
             ));
         }
-        let own = match stopped {
-            true => Some(format!(
-                "lost the connection to {label}: its agent stopped its workers when its ssh from \
-                 {} (the launch tree) or this host went away",
-                self.parent()
-            )),
-            false => self.beat.lost(bus, node, label, false),
+        let (own, hold) = match stopped {
+            true => (
+                Some(format!(
+                    "lost the connection to {label}: its agent stopped its workers when its ssh \
+                     from {} (the launch tree) or this host went away",
+                    self.parent()
+                )),
+                true,
+            ),
+            // Its connection closed (its counter gone) may be its inner agent's loss coming
+            // the other way; a silent heartbeat has waited long enough already.
+            false => (
+                self.beat.lost(bus, node, label, false),
+                bus.heartbeat(node).is_empty(),
+            ),
         };
         match own {
-            Some(w) if self.waited_for_the_line() => Some(w),
+            Some(w) if !hold || self.waited_for_the_line() => Some(w),
             _ => None,
         }
     }
@@ -263,16 +271,19 @@ impl NodeLink for TreeLink {
         label: &str,
         stopped: bool,
     ) -> Option<StepResult> {
-        // Stopped unasked: say why only once the line above had its chance to explain it.
-        if !stopped
-            && matches!(
-                bus.result(node, no),
-                Some(StepResult::Run(RunResult::Stopped))
-            )
-        {
-            return self
-                .lost(bus, node, label, true)
-                .map(|why| StepResult::Run(RunResult::Lost(why)));
+        if matches!(
+            bus.result(node, no),
+            Some(StepResult::Run(RunResult::Stopped))
+        ) {
+            // Stopped with everyone else when its inner agent was lost: its ssh went with that
+            // agent, so it is lost too (it would not run the next attempt). Stopped unasked: say
+            // why only once the line above had its chance to explain it.
+            let line_gone = self.own_end(node).is_some() || self.ancestor_gone().is_some();
+            if !stopped || line_gone {
+                return self
+                    .lost(bus, node, label, true)
+                    .map(|why| StepResult::Run(RunResult::Lost(why)));
+            }
         }
         super::judge_result(self, bus, node, no, label, stopped)
     }
