@@ -265,3 +265,43 @@ fn a_killed_inner_agent_is_named_with_its_subtree() {
     s.assert_no_survivors();
     c.assert_nothing_left(7);
 }
+
+/// The launcher killed outright (SIGKILL to the pid started) or interrupted (SIGINT) mid-run:
+/// every agent, its workers and every ssh of the tree go, on every level.
+#[test]
+fn a_killed_or_interrupted_launcher_leaves_nothing_in_the_tree() {
+    let Some(c) = Cluster::up("tr4", 5) else {
+        return;
+    };
+    for (sig, code) in [("KILL", None), ("INT", Some(130))] {
+        let s = Scene::new();
+        let child = c.spawn_on(
+            &s,
+            5,
+            &[
+                "--tree-width",
+                "2",
+                "--nproc",
+                "2",
+                "--no-python",
+                "sh",
+                "-c",
+                "echo up >> $MARK; exec sleep 60",
+            ],
+            &[],
+        );
+        s.wait_marks("up", 10, Duration::from_secs(60));
+        signal(&child, sig);
+        let (out, took) = wait_with_timeout(child, Duration::from_secs(30));
+        if let Some(code) = code {
+            assert_eq!(out.status.code(), Some(code), "{}", text(&out.stderr));
+        }
+        assert!(took < Duration::from_secs(15), "{sig}: took {took:?}");
+        let end = Instant::now() + Duration::from_secs(5);
+        while !s.survivors().is_empty() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        s.assert_no_survivors();
+        c.assert_nothing_left(5);
+    }
+}

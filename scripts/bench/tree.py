@@ -17,7 +17,9 @@ inner agents did (the fake's log); exit code. Medians per size and mode as a mar
 raw runs as JSON lines to stderr.
 
 Usage: tree.py RUNS SIZES [BINARY]    e.g. tree.py 3 64,256,1024 target/release/nrun
-Environment: TREE_WIDTH (32), FAKE_SSH_LATENCY_MS (50), FAKE_SSH_CPU_MS (10).
+Environment: TREE_WIDTH (32), FAKE_SSH_LATENCY_MS (50), FAKE_SSH_CPU_MS (10), AGENT_TIMEOUT
+(nrun's --agent-timeout, 5: a thousand "remote" agents on two cores can starve their own
+liveness checks past it, which real nodes, each on its own host, do not).
 """
 import json
 import os
@@ -61,7 +63,8 @@ def one(binary, n, width, dir):
     if os.path.exists(log):
         os.unlink(log)
     cmd = ["/usr/bin/time", "-f", "%e %M", binary, "-H", hosts(n), "--tree-width", str(width),
-           "--join-timeout", "120", "--no-python-probe", "--nproc", "1", "--no-python", "true"]
+           "--join-timeout", "120", "--agent-timeout", os.environ.get("AGENT_TIMEOUT", "5"),
+           "--no-python-probe", "--nproc", "1", "--no-python", "true"]
     env = dict(os.environ, NRUN_LOG="debug", PATH=dir + ":" + os.environ["PATH"],
                FAKE_SSH_LOG=log)
     env.setdefault("FAKE_SSH_LATENCY_MS", "50")
@@ -115,7 +118,7 @@ def one(binary, n, width, dir):
     except OSError:
         pass
     if p.returncode != 0:
-        print(err[-3000:], file=sys.stderr)
+        print(err[:3000], file=sys.stderr)
     return {"n": n, "width": width, "wall_s": wall, "cpu_s": cpu,
             "rss_mib": rss_kb and rss_kb / 1024, "fds": most["fds"], "ssh_procs": most["ssh"],
             "handshakes_here": here, "handshakes_inner": inner, "rc": p.returncode}
