@@ -14,7 +14,11 @@
 //! 3. a `stop/<step>` key stops a running group politely; its stdin closing (ssh dropped, the
 //!    launcher killed) or the store connection failing stops it within 2 s. Nothing the agent
 //!    started outlives it.
+//!
+//! An inner agent of the launch tree ([`tree`]) also starts the agents of its subtree over ssh
+//! ([`child`]: the same agent process the launch host starts) and keeps them until the end.
 
+pub mod child;
 pub mod exec;
 pub mod flight;
 mod liveness;
@@ -22,6 +26,7 @@ pub mod peer;
 pub mod protocol;
 pub mod ras;
 pub mod stacks;
+pub mod tree;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -161,9 +166,21 @@ async fn run() -> Result<()> {
         // Kept even with no one subscribed yet: the agent reads it once it does.
         from_stdin.send_replace(true);
     });
+    // An inner agent of the launch tree starts its children first: their handshakes overlap
+    // its own join.
+    let subtree = tree::Subtree::start(&hello);
     // Its exit code is not the job's (nrun reads the job's from its results): the End's code
     // and root cause are not read.
-    serve(hello, signals, gone, false).await.map(|_| ())
+    let served = serve(hello, signals, gone, false).await;
+    if let Some(t) = subtree {
+        // Nothing it started outlives it: at the End its children leave as it does, else
+        // they are killed before it exits.
+        match served {
+            Ok(_) => t.finish().await,
+            Err(_) => t.kill().await,
+        }
+    }
+    served.map(|_| ())
 }
 
 /// The agent's life after its [`Hello`]: join the coordinator's store, run the steps it is

@@ -76,6 +76,8 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
         agent_timeout_ms: nodes.agent_timeout.as_millis() as u64,
         // torchrun's c10d: this node runs its own command line and worker count.
         own: Some(own_work(job)),
+        tree: Vec::new(),
+        tree_ssh: None,
     };
     tracing::info!("joined the rendezvous at {endpoint} as node {node}");
     let signals = Signals::install(&job.session.forward_signals)?;

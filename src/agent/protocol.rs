@@ -63,6 +63,45 @@ pub struct Hello {
     /// its facts; the job's workers there are these.
     #[serde(default)]
     pub own: Option<crate::facts::OwnWork>,
+    /// The launch tree below this agent: the nodes it starts over ssh from its own node, each
+    /// with its own subtree (empty: a leaf, or no tree). See `agent::tree`.
+    #[serde(default)]
+    pub tree: Vec<Branch>,
+    /// How to start them (set when `tree` is not empty).
+    #[serde(default)]
+    pub tree_ssh: Option<TreeSsh>,
+}
+
+/// A node of the launch tree and the nodes its agent starts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Branch {
+    pub node: usize,
+    pub label: String,
+    #[serde(default)]
+    pub children: Vec<Branch>,
+}
+
+impl Branch {
+    /// Every node below this one, depth first.
+    pub fn below(&self) -> Vec<&Branch> {
+        let mut out = Vec::new();
+        let mut todo: Vec<&Branch> = self.children.iter().rev().collect();
+        while let Some(b) = todo.pop() {
+            out.push(b);
+            todo.extend(b.children.iter().rev());
+        }
+        out
+    }
+}
+
+/// What an inner agent of the launch tree needs to start its children as the launch host
+/// starts its own: the same ssh options, nrun's path there, how many at once, `--ship`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeSsh {
+    pub ssh_opts: Vec<String>,
+    pub remote_nrun: String,
+    pub concurrency: usize,
+    pub ship: bool,
 }
 
 /// `--agent-timeout`'s default, 5 s.
@@ -433,6 +472,12 @@ impl Keys {
         self.key(format_args!("n{node}/alive"))
     }
 
+    /// Set by an inner agent of the launch tree when the ssh that starts node `node`'s agent
+    /// ended before the End: how it ended and what ssh or nrun said last (text).
+    pub fn tree_lost(&self, node: usize) -> Vec<u8> {
+        self.key(format_args!("n{node}/tree-lost"))
+    }
+
     /// Node `node`'s latest [`NodeWatch`] during step `step`.
     pub fn watch(&self, node: usize, step: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/watch/{step}"))
@@ -501,6 +546,67 @@ mod tests {
         for bad in [&b""[..], b"stop x", b"signal", b"signal 1 2", b"go"] {
             assert_eq!(Control::decode(bad), None);
         }
+    }
+
+    /// An inner agent's Hello carries its subtree and how to start it; a Hello from before
+    /// the launch tree reads as a leaf.
+    #[test]
+    fn a_hello_with_a_subtree_round_trips() {
+        let leaf = |node: usize| Branch {
+            node,
+            label: format!("b{node}"),
+            children: Vec::new(),
+        };
+        let hello = Hello {
+            secret: "s".into(),
+            run: "r".into(),
+            node: 1,
+            label: "b1".into(),
+            addrs: vec!["10.0.0.1:29500".into()],
+            cwd: "/w".into(),
+            version: "v".into(),
+            python: None,
+            forward_signals: vec![10],
+            nodes: Vec::new(),
+            heartbeat: true,
+            agent_timeout_ms: 5000,
+            own: None,
+            tree: vec![
+                Branch {
+                    node: 3,
+                    label: "b3".into(),
+                    children: vec![leaf(5)],
+                },
+                leaf(4),
+            ],
+            tree_ssh: Some(TreeSsh {
+                ssh_opts: vec!["-F".into(), "/c".into()],
+                remote_nrun: "/opt/nrun".into(),
+                concurrency: 64,
+                ship: true,
+            }),
+        };
+        let json = serde_json::to_string(&hello).unwrap();
+        let back: Hello = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.tree, hello.tree);
+        assert_eq!(back.tree_ssh, hello.tree_ssh);
+        assert_eq!(
+            back.tree[0]
+                .below()
+                .iter()
+                .map(|b| b.node)
+                .collect::<Vec<_>>(),
+            [5]
+        );
+        let old = r#"{"secret":"s","run":"r","node":0,"label":"a","addrs":[],"cwd":"/",
+            "version":"v","python":null}"#;
+        let old: Hello = serde_json::from_str(old).unwrap();
+        assert!(old.tree.is_empty() && old.tree_ssh.is_none());
+        assert_eq!(Keys::new("r").tree_lost(7), b"nrun/r/n7/tree-lost");
+        assert_eq!(
+            Keys::new("r").node_of(&Keys::new("r").tree_lost(7)),
+            Some(7)
+        );
     }
 
     /// The coordinator looks again only at the node a changed key names.

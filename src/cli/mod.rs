@@ -655,6 +655,21 @@ pub struct NodesArgs {
     )]
     pub ssh_concurrency: usize,
 
+    /// Beyond this many ssh nodes, nrun starts only this many agents itself and each of them
+    /// starts up to this many more over ssh from its own node, level by level (Open MPI's tree
+    /// spawn): the launch host then holds ssh processes and pays handshakes for WIDTH nodes, not
+    /// all of them (32 covers 1,056 nodes in two levels). The nodes must reach one another over
+    /// ssh with the same --ssh-opts (keys, config files at the same paths); where they cannot,
+    /// 0 starts every agent from this host. 0 or 1: no tree. Store traffic goes straight to this
+    /// host either way.
+    #[arg(
+        long = "tree-width",
+        env = "NRUN_TREE_WIDTH",
+        default_value_t = 32,
+        value_name = "WIDTH"
+    )]
+    pub tree_width: usize,
+
     /// Copy this nrun binary to every node first (to ~/.cache/nrun) and run that copy.
     #[arg(long, env = "NRUN_SHIP", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub ship: bool,

@@ -115,14 +115,50 @@ fn is_zombie(pid: Pid) -> bool {
         .unwrap_or(false)
 }
 
+/// Children nrun started on purpose and waits for itself, beside its workers: an inner agent's
+/// ssh clients of the launch tree (see `agent::child`), which live from one group of workers to
+/// the next. [`kill_orphans`] spares them; a spawn holds the lock until the pid is in, so no
+/// sweep sees a child that is not yet known.
+static OWN: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+
+/// Runs `spawn` (which starts one child and returns its pid) so that [`kill_orphans`] spares
+/// that child until [`disown`].
+pub fn spawn_own<T>(
+    spawn: impl FnOnce() -> std::io::Result<(T, Option<u32>)>,
+) -> std::io::Result<T> {
+    let mut own = OWN.lock().unwrap_or_else(|e| e.into_inner());
+    let (t, pid) = spawn()?;
+    if let Some(pid) = pid {
+        own.push(pid as i32);
+    }
+    Ok(t)
+}
+
+/// A child of [`spawn_own`] was waited for: a pid the kernel may give again is no longer one
+/// to spare.
+pub fn disown(pid: u32) {
+    OWN.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|p| *p != pid as i32);
+}
+
 /// Kills and reaps every process still parented to nrun: descendants of workers that escaped
-/// their process group and were re-parented here. Call only after every worker was waited for,
-/// or this would reap a worker's status out from under its waiter. Returns how many it killed.
+/// their process group and were re-parented here, but not the children nrun started on
+/// purpose ([`spawn_own`]: their statuses are their waiters'). Call only after every worker
+/// was waited for, or this would reap a worker's status out from under its waiter. Returns how
+/// many it killed.
 pub fn kill_orphans() -> usize {
+    let own = OWN.lock().unwrap_or_else(|e| e.into_inner());
+    let orphans = || {
+        children()
+            .into_iter()
+            .filter(|p| !own.contains(&p.as_raw()))
+            .collect::<Vec<_>>()
+    };
     let mut killed = 0;
     // Killing one orphan re-parents its own children to us; a few rounds catch those.
     for _ in 0..50 {
-        let kids = children();
+        let kids = orphans();
         if kids.is_empty() {
             break;
         }
@@ -137,11 +173,10 @@ pub fn kill_orphans() -> usize {
             let _ = waitpid(pid, None);
         }
     }
-    // Zombies of orphans that had already exited on their own.
-    while let Ok(s) = waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-        if s == nix::sys::wait::WaitStatus::StillAlive {
-            break;
-        }
+    // Zombies of orphans that had already exited on their own (one by one: a wait for any
+    // child would take the status of one of nrun's own).
+    for pid in orphans() {
+        let _ = waitpid(pid, Some(WaitPidFlag::WNOHANG));
     }
     killed
 }

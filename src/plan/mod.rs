@@ -14,6 +14,7 @@ pub mod exclude;
 #[cfg(test)]
 mod fuzz;
 pub mod nodes;
+pub mod tree;
 
 pub use nodes::NodesPlan;
 

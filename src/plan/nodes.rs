@@ -36,6 +36,9 @@ pub struct NodesPlan {
     pub launcher: Launcher,
     pub ssh_opts: Vec<String>,
     pub ssh_concurrency: usize,
+    /// Agents one agent starts over ssh at most, the launch host's included (`--tree-width`;
+    /// 0: no launch tree). See `plan::tree`.
+    pub tree_width: usize,
     pub ship: bool,
     /// Variables every worker on every node gets (forwarded, .nrun_env, -x).
     pub env: Vec<(String, String)>,
@@ -91,6 +94,7 @@ impl NodesPlan {
             launcher: Launcher::Ssh,
             ssh_opts: Vec::new(),
             ssh_concurrency: 1,
+            tree_width: 0,
             ship: false,
             env: Vec::new(),
             ifname: None,
@@ -124,6 +128,7 @@ impl NodesPlan {
             launcher,
             ssh_opts,
             ssh_concurrency,
+            tree_width,
             ship,
             remote_nrun,
             export,
@@ -197,6 +202,11 @@ impl NodesPlan {
             launcher,
             ssh_opts,
             ssh_concurrency: (*ssh_concurrency).max(1),
+            // Width 1 would be a chain of ssh hops, one handshake after another: no tree.
+            tree_width: match *tree_width {
+                0 | 1 => 0,
+                w => w,
+            },
             ship: *ship,
             env: vars,
             ifname: ifname.clone(),
@@ -327,7 +337,14 @@ impl NodesPlan {
             ));
         }
         if launcher == Launcher::Ssh {
-            check_fd_limit(list.len(), crate::node::process::fd_hard_limit())?;
+            // The launch tree's nodes hold no ssh pipes here: at most the width, the spares
+            // and this host's own node do (counted as if every node could be one of them).
+            let spares = list.len().saturating_sub(nodes.size);
+            let direct = match nodes.tree_width {
+                0 => list.len(),
+                w => list.len().min(w + spares + 1),
+            };
+            check_fd_limit(list.len(), direct, crate::node::process::fd_hard_limit())?;
         }
         let layout = hosts::rank_layout(&list, shape.nproc)?;
         let pinned = nodes.env.iter().any(|(k, _)| k == "CUDA_VISIBLE_DEVICES");
@@ -409,21 +426,32 @@ fn hosts_text(list: &[Host]) -> String {
 /// Open files the launch host holds for each node started over ssh for the whole run: the ssh
 /// child's stdin, stdout and stderr pipes and the agent's two store connections.
 pub const FDS_PER_SSH_NODE: u64 = 5;
+/// The same for a node of the launch tree (its ssh runs on another node): its agent's store
+/// connections.
+pub const FDS_PER_TREE_NODE: u64 = 2;
 /// Open files kept for everything else (the store's listener, logs, the local node's workers'
 /// first connections).
 const FDS_RESERVED: u64 = 64;
 
 /// Refuses (exit 1: the system's limit, not the input) a host list that this process's open-file
 /// limit cannot hold: nrun raises its soft limit to the hard one, so the hard limit is what
-/// counts. `hard` None: unlimited or unknown.
-fn check_fd_limit(nodes: usize, hard: Option<u64>) -> Result<()> {
-    let needed = nodes as u64 * FDS_PER_SSH_NODE + FDS_RESERVED;
+/// counts. `direct`: the nodes whose ssh runs here (the rest are the launch tree's). `hard`
+/// None: unlimited or unknown.
+fn check_fd_limit(nodes: usize, direct: usize, hard: Option<u64>) -> Result<()> {
+    let tree = nodes.saturating_sub(direct) as u64;
+    let needed = direct as u64 * FDS_PER_SSH_NODE + tree * FDS_PER_TREE_NODE + FDS_RESERVED;
+    let per = match tree {
+        0 => format!("{FDS_PER_SSH_NODE} per node: ssh's pipes and the agent's store connections"),
+        _ => format!(
+            "{FDS_PER_SSH_NODE} per node started from here: ssh's pipes and the agent's store \
+             connections, {FDS_PER_TREE_NODE} per node of the launch tree"
+        ),
+    };
     match hard {
         Some(hard) if hard < needed => Err(Error::internal(format!(
-            "{nodes} nodes started over ssh need about {needed} open files here ({FDS_PER_SSH_NODE} \
-             per node: ssh's pipes and the agent's store connections), but this host allows \
-             {hard} (hard limit): raise it (ulimit -n {needed} as root, or nofile in \
-             /etc/security/limits.conf) or use fewer nodes"
+            "{nodes} nodes started over ssh need about {needed} open files here ({per}), but \
+             this host allows {hard} (hard limit): raise it (ulimit -n {needed} as root, or \
+             nofile in /etc/security/limits.conf) or use fewer nodes"
         ))),
         _ => Ok(()),
     }
@@ -501,12 +529,20 @@ mod tests {
 
     #[test]
     fn fd_limit_refuses_too_many_ssh_nodes_as_a_system_refusal() {
-        let e = check_fd_limit(400, Some(1024)).unwrap_err();
+        let e = check_fd_limit(400, 400, Some(1024)).unwrap_err();
         assert_eq!(e.code, crate::error::exit::INTERNAL);
         assert!(e.message.contains("ulimit -n 2064"), "{}", e.message);
-        check_fd_limit(400, None).unwrap();
-        check_fd_limit(192, Some(1024)).unwrap();
-        assert!(check_fd_limit(193, Some(1024)).is_err());
+        check_fd_limit(400, 400, None).unwrap();
+        check_fd_limit(192, 192, Some(1024)).unwrap();
+        assert!(check_fd_limit(193, 193, Some(1024)).is_err());
+        // With the launch tree, 400 nodes fit: 33 x 5 + 367 x 2 + 64.
+        check_fd_limit(400, 33, Some(1024)).unwrap();
+        let e = check_fd_limit(2000, 33, Some(1024)).unwrap_err();
+        assert!(
+            e.message.contains("per node of the launch tree"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -256,6 +256,7 @@ impl Session {
             rendezvous: &session.rendezvous,
             run: &session.run,
             nudges: &session.bus.nudges,
+            store: session.bus.store.clone(),
         };
         // Thousands of agents take a while to start: a stop signal meanwhile ends nrun at once
         // (the agents started so far die with it: PR_SET_PDEATHSIG, their stdin closed).

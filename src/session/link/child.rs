@@ -1,291 +1,23 @@
 //! `nrun __agent` as a child process of nrun: on this host (the launch host's own node, no
-//! ssh) or over the system ssh (`--ship` copies this binary first). The process is the link:
-//! its exit loses the node, its stderr explains why, and closing its stdin tells the agent the
-//! launcher is gone. [`AgentProcess`] is shared with the srun step, which is one such process
-//! for every node.
+//! ssh) or over the system ssh (`--ship` copies this binary first). The process
+//! ([`AgentProcess`], shared with the srun step and with the launch tree's inner agents) is the
+//! link: its exit loses the node, its stderr explains why, and closing its stdin tells the
+//! agent the launcher is gone. An agent that starts a subtree of the launch tree is one of
+//! these too; its loss names the nodes started through it.
 
-use std::collections::VecDeque;
-use std::io::Write as _;
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use std::os::unix::process::ExitStatusExt as _;
-use std::process::ExitStatus;
-
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-use tokio::sync::{oneshot, watch};
-
+use super::tree::{Inner, TreeLink};
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
-use crate::agent::protocol::Hello;
+use crate::agent::child::{AgentProcess, Relay, ship};
+use crate::agent::protocol::{Branch, Hello, Keys, TreeSsh};
 use crate::error::{Error, Result};
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
 use crate::remote;
 use crate::session::Node;
-
-/// Lines of an agent's stderr kept to explain why it failed.
-const TAIL_LINES: usize = 10;
-
-/// Bytes read at a time from an agent's stdout and stderr.
-const RELAY_BUFFER: usize = 2048;
-
-/// An agent process (or the srun step of all of them) and what nrun saw of it. A task of its
-/// own waits for it (and kills it when asked, or when this is dropped), so that its end is an
-/// event for the session (a nudge for its node), not something to ask every node about.
-pub struct AgentProcess {
-    /// How it ended, once it has (set by its task).
-    ended: watch::Receiver<Option<ExitStatus>>,
-    /// Tells its task to kill it (dropped: the same).
-    kill: Option<oneshot::Sender<()>>,
-    stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
-    stderr_tail: Arc<Mutex<VecDeque<String>>>,
-}
-
-impl AgentProcess {
-    /// Starts `argv` and gives it `hello` on stdin; its stdout is passed on, its stderr too
-    /// and kept for explaining a failure. `what` names it in an error. `own_agent`: `argv` is
-    /// this very binary's agent, which sets its parent-death signal itself (see
-    /// [`crate::agent::PARENT_VAR`]); anything else (ssh) gets it between fork and exec.
-    /// Started by nrun's spawner where there is one (see [`crate::node::spawner`]: starting a
-    /// program from nrun itself costs a copy of its file table, which grows with the nodes),
-    /// else by nrun. `nudge`: whom to tell, for which node, when it ends.
-    pub async fn spawn(
-        argv: &[std::ffi::OsString],
-        what: &str,
-        hello: &Hello,
-        own_agent: bool,
-        nudge: Option<(Arc<Nudges>, usize)>,
-    ) -> Result<Self> {
-        let cannot = |e: &dyn std::fmt::Display| {
-            Error::usage(format!(
-                "cannot run {} to start the agent on {what}: {e}",
-                argv[0].to_string_lossy()
-            ))
-        };
-        let started = match crate::node::spawner::client() {
-            Some(sp) => by_spawner(&sp, argv, own_agent).await,
-            None => by_nrun(argv, own_agent),
-        };
-        let Started {
-            mut stdin,
-            stdout,
-            stderr,
-            ended,
-            kill,
-        } = started.map_err(|e| cannot(&e))?;
-        if let Some(s) = stdin.as_mut() {
-            let line = serde_json::to_string(hello)
-                .map_err(|e| Error::internal(format!("encoding the agent's instructions: {e}")))?;
-            let _ = s.write_all(format!("{line}\n").as_bytes()).await;
-        }
-        let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
-        // The agent prefixes its workers' lines; pass them on line by line. Small buffers: two
-        // per node, they were a third of the launch host's memory at a thousand nodes (8 KiB
-        // each), and a longer line still comes through whole.
-        if let Some(out) = stdout {
-            tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::with_capacity(RELAY_BUFFER, out).lines();
-                while let Ok(Some(l)) = lines.next_line().await {
-                    let _ = writeln!(std::io::stdout().lock(), "{l}");
-                }
-            });
-        }
-        if let Some(err) = stderr {
-            let tail = tail.clone();
-            tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::with_capacity(RELAY_BUFFER, err).lines();
-                while let Ok(Some(l)) = lines.next_line().await {
-                    let _ = writeln!(std::io::stderr().lock(), "{l}");
-                    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
-                    if t.len() == TAIL_LINES {
-                        t.pop_front();
-                    }
-                    t.push_back(l);
-                }
-            });
-        }
-        if let Some((nudges, node)) = nudge {
-            let mut done = ended.clone();
-            tokio::spawn(async move {
-                let _ = done.wait_for(|s| s.is_some()).await;
-                nudges.nudge(node);
-            });
-        }
-        Ok(AgentProcess {
-            ended,
-            kill: Some(kill),
-            stdin,
-            stderr_tail: tail,
-        })
-    }
-
-    /// How the process ended, if it has.
-    pub fn exited(&mut self) -> Option<ExitStatus> {
-        *self.ended.borrow()
-    }
-
-    /// Until the process ended.
-    async fn wait(&mut self) {
-        let _ = self.ended.wait_for(|s| s.is_some()).await;
-    }
-
-    /// The last non-empty line it wrote to stderr.
-    pub fn last_words(&self) -> Option<String> {
-        self.stderr_tail
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .cloned()
-    }
-
-    /// The last line nrun itself (the agent: its lines start with "nrun"), ssh or srun wrote:
-    /// the agent's stderr also carries its workers' lines, and a worker's unrelated complaint
-    /// is no cause of a lost node.
-    pub fn own_words(&self) -> Option<String> {
-        let ours = |l: &str| {
-            let l = l.trim_start();
-            ["nrun", "ssh:", "srun:", "Connection to "]
-                .iter()
-                .any(|p| l.starts_with(p))
-        };
-        self.stderr_tail
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .rev()
-            .find(|l| ours(l))
-            .cloned()
-    }
-
-    /// How it ended, with nrun's or ssh's last words: " (exit status: 255): what it said".
-    pub fn epitaph(&mut self) -> Option<String> {
-        let st = self.exited()?;
-        Some(format!(
-            " ({st}){}",
-            self.own_words().map_or(String::new(), |w| format!(": {w}"))
-        ))
-    }
-
-    /// Ends it after the End step: agents leave by themselves; stdin is closed only after
-    /// that, so they do not mistake the end for the launcher going away. Stragglers: stdin
-    /// closed, then killed.
-    pub async fn finish(&mut self) {
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.wait()).await;
-        self.stdin.take();
-        let _ = tokio::time::timeout(Duration::from_secs(3), self.wait()).await;
-        if self.exited().is_none() {
-            if let Some(k) = self.kill.take() {
-                let _ = k.send(());
-            }
-            self.wait().await;
-        }
-    }
-}
-
-type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
-
-/// A process just started: its standard descriptors, its end once it came, and how to kill it.
-struct Started {
-    stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
-    stdout: Option<Reader>,
-    stderr: Option<Reader>,
-    ended: watch::Receiver<Option<ExitStatus>>,
-    /// Fire (or drop) to kill it.
-    kill: oneshot::Sender<()>,
-}
-
-/// Starts `argv` through nrun's spawner, on pipes nrun holds the other ends of.
-async fn by_spawner(
-    sp: &Arc<crate::node::spawner::Client>,
-    argv: &[std::ffi::OsString],
-    own_agent: bool,
-) -> std::io::Result<Started> {
-    use tokio::net::unix::pipe;
-    let flags = nix::fcntl::OFlag::O_CLOEXEC;
-    let (in_r, in_w) = nix::unistd::pipe2(flags)?;
-    let (out_r, out_w) = nix::unistd::pipe2(flags)?;
-    let (err_r, err_w) = nix::unistd::pipe2(flags)?;
-    let env = match (own_agent, crate::node::spawner::pid()) {
-        (true, Some(pid)) => vec![(crate::agent::PARENT_VAR.into(), pid.to_string().into())],
-        _ => Vec::new(),
-    };
-    let child = sp
-        .start(argv, &env, [in_r, out_w, err_w], !own_agent)
-        .await
-        .map_err(std::io::Error::other)?;
-    let (kill, killed) = oneshot::channel::<()>();
-    let (sp, pid, mut ended) = (sp.clone(), child.pid, child.ended.clone());
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = async { ended.wait_for(|s| s.is_some()).await.is_ok() } => {}
-            // Asked to, or nobody holds this process any more.
-            _ = killed => sp.kill(pid, libc::SIGKILL).await,
-        }
-    });
-    Ok(Started {
-        stdin: Some(Box::new(pipe::Sender::from_owned_fd(in_w)?)),
-        stdout: Some(Box::new(pipe::Receiver::from_owned_fd(out_r)?)),
-        stderr: Some(Box::new(pipe::Receiver::from_owned_fd(err_r)?)),
-        ended: child.ended,
-        kill,
-    })
-}
-
-/// Starts `argv` from nrun itself (no spawner).
-fn by_nrun(argv: &[std::ffi::OsString], own_agent: bool) -> std::io::Result<Started> {
-    let mut cmd = tokio::process::Command::new(&argv[0]);
-    // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
-    // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its
-    // stdin close and the agent stops its workers.
-    cmd.args(&argv[1..])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    if own_agent {
-        cmd.env(crate::agent::PARENT_VAR, std::process::id().to_string());
-    } else {
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-                Ok(())
-            });
-        }
-    }
-    let mut child = cmd.spawn()?;
-    let stdin = child
-        .stdin
-        .take()
-        .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>);
-    let stdout = child.stdout.take().map(|s| Box::new(s) as Reader);
-    let stderr = child.stderr.take().map(|s| Box::new(s) as Reader);
-    let (ended_tx, ended) = watch::channel(None);
-    let (kill, killed) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let status = tokio::select! {
-            st = child.wait() => st,
-            // Asked to, or nobody holds this process any more.
-            _ = killed => {
-                let _ = child.start_kill();
-                child.wait().await
-            }
-        };
-        // A wait that failed (it cannot, for a child of ours) reads as an end.
-        let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0xff << 8));
-        ended_tx.send_replace(Some(status));
-    });
-    Ok(Started {
-        stdin,
-        stdout,
-        stderr,
-        ended,
-        kill,
-    })
-}
+use crate::store::Store;
 
 /// A node whose agent is a child process of nrun.
 pub struct ChildLink {
@@ -295,46 +27,167 @@ pub struct ChildLink {
     agent_timeout: Duration,
     /// A partition closes no ssh for many seconds; the agent's heartbeat stops at once.
     beat: super::peer::Heartbeat,
+    /// The agent starts a subtree of the launch tree.
+    me: Option<Arc<Inner>>,
 }
 
 /// Starts every owned node's agent, at most --ssh-concurrency at a time; each one's end
-/// nudges its node in `nudges`.
+/// nudges its node in `nudges`. Beyond `--tree-width` nodes, the launch host starts that many
+/// (and its own node and the spares) and each of those starts its share of the rest (see
+/// `plan::tree`, [`super::tree`]): the others get [`TreeLink`]s.
 pub async fn start(
     np: &NodesPlan,
     hosts: &[Host],
     how: &Instructions,
     nudges: &Arc<Nudges>,
+    store: Option<Arc<Store>>,
+    keys: Keys,
 ) -> Result<Vec<Node>> {
     let sem = Arc::new(tokio::sync::Semaphore::new(np.ssh_concurrency));
     // One copy of the plan shared by every start (a copy each was O(nodes^2) memory).
     let shared = Arc::new(np.clone());
-    let mut tasks = Vec::new();
+    let mut starts = Vec::new();
+    let mut through = Vec::new();
     for (i, h) in hosts.iter().enumerate() {
-        let local = crate::net::is_this_host(&h.name);
+        // This host's own node needs no ssh; a spare stays a child of this host, so that the
+        // node it replaces can be lost with its subtree while the spare is not.
+        let direct = np.tree_width == 0 || i >= np.size || crate::net::is_this_host(&h.name);
+        match direct {
+            true => starts.push(Branch {
+                node: i,
+                label: h.name.clone(),
+                children: Vec::new(),
+            }),
+            false => through.push((i, h.name.clone())),
+        }
+    }
+    starts.extend(crate::plan::tree::split(&through, np.tree_width));
+    starts.sort_unstable_by_key(|b| b.node);
+    let inner = starts.iter().filter(|b| !b.children.is_empty()).count();
+    if inner > 0 {
+        tracing::debug!(
+            "launch tree: {} agents started here, {inner} of them start {} more ({} levels)",
+            starts.len(),
+            hosts.len() - starts.len(),
+            crate::plan::tree::depth(&starts)
+        );
+    }
+    let tree_ssh = TreeSsh {
+        ssh_opts: np.ssh_opts.clone(),
+        remote_nrun: np.remote_nrun.clone(),
+        concurrency: np.ssh_concurrency,
+        ship: np.ship,
+    };
+    let mut tasks = Vec::new();
+    for b in &starts {
+        let (i, label) = (b.node, b.label.clone());
+        let local = crate::net::is_this_host(&label);
         // This machine's own node talks to the store over loopback: an address of some other
         // interface could go away under it (and buys nothing).
         let addrs = match local {
             true => loopback_addrs(&how.addrs),
             false => how.addrs.clone(),
         };
-        let mut hello = how.hello(i, &h.name, addrs, Vec::new());
+        let mut hello = how.hello(i, &label, addrs, Vec::new());
         // This host's own agent is watched as a process, not by its heartbeat.
         hello.heartbeat = !local;
-        let (sem, np, label) = (sem.clone(), shared.clone(), h.name.clone());
-        let nudge = (nudges.clone(), i);
+        if !b.children.is_empty() {
+            hello.tree = b.children.clone();
+            hello.tree_ssh = Some(tree_ssh.clone());
+        }
+        // Its end is news for its whole subtree too (their ssh ran on its node).
+        let nodes: Vec<usize> = std::iter::once(i)
+            .chain(b.below().iter().map(|c| c.node))
+            .collect();
+        let relay = Relay {
+            nudge: Some((nudges.clone(), nodes)),
+            tag: None,
+        };
+        let (sem, np) = (sem.clone(), shared.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
-            start_one(&np, &label, local, &hello, nudge).await
+            start_one(&np, &label, local, &hello, relay).await
         }));
     }
-    let mut nodes = Vec::new();
-    for t in tasks {
-        nodes.push(
-            t.await
-                .map_err(|e| Error::internal(format!("starting an agent: {e}")))??,
-        );
+    let mut links: Vec<Option<Box<dyn NodeLink>>> = (0..hosts.len()).map(|_| None).collect();
+    for (b, t) in starts.iter().zip(tasks) {
+        let mut link = t
+            .await
+            .map_err(|e| Error::internal(format!("starting an agent: {e}")))??;
+        if !b.children.is_empty() {
+            let me = Inner::new(
+                b.node,
+                &b.label,
+                Some(link.process.ended()),
+                below(b),
+                nudges.clone(),
+            );
+            link.me = Some(me.clone());
+            let tree = TreeParts {
+                store: &store,
+                keys: &keys,
+                nudges,
+                agent_timeout: np.agent_timeout,
+            };
+            tree.links(&b.children, &[me], &mut links);
+        }
+        links[b.node] = Some(Box::new(link));
     }
-    Ok(nodes)
+    hosts
+        .iter()
+        .zip(links)
+        .map(|(h, l)| {
+            l.map(|l| Node::new(&h.name, l))
+                .ok_or_else(|| Error::internal(format!("no agent planned for {}", h.name)))
+        })
+        .collect()
+}
+
+/// The nodes below branch `b`, with their labels, in node order.
+fn below(b: &Branch) -> Vec<(usize, String)> {
+    let mut v: Vec<(usize, String)> = b
+        .below()
+        .iter()
+        .map(|c| (c.node, c.label.clone()))
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// What the links of the launch tree's nodes share.
+struct TreeParts<'a> {
+    store: &'a Option<Arc<Store>>,
+    keys: &'a Keys,
+    nudges: &'a Arc<Nudges>,
+    agent_timeout: Duration,
+}
+
+impl TreeParts<'_> {
+    /// A [`TreeLink`] for every node of `branches`, whose agents the last of `line` starts.
+    fn links(
+        &self,
+        branches: &[Branch],
+        line: &[Arc<Inner>],
+        out: &mut [Option<Box<dyn NodeLink>>],
+    ) {
+        for b in branches {
+            let me = (!b.children.is_empty())
+                .then(|| Inner::new(b.node, &b.label, None, below(b), self.nudges.clone()));
+            out[b.node] = Some(Box::new(TreeLink::new(
+                b.node,
+                line.to_vec(),
+                me.clone(),
+                self.store.clone(),
+                self.keys.clone(),
+                self.agent_timeout,
+            )));
+            if let Some(m) = me {
+                let mut deeper = line.to_vec();
+                deeper.push(m);
+                self.links(&b.children, &deeper, out);
+            }
+        }
+    }
 }
 
 async fn start_one(
@@ -342,8 +195,8 @@ async fn start_one(
     label: &str,
     local: bool,
     hello: &Hello,
-    nudge: (Arc<Nudges>, usize),
-) -> Result<Node> {
+    relay: Relay,
+) -> Result<ChildLink> {
     let argv = if local {
         // The launch host's own node needs no ssh: its agent is a child of nrun, spoken to the
         // same way (stdin, the store) so there is one code path.
@@ -352,20 +205,19 @@ async fn start_one(
         vec![exe.into_os_string(), "__agent".into()]
     } else {
         let remote_nrun = match np.ship {
-            true => ship(np, label).await?,
+            true => ship(&np.ssh_opts, label).await?,
             false => np.remote_nrun.clone(),
         };
         remote::ssh_command(label, &np.ssh_opts, &remote_nrun)
     };
-    let process = AgentProcess::spawn(&argv, label, hello, local, Some(nudge)).await?;
-    let agent_timeout = np.agent_timeout;
-    let link = ChildLink {
+    let process = AgentProcess::spawn(&argv, label, hello, local, relay).await?;
+    Ok(ChildLink {
         process,
         local,
-        agent_timeout,
+        agent_timeout: np.agent_timeout,
         beat: Default::default(),
-    };
-    Ok(Node::new(label, Box::new(link)))
+        me: None,
+    })
 }
 
 impl NodeLink for ChildLink {
@@ -399,6 +251,24 @@ impl NodeLink for ChildLink {
     }
 
     fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
+        let why = self.why_lost(bus, node, label, stopped)?;
+        // An inner agent of the launch tree: its subtree goes with it, and says so.
+        Some(match &self.me {
+            Some(m) => {
+                m.lost_as(&why);
+                format!("{why}{}", m.through())
+            }
+            None => why,
+        })
+    }
+
+    fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {
+        Box::pin(self.process.finish())
+    }
+}
+
+impl ChildLink {
+    fn why_lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
         match self.process.epitaph() {
             None if stopped => Some(format!(
                 "lost the connection to {label}: its agent stopped its workers when the link \
@@ -422,10 +292,6 @@ impl NodeLink for ChildLink {
             )),
         }
     }
-
-    fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {
-        Box::pin(self.process.finish())
-    }
 }
 
 /// The loopback entries of the coordinator's address list (all of it, if it has none).
@@ -439,36 +305,4 @@ fn loopback_addrs(addrs: &[String]) -> Vec<String> {
         .cloned()
         .collect();
     if lo.is_empty() { addrs.to_vec() } else { lo }
-}
-
-/// Copies the running nrun to `~/.cache/nrun/nrun-<version>` on the host; returns that path.
-async fn ship(np: &NodesPlan, label: &str) -> Result<String> {
-    let exe = std::env::current_exe()
-        .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
-    let version = env!("CARGO_PKG_VERSION");
-    let rev = env!("NRUN_GIT_REV");
-    let path = format!("~/.cache/nrun/nrun-{version}-{rev}");
-    // A per-copy temporary name: nodes that share a home directory must not race.
-    let remote_cmd = format!(
-        "mkdir -p ~/.cache/nrun && t={p}.tmp.$$ && cat > $t && chmod +x $t && mv -f $t {p}",
-        p = path
-    );
-    let mut argv = remote::ssh_command(label, &np.ssh_opts, "true");
-    argv.pop();
-    argv.push(remote_cmd.into());
-    let bin = std::fs::File::open(&exe)
-        .map_err(|e| Error::internal(format!("cannot read {}: {e}", exe.display())))?;
-    let out = tokio::process::Command::new(&argv[0])
-        .args(&argv[1..])
-        .stdin(Stdio::from(bin))
-        .output()
-        .await
-        .map_err(|e| Error::usage(format!("cannot run ssh: {e}")))?;
-    if !out.status.success() {
-        return Err(Error::usage(format!(
-            "--ship: copying nrun to {label} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(path)
 }

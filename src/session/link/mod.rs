@@ -8,6 +8,8 @@
 //! - [`child`]: `nrun __agent` as a child process: on this host, or over ssh (`--ship`).
 //! - [`srun`]: one srun step that starts every node's agent; a link per node on it.
 //! - [`peer`]: a node whose own nrun joined (torchrun's c10d), alive while its heartbeat moves.
+//! - [`tree`]: a node of the launch tree, whose agent another node's agent started over ssh
+//!   (`--tree-width`); the launch host's own children of the tree are `child` links.
 //! - `fake` (tests): a scripted node, to test the session's policies without processes.
 //!
 //! Every link but the in-process one speaks through the store: the session's [`Bus`] seals its
@@ -19,6 +21,7 @@ pub mod child;
 pub mod inproc;
 pub mod peer;
 pub mod srun;
+pub mod tree;
 
 #[cfg(test)]
 pub(crate) mod fake;
@@ -118,28 +121,7 @@ pub trait NodeLink: Send {
         label: &str,
         stopped: bool,
     ) -> Option<StepResult> {
-        let Some(r) = bus.result(node, no) else {
-            // Its agent is gone (ssh dropped, host died): it will not report.
-            return self
-                .lost(bus, node, label, false)
-                .map(|why| StepResult::Run(RunResult::Lost(why)));
-        };
-        let why = match (stopped, &r) {
-            // Stopped without being asked: that agent lost its connection to us.
-            (false, StepResult::Run(RunResult::Stopped)) => {
-                self.lost(bus, node, label, true).unwrap_or_else(|| {
-                    format!("{label}'s agent lost its connection to the launch host")
-                })
-            }
-            // Interrupted without being asked: a signal on that node (its agent's keeper
-            // killed, srun's, or a user's there) took it out of the job.
-            (false, StepResult::Run(RunResult::Interrupted(sig))) => format!(
-                "{label}'s agent was stopped by {} on that node",
-                crate::node::signal_name(*sig)
-            ),
-            _ => return Some(r),
-        };
-        Some(StepResult::Run(RunResult::Lost(why)))
+        judge_result(self, bus, node, no, label, stopped)
     }
 
     /// The node's watch view during step `no`, if a new one arrived.
@@ -160,6 +142,38 @@ pub trait NodeLink: Send {
     fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {
         Box::pin(async {})
     }
+}
+
+/// [`NodeLink::result`] as most links have it: the node's published result, or its loss; a
+/// result that means the node left the job unasked reads as lost.
+pub fn judge_result<L: NodeLink + ?Sized>(
+    link: &mut L,
+    bus: &Bus,
+    node: usize,
+    no: usize,
+    label: &str,
+    stopped: bool,
+) -> Option<StepResult> {
+    let Some(r) = bus.result(node, no) else {
+        // Its agent is gone (ssh dropped, host died): it will not report.
+        return link
+            .lost(bus, node, label, false)
+            .map(|why| StepResult::Run(RunResult::Lost(why)));
+    };
+    let why = match (stopped, &r) {
+        // Stopped without being asked: that agent lost its connection to us.
+        (false, StepResult::Run(RunResult::Stopped)) => link
+            .lost(bus, node, label, true)
+            .unwrap_or_else(|| format!("{label}'s agent lost its connection to the launch host")),
+        // Interrupted without being asked: a signal on that node (its agent's keeper
+        // killed, srun's, or a user's there) took it out of the job.
+        (false, StepResult::Run(RunResult::Interrupted(sig))) => format!(
+            "{label}'s agent was stopped by {} on that node",
+            crate::node::signal_name(*sig)
+        ),
+        _ => return Some(r),
+    };
+    Some(StepResult::Run(RunResult::Lost(why)))
 }
 
 /// What a link's end needs to know.
@@ -221,7 +235,7 @@ impl Nudges {
         self.notify.notify_one();
     }
 
-    fn take(&self) -> Vec<usize> {
+    pub(crate) fn take(&self) -> Vec<usize> {
         std::mem::take(&mut *self.nodes.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
@@ -380,6 +394,8 @@ impl Instructions {
             nodes,
             agent_timeout_ms: self.agent_timeout.as_millis() as u64,
             own: None,
+            tree: Vec::new(),
+            tree_ssh: None,
         }
     }
 }
@@ -390,6 +406,8 @@ pub struct Starting<'a> {
     pub rendezvous: &'a super::Rendezvous,
     pub run: &'a str,
     pub nudges: &'a Arc<Nudges>,
+    /// The store this nrun hosts (the launch tree's links read their nodes' keys in it).
+    pub store: Option<Arc<Store>>,
 }
 
 /// The launcher choice: a link for every node of the session. The one place that knows the
@@ -403,7 +421,9 @@ pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
     let owned = &np.hosts[..np.owned()];
     let how = Instructions::new(&s, plan)?;
     let mut nodes = match np.launcher {
-        Launcher::Ssh => child::start(np, owned, &how, s.nudges).await?,
+        Launcher::Ssh => {
+            child::start(np, owned, &how, s.nudges, s.store.clone(), Keys::new(s.run)).await?
+        }
         Launcher::Srun => srun::start(np, owned, &how).await?,
     };
     let peers = &np.hosts[owned.len()..];

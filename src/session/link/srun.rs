@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use tokio::sync::Mutex;
 
-use super::child::AgentProcess;
 use super::peer::Heartbeat;
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink};
+use crate::agent::child::{AgentProcess, Relay};
 use crate::error::Result;
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
@@ -30,7 +30,7 @@ pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result
     let hello = how.hello(0, "", how.addrs.clone(), names.clone());
     let argv = remote::srun_step_command(&names, &np.remote_nrun);
     let step = Arc::new(Mutex::new(
-        AgentProcess::spawn(&argv, "the srun step", &hello, false, None).await?,
+        AgentProcess::spawn(&argv, "the srun step", &hello, false, Relay::default()).await?,
     ));
     Ok(names
         .iter()

@@ -1,0 +1,307 @@
+//! The launch tree (`--tree-width`, issue 21 item 3) on a real cluster of network-namespace
+//! hosts (real sshd, real ssh from node to node, real iptables): inner agents start the next
+//! level over ssh from their own node; every rank's output reaches the launch host; a child
+//! the inner host cannot reach is named with ssh's own error and that host; an inner agent
+//! killed mid-run is named with its subtree and the job ends, or goes on with spares; nothing
+//! is left running anywhere.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Kills host i's nrun agent processes (the agent and its keeper, not the ssh clients it
+/// started for its children) with SIGKILL; how many.
+fn kill_nrun_agents(c: &Cluster, i: usize) -> usize {
+    let out = Command::new("ip")
+        .args(["netns", "pids", &c.host(i)])
+        .output()
+        .unwrap();
+    let bin = nrun_bin().display().to_string();
+    let mut n = 0;
+    for pid in text(&out.stdout).split_whitespace() {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.starts_with(&format!("{bin} __agent")) {
+            let _ = Command::new("kill").args(["-9", pid]).status();
+            n += 1;
+        }
+    }
+    n
+}
+
+/// ssh clients this test's nrun runs on the launch host (they carry its tag; those an inner
+/// agent runs on its node do not).
+fn launch_host_ssh(s: &Scene) -> usize {
+    s.survivors()
+        .iter()
+        .filter(|p| {
+            p.split_once(": ")
+                .is_some_and(|(_, cmd)| cmd.starts_with("ssh "))
+        })
+        .count()
+}
+
+/// Seven hosts, width 2: h1 and h2 are started from here, h1 starts h3 (which starts h5) and
+/// h4, h2 starts h6 and h7. Every rank runs with its own place in the job, its output
+/// prefixed, and the launch host held two ssh processes.
+#[test]
+fn a_job_through_a_three_level_tree_runs_and_leaves_nothing() {
+    let Some(c) = Cluster::up("tr1", 7) else {
+        return;
+    };
+    let s = Scene::new();
+    let child = c.spawn_on(
+        &s,
+        7,
+        &[
+            "--tree-width",
+            "2",
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo rank=$RANK of=$WORLD_SIZE node=$GROUP_RANK host=$(hostname); echo up >> $MARK; \
+             sleep 2",
+        ],
+        &[("NRUN_LOG", "debug")],
+    );
+    s.wait_marks("up", 14, Duration::from_secs(60));
+    let ssh_here = launch_host_ssh(&s);
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("launch tree: 2 agents started here, 2 of them start 5 more (3 levels)"),
+        "{stderr}"
+    );
+    assert_eq!(ssh_here, 2, "ssh processes on the launch host mid-run");
+    for r in 0..14 {
+        let node = r / 2 + 1;
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(&format!("rank={r} ")))
+            .unwrap_or_else(|| panic!("rank {r} missing: {stdout}"));
+        assert!(
+            // Ranks padded to the width of the largest (14 ranks: two places).
+            line.starts_with(&format!("[tr1-h{node}:rank{r:>2}]: ")),
+            "{line}"
+        );
+        assert!(
+            line.contains(&format!("of=14 node={} host=tr1-h{node}", node - 1)),
+            "{line}"
+        );
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(7);
+
+    // --ship through the tree: each inner agent copies its own binary to its children.
+    let out = c.run_on(
+        &s,
+        7,
+        &[
+            "--tree-width",
+            "2",
+            "--ship",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo rank=$RANK nrun=$(readlink /proc/$PPID/exe)",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for r in 0..7 {
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(&format!("rank={r} ")))
+            .unwrap_or_else(|| panic!("rank {r} missing: {stdout}"));
+        // The worker's parent is the agent: the shipped copy, on every level.
+        assert!(line.contains("/.cache/nrun/nrun-"), "{line}");
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(7);
+}
+
+/// h1 cannot reach h4 (its packets to h4's sshd are refused) though the launch host could: h4
+/// is named with ssh's own error and the host whose ssh failed, with what to check.
+#[test]
+fn a_child_its_inner_host_cannot_reach_is_named_with_ssh_and_that_host() {
+    let Some(c) = Cluster::up("tr2", 5) else {
+        return;
+    };
+    if Command::new("iptables").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: no iptables");
+        return;
+    }
+    c.exec(
+        1,
+        &format!(
+            "iptables -A OUTPUT -d {} -p tcp --dport 22 -j REJECT --reject-with tcp-reset",
+            c.addr(4)
+        ),
+    );
+    let s = Scene::new();
+    let out = c.run_on(
+        &s,
+        5,
+        &["--tree-width", "2", "--nproc", "1", "--no-python", "true"],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(98), "{err}");
+    assert!(err.contains("1 of 5 nodes could not join"), "{err}");
+    assert!(
+        err.contains(&format!(
+            "tr2-h4: ssh from tr2-h1 (which starts tr2-h4's agent in the launch tree) exited \
+             255: ssh: connect to host {} port 22: Connection refused",
+            c.addr(4)
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains("`ssh tr2-h1 ssh tr2-h4 true`") && err.contains("--tree-width 0"),
+        "{err}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(5);
+}
+
+/// An inner agent killed outright mid-run (kill -9 of its nrun, not of the ssh it started):
+/// it is named with the node started through it, that node says it was lost with it, and the
+/// job ends (no spare) or goes on with spares, nothing left running anywhere.
+#[test]
+fn a_killed_inner_agent_is_named_with_its_subtree() {
+    let Some(c) = Cluster::up("tr3", 7) else {
+        return;
+    };
+    let s = Scene::new();
+    let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(hostname)\"; \
+                echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
+
+    // Five nodes, no spare: h2 starts h5; killing h2 loses both and the job ends.
+    let child = c.spawn_on(
+        &s,
+        5,
+        &[
+            "--tree-width",
+            "2",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            work,
+        ],
+        &[],
+    );
+    s.wait_marks("started", 5, Duration::from_secs(60));
+    assert!(kill_nrun_agents(&c, 2) > 0);
+    let t0 = Instant::now();
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let err = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("lost the connection to tr3-h2")
+            && err
+                .contains("the 1 node started through it in the launch tree goes with it: tr3-h5"),
+        "{err}"
+    );
+    assert!(
+        err.contains("lost tr3-h5 with tr3-h2, which started its agent in the launch tree"),
+        "{err}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    s.assert_no_survivors();
+    c.assert_nothing_left(7);
+    std::fs::write(s.mark(), "").unwrap();
+
+    // Seven hosts, two spares (started from here): the spares take the places of h2 and h5.
+    let child = c.spawn_on(
+        &s,
+        7,
+        &[
+            "--tree-width",
+            "2",
+            "--spares",
+            "2",
+            "--max-restarts",
+            "1",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            work,
+        ],
+        &[],
+    );
+    s.wait_marks("started", 5, Duration::from_secs(60));
+    assert!(kill_nrun_agents(&c, 2) > 0);
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(
+            "the job goes on with 5 nodes: tr3-h1, tr3-h3, tr3-h4, tr3-h6, tr3-h7 (lost: tr3-h2, \
+             tr3-h5) (spare in: tr3-h6, tr3-h7)"
+        ),
+        "{stderr}"
+    );
+    let second: Vec<&str> = stdout.lines().filter(|l| l.contains("attempt=1")).collect();
+    assert_eq!(second.len(), 5, "{stdout}");
+    assert!(
+        !second
+            .iter()
+            .any(|l| l.contains("host=tr3-h2 ") || l.ends_with("host=tr3-h5")),
+        "{stdout}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(7);
+}
+
+/// The launcher killed outright (SIGKILL to the pid started) or interrupted (SIGINT) mid-run:
+/// every agent, its workers and every ssh of the tree go, on every level.
+#[test]
+fn a_killed_or_interrupted_launcher_leaves_nothing_in_the_tree() {
+    let Some(c) = Cluster::up("tr4", 5) else {
+        return;
+    };
+    for (sig, code) in [("KILL", None), ("INT", Some(130))] {
+        let s = Scene::new();
+        let child = c.spawn_on(
+            &s,
+            5,
+            &[
+                "--tree-width",
+                "2",
+                "--nproc",
+                "2",
+                "--no-python",
+                "sh",
+                "-c",
+                "echo up >> $MARK; exec sleep 60",
+            ],
+            &[],
+        );
+        s.wait_marks("up", 10, Duration::from_secs(60));
+        signal(&child, sig);
+        let (out, took) = wait_with_timeout(child, Duration::from_secs(30));
+        if let Some(code) = code {
+            assert_eq!(out.status.code(), Some(code), "{}", text(&out.stderr));
+        }
+        assert!(took < Duration::from_secs(15), "{sig}: took {took:?}");
+        let end = Instant::now() + Duration::from_secs(5);
+        while !s.survivors().is_empty() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        s.assert_no_survivors();
+        c.assert_nothing_left(5);
+    }
+}
