@@ -967,6 +967,12 @@ async fn connection(
                     }
                     if c.authed != live.authed.load(Ordering::Relaxed) {
                         live.authed.store(c.authed, Ordering::Relaxed);
+                        // Counted where the caps look (a connection evicted meanwhile is
+                        // gone from them: nothing to count).
+                        let mut conns = store.conns_lock();
+                        if !live.evicted.load(Ordering::Relaxed) {
+                            conns.authenticated(&live);
+                        }
                     }
                 }
                 Ok(Next::Need(n)) => {

@@ -7,8 +7,10 @@
 //! - Unfinished requests: a request begun must be whole within [`Limits::frame_timeout`], and all
 //!   connections' read buffers together stay under [`Limits::partial_budget`] (the connection
 //!   whose growth would pass it is closed).
-//! - File descriptors: at most [`Limits::per_peer`] connections from one address (loopback,
-//!   this host's own ranks and agents, excepted) and a total
+//! - File descriptors: at most [`Limits::per_peer`] connections from one address that have not
+//!   proven nrun's secret (loopback, this host's own ranks and agents, excepted; a thousand
+//!   nodes' agents behind one NAT address, or the loopback hosts of a benchmark, are this run's
+//!   own) and a total
 //!   kept below the process's open-file limit. A connection past either cap does not lock others
 //!   out: the idlest connection of the address holding the most (never one that proved nrun's
 //!   secret, unvalidated ones first, parked waits last) is closed to make room. The job's ranks
@@ -129,6 +131,8 @@ impl Live {
 /// Every open connection, by peer address.
 pub(super) struct Conns {
     by_peer: HashMap<IpAddr, HashMap<u64, Arc<Live>>>,
+    /// How many of each address's connections proved nrun's secret.
+    authed_by_peer: HashMap<IpAddr, usize>,
     total: usize,
     origin: Instant,
 }
@@ -137,6 +141,7 @@ impl Default for Conns {
     fn default() -> Conns {
         Conns {
             by_peer: HashMap::new(),
+            authed_by_peer: HashMap::new(),
             total: 0,
             origin: Instant::now(),
         }
@@ -157,7 +162,9 @@ impl Conns {
         per_peer: usize,
         total: usize,
     ) -> Option<Arc<Live>> {
-        let from_peer = self.by_peer.get(&ip).map_or(0, HashMap::len);
+        // Connections that proved the secret are this run's own: only the total bounds them.
+        let from_peer = self.by_peer.get(&ip).map_or(0, HashMap::len)
+            - self.authed_by_peer.get(&ip).copied().unwrap_or(0);
         // This host's own clients (a single node's ranks, all on loopback) have only the total.
         if !ip.is_loopback() && from_peer >= per_peer && !self.evict_from(ip) {
             return None;
@@ -180,11 +187,24 @@ impl Conns {
         Some(live)
     }
 
+    /// Connection `live` just proved nrun's secret (it never unproves it).
+    pub(super) fn authenticated(&mut self, live: &Live) {
+        *self.authed_by_peer.entry(live.ip).or_default() += 1;
+    }
+
     /// Forgets connection `id` (it ended, or was closed to make room).
     pub(super) fn remove(&mut self, id: u64, ip: IpAddr) {
         if let Some(m) = self.by_peer.get_mut(&ip) {
-            if m.remove(&id).is_some() {
+            if let Some(live) = m.remove(&id) {
                 self.total -= 1;
+                if live.authed.load(Ordering::Relaxed) {
+                    if let Some(n) = self.authed_by_peer.get_mut(&ip) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.authed_by_peer.remove(&ip);
+                        }
+                    }
+                }
             }
             if m.is_empty() {
                 self.by_peer.remove(&ip);
@@ -260,5 +280,45 @@ impl<'a> Held<'a> {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         self.total.fetch_sub(self.n, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The per-address cap bounds what strangers hold: connections from one address that proved
+    /// the secret (a NAT's or a benchmark's thousand agents) do not count against it, and are
+    /// never closed to make room; strangers past it are refused or make room among themselves.
+    #[test]
+    fn the_per_address_cap_counts_strangers_only() {
+        let ip: IpAddr = "10.1.2.3".parse().unwrap();
+        let mut c = Conns::default();
+        let mut agents = Vec::new();
+        for id in 0..5 {
+            let live = c.admit(id, ip, 2, 100).expect("admitted");
+            live.validated.store(true, Ordering::Relaxed);
+            live.authed.store(true, Ordering::Relaxed);
+            c.authenticated(&live);
+            agents.push(live);
+        }
+        assert_eq!(c.total(), 5);
+        // Two strangers fit; a third takes the place of the idlest of them.
+        let s1 = c.admit(10, ip, 2, 100).unwrap();
+        c.admit(11, ip, 2, 100).unwrap();
+        c.admit(12, ip, 2, 100).unwrap();
+        assert!(s1.evicted.load(Ordering::Relaxed));
+        assert_eq!(c.total(), 7);
+        assert!(agents.iter().all(|a| !a.evicted.load(Ordering::Relaxed)));
+        // Agents that leave take their count along: strangers still have two places.
+        c.remove(0, ip);
+        c.remove(1, ip);
+        assert_eq!(c.authed_by_peer.get(&ip), Some(&3));
+        c.admit(13, ip, 2, 100).unwrap();
+        assert_eq!(c.total(), 5, "3 agents, 2 strangers");
+        for id in 2..5 {
+            c.remove(id, ip);
+        }
+        assert!(!c.authed_by_peer.contains_key(&ip));
     }
 }
