@@ -1333,23 +1333,38 @@ fn unbounded_inputs_are_refused_before_spawning() {
 }
 
 /// More ssh nodes than the open-file limit holds: the system's refusal (exit 1, as the table
-/// says), naming `ulimit -n`, before any ssh starts.
+/// says), naming `ulimit -n`, before any ssh starts. Without the launch tree every node's ssh
+/// runs here (5 files each); with it (the default) 32 do, and the others' agents hold 2.
 #[test]
 fn too_many_nodes_for_the_open_file_limit_exit_1() {
-    let hosts: Vec<String> = (0..400).map(|i| format!("h{i}")).collect();
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
-        .arg(nrun_bin())
-        .args(["-H", &hosts.join(","), "--no-python", "true"])
-        .output()
-        .unwrap();
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
+    let refused = |n: usize, extra: &[&str]| {
+        let hosts: Vec<String> = (0..n).map(|i| format!("h{i}")).collect();
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
+            .arg(nrun_bin())
+            .args(["-H", &hosts.join(",")])
+            .args(extra)
+            .args(["--no-python", "true"])
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        err
+    };
+    let err = refused(400, &["--tree-width", "0"]);
     assert!(
         err.starts_with("nrun: error: 400 nodes started over ssh need about 2064 open files")
             && err.contains("allows 1024 (hard limit): raise it (ulimit -n 2064"),
+        "{err}"
+    );
+    // (32 and, counted in case, this host's own node) x 5 + 567 x 2 + 64.
+    let err = refused(600, &[]);
+    assert!(
+        err.starts_with("nrun: error: 600 nodes started over ssh need about 1363 open files")
+            && err.contains("2 per node of the launch tree")
+            && err.contains("allows 1024 (hard limit): raise it (ulimit -n 1363"),
         "{err}"
     );
 }
