@@ -338,11 +338,17 @@ impl NodesPlan {
         }
         if launcher == Launcher::Ssh {
             // The launch tree's nodes hold no ssh pipes here: at most the width, the spares
-            // and this host's own node do (counted as if every node could be one of them).
+            // and this host's own nodes do (counted as if every node could be one of them;
+            // at least one of this host's, in case; loopback aliases, as benchmarks use, are
+            // each a direct child of their own).
             let spares = list.len().saturating_sub(nodes.size);
+            let here = list
+                .iter()
+                .filter(|h| crate::net::is_this_host(&h.name))
+                .count();
             let direct = match nodes.tree_width {
                 0 => list.len(),
-                w => list.len().min(w + spares + 1),
+                w => list.len().min(w + spares + here.max(1)),
             };
             check_fd_limit(list.len(), direct, crate::node::process::fd_hard_limit())?;
         }
