@@ -20,16 +20,26 @@ fn kill_nrun_agents(c: &Cluster, i: usize) -> usize {
         .output()
         .unwrap();
     let bin = nrun_bin().display().to_string();
-    let mut n = 0;
-    for pid in text(&out.stdout).split_whitespace() {
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if cmd.starts_with(&format!("{bin} __agent")) {
-            let _ = Command::new("kill").args(["-9", pid]).status();
-            n += 1;
-        }
+    let mut pids: Vec<u32> = text(&out.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            cmd.starts_with(&format!("{bin} __agent"))
+        })
+        .collect();
+    // The agent and its keeper (its parent, forked from it: the same command line) die in one
+    // kill, the agent first: a keeper killed first is a stop request to the agent (SIGTERM by
+    // its parent-death signal), which then said "stopped by SIGTERM" before its own SIGKILL.
+    pids.sort_unstable_by(|a, b| b.cmp(a));
+    if !pids.is_empty() {
+        let _ = Command::new("kill")
+            .arg("-9")
+            .args(pids.iter().map(u32::to_string))
+            .status();
     }
-    n
+    pids.len()
 }
 
 /// ssh clients this test's nrun runs on the launch host (they carry its tag; those an inner
