@@ -93,10 +93,7 @@ const RAS_LINES: usize = 8;
 /// The RAS answer among `views` given during the last `stalled_s` seconds (asked while the
 /// ranks stalled: an older one speaks of another moment).
 fn ras_of(views: &HashMap<usize, NodeWatch>, hosts: &[String], stalled_s: f64) -> Option<NcclRas> {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let since = now_ms.saturating_sub((stalled_s * 1e3) as u64);
+    let since = crate::agent::protocol::unix_ms().saturating_sub((stalled_s * 1e3) as u64);
     let (node, r) = views
         .iter()
         .filter_map(|(n, v)| Some((*n, v.ras.as_ref()?)))
@@ -1472,10 +1469,7 @@ mod tests {
             on_hang: OnHang::Report,
         };
         let hosts = vec!["h1".to_string(), "h2".to_string()];
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64;
+        let now_ms = crate::agent::protocol::unix_ms();
         let status = "Errors\n======\n\nWarnings\n========\n\n#0-0 (f4) MISMATCH\n  \
                       Communicator ranks have different AllReduce operation counts\n";
         let ras = |at_ms| crate::agent::protocol::RasView {

@@ -12,36 +12,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// Kills host i's nrun agent processes (the agent and its keeper, not the ssh clients it
-/// started for its children) with SIGKILL; how many.
-fn kill_nrun_agents(c: &Cluster, i: usize) -> usize {
-    let out = Command::new("ip")
-        .args(["netns", "pids", &c.host(i)])
-        .output()
-        .unwrap();
-    let bin = nrun_bin().display().to_string();
-    let mut pids: Vec<u32> = text(&out.stdout)
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .filter(|pid| {
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            cmd.starts_with(&format!("{bin} __agent"))
-        })
-        .collect();
-    // The agent and its keeper (its parent, forked from it: the same command line) die in one
-    // kill, the agent first: a keeper killed first is a stop request to the agent (SIGTERM by
-    // its parent-death signal), which then said "stopped by SIGTERM" before its own SIGKILL.
-    pids.sort_unstable_by(|a, b| b.cmp(a));
-    if !pids.is_empty() {
-        let _ = Command::new("kill")
-            .arg("-9")
-            .args(pids.iter().map(u32::to_string))
-            .status();
-    }
-    pids.len()
-}
-
 /// ssh clients this test's nrun runs on the launch host (they carry its tag; those an inner
 /// agent runs on its node do not).
 fn launch_host_ssh(s: &Scene) -> usize {
@@ -212,7 +182,7 @@ fn a_killed_inner_agent_is_named_with_its_subtree() {
         &[],
     );
     s.wait_marks("started", 5, Duration::from_secs(60));
-    assert!(kill_nrun_agents(&c, 2) > 0);
+    assert!(c.kill_agents(2));
     let t0 = Instant::now();
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
     let err = text(&out.stderr);
@@ -253,7 +223,7 @@ fn a_killed_inner_agent_is_named_with_its_subtree() {
         &[],
     );
     s.wait_marks("started", 5, Duration::from_secs(60));
-    assert!(kill_nrun_agents(&c, 2) > 0);
+    assert!(c.kill_agents(2));
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");

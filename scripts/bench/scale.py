@@ -14,12 +14,11 @@ Environment: SCALE_NOFILE=1024 runs under that hard and soft open-file limit (pr
 """
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
-import threading
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nrun_stats import cpu_and_rss, run  # noqa: E402
 
 
 def hosts(n):
@@ -48,47 +47,24 @@ def one(binary, n):
     if nofile:
         cmd = ["prlimit", f"--nofile={nofile}:{nofile}", "--"] + cmd
     env = dict(os.environ, NRUN_LOG="debug")
-    start = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     most = [0]
-    done = threading.Event()
+    found = [None]
 
-    def sample():
+    def look(timepid):
         # GNU time's child is the keeper; the coordinator is the keeper's child.
-        nrun = None
-        while not done.is_set():
-            try:
-                timepid = p.pid
-                if nrun is None:
-                    kids = open(f"/proc/{timepid}/task/{timepid}/children").read().split()
-                    keeper = [k for k in kids if k]
-                    if keeper and os.path.exists(f"/proc/{keeper[0]}"):
-                        # prlimit execs: its pid is GNU time's.
-                        nrun = coordinator(int(keeper[0]))
-                if nrun is not None:
-                    most[0] = max(most[0], len(os.listdir(f"/proc/{nrun}/fd")))
-            except OSError:
-                pass
-            time.sleep(0.02)
+        if found[0] is None:
+            kids = open(f"/proc/{timepid}/task/{timepid}/children").read().split()
+            keeper = [k for k in kids if k]
+            if keeper and os.path.exists(f"/proc/{keeper[0]}"):
+                # prlimit execs: its pid is GNU time's.
+                found[0] = coordinator(int(keeper[0]))
+        if found[0] is not None:
+            most[0] = max(most[0], len(os.listdir(f"/proc/{found[0]}/fd")))
 
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    _, err = p.communicate()
-    wall = time.perf_counter() - start
-    done.set()
-    t.join()
-    err = err.decode(errors="replace")
-    cpu = None
-    m = re.search(r"nrun's own CPU: ([\d.]+) s user \+ ([\d.]+) s system", err)
-    if m:
-        cpu = float(m.group(1)) + float(m.group(2))
-    rss_kb = None
-    last = err.strip().splitlines()[-1] if err.strip() else ""
-    m = re.match(r"^([\d.]+) (\d+)$", last)
-    if m:
-        rss_kb = int(m.group(2))
+    rc, err, wall = run(cmd, env, look)
+    cpu, rss_kb = cpu_and_rss(err)
     return {"n": n, "wall_s": wall, "cpu_s": cpu, "rss_mib": rss_kb and rss_kb / 1024,
-            "fds": most[0], "rc": p.returncode}
+            "fds": most[0], "rc": rc}
 
 
 def main():

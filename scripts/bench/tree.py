@@ -23,13 +23,13 @@ liveness checks past it, which real nodes, each on its own host, do not).
 """
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nrun_stats import cpu_and_rss, run  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -69,45 +69,24 @@ def one(binary, n, width, dir):
                FAKE_SSH_LOG=log)
     env.setdefault("FAKE_SSH_LATENCY_MS", "50")
     env.setdefault("FAKE_SSH_CPU_MS", "10")
-    start = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     most = {"fds": 0, "ssh": 0}
-    done = threading.Event()
+    found = [None]
 
-    def sample():
+    def look(timepid):
         # GNU time -> the keeper -> nrun (the coordinator) -> its spawner -> the ssh clients.
-        nrun = None
-        while not done.is_set():
-            try:
-                if nrun is None:
-                    for keeper in children(p.pid):
-                        for k in children(keeper):
-                            if comm(k) != "nr-watch":
-                                nrun = k
-                if nrun is not None:
-                    most["fds"] = max(most["fds"], len(os.listdir(f"/proc/{nrun}/fd")))
-                    ssh = max((len(children(k)) for k in children(nrun)), default=0)
-                    most["ssh"] = max(most["ssh"], ssh)
-            except OSError:
-                pass
-            time.sleep(0.02)
+        if found[0] is None:
+            for keeper in children(timepid):
+                for k in children(keeper):
+                    if comm(k) != "nr-watch":
+                        found[0] = k
+        nrun = found[0]
+        if nrun is not None:
+            most["fds"] = max(most["fds"], len(os.listdir(f"/proc/{nrun}/fd")))
+            ssh = max((len(children(k)) for k in children(nrun)), default=0)
+            most["ssh"] = max(most["ssh"], ssh)
 
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    _, err = p.communicate()
-    wall = time.perf_counter() - start
-    done.set()
-    t.join()
-    err = err.decode(errors="replace")
-    cpu = None
-    m = re.search(r"nrun's own CPU: ([\d.]+) s user \+ ([\d.]+) s system", err)
-    if m:
-        cpu = float(m.group(1)) + float(m.group(2))
-    rss_kb = None
-    last = err.strip().splitlines()[-1] if err.strip() else ""
-    m = re.match(r"^([\d.]+) (\d+)$", last)
-    if m:
-        rss_kb = int(m.group(2))
+    rc, err, wall = run(cmd, env, look)
+    cpu, rss_kb = cpu_and_rss(err)
     here = inner = 0
     try:
         for line in open(log):
@@ -117,11 +96,11 @@ def one(binary, n, width, dir):
                 here += 1
     except OSError:
         pass
-    if p.returncode != 0:
+    if rc != 0:
         print(err[:3000], file=sys.stderr)
     return {"n": n, "width": width, "wall_s": wall, "cpu_s": cpu,
             "rss_mib": rss_kb and rss_kb / 1024, "fds": most["fds"], "ssh_procs": most["ssh"],
-            "handshakes_here": here, "handshakes_inner": inner, "rc": p.returncode}
+            "handshakes_here": here, "handshakes_inner": inner, "rc": rc}
 
 
 def main():

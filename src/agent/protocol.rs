@@ -364,6 +364,13 @@ pub struct NodeWatch {
     pub ras: Option<RasView>,
 }
 
+/// Milliseconds since the Unix epoch: when a [`RasView`] was taken, comparable across hosts.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// What NCCL's RAS said when last asked (see `agent::ras`), or why it could not be asked.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct RasView {

@@ -138,20 +138,14 @@ impl Asker {
         if let Some(rx) = &self.pending {
             match rx.try_recv() {
                 Ok(answer) => {
-                    let at_ms = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_millis() as u64);
-                    self.view = Some(match answer {
-                        Ok(text) => RasView {
-                            at_ms,
-                            text: Some(text),
-                            error: None,
-                        },
-                        Err(e) => RasView {
-                            at_ms,
-                            text: None,
-                            error: Some(e),
-                        },
+                    let (text, error) = match answer {
+                        Ok(text) => (Some(text), None),
+                        Err(e) => (None, Some(e)),
+                    };
+                    self.view = Some(RasView {
+                        at_ms: super::protocol::unix_ms(),
+                        text,
+                        error,
                     });
                     self.pending = None;
                 }

@@ -189,7 +189,7 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
             .iter()
             .filter(|w| w.view.exited.is_none() && w.fr.files.is_some())
     };
-    let stalled = live().count() > 0 && live().all(|w| unchanged(w) >= STALL_DUMP);
+    let stalled = all_still(live());
     for w in ranks
         .iter_mut()
         .filter(|w| w.view.exited.is_none() && w.spy.is_some())
@@ -235,24 +235,24 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
     }
 }
 
-/// Whether the node's live ranks have all been still for a while and some of them run NCCL
-/// (its RAS has something to say).
-fn nccl_stalled(ranks: &mut [Watched]) -> bool {
-    let mut live = ranks
-        .iter_mut()
-        .filter(|w| w.view.exited.is_none())
-        .peekable();
-    if live.peek().is_none() {
-        return false;
-    }
-    let mut nccl = false;
-    for w in live {
+/// Whether these ranks (some at least) have all been still for [`STALL_DUMP`].
+fn all_still<'a>(ranks: impl Iterator<Item = &'a Watched>) -> bool {
+    let mut any = false;
+    for w in ranks {
         if unchanged(w) < STALL_DUMP {
             return false;
         }
-        nccl |= loaded_nccl(w);
+        any = true;
     }
-    nccl
+    any
+}
+
+/// Whether the node's live ranks have all been still for a while and some of them run NCCL
+/// (its RAS has something to say).
+fn nccl_stalled(ranks: &mut [Watched]) -> bool {
+    let live = |w: &&mut Watched| w.view.exited.is_none();
+    all_still(ranks.iter().filter(|w| w.view.exited.is_none()))
+        && ranks.iter_mut().filter(live).any(loaded_nccl)
 }
 
 /// Whether the rank's process loaded libnccl (looked up once, at its first GPU sync or stall:

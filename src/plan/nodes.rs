@@ -342,13 +342,15 @@ impl NodesPlan {
             // at least one of this host's, in case; loopback aliases, as benchmarks use, are
             // each a direct child of their own).
             let spares = list.len().saturating_sub(nodes.size);
-            let here = list
-                .iter()
-                .filter(|h| crate::net::is_this_host(&h.name))
-                .count();
             let direct = match nodes.tree_width {
-                0 => list.len(),
-                w => list.len().min(w + spares + here.max(1)),
+                w if w < 2 || list.len() <= w => list.len(),
+                w => {
+                    let here = list
+                        .iter()
+                        .filter(|h| crate::net::is_this_host(&h.name))
+                        .count();
+                    list.len().min(w + spares + here.max(1))
+                }
             };
             check_fd_limit(list.len(), direct, crate::node::process::fd_hard_limit())?;
         }

@@ -213,7 +213,8 @@ impl Client {
         }
     }
 
-    /// Cancels the pending wait: whether it had finished (STOP_WAITING came first).
+    /// Cancels the pending wait: whether it had finished (STOP_WAITING may already have been
+    /// on its way: then WAIT_CANCELED follows it).
     async fn cancel(&mut self) -> io::Result<bool> {
         self.send(&Request::CancelWait).await?;
         let mut b = self.u8().await?;
@@ -247,19 +248,7 @@ impl Client {
             None => self.u8().await?,
             Some(t) => match tokio::time::timeout(t, self.u8()).await {
                 Ok(r) => r?,
-                Err(_) => {
-                    self.send(&Request::CancelWait).await?;
-                    // STOP_WAITING may already have been on its way: then WAIT_CANCELED follows.
-                    let mut b = self.u8().await?;
-                    let stopped = b == STOP_WAITING;
-                    if stopped {
-                        b = self.u8().await?;
-                    }
-                    if b != WAIT_CANCELED {
-                        return Err(bad_reply("reply to CANCEL_WAIT"));
-                    }
-                    return Ok(stopped);
-                }
+                Err(_) => return self.cancel().await,
             },
         };
         if reply != STOP_WAITING {

@@ -339,17 +339,34 @@ impl Cluster {
         s.spawn(&args, env)
     }
 
-    /// Kills host i's nrun agents with SIGKILL (as a node dies); whether there was one.
+    /// Kills host i's nrun agents with SIGKILL (as a node dies; not the ssh clients an inner
+    /// agent of the launch tree runs); whether there was one. Each
+    /// agent and its keeper (its parent, forked from it: the same command line) die in one
+    /// kill, children first: a keeper killed first is a stop request to its agent (SIGTERM by
+    /// its parent-death signal), which then says "stopped by SIGTERM" before its own SIGKILL.
     pub fn kill_agents(&self, i: usize) -> bool {
-        Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "n=0; for p in $(ip netns pids {}); do tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null \
-                 | grep -q __agent && kill -9 $p && n=$((n+1)); done; [ $n -gt 0 ]",
-                self.host(i)
-            ))
-            .status()
-            .is_ok_and(|st| st.success())
+        let Ok(out) = Command::new("ip")
+            .args(["netns", "pids", &self.host(i)])
+            .output()
+        else {
+            return false;
+        };
+        let mut pids: Vec<u32> = text(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .filter(|pid| {
+                // `nrun __agent`, not an ssh client whose remote command names it.
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                cmd.split(|b| *b == 0).nth(1) == Some(b"__agent")
+            })
+            .collect();
+        pids.sort_unstable_by(|a, b| b.cmp(a));
+        !pids.is_empty()
+            && Command::new("kill")
+                .arg("-9")
+                .args(pids.iter().map(u32::to_string))
+                .status()
+                .is_ok_and(|st| st.success())
     }
 
     pub fn ssh_opts(&self) -> String {

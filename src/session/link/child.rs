@@ -253,13 +253,7 @@ impl NodeLink for ChildLink {
     fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
         let why = self.why_lost(bus, node, label, stopped)?;
         // An inner agent of the launch tree: its subtree goes with it, and says so.
-        Some(match &self.me {
-            Some(m) => {
-                m.lost_as(&why);
-                format!("{why}{}", m.through())
-            }
-            None => why,
-        })
+        Some(super::tree::Inner::named_lost(self.me.as_deref(), why))
     }
 
     fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {

@@ -81,6 +81,18 @@ impl Inner {
         }
     }
 
+    /// How a link of an inner agent (or none) says its node is lost: an inner agent's reason is
+    /// remembered for its subtree, which goes with it, and the words say so.
+    pub fn named_lost(me: Option<&Inner>, why: String) -> String {
+        match me {
+            Some(m) => {
+                m.lost_as(&why);
+                format!("{why}{}", m.through())
+            }
+            None => why,
+        }
+    }
+
     /// Whether it is gone, and how, in a few words: its link said so, its ssh from this host
     /// ended, or the agent above it wrote that its ssh ended.
     fn gone(&self, store: Option<&Store>, keys: &Keys) -> Option<String> {
@@ -290,13 +302,7 @@ impl NodeLink for TreeLink {
 
     fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
         let why = self.why_lost(bus, node, label, stopped)?;
-        Some(match &self.me {
-            Some(m) => {
-                m.lost_as(&why);
-                format!("{why}{}", m.through())
-            }
-            None => why,
-        })
+        Some(Inner::named_lost(self.me.as_deref(), why))
     }
 
     fn end<'a>(&'a mut self, e: Ending<'a>) -> BoxFuture<'a, ()> {
