@@ -356,12 +356,7 @@ fn help_texts_are_true() {
 #[test]
 fn a_c10d_join_failure_gets_a_hint_of_its_mode() {
     let s = Scene::new();
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = common::free_port().to_string();
     let endpoint = format!("127.0.0.1:{port}");
     let args = [
         "--nnodes",
@@ -414,20 +409,12 @@ fn c10d_args<'a>(endpoint: &'a str, id: &'a str, timeout: &'a str) -> Vec<&'a st
     ]
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Another job holding the endpoint (a single-node nrun on that port, a c10d job of another
 /// id) is named at once as such, not as "unexpected end of file" (issue 23, item 5).
 #[test]
 fn another_job_holding_the_endpoint_is_named() {
     let s = Scene::new();
-    let port = free_port().to_string();
+    let port = common::free_port().to_string();
     let endpoint = format!("127.0.0.1:{port}");
     let other = s.spawn(&["--master-port", &port, "--no-python", "sleep", "20"], &[]);
     // The other job's store is up once its port is taken.
@@ -464,7 +451,7 @@ fn another_job_holding_the_endpoint_is_named() {
 #[test]
 fn a_joiner_started_first_says_what_it_waits_for() {
     let s = Scene::new();
-    let endpoint = format!("127.0.0.1:{}", free_port());
+    let endpoint = format!("127.0.0.1:{}", common::free_port());
     let mut args = c10d_args(&endpoint, "early", "30");
     args.extend(["--no-python", "true"]);
     // The joiner must not host: the port is taken (by nothing that answers) until the host

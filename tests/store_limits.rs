@@ -58,6 +58,26 @@ async fn closed(s: &mut TcpStream, within: Duration) -> bool {
     }
 }
 
+/// Waits for nrun's store on `addr`; nrun ending first fails the test with its words.
+fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
+    use std::io::Read;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(addr).is_err() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            panic!("nrun ended ({status}) before its store listened on {addr}:\n{err}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nrun's store never listened on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A torch TCPStore client's set/get against `port`, or nrun's client where torch is missing.
 fn torch_set_get(port: u16, key: &str) {
     let Some(py) = torch_python() else {
@@ -100,11 +120,7 @@ fn torch_set_get(port: u16, key: &str) {
 #[test]
 fn pipelined_gets_of_a_large_value_stay_within_an_address_space_limit() {
     use std::io::{Read, Write};
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let s = Scene::new();
     let mut c = s.cmd(&[
         "--master-port",
@@ -124,11 +140,7 @@ fn pipelined_gets_of_a_large_value_stay_within_an_address_space_limit() {
     }
     let mut child = c.spawn().unwrap();
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "nrun's store never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    await_listen(&mut child, addr);
     let nrun_pid: u32 = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))
         .unwrap()
         .split_whitespace()
@@ -458,11 +470,7 @@ async fn many_idle_connections_do_not_lock_out_a_torch_client() {
 /// still connects and completes set/get.
 #[test]
 fn idle_sockets_never_run_nrun_out_of_file_descriptors() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let s = Scene::new();
     let mut c = s.cmd(&[
         "--master-port",
@@ -481,11 +489,7 @@ fn idle_sockets_never_run_nrun_out_of_file_descriptors() {
     }
     let mut child = c.spawn().unwrap();
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "nrun's store never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    await_listen(&mut child, addr);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let idle = rt.block_on(async {
         let mut idle = Vec::new();

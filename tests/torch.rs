@@ -352,11 +352,7 @@ fn fuzzed_frames_do_not_hurt_the_store() {
     let Some(py) = python_or_skip("fuzzed_frames_do_not_hurt_the_store") else {
         return;
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let s = Scene::new();
     let mut c = s.cmd(&[
         "--master-port",
@@ -549,15 +545,6 @@ fn torchs_own_rank_prefix_is_not_doubled() {
     s.assert_no_survivors();
 }
 
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
-
 /// torchrun (the venv's own) hosting a c10d rendezvous with nrun joining it, and the reverse:
 /// each nrun says the endpoint is the other launcher's, within its join timeout (issue 23,
 /// item 2).
@@ -596,7 +583,7 @@ fn mixed_launchers_are_named_both_ways() {
     };
 
     // torchrun hosts; nrun joins and says so at once.
-    let endpoint = format!("127.0.0.1:{}", free_port());
+    let endpoint = format!("127.0.0.1:{}", common::free_port());
     let mut host = torchrun_node(&endpoint);
     // Once torchrun holds the port, nrun joins (rather than hosts); torchrun writes its
     // rendezvous state soon after, and nrun waits for a rendezvous until then.
@@ -625,7 +612,7 @@ fn mixed_launchers_are_named_both_ways() {
     assert!(!err.contains("give every node the same --rdzv-id"), "{err}");
 
     // nrun hosts; a torchrun comes to it; nrun says so when its join timeout ends.
-    let endpoint = format!("127.0.0.1:{}", free_port());
+    let endpoint = format!("127.0.0.1:{}", common::free_port());
     // torchrun's Python takes seconds to start on a loaded machine: a join timeout with room.
     let mut args: Vec<String> = c10d(&endpoint, "20").into();
     args.extend(["--no-python", "true"].map(String::from));

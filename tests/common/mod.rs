@@ -9,6 +9,28 @@ pub fn nrun_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_nrun"))
 }
 
+/// A port for a server a test starts later (nrun's `--master-port`), from below the kernel's
+/// ephemeral range: a port the kernel handed out as free (`bind :0`) can be taken, before the
+/// server binds it, as the local end of another test's outgoing connection.
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let low: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let (base, span) = (10_000u32, low.saturating_sub(10_000).max(1000));
+    // Test binaries run side by side: each starts at a place of its own in the span.
+    let start = std::process::id().wrapping_mul(7919) % span;
+    for _ in 0..span {
+        let port = (base + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span) as u16;
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port below the ephemeral range");
+}
+
 pub fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
 }
