@@ -1444,6 +1444,58 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
     c.assert_nothing_left(2);
 }
 
+/// A node too busy to answer for a few seconds (its agent stopped with SIGSTOP, its
+/// connections open): the launch host calls it lost after half of --agent-timeout (2.5 s by
+/// default) and says which flag allows for it; with --agent-timeout 20 the same pause is sat
+/// out and the job ends well. Nothing is left on either host.
+#[test]
+fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
+    let Some(c) = Cluster::up("cts", 2) else {
+        return;
+    };
+    let hosts = c.hosts(2);
+    let opts = c.ssh_opts();
+    for timeout in [None, Some("20")] {
+        let s = Scene::new();
+        let mut args = vec!["-H", &hosts, "--ssh-opts", &opts, "--no-python-probe"];
+        if let Some(t) = timeout {
+            args.extend(["--agent-timeout", t]);
+        }
+        args.extend([
+            "-x",
+            "NRUN_TEST_TAG",
+            "-x",
+            "MARK",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo ready >> $MARK; sleep 8",
+        ]);
+        let child = s.spawn(&args, &[]);
+        s.wait_marks("ready", 2, Duration::from_secs(30));
+        assert!(c.signal_agents(2, "-STOP"), "no agent on cts-h2");
+        std::thread::sleep(Duration::from_secs(4));
+        assert!(c.signal_agents(2, "-CONT"));
+        let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+        let err = text(&out.stderr);
+        match timeout {
+            None => {
+                assert_eq!(out.status.code(), Some(95), "{err}");
+                assert!(err.contains("sent no heartbeat for"), "{err}");
+                assert!(err.contains("--agent-timeout"), "{err}");
+            }
+            Some(_) => {
+                assert_eq!(out.status.code(), Some(0), "{err}");
+                assert!(!err.contains("lost"), "{err}");
+            }
+        }
+        s.assert_no_survivors();
+        c.assert_nothing_left(2);
+    }
+}
+
 /// A host cut off (every packet dropped, nothing refused): no connection closes for many seconds,
 /// but its agent notices the store's silence and stops its workers by itself within
 /// --agent-timeout; the launcher names the node lost and says so.

@@ -12,8 +12,8 @@ use tokio::sync::watch;
 
 use crate::store::client::Client;
 
-/// How often the store is asked: the coordinator calls a node lost after 2.5 s without a
-/// beat (session::link::peer::SILENCE).
+/// How often the store is asked: the coordinator calls a node lost after half of
+/// --agent-timeout without a beat (`session::link::Bus::silence`).
 const EVERY: Duration = Duration::from_millis(500);
 
 /// Why the launch host counts as gone, for the agent's last words.

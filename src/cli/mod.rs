@@ -707,8 +707,10 @@ pub struct NodesArgs {
     #[arg(long = "no-python-probe", env = "NRUN_NO_PYTHON_PROBE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub no_python_probe: bool,
 
-    /// An agent whose launch host (its store) does not answer for SECS stops its node's workers
-    /// by itself (a partition closes no connection for a long while).
+    /// How long a node and the launch host may not hear from each other: an agent whose
+    /// launch host (its store) does not answer for SECS stops its node's workers by itself (a
+    /// partition closes no connection for a long while), and the launch host calls a node lost
+    /// after half of it without that node's heartbeat. Raise it for hosts too loaded to answer.
     #[arg(
         long = "agent-timeout",
         env = "NRUN_AGENT_TIMEOUT",

@@ -220,6 +220,7 @@ impl Session {
                 nonces: Default::default(),
                 nudges: Arc::default(),
                 controls: Default::default(),
+                silence: nodes.agent_timeout / 2,
             },
             rendezvous,
             run,

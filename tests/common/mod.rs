@@ -367,6 +367,12 @@ impl Cluster {
     /// kill, children first: a keeper killed first is a stop request to its agent (SIGTERM by
     /// its parent-death signal), which then says "stopped by SIGTERM" before its own SIGKILL.
     pub fn kill_agents(&self, i: usize) -> bool {
+        self.signal_agents(i, "-KILL")
+    }
+
+    /// Sends `sig` (`-KILL`, `-STOP`, ...) to host i's nrun agents and their keepers at once,
+    /// children first; whether there was one.
+    pub fn signal_agents(&self, i: usize, sig: &str) -> bool {
         let Ok(out) = Command::new("ip")
             .args(["netns", "pids", &self.host(i)])
             .output()
@@ -385,7 +391,7 @@ impl Cluster {
         pids.sort_unstable_by(|a, b| b.cmp(a));
         !pids.is_empty()
             && Command::new("kill")
-                .arg("-9")
+                .arg(sig)
                 .args(pids.iter().map(u32::to_string))
                 .status()
                 .is_ok_and(|st| st.success())

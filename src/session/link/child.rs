@@ -273,8 +273,9 @@ impl ChildLink {
             None => self.beat.silent(bus, node).map(|quiet| {
                 format!(
                     "lost the connection to {label}: its agent sent no heartbeat for {:.1} s (its \
-                     host is down or cut off from this one); it stops its workers there by itself \
-                     within {} s of losing this host (--agent-timeout)",
+                     host is down, cut off from this one or too busy to answer); it stops its \
+                     workers there by itself within {} s of losing this host (--agent-timeout; \
+                     this host waits half of it)",
                     quiet.as_secs_f64(),
                     self.agent_timeout.as_secs_f64()
                 )

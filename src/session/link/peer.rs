@@ -10,12 +10,6 @@ use tokio::time::Instant;
 
 use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
 
-/// A node is lost when its heartbeat (every half second, [`crate::agent::liveness`]) stops
-/// this long: five beats missed, noticed within 3 s of a node dying or being cut off. An agent
-/// whose connection closes is lost at once: the store removes its counter
-/// ([`crate::store::server::LIVE_SUFFIX`]).
-pub const SILENCE: Duration = Duration::from_millis(2500);
-
 /// Longer than this between two looks at a heartbeat, this process was not looking (busy, or
 /// between steps): the time does not count against the node.
 const LOOKED_AWAY: Duration = Duration::from_millis(500);
@@ -36,12 +30,15 @@ impl Heartbeat {
         // or its process was killed (its kernel closed the socket). Silence is for the rest.
         let closed = beat.is_empty() && self.last.as_ref().is_some_and(|(v, _)| !v.is_empty());
         let quiet = self.quiet(beat, Instant::now());
-        let why = match (stopped, closed, quiet > SILENCE) {
+        let why = match (stopped, closed, quiet > bus.silence) {
             (true, ..) => "stopped its workers when its link to this host broke".to_string(),
-            (false, true, _) => "closed its connection to this host: its nrun ended there, or                                  was killed"
-                .to_string(),
+            (false, true, _) => {
+                "closed its connection to this host: its nrun ended there, or was killed"
+                    .to_string()
+            }
             (false, false, true) => format!(
-                "sent no heartbeat for {:.1} s: its host is down or cut off from this one",
+                "sent no heartbeat for {:.1} s: its host is down, cut off from this one or too \
+                 busy to answer (--agent-timeout sets how long that may last)",
                 quiet.as_secs_f64()
             ),
             (false, false, false) => return None,
@@ -51,10 +48,11 @@ impl Heartbeat {
         ))
     }
 
-    /// How long node `node`'s heartbeat has been still, once that is longer than [`SILENCE`].
+    /// How long node `node`'s heartbeat has been still, once that is longer than the bus's
+    /// silence.
     pub fn silent(&mut self, bus: &Bus, node: usize) -> Option<Duration> {
         let quiet = self.quiet(bus.heartbeat(node), Instant::now());
-        (quiet > SILENCE).then_some(quiet)
+        (quiet > bus.silence).then_some(quiet)
     }
 
     /// How long the heartbeat has been still at `now`, not counting time this process spent
