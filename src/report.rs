@@ -83,12 +83,21 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
                 exit::USAGE,
                 format!("nrun: error: cannot start workers on {host}: {e}\n"),
             ),
-            RunResult::Lost(e) => failed(
-                exit::CLUSTER,
-                format!(
-                    "nrun: error: {e}; every worker on the other nodes was stopped\n  hint: check that {host} is up and reachable (ssh {host} true)\n"
-                ),
-            ),
+            RunResult::Lost(e) => {
+                let hint = match crate::net::is_this_host(host) {
+                    true => format!(
+                        "check what ended nrun's agent of {host} on this host (a kill, or the \
+                         kernel's out-of-memory killer: dmesg)"
+                    ),
+                    false => format!("check that {host} is up and reachable (ssh {host} true)"),
+                };
+                failed(
+                    exit::CLUSTER,
+                    format!(
+                        "nrun: error: {e}; every worker on the other nodes was stopped\n  hint: {hint}\n"
+                    ),
+                )
+            }
             _ => failed(
                 exit::INTERNAL,
                 format!("nrun: error: workers on {host} ran past their deadline\n"),

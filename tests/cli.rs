@@ -1346,14 +1346,57 @@ fn too_many_nodes_for_the_open_file_limit_exit_1() {
             && err.contains("allows 1024 (hard limit): raise it (ulimit -n 2064"),
         "{err}"
     );
-    // (32 and, counted in case, this host's own node) x 5 + 567 x 2 + 64.
+    // 32 x 5 + 568 x 2 + 64: the tree's 32 roots hold pipes here, the rest store connections.
     let err = refused(600, &[]);
     assert!(
-        err.starts_with("nrun: error: 600 nodes started over ssh need about 1363 open files")
+        err.starts_with("nrun: error: 600 nodes started over ssh need about 1360 open files")
             && err.contains("2 per node of the launch tree")
-            && err.contains("allows 1024 (hard limit): raise it (ulimit -n 1363"),
+            && err.contains("allows 1024 (hard limit): raise it (ulimit -n 1360"),
         "{err}"
     );
+}
+
+/// 400 nodes of this machine (loopback aliases, as the scale benchmark uses) under a hard limit
+/// of 1,024 open files: the launch tree starts them too (32 here, the rest from those), so
+/// the job runs and exits 0 (issue 21's target); flat, the same job is refused up front.
+#[test]
+fn four_hundred_local_nodes_run_under_a_limit_of_1024_files() {
+    let hosts: Vec<String> = (0..400)
+        .map(|i| format!("127.1.{}.{}", i / 250, i % 250 + 1))
+        .collect();
+    let run = |extra: &[&str]| {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
+            .arg(nrun_bin())
+            .args(["-H", &hosts.join(",")])
+            .args(extra)
+            .args([
+                "--agent-timeout",
+                "60",
+                "--no-python",
+                "sh",
+                "-c",
+                "echo up",
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = run(&[]);
+    let (o, err) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(
+        o.lines().filter(|l| l.ends_with("]: up")).count(),
+        400,
+        "{o}"
+    );
+    for rank in [0, 31, 32, 399] {
+        let host = &hosts[rank];
+        // Rank numbers are padded to the widest (399).
+        assert!(o.contains(&format!("[{host}:rank{rank:>3}]: up")), "{o}");
+    }
+    let out = run(&["--tree-width", "0"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
 }
 
 /// A node count is bounded as a host list is: c10d lays out every node up front (found by the

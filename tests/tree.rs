@@ -285,3 +285,91 @@ fn a_killed_or_interrupted_launcher_leaves_nothing_in_the_tree() {
         c.assert_nothing_left(5);
     }
 }
+
+/// Seven nodes of this machine (loopback aliases), width 2: the tree starts them too, without
+/// ssh (an `ssh` first on PATH that only complains is never run): 127.1.9.1 starts .3 (which
+/// starts .5) and .4, 127.1.9.2 starts .6 and .7. Then that second inner agent killed outright:
+/// its nodes' agents and workers die with it (parent-death signals), it is named with them,
+/// the job ends, and nothing is left running.
+#[test]
+fn this_machines_nodes_go_through_the_tree_without_ssh() {
+    let s = Scene::new();
+    let bin = s.dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let fake = bin.join("ssh");
+    std::fs::write(&fake, "#!/bin/sh\necho ssh-ran >> \"$MARK\"\nexit 255\n").unwrap();
+    Command::new("chmod")
+        .arg("755")
+        .arg(&fake)
+        .status()
+        .unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let hosts: Vec<String> = (1..=7).map(|i| format!("127.1.9.{i}")).collect();
+    let run = |work: &str| {
+        s.spawn(
+            &[
+                "-H",
+                &hosts.join(","),
+                "--tree-width",
+                "2",
+                "--nproc",
+                "1",
+                "--no-python",
+                "sh",
+                "-c",
+                work,
+            ],
+            &[("PATH", &path)],
+        )
+    };
+    let (out, _) = wait_with_timeout(
+        run("echo \"rank=$RANK world=$WORLD_SIZE\""),
+        Duration::from_secs(60),
+    );
+    let (o, err) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{o}\n{err}");
+    for (rank, host) in hosts.iter().enumerate() {
+        assert!(
+            o.contains(&format!("[{host}:rank{rank}]: rank={rank} world=7")),
+            "{o}"
+        );
+    }
+    assert!(!s.marks().iter().any(|m| m == "ssh-ran"), "{:?}", s.marks());
+    s.assert_no_survivors();
+
+    // Each worker says its agent's pid; rank 1's agent is the inner one of .6 and .7.
+    let child = run("echo \"$RANK $PPID\" >> $MARK; exec sleep 60");
+    let t0 = Instant::now();
+    let agent_of_1 = loop {
+        let marks = s.marks();
+        if marks.len() >= 7 {
+            let line = marks.iter().find(|m| m.starts_with("1 ")).unwrap();
+            break line[2..].to_string();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{marks:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        Command::new("kill")
+            .args(["-9", &agent_of_1])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let t0 = Instant::now();
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let err = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("lost 127.1.9.2: its agent, a process of this host, was killed by SIGKILL")
+            && err.contains("what ended nrun's agent of 127.1.9.2 on this host")
+            && err.contains(
+                "the 2 nodes started through it in the launch tree go with it: 127.1.9.6, \
+                 127.1.9.7"
+            ),
+        "{err}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    assert!(!s.marks().iter().any(|m| m == "ssh-ran"), "{:?}", s.marks());
+    s.assert_no_survivors();
+}

@@ -1,6 +1,7 @@
 //! An inner agent of the launch tree (`--tree-width`): right after its [`Hello`], it starts
-//! the agents of the nodes its Hello lists under `tree` over ssh from its own node, as the
-//! launch host starts its own (the same [`AgentProcess`], options, nrun path, concurrency and
+//! the agents of the nodes its Hello lists under `tree` over ssh from its own node (those of
+//! its own machine without ssh: the launch host's loopback aliases), as the launch host starts
+//! its own (the same [`AgentProcess`], options, nrun path, concurrency and
 //! `--ship`; each child gets its own Hello with its own subtree), while it joins and serves its
 //! own node as any agent does.
 //!
@@ -117,16 +118,27 @@ async fn serve_child(
 ) {
     let start = async {
         let _permit = sem.acquire().await;
-        let nrun = match ssh.ship {
-            true => ship(&ssh.ssh_opts, &b.label).await?,
-            false => ssh.remote_nrun.clone(),
+        // A node of this same machine is started as the launch host starts its own: this
+        // binary, no ssh (its agent dies with this one, and its workers with it).
+        let local = crate::net::is_this_host(&b.label);
+        let argv = match (local, ssh.ship) {
+            (true, _) => {
+                let exe = std::env::current_exe().map_err(|e| {
+                    crate::error::Error::internal(format!("cannot find nrun's own executable: {e}"))
+                })?;
+                vec![exe.into_os_string(), "__agent".into()]
+            }
+            (false, true) => {
+                let nrun = ship(&ssh.ssh_opts, &b.label).await?;
+                crate::remote::ssh_command(&b.label, &ssh.ssh_opts, &nrun)
+            }
+            (false, false) => crate::remote::ssh_command(&b.label, &ssh.ssh_opts, &ssh.remote_nrun),
         };
-        let argv = crate::remote::ssh_command(&b.label, &ssh.ssh_opts, &nrun);
         let relay = Relay {
             nudge: None,
             tag: Some(b.label.clone()),
         };
-        AgentProcess::spawn(&argv, &b.label, &hello, false, relay).await
+        AgentProcess::spawn(&argv, &b.label, &hello, local, relay).await
     };
     let started = tokio::select! {
         r = start => r,

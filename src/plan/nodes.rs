@@ -337,21 +337,16 @@ impl NodesPlan {
             ));
         }
         if launcher == Launcher::Ssh {
-            // The launch tree's nodes hold no ssh pipes here: at most the width, the spares
-            // and this host's own nodes do (counted as if every node could be one of them;
-            // at least one of this host's, in case; loopback aliases, as benchmarks use, are
-            // each a direct child of their own).
+            // The launch tree's nodes hold no pipes here: the spares and the roots of its two
+            // trees do (this machine's nodes, the others: see session::link::child::start).
             let spares = list.len().saturating_sub(nodes.size);
-            let direct = match nodes.tree_width {
-                w if w < 2 || list.len() <= w => list.len(),
-                w => {
-                    let here = list
-                        .iter()
-                        .filter(|h| crate::net::is_this_host(&h.name))
-                        .count();
-                    list.len().min(w + spares + here.max(1))
-                }
-            };
+            let here = list[..nodes.size.min(list.len())]
+                .iter()
+                .filter(|h| crate::net::is_this_host(&h.name))
+                .count();
+            let there = list.len() - spares - here;
+            let roots = |n| crate::plan::tree::roots(n, nodes.tree_width);
+            let direct = spares + roots(here) + roots(there);
             check_fd_limit(list.len(), direct, crate::node::process::fd_hard_limit())?;
         }
         let layout = hosts::rank_layout(&list, shape.nproc)?;

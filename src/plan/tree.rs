@@ -39,6 +39,14 @@ pub fn split(nodes: &[(usize, String)], width: usize) -> Vec<Branch> {
         .collect()
 }
 
+/// How many of `n` nodes [`split`] leaves to the launch host.
+pub fn roots(n: usize, width: usize) -> usize {
+    match width {
+        0 | 1 => n,
+        w => n.min(w),
+    }
+}
+
 fn leaf(n: &(usize, String)) -> Branch {
     Branch {
         node: n.0,
@@ -84,6 +92,16 @@ mod tests {
         }
         seen.sort_unstable();
         assert_eq!(seen, (0..n).collect::<Vec<_>>());
+    }
+
+    /// The open-file check's count of the launch host's own starts is the split's.
+    #[test]
+    fn roots_counts_what_split_leaves_to_the_launch_host() {
+        for w in [0, 1, 2, 3, 32] {
+            for n in [0, 1, 2, 5, 32, 33, 400, 1100] {
+                assert_eq!(roots(n, w), split(&nodes(n), w).len(), "{n} nodes, width {w}");
+            }
+        }
     }
 
     #[test]

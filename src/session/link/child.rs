@@ -47,21 +47,26 @@ pub async fn start(
     // One copy of the plan shared by every start (a copy each was O(nodes^2) memory).
     let shared = Arc::new(np.clone());
     let mut starts = Vec::new();
-    let mut through = Vec::new();
+    // This machine's nodes and the others make trees of their own: an agent elsewhere could not
+    // start a node of this machine (its name means that agent's own machine there), and this
+    // machine's own are started without ssh, by this nrun or by an agent beside it.
+    let (mut here, mut there) = (Vec::new(), Vec::new());
     for (i, h) in hosts.iter().enumerate() {
-        // This host's own node needs no ssh; a spare stays a child of this host, so that the
-        // node it replaces can be lost with its subtree while the spare is not.
-        let direct = np.tree_width == 0 || i >= np.size || crate::net::is_this_host(&h.name);
-        match direct {
-            true => starts.push(Branch {
+        // A spare stays a child of this host, so that the node it replaces can be lost with
+        // its subtree while the spare is not.
+        let direct = np.tree_width == 0 || i >= np.size;
+        match (direct, crate::net::is_this_host(&h.name)) {
+            (true, _) => starts.push(Branch {
                 node: i,
                 label: h.name.clone(),
                 children: Vec::new(),
             }),
-            false => through.push((i, h.name.clone())),
+            (false, true) => here.push((i, h.name.clone())),
+            (false, false) => there.push((i, h.name.clone())),
         }
     }
-    starts.extend(crate::plan::tree::split(&through, np.tree_width));
+    starts.extend(crate::plan::tree::split(&here, np.tree_width));
+    starts.extend(crate::plan::tree::split(&there, np.tree_width));
     starts.sort_unstable_by_key(|b| b.node);
     let inner = starts.iter().filter(|b| !b.children.is_empty()).count();
     if inner > 0 {
@@ -263,6 +268,15 @@ impl NodeLink for ChildLink {
 
 impl ChildLink {
     fn why_lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
+        // A process of this host: no link to break, and its workers die with it.
+        if let (true, Some(st)) = (self.local, self.process.exited()) {
+            let said = self.process.own_words();
+            return Some(format!(
+                "lost {label}: its agent, a process of this host, {}{}; its workers ended with it",
+                crate::agent::child::how_it_ended(&st),
+                said.map_or(String::new(), |w| format!(" ({w})"))
+            ));
+        }
         match self.process.epitaph() {
             None if stopped => Some(format!(
                 "lost the connection to {label}: its agent stopped its workers when the link \
