@@ -373,3 +373,56 @@ fn this_machines_nodes_go_through_the_tree_without_ssh() {
     assert!(!s.marks().iter().any(|m| m == "ssh-ran"), "{:?}", s.marks());
     s.assert_no_survivors();
 }
+
+/// A node of this machine deep in the tree (started by an agent beside it, no heartbeat) whose
+/// agent is killed outright: the agent that started it writes its end up, the launch host
+/// names it so, and the job ends with nothing left.
+#[test]
+fn a_killed_local_leaf_agent_is_named_by_the_agent_that_started_it() {
+    let s = Scene::new();
+    let hosts: Vec<String> = (1..=7).map(|i| format!("127.1.8.{i}")).collect();
+    let child = s.spawn(
+        &[
+            "-H",
+            &hosts.join(","),
+            "--tree-width",
+            "2",
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo \"$RANK $PPID\" >> $MARK; exec sleep 60",
+        ],
+        &[],
+    );
+    let t0 = Instant::now();
+    // 127.1.8.5 (rank 4) is started by 127.1.8.3, itself started by 127.1.8.1.
+    let agent_of_4 = loop {
+        let marks = s.marks();
+        if marks.len() >= 7 {
+            let line = marks.iter().find(|m| m.starts_with("4 ")).unwrap();
+            break line[2..].to_string();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{marks:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        Command::new("kill")
+            .args(["-9", &agent_of_4])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(
+            "lost 127.1.8.5: its agent (a process of this host, started by 127.1.8.3's agent in \
+             the launch tree) was killed by SIGKILL"
+        ),
+        "{err}"
+    );
+    s.assert_no_survivors();
+}

@@ -70,9 +70,9 @@ impl Subtree {
                 label: b.label.clone(),
                 tree: b.children.clone(),
                 tree_ssh: (!b.children.is_empty()).then(|| ssh.clone()),
-                // A node started from another is watched by the launch host through its
-                // heartbeat alone.
-                heartbeat: true,
+                // A node started from another elsewhere is watched by the launch host through
+                // its heartbeat alone; one of this machine, as a process by its starter.
+                heartbeat: !crate::net::is_this_host(&b.label),
                 nodes: Vec::new(),
                 own: None,
                 ..hello.clone()

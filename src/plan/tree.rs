@@ -99,7 +99,11 @@ mod tests {
     fn roots_counts_what_split_leaves_to_the_launch_host() {
         for w in [0, 1, 2, 3, 32] {
             for n in [0, 1, 2, 5, 32, 33, 400, 1100] {
-                assert_eq!(roots(n, w), split(&nodes(n), w).len(), "{n} nodes, width {w}");
+                assert_eq!(
+                    roots(n, w),
+                    split(&nodes(n), w).len(),
+                    "{n} nodes, width {w}"
+                );
             }
         }
     }

@@ -133,6 +133,7 @@ pub async fn start(
                 keys: &keys,
                 nudges,
                 agent_timeout: np.agent_timeout,
+                local: link.local,
             };
             tree.links(&b.children, &[me], &mut links);
         }
@@ -165,6 +166,8 @@ struct TreeParts<'a> {
     keys: &'a Keys,
     nudges: &'a Arc<Nudges>,
     agent_timeout: Duration,
+    /// The tree of this machine's own nodes (see [`start`]).
+    local: bool,
 }
 
 impl TreeParts<'_> {
@@ -185,6 +188,7 @@ impl TreeParts<'_> {
                 self.store.clone(),
                 self.keys.clone(),
                 self.agent_timeout,
+                self.local,
             )));
             if let Some(m) = me {
                 let mut deeper = line.to_vec();

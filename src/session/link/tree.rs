@@ -146,6 +146,9 @@ pub struct TreeLink {
     keys: Keys,
     beat: Heartbeat,
     agent_timeout: Duration,
+    /// Its agent runs on this machine, started by an agent beside it: watched as a process by
+    /// that agent (which writes its end up), not by a heartbeat.
+    local: bool,
     /// Since when its agent's own state said lost while nothing above it did (see [`HOLD`]).
     held: Option<Instant>,
 }
@@ -158,6 +161,7 @@ impl TreeLink {
         store: Option<Arc<Store>>,
         keys: Keys,
         agent_timeout: Duration,
+        local: bool,
     ) -> TreeLink {
         TreeLink {
             node,
@@ -167,6 +171,7 @@ impl TreeLink {
             keys,
             beat: Heartbeat::default(),
             agent_timeout,
+            local,
             held: None,
         }
     }
@@ -198,14 +203,24 @@ impl TreeLink {
 
     /// Its loss in words, before the subtree's part.
     fn why_lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
-        if let Some(said) = self.own_end(node) {
-            return Some(format!(
-                "lost the connection to {label}: the ssh from {} that started its agent in the \
-                 launch tree {said}; its agent stops its workers there by itself within {} s of \
-                 losing its ssh or this host (--agent-timeout)",
-                self.parent(),
-                self.agent_timeout.as_secs_f64()
-            ));
+        match (self.own_end(node), self.local) {
+            (Some(said), true) => {
+                return Some(format!(
+                    "lost {label}: its agent (a process of this host, started by {}'s agent in \
+                     the launch tree) {said}; its workers ended with it",
+                    self.parent()
+                ));
+            }
+            (Some(said), false) => {
+                return Some(format!(
+                    "lost the connection to {label}: the ssh from {} that started its agent in \
+                     the launch tree {said}; its agent stops its workers there by itself within \
+                     {} s of losing its ssh or this host (--agent-timeout)",
+                    self.parent(),
+                    self.agent_timeout.as_secs_f64()
+                ));
+            }
+            (None, _) => {}
         }
         if let Some((anc, why)) = self.ancestor_gone() {
             return Some(format!(
@@ -221,6 +236,8 @@ impl TreeLink {
                 )),
                 true,
             ),
+            // Its process is watched by the agent beside it, which writes its end up.
+            false if self.local => (None, false),
             // Its connection closed (its counter gone) may be its inner agent's loss coming
             // the other way; a silent heartbeat has waited long enough already.
             false => (
