@@ -157,7 +157,10 @@ impl Session {
                 };
                 store.set_max_bytes(plan.store_max_bytes);
                 // A node's ranks all connect from its address (torch opens more than one each
-                // on init): the cap per address must hold the largest node's.
+                // on init): the cap per address must hold the largest node's. Agents may all
+                // come from one address too (nodes behind one NAT address, or one machine
+                // standing in for many), two connections each, at once at a launch tree's
+                // start: the cap is on connections that have not proved the secret yet.
                 let most = nodes
                     .layout
                     .iter()
@@ -165,7 +168,10 @@ impl Session {
                     .max()
                     .unwrap_or(1);
                 let limits = store.limits();
-                let per_peer = limits.per_peer.max(4 * most + 64);
+                let per_peer = limits
+                    .per_peer
+                    .max(4 * most + 64)
+                    .max(2 * nodes.hosts.len() + 64);
                 store.set_limits(crate::store::server::Limits { per_peer, ..limits });
                 // Every worker keeps a connection (torch opens more on init), every agent two.
                 let needed = nodes.world as u64 * 2 + nodes.hosts.len() as u64 * 2 + 64;

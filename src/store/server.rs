@@ -909,7 +909,11 @@ async fn connection(
     let (mut rd, mut wr) = stream.into_split();
     let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<u8>();
     let _ = live.wake.set(wake_tx.clone());
+    // Chosen to make room before its task could hear it: said as the others are.
     if live.evicted.load(Ordering::Relaxed) {
+        quiet_warn(format_args!(
+            "store: closing a new connection from {peer} to make room for others (connection caps)"
+        ));
         return;
     }
     let mut c = Conn {
