@@ -1342,14 +1342,14 @@ fn too_many_nodes_for_the_open_file_limit_exit_1() {
     };
     let err = refused(400, &["--tree-width", "0"]);
     assert!(
-        err.starts_with("nrun: error: 400 nodes started over ssh need about 2064 open files")
+        err.starts_with("nrun: error: 400 nodes need about 2064 open files")
             && err.contains("allows 1024 (hard limit): raise it (ulimit -n 2064"),
         "{err}"
     );
     // 32 x 5 + 568 x 2 + 64: the tree's 32 roots hold pipes here, the rest store connections.
     let err = refused(600, &[]);
     assert!(
-        err.starts_with("nrun: error: 600 nodes started over ssh need about 1360 open files")
+        err.starts_with("nrun: error: 600 nodes need about 1360 open files")
             && err.contains("2 per node of the launch tree")
             && err.contains("allows 1024 (hard limit): raise it (ulimit -n 1360"),
         "{err}"
@@ -1364,23 +1364,29 @@ fn four_hundred_local_nodes_run_under_a_limit_of_1024_files() {
     let hosts: Vec<String> = (0..400)
         .map(|i| format!("127.1.{}.{}", i / 250, i % 250 + 1))
         .collect();
+    let s = Scene::new();
     let run = |extra: &[&str]| {
-        std::process::Command::new("sh")
+        let child = std::process::Command::new("sh")
             .arg("-c")
             .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
             .arg(nrun_bin())
             .args(["-H", &hosts.join(",")])
             .args(extra)
+            // 400 agents starting on a loaded two-core machine.
             .args([
-                "--agent-timeout",
-                "60",
+                "--join-timeout",
+                "120",
                 "--no-python",
                 "sh",
                 "-c",
                 "echo up",
             ])
-            .output()
-            .unwrap()
+            .env("NRUN_TEST_TAG", &s.tag)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_with_timeout(child, std::time::Duration::from_secs(300)).0
     };
     let out = run(&[]);
     let (o, err) = (text(&out.stdout), text(&out.stderr));
@@ -1396,7 +1402,13 @@ fn four_hundred_local_nodes_run_under_a_limit_of_1024_files() {
         assert!(o.contains(&format!("[{host}:rank{rank:>3}]: up")), "{o}");
     }
     let out = run(&["--tree-width", "0"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("400 nodes need about 2064 open files"),
+        "{err}"
+    );
+    s.assert_no_survivors();
 }
 
 /// A node count is bounded as a host list is: c10d lays out every node up front (found by the

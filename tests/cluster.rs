@@ -1444,7 +1444,7 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
     c.assert_nothing_left(2);
 }
 
-/// A node too busy to answer for a few seconds (its agent stopped with SIGSTOP, its
+/// A node too busy to answer for a few seconds (its agent stopped 6 s with SIGSTOP, its
 /// connections open): the launch host calls it lost after half of --agent-timeout (2.5 s by
 /// default) and says which flag allows for it; with --agent-timeout 20 the same pause is sat
 /// out and the job ends well. Nothing is left on either host.
@@ -1476,7 +1476,8 @@ fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
         let child = s.spawn(&args, &[]);
         s.wait_marks("ready", 2, Duration::from_secs(30));
         assert!(c.signal_agents(2, "-STOP"), "no agent on cts-h2");
-        std::thread::sleep(Duration::from_secs(4));
+        // Well past 2.5 s, well under the 10 s that --agent-timeout 20 allows.
+        std::thread::sleep(Duration::from_secs(6));
         assert!(c.signal_agents(2, "-CONT"));
         let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
         let err = text(&out.stderr);

@@ -79,9 +79,21 @@ pub struct Branch {
     pub label: String,
     #[serde(default)]
     pub children: Vec<Branch>,
+    /// A node of the launch host's own machine, in that machine's tree: started without ssh by
+    /// the agent beside it and watched as its process. Decided once, on the launch host (a
+    /// name of the machine it means there), never again where the tree is walked.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub local: bool,
 }
 
 impl Branch {
+    /// This branch and all below it marked as nodes of the launch host's own machine.
+    pub fn into_local(mut self) -> Branch {
+        self.local = true;
+        self.children = self.children.into_iter().map(Branch::into_local).collect();
+        self
+    }
+
     /// Every node below this one, depth first.
     pub fn below(&self) -> Vec<&Branch> {
         let mut out = Vec::new();
@@ -560,6 +572,7 @@ mod tests {
     #[test]
     fn a_hello_with_a_subtree_round_trips() {
         let leaf = |node: usize| Branch {
+            local: false,
             node,
             label: format!("b{node}"),
             children: Vec::new(),
@@ -583,6 +596,7 @@ mod tests {
                     node: 3,
                     label: "b3".into(),
                     children: vec![leaf(5)],
+                    local: true,
                 },
                 leaf(4),
             ],

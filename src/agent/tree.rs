@@ -58,6 +58,7 @@ impl Subtree {
         let sem = Arc::new(tokio::sync::Semaphore::new(ssh.concurrency.max(1)));
         let (phase, _) = watch::channel(Phase::Running);
         let report = Arc::new(Reporter {
+            me: hello.label.clone(),
             addrs: hello.addrs.clone(),
             secret: hello.secret.clone(),
             keys: Keys::new(&hello.run),
@@ -71,8 +72,9 @@ impl Subtree {
                 tree: b.children.clone(),
                 tree_ssh: (!b.children.is_empty()).then(|| ssh.clone()),
                 // A node started from another elsewhere is watched by the launch host through
-                // its heartbeat alone; one of this machine, as a process by its starter.
-                heartbeat: !crate::net::is_this_host(&b.label),
+                // its heartbeat alone; one of the launch host's machine, as a process by its
+                // starter.
+                heartbeat: !b.local,
                 nodes: Vec::new(),
                 own: None,
                 ..hello.clone()
@@ -118,9 +120,9 @@ async fn serve_child(
 ) {
     let start = async {
         let _permit = sem.acquire().await;
-        // A node of this same machine is started as the launch host starts its own: this
-        // binary, no ssh (its agent dies with this one, and its workers with it).
-        let local = crate::net::is_this_host(&b.label);
+        // A node of the launch host's machine (this one) is started as the launch host starts
+        // its own: this binary, no ssh (its agent dies with this one, its workers with it).
+        let local = b.local;
         let argv = match (local, ssh.ship) {
             (true, _) => {
                 let exe = std::env::current_exe().map_err(|e| {
@@ -148,7 +150,7 @@ async fn serve_child(
     let mut process = match started {
         Ok(p) => p,
         Err(e) => {
-            report.lost(b.node, &format!("could not start: {e}")).await;
+            report.lost(&b, &format!("could not start: {e}")).await;
             return;
         }
     };
@@ -171,7 +173,7 @@ async fn serve_child(
                 .own_words()
                 .or_else(|| process.last_words())
                 .map_or(String::new(), |w| format!(": {w}"));
-            report.lost(b.node, &format!("{how}{said}")).await;
+            report.lost(&b, &format!("{how}{said}")).await;
         }
         (true, _) => {}
         (false, Phase::Kill) => process.kill().await,
@@ -182,6 +184,8 @@ async fn serve_child(
 /// Writes a child's end into the launch host's store, on a connection of its own (opened when
 /// first needed: most trees never need one).
 struct Reporter {
+    /// This agent's node, for its last words.
+    me: String,
     addrs: Vec<String>,
     secret: String,
     keys: Keys,
@@ -189,22 +193,44 @@ struct Reporter {
 }
 
 impl Reporter {
-    async fn lost(&self, node: usize, what: &str) {
+    /// Writes child `b`'s end up, trying for a few seconds. A child elsewhere that cannot be
+    /// reported is still found by its heartbeat; one of this machine has none, so this agent
+    /// then ends, and the launch host finds it and its subtree lost instead of waiting on them.
+    async fn lost(&self, b: &Branch, what: &str) {
+        let mut wait = Duration::from_millis(200);
+        for _ in 0..5 {
+            if self.try_lost(b.node, what).await {
+                return;
+            }
+            tokio::time::sleep(wait).await;
+            wait *= 2;
+        }
+        if b.local {
+            eprintln!(
+                "nrun agent on {}: cannot tell the launch host that {}'s agent ended ({what}): \
+                 stopping, so that it finds the nodes started here lost",
+                self.me, b.label
+            );
+            std::process::exit(1);
+        }
+    }
+
+    async fn try_lost(&self, node: usize, what: &str) -> bool {
         let mut conn = self.conn.lock().await;
         if conn.is_none() {
             *conn = self.connect().await;
         }
         let Some(c) = conn.as_mut() else {
-            // The store out of reach: the launch host names the node when its join times
-            // out or its heartbeat stops, and this agent loses its own link the same way.
-            return;
+            return false;
         };
-        if c.set(&self.keys.tree_lost(node), what.as_bytes())
+        let done = c
+            .set(&self.keys.tree_lost(node), what.as_bytes())
             .await
-            .is_err()
-        {
+            .is_ok();
+        if !done {
             *conn = None;
         }
+        done
     }
 
     async fn connect(&self) -> Option<Client> {

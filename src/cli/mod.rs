@@ -660,8 +660,9 @@ pub struct NodesArgs {
     /// spawn): the launch host then holds ssh processes and pays handshakes for WIDTH nodes, not
     /// all of them (32 covers 1,056 nodes in two levels). The nodes must reach one another over
     /// ssh with the same --ssh-opts (keys, config files at the same paths); where they cannot,
-    /// 0 starts every agent from this host. 0 or 1: no tree. Store traffic goes straight to this
-    /// host either way.
+    /// 0 starts every agent from this host. 0 or 1: no tree. Nodes of this machine (loopback
+    /// aliases) make a tree of their own, started without ssh. Store traffic goes straight to
+    /// this host either way.
     #[arg(
         long = "tree-width",
         env = "NRUN_TREE_WIDTH",
@@ -710,7 +711,8 @@ pub struct NodesArgs {
     /// How long a node and the launch host may not hear from each other: an agent whose
     /// launch host (its store) does not answer for SECS stops its node's workers by itself (a
     /// partition closes no connection for a long while), and the launch host calls a node lost
-    /// after half of it without that node's heartbeat. Raise it for hosts too loaded to answer.
+    /// after half of it (at least 2.5 s) without that node's heartbeat. Raise it for hosts too
+    /// loaded to answer.
     #[arg(
         long = "agent-timeout",
         env = "NRUN_AGENT_TIMEOUT",

@@ -444,15 +444,19 @@ fn check_fd_limit(nodes: usize, direct: usize, hard: Option<u64>) -> Result<()> 
     let tree = nodes.saturating_sub(direct) as u64;
     let needed = direct as u64 * FDS_PER_SSH_NODE + tree * FDS_PER_TREE_NODE + FDS_RESERVED;
     let per = match tree {
-        0 => format!("{FDS_PER_SSH_NODE} per node: ssh's pipes and the agent's store connections"),
+        0 => format!(
+            "{FDS_PER_SSH_NODE} per node: the pipes of its ssh (or local agent) and the agent's \
+             store connections"
+        ),
         _ => format!(
-            "{FDS_PER_SSH_NODE} per node started from here: ssh's pipes and the agent's store \
-             connections, {FDS_PER_TREE_NODE} per node of the launch tree"
+            "{FDS_PER_SSH_NODE} per node started from here: the pipes of its ssh (or local \
+             agent) and the agent's store connections, {FDS_PER_TREE_NODE} per node of the \
+             launch tree"
         ),
     };
     match hard {
         Some(hard) if hard < needed => Err(Error::internal(format!(
-            "{nodes} nodes started over ssh need about {needed} open files here ({per}), but \
+            "{nodes} nodes need about {needed} open files here ({per}), but \
              this host allows {hard} (hard limit): raise it (ulimit -n {needed} as root, or \
              nofile in /etc/security/limits.conf) or use fewer nodes"
         ))),

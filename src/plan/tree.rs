@@ -1,4 +1,5 @@
-//! The launch tree's shape (`--tree-width`): which agent starts which node's agent over ssh.
+//! The launch tree's shape (`--tree-width`): which agent starts which node's agent (over ssh,
+//! or beside it for the launch host's own machine's tree).
 //! Pure, so the split is tested without a process.
 //!
 //! The launch host starts at most `width` agents of the nodes it may start through others; the
@@ -6,8 +7,9 @@
 //! nodes are started by its head while the rest are split among them again (Open MPI's PRRTE
 //! routes its daemons through a radix tree the same way). Width 32 covers 32 + 32 x 32 = 1,056
 //! nodes in two levels and 33,824 in three. Nodes that must stay direct children of the
-//! launch host (its own node, which needs no ssh; spares, so that a spare taking the place of
-//! a node lost with its subtree does not hang off another node) are left to the caller.
+//! launch host (spares, so that a spare taking the place of a node lost with its subtree does
+//! not hang off another node) are left to the caller, as is splitting this machine's nodes
+//! from the others (each set makes a tree of its own).
 //!
 //! Contiguous blocks keep each inner agent's number below its subtree's: a failure report that
 //! names the first lost node in node order names the inner agent, whose words list the rest.
@@ -34,6 +36,7 @@ pub fn split(nodes: &[(usize, String)], width: usize) -> Vec<Branch> {
                 node: h.0,
                 label: h.1.clone(),
                 children: split(block, width),
+                local: false,
             }
         })
         .collect()
@@ -52,6 +55,7 @@ fn leaf(n: &(usize, String)) -> Branch {
         node: n.0,
         label: n.1.clone(),
         children: Vec::new(),
+        local: false,
     }
 }
 

@@ -226,7 +226,7 @@ impl Session {
                 nonces: Default::default(),
                 nudges: Arc::default(),
                 controls: Default::default(),
-                silence: nodes.agent_timeout / 2,
+                silence: (nodes.agent_timeout / 2).max(link::MIN_SILENCE),
             },
             rendezvous,
             run,

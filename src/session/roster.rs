@@ -110,7 +110,12 @@ impl Session {
             // A spare that died while it waited is no spare.
             let n = &mut self.nodes[i];
             if let Some(why) = n.link.lost(&self.bus, i, &n.label, false) {
-                self.leave_out(i, Stage::Run, &format!("lost while a spare: {why}"));
+                // The first fill takes in the job's own nodes the same way: those are no spares.
+                let when = match i >= self.plan.size {
+                    true => "lost while a spare",
+                    false => "lost before its first step",
+                };
+                self.leave_out(i, Stage::Run, &format!("{when}: {why}"));
                 continue;
             }
             self.active.push(i);

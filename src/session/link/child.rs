@@ -32,8 +32,9 @@ pub struct ChildLink {
 }
 
 /// Starts every owned node's agent, at most --ssh-concurrency at a time; each one's end
-/// nudges its node in `nudges`. Beyond `--tree-width` nodes, the launch host starts that many
-/// (and its own node and the spares) and each of those starts its share of the rest (see
+/// nudges its node in `nudges`. Beyond `--tree-width` nodes (of this machine, or of others),
+/// the launch host starts that many (and the spares) and each of those starts its share of
+/// the rest (see
 /// `plan::tree`, [`super::tree`]): the others get [`TreeLink`]s.
 pub async fn start(
     np: &NodesPlan,
@@ -60,12 +61,17 @@ pub async fn start(
                 node: i,
                 label: h.name.clone(),
                 children: Vec::new(),
+                local: false,
             }),
             (false, true) => here.push((i, h.name.clone())),
             (false, false) => there.push((i, h.name.clone())),
         }
     }
-    starts.extend(crate::plan::tree::split(&here, np.tree_width));
+    starts.extend(
+        crate::plan::tree::split(&here, np.tree_width)
+            .into_iter()
+            .map(Branch::into_local),
+    );
     starts.extend(crate::plan::tree::split(&there, np.tree_width));
     starts.sort_unstable_by_key(|b| b.node);
     let inner = starts.iter().filter(|b| !b.children.is_empty()).count();
@@ -124,6 +130,7 @@ pub async fn start(
                 b.node,
                 &b.label,
                 Some(link.process.ended()),
+                b.local,
                 below(b),
                 nudges.clone(),
             );
@@ -179,8 +186,16 @@ impl TreeParts<'_> {
         out: &mut [Option<Box<dyn NodeLink>>],
     ) {
         for b in branches {
-            let me = (!b.children.is_empty())
-                .then(|| Inner::new(b.node, &b.label, None, below(b), self.nudges.clone()));
+            let me = (!b.children.is_empty()).then(|| {
+                Inner::new(
+                    b.node,
+                    &b.label,
+                    None,
+                    b.local,
+                    below(b),
+                    self.nudges.clone(),
+                )
+            });
             out[b.node] = Some(Box::new(TreeLink::new(
                 b.node,
                 line.to_vec(),
@@ -293,7 +308,7 @@ impl ChildLink {
                     "lost the connection to {label}: its agent sent no heartbeat for {:.1} s (its \
                      host is down, cut off from this one or too busy to answer); it stops its \
                      workers there by itself within {} s of losing this host (--agent-timeout; \
-                     this host waits half of it)",
+                     this host waits half of it, at least 2.5 s)",
                     quiet.as_secs_f64(),
                     self.agent_timeout.as_secs_f64()
                 )

@@ -85,7 +85,7 @@ pub fn session(
             nonces: Default::default(),
             nudges: Arc::default(),
             controls: Default::default(),
-            silence: std::time::Duration::from_millis(2500),
+            silence: crate::session::link::MIN_SILENCE,
         },
         store_stop: None,
         signals,

@@ -200,6 +200,9 @@ impl Ending<'_> {
     }
 }
 
+/// The shortest heartbeat silence that loses a node: five beats, whatever --agent-timeout.
+pub const MIN_SILENCE: std::time::Duration = std::time::Duration::from_millis(2500);
+
 /// The coordinator's side of the conversation through the store: the one place that seals
 /// steps and reads what agents publish.
 pub struct Bus {
@@ -216,7 +219,8 @@ pub struct Bus {
     /// The step whose controls were last written, and how many (see [`Keys::control`]).
     pub(super) controls: std::sync::Mutex<(usize, usize)>,
     /// How long a node's heartbeat (every half second, [`crate::agent::liveness`]) may be still
-    /// before the node is lost: half of --agent-timeout (2.5 s by default: five beats missed),
+    /// before the node is lost: half of --agent-timeout, at least [`MIN_SILENCE`] (2.5 s by
+    /// default: five beats missed),
     /// so that this host calls a cut-off node lost (and a spare may take its place) before that
     /// node's agent stops its workers by itself. An agent whose connection closes is lost at
     /// once: the store removes its counter ([`crate::store::server::LIVE_SUFFIX`]).

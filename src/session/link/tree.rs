@@ -42,8 +42,11 @@ const NAMED: usize = 8;
 pub struct Inner {
     pub node: usize,
     pub label: String,
-    /// Its ssh from this host, when the launch host started it.
+    /// Its ssh (or, of this machine, its process) from this host, when the launch host
+    /// started it.
     ended: Option<watch::Receiver<Option<ExitStatus>>>,
+    /// Of the launch host's own machine: started without ssh.
+    local: bool,
     /// Why it was lost, once its own link said so.
     why: Mutex<Option<String>>,
     /// The nodes started through it (its whole subtree), in node order.
@@ -56,6 +59,7 @@ impl Inner {
         node: usize,
         label: &str,
         ended: Option<watch::Receiver<Option<ExitStatus>>>,
+        local: bool,
         below: Vec<(usize, String)>,
         nudges: Arc<Nudges>,
     ) -> Arc<Inner> {
@@ -63,6 +67,7 @@ impl Inner {
             node,
             label: label.to_string(),
             ended,
+            local,
             why: Mutex::new(None),
             below,
             nudges,
@@ -100,13 +105,20 @@ impl Inner {
             return Some(w);
         }
         if let Some(st) = self.ended.as_ref().and_then(|e| *e.borrow()) {
-            return Some(format!("its ssh from the launch host ended ({st})"));
+            return Some(match self.local {
+                true => format!(
+                    "its agent, a process of this host, {}",
+                    crate::agent::child::how_it_ended(&st)
+                ),
+                false => format!("its ssh from the launch host ended ({st})"),
+            });
         }
         let said = store?.get(&keys.tree_lost(self.node))?;
-        Some(format!(
-            "the ssh that started it {}",
-            String::from_utf8_lossy(&said)
-        ))
+        let said = String::from_utf8_lossy(&said);
+        Some(match self.local {
+            true => format!("its agent, a process of this host, {said}"),
+            false => format!("the ssh that started it {said}"),
+        })
     }
 
     /// "; the 3 nodes started through it in the launch tree go with it: b3, b4, b5".
@@ -253,6 +265,10 @@ impl TreeLink {
 }
 
 impl NodeLink for TreeLink {
+    fn is_local(&self) -> bool {
+        self.local
+    }
+
     fn joining(&mut self) -> Joining {
         match self.own_end(self.node).is_some() || self.ancestor_gone().is_some() {
             true => Joining::Gone,
@@ -266,6 +282,27 @@ impl NodeLink for TreeLink {
             Some(m) => m.through(),
             None => String::new(),
         };
+        if self.local {
+            // Started beside its parent on this machine: no ssh to check.
+            return match (self.own_end(self.node), self.ancestor_gone()) {
+                (Some(said), _) => format!(
+                    "{label}: its agent, started on this host by {parent}'s in the launch tree, \
+                     {said}{below}"
+                ),
+                (None, Some((anc, why))) => format!(
+                    "{label}: not started: its agent is started by {anc} in the launch tree, \
+                     and {anc} is gone ({why})"
+                ),
+                (None, None) => format!(
+                    "{label}: did not join within {} s (--join-timeout, {:.0} s waited); its \
+                     agent is started on this host by {parent}'s in the launch tree: this host \
+                     too loaded to start them all in time (raise --join-timeout), or nrun \
+                     hanging here{below}",
+                    timeout.as_secs(),
+                    waited.as_secs_f64()
+                ),
+            };
+        }
         let check = format!(
             "check that {parent} reaches {label} over ssh with the same --ssh-opts (`ssh \
              {parent} ssh {label} true`), or pass --tree-width 0 to start every agent from this \
@@ -335,13 +372,13 @@ mod tests {
     fn a_lost_inner_agent_names_its_subtree() {
         let nudges = Arc::new(Nudges::default());
         let below = (3..40).map(|i| (i, format!("b{i}"))).collect();
-        let inner = Inner::new(2, "b2", None, below, nudges.clone());
+        let inner = Inner::new(2, "b2", None, false, below, nudges.clone());
         assert_eq!(
             inner.through(),
             "; the 37 nodes started through it in the launch tree go with it: b3, b4, b5, b6, \
              b7, b8, b9, b10, ... (29 more)"
         );
-        let one = Inner::new(2, "b2", None, vec![(3, "b3".into())], nudges.clone());
+        let one = Inner::new(2, "b2", None, false, vec![(3, "b3".into())], nudges.clone());
         assert_eq!(
             one.through(),
             "; the 1 node started through it in the launch tree goes with it: b3"
