@@ -1319,22 +1319,38 @@ fn unbounded_inputs_are_refused_before_spawning() {
     );
 }
 
+/// nrun on `hosts` with `extra` flags and then `job`, under a hard (and soft) limit of 1,024
+/// open files; bounded in time.
+fn under_1024_files(
+    s: &Scene,
+    hosts: &[String],
+    extra: &[&str],
+    job: &[&str],
+) -> std::process::Output {
+    let child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
+        .arg(nrun_bin())
+        .args(["-H", &hosts.join(",")])
+        .args(extra)
+        .args(job)
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_with_timeout(child, std::time::Duration::from_secs(300)).0
+}
+
 /// More ssh nodes than the open-file limit holds: the system's refusal (exit 1, as the table
 /// says), naming `ulimit -n`, before any ssh starts. Without the launch tree every node's ssh
 /// runs here (5 files each); with it (the default) 32 do, and the others' agents hold 2.
 #[test]
 fn too_many_nodes_for_the_open_file_limit_exit_1() {
+    let s = Scene::new();
     let refused = |n: usize, extra: &[&str]| {
         let hosts: Vec<String> = (0..n).map(|i| format!("h{i}")).collect();
-        let out = std::process::Command::new("sh")
-            .arg("-c")
-            .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
-            .arg(nrun_bin())
-            .args(["-H", &hosts.join(",")])
-            .args(extra)
-            .args(["--no-python", "true"])
-            .output()
-            .unwrap();
+        let out = under_1024_files(&s, &hosts, extra, &["--no-python", "true"]);
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{err}");
         assert_eq!(err.lines().count(), 1, "{err}");
@@ -1365,29 +1381,16 @@ fn four_hundred_local_nodes_run_under_a_limit_of_1024_files() {
         .map(|i| format!("127.1.{}.{}", i / 250, i % 250 + 1))
         .collect();
     let s = Scene::new();
-    let run = |extra: &[&str]| {
-        let child = std::process::Command::new("sh")
-            .arg("-c")
-            .arg("ulimit -n 1024 && exec \"$0\" \"$@\"")
-            .arg(nrun_bin())
-            .args(["-H", &hosts.join(",")])
-            .args(extra)
-            // 400 agents starting on a loaded two-core machine.
-            .args([
-                "--join-timeout",
-                "120",
-                "--no-python",
-                "sh",
-                "-c",
-                "echo up",
-            ])
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        wait_with_timeout(child, std::time::Duration::from_secs(300)).0
-    };
+    // 400 agents starting on a loaded two-core machine.
+    let job = [
+        "--join-timeout",
+        "120",
+        "--no-python",
+        "sh",
+        "-c",
+        "echo up",
+    ];
+    let run = |extra: &[&str]| under_1024_files(&s, &hosts, extra, &job);
     let out = run(&[]);
     let (o, err) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{err}");

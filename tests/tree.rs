@@ -286,6 +286,31 @@ fn a_killed_or_interrupted_launcher_leaves_nothing_in_the_tree() {
     }
 }
 
+/// Waits until each of `n` workers has written "RANK PPID" to the mark file, then kills rank
+/// `rank`'s agent (its worker's parent) outright.
+fn kill_agent_of_rank(s: &Scene, rank: usize, n: usize) {
+    let t0 = Instant::now();
+    let agent = loop {
+        let marks = s.marks();
+        if marks.len() >= n {
+            let line = marks
+                .iter()
+                .find(|m| m.split(' ').next() == Some(rank.to_string().as_str()))
+                .unwrap();
+            break line.split(' ').nth(1).unwrap().to_string();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{marks:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        Command::new("kill")
+            .args(["-9", &agent])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
 /// Seven nodes of this machine (loopback aliases), width 2: the tree starts them too, without
 /// ssh (an `ssh` first on PATH that only complains is never run): 127.1.9.1 starts .3 (which
 /// starts .5) and .4, 127.1.9.2 starts .6 and .7. Then that second inner agent killed outright:
@@ -339,23 +364,7 @@ fn this_machines_nodes_go_through_the_tree_without_ssh() {
 
     // Each worker says its agent's pid; rank 1's agent is the inner one of .6 and .7.
     let child = run("echo \"$RANK $PPID\" >> $MARK; exec sleep 60");
-    let t0 = Instant::now();
-    let agent_of_1 = loop {
-        let marks = s.marks();
-        if marks.len() >= 7 {
-            let line = marks.iter().find(|m| m.starts_with("1 ")).unwrap();
-            break line[2..].to_string();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(60), "{marks:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(
-        Command::new("kill")
-            .args(["-9", &agent_of_1])
-            .status()
-            .unwrap()
-            .success()
-    );
+    kill_agent_of_rank(&s, 1, 7);
     let t0 = Instant::now();
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
     let err = text(&out.stderr);
@@ -396,24 +405,8 @@ fn a_killed_local_leaf_agent_is_named_by_the_agent_that_started_it() {
         ],
         &[],
     );
-    let t0 = Instant::now();
     // 127.1.8.5 (rank 4) is started by 127.1.8.3, itself started by 127.1.8.1.
-    let agent_of_4 = loop {
-        let marks = s.marks();
-        if marks.len() >= 7 {
-            let line = marks.iter().find(|m| m.starts_with("4 ")).unwrap();
-            break line[2..].to_string();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(60), "{marks:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(
-        Command::new("kill")
-            .args(["-9", &agent_of_4])
-            .status()
-            .unwrap()
-            .success()
-    );
+    kill_agent_of_rank(&s, 4, 7);
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(95), "{err}");

@@ -244,6 +244,14 @@ struct Started {
     kill: oneshot::Sender<()>,
 }
 
+/// The command line of an agent of this very binary on this machine (no ssh): the launch
+/// host's own nodes, and an inner agent's nodes of its own machine.
+pub fn own_agent_argv() -> Result<Vec<std::ffi::OsString>> {
+    let exe = std::env::current_exe()
+        .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
+    Ok(vec![exe.into_os_string(), "__agent".into()])
+}
+
 /// Starts `argv` through nrun's spawner, on pipes nrun holds the other ends of.
 async fn by_spawner(
     sp: &Arc<crate::node::spawner::Client>,

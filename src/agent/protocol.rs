@@ -79,9 +79,9 @@ pub struct Branch {
     pub label: String,
     #[serde(default)]
     pub children: Vec<Branch>,
-    /// A node of the launch host's own machine, in that machine's tree: started without ssh by
-    /// the agent beside it and watched as its process. Decided once, on the launch host (a
-    /// name of the machine it means there), never again where the tree is walked.
+    /// A node of the launch host's own machine: started without ssh (by nrun, or in that
+    /// machine's tree by the agent beside it) and watched as its process. Decided once, on the
+    /// launch host (a name of the machine it means there), never again where the tree is walked.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub local: bool,
 }

@@ -124,12 +124,7 @@ async fn serve_child(
         // its own: this binary, no ssh (its agent dies with this one, its workers with it).
         let local = b.local;
         let argv = match (local, ssh.ship) {
-            (true, _) => {
-                let exe = std::env::current_exe().map_err(|e| {
-                    crate::error::Error::internal(format!("cannot find nrun's own executable: {e}"))
-                })?;
-                vec![exe.into_os_string(), "__agent".into()]
-            }
+            (true, _) => super::child::own_agent_argv()?,
             (false, true) => {
                 let nrun = ship(&ssh.ssh_opts, &b.label).await?;
                 crate::remote::ssh_command(&b.label, &ssh.ssh_opts, &nrun)

@@ -339,14 +339,20 @@ impl NodesPlan {
         if launcher == Launcher::Ssh {
             // The launch tree's nodes hold no pipes here: the spares and the roots of its two
             // trees do (this machine's nodes, the others: see session::link::child::start).
-            let spares = list.len().saturating_sub(nodes.size);
-            let here = list[..nodes.size.min(list.len())]
-                .iter()
-                .filter(|h| crate::net::is_this_host(&h.name))
-                .count();
-            let there = list.len() - spares - here;
+            let owned = &list[..nodes.size.min(list.len())];
             let roots = |n| crate::plan::tree::roots(n, nodes.tree_width);
-            let direct = spares + roots(here) + roots(there);
+            // Which hosts are this machine is asked only when a tree will be split (for an
+            // address it reads this machine's interfaces).
+            let direct = match roots(owned.len()) == owned.len() {
+                true => list.len(),
+                false => {
+                    let here = owned
+                        .iter()
+                        .filter(|h| crate::net::is_this_host(&h.name))
+                        .count();
+                    list.len() - owned.len() + roots(here) + roots(owned.len() - here)
+                }
+            };
             check_fd_limit(list.len(), direct, crate::node::process::fd_hard_limit())?;
         }
         let layout = hosts::rank_layout(&list, shape.nproc)?;

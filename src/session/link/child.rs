@@ -55,13 +55,15 @@ pub async fn start(
     for (i, h) in hosts.iter().enumerate() {
         // A spare stays a child of this host, so that the node it replaces can be lost with
         // its subtree while the spare is not.
+        // Asked once per host: for an address, it reads this machine's interfaces.
+        let local = crate::net::is_this_host(&h.name);
         let direct = np.tree_width == 0 || i >= np.size;
-        match (direct, crate::net::is_this_host(&h.name)) {
+        match (direct, local) {
             (true, _) => starts.push(Branch {
                 node: i,
                 label: h.name.clone(),
                 children: Vec::new(),
-                local: false,
+                local,
             }),
             (false, true) => here.push((i, h.name.clone())),
             (false, false) => there.push((i, h.name.clone())),
@@ -91,8 +93,7 @@ pub async fn start(
     };
     let mut tasks = Vec::new();
     for b in &starts {
-        let (i, label) = (b.node, b.label.clone());
-        let local = crate::net::is_this_host(&label);
+        let (i, label, local) = (b.node, b.label.clone(), b.local);
         // This machine's own node talks to the store over loopback: an address of some other
         // interface could go away under it (and buys nothing).
         let addrs = match local {
@@ -140,7 +141,6 @@ pub async fn start(
                 keys: &keys,
                 nudges,
                 agent_timeout: np.agent_timeout,
-                local: link.local,
             };
             tree.links(&b.children, &[me], &mut links);
         }
@@ -173,8 +173,6 @@ struct TreeParts<'a> {
     keys: &'a Keys,
     nudges: &'a Arc<Nudges>,
     agent_timeout: Duration,
-    /// The tree of this machine's own nodes (see [`start`]).
-    local: bool,
 }
 
 impl TreeParts<'_> {
@@ -203,7 +201,7 @@ impl TreeParts<'_> {
                 self.store.clone(),
                 self.keys.clone(),
                 self.agent_timeout,
-                self.local,
+                b.local,
             )));
             if let Some(m) = me {
                 let mut deeper = line.to_vec();
@@ -224,9 +222,7 @@ async fn start_one(
     let argv = if local {
         // The launch host's own node needs no ssh: its agent is a child of nrun, spoken to the
         // same way (stdin, the store) so there is one code path.
-        let exe = std::env::current_exe()
-            .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
-        vec![exe.into_os_string(), "__agent".into()]
+        crate::agent::child::own_agent_argv()?
     } else {
         let remote_nrun = match np.ship {
             true => ship(&np.ssh_opts, label).await?,

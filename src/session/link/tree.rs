@@ -215,24 +215,20 @@ impl TreeLink {
 
     /// Its loss in words, before the subtree's part.
     fn why_lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
-        match (self.own_end(node), self.local) {
-            (Some(said), true) => {
-                return Some(format!(
-                    "lost {label}: its agent (a process of this host, started by {}'s agent in \
-                     the launch tree) {said}; its workers ended with it",
-                    self.parent()
-                ));
-            }
-            (Some(said), false) => {
-                return Some(format!(
-                    "lost the connection to {label}: the ssh from {} that started its agent in \
-                     the launch tree {said}; its agent stops its workers there by itself within \
-                     {} s of losing its ssh or this host (--agent-timeout)",
-                    self.parent(),
+        if let Some(said) = self.own_end(node) {
+            let parent = self.parent();
+            return Some(match self.local {
+                true => format!(
+                    "lost {label}: its agent (a process of this host, started by {parent}'s \
+                     agent in the launch tree) {said}; its workers ended with it"
+                ),
+                false => format!(
+                    "lost the connection to {label}: the ssh from {parent} that started its \
+                     agent in the launch tree {said}; its agent stops its workers there by \
+                     itself within {} s of losing its ssh or this host (--agent-timeout)",
                     self.agent_timeout.as_secs_f64()
-                ));
-            }
-            (None, _) => {}
+                ),
+            });
         }
         if let Some((anc, why)) = self.ancestor_gone() {
             return Some(format!(
@@ -282,18 +278,21 @@ impl NodeLink for TreeLink {
             Some(m) => m.through(),
             None => String::new(),
         };
+        let own_end = self.own_end(self.node);
+        if let (None, Some((anc, why))) = (&own_end, self.ancestor_gone()) {
+            return format!(
+                "{label}: not started: its agent is started by {anc} in the launch tree, and \
+                 {anc} is gone ({why})"
+            );
+        }
         if self.local {
             // Started beside its parent on this machine: no ssh to check.
-            return match (self.own_end(self.node), self.ancestor_gone()) {
-                (Some(said), _) => format!(
+            return match own_end {
+                Some(said) => format!(
                     "{label}: its agent, started on this host by {parent}'s in the launch tree, \
                      {said}{below}"
                 ),
-                (None, Some((anc, why))) => format!(
-                    "{label}: not started: its agent is started by {anc} in the launch tree, \
-                     and {anc} is gone ({why})"
-                ),
-                (None, None) => format!(
+                None => format!(
                     "{label}: did not join within {} s (--join-timeout, {:.0} s waited); its \
                      agent is started on this host by {parent}'s in the launch tree: this host \
                      too loaded to start them all in time (raise --join-timeout), or nrun \
@@ -308,16 +307,10 @@ impl NodeLink for TreeLink {
              {parent} ssh {label} true`), or pass --tree-width 0 to start every agent from this \
              host"
         );
-        if let Some(said) = self.own_end(self.node) {
+        if let Some(said) = own_end {
             return format!(
                 "{label}: ssh from {parent} (which starts {label}'s agent in the launch tree) \
                  {said}; {check}{below}"
-            );
-        }
-        if let Some((anc, why)) = self.ancestor_gone() {
-            return format!(
-                "{label}: not started: its agent is started by {anc} in the launch tree, and \
-                 {anc} is gone ({why})"
             );
         }
         format!(
