@@ -7,7 +7,8 @@
 //! communicator) of its own. A failing or slow group is isolated: a pair's members are re-paired
 //! with nodes that already passed (a node that fails with every partner is bad; a pair whose
 //! members pass elsewhere has a bad link); a larger group's halves are re-tested, then its
-//! cross pairs. Slow: busbw under `--slow-factor` of the stage's median.
+//! cross pairs. Slow: busbw under `--slow-factor` of the stage's median, or (`--probe net`) a
+//! link of the group's ring far under the ring's others or its NIC's speed, each measured alone.
 //!
 //! Probes: the NCCL preflight (default), `--probe net` (TCP ring, no GPU), or `--probe cmd`
 //! (the user's own command, which must exit 0 within `--timeout`).
@@ -62,6 +63,10 @@ struct GroupOut {
     ok: bool,
     busbw_gbs: Option<f64>,
     evidence: String,
+    /// A link of the group's ring far under the others or its NIC (the TCP probe measures each
+    /// link alone): slow whatever the group's busbw, which a busy host's latency can even out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slow_link: Option<String>,
     #[serde(skip)]
     members: Vec<usize>,
 }
@@ -218,6 +223,7 @@ impl Bisect<'_> {
             } else {
                 format!("stage: groups of {size}")
             };
+            let groups_len = groups.len();
             let mut outs = self.round(&label, groups, s).await?;
             let median = median_busbw(&outs);
             // A group slow once is measured again before it is taken apart: isolating it costs
@@ -236,7 +242,9 @@ impl Bisect<'_> {
             for g in suspects {
                 self.isolate(g, median, s).await?;
             }
-            if size >= alive.len() {
+            // One group was all of them (a leftover joins the last group, so this can come
+            // before size reaches their count): a larger size would run the same group again.
+            if groups_len == 1 || size >= alive.len() {
                 break;
             }
             size *= 2;
@@ -403,10 +411,10 @@ impl Bisect<'_> {
             )
             .await?;
         self.confirm_slow(&mut outs, median, s).await?;
-        let why = if g.evidence.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", g.evidence)
+        let why = match (g.evidence.as_str(), &g.slow_link) {
+            ("", None) => String::new(),
+            ("", Some(link)) => format!(" ({link})"),
+            (e, _) => format!(" ({e})"),
         };
         let what = format!("{what}{why}");
         // A re-pair that fails makes its node bad; one that only runs slow, slow.
@@ -420,8 +428,9 @@ impl Bisect<'_> {
             }
         };
         let (jx, jy) = (judge(&outs[0]), judge(&outs[1]));
-        let again = |o: &GroupOut| match o.busbw_gbs {
-            Some(b) if o.ok => format!("{b:.3} GB/s"),
+        let again = |o: &GroupOut| match (o.busbw_gbs, &o.slow_link) {
+            (_, Some(link)) if o.ok => link.clone(),
+            (Some(b), _) if o.ok => format!("{b:.3} GB/s"),
             _ if !o.evidence.is_empty() => o.evidence.clone(),
             _ => "failed".into(),
         };
@@ -536,13 +545,17 @@ impl Bisect<'_> {
             if let (true, Some(a), Some(b)) = (o.ok, first.busbw_gbs, o.busbw_gbs) {
                 first.busbw_gbs = Some(a.max(b));
             }
+            if o.ok && o.slow_link.is_none() {
+                first.slow_link = None;
+            }
         }
         Ok(())
     }
 
-    /// Under --slow-factor of the stage's median busbw.
+    /// Under --slow-factor of the stage's median busbw, or with a slow link.
     fn is_slow(&self, g: &GroupOut, median: Option<f64>) -> bool {
-        matches!((g.busbw_gbs, median), (Some(b), Some(m)) if b < self.bp.slow_factor * m)
+        g.slow_link.is_some()
+            || matches!((g.busbw_gbs, median), (Some(b), Some(m)) if b < self.bp.slow_factor * m)
     }
 
     /// Runs one round: every group at once, each with its own store. Nodes not in a group idle.
@@ -617,11 +630,14 @@ impl Bisect<'_> {
         for (gi, g) in groups.iter().enumerate() {
             let out = self.evaluate(g, &stores[gi], &results, s, &settings);
             eprintln!(
-                "nrun bisect: {stage}: {} {}{}",
+                "nrun bisect: {stage}: {} {}{}{}",
                 names(g, s),
                 if out.ok { "ok" } else { "FAILED" },
                 out.busbw_gbs
-                    .map_or(String::new(), |b| format!(" ({b:.2} GB/s)"))
+                    .map_or(String::new(), |b| format!(" ({b:.2} GB/s)")),
+                out.slow_link
+                    .as_ref()
+                    .map_or(String::new(), |l| format!(": slow link: {l}"))
             );
             outs.push(out);
         }
@@ -639,10 +655,9 @@ impl Bisect<'_> {
     fn settings(&self, s: &Session, i: usize) -> Option<Settings> {
         let pf = self.bp.sweep.as_ref()?;
         s.nodes[i].joined.as_ref()?;
-        let mut st = super::preflight::node_settings(s, pf, i, None, "bisect");
-        // Groups are compared with each other; a link test per group would only add noise.
-        st.links = false;
-        Some(st)
+        // The net probe's link test stays on: a shaped or slow link stands out from its ring's
+        // other links by far more than the group's busbw stands out from other groups'.
+        Some(super::preflight::node_settings(s, pf, i, None, "bisect"))
     }
 
     fn evaluate(
@@ -699,6 +714,7 @@ impl Bisect<'_> {
             }
         }
         let mut busbw = None;
+        let mut slow_link = None;
         let probe_settings = settings[g[0]]
             .as_ref()
             .filter(|_| self.bp.probe != Probe::Cmd);
@@ -726,12 +742,21 @@ impl Bisect<'_> {
             busbw = summary
                 .largest
                 .map(|(algbw, bus)| if group.world > 1 { bus } else { algbw });
+            let link_slow = crate::preflight::finding::Severity::Fail(Verdict::Slow);
+            slow_link = summary
+                .findings
+                .iter()
+                .find(|f| {
+                    f.check == crate::preflight::finding::Check::Link && f.severity == link_slow
+                })
+                .map(|f| f.evidence.clone());
         }
         GroupOut {
             hosts,
             ok: failure.is_none(),
             busbw_gbs: busbw,
             evidence: failure.unwrap_or_default(),
+            slow_link,
             members: g.to_vec(),
         }
     }
