@@ -130,7 +130,7 @@ fn a_node_with_blocked_high_ports_is_named() {
         "{good}"
     );
     // One bad node among 8: at most ceil(log2 8) + 3 = 6 rounds after stage 1.
-    assert!(rounds_after_stage1(&stdout) <= 6, "{stdout}");
+    assert!(rounds_after_stage1(&stdout) <= 6, "{stdout}\n{stderr}");
     s.assert_no_survivors();
 }
 

@@ -29,6 +29,7 @@ pub mod stacks;
 pub mod tree;
 
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
@@ -145,7 +146,7 @@ async fn run() -> Result<()> {
     let signals = Signals::install(&[]).map_err(|e| Error::helper(e.to_string()))?;
     crate::node::process::become_subreaper();
     let here = crate::net::hostname();
-    let mut stdin = tokio::io::BufReader::new(tokio::io::stdin());
+    let mut stdin = tokio::io::BufReader::new(stdin_reader());
     let mut line = String::new();
     match tokio::time::timeout(Duration::from_secs(60), stdin.read_line(&mut line)).await {
         Ok(Ok(n)) if n > 0 => {}
@@ -181,6 +182,21 @@ async fn run() -> Result<()> {
         }
     }
     served.map(|_| ())
+}
+
+/// The agent's stdin (the launcher's pipe: its [`Hello`], then its end when the launcher goes)
+/// read by the runtime where it is a pipe; tokio's `stdin()` holds a thread blocked in `read`
+/// for the agent's whole life. Its own descriptor: dropping it leaves fd 0 open.
+fn stdin_reader() -> Box<dyn tokio::io::AsyncRead + Unpin + Send> {
+    let pipe = std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .ok()
+        .and_then(|fd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd).ok());
+    match pipe {
+        Some(p) => Box::new(p),
+        None => Box::new(tokio::io::stdin()),
+    }
 }
 
 /// The agent's life after its [`Hello`]: join the coordinator's store, run the steps it is
@@ -260,12 +276,18 @@ pub async fn serve(
             .port(),
     );
     tokio::spawn(exec::serve_probes(probe));
-    let mut facts = tokio::task::spawn_blocking({
-        let py = hello.python.clone();
-        move || crate::facts::gather(py.as_deref())
-    })
-    .await
-    .map_err(|e| Error::helper(e.to_string()))?;
+    let mut facts = if crate::facts::quick(hello.python.as_deref()) {
+        // Files and netlink only: a thread of its own would cost the agent more than the work
+        // (a thousand agents on one machine: a tenth of their start).
+        crate::facts::gather(hello.python.as_deref())
+    } else {
+        tokio::task::spawn_blocking({
+            let py = hello.python.clone();
+            move || crate::facts::gather(py.as_deref())
+        })
+        .await
+        .map_err(|e| Error::helper(e.to_string()))?
+    };
     // This join's own nonce: steps sealed for it cover it (no replay from an earlier run).
     let nonce = crate::store::auth::random_hex().map_err(|e| {
         Error::helper(format!(

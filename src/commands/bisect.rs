@@ -8,7 +8,7 @@
 //! with nodes that already passed (a node that fails with every partner is bad; a pair whose
 //! members pass elsewhere has a bad link); a larger group's halves are re-tested, then its
 //! cross pairs. Slow: busbw under `--slow-factor` of the stage's median, or (`--probe net`) a
-//! link of the group's ring far under the ring's others or its NIC's speed, each measured alone.
+//! link of the group's ring, measured alone, far under the median of the round's links.
 //!
 //! Probes: the NCCL preflight (default), `--probe net` (TCP ring, no GPU), or `--probe cmd`
 //! (the user's own command, which must exit 0 within `--timeout`).
@@ -63,10 +63,14 @@ struct GroupOut {
     ok: bool,
     busbw_gbs: Option<f64>,
     evidence: String,
-    /// A link of the group's ring far under the others or its NIC (the TCP probe measures each
-    /// link alone): slow whatever the group's busbw, which a busy host's latency can even out.
+    /// A link of the group's ring far under the round's links (the TCP probe measures each link
+    /// alone): slow whatever the group's busbw, which a busy host's latency can even out.
     #[serde(skip_serializing_if = "Option::is_none")]
     slow_link: Option<String>,
+    /// The ring's links that cross between nodes, measured alone: (from, to, GB/s, the speed
+    /// of the sender's NIC in GB/s where known).
+    #[serde(skip)]
+    links: Vec<(String, String, f64, Option<f64>)>,
     #[serde(skip)]
     members: Vec<usize>,
 }
@@ -626,9 +630,13 @@ impl Bisect<'_> {
         }
         let deadline = self.bp.timeout + Duration::from_secs(30);
         let results = s.run_step(steps, Policy::Apart { deadline }).await?;
-        let mut outs = Vec::new();
-        for (gi, g) in groups.iter().enumerate() {
-            let out = self.evaluate(g, &stores[gi], &results, s, &settings);
+        let mut outs: Vec<GroupOut> = groups
+            .iter()
+            .enumerate()
+            .map(|(gi, g)| self.evaluate(g, &stores[gi], &results, s, &settings))
+            .collect();
+        slow_links(&mut outs);
+        for (g, out) in groups.iter().zip(&outs) {
             eprintln!(
                 "nrun bisect: {stage}: {} {}{}{}",
                 names(g, s),
@@ -639,7 +647,6 @@ impl Bisect<'_> {
                     .as_ref()
                     .map_or(String::new(), |l| format!(": slow link: {l}"))
             );
-            outs.push(out);
         }
         for stop in stops {
             let _ = stop.send(());
@@ -714,16 +721,25 @@ impl Bisect<'_> {
             }
         }
         let mut busbw = None;
-        let mut slow_link = None;
+        let mut links = Vec::new();
         let probe_settings = settings[g[0]]
             .as_ref()
             .filter(|_| self.bp.probe != Probe::Cmd);
         if let Some(first) = probe_settings {
             let group = Group::of(s, g);
             let ranks = group.rank_hosts(s);
-            let summary =
-                preflight::Outcome::gather(first, &ranks, group.world, &mut |k| st.get(k))
-                    .summarize();
+            let outcome =
+                preflight::Outcome::gather(first, &ranks, group.world, &mut |k| st.get(k));
+            let complete: Vec<_> = outcome
+                .reports
+                .values()
+                .filter(|r| r.error.is_none())
+                .collect();
+            links = preflight::crossing_links_and_nics(&complete)
+                .into_iter()
+                .map(|(a, b, g, nic)| (a.to_string(), b.to_string(), g, nic))
+                .collect();
+            let summary = outcome.summarize();
             // Slow is judged here, against the other groups of the stage.
             if !matches!(summary.verdict, Verdict::Ok | Verdict::Slow) {
                 // The finding that decided the verdict, not the first warning listed.
@@ -742,21 +758,14 @@ impl Bisect<'_> {
             busbw = summary
                 .largest
                 .map(|(algbw, bus)| if group.world > 1 { bus } else { algbw });
-            let link_slow = crate::preflight::finding::Severity::Fail(Verdict::Slow);
-            slow_link = summary
-                .findings
-                .iter()
-                .find(|f| {
-                    f.check == crate::preflight::finding::Check::Link && f.severity == link_slow
-                })
-                .map(|f| f.evidence.clone());
         }
         GroupOut {
             hosts,
             ok: failure.is_none(),
             busbw_gbs: busbw,
             evidence: failure.unwrap_or_default(),
-            slow_link,
+            slow_link: None,
+            links,
             members: g.to_vec(),
         }
     }
@@ -872,6 +881,39 @@ fn group_store() -> Result<(std::sync::Arc<Store>, u16, tokio::sync::oneshot::Se
     let store = Store::new();
     let stop = crate::session::serve(l, store.clone())?;
     Ok((store, port, stop))
+}
+
+/// Marks each group with a link under [`preflight::LINK_FLOOR`] of the median of all the round's
+/// links and, where its NIC says its speed, under [`preflight::TCP_FLOOR`] of that too: on a
+/// busy host a healthy link measures many times under another (veth links of one round: 1.1 and
+/// 17 GB/s), while a shaped or failing one is both far under its peers and under what any NIC
+/// carries.
+fn slow_links(outs: &mut [GroupOut]) {
+    let all: Vec<f64> = outs
+        .iter()
+        .flat_map(|g| g.links.iter().map(|l| l.2))
+        .collect();
+    if all.len() < 2 {
+        return;
+    }
+    let median = preflight::median(all);
+    for g in outs.iter_mut().filter(|g| g.ok) {
+        g.slow_link = g
+            .links
+            .iter()
+            .filter(|l| {
+                l.2 < preflight::LINK_FLOOR * median
+                    && l.3.is_none_or(|nic| l.2 < preflight::TCP_FLOOR * nic)
+            })
+            .min_by(|a, b| a.2.total_cmp(&b.2))
+            .map(|(from, to, gbs, _)| {
+                format!(
+                    "the link from {from} to {to} carried {gbs:.3} GB/s, {:.0}% of the round's \
+                     median link ({median:.2} GB/s)",
+                    100.0 * gbs / median
+                )
+            });
+    }
 }
 
 fn median_busbw(outs: &[GroupOut]) -> Option<f64> {

@@ -22,6 +22,7 @@ pub mod finding;
 pub mod hardware;
 pub mod nccl;
 mod summary;
+pub(crate) use checks::{LINK_FLOOR, TCP_FLOOR, crossing_links_and_nics};
 pub mod worker;
 
 use std::collections::BTreeMap;

@@ -765,7 +765,7 @@ struct Ring {
 
 /// What each link of the net preflight's ring carries alone before the sweep, and how often.
 const LINK_BYTES: usize = 8 << 20;
-const LINK_ROUNDS: usize = 2;
+const LINK_ROUNDS: usize = 3;
 
 impl Ring {
     fn send_link(&mut self, bytes: usize) -> std::io::Result<()> {
@@ -946,7 +946,7 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
                 link % 2
             }
         };
-        // Each link twice, its best kept: a 5 ms transfer on a busy host can lose half its time
+        // Each link three times, its best kept: a 5 ms transfer on a busy host can lose half its time
         // to one scheduling delay, and a link is only named slow for what it cannot do.
         for turn in 0..phases * LINK_ROUNDS {
             let p = turn % phases;
