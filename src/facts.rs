@@ -53,7 +53,6 @@ pub struct OwnWork {
     pub command: Vec<String>,
 }
 
-/// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
 /// Whether [`gather`] only reads files and netlink (no Python probe, no GPU driver whose NVML
 /// and NCCL copies it would load and run), so that a caller may do it on its own thread.
 pub fn quick(python: Option<&Path>) -> bool {
@@ -62,6 +61,7 @@ pub fn quick(python: Option<&Path>) -> bool {
         && std::env::var_os("LD_LIBRARY_PATH").is_none_or(|v| v.is_empty())
 }
 
+/// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
 pub fn gather(python: Option<&Path>) -> Facts {
     let mut f = Facts {
         hostname: crate::net::hostname(),

@@ -955,4 +955,49 @@ mod tests {
         );
         assert_eq!(partition(&[0, 1], 4), vec![vec![0, 1]]);
     }
+
+    fn group(links: &[(&str, &str, f64)], nic: Option<f64>) -> GroupOut {
+        GroupOut {
+            hosts: Vec::new(),
+            ok: true,
+            busbw_gbs: Some(0.1),
+            evidence: String::new(),
+            slow_link: None,
+            links: links
+                .iter()
+                .map(|(a, b, g)| (a.to_string(), b.to_string(), *g, nic))
+                .collect(),
+            members: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_link_far_under_the_rounds_links_and_its_nic_makes_its_group_slow() {
+        // The CI round: a shaped link (200 Mbit/s) among healthy veth links of a loaded host.
+        let mut outs = vec![
+            group(&[("h1", "h2", 0.88), ("h2", "h1", 1.24)], Some(1.25)),
+            group(
+                &[("h3", "h4", 0.024), ("h4", "h5", 2.69), ("h5", "h3", 1.1)],
+                Some(1.25),
+            ),
+        ];
+        super::slow_links(&mut outs);
+        assert_eq!(outs[0].slow_link, None);
+        let slow = outs[1].slow_link.as_deref().unwrap_or_default();
+        assert!(slow.starts_with("the link from h3 to h4 carried 0.024 GB/s, 2% of the round's median link (1.10 GB/s)"), "{slow}");
+        // Healthy links a loaded host measured 15x apart: the slowest is over a tenth of its NIC.
+        let mut busy = vec![
+            group(&[("h1", "h2", 1.136), ("h2", "h1", 17.08)], Some(1.25)),
+            group(&[("h3", "h4", 10.44), ("h4", "h3", 12.0)], Some(1.25)),
+        ];
+        super::slow_links(&mut busy);
+        assert!(busy.iter().all(|g| g.slow_link.is_none()));
+        // Where no NIC says its speed, the median alone decides.
+        let mut unknown = vec![group(
+            &[("h1", "h2", 0.05), ("h2", "h1", 1.0), ("h1", "h3", 1.1)],
+            None,
+        )];
+        super::slow_links(&mut unknown);
+        assert!(unknown[0].slow_link.is_some());
+    }
 }

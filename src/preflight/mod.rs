@@ -661,6 +661,10 @@ mod tests {
             "{}",
             s.text
         );
+        // A loaded host's CPU-bound link: a tenth of another's yet over a tenth of its NIC's
+        // speed says nothing of the network, and names nobody.
+        let busy = net_ring([0.3, 7.77, 2.32], [10_000; 3]).summarize();
+        assert_eq!(busy.verdict, Verdict::Ok, "{}", busy.text);
         // A node whose NIC negotiated a tenth of the others' speed.
         let s = net_ring([1.0, 0.12, 0.9], [10_000, 1000, 10_000]).summarize();
         assert_eq!(s.verdict, Verdict::Slow, "{}", s.text);
