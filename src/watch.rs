@@ -711,6 +711,11 @@ pub struct WatchState {
     /// The collective mismatch last said (process group, sequence number).
     mismatch_said: Option<(String, u64)>,
     last_check: Option<Instant>,
+    /// The ranks of the step watched (0: not known), and when it started: a hang is not called
+    /// while some of them were never seen in a node's view (their node's watch starting, its
+    /// views on the way), for at most twice the hang timeout.
+    world: usize,
+    step_started: Instant,
     /// Every hang found, for the report.
     pub hangs: Vec<Diagnosis>,
     pub stragglers: Vec<Straggler>,
@@ -732,6 +737,8 @@ impl WatchState {
             fr_suspect: None,
             mismatch_said: None,
             last_check: None,
+            world: 0,
+            step_started: Instant::now(),
             hangs: Vec::new(),
             stragglers: Vec::new(),
             mismatches: Vec::new(),
@@ -744,8 +751,11 @@ impl WatchState {
         self.views.insert(node, v);
     }
 
-    /// Forgets the views of a finished step (a restart starts afresh).
-    pub fn reset(&mut self) {
+    /// Forgets the views of a finished step (a restart starts afresh); the next has `world`
+    /// ranks.
+    pub fn reset(&mut self, world: usize) {
+        self.world = world;
+        self.step_started = Instant::now();
         self.views.clear();
         self.last_stall = None;
         self.hang_said = false;
@@ -853,7 +863,11 @@ impl WatchState {
             );
         }
         let timeout = self.plan.hang_timeout.as_millis() as u64;
-        let stalled = live.iter().all(|s| s.view.unchanged_ms >= timeout);
+        // Every rank seen (or long enough waited for): the one missing may be the one the
+        // others wait for, and the call would blame nobody.
+        let all_seen =
+            seen.len() >= self.world || self.step_started.elapsed() >= 2 * self.plan.hang_timeout;
+        let stalled = all_seen && live.iter().all(|s| s.view.unchanged_ms >= timeout);
         let mut stop = false;
         if !stalled {
             self.hang_said = false;
@@ -1404,6 +1418,42 @@ mod tests {
             assert_eq!(w.mismatches.len(), 1, "said once");
             assert_eq!(w.json()["mismatches"][0]["seq"], 6);
         }
+    }
+
+    #[test]
+    fn no_hang_is_called_before_every_rank_was_seen() {
+        let hosts = vec!["h1".to_string(), "h2".to_string()];
+        let mut w = WatchState::new(WatchPlan {
+            hang_timeout: Duration::from_secs(60),
+            on_hang: OnHang::Stop,
+        });
+        w.reset(2);
+        // Rank 0 waits in all_reduce; rank 1's node has sent no view yet (a test under load:
+        // a hang called on rank 0 alone, "none is missing", while rank 1 slept).
+        w.observe(
+            0,
+            NodeWatch {
+                ras: None,
+                ranks: vec![waiting(0, "all_reduce")],
+            },
+        );
+        assert!(!w.check(&hosts));
+        assert!(w.hangs.is_empty());
+        w.last_check = None;
+        w.observe(
+            1,
+            NodeWatch {
+                ras: None,
+                ranks: vec![busy(1, 30)],
+            },
+        );
+        assert!(w.check(&hosts));
+        assert_eq!(w.hangs.len(), 1);
+        assert!(
+            w.hangs[0].conclusion.contains("rank 1 on h2"),
+            "{}",
+            w.hangs[0].conclusion
+        );
     }
 
     #[test]

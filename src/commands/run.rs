@@ -494,8 +494,9 @@ async fn attempt_loop(
                 st.clear_user_keys();
             }
         }
+        let world = s.group().world;
         if let Some(w) = s.watch.as_mut() {
-            w.reset();
+            w.reset(world);
         }
         let launch = Launch {
             port: s.rendezvous.port,
