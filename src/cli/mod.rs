@@ -761,7 +761,9 @@ pub struct ProbeArgs {
     )]
     pub probe: crate::plan::Probe,
 
-    /// A group whose busbw is under this fraction of its stage's median is slow.
+    /// A group whose busbw is under this fraction of its stage's median is slow (with --probe
+    /// net, so is a group with a link under 15% of the round's median link and a tenth of its
+    /// NIC's speed).
     #[arg(
         long = "slow-factor",
         env = "NRUN_SLOW_FACTOR",
