@@ -56,9 +56,19 @@ pub struct OwnWork {
 /// Whether [`gather`] only reads files and netlink (no Python probe, no GPU driver whose NVML
 /// and NCCL copies it would load and run), so that a caller may do it on its own thread.
 pub fn quick(python: Option<&Path>) -> bool {
-    python.is_none()
-        && !std::path::Path::new("/proc/driver/nvidia/gpus").exists()
-        && std::env::var_os("LD_LIBRARY_PATH").is_none_or(|v| v.is_empty())
+    python.is_none() && !gpu_driver() && ld_library_path().is_none()
+}
+
+/// NVIDIA's kernel driver is loaded: NVML can answer, and NCCL could load.
+fn gpu_driver() -> bool {
+    std::path::Path::new("/proc/driver/nvidia/gpus").exists()
+}
+
+/// Where the dynamic loader looks first, if set.
+fn ld_library_path() -> Option<String> {
+    std::env::var("LD_LIBRARY_PATH")
+        .ok()
+        .filter(|v| !v.is_empty())
 }
 
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
@@ -71,7 +81,7 @@ pub fn gather(python: Option<&Path>) -> Facts {
         ..Facts::default()
     };
     // NVML only where the driver is: loading it elsewhere is a wasted search.
-    let driver = std::path::Path::new("/proc/driver/nvidia/gpus").exists();
+    let driver = gpu_driver();
     if driver {
         f.gpu_health = crate::preflight::hardware::all_gpus().unwrap_or_default();
     }
@@ -104,7 +114,7 @@ pub fn gather(python: Option<&Path>) -> Facts {
     let python_paths = python
         .map(crate::preflight::nccl::python_package_dirs)
         .unwrap_or_default();
-    let ld = std::env::var("LD_LIBRARY_PATH").ok();
+    let ld = ld_library_path();
     let exe = std::env::current_exe().ok();
     // The system's copies (an `ldconfig -p` run, most of an agent's start) only where a driver
     // could load one: NCCL needs GPUs.

@@ -1290,13 +1290,7 @@ fn kill_9_leaves_no_grandchildren_on_any_node() {
                 .unwrap()
                 .to_string(),
         };
-        assert!(
-            Command::new("kill")
-                .args(["-KILL", &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
+        signal_pid(&pid, "KILL");
         let _ = wait_with_timeout(child, Duration::from_secs(20));
         // Workers' own children (same group and setsid) included, on both hosts, within 5 s.
         let end = std::time::Instant::now() + Duration::from_secs(5);
@@ -1417,13 +1411,7 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
         .to_string();
     // `ip netns exec` execs nrun (the keeper), whose child is nrun proper (the joined node's
     // agent runs inside it).
-    assert!(
-        Command::new("kill")
-            .args(["-KILL", &kid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal_pid(&kid, "KILL");
     let t0 = std::time::Instant::now();
     let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
     let _ = wait_with_timeout(b, Duration::from_secs(30));

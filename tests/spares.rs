@@ -419,13 +419,7 @@ fn a_c10d_spare_takes_the_place_of_a_node_that_dies() {
         .next()
         .unwrap()
         .to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-KILL", &kid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal_pid(&kid, "KILL");
     let t = Instant::now();
     let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
     let (os, _) = wait_with_timeout(spare, Duration::from_secs(30));

@@ -285,14 +285,7 @@ fn kill_9_leaves_no_grandchildren() {
     // Its scratch directory (the workers' error files) goes with it.
     let scratch = std::env::temp_dir().join(format!("nrun-{nrun}"));
     assert!(scratch.exists(), "{}", scratch.display());
-    assert_eq!(
-        std::process::Command::new("kill")
-            .args(["-KILL", &nrun.to_string()])
-            .status()
-            .unwrap()
-            .code(),
-        Some(0)
-    );
+    signal_pid(&nrun.to_string(), "KILL");
     let (out, took) = wait_with_timeout(child, Duration::from_secs(5));
     assert!(took < Duration::from_secs(5), "the keeper did not end");
     use std::os::unix::process::ExitStatusExt;
@@ -600,13 +593,7 @@ fn signals_to_the_agent_spawner_leave_the_job_to_nrun() {
         })
         .expect("nrun's spawner runs under the nrun started");
     for sig in ["USR1", "TERM", "HUP", "INT"] {
-        assert!(
-            Command::new("kill")
-                .args([&format!("-{sig}"), &spawner.to_string()])
-                .status()
-                .unwrap()
-                .success()
-        );
+        signal_pid(&spawner.to_string(), sig);
     }
     let (out, _) = wait_with_timeout(child, Duration::from_secs(30));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));

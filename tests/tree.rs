@@ -302,13 +302,7 @@ fn kill_agent_of_rank(s: &Scene, rank: usize, n: usize) {
         assert!(t0.elapsed() < Duration::from_secs(60), "{marks:?}");
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert!(
-        Command::new("kill")
-            .args(["-9", &agent])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal_pid(&agent, "KILL");
 }
 
 /// Seven nodes of this machine (loopback aliases), width 2: the tree starts them too, without

@@ -730,15 +730,7 @@ impl Bisect<'_> {
             let ranks = group.rank_hosts(s);
             let outcome =
                 preflight::Outcome::gather(first, &ranks, group.world, &mut |k| st.get(k));
-            let complete: Vec<_> = outcome
-                .reports
-                .values()
-                .filter(|r| r.error.is_none())
-                .collect();
-            links = preflight::crossing_links_and_nics(&complete)
-                .into_iter()
-                .map(|(a, b, g, nic)| (a.to_string(), b.to_string(), g, nic))
-                .collect();
+            links = outcome.crossing_links();
             let summary = outcome.summarize();
             // Slow is judged here, against the other groups of the stage.
             if !matches!(summary.verdict, Verdict::Ok | Verdict::Slow) {
@@ -883,11 +875,10 @@ fn group_store() -> Result<(std::sync::Arc<Store>, u16, tokio::sync::oneshot::Se
     Ok((store, port, stop))
 }
 
-/// Marks each group with a link under [`preflight::LINK_FLOOR`] of the median of all the round's
-/// links and, where its NIC says its speed, under [`preflight::TCP_FLOOR`] of that too: on a
-/// busy host a healthy link measures many times under another (veth links of one round: 1.1 and
-/// 17 GB/s), while a shaped or failing one is both far under its peers and under what any NIC
-/// carries.
+/// Marks each group with a link far under the median of all the round's links (the preflight's
+/// rule, [`preflight::far_under_peers`]): one median over every group, not each ring's own, as
+/// on a busy host a healthy link measures many times under another (veth links of one round:
+/// 1.1 and 17 GB/s), while a shaped or failing one is tens of times under.
 fn slow_links(outs: &mut [GroupOut]) {
     let all: Vec<f64> = outs
         .iter()
@@ -901,10 +892,7 @@ fn slow_links(outs: &mut [GroupOut]) {
         g.slow_link = g
             .links
             .iter()
-            .filter(|l| {
-                l.2 < preflight::LINK_FLOOR * median
-                    && l.3.is_none_or(|nic| l.2 < preflight::TCP_FLOOR * nic)
-            })
+            .filter(|l| preflight::far_under_peers(l.2, median, l.3))
             .min_by(|a, b| a.2.total_cmp(&b.2))
             .map(|(from, to, gbs, _)| {
                 format!(

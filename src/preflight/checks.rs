@@ -132,13 +132,21 @@ const PEER_FLOOR: f64 = 0.5;
 /// its speed, only if under [`TCP_FLOOR`] of it too): measurements vary with the hosts' CPU
 /// load far more than the speeds NICs report do (on a loaded 2-core host, healthy veth links
 /// of one ring measured 0.52 and 7.77 GB/s, best of two rounds).
-pub(crate) const LINK_FLOOR: f64 = 0.15;
+const LINK_FLOOR: f64 = 0.15;
 /// A TCP stream of the net preflight reaches well over a tenth of any NIC's speed up to
 /// 100 Gb/s; a link under it is shaped, erroring or negotiated down.
-pub(crate) const TCP_FLOOR: f64 = 0.1;
+const TCP_FLOOR: f64 = 0.1;
+
+/// Whether a link measured alone at `gbs` is far under its peers' `median`: under
+/// [`LINK_FLOOR`] of it and, where its NIC says its speed (`nic_gbs`), under [`TCP_FLOOR`] of
+/// that too (a CPU-bound link of a loaded host can measure a tenth of another's). The
+/// preflight's ring and bisect's rounds judge by it.
+pub(crate) fn far_under_peers(gbs: f64, median: f64, nic_gbs: Option<f64>) -> bool {
+    gbs < LINK_FLOOR * median && nic_gbs.is_none_or(|s| gbs < TCP_FLOOR * s)
+}
 
 /// The net preflight's measured links that cross between nodes: (from host, to host, GB/s).
-pub(crate) fn crossing_links<'a>(complete: &[&'a RankReport]) -> Vec<(&'a str, &'a str, f64)> {
+fn crossing_links<'a>(complete: &[&'a RankReport]) -> Vec<(&'a str, &'a str, f64)> {
     let by_rank: BTreeMap<usize, &RankReport> = complete.iter().map(|r| (r.rank, *r)).collect();
     complete
         .iter()
@@ -150,19 +158,29 @@ pub(crate) fn crossing_links<'a>(complete: &[&'a RankReport]) -> Vec<(&'a str, &
         .collect()
 }
 
-/// [`crossing_links`] with the speed (GB/s) of the sending node's NIC, where it has one and
-/// says its speed.
-pub(crate) fn crossing_links_and_nics<'a>(
-    complete: &[&'a RankReport],
-) -> Vec<(&'a str, &'a str, f64, Option<f64>)> {
-    let nodes = Nodes::of(complete);
-    crossing_links(complete)
-        .into_iter()
-        .map(|(a, b, g)| (a, b, g, nodes.single_nic(a).and_then(|n| n.gbs())))
-        .collect()
-}
-
 impl Outcome {
+    /// The reports of the ranks that finished without an error.
+    pub(super) fn complete(&self) -> Vec<&RankReport> {
+        self.reports
+            .values()
+            .filter(|r| r.error.is_none())
+            .collect()
+    }
+
+    /// The ring's links that cross between nodes, each with the speed (GB/s) of the sending
+    /// node's NIC where it has one and says it.
+    pub(crate) fn crossing_links(&self) -> Vec<(String, String, f64, Option<f64>)> {
+        let complete = self.complete();
+        let nodes = Nodes::of(&complete);
+        crossing_links(&complete)
+            .into_iter()
+            .map(|(a, b, g)| {
+                let nic = nodes.single_nic(a).and_then(|n| n.gbs());
+                (a.to_string(), b.to_string(), g, nic)
+            })
+            .collect()
+    }
+
     /// Each NCCL the ranks loaded ("2.28.9 (/path)"), with the ranks that loaded it.
     pub(super) fn versions(&self) -> BTreeMap<String, Vec<usize>> {
         let mut versions: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -713,11 +731,7 @@ impl Outcome {
             |from: &str, text: String| Finding::fail(Check::Link, Verdict::Slow, text).node(from);
         for (from, to, g) in &links {
             let nic = nodes.single_nic(from);
-            let nic_gbs = nic.and_then(|n| n.gbs());
-            // Far under its peers, and (where its NIC says its speed) under what any NIC
-            // carries: a CPU-bound link of a loaded host can measure a tenth of another's.
-            let under_nic = nic_gbs.is_none_or(|s| *g < TCP_FLOOR * s);
-            if links.len() >= 2 && *g < LINK_FLOOR * median && under_nic {
+            if links.len() >= 2 && far_under_peers(*g, median, nic.and_then(|n| n.gbs())) {
                 slow.push((from, to));
                 out.push(slow_link(
                     from,

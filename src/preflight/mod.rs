@@ -22,7 +22,7 @@ pub mod finding;
 pub mod hardware;
 pub mod nccl;
 mod summary;
-pub(crate) use checks::{LINK_FLOOR, TCP_FLOOR, crossing_links_and_nics};
+pub(crate) use checks::far_under_peers;
 pub mod worker;
 
 use std::collections::BTreeMap;

@@ -138,11 +138,7 @@ struct Report<'a> {
 impl Outcome {
     /// Every check over what the ranks reported, the verdict they make, and the report.
     pub fn summarize(&self) -> Summary {
-        let complete: Vec<&RankReport> = self
-            .reports
-            .values()
-            .filter(|r| r.error.is_none())
-            .collect();
+        let complete = self.complete();
         let mut findings = Vec::new();
         findings.extend(self.nccl_versions());
         findings.extend(self.rank_errors());

@@ -946,8 +946,8 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
                 link % 2
             }
         };
-        // Each link three times, its best kept: a 5 ms transfer on a busy host can lose half its time
-        // to one scheduling delay, and a link is only named slow for what it cannot do.
+        // Each link three times, its best kept: a 5 ms transfer on a busy host can lose half its
+        // time to one scheduling delay, and a link is only named slow for what it cannot do.
         for turn in 0..phases * LINK_ROUNDS {
             let p = turn % phases;
             if phase(rank) == p {

@@ -169,11 +169,16 @@ pub fn parent_of(pid: u32) -> Option<u32> {
 }
 
 pub fn signal(child: &Child, sig: &str) {
+    signal_pid(&child.id().to_string(), sig);
+}
+
+/// Sends `sig` (`KILL`, `TERM`, ...) to process `pid`, which must exist.
+pub fn signal_pid(pid: &str, sig: &str) {
     let st = Command::new("kill")
-        .args([&format!("-{sig}"), &child.id().to_string()])
+        .args([&format!("-{sig}"), pid])
         .status()
         .unwrap();
-    assert!(st.success());
+    assert!(st.success(), "kill -{sig} {pid}");
 }
 
 /// Waits for a child with a deadline; returns its output and how long it took.

@@ -53,10 +53,10 @@ pub async fn start(
     // machine's own are started without ssh, by this nrun or by an agent beside it.
     let (mut here, mut there) = (Vec::new(), Vec::new());
     for (i, h) in hosts.iter().enumerate() {
-        // A spare stays a child of this host, so that the node it replaces can be lost with
-        // its subtree while the spare is not.
         // Asked once per host: for an address, it reads this machine's interfaces.
         let local = crate::net::is_this_host(&h.name);
+        // A spare stays a child of this host, so that the node it replaces can be lost with
+        // its subtree while the spare is not.
         let direct = np.tree_width == 0 || i >= np.size;
         match (direct, local) {
             (true, _) => starts.push(Branch {

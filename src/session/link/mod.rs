@@ -221,8 +221,9 @@ pub struct Bus {
     /// How long a node's heartbeat (every half second, [`crate::agent::liveness`]) may be still
     /// before the node is lost: half of --agent-timeout, at least [`MIN_SILENCE`] (2.5 s by
     /// default: five beats missed), so that this host calls a cut-off node lost (and a spare
-    /// may take its place) before that node's agent stops its workers by itself. An agent whose connection closes is lost at
-    /// once: the store removes its counter ([`crate::store::server::LIVE_SUFFIX`]).
+    /// may take its place) before that node's agent stops its workers by itself. An agent
+    /// whose connection closes is lost at once: the store removes its counter
+    /// ([`crate::store::server::LIVE_SUFFIX`]).
     pub(super) silence: std::time::Duration,
 }
 
