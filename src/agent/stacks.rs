@@ -70,7 +70,8 @@ const SEARCH: Duration = Duration::from_secs(2);
 
 const THREAD: &str = "nrun-watch";
 
-/// A panic on the watch's thread (caught, see `sample`) prints nothing; any other still does.
+/// A panic on the watch's thread (caught around each `sample`) prints nothing; any other still
+/// does.
 fn quiet_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -142,7 +143,12 @@ pub fn spawn(
                 // this round (a thousand workers of another program cost one scan, not 1000).
                 let mut tree = None;
                 for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
-                    sample(w, &mut sources, &mut tree);
+                    // A panic in py-spy (attaching to a Python still starting, or reading one
+                    // that changes under it) costs the rank a sample, never the watch: the
+                    // thread ended silently once, and a restarted group's hang went unnamed.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        sample(w, &mut sources, &mut tree)
+                    }));
                 }
                 // Straggler statistics count the job's running time, not a stall: a sample
                 // counts while some rank of the node moved in the last few seconds (a slow rank
