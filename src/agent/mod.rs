@@ -256,26 +256,29 @@ pub async fn serve(
 
     // Probes from other nodes arrive on the address the coordinator picks for this node
     // (normally this end of the path to it), so listen on every address.
-    let any: std::net::IpAddr = if local.is_ipv4() {
-        std::net::Ipv4Addr::UNSPECIFIED.into()
-    } else {
-        std::net::Ipv6Addr::UNSPECIFIED.into()
+    let probe_addr = match hello.probed {
+        true => {
+            let any: std::net::IpAddr = if local.is_ipv4() {
+                std::net::Ipv4Addr::UNSPECIFIED.into()
+            } else {
+                std::net::Ipv6Addr::UNSPECIFIED.into()
+            };
+            let probe = tokio::net::TcpListener::bind(SocketAddr::new(any, 0))
+                .await
+                .map_err(|e| {
+                    Error::helper(format!(
+                        "nrun agent on {me}: cannot open a probe listener: {e}"
+                    ))
+                })?;
+            let port = probe
+                .local_addr()
+                .map_err(|e| Error::helper(e.to_string()))?
+                .port();
+            tokio::spawn(exec::serve_probes(probe));
+            SocketAddr::new(local.ip(), port).to_string()
+        }
+        false => String::new(),
     };
-    let probe = tokio::net::TcpListener::bind(SocketAddr::new(any, 0))
-        .await
-        .map_err(|e| {
-            Error::helper(format!(
-                "nrun agent on {me}: cannot open a probe listener: {e}"
-            ))
-        })?;
-    let probe_addr = SocketAddr::new(
-        local.ip(),
-        probe
-            .local_addr()
-            .map_err(|e| Error::helper(e.to_string()))?
-            .port(),
-    );
-    tokio::spawn(exec::serve_probes(probe));
     let mut facts = if crate::facts::quick(hello.python.as_deref()) {
         // Files and netlink only: a thread of its own would cost the agent more than the work
         // (a thousand agents on one machine: a tenth of their start).
@@ -313,7 +316,7 @@ pub async fn serve(
         nonce: nonce.clone(),
         local_addr: local.to_string(),
         reached: reached.to_string(),
-        probe_addr: probe_addr.to_string(),
+        probe_addr,
         facts,
         own_sealed,
     };

@@ -78,6 +78,8 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
         own: Some(own_work(job)),
         tree: Vec::new(),
         tree_ssh: None,
+        // The launch host's nodes are elsewhere: they probe this one.
+        probed: true,
     };
     tracing::info!("joined the rendezvous at {endpoint} as node {node}");
     let signals = Signals::install(&job.session.forward_signals)?;

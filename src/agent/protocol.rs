@@ -70,6 +70,16 @@ pub struct Hello {
     /// How to start them (set when `tree` is not empty).
     #[serde(default)]
     pub tree_ssh: Option<TreeSsh>,
+    /// Other nodes probe this one's reachability: false when every node of the job is the
+    /// launch host's machine (one network stack, nothing between them to probe), and the agent
+    /// then opens no probe listener (a thousand of them on one machine spent a fifth of the
+    /// job's CPU in the kernel's search for a free port).
+    #[serde(default = "probed_by_default")]
+    pub probed: bool,
+}
+
+fn probed_by_default() -> bool {
+    true
 }
 
 /// A node of the launch tree and the nodes its agent starts.
@@ -154,7 +164,8 @@ pub struct Joined {
     pub local_addr: String,
     /// The coordinator address that answered.
     pub reached: String,
-    /// Where this node answers reachability probes from other nodes.
+    /// Where this node answers reachability probes from other nodes (empty: it is not probed,
+    /// see [`Hello::probed`]).
     pub probe_addr: String,
     /// Chosen at random by the agent for this join: every step sealed for it covers this, so a
     /// step captured from an earlier run (or join) does not open here.
@@ -606,11 +617,13 @@ mod tests {
                 concurrency: 64,
                 ship: true,
             }),
+            probed: false,
         };
         let json = serde_json::to_string(&hello).unwrap();
         let back: Hello = serde_json::from_str(&json).unwrap();
         assert_eq!(back.tree, hello.tree);
         assert_eq!(back.tree_ssh, hello.tree_ssh);
+        assert!(!back.probed);
         assert_eq!(
             back.tree[0]
                 .below()
@@ -622,7 +635,7 @@ mod tests {
         let old = r#"{"secret":"s","run":"r","node":0,"label":"a","addrs":[],"cwd":"/",
             "version":"v","python":null}"#;
         let old: Hello = serde_json::from_str(old).unwrap();
-        assert!(old.tree.is_empty() && old.tree_ssh.is_none());
+        assert!(old.tree.is_empty() && old.tree_ssh.is_none() && old.probed);
         assert_eq!(Keys::new("r").tree_lost(7), b"nrun/r/n7/tree-lost");
         assert_eq!(
             Keys::new("r").node_of(&Keys::new("r").tree_lost(7)),

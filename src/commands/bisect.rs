@@ -51,6 +51,18 @@ struct NodeResult {
     evidence: Vec<String>,
 }
 
+impl NodeResult {
+    /// "bisect: slow (...) with h1" where the evidence begins with the verdict's name, else
+    /// "bisect: failed: ...": why the node is left out (on the spot) or excluded.
+    fn why(&self) -> String {
+        let (name, evidence) = (self.verdict.name(), self.evidence.join("; "));
+        match evidence.starts_with(&name) {
+            true => format!("bisect: {evidence}"),
+            false => format!("bisect: {name}: {evidence}"),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 struct Round {
     stage: String,
@@ -157,12 +169,7 @@ pub async fn on_the_spot(
         .iter()
         .enumerate()
         .filter(|(i, r)| r.verdict != NodeVerdict::Good && !outside.contains(i))
-        .map(|(i, r)| {
-            (
-                i,
-                format!("bisect: {}: {}", r.verdict.name(), r.evidence.join("; ")),
-            )
-        })
+        .map(|(i, r)| (i, r.why()))
         .collect())
 }
 
@@ -833,7 +840,7 @@ impl Bisect<'_> {
                 .map(|r| crate::plan::exclude::Entry {
                     host: r.host.clone(),
                     at: now,
-                    why: format!("bisect: {}: {}", r.verdict.name(), r.evidence.join("; ")),
+                    why: r.why(),
                 })
                 .collect();
             f.append(&found)?;
@@ -928,6 +935,27 @@ fn partition(nodes: &[usize], size: usize) -> Vec<Vec<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn why_a_node_is_out_names_its_verdict_once() {
+        let r = |verdict, e: &str| NodeResult {
+            host: "h1".into(),
+            verdict,
+            evidence: vec![e.into()],
+        };
+        assert_eq!(
+            r(
+                NodeVerdict::Slow,
+                "slow (the link h1 -> h2 at 0.02 GB/s) with h2"
+            )
+            .why(),
+            "bisect: slow (the link h1 -> h2 at 0.02 GB/s) with h2"
+        );
+        assert_eq!(
+            r(NodeVerdict::Bad, "exit 1 alone").why(),
+            "bisect: bad: exit 1 alone"
+        );
+    }
 
     #[test]
     fn partitions() {

@@ -216,10 +216,11 @@ impl Session {
             .filter(|i| self.nodes[*i].joined.is_some() && !self.is_left_out(*i))
             .collect();
         let k = ring.len();
-        if k < 2 {
+        let local: Vec<bool> = self.nodes.iter().map(|n| n.is_local()).collect();
+        let pairs = ring_pairs(&ring, |i| local[i]);
+        if pairs.is_empty() {
             return Ok(Vec::new());
         }
-        let pairs: Vec<(usize, usize)> = (0..k).map(|p| (ring[p], ring[(p + 1) % k])).collect();
         let failed = self.probe_pairs(&pairs, 5000).await?;
         if failed.is_empty() {
             return Ok(Vec::new());
@@ -323,6 +324,16 @@ impl Session {
         let mut steps = vec![None; self.nodes.len()];
         let mut target_of = vec![None; self.nodes.len()];
         for &(a, b) in pairs {
+            // A node told it is not probed (all nodes this machine's) has no listener; one
+            // seen later beside it (a peer joining) finds nothing there to test.
+            let listens = self.nodes[b]
+                .joined
+                .as_ref()
+                .and_then(|j| j.link.as_ref())
+                .is_none_or(|l| !l.probe_addr.is_empty());
+            if !listens {
+                continue;
+            }
             let target = self.nodes[b].joined.as_ref().and_then(|j| {
                 let published: SocketAddr = j.link.as_ref()?.probe_addr.parse().ok()?;
                 Some(SocketAddr::new(
@@ -395,6 +406,20 @@ impl Session {
     }
 }
 
+/// The ring's links `(a, b)` (a connects to b) that can be blocked: those between two nodes of
+/// the launch host's machine share one network stack and are left out, so a job of this
+/// machine's nodes alone probes nothing (its agents open no probe listener).
+fn ring_pairs(ring: &[usize], local: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+    let k = ring.len();
+    if k < 2 {
+        return Vec::new();
+    }
+    (0..k)
+        .map(|p| (ring[p], ring[(p + 1) % k]))
+        .filter(|&(a, b)| !(local(a) && local(b)))
+        .collect()
+}
+
 /// NCCL_SOCKET_IFNAME semantics: comma list of prefixes; `=` exact names; `^` excludes.
 fn ifname_matches_any(spec: &str, ifs: &[net::Iface]) -> bool {
     let (exclude, rest) = match spec.strip_prefix('^') {
@@ -430,6 +455,16 @@ mod tests {
             mtu: None,
             addrs: Vec::new(),
         }
+    }
+
+    #[test]
+    fn links_within_the_launch_hosts_machine_are_not_probed() {
+        let all = |_| false;
+        assert_eq!(ring_pairs(&[0, 1, 2], all), [(0, 1), (1, 2), (2, 0)]);
+        assert_eq!(ring_pairs(&[4], all), []);
+        // Two loopback nodes (0, 1) and one elsewhere (2): 0 -> 1 is one machine's own.
+        assert_eq!(ring_pairs(&[0, 1, 2], |i| i < 2), [(1, 2), (2, 0)]);
+        assert_eq!(ring_pairs(&[0, 1, 2], |_| true), []);
     }
 
     #[test]

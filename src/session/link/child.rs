@@ -69,6 +69,14 @@ pub async fn start(
             (false, false) => there.push((i, h.name.clone())),
         }
     }
+    // Nodes elsewhere (here or joining as peers) probe and are probed; this machine's alone
+    // have nothing between them to probe.
+    let how = &Instructions {
+        probed: !there.is_empty()
+            || hosts.len() < np.hosts.len()
+            || starts.iter().any(|b| !b.local),
+        ..how.clone()
+    };
     starts.extend(
         crate::plan::tree::split(&here, np.tree_width)
             .into_iter()
