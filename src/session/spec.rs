@@ -183,8 +183,12 @@ impl Session {
             let error_file: PathBuf = log_dir
                 .clone()
                 .unwrap_or_else(|| {
+                    // In nrun's scratch (this host's temp directory, nobody else's) a rank's
+                    // number keeps the nodes of one machine apart: one directory a worker, not
+                    // two (on a journal-less ext4, making directories was a quarter of a
+                    // thousand loopback nodes' CPU).
                     let scratch = self.temp_root.join(l.scratch);
-                    plan.worker_dir(&scratch, l.attempt, host, local_rank)
+                    plan.worker_dir(&scratch, l.attempt, None, rank)
                 })
                 .join("error.json");
             let place = Place {
