@@ -63,8 +63,12 @@ def one(binary, n):
 
     rc, err, wall = run(cmd, env, look)
     cpu, rss_kb = cpu_and_rss(err)
-    return {"n": n, "wall_s": wall, "cpu_s": cpu, "rss_mib": rss_kb and rss_kb / 1024,
-            "fds": most[0], "rc": rc}
+    x = {"n": n, "wall_s": wall, "cpu_s": cpu, "rss_mib": rss_kb and rss_kb / 1024,
+         "fds": most[0], "rc": rc}
+    if rc != 0:
+        # What nrun said of a failed run (its last lines), to find out why.
+        x["stderr_tail"] = err[-4000:]
+    return x
 
 
 def main():
