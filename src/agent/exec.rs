@@ -262,8 +262,22 @@ fn open_logs(dir: &std::path::Path) -> Result<Logs> {
     Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
 }
 
+/// Listens for the other nodes' probes on a free port of every address (they arrive on the
+/// address the coordinator picks for this node, normally `local`: this end of the path to it)
+/// and echoes them ([`serve_probes`]). Returns the address to publish: `local`'s, that port.
+pub async fn listen_for_probes(local: SocketAddr) -> std::io::Result<String> {
+    let any: std::net::IpAddr = match local.is_ipv4() {
+        true => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        false => std::net::Ipv6Addr::UNSPECIFIED.into(),
+    };
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(any, 0)).await?;
+    let port = listener.local_addr()?.port();
+    tokio::spawn(serve_probes(listener));
+    Ok(SocketAddr::new(local.ip(), port).to_string())
+}
+
 /// Echoes 10 bytes back on every connection: the other side of [`probe_peer`].
-pub async fn serve_probes(listener: tokio::net::TcpListener) {
+async fn serve_probes(listener: tokio::net::TcpListener) {
     while let Ok((mut s, _)) = listener.accept().await {
         tokio::spawn(async move {
             let mut b = [0u8; 10];

@@ -254,29 +254,14 @@ pub async fn serve(
         .await
         .map_err(lost)?;
 
-    // Probes from other nodes arrive on the address the coordinator picks for this node
-    // (normally this end of the path to it), so listen on every address.
     let probe_addr = match hello.probed {
-        true => {
-            let any: std::net::IpAddr = if local.is_ipv4() {
-                std::net::Ipv4Addr::UNSPECIFIED.into()
-            } else {
-                std::net::Ipv6Addr::UNSPECIFIED.into()
-            };
-            let probe = tokio::net::TcpListener::bind(SocketAddr::new(any, 0))
-                .await
-                .map_err(|e| {
-                    Error::helper(format!(
-                        "nrun agent on {me}: cannot open a probe listener: {e}"
-                    ))
-                })?;
-            let port = probe
-                .local_addr()
-                .map_err(|e| Error::helper(e.to_string()))?
-                .port();
-            tokio::spawn(exec::serve_probes(probe));
-            SocketAddr::new(local.ip(), port).to_string()
-        }
+        true => exec::listen_for_probes(local).await.map_err(|e| {
+            Error::helper(format!(
+                "nrun agent on {me}: cannot listen on a free TCP port for the other nodes' \
+                 reachability probes: {e}; check this host's open-file limit (ulimit -n) and \
+                 its free ports (sysctl net.ipv4.ip_local_port_range)"
+            ))
+        })?,
         false => String::new(),
     };
     let mut facts = if crate::facts::quick(hello.python.as_deref()) {

@@ -72,8 +72,8 @@ pub struct Hello {
     pub tree_ssh: Option<TreeSsh>,
     /// Other nodes probe this one's reachability: false when every node of the job is the
     /// launch host's machine (one network stack, nothing between them to probe), and the agent
-    /// then opens no probe listener (a thousand of them on one machine spent a fifth of the
-    /// job's CPU in the kernel's search for a free port).
+    /// then opens no probe listener (a thousand of them on one machine, after earlier runs,
+    /// spent over a quarter of the job's CPU in the kernel's search for a free port).
     #[serde(default = "probed_by_default")]
     pub probed: bool,
 }

@@ -324,16 +324,6 @@ impl Session {
         let mut steps = vec![None; self.nodes.len()];
         let mut target_of = vec![None; self.nodes.len()];
         for &(a, b) in pairs {
-            // A node told it is not probed (all nodes this machine's) has no listener; one
-            // seen later beside it (a peer joining) finds nothing there to test.
-            let listens = self.nodes[b]
-                .joined
-                .as_ref()
-                .and_then(|j| j.link.as_ref())
-                .is_none_or(|l| !l.probe_addr.is_empty());
-            if !listens {
-                continue;
-            }
             let target = self.nodes[b].joined.as_ref().and_then(|j| {
                 let published: SocketAddr = j.link.as_ref()?.probe_addr.parse().ok()?;
                 Some(SocketAddr::new(
@@ -408,7 +398,8 @@ impl Session {
 
 /// The ring's links `(a, b)` (a connects to b) that can be blocked: those between two nodes of
 /// the launch host's machine share one network stack and are left out, so a job of this
-/// machine's nodes alone probes nothing (its agents open no probe listener).
+/// machine's nodes alone probes nothing (its agents open no probe listener: the same locality,
+/// decided in `link::child::start`, sets their `Hello::probed`).
 fn ring_pairs(ring: &[usize], local: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
     let k = ring.len();
     if k < 2 {

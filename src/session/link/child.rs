@@ -52,9 +52,13 @@ pub async fn start(
     // start a node of this machine (its name means that agent's own machine there), and this
     // machine's own are started without ssh, by this nrun or by an agent beside it.
     let (mut here, mut there) = (Vec::new(), Vec::new());
+    // Some node is on another machine (or joins as a peer): the nodes' reachability is probed.
+    // This machine's nodes alone share one network stack: nothing between them to probe.
+    let mut elsewhere = hosts.len() < np.hosts.len();
     for (i, h) in hosts.iter().enumerate() {
         // Asked once per host: for an address, it reads this machine's interfaces.
         let local = crate::net::is_this_host(&h.name);
+        elsewhere |= !local;
         // A spare stays a child of this host, so that the node it replaces can be lost with
         // its subtree while the spare is not.
         let direct = np.tree_width == 0 || i >= np.size;
@@ -69,14 +73,6 @@ pub async fn start(
             (false, false) => there.push((i, h.name.clone())),
         }
     }
-    // Nodes elsewhere (here or joining as peers) probe and are probed; this machine's alone
-    // have nothing between them to probe.
-    let how = &Instructions {
-        probed: !there.is_empty()
-            || hosts.len() < np.hosts.len()
-            || starts.iter().any(|b| !b.local),
-        ..how.clone()
-    };
     starts.extend(
         crate::plan::tree::split(&here, np.tree_width)
             .into_iter()
@@ -111,6 +107,7 @@ pub async fn start(
         let mut hello = how.hello(i, &label, addrs, Vec::new());
         // This host's own agent is watched as a process, not by its heartbeat.
         hello.heartbeat = !local;
+        hello.probed = elsewhere;
         if !b.children.is_empty() {
             hello.tree = b.children.clone();
             hello.tree_ssh = Some(tree_ssh.clone());

@@ -362,7 +362,6 @@ impl Bus {
 }
 
 /// What every agent started by this nrun is told, less its own node's place.
-#[derive(Clone)]
 pub struct Instructions {
     pub secret: String,
     pub run: String,
@@ -371,8 +370,6 @@ pub struct Instructions {
     pub python: Option<std::path::PathBuf>,
     pub forward_signals: Vec<i32>,
     pub agent_timeout: Duration,
-    /// Some node is not this machine: the nodes' reachability is probed (see [`Hello::probed`]).
-    pub probed: bool,
 }
 
 impl Instructions {
@@ -386,8 +383,6 @@ impl Instructions {
             python: s.plan.python_probe.then(|| plan.python.clone()).flatten(),
             forward_signals: plan.forward_signals.clone(),
             agent_timeout: s.plan.agent_timeout,
-            // Decided where the nodes' locality is known (the ssh launcher's start).
-            probed: true,
         })
     }
 
@@ -411,7 +406,8 @@ impl Instructions {
             own: None,
             tree: Vec::new(),
             tree_ssh: None,
-            probed: self.probed,
+            // srun's nodes are other machines; the ssh launcher decides per job (link::child).
+            probed: true,
         }
     }
 }
