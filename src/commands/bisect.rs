@@ -351,6 +351,10 @@ impl Bisect<'_> {
     }
 
     /// Narrows a failing or slow group down to nodes or links, re-testing with known-good nodes.
+    /// Each round's groups are judged against that round's median busbw (`median`, the one
+    /// above, only where a round has a single group): on a busy host another round's figures
+    /// differ by more than --slow-factor (a healthy pair at 0.11 GB/s was called slow against
+    /// the stage's best group, 0.26 GB/s, two rounds before).
     async fn isolate(&mut self, g: GroupOut, median: Option<f64>, s: &mut Session) -> Result<()> {
         let what = if g.ok { "slow" } else { "fails" };
         if g.members.len() > 2 {
@@ -370,19 +374,21 @@ impl Bisect<'_> {
                     s,
                 )
                 .await?;
+            let m = median_busbw(&outs).or(median);
             let mut any_bad = false;
             for h in outs {
-                if !h.ok || self.is_slow(&h, median) {
+                if !h.ok || self.is_slow(&h, m) {
                     any_bad = true;
-                    Box::pin(self.isolate(h, median, s)).await?;
+                    Box::pin(self.isolate(h, m, s)).await?;
                 }
             }
             if !any_bad {
                 let pairs: Vec<Vec<usize>> = a.iter().zip(b).map(|(x, y)| vec![*x, *y]).collect();
                 let outs = self.round("isolate: cross pairs", pairs, s).await?;
+                let m = median_busbw(&outs).or(median);
                 for p in outs {
-                    if !p.ok || self.is_slow(&p, median) {
-                        Box::pin(self.isolate(p, median, s)).await?;
+                    if !p.ok || self.is_slow(&p, m) {
+                        Box::pin(self.isolate(p, m, s)).await?;
                     }
                 }
             }
@@ -421,6 +427,7 @@ impl Bisect<'_> {
                 s,
             )
             .await?;
+        let median = median_busbw(&outs).or(median);
         self.confirm_slow(&mut outs, median, s).await?;
         let why = match (g.evidence.as_str(), &g.slow_link) {
             ("", None) => String::new(),
