@@ -130,6 +130,29 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Where nrun's log lines go: stderr, or nowhere once [`silence_logging`] was called.
+struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match SILENT.load(std::sync::atomic::Ordering::Relaxed) {
+            true => Ok(buf.len()),
+            false => std::io::stderr().write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+static SILENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// An agent forked from nrun's spawner (see node::spawner) inherits nrun's log subscriber,
+/// where an exec'd agent has none: it says nothing through it, as an exec'd one does not.
+pub(crate) fn silence_logging() {
+    SILENT.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// NRUN_LOG=error|warn|info|debug|trace sets how much nrun says (default info).
 fn init_logging() {
     use tracing::level_filters::LevelFilter;
@@ -147,7 +170,7 @@ fn init_logging() {
     };
     let _ = tracing_subscriber::fmt()
         .with_max_level(level)
-        .with_writer(std::io::stderr)
+        .with_writer(|| LogWriter)
         .event_format(report::LogFormat)
         .try_init();
 }

@@ -560,6 +560,57 @@ fn a_local_agent_dies_with_its_launcher_by_itself() {
     s.assert_no_survivors();
 }
 
+/// An agent on nrun's own host is forked by the spawner, no exec: it must be what an exec'd
+/// `nrun __agent` was. Each worker reports on its agent (its parent): it reads `nrun __agent`
+/// in ps and is named nrun, its parent is the spawner, it holds none of the spawner's
+/// descriptors (its socket to nrun), and the workers get the open-file limit nrun started
+/// with (nrun raises its own to the hard limit). In a launch tree (more nodes than
+/// --tree-width) the inner agents fork theirs the same way, from spawners of their own.
+#[test]
+fn a_local_agent_is_forked_as_an_execd_one_would_be() {
+    use std::os::unix::process::CommandExt;
+    let s = Scene::new();
+    let report = concat!(
+        r#"a=$PPID; sp=$(awk '{print $4}' /proc/$a/stat); sock=$(readlink /proc/$sp/fd/3); "#,
+        r#"leak=no; for f in /proc/$a/fd/*; do [ "$(readlink $f)" = "$sock" ] && leak=yes; done; "#,
+        r#"echo "agent-$RANK [$(tr '\0' ' ' < /proc/$a/cmdline | sed 's/ *$//')] $(cat /proc/$a/comm) "#,
+        r#"parent=$(cat /proc/$sp/comm) leak=$leak nofile=$(ulimit -Sn)""#
+    );
+    let mut c = s.cmd(&[
+        "-H",
+        "localhost,127.0.0.2,127.0.0.3,127.0.0.4,127.0.0.5",
+        "--tree-width",
+        "2",
+        "--nproc",
+        "1",
+        "--no-python",
+        "sh",
+        "-c",
+        report,
+    ]);
+    // SAFETY: setrlimit between fork and exec, with a limit on the stack.
+    unsafe {
+        c.pre_exec(|| {
+            let mut l: libc::rlimit = std::mem::zeroed();
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut l);
+            l.rlim_cur = 900.min(l.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+            Ok(())
+        });
+    }
+    let out = c.output().unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for r in 0..5 {
+        let want = format!("agent-{r} [nrun __agent] nrun parent=nrun-spawner leak=no nofile=900");
+        assert!(
+            stdout.lines().any(|l| l.ends_with(&want)),
+            "{want}:\n{stdout}\n{stderr}"
+        );
+    }
+    s.assert_no_survivors();
+}
+
 /// The process that starts nrun's agents (nrun-spawner) blocks every signal: Slurm signals
 /// every process of a step (its --signal=USR1, scancel's TERM) and a user may signal the whole
 /// tree; those are nrun's to handle through its agents. Signalled, the job goes on and ends as

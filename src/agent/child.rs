@@ -40,30 +40,38 @@ pub struct AgentProcess {
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
 }
 
+/// What starts a node's agent.
+pub enum Starter {
+    /// This very binary's agent, on this machine (the launch host's own nodes, an inner agent's
+    /// nodes of its own machine): forked by nrun's spawner where there is one (no exec, see
+    /// [`crate::node::spawner::Program::Agent`]), else `nrun __agent`, which sets its
+    /// parent-death signal itself (see [`crate::agent::PARENT_VAR`]).
+    Here,
+    /// A program that starts it elsewhere (ssh, srun): it gets its parent-death signal
+    /// between fork and exec.
+    Program(Vec<std::ffi::OsString>),
+}
+
 impl AgentProcess {
-    /// Starts `argv` and gives it `hello` on stdin; its stdout is passed on, its stderr too
-    /// and kept for explaining a failure. `what` names it in an error. `own_agent`: `argv` is
-    /// this very binary's agent, which sets its parent-death signal itself (see
-    /// [`crate::agent::PARENT_VAR`]); anything else (ssh) gets it between fork and exec.
-    /// Started by nrun's spawner where there is one (see [`crate::node::spawner`]: starting a
-    /// program from nrun itself costs a copy of its file table, which grows with the nodes),
-    /// else by nrun. `relay`: how its lines are passed on (see [`Relay`]).
-    pub async fn spawn(
-        argv: &[std::ffi::OsString],
-        what: &str,
-        hello: &Hello,
-        own_agent: bool,
-        relay: Relay,
-    ) -> Result<Self> {
+    /// Starts an agent and gives it `hello` on stdin; its stdout is passed on, its stderr too
+    /// and kept for explaining a failure. `what` names it in an error. Started by nrun's
+    /// spawner where there is one (see [`crate::node::spawner`]: starting a program from nrun
+    /// itself costs a copy of its file table, which grows with the nodes), else by nrun.
+    /// `relay`: how its lines are passed on (see [`Relay`]).
+    pub async fn spawn(starter: &Starter, what: &str, hello: &Hello, relay: Relay) -> Result<Self> {
         let cannot = |e: &dyn std::fmt::Display| {
-            Error::usage(format!(
-                "cannot run {} to start the agent on {what}: {e}",
-                argv[0].to_string_lossy()
-            ))
+            let program = match starter {
+                Starter::Here => "nrun's agent".to_string(),
+                Starter::Program(argv) => argv[0].to_string_lossy().into_owned(),
+            };
+            Error::usage(format!("cannot start {program} for {what}: {e}"))
         };
+        // An agent that starts agents on this machine (an inner agent of the launch tree) gets
+        // a spawner of its own.
+        let spawner = hello.tree.iter().any(|b| b.local);
         let started = match crate::node::spawner::client() {
-            Some(sp) => by_spawner(&sp, argv, own_agent).await,
-            None => by_nrun(argv, own_agent),
+            Some(sp) => by_spawner(&sp, starter, spawner).await,
+            None => by_nrun(starter),
         };
         let Started {
             mut stdin,
@@ -244,31 +252,25 @@ struct Started {
     kill: oneshot::Sender<()>,
 }
 
-/// The command line of an agent of this very binary on this machine (no ssh): the launch
-/// host's own nodes, and an inner agent's nodes of its own machine.
-pub fn own_agent_argv() -> Result<Vec<std::ffi::OsString>> {
-    let exe = std::env::current_exe()
-        .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
-    Ok(vec![exe.into_os_string(), "__agent".into()])
-}
-
-/// Starts `argv` through nrun's spawner, on pipes nrun holds the other ends of.
+/// Starts the agent through nrun's spawner, on pipes nrun holds the other ends of.
+/// `spawner`: a forked agent gets a spawner of its own.
 async fn by_spawner(
     sp: &Arc<crate::node::spawner::Client>,
-    argv: &[std::ffi::OsString],
-    own_agent: bool,
+    starter: &Starter,
+    spawner: bool,
 ) -> std::io::Result<Started> {
+    use crate::node::spawner::Program;
     use tokio::net::unix::pipe;
     let flags = nix::fcntl::OFlag::O_CLOEXEC;
     let (in_r, in_w) = nix::unistd::pipe2(flags)?;
     let (out_r, out_w) = nix::unistd::pipe2(flags)?;
     let (err_r, err_w) = nix::unistd::pipe2(flags)?;
-    let env = match (own_agent, crate::node::spawner::pid()) {
-        (true, Some(pid)) => vec![(crate::agent::PARENT_VAR.into(), pid.to_string().into())],
-        _ => Vec::new(),
+    let program = match starter {
+        Starter::Here => Program::Agent { spawner },
+        Starter::Program(argv) => Program::exec(argv, true),
     };
     let child = sp
-        .start(argv, &env, [in_r, out_w, err_w], !own_agent)
+        .start(program, &[], [in_r, out_w, err_w])
         .await
         .map_err(std::io::Error::other)?;
     let (kill, killed) = oneshot::channel::<()>();
@@ -289,8 +291,15 @@ async fn by_spawner(
     })
 }
 
-/// Starts `argv` from nrun itself (no spawner).
-fn by_nrun(argv: &[std::ffi::OsString], own_agent: bool) -> std::io::Result<Started> {
+/// Starts the agent from nrun itself (no spawner).
+fn by_nrun(starter: &Starter) -> std::io::Result<Started> {
+    let (argv, own_agent) = match starter {
+        Starter::Here => (
+            vec![std::env::current_exe()?.into_os_string(), "__agent".into()],
+            true,
+        ),
+        Starter::Program(argv) => (argv.clone(), false),
+    };
     let mut cmd = tokio::process::Command::new(&argv[0]);
     // Own process group: the terminal's Ctrl-C reaches nrun, which stops the job in order,
     // not ssh. PDEATHSIG: if nrun is killed outright, ssh goes too, the remote side sees its

@@ -41,9 +41,9 @@ use crate::store::client::Client;
 use exec::{Done, StepIo};
 use protocol::{Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
 
-/// Set by nrun (to its pid) on an agent it starts on its own host, without ssh. nrun starts it
-/// through the small spawner, whose child only clears its signal mask before the exec, so the
-/// agent sets its own parent-death signal ([`tie_to_parent`]). It forks no keeper either: the
+/// Set by nrun (to its pid) on an agent it starts on its own host by exec, without ssh or a
+/// spawner (see node::spawner: an agent it forks is tied there), so the agent sets its own
+/// parent-death signal ([`tie_to_parent`]). It forks no keeper either: the
 /// launcher's keeper and watch on this same host already cover every process below the
 /// launcher (they are re-parented to that keeper, and carry its token).
 pub const PARENT_VAR: &str = "NRUN_AGENT_PARENT";
@@ -66,8 +66,15 @@ pub fn tie_to_parent() -> bool {
         // Re-parented before the signal was set: the launcher died during the spawn.
         std::process::exit(i32::from(crate::error::exit::signal(libc::SIGKILL)));
     }
-    TIED.store(true, std::sync::atomic::Ordering::Relaxed);
+    tied_to_parent();
     true
+}
+
+/// This agent was tied to its parent by its starter (forked by nrun's spawner, which set its
+/// parent-death signal and checked its parent: see node::spawner), as [`tie_to_parent`] ties
+/// an exec'd one.
+pub(crate) fn tied_to_parent() {
+    TIED.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// This agent dies with the nrun that started it on this host ([`tie_to_parent`]).

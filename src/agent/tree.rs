@@ -28,7 +28,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use super::child::{AgentProcess, Relay, how_it_ended, ship};
+use super::child::{AgentProcess, Relay, Starter, how_it_ended, ship};
 use super::protocol::{Branch, Hello, Keys, TreeSsh};
 use crate::store::client::Client;
 
@@ -123,19 +123,23 @@ async fn serve_child(
         // A node of the launch host's machine (this one) is started as the launch host starts
         // its own: this binary, no ssh (its agent dies with this one, its workers with it).
         let local = b.local;
-        let argv = match (local, ssh.ship) {
-            (true, _) => super::child::own_agent_argv()?,
+        let starter = match (local, ssh.ship) {
+            (true, _) => Starter::Here,
             (false, true) => {
                 let nrun = ship(&ssh.ssh_opts, &b.label).await?;
-                crate::remote::ssh_command(&b.label, &ssh.ssh_opts, &nrun)
+                Starter::Program(crate::remote::ssh_command(&b.label, &ssh.ssh_opts, &nrun))
             }
-            (false, false) => crate::remote::ssh_command(&b.label, &ssh.ssh_opts, &ssh.remote_nrun),
+            (false, false) => Starter::Program(crate::remote::ssh_command(
+                &b.label,
+                &ssh.ssh_opts,
+                &ssh.remote_nrun,
+            )),
         };
         let relay = Relay {
             nudge: None,
             tag: Some(b.label.clone()),
         };
-        AgentProcess::spawn(&argv, &b.label, &hello, local, relay).await
+        AgentProcess::spawn(&starter, &b.label, &hello, relay).await
     };
     let started = tokio::select! {
         r = start => r,

@@ -134,6 +134,13 @@ pub fn spawn_own<T>(
     Ok(t)
 }
 
+/// `pid`, a child started otherwise (the spawner, forked), is spared as [`spawn_own`]'s are.
+pub fn keep_own(pid: u32) {
+    OWN.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(pid as i32);
+}
+
 /// A child of [`spawn_own`] was waited for: a pid the kernel may give again is no longer one
 /// to spare.
 pub fn disown(pid: u32) {
@@ -179,4 +186,44 @@ pub fn kill_orphans() -> usize {
         let _ = waitpid(pid, Some(WaitPidFlag::WNOHANG));
     }
     killed
+}
+
+/// Makes this process read as `args` in `ps` and /proc/PID/cmdline (and its name as the first
+/// one's), as a process forked without exec would otherwise read as its parent's command
+/// line. What setproctitle does: the kernel reads the command line from the original argv
+/// area, which is overwritten in place (cut to its length; the rest zeroed).
+pub fn retitle(args: &[&str]) {
+    if let Some(first) = args.first() {
+        let name: Vec<u8> = first.bytes().take(15).chain([0]).collect();
+        // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+        unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) };
+    }
+    // Fields 48 and 49 of /proc/self/stat (after the parenthesized name): arg_start, arg_end.
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return;
+    };
+    let Some((_, rest)) = stat.rsplit_once(") ") else {
+        return;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let (Some(start), Some(end)) = (
+        fields.get(45).and_then(|f| f.parse::<usize>().ok()),
+        fields.get(46).and_then(|f| f.parse::<usize>().ok()),
+    ) else {
+        return;
+    };
+    if end <= start {
+        return;
+    }
+    let mut title: Vec<u8> = args.iter().flat_map(|a| a.bytes().chain([0])).collect();
+    title.resize(end - start, 0);
+    // The last byte stays NUL: the kernel then reads no further than the area.
+    if let Some(last) = title.last_mut() {
+        *last = 0;
+    }
+    // SAFETY: [start, end) is this process's own argv area (mapped, writable: the top of the
+    // main thread's stack, written by the kernel at exec), which nothing else writes; this
+    // process has one thread (just forked). std's env::args reads it, and then reads `args`
+    // (and empty strings for the rest).
+    unsafe { std::ptr::copy_nonoverlapping(title.as_ptr(), start as *mut u8, title.len()) };
 }

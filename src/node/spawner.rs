@@ -14,9 +14,13 @@
 //!   descriptors as its standard ones (passed with `SCM_RIGHTS`), or signal a child of yours.
 //!   Its children are its to reap: it reports each end (pid and wait status) on the socket,
 //!   one event for nrun where each agent's pidfd was one descriptor and one wake-up apiece.
-//! - Its children die with it: nrun's own agents set their parent-death signal against it
-//!   (`NRUN_AGENT_PARENT`), ssh gets it before its exec. When nrun goes (its socket closes, or
-//!   the parent-death signal), so does the spawner, and so does everything it started.
+//! - nrun's own agents on this machine are forked from it with no exec ([`Program::Agent`]):
+//!   the agent's code is already in this process, and an exec of nrun's binary with its
+//!   start-up cost ten times the fork of this small process (BENCHMARKS.md, the scale
+//!   section). The child is made what an exec would have made it (`become_agent`).
+//! - Its children die with it: its agents set their parent-death signal against it, ssh gets
+//!   it before its exec. When nrun goes (its socket closes, or the parent-death signal), so
+//!   does the spawner, and so does everything it started.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -42,10 +46,31 @@ const MAX_MESSAGE: usize = 1 << 16;
 #[derive(Serialize, Deserialize)]
 struct Start {
     id: u64,
-    argv: Vec<Vec<u8>>,
+    program: Program,
     env: Vec<(Vec<u8>, Vec<u8>)>,
-    /// Set the parent-death signal between fork and exec (a program that is not nrun's agent).
-    pdeathsig: bool,
+}
+
+/// What a start request runs.
+#[derive(Serialize, Deserialize)]
+pub enum Program {
+    /// A program, exec'd (ssh): `pdeathsig` sets its parent-death signal between fork and
+    /// exec (a program that does not set its own).
+    Exec { argv: Vec<Vec<u8>>, pdeathsig: bool },
+    /// nrun's own agent, forked from the spawner with no exec ([`become_agent`]): an exec of
+    /// this 9 MB binary and its start-up cost a process ten times a fork of this small one,
+    /// and the agent code is already here. `spawner`: the agent starts agents of its own
+    /// (an inner agent of the launch tree with nodes on this machine) and gets a spawner of
+    /// its own, forked before its runtime as nrun's is.
+    Agent { spawner: bool },
+}
+
+impl Program {
+    pub fn exec(argv: &[OsString], pdeathsig: bool) -> Program {
+        Program::Exec {
+            argv: argv.iter().map(|a| a.clone().into_vec()).collect(),
+            pdeathsig,
+        }
+    }
 }
 
 /// What travels on the socket, either way.
@@ -100,7 +125,8 @@ pub fn fork() {
         Ok(nix::unistd::ForkResult::Parent { child }) => {
             drop(theirs);
             let _ = SOCKET.set(Mutex::new(Some(ours)));
-            let _ = SPAWNER_PID.set(child.as_raw() as u32);
+            // Not one of the workers' orphans: an agent's sweep after its workers spares it.
+            crate::node::process::keep_own(child.as_raw() as u32);
         }
     }
 }
@@ -231,10 +257,15 @@ fn handle(
 
 /// Starts `s` with `fds` as its stdin, stdout and stderr, in a process group of its own.
 fn start(s: &Start, fds: Vec<OwnedFd>) -> Result<u32, String> {
-    let [stdin, stdout, stderr]: [OwnedFd; 3] = fds
+    let stdio: [OwnedFd; 3] = fds
         .try_into()
         .map_err(|_| "the start request came without its three descriptors".to_string())?;
-    let Some((program, args)) = s.argv.split_first() else {
+    let (argv, pdeathsig) = match &s.program {
+        Program::Exec { argv, pdeathsig } => (argv, *pdeathsig),
+        Program::Agent { spawner } => return fork_agent(&s.env, stdio, *spawner),
+    };
+    let [stdin, stdout, stderr] = stdio;
+    let Some((program, args)) = argv.split_first() else {
         return Err("an empty command line".into());
     };
     let mut cmd = std::process::Command::new(std::ffi::OsStr::from_bytes(program));
@@ -249,7 +280,6 @@ fn start(s: &Start, fds: Vec<OwnedFd>) -> Result<u32, String> {
         .stdout(stdout)
         .stderr(stderr)
         .process_group(0);
-    let pdeathsig = s.pdeathsig;
     // The child starts with no signal blocked: this process blocks them all, and a mask is
     // inherited through exec (an agent with SIGUSR1 blocked never passed Slurm's on, its
     // workers with SIGCHLD blocked would miss their own children's ends). A fork of this small
@@ -269,6 +299,77 @@ fn start(s: &Start, fds: Vec<OwnedFd>) -> Result<u32, String> {
     let child = cmd.spawn().map_err(|e| e.to_string())?;
     // Reaped by `reap`, not by std.
     Ok(child.id())
+}
+
+/// Forks nrun's agent ([`Program::Agent`]) with `stdio` as its standard descriptors.
+fn fork_agent(
+    env: &[(Vec<u8>, Vec<u8>)],
+    stdio: [OwnedFd; 3],
+    spawner: bool,
+) -> Result<u32, String> {
+    let me = nix::unistd::getpid();
+    // SAFETY: this process has one thread; the child only sets itself up and runs the agent.
+    match unsafe { nix::unistd::fork() } {
+        Err(e) => Err(format!("cannot fork: {e}")),
+        Ok(nix::unistd::ForkResult::Child) => become_agent(me, env, stdio, spawner),
+        // Ours are closed (dropped) now that the child holds its copies.
+        Ok(nix::unistd::ForkResult::Parent { child }) => Ok(child.as_raw() as u32),
+    }
+}
+
+/// The forked child's life: what an exec of `nrun __agent` would have given it (its own
+/// descriptors and nothing else, an empty signal mask, its own process group, the request's
+/// environment, no log subscriber), tied to the spawner as `agent::tie_to_parent` ties an exec'd
+/// one, then the agent.
+fn become_agent(
+    spawner_pid: nix::unistd::Pid,
+    env: &[(Vec<u8>, Vec<u8>)],
+    stdio: [OwnedFd; 3],
+    spawner: bool,
+) -> ! {
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    if nix::unistd::getppid() != spawner_pid {
+        // The spawner went during the fork (with nrun): so does its agent.
+        std::process::exit(i32::from(crate::error::exit::signal(libc::SIGKILL)));
+    }
+    // SAFETY: dup2 and close_range on this process's own descriptors. The three land on 0-2
+    // whatever their numbers (a received one may already be 0, 1 or 2: dup2 onto itself keeps
+    // it, and clears its close-on-exec, which is harmless without an exec); then everything
+    // else goes: the spawner's socket and signalfd (no exec, so close-on-exec closes nothing).
+    unsafe {
+        let raw: Vec<RawFd> = stdio.iter().map(|f| f.as_raw_fd()).collect();
+        // Moved above 2 first so that dup2 onto 0-2 cannot clobber one still to be copied.
+        let high: Vec<RawFd> = raw
+            .iter()
+            .map(|&fd| libc::fcntl(fd, libc::F_DUPFD, 10))
+            .collect();
+        for (target, fd) in high.iter().enumerate() {
+            libc::dup2(*fd, target as RawFd);
+        }
+        std::mem::forget(stdio);
+        libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+    }
+    let _ = nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0));
+    let _ = nix::sys::signal::SigSet::empty().thread_set_mask();
+    for (k, v) in env {
+        // SAFETY: this process has one thread.
+        unsafe {
+            std::env::set_var(
+                std::ffi::OsStr::from_bytes(k),
+                std::ffi::OsStr::from_bytes(v),
+            )
+        };
+    }
+    crate::node::process::retitle(&["nrun", "__agent"]);
+    crate::silence_logging();
+    crate::agent::tied_to_parent();
+    if spawner {
+        fork();
+    }
+    // A panic must not unwind into the spawner's frames below (this process is no spawner).
+    let code = std::panic::catch_unwind(crate::agent::main).unwrap_or(101);
+    std::process::exit(i32::from(code))
 }
 
 fn send(sock: RawFd, msg: &Message, fds: &[RawFd]) -> bool {
@@ -420,15 +521,13 @@ impl Client {
         }
     }
 
-    /// Starts `argv` (with `env` on top of nrun's environment as it was when the spawner
-    /// forked) with these descriptors as its standard ones. `pdeathsig`: set its parent-death
-    /// signal between fork and exec (a program that does not set its own).
+    /// Starts `program` (with `env` on top of nrun's environment as it was when the spawner
+    /// forked) with these descriptors as its standard ones.
     pub async fn start(
         &self,
-        argv: &[OsString],
+        program: Program,
         env: &[(OsString, OsString)],
         stdio: [OwnedFd; 3],
-        pdeathsig: bool,
     ) -> Result<Child, String> {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -439,12 +538,11 @@ impl Client {
             .insert(id, tx);
         let msg = Message::Start(Start {
             id,
-            argv: argv.iter().map(|a| a.clone().into_vec()).collect(),
+            program,
             env: env
                 .iter()
                 .map(|(k, v)| (k.clone().into_vec(), v.clone().into_vec()))
                 .collect(),
-            pdeathsig,
         });
         // A request the spawner could not read whole would never be answered.
         if serde_json::to_vec(&msg).map_or(true, |b| b.len() > MAX_MESSAGE) {
@@ -477,10 +575,3 @@ impl Client {
         self.send(&Message::Kill { pid, signal }, &[]).await;
     }
 }
-
-/// The spawner's pid: its children's parent (for `NRUN_AGENT_PARENT`).
-pub fn pid() -> Option<u32> {
-    SPAWNER_PID.get().copied()
-}
-
-static SPAWNER_PID: OnceLock<u32> = OnceLock::new();

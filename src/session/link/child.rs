@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::tree::{Inner, TreeLink};
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
-use crate::agent::child::{AgentProcess, Relay, ship};
+use crate::agent::child::{AgentProcess, Relay, Starter, ship};
 use crate::agent::protocol::{Branch, Hello, Keys, TreeSsh};
 use crate::error::{Error, Result};
 use crate::hosts::Host;
@@ -224,18 +224,18 @@ async fn start_one(
     hello: &Hello,
     relay: Relay,
 ) -> Result<ChildLink> {
-    let argv = if local {
+    let starter = if local {
         // The launch host's own node needs no ssh: its agent is a child of nrun, spoken to the
         // same way (stdin, the store) so there is one code path.
-        crate::agent::child::own_agent_argv()?
+        Starter::Here
     } else {
         let remote_nrun = match np.ship {
             true => ship(&np.ssh_opts, label).await?,
             false => np.remote_nrun.clone(),
         };
-        remote::ssh_command(label, &np.ssh_opts, &remote_nrun)
+        Starter::Program(remote::ssh_command(label, &np.ssh_opts, &remote_nrun))
     };
-    let process = AgentProcess::spawn(&argv, label, hello, local, relay).await?;
+    let process = AgentProcess::spawn(&starter, label, hello, relay).await?;
     Ok(ChildLink {
         process,
         local,

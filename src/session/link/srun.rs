@@ -11,7 +11,7 @@ use tokio::sync::Mutex;
 
 use super::peer::Heartbeat;
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink};
-use crate::agent::child::{AgentProcess, Relay};
+use crate::agent::child::{AgentProcess, Relay, Starter};
 use crate::error::Result;
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
@@ -28,9 +28,9 @@ pub struct StepLink {
 pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result<Vec<Node>> {
     let names: Vec<String> = hosts.iter().map(|h| h.name.clone()).collect();
     let hello = how.hello(0, "", how.addrs.clone(), names.clone());
-    let argv = remote::srun_step_command(&names, &np.remote_nrun);
+    let starter = Starter::Program(remote::srun_step_command(&names, &np.remote_nrun));
     let step = Arc::new(Mutex::new(
-        AgentProcess::spawn(&argv, "the srun step", &hello, false, Relay::default()).await?,
+        AgentProcess::spawn(&starter, "the srun step", &hello, Relay::default()).await?,
     ));
     Ok(names
         .iter()
