@@ -188,42 +188,46 @@ pub fn kill_orphans() -> usize {
     killed
 }
 
-/// Makes this process read as `args` in `ps` and /proc/PID/cmdline (and its name as the first
-/// one's), as a process forked without exec would otherwise read as its parent's command
-/// line. What setproctitle does: the kernel reads the command line from the original argv
-/// area, which is overwritten in place (cut to its length; the rest zeroed).
-pub fn retitle(args: &[&str]) {
-    if let Some(first) = args.first() {
-        let name: Vec<u8> = first.bytes().take(15).chain([0]).collect();
-        // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
-        unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) };
+/// Where the kernel reads this process's command line from: its argv area, `[start, end)`
+/// (fields 48 and 49 of /proc/self/stat). The same in every process forked from this one.
+#[derive(Clone, Copy)]
+pub struct ArgArea {
+    start: usize,
+    end: usize,
+}
+
+impl ArgArea {
+    pub fn of_self() -> Option<ArgArea> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let (_, rest) = stat.rsplit_once(") ")?;
+        // After the parenthesized name the fields count from the third.
+        let mut fields = rest.split_whitespace().skip(45);
+        let start = fields.next()?.parse().ok()?;
+        let end = fields.next()?.parse().ok()?;
+        (end > start).then_some(ArgArea { start, end })
     }
-    // Fields 48 and 49 of /proc/self/stat (after the parenthesized name): arg_start, arg_end.
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return;
-    };
-    let Some((_, rest)) = stat.rsplit_once(") ") else {
-        return;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let (Some(start), Some(end)) = (
-        fields.get(45).and_then(|f| f.parse::<usize>().ok()),
-        fields.get(46).and_then(|f| f.parse::<usize>().ok()),
-    ) else {
-        return;
-    };
-    if end <= start {
-        return;
+
+    /// Makes this process read as `args` in `ps` and /proc/PID/cmdline, and names it after the
+    /// first: a process forked without exec would read as its parent's command line. What
+    /// setproctitle does: the area is overwritten in place (cut to its length, the rest
+    /// zeroed, the last byte a NUL so that the kernel reads no further).
+    pub fn retitle(self, args: &[&str]) {
+        if let Some(first) = args.first() {
+            let name: Vec<u8> = first.bytes().take(15).chain([0]).collect();
+            // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+            unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) };
+        }
+        let mut title: Vec<u8> = args.iter().flat_map(|a| a.bytes().chain([0])).collect();
+        title.resize(self.end - self.start, 0);
+        if let Some(last) = title.last_mut() {
+            *last = 0;
+        }
+        // SAFETY: [start, end) is this process's own argv area (mapped, writable: the top of
+        // the main thread's stack, written by the kernel at exec), which nothing else writes;
+        // this process has one thread (just forked). std's env::args reads it, and then reads
+        // `args` (and empty strings for the rest).
+        unsafe {
+            std::ptr::copy_nonoverlapping(title.as_ptr(), self.start as *mut u8, title.len())
+        };
     }
-    let mut title: Vec<u8> = args.iter().flat_map(|a| a.bytes().chain([0])).collect();
-    title.resize(end - start, 0);
-    // The last byte stays NUL: the kernel then reads no further than the area.
-    if let Some(last) = title.last_mut() {
-        *last = 0;
-    }
-    // SAFETY: [start, end) is this process's own argv area (mapped, writable: the top of the
-    // main thread's stack, written by the kernel at exec), which nothing else writes; this
-    // process has one thread (just forked). std's env::args reads it, and then reads `args`
-    // (and empty strings for the rest).
-    unsafe { std::ptr::copy_nonoverlapping(title.as_ptr(), start as *mut u8, title.len()) };
 }

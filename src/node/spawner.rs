@@ -173,6 +173,10 @@ fn serve(sock: OwnedFd, nrun: nix::unistd::Pid) -> ! {
     ) else {
         std::process::exit(1);
     };
+    // What every forked agent would otherwise pay for again: where its command line lies,
+    // and the CPU feature checks of its ciphers (cpuid traps to the hypervisor in a VM).
+    let area = crate::node::process::ArgArea::of_self();
+    crate::store::auth::warm_up();
     let mut children: std::collections::HashSet<u32> = Default::default();
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
@@ -194,7 +198,7 @@ fn serve(sock: OwnedFd, nrun: nix::unistd::Pid) -> ! {
         }
         if sock_ready {
             match receive(sock.as_raw_fd(), &mut buf) {
-                Ok(Some((msg, fds))) => handle(&sock, msg, fds, &mut children),
+                Ok(Some((msg, fds))) => handle(&sock, msg, fds, &mut children, area),
                 Ok(None) => break,
                 Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => {}
                 Err(_) => break,
@@ -235,10 +239,11 @@ fn handle(
     msg: Message,
     fds: Vec<OwnedFd>,
     children: &mut std::collections::HashSet<u32>,
+    area: Option<crate::node::process::ArgArea>,
 ) {
     match msg {
         Message::Start(s) => {
-            let reply = match start(&s, fds) {
+            let reply = match start(&s, fds, area) {
                 Ok(pid) => {
                     children.insert(pid);
                     Message::Started { id: s.id, pid }
@@ -256,13 +261,17 @@ fn handle(
 }
 
 /// Starts `s` with `fds` as its stdin, stdout and stderr, in a process group of its own.
-fn start(s: &Start, fds: Vec<OwnedFd>) -> Result<u32, String> {
+fn start(
+    s: &Start,
+    fds: Vec<OwnedFd>,
+    area: Option<crate::node::process::ArgArea>,
+) -> Result<u32, String> {
     let stdio: [OwnedFd; 3] = fds
         .try_into()
         .map_err(|_| "the start request came without its three descriptors".to_string())?;
     let (argv, pdeathsig) = match &s.program {
         Program::Exec { argv, pdeathsig } => (argv, *pdeathsig),
-        Program::Agent { spawner } => return fork_agent(&s.env, stdio, *spawner),
+        Program::Agent { spawner } => return fork_agent(&s.env, stdio, *spawner, area),
     };
     let [stdin, stdout, stderr] = stdio;
     let Some((program, args)) = argv.split_first() else {
@@ -306,12 +315,13 @@ fn fork_agent(
     env: &[(Vec<u8>, Vec<u8>)],
     stdio: [OwnedFd; 3],
     spawner: bool,
+    area: Option<crate::node::process::ArgArea>,
 ) -> Result<u32, String> {
     let me = nix::unistd::getpid();
     // SAFETY: this process has one thread; the child only sets itself up and runs the agent.
     match unsafe { nix::unistd::fork() } {
         Err(e) => Err(format!("cannot fork: {e}")),
-        Ok(nix::unistd::ForkResult::Child) => become_agent(me, env, stdio, spawner),
+        Ok(nix::unistd::ForkResult::Child) => become_agent(me, env, stdio, spawner, area),
         // Ours are closed (dropped) now that the child holds its copies.
         Ok(nix::unistd::ForkResult::Parent { child }) => Ok(child.as_raw() as u32),
     }
@@ -326,6 +336,7 @@ fn become_agent(
     env: &[(Vec<u8>, Vec<u8>)],
     stdio: [OwnedFd; 3],
     spawner: bool,
+    area: Option<crate::node::process::ArgArea>,
 ) -> ! {
     // SAFETY: prctl with integer arguments.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
@@ -361,7 +372,9 @@ fn become_agent(
             )
         };
     }
-    crate::node::process::retitle(&["nrun", "__agent"]);
+    if let Some(a) = area {
+        a.retitle(&["nrun", "__agent"]);
+    }
     crate::silence_logging();
     crate::agent::tied_to_parent();
     if spawner {
