@@ -61,10 +61,12 @@ impl AgentProcess {
     pub async fn spawn(starter: &Starter, what: &str, hello: &Hello, relay: Relay) -> Result<Self> {
         let cannot = |e: &dyn std::fmt::Display| {
             let program = match starter {
-                Starter::Here => "nrun's agent".to_string(),
+                Starter::Here => "nrun".to_string(),
                 Starter::Program(argv) => argv[0].to_string_lossy().into_owned(),
             };
-            Error::usage(format!("cannot start {program} for {what}: {e}"))
+            Error::usage(format!(
+                "cannot run {program} to start the agent on {what}: {e}"
+            ))
         };
         // An agent that starts agents on this machine (an inner agent of the launch tree) gets
         // a spawner of its own.
@@ -294,10 +296,12 @@ async fn by_spawner(
 /// Starts the agent from nrun itself (no spawner).
 fn by_nrun(starter: &Starter) -> std::io::Result<Started> {
     let (argv, own_agent) = match starter {
-        Starter::Here => (
-            vec![std::env::current_exe()?.into_os_string(), "__agent".into()],
-            true,
-        ),
+        Starter::Here => {
+            let exe = std::env::current_exe().map_err(|e| {
+                std::io::Error::new(e.kind(), format!("cannot find nrun's own executable: {e}"))
+            })?;
+            (vec![exe.into_os_string(), "__agent".into()], true)
+        }
         Starter::Program(argv) => (argv.clone(), false),
     };
     let mut cmd = tokio::process::Command::new(&argv[0]);

@@ -224,8 +224,9 @@ impl ArgArea {
         }
         // SAFETY: [start, end) is this process's own argv area (mapped, writable: the top of
         // the main thread's stack, written by the kernel at exec), which nothing else writes;
-        // this process has one thread (just forked). std's env::args reads it, and then reads
-        // `args` (and empty strings for the rest).
+        // this process has one thread (just forked). std's env::args keeps the old argv
+        // pointers into it, so it reads as cut pieces afterwards: nothing after this reads it
+        // (the agent takes its instructions from stdin).
         unsafe {
             std::ptr::copy_nonoverlapping(title.as_ptr(), self.start as *mut u8, title.len())
         };

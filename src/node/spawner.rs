@@ -145,13 +145,13 @@ fn serve(sock: OwnedFd, nrun: nix::unistd::Pid) -> ! {
     let _ = nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0));
     // Only its socket (on 3) and the standard descriptors stay: the point of this process.
     let raw = sock.as_raw_fd();
-    // SAFETY: dup2 and close_range on descriptors this process owns.
+    // SAFETY: dup2 on descriptors this process owns.
     unsafe {
         if raw != 3 {
             libc::dup2(raw, 3);
         }
-        libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, 0u32);
     }
+    close_from(4);
     std::mem::forget(sock);
     // SAFETY: 3 is the socket, dup'ed above (without close-on-exec: set it again).
     let sock = unsafe { OwnedFd::from_raw_fd(3) };
@@ -211,6 +211,27 @@ fn serve(sock: OwnedFd, nrun: nix::unistd::Pid) -> ! {
         unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
     }
     std::process::exit(0)
+}
+
+/// Closes every descriptor from `first` up: close_range (Linux 5.9), else each one listed in
+/// /proc/self/fd.
+fn close_from(first: RawFd) {
+    // SAFETY: close_range and close on this process's own descriptors (one thread).
+    unsafe {
+        if libc::syscall(libc::SYS_close_range, first as u32, u32::MAX, 0u32) == 0 {
+            return;
+        }
+        let open: Vec<RawFd> = std::fs::read_dir("/proc/self/fd")
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for fd in open.into_iter().filter(|fd| *fd >= first) {
+            libc::close(fd);
+        }
+    }
 }
 
 /// Reaps every child that ended and says so.
@@ -341,26 +362,30 @@ fn become_agent(
     // SAFETY: prctl with integer arguments.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
     if nix::unistd::getppid() != spawner_pid {
-        // The spawner went during the fork (with nrun): so does its agent.
-        std::process::exit(i32::from(crate::error::exit::signal(libc::SIGKILL)));
+        // The spawner went during the fork (with nrun): so does its agent (at once: nothing
+        // of the spawner's, its stdout buffer included, is this process's to flush).
+        // SAFETY: _exit ends the process at once.
+        unsafe { libc::_exit(i32::from(crate::error::exit::signal(libc::SIGKILL))) };
     }
-    // SAFETY: dup2 and close_range on this process's own descriptors. The three land on 0-2
-    // whatever their numbers (a received one may already be 0, 1 or 2: dup2 onto itself keeps
-    // it, and clears its close-on-exec, which is harmless without an exec); then everything
-    // else goes: the spawner's socket and signalfd (no exec, so close-on-exec closes nothing).
+    // SAFETY: dup2 and close on this process's own descriptors. The three land on 0-2
+    // whatever their numbers; then everything else goes: the spawner's socket and signalfd (no
+    // exec, so close-on-exec closes nothing). The copies above 2 are close-on-exec, so that
+    // even a descriptor left open by a failed close reaches no worker.
     unsafe {
         let raw: Vec<RawFd> = stdio.iter().map(|f| f.as_raw_fd()).collect();
         // Moved above 2 first so that dup2 onto 0-2 cannot clobber one still to be copied.
         let high: Vec<RawFd> = raw
             .iter()
-            .map(|&fd| libc::fcntl(fd, libc::F_DUPFD, 10))
+            .map(|&fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10))
             .collect();
         for (target, fd) in high.iter().enumerate() {
-            libc::dup2(*fd, target as RawFd);
+            if *fd < 0 || libc::dup2(*fd, target as RawFd) < 0 {
+                libc::_exit(1);
+            }
         }
         std::mem::forget(stdio);
-        libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
     }
+    close_from(3);
     let _ = nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0));
     let _ = nix::sys::signal::SigSet::empty().thread_set_mask();
     for (k, v) in env {
