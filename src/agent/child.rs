@@ -272,7 +272,7 @@ async fn by_spawner(
         Starter::Program(argv) => Program::exec(argv, true),
     };
     let child = sp
-        .start(program, &[], [in_r, out_w, err_w])
+        .start(program, [in_r, out_w, err_w])
         .await
         .map_err(std::io::Error::other)?;
     let (kill, killed) = oneshot::channel::<()>();

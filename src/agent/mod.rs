@@ -59,21 +59,19 @@ pub fn tie_to_parent() -> bool {
     // SAFETY: no other thread exists yet (called first thing in main). Not inherited by the
     // workers, whose own nrun (if any) is no agent of this one.
     unsafe { std::env::remove_var(PARENT_VAR) };
-    // SAFETY: prctl with integer arguments.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
-    let want = want.to_str().and_then(|s| s.parse::<i32>().ok());
-    if want != Some(nix::unistd::getppid().as_raw()) {
-        // Re-parented before the signal was set: the launcher died during the spawn.
-        std::process::exit(i32::from(crate::error::exit::signal(libc::SIGKILL)));
-    }
-    tied_to_parent();
+    // Unparsable: no parent matches (it exits as a re-parented one would).
+    let want = want
+        .to_str()
+        .and_then(|s| s.parse::<i32>().ok())
+        .unwrap_or(-1);
+    tie_to(want);
     true
 }
 
-/// This agent was tied to its parent by its starter (forked by nrun's spawner, which set its
-/// parent-death signal and checked its parent: see node::spawner), as [`tie_to_parent`] ties
-/// an exec'd one.
-pub(crate) fn tied_to_parent() {
+/// Ties this agent to `parent`, which started it on this machine (an exec'd agent's launcher,
+/// or the spawner that forked it): it dies with it, and needs no watch over its link.
+pub(crate) fn tie_to(parent: i32) {
+    crate::node::process::die_with(parent);
     TIED.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 

@@ -82,6 +82,20 @@ pub fn restore_fd_limit() {
     }
 }
 
+/// Ties this process to `parent`: SIGKILL when it dies (PR_SET_PDEATHSIG), and an exit at once
+/// (as if killed) when it is already gone, the signal set too late: re-parented meanwhile.
+/// For a process nrun started on its own machine (the spawner, an agent it forked or exec'd).
+pub fn die_with(parent: i32) {
+    // SAFETY: prctl with integer arguments; _exit ends the process at once (nothing of it is
+    // left to flush: this runs first thing in the child).
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+        if libc::getppid() != parent {
+            libc::_exit(i32::from(crate::error::exit::signal(libc::SIGKILL)));
+        }
+    }
+}
+
 /// Makes orphaned descendants of nrun re-parent to nrun (see the module doc).
 pub fn become_subreaper() {
     // SAFETY: prctl with integer arguments only.

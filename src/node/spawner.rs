@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{oneshot, watch};
 
-/// The largest message either side sends (a request's argv and environment).
+/// The largest message either side sends (a request's argv).
 const MAX_MESSAGE: usize = 1 << 16;
 
 /// A start request.
@@ -47,7 +47,6 @@ const MAX_MESSAGE: usize = 1 << 16;
 struct Start {
     id: u64,
     program: Program,
-    env: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 /// What a start request runs.
@@ -133,11 +132,7 @@ pub fn fork() {
 
 /// The spawner's life.
 fn serve(sock: OwnedFd, nrun: nix::unistd::Pid) -> ! {
-    // SAFETY: prctl with integer arguments.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
-    if nix::unistd::getppid() != nrun {
-        std::process::exit(1);
-    }
+    crate::node::process::die_with(nrun.as_raw());
     // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
     unsafe { libc::prctl(libc::PR_SET_NAME, c"nrun-spawner".as_ptr(), 0, 0, 0) };
     // Out of the terminal's foreground group: a Ctrl-C is nrun's to handle (it stops the job
@@ -292,7 +287,7 @@ fn start(
         .map_err(|_| "the start request came without its three descriptors".to_string())?;
     let (argv, pdeathsig) = match &s.program {
         Program::Exec { argv, pdeathsig } => (argv, *pdeathsig),
-        Program::Agent { spawner } => return fork_agent(&s.env, stdio, *spawner, area),
+        Program::Agent { spawner } => return fork_agent(stdio, *spawner, area),
     };
     let [stdin, stdout, stderr] = stdio;
     let Some((program, args)) = argv.split_first() else {
@@ -300,12 +295,6 @@ fn start(
     };
     let mut cmd = std::process::Command::new(std::ffi::OsStr::from_bytes(program));
     cmd.args(args.iter().map(|a| std::ffi::OsStr::from_bytes(a)))
-        .envs(s.env.iter().map(|(k, v)| {
-            (
-                std::ffi::OsStr::from_bytes(k),
-                std::ffi::OsStr::from_bytes(v),
-            )
-        }))
         .stdin(stdin)
         .stdout(stdout)
         .stderr(stderr)
@@ -333,7 +322,6 @@ fn start(
 
 /// Forks nrun's agent ([`Program::Agent`]) with `stdio` as its standard descriptors.
 fn fork_agent(
-    env: &[(Vec<u8>, Vec<u8>)],
     stdio: [OwnedFd; 3],
     spawner: bool,
     area: Option<crate::node::process::ArgArea>,
@@ -341,32 +329,27 @@ fn fork_agent(
     let me = nix::unistd::getpid();
     // SAFETY: this process has one thread; the child only sets itself up and runs the agent.
     match unsafe { nix::unistd::fork() } {
-        Err(e) => Err(format!("cannot fork: {e}")),
-        Ok(nix::unistd::ForkResult::Child) => become_agent(me, env, stdio, spawner, area),
+        Err(e) => Err(format!(
+            "nrun's spawner cannot fork the agent: {e} (check this machine's process limit, \
+             ulimit -u, and its free memory)"
+        )),
+        Ok(nix::unistd::ForkResult::Child) => become_agent(me, stdio, spawner, area),
         // Ours are closed (dropped) now that the child holds its copies.
         Ok(nix::unistd::ForkResult::Parent { child }) => Ok(child.as_raw() as u32),
     }
 }
 
 /// The forked child's life: what an exec of `nrun __agent` would have given it (its own
-/// descriptors and nothing else, an empty signal mask, its own process group, the request's
-/// environment, no log subscriber), tied to the spawner as `agent::tie_to_parent` ties an exec'd
-/// one, then the agent.
+/// descriptors and nothing else, an empty signal mask, its own process group, no log
+/// subscriber), tied to the spawner as `agent::tie_to_parent` ties an exec'd one, then the
+/// agent.
 fn become_agent(
     spawner_pid: nix::unistd::Pid,
-    env: &[(Vec<u8>, Vec<u8>)],
     stdio: [OwnedFd; 3],
     spawner: bool,
     area: Option<crate::node::process::ArgArea>,
 ) -> ! {
-    // SAFETY: prctl with integer arguments.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
-    if nix::unistd::getppid() != spawner_pid {
-        // The spawner went during the fork (with nrun): so does its agent (at once: nothing
-        // of the spawner's, its stdout buffer included, is this process's to flush).
-        // SAFETY: _exit ends the process at once.
-        unsafe { libc::_exit(i32::from(crate::error::exit::signal(libc::SIGKILL))) };
-    }
+    crate::agent::tie_to(spawner_pid.as_raw());
     // SAFETY: dup2 and close on this process's own descriptors. The three land on 0-2
     // whatever their numbers; then everything else goes: the spawner's socket and signalfd (no
     // exec, so close-on-exec closes nothing). The copies above 2 are close-on-exec, so that
@@ -388,20 +371,10 @@ fn become_agent(
     close_from(3);
     let _ = nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0));
     let _ = nix::sys::signal::SigSet::empty().thread_set_mask();
-    for (k, v) in env {
-        // SAFETY: this process has one thread.
-        unsafe {
-            std::env::set_var(
-                std::ffi::OsStr::from_bytes(k),
-                std::ffi::OsStr::from_bytes(v),
-            )
-        };
-    }
     if let Some(a) = area {
         a.retitle(&["nrun", "__agent"]);
     }
     crate::silence_logging();
-    crate::agent::tied_to_parent();
     if spawner {
         fork();
     }
@@ -563,14 +536,9 @@ impl Client {
         }
     }
 
-    /// Starts `program` (with `env` on top of nrun's environment as it was when the spawner
-    /// forked) with these descriptors as its standard ones.
-    pub async fn start(
-        &self,
-        program: Program,
-        env: &[(OsString, OsString)],
-        stdio: [OwnedFd; 3],
-    ) -> Result<Child, String> {
+    /// Starts `program` (in nrun's environment as it was when the spawner forked) with these
+    /// descriptors as its standard ones.
+    pub async fn start(&self, program: Program, stdio: [OwnedFd; 3]) -> Result<Child, String> {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.state
@@ -578,14 +546,7 @@ impl Client {
             .unwrap_or_else(|e| e.into_inner())
             .waiting
             .insert(id, tx);
-        let msg = Message::Start(Start {
-            id,
-            program,
-            env: env
-                .iter()
-                .map(|(k, v)| (k.clone().into_vec(), v.clone().into_vec()))
-                .collect(),
-        });
+        let msg = Message::Start(Start { id, program });
         // A request the spawner could not read whole would never be answered.
         if serde_json::to_vec(&msg).map_or(true, |b| b.len() > MAX_MESSAGE) {
             self.state
