@@ -658,3 +658,68 @@ fn signals_to_the_agent_spawner_leave_the_job_to_nrun() {
     }
     s.assert_no_survivors();
 }
+
+/// A worker's output pipe held open by a process outside the job (here the test itself, handed
+/// the worker's stdout and stderr over a unix socket, as a daemon or a container runtime might
+/// hold them) must not keep nrun from ending: its pumps are given a moment, then dropped.
+#[test]
+fn an_output_pipe_held_outside_the_job_does_not_hang_the_end() {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    use std::io::IoSliceMut;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::net::UnixListener;
+
+    let s = Scene::new();
+    let sock = s.dir.path().join("hold.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let holder = std::thread::spawn(move || {
+        let (conn, _) = listener.accept().unwrap();
+        let mut byte = [0u8; 1];
+        let mut iov = [IoSliceMut::new(&mut byte)];
+        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 2]);
+        let msg = recvmsg::<()>(
+            conn.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::empty(),
+        )
+        .unwrap();
+        let mut held = Vec::new();
+        for c in msg.cmsgs().unwrap() {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                // SAFETY: the kernel gave us these descriptors; nothing else owns them.
+                held.extend(
+                    fds.into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
+            }
+        }
+        held
+    });
+    let script = "import os, socket\n\
+                  s = socket.socket(socket.AF_UNIX)\n\
+                  s.connect(os.environ['HOLD_SOCK'])\n\
+                  socket.send_fds(s, [b'x'], [1, 2])\n\
+                  print('handed over', flush=True)\n";
+    let child = s.spawn(
+        &["--nproc", "1", "--no-python", "python3", "-c", script],
+        &[("HOLD_SOCK", sock.to_str().unwrap())],
+    );
+    let held = holder.join().unwrap();
+    assert_eq!(
+        held.len(),
+        2,
+        "the worker did not hand over its stdout and stderr"
+    );
+    let (out, took) = wait_with_timeout(child, Duration::from_secs(20));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(text(&out.stdout).contains("handed over"), "{err}");
+    assert!(took < Duration::from_secs(10), "took {took:?}: {err}");
+    assert!(
+        err.contains("still held open by a process outside the job"),
+        "nrun did not say why the end waited: {err}"
+    );
+    drop(held);
+    s.assert_no_survivors();
+}

@@ -119,6 +119,10 @@ const EARLY: Duration = Duration::from_secs(30);
 /// ... and how long after it.
 const AROUND: Duration = Duration::from_secs(2);
 
+/// How long the workers' output pipes may stay open after the last worker exited (a worker's
+/// last lines still in flight) before nrun stops reading them.
+const PUMP_GRACE: Duration = Duration::from_secs(2);
+
 #[derive(Debug)]
 pub enum Outcome {
     Success,
@@ -406,28 +410,28 @@ impl Worker {
         start: Start,
         mut child: tokio::process::Child,
         out: &Output,
-        pumps: &mut Vec<JoinHandle<()>>,
+        pumps: &mut Vec<(usize, JoinHandle<()>)>,
         exits: &mpsc::UnboundedSender<(usize, Exit, SystemTime)>,
     ) -> Worker {
         let pid = child.id().unwrap_or(0);
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
         if let Some(o) = child.stdout.take() {
-            pumps.push(tokio::spawn(output::pump(
-                o,
+            pumps.push((
                 idx,
-                Stream::Out,
-                out.sender(),
-                None,
-            )));
+                tokio::spawn(output::pump(o, idx, Stream::Out, out.sender(), None)),
+            ));
         }
         if let Some(e) = child.stderr.take() {
-            pumps.push(tokio::spawn(output::pump(
-                e,
+            pumps.push((
                 idx,
-                Stream::Err,
-                out.sender(),
-                Some(tail.clone()),
-            )));
+                tokio::spawn(output::pump(
+                    e,
+                    idx,
+                    Stream::Err,
+                    out.sender(),
+                    Some(tail.clone()),
+                )),
+            ));
         }
         let tx = exits.clone();
         tokio::spawn(async move {
@@ -737,7 +741,7 @@ pub async fn run_group(
     let out = Output::start(outputs);
     let (exits, mut exited) = mpsc::unbounded_channel::<(usize, Exit, SystemTime)>();
     let mut group = Group::new(grace);
-    let mut pumps: Vec<JoinHandle<()>> = Vec::new();
+    let mut pumps: Vec<(usize, JoinHandle<()>)> = Vec::new();
     let mut spawn_error = None;
     for (idx, start) in starts.into_iter().enumerate() {
         // Thousands of workers take seconds to start: a stop asked for meanwhile starts no
@@ -811,21 +815,44 @@ pub async fn run_group(
 /// Once every worker has exited: kills what they left behind (first what stayed in their process
 /// groups, then what escaped them and was re-parented to nrun), takes the terminal back, and
 /// writes out the last of their output.
-async fn sweep(group: &Group, gave_terminal: bool, pumps: Vec<JoinHandle<()>>, out: Output) {
+async fn sweep(
+    group: &Group,
+    gave_terminal: bool,
+    pumps: Vec<(usize, JoinHandle<()>)>,
+    out: Output,
+) {
     let leftovers = group.kill_leftovers();
     let orphans = process::kill_orphans();
     if gave_terminal {
         Terminal::take_back();
     }
-    for p in pumps {
-        // A pipe still open means something we could not see holds it; do not hang on it.
-        let _ = tokio::time::timeout(Duration::from_secs(2), p).await;
+    // A pipe still open now is held by something outside the job that nrun could not kill
+    // (handed its descriptor, or in another pid namespace): one shared deadline, then the pump
+    // is aborted, and awaited so its sender is gone before `finish` waits for the writer.
+    let deadline = Instant::now() + PUMP_GRACE;
+    let mut held = Vec::new();
+    for (idx, mut p) in pumps {
+        if tokio::time::timeout_at(deadline, &mut p).await.is_err() {
+            p.abort();
+            let _ = p.await;
+            held.push(group.workers[idx].rank);
+        }
     }
+    held.dedup();
     out.finish();
     if !leftovers.is_empty() || orphans > 0 {
         tracing::warn!(
             "workers left processes running after they exited (ranks {leftovers:?}, {orphans} outside \
              their process group); nrun killed them"
+        );
+    }
+    if !held.is_empty() {
+        tracing::warn!(
+            "the output of ranks {held:?} is still held open by a process outside the job \
+             (one their workers handed the pipe to, or one in another pid namespace) {}s after \
+             they exited; nrun stopped reading it, and what comes later is not shown \
+             (check what holds it: `lsof` or `ls -l /proc/*/fd` on this host)",
+            PUMP_GRACE.as_secs()
         );
     }
 }
