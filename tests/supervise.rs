@@ -723,3 +723,87 @@ fn an_output_pipe_held_outside_the_job_does_not_hang_the_end() {
     drop(held);
     s.assert_no_survivors();
 }
+
+/// A program that passes nrun's checks but cannot be run (its interpreter is missing) fails the
+/// start with the reason exec gave, names the rank and what to check, and leaves nothing behind.
+#[test]
+fn a_program_exec_refuses_is_a_start_error_that_names_why() {
+    let s = Scene::new();
+    let script = s.dir.path().join("job");
+    std::fs::write(&script, "#!/nonexistent/interpreter\necho never\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = s.run(
+        &["--nproc", "2", "--no-python", script.to_str().unwrap(), "a"],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("cannot start rank 0:") && err.contains("/job a: No such file or directory"),
+        "{err}"
+    );
+    assert!(err.contains("check its #! line"), "{err}");
+    assert!(!text(&out.stdout).contains("never"));
+    s.assert_no_survivors();
+}
+
+/// A worker starts as a plain exec would make it whatever state nrun is in: its own process
+/// group, no signal blocked, no handler of nrun's, SIGPIPE at its default (Rust ignores it),
+/// but what the user ignored (SIGALRM here; nrun catches SIGHUP itself, to forward it) still
+/// ignored; the shared secret never in its environment.
+#[test]
+fn a_worker_starts_as_a_plain_exec_would_make_it() {
+    let s = Scene::new();
+    // cat reads its own status: it sets no handler of its own.
+    let probe = "cat /proc/self/status | grep -E '^(SigBlk|SigIgn|SigCgt):'; \
+                 echo pgrp=$(cut -d' ' -f5 /proc/$$/stat) pid=$$; \
+                 env | grep -c NRUN_RDZV_SECRET || true";
+    let mut c = s.cmd(&["--nproc", "2", "--no-python", "sh", "-c", probe]);
+    c.env("NRUN_RDZV_SECRET", "not-for-workers");
+    // SAFETY: signal() in the child between fork and exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut c, || {
+            libc::signal(libc::SIGALRM, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let out = c.output().unwrap();
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let mask = |name: &str| -> Vec<u64> {
+        stdout
+            .lines()
+            .filter_map(|l| l.split_once(&format!("{name}:")))
+            .map(|(_, v)| u64::from_str_radix(v.trim(), 16).unwrap())
+            .collect()
+    };
+    let bit = |sig: i32| 1u64 << (sig - 1);
+    assert_eq!(mask("SigBlk"), vec![0, 0], "{stdout}");
+    assert_eq!(mask("SigCgt"), vec![0, 0], "{stdout}");
+    let ignored = mask("SigIgn");
+    assert_eq!(ignored.len(), 2, "{stdout}");
+    for m in ignored {
+        assert!(
+            m & bit(libc::SIGALRM) != 0,
+            "SIGALRM not kept ignored: {stdout}"
+        );
+        assert!(
+            m & bit(libc::SIGPIPE) == 0,
+            "SIGPIPE left ignored: {stdout}"
+        );
+    }
+    for l in stdout.lines().filter(|l| l.contains("pgrp=")) {
+        let (g, p) = l
+            .rsplit_once("pgrp=")
+            .unwrap()
+            .1
+            .split_once(" pid=")
+            .unwrap();
+        assert_eq!(g, p, "not the leader of its own group: {l}");
+    }
+    assert_eq!(
+        stdout.lines().filter(|l| l.ends_with(": 0")).count(),
+        2,
+        "the secret reached a worker: {stdout}"
+    );
+}

@@ -14,11 +14,12 @@ pub mod keeper;
 pub mod output;
 pub mod process;
 pub mod spawner;
+mod vfork;
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -327,65 +328,46 @@ impl Start {
     }
 
     /// Starts the worker as the leader of its own process group; with `foreground`, it also
-    /// takes the terminal's foreground (it reads nrun's stdin).
-    fn spawn(&self, foreground: bool) -> Result<tokio::process::Child> {
+    /// takes the terminal's foreground (it reads nrun's stdin). Called on the thread whose end
+    /// is the process's end: the worker's parent-death signal is tied to it.
+    fn spawn(&self, foreground: bool) -> Result<vfork::Spawned> {
         let _ = std::fs::remove_file(&self.error_file);
-        let mut cmd = tokio::process::Command::new(&self.program);
-        cmd.args(&self.args)
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            // nrun's environment (a c10d node's, a static launch's) may hold the shared secret:
-            // workers never inherit it.
-            .env_remove(crate::store::auth::SHARED_SECRET_VAR)
-            .process_group(0)
-            .stdin(if self.stdin {
-                Stdio::inherit()
+        let mut env: std::collections::BTreeMap<OsString, OsString> = std::env::vars_os().collect();
+        env.extend(
+            self.env
+                .iter()
+                .map(|(k, v)| (OsString::from(k), OsString::from(v))),
+        );
+        // nrun's environment (a c10d node's, a static launch's) may hold the shared secret:
+        // workers never inherit it.
+        env.remove(std::ffi::OsStr::new(crate::store::auth::SHARED_SECRET_VAR));
+        vfork::spawn(&vfork::Spec {
+            program: &self.program,
+            args: &self.args,
+            env: &env,
+            stdin: self.stdin,
+            foreground,
+            cpus: self.cpus.as_deref(),
+        })
+        .map_err(|e| {
+            let command = std::iter::once(&self.program)
+                .chain(&self.args)
+                .map(|a| a.to_string_lossy())
+                .collect::<Vec<_>>()
+                .join(" ");
+            // The file was there (it was checked before): exec found no interpreter for it.
+            let check = if e.kind() == std::io::ErrorKind::NotFound
+                && std::path::Path::new(&self.program).is_file()
+            {
+                "the program is there, so its interpreter is not: check its #! line, or the \
+                 ELF loader it was linked against (`file` names it)"
             } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let parent = std::process::id() as libc::pid_t;
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        for c in self.cpus.iter().flatten() {
-            // SAFETY: CPU_SET on a zeroed set; indexes past CPU_SETSIZE are ignored by the libc.
-            unsafe { libc::CPU_SET(*c, &mut set) };
-        }
-        let bind = self.cpus.is_some();
-        // SAFETY: only async-signal-safe calls (prctl, getppid, setpgid, signal, tcsetpgrp,
-        // sched_setaffinity, _exit) between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                // If nrun is killed outright (SIGKILL), its workers die with it. Spawning happens
-                // on the main thread, whose exit is the process's exit (see prctl(2) on threads).
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                if foreground {
-                    // Its own group first (as process_group(0) makes it), then the terminal's
-                    // foreground, asked for with SIGTTOU ignored as a background group must.
-                    libc::setpgid(0, 0);
-                    libc::signal(libc::SIGTTOU, libc::SIG_IGN);
-                    libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpid());
-                    libc::signal(libc::SIGTTOU, libc::SIG_DFL);
-                }
-                if bind {
-                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-                }
-                process::restore_fd_limit();
-                Ok(())
-            });
-        }
-        cmd.spawn().map_err(|e| {
+                "check that the program exists on this host, is executable and is built for \
+                 this machine"
+            };
             Error::usage(format!(
-                "cannot start rank {}: {} {}: {e}",
-                self.rank,
-                self.program.to_string_lossy(),
-                self.args
-                    .iter()
-                    .map(|a| a.to_string_lossy())
-                    .collect::<Vec<_>>()
-                    .join(" ")
+                "cannot start rank {}: {command}: {e} ({check})",
+                self.rank
             ))
         })
     }
@@ -408,21 +390,24 @@ impl Worker {
     fn watch(
         idx: usize,
         start: Start,
-        mut child: tokio::process::Child,
+        child: vfork::Spawned,
         out: &Output,
         pumps: &mut Vec<(usize, JoinHandle<()>)>,
         exits: &mpsc::UnboundedSender<(usize, Exit, SystemTime)>,
     ) -> Worker {
-        let pid = child.id().unwrap_or(0);
+        let pid = child.pid as u32;
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
-        if let Some(o) = child.stdout.take() {
-            pumps.push((
+        // A pipe tokio cannot take (never seen: pipe2 made them) loses that stream's output, not
+        // the worker.
+        match tokio::net::unix::pipe::Receiver::from_owned_fd(child.stdout) {
+            Ok(o) => pumps.push((
                 idx,
                 tokio::spawn(output::pump(o, idx, Stream::Out, out.sender(), None)),
-            ));
+            )),
+            Err(e) => tracing::warn!("rank {}: cannot read its stdout: {e}", start.rank),
         }
-        if let Some(e) = child.stderr.take() {
-            pumps.push((
+        match tokio::net::unix::pipe::Receiver::from_owned_fd(child.stderr) {
+            Ok(e) => pumps.push((
                 idx,
                 tokio::spawn(output::pump(
                     e,
@@ -431,11 +416,12 @@ impl Worker {
                     out.sender(),
                     Some(tail.clone()),
                 )),
-            ));
+            )),
+            Err(e) => tracing::warn!("rank {}: cannot read its stderr: {e}", start.rank),
         }
         let tx = exits.clone();
         tokio::spawn(async move {
-            let exit = match child.wait().await {
+            let exit = match vfork::wait(child.pid).await {
                 Ok(s) => Exit::from_status(s),
                 Err(_) => Exit::Code(1),
             };
@@ -770,7 +756,7 @@ pub async fn run_group(
         };
         tell(GroupEvent::Started {
             rank: start.rank,
-            pid: child.id().unwrap_or(0),
+            pid: child.pid as u32,
         });
         let worker = Worker::watch(idx, start, child, &out, &mut pumps, &exits);
         group.workers.push(worker);
