@@ -16,7 +16,8 @@ pub mod process;
 pub mod spawner;
 mod vfork;
 
-use std::ffi::OsString;
+use std::collections::BTreeMap;
+use std::ffi::{OsStr, OsString};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::ExitStatus;
@@ -328,11 +329,16 @@ impl Start {
     }
 
     /// Starts the worker as the leader of its own process group; with `foreground`, it also
-    /// takes the terminal's foreground (it reads nrun's stdin). Called on the thread whose end
-    /// is the process's end: the worker's parent-death signal is tied to it.
-    fn spawn(&self, foreground: bool) -> Result<vfork::Spawned> {
+    /// takes the terminal's foreground (it reads nrun's stdin). `base` is nrun's environment,
+    /// read once for the group. Called on the thread whose end is the process's end: the
+    /// worker's parent-death signal is tied to it.
+    fn spawn(
+        &self,
+        base: &BTreeMap<OsString, OsString>,
+        foreground: bool,
+    ) -> Result<vfork::Spawned> {
         let _ = std::fs::remove_file(&self.error_file);
-        let mut env: std::collections::BTreeMap<OsString, OsString> = std::env::vars_os().collect();
+        let mut env = base.clone();
         env.extend(
             self.env
                 .iter()
@@ -340,8 +346,27 @@ impl Start {
         );
         // nrun's environment (a c10d node's, a static launch's) may hold the shared secret:
         // workers never inherit it.
-        env.remove(std::ffi::OsStr::new(crate::store::auth::SHARED_SECRET_VAR));
+        env.remove(OsStr::new(crate::store::auth::SHARED_SECRET_VAR));
+        let command = || {
+            std::iter::once(&self.program)
+                .chain(&self.args)
+                .map(|a| a.to_string_lossy())
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        // The launch host checked the program on its PATH; this host's may differ.
+        let search = env.get(OsStr::new("PATH")).and_then(|p| p.to_str());
+        let Some(path) = crate::plan::find_program(&self.program.to_string_lossy(), search) else {
+            return Err(Error::usage(format!(
+                "cannot start rank {}: {}: no executable of that name on this host's PATH ({}); \
+                 install it here, or give its full path",
+                self.rank,
+                command(),
+                search.unwrap_or("unset")
+            )));
+        };
         vfork::spawn(&vfork::Spec {
+            path: &path,
             program: &self.program,
             args: &self.args,
             env: &env,
@@ -350,24 +375,23 @@ impl Start {
             cpus: self.cpus.as_deref(),
         })
         .map_err(|e| {
-            let command = std::iter::once(&self.program)
-                .chain(&self.args)
-                .map(|a| a.to_string_lossy())
-                .collect::<Vec<_>>()
-                .join(" ");
-            // The file was there (it was checked before): exec found no interpreter for it.
-            let check = if e.kind() == std::io::ErrorKind::NotFound
-                && std::path::Path::new(&self.program).is_file()
-            {
-                "the program is there, so its interpreter is not: check its #! line, or the \
-                 ELF loader it was linked against (`file` names it)"
+            // The file is there (it was just found): exec found no interpreter for it.
+            let check = if e.kind() == std::io::ErrorKind::NotFound {
+                format!(
+                    "{} is there, so its interpreter is not: check its #! line, or the ELF \
+                     loader it was linked against (`file` names it)",
+                    path.display()
+                )
             } else {
-                "check that the program exists on this host, is executable and is built for \
-                 this machine"
+                format!(
+                    "check that {} is executable and built for this machine",
+                    path.display()
+                )
             };
             Error::usage(format!(
-                "cannot start rank {}: {command}: {e} ({check})",
-                self.rank
+                "cannot start rank {}: {}: {e} ({check})",
+                self.rank,
+                command()
             ))
         })
     }
@@ -399,25 +423,19 @@ impl Worker {
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
         // A pipe tokio cannot take (never seen: pipe2 made them) loses that stream's output, not
         // the worker.
-        match tokio::net::unix::pipe::Receiver::from_owned_fd(child.stdout) {
-            Ok(o) => pumps.push((
-                idx,
-                tokio::spawn(output::pump(o, idx, Stream::Out, out.sender(), None)),
-            )),
-            Err(e) => tracing::warn!("rank {}: cannot read its stdout: {e}", start.rank),
-        }
-        match tokio::net::unix::pipe::Receiver::from_owned_fd(child.stderr) {
-            Ok(e) => pumps.push((
-                idx,
-                tokio::spawn(output::pump(
-                    e,
+        for (fd, stream, name, tail) in [
+            (child.stdout, Stream::Out, "stdout", None),
+            (child.stderr, Stream::Err, "stderr", Some(tail.clone())),
+        ] {
+            match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+                Ok(r) => pumps.push((
                     idx,
-                    Stream::Err,
-                    out.sender(),
-                    Some(tail.clone()),
+                    tokio::spawn(output::pump(r, idx, stream, out.sender(), tail)),
                 )),
-            )),
-            Err(e) => tracing::warn!("rank {}: cannot read its stderr: {e}", start.rank),
+                Err(e) => {
+                    tracing::warn!("rank {}: cannot read its {name}: {e}", start.rank)
+                }
+            }
         }
         let tx = exits.clone();
         tokio::spawn(async move {
@@ -722,6 +740,7 @@ pub async fn run_group(
     };
     let (starts, outputs): (Vec<Start>, Vec<WorkerOutput>) =
         workers.into_iter().map(Start::split).unzip();
+    let base_env: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
     let terminal = Terminal::ours();
     let mut gave_terminal = false;
     let out = Output::start(outputs);
@@ -747,7 +766,7 @@ pub async fn run_group(
         if foreground {
             group.foreground = Some(idx);
         }
-        let child = match start.spawn(foreground) {
+        let child = match start.spawn(&base_env, foreground) {
             Ok(c) => c,
             Err(e) => {
                 spawn_error = Some(e);

@@ -25,6 +25,9 @@ const STACK: usize = 64 * 1024;
 
 /// What to start.
 pub struct Spec<'a> {
+    /// The file to run (found on PATH already).
+    pub path: &'a std::path::Path,
+    /// argv[0].
     pub program: &'a OsStr,
     /// Arguments after the program's name.
     pub args: &'a [OsString],
@@ -64,7 +67,7 @@ struct Steps {
 /// Starts `spec` as the leader of a new process group, tied to this process (SIGKILL when the
 /// calling thread ends: call it from the thread whose end is the process's end).
 pub fn spawn(spec: &Spec) -> io::Result<Spawned> {
-    let path = resolve(spec.program, spec.env.get(OsStr::new("PATH")))?;
+    let path = cstring(spec.path.as_os_str())?;
     let argv_c: Vec<CString> = std::iter::once(spec.program)
         .chain(spec.args.iter().map(OsString::as_os_str))
         .map(cstring)
@@ -186,18 +189,16 @@ extern "C" fn child(arg: *mut c_void) -> c_int {
     unsafe {
         let s = &*(arg as *const Steps);
         // If the agent is killed outright (SIGKILL), its workers die with it.
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
-        if libc::getppid() != s.parent {
-            libc::_exit(1);
-        }
+        super::process::die_with(s.parent);
         if libc::setpgid(0, 0) != 0 {
             fail(s);
         }
         if s.foreground {
             // The terminal's foreground, asked for with SIGTTOU ignored as a background group
             // must (this child's dispositions are its own: no CLONE_SIGHAND).
-            libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+            let old = libc::signal(libc::SIGTTOU, libc::SIG_IGN);
             libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpid());
+            libc::signal(libc::SIGTTOU, old);
         }
         if let Some(set) = &s.cpus {
             libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set);
@@ -227,9 +228,6 @@ extern "C" fn child(arg: *mut c_void) -> c_int {
                 libc::sigaction(sig, &dfl, std::ptr::null_mut());
             }
         }
-        if s.foreground {
-            libc::sigaction(libc::SIGTTOU, &dfl, std::ptr::null_mut());
-        }
         let mut none: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut none);
         libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
@@ -248,40 +246,6 @@ unsafe fn fail(s: &Steps) -> ! {
         s.errno.store(*libc::__errno_location(), Ordering::Relaxed);
         libc::_exit(127)
     }
-}
-
-/// The file `program` names: itself if it holds a '/', else the first executable file of that
-/// name on `path` (as execvp searches; /bin:/usr/bin when PATH is unset).
-fn resolve(program: &OsStr, path: Option<&OsString>) -> io::Result<CString> {
-    if program.as_bytes().contains(&b'/') {
-        return cstring(program);
-    }
-    let path = path.map_or(b"/bin:/usr/bin".as_slice(), |p| p.as_bytes());
-    let mut denied = false;
-    for dir in path.split(|b| *b == b':') {
-        let dir = if dir.is_empty() { b".".as_slice() } else { dir };
-        let mut full = dir.to_vec();
-        full.push(b'/');
-        full.extend_from_slice(program.as_bytes());
-        let full = cstring(OsStr::from_bytes(&full))?;
-        // SAFETY: a NUL-terminated path and a local stat buffer.
-        unsafe {
-            let mut st: libc::stat = std::mem::zeroed();
-            if libc::stat(full.as_ptr(), &mut st) != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG
-            {
-                continue;
-            }
-            if libc::access(full.as_ptr(), libc::X_OK) == 0 {
-                return Ok(full);
-            }
-        }
-        denied = true;
-    }
-    Err(io::Error::from_raw_os_error(if denied {
-        libc::EACCES
-    } else {
-        libc::ENOENT
-    }))
 }
 
 fn cstring(s: &OsStr) -> io::Result<CString> {
@@ -361,23 +325,5 @@ fn try_wait(pid: libc::pid_t) -> io::Result<Option<ExitStatus>> {
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_program_is_found_on_path_as_execvp_would() {
-        let path = OsString::from("/nonexistent:/usr/bin:/bin");
-        let sh = resolve(OsStr::new("sh"), Some(&path)).unwrap();
-        assert!(sh.to_bytes().ends_with(b"/sh"), "{sh:?}");
-        let e = resolve(OsStr::new("no-such-program-here"), Some(&path)).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
-        // A directory of the name is not a program.
-        let e = resolve(OsStr::new("usr"), Some(&OsString::from("/"))).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
-        assert_eq!(resolve(OsStr::new("./x"), None).unwrap().to_bytes(), b"./x");
     }
 }
