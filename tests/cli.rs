@@ -541,7 +541,7 @@ fn worker_environment_is_torchruns() {
         .parse()
         .unwrap();
     assert!(port > 0);
-    assert!(rank1.contains("/attempt_0/1/error.json"), "{rank1}");
+    assert!(rank1.contains("/attempt_0/error-1.json"), "{rank1}");
     assert!(text(&out.stderr).contains("OMP_NUM_THREADS was unset"));
 }
 

@@ -143,6 +143,55 @@ fn a_failure_on_one_node_stops_every_node() {
     c.assert_nothing_left(3);
 }
 
+/// Namespace hosts share this machine's temp directory, as agents of one host do: the node
+/// whose worker ended first must not take the scratch directory from a worker still running,
+/// which writes its error file there later; the scratch is gone once the job is.
+#[test]
+fn a_late_error_file_reaches_the_launcher_and_the_scratch_goes_with_the_job() {
+    let Some(c) = Cluster::up("cle", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let out = c.run_on(
+        &s,
+        2,
+        &[
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo FILE=$TORCHELASTIC_ERROR_FILE; [ $RANK = 0 ] && exit 0; sleep 1; \
+             echo '{\"message\": {\"message\": \"late-boom\"}}' > $TORCHELASTIC_ERROR_FILE \
+             || exit 3; exit 7",
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert!(err.contains("late-boom"), "{err}");
+    let stdout = text(&out.stdout);
+    let files: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.split("FILE=").nth(1))
+        .collect();
+    assert_eq!(files.len(), 2, "{stdout}");
+    for f in files {
+        // <temp>/nrun-<pid>/<group>/attempt_0/error-<rank>.json
+        let top = std::path::Path::new(f).ancestors().nth(3).unwrap();
+        assert!(
+            top.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("nrun-"),
+            "{f}"
+        );
+        assert!(!top.exists(), "{} left behind", top.display());
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
 #[test]
 fn killed_launcher_or_dropped_ssh_leaves_nothing_running() {
     let Some(c) = Cluster::up("ct4", 3) else {

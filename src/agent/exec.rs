@@ -121,7 +121,13 @@ async fn run_workers(
             (p, _) => p.into(),
         };
         if let Some(dir) = w.error_file.parent() {
-            let _ = std::fs::create_dir_all(dir);
+            // Looked up first: the lookup takes no lock on the parent, a mkdir does.
+            if !dir.is_dir() {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            if w.log_dir.is_none() {
+                scratch_used(dir);
+            }
         }
         // Log files live on the worker's own node, as torchrun's do.
         let (out_file, err_file) = match &w.log_dir {
@@ -176,21 +182,29 @@ async fn run_workers(
         });
     }
     let deadline = deadline_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
+    // The watch's thread starts when its first sample is due: a group that is over by then (a
+    // quick step, a failed start) costs no thread. Its events wait in the channel.
+    let (ended, ended_rx) = tokio::sync::oneshot::channel::<()>();
     let events = match watch {
         Some(out) if !cmds.is_empty() => {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            match super::stacks::spawn(rx, out, flight_files.clone(), ras) {
-                Ok(_) => Some(tx),
-                Err(e) => {
-                    tracing::warn!("cannot start the watch: {e}; the job runs unwatched");
-                    None
+            let files = flight_files.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = tokio::time::sleep(super::stacks::SAMPLE) => {}
+                    _ = ended_rx => return,
                 }
-            }
+                if let Err(e) = super::stacks::spawn(rx, out, files, ras) {
+                    tracing::warn!("cannot start the watch: {e}; the job runs unwatched");
+                }
+            });
+            Some(tx)
         }
         _ => None,
     };
     let grace = Duration::from_millis(grace_ms);
     let outcome = node::run_group(cmds, grace, deadline, stop, events).await;
+    drop(ended);
     // The failing worker's error file, read once: its traceback, and the file as written.
     let error_json = match &outcome {
         Ok(Outcome::Failed(f)) => std::fs::read_to_string(&f.error_file).ok(),
@@ -230,21 +244,44 @@ async fn run_workers(
         }
     }
     for f in &scratch {
-        remove_with_empty_parents(f);
+        // Looked up first: most workers leave none, and an unlink locks the directory.
+        if f.symlink_metadata().is_ok() {
+            let _ = std::fs::remove_file(f);
+        }
     }
     result
 }
 
-/// Removes `file`, then each parent directory that is left empty, up to the temp directory.
-fn remove_with_empty_parents(file: &std::path::Path) {
-    let _ = std::fs::remove_file(file);
-    let top = std::env::temp_dir();
-    let mut dir = file.parent();
-    while let Some(d) = dir.filter(|d| d.starts_with(&top) && *d != top) {
-        if std::fs::remove_dir(d).is_err() {
-            break;
+/// The directories of nrun's scratch that this process's workers used.
+static SCRATCH_DIRS: std::sync::Mutex<std::collections::BTreeSet<std::path::PathBuf>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn scratch_used(dir: &std::path::Path) {
+    if let Ok(mut dirs) = SCRATCH_DIRS.lock() {
+        if !dirs.contains(dir) {
+            dirs.insert(dir.to_path_buf());
         }
-        dir = d.parent();
+    }
+}
+
+/// At the End (every worker of the job has ended, on every node): removes the scratch
+/// directories this process's workers used, and each parent left empty, up to the temp
+/// directory. Not after each step: another agent on this host shares them, and its workers may
+/// still have an error file to write there.
+pub fn tidy_scratch() {
+    let dirs = SCRATCH_DIRS
+        .lock()
+        .map(|mut d| std::mem::take(&mut *d))
+        .unwrap_or_default();
+    let top = std::env::temp_dir();
+    for dir in dirs {
+        let mut dir = Some(dir.as_path());
+        while let Some(d) = dir.filter(|d| d.starts_with(&top) && *d != top) {
+            if std::fs::remove_dir(d).is_err() {
+                break;
+            }
+            dir = d.parent();
+        }
     }
 }
 

@@ -209,6 +209,21 @@ fn stdin_reader() -> Box<dyn tokio::io::AsyncRead + Unpin + Send> {
 /// coordinator is gone (`gone` set: stdin closed, or the store silent; or the store lost).
 pub async fn serve(
     hello: Hello,
+    signals: Signals,
+    gone: watch::Sender<bool>,
+    read_end: bool,
+) -> Result<protocol::Ended> {
+    let served = join_and_serve(hello, signals, gone, read_end).await;
+    // This node's workers are all gone: the scratch they used can go. An agent tied to its
+    // launcher shares that host's scratch, which the launcher removes whole at its end.
+    if !TIED.load(std::sync::atomic::Ordering::Relaxed) {
+        exec::tidy_scratch();
+    }
+    served
+}
+
+async fn join_and_serve(
+    hello: Hello,
     mut signals: Signals,
     gone: watch::Sender<bool>,
     read_end: bool,

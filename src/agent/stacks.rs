@@ -21,7 +21,7 @@ use super::protocol::{Frame, NodeWatch, RankView};
 use crate::node::GroupEvent;
 
 /// Time between two samples of a rank's stack.
-const SAMPLE: Duration = Duration::from_millis(500);
+pub const SAMPLE: Duration = Duration::from_millis(500);
 /// Time between two published views.
 const PUBLISH: Duration = Duration::from_secs(1);
 /// Frames kept per rank, innermost first.

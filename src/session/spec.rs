@@ -180,17 +180,18 @@ impl Session {
                 .as_ref()
                 .filter(|_| l.logs)
                 .map(|d| plan.worker_dir(d, l.attempt, host, local_rank));
-            let error_file: PathBuf = log_dir
-                .clone()
-                .unwrap_or_else(|| {
-                    // In nrun's scratch (this host's temp directory, nobody else's) a rank's
-                    // number keeps the nodes of one machine apart: one directory a worker, not
-                    // two (on a journal-less ext4, making directories was a quarter of a
-                    // thousand loopback nodes' CPU).
-                    let scratch = self.temp_root.join(l.scratch);
-                    plan.worker_dir(&scratch, l.attempt, None, rank)
-                })
-                .join("error.json");
+            let error_file: PathBuf = match &log_dir {
+                Some(d) => d.join("error.json"),
+                // In nrun's scratch (this host's temp directory, nobody else's) a rank's number
+                // keeps the nodes of one machine apart, in one directory for them all: a
+                // thousand loopback agents making (and removing) a directory each in one parent
+                // spent a tenth of the run's CPU on its lock.
+                None => self
+                    .temp_root
+                    .join(l.scratch)
+                    .join(format!("attempt_{}", l.attempt))
+                    .join(format!("error-{rank}.json")),
+            };
             let place = Place {
                 rank,
                 group_rank: m.group_rank,
