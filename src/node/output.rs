@@ -1,5 +1,6 @@
 //! Worker output: pumps read each worker's pipes line by line, and one writer thread puts the
-//! lines on the console (with a rank prefix) and into the per-rank log files.
+//! lines on the console (with a rank prefix) and into the per-rank log files; it starts with
+//! the first line.
 //!
 //! A line ends at '\n'; a segment ending at '\r' (a progress bar redrawing itself) and the
 //! start of a line that stays unfinished for a moment (a prompt such as pdb's) are passed on as
@@ -122,114 +123,150 @@ fn strip_torch_prefix(line: &[u8], rank: usize) -> &[u8] {
 pub type Tail = Arc<Mutex<VecDeque<String>>>;
 
 pub struct Output {
+    lines: Lines,
+}
+
+/// Where the pumps send: the writer's channel, and the writer's thread, started with the first
+/// line (a group whose workers print nothing costs no thread).
+#[derive(Clone)]
+pub struct Lines {
     tx: mpsc::Sender<Msg>,
-    thread: Option<JoinHandle<()>>,
+    writer: Arc<Writer>,
+}
+
+struct Writer {
+    /// What the thread takes when it starts.
+    waiting: Mutex<Option<(mpsc::Receiver<Msg>, Vec<WorkerOutput>)>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Output {
-    pub fn start(mut workers: Vec<WorkerOutput>) -> Output {
-        let (tx, mut rx) = mpsc::channel::<Msg>(1024);
-        let thread = std::thread::Builder::new()
-            .name("nrun-output".into())
-            .spawn(move || {
-                let colour = [
-                    std::io::stdout().is_terminal(),
-                    std::io::stderr().is_terminal(),
-                ];
-                let mut line = Vec::with_capacity(256);
-                // The console line left unfinished: whose, on which stream, and whether it
-                // ended at '\r' (the cursor is back at its start) or mid-line.
-                let mut open: Option<(usize, Stream, bool)> = None;
-                // Log files given up on a failed write.
-                let mut lost = 0;
-                let write = |stream: Stream, b: &[u8], flush: bool| {
-                    // Errors writing to the console (a closed pipe) must not stop the job.
-                    let _ = match stream {
-                        Stream::Out => {
-                            let mut o = std::io::stdout().lock();
-                            o.write_all(b)
-                                .and_then(|()| if flush { o.flush() } else { Ok(()) })
-                        }
-                        Stream::Err => std::io::stderr().lock().write_all(b),
-                    };
-                };
-                while let Some(Msg::Line {
-                    worker,
-                    stream,
-                    data,
-                }) = rx.blocking_recv()
-                {
-                    let Some(w) = workers.get_mut(worker) else {
-                        continue;
-                    };
-                    let sink = &mut w.sinks[stream as usize];
-                    lost += usize::from(sink.log(&data, w.rank));
-                    if !sink.console {
-                        continue;
-                    }
-                    let mut continues = false;
-                    if let Some((ow, os, cr)) = open.take() {
-                        if (ow, os) == (worker, stream) {
-                            continues = !cr;
-                        } else {
-                            write(os, b"\n", true);
-                        }
-                    }
-                    line.clear();
-                    let mut body = &data[..];
-                    if !w.prefix.is_empty() && !continues {
-                        // torch's excepthook (init_process_group's) already starts each line
-                        // of an uncaught exception with "[rankN]: ": ours replaces it, so the
-                        // rank is said once (`[rank1]: Traceback`, as torchrun shows it).
-                        body = strip_torch_prefix(body, w.rank);
-                        let coloured = match w.color {
-                            Color::Always => true,
-                            Color::Never => false,
-                            Color::Auto => colour[stream as usize],
-                        };
-                        if coloured {
-                            let c = COLOURS[w.colour % COLOURS.len()];
-                            let _ = write!(line, "\x1b[{c}m{}\x1b[0m", w.prefix);
-                        } else {
-                            line.extend_from_slice(w.prefix.as_bytes());
-                        }
-                    }
-                    line.extend_from_slice(body);
-                    let end = data.last().copied();
-                    if end != Some(b'\n') {
-                        open = Some((worker, stream, end == Some(b'\r')));
-                    }
-                    write(stream, &line, open.is_some());
-                }
-                if let Some((_, os, _)) = open {
-                    write(os, b"\n", true);
-                }
-                let _ = std::io::stdout().flush();
-                if lost > 0 {
-                    tracing::warn!(
-                        "on {}: {lost} log file(s) of this group are incomplete: writing them \
-                         failed (see above; check the --log-dir filesystem's free space); their \
-                         output after the failure went to the console",
-                        crate::net::hostname()
-                    );
-                }
-            })
-            .ok();
-        Output { tx, thread }
+    pub fn start(workers: Vec<WorkerOutput>) -> Output {
+        let (tx, rx) = mpsc::channel::<Msg>(1024);
+        let writer = Arc::new(Writer {
+            waiting: Mutex::new(Some((rx, workers))),
+            thread: Mutex::new(None),
+        });
+        Output {
+            lines: Lines { tx, writer },
+        }
     }
 
-    pub fn sender(&self) -> mpsc::Sender<Msg> {
-        self.tx.clone()
+    pub fn sender(&self) -> Lines {
+        self.lines.clone()
     }
 
     /// Waits until every line sent so far is written. Pumps hold their own senders: finish
     /// them first.
     pub fn finish(self) {
-        let Output { tx, thread } = self;
+        let Lines { tx, writer } = self.lines;
         drop(tx);
+        let thread = writer.thread.lock().ok().and_then(|mut t| t.take());
         if let Some(t) = thread {
             let _ = t.join();
         }
+    }
+}
+
+impl Lines {
+    async fn send(&self, msg: Msg) {
+        let waiting = self.writer.waiting.lock().ok().and_then(|mut w| w.take());
+        if let Some((rx, workers)) = waiting {
+            // Without its thread, the lines go nowhere (never seen) rather than stop the job.
+            let t = std::thread::Builder::new()
+                .name("nrun-output".into())
+                .spawn(move || write_lines(rx, workers))
+                .ok();
+            if let Ok(mut slot) = self.writer.thread.lock() {
+                *slot = t;
+            }
+        }
+        let _ = self.tx.send(msg).await;
+    }
+}
+
+/// The writer's thread: each line to its console stream (prefixed) and its log file.
+fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
+    let colour = [
+        std::io::stdout().is_terminal(),
+        std::io::stderr().is_terminal(),
+    ];
+    let mut line = Vec::with_capacity(256);
+    // The console line left unfinished: whose, on which stream, and whether it
+    // ended at '\r' (the cursor is back at its start) or mid-line.
+    let mut open: Option<(usize, Stream, bool)> = None;
+    // Log files given up on a failed write.
+    let mut lost = 0;
+    let write = |stream: Stream, b: &[u8], flush: bool| {
+        // Errors writing to the console (a closed pipe) must not stop the job.
+        let _ = match stream {
+            Stream::Out => {
+                let mut o = std::io::stdout().lock();
+                o.write_all(b)
+                    .and_then(|()| if flush { o.flush() } else { Ok(()) })
+            }
+            Stream::Err => std::io::stderr().lock().write_all(b),
+        };
+    };
+    while let Some(Msg::Line {
+        worker,
+        stream,
+        data,
+    }) = rx.blocking_recv()
+    {
+        let Some(w) = workers.get_mut(worker) else {
+            continue;
+        };
+        let sink = &mut w.sinks[stream as usize];
+        lost += usize::from(sink.log(&data, w.rank));
+        if !sink.console {
+            continue;
+        }
+        let mut continues = false;
+        if let Some((ow, os, cr)) = open.take() {
+            if (ow, os) == (worker, stream) {
+                continues = !cr;
+            } else {
+                write(os, b"\n", true);
+            }
+        }
+        line.clear();
+        let mut body = &data[..];
+        if !w.prefix.is_empty() && !continues {
+            // torch's excepthook (init_process_group's) already starts each line
+            // of an uncaught exception with "[rankN]: ": ours replaces it, so the
+            // rank is said once (`[rank1]: Traceback`, as torchrun shows it).
+            body = strip_torch_prefix(body, w.rank);
+            let coloured = match w.color {
+                Color::Always => true,
+                Color::Never => false,
+                Color::Auto => colour[stream as usize],
+            };
+            if coloured {
+                let c = COLOURS[w.colour % COLOURS.len()];
+                let _ = write!(line, "\x1b[{c}m{}\x1b[0m", w.prefix);
+            } else {
+                line.extend_from_slice(w.prefix.as_bytes());
+            }
+        }
+        line.extend_from_slice(body);
+        let end = data.last().copied();
+        if end != Some(b'\n') {
+            open = Some((worker, stream, end == Some(b'\r')));
+        }
+        write(stream, &line, open.is_some());
+    }
+    if let Some((_, os, _)) = open {
+        write(os, b"\n", true);
+    }
+    let _ = std::io::stdout().flush();
+    if lost > 0 {
+        tracing::warn!(
+            "on {}: {lost} log file(s) of this group are incomplete: writing them \
+             failed (see above; check the --log-dir filesystem's free space); their \
+             output after the failure went to the console",
+            crate::net::hostname()
+        );
     }
 }
 
@@ -242,7 +279,7 @@ pub async fn pump(
     mut pipe: impl AsyncRead + Unpin,
     worker: usize,
     stream: Stream,
-    tx: mpsc::Sender<Msg>,
+    tx: Lines,
     tail: Option<Tail>,
 ) {
     let mut buf: Vec<u8> = Vec::with_capacity(8192);
@@ -333,21 +370,14 @@ impl TailLine {
 }
 
 /// One segment to the writer, and to the tail.
-async fn emit(
-    tx: &mpsc::Sender<Msg>,
-    worker: usize,
-    stream: Stream,
-    tail: &mut TailLine,
-    data: Vec<u8>,
-) {
+async fn emit(tx: &Lines, worker: usize, stream: Stream, tail: &mut TailLine, data: Vec<u8>) {
     tail.add(&data);
-    let _ = tx
-        .send(Msg::Line {
-            worker,
-            stream,
-            data,
-        })
-        .await;
+    tx.send(Msg::Line {
+        worker,
+        stream,
+        data,
+    })
+    .await;
 }
 
 #[cfg(test)]
