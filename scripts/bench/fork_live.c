@@ -1,7 +1,7 @@
 // Does a fork, or its child, cost more while many children of the same parent are alive?
 // Forks N children that stay (each writes 64 pages of a 4 MiB heap, then stops itself), prints
 // the fork time per block of 512 and the children's CPU each (BENCHMARKS.md, section 21).
-//   gcc -O2 -o /tmp/fork_live scripts/bench/fork_live.c \&\& /tmp/fork_live 2048
+//   gcc -O2 -o /tmp/fork_live scripts/bench/fork_live.c && /tmp/fork_live 2048
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
