@@ -214,11 +214,9 @@ pub async fn serve(
     read_end: bool,
 ) -> Result<protocol::Ended> {
     let served = join_and_serve(hello, signals, gone, read_end).await;
-    // This node's workers are all gone: the scratch they used can go. An agent tied to its
-    // launcher shares that host's scratch, which the launcher removes whole at its end.
-    if !TIED.load(std::sync::atomic::Ordering::Relaxed) {
-        exec::tidy_scratch();
-    }
+    // This node's workers are all gone, and so are every other node's (the End): the scratch
+    // they used can go.
+    exec::tidy_scratch();
     served
 }
 
