@@ -74,7 +74,7 @@ pub async fn start(
         }
     }
     starts.extend(
-        crate::plan::tree::split(&here, np.tree_width)
+        crate::plan::tree::split_packed(&here, np.tree_width)
             .into_iter()
             .map(Branch::into_local),
     );
