@@ -99,12 +99,14 @@ async fn run_workers(
 ) -> RunResult {
     let mut cmds = Vec::with_capacity(specs.len());
     let this_nrun = std::env::current_exe();
-    // Error files in nrun's scratch (no --log-dir) are read, then removed with the attempt.
+    // Error files in nrun's scratch (no --log-dir) are read, then removed after the step; their
+    // directories at the End ([`tidy_scratch`]).
     let scratch: Vec<std::path::PathBuf> = specs
         .iter()
         .filter(|w| w.log_dir.is_none())
         .map(|w| w.error_file.clone())
         .collect();
+    scratch_used(&scratch);
     let mut flight_files = Vec::new();
     // The node of rank 0 asks NCCL's RAS about the job when its ranks stall.
     let ras = specs
@@ -124,9 +126,6 @@ async fn run_workers(
             // Looked up first: the lookup takes no lock on the parent, a mkdir does.
             if !dir.is_dir() {
                 let _ = std::fs::create_dir_all(dir);
-            }
-            if w.log_dir.is_none() {
-                scratch_used(dir);
             }
         }
         // Log files live on the worker's own node, as torchrun's do.
@@ -256,11 +255,9 @@ async fn run_workers(
 static SCRATCH_DIRS: std::sync::Mutex<std::collections::BTreeSet<std::path::PathBuf>> =
     std::sync::Mutex::new(std::collections::BTreeSet::new());
 
-fn scratch_used(dir: &std::path::Path) {
+fn scratch_used(files: &[std::path::PathBuf]) {
     if let Ok(mut dirs) = SCRATCH_DIRS.lock() {
-        if !dirs.contains(dir) {
-            dirs.insert(dir.to_path_buf());
-        }
+        dirs.extend(files.iter().filter_map(|f| f.parent()).map(Into::into));
     }
 }
 

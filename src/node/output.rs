@@ -131,22 +131,22 @@ pub struct Output {
 #[derive(Clone)]
 pub struct Lines {
     tx: mpsc::Sender<Msg>,
-    writer: Arc<Writer>,
+    writer: Arc<Mutex<Writer>>,
 }
 
-struct Writer {
-    /// What the thread takes when it starts.
-    waiting: Mutex<Option<(mpsc::Receiver<Msg>, Vec<WorkerOutput>)>>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+enum Writer {
+    /// No line yet: what the thread takes when it starts.
+    Waiting(mpsc::Receiver<Msg>, Vec<WorkerOutput>),
+    Running(JoinHandle<()>),
+    /// Joined, or its thread could not start (never seen): the lines go nowhere rather than
+    /// stop the job.
+    Gone,
 }
 
 impl Output {
     pub fn start(workers: Vec<WorkerOutput>) -> Output {
         let (tx, rx) = mpsc::channel::<Msg>(1024);
-        let writer = Arc::new(Writer {
-            waiting: Mutex::new(Some((rx, workers))),
-            thread: Mutex::new(None),
-        });
+        let writer = Arc::new(Mutex::new(Writer::Waiting(rx, workers)));
         Output {
             lines: Lines { tx, writer },
         }
@@ -161,8 +161,10 @@ impl Output {
     pub fn finish(self) {
         let Lines { tx, writer } = self.lines;
         drop(tx);
-        let thread = writer.thread.lock().ok().and_then(|mut t| t.take());
-        if let Some(t) = thread {
+        let state = writer
+            .lock()
+            .map(|mut w| std::mem::replace(&mut *w, Writer::Gone));
+        if let Ok(Writer::Running(t)) = state {
             let _ = t.join();
         }
     }
@@ -170,16 +172,14 @@ impl Output {
 
 impl Lines {
     async fn send(&self, msg: Msg) {
-        let waiting = self.writer.waiting.lock().ok().and_then(|mut w| w.take());
-        if let Some((rx, workers)) = waiting {
-            // Without its thread, the lines go nowhere (never seen) rather than stop the job.
-            let t = std::thread::Builder::new()
-                .name("nrun-output".into())
-                .spawn(move || write_lines(rx, workers))
-                .ok();
-            if let Ok(mut slot) = self.writer.thread.lock() {
-                *slot = t;
-            }
+        if let Ok(mut w) = self.writer.lock() {
+            *w = match std::mem::replace(&mut *w, Writer::Gone) {
+                Writer::Waiting(rx, workers) => std::thread::Builder::new()
+                    .name("nrun-output".into())
+                    .spawn(move || write_lines(rx, workers))
+                    .map_or(Writer::Gone, Writer::Running),
+                started => started,
+            };
         }
         let _ = self.tx.send(msg).await;
     }

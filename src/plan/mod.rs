@@ -757,12 +757,17 @@ impl WorkersPlan {
         host: Option<&str>,
         local_rank: usize,
     ) -> PathBuf {
-        let mut d = root.join(format!("attempt_{attempt}"));
+        let mut d = attempt_dir(root, attempt);
         if let Some(h) = host {
             d.push(h);
         }
         d.join(local_rank.to_string())
     }
+}
+
+/// `<root>/attempt_<n>`: one attempt's directory, of log files or of nrun's scratch.
+pub fn attempt_dir(root: &Path, attempt: u32) -> PathBuf {
+    root.join(format!("attempt_{attempt}"))
 }
 
 /// Where a worker sits in the whole job.

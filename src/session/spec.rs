@@ -186,10 +186,7 @@ impl Session {
                 // keeps the nodes of one machine apart, in one directory for them all: a
                 // thousand loopback agents making (and removing) a directory each in one parent
                 // spent a tenth of the run's CPU on its lock.
-                None => self
-                    .temp_root
-                    .join(l.scratch)
-                    .join(format!("attempt_{}", l.attempt))
+                None => crate::plan::attempt_dir(&self.temp_root.join(l.scratch), l.attempt)
                     .join(format!("error-{rank}.json")),
             };
             let place = Place {
