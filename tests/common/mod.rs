@@ -394,12 +394,15 @@ impl Cluster {
             })
             .collect();
         pids.sort_unstable_by(|a, b| b.cmp(a));
-        !pids.is_empty()
-            && Command::new("kill")
-                .arg(sig)
-                .args(pids.iter().map(u32::to_string))
-                .status()
-                .is_ok_and(|st| st.success())
+        let sig: nix::sys::signal::Signal = format!("SIG{}", sig.trim_start_matches('-'))
+            .parse()
+            .unwrap_or_else(|_| panic!("no signal named {sig}"));
+        // One at a time, and one reached is enough: a process of the list may end between the
+        // listing and its signal (`kill` with many pids then fails though the rest were sent).
+        let reached = pids.iter().filter(|pid| {
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(**pid as i32), sig).is_ok()
+        });
+        reached.count() > 0
     }
 
     pub fn ssh_opts(&self) -> String {
