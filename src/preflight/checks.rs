@@ -306,19 +306,19 @@ impl Outcome {
             .map(|(rank, host, stage)| {
                 let last = stage
                     .as_deref()
-                    .map_or("had not reached the store".to_string(), |s| {
-                        format!("had last {}", stage_text(s))
+                    .map_or("it had not reached the store".to_string(), |s| {
+                        format!("last seen: {}", stage_text(s))
                     });
                 let (check, text) = match (&self.crashed, stage) {
                     (Some((cr, how)), _) if cr == rank => (
                         Check::Crash,
-                        format!("rank {rank} on {host} crashed ({how}); it {last}"),
+                        format!("rank {rank} on {host} crashed ({how}); {last}"),
                     ),
                     (Some((cr, _)), _) => (
                         Check::Silent,
                         format!(
                             "rank {rank} on {host} was stopped by nrun after rank {cr} crashed; \
-                             it {last}"
+                             {last}"
                         ),
                     ),
                     (None, None) => (
@@ -328,7 +328,7 @@ impl Outcome {
                     (None, Some(s)) => (
                         Check::Silent,
                         format!(
-                            "rank {rank} on {host} went silent: it last {}",
+                            "rank {rank} on {host} went silent; last seen: {}",
                             stage_text(s)
                         ),
                     ),

@@ -262,13 +262,14 @@ pub struct LinkIn {
     pub gbs: f64,
 }
 
-/// Progress marks a rank leaves in the store, so a silent rank can be placed.
+/// Progress marks a rank leaves in the store, so a silent rank can be placed; each text reads
+/// after "last seen: ".
 pub const STAGES: [(&str, &str); 6] = [
-    ("started", "started, connected to the store"),
-    ("loaded", "loaded its libraries and GPU"),
-    ("id", "has the unique id, entering communicator init"),
-    ("init", "finished communicator init"),
-    ("sweep", "running the all-reduce sweep"),
+    ("started", "connected to the store"),
+    ("loaded", "libraries and GPU loaded"),
+    ("id", "unique id in hand, entering communicator init"),
+    ("init", "communicator init finished"),
+    ("sweep", "in the all-reduce sweep"),
     ("done", "done"),
 ];
 
@@ -276,7 +277,7 @@ pub fn stage_text(stage: &str) -> &'static str {
     STAGES
         .iter()
         .find(|(s, _)| *s == stage)
-        .map_or("in an unknown stage", |(_, t)| t)
+        .map_or("in a stage this nrun does not know", |(_, t)| t)
 }
 
 /// nccl-tests' bus bandwidth for all-reduce: algbw * 2(n-1)/n.
@@ -997,7 +998,7 @@ mod tests {
         assert_eq!(s.verdict, Verdict::Timeout);
         assert!(
             s.text
-                .contains("rank 4 on e went silent: it last has the unique id"),
+                .contains("rank 4 on e went silent; last seen: unique id in hand"),
             "{}",
             s.text
         );
