@@ -1512,10 +1512,10 @@ fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
         ]);
         let child = s.spawn(&args, &[]);
         s.wait_marks("ready", 2, Duration::from_secs(30));
-        assert!(c.signal_agents(2, "-STOP"), "no agent on cts-h2");
+        assert!(c.signal_agents(2, Signal::SIGSTOP), "no agent on cts-h2");
         // Well past 2.5 s, well under the 10 s that --agent-timeout 20 allows.
         std::thread::sleep(Duration::from_secs(6));
-        assert!(c.signal_agents(2, "-CONT"));
+        assert!(c.signal_agents(2, Signal::SIGCONT));
         let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
         let err = text(&out.stderr);
         match timeout {

@@ -325,12 +325,9 @@ impl Outcome {
                         Check::Silent,
                         format!("rank {rank} on {host} never reached the store"),
                     ),
-                    (None, Some(s)) => (
+                    (None, Some(_)) => (
                         Check::Silent,
-                        format!(
-                            "rank {rank} on {host} went silent; last seen: {}",
-                            stage_text(s)
-                        ),
+                        format!("rank {rank} on {host} went silent; {last}"),
                     ),
                 };
                 Finding::fail(check, v, text).node(host).rank(*rank)

@@ -274,10 +274,10 @@ pub const STAGES: [(&str, &str); 6] = [
 ];
 
 pub fn stage_text(stage: &str) -> &'static str {
-    STAGES
-        .iter()
-        .find(|(s, _)| *s == stage)
-        .map_or("in a stage this nrun does not know", |(_, t)| t)
+    STAGES.iter().find(|(s, _)| *s == stage).map_or(
+        "in a stage this nrun does not know (is nrun the same version on every host?)",
+        |(_, t)| t,
+    )
 }
 
 /// nccl-tests' bus bandwidth for all-reduce: algbw * 2(n-1)/n.

@@ -1,6 +1,8 @@
 //! Helpers for tests that run the real `nrun` binary.
 #![allow(dead_code)]
 
+pub use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -372,12 +374,12 @@ impl Cluster {
     /// kill, children first: a keeper killed first is a stop request to its agent (SIGTERM by
     /// its parent-death signal), which then says "stopped by SIGTERM" before its own SIGKILL.
     pub fn kill_agents(&self, i: usize) -> bool {
-        self.signal_agents(i, "-KILL")
+        self.signal_agents(i, Signal::SIGKILL)
     }
 
-    /// Sends `sig` (`-KILL`, `-STOP`, ...) to host i's nrun agents and their keepers at once,
-    /// children first; whether there was one.
-    pub fn signal_agents(&self, i: usize, sig: &str) -> bool {
+    /// Sends `sig` to host i's nrun agents and their keepers, children first; whether one of
+    /// them got it.
+    pub fn signal_agents(&self, i: usize, sig: Signal) -> bool {
         let Ok(out) = Command::new("ip")
             .args(["netns", "pids", &self.host(i)])
             .output()
@@ -394,14 +396,11 @@ impl Cluster {
             })
             .collect();
         pids.sort_unstable_by(|a, b| b.cmp(a));
-        let sig: nix::sys::signal::Signal = format!("SIG{}", sig.trim_start_matches('-'))
-            .parse()
-            .unwrap_or_else(|_| panic!("no signal named {sig}"));
         // One at a time, and one reached is enough: a process of the list may end between the
         // listing and its signal (`kill` with many pids then fails though the rest were sent).
-        let reached = pids.iter().filter(|pid| {
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(**pid as i32), sig).is_ok()
-        });
+        let reached = pids
+            .iter()
+            .filter(|pid| nix::sys::signal::kill(Pid::from_raw(**pid as i32), sig).is_ok());
         reached.count() > 0
     }
 
