@@ -445,17 +445,23 @@ pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
 
 /// Drives every future of `work` to its end, together. Each is polled only when it was woken
 /// (a waker of its own): polling all of them on every wake-up was quadratic in the nodes when
-/// a thousand agents' ends wake one by one.
+/// a thousand agents' ends wake one by one. A future woken many times before its poll is
+/// queued once and polled once: the in-process node's one future is woken by each of its
+/// thousands of workers' ends, and by tokio's budget on every poll past it, so a queue of every
+/// wake-up made one poll per wake, each poll woke again, and the queue grew without end.
 pub(super) async fn join_all(work: Vec<BoxFuture<'_, ()>>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::task::{Poll, Wake, Waker};
 
-    /// Futures woken since the last poll, and the task to wake for them.
+    /// Futures woken since the last poll (each once), and the task to wake for them.
     #[derive(Default)]
     struct Woken {
         ready: std::sync::Mutex<(Vec<usize>, Option<Waker>)>,
     }
     struct One {
         index: usize,
+        /// In `ready` already, not yet polled.
+        queued: AtomicBool,
         woken: Arc<Woken>,
     }
     impl Wake for One {
@@ -463,6 +469,9 @@ pub(super) async fn join_all(work: Vec<BoxFuture<'_, ()>>) {
             self.wake_by_ref()
         }
         fn wake_by_ref(self: &Arc<Self>) {
+            if self.queued.swap(true, Ordering::AcqRel) {
+                return;
+            }
             let mut r = self.woken.ready.lock().unwrap_or_else(|e| e.into_inner());
             r.0.push(self.index);
             if let Some(w) = r.1.take() {
@@ -472,17 +481,19 @@ pub(super) async fn join_all(work: Vec<BoxFuture<'_, ()>>) {
     }
 
     let woken = Arc::new(Woken::default());
-    let wakers: Vec<Waker> = (0..work.len())
+    // Every future is queued to be polled once to begin with.
+    let ones: Vec<Arc<One>> = (0..work.len())
         .map(|index| {
-            Waker::from(Arc::new(One {
+            Arc::new(One {
                 index,
+                queued: AtomicBool::new(true),
                 woken: woken.clone(),
-            }))
+            })
         })
         .collect();
+    let wakers: Vec<Waker> = ones.iter().map(|o| Waker::from(o.clone())).collect();
     let mut work: Vec<Option<BoxFuture<'_, ()>>> = work.into_iter().map(Some).collect();
     let mut left = work.len();
-    // Every future is polled once to begin with.
     woken
         .ready
         .lock()
@@ -499,6 +510,8 @@ pub(super) async fn join_all(work: Vec<BoxFuture<'_, ()>>) {
             std::mem::take(&mut r.0)
         };
         for i in ready {
+            // Cleared before the poll: a wake-up during it queues the future again.
+            ones[i].queued.store(false, Ordering::Release);
             let Some(f) = work[i].as_mut() else { continue };
             let mut own = std::task::Context::from_waker(&wakers[i]);
             if f.as_mut().poll(&mut own).is_ready() {
@@ -537,5 +550,34 @@ mod tests {
         // Once to begin with, once when woken (all of them on every wake-up: about 5,000).
         let n = polls.load(Ordering::Relaxed);
         assert!(n <= 300, "{n} polls");
+    }
+
+    /// A future woken many times between two polls is polled once for them (the in-process
+    /// node's future, woken by each of thousands of workers' ends and by tokio's budget): a
+    /// poll per wake-up, each waking again, grew the queue without end.
+    #[tokio::test]
+    async fn join_all_polls_a_future_woken_many_times_once() {
+        let polls = Arc::new(AtomicUsize::new(0));
+        let counted = polls.clone();
+        let work: Vec<BoxFuture<'static, ()>> = vec![Box::pin(std::future::poll_fn(move |cx| {
+            if counted.fetch_add(1, Ordering::Relaxed) + 1 >= 50 {
+                return std::task::Poll::Ready(());
+            }
+            // Ten wake-ups per poll, as many ends coming in between two polls.
+            for _ in 0..10 {
+                cx.waker().wake_by_ref();
+            }
+            std::task::Poll::Pending
+        }))];
+        let mut all = Box::pin(join_all(work));
+        let mut rounds = 0;
+        std::future::poll_fn(|cx| {
+            rounds += 1;
+            all.as_mut().poll(cx)
+        })
+        .await;
+        // One poll of the future per round of join_all (a queue of every wake-up: 1, 10, 100...).
+        assert_eq!(polls.load(Ordering::Relaxed), 50);
+        assert_eq!(rounds, 50);
     }
 }
