@@ -230,15 +230,25 @@ async fn run_workers(
             left_early: f.left_early,
         }),
     };
-    // The dump pipes are nrun's; a dump stays where the error file stays (--log-dir).
+    // The dump pipes are nrun's; a dump stays where the error file stays (--log-dir). The
+    // directories are looked up in sets: a list searched for each of thousands of workers made
+    // the group's end quadratic.
+    let dirs = |files: &[std::path::PathBuf]| -> std::collections::HashSet<std::path::PathBuf> {
+        files
+            .iter()
+            .filter_map(|e| e.parent())
+            .map(Into::into)
+            .collect()
+    };
+    let (error_dirs, scratch_dirs) = (dirs(&errors), dirs(&scratch));
+    let ours = |p: &std::path::Path, among: &std::collections::HashSet<std::path::PathBuf>| {
+        p.parent().is_some_and(|d| among.contains(d))
+    };
     for (_, f) in &flight_files {
-        let ours = |p: &std::path::Path, among: &[std::path::PathBuf]| {
-            among.iter().any(|e| e.parent() == p.parent())
-        };
-        if ours(&f.pipe, &errors) {
+        if ours(&f.pipe, &error_dirs) {
             let _ = std::fs::remove_file(&f.pipe);
         }
-        if ours(&f.dump, &scratch) {
+        if ours(&f.dump, &scratch_dirs) {
             let _ = std::fs::remove_file(&f.dump);
         }
     }

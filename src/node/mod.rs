@@ -493,6 +493,9 @@ struct Ending {
 /// The state [`run_group`] alone holds: the workers, how far stopping them has got and why.
 struct Group {
     workers: Vec<Worker>,
+    /// Workers whose exit is not yet reported: counted, not looked up, as it is asked after
+    /// every exit (thousands of them).
+    running: usize,
     grace: Duration,
     phase: Phase,
     ending: Ending,
@@ -506,6 +509,7 @@ impl Group {
     fn new(grace: Duration) -> Group {
         Group {
             workers: Vec::new(),
+            running: 0,
             grace,
             phase: Phase::Running,
             ending: Ending::default(),
@@ -530,7 +534,12 @@ impl Group {
     }
 
     fn running(&self) -> usize {
-        self.workers.iter().filter(|w| w.running()).count()
+        self.running
+    }
+
+    fn add(&mut self, w: Worker) {
+        self.running += usize::from(w.running());
+        self.workers.push(w);
     }
 
     /// `sig` to the process group of every worker not yet exited.
@@ -553,7 +562,9 @@ impl Group {
 
     /// Worker `idx` exited.
     fn exited(&mut self, idx: usize, exit: Exit, at: SystemTime) {
-        self.workers[idx].exit = Some((exit, at));
+        if self.workers[idx].exit.replace((exit, at)).is_none() {
+            self.running -= 1;
+        }
         // The terminal's Ctrl-C, which only the foreground worker got: the user's interrupt,
         // passed on to the rest as if nrun had received it. The terminal comes back to nrun, so
         // a second Ctrl-C reaches it.
@@ -778,7 +789,7 @@ pub async fn run_group(
             pid: child.pid as u32,
         });
         let worker = Worker::watch(idx, start, child, &out, &mut pumps, &exits);
-        group.workers.push(worker);
+        group.add(worker);
     }
     drop(exits);
     if spawn_error.is_some() {
@@ -897,7 +908,7 @@ mod tests {
     fn on_paper(n: usize, grace: Duration) -> Group {
         let mut g = Group::new(grace);
         for rank in 0..n {
-            g.workers.push(Worker {
+            g.add(Worker {
                 rank,
                 local_rank: rank,
                 pid: 0,
