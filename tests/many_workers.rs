@@ -1,0 +1,214 @@
+//! Thousands of local workers end, normally and on SIGTERM, with nrun's memory bounded (issue
+//! 35, item 2: 2,048 workers' end ran nrun out of memory). Each run is inside a memory cgroup
+//! with its workers, so a regression fails the test (the OOM killer ends nrun), not the machine.
+//! Skipped, with a SKIPPED line, where no memory cgroup can be made (not root, no cgroup v2 or
+//! v1 memory controller).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const WORKERS: usize = 2048;
+/// The cgroup's limit: nrun and its 2,048 workers.
+const LIMIT: u64 = 2 << 30;
+/// nrun's own peak resident memory, at most.
+const NRUN_RSS: u64 = 256 << 20;
+
+/// A memory cgroup of its own, removed (and emptied) when dropped.
+struct Cgroup {
+    dir: PathBuf,
+    /// cgroup v2 (memory.max, memory.peak), else v1 (memory.limit_in_bytes,
+    /// memory.max_usage_in_bytes).
+    v2: bool,
+}
+
+impl Cgroup {
+    fn new(test: &str) -> Option<Cgroup> {
+        let name = format!("nrun-test-{test}-{}", std::process::id());
+        let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+            .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"));
+        let (dir, limit_file) = match v2 {
+            true => (Path::new("/sys/fs/cgroup").join(&name), "memory.max"),
+            false => (
+                Path::new("/sys/fs/cgroup/memory").join(&name),
+                "memory.limit_in_bytes",
+            ),
+        };
+        if !nix_is_root() || std::fs::create_dir(&dir).is_err() {
+            eprintln!(
+                "SKIPPED {test}: cannot make a memory cgroup at {}",
+                dir.display()
+            );
+            return None;
+        }
+        let cg = Cgroup { dir, v2 };
+        if std::fs::write(cg.dir.join(limit_file), LIMIT.to_string()).is_err() {
+            eprintln!(
+                "SKIPPED {test}: cannot set {limit_file} in {}",
+                cg.dir.display()
+            );
+            return None;
+        }
+        // No swap to escape to (where the controller offers the setting).
+        let _ = std::fs::write(cg.dir.join("memory.swap.max"), "0");
+        Some(cg)
+    }
+
+    /// The cgroup's peak memory, nrun and workers together.
+    fn peak(&self) -> u64 {
+        let file = match self.v2 {
+            true => "memory.peak",
+            false => "memory.max_usage_in_bytes",
+        };
+        std::fs::read_to_string(self.dir.join(file))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn procs(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .map(String::from)
+            .collect()
+    }
+
+    /// Starts nrun in this cgroup (moved in before its exec, so its workers are in it too), with
+    /// an open-file limit that allows the workers' pipes.
+    fn spawn(&self, s: &Scene, args: &str) -> Child {
+        let script = format!(
+            "echo $$ > {}/cgroup.procs && ulimit -n 65536 2>/dev/null; exec {} {args}",
+            self.dir.display(),
+            nrun_bin().display()
+        );
+        let mut c = Command::new("sh");
+        c.args(["-c", &script])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .env_remove("NRUN_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        c.spawn().unwrap()
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for p in self.procs().iter().filter_map(|p| p.parse().ok()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(p),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let end = Instant::now() + Duration::from_secs(10);
+        while std::fs::remove_dir(&self.dir).is_err() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// The highest VmHWM seen of the real nrun (the keeper's first child) until `keeper` exits, and
+/// its exit. Peak memory only grows, so the last reading is what it came to.
+fn watch_nrun(mut keeper: Child) -> (std::process::Output, u64) {
+    let k = keeper.id();
+    let mut hwm = 0u64;
+    let began = Instant::now();
+    loop {
+        if let Some(nrun) = std::fs::read_to_string(format!("/proc/{k}/task/{k}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .next()
+        {
+            let status =
+                std::fs::read_to_string(format!("/proc/{nrun}/status")).unwrap_or_default();
+            if let Some(kb) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            {
+                hwm = hwm.max(kb << 10);
+            }
+        }
+        if keeper.try_wait().unwrap().is_some() {
+            break;
+        }
+        // A hung guard: 2,048 workers take seconds to start on a loaded machine, not minutes.
+        if began.elapsed() > Duration::from_secs(300) {
+            let _ = keeper.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (keeper.wait_with_output().unwrap(), hwm)
+}
+
+fn assert_bounded(cg: &Cgroup, hwm: u64, err: &str) {
+    let peak = cg.peak();
+    eprintln!(
+        "{WORKERS} workers: nrun's peak RSS {} MiB, the cgroup's peak {} MiB",
+        hwm >> 20,
+        peak >> 20
+    );
+    assert!(hwm > 0, "nrun's memory was never read: {err}");
+    assert!(hwm < NRUN_RSS, "nrun's peak RSS {hwm} bytes: {err}");
+    assert!(peak < LIMIT, "the cgroup's peak {peak} bytes: {err}");
+    // Nothing of the job is left in the cgroup (its keeper swept it before exiting).
+    let end = Instant::now() + Duration::from_secs(10);
+    while !cg.procs().is_empty() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(cg.procs(), Vec::<String>::new(), "left running: {err}");
+}
+
+#[test]
+fn two_thousand_workers_end_within_a_memory_bound() {
+    let Some(cg) = Cgroup::new("end") else {
+        return;
+    };
+    let s = Scene::new();
+    let nrun = cg.spawn(&s, &format!("--nproc {WORKERS} --no-python /bin/sleep 1"));
+    let (out, hwm) = watch_nrun(nrun);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_bounded(&cg, hwm, &err);
+    s.assert_no_survivors();
+}
+
+#[test]
+fn two_thousand_workers_stop_on_sigterm_within_a_memory_bound() {
+    let Some(cg) = Cgroup::new("sigterm") else {
+        return;
+    };
+    let s = Scene::new();
+    let marks = s.dir.path().join("started");
+    std::fs::create_dir(&marks).unwrap();
+    // Each worker leaves a file named by its rank once it runs, then waits to be stopped.
+    let nrun = cg.spawn(
+        &s,
+        &format!(
+            "--nproc {WORKERS} --no-python sh -c 'touch {}/$RANK; exec sleep 600'",
+            marks.display()
+        ),
+    );
+    let began = Instant::now();
+    while std::fs::read_dir(&marks).unwrap().count() < WORKERS {
+        assert!(
+            began.elapsed() < Duration::from_secs(300),
+            "the workers did not all start: {} of {WORKERS}",
+            std::fs::read_dir(&marks).unwrap().count()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    signal(&nrun, "TERM");
+    let (out, hwm) = watch_nrun(nrun);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    assert_bounded(&cg, hwm, &err);
+    s.assert_no_survivors();
+}
