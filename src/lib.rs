@@ -62,7 +62,7 @@ pub fn main() -> ExitCode {
     // (covered by that nrun's keeper) gets a keeper (see node::keeper): forked here, before any
     // thread exists.
     let kept = match first.as_deref().and_then(|a| a.to_str()) {
-        Some("__preflight" | "__nccl-version") => false,
+        Some("__preflight" | "__nccl-version" | "__reap") => false,
         Some("__agent") => !agent::tie_to_parent(),
         _ => true,
     };
@@ -72,6 +72,7 @@ pub fn main() -> ExitCode {
     match first.as_deref().and_then(|a| a.to_str()) {
         Some("__preflight") => return ExitCode::from(preflight::worker::main()),
         Some("__agent") => return ExitCode::from(agent::main()),
+        Some("__reap") => return ExitCode::from(node::keeper::reap_main(argv)),
         Some("__nccl-version") => {
             return match argv
                 .next()

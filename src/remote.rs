@@ -69,11 +69,42 @@ pub const SSH_BASE_OPTS: [&str; 8] = [
 /// stdout and stderr and mangle output). The remote command gets its own shell line so `~` in
 /// the path expands there.
 pub fn ssh_command(host: &str, user_opts: &[String], remote_nrun: &str) -> Vec<OsString> {
+    ssh_nrun(host, user_opts, remote_nrun, "__agent")
+}
+
+/// `ssh [base] [user opts] -- HOST 'exec REMOTE_NRUN __reap KEEPER AGENT TOKEN'`: ends a lost
+/// node's agent that cannot end itself, with its workers (see `node::keeper::reap_main`).
+pub fn ssh_reap_command(
+    host: &str,
+    user_opts: &[String],
+    remote_nrun: &str,
+    kept: &crate::agent::protocol::Kept,
+    limit: std::time::Duration,
+) -> Vec<OsString> {
+    let sub = format!(
+        "__reap {} {} {}",
+        kept.keeper,
+        kept.agent,
+        shell_quote(&kept.token)
+    );
+    let mut v = ssh_nrun(host, user_opts, remote_nrun, &sub);
+    // First given, first taken by ssh: before the base options' longer connect timeout.
+    v.splice(
+        1..1,
+        [
+            "-o".into(),
+            format!("ConnectTimeout={}", limit.as_secs().max(1)).into(),
+        ],
+    );
+    v
+}
+
+fn ssh_nrun(host: &str, user_opts: &[String], remote_nrun: &str, sub: &str) -> Vec<OsString> {
     let mut v: Vec<OsString> = vec!["ssh".into()];
     v.extend(SSH_BASE_OPTS.iter().map(OsString::from));
     v.extend(user_opts.iter().map(OsString::from));
     v.push(host.into());
-    v.push(format!("exec {} __agent", shell_quote(remote_nrun)).into());
+    v.push(format!("exec {} {sub}", shell_quote(remote_nrun)).into());
     v
 }
 

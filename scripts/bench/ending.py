@@ -10,7 +10,7 @@ Two ways to end:
 
 Per run: wall (start to exit), end (above), nrun's peak RSS (wait4's ru_maxrss: the largest
 process of nrun's tree, nrun itself, the workers being sleep), the exit code. A run is capped
-at 16 GiB of address space a process (RLIMIT_AS) and 60 s, so a runaway fails the run, not the
+at 4 GiB of address space a process (RLIMIT_AS) and 60 s, so a runaway fails the run, not the
 machine. Medians per size, mode and binary are printed as a markdown table; raw runs as JSON
 lines to stderr.
 
@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-CAP_AS = 16 << 30
+CAP_AS = 4 << 30
 CAP_S = 60
 SLEEP = 3
 

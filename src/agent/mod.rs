@@ -316,6 +316,7 @@ async fn join_and_serve(
         }
     };
     let joined = Joined {
+        kept: crate::node::keeper::kept(),
         nonce: nonce.clone(),
         local_addr: local.to_string(),
         reached: reached.to_string(),

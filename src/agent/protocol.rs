@@ -176,6 +176,20 @@ pub struct Joined {
     /// in `facts.own`, in clear as the steps are.
     #[serde(default)]
     pub own_sealed: Option<Vec<u8>>,
+    /// How the launch host ends this agent from outside when it cannot end itself (stopped by
+    /// SIGSTOP, hung): `nrun __reap` over a second ssh connection. None: an agent with no
+    /// keeper of its own (one tied to a parent on its host, which dies with it).
+    #[serde(default)]
+    pub kept: Option<Kept>,
+}
+
+/// An agent's keeper and the token every process of its run on that host carries
+/// ([`crate::node::keeper`]): what `nrun __reap` needs to end them all.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Kept {
+    pub keeper: u32,
+    pub agent: u32,
+    pub token: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -39,6 +39,72 @@ const PASSED_ON: [Signal; 7] = [
 /// (an agent started by nrun on the same host adds its own).
 pub const KEEP_VAR: &str = "NRUN_KEEP";
 
+/// This process's keeper and its run's token, once forked off ([`start`]).
+static KEPT: std::sync::OnceLock<(u32, String)> = std::sync::OnceLock::new();
+
+/// What ends this process's run on this host from outside ([`reap_main`]); None without a
+/// keeper.
+pub fn kept() -> Option<crate::agent::protocol::Kept> {
+    KEPT.get()
+        .map(|(keeper, token)| crate::agent::protocol::Kept {
+            keeper: *keeper,
+            agent: std::process::id(),
+            token: token.clone(),
+        })
+}
+
+/// `nrun __reap KEEPER AGENT TOKEN`, run over ssh by a launch host that lost this host's agent
+/// by its silent heartbeat: an agent stopped (SIGSTOP) or hung cannot stop its workers, nor can
+/// its keeper and watch if they were stopped with it. SIGKILL, which a stopped process cannot
+/// hold off, goes to the keeper and its children (the agent, the watch) if they are still that
+/// run's (a pid reused since names another process), then to every process carrying the token
+/// (the workers and theirs). Exit 0 once none is left; 2 for arguments that do not parse.
+pub fn reap_main(mut args: impl Iterator<Item = std::ffi::OsString>) -> u8 {
+    let mut arg = || args.next().and_then(|a| a.into_string().ok());
+    let (Some(keeper), Some(agent), Some(token)) = (
+        arg().and_then(|p| p.parse::<i32>().ok()),
+        arg().and_then(|p| p.parse::<i32>().ok()),
+        arg().filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit() || b == b'.')),
+    ) else {
+        eprintln!(
+            "nrun __reap: expected KEEPER-PID AGENT-PID TOKEN (as an agent's joined record has              them); this entry point is nrun's own, run by a launch host over ssh"
+        );
+        return crate::error::exit::USAGE;
+    };
+    let is_agent = |pid: i32| {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        cmd.split(|b| *b == 0).nth(1) == Some(b"__agent".as_slice())
+    };
+    let parent = |pid: i32| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The fields after the command name, which is in parentheses and may hold spaces.
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok())
+    };
+    if keeper > 1 && is_agent(keeper) && is_agent(agent) && parent(agent) == Some(keeper) {
+        let children = std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
+            .unwrap_or_default();
+        let kill = |p: i32| {
+            let _ = nix::sys::signal::kill(Pid::from_raw(p), Signal::SIGKILL);
+        };
+        // The agent first: its workers get their parent-death signal at once.
+        kill(agent);
+        children
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .for_each(kill);
+        kill(keeper);
+    }
+    let me = std::process::id();
+    kill_until_gone(
+        || carrying(&token, me),
+        |p| {
+            let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
+        },
+    );
+    0
+}
+
 /// Forks the keeper off. Returns in the child (the real nrun); never returns in the keeper.
 /// Must run before any thread exists. Where fork fails, nrun runs without a keeper.
 pub fn start() {
@@ -79,6 +145,7 @@ pub fn start() {
                 std::process::exit(i32::from(crate::error::exit::signal(libc::SIGTERM)));
             }
             let _ = old.thread_set_mask();
+            let _ = KEPT.set((keeper.as_raw() as u32, token));
             // The real nrun holds its write end of the watch's pipe until it exits.
             if let Some((read, write)) = pipe {
                 drop(read);

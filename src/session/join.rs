@@ -176,6 +176,7 @@ impl Session {
             mut facts,
             nonce,
             own_sealed,
+            kept: _,
         } = record;
         // A c10d node's own command line, sealed with the run's secret for this join.
         if let (Some(sealed), Some(secret)) = (own_sealed, &self.rendezvous.secret) {

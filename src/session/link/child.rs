@@ -29,6 +29,70 @@ pub struct ChildLink {
     beat: super::peer::Heartbeat,
     /// The agent starts a subtree of the launch tree.
     me: Option<Arc<Inner>>,
+    /// Ends its agent from outside once it is lost by silence (over ssh: a remote node's).
+    reaper: Option<Reaper>,
+}
+
+/// A second ssh connection to a node whose agent went silent: an agent stopped (SIGSTOP) or
+/// hung cannot stop its workers as a cut-off one does, so `nrun __reap` ends it, its keeper
+/// and its workers there (see `node::keeper::reap_main`). A host truly cut off is not reached
+/// either; its agent stops its workers by itself.
+struct Reaper {
+    host: String,
+    ssh_opts: Vec<String>,
+    remote_nrun: String,
+    /// Started once; awaited at the link's end, so nothing it started outlives the job.
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// How long a reap over ssh may take: --agent-timeout, within these bounds. A host that does
+/// not answer by then is cut off, and its agent stops its workers by itself.
+const REAP_LIMITS: (Duration, Duration) = (Duration::from_secs(3), Duration::from_secs(10));
+
+impl Reaper {
+    fn start(&mut self, bus: &Bus, node: usize, agent_timeout: Duration) {
+        if self.task.is_some() {
+            return;
+        }
+        let Some(kept) = bus.joined(node).and_then(|j| j.kept) else {
+            return;
+        };
+        let limit = agent_timeout.clamp(REAP_LIMITS.0, REAP_LIMITS.1);
+        let argv =
+            remote::ssh_reap_command(&self.host, &self.ssh_opts, &self.remote_nrun, &kept, limit);
+        let host = self.host.clone();
+        self.task = Some(tokio::spawn(async move {
+            let mut cmd = tokio::process::Command::new(&argv[0]);
+            cmd.args(&argv[1..])
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .kill_on_drop(true);
+            let out = tokio::time::timeout(limit, cmd.output()).await;
+            match out {
+                Ok(Ok(o)) if o.status.success() => {
+                    tracing::debug!("{host}: its silent agent and its workers were ended over ssh")
+                }
+                Ok(Ok(o)) => tracing::warn!(
+                    "{host}: could not end its silent agent over ssh ({}: {}); its workers may run \
+                     on there until that agent stops them (check with `ssh {host} pgrep -a nrun`)",
+                    o.status,
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ),
+                Ok(Err(e)) => tracing::warn!("{host}: cannot run ssh to end its silent agent: {e}"),
+                Err(_) => tracing::debug!(
+                    "{host}: no answer over ssh within {} s to end its silent agent (cut off)",
+                    limit.as_secs()
+                ),
+            }
+        }));
+    }
+
+    async fn finish(&mut self) {
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
 }
 
 /// Starts every owned node's agent, at most --ssh-concurrency at a time; each one's end
@@ -224,6 +288,7 @@ async fn start_one(
     hello: &Hello,
     relay: Relay,
 ) -> Result<ChildLink> {
+    let mut reaper = None;
     let starter = if local {
         // The launch host's own node needs no ssh: its agent is a child of nrun, spoken to the
         // same way (stdin, the store) so there is one code path.
@@ -233,6 +298,12 @@ async fn start_one(
             true => ship(&np.ssh_opts, label).await?,
             false => np.remote_nrun.clone(),
         };
+        reaper = Some(Reaper {
+            host: label.to_string(),
+            ssh_opts: np.ssh_opts.clone(),
+            remote_nrun: remote_nrun.clone(),
+            task: None,
+        });
         Starter::Program(remote::ssh_command(label, &np.ssh_opts, &remote_nrun))
     };
     let process = AgentProcess::spawn(&starter, label, hello, relay).await?;
@@ -242,6 +313,7 @@ async fn start_one(
         agent_timeout: np.agent_timeout,
         beat: Default::default(),
         me: None,
+        reaper,
     })
 }
 
@@ -282,7 +354,14 @@ impl NodeLink for ChildLink {
     }
 
     fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {
-        Box::pin(self.process.finish())
+        Box::pin(async move {
+            let reap = async {
+                if let Some(r) = self.reaper.as_mut() {
+                    r.finish().await;
+                }
+            };
+            tokio::join!(reap, self.process.finish());
+        })
     }
 }
 
@@ -304,16 +383,22 @@ impl ChildLink {
             )),
             // A process of this host that runs is no node cut off (it beats no heartbeat).
             None if self.local => None,
-            None => self.beat.silent(bus, node).map(|quiet| {
-                format!(
+            None => {
+                let quiet = self.beat.silent(bus, node)?;
+                // A stopped or hung agent cannot stop its workers: ended from here.
+                if let Some(r) = self.reaper.as_mut() {
+                    r.start(bus, node, self.agent_timeout);
+                }
+                Some(format!(
                     "lost the connection to {label}: its agent sent no heartbeat for {:.1} s (its \
                      host is down, cut off from this one or too busy to answer); it stops its \
                      workers there by itself within {} s of losing this host (--agent-timeout; \
-                     this host waits half of it, at least 2.5 s)",
+                     this host waits half of it, at least 2.5 s), and nrun ends them from here \
+                     over ssh if that host answers (an agent stopped or hung)",
                     quiet.as_secs_f64(),
                     self.agent_timeout.as_secs_f64()
-                )
-            }),
+                ))
+            }
             Some(how) => Some(format!(
                 "lost the connection to {label}{how}; its agent stops its workers there by itself \
                  within {} s of losing this host (--agent-timeout)",
