@@ -196,6 +196,29 @@ pub fn shell_quote(s: &str) -> String {
 mod tests {
     use super::*;
 
+    /// The reap's connect timeout comes before the base options' (ssh takes the first one),
+    /// and its token is quoted for the remote shell.
+    #[test]
+    fn a_reap_command_names_the_agent_and_bounds_its_connect() {
+        let kept = crate::agent::protocol::Kept {
+            keeper: 41,
+            agent: 42,
+            token: "41.123".into(),
+        };
+        let argv = ssh_reap_command(
+            "h2",
+            &["-F".into(), "cfg".into()],
+            "/opt/nrun",
+            &kept,
+            std::time::Duration::from_secs(3),
+        );
+        let argv: Vec<String> = argv.iter().map(|a| a.to_string_lossy().into()).collect();
+        assert_eq!(argv[..3], ["ssh", "-o", "ConnectTimeout=3"]);
+        assert!(argv.contains(&"ConnectTimeout=10".to_string()));
+        assert_eq!(argv[argv.len() - 2], "h2");
+        assert_eq!(argv[argv.len() - 1], "exec /opt/nrun __reap 41 42 41.123");
+    }
+
     #[test]
     fn ssh_and_srun_commands() {
         let c = ssh_command("gpu1", &["-F".into(), "/tmp/cfg".into()], "~/bin/nrun");

@@ -369,3 +369,20 @@ pub fn sweep_scratch() {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Arguments that do not parse are a usage error, and nothing is killed.
+    #[test]
+    fn reap_refuses_what_does_not_parse() {
+        for args in [
+            &[][..],
+            &["1", "2"],
+            &["x", "2", "3.4"],
+            &["1", "2", "3;rm"],
+        ] {
+            let args = args.iter().map(std::ffi::OsString::from);
+            assert_eq!(super::reap_main(args), crate::error::exit::USAGE);
+        }
+    }
+}
