@@ -202,6 +202,7 @@ async fn run_workers(
         _ => None,
     };
     let grace = Duration::from_millis(grace_ms);
+    let oom_mark = super::oom::mark();
     let outcome = node::run_group(cmds, grace, deadline, stop, events).await;
     drop(ended);
     // The failing worker's error file, read once: its traceback, and the file as written.
@@ -228,6 +229,10 @@ async fn run_workers(
             stderr_tail: f.stderr_tail,
             error_file: f.error_file,
             left_early: f.left_early,
+            oom: match f.exit {
+                node::Exit::Signal(libc::SIGKILL) => super::oom::explain(&oom_mark, f.pid),
+                _ => None,
+            },
         }),
     };
     // The dump pipes are nrun's; a dump stays where the error file stays (--log-dir).

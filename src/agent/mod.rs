@@ -22,6 +22,7 @@ pub mod child;
 pub mod exec;
 pub mod flight;
 mod liveness;
+mod oom;
 pub mod peer;
 pub mod protocol;
 pub mod ras;

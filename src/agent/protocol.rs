@@ -303,6 +303,10 @@ pub struct WorkerFailure {
     /// The error file stays after the job (it is under --log-dir, not nrun's scratch).
     #[serde(default)]
     pub error_file_kept: bool,
+    /// Killed by SIGKILL and the node says it was the out-of-memory killer: how it knows, and
+    /// the worker's memory at the kill where the kernel said it.
+    #[serde(default)]
+    pub oom: Option<String>,
 }
 
 /// One frame of a rank's Python stack.

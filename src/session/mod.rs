@@ -119,6 +119,9 @@ pub struct Session {
     pub active: Vec<usize>,
     /// Nodes taken out of the job, with the evidence.
     pub left_out: Vec<roster::LeftOut>,
+    /// Node-level evidence against nodes that stayed in, nothing being there to take their
+    /// place (see [`crate::fault`]): remembered like the nodes left out at the end.
+    pub faulty: Vec<roster::LeftOut>,
     /// Elastic: the running group was stopped because nodes arrived to take in.
     pub grow: bool,
     arrivals_checked: Option<Instant>,
@@ -238,6 +241,7 @@ impl Session {
             watch: None,
             active: Vec::new(),
             left_out: Vec::new(),
+            faulty: Vec::new(),
             grow: false,
             arrivals_checked: None,
         };

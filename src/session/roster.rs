@@ -58,6 +58,22 @@ impl Session {
         self.left_out.iter().any(|l| l.node == i)
     }
 
+    /// Remembers node-level evidence against node `i`, which stays in the job (nothing can take
+    /// its place): at the end it is listed and remembered (--exclude-file) with those left out.
+    pub fn flag(&mut self, i: usize, why: &str) {
+        if self.is_left_out(i) || self.faulty.iter().any(|l| l.node == i) {
+            return;
+        }
+        let host = self.nodes[i].label.clone();
+        self.faulty.push(LeftOut {
+            node: i,
+            host,
+            stage: Stage::Run,
+            why: format!("{why} (kept in: nothing could take its place)"),
+            at: SystemTime::now(),
+        });
+    }
+
     /// Takes node `i` out of the job for good, saying why.
     pub fn leave_out(&mut self, i: usize, stage: Stage, why: &str) {
         if self.is_left_out(i) {
@@ -259,6 +275,11 @@ impl Session {
                 ),
             };
             self.leave_out(i, Stage::Join, &why);
+        }
+        for f in std::mem::take(&mut self.faulty) {
+            if !self.is_left_out(f.node) {
+                self.left_out.push(f);
+            }
         }
         if self.left_out.is_empty() {
             return;

@@ -94,6 +94,7 @@ pub fn session(
         watch: None,
         active: Vec::new(),
         left_out: Vec::new(),
+        faulty: Vec::new(),
         grow: false,
         arrivals_checked: None,
     };
@@ -212,6 +213,7 @@ mod tests {
             left_early: Vec::new(),
             error_json: None,
             error_file_kept: false,
+            oom: None,
         }))
     }
 
