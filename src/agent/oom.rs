@@ -5,8 +5,8 @@
 //! Two witnesses, each read only when a worker died of SIGKILL, each optional (a container may
 //! hide both): the kernel log (`/dev/kmsg`, root or CAP_SYSLOG), whose "Killed process <pid>"
 //! line gives the worker's resident memory at the kill; and the oom_kill counter of the agent's
-//! cgroup v2 (`memory.events` counts its whole subtree, so workers moved below it count too),
-//! compared with its value when the workers started.
+//! memory cgroup (v2 `memory.events`, which counts its whole subtree, so workers moved below it
+//! count too; v1 `memory.oom_control`), compared with its value when the workers started.
 
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
@@ -14,14 +14,15 @@ use std::path::PathBuf;
 
 /// The cgroup's OOM kills when the workers started.
 pub struct Mark {
-    events: Option<PathBuf>,
+    /// The file with the cgroup's oom_kill counter, and the one with its limit.
+    events: Option<(PathBuf, PathBuf)>,
     kills: Option<u64>,
 }
 
 /// Reads the counter before the workers start.
 pub fn mark() -> Mark {
-    let events = own_cgroup().map(|c| c.join("memory.events"));
-    let kills = events.as_deref().and_then(oom_kills);
+    let events = own_cgroup();
+    let kills = events.as_ref().and_then(|(e, _)| oom_kills(e));
     Mark { events, kills }
 }
 
@@ -32,28 +33,37 @@ pub fn explain(mark: &Mark, pid: u32) -> Option<String> {
             "killed by the kernel's out-of-memory killer (kernel log: {rss} resident at the kill)"
         ));
     }
-    let (path, before) = (mark.events.as_deref()?, mark.kills?);
+    let ((path, limit), before) = (mark.events.as_ref()?, mark.kills?);
     let after = oom_kills(path)?;
     (after > before).then(|| {
-        let dir = path.parent().unwrap_or(path);
-        let max = std::fs::read_to_string(dir.join("memory.max"))
+        let max = std::fs::read_to_string(limit)
             .map(|m| m.trim().to_string())
             .unwrap_or_else(|_| "?".into());
         format!(
-            "killed by the out-of-memory killer of its cgroup ({}: memory.max {max}, {} OOM \
-             kill(s) since the workers started)",
-            dir.display(),
+            "killed by the out-of-memory killer of its cgroup ({}: {max}, {} OOM kill(s) since \
+             the workers started)",
+            limit.display(),
             after - before
         )
     })
 }
 
-/// This process's cgroup v2 directory.
-fn own_cgroup() -> Option<PathBuf> {
+/// This process's memory cgroup: the file with its oom_kill counter and the one with its limit
+/// (cgroup v2, else v1's memory controller).
+fn own_cgroup() -> Option<(PathBuf, PathBuf)> {
     let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let dir = PathBuf::from("/sys/fs/cgroup").join(rel.trim_start_matches('/'));
-    dir.join("memory.events").exists().then_some(dir)
+    let v2 = text.lines().find_map(|l| l.strip_prefix("0::")).map(|rel| {
+        let dir = PathBuf::from("/sys/fs/cgroup").join(rel.trim_start_matches('/'));
+        (dir.join("memory.events"), dir.join("memory.max"))
+    });
+    let v1 = text
+        .lines()
+        .find_map(|l| l.split_once(":memory:").map(|(_, rel)| rel))
+        .map(|rel| {
+            let dir = PathBuf::from("/sys/fs/cgroup/memory").join(rel.trim_start_matches('/'));
+            (dir.join("memory.oom_control"), dir.join("memory.limit_in_bytes"))
+        });
+    [v2, v1].into_iter().flatten().find(|(e, _)| e.exists())
 }
 
 fn oom_kills(events: &std::path::Path) -> Option<u64> {
@@ -115,7 +125,7 @@ mod tests {
         let ev = dir.path().join("memory.events");
         std::fs::write(&ev, "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n").unwrap();
         let m = Mark {
-            events: Some(ev.clone()),
+            events: Some((ev.clone(), dir.path().join("memory.max"))),
             kills: oom_kills(&ev),
         };
         assert_eq!(m.kills, Some(1));
@@ -124,7 +134,7 @@ mod tests {
         std::fs::write(&ev, "oom_kill 2\n").unwrap();
         std::fs::write(dir.path().join("memory.max"), "268435456\n").unwrap();
         let why = explain(&m, u32::MAX).unwrap();
-        assert!(why.contains("memory.max 268435456"), "{why}");
+        assert!(why.contains("memory.max: 268435456"), "{why}");
         assert!(why.contains("1 OOM kill(s)"), "{why}");
     }
 }

@@ -1,6 +1,8 @@
 //! Helpers for tests that run the real `nrun` binary.
 #![allow(dead_code)]
 
+pub mod slurm;
+
 pub use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use std::path::{Path, PathBuf};
