@@ -90,8 +90,9 @@ pub enum Action {
     Restart,
     /// The job ends with the failure's exit code.
     Stop,
-    /// The job ends short of a node: one was lost and the group does not restart without it
-    /// (no spare or room, or no restart left): exit 98, too few healthy nodes.
+    /// The job ends short of a node: one was lost and no restart is left: exit 98, too few
+    /// healthy nodes (with a restart left, the roster looks for its place, and finding none is
+    /// exit 98 too).
     StopShort,
 }
 
@@ -251,12 +252,13 @@ pub fn decide(
             false => kept.push((j.node, j.why.clone())),
         }
     }
-    // A lost node ends the job unless the group restarts without it.
-    let short = !lost.is_empty() && (!policy.restart_left || lost.len() > policy.spares + policy.room);
-    let action = match (short, policy.restart_left) {
-        (true, _) => Action::StopShort,
-        (false, true) => Action::Restart,
-        (false, false) => Action::Stop,
+    // A lost node ends the job unless the group restarts without it; whether a place is
+    // found for it (a spare, a node that joined since, elastic room) is the roster's to say
+    // (Session::reform: too few is exit 98).
+    let action = match (policy.restart_left, lost.is_empty()) {
+        (true, _) => Action::Restart,
+        (false, false) => Action::StopShort,
+        (false, true) => Action::Stop,
     };
     Decision {
         judged,
@@ -389,12 +391,16 @@ mod tests {
         assert_eq!(d.action, Action::Restart);
         assert_eq!(d.leave_out, [(1, "lost b: no heartbeat".to_string())]);
         assert_eq!(d.judged[0].verdict, Verdict::Program);
-        // No spare, no room: too few healthy nodes (98), restarts or not.
-        for p in [NO_SPARE, Policy { restart_left: false, ..NO_SPARE }] {
-            let d = decide(&ev(&r), &mut History::default(), p);
-            assert_eq!(d.action, Action::StopShort);
-            assert_eq!(d.leave_out.len(), 1);
-        }
+        // No spare known now: the group restarts without it if the roster finds a place (a
+        // node that joined since), else too few (98); no restart left: 98 at once.
+        let d = decide(&ev(&r), &mut History::default(), NO_SPARE);
+        assert_eq!((d.action, d.leave_out.len()), (Action::Restart, 1));
+        let p = Policy {
+            restart_left: false,
+            ..NO_SPARE
+        };
+        let d = decide(&ev(&r), &mut History::default(), p);
+        assert_eq!((d.action, d.leave_out.len()), (Action::StopShort, 1));
         // Elastic room: the job shrinks.
         let d = decide(&ev(&r), &mut History::default(), Policy { room: 1, ..NO_SPARE });
         assert_eq!(d.action, Action::Restart);

@@ -84,13 +84,7 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
                 format!("nrun: error: cannot start workers on {host}: {e}\n"),
             ),
             RunResult::Lost(e) => {
-                let hint = match crate::net::is_this_host(host) {
-                    true => format!(
-                        "check what ended nrun's agent of {host} on this host (a kill, or the \
-                         kernel's out-of-memory killer: dmesg)"
-                    ),
-                    false => format!("check that {host} is up and reachable (ssh {host} true)"),
-                };
+                let hint = lost_hint(host);
                 failed(
                     exit::CLUSTER,
                     format!(
@@ -117,6 +111,17 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
         return JobEnd::Interrupted(exit::signal(libc::SIGINT));
     }
     JobEnd::Success
+}
+
+/// What to check about a node whose agent or link was lost.
+pub fn lost_hint(host: &str) -> String {
+    match crate::net::is_this_host(host) {
+        true => format!(
+            "check what ended nrun's agent of {host} on this host (a kill, or the kernel's \
+             out-of-memory killer: dmesg)"
+        ),
+        false => format!("check that {host} is up and reachable (ssh {host} true)"),
+    }
 }
 
 fn failed(code: u8, summary: String) -> JobEnd {

@@ -235,7 +235,7 @@ fn killed_launcher_or_dropped_ssh_leaves_nothing_running() {
         }
         let (out, took) = wait_with_timeout(child, Duration::from_secs(20));
         if how == "ssh" {
-            assert_eq!(out.status.code(), Some(95), "{}", text(&out.stderr));
+            assert_eq!(out.status.code(), Some(98), "{}", text(&out.stderr));
             assert!(
                 text(&out.stderr).contains("lost the connection to ct4-h2"),
                 "{}",
@@ -1465,7 +1465,7 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
     let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
     let _ = wait_with_timeout(b, Duration::from_secs(30));
     let err = text(&oa.stderr);
-    assert_eq!(oa.status.code(), Some(95), "{err}");
+    assert_eq!(oa.status.code(), Some(98), "{err}");
     // Known from its closed connection (the store removes its alive counter), not from 2.5 s
     // of heartbeat silence.
     assert!(
@@ -1520,7 +1520,7 @@ fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
         let err = text(&out.stderr);
         match timeout {
             None => {
-                assert_eq!(out.status.code(), Some(95), "{err}");
+                assert_eq!(out.status.code(), Some(98), "{err}");
                 assert!(err.contains("sent no heartbeat for"), "{err}");
                 assert!(err.contains("--agent-timeout"), "{err}");
             }

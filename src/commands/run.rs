@@ -608,10 +608,19 @@ async fn attempt_loop(
         for (i, why) in &d.kept {
             s.flag(*i, why);
         }
+        let lost: Vec<usize> = d
+            .judged
+            .iter()
+            .filter(|j| j.verdict == fault::Verdict::Lost)
+            .map(|j| j.node)
+            .collect();
         match d.action {
             fault::Action::Restart => {
                 if let Err(why) = s.reform(&d.leave_out) {
-                    let told = format!("{summary}nrun: error: {why}; the job cannot go on\n");
+                    let told = match lost.is_empty() {
+                        true => format!("{summary}nrun: error: {why}; the job cannot go on\n"),
+                        false => format!("{}nrun: error: {why}\n", lost_text(s, &d)),
+                    };
                     eprint!("{told}");
                     tell_every_node(s, &told, error_json.as_deref());
                     return exit::NO_NODES;
@@ -623,25 +632,13 @@ async fn attempt_loop(
                 );
             }
             fault::Action::StopShort => {
-                // The lost node is the cause; its peers' failures are its consequences.
                 for (i, why) in &d.leave_out {
                     s.leave_out(*i, Stage::Run, why);
                 }
-                let lost = d
-                    .leave_out
-                    .iter()
-                    .map(|(_, w)| w.as_str())
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                let why = match restart_left {
-                    true => "no spare can take its place",
-                    false => "no restart left (--max-restarts)",
-                };
                 let told = format!(
-                    "nrun: error: {lost}; every worker on the other nodes was stopped\n  the job \
-                     cannot go on without it: {why} (exit {}: too few healthy nodes)\n  hint: \
-                     check that the node is up and reachable; list more hosts than --nnodes for \
-                     spares, or give --nnodes MIN:MAX to go on with fewer\n",
+                    "{}nrun: error: the job cannot go on without it: no restart left \
+                     (--max-restarts; exit {}: too few healthy nodes)\n",
+                    lost_text(s, &d),
                     exit::NO_NODES
                 );
                 eprint!("{told}");
@@ -658,6 +655,22 @@ async fn attempt_loop(
         }
     }
     exit::SUCCESS
+}
+
+/// The nodes a decision found lost, each with what to check: the cause of the attempt's end
+/// (their peers' failures are its consequences).
+fn lost_text(s: &Session, d: &fault::Decision) -> String {
+    d.judged
+        .iter()
+        .filter(|j| j.verdict == fault::Verdict::Lost)
+        .map(|j| {
+            format!(
+                "nrun: error: {}; every worker on the other nodes was stopped\n  hint: {}\n",
+                j.why,
+                report::lost_hint(&s.nodes[j.node].label)
+            )
+        })
+        .collect()
 }
 
 /// The watch stopped a hung job and no restart follows: exit 97.
