@@ -172,9 +172,11 @@ fn worker_evidence(f: &WorkerFailure) -> Evidence {
         .map(|l| l.to_lowercase())
         .collect();
     let find = |signs: &[&str]| {
-        signs
-            .iter()
-            .find_map(|s| text.iter().find(|l| l.contains(s)).map(|l| l.trim().to_string()))
+        signs.iter().find_map(|s| {
+            text.iter()
+                .find(|l| l.contains(s))
+                .map(|l| l.trim().to_string())
+        })
     };
     if let Some(line) = find(&HARD_GPU) {
         return Evidence::HardGpu(format!("{who}: its output shows a GPU fault: {line}"));
@@ -195,16 +197,17 @@ fn worker_evidence(f: &WorkerFailure) -> Evidence {
 /// Judges an attempt's results (one per node of the job, in node order; `hang`: the node the
 /// watch pinned a hang on, with its conclusion) and decides under `policy`. Records the
 /// suspicions in `history`.
-pub fn decide(
-    results: &[(usize, Evidence)],
-    history: &mut History,
-    policy: Policy,
-) -> Decision {
+pub fn decide(results: &[(usize, Evidence)], history: &mut History, policy: Policy) -> Decision {
     // A sign that points at a node only counts when one node shows it: the same on several
     // nodes is the program's (or the fabric's), and their failures are its consequences.
     let pointing = results
         .iter()
-        .filter(|(_, e)| matches!(e, Evidence::Killed(_) | Evidence::SoftGpu(_) | Evidence::HardGpu(_)))
+        .filter(|(_, e)| {
+            matches!(
+                e,
+                Evidence::Killed(_) | Evidence::SoftGpu(_) | Evidence::HardGpu(_)
+            )
+        })
         .count();
     let mut judged = Vec::new();
     for (node, e) in results {
@@ -212,18 +215,20 @@ pub fn decide(
             Evidence::Clear => continue,
             Evidence::Program(w) => (Verdict::Program, w.clone()),
             Evidence::Lost(w) => (Verdict::Lost, w.clone()),
-            Evidence::Killed(w) | Evidence::SoftGpu(w) | Evidence::HardGpu(w)
-                if pointing > 1 =>
-            {
-                (Verdict::Program, format!("{w} (on {pointing} nodes at once: the program's)"))
-            }
+            Evidence::Killed(w) | Evidence::SoftGpu(w) | Evidence::HardGpu(w) if pointing > 1 => (
+                Verdict::Program,
+                format!("{w} (on {pointing} nodes at once: the program's)"),
+            ),
             Evidence::HardGpu(w) => (Verdict::Faulty, w.clone()),
             Evidence::Killed(w) | Evidence::SoftGpu(w) | Evidence::Hang(w) => {
                 let n = history.suspected.entry(*node).or_insert(0);
                 *n += 1;
                 match *n {
                     1 => (Verdict::Suspect, w.clone()),
-                    k => (Verdict::Faulty, format!("{w} (suspected {k} times in this job)")),
+                    k => (
+                        Verdict::Faulty,
+                        format!("{w} (suspected {k} times in this job)"),
+                    ),
                 }
             }
         };
@@ -318,7 +323,9 @@ mod tests {
     }
 
     fn lost() -> Option<StepResult> {
-        Some(StepResult::Run(RunResult::Lost("lost b: no heartbeat".into())))
+        Some(StepResult::Run(RunResult::Lost(
+            "lost b: no heartbeat".into(),
+        )))
     }
 
     #[test]
@@ -381,12 +388,18 @@ mod tests {
             failure(1, "was killed by SIGKILL", &[]),
         ];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
-        assert!(d.judged.iter().all(|j| j.verdict == Verdict::Program), "{d:?}");
+        assert!(
+            d.judged.iter().all(|j| j.verdict == Verdict::Program),
+            "{d:?}"
+        );
     }
 
     #[test]
     fn a_lost_node_is_left_out_and_its_place_taken_or_the_job_stops_short() {
-        let r = [failure(0, "exited with code 1", &["connection closed"]), lost()];
+        let r = [
+            failure(0, "exited with code 1", &["connection closed"]),
+            lost(),
+        ];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
         assert_eq!(d.action, Action::Restart);
         assert_eq!(d.leave_out, [(1, "lost b: no heartbeat".to_string())]);
@@ -402,7 +415,14 @@ mod tests {
         let d = decide(&ev(&r), &mut History::default(), p);
         assert_eq!((d.action, d.leave_out.len()), (Action::StopShort, 1));
         // Elastic room: the job shrinks.
-        let d = decide(&ev(&r), &mut History::default(), Policy { room: 1, ..NO_SPARE });
+        let d = decide(
+            &ev(&r),
+            &mut History::default(),
+            Policy {
+                room: 1,
+                ..NO_SPARE
+            },
+        );
         assert_eq!(d.action, Action::Restart);
         // No restart left, spare or not: the job ends short of the node.
         let d = decide(&ev(&r), &mut History::default(), LAST);
@@ -412,8 +432,16 @@ mod tests {
     #[test]
     fn a_gpu_fault_no_program_causes_is_node_level_at_once() {
         let r = [
-            failure(0, "exited with code 1", &["RuntimeError: NCCL communicator was aborted"]),
-            failure(1, "exited with code 1", &["NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"]),
+            failure(
+                0,
+                "exited with code 1",
+                &["RuntimeError: NCCL communicator was aborted"],
+            ),
+            failure(
+                1,
+                "exited with code 1",
+                &["NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"],
+            ),
         ];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
         assert_eq!(d.leave_out.len(), 1);
@@ -421,11 +449,18 @@ mod tests {
         assert!(d.leave_out[0].1.contains("GPU fault"), "{d:?}");
         // No spare: restarted in place all the same, and remembered.
         let d = decide(&ev(&r), &mut History::default(), NO_SPARE);
-        assert_eq!((d.action, d.leave_out.len(), d.kept.len()), (Action::Restart, 0, 1));
+        assert_eq!(
+            (d.action, d.leave_out.len(), d.kept.len()),
+            (Action::Restart, 0, 1)
+        );
         // A GPU error a program causes too: a suspicion.
         let r = [
             stopped(),
-            failure(1, "exited with code 1", &["DistBackendError: NCCL error: unhandled cuda error"]),
+            failure(
+                1,
+                "exited with code 1",
+                &["DistBackendError: NCCL error: unhandled cuda error"],
+            ),
         ];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
         assert_eq!(d.judged[0].verdict, Verdict::Suspect);
@@ -436,7 +471,10 @@ mod tests {
             failure(1, "exited with code 1", &["unhandled cuda error"]),
         ];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
-        assert!(d.judged.iter().all(|j| j.verdict == Verdict::Program), "{d:?}");
+        assert!(
+            d.judged.iter().all(|j| j.verdict == Verdict::Program),
+            "{d:?}"
+        );
     }
 
     #[test]
@@ -444,9 +482,15 @@ mod tests {
         let mut h = History::default();
         let r = [(0, Evidence::Hang("rank 1 never entered all_reduce".into()))];
         let d = decide(&r, &mut h, SPARE);
-        assert_eq!((d.judged[0].verdict, d.leave_out.len()), (Verdict::Suspect, 0));
+        assert_eq!(
+            (d.judged[0].verdict, d.leave_out.len()),
+            (Verdict::Suspect, 0)
+        );
         let d = decide(&r, &mut h, SPARE);
-        assert_eq!((d.judged[0].verdict, d.leave_out.len()), (Verdict::Faulty, 1));
+        assert_eq!(
+            (d.judged[0].verdict, d.leave_out.len()),
+            (Verdict::Faulty, 1)
+        );
         assert_eq!(h.times_suspected(0), 2);
     }
 }

@@ -155,7 +155,9 @@ fn job_args(s: &Scene, row: &Row, fault: &str, report: &str) -> Vec<String> {
     ] {
         a.extend(["-x".into(), kv]);
     }
+    let exclude = s.dir.path().join("exclude");
     a.extend(["--report".into(), report.into(), "--no-preflight".into()]);
+    a.extend(["--exclude-file".into(), exclude.display().to_string()]);
     a.push("--no-python".into());
     a.extend(fixture_cmd());
     a
@@ -236,6 +238,21 @@ fn check(row: &Row, s: &Scene, ran: &Ran, world: usize) {
             .unwrap_or_default();
         assert_eq!(left, row.left_out, "{ctx}\n{r}");
     }
+    // Only node-level evidence reaches --exclude-file: exactly the nodes left out.
+    if row.exit.is_some() {
+        let path = s.dir.path().join("exclude");
+        let listed: Vec<String> = std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .filter_map(|l| l.split_whitespace().next())
+            .map(|h| match ran.hosts.iter().position(|x| x == h) {
+                Some(i) => format!("node{}", i + 1),
+                None => h.to_string(),
+            })
+            .collect();
+        assert_eq!(listed, row.left_out, "--exclude-file\n{ctx}");
+    }
     // Every line of every rank of the last attempt, where the job got that far; an elastic job
     // that lost nodes without spares goes on smaller.
     let world = match row.spare {
@@ -256,7 +273,10 @@ fn check(row: &Row, s: &Scene, ran: &Ran, world: usize) {
     // at the end with it.
     for n in &row.left_out {
         let i: usize = n.trim_start_matches("node").parse().unwrap_or(0);
-        let host = ran.hosts.get(i.wrapping_sub(1)).map_or(n.as_str(), String::as_str);
+        let host = ran
+            .hosts
+            .get(i.wrapping_sub(1))
+            .map_or(n.as_str(), String::as_str);
         assert!(stderr.contains(&format!("  {host} (run): ")), "{ctx}");
     }
     s.assert_no_survivors();
@@ -275,7 +295,10 @@ fn run_row(
     c: Option<&Cluster>,
     start: impl FnOnce(&str, &str) -> Child,
 ) -> Ran {
-    eprintln!("fault matrix: {} | {} | {:?}", row.mode, row.fault, row.flags);
+    eprintln!(
+        "fault matrix: {} | {} | {:?}",
+        row.mode, row.fault, row.flags
+    );
     let (fault, outside) = fault_of(row);
     let report = s.dir.path().join("report.json");
     let child = start(&fault, report.to_str().unwrap());
@@ -292,7 +315,8 @@ fn run_row(
     };
     if outside == Outside::CutOff {
         // Open node2 again for the next row.
-        c.expect("a cluster").exec(2, "iptables -F INPUT && iptables -F OUTPUT");
+        c.expect("a cluster")
+            .exec(2, "iptables -F INPUT && iptables -F OUTPUT");
     }
     ran
 }

@@ -567,8 +567,14 @@ fn a_hang_pinned_twice_on_a_node_brings_in_the_spare() {
         "{stderr}"
     );
     assert!(stderr.contains("(spare in: sq9-h3)"), "{stderr}");
-    assert!(stdout.contains("done rank 0 restart 2 on sq9-h1"), "{stdout}");
-    assert!(stdout.contains("done rank 1 restart 2 on sq9-h3"), "{stdout}");
+    assert!(
+        stdout.contains("done rank 0 restart 2 on sq9-h1"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("done rank 1 restart 2 on sq9-h3"),
+        "{stdout}"
+    );
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }

@@ -61,7 +61,10 @@ fn own_cgroup() -> Option<(PathBuf, PathBuf)> {
         .find_map(|l| l.split_once(":memory:").map(|(_, rel)| rel))
         .map(|rel| {
             let dir = PathBuf::from("/sys/fs/cgroup/memory").join(rel.trim_start_matches('/'));
-            (dir.join("memory.oom_control"), dir.join("memory.limit_in_bytes"))
+            (
+                dir.join("memory.oom_control"),
+                dir.join("memory.limit_in_bytes"),
+            )
         });
     [v2, v1].into_iter().flatten().find(|(e, _)| e.exists())
 }
@@ -102,10 +105,12 @@ fn kernel_says(pid: u32) -> Option<String> {
     let rss = line
         .split([',', ' '])
         .find_map(|w| w.strip_prefix("anon-rss:"))
-        .map(|v| match v.strip_suffix("kB").and_then(|k| k.parse::<u64>().ok()) {
-            Some(kb) => format!("{} MiB", kb / 1024),
-            None => v.to_string(),
-        });
+        .map(
+            |v| match v.strip_suffix("kB").and_then(|k| k.parse::<u64>().ok()) {
+                Some(kb) => format!("{} MiB", kb / 1024),
+                None => v.to_string(),
+            },
+        );
     Some(rss.unwrap_or_else(|| "memory unknown".into()))
 }
 

@@ -549,7 +549,13 @@ async fn attempt_loop(
             if let Some(w) = s.watch.as_mut() {
                 w.stopped = false;
             }
-            let d = judge(s, &results, hang_pinned(s, &group), &mut history, restart_left);
+            let d = judge(
+                s,
+                &results,
+                hang_pinned(s, &group),
+                &mut history,
+                restart_left,
+            );
             tell(s, &d, attempt, rec);
             for (i, why) in &d.kept {
                 s.flag(*i, why);

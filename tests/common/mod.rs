@@ -229,7 +229,14 @@ pub fn text(b: &[u8]) -> String {
 }
 
 /// The venv python with torch that scripts/test.sh prepares, if present.
+/// The venv's python with torch, looked up once per test binary (an `import torch` takes
+/// seconds on a loaded machine).
 pub fn torch_python() -> Option<PathBuf> {
+    static FOUND: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    FOUND.get_or_init(find_torch_python).clone()
+}
+
+fn find_torch_python() -> Option<PathBuf> {
     let p = std::env::var_os("NRUN_TEST_PYTHON")
         .map(PathBuf::from)
         .or_else(|| {

@@ -71,4 +71,3 @@ impl Drop for Slurm {
         self.cluster.name = format!("{}-gone", self.name);
     }
 }
-
