@@ -182,11 +182,11 @@ fn worker_evidence(f: &WorkerFailure) -> Evidence {
         return Evidence::HardGpu(format!("{who}: its output shows a GPU fault: {line}"));
     }
     if f.how.contains("killed by SIGKILL") || f.how.contains("killed by SIGBUS") {
-        let by = f
-            .oom
-            .as_deref()
-            .unwrap_or("killed by the system (out of memory, a cgroup, or the node)");
-        return Evidence::Killed(format!("{who}: {by}"));
+        // The node's agent names an OOM kill in `how` where it knows.
+        return Evidence::Killed(match f.how.contains("out-of-memory") {
+            true => who,
+            false => format!("{who}: killed by the system (out of memory, a cgroup, or the node)"),
+        });
     }
     if let Some(line) = find(&SOFT_GPU) {
         return Evidence::SoftGpu(format!("{who}: its output shows a GPU error: {line}"));
@@ -291,7 +291,6 @@ mod tests {
             left_early: Vec::new(),
             error_json: None,
             error_file_kept: false,
-            oom: None,
         })))
     }
 
@@ -372,10 +371,11 @@ mod tests {
             }
         }
         // SIGBUS too; an OOM kill is named as such.
-        let mut oom = failure(0, "was killed by SIGKILL", &[]);
-        if let Some(StepResult::Run(RunResult::Failed(f))) = oom.as_mut() {
-            f.oom = Some("killed by the out-of-memory killer".into());
-        }
+        let oom = failure(
+            0,
+            "was killed by SIGKILL (killed by the kernel's out-of-memory killer)",
+            &[],
+        );
         let d = decide(&ev(&[oom]), &mut History::default(), NO_SPARE);
         assert_eq!(d.judged[0].verdict, Verdict::Suspect);
         assert!(d.judged[0].why.contains("out-of-memory"), "{d:?}");

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use common::*;

@@ -210,6 +210,12 @@ async fn run_workers(
         Ok(Outcome::Failed(f)) => std::fs::read_to_string(&f.error_file).ok(),
         _ => None,
     };
+    let oom = match &outcome {
+        Ok(Outcome::Failed(f)) if f.exit == node::Exit::Signal(libc::SIGKILL) => {
+            super::oom::explain(&oom_mark, f.pid)
+        }
+        _ => None,
+    };
     let result = match outcome {
         Err(e) => RunResult::SpawnError(e.message),
         Ok(Outcome::Success) => RunResult::Success,
@@ -221,7 +227,12 @@ async fn run_workers(
             local_rank: f.local_rank,
             pid: f.pid,
             exit_code: f.exit.exit_code(),
-            how: f.exit.describe(),
+            how: match (f.exit, &oom) {
+                (node::Exit::Signal(libc::SIGKILL), Some(why)) => {
+                    format!("{} ({why})", f.exit.describe())
+                }
+                _ => f.exit.describe(),
+            },
             at: humantime::format_rfc3339_seconds(f.at).to_string(),
             traceback: error_json.as_deref().and_then(node::error_file_traceback),
             error_json,
@@ -229,10 +240,6 @@ async fn run_workers(
             stderr_tail: f.stderr_tail,
             error_file: f.error_file,
             left_early: f.left_early,
-            oom: match f.exit {
-                node::Exit::Signal(libc::SIGKILL) => super::oom::explain(&oom_mark, f.pid),
-                _ => None,
-            },
         }),
     };
     // The dump pipes are nrun's; a dump stays where the error file stays (--log-dir).

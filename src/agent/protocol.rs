@@ -286,7 +286,8 @@ pub struct WorkerFailure {
     pub local_rank: usize,
     pub pid: u32,
     pub exit_code: u8,
-    /// "exited with code 3", "was killed by SIGSEGV".
+    /// "exited with code 3", "was killed by SIGSEGV"; "was killed by SIGKILL (killed by the
+    /// kernel's out-of-memory killer ...)" where the node knows (agent::oom).
     pub how: String,
     /// RFC 3339, seconds.
     pub at: String,
@@ -303,10 +304,6 @@ pub struct WorkerFailure {
     /// The error file stays after the job (it is under --log-dir, not nrun's scratch).
     #[serde(default)]
     pub error_file_kept: bool,
-    /// Killed by SIGKILL and the node says it was the out-of-memory killer: how it knows, and
-    /// the worker's memory at the kill where the kernel said it.
-    #[serde(default)]
-    pub oom: Option<String>,
 }
 
 /// One frame of a rank's Python stack.
