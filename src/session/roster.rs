@@ -44,6 +44,21 @@ pub struct LeftOut {
     pub at: SystemTime,
 }
 
+impl LeftOut {
+    /// Whether the evidence is against the node itself (a failed check or preflight, a fault of
+    /// its workers pinned on it), so that a node of its host that joins again within the job
+    /// is refused. A node that never joined, or whose agent or link was lost (the words of
+    /// [`super::link::NodeLink::lost`] and of a result that means the agent left), may come
+    /// back: that is a fresh join, checked as any.
+    pub fn bars_return(&self) -> bool {
+        match self.stage {
+            Stage::Join => false,
+            Stage::Check | Stage::Preflight => true,
+            Stage::Run => !(self.why.starts_with("lost") || self.why.contains("'s agent ")),
+        }
+    }
+}
+
 impl Session {
     /// Nodes that joined and wait to take a left-out node's place, in node order.
     pub fn spares(&self) -> Vec<usize> {
@@ -97,7 +112,7 @@ impl Session {
                 }
             }
             for &n in &late {
-                if let Some(why) = self.mismatch(n) {
+                if let Some(why) = self.barred(n).or_else(|| self.mismatch(n)) {
                     self.leave_out(n, Stage::Check, &why);
                 }
             }
@@ -122,10 +137,28 @@ impl Session {
             came.push(i);
         }
         self.active.sort_unstable();
+        self.publish_room();
         if self.active.len() < self.plan.min_nodes {
             return Err(self.too_few());
         }
         Ok(came)
+    }
+
+    /// Why node `n`, joined late, may not run: its host was left out earlier in this job on
+    /// evidence against the node itself (its nrun is told so when it joins, agent::peer; this
+    /// is for one that joined before that was known).
+    fn barred(&self, n: usize) -> Option<String> {
+        let host = self.hostname(n)?;
+        self.left_out
+            .iter()
+            .find(|l| l.node != n && l.bars_return() && self.hostname(l.node) == Some(host.clone()))
+            .map(|l| {
+                format!(
+                    "this host was left out earlier in this job ({}): {}",
+                    l.stage.as_str(),
+                    l.why
+                )
+            })
     }
 
     /// The error for a job left with fewer healthy nodes than it needs, naming every node left
