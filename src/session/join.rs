@@ -317,9 +317,11 @@ impl Session {
             slots.saturating_sub(held).to_string().as_bytes(),
         );
         for l in self.left_out.iter().filter(|l| l.bars_return()) {
-            if let Some(host) = self.hostname(l.node) {
+            // The first evidence stands (a node refused later repeats it).
+            let key = self.hostname(l.node).map(|h| c10d_refused_key(id, &h));
+            if let Some(key) = key.filter(|k| !st.contains(k)) {
                 let why = format!("{} ({}): {}", l.host, l.stage.as_str(), l.why);
-                st.set(&c10d_refused_key(id, &host), why.as_bytes());
+                st.set(&key, why.as_bytes());
             }
         }
     }

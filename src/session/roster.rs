@@ -100,6 +100,12 @@ impl Session {
     /// in. `Err`: fewer nodes than the job's minimum remain (exit 98, the left-out nodes named).
     pub fn fill(&mut self) -> Result<Vec<usize>> {
         let late = self.admit_late();
+        // Its host's earlier evidence is the reason that matters, before any check of its own.
+        for &n in &late {
+            if let Some(why) = self.barred(n) {
+                self.leave_out(n, Stage::Check, &why);
+            }
+        }
         if !late.is_empty() {
             let f = self.assign_interfaces();
             for w in f.warnings.iter() {
@@ -112,7 +118,7 @@ impl Session {
                 }
             }
             for &n in &late {
-                if let Some(why) = self.barred(n).or_else(|| self.mismatch(n)) {
+                if let Some(why) = self.mismatch(n) {
                     self.leave_out(n, Stage::Check, &why);
                 }
             }
