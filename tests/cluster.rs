@@ -1920,3 +1920,91 @@ fn an_elastic_c10d_node_killed_and_started_again_grows_the_world_back() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// The other side of a node coming back: a node left out of an elastic c10d job on evidence
+/// against the node itself (a GPU fault in its rank's last words) is refused when its nrun is
+/// started again, with that evidence and exit 98, while the job goes on at world 1 and ends 0.
+/// Each node has a host name of its own (a UTS namespace), as real hosts do.
+#[test]
+fn an_elastic_c10d_node_left_out_for_a_gpu_fault_is_refused_when_it_comes_back() {
+    let Some(c) = Cluster::up("zf", 2) else {
+        return;
+    };
+    let endpoint = format!("{}:29698", c.addr(1));
+    let s = Scene::new();
+    // Rank 1 (the joined node) reports an ECC error and fails; rank 0 runs until it is stopped,
+    // then, after the restart, until the test says the job is done.
+    let work = "echo \"up world=$WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT\" >> $MARK; \
+                if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then \
+                  [ $RANK = 1 ] && { echo 'RuntimeError: CUDA error: uncorrectable ECC error encountered' >&2; exit 1; }; \
+                  exec sleep 120; fi; \
+                while [ ! -e $MARK.done ]; do sleep 0.1; done";
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .args([
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                "hostname \"$0\" && exec \"$@\"",
+            ])
+            .arg(format!("{}-n{host}", c.host(host)))
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "1:2",
+                "--nproc",
+                "1",
+                "--max-restarts",
+                "3",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "j-refuse",
+                "--no-python-probe",
+                "--no-python",
+                "sh",
+                "-c",
+                work,
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    let b = node(2);
+    // The job went on without the joined node: it is left out.
+    s.wait_marks("up world=1 restart=1", 1, Duration::from_secs(120));
+    let kid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", b.id()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    signal_pid(&kid, "KILL");
+    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    let (ob, _) = wait_with_timeout(node(2), Duration::from_secs(60));
+    let eb = text(&ob.stderr);
+    assert_eq!(ob.status.code(), Some(98), "{eb}");
+    assert!(eb.contains("refuses this node"), "{eb}");
+    assert!(
+        eb.to_lowercase().contains("uncorrectable ecc error"),
+        "{eb}"
+    );
+    assert!(eb.contains(&format!("{}-n2 (run)", c.host(2))), "{eb}");
+    std::fs::write(format!("{}.done", s.mark().display()), "").unwrap();
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let ea = text(&oa.stderr);
+    assert_eq!(oa.status.code(), Some(0), "{ea}");
+    assert!(ea.contains("its output shows a GPU fault"), "{ea}");
+    assert_eq!(s.marks().len(), 3, "{:?}", s.marks());
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}

@@ -374,10 +374,10 @@ async fn admitted(
     if store.check(&[&refused]).await.map_err(io)? {
         let why = String::from_utf8_lossy(&store.get(&refused).await.map_err(io)?).into_owned();
         return Err(Error::no_nodes(format!(
-            "the rendezvous at {endpoint} (id {:?}) refuses this node: earlier in this job it left \
-             out {why}; a node left out on such evidence does not come back within the job (a \
-             node whose nrun or link was lost does). Check the node, then start it for the next \
-             job",
+            "the rendezvous at {endpoint} (id {:?}) refuses this node: the job left this host out \
+             earlier, on evidence against the node itself: {why}. A node left out so does not \
+             come back within the job (one whose nrun or link was lost does): check the node \
+             (nrun doctor), then start it for the next job",
             c.id
         )));
     }
