@@ -342,12 +342,16 @@ impl Session {
             n.link.deliver(&self.bus, i, no, Some(&Step::End));
         }
         let bus = &self.bus;
+        let left: Vec<usize> = self.left_out.iter().map(|l| l.node).collect();
         let ends = self
             .nodes
             .iter_mut()
             .enumerate()
             .map(|(i, n)| {
-                let joined = n.joined.is_some();
+                // A node left out whose agent's connection closed (the store removed its
+                // heartbeat) has nobody left to acknowledge the End: no wait for it.
+                let gone = left.contains(&i) && bus.heartbeat(i).is_empty();
+                let joined = n.joined.is_some() && !gone;
                 n.link.end(link::Ending {
                     bus,
                     node: i,

@@ -214,8 +214,10 @@ impl Session {
                 .copied()
                 .filter(|i| !self.active.contains(i))
                 .collect();
+            // Spares have the places past the job's size; past those, nodes that came back.
+            let spares = self.plan.size..self.plan.hosts.len();
             let (spare, joined): (Vec<usize>, Vec<usize>) =
-                came.iter().partition(|i| *i >= &self.plan.size);
+                came.iter().partition(|i| spares.contains(*i));
             tracing::warn!(
                 "the job goes on with {} nodes: {}{}{}{}",
                 self.active.len(),
