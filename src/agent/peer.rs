@@ -124,7 +124,7 @@ fn too_many(endpoint: &str, c: &C10d, job: &RunSettings, slots: &Slots) -> Error
             k => format!(" and {k} spare(s)"),
         },
         match slots.may_wait {
-            true => " and no node left it within --join-timeout",
+            true => " (no node of the job was lost to make room within --join-timeout)",
             false => "",
         }
     ))
