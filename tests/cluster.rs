@@ -1811,3 +1811,221 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// Elastic means a node may come back: c10d `--nnodes 1:2`, the joined node's nrun killed with
+/// kill -9 (its workers die with it), the job goes on at world 1 (a restart); the same command
+/// started again on that node joins as a fresh node and the world is 2 again (growing is no
+/// failure: TORCHELASTIC_RESTART_COUNT stays 1), the job ends 0 on both nodes and nothing is
+/// left on either host. Prints how long the returning node took to be in the world again.
+#[test]
+fn an_elastic_c10d_node_killed_and_started_again_grows_the_world_back() {
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED an_elastic_c10d_node_killed_and_started_again: no python with torch");
+        return;
+    };
+    let Some(c) = Cluster::up("zr", 2) else {
+        return;
+    };
+    let endpoint = format!("{}:29697", c.addr(1));
+    let script = format!(
+        "{}/tests/python/elastic_return.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let s = Scene::new();
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .args([
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                "hostname \"$0\" && exec \"$@\"",
+            ])
+            .arg(format!("{}-n{host}", c.host(host)))
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "1:2",
+                "--nproc",
+                "1",
+                "--max-restarts",
+                "3",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "j-return",
+                "--no-python-probe",
+                "--python",
+                py.to_str().unwrap(),
+                &script,
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .env("FULL_WORLD", "2")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    let b = node(2);
+    s.wait_marks("up world=2 restart=0", 2, Duration::from_secs(120));
+    // The joiner's nrun itself (its keeper's child): killed outright, nothing passed on.
+    let kid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", b.id()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    signal_pid(&kid, "KILL");
+    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    // The survivor goes on alone: a restart after a node's loss.
+    s.wait_marks("up world=1 restart=1", 1, Duration::from_secs(120));
+    let back = std::time::Instant::now();
+    let back_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let b2 = node(2);
+    s.wait_marks("up world=2 restart=1", 2, Duration::from_secs(120));
+    let took = back.elapsed();
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let (ob, _) = wait_with_timeout(b2, Duration::from_secs(60));
+    let (ea, eb) = (text(&oa.stderr), text(&ob.stderr));
+    assert_eq!(oa.status.code(), Some(0), "{ea}\n---\n{eb}");
+    assert_eq!(ob.status.code(), Some(0), "{eb}\n---\n{ea}");
+    assert!(eb.contains("as node 2"), "{eb}");
+    assert!(
+        ea.contains("a node joined: the worker group restarts to take it in"),
+        "{ea}"
+    );
+    // The host came back under its own name (the lost node does not hold it).
+    let (h1, h2) = (format!("{}-n1", c.host(1)), format!("{}-n2", c.host(2)));
+    assert!(
+        ea.contains(&format!("goes on with 2 nodes: {h1}, {h2} (joined: {h2})")),
+        "{ea}"
+    );
+    // Nothing ran at a world other than these: the first, the survivor's, the grown one.
+    let marks = s.marks();
+    assert_eq!(marks.len(), 5, "{marks:?}");
+    // How long the returning node took: its nrun's start to both ranks past their all_reduce;
+    // of that, nrun's part (its start, the join, the group's restart) ends when the first
+    // worker of the grown world starts, the rest is the workers' own (python, torch, init).
+    let times = std::fs::read_to_string(format!("{}.times", s.mark().display())).unwrap();
+    let grown: Vec<Vec<f64>> = times
+        .lines()
+        .filter(|l| l.starts_with("2 1 "))
+        .map(|l| l.split(' ').filter_map(|x| x.parse().ok()).collect())
+        .collect();
+    assert_eq!(grown.len(), 2, "{times}");
+    let first_start = grown.iter().map(|v| v[2]).fold(f64::MAX, f64::min);
+    let last_ready = grown.iter().map(|v| v[3]).fold(0.0, f64::max);
+    eprintln!(
+        "returning node: in the world again {:.2} s after its nrun started: {:.2} s to the grown \
+         group's start, {:.2} s the workers' own start (python, torch, init)",
+        took.as_secs_f64(),
+        first_start - back_epoch,
+        last_ready - first_start
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
+/// The other side of a node coming back: a node left out of an elastic c10d job on evidence
+/// against the node itself (a GPU fault in its rank's last words) is refused when its nrun is
+/// started again, with that evidence and exit 98, while the job goes on at world 1 and ends 0.
+/// Each node has a host name of its own (a UTS namespace), as real hosts do.
+#[test]
+fn an_elastic_c10d_node_left_out_for_a_gpu_fault_is_refused_when_it_comes_back() {
+    let Some(c) = Cluster::up("zf", 2) else {
+        return;
+    };
+    let endpoint = format!("{}:29698", c.addr(1));
+    let s = Scene::new();
+    // Rank 1 (the joined node) reports an ECC error and fails; rank 0 runs until it is stopped,
+    // then, after the restart, until the test says the job is done.
+    let work = "echo \"up world=$WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT\" >> $MARK; \
+                if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then \
+                  [ $RANK = 1 ] && { echo 'RuntimeError: CUDA error: uncorrectable ECC error encountered' >&2; exit 1; }; \
+                  exec sleep 120; fi; \
+                while [ ! -e $MARK.done ]; do sleep 0.1; done";
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .args([
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                "hostname \"$0\" && exec \"$@\"",
+            ])
+            .arg(format!("{}-n{host}", c.host(host)))
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "1:2",
+                "--nproc",
+                "1",
+                "--max-restarts",
+                "3",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "j-refuse",
+                "--no-python-probe",
+                "--no-python",
+                "sh",
+                "-c",
+                work,
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    let b = node(2);
+    // The job went on without the joined node: it is left out.
+    s.wait_marks("up world=1 restart=1", 1, Duration::from_secs(120));
+    let kid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", b.id()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    signal_pid(&kid, "KILL");
+    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    let (ob, _) = wait_with_timeout(node(2), Duration::from_secs(60));
+    let eb = text(&ob.stderr);
+    assert_eq!(ob.status.code(), Some(98), "{eb}");
+    assert!(eb.contains("refuses this node"), "{eb}");
+    assert!(
+        eb.to_lowercase().contains("uncorrectable ecc error"),
+        "{eb}"
+    );
+    assert!(eb.contains(&format!("{}-n2 (run)", c.host(2))), "{eb}");
+    std::fs::write(format!("{}.done", s.mark().display()), "").unwrap();
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let ea = text(&oa.stderr);
+    assert_eq!(oa.status.code(), Some(0), "{ea}");
+    assert!(ea.contains("its output shows a GPU fault"), "{ea}");
+    // After the restart only the survivor ran (rank 0 of the first attempt may have been
+    // stopped before its line, so that attempt's lines are not counted).
+    let later: Vec<String> = s
+        .marks()
+        .into_iter()
+        .filter(|l| !l.ends_with("restart=0"))
+        .collect();
+    assert_eq!(later, ["up world=1 restart=1"], "{:?}", s.marks());
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}

@@ -552,6 +552,19 @@ pub fn c10d_next_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/next").into_bytes()
 }
 
+/// How many more nodes the nrun hosting c10d rendezvous `id` takes now (decimal; unset: none
+/// beyond its slots): a node whose index is past the slots (one that came back after its first
+/// nrun was lost) joins if this is above 0 (see [`crate::session::Session::publish_room`]).
+pub fn c10d_room_key(id: &str) -> Vec<u8> {
+    format!("nrun/c10d/{id}/room").into_bytes()
+}
+
+/// Set by the nrun hosting c10d rendezvous `id` for a host it left out on evidence against the
+/// node itself (not its nrun's loss): the evidence, in words. A node of that host is refused.
+pub fn c10d_refused_key(id: &str, host: &str) -> Vec<u8> {
+    format!("nrun/c10d/{id}/refused/{host}").into_bytes()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -125,6 +125,8 @@ pub struct Session {
     /// Elastic: the running group was stopped because nodes arrived to take in.
     pub grow: bool,
     arrivals_checked: Option<Instant>,
+    /// The c10d rendezvous this nrun hosts (its id): nodes that come back join it.
+    c10d_id: Option<String>,
 }
 
 impl Session {
@@ -244,6 +246,7 @@ impl Session {
             faulty: Vec::new(),
             grow: false,
             arrivals_checked: None,
+            c10d_id: None,
         };
         if let (Some(c), Some(st)) = (&plan.c10d, session.store()) {
             // What a joining node needs to find this run's keys.
@@ -252,6 +255,10 @@ impl Session {
                 session.run.as_bytes(),
             );
             st.set(&crate::agent::protocol::c10d_public_key(&c.id), b"1");
+        }
+        // Nodes join it in order; one that comes back gets the next index (join::open_slots).
+        if session.store().is_some() && plan.c10d.as_ref().is_some_and(|c| c.node.is_none()) {
+            session.c10d_id = plan.c10d.as_ref().map(|c| c.id.clone());
         }
         if let Some(st) = session.store() {
             // Any nrun that connects may read that an nrun listens here, and (set before this,
@@ -331,18 +338,24 @@ impl Session {
     /// Ends the session, telling nodes that joined by themselves the job's exit code (their nrun
     /// exits with it).
     pub async fn end_with(mut self, code: u8) {
+        // A node come back but not taken in yet still gets its End (its nrun waits on it).
+        self.open_slots();
         let no = self.step;
         self.bus.exit(code);
         for (i, n) in self.nodes.iter_mut().enumerate() {
             n.link.deliver(&self.bus, i, no, Some(&Step::End));
         }
         let bus = &self.bus;
+        let left: Vec<usize> = self.left_out.iter().map(|l| l.node).collect();
         let ends = self
             .nodes
             .iter_mut()
             .enumerate()
             .map(|(i, n)| {
-                let joined = n.joined.is_some();
+                // A node left out whose agent's connection closed (the store removed its
+                // heartbeat) has nobody left to acknowledge the End: no wait for it.
+                let gone = left.contains(&i) && bus.heartbeat(i).is_empty();
+                let joined = n.joined.is_some() && !gone;
                 n.link.end(link::Ending {
                     bus,
                     node: i,
