@@ -26,7 +26,8 @@
 //! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank
 //!   is missing from the collective the others wait in), stragglers, a failure's likely cause.
 //! - [`report`]: how a job ended, the failure summary, JSON reports, log format.
-//! - [`error`]: errors for people and the exit codes.
+//! - [`error`]: errors for people and the exit codes. [`files`]: private directories, bounded
+//!   reads.
 
 // Public: what the integration tests (tests/*.rs) use as a library (the store, NCCL by path,
 // interfaces) and `node`, whose owners still prune it; the rest is the crate's own, so an
@@ -36,6 +37,7 @@ pub(crate) mod cli;
 pub(crate) mod commands;
 pub(crate) mod error;
 pub(crate) mod facts;
+pub(crate) mod files;
 pub(crate) mod hosts;
 pub mod net;
 pub mod node;

@@ -37,22 +37,20 @@ impl ExcludeFile {
     /// The entries still in force at `now`, latest per host; a missing file has none.
     pub fn read(&self, now: SystemTime) -> Result<Vec<Entry>> {
         let origin = self.path.display();
-        let text = match std::fs::metadata(&self.path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        let text = match crate::files::read_text(&self.path, MAX_BYTES) {
+            Ok(t) => t,
+            Err(crate::files::ReadError::Missing) => return Ok(Vec::new()),
+            Err(e @ crate::files::ReadError::NotRegular(_)) => {
+                return Err(Error::usage(format!(
+                    "--exclude-file {origin}: {e}; give a file nrun may append to"
+                )));
+            }
+            Err(e @ crate::files::ReadError::TooBig(_)) => {
+                return Err(Error::usage(format!(
+                    "--exclude-file {origin}: {e}; start a new one"
+                )));
+            }
             Err(e) => return Err(Error::usage(format!("--exclude-file {origin}: {e}"))),
-            Ok(m) if !m.is_file() => {
-                return Err(Error::usage(format!(
-                    "--exclude-file {origin}: not a regular file; give a file nrun may append to"
-                )));
-            }
-            Ok(m) if m.len() > MAX_BYTES => {
-                return Err(Error::usage(format!(
-                    "--exclude-file {origin}: larger than {} MiB; start a new one",
-                    MAX_BYTES >> 20
-                )));
-            }
-            Ok(_) => std::fs::read_to_string(&self.path)
-                .map_err(|e| Error::usage(format!("--exclude-file {origin}: {e}")))?,
         };
         let mut out: Vec<Entry> = Vec::new();
         for (n, line) in text.lines().enumerate() {
