@@ -84,6 +84,33 @@ pub fn check_private_dir(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether files nrun makes in `dir` (an existing directory a person named) are safe from
+/// other users: `dir` is this user's or root's, and others may not write it unless it is sticky
+/// (as /tmp: nobody may then rename or remove what is not theirs). A missing `dir` passes: nrun
+/// makes it, 0700.
+pub fn check_parent_dir(dir: &Path) -> Result<(), String> {
+    let Ok(m) = std::fs::metadata(dir) else {
+        return Ok(());
+    };
+    let refuse = |why: String| {
+        Err(format!(
+            "refusing directory {}: {why}, so another user could swap what nrun writes there; \
+             choose a directory of your own",
+            dir.display()
+        ))
+    };
+    if m.uid() != euid() && m.uid() != 0 {
+        return refuse(format!("it belongs to uid {}", m.uid()));
+    }
+    if m.mode() & 0o002 != 0 && m.mode() & 0o1000 == 0 {
+        return refuse(format!(
+            "its mode is {:04o}: every user may write it (and it is not sticky)",
+            m.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
 /// Creates `dir` and its missing parents with mode 0700 (those that exist stay as they are),
 /// then checks `dir` itself is private ([`check_private_dir`]).
 pub fn make_private_dirs(dir: &Path) -> Result<(), String> {
@@ -205,9 +232,9 @@ pub fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
     read_open(open_nonblocking(path, 0)?, max)
 }
 
-/// [`read_bounded`] as UTF-8 text; the error says where the first bad byte is.
-pub fn read_text(path: &Path, max: u64) -> Result<String, ReadError> {
-    String::from_utf8(read_bounded(path, max)?).map_err(|e| {
+/// [`read_checked`] as UTF-8 text; the error says where the first bad byte is.
+pub fn read_text(path: &Path, max: u64, writer: Writer) -> Result<String, ReadError> {
+    String::from_utf8(read_checked(path, max, writer)?).map_err(|e| {
         ReadError::NotOwn(format!(
             "is not UTF-8 text (invalid byte at offset {})",
             e.utf8_error().valid_up_to()
@@ -215,26 +242,52 @@ pub fn read_text(path: &Path, max: u64) -> Result<String, ReadError> {
     })
 }
 
-/// The bytes of `path`, a file a process of this user wrote: refused unless it is a regular
-/// file (not a symlink: opened with O_NOFOLLOW), owned by this user, writable by nobody else,
-/// and at most `max` bytes. Everything is judged on the open file.
-pub fn read_own(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
-    let file = open_nonblocking(path, libc::O_NOFOLLOW)?;
+/// Who may have written a file nrun reads ([`read_checked`]).
+#[derive(Clone, Copy, PartialEq)]
+pub enum Writer {
+    /// Anyone: data whose worst is a wrong value (hostfiles, exclude files).
+    Anyone,
+    /// This user or root, nobody else (not a file group or others may write): what sets a
+    /// job's environment (`.nrun_env`), where another user's file would run code as this one.
+    Trusted,
+    /// A process of this user only, and never through a symlink: a flight recorder's dump, an
+    /// NCCL log, in nrun's own private directory.
+    Own,
+}
+
+/// The bytes of `path` (see [`read_bounded`]), refused unless `writer` may have written it;
+/// everything is judged on the open file.
+pub fn read_checked(path: &Path, max: u64, writer: Writer) -> Result<Vec<u8>, ReadError> {
+    let flags = match writer {
+        Writer::Own => libc::O_NOFOLLOW,
+        _ => 0,
+    };
+    let file = open_nonblocking(path, flags)?;
     let meta = file.metadata().map_err(ReadError::Io)?;
-    if meta.uid() != euid() {
+    let owners: &[u32] = match writer {
+        Writer::Anyone => return read_open(file, max),
+        Writer::Trusted => &[euid(), 0],
+        Writer::Own => &[euid()],
+    };
+    if !owners.contains(&meta.uid()) {
         return Err(ReadError::NotOwn(format!(
-            "belongs to uid {}, not to {}",
+            "belongs to uid {}, not to this user ({}); was it planted by another user?",
             meta.uid(),
             euid()
         )));
     }
-    if meta.mode() & 0o022 != 0 {
+    if meta.is_file() && meta.mode() & 0o022 != 0 {
         return Err(ReadError::NotOwn(format!(
-            "its mode is {:04o}: other users may write it",
+            "its mode is {:04o}: other users may write it (chmod go-w)",
             meta.mode() & 0o7777
         )));
     }
     read_open(file, max)
+}
+
+/// [`read_checked`] for a file of this user's own processes ([`Writer::Own`]).
+pub fn read_own(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
+    read_checked(path, max, Writer::Own)
 }
 
 /// Prefix of scratch directories' names; the pid of the nrun that made it follows.
@@ -309,16 +362,27 @@ mod tests {
         std::fs::create_dir(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
         let e = check_private_dir(&open).unwrap_err();
-        assert!(e.contains(&open.display().to_string()) && e.contains("0777"), "{e}");
+        assert!(
+            e.contains(&open.display().to_string()) && e.contains("0777"),
+            "{e}"
+        );
         let link = top.path().join("link");
         std::os::unix::fs::symlink(&a, &link).unwrap();
-        assert!(check_private_dir(&link).unwrap_err().contains("symbolic link"));
+        assert!(
+            check_private_dir(&link)
+                .unwrap_err()
+                .contains("symbolic link")
+        );
         let f = a.join("f");
         let mut w = create_private_file(&f).unwrap();
         std::io::Write::write_all(&mut w, b"hi").unwrap();
         assert_eq!(std::fs::metadata(&f).unwrap().mode() & 0o777, 0o600);
         // Never an existing file, never through a symlink.
-        assert!(create_private_file(&f).unwrap_err().contains("exists already"));
+        assert!(
+            create_private_file(&f)
+                .unwrap_err()
+                .contains("exists already")
+        );
         let l2 = a.join("l2");
         std::os::unix::fs::symlink("/nonexistent-target", &l2).unwrap();
         assert!(create_private_file(&l2).is_err());
@@ -350,7 +414,12 @@ mod tests {
         assert_eq!(read_own(&f, 10).unwrap(), b"0123456789");
         let l = top.path().join("l");
         std::os::unix::fs::symlink(&f, &l).unwrap();
-        assert!(read_own(&l, 10).unwrap_err().to_string().contains("symbolic link"));
+        assert!(
+            read_own(&l, 10)
+                .unwrap_err()
+                .to_string()
+                .contains("symbolic link")
+        );
         std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o666)).unwrap();
         let e = read_own(&f, 10).unwrap_err().to_string();
         assert!(e.contains("0666"), "{e}");

@@ -211,12 +211,16 @@ async fn run_workers(
     drop(ended);
     // The failing worker's error file, read once: its traceback, and the file as written.
     let error_json = match &outcome {
-        Ok(Outcome::Failed(f)) => crate::files::read_text(&f.error_file, MAX_ERROR_FILE_BYTES)
-            .map_err(|e| match e {
-                crate::files::ReadError::Missing => {}
-                e => tracing::warn!("error file {}: {e}; not read", f.error_file.display()),
-            })
-            .ok(),
+        Ok(Outcome::Failed(f)) => crate::files::read_text(
+            &f.error_file,
+            MAX_ERROR_FILE_BYTES,
+            crate::files::Writer::Anyone,
+        )
+        .map_err(|e| match e {
+            crate::files::ReadError::Missing => {}
+            e => tracing::warn!("error file {}: {e}; not read", f.error_file.display()),
+        })
+        .ok(),
         _ => None,
     };
     let result = match outcome {

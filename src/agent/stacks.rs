@@ -536,7 +536,12 @@ fn source_line(cache: &mut HashMap<String, Vec<String>>, file: &str, line: i32) 
     let lines = cache.entry(file.to_string()).or_insert_with(|| {
         // A source file a traceback names: bounded, a regular file only (never a FIFO).
         crate::files::read_bounded(std::path::Path::new(file), MAX_SOURCE_BYTES)
-            .map(|t| String::from_utf8_lossy(&t).lines().map(str::to_string).collect())
+            .map(|t| {
+                String::from_utf8_lossy(&t)
+                    .lines()
+                    .map(str::to_string)
+                    .collect()
+            })
             .unwrap_or_default()
     });
     let l = lines.get(usize::try_from(line).ok()?.checked_sub(1)?)?;

@@ -35,18 +35,19 @@ pub fn job_env(
     let home = env("HOME").map(PathBuf::from);
     for dir in [home, std::env::current_dir().ok()].into_iter().flatten() {
         let p = dir.join(".nrun_env");
-        let text = match crate::files::read_text(&p, MAX_ENV_FILE_BYTES) {
-            Ok(t) => t,
-            Err(crate::files::ReadError::Missing) => continue,
-            Err(e) => {
-                return Err(Error::usage(format!(
-                    "{}: {e}; .nrun_env must be a regular file of KEY=VALUE lines (at most \
+        let text =
+            match crate::files::read_text(&p, MAX_ENV_FILE_BYTES, crate::files::Writer::Trusted) {
+                Ok(t) => t,
+                Err(crate::files::ReadError::Missing) => continue,
+                Err(e) => {
+                    return Err(Error::usage(format!(
+                        "{}: {e}; .nrun_env must be a regular file of KEY=VALUE lines (at most \
                      {} KiB): fix or remove it",
-                    p.display(),
-                    MAX_ENV_FILE_BYTES >> 10
-                )));
-            }
-        };
+                        p.display(),
+                        MAX_ENV_FILE_BYTES >> 10
+                    )));
+                }
+            };
         for (k, v) in parse_env_file(&text, &p.display().to_string())? {
             put(&mut vars, k, v);
         }

@@ -37,21 +37,22 @@ impl ExcludeFile {
     /// The entries still in force at `now`, latest per host; a missing file has none.
     pub fn read(&self, now: SystemTime) -> Result<Vec<Entry>> {
         let origin = self.path.display();
-        let text = match crate::files::read_text(&self.path, MAX_BYTES) {
-            Ok(t) => t,
-            Err(crate::files::ReadError::Missing) => return Ok(Vec::new()),
-            Err(e @ crate::files::ReadError::NotRegular(_)) => {
-                return Err(Error::usage(format!(
-                    "--exclude-file {origin}: {e}; give a file nrun may append to"
-                )));
-            }
-            Err(e @ crate::files::ReadError::TooBig(_)) => {
-                return Err(Error::usage(format!(
-                    "--exclude-file {origin}: {e}; start a new one"
-                )));
-            }
-            Err(e) => return Err(Error::usage(format!("--exclude-file {origin}: {e}"))),
-        };
+        let text =
+            match crate::files::read_text(&self.path, MAX_BYTES, crate::files::Writer::Anyone) {
+                Ok(t) => t,
+                Err(crate::files::ReadError::Missing) => return Ok(Vec::new()),
+                Err(e @ crate::files::ReadError::NotRegular(_)) => {
+                    return Err(Error::usage(format!(
+                        "--exclude-file {origin}: {e}; give a file nrun may append to"
+                    )));
+                }
+                Err(e @ crate::files::ReadError::TooBig(_)) => {
+                    return Err(Error::usage(format!(
+                        "--exclude-file {origin}: {e}; start a new one"
+                    )));
+                }
+                Err(e) => return Err(Error::usage(format!("--exclude-file {origin}: {e}"))),
+            };
         let mut out: Vec<Entry> = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let e = parse_line(line)

@@ -527,7 +527,11 @@ impl RunSettings {
         // torchrun's layout: a directory of its own for each run, `<run id>_<random>`, so a
         // second run with the same --log-dir and id keeps the first's logs.
         let (base, dir_is_temp) = match log_dir {
-            Some(d) => (Some(d.clone()), false),
+            Some(d) => {
+                crate::files::check_parent_dir(d)
+                    .map_err(|e| Error::usage(format!("--log-dir: {e}")))?;
+                (Some(d.clone()), false)
+            }
             None if wants_files => (Some(std::env::temp_dir()), true),
             None => (None, false),
         };

@@ -479,13 +479,16 @@ pub const MAX_HOSTFILE_BYTES: u64 = 16 << 20;
 /// [`MAX_HOSTFILE_BYTES`], in UTF-8 ([`crate::files::read_text`]).
 fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
     use crate::files::ReadError;
-    crate::files::read_text(path, MAX_HOSTFILE_BYTES).map_err(|e| {
+    crate::files::read_text(path, MAX_HOSTFILE_BYTES, crate::files::Writer::Anyone).map_err(|e| {
         let hint = match &e {
             ReadError::NotRegular(_) => {
                 "; give a regular file of host lines (`host slots=N`, `host:N` or `host`)".into()
             }
             ReadError::TooBig(_) => {
-                format!("; a hostfile lists at most {} hosts, one per line", hosts::MAX_HOSTS)
+                format!(
+                    "; a hostfile lists at most {} hosts, one per line",
+                    hosts::MAX_HOSTS
+                )
             }
             ReadError::NotOwn(_) => "; write one host per line".into(),
             ReadError::Missing => String::new(),
