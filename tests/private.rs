@@ -318,6 +318,19 @@ fn a_second_users_planted_files_are_neither_read_nor_run() {
         .unwrap();
     let trace = Path::new("/tmp/nccl_trace_rank_0");
     let _ = std::fs::remove_file(trace);
+    // Whatever happens, what was planted goes (the other user's only).
+    let _clean = Planted {
+        paths: [
+            trace.to_path_buf(),
+            plant.clone(),
+            tmp.join(format!("nrun-{dead}-0123456789")),
+            tmp.join(format!("nrun-{dead}-abcdefabcd")),
+        ]
+        .into_iter()
+        .chain((last + 1..=last + 400).map(|p| tmp.join(format!("nrun-{p}"))))
+        .collect(),
+        uid: other,
+    };
     let tmp_s = tmp.display();
     let pickle_s = pickle.display();
     as_other(&format!(
@@ -362,17 +375,32 @@ for _ in range(2):
     assert!(planted.join("fr-dump-0").exists());
     assert!(victim.join("keep").exists(), "the sweep followed a symlink");
     assert!(trace.exists());
-    // Cleanup of what was planted.
-    let _ = std::fs::remove_file(trace);
-    let _ = std::fs::remove_file(tmp.join(format!("nrun-{dead}-abcdefabcd")));
-    let _ = std::fs::remove_dir_all(&planted);
-    for p in last + 1..=last + 400 {
-        let d = tmp.join(format!("nrun-{p}"));
-        if std::fs::symlink_metadata(&d).is_ok_and(|m| m.uid() == other) {
-            let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Paths the second user planted, removed when the test ends (those still theirs, and the
+/// planting directory).
+struct Planted {
+    paths: Vec<PathBuf>,
+    uid: u32,
+}
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        for p in &self.paths {
+            let Ok(m) = std::fs::symlink_metadata(p) else {
+                continue;
+            };
+            if m.uid() == self.uid
+                || p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("wd-plant-"))
+            {
+                let _ = match m.is_dir() {
+                    true => std::fs::remove_dir_all(p),
+                    false => std::fs::remove_file(p),
+                };
+            }
         }
     }
-    let _ = std::fs::remove_dir_all(&plant);
 }
 
 /// A planted `.nrun_env` (in a shared working directory) and a `--log-dir` of another user's:
