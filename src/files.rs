@@ -160,7 +160,7 @@ impl std::fmt::Display for ReadError {
         match self {
             ReadError::Missing => write!(f, "no such file"),
             ReadError::Io(e) => write!(f, "{e}"),
-            ReadError::NotRegular(what) => write!(f, "is {what}, not a regular file"),
+            ReadError::NotRegular(what) => write!(f, "is {what}"),
             ReadError::TooBig(max) => write!(f, "is larger than {}", size_text(*max)),
             ReadError::NotOwn(why) => write!(f, "{why}"),
         }
