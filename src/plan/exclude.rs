@@ -162,6 +162,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_a_bounded_regular_file_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a plain syscall on a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let now = SystemTime::now();
+        for (p, why) in [
+            (PathBuf::from("/dev/zero"), "is a device"),
+            (fifo, "is a FIFO"),
+            (dir.path().to_path_buf(), "is a directory"),
+        ] {
+            let f = ExcludeFile {
+                path: p.clone(),
+                ttl: Duration::from_secs(3600),
+            };
+            let e = f.read(now).unwrap_err();
+            assert_eq!(e.code, crate::error::exit::USAGE);
+            let want = format!("--exclude-file {}: {why}", p.display());
+            assert!(e.message.starts_with(&want), "{}", e.message);
+        }
+    }
+
+    #[test]
     fn entries_round_trip_expire_and_keep_the_latest() {
         let dir = tempfile::tempdir().unwrap();
         let f = ExcludeFile {
