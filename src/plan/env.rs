@@ -42,9 +42,9 @@ pub fn job_env(
                 Err(e) => {
                     return Err(Error::usage(format!(
                         "{}: {e}; .nrun_env must be a regular file of KEY=VALUE lines (at most \
-                     {} KiB): fix or remove it",
+                         {} MiB) of this user's, that only this user may write: fix or remove it",
                         p.display(),
-                        MAX_ENV_FILE_BYTES >> 10
+                        MAX_ENV_FILE_BYTES >> 20
                     )));
                 }
             };
