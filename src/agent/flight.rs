@@ -192,10 +192,15 @@ pub fn read(python: &Path, files: &[&Path]) -> Vec<Option<FrView>> {
             Ok(b) => b,
             Err(crate::files::ReadError::Missing) => Vec::new(),
             Err(e) => {
-                tracing::warn!(
-                    "refusing the flight recorder's dump {}: {e}; it is not read",
-                    f.display()
-                );
+                // Once: a dump refused (a worker's umask of 002, say) is refused at every ask.
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    tracing::warn!(
+                        "refusing the flight recorder's dump {}: {e}; dumps that are not this \
+                         user's alone are not read (the watch goes on without them)",
+                        f.display()
+                    )
+                });
                 Vec::new()
             }
         };
@@ -417,6 +422,42 @@ mod tests {
             .collect();
         let runs = summarize(&e).unwrap().runs;
         assert_eq!((runs.len(), runs[0].first, runs[15].last), (RUNS, 25, 40));
+    }
+
+    /// A dump is read only from a regular file of this user's that nobody else may write, not
+    /// through a symlink: anything else could have been planted, and unpickling runs code.
+    #[test]
+    fn only_a_dump_of_this_users_own_is_read() {
+        use std::os::unix::fs::PermissionsExt;
+        let Some(py) = std::env::var_os("NRUN_TEST_PYTHON") else {
+            eprintln!("SKIPPED: NRUN_TEST_PYTHON unset");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("dump0");
+        let write = "import pickle, sys; e = {'record_id': 0, 'collective_seq_id': 1, \
+            'profiling_name': 'nccl:all_reduce', 'state': 'completed', 'input_sizes': [[4]], \
+            'input_dtypes': ['Float'], 'process_group': ('0', 'x'), 'is_p2p': False, \
+            'retired': True, 'duration_ms': 1.0, 'time_created_ns': 0}; \
+            open(sys.argv[1], 'wb').write(pickle.dumps({'entries': [e]}))";
+        let ok = std::process::Command::new(&py)
+            .args(["-c", write])
+            .arg(&good)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let link = dir.path().join("link0");
+        std::os::unix::fs::symlink(&good, &link).unwrap();
+        let open = dir.path().join("open0");
+        std::fs::copy(&good, &open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let v = read(Path::new(&py), &[&good, &link, &open, &good]);
+        let seq = |i: usize| v[i].as_ref().map(|f| (f.last.seq, f.last.bytes));
+        assert_eq!(
+            (seq(0), seq(1), seq(2), seq(3)),
+            (Some((1, 16)), None, None, Some((1, 16)))
+        );
     }
 
     /// A real dump: torch's own recorder of a one-rank gloo group, read by the helper.
