@@ -15,7 +15,7 @@
 use std::io::Read;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::Mutex;
 
 /// The user nrun runs as.
 pub fn euid() -> u32 {
@@ -293,22 +293,26 @@ pub fn read_own(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
 /// Prefix of scratch directories' names; the pid of the nrun that made it follows.
 const SCRATCH_PREFIX: &str = "nrun-";
 
-static SCRATCH: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+/// This process's scratch directory, once made (and until removed).
+static SCRATCH: Mutex<Option<PathBuf>> = Mutex::new(None);
 
-/// This process's scratch directory, made on first use (see the module's doc).
-pub fn scratch() -> Result<&'static Path, String> {
-    SCRATCH
-        .get_or_init(|| {
-            let prefix = format!("{SCRATCH_PREFIX}{}-", std::process::id());
-            make_private_dir(&std::env::temp_dir(), &prefix)
-        })
-        .as_deref()
-        .map_err(Clone::clone)
+/// This process's scratch directory, made on first use (see the module's doc); after
+/// [`remove_scratch`], a new one (never the old name again).
+pub fn scratch() -> Result<PathBuf, String> {
+    let mut s = SCRATCH.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = &*s {
+        return Ok(d.clone());
+    }
+    let prefix = format!("{SCRATCH_PREFIX}{}-", std::process::id());
+    let d = make_private_dir(&std::env::temp_dir(), &prefix)?;
+    *s = Some(d.clone());
+    Ok(d)
 }
 
 /// Removes this process's scratch directory, if it made one.
 pub fn remove_scratch() {
-    if let Some(Ok(d)) = SCRATCH.get() {
+    let mut s = SCRATCH.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = s.take() {
         // std's remove_dir_all follows no symlink, at the top or below.
         let _ = std::fs::remove_dir_all(d);
     }
@@ -439,13 +443,14 @@ mod tests {
         ] {
             assert_eq!(scratch_pid(n), None, "{n}");
         }
-        let s = scratch().unwrap();
+        // scratch()'s form (made here in a directory of the test's own: the process's scratch
+        // is left to the integration tests, which see it made and removed).
+        let top = tempfile::tempdir().unwrap();
+        let prefix = format!("{SCRATCH_PREFIX}{}-", std::process::id());
+        let d = make_private_dir(top.path(), &prefix).unwrap();
         assert_eq!(
-            scratch_pid(s.file_name().unwrap().to_str().unwrap()),
+            scratch_pid(d.file_name().unwrap().to_str().unwrap()),
             Some(std::process::id())
         );
-        check_private_dir(s).unwrap();
-        remove_scratch();
-        assert!(!s.exists());
     }
 }

@@ -147,9 +147,9 @@ async fn run_workers(
         // process's scratch directory: dumps are read from there only (a pipe or dump file the
         // user named is theirs, left alone).
         if let (true, Ok(dir)) = (watch.is_some(), crate::files::scratch()) {
-            let (add, files) = super::flight::setup(&env, w.rank, dir);
+            let (add, files) = super::flight::setup(&env, w.rank, &dir);
             env.extend(add);
-            if files.pipe.starts_with(dir) && files.dump.starts_with(dir) {
+            if files.pipe.starts_with(&dir) && files.dump.starts_with(&dir) {
                 flight_files.push((w.rank, files));
             }
         }
