@@ -28,7 +28,8 @@
 //! - [`fault`]: the fault model: a failed attempt's evidence per node, the verdict (the
 //!   program's, a node suspected, at fault or lost) and the action (restart, spare, shrink, stop).
 //! - [`report`]: how a job ended, the failure summary, JSON reports, log format.
-//! - [`error`]: errors for people and the exit codes.
+//! - [`error`]: errors for people and the exit codes. [`files`]: private directories, bounded
+//!   reads.
 
 // Public: what the integration tests (tests/*.rs) use as a library (the store, NCCL by path,
 // interfaces) and `node`, whose owners still prune it; the rest is the crate's own, so an
@@ -39,6 +40,7 @@ pub(crate) mod commands;
 pub(crate) mod error;
 pub(crate) mod facts;
 pub(crate) mod fault;
+pub(crate) mod files;
 pub(crate) mod hosts;
 pub mod net;
 pub mod node;

@@ -143,9 +143,9 @@ fn a_failure_on_one_node_stops_every_node() {
     c.assert_nothing_left(3);
 }
 
-/// Namespace hosts share this machine's temp directory, as agents of one host do: the node
-/// whose worker ended first must not take the scratch directory from a worker still running,
-/// which writes its error file there later; the scratch is gone once the job is.
+/// Each node's agent keeps its workers' error files in a scratch directory of its own (namespace
+/// hosts share this machine's temp directory): the worker that ends late still writes its
+/// error file there, the launcher gets it, and every scratch is gone once the job is.
 #[test]
 fn a_late_error_file_reaches_the_launcher_and_the_scratch_goes_with_the_job() {
     let Some(c) = Cluster::up("cle", 2) else {
@@ -177,7 +177,7 @@ fn a_late_error_file_reaches_the_launcher_and_the_scratch_goes_with_the_job() {
         .collect();
     assert_eq!(files.len(), 2, "{stdout}");
     for f in files {
-        // <temp>/nrun-<pid>/<group>/attempt_0/error-<rank>.json
+        // <temp>/nrun-<pid>-<random>/<group>/attempt_0/error-<rank>.json
         let top = std::path::Path::new(f).ancestors().nth(3).unwrap();
         assert!(
             top.file_name()

@@ -283,7 +283,7 @@ fn kill_9_leaves_no_grandchildren() {
     s.wait_marks("ready", 2, Duration::from_secs(10));
     let nrun: i32 = nrun_under(child.id()).parse().unwrap();
     // Its scratch directory (the workers' error files) goes with it.
-    let scratch = std::env::temp_dir().join(format!("nrun-{nrun}"));
+    let scratch = scratch_of(nrun as u32).expect("nrun's scratch directory");
     assert!(scratch.exists(), "{}", scratch.display());
     signal_pid(&nrun.to_string(), "KILL");
     let (out, took) = wait_with_timeout(child, Duration::from_secs(5));

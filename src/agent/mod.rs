@@ -217,7 +217,7 @@ pub async fn serve(
     let served = join_and_serve(hello, signals, gone, read_end).await;
     // This node's workers are all gone, and so are every other node's (the End): the scratch
     // they used can go.
-    exec::tidy_scratch();
+    crate::files::remove_scratch();
     served
 }
 

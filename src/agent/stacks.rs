@@ -216,7 +216,7 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
         let (Some(files), Some((at, wall))) = (&w.fr.files, w.fr.asked) else {
             continue;
         };
-        if let Some(p) = flight::dumped_since(files, w.view.rank, wall) {
+        if let Some(p) = flight::dumped_since(files, wall) {
             ready.push((i, p));
         } else if at.elapsed() > DUMP_WAIT {
             w.fr.asked = None;
@@ -528,11 +528,20 @@ fn fingerprint(frames: &[py_spy::Frame]) -> u64 {
     h.finish()
 }
 
+/// Largest source file read for a stack's lines.
+const MAX_SOURCE_BYTES: u64 = 16 << 20;
+
 /// Line `line` of `file` (1-based), trimmed; files are read once.
 fn source_line(cache: &mut HashMap<String, Vec<String>>, file: &str, line: i32) -> Option<String> {
     let lines = cache.entry(file.to_string()).or_insert_with(|| {
-        std::fs::read_to_string(file)
-            .map(|t| t.lines().map(str::to_string).collect())
+        // A source file a traceback names: bounded, a regular file only (never a FIFO).
+        crate::files::read_bounded(std::path::Path::new(file), MAX_SOURCE_BYTES)
+            .map(|t| {
+                String::from_utf8_lossy(&t)
+                    .lines()
+                    .map(str::to_string)
+                    .collect()
+            })
             .unwrap_or_default()
     });
     let l = lines.get(usize::try_from(line).ok()?.checked_sub(1)?)?;

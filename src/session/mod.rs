@@ -24,7 +24,7 @@ pub mod spec;
 pub mod step;
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -110,8 +110,6 @@ pub struct Session {
     store_stop: Option<oneshot::Sender<()>>,
     signals: Signals,
     step: usize,
-    /// nrun's scratch directory for this run (error files of workers without a log dir).
-    pub temp_root: PathBuf,
     /// The watch over the job's steps that ask for it (set by the run command).
     pub watch: Option<WatchState>,
     /// The nodes the job runs on now (see [`roster`]): lost or failing nodes leave, spares and
@@ -139,7 +137,7 @@ impl Session {
     ) -> Result<Session> {
         let signals = Signals::install(&plan.forward_signals)?;
         // Leftovers of killed nruns: a directory listing off the launch's path.
-        tokio::task::spawn_blocking(crate::node::keeper::sweep_scratch);
+        tokio::task::spawn_blocking(crate::files::sweep_scratch);
         crate::node::process::become_subreaper();
         // A static launch's other nodes run their own nrun, which cannot learn a secret.
         let static_launch = nodes.in_process && nodes.group_world > 1;
@@ -239,7 +237,6 @@ impl Session {
             store_stop,
             signals,
             step: 0,
-            temp_root: crate::node::keeper::scratch_dir(std::process::id()),
             watch: None,
             active: Vec::new(),
             left_out: Vec::new(),
@@ -370,7 +367,8 @@ impl Session {
         if let Some(stop) = self.store_stop.take() {
             let _ = stop.send(());
         }
-        let _ = std::fs::remove_dir_all(&self.temp_root);
+        // The in-process node's scratch (this process's).
+        crate::files::remove_scratch();
     }
 }
 

@@ -35,6 +35,16 @@ pub fn free_port() -> u16 {
     panic!("no free port below the ephemeral range");
 }
 
+/// The scratch directory of the nrun (or agent) with process id `pid`: `$TMPDIR/nrun-<pid>-<random>`.
+pub fn scratch_of(pid: u32) -> Option<PathBuf> {
+    let prefix = format!("nrun-{pid}-");
+    std::fs::read_dir(std::env::temp_dir())
+        .ok()?
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+}
+
 pub fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
 }

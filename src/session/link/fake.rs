@@ -90,7 +90,6 @@ pub fn session(
         store_stop: None,
         signals,
         step: 0,
-        temp_root: std::env::temp_dir().join("nrun-fake-session"),
         watch: None,
         active: Vec::new(),
         left_out: Vec::new(),
