@@ -1,7 +1,9 @@
 //! The watch's conclusions, drawn by the coordinator alone from the views every node's agent
 //! publishes ([`NodeWatch`]: each rank's Python stack, the collective it waits in, how long its
-//! stack has not changed). A **hang**: no rank's stack has changed for `--hang-timeout`; the
-//! diagnosis names the ranks that wait, the rank that has not entered the collective the others
+//! stack has not changed). A **hang**: a rank has waited in one collective call for
+//! `--hang-timeout`, whatever its peers do meanwhile (a peer that polls or spins moves its own
+//! stack, not the collective); with no rank in a collective, no rank's stack has changed for
+//! that long. The diagnosis names the ranks that wait, the rank that has not entered the collective the others
 //! wait in (or has exited), or the ranks that disagree on the collective. All ranks busy at the
 //! same place (a checkpoint, an evaluation) is said as such and blames nobody. A **straggler**:
 //! a rank that almost never waits in collectives while the others often do (they wait for it).

@@ -479,10 +479,17 @@ fn a_hang_across_hosts_names_the_rank_and_its_host() {
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(97), "{err}");
     assert!(
-        err.contains("conclusion: ranks 0,2,3 wait in all_reduce; rank 1 on cw1-h1 has not entered it: it is in stuck_forever"),
+        err.contains(&format!(
+            "conclusion: ranks 0,2,3 wait in all_reduce; rank 1 on {} has not entered it: it is \
+             in stuck_forever",
+            c.host(1)
+        )),
         "{err}"
     );
-    assert!(err.contains("rank 3 on cw1-h2 (pid "), "{err}");
+    assert!(
+        err.contains(&format!("rank 3 on {} (pid ", c.host(2))),
+        "{err}"
+    );
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
@@ -535,7 +542,7 @@ fn an_elastic_group_that_re_forms_while_training_raises_no_false_hang() {
     assert!(killed);
     let (out, _) = wait_with_timeout(child, std::time::Duration::from_secs(120));
     let err = text(&out.stderr);
-    assert!(err.contains("(lost: cwe-h3)"), "{err}");
+    assert!(err.contains(&format!("(lost: {})", c.host(3))), "{err}");
     assert!(!err.contains("nrun: hang:"), "{err}");
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(
