@@ -295,7 +295,8 @@ pub struct WorkerFailure {
     pub traceback: Option<String>,
     /// Where the traceback came from (TORCHELASTIC_ERROR_FILE on its node).
     pub error_file: PathBuf,
-    /// Ranks of its node that exited 0 shortly before it failed (rank, seconds before).
+    /// Ranks of its node that exited 0 shortly before it failed (rank, seconds before), named
+    /// only where every failure of the node shows a peer's doing (see node::failed_by_peer).
     #[serde(default)]
     pub left_early: Vec<(usize, f64)>,
     /// The error file as the worker wrote it (for the launcher's own TORCHELASTIC_ERROR_FILE).

@@ -537,7 +537,8 @@ pub struct WatchArgs {
     )]
     pub watch: WatchWhen,
 
-    /// Seconds without progress on any rank (no stack changed) before a hang is diagnosed.
+    /// Seconds a rank may wait in one collective (with none waiting: every rank's stack stand
+    /// still) before a hang is diagnosed; the rank missing from that collective is named.
     #[arg(
         long = "hang-timeout",
         env = "NRUN_HANG_TIMEOUT",
