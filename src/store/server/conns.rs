@@ -1,9 +1,16 @@
 //! What one client may hold of the store's process: memory in replies and unfinished requests,
 //! time, and file descriptors.
 //!
-//! - Replies: a connection with more than [`Limits::out_budget`] of replies queued stops being
-//!   read until its socket takes them (backpressure, so pipelined GETs of a large value cost a
-//!   bounded buffer), and one whose socket takes nothing for [`Limits::stall`] is closed.
+//! - Replies: one budget, counted while a reply is built, not after. A reply is sized under the
+//!   state's lock before a byte of it is copied, and built only if it fits: the connection's own
+//!   [`Limits::out_budget`] (past it, what is queued is written first: pipelined GETs of a large
+//!   value cost a bounded buffer), its address's [`Limits::peer_reply_budget`] (all connections
+//!   of one client that has not proven nrun's secret, together) and the store's
+//!   [`Limits::reply_budget`] (every connection together). A reply that does not fit waits,
+//!   unbuilt, until others' replies are written (closed after [`Limits::stall`]); one larger than
+//!   a whole budget is refused (the connection closed). Replies of up to [`SMALL_REPLY`] always
+//!   fit, so heartbeats and ordinary requests are never held up by someone's large ones. A
+//!   connection whose socket takes nothing for [`Limits::stall`] is closed.
 //! - Unfinished requests: a request begun must be whole within [`Limits::frame_timeout`], and all
 //!   connections' read buffers together stay under [`Limits::partial_budget`] (the connection
 //!   whose growth would pass it is closed).
@@ -34,6 +41,11 @@ pub(super) const EVICT: u8 = 0xff;
 pub struct Limits {
     /// Replies queued but unwritten past which a connection is no longer read.
     pub out_budget: usize,
+    /// Bytes the replies of all connections may hold together (built and unwritten).
+    pub reply_budget: usize,
+    /// Bytes the replies of one address's connections that have not proven nrun's secret may
+    /// hold together.
+    pub peer_reply_budget: usize,
     /// A connection whose socket accepts no reply bytes for this long is closed.
     pub stall: Duration,
     /// A request begun must be whole within this (from its first byte).
@@ -54,6 +66,8 @@ impl Default for Limits {
     fn default() -> Limits {
         Limits {
             out_budget: 64 << 20,
+            reply_budget: 256 << 20,
+            peer_reply_budget: 64 << 20,
             stall: Duration::from_secs(30),
             frame_timeout: Duration::from_secs(30),
             partial_budget: 1 << 30,
@@ -77,6 +91,9 @@ impl Limits {
 /// Read buffers up to this size never count against the partial budget's refusal (every
 /// connection may always read ordinary requests); they are still counted.
 pub(super) const SMALL_BUFFER: usize = 1 << 20;
+
+/// Replies (all of one connection's queued ones) up to this size fit whatever the budgets hold.
+pub(super) const SMALL_REPLY: usize = 64 << 10;
 
 /// The most connections this process can hold: its open-file limit less room for nrun's own
 /// files (workers' pipes and logs, agents' links, the listener itself).
@@ -109,6 +126,8 @@ pub(super) struct Live {
     pub(super) wake: OnceLock<mpsc::UnboundedSender<u8>>,
     /// Chosen to make room (read by a task that had not yet set `wake`).
     pub(super) evicted: AtomicBool,
+    /// Reply bytes held by all connections from this address (shared by them).
+    pub(super) peer_replies: Arc<AtomicUsize>,
     origin: Instant,
 }
 
@@ -133,6 +152,9 @@ pub(super) struct Conns {
     by_peer: HashMap<IpAddr, HashMap<u64, Arc<Live>>>,
     /// How many of each address's connections proved nrun's secret.
     authed_by_peer: HashMap<IpAddr, usize>,
+    /// Reply bytes each address's connections hold (see [`Live::peer_replies`]); kept while a
+    /// connection of the address, even one closed to make room, still holds the count.
+    replies_by_peer: HashMap<IpAddr, Arc<AtomicUsize>>,
     total: usize,
     origin: Instant,
 }
@@ -142,6 +164,7 @@ impl Default for Conns {
         Conns {
             by_peer: HashMap::new(),
             authed_by_peer: HashMap::new(),
+            replies_by_peer: HashMap::new(),
             total: 0,
             origin: Instant::now(),
         }
@@ -180,6 +203,7 @@ impl Conns {
             parked: AtomicBool::new(false),
             wake: OnceLock::new(),
             evicted: AtomicBool::new(false),
+            peer_replies: self.replies_by_peer.entry(ip).or_default().clone(),
             origin: self.origin,
         });
         self.by_peer.entry(ip).or_default().insert(id, live.clone());
@@ -209,6 +233,14 @@ impl Conns {
             if m.is_empty() {
                 self.by_peer.remove(&ip);
             }
+        }
+        // Only the registry's own reference left: no connection of the address counts in it.
+        if self
+            .replies_by_peer
+            .get(&ip)
+            .is_some_and(|r| Arc::strong_count(r) == 1)
+        {
+            self.replies_by_peer.remove(&ip);
         }
     }
 
@@ -280,6 +312,91 @@ impl<'a> Held<'a> {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         self.total.fetch_sub(self.n, Ordering::Relaxed);
+    }
+}
+
+/// What [`Replies::room`] decided about a reply.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Room {
+    /// Counted: build it.
+    Fits,
+    /// Not now: write what is queued, or wait for others', then ask again.
+    Later,
+    /// Larger than a whole budget: it never will.
+    Never(String),
+}
+
+/// The reply bytes one connection holds, counted in its address's and the store's totals
+/// (see the module's doc); given back when it ends.
+pub(super) struct Replies<'a> {
+    total: &'a AtomicUsize,
+    peer: Arc<AtomicUsize>,
+    n: usize,
+}
+
+impl<'a> Replies<'a> {
+    pub(super) fn new(total: &'a AtomicUsize, live: &Live) -> Replies<'a> {
+        Replies {
+            total,
+            peer: live.peer_replies.clone(),
+            n: 0,
+        }
+    }
+
+    /// Counts room for `size` more bytes after the `queued` ones, if every budget has it.
+    /// `stranger`: the connection has not proven nrun's secret (its address's budget applies).
+    pub(super) fn room(&mut self, queued: usize, size: usize, stranger: bool, l: &Limits) -> Room {
+        let want = queued.saturating_add(size);
+        if want <= self.n || want <= SMALL_REPLY {
+            self.set(want.max(self.n));
+            return Room::Fits;
+        }
+        let (budget, which) = if stranger && l.peer_reply_budget < l.reply_budget {
+            (l.peer_reply_budget, "one client's replies")
+        } else {
+            (l.reply_budget, "all replies")
+        };
+        if size > budget {
+            return Room::Never(format!(
+                "a reply of {size} bytes is over the store's budget for {which} ({budget} bytes)"
+            ));
+        }
+        if queued > 0 && want > l.out_budget {
+            return Room::Later;
+        }
+        let more = want - self.n;
+        // Counted first, then checked: two connections racing for the last room cannot both
+        // pass; the one that does not fit takes its count back.
+        let total = self.total.fetch_add(more, Ordering::Relaxed) + more;
+        let peer = self.peer.fetch_add(more, Ordering::Relaxed) + more;
+        if total > l.reply_budget || (stranger && peer > l.peer_reply_budget) {
+            self.total.fetch_sub(more, Ordering::Relaxed);
+            self.peer.fetch_sub(more, Ordering::Relaxed);
+            return Room::Later;
+        }
+        self.n = want;
+        Room::Fits
+    }
+
+    /// Counts `n` bytes (the connection's reply buffer as it now is).
+    pub(super) fn set(&mut self, n: usize) {
+        if n == self.n {
+            return;
+        }
+        if n > self.n {
+            self.total.fetch_add(n - self.n, Ordering::Relaxed);
+            self.peer.fetch_add(n - self.n, Ordering::Relaxed);
+        } else {
+            self.total.fetch_sub(self.n - n, Ordering::Relaxed);
+            self.peer.fetch_sub(self.n - n, Ordering::Relaxed);
+        }
+        self.n = n;
+    }
+}
+
+impl Drop for Replies<'_> {
+    fn drop(&mut self) {
+        self.set(0);
     }
 }
 
