@@ -77,7 +77,8 @@ fn torch(port: u16, code: &str) -> Option<(String, String)> {
 
 /// A torch client's set/get against `port` (nrun's client without torch).
 fn torch_set_get(port: u16, key: &str) {
-    let code = format!("s.set('{key}', 'ok'); assert s.get('{key}') == b'ok'; print('torch client ok')");
+    let code =
+        format!("s.set('{key}', 'ok'); assert s.get('{key}') == b'ok'; print('torch client ok')");
     match torch(port, &code) {
         Some((out, err)) => assert!(out.contains("torch client ok"), "{out}\n{err}"),
         None => {
@@ -85,7 +86,9 @@ fn torch_set_get(port: u16, key: &str) {
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async {
                 let addr = SocketAddr::from(([127, 0, 0, 1], port));
-                let mut c = Client::connect(addr, Duration::from_secs(10)).await.unwrap();
+                let mut c = Client::connect(addr, Duration::from_secs(10))
+                    .await
+                    .unwrap();
                 c.set(key.as_bytes(), b"ok").await.unwrap();
                 assert_eq!(c.get(key.as_bytes()).await.unwrap(), b"ok");
             });
@@ -130,7 +133,11 @@ async fn append_past_the_value_limit_is_refused() {
     assert!(closed(&mut s).await, "100 MiB of appends were all taken");
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     assert_eq!(c.get(b"/v").await.unwrap().len(), VALUE, "/v changed");
-    assert_eq!(c.get(b"/w").await.unwrap().len(), VALUE, "/w not grown to the limit");
+    assert_eq!(
+        c.get(b"/w").await.unwrap().len(),
+        VALUE,
+        "/w not grown to the limit"
+    );
     assert!(store.stored_bytes() < 3 * VALUE);
     // A torch client sees an error, not a hang (APPEND has no reply: the next request on its
     // connection raises); the store serves it again afterwards.
@@ -165,7 +172,11 @@ impl MemCgroup {
         let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
             .is_ok_and(|c| c.split_whitespace().any(|w| w == "memory"));
         let (dir, v2, limit) = if v2 {
-            (PathBuf::from("/sys/fs/cgroup").join(&name), true, "memory.max")
+            (
+                PathBuf::from("/sys/fs/cgroup").join(&name),
+                true,
+                "memory.max",
+            )
         } else {
             let v1 = PathBuf::from("/sys/fs/cgroup/memory");
             (v1.join(&name), false, "memory.limit_in_bytes")
@@ -193,7 +204,11 @@ impl MemCgroup {
 
     /// How many processes the kernel killed for the cgroup's limit.
     fn oom_kills(&self) -> u64 {
-        let file = if self.v2 { "memory.events" } else { "memory.oom_control" };
+        let file = if self.v2 {
+            "memory.events"
+        } else {
+            "memory.oom_control"
+        };
         std::fs::read_to_string(self.dir.join(file))
             .unwrap_or_default()
             .lines()
@@ -204,7 +219,11 @@ impl MemCgroup {
 
     /// The cgroup's peak memory (all its processes, their sockets and page cache), in MiB.
     fn peak_mib(&self) -> u64 {
-        let file = if self.v2 { "memory.peak" } else { "memory.max_usage_in_bytes" };
+        let file = if self.v2 {
+            "memory.peak"
+        } else {
+            "memory.max_usage_in_bytes"
+        };
         std::fs::read_to_string(self.dir.join(file))
             .ok()
             .and_then(|s| s.trim().parse::<u64>().ok())
@@ -239,9 +258,12 @@ fn peak_rss_mib(pid: u32) -> u64 {
 /// store among them).
 fn nrun_pids(child: u32) -> Vec<u32> {
     let mut pids = vec![child];
-    let kids = std::fs::read_to_string(format!("/proc/{child}/task/{child}/children"))
-        .unwrap_or_default();
-    for k in kids.split_whitespace().filter_map(|k| k.parse::<u32>().ok()) {
+    let kids =
+        std::fs::read_to_string(format!("/proc/{child}/task/{child}/children")).unwrap_or_default();
+    for k in kids
+        .split_whitespace()
+        .filter_map(|k| k.parse::<u32>().ok())
+    {
         let exe = std::fs::read_link(format!("/proc/{k}/exe")).unwrap_or_default();
         if exe == nrun_bin() {
             pids.push(k);
@@ -262,7 +284,10 @@ fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
             }
             panic!("nrun ended ({status}) before its store listened on {addr}:\n{err}");
         }
-        assert!(Instant::now() < deadline, "nrun's store never listened on {addr}");
+        assert!(
+            Instant::now() < deadline,
+            "nrun's store never listened on {addr}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -281,7 +306,13 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
     };
     let port = free_port();
     let s = Scene::new();
-    let mut c = s.cmd(&["--master-port", &port.to_string(), "--no-python", "sleep", "600"]);
+    let mut c = s.cmd(&[
+        "--master-port",
+        &port.to_string(),
+        "--no-python",
+        "sleep",
+        "600",
+    ]);
     let procs = std::ffi::CString::new(cg.procs().to_str().unwrap()).unwrap();
     // SAFETY: open, write, close only, between fork and exec (no allocation).
     unsafe {
@@ -298,12 +329,18 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
     let mut child = c.spawn().unwrap();
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     await_listen(&mut child, addr);
-    let before = nrun_pids(child.id()).into_iter().map(peak_rss_mib).max().unwrap();
+    let before = nrun_pids(child.id())
+        .into_iter()
+        .map(peak_rss_mib)
+        .max()
+        .unwrap();
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let big = b"/big".to_vec();
     let (hoarders, read) = rt.block_on(async {
-        let mut setter = Client::connect(addr, Duration::from_secs(10)).await.unwrap();
+        let mut setter = Client::connect(addr, Duration::from_secs(10))
+            .await
+            .unwrap();
         setter.set(&big, &vec![7u8; VALUE]).await.unwrap();
         // SET has no reply: the GET says it was stored before anyone asks for it.
         assert_eq!(setter.get(&big).await.unwrap().len(), VALUE);
@@ -330,7 +367,10 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
         }))
         .await
         .unwrap();
-        assert!(closed(&mut huge).await, "a 256 MiB MULTI_GET reply was served");
+        assert!(
+            closed(&mut huge).await,
+            "a 256 MiB MULTI_GET reply was served"
+        );
         // Read everything they asked for, each reply checked.
         let mut readers = Vec::new();
         for _ in 0..8 {
@@ -354,7 +394,10 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
         let torch = tokio::task::spawn_blocking(move || torch_set_get(port, "during-gets"));
         let mut read = 0usize;
         for r in readers {
-            read += r.await.unwrap().expect("a reading connection was not served");
+            read += r
+                .await
+                .unwrap()
+                .expect("a reading connection was not served");
         }
         torch.await.unwrap();
         (hoarders, read)
@@ -368,7 +411,10 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
         cg.peak_mib(),
         read >> 20
     );
-    assert!(alive && cg.oom_kills() == 0, "nrun was killed in its 512 MiB cgroup");
+    assert!(
+        alive && cg.oom_kills() == 0,
+        "nrun was killed in its 512 MiB cgroup"
+    );
     assert_eq!(read, 8 * 23 * VALUE);
     assert!(peak < 400, "nrun's peak RSS was {peak} MiB");
     drop(hoarders);
@@ -396,7 +442,8 @@ fn a_filled_store_fails_the_writer_not_the_job() {
     let exclude = s.dir.path().join("bad-nodes");
     std::fs::write(&exclude, "").unwrap();
     let go = s.dir.path().join("go");
-    let work = "echo started >> $MARK; while [ ! -e $GO ]; do sleep 0.1; done; echo rank $RANK done";
+    let work =
+        "echo started >> $MARK; while [ ! -e $GO ]; do sleep 0.1; done; echo rank $RANK done";
     let child = c.spawn_on(
         &s,
         2,

@@ -7,10 +7,12 @@
 //! connection's channel. Keeping every write in one task is what makes the CANCEL_WAIT race come
 //! out right: a STOP_WAITING already queued is written before the WAIT_CANCELED reply.
 //!
-//! That task serves the requests it has buffered only while their replies fit its output budget,
-//! then writes them before reading or serving more: a client that pipelines GETs of a large
-//! value without reading holds one budget's worth of replies, not all of them. What else a
-//! client may hold (unfinished requests, time, connections) is in [`conns`].
+//! That task serves the requests it has buffered only while their replies fit the reply budget,
+//! sized and counted before each is built (its own share, its address's, the store's), then
+//! writes them before reading or serving more: a client that pipelines GETs of a large value
+//! without reading holds one budget's worth of replies, not all of them, and no number of such
+//! connections holds more than the store's. What else a client may hold (unfinished requests,
+//! time, connections) is in [`conns`].
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;

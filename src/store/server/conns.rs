@@ -9,8 +9,9 @@
 //!   [`Limits::reply_budget`] (every connection together). A reply that does not fit waits,
 //!   unbuilt, until others' replies are written (closed after [`Limits::stall`]); one larger than
 //!   a whole budget is refused (the connection closed). Replies of up to [`SMALL_REPLY`] always
-//!   fit, so heartbeats and ordinary requests are never held up by someone's large ones. A
-//!   connection whose socket takes nothing for [`Limits::stall`] is closed.
+//!   fit, so heartbeats and ordinary requests are never held up by someone's large ones, and a
+//!   connection that proved nrun's secret (an agent) is counted but never held up. A connection
+//!   whose socket takes nothing for [`Limits::stall`] is closed.
 //! - Unfinished requests: a request begun must be whole within [`Limits::frame_timeout`], and all
 //!   connections' read buffers together stay under [`Limits::partial_budget`] (the connection
 //!   whose growth would pass it is closed).
@@ -344,14 +345,23 @@ impl<'a> Replies<'a> {
     }
 
     /// Counts room for `size` more bytes after the `queued` ones, if every budget has it.
-    /// `stranger`: the connection has not proven nrun's secret (its address's budget applies).
+    /// `stranger`: the connection has not proven nrun's secret. One that has (nrun's own agent)
+    /// is counted but never held up by the shared budgets, which strangers may have filled: no
+    /// client makes the control plane wait.
     pub(super) fn room(&mut self, queued: usize, size: usize, stranger: bool, l: &Limits) -> Room {
         let want = queued.saturating_add(size);
-        if want <= self.n || want <= SMALL_REPLY {
+        if want <= self.n || want <= SMALL_REPLY || (!stranger && queued == 0) {
             self.set(want.max(self.n));
             return Room::Fits;
         }
-        let (budget, which) = if stranger && l.peer_reply_budget < l.reply_budget {
+        if queued > 0 && want > l.out_budget {
+            return Room::Later;
+        }
+        if !stranger {
+            self.set(want);
+            return Room::Fits;
+        }
+        let (budget, which) = if l.peer_reply_budget < l.reply_budget {
             (l.peer_reply_budget, "one client's replies")
         } else {
             (l.reply_budget, "all replies")
@@ -361,15 +371,12 @@ impl<'a> Replies<'a> {
                 "a reply of {size} bytes is over the store's budget for {which} ({budget} bytes)"
             ));
         }
-        if queued > 0 && want > l.out_budget {
-            return Room::Later;
-        }
         let more = want - self.n;
         // Counted first, then checked: two connections racing for the last room cannot both
         // pass; the one that does not fit takes its count back.
         let total = self.total.fetch_add(more, Ordering::Relaxed) + more;
         let peer = self.peer.fetch_add(more, Ordering::Relaxed) + more;
-        if total > l.reply_budget || (stranger && peer > l.peer_reply_budget) {
+        if total > l.reply_budget || peer > l.peer_reply_budget {
             self.total.fetch_sub(more, Ordering::Relaxed);
             self.peer.fetch_sub(more, Ordering::Relaxed);
             return Room::Later;
@@ -442,5 +449,50 @@ mod tests {
             c.remove(id, ip);
         }
         assert!(!c.authed_by_peer.contains_key(&ip));
+    }
+
+    /// One reply budget: strangers of one address share theirs, everyone shares the store's, a
+    /// reply past a whole budget never fits, small replies and agents' always do, and what a
+    /// connection gives back is room for the others.
+    #[test]
+    fn replies_share_one_budget() {
+        let l = Limits {
+            out_budget: 64,
+            reply_budget: 300 << 10,
+            peer_reply_budget: 200 << 10,
+            ..Limits::default()
+        };
+        let total = AtomicUsize::new(0);
+        let mut c = Conns::default();
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let lives: Vec<_> = [a, a, b, b]
+            .iter()
+            .enumerate()
+            .map(|(i, ip)| c.admit(i as u64, *ip, 10, 100).unwrap())
+            .collect();
+        let mut r: Vec<_> = lives.iter().map(|l| Replies::new(&total, l)).collect();
+        let k = 1 << 10;
+        assert_eq!(r[0].room(0, 150 * k, true, &l), Room::Fits);
+        // Its address has 50 KiB left: the second connection of `a` waits.
+        assert_eq!(r[1].room(0, 100 * k, true, &l), Room::Later);
+        // Another address has its own share, within the store's 300 KiB.
+        assert_eq!(r[2].room(0, 100 * k, true, &l), Room::Fits);
+        // Within its address's share, past the store's.
+        assert_eq!(r[3].room(0, 70 * k, true, &l), Room::Later);
+        // Small replies always fit; past a whole budget, never.
+        assert_eq!(r[3].room(0, 1000, true, &l), Room::Fits);
+        assert!(matches!(r[3].room(0, 250 * k, true, &l), Room::Never(_)));
+        // An agent is counted, never held up.
+        let agent = c.admit(9, b, 10, 100).unwrap();
+        let mut ra = Replies::new(&total, &agent);
+        assert_eq!(ra.room(0, 400 * k, false, &l), Room::Fits);
+        drop(ra);
+        // Written: the room is the others'.
+        r[0].set(0);
+        assert_eq!(r[1].room(0, 100 * k, true, &l), Room::Fits);
+        drop(r);
+        assert_eq!(total.load(Ordering::Relaxed), 0);
+        assert_eq!(lives[0].peer_replies.load(Ordering::Relaxed), 0);
     }
 }
