@@ -292,6 +292,9 @@ fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
     }
 }
 
+/// What a test says when nrun's store stops answering mid-attack.
+const GONE: &str = "nrun's store went away during the attack (killed in its memory cgroup?)";
+
 /// The GET and MULTI_GET attack of issue 35 on 16 connections from two other "hosts"
 /// (127.0.0.2 and .3), against a real nrun in a 512 MiB memory cgroup: eight connections
 /// pipeline a 56 MiB MULTI_GET and 16 GETs of an 8 MiB value and never read; eight more ask
@@ -356,12 +359,12 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
         // Never read: they hold what the store lets them.
         let mut hoarders = Vec::new();
         for _ in 0..8 {
-            let mut h = raw_from([127, 0, 0, 2], addr).await.unwrap();
-            h.write_all(&ask()).await.unwrap();
+            let mut h = raw_from([127, 0, 0, 2], addr).await.expect(GONE);
+            h.write_all(&ask()).await.expect(GONE);
             hoarders.push(h);
         }
         // One reply larger than any budget: refused, not built.
-        let mut huge = raw_from([127, 0, 0, 2], addr).await.unwrap();
+        let mut huge = raw_from([127, 0, 0, 2], addr).await.expect(GONE);
         huge.write_all(&enc(Request::MultiGet {
             keys: vec![big.clone(); 32],
         }))
@@ -374,7 +377,7 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
         // Read everything they asked for, each reply checked.
         let mut readers = Vec::new();
         for _ in 0..8 {
-            let mut r = raw_from([127, 0, 0, 3], addr).await.unwrap();
+            let mut r = raw_from([127, 0, 0, 3], addr).await.expect(GONE);
             let req = ask();
             readers.push(tokio::spawn(async move {
                 r.write_all(&req).await?;
@@ -469,37 +472,33 @@ fn a_filled_store_fails_the_writer_not_the_job() {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let filled = rt.block_on(async {
-        // 1 MiB values from another "host" until the store refuses one (closing that
-        // connection), then again on fresh connections: the store stays full.
-        let mut taken = 0;
-        for round in 0..3 {
-            let mut conn = Client::from_stream(
-                TcpSocket::new_v4()
-                    .and_then(|s| {
-                        s.bind(SocketAddr::from(([127, 0, 0, 2], 0)))?;
-                        Ok(s)
-                    })
-                    .unwrap()
-                    .connect(addr)
-                    .await
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
-            for i in 0..64 {
-                let key = format!("/fill/{round}/{i}");
-                if conn.set(key.as_bytes(), &vec![9u8; 1 << 20]).await.is_err()
+        // Values from another "host" until the store refuses one (closing that connection),
+        // then smaller ones on fresh connections, down to empty ones: full to the last bytes,
+        // where not even an empty value with a short key fits.
+        let mut taken = 0usize;
+        for (round, size) in [1usize << 20, 64 << 10, 4 << 10, 256, 0]
+            .into_iter()
+            .enumerate()
+        {
+            let sock = TcpSocket::new_v4().unwrap();
+            sock.bind(SocketAddr::from(([127, 0, 0, 2], 0))).unwrap();
+            let mut conn = Client::from_stream(sock.connect(addr).await.unwrap())
+                .await
+                .unwrap();
+            for i in 0.. {
+                let key = format!("/f{round}/{i}");
+                if conn.set(key.as_bytes(), &vec![9u8; size]).await.is_err()
                     || conn.ping(1).await.is_err()
                 {
                     break;
                 }
-                taken += 1;
-                assert!(taken <= 8, "{taken} MiB taken by an 8 MiB store");
+                taken += size;
+                assert!(taken <= 8 << 20, "{taken} bytes taken by an 8 MiB store");
             }
         }
         taken
     });
-    assert!(filled >= 6, "only {filled} MiB fit an 8 MiB store");
+    assert!(filled >= 7 << 20, "only {filled} bytes fit an 8 MiB store");
     // The store is full now; the workers end, and their agents publish the step's result.
     std::fs::write(&go, "").unwrap();
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
