@@ -383,7 +383,7 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
                 r.write_all(&req).await?;
                 let mut got = 0usize;
                 let mut v = vec![0u8; VALUE];
-                for n in std::iter::once(7usize).chain(std::iter::repeat(1).take(16)) {
+                for n in std::iter::once(7usize).chain(std::iter::repeat_n(1, 16)) {
                     for _ in 0..n {
                         let len = r.read_u64_le().await? as usize;
                         assert_eq!(len, VALUE, "a reply of the wrong length");
