@@ -374,6 +374,15 @@ struct Node {
 }
 
 impl Node {
+    /// What this node publishes (a step's result, with its stderr tails and tracebacks; the
+    /// watch's views of its workers), sealed with the run's secret as its steps are: whoever
+    /// reads the store without the secret (a c10d store on the network) learns nothing of it.
+    /// Bound to the key only (run, node, step), not to this join: the launch host reads it
+    /// whether or not it has taken this join's record in yet.
+    fn seal(&self, key: &[u8], value: &[u8]) -> Vec<u8> {
+        crate::store::auth::seal(self.secret.as_bytes(), key, b"", value)
+    }
+
     fn lost(&self, e: std::io::Error) -> Error {
         Error::helper(format!(
             "nrun agent on {}: lost the launch host's store: {e}",
@@ -427,7 +436,8 @@ impl Node {
                     };
                     // Acknowledged, so a coordinator waiting for nodes that joined by
                     // themselves can close its store.
-                    let _ = store.set(&self.keys.result(self.index, no), b"end").await;
+                    let key = self.keys.result(self.index, no);
+                    let _ = store.set(&key, &self.seal(&key, b"end")).await;
                     return Ok(protocol::Ended {
                         code: code.and_then(|c| String::from_utf8_lossy(&c).parse().ok()),
                         root_cause: root_cause
@@ -437,8 +447,9 @@ impl Node {
                 }
             };
             let value = serde_json::to_vec(&result).map_err(|e| Error::helper(e.to_string()))?;
+            let key = self.keys.result(self.index, no);
             store
-                .set(&self.keys.result(self.index, no), &value)
+                .set(&key, &self.seal(&key, &value))
                 .await
                 .map_err(lost)?;
             if *gone_rx.borrow() {
@@ -587,7 +598,7 @@ impl Node {
                 Some(Woke::Ran(done)) => return Ok(done),
                 Some(Woke::View(Some(v))) => {
                     if let (Some(c), Ok(json)) = (conn.as_mut(), serde_json::to_vec(&v)) {
-                        let _ = c.set(&view_key, &json).await;
+                        let _ = c.set(&view_key, &self.seal(&view_key, &json)).await;
                     }
                 }
                 // The watch ended before the workers did: nothing more to publish.

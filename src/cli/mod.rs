@@ -275,7 +275,7 @@ pub struct RendezvousArgs {
     pub rdzv_id: Option<String>,
 
     /// Most bytes the store holds for its clients (K/M/G suffixes); a write past it fails that
-    /// client with a message, never the job's store.
+    /// client with a message, never the job's store (nrun's own keys have a budget of their own).
     #[arg(
         long = "store-max-bytes",
         env = "NRUN_STORE_MAX_BYTES",

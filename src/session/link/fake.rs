@@ -128,7 +128,15 @@ impl NodeLink for FakeLink {
         self.requests = tx;
         let store = bus.store.clone().expect("a fake session has a store");
         let key = bus.keys.result(node, no);
-        let publish = move |r: StepResult| store.set(&key, &serde_json::to_vec(&r).unwrap());
+        // Sealed as an agent seals it (`agent::Node::seal`).
+        let secret = bus.secret.clone().unwrap_or_default();
+        let publish = move |r: StepResult| {
+            let json = serde_json::to_vec(&r).unwrap();
+            store.set(
+                &key,
+                &crate::store::auth::seal(secret.as_bytes(), &key, b"", &json),
+            )
+        };
         let script = self.script.clone();
         let probe = matches!(step, Step::Probe { .. });
         tokio::spawn(async move {

@@ -283,9 +283,28 @@ impl Bus {
         );
     }
 
+    /// What a node published under `key`, opened with the run's secret (its agent sealed it,
+    /// `agent::Node::seal`): None when missing, or not sealed with it (written by something
+    /// other than that node's agent).
+    fn opened(&self, key: &[u8]) -> Option<Vec<u8>> {
+        let raw = self.store.as_ref()?.get(key)?;
+        let secret = self.secret.as_deref().unwrap_or("");
+        let opened = crate::store::auth::open(secret.as_bytes(), key, b"", &raw);
+        if opened.is_none() {
+            // Asked again at every look: said at debug level, not once a poll.
+            tracing::debug!(
+                "{} in this host's store is not sealed with this run's secret: ignored (written \
+                 by something other than this run's agent, or the nruns differ: compare `nrun \
+                 --version` on both)",
+                String::from_utf8_lossy(key)
+            );
+        }
+        opened
+    }
+
     /// Node `node`'s result of step `no`, if it published one.
     pub fn result(&self, node: usize, no: usize) -> Option<StepResult> {
-        let raw = self.store.as_ref()?.get(&self.keys.result(node, no))?;
+        let raw = self.opened(&self.keys.result(node, no))?;
         serde_json::from_slice(&raw).ok()
     }
 
@@ -298,7 +317,7 @@ impl Bus {
 
     /// Node `node`'s view during step `no`, if it changed since `last`.
     pub fn view(&self, node: usize, no: usize, last: &mut Vec<u8>) -> Option<NodeWatch> {
-        let raw = self.store.as_ref()?.get(&self.keys.watch(node, no))?;
+        let raw = self.opened(&self.keys.watch(node, no))?;
         if raw == *last {
             return None;
         }
