@@ -18,7 +18,14 @@ struct Slurm {
 }
 
 impl Slurm {
+    /// `NRUN_TEST_CLUSTER_PREFIX` goes before `name`, as for [`Cluster::up`]: several worktrees
+    /// testing at once on one machine build clusters of their own.
     fn up(name: &str, k: usize) -> Option<Slurm> {
+        let prefixed = format!(
+            "{}{name}",
+            std::env::var("NRUN_TEST_CLUSTER_PREFIX").unwrap_or_default()
+        );
+        let name = prefixed.as_str();
         if !nix_is_root() {
             eprintln!("SKIPPED slurm test {name}: needs root");
             return None;
@@ -117,7 +124,10 @@ fn inside_an_allocation_one_srun_step_starts_every_node() {
     }
     // Each node's workers on its own interface and host.
     for i in 1..=3 {
-        assert!(stdout.contains(&format!("[sa1-h{i}:rank")), "{stdout}");
+        assert!(
+            stdout.contains(&format!("[{}-h{i}:rank", sl.name)),
+            "{stdout}"
+        );
     }
     assert!(stderr.contains("3/3 nodes joined"), "{stderr}");
     // The network preflight across the allocation.
@@ -175,7 +185,10 @@ fn srun_on_every_node_and_a_failure_ends_the_job_everywhere() {
         assert_eq!(log.matches(&format!("rank={r} ")).count(), 1, "{log}");
     }
     // Node index from Slurm: group 1 runs on the second node.
-    assert!(log.contains("rank=2 group=1 of=6 host=sa2-h2"), "{log}");
+    assert!(
+        log.contains(&format!("rank=2 group=1 of=6 host={}-h2", sl.name)),
+        "{log}"
+    );
 
     // A worker failing on node 2 (group 2): every node's nrun exits with its code.
     let t0 = Instant::now();
@@ -188,7 +201,8 @@ fn srun_on_every_node_and_a_failure_ends_the_job_everywhere() {
     let log = std::fs::read_to_string(&out_file).unwrap_or_default();
     assert_ne!(out.status.code(), Some(0), "{log}");
     assert!(
-        log.contains("rank 4 on sa2-h3") || log.contains("rank 5 on sa2-h3"),
+        log.contains(&format!("rank 4 on {}-h3", sl.name))
+            || log.contains(&format!("rank 5 on {}-h3", sl.name)),
         "{log}"
     );
     assert!(t0.elapsed() < Duration::from_secs(60));
@@ -342,10 +356,19 @@ fn inside_an_allocation_of_four_a_bad_node_is_left_out_for_a_job_of_three() {
             "{stdout}\n{stderr}"
         );
     }
-    assert!(!stdout.contains("host=sa5-h2 "), "{stdout}");
-    assert!(stderr.contains("leaving out sa5-h2 (check)"), "{stderr}");
     assert!(
-        stderr.contains("for the next sbatch of this job: --exclude=sa5-h2"),
+        !stdout.contains(&format!("host={}-h2 ", sl.name)),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(&format!("leaving out {}-h2 (check)", sl.name)),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "for the next sbatch of this job: --exclude={}-h2",
+            sl.name
+        )),
         "{stderr}"
     );
     s.assert_no_survivors();
@@ -382,11 +405,21 @@ fn inside_an_allocation_a_node_lost_mid_run_is_replaced_by_the_spare() {
     assert_eq!(second.len(), 3, "{stdout}\n{stderr}");
     assert!(second.iter().all(|l| l.contains("world=3")), "{stdout}");
     assert!(
-        !second.iter().any(|l| l.contains("host=sa6-h2")),
+        !second
+            .iter()
+            .any(|l| l.contains(&format!("host={}-h2", sl.name))),
         "{stdout}"
     );
-    assert!(second.iter().any(|l| l.contains("host=sa6-h4")), "{stdout}");
-    assert!(stderr.contains("--exclude=sa6-h2"), "{stderr}");
+    assert!(
+        second
+            .iter()
+            .any(|l| l.contains(&format!("host={}-h4", sl.name))),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(&format!("--exclude={}-h2", sl.name)),
+        "{stderr}"
+    );
     s.assert_no_survivors();
     sl.cluster.assert_nothing_left_but_slurmd(4);
 }

@@ -25,8 +25,18 @@ use crate::session::link::Nudges;
 /// Lines of an agent's stderr kept to explain why it failed.
 const TAIL_LINES: usize = 10;
 
-/// Bytes read at a time from an agent's stdout and stderr.
+/// Bytes read at a time from an agent's stdout and stderr: small, two per node (8 KiB each
+/// were a third of the launch host's memory at a thousand nodes); longer lines still come
+/// through whole.
 const RELAY_BUFFER: usize = 2048;
+
+/// The longest line passed on whole: an agent's lines are at most a worker's longest
+/// ([`crate::node::output::MAX_LINE`]) with its prefix; anything longer is passed on in pieces
+/// of this size, so a relay's memory stays bounded whatever comes.
+const RELAY_LINE: usize = crate::node::output::MAX_LINE + 4096;
+
+/// How long an agent's pipes may stay open after its end, held by something it left.
+const RELAY_DRAIN: Duration = Duration::from_secs(2);
 
 /// An agent process (or the srun step of all of them) and what nrun saw of it. A task of its
 /// own waits for it (and kills it when asked, or when this is dropped), so that its end is an
@@ -38,6 +48,10 @@ pub struct AgentProcess {
     kill: Option<oneshot::Sender<()>>,
     stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    /// The marks behind each step's output that came through its pipes (None: not read here).
+    marks: Option<Arc<Marks>>,
+    /// The tasks passing its stdout and stderr on.
+    relays: Vec<tokio::task::JoinHandle<()>>,
 }
 
 /// What starts a node's agent.
@@ -88,41 +102,26 @@ impl AgentProcess {
             let _ = s.write_all(format!("{line}\n").as_bytes()).await;
         }
         let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
-        // The agent prefixes its workers' lines; pass them on line by line. Small buffers: two
-        // per node, they were a third of the launch host's memory at a thousand nodes (8 KiB
-        // each), and a longer line still comes through whole.
-        if let Some(out) = stdout {
-            tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::with_capacity(RELAY_BUFFER, out).lines();
-                while let Ok(Some(l)) = lines.next_line().await {
-                    let _ = writeln!(std::io::stdout().lock(), "{l}");
-                }
-            });
-        }
-        if let Some(err) = stderr {
-            let tail = tail.clone();
-            let tag = relay.tag;
-            tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::with_capacity(RELAY_BUFFER, err).lines();
-                while let Ok(Some(l)) = lines.next_line().await {
-                    match &tag {
-                        // A child's own words, passed up the tree, named by their node: the
-                        // launch host takes its inner agent's unnamed nrun and ssh lines as
-                        // that agent's last words (a child's are not).
-                        Some(t) if own_line(&l) => {
-                            let _ = writeln!(std::io::stderr().lock(), "{t}: {l}");
-                        }
-                        _ => {
-                            let _ = writeln!(std::io::stderr().lock(), "{l}");
-                        }
-                    }
-                    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
-                    if t.len() == TAIL_LINES {
-                        t.pop_front();
-                    }
-                    t.push_back(l);
-                }
-            });
+        // The launch host reads the marks behind each step's output (see [`Marks`]); an inner
+        // agent of the launch tree passes its children's on with their lines.
+        let marks = (relay.marks && !hello.output_mark.is_empty()).then(|| {
+            Arc::new(Marks {
+                token: hello.output_mark.clone(),
+                nudges: relay.nudge.as_ref().map(|(n, _)| n.clone()),
+                seen: Mutex::default(),
+            })
+        });
+        // The agent prefixes its workers' lines; pass them on line by line.
+        let mut relays = Vec::new();
+        for (pipe, stream) in [(stdout, Stream::Out), (stderr, Stream::Err)] {
+            let Some(pipe) = pipe else { continue };
+            let to = Passing {
+                stream,
+                marks: marks.clone(),
+                tag: relay.tag.clone(),
+                tail: (stream == Stream::Err).then(|| tail.clone()),
+            };
+            relays.push(tokio::spawn(to.relay(pipe)));
         }
         if let Some((nudges, nodes)) = relay.nudge {
             let mut done = ended.clone();
@@ -138,6 +137,8 @@ impl AgentProcess {
             kill: Some(kill),
             stdin,
             stderr_tail: tail,
+            marks,
+            relays,
         })
     }
 
@@ -211,6 +212,22 @@ impl AgentProcess {
             }
             self.wait().await;
         }
+        // What it wrote last is passed on before nrun goes on (and exits): its pipes end with
+        // it, unless a process it left holds them (bounded).
+        let relays = std::mem::take(&mut self.relays);
+        let _ = tokio::time::timeout(RELAY_DRAIN, futures_join(relays)).await;
+    }
+
+    /// The marks read from its pipes, if the launch host reads them.
+    pub fn marks(&self) -> Option<Arc<Marks>> {
+        self.marks.clone()
+    }
+}
+
+/// Awaits every task of `tasks`.
+async fn futures_join(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for t in tasks {
+        let _ = t.await;
     }
 }
 
@@ -232,9 +249,150 @@ fn own_line(l: &str) -> bool {
         .any(|p| l.starts_with(p))
 }
 
+/// The marks that came through one agent process's pipes: for each node it serves (one, an
+/// srun step's many, an inner agent's subtree), the steps whose output ended on stdout and on
+/// stderr, and whether each pipe ended.
+pub struct Marks {
+    token: String,
+    /// Whom to nudge when a mark arrives (the session waits for it).
+    nudges: Option<Arc<Nudges>>,
+    seen: Mutex<Seen>,
+}
+
+#[derive(Default)]
+struct Seen {
+    /// Per node: one past the last step marked, on stdout and on stderr.
+    next: std::collections::HashMap<usize, [usize; 2]>,
+    /// Each pipe ended (nothing more can come).
+    closed: [bool; 2],
+}
+
+/// Whether a node's output of a step has reached this host.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// Every line of it is on this host's console: both marks came.
+    Arrived,
+    /// Not yet.
+    Pending,
+    /// It cannot come: this pipe (stdout, stderr) ended before its mark.
+    Cut(&'static str),
+}
+
+impl Marks {
+    fn saw(&self, stream: Stream, node: usize, no: usize) {
+        {
+            let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let next = &mut s.next.entry(node).or_default()[stream as usize];
+            *next = (*next).max(no + 1);
+        }
+        if let Some(n) = &self.nudges {
+            n.nudge(node);
+        }
+    }
+
+    fn closed(&self, stream: Stream) {
+        let nodes: Vec<usize> = {
+            let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            s.closed[stream as usize] = true;
+            s.next.keys().copied().collect()
+        };
+        if let Some(n) = &self.nudges {
+            nodes.into_iter().for_each(|i| n.nudge(i));
+        }
+    }
+
+    /// Where node `node`'s output of step `no` is.
+    pub fn delivery(&self, node: usize, no: usize) -> Delivery {
+        let s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let next = s.next.get(&node).copied().unwrap_or_default();
+        for (stream, name) in [(Stream::Out, "stdout"), (Stream::Err, "stderr")] {
+            let i = stream as usize;
+            if next[i] <= no {
+                return match s.closed[i] {
+                    true => Delivery::Cut(name),
+                    false => Delivery::Pending,
+                };
+            }
+        }
+        Delivery::Arrived
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stream {
+    Out = 0,
+    Err = 1,
+}
+
+/// How one of an agent's pipes is passed on.
+struct Passing {
+    stream: Stream,
+    marks: Option<Arc<Marks>>,
+    tag: Option<String>,
+    /// Its last lines, kept (stderr: the agent's last words).
+    tail: Option<Arc<Mutex<VecDeque<String>>>>,
+}
+
+impl Passing {
+    /// Copies the pipe to this process's own stream a line at a time (bytes as they are, not
+    /// only UTF-8), taking the output marks it reads out; records the pipe's end.
+    async fn relay(self, pipe: Reader) {
+        use tokio::io::AsyncReadExt as _;
+        let mut r = tokio::io::BufReader::with_capacity(RELAY_BUFFER, pipe);
+        let mut buf = Vec::with_capacity(RELAY_BUFFER);
+        loop {
+            buf.clear();
+            match (&mut r).take(RELAY_LINE as u64).read_until(b'\n', &mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            if buf.last() != Some(&b'\n') {
+                buf.push(b'\n');
+            }
+            self.line(&buf);
+        }
+        if let Some(m) = &self.marks {
+            m.closed(self.stream);
+        }
+    }
+
+    fn line(&self, buf: &[u8]) {
+        let text = String::from_utf8_lossy(&buf[..buf.len() - 1]);
+        if let Some(m) = &self.marks {
+            if let Some((node, no)) = crate::agent::protocol::read_output_mark(&text, &m.token) {
+                m.saw(self.stream, node, no);
+                return;
+            }
+        }
+        if self.stream == Stream::Out {
+            let _ = std::io::stdout().lock().write_all(buf);
+            return;
+        }
+        let mut err = std::io::stderr().lock();
+        let _ = match &self.tag {
+            // A child's own words, passed up the tree, named by their node: the launch host
+            // takes its inner agent's unnamed nrun and ssh lines as that agent's last words (a
+            // child's are not).
+            Some(t) if own_line(&text) => writeln!(err, "{t}: {text}"),
+            _ => err.write_all(buf),
+        };
+        drop(err);
+        if let Some(tail) = &self.tail {
+            let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
+            if t.len() == TAIL_LINES {
+                t.pop_front();
+            }
+            t.push_back(text.into_owned());
+        }
+    }
+}
+
 /// How an agent process's output is passed on and its end told.
 #[derive(Default)]
 pub struct Relay {
+    /// The launch host: it reads the marks behind each step's output (an inner agent of the
+    /// launch tree passes them on).
+    pub marks: bool,
     /// Whom to nudge, for which nodes, when it ends (the launch host's session).
     pub nudge: Option<(Arc<Nudges>, Vec<usize>)>,
     /// Its own lines (nrun's, ssh's) on stderr go on as "TAG: line" (a child of an inner agent

@@ -353,6 +353,7 @@ async fn join_and_serve(
         index: hello.node,
         me,
         read_end,
+        mark: hello.output_mark.clone(),
     };
     node.steps(&mut store, &mut signals, gone_rx).await
 }
@@ -370,6 +371,8 @@ struct Node {
     /// At the End, read the job's exit code and root cause (a node whose own nrun exits with
     /// them).
     read_end: bool,
+    /// The launch host's token for the line behind each step's output (empty: none).
+    mark: String,
 }
 
 impl Node {
@@ -435,6 +438,7 @@ impl Node {
                     });
                 }
             };
+            self.end_of_output(no);
             let value = serde_json::to_vec(&result).map_err(|e| Error::helper(e.to_string()))?;
             store
                 .set(&self.keys.result(self.index, no), &value)
@@ -447,6 +451,22 @@ impl Node {
             }
         }
         Ok(protocol::Ended::default())
+    }
+
+    /// Marks the end of step `no`'s output on stdout and stderr, behind its workers' last lines
+    /// (their writer is done when the step is), before its result goes out: the launch host
+    /// takes the result once both marks came through the pipe that relays this agent, so every
+    /// line is on its console before it acts on the result (or exits).
+    fn end_of_output(&self, no: usize) {
+        use std::io::Write as _;
+        if self.mark.is_empty() {
+            return;
+        }
+        let line = protocol::output_mark(&self.mark, self.index, no);
+        // A pipe that is gone: the launch host sees the mark missing and says so.
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
     }
 
     /// Waits for step `no` and opens it: only steps sealed with the run's secret for this

@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::mpsc;
 
 /// Longest line passed on whole; longer runs of bytes without a newline are split.
-const MAX_LINE: usize = 64 * 1024;
+pub const MAX_LINE: usize = 64 * 1024;
 /// Lines of stderr kept per worker for the failure summary.
 pub const TAIL_LINES: usize = 20;
 /// How long the start of a line may wait for its end before it is shown on its own.

@@ -25,7 +25,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::peer::Heartbeat;
-use super::{BoxFuture, Bus, Ending, Joining, NodeLink, Nudges};
+use super::{BoxFuture, Bus, Delivery, Ending, Joining, NodeLink, Nudges};
+use crate::agent::child::Marks;
 use crate::agent::protocol::{Keys, RunResult, StepResult};
 use crate::store::Store;
 
@@ -47,6 +48,9 @@ pub struct Inner {
     ended: Option<watch::Receiver<Option<ExitStatus>>>,
     /// Of the launch host's own machine: started without ssh.
     local: bool,
+    /// The marks behind its subtree's output, read from its pipes (the one the launch host
+    /// started: every line of its subtree comes up through it).
+    marks: Option<Arc<Marks>>,
     /// Why it was lost, once its own link said so.
     why: Mutex<Option<String>>,
     /// The nodes started through it (its whole subtree), in node order.
@@ -59,6 +63,7 @@ impl Inner {
         node: usize,
         label: &str,
         ended: Option<watch::Receiver<Option<ExitStatus>>>,
+        marks: Option<Arc<Marks>>,
         local: bool,
         below: Vec<(usize, String)>,
         nudges: Arc<Nudges>,
@@ -68,6 +73,7 @@ impl Inner {
             label: label.to_string(),
             ended,
             local,
+            marks,
             why: Mutex::new(None),
             below,
             nudges,
@@ -261,6 +267,13 @@ impl TreeLink {
 }
 
 impl NodeLink for TreeLink {
+    fn output(&mut self, node: usize, no: usize) -> Delivery {
+        self.line
+            .first()
+            .and_then(|top| top.marks.as_ref())
+            .map_or(Delivery::Arrived, |m| m.delivery(node, no))
+    }
+
     fn is_local(&self) -> bool {
         self.local
     }
