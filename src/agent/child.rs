@@ -342,7 +342,11 @@ impl Passing {
         let mut buf = Vec::with_capacity(RELAY_BUFFER);
         loop {
             buf.clear();
-            match (&mut r).take(RELAY_LINE as u64).read_until(b'\n', &mut buf).await {
+            match (&mut r)
+                .take(RELAY_LINE as u64)
+                .read_until(b'\n', &mut buf)
+                .await
+            {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {}
             }
@@ -359,8 +363,31 @@ impl Passing {
     fn line(&self, buf: &[u8]) {
         let text = String::from_utf8_lossy(&buf[..buf.len() - 1]);
         if let Some(m) = &self.marks {
-            if let Some((node, no)) = crate::agent::protocol::read_output_mark(&text, &m.token) {
+            // A mark is written whole, after a whole line; but srun passes its nodes' output
+            // on in pieces as they come, so another node's long line may be cut by it: the
+            // part before it is passed on unended, and that line's rest follows.
+            let mark = crate::agent::protocol::OUTPUT_MARK.as_bytes();
+            let body = &buf[..buf.len() - 1];
+            // Its first byte, a control character, starts the search (a line is searched once).
+            let at = body
+                .iter()
+                .enumerate()
+                .filter(|&(_, &b)| b == mark[0])
+                .map(|(i, _)| i)
+                .find(|&i| body[i..].starts_with(mark));
+            let read = |at: usize| {
+                let tail = std::str::from_utf8(&body[at..]).ok()?;
+                crate::agent::protocol::read_output_mark(tail, &m.token)
+            };
+            if let Some((at, (node, no))) = at.and_then(|at| read(at).map(|n| (at, n))) {
                 m.saw(self.stream, node, no);
+                let before = &body[..at];
+                if !before.is_empty() {
+                    let _ = match self.stream {
+                        Stream::Out => std::io::stdout().lock().write_all(before),
+                        Stream::Err => std::io::stderr().lock().write_all(before),
+                    };
+                }
                 return;
             }
         }

@@ -8,9 +8,9 @@ use tokio::time::Instant;
 
 use super::Session;
 use crate::agent::protocol::{RunResult, Step, StepResult};
-use crate::session::link::Delivery;
 use crate::error::{Error, Result};
 use crate::node::{Caught, StopRequest};
+use crate::session::link::Delivery;
 
 /// How [`Session::run_step`] waits.
 #[derive(Clone, Copy, Debug)]
@@ -74,8 +74,7 @@ impl Session {
             .filter_map(|n| n.link.local_work())
             .collect();
         let began = Instant::now();
-        let ((), results) =
-            tokio::join!(
+        let ((), results) = tokio::join!(
             super::link::join_all(work),
             self.wait(no, &waiting, policy, ranks)
         );
