@@ -275,7 +275,10 @@ impl Session {
             StepResult::Run(_) => match n.link.output(i, no) {
                 Delivery::Arrived => return Some(r),
                 Delivery::Pending => {
-                    let since = *w.held.entry(i).or_insert_with(Instant::now);
+                    let since = *w.held.entry(i).or_insert_with(|| {
+                        tracing::debug!("{}: result of step {no} waits for its output", n.label);
+                        Instant::now()
+                    });
                     if since.elapsed() < OUTPUT_WAIT {
                         return None;
                     }
