@@ -423,3 +423,29 @@ fn inside_an_allocation_a_node_lost_mid_run_is_replaced_by_the_spare() {
     s.assert_no_survivors();
     sl.cluster.assert_nothing_left_but_slurmd(4);
 }
+
+/// Exit 0 means every line arrived, through the srun step: ranks that write thousands of lines
+/// right before they exit 0 have every one on the console, whole, when nrun exits. (Lines
+/// longer than Slurm's own I/O messages are cut by slurmstepd: see README's "Output".)
+#[test]
+fn inside_an_allocation_every_line_comes_through_srun_before_exit_0() {
+    const LINES: usize = 3000;
+    let Some(sl) = Slurm::up("sa7", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let work = burst(LINES);
+    let mut c = sl.cmd(&s, "salloc");
+    c.args(["-N2", &nrun(), "--nproc", "2", "--no-python-probe"])
+        .args(["--no-python", "sh", "-c", &work]);
+    let out = wait_draining(c.spawn().unwrap(), Duration::from_secs(120));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    for r in 0..4 {
+        assert_burst(&stdout, r, LINES, "console");
+    }
+    assert!(!stdout.contains("nrun-output-end"), "{stderr}");
+
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(2);
+}

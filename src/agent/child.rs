@@ -6,7 +6,6 @@
 //! agent the launcher is gone.
 
 use std::collections::VecDeque;
-use std::io::Write as _;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,26 +13,15 @@ use std::time::Duration;
 use std::os::unix::process::ExitStatusExt as _;
 use std::process::ExitStatus;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch};
 
 use crate::agent::protocol::Hello;
+pub use crate::agent::relay::{Delivery, Marks};
+use crate::agent::relay::{Passing, Reader, Stream, own_line};
 use crate::error::{Error, Result};
 use crate::remote;
 use crate::session::link::Nudges;
-
-/// Lines of an agent's stderr kept to explain why it failed.
-const TAIL_LINES: usize = 10;
-
-/// Bytes read at a time from an agent's stdout and stderr: small, two per node (8 KiB each
-/// were a third of the launch host's memory at a thousand nodes); longer lines still come
-/// through whole.
-const RELAY_BUFFER: usize = 2048;
-
-/// The longest line passed on whole: an agent's lines are at most a worker's longest
-/// ([`crate::node::output::MAX_LINE`]) with its prefix; anything longer is passed on in pieces
-/// of this size, so a relay's memory stays bounded whatever comes.
-const RELAY_LINE: usize = crate::node::output::MAX_LINE + 4096;
 
 /// How long an agent's pipes may stay open after its end, held by something it left.
 const RELAY_DRAIN: Duration = Duration::from_secs(2);
@@ -105,11 +93,10 @@ impl AgentProcess {
         // The launch host reads the marks behind each step's output (see [`Marks`]); an inner
         // agent of the launch tree passes its children's on with their lines.
         let marks = (relay.marks && !hello.output_mark.is_empty()).then(|| {
-            Arc::new(Marks {
-                token: hello.output_mark.clone(),
-                nudges: relay.nudge.as_ref().map(|(n, _)| n.clone()),
-                seen: Mutex::default(),
-            })
+            Arc::new(Marks::new(
+                hello.output_mark.clone(),
+                relay.nudge.as_ref().map(|(n, _)| n.clone()),
+            ))
         });
         // The agent prefixes its workers' lines; pass them on line by line.
         let mut relays = Vec::new();
@@ -240,180 +227,6 @@ pub fn how_it_ended(st: &ExitStatus) -> String {
     }
 }
 
-/// A line nrun itself (the agent: its lines start with "nrun"), ssh or srun wrote, not one of
-/// the workers'.
-fn own_line(l: &str) -> bool {
-    let l = l.trim_start();
-    ["nrun", "ssh:", "srun:", "Connection to "]
-        .iter()
-        .any(|p| l.starts_with(p))
-}
-
-/// The marks that came through one agent process's pipes: for each node it serves (one, an
-/// srun step's many, an inner agent's subtree), the steps whose output ended on stdout and on
-/// stderr, and whether each pipe ended.
-pub struct Marks {
-    token: String,
-    /// Whom to nudge when a mark arrives (the session waits for it).
-    nudges: Option<Arc<Nudges>>,
-    seen: Mutex<Seen>,
-}
-
-#[derive(Default)]
-struct Seen {
-    /// Per node: one past the last step marked, on stdout and on stderr.
-    next: std::collections::HashMap<usize, [usize; 2]>,
-    /// Each pipe ended (nothing more can come).
-    closed: [bool; 2],
-}
-
-/// Whether a node's output of a step has reached this host.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Delivery {
-    /// Every line of it is on this host's console: both marks came.
-    Arrived,
-    /// Not yet.
-    Pending,
-    /// It cannot come: this pipe (stdout, stderr) ended before its mark.
-    Cut(&'static str),
-}
-
-impl Marks {
-    fn saw(&self, stream: Stream, node: usize, no: usize) {
-        {
-            let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            let next = &mut s.next.entry(node).or_default()[stream as usize];
-            *next = (*next).max(no + 1);
-        }
-        if let Some(n) = &self.nudges {
-            n.nudge(node);
-        }
-    }
-
-    fn closed(&self, stream: Stream) {
-        let nodes: Vec<usize> = {
-            let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            s.closed[stream as usize] = true;
-            s.next.keys().copied().collect()
-        };
-        if let Some(n) = &self.nudges {
-            nodes.into_iter().for_each(|i| n.nudge(i));
-        }
-    }
-
-    /// Where node `node`'s output of step `no` is.
-    pub fn delivery(&self, node: usize, no: usize) -> Delivery {
-        let s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        let next = s.next.get(&node).copied().unwrap_or_default();
-        for (stream, name) in [(Stream::Out, "stdout"), (Stream::Err, "stderr")] {
-            let i = stream as usize;
-            if next[i] <= no {
-                return match s.closed[i] {
-                    true => Delivery::Cut(name),
-                    false => Delivery::Pending,
-                };
-            }
-        }
-        Delivery::Arrived
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Stream {
-    Out = 0,
-    Err = 1,
-}
-
-/// How one of an agent's pipes is passed on.
-struct Passing {
-    stream: Stream,
-    marks: Option<Arc<Marks>>,
-    tag: Option<String>,
-    /// Its last lines, kept (stderr: the agent's last words).
-    tail: Option<Arc<Mutex<VecDeque<String>>>>,
-}
-
-impl Passing {
-    /// Copies the pipe to this process's own stream a line at a time (bytes as they are, not
-    /// only UTF-8), taking the output marks it reads out; records the pipe's end.
-    async fn relay(self, pipe: Reader) {
-        use tokio::io::AsyncReadExt as _;
-        let mut r = tokio::io::BufReader::with_capacity(RELAY_BUFFER, pipe);
-        let mut buf = Vec::with_capacity(RELAY_BUFFER);
-        loop {
-            buf.clear();
-            match (&mut r)
-                .take(RELAY_LINE as u64)
-                .read_until(b'\n', &mut buf)
-                .await
-            {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-            if buf.last() != Some(&b'\n') {
-                buf.push(b'\n');
-            }
-            self.line(&buf);
-        }
-        if let Some(m) = &self.marks {
-            m.closed(self.stream);
-        }
-    }
-
-    fn line(&self, buf: &[u8]) {
-        let text = String::from_utf8_lossy(&buf[..buf.len() - 1]);
-        if let Some(m) = &self.marks {
-            // A mark is written whole, after a whole line; but srun passes its nodes' output
-            // on in pieces as they come, so another node's long line may be cut by it: the
-            // part before it is passed on unended, and that line's rest follows.
-            let mark = crate::agent::protocol::OUTPUT_MARK.as_bytes();
-            let body = &buf[..buf.len() - 1];
-            // Its first byte, a control character, starts the search (a line is searched once).
-            let at = body
-                .iter()
-                .enumerate()
-                .filter(|&(_, &b)| b == mark[0])
-                .map(|(i, _)| i)
-                .find(|&i| body[i..].starts_with(mark));
-            let read = |at: usize| {
-                let tail = std::str::from_utf8(&body[at..]).ok()?;
-                crate::agent::protocol::read_output_mark(tail, &m.token)
-            };
-            if let Some((at, (node, no))) = at.and_then(|at| read(at).map(|n| (at, n))) {
-                m.saw(self.stream, node, no);
-                let before = &body[..at];
-                if !before.is_empty() {
-                    let _ = match self.stream {
-                        Stream::Out => std::io::stdout().lock().write_all(before),
-                        Stream::Err => std::io::stderr().lock().write_all(before),
-                    };
-                }
-                return;
-            }
-        }
-        if self.stream == Stream::Out {
-            let _ = std::io::stdout().lock().write_all(buf);
-            return;
-        }
-        let mut err = std::io::stderr().lock();
-        let _ = match &self.tag {
-            // A child's own words, passed up the tree, named by their node: the launch host
-            // takes its inner agent's unnamed nrun and ssh lines as that agent's last words (a
-            // child's are not).
-            Some(t) if own_line(&text) => writeln!(err, "{t}: {text}"),
-            _ => err.write_all(buf),
-        };
-        drop(err);
-        if let Some(tail) = &self.tail {
-            let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
-            if t.len() == TAIL_LINES {
-                t.pop_front();
-            }
-            t.push_back(text.into_owned());
-        }
-    }
-}
-
 /// How an agent process's output is passed on and its end told.
 #[derive(Default)]
 pub struct Relay {
@@ -426,8 +239,6 @@ pub struct Relay {
     /// of the launch tree, named by its node).
     pub tag: Option<String>,
 }
-
-type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 
 /// A process just started: its standard descriptors, its end once it came, and how to kill it.
 struct Started {

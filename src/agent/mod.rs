@@ -25,6 +25,7 @@ mod liveness;
 pub mod peer;
 pub mod protocol;
 pub mod ras;
+pub mod relay;
 pub mod stacks;
 pub mod tree;
 
@@ -438,7 +439,7 @@ impl Node {
                     });
                 }
             };
-            self.end_of_output(no);
+            self.end_of_output(no).await;
             let value = serde_json::to_vec(&result).map_err(|e| Error::helper(e.to_string()))?;
             store
                 .set(&self.keys.result(self.index, no), &value)
@@ -456,17 +457,22 @@ impl Node {
     /// Marks the end of step `no`'s output on stdout and stderr, behind its workers' last lines
     /// (their writer is done when the step is), before its result goes out: the launch host
     /// takes the result once both marks came through the pipe that relays this agent, so every
-    /// line is on its console before it acts on the result (or exits).
-    fn end_of_output(&self, no: usize) {
+    /// line is on its console before it acts on the result (or exits). Written off the
+    /// runtime: a pipe the launch host is slow to read must not stop this agent's heartbeat.
+    async fn end_of_output(&self, no: usize) {
         use std::io::Write as _;
         if self.mark.is_empty() {
             return;
         }
         let line = protocol::output_mark(&self.mark, self.index, no);
         // A pipe that is gone: the launch host sees the mark missing and says so.
-        let mut out = std::io::stdout().lock();
-        let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
-        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
+            drop(out);
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        })
+        .await;
     }
 
     /// Waits for step `no` and opens it: only steps sealed with the run's secret for this

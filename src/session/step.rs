@@ -293,7 +293,9 @@ impl Session {
         };
         let label = &n.label;
         Some(StepResult::Run(RunResult::Lost(format!(
-            "lost {label}'s output: the end of its workers' output {missing}, so lines of its              ranks ({}) may be missing here; the link that relays its agent (ssh, srun) broke              or stalls: check that {label} is reachable and not overloaded",
+            "lost {label}'s output: the end of its workers' output {missing}, so lines of its \
+             ranks ({}) may be missing here; the link that relays its agent (ssh, srun) broke \
+             or stalls: check that {label} is reachable and not overloaded",
             ranks
                 .iter()
                 .map(|r| r.to_string())

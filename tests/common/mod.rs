@@ -203,6 +203,28 @@ pub fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output, Durati
     }
 }
 
+/// As [`wait_with_timeout`], reading the child's output while it runs (more than a pipe
+/// holds: a child blocked writing would never exit).
+pub fn wait_draining(child: Child, timeout: Duration) -> Output {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(timeout) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            let out = rx.recv().unwrap().unwrap();
+            panic!(
+                "did not exit within {timeout:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
 /// The one run directory `<logs>/<id>_<random>` a run with `--rdzv-id id` made.
 pub fn run_dir(logs: &Path, id: &str) -> PathBuf {
     let runs: Vec<PathBuf> = std::fs::read_dir(logs)
