@@ -283,3 +283,39 @@ async fn put(item: Item) {
     };
     let _ = c.tx.send(item).await;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_arrives_with_both_marks_and_is_cut_by_a_pipe_that_ended_first() {
+        let m = Marks::new("tok".into(), None);
+        assert_eq!(m.delivery(2, 0), Delivery::Pending);
+        m.saw(Stream::Out, 2, 0);
+        assert_eq!(m.delivery(2, 0), Delivery::Pending);
+        m.saw(Stream::Err, 2, 0);
+        assert_eq!(m.delivery(2, 0), Delivery::Arrived);
+        // A later mark covers the earlier steps; another node's is its own.
+        m.saw(Stream::Out, 2, 3);
+        m.saw(Stream::Err, 2, 3);
+        assert_eq!(m.delivery(2, 1), Delivery::Arrived);
+        assert_eq!(m.delivery(1, 0), Delivery::Pending);
+        m.closed(Stream::Err);
+        // stdout may still bring it.
+        assert_eq!(m.delivery(1, 0), Delivery::Pending);
+        m.closed(Stream::Out);
+        assert_eq!(m.delivery(1, 0), Delivery::Cut("stdout"));
+        assert_eq!(m.delivery(2, 3), Delivery::Arrived);
+    }
+
+    #[test]
+    fn a_mark_is_found_alone_or_behind_another_nodes_unended_piece() {
+        let mark = crate::agent::protocol::output_mark("tok", 4, 9);
+        assert_eq!(find_mark(mark.as_bytes(), "tok"), Some((0, 4, 9)));
+        let glued = format!("[h1:rank0]: half a li{mark}");
+        assert_eq!(find_mark(glued.as_bytes(), "tok"), Some((21, 4, 9)));
+        assert_eq!(find_mark(mark.as_bytes(), "other"), None);
+        assert_eq!(find_mark(b"\x01 a worker's control byte\n", "tok"), None);
+    }
+}

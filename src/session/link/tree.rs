@@ -378,13 +378,21 @@ mod tests {
     fn a_lost_inner_agent_names_its_subtree() {
         let nudges = Arc::new(Nudges::default());
         let below = (3..40).map(|i| (i, format!("b{i}"))).collect();
-        let inner = Inner::new(2, "b2", None, false, below, nudges.clone());
+        let inner = Inner::new(2, "b2", None, None, false, below, nudges.clone());
         assert_eq!(
             inner.through(),
             "; the 37 nodes started through it in the launch tree go with it: b3, b4, b5, b6, \
              b7, b8, b9, b10, ... (29 more)"
         );
-        let one = Inner::new(2, "b2", None, false, vec![(3, "b3".into())], nudges.clone());
+        let one = Inner::new(
+            2,
+            "b2",
+            None,
+            None,
+            false,
+            vec![(3, "b3".into())],
+            nudges.clone(),
+        );
         assert_eq!(
             one.through(),
             "; the 1 node started through it in the launch tree goes with it: b3"
