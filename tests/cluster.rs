@@ -1818,7 +1818,7 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
 #[test]
 fn every_line_and_whole_long_lines_come_through_ssh_before_exit_0() {
     const LINES: usize = 5000;
-    let Some(c) = Cluster::up("cw1", 2) else {
+    let Some(c) = Cluster::up("wl1", 2) else {
         return;
     };
     let s = Scene::new();
@@ -1882,7 +1882,7 @@ fn every_line_and_whole_long_lines_come_through_ssh_before_exit_0() {
 /// killed) fails the job; the error names the rank and its host.
 #[test]
 fn a_rank_whose_end_never_reaches_the_launch_host_is_named() {
-    let Some(c) = Cluster::up("cw2", 2) else {
+    let Some(c) = Cluster::up("wl3", 2) else {
         return;
     };
     let s = Scene::new();

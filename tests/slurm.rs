@@ -430,7 +430,7 @@ fn inside_an_allocation_a_node_lost_mid_run_is_replaced_by_the_spare() {
 #[test]
 fn inside_an_allocation_every_line_comes_through_srun_before_exit_0() {
     const LINES: usize = 3000;
-    let Some(sl) = Slurm::up("sa7", 2) else {
+    let Some(sl) = Slurm::up("sa8", 2) else {
         return;
     };
     let s = Scene::new();
