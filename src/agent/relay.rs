@@ -60,6 +60,10 @@ struct Seen {
     next: std::collections::HashMap<usize, [usize; 2]>,
     /// Each pipe ended (nothing more can come).
     closed: [bool; 2],
+    /// When a line last came through a pipe.
+    moved: Option<std::time::Instant>,
+    /// Relays of these pipes waiting for this host's console to take a line.
+    waiting: usize,
 }
 
 /// Whether a node's output of a step has reached this host.
@@ -67,13 +71,25 @@ struct Seen {
 pub enum Delivery {
     /// Every line of it is on this host's console: both marks came.
     Arrived,
-    /// Not yet.
-    Pending,
+    /// Not yet: `console`, this host's console is behind (the relay waits for it); else the
+    /// pipes last moved at `moved` (None: never).
+    Pending {
+        console: bool,
+        moved: Option<std::time::Instant>,
+    },
     /// It cannot come: this pipe (stdout, stderr) ended before its mark.
     Cut(&'static str),
 }
 
 impl Marks {
+    /// A line came through; `waiting`: its relay now waits for the console (+1) or no
+    /// longer does (-1).
+    fn moved(&self, waiting: isize) {
+        let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        s.moved = Some(std::time::Instant::now());
+        s.waiting = s.waiting.saturating_add_signed(waiting);
+    }
+
     fn saw(&self, stream: Stream, node: usize, no: usize) {
         {
             let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -105,7 +121,10 @@ impl Marks {
             if next[i] <= no {
                 return match s.closed[i] {
                     true => Delivery::Cut(name),
-                    false => Delivery::Pending,
+                    false => Delivery::Pending {
+                        console: s.waiting > 0,
+                        moved: s.moved,
+                    },
                 };
             }
         }
@@ -148,7 +167,14 @@ impl Passing {
             if buf.last() != Some(&b'\n') {
                 buf.push(b'\n');
             }
+            // While the console is behind, the link is not what holds up the marks.
+            if let Some(m) = &self.marks {
+                m.moved(1);
+            }
             self.line(buf).await;
+            if let Some(m) = &self.marks {
+                m.moved(-1);
+            }
         }
         if let Some(m) = &self.marks {
             put(Item::Closed(m.clone(), self.stream)).await;
@@ -291,19 +317,38 @@ mod tests {
     #[test]
     fn a_step_arrives_with_both_marks_and_is_cut_by_a_pipe_that_ended_first() {
         let m = Marks::new("tok".into(), None);
-        assert_eq!(m.delivery(2, 0), Delivery::Pending);
+        let quiet = Delivery::Pending {
+            console: false,
+            moved: None,
+        };
+        assert_eq!(m.delivery(2, 0), quiet);
         m.saw(Stream::Out, 2, 0);
-        assert_eq!(m.delivery(2, 0), Delivery::Pending);
+        assert_eq!(m.delivery(2, 0), quiet);
         m.saw(Stream::Err, 2, 0);
         assert_eq!(m.delivery(2, 0), Delivery::Arrived);
         // A later mark covers the earlier steps; another node's is its own.
         m.saw(Stream::Out, 2, 3);
         m.saw(Stream::Err, 2, 3);
         assert_eq!(m.delivery(2, 1), Delivery::Arrived);
-        assert_eq!(m.delivery(1, 0), Delivery::Pending);
+        assert_eq!(m.delivery(1, 0), quiet);
+        m.moved(1);
+        assert!(matches!(
+            m.delivery(1, 0),
+            Delivery::Pending {
+                console: true,
+                moved: Some(_)
+            }
+        ));
+        m.moved(-1);
         m.closed(Stream::Err);
         // stdout may still bring it.
-        assert_eq!(m.delivery(1, 0), Delivery::Pending);
+        assert!(matches!(
+            m.delivery(1, 0),
+            Delivery::Pending {
+                console: false,
+                moved: Some(_)
+            }
+        ));
         m.closed(Stream::Out);
         assert_eq!(m.delivery(1, 0), Delivery::Cut("stdout"));
         assert_eq!(m.delivery(2, 3), Delivery::Arrived);

@@ -274,16 +274,22 @@ impl Session {
             }
             StepResult::Run(_) => match n.link.output(i, no) {
                 Delivery::Arrived => return Some(r),
-                Delivery::Pending => {
-                    let since = *w.held.entry(i).or_insert_with(|| {
+                Delivery::Pending { console, moved } => {
+                    let held = w.held.entry(i).or_insert_with(|| {
                         tracing::debug!("{}: result of step {no} waits for its output", n.label);
                         Instant::now()
                     });
+                    // This host's console is behind (a paused pager): the link is not at fault.
+                    if console {
+                        *held = Instant::now();
+                    }
+                    // Lines still coming through are progress: the wait runs from the last.
+                    let since = moved.map_or(*held, |m| Instant::from_std(m).max(*held));
                     if since.elapsed() < OUTPUT_WAIT {
                         return None;
                     }
                     format!(
-                        "did not reach this host within {} s of its result",
+                        "did not reach this host: nothing came through for {} s after its result",
                         OUTPUT_WAIT.as_secs()
                     )
                 }
