@@ -2029,3 +2029,107 @@ fn an_elastic_c10d_node_left_out_for_a_gpu_fault_is_refused_when_it_comes_back()
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// Exit 0 means every line arrived, over ssh: ranks that write thousands of lines right
+/// before they exit 0 have every one on the launch host's console and in their logs when nrun
+/// exits; long lines of several ranks at once come through whole, each prefixed once.
+#[test]
+fn every_line_and_whole_long_lines_come_through_ssh_before_exit_0() {
+    const LINES: usize = 5000;
+    let Some(c) = Cluster::up("wl1", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let logs = s.dir.path().join("logs");
+    let work = burst(LINES);
+    let out = c.run_on(
+        &s,
+        2,
+        &[
+            "--nproc",
+            "2",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "--tee",
+            "3",
+            "--no-python",
+            "sh",
+            "-c",
+            &work,
+        ],
+        &[],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let run = std::fs::read_dir(&logs)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    for r in 0..4 {
+        assert_burst(&stdout, r, LINES, "console");
+        let file = run.join(format!(
+            "attempt_0/{}/{}/stdout.log",
+            c.host(r / 2 + 1),
+            r % 2
+        ));
+        let log = std::fs::read_to_string(&file).unwrap();
+        assert_burst(&log, r, LINES, &file.display().to_string());
+    }
+    assert!(!stdout.contains("nrun-output-end"), "{stdout}");
+
+    const LEN: usize = 1_000_000;
+    let work = long_lines(LEN, 3);
+    let out = c.run_on(
+        &s,
+        2,
+        &["--nproc", "2", "--no-python", "sh", "-c", &work],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    for r in 0..4 {
+        assert_long_lines(&stdout, r, LEN, 3);
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
+/// A rank that was started but whose end never reached the launch host (its node's agent
+/// killed) fails the job; the error names the rank and its host.
+#[test]
+fn a_rank_whose_end_never_reaches_the_launch_host_is_named() {
+    let Some(c) = Cluster::up("wl3", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let child = c.spawn_on(
+        &s,
+        2,
+        &[
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo started >> $MARK; exec sleep 60",
+        ],
+        &[],
+    );
+    s.wait_marks("started", 2, Duration::from_secs(60));
+    assert!(c.kill_agents(2));
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains(&format!("lost the connection to {}", c.host(2))),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("rank 1 ran there and its end was never reported"),
+        "{stderr}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}

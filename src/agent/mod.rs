@@ -26,6 +26,7 @@ mod oom;
 pub mod peer;
 pub mod protocol;
 pub mod ras;
+pub mod relay;
 pub mod stacks;
 pub mod tree;
 
@@ -354,6 +355,7 @@ async fn join_and_serve(
         index: hello.node,
         me,
         read_end,
+        mark: hello.output_mark.clone(),
     };
     node.steps(&mut store, &mut signals, gone_rx).await
 }
@@ -371,6 +373,8 @@ struct Node {
     /// At the End, read the job's exit code and root cause (a node whose own nrun exits with
     /// them).
     read_end: bool,
+    /// The launch host's token for the line behind each step's output (empty: none).
+    mark: String,
 }
 
 impl Node {
@@ -446,6 +450,7 @@ impl Node {
                     });
                 }
             };
+            self.end_of_output(no).await;
             let value = serde_json::to_vec(&result).map_err(|e| Error::helper(e.to_string()))?;
             let key = self.keys.result(self.index, no);
             store
@@ -459,6 +464,27 @@ impl Node {
             }
         }
         Ok(protocol::Ended::default())
+    }
+
+    /// Marks the end of step `no`'s output on stdout and stderr, behind its workers' last lines
+    /// (their writer is done when the step is), before its result goes out: the launch host
+    /// takes the result once both marks came through the pipe that relays this agent, so every
+    /// line is on its console before it acts on the result (or exits). Written off the
+    /// runtime: a pipe the launch host is slow to read must not stop this agent's heartbeat.
+    async fn end_of_output(&self, no: usize) {
+        use std::io::Write as _;
+        if self.mark.is_empty() {
+            return;
+        }
+        let line = protocol::output_mark(&self.mark, self.index, no);
+        // A pipe that is gone: the launch host sees the mark missing and says so.
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
+            drop(out);
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        })
+        .await;
     }
 
     /// Waits for step `no` and opens it: only steps sealed with the run's secret for this

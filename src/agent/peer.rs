@@ -76,6 +76,8 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
         own: Some(own_work(job)),
         tree: Vec::new(),
         tree_ssh: None,
+        // Its output is this nrun's own console: nothing relays it.
+        output_mark: String::new(),
         // The launch host's nodes are elsewhere: they probe this one.
         probed: true,
     };

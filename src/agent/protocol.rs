@@ -76,6 +76,35 @@ pub struct Hello {
     /// spent over a quarter of the job's CPU in the kernel's search for a free port).
     #[serde(default = "probed_by_default")]
     pub probed: bool,
+    /// Chosen at random by the launch host for an agent whose output it relays (a pipe of its
+    /// own, ssh's or srun's): after each step the agent writes [`output_mark`] with it on
+    /// stdout and stderr, behind the last line of that step's workers, and the launch host
+    /// takes the step's result only once both came through (see `session::step`). Empty: the
+    /// agent's output is its own console (a c10d peer's nrun), nothing to mark.
+    #[serde(default)]
+    pub output_mark: String,
+}
+
+/// What starts the line that ends a step's output in an agent's stdout and stderr: then the
+/// Hello's `output_mark`, the node and the step number. A control character first: no
+/// worker's line is taken for one by chance (and the token, random per run, by intent).
+pub const OUTPUT_MARK: &str = "\u{1}nrun-output-end ";
+
+/// The line an agent writes behind step `no`'s output of node `node`.
+pub fn output_mark(token: &str, node: usize, no: usize) -> String {
+    format!("{OUTPUT_MARK}{token} {node} {no}\n")
+}
+
+/// A mark line read back (without its '\n'): its node and step, if it is one with `token`.
+pub fn read_output_mark(line: &str, token: &str) -> Option<(usize, usize)> {
+    let rest = line.strip_prefix(OUTPUT_MARK)?;
+    let mut parts = rest.split(' ');
+    if parts.next()? != token {
+        return None;
+    }
+    let node = parts.next()?.parse().ok()?;
+    let no = parts.next()?.parse().ok()?;
+    parts.next().is_none().then_some((node, no))
 }
 
 fn probed_by_default() -> bool {
@@ -633,12 +662,20 @@ mod tests {
                 ship: true,
             }),
             probed: false,
+            output_mark: "t0".into(),
         };
         let json = serde_json::to_string(&hello).unwrap();
         let back: Hello = serde_json::from_str(&json).unwrap();
         assert_eq!(back.tree, hello.tree);
         assert_eq!(back.tree_ssh, hello.tree_ssh);
         assert!(!back.probed);
+        // The mark behind a step's output reads back only with its own token, whole.
+        let mark = output_mark(&back.output_mark, 3, 7);
+        let line = mark.trim_end_matches('\n');
+        assert_eq!(read_output_mark(line, "t0"), Some((3, 7)));
+        assert_eq!(read_output_mark(line, "t1"), None);
+        assert_eq!(read_output_mark(&format!("{line} 1"), "t0"), None);
+        assert_eq!(read_output_mark("nrun-output-end t0 3 7", "t0"), None);
         assert_eq!(
             back.tree[0]
                 .below()

@@ -13,7 +13,14 @@ pub struct Slurm {
 }
 
 impl Slurm {
+    /// `NRUN_TEST_CLUSTER_PREFIX` goes before `name`, as for [`Cluster::up`]: several worktrees
+    /// testing at once on one machine build clusters of their own.
     pub fn up(name: &str, k: usize) -> Option<Slurm> {
+        let prefixed = format!(
+            "{}{name}",
+            std::env::var("NRUN_TEST_CLUSTER_PREFIX").unwrap_or_default()
+        );
+        let name = prefixed.as_str();
         if !nix_is_root() {
             eprintln!("SKIPPED slurm test {name}: needs root");
             return None;

@@ -34,6 +34,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::{JoinedNode, Node};
+pub use crate::agent::child::Delivery;
 use crate::agent::protocol::{
     Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
 };
@@ -136,6 +137,14 @@ pub trait NodeLink: Send {
     /// A stop or a signal for its running step, for a node that does not read the store's
     /// broadcast keys (which the session writes for all the others).
     fn request(&mut self, _req: StopRequest) {}
+
+    /// Whether every line its workers wrote in step `no` has reached this host's console (a
+    /// node whose output a pipe of this host relays: its agent's marks behind that step came
+    /// through, see [`crate::agent::child::Marks`]); a node whose output needs no relay has it
+    /// there with its result.
+    fn output(&mut self, _node: usize, _no: usize) -> Delivery {
+        Delivery::Arrived
+    }
 
     /// Ends the link, once the session delivered End: waits for its agent to leave, then ends
     /// what is left of it. Every link's end runs at once. Nothing to end by default.
@@ -427,6 +436,9 @@ impl Instructions {
             tree_ssh: None,
             // srun's nodes are other machines; the ssh launcher decides per job (link::child).
             probed: true,
+            // Its output comes through a pipe of this host's: marked at each step's end. No
+            // random bytes (never seen): no marks, and results are taken as they come.
+            output_mark: crate::store::auth::random_hex().unwrap_or_default(),
         }
     }
 }
@@ -455,7 +467,7 @@ pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
         Launcher::Ssh => {
             child::start(np, owned, &how, s.nudges, s.store.clone(), Keys::new(s.run)).await?
         }
-        Launcher::Srun => srun::start(np, owned, &how).await?,
+        Launcher::Srun => srun::start(np, owned, &how, s.nudges).await?,
     };
     let peers = &np.hosts[owned.len()..];
     nodes.extend(peers.iter().map(|h| Node::new(&h.name, peer::link())));
