@@ -269,6 +269,14 @@ fn check(row: &Row, s: &Scene, ran: &Ran, world: usize) {
             assert!(stdout.contains(&done), "missing {done:?}\n{ctx}");
         }
     }
+    // A suspicion is a decision of its own in --report, with its evidence.
+    if row.fault.starts_with("SIGKILL") && row.left_out.is_empty() {
+        let d = report.map(|r| r["job"]["decisions"].to_string());
+        assert!(
+            d.as_deref().is_some_and(|d| d.contains("node suspected")),
+            "{ctx}\n{d:?}"
+        );
+    }
     // An OOM kill is named as one (the kernel log or the memory cgroup says so).
     if row.fault.starts_with("OOM") {
         assert!(stderr.contains("out-of-memory killer"), "{ctx}");
