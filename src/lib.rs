@@ -25,8 +25,11 @@
 //! - [`net`]: interfaces, this host's name, routes. [`facts`]: what a node reports, compared.
 //! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank
 //!   is missing from the collective the others wait in), stragglers, a failure's likely cause.
+//! - [`fault`]: the fault model: a failed attempt's evidence per node, the verdict (the
+//!   program's, a node suspected, at fault or lost) and the action (restart, spare, shrink, stop).
 //! - [`report`]: how a job ended, the failure summary, JSON reports, log format.
-//! - [`error`]: errors for people and the exit codes.
+//! - [`error`]: errors for people and the exit codes. [`files`]: private directories, bounded
+//!   reads.
 
 // Public: what the integration tests (tests/*.rs) use as a library (the store, NCCL by path,
 // interfaces) and `node`, whose owners still prune it; the rest is the crate's own, so an
@@ -36,6 +39,8 @@ pub(crate) mod cli;
 pub(crate) mod commands;
 pub(crate) mod error;
 pub(crate) mod facts;
+pub(crate) mod fault;
+pub(crate) mod files;
 pub(crate) mod hosts;
 pub mod net;
 pub mod node;

@@ -125,7 +125,9 @@ pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
         // One agent ending must not end the others: nrun decides what a lost node means (a
         // spare takes its place), whatever the cluster's default.
         "--kill-on-bad-exit=0".into(),
-        "--unbuffered".into(),
+        // Line-buffered (srun's default), not --unbuffered: unbuffered, srun passes each
+        // node's output on in the pieces slurmstepd happened to read, and two nodes' pieces
+        // mix mid-line (lines lost to the reader, and the marks that end a step's output cut).
         "--mpi=none".into(),
         remote_nrun.into(),
         "__agent".into(),
@@ -246,7 +248,6 @@ mod tests {
                 "--whole",
                 "--input=all",
                 "--kill-on-bad-exit=0",
-                "--unbuffered",
                 "--mpi=none",
                 "/opt/nrun",
                 "__agent"

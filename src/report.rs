@@ -45,8 +45,11 @@ pub struct JobShape<'a> {
     pub node_commands: &'a [Option<String>],
 }
 
-/// The earliest failure among the nodes' results (by time; a failing worker beats a lost
-/// node), or how the attempt otherwise ended.
+/// The failure that caused the others among the nodes' results, or how the attempt otherwise
+/// ended. A failing worker beats a lost node; among failed workers, by evidence, then time: a
+/// rank that failed of its own accord (an exception, an exit code, a signal) beats one that
+/// failed because of a peer (a connection closed, a collective timed out), whose clock may
+/// even read earlier on another node.
 pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
     let mut first: Option<(usize, &RunResult)> = None;
     for (i, r) in results.iter().enumerate() {
@@ -58,7 +61,9 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
         }
         let better = match (first, rr) {
             (None, _) => true,
-            (Some((_, RunResult::Failed(a))), RunResult::Failed(b)) => b.at < a.at,
+            (Some((_, RunResult::Failed(a))), RunResult::Failed(b)) => {
+                (by_peer(b), &b.at) < (by_peer(a), &a.at)
+            }
             (Some((_, RunResult::Failed(_))), _) => false,
             (Some(_), RunResult::Failed(_)) => true,
             _ => false,
@@ -84,13 +89,7 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
                 format!("nrun: error: cannot start workers on {host}: {e}\n"),
             ),
             RunResult::Lost(e) => {
-                let hint = match crate::net::is_this_host(host) {
-                    true => format!(
-                        "check what ended nrun's agent of {host} on this host (a kill, or the \
-                         kernel's out-of-memory killer: dmesg)"
-                    ),
-                    false => format!("check that {host} is up and reachable (ssh {host} true)"),
-                };
+                let hint = lost_hint(host);
                 failed(
                     exit::CLUSTER,
                     format!(
@@ -117,6 +116,23 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
         return JobEnd::Interrupted(exit::signal(libc::SIGINT));
     }
     JobEnd::Success
+}
+
+/// What to check about a node whose agent or link was lost.
+pub fn lost_hint(host: &str) -> String {
+    match crate::net::is_this_host(host) {
+        true => format!(
+            "check what ended nrun's agent of {host} on this host (a kill, or the kernel's \
+             out-of-memory killer: dmesg)"
+        ),
+        false => format!("check that {host} is up and reachable (ssh {host} true)"),
+    }
+}
+
+/// Whether a worker's failure shows a peer's doing (see [`crate::node::failed_by_peer`]).
+fn by_peer(f: &WorkerFailure) -> bool {
+    let lines = f.stderr_tail.iter().chain(f.traceback.iter());
+    crate::node::failed_by_peer(lines.map(String::as_str))
 }
 
 fn failed(code: u8, summary: String) -> JobEnd {
@@ -283,5 +299,57 @@ where
         write!(w, "nrun: {level}")?;
         ctx.field_format().format_fields(w.by_ref(), event)?;
         writeln!(w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(rank: usize, at: &str, tail: &str) -> Option<StepResult> {
+        Some(StepResult::Run(RunResult::Failed(WorkerFailure {
+            rank,
+            local_rank: 0,
+            pid: 1,
+            exit_code: 1,
+            how: "exited with code 1".into(),
+            at: at.into(),
+            stderr_tail: vec![tail.into()],
+            traceback: None,
+            error_file: Default::default(),
+            left_early: Vec::new(),
+            error_json: None,
+            error_file_kept: false,
+        })))
+    }
+
+    /// Across nodes, a rank's own exception beats a peer's closed connection even when the
+    /// peer's node stamped its failure earlier; between two of a kind, the earlier wins.
+    #[test]
+    fn the_failure_named_is_the_one_of_its_own_accord_then_the_earliest() {
+        let hosts = ["a".to_string(), "b".to_string(), "c".to_string()];
+        let shape = JobShape {
+            hosts: &hosts,
+            world: 3,
+            command: "python train.py",
+            node_commands: &[],
+        };
+        let closed = "RuntimeError: Connection closed by peer [10.0.0.2]:943";
+        let headline = |r: &[Option<StepResult>]| match job_end(&shape, r) {
+            JobEnd::Failed { headline, .. } => headline,
+            e => panic!("{e:?}"),
+        };
+        let r = [
+            failed(0, "2026-01-01T00:00:01Z", closed),
+            failed(1, "2026-01-01T00:00:02Z", "ValueError: rank 1 cannot go on"),
+            failed(2, "2026-01-01T00:00:00Z", closed),
+        ];
+        assert_eq!(headline(&r), "rank 1 on b exited with code 1");
+        let r = [
+            failed(0, "2026-01-01T00:00:01Z", closed),
+            None,
+            failed(2, "2026-01-01T00:00:00Z", closed),
+        ];
+        assert_eq!(headline(&r), "rank 2 on c exited with code 1");
     }
 }

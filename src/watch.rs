@@ -1,7 +1,9 @@
 //! The watch's conclusions, drawn by the coordinator alone from the views every node's agent
 //! publishes ([`NodeWatch`]: each rank's Python stack, the collective it waits in, how long its
-//! stack has not changed). A **hang**: no rank's stack has changed for `--hang-timeout`; the
-//! diagnosis names the ranks that wait, the rank that has not entered the collective the others
+//! stack has not changed). A **hang**: a rank has waited in one collective call for
+//! `--hang-timeout`, whatever its peers do meanwhile (a peer that polls or spins moves its own
+//! stack, not the collective); with no rank in a collective, no rank's stack has changed for
+//! that long. The diagnosis names the ranks that wait, the rank that has not entered the collective the others
 //! wait in (or has exited), or the ranks that disagree on the collective. All ranks busy at the
 //! same place (a checkpoint, an evaluation) is said as such and blames nobody. A **straggler**:
 //! a rank that almost never waits in collectives while the others often do (they wait for it).
@@ -67,8 +69,12 @@ pub struct Diagnosis {
     pub conclusion: String,
     /// The ranks it blames (none for AllWaiting, AllBusy, Busy).
     pub culprits: Vec<usize>,
-    /// Seconds since the last progress of any rank.
+    /// Seconds since the last progress: the longest wait in a collective, or (no rank in
+    /// one) since any rank's stack last moved.
     pub stalled_s: f64,
+    /// Some rank waits in a collective (the stall is judged by it, not by the stacks).
+    #[serde(skip)]
+    pub in_collective: bool,
     pub ranks: Vec<RankState>,
     /// NCCL's own account of the job (its RAS), asked during this stall, where it answered.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -195,12 +201,21 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
             (None, None) => busy.push(s),
         }
     }
-    let stalled_ms = ranks
+    // How long the stall has lasted: the longest wait in a collective (a peer that has not
+    // entered it may be moving all the while), else the time every stack stood still.
+    let waited_ms = ranks
         .iter()
-        .filter(|s| s.view.exited.is_none())
+        .filter(|s| s.view.exited.is_none() && waits_in(s.view).is_some())
         .map(|s| s.view.unchanged_ms)
-        .min()
-        .unwrap_or(0);
+        .max();
+    let stalled_ms = waited_ms.unwrap_or_else(|| {
+        ranks
+            .iter()
+            .filter(|s| s.view.exited.is_none())
+            .map(|s| s.view.unchanged_ms)
+            .min()
+            .unwrap_or(0)
+    });
     let states = ranks
         .iter()
         .map(|s| RankState {
@@ -337,6 +352,7 @@ pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
         conclusion,
         culprits,
         stalled_s: stalled_ms as f64 / 1e3,
+        in_collective: waited_ms.is_some(),
         ranks: states,
         nccl_ras: None,
     })
@@ -680,6 +696,21 @@ fn stall_of(seen: &[Seen<'_>]) -> Option<(Diagnosis, u64)> {
     (matches!(d.kind, Kind::Missing | Kind::Disagree) && waited >= 2000).then_some((d, waited))
 }
 
+/// Whether the live ranks stall, by the collectives they wait in: a rank that has waited in
+/// one collective call (or the GPU sync after one) for `timeout_ms` is stuck, whatever its
+/// peers do meanwhile: a peer that polls in a sleep loop or spins in Python moves its own
+/// stack, but no collective progresses. With no rank in a collective, a stall is every stack
+/// standing still (a deadlock in Python code, every rank paused at one place).
+fn stalled(live: &[&Seen<'_>], timeout_ms: u64) -> bool {
+    let waited = live
+        .iter()
+        .filter(|s| waits_in(s.view).is_some())
+        .map(|s| s.view.unchanged_ms)
+        .max();
+    waited.is_some_and(|w| w >= timeout_ms)
+        || live.iter().all(|s| s.view.unchanged_ms >= timeout_ms)
+}
+
 /// Every rank of `views`, with its host, by rank.
 fn seen_of<'a>(views: &'a HashMap<usize, NodeWatch>, hosts: &'a [String]) -> Vec<Seen<'a>> {
     let mut v: Vec<Seen<'a>> = views
@@ -867,7 +898,7 @@ impl WatchState {
         // others wait for, and the call would blame nobody.
         let all_seen =
             seen.len() >= self.world || self.step_started.elapsed() >= 2 * self.plan.hang_timeout;
-        let stalled = all_seen && live.iter().all(|s| s.view.unchanged_ms >= timeout);
+        let stalled = all_seen && stalled(&live, timeout);
         let mut stop = false;
         if !stalled {
             self.hang_said = false;
@@ -955,9 +986,13 @@ impl WatchState {
 /// The hang report, as printed.
 pub fn hang_text(d: &Diagnosis, timeout: Duration) -> String {
     let mut t = String::new();
+    let what = match d.in_collective {
+        true => "a collective has not progressed",
+        false => "no rank has made progress",
+    };
     let _ = writeln!(
         t,
-        "nrun: hang: no rank has made progress for {:.0} s (--hang-timeout {} s)",
+        "nrun: hang: {what} for {:.0} s (--hang-timeout {} s)",
         d.stalled_s,
         timeout.as_secs()
     );
@@ -1484,16 +1519,18 @@ mod tests {
         );
         assert!(!w.check(&hosts), "said once until progress resumes");
         w.last_check = None;
-        let mut moving = busy(1, 8);
-        moving.unchanged_ms = 10;
+        // Progress: the collective completed, rank 0 is in the next one.
+        let (mut next, mut moving) = (waiting(0, "all_reduce"), busy(1, 8));
+        (next.unchanged_ms, moving.unchanged_ms) = (10, 10);
         w.observe(
             0,
             NodeWatch {
                 ras: None,
-                ranks: vec![waiting(0, "all_reduce"), moving],
+                ranks: vec![next, moving],
             },
         );
         assert!(!w.check(&hosts));
+        assert!(!w.hang_said);
         w.last_check = None;
         w.observe(
             0,
@@ -1508,6 +1545,76 @@ mod tests {
             w.cause(&hosts)
                 .is_some_and(|c| c.contains("rank 1 on h1 has not entered it"))
         );
+    }
+
+    /// A rank that has not entered the collective its peers wait in is the culprit once they
+    /// have waited --hang-timeout, whatever it does meanwhile: its stack moving (a poll in a
+    /// sleep loop, a spin in Python) is not progress. Before the timeout, nothing is said.
+    #[test]
+    fn a_rank_that_polls_outside_the_collective_its_peers_wait_in_is_the_culprit() {
+        let plan = WatchPlan {
+            hang_timeout: Duration::from_secs(5),
+            on_hang: OnHang::Stop,
+        };
+        let hosts = vec!["h1".to_string(), "h2".to_string()];
+        let mut poller = busy(1, 7);
+        poller.frames[0].code = Some("time.sleep(1)".into());
+        poller.unchanged_ms = 300;
+        for (waited_ms, hang) in [(4_900, false), (5_000, true)] {
+            let mut w = WatchState::new(plan);
+            w.reset(3);
+            let mut r0 = waiting(0, "all_reduce");
+            r0.unchanged_ms = waited_ms;
+            let mut r2 = waiting(2, "all_reduce");
+            r2.unchanged_ms = 1_000;
+            w.observe(
+                0,
+                NodeWatch {
+                    ras: None,
+                    ranks: vec![r0, r2],
+                },
+            );
+            w.observe(
+                1,
+                NodeWatch {
+                    ras: None,
+                    ranks: vec![poller.clone()],
+                },
+            );
+            assert_eq!(w.check(&hosts), hang, "waited {waited_ms} ms");
+            assert_eq!((w.hangs.len(), w.stopped), (usize::from(hang), hang));
+            if hang {
+                let d = &w.hangs[0];
+                assert_eq!(
+                    (d.kind.clone(), d.culprits.clone()),
+                    (Kind::Missing, vec![1])
+                );
+                assert!(
+                    d.conclusion.starts_with("ranks 0,2 wait in all_reduce; rank 1 on h2 has not entered it: it is in main (/job/train.py:7): time.sleep(1)"),
+                    "{}",
+                    d.conclusion
+                );
+                assert_eq!(d.stalled_s, 5.0);
+                let text = hang_text(d, plan.hang_timeout);
+                assert!(
+                    text.starts_with(
+                        "nrun: hang: a collective has not progressed for 5 s (--hang-timeout 5 s)\n"
+                    ),
+                    "{text}"
+                );
+            }
+        }
+        // Every rank busy and moving (no collective waited in): no hang, however long.
+        let mut w = WatchState::new(plan);
+        w.observe(
+            0,
+            NodeWatch {
+                ras: None,
+                ranks: vec![poller.clone(), RankView { rank: 0, ..poller }],
+            },
+        );
+        assert!(!w.check(&hosts[..1]));
+        assert!(w.hangs.is_empty());
     }
 
     /// NCCL's RAS answer given during the stall goes with the hang (its findings printed, the

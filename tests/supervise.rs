@@ -283,7 +283,7 @@ fn kill_9_leaves_no_grandchildren() {
     s.wait_marks("ready", 2, Duration::from_secs(10));
     let nrun: i32 = nrun_under(child.id()).parse().unwrap();
     // Its scratch directory (the workers' error files) goes with it.
-    let scratch = std::env::temp_dir().join(format!("nrun-{nrun}"));
+    let scratch = scratch_of(nrun as u32).expect("nrun's scratch directory");
     assert!(scratch.exists(), "{}", scratch.display());
     signal_pid(&nrun.to_string(), "KILL");
     let (out, took) = wait_with_timeout(child, Duration::from_secs(5));
@@ -806,4 +806,148 @@ fn a_worker_starts_as_a_plain_exec_would_make_it() {
         2,
         "the secret reached a worker: {stdout}"
     );
+}
+
+/// The one run directory under `logs`.
+fn only_run(logs: &std::path::Path) -> std::path::PathBuf {
+    std::fs::read_dir(logs)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path()
+}
+
+/// Exit 0 means every line arrived: ranks that write thousands of lines right before they
+/// exit 0 have every one of them on the console and in their logs when nrun exits, with the
+/// launch host's node in nrun itself (one node) and as agent processes whose output a pipe
+/// relays (two nodes of this machine).
+#[test]
+fn every_line_written_right_before_exit_0_is_on_the_console_and_in_the_log() {
+    const LINES: usize = 5000;
+    for hosts in [None, Some("localhost,127.0.0.1")] {
+        let s = Scene::new();
+        let logs = s.dir.path().join("logs");
+        let mut args = vec!["--nproc", "2", "--no-python-probe"];
+        if let Some(h) = hosts {
+            args.extend(["-H", h]);
+        }
+        let work = burst(LINES);
+        let logs_arg = logs.to_str().unwrap();
+        args.extend(["--log-dir", logs_arg, "--tee", "3"]);
+        args.extend(["--no-python", "sh", "-c", &work]);
+        let out = s.run(&args, &[]);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "{hosts:?}: {stderr}");
+        let ranks = if hosts.is_some() { 4 } else { 2 };
+        let run = only_run(&logs);
+        for r in 0..ranks {
+            assert_burst(&stdout, r, LINES, &format!("{hosts:?} console"));
+            let file = match hosts {
+                None => run.join(format!("attempt_0/{r}/stdout.log")),
+                Some(_) => run.join(format!(
+                    "attempt_0/{}/{}/stdout.log",
+                    ["localhost", "127.0.0.1"][r / 2],
+                    r % 2
+                )),
+            };
+            let log = std::fs::read_to_string(&file).unwrap();
+            assert_burst(&log, r, LINES, &format!("{}", file.display()));
+        }
+        // nrun's marks behind each step's output never reach the console.
+        assert!(!stdout.contains("nrun-output-end"), "{hosts:?}");
+        assert!(!stderr.contains("nrun-output-end"), "{stderr}");
+        s.assert_no_survivors();
+    }
+}
+
+/// A rank that was started but whose end never reached nrun (its node's agent killed while it
+/// ran) fails the job, and the error names it and its host.
+#[test]
+fn a_rank_whose_end_is_never_reported_fails_the_job_and_is_named() {
+    let s = Scene::new();
+    let agent = s.dir.path().join("agent");
+    let work = format!(
+        "[ $RANK = 1 ] && echo $PPID > {}; echo started >> $MARK; exec sleep 60",
+        agent.display()
+    );
+    let child = s.spawn(
+        &[
+            "-H",
+            "localhost,127.0.0.1",
+            "--nproc",
+            "1",
+            "--no-python-probe",
+            "--no-python",
+            "sh",
+            "-c",
+            &work,
+        ],
+        &[],
+    );
+    s.wait_marks("started", 2, Duration::from_secs(60));
+    let pid = std::fs::read_to_string(&agent).unwrap();
+    // The worker's parent is its node's agent.
+    let cmd = std::fs::read(format!("/proc/{}/cmdline", pid.trim())).unwrap_or_default();
+    assert!(
+        cmd.split(|b| *b == 0).any(|a| a == b"__agent"),
+        "{:?}",
+        String::from_utf8_lossy(&cmd)
+    );
+    signal_pid(pid.trim(), "KILL");
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("lost 127.0.0.1"), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 ran there and its end was never reported"),
+        "{stderr}"
+    );
+    s.assert_no_survivors();
+}
+
+/// Lines up to 1 MiB are kept whole, each with its rank's prefix once, never mixed with
+/// another rank's, when two ranks print them at once; a longer one is cut into 1 MiB pieces,
+/// each marked. In nrun itself and through the pipes of agent processes.
+#[test]
+fn long_lines_of_two_ranks_at_once_stay_whole() {
+    const LEN: usize = 1_000_000;
+    for hosts in [None, Some("localhost,127.0.0.1")] {
+        let s = Scene::new();
+        let mut args = vec!["--nproc", "1", "--no-python-probe"];
+        match hosts {
+            Some(h) => args.extend(["-H", h]),
+            None => args[1] = "2",
+        }
+        let work = format!(
+            "{}; [ $RANK = 0 ] && head -c 2500000 /dev/zero | tr '\\0' x && echo; exit 0",
+            long_lines(LEN, 3)
+        );
+        args.extend(["--no-python", "sh", "-c", &work]);
+        let out = s.run(&args, &[]);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "{hosts:?}: {stderr}");
+        for r in 0..2 {
+            let digits: Vec<&str> = stdout.lines().filter(|l| !l.contains("xxx")).collect();
+            assert_long_lines(&digits.join("\n"), r, LEN, 3);
+        }
+        // 2,500,000 bytes: two pieces of 1 MiB, marked, and the rest.
+        let cut: Vec<&str> = stdout.lines().filter(|l| l.contains("xxx")).collect();
+        assert_eq!(cut.len(), 3, "{hosts:?}");
+        let mark = " [nrun: line longer than 1 MiB, continued on the next line]";
+        for (i, l) in cut.iter().enumerate() {
+            let (prefix, body) = l.split_once("]: ").unwrap();
+            assert!(prefix.ends_with("rank0"), "{prefix}");
+            let xs = body.strip_suffix(mark).unwrap_or(body);
+            assert!(xs.bytes().all(|b| b == b'x'), "piece {i}");
+            let want = if i < 2 {
+                1 << 20
+            } else {
+                2_500_000 - (2 << 20)
+            };
+            assert_eq!(xs.len(), want, "piece {i}");
+            assert_eq!(body.ends_with(mark), i < 2, "piece {i}");
+        }
+        s.assert_no_survivors();
+    }
 }

@@ -403,7 +403,7 @@ fn a_killed_local_leaf_agent_is_named_by_the_agent_that_started_it() {
     kill_agent_of_rank(&s, 4, 7);
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
     let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert_eq!(out.status.code(), Some(98), "{err}");
     assert!(
         err.contains(
             "lost 127.1.8.5: its agent (a process of this host, started by 127.1.8.3's agent in \

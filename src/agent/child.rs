@@ -6,7 +6,6 @@
 //! agent the launcher is gone.
 
 use std::collections::VecDeque;
-use std::io::Write as _;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,19 +13,18 @@ use std::time::Duration;
 use std::os::unix::process::ExitStatusExt as _;
 use std::process::ExitStatus;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch};
 
 use crate::agent::protocol::Hello;
+pub use crate::agent::relay::{Delivery, Marks};
+use crate::agent::relay::{Passing, Reader, Stream, own_line};
 use crate::error::{Error, Result};
 use crate::remote;
 use crate::session::link::Nudges;
 
-/// Lines of an agent's stderr kept to explain why it failed.
-const TAIL_LINES: usize = 10;
-
-/// Bytes read at a time from an agent's stdout and stderr.
-const RELAY_BUFFER: usize = 2048;
+/// How long an agent's pipes may stay open after its end, held by something it left.
+const RELAY_DRAIN: Duration = Duration::from_secs(2);
 
 /// An agent process (or the srun step of all of them) and what nrun saw of it. A task of its
 /// own waits for it (and kills it when asked, or when this is dropped), so that its end is an
@@ -38,6 +36,10 @@ pub struct AgentProcess {
     kill: Option<oneshot::Sender<()>>,
     stdin: Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    /// The marks behind each step's output that came through its pipes (None: not read here).
+    marks: Option<Arc<Marks>>,
+    /// The tasks passing its stdout and stderr on.
+    relays: Vec<tokio::task::JoinHandle<()>>,
 }
 
 /// What starts a node's agent.
@@ -88,41 +90,25 @@ impl AgentProcess {
             let _ = s.write_all(format!("{line}\n").as_bytes()).await;
         }
         let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
-        // The agent prefixes its workers' lines; pass them on line by line. Small buffers: two
-        // per node, they were a third of the launch host's memory at a thousand nodes (8 KiB
-        // each), and a longer line still comes through whole.
-        if let Some(out) = stdout {
-            tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::with_capacity(RELAY_BUFFER, out).lines();
-                while let Ok(Some(l)) = lines.next_line().await {
-                    let _ = writeln!(std::io::stdout().lock(), "{l}");
-                }
-            });
-        }
-        if let Some(err) = stderr {
-            let tail = tail.clone();
-            let tag = relay.tag;
-            tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::with_capacity(RELAY_BUFFER, err).lines();
-                while let Ok(Some(l)) = lines.next_line().await {
-                    match &tag {
-                        // A child's own words, passed up the tree, named by their node: the
-                        // launch host takes its inner agent's unnamed nrun and ssh lines as
-                        // that agent's last words (a child's are not).
-                        Some(t) if own_line(&l) => {
-                            let _ = writeln!(std::io::stderr().lock(), "{t}: {l}");
-                        }
-                        _ => {
-                            let _ = writeln!(std::io::stderr().lock(), "{l}");
-                        }
-                    }
-                    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
-                    if t.len() == TAIL_LINES {
-                        t.pop_front();
-                    }
-                    t.push_back(l);
-                }
-            });
+        // The launch host reads the marks behind each step's output (see [`Marks`]); an inner
+        // agent of the launch tree passes its children's on with their lines.
+        let marks = (relay.marks && !hello.output_mark.is_empty()).then(|| {
+            Arc::new(Marks::new(
+                hello.output_mark.clone(),
+                relay.nudge.as_ref().map(|(n, _)| n.clone()),
+            ))
+        });
+        // The agent prefixes its workers' lines; pass them on line by line.
+        let mut relays = Vec::new();
+        for (pipe, stream) in [(stdout, Stream::Out), (stderr, Stream::Err)] {
+            let Some(pipe) = pipe else { continue };
+            let to = Passing {
+                stream,
+                marks: marks.clone(),
+                tag: relay.tag.clone(),
+                tail: (stream == Stream::Err).then(|| tail.clone()),
+            };
+            relays.push(tokio::spawn(to.relay(pipe)));
         }
         if let Some((nudges, nodes)) = relay.nudge {
             let mut done = ended.clone();
@@ -138,6 +124,8 @@ impl AgentProcess {
             kill: Some(kill),
             stdin,
             stderr_tail: tail,
+            marks,
+            relays,
         })
     }
 
@@ -211,6 +199,22 @@ impl AgentProcess {
             }
             self.wait().await;
         }
+        // What it wrote last is passed on before nrun goes on (and exits): its pipes end with
+        // it, unless a process it left holds them (bounded).
+        let relays = std::mem::take(&mut self.relays);
+        let _ = tokio::time::timeout(RELAY_DRAIN, futures_join(relays)).await;
+    }
+
+    /// The marks read from its pipes, if the launch host reads them.
+    pub fn marks(&self) -> Option<Arc<Marks>> {
+        self.marks.clone()
+    }
+}
+
+/// Awaits every task of `tasks`.
+async fn futures_join(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for t in tasks {
+        let _ = t.await;
     }
 }
 
@@ -223,26 +227,18 @@ pub fn how_it_ended(st: &ExitStatus) -> String {
     }
 }
 
-/// A line nrun itself (the agent: its lines start with "nrun"), ssh or srun wrote, not one of
-/// the workers'.
-fn own_line(l: &str) -> bool {
-    let l = l.trim_start();
-    ["nrun", "ssh:", "srun:", "Connection to "]
-        .iter()
-        .any(|p| l.starts_with(p))
-}
-
 /// How an agent process's output is passed on and its end told.
 #[derive(Default)]
 pub struct Relay {
+    /// The launch host: it reads the marks behind each step's output (an inner agent of the
+    /// launch tree passes them on).
+    pub marks: bool,
     /// Whom to nudge, for which nodes, when it ends (the launch host's session).
     pub nudge: Option<(Arc<Nudges>, Vec<usize>)>,
     /// Its own lines (nrun's, ssh's) on stderr go on as "TAG: line" (a child of an inner agent
     /// of the launch tree, named by its node).
     pub tag: Option<String>,
 }
-
-type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 
 /// A process just started: its standard descriptors, its end once it came, and how to kill it.
 struct Started {

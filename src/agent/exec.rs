@@ -99,21 +99,23 @@ async fn run_workers(
 ) -> RunResult {
     let mut cmds = Vec::with_capacity(specs.len());
     let this_nrun = std::env::current_exe();
-    // Error files in nrun's scratch (no --log-dir) are read, then removed after the step; their
-    // directories at the End ([`tidy_scratch`]).
+    let specs = match in_scratch(specs) {
+        Ok(s) => s,
+        Err(e) => return RunResult::SpawnError(e),
+    };
+    // Error files in nrun's scratch (no --log-dir) are read, then removed after the step; the
+    // directory at the End ([`crate::files::remove_scratch`]).
     let scratch: Vec<std::path::PathBuf> = specs
         .iter()
         .filter(|w| w.log_dir.is_none())
         .map(|w| w.error_file.clone())
         .collect();
-    scratch_used(&scratch);
     let mut flight_files = Vec::new();
     // The node of rank 0 asks NCCL's RAS about the job when its ranks stall.
     let ras = specs
         .iter()
         .find(|w| w.rank == 0)
         .and_then(|w| super::ras::target(&w.env));
-    let errors: Vec<std::path::PathBuf> = specs.iter().map(|w| w.error_file.clone()).collect();
     for w in specs {
         let program = match (w.program.as_str(), &this_nrun) {
             (THIS_NRUN, Ok(exe)) => exe.clone().into_os_string(),
@@ -122,10 +124,10 @@ async fn run_workers(
             }
             (p, _) => p.into(),
         };
-        if let Some(dir) = w.error_file.parent() {
+        if let (None, Some(dir)) = (&w.log_dir, w.error_file.parent()) {
             // Looked up first: the lookup takes no lock on the parent, a mkdir does.
             if !dir.is_dir() {
-                let _ = std::fs::create_dir_all(dir);
+                let _ = crate::files::make_private_dirs(dir);
             }
         }
         // Log files live on the worker's own node, as torchrun's do.
@@ -141,12 +143,15 @@ async fn run_workers(
             false => None,
         };
         let mut env = w.env;
-        // The watch turns on PyTorch's flight recorder (NCCL jobs), its files beside the
-        // worker's error file.
-        if let (true, Some(dir)) = (watch.is_some(), w.error_file.parent()) {
-            let (add, files) = super::flight::setup(&env, w.rank, dir);
+        // The watch turns on PyTorch's flight recorder (NCCL jobs), its pipe and dump in this
+        // process's scratch directory: dumps are read from there only (a pipe or dump file the
+        // user named is theirs, left alone).
+        if let (true, Ok(dir)) = (watch.is_some(), crate::files::scratch()) {
+            let (add, files) = super::flight::setup(&env, w.rank, &dir);
             env.extend(add);
-            flight_files.push((w.rank, files));
+            if files.pipe.starts_with(&dir) && files.dump.starts_with(&dir) {
+                flight_files.push((w.rank, files));
+            }
         }
         if let (true, Some(s)) = (w.secret, secret) {
             env.push(("NRUN_SECRET".into(), s.to_string()));
@@ -202,11 +207,27 @@ async fn run_workers(
         _ => None,
     };
     let grace = Duration::from_millis(grace_ms);
+    let oom_mark = super::oom::mark();
     let outcome = node::run_group(cmds, grace, deadline, stop, events).await;
     drop(ended);
     // The failing worker's error file, read once: its traceback, and the file as written.
     let error_json = match &outcome {
-        Ok(Outcome::Failed(f)) => std::fs::read_to_string(&f.error_file).ok(),
+        Ok(Outcome::Failed(f)) => crate::files::read_text(
+            &f.error_file,
+            MAX_ERROR_FILE_BYTES,
+            crate::files::Writer::Anyone,
+        )
+        .map_err(|e| match e {
+            crate::files::ReadError::Missing => {}
+            e => tracing::warn!("error file {}: {e}; not read", f.error_file.display()),
+        })
+        .ok(),
+        _ => None,
+    };
+    let oom = match &outcome {
+        Ok(Outcome::Failed(f)) if f.exit == node::Exit::Signal(libc::SIGKILL) => {
+            super::oom::explain(&oom_mark, f.pid)
+        }
         _ => None,
     };
     let result = match outcome {
@@ -220,7 +241,12 @@ async fn run_workers(
             local_rank: f.local_rank,
             pid: f.pid,
             exit_code: f.exit.exit_code(),
-            how: f.exit.describe(),
+            how: match (f.exit, &oom) {
+                (node::Exit::Signal(libc::SIGKILL), Some(why)) => {
+                    format!("{} ({why})", f.exit.describe())
+                }
+                _ => f.exit.describe(),
+            },
             at: humantime::format_rfc3339_seconds(f.at).to_string(),
             traceback: error_json.as_deref().and_then(node::error_file_traceback),
             error_json,
@@ -230,27 +256,10 @@ async fn run_workers(
             left_early: f.left_early,
         }),
     };
-    // The dump pipes are nrun's; a dump stays where the error file stays (--log-dir). The
-    // directories are looked up in sets: a list searched for each of thousands of workers made
-    // the group's end quadratic.
-    let dirs = |files: &[std::path::PathBuf]| -> std::collections::HashSet<std::path::PathBuf> {
-        files
-            .iter()
-            .filter_map(|e| e.parent())
-            .map(Into::into)
-            .collect()
-    };
-    let (error_dirs, scratch_dirs) = (dirs(&errors), dirs(&scratch));
-    let ours = |p: &std::path::Path, among: &std::collections::HashSet<std::path::PathBuf>| {
-        p.parent().is_some_and(|d| among.contains(d))
-    };
+    // The dump pipes and files are nrun's own (only those are in `flight_files`).
     for (_, f) in &flight_files {
-        if ours(&f.pipe, &error_dirs) {
-            let _ = std::fs::remove_file(&f.pipe);
-        }
-        if ours(&f.dump, &scratch_dirs) {
-            let _ = std::fs::remove_file(&f.dump);
-        }
+        let _ = std::fs::remove_file(&f.pipe);
+        let _ = std::fs::remove_file(&f.dump);
     }
     for f in &scratch {
         // Looked up first: most workers leave none, and an unlink locks the directory.
@@ -261,48 +270,39 @@ async fn run_workers(
     result
 }
 
-/// The directories of nrun's scratch that this process's workers used.
-static SCRATCH_DIRS: std::sync::Mutex<std::collections::BTreeSet<std::path::PathBuf>> =
-    std::sync::Mutex::new(std::collections::BTreeSet::new());
+/// Largest error file read: a traceback with its locals, as torch's `@record` writes it.
+const MAX_ERROR_FILE_BYTES: u64 = 16 << 20;
 
-fn scratch_used(files: &[std::path::PathBuf]) {
-    if let Ok(mut dirs) = SCRATCH_DIRS.lock() {
-        dirs.extend(files.iter().filter_map(|f| f.parent()).map(Into::into));
+/// Places the error files the coordinator gave as relative paths (no --log-dir) in this
+/// process's own scratch directory ([`crate::files::scratch`]), each worker's
+/// TORCHELASTIC_ERROR_FILE with them: a node's scratch is its own, never a path another host
+/// named.
+fn in_scratch(mut specs: Vec<WorkerSpec>) -> std::result::Result<Vec<WorkerSpec>, String> {
+    if specs.iter().all(|w| w.error_file.is_absolute()) {
+        return Ok(specs);
     }
-}
-
-/// At the End (every worker of the job has ended, on every node): removes the scratch
-/// directories this process's workers used, and each parent left empty, up to the temp
-/// directory. Not after each step: another agent on this host shares them, and its workers may
-/// still have an error file to write there.
-pub fn tidy_scratch() {
-    let dirs = SCRATCH_DIRS
-        .lock()
-        .map(|mut d| std::mem::take(&mut *d))
-        .unwrap_or_default();
-    let top = std::env::temp_dir();
-    for dir in dirs {
-        let mut dir = Some(dir.as_path());
-        while let Some(d) = dir.filter(|d| d.starts_with(&top) && *d != top) {
-            if std::fs::remove_dir(d).is_err() {
-                break;
+    let root = crate::files::scratch()?;
+    for w in specs.iter_mut().filter(|w| w.error_file.is_relative()) {
+        let at = root.join(&w.error_file);
+        for (k, v) in w.env.iter_mut() {
+            if k == "TORCHELASTIC_ERROR_FILE" {
+                *v = at.to_string_lossy().into_owned();
             }
-            dir = d.parent();
         }
+        w.error_file = at;
     }
+    Ok(specs)
 }
 
 type Logs = (Option<std::fs::File>, Option<std::fs::File>);
 
+/// A worker's log files, made fresh in a directory of this user's (0700 directories, 0600
+/// files, as torchrun's run directory is private): one planted by another user is refused,
+/// named.
 fn open_logs(dir: &std::path::Path) -> Result<Logs> {
-    let fail = |p: &std::path::Path, e: std::io::Error| {
-        Error::internal(format!("cannot create log file {}: {e}", p.display()))
-    };
-    std::fs::create_dir_all(dir).map_err(|e| fail(dir, e))?;
-    let open = |name: &str| {
-        let p = dir.join(name);
-        std::fs::File::create(&p).map_err(|e| fail(&p, e))
-    };
+    let fail = |e: String| Error::internal(format!("log directory: {e}"));
+    crate::files::make_private_dirs(dir).map_err(fail)?;
+    let open = |name: &str| crate::files::create_private_file(&dir.join(name)).map_err(fail);
     Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
 }
 

@@ -8,8 +8,14 @@
 //! enqueued and last completed collective. The dump is a Python pickle: the worker's own
 //! interpreter turns it into JSON ([`HELPER`]), so no pickle reader lives here.
 //!
-//! A variable the user set wins (their ring size, pipe or dump file); the recorder exists for
-//! NCCL groups only, so gloo jobs get no pipe and nothing is read.
+//! A variable the user set wins (their ring size, pipe or dump file; nrun then reads no dump:
+//! it reads them only from its own private scratch directory, see [`crate::files`]); the
+//! recorder exists for NCCL groups only, so gloo jobs get no pipe and nothing is read.
+//!
+//! Unpickling a dump runs whatever the pickle says, so a dump is read only if it is a regular
+//! file (not a symlink) of this user, writable by nobody else, in a directory only this user
+//! can write (mode 0700, made fresh): no other user can have put it there. Its bytes reach the
+//! helper on stdin; the helper opens no path.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
@@ -47,7 +53,7 @@ pub fn setup(
     // torch renamed some of these (TORCH_NCCL_* to TORCH_FR_*) and warns in every worker's
     // stderr when it finds an old name set, so nrun sets the name torch 2.11 reads without a
     // warning; the user's value under either name wins. (An older torch that knows only the
-    // old names keeps its own ring and dumps to its default file, which is read as well.)
+    // old names keeps its own ring and dumps to its default file, which nrun never reads.)
     let pick =
         |names: &[&str], set: &[&str], ours: String, add: &mut Vec<(String, String)>| match names
             .iter()
@@ -84,38 +90,48 @@ pub fn setup(
 }
 
 /// Asks for a dump: one byte down the pipe. A pipe nobody reads (not an NCCL job, torch not yet
-/// there) refuses at once (ENXIO) rather than block.
+/// there) refuses at once (ENXIO) rather than block; anything but a FIFO (never through a
+/// symlink) gets nothing.
 pub fn ask(f: &FrFiles) -> bool {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     std::fs::OpenOptions::new()
         .write(true)
-        .custom_flags(libc::O_NONBLOCK)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&f.pipe)
-        .and_then(|mut p| p.write_all(b"1"))
+        .and_then(|mut p| match p.metadata()?.file_type().is_fifo() {
+            true => p.write_all(b"1"),
+            false => Err(std::io::ErrorKind::InvalidInput.into()),
+        })
         .is_ok()
 }
 
-/// The dump newer than `since`, if one is there: in the file nrun named, or in torch's
-/// default one (a torch that does not know TORCH_FR_DUMP_TEMP_FILE).
-pub fn dumped_since(f: &FrFiles, rank: usize, since: SystemTime) -> Option<PathBuf> {
-    let default = PathBuf::from(format!("/tmp/nccl_trace_rank_{rank}"));
-    [f.dump.clone(), default].into_iter().find(|p| {
-        std::fs::metadata(p)
-            .and_then(|m| m.modified())
-            .is_ok_and(|t| t >= since)
-    })
+/// The dump, if one newer than `since` is in the file nrun named (never a symlink).
+pub fn dumped_since(f: &FrFiles, since: SystemTime) -> Option<PathBuf> {
+    std::fs::symlink_metadata(&f.dump)
+        .ok()
+        .filter(|m| m.is_file())
+        .and_then(|m| m.modified().ok())
+        .is_some_and(|t| t >= since)
+        .then(|| f.dump.clone())
 }
+
+/// Largest dump read: a ring of [`BUFFER`] entries per group is a few hundred KiB.
+const MAX_DUMP_BYTES: u64 = 64 << 20;
 
 /// Turns each pickled dump into one JSON line with the fields read here.
 const HELPER: &str = r#"
-import json, pickle, sys
+import json, pickle, struct, sys
 keys = ("record_id", "collective_seq_id", "profiling_name", "state", "input_sizes",
         "input_dtypes", "duration_ms", "time_created_ns", "is_p2p", "retired")
-for f in sys.argv[1:]:
+data = sys.stdin.buffer.read()
+at = 0
+while at + 8 <= len(data):
+    (n,) = struct.unpack_from("<Q", data, at)
+    blob = data[at + 8 : at + 8 + n]
+    at += 8 + n
     try:
-        with open(f, "rb") as h:
-            d = pickle.load(h)
+        d = pickle.loads(blob)
         out = []
         for e in d.get("entries", []):
             x = {k: e.get(k) for k in keys}
@@ -167,15 +183,51 @@ impl Entry {
 }
 
 /// Reads the dumps in `files` with `python` (the workers' interpreter); one summary per file, in
-/// order (None where a file could not be read).
+/// order (None where a file could not be read, or was refused: see the module's doc).
 pub fn read(python: &Path, files: &[&Path]) -> Vec<Option<FrView>> {
+    // Each dump length-prefixed on the helper's stdin (an empty one where it was refused).
+    let mut input = Vec::new();
+    for f in files {
+        let bytes = match crate::files::read_own(f, MAX_DUMP_BYTES) {
+            Ok(b) => b,
+            Err(crate::files::ReadError::Missing) => Vec::new(),
+            Err(e) => {
+                // Once: a dump refused (a worker's umask of 002, say) is refused at every ask.
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    tracing::warn!(
+                        "refusing the flight recorder's dump {}: {e}; dumps that are not this \
+                         user's alone are not read (the watch goes on without them)",
+                        f.display()
+                    )
+                });
+                Vec::new()
+            }
+        };
+        input.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        input.extend_from_slice(&bytes);
+    }
     let out = std::process::Command::new(python)
         .arg("-c")
         .arg(HELPER)
-        .args(files)
-        .stdin(std::process::Stdio::null())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
-        .output();
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            // Written from a thread: the helper's output may fill its pipe before it has read
+            // all of its input.
+            let mut stdin = c.stdin.take();
+            let feed = std::thread::spawn(move || {
+                if let Some(i) = stdin.as_mut() {
+                    let _ = i.write_all(&input);
+                }
+            });
+            let out = c.wait_with_output();
+            let _ = feed.join();
+            out
+        });
     let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
     let lines: Vec<String> = text
         .map(|t| t.lines().map(str::to_string).collect())
@@ -370,6 +422,42 @@ mod tests {
             .collect();
         let runs = summarize(&e).unwrap().runs;
         assert_eq!((runs.len(), runs[0].first, runs[15].last), (RUNS, 25, 40));
+    }
+
+    /// A dump is read only from a regular file of this user's that nobody else may write, not
+    /// through a symlink: anything else could have been planted, and unpickling runs code.
+    #[test]
+    fn only_a_dump_of_this_users_own_is_read() {
+        use std::os::unix::fs::PermissionsExt;
+        let Some(py) = std::env::var_os("NRUN_TEST_PYTHON") else {
+            eprintln!("SKIPPED: NRUN_TEST_PYTHON unset");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("dump0");
+        let write = "import pickle, sys; e = {'record_id': 0, 'collective_seq_id': 1, \
+            'profiling_name': 'nccl:all_reduce', 'state': 'completed', 'input_sizes': [[4]], \
+            'input_dtypes': ['Float'], 'process_group': ('0', 'x'), 'is_p2p': False, \
+            'retired': True, 'duration_ms': 1.0, 'time_created_ns': 0}; \
+            open(sys.argv[1], 'wb').write(pickle.dumps({'entries': [e]}))";
+        let ok = std::process::Command::new(&py)
+            .args(["-c", write])
+            .arg(&good)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let link = dir.path().join("link0");
+        std::os::unix::fs::symlink(&good, &link).unwrap();
+        let open = dir.path().join("open0");
+        std::fs::copy(&good, &open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let v = read(Path::new(&py), &[&good, &link, &open, &good]);
+        let seq = |i: usize| v[i].as_ref().map(|f| (f.last.seq, f.last.bytes));
+        assert_eq!(
+            (seq(0), seq(1), seq(2), seq(3)),
+            (Some((1, 16)), None, None, Some((1, 16)))
+        );
     }
 
     /// A real dump: torch's own recorder of a one-rank gloo group, read by the helper.

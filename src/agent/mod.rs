@@ -22,9 +22,11 @@ pub mod child;
 pub mod exec;
 pub mod flight;
 mod liveness;
+mod oom;
 pub mod peer;
 pub mod protocol;
 pub mod ras;
+pub mod relay;
 pub mod stacks;
 pub mod tree;
 
@@ -216,7 +218,7 @@ pub async fn serve(
     let served = join_and_serve(hello, signals, gone, read_end).await;
     // This node's workers are all gone, and so are every other node's (the End): the scratch
     // they used can go.
-    exec::tidy_scratch();
+    crate::files::remove_scratch();
     served
 }
 
@@ -354,6 +356,7 @@ async fn join_and_serve(
         index: hello.node,
         me,
         read_end,
+        mark: hello.output_mark.clone(),
     };
     node.steps(&mut store, &mut signals, gone_rx).await
 }
@@ -371,9 +374,20 @@ struct Node {
     /// At the End, read the job's exit code and root cause (a node whose own nrun exits with
     /// them).
     read_end: bool,
+    /// The launch host's token for the line behind each step's output (empty: none).
+    mark: String,
 }
 
 impl Node {
+    /// What this node publishes (a step's result, with its stderr tails and tracebacks; the
+    /// watch's views of its workers), sealed with the run's secret as its steps are: whoever
+    /// reads the store without the secret (a c10d store on the network) learns nothing of it.
+    /// Bound to the key only (run, node, step), not to this join: the launch host reads it
+    /// whether or not it has taken this join's record in yet.
+    fn seal(&self, key: &[u8], value: &[u8]) -> Vec<u8> {
+        crate::store::auth::seal(self.secret.as_bytes(), key, b"", value)
+    }
+
     fn lost(&self, e: std::io::Error) -> Error {
         Error::helper(format!(
             "nrun agent on {}: lost the launch host's store: {e}",
@@ -427,7 +441,8 @@ impl Node {
                     };
                     // Acknowledged, so a coordinator waiting for nodes that joined by
                     // themselves can close its store.
-                    let _ = store.set(&self.keys.result(self.index, no), b"end").await;
+                    let key = self.keys.result(self.index, no);
+                    let _ = store.set(&key, &self.seal(&key, b"end")).await;
                     return Ok(protocol::Ended {
                         code: code.and_then(|c| String::from_utf8_lossy(&c).parse().ok()),
                         root_cause: root_cause
@@ -436,9 +451,11 @@ impl Node {
                     });
                 }
             };
+            self.end_of_output(no).await;
             let value = serde_json::to_vec(&result).map_err(|e| Error::helper(e.to_string()))?;
+            let key = self.keys.result(self.index, no);
             store
-                .set(&self.keys.result(self.index, no), &value)
+                .set(&key, &self.seal(&key, &value))
                 .await
                 .map_err(lost)?;
             if *gone_rx.borrow() {
@@ -448,6 +465,27 @@ impl Node {
             }
         }
         Ok(protocol::Ended::default())
+    }
+
+    /// Marks the end of step `no`'s output on stdout and stderr, behind its workers' last lines
+    /// (their writer is done when the step is), before its result goes out: the launch host
+    /// takes the result once both marks came through the pipe that relays this agent, so every
+    /// line is on its console before it acts on the result (or exits). Written off the
+    /// runtime: a pipe the launch host is slow to read must not stop this agent's heartbeat.
+    async fn end_of_output(&self, no: usize) {
+        use std::io::Write as _;
+        if self.mark.is_empty() {
+            return;
+        }
+        let line = protocol::output_mark(&self.mark, self.index, no);
+        // A pipe that is gone: the launch host sees the mark missing and says so.
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(line.as_bytes()).and_then(|()| out.flush());
+            drop(out);
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        })
+        .await;
     }
 
     /// Waits for step `no` and opens it: only steps sealed with the run's secret for this
@@ -587,7 +625,7 @@ impl Node {
                 Some(Woke::Ran(done)) => return Ok(done),
                 Some(Woke::View(Some(v))) => {
                     if let (Some(c), Ok(json)) = (conn.as_mut(), serde_json::to_vec(&v)) {
-                        let _ = c.set(&view_key, &json).await;
+                        let _ = c.set(&view_key, &self.seal(&view_key, &json)).await;
                     }
                 }
                 // The watch ended before the workers did: nothing more to publish.

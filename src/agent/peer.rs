@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use super::protocol::{
-    Hello, NRUN_STORE_KEY, c10d_next_key, c10d_public_key, c10d_run_key, torchrun_rdzv_key,
+    Hello, NRUN_STORE_KEY, c10d_next_key, c10d_public_key, c10d_refused_key, c10d_room_key,
+    c10d_run_key, torchrun_rdzv_key,
 };
 use crate::error::{Error, Result};
 use crate::node::Signals;
@@ -34,28 +35,25 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
     // Everything up to the node index, bounded by --join-timeout to the second: a connect or
     // a reply that never comes (packets dropped) cannot hold it past the deadline.
     let mut look = Looking::new(started);
+    // The job's --nnodes and the --spares that may wait beside them. A node past them (its
+    // index is the next in join order: one that came back after its first nrun was lost) may
+    // wait for room where the job can take a node again: elastic, or with spares.
+    let slots = Slots {
+        slots: nodes.hosts.len(),
+        may_wait: nodes.min_nodes < nodes.size || nodes.hosts.len() > nodes.size,
+    };
     let found = tokio::time::timeout_at(
         deadline.into(),
-        find(&addrs, c, &endpoint, &secret, &mut look, secs),
+        find(&addrs, c, &endpoint, &secret, &mut look, secs, &slots),
     )
     .await;
     let (reached, run, node) = match found {
         Ok(r) => r?,
+        Err(_) if look.full => return Err(too_many(&endpoint, c, job, &slots)),
         Err(_) => return Err(look.timed_out(&endpoint, c, secs)),
     };
-    // The job's --nnodes and the --spares that may wait beside them.
-    let slots = nodes.hosts.len();
-    if node >= slots {
-        return Err(Error::cluster(format!(
-            "the rendezvous at {endpoint} (id {:?}) already has its --nnodes {} nodes{}; this one \
-             is one too many (give every node --spares K to let K more join as spares)",
-            c.id,
-            job.shape.nnodes,
-            match slots - job.shape.nnodes {
-                0 => String::new(),
-                k => format!(" and {k} spare(s)"),
-            }
-        )));
+    if node >= slots.slots && !slots.may_wait {
+        return Err(too_many(&endpoint, c, job, &slots));
     }
     let hello = Hello {
         secret: secret.clone(),
@@ -78,6 +76,8 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
         own: Some(own_work(job)),
         tree: Vec::new(),
         tree_ssh: None,
+        // Its output is this nrun's own console: nothing relays it.
+        output_mark: String::new(),
         // The launch host's nodes are elsewhere: they probe this one.
         probed: true,
     };
@@ -107,6 +107,31 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
     }
 }
 
+/// How many node indices the job has (its nodes and spares), and whether a node past them may
+/// wait for room.
+struct Slots {
+    slots: usize,
+    may_wait: bool,
+}
+
+/// The error for a node past the job's nodes and spares that found (or waited for) no room.
+fn too_many(endpoint: &str, c: &C10d, job: &RunSettings, slots: &Slots) -> Error {
+    Error::cluster(format!(
+        "the rendezvous at {endpoint} (id {:?}) already has its --nnodes {} nodes{}; this one \
+         is one too many{} (give every node --spares K to let K more join as spares)",
+        c.id,
+        job.shape.nnodes,
+        match slots.slots.saturating_sub(job.shape.nnodes) {
+            0 => String::new(),
+            k => format!(" and {k} spare(s)"),
+        },
+        match slots.may_wait {
+            true => " (no node of the job was lost to make room within --join-timeout)",
+            false => "",
+        }
+    ))
+}
+
 /// This node's own worker count and command line, as its workers run them.
 pub fn own_work(job: &RunSettings) -> crate::facts::OwnWork {
     let w = &job.workers;
@@ -134,6 +159,8 @@ struct Looking {
     store: bool,
     /// The rendezvous was found: this node was joining it when time ran out.
     joining: bool,
+    /// This node's index is past the job's nodes and spares: it waited for room.
+    full: bool,
     /// When the next progress line is due (the first says what this node waits for).
     next_line: Option<Instant>,
 }
@@ -158,6 +185,7 @@ impl Looking {
             closed: false,
             store: false,
             joining: false,
+            full: false,
             next_line: Some(started + Duration::from_secs(1)),
         }
     }
@@ -241,6 +269,7 @@ async fn find(
     secret: &str,
     look: &mut Looking,
     secs: u64,
+    slots: &Slots,
 ) -> Result<(SocketAddr, String, usize)> {
     let (mut store, reached) = loop {
         let mut conn = None;
@@ -324,8 +353,64 @@ async fn find(
             usize::try_from(index).unwrap_or(usize::MAX)
         }
     };
+    admitted(&mut store, c, endpoint, look, node, slots, &lost).await?;
     // The agent opens its own connections; this one has done its part.
     Ok((reached, run, node))
+}
+
+/// Whether the hosting nrun takes node `node` (Err when not): a node of a host it left out on
+/// evidence against the node itself (not its nrun's loss) is refused, with that evidence; a
+/// node past the job's nodes and spares waits until the host has room (a node lost) where
+/// `slots` allows. `io`: the error for the store connection's failure.
+async fn admitted(
+    store: &mut Client,
+    c: &C10d,
+    endpoint: &str,
+    look: &mut Looking,
+    node: usize,
+    slots: &Slots,
+    io: &dyn Fn(std::io::Error) -> Error,
+) -> Result<()> {
+    let host = crate::net::hostname();
+    let refused = c10d_refused_key(&c.id, &host);
+    if store.check(&[&refused]).await.map_err(io)? {
+        let why = String::from_utf8_lossy(&store.get(&refused).await.map_err(io)?).into_owned();
+        return Err(Error::no_nodes(format!(
+            "the rendezvous at {endpoint} (id {:?}) refuses this node: the job left this host out \
+             earlier, on evidence against the node itself: {why}. A node left out so does not \
+             come back within the job (one whose nrun or link was lost does): check the node \
+             (nrun doctor), then start it for the next job",
+            c.id
+        )));
+    }
+    if node < slots.slots || !slots.may_wait {
+        return Ok(());
+    }
+    // Room opens when the host loses a node; it is a decimal count (see Session::publish_room).
+    let room = c10d_room_key(&c.id);
+    look.full = true;
+    let mut said = false;
+    loop {
+        let free = match store.check(&[&room]).await.map_err(io)? {
+            true => String::from_utf8_lossy(&store.get(&room).await.map_err(io)?)
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0),
+            false => 0,
+        };
+        if free > 0 {
+            look.full = false;
+            return Ok(());
+        }
+        if !said {
+            tracing::info!(
+                "the rendezvous at {endpoint} has all its nodes: this node waits for room (a \
+                 node of the job lost) up to --join-timeout"
+            );
+            said = true;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Who listens at the endpoint. nrun's marker is read before its c10d key: the host sets the

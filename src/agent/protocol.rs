@@ -76,6 +76,35 @@ pub struct Hello {
     /// spent over a quarter of the job's CPU in the kernel's search for a free port).
     #[serde(default = "probed_by_default")]
     pub probed: bool,
+    /// Chosen at random by the launch host for an agent whose output it relays (a pipe of its
+    /// own, ssh's or srun's): after each step the agent writes [`output_mark`] with it on
+    /// stdout and stderr, behind the last line of that step's workers, and the launch host
+    /// takes the step's result only once both came through (see `session::step`). Empty: the
+    /// agent's output is its own console (a c10d peer's nrun), nothing to mark.
+    #[serde(default)]
+    pub output_mark: String,
+}
+
+/// What starts the line that ends a step's output in an agent's stdout and stderr: then the
+/// Hello's `output_mark`, the node and the step number. A control character first: no
+/// worker's line is taken for one by chance (and the token, random per run, by intent).
+pub const OUTPUT_MARK: &str = "\u{1}nrun-output-end ";
+
+/// The line an agent writes behind step `no`'s output of node `node`.
+pub fn output_mark(token: &str, node: usize, no: usize) -> String {
+    format!("{OUTPUT_MARK}{token} {node} {no}\n")
+}
+
+/// A mark line read back (without its '\n'): its node and step, if it is one with `token`.
+pub fn read_output_mark(line: &str, token: &str) -> Option<(usize, usize)> {
+    let rest = line.strip_prefix(OUTPUT_MARK)?;
+    let mut parts = rest.split(' ');
+    if parts.next()? != token {
+        return None;
+    }
+    let node = parts.next()?.parse().ok()?;
+    let no = parts.next()?.parse().ok()?;
+    parts.next().is_none().then_some((node, no))
 }
 
 fn probed_by_default() -> bool {
@@ -300,7 +329,8 @@ pub struct WorkerFailure {
     pub local_rank: usize,
     pub pid: u32,
     pub exit_code: u8,
-    /// "exited with code 3", "was killed by SIGSEGV".
+    /// "exited with code 3", "was killed by SIGSEGV"; "was killed by SIGKILL (killed by the
+    /// kernel's out-of-memory killer ...)" where the node knows (agent::oom).
     pub how: String,
     /// RFC 3339, seconds.
     pub at: String,
@@ -308,7 +338,8 @@ pub struct WorkerFailure {
     pub traceback: Option<String>,
     /// Where the traceback came from (TORCHELASTIC_ERROR_FILE on its node).
     pub error_file: PathBuf,
-    /// Ranks of its node that exited 0 shortly before it failed (rank, seconds before).
+    /// Ranks of its node that exited 0 shortly before it failed (rank, seconds before), named
+    /// only where every failure of the node shows a peer's doing (see node::failed_by_peer).
     #[serde(default)]
     pub left_early: Vec<(usize, f64)>,
     /// The error file as the worker wrote it (for the launcher's own TORCHELASTIC_ERROR_FILE).
@@ -565,6 +596,19 @@ pub fn c10d_next_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/next").into_bytes()
 }
 
+/// How many more nodes the nrun hosting c10d rendezvous `id` takes now (decimal; unset: none
+/// beyond its slots): a node whose index is past the slots (one that came back after its first
+/// nrun was lost) joins if this is above 0 (see [`crate::session::Session::publish_room`]).
+pub fn c10d_room_key(id: &str) -> Vec<u8> {
+    format!("nrun/c10d/{id}/room").into_bytes()
+}
+
+/// Set by the nrun hosting c10d rendezvous `id` for a host it left out on evidence against the
+/// node itself (not its nrun's loss): the evidence, in words. A node of that host is refused.
+pub fn c10d_refused_key(id: &str, host: &str) -> Vec<u8> {
+    format!("nrun/c10d/{id}/refused/{host}").into_bytes()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -632,12 +676,20 @@ mod tests {
                 ship: true,
             }),
             probed: false,
+            output_mark: "t0".into(),
         };
         let json = serde_json::to_string(&hello).unwrap();
         let back: Hello = serde_json::from_str(&json).unwrap();
         assert_eq!(back.tree, hello.tree);
         assert_eq!(back.tree_ssh, hello.tree_ssh);
         assert!(!back.probed);
+        // The mark behind a step's output reads back only with its own token, whole.
+        let mark = output_mark(&back.output_mark, 3, 7);
+        let line = mark.trim_end_matches('\n');
+        assert_eq!(read_output_mark(line, "t0"), Some((3, 7)));
+        assert_eq!(read_output_mark(line, "t1"), None);
+        assert_eq!(read_output_mark(&format!("{line} 1"), "t0"), None);
+        assert_eq!(read_output_mark("nrun-output-end t0 3 7", "t0"), None);
         assert_eq!(
             back.tree[0]
                 .below()

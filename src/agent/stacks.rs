@@ -195,7 +195,7 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
             .iter()
             .filter(|w| w.view.exited.is_none() && w.fr.files.is_some())
     };
-    let stalled = all_still(live());
+    let stalled = stalling(live());
     for w in ranks
         .iter_mut()
         .filter(|w| w.view.exited.is_none() && w.spy.is_some())
@@ -216,7 +216,7 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
         let (Some(files), Some((at, wall))) = (&w.fr.files, w.fr.asked) else {
             continue;
         };
-        if let Some(p) = flight::dumped_since(files, w.view.rank, wall) {
+        if let Some(p) = flight::dumped_since(files, wall) {
             ready.push((i, p));
         } else if at.elapsed() > DUMP_WAIT {
             w.fr.asked = None;
@@ -241,8 +241,19 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
     }
 }
 
-/// Whether these ranks (some at least) have all been still for [`STALL_DUMP`].
-fn all_still<'a>(ranks: impl Iterator<Item = &'a Watched>) -> bool {
+/// Whether these ranks stall, as the coordinator judges a hang (`crate::watch`): one of them
+/// has waited in a collective (or the GPU sync after one) for [`STALL_DUMP`], whatever the
+/// others do (a peer polling in a sleep loop moves its own stack, not the collective); or,
+/// none waiting, they (some at least) have all been still that long.
+fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone) -> bool {
+    let waits = |w: &&Watched| crate::watch::waits_in(&w.view).is_some();
+    if ranks
+        .clone()
+        .filter(waits)
+        .any(|w| unchanged(w) >= STALL_DUMP)
+    {
+        return true;
+    }
     let mut any = false;
     for w in ranks {
         if unchanged(w) < STALL_DUMP {
@@ -253,11 +264,11 @@ fn all_still<'a>(ranks: impl Iterator<Item = &'a Watched>) -> bool {
     any
 }
 
-/// Whether the node's live ranks have all been still for a while and some of them run NCCL
-/// (its RAS has something to say).
+/// Whether the node's live ranks stall (see [`stalling`]) and some of them run NCCL (its RAS
+/// has something to say).
 fn nccl_stalled(ranks: &mut [Watched]) -> bool {
     let live = |w: &&mut Watched| w.view.exited.is_none();
-    all_still(ranks.iter().filter(|w| w.view.exited.is_none()))
+    stalling(ranks.iter().filter(|w| w.view.exited.is_none()))
         && ranks.iter_mut().filter(live).any(loaded_nccl)
 }
 
@@ -528,11 +539,20 @@ fn fingerprint(frames: &[py_spy::Frame]) -> u64 {
     h.finish()
 }
 
+/// Largest source file read for a stack's lines.
+const MAX_SOURCE_BYTES: u64 = 16 << 20;
+
 /// Line `line` of `file` (1-based), trimmed; files are read once.
 fn source_line(cache: &mut HashMap<String, Vec<String>>, file: &str, line: i32) -> Option<String> {
     let lines = cache.entry(file.to_string()).or_insert_with(|| {
-        std::fs::read_to_string(file)
-            .map(|t| t.lines().map(str::to_string).collect())
+        // A source file a traceback names: bounded, a regular file only (never a FIFO).
+        crate::files::read_bounded(std::path::Path::new(file), MAX_SOURCE_BYTES)
+            .map(|t| {
+                String::from_utf8_lossy(&t)
+                    .lines()
+                    .map(str::to_string)
+                    .collect()
+            })
             .unwrap_or_default()
     });
     let l = lines.get(usize::try_from(line).ok()?.checked_sub(1)?)?;

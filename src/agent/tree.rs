@@ -138,6 +138,8 @@ async fn serve_child(
         let relay = Relay {
             nudge: None,
             tag: Some(b.label.clone()),
+            // The launch host reads them: passed on with the lines.
+            marks: false,
         };
         AgentProcess::spawn(&starter, &b.label, &hello, relay).await
     };

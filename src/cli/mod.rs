@@ -275,7 +275,7 @@ pub struct RendezvousArgs {
     pub rdzv_id: Option<String>,
 
     /// Most bytes the store holds for its clients (K/M/G suffixes); a write past it fails that
-    /// client with a message, never the job's store.
+    /// client with a message, never the job's store (nrun's own keys have a budget of their own).
     #[arg(
         long = "store-max-bytes",
         env = "NRUN_STORE_MAX_BYTES",
@@ -537,7 +537,8 @@ pub struct WatchArgs {
     )]
     pub watch: WatchWhen,
 
-    /// Seconds without progress on any rank (no stack changed) before a hang is diagnosed.
+    /// Seconds a rank may wait in one collective (with none waiting: every rank's stack stand
+    /// still) before a hang is diagnosed; the rank missing from that collective is named.
     #[arg(
         long = "hang-timeout",
         env = "NRUN_HANG_TIMEOUT",

@@ -2,8 +2,9 @@
 //! worker group on every node until one succeeds or --max-restarts runs out.
 
 use super::preflight;
-use crate::agent::protocol::{RunResult, StepResult};
+use crate::agent::protocol::StepResult;
 use crate::error::{Error, Result, exit};
+use crate::fault;
 use crate::plan::{NodesPlan, RunSettings};
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::roster::Stage;
@@ -59,6 +60,8 @@ struct Record {
     outcome: Option<&'static str>,
     /// The last failure, in one line (a restart may have followed it).
     headline: Option<String>,
+    /// The fault model's decisions, each with its evidence.
+    decisions: Vec<serde_json::Value>,
 }
 
 impl Record {
@@ -79,6 +82,7 @@ impl Record {
             "headline": self.headline,
             "attempts": self.attempts,
             "restarts": self.restarts,
+            "decisions": self.decisions,
         });
         v["watch"] = s
             .watch
@@ -393,7 +397,7 @@ fn blamed_nodes(s: &Session, blamed: &[(String, String)]) -> Vec<(usize, String)
 fn hang_pinned(s: &Session, group: &crate::session::spec::Group) -> Option<(usize, String)> {
     let w = s.watch.as_ref()?;
     // Ranks that called different collectives (or sizes) are the program's doing, not a
-    // node's: nobody is left out for it.
+    // node's: nobody is suspected for it.
     if !w.mismatches.is_empty() {
         return None;
     }
@@ -419,59 +423,73 @@ fn hang_pinned(s: &Session, group: &crate::session::spec::Group) -> Option<(usiz
     }
 }
 
-/// Nodes a failed attempt's failure is pinned on, with the evidence: a lost node (agent or
-/// link), or the one node whose workers died by a signal or with a GPU/driver error while no
-/// other node's did (the same error everywhere is the program's).
-fn pin_failures(results: &[Option<StepResult>]) -> Vec<(usize, String)> {
-    let mut lost = Vec::new();
-    let mut hard = Vec::new();
-    for (i, r) in results.iter().enumerate() {
-        match r {
-            Some(StepResult::Run(RunResult::Lost(why))) => lost.push((i, why.clone())),
-            Some(StepResult::Run(RunResult::Failed(f))) => {
-                if let Some(e) = node_fault(f) {
-                    hard.push((i, format!("rank {} {}: {e}", f.rank, f.how)));
-                }
-            }
-            _ => {}
-        }
-    }
-    // One node's fault; others' failures are its consequences. On several nodes at once it
-    // is more likely the program's.
-    if hard.len() == 1 {
-        lost.extend(hard);
-    }
-    lost
+/// The fault model's reading of a failed (or hung) attempt: each active node's evidence, and
+/// the decision under the job's policy now.
+fn judge(
+    s: &Session,
+    results: &[Option<StepResult>],
+    hang: Option<(usize, String)>,
+    history: &mut fault::History,
+    restart_left: bool,
+) -> fault::Decision {
+    let evidence: Vec<(usize, fault::Evidence)> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| match &hang {
+            Some((n, why)) if *n == i => (i, fault::Evidence::Hang(why.clone())),
+            _ => (i, fault::evidence(r.as_ref())),
+        })
+        .collect();
+    let room = match s.elastic() {
+        true => s.active.len().saturating_sub(s.plan.min_nodes),
+        false => 0,
+    };
+    let policy = fault::Policy {
+        restart_left,
+        spares: s.spares().len(),
+        room,
+    };
+    fault::decide(&evidence, history, policy)
 }
 
-/// What in a worker's failure points at its node rather than the program: death by a signal
-/// the program does not send itself, or a GPU/driver error in its last words.
-fn node_fault(f: &crate::agent::protocol::WorkerFailure) -> Option<String> {
-    const SIGNS: [&str; 9] = [
-        "unhandled cuda error",
-        "uncorrectable ecc",
-        "ecc error",
-        "xid",
-        "gpu is lost",
-        "fallen off the bus",
-        "nvml_error_gpu_is_lost",
-        "cudaerrordevicesunavailable",
-        "unspecified launch failure",
-    ];
-    if f.how.contains("killed by SIGKILL") || f.how.contains("killed by SIGBUS") {
-        return Some("killed by the system (out of memory, or the node)".into());
+/// Says a decision once, with its evidence, and keeps it for --report.
+fn tell(s: &Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
+    let action = match d.action {
+        fault::Action::Restart if d.leave_out.is_empty() => "restart in place",
+        fault::Action::Restart => "restart without the node",
+        fault::Action::Stop => "stop (no restart left)",
+        fault::Action::StopShort => "stop (too few healthy nodes)",
+    };
+    for j in &d.judged {
+        let host = &s.nodes[j.node].label;
+        let out = d.leave_out.iter().any(|(n, _)| *n == j.node);
+        if j.verdict != fault::Verdict::Program {
+            tracing::warn!(
+                "{host}: {} ({}): {}{}",
+                j.verdict.as_str(),
+                j.why,
+                match (out, j.verdict) {
+                    (true, _) => "it leaves the job",
+                    (false, fault::Verdict::Suspect) =>
+                        "not enough to leave it out (a second time would be)",
+                    (false, _) => "it stays: nothing can take its place",
+                },
+                match j.verdict {
+                    fault::Verdict::Suspect | fault::Verdict::Faulty =>
+                        "; the group restarts if restarts are left".to_string(),
+                    _ => String::new(),
+                }
+            );
+        }
+        rec.decisions.push(serde_json::json!({
+            "attempt": attempt,
+            "host": host,
+            "evidence": j.why,
+            "verdict": j.verdict.as_str(),
+            "left_out": out,
+            "action": action,
+        }));
     }
-    let text = f
-        .stderr_tail
-        .iter()
-        .chain(f.traceback.iter())
-        .map(|l| l.to_lowercase())
-        .collect::<Vec<_>>();
-    SIGNS.iter().find_map(|sign| {
-        text.iter()
-            .find(|l| l.contains(sign))
-            .map(|l| format!("its output shows a GPU fault: {}", l.trim()))
-    })
 }
 
 async fn attempt_loop(
@@ -482,10 +500,10 @@ async fn attempt_loop(
     shape: &JobShape<'_>,
     rec: &mut Record,
 ) -> u8 {
-    let mut code = exit::SUCCESS;
     // `attempt` numbers the worker groups started (log directories); `restarts` those after a
     // failure (TORCHELASTIC_RESTART_COUNT): an elastic job growing is not a failure.
     let mut restarts = 0;
+    let mut history = fault::History::default();
     for attempt in 0u32.. {
         rec.attempts = attempt as usize + 1;
         rec.restarts = restarts;
@@ -525,44 +543,40 @@ async fn attempt_loop(
                 return e.code;
             }
         };
-        if s.watch.as_ref().is_some_and(|w| w.stopped) {
-            // A hang the watch pins on one node's ranks: that node out, a spare in.
-            let pinned = hang_pinned(s, &group);
-            if let (Some(p), true) = (pinned, restarts < job.workers.max_restarts) {
-                if !s.spares().is_empty() {
-                    if let Err(why) = s.reform(&[p]) {
-                        eprintln!("nrun: error: {why}; the job cannot go on");
-                        rec.outcome = Some("hang");
-                        return exit::NO_NODES;
-                    }
-                    restarts += 1;
-                    if let Some(w) = s.watch.as_mut() {
-                        w.stopped = false;
-                    }
-                    tracing::warn!(
-                        "restarting the worker group after the hang ({restarts} of {} restarts)",
-                        job.workers.max_restarts
-                    );
-                    continue;
-                }
+        let restart_left = restarts < job.workers.max_restarts;
+        let hung = s.watch.as_ref().is_some_and(|w| w.stopped);
+        if hung {
+            if let Some(w) = s.watch.as_mut() {
+                w.stopped = false;
             }
-            let what = match s.watch.as_ref().is_some_and(|w| !w.mismatches.is_empty()) {
-                true => "calling a collective differently on some ranks",
-                false => "hung",
-            };
-            eprintln!(
-                "nrun: error: the watch found the job {what} (see above) and stopped it (--on-hang stop)"
-            );
-            tell_every_node(
+            let d = judge(
                 s,
-                &format!(
-                    "nrun: error: the watch found the job {what} and stopped it (--on-hang \
-                     stop); the hosting node's console names the ranks\n"
-                ),
-                None,
+                &results,
+                hang_pinned(s, &group),
+                &mut history,
+                restart_left,
             );
-            rec.outcome = Some("hang");
-            return exit::HANG;
+            tell(s, &d, attempt, rec);
+            for (i, why) in &d.kept {
+                s.flag(*i, why);
+            }
+            if d.action == fault::Action::Restart {
+                if let Err(why) = s.reform(&d.leave_out) {
+                    eprintln!("nrun: error: {why}; the job cannot go on");
+                    rec.outcome = Some("hang");
+                    return exit::NO_NODES;
+                }
+                restarts += 1;
+                tracing::warn!(
+                    "restarting the worker group after the hang ({restarts} of {} restarts)",
+                    job.workers.max_restarts
+                );
+                continue;
+            }
+            for (i, why) in &d.leave_out {
+                s.leave_out(*i, Stage::Run, why);
+            }
+            return hang_stop(s, rec);
         }
         // Elastic: nodes arrived while the group ran; it was stopped to take them in.
         if std::mem::take(&mut s.grow) {
@@ -573,7 +587,7 @@ async fn attempt_loop(
             }
             continue;
         }
-        match report::job_end(shape, &results) {
+        let (code, headline, summary, error_json) = match report::job_end(shape, &results) {
             JobEnd::Success => {
                 rec.outcome = Some("success");
                 return exit::SUCCESS;
@@ -587,133 +601,130 @@ async fn attempt_loop(
                 return c;
             }
             JobEnd::Failed {
-                code: c,
+                code,
                 headline,
                 summary,
                 error_json,
-            } => {
-                code = c;
-                rec.outcome = Some("failed");
-                rec.headline = Some(headline.clone());
-                // A failure pinned on nodes (lost, killed, a GPU error of theirs only) leaves
-                // them out; spares (or, elastic, the rest) go on. The program's own failure
-                // leaves nobody out.
-                let pinned = pin_failures(&results);
-                if restarts < job.workers.max_restarts && (!pinned.is_empty() || s.elastic()) {
-                    if let Err(why) = s.reform(&pinned) {
-                        let told = format!("{summary}nrun: error: {why}; the job cannot go on\n");
-                        eprint!("{told}");
-                        tell_every_node(s, &told, error_json.as_deref());
-                        return exit::NO_NODES;
-                    }
-                } else {
-                    // No restart left: remembered all the same (--exclude-file, --report).
-                    for (i, why) in &pinned {
-                        s.leave_out(*i, Stage::Run, why);
-                    }
+            } => (code, headline, summary, error_json),
+        };
+        rec.outcome = Some("failed");
+        rec.headline = Some(headline.clone());
+        let d = judge(s, &results, None, &mut history, restart_left);
+        tell(s, &d, attempt, rec);
+        for (i, why) in &d.kept {
+            s.flag(*i, why);
+        }
+        let lost: Vec<usize> = d
+            .judged
+            .iter()
+            .filter(|j| j.verdict == fault::Verdict::Lost)
+            .map(|j| j.node)
+            .collect();
+        match d.action {
+            fault::Action::Restart => {
+                if let Err(why) = s.reform(&d.leave_out) {
+                    let told = match lost.is_empty() {
+                        true => format!("{summary}nrun: error: {why}; the job cannot go on\n"),
+                        false => format!("{}nrun: error: {why}\n", lost_text(s, &d)),
+                    };
+                    eprint!("{told}");
+                    tell_every_node(s, &told, error_json.as_deref());
+                    return exit::NO_NODES;
                 }
-                if restarts < job.workers.max_restarts {
-                    restarts += 1;
-                    tracing::warn!(
-                        "{headline}; restarting the worker group ({restarts} of {} restarts)",
-                        job.workers.max_restarts
-                    );
-                    continue;
+                restarts += 1;
+                tracing::warn!(
+                    "{headline}; restarting the worker group ({restarts} of {} restarts)",
+                    job.workers.max_restarts
+                );
+            }
+            fault::Action::StopShort => {
+                for (i, why) in &d.leave_out {
+                    s.leave_out(*i, Stage::Run, why);
                 }
-                // The watch's likely cause goes right under the headline.
-                let summary = match s.watch.as_ref().and_then(|w| w.cause(shape.hosts)) {
-                    Some(cause) => summary.replacen('\n', &format!("\n{cause}"), 1),
-                    None => summary,
-                };
-                eprint!("{summary}");
-                tell_every_node(s, &summary, error_json.as_deref());
-                // torchrun's habit: the launcher's own error file gets the root cause.
-                if let (Some(path), Some(json)) = (&job.launcher_error_file, error_json) {
-                    if let Err(e) = std::fs::write(path, json) {
-                        tracing::warn!(
-                            "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
-                            path.display()
-                        );
-                    }
+                let told = format!(
+                    "{}nrun: error: the job cannot go on without it: no restart left \
+                     (--max-restarts; exit {}: too few healthy nodes)\n",
+                    lost_text(s, &d),
+                    exit::NO_NODES
+                );
+                eprint!("{told}");
+                tell_every_node(s, &told, error_json.as_deref());
+                return exit::NO_NODES;
+            }
+            fault::Action::Stop => {
+                // No restart left: remembered all the same (--exclude-file, --report).
+                for (i, why) in &d.leave_out {
+                    s.leave_out(*i, Stage::Run, why);
                 }
-                return code;
+                return stop_failed(s, job, shape, code, summary, error_json);
             }
         }
     }
-    code
+    exit::SUCCESS
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::agent::protocol::WorkerFailure;
+/// The nodes a decision found lost, each with what to check: the cause of the attempt's end
+/// (their peers' failures are its consequences).
+fn lost_text(s: &Session, d: &fault::Decision) -> String {
+    d.judged
+        .iter()
+        .filter(|j| j.verdict == fault::Verdict::Lost)
+        .map(|j| {
+            format!(
+                "nrun: error: {}; every worker on the other nodes was stopped\n  hint: {}\n",
+                j.why,
+                report::lost_hint(&s.nodes[j.node].label)
+            )
+        })
+        .collect()
+}
 
-    fn failed(rank: usize, how: &str, tail: &[&str]) -> Option<StepResult> {
-        Some(StepResult::Run(RunResult::Failed(WorkerFailure {
-            rank,
-            local_rank: 0,
-            pid: 1,
-            exit_code: 1,
-            how: how.into(),
-            at: String::new(),
-            stderr_tail: tail.iter().map(|s| s.to_string()).collect(),
-            traceback: None,
-            error_file: Default::default(),
-            left_early: Vec::new(),
-            error_json: None,
-            error_file_kept: false,
-        })))
-    }
+/// The watch stopped a hung job and no restart follows: exit 97.
+fn hang_stop(s: &Session, rec: &mut Record) -> u8 {
+    let what = match s.watch.as_ref().is_some_and(|w| !w.mismatches.is_empty()) {
+        true => "calling a collective differently on some ranks",
+        false => "hung",
+    };
+    eprintln!(
+        "nrun: error: the watch found the job {what} (see above) and stopped it (--on-hang stop)"
+    );
+    tell_every_node(
+        s,
+        &format!(
+            "nrun: error: the watch found the job {what} and stopped it (--on-hang \
+             stop); the hosting node's console names the ranks\n"
+        ),
+        None,
+    );
+    rec.outcome = Some("hang");
+    exit::HANG
+}
 
-    #[test]
-    fn failures_are_pinned_on_a_node_only_with_evidence_against_it() {
-        let stopped = Some(StepResult::Run(RunResult::Stopped));
-        let lost = Some(StepResult::Run(RunResult::Lost(
-            "lost b: no heartbeat".into(),
-        )));
-        // The program's own failure, on every node: nobody is left out.
-        let r = [
-            failed(0, "exited with code 1", &["ValueError: bad"]),
-            failed(1, "exited with code 1", &["ValueError: bad"]),
-        ];
-        assert!(pin_failures(&r).is_empty());
-        // A lost node, and the consequences elsewhere.
-        let r = [
-            failed(0, "exited with code 1", &["connection closed"]),
-            lost,
-        ];
-        assert_eq!(pin_failures(&r), [(1, "lost b: no heartbeat".to_string())]);
-        // One node's worker killed by the system.
-        let r = [stopped.clone(), failed(1, "was killed by SIGKILL", &[])];
-        let p = pin_failures(&r);
-        assert_eq!(p.len(), 1);
-        assert_eq!(p[0].0, 1);
-        assert!(p[0].1.contains("killed by the system"), "{}", p[0].1);
-        // A GPU fault in one node's output only; the others failed because of it.
-        let r = [
-            failed(
-                0,
-                "exited with code 1",
-                &["RuntimeError: NCCL communicator was aborted"],
-            ),
-            failed(
-                1,
-                "exited with code 1",
-                &["torch.distributed.DistBackendError: NCCL error: unhandled cuda error"],
-            ),
-        ];
-        let p = pin_failures(&r);
-        assert_eq!(p.len(), 1);
-        assert_eq!(p[0].0, 1);
-        assert!(p[0].1.contains("GPU fault"), "{}", p[0].1);
-        // The same GPU error on two nodes: more likely the program's.
-        let r = [
-            failed(0, "exited with code 1", &["unhandled cuda error"]),
-            failed(1, "exited with code 1", &["unhandled cuda error"]),
-        ];
-        assert!(pin_failures(&r).is_empty());
-        // A segfault (a bug as often as not) is the program's.
-        let r = [stopped, failed(1, "was killed by SIGSEGV", &[])];
-        assert!(pin_failures(&r).is_empty());
+/// The last attempt failed: the summary with the watch's likely cause, the root cause to every
+/// node and to the launcher's error file; the failure's exit code.
+fn stop_failed(
+    s: &Session,
+    job: &RunSettings,
+    shape: &JobShape<'_>,
+    code: u8,
+    summary: String,
+    error_json: Option<String>,
+) -> u8 {
+    // The watch's likely cause goes right under the headline.
+    let summary = match s.watch.as_ref().and_then(|w| w.cause(shape.hosts)) {
+        Some(cause) => summary.replacen('\n', &format!("\n{cause}"), 1),
+        None => summary,
+    };
+    eprint!("{summary}");
+    tell_every_node(s, &summary, error_json.as_deref());
+    // torchrun's habit: the launcher's own error file gets the root cause.
+    if let (Some(path), Some(json)) = (&job.launcher_error_file, error_json) {
+        if let Err(e) = std::fs::write(path, json) {
+            tracing::warn!(
+                "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
+                path.display()
+            );
+        }
     }
+    code
 }

@@ -276,9 +276,10 @@ fn keep(child: Pid, set: &SigSet, watch: Option<(std::os::fd::OwnedFd, Pid)>) ->
     if let Some((pipe, _)) = &watch {
         let _ = nix::unistd::write(pipe, b"k");
     }
-    // nrun's scratch directory, which it had no chance to remove when it was killed.
+    // nrun's scratch directory (and its agents' on this host), which it had no chance to
+    // remove when it was killed: those of processes that are gone, this user's, by name.
     if matches!(status, Some(WaitStatus::Signaled(..))) {
-        let _ = std::fs::remove_dir_all(scratch_dir(child.as_raw() as u32));
+        crate::files::sweep_scratch();
     }
     match status {
         Some(WaitStatus::Signaled(_, sig, _)) => {
@@ -337,37 +338,6 @@ fn orphans() -> Vec<Pid> {
         .filter_map(|p| p.parse().ok())
         .map(Pid::from_raw)
         .collect()
-}
-
-/// The scratch directory of the nrun with process id `pid` (error files of workers without
-/// --log-dir): removed by nrun at its end, by its keeper if it is killed.
-pub fn scratch_dir(pid: u32) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("nrun-{pid}"))
-}
-
-/// Removes the scratch directories of nruns that are gone (killed with their keeper), this
-/// user's only.
-pub fn sweep_scratch() {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("nrun-"))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let mine = e.metadata().is_ok_and(|m| m.is_dir() && m.uid() == me);
-        if mine && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
 }
 
 #[cfg(test)]

@@ -459,6 +459,36 @@ impl Worker {
     fn running(&self) -> bool {
         self.exit.is_none()
     }
+
+    /// Whether its last words say it failed because of a peer (see [`failed_by_peer`]).
+    fn failed_by_peer(&self) -> bool {
+        let tail = self.tail.lock().unwrap_or_else(|e| e.into_inner());
+        failed_by_peer(tail.iter().map(String::as_str))
+    }
+}
+
+/// What a worker that failed because of a peer says last: the connection to the peer closed
+/// under a collective, or the collective timed out waiting for it (gloo, NCCL's watchdog,
+/// torch's store). Lowercase.
+const PEER_SIGNS: [&str; 8] = [
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "collective operation timeout",
+    "remote process exited",
+    "communicator was aborted",
+    "distnetworkerror",
+];
+
+/// Whether a failed worker's last words (its stderr's tail, its traceback) show that it failed
+/// because of a peer rather than of its own accord: an exception of the program, an exit code
+/// without such words, or a signal is the rank's own failure.
+pub fn failed_by_peer<'a>(lines: impl IntoIterator<Item = &'a str>) -> bool {
+    lines.into_iter().any(|l| {
+        let l = l.to_lowercase();
+        PEER_SIGNS.iter().any(|s| l.contains(s))
+    })
 }
 
 /// Where the group is in being stopped: Running, Settling, Grace, Killed, in that order, except
@@ -482,6 +512,9 @@ enum Phase {
 struct Ending {
     /// The first worker to fail while nothing was stopping the group.
     failure: Option<usize>,
+    /// Every worker that failed before nrun stopped anyone (the first, and those that failed
+    /// by themselves while the group settled), in order.
+    failed: Vec<usize>,
     /// The signal that stopped the group; `Some(0)` once SIGKILL ended a grace period that no
     /// signal started, so a signal after that is not taken for the cause.
     interrupted: Option<i32>,
@@ -581,6 +614,9 @@ impl Group {
         }
         // Once anything is stopping the group, a worker failing is its consequence, not a
         // cause.
+        if !exit.success() && matches!(self.phase, Phase::Running | Phase::Settling(_)) {
+            self.ending.failed.push(idx);
+        }
         if !exit.success() && self.phase == Phase::Running {
             self.ending.failure = Some(idx);
             // A moment before stopping the rest: a peer already on its way out (a rank that
@@ -669,7 +705,17 @@ impl Group {
     /// A failure wins over a signal, a signal over the deadline, the deadline over a stop from
     /// outside.
     fn outcome(self) -> Outcome {
-        if let Some(idx) = self.ending.failure {
+        if let Some(first) = self.ending.failure {
+            // By evidence, then time: a worker that failed of its own accord (an exception of
+            // the program, an exit code, a signal) while the group settled is the cause of the
+            // peers that failed because of it (a connection closed, a collective timed out).
+            let idx = self
+                .ending
+                .failed
+                .iter()
+                .copied()
+                .find(|&i| !self.workers[i].failed_by_peer())
+                .unwrap_or(first);
             return Outcome::Failed(self.failure(idx));
         }
         match self.ending.interrupted {
@@ -690,12 +736,37 @@ impl Group {
             .iter()
             .cloned()
             .collect();
-        // A clean exit just after the failure counts too: the peers of a rank that leaves early
-        // often fail while it is still tearing down.
-        let left_early = self
-            .workers
+        // A clean exit is a cause only where every failure shows a peer's doing: a rank that
+        // failed of its own accord (raised, exited nonzero, died of a signal) is the cause
+        // itself, and a peer exiting 0 near it merely finished.
+        let own = self
+            .ending
+            .failed
             .iter()
-            .filter(|o| o.rank != w.rank)
+            .any(|&i| !self.workers[i].failed_by_peer());
+        let left_early = match own {
+            true => Vec::new(),
+            false => self.clean_exits_near(w.rank, at),
+        };
+        Failure {
+            rank: w.rank,
+            local_rank: w.local_rank,
+            pid: w.pid,
+            exit,
+            at,
+            stderr_tail,
+            error_file: w.error_file.clone(),
+            left_early,
+        }
+    }
+
+    /// The workers other than `rank` that exited 0 shortly before `at` (or just after: the
+    /// peers of a rank that leaves early often fail while it is still tearing down), with how
+    /// long before (negative: after).
+    fn clean_exits_near(&self, rank: usize, at: SystemTime) -> Vec<(usize, f64)> {
+        self.workers
+            .iter()
+            .filter(|o| o.rank != rank)
             .filter_map(|o| {
                 let Some((Exit::Code(0), t)) = o.exit else {
                     return None;
@@ -707,17 +778,7 @@ impl Group {
                 };
                 (before <= EARLY.as_secs_f64()).then_some((o.rank, before))
             })
-            .collect();
-        Failure {
-            rank: w.rank,
-            local_rank: w.local_rank,
-            pid: w.pid,
-            exit,
-            at,
-            stderr_tail,
-            error_file: w.error_file.clone(),
-            left_early,
-        }
+            .collect()
     }
 }
 
@@ -1029,6 +1090,7 @@ mod tests {
     fn ranks_that_left_shortly_before_a_failure_are_named() {
         let mut g = on_paper(4, GRACE);
         let at = SystemTime::now();
+        say(&g, 0, &[CLOSED]);
         g.exited(1, Exit::Code(0), at - Duration::from_secs(5));
         g.exited(2, Exit::Code(0), at - Duration::from_secs(40));
         g.exited(0, Exit::Code(1), at);
@@ -1040,6 +1102,95 @@ mod tests {
         assert_eq!(ranks, [1, 3]);
         assert!((f.left_early[0].1 - 5.0).abs() < 1e-6);
         assert!((f.left_early[1].1 + 1.0).abs() < 1e-6);
+    }
+
+    const CLOSED: &str = "[rank0]: RuntimeError: [pair.cc:561] Connection closed by peer \
+                          [127.0.0.1]:943. This is typically caused by a remote worker crashing.";
+
+    /// Worker `idx` wrote `lines` to stderr.
+    fn say(g: &Group, idx: usize, lines: &[&str]) {
+        let mut t = g.workers[idx].tail.lock().unwrap();
+        t.extend(lines.iter().map(|l| l.to_string()));
+    }
+
+    /// A rank that failed of its own accord is the cause, never a peer that exited 0 near it
+    /// (before or after), and it is the failure reported over a peer that failed because of it.
+    #[test]
+    fn a_rank_that_raised_is_the_cause_and_a_clean_exit_beside_it_is_not() {
+        for (tail, exit) in [
+            (
+                &["[rank1]: ValueError: rank 1 cannot go on"][..],
+                Exit::Code(1),
+            ),
+            (&[][..], Exit::Code(3)),
+            (&[][..], Exit::Signal(libc::SIGSEGV)),
+        ] {
+            let mut g = on_paper(3, GRACE);
+            let at = SystemTime::now();
+            say(&g, 1, tail);
+            g.exited(0, Exit::Code(0), at - Duration::from_millis(500));
+            g.exited(1, exit, at);
+            g.exited(2, Exit::Code(0), at + Duration::from_millis(200));
+            let Outcome::Failed(f) = g.outcome() else {
+                panic!("not a failure")
+            };
+            assert_eq!((f.rank, f.exit), (1, exit));
+            assert!(
+                f.left_early.is_empty(),
+                "{tail:?} {exit:?}: {:?}",
+                f.left_early
+            );
+        }
+        // Rank 0 fails first, of a closed connection; rank 1 raised while the group settled.
+        let mut g = on_paper(3, GRACE);
+        let at = SystemTime::now();
+        say(&g, 0, &[CLOSED]);
+        say(&g, 1, &["[rank1]: ValueError: rank 1 cannot go on"]);
+        g.exited(2, Exit::Code(0), at - Duration::from_secs(1));
+        g.exited(0, Exit::Code(1), at);
+        g.exited(1, Exit::Code(1), at + Duration::from_millis(100));
+        let Outcome::Failed(f) = g.outcome() else {
+            panic!("not a failure")
+        };
+        assert_eq!(f.rank, 1);
+        assert!(f.left_early.is_empty(), "{:?}", f.left_early);
+        // A worker stopped by nrun (after the settling time) is no evidence either way.
+        let mut g = on_paper(3, GRACE);
+        say(&g, 0, &[CLOSED]);
+        g.exited(2, Exit::Code(0), at - Duration::from_secs(1));
+        g.exited(0, Exit::Code(1), at);
+        g.timer_passed();
+        g.exited(
+            1,
+            Exit::Signal(libc::SIGTERM),
+            at + Duration::from_millis(400),
+        );
+        let Outcome::Failed(f) = g.outcome() else {
+            panic!("not a failure")
+        };
+        assert_eq!(f.rank, 0);
+        assert_eq!(f.left_early.len(), 1);
+        assert_eq!(f.left_early[0].0, 2);
+    }
+
+    #[test]
+    fn peer_signs_are_told_from_a_rank_of_its_own() {
+        for l in [
+            CLOSED,
+            "RuntimeError: [unbound_buffer.cc:129] Timed out waiting 4000ms for send operation",
+            "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=6)",
+            "torch.distributed.DistBackendError: NCCL error: remote process exited or there was \
+             a network error",
+        ] {
+            assert!(failed_by_peer([l]), "{l}");
+        }
+        for l in [
+            "ValueError: rank 1 cannot go on",
+            "torch.OutOfMemoryError: CUDA out of memory.",
+            "",
+        ] {
+            assert!(!failed_by_peer([l]), "{l}");
+        }
     }
 
     #[test]

@@ -20,10 +20,21 @@ use std::thread::JoinHandle;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::mpsc;
 
-/// Longest line passed on whole; longer runs of bytes without a newline are split.
-const MAX_LINE: usize = 64 * 1024;
+/// Longest line passed on whole (1 MiB, README's "Output"): a longer run of bytes without a
+/// newline is cut into pieces of this size, each ended with [`CUT_MARK`], so the memory a
+/// worker's output holds stays bounded.
+pub const MAX_LINE: usize = 1024 * 1024;
+/// What ends each piece of a line cut at [`MAX_LINE`], visibly.
+pub const CUT_MARK: &[u8] = b" [nrun: line longer than 1 MiB, continued on the next line]\n";
+/// The start of a line shown before its end comes (a prompt) is at most this long; a longer
+/// one is a long line being written, and waits for its end.
+const PROMPT_MAX: usize = 4096;
+/// What the pump's buffer shrinks back to after a long line.
+const BUF_KEPT: usize = 8192;
 /// Lines of stderr kept per worker for the failure summary.
 pub const TAIL_LINES: usize = 20;
+/// Bytes of each of them kept.
+const TAIL_LINE_MAX: usize = 4096;
 /// How long the start of a line may wait for its end before it is shown on its own.
 const PARTIAL_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
 
@@ -94,8 +105,14 @@ pub enum Msg {
         worker: usize,
         stream: Stream,
         data: Vec<u8>,
+        /// Its bytes' share of [`BUFFERED`], given back once it is written.
+        _held: Option<tokio::sync::OwnedSemaphorePermit>,
     },
 }
+
+/// Bytes of a group's output waiting for the writer at most: a slow console holds up the
+/// workers (their pipes fill) rather than nrun's memory, however long their lines.
+const BUFFERED: usize = 16 * MAX_LINE;
 
 /// `line` without the "[rank<rank>]: " that torch's distributed excepthook puts before every
 /// line of an uncaught exception (distributed_c10d.py, `_distributed_excepthook`), or the
@@ -131,6 +148,7 @@ pub struct Output {
 #[derive(Clone)]
 pub struct Lines {
     tx: mpsc::Sender<Msg>,
+    budget: Arc<tokio::sync::Semaphore>,
     writer: Arc<Mutex<Writer>>,
 }
 
@@ -148,7 +166,11 @@ impl Output {
         let (tx, rx) = mpsc::channel::<Msg>(1024);
         let writer = Arc::new(Mutex::new(Writer::Waiting(rx, workers)));
         Output {
-            lines: Lines { tx, writer },
+            lines: Lines {
+                tx,
+                writer,
+                budget: Arc::new(tokio::sync::Semaphore::new(BUFFERED)),
+            },
         }
     }
 
@@ -159,7 +181,7 @@ impl Output {
     /// Waits until every line sent so far is written. Pumps hold their own senders: finish
     /// them first.
     pub fn finish(self) {
-        let Lines { tx, writer } = self.lines;
+        let Lines { tx, writer, .. } = self.lines;
         drop(tx);
         let state = writer
             .lock()
@@ -212,6 +234,7 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
         worker,
         stream,
         data,
+        _held,
     }) = rx.blocking_recv()
     {
         let Some(w) = workers.get_mut(worker) else {
@@ -287,7 +310,9 @@ pub async fn pump(
     let mut t = TailLine::new(tail);
     loop {
         let read = pipe.read(&mut chunk);
-        let n = if buf.is_empty() {
+        // A long line is not shown in parts while it is being written: only a short start
+        // waiting for its end (a prompt) is.
+        let n = if buf.is_empty() || buf.len() > PROMPT_MAX {
             read.await.unwrap_or(0)
         } else {
             match tokio::time::timeout(PARTIAL_AFTER, read).await {
@@ -307,10 +332,13 @@ pub async fn pump(
             }
             return;
         }
+        // Only the new bytes are searched (and a '\r' left at the end, which a '\n' may follow):
+        // a long line comes in many reads.
+        let mut scan = buf.len().saturating_sub(1);
         buf.extend_from_slice(&chunk[..n]);
         let mut start = 0;
-        while let Some(i) = buf[start..].iter().position(|&b| b == b'\n' || b == b'\r') {
-            let mut end = start + i + 1;
+        while let Some(i) = buf[scan..].iter().position(|&b| b == b'\n' || b == b'\r') {
+            let mut end = scan + i + 1;
             if buf[end - 1] == b'\r' {
                 match buf.get(end) {
                     // "\r\n" ends one line.
@@ -322,12 +350,16 @@ pub async fn pump(
             }
             emit(&tx, worker, stream, &mut t, buf[start..end].to_vec()).await;
             start = end;
+            scan = end;
         }
         buf.drain(..start);
-        if buf.len() >= MAX_LINE {
-            let mut part = std::mem::take(&mut buf);
-            part.push(b'\n');
+        while buf.len() >= MAX_LINE {
+            let mut part: Vec<u8> = buf.drain(..MAX_LINE).collect();
+            part.extend_from_slice(CUT_MARK);
             emit(&tx, worker, stream, &mut t, part).await;
+        }
+        if buf.is_empty() && buf.capacity() > BUF_KEPT {
+            buf = Vec::with_capacity(BUF_KEPT);
         }
     }
 }
@@ -340,6 +372,13 @@ struct TailLine {
 }
 
 impl TailLine {
+    /// The start of a long line is enough for the failure summary: a tail of 1 MiB lines
+    /// would hold 20 MiB per worker.
+    fn extend(&mut self, seg: &[u8]) {
+        let room = TAIL_LINE_MAX.saturating_sub(self.line.len());
+        self.line.extend_from_slice(&seg[..seg.len().min(room)]);
+    }
+
     fn new(tail: Option<Tail>) -> TailLine {
         TailLine {
             tail,
@@ -348,12 +387,15 @@ impl TailLine {
     }
 
     fn add(&mut self, seg: &[u8]) {
-        let Some(t) = &self.tail else { return };
+        if self.tail.is_none() {
+            return;
+        }
         match seg.last() {
             Some(b'\n') => {
-                self.line.extend_from_slice(seg);
+                self.extend(seg);
                 let text = String::from_utf8_lossy(&self.line).trim_end().to_string();
                 self.line.clear();
+                let Some(t) = &self.tail else { return };
                 let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
                 if t.len() == TAIL_LINES {
                     t.pop_front();
@@ -362,9 +404,9 @@ impl TailLine {
             }
             Some(b'\r') => {
                 self.line.clear();
-                self.line.extend_from_slice(&seg[..seg.len() - 1]);
+                self.extend(&seg[..seg.len() - 1]);
             }
-            _ => self.line.extend_from_slice(seg),
+            _ => self.extend(seg),
         }
     }
 }
@@ -372,10 +414,15 @@ impl TailLine {
 /// One segment to the writer, and to the tail.
 async fn emit(tx: &Lines, worker: usize, stream: Stream, tail: &mut TailLine, data: Vec<u8>) {
     tail.add(&data);
+    let held = (tx.budget.clone())
+        .acquire_many_owned(data.len().min(BUFFERED) as u32)
+        .await
+        .ok();
     tx.send(Msg::Line {
         worker,
         stream,
         data,
+        _held: held,
     })
     .await;
 }

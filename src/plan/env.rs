@@ -18,6 +18,9 @@ pub fn port_range_warning(vars: &[(String, String)]) -> Option<&'static str> {
         .then_some(PORT_RANGE_WARNING)
 }
 
+/// Largest `.nrun_env` read: KEY=VALUE lines for a job's environment.
+const MAX_ENV_FILE_BYTES: u64 = 1 << 20;
+
 /// What every worker on every node gets: forwarded variables, then `.nrun_env` (home, then the
 /// cwd's, which wins), then `-x VAR` / `-x VAR=VALUE`. Later sources win.
 pub fn job_env(
@@ -32,10 +35,21 @@ pub fn job_env(
     let home = env("HOME").map(PathBuf::from);
     for dir in [home, std::env::current_dir().ok()].into_iter().flatten() {
         let p = dir.join(".nrun_env");
-        if let Ok(text) = std::fs::read_to_string(&p) {
-            for (k, v) in parse_env_file(&text, &p.display().to_string())? {
-                put(&mut vars, k, v);
-            }
+        let text =
+            match crate::files::read_text(&p, MAX_ENV_FILE_BYTES, crate::files::Writer::Trusted) {
+                Ok(t) => t,
+                Err(crate::files::ReadError::Missing) => continue,
+                Err(e) => {
+                    return Err(Error::usage(format!(
+                        "{}: {e}; .nrun_env must be a regular file of KEY=VALUE lines (at most \
+                         {} MiB) of this user's, that only this user may write: fix or remove it",
+                        p.display(),
+                        MAX_ENV_FILE_BYTES >> 20
+                    )));
+                }
+            };
+        for (k, v) in parse_env_file(&text, &p.display().to_string())? {
+            put(&mut vars, k, v);
         }
     }
     for x in exports {

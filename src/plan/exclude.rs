@@ -37,23 +37,22 @@ impl ExcludeFile {
     /// The entries still in force at `now`, latest per host; a missing file has none.
     pub fn read(&self, now: SystemTime) -> Result<Vec<Entry>> {
         let origin = self.path.display();
-        let text = match std::fs::metadata(&self.path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(Error::usage(format!("--exclude-file {origin}: {e}"))),
-            Ok(m) if !m.is_file() => {
-                return Err(Error::usage(format!(
-                    "--exclude-file {origin}: not a regular file; give a file nrun may append to"
-                )));
-            }
-            Ok(m) if m.len() > MAX_BYTES => {
-                return Err(Error::usage(format!(
-                    "--exclude-file {origin}: larger than {} MiB; start a new one",
-                    MAX_BYTES >> 20
-                )));
-            }
-            Ok(_) => std::fs::read_to_string(&self.path)
-                .map_err(|e| Error::usage(format!("--exclude-file {origin}: {e}")))?,
-        };
+        let text =
+            match crate::files::read_text(&self.path, MAX_BYTES, crate::files::Writer::Anyone) {
+                Ok(t) => t,
+                Err(crate::files::ReadError::Missing) => return Ok(Vec::new()),
+                Err(e @ crate::files::ReadError::NotRegular(_)) => {
+                    return Err(Error::usage(format!(
+                        "--exclude-file {origin}: {e}; give a file nrun may append to"
+                    )));
+                }
+                Err(e @ crate::files::ReadError::TooBig(_)) => {
+                    return Err(Error::usage(format!(
+                        "--exclude-file {origin}: {e}; start a new one"
+                    )));
+                }
+                Err(e) => return Err(Error::usage(format!("--exclude-file {origin}: {e}"))),
+            };
         let mut out: Vec<Entry> = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let e = parse_line(line)
@@ -161,6 +160,30 @@ pub fn new(path: &Path, ttl: &str) -> Result<ExcludeFile> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_bounded_regular_file_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a plain syscall on a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let now = SystemTime::now();
+        for (p, why) in [
+            (PathBuf::from("/dev/zero"), "is a device"),
+            (fifo, "is a FIFO"),
+            (dir.path().to_path_buf(), "is a directory"),
+        ] {
+            let f = ExcludeFile {
+                path: p.clone(),
+                ttl: Duration::from_secs(3600),
+            };
+            let e = f.read(now).unwrap_err();
+            assert_eq!(e.code, crate::error::exit::USAGE);
+            let want = format!("--exclude-file {}: {why}", p.display());
+            assert!(e.message.starts_with(&want), "{}", e.message);
+        }
+    }
 
     #[test]
     fn entries_round_trip_expire_and_keep_the_latest() {

@@ -437,12 +437,14 @@ impl RunSettings {
         if let Some(a) = &rdzv.local_addr {
             check_host("--local-addr", a)?;
         }
-        // The run id names log directories: it must stay one path component.
+        // The run id names log directories and goes into store keys and the workers'
+        // environment: one path component of a plain charset.
         let run_id = match &rdzv.rdzv_id {
-            Some(id) if id.is_empty() || id.contains('/') || id == "." || id == ".." => {
+            Some(id) if !is_run_id(id) => {
                 return Err(Error::usage(format!(
-                    "--rdzv-id {id:?}: a run id names a log directory; use letters, digits, '-' \
-                     or '_' (no '/', not '.' or '..')"
+                    "--rdzv-id {id:?}: a run id names a log directory; use 1 to {MAX_RUN_ID} \
+                     letters, digits, '.', '-' or '_' (no '/', spaces, newlines or other control \
+                     characters; not '.' or '..')"
                 )));
             }
             Some(id) => id.clone(),
@@ -525,7 +527,11 @@ impl RunSettings {
         // torchrun's layout: a directory of its own for each run, `<run id>_<random>`, so a
         // second run with the same --log-dir and id keeps the first's logs.
         let (base, dir_is_temp) = match log_dir {
-            Some(d) => (Some(d.clone()), false),
+            Some(d) => {
+                crate::files::check_parent_dir(d)
+                    .map_err(|e| Error::usage(format!("--log-dir: {e}")))?;
+                (Some(d.clone()), false)
+            }
             None if wants_files => (Some(std::env::temp_dir()), true),
             None => (None, false),
         };
@@ -763,6 +769,19 @@ impl WorkersPlan {
         }
         d.join(local_rank.to_string())
     }
+}
+
+/// Longest `--rdzv-id`.
+const MAX_RUN_ID: usize = 128;
+
+/// Whether `id` is a run id `--rdzv-id` accepts: `[A-Za-z0-9._-]{1,128}`, not `.` or `..`.
+fn is_run_id(id: &str) -> bool {
+    (1..=MAX_RUN_ID).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+        && id != "."
+        && id != ".."
 }
 
 /// `<root>/attempt_<n>`: one attempt's directory, of log files or of nrun's scratch.

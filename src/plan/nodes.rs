@@ -476,63 +476,29 @@ pub const MAX_HOSTFILE_BYTES: u64 = 16 << 20;
 
 /// A hostfile's text: a regular file (not a device such as /dev/zero or /dev/urandom, not a
 /// FIFO, socket or directory, which could block or never end) of at most
-/// [`MAX_HOSTFILE_BYTES`], in UTF-8. The file is opened without blocking and checked again
-/// once open, so one swapped in between cannot hang the read either.
+/// [`MAX_HOSTFILE_BYTES`], in UTF-8 ([`crate::files::read_text`]).
 fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let bad = |why: String| Error::usage(format!("--hostfile {origin}: {why}"));
-    let not_regular = |m: &std::fs::Metadata| {
-        use std::os::unix::fs::FileTypeExt;
-        let t = m.file_type();
-        let what = if t.is_dir() {
-            "a directory"
-        } else if t.is_fifo() {
-            "a FIFO (a pipe, as <(...) gives: a writer that never ends would hang nrun)"
-        } else if t.is_char_device() || t.is_block_device() {
-            "a device"
-        } else if t.is_socket() {
-            "a socket"
-        } else {
-            "not a regular file"
+    use crate::files::ReadError;
+    crate::files::read_text(path, MAX_HOSTFILE_BYTES, crate::files::Writer::Anyone).map_err(|e| {
+        let hint = match &e {
+            ReadError::NotRegular(_) => {
+                "; give a regular file of host lines (`host slots=N`, `host:N` or `host`)".into()
+            }
+            ReadError::TooBig(_) => {
+                format!(
+                    "; a hostfile lists at most {} hosts, one per line",
+                    hosts::MAX_HOSTS
+                )
+            }
+            ReadError::NotOwn(_) => "; write one host per line".into(),
+            ReadError::Missing => String::new(),
+            ReadError::Io(_) => String::new(),
         };
-        bad(format!(
-            "is {what}; give a regular file of host lines (`host slots=N`, `host:N` or `host`)"
-        ))
-    };
-    let too_big = || {
-        bad(format!(
-            "is larger than {} MiB; a hostfile lists at most {} hosts, one per line",
-            MAX_HOSTFILE_BYTES >> 20,
-            hosts::MAX_HOSTS
-        ))
-    };
-    // Opened without blocking (a FIFO's open would wait for a writer), then judged by what
-    // was opened, not by a name that could change in between.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| bad(e.to_string()))?;
-    let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
-    if !meta.is_file() {
-        return Err(not_regular(&meta));
-    }
-    if meta.len() > MAX_HOSTFILE_BYTES {
-        return Err(too_big());
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_HOSTFILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| bad(e.to_string()))?;
-    if bytes.len() as u64 > MAX_HOSTFILE_BYTES {
-        return Err(too_big());
-    }
-    String::from_utf8(bytes).map_err(|e| {
-        bad(format!(
-            "is not UTF-8 text (invalid byte at offset {}); write one host per line",
-            e.utf8_error().valid_up_to()
-        ))
+        let e = match e {
+            ReadError::Missing => "No such file or directory".to_string(),
+            e => e.to_string(),
+        };
+        Error::usage(format!("--hostfile {origin}: {e}{hint}"))
     })
 }
 

@@ -149,8 +149,10 @@ pub fn main() -> u8 {
 /// Device-to-device copies timed for the memory bandwidth check.
 const MEM_COPIES: usize = 5;
 
-fn nccl_log_path() -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("nrun-nccl-{}.log", std::process::id()))
+/// In this rank's own private scratch directory ([`crate::files::scratch`]), removed once read:
+/// NCCL opens the file by name, following symlinks, so never a guessable path in a shared one.
+fn nccl_log_path() -> Option<std::path::PathBuf> {
+    crate::files::scratch().ok().map(|d| d.join("nccl.log"))
 }
 
 /// NCCL's transport lines go to a file of this rank's own, read after the sweep: the path NCCL
@@ -160,7 +162,9 @@ fn nccl_log_to_file() {
     unsafe {
         std::env::set_var("NCCL_DEBUG", "INFO");
         std::env::set_var("NCCL_DEBUG_SUBSYS", "P2P,SHM,NET");
-        std::env::set_var("NCCL_DEBUG_FILE", nccl_log_path());
+        if let Some(p) = nccl_log_path() {
+            std::env::set_var("NCCL_DEBUG_FILE", p);
+        }
     }
 }
 
@@ -236,8 +240,8 @@ fn run() -> Result<()> {
         Mode::Nccl => run_nccl(&mut ctx, &mut rep, local_rank),
         Mode::Net => run_net(&mut ctx, &mut rep),
     };
-    // Read (or not, on a failure) by now; nothing of it stays behind.
-    let _ = std::fs::remove_file(nccl_log_path());
+    // The NCCL log was read (or not, on a failure) by now; nothing of it stays behind.
+    crate::files::remove_scratch();
     if let Err(e) = result {
         if e.kind != "aborted" {
             let key = ctx.s.abort_key();
@@ -730,14 +734,14 @@ fn nccl_hardware(rep: &mut RankReport, links: LinksRead) {
         rep.links = Some(l);
         rep.health = Some(h);
     }
-    let log = nccl_log_path();
-    if let Ok(text) = std::fs::read_to_string(&log) {
+    let text = nccl_log_path().and_then(|log| crate::files::read_own(&log, 16 << 20).ok());
+    if let Some(text) = text {
+        let text = String::from_utf8_lossy(&text);
         rep.path = Some(hardware::parse_nccl_log(&text)).filter(|p| !p.transports.is_empty());
     }
     if let Some(p) = &rep.path {
         rep.nics = p.nics.iter().map(|n| hardware::Nic::read(n)).collect();
     }
-    let _ = std::fs::remove_file(&log);
 }
 
 // ---- network-only preflight: a TCP ring all-reduce -------------------------------------------

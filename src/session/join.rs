@@ -1,14 +1,16 @@
 //! Joining: every node's agent publishes its [`Joined`] record in the store (an in-process node
 //! is joined here); the session waits until all did, their links say they cannot any more, or
 //! --join-timeout passed, and names every node that did not join with its link's words. An
-//! elastic job takes in nodes that join later, between attempts.
+//! elastic job takes in nodes that join later, between attempts; with c10d, also a node that
+//! comes back after its first nrun was lost: it joins with the rendezvous' next index, which
+//! becomes a node of the session here ([`Session::open_slots`]), and is a fresh join.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::link::{JoinHere, Joining};
-use super::{AgentLink, JoinedNode, Session};
-use crate::agent::protocol::Joined;
+use super::{AgentLink, JoinedNode, Node, Session};
+use crate::agent::protocol::{Joined, Step, c10d_next_key, c10d_refused_key, c10d_room_key};
 use crate::error::{Error, Result};
 
 /// How long nodes beyond the job's size may still join once the job has its nodes.
@@ -196,11 +198,12 @@ impl Session {
         if self.nodes[i].link.named_on_join() {
             // A joined node is named by its host, kept apart from a namesake.
             let name = facts.hostname.clone();
+            // A node left out does not hold its name: the same host come back takes it.
             let taken = |n: &str| {
                 self.nodes
                     .iter()
                     .enumerate()
-                    .any(|(j, o)| j != i && o.label == n)
+                    .any(|(j, o)| j != i && o.label == n && !self.is_left_out(j))
             };
             self.nodes[i].label = match taken(&name) {
                 false => name,
@@ -223,6 +226,7 @@ impl Session {
 
     /// Nodes that joined after the join ended (elastic): taken in, their indices returned.
     pub(super) fn admit_late(&mut self) -> Vec<usize> {
+        self.open_slots();
         let waiting: Vec<usize> = (0..self.nodes.len())
             .filter(|i| self.nodes[*i].joined.is_none())
             .collect();
@@ -246,10 +250,86 @@ impl Session {
             return false;
         }
         self.arrivals_checked = Some(now);
-        (0..self.nodes.len())
+        // Past the nodes: c10d indices handed out since (a node come back), not yet nodes.
+        let beyond = self.handed_out().unwrap_or(0) + 1;
+        (0..self.nodes.len().max(beyond))
             .filter(|i| {
-                !self.active.contains(i) && self.nodes[*i].joined.is_none() && !self.is_left_out(*i)
+                !self.active.contains(i)
+                    && self.nodes.get(*i).is_none_or(|n| n.joined.is_none())
+                    && !self.is_left_out(*i)
             })
             .any(|i| self.bus.has_joined(i))
+    }
+
+    /// The last node index the c10d rendezvous this nrun hosts has handed out (the host is 0).
+    fn handed_out(&self) -> Option<usize> {
+        let id = self.c10d_id.as_ref()?;
+        let raw = self.store()?.get(&c10d_next_key(id))?;
+        String::from_utf8_lossy(&raw).trim().parse().ok()
+    }
+
+    /// c10d: indices handed out past the session's nodes, up to the last one whose agent joined,
+    /// become nodes as the first peers are: placeholders, given the steps so far as idle ones
+    /// (an agent takes its steps in order from the first), so that such a node is taken in as
+    /// any late joiner. Its index is new: nothing of a lost node's keys is read for it.
+    pub(super) fn open_slots(&mut self) {
+        let Some(handed) = self.handed_out() else {
+            return;
+        };
+        let Some(top) = (self.nodes.len()..=handed)
+            .rev()
+            .find(|&i| self.bus.has_joined(i))
+        else {
+            return;
+        };
+        let Some(last) = self.plan.layout.last().cloned() else {
+            return;
+        };
+        while self.nodes.len() <= top {
+            let i = self.nodes.len();
+            // Its own worker count comes with its join (facts.own); the layout is for indexing.
+            self.plan.layout.push(crate::plan::nodes::NodeLayout {
+                group_rank: i,
+                ..last.clone()
+            });
+            self.nodes
+                .push(Node::new(&format!("node{i}"), super::link::peer::link()));
+            for no in 0..self.step {
+                self.bus.set_step(i, no, &Step::idle());
+            }
+        }
+    }
+
+    /// c10d: tells nodes that may still join what this nrun takes now: how many more nodes
+    /// (one past the job's nodes and spares joins only while this is above 0), and each host
+    /// left out on evidence against the node itself ([`super::roster::LeftOut::bars_return`]),
+    /// whose nrun is refused with that evidence (agent::peer).
+    pub(super) fn publish_room(&self) {
+        let (Some(id), Some(st)) = (&self.c10d_id, self.store()) else {
+            return;
+        };
+        let slots = self.plan.hosts.len();
+        // Held: every node not left out that joined, or is one of the first slots still open.
+        let held = (0..self.nodes.len())
+            .filter(|&i| !self.is_left_out(i) && (i < slots || self.nodes[i].joined.is_some()))
+            .count();
+        st.set(
+            &c10d_room_key(id),
+            slots.saturating_sub(held).to_string().as_bytes(),
+        );
+        for l in self.left_out.iter().filter(|l| l.bars_return()) {
+            // The first evidence stands (a node refused later repeats it).
+            let key = self.hostname(l.node).map(|h| c10d_refused_key(id, &h));
+            if let Some(key) = key.filter(|k| !st.contains(k)) {
+                let why = format!("{} ({}): {}", l.host, l.stage.as_str(), l.why);
+                st.set(&key, why.as_bytes());
+            }
+        }
+    }
+
+    /// The host name node `i` reported when it joined.
+    pub(super) fn hostname(&self, i: usize) -> Option<String> {
+        let facts = self.nodes.get(i)?.joined.as_ref()?.facts.as_ref()?;
+        Some(facts.hostname.clone())
     }
 }

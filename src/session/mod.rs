@@ -24,7 +24,7 @@ pub mod spec;
 pub mod step;
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -110,8 +110,6 @@ pub struct Session {
     store_stop: Option<oneshot::Sender<()>>,
     signals: Signals,
     step: usize,
-    /// nrun's scratch directory for this run (error files of workers without a log dir).
-    pub temp_root: PathBuf,
     /// The watch over the job's steps that ask for it (set by the run command).
     pub watch: Option<WatchState>,
     /// The nodes the job runs on now (see [`roster`]): lost or failing nodes leave, spares and
@@ -119,9 +117,14 @@ pub struct Session {
     pub active: Vec<usize>,
     /// Nodes taken out of the job, with the evidence.
     pub left_out: Vec<roster::LeftOut>,
+    /// Node-level evidence against nodes that stayed in, nothing being there to take their
+    /// place (see [`crate::fault`]): remembered like the nodes left out at the end.
+    pub faulty: Vec<roster::LeftOut>,
     /// Elastic: the running group was stopped because nodes arrived to take in.
     pub grow: bool,
     arrivals_checked: Option<Instant>,
+    /// The c10d rendezvous this nrun hosts (its id): nodes that come back join it.
+    c10d_id: Option<String>,
 }
 
 impl Session {
@@ -134,7 +137,7 @@ impl Session {
     ) -> Result<Session> {
         let signals = Signals::install(&plan.forward_signals)?;
         // Leftovers of killed nruns: a directory listing off the launch's path.
-        tokio::task::spawn_blocking(crate::node::keeper::sweep_scratch);
+        tokio::task::spawn_blocking(crate::files::sweep_scratch);
         crate::node::process::become_subreaper();
         // A static launch's other nodes run their own nrun, which cannot learn a secret.
         let static_launch = nodes.in_process && nodes.group_world > 1;
@@ -234,12 +237,13 @@ impl Session {
             store_stop,
             signals,
             step: 0,
-            temp_root: crate::node::keeper::scratch_dir(std::process::id()),
             watch: None,
             active: Vec::new(),
             left_out: Vec::new(),
+            faulty: Vec::new(),
             grow: false,
             arrivals_checked: None,
+            c10d_id: None,
         };
         if let (Some(c), Some(st)) = (&plan.c10d, session.store()) {
             // What a joining node needs to find this run's keys.
@@ -248,6 +252,10 @@ impl Session {
                 session.run.as_bytes(),
             );
             st.set(&crate::agent::protocol::c10d_public_key(&c.id), b"1");
+        }
+        // Nodes join it in order; one that comes back gets the next index (join::open_slots).
+        if session.store().is_some() && plan.c10d.as_ref().is_some_and(|c| c.node.is_none()) {
+            session.c10d_id = plan.c10d.as_ref().map(|c| c.id.clone());
         }
         if let Some(st) = session.store() {
             // Any nrun that connects may read that an nrun listens here, and (set before this,
@@ -327,18 +335,24 @@ impl Session {
     /// Ends the session, telling nodes that joined by themselves the job's exit code (their nrun
     /// exits with it).
     pub async fn end_with(mut self, code: u8) {
+        // A node come back but not taken in yet still gets its End (its nrun waits on it).
+        self.open_slots();
         let no = self.step;
         self.bus.exit(code);
         for (i, n) in self.nodes.iter_mut().enumerate() {
             n.link.deliver(&self.bus, i, no, Some(&Step::End));
         }
         let bus = &self.bus;
+        let left: Vec<usize> = self.left_out.iter().map(|l| l.node).collect();
         let ends = self
             .nodes
             .iter_mut()
             .enumerate()
             .map(|(i, n)| {
-                let joined = n.joined.is_some();
+                // A node left out whose agent's connection closed (the store removed its
+                // heartbeat) has nobody left to acknowledge the End: no wait for it.
+                let gone = left.contains(&i) && bus.heartbeat(i).is_empty();
+                let joined = n.joined.is_some() && !gone;
                 n.link.end(link::Ending {
                     bus,
                     node: i,
@@ -353,7 +367,8 @@ impl Session {
         if let Some(stop) = self.store_stop.take() {
             let _ = stop.send(());
         }
-        let _ = std::fs::remove_dir_all(&self.temp_root);
+        // The in-process node's scratch (this process's).
+        crate::files::remove_scratch();
     }
 }
 

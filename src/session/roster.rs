@@ -44,6 +44,21 @@ pub struct LeftOut {
     pub at: SystemTime,
 }
 
+impl LeftOut {
+    /// Whether the evidence is against the node itself (a failed check or preflight, a fault of
+    /// its workers pinned on it), so that a node of its host that joins again within the job
+    /// is refused. A node that never joined, or whose agent or link was lost (the words of
+    /// [`super::link::NodeLink::lost`] and of a result that means the agent left), may come
+    /// back: that is a fresh join, checked as any.
+    pub fn bars_return(&self) -> bool {
+        match self.stage {
+            Stage::Join => false,
+            Stage::Check | Stage::Preflight => true,
+            Stage::Run => !(self.why.starts_with("lost") || self.why.contains("'s agent ")),
+        }
+    }
+}
+
 impl Session {
     /// Nodes that joined and wait to take a left-out node's place, in node order.
     pub fn spares(&self) -> Vec<usize> {
@@ -56,6 +71,22 @@ impl Session {
 
     pub fn is_left_out(&self, i: usize) -> bool {
         self.left_out.iter().any(|l| l.node == i)
+    }
+
+    /// Remembers node-level evidence against node `i`, which stays in the job (nothing can take
+    /// its place): at the end it is listed and remembered (--exclude-file) with those left out.
+    pub fn flag(&mut self, i: usize, why: &str) {
+        if self.is_left_out(i) || self.faulty.iter().any(|l| l.node == i) {
+            return;
+        }
+        let host = self.nodes[i].label.clone();
+        self.faulty.push(LeftOut {
+            node: i,
+            host,
+            stage: Stage::Run,
+            why: format!("{why} (kept in: nothing could take its place)"),
+            at: SystemTime::now(),
+        });
     }
 
     /// Takes node `i` out of the job for good, saying why.
@@ -85,6 +116,12 @@ impl Session {
     /// in. `Err`: fewer nodes than the job's minimum remain (exit 98, the left-out nodes named).
     pub fn fill(&mut self) -> Result<Vec<usize>> {
         let late = self.admit_late();
+        // Its host's earlier evidence is the reason that matters, before any check of its own.
+        for &n in &late {
+            if let Some(why) = self.barred(n) {
+                self.leave_out(n, Stage::Check, &why);
+            }
+        }
         if !late.is_empty() {
             let f = self.assign_interfaces();
             for w in f.warnings.iter() {
@@ -122,10 +159,28 @@ impl Session {
             came.push(i);
         }
         self.active.sort_unstable();
+        self.publish_room();
         if self.active.len() < self.plan.min_nodes {
             return Err(self.too_few());
         }
         Ok(came)
+    }
+
+    /// Why node `n`, joined late, may not run: its host was left out earlier in this job on
+    /// evidence against the node itself (its nrun is told so when it joins, agent::peer; this
+    /// is for one that joined before that was known).
+    fn barred(&self, n: usize) -> Option<String> {
+        let host = self.hostname(n)?;
+        self.left_out
+            .iter()
+            .find(|l| l.node != n && l.bars_return() && self.hostname(l.node) == Some(host.clone()))
+            .map(|l| {
+                format!(
+                    "this host was left out earlier in this job ({}): {}",
+                    l.stage.as_str(),
+                    l.why
+                )
+            })
     }
 
     /// The error for a job left with fewer healthy nodes than it needs, naming every node left
@@ -175,8 +230,10 @@ impl Session {
                 .copied()
                 .filter(|i| !self.active.contains(i))
                 .collect();
+            // Spares have the places past the job's size; past those, nodes that came back.
+            let spares = self.plan.size..self.plan.hosts.len();
             let (spare, joined): (Vec<usize>, Vec<usize>) =
-                came.iter().partition(|i| *i >= &self.plan.size);
+                came.iter().partition(|i| spares.contains(*i));
             tracing::warn!(
                 "the job goes on with {} nodes: {}{}{}{}",
                 self.active.len(),
@@ -259,6 +316,11 @@ impl Session {
                 ),
             };
             self.leave_out(i, Stage::Join, &why);
+        }
+        for f in std::mem::take(&mut self.faulty) {
+            if !self.is_left_out(f.node) {
+                self.left_out.push(f);
+            }
         }
         if self.left_out.is_empty() {
             return;

@@ -3,7 +3,7 @@
 //! node's interface and GPUs, output prefixes, console filters, log and error files.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use super::Session;
 use crate::agent::protocol::{Step, WorkerSpec};
@@ -182,11 +182,10 @@ impl Session {
                 .map(|d| plan.worker_dir(d, l.attempt, host, local_rank));
             let error_file: PathBuf = match &log_dir {
                 Some(d) => d.join("error.json"),
-                // In nrun's scratch (this host's temp directory, nobody else's) a rank's number
-                // keeps the nodes of one machine apart, in one directory for them all: a
-                // thousand loopback agents making (and removing) a directory each in one parent
-                // spent a tenth of the run's CPU on its lock.
-                None => crate::plan::attempt_dir(&self.temp_root.join(l.scratch), l.attempt)
+                // Relative: in the scratch directory of the process that runs the worker
+                // (private to it, on its host: agent::exec places it), one directory for the
+                // node's workers, a rank's number apart.
+                None => crate::plan::attempt_dir(Path::new(l.scratch), l.attempt)
                     .join(format!("error-{rank}.json")),
             };
             let place = Place {

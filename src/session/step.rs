@@ -7,9 +7,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::Session;
-use crate::agent::protocol::{Step, StepResult};
+use crate::agent::protocol::{RunResult, Step, StepResult};
 use crate::error::{Error, Result};
 use crate::node::{Caught, StopRequest};
+use crate::session::link::Delivery;
 
 /// How [`Session::run_step`] waits.
 #[derive(Clone, Copy, Debug)]
@@ -26,6 +27,11 @@ pub enum Policy {
 /// How long a [`Policy::Probe`] step waits for an answer.
 const PROBE_WAIT: Duration = Duration::from_secs(30);
 
+/// How long a node's result waits for the end of its output to come through the pipe that
+/// relays its agent (see [`crate::agent::child::Marks`]): a guard against a link that stalls,
+/// not a pace (the marks come right behind the lines, milliseconds after the result).
+const OUTPUT_WAIT: Duration = Duration::from_secs(30);
+
 /// The result of a step for each node (None: the node had no step, or did not answer).
 pub type Results = Vec<Option<StepResult>>;
 
@@ -36,6 +42,10 @@ struct Waiting {
     stopped: bool,
     /// Stop signals the user sent.
     signalled: usize,
+    /// Since when a node's result waits for the end of its output.
+    held: std::collections::HashMap<usize, Instant>,
+    /// The ranks each node runs in this step.
+    ranks: Vec<Vec<usize>>,
 }
 
 impl Session {
@@ -45,6 +55,13 @@ impl Session {
         let no = self.step;
         self.step += 1;
         let mut waiting = Vec::new();
+        let ranks = steps
+            .iter()
+            .map(|s| match s {
+                Some(Step::Run { workers, .. }) => workers.iter().map(|w| w.rank).collect(),
+                _ => Vec::new(),
+            })
+            .collect();
         for (i, s) in steps.iter().enumerate() {
             if self.nodes[i].link.deliver(&self.bus, i, no, s.as_ref()) {
                 waiting.push(i);
@@ -57,8 +74,10 @@ impl Session {
             .filter_map(|n| n.link.local_work())
             .collect();
         let began = Instant::now();
-        let ((), results) =
-            tokio::join!(super::link::join_all(work), self.wait(no, &waiting, policy));
+        let ((), results) = tokio::join!(
+            super::link::join_all(work),
+            self.wait(no, &waiting, policy, ranks)
+        );
         // Where a launch's time goes, step by step (benchmarks at scale).
         tracing::debug!(
             "step {no} ({} nodes, {policy:?}) took {:.3} s",
@@ -69,7 +88,13 @@ impl Session {
     }
 
     /// Waits for the results of step `no` from the nodes in `waiting`.
-    async fn wait(&mut self, no: usize, waiting: &[usize], policy: Policy) -> Result<Results> {
+    async fn wait(
+        &mut self,
+        no: usize,
+        waiting: &[usize],
+        policy: Policy,
+        ranks: Vec<Vec<usize>>,
+    ) -> Result<Results> {
         let mut results: Results = vec![None; self.nodes.len()];
         let started = Instant::now();
         let mut changed = self.store().map(|s| s.subscribe());
@@ -77,7 +102,10 @@ impl Session {
         let hosts: Vec<String> = self.nodes.iter().map(|n| n.label.clone()).collect();
         // The views last read, so an unchanged one is not parsed again.
         let mut last_views: Vec<Vec<u8>> = vec![Vec::new(); self.nodes.len()];
-        let mut w = Waiting::default();
+        let mut w = Waiting {
+            ranks,
+            ..Waiting::default()
+        };
         // Counted as results arrive: a node is looked at when a key of its changed or its link
         // nudged, every node on the periodic look (a silent heartbeat, an srun step) and when
         // work in this process woke the wait.
@@ -106,7 +134,7 @@ impl Session {
             look_all = false;
             for &i in &look {
                 if results[i].is_none() {
-                    results[i] = self.node_result(i, no, w.stopped);
+                    results[i] = self.node_result(i, no, &mut w);
                     if let Some(r) = &results[i] {
                         left -= 1;
                         failed |= matches!(r, StepResult::Run(r) if r.is_failure());
@@ -217,9 +245,68 @@ impl Session {
         self.request_all(signal.map_or(StopRequest::Polite, StopRequest::Signal));
     }
 
-    /// Node `i`'s result of step `no`, if it has one or is lost.
-    fn node_result(&mut self, i: usize, no: usize, stopped: bool) -> Option<StepResult> {
+    /// Node `i`'s result of step `no`, if it has one or is lost. A result is taken once every
+    /// line of the node's workers is on this host's console (the result of a node whose output
+    /// a pipe relays comes through the store, faster than its lines): else the output was
+    /// lost on the way, and so is the node, named with its ranks, whose ends were not all heard.
+    fn node_result(&mut self, i: usize, no: usize, w: &mut Waiting) -> Option<StepResult> {
         let n = &mut self.nodes[i];
-        n.link.result(&self.bus, i, no, &n.label, stopped)
+        let r = n.link.result(&self.bus, i, no, &n.label, w.stopped)?;
+        let ran = |ranks: &[usize]| match ranks {
+            [] => String::new(),
+            [r] => format!("; rank {r} ran there and its end was never reported"),
+            _ => format!(
+                "; ranks {} ran there and their ends were never reported",
+                ranks
+                    .iter()
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        let ranks = w.ranks.get(i).map_or(&[][..], |r| &r[..]);
+        let missing = match &r {
+            StepResult::Run(RunResult::Lost(why)) => {
+                return Some(StepResult::Run(RunResult::Lost(format!(
+                    "{why}{}",
+                    ran(ranks)
+                ))));
+            }
+            StepResult::Run(_) => match n.link.output(i, no) {
+                Delivery::Arrived => return Some(r),
+                Delivery::Pending { console, moved } => {
+                    let held = w.held.entry(i).or_insert_with(|| {
+                        tracing::debug!("{}: result of step {no} waits for its output", n.label);
+                        Instant::now()
+                    });
+                    // This host's console is behind (a paused pager): the link is not at fault.
+                    if console {
+                        *held = Instant::now();
+                    }
+                    // Lines still coming through are progress: the wait runs from the last.
+                    let since = moved.map_or(*held, |m| Instant::from_std(m).max(*held));
+                    if since.elapsed() < OUTPUT_WAIT {
+                        return None;
+                    }
+                    format!(
+                        "did not reach this host: nothing came through for {} s after its result",
+                        OUTPUT_WAIT.as_secs()
+                    )
+                }
+                Delivery::Cut(pipe) => format!("was cut off: its agent's {pipe} ended first"),
+            },
+            _ => return Some(r),
+        };
+        let label = &n.label;
+        Some(StepResult::Run(RunResult::Lost(format!(
+            "lost {label}'s output: the end of its workers' output {missing}, so lines of its \
+             ranks ({}) may be missing here; the link that relays its agent (ssh, srun) broke \
+             or stalls: check that {label} is reachable and not overloaded",
+            ranks
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))))
     }
 }

@@ -7,10 +7,12 @@
 //! connection's channel. Keeping every write in one task is what makes the CANCEL_WAIT race come
 //! out right: a STOP_WAITING already queued is written before the WAIT_CANCELED reply.
 //!
-//! That task serves the requests it has buffered only while their replies fit its output budget,
-//! then writes them before reading or serving more: a client that pipelines GETs of a large
-//! value without reading holds one budget's worth of replies, not all of them. What else a
-//! client may hold (unfinished requests, time, connections) is in [`conns`].
+//! That task serves the requests it has buffered only while their replies fit the reply budget,
+//! sized and counted before each is built (its own share, its address's, the store's), then
+//! writes them before reading or serving more: a client that pipelines GETs of a large value
+//! without reading holds one budget's worth of replies, not all of them, and no number of such
+//! connections holds more than the store's. What else a client may hold (unfinished requests,
+//! time, connections) is in [`conns`].
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -34,7 +36,7 @@ mod cmd;
 mod conns;
 
 pub use conns::Limits;
-use conns::{Conns, EVICT, Held, Live};
+use conns::{Conns, EVICT, Held, Live, Replies, Room, SMALL_REPLY};
 
 type ConnId = u64;
 
@@ -65,9 +67,12 @@ struct State {
     barriers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
     /// Bytes held by parked waits' keys (each listed twice: in the wait and in `watchers`).
     waiting: usize,
-    /// Bytes held in keys, values and queued items, each entry with its [`ENTRY_COST`] or
-    /// [`ITEM_COST`] (checked against the store's cap).
+    /// Bytes held in clients' keys, values and queued items, each entry with its
+    /// [`ENTRY_COST`] or [`ITEM_COST`] (checked against the store's cap, --store-max-bytes).
     bytes: usize,
+    /// The same for nrun's own keys (`nrun/`), checked against their own reserved budget
+    /// ([`CONTROL_MAX_BYTES`]): clients filling the store never make the control plane fail.
+    control: usize,
 }
 
 /// What a key (of the map or a queue) costs beyond its bytes: the map's slot, the vectors'
@@ -77,21 +82,34 @@ const ENTRY_COST: usize = 64;
 const ITEM_COST: usize = 32;
 
 impl State {
+    /// The count `key`'s bytes are held in: nrun's own, or its clients'.
+    fn held(&mut self, key: &[u8]) -> &mut usize {
+        match is_control(key) {
+            true => &mut self.control,
+            false => &mut self.bytes,
+        }
+    }
+
     /// Stores `value` under `key`, keeping the byte count.
     fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
-        let klen = key.len();
-        self.bytes += ENTRY_COST + klen + value.len();
-        if let Some(old) = self.kv.insert(key, value) {
-            self.bytes = self.bytes.saturating_sub(ENTRY_COST + klen + old.len());
-        }
+        let (klen, control) = (key.len(), is_control(&key));
+        let added = ENTRY_COST + klen + value.len();
+        let freed = self
+            .kv
+            .insert(key, value)
+            .map_or(0, |old| ENTRY_COST + klen + old.len());
+        let held = match control {
+            true => &mut self.control,
+            false => &mut self.bytes,
+        };
+        *held = (*held + added).saturating_sub(freed);
     }
 
     fn remove(&mut self, key: &[u8]) -> bool {
         match self.kv.remove(key) {
             Some(old) => {
-                self.bytes = self
-                    .bytes
-                    .saturating_sub(ENTRY_COST + key.len() + old.len());
+                let held = self.held(key);
+                *held = held.saturating_sub(ENTRY_COST + key.len() + old.len());
                 true
             }
             None => false,
@@ -113,6 +131,23 @@ impl State {
             })
             .sum();
         self.bytes = kv + q;
+        // nrun's keys are recounted apart from its clients'.
+        let control: usize = self
+            .kv
+            .iter()
+            .filter(|(k, _)| is_control(k))
+            .map(|(k, v)| ENTRY_COST + k.len() + v.len())
+            .sum();
+        let control_q: usize = self
+            .queues
+            .iter()
+            .filter(|(k, _)| is_control(k))
+            .map(|(k, q)| {
+                ENTRY_COST + k.len() + q.iter().map(|v| ITEM_COST + v.len()).sum::<usize>()
+            })
+            .sum();
+        self.control = control + control_q;
+        self.bytes -= self.control;
     }
 
     /// Takes connection `conn`'s parked wait, giving back what its keys cost.
@@ -229,6 +264,13 @@ pub struct Store {
     conns: Mutex<Conns>,
     /// Bytes held in connections' read buffers (requests not yet whole), all together.
     partial: AtomicUsize,
+    /// Bytes held in connections' replies (built, not yet written), all together.
+    replies: AtomicUsize,
+    /// Told when a connection gives back a large share of [`Store::replies`]: whoever waits
+    /// for room for a reply asks again.
+    reply_freed: tokio::sync::Notify,
+    /// Most bytes nrun's own keys may hold ([`CONTROL_MAX_BYTES`]), apart from clients'.
+    control_max: AtomicU64,
     /// [`Limits::wait_budget`], where the state's lock holder reads it.
     wait_budget: AtomicUsize,
 }
@@ -281,6 +323,8 @@ struct Conn {
     wake: mpsc::UnboundedSender<u8>,
     /// What the connection caps see of this connection.
     live: Arc<Live>,
+    /// The limits it started with.
+    limits: Limits,
 }
 
 fn is_control(key: &[u8]) -> bool {
@@ -359,6 +403,7 @@ impl Store {
         Arc::new(Store {
             secret,
             max_bytes: AtomicU64::new(DEFAULT_MAX_BYTES),
+            control_max: AtomicU64::new(CONTROL_MAX_BYTES),
             ..Store::default()
         })
     }
@@ -366,6 +411,11 @@ impl Store {
     /// Caps what clients may store: a write past it fails that client, not the store.
     pub fn set_max_bytes(&self, max: u64) {
         self.max_bytes.store(max, Ordering::Relaxed);
+    }
+
+    /// Caps what nrun's own keys (`nrun/`) may hold, apart from --store-max-bytes (tests).
+    pub fn set_control_max_bytes(&self, max: u64) {
+        self.control_max.store(max, Ordering::Relaxed);
     }
 
     /// Replaces the budgets, timeouts and connection caps (before serving: open connections
@@ -470,6 +520,16 @@ impl Store {
         self.lock().bytes
     }
 
+    /// Bytes nrun's own keys hold, counted apart (tests, diagnostics).
+    pub fn control_bytes(&self) -> usize {
+        self.lock().control
+    }
+
+    /// Bytes all connections' replies hold, built and not yet written (tests, diagnostics).
+    pub fn reply_bytes(&self) -> usize {
+        self.replies.load(Ordering::Relaxed)
+    }
+
     /// Number of keys, as GETNUMKEYS would answer.
     pub fn num_keys(&self) -> usize {
         self.lock().kv.len()
@@ -493,8 +553,15 @@ impl Store {
     }
 
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
-    /// connection with that message.
-    fn apply(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), Refusal> {
+    /// connection with that message; `Ok(Some(req))` gives the request back unserved: its reply
+    /// does not fit the reply budget yet (see [`conns`]).
+    fn apply(
+        &self,
+        c: &mut Conn,
+        req: Request,
+        out: &mut Vec<u8>,
+        replies: &mut Replies<'_>,
+    ) -> Result<Option<Request>, Refusal> {
         let control = match &req {
             Request::Set { key, .. } if is_control(key) => Some(key.clone()),
             _ => None,
@@ -512,12 +579,13 @@ impl Store {
             }
             _ => None,
         };
-        let r = self.apply_request(c, req, out);
-        if let (Some(key), true) = (live, r.is_ok()) {
+        let r = self.apply_request(c, req, out, replies);
+        let served = matches!(r, Ok(None));
+        if let (Some(key), true) = (live, served) {
             c.live_keys.push(key);
         }
         // After the write, so whoever wakes finds it.
-        if let (Some(key), true) = (control, r.is_ok()) {
+        if let (Some(key), true) = (control, served) {
             self.changed(key);
             self.control_writes.send_modify(|v| *v += 1);
         }
@@ -542,13 +610,20 @@ impl Store {
     /// Who may ask and whether it fits are settled here, in this order: VALIDATE first, then
     /// nrun's secret for its own keys, then the byte cap; each verb is then served by its own
     /// function in [`cmd`].
-    fn apply_request(&self, c: &mut Conn, req: Request, out: &mut Vec<u8>) -> Result<(), Refusal> {
+    fn apply_request(
+        &self,
+        c: &mut Conn,
+        req: Request,
+        out: &mut Vec<u8>,
+        replies: &mut Replies<'_>,
+    ) -> Result<Option<Request>, Refusal> {
         if !c.validated {
-            return validate_first(c, req);
+            validate_first(c, req)?;
+            return Ok(None);
         }
         if let Some(secret) = &self.secret {
             if authenticate(secret, c, &req, out)? {
-                return Ok(());
+                return Ok(None);
             }
         }
         let req = observed(c, req);
@@ -557,6 +632,17 @@ impl Store {
         let s = &mut *s;
         // Without the secret, nrun's own keys are neither listed nor counted.
         let hide = self.secret.is_some() && !c.authed;
+        // The reply is sized and counted before a byte of it is built.
+        let size = cmd::reply_size(s, &req, hide);
+        match replies.room(out.len(), size, !c.authed, &c.limits) {
+            Room::Fits => {}
+            Room::Later => return Ok(Some(req)),
+            Room::Never(why) => return Err(why.into()),
+        }
+        if size > SMALL_REPLY {
+            out.try_reserve_exact(size)
+                .map_err(|_| format!("cannot allocate a reply of {size} bytes"))?;
+        }
         match req {
             Request::Validate { magic } => cmd::validate(magic)?,
             Request::Set { key, value } => cmd::set(s, key, value),
@@ -573,44 +659,68 @@ impl Store {
             }
             Request::GetNumKeys => cmd::get_num_keys(s, hide, out),
             Request::DeleteKey { key } => cmd::delete_key(s, &key, out),
-            Request::Append { key, value } => cmd::append(s, key, value),
-            Request::MultiGet { keys } => cmd::multi_get(s, &keys, out)?,
+            Request::Append { key, value } => cmd::append(s, key, value)?,
+            Request::MultiGet { keys } => cmd::multi_get(s, &keys, out),
             Request::MultiSet { pairs } => cmd::multi_set(s, pairs),
             Request::CancelWait => cmd::cancel_wait(s, c, out),
             Request::Ping { nonce } => cmd::ping(nonce, out),
             Request::QueuePush { key, value } => cmd::queue_push(s, key, value),
             Request::QueuePop { key } => cmd::queue_pop(s, &key, out),
             Request::QueueLen { key } => cmd::queue_len(s, &key, out),
-            Request::ListKeys => cmd::list_keys(s, hide, out)?,
+            Request::ListKeys => cmd::list_keys(s, hide, out),
             Request::Barrier { key, world_size } => {
                 cmd::barrier(s, c, &self.next_wait, key, world_size, out)?
             }
         }
-        Ok(())
+        Ok(None)
     }
 
-    /// Refuses a write that would take the store past --store-max-bytes (0: no cap).
+    /// Refuses a write that would take clients' keys past --store-max-bytes (0: no cap), or
+    /// nrun's own keys past their reserved budget: each class fills only itself, so a client
+    /// filling the store fails that client, never nrun's control plane.
     fn check_room(&self, s: &State, req: &Request) -> Result<(), Refusal> {
-        let incoming = match req {
-            Request::Set { key, value } | Request::Append { key, value } => {
-                ENTRY_COST + key.len() + value.len()
-            }
-            Request::CompareSet { key, desired, .. } => ENTRY_COST + key.len() + desired.len(),
-            Request::QueuePush { key, value } => ENTRY_COST + ITEM_COST + key.len() + value.len(),
-            // A counter: at most 20 decimal digits.
-            Request::Add { key, .. } | Request::Barrier { key, .. } => ENTRY_COST + key.len() + 20,
-            Request::MultiSet { pairs } => pairs
-                .iter()
-                .map(|(k, v)| ENTRY_COST + k.len() + v.len())
-                .sum(),
-            _ => 0,
+        // (clients' bytes, nrun's bytes) the write may add.
+        let mut incoming = (0usize, 0usize);
+        let mut add = |key: &[u8], n: usize| match is_control(key) {
+            true => incoming.1 += n,
+            false => incoming.0 += n,
         };
+        match req {
+            Request::Set { key, value } | Request::Append { key, value } => {
+                add(key, ENTRY_COST + key.len() + value.len())
+            }
+            Request::CompareSet { key, desired, .. } => {
+                add(key, ENTRY_COST + key.len() + desired.len())
+            }
+            Request::QueuePush { key, value } => {
+                add(key, ENTRY_COST + ITEM_COST + key.len() + value.len())
+            }
+            // A counter: at most 20 decimal digits.
+            Request::Add { key, .. } | Request::Barrier { key, .. } => {
+                add(key, ENTRY_COST + key.len() + 20)
+            }
+            Request::MultiSet { pairs } => {
+                for (k, v) in pairs {
+                    add(k, ENTRY_COST + k.len() + v.len());
+                }
+            }
+            _ => {}
+        }
         let max = self.max_bytes.load(Ordering::Relaxed) as usize;
-        if incoming > 0 && max > 0 && s.bytes.saturating_add(incoming) > max {
+        if incoming.0 > 0 && max > 0 && s.bytes.saturating_add(incoming.0) > max {
             return Err(format!(
-                "the store is full: {} bytes held, {incoming} more asked, limit {max} \
+                "the store is full: {} bytes held, {} more asked, limit {max} \
                  (--store-max-bytes)",
-                s.bytes
+                s.bytes, incoming.0
+            )
+            .into());
+        }
+        let control_max = self.control_max.load(Ordering::Relaxed) as usize;
+        if incoming.1 > 0 && s.control.saturating_add(incoming.1) > control_max {
+            return Err(format!(
+                "nrun's own keys are full: {} bytes held, {} more asked, limit {control_max} \
+                 (nrun's reserved budget, apart from --store-max-bytes)",
+                s.control, incoming.1
             )
             .into());
         }
@@ -697,8 +807,9 @@ fn observed(c: &Conn, req: Request) -> Request {
 const INITIAL_BUFFER: usize = 512;
 /// What clients may store by default (--store-max-bytes): generous, but not the whole machine.
 pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
-/// Largest reply the store builds (MULTI_GET): beyond it the asking connection is closed.
-pub const MAX_REPLY: usize = 256 << 20;
+/// What nrun's own keys (agents' records and heartbeats, steps, results, views) may hold,
+/// reserved apart from --store-max-bytes. Only nrun writes them where the run has a secret.
+pub const CONTROL_MAX_BYTES: u64 = 512 << 20;
 /// Time a new connection has to send VALIDATE before it is closed.
 const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -795,9 +906,12 @@ pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Futu
                     };
                     let store = store.clone();
                     let stop = stop_rx.clone();
+                    let ip = live.ip;
                     tokio::spawn(async move {
-                        connection(stream, peer, &store, stop, id, live.clone()).await;
-                        store.conns_lock().remove(id, live.ip);
+                        // `live` ends with the connection, before the registry forgets it (its
+                        // address's reply count goes once no connection holds it).
+                        connection(stream, peer, &store, stop, id, live).await;
+                        store.conns_lock().remove(id, ip);
                     });
                 }
                 Err(e) => {
@@ -925,11 +1039,17 @@ async fn connection(
         peer,
         wake: wake_tx,
         live: live.clone(),
+        limits: limits.clone(),
     };
     let mut buf = BytesMut::with_capacity(INITIAL_BUFFER);
     let mut held = Held::new(&store.partial);
     held.set(buf.capacity());
     let mut out: Vec<u8> = Vec::with_capacity(256);
+    let mut replies = Replies::new(&store.replies, &live);
+    // A request whose reply did not fit the reply budget yet: served before anything is read.
+    let mut pending: Option<Request> = None;
+    // Since when it has waited for room (with nothing of its own queued).
+    let mut room_since: Option<tokio::time::Instant> = None;
     let mut need = 1usize;
     // Where the request being received has got to, so each byte is scanned once.
     let mut scan = FrameScan::default();
@@ -940,7 +1060,27 @@ async fn connection(
         // Serve the whole requests already here, while the replies fit the output budget;
         // past it, the replies are written before anything more is read or served.
         while out.len() < limits.out_budget {
-            match next_request(&mut scan, &buf) {
+            let parsed = match pending.take() {
+                Some(req) => Ok(Next::Request(req, 0)),
+                None => next_request(&mut scan, &buf),
+            };
+            match parsed {
+                Ok(Next::Request(req, 0)) => {
+                    // Given back unserved before: its bytes are already consumed.
+                    match store.apply(&mut c, req, &mut out, &mut replies) {
+                        Ok(None) => room_since = None,
+                        Ok(Some(req)) => {
+                            pending = Some(req);
+                            break;
+                        }
+                        Err(msg) => {
+                            quiet_warn(format_args!(
+                                "store: closing connection from {peer}: {msg}"
+                            ));
+                            break 'conn;
+                        }
+                    }
+                }
                 Ok(Next::Request(req, len)) => {
                     begun = None;
                     if len == buf.len() && len > KEEP_BUFFER {
@@ -962,9 +1102,18 @@ async fn connection(
                             out.push(b);
                         }
                     }
-                    if let Err(msg) = store.apply(&mut c, req, &mut out) {
-                        quiet_warn(format_args!("store: closing connection from {peer}: {msg}"));
-                        break 'conn;
+                    match store.apply(&mut c, req, &mut out, &mut replies) {
+                        Ok(None) => {}
+                        Ok(Some(req)) => {
+                            pending = Some(req);
+                            break;
+                        }
+                        Err(msg) => {
+                            quiet_warn(format_args!(
+                                "store: closing connection from {peer}: {msg}"
+                            ));
+                            break 'conn;
+                        }
                     }
                     if c.validated != live.validated.load(Ordering::Relaxed) {
                         live.validated.store(c.validated, Ordering::Relaxed);
@@ -1003,9 +1152,42 @@ async fn connection(
                 }
                 break;
             }
+            let written = out.len();
             out.clear();
             if out.capacity() > KEEP_BUFFER {
                 out = Vec::with_capacity(256);
+            }
+            replies.set(out.capacity());
+            if written > SMALL_REPLY {
+                store.reply_freed.notify_waiters();
+            }
+            continue;
+        }
+        if pending.is_some() {
+            // Nothing of its own queued, and still no room: others' replies hold the budget.
+            // It waits for them to be written (or their connections closed), as long as a
+            // client may leave its replies unread.
+            let since = *room_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() > limits.stall {
+                quiet_warn(format_args!(
+                    "store: closing connection from {peer}: its reply waited {} s for room \
+                     in the store's reply budget ({} bytes held by all connections)",
+                    limits.stall.as_secs(),
+                    store.reply_bytes()
+                ));
+                break;
+            }
+            tokio::select! {
+                biased;
+                woke = wake_rx.recv() => match woke {
+                    Some(EVICT) | None => break,
+                    Some(b) => out.push(b),
+                },
+                _ = stop.changed() => break,
+                _ = store.reply_freed.notified() => {}
+                // Room given back by a connection that ended, or in small amounts, is not
+                // announced: look again now and then.
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
             continue;
         }
@@ -1082,4 +1264,6 @@ async fn connection(
         }
     }
     store.disconnect(c.id, &c.live_keys);
+    drop(replies);
+    store.reply_freed.notify_waiters();
 }

@@ -1,6 +1,8 @@
 //! Helpers for tests that run the real `nrun` binary.
 #![allow(dead_code)]
 
+pub mod slurm;
+
 pub use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use std::path::{Path, PathBuf};
@@ -31,6 +33,16 @@ pub fn free_port() -> u16 {
         }
     }
     panic!("no free port below the ephemeral range");
+}
+
+/// The scratch directory of the nrun (or agent) with process id `pid`: `$TMPDIR/nrun-<pid>-<random>`.
+pub fn scratch_of(pid: u32) -> Option<PathBuf> {
+    let prefix = format!("nrun-{pid}-");
+    std::fs::read_dir(std::env::temp_dir())
+        .ok()?
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
 }
 
 pub fn fixture(name: &str) -> String {
@@ -203,6 +215,28 @@ pub fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output, Durati
     }
 }
 
+/// As [`wait_with_timeout`], reading the child's output while it runs (more than a pipe
+/// holds: a child blocked writing would never exit).
+pub fn wait_draining(child: Child, timeout: Duration) -> Output {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(timeout) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            let out = rx.recv().unwrap().unwrap();
+            panic!(
+                "did not exit within {timeout:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
 /// The one run directory `<logs>/<id>_<random>` a run with `--rdzv-id id` made.
 pub fn run_dir(logs: &Path, id: &str) -> PathBuf {
     let runs: Vec<PathBuf> = std::fs::read_dir(logs)
@@ -227,7 +261,14 @@ pub fn text(b: &[u8]) -> String {
 }
 
 /// The venv python with torch that scripts/test.sh prepares, if present.
+/// The venv's python with torch, looked up once per test binary (an `import torch` takes
+/// seconds on a loaded machine).
 pub fn torch_python() -> Option<PathBuf> {
+    static FOUND: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    FOUND.get_or_init(find_torch_python).clone()
+}
+
+fn find_torch_python() -> Option<PathBuf> {
     let p = std::env::var_os("NRUN_TEST_PYTHON")
         .map(PathBuf::from)
         .or_else(|| {
@@ -496,4 +537,73 @@ pub fn nix_is_root() -> bool {
         .arg("-u")
         .output()
         .is_ok_and(|o| text(&o.stdout).trim() == "0")
+}
+
+// ---- whole output: every line a rank wrote, once, in order ---------------------------------
+
+/// A worker (`sh -c`) that writes `n` numbered lines as fast as it can, the last one right
+/// before it exits 0: "burst r=RANK i=I" (I from 0).
+pub fn burst(n: usize) -> String {
+    format!("i=0; while [ $i -lt {n} ]; do echo \"burst r=$RANK i=$i\"; i=$((i+1)); done; exit 0")
+}
+
+/// Asserts that `text` (a console or a log) holds each of rank `rank`'s `n` burst lines once,
+/// in order: the numbers read in the order of the text are 0..n.
+pub fn assert_burst(text: &str, rank: usize, n: usize, what: &str) {
+    let needle = format!("burst r={rank} i=");
+    let seen: Vec<usize> = text
+        .lines()
+        .filter_map(|l| l.split_once(&needle))
+        .map(|(_, i)| i.trim().parse().unwrap_or(usize::MAX))
+        .collect();
+    let want: Vec<usize> = (0..n).collect();
+    if seen != want {
+        let missing = want.iter().filter(|i| !seen.contains(i)).count();
+        panic!(
+            "{what}: rank {rank}'s lines: {} of {n} seen, {missing} missing, first ones {:?}, \
+             last ones {:?}",
+            seen.len(),
+            &seen[..seen.len().min(5)],
+            &seen[seen.len().saturating_sub(5)..]
+        );
+    }
+}
+
+/// A worker (`sh -c`) that writes lines of `len` bytes of its rank's digit (rank < 10), `n` of
+/// them, each ended with " end$i".
+pub fn long_lines(len: usize, n: usize) -> String {
+    format!(
+        "i=0; while [ $i -lt {n} ]; do head -c {len} /dev/zero | tr '\\0' \"$RANK\"; echo \" end$i\"; \
+         i=$((i+1)); done"
+    )
+}
+
+/// Asserts that the console `text` holds rank `rank`'s `n` long lines whole: each line of it
+/// is one prefix ending in "rank{rank}]: " and then `len` digits and " end$i", in order.
+pub fn assert_long_lines(text: &str, rank: usize, len: usize, n: usize) {
+    let (alone, after_host) = (format!("[rank{rank}"), format!(":rank{rank}"));
+    let digit = char::from_digit(rank as u32, 10).unwrap();
+    let mine: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            l.split_once("]: ")
+                .is_some_and(|(p, _)| p.ends_with(&alone) || p.ends_with(&after_host))
+        })
+        .collect();
+    assert_eq!(mine.len(), n, "rank {rank}: {} lines, not {n}", mine.len());
+    for (i, l) in mine.iter().enumerate() {
+        let (_, body) = l.split_once("]: ").unwrap();
+        let end = format!(" end{i}");
+        assert!(
+            body.ends_with(&end),
+            "rank {rank} line {i} ends {:?}",
+            &body[body.len().saturating_sub(40)..]
+        );
+        let digits = &body[..body.len() - end.len()];
+        assert_eq!(digits.len(), len, "rank {rank} line {i}: cut or joined");
+        assert!(
+            digits.chars().all(|c| c == digit),
+            "rank {rank} line {i}: another rank's bytes in it"
+        );
+    }
 }

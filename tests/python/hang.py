@@ -45,8 +45,18 @@ if case == "restart":
     case = "fail" if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else "sleep"
     print(f"rank {os.environ['RANK']} pid {os.getpid()} case {case}", flush=True)
 
+# poll: rank 1 polls instead of entering the 6th all_reduce (a loop of short sleeps, so its
+# stack keeps moving while its peers wait).
+def poll_forever():
+    print(f"polling at {time.time():.3f}", flush=True)
+    while True:
+        time.sleep(1)
+
+
 t = torch.ones(1024, device=device)
 for step in range(steps):
+    if step == 5 and rank == 1 and case == "poll":
+        poll_forever()
     if step == 5 and rank == 1 and case in ("sleep", "timeout"):
         stuck_forever()
     if step == 3 and rank == 1 and case == "fail":

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::tree::{Inner, TreeLink};
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
-use crate::agent::child::{AgentProcess, Relay, Starter, ship};
+use crate::agent::child::{AgentProcess, Delivery, Relay, Starter, ship};
 use crate::agent::protocol::{Branch, Hello, Keys, TreeSsh};
 use crate::error::{Error, Result};
 use crate::hosts::Host;
@@ -183,6 +183,7 @@ pub async fn start(
         let relay = Relay {
             nudge: Some((nudges.clone(), nodes)),
             tag: None,
+            marks: true,
         };
         let (sem, np) = (sem.clone(), shared.clone());
         tasks.push(tokio::spawn(async move {
@@ -200,6 +201,7 @@ pub async fn start(
                 b.node,
                 &b.label,
                 Some(link.process.ended()),
+                link.process.marks(),
                 b.local,
                 below(b),
                 nudges.clone(),
@@ -257,6 +259,7 @@ impl TreeParts<'_> {
                 Inner::new(
                     b.node,
                     &b.label,
+                    None,
                     None,
                     b.local,
                     below(b),
@@ -351,6 +354,12 @@ impl NodeLink for ChildLink {
         let why = self.why_lost(bus, node, label, stopped)?;
         // An inner agent of the launch tree: its subtree goes with it, and says so.
         Some(super::tree::Inner::named_lost(self.me.as_deref(), why))
+    }
+
+    fn output(&mut self, node: usize, no: usize) -> Delivery {
+        self.process
+            .marks()
+            .map_or(Delivery::Arrived, |m| m.delivery(node, no))
     }
 
     fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {

@@ -90,12 +90,13 @@ pub fn session(
         store_stop: None,
         signals,
         step: 0,
-        temp_root: std::env::temp_dir().join("nrun-fake-session"),
         watch: None,
         active: Vec::new(),
         left_out: Vec::new(),
+        faulty: Vec::new(),
         grow: false,
         arrivals_checked: None,
+        c10d_id: None,
     };
     for n in &mut s.nodes {
         n.joined = Some(crate::session::JoinedNode {
@@ -127,7 +128,15 @@ impl NodeLink for FakeLink {
         self.requests = tx;
         let store = bus.store.clone().expect("a fake session has a store");
         let key = bus.keys.result(node, no);
-        let publish = move |r: StepResult| store.set(&key, &serde_json::to_vec(&r).unwrap());
+        // Sealed as an agent seals it (`agent::Node::seal`).
+        let secret = bus.secret.clone().unwrap_or_default();
+        let publish = move |r: StepResult| {
+            let json = serde_json::to_vec(&r).unwrap();
+            store.set(
+                &key,
+                &crate::store::auth::seal(secret.as_bytes(), &key, b"", &json),
+            )
+        };
         let script = self.script.clone();
         let probe = matches!(step, Step::Probe { .. });
         tokio::spawn(async move {
@@ -561,5 +570,89 @@ mod tests {
             "{}",
             t[1].1
         );
+    }
+
+    /// Elastic c10d, a node come back: after a node's loss the host publishes room for one
+    /// more; the node's nrun joins with the rendezvous' next index, which becomes a node of its
+    /// own (the steps so far given to it as idle ones, sealed for no join) and is taken in under
+    /// its host's name. A host left out on evidence against the node itself is published as
+    /// refused, with that evidence, and a node of it that joined all the same is left out.
+    #[tokio::test(start_paused = true)]
+    async fn a_node_that_comes_back_gets_a_new_index_unless_its_host_was_refused() {
+        use crate::agent::protocol::{Joined, c10d_next_key, c10d_refused_key, c10d_room_key};
+        use crate::session::roster::Stage;
+        let (a, _) = node("a", Script::UntilStopped);
+        let (b, _) = node("b", Script::UntilStopped);
+        let (mut s, _sig) = session(vec![a, b]);
+        s.plan.min_nodes = 1;
+        s.c10d_id = Some("j".into());
+        for (i, host) in ["ha", "hb"].iter().enumerate() {
+            let facts = crate::facts::Facts {
+                hostname: host.to_string(),
+                ..Default::default()
+            };
+            s.nodes[i].joined.as_mut().unwrap().facts = Some(facts);
+        }
+        let st = s.store().unwrap().clone();
+        let room = || String::from_utf8(st.get(&c10d_room_key("j")).unwrap()).unwrap();
+        s.step = 3;
+        s.reform(&[(1, "lost b: its agent closed its connection".into())])
+            .unwrap();
+        assert_eq!(s.active, [0]);
+        assert_eq!(room(), "1");
+        assert!(!st.contains(&c10d_refused_key("j", "hb")));
+        // The same host's nrun again: index 2 (the host is 0, b was 1).
+        st.set(&c10d_next_key("j"), b"2");
+        let joined = |host: &str| Joined {
+            local_addr: String::new(),
+            reached: String::new(),
+            probe_addr: String::new(),
+            nonce: "n2".into(),
+            facts: crate::facts::Facts {
+                hostname: host.into(),
+                ..Default::default()
+            },
+            own_sealed: None,
+        };
+        st.set(
+            &s.keys().joined(2),
+            &serde_json::to_vec(&joined("hb")).unwrap(),
+        );
+        s.arrivals_checked = None;
+        assert!(s.arrivals());
+        assert_eq!(s.admit_late(), [2]);
+        assert_eq!(s.nodes[2].label, "hb");
+        assert_eq!(s.plan.layout.len(), 3);
+        for no in 0..3 {
+            let raw = st.get(&s.keys().step(2, no)).unwrap();
+            let json = crate::store::auth::open(b"", &s.keys().step(2, no), b"", &raw).unwrap();
+            assert!(
+                !serde_json::from_slice::<Step>(&json)
+                    .unwrap()
+                    .runs_workers()
+            );
+        }
+        assert_eq!(s.spares(), [2]);
+
+        // A host left out on the node's own evidence is refused, and no room is left for it.
+        s.leave_out(2, Stage::Preflight, "its all-reduce results were wrong");
+        s.fill().unwrap();
+        let why = st.get(&c10d_refused_key("j", "hb")).unwrap();
+        assert!(
+            String::from_utf8_lossy(&why)
+                .contains("(preflight): its all-reduce results were wrong"),
+            "{}",
+            String::from_utf8_lossy(&why)
+        );
+        st.set(&c10d_next_key("j"), b"3");
+        st.set(
+            &s.keys().joined(3),
+            &serde_json::to_vec(&joined("hb")).unwrap(),
+        );
+        s.fill().unwrap();
+        assert!(s.is_left_out(3));
+        let l = s.left_out.iter().find(|l| l.node == 3).unwrap();
+        assert!(l.why.contains("left out earlier in this job"), "{}", l.why);
+        assert_eq!(s.active, [0]);
     }
 }

@@ -34,6 +34,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::{JoinedNode, Node};
+pub use crate::agent::child::Delivery;
 use crate::agent::protocol::{
     Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
 };
@@ -136,6 +137,14 @@ pub trait NodeLink: Send {
     /// A stop or a signal for its running step, for a node that does not read the store's
     /// broadcast keys (which the session writes for all the others).
     fn request(&mut self, _req: StopRequest) {}
+
+    /// Whether every line its workers wrote in step `no` has reached this host's console (a
+    /// node whose output a pipe of this host relays: its agent's marks behind that step came
+    /// through, see [`crate::agent::child::Marks`]); a node whose output needs no relay has it
+    /// there with its result.
+    fn output(&mut self, _node: usize, _no: usize) -> Delivery {
+        Delivery::Arrived
+    }
 
     /// Ends the link, once the session delivered End: waits for its agent to leave, then ends
     /// what is left of it. Every link's end runs at once. Nothing to end by default.
@@ -283,9 +292,28 @@ impl Bus {
         );
     }
 
+    /// What a node published under `key`, opened with the run's secret (its agent sealed it,
+    /// `agent::Node::seal`): None when missing, or not sealed with it (written by something
+    /// other than that node's agent).
+    fn opened(&self, key: &[u8]) -> Option<Vec<u8>> {
+        let raw = self.store.as_ref()?.get(key)?;
+        let secret = self.secret.as_deref().unwrap_or("");
+        let opened = crate::store::auth::open(secret.as_bytes(), key, b"", &raw);
+        if opened.is_none() {
+            // Asked again at every look: said at debug level, not once a poll.
+            tracing::debug!(
+                "{} in this host's store is not sealed with this run's secret: ignored (written \
+                 by something other than this run's agent, or the nruns differ: compare `nrun \
+                 --version` on both)",
+                String::from_utf8_lossy(key)
+            );
+        }
+        opened
+    }
+
     /// Node `node`'s result of step `no`, if it published one.
     pub fn result(&self, node: usize, no: usize) -> Option<StepResult> {
-        let raw = self.store.as_ref()?.get(&self.keys.result(node, no))?;
+        let raw = self.opened(&self.keys.result(node, no))?;
         serde_json::from_slice(&raw).ok()
     }
 
@@ -298,7 +326,7 @@ impl Bus {
 
     /// Node `node`'s view during step `no`, if it changed since `last`.
     pub fn view(&self, node: usize, no: usize, last: &mut Vec<u8>) -> Option<NodeWatch> {
-        let raw = self.store.as_ref()?.get(&self.keys.watch(node, no))?;
+        let raw = self.opened(&self.keys.watch(node, no))?;
         if raw == *last {
             return None;
         }
@@ -408,6 +436,9 @@ impl Instructions {
             tree_ssh: None,
             // srun's nodes are other machines; the ssh launcher decides per job (link::child).
             probed: true,
+            // Its output comes through a pipe of this host's: marked at each step's end. No
+            // random bytes (never seen): no marks, and results are taken as they come.
+            output_mark: crate::store::auth::random_hex().unwrap_or_default(),
         }
     }
 }
@@ -436,7 +467,7 @@ pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
         Launcher::Ssh => {
             child::start(np, owned, &how, s.nudges, s.store.clone(), Keys::new(s.run)).await?
         }
-        Launcher::Srun => srun::start(np, owned, &how).await?,
+        Launcher::Srun => srun::start(np, owned, &how, s.nudges).await?,
     };
     let peers = &np.hosts[owned.len()..];
     nodes.extend(peers.iter().map(|h| Node::new(&h.name, peer::link())));

@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 
 use super::peer::Heartbeat;
-use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink};
-use crate::agent::child::{AgentProcess, Relay, Starter};
+use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
+use crate::agent::child::{AgentProcess, Delivery, Marks, Relay, Starter};
 use crate::error::Result;
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
@@ -22,22 +22,36 @@ use crate::session::Node;
 pub struct StepLink {
     step: Arc<Mutex<AgentProcess>>,
     beat: Heartbeat,
+    /// The marks behind each node's output in the step's pipes.
+    marks: Option<Arc<Marks>>,
 }
 
 /// Starts the one srun step of every node's agent.
-pub async fn start(np: &NodesPlan, hosts: &[Host], how: &Instructions) -> Result<Vec<Node>> {
+pub async fn start(
+    np: &NodesPlan,
+    hosts: &[Host],
+    how: &Instructions,
+    nudges: &Arc<Nudges>,
+) -> Result<Vec<Node>> {
     let names: Vec<String> = hosts.iter().map(|h| h.name.clone()).collect();
     let hello = how.hello(0, "", how.addrs.clone(), names.clone());
     let starter = Starter::Program(remote::srun_step_command(&names, &np.remote_nrun));
-    let step = Arc::new(Mutex::new(
-        AgentProcess::spawn(&starter, "the srun step", &hello, Relay::default()).await?,
-    ));
+    // Every node's output comes through srun's pipes, each step's ended by its node's marks.
+    let relay = Relay {
+        nudge: Some((nudges.clone(), Vec::new())),
+        tag: None,
+        marks: true,
+    };
+    let process = AgentProcess::spawn(&starter, "the srun step", &hello, relay).await?;
+    let marks = process.marks();
+    let step = Arc::new(Mutex::new(process));
     Ok(names
         .iter()
         .map(|label| {
             let link = StepLink {
                 step: step.clone(),
                 beat: Heartbeat::default(),
+                marks: marks.clone(),
             };
             Node::new(label, Box::new(link))
         })
@@ -83,6 +97,12 @@ impl NodeLink for StepLink {
             ));
         }
         self.beat.lost(bus, node, label, stopped)
+    }
+
+    fn output(&mut self, node: usize, no: usize) -> Delivery {
+        self.marks
+            .as_ref()
+            .map_or(Delivery::Arrived, |m| m.delivery(node, no))
     }
 
     fn end<'a>(&'a mut self, e: Ending<'a>) -> BoxFuture<'a, ()> {

@@ -25,7 +25,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::peer::Heartbeat;
-use super::{BoxFuture, Bus, Ending, Joining, NodeLink, Nudges};
+use super::{BoxFuture, Bus, Delivery, Ending, Joining, NodeLink, Nudges};
+use crate::agent::child::Marks;
 use crate::agent::protocol::{Keys, RunResult, StepResult};
 use crate::store::Store;
 
@@ -47,6 +48,9 @@ pub struct Inner {
     ended: Option<watch::Receiver<Option<ExitStatus>>>,
     /// Of the launch host's own machine: started without ssh.
     local: bool,
+    /// The marks behind its subtree's output, read from its pipes (the one the launch host
+    /// started: every line of its subtree comes up through it).
+    marks: Option<Arc<Marks>>,
     /// Why it was lost, once its own link said so.
     why: Mutex<Option<String>>,
     /// The nodes started through it (its whole subtree), in node order.
@@ -59,6 +63,7 @@ impl Inner {
         node: usize,
         label: &str,
         ended: Option<watch::Receiver<Option<ExitStatus>>>,
+        marks: Option<Arc<Marks>>,
         local: bool,
         below: Vec<(usize, String)>,
         nudges: Arc<Nudges>,
@@ -68,6 +73,7 @@ impl Inner {
             label: label.to_string(),
             ended,
             local,
+            marks,
             why: Mutex::new(None),
             below,
             nudges,
@@ -261,6 +267,13 @@ impl TreeLink {
 }
 
 impl NodeLink for TreeLink {
+    fn output(&mut self, node: usize, no: usize) -> Delivery {
+        self.line
+            .first()
+            .and_then(|top| top.marks.as_ref())
+            .map_or(Delivery::Arrived, |m| m.delivery(node, no))
+    }
+
     fn is_local(&self) -> bool {
         self.local
     }
@@ -365,13 +378,21 @@ mod tests {
     fn a_lost_inner_agent_names_its_subtree() {
         let nudges = Arc::new(Nudges::default());
         let below = (3..40).map(|i| (i, format!("b{i}"))).collect();
-        let inner = Inner::new(2, "b2", None, false, below, nudges.clone());
+        let inner = Inner::new(2, "b2", None, None, false, below, nudges.clone());
         assert_eq!(
             inner.through(),
             "; the 37 nodes started through it in the launch tree go with it: b3, b4, b5, b6, \
              b7, b8, b9, b10, ... (29 more)"
         );
-        let one = Inner::new(2, "b2", None, false, vec![(3, "b3".into())], nudges.clone());
+        let one = Inner::new(
+            2,
+            "b2",
+            None,
+            None,
+            false,
+            vec![(3, "b3".into())],
+            nudges.clone(),
+        );
         assert_eq!(
             one.through(),
             "; the 1 node started through it in the launch tree goes with it: b3"

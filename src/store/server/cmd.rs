@@ -7,10 +7,46 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Conn, ENTRY_COST, ITEM_COST, MAX_REPLY, Parked, Refusal, State, is_control};
+use super::{Conn, ENTRY_COST, ITEM_COST, Parked, Refusal, State, is_control};
 use crate::store::protocol::{
-    CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED, put_bytes, put_i64,
+    CHECK_NOT_READY, CHECK_READY, MAX_VALUE_LEN, Request, STOP_WAITING, VALIDATE_MAGIC,
+    WAIT_CANCELED, put_bytes, put_i64,
 };
+
+/// The most bytes `req`'s reply can take, from the state as it is (under the same lock that
+/// then serves it): what the reply budget is asked for before the reply is built.
+pub(super) fn reply_size(s: &State, req: &Request, hide: bool) -> usize {
+    let value = |k: &[u8]| 8 + s.kv.get(k).map_or(0, Vec::len);
+    match req {
+        Request::Get { key } => value(key),
+        Request::MultiGet { keys } => keys
+            .iter()
+            .map(|k| value(k))
+            .fold(0usize, usize::saturating_add),
+        Request::CompareSet {
+            key,
+            expected,
+            desired,
+        } => 8 + expected.len().max(desired.len()).max(value(key)),
+        Request::QueuePop { key } => {
+            16 + s
+                .queues
+                .get(key)
+                .and_then(|q| q.front())
+                .map_or(0, Vec::len)
+        }
+        Request::ListKeys => {
+            8 + s
+                .kv
+                .keys()
+                .filter(|k| !(hide && is_control(k)))
+                .map(|k| 8 + k.len())
+                .fold(0usize, usize::saturating_add)
+        }
+        // A counter, a flag, a nonce: a few bytes.
+        _ => 8,
+    }
+}
 
 /// VALIDATE again, once validated: only the magic is checked.
 pub(super) fn validate(magic: u32) -> Result<(), Refusal> {
@@ -140,35 +176,37 @@ pub(super) fn delete_key(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
     put_i64(out, removed as i64);
 }
 
-pub(super) fn append(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
-    let fresh = !s.kv.contains_key(&key);
-    s.bytes += value.len() + if fresh { ENTRY_COST + key.len() } else { 0 };
+/// The limit on a value applies to what APPEND makes of it: a value grown past what SET may
+/// store is refused (the connection closed), and the value is left as it was.
+pub(super) fn append(s: &mut State, key: Vec<u8>, value: Vec<u8>) -> Result<(), Refusal> {
+    let had = s.kv.get(&key).map(Vec::len);
+    let grown = had.unwrap_or(0).saturating_add(value.len());
+    if grown as u64 > MAX_VALUE_LEN {
+        return Err(format!(
+            "APPEND would grow key {} to {grown} bytes, past the limit on a value              ({MAX_VALUE_LEN} bytes, as for SET)",
+            String::from_utf8_lossy(&key)
+        )
+        .into());
+    }
+    *s.held(&key) += value.len()
+        + if had.is_none() {
+            ENTRY_COST + key.len()
+        } else {
+            0
+        };
     s.kv.entry(key.clone())
         .or_default()
         .extend_from_slice(&value);
     s.written(&key, false);
+    Ok(())
 }
 
-/// Refuses a reply over [`MAX_REPLY`] before building it.
-pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) -> Result<(), Refusal> {
-    // Sized before it is built: one request naming a large value many times must cost that
-    // connection, not the store's memory.
-    let size: usize = keys
-        .iter()
-        .map(|k| 8 + s.kv.get(k).map_or(0, |v| v.len()))
-        .fold(0usize, usize::saturating_add);
-    if size > MAX_REPLY {
-        return Err(format!(
-            "MULTI_GET reply of {size} bytes is over the store's limit of {MAX_REPLY}"
-        )
-        .into());
-    }
-    out.try_reserve(size)
-        .map_err(|_| format!("cannot allocate a MULTI_GET reply of {size} bytes"))?;
+/// Its size was counted against the reply budget before (see [`reply_size`]): one request
+/// naming a large value many times costs that connection, not the store's memory.
+pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) {
     for k in keys {
         put_bytes(out, s.kv.get(k).map_or(&[][..], |v| v));
     }
-    Ok(())
 }
 
 pub(super) fn multi_set(s: &mut State, pairs: Vec<(Vec<u8>, Vec<u8>)>) {
@@ -193,10 +231,8 @@ pub(super) fn ping(nonce: u32, out: &mut Vec<u8>) {
 /// Wakes at most one blocked pop (a pushed item serves one reader). The item, and the key
 /// of a new queue, count toward --store-max-bytes like any stored byte.
 pub(super) fn queue_push(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
-    s.bytes += ITEM_COST + value.len();
-    if !s.queues.contains_key(&key) {
-        s.bytes += ENTRY_COST + key.len();
-    }
+    let fresh = !s.queues.contains_key(&key);
+    *s.held(&key) += ITEM_COST + value.len() + if fresh { ENTRY_COST + key.len() } else { 0 };
     s.queues.entry(key.clone()).or_default().push_back(value);
     s.written(&key, true);
 }
@@ -207,12 +243,14 @@ pub(super) fn queue_pop(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
     let len = q.as_ref().map_or(0, |q| q.len());
     put_i64(out, len as i64);
     if let Some(item) = q.and_then(|q| q.pop_front()) {
-        s.bytes = s.bytes.saturating_sub(ITEM_COST + item.len());
+        let held = s.held(key);
+        *held = held.saturating_sub(ITEM_COST + item.len());
         put_bytes(out, &item);
     }
     // An emptied queue is forgotten, and its key with it.
     if len == 1 && s.queues.remove(key).is_some() {
-        s.bytes = s.bytes.saturating_sub(ENTRY_COST + key.len());
+        let held = s.held(key);
+        *held = held.saturating_sub(ENTRY_COST + key.len());
     }
 }
 
@@ -220,22 +258,14 @@ pub(super) fn queue_len(s: &State, key: &[u8], out: &mut Vec<u8>) {
     put_i64(out, s.queues.get(key).map_or(0, |q| q.len()) as i64);
 }
 
-/// With `hide`, nrun's own keys are not listed. Like MULTI_GET, a reply over [`MAX_REPLY`]
-/// (a store of millions of keys) closes the asking connection instead of being built.
-pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) -> Result<(), Refusal> {
+/// With `hide`, nrun's own keys are not listed. Like MULTI_GET, its size was counted against
+/// the reply budget before (a store of millions of keys: refused, not built).
+pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) {
     let keys: Vec<&Vec<u8>> = s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
-    let size: usize = keys.iter().map(|k| 8 + k.len()).sum();
-    if size > MAX_REPLY {
-        return Err(format!(
-            "LIST_KEYS reply of {size} bytes is over the store's limit of {MAX_REPLY}"
-        )
-        .into());
-    }
     put_i64(out, keys.len() as i64);
     for k in keys {
         put_bytes(out, k);
     }
-    Ok(())
 }
 
 /// Counts this arrival under `key`; the last of `world_size` releases every connection parked

@@ -1,9 +1,17 @@
 //! What one client may hold of the store's process: memory in replies and unfinished requests,
 //! time, and file descriptors.
 //!
-//! - Replies: a connection with more than [`Limits::out_budget`] of replies queued stops being
-//!   read until its socket takes them (backpressure, so pipelined GETs of a large value cost a
-//!   bounded buffer), and one whose socket takes nothing for [`Limits::stall`] is closed.
+//! - Replies: one budget, counted while a reply is built, not after. A reply is sized under the
+//!   state's lock before a byte of it is copied, and built only if it fits: the connection's own
+//!   [`Limits::out_budget`] (past it, what is queued is written first: pipelined GETs of a large
+//!   value cost a bounded buffer), its address's [`Limits::peer_reply_budget`] (all connections
+//!   of one client that has not proven nrun's secret, together) and the store's
+//!   [`Limits::reply_budget`] (every connection together). A reply that does not fit waits,
+//!   unbuilt, until others' replies are written (closed after [`Limits::stall`]); one larger than
+//!   a whole budget is refused (the connection closed). Replies of up to [`SMALL_REPLY`] always
+//!   fit, so heartbeats and ordinary requests are never held up by someone's large ones, and a
+//!   connection that proved nrun's secret (an agent) is counted but never held up. A connection
+//!   whose socket takes nothing for [`Limits::stall`] is closed.
 //! - Unfinished requests: a request begun must be whole within [`Limits::frame_timeout`], and all
 //!   connections' read buffers together stay under [`Limits::partial_budget`] (the connection
 //!   whose growth would pass it is closed).
@@ -34,6 +42,11 @@ pub(super) const EVICT: u8 = 0xff;
 pub struct Limits {
     /// Replies queued but unwritten past which a connection is no longer read.
     pub out_budget: usize,
+    /// Bytes the replies of all connections may hold together (built and unwritten).
+    pub reply_budget: usize,
+    /// Bytes the replies of one address's connections that have not proven nrun's secret may
+    /// hold together.
+    pub peer_reply_budget: usize,
     /// A connection whose socket accepts no reply bytes for this long is closed.
     pub stall: Duration,
     /// A request begun must be whole within this (from its first byte).
@@ -54,6 +67,8 @@ impl Default for Limits {
     fn default() -> Limits {
         Limits {
             out_budget: 64 << 20,
+            reply_budget: 256 << 20,
+            peer_reply_budget: 64 << 20,
             stall: Duration::from_secs(30),
             frame_timeout: Duration::from_secs(30),
             partial_budget: 1 << 30,
@@ -77,6 +92,9 @@ impl Limits {
 /// Read buffers up to this size never count against the partial budget's refusal (every
 /// connection may always read ordinary requests); they are still counted.
 pub(super) const SMALL_BUFFER: usize = 1 << 20;
+
+/// Replies (all of one connection's queued ones) up to this size fit whatever the budgets hold.
+pub(super) const SMALL_REPLY: usize = 64 << 10;
 
 /// The most connections this process can hold: its open-file limit less room for nrun's own
 /// files (workers' pipes and logs, agents' links, the listener itself).
@@ -109,6 +127,8 @@ pub(super) struct Live {
     pub(super) wake: OnceLock<mpsc::UnboundedSender<u8>>,
     /// Chosen to make room (read by a task that had not yet set `wake`).
     pub(super) evicted: AtomicBool,
+    /// Reply bytes held by all connections from this address (shared by them).
+    pub(super) peer_replies: Arc<AtomicUsize>,
     origin: Instant,
 }
 
@@ -133,6 +153,9 @@ pub(super) struct Conns {
     by_peer: HashMap<IpAddr, HashMap<u64, Arc<Live>>>,
     /// How many of each address's connections proved nrun's secret.
     authed_by_peer: HashMap<IpAddr, usize>,
+    /// Reply bytes each address's connections hold (see [`Live::peer_replies`]); kept while a
+    /// connection of the address, even one closed to make room, still holds the count.
+    replies_by_peer: HashMap<IpAddr, Arc<AtomicUsize>>,
     total: usize,
     origin: Instant,
 }
@@ -142,6 +165,7 @@ impl Default for Conns {
         Conns {
             by_peer: HashMap::new(),
             authed_by_peer: HashMap::new(),
+            replies_by_peer: HashMap::new(),
             total: 0,
             origin: Instant::now(),
         }
@@ -180,6 +204,7 @@ impl Conns {
             parked: AtomicBool::new(false),
             wake: OnceLock::new(),
             evicted: AtomicBool::new(false),
+            peer_replies: self.replies_by_peer.entry(ip).or_default().clone(),
             origin: self.origin,
         });
         self.by_peer.entry(ip).or_default().insert(id, live.clone());
@@ -209,6 +234,14 @@ impl Conns {
             if m.is_empty() {
                 self.by_peer.remove(&ip);
             }
+        }
+        // Only the registry's own reference left: no connection of the address counts in it.
+        if self
+            .replies_by_peer
+            .get(&ip)
+            .is_some_and(|r| Arc::strong_count(r) == 1)
+        {
+            self.replies_by_peer.remove(&ip);
         }
     }
 
@@ -283,6 +316,97 @@ impl Drop for Held<'_> {
     }
 }
 
+/// What [`Replies::room`] decided about a reply.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Room {
+    /// Counted: build it.
+    Fits,
+    /// Not now: write what is queued, or wait for others', then ask again.
+    Later,
+    /// Larger than a whole budget: it never will.
+    Never(String),
+}
+
+/// The reply bytes one connection holds, counted in its address's and the store's totals
+/// (see the module's doc); given back when it ends.
+pub(super) struct Replies<'a> {
+    total: &'a AtomicUsize,
+    peer: Arc<AtomicUsize>,
+    n: usize,
+}
+
+impl<'a> Replies<'a> {
+    pub(super) fn new(total: &'a AtomicUsize, live: &Live) -> Replies<'a> {
+        Replies {
+            total,
+            peer: live.peer_replies.clone(),
+            n: 0,
+        }
+    }
+
+    /// Counts room for `size` more bytes after the `queued` ones, if every budget has it.
+    /// `stranger`: the connection has not proven nrun's secret. One that has (nrun's own agent)
+    /// is counted but never held up by the shared budgets, which strangers may have filled: no
+    /// client makes the control plane wait.
+    pub(super) fn room(&mut self, queued: usize, size: usize, stranger: bool, l: &Limits) -> Room {
+        let want = queued.saturating_add(size);
+        if want <= self.n || want <= SMALL_REPLY || (!stranger && queued == 0) {
+            self.set(want.max(self.n));
+            return Room::Fits;
+        }
+        if queued > 0 && want > l.out_budget {
+            return Room::Later;
+        }
+        if !stranger {
+            self.set(want);
+            return Room::Fits;
+        }
+        let (budget, which) = if l.peer_reply_budget < l.reply_budget {
+            (l.peer_reply_budget, "one client's replies")
+        } else {
+            (l.reply_budget, "all replies")
+        };
+        if size > budget {
+            return Room::Never(format!(
+                "a reply of {size} bytes is over the store's budget for {which} ({budget} bytes)"
+            ));
+        }
+        let more = want - self.n;
+        // Counted first, then checked: two connections racing for the last room cannot both
+        // pass; the one that does not fit takes its count back.
+        let total = self.total.fetch_add(more, Ordering::Relaxed) + more;
+        let peer = self.peer.fetch_add(more, Ordering::Relaxed) + more;
+        if total > l.reply_budget || peer > l.peer_reply_budget {
+            self.total.fetch_sub(more, Ordering::Relaxed);
+            self.peer.fetch_sub(more, Ordering::Relaxed);
+            return Room::Later;
+        }
+        self.n = want;
+        Room::Fits
+    }
+
+    /// Counts `n` bytes (the connection's reply buffer as it now is).
+    pub(super) fn set(&mut self, n: usize) {
+        if n == self.n {
+            return;
+        }
+        if n > self.n {
+            self.total.fetch_add(n - self.n, Ordering::Relaxed);
+            self.peer.fetch_add(n - self.n, Ordering::Relaxed);
+        } else {
+            self.total.fetch_sub(self.n - n, Ordering::Relaxed);
+            self.peer.fetch_sub(self.n - n, Ordering::Relaxed);
+        }
+        self.n = n;
+    }
+}
+
+impl Drop for Replies<'_> {
+    fn drop(&mut self) {
+        self.set(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,5 +449,50 @@ mod tests {
             c.remove(id, ip);
         }
         assert!(!c.authed_by_peer.contains_key(&ip));
+    }
+
+    /// One reply budget: strangers of one address share theirs, everyone shares the store's, a
+    /// reply past a whole budget never fits, small replies and agents' always do, and what a
+    /// connection gives back is room for the others.
+    #[test]
+    fn replies_share_one_budget() {
+        let l = Limits {
+            out_budget: 64,
+            reply_budget: 300 << 10,
+            peer_reply_budget: 200 << 10,
+            ..Limits::default()
+        };
+        let total = AtomicUsize::new(0);
+        let mut c = Conns::default();
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let lives: Vec<_> = [a, a, b, b]
+            .iter()
+            .enumerate()
+            .map(|(i, ip)| c.admit(i as u64, *ip, 10, 100).unwrap())
+            .collect();
+        let mut r: Vec<_> = lives.iter().map(|l| Replies::new(&total, l)).collect();
+        let k = 1 << 10;
+        assert_eq!(r[0].room(0, 150 * k, true, &l), Room::Fits);
+        // Its address has 50 KiB left: the second connection of `a` waits.
+        assert_eq!(r[1].room(0, 100 * k, true, &l), Room::Later);
+        // Another address has its own share, within the store's 300 KiB.
+        assert_eq!(r[2].room(0, 100 * k, true, &l), Room::Fits);
+        // Within its address's share, past the store's.
+        assert_eq!(r[3].room(0, 70 * k, true, &l), Room::Later);
+        // Small replies always fit; past a whole budget, never.
+        assert_eq!(r[3].room(0, 1000, true, &l), Room::Fits);
+        assert!(matches!(r[3].room(0, 250 * k, true, &l), Room::Never(_)));
+        // An agent is counted, never held up.
+        let agent = c.admit(9, b, 10, 100).unwrap();
+        let mut ra = Replies::new(&total, &agent);
+        assert_eq!(ra.room(0, 400 * k, false, &l), Room::Fits);
+        drop(ra);
+        // Written: the room is the others'.
+        r[0].set(0);
+        assert_eq!(r[1].room(0, 100 * k, true, &l), Room::Fits);
+        drop(r);
+        assert_eq!(total.load(Ordering::Relaxed), 0);
+        assert_eq!(lives[0].peer_replies.load(Ordering::Relaxed), 0);
     }
 }

@@ -1,0 +1,454 @@
+//! nrun on a host other users share (issue 35): its scratch and log directories are private
+//! (random name, 0700, files 0600), it reads no file another user could have planted (fake
+//! scratch directories, flight-recorder dumps, `/tmp/nccl_trace_rank_N`), refuses a planted
+//! `.nrun_env` or `--log-dir` with a message naming it, reads only bounded regular files, and
+//! takes only a plain `--rdzv-id`.
+//!
+//! The second user: where the tests run as root, `nrun-other` (made with `useradd` if absent)
+//! plants files with `setpriv`; elsewhere those tests print SKIPPED.
+
+mod common;
+
+use common::*;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+const OTHER: &str = "nrun-other";
+
+/// The second user's uid, made if absent; None (with a SKIPPED line) where that cannot be.
+fn other_user() -> Option<u32> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: not root: no second local user to plant files");
+        return None;
+    }
+    let uid = || {
+        let o = Command::new("id").args(["-u", OTHER]).output().ok()?;
+        String::from_utf8_lossy(&o.stdout).trim().parse().ok()
+    };
+    if uid().is_none() {
+        let made = Command::new("useradd")
+            .args([
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+            ])
+            .arg(OTHER)
+            .status();
+        // Another test binary may have made it meanwhile.
+        if !made.is_ok_and(|s| s.success()) && uid().is_none() {
+            eprintln!("SKIPPED: useradd {OTHER} failed");
+            return None;
+        }
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: no setpriv to run a step as {OTHER}");
+        return None;
+    }
+    uid()
+}
+
+/// Runs the shell script `script` as the second user; panics if it fails.
+fn as_other(script: &str) {
+    let out = Command::new("setpriv")
+        .args(["--reuid", OTHER, "--regid", OTHER, "--clear-groups", "--"])
+        .args(["sh", "-ec", script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "as {OTHER}: {script}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A pickle that, once loaded, runs `touch <marker>`: what a planted dump would do.
+fn evil_pickle(marker: &Path) -> Vec<u8> {
+    format!("cos\nsystem\n(S'touch {}'\ntR.", marker.display()).into_bytes()
+}
+
+fn mode(p: &Path) -> u32 {
+    std::fs::symlink_metadata(p).unwrap().mode() & 0o7777
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Every directory under `root` (itself included) 0700, every file 0600, all this user's.
+fn assert_private_tree(root: &Path) -> usize {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let mut n = 0;
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        assert_eq!(mode(&d), 0o700, "{}", d.display());
+        assert_eq!(std::fs::metadata(&d).unwrap().uid(), me, "{}", d.display());
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                todo.push(e.path());
+            } else {
+                assert_eq!(m.mode() & 0o7777, 0o600, "{}", e.path().display());
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+#[test]
+fn scratch_and_log_directories_are_private() {
+    // The workers' error files, without --log-dir: in the scratch directory of the nrun that
+    // runs them, `$TMPDIR/nrun-<pid>-<10 hex>`, 0700 down to the attempt's directory.
+    let s = Scene::new();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            r#"d=$(dirname "$TORCHELASTIC_ERROR_FILE"); echo "$d $(stat -c %a "$d") $(stat -c %a "$d/../..")" >> "$MARK""#,
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let marks = s.marks();
+    assert_eq!(marks.len(), 2, "{marks:?}");
+    for m in &marks {
+        let f: Vec<&str> = m.split(' ').collect();
+        assert_eq!(&f[1..], ["700", "700"], "{m}");
+        let dir = Path::new(f[0]);
+        assert!(dir.ends_with("job/attempt_0"), "{m}");
+        let root = dir.parent().unwrap().parent().unwrap();
+        let name = root.file_name().unwrap().to_str().unwrap();
+        let (pid, random) = name
+            .strip_prefix("nrun-")
+            .and_then(|n| n.split_once('-'))
+            .unwrap_or_else(|| panic!("{name}"));
+        assert!(pid.parse::<u32>().is_ok(), "{name}");
+        assert!(
+            random.len() == 10 && random.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{name}"
+        );
+        assert_eq!(root.parent(), Some(std::env::temp_dir().as_path()), "{m}");
+        // Gone with the job.
+        assert!(!root.exists(), "{} left behind", root.display());
+    }
+
+    // --log-dir: 0700 directories, 0600 files (torchrun's run directory is private too).
+    let logs = s.dir.path().join("logs");
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "--redirects",
+            "3",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo out; echo err >&2",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(assert_private_tree(&logs), 4, "two logs per worker");
+
+    // The default log directory (no --log-dir, --redirects): `$TMPDIR/nrun-logs-<id>_<random>`.
+    let id = format!("wdlogs{}", std::process::id());
+    let out = s.run(
+        &[
+            "--nproc",
+            "1",
+            "--rdzv-id",
+            &id,
+            "--redirects",
+            "3",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let prefix = format!("nrun-logs-{id}_");
+    let made: Vec<PathBuf> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(made.len(), 1, "{made:?}");
+    let n = assert_private_tree(&made[0]);
+    std::fs::remove_dir_all(&made[0]).unwrap();
+    assert_eq!(n, 2);
+}
+
+#[test]
+fn nrun_env_must_be_a_small_regular_file() {
+    let s = Scene::new();
+    let home = s.dir.path().join("home");
+    std::fs::create_dir(&home).unwrap();
+    let env_file = home.join(".nrun_env");
+    let run = |cwd: &Path| {
+        let mut c = s.cmd(&["--nproc", "1", "--no-python", "true"]);
+        c.env("HOME", &home).current_dir(cwd);
+        let (out, took) = wait_with_timeout(c.spawn().unwrap(), Duration::from_secs(60));
+        assert!(took < Duration::from_secs(60), "nrun hung");
+        out
+    };
+    // A symlink to /dev/zero (endless) and a FIFO (no writer: an open that never returns).
+    std::os::unix::fs::symlink("/dev/zero", &env_file).unwrap();
+    let out = run(s.dir.path());
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&env_file.display().to_string()) && err.contains("is a device"),
+        "{err}"
+    );
+    std::fs::remove_file(&env_file).unwrap();
+    let c = std::ffi::CString::new(env_file.to_str().unwrap()).unwrap();
+    // SAFETY: a plain syscall on a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let out = run(s.dir.path());
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&env_file.display().to_string()) && err.contains("is a FIFO"),
+        "{err}"
+    );
+    std::fs::remove_file(&env_file).unwrap();
+    // Larger than 1 MiB, in the cwd this time.
+    let cwd = s.dir.path().join("cwd");
+    std::fs::create_dir(&cwd).unwrap();
+    std::fs::write(cwd.join(".nrun_env"), vec![b'#'; (1 << 20) + 1]).unwrap();
+    let out = run(&cwd);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("cwd/.nrun_env") && err.contains("larger than 1 MiB"),
+        "{err}"
+    );
+    // Others may write it: refused as well (it sets the workers' environment).
+    std::fs::write(cwd.join(".nrun_env"), "A=1\n").unwrap();
+    std::fs::set_permissions(
+        cwd.join(".nrun_env"),
+        std::fs::Permissions::from_mode(0o666),
+    )
+    .unwrap();
+    let out = run(&cwd);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("0666: other users may write it"), "{err}");
+    std::fs::set_permissions(
+        cwd.join(".nrun_env"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    assert_eq!(run(&cwd).status.code(), Some(0));
+}
+
+#[test]
+fn bad_rdzv_ids_are_usage_errors() {
+    let s = Scene::new();
+    let long = "a".repeat(129);
+    for id in [
+        "a b",
+        "a\nb",
+        "a\tb",
+        "x\u{1b}[31m",
+        "",
+        "..",
+        "a/b",
+        "é",
+        long.as_str(),
+    ] {
+        let out = s.run(&["--rdzv-id", id, "--no-python", "true"], &[]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{id:?}: {err}");
+        assert!(
+            err.contains("--rdzv-id") && err.contains("1 to 128"),
+            "{id:?}: {err}"
+        );
+    }
+    let ok = "A-z_0.9".to_string() + &"a".repeat(121);
+    let out = s.run(&["--rdzv-id", &ok, "--no-python", "true"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
+/// A second user plants what the old nrun used: `$TMPDIR/nrun-<pid>` directories for the next
+/// pids with fake dumps, scratch-like names (one a symlink to a directory of ours), and a
+/// `/tmp/nccl_trace_rank_0` pickle dated in the future. A Python worker keeps a dump pipe open
+/// (as torch's recorder does) and stalls, so the watch asks it for a dump, twice (the second
+/// ask comes once the first one's wait is over): nrun runs no planted pickle, removes nothing
+/// of the other user's, follows no planted symlink.
+#[test]
+fn a_second_users_planted_files_are_neither_read_nor_run() {
+    let Some(other) = other_user() else { return };
+    // Any Python (no torch needed): the watch asks Python workers only.
+    let py = std::env::var_os("NRUN_TEST_PYTHON").unwrap_or_else(|| "python3".into());
+    if !Command::new(&py)
+        .args(["-c", "pass"])
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        eprintln!("SKIPPED: no Python (NRUN_TEST_PYTHON or python3)");
+        return;
+    }
+    let s = Scene::new();
+    // Where the pickle would leave its mark, if it ran (as root: it can write here).
+    let pwned = s.dir.path().join("pwned");
+    let tmp = std::env::temp_dir();
+    let plant = tmp.join(format!("wd-plant-{}", std::process::id()));
+    std::fs::create_dir(&plant).unwrap();
+    std::fs::set_permissions(&plant, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let pickle = plant.join("evil.pkl");
+    std::fs::write(&pickle, evil_pickle(&pwned)).unwrap();
+    std::fs::set_permissions(&pickle, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // A directory of ours a planted symlink points to: the sweep must not empty it.
+    let victim = s.dir.path().join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(victim.join("keep"), "x").unwrap();
+    let dead = (4_000_000u32..).find(|p| !Path::new(&format!("/proc/{p}")).exists());
+    let dead = dead.unwrap();
+    let last: u32 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let trace = Path::new("/tmp/nccl_trace_rank_0");
+    let _ = std::fs::remove_file(trace);
+    // Whatever happens, what was planted goes (the other user's only).
+    let _clean = Planted {
+        paths: [
+            trace.to_path_buf(),
+            plant.clone(),
+            tmp.join(format!("nrun-{dead}-0123456789")),
+            tmp.join(format!("nrun-{dead}-abcdefabcd")),
+        ]
+        .into_iter()
+        .chain((last + 1..=last + 400).map(|p| tmp.join(format!("nrun-{p}"))))
+        .collect(),
+        uid: other,
+    };
+    let tmp_s = tmp.display();
+    let pickle_s = pickle.display();
+    as_other(&format!(
+        "for p in $(seq {from} {to}); do d={tmp_s}/nrun-$p/job/attempt_0; \
+         mkdir -p $d 2>/dev/null || continue; cp {pickle_s} $d/fr-dump-0; \
+         chmod -R a+rwX {tmp_s}/nrun-$p; done
+         mkdir -m 0700 {tmp_s}/nrun-{dead}-0123456789
+         cp {pickle_s} {tmp_s}/nrun-{dead}-0123456789/fr-dump-0
+         ln -s {victim} {tmp_s}/nrun-{dead}-abcdefabcd
+         cp {pickle_s} {trace}; touch -d '+1 day' {trace}",
+        from = last + 1,
+        to = last + 400,
+        victim = victim.display(),
+        trace = trace.display(),
+    ));
+    let worker = s.dir.path().join("ask.py");
+    std::fs::write(
+        &worker,
+        r#"
+import os
+pipe = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] + os.environ["RANK"] + ".pipe"
+os.mkfifo(pipe)
+fd = os.open(pipe, os.O_RDWR)  # a reader, as torch's recorder keeps one
+for _ in range(2):
+    os.read(fd, 1)  # blocks (a stall) until nrun asks for a dump
+    with open(os.environ["MARK"], "a") as m:
+        m.write("asked\n")
+"#,
+    )
+    .unwrap();
+    let mut c = s.cmd(&["--nproc", "1", "--watch", "on"]);
+    c.arg("--python").arg(&py).arg(&worker);
+    let (out, took) = wait_with_timeout(c.spawn().unwrap(), Duration::from_secs(120));
+    let err = text(&out.stderr);
+    assert!(took < Duration::from_secs(120), "nrun hung: {err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(s.marks(), ["asked", "asked"], "{err}");
+    assert!(!pwned.exists(), "a planted pickle ran: {err}");
+    // The other user's files are theirs still; the symlink was not followed.
+    let planted = tmp.join(format!("nrun-{dead}-0123456789"));
+    assert_eq!(std::fs::metadata(&planted).unwrap().uid(), other);
+    assert!(planted.join("fr-dump-0").exists());
+    assert!(victim.join("keep").exists(), "the sweep followed a symlink");
+    assert!(trace.exists());
+}
+
+/// Paths the second user planted, removed when the test ends (those still theirs, and the
+/// planting directory).
+struct Planted {
+    paths: Vec<PathBuf>,
+    uid: u32,
+}
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        for p in &self.paths {
+            let Ok(m) = std::fs::symlink_metadata(p) else {
+                continue;
+            };
+            if m.uid() == self.uid
+                || p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("wd-plant-"))
+            {
+                let _ = match m.is_dir() {
+                    true => std::fs::remove_dir_all(p),
+                    false => std::fs::remove_file(p),
+                };
+            }
+        }
+    }
+}
+
+/// A planted `.nrun_env` (in a shared working directory) and a `--log-dir` of another user's:
+/// refused, exit 2, the file or directory named.
+#[test]
+fn a_second_users_nrun_env_and_log_dir_are_refused() {
+    let Some(_) = other_user() else { return };
+    let s = Scene::new();
+    let shared = std::env::temp_dir().join(format!("wd-shared-{}", std::process::id()));
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let sh = shared.display();
+    as_other(&format!(
+        "echo LD_PRELOAD=/nonexistent/evil.so > {sh}/.nrun_env; chmod 644 {sh}/.nrun_env
+         mkdir -m 0777 {sh}/logs"
+    ));
+    let mut c = s.cmd(&["--nproc", "1", "--no-python", "true"]);
+    c.current_dir(&shared);
+    let out = c.output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("{sh}/.nrun_env")) && err.contains("planted by another user"),
+        "{err}"
+    );
+    let logs = shared.join("logs");
+    let out = s.run(
+        &[
+            "--nproc",
+            "1",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("refusing directory {}", logs.display())),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&shared);
+}

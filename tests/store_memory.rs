@@ -1,0 +1,515 @@
+//! What a client without the secret can take of nrun's memory and of its store (issue 35,
+//! items 3, 4 and 8), tried as an attacker would: APPEND growing a value past SET's limit, large
+//! GETs and MULTI_GETs on many connections (nrun in a memory cgroup, so that a regression fails
+//! the test rather than the machine), and a store filled by a stranger during a real multi-node
+//! run (the job goes on, nobody is left out).
+//!
+//! The torch halves need a python with torch (NRUN_TEST_PYTHON, see tests/common); without one
+//! they check with nrun's own client and say so.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nrun::store::client::Client;
+use nrun::store::protocol::{MAX_VALUE_LEN, Request};
+use nrun::store::{Store, server};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+const VALIDATE: [u8; 5] = [0x00, 0xce, 0xf7, 0x85, 0x3c];
+const VALUE: usize = MAX_VALUE_LEN as usize;
+
+fn enc(r: Request) -> Vec<u8> {
+    let mut v = Vec::new();
+    r.encode(&mut v);
+    v
+}
+
+async fn start(store: Arc<Store>) -> SocketAddr {
+    let l = server::bind(0).unwrap();
+    let port = l.local_addr().unwrap().port();
+    let l = tokio::net::TcpListener::from_std(l).unwrap();
+    tokio::spawn(async move { server::serve(l, store, std::future::pending()).await });
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// A validated raw connection from `from` (any 127.0.0.x: another "host") to `addr`.
+async fn raw_from(from: [u8; 4], addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let sock = TcpSocket::new_v4()?;
+    sock.bind(SocketAddr::from((from, 0)))?;
+    let mut s = sock.connect(addr).await?;
+    s.write_all(&VALIDATE).await?;
+    Ok(s)
+}
+
+/// Whether the server closes `s` (reading and dropping whatever it sends first).
+async fn closed(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(60), s.read(&mut b)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Runs `code` in the test python with torch against the store at `port`; its stdout and
+/// stderr. None without torch (said once by the caller).
+fn torch(port: u16, code: &str) -> Option<(String, String)> {
+    let py = torch_python()?;
+    let script = format!(
+        "import datetime, torch.distributed as d\n\
+         s = d.TCPStore('127.0.0.1', {port}, is_master=False, timeout=datetime.timedelta(seconds=30))\n\
+         {code}"
+    );
+    let out = std::process::Command::new(py)
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    Some((text(&out.stdout), text(&out.stderr)))
+}
+
+/// A torch client's set/get against `port` (nrun's client without torch).
+fn torch_set_get(port: u16, key: &str) {
+    let code =
+        format!("s.set('{key}', 'ok'); assert s.get('{key}') == b'ok'; print('torch client ok')");
+    match torch(port, &code) {
+        Some((out, err)) => assert!(out.contains("torch client ok"), "{out}\n{err}"),
+        None => {
+            eprintln!("no python with torch (set NRUN_TEST_PYTHON): checking with nrun's client");
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let addr = SocketAddr::from(([127, 0, 0, 1], port));
+                let mut c = Client::connect(addr, Duration::from_secs(10))
+                    .await
+                    .unwrap();
+                c.set(key.as_bytes(), b"ok").await.unwrap();
+                assert_eq!(c.get(key.as_bytes()).await.unwrap(), b"ok");
+            });
+        }
+    }
+}
+
+/// APPEND may not grow a value past what SET may store: the APPEND that would is refused (its
+/// connection closed, as any request the store cannot serve), the value is left as it was, and
+/// the store serves on. A torch client's append past the limit raises in the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_past_the_value_limit_is_refused() {
+    let store = Store::new();
+    let addr = start(store.clone()).await;
+    let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
+    c.set(b"/v", &vec![1u8; VALUE - 10]).await.unwrap();
+    // Up to the limit exactly: taken.
+    c.append(b"/v", &[2u8; 10]).await.unwrap();
+    assert_eq!(c.get(b"/v").await.unwrap().len(), VALUE);
+    // One byte more: refused.
+    let mut s = raw_from([127, 0, 0, 2], addr).await.unwrap();
+    s.write_all(&enc(Request::Append {
+        key: b"/v".to_vec(),
+        value: vec![3u8],
+    }))
+    .await
+    .unwrap();
+    assert!(closed(&mut s).await, "an APPEND past the limit was taken");
+    // Many appends pipelined (the attack: 100 x 1 MiB): the value never passes the limit.
+    let mut s = raw_from([127, 0, 0, 2], addr).await.unwrap();
+    let mut req = enc(Request::Set {
+        key: b"/w".to_vec(),
+        value: vec![],
+    });
+    for _ in 0..100 {
+        req.extend(enc(Request::Append {
+            key: b"/w".to_vec(),
+            value: vec![4u8; 1 << 20],
+        }));
+    }
+    let _ = s.write_all(&req).await;
+    assert!(closed(&mut s).await, "100 MiB of appends were all taken");
+    let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(c.get(b"/v").await.unwrap().len(), VALUE, "/v changed");
+    assert_eq!(
+        c.get(b"/w").await.unwrap().len(),
+        VALUE,
+        "/w not grown to the limit"
+    );
+    assert!(store.stored_bytes() < 3 * VALUE);
+    // A torch client sees an error, not a hang (APPEND has no reply: the next request on its
+    // connection raises); the store serves it again afterwards.
+    let port = addr.port();
+    let probe = "s.set('t', b'x' * (8 << 20))\n\
+                 try:\n    s.append('t', b'y')\n    s.get('t')\n    print('appended')\n\
+                 except Exception as e:\n    print('refused:', type(e).__name__)";
+    let seen = tokio::task::spawn_blocking(move || torch(port, probe))
+        .await
+        .unwrap();
+    match seen {
+        Some((out, err)) => assert!(out.contains("refused:"), "{out}\n{err}"),
+        None => eprintln!("no python with torch (set NRUN_TEST_PYTHON): torch half not run"),
+    }
+    assert_eq!(c.get(b"/v").await.unwrap().len(), VALUE);
+    tokio::task::spawn_blocking(move || torch_set_get(port, "after-append"))
+        .await
+        .unwrap();
+}
+
+/// A memory cgroup nrun runs in (cgroup v2's memory.max, or v1's memory.limit_in_bytes where
+/// only v1 has the memory controller), removed on drop. None, with a visible SKIPPED line,
+/// where neither can be made.
+struct MemCgroup {
+    dir: PathBuf,
+    v2: bool,
+}
+
+impl MemCgroup {
+    fn new(test: &str, bytes: u64) -> Option<MemCgroup> {
+        let name = format!("nrun-test-{}-{}", std::process::id(), test);
+        let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+            .is_ok_and(|c| c.split_whitespace().any(|w| w == "memory"));
+        let (dir, v2, limit) = if v2 {
+            (
+                PathBuf::from("/sys/fs/cgroup").join(&name),
+                true,
+                "memory.max",
+            )
+        } else {
+            let v1 = PathBuf::from("/sys/fs/cgroup/memory");
+            (v1.join(&name), false, "memory.limit_in_bytes")
+        };
+        let made = std::fs::create_dir(&dir)
+            .and_then(|_| std::fs::write(dir.join(limit), bytes.to_string()));
+        if let Err(e) = made {
+            let _ = std::fs::remove_dir(&dir);
+            eprintln!(
+                "SKIPPED {test}: cannot make a memory cgroup at {} ({e}); cgroups not writable",
+                dir.display()
+            );
+            return None;
+        }
+        if !v2 {
+            // Without swap limits a v1 cgroup would swap rather than fail: none here.
+            let _ = std::fs::write(dir.join("memory.swappiness"), "0");
+        }
+        Some(MemCgroup { dir, v2 })
+    }
+
+    fn procs(&self) -> PathBuf {
+        self.dir.join("cgroup.procs")
+    }
+
+    /// How many processes the kernel killed for the cgroup's limit.
+    fn oom_kills(&self) -> u64 {
+        let file = if self.v2 {
+            "memory.events"
+        } else {
+            "memory.oom_control"
+        };
+        std::fs::read_to_string(self.dir.join(file))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("oom_kill "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// The cgroup's peak memory (all its processes, their sockets and page cache), in MiB.
+    fn peak_mib(&self) -> u64 {
+        let file = if self.v2 {
+            "memory.peak"
+        } else {
+            "memory.max_usage_in_bytes"
+        };
+        std::fs::read_to_string(self.dir.join(file))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map_or(0, |b| b >> 20)
+    }
+}
+
+impl Drop for MemCgroup {
+    fn drop(&mut self) {
+        // Its processes have ended by now (the test waited for nrun); the kernel frees the
+        // cgroup a moment after the last one.
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// A process's peak resident memory (VmHWM), in MiB.
+fn peak_rss_mib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kib| kib / 1024)
+}
+
+/// nrun's processes: the one started and its children that are nrun too (the one serving the
+/// store among them).
+fn nrun_pids(child: u32) -> Vec<u32> {
+    let mut pids = vec![child];
+    let kids =
+        std::fs::read_to_string(format!("/proc/{child}/task/{child}/children")).unwrap_or_default();
+    for k in kids
+        .split_whitespace()
+        .filter_map(|k| k.parse::<u32>().ok())
+    {
+        let exe = std::fs::read_link(format!("/proc/{k}/exe")).unwrap_or_default();
+        if exe == nrun_bin() {
+            pids.push(k);
+        }
+    }
+    pids
+}
+
+/// Waits for nrun's store on `addr`; nrun ending first fails the test with its words.
+fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
+    use std::io::Read;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(addr).is_err() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            panic!("nrun ended ({status}) before its store listened on {addr}:\n{err}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nrun's store never listened on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// What a test says when nrun's store stops answering mid-attack.
+const GONE: &str = "nrun's store went away during the attack (killed in its memory cgroup?)";
+
+/// The GET and MULTI_GET attack of issue 35 on 16 connections from two other "hosts"
+/// (127.0.0.2 and .3), against a real nrun in a 512 MiB memory cgroup: eight connections
+/// pipeline a 56 MiB MULTI_GET and 16 GETs of an 8 MiB value and never read; eight more ask
+/// the same and read every reply; one asks for a 256 MiB MULTI_GET. nrun used to build each
+/// whole reply (GB in all: killed by the cgroup, its job dead); it must now stay alive and under
+/// 400 MiB at its peak, serve every reply the readers ask for, refuse the reply no budget
+/// holds, and serve a torch client meanwhile.
+#[test]
+fn big_gets_on_many_connections_stay_within_a_memory_bound() {
+    let Some(cg) = MemCgroup::new("big_gets", 512 << 20) else {
+        return;
+    };
+    let port = free_port();
+    let s = Scene::new();
+    let mut c = s.cmd(&[
+        "--master-port",
+        &port.to_string(),
+        "--no-python",
+        "sleep",
+        "600",
+    ]);
+    let procs = std::ffi::CString::new(cg.procs().to_str().unwrap()).unwrap();
+    // SAFETY: open, write, close only, between fork and exec (no allocation).
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+            if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::close(fd);
+            Ok(())
+        });
+    }
+    let mut child = c.spawn().unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    await_listen(&mut child, addr);
+    let before = nrun_pids(child.id())
+        .into_iter()
+        .map(peak_rss_mib)
+        .max()
+        .unwrap();
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let big = b"/big".to_vec();
+    let (hoarders, read) = rt.block_on(async {
+        let mut setter = Client::connect(addr, Duration::from_secs(10))
+            .await
+            .unwrap();
+        setter.set(&big, &vec![7u8; VALUE]).await.unwrap();
+        // SET has no reply: the GET says it was stored before anyone asks for it.
+        assert_eq!(setter.get(&big).await.unwrap().len(), VALUE);
+        let ask = || {
+            let mut req = enc(Request::MultiGet {
+                keys: vec![big.clone(); 7],
+            });
+            for _ in 0..16 {
+                req.extend(enc(Request::Get { key: big.clone() }));
+            }
+            req
+        };
+        // Never read: they hold what the store lets them.
+        let mut hoarders = Vec::new();
+        for _ in 0..8 {
+            let mut h = raw_from([127, 0, 0, 2], addr).await.expect(GONE);
+            h.write_all(&ask()).await.expect(GONE);
+            hoarders.push(h);
+        }
+        // One reply larger than any budget: refused, not built.
+        let mut huge = raw_from([127, 0, 0, 2], addr).await.expect(GONE);
+        huge.write_all(&enc(Request::MultiGet {
+            keys: vec![big.clone(); 32],
+        }))
+        .await
+        .unwrap();
+        assert!(
+            closed(&mut huge).await,
+            "a 256 MiB MULTI_GET reply was served"
+        );
+        // Read everything they asked for, each reply checked.
+        let mut readers = Vec::new();
+        for _ in 0..8 {
+            let mut r = raw_from([127, 0, 0, 3], addr).await.expect(GONE);
+            let req = ask();
+            readers.push(tokio::spawn(async move {
+                r.write_all(&req).await?;
+                let mut got = 0usize;
+                let mut v = vec![0u8; VALUE];
+                for n in std::iter::once(7usize).chain(std::iter::repeat_n(1, 16)) {
+                    for _ in 0..n {
+                        let len = r.read_u64_le().await? as usize;
+                        assert_eq!(len, VALUE, "a reply of the wrong length");
+                        r.read_exact(&mut v).await?;
+                        got += len;
+                    }
+                }
+                std::io::Result::Ok(got)
+            }));
+        }
+        let torch = tokio::task::spawn_blocking(move || torch_set_get(port, "during-gets"));
+        let mut read = 0usize;
+        for r in readers {
+            read += r
+                .await
+                .unwrap()
+                .expect("a reading connection was not served");
+        }
+        torch.await.unwrap();
+        (hoarders, read)
+    });
+    let pids = nrun_pids(child.id());
+    let peak = pids.iter().copied().map(peak_rss_mib).max().unwrap();
+    let alive = child.try_wait().unwrap().is_none();
+    eprintln!(
+        "nrun's peak RSS: {peak} MiB ({before} MiB before); the cgroup's peak {} MiB; {} MiB \
+         read by 8 connections while 8 others held theirs unread",
+        cg.peak_mib(),
+        read >> 20
+    );
+    assert!(
+        alive && cg.oom_kills() == 0,
+        "nrun was killed in its 512 MiB cgroup"
+    );
+    assert_eq!(read, 8 * 23 * VALUE);
+    assert!(peak < 400, "nrun's peak RSS was {peak} MiB");
+    drop(hoarders);
+    signal(&child, "TERM");
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(30));
+    assert!(
+        !text(&out.stderr).contains("panicked"),
+        "{}",
+        text(&out.stderr)
+    );
+    s.assert_no_survivors();
+}
+
+/// Issue 35, item 4: a stranger fills the store (--store-max-bytes) while a real two-node run
+/// (agents over ssh, heartbeats, steps and results through the store) is under way. Its writes
+/// are refused; the agents' own keys have their own budget, so the job goes on and ends as it
+/// would have (exit 0), no node is lost, and the exclude file is left as it was.
+#[test]
+fn a_filled_store_fails_the_writer_not_the_job() {
+    let Some(c) = Cluster::up("sf", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let port = free_port();
+    let exclude = s.dir.path().join("bad-nodes");
+    std::fs::write(&exclude, "").unwrap();
+    let go = s.dir.path().join("go");
+    let work =
+        "echo started >> $MARK; while [ ! -e $GO ]; do sleep 0.1; done; echo rank $RANK done";
+    let child = c.spawn_on(
+        &s,
+        2,
+        &[
+            "--master-port",
+            &port.to_string(),
+            "--store-max-bytes",
+            "8M",
+            "--exclude-file",
+            exclude.to_str().unwrap(),
+            "--nproc",
+            "1",
+            "-x",
+            "GO",
+            "--no-python",
+            "sh",
+            "-c",
+            work,
+        ],
+        &[("GO", go.to_str().unwrap())],
+    );
+    s.wait_marks("started", 2, Duration::from_secs(60));
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let filled = rt.block_on(async {
+        // Values from another "host" until the store refuses one (closing that connection),
+        // then smaller ones on fresh connections, down to empty ones: full to the last bytes,
+        // where not even an empty value with a short key fits.
+        let mut taken = 0usize;
+        for (round, size) in [1usize << 20, 64 << 10, 4 << 10, 256, 0]
+            .into_iter()
+            .enumerate()
+        {
+            let sock = TcpSocket::new_v4().unwrap();
+            sock.bind(SocketAddr::from(([127, 0, 0, 2], 0))).unwrap();
+            let mut conn = Client::from_stream(sock.connect(addr).await.unwrap())
+                .await
+                .unwrap();
+            for i in 0.. {
+                let key = format!("/f{round}/{i}");
+                if conn.set(key.as_bytes(), &vec![9u8; size]).await.is_err()
+                    || conn.ping(1).await.is_err()
+                {
+                    break;
+                }
+                taken += size;
+                assert!(taken <= 8 << 20, "{taken} bytes taken by an 8 MiB store");
+            }
+        }
+        taken
+    });
+    assert!(filled >= 7 << 20, "only {filled} bytes fit an 8 MiB store");
+    // The store is full now; the workers end, and their agents publish the step's result.
+    std::fs::write(&go, "").unwrap();
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("rank 0 done") && stdout.contains("rank 1 done"),
+        "{stdout}\n{stderr}"
+    );
+    assert!(!stderr.contains("lost"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&exclude).unwrap(), "", "{stderr}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
