@@ -613,6 +613,7 @@ mod tests {
                 ..Default::default()
             },
             own_sealed: None,
+            kept: None,
         };
         st.set(
             &s.keys().joined(2),
