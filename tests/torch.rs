@@ -603,8 +603,9 @@ fn mixed_launchers_are_named_both_ways() {
 
     // nrun hosts; a torchrun comes to it; nrun says so when its join timeout ends.
     let endpoint = format!("127.0.0.1:{}", common::free_port());
-    // torchrun's Python takes seconds to start on a loaded machine: a join timeout with room.
-    let mut args: Vec<String> = c10d(&endpoint, "20").into();
+    // torchrun's Python takes seconds to start on a loaded machine (over 20 s beside two CPU
+    // hogs): a join timeout with room, as nrun names it only when its join timeout ends.
+    let mut args: Vec<String> = c10d(&endpoint, "60").into();
     args.extend(["--no-python", "true"].map(String::from));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let nrun = s.spawn(&args, &[]);
