@@ -240,7 +240,7 @@ fn ctrl_c_at_the_terminal_stops_the_job() {
         ],
     );
     let t = sc.text();
-    assert_eq!(sc.status, 130, "{t}");
+    assert_eq!(sc.status, 130, "ended {:.1} s in: {t}", sc.end);
     assert!(
         t.contains("stopped by SIGINT; every worker was stopped"),
         "{t}"
