@@ -116,8 +116,9 @@ fn a_failure_on_one_node_stops_every_node() {
         return;
     };
     let s = Scene::new();
-    let started = std::time::Instant::now();
-    let out = c.run_on(
+    // Rank 3 fails once every rank runs; the others would sleep far past the wait's hang
+    // guard, so nrun ending within it means they were stopped.
+    let child = c.spawn_on(
         &s,
         3,
         &[
@@ -126,19 +127,20 @@ fn a_failure_on_one_node_stops_every_node() {
             "--no-python",
             "sh",
             "-c",
-            "if [ $RANK = 3 ]; then sleep 0.5; echo dying >&2; exit 9; fi; exec sleep 60",
+            "echo up >> $MARK; if [ $RANK = 3 ]; then \
+             while [ $(grep -c up $MARK) -lt 6 ]; do sleep 0.05; done; \
+             echo dying >&2; exit 9; fi; exec sleep 600",
         ],
         &[],
     );
+    let (out, _) = wait_with_timeout(child, HANG);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(9), "{err}");
-    assert!(err.contains("rank 3 on ct3-h2 exited with code 9"), "{err}");
-    assert!(err.contains("| dying"), "{err}");
     assert!(
-        started.elapsed() < Duration::from_secs(30),
-        "took {:?}",
-        started.elapsed()
+        err.contains(&format!("rank 3 on {} exited with code 9", c.host(2))),
+        "{err}"
     );
+    assert!(err.contains("| dying"), "{err}");
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
@@ -217,7 +219,7 @@ fn killed_launcher_or_dropped_ssh_leaves_nothing_running() {
                 "--no-python",
                 "sh",
                 "-c",
-                "echo up >> $MARK; exec sleep 60",
+                "echo up >> $MARK; exec sleep 600",
             ],
             &[],
         );
@@ -233,21 +235,18 @@ fn killed_launcher_or_dropped_ssh_leaves_nothing_running() {
                 assert!(st.success(), "no ssh process for {}", c.host(2));
             }
         }
-        let (out, took) = wait_with_timeout(child, Duration::from_secs(20));
+        // The workers sleep far past the wait's hang guard: nrun ending within it means they
+        // were stopped.
+        let (out, _) = wait_with_timeout(child, HANG);
         if how == "ssh" {
             assert_eq!(out.status.code(), Some(98), "{}", text(&out.stderr));
             assert!(
-                text(&out.stderr).contains("lost the connection to ct4-h2"),
+                text(&out.stderr).contains(&format!("lost the connection to {}", c.host(2))),
                 "{}",
                 text(&out.stderr)
             );
         }
-        assert!(took < Duration::from_secs(15), "{how}: took {took:?}");
-        // Within 5 s every worker and agent on every node is gone.
-        let end = std::time::Instant::now() + Duration::from_secs(5);
-        while !s.survivors().is_empty() && std::time::Instant::now() < end {
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        // Every worker and agent on every node goes.
         s.assert_no_survivors();
         c.assert_nothing_left(3);
     }
@@ -876,15 +875,16 @@ fn the_same_c10d_command_on_every_node() {
         "--no-python",
         "sh",
         "-c",
-        "[ $RANK = 3 ] && exit 7; exec sleep 60",
+        // The others sleep far past the waits' hang guard: both ending within it means they
+        // were stopped.
+        "[ $RANK = 3 ] && exit 7; exec sleep 600",
     ];
     let a = node(1, &fail);
     let b = node(2, &fail);
-    let (oa, ta) = wait_with_timeout(a, Duration::from_secs(60));
-    let (ob, tb) = wait_with_timeout(b, Duration::from_secs(60));
+    let (oa, _) = wait_with_timeout(a, HANG);
+    let (ob, _) = wait_with_timeout(b, HANG);
     assert_eq!(oa.status.code(), Some(7), "{}", text(&oa.stderr));
     assert_eq!(ob.status.code(), Some(7), "{}", text(&ob.stderr));
-    assert!(ta < Duration::from_secs(30) && tb < Duration::from_secs(30));
     assert!(
         text(&oa.stderr).contains("rank 3 on"),
         "{}",
@@ -895,7 +895,6 @@ fn the_same_c10d_command_on_every_node() {
 
     // A different --rdzv-id does not join this job: it says so.
     let a = node(1, &["--no-python", "sleep", "3"]);
-    std::thread::sleep(Duration::from_millis(300));
     let mut other = Command::new("ip");
     other
         .args(["netns", "exec", &c.host(2)])
@@ -909,8 +908,10 @@ fn the_same_c10d_command_on_every_node() {
             &endpoint,
             "--rdzv-id",
             "other",
+            // Retried while the host's store is not up yet (however long a loaded machine
+            // takes to start it); refused at once when it answers.
             "--join-timeout",
-            "2",
+            "120",
             "--no-python",
             "true",
         ]);
@@ -923,8 +924,7 @@ fn the_same_c10d_command_on_every_node() {
     );
     // The host waits for its second node still; stopping it leaves nothing.
     signal(&a, "TERM");
-    let (oa, took) = wait_with_timeout(a, Duration::from_secs(20));
-    assert!(took < Duration::from_secs(10), "{}", text(&oa.stderr));
+    let _ = wait_with_timeout(a, HANG);
     c.assert_nothing_left(2);
 }
 
@@ -1340,12 +1340,8 @@ fn kill_9_leaves_no_grandchildren_on_any_node() {
                 .to_string(),
         };
         signal_pid(&pid, "KILL");
-        let _ = wait_with_timeout(child, Duration::from_secs(20));
-        // Workers' own children (same group and setsid) included, on both hosts, within 5 s.
-        let end = std::time::Instant::now() + Duration::from_secs(5);
-        while !s.survivors().is_empty() && std::time::Instant::now() < end {
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let _ = wait_with_timeout(child, HANG);
+        // Workers' own children (same group and setsid) included, on both hosts.
         s.assert_no_survivors();
         c.assert_nothing_left(2);
     }
@@ -1361,7 +1357,7 @@ fn an_elastic_job_takes_in_a_node_that_joins_later() {
     let endpoint = format!("{}:29691", c.addr(1));
     let s = Scene::new();
     let work = "echo \"world=$WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT rank=$RANK\"; \
-                [ $WORLD_SIZE = 2 ] && exec sleep 60; exit 0";
+                echo world=$WORLD_SIZE >> $MARK; [ $WORLD_SIZE = 2 ] && exec sleep 60; exit 0";
     let node = |host: usize| {
         Command::new("ip")
             .args(["netns", "exec", &c.host(host)])
@@ -1384,6 +1380,7 @@ fn an_elastic_job_takes_in_a_node_that_joins_later() {
                 work,
             ])
             .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -1391,7 +1388,7 @@ fn an_elastic_job_takes_in_a_node_that_joins_later() {
     };
     let a = node(1);
     // The first node starts alone after its last call; the second arrives while it runs.
-    std::thread::sleep(Duration::from_secs(3));
+    s.wait_marks("world=2", 2, HANG);
     let b = node(2);
     let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
     let (ob, _) = wait_with_timeout(b, Duration::from_secs(60));
@@ -1439,7 +1436,8 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
                 "--no-python",
                 "sh",
                 "-c",
-                "echo up >> $MARK; exec sleep 120",
+                // Far past the waits' hang guard: the job ending within it is nrun's doing.
+                "echo up >> $MARK; exec sleep 600",
             ])
             .env("NRUN_TEST_TAG", &s.tag)
             .env("MARK", s.mark())
@@ -1461,9 +1459,8 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
     // `ip netns exec` execs nrun (the keeper), whose child is nrun proper (the joined node's
     // agent runs inside it).
     signal_pid(&kid, "KILL");
-    let t0 = std::time::Instant::now();
-    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
-    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    let (oa, _) = wait_with_timeout(a, HANG);
+    let _ = wait_with_timeout(b, HANG);
     let err = text(&oa.stderr);
     assert_eq!(oa.status.code(), Some(98), "{err}");
     // Known from its closed connection (the store removes its alive counter), not from 2.5 s
@@ -1472,19 +1469,14 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
         err.contains("its agent closed its connection to this host"),
         "{err}"
     );
-    assert!(
-        t0.elapsed() < Duration::from_secs(30),
-        "took {:?}",
-        t0.elapsed()
-    );
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
 
-/// A node too busy to answer for a few seconds (its agent stopped 6 s with SIGSTOP, its
-/// connections open): the launch host calls it lost after half of --agent-timeout (2.5 s by
-/// default) and says which flag allows for it; with --agent-timeout 20 the same pause is sat
-/// out and the job ends well. Nothing is left on either host.
+/// A node too busy to answer for a while (its agent stopped with SIGSTOP, its connections
+/// open): the launch host calls it lost after half of --agent-timeout (2.5 s by default) and
+/// says which flag allows for it; with --agent-timeout 60 a 6 s pause is sat out (30 s allowed:
+/// room for a loaded machine) and the job ends well. Nothing is left on either host.
 #[test]
 fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
     let Some(c) = Cluster::up("cts", 2) else {
@@ -1492,7 +1484,7 @@ fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
     };
     let hosts = c.hosts(2);
     let opts = c.ssh_opts();
-    for timeout in [None, Some("20")] {
+    for timeout in [None, Some("60")] {
         let s = Scene::new();
         let mut args = vec!["-H", &hosts, "--ssh-opts", &opts, "--no-python-probe"];
         if let Some(t) = timeout {
@@ -1510,16 +1502,20 @@ fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
             "-c",
             "echo ready >> $MARK; sleep 8",
         ]);
-        let child = s.spawn(&args, &[]);
+        let child = Watched::new(s.spawn(&args, &[]));
         s.wait_marks("ready", 2, Duration::from_secs(30));
         assert!(c.signal_agents(2, Signal::SIGSTOP), "no agent on cts-h2");
-        // Well past 2.5 s, well under the 10 s that --agent-timeout 20 allows.
-        std::thread::sleep(Duration::from_secs(6));
+        match timeout {
+            // Paused until the launch host has called it lost, however long that takes.
+            None => child.wait_stderr("sent no heartbeat for"),
+            // Well past 2.5 s, well under the 30 s that --agent-timeout 60 allows.
+            Some(_) => std::thread::sleep(Duration::from_secs(6)),
+        }
         // A node called lost had its stopped agent ended by the launch host (`nrun __reap`):
         // nothing is left there to resume.
         let resumed = c.signal_agents(2, Signal::SIGCONT);
         assert!(resumed || timeout.is_none(), "no agent to resume on cts-h2");
-        let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+        let (out, _) = child.finish();
         let err = text(&out.stderr);
         match timeout {
             None => {
@@ -1592,11 +1588,14 @@ fn a_partitioned_node_stops_its_workers_by_itself() {
             })
             .count()
     };
-    while running_there() > 0 && cut.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    // Only the agent itself can stop them: the cut-off host's sshd has no keepalive, and its
+    // TCP gives up on the dropped connection only after many minutes (tcp_retries2), far past
+    // this wait's hang guard.
+    wait_until("the cut-off node's agent and worker to stop", || {
+        running_there() == 0
+    });
     let stopped_after = cut.elapsed();
-    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (out, _) = wait_with_timeout(child, HANG);
     c.exec(2, "iptables -F INPUT && iptables -F OUTPUT");
     let err = text(&out.stderr);
     assert_eq!(
@@ -1604,14 +1603,12 @@ fn a_partitioned_node_stops_its_workers_by_itself() {
         0,
         "the cut-off node's agent or worker still runs: {err}"
     );
-    // 2 s of silence, a request every second: a margin for a loaded machine, far under the
-    // 15 s ssh's keepalive takes.
-    assert!(
-        stopped_after < Duration::from_secs(8),
-        "stopped {stopped_after:?} after the cut: {err}"
-    );
+    eprintln!("the cut-off node stopped {stopped_after:?} after the cut");
     assert_ne!(out.status.code(), Some(0), "{err}");
-    assert!(err.contains("lost the connection to ct9-h2"), "{err}");
+    assert!(
+        err.contains(&format!("lost the connection to {}", c.host(2))),
+        "{err}"
+    );
     assert!(err.contains("--agent-timeout"), "{err}");
     s.assert_no_survivors();
 }
@@ -1667,12 +1664,15 @@ fn join_timeout_is_kept_when_packets_are_dropped() {
     let (ea, eb) = (text(&oa.stderr), text(&ob.stderr));
     assert_eq!(ob.status.code(), Some(95), "{eb}");
     assert_eq!(oa.status.code(), Some(95), "{ea}");
+    // At least --join-timeout (load only adds to it); the upper bounds are hang guards, far
+    // under the two minutes TCP's own SYN retries take (tcp_syn_retries 6), and the words say
+    // which deadline ended it.
     assert!(
-        tb >= Duration::from_secs(4) && tb < Duration::from_millis(5500),
+        tb >= Duration::from_secs(4) && tb < Duration::from_secs(60),
         "the joiner ended after {tb:?}: {eb}"
     );
     assert!(
-        ta < Duration::from_millis(6000),
+        ta < Duration::from_secs(60),
         "both had ended only after {ta:?}: {ea}"
     );
     assert!(

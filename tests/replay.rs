@@ -99,9 +99,10 @@ fn join_with(s: &Scene, at: SocketAddr, id: &str, shared: Option<&str>) -> tokio
 }
 
 async fn finish(child: tokio::process::Child) -> (Option<i32>, String) {
-    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+    // A hang guard: the node ends on what the store tells it, in seconds.
+    let out = tokio::time::timeout(Duration::from_secs(120), child.wait_with_output())
         .await
-        .expect("the joining node did not end within 30 s")
+        .expect("hung: the joining node did not end within 120 s")
         .unwrap();
     let all = format!(
         "{}{}",
@@ -182,7 +183,8 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
     let child = join(&s, at, id);
     let joined = format!("nrun/{OLD_RUN}/n1/joined").into_bytes();
     let mut record = None;
-    for _ in 0..200 {
+    // Polled until the node joins (2 minutes at most: a hang guard).
+    for _ in 0..2400 {
         record = store.get(&joined);
         if record.is_some() {
             break;
@@ -195,7 +197,7 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
     assert_eq!(nonce.len(), 32, "128 random bits, hex");
     store.set(&step_key(0), &captured(&secret, &marker, nonce.as_bytes()));
     let result = format!("nrun/{OLD_RUN}/n1/result/0").into_bytes();
-    for _ in 0..200 {
+    for _ in 0..2400 {
         if store.get(&result).is_some() {
             break;
         }

@@ -6,7 +6,7 @@
 mod common;
 
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -119,7 +119,6 @@ fn srun_on_every_node_and_a_failure_ends_the_job_everywhere() {
     );
 
     // A worker failing on node 2 (group 2): every node's nrun exits with its code.
-    let t0 = Instant::now();
     let mut c = sl.cmd(&s, "sbatch");
     c.args(["-N3", "--wait", "-o"])
         .arg(&out_file)
@@ -133,7 +132,6 @@ fn srun_on_every_node_and_a_failure_ends_the_job_everywhere() {
             || log.contains(&format!("rank 5 on {}-h3", sl.name)),
         "{log}"
     );
-    assert!(t0.elapsed() < Duration::from_secs(60));
     s.assert_no_survivors();
     sl.cluster.assert_nothing_left_but_slurmd(3);
 }
@@ -168,16 +166,11 @@ fn scancel_ends_every_worker_and_agent() {
     q.args(["-h", "-o", "%i", "-n", "nrun-scancel"]);
     let id = text(&q.output().unwrap().stdout).trim().to_string();
     assert!(!id.is_empty());
-    let t0 = Instant::now();
     let mut k = sl.cmd(&s, "scancel");
     k.arg(&id);
     assert!(k.status().unwrap().success());
-    let _ = wait_with_timeout(child, Duration::from_secs(30));
-    // Within 5 s nothing of the job is left on any node.
-    let end = t0 + Duration::from_secs(5);
-    while !s.survivors().is_empty() && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let _ = wait_with_timeout(child, HANG);
+    // Nothing of the job is left on any node (the workers' 300 s outlast the waits).
     s.assert_no_survivors();
     sl.cluster.assert_nothing_left_but_slurmd(3);
 }

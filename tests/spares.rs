@@ -6,7 +6,7 @@
 mod common;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -253,29 +253,31 @@ fn the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires() {
     let memo = std::fs::read_to_string(&file).unwrap();
     let lines: Vec<&str> = memo.lines().collect();
     assert_eq!(lines.len(), 1, "{memo}");
-    assert!(lines[0].starts_with("sq4-h1  20"), "{memo}");
+    let bad = c.host(1);
+    assert!(lines[0].starts_with(&format!("{bad}  20")), "{memo}");
     assert!(
-        lines[0].contains("check: sq4-h1 cannot be reached"),
+        lines[0].contains(&format!("check: {bad} cannot be reached")),
         "{memo}"
     );
-    // Repaired, but remembered: the next run does not use it (and loses no time on it).
+    // Repaired, but remembered: the next run does not use it.
     c.exec(1, "iptables -F");
-    let t = Instant::now();
     let out = job(&[]);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(
-        stderr.contains("not using sq4-h1: in --exclude-file"),
+        stderr.contains(&format!("not using {bad}: in --exclude-file")),
         "{stderr}"
     );
-    assert!(!stdout.contains("host=sq4-h1"), "{stdout}");
-    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
-    // An entry older than --exclude-ttl counts no more.
+    assert!(!stdout.contains(&format!("host={bad}")), "{stdout}");
+    // An entry older than --exclude-ttl counts no more (time passing: load only adds to it).
     std::thread::sleep(Duration::from_millis(2100));
     let out = job(&["--exclude-ttl", "2"]);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stderr}");
-    assert!(stdout.contains("host=sq4-h1"), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!("host={bad}")),
+        "{stdout}\n{stderr}"
+    );
     assert!(!stderr.contains("not using"), "{stderr}");
     s.assert_no_survivors();
     c.assert_nothing_left(4);
@@ -405,12 +407,11 @@ fn a_c10d_spare_takes_the_place_of_a_node_that_dies() {
         cmd.spawn().unwrap()
     };
     let a = node(1);
-    std::thread::sleep(Duration::from_millis(300));
     let b = node(2);
     s.wait_marks("started", 2, Duration::from_secs(30));
     // The spare joins while the job runs: it waits, running nothing.
-    let spare = node(3);
-    std::thread::sleep(Duration::from_secs(2));
+    let spare = Watched::new(node(3));
+    spare.wait_stderr("joined the rendezvous at");
     assert_eq!(s.marks().len(), 2, "the spare ran something");
     // sq7-h2's nrun dies (kill -9; its keeper then ends its worker).
     let kid = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", b.id()))
@@ -420,10 +421,9 @@ fn a_c10d_spare_takes_the_place_of_a_node_that_dies() {
         .unwrap()
         .to_string();
     signal_pid(&kid, "KILL");
-    let t = Instant::now();
-    let (oa, _) = wait_with_timeout(a, Duration::from_secs(60));
-    let (os, _) = wait_with_timeout(spare, Duration::from_secs(30));
-    let _ = wait_with_timeout(b, Duration::from_secs(30));
+    let (oa, _) = wait_with_timeout(a, HANG);
+    let (os, _) = spare.finish();
+    let _ = wait_with_timeout(b, HANG);
     let all = format!("{}{}", text(&oa.stdout), text(&os.stdout));
     let err = text(&oa.stderr);
     assert_eq!(oa.status.code(), Some(0), "{all}\n{err}");
@@ -433,9 +433,13 @@ fn a_c10d_spare_takes_the_place_of_a_node_that_dies() {
     assert!(err.contains("(spare in: vm#2)"), "{err}");
     let second: Vec<&str> = all.lines().filter(|l| l.contains("attempt=1")).collect();
     assert_eq!(second.len(), 2, "{all}");
-    assert!(second.iter().any(|l| l.contains("host=sq7-h3")), "{all}");
+    assert!(
+        second
+            .iter()
+            .any(|l| l.contains(&format!("host={}", c.host(3)))),
+        "{all}"
+    );
     assert!(second.iter().all(|l| l.contains("world=2")), "{all}");
-    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }

@@ -11,6 +11,26 @@ use nrun::store::{Store, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// How long a test waits for what normally comes at once before calling it a hang: every wait
+/// here ends on its event (a byte, a close, a parked wait), and the bound only tells a hang
+/// from a loaded machine. Waits expected *not* to end (nothing may come) stay short: load only
+/// makes them miss a late wrong answer, never fail a right one.
+const HANG: Duration = Duration::from_secs(120);
+const HANG_MS: u64 = 120_000;
+
+/// Waits until the store holds `n` parked waits (a hang after [`HANG`]).
+async fn parked(store: &Store, n: usize) {
+    let end = std::time::Instant::now() + HANG;
+    while store.pending_waits().0 != n {
+        assert!(
+            std::time::Instant::now() < end,
+            "{:?}",
+            store.pending_waits()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 async fn start() -> (SocketAddr, Arc<Store>) {
     let l = server::bind(0).unwrap();
     let port = l.local_addr().unwrap().port();
@@ -22,7 +42,7 @@ async fn start() -> (SocketAddr, Arc<Store>) {
 }
 
 async fn client(addr: SocketAddr) -> Client {
-    Client::connect(addr, Duration::from_secs(5)).await.unwrap()
+    Client::connect(addr, HANG).await.unwrap()
 }
 
 /// nrun's store with `secret`, served on a loopback port of its own.
@@ -115,7 +135,7 @@ async fn wait_is_answered_when_the_last_key_appears() {
         "answered with one key still missing"
     );
     c.add(b"/y", 1).await.unwrap();
-    assert_eq!(read_byte(&mut w, 2000).await, Some(STOP_WAITING));
+    assert_eq!(read_byte(&mut w, HANG_MS).await, Some(STOP_WAITING));
     // An immediate wait on existing keys is answered at once.
     let mut c2 = client(addr).await;
     assert!(c2.wait(&[b"/x", b"/y"], None).await.unwrap());
@@ -123,7 +143,7 @@ async fn wait_is_answered_when_the_last_key_appears() {
 
 #[tokio::test]
 async fn wait_timeout_cancel_and_the_race() {
-    let (addr, _) = start().await;
+    let (addr, store) = start().await;
     let mut c = client(addr).await;
     // No wait pending: CANCEL_WAIT is still answered.
     assert_eq!(c.cancel_wait().await.unwrap(), WAIT_CANCELED);
@@ -148,12 +168,14 @@ async fn wait_timeout_cancel_and_the_race() {
     }))
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Parked, then woken by the key (no longer parked: its answer is on its way), then the
+    // cancel.
+    parked(&store, 1).await;
     other.set(b"/race", b"1").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    parked(&store, 0).await;
     w.write_all(&enc(Request::CancelWait)).await.unwrap();
-    assert_eq!(read_byte(&mut w, 2000).await, Some(STOP_WAITING));
-    assert_eq!(read_byte(&mut w, 2000).await, Some(WAIT_CANCELED));
+    assert_eq!(read_byte(&mut w, HANG_MS).await, Some(STOP_WAITING));
+    assert_eq!(read_byte(&mut w, HANG_MS).await, Some(WAIT_CANCELED));
     assert_eq!(
         read_byte(&mut w, 100).await,
         None,
@@ -248,7 +270,7 @@ async fn an_interrupted_wait_on_a_store_cut_off_gives_up_and_keeps_the_interrupt
     let e = ready.unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
     assert!(
-        took >= nrun::store::client::CANCEL_REPLY && took < Duration::from_secs(10),
+        took >= nrun::store::client::CANCEL_REPLY && took < HANG,
         "{took:?}"
     );
 }
@@ -260,9 +282,7 @@ async fn barrier_releases_everyone_at_world_size() {
     for _ in 0..4 {
         tasks.push(tokio::spawn(async move {
             let mut c = client(addr).await;
-            c.barrier(b"/bar", 4, Some(Duration::from_secs(5)))
-                .await
-                .unwrap()
+            c.barrier(b"/bar", 4, Some(HANG)).await.unwrap()
         }));
     }
     for t in tasks {
@@ -280,7 +300,7 @@ async fn barrier_releases_everyone_at_world_size() {
 
 #[tokio::test]
 async fn queues_wake_one_blocked_pop_per_push() {
-    let (addr, _) = start().await;
+    let (addr, store) = start().await;
     let mut c = client(addr).await;
     assert_eq!(c.queue_len(b"/q").await.unwrap(), 0);
     assert_eq!(c.queue_pop(b"/q").await.unwrap(), None);
@@ -298,23 +318,27 @@ async fn queues_wake_one_blocked_pop_per_push() {
     }))
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    parked(&store, 2).await;
     c.queue_push(b"/q", b"a").await.unwrap();
-    let (a, b) = tokio::join!(read_byte(&mut w1, 300), read_byte(&mut w2, 300));
-    assert_eq!(
-        [a, b].iter().filter(|x| **x == Some(STOP_WAITING)).count(),
-        1,
-        "{a:?} {b:?}"
-    );
+    // One of them wakes (whenever), the other does not.
+    let woke = tokio::time::timeout(HANG, async {
+        tokio::select! {
+            b = w1.read_u8() => (1, b.ok()),
+            b = w2.read_u8() => (2, b.ok()),
+        }
+    })
+    .await
+    .expect("hung: no blocked pop woke");
+    assert_eq!(woke.1, Some(STOP_WAITING), "{woke:?}");
+    let (woken, asleep) = match woke.0 {
+        1 => (&mut w1, &mut w2),
+        _ => (&mut w2, &mut w1),
+    };
+    assert_eq!(read_byte(asleep, 300).await, None, "one push woke both");
+    // The next push wakes the other.
     c.queue_push(b"/q", b"b").await.unwrap();
-    let (a2, b2) = tokio::join!(read_byte(&mut w1, 300), read_byte(&mut w2, 300));
-    assert_eq!(
-        [a, b, a2, b2]
-            .iter()
-            .filter(|x| **x == Some(STOP_WAITING))
-            .count(),
-        2
-    );
+    assert_eq!(read_byte(asleep, HANG_MS).await, Some(STOP_WAITING));
+    assert_eq!(read_byte(woken, 300).await, None);
     assert_eq!(c.queue_len(b"/q").await.unwrap(), 2);
     assert!(c.check(&[b"/q"]).await.unwrap());
     assert_eq!(
@@ -338,7 +362,7 @@ async fn malformed_input_closes_only_that_connection() {
     let closed = |mut s: TcpStream| async move {
         let mut b = [0u8; 16];
         matches!(
-            tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await,
+            tokio::time::timeout(HANG, s.read(&mut b)).await,
             Ok(Ok(0)) | Ok(Err(_))
         )
     };
@@ -405,11 +429,7 @@ async fn many_clients_rendezvous() {
             if i == 0 {
                 c.set(b"/id", b"unique-id").await.unwrap();
             }
-            assert!(
-                c.wait(&[b"/id"], Some(Duration::from_secs(10)))
-                    .await
-                    .unwrap()
-            );
+            assert!(c.wait(&[b"/id"], Some(HANG)).await.unwrap());
             c.get(b"/id").await.unwrap()
         }));
     }
@@ -439,7 +459,7 @@ async fn an_agents_alive_counter_goes_with_its_connection() {
     drop(worker);
     // The agent's process ends (or is killed: its kernel closes the socket the same way).
     drop(agent);
-    let end = std::time::Instant::now() + Duration::from_secs(5);
+    let end = std::time::Instant::now() + HANG;
     while store.contains(b"nrun/run/n3/alive") && std::time::Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -554,7 +574,7 @@ async fn a_huge_multi_get_closes_only_that_connection() {
         .await
         .unwrap();
     let mut b = [0u8; 1];
-    let closed = tokio::time::timeout(Duration::from_secs(5), bomb.read(&mut b)).await;
+    let closed = tokio::time::timeout(HANG, bomb.read(&mut b)).await;
     assert!(
         matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
         "the bomb's connection stayed open: {closed:?}"
@@ -591,7 +611,7 @@ async fn ended_waits_leave_nothing_behind() {
         .unwrap();
         s
     };
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + HANG;
     while store.pending_waits() != (11, 4000, 1) {
         assert!(
             std::time::Instant::now() < deadline,
@@ -603,10 +623,10 @@ async fn ended_waits_leave_nothing_behind() {
     // One cancels, the others hang up.
     let mut first = conns.remove(0);
     first.write_all(&enc(Request::CancelWait)).await.unwrap();
-    assert_eq!(read_byte(&mut first, 2000).await, Some(WAIT_CANCELED));
+    assert_eq!(read_byte(&mut first, HANG_MS).await, Some(WAIT_CANCELED));
     drop(conns);
     drop(barrier);
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + HANG;
     while store.pending_waits() != (0, 0, 0) {
         assert!(
             std::time::Instant::now() < deadline,
@@ -623,7 +643,7 @@ async fn a_silent_connection_is_closed() {
     let (addr, _store) = start().await;
     let mut s = TcpStream::connect(addr).await.unwrap();
     let mut b = [0u8; 1];
-    let r = tokio::time::timeout(Duration::from_secs(15), s.read(&mut b)).await;
+    let r = tokio::time::timeout(HANG, s.read(&mut b)).await;
     assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "still open: {r:?}");
 }
 
@@ -633,12 +653,9 @@ async fn a_silent_connection_is_closed() {
 async fn a_loopback_only_store_refuses_other_hosts() {
     let (addr, store) = start().await;
     store.loopback_only();
-    let mut c = Client::connect(
-        SocketAddr::from(([127, 0, 0, 7], addr.port())),
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap();
+    let mut c = Client::connect(SocketAddr::from(([127, 0, 0, 7], addr.port())), HANG)
+        .await
+        .unwrap();
     c.set(b"/k", b"v").await.unwrap();
     assert_eq!(c.get(b"/k").await.unwrap(), b"v");
     // This host's own non-loopback address stands in for another host.
@@ -653,7 +670,7 @@ async fn a_loopback_only_store_refuses_other_hosts() {
         .await
         .unwrap();
     let mut b = [0u8; 1];
-    let r = tokio::time::timeout(Duration::from_secs(5), s.read(&mut b)).await;
+    let r = tokio::time::timeout(HANG, s.read(&mut b)).await;
     assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "served {ip}: {r:?}");
 }
 

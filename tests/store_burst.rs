@@ -26,9 +26,11 @@ use nrun::store::{Store, server};
 
 /// Clients released at once.
 const CLIENTS: usize = 300;
-/// The slowest client's connect time allowed: generous for a loaded 2-core machine (an unloaded
-/// one takes about a tenth of it), far below the 5 s of a resolver timeout or a SYN retry.
-const BOUND_MS: f64 = 2500.0;
+/// The slowest client's connect time allowed: what the test tells apart is a stall (glibc's 5 s
+/// resolver timeout), not speed, so the bound sits just under it and leaves a loaded 2-core
+/// machine all the room below (an unloaded one takes about 0.25 s). How fast is BENCHMARKS'
+/// section 13.
+const BOUND_MS: f64 = 4500.0;
 
 /// `unshare` arguments for a private mount namespace, if this host allows one.
 fn mount_namespace() -> Option<Vec<&'static str>> {

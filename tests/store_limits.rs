@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Scene, signal, text, torch_python, wait_with_timeout};
+use common::{HANG, Scene, signal, text, torch_python, wait_with_timeout};
 use nrun::store::client::Client;
 use nrun::store::protocol::Request;
 use nrun::store::server::Limits;
@@ -61,7 +61,7 @@ async fn closed(s: &mut TcpStream, within: Duration) -> bool {
 /// Waits for nrun's store on `addr`; nrun ending first fails the test with its words.
 fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
     use std::io::Read;
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + HANG;
     while std::net::TcpStream::connect(addr).is_err() {
         if let Some(status) = child.try_wait().unwrap() {
             let mut err = String::new();
@@ -174,8 +174,7 @@ fn pipelined_gets_of_a_large_value_stay_within_an_address_space_limit() {
     std::thread::sleep(Duration::from_secs(3));
     let paused = rss_mib();
     // Reading: the replies flow (each is the 8-byte length, then the value).
-    conn.set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    conn.set_read_timeout(Some(HANG)).unwrap();
     let mut got = 0usize;
     let mut b = vec![0u8; 1 << 20];
     while got < 200 << 20 {
@@ -228,7 +227,7 @@ async fn a_client_that_never_reads_is_closed() {
     }
     // Counted by the store first (its accept may lag the client's connect on a busy host),
     // so that the wait below sees this connection close, not its arrival.
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + HANG;
     while store.connections() < 2 {
         assert!(
             Instant::now() < deadline,
@@ -240,7 +239,7 @@ async fn a_client_that_never_reads_is_closed() {
     let t0 = Instant::now();
     s.write_all(&req).await.unwrap();
     // Wait for the store to give up on it, without reading; then the reads see the close.
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + HANG;
     while store.connections() > 1 {
         assert!(
             Instant::now() < deadline,
@@ -253,7 +252,7 @@ async fn a_client_that_never_reads_is_closed() {
         "closed too early: {:?}",
         t0.elapsed()
     );
-    assert!(closed(&mut s, Duration::from_secs(20)).await);
+    assert!(closed(&mut s, HANG).await);
     // The others are served.
     assert_eq!(c.get(b"/big").await.unwrap().len(), 4 << 20);
 }
@@ -276,7 +275,7 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
     let mut s = raw_from([127, 0, 0, 1], addr).await.unwrap();
     s.write_all(&frame).await.unwrap();
     let t0 = Instant::now();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + HANG;
     while store.buffered_bytes() < baseline + (8 << 20) {
         assert!(Instant::now() < deadline, "the frame was never buffered");
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -297,16 +296,18 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
         false
     });
     assert!(
-        closed(&mut s, Duration::from_secs(10)).await,
+        closed(&mut s, HANG).await,
         "the unfinished frame's connection stayed open"
     );
     let took = t0.elapsed();
+    // Not before the frame timeout (load only adds to it); the upper bound is a hang guard
+    // (a frame never finished is otherwise held for good).
     assert!(
-        took >= Duration::from_millis(800) && took < Duration::from_secs(8),
+        took >= Duration::from_millis(800) && took < HANG,
         "closed after {took:?}"
     );
     assert!(trickle.await.unwrap(), "a trickled request was served");
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + HANG;
     while store.buffered_bytes() > baseline + (1 << 20) {
         assert!(
             Instant::now() < deadline,
@@ -353,7 +354,7 @@ async fn queue_pushes_are_refused_past_the_store_cap() {
     req.extend(enc(Request::Ping { nonce: 9 }));
     let _ = s.write_all(&req).await;
     let mut b = [0u8; 4];
-    let r = tokio::time::timeout(Duration::from_secs(20), s.read_exact(&mut b)).await;
+    let r = tokio::time::timeout(HANG, s.read_exact(&mut b)).await;
     assert!(
         matches!(r, Ok(Err(_))),
         "200,000 empty pushes were all taken: {r:?}"
@@ -423,7 +424,7 @@ async fn a_check_of_many_large_keys_parses_in_linear_time() {
         "4x the keys took {:.1}x the time ({small:?} -> {large:?})",
         large.as_secs_f64() / small.as_secs_f64()
     );
-    assert!(large < Duration::from_secs(30), "{large:?}");
+    assert!(large < HANG, "hung: {large:?}");
 }
 
 /// Item 3: thousands of idle validated connections (from the ranks' own address and from
@@ -453,11 +454,11 @@ async fn many_idle_connections_do_not_lock_out_a_torch_client() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(store.connections() <= 600, "{} open", store.connections());
     let port = addr.port();
-    let t0 = Instant::now();
+    // The client's own 20 s timeout (connect retries included) is the check: locked out, it
+    // fails; how fast it gets in is not bounded here.
     tokio::task::spawn_blocking(move || torch_set_get(port, "after-idle"))
         .await
         .unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
     // The agent kept its connection through it all.
     assert_eq!(agent.get(b"nrun/x").await.unwrap(), b"1");
     assert!(store.connections() <= 600);
@@ -534,7 +535,7 @@ async fn unfinished_requests_share_one_budget() {
     frame.truncate(frame.len() - 1);
     let mut a = raw_from([127, 0, 0, 1], addr).await.unwrap();
     a.write_all(&frame).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + HANG;
     while store.buffered_bytes() < 4 << 20 {
         assert!(
             Instant::now() < deadline,
@@ -545,14 +546,14 @@ async fn unfinished_requests_share_one_budget() {
     let mut b = raw_from([127, 0, 0, 2], addr).await.unwrap();
     let _ = b.write_all(&frame).await;
     assert!(
-        closed(&mut b, Duration::from_secs(5)).await,
+        closed(&mut b, HANG).await,
         "a second 4 MiB unfinished request fit a 6 MiB budget"
     );
     assert!(store.buffered_bytes() <= 6 << 20);
     // The first finishes and is served; small requests always are.
     a.write_all(&[3]).await.unwrap();
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + HANG;
     while store.get(b"/k").is_none() {
         assert!(
             Instant::now() < deadline,
@@ -587,7 +588,7 @@ async fn parked_waits_share_one_budget() {
     a.write_all(&enc(Request::Wait { keys: big("a") }))
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + HANG;
     while store.pending_waits().0 < 1 {
         assert!(Instant::now() < deadline, "the first wait never parked");
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -597,7 +598,7 @@ async fn parked_waits_share_one_budget() {
         .await
         .unwrap();
     assert!(
-        closed(&mut b, Duration::from_secs(5)).await,
+        closed(&mut b, HANG).await,
         "a wait past the budget was parked"
     );
     // Small waits still park and are answered.
@@ -615,7 +616,7 @@ async fn parked_waits_share_one_budget() {
     );
     // The first wait ends (its connection goes): its share comes back.
     drop(a);
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + HANG;
     while store.pending_waits() != (0, 0, 0) {
         assert!(Instant::now() < deadline, "{:?}", store.pending_waits());
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -624,7 +625,7 @@ async fn parked_waits_share_one_budget() {
     d.write_all(&enc(Request::Wait { keys: big("d") }))
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + HANG;
     while store.pending_waits().0 < 1 {
         assert!(Instant::now() < deadline, "the budget was not given back");
         tokio::time::sleep(Duration::from_millis(10)).await;

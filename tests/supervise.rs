@@ -111,11 +111,25 @@ fn workers_ignoring_sigterm_are_killed_after_the_grace_period() {
         ],
         &[("NRUN_FIXTURE", "stubborn"), ("FAIL_RANK0", "1")],
     );
-    let (out, took) = wait_with_timeout(child, Duration::from_secs(15));
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(15));
+    let ended = std::time::SystemTime::now();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    // The others got SIGTERM (their trap says so) and outlived it: SIGKILL only after the
+    // grace period, counted from rank 0's failure (a lower bound: load only adds to it).
+    for r in 1..3 {
+        let line = format!("rank {r} ignored TERM");
+        assert!(s.marks().contains(&line), "{line}: {:?}", s.marks());
+    }
+    let failed_at: u64 = s
+        .marks()
+        .iter()
+        .find_map(|l| l.strip_prefix("rank 0 fails at ")?.parse().ok())
+        .expect("rank 0 said when it failed");
+    let failed_at = std::time::UNIX_EPOCH + Duration::from_nanos(failed_at);
+    let lived = ended.duration_since(failed_at).unwrap_or_default();
     assert!(
-        took >= Duration::from_millis(1200),
-        "SIGKILL came before the grace period: {took:?}"
+        lived >= Duration::from_secs(1),
+        "SIGKILL came before the grace period: {lived:?} after the failure"
     );
     s.assert_no_survivors();
 }
@@ -129,7 +143,7 @@ fn second_ctrl_c_kills_at_once() {
             "--nproc",
             "2",
             "--shutdown-timeout",
-            "60",
+            "600",
             "--no-python",
             "sh",
             &w,
@@ -138,14 +152,14 @@ fn second_ctrl_c_kills_at_once() {
     );
     s.wait_marks("ready", 2, Duration::from_secs(10));
     signal(&child, "INT");
-    std::thread::sleep(Duration::from_millis(300));
+    // The first was passed on (both workers ignored it): the next one is a second Ctrl-C, not
+    // a copy of the first still pending.
+    s.wait_marks("rank 0 ignored INT", 1, HANG);
+    s.wait_marks("rank 1 ignored INT", 1, HANG);
     signal(&child, "INT");
-    let (out, took) = wait_with_timeout(child, Duration::from_secs(10));
+    // Within the hang guard, far under the 600 s grace the first began: killed at once.
+    let (out, _) = wait_with_timeout(child, HANG);
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
-    assert!(
-        took < Duration::from_secs(5),
-        "second Ctrl-C did not kill at once: {took:?}"
-    );
     s.assert_no_survivors();
 }
 
@@ -286,8 +300,8 @@ fn kill_9_leaves_no_grandchildren() {
     let scratch = scratch_of(nrun as u32).expect("nrun's scratch directory");
     assert!(scratch.exists(), "{}", scratch.display());
     signal_pid(&nrun.to_string(), "KILL");
-    let (out, took) = wait_with_timeout(child, Duration::from_secs(5));
-    assert!(took < Duration::from_secs(5), "the keeper did not end");
+    // The keeper ends (or the wait's hang guard says it did not).
+    let (out, _) = wait_with_timeout(child, HANG);
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), Some(9), "the keeper dies as nrun did");
     s.assert_no_survivors();
@@ -444,13 +458,21 @@ fn sigterm_while_agents_start_is_honoured_at_once() {
         ],
         &[],
     );
-    std::thread::sleep(Duration::from_millis(1000));
+    // While agents start: ssh waits on its proxy (nrun has its signals in hand by then).
+    wait_until("ssh's proxy command to run", || {
+        s.survivors().iter().any(|p| p.contains(": sleep 100"))
+    });
     signal(&child, "TERM");
-    let (out, took) = wait_with_timeout(child, Duration::from_secs(20));
+    let (out, _) = wait_with_timeout(child, HANG);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(128 + 15), "{err}");
-    assert!(took < Duration::from_secs(3), "took {took:?}: {err}");
     assert!(err.contains("interrupted while starting"), "{err}");
+    // At once: not after ssh gave up on the hosts by itself (its ConnectTimeout), which would
+    // have had its say. (How fast is a benchmark's matter, not a test's.)
+    assert!(
+        !err.contains("banner exchange") && !err.contains("timed out"),
+        "{err}"
+    );
     s.assert_no_survivors();
 }
 
@@ -500,12 +522,16 @@ fn nrun_under(keeper: u32) -> String {
 fn sigterm_while_workers_start_is_honoured_at_once() {
     let s = Scene::new();
     let child = s.spawn(&["--nproc", "1000", "--no-python", "sleep", "60"], &[]);
-    std::thread::sleep(Duration::from_millis(300));
+    // The starting has begun: a first worker runs.
+    wait_until("a first worker to start", || {
+        s.survivors().iter().any(|p| p.ends_with(": sleep 60 "))
+    });
     signal(&child, "TERM");
-    let (out, took) = wait_with_timeout(child, Duration::from_secs(30));
+    // Ends (within the hang guard, far under the workers' 60 s), as interrupted, with nothing
+    // left; how fast is BENCHMARKS' matter.
+    let (out, _) = wait_with_timeout(child, HANG);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(128 + 15), "{err}");
-    assert!(took < Duration::from_secs(3), "took {took:?}: {err}");
     s.assert_no_survivors();
 }
 
@@ -534,21 +560,20 @@ fn a_local_agent_dies_with_its_launcher_by_itself() {
         .read_line(&mut line)
         .unwrap();
     let agent: u32 = line.trim().parse().unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Forked by the shell; once it runs nrun, it waits for its instructions.
+    wait_until("the agent to exec nrun", || {
+        std::fs::read(format!("/proc/{agent}/cmdline"))
+            .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"__agent"))
+    });
     let st = proc_stat(agent).expect("the agent runs, waiting for its instructions");
     let ppid: u32 = st.split_whitespace().nth(1).unwrap().parse().unwrap();
     assert_eq!(ppid, sh.id(), "its parent is the one it was told: {st}");
     assert!(!st.starts_with('Z'), "{st}");
     signal(&sh, "KILL");
     let _ = sh.wait();
-    let end = std::time::Instant::now() + Duration::from_secs(2);
-    while proc_stat(agent).is_some_and(|st| !st.starts_with('Z')) {
-        assert!(
-            std::time::Instant::now() < end,
-            "the agent outlived its parent"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until("the agent to die with its parent", || {
+        proc_stat(agent).is_none_or(|st| st.starts_with('Z'))
+    });
     // Told of a parent it does not have (its launcher died before it could set the signal).
     let out = Command::new(nrun_bin())
         .arg("__agent")
@@ -627,7 +652,9 @@ fn signals_to_the_agent_spawner_leave_the_job_to_nrun() {
             "--no-python",
             "sh",
             "-c",
-            "echo up >> $MARK; sleep 2; echo done-$RANK $(grep SigBlk /proc/self/status)",
+            // Each worker runs until the test has signalled the spawner (go file).
+            "echo up >> $MARK; while [ ! -e $MARK.go ]; do sleep 0.05; done; \
+             echo done-$RANK $(grep SigBlk /proc/self/status)",
         ],
         &[],
     );
@@ -646,6 +673,7 @@ fn signals_to_the_agent_spawner_leave_the_job_to_nrun() {
     for sig in ["USR1", "TERM", "HUP", "INT"] {
         signal_pid(&spawner.to_string(), sig);
     }
+    std::fs::write(format!("{}.go", s.mark().display()), "").unwrap();
     let (out, _) = wait_with_timeout(child, Duration::from_secs(30));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
@@ -711,11 +739,12 @@ fn an_output_pipe_held_outside_the_job_does_not_hang_the_end() {
         2,
         "the worker did not hand over its stdout and stderr"
     );
-    let (out, took) = wait_with_timeout(child, Duration::from_secs(20));
+    // The pipes stay held until after nrun ends: ending at all (within the hang guard) is
+    // the check.
+    let (out, _) = wait_with_timeout(child, HANG);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(text(&out.stdout).contains("handed over"), "{err}");
-    assert!(took < Duration::from_secs(10), "took {took:?}: {err}");
     assert!(
         err.contains("still held open by a process outside the job"),
         "nrun did not say why the end waited: {err}"

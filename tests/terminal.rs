@@ -110,29 +110,24 @@ fn pdb_on_rank_0_through_the_terminal() {
 #[test]
 fn a_progress_bar_is_shown_before_its_line_ends() {
     let s = Scene::new();
+    // The worker goes on only once the terminal has shown each step (it reads the answer to
+    // it): a line shown only when it ended would never end.
     let sc = on_terminal(
         &s,
-        &[],
+        &[("10%", "\\n"), ("60%", "\\n")],
         &[
             "--nproc",
             "1",
             "--no-python",
             "sh",
             "-c",
-            "printf '10%%\\r'; sleep 1; printf '60%%\\r'; sleep 1; printf '100%%\\n'",
+            "printf '10%%\\r'; read x; printf '60%%\\r'; read x; printf '100%%\\n'",
         ],
     );
     let t = sc.text();
     assert_eq!(sc.status, 0, "{t}");
-    let first = sc
-        .shown_at("10%")
-        .unwrap_or_else(|| panic!("never shown: {t:?}"));
-    // Shown while the worker still sleeps, not when the line ended ~2 s in.
-    assert!(
-        first < sc.end - 1.0,
-        "10% shown at {first:.2} s of {:.2}: {t:?}",
-        sc.end
-    );
+    let (first, last) = (sc.shown_at("10%"), sc.shown_at("100%"));
+    assert!(first.is_some() && first <= last, "{t:?}");
     assert!(
         t.contains("10%\r") && t.contains("60%\r") && t.contains("100%"),
         "{t:?}"
@@ -245,12 +240,13 @@ fn ctrl_c_at_the_terminal_stops_the_job() {
         ],
     );
     let t = sc.text();
-    assert_eq!(sc.status, 130, "{t}");
+    assert_eq!(sc.status, 130, "ended {:.1} s in: {t}", sc.end);
     assert!(
         t.contains("stopped by SIGINT; every worker was stopped"),
         "{t}"
     );
     assert!(!t.contains("first failure"), "{t}");
-    assert!(sc.end < 20.0, "{t}");
+    // (The ranks sleep 600 s and pty_drive.py kills what runs past 120 s: status 130 is the
+    // interrupt's doing.)
     s.assert_no_survivors();
 }

@@ -44,13 +44,15 @@ fn a_job_through_a_three_level_tree_runs_and_leaves_nothing() {
             "--no-python",
             "sh",
             "-c",
+            // Every rank runs until the test has counted the ssh processes (the go file).
             "echo rank=$RANK of=$WORLD_SIZE node=$GROUP_RANK host=$(hostname); echo up >> $MARK; \
-             sleep 2",
+             while [ ! -e $MARK.go ]; do sleep 0.05; done",
         ],
         &[("NRUN_LOG", "debug")],
     );
     s.wait_marks("up", 14, Duration::from_secs(60));
     let ssh_here = launch_host_ssh(&s);
+    std::fs::write(format!("{}.go", s.mark().display()), "").unwrap();
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
@@ -67,11 +69,11 @@ fn a_job_through_a_three_level_tree_runs_and_leaves_nothing() {
             .unwrap_or_else(|| panic!("rank {r} missing: {stdout}"));
         assert!(
             // Ranks padded to the width of the largest (14 ranks: two places).
-            line.starts_with(&format!("[tr1-h{node}:rank{r:>2}]: ")),
+            line.starts_with(&format!("[{}:rank{r:>2}]: ", c.host(node))),
             "{line}"
         );
         assert!(
-            line.contains(&format!("of=14 node={} host=tr1-h{node}", node - 1)),
+            line.contains(&format!("of=14 node={} host={}", node - 1, c.host(node))),
             "{line}"
         );
     }
@@ -163,7 +165,9 @@ fn a_killed_inner_agent_is_named_with_its_subtree() {
     };
     let s = Scene::new();
     let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(hostname)\"; \
-                echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
+                echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 600; exit 0";
+    // (Attempt 0 sleeps past the waits' hang guard: a job ending within it was stopped.)
+    let h = |i: usize| c.host(i);
 
     // Five nodes, no spare: h2 starts h5; killing h2 loses both and the job ends.
     let child = c.spawn_on(
@@ -183,21 +187,25 @@ fn a_killed_inner_agent_is_named_with_its_subtree() {
     );
     s.wait_marks("started", 5, Duration::from_secs(60));
     assert!(c.kill_agents(2));
-    let t0 = Instant::now();
-    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (out, _) = wait_with_timeout(child, HANG);
     let err = text(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(
-        err.contains("lost the connection to tr3-h2")
-            && err
-                .contains("the 1 node started through it in the launch tree goes with it: tr3-h5"),
+        err.contains(&format!("lost the connection to {}", h(2)))
+            && err.contains(&format!(
+                "the 1 node started through it in the launch tree goes with it: {}",
+                h(5)
+            )),
         "{err}"
     );
     assert!(
-        err.contains("lost tr3-h5 with tr3-h2, which started its agent in the launch tree"),
+        err.contains(&format!(
+            "lost {} with {}, which started its agent in the launch tree",
+            h(5),
+            h(2)
+        )),
         "{err}"
     );
-    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
     s.assert_no_survivors();
     c.assert_nothing_left(7);
     std::fs::write(s.mark(), "").unwrap();
@@ -224,14 +232,22 @@ fn a_killed_inner_agent_is_named_with_its_subtree() {
     );
     s.wait_marks("started", 5, Duration::from_secs(60));
     assert!(c.kill_agents(2));
-    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (out, _) = wait_with_timeout(child, HANG);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert!(
-        stderr.contains(
-            "the job goes on with 5 nodes: tr3-h1, tr3-h3, tr3-h4, tr3-h6, tr3-h7 (lost: tr3-h2, \
-             tr3-h5) (spare in: tr3-h6, tr3-h7)"
-        ),
+        stderr.contains(&format!(
+            "the job goes on with 5 nodes: {}, {}, {}, {}, {} (lost: {}, {}) (spare in: {}, {})",
+            h(1),
+            h(3),
+            h(4),
+            h(6),
+            h(7),
+            h(2),
+            h(5),
+            h(6),
+            h(7)
+        )),
         "{stderr}"
     );
     let second: Vec<&str> = stdout.lines().filter(|l| l.contains("attempt=1")).collect();
@@ -239,7 +255,8 @@ fn a_killed_inner_agent_is_named_with_its_subtree() {
     assert!(
         !second
             .iter()
-            .any(|l| l.contains("host=tr3-h2 ") || l.ends_with("host=tr3-h5")),
+            .any(|l| l.contains(&format!("host={} ", h(2)))
+                || l.ends_with(&format!("host={}", h(5)))),
         "{stdout}"
     );
     s.assert_no_survivors();
@@ -266,20 +283,16 @@ fn a_killed_or_interrupted_launcher_leaves_nothing_in_the_tree() {
                 "--no-python",
                 "sh",
                 "-c",
-                "echo up >> $MARK; exec sleep 60",
+                // Past the waits' hang guard: what ends within it was stopped.
+                "echo up >> $MARK; exec sleep 600",
             ],
             &[],
         );
         s.wait_marks("up", 10, Duration::from_secs(60));
         signal(&child, sig);
-        let (out, took) = wait_with_timeout(child, Duration::from_secs(30));
+        let (out, _) = wait_with_timeout(child, HANG);
         if let Some(code) = code {
             assert_eq!(out.status.code(), Some(code), "{}", text(&out.stderr));
-        }
-        assert!(took < Duration::from_secs(15), "{sig}: took {took:?}");
-        let end = Instant::now() + Duration::from_secs(5);
-        while !s.survivors().is_empty() && Instant::now() < end {
-            std::thread::sleep(Duration::from_millis(100));
         }
         s.assert_no_survivors();
         c.assert_nothing_left(5);
@@ -299,7 +312,7 @@ fn kill_agent_of_rank(s: &Scene, rank: usize, n: usize) {
                 .unwrap();
             break line.split(' ').nth(1).unwrap().to_string();
         }
-        assert!(t0.elapsed() < Duration::from_secs(60), "{marks:?}");
+        assert!(t0.elapsed() < HANG, "hung: {marks:?}");
         std::thread::sleep(Duration::from_millis(20));
     };
     signal_pid(&agent, "KILL");
@@ -357,10 +370,10 @@ fn this_machines_nodes_go_through_the_tree_without_ssh() {
     s.assert_no_survivors();
 
     // Each worker says its agent's pid; rank 1's agent is the inner one of .6 and .7.
-    let child = run("echo \"$RANK $PPID\" >> $MARK; exec sleep 60");
+    // Past the wait's hang guard: a job ending within it was stopped.
+    let child = run("echo \"$RANK $PPID\" >> $MARK; exec sleep 600");
     kill_agent_of_rank(&s, 1, 7);
-    let t0 = Instant::now();
-    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let (out, _) = wait_with_timeout(child, HANG);
     let err = text(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(
@@ -372,7 +385,6 @@ fn this_machines_nodes_go_through_the_tree_without_ssh() {
             ),
         "{err}"
     );
-    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
     assert!(!s.marks().iter().any(|m| m == "ssh-ran"), "{:?}", s.marks());
     s.assert_no_survivors();
 }

@@ -80,12 +80,10 @@ fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
         "{err}"
     );
     assert!(err.contains("(--on-hang stop)"), "{err}");
-    // Diagnosed within --hang-timeout + 10 s of the stall (torch's start-up included here).
-    assert!(
-        started.elapsed().as_secs() < 30,
-        "took {:?}",
-        started.elapsed()
-    );
+    // Stopped by the watch: the rank sleeps 3600 s and the collective's timeout is 600 s, so
+    // an end within the hang guard is the watch's doing (how soon after the stall is measured
+    // in BENCHMARKS, section 5, not bounded here).
+    assert!(started.elapsed() < HANG, "took {:?}", started.elapsed());
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     let h = &v["watch"]["hangs"][0];
@@ -528,6 +526,8 @@ fn an_elastic_group_that_re_forms_while_training_raises_no_false_hang() {
             "NRUN_SLOW_S=0.05",
             "-x",
             "NRUN_STEPS=500",
+            "-x",
+            "MARK",
             "--hang-timeout",
             "6",
             "--on-hang",
@@ -536,11 +536,12 @@ fn an_elastic_group_that_re_forms_while_training_raises_no_false_hang() {
         ],
         &[],
     );
-    // Training runs on three nodes; then cwe-h3's agent dies and the group re-forms.
-    std::thread::sleep(std::time::Duration::from_secs(15));
+    // Training runs on three nodes (every rank past its 10th step); then cwe-h3's agent dies
+    // and the group re-forms.
+    s.wait_marks("training", 3, HANG);
     let killed = c.kill_agents(3);
     assert!(killed);
-    let (out, _) = wait_with_timeout(child, std::time::Duration::from_secs(120));
+    let (out, _) = wait_with_timeout(child, HANG);
     let err = text(&out.stderr);
     assert!(err.contains(&format!("(lost: {})", c.host(3))), "{err}");
     assert!(!err.contains("nrun: hang:"), "{err}");

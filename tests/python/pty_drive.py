@@ -21,7 +21,8 @@ if pid == 0:
 t0 = time.time()
 seen = b""
 chunks = []
-while time.time() - t0 < 60:
+# A hang guard: a command still running after two minutes is killed (its status then says so).
+while time.time() - t0 < 120:
     r, _, _ = select.select([fd], [], [], 0.1)
     if not r:
         continue

@@ -56,23 +56,26 @@ def main():
             raise AssertionError("get of a missing key returned")
         except (dist.DistStoreError, RuntimeError) as e:
             assert "timeout" in str(e).lower() or "timed out" in str(e).lower(), e
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 60  # a hang guard: it timed out, however loaded the machine
         # The connection is still in step after the client's CANCEL_WAIT.
         s.set_timeout(T(seconds=10))
         s.set("after-cancel", "1")
         assert s.get("after-cancel") == b"1"
 
     def wait_pushed_later():
+        b_sent = threading.Event()
+
         def later():
             time.sleep(0.3)
             other.set("late-a", "1")
             time.sleep(0.1)
+            b_sent.set()
             other.set("late-b", "2")
         th = threading.Thread(target=later)
         th.start()
-        t0 = time.monotonic()
         s.wait(["late-a", "late-b"])
-        assert time.monotonic() - t0 >= 0.35
+        # Woken by the last key, not the first: an event, not a time that load can stretch.
+        assert b_sent.is_set()
         th.join()
         assert s.get("late-b") == b"2"
 
