@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of the preflight's and the watch's tests, and the preflight's validation against
 # torch, for a machine with one NVIDIA GPU or more (nrun built elsewhere: pass NRUN=path).
-# Writes logs to $OUT (or ./gpu-check-out). GPU_CHECK=preflight or watch runs one half.
+# Writes logs to $OUT (or ./gpu-check-out). GPU_CHECK=preflight, watch or faults runs one part.
 #   NRUN=target/release/nrun PYTHON=/opt/torch/.venv/bin/python3 scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ echo "GPUs: $NGPU; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noh
 [ "$NGPU" -ge 1 ] || { echo "no GPU: nothing to check"; exit 0; }
 NP=$([ "$NGPU" -ge 2 ] && echo "$NGPU" || echo 1)
 SECTION=${GPU_CHECK:-all}
-if [ "$SECTION" != watch ]; then
+if [ "$SECTION" = all ] || [ "$SECTION" = preflight ]; then
 
 # Validation: default sweep, whole command timed (target <= 1.5 s), then the full sweep beside torch.
 check preflight-default 0 "$NRUN" --preflight-only --nproc "$NP" --python "$PY" --report "$OUTDIR/preflight-default.json"
@@ -89,7 +89,7 @@ if [ "$NGPU" -ge 2 ]; then
 fi
 fi  # preflight section
 
-if [ "$SECTION" != preflight ]; then
+if [ "$SECTION" = all ] || [ "$SECTION" = watch ]; then
 # The watch on NCCL, with any number of GPUs: two ranks share GPU 0 as two NCCL "hosts" (their
 # own NCCL_HOSTID), so NCCL connects them over NET/Socket as it would two nodes. Launched through
 # a shell wrapper that execs python, which the watch follows by default.
@@ -128,12 +128,41 @@ check nccl-watch-off 0 $T env NRUN_MM=6 NRUN_SECONDS=25 "$NRUN" --watch off "${W
 echo "  step time, watch on (flight recorder on) vs off: $(grep -ho 'median step .* ms' "$OUTDIR/nccl-balanced.log" | tr '\n' ' ')vs $(grep -ho 'median step .* ms' "$OUTDIR/nccl-watch-off.log" | tr '\n' ' ')"
 fi  # watch section
 
+if [ "$SECTION" = all ] || [ "$SECTION" = faults ]; then
+# The fault model on NCCL (README "Fault model"): a rank killed by SIGKILL mid-training (the
+# OOM killer's signal) is a suspicion, and the group restarts in place, as torchrun would; every
+# rank's second attempt says TORCHELASTIC_RESTART_COUNT 1. Two ranks share GPU 0 as two hosts.
+W2=(--nproc 2 --no-preflight --no-python sh -c 'NCCL_HOSTID=h$RANK exec "$0" "$@"' "$PY")
+cat > "$OUTDIR/killed.py" <<'PY'
+import os, signal, torch, torch.distributed as dist
+dist.init_process_group("nccl")
+rank, again = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]
+torch.cuda.set_device(0)
+t = torch.ones(1 << 20, device="cuda")
+for step in range(20):
+    if step == 5 and rank == 1 and again == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(t)
+torch.cuda.synchronize()
+print(f"rank {rank} done, restart count {again}", flush=True)
+dist.destroy_process_group()
+PY
+check nccl-sigkill-restarts 0 timeout -k 5 180 "$NRUN" --max-restarts 1 --report "$OUTDIR/nccl-sigkill.json" "${W2[@]}" "$OUTDIR/killed.py"
+check nccl-sigkill-suspected 0 grep -q "node suspected (rank 1 was killed by SIGKILL" "$OUTDIR/nccl-sigkill-restarts.log"
+check nccl-sigkill-rank0 0 grep -q "rank 0 done, restart count 1" "$OUTDIR/nccl-sigkill-restarts.log"
+check nccl-sigkill-rank1 0 grep -q "rank 1 done, restart count 1" "$OUTDIR/nccl-sigkill-restarts.log"
+# A rank that polls in Python instead of entering the all_reduce its peer waits in: the hang's
+# culprit within --hang-timeout and a few seconds, exit 97.
+check nccl-poll 97 timeout -k 5 120 env NRUN_HANG_CASE=poll NRUN_HANG_BACKEND=nccl "$NRUN" --hang-timeout 10 --on-hang stop --report "$OUTDIR/nccl-poll.json" "${W2[@]}" tests/python/hang.py
+check nccl-poll-culprit 0 "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); h = r["watch"]["hangs"][0]; assert h["culprits"] == [1], h' "$OUTDIR/nccl-poll.json"
+fi  # faults section
+
 # The pattern also matches the shells that started this script when their command line names one
 # of these files (a caller's own follow-up check, say): count only processes outside that chain.
 ancestors=" $$ "; p=$$
 while p=$(ps -o ppid= -p "$p" 2>/dev/null | tr -d ' ') && [ -n "$p" ] && [ "$p" != 0 ]; do ancestors+="$p "; done
 leftover=0
-for p in $(pgrep -f '__preflight|examples/train.py|hang.py|gpu_steps.py'); do
+for p in $(pgrep -f '__preflight|examples/train.py|hang.py|gpu_steps.py|killed.py'); do
   case "$ancestors" in *" $p "*) ;; *) leftover=$((leftover+1)); ps -o pid=,args= -p "$p" ;; esac
 done
 echo "left running: $leftover"
