@@ -331,6 +331,11 @@ async fn join_and_serve(
         .set(&keys.joined(hello.node), &record)
         .await
         .map_err(lost)?;
+    // A c10d node (its own work) says it joined only now that the host can see it: a test or a
+    // person acting on the line (a spare is in) finds it true.
+    if hello.own.is_some() {
+        tracing::info!("joined the rendezvous at {reached} as node {}", hello.node);
+    }
     // Out of reach (the store silent) sets the same `gone` as stdin closing. An agent of nrun
     // on this very host needs no watch over a link, nor a heartbeat: nrun sees its process,
     // and it dies with nrun (a request every half second per agent, and a connection, saved).

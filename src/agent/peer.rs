@@ -81,7 +81,7 @@ pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> 
         // The launch host's nodes are elsewhere: they probe this one.
         probed: true,
     };
-    tracing::info!("joined the rendezvous at {endpoint} as node {node}");
+    // "joined the rendezvous" is said once the host can see this node (agent::join_and_serve).
     let signals = Signals::install(&job.session.forward_signals)?;
     // Nothing closes: the host going away shows as its store going away.
     let (gone, _) = watch::channel(false);
