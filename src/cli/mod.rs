@@ -42,7 +42,7 @@ and rendezvous through the store nrun hosts, so init_process_group(\"env://\") n
 
 Exit status: 0 all workers succeeded; 2 bad usage or input; 95 nodes could not join or disagree;
 96 bisect found bad nodes; 97 a hang stopped the job (--on-hang stop); 98 too few healthy
-nodes (nodes left out, no spare left); 90-94 the preflight
+nodes (nodes left out, no spare left; or a node lost mid-run and not replaced); 90-94 the preflight
 failed (90 could not run, 91 NCCL init failed, 92 timed out, 93 wrong results, 94 too slow);
 otherwise the first failing worker's exit code (128+N when it died of signal N), or 128+N when
 nrun itself was stopped by signal N.";
@@ -292,7 +292,9 @@ pub struct RendezvousArgs {
 /// The worker group's life and its output.
 #[derive(Args, Debug, Clone)]
 pub struct JobArgs {
-    /// Restart the whole worker group up to N times after a failure.
+    /// Restart the whole worker group up to N times after a failure (any failure, as
+    /// torchrun; a node lost, or at fault twice, gives its place to a spare: README's "Fault
+    /// model").
     #[arg(
         long = "max-restarts",
         alias = "max_restarts",
