@@ -13,7 +13,7 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nrun::store::client::Client;
+use nrun_store::client::Client;
 
 fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {

@@ -39,8 +39,8 @@ fi
 venv=$(scripts/venv.sh)
 export NRUN_TEST_PYTHON="$venv/bin/python"
 
-cargo fmt --check
-cargo clippy --all-targets --quiet -- -D warnings
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
 if [ "${1:-}" = "--" ]; then shift; fi
 # The pip wheel (issue 24): built, installed into a fresh venv, run in an older Debian. A few
 # minutes (a fat-LTO build), so a run narrowed to a FILTER leaves it out, and says so.
@@ -50,4 +50,4 @@ else
   echo "test.sh: a FILTER was given: the wheel checks (scripts/wheel-check.sh) are not run" >&2
 fi
 # A hung test must fail the run, not stall it: 30 minutes is far above the suite's 2-3.
-timeout --kill-after=30 1800 cargo test --all-targets --no-fail-fast "$@"
+timeout --kill-after=30 1800 cargo test --workspace --all-targets --no-fail-fast "$@"

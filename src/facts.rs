@@ -11,7 +11,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::net::Iface;
+use nrun_base::net::Iface;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct NcclLib {
@@ -38,7 +38,7 @@ pub struct Facts {
     pub nrun: String,
     /// Each GPU's PCI bus id and health, from NVML (empty without it).
     #[serde(default)]
-    pub gpu_health: Vec<(String, crate::preflight::hardware::Health)>,
+    pub gpu_health: Vec<(String, nrun_preflight::hardware::Health)>,
     /// The workers this node's own nrun was asked for (c10d: each node its own command line
     /// and --nproc-per-node, as torchrun's); None where the launch host decides.
     #[serde(default)]
@@ -74,16 +74,16 @@ fn ld_library_path() -> Option<String> {
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
 pub fn gather(python: Option<&Path>) -> Facts {
     let mut f = Facts {
-        hostname: crate::net::hostname(),
+        hostname: nrun_base::net::hostname(),
         os: os_name(),
-        ifaces: crate::net::interfaces(),
-        nrun: crate::cli::VERSION.to_string(),
+        ifaces: nrun_base::net::interfaces(),
+        nrun: nrun_base::VERSION.to_string(),
         ..Facts::default()
     };
     // NVML only where the driver is: loading it elsewhere is a wasted search.
     let driver = gpu_driver();
     if driver {
-        f.gpu_health = crate::preflight::hardware::all_gpus().unwrap_or_default();
+        f.gpu_health = nrun_preflight::hardware::all_gpus().unwrap_or_default();
     }
     if let Ok(rd) = std::fs::read_dir("/proc/driver/nvidia/gpus") {
         let mut gpus: Vec<String> = rd
@@ -112,13 +112,13 @@ pub fn gather(python: Option<&Path>) -> Facts {
                 .map(String::from)
         });
     let python_paths = python
-        .map(crate::preflight::nccl::python_package_dirs)
+        .map(nrun_preflight::nccl::python_package_dirs)
         .unwrap_or_default();
     let ld = ld_library_path();
     let exe = std::env::current_exe().ok();
     // The system's copies (an `ldconfig -p` run, most of an agent's start) only where a driver
     // could load one: NCCL needs GPUs.
-    for c in crate::preflight::nccl::candidates(None, &python_paths, ld.as_deref(), driver) {
+    for c in nrun_preflight::nccl::candidates(None, &python_paths, ld.as_deref(), driver) {
         let version = exe.as_ref().and_then(|exe| {
             std::process::Command::new(exe)
                 .arg("__nccl-version")

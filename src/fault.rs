@@ -24,7 +24,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::agent::protocol::{RunResult, StepResult, WorkerFailure};
+use crate::protocol::{RunResult, StepResult, WorkerFailure};
 
 /// What one node's result of a failed attempt says about the node.
 #[derive(Clone, Debug, PartialEq, Eq)]

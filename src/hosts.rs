@@ -24,7 +24,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::error::{Error, Result};
+use nrun_base::error::{Error, Result};
 
 /// Most slots one host may declare. Far above any real machine, and it bounds the slot lists
 /// `--exclude` builds.
@@ -1016,7 +1016,7 @@ mod tests {
     /// The error message, asserting the input was rejected as bad usage.
     fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
         let e = r.expect_err("expected an error");
-        assert_eq!(e.code, crate::error::exit::USAGE, "{}", e.message);
+        assert_eq!(e.code, nrun_base::error::exit::USAGE, "{}", e.message);
         assert!(!e.message.contains('\n'), "one line: {}", e.message);
         assert!(
             e.message.starts_with(|c: char| !c.is_uppercase()),

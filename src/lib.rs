@@ -1,55 +1,48 @@
-//! nrun: a launcher for distributed PyTorch/NCCL jobs.
+//! nrun: a launcher for distributed PyTorch/NCCL jobs; the top crate of the workspace (plan,
+//! session and links, agent, watch, fault model, commands, the binary's entry).
 //!
-//! Map of the crate. A run flows one way: the command line becomes a [`plan::Mode`]; a
-//! [`session::Session`] starts the store and one link per node, joins and checks them and
-//! drives their steps; a command (the job, doctor, bisect) decides which steps.
-//! - [`cli`]: clap definitions only: the default run, `doctor`, `bisect`; flattened flag groups.
+//! The crates below it, each a layer that knows nothing of those above (README, "Design"):
+//! `nrun-base` (errors and exit codes, host names, private files), `nrun-store` (the TCPStore
+//! codec, server, client, the run's secret), `nrun-preflight` (NCCL/CUDA, the all-reduce
+//! worker, findings), `nrun-node` (one node's worker group: spawning, supervision, output, the
+//! keeper and the spawner), `nrun-cli` (clap definitions only).
+//!
+//! Map of this crate, lowest layer first; a module uses only those before it (no cycle).
+//! A run flows one way: the command line becomes a [`plan::Mode`]; a [`session::Session`]
+//! starts the store and one link per node, joins and checks them and drives their steps; a
+//! command (the job, doctor, bisect) decides which steps.
+//! - [`hosts`]: host lists: hostfile formats, Slurm hostlists, include/exclude, rank layout.
+//! - [`facts`]: what a node reports about itself (GPUs, interfaces, NCCL, torch), compared.
+//! - [`protocol`]: the messages and store keys between the launch host, agents and ranks.
+//! - [`remote`]: ssh and srun command lines (pure). [`report`]: how a job ended, the failure
+//!   summary, JSON reports, log format. [`fault`]: the fault model: a failed attempt's
+//!   evidence per node, the verdict (the program's, a node suspected, at fault or lost) and the
+//!   action (restart, spare, shrink, stop).
+//! - [`agent`]: the per-node side: the one step dispatcher ([`agent::exec::dispatch`], also the
+//!   in-process node's), sampling the workers' Python stacks, and the `nrun __agent` process.
+//! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank
+//!   is missing from the collective the others wait in), stragglers, a failure's likely cause.
 //! - [`plan`]: from flags to a [`plan::Mode`]: each command's own resolved settings (the
 //!   session's, the workers', the preflight's...) and its nodes and rank layout; no I/O besides
 //!   reading the hostfile and the filesystem checks.
-//! - [`hosts`]: host lists: hostfile formats, Slurm hostlists, include/exclude, rank layout.
-//! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session.
 //! - [`session`]: store + links + join + checks + steps + end, for one node or many; the one
-//!   worker-spec builder. The seam: [`session::link::NodeLink`], one per node, implemented by
-//!   each kind of agent (in-process, a child here or over ssh, an srun step, a c10d peer; a
-//!   fake in tests); only [`session::link::start`] knows the kinds.
-//! - [`agent`]: the per-node side: the protocol (messages and keys), the one step dispatcher
-//!   ([`agent::exec::dispatch`], also the in-process node's), sampling the workers' Python
-//!   stacks, and the `nrun __agent` process.
-//! - [`remote`]: ssh and srun command lines (pure).
-//! - [`node`]: one node's worker group: spawning, process groups, stop requests, output, logs;
-//!   the keeper, and the spawner that starts the agents.
-//! - [`store`]: the TCPStore protocol: a pure codec, the tokio server, a client, and the
-//!   proof of the run's secret (challenge-response, sealed steps).
-//! - [`preflight`]: NCCL by path, CUDA through cudarc, the per-rank worker, the verdict.
-//! - [`net`]: interfaces, this host's name, routes. [`facts`]: what a node reports, compared.
-//! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank
-//!   is missing from the collective the others wait in), stragglers, a failure's likely cause.
-//! - [`fault`]: the fault model: a failed attempt's evidence per node, the verdict (the
-//!   program's, a node suspected, at fault or lost) and the action (restart, spare, shrink, stop).
-//! - [`report`]: how a job ended, the failure summary, JSON reports, log format.
-//! - [`error`]: errors for people and the exit codes. [`files`]: private directories, bounded
-//!   reads.
+//!   worker-spec builder; a c10d node's own side ([`session::c10d`]). The seam:
+//!   [`session::link::NodeLink`], one per node, implemented by each kind of node (in-process,
+//!   a child here or over ssh, an srun step, a c10d peer; a fake in tests).
+//! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session.
 
-// Public: what the integration tests (tests/*.rs) use as a library (the store, NCCL by path,
-// interfaces) and `node`, whose owners still prune it; the rest is the crate's own, so an
-// item nobody uses is reported as dead.
+// Only `main` is public: the integration tests use the crates below as libraries, so an
+// item of this crate that nobody uses is reported as dead.
 pub(crate) mod agent;
-pub(crate) mod cli;
 pub(crate) mod commands;
-pub(crate) mod error;
 pub(crate) mod facts;
 pub(crate) mod fault;
-pub(crate) mod files;
 pub(crate) mod hosts;
-pub mod net;
-pub mod node;
 pub(crate) mod plan;
-pub mod preflight;
+pub(crate) mod protocol;
 pub(crate) mod remote;
 pub(crate) mod report;
 pub(crate) mod session;
-pub mod store;
 pub(crate) mod watch;
 
 use std::process::ExitCode;
@@ -60,7 +53,7 @@ use clap::Parser;
 pub fn main() -> ExitCode {
     // nrun re-runs itself as the preflight rank, and to read a libnccl's version in isolation;
     // these internal entry points are dispatched before the user-facing command line.
-    node::process::raise_fd_limit();
+    nrun_node::process::raise_fd_limit();
     let mut argv = std::env::args_os().skip(1);
     let first = argv.next();
     // Everything but a preflight rank, a library probe or an agent of nrun on this very host
@@ -72,16 +65,16 @@ pub fn main() -> ExitCode {
         _ => true,
     };
     if kept {
-        node::keeper::start();
+        nrun_node::keeper::start();
     }
     match first.as_deref().and_then(|a| a.to_str()) {
-        Some("__preflight") => return ExitCode::from(preflight::worker::main()),
+        Some("__preflight") => return ExitCode::from(nrun_preflight::worker::main()),
         Some("__agent") => return ExitCode::from(agent::main()),
-        Some("__reap") => return ExitCode::from(node::keeper::reap_main(argv)),
+        Some("__reap") => return ExitCode::from(nrun_node::keeper::reap_main(argv)),
         Some("__nccl-version") => {
             return match argv
                 .next()
-                .map(|p| preflight::nccl::Nccl::open(std::path::Path::new(&p)))
+                .map(|p| nrun_preflight::nccl::Nccl::open(std::path::Path::new(&p)))
             {
                 Some(Ok(n)) => {
                     println!("{}", n.version);
@@ -89,19 +82,20 @@ pub fn main() -> ExitCode {
                 }
                 Some(Err(e)) => {
                     eprintln!("{e}");
-                    ExitCode::from(error::exit::INTERNAL)
+                    ExitCode::from(nrun_base::error::exit::INTERNAL)
                 }
-                None => ExitCode::from(error::exit::USAGE),
+                None => ExitCode::from(nrun_base::error::exit::USAGE),
             };
         }
         _ => {}
     }
-    cli::apply_pet_env();
-    let cli = match cli::Cli::try_parse() {
+    nrun_cli::apply_pet_env();
+    let cli = match nrun_cli::Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
             // A closed choice refused (cli::Choice): nrun's own one line, as for any bad value.
-            let ours = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<error::Error>());
+            let ours = std::error::Error::source(&e)
+                .and_then(|s| s.downcast_ref::<nrun_base::error::Error>());
             if let Some(ours) = ours {
                 eprintln!("nrun: error: {ours}");
                 return ExitCode::from(ours.code);
@@ -114,15 +108,15 @@ pub fn main() -> ExitCode {
     init_logging();
     // Completions and the manual page need the command line's definition, not a plan.
     let shell = match &cli.command {
-        Some(cli::Command::Completions { shell }) => Some(shell.as_str()),
+        Some(nrun_cli::Command::Completions { shell }) => Some(shell.as_str()),
         None => cli.run.print_completion.as_deref(),
         _ => None,
     };
     if let Some(shell) = shell {
-        return ExitCode::from(cli::print_completions(shell));
+        return ExitCode::from(nrun_cli::print_completions(shell));
     }
-    if matches!(cli.command, Some(cli::Command::Man)) {
-        return ExitCode::from(cli::print_man());
+    if matches!(cli.command, Some(nrun_cli::Command::Man)) {
+        return ExitCode::from(nrun_cli::print_man());
     }
     let env = |k: &str| std::env::var(k).ok();
     match plan::resolve(cli, &env).and_then(commands::execute) {
@@ -136,12 +130,12 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// Where nrun's log lines go: stderr, or nowhere once [`silence_logging`] was called.
+/// Where nrun's log lines go: stderr, or nowhere once [`nrun_base::silence_logging`] was called.
 struct LogWriter;
 
 impl std::io::Write for LogWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match SILENT.load(std::sync::atomic::Ordering::Relaxed) {
+        match nrun_base::logging_silenced() {
             true => Ok(buf.len()),
             false => std::io::stderr().write(buf),
         }
@@ -149,14 +143,6 @@ impl std::io::Write for LogWriter {
     fn flush(&mut self) -> std::io::Result<()> {
         std::io::stderr().flush()
     }
-}
-
-static SILENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// An agent forked from nrun's spawner (see node::spawner) inherits nrun's log subscriber,
-/// where an exec'd agent has none: it says nothing through it, as an exec'd one does not.
-pub(crate) fn silence_logging() {
-    SILENT.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// NRUN_LOG=error|warn|info|debug|trace sets how much nrun says (default info).

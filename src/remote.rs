@@ -78,7 +78,7 @@ pub fn ssh_reap_command(
     host: &str,
     user_opts: &[String],
     remote_nrun: &str,
-    kept: &crate::agent::protocol::Kept,
+    kept: &nrun_node::keeper::Kept,
     limit: std::time::Duration,
 ) -> Vec<OsString> {
     let sub = format!(
@@ -135,7 +135,7 @@ pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
 }
 
 /// Splits `--ssh-opts "-F file -p 2222 -i key"` like a shell would (quotes, backslashes).
-pub fn split_opts(s: &str) -> crate::error::Result<Vec<String>> {
+pub fn split_opts(s: &str) -> nrun_base::error::Result<Vec<String>> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut has = false;
@@ -170,7 +170,7 @@ pub fn split_opts(s: &str) -> crate::error::Result<Vec<String>> {
         }
     }
     if quote.is_some() {
-        return Err(crate::error::Error::usage(format!(
+        return Err(nrun_base::error::Error::usage(format!(
             "--ssh-opts {s:?}: unbalanced quote"
         )));
     }
@@ -202,7 +202,7 @@ mod tests {
     /// and its token is quoted for the remote shell.
     #[test]
     fn a_reap_command_names_the_agent_and_bounds_its_connect() {
-        let kept = crate::agent::protocol::Kept {
+        let kept = nrun_node::keeper::Kept {
             keeper: 41,
             agent: 42,
             token: "41.123".into(),

@@ -4,19 +4,8 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::agent::protocol::{RunResult, StepResult, WorkerFailure};
-use crate::error::{Error, Result, exit};
-
-/// Writes `text` to stdout. A reader that stopped early (`nrun completions zsh | head -c1`,
-/// `nrun doctor | head`) is a quiet end, not a panic: `print!` would panic on the broken
-/// pipe (Rust ignores SIGPIPE). Returns false when stdout was closed or failed.
-pub fn stdout(text: impl AsRef<[u8]>) -> bool {
-    use std::io::Write as _;
-    let mut out = std::io::stdout().lock();
-    out.write_all(text.as_ref())
-        .and_then(|()| out.flush())
-        .is_ok()
-}
+use crate::protocol::{RunResult, StepResult, WorkerFailure};
+use nrun_base::error::{Error, Result, exit};
 
 /// How one attempt of the job ended, over every node.
 #[derive(Debug)]
@@ -120,7 +109,7 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
 
 /// What to check about a node whose agent or link was lost.
 pub fn lost_hint(host: &str) -> String {
-    match crate::net::is_this_host(host) {
+    match nrun_base::net::is_this_host(host) {
         true => format!(
             "check what ended nrun's agent of {host} on this host (a kill, or the kernel's \
              out-of-memory killer: dmesg)"
@@ -129,10 +118,10 @@ pub fn lost_hint(host: &str) -> String {
     }
 }
 
-/// Whether a worker's failure shows a peer's doing (see [`crate::node::failed_by_peer`]).
+/// Whether a worker's failure shows a peer's doing (see [`nrun_node::failed_by_peer`]).
 fn by_peer(f: &WorkerFailure) -> bool {
     let lines = f.stderr_tail.iter().chain(f.traceback.iter());
-    crate::node::failed_by_peer(lines.map(String::as_str))
+    nrun_node::failed_by_peer(lines.map(String::as_str))
 }
 
 fn failed(code: u8, summary: String) -> JobEnd {

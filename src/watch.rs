@@ -15,16 +15,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::agent::protocol::{NodeWatch, RankView};
-
-/// What to do when a hang is found (`--on-hang`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnHang {
-    /// Say it once (again after progress resumes), keep watching.
-    Report,
-    /// Say it, then stop the job (exit code [`crate::error::exit::HANG`]).
-    Stop,
-}
+use crate::protocol::{NodeWatch, RankView, waits_in};
+use nrun_cli::OnHang;
 
 /// The watch's settings.
 #[derive(Clone, Copy, Debug)]
@@ -99,7 +91,7 @@ const RAS_LINES: usize = 8;
 /// The RAS answer among `views` given during the last `stalled_s` seconds (asked while the
 /// ranks stalled: an older one speaks of another moment).
 fn ras_of(views: &HashMap<usize, NodeWatch>, hosts: &[String], stalled_s: f64) -> Option<NcclRas> {
-    let since = crate::agent::protocol::unix_ms().saturating_sub((stalled_s * 1e3) as u64);
+    let since = crate::protocol::unix_ms().saturating_sub((stalled_s * 1e3) as u64);
     let (node, r) = views
         .iter()
         .filter_map(|(n, v)| Some((*n, v.ras.as_ref()?)))
@@ -123,7 +115,7 @@ pub struct Seen<'a> {
     pub view: &'a RankView,
 }
 
-fn frame_text(f: &crate::agent::protocol::Frame) -> String {
+fn frame_text(f: &crate::protocol::Frame) -> String {
     match &f.code {
         Some(c) => format!("{} ({}:{}): {c}", f.name, f.file, f.line),
         None => format!("{} ({}:{})", f.name, f.file, f.line),
@@ -157,31 +149,6 @@ fn ranks_text(r: &[usize]) -> String {
         1 => format!("rank {}", s[0]),
         _ => format!("ranks {}", s.join(",")),
     }
-}
-
-/// What a rank waits in: a torch.distributed collective, or a point where the CPU waits for the
-/// GPU (NCCL collectives are asynchronous: a rank stuck behind one waits at its next `.item()`,
-/// `.cpu()` or `synchronize()`), said as "a GPU sync (<its line>)".
-pub fn waits_in(v: &RankView) -> Option<String> {
-    if let Some(op) = &v.collective {
-        return Some(op.clone());
-    }
-    const SYNCS: [&str; 6] = [
-        ".item()",
-        ".cpu()",
-        ".tolist()",
-        ".numpy()",
-        "synchronize(",
-        ".wait()",
-    ];
-    let f = v.frames.iter().find(|f| {
-        (f.name == "synchronize" && f.file.ends_with("torch/cuda/__init__.py"))
-            || f.code
-                .as_deref()
-                .is_some_and(|c| SYNCS.iter().any(|m| c.contains(m)))
-    })?;
-    let line = f.code.as_deref().unwrap_or(&f.name);
-    Some(format!("a GPU sync ({line})"))
 }
 
 /// The diagnosis of a stall, from every rank's latest view.
@@ -369,7 +336,7 @@ fn size_text(b: u64) -> String {
 }
 
 /// "all_reduce #6 (4 MiB)", naming the process group when it is not the default one.
-fn op_text(o: &crate::agent::protocol::FrOp) -> String {
+fn op_text(o: &crate::protocol::FrOp) -> String {
     let group = match o.pg.as_str() {
         "0" | "" | "default_pg" => String::new(),
         g => format!(", group {g}"),
@@ -382,7 +349,7 @@ fn op_text(o: &crate::agent::protocol::FrOp) -> String {
 /// where their stack is), or the ranks that disagree on its op or size. None unless every rank
 /// still running has a dump and one of them waits.
 fn flight_conclusion(ranks: &[Seen<'_>]) -> Option<(Kind, String, Vec<usize>)> {
-    use crate::agent::protocol::FrOp;
+    use crate::protocol::FrOp;
     let running: Vec<&Seen<'_>> = ranks.iter().filter(|s| s.view.exited.is_none()).collect();
     if running.is_empty() || running.iter().any(|s| s.view.fr.is_none()) {
         return None;
@@ -530,7 +497,7 @@ impl Mismatch {
 /// Compares the runs of every rank's flight recorder: the lowest sequence number that two or
 /// more ranks of one group both recorded and called differently.
 pub fn mismatch(ranks: &[Seen<'_>]) -> Option<Mismatch> {
-    use crate::agent::protocol::FrRun;
+    use crate::protocol::FrRun;
     let mut by_pg: BTreeMap<&str, Vec<(usize, &[FrRun])>> = BTreeMap::new();
     for s in ranks {
         if let Some(fr) = &s.view.fr {
@@ -1026,7 +993,7 @@ pub fn hang_text(d: &Diagnosis, timeout: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::protocol::Frame;
+    use crate::protocol::Frame;
 
     fn frame(name: &str, file: &str, line: i32) -> Frame {
         Frame {
@@ -1253,8 +1220,8 @@ mod tests {
         assert!(straggler(&seen(&balanced)).is_none());
     }
 
-    fn fr(seq: u64, state: &str, bytes: u64) -> crate::agent::protocol::FrView {
-        use crate::agent::protocol::{FrOp, FrView};
+    fn fr(seq: u64, state: &str, bytes: u64) -> crate::protocol::FrView {
+        use crate::protocol::{FrOp, FrView};
         let op = |seq, state: &str| FrOp {
             seq,
             op: "all_reduce".into(),
@@ -1338,7 +1305,7 @@ mod tests {
 
     /// A view whose flight recorder holds `runs` (first, last, op, bytes) of group `pg`.
     fn recorded(rank: usize, pg: &str, runs: &[(u64, u64, &str, u64)]) -> RankView {
-        use crate::agent::protocol::FrRun;
+        use crate::protocol::FrRun;
         let mut v = busy(rank, 40);
         let mut f = fr(runs.last().map_or(1, |r| r.1), "completed", 0);
         f.last.pg = pg.into();
@@ -1626,10 +1593,10 @@ mod tests {
             on_hang: OnHang::Report,
         };
         let hosts = vec!["h1".to_string(), "h2".to_string()];
-        let now_ms = crate::agent::protocol::unix_ms();
+        let now_ms = crate::protocol::unix_ms();
         let status = "Errors\n======\n\nWarnings\n========\n\n#0-0 (f4) MISMATCH\n  \
                       Communicator ranks have different AllReduce operation counts\n";
-        let ras = |at_ms| crate::agent::protocol::RasView {
+        let ras = |at_ms| crate::protocol::RasView {
             at_ms,
             text: Some(status.into()),
             error: None,

@@ -1168,7 +1168,7 @@ fn the_secret_never_crosses_the_wire() {
     assert_eq!(ob.status.code(), Some(0), "{}", text(&ob.stderr));
     let _ = sniffer.wait();
     let wire = std::fs::read(&capture).unwrap();
-    let derived = nrun::store::auth::derive(shared.as_bytes(), "j-sniff");
+    let derived = nrun_store::auth::derive(shared.as_bytes(), "j-sniff");
     let has = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
     // The capture saw the store's conversation...
     assert!(

@@ -1,7 +1,7 @@
 //! Property tests of the TCPStore codec: arbitrary bytes never panic, what is parsed re-encodes
 //! to the same bytes, and "need more" never asks for more than the limits allow.
 
-use nrun::store::protocol::{MAX_REQUEST_LEN, Parsed, Request};
+use nrun_store::protocol::{MAX_REQUEST_LEN, Parsed, Request};
 use proptest::prelude::*;
 
 proptest! {

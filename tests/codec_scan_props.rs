@@ -2,7 +2,7 @@
 //! pieces, it ends a request exactly where `Request::parse` does, asks for the same bytes, and
 //! refuses the same input.
 
-use nrun::store::protocol::{FrameScan, Parsed, Request, Scanned};
+use nrun_store::protocol::{FrameScan, Parsed, Request, Scanned};
 use proptest::prelude::*;
 
 /// The scan of `bytes` fed in pieces ending at `cuts`, against one parse of each prefix.

@@ -213,7 +213,7 @@ fn nccl_loader_reads_the_real_librarys_version_and_unique_id() {
         );
         return;
     };
-    let nccl = nrun::preflight::nccl::Nccl::open(&lib).unwrap();
+    let nccl = nrun_preflight::nccl::Nccl::open(&lib).unwrap();
     // The wheel's version is like 2.30.7 (sometimes with a suffix); the library's code agrees.
     assert!(
         version.starts_with(&nccl.version.to_string()),

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use nrun::store::{Store, server};
+use nrun_store::{Store, server};
 
 const SHARED: &str = "a-shared-secret-of-this-cluster";
 /// The run whose keys the captured step was written under.
@@ -114,7 +114,7 @@ async fn finish(child: tokio::process::Child) -> (Option<i32>, String) {
 
 /// A step sealed for node 1 of the old run when its agent had chosen `nonce`.
 fn captured(secret: &str, marker: &std::path::Path, nonce: &[u8]) -> Vec<u8> {
-    nrun::store::auth::seal(secret.as_bytes(), &step_key(0), nonce, &run_step(marker))
+    nrun_store::auth::seal(secret.as_bytes(), &step_key(0), nonce, &run_step(marker))
 }
 
 /// Layer 1: a store that accepts any proof (it has no secret: it stores whatever it is sent)
@@ -123,7 +123,7 @@ fn captured(secret: &str, marker: &std::path::Path, nonce: &[u8]) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fake_store_is_refused_before_any_step() {
     let id = "j-fake";
-    let secret = nrun::store::auth::derive(SHARED.as_bytes(), id);
+    let secret = nrun_store::auth::derive(SHARED.as_bytes(), id);
     for store in [Store::new(), Store::with_secret(b"another-run".to_vec())] {
         let s = Scene::new();
         let marker = s.dir.path().join("ran-the-captured-step");
@@ -153,7 +153,7 @@ async fn a_fake_store_is_refused_before_any_step() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_sealed_for_an_earlier_join_is_refused() {
     let id = "j-replayed";
-    let secret = nrun::store::auth::derive(SHARED.as_bytes(), id);
+    let secret = nrun_store::auth::derive(SHARED.as_bytes(), id);
     for old_nonce in [&b"an-old-nonce"[..], b""] {
         let s = Scene::new();
         let marker = s.dir.path().join("ran-the-captured-step");
@@ -204,7 +204,7 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     store.set(format!("nrun/{OLD_RUN}/exit").as_bytes(), b"0");
-    let end = nrun::store::auth::seal(
+    let end = nrun_store::auth::seal(
         secret.as_bytes(),
         &step_key(1),
         nonce.as_bytes(),
@@ -272,7 +272,7 @@ fn workers_never_see_the_shared_secret() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_without_the_secret_is_told_why() {
     let id = "j-nosecret";
-    let secret = nrun::store::auth::derive(SHARED.as_bytes(), id);
+    let secret = nrun_store::auth::derive(SHARED.as_bytes(), id);
     let store = Store::with_secret(secret.into_bytes());
     host_keys(&store, id);
     let at = serve(store).await;
@@ -292,7 +292,7 @@ async fn a_node_without_the_secret_is_told_why() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_c10d_step_result_is_sealed_in_the_store() {
     let id = "j-sealed-result";
-    let secret = nrun::store::auth::derive(SHARED.as_bytes(), id);
+    let secret = nrun_store::auth::derive(SHARED.as_bytes(), id);
     let s = Scene::new();
     let words = format!("Traceback-of-{}", s.tag);
     let store = Store::with_secret(secret.clone().into_bytes());
@@ -320,7 +320,7 @@ async fn a_c10d_step_result_is_sealed_in_the_store() {
         "grace_ms": 1000, "deadline_ms": null,
     }})
     .to_string();
-    let sealed = nrun::store::auth::seal(
+    let sealed = nrun_store::auth::seal(
         secret.as_bytes(),
         &step_key(0),
         nonce.as_bytes(),
@@ -336,7 +336,7 @@ async fn a_c10d_step_result_is_sealed_in_the_store() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     store.set(format!("nrun/{OLD_RUN}/exit").as_bytes(), b"3");
-    let end = nrun::store::auth::seal(
+    let end = nrun_store::auth::seal(
         secret.as_bytes(),
         &step_key(1),
         nonce.as_bytes(),
@@ -350,7 +350,7 @@ async fn a_c10d_step_result_is_sealed_in_the_store() {
         "the result is plain text in the store: {}",
         String::from_utf8_lossy(&raw)
     );
-    let opened = nrun::store::auth::open(secret.as_bytes(), &key, b"", &raw)
+    let opened = nrun_store::auth::open(secret.as_bytes(), &key, b"", &raw)
         .expect("the result does not open with the run's secret");
     let opened = String::from_utf8_lossy(&opened);
     assert!(opened.contains(&words), "{opened}\n{all}");

@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nrun::store::client::Client;
-use nrun::store::protocol::{Request, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED};
-use nrun::store::{Store, server};
+use nrun_store::client::Client;
+use nrun_store::protocol::{Request, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED};
+use nrun_store::{Store, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -270,7 +270,7 @@ async fn an_interrupted_wait_on_a_store_cut_off_gives_up_and_keeps_the_interrupt
     let e = ready.unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
     assert!(
-        took >= nrun::store::client::CANCEL_REPLY && took < HANG,
+        took >= nrun_store::client::CANCEL_REPLY && took < HANG,
         "{took:?}"
     );
 }
@@ -530,20 +530,20 @@ async fn control_keys_need_the_secret() {
     // The plain secret is no proof (it never crosses the wire), nor is a proof made for
     // another connection's challenge.
     let mut plain = client(addr).await;
-    let _ = plain.set(nrun::store::server::AUTH_KEY, b"s3cret").await;
+    let _ = plain.set(nrun_store::server::AUTH_KEY, b"s3cret").await;
     assert!(
         plain.ping(1).await.is_err(),
         "the plain secret was accepted"
     );
     let mut sniffer = client(addr).await;
     let theirs = sniffer
-        .get(nrun::store::server::CHALLENGE_KEY)
+        .get(nrun_store::server::CHALLENGE_KEY)
         .await
         .unwrap();
     let _ = sniffer
         .set(
-            nrun::store::server::AUTH_KEY,
-            &nrun::store::auth::prove(b"s3cret", b"an-earlier-nonce"),
+            nrun_store::server::AUTH_KEY,
+            &nrun_store::auth::prove(b"s3cret", b"an-earlier-nonce"),
         )
         .await;
     assert!(!theirs.is_empty());
@@ -659,7 +659,7 @@ async fn a_loopback_only_store_refuses_other_hosts() {
     c.set(b"/k", b"v").await.unwrap();
     assert_eq!(c.get(b"/k").await.unwrap(), b"v");
     // This host's own non-loopback address stands in for another host.
-    let other = nrun::net::reachable_addrs(&nrun::net::interfaces())
+    let other = nrun_base::net::reachable_addrs(&nrun_base::net::interfaces())
         .into_iter()
         .find(|ip| ip.is_ipv4() && !ip.is_loopback());
     let Some(ip) = other else {

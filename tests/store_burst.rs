@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{nix_is_root, text, torch_python, wait_with_timeout};
-use nrun::store::{Store, server};
+use nrun_store::{Store, server};
 
 /// Clients released at once.
 const CLIENTS: usize = 300;

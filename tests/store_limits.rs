@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{HANG, Scene, signal, text, torch_python, wait_with_timeout};
-use nrun::store::client::Client;
-use nrun::store::protocol::Request;
-use nrun::store::server::Limits;
-use nrun::store::{Store, server};
+use nrun_store::client::Client;
+use nrun_store::protocol::Request;
+use nrun_store::server::Limits;
+use nrun_store::{Store, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
@@ -408,7 +408,7 @@ async fn a_check_of_many_large_keys_parses_in_linear_time() {
         };
         let (w, r) = tokio::join!(send, rd.read_u8());
         w.unwrap();
-        assert_eq!(r.unwrap(), nrun::store::protocol::CHECK_NOT_READY);
+        assert_eq!(r.unwrap(), nrun_store::protocol::CHECK_NOT_READY);
         t0.elapsed()
     }
     let mut small = Duration::MAX;
@@ -612,7 +612,7 @@ async fn parked_waits_share_one_budget() {
     setter.set(b"/small", b"1").await.unwrap();
     assert_eq!(
         c.read_u8().await.unwrap(),
-        nrun::store::protocol::STOP_WAITING
+        nrun_store::protocol::STOP_WAITING
     );
     // The first wait ends (its connection goes): its share comes back.
     drop(a);

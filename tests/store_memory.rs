@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use nrun::store::client::Client;
-use nrun::store::protocol::{MAX_VALUE_LEN, Request};
-use nrun::store::{Store, server};
+use nrun_store::client::Client;
+use nrun_store::protocol::{MAX_VALUE_LEN, Request};
+use nrun_store::{Store, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 

@@ -290,7 +290,7 @@ impl Rng {
 
 /// One generated request: well formed, or cut short, flipped, or followed by garbage.
 fn fuzz_frame(r: &mut Rng) -> Vec<u8> {
-    use nrun::store::protocol::Request as R;
+    use nrun_store::protocol::Request as R;
     let keys = |r: &mut Rng| (0..r.below(6)).map(|_| r.key()).collect::<Vec<_>>();
     let req = match r.below(15) {
         0 => R::Set {

@@ -16,12 +16,12 @@ use std::process::ExitStatus;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch};
 
-use crate::agent::protocol::Hello;
+use crate::agent::relay::Nudges;
 pub use crate::agent::relay::{Delivery, Marks};
 use crate::agent::relay::{Passing, Reader, Stream, own_line};
-use crate::error::{Error, Result};
+use crate::protocol::Hello;
 use crate::remote;
-use crate::session::link::Nudges;
+use nrun_base::error::{Error, Result};
 
 /// How long an agent's pipes may stay open after its end, held by something it left.
 const RELAY_DRAIN: Duration = Duration::from_secs(2);
@@ -46,7 +46,7 @@ pub struct AgentProcess {
 pub enum Starter {
     /// This very binary's agent, on this machine (the launch host's own nodes, an inner agent's
     /// nodes of its own machine): forked by nrun's spawner where there is one (no exec, see
-    /// [`crate::node::spawner::Program::Agent`]), else `nrun __agent`, which sets its
+    /// [`nrun_node::spawner::Program::Agent`]), else `nrun __agent`, which sets its
     /// parent-death signal itself (see [`crate::agent::PARENT_VAR`]).
     Here,
     /// A program that starts it elsewhere (ssh, srun): it gets its parent-death signal
@@ -57,7 +57,7 @@ pub enum Starter {
 impl AgentProcess {
     /// Starts an agent and gives it `hello` on stdin; its stdout is passed on, its stderr too
     /// and kept for explaining a failure. `what` names it in an error. Started by nrun's
-    /// spawner where there is one (see [`crate::node::spawner`]: starting a program from nrun
+    /// spawner where there is one (see [`nrun_node::spawner`]: starting a program from nrun
     /// itself costs a copy of its file table, which grows with the nodes), else by nrun.
     /// `relay`: how its lines are passed on (see [`Relay`]).
     pub async fn spawn(starter: &Starter, what: &str, hello: &Hello, relay: Relay) -> Result<Self> {
@@ -73,7 +73,7 @@ impl AgentProcess {
         // An agent that starts agents on this machine (an inner agent of the launch tree) gets
         // a spawner of its own.
         let spawner = hello.tree.iter().any(|b| b.local);
-        let started = match crate::node::spawner::client() {
+        let started = match nrun_node::spawner::client() {
             Some(sp) => by_spawner(&sp, starter, spawner).await,
             None => by_nrun(starter),
         };
@@ -222,7 +222,7 @@ async fn futures_join(tasks: Vec<tokio::task::JoinHandle<()>>) {
 pub fn how_it_ended(st: &ExitStatus) -> String {
     match (st.code(), st.signal()) {
         (Some(c), _) => format!("exited {c}"),
-        (None, Some(s)) => format!("was killed by {}", crate::node::signal_name(s)),
+        (None, Some(s)) => format!("was killed by {}", nrun_node::signal_name(s)),
         _ => format!("ended ({st})"),
     }
 }
@@ -253,11 +253,11 @@ struct Started {
 /// Starts the agent through nrun's spawner, on pipes nrun holds the other ends of.
 /// `spawner`: a forked agent gets a spawner of its own.
 async fn by_spawner(
-    sp: &Arc<crate::node::spawner::Client>,
+    sp: &Arc<nrun_node::spawner::Client>,
     starter: &Starter,
     spawner: bool,
 ) -> std::io::Result<Started> {
-    use crate::node::spawner::Program;
+    use nrun_node::spawner::Program;
     use tokio::net::unix::pipe;
     let flags = nix::fcntl::OFlag::O_CLOEXEC;
     let (in_r, in_w) = nix::unistd::pipe2(flags)?;
@@ -322,7 +322,7 @@ fn by_nrun(starter: &Starter) -> std::io::Result<Started> {
     }
     // Spared by the sweep of the workers' orphans (this is no orphan: an inner agent's ssh
     // lives from one group of workers to the next).
-    let mut child = crate::node::process::spawn_own(|| {
+    let mut child = nrun_node::process::spawn_own(|| {
         let c = cmd.spawn()?;
         let pid = c.id();
         Ok((c, pid))
@@ -346,7 +346,7 @@ fn by_nrun(starter: &Starter) -> std::io::Result<Started> {
             }
         };
         if let Some(pid) = pid {
-            crate::node::process::disown(pid);
+            nrun_node::process::disown(pid);
         }
         // A wait that failed (it cannot, for a child of ours) reads as an end.
         let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0xff << 8));
@@ -366,7 +366,7 @@ pub async fn ship(ssh_opts: &[String], label: &str) -> Result<String> {
     let exe = std::env::current_exe()
         .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
     let version = env!("CARGO_PKG_VERSION");
-    let rev = env!("NRUN_GIT_REV");
+    let rev = nrun_base::GIT_REV;
     let path = format!("~/.cache/nrun/nrun-{version}-{rev}");
     // A per-copy temporary name: nodes that share a home directory must not race.
     let remote_cmd = format!(

@@ -8,25 +8,25 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::protocol::{
+use crate::protocol::{
     NodeWatch, RunResult, Step, StepResult, THIS_NRUN, WorkerFailure, WorkerSpec,
 };
-use crate::error::{Error, Result};
-use crate::node::output::{Sink, WorkerOutput};
-use crate::node::{self, Outcome, StopRequest, WorkerCmd};
+use nrun_base::error::{Error, Result};
+use nrun_node::output::{Sink, WorkerOutput};
+use nrun_node::{self as node, Outcome, StopRequest, WorkerCmd};
 
 /// The CPUs close to the GPU a worker uses (NVML's affinity of that device); None, with a
 /// warning, when unknown. NVML numbers GPUs in PCI order, as CUDA does for GPUs of one model
 /// (CUDA_DEVICE_ORDER=PCI_BUS_ID makes it so for mixed ones).
 fn gpu_cpus(env: &[(String, String)], local_rank: usize) -> Option<Vec<usize>> {
-    let gpu = crate::plan::env::worker_gpu(env, local_rank);
+    let gpu = crate::agent::exec::worker_gpu(env, local_rank);
     let Ok(index) = gpu.parse::<u32>() else {
         tracing::warn!(
             "--numa-binding: local rank {local_rank}'s GPU is {gpu:?}, not an index; not bound"
         );
         return None;
     };
-    match crate::preflight::hardware::cpu_affinity(index) {
+    match nrun_preflight::hardware::cpu_affinity(index) {
         Ok(cpus) => Some(cpus),
         Err(e) => {
             tracing::warn!("--numa-binding: local rank {local_rank}: {e}; not bound");
@@ -104,7 +104,7 @@ async fn run_workers(
         Err(e) => return RunResult::SpawnError(e),
     };
     // Error files in nrun's scratch (no --log-dir) are read, then removed after the step; the
-    // directory at the End ([`crate::files::remove_scratch`]).
+    // directory at the End ([`nrun_base::files::remove_scratch`]).
     let scratch: Vec<std::path::PathBuf> = specs
         .iter()
         .filter(|w| w.log_dir.is_none())
@@ -127,7 +127,7 @@ async fn run_workers(
         if let (None, Some(dir)) = (&w.log_dir, w.error_file.parent()) {
             // Looked up first: the lookup takes no lock on the parent, a mkdir does.
             if !dir.is_dir() {
-                let _ = crate::files::make_private_dirs(dir);
+                let _ = nrun_base::files::make_private_dirs(dir);
             }
         }
         // Log files live on the worker's own node, as torchrun's do.
@@ -146,7 +146,7 @@ async fn run_workers(
         // The watch turns on PyTorch's flight recorder (NCCL jobs), its pipe and dump in this
         // process's scratch directory: dumps are read from there only (a pipe or dump file the
         // user named is theirs, left alone).
-        if let (true, Ok(dir)) = (watch.is_some(), crate::files::scratch()) {
+        if let (true, Ok(dir)) = (watch.is_some(), nrun_base::files::scratch()) {
             let (add, files) = super::flight::setup(&env, w.rank, &dir);
             env.extend(add);
             if files.pipe.starts_with(&dir) && files.dump.starts_with(&dir) {
@@ -212,13 +212,13 @@ async fn run_workers(
     drop(ended);
     // The failing worker's error file, read once: its traceback, and the file as written.
     let error_json = match &outcome {
-        Ok(Outcome::Failed(f)) => crate::files::read_text(
+        Ok(Outcome::Failed(f)) => nrun_base::files::read_text(
             &f.error_file,
             MAX_ERROR_FILE_BYTES,
-            crate::files::Writer::Anyone,
+            nrun_base::files::Writer::Anyone,
         )
         .map_err(|e| match e {
-            crate::files::ReadError::Missing => {}
+            nrun_base::files::ReadError::Missing => {}
             e => tracing::warn!("error file {}: {e}; not read", f.error_file.display()),
         })
         .ok(),
@@ -274,14 +274,14 @@ async fn run_workers(
 const MAX_ERROR_FILE_BYTES: u64 = 16 << 20;
 
 /// Places the error files the coordinator gave as relative paths (no --log-dir) in this
-/// process's own scratch directory ([`crate::files::scratch`]), each worker's
+/// process's own scratch directory ([`nrun_base::files::scratch`]), each worker's
 /// TORCHELASTIC_ERROR_FILE with them: a node's scratch is its own, never a path another host
 /// named.
 fn in_scratch(mut specs: Vec<WorkerSpec>) -> std::result::Result<Vec<WorkerSpec>, String> {
     if specs.iter().all(|w| w.error_file.is_absolute()) {
         return Ok(specs);
     }
-    let root = crate::files::scratch()?;
+    let root = nrun_base::files::scratch()?;
     for w in specs.iter_mut().filter(|w| w.error_file.is_relative()) {
         let at = root.join(&w.error_file);
         for (k, v) in w.env.iter_mut() {
@@ -301,8 +301,8 @@ type Logs = (Option<std::fs::File>, Option<std::fs::File>);
 /// named.
 fn open_logs(dir: &std::path::Path) -> Result<Logs> {
     let fail = |e: String| Error::internal(format!("log directory: {e}"));
-    crate::files::make_private_dirs(dir).map_err(fail)?;
-    let open = |name: &str| crate::files::create_private_file(&dir.join(name)).map_err(fail);
+    nrun_base::files::make_private_dirs(dir).map_err(fail)?;
+    let open = |name: &str| nrun_base::files::create_private_file(&dir.join(name)).map_err(fail);
     Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
 }
 
@@ -363,5 +363,42 @@ pub async fn probe_peer(target: &str, timeout_ms: u64) -> Result<()> {
         Err(_) => Err(Error::cluster(format!(
             "{sa}: connected but no echo within {timeout_ms} ms"
         ))),
+    }
+}
+
+/// The GPU (as CUDA_VISIBLE_DEVICES names it) a worker of local rank `local_rank` uses: the
+/// entry at its local rank of the list it sees (its own variables, else nrun's), the one entry
+/// when it sees one, or its local rank when nothing narrows the GPUs.
+pub fn worker_gpu(env: &[(String, String)], local_rank: usize) -> String {
+    let seen = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok())
+        .filter(|v| !v.trim().is_empty());
+    let Some(list) = seen else {
+        return local_rank.to_string();
+    };
+    let list: Vec<&str> = list.split(',').map(str::trim).collect();
+    match list.as_slice() {
+        [one] => one.to_string(),
+        many => many
+            .get(local_rank)
+            .map_or_else(|| local_rank.to_string(), |g| g.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_workers_gpu() {
+        let env = |v: &str| vec![("CUDA_VISIBLE_DEVICES".to_string(), v.to_string())];
+        assert_eq!(worker_gpu(&env("4,6"), 1), "6");
+        assert_eq!(worker_gpu(&env("5"), 1), "5");
+        assert_eq!(worker_gpu(&env("0,1"), 3), "3");
+        assert_eq!(worker_gpu(&env("GPU-ab12,GPU-cd34"), 0), "GPU-ab12");
     }
 }

@@ -9,7 +9,7 @@
 //! interpreter turns it into JSON ([`HELPER`]), so no pickle reader lives here.
 //!
 //! A variable the user set wins (their ring size, pipe or dump file; nrun then reads no dump:
-//! it reads them only from its own private scratch directory, see [`crate::files`]); the
+//! it reads them only from its own private scratch directory, see [`nrun_base::files`]); the
 //! recorder exists for NCCL groups only, so gloo jobs get no pipe and nothing is read.
 //!
 //! Unpickling a dump runs whatever the pickle says, so a dump is read only if it is a regular
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Deserialize;
 
-use super::protocol::{FrOp, FrRun, FrView};
+use crate::protocol::{FrOp, FrRun, FrView};
 
 /// Entries in each process group's ring: enough to see the last few steps' collectives.
 pub const BUFFER: &str = "64";
@@ -188,9 +188,9 @@ pub fn read(python: &Path, files: &[&Path]) -> Vec<Option<FrView>> {
     // Each dump length-prefixed on the helper's stdin (an empty one where it was refused).
     let mut input = Vec::new();
     for f in files {
-        let bytes = match crate::files::read_own(f, MAX_DUMP_BYTES) {
+        let bytes = match nrun_base::files::read_own(f, MAX_DUMP_BYTES) {
             Ok(b) => b,
-            Err(crate::files::ReadError::Missing) => Vec::new(),
+            Err(nrun_base::files::ReadError::Missing) => Vec::new(),
             Err(e) => {
                 // Once: a dump refused (a worker's umask of 002, say) is refused at every ask.
                 static SAID: std::sync::Once = std::sync::Once::new();

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::store::client::Client;
+use nrun_store::client::Client;
 
 /// How often the store is asked: the coordinator calls a node lost after half of
 /// --agent-timeout without a beat (`session::link::Bus::silence`).

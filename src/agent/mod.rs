@@ -23,8 +23,7 @@ pub mod exec;
 pub mod flight;
 mod liveness;
 mod oom;
-pub mod peer;
-pub mod protocol;
+
 pub mod ras;
 pub mod relay;
 pub mod stacks;
@@ -37,11 +36,11 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio::sync::watch;
 
-use crate::error::{Error, Result};
-use crate::node::{Caught, Signals, StopRequest};
-use crate::store::client::Client;
+use crate::protocol::{self, Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
 use exec::{Done, StepIo};
-use protocol::{Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
+use nrun_base::error::{Error, Result};
+use nrun_node::{Caught, Signals, StopRequest};
+use nrun_store::client::Client;
 
 /// Set by nrun (to its pid) on an agent it starts on its own host by exec, without ssh or a
 /// spawner (see node::spawner: an agent it forks is tied there), so the agent sets its own
@@ -73,8 +72,15 @@ pub fn tie_to_parent() -> bool {
 /// Ties this agent to `parent`, which started it on this machine (an exec'd agent's launcher,
 /// or the spawner that forked it): it dies with it, and needs no watch over its link.
 pub(crate) fn tie_to(parent: i32) {
-    crate::node::process::die_with(parent);
+    nrun_node::process::die_with(parent);
     TIED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The agent forked by nrun's spawner (`nrun_node::spawner::fork`): tied to the spawner, then
+/// [`main`].
+pub fn forked(spawner: i32) -> u8 {
+    tie_to(spawner);
+    main()
 }
 
 /// This agent dies with the nrun that started it on this host ([`tie_to_parent`]).
@@ -108,7 +114,7 @@ pub fn main() -> u8 {
 }
 
 /// Proves the run's secret on a connection, after the store has proved it knows it too (a
-/// challenge of this side's own, answered with [`crate::store::auth::prove_store`]): a store
+/// challenge of this side's own, answered with [`nrun_store::auth::prove_store`]): a store
 /// that cannot is refused with an error of kind `PermissionDenied` naming the secret (see
 /// [`refusal`]). A run without a secret (a c10d rendezvous whose nodes share none) has nothing
 /// to prove. `at` names the store in messages.
@@ -120,8 +126,8 @@ pub async fn prove(
     if secret.is_empty() {
         return Ok(());
     }
-    let mine = crate::store::auth::nonce()?;
-    let key = [crate::store::server::STORE_PROOF_PREFIX, &mine].concat();
+    let mine = nrun_store::auth::nonce()?;
+    let key = [nrun_store::server::STORE_PROOF_PREFIX, &mine].concat();
     let refuse = |why: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why);
     // Something that is not nrun's store may never answer: no answer is no proof.
     let Ok(answer) = tokio::time::timeout(Duration::from_secs(10), conn.get(&key)).await else {
@@ -131,7 +137,7 @@ pub async fn prove(
              both hosts)"
         )));
     };
-    if !crate::store::auth::verify_store(secret.as_bytes(), &mine, &answer?) {
+    if !nrun_store::auth::verify_store(secret.as_bytes(), &mine, &answer?) {
         return Err(refuse(format!(
             "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET differs?): \
              refusing it"
@@ -151,8 +157,8 @@ pub fn refusal(e: std::io::Error, lost: impl FnOnce(std::io::Error) -> Error) ->
 
 async fn run() -> Result<()> {
     let signals = Signals::install(&[]).map_err(|e| Error::helper(e.to_string()))?;
-    crate::node::process::become_subreaper();
-    let here = crate::net::hostname();
+    nrun_node::process::become_subreaper();
+    let here = nrun_base::net::hostname();
     let mut stdin = tokio::io::BufReader::new(stdin_reader());
     let mut line = String::new();
     match tokio::time::timeout(Duration::from_secs(60), stdin.read_line(&mut line)).await {
@@ -218,7 +224,7 @@ pub async fn serve(
     let served = join_and_serve(hello, signals, gone, read_end).await;
     // This node's workers are all gone, and so are every other node's (the End): the scratch
     // they used can go.
-    crate::files::remove_scratch();
+    nrun_base::files::remove_scratch();
     served
 }
 
@@ -229,7 +235,7 @@ async fn join_and_serve(
     read_end: bool,
 ) -> Result<protocol::Ended> {
     let gone_rx = gone.subscribe();
-    let here = crate::net::hostname();
+    let here = nrun_base::net::hostname();
     let (node, label) = hello.place()?;
     let hello = Hello {
         node,
@@ -240,10 +246,10 @@ async fn join_and_serve(
     signals
         .also_forward(&hello.forward_signals)
         .map_err(|e| Error::helper(format!("nrun agent on {here}: {e}")))?;
-    if hello.version != crate::cli::VERSION {
+    if hello.version != nrun_base::VERSION {
         return Err(Error::helper(format!(
             "nrun on {me} is version {} but the launch host runs {}: install the same nrun there, or pass --ship",
-            crate::cli::VERSION,
+            nrun_base::VERSION,
             hello.version
         )));
     }
@@ -297,7 +303,7 @@ async fn join_and_serve(
         .map_err(|e| Error::helper(e.to_string()))?
     };
     // This join's own nonce: steps sealed for it cover it (no replay from an earlier run).
-    let nonce = crate::store::auth::random_hex().map_err(|e| {
+    let nonce = nrun_base::random_hex().map_err(|e| {
         Error::helper(format!(
             "nrun agent on {me}: no random bytes from the OS: {e}"
         ))
@@ -305,7 +311,7 @@ async fn join_and_serve(
     let own_sealed = match (&hello.own, hello.secret.is_empty()) {
         (Some(own), false) => {
             let json = serde_json::to_vec(own).map_err(|e| Error::helper(e.to_string()))?;
-            Some(crate::store::auth::seal(
+            Some(nrun_store::auth::seal(
                 hello.secret.as_bytes(),
                 &keys.joined(hello.node),
                 nonce.as_bytes(),
@@ -318,7 +324,7 @@ async fn join_and_serve(
         }
     };
     let joined = Joined {
-        kept: crate::node::keeper::kept(),
+        kept: nrun_node::keeper::kept(),
         nonce: nonce.clone(),
         local_addr: local.to_string(),
         reached: reached.to_string(),
@@ -390,7 +396,7 @@ impl Node {
     /// Bound to the key only (run, node, step), not to this join: the launch host reads it
     /// whether or not it has taken this join's record in yet.
     fn seal(&self, key: &[u8], value: &[u8]) -> Vec<u8> {
-        crate::store::auth::seal(self.secret.as_bytes(), key, b"", value)
+        nrun_store::auth::seal(self.secret.as_bytes(), key, b"", value)
     }
 
     fn lost(&self, e: std::io::Error) -> Error {
@@ -512,10 +518,10 @@ impl Node {
                 ))
             })
         };
-        if let Some(json) = crate::store::auth::open(secret, &key, self.nonce.as_bytes(), &raw) {
+        if let Some(json) = nrun_store::auth::open(secret, &key, self.nonce.as_bytes(), &raw) {
             return read(&json);
         }
-        let unbound = crate::store::auth::open(secret, &key, b"", &raw)
+        let unbound = nrun_store::auth::open(secret, &key, b"", &raw)
             .map(|json| read(&json))
             .transpose()?;
         match unbound {
@@ -701,8 +707,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::store::Store;
-    use crate::store::server;
+    use nrun_store::Store;
+    use nrun_store::server;
 
     async fn serve(store: Arc<Store>) -> SocketAddr {
         let l = server::bind(0).unwrap();

@@ -1,5 +1,5 @@
 //! Whether a worker killed by SIGKILL was the out-of-memory killer's: the fault model
-//! ([`crate::fault`]) treats every system kill as a suspicion of the node, but the person
+//! (the fault module) treats every system kill as a suspicion of the node, but the person
 //! reading the summary needs to know it was memory, and how much.
 //!
 //! Two witnesses, each read only when a worker died of SIGKILL, each optional (a container may

@@ -13,7 +13,7 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::protocol::RasView;
+use crate::protocol::RasView;
 
 /// NCCL's default client address.
 const DEFAULT_ADDR: &str = "localhost:28028";
@@ -143,7 +143,7 @@ impl Asker {
                         Err(e) => (None, Some(e)),
                     };
                     self.view = Some(RasView {
-                        at_ms: super::protocol::unix_ms(),
+                        at_ms: crate::protocol::unix_ms(),
                         text,
                         error,
                     });

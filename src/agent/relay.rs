@@ -16,8 +16,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 use tokio::io::AsyncBufReadExt as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::session::link::Nudges;
-
 /// What one agent's pipe is read from.
 pub type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 
@@ -30,9 +28,9 @@ pub const TAIL_LINES: usize = 10;
 const RELAY_BUFFER: usize = 2048;
 
 /// The longest line passed on whole: an agent's lines are at most a worker's longest
-/// ([`crate::node::output::MAX_LINE`]) with its prefix; anything longer is passed on in pieces
+/// ([`nrun_node::output::MAX_LINE`]) with its prefix; anything longer is passed on in pieces
 /// of this size, so a relay's memory stays bounded whatever comes.
-const RELAY_LINE: usize = crate::node::output::MAX_LINE + 4096;
+const RELAY_LINE: usize = nrun_node::output::MAX_LINE + 4096;
 
 /// The marks that came through one agent process's pipes: for each node it serves (one, an
 /// srun step's many, an inner agent's subtree), the steps whose output ended on stdout and on
@@ -219,7 +217,7 @@ impl Passing {
 
 /// Where a mark with `token` starts in the line `buf` ('\n'-ended), and its node and step.
 fn find_mark(buf: &[u8], token: &str) -> Option<(usize, usize, usize)> {
-    let mark = crate::agent::protocol::OUTPUT_MARK.as_bytes();
+    let mark = crate::protocol::OUTPUT_MARK.as_bytes();
     let body = &buf[..buf.len() - 1];
     // Its first byte, a control character, starts the search (a line is searched once).
     let at = body
@@ -229,7 +227,7 @@ fn find_mark(buf: &[u8], token: &str) -> Option<(usize, usize, usize)> {
         .map(|(i, _)| i)
         .find(|&i| body[i..].starts_with(mark))?;
     let tail = std::str::from_utf8(&body[at..]).ok()?;
-    let (node, no) = crate::agent::protocol::read_output_mark(tail, token)?;
+    let (node, no) = crate::protocol::read_output_mark(tail, token)?;
     Some((at, node, no))
 }
 
@@ -310,6 +308,29 @@ async fn put(item: Item) {
     let _ = c.tx.send(item).await;
 }
 
+/// Nodes a link asks the session to look at again (its agent's process ended), and the wake-up
+/// that goes with them: with the store's changed keys, what lets the session look at the nodes
+/// that changed instead of at every node on every event.
+#[derive(Default)]
+pub struct Nudges {
+    nodes: std::sync::Mutex<Vec<usize>>,
+    pub(crate) notify: tokio::sync::Notify,
+}
+
+impl Nudges {
+    pub fn nudge(&self, node: usize) {
+        self.nodes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(node);
+        self.notify.notify_one();
+    }
+
+    pub(crate) fn take(&self) -> Vec<usize> {
+        std::mem::take(&mut *self.nodes.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -356,7 +377,7 @@ mod tests {
 
     #[test]
     fn a_mark_is_found_alone_or_behind_another_nodes_unended_piece() {
-        let mark = crate::agent::protocol::output_mark("tok", 4, 9);
+        let mark = crate::protocol::output_mark("tok", 4, 9);
         assert_eq!(find_mark(mark.as_bytes(), "tok"), Some((0, 4, 9)));
         let glued = format!("[h1:rank0]: half a li{mark}");
         assert_eq!(find_mark(glued.as_bytes(), "tok"), Some((21, 4, 9)));

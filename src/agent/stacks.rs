@@ -4,7 +4,7 @@
 //! memory (process_vm_readv) is allowed under Yama's default `ptrace_scope=1`; where it is not
 //! (scope 2 or 3, or a seccomp profile without process_vm_readv) each rank's view carries the
 //! error instead of a stack and the coordinator says so. Conclusions are drawn by the
-//! coordinator alone (`crate::watch`).
+//! coordinator alone (the watch module).
 //!
 //! A worker need not be Python itself: a launch script (`sh -c 'exec python train.py'`, a
 //! wrapper that starts python as its child) is followed to the Python process it becomes or
@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::flight::{self, FrFiles, FrState};
-use super::protocol::{Frame, NodeWatch, RankView};
-use crate::node::GroupEvent;
+use crate::protocol::{Frame, NodeWatch, RankView};
+use nrun_node::GroupEvent;
 
 /// Time between two samples of a rank's stack.
 pub const SAMPLE: Duration = Duration::from_millis(500);
@@ -241,12 +241,12 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
     }
 }
 
-/// Whether these ranks stall, as the coordinator judges a hang (`crate::watch`): one of them
+/// Whether these ranks stall, as the coordinator judges a hang (the watch module): one of them
 /// has waited in a collective (or the GPU sync after one) for [`STALL_DUMP`], whatever the
 /// others do (a peer polling in a sleep loop moves its own stack, not the collective); or,
 /// none waiting, they (some at least) have all been still that long.
 fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone) -> bool {
-    let waits = |w: &&Watched| crate::watch::waits_in(&w.view).is_some();
+    let waits = |w: &&Watched| crate::protocol::waits_in(&w.view).is_some();
     if ranks
         .clone()
         .filter(waits)
@@ -311,7 +311,7 @@ fn count(w: &mut Watched) {
     }
     v.samples += 1;
     let in_collective = v.collective.is_some();
-    let in_sync = crate::watch::waits_in(v).is_some();
+    let in_sync = crate::protocol::waits_in(v).is_some();
     w.collectives |= in_collective;
     let waits = in_collective || (in_sync && (w.collectives || loaded_nccl(w)));
     if waits {
@@ -546,7 +546,7 @@ const MAX_SOURCE_BYTES: u64 = 16 << 20;
 fn source_line(cache: &mut HashMap<String, Vec<String>>, file: &str, line: i32) -> Option<String> {
     let lines = cache.entry(file.to_string()).or_insert_with(|| {
         // A source file a traceback names: bounded, a regular file only (never a FIFO).
-        crate::files::read_bounded(std::path::Path::new(file), MAX_SOURCE_BYTES)
+        nrun_base::files::read_bounded(std::path::Path::new(file), MAX_SOURCE_BYTES)
             .map(|t| {
                 String::from_utf8_lossy(&t)
                     .lines()

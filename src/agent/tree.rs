@@ -29,8 +29,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::child::{AgentProcess, Relay, Starter, how_it_ended, ship};
-use super::protocol::{Branch, Hello, Keys, TreeSsh};
-use crate::store::client::Client;
+use crate::protocol::{Branch, Hello, Keys, TreeSsh};
+use nrun_store::client::Client;
 
 /// Where the subtree's agents are in their lives, as the inner agent decides.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,13 +18,14 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::agent::protocol::{RunResult, Step, StepResult, THIS_NRUN};
-use crate::error::{Error, Result, exit};
-use crate::plan::{BisectSettings, NodesPlan, Probe};
-use crate::preflight::{self, Settings, Verdict};
+use crate::plan::{BisectSettings, NodesPlan};
+use crate::protocol::{RunResult, Step, StepResult, THIS_NRUN};
 use crate::session::spec::{Group, Launch};
 use crate::session::{Policy, Session};
-use crate::store::Store;
+use nrun_base::error::{Error, Result, exit};
+use nrun_cli::Probe;
+use nrun_preflight::{self as preflight, Settings, Verdict};
+use nrun_store::Store;
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -129,7 +130,7 @@ pub async fn on_the_spot(
         workers: job.workers.clone(),
         sweep: Some(pf.clone()),
         probe: match pf.mode {
-            crate::preflight::Mode::Net => Probe::Net,
+            nrun_preflight::Mode::Net => Probe::Net,
             _ => Probe::Nccl,
         },
         // As the preflight judges a node against its peers: under half of them is slow. Tighter,
@@ -717,7 +718,7 @@ impl Bisect<'_> {
                 Some(StepResult::Run(RunResult::Interrupted(sig))) => {
                     failure.get_or_insert(format!(
                         "{label}: its agent was stopped by {}",
-                        crate::node::signal_name(*sig)
+                        nrun_node::signal_name(*sig)
                     ));
                 }
                 Some(StepResult::Run(RunResult::Stopped)) => {
@@ -749,7 +750,7 @@ impl Bisect<'_> {
             // Slow is judged here, against the other groups of the stage.
             if !matches!(summary.verdict, Verdict::Ok | Verdict::Slow) {
                 // The finding that decided the verdict, not the first warning listed.
-                let fail = crate::preflight::finding::Severity::Fail(summary.verdict);
+                let fail = nrun_preflight::finding::Severity::Fail(summary.verdict);
                 let problem = summary
                     .findings
                     .iter()
@@ -807,7 +808,7 @@ impl Bisect<'_> {
             self.rounds.len(),
             took.as_secs_f64()
         );
-        crate::report::stdout(table);
+        nrun_base::stdout(table);
         if let Some(path) = &self.bp.report {
             let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
             crate::report::write_json("--report", path, &v)?;
@@ -878,7 +879,7 @@ fn names(g: &[usize], s: &Session) -> String {
 
 /// A store of a group's own, on a free port, and what stops it.
 fn group_store() -> Result<(std::sync::Arc<Store>, u16, tokio::sync::oneshot::Sender<()>)> {
-    let l = crate::store::server::bind(0)
+    let l = nrun_store::server::bind(0)
         .map_err(|e| Error::internal(format!("cannot bind a group's store: {e}")))?;
     let port = l
         .local_addr()
@@ -924,7 +925,7 @@ fn median_busbw(outs: &[GroupOut]) -> Option<f64> {
         .filter(|g| g.ok)
         .filter_map(|g| g.busbw_gbs)
         .collect();
-    (v.len() >= 2).then(|| crate::preflight::median(v))
+    (v.len() >= 2).then(|| nrun_preflight::median(v))
 }
 
 /// Disjoint groups of `size` in order; a leftover smaller than 2 joins the last group.

@@ -4,10 +4,10 @@
 //! Ready also means the python a job would run imports torch on every node (torch missing is
 //! not ready: exit 95), unless `--no-python-probe` says not to look.
 
-use crate::error::{Result, exit};
 use crate::facts::Facts;
 use crate::plan::{DoctorSettings, NodesPlan};
 use crate::session::Session;
+use nrun_base::error::{Result, exit};
 
 pub async fn run(
     doctor: &DoctorSettings,
@@ -81,7 +81,7 @@ async fn cluster(s: &mut Session, python: Option<&std::path::Path>) -> u8 {
             s.len()
         );
     }
-    crate::report::stdout(out);
+    nrun_base::stdout(out);
     if !not_ready.is_empty() {
         eprintln!(
             "nrun: error: not ready: {} of {} nodes cannot run a Python job:",
@@ -111,7 +111,7 @@ async fn this_host(s: &mut Session, python: Option<&std::path::Path>) -> u8 {
     if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
         out.push_str(&format!("warning: {w}\n"));
     }
-    crate::report::stdout(out);
+    nrun_base::stdout(out);
     if let Some(why) = python_not_ready(Some(&facts), python, s.plan.python_probe) {
         eprintln!("nrun: error: not ready: {why}");
         return exit::CLUSTER;

@@ -10,8 +10,8 @@ pub mod doctor;
 pub mod preflight;
 pub mod run;
 
-use crate::error::{Error, Result};
 use crate::plan::Mode;
+use nrun_base::error::{Error, Result};
 
 /// Runs what the command line asked for; returns nrun's exit code.
 pub fn execute(mode: Mode) -> Result<u8> {
@@ -31,7 +31,7 @@ pub fn execute(mode: Mode) -> Result<u8> {
         Mode::Run { nodes, .. } | Mode::Doctor { nodes, .. } | Mode::Bisect { nodes, .. } => nodes,
     };
     if !nodes.in_process && nodes.launcher == crate::remote::Launcher::Ssh && nodes.owned() > 0 {
-        crate::node::spawner::fork();
+        nrun_node::spawner::fork(crate::agent::forked);
     }
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
@@ -46,7 +46,7 @@ pub fn execute(mode: Mode) -> Result<u8> {
     let started = std::time::Instant::now();
     let code = match mode {
         Mode::Run { run, nodes } => match (&run.session.c10d, listener) {
-            (Some(c), None) => rt.block_on(crate::agent::peer::join(&run, &nodes, c)),
+            (Some(c), None) => rt.block_on(crate::session::c10d::join(&run, &nodes, c)),
             (_, listener) => rt.block_on(run::run(&run, &nodes, listener)),
         },
         Mode::Doctor { doctor, nodes } => rt.block_on(doctor::run(&doctor, &nodes, listener)),

@@ -8,13 +8,13 @@ use std::net::ToSocketAddrs;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::agent::protocol::{RunResult, StepResult, THIS_NRUN};
-use crate::error::{Result, exit};
 use crate::plan::{PreflightPlan, RunSettings};
-use crate::preflight::{self, Mode, Settings};
+use crate::protocol::{RunResult, StepResult, THIS_NRUN};
 use crate::session::spec::Launch;
 use crate::session::{Policy, Session};
-use crate::store::client::Client;
+use nrun_base::error::{Result, exit};
+use nrun_preflight::{self as preflight, Mode, Settings};
+use nrun_store::client::Client;
 
 /// How a preflight ended: its exit code, its report (the JSON of `--report`) when it got that
 /// far, and the nodes its failing findings name (host, evidence).
@@ -97,7 +97,7 @@ pub async fn run(
     for r in results.iter().flatten() {
         match r {
             StepResult::Run(RunResult::Interrupted(sig)) => {
-                tracing::warn!("preflight stopped by {}", crate::node::signal_name(*sig));
+                tracing::warn!("preflight stopped by {}", nrun_node::signal_name(*sig));
                 return Ok(Ended::early(exit::signal(*sig)));
             }
             StepResult::Run(RunResult::Failed(f)) if crashed.is_none() => {
@@ -145,7 +145,7 @@ pub async fn run(
     outcome.wall_s = started.elapsed().as_secs_f64();
     outcome.other_libs = other_libs;
     let summary = outcome.summarize();
-    crate::report::stdout(&summary.text);
+    nrun_base::stdout(&summary.text);
     if let Some(path) = &pf.report {
         crate::report::write_json("--report", path, &summary.json)?;
     }

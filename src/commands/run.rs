@@ -2,15 +2,15 @@
 //! worker group on every node until one succeeds or --max-restarts runs out.
 
 use super::preflight;
-use crate::agent::protocol::StepResult;
-use crate::error::{Error, Result, exit};
 use crate::fault;
 use crate::plan::{NodesPlan, RunSettings};
+use crate::protocol::StepResult;
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::roster::Stage;
 use crate::session::spec::Launch;
 use crate::session::{Policy, Session};
 use crate::watch::WatchState;
+use nrun_base::error::{Error, Result, exit};
 
 /// Runs the job to its end and returns nrun's exit code.
 pub async fn run(
@@ -93,7 +93,7 @@ impl Record {
 }
 
 async fn drive(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u8> {
-    ready(s, Some(&crate::agent::peer::own_work(job))).await?;
+    ready(s, Some(&crate::session::c10d::own_work(job))).await?;
     let mut code = exit::SUCCESS;
     if let Some(pf) = &job.preflight {
         let mut rounds = 0;
@@ -265,7 +265,7 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
         eprintln!("  {f}");
     }
     // A torchrun started against this endpoint writes its rendezvous state into our store.
-    let torchrun = crate::agent::protocol::torchrun_rdzv_key(&s.run_id);
+    let torchrun = crate::protocol::torchrun_rdzv_key(&s.run_id);
     match s.store().is_some_and(|st| st.contains(&torchrun)) {
         true => eprintln!(
             "  a torchrun node came to {}:{} for rendezvous {:?}: this endpoint is an nrun \
@@ -287,9 +287,9 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
 }
 
 /// The job's root cause for every node whose own nrun joined (c10d): each ends its console with
-/// it and writes it to its TORCHELASTIC_ERROR_FILE when the End comes (agent::peer).
+/// it and writes it to its TORCHELASTIC_ERROR_FILE when the End comes (session::c10d).
 fn tell_every_node(s: &Session, summary: &str, error_json: Option<&str>) {
-    let why = crate::agent::protocol::RootCause {
+    let why = crate::protocol::RootCause {
         summary: summary.to_string(),
         error_json: error_json.map(str::to_string),
     };
@@ -596,7 +596,7 @@ async fn attempt_loop(
                 rec.outcome = Some("interrupted");
                 tracing::warn!(
                     "stopped by {}; every worker was stopped",
-                    crate::node::signal_name(i32::from(c) - 128)
+                    nrun_node::signal_name(i32::from(c) - 128)
                 );
                 return c;
             }

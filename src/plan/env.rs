@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use crate::error::{Error, Result};
+use nrun_base::error::{Error, Result};
 
 /// NCCL_PORT_RANGE is a common guess that NCCL ignores: said once, wherever it is seen.
 pub const PORT_RANGE_WARNING: &str = "NCCL_PORT_RANGE is not an NCCL variable and does nothing: to \
@@ -35,19 +35,22 @@ pub fn job_env(
     let home = env("HOME").map(PathBuf::from);
     for dir in [home, std::env::current_dir().ok()].into_iter().flatten() {
         let p = dir.join(".nrun_env");
-        let text =
-            match crate::files::read_text(&p, MAX_ENV_FILE_BYTES, crate::files::Writer::Trusted) {
-                Ok(t) => t,
-                Err(crate::files::ReadError::Missing) => continue,
-                Err(e) => {
-                    return Err(Error::usage(format!(
-                        "{}: {e}; .nrun_env must be a regular file of KEY=VALUE lines (at most \
+        let text = match nrun_base::files::read_text(
+            &p,
+            MAX_ENV_FILE_BYTES,
+            nrun_base::files::Writer::Trusted,
+        ) {
+            Ok(t) => t,
+            Err(nrun_base::files::ReadError::Missing) => continue,
+            Err(e) => {
+                return Err(Error::usage(format!(
+                    "{}: {e}; .nrun_env must be a regular file of KEY=VALUE lines (at most \
                          {} MiB) of this user's, that only this user may write: fix or remove it",
-                        p.display(),
-                        MAX_ENV_FILE_BYTES >> 20
-                    )));
-                }
-            };
+                    p.display(),
+                    MAX_ENV_FILE_BYTES >> 20
+                )));
+            }
+        };
         for (k, v) in parse_env_file(&text, &p.display().to_string())? {
             put(&mut vars, k, v);
         }
@@ -150,41 +153,9 @@ pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>>
     Ok(v)
 }
 
-/// The GPU (as CUDA_VISIBLE_DEVICES names it) a worker of local rank `local_rank` uses: the
-/// entry at its local rank of the list it sees (its own variables, else nrun's), the one entry
-/// when it sees one, or its local rank when nothing narrows the GPUs.
-pub fn worker_gpu(env: &[(String, String)], local_rank: usize) -> String {
-    let seen = env
-        .iter()
-        .rev()
-        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
-        .map(|(_, v)| v.clone())
-        .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok())
-        .filter(|v| !v.trim().is_empty());
-    let Some(list) = seen else {
-        return local_rank.to_string();
-    };
-    let list: Vec<&str> = list.split(',').map(str::trim).collect();
-    match list.as_slice() {
-        [one] => one.to_string(),
-        many => many
-            .get(local_rank)
-            .map_or_else(|| local_rank.to_string(), |g| g.to_string()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_workers_gpu() {
-        let env = |v: &str| vec![("CUDA_VISIBLE_DEVICES".to_string(), v.to_string())];
-        assert_eq!(worker_gpu(&env("4,6"), 1), "6");
-        assert_eq!(worker_gpu(&env("5"), 1), "5");
-        assert_eq!(worker_gpu(&env("0,1"), 3), "3");
-        assert_eq!(worker_gpu(&env("GPU-ab12,GPU-cd34"), 0), "GPU-ab12");
-    }
 
     #[test]
     fn forwarded_variables() {

@@ -13,7 +13,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use crate::error::{Error, Result};
+use nrun_base::error::{Error, Result};
 
 /// A node to avoid, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,22 +37,25 @@ impl ExcludeFile {
     /// The entries still in force at `now`, latest per host; a missing file has none.
     pub fn read(&self, now: SystemTime) -> Result<Vec<Entry>> {
         let origin = self.path.display();
-        let text =
-            match crate::files::read_text(&self.path, MAX_BYTES, crate::files::Writer::Anyone) {
-                Ok(t) => t,
-                Err(crate::files::ReadError::Missing) => return Ok(Vec::new()),
-                Err(e @ crate::files::ReadError::NotRegular(_)) => {
-                    return Err(Error::usage(format!(
-                        "--exclude-file {origin}: {e}; give a file nrun may append to"
-                    )));
-                }
-                Err(e @ crate::files::ReadError::TooBig(_)) => {
-                    return Err(Error::usage(format!(
-                        "--exclude-file {origin}: {e}; start a new one"
-                    )));
-                }
-                Err(e) => return Err(Error::usage(format!("--exclude-file {origin}: {e}"))),
-            };
+        let text = match nrun_base::files::read_text(
+            &self.path,
+            MAX_BYTES,
+            nrun_base::files::Writer::Anyone,
+        ) {
+            Ok(t) => t,
+            Err(nrun_base::files::ReadError::Missing) => return Ok(Vec::new()),
+            Err(e @ nrun_base::files::ReadError::NotRegular(_)) => {
+                return Err(Error::usage(format!(
+                    "--exclude-file {origin}: {e}; give a file nrun may append to"
+                )));
+            }
+            Err(e @ nrun_base::files::ReadError::TooBig(_)) => {
+                return Err(Error::usage(format!(
+                    "--exclude-file {origin}: {e}; start a new one"
+                )));
+            }
+            Err(e) => return Err(Error::usage(format!("--exclude-file {origin}: {e}"))),
+        };
         let mut out: Vec<Entry> = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let e = parse_line(line)
@@ -179,7 +182,7 @@ mod tests {
                 ttl: Duration::from_secs(3600),
             };
             let e = f.read(now).unwrap_err();
-            assert_eq!(e.code, crate::error::exit::USAGE);
+            assert_eq!(e.code, nrun_base::error::exit::USAGE);
             let want = format!("--exclude-file {}: {why}", p.display());
             assert!(e.message.starts_with(&want), "{}", e.message);
         }

@@ -8,8 +8,8 @@ use clap::{CommandFactory, Parser};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
-use crate::cli::Cli;
-use crate::error::exit;
+use nrun_base::error::exit;
+use nrun_cli::Cli;
 
 /// Command lines tried per run (a few seconds in a debug build).
 const CLI_CASES: u32 = 2_000;
@@ -270,7 +270,7 @@ fn host_lists_never_panic_and_refuse_as_usage() {
     let mut r = runner(3_000, 9);
     let started = std::time::Instant::now();
     r.run(&hostfile_text(), |text| {
-        let usage = |e: crate::error::Error| e.code == exit::USAGE && !e.message.is_empty();
+        let usage = |e: nrun_base::error::Error| e.code == exit::USAGE && !e.message.is_empty();
         let parsed = hosts::parse_hostfile(&text, "hosts");
         let filtered = hosts::filter_hostfile(&text, "hosts", &|n| n.len() % 2 == 0);
         // Both accept and reject the same text.

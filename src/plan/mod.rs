@@ -24,11 +24,12 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::cli::{
-    BisectArgs, Cli, ColorWhen, Command, DoctorArgs, JobArgs, PreflightArgs, ProbeArgs,
+use nrun_base::error::{Error, Result};
+use nrun_cli::{
+    BisectArgs, Cli, ColorWhen, Command, DoctorArgs, JobArgs, PreflightArgs, Probe, ProbeArgs,
     RendezvousArgs, RunArgs, SweepArgs, TargetArgs, WatchArgs, WatchWhen, WorkerArgs,
 };
-use crate::error::{Error, Result};
+use nrun_node::find_program;
 
 /// Where the store lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,7 +119,7 @@ pub struct LogPlan {
 /// The preflight, when one runs.
 #[derive(Clone, Debug)]
 pub struct PreflightPlan {
-    pub mode: crate::preflight::Mode,
+    pub mode: nrun_preflight::Mode,
     /// Start the job even if the preflight fails.
     pub warn_only: bool,
     pub min_bytes: u64,
@@ -131,7 +132,7 @@ pub struct PreflightPlan {
     /// Slow under this fraction of the links' line rate (one node).
     pub min_efficiency: f64,
     /// GPU health checks not to fail on.
-    pub waived: Vec<crate::preflight::hardware::Waiver>,
+    pub waived: Vec<nrun_preflight::hardware::Waiver>,
     pub report: Option<PathBuf>,
     pub nccl_lib: Option<PathBuf>,
     pub loopback: bool,
@@ -167,7 +168,7 @@ impl SessionPlan {
                 port: 0,
                 advertise: advertise.into(),
             },
-            store_max_bytes: crate::store::server::DEFAULT_MAX_BYTES,
+            store_max_bytes: nrun_store::server::DEFAULT_MAX_BYTES,
             forward_signals: Vec::new(),
             c10d: None,
             static_secret: None,
@@ -296,7 +297,7 @@ pub struct C10d {
 pub struct ConsolePlan {
     /// `--log-line-prefix-template`: None for nrun's own prefix.
     pub prefix_template: Option<String>,
-    pub color: crate::node::output::Color,
+    pub color: nrun_node::output::Color,
 }
 
 /// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs):
@@ -315,14 +316,6 @@ pub enum Mode {
         bisect: BisectSettings,
         nodes: NodesPlan,
     },
-}
-
-/// What each bisect group runs (`--probe`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Probe {
-    Nccl,
-    Net,
-    Cmd,
 }
 
 /// `nrun bisect`'s settings: its session, what each group's workers get, and the stages' rules.
@@ -490,7 +483,7 @@ impl RunSettings {
         }
         let shutdown_timeout = positive_secs("--shutdown-timeout", *shutdown_timeout, true)?;
         let preflight_plan = resolve_preflight(preflight, env)?;
-        if let Some(name) = command.first().filter(|c| crate::cli::is_command_name(c)) {
+        if let Some(name) = command.first().filter(|c| nrun_cli::is_command_name(c)) {
             return Err(Error::usage(format!(
                 "`{name}` is a command: give its flags after it (nrun {name} -H ...); a script or \
                  program named {name} runs as ./{name}"
@@ -528,7 +521,7 @@ impl RunSettings {
         // second run with the same --log-dir and id keeps the first's logs.
         let (base, dir_is_temp) = match log_dir {
             Some(d) => {
-                crate::files::check_parent_dir(d)
+                nrun_base::files::check_parent_dir(d)
                     .map_err(|e| Error::usage(format!("--log-dir: {e}")))?;
                 (Some(d.clone()), false)
             }
@@ -537,7 +530,7 @@ impl RunSettings {
         };
         let dir = match base {
             Some(b) => {
-                let suffix = crate::store::auth::random_hex()
+                let suffix = nrun_base::random_hex()
                     .map_err(|e| Error::internal(format!("cannot read random bytes: {e}")))?;
                 let prefix = if dir_is_temp { "nrun-logs-" } else { "" };
                 Some(b.join(format!("{prefix}{run_id}_{}", &suffix[..8])))
@@ -595,7 +588,7 @@ impl RunSettings {
             forward_signals: parse_signals(signals_to_handle)?,
             static_secret: env("NRUN_RDZV_SECRET")
                 .filter(|v| !v.is_empty() && nnodes > 1 && !uses_hosts && c10d.is_none())
-                .map(|v| crate::store::auth::derive(v.as_bytes(), &run_id)),
+                .map(|v| nrun_store::auth::derive(v.as_bytes(), &run_id)),
             c10d,
             python,
         };
@@ -656,8 +649,8 @@ impl BisectSettings {
         let timeout = positive_secs("--timeout", *timeout, false)?;
         let preflight = match probe {
             Probe::Cmd => None,
-            Probe::Net => Some(sweep_plan(sweep, crate::preflight::Mode::Net)?),
-            Probe::Nccl => Some(sweep_plan(sweep, crate::preflight::Mode::Nccl)?),
+            Probe::Net => Some(sweep_plan(sweep, nrun_preflight::Mode::Net)?),
+            Probe::Nccl => Some(sweep_plan(sweep, nrun_preflight::Mode::Nccl)?),
         };
         let (program, args) = if command.is_empty() {
             (OsString::new(), Vec::new())
@@ -880,7 +873,7 @@ fn positive_secs(flag: &str, v: f64, zero_ok: bool) -> Result<Duration> {
 
 /// The job's preflight: which one runs (if any) and its sweep.
 fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<PreflightPlan>> {
-    use crate::preflight::Mode;
+    use nrun_preflight::Mode;
     let PreflightArgs {
         preflight,
         no_preflight,
@@ -938,7 +931,7 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
     };
     let Some(mode) = mode else {
         // Flags of a preflight that does not run are still checked: a typo is still a typo.
-        sweep_plan(sweep, crate::preflight::Mode::Net)?;
+        sweep_plan(sweep, nrun_preflight::Mode::Net)?;
         if *preflight_only {
             return Err(Error::usage(
                 "--preflight-only: no GPU is visible here for the NCCL preflight; use --preflight net \
@@ -965,7 +958,7 @@ fn resolve_preflight(args: &PreflightArgs, env: Env<'_>) -> Result<Option<Prefli
 }
 
 /// The all-reduce sweep of a preflight or a bisect probe.
-fn sweep_plan(sweep: &SweepArgs, mode: crate::preflight::Mode) -> Result<PreflightPlan> {
+fn sweep_plan(sweep: &SweepArgs, mode: nrun_preflight::Mode) -> Result<PreflightPlan> {
     let SweepArgs {
         preflight_sizes,
         iters,
@@ -973,9 +966,9 @@ fn sweep_plan(sweep: &SweepArgs, mode: crate::preflight::Mode) -> Result<Preflig
         preflight_timeout,
         nccl_lib,
     } = sweep;
-    let net = mode == crate::preflight::Mode::Net;
+    let net = mode == nrun_preflight::Mode::Net;
     let (min_bytes, max_bytes, factor) = match preflight_sizes {
-        Some(s) => crate::preflight::parse_sizes(s)?,
+        Some(s) => nrun_preflight::parse_sizes(s)?,
         None if net => (8, 16 << 20, 4),
         None => (8, 256 << 20, 2),
     };
@@ -1022,8 +1015,8 @@ impl PreflightPlan {
         id: String,
         nccl_lib: Option<PathBuf>,
         listen_addr: String,
-    ) -> crate::preflight::Settings {
-        crate::preflight::Settings {
+    ) -> nrun_preflight::Settings {
+        nrun_preflight::Settings {
             id,
             mode: self.mode,
             min_bytes: self.min_bytes,
@@ -1384,7 +1377,7 @@ fn resolve_c10d(
     }
     let secret = env("NRUN_RDZV_SECRET")
         .filter(|s| !s.is_empty())
-        .map(|s| crate::store::auth::derive(s.as_bytes(), run_id));
+        .map(|s| nrun_store::auth::derive(s.as_bytes(), run_id));
     Ok(Some(C10d {
         host,
         port,
@@ -1433,7 +1426,7 @@ fn slurm_every_node(env: Env<'_>) -> Result<Option<(usize, C10d)>> {
     let id = format!("slurm-{job}.{step}");
     let secret = env("NRUN_RDZV_SECRET")
         .filter(|s| !s.is_empty())
-        .map(|s| crate::store::auth::derive(s.as_bytes(), &id));
+        .map(|s| nrun_store::auth::derive(s.as_bytes(), &id));
     Ok(Some((
         nodes,
         C10d {
@@ -1448,7 +1441,7 @@ fn slurm_every_node(env: Env<'_>) -> Result<Option<(usize, C10d)>> {
 
 /// A random (version 4) UUID, as torchrun's standalone run ids.
 fn uuid4() -> Result<String> {
-    let h = crate::store::auth::random_hex()
+    let h = nrun_base::random_hex()
         .map_err(|e| Error::internal(format!("cannot read random bytes: {e}")))?;
     // Version 4 and the RFC 4122 variant, in their nibbles.
     let variant = ["8", "9", "a", "b"][usize::from(h.as_bytes()[16] % 4)];
@@ -1611,8 +1604,8 @@ fn unknown_keys_line(unknown: &[&str]) -> String {
 }
 
 /// `--color`: auto (a terminal, and NO_COLOR unset or empty), always, never.
-fn resolve_color(when: ColorWhen, env: Env<'_>) -> crate::node::output::Color {
-    use crate::node::output::Color;
+fn resolve_color(when: ColorWhen, env: Env<'_>) -> nrun_node::output::Color {
+    use nrun_node::output::Color;
     match when {
         ColorWhen::Auto if env("NO_COLOR").is_some_and(|v| !v.is_empty()) => Color::Never,
         ColorWhen::Auto => Color::Auto,
@@ -1685,23 +1678,6 @@ fn parse_stdin(s: Option<&str>, several_nodes: bool) -> Result<Option<usize>> {
             Ok((stdin.is_terminal() || data).then_some(0))
         }
     }
-}
-
-/// Finds an executable the way execvp would: a name with a '/' as given, else on PATH.
-pub fn find_program(name: &str, path: Option<&str>) -> Option<PathBuf> {
-    let is_exec = |p: &Path| {
-        p.metadata()
-            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    if name.contains('/') {
-        let p = PathBuf::from(name);
-        return is_exec(&p).then_some(p);
-    }
-    path?
-        .split(':')
-        .filter(|d| !d.is_empty())
-        .map(|d| Path::new(d).join(name))
-        .find(|p| is_exec(p))
 }
 
 fn resolve_command(
@@ -1922,7 +1898,7 @@ mod tests {
     #[test]
     fn bad_targets_are_usage_errors() {
         let e = plan(&["/definitely/missing.py"]).unwrap_err();
-        assert_eq!(e.code, crate::error::exit::USAGE);
+        assert_eq!(e.code, nrun_base::error::exit::USAGE);
         assert!(e.message.contains("not found"), "{}", e.message);
         let dir = tempfile::tempdir().unwrap();
         let plain = dir.path().join("plain.sh");
@@ -1945,7 +1921,7 @@ mod tests {
     #[test]
     fn a_command_name_after_run_flags_is_refused() {
         let e = plan(&["-H", "a,b", "doctor"]).unwrap_err();
-        assert_eq!(e.code, crate::error::exit::USAGE);
+        assert_eq!(e.code, nrun_base::error::exit::USAGE);
         assert!(e.message.contains("runs as ./doctor"), "{}", e.message);
     }
 
@@ -2006,7 +1982,7 @@ mod tests {
             &none,
         )
         .unwrap_err();
-        assert_eq!(e.code, crate::error::exit::NO_NODES);
+        assert_eq!(e.code, nrun_base::error::exit::NO_NODES);
         assert!(e.message.contains("b (lost)"), "{}", e.message);
     }
 
@@ -2060,7 +2036,7 @@ mod tests {
         }
         for bad in ["", "[::1]", "[::1", "h:29500", "a b", "h/x", "é"] {
             let e = check_host("--master-addr", bad).unwrap_err();
-            assert_eq!(e.code, crate::error::exit::USAGE, "{bad:?}");
+            assert_eq!(e.code, nrun_base::error::exit::USAGE, "{bad:?}");
             assert!(e.message.contains("expected a host name"), "{}", e.message);
         }
     }
@@ -2077,7 +2053,7 @@ mod tests {
     fn nproc_is_bounded() {
         assert_eq!(check_nproc(MAX_NPROC, None).unwrap(), MAX_NPROC);
         let e = check_nproc(MAX_NPROC + 1, None).unwrap_err();
-        assert_eq!(e.code, crate::error::exit::USAGE);
+        assert_eq!(e.code, nrun_base::error::exit::USAGE);
         assert!(
             e.message.contains("at most 4096 workers per node"),
             "{}",
@@ -2091,7 +2067,7 @@ mod tests {
         );
         assert_eq!(check_nproc(50, Some(50)).unwrap(), 50);
         let e = resolve_nproc("100000", &|_| None).unwrap_err();
-        assert_eq!(e.code, crate::error::exit::USAGE);
+        assert_eq!(e.code, nrun_base::error::exit::USAGE);
     }
 
     #[test]
@@ -2113,7 +2089,7 @@ mod tests {
             "[]:1",
         ] {
             let e = split_endpoint("--rdzv-endpoint", bad).unwrap_err();
-            assert_eq!(e.code, crate::error::exit::USAGE, "{bad:?}");
+            assert_eq!(e.code, nrun_base::error::exit::USAGE, "{bad:?}");
             assert!(
                 e.message.contains("expected HOST, HOST:PORT"),
                 "{}",
@@ -2149,7 +2125,7 @@ mod tests {
             "store_type=",
         ] {
             let e = parse_rdzv_conf(Some(bad)).unwrap_err();
-            assert_eq!(e.code, crate::error::exit::USAGE, "{bad:?}");
+            assert_eq!(e.code, nrun_base::error::exit::USAGE, "{bad:?}");
         }
         for good in [
             "is_host=true",

@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use crate::cli::{LauncherChoice, NodesArgs};
-use crate::error::{Error, Result};
 use crate::hosts::{self, Host};
 use crate::remote::{self, Launcher};
+use nrun_base::error::{Error, Result};
+use nrun_cli::{LauncherChoice, NodesArgs};
 
 use super::Shape;
 
@@ -234,7 +234,7 @@ impl NodesPlan {
             // This host's node (a local agent, as in ssh mode) and the nodes that will join:
             // up to --nnodes (MAX) run the job, `--spares K` more may join and wait.
             let k = spares.unwrap_or(0);
-            let mut list = vec![Host::new(crate::net::hostname())];
+            let mut list = vec![Host::new(nrun_base::net::hostname())];
             list.extend((1..shape.nnodes + k).map(|i| Host::new(format!("node{i}"))));
             nodes.layout = hosts::rank_layout(&list, shape.nproc)?
                 .into_iter()
@@ -268,7 +268,7 @@ impl NodesPlan {
             }
             // This node alone, or this node's share of a static launch.
             let r0 = shape.node_rank * shape.nproc;
-            nodes.hosts = vec![Host::new(crate::net::hostname())];
+            nodes.hosts = vec![Host::new(nrun_base::net::hostname())];
             nodes.layout = vec![NodeLayout {
                 group_rank: shape.node_rank,
                 ranks: (0..shape.nproc).map(|l| (r0 + l, l, l)).collect(),
@@ -348,12 +348,12 @@ impl NodesPlan {
                 false => {
                     let here = owned
                         .iter()
-                        .filter(|h| crate::net::is_this_host(&h.name))
+                        .filter(|h| nrun_base::net::is_this_host(&h.name))
                         .count();
                     list.len() - owned.len() + roots(here) + roots(owned.len() - here)
                 }
             };
-            check_fd_limit(list.len(), direct, crate::node::process::fd_hard_limit())?;
+            check_fd_limit(list.len(), direct, nrun_node::process::fd_hard_limit())?;
         }
         let layout = hosts::rank_layout(&list, shape.nproc)?;
         let pinned = nodes.env.iter().any(|(k, _)| k == "CUDA_VISIBLE_DEVICES");
@@ -476,30 +476,33 @@ pub const MAX_HOSTFILE_BYTES: u64 = 16 << 20;
 
 /// A hostfile's text: a regular file (not a device such as /dev/zero or /dev/urandom, not a
 /// FIFO, socket or directory, which could block or never end) of at most
-/// [`MAX_HOSTFILE_BYTES`], in UTF-8 ([`crate::files::read_text`]).
+/// [`MAX_HOSTFILE_BYTES`], in UTF-8 ([`nrun_base::files::read_text`]).
 fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
-    use crate::files::ReadError;
-    crate::files::read_text(path, MAX_HOSTFILE_BYTES, crate::files::Writer::Anyone).map_err(|e| {
-        let hint = match &e {
-            ReadError::NotRegular(_) => {
-                "; give a regular file of host lines (`host slots=N`, `host:N` or `host`)".into()
-            }
-            ReadError::TooBig(_) => {
-                format!(
-                    "; a hostfile lists at most {} hosts, one per line",
-                    hosts::MAX_HOSTS
-                )
-            }
-            ReadError::NotOwn(_) => "; write one host per line".into(),
-            ReadError::Missing => String::new(),
-            ReadError::Io(_) => String::new(),
-        };
-        let e = match e {
-            ReadError::Missing => "No such file or directory".to_string(),
-            e => e.to_string(),
-        };
-        Error::usage(format!("--hostfile {origin}: {e}{hint}"))
-    })
+    use nrun_base::files::ReadError;
+    nrun_base::files::read_text(path, MAX_HOSTFILE_BYTES, nrun_base::files::Writer::Anyone).map_err(
+        |e| {
+            let hint = match &e {
+                ReadError::NotRegular(_) => {
+                    "; give a regular file of host lines (`host slots=N`, `host:N` or `host`)"
+                        .into()
+                }
+                ReadError::TooBig(_) => {
+                    format!(
+                        "; a hostfile lists at most {} hosts, one per line",
+                        hosts::MAX_HOSTS
+                    )
+                }
+                ReadError::NotOwn(_) => "; write one host per line".into(),
+                ReadError::Missing => String::new(),
+                ReadError::Io(_) => String::new(),
+            };
+            let e = match e {
+                ReadError::Missing => "No such file or directory".to_string(),
+                e => e.to_string(),
+            };
+            Error::usage(format!("--hostfile {origin}: {e}{hint}"))
+        },
+    )
 }
 
 #[cfg(test)]
@@ -509,7 +512,7 @@ mod tests {
     #[test]
     fn fd_limit_refuses_too_many_ssh_nodes_as_a_system_refusal() {
         let e = check_fd_limit(400, 400, Some(1024)).unwrap_err();
-        assert_eq!(e.code, crate::error::exit::INTERNAL);
+        assert_eq!(e.code, nrun_base::error::exit::INTERNAL);
         assert!(e.message.contains("ulimit -n 2064"), "{}", e.message);
         check_fd_limit(400, 400, None).unwrap();
         check_fd_limit(192, 192, Some(1024)).unwrap();

@@ -14,7 +14,7 @@
 //! Contiguous blocks keep each inner agent's number below its subtree's: a failure report that
 //! names the first lost node in node order names the inner agent, whose words list the rest.
 
-use crate::agent::protocol::Branch;
+use crate::protocol::Branch;
 
 /// The branches the launch host starts itself, out of `nodes` (node index, label), in order.
 /// Width 0 or 1, or no more nodes than `width`: every node is a leaf the launch host starts.

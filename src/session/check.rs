@@ -6,9 +6,9 @@
 use std::net::{IpAddr, SocketAddr};
 
 use super::{Policy, Session};
-use crate::agent::protocol::{Step, StepResult};
-use crate::error::{Error, Result, exit};
-use crate::net;
+use crate::protocol::{Step, StepResult};
+use nrun_base::error::{Error, Result, exit};
+use nrun_base::net;
 
 /// What the checks found: problems keep a node out of the job (`Some(node)`: pinned on it) or
 /// refuse the launch (`None`); warnings do not.

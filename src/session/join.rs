@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use super::link::{JoinHere, Joining};
 use super::{AgentLink, JoinedNode, Node, Session};
-use crate::agent::protocol::{Joined, Step, c10d_next_key, c10d_refused_key, c10d_room_key};
-use crate::error::{Error, Result};
+use crate::protocol::{Joined, Step, c10d_next_key, c10d_refused_key, c10d_room_key};
+use nrun_base::error::{Error, Result};
 
 /// How long nodes beyond the job's size may still join once the job has its nodes.
 const SPARE_GRACE: Duration = Duration::from_secs(2);
@@ -183,9 +183,8 @@ impl Session {
         // A c10d node's own command line, sealed with the run's secret for this join.
         if let (Some(sealed), Some(secret)) = (own_sealed, &self.rendezvous.secret) {
             let key = self.bus.keys.joined(i);
-            facts.own =
-                crate::store::auth::open(secret.as_bytes(), &key, nonce.as_bytes(), &sealed)
-                    .and_then(|json| serde_json::from_slice(&json).ok());
+            facts.own = nrun_store::auth::open(secret.as_bytes(), &key, nonce.as_bytes(), &sealed)
+                .and_then(|json| serde_json::from_slice(&json).ok());
             if facts.own.is_none() {
                 tracing::warn!(
                     "node {i}'s own command line could not be opened with the run's secret; \
@@ -303,7 +302,7 @@ impl Session {
     /// c10d: tells nodes that may still join what this nrun takes now: how many more nodes
     /// (one past the job's nodes and spares joins only while this is above 0), and each host
     /// left out on evidence against the node itself ([`super::roster::LeftOut::bars_return`]),
-    /// whose nrun is refused with that evidence (agent::peer).
+    /// whose nrun is refused with that evidence (session::c10d).
     pub(super) fn publish_room(&self) {
         let (Some(id), Some(st)) = (&self.c10d_id, self.store()) else {
             return;

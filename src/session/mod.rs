@@ -16,6 +16,7 @@
 //! Remote agents get their steps through the store and answer there; the session waits on the
 //! store's change notification (and the in-process node's wake), not on a timer.
 
+pub mod c10d;
 pub mod check;
 pub mod join;
 pub mod link;
@@ -30,13 +31,13 @@ use std::time::Instant;
 
 use tokio::sync::{oneshot, watch};
 
-use crate::agent::protocol::{Keys, Step};
-use crate::error::{Error, Result, exit};
 use crate::facts::Facts;
-use crate::node::Signals;
 use crate::plan::{NodesPlan, SessionPlan, StorePlan};
-use crate::store::{self, Store};
+use crate::protocol::{Keys, Step};
 use crate::watch::WatchState;
+use nrun_base::error::{Error, Result, exit};
+use nrun_node::Signals;
+use nrun_store::{self as store, Store};
 
 pub use link::NodeLink;
 pub use step::Policy;
@@ -66,7 +67,7 @@ impl Node {
 }
 
 /// Where a remote agent connected from and where it answers probes: its
-/// [`crate::agent::protocol::Joined`] record, the facts kept apart in [`JoinedNode::facts`].
+/// [`crate::protocol::Joined`] record, the facts kept apart in [`JoinedNode::facts`].
 pub struct AgentLink {
     pub local_addr: String,
     pub reached: String,
@@ -137,8 +138,8 @@ impl Session {
     ) -> Result<Session> {
         let signals = Signals::install(&plan.forward_signals)?;
         // Leftovers of killed nruns: a directory listing off the launch's path.
-        tokio::task::spawn_blocking(crate::files::sweep_scratch);
-        crate::node::process::become_subreaper();
+        tokio::task::spawn_blocking(nrun_base::files::sweep_scratch);
+        nrun_node::process::become_subreaper();
         // A static launch's other nodes run their own nrun, which cannot learn a secret.
         let static_launch = nodes.in_process && nodes.group_world > 1;
         let secret = match (&plan.c10d, static_launch) {
@@ -175,10 +176,10 @@ impl Session {
                     .per_peer
                     .max(4 * most + 64)
                     .max(2 * nodes.hosts.len() + 64);
-                store.set_limits(crate::store::server::Limits { per_peer, ..limits });
+                store.set_limits(nrun_store::server::Limits { per_peer, ..limits });
                 // Every worker keeps a connection (torch opens more on init), every agent two.
                 let needed = nodes.world as u64 * 2 + nodes.hosts.len() as u64 * 2 + 64;
-                if let Some(hard) = crate::node::process::fd_hard_limit().filter(|h| *h < needed) {
+                if let Some(hard) = nrun_node::process::fd_hard_limit().filter(|h| *h < needed) {
                     tracing::warn!(
                         "the job's {} workers may need about {needed} open connections to the store, \
                          but this host allows {hard} open files (hard limit): raise it (limits.conf \
@@ -248,10 +249,10 @@ impl Session {
         if let (Some(c), Some(st)) = (&plan.c10d, session.store()) {
             // What a joining node needs to find this run's keys.
             st.set(
-                &crate::agent::protocol::c10d_run_key(&c.id),
+                &crate::protocol::c10d_run_key(&c.id),
                 session.run.as_bytes(),
             );
-            st.set(&crate::agent::protocol::c10d_public_key(&c.id), b"1");
+            st.set(&crate::protocol::c10d_public_key(&c.id), b"1");
         }
         // Nodes join it in order; one that comes back gets the next index (join::open_slots).
         if session.store().is_some() && plan.c10d.as_ref().is_some_and(|c| c.node.is_none()) {
@@ -260,10 +261,10 @@ impl Session {
         if let Some(st) = session.store() {
             // Any nrun that connects may read that an nrun listens here, and (set before this,
             // so one who sees this sees that) which c10d rendezvous it hosts: a node of another
-            // job or launcher is told so (agent::peer).
+            // job or launcher is told so (session::c10d).
             st.set(
-                crate::agent::protocol::NRUN_STORE_KEY,
-                crate::cli::VERSION.as_bytes(),
+                crate::protocol::NRUN_STORE_KEY,
+                nrun_base::VERSION.as_bytes(),
             );
         }
         let starting = link::Starting {
@@ -368,7 +369,7 @@ impl Session {
             let _ = stop.send(());
         }
         // The in-process node's scratch (this process's).
-        crate::files::remove_scratch();
+        nrun_base::files::remove_scratch();
     }
 }
 
@@ -433,7 +434,7 @@ pub fn bind_rendezvous(plan: &SessionPlan) -> Result<Option<std::net::TcpListene
     match c.node {
         Some(0) => {}
         Some(_) => return Ok(None),
-        None if !crate::net::is_this_host(&c.host) => return Ok(None),
+        None if !nrun_base::net::is_this_host(&c.host) => return Ok(None),
         None => {}
     }
     match store::server::bind(c.port) {
@@ -453,7 +454,7 @@ pub fn bind_rendezvous(plan: &SessionPlan) -> Result<Option<std::net::TcpListene
 
 /// The secret of nrun's keys for one run.
 fn random_secret() -> Result<String> {
-    crate::store::auth::random_hex().map_err(|e| {
+    nrun_base::random_hex().map_err(|e| {
         Error::internal(format!(
             "cannot get random bytes from the OS (getrandom) for the run's secret: {e}"
         ))
@@ -462,7 +463,7 @@ fn random_secret() -> Result<String> {
 
 /// The coordinator's addresses for agents to try, "ip:port".
 pub fn coordinator_addrs(port: u16) -> Vec<String> {
-    crate::net::reachable_addrs(&crate::net::interfaces())
+    nrun_base::net::reachable_addrs(&nrun_base::net::interfaces())
         .into_iter()
         .map(|ip| SocketAddr::new(ip, port).to_string())
         .collect()

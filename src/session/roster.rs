@@ -7,7 +7,7 @@
 use std::time::SystemTime;
 
 use super::Session;
-use crate::error::{Error, Result};
+use nrun_base::error::{Error, Result};
 
 /// When a node was left out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,7 +167,7 @@ impl Session {
     }
 
     /// Why node `n`, joined late, may not run: its host was left out earlier in this job on
-    /// evidence against the node itself (its nrun is told so when it joins, agent::peer; this
+    /// evidence against the node itself (its nrun is told so when it joins, session::c10d; this
     /// is for one that joined before that was known).
     fn barred(&self, n: usize) -> Option<String> {
         let host = self.hostname(n)?;

@@ -6,9 +6,9 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use super::Session;
-use crate::agent::protocol::{Step, WorkerSpec};
-use crate::node::output::Color;
 use crate::plan::{Place, WorkerSlot, WorkersPlan};
+use crate::protocol::{Step, WorkerSpec};
+use nrun_node::output::Color;
 
 /// One node of a group that runs together, with its ranks in that group.
 #[derive(Clone, Debug)]
@@ -208,7 +208,7 @@ impl Session {
                 .plan
                 .env
                 .iter()
-                .filter(|(k, _)| k != crate::store::auth::SHARED_SECRET_VAR)
+                .filter(|(k, _)| k != nrun_store::auth::SHARED_SECRET_VAR)
                 .cloned()
                 .collect();
             env.extend(plan.worker_env_at(&self.run_id, &place, &slot));
@@ -266,7 +266,7 @@ impl Session {
 /// `--virtual-local-rank`: LOCAL_RANK 0, and CUDA_VISIBLE_DEVICES narrowed to the GPU the
 /// worker would have used (its local rank's entry of the list it would have seen).
 fn virtual_local_rank(env: &mut Vec<(String, String)>, local_rank: usize) {
-    let gpu = crate::plan::env::worker_gpu(env, local_rank);
+    let gpu = crate::agent::exec::worker_gpu(env, local_rank);
     env.push(("LOCAL_RANK".into(), "0".into()));
     env.push(("CUDA_VISIBLE_DEVICES".into(), gpu));
 }

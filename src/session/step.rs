@@ -7,10 +7,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::Session;
-use crate::agent::protocol::{RunResult, Step, StepResult};
-use crate::error::{Error, Result};
-use crate::node::{Caught, StopRequest};
+use crate::protocol::{RunResult, Step, StepResult};
 use crate::session::link::Delivery;
+use nrun_base::error::{Error, Result};
+use nrun_node::{Caught, StopRequest};
 
 /// How [`Session::run_step`] waits.
 #[derive(Clone, Copy, Debug)]

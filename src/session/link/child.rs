@@ -11,13 +11,13 @@ use std::time::Duration;
 use super::tree::{Inner, TreeLink};
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
 use crate::agent::child::{AgentProcess, Delivery, Relay, Starter, ship};
-use crate::agent::protocol::{Branch, Hello, Keys, TreeSsh};
-use crate::error::{Error, Result};
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
+use crate::protocol::{Branch, Hello, Keys, TreeSsh};
 use crate::remote;
 use crate::session::Node;
-use crate::store::Store;
+use nrun_base::error::{Error, Result};
+use nrun_store::Store;
 
 /// A node whose agent is a child process of nrun.
 pub struct ChildLink {
@@ -121,7 +121,7 @@ pub async fn start(
     let mut elsewhere = hosts.len() < np.hosts.len();
     for (i, h) in hosts.iter().enumerate() {
         // Asked once per host: for an address, it reads this machine's interfaces.
-        let local = crate::net::is_this_host(&h.name);
+        let local = nrun_base::net::is_this_host(&h.name);
         elsewhere |= !local;
         // A spare stays a child of this host, so that the node it replaces can be lost with
         // its subtree while the spare is not.

@@ -9,10 +9,10 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
-use crate::agent::protocol::{Keys, RunResult, Step, StepResult};
-use crate::node::{Signals, StopRequest};
+use crate::protocol::{Keys, RunResult, Step, StepResult};
 use crate::session::{Node, Rendezvous, Session};
-use crate::store::Store;
+use nrun_node::{Signals, StopRequest};
+use nrun_store::Store;
 
 /// What a fake node does with the steps it is given.
 #[derive(Clone, Debug)]
@@ -60,7 +60,7 @@ pub fn session(
     nodes: Vec<Node>,
 ) -> (
     Session,
-    tokio::sync::mpsc::UnboundedSender<crate::node::Caught>,
+    tokio::sync::mpsc::UnboundedSender<nrun_node::Caught>,
 ) {
     let (signals, inject) = Signals::injected();
     let hosts = nodes
@@ -134,7 +134,7 @@ impl NodeLink for FakeLink {
             let json = serde_json::to_vec(&r).unwrap();
             store.set(
                 &key,
-                &crate::store::auth::seal(secret.as_bytes(), &key, b"", &json),
+                &nrun_store::auth::seal(secret.as_bytes(), &key, b"", &json),
             )
         };
         let script = self.script.clone();
@@ -194,9 +194,9 @@ impl NodeLink for FakeLink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::protocol::WorkerFailure;
-    use crate::node::Caught;
+    use crate::protocol::WorkerFailure;
     use crate::session::Policy;
+    use nrun_node::Caught;
 
     fn run_step() -> Step {
         Step::Run {
@@ -384,7 +384,7 @@ mod tests {
             .await
             .unwrap_err()
             .code;
-        assert_eq!(code, crate::error::exit::signal(libc::SIGINT));
+        assert_eq!(code, nrun_base::error::exit::signal(libc::SIGINT));
         let want = [
             StopRequest::Forward(libc::SIGUSR1),
             StopRequest::Signal(libc::SIGINT),
@@ -394,7 +394,7 @@ mod tests {
         assert_eq!(seen_b.lock().unwrap().requests, want);
         // Agents read the same through the store, in order: the signal passed on, then the
         // stop with the user's signal.
-        use crate::agent::protocol::Control;
+        use crate::protocol::Control;
         let control = |seq| {
             let v = s.store().unwrap().get(&s.keys().control(0, seq));
             v.and_then(|v| Control::decode(&v))
@@ -511,7 +511,7 @@ mod tests {
         assert_eq!((g.world, g.group_world), (2, 2));
         // Now no spare is left: losing another node leaves the job short, exit 98.
         let e = s.reform(&[(0, "lost a".to_string())]).unwrap_err();
-        assert_eq!(e.code, crate::error::exit::NO_NODES);
+        assert_eq!(e.code, nrun_base::error::exit::NO_NODES);
         assert!(
             e.message.contains("needs 2 healthy node(s) but has 1 (c)"),
             "{}",
@@ -525,7 +525,7 @@ mod tests {
     /// well is not; nodes without GPUs in a job without GPUs are not.
     #[tokio::test(start_paused = true)]
     async fn sick_or_missing_gpus_are_pinned_on_their_node() {
-        use crate::preflight::hardware::Health;
+        use nrun_preflight::hardware::Health;
         let (a, _) = node("a", Script::UntilStopped);
         let (b, _) = node("b", Script::UntilStopped);
         let (c, _) = node("c", Script::UntilStopped);
@@ -579,7 +579,7 @@ mod tests {
     /// refused, with that evidence, and a node of it that joined all the same is left out.
     #[tokio::test(start_paused = true)]
     async fn a_node_that_comes_back_gets_a_new_index_unless_its_host_was_refused() {
-        use crate::agent::protocol::{Joined, c10d_next_key, c10d_refused_key, c10d_room_key};
+        use crate::protocol::{Joined, c10d_next_key, c10d_refused_key, c10d_room_key};
         use crate::session::roster::Stage;
         let (a, _) = node("a", Script::UntilStopped);
         let (b, _) = node("b", Script::UntilStopped);
@@ -626,7 +626,7 @@ mod tests {
         assert_eq!(s.plan.layout.len(), 3);
         for no in 0..3 {
             let raw = st.get(&s.keys().step(2, no)).unwrap();
-            let json = crate::store::auth::open(b"", &s.keys().step(2, no), b"", &raw).unwrap();
+            let json = nrun_store::auth::open(b"", &s.keys().step(2, no), b"", &raw).unwrap();
             assert!(
                 !serde_json::from_slice::<Step>(&json)
                     .unwrap()

@@ -10,9 +10,9 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use super::{BoxFuture, Bus, JoinHere, Joining, NodeLink};
 use crate::agent::exec::{self, Done, StepIo};
-use crate::agent::protocol::{NodeWatch, Step, StepResult};
-use crate::node::StopRequest;
+use crate::protocol::{NodeWatch, Step, StepResult};
 use crate::session::JoinedNode;
+use nrun_node::StopRequest;
 
 /// The in-process node's link: the step it was given, and its running step's channels.
 #[derive(Default)]
@@ -57,7 +57,7 @@ impl NodeLink for InProcess {
                         .to_socket_addrs()
                         .ok()
                         .and_then(|mut a| a.next())
-                        .and_then(crate::net::route_interface)
+                        .and_then(nrun_base::net::route_interface)
                 })
                 .flatten();
             JoinedNode {

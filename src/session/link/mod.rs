@@ -35,15 +35,14 @@ use tokio::sync::Notify;
 
 use super::{JoinedNode, Node};
 pub use crate::agent::child::Delivery;
-use crate::agent::protocol::{
-    Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
-};
-use crate::error::{Error, Result};
-use crate::node::StopRequest;
+pub use crate::agent::relay::Nudges;
 use crate::plan::NodesPlan;
 use crate::plan::SessionPlan;
+use crate::protocol::{Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
 use crate::remote::Launcher;
-use crate::store::Store;
+use nrun_base::error::{Error, Result};
+use nrun_node::StopRequest;
+use nrun_store::Store;
 
 /// A future a link hands the session (async methods of a trait object).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -178,7 +177,7 @@ pub fn judge_result<L: NodeLink + ?Sized>(
         // killed, srun's, or a user's there) took it out of the job.
         (false, StepResult::Run(RunResult::Interrupted(sig))) => format!(
             "{label}'s agent was stopped by {} on that node",
-            crate::node::signal_name(*sig)
+            nrun_node::signal_name(*sig)
         ),
         _ => return Some(r),
     };
@@ -232,31 +231,8 @@ pub struct Bus {
     /// default: five beats missed), so that this host calls a cut-off node lost (and a spare
     /// may take its place) before that node's agent stops its workers by itself. An agent
     /// whose connection closes is lost at once: the store removes its counter
-    /// ([`crate::store::server::LIVE_SUFFIX`]).
+    /// ([`nrun_store::server::LIVE_SUFFIX`]).
     pub(super) silence: std::time::Duration,
-}
-
-/// Nodes a link asks the session to look at again (its agent's process ended), and the wake-up
-/// that goes with them: with the store's changed keys, what lets the session look at the nodes
-/// that changed instead of at every node on every event.
-#[derive(Default)]
-pub struct Nudges {
-    nodes: std::sync::Mutex<Vec<usize>>,
-    pub(super) notify: Notify,
-}
-
-impl Nudges {
-    pub fn nudge(&self, node: usize) {
-        self.nodes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(node);
-        self.notify.notify_one();
-    }
-
-    pub(crate) fn take(&self) -> Vec<usize> {
-        std::mem::take(&mut *self.nodes.lock().unwrap_or_else(|e| e.into_inner()))
-    }
 }
 
 /// The nodes to look at again since the last call: named by a key the store says changed, or
@@ -288,7 +264,7 @@ impl Bus {
         let bound = self.nonces.get(&node).map_or("", String::as_str);
         store.set(
             &key,
-            &crate::store::auth::seal(secret.as_bytes(), &key, bound.as_bytes(), &json),
+            &nrun_store::auth::seal(secret.as_bytes(), &key, bound.as_bytes(), &json),
         );
     }
 
@@ -298,7 +274,7 @@ impl Bus {
     fn opened(&self, key: &[u8]) -> Option<Vec<u8>> {
         let raw = self.store.as_ref()?.get(key)?;
         let secret = self.secret.as_deref().unwrap_or("");
-        let opened = crate::store::auth::open(secret.as_bytes(), key, b"", &raw);
+        let opened = nrun_store::auth::open(secret.as_bytes(), key, b"", &raw);
         if opened.is_none() {
             // Asked again at every look: said at debug level, not once a poll.
             tracing::debug!(
@@ -424,7 +400,7 @@ impl Instructions {
             label: label.to_string(),
             addrs,
             cwd: self.cwd.clone(),
-            version: crate::cli::VERSION.to_string(),
+            version: nrun_base::VERSION.to_string(),
             python: self.python.clone(),
             forward_signals: self.forward_signals.clone(),
             // Every remote agent beats: a dead or cut-off node is named within 3 s.
@@ -438,7 +414,7 @@ impl Instructions {
             probed: true,
             // Its output comes through a pipe of this host's: marked at each step's end. No
             // random bytes (never seen): no marks, and results are taken as they come.
-            output_mark: crate::store::auth::random_hex().unwrap_or_default(),
+            output_mark: nrun_base::random_hex().unwrap_or_default(),
         }
     }
 }

@@ -12,11 +12,11 @@ use tokio::sync::Mutex;
 use super::peer::Heartbeat;
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
 use crate::agent::child::{AgentProcess, Delivery, Marks, Relay, Starter};
-use crate::error::Result;
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
 use crate::remote;
 use crate::session::Node;
+use nrun_base::error::Result;
 
 /// One node of the srun step.
 pub struct StepLink {

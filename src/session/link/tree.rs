@@ -27,8 +27,8 @@ use tokio::time::Instant;
 use super::peer::Heartbeat;
 use super::{BoxFuture, Bus, Delivery, Ending, Joining, NodeLink, Nudges};
 use crate::agent::child::Marks;
-use crate::agent::protocol::{Keys, RunResult, StepResult};
-use crate::store::Store;
+use crate::protocol::{Keys, RunResult, StepResult};
+use nrun_store::Store;
 
 /// How long a node of the tree whose agent stopped unasked (or whose connection closed) waits
 /// for its inner agent's loss to show before it is named lost on its own: the loss of an

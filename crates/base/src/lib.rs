@@ -1,0 +1,63 @@
+//! What every layer of nrun shares, and nothing of any layer above: errors for people and the
+//! exit codes ([`error`]), this host's names and interfaces ([`net`]), private scratch and
+//! bounded reads ([`files`]), randomness, nrun's version, and the two switches on what the
+//! process prints.
+
+pub mod error;
+pub mod files;
+pub mod net;
+
+/// nrun's version, with the git revision it was built from: `nrun --version`, and what each
+/// node reports so that the launch host can refuse a different nrun.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("NRUN_GIT_REV"), ")");
+
+/// The git revision nrun was built from (build.rs), "unknown" outside a checkout.
+pub const GIT_REV: &str = env!("NRUN_GIT_REV");
+
+/// Writes `text` to stdout. A reader that stopped early (`nrun completions zsh | head -c1`,
+/// `nrun doctor | head`) is a quiet end, not a panic: `print!` would panic on the broken
+/// pipe (Rust ignores SIGPIPE). Returns false when stdout was closed or failed.
+pub fn stdout(text: impl AsRef<[u8]>) -> bool {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_ref())
+        .and_then(|()| out.flush())
+        .is_ok()
+}
+
+static SILENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// An agent forked from nrun's spawner inherits nrun's log subscriber, where an exec'd agent
+/// has none: it says nothing through it, as an exec'd one does not.
+pub fn silence_logging() {
+    SILENT.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`silence_logging`] was called: the log writer's switch.
+pub fn logging_silenced() -> bool {
+    SILENT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Lowercase hex of `b`.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Fills `b` from the OS. No randomness is an error, never a predictable value.
+///
+/// Through the getrandom crate, not libc's getrandom(3): that function is glibc 2.25's, and the
+/// wheel's binary must link against glibc 2.17 (the crate looks the function up at run time and
+/// falls back to the syscall or /dev/urandom).
+pub fn random_bytes(b: &mut [u8]) -> std::io::Result<()> {
+    getrandom::fill(b).map_err(|e| match e.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::other(e.to_string()),
+    })
+}
+
+/// 128 random bits from the OS, hex: a run's secret, or a challenge.
+pub fn random_hex() -> std::io::Result<String> {
+    let mut b = [0u8; 16];
+    random_bytes(&mut b)?;
+    Ok(hex(&b))
+}

@@ -1,0 +1,1269 @@
+//! The TCPStore server: a tokio task per connection over one shared key-value state.
+//!
+//! The state sits behind a std `Mutex`: no `.await` happens while it is held and every operation
+//! is a few hash-map steps, so an async lock would only add cost. Replies are written only by the
+//! connection's own task, in request order; a WAIT or BARRIER that cannot finish at once parks
+//! the connection, and whoever later completes it sends a STOP_WAITING byte through that
+//! connection's channel. Keeping every write in one task is what makes the CANCEL_WAIT race come
+//! out right: a STOP_WAITING already queued is written before the WAIT_CANCELED reply.
+//!
+//! That task serves the requests it has buffered only while their replies fit the reply budget,
+//! sized and counted before each is built (its own share, its address's, the store's), then
+//! writes them before reading or serving more: a client that pipelines GETs of a large value
+//! without reading holds one budget's worth of replies, not all of them, and no number of such
+//! connections holds more than the store's. What else a client may hold (unfinished requests,
+//! time, connections) is in [`conns`].
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+
+use crate::protocol::{
+    FrameScan, Parsed, ProtocolError, Request, STOP_WAITING, Scanned, VALIDATE_MAGIC, put_bytes,
+};
+
+mod cmd;
+mod conns;
+
+pub use conns::Limits;
+use conns::{Conns, EVICT, Held, Live, Replies, Room, SMALL_REPLY};
+
+type ConnId = u64;
+
+/// A connection parked in WAIT or BARRIER.
+struct Parked {
+    /// Distinguishes this wait from earlier ones of the same connection, whose entries in
+    /// `watchers` may still linger after a CANCEL_WAIT.
+    generation: u64,
+    /// Keys still missing (WAIT); barriers complete all at once instead.
+    remaining: usize,
+    wake: mpsc::UnboundedSender<u8>,
+    /// The keys it is listed under (in `watchers`, or its barrier key in `barriers`), so a
+    /// cancelled wait or a closed connection leaves nothing behind.
+    keys: Vec<Vec<u8>>,
+    barrier: bool,
+    /// What its keys cost while it waits (counted in `State::waiting`).
+    cost: usize,
+}
+
+#[derive(Default)]
+struct State {
+    kv: HashMap<Vec<u8>, Vec<u8>>,
+    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
+    /// key -> waits that still miss it.
+    watchers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
+    parked: HashMap<ConnId, Parked>,
+    /// barrier key -> waits parked on it.
+    barriers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
+    /// Bytes held by parked waits' keys (each listed twice: in the wait and in `watchers`).
+    waiting: usize,
+    /// Bytes held in clients' keys, values and queued items, each entry with its
+    /// [`ENTRY_COST`] or [`ITEM_COST`] (checked against the store's cap, --store-max-bytes).
+    bytes: usize,
+    /// The same for nrun's own keys (`nrun/`), checked against their own reserved budget
+    /// ([`CONTROL_MAX_BYTES`]): clients filling the store never make the control plane fail.
+    control: usize,
+}
+
+/// What a key (of the map or a queue) costs beyond its bytes: the map's slot, the vectors'
+/// headers, the allocator's rounding. Counted so that many empty values still fill the cap.
+const ENTRY_COST: usize = 64;
+/// What a queued item costs beyond its bytes.
+const ITEM_COST: usize = 32;
+
+impl State {
+    /// The count `key`'s bytes are held in: nrun's own, or its clients'.
+    fn held(&mut self, key: &[u8]) -> &mut usize {
+        match is_control(key) {
+            true => &mut self.control,
+            false => &mut self.bytes,
+        }
+    }
+
+    /// Stores `value` under `key`, keeping the byte count.
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        let (klen, control) = (key.len(), is_control(&key));
+        let added = ENTRY_COST + klen + value.len();
+        let freed = self
+            .kv
+            .insert(key, value)
+            .map_or(0, |old| ENTRY_COST + klen + old.len());
+        let held = match control {
+            true => &mut self.control,
+            false => &mut self.bytes,
+        };
+        *held = (*held + added).saturating_sub(freed);
+    }
+
+    fn remove(&mut self, key: &[u8]) -> bool {
+        match self.kv.remove(key) {
+            Some(old) => {
+                let held = self.held(key);
+                *held = held.saturating_sub(ENTRY_COST + key.len() + old.len());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The byte count from scratch (after a clear).
+    fn recount(&mut self) {
+        let kv: usize = self
+            .kv
+            .iter()
+            .map(|(k, v)| ENTRY_COST + k.len() + v.len())
+            .sum();
+        let q: usize = self
+            .queues
+            .iter()
+            .map(|(k, q)| {
+                ENTRY_COST + k.len() + q.iter().map(|v| ITEM_COST + v.len()).sum::<usize>()
+            })
+            .sum();
+        self.bytes = kv + q;
+        // nrun's keys are recounted apart from its clients'.
+        let control: usize = self
+            .kv
+            .iter()
+            .filter(|(k, _)| is_control(k))
+            .map(|(k, v)| ENTRY_COST + k.len() + v.len())
+            .sum();
+        let control_q: usize = self
+            .queues
+            .iter()
+            .filter(|(k, _)| is_control(k))
+            .map(|(k, q)| {
+                ENTRY_COST + k.len() + q.iter().map(|v| ITEM_COST + v.len()).sum::<usize>()
+            })
+            .sum();
+        self.control = control + control_q;
+        self.bytes -= self.control;
+    }
+
+    /// Takes connection `conn`'s parked wait, giving back what its keys cost.
+    fn unpark(&mut self, conn: ConnId) -> Option<Parked> {
+        let p = self.parked.remove(&conn)?;
+        self.waiting = self.waiting.saturating_sub(p.cost);
+        Some(p)
+    }
+
+    /// Drops connection `conn`'s pending WAIT or BARRIER and every entry listing it.
+    fn forget_wait(&mut self, conn: ConnId) {
+        let Some(p) = self.unpark(conn) else {
+            return;
+        };
+        let lists = if p.barrier {
+            &mut self.barriers
+        } else {
+            &mut self.watchers
+        };
+        for k in &p.keys {
+            if let Some(list) = lists.get_mut(k) {
+                list.retain(|(c, g)| !(*c == conn && *g == p.generation));
+                if list.is_empty() {
+                    lists.remove(k);
+                }
+            }
+        }
+    }
+
+    fn exists(&self, key: &[u8]) -> bool {
+        self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+    }
+
+    /// A key was written: every wait that missed it has one key fewer to wait for. `only_one`
+    /// serves queue pushes, which satisfy a single blocked pop.
+    fn written(&mut self, key: &[u8], only_one: bool) {
+        let Some(mut list) = self.watchers.remove(key) else {
+            return;
+        };
+        let mut woken = 0;
+        let mut i = 0;
+        while i < list.len() {
+            if only_one && woken == 1 {
+                break;
+            }
+            let (conn, generation) = list[i];
+            i += 1;
+            let Some(p) = self.parked.get_mut(&conn) else {
+                continue;
+            };
+            if p.generation != generation {
+                continue;
+            }
+            p.remaining -= 1;
+            woken += 1;
+            if p.remaining == 0 {
+                if let Some(p) = self.unpark(conn) {
+                    let _ = p.wake.send(STOP_WAITING);
+                }
+            }
+        }
+        if i < list.len() {
+            list.drain(..i);
+            self.watchers.insert(key.to_vec(), list);
+        }
+    }
+
+    fn counter(&self, key: &[u8]) -> Result<i64, Refusal> {
+        match self.kv.get(key) {
+            None => Ok(0),
+            Some(v) => std::str::from_utf8(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<i64>().ok())
+                .ok_or_else(|| {
+                    format!(
+                        "ADD on key {} whose value is not a decimal counter",
+                        String::from_utf8_lossy(key)
+                    )
+                    .into()
+                }),
+        }
+    }
+
+    fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, Refusal> {
+        let v = self.counter(key)?.wrapping_add(delta);
+        self.put(key.to_vec(), v.to_string().into_bytes());
+        self.written(key, false);
+        Ok(v)
+    }
+}
+
+/// The store shared by all connections.
+#[derive(Default)]
+pub struct Store {
+    state: Mutex<State>,
+    next_conn: AtomicU64,
+    next_wait: AtomicU64,
+    /// With a secret, keys under `nrun/` (nrun's own control plane) are reserved to connections
+    /// that presented it: torch workers can neither read nor write them.
+    secret: Option<Vec<u8>>,
+    /// Bumped whenever a client SETs one of nrun's keys: the coordinator waits on this instead
+    /// of polling for its agents' records.
+    control_writes: watch::Sender<u64>,
+    /// Which of nrun's keys clients set since the coordinator last asked ([`Store::take_changes`]):
+    /// it looks again at those nodes only, not at every node on every write.
+    changes: Mutex<Changes>,
+    /// Serve only clients on this host (a single node's store): others are closed at accept.
+    loopback_only: std::sync::atomic::AtomicBool,
+    /// Most bytes clients may store (keys, values, queued items); 0: no cap.
+    max_bytes: AtomicU64,
+    /// Budgets, timeouts and connection caps (see [`Limits`]).
+    limits: Mutex<Limits>,
+    /// Every open connection, by peer address (the caps, and who is closed first).
+    conns: Mutex<Conns>,
+    /// Bytes held in connections' read buffers (requests not yet whole), all together.
+    partial: AtomicUsize,
+    /// Bytes held in connections' replies (built, not yet written), all together.
+    replies: AtomicUsize,
+    /// Told when a connection gives back a large share of [`Store::replies`]: whoever waits
+    /// for room for a reply asks again.
+    reply_freed: tokio::sync::Notify,
+    /// Most bytes nrun's own keys may hold ([`CONTROL_MAX_BYTES`]), apart from clients'.
+    control_max: AtomicU64,
+    /// [`Limits::wait_budget`], where the state's lock holder reads it.
+    wait_budget: AtomicUsize,
+}
+
+/// nrun's keys that clients set, in order, until the coordinator takes them.
+#[derive(Default, Debug)]
+pub struct Changes {
+    pub keys: Vec<Vec<u8>>,
+    /// More were set than [`MAX_CHANGES`] (nobody took them for a while): the taker must look
+    /// at everything.
+    pub overflowed: bool,
+}
+
+/// Keys kept for [`Store::take_changes`] (a few MiB at most): past it, only "look at
+/// everything" is kept.
+const MAX_CHANGES: usize = 1 << 16;
+
+/// Prefix of nrun's own keys.
+pub const CONTROL_PREFIX: &[u8] = b"nrun/";
+/// GET this key for a challenge (a fresh nonce for this connection), then SET [`AUTH_KEY`] to
+/// the proof of the secret over it (see `store::auth`); neither is stored.
+pub const CHALLENGE_KEY: &[u8] = b"nrun/challenge";
+pub const AUTH_KEY: &[u8] = b"nrun/auth";
+/// A GET of this prefix and a client's own challenge (hex) is answered with the store's proof
+/// of the secret over it ([`super::auth::prove_store`]): the client checks the store too.
+pub const STORE_PROOF_PREFIX: &[u8] = b"nrun/store-proof/";
+/// A SET under this prefix stores the address the server sees the connection come from, not
+/// the value sent: how an agent learns whether NAT sits between it and the coordinator.
+pub const OBSERVE_PREFIX: &[u8] = b"nrun/observed/";
+
+/// A control key ending in this that a connection ADDs to is that connection's:
+/// the store removes it when the connection closes (as ZooKeeper's ephemeral nodes). An
+/// agent's heartbeat counter is such a key, so an agent that ends or is killed (its socket
+/// closed by its kernel) is known at once, not after its heartbeat has been silent a while.
+pub const LIVE_SUFFIX: &[u8] = b"/alive";
+
+/// Keys one connection may tie to itself ([`LIVE_SUFFIX`]): an agent needs one.
+const MAX_LIVE_KEYS: usize = 4;
+
+/// The per-connection part of the protocol state.
+struct Conn {
+    id: ConnId,
+    validated: bool,
+    authed: bool,
+    /// The keys removed when this connection closes ([`LIVE_SUFFIX`]).
+    live_keys: Vec<Vec<u8>>,
+    /// The challenge this connection was given, until it answers.
+    nonce: Option<Vec<u8>>,
+    peer: SocketAddr,
+    wake: mpsc::UnboundedSender<u8>,
+    /// What the connection caps see of this connection.
+    live: Arc<Live>,
+    /// The limits it started with.
+    limits: Limits,
+}
+
+fn is_control(key: &[u8]) -> bool {
+    key.starts_with(CONTROL_PREFIX)
+}
+
+/// nrun's keys anyone may read (never write) without the secret: what an nrun that connects
+/// needs to know before it can prove anything, namely whether this store is an nrun's and which
+/// c10d rendezvous it hosts (so a node of another job, or of another launcher, is told so).
+pub const PUBLIC_PREFIX: &[u8] = b"nrun/public/";
+
+/// A key a read request may name without the secret: not nrun's, or nrun's public ones.
+fn readable(key: &[u8]) -> bool {
+    !is_control(key) || key.starts_with(PUBLIC_PREFIX)
+}
+
+/// Whether a request names any of nrun's control keys.
+fn touches_control(req: &Request) -> bool {
+    match req {
+        Request::Get { key } => !readable(key),
+        Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
+            !keys.iter().all(|k| readable(k))
+        }
+        Request::Set { key, .. }
+        | Request::CompareSet { key, .. }
+        | Request::Add { key, .. }
+        | Request::DeleteKey { key }
+        | Request::Append { key, .. }
+        | Request::QueuePush { key, .. }
+        | Request::QueuePop { key }
+        | Request::QueueLen { key }
+        | Request::Barrier { key, .. } => is_control(key),
+        Request::MultiSet { pairs } => pairs.iter().any(|(k, _)| is_control(k)),
+        Request::Validate { .. }
+        | Request::GetNumKeys
+        | Request::CancelWait
+        | Request::Ping { .. }
+        | Request::ListKeys => false,
+    }
+}
+
+/// Why the store closes a client's connection: logged (rate-limited), and the client sees its
+/// connection close, as PyTorch's own server does with a request it cannot serve.
+#[derive(Debug)]
+pub(super) struct Refusal(String);
+
+impl From<String> for Refusal {
+    fn from(s: String) -> Refusal {
+        Refusal(s)
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(s: &str) -> Refusal {
+        Refusal(s.to_string())
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Store {
+    pub fn new() -> Arc<Store> {
+        Store::build(None)
+    }
+
+    /// A store whose `nrun/` keys need `secret` (see [`AUTH_KEY`]).
+    pub fn with_secret(secret: Vec<u8>) -> Arc<Store> {
+        Store::build(Some(secret))
+    }
+
+    fn build(secret: Option<Vec<u8>>) -> Arc<Store> {
+        Arc::new(Store {
+            secret,
+            max_bytes: AtomicU64::new(DEFAULT_MAX_BYTES),
+            control_max: AtomicU64::new(CONTROL_MAX_BYTES),
+            ..Store::default()
+        })
+    }
+
+    /// Caps what clients may store: a write past it fails that client, not the store.
+    pub fn set_max_bytes(&self, max: u64) {
+        self.max_bytes.store(max, Ordering::Relaxed);
+    }
+
+    /// Caps what nrun's own keys (`nrun/`) may hold, apart from --store-max-bytes (tests).
+    pub fn set_control_max_bytes(&self, max: u64) {
+        self.control_max.store(max, Ordering::Relaxed);
+    }
+
+    /// Replaces the budgets, timeouts and connection caps (before serving: open connections
+    /// keep the limits they started with).
+    pub fn set_limits(&self, limits: Limits) {
+        self.wait_budget
+            .store(limits.wait_budget, Ordering::Relaxed);
+        *self.limits.lock().unwrap_or_else(|e| e.into_inner()) = limits;
+    }
+
+    fn wait_budget(&self) -> usize {
+        match self.wait_budget.load(Ordering::Relaxed) {
+            0 => Limits::default().wait_budget,
+            n => n,
+        }
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Open connections (tests, diagnostics).
+    pub fn connections(&self) -> usize {
+        self.conns_lock().total()
+    }
+
+    fn conns_lock(&self) -> MutexGuard<'_, Conns> {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Serve clients on this host only: a single node's workers reach the store over loopback,
+    /// and nothing on the network should reach it at all.
+    pub fn loopback_only(&self) {
+        self.loopback_only
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Changes whenever a client has set one of nrun's own keys (`nrun/...`).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.control_writes.subscribe()
+    }
+
+    /// Sets a key in-process (the coordinator's own writes), waking waiters.
+    pub fn set(&self, key: &[u8], value: &[u8]) {
+        let mut s = self.lock();
+        s.put(key.to_vec(), value.to_vec());
+        s.written(key, false);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the maps half-updated in a way that
+        // matters more than losing the store, so keep serving.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets every key, queue and wait: used between restart attempts so a new attempt never
+    /// reads the previous attempt's rendezvous keys (torch >= 2.6 does not prefix them).
+    pub fn clear(&self) {
+        *self.lock() = State::default();
+    }
+
+    /// Forgets every key but nrun's own (`nrun/`): between restart attempts of a multi-node
+    /// job, whose agents keep using their control keys.
+    pub fn clear_user_keys(&self) {
+        let mut s = self.lock();
+        s.kv.retain(|k, _| is_control(k));
+        s.queues.clear();
+        s.recount();
+    }
+
+    /// A key's value, read in-process.
+    pub fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.lock().kv.get(key).cloned()
+    }
+
+    /// Whether `key` is set (nothing copied).
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.lock().kv.contains_key(key)
+    }
+
+    /// Pending waits, and the watcher and barrier entries listing them (tests, diagnostics):
+    /// all three drop to 0 once every wait has ended, been cancelled or lost its connection.
+    pub fn pending_waits(&self) -> (usize, usize, usize) {
+        let s = self.lock();
+        (
+            s.parked.len(),
+            s.watchers.values().map(Vec::len).sum(),
+            s.barriers.values().map(Vec::len).sum(),
+        )
+    }
+
+    /// Bytes all connections' read buffers hold (tests, diagnostics).
+    pub fn buffered_bytes(&self) -> usize {
+        self.partial.load(Ordering::Relaxed)
+    }
+
+    /// Bytes counted against --store-max-bytes (tests, diagnostics).
+    pub fn stored_bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    /// Bytes nrun's own keys hold, counted apart (tests, diagnostics).
+    pub fn control_bytes(&self) -> usize {
+        self.lock().control
+    }
+
+    /// Bytes all connections' replies hold, built and not yet written (tests, diagnostics).
+    pub fn reply_bytes(&self) -> usize {
+        self.replies.load(Ordering::Relaxed)
+    }
+
+    /// Number of keys, as GETNUMKEYS would answer.
+    pub fn num_keys(&self) -> usize {
+        self.lock().kv.len()
+    }
+
+    /// Forgets connection `conn`: its parked wait, and the keys it tied to itself.
+    fn disconnect(&self, conn: ConnId, live_keys: &[Vec<u8>]) {
+        let mut s = self.lock();
+        s.forget_wait(conn);
+        for k in live_keys {
+            s.remove(k);
+        }
+        drop(s);
+        for k in live_keys {
+            self.changed(k.clone());
+        }
+        if !live_keys.is_empty() {
+            // Whoever watches nrun's keys looks again (the coordinator, at that node).
+            self.control_writes.send_modify(|v| *v += 1);
+        }
+    }
+
+    /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
+    /// connection with that message; `Ok(Some(req))` gives the request back unserved: its reply
+    /// does not fit the reply budget yet (see [`conns`]).
+    fn apply(
+        &self,
+        c: &mut Conn,
+        req: Request,
+        out: &mut Vec<u8>,
+        replies: &mut Replies<'_>,
+    ) -> Result<Option<Request>, Refusal> {
+        let control = match &req {
+            Request::Set { key, .. } if is_control(key) => Some(key.clone()),
+            _ => None,
+        };
+        let live = match &req {
+            // Whoever may write nrun's keys (with the secret, or any client of a store without
+            // one, as torch's) may tie one: the write itself is checked as any other.
+            Request::Add { key, .. }
+                if is_control(key)
+                    && key.ends_with(LIVE_SUFFIX)
+                    && c.live_keys.len() < MAX_LIVE_KEYS
+                    && !c.live_keys.contains(key) =>
+            {
+                Some(key.clone())
+            }
+            _ => None,
+        };
+        let r = self.apply_request(c, req, out, replies);
+        let served = matches!(r, Ok(None));
+        if let (Some(key), true) = (live, served) {
+            c.live_keys.push(key);
+        }
+        // After the write, so whoever wakes finds it.
+        if let (Some(key), true) = (control, served) {
+            self.changed(key);
+            self.control_writes.send_modify(|v| *v += 1);
+        }
+        r
+    }
+
+    fn changed(&self, key: Vec<u8>) {
+        let mut c = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        if c.keys.len() < MAX_CHANGES {
+            c.keys.push(key);
+        } else {
+            c.overflowed = true;
+            c.keys = Vec::new();
+        }
+    }
+
+    /// nrun's keys clients set since the last call, for the coordinator (see [`Changes`]).
+    pub fn take_changes(&self) -> Changes {
+        std::mem::take(&mut *self.changes.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Who may ask and whether it fits are settled here, in this order: VALIDATE first, then
+    /// nrun's secret for its own keys, then the byte cap; each verb is then served by its own
+    /// function in [`cmd`].
+    fn apply_request(
+        &self,
+        c: &mut Conn,
+        req: Request,
+        out: &mut Vec<u8>,
+        replies: &mut Replies<'_>,
+    ) -> Result<Option<Request>, Refusal> {
+        if !c.validated {
+            validate_first(c, req)?;
+            return Ok(None);
+        }
+        if let Some(secret) = &self.secret {
+            if authenticate(secret, c, &req, out)? {
+                return Ok(None);
+            }
+        }
+        let req = observed(c, req);
+        let mut s = self.lock();
+        self.check_room(&s, &req)?;
+        let s = &mut *s;
+        // Without the secret, nrun's own keys are neither listed nor counted.
+        let hide = self.secret.is_some() && !c.authed;
+        // The reply is sized and counted before a byte of it is built.
+        let size = cmd::reply_size(s, &req, hide);
+        match replies.room(out.len(), size, !c.authed, &c.limits) {
+            Room::Fits => {}
+            Room::Later => return Ok(Some(req)),
+            Room::Never(why) => return Err(why.into()),
+        }
+        if size > SMALL_REPLY {
+            out.try_reserve_exact(size)
+                .map_err(|_| format!("cannot allocate a reply of {size} bytes"))?;
+        }
+        match req {
+            Request::Validate { magic } => cmd::validate(magic)?,
+            Request::Set { key, value } => cmd::set(s, key, value),
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => cmd::compare_set(s, key, expected, desired, out),
+            Request::Get { key } => cmd::get(s, &key, out),
+            Request::Add { key, delta } => cmd::add(s, &key, delta, out)?,
+            Request::Check { keys } => cmd::check(s, &keys, out),
+            Request::Wait { keys } => {
+                cmd::wait(s, c, &self.next_wait, keys, self.wait_budget(), out)?
+            }
+            Request::GetNumKeys => cmd::get_num_keys(s, hide, out),
+            Request::DeleteKey { key } => cmd::delete_key(s, &key, out),
+            Request::Append { key, value } => cmd::append(s, key, value)?,
+            Request::MultiGet { keys } => cmd::multi_get(s, &keys, out),
+            Request::MultiSet { pairs } => cmd::multi_set(s, pairs),
+            Request::CancelWait => cmd::cancel_wait(s, c, out),
+            Request::Ping { nonce } => cmd::ping(nonce, out),
+            Request::QueuePush { key, value } => cmd::queue_push(s, key, value),
+            Request::QueuePop { key } => cmd::queue_pop(s, &key, out),
+            Request::QueueLen { key } => cmd::queue_len(s, &key, out),
+            Request::ListKeys => cmd::list_keys(s, hide, out),
+            Request::Barrier { key, world_size } => {
+                cmd::barrier(s, c, &self.next_wait, key, world_size, out)?
+            }
+        }
+        Ok(None)
+    }
+
+    /// Refuses a write that would take clients' keys past --store-max-bytes (0: no cap), or
+    /// nrun's own keys past their reserved budget: each class fills only itself, so a client
+    /// filling the store fails that client, never nrun's control plane.
+    fn check_room(&self, s: &State, req: &Request) -> Result<(), Refusal> {
+        // (clients' bytes, nrun's bytes) the write may add.
+        let mut incoming = (0usize, 0usize);
+        let mut add = |key: &[u8], n: usize| match is_control(key) {
+            true => incoming.1 += n,
+            false => incoming.0 += n,
+        };
+        match req {
+            Request::Set { key, value } | Request::Append { key, value } => {
+                add(key, ENTRY_COST + key.len() + value.len())
+            }
+            Request::CompareSet { key, desired, .. } => {
+                add(key, ENTRY_COST + key.len() + desired.len())
+            }
+            Request::QueuePush { key, value } => {
+                add(key, ENTRY_COST + ITEM_COST + key.len() + value.len())
+            }
+            // A counter: at most 20 decimal digits.
+            Request::Add { key, .. } | Request::Barrier { key, .. } => {
+                add(key, ENTRY_COST + key.len() + 20)
+            }
+            Request::MultiSet { pairs } => {
+                for (k, v) in pairs {
+                    add(k, ENTRY_COST + k.len() + v.len());
+                }
+            }
+            _ => {}
+        }
+        let max = self.max_bytes.load(Ordering::Relaxed) as usize;
+        if incoming.0 > 0 && max > 0 && s.bytes.saturating_add(incoming.0) > max {
+            return Err(format!(
+                "the store is full: {} bytes held, {} more asked, limit {max} \
+                 (--store-max-bytes)",
+                s.bytes, incoming.0
+            )
+            .into());
+        }
+        let control_max = self.control_max.load(Ordering::Relaxed) as usize;
+        if incoming.1 > 0 && s.control.saturating_add(incoming.1) > control_max {
+            return Err(format!(
+                "nrun's own keys are full: {} bytes held, {} more asked, limit {control_max} \
+                 (nrun's reserved budget, apart from --store-max-bytes)",
+                s.control, incoming.1
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
+
+/// A connection's first request must be VALIDATE with torch's magic.
+fn validate_first(c: &mut Conn, req: Request) -> Result<(), Refusal> {
+    match req {
+        Request::Validate {
+            magic: VALIDATE_MAGIC,
+        } => {
+            c.validated = true;
+            Ok(())
+        }
+        _ => Err(PRE_2_2.into()),
+    }
+}
+
+/// nrun's secret, by challenge and response (the secret itself never crosses the wire): a GET
+/// of [`CHALLENGE_KEY`], a SET of [`AUTH_KEY`] or a GET under [`STORE_PROOF_PREFIX`] (the store
+/// proving the secret to a client) is answered here (`Ok(true)`); any other
+/// request may go on (`Ok(false)`) unless it touches `nrun/` keys without the secret.
+fn authenticate(
+    secret: &[u8],
+    c: &mut Conn,
+    req: &Request,
+    out: &mut Vec<u8>,
+) -> Result<bool, String> {
+    if let Request::Get { key } = req {
+        if let Some(theirs) = key.strip_prefix(STORE_PROOF_PREFIX) {
+            if theirs.is_empty() || theirs.len() > 256 {
+                return Err("a challenge to the store must be 1 to 256 bytes".into());
+            }
+            put_bytes(out, &super::auth::prove_store(secret, theirs));
+            return Ok(true);
+        }
+        if key == CHALLENGE_KEY {
+            let nonce = super::auth::nonce().map_err(|e| format!("no challenge: {e}"))?;
+            put_bytes(out, &nonce);
+            c.nonce = Some(nonce);
+            return Ok(true);
+        }
+    }
+    if let Request::Set { key, value } = req {
+        if key == AUTH_KEY {
+            let proven = c
+                .nonce
+                .take()
+                .is_some_and(|n| super::auth::verify(secret, &n, value));
+            if proven {
+                c.authed = true;
+                return Ok(true);
+            }
+            return Err("wrong proof of nrun's secret for its control keys".into());
+        }
+    }
+    if !c.authed && touches_control(req) {
+        return Err(
+            "a connection without nrun's secret touched nrun's control keys (nrun/...)".into(),
+        );
+    }
+    Ok(false)
+}
+
+/// A SET under [`OBSERVE_PREFIX`] stores the address the connection comes from instead of its
+/// value.
+fn observed(c: &Conn, req: Request) -> Request {
+    match req {
+        Request::Set { key, .. } if key.starts_with(OBSERVE_PREFIX) => {
+            let seen = nrun_base::net::canonical(c.peer.ip());
+            Request::Set {
+                key,
+                value: seen.to_string().into_bytes(),
+            }
+        }
+        r => r,
+    }
+}
+
+/// Starting size of a connection's read buffer: requests are mostly tens of bytes, and with
+/// tens of thousands of connections a larger start costs real memory. It grows on demand.
+const INITIAL_BUFFER: usize = 512;
+/// What clients may store by default (--store-max-bytes): generous, but not the whole machine.
+pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
+/// What nrun's own keys (agents' records and heartbeats, steps, results, views) may hold,
+/// reserved apart from --store-max-bytes. Only nrun writes them where the run has a secret.
+pub const CONTROL_MAX_BYTES: u64 = 512 << 20;
+/// Time a new connection has to send VALIDATE before it is closed.
+const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
+
+const PRE_2_2: &str = "first request is not VALIDATE: a torch client older than 2.2 (or not a \
+TCPStore client at all); nrun's store works with torch 2.2 and newer";
+
+/// Binds the store's listening socket: dual-stack `[::]` where IPv6 exists, else `0.0.0.0`,
+/// with a large backlog set explicitly (tokio's default of 128 makes the kernel reset clients
+/// when thousands connect at once). Port 0 picks a free port, and the socket stays bound for
+/// the whole job, so nothing can take the port between choosing and using it.
+///
+/// Torch clients that arrive in hundreds can still take 5 s each to connect, whatever store they
+/// reach: each first asks DNS for the store's name (c10d formats the address it is about to
+/// connect to with `getnameinfo`), and a DNS server that drops part of the burst costs glibc's
+/// 5 s resolver timeout before the SYN is even sent (BENCHMARKS.md, section 13;
+/// tests/store_burst.rs measures the accept path with that lookup answered locally).
+pub fn bind(port: u16) -> io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let backlog = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+        .unwrap_or(4096)
+        .max(4096);
+    let v6 = (|| {
+        let s = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP))?;
+        s.set_only_v6(false)?;
+        Ok::<_, io::Error>(s)
+    })();
+    let (sock, addr): (Socket, SocketAddr) = match v6 {
+        Ok(s) => (s, (Ipv6Addr::UNSPECIFIED, port).into()),
+        Err(_) => (
+            Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP))?,
+            (Ipv4Addr::UNSPECIFIED, port).into(),
+        ),
+    };
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(backlog)?;
+    sock.set_nonblocking(true)?;
+    Ok(sock.into())
+}
+
+/// A warning about a client, at most 10 in any 10 s; the rest are counted and said once the
+/// window passes, so a flood of bad connections cannot flood the output.
+fn quiet_warn(msg: std::fmt::Arguments<'_>) {
+    static WINDOW: Mutex<Option<(std::time::Instant, u32, u32)>> = Mutex::new(None);
+    let mut w = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
+    let now = std::time::Instant::now();
+    let (start, said, quiet) = w.get_or_insert((now, 0, 0));
+    if now.duration_since(*start) > std::time::Duration::from_secs(10) {
+        if *quiet > 0 {
+            tracing::warn!("store: {quiet} more such warnings were not shown");
+        }
+        (*start, *said, *quiet) = (now, 0, 0);
+    }
+    if *said < 10 {
+        *said += 1;
+        tracing::warn!("{msg}");
+    } else {
+        *quiet += 1;
+    }
+}
+
+/// Serves connections until `shutdown` completes; open connections are then dropped.
+pub async fn serve(listener: TcpListener, store: Arc<Store>, shutdown: impl Future<Output = ()>) {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::pin!(shutdown);
+    let mut backoff_ms = 1;
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    backoff_ms = 1;
+                    if store.loopback_only.load(Ordering::Relaxed)
+                        && !nrun_base::net::canonical(peer.ip()).is_loopback()
+                    {
+                        quiet_warn(format_args!(
+                            "store: refusing {peer}: this single-node store serves this host only"
+                        ));
+                        continue;
+                    }
+                    let Some((id, live)) = store.admit(peer) else {
+                        let limits = store.limits();
+                        quiet_warn(format_args!(
+                            "store: refusing {peer}: no connection slot is free (at most \
+                             {} from one address, {} in all, set by this host's open-file limit) \
+                             and every open one is an agent of this run; raise `ulimit -n` for \
+                             nrun here",
+                            limits.per_peer,
+                            limits.total_cap()
+                        ));
+                        continue;
+                    };
+                    let store = store.clone();
+                    let stop = stop_rx.clone();
+                    let ip = live.ip;
+                    tokio::spawn(async move {
+                        // `live` ends with the connection, before the registry forgets it (its
+                        // address's reply count goes once no connection holds it).
+                        connection(stream, peer, &store, stop, id, live).await;
+                        store.conns_lock().remove(id, ip);
+                    });
+                }
+                Err(e) => {
+                    // Out of file descriptors (or similar): close the idlest connection of the
+                    // address holding the most, keep serving the others, and say so once
+                    // rather than once a second.
+                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if out_of_fds {
+                        store.conns_lock().evict_one();
+                        quiet_warn(format_args!(
+                            "store: accept failed: {e}; closing idle connections to make room"
+                        ));
+                    } else {
+                        quiet_warn(format_args!("store: accept failed: {e}; retrying in {backoff_ms} ms"));
+                    }
+                    tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+                    backoff_ms = (backoff_ms * 2).min(1000);
+                }
+            }
+        }
+    }
+    let _ = stop_tx.send(true);
+}
+
+impl Store {
+    /// Registers a new connection under the caps (see [`Limits`]); None: refused.
+    fn admit(&self, peer: SocketAddr) -> Option<(ConnId, Arc<Live>)> {
+        let limits = self.limits();
+        let total = limits.total_cap();
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let ip = nrun_base::net::canonical(peer.ip());
+        let live = self.conns_lock().admit(id, ip, limits.per_peer, total)?;
+        Some((id, live))
+    }
+}
+
+/// Writes `out`, closing (an error) when the peer takes nothing for `stall`.
+async fn write_out(wr: &mut OwnedWriteHalf, out: &[u8], stall: Duration) -> io::Result<()> {
+    // Most replies fit the socket's buffer at once: no timer for those.
+    let mut pos = match wr.try_write(out) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(e) => return Err(e),
+    };
+    while pos < out.len() {
+        match tokio::time::timeout(stall, wr.write(&out[pos..])).await {
+            Err(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "it read none of its replies for {} s ({} bytes waiting)",
+                        stall.as_secs(),
+                        out.len() - pos
+                    ),
+                ));
+            }
+            Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => pos += n,
+            Ok(Err(e)) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// What [`next_request`] found.
+enum Next {
+    /// A whole request, which used the first `len` bytes.
+    Request(Request, usize),
+    /// At least this many bytes in all are needed first.
+    Need(usize),
+}
+
+/// The next whole request at the start of `buf`. Most requests arrive whole and are parsed at
+/// once; one that does not is framed by the resumable scan (each byte looked at once, however
+/// many reads it takes) and parsed when whole, so a request costs at most two parses.
+fn next_request(scan: &mut FrameScan, buf: &[u8]) -> Result<Next, ProtocolError> {
+    if scan.is_fresh() {
+        if let Parsed::Complete(req, len) = Request::parse(buf)? {
+            return Ok(Next::Request(req, len));
+        }
+    }
+    match scan.scan(buf)? {
+        Scanned::Incomplete { need } => Ok(Next::Need(need)),
+        Scanned::Complete(len) => {
+            *scan = FrameScan::default();
+            match Request::parse(&buf[..len])? {
+                Parsed::Complete(req, _) => Ok(Next::Request(req, len)),
+                // The scan and the parse agree on every input (tests/codec_scan_props.rs).
+                Parsed::Incomplete { .. } => Err(ProtocolError::RequestTooLarge(len)),
+            }
+        }
+    }
+}
+
+/// Largest idle buffer a connection keeps: beyond it, a buffer that served a large request or
+/// reply is given back once empty.
+const KEEP_BUFFER: usize = 1 << 20;
+
+async fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    store: &Store,
+    mut stop: watch::Receiver<bool>,
+    id: ConnId,
+    live: Arc<Live>,
+) {
+    let limits = store.limits();
+    let _ = stream.set_nodelay(true);
+    let (mut rd, mut wr) = stream.into_split();
+    let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<u8>();
+    let _ = live.wake.set(wake_tx.clone());
+    // Chosen to make room before its task could hear it: said as the others are.
+    if live.evicted.load(Ordering::Relaxed) {
+        quiet_warn(format_args!(
+            "store: closing a new connection from {peer} to make room for others (connection caps)"
+        ));
+        return;
+    }
+    let mut c = Conn {
+        id,
+        validated: false,
+        authed: false,
+        live_keys: Vec::new(),
+        nonce: None,
+        peer,
+        wake: wake_tx,
+        live: live.clone(),
+        limits: limits.clone(),
+    };
+    let mut buf = BytesMut::with_capacity(INITIAL_BUFFER);
+    let mut held = Held::new(&store.partial);
+    held.set(buf.capacity());
+    let mut out: Vec<u8> = Vec::with_capacity(256);
+    let mut replies = Replies::new(&store.replies, &live);
+    // A request whose reply did not fit the reply budget yet: served before anything is read.
+    let mut pending: Option<Request> = None;
+    // Since when it has waited for room (with nothing of its own queued).
+    let mut room_since: Option<tokio::time::Instant> = None;
+    let mut need = 1usize;
+    // Where the request being received has got to, so each byte is scanned once.
+    let mut scan = FrameScan::default();
+    // When the first byte of the request being received arrived.
+    let mut begun: Option<tokio::time::Instant> = None;
+    let handshake_by = tokio::time::Instant::now() + HANDSHAKE;
+    'conn: loop {
+        // Serve the whole requests already here, while the replies fit the output budget;
+        // past it, the replies are written before anything more is read or served.
+        while out.len() < limits.out_budget {
+            let parsed = match pending.take() {
+                Some(req) => Ok(Next::Request(req, 0)),
+                None => next_request(&mut scan, &buf),
+            };
+            match parsed {
+                Ok(Next::Request(req, 0)) => {
+                    // Given back unserved before: its bytes are already consumed.
+                    match store.apply(&mut c, req, &mut out, &mut replies) {
+                        Ok(None) => room_since = None,
+                        Ok(Some(req)) => {
+                            pending = Some(req);
+                            break;
+                        }
+                        Err(msg) => {
+                            quiet_warn(format_args!(
+                                "store: closing connection from {peer}: {msg}"
+                            ));
+                            break 'conn;
+                        }
+                    }
+                }
+                Ok(Next::Request(req, len)) => {
+                    begun = None;
+                    if len == buf.len() && len > KEEP_BUFFER {
+                        // A large request, now served: its buffer goes back at once.
+                        buf = BytesMut::with_capacity(INITIAL_BUFFER);
+                    } else {
+                        let _ = buf.split_to(len);
+                    }
+                    live.touch();
+                    live.parked.store(false, Ordering::Relaxed);
+                    if matches!(req, Request::CancelWait) {
+                        while let Ok(b) = wake_rx.try_recv() {
+                            if b == EVICT {
+                                quiet_warn(format_args!(
+                                    "store: closing an idle connection from {peer} to make room for others (connection caps)"
+                                ));
+                                break 'conn;
+                            }
+                            out.push(b);
+                        }
+                    }
+                    match store.apply(&mut c, req, &mut out, &mut replies) {
+                        Ok(None) => {}
+                        Ok(Some(req)) => {
+                            pending = Some(req);
+                            break;
+                        }
+                        Err(msg) => {
+                            quiet_warn(format_args!(
+                                "store: closing connection from {peer}: {msg}"
+                            ));
+                            break 'conn;
+                        }
+                    }
+                    if c.validated != live.validated.load(Ordering::Relaxed) {
+                        live.validated.store(c.validated, Ordering::Relaxed);
+                    }
+                    if c.authed != live.authed.load(Ordering::Relaxed) {
+                        live.authed.store(c.authed, Ordering::Relaxed);
+                        // Counted where the caps look (a connection evicted meanwhile is
+                        // gone from them: nothing to count).
+                        let mut conns = store.conns_lock();
+                        if !live.evicted.load(Ordering::Relaxed) {
+                            conns.authenticated(&live);
+                        }
+                    }
+                }
+                Ok(Next::Need(n)) => {
+                    need = n;
+                    break;
+                }
+                Err(e) => {
+                    let what = if c.validated {
+                        e.to_string()
+                    } else {
+                        PRE_2_2.to_string()
+                    };
+                    quiet_warn(format_args!(
+                        "store: closing connection from {peer}: {what}"
+                    ));
+                    break 'conn;
+                }
+            }
+        }
+        if !out.is_empty() {
+            if let Err(e) = write_out(&mut wr, &out, limits.stall).await {
+                if e.kind() == io::ErrorKind::TimedOut {
+                    quiet_warn(format_args!("store: closing connection from {peer}: {e}"));
+                }
+                break;
+            }
+            let written = out.len();
+            out.clear();
+            if out.capacity() > KEEP_BUFFER {
+                out = Vec::with_capacity(256);
+            }
+            replies.set(out.capacity());
+            if written > SMALL_REPLY {
+                store.reply_freed.notify_waiters();
+            }
+            continue;
+        }
+        if pending.is_some() {
+            // Nothing of its own queued, and still no room: others' replies hold the budget.
+            // It waits for them to be written (or their connections closed), as long as a
+            // client may leave its replies unread.
+            let since = *room_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() > limits.stall {
+                quiet_warn(format_args!(
+                    "store: closing connection from {peer}: its reply waited {} s for room \
+                     in the store's reply budget ({} bytes held by all connections)",
+                    limits.stall.as_secs(),
+                    store.reply_bytes()
+                ));
+                break;
+            }
+            tokio::select! {
+                biased;
+                woke = wake_rx.recv() => match woke {
+                    Some(EVICT) | None => break,
+                    Some(b) => out.push(b),
+                },
+                _ = stop.changed() => break,
+                _ = store.reply_freed.notified() => {}
+                // Room given back by a connection that ended, or in small amounts, is not
+                // announced: look again now and then.
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+            continue;
+        }
+        if buf.is_empty() {
+            begun = None;
+            if buf.capacity() > KEEP_BUFFER {
+                buf = BytesMut::with_capacity(INITIAL_BUFFER);
+            }
+        } else if begun.is_none() {
+            begun = Some(tokio::time::Instant::now());
+        }
+        // The request under way says how much more it needs (`need` > what is buffered).
+        let want = need.saturating_sub(buf.len());
+        if buf.capacity() - buf.len() < want {
+            if !held.may_grow(buf.len() + want, limits.partial_budget) {
+                quiet_warn(format_args!(
+                    "store: closing connection from {peer}: unfinished requests hold the store's \
+                     whole budget for them ({} bytes)",
+                    limits.partial_budget
+                ));
+                break;
+            }
+            buf.reserve(want);
+        }
+        held.set(buf.capacity());
+        let frame_by = begun.map(|t| t + limits.frame_timeout);
+        tokio::select! {
+            biased;
+            woke = wake_rx.recv() => match woke {
+                Some(EVICT) => {
+                    quiet_warn(format_args!(
+                        "store: closing an idle connection from {peer} to make room for others \
+                         (connection caps)"
+                    ));
+                    break;
+                }
+                Some(b) => {
+                    live.parked.store(false, Ordering::Relaxed);
+                    out.push(b);
+                }
+                None => {}
+            },
+            read = rd.read_buf(&mut buf) => match read {
+                Ok(0) => {
+                    if !buf.is_empty() {
+                        tracing::debug!("store: {peer} closed with {} bytes of a request unread", buf.len());
+                    }
+                    break;
+                }
+                Err(_) => break,
+                Ok(_) => {
+                    // Refuse an old client on its first byte, before its differently-shaped
+                    // request could keep us waiting for bytes it never sends.
+                    if !c.validated && buf.first().is_some_and(|&b| b != 0) {
+                        quiet_warn(format_args!("store: closing connection from {peer}: {PRE_2_2}"));
+                        break 'conn;
+                    }
+                }
+            },
+            _ = stop.changed() => break,
+            _ = tokio::time::sleep_until(handshake_by), if !c.validated => {
+                quiet_warn(format_args!("store: closing connection from {peer}: no VALIDATE within {} s", HANDSHAKE.as_secs()));
+                break;
+            }
+            _ = tokio::time::sleep_until(frame_by.unwrap_or(handshake_by)), if c.validated && frame_by.is_some() => {
+                quiet_warn(format_args!(
+                    "store: closing connection from {peer}: a request begun {} s ago is still \
+                     unfinished ({} bytes received)",
+                    limits.frame_timeout.as_secs(),
+                    buf.len()
+                ));
+                break;
+            }
+        }
+    }
+    store.disconnect(c.id, &c.live_keys);
+    drop(replies);
+    store.reply_freed.notify_waiters();
+}

@@ -1,0 +1,457 @@
+//! A node whose nrun the user started, as torchrun's c10d rendezvous has it (the same command
+//! on every node): it finds the nrun hosting the rendezvous at the endpoint, takes the next node
+//! index (join order), and from then on is that node's agent, exactly as one started over ssh.
+//! Its heartbeat tells the host it is alive; it exits with the job's exit code.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::plan::{C10d, NodesPlan, RunSettings};
+use crate::protocol::{
+    Hello, NRUN_STORE_KEY, c10d_next_key, c10d_public_key, c10d_refused_key, c10d_room_key,
+    c10d_run_key, torchrun_rdzv_key,
+};
+use nrun_base::error::{Error, Result};
+use nrun_node::Signals;
+use nrun_store::client::Client;
+
+/// Joins the rendezvous `c` and serves as a node of its job; nrun's exit code.
+pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
+    let endpoint = format!("{}:{}", c.host, c.port);
+    let addrs = resolve(&c.host, c.port)
+        .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {}", e.message)))?;
+    let started = Instant::now();
+    let deadline = started + nodes.join_timeout;
+    let secs = nodes.join_timeout.as_secs();
+    let secret = c.secret.clone().unwrap_or_default();
+    if secret.is_empty() {
+        tracing::warn!(
+            "no NRUN_RDZV_SECRET here: this node runs the steps any client of {endpoint} writes; \
+             give every node the same NRUN_RDZV_SECRET to have them signed"
+        );
+    }
+    // Everything up to the node index, bounded by --join-timeout to the second: a connect or
+    // a reply that never comes (packets dropped) cannot hold it past the deadline.
+    let mut look = Looking::new(started);
+    // The job's --nnodes and the --spares that may wait beside them. A node past them (its
+    // index is the next in join order: one that came back after its first nrun was lost) may
+    // wait for room where the job can take a node again: elastic, or with spares.
+    let slots = Slots {
+        slots: nodes.hosts.len(),
+        may_wait: nodes.min_nodes < nodes.size || nodes.hosts.len() > nodes.size,
+    };
+    let found = tokio::time::timeout_at(
+        deadline.into(),
+        find(&addrs, c, &endpoint, &secret, &mut look, secs, &slots),
+    )
+    .await;
+    let (reached, run, node) = match found {
+        Ok(r) => r?,
+        Err(_) if look.full => return Err(too_many(&endpoint, c, job, &slots)),
+        Err(_) => return Err(look.timed_out(&endpoint, c, secs)),
+    };
+    if node >= slots.slots && !slots.may_wait {
+        return Err(too_many(&endpoint, c, job, &slots));
+    }
+    let hello = Hello {
+        secret: secret.clone(),
+        run: run.clone(),
+        node,
+        label: nrun_base::net::hostname(),
+        addrs: vec![reached.to_string()],
+        cwd: std::env::current_dir()
+            .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?,
+        version: nrun_base::VERSION.to_string(),
+        python: nodes
+            .python_probe
+            .then(|| job.session.python.clone())
+            .flatten(),
+        forward_signals: job.session.forward_signals.clone(),
+        nodes: Vec::new(),
+        heartbeat: true,
+        agent_timeout_ms: nodes.agent_timeout.as_millis() as u64,
+        // torchrun's c10d: this node runs its own command line and worker count.
+        own: Some(own_work(job)),
+        tree: Vec::new(),
+        tree_ssh: None,
+        // Its output is this nrun's own console: nothing relays it.
+        output_mark: String::new(),
+        // The launch host's nodes are elsewhere: they probe this one.
+        probed: true,
+    };
+    // "joined the rendezvous" is said once the host can see this node (agent::join_and_serve).
+    let signals = Signals::install(&job.session.forward_signals)?;
+    // Nothing closes: the host going away shows as its store going away.
+    let (gone, _) = watch::channel(false);
+    match crate::agent::serve(hello, signals, gone, true).await {
+        Ok(ended) => {
+            // This node's console (a pod's log) ends with the job's root cause, as the hosting
+            // node's does, and its own TORCHELASTIC_ERROR_FILE gets it (issue 23).
+            let why = &ended.root_cause;
+            if !why.summary.is_empty() {
+                eprint!("{}", why.summary);
+            }
+            if let (Some(path), Some(json)) = (&job.launcher_error_file, &why.error_json) {
+                if let Err(e) = std::fs::write(path, json) {
+                    tracing::warn!(
+                        "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
+                        path.display()
+                    );
+                }
+            }
+            Ok(ended.code.unwrap_or(0))
+        }
+        Err(e) => Err(Error::cluster(e.message)),
+    }
+}
+
+/// How many node indices the job has (its nodes and spares), and whether a node past them may
+/// wait for room.
+struct Slots {
+    slots: usize,
+    may_wait: bool,
+}
+
+/// The error for a node past the job's nodes and spares that found (or waited for) no room.
+fn too_many(endpoint: &str, c: &C10d, job: &RunSettings, slots: &Slots) -> Error {
+    Error::cluster(format!(
+        "the rendezvous at {endpoint} (id {:?}) already has its --nnodes {} nodes{}; this one \
+         is one too many{} (give every node --spares K to let K more join as spares)",
+        c.id,
+        job.shape.nnodes,
+        match slots.slots.saturating_sub(job.shape.nnodes) {
+            0 => String::new(),
+            k => format!(" and {k} spare(s)"),
+        },
+        match slots.may_wait {
+            true => " (no node of the job was lost to make room within --join-timeout)",
+            false => "",
+        }
+    ))
+}
+
+/// This node's own worker count and command line, as its workers run them.
+pub fn own_work(job: &RunSettings) -> crate::facts::OwnWork {
+    let w = &job.workers;
+    crate::facts::OwnWork {
+        nproc: w.nproc,
+        command: std::iter::once(&w.program)
+            .chain(&w.args)
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect(),
+    }
+}
+
+/// How long one attempt to connect to the endpoint may take.
+const CONNECT: Duration = Duration::from_secs(2);
+
+/// What a joining node has learnt about the endpoint so far: for the waiting lines, and for
+/// the message if --join-timeout passes.
+struct Looking {
+    started: Instant,
+    /// The last connection error.
+    last: String,
+    /// A connection was accepted and closed at once (a store that serves its own host only).
+    closed: bool,
+    /// A TCPStore answered there, neither an nrun's nor torchrun's rendezvous (yet).
+    store: bool,
+    /// The rendezvous was found: this node was joining it when time ran out.
+    joining: bool,
+    /// This node's index is past the job's nodes and spares: it waited for room.
+    full: bool,
+    /// When the next progress line is due (the first says what this node waits for).
+    next_line: Option<Instant>,
+}
+
+/// Who listens at the endpoint, from what it holds.
+enum Listener {
+    /// The nrun hosting this rendezvous id.
+    Ours,
+    /// torchrun's c10d rendezvous with this id.
+    Torchrun,
+    /// An nrun that hosts no rendezvous with this id: another job.
+    OtherNrun,
+    /// A TCPStore with neither (yet).
+    Unknown,
+}
+
+impl Looking {
+    fn new(started: Instant) -> Looking {
+        Looking {
+            started,
+            last: String::new(),
+            closed: false,
+            store: false,
+            joining: false,
+            full: false,
+            next_line: Some(started + Duration::from_secs(1)),
+        }
+    }
+
+    fn failed(&mut self, a: SocketAddr, e: &std::io::Error) {
+        use std::io::ErrorKind::*;
+        self.closed |= matches!(e.kind(), UnexpectedEof | ConnectionReset | BrokenPipe);
+        self.last = format!("{a}: {e}");
+    }
+
+    /// A joiner started before the host says once what it waits for, then how long it has.
+    fn progress(&mut self, endpoint: &str, c: &C10d, secs: u64) {
+        let now = Instant::now();
+        let Some(due) = self.next_line.filter(|t| now >= *t) else {
+            return;
+        };
+        let waited = (now - self.started).as_secs();
+        if due == self.started + Duration::from_secs(1) {
+            tracing::info!(
+                "waiting for the nrun that hosts rendezvous {:?} at {endpoint} (it may start \
+                 after this one; up to {secs} s, --join-timeout)",
+                c.id
+            );
+        } else {
+            tracing::info!(
+                "still waiting for the rendezvous at {endpoint}: {waited} of {secs} s ({})",
+                self.last
+            );
+        }
+        self.next_line = Some(now + Duration::from_secs(5));
+    }
+
+    /// The message when --join-timeout passed, from what was seen.
+    fn timed_out(&self, endpoint: &str, c: &C10d, secs: u64) -> Error {
+        let msg = if self.joining {
+            format!(
+                "the rendezvous at {endpoint} stopped answering while this node joined it \
+                 ({secs} s, --join-timeout): packets dropped between here and there? check the \
+                 firewall and the route to {}",
+                c.host
+            )
+        } else if self.store {
+            format!(
+                "a TCPStore answers at {endpoint}, but neither an nrun nor torchrun hosts a \
+                 rendezvous with id {:?} there after {secs} s (--join-timeout): another job's \
+                 store holds that port? give this job another --rdzv-endpoint port, and every \
+                 node the same --rdzv-id",
+                c.id
+            )
+        } else if self.closed {
+            format!(
+                "something at {endpoint} accepts connections and closes them at once ({}) for \
+                 {secs} s (--join-timeout): another job's store that serves only its own host \
+                 (a single-node nrun, torchrun --standalone) holds that port? give this job \
+                 another --rdzv-endpoint port",
+                self.last
+            )
+        } else {
+            format!(
+                "no nrun hosts the rendezvous at {endpoint} ({}) after {secs} s (--join-timeout): \
+                 start the same command on {}, and check the firewall there",
+                match self.last.is_empty() {
+                    true => "no answer",
+                    false => &self.last,
+                },
+                c.host
+            )
+        };
+        Error::cluster(msg)
+    }
+}
+
+/// Finds the rendezvous at the endpoint and joins it: the address that reached it, the run's
+/// name and this node's index. Retries until the caller's deadline while nothing, or a store
+/// that holds no rendezvous yet, listens there; another job's nrun or a torchrun rendezvous
+/// there is said at once.
+async fn find(
+    addrs: &[SocketAddr],
+    c: &C10d,
+    endpoint: &str,
+    secret: &str,
+    look: &mut Looking,
+    secs: u64,
+    slots: &Slots,
+) -> Result<(SocketAddr, String, usize)> {
+    let (mut store, reached) = loop {
+        let mut conn = None;
+        for a in addrs {
+            match tokio::time::timeout(CONNECT, Client::connect(*a, CONNECT)).await {
+                Ok(Ok(s)) => {
+                    conn = Some((s, *a));
+                    break;
+                }
+                Ok(Err(e)) => look.failed(*a, &e),
+                Err(_) => {
+                    look.last = format!(
+                        "{a}: no answer within {} s (packets dropped on the way?)",
+                        CONNECT.as_secs()
+                    );
+                }
+            }
+        }
+        if let Some((mut store, a)) = conn {
+            match what_listens(&mut store, &c.id).await {
+                Ok(Listener::Ours) => break (store, a),
+                Ok(Listener::Torchrun) => {
+                    return Err(Error::cluster(format!(
+                        "the rendezvous at {endpoint} (id {:?}): this endpoint is a torchrun \
+                         rendezvous (every node must use the same launcher): start this node \
+                         with torchrun as well, or every node with nrun",
+                        c.id
+                    )));
+                }
+                Ok(Listener::OtherNrun) => {
+                    return Err(Error::cluster(format!(
+                        "an nrun listens at {endpoint} but hosts no rendezvous with id {:?}: \
+                         another job holds this endpoint (one job per endpoint port): give \
+                         every node of this job the same --rdzv-id, or this job another \
+                         --rdzv-endpoint port",
+                        c.id
+                    )));
+                }
+                Ok(Listener::Unknown) => {
+                    look.store = true;
+                    look.last = format!("{a}: a TCPStore with no rendezvous {:?} yet", c.id);
+                }
+                Err(e) => look.failed(a, &e),
+            }
+        }
+        look.progress(endpoint, c, secs);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    look.joining = true;
+    let lost = |e: std::io::Error| {
+        // A store with a secret closes a client without one that touches nrun's keys.
+        let hint = match e.kind() {
+            std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                if secret.is_empty() =>
+            {
+                " (the hosting nrun has NRUN_RDZV_SECRET and this node has none? give every \
+                 node the same one)"
+            }
+            _ => "",
+        };
+        Error::cluster(format!("the rendezvous at {endpoint}: {e}{hint}"))
+    };
+    crate::agent::prove(&mut store, secret, &endpoint)
+        .await
+        .map_err(|e| Error::cluster(crate::agent::refusal(e, lost).message))?;
+    // The host publishes its run's name as soon as its store is up.
+    let run_key = c10d_run_key(&c.id);
+    let wanted: [&[u8]; 1] = [&run_key];
+    if !store.wait(&wanted, None).await.map_err(lost)? {
+        return Err(Error::internal(format!(
+            "the rendezvous at {endpoint}: a wait for {:?} ended without it",
+            c.id
+        )));
+    }
+    let run = String::from_utf8_lossy(&store.get(&run_key).await.map_err(lost)?).into_owned();
+    // A node index the launcher fixed (srun's SLURM_NODEID), else the next in join order.
+    let node = match c.node {
+        Some(n) => n,
+        None => {
+            let index = store.add(&c10d_next_key(&c.id), 1).await.map_err(lost)?;
+            usize::try_from(index).unwrap_or(usize::MAX)
+        }
+    };
+    admitted(&mut store, c, endpoint, look, node, slots, &lost).await?;
+    // The agent opens its own connections; this one has done its part.
+    Ok((reached, run, node))
+}
+
+/// Whether the hosting nrun takes node `node` (Err when not): a node of a host it left out on
+/// evidence against the node itself (not its nrun's loss) is refused, with that evidence; a
+/// node past the job's nodes and spares waits until the host has room (a node lost) where
+/// `slots` allows. `io`: the error for the store connection's failure.
+async fn admitted(
+    store: &mut Client,
+    c: &C10d,
+    endpoint: &str,
+    look: &mut Looking,
+    node: usize,
+    slots: &Slots,
+    io: &dyn Fn(std::io::Error) -> Error,
+) -> Result<()> {
+    let host = nrun_base::net::hostname();
+    let refused = c10d_refused_key(&c.id, &host);
+    if store.check(&[&refused]).await.map_err(io)? {
+        let why = String::from_utf8_lossy(&store.get(&refused).await.map_err(io)?).into_owned();
+        return Err(Error::no_nodes(format!(
+            "the rendezvous at {endpoint} (id {:?}) refuses this node: the job left this host out \
+             earlier, on evidence against the node itself: {why}. A node left out so does not \
+             come back within the job (one whose nrun or link was lost does): check the node \
+             (nrun doctor), then start it for the next job",
+            c.id
+        )));
+    }
+    if node < slots.slots || !slots.may_wait {
+        return Ok(());
+    }
+    // Room opens when the host loses a node; it is a decimal count (see Session::publish_room).
+    let room = c10d_room_key(&c.id);
+    look.full = true;
+    let mut said = false;
+    loop {
+        let free = match store.check(&[&room]).await.map_err(io)? {
+            true => String::from_utf8_lossy(&store.get(&room).await.map_err(io)?)
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0),
+            false => 0,
+        };
+        if free > 0 {
+            look.full = false;
+            return Ok(());
+        }
+        if !said {
+            tracing::info!(
+                "the rendezvous at {endpoint} has all its nodes: this node waits for room (a \
+                 node of the job lost) up to --join-timeout"
+            );
+            said = true;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Who listens at the endpoint. nrun's marker is read before its c10d key: the host sets the
+/// key first, so whoever sees the marker sees the key too.
+async fn what_listens(store: &mut Client, id: &str) -> std::io::Result<Listener> {
+    if store.check(&[&torchrun_rdzv_key(id)]).await? {
+        return Ok(Listener::Torchrun);
+    }
+    if !store.check(&[NRUN_STORE_KEY]).await? {
+        return Ok(Listener::Unknown);
+    }
+    Ok(match store.check(&[&c10d_public_key(id)]).await? {
+        true => Listener::Ours,
+        false => Listener::OtherNrun,
+    })
+}
+
+/// The endpoint's addresses: its name resolved, or (a Slurm node name the resolver does not
+/// know) the NodeAddr Slurm has for it.
+fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
+    let found = (host, port)
+        .to_socket_addrs()
+        .map(|a| a.collect::<Vec<_>>());
+    match found {
+        Ok(a) if !a.is_empty() => Ok(a),
+        Ok(_) => Err(Error::usage("resolves to no address")),
+        Err(e) => {
+            let out = std::process::Command::new("scontrol")
+                .args(["show", "node", "-o", host])
+                .output();
+            let addr = out.ok().and_then(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("NodeAddr=").map(str::to_string))
+            });
+            match addr.and_then(|a| (a.as_str(), port).to_socket_addrs().ok()) {
+                Some(a) => Ok(a.collect()),
+                None => Err(Error::usage(format!(
+                    "{e} (and Slurm knows no NodeAddr for it)"
+                ))),
+            }
+        }
+    }
+}
