@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use nrun_base::net::Iface;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct NcclLib {
+pub(crate) struct NcclLib {
     pub path: String,
     pub version: Option<String>,
     /// --nccl-lib, torch's, LD_LIBRARY_PATH or system.
@@ -22,7 +22,7 @@ pub struct NcclLib {
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Facts {
+pub(crate) struct Facts {
     pub hostname: String,
     pub os: String,
     pub ifaces: Vec<Iface>,
@@ -47,7 +47,7 @@ pub struct Facts {
 
 /// One node's own worker count and command line (c10d).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct OwnWork {
+pub(crate) struct OwnWork {
     pub nproc: usize,
     /// The program and its arguments, as the workers run them.
     pub command: Vec<String>,
@@ -55,7 +55,7 @@ pub struct OwnWork {
 
 /// Whether [`gather`] only reads files and netlink (no Python probe, no GPU driver whose NVML
 /// and NCCL copies it would load and run), so that a caller may do it on its own thread.
-pub fn quick(python: Option<&Path>) -> bool {
+pub(crate) fn quick(python: Option<&Path>) -> bool {
     python.is_none() && !gpu_driver() && ld_library_path().is_none()
 }
 
@@ -72,7 +72,7 @@ fn ld_library_path() -> Option<String> {
 }
 
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
-pub fn gather(python: Option<&Path>) -> Facts {
+pub(crate) fn gather(python: Option<&Path>) -> Facts {
     let mut f = Facts {
         hostname: nrun_base::net::hostname(),
         os: os_name(),
@@ -273,7 +273,7 @@ fn major_minor(v: &str) -> String {
 }
 
 /// What must agree between nodes for a job to run: NCCL major.minor and torch ("?" unknown).
-pub fn compat_key(f: &Facts) -> String {
+pub(crate) fn compat_key(f: &Facts) -> String {
     let nccl = f
         .nccl
         .first()
@@ -295,7 +295,7 @@ fn outliers(keys: &[String]) -> Vec<usize> {
 }
 
 /// The table, what differs between nodes, and whether that must refuse the launch.
-pub struct Comparison {
+pub(crate) struct Comparison {
     pub table: String,
     pub differences: Vec<String>,
     pub refuse: bool,
@@ -305,7 +305,7 @@ pub struct Comparison {
     pub notes: Vec<String>,
 }
 
-pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
+pub(crate) fn compare(nodes: &[(String, &Facts)]) -> Comparison {
     let cols = columns(nodes);
     let mut t = String::new();
     let widths: Vec<usize> = cols

@@ -28,7 +28,7 @@ use crate::protocol::{RunResult, StepResult, WorkerFailure};
 
 /// What one node's result of a failed attempt says about the node.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Evidence {
+pub(crate) enum Evidence {
     /// Nothing against it: its workers exited 0, or nrun stopped them.
     Clear,
     /// A worker's own ending: an exit code, an exception, a signal programs bring on themselves
@@ -50,7 +50,7 @@ pub enum Evidence {
 
 /// What nrun concludes about a node from its evidence and its history in the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// The program's doing: the node is not at fault.
     Program,
     /// The node may be at fault; once is not enough to act on it.
@@ -62,7 +62,7 @@ pub enum Verdict {
 }
 
 impl Verdict {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Verdict::Program => "the program's",
             Verdict::Suspect => "node suspected",
@@ -74,7 +74,7 @@ impl Verdict {
 
 /// What the job allows after a failed attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Policy {
+pub(crate) struct Policy {
     /// --max-restarts not used up.
     pub restart_left: bool,
     /// Spares joined and waiting.
@@ -85,7 +85,7 @@ pub struct Policy {
 
 /// What nrun does after a failed attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// The group starts again: in place, with spares for the nodes left out, or shrunk.
     Restart,
     /// The job ends with the failure's exit code.
@@ -98,7 +98,7 @@ pub enum Action {
 
 /// The judgement of one node.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Judged {
+pub(crate) struct Judged {
     pub node: usize,
     pub verdict: Verdict,
     /// The evidence in words ("rank 3 was killed by SIGKILL: ...").
@@ -107,7 +107,7 @@ pub struct Judged {
 
 /// The decision after a failed attempt.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Decision {
+pub(crate) struct Decision {
     /// Every node with evidence (not Clear), in node order.
     pub judged: Vec<Judged>,
     /// Nodes to leave out now, with the evidence.
@@ -120,19 +120,19 @@ pub struct Decision {
 
 /// The job's memory of suspicions: a second one of the same node is node-level evidence.
 #[derive(Clone, Debug, Default)]
-pub struct History {
+pub(crate) struct History {
     suspected: BTreeMap<usize, u32>,
 }
 
 impl History {
     #[cfg(test)]
-    pub fn times_suspected(&self, node: usize) -> u32 {
+    pub(crate) fn times_suspected(&self, node: usize) -> u32 {
         self.suspected.get(&node).copied().unwrap_or(0)
     }
 }
 
 /// The evidence one node's result gives.
-pub fn evidence(r: Option<&StepResult>) -> Evidence {
+pub(crate) fn evidence(r: Option<&StepResult>) -> Evidence {
     match r {
         Some(StepResult::Run(RunResult::Lost(why))) => Evidence::Lost(why.clone()),
         Some(StepResult::Run(RunResult::Failed(f))) => worker_evidence(f),
@@ -197,7 +197,11 @@ fn worker_evidence(f: &WorkerFailure) -> Evidence {
 /// Judges an attempt's results (one per node of the job, in node order; `hang`: the node the
 /// watch pinned a hang on, with its conclusion) and decides under `policy`. Records the
 /// suspicions in `history`.
-pub fn decide(results: &[(usize, Evidence)], history: &mut History, policy: Policy) -> Decision {
+pub(crate) fn decide(
+    results: &[(usize, Evidence)],
+    history: &mut History,
+    policy: Policy,
+) -> Decision {
     // A sign that points at a node only counts when one node shows it: the same on several
     // nodes is the program's (or the fabric's), and their failures are its consequences.
     let pointing = results

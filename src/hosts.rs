@@ -33,7 +33,7 @@ const MAX_SLOTS: usize = 1 << 20;
 const MAX_WORKERS: usize = 1 << 20;
 /// Most hosts a `-H` list or a hostfile may name: far above any cluster one launch host drives
 /// over ssh, and it bounds the memory and processes a mistyped or hostile list can cost.
-pub const MAX_HOSTS: usize = 16_384;
+pub(crate) const MAX_HOSTS: usize = 16_384;
 /// Most names a Slurm hostlist may expand to.
 const MAX_SLURM_NAMES: usize = 100_000;
 /// Longest host name (DNS allows 253); also bounds the memory a Slurm expansion can take.
@@ -43,7 +43,7 @@ const LIST_SHOWN: usize = 8;
 
 /// One node of the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Host {
+pub(crate) struct Host {
     /// As the user wrote it (an ssh destination: alias, name or address; may be user@host).
     pub name: String,
     /// Max workers on it, when the source says.
@@ -54,7 +54,7 @@ pub struct Host {
 
 impl Host {
     /// A host with nothing known about its slots.
-    pub fn new(name: impl Into<String>) -> Host {
+    pub(crate) fn new(name: impl Into<String>) -> Host {
         Host {
             name: name.into(),
             slots: None,
@@ -69,7 +69,7 @@ fn usage(message: String) -> Error {
 
 /// Parses `-H/--hosts`: "h1,h2" or "h1:8,h2:8" (slots), surrounding whitespace ignored, empty items
 /// rejected. Also accepts IPv6 in brackets "[fe80::1]:4". A duplicate host is an error naming it.
-pub fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
+pub(crate) fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
     if s.trim().is_empty() {
         return Err(usage(
             "-H/--hosts is empty; give host names separated by commas, e.g. -H node1:8,node2:8"
@@ -114,7 +114,7 @@ pub fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
 /// error naming it), MPICH form `host:N`, bare `host`. `#` starts a comment (whole line or
 /// trailing), blank lines skipped. A duplicate host is an error naming both line numbers ("line 3
 /// and line 7").
-pub fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
+pub(crate) fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
     Ok(hostfile_lines(text, origin)?
         .into_iter()
         .filter_map(|(_, host)| host)
@@ -127,7 +127,11 @@ pub fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
 /// `name` is [`Host::name`] as [`parse_hostfile`] gives it (`[fe80::1]:4` -> `fe80::1`). Lines
 /// are split as `str::lines` does and each ends with "\n" in the output (a CRLF file comes out
 /// LF). Text that `parse_hostfile` rejects gives the same error; dropping every host is not one.
-pub fn filter_hostfile(text: &str, origin: &str, keep: &dyn Fn(&str) -> bool) -> Result<String> {
+pub(crate) fn filter_hostfile(
+    text: &str,
+    origin: &str,
+    keep: &dyn Fn(&str) -> bool,
+) -> Result<String> {
     let mut out = String::with_capacity(text.len() + 1);
     for (line, host) in hostfile_lines(text, origin)? {
         if host.is_none_or(|h| keep(&h.name)) {
@@ -354,7 +358,7 @@ fn parse_count(s: &str, ctx: &str, what: &str) -> Result<usize> {
 /// ("r[1-2]n[1-2]" -> r1n1,r1n2,r2n1,r2n2), plain names. Reject malformed input (unbalanced
 /// brackets, reversed ranges, non-numeric ranges) with a clear error. Cap the expansion at 100_000
 /// names (error beyond) so a typo cannot exhaust memory.
-pub fn expand_slurm_hostlist(s: &str) -> Result<Vec<String>> {
+pub(crate) fn expand_slurm_hostlist(s: &str) -> Result<Vec<String>> {
     let s = s.trim();
     if s.is_empty() {
         return Err(usage(
@@ -617,7 +621,7 @@ fn parse_slurm_num(digits: &str, item: &str, whole: &str) -> Result<u64> {
 /// host's slot count to be known -> error otherwise). Both given -> usage error "--include and
 /// --exclude exclude each other". A named host that is not in the list -> error naming it and
 /// listing the known hosts (suggest the closest name if one differs by a small edit distance).
-pub fn apply_include_exclude(
+pub(crate) fn apply_include_exclude(
     hosts: Vec<Host>,
     include: Option<&str>,
     exclude: Option<&str>,
@@ -883,7 +887,7 @@ fn join_limited(items: impl ExactSizeIterator<Item = String>) -> String {
 
 /// `--nnodes N` takes the first N hosts; error if fewer are known ("--nnodes 4 but the host list
 /// has 3 hosts: a, b, c").
-pub fn take_nnodes(mut hosts: Vec<Host>, nnodes: usize) -> Result<Vec<Host>> {
+pub(crate) fn take_nnodes(mut hosts: Vec<Host>, nnodes: usize) -> Result<Vec<Host>> {
     if nnodes == 0 {
         return Err(usage(
             "--nnodes 0 asks for no nodes; give at least 1".to_string(),
@@ -912,7 +916,7 @@ pub fn take_nnodes(mut hosts: Vec<Host>, nnodes: usize) -> Result<Vec<Host>> {
 /// --nproc-per-node 8 asks for 8 workers"). With only_slots set, the node runs exactly those slots
 /// (its worker count is their number; local ranks 0..k in slot order; the slot index is kept so the
 /// caller can pin GPUs).
-pub fn rank_layout(hosts: &[Host], nproc: usize) -> Result<Vec<Vec<(usize, usize, usize)>>> {
+pub(crate) fn rank_layout(hosts: &[Host], nproc: usize) -> Result<Vec<Vec<(usize, usize, usize)>>> {
     if hosts.is_empty() {
         return Err(usage(
             "the host list is empty; give hosts with -H or a hostfile".to_string(),

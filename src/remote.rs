@@ -7,7 +7,7 @@ use std::ffi::OsString;
 
 /// How agents start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Launcher {
+pub(crate) enum Launcher {
     Ssh,
     Srun,
 }
@@ -15,7 +15,7 @@ pub enum Launcher {
 impl Launcher {
     /// Why `--ship` cannot work with this launcher, if it cannot: ssh copies the binary to each
     /// host first; an srun step has no per-node stdin to copy it through.
-    pub fn refuses_ship(self) -> Option<&'static str> {
+    pub(crate) fn refuses_ship(self) -> Option<&'static str> {
         match self {
             Launcher::Ssh => None,
             Launcher::Srun => Some(
@@ -27,7 +27,7 @@ impl Launcher {
     }
 
     /// How to check by hand that this launcher reaches a host, for a join failure's hint.
-    pub fn reach_hint(self, ssh_opts: &[String]) -> String {
+    pub(crate) fn reach_hint(self, ssh_opts: &[String]) -> String {
         match self {
             Launcher::Ssh => {
                 let cmd: Vec<&str> = std::iter::once("ssh")
@@ -41,7 +41,7 @@ impl Launcher {
     }
 
     /// How to get nrun onto a node that lacks it.
-    pub fn install_hint(self) -> &'static str {
+    pub(crate) fn install_hint(self) -> &'static str {
         match self {
             Launcher::Ssh => "is on its PATH or pass --ship",
             Launcher::Srun => "is at the same path there (--remote-nrun PATH, or `sbcast`)",
@@ -52,7 +52,7 @@ impl Launcher {
 /// ssh options nrun always sets: fail instead of prompting (a host-key or password prompt would
 /// hang a launch), give up on a dead host quickly, and keep the connection alive so a dropped
 /// network is noticed.
-pub const SSH_BASE_OPTS: [&str; 8] = [
+pub(crate) const SSH_BASE_OPTS: [&str; 8] = [
     "-o",
     "BatchMode=yes",
     "-o",
@@ -68,13 +68,13 @@ pub const SSH_BASE_OPTS: [&str; 8] = [
 /// No `-t`: without a tty, stdin is a plain pipe whose end the agent notices (a tty would merge
 /// stdout and stderr and mangle output). The remote command gets its own shell line so `~` in
 /// the path expands there.
-pub fn ssh_command(host: &str, user_opts: &[String], remote_nrun: &str) -> Vec<OsString> {
+pub(crate) fn ssh_command(host: &str, user_opts: &[String], remote_nrun: &str) -> Vec<OsString> {
     ssh_nrun(host, user_opts, remote_nrun, "__agent")
 }
 
 /// `ssh [base] [user opts] -- HOST 'exec REMOTE_NRUN __reap KEEPER AGENT TOKEN'`: ends a lost
 /// node's agent that cannot end itself, with its workers (see `node::keeper::reap_main`).
-pub fn ssh_reap_command(
+pub(crate) fn ssh_reap_command(
     host: &str,
     user_opts: &[String],
     remote_nrun: &str,
@@ -112,7 +112,7 @@ fn ssh_nrun(host: &str, user_opts: &[String], remote_nrun: &str, sub: &str) -> V
 /// one task per node, the same instructions to all on stdin (each agent finds its node by name),
 /// the whole of each node's allocation (CPUs and GPUs) for the step, and the step killed if one
 /// agent fails.
-pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
+pub(crate) fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
     vec![
         "srun".into(),
         format!("--nodes={}", nodes.len()).into(),
@@ -135,7 +135,7 @@ pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
 }
 
 /// Splits `--ssh-opts "-F file -p 2222 -i key"` like a shell would (quotes, backslashes).
-pub fn split_opts(s: &str) -> nrun_base::error::Result<Vec<String>> {
+pub(crate) fn split_opts(s: &str) -> nrun_base::error::Result<Vec<String>> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut has = false;
@@ -181,7 +181,7 @@ pub fn split_opts(s: &str) -> nrun_base::error::Result<Vec<String>> {
 }
 
 /// Quotes for a POSIX shell, keeping a leading `~/` expandable.
-pub fn shell_quote(s: &str) -> String {
+pub(crate) fn shell_quote(s: &str) -> String {
     if let Some(rest) = s.strip_prefix("~/") {
         return format!("~/{}", shell_quote(rest));
     }

@@ -9,7 +9,7 @@ use nrun_base::error::{Error, Result, exit};
 
 /// How one attempt of the job ended, over every node.
 #[derive(Debug)]
-pub enum JobEnd {
+pub(crate) enum JobEnd {
     Success,
     /// Stopped by a signal to nrun: the exit code.
     Interrupted(u8),
@@ -24,7 +24,7 @@ pub enum JobEnd {
 }
 
 /// Where the job ran, for naming a failure.
-pub struct JobShape<'a> {
+pub(crate) struct JobShape<'a> {
     /// Each node's label, by node index.
     pub hosts: &'a [String],
     pub world: usize,
@@ -39,7 +39,7 @@ pub struct JobShape<'a> {
 /// rank that failed of its own accord (an exception, an exit code, a signal) beats one that
 /// failed because of a peer (a connection closed, a collective timed out), whose clock may
 /// even read earlier on another node.
-pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
+pub(crate) fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
     let mut first: Option<(usize, &RunResult)> = None;
     for (i, r) in results.iter().enumerate() {
         let Some(StepResult::Run(rr)) = r else {
@@ -108,7 +108,7 @@ pub fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
 }
 
 /// What to check about a node whose agent or link was lost.
-pub fn lost_hint(host: &str) -> String {
+pub(crate) fn lost_hint(host: &str) -> String {
     match nrun_base::net::is_this_host(host) {
         true => format!(
             "check what ended nrun's agent of {host} on this host (a kill, or the kernel's \
@@ -140,7 +140,7 @@ fn failed(code: u8, summary: String) -> JobEnd {
 
 /// The failure summary, in the spirit of torchrun's "Root Cause (first observed failure)" block,
 /// plus the worker's own last words.
-pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> String {
+pub(crate) fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> String {
     let mut s = String::new();
     let several = shape.hosts.len() > 1;
     let (who, others) = match (several, shape.world > 1) {
@@ -221,7 +221,7 @@ pub fn failure_summary(f: &WorkerFailure, host: &str, shape: &JobShape<'_>) -> S
 
 /// What the launcher's own TORCHELASTIC_ERROR_FILE gets, as torchrun writes it: the root-cause
 /// worker's error file with its exit code added, or a record of the failure when it wrote none.
-pub fn launcher_error_json(f: &WorkerFailure, host: &str) -> String {
+pub(crate) fn launcher_error_json(f: &WorkerFailure, host: &str) -> String {
     let parsed = f
         .error_json
         .as_deref()
@@ -258,14 +258,14 @@ fn epoch_seconds(rfc3339: &str) -> String {
 }
 
 /// Writes a `--report FILE` as pretty JSON.
-pub fn write_json(flag: &str, path: &Path, json: &serde_json::Value) -> Result<()> {
+pub(crate) fn write_json(flag: &str, path: &Path, json: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(json).unwrap_or_default();
     std::fs::write(path, text + "\n")
         .map_err(|e| Error::usage(format!("cannot write {flag} {}: {e}", path.display())))
 }
 
 /// Log lines look like `nrun: warning: ...`, so they read as nrun's own next to worker output.
-pub struct LogFormat;
+pub(crate) struct LogFormat;
 
 impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for LogFormat
 where

@@ -20,7 +20,7 @@ use nrun_cli::OnHang;
 
 /// The watch's settings.
 #[derive(Clone, Copy, Debug)]
-pub struct WatchPlan {
+pub(crate) struct WatchPlan {
     pub hang_timeout: Duration,
     pub on_hang: OnHang,
 }
@@ -28,7 +28,7 @@ pub struct WatchPlan {
 /// How a stall looks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Kind {
+pub(crate) enum Kind {
     /// Some ranks wait in a collective that others have not entered (or have exited).
     Missing,
     /// The ranks wait in different collectives.
@@ -43,7 +43,7 @@ pub enum Kind {
 
 /// One rank's line in a diagnosis.
 #[derive(Clone, Debug, Serialize)]
-pub struct RankState {
+pub(crate) struct RankState {
     pub rank: usize,
     pub host: String,
     pub pid: u32,
@@ -55,7 +55,7 @@ pub struct RankState {
 
 /// What the watch concluded about a stall.
 #[derive(Clone, Debug, Serialize)]
-pub struct Diagnosis {
+pub(crate) struct Diagnosis {
     pub kind: Kind,
     /// The conclusion in one sentence.
     pub conclusion: String,
@@ -75,7 +75,7 @@ pub struct Diagnosis {
 
 /// What NCCL's RAS said during a stall (see `agent::ras`).
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct NcclRas {
+pub(crate) struct NcclRas {
     /// The node that asked.
     pub host: String,
     /// Its "Errors" and "Warnings" lines.
@@ -110,7 +110,7 @@ fn ras_of(views: &HashMap<usize, NodeWatch>, hosts: &[String], stalled_s: f64) -
 }
 
 /// A rank with where it runs.
-pub struct Seen<'a> {
+pub(crate) struct Seen<'a> {
     pub host: &'a str,
     pub view: &'a RankView,
 }
@@ -152,7 +152,7 @@ fn ranks_text(r: &[usize]) -> String {
 }
 
 /// The diagnosis of a stall, from every rank's latest view.
-pub fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
+pub(crate) fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
     if ranks.is_empty() {
         return None;
     }
@@ -462,7 +462,7 @@ const SAME_SIZE: &[&str] = &[
 /// number of the same process group. NCCL does not check: such a job hangs, or goes on with
 /// wrong results.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Mismatch {
+pub(crate) struct Mismatch {
     pub pg: String,
     pub seq: u64,
     /// What each set of ranks called there: op, bytes (where every rank must agree on them),
@@ -473,7 +473,7 @@ pub struct Mismatch {
 }
 
 impl Mismatch {
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         let group = match self.pg.as_str() {
             "0" | "" | "default_pg" => String::new(),
             g => format!(" of group {g}"),
@@ -496,7 +496,7 @@ impl Mismatch {
 
 /// Compares the runs of every rank's flight recorder: the lowest sequence number that two or
 /// more ranks of one group both recorded and called differently.
-pub fn mismatch(ranks: &[Seen<'_>]) -> Option<Mismatch> {
+pub(crate) fn mismatch(ranks: &[Seen<'_>]) -> Option<Mismatch> {
     use crate::protocol::FrRun;
     let mut by_pg: BTreeMap<&str, Vec<(usize, &[FrRun])>> = BTreeMap::new();
     for s in ranks {
@@ -549,7 +549,7 @@ pub fn mismatch(ranks: &[Seen<'_>]) -> Option<Mismatch> {
 
 /// A rank the others keep waiting for.
 #[derive(Clone, Debug, Serialize)]
-pub struct Straggler {
+pub(crate) struct Straggler {
     pub rank: usize,
     pub host: String,
     /// Percent of its samples it waited for peers (in a collective, or in the GPU sync after
@@ -572,7 +572,7 @@ const STRAGGLER_Z: f64 = 3.5;
 /// a tenth of its samples, one rank alone waits at most a third as often, and the gap is too
 /// large for sampling chance. A rank 20% slower than the others makes them wait about a sixth
 /// of each step while it hardly waits.
-pub fn straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
+pub(crate) fn straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
     let live: Vec<&Seen<'_>> = ranks
         .iter()
         .filter(|s| s.view.exited.is_none() && s.view.samples >= STRAGGLER_SAMPLES)
@@ -615,7 +615,7 @@ const FR_GAP: f64 = 0.15;
 /// The straggler by the flight recorders' timings (NCCL jobs, where every rank waits at the
 /// same GPU sync and stacks cannot tell them apart): each rank's time in collectives on the GPU
 /// over the span of its ring. The others wait for a slow rank inside the collective; it does not.
-pub fn flight_straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
+pub(crate) fn flight_straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
     let timed: Vec<(&Seen<'_>, f64)> = ranks
         .iter()
         .filter(|s| s.view.exited.is_none())
@@ -692,7 +692,7 @@ fn seen_of<'a>(views: &'a HashMap<usize, NodeWatch>, hosts: &'a [String]) -> Vec
 }
 
 /// The coordinator's watch over one step: the latest view of every node, what was said.
-pub struct WatchState {
+pub(crate) struct WatchState {
     pub plan: WatchPlan,
     views: HashMap<usize, NodeWatch>,
     /// The views when ranks last waited for a missing rank, and when.
@@ -723,7 +723,7 @@ pub struct WatchState {
 }
 
 impl WatchState {
-    pub fn new(plan: WatchPlan) -> WatchState {
+    pub(crate) fn new(plan: WatchPlan) -> WatchState {
         WatchState {
             plan,
             views: HashMap::new(),
@@ -745,13 +745,13 @@ impl WatchState {
     }
 
     /// Node `node`'s latest view.
-    pub fn observe(&mut self, node: usize, v: NodeWatch) {
+    pub(crate) fn observe(&mut self, node: usize, v: NodeWatch) {
         self.views.insert(node, v);
     }
 
     /// Forgets the views of a finished step (a restart starts afresh); the next has `world`
     /// ranks.
-    pub fn reset(&mut self, world: usize) {
+    pub(crate) fn reset(&mut self, world: usize) {
         self.world = world;
         self.step_started = Instant::now();
         self.views.clear();
@@ -763,7 +763,7 @@ impl WatchState {
 
     /// Looks at the views (at most once a second): prints a hang or a straggler when one is
     /// found. Returns true when the job should stop (a hang, with `--on-hang stop`).
-    pub fn check(&mut self, hosts: &[String]) -> bool {
+    pub(crate) fn check(&mut self, hosts: &[String]) -> bool {
         if self
             .last_check
             .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
@@ -926,7 +926,7 @@ impl WatchState {
 
     /// The likely cause of a failure, from the last views: a rank missing from the collective
     /// the others had waited in for at least a few seconds.
-    pub fn cause(&self, hosts: &[String]) -> Option<String> {
+    pub(crate) fn cause(&self, hosts: &[String]) -> Option<String> {
         // A stall that ended long before the failure did not cause it.
         let (at, views) = self.last_stall.as_ref()?;
         if at.elapsed() > STALL_TO_FAILURE {
@@ -941,7 +941,7 @@ impl WatchState {
     }
 
     /// The watch's findings for `--report`.
-    pub fn json(&self) -> serde_json::Value {
+    pub(crate) fn json(&self) -> serde_json::Value {
         serde_json::json!({
             "hangs": self.hangs,
             "stragglers": self.stragglers,
@@ -951,7 +951,7 @@ impl WatchState {
 }
 
 /// The hang report, as printed.
-pub fn hang_text(d: &Diagnosis, timeout: Duration) -> String {
+pub(crate) fn hang_text(d: &Diagnosis, timeout: Duration) -> String {
     let mut t = String::new();
     let what = match d.in_collective {
         true => "a collective has not progressed",

@@ -17,7 +17,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch};
 
 use crate::agent::relay::Nudges;
-pub use crate::agent::relay::{Delivery, Marks};
+pub(crate) use crate::agent::relay::{Delivery, Marks};
 use crate::agent::relay::{Passing, Reader, Stream, own_line};
 use crate::protocol::Hello;
 use crate::remote;
@@ -29,7 +29,7 @@ const RELAY_DRAIN: Duration = Duration::from_secs(2);
 /// An agent process (or the srun step of all of them) and what nrun saw of it. A task of its
 /// own waits for it (and kills it when asked, or when this is dropped), so that its end is an
 /// event for the session (a nudge for its node), not something to ask every node about.
-pub struct AgentProcess {
+pub(crate) struct AgentProcess {
     /// How it ended, once it has (set by its task).
     ended: watch::Receiver<Option<ExitStatus>>,
     /// Tells its task to kill it (dropped: the same).
@@ -43,7 +43,7 @@ pub struct AgentProcess {
 }
 
 /// What starts a node's agent.
-pub enum Starter {
+pub(crate) enum Starter {
     /// This very binary's agent, on this machine (the launch host's own nodes, an inner agent's
     /// nodes of its own machine): forked by nrun's spawner where there is one (no exec, see
     /// [`nrun_node::spawner::Program::Agent`]), else `nrun __agent`, which sets its
@@ -60,7 +60,12 @@ impl AgentProcess {
     /// spawner where there is one (see [`nrun_node::spawner`]: starting a program from nrun
     /// itself costs a copy of its file table, which grows with the nodes), else by nrun.
     /// `relay`: how its lines are passed on (see [`Relay`]).
-    pub async fn spawn(starter: &Starter, what: &str, hello: &Hello, relay: Relay) -> Result<Self> {
+    pub(crate) async fn spawn(
+        starter: &Starter,
+        what: &str,
+        hello: &Hello,
+        relay: Relay,
+    ) -> Result<Self> {
         let cannot = |e: &dyn std::fmt::Display| {
             let program = match starter {
                 Starter::Here => "nrun".to_string(),
@@ -130,18 +135,18 @@ impl AgentProcess {
     }
 
     /// How the process ended, if it has.
-    pub fn exited(&mut self) -> Option<ExitStatus> {
+    pub(crate) fn exited(&mut self) -> Option<ExitStatus> {
         *self.ended.borrow()
     }
 
     /// Its end, for another to watch (the nodes of the launch tree it starts).
-    pub fn ended(&self) -> watch::Receiver<Option<ExitStatus>> {
+    pub(crate) fn ended(&self) -> watch::Receiver<Option<ExitStatus>> {
         self.ended.clone()
     }
 
     /// Kills it now and waits for its end (an inner agent of the launch tree leaving early:
     /// its children must not outlive it).
-    pub async fn kill(&mut self) {
+    pub(crate) async fn kill(&mut self) {
         if let Some(k) = self.kill.take() {
             let _ = k.send(());
         }
@@ -149,12 +154,12 @@ impl AgentProcess {
     }
 
     /// Until the process ended.
-    pub async fn wait(&mut self) {
+    pub(crate) async fn wait(&mut self) {
         let _ = self.ended.wait_for(|s| s.is_some()).await;
     }
 
     /// The last non-empty line it wrote to stderr.
-    pub fn last_words(&self) -> Option<String> {
+    pub(crate) fn last_words(&self) -> Option<String> {
         self.stderr_tail
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -167,7 +172,7 @@ impl AgentProcess {
     /// The last line nrun itself (the agent: its lines start with "nrun"), ssh or srun wrote:
     /// the agent's stderr also carries its workers' lines, and a worker's unrelated complaint
     /// is no cause of a lost node.
-    pub fn own_words(&self) -> Option<String> {
+    pub(crate) fn own_words(&self) -> Option<String> {
         self.stderr_tail
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -178,7 +183,7 @@ impl AgentProcess {
     }
 
     /// How it ended, with nrun's or ssh's last words: " (exit status: 255): what it said".
-    pub fn epitaph(&mut self) -> Option<String> {
+    pub(crate) fn epitaph(&mut self) -> Option<String> {
         let st = self.exited()?;
         Some(format!(
             " ({st}){}",
@@ -189,7 +194,7 @@ impl AgentProcess {
     /// Ends it after the End step: agents leave by themselves; stdin is closed only after
     /// that, so they do not mistake the end for the launcher going away. Stragglers: stdin
     /// closed, then killed.
-    pub async fn finish(&mut self) {
+    pub(crate) async fn finish(&mut self) {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.wait()).await;
         self.stdin.take();
         let _ = tokio::time::timeout(Duration::from_secs(3), self.wait()).await;
@@ -206,7 +211,7 @@ impl AgentProcess {
     }
 
     /// The marks read from its pipes, if the launch host reads them.
-    pub fn marks(&self) -> Option<Arc<Marks>> {
+    pub(crate) fn marks(&self) -> Option<Arc<Marks>> {
         self.marks.clone()
     }
 }
@@ -219,7 +224,7 @@ async fn futures_join(tasks: Vec<tokio::task::JoinHandle<()>>) {
 }
 
 /// How an exit status reads in a node's failure: "exited 255", "was killed by SIGKILL".
-pub fn how_it_ended(st: &ExitStatus) -> String {
+pub(crate) fn how_it_ended(st: &ExitStatus) -> String {
     match (st.code(), st.signal()) {
         (Some(c), _) => format!("exited {c}"),
         (None, Some(s)) => format!("was killed by {}", nrun_node::signal_name(s)),
@@ -229,7 +234,7 @@ pub fn how_it_ended(st: &ExitStatus) -> String {
 
 /// How an agent process's output is passed on and its end told.
 #[derive(Default)]
-pub struct Relay {
+pub(crate) struct Relay {
     /// The launch host: it reads the marks behind each step's output (an inner agent of the
     /// launch tree passes them on).
     pub marks: bool,
@@ -362,7 +367,7 @@ fn by_nrun(starter: &Starter) -> std::io::Result<Started> {
 }
 
 /// Copies the running nrun to `~/.cache/nrun/nrun-<version>` on the host; returns that path.
-pub async fn ship(ssh_opts: &[String], label: &str) -> Result<String> {
+pub(crate) async fn ship(ssh_opts: &[String], label: &str) -> Result<String> {
     let exe = std::env::current_exe()
         .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
     let version = env!("CARGO_PKG_VERSION");

@@ -37,7 +37,7 @@ fn gpu_cpus(env: &[(String, String)], local_rank: usize) -> Option<Vec<usize>> {
 
 /// What a node made of a step.
 #[derive(Debug)]
-pub enum Done {
+pub(crate) enum Done {
     /// Its result, to publish.
     Result(StepResult),
     /// The session ended: leave the step loop.
@@ -45,7 +45,7 @@ pub enum Done {
 }
 
 /// What a node's side of a running step gets from outside the node.
-pub struct StepIo {
+pub(crate) struct StepIo {
     /// Stop requests and signals to pass on.
     pub stop: watch::Receiver<StopRequest>,
     /// Where the watch's views go, if the step asks for the watch.
@@ -56,7 +56,7 @@ pub struct StepIo {
 
 /// The one step dispatcher: does `step` on this node. A Run with no workers (a node outside
 /// every group of a bisect round) succeeds at once.
-pub async fn dispatch(step: Step, io: StepIo) -> Done {
+pub(crate) async fn dispatch(step: Step, io: StepIo) -> Done {
     let result = match step {
         Step::End => return Done::End,
         Step::Probe { target, timeout_ms } => StepResult::Probe {
@@ -309,7 +309,7 @@ fn open_logs(dir: &std::path::Path) -> Result<Logs> {
 /// Listens for the other nodes' probes on a free port of every address (they arrive on the
 /// address the coordinator picks for this node, normally `local`: this end of the path to it)
 /// and echoes them ([`serve_probes`]). Returns the address to publish: `local`'s, that port.
-pub async fn listen_for_probes(local: SocketAddr) -> std::io::Result<String> {
+pub(crate) async fn listen_for_probes(local: SocketAddr) -> std::io::Result<String> {
     let any: std::net::IpAddr = match local.is_ipv4() {
         true => std::net::Ipv4Addr::UNSPECIFIED.into(),
         false => std::net::Ipv6Addr::UNSPECIFIED.into(),
@@ -333,7 +333,7 @@ async fn serve_probes(listener: tokio::net::TcpListener) {
 }
 
 /// Connects to another node's probe listener and checks its echo.
-pub async fn probe_peer(target: &str, timeout_ms: u64) -> Result<()> {
+pub(crate) async fn probe_peer(target: &str, timeout_ms: u64) -> Result<()> {
     let sa: SocketAddr = target
         .parse()
         .map_err(|_| Error::cluster(format!("bad probe address {target}")))?;
@@ -369,7 +369,7 @@ pub async fn probe_peer(target: &str, timeout_ms: u64) -> Result<()> {
 /// The GPU (as CUDA_VISIBLE_DEVICES names it) a worker of local rank `local_rank` uses: the
 /// entry at its local rank of the list it sees (its own variables, else nrun's), the one entry
 /// when it sees one, or its local rank when nothing narrows the GPUs.
-pub fn worker_gpu(env: &[(String, String)], local_rank: usize) -> String {
+pub(crate) fn worker_gpu(env: &[(String, String)], local_rank: usize) -> String {
     let seen = env
         .iter()
         .rev()

@@ -25,20 +25,20 @@ use serde::Deserialize;
 use crate::protocol::{FrOp, FrRun, FrView};
 
 /// Entries in each process group's ring: enough to see the last few steps' collectives.
-pub const BUFFER: &str = "64";
+pub(crate) const BUFFER: &str = "64";
 /// Time between two dumps asked for the straggler statistics while the job runs.
-pub const PERIOD: Duration = Duration::from_secs(15);
+pub(crate) const PERIOD: Duration = Duration::from_secs(15);
 
 /// One rank's pipe and dump file.
 #[derive(Clone, Debug)]
-pub struct FrFiles {
+pub(crate) struct FrFiles {
     pub pipe: PathBuf,
     pub dump: PathBuf,
 }
 
 /// The variables that turn the recorder on for global rank `rank` (each only where neither the
 /// worker's environment `env` nor nrun's own sets it), with the files they name, under `dir`.
-pub fn setup(
+pub(crate) fn setup(
     env: &[(String, String)],
     rank: usize,
     dir: &Path,
@@ -92,7 +92,7 @@ pub fn setup(
 /// Asks for a dump: one byte down the pipe. A pipe nobody reads (not an NCCL job, torch not yet
 /// there) refuses at once (ENXIO) rather than block; anything but a FIFO (never through a
 /// symlink) gets nothing.
-pub fn ask(f: &FrFiles) -> bool {
+pub(crate) fn ask(f: &FrFiles) -> bool {
     use std::io::Write;
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     std::fs::OpenOptions::new()
@@ -107,7 +107,7 @@ pub fn ask(f: &FrFiles) -> bool {
 }
 
 /// The dump, if one newer than `since` is in the file nrun named (never a symlink).
-pub fn dumped_since(f: &FrFiles, since: SystemTime) -> Option<PathBuf> {
+pub(crate) fn dumped_since(f: &FrFiles, since: SystemTime) -> Option<PathBuf> {
     std::fs::symlink_metadata(&f.dump)
         .ok()
         .filter(|m| m.is_file())
@@ -184,7 +184,7 @@ impl Entry {
 
 /// Reads the dumps in `files` with `python` (the workers' interpreter); one summary per file, in
 /// order (None where a file could not be read, or was refused: see the module's doc).
-pub fn read(python: &Path, files: &[&Path]) -> Vec<Option<FrView>> {
+pub(crate) fn read(python: &Path, files: &[&Path]) -> Vec<Option<FrView>> {
     // Each dump length-prefixed on the helper's stdin (an empty one where it was refused).
     let mut input = Vec::new();
     for f in files {
@@ -346,7 +346,7 @@ fn runs(group: &[&&Entry]) -> Vec<FrRun> {
 
 /// Where the recorder stands for one rank of the watch thread.
 #[derive(Default)]
-pub struct FrState {
+pub(crate) struct FrState {
     pub files: Option<FrFiles>,
     /// When a dump was last asked for (wall clock, to compare with the file's time).
     pub asked: Option<(Instant, SystemTime)>,

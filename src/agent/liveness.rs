@@ -27,7 +27,7 @@ fn why(addr: SocketAddr, timeout: Duration) -> String {
 
 /// Asks the store at `addr` every half second (bumping `heartbeat`, if given); when a request is not
 /// answered within `timeout`, or the connection fails, says so once and sets `gone`.
-pub async fn watch(
+pub(super) async fn watch(
     addr: SocketAddr,
     secret: String,
     heartbeat: Option<Vec<u8>>,

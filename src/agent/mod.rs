@@ -18,16 +18,16 @@
 //! An inner agent of the launch tree ([`tree`]) also starts the agents of its subtree over ssh
 //! ([`child`]: the same agent process the launch host starts) and keeps them until the end.
 
-pub mod child;
-pub mod exec;
-pub mod flight;
+pub(crate) mod child;
+pub(crate) mod exec;
+pub(crate) mod flight;
 mod liveness;
 mod oom;
 
-pub mod ras;
-pub mod relay;
-pub mod stacks;
-pub mod tree;
+pub(crate) mod ras;
+pub(crate) mod relay;
+pub(crate) mod stacks;
+pub(crate) mod tree;
 
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
@@ -47,13 +47,13 @@ use nrun_store::client::Client;
 /// parent-death signal ([`tie_to_parent`]). It forks no keeper either: the
 /// launcher's keeper and watch on this same host already cover every process below the
 /// launcher (they are re-parented to that keeper, and carry its token).
-pub const PARENT_VAR: &str = "NRUN_AGENT_PARENT";
+pub(crate) const PARENT_VAR: &str = "NRUN_AGENT_PARENT";
 
 /// For an agent started by nrun on this host ([`PARENT_VAR`]): it gets SIGKILL when nrun dies
 /// (as the parent's pre_exec used to arrange), and exits at once if nrun is already gone (the
 /// signal could not be set in time). Returns whether this is such an agent. Must run before any
 /// thread exists.
-pub fn tie_to_parent() -> bool {
+pub(crate) fn tie_to_parent() -> bool {
     let Some(want) = std::env::var_os(PARENT_VAR) else {
         return false;
     };
@@ -78,7 +78,7 @@ pub(crate) fn tie_to(parent: i32) {
 
 /// The agent forked by nrun's spawner (`nrun_node::spawner::fork`): tied to the spawner, then
 /// [`main`].
-pub fn forked(spawner: i32) -> u8 {
+pub(crate) fn forked(spawner: i32) -> u8 {
     tie_to(spawner);
     main()
 }
@@ -87,7 +87,7 @@ pub fn forked(spawner: i32) -> u8 {
 static TIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Entry point of `nrun __agent`; returns the exit code.
-pub fn main() -> u8 {
+pub(crate) fn main() -> u8 {
     // One thread: an agent waits on its store connections and its workers, and a thousand
     // agents on one host each waking idle worker threads cost their host more than the work.
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -118,7 +118,7 @@ pub fn main() -> u8 {
 /// that cannot is refused with an error of kind `PermissionDenied` naming the secret (see
 /// [`refusal`]). A run without a secret (a c10d rendezvous whose nodes share none) has nothing
 /// to prove. `at` names the store in messages.
-pub async fn prove(
+pub(crate) async fn prove(
     conn: &mut Client,
     secret: &str,
     at: &(dyn std::fmt::Display + Sync),
@@ -148,7 +148,7 @@ pub async fn prove(
 
 /// The error for a failed [`prove`]: a store refused for not knowing the secret as it is,
 /// anything else as `lost` words it.
-pub fn refusal(e: std::io::Error, lost: impl FnOnce(std::io::Error) -> Error) -> Error {
+pub(crate) fn refusal(e: std::io::Error, lost: impl FnOnce(std::io::Error) -> Error) -> Error {
     match e.kind() {
         std::io::ErrorKind::PermissionDenied => Error::helper(e.to_string()),
         _ => lost(e),
@@ -215,7 +215,7 @@ fn stdin_reader() -> Box<dyn tokio::io::AsyncRead + Unpin + Send> {
 /// The agent's life after its [`Hello`]: join the coordinator's store, run the steps it is
 /// given, until the end (Ok: the job's exit code, when the coordinator left one) or the
 /// coordinator is gone (`gone` set: stdin closed, or the store silent; or the store lost).
-pub async fn serve(
+pub(crate) async fn serve(
     hello: Hello,
     signals: Signals,
     gone: watch::Sender<bool>,

@@ -13,21 +13,21 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
 /// The cgroup's OOM kills when the workers started.
-pub struct Mark {
+pub(super) struct Mark {
     /// The file with the cgroup's oom_kill counter, and the one with its limit.
     events: Option<(PathBuf, PathBuf)>,
     kills: Option<u64>,
 }
 
 /// Reads the counter before the workers start.
-pub fn mark() -> Mark {
+pub(super) fn mark() -> Mark {
     let events = own_cgroup();
     let kills = events.as_ref().and_then(|(e, _)| oom_kills(e));
     Mark { events, kills }
 }
 
 /// Why worker `pid`, just dead of SIGKILL, was killed, where a witness says it was memory.
-pub fn explain(mark: &Mark, pid: u32) -> Option<String> {
+pub(super) fn explain(mark: &Mark, pid: u32) -> Option<String> {
     if let Some(rss) = kernel_says(pid) {
         return Some(format!(
             "killed by the kernel's out-of-memory killer (kernel log: {rss} resident at the kill)"

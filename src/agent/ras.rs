@@ -28,7 +28,7 @@ const AGAIN: Duration = Duration::from_secs(10);
 
 /// Where this node's NCCL answers, from the workers' environment: None when they turned RAS
 /// off (NCCL_RAS_ENABLE=0).
-pub fn target(env: &[(String, String)]) -> Option<String> {
+pub(crate) fn target(env: &[(String, String)]) -> Option<String> {
     let get = |k: &str| {
         env.iter()
             .rev()
@@ -43,7 +43,7 @@ pub fn target(env: &[(String, String)]) -> Option<String> {
 }
 
 /// Asks RAS at `addr` for its status, as `ncclras` does; the text it answered, or why not.
-pub fn status(addr: &str) -> Result<String, String> {
+pub(crate) fn status(addr: &str) -> Result<String, String> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| format!("cannot resolve {addr}: {e}"))?
@@ -91,7 +91,7 @@ fn ask(a: SocketAddr) -> std::io::Result<String> {
 /// The lines of a status's "Errors" and "Warnings" sections: what RAS found wrong, as NCCL
 /// words it ("Communicator ranks have different AllReduce operation counts", "Rank 1 has
 /// launched up to operation 5 -- GPU 0 managed by process 456 on node 10.0.0.2").
-pub fn findings(text: &str) -> Vec<String> {
+pub(crate) fn findings(text: &str) -> Vec<String> {
     let lines: Vec<&str> = text.lines().collect();
     let mut out = Vec::new();
     let mut inside = false;
@@ -115,7 +115,7 @@ fn is_rule(l: &str) -> bool {
 
 /// The watch thread's side: asks on a thread of its own (an answer may take seconds) while the
 /// node's ranks are stalled, and keeps the latest answer for the node's view.
-pub struct Asker {
+pub(crate) struct Asker {
     addr: String,
     pending: Option<mpsc::Receiver<Result<String, String>>>,
     asked: Option<Instant>,
@@ -123,7 +123,7 @@ pub struct Asker {
 }
 
 impl Asker {
-    pub fn new(addr: String) -> Asker {
+    pub(crate) fn new(addr: String) -> Asker {
         Asker {
             addr,
             pending: None,
@@ -134,7 +134,7 @@ impl Asker {
 
     /// Called on every round of the watch: `stalled` says whether the node's NCCL ranks have
     /// all been still for a while. Asks once per stall and again every so often during it.
-    pub fn poll(&mut self, stalled: bool) {
+    pub(crate) fn poll(&mut self, stalled: bool) {
         if let Some(rx) = &self.pending {
             match rx.try_recv() {
                 Ok(answer) => {

@@ -17,10 +17,10 @@ use tokio::io::AsyncBufReadExt as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 /// What one agent's pipe is read from.
-pub type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+pub(crate) type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 
 /// Lines of an agent's stderr kept to explain why it failed.
-pub const TAIL_LINES: usize = 10;
+pub(crate) const TAIL_LINES: usize = 10;
 
 /// Bytes read at a time from an agent's stdout and stderr: small, two per node (8 KiB each
 /// were a third of the launch host's memory at a thousand nodes); longer lines still come
@@ -35,7 +35,7 @@ const RELAY_LINE: usize = nrun_node::output::MAX_LINE + 4096;
 /// The marks that came through one agent process's pipes: for each node it serves (one, an
 /// srun step's many, an inner agent's subtree), the steps whose output ended on stdout and on
 /// stderr, and whether each pipe ended.
-pub struct Marks {
+pub(crate) struct Marks {
     token: String,
     /// Whom to nudge when a mark arrives (the session waits for it).
     nudges: Option<Arc<Nudges>>,
@@ -43,7 +43,7 @@ pub struct Marks {
 }
 
 impl Marks {
-    pub fn new(token: String, nudges: Option<Arc<Nudges>>) -> Marks {
+    pub(crate) fn new(token: String, nudges: Option<Arc<Nudges>>) -> Marks {
         Marks {
             token,
             nudges,
@@ -66,7 +66,7 @@ struct Seen {
 
 /// Whether a node's output of a step has reached this host.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Delivery {
+pub(crate) enum Delivery {
     /// Every line of it is on this host's console: both marks came.
     Arrived,
     /// Not yet: `console`, this host's console is behind (the relay waits for it); else the
@@ -111,7 +111,7 @@ impl Marks {
     }
 
     /// Where node `node`'s output of step `no` is.
-    pub fn delivery(&self, node: usize, no: usize) -> Delivery {
+    pub(crate) fn delivery(&self, node: usize, no: usize) -> Delivery {
         let s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let next = s.next.get(&node).copied().unwrap_or_default();
         for (stream, name) in [(Stream::Out, "stdout"), (Stream::Err, "stderr")] {
@@ -131,13 +131,13 @@ impl Marks {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stream {
+pub(crate) enum Stream {
     Out = 0,
     Err = 1,
 }
 
 /// How one of an agent's pipes is passed on.
-pub struct Passing {
+pub(crate) struct Passing {
     pub stream: Stream,
     pub marks: Option<Arc<Marks>>,
     /// Its own lines (nrun's, ssh's) on stderr go on as "TAG: line".
@@ -149,7 +149,7 @@ pub struct Passing {
 impl Passing {
     /// Copies the pipe to this process's own stream a line at a time (bytes as they are, not
     /// only UTF-8), taking the output marks it reads out; records the pipe's end.
-    pub async fn relay(self, pipe: Reader) {
+    pub(crate) async fn relay(self, pipe: Reader) {
         use tokio::io::AsyncReadExt as _;
         let mut r = tokio::io::BufReader::with_capacity(RELAY_BUFFER, pipe);
         loop {
@@ -233,7 +233,7 @@ fn find_mark(buf: &[u8], token: &str) -> Option<(usize, usize, usize)> {
 
 /// A line nrun itself (the agent: its lines start with "nrun"), ssh or srun wrote, not one of
 /// the workers'.
-pub fn own_line(l: &str) -> bool {
+pub(crate) fn own_line(l: &str) -> bool {
     let l = l.trim_start();
     ["nrun", "ssh:", "srun:", "Connection to "]
         .iter()
@@ -312,13 +312,13 @@ async fn put(item: Item) {
 /// that goes with them: with the store's changed keys, what lets the session look at the nodes
 /// that changed instead of at every node on every event.
 #[derive(Default)]
-pub struct Nudges {
+pub(crate) struct Nudges {
     nodes: std::sync::Mutex<Vec<usize>>,
     pub(crate) notify: tokio::sync::Notify,
 }
 
 impl Nudges {
-    pub fn nudge(&self, node: usize) {
+    pub(crate) fn nudge(&self, node: usize) {
         self.nodes
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -21,7 +21,7 @@ use crate::protocol::{Frame, NodeWatch, RankView};
 use nrun_node::GroupEvent;
 
 /// Time between two samples of a rank's stack.
-pub const SAMPLE: Duration = Duration::from_millis(500);
+pub(crate) const SAMPLE: Duration = Duration::from_millis(500);
 /// Time between two published views.
 const PUBLISH: Duration = Duration::from_secs(1);
 /// Frames kept per rank, innermost first.
@@ -86,7 +86,7 @@ fn quiet_panics() {
 
 /// Samples the workers of one step until `events` closes (the group ended); sends views to
 /// `out`. Runs on a thread of its own: reading another process's memory blocks.
-pub fn spawn(
+pub(crate) fn spawn(
     mut events: mpsc::UnboundedReceiver<GroupEvent>,
     out: mpsc::UnboundedSender<NodeWatch>,
     flight_files: Vec<(usize, FrFiles)>,
@@ -514,7 +514,7 @@ fn children_by_parent() -> HashMap<u32, Vec<u32>> {
 }
 
 /// The torch.distributed call a stack waits in: its innermost frame in `distributed_c10d.py`.
-pub fn collective(frames: &[Frame]) -> Option<String> {
+pub(crate) fn collective(frames: &[Frame]) -> Option<String> {
     frames
         .iter()
         .find(|f| f.file.ends_with("distributed/distributed_c10d.py"))

@@ -43,14 +43,14 @@ enum Phase {
 }
 
 /// The children of this agent in the launch tree, each served by a task of its own.
-pub struct Subtree {
+pub(crate) struct Subtree {
     phase: watch::Sender<Phase>,
     children: JoinSet<()>,
 }
 
 impl Subtree {
     /// Starts the children `hello.tree` lists (None: it lists none).
-    pub fn start(hello: &Hello) -> Option<Subtree> {
+    pub(crate) fn start(hello: &Hello) -> Option<Subtree> {
         if hello.tree.is_empty() {
             return None;
         }
@@ -93,12 +93,12 @@ impl Subtree {
 
     /// At the End: every child's agent leaves, then its ssh ends (as the launch host ends its
     /// own).
-    pub async fn finish(self) {
+    pub(crate) async fn finish(self) {
         self.end(Phase::Finish).await
     }
 
     /// Leaving early: every child's ssh is killed now.
-    pub async fn kill(self) {
+    pub(crate) async fn kill(self) {
         self.end(Phase::Kill).await
     }
 

@@ -29,7 +29,7 @@ use nrun_store::Store;
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum NodeVerdict {
+pub(crate) enum NodeVerdict {
     Good,
     Bad,
     Slow,
@@ -89,7 +89,7 @@ struct GroupOut {
 }
 
 /// Entry point: runs the stages, prints the table, writes the report and hostfile.
-pub async fn run(
+pub(crate) async fn run(
     bp: &BisectSettings,
     nodes: &NodesPlan,
     listener: Option<std::net::TcpListener>,
@@ -120,7 +120,7 @@ pub async fn run(
 /// The staged scale-up on the spot, over a job's nodes and spares, when its preflight failed
 /// with no node to blame: the nodes found not good, each with the evidence. Nodes that did not
 /// join or were left out already take no part.
-pub async fn on_the_spot(
+pub(crate) async fn on_the_spot(
     s: &mut Session,
     job: &crate::plan::RunSettings,
     pf: &crate::plan::PreflightPlan,

@@ -9,7 +9,7 @@ use crate::plan::{DoctorSettings, NodesPlan};
 use crate::session::Session;
 use nrun_base::error::{Result, exit};
 
-pub async fn run(
+pub(crate) async fn run(
     doctor: &DoctorSettings,
     nodes: &NodesPlan,
     listener: Option<std::net::TcpListener>,

@@ -5,16 +5,16 @@
 //! - [`doctor`]: facts and checks, running nothing.
 //! - [`bisect`]: the staged scale-up.
 
-pub mod bisect;
-pub mod doctor;
-pub mod preflight;
-pub mod run;
+pub(crate) mod bisect;
+pub(crate) mod doctor;
+pub(crate) mod preflight;
+pub(crate) mod run;
 
 use crate::plan::Mode;
 use nrun_base::error::{Error, Result};
 
 /// Runs what the command line asked for; returns nrun's exit code.
-pub fn execute(mode: Mode) -> Result<u8> {
+pub(crate) fn execute(mode: Mode) -> Result<u8> {
     let session = match &mode {
         Mode::Run { run, .. } => &run.session,
         Mode::Doctor { doctor, .. } => &doctor.session,

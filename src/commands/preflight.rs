@@ -18,7 +18,7 @@ use nrun_store::client::Client;
 
 /// How a preflight ended: its exit code, its report (the JSON of `--report`) when it got that
 /// far, and the nodes its failing findings name (host, evidence).
-pub struct Ended {
+pub(crate) struct Ended {
     pub code: u8,
     pub report: Option<serde_json::Value>,
     pub blamed: Vec<(String, String)>,
@@ -36,7 +36,7 @@ impl Ended {
 
 /// Runs the preflight over the job's nodes (the session's group).
 /// `round`: how many times it ran before in this session.
-pub async fn run(
+pub(crate) async fn run(
     s: &mut Session,
     job: &RunSettings,
     pf: &PreflightPlan,

@@ -13,7 +13,7 @@ use crate::watch::WatchState;
 use nrun_base::error::{Error, Result, exit};
 
 /// Runs the job to its end and returns nrun's exit code.
-pub async fn run(
+pub(crate) async fn run(
     job: &RunSettings,
     nodes: &NodesPlan,
     listener: Option<std::net::TcpListener>,
@@ -151,7 +151,7 @@ async fn drive(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u
 /// join or a check is left out and a spare takes its place (see session::roster). `Err`: the
 /// exit code, the reason already printed. `own`: this nrun's workers, shown for its node beside
 /// the nodes whose own nrun joined with theirs (c10d).
-pub async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) -> Result<()> {
+pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) -> Result<()> {
     if let Some(f) = &s.plan.exclude_file {
         for e in &s.plan.avoided {
             let age = std::time::SystemTime::now()

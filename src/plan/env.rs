@@ -7,12 +7,12 @@ use std::path::PathBuf;
 use nrun_base::error::{Error, Result};
 
 /// NCCL_PORT_RANGE is a common guess that NCCL ignores: said once, wherever it is seen.
-pub const PORT_RANGE_WARNING: &str = "NCCL_PORT_RANGE is not an NCCL variable and does nothing: to \
+pub(crate) const PORT_RANGE_WARNING: &str = "NCCL_PORT_RANGE is not an NCCL variable and does nothing: to \
     confine NCCL's ports narrow the kernel's ephemeral range (sysctl \
     net.ipv4.ip_local_port_range=\"50000 51000\"); NCCL_COMM_ID pins only the bootstrap port";
 
 /// The warning for these variables, if they hold NCCL_PORT_RANGE.
-pub fn port_range_warning(vars: &[(String, String)]) -> Option<&'static str> {
+pub(crate) fn port_range_warning(vars: &[(String, String)]) -> Option<&'static str> {
     vars.iter()
         .any(|(k, _)| k == "NCCL_PORT_RANGE")
         .then_some(PORT_RANGE_WARNING)
@@ -23,7 +23,7 @@ const MAX_ENV_FILE_BYTES: u64 = 1 << 20;
 
 /// What every worker on every node gets: forwarded variables, then `.nrun_env` (home, then the
 /// cwd's, which wins), then `-x VAR` / `-x VAR=VALUE`. Later sources win.
-pub fn job_env(
+pub(crate) fn job_env(
     exports: &[String],
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Vec<(String, String)>> {
@@ -89,7 +89,7 @@ fn is_var_name(k: &str) -> bool {
 /// NCCL_SOCKET_IFNAME (exact name) and GLOO_SOCKET_IFNAME for a node's workers, unless the user
 /// set them (then they were checked on every node). Left to themselves, gloo and NCCL pick by
 /// hostname lookup and often end up on loopback or the wrong network.
-pub fn interface_env(user: &[(String, String)], ifname: &str) -> Vec<(String, String)> {
+pub(crate) fn interface_env(user: &[(String, String)], ifname: &str) -> Vec<(String, String)> {
     let set = |k: &str| user.iter().any(|(x, _)| x == k);
     let mut env = Vec::new();
     if !set("NCCL_SOCKET_IFNAME") {
@@ -103,7 +103,7 @@ pub fn interface_env(user: &[(String, String)], ifname: &str) -> Vec<(String, St
 
 /// Environment forwarded to every node: NCCL_*, TORCH_*, CUDA_* except CUDA_VISIBLE_DEVICES,
 /// PYTHON*, OMP_*, UCX_*. Never SSH_*, DISPLAY, terminal or shell-internal variables.
-pub fn forwarded(name: &str) -> bool {
+pub(crate) fn forwarded(name: &str) -> bool {
     let prefixed = [
         "NCCL_",
         "TORCH_",
@@ -121,7 +121,7 @@ pub fn forwarded(name: &str) -> bool {
 
 /// KEY=VALUE lines of a `.nrun_env` file (blank lines and `#` comments skipped; `export ` is
 /// allowed before KEY).
-pub fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>> {
+pub(crate) fn parse_env_file(text: &str, origin: &str) -> Result<Vec<(String, String)>> {
     let mut v = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();

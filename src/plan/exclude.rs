@@ -17,7 +17,7 @@ use nrun_base::error::{Error, Result};
 
 /// A node to avoid, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Entry {
+pub(crate) struct Entry {
     pub host: String,
     pub at: SystemTime,
     pub why: String,
@@ -25,7 +25,7 @@ pub struct Entry {
 
 /// The exclude file of a run: where it is and how long its entries count.
 #[derive(Clone, Debug)]
-pub struct ExcludeFile {
+pub(crate) struct ExcludeFile {
     pub path: PathBuf,
     pub ttl: Duration,
 }
@@ -35,7 +35,7 @@ const MAX_BYTES: u64 = 16 << 20;
 
 impl ExcludeFile {
     /// The entries still in force at `now`, latest per host; a missing file has none.
-    pub fn read(&self, now: SystemTime) -> Result<Vec<Entry>> {
+    pub(crate) fn read(&self, now: SystemTime) -> Result<Vec<Entry>> {
         let origin = self.path.display();
         let text = match nrun_base::files::read_text(
             &self.path,
@@ -75,7 +75,7 @@ impl ExcludeFile {
     }
 
     /// Appends `entries` (one write, so lines of jobs sharing the file do not interleave).
-    pub fn append(&self, entries: &[Entry]) -> Result<()> {
+    pub(crate) fn append(&self, entries: &[Entry]) -> Result<()> {
         if entries.is_empty() {
             return Ok(());
         }
@@ -97,7 +97,7 @@ impl ExcludeFile {
 }
 
 /// One entry as a line: host, time, reason (on one line).
-pub fn format_line(e: &Entry) -> String {
+pub(crate) fn format_line(e: &Entry) -> String {
     let why: String = e
         .why
         .chars()
@@ -134,7 +134,7 @@ fn parse_line(line: &str) -> std::result::Result<Option<Entry>, String> {
 }
 
 /// `--exclude-ttl`: "24h", "90m", "3600" (seconds).
-pub fn parse_ttl(s: &str) -> Result<Duration> {
+pub(crate) fn parse_ttl(s: &str) -> Result<Duration> {
     let s = s.trim();
     let d = match s.parse::<u64>() {
         Ok(secs) => Duration::from_secs(secs),
@@ -153,7 +153,7 @@ pub fn parse_ttl(s: &str) -> Result<Duration> {
 }
 
 /// For a path given on the command line (kept as given in messages).
-pub fn new(path: &Path, ttl: &str) -> Result<ExcludeFile> {
+pub(crate) fn new(path: &Path, ttl: &str) -> Result<ExcludeFile> {
     Ok(ExcludeFile {
         path: path.to_path_buf(),
         ttl: parse_ttl(ttl)?,

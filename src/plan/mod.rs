@@ -9,14 +9,14 @@
 //! - [`nodes`]: host lists, rank layout, how agents start, what every worker gets ([`env`]).
 //! - [`env`]: forwarded variables, `.nrun_env`, `-x`, and warnings about variables.
 
-pub mod env;
-pub mod exclude;
+pub(crate) mod env;
+pub(crate) mod exclude;
 #[cfg(test)]
 mod fuzz;
-pub mod nodes;
-pub mod tree;
+pub(crate) mod nodes;
+pub(crate) mod tree;
 
-pub use nodes::NodesPlan;
+pub(crate) use nodes::NodesPlan;
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -33,7 +33,7 @@ use nrun_node::find_program;
 
 /// Where the store lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum StorePlan {
+pub(crate) enum StorePlan {
     /// nrun hosts it: bind `port` (0 = any free port); workers reach it at `advertise` (an
     /// address, or a host name the user chose).
     Host { port: u16, advertise: String },
@@ -43,20 +43,20 @@ pub enum StorePlan {
 
 /// Which of a worker's streams go where; torchrun's 0..3 encoding (1 stdout, 2 stderr, 3 both).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Streams(pub u8);
+pub(crate) struct Streams(pub u8);
 
 impl Streams {
-    pub fn stdout(self) -> bool {
+    pub(crate) fn stdout(self) -> bool {
         self.0 & 1 != 0
     }
-    pub fn stderr(self) -> bool {
+    pub(crate) fn stderr(self) -> bool {
         self.0 & 2 != 0
     }
 }
 
 /// A per-local-rank stream spec: "3" for every rank, or "0:3,1:1".
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum StreamSpec {
+pub(crate) enum StreamSpec {
     #[default]
     None,
     All(Streams),
@@ -64,7 +64,7 @@ pub enum StreamSpec {
 }
 
 impl StreamSpec {
-    pub fn parse(flag: &str, s: &str) -> Result<StreamSpec> {
+    pub(crate) fn parse(flag: &str, s: &str) -> Result<StreamSpec> {
         let bad = || {
             Error::usage(format!(
                 "{flag} {s:?} is not a stream spec: use 0 (none), 1 (stdout), 2 (stderr), 3 (both), \
@@ -86,7 +86,7 @@ impl StreamSpec {
         Ok(StreamSpec::PerRank(v))
     }
 
-    pub fn for_rank(&self, local_rank: usize) -> Streams {
+    pub(crate) fn for_rank(&self, local_rank: usize) -> Streams {
         match self {
             StreamSpec::None => Streams(0),
             StreamSpec::All(s) => *s,
@@ -108,7 +108,7 @@ impl StreamSpec {
 
 /// Where worker output goes besides the console.
 #[derive(Clone, Debug, Default)]
-pub struct LogPlan {
+pub(crate) struct LogPlan {
     /// Root of the per-rank log files; `None`: no files.
     pub dir: Option<PathBuf>,
     pub redirects: StreamSpec,
@@ -118,7 +118,7 @@ pub struct LogPlan {
 
 /// The preflight, when one runs.
 #[derive(Clone, Debug)]
-pub struct PreflightPlan {
+pub(crate) struct PreflightPlan {
     pub mode: nrun_preflight::Mode,
     /// Start the job even if the preflight fails.
     pub warn_only: bool,
@@ -141,7 +141,7 @@ pub struct PreflightPlan {
 /// What a session needs from any command: where the store lives, who may write nrun's keys,
 /// and what every agent is told.
 #[derive(Clone, Debug)]
-pub struct SessionPlan {
+pub(crate) struct SessionPlan {
     /// The run's name (TORCHELASTIC_RUN_ID; log directories; a static launch's keys).
     pub run_id: String,
     pub store: StorePlan,
@@ -179,7 +179,7 @@ impl SessionPlan {
 
 /// What every worker of a group gets, besides its place: the job's, or a bisect probe's.
 #[derive(Clone, Debug)]
-pub struct WorkersPlan {
+pub(crate) struct WorkersPlan {
     /// Workers per node.
     pub nproc: usize,
     pub program: OsString,
@@ -206,7 +206,7 @@ pub struct WorkersPlan {
 
 /// The nodes and workers a command asks for, which [`NodesPlan::resolve`] lays out on hosts.
 #[derive(Clone, Debug)]
-pub struct Shape {
+pub(crate) struct Shape {
     pub nproc: usize,
     /// Nodes wanted (the most, for an elastic range).
     pub nnodes: usize,
@@ -226,7 +226,7 @@ pub struct Shape {
 
 impl Shape {
     /// `--nnodes` as the user wrote it: "4" or "2:4".
-    pub fn nnodes_text(&self) -> String {
+    pub(crate) fn nnodes_text(&self) -> String {
         match self.min_nodes < self.nnodes {
             true => format!("{}:{}", self.min_nodes, self.nnodes),
             false => self.nnodes.to_string(),
@@ -247,14 +247,14 @@ impl Shape {
         }
     }
 
-    pub fn world_size(&self) -> usize {
+    pub(crate) fn world_size(&self) -> usize {
         self.nproc * self.nnodes
     }
 }
 
 /// The job's settings (the default command), decided before anything starts.
 #[derive(Clone, Debug)]
-pub struct RunSettings {
+pub(crate) struct RunSettings {
     pub session: SessionPlan,
     pub workers: WorkersPlan,
     pub shape: Shape,
@@ -273,7 +273,7 @@ pub struct RunSettings {
 /// `nrun doctor`'s settings: a session to join and check the nodes (its Python is the one
 /// probed for torch).
 #[derive(Clone, Debug)]
-pub struct DoctorSettings {
+pub(crate) struct DoctorSettings {
     pub session: SessionPlan,
 }
 
@@ -281,7 +281,7 @@ pub struct DoctorSettings {
 /// host that binds its port hosts the store and drives the job, the others join it and get
 /// node ranks in join order.
 #[derive(Clone, Debug)]
-pub struct C10d {
+pub(crate) struct C10d {
     pub host: String,
     pub port: u16,
     pub id: String,
@@ -294,7 +294,7 @@ pub struct C10d {
 
 /// How worker lines look on the console.
 #[derive(Clone, Debug, Default)]
-pub struct ConsolePlan {
+pub(crate) struct ConsolePlan {
     /// `--log-line-prefix-template`: None for nrun's own prefix.
     pub prefix_template: Option<String>,
     pub color: nrun_node::output::Color,
@@ -303,7 +303,7 @@ pub struct ConsolePlan {
 /// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs):
 /// each command's own resolved settings (uv's), and the nodes.
 #[derive(Debug)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// The job (and its preflight), on one node or many.
     Run { run: RunSettings, nodes: NodesPlan },
     /// Facts and checks only (of this host alone without a host list).
@@ -320,7 +320,7 @@ pub enum Mode {
 
 /// `nrun bisect`'s settings: its session, what each group's workers get, and the stages' rules.
 #[derive(Clone, Debug)]
-pub struct BisectSettings {
+pub(crate) struct BisectSettings {
     pub session: SessionPlan,
     pub workers: WorkersPlan,
     /// The sweep of the nccl and net probes (None: --probe cmd).
@@ -337,7 +337,7 @@ pub struct BisectSettings {
 type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// Decides the [`Mode`] from the parsed command line, the environment and the filesystem.
-pub fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
+pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
     let Cli { command, run } = cli;
     match command {
         None => {
@@ -699,7 +699,7 @@ impl BisectSettings {
 
 impl WorkersPlan {
     /// The environment a worker gets on top of nrun's own, exactly as torchrun sets it.
-    pub fn worker_env_at(
+    pub(crate) fn worker_env_at(
         &self,
         run_id: &str,
         p: &Place,
@@ -749,7 +749,7 @@ impl WorkersPlan {
 
     /// `<run dir>/attempt_<n>[/<host>]/<local_rank>`: torchrun's per-worker log directory; the
     /// host level keeps the nodes of a multi-node run apart on a shared filesystem.
-    pub fn worker_dir(
+    pub(crate) fn worker_dir(
         &self,
         root: &Path,
         attempt: u32,
@@ -778,13 +778,13 @@ fn is_run_id(id: &str) -> bool {
 }
 
 /// `<root>/attempt_<n>`: one attempt's directory, of log files or of nrun's scratch.
-pub fn attempt_dir(root: &Path, attempt: u32) -> PathBuf {
+pub(crate) fn attempt_dir(root: &Path, attempt: u32) -> PathBuf {
     root.join(format!("attempt_{attempt}"))
 }
 
 /// Where a worker sits in the whole job.
 #[derive(Clone, Copy, Debug)]
-pub struct Place {
+pub(crate) struct Place {
     pub rank: usize,
     pub group_rank: usize,
     pub local_world_size: usize,
@@ -793,7 +793,7 @@ pub struct Place {
 }
 
 /// What differs between the workers of one attempt.
-pub struct WorkerSlot<'a> {
+pub(crate) struct WorkerSlot<'a> {
     pub local_rank: usize,
     pub restart_count: u32,
     pub master_addr: &'a str,
@@ -803,7 +803,7 @@ pub struct WorkerSlot<'a> {
 
 /// GPUs this process may use: the NVIDIA driver's device list, narrowed by CUDA_VISIBLE_DEVICES.
 /// Read from /proc so that counting needs neither CUDA nor Python.
-pub fn visible_gpus(env: &dyn Fn(&str) -> Option<String>) -> usize {
+pub(crate) fn visible_gpus(env: &dyn Fn(&str) -> Option<String>) -> usize {
     let present = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
     match env("CUDA_VISIBLE_DEVICES") {
         None => present,
@@ -1010,7 +1010,7 @@ fn sweep_plan(sweep: &SweepArgs, mode: nrun_preflight::Mode) -> Result<Preflight
 
 impl PreflightPlan {
     /// What every preflight rank is told; `id` keeps runs sharing a store apart.
-    pub fn settings(
+    pub(crate) fn settings(
         &self,
         id: String,
         nccl_lib: Option<PathBuf>,
@@ -1048,7 +1048,7 @@ fn find_python(python: Option<&Path>, env: Env<'_>) -> Option<PathBuf> {
 
 /// Most workers one node runs: far above any machine's GPUs or useful CPU workers, and low
 /// enough that a typo (`--nproc 100000`) is refused before anything is spawned.
-pub const MAX_NPROC: usize = 4096;
+pub(crate) const MAX_NPROC: usize = 4096;
 
 /// The soft limit on this user's processes (`ulimit -u`), where there is one and the kernel
 /// enforces it (not for root).

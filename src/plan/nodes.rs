@@ -14,7 +14,7 @@ use super::Shape;
 
 /// One node's place in the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodeLayout {
+pub(crate) struct NodeLayout {
     /// The node's GROUP_RANK.
     pub group_rank: usize,
     /// (global rank, local rank, slot index) of each of its workers.
@@ -25,7 +25,7 @@ pub struct NodeLayout {
 
 /// Everything about the nodes, decided before anything starts.
 #[derive(Clone, Debug)]
-pub struct NodesPlan {
+pub(crate) struct NodesPlan {
     pub hosts: Vec<Host>,
     pub layout: Vec<NodeLayout>,
     /// Ranks and nodes in the whole job (a static launch runs one node of several).
@@ -70,7 +70,7 @@ pub struct NodesPlan {
 impl NodesPlan {
     /// How many nodes this nrun starts itself; the rest (the last `peers`) are c10d slots that a
     /// node's own nrun fills by joining.
-    pub fn owned(&self) -> usize {
+    pub(crate) fn owned(&self) -> usize {
         self.hosts.len() - self.peers
     }
 
@@ -115,7 +115,7 @@ impl NodesPlan {
     }
 
     /// The nodes of a command of `shape`.
-    pub fn resolve(
+    pub(crate) fn resolve(
         args: &NodesArgs,
         shape: &Shape,
         env: &dyn Fn(&str) -> Option<String>,
@@ -401,7 +401,7 @@ impl NodesPlan {
 
 /// Inside a Slurm allocation of several nodes and not in a step of several (srun on every
 /// node), with no host list and a launcher that may be srun: the allocation is the host list.
-pub fn in_allocation(args: &NodesArgs, env: &dyn Fn(&str) -> Option<String>) -> bool {
+pub(crate) fn in_allocation(args: &NodesArgs, env: &dyn Fn(&str) -> Option<String>) -> bool {
     let several = |k: &str| {
         env(k)
             .and_then(|v| hosts::expand_slurm_hostlist(&v).ok())
@@ -434,10 +434,10 @@ fn hosts_text(list: &[Host]) -> String {
 
 /// Open files the launch host holds for each node started over ssh for the whole run: the ssh
 /// child's stdin, stdout and stderr pipes and the agent's two store connections.
-pub const FDS_PER_SSH_NODE: u64 = 5;
+pub(crate) const FDS_PER_SSH_NODE: u64 = 5;
 /// The same for a node of the launch tree (its ssh runs on another node): its agent's store
 /// connections.
-pub const FDS_PER_TREE_NODE: u64 = 2;
+pub(crate) const FDS_PER_TREE_NODE: u64 = 2;
 /// Open files kept for everything else (the store's listener, logs, the local node's workers'
 /// first connections).
 const FDS_RESERVED: u64 = 64;
@@ -472,7 +472,7 @@ fn check_fd_limit(nodes: usize, direct: usize, hard: Option<u64>) -> Result<()> 
 
 /// Largest hostfile read: 16 MiB is hundreds of thousands of lines, more than [`hosts::MAX_HOSTS`]
 /// needs, and bounds what a wrong path (a log, an image) costs.
-pub const MAX_HOSTFILE_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_HOSTFILE_BYTES: u64 = 16 << 20;
 
 /// A hostfile's text: a regular file (not a device such as /dev/zero or /dev/urandom, not a
 /// FIFO, socket or directory, which could block or never end) of at most

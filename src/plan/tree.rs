@@ -18,7 +18,7 @@ use crate::protocol::Branch;
 
 /// The branches the launch host starts itself, out of `nodes` (node index, label), in order.
 /// Width 0 or 1, or no more nodes than `width`: every node is a leaf the launch host starts.
-pub fn split(nodes: &[(usize, String)], width: usize) -> Vec<Branch> {
+pub(crate) fn split(nodes: &[(usize, String)], width: usize) -> Vec<Branch> {
     split_among(nodes, width, false)
 }
 
@@ -27,7 +27,7 @@ pub fn split(nodes: &[(usize, String)], width: usize) -> Vec<Branch> {
 /// machine's CPUs anyway, and each inner agent costs a process and a spawner of its own:
 /// 2,048 nodes at width 32 take 64 inner agents, where the balanced split takes 1,024 (992 of
 /// them starting one node).
-pub fn split_packed(nodes: &[(usize, String)], width: usize) -> Vec<Branch> {
+pub(crate) fn split_packed(nodes: &[(usize, String)], width: usize) -> Vec<Branch> {
     split_among(nodes, width, true)
 }
 
@@ -63,7 +63,7 @@ fn split_among(nodes: &[(usize, String)], width: usize, packed: bool) -> Vec<Bra
 }
 
 /// How many of `n` nodes [`split`] leaves to the launch host.
-pub fn roots(n: usize, width: usize) -> usize {
+pub(crate) fn roots(n: usize, width: usize) -> usize {
     match width {
         0 | 1 => n,
         w => n.min(w),
@@ -80,7 +80,7 @@ fn leaf(n: &(usize, String)) -> Branch {
 }
 
 /// How many levels of agents the tree has (1: the launch host starts them all).
-pub fn depth(roots: &[Branch]) -> usize {
+pub(crate) fn depth(roots: &[Branch]) -> usize {
     roots
         .iter()
         .map(|b| 1 + depth(&b.children))

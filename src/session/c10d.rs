@@ -18,7 +18,7 @@ use nrun_node::Signals;
 use nrun_store::client::Client;
 
 /// Joins the rendezvous `c` and serves as a node of its job; nrun's exit code.
-pub async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
+pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
     let endpoint = format!("{}:{}", c.host, c.port);
     let addrs = resolve(&c.host, c.port)
         .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {}", e.message)))?;
@@ -133,7 +133,7 @@ fn too_many(endpoint: &str, c: &C10d, job: &RunSettings, slots: &Slots) -> Error
 }
 
 /// This node's own worker count and command line, as its workers run them.
-pub fn own_work(job: &RunSettings) -> crate::facts::OwnWork {
+pub(crate) fn own_work(job: &RunSettings) -> crate::facts::OwnWork {
     let w = &job.workers;
     crate::facts::OwnWork {
         nproc: w.nproc,

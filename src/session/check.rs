@@ -13,7 +13,7 @@ use nrun_base::net;
 /// What the checks found: problems keep a node out of the job (`Some(node)`: pinned on it) or
 /// refuse the launch (`None`); warnings do not.
 #[derive(Debug, Default)]
-pub struct Findings {
+pub(crate) struct Findings {
     pub problems: Vec<(Option<usize>, String)>,
     pub warnings: Vec<String>,
 }
@@ -21,7 +21,7 @@ pub struct Findings {
 impl Session {
     /// Decides each joined remote node's interface, the address its workers reach the store
     /// on, and the address other nodes reach it on.
-    pub fn assign_interfaces(&mut self) -> Findings {
+    pub(crate) fn assign_interfaces(&mut self) -> Findings {
         let mut f = Findings::default();
         let want = self.plan.ifname.clone();
         let seen_by_store: Vec<Option<String>> = (0..self.nodes.len())
@@ -110,7 +110,7 @@ impl Session {
     /// facts table and the warnings; returns the problems pinned on one node each (the caller
     /// leaves those nodes out). `Err`: a problem no single node can be blamed for (printed;
     /// only the exit code).
-    pub fn readiness(&self, mut f: Findings) -> Result<Vec<(usize, String)>> {
+    pub(crate) fn readiness(&self, mut f: Findings) -> Result<Vec<(usize, String)>> {
         let user_ifname = self
             .plan
             .env
@@ -211,7 +211,7 @@ impl Session {
     /// firewall between two nodes is named before NCCL hangs on it. The job's nodes and the
     /// spares are probed together. Returns the nodes a failure is pinned on (the caller leaves
     /// them out); `Err`: failed links no single node can be blamed for (printed; exit 95).
-    pub async fn probe_ring(&mut self) -> Result<Vec<(usize, String)>> {
+    pub(crate) async fn probe_ring(&mut self) -> Result<Vec<(usize, String)>> {
         let ring: Vec<usize> = (0..self.nodes.len())
             .filter(|i| self.nodes[*i].joined.is_some() && !self.is_left_out(*i))
             .collect();
@@ -356,7 +356,7 @@ impl Session {
 
     /// Nodes whose GPUs are unhealthy (NVML's health checks), or that have fewer GPUs than
     /// workers where the other nodes have enough, each with the evidence.
-    pub fn gpu_trouble(&self) -> Vec<(usize, String)> {
+    pub(crate) fn gpu_trouble(&self) -> Vec<(usize, String)> {
         let any_gpus = self
             .joined()
             .any(|(_, _, j)| j.facts.as_ref().is_some_and(|f| !f.gpus.is_empty()));

@@ -20,7 +20,7 @@ impl Session {
     /// Waits until every agent joined, exited, or --join-timeout passed. Returns the nodes
     /// that did not join, each with what ssh or the agent said. `Err`: interrupted (only the
     /// exit code). `facts`: gather an in-process node's facts too (doctor).
-    pub async fn join(
+    pub(crate) async fn join(
         &mut self,
         facts: bool,
         python: Option<PathBuf>,

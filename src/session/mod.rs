@@ -16,13 +16,13 @@
 //! Remote agents get their steps through the store and answer there; the session waits on the
 //! store's change notification (and the in-process node's wake), not on a timer.
 
-pub mod c10d;
-pub mod check;
-pub mod join;
-pub mod link;
-pub mod roster;
-pub mod spec;
-pub mod step;
+pub(crate) mod c10d;
+pub(crate) mod check;
+pub(crate) mod join;
+pub(crate) mod link;
+pub(crate) mod roster;
+pub(crate) mod spec;
+pub(crate) mod step;
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -39,11 +39,11 @@ use nrun_base::error::{Error, Result, exit};
 use nrun_node::Signals;
 use nrun_store::{self as store, Store};
 
-pub use link::NodeLink;
-pub use step::Policy;
+pub(crate) use link::NodeLink;
+pub(crate) use step::Policy;
 
 /// A node of the session.
-pub struct Node {
+pub(crate) struct Node {
     /// How the user named it (for a single node, this host's name).
     pub label: String,
     /// How the session reaches it.
@@ -53,7 +53,7 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(label: &str, link: Box<dyn NodeLink>) -> Node {
+    pub(crate) fn new(label: &str, link: Box<dyn NodeLink>) -> Node {
         Node {
             label: label.to_string(),
             link,
@@ -61,21 +61,21 @@ impl Node {
         }
     }
 
-    pub fn is_local(&self) -> bool {
+    pub(crate) fn is_local(&self) -> bool {
         self.link.is_local()
     }
 }
 
 /// Where a remote agent connected from and where it answers probes: its
 /// [`crate::protocol::Joined`] record, the facts kept apart in [`JoinedNode::facts`].
-pub struct AgentLink {
+pub(crate) struct AgentLink {
     pub local_addr: String,
     pub reached: String,
     pub probe_addr: String,
 }
 
 /// What the session knows of a node that joined.
-pub struct JoinedNode {
+pub(crate) struct JoinedNode {
     /// What the node reported (None for an in-process node asked for no facts).
     pub facts: Option<Facts>,
     /// How a remote agent reached the launch host.
@@ -91,13 +91,13 @@ pub struct JoinedNode {
 /// Where workers find the store, and the secret of nrun's keys in it (when this nrun hosts it;
 /// a torchrun-style node of rank > 0 cannot know node 0's).
 #[derive(Clone, Debug)]
-pub struct Rendezvous {
+pub(crate) struct Rendezvous {
     pub addr: String,
     pub port: u16,
     pub secret: Option<String>,
 }
 
-pub struct Session {
+pub(crate) struct Session {
     pub nodes: Vec<Node>,
     pub plan: NodesPlan,
     pub rendezvous: Rendezvous,
@@ -131,7 +131,7 @@ pub struct Session {
 impl Session {
     /// Serves the store on `listener` (bound earlier, so a taken port was a usage error with
     /// nothing to clean up) and starts every node's agent.
-    pub async fn start(
+    pub(crate) async fn start(
         plan: &SessionPlan,
         nodes: &NodesPlan,
         listener: Option<std::net::TcpListener>,
@@ -293,11 +293,11 @@ impl Session {
     }
 
     /// The store this nrun hosts (none on a static launch's node of rank > 0).
-    pub fn store(&self) -> Option<&Arc<Store>> {
+    pub(crate) fn store(&self) -> Option<&Arc<Store>> {
         self.bus.store.as_ref()
     }
 
-    pub fn keys(&self) -> &Keys {
+    pub(crate) fn keys(&self) -> &Keys {
         &self.bus.keys
     }
 
@@ -307,7 +307,7 @@ impl Session {
     }
 
     /// Nodes that joined, in order.
-    pub fn joined(&self) -> impl Iterator<Item = (usize, &Node, &JoinedNode)> {
+    pub(crate) fn joined(&self) -> impl Iterator<Item = (usize, &Node, &JoinedNode)> {
         self.nodes
             .iter()
             .enumerate()
@@ -315,13 +315,13 @@ impl Session {
     }
 
     /// Whether the job may go on with fewer nodes than it wants (`--nnodes MIN:MAX`).
-    pub fn elastic(&self) -> bool {
+    pub(crate) fn elastic(&self) -> bool {
         self.plan.min_nodes < self.plan.size
     }
 
     /// The job's group: every node as laid out, or the active ones, ranks numbered anew in
     /// node order (spares, left-out nodes, an elastic job's re-forming).
-    pub fn group(&self) -> spec::Group {
+    pub(crate) fn group(&self) -> spec::Group {
         match self.active.len() == self.nodes.len() || self.active.is_empty() {
             true => spec::Group::all(self),
             false => spec::Group::of(self, &self.active),
@@ -329,13 +329,13 @@ impl Session {
     }
 
     /// Ends the session: agents leave their step loop, their connections close, the store stops.
-    pub async fn end(self) {
+    pub(crate) async fn end(self) {
         self.end_with(exit::SUCCESS).await
     }
 
     /// Ends the session, telling nodes that joined by themselves the job's exit code (their nrun
     /// exits with it).
-    pub async fn end_with(mut self, code: u8) {
+    pub(crate) async fn end_with(mut self, code: u8) {
         // A node come back but not taken in yet still gets its End (its nrun waits on it).
         self.open_slots();
         let no = self.step;
@@ -389,7 +389,10 @@ pub(crate) async fn store_changed(rx: &mut Option<watch::Receiver<u64>>) {
 }
 
 /// Serves `store` on `listener` until the returned sender fires (or is dropped).
-pub fn serve(listener: std::net::TcpListener, store: Arc<Store>) -> Result<oneshot::Sender<()>> {
+pub(crate) fn serve(
+    listener: std::net::TcpListener,
+    store: Arc<Store>,
+) -> Result<oneshot::Sender<()>> {
     let l = tokio::net::TcpListener::from_std(listener)
         .map_err(|e| Error::internal(format!("store listener: {e}")))?;
     let (tx, rx) = oneshot::channel::<()>();
@@ -404,7 +407,7 @@ pub fn serve(listener: std::net::TcpListener, store: Arc<Store>) -> Result<onesh
 
 /// Binds the store's port when this node hosts it. Done before anything else starts so a port
 /// that is taken is a usage error with nothing to clean up.
-pub fn bind_store(plan: &SessionPlan) -> Result<Option<std::net::TcpListener>> {
+pub(crate) fn bind_store(plan: &SessionPlan) -> Result<Option<std::net::TcpListener>> {
     let StorePlan::Host { port, .. } = plan.store else {
         return Ok(None);
     };
@@ -426,7 +429,7 @@ pub fn bind_store(plan: &SessionPlan) -> Result<Option<std::net::TcpListener>> {
 
 /// A c10d rendezvous' store, when this nrun is the one to host it: its endpoint names this
 /// host and the port was free. None: another nrun hosts it (join that one).
-pub fn bind_rendezvous(plan: &SessionPlan) -> Result<Option<std::net::TcpListener>> {
+pub(crate) fn bind_rendezvous(plan: &SessionPlan) -> Result<Option<std::net::TcpListener>> {
     let Some(c) = &plan.c10d else {
         return Ok(None);
     };
@@ -462,7 +465,7 @@ fn random_secret() -> Result<String> {
 }
 
 /// The coordinator's addresses for agents to try, "ip:port".
-pub fn coordinator_addrs(port: u16) -> Vec<String> {
+pub(crate) fn coordinator_addrs(port: u16) -> Vec<String> {
     nrun_base::net::reachable_addrs(&nrun_base::net::interfaces())
         .into_iter()
         .map(|ip| SocketAddr::new(ip, port).to_string())

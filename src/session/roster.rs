@@ -11,7 +11,7 @@ use nrun_base::error::{Error, Result};
 
 /// When a node was left out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stage {
+pub(crate) enum Stage {
     /// It did not join (in time).
     Join,
     /// Its facts, interface or links failed the checks before the job.
@@ -23,7 +23,7 @@ pub enum Stage {
 }
 
 impl Stage {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Stage::Join => "join",
             Stage::Check => "check",
@@ -35,7 +35,7 @@ impl Stage {
 
 /// A node left out, and why.
 #[derive(Clone, Debug)]
-pub struct LeftOut {
+pub(crate) struct LeftOut {
     pub node: usize,
     pub host: String,
     pub stage: Stage,
@@ -50,7 +50,7 @@ impl LeftOut {
     /// is refused. A node that never joined, or whose agent or link was lost (the words of
     /// [`super::link::NodeLink::lost`] and of a result that means the agent left), may come
     /// back: that is a fresh join, checked as any.
-    pub fn bars_return(&self) -> bool {
+    pub(crate) fn bars_return(&self) -> bool {
         match self.stage {
             Stage::Join => false,
             Stage::Check | Stage::Preflight => true,
@@ -61,7 +61,7 @@ impl LeftOut {
 
 impl Session {
     /// Nodes that joined and wait to take a left-out node's place, in node order.
-    pub fn spares(&self) -> Vec<usize> {
+    pub(crate) fn spares(&self) -> Vec<usize> {
         (0..self.nodes.len())
             .filter(|i| {
                 self.nodes[*i].joined.is_some() && !self.active.contains(i) && !self.is_left_out(*i)
@@ -69,13 +69,13 @@ impl Session {
             .collect()
     }
 
-    pub fn is_left_out(&self, i: usize) -> bool {
+    pub(crate) fn is_left_out(&self, i: usize) -> bool {
         self.left_out.iter().any(|l| l.node == i)
     }
 
     /// Remembers node-level evidence against node `i`, which stays in the job (nothing can take
     /// its place): at the end it is listed and remembered (--exclude-file) with those left out.
-    pub fn flag(&mut self, i: usize, why: &str) {
+    pub(crate) fn flag(&mut self, i: usize, why: &str) {
         if self.is_left_out(i) || self.faulty.iter().any(|l| l.node == i) {
             return;
         }
@@ -90,7 +90,7 @@ impl Session {
     }
 
     /// Takes node `i` out of the job for good, saying why.
-    pub fn leave_out(&mut self, i: usize, stage: Stage, why: &str) {
+    pub(crate) fn leave_out(&mut self, i: usize, stage: Stage, why: &str) {
         if self.is_left_out(i) {
             return;
         }
@@ -114,7 +114,7 @@ impl Session {
     /// Brings the job back to its size: nodes that joined since are taken in (their interfaces
     /// decided), then spares take the empty places, in node order. Returns the nodes that came
     /// in. `Err`: fewer nodes than the job's minimum remain (exit 98, the left-out nodes named).
-    pub fn fill(&mut self) -> Result<Vec<usize>> {
+    pub(crate) fn fill(&mut self) -> Result<Vec<usize>> {
         let late = self.admit_late();
         // Its host's earlier evidence is the reason that matters, before any check of its own.
         for &n in &late {
@@ -185,7 +185,7 @@ impl Session {
 
     /// The error for a job left with fewer healthy nodes than it needs, naming every node left
     /// out and why.
-    pub fn too_few(&self) -> Error {
+    pub(crate) fn too_few(&self) -> Error {
         let mut m = format!(
             "the job needs {} healthy node(s) but has {}",
             self.plan.min_nodes,
@@ -218,7 +218,7 @@ impl Session {
 
     /// Between attempts: nodes `lost` (each with the evidence) leave the job, spares and late
     /// joiners come in. Err: fewer than the minimum are left.
-    pub fn reform(&mut self, lost: &[(usize, String)]) -> Result<()> {
+    pub(crate) fn reform(&mut self, lost: &[(usize, String)]) -> Result<()> {
         let before: Vec<usize> = self.active.clone();
         for (i, why) in lost {
             self.leave_out(*i, Stage::Run, why);
@@ -279,7 +279,7 @@ impl Session {
     }
 
     /// The nodes left out, as `--report` JSON.
-    pub fn left_out_json(&self) -> serde_json::Value {
+    pub(crate) fn left_out_json(&self) -> serde_json::Value {
         serde_json::Value::Array(
             self.left_out
                 .iter()
@@ -299,7 +299,7 @@ impl Session {
     /// nodes left out are listed, remembered in --exclude-file and given as the next sbatch's
     /// --exclude= inside Slurm. `list`: print the nodes left out (an error that ended the job
     /// named them already).
-    pub fn settle(&mut self, list: bool) {
+    pub(crate) fn settle(&mut self, list: bool) {
         let timeout = self.plan.join_timeout;
         // c10d slots nobody came to are no nodes.
         for i in 0..self.plan.owned() {
@@ -365,7 +365,7 @@ impl Session {
 
     /// `--report`'s `nodes` section: the job's size, where it ran, the spares left, the nodes
     /// left out with their evidence; None when nothing was left out.
-    pub fn nodes_json(&self) -> Option<serde_json::Value> {
+    pub(crate) fn nodes_json(&self) -> Option<serde_json::Value> {
         if self.left_out.is_empty() {
             return None;
         }

@@ -12,7 +12,7 @@ use nrun_node::output::Color;
 
 /// One node of a group that runs together, with its ranks in that group.
 #[derive(Clone, Debug)]
-pub struct Member {
+pub(crate) struct Member {
     pub node: usize,
     pub group_rank: usize,
     /// (rank in the group, local rank) of each of its workers.
@@ -21,7 +21,7 @@ pub struct Member {
 
 /// Nodes that rendezvous together: the whole job, or one of bisect's groups.
 #[derive(Clone, Debug)]
-pub struct Group {
+pub(crate) struct Group {
     pub members: Vec<Member>,
     pub world: usize,
     /// GROUP_WORLD_SIZE (a static launch's node counts the nodes it does not see).
@@ -31,7 +31,7 @@ pub struct Group {
 impl Group {
     /// Every node of the session, ranks as laid out (c10d nodes with their own worker counts:
     /// numbered in node order, as torchrun's).
-    pub fn all(s: &Session) -> Group {
+    pub(crate) fn all(s: &Session) -> Group {
         if (0..s.nodes.len()).any(|i| own_work(s, i).is_some()) {
             let every: Vec<usize> = (0..s.nodes.len()).collect();
             return Group::of(s, &every);
@@ -54,7 +54,7 @@ impl Group {
     }
 
     /// `nodes` as a group of their own, ranks numbered from 0 in node order.
-    pub fn of(s: &Session, nodes: &[usize]) -> Group {
+    pub(crate) fn of(s: &Session, nodes: &[usize]) -> Group {
         let mut next = 0;
         let members: Vec<Member> = nodes
             .iter()
@@ -90,7 +90,7 @@ impl Group {
     }
 
     /// Each member's host, per rank of the group (for naming ranks in reports).
-    pub fn rank_hosts(&self, s: &Session) -> Vec<(usize, String)> {
+    pub(crate) fn rank_hosts(&self, s: &Session) -> Vec<(usize, String)> {
         self.members
             .iter()
             .flat_map(|m| m.ranks.iter().map(move |&(r, _)| (r, m.node)))
@@ -105,7 +105,7 @@ fn own_work(s: &Session, i: usize) -> Option<&crate::facts::OwnWork> {
 }
 
 /// What every worker of one group run shares.
-pub struct Launch<'a> {
+pub(crate) struct Launch<'a> {
     /// The port of the store the group rendezvous on (MASTER_PORT).
     pub port: u16,
     /// Which worker group of the job this is (its log directory, attempt_<n>).
@@ -131,7 +131,12 @@ pub struct Launch<'a> {
 
 impl Session {
     /// A Run step for every member of `group` (None for the session's other nodes).
-    pub fn steps(&self, plan: &WorkersPlan, group: &Group, l: &Launch<'_>) -> Vec<Option<Step>> {
+    pub(crate) fn steps(
+        &self,
+        plan: &WorkersPlan,
+        group: &Group,
+        l: &Launch<'_>,
+    ) -> Vec<Option<Step>> {
         let mut steps: Vec<Option<Step>> = vec![None; self.nodes.len()];
         for m in &group.members {
             steps[m.node] = Some(Step::Run {

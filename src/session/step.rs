@@ -14,7 +14,7 @@ use nrun_node::{Caught, StopRequest};
 
 /// How [`Session::run_step`] waits.
 #[derive(Clone, Copy, Debug)]
-pub enum Policy {
+pub(crate) enum Policy {
     /// One job over all nodes: the first failure anywhere stops every node; a signal is
     /// forwarded to every worker, a second one kills.
     Together,
@@ -33,7 +33,7 @@ const PROBE_WAIT: Duration = Duration::from_secs(30);
 const OUTPUT_WAIT: Duration = Duration::from_secs(30);
 
 /// The result of a step for each node (None: the node had no step, or did not answer).
-pub type Results = Vec<Option<StepResult>>;
+pub(crate) type Results = Vec<Option<StepResult>>;
 
 /// What one wait has done so far.
 #[derive(Default)]
@@ -51,7 +51,11 @@ struct Waiting {
 impl Session {
     /// Sends each node its step (`None`: the node sits this step out) and waits for the results
     /// as `policy` says. `Err`: interrupted, with the exit code.
-    pub async fn run_step(&mut self, steps: Vec<Option<Step>>, policy: Policy) -> Result<Results> {
+    pub(crate) async fn run_step(
+        &mut self,
+        steps: Vec<Option<Step>>,
+        policy: Policy,
+    ) -> Result<Results> {
         let no = self.step;
         self.step += 1;
         let mut waiting = Vec::new();

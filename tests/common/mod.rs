@@ -1,9 +1,9 @@
 //! Helpers for tests that run the real `nrun` binary.
 #![allow(dead_code)]
 
-pub mod slurm;
+pub(crate) mod slurm;
 
-pub use nix::sys::signal::Signal;
+pub(crate) use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 /// Every wait of these helpers is at least this long: a wait ends on its event (a mark, an
 /// exit, a line), and its bound only tells a hang from a slow machine, never a pass from a
 /// failure (no test may pass or fail by timing; a loaded CI machine is slow, not hung).
-pub const HANG: Duration = Duration::from_secs(120);
+pub(crate) const HANG: Duration = Duration::from_secs(120);
 
 /// Polls `done` until it holds; panics naming `what` after [`HANG`] (a hang, not slowness).
-pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let end = Instant::now() + HANG;
     while !done() {
         assert!(Instant::now() < end, "hung: waited {HANG:?} for {what}");
@@ -26,14 +26,14 @@ pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-pub fn nrun_bin() -> PathBuf {
+pub(crate) fn nrun_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_nrun"))
 }
 
 /// A port for a server a test starts later (nrun's `--master-port`), from below the kernel's
 /// ephemeral range: a port the kernel handed out as free (`bind :0`) can be taken, before the
 /// server binds it, as the local end of another test's outgoing connection.
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let low: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
@@ -53,7 +53,7 @@ pub fn free_port() -> u16 {
 }
 
 /// The scratch directory of the nrun (or agent) with process id `pid`: `$TMPDIR/nrun-<pid>-<random>`.
-pub fn scratch_of(pid: u32) -> Option<PathBuf> {
+pub(crate) fn scratch_of(pid: u32) -> Option<PathBuf> {
     let prefix = format!("nrun-{pid}-");
     std::fs::read_dir(std::env::temp_dir())
         .ok()?
@@ -62,19 +62,19 @@ pub fn scratch_of(pid: u32) -> Option<PathBuf> {
         .map(|e| e.path())
 }
 
-pub fn fixture(name: &str) -> String {
+pub(crate) fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
 /// A test's private tag and scratch directory. Every process nrun starts inherits the tag in
 /// its environment, which is how the tests find leftovers.
-pub struct Scene {
+pub(crate) struct Scene {
     pub tag: String,
     pub dir: tempfile::TempDir,
 }
 
 impl Scene {
-    pub fn new() -> Scene {
+    pub(crate) fn new() -> Scene {
         let dir = tempfile::tempdir().unwrap();
         let tag = format!(
             "t{}-{}",
@@ -84,11 +84,11 @@ impl Scene {
         Scene { tag, dir }
     }
 
-    pub fn mark(&self) -> PathBuf {
+    pub(crate) fn mark(&self) -> PathBuf {
         self.dir.path().join("mark")
     }
 
-    pub fn marks(&self) -> Vec<String> {
+    pub(crate) fn marks(&self) -> Vec<String> {
         std::fs::read_to_string(self.mark())
             .unwrap_or_default()
             .lines()
@@ -96,7 +96,7 @@ impl Scene {
             .collect()
     }
 
-    pub fn cmd(&self, args: &[&str]) -> Command {
+    pub(crate) fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new(nrun_bin());
         c.args(args)
             .env("NRUN_TEST_TAG", &self.tag)
@@ -108,13 +108,13 @@ impl Scene {
         c
     }
 
-    pub fn run(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
+    pub(crate) fn run(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
         let mut c = self.cmd(args);
         c.envs(env.iter().copied());
         c.output().unwrap()
     }
 
-    pub fn spawn(&self, args: &[&str], env: &[(&str, &str)]) -> Child {
+    pub(crate) fn spawn(&self, args: &[&str], env: &[(&str, &str)]) -> Child {
         let mut c = self.cmd(args);
         c.envs(env.iter().copied());
         c.spawn().unwrap()
@@ -122,7 +122,7 @@ impl Scene {
 
     /// Waits until the mark file has `n` lines equal to `line`. `timeout` is a hang guard,
     /// at least [`HANG`].
-    pub fn wait_marks(&self, line: &str, n: usize, timeout: Duration) {
+    pub(crate) fn wait_marks(&self, line: &str, n: usize, timeout: Duration) {
         let end = Instant::now() + timeout.max(HANG);
         while self.marks().iter().filter(|l| *l == line).count() < n {
             assert!(
@@ -135,7 +135,7 @@ impl Scene {
     }
 
     /// Processes (other than zombies) that carry this test's tag.
-    pub fn survivors(&self) -> Vec<String> {
+    pub(crate) fn survivors(&self) -> Vec<String> {
         let needle = format!("NRUN_TEST_TAG={}", self.tag);
         let mut found = Vec::new();
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -166,7 +166,7 @@ impl Scene {
     /// Asserts that nothing tagged is left, waiting while something still is (the kernel
     /// finishing kills, a remote session closing; a loaded machine takes its time): only
     /// what is still there after a minute is left behind.
-    pub fn assert_no_survivors(&self) {
+    pub(crate) fn assert_no_survivors(&self) {
         let end = Instant::now() + Duration::from_secs(60);
         loop {
             let s = self.survivors();
@@ -192,22 +192,22 @@ fn kill9(pid: i32) {
 
 /// The fields of /proc/PID/stat after the command's name (state first, then the parent's pid),
 /// while the process exists.
-pub fn proc_stat(pid: u32) -> Option<String> {
+pub(crate) fn proc_stat(pid: u32) -> Option<String> {
     let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     st.rsplit_once(") ").map(|(_, r)| r.to_string())
 }
 
 /// The parent of process `pid`, while it exists.
-pub fn parent_of(pid: u32) -> Option<u32> {
+pub(crate) fn parent_of(pid: u32) -> Option<u32> {
     proc_stat(pid)?.split_whitespace().nth(1)?.parse().ok()
 }
 
-pub fn signal(child: &Child, sig: &str) {
+pub(crate) fn signal(child: &Child, sig: &str) {
     signal_pid(&child.id().to_string(), sig);
 }
 
 /// Sends `sig` (`KILL`, `TERM`, ...) to process `pid`, which must exist.
-pub fn signal_pid(pid: &str, sig: &str) {
+pub(crate) fn signal_pid(pid: &str, sig: &str) {
     let st = Command::new("kill")
         .args([&format!("-{sig}"), pid])
         .status()
@@ -217,7 +217,7 @@ pub fn signal_pid(pid: &str, sig: &str) {
 
 /// Waits for a child to exit; returns its output and how long it took. `timeout` is a hang
 /// guard, at least [`HANG`].
-pub fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output, Duration) {
+pub(crate) fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output, Duration) {
     let timeout = timeout.max(HANG);
     let start = Instant::now();
     loop {
@@ -240,7 +240,7 @@ pub fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output, Durati
 /// A running child whose stdout and stderr are read as they come: a test waits for a line of
 /// it (an event: a node joined, a stop begun) before it acts, and has the whole output at the
 /// end.
-pub struct Watched {
+pub(crate) struct Watched {
     child: Child,
     out: Arc<Mutex<Vec<u8>>>,
     err: Arc<Mutex<Vec<u8>>>,
@@ -250,7 +250,7 @@ pub struct Watched {
 
 impl Watched {
     /// `child` must have been spawned with piped stdout and stderr.
-    pub fn new(mut child: Child) -> Watched {
+    pub(crate) fn new(mut child: Child) -> Watched {
         fn pump(mut from: impl Read + Send + 'static, to: Arc<Mutex<Vec<u8>>>) -> JoinHandle {
             std::thread::spawn(move || {
                 let mut buf = [0u8; 8192];
@@ -277,21 +277,21 @@ impl Watched {
         }
     }
 
-    pub fn child(&self) -> &Child {
+    pub(crate) fn child(&self) -> &Child {
         &self.child
     }
 
-    pub fn id(&self) -> u32 {
+    pub(crate) fn id(&self) -> u32 {
         self.child.id()
     }
 
     /// Its stderr so far.
-    pub fn stderr(&self) -> String {
+    pub(crate) fn stderr(&self) -> String {
         text(&self.err.lock().unwrap())
     }
 
     /// Waits until its stderr so far contains `needle` (a hang after [`HANG`]).
-    pub fn wait_stderr(&self, needle: &str) {
+    pub(crate) fn wait_stderr(&self, needle: &str) {
         let end = Instant::now() + HANG;
         while !self.stderr().contains(needle) {
             if Instant::now() > end {
@@ -305,7 +305,7 @@ impl Watched {
     }
 
     /// Waits for it to exit (a hang after [`HANG`]): its output, and how long it ran.
-    pub fn finish(mut self) -> (Output, Duration) {
+    pub(crate) fn finish(mut self) -> (Output, Duration) {
         let end = Instant::now() + HANG;
         let status = loop {
             if let Some(st) = self.child.try_wait().unwrap() {
@@ -337,7 +337,7 @@ impl Watched {
 
 /// As [`wait_with_timeout`], reading the child's output while it runs (more than a pipe
 /// holds: a child blocked writing would never exit).
-pub fn wait_draining(child: Child, timeout: Duration) -> Output {
+pub(crate) fn wait_draining(child: Child, timeout: Duration) -> Output {
     let pid = child.id();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -358,7 +358,7 @@ pub fn wait_draining(child: Child, timeout: Duration) -> Output {
 }
 
 /// The one run directory `<logs>/<id>_<random>` a run with `--rdzv-id id` made.
-pub fn run_dir(logs: &Path, id: &str) -> PathBuf {
+pub(crate) fn run_dir(logs: &Path, id: &str) -> PathBuf {
     let runs: Vec<PathBuf> = std::fs::read_dir(logs)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -376,14 +376,14 @@ pub fn run_dir(logs: &Path, id: &str) -> PathBuf {
     runs[0].clone()
 }
 
-pub fn text(b: &[u8]) -> String {
+pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
 /// The venv python with torch that scripts/test.sh prepares, if present.
 /// The venv's python with torch, looked up once per test binary (an `import torch` takes
 /// seconds on a loaded machine).
-pub fn torch_python() -> Option<PathBuf> {
+pub(crate) fn torch_python() -> Option<PathBuf> {
     static FOUND: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
     FOUND.get_or_init(find_torch_python).clone()
 }
@@ -407,7 +407,7 @@ fn find_torch_python() -> Option<PathBuf> {
 // ---- a cluster of network-namespace hosts, each with its own sshd -------------------
 
 /// A cluster of namespace hosts, removed on drop.
-pub struct Cluster {
+pub(crate) struct Cluster {
     pub name: String,
     pub config: String,
 }
@@ -416,7 +416,7 @@ impl Cluster {
     /// None (with a visible SKIPPED line) where namespaces cannot be made (not root).
     /// `NRUN_TEST_CLUSTER_PREFIX` goes before `name`, so test runs of several worktrees at
     /// once on one machine make clusters of their own (names up to 11 characters in all).
-    pub fn up(name: &str, k: usize) -> Option<Cluster> {
+    pub(crate) fn up(name: &str, k: usize) -> Option<Cluster> {
         let prefixed = format!(
             "{}{name}",
             std::env::var("NRUN_TEST_CLUSTER_PREFIX").unwrap_or_default()
@@ -450,14 +450,14 @@ impl Cluster {
     }
 
     /// The cluster's state directory (ssh_config, hosts, cluster.env).
-    pub fn dir(&self) -> String {
+    pub(crate) fn dir(&self) -> String {
         std::path::Path::new(&self.config)
             .parent()
             .map_or(String::new(), |p| p.display().to_string())
     }
 
     /// Runs `cmd` inside host i's namespace; whether it succeeded.
-    pub fn try_exec(&self, i: usize, cmd: &str) -> bool {
+    pub(crate) fn try_exec(&self, i: usize, cmd: &str) -> bool {
         Command::new("ip")
             .args(["netns", "exec", &self.host(i), "sh", "-c", cmd])
             .status()
@@ -465,7 +465,7 @@ impl Cluster {
     }
 
     /// Host i's address on the cluster's bridge (10.213.N.(10+i)).
-    pub fn addr(&self, i: usize) -> String {
+    pub(crate) fn addr(&self, i: usize) -> String {
         let env = std::fs::read_to_string(format!("{}/cluster.env", self.dir())).unwrap();
         let net = env
             .lines()
@@ -476,17 +476,17 @@ impl Cluster {
         format!("10.213.{net}.{}", 10 + i)
     }
 
-    pub fn host(&self, i: usize) -> String {
+    pub(crate) fn host(&self, i: usize) -> String {
         format!("{}-h{i}", self.name)
     }
 
-    pub fn hosts(&self, k: usize) -> String {
+    pub(crate) fn hosts(&self, k: usize) -> String {
         (1..=k).map(|i| self.host(i)).collect::<Vec<_>>().join(",")
     }
 
     /// Runs nrun as `s` on the first `k` hosts over their sshds, the test's tag and mark file
     /// passed to every worker (so leftovers are found), with `extra` flags and TARGET.
-    pub fn run_on(
+    pub(crate) fn run_on(
         &self,
         s: &Scene,
         k: usize,
@@ -511,7 +511,13 @@ impl Cluster {
     }
 
     /// Starts nrun as `s` on the first `k` hosts, as [`Cluster::run_on`] runs it, without waiting.
-    pub fn spawn_on(&self, s: &Scene, k: usize, extra: &[&str], env: &[(&str, &str)]) -> Child {
+    pub(crate) fn spawn_on(
+        &self,
+        s: &Scene,
+        k: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Child {
         let hosts = self.hosts(k);
         let opts = self.ssh_opts();
         let mut args = vec![
@@ -534,13 +540,13 @@ impl Cluster {
     /// agent and its keeper (its parent, forked from it: the same command line) die in one
     /// kill, children first: a keeper killed first is a stop request to its agent (SIGTERM by
     /// its parent-death signal), which then says "stopped by SIGTERM" before its own SIGKILL.
-    pub fn kill_agents(&self, i: usize) -> bool {
+    pub(crate) fn kill_agents(&self, i: usize) -> bool {
         self.signal_agents(i, Signal::SIGKILL)
     }
 
     /// Sends `sig` to host i's nrun agents and their keepers, children first; whether one of
     /// them got it.
-    pub fn signal_agents(&self, i: usize, sig: Signal) -> bool {
+    pub(crate) fn signal_agents(&self, i: usize, sig: Signal) -> bool {
         let Ok(out) = Command::new("ip")
             .args(["netns", "pids", &self.host(i)])
             .output()
@@ -565,19 +571,19 @@ impl Cluster {
         reached.count() > 0
     }
 
-    pub fn ssh_opts(&self) -> String {
+    pub(crate) fn ssh_opts(&self) -> String {
         format!("-F {}", self.config)
     }
 
     /// Processes still running inside the cluster's namespaces, other than each host's sshd
     /// listener; waits up to a minute for them to end (ssh sessions close asynchronously,
     /// slowly on a loaded machine).
-    pub fn assert_nothing_left(&self, k: usize) {
+    pub(crate) fn assert_nothing_left(&self, k: usize) {
         self.assert_nothing_left_except(k, &[]);
     }
 
     /// As [`Cluster::assert_nothing_left`], with each host's slurmd allowed to stay.
-    pub fn assert_nothing_left_but_slurmd(&self, k: usize) {
+    pub(crate) fn assert_nothing_left_but_slurmd(&self, k: usize) {
         self.assert_nothing_left_except(k, &["slurmd -f "]);
     }
 
@@ -622,7 +628,7 @@ impl Cluster {
     /// Makes host i's eth0 report `mbps` as its speed (veth always says 10000): a file bound
     /// over the sysfs attribute in the mount namespace of the host's sshd, which every ssh
     /// session there inherits.
-    pub fn report_speed(&self, i: usize, mbps: u64) {
+    pub(crate) fn report_speed(&self, i: usize, mbps: u64) {
         let dir = format!("{}/{}", self.dir(), self.host(i));
         let pid = std::fs::read_to_string(format!("{dir}/sshd.pid")).unwrap();
         std::fs::write(format!("{dir}/speed"), format!("{mbps}\n")).unwrap();
@@ -635,7 +641,7 @@ impl Cluster {
         assert!(st.success(), "bind a speed over {}'s eth0", self.host(i));
     }
 
-    pub fn exec(&self, i: usize, cmd: &str) {
+    pub(crate) fn exec(&self, i: usize, cmd: &str) {
         let st = Command::new("ip")
             .args(["netns", "exec", &self.host(i), "sh", "-c", cmd])
             .status()
@@ -653,7 +659,7 @@ impl Drop for Cluster {
     }
 }
 
-pub fn nix_is_root() -> bool {
+pub(crate) fn nix_is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -664,13 +670,13 @@ pub fn nix_is_root() -> bool {
 
 /// A worker (`sh -c`) that writes `n` numbered lines as fast as it can, the last one right
 /// before it exits 0: "burst r=RANK i=I" (I from 0).
-pub fn burst(n: usize) -> String {
+pub(crate) fn burst(n: usize) -> String {
     format!("i=0; while [ $i -lt {n} ]; do echo \"burst r=$RANK i=$i\"; i=$((i+1)); done; exit 0")
 }
 
 /// Asserts that `text` (a console or a log) holds each of rank `rank`'s `n` burst lines once,
 /// in order: the numbers read in the order of the text are 0..n.
-pub fn assert_burst(text: &str, rank: usize, n: usize, what: &str) {
+pub(crate) fn assert_burst(text: &str, rank: usize, n: usize, what: &str) {
     let needle = format!("burst r={rank} i=");
     let seen: Vec<usize> = text
         .lines()
@@ -692,7 +698,7 @@ pub fn assert_burst(text: &str, rank: usize, n: usize, what: &str) {
 
 /// A worker (`sh -c`) that writes lines of `len` bytes of its rank's digit (rank < 10), `n` of
 /// them, each ended with " end$i".
-pub fn long_lines(len: usize, n: usize) -> String {
+pub(crate) fn long_lines(len: usize, n: usize) -> String {
     format!(
         "i=0; while [ $i -lt {n} ]; do head -c {len} /dev/zero | tr '\\0' \"$RANK\"; echo \" end$i\"; \
          i=$((i+1)); done"
@@ -701,7 +707,7 @@ pub fn long_lines(len: usize, n: usize) -> String {
 
 /// Asserts that the console `text` holds rank `rank`'s `n` long lines whole: each line of it
 /// is one prefix ending in "rank{rank}]: " and then `len` digits and " end$i", in order.
-pub fn assert_long_lines(text: &str, rank: usize, len: usize, n: usize) {
+pub(crate) fn assert_long_lines(text: &str, rank: usize, len: usize, n: usize) {
     let (alone, after_host) = (format!("[rank{rank}"), format!(":rank{rank}"));
     let digit = char::from_digit(rank as u32, 10).unwrap();
     let mine: Vec<&str> = text

@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use super::*;
 
 /// A Slurm cluster of namespace hosts, taken down on drop.
-pub struct Slurm {
+pub(crate) struct Slurm {
     pub name: String,
     pub conf: String,
     pub cluster: Cluster,
@@ -15,7 +15,7 @@ pub struct Slurm {
 impl Slurm {
     /// `NRUN_TEST_CLUSTER_PREFIX` goes before `name`, as for [`Cluster::up`]: several worktrees
     /// testing at once on one machine build clusters of their own.
-    pub fn up(name: &str, k: usize) -> Option<Slurm> {
+    pub(crate) fn up(name: &str, k: usize) -> Option<Slurm> {
         let prefixed = format!(
             "{}{name}",
             std::env::var("NRUN_TEST_CLUSTER_PREFIX").unwrap_or_default()
@@ -54,7 +54,7 @@ impl Slurm {
 
     /// A Slurm client command (salloc, sbatch, srun, scancel, squeue) for this cluster, with
     /// the scene's tag for every process it starts.
-    pub fn cmd(&self, s: &Scene, prog: &str) -> Command {
+    pub(crate) fn cmd(&self, s: &Scene, prog: &str) -> Command {
         let mut c = Command::new(prog);
         c.env("SLURM_CONF", &self.conf)
             .env("NRUN_TEST_TAG", &s.tag)

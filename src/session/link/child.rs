@@ -20,7 +20,7 @@ use nrun_base::error::{Error, Result};
 use nrun_store::Store;
 
 /// A node whose agent is a child process of nrun.
-pub struct ChildLink {
+pub(crate) struct ChildLink {
     process: AgentProcess,
     local: bool,
     /// How soon its agent stops its workers by itself once it cannot reach this host.
@@ -100,7 +100,7 @@ impl Reaper {
 /// the launch host starts that many (and the spares) and each of those starts its share of
 /// the rest (see
 /// `plan::tree`, [`super::tree`]): the others get [`TreeLink`]s.
-pub async fn start(
+pub(crate) async fn start(
     np: &NodesPlan,
     hosts: &[Host],
     how: &Instructions,

@@ -16,7 +16,7 @@ use nrun_store::Store;
 
 /// What a fake node does with the steps it is given.
 #[derive(Clone, Debug)]
-pub enum Script {
+pub(crate) enum Script {
     /// Answers each step with this after a while.
     Answer(StepResult, Duration),
     /// Runs until asked to stop: then answers Stopped (or Interrupted by the forwarded signal);
@@ -30,13 +30,13 @@ pub enum Script {
 
 /// What a fake node saw, for the test to check.
 #[derive(Default, Debug)]
-pub struct Seen {
+pub(crate) struct Seen {
     pub steps: Vec<(usize, Option<Step>)>,
     pub requests: Vec<StopRequest>,
     pub ended: bool,
 }
 
-pub struct FakeLink {
+pub(crate) struct FakeLink {
     script: Script,
     seen: Arc<Mutex<Seen>>,
     requests: watch::Sender<StopRequest>,
@@ -44,7 +44,7 @@ pub struct FakeLink {
 }
 
 /// A fake node and what it will have seen.
-pub fn node(label: &str, script: Script) -> (Node, Arc<Mutex<Seen>>) {
+pub(crate) fn node(label: &str, script: Script) -> (Node, Arc<Mutex<Seen>>) {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let link = FakeLink {
         script,
@@ -56,7 +56,7 @@ pub fn node(label: &str, script: Script) -> (Node, Arc<Mutex<Seen>>) {
 }
 
 /// A session over `nodes` (joined), with a store of its own and signals a test injects.
-pub fn session(
+pub(crate) fn session(
     nodes: Vec<Node>,
 ) -> (
     Session,

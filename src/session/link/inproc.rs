@@ -16,7 +16,7 @@ use nrun_node::StopRequest;
 
 /// The in-process node's link: the step it was given, and its running step's channels.
 #[derive(Default)]
-pub struct InProcess {
+pub(crate) struct InProcess {
     /// Delivered, not yet started.
     pending: Option<(Step, Option<String>, Arc<Notify>)>,
     stop: Option<watch::Sender<StopRequest>>,
@@ -24,7 +24,7 @@ pub struct InProcess {
     views: Option<mpsc::UnboundedReceiver<NodeWatch>>,
 }
 
-pub fn link() -> Box<dyn NodeLink> {
+pub(crate) fn link() -> Box<dyn NodeLink> {
     Box::<InProcess>::default()
 }
 

@@ -17,11 +17,11 @@
 //! start, stay alive, explain themselves and end. Adding a launcher: a new file here with a
 //! `start` function and its `NodeLink`, and one line in [`start`].
 
-pub mod child;
-pub mod inproc;
-pub mod peer;
-pub mod srun;
-pub mod tree;
+pub(crate) mod child;
+pub(crate) mod inproc;
+pub(crate) mod peer;
+pub(crate) mod srun;
+pub(crate) mod tree;
 
 #[cfg(test)]
 pub(crate) mod fake;
@@ -34,8 +34,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::{JoinedNode, Node};
-pub use crate::agent::child::Delivery;
-pub use crate::agent::relay::Nudges;
+pub(crate) use crate::agent::child::Delivery;
+pub(crate) use crate::agent::relay::Nudges;
 use crate::plan::NodesPlan;
 use crate::plan::SessionPlan;
 use crate::protocol::{Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
@@ -45,11 +45,11 @@ use nrun_node::StopRequest;
 use nrun_store::Store;
 
 /// A future a link hands the session (async methods of a trait object).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Where a node stands while the session waits for it to join.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Joining {
+pub(crate) enum Joining {
     /// Its agent may still join.
     Pending,
     /// Its agent cannot join any more (its process ended): the session stops waiting for it.
@@ -57,7 +57,7 @@ pub enum Joining {
 }
 
 /// What an in-process node needs to join (it has no agent to report for it).
-pub struct JoinHere {
+pub(crate) struct JoinHere {
     /// Gather its facts (doctor), with this Python for torch's versions.
     pub facts: bool,
     pub python: Option<std::path::PathBuf>,
@@ -69,7 +69,7 @@ pub struct JoinHere {
 }
 
 /// One node of a session, as the session sees it, whatever serves it.
-pub trait NodeLink: Send {
+pub(crate) trait NodeLink: Send {
     /// The launch host's own node (its output needs no colour decision from afar).
     fn is_local(&self) -> bool {
         false
@@ -154,7 +154,7 @@ pub trait NodeLink: Send {
 
 /// [`NodeLink::result`] as most links have it: the node's published result, or its loss; a
 /// result that means the node left the job unasked reads as lost.
-pub fn judge_result<L: NodeLink + ?Sized>(
+pub(crate) fn judge_result<L: NodeLink + ?Sized>(
     link: &mut L,
     bus: &Bus,
     node: usize,
@@ -185,7 +185,7 @@ pub fn judge_result<L: NodeLink + ?Sized>(
 }
 
 /// What a link's end needs to know.
-pub struct Ending<'a> {
+pub(crate) struct Ending<'a> {
     pub bus: &'a Bus,
     pub node: usize,
     /// The End step's number.
@@ -197,7 +197,7 @@ pub struct Ending<'a> {
 impl Ending<'_> {
     /// Waits (up to 5 s) until a node that joined acknowledged the End, so that its nrun reads
     /// the job's exit code before the store goes away.
-    pub async fn acknowledged(self) {
+    pub(crate) async fn acknowledged(self) {
         let until = tokio::time::Instant::now() + Duration::from_secs(5);
         while self.joined
             && tokio::time::Instant::now() < until
@@ -209,11 +209,11 @@ impl Ending<'_> {
 }
 
 /// The shortest heartbeat silence that loses a node: five beats, whatever --agent-timeout.
-pub const MIN_SILENCE: std::time::Duration = std::time::Duration::from_millis(2500);
+pub(crate) const MIN_SILENCE: std::time::Duration = std::time::Duration::from_millis(2500);
 
 /// The coordinator's side of the conversation through the store: the one place that seals
 /// steps and reads what agents publish.
-pub struct Bus {
+pub(crate) struct Bus {
     pub(super) store: Option<Arc<Store>>,
     pub(super) keys: Keys,
     pub(super) secret: Option<String>,
@@ -256,7 +256,7 @@ impl Bus {
     /// chose when it joined (an agent runs no step it cannot verify, nor one sealed for another
     /// join). A node the session has not taken in yet gets steps bound to no nonce: its agent
     /// takes such a step only if it runs nothing (see `agent::Node::next_step`).
-    pub fn set_step(&self, node: usize, no: usize, step: &Step) {
+    pub(crate) fn set_step(&self, node: usize, no: usize, step: &Step) {
         let Some(store) = &self.store else { return };
         let key = self.keys.step(node, no);
         let json = serde_json::to_vec(step).unwrap_or_default();
@@ -288,20 +288,20 @@ impl Bus {
     }
 
     /// Node `node`'s result of step `no`, if it published one.
-    pub fn result(&self, node: usize, no: usize) -> Option<StepResult> {
+    pub(crate) fn result(&self, node: usize, no: usize) -> Option<StepResult> {
         let raw = self.opened(&self.keys.result(node, no))?;
         serde_json::from_slice(&raw).ok()
     }
 
     /// Whether node `node` published anything as its result of step `no` (End's is no JSON).
-    pub fn answered(&self, node: usize, no: usize) -> bool {
+    pub(crate) fn answered(&self, node: usize, no: usize) -> bool {
         self.store
             .as_ref()
             .is_none_or(|st| st.contains(&self.keys.result(node, no)))
     }
 
     /// Node `node`'s view during step `no`, if it changed since `last`.
-    pub fn view(&self, node: usize, no: usize, last: &mut Vec<u8>) -> Option<NodeWatch> {
+    pub(crate) fn view(&self, node: usize, no: usize, last: &mut Vec<u8>) -> Option<NodeWatch> {
         let raw = self.opened(&self.keys.watch(node, no))?;
         if raw == *last {
             return None;
@@ -312,21 +312,21 @@ impl Bus {
     }
 
     /// Node `node`'s joined record, if its agent has published one.
-    pub fn joined(&self, node: usize) -> Option<Joined> {
+    pub(crate) fn joined(&self, node: usize) -> Option<Joined> {
         let raw = self.store.as_ref()?.get(&self.keys.joined(node))?;
         serde_json::from_slice(&raw).ok()
     }
 
     /// Whether node `node`'s agent has published its joined record (not read: it carries the
     /// node's facts, and this is asked every second of an elastic job).
-    pub fn has_joined(&self, node: usize) -> bool {
+    pub(crate) fn has_joined(&self, node: usize) -> bool {
         self.store
             .as_ref()
             .is_some_and(|st| st.contains(&self.keys.joined(node)))
     }
 
     /// Node `node`'s heartbeat counter as last written (empty before the first).
-    pub fn heartbeat(&self, node: usize) -> Vec<u8> {
+    pub(crate) fn heartbeat(&self, node: usize) -> Vec<u8> {
         self.store
             .as_ref()
             .and_then(|st| st.get(&self.keys.alive(node)))
@@ -334,12 +334,12 @@ impl Bus {
     }
 
     /// Asks every agent to stop step `no`: forwarding the user's signal, or politely.
-    pub fn stop(&self, no: usize, signal: Option<i32>) {
+    pub(crate) fn stop(&self, no: usize, signal: Option<i32>) {
         self.control(no, Control::Stop(signal));
     }
 
     /// Passes signal `sig` to every agent's workers of step `no`.
-    pub fn signal(&self, no: usize, sig: i32) {
+    pub(crate) fn signal(&self, no: usize, sig: i32) {
         self.control(no, Control::Forward(sig));
     }
 
@@ -358,7 +358,7 @@ impl Bus {
     }
 
     /// Leaves the job's exit code for nodes that exit with it.
-    pub fn exit(&self, code: u8) {
+    pub(crate) fn exit(&self, code: u8) {
         if let Some(st) = &self.store {
             st.set(&self.keys.exit(), code.to_string().as_bytes());
         }
@@ -366,7 +366,7 @@ impl Bus {
 }
 
 /// What every agent started by this nrun is told, less its own node's place.
-pub struct Instructions {
+pub(crate) struct Instructions {
     pub secret: String,
     pub run: String,
     pub addrs: Vec<String>,
@@ -392,7 +392,13 @@ impl Instructions {
 
     /// The Hello of node `node` (`label`), or with `nodes` the one Hello of a step starting
     /// all of them (each agent finds its own by name).
-    pub fn hello(&self, node: usize, label: &str, addrs: Vec<String>, nodes: Vec<String>) -> Hello {
+    pub(crate) fn hello(
+        &self,
+        node: usize,
+        label: &str,
+        addrs: Vec<String>,
+        nodes: Vec<String>,
+    ) -> Hello {
         Hello {
             secret: self.secret.clone(),
             run: self.run.clone(),
@@ -420,7 +426,7 @@ impl Instructions {
 }
 
 /// What starting the links needs of the session.
-pub struct Starting<'a> {
+pub(crate) struct Starting<'a> {
     pub plan: &'a NodesPlan,
     pub rendezvous: &'a super::Rendezvous,
     pub run: &'a str,
@@ -432,7 +438,7 @@ pub struct Starting<'a> {
 /// The launcher choice: a link for every node of the session. The one place that knows the
 /// kinds: a run without a host list is served in-process; otherwise the launcher starts the
 /// agents of the hosts it owns, and the hosts whose own nrun joins (c10d) wait as peers.
-pub async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
+pub(crate) async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
     let np = &s.plan;
     if np.in_process {
         return Ok(vec![Node::new(&np.hosts[0].name, inproc::link())]);

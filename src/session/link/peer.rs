@@ -16,7 +16,7 @@ const LOOKED_AWAY: Duration = Duration::from_millis(500);
 
 /// The last heartbeat seen from a node, and since when it has been still.
 #[derive(Default)]
-pub struct Heartbeat {
+pub(crate) struct Heartbeat {
     last: Option<(Vec<u8>, Instant)>,
     looked: Option<Instant>,
 }
@@ -24,7 +24,13 @@ pub struct Heartbeat {
 impl Heartbeat {
     /// Whether node `node` is lost: it stopped its workers unasked, or its heartbeat has been
     /// still too long.
-    pub fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
+    pub(crate) fn lost(
+        &mut self,
+        bus: &Bus,
+        node: usize,
+        label: &str,
+        stopped: bool,
+    ) -> Option<String> {
         let beat = bus.heartbeat(node);
         // The store removes the counter when the agent's connection closes: the agent ended,
         // or its process was killed (its kernel closed the socket). Silence is for the rest.
@@ -50,7 +56,7 @@ impl Heartbeat {
 
     /// How long node `node`'s heartbeat has been still, once that is longer than the bus's
     /// silence.
-    pub fn silent(&mut self, bus: &Bus, node: usize) -> Option<Duration> {
+    pub(crate) fn silent(&mut self, bus: &Bus, node: usize) -> Option<Duration> {
         let quiet = self.quiet(bus.heartbeat(node), Instant::now());
         (quiet > bus.silence).then_some(quiet)
     }
@@ -75,11 +81,11 @@ impl Heartbeat {
 }
 
 /// A node whose own nrun joins by itself.
-pub struct PeerLink {
+pub(crate) struct PeerLink {
     beat: Heartbeat,
 }
 
-pub fn link() -> Box<dyn NodeLink> {
+pub(crate) fn link() -> Box<dyn NodeLink> {
     Box::new(PeerLink {
         beat: Heartbeat::default(),
     })

@@ -19,7 +19,7 @@ use crate::session::Node;
 use nrun_base::error::Result;
 
 /// One node of the srun step.
-pub struct StepLink {
+pub(crate) struct StepLink {
     step: Arc<Mutex<AgentProcess>>,
     beat: Heartbeat,
     /// The marks behind each node's output in the step's pipes.
@@ -27,7 +27,7 @@ pub struct StepLink {
 }
 
 /// Starts the one srun step of every node's agent.
-pub async fn start(
+pub(crate) async fn start(
     np: &NodesPlan,
     hosts: &[Host],
     how: &Instructions,

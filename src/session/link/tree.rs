@@ -40,7 +40,7 @@ const HOLD: Duration = Duration::from_millis(1500);
 const NAMED: usize = 8;
 
 /// An agent of the launch tree that starts others, as the links of the nodes below it see it.
-pub struct Inner {
+pub(crate) struct Inner {
     pub node: usize,
     pub label: String,
     /// Its ssh (or, of this machine, its process) from this host, when the launch host
@@ -59,7 +59,7 @@ pub struct Inner {
 }
 
 impl Inner {
-    pub fn new(
+    pub(crate) fn new(
         node: usize,
         label: &str,
         ended: Option<watch::Receiver<Option<ExitStatus>>>,
@@ -82,7 +82,7 @@ impl Inner {
 
     /// Its own link found it lost (`why`, in that link's words): the nodes below are looked at
     /// again at once.
-    pub fn lost_as(&self, why: &str) {
+    pub(crate) fn lost_as(&self, why: &str) {
         let mut w = self.why.lock().unwrap_or_else(|e| e.into_inner());
         if w.is_none() {
             *w = Some(why.to_string());
@@ -94,7 +94,7 @@ impl Inner {
 
     /// How a link of an inner agent (or none) says its node is lost: an inner agent's reason is
     /// remembered for its subtree, which goes with it, and the words say so.
-    pub fn named_lost(me: Option<&Inner>, why: String) -> String {
+    pub(crate) fn named_lost(me: Option<&Inner>, why: String) -> String {
         match me {
             Some(m) => {
                 m.lost_as(&why);
@@ -128,7 +128,7 @@ impl Inner {
     }
 
     /// "; the 3 nodes started through it in the launch tree go with it: b3, b4, b5".
-    pub fn through(&self) -> String {
+    pub(crate) fn through(&self) -> String {
         let n = self.below.len();
         let mut names: Vec<&str> = self
             .below
@@ -154,7 +154,7 @@ impl Inner {
 }
 
 /// A node whose agent an inner agent of the launch tree started.
-pub struct TreeLink {
+pub(crate) struct TreeLink {
     node: usize,
     /// The inner agents above it, the one the launch host started first; the last started it.
     line: Vec<Arc<Inner>>,
@@ -172,7 +172,7 @@ pub struct TreeLink {
 }
 
 impl TreeLink {
-    pub fn new(
+    pub(crate) fn new(
         node: usize,
         line: Vec<Arc<Inner>>,
         me: Option<Arc<Inner>>,
