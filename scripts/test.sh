@@ -2,10 +2,20 @@
 # Installs what the tests need and runs all of them: formatting, lints, the pip wheel's checks
 # (scripts/wheel-check.sh), unit and integration tests (real torch clients from a cached venv,
 # real processes and signals).
-#   scripts/test.sh            everything
+#   scripts/test.sh            everything (what CI and README's quick start run)
 #   scripts/test.sh -- FILTER  passes FILTER on to cargo test
+#   scripts/test.sh --fast     the floor, for a change in a minute: formatting, every crate's
+#                              unit tests (the fault model's table included), the store's codec
+#                              and socket tests; no namespaces, torch, Slurm, wheel or clippy
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  cargo fmt --all --check
+  # Python-reading unit tests skip without NRUN_TEST_PYTHON (no venv is made here).
+  exec cargo test --workspace --lib --test store --test codec_props --test codec_scan_props "$@"
+fi
 
 need_apt=()
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
