@@ -101,7 +101,7 @@ async fn run_workers(
     let this_nrun = std::env::current_exe();
     let specs = match in_scratch(specs) {
         Ok(s) => s,
-        Err(e) => return RunResult::SpawnError(e),
+        Err(e) => return RunResult::SpawnError(e.to_string()),
     };
     // Error files in nrun's scratch (no --log-dir) are read, then removed after the step; the
     // directory at the End ([`nrun_base::files::remove_scratch`]).
@@ -277,7 +277,7 @@ const MAX_ERROR_FILE_BYTES: u64 = 16 << 20;
 /// process's own scratch directory ([`nrun_base::files::scratch`]), each worker's
 /// TORCHELASTIC_ERROR_FILE with them: a node's scratch is its own, never a path another host
 /// named.
-fn in_scratch(mut specs: Vec<WorkerSpec>) -> std::result::Result<Vec<WorkerSpec>, String> {
+fn in_scratch(mut specs: Vec<WorkerSpec>) -> std::io::Result<Vec<WorkerSpec>> {
     if specs.iter().all(|w| w.error_file.is_absolute()) {
         return Ok(specs);
     }
@@ -300,7 +300,7 @@ type Logs = (Option<std::fs::File>, Option<std::fs::File>);
 /// files, as torchrun's run directory is private): one planted by another user is refused,
 /// named.
 fn open_logs(dir: &std::path::Path) -> Result<Logs> {
-    let fail = |e: String| Error::internal(format!("log directory: {e}"));
+    let fail = |e: std::io::Error| Error::internal(format!("log directory: {e}"));
     nrun_base::files::make_private_dirs(dir).map_err(fail)?;
     let open = |name: &str| nrun_base::files::create_private_file(&dir.join(name)).map_err(fail);
     Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))

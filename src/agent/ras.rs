@@ -43,16 +43,16 @@ pub(crate) fn target(env: &[(String, String)]) -> Option<String> {
 }
 
 /// Asks RAS at `addr` for its status, as `ncclras` does; the text it answered, or why not.
-pub(crate) fn status(addr: &str) -> Result<String, String> {
+pub(crate) fn status(addr: &str) -> std::io::Result<String> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {addr}: {e}"))?
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot resolve {addr}: {e}")))?
         .collect();
-    let mut last = format!("{addr} resolves to no address");
+    let mut last = std::io::Error::other(format!("{addr} resolves to no address"));
     for a in addrs {
         match ask(a) {
             Ok(text) => return Ok(text),
-            Err(e) => last = format!("{a}: {e}"),
+            Err(e) => last = std::io::Error::new(e.kind(), format!("{a}: {e}")),
         }
     }
     Err(last)
@@ -117,7 +117,7 @@ fn is_rule(l: &str) -> bool {
 /// node's ranks are stalled, and keeps the latest answer for the node's view.
 pub(crate) struct Asker {
     addr: String,
-    pending: Option<mpsc::Receiver<Result<String, String>>>,
+    pending: Option<mpsc::Receiver<std::io::Result<String>>>,
     asked: Option<Instant>,
     pub view: Option<RasView>,
 }
@@ -140,7 +140,7 @@ impl Asker {
                 Ok(answer) => {
                     let (text, error) = match answer {
                         Ok(text) => (Some(text), None),
-                        Err(e) => (None, Some(e)),
+                        Err(e) => (None, Some(e.to_string())),
                     };
                     self.view = Some(RasView {
                         at_ms: crate::protocol::unix_ms(),
@@ -265,7 +265,7 @@ Warnings
         let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let gone = free.local_addr().unwrap().to_string();
         drop(free);
-        let e = status(&gone).unwrap_err();
+        let e = status(&gone).unwrap_err().to_string();
         assert!(e.contains(&gone), "{e}");
     }
 }

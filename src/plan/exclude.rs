@@ -112,7 +112,7 @@ pub(crate) fn format_line(e: &Entry) -> String {
 }
 
 /// A line of the file: None for blank lines and `#` comments.
-fn parse_line(line: &str) -> std::result::Result<Option<Entry>, String> {
+fn parse_line(line: &str) -> Result<Option<Entry>> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {
         return Ok(None);
@@ -121,10 +121,10 @@ fn parse_line(line: &str) -> std::result::Result<Option<Entry>, String> {
     let rest = rest.trim_start();
     let (when, why) = rest.split_once(char::is_whitespace).unwrap_or((rest, ""));
     let at = humantime::parse_rfc3339_weak(when).map_err(|_| {
-        format!(
+        Error::usage(format!(
             "`{when}` is not a time; each line is `HOST TIME REASON` with TIME as \
              2026-12-01T12:00:00Z"
-        )
+        ))
     })?;
     Ok(Some(Entry {
         host: host.to_string(),

@@ -12,7 +12,7 @@
 //! - [`open_own`]: a file a worker wrote, trusted only if this user owns it and nobody else may
 //!   write it (opened without following a symlink, checked on the open file).
 
-use std::io::Read;
+use std::io::{self, Read};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -28,10 +28,14 @@ const RANDOM_CHARS: usize = 10;
 
 /// Creates `<parent>/<prefix><random>`, fresh (never one that exists), mode 0700, and checks
 /// it once made.
-pub fn make_private_dir(parent: &Path, prefix: &str) -> Result<PathBuf, String> {
+pub fn make_private_dir(parent: &Path, prefix: &str) -> io::Result<PathBuf> {
     for _ in 0..100 {
-        let r = crate::random_hex()
-            .map_err(|e| format!("cannot read random bytes for a directory's name: {e}"))?;
+        let r = crate::random_hex().map_err(|e| {
+            with(
+                &e,
+                format!("cannot read random bytes for a directory's name: {e}"),
+            )
+        })?;
         let dir = parent.join(format!("{prefix}{}", &r[..RANDOM_CHARS]));
         match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
             Ok(()) => {
@@ -42,30 +46,37 @@ pub fn make_private_dir(parent: &Path, prefix: &str) -> Result<PathBuf, String> 
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
             Err(e) => {
-                return Err(format!(
-                    "cannot create a private directory in {}: {e}; check that it exists and \
-                     that this user may write there (TMPDIR)",
-                    parent.display()
+                return Err(with(
+                    &e,
+                    format!(
+                        "cannot create a private directory in {}: {e}; check that it exists and \
+                         that this user may write there (TMPDIR)",
+                        parent.display()
+                    ),
                 ));
             }
         }
     }
-    Err(format!(
-        "cannot create a private directory in {}: 100 random names were all taken",
-        parent.display()
+    Err(io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        format!(
+            "cannot create a private directory in {}: 100 random names were all taken",
+            parent.display()
+        ),
     ))
 }
 
 /// Whether `dir` is a directory (not a symlink to one) of this user that no other may use.
-pub fn check_private_dir(dir: &Path) -> Result<(), String> {
+pub fn check_private_dir(dir: &Path) -> io::Result<()> {
     let refuse = |why: String| {
-        Err(format!(
+        Err(denied(format!(
             "refusing directory {}: {why}; nrun keeps its files only in directories of its own \
              (made fresh, mode 0700). Was it made by another user? Remove it or choose another path",
             dir.display()
-        ))
+        )))
     };
-    let m = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let m =
+        std::fs::symlink_metadata(dir).map_err(|e| with(&e, format!("{}: {e}", dir.display())))?;
     if m.file_type().is_symlink() {
         return refuse("it is a symbolic link".into());
     }
@@ -88,16 +99,16 @@ pub fn check_private_dir(dir: &Path) -> Result<(), String> {
 /// other users: `dir` is this user's or root's, and others may not write it unless it is sticky
 /// (as /tmp: nobody may then rename or remove what is not theirs). A missing `dir` passes: nrun
 /// makes it, 0700.
-pub fn check_parent_dir(dir: &Path) -> Result<(), String> {
+pub fn check_parent_dir(dir: &Path) -> io::Result<()> {
     let Ok(m) = std::fs::metadata(dir) else {
         return Ok(());
     };
     let refuse = |why: String| {
-        Err(format!(
+        Err(denied(format!(
             "refusing directory {}: {why}, so another user could swap what nrun writes there; \
              choose a directory of your own",
             dir.display()
-        ))
+        )))
     };
     if m.uid() != euid() && m.uid() != 0 {
         return refuse(format!("it belongs to uid {}", m.uid()));
@@ -113,20 +124,25 @@ pub fn check_parent_dir(dir: &Path) -> Result<(), String> {
 
 /// Creates `dir` and its missing parents with mode 0700 (those that exist stay as they are),
 /// then checks `dir` itself is private ([`check_private_dir`]).
-pub fn make_private_dirs(dir: &Path) -> Result<(), String> {
+pub fn make_private_dirs(dir: &Path) -> io::Result<()> {
     if std::fs::symlink_metadata(dir).is_err() {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
-            .map_err(|e| format!("cannot create directory {}: {e}", dir.display()))?;
+            .map_err(|e| {
+                with(
+                    &e,
+                    format!("cannot create directory {}: {e}", dir.display()),
+                )
+            })?;
     }
     check_private_dir(dir)
 }
 
 /// Creates the file `path` for writing, fresh (never one that exists, never through a
 /// symlink), mode 0600.
-pub fn create_private_file(path: &Path) -> Result<std::fs::File, String> {
+pub fn create_private_file(path: &Path) -> io::Result<std::fs::File> {
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -134,13 +150,27 @@ pub fn create_private_file(path: &Path) -> Result<std::fs::File, String> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => format!(
-                "refusing to write {}: it exists already (nrun makes its files fresh); was it \
+            std::io::ErrorKind::AlreadyExists => with(
+                &e,
+                format!(
+                    "refusing to write {}: it exists already (nrun makes its files fresh); was it \
                  planted by another user? Remove it or choose another directory",
-                path.display()
+                    path.display()
+                ),
             ),
-            _ => format!("cannot create {}: {e}", path.display()),
+            _ => with(&e, format!("cannot create {}: {e}", path.display())),
         })
+}
+
+/// A refusal of nrun's own (a directory or file another user could use), as an I/O error whose
+/// message says what and what to do.
+fn denied(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::PermissionDenied, message)
+}
+
+/// `e`'s kind, with a message that says what nrun was doing.
+fn with(e: &io::Error, message: String) -> io::Error {
+    io::Error::new(e.kind(), message)
 }
 
 /// Why a file was not read ([`read_bounded`]).
@@ -298,7 +328,7 @@ static SCRATCH: Mutex<Option<PathBuf>> = Mutex::new(None);
 
 /// This process's scratch directory, made on first use (see the module's doc); after
 /// [`remove_scratch`], a new one (never the old name again).
-pub fn scratch() -> Result<PathBuf, String> {
+pub fn scratch() -> io::Result<PathBuf> {
     let mut s = SCRATCH.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(d) = &*s {
         return Ok(d.clone());
@@ -365,7 +395,7 @@ mod tests {
         let open = top.path().join("open");
         std::fs::create_dir(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let e = check_private_dir(&open).unwrap_err();
+        let e = check_private_dir(&open).unwrap_err().to_string();
         assert!(
             e.contains(&open.display().to_string()) && e.contains("0777"),
             "{e}"
@@ -375,6 +405,7 @@ mod tests {
         assert!(
             check_private_dir(&link)
                 .unwrap_err()
+                .to_string()
                 .contains("symbolic link")
         );
         let f = a.join("f");
@@ -385,6 +416,7 @@ mod tests {
         assert!(
             create_private_file(&f)
                 .unwrap_err()
+                .to_string()
                 .contains("exists already")
         );
         let l2 = a.join("l2");

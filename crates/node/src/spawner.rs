@@ -269,7 +269,10 @@ fn handle(
                     children.insert(pid);
                     Message::Started { id: s.id, pid }
                 }
-                Err(error) => Message::Failed { id: s.id, error },
+                Err(e) => Message::Failed {
+                    id: s.id,
+                    error: e.to_string(),
+                },
             };
             send(sock.as_raw_fd(), &reply, &[]);
         }
@@ -286,17 +289,17 @@ fn start(
     s: &Start,
     fds: Vec<OwnedFd>,
     area: Option<crate::process::ArgArea>,
-) -> Result<u32, String> {
-    let stdio: [OwnedFd; 3] = fds
-        .try_into()
-        .map_err(|_| "the start request came without its three descriptors".to_string())?;
+) -> std::io::Result<u32> {
+    let stdio: [OwnedFd; 3] = fds.try_into().map_err(|_| {
+        std::io::Error::other("the start request came without its three descriptors")
+    })?;
     let (argv, pdeathsig) = match &s.program {
         Program::Exec { argv, pdeathsig } => (argv, *pdeathsig),
         Program::Agent { spawner } => return fork_agent(stdio, *spawner, area),
     };
     let [stdin, stdout, stderr] = stdio;
     let Some((program, args)) = argv.split_first() else {
-        return Err("an empty command line".into());
+        return Err(std::io::Error::other("an empty command line"));
     };
     let mut cmd = std::process::Command::new(std::ffi::OsStr::from_bytes(program));
     cmd.args(args.iter().map(|a| std::ffi::OsStr::from_bytes(a)))
@@ -320,7 +323,7 @@ fn start(
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| e.to_string())?;
+    let child = cmd.spawn()?;
     // Reaped by `reap`, not by std.
     Ok(child.id())
 }
@@ -330,14 +333,14 @@ fn fork_agent(
     stdio: [OwnedFd; 3],
     spawner: bool,
     area: Option<crate::process::ArgArea>,
-) -> Result<u32, String> {
+) -> std::io::Result<u32> {
     let me = nix::unistd::getpid();
     // SAFETY: this process has one thread; the child only sets itself up and runs the agent.
     match unsafe { nix::unistd::fork() } {
-        Err(e) => Err(format!(
+        Err(e) => Err(std::io::Error::other(format!(
             "nrun's spawner cannot fork the agent: {e} (check this machine's process limit, \
              ulimit -u, and its free memory)"
-        )),
+        ))),
         Ok(nix::unistd::ForkResult::Child) => become_agent(me, stdio, spawner, area),
         // Ours are closed (dropped) now that the child holds its copies.
         Ok(nix::unistd::ForkResult::Parent { child }) => Ok(child.as_raw() as u32),
@@ -448,7 +451,7 @@ pub struct Client {
 
 #[derive(Default)]
 struct State {
-    waiting: HashMap<u64, oneshot::Sender<Result<Child, String>>>,
+    waiting: HashMap<u64, oneshot::Sender<std::io::Result<Child>>>,
     running: HashMap<u32, watch::Sender<Option<ExitStatus>>>,
 }
 
@@ -504,7 +507,7 @@ async fn read_answers(c: Arc<Client>) {
             }
             Message::Failed { id, error } => {
                 if let Some(w) = st.waiting.remove(&id) {
-                    let _ = w.send(Err(error));
+                    let _ = w.send(Err(std::io::Error::other(error)));
                 }
             }
             Message::Ended { pid, status } => {
@@ -548,7 +551,7 @@ impl Client {
 
     /// Starts `program` (in nrun's environment as it was when the spawner forked) with these
     /// descriptors as its standard ones.
-    pub async fn start(&self, program: Program, stdio: [OwnedFd; 3]) -> Result<Child, String> {
+    pub async fn start(&self, program: Program, stdio: [OwnedFd; 3]) -> std::io::Result<Child> {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.state
@@ -564,9 +567,9 @@ impl Client {
                 .unwrap_or_else(|e| e.into_inner())
                 .waiting
                 .remove(&id);
-            return Err(format!(
+            return Err(std::io::Error::other(format!(
                 "its command line is longer than nrun's spawner takes ({MAX_MESSAGE} bytes)"
-            ));
+            )));
         }
         let raw: Vec<RawFd> = stdio.iter().map(|f| f.as_raw_fd()).collect();
         if !self.send(&msg, &raw).await {
@@ -575,16 +578,20 @@ impl Client {
                 .unwrap_or_else(|e| e.into_inner())
                 .waiting
                 .remove(&id);
-            return Err("nrun's spawner process is gone".into());
+            return Err(gone());
         }
         // Ours are closed now that the spawner holds its copies.
         drop(stdio);
-        rx.await
-            .unwrap_or_else(|_| Err("nrun's spawner process is gone".into()))
+        rx.await.unwrap_or_else(|_| Err(gone()))
     }
 
     /// Sends `signal` to child `pid`, if it has not ended.
     pub async fn kill(&self, pid: u32, signal: i32) {
         self.send(&Message::Kill { pid, signal }, &[]).await;
     }
+}
+
+/// The spawner's end, as a client of it sees it.
+fn gone() -> std::io::Error {
+    std::io::Error::other("nrun's spawner process is gone")
 }

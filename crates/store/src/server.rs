@@ -750,7 +750,7 @@ fn authenticate(
     c: &mut Conn,
     req: &Request,
     out: &mut Vec<u8>,
-) -> Result<bool, String> {
+) -> Result<bool, Refusal> {
     if let Request::Get { key } = req {
         if let Some(theirs) = key.strip_prefix(STORE_PROOF_PREFIX) {
             if theirs.is_empty() || theirs.len() > 256 {
