@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// The user nrun runs as.
-pub fn euid() -> u32 {
+pub(crate) fn euid() -> u32 {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() }
 }
@@ -28,7 +28,7 @@ const RANDOM_CHARS: usize = 10;
 
 /// Creates `<parent>/<prefix><random>`, fresh (never one that exists), mode 0700, and checks
 /// it once made.
-pub fn make_private_dir(parent: &Path, prefix: &str) -> io::Result<PathBuf> {
+pub(crate) fn make_private_dir(parent: &Path, prefix: &str) -> io::Result<PathBuf> {
     for _ in 0..100 {
         let r = crate::random_hex().map_err(|e| {
             with(
@@ -67,7 +67,7 @@ pub fn make_private_dir(parent: &Path, prefix: &str) -> io::Result<PathBuf> {
 }
 
 /// Whether `dir` is a directory (not a symlink to one) of this user that no other may use.
-pub fn check_private_dir(dir: &Path) -> io::Result<()> {
+pub(crate) fn check_private_dir(dir: &Path) -> io::Result<()> {
     let refuse = |why: String| {
         Err(denied(format!(
             "refusing directory {}: {why}; nrun keeps its files only in directories of its own \
@@ -287,7 +287,7 @@ pub enum Writer {
 
 /// The bytes of `path` (see [`read_bounded`]), refused unless `writer` may have written it;
 /// everything is judged on the open file.
-pub fn read_checked(path: &Path, max: u64, writer: Writer) -> Result<Vec<u8>, ReadError> {
+pub(crate) fn read_checked(path: &Path, max: u64, writer: Writer) -> Result<Vec<u8>, ReadError> {
     let flags = match writer {
         Writer::Own => libc::O_NOFOLLOW,
         _ => 0,

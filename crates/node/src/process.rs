@@ -64,7 +64,7 @@ pub fn fd_hard_limit() -> Option<u64> {
 
 /// In a child between fork and exec: puts back the soft limit nrun started with.
 /// Async-signal-safe (an atomic load and two syscalls).
-pub fn restore_fd_limit() {
+pub(crate) fn restore_fd_limit() {
     let soft = FD_SOFT.load(std::sync::atomic::Ordering::Relaxed);
     if soft == u64::MAX {
         return;
@@ -149,7 +149,7 @@ pub fn spawn_own<T>(
 }
 
 /// `pid`, a child started otherwise (the spawner, forked), is spared as [`spawn_own`]'s are.
-pub fn keep_own(pid: u32) {
+pub(crate) fn keep_own(pid: u32) {
     OWN.lock()
         .unwrap_or_else(|e| e.into_inner())
         .push(pid as i32);
@@ -168,7 +168,7 @@ pub fn disown(pid: u32) {
 /// purpose ([`spawn_own`]: their statuses are their waiters'). Call only after every worker
 /// was waited for, or this would reap a worker's status out from under its waiter. Returns how
 /// many it killed.
-pub fn kill_orphans() -> usize {
+pub(crate) fn kill_orphans() -> usize {
     let own = OWN.lock().unwrap_or_else(|e| e.into_inner());
     let orphans = || {
         children()
@@ -211,7 +211,7 @@ pub struct ArgArea {
 }
 
 impl ArgArea {
-    pub fn of_self() -> Option<ArgArea> {
+    pub(crate) fn of_self() -> Option<ArgArea> {
         let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
         let (_, rest) = stat.rsplit_once(") ")?;
         // After the parenthesized name the fields count from the third.
@@ -225,7 +225,7 @@ impl ArgArea {
     /// first: a process forked without exec would read as its parent's command line. What
     /// setproctitle does: the area is overwritten in place (cut to its length, the rest
     /// zeroed, the last byte a NUL so that the kernel reads no further).
-    pub fn retitle(self, args: &[&str]) {
+    pub(crate) fn retitle(self, args: &[&str]) {
         if let Some(first) = args.first() {
             let name: Vec<u8> = first.bytes().take(15).chain([0]).collect();
             // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
