@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::hosts::{self, Host};
-use crate::remote::{self, Launcher};
+use crate::remote;
 use nrun_base::error::{Error, Result};
 use nrun_cli::{LauncherChoice, NodesArgs};
 
@@ -33,7 +33,9 @@ pub(crate) struct NodesPlan {
     pub group_world: usize,
     /// The single node of a run without a host list: its agent runs inside nrun.
     pub in_process: bool,
-    pub launcher: Launcher,
+    /// The kind of link that starts the agents of the hosts nrun owns, by its name (see
+    /// `session::link::LAUNCHERS`): `ssh` or `srun`.
+    pub launcher: &'static str,
     pub ssh_opts: Vec<String>,
     pub ssh_concurrency: usize,
     /// Agents one agent starts over ssh at most, the launch host's included (`--tree-width`;
@@ -91,7 +93,7 @@ impl NodesPlan {
             world: n,
             group_world: n,
             in_process: false,
-            launcher: Launcher::Ssh,
+            launcher: "ssh",
             ssh_opts: Vec::new(),
             ssh_concurrency: 1,
             tree_width: 0,
@@ -172,14 +174,13 @@ impl NodesPlan {
                 }
             }
         }
+        // What the launcher cannot do (--ship under srun) is refused when the command starts
+        // (`session::link::check`).
         let launcher = match launcher {
-            LauncherChoice::Auto if from_slurm => Launcher::Srun,
-            LauncherChoice::Auto | LauncherChoice::Ssh => Launcher::Ssh,
-            LauncherChoice::Srun => Launcher::Srun,
+            LauncherChoice::Auto if from_slurm => "srun",
+            LauncherChoice::Auto | LauncherChoice::Ssh => "ssh",
+            LauncherChoice::Srun => "srun",
         };
-        if let Some(why) = launcher.refuses_ship().filter(|_| *ship) {
-            return Err(Error::usage(why));
-        }
         let vars = super::env::job_env(export, env)?;
         let join_timeout = match shape.rdzv_join_timeout {
             Some(t) => t,
@@ -336,7 +337,7 @@ impl NodesPlan {
                 "--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself",
             ));
         }
-        if launcher == Launcher::Ssh {
+        if launcher == "ssh" {
             // The launch tree's nodes hold no pipes here: the spares and the roots of its two
             // trees do (this machine's nodes, the others: see session::link::child::start).
             let owned = &list[..nodes.size.min(list.len())];

@@ -194,7 +194,7 @@ impl Session {
         }
         // Every later step of this node is sealed for it (link::Bus::set_step).
         self.bus.nonces.insert(i, nonce);
-        if self.nodes[i].link.named_on_join() {
+        if self.nodes[i].link.kind().named_on_join {
             // A joined node is named by its host, kept apart from a namesake.
             let name = facts.hostname.clone();
             // A node left out does not hold its name: the same host come back takes it.

@@ -152,10 +152,10 @@ impl Session {
                 Policy::Probe if started.elapsed() > PROBE_WAIT => {
                     for &i in waiting {
                         let label = &self.nodes[i].label;
+                        let hint = (self.nodes[i].link.kind().unanswered_hint)(label);
                         results[i].get_or_insert_with(|| StepResult::Probe {
                             error: Some(format!(
-                                "{label}'s agent did not answer within {} s; check that the \
-                                 launch host still reaches it (ssh {label} true)",
+                                "{label}'s agent did not answer within {} s; {hint}",
                                 PROBE_WAIT.as_secs()
                             )),
                         });

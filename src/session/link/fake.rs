@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
+use super::{BoxFuture, Bus, Ending, Joining, Kind, NodeLink};
 use crate::protocol::{Keys, RunResult, Step, StepResult};
 use crate::session::{Node, Rendezvous, Session};
 use nrun_node::{Signals, StopRequest};
@@ -36,7 +36,37 @@ pub(crate) struct Seen {
     pub ended: bool,
 }
 
+/// A kind of link of its own, in the one file plus the one line in `link::LAUNCHERS` that any
+/// new kind takes: a plan whose launcher is "fake" gets a fake node (answering every step at
+/// once) for each host it owns.
+pub(crate) static KIND: Kind = Kind {
+    name: "fake",
+    start: |s, hosts| {
+        let nodes = s.plan.hosts[hosts]
+            .iter()
+            .map(|h| {
+                node(
+                    &h.name,
+                    Script::Answer(StepResult::Run(RunResult::Success), Duration::ZERO),
+                )
+                .0
+            })
+            .collect();
+        Box::pin(async move { Ok(nodes) })
+    },
+    spawner: false,
+    refuses_ship: Some("--ship: a fake node has no host to copy nrun to"),
+    in_process: false,
+    joins_by_itself: false,
+    named_on_join: false,
+    join_hint: |_, _| "a fake node never joins".to_string(),
+    lost_hint: |host| format!("{host} is a fake node"),
+    unanswered_hint: |host| format!("{host} is a fake node"),
+};
+
 pub(crate) struct FakeLink {
+    /// Its kind: its own, or one it stands in for (to test what that kind tells the user).
+    kind: &'static Kind,
     script: Script,
     seen: Arc<Mutex<Seen>>,
     requests: watch::Sender<StopRequest>,
@@ -45,8 +75,18 @@ pub(crate) struct FakeLink {
 
 /// A fake node and what it will have seen.
 pub(crate) fn node(label: &str, script: Script) -> (Node, Arc<Mutex<Seen>>) {
+    node_as(label, script, &KIND)
+}
+
+/// A fake node standing in for a node of `kind` (its hints are that kind's).
+pub(crate) fn node_as(
+    label: &str,
+    script: Script,
+    kind: &'static Kind,
+) -> (Node, Arc<Mutex<Seen>>) {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let link = FakeLink {
+        kind,
         script,
         seen: seen.clone(),
         requests: watch::channel(StopRequest::None).0,
@@ -112,6 +152,10 @@ pub(crate) fn session(
 }
 
 impl NodeLink for FakeLink {
+    fn kind(&self) -> &'static Kind {
+        self.kind
+    }
+
     fn joining(&mut self) -> Joining {
         Joining::Pending
     }
