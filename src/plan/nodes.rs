@@ -411,14 +411,16 @@ impl NodesPlan {
     }
 }
 
+/// A hostfile's origin and text.
+type Hostfile = (String, String);
+
 /// The host list: -H, --hostfile (with its origin and text), or inside a Slurm allocation of
 /// several nodes (unless a static launch) SLURM_JOB_NODELIST (the last: true). None: no list.
-#[allow(clippy::type_complexity)]
 fn host_list(
     args: &NodesArgs,
     shape: &Shape,
     env: &dyn Fn(&str) -> Option<String>,
-) -> Result<(Option<Vec<Host>>, Option<(String, String)>, bool)> {
+) -> Result<(Option<Vec<Host>>, Option<Hostfile>, bool)> {
     let mut source_text = None;
     let mut list = match (&args.hosts, &args.hostfile) {
         (Some(_), Some(_)) => {

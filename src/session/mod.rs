@@ -419,16 +419,18 @@ pub(crate) fn coordinator_addrs(port: u16) -> Vec<String> {
         .collect()
 }
 
+/// The store this nrun hosts, and the stop that ends its serving.
+type Hosted = (Arc<Store>, oneshot::Sender<()>);
+
 /// The rendezvous of a session: the store this nrun hosts on `listener` (with the stop that
 /// ends its serving), or a static launch's node 0's.
-#[allow(clippy::type_complexity)]
 fn host_store(
     plan: &SessionPlan,
     nodes: &NodesPlan,
     listener: Option<std::net::TcpListener>,
     secret: Option<String>,
     static_launch: bool,
-) -> Result<(Rendezvous, Option<(Arc<Store>, oneshot::Sender<()>)>)> {
+) -> Result<(Rendezvous, Option<Hosted>)> {
     Ok(match (&plan.store, listener) {
         (StorePlan::Host { advertise, .. }, Some(l)) => {
             let port = l

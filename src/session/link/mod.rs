@@ -70,6 +70,10 @@ pub(crate) struct JoinHere {
     pub static_launch: bool,
 }
 
+/// How a kind starts the agents of the plan's nodes `hosts` (a range of `np.hosts`).
+pub(crate) type Start =
+    for<'a> fn(&'a Starting<'a>, std::ops::Range<usize>) -> BoxFuture<'a, Result<Vec<Node>>>;
+
 /// What every link of one kind shares, said once in its file (`static KIND`): how its nodes
 /// start and are reached, and what to check on them by hand. The session and the commands read
 /// these facts of a node's or a plan's kind; they never ask which kind it is.
@@ -77,8 +81,7 @@ pub(crate) struct Kind {
     /// The `--launcher` value that picks it (for the kinds [`LAUNCHERS`] lists); its name.
     pub name: &'static str,
     /// Starts the agents of the plan's nodes `hosts` (a range of `np.hosts`).
-    pub start:
-        for<'a> fn(&'a Starting<'a>, std::ops::Range<usize>) -> BoxFuture<'a, Result<Vec<Node>>>,
+    pub start: Start,
     /// Its agents are forked by the spawner ([`nrun_node::spawner`]), which is forked before
     /// nrun starts its threads.
     pub spawner: bool,
