@@ -140,9 +140,8 @@ impl NodesPlan {
                 "--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself",
             ));
         }
-        if nodes.launcher == "ssh" {
-            nodes.check_fds(&list)?;
-        }
+        // What the launcher's kind cannot hold (ssh's open files per node) is refused when
+        // the command starts (`session::link::check`).
         nodes.lay_out(list, shape)?;
         Ok(nodes)
     }
@@ -345,27 +344,6 @@ impl NodesPlan {
         Ok(list)
     }
 
-    /// Refuses a host list whose ssh connections this host's open-file limit cannot hold.
-    fn check_fds(&self, list: &[Host]) -> Result<()> {
-        // The launch tree's nodes hold no pipes here: the spares and the roots of its two
-        // trees do (this machine's nodes, the others: see session::link::child::start).
-        let owned = &list[..self.size.min(list.len())];
-        let roots = |n| crate::plan::tree::roots(n, self.tree_width);
-        // Which hosts are this machine is asked only when a tree will be split (for an
-        // address it reads this machine's interfaces).
-        let direct = match roots(owned.len()) == owned.len() {
-            true => list.len(),
-            false => {
-                let here = owned
-                    .iter()
-                    .filter(|h| nrun_base::net::is_this_host(&h.name))
-                    .count();
-                list.len() - owned.len() + roots(here) + roots(owned.len() - here)
-            }
-        };
-        check_fd_limit(list.len(), direct, nrun_node::process::fd_hard_limit())
-    }
-
     /// The ranks of each host of `list`, the GPUs `--include host:SLOTS` picked, and the world
     /// as the job starts.
     fn lay_out(&mut self, list: Vec<Host>, shape: &Shape) -> Result<()> {
@@ -488,44 +466,6 @@ fn hosts_text(list: &[Host]) -> String {
     }
 }
 
-/// Open files the launch host holds for each node started over ssh for the whole run: the ssh
-/// child's stdin, stdout and stderr pipes and the agent's two store connections.
-pub(crate) const FDS_PER_SSH_NODE: u64 = 5;
-/// The same for a node of the launch tree (its ssh runs on another node): its agent's store
-/// connections.
-pub(crate) const FDS_PER_TREE_NODE: u64 = 2;
-/// Open files kept for everything else (the store's listener, logs, the local node's workers'
-/// first connections).
-const FDS_RESERVED: u64 = 64;
-
-/// Refuses (exit 1: the system's limit, not the input) a host list that this process's open-file
-/// limit cannot hold: nrun raises its soft limit to the hard one, so the hard limit is what
-/// counts. `direct`: the nodes whose ssh runs here (the rest are the launch tree's). `hard`
-/// None: unlimited or unknown.
-fn check_fd_limit(nodes: usize, direct: usize, hard: Option<u64>) -> Result<()> {
-    let tree = nodes.saturating_sub(direct) as u64;
-    let needed = direct as u64 * FDS_PER_SSH_NODE + tree * FDS_PER_TREE_NODE + FDS_RESERVED;
-    let per = match tree {
-        0 => format!(
-            "{FDS_PER_SSH_NODE} per node: the pipes of its ssh (or local agent) and the agent's \
-             store connections"
-        ),
-        _ => format!(
-            "{FDS_PER_SSH_NODE} per node started from here: the pipes of its ssh (or local \
-             agent) and the agent's store connections, {FDS_PER_TREE_NODE} per node of the \
-             launch tree"
-        ),
-    };
-    match hard {
-        Some(hard) if hard < needed => Err(Error::internal(format!(
-            "{nodes} nodes need about {needed} open files here ({per}), but \
-             this host allows {hard} (hard limit): raise it (ulimit -n {needed} as root, or \
-             nofile in /etc/security/limits.conf) or use fewer nodes"
-        ))),
-        _ => Ok(()),
-    }
-}
-
 /// Largest hostfile read: 16 MiB is hundreds of thousands of lines, more than [`hosts::MAX_HOSTS`]
 /// needs, and bounds what a wrong path (a log, an image) costs.
 pub(crate) const MAX_HOSTFILE_BYTES: u64 = 16 << 20;
@@ -564,24 +504,6 @@ fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fd_limit_refuses_too_many_ssh_nodes_as_a_system_refusal() {
-        let e = check_fd_limit(400, 400, Some(1024)).unwrap_err();
-        assert_eq!(e.code, nrun_base::error::exit::INTERNAL);
-        assert!(e.message.contains("ulimit -n 2064"), "{}", e.message);
-        check_fd_limit(400, 400, None).unwrap();
-        check_fd_limit(192, 192, Some(1024)).unwrap();
-        assert!(check_fd_limit(193, 193, Some(1024)).is_err());
-        // With the launch tree, 400 nodes fit: 33 x 5 + 367 x 2 + 64.
-        check_fd_limit(400, 33, Some(1024)).unwrap();
-        let e = check_fd_limit(2000, 33, Some(1024)).unwrap_err();
-        assert!(
-            e.message.contains("per node of the launch tree"),
-            "{}",
-            e.message
-        );
-    }
 
     #[test]
     fn hostfile_reads_only_bounded_regular_files() {

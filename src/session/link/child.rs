@@ -106,6 +106,7 @@ pub(crate) static KIND: Kind = Kind {
             start(s.plan, hosts, &how, s.nudges, s.store.clone(), keys).await
         })
     },
+    check: check_fds,
     spawner: true,
     refuses_ship: None,
     in_process: false,
@@ -121,6 +122,67 @@ pub(crate) static KIND: Kind = Kind {
     lost_hint,
     unanswered_hint,
 };
+
+/// Refuses (exit 1: the system's limit, not the input) nodes `hosts` of the plan whose ssh
+/// connections this host's open-file limit cannot hold.
+fn check_fds(np: &NodesPlan, hosts: std::ops::Range<usize>) -> Result<()> {
+    let list = &np.hosts[hosts];
+    // The launch tree's nodes hold no pipes here: the spares and the roots of its two trees do
+    // (this machine's nodes, the others: see `start`).
+    let owned = &list[..np.size.min(list.len())];
+    let roots = |n| crate::plan::tree::roots(n, np.tree_width);
+    // Which hosts are this machine is asked only when a tree will be split (for an address it
+    // reads this machine's interfaces).
+    let direct = match roots(owned.len()) == owned.len() {
+        true => list.len(),
+        false => {
+            let here = owned
+                .iter()
+                .filter(|h| nrun_base::net::is_this_host(&h.name))
+                .count();
+            list.len() - owned.len() + roots(here) + roots(owned.len() - here)
+        }
+    };
+    check_fd_limit(list.len(), direct, nrun_node::process::fd_hard_limit())
+}
+
+/// Open files the launch host holds for each node started over ssh for the whole run: the ssh
+/// child's stdin, stdout and stderr pipes and the agent's two store connections.
+pub(crate) const FDS_PER_SSH_NODE: u64 = 5;
+/// The same for a node of the launch tree (its ssh runs on another node): its agent's store
+/// connections.
+pub(crate) const FDS_PER_TREE_NODE: u64 = 2;
+/// Open files kept for everything else (the store's listener, logs, the local node's workers'
+/// first connections).
+const FDS_RESERVED: u64 = 64;
+
+/// Refuses (exit 1: the system's limit, not the input) a host list that this process's open-file
+/// limit cannot hold: nrun raises its soft limit to the hard one, so the hard limit is what
+/// counts. `direct`: the nodes whose ssh runs here (the rest are the launch tree's). `hard`
+/// None: unlimited or unknown.
+fn check_fd_limit(nodes: usize, direct: usize, hard: Option<u64>) -> Result<()> {
+    let tree = nodes.saturating_sub(direct) as u64;
+    let needed = direct as u64 * FDS_PER_SSH_NODE + tree * FDS_PER_TREE_NODE + FDS_RESERVED;
+    let per = match tree {
+        0 => format!(
+            "{FDS_PER_SSH_NODE} per node: the pipes of its ssh (or local agent) and the agent's \
+             store connections"
+        ),
+        _ => format!(
+            "{FDS_PER_SSH_NODE} per node started from here: the pipes of its ssh (or local \
+             agent) and the agent's store connections, {FDS_PER_TREE_NODE} per node of the \
+             launch tree"
+        ),
+    };
+    match hard {
+        Some(hard) if hard < needed => Err(Error::internal(format!(
+            "{nodes} nodes need about {needed} open files here ({per}), but \
+             this host allows {hard} (hard limit): raise it (ulimit -n {needed} as root, or \
+             nofile in /etc/security/limits.conf) or use fewer nodes"
+        ))),
+        _ => Ok(()),
+    }
+}
 
 /// How to check by hand that ssh reaches a host, for a join failure's hint.
 pub(crate) fn reach_hint(ssh_opts: &[String]) -> String {
@@ -495,14 +557,34 @@ fn loopback_addrs(addrs: &[String]) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn fd_limit_refuses_too_many_ssh_nodes_as_a_system_refusal() {
+        let e = check_fd_limit(400, 400, Some(1024)).unwrap_err();
+        assert_eq!(e.code, nrun_base::error::exit::INTERNAL);
+        assert!(e.message.contains("ulimit -n 2064"), "{}", e.message);
+        check_fd_limit(400, 400, None).unwrap();
+        check_fd_limit(192, 192, Some(1024)).unwrap();
+        assert!(check_fd_limit(193, 193, Some(1024)).is_err());
+        // With the launch tree, 400 nodes fit: 33 x 5 + 367 x 2 + 64.
+        check_fd_limit(400, 33, Some(1024)).unwrap();
+        let e = check_fd_limit(2000, 33, Some(1024)).unwrap_err();
+        assert!(
+            e.message.contains("per node of the launch tree"),
+            "{}",
+            e.message
+        );
+    }
+
     #[test]
     fn reach_hints_have_no_double_space() {
         assert_eq!(
-            super::reach_hint(&[]),
+            reach_hint(&[]),
             "`ssh <host> true` (BatchMode: keys, no prompts)"
         );
         assert_eq!(
-            super::reach_hint(&["-p".into(), "2222".into()]),
+            reach_hint(&["-p".into(), "2222".into()]),
             "`ssh -p 2222 <host> true` (BatchMode: keys, no prompts)"
         );
     }

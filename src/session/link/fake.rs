@@ -54,6 +54,7 @@ pub(crate) static KIND: Kind = Kind {
             .collect();
         Box::pin(async move { Ok(nodes) })
     },
+    check: super::any_nodes,
     spawner: false,
     refuses_ship: Some("--ship: a fake node has no host to copy nrun to"),
     in_process: false,

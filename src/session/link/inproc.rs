@@ -32,6 +32,7 @@ pub(crate) static KIND: Kind = Kind {
         let name = &s.plan.hosts[0].name;
         Box::pin(async move { Ok(vec![Node::new(name, link())]) })
     },
+    check: super::any_nodes,
     spawner: false,
     refuses_ship: None,
     in_process: true,

@@ -82,6 +82,9 @@ pub(crate) struct Kind {
     pub name: &'static str,
     /// Starts the agents of the plan's nodes `hosts` (a range of `np.hosts`).
     pub start: Start,
+    /// Refuses (an error the user can act on) nodes `hosts` of the plan it cannot serve (ssh:
+    /// more than this host's open files hold), before anything starts.
+    pub check: fn(&NodesPlan, std::ops::Range<usize>) -> Result<()>,
     /// Its agents are forked by the spawner ([`nrun_node::spawner`]), which is forked before
     /// nrun starts its threads.
     pub spawner: bool,
@@ -135,13 +138,21 @@ pub(crate) fn chosen(np: &NodesPlan) -> Vec<(&'static Kind, std::ops::Range<usiz
     ]
 }
 
-/// Refuses (a usage error) what the plan's launcher cannot do: `--ship` where it does not
-/// copy binaries.
+/// Refuses what the plan's kinds cannot do, before anything starts: `--ship` where the
+/// launcher does not copy binaries (a usage error), nodes a kind cannot serve.
 pub(crate) fn check(np: &NodesPlan) -> Result<()> {
-    match launcher(np).refuses_ship.filter(|_| np.ship) {
-        Some(why) => Err(Error::usage(why)),
-        None => Ok(()),
+    if let Some(why) = launcher(np).refuses_ship.filter(|_| np.ship) {
+        return Err(Error::usage(why));
     }
+    for (kind, hosts) in chosen(np) {
+        (kind.check)(np, hosts)?;
+    }
+    Ok(())
+}
+
+/// A kind's [`Kind::check`] that refuses nothing.
+pub(crate) fn any_nodes(_: &NodesPlan, _: std::ops::Range<usize>) -> Result<()> {
+    Ok(())
 }
 
 /// Whether the plan's nodes need the spawner forked before nrun starts its threads.

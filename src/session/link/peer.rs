@@ -88,6 +88,7 @@ pub(crate) static KIND: Kind = Kind {
         let peers = &s.plan.hosts[hosts];
         Box::pin(async move { Ok(peers.iter().map(|h| Node::new(&h.name, link())).collect()) })
     },
+    check: super::any_nodes,
     spawner: false,
     refuses_ship: None,
     in_process: false,

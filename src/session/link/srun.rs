@@ -35,6 +35,7 @@ pub(crate) static KIND: Kind = Kind {
             start(s.plan, &s.plan.hosts[hosts], &how, s.nudges).await
         })
     },
+    check: super::any_nodes,
     spawner: false,
     refuses_ship: Some(
         "--ship copies nrun to each host over ssh, but here the agents start under srun \

@@ -271,6 +271,7 @@ impl TreeLink {
 pub(crate) static KIND: Kind = Kind {
     name: "ssh (launch tree)",
     start: |_, _| Box::pin(async { Ok(Vec::new()) }),
+    check: super::any_nodes,
     spawner: false,
     refuses_ship: None,
     in_process: false,
