@@ -5,50 +5,6 @@
 
 use std::ffi::OsString;
 
-/// How agents start.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Launcher {
-    Ssh,
-    Srun,
-}
-
-impl Launcher {
-    /// Why `--ship` cannot work with this launcher, if it cannot: ssh copies the binary to each
-    /// host first; an srun step has no per-node stdin to copy it through.
-    pub(crate) fn refuses_ship(self) -> Option<&'static str> {
-        match self {
-            Launcher::Ssh => None,
-            Launcher::Srun => Some(
-                "--ship copies nrun to each host over ssh, but here the agents start under srun \
-                 (a Slurm allocation): put nrun on a path every node sees (--remote-nrun PATH), \
-                 copy it with `sbcast`, or pass --launcher ssh",
-            ),
-        }
-    }
-
-    /// How to check by hand that this launcher reaches a host, for a join failure's hint.
-    pub(crate) fn reach_hint(self, ssh_opts: &[String]) -> String {
-        match self {
-            Launcher::Ssh => {
-                let cmd: Vec<&str> = std::iter::once("ssh")
-                    .chain(ssh_opts.iter().map(String::as_str))
-                    .chain(["<host>", "true"])
-                    .collect();
-                format!("`{}` (BatchMode: keys, no prompts)", cmd.join(" "))
-            }
-            Launcher::Srun => "`srun --nodelist=<host> true`".to_string(),
-        }
-    }
-
-    /// How to get nrun onto a node that lacks it.
-    pub(crate) fn install_hint(self) -> &'static str {
-        match self {
-            Launcher::Ssh => "is on its PATH or pass --ship",
-            Launcher::Srun => "is at the same path there (--remote-nrun PATH, or `sbcast`)",
-        }
-    }
-}
-
 /// ssh options nrun always sets: fail instead of prompting (a host-key or password prompt would
 /// hang a launch), give up on a dead host quickly, and keep the connection alive so a dropped
 /// network is noticed.
@@ -252,18 +208,6 @@ mod tests {
                 "/opt/nrun",
                 "__agent"
             ]
-        );
-    }
-
-    #[test]
-    fn reach_hints_have_no_double_space() {
-        assert_eq!(
-            Launcher::Ssh.reach_hint(&[]),
-            "`ssh <host> true` (BatchMode: keys, no prompts)"
-        );
-        assert_eq!(
-            Launcher::Ssh.reach_hint(&["-p".into(), "2222".into()]),
-            "`ssh -p 2222 <host> true` (BatchMode: keys, no prompts)"
         );
     }
 

@@ -27,6 +27,8 @@ pub(crate) enum JobEnd {
 pub(crate) struct JobShape<'a> {
     /// Each node's label, by node index.
     pub hosts: &'a [String],
+    /// What to check about each node if it is lost, in the words of its kind, by node index.
+    pub lost_hints: &'a [String],
     pub world: usize,
     /// The command line the workers ran.
     pub command: &'a str,
@@ -78,7 +80,10 @@ pub(crate) fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> J
                 format!("nrun: error: cannot start workers on {host}: {e}\n"),
             ),
             RunResult::Lost(e) => {
-                let hint = lost_hint(host);
+                let hint = shape.lost_hints.get(i).map_or_else(
+                    || format!("check that {host} is up and reachable"),
+                    String::clone,
+                );
                 failed(
                     exit::CLUSTER,
                     format!(
@@ -105,17 +110,6 @@ pub(crate) fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> J
         return JobEnd::Interrupted(exit::signal(libc::SIGINT));
     }
     JobEnd::Success
-}
-
-/// What to check about a node whose agent or link was lost.
-pub(crate) fn lost_hint(host: &str) -> String {
-    match nrun_base::net::is_this_host(host) {
-        true => format!(
-            "check what ended nrun's agent of {host} on this host (a kill, or the kernel's \
-             out-of-memory killer: dmesg)"
-        ),
-        false => format!("check that {host} is up and reachable (ssh {host} true)"),
-    }
 }
 
 /// Whether a worker's failure shows a peer's doing (see [`nrun_node::failed_by_peer`]).
@@ -319,6 +313,7 @@ mod tests {
         let hosts = ["a".to_string(), "b".to_string(), "c".to_string()];
         let shape = JobShape {
             hosts: &hosts,
+            lost_hints: &[],
             world: 3,
             command: "python train.py",
             node_commands: &[],

@@ -16,7 +16,7 @@ pub(crate) async fn run(
 ) -> Result<u8> {
     let mut s = Session::start(&doctor.session, nodes, listener).await?;
     let python = doctor.session.python.as_deref();
-    let code = if nodes.in_process {
+    let code = if s.in_process() {
         this_host(&mut s, python).await
     } else {
         cluster(&mut s, python).await

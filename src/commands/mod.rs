@@ -20,6 +20,10 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
         Mode::Doctor { doctor, .. } => &doctor.session,
         Mode::Bisect { bisect, .. } => &bisect.session,
     };
+    let nodes = match &mode {
+        Mode::Run { nodes, .. } | Mode::Doctor { nodes, .. } | Mode::Bisect { nodes, .. } => nodes,
+    };
+    crate::session::link::check(nodes)?;
     let listener = match session.c10d {
         // c10d: the nrun on the endpoint's host that binds its port hosts; the rest join.
         Some(_) => crate::session::bind_rendezvous(session)?,
@@ -27,10 +31,7 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
     };
     // Agents started on this host or over ssh are started by a small process forked now,
     // while nrun has one thread and few descriptors (see node::spawner).
-    let nodes = match &mode {
-        Mode::Run { nodes, .. } | Mode::Doctor { nodes, .. } | Mode::Bisect { nodes, .. } => nodes,
-    };
-    if !nodes.in_process && nodes.launcher == crate::remote::Launcher::Ssh && nodes.owned() > 0 {
+    if crate::session::link::needs_spawner(nodes) {
         nrun_node::spawner::fork(crate::agent::forked);
     }
     let threads = std::thread::available_parallelism()

@@ -51,7 +51,7 @@ pub(crate) async fn run(
     };
     // An in-process node reported no facts: its libnccl is resolved here, and the others found
     // are listed (by a task that runs beside the preflight).
-    let (here_lib, other_libs) = match (pf.mode, s.plan.in_process) {
+    let (here_lib, other_libs) = match (pf.mode, s.in_process()) {
         (Mode::Nccl, true) => {
             let (lib, others) = resolve_nccl(job.session.python.as_deref(), pf).await;
             (lib, Some(others))
@@ -188,7 +188,10 @@ pub(super) fn node_settings(
             .map(|l| PathBuf::from(&l.path))
             .or(here_lib)
     });
-    let listen = match (joined.and_then(|j| j.addr), s.nodes[i].link.in_process()) {
+    let listen = match (
+        joined.and_then(|j| j.addr),
+        s.nodes[i].link.kind().in_process,
+    ) {
         (Some(a), _) => a.to_string(),
         // Ranks on a single node listen where the store is, loopback included.
         (None, true) => match s.rendezvous.addr.parse::<std::net::IpAddr>() {

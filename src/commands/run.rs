@@ -176,8 +176,13 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
         }
     }
     // A c10d slot nobody came to is no node to leave out.
-    let owned = s.plan.owned();
-    for (i, why) in failures.iter().filter(|(i, _)| *i < owned) {
+    let came_by_itself = |i: usize| s.nodes[i].link.kind().joins_by_itself;
+    let started: Vec<(usize, String)> = failures
+        .iter()
+        .filter(|(i, _)| !came_by_itself(*i))
+        .cloned()
+        .collect();
+    for (i, why) in &started {
         s.leave_out(*i, Stage::Join, why);
     }
     if let Err(e) = s.fill() {
@@ -193,7 +198,7 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
             s.plan.size
         );
     }
-    if s.plan.in_process {
+    if s.in_process() {
         // Nothing to compare on one node; what the checks would say about variables still holds.
         if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
             tracing::warn!("{w}");
@@ -251,11 +256,13 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
     }
     // Most nodes failing to join is the setup's fault (ssh, nrun's path), not theirs; so is a
     // c10d node that never started.
-    let code =
-        match failures.len() * 2 > s.len() || failures.iter().all(|(i, _)| *i >= s.plan.owned()) {
-            true => exit::CLUSTER,
-            false => exit::NO_NODES,
-        };
+    let by_itself = failures
+        .iter()
+        .all(|(i, _)| s.nodes[*i].link.kind().joins_by_itself);
+    let code = match failures.len() * 2 > s.len() || by_itself {
+        true => exit::CLUSTER,
+        false => exit::NO_NODES,
+    };
     eprintln!(
         "nrun: error: {} of {} nodes could not join:",
         failures.len(),
@@ -298,33 +305,16 @@ fn tell_every_node(s: &Session, summary: &str, error_json: Option<&str>) {
     }
 }
 
-/// What to check next when nodes did not join, in the words of how they start: nodes whose own
-/// nrun joins (c10d: by hand, a batch script, Kubernetes pods) involve no ssh or srun.
+/// What to check next when nodes did not join, in the words of how they start: the first
+/// failed node started from here names its kind's hint; nodes whose own nrun joins (c10d: by
+/// hand, a batch script, Kubernetes pods) involve no ssh or srun.
 fn join_hint(s: &Session, failures: &[(usize, String)]) -> String {
-    if failures.iter().all(|(i, _)| *i >= s.plan.owned()) {
-        let endpoint = format!("{}:{}", s.rendezvous.addr, s.rendezvous.port);
-        let secs = s.plan.join_timeout.as_secs_f64();
-        if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
-            return format!(
-                "check that every pod of the job is running (`kubectl get pods`) and reaches \
-                 {endpoint} (the head pod's service), and that each started within --join-timeout \
-                 ({secs:.0} s) of this one"
-            );
-        }
-        return format!(
-            "check that every node's nrun started within --join-timeout ({secs:.0} s) of this one \
-             and reaches {endpoint} (`nc -z {} {}` there: a firewall, or another \
-             --rdzv-endpoint)",
-            s.rendezvous.addr, s.rendezvous.port
-        );
-    }
-    let launcher = s.plan.launcher;
-    format!(
-        "check each with {}, and that nrun {} {}",
-        launcher.reach_hint(&s.plan.ssh_opts),
-        env!("CARGO_PKG_VERSION"),
-        launcher.install_hint()
-    )
+    let kinds = || failures.iter().map(|(i, _)| s.nodes[*i].link.kind());
+    let kind = kinds()
+        .find(|k| !k.joins_by_itself)
+        .or_else(|| kinds().next())
+        .unwrap_or(crate::session::link::launcher(&s.plan));
+    (kind.join_hint)(&s.plan, &s.rendezvous)
 }
 
 /// The job's attempts, counted in `rec`.
@@ -359,9 +349,15 @@ async fn attempts(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Resul
             Some(own.command.join(" "))
         })
         .collect();
+    let lost_hints: Vec<String> = s
+        .nodes
+        .iter()
+        .map(|n| (n.link.kind().lost_hint)(&n.label))
+        .collect();
     let shape = JobShape {
         node_commands: &node_commands,
         hosts: &hosts,
+        lost_hints: &lost_hints,
         // c10d nodes with their own worker counts: the sum (as torchrun's WORLD_SIZE).
         world: s.group().world,
         command: &command,
@@ -673,7 +669,7 @@ fn lost_text(s: &Session, d: &fault::Decision) -> String {
             format!(
                 "nrun: error: {}; every worker on the other nodes was stopped\n  hint: {}\n",
                 j.why,
-                report::lost_hint(&s.nodes[j.node].label)
+                (s.nodes[j.node].link.kind().lost_hint)(&s.nodes[j.node].label)
             )
         })
         .collect()

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::hosts::{self, Host};
-use crate::remote::{self, Launcher};
+use crate::remote;
 use nrun_base::error::{Error, Result};
 use nrun_cli::{LauncherChoice, NodesArgs};
 
@@ -33,7 +33,9 @@ pub(crate) struct NodesPlan {
     pub group_world: usize,
     /// The single node of a run without a host list: its agent runs inside nrun.
     pub in_process: bool,
-    pub launcher: Launcher,
+    /// The kind of link that starts the agents of the hosts nrun owns, by its name (see
+    /// `session::link::LAUNCHERS`): `ssh` or `srun`.
+    pub launcher: &'static str,
     pub ssh_opts: Vec<String>,
     pub ssh_concurrency: usize,
     /// Agents one agent starts over ssh at most, the launch host's included (`--tree-width`;
@@ -91,7 +93,7 @@ impl NodesPlan {
             world: n,
             group_world: n,
             in_process: false,
-            launcher: Launcher::Ssh,
+            launcher: "ssh",
             ssh_opts: Vec::new(),
             ssh_concurrency: 1,
             tree_width: 0,
@@ -120,11 +122,39 @@ impl NodesPlan {
         shape: &Shape,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<NodesPlan> {
+        let (list, source_text, from_slurm) = host_list(args, shape, env)?;
+        let mut nodes = NodesPlan::settings(args, shape, env, from_slurm)?;
+        nodes.in_process = list.is_none();
+        nodes.hostfile = source_text;
+        if shape.c10d {
+            nodes.c10d(shape, args.spares)?;
+            return Ok(nodes);
+        }
+        let Some(list) = list else {
+            nodes.this_node(args, shape)?;
+            return Ok(nodes);
+        };
+        let list = nodes.choose_hosts(list, args, shape)?;
+        if shape.node_rank != 0 {
+            return Err(Error::usage(
+                "--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself",
+            ));
+        }
+        // What the launcher's kind cannot hold (ssh's open files per node) is refused when
+        // the command starts (`session::link::check`).
+        nodes.lay_out(list, shape)?;
+        Ok(nodes)
+    }
+
+    /// What the flags say about every node, whatever the host list: the launcher, the job's
+    /// variables, ssh, timeouts, nrun's path. The nodes themselves come after.
+    fn settings(
+        args: &NodesArgs,
+        shape: &Shape,
+        env: &dyn Fn(&str) -> Option<String>,
+        from_slurm: bool,
+    ) -> Result<NodesPlan> {
         let NodesArgs {
-            hosts,
-            hostfile,
-            include,
-            exclude,
             launcher,
             ssh_opts,
             ssh_concurrency,
@@ -137,49 +167,17 @@ impl NodesPlan {
             allow_mismatch,
             no_python_probe,
             agent_timeout,
-            spares,
             exclude_file,
             exclude_ttl,
+            ..
         } = args;
-        let mut from_slurm = false;
-        let mut source_text = None;
-        let mut list = match (hosts, hostfile) {
-            (Some(_), Some(_)) => {
-                return Err(Error::usage(
-                    "-H/--hosts and --hostfile exclude each other; give one of them",
-                ));
-            }
-            (Some(h), None) => Some(hosts::parse_hosts_flag(h)?),
-            (None, Some(f)) => {
-                let origin = f.display().to_string();
-                let text = read_hostfile(f, &origin)?;
-                let list = hosts::parse_hostfile(&text, &origin)?;
-                source_text = Some((origin, text));
-                Some(list)
-            }
-            (None, None) => None,
-        };
-        // Static torchrun-style launches name their nodes by rank, not by a host list (inside
-        // an allocation, a c10d or a ranked launch is one).
-        let static_launch =
-            shape.nnodes > 1 && list.is_none() && (shape.c10d || !in_allocation(args, env));
-        if list.is_none() && *launcher != LauncherChoice::Ssh && !static_launch {
-            if let Some(nl) = env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
-                let names = hosts::expand_slurm_hostlist(&nl)?;
-                if names.len() > 1 {
-                    from_slurm = true;
-                    list = Some(names.into_iter().map(Host::new).collect());
-                }
-            }
-        }
+        // What the launcher cannot do (--ship under srun) is refused when the command starts
+        // (`session::link::check`).
         let launcher = match launcher {
-            LauncherChoice::Auto if from_slurm => Launcher::Srun,
-            LauncherChoice::Auto | LauncherChoice::Ssh => Launcher::Ssh,
-            LauncherChoice::Srun => Launcher::Srun,
+            LauncherChoice::Auto if from_slurm => "srun",
+            LauncherChoice::Auto | LauncherChoice::Ssh => "ssh",
+            LauncherChoice::Srun => "srun",
         };
-        if let Some(why) = launcher.refuses_ship().filter(|_| *ship) {
-            return Err(Error::usage(why));
-        }
         let vars = super::env::job_env(export, env)?;
         let join_timeout = match shape.rdzv_join_timeout {
             Some(t) => t,
@@ -193,12 +191,12 @@ impl NodesPlan {
                 .display()
                 .to_string(),
         };
-        let mut nodes = NodesPlan {
+        Ok(NodesPlan {
             hosts: Vec::new(),
             layout: Vec::new(),
             world: 0,
             group_world: 0,
-            in_process: list.is_none(),
+            in_process: false,
             launcher,
             ssh_opts,
             ssh_concurrency: (*ssh_concurrency).max(1),
@@ -215,7 +213,7 @@ impl NodesPlan {
             // A --no-python job has no torch to report.
             python_probe: !no_python_probe && shape.python,
             remote_nrun,
-            hostfile: source_text,
+            hostfile: None,
             peers: 0,
             // Every node, unless elastic (set below with the nodes).
             min_nodes: shape.nnodes,
@@ -228,71 +226,84 @@ impl NodesPlan {
                 None => None,
             },
             from_slurm,
-        };
-        let elastic = shape.min_nodes < shape.nnodes;
-        if shape.c10d {
-            // This host's node (a local agent, as in ssh mode) and the nodes that will join:
-            // up to --nnodes (MAX) run the job, `--spares K` more may join and wait.
-            let k = spares.unwrap_or(0);
-            let mut list = vec![Host::new(nrun_base::net::hostname())];
-            list.extend((1..shape.nnodes + k).map(|i| Host::new(format!("node{i}"))));
-            nodes.layout = hosts::rank_layout(&list, shape.nproc)?
-                .into_iter()
-                .enumerate()
-                .map(|(i, ranks)| NodeLayout {
-                    group_rank: i,
-                    ranks,
-                    devices: None,
-                })
-                .collect();
-            nodes.world = shape.world_size();
-            nodes.group_world = shape.nnodes;
-            nodes.in_process = false;
-            nodes.peers = shape.nnodes - 1 + k;
-            nodes.min_nodes = shape.min_nodes;
-            nodes.size = shape.nnodes;
-            nodes.hosts = list;
-            return Ok(nodes);
-        }
-        let Some(mut list) = list else {
-            if spares.is_some() {
-                return Err(Error::usage(
-                    "--spares needs more nodes than the job uses: a host list (-H, --hostfile, a \
-                     Slurm allocation), or --rdzv-backend c10d where spares join by themselves",
-                ));
-            }
-            if include.is_some() || exclude.is_some() {
-                return Err(Error::usage(
-                    "--include/--exclude need a host list (-H, --hostfile or a Slurm allocation)",
-                ));
-            }
-            // This node alone, or this node's share of a static launch.
-            let r0 = shape.node_rank * shape.nproc;
-            nodes.hosts = vec![Host::new(nrun_base::net::hostname())];
-            nodes.layout = vec![NodeLayout {
-                group_rank: shape.node_rank,
-                ranks: (0..shape.nproc).map(|l| (r0 + l, l, l)).collect(),
+        })
+    }
+
+    /// c10d: this host's node (a local agent, as in ssh mode) and the nodes that will join: up
+    /// to --nnodes (MAX) run the job, `--spares K` more may join and wait.
+    fn c10d(&mut self, shape: &Shape, spares: Option<usize>) -> Result<()> {
+        let k = spares.unwrap_or(0);
+        let mut list = vec![Host::new(nrun_base::net::hostname())];
+        list.extend((1..shape.nnodes + k).map(|i| Host::new(format!("node{i}"))));
+        self.layout = hosts::rank_layout(&list, shape.nproc)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, ranks)| NodeLayout {
+                group_rank: i,
+                ranks,
                 devices: None,
-            }];
-            nodes.world = shape.world_size();
-            nodes.group_world = shape.nnodes;
-            // The session holds this node only (the others run their own nrun).
-            (nodes.size, nodes.min_nodes) = (1, 1);
-            return Ok(nodes);
-        };
-        list = hosts::apply_include_exclude(list, include.as_deref(), exclude.as_deref())?;
-        if let Some(f) = &nodes.exclude_file {
+            })
+            .collect();
+        self.world = shape.world_size();
+        self.group_world = shape.nnodes;
+        self.in_process = false;
+        self.peers = shape.nnodes - 1 + k;
+        self.min_nodes = shape.min_nodes;
+        self.size = shape.nnodes;
+        self.hosts = list;
+        Ok(())
+    }
+
+    /// No host list: this node alone, or this node's share of a static launch.
+    fn this_node(&mut self, args: &NodesArgs, shape: &Shape) -> Result<()> {
+        if args.spares.is_some() {
+            return Err(Error::usage(
+                "--spares needs more nodes than the job uses: a host list (-H, --hostfile, a \
+                 Slurm allocation), or --rdzv-backend c10d where spares join by themselves",
+            ));
+        }
+        if args.include.is_some() || args.exclude.is_some() {
+            return Err(Error::usage(
+                "--include/--exclude need a host list (-H, --hostfile or a Slurm allocation)",
+            ));
+        }
+        let r0 = shape.node_rank * shape.nproc;
+        self.hosts = vec![Host::new(nrun_base::net::hostname())];
+        self.layout = vec![NodeLayout {
+            group_rank: shape.node_rank,
+            ranks: (0..shape.nproc).map(|l| (r0 + l, l, l)).collect(),
+            devices: None,
+        }];
+        self.world = shape.world_size();
+        self.group_world = shape.nnodes;
+        // The session holds this node only (the others run their own nrun).
+        (self.size, self.min_nodes) = (1, 1);
+        Ok(())
+    }
+
+    /// The hosts of `list` the job may use (--include/--exclude, --exclude-file), and how many
+    /// of them run it (`size`: --nnodes, --spares); refuses a list too short.
+    fn choose_hosts(
+        &mut self,
+        list: Vec<Host>,
+        args: &NodesArgs,
+        shape: &Shape,
+    ) -> Result<Vec<Host>> {
+        let mut list =
+            hosts::apply_include_exclude(list, args.include.as_deref(), args.exclude.as_deref())?;
+        if let Some(f) = &self.exclude_file {
             let avoid = f.read(std::time::SystemTime::now())?;
             list.retain(|h| match avoid.iter().find(|e| e.host == h.name) {
                 Some(e) => {
-                    nodes.avoided.push(e.clone());
+                    self.avoided.push(e.clone());
                     false
                 }
                 None => true,
             });
         }
+        let elastic = shape.min_nodes < shape.nnodes;
         let nnodes_given = shape.nnodes != 1 || elastic;
-        nodes.size = match (*spares, nnodes_given) {
+        self.size = match (args.spares, nnodes_given) {
             (Some(_), true) => {
                 return Err(Error::usage(format!(
                     "--spares and --nnodes both say how many nodes run the job; give one (with \
@@ -313,16 +324,15 @@ impl NodesPlan {
             (None, true) => shape.nnodes,
             (None, false) => list.len(),
         };
-        let short = shape.min_nodes.max(if elastic { 0 } else { nodes.size });
+        let short = shape.min_nodes.max(if elastic { 0 } else { self.size });
         if list.len() < short {
-            if !nodes.avoided.is_empty() {
+            if !self.avoided.is_empty() {
                 return Err(Error::no_nodes(format!(
                     "--nnodes {} but only {} remain after --exclude-file left out {}; give \
                          more hosts, or remove repaired nodes from the file",
                     shape.nnodes_text(),
                     hosts_text(&list),
-                    nodes
-                        .avoided
+                    self.avoided
                         .iter()
                         .map(|e| format!("{} ({})", e.host, e.why))
                         .collect::<Vec<_>>()
@@ -331,33 +341,15 @@ impl NodesPlan {
             }
             hosts::take_nnodes(list.clone(), short)?;
         }
-        if shape.node_rank != 0 {
-            return Err(Error::usage(
-                "--node-rank is for torchrun-style launches on every node; with a host list nrun starts every node itself",
-            ));
-        }
-        if launcher == Launcher::Ssh {
-            // The launch tree's nodes hold no pipes here: the spares and the roots of its two
-            // trees do (this machine's nodes, the others: see session::link::child::start).
-            let owned = &list[..nodes.size.min(list.len())];
-            let roots = |n| crate::plan::tree::roots(n, nodes.tree_width);
-            // Which hosts are this machine is asked only when a tree will be split (for an
-            // address it reads this machine's interfaces).
-            let direct = match roots(owned.len()) == owned.len() {
-                true => list.len(),
-                false => {
-                    let here = owned
-                        .iter()
-                        .filter(|h| nrun_base::net::is_this_host(&h.name))
-                        .count();
-                    list.len() - owned.len() + roots(here) + roots(owned.len() - here)
-                }
-            };
-            check_fd_limit(list.len(), direct, nrun_node::process::fd_hard_limit())?;
-        }
+        Ok(list)
+    }
+
+    /// The ranks of each host of `list`, the GPUs `--include host:SLOTS` picked, and the world
+    /// as the job starts.
+    fn lay_out(&mut self, list: Vec<Host>, shape: &Shape) -> Result<()> {
         let layout = hosts::rank_layout(&list, shape.nproc)?;
-        let pinned = nodes.env.iter().any(|(k, _)| k == "CUDA_VISIBLE_DEVICES");
-        nodes.layout = Vec::with_capacity(list.len());
+        let pinned = self.env.iter().any(|(k, _)| k == "CUDA_VISIBLE_DEVICES");
+        self.layout = Vec::with_capacity(list.len());
         for (i, (h, ranks)) in list.iter().zip(layout).enumerate() {
             // DeepSpeed's meaning of `--include host:0,2`: those GPUs, as local ranks 0..k.
             let devices = match &h.only_slots {
@@ -377,7 +369,7 @@ impl NodesPlan {
                 ),
                 None => None,
             };
-            nodes.layout.push(NodeLayout {
+            self.layout.push(NodeLayout {
                 group_rank: i,
                 ranks,
                 devices,
@@ -385,18 +377,60 @@ impl NodesPlan {
         }
         // The world as the job starts: the first `size` nodes (spares renumber it when they
         // come in).
-        nodes.world = nodes.layout[..nodes.size]
-            .iter()
-            .map(|l| l.ranks.len())
-            .sum();
-        nodes.group_world = nodes.size;
-        nodes.min_nodes = match elastic {
+        self.world = self.layout[..self.size].iter().map(|l| l.ranks.len()).sum();
+        self.group_world = self.size;
+        let elastic = shape.min_nodes < shape.nnodes;
+        self.min_nodes = match elastic {
             true => shape.min_nodes,
-            false => nodes.size,
+            false => self.size,
         };
-        nodes.hosts = list;
-        Ok(nodes)
+        self.hosts = list;
+        Ok(())
     }
+}
+
+/// A hostfile's origin and text.
+type Hostfile = (String, String);
+
+/// The host list: -H, --hostfile (with its origin and text), or inside a Slurm allocation of
+/// several nodes (unless a static launch) SLURM_JOB_NODELIST (the last: true). None: no list.
+fn host_list(
+    args: &NodesArgs,
+    shape: &Shape,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(Option<Vec<Host>>, Option<Hostfile>, bool)> {
+    let mut source_text = None;
+    let mut list = match (&args.hosts, &args.hostfile) {
+        (Some(_), Some(_)) => {
+            return Err(Error::usage(
+                "-H/--hosts and --hostfile exclude each other; give one of them",
+            ));
+        }
+        (Some(h), None) => Some(hosts::parse_hosts_flag(h)?),
+        (None, Some(f)) => {
+            let origin = f.display().to_string();
+            let text = read_hostfile(f, &origin)?;
+            let list = hosts::parse_hostfile(&text, &origin)?;
+            source_text = Some((origin, text));
+            Some(list)
+        }
+        (None, None) => None,
+    };
+    // Static torchrun-style launches name their nodes by rank, not by a host list (inside
+    // an allocation, a c10d or a ranked launch is one).
+    let static_launch =
+        shape.nnodes > 1 && list.is_none() && (shape.c10d || !in_allocation(args, env));
+    let mut from_slurm = false;
+    if list.is_none() && args.launcher != LauncherChoice::Ssh && !static_launch {
+        if let Some(nl) = env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
+            let names = hosts::expand_slurm_hostlist(&nl)?;
+            if names.len() > 1 {
+                from_slurm = true;
+                list = Some(names.into_iter().map(Host::new).collect());
+            }
+        }
+    }
+    Ok((list, source_text, from_slurm))
 }
 
 /// Inside a Slurm allocation of several nodes and not in a step of several (srun on every
@@ -429,44 +463,6 @@ fn hosts_text(list: &[Host]) -> String {
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
-    }
-}
-
-/// Open files the launch host holds for each node started over ssh for the whole run: the ssh
-/// child's stdin, stdout and stderr pipes and the agent's two store connections.
-pub(crate) const FDS_PER_SSH_NODE: u64 = 5;
-/// The same for a node of the launch tree (its ssh runs on another node): its agent's store
-/// connections.
-pub(crate) const FDS_PER_TREE_NODE: u64 = 2;
-/// Open files kept for everything else (the store's listener, logs, the local node's workers'
-/// first connections).
-const FDS_RESERVED: u64 = 64;
-
-/// Refuses (exit 1: the system's limit, not the input) a host list that this process's open-file
-/// limit cannot hold: nrun raises its soft limit to the hard one, so the hard limit is what
-/// counts. `direct`: the nodes whose ssh runs here (the rest are the launch tree's). `hard`
-/// None: unlimited or unknown.
-fn check_fd_limit(nodes: usize, direct: usize, hard: Option<u64>) -> Result<()> {
-    let tree = nodes.saturating_sub(direct) as u64;
-    let needed = direct as u64 * FDS_PER_SSH_NODE + tree * FDS_PER_TREE_NODE + FDS_RESERVED;
-    let per = match tree {
-        0 => format!(
-            "{FDS_PER_SSH_NODE} per node: the pipes of its ssh (or local agent) and the agent's \
-             store connections"
-        ),
-        _ => format!(
-            "{FDS_PER_SSH_NODE} per node started from here: the pipes of its ssh (or local \
-             agent) and the agent's store connections, {FDS_PER_TREE_NODE} per node of the \
-             launch tree"
-        ),
-    };
-    match hard {
-        Some(hard) if hard < needed => Err(Error::internal(format!(
-            "{nodes} nodes need about {needed} open files here ({per}), but \
-             this host allows {hard} (hard limit): raise it (ulimit -n {needed} as root, or \
-             nofile in /etc/security/limits.conf) or use fewer nodes"
-        ))),
-        _ => Ok(()),
     }
 }
 
@@ -508,24 +504,6 @@ fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fd_limit_refuses_too_many_ssh_nodes_as_a_system_refusal() {
-        let e = check_fd_limit(400, 400, Some(1024)).unwrap_err();
-        assert_eq!(e.code, nrun_base::error::exit::INTERNAL);
-        assert!(e.message.contains("ulimit -n 2064"), "{}", e.message);
-        check_fd_limit(400, 400, None).unwrap();
-        check_fd_limit(192, 192, Some(1024)).unwrap();
-        assert!(check_fd_limit(193, 193, Some(1024)).is_err());
-        // With the launch tree, 400 nodes fit: 33 x 5 + 367 x 2 + 64.
-        check_fd_limit(400, 33, Some(1024)).unwrap();
-        let e = check_fd_limit(2000, 33, Some(1024)).unwrap_err();
-        assert!(
-            e.message.contains("per node of the launch tree"),
-            "{}",
-            e.message
-        );
-    }
 
     #[test]
     fn hostfile_reads_only_bounded_regular_files() {

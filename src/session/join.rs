@@ -52,17 +52,7 @@ impl Session {
         let mut min_reached: Option<Instant> = None;
         let mut size_reached: Option<Instant> = None;
         let early;
-        // A progress bar where a person watches (stderr is a terminal), plain lines elsewhere.
-        let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
-            let b = indicatif::ProgressBar::new(k as u64);
-            b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "nrun: joining nodes {bar:30} {pos}/{len} {elapsed}",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            b
-        });
+        let bar = join_bar(k);
         // Counted as they change: a node is looked at when a key of its changed or its link
         // nudged (its agent's process ended), and every node on the periodic look (links that
         // nudge nothing: an srun step, a heartbeat).
@@ -82,25 +72,7 @@ impl Session {
                     (0..k).collect()
                 }
             };
-            for i in look {
-                if self.nodes[i].joined.is_some() {
-                    continue;
-                }
-                let now_gone = match self.take_joined(i) {
-                    true => {
-                        joined += 1;
-                        false
-                    }
-                    false => self.nodes[i].link.joining() == Joining::Gone,
-                };
-                if now_gone != gone[i] {
-                    gone[i] = now_gone;
-                    match now_gone {
-                        true => gones += 1,
-                        false => gones -= 1,
-                    }
-                }
-            }
+            self.look_joined(look, &mut joined, &mut gone, &mut gones);
             let pending = k - joined - gones;
             match &bar {
                 Some(b) => b.set_position(joined as u64),
@@ -146,10 +118,56 @@ impl Session {
         // Let stderr relays catch the last words of agents that exited.
         tokio::time::sleep(Duration::from_millis(50)).await;
         let waited = started.elapsed();
-        // A node still on its way when the job had its nodes is no failure (yet): it is taken
-        // in as a spare if it joins.
-        let failures: Vec<(usize, String)> = self
-            .nodes
+        let failures = self.join_failures(waited, timeout, early);
+        tracing::info!(
+            "{}/{k} nodes joined in {:.2} s",
+            self.nodes.iter().filter(|n| n.joined.is_some()).count(),
+            waited.as_secs_f64()
+        );
+        Ok(failures)
+    }
+
+    /// Looks at nodes `look` that have not joined: takes in those whose record came (counted
+    /// in `joined`), and marks those whose agent cannot join any more (`gone`, counted in
+    /// `gones`; a node may come back from it, as a c10d slot does).
+    fn look_joined(
+        &mut self,
+        look: Vec<usize>,
+        joined: &mut usize,
+        gone: &mut [bool],
+        gones: &mut usize,
+    ) {
+        for i in look {
+            if self.nodes[i].joined.is_some() {
+                continue;
+            }
+            let now_gone = match self.take_joined(i) {
+                true => {
+                    *joined += 1;
+                    false
+                }
+                false => self.nodes[i].link.joining() == Joining::Gone,
+            };
+            if now_gone != gone[i] {
+                gone[i] = now_gone;
+                match now_gone {
+                    true => *gones += 1,
+                    false => *gones -= 1,
+                }
+            }
+        }
+    }
+
+    /// The nodes that did not join, each with why in its link's words. A node still on its
+    /// way when the job had its nodes (`early`) is no failure (yet): it is taken in as a spare
+    /// if it joins.
+    fn join_failures(
+        &mut self,
+        waited: Duration,
+        timeout: Duration,
+        early: bool,
+    ) -> Vec<(usize, String)> {
+        self.nodes
             .iter_mut()
             .enumerate()
             .filter(|(_, n)| n.joined.is_none())
@@ -157,13 +175,7 @@ impl Session {
                 let gone = n.link.joining() == Joining::Gone;
                 (!early || gone).then(|| (i, n.link.join_failure(&n.label, waited, timeout)))
             })
-            .collect();
-        tracing::info!(
-            "{}/{k} nodes joined in {:.2} s",
-            self.nodes.iter().filter(|n| n.joined.is_some()).count(),
-            waited.as_secs_f64()
-        );
-        Ok(failures)
+            .collect()
     }
 
     /// Takes node `i`'s joined record into the session, if it has published one.
@@ -194,7 +206,7 @@ impl Session {
         }
         // Every later step of this node is sealed for it (link::Bus::set_step).
         self.bus.nonces.insert(i, nonce);
-        if self.nodes[i].link.named_on_join() {
+        if self.nodes[i].link.kind().named_on_join {
             // A joined node is named by its host, kept apart from a namesake.
             let name = facts.hostname.clone();
             // A node left out does not hold its name: the same host come back takes it.
@@ -331,4 +343,19 @@ impl Session {
         let facts = self.nodes.get(i)?.joined.as_ref()?.facts.as_ref()?;
         Some(facts.hostname.clone())
     }
+}
+
+/// A progress bar of `k` nodes joining where a person watches (stderr is a terminal); None
+/// elsewhere (plain lines are logged instead).
+fn join_bar(k: usize) -> Option<indicatif::ProgressBar> {
+    std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+        let b = indicatif::ProgressBar::new(k as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "nrun: joining nodes {bar:30} {pos}/{len} {elapsed}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    })
 }

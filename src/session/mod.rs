@@ -149,69 +149,7 @@ impl Session {
             (None, true) => plan.static_secret.clone(),
             (None, false) => Some(random_secret()?),
         };
-        let (rendezvous, hosted) = match (&plan.store, listener) {
-            (StorePlan::Host { advertise, .. }, Some(l)) => {
-                let port = l
-                    .local_addr()
-                    .map_err(|e| Error::internal(format!("store listener: {e}")))?
-                    .port();
-                let store = match &secret {
-                    Some(s) => Store::with_secret(s.clone().into_bytes()),
-                    None => Store::new(),
-                };
-                store.set_max_bytes(plan.store_max_bytes);
-                // A node's ranks all connect from its address (torch opens more than one each
-                // on init): the cap per address must hold the largest node's. Agents may all
-                // come from one address too (nodes behind one NAT address, or one machine
-                // standing in for many), two connections each, at once at a launch tree's
-                // start: the cap is on connections that have not proved the secret yet.
-                let most = nodes
-                    .layout
-                    .iter()
-                    .map(|l| l.ranks.len())
-                    .max()
-                    .unwrap_or(1);
-                let limits = store.limits();
-                let per_peer = limits
-                    .per_peer
-                    .max(4 * most + 64)
-                    .max(2 * nodes.hosts.len() + 64);
-                store.set_limits(nrun_store::server::Limits { per_peer, ..limits });
-                // Every worker keeps a connection (torch opens more on init), every agent two.
-                let needed = nodes.world as u64 * 2 + nodes.hosts.len() as u64 * 2 + 64;
-                if let Some(hard) = nrun_node::process::fd_hard_limit().filter(|h| *h < needed) {
-                    tracing::warn!(
-                        "the job's {} workers may need about {needed} open connections to the store, \
-                         but this host allows {hard} open files (hard limit): raise it (limits.conf \
-                         nofile, or ulimit -Hn as root) or expect clients to be refused",
-                        nodes.world
-                    );
-                }
-                // One node whose workers reach the store over loopback: nothing else may.
-                let local = nodes.in_process
-                    && !static_launch
-                    && advertise.parse::<IpAddr>().is_ok_and(|a| a.is_loopback());
-                if local {
-                    store.loopback_only();
-                }
-                let stop = serve(l, store.clone())?;
-                let addr = if advertise.is_empty() {
-                    "127.0.0.1".to_string()
-                } else {
-                    advertise.clone()
-                };
-                (Rendezvous { addr, port, secret }, Some((store, stop)))
-            }
-            (StorePlan::Remote { addr, port }, _) => (
-                Rendezvous {
-                    addr: addr.clone(),
-                    port: *port,
-                    secret: plan.static_secret.clone(),
-                },
-                None,
-            ),
-            (StorePlan::Host { .. }, None) => return Err(Error::internal("store was not bound")),
-        };
+        let (rendezvous, hosted) = host_store(plan, nodes, listener, secret, static_launch)?;
         tracing::debug!("store at {}:{}", rendezvous.addr, rendezvous.port);
         // A static launch's nodes each run their own nrun: they share a run's keys by its id.
         let run = match static_launch {
@@ -246,29 +184,10 @@ impl Session {
             arrivals_checked: None,
             c10d_id: None,
         };
-        if let (Some(c), Some(st)) = (&plan.c10d, session.store()) {
-            // What a joining node needs to find this run's keys.
-            st.set(
-                &crate::protocol::c10d_run_key(&c.id),
-                session.run.as_bytes(),
-            );
-            st.set(&crate::protocol::c10d_public_key(&c.id), b"1");
-        }
-        // Nodes join it in order; one that comes back gets the next index (join::open_slots).
-        if session.store().is_some() && plan.c10d.as_ref().is_some_and(|c| c.node.is_none()) {
-            session.c10d_id = plan.c10d.as_ref().map(|c| c.id.clone());
-        }
-        if let Some(st) = session.store() {
-            // Any nrun that connects may read that an nrun listens here, and (set before this,
-            // so one who sees this sees that) which c10d rendezvous it hosts: a node of another
-            // job or launcher is told so (session::c10d).
-            st.set(
-                crate::protocol::NRUN_STORE_KEY,
-                nrun_base::VERSION.as_bytes(),
-            );
-        }
+        session.announce(plan);
         let starting = link::Starting {
             plan: &session.plan,
+            session: plan,
             rendezvous: &session.rendezvous,
             run: &session.run,
             nudges: &session.bus.nudges,
@@ -278,7 +197,7 @@ impl Session {
         // (the agents started so far die with it: PR_SET_PDEATHSIG, their stdin closed).
         let began = Instant::now();
         session.nodes = tokio::select! {
-            nodes = link::start(starting, plan) => nodes?,
+            nodes = link::start(starting) => nodes?,
             sig = session.signals.stop() => {
                 tracing::warn!("interrupted while starting the nodes' agents; stopping");
                 return Err(Error::interrupted(sig));
@@ -290,6 +209,34 @@ impl Session {
             began.elapsed().as_secs_f64()
         );
         Ok(session)
+    }
+
+    /// Writes what an nrun that connects may read: that an nrun listens here, and the c10d
+    /// rendezvous it hosts (what a joining node needs to find this run's keys).
+    fn announce(&mut self, plan: &SessionPlan) {
+        if let (Some(c), Some(st)) = (&plan.c10d, self.store()) {
+            // What a joining node needs to find this run's keys.
+            st.set(&crate::protocol::c10d_run_key(&c.id), self.run.as_bytes());
+            st.set(&crate::protocol::c10d_public_key(&c.id), b"1");
+        }
+        // Nodes join it in order; one that comes back gets the next index (join::open_slots).
+        if self.store().is_some() && plan.c10d.as_ref().is_some_and(|c| c.node.is_none()) {
+            self.c10d_id = plan.c10d.as_ref().map(|c| c.id.clone());
+        }
+        if let Some(st) = self.store() {
+            // Any nrun that connects may read that an nrun listens here, and (set before this,
+            // so one who sees this sees that) which c10d rendezvous it hosts: a node of another
+            // job or launcher is told so (session::c10d).
+            st.set(
+                crate::protocol::NRUN_STORE_KEY,
+                nrun_base::VERSION.as_bytes(),
+            );
+        }
+    }
+
+    /// The run is this host's node alone, served inside nrun (no host list).
+    pub(crate) fn in_process(&self) -> bool {
+        self.nodes.first().is_some_and(|n| n.link.kind().in_process)
     }
 
     /// The store this nrun hosts (none on a static launch's node of rank > 0).
@@ -470,4 +417,81 @@ pub(crate) fn coordinator_addrs(port: u16) -> Vec<String> {
         .into_iter()
         .map(|ip| SocketAddr::new(ip, port).to_string())
         .collect()
+}
+
+/// The store this nrun hosts, and the stop that ends its serving.
+type Hosted = (Arc<Store>, oneshot::Sender<()>);
+
+/// The rendezvous of a session: the store this nrun hosts on `listener` (with the stop that
+/// ends its serving), or a static launch's node 0's.
+fn host_store(
+    plan: &SessionPlan,
+    nodes: &NodesPlan,
+    listener: Option<std::net::TcpListener>,
+    secret: Option<String>,
+    static_launch: bool,
+) -> Result<(Rendezvous, Option<Hosted>)> {
+    Ok(match (&plan.store, listener) {
+        (StorePlan::Host { advertise, .. }, Some(l)) => {
+            let port = l
+                .local_addr()
+                .map_err(|e| Error::internal(format!("store listener: {e}")))?
+                .port();
+            let store = match &secret {
+                Some(s) => Store::with_secret(s.clone().into_bytes()),
+                None => Store::new(),
+            };
+            store.set_max_bytes(plan.store_max_bytes);
+            // A node's ranks all connect from its address (torch opens more than one each
+            // on init): the cap per address must hold the largest node's. Agents may all
+            // come from one address too (nodes behind one NAT address, or one machine
+            // standing in for many), two connections each, at once at a launch tree's
+            // start: the cap is on connections that have not proved the secret yet.
+            let most = nodes
+                .layout
+                .iter()
+                .map(|l| l.ranks.len())
+                .max()
+                .unwrap_or(1);
+            let limits = store.limits();
+            let per_peer = limits
+                .per_peer
+                .max(4 * most + 64)
+                .max(2 * nodes.hosts.len() + 64);
+            store.set_limits(nrun_store::server::Limits { per_peer, ..limits });
+            // Every worker keeps a connection (torch opens more on init), every agent two.
+            let needed = nodes.world as u64 * 2 + nodes.hosts.len() as u64 * 2 + 64;
+            if let Some(hard) = nrun_node::process::fd_hard_limit().filter(|h| *h < needed) {
+                tracing::warn!(
+                    "the job's {} workers may need about {needed} open connections to the store, \
+                     but this host allows {hard} open files (hard limit): raise it (limits.conf \
+                     nofile, or ulimit -Hn as root) or expect clients to be refused",
+                    nodes.world
+                );
+            }
+            // One node whose workers reach the store over loopback: nothing else may.
+            let local = nodes.in_process
+                && !static_launch
+                && advertise.parse::<IpAddr>().is_ok_and(|a| a.is_loopback());
+            if local {
+                store.loopback_only();
+            }
+            let stop = serve(l, store.clone())?;
+            let addr = if advertise.is_empty() {
+                "127.0.0.1".to_string()
+            } else {
+                advertise.clone()
+            };
+            (Rendezvous { addr, port, secret }, Some((store, stop)))
+        }
+        (StorePlan::Remote { addr, port }, _) => (
+            Rendezvous {
+                addr: addr.clone(),
+                port: *port,
+                secret: plan.static_secret.clone(),
+            },
+            None,
+        ),
+        (StorePlan::Host { .. }, None) => return Err(Error::internal("store was not bound")),
+    })
 }

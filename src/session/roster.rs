@@ -301,9 +301,10 @@ impl Session {
     /// named them already).
     pub(crate) fn settle(&mut self, list: bool) {
         let timeout = self.plan.join_timeout;
-        // c10d slots nobody came to are no nodes.
-        for i in 0..self.plan.owned() {
-            if self.nodes[i].joined.is_some() || self.is_left_out(i) {
+        for i in 0..self.nodes.len() {
+            // c10d slots nobody came to are no nodes.
+            let by_itself = self.nodes[i].link.kind().joins_by_itself;
+            if by_itself || self.nodes[i].joined.is_some() || self.is_left_out(i) {
                 continue;
             }
             let n = &mut self.nodes[i];

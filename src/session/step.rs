@@ -150,16 +150,7 @@ impl Session {
             }
             match policy {
                 Policy::Probe if started.elapsed() > PROBE_WAIT => {
-                    for &i in waiting {
-                        let label = &self.nodes[i].label;
-                        results[i].get_or_insert_with(|| StepResult::Probe {
-                            error: Some(format!(
-                                "{label}'s agent did not answer within {} s; check that the \
-                                 launch host still reaches it (ssh {label} true)",
-                                PROBE_WAIT.as_secs()
-                            )),
-                        });
-                    }
+                    self.unanswered(waiting, &mut results);
                     return Ok(results);
                 }
                 Policy::Apart { deadline } if started.elapsed() > deadline => return Ok(results),
@@ -191,30 +182,50 @@ impl Session {
                 () = self.bus.nudges.notify.notified() => {}
                 // The watch's clock, and the periodic look (a dead host's heartbeat).
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                caught = self.signals.recv() => {
-                    let sig = match caught {
-                        Caught::Stop(sig) => sig,
-                        Caught::Forward(sig) => {
-                            self.forward(no, sig);
-                            continue;
-                        }
-                    };
-                    w.signalled += 1;
-                    if w.signalled >= 2 {
-                        w.stopped = true;
-                        self.request_all(StopRequest::Kill(sig));
-                    } else {
-                        self.stop_step(no, Some(sig), &mut w);
-                    }
-                    // A job waits for its workers to stop; a second signal stops waiting, and
-                    // other kinds of steps stop waiting at once.
-                    if w.signalled >= 2 || !together {
-                        tracing::warn!("interrupted; stopping every node");
-                        return Err(Error::interrupted(sig));
-                    }
-                }
+                caught = self.signals.recv() => self.caught(no, caught, together, &mut w)?,
             }
         }
+    }
+
+    /// What a quick check's nodes in `waiting` that did not answer in time get, each with what
+    /// to check in its kind's words.
+    fn unanswered(&self, waiting: &[usize], results: &mut Results) {
+        for &i in waiting {
+            let label = &self.nodes[i].label;
+            let hint = (self.nodes[i].link.kind().unanswered_hint)(label);
+            results[i].get_or_insert_with(|| StepResult::Probe {
+                error: Some(format!(
+                    "{label}'s agent did not answer within {} s; {hint}",
+                    PROBE_WAIT.as_secs()
+                )),
+            });
+        }
+    }
+
+    /// A signal the user sent during step `no`: forwarded, or a stop (a second one kills).
+    /// `Err`: the wait ends, interrupted.
+    fn caught(&mut self, no: usize, caught: Caught, together: bool, w: &mut Waiting) -> Result<()> {
+        let sig = match caught {
+            Caught::Stop(sig) => sig,
+            Caught::Forward(sig) => {
+                self.forward(no, sig);
+                return Ok(());
+            }
+        };
+        w.signalled += 1;
+        if w.signalled >= 2 {
+            w.stopped = true;
+            self.request_all(StopRequest::Kill(sig));
+        } else {
+            self.stop_step(no, Some(sig), w);
+        }
+        // A job waits for its workers to stop; a second signal stops waiting, and other kinds
+        // of steps stop waiting at once.
+        if w.signalled >= 2 || !together {
+            tracing::warn!("interrupted; stopping every node");
+            return Err(Error::interrupted(sig));
+        }
+        Ok(())
     }
 
     /// The views the nodes of step `no` published since they were last read, into the watch.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::tree::{Inner, TreeLink};
-use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
+use super::{BoxFuture, Bus, Ending, Instructions, Joining, Kind, NodeLink, Nudges};
 use crate::agent::child::{AgentProcess, Delivery, Relay, Starter, ship};
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
@@ -95,6 +95,120 @@ impl Reaper {
     }
 }
 
+/// Nodes started by this nrun as child processes: over ssh, or on this host without it.
+pub(crate) static KIND: Kind = Kind {
+    name: "ssh",
+    start: |s, hosts| {
+        Box::pin(async move {
+            let how = Instructions::new(s)?;
+            let keys = Keys::new(s.run);
+            let hosts = &s.plan.hosts[hosts];
+            start(s.plan, hosts, &how, s.nudges, s.store.clone(), keys).await
+        })
+    },
+    check: check_fds,
+    spawner: true,
+    refuses_ship: None,
+    in_process: false,
+    joins_by_itself: false,
+    named_on_join: false,
+    join_hint: |np, _| {
+        format!(
+            "check each with {}, and that nrun {} is on its PATH or pass --ship",
+            reach_hint(&np.ssh_opts),
+            env!("CARGO_PKG_VERSION"),
+        )
+    },
+    lost_hint,
+    unanswered_hint,
+};
+
+/// Refuses (exit 1: the system's limit, not the input) nodes `hosts` of the plan whose ssh
+/// connections this host's open-file limit cannot hold.
+fn check_fds(np: &NodesPlan, hosts: std::ops::Range<usize>) -> Result<()> {
+    let list = &np.hosts[hosts];
+    // The launch tree's nodes hold no pipes here: the spares and the roots of its two trees do
+    // (this machine's nodes, the others: see `start`).
+    let owned = &list[..np.size.min(list.len())];
+    let roots = |n| crate::plan::tree::roots(n, np.tree_width);
+    // Which hosts are this machine is asked only when a tree will be split (for an address it
+    // reads this machine's interfaces).
+    let direct = match roots(owned.len()) == owned.len() {
+        true => list.len(),
+        false => {
+            let here = owned
+                .iter()
+                .filter(|h| nrun_base::net::is_this_host(&h.name))
+                .count();
+            list.len() - owned.len() + roots(here) + roots(owned.len() - here)
+        }
+    };
+    check_fd_limit(list.len(), direct, nrun_node::process::fd_hard_limit())
+}
+
+/// Open files the launch host holds for each node started over ssh for the whole run: the ssh
+/// child's stdin, stdout and stderr pipes and the agent's two store connections.
+pub(crate) const FDS_PER_SSH_NODE: u64 = 5;
+/// The same for a node of the launch tree (its ssh runs on another node): its agent's store
+/// connections.
+pub(crate) const FDS_PER_TREE_NODE: u64 = 2;
+/// Open files kept for everything else (the store's listener, logs, the local node's workers'
+/// first connections).
+const FDS_RESERVED: u64 = 64;
+
+/// Refuses (exit 1: the system's limit, not the input) a host list that this process's open-file
+/// limit cannot hold: nrun raises its soft limit to the hard one, so the hard limit is what
+/// counts. `direct`: the nodes whose ssh runs here (the rest are the launch tree's). `hard`
+/// None: unlimited or unknown.
+fn check_fd_limit(nodes: usize, direct: usize, hard: Option<u64>) -> Result<()> {
+    let tree = nodes.saturating_sub(direct) as u64;
+    let needed = direct as u64 * FDS_PER_SSH_NODE + tree * FDS_PER_TREE_NODE + FDS_RESERVED;
+    let per = match tree {
+        0 => format!(
+            "{FDS_PER_SSH_NODE} per node: the pipes of its ssh (or local agent) and the agent's \
+             store connections"
+        ),
+        _ => format!(
+            "{FDS_PER_SSH_NODE} per node started from here: the pipes of its ssh (or local \
+             agent) and the agent's store connections, {FDS_PER_TREE_NODE} per node of the \
+             launch tree"
+        ),
+    };
+    match hard {
+        Some(hard) if hard < needed => Err(Error::internal(format!(
+            "{nodes} nodes need about {needed} open files here ({per}), but \
+             this host allows {hard} (hard limit): raise it (ulimit -n {needed} as root, or \
+             nofile in /etc/security/limits.conf) or use fewer nodes"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// How to check by hand that ssh reaches a host, for a join failure's hint.
+pub(crate) fn reach_hint(ssh_opts: &[String]) -> String {
+    let cmd: Vec<&str> = std::iter::once("ssh")
+        .chain(ssh_opts.iter().map(String::as_str))
+        .chain(["<host>", "true"])
+        .collect();
+    format!("`{}` (BatchMode: keys, no prompts)", cmd.join(" "))
+}
+
+/// What to check about a node started from here whose agent or link was lost.
+pub(crate) fn lost_hint(host: &str) -> String {
+    match nrun_base::net::is_this_host(host) {
+        true => format!(
+            "check what ended nrun's agent of {host} on this host (a kill, or the kernel's \
+             out-of-memory killer: dmesg)"
+        ),
+        false => format!("check that {host} is up and reachable (ssh {host} true)"),
+    }
+}
+
+/// What to check when a node's agent did not answer in time.
+pub(crate) fn unanswered_hint(host: &str) -> String {
+    format!("check that the launch host still reaches it (ssh {host} true)")
+}
+
 /// Starts every owned node's agent, at most --ssh-concurrency at a time; each one's end
 /// nudges its node in `nudges`. Beyond `--tree-width` nodes (of this machine, or of others),
 /// the launch host starts that many (and the spares) and each of those starts its share of
@@ -111,48 +225,7 @@ pub(crate) async fn start(
     let sem = Arc::new(tokio::sync::Semaphore::new(np.ssh_concurrency));
     // One copy of the plan shared by every start (a copy each was O(nodes^2) memory).
     let shared = Arc::new(np.clone());
-    let mut starts = Vec::new();
-    // This machine's nodes and the others make trees of their own: an agent elsewhere could not
-    // start a node of this machine (its name means that agent's own machine there), and this
-    // machine's own are started without ssh, by this nrun or by an agent beside it.
-    let (mut here, mut there) = (Vec::new(), Vec::new());
-    // Some node is on another machine (or joins as a peer): the nodes' reachability is probed.
-    // This machine's nodes alone share one network stack: nothing between them to probe.
-    let mut elsewhere = hosts.len() < np.hosts.len();
-    for (i, h) in hosts.iter().enumerate() {
-        // Asked once per host: for an address, it reads this machine's interfaces.
-        let local = nrun_base::net::is_this_host(&h.name);
-        elsewhere |= !local;
-        // A spare stays a child of this host, so that the node it replaces can be lost with
-        // its subtree while the spare is not.
-        let direct = np.tree_width == 0 || i >= np.size;
-        match (direct, local) {
-            (true, _) => starts.push(Branch {
-                node: i,
-                label: h.name.clone(),
-                children: Vec::new(),
-                local,
-            }),
-            (false, true) => here.push((i, h.name.clone())),
-            (false, false) => there.push((i, h.name.clone())),
-        }
-    }
-    starts.extend(
-        crate::plan::tree::split_packed(&here, np.tree_width)
-            .into_iter()
-            .map(Branch::into_local),
-    );
-    starts.extend(crate::plan::tree::split(&there, np.tree_width));
-    starts.sort_unstable_by_key(|b| b.node);
-    let inner = starts.iter().filter(|b| !b.children.is_empty()).count();
-    if inner > 0 {
-        tracing::debug!(
-            "launch tree: {} agents started here, {inner} of them start {} more ({} levels)",
-            starts.len(),
-            hosts.len() - starts.len(),
-            crate::plan::tree::depth(&starts)
-        );
-    }
+    let (starts, elsewhere) = branches(np, hosts);
     let tree_ssh = TreeSsh {
         ssh_opts: np.ssh_opts.clone(),
         remote_nrun: np.remote_nrun.clone(),
@@ -225,6 +298,54 @@ pub(crate) async fn start(
                 .ok_or_else(|| Error::internal(format!("no agent planned for {}", h.name)))
         })
         .collect()
+}
+
+/// The agents this host starts, in node order, each with the subtree it starts in turn; and
+/// whether some node is on another machine (or joins as a peer), so that the nodes'
+/// reachability is probed (this machine's nodes alone share one network stack: nothing
+/// between them to probe).
+fn branches(np: &NodesPlan, hosts: &[Host]) -> (Vec<Branch>, bool) {
+    let mut starts = Vec::new();
+    // This machine's nodes and the others make trees of their own: an agent elsewhere could not
+    // start a node of this machine (its name means that agent's own machine there), and this
+    // machine's own are started without ssh, by this nrun or by an agent beside it.
+    let (mut here, mut there) = (Vec::new(), Vec::new());
+    let mut elsewhere = hosts.len() < np.hosts.len();
+    for (i, h) in hosts.iter().enumerate() {
+        // Asked once per host: for an address, it reads this machine's interfaces.
+        let local = nrun_base::net::is_this_host(&h.name);
+        elsewhere |= !local;
+        // A spare stays a child of this host, so that the node it replaces can be lost with
+        // its subtree while the spare is not.
+        let direct = np.tree_width == 0 || i >= np.size;
+        match (direct, local) {
+            (true, _) => starts.push(Branch {
+                node: i,
+                label: h.name.clone(),
+                children: Vec::new(),
+                local,
+            }),
+            (false, true) => here.push((i, h.name.clone())),
+            (false, false) => there.push((i, h.name.clone())),
+        }
+    }
+    starts.extend(
+        crate::plan::tree::split_packed(&here, np.tree_width)
+            .into_iter()
+            .map(Branch::into_local),
+    );
+    starts.extend(crate::plan::tree::split(&there, np.tree_width));
+    starts.sort_unstable_by_key(|b| b.node);
+    let inner = starts.iter().filter(|b| !b.children.is_empty()).count();
+    if inner > 0 {
+        tracing::debug!(
+            "launch tree: {} agents started here, {inner} of them start {} more ({} levels)",
+            starts.len(),
+            hosts.len() - starts.len(),
+            crate::plan::tree::depth(&starts)
+        );
+    }
+    (starts, elsewhere)
 }
 
 /// The nodes below branch `b`, with their labels, in node order.
@@ -321,6 +442,10 @@ async fn start_one(
 }
 
 impl NodeLink for ChildLink {
+    fn kind(&self) -> &'static Kind {
+        &KIND
+    }
+
     fn is_local(&self) -> bool {
         self.local
     }
@@ -428,4 +553,39 @@ fn loopback_addrs(addrs: &[String]) -> Vec<String> {
         .cloned()
         .collect();
     if lo.is_empty() { addrs.to_vec() } else { lo }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fd_limit_refuses_too_many_ssh_nodes_as_a_system_refusal() {
+        let e = check_fd_limit(400, 400, Some(1024)).unwrap_err();
+        assert_eq!(e.code, nrun_base::error::exit::INTERNAL);
+        assert!(e.message.contains("ulimit -n 2064"), "{}", e.message);
+        check_fd_limit(400, 400, None).unwrap();
+        check_fd_limit(192, 192, Some(1024)).unwrap();
+        assert!(check_fd_limit(193, 193, Some(1024)).is_err());
+        // With the launch tree, 400 nodes fit: 33 x 5 + 367 x 2 + 64.
+        check_fd_limit(400, 33, Some(1024)).unwrap();
+        let e = check_fd_limit(2000, 33, Some(1024)).unwrap_err();
+        assert!(
+            e.message.contains("per node of the launch tree"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn reach_hints_have_no_double_space() {
+        assert_eq!(
+            reach_hint(&[]),
+            "`ssh <host> true` (BatchMode: keys, no prompts)"
+        );
+        assert_eq!(
+            reach_hint(&["-p".into(), "2222".into()]),
+            "`ssh -p 2222 <host> true` (BatchMode: keys, no prompts)"
+        );
+    }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
+use super::{BoxFuture, Bus, Ending, Joining, Kind, NodeLink};
 use crate::protocol::{Keys, RunResult, Step, StepResult};
 use crate::session::{Node, Rendezvous, Session};
 use nrun_node::{Signals, StopRequest};
@@ -36,7 +36,38 @@ pub(crate) struct Seen {
     pub ended: bool,
 }
 
+/// A kind of link of its own, in the one file plus the one line in `link::LAUNCHERS` that any
+/// new kind takes: a plan whose launcher is "fake" gets a fake node (answering every step at
+/// once) for each host it owns.
+pub(crate) static KIND: Kind = Kind {
+    name: "fake",
+    start: |s, hosts| {
+        let nodes = s.plan.hosts[hosts]
+            .iter()
+            .map(|h| {
+                node(
+                    &h.name,
+                    Script::Answer(StepResult::Run(RunResult::Success), Duration::ZERO),
+                )
+                .0
+            })
+            .collect();
+        Box::pin(async move { Ok(nodes) })
+    },
+    check: super::any_nodes,
+    spawner: false,
+    refuses_ship: Some("--ship: a fake node has no host to copy nrun to"),
+    in_process: false,
+    joins_by_itself: false,
+    named_on_join: false,
+    join_hint: |_, _| "a fake node never joins".to_string(),
+    lost_hint: |host| format!("{host} is a fake node"),
+    unanswered_hint: |host| format!("{host} is a fake node"),
+};
+
 pub(crate) struct FakeLink {
+    /// Its kind: its own, or one it stands in for (to test what that kind tells the user).
+    kind: &'static Kind,
     script: Script,
     seen: Arc<Mutex<Seen>>,
     requests: watch::Sender<StopRequest>,
@@ -45,8 +76,18 @@ pub(crate) struct FakeLink {
 
 /// A fake node and what it will have seen.
 pub(crate) fn node(label: &str, script: Script) -> (Node, Arc<Mutex<Seen>>) {
+    node_as(label, script, &KIND)
+}
+
+/// A fake node standing in for a node of `kind` (its hints are that kind's).
+pub(crate) fn node_as(
+    label: &str,
+    script: Script,
+    kind: &'static Kind,
+) -> (Node, Arc<Mutex<Seen>>) {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let link = FakeLink {
+        kind,
         script,
         seen: seen.clone(),
         requests: watch::channel(StopRequest::None).0,
@@ -112,6 +153,10 @@ pub(crate) fn session(
 }
 
 impl NodeLink for FakeLink {
+    fn kind(&self) -> &'static Kind {
+        self.kind
+    }
+
     fn joining(&mut self) -> Joining {
         Joining::Pending
     }
@@ -317,7 +362,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn probe_a_silent_agent_is_named_after_30_s() {
         let (a, _) = node("a", Script::UntilStopped);
-        let (b, _) = node("b", Script::Deaf);
+        // A node started over ssh: its hint is ssh's.
+        let (b, _) = node_as("b", Script::Deaf, &crate::session::link::child::KIND);
         let (mut s, _sig) = session(vec![a, b]);
         let probe = Step::Probe {
             target: "10.0.0.2:1".into(),
@@ -655,5 +701,131 @@ mod tests {
         let l = s.left_out.iter().find(|l| l.node == 3).unwrap();
         assert!(l.why.contains("left out earlier in this job"), "{}", l.why);
         assert_eq!(s.active, [0]);
+    }
+
+    /// Each kind words its own hints: a node an srun step started, or one whose own nrun joined
+    /// (c10d), is never told to check ssh, whether it did not answer, was lost or did not join.
+    #[tokio::test(start_paused = true)]
+    async fn an_srun_or_c10d_node_gets_its_own_hint_and_none_about_ssh() {
+        use crate::session::link::{child, peer, srun};
+        let (a, _) = node_as("a", Script::Deaf, &srun::KIND);
+        let (b, _) = node_as("b", Script::Deaf, &peer::KIND);
+        let (c, _) = node_as("c", Script::Deaf, &child::KIND);
+        let (mut s, _sig) = session(vec![a, b, c]);
+        let probe = || {
+            Some(Step::Probe {
+                target: "10.0.0.2:1".into(),
+                timeout_ms: 100,
+            })
+        };
+        let r = s
+            .run_step(vec![probe(), probe(), probe()], Policy::Probe)
+            .await
+            .unwrap();
+        let said: Vec<String> = r
+            .iter()
+            .map(|r| match r {
+                Some(StepResult::Probe { error: Some(e) }) => e.clone(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(said[0].contains("`srun -w a true`"), "{}", said[0]);
+        assert!(said[1].contains("b's nrun still runs"), "{}", said[1]);
+        assert!(said[2].contains("(ssh c true)"), "{}", said[2]);
+        let rdzv = s.rendezvous.clone();
+        for (n, said) in s.nodes.iter().zip(&said).take(2) {
+            let k = n.link.kind();
+            let hints = [
+                said.clone(),
+                (k.lost_hint)(&n.label),
+                (k.join_hint)(&s.plan, &rdzv),
+            ];
+            for h in hints {
+                assert!(!h.contains("ssh"), "{}: {h}", k.name);
+            }
+        }
+        let srun_join = (srun::KIND.join_hint)(&s.plan, &rdzv);
+        assert!(
+            srun_join.contains("`srun --nodelist=<host> true`"),
+            "{srun_join}"
+        );
+        let peer_join = (peer::KIND.join_hint)(&s.plan, &rdzv);
+        assert!(peer_join.contains("--rdzv-endpoint"), "{peer_join}");
+        assert!((child::KIND.join_hint)(&s.plan, &rdzv).contains("`ssh <host> true`"));
+    }
+
+    /// A new kind of link is one file (here, this one's `KIND`) and one line in
+    /// `link::LAUNCHERS`: a plan naming it gets its nodes from its `start`, the spawner and
+    /// --ship as it says, c10d peers beside them, and a session runs steps on them.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_kind_is_one_file_and_one_line() {
+        use crate::plan::{SessionPlan, StorePlan};
+        use crate::session::link::{self, Starting, peer};
+        let hosts = ["n0", "n1", "n2"].map(crate::hosts::Host::new).to_vec();
+        let mut np = crate::plan::NodesPlan::for_tests(hosts);
+        np.launcher = "fake";
+        np.peers = 1;
+        let kinds: Vec<(&str, std::ops::Range<usize>)> = link::chosen(&np)
+            .into_iter()
+            .map(|(k, r)| (k.name, r))
+            .collect();
+        assert_eq!(kinds, [("fake", 0..2), (peer::KIND.name, 2..3)]);
+        assert!(!link::needs_spawner(&np), "a fake node needs no spawner");
+        link::check(&np).unwrap();
+        np.ship = true;
+        let e = link::check(&np).unwrap_err();
+        assert_eq!(e.code, nrun_base::error::exit::USAGE);
+        assert!(
+            e.message.contains("a fake node has no host"),
+            "{}",
+            e.message
+        );
+        np.ship = false;
+        let session_plan = SessionPlan {
+            run_id: "fake".into(),
+            store: StorePlan::Host {
+                port: 0,
+                advertise: String::new(),
+            },
+            store_max_bytes: nrun_store::server::DEFAULT_MAX_BYTES,
+            forward_signals: Vec::new(),
+            c10d: None,
+            static_secret: None,
+            python: None,
+        };
+        let rendezvous = Rendezvous {
+            addr: "127.0.0.1".into(),
+            port: 0,
+            secret: None,
+        };
+        let nodes = link::start(Starting {
+            plan: &np,
+            session: &session_plan,
+            rendezvous: &rendezvous,
+            run: "fake",
+            nudges: &Arc::default(),
+            store: None,
+        })
+        .await
+        .unwrap();
+        let names: Vec<(&str, &str)> = nodes
+            .iter()
+            .map(|n| (n.label.as_str(), n.link.kind().name))
+            .collect();
+        assert_eq!(
+            names,
+            [("n0", "fake"), ("n1", "fake"), ("n2", peer::KIND.name)]
+        );
+        // The fake's nodes answer a job's step as any link does, through the store.
+        let fakes = nodes.into_iter().take(2).collect();
+        let (mut s, _sig) = session(fakes);
+        let r = s
+            .run_step(vec![Some(run_step()), Some(run_step())], Policy::Together)
+            .await
+            .unwrap();
+        assert!(
+            r.iter().all(|r| is(r, |x| matches!(x, RunResult::Success))),
+            "{r:?}"
+        );
     }
 }

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
-use super::{BoxFuture, Bus, JoinHere, Joining, NodeLink};
+use super::{BoxFuture, Bus, JoinHere, Joining, Kind, NodeLink};
 use crate::agent::exec::{self, Done, StepIo};
 use crate::protocol::{NodeWatch, Step, StepResult};
 use crate::session::JoinedNode;
+use crate::session::Node;
 use nrun_node::StopRequest;
 
 /// The in-process node's link: the step it was given, and its running step's channels.
@@ -24,16 +25,34 @@ pub(crate) struct InProcess {
     views: Option<mpsc::UnboundedReceiver<NodeWatch>>,
 }
 
+/// The one node of a run without a host list.
+pub(crate) static KIND: Kind = Kind {
+    name: "in-process",
+    start: |s, _| {
+        let name = &s.plan.hosts[0].name;
+        Box::pin(async move { Ok(vec![Node::new(name, link())]) })
+    },
+    check: super::any_nodes,
+    spawner: false,
+    refuses_ship: None,
+    in_process: true,
+    joins_by_itself: false,
+    named_on_join: false,
+    join_hint: |_, _| "check this host's node with `nrun doctor`".to_string(),
+    lost_hint: super::child::lost_hint,
+    unanswered_hint: |_| "check that this host is not overloaded".to_string(),
+};
+
 pub(crate) fn link() -> Box<dyn NodeLink> {
     Box::<InProcess>::default()
 }
 
 impl NodeLink for InProcess {
-    fn is_local(&self) -> bool {
-        true
+    fn kind(&self) -> &'static Kind {
+        &KIND
     }
 
-    fn in_process(&self) -> bool {
+    fn is_local(&self) -> bool {
         true
     }
 

@@ -14,8 +14,11 @@
 //!
 //! Every link but the in-process one speaks through the store: the session's [`Bus`] seals its
 //! steps and reads its results, views and heartbeats, so the kinds differ only in how they
-//! start, stay alive, explain themselves and end. Adding a launcher: a new file here with a
-//! `start` function and its `NodeLink`, and one line in [`start`].
+//! start, stay alive, explain themselves and end. What a kind is apart from its links (how to
+//! start it, whether it needs the spawner or takes --ship, how to check its nodes by hand) is
+//! its [`Kind`], a `static KIND` in its file; the session and the commands read those facts
+//! and never ask which kind a link is. Adding a launcher: a new file here with its `KIND` and
+//! its `NodeLink`, and one line in [`LAUNCHERS`] (`fake` shows both).
 
 pub(crate) mod child;
 pub(crate) mod inproc;
@@ -39,7 +42,6 @@ pub(crate) use crate::agent::relay::Nudges;
 use crate::plan::NodesPlan;
 use crate::plan::SessionPlan;
 use crate::protocol::{Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
-use crate::remote::Launcher;
 use nrun_base::error::{Error, Result};
 use nrun_node::StopRequest;
 use nrun_store::Store;
@@ -68,21 +70,105 @@ pub(crate) struct JoinHere {
     pub static_launch: bool,
 }
 
-/// One node of a session, as the session sees it, whatever serves it.
-pub(crate) trait NodeLink: Send {
-    /// The launch host's own node (its output needs no colour decision from afar).
-    fn is_local(&self) -> bool {
-        false
-    }
+/// How a kind starts the agents of the plan's nodes `hosts` (a range of `np.hosts`).
+pub(crate) type Start =
+    for<'a> fn(&'a Starting<'a>, std::ops::Range<usize>) -> BoxFuture<'a, Result<Vec<Node>>>;
 
-    /// Served inside nrun: its ranks listen where the store is.
-    fn in_process(&self) -> bool {
-        false
-    }
-
+/// What every link of one kind shares, said once in its file (`static KIND`): how its nodes
+/// start and are reached, and what to check on them by hand. The session and the commands read
+/// these facts of a node's or a plan's kind; they never ask which kind it is.
+pub(crate) struct Kind {
+    /// The `--launcher` value that picks it (for the kinds [`LAUNCHERS`] lists); its name.
+    pub name: &'static str,
+    /// Starts the agents of the plan's nodes `hosts` (a range of `np.hosts`).
+    pub start: Start,
+    /// Refuses (an error the user can act on) nodes `hosts` of the plan it cannot serve (ssh:
+    /// more than this host's open files hold), before anything starts.
+    pub check: fn(&NodesPlan, std::ops::Range<usize>) -> Result<()>,
+    /// Its agents are forked by the spawner ([`nrun_node::spawner`]), which is forked before
+    /// nrun starts its threads.
+    pub spawner: bool,
+    /// Why `--ship` cannot work with it (None: it can).
+    pub refuses_ship: Option<&'static str>,
+    /// Served inside nrun: its ranks listen where the store is, and the run is this node alone.
+    pub in_process: bool,
+    /// Its node's own nrun joins (c10d): nothing here starts it, so one that never came is no
+    /// node to leave out, and nodes of this kind that did not join are no fault of the launch.
+    pub joins_by_itself: bool,
     /// Named by the host it reports when it joins, not by a label the user gave (a node whose
     /// own nrun joined, or one an srun step started).
-    fn named_on_join(&self) -> bool {
+    pub named_on_join: bool,
+    /// What to check when its nodes did not join.
+    pub join_hint: fn(&NodesPlan, &super::Rendezvous) -> String,
+    /// What to check about node `host` when its agent or its link was lost.
+    pub lost_hint: fn(host: &str) -> String,
+    /// What to check when node `host`'s agent did not answer a quick check in time.
+    pub unanswered_hint: fn(host: &str) -> String,
+}
+
+/// The kinds `--launcher` picks among (the plan names one): one line per kind. A run without a
+/// host list is served in-process ([`inproc`]), and c10d nodes join as [`peer`]s, whatever the
+/// launcher; the launch tree's nodes are started by [`child`] links' agents.
+const LAUNCHERS: &[&Kind] = &[
+    &child::KIND,
+    &srun::KIND,
+    #[cfg(test)]
+    &fake::KIND,
+];
+
+/// The kind of link that starts the agents of the hosts this nrun owns, as the plan's
+/// launcher names it.
+pub(crate) fn launcher(np: &NodesPlan) -> &'static Kind {
+    LAUNCHERS
+        .iter()
+        .copied()
+        .find(|k| k.name == np.launcher)
+        .unwrap_or(&child::KIND)
+}
+
+/// The one place kinds are chosen: which kind serves which of the plan's nodes (by index).
+pub(crate) fn chosen(np: &NodesPlan) -> Vec<(&'static Kind, std::ops::Range<usize>)> {
+    if np.in_process {
+        return vec![(&inproc::KIND, 0..1)];
+    }
+    let owned = np.owned();
+    vec![
+        (launcher(np), 0..owned),
+        (&peer::KIND, owned..np.hosts.len()),
+    ]
+}
+
+/// Refuses what the plan's kinds cannot do, before anything starts: `--ship` where the
+/// launcher does not copy binaries (a usage error), nodes a kind cannot serve.
+pub(crate) fn check(np: &NodesPlan) -> Result<()> {
+    if let Some(why) = launcher(np).refuses_ship.filter(|_| np.ship) {
+        return Err(Error::usage(why));
+    }
+    for (kind, hosts) in chosen(np) {
+        (kind.check)(np, hosts)?;
+    }
+    Ok(())
+}
+
+/// A kind's [`Kind::check`] that refuses nothing.
+pub(crate) fn any_nodes(_: &NodesPlan, _: std::ops::Range<usize>) -> Result<()> {
+    Ok(())
+}
+
+/// Whether the plan's nodes need the spawner forked before nrun starts its threads.
+pub(crate) fn needs_spawner(np: &NodesPlan) -> bool {
+    chosen(np)
+        .iter()
+        .any(|(k, hosts)| k.spawner && !hosts.is_empty())
+}
+
+/// One node of a session, as the session sees it, whatever serves it.
+pub(crate) trait NodeLink: Send {
+    /// Its kind's facts and hints.
+    fn kind(&self) -> &'static Kind;
+
+    /// The launch host's own node (its output needs no colour decision from afar).
+    fn is_local(&self) -> bool {
         false
     }
 
@@ -377,7 +463,8 @@ pub(crate) struct Instructions {
 }
 
 impl Instructions {
-    fn new(s: &Starting<'_>, plan: &SessionPlan) -> Result<Instructions> {
+    pub(crate) fn new(s: &Starting<'_>) -> Result<Instructions> {
+        let plan = s.session;
         Ok(Instructions {
             secret: s.rendezvous.secret.clone().unwrap_or_default(),
             run: s.run.to_string(),
@@ -428,6 +515,7 @@ impl Instructions {
 /// What starting the links needs of the session.
 pub(crate) struct Starting<'a> {
     pub plan: &'a NodesPlan,
+    pub session: &'a SessionPlan,
     pub rendezvous: &'a super::Rendezvous,
     pub run: &'a str,
     pub nudges: &'a Arc<Nudges>,
@@ -435,24 +523,14 @@ pub(crate) struct Starting<'a> {
     pub store: Option<Arc<Store>>,
 }
 
-/// The launcher choice: a link for every node of the session. The one place that knows the
-/// kinds: a run without a host list is served in-process; otherwise the launcher starts the
-/// agents of the hosts it owns, and the hosts whose own nrun joins (c10d) wait as peers.
-pub(crate) async fn start(s: Starting<'_>, plan: &SessionPlan) -> Result<Vec<Node>> {
-    let np = &s.plan;
-    if np.in_process {
-        return Ok(vec![Node::new(&np.hosts[0].name, inproc::link())]);
-    }
-    let owned = &np.hosts[..np.owned()];
-    let how = Instructions::new(&s, plan)?;
-    let mut nodes = match np.launcher {
-        Launcher::Ssh => {
-            child::start(np, owned, &how, s.nudges, s.store.clone(), Keys::new(s.run)).await?
+/// A link for every node of the session, each started by its kind ([`chosen`]).
+pub(crate) async fn start(s: Starting<'_>) -> Result<Vec<Node>> {
+    let mut nodes = Vec::with_capacity(s.plan.hosts.len());
+    for (kind, hosts) in chosen(s.plan) {
+        if !hosts.is_empty() {
+            nodes.extend((kind.start)(&s, hosts).await?);
         }
-        Launcher::Srun => srun::start(np, owned, &how, s.nudges).await?,
-    };
-    let peers = &np.hosts[owned.len()..];
-    nodes.extend(peers.iter().map(|h| Node::new(&h.name, peer::link())));
+    }
     Ok(nodes)
 }
 

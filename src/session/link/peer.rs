@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{BoxFuture, Bus, Ending, Joining, NodeLink};
+use super::{BoxFuture, Bus, Ending, Joining, Kind, NodeLink};
+use crate::session::Node;
 
 /// Longer than this between two looks at a heartbeat, this process was not looking (busy, or
 /// between steps): the time does not count against the node.
@@ -80,6 +81,46 @@ impl Heartbeat {
     }
 }
 
+/// Nodes whose own nrun joins (c10d): placeholders named `node1`... until they join.
+pub(crate) static KIND: Kind = Kind {
+    name: "c10d",
+    start: |s, hosts| {
+        let peers = &s.plan.hosts[hosts];
+        Box::pin(async move { Ok(peers.iter().map(|h| Node::new(&h.name, link())).collect()) })
+    },
+    check: super::any_nodes,
+    spawner: false,
+    refuses_ship: None,
+    in_process: false,
+    joins_by_itself: true,
+    named_on_join: true,
+    join_hint,
+    lost_hint: |host| {
+        format!("check that {host} is up and that its nrun still runs and reaches this host")
+    },
+    unanswered_hint: |host| format!("check that {host}'s nrun still runs and reaches this host"),
+};
+
+/// What to check when nodes whose own nrun joins did not: no ssh or srun is involved (they
+/// start by hand, from a batch script, as Kubernetes pods).
+fn join_hint(np: &crate::plan::NodesPlan, r: &crate::session::Rendezvous) -> String {
+    let endpoint = format!("{}:{}", r.addr, r.port);
+    let secs = np.join_timeout.as_secs_f64();
+    if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+        return format!(
+            "check that every pod of the job is running (`kubectl get pods`) and reaches \
+             {endpoint} (the head pod's service), and that each started within --join-timeout \
+             ({secs:.0} s) of this one"
+        );
+    }
+    format!(
+        "check that every node's nrun started within --join-timeout ({secs:.0} s) of this one \
+         and reaches {endpoint} (`nc -z {} {}` there: a firewall, or another \
+         --rdzv-endpoint)",
+        r.addr, r.port
+    )
+}
+
 /// A node whose own nrun joins by itself.
 pub(crate) struct PeerLink {
     beat: Heartbeat,
@@ -92,8 +133,8 @@ pub(crate) fn link() -> Box<dyn NodeLink> {
 }
 
 impl NodeLink for PeerLink {
-    fn named_on_join(&self) -> bool {
-        true
+    fn kind(&self) -> &'static Kind {
+        &KIND
     }
 
     fn joining(&mut self) -> Joining {

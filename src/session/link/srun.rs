@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 
 use super::peer::Heartbeat;
-use super::{BoxFuture, Bus, Ending, Instructions, Joining, NodeLink, Nudges};
+use super::{BoxFuture, Bus, Ending, Instructions, Joining, Kind, NodeLink, Nudges};
 use crate::agent::child::{AgentProcess, Delivery, Marks, Relay, Starter};
 use crate::hosts::Host;
 use crate::plan::NodesPlan;
@@ -25,6 +25,40 @@ pub(crate) struct StepLink {
     /// The marks behind each node's output in the step's pipes.
     marks: Option<Arc<Marks>>,
 }
+
+/// Nodes whose agents one srun step starts, inside a Slurm allocation.
+pub(crate) static KIND: Kind = Kind {
+    name: "srun",
+    start: |s, hosts| {
+        Box::pin(async move {
+            let how = Instructions::new(s)?;
+            start(s.plan, &s.plan.hosts[hosts], &how, s.nudges).await
+        })
+    },
+    check: super::any_nodes,
+    spawner: false,
+    refuses_ship: Some(
+        "--ship copies nrun to each host over ssh, but here the agents start under srun \
+         (a Slurm allocation): put nrun on a path every node sees (--remote-nrun PATH), \
+         copy it with `sbcast`, or pass --launcher ssh",
+    ),
+    in_process: false,
+    joins_by_itself: false,
+    named_on_join: true,
+    join_hint: |_, _| {
+        format!(
+            "check each with `srun --nodelist=<host> true`, and that nrun {} is at the same path \
+             there (--remote-nrun PATH, or `sbcast`)",
+            env!("CARGO_PKG_VERSION"),
+        )
+    },
+    lost_hint: |host| {
+        format!("check that {host} is up and still in the allocation (`srun -w {host} true`)")
+    },
+    unanswered_hint: |host| {
+        format!("check that {host} still reaches the launch host (`srun -w {host} true`)")
+    },
+};
 
 /// Starts the one srun step of every node's agent.
 pub(crate) async fn start(
@@ -67,8 +101,8 @@ impl StepLink {
 }
 
 impl NodeLink for StepLink {
-    fn named_on_join(&self) -> bool {
-        true
+    fn kind(&self) -> &'static Kind {
+        &KIND
     }
 
     fn joining(&mut self) -> Joining {

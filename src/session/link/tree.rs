@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::peer::Heartbeat;
-use super::{BoxFuture, Bus, Delivery, Ending, Joining, NodeLink, Nudges};
+use super::{BoxFuture, Bus, Delivery, Ending, Joining, Kind, NodeLink, Nudges};
 use crate::agent::child::Marks;
 use crate::protocol::{Keys, RunResult, StepResult};
 use nrun_store::Store;
@@ -266,7 +266,27 @@ impl TreeLink {
     }
 }
 
+/// Nodes of the launch tree: started over ssh by another node's agent. [`super::child`]
+/// links start them (their roots), so no plan chooses this kind; its hints are ssh's.
+pub(crate) static KIND: Kind = Kind {
+    name: "ssh (launch tree)",
+    start: |_, _| Box::pin(async { Ok(Vec::new()) }),
+    check: super::any_nodes,
+    spawner: false,
+    refuses_ship: None,
+    in_process: false,
+    joins_by_itself: false,
+    named_on_join: false,
+    join_hint: |np, r| (super::child::KIND.join_hint)(np, r),
+    lost_hint: super::child::lost_hint,
+    unanswered_hint: super::child::unanswered_hint,
+};
+
 impl NodeLink for TreeLink {
+    fn kind(&self) -> &'static Kind {
+        &KIND
+    }
+
     fn output(&mut self, node: usize, no: usize) -> Delivery {
         self.line
             .first()
