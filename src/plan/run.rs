@@ -174,26 +174,44 @@ impl WorkersPlan {
         several_nodes: bool,
         env: Env<'_>,
     ) -> Result<WorkersPlan> {
+        // Every job flag named, so that a new one is not forgotten: the timeouts are read by
+        // `RunSettings::resolve`, the log flags by `LogPlan::for_job`.
+        let JobArgs {
+            max_restarts,
+            monitor_interval: _,
+            shutdown_timeout: _,
+            log_dir: _,
+            redirects: _,
+            tee: _,
+            local_ranks_filter: _,
+            role,
+            log_line_prefix_template,
+            color,
+            signals_to_handle,
+            stdin,
+            virtual_local_rank,
+            numa_binding,
+        } = job;
         Ok(WorkersPlan {
             nproc,
             program,
             args,
-            role: job.role.clone(),
-            max_restarts: job.max_restarts,
+            role: role.clone(),
+            max_restarts: *max_restarts,
             log,
             set_omp_threads: nproc > 1 && env("OMP_NUM_THREADS").is_none(),
             set_async_error_handling: env("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none(),
             console: ConsolePlan {
-                prefix_template: match &job.log_line_prefix_template {
+                prefix_template: match log_line_prefix_template {
                     Some(t) => Some(check_prefix_template(t)?),
                     None => None,
                 },
-                color: resolve_color(job.color, env),
+                color: resolve_color(*color, env),
             },
-            stdin_rank: parse_stdin(job.stdin.as_deref(), several_nodes)?,
-            signals_to_handle: job.signals_to_handle.clone(),
-            virtual_local_rank: job.virtual_local_rank,
-            numa_binding: match job.numa_binding.as_deref() {
+            stdin_rank: parse_stdin(stdin.as_deref(), several_nodes)?,
+            signals_to_handle: signals_to_handle.clone(),
+            virtual_local_rank: *virtual_local_rank,
+            numa_binding: match numa_binding.as_deref() {
                 None => false,
                 Some("node" | "socket" | "exclusive" | "core-complex") => true,
                 Some(other) => {
