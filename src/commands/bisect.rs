@@ -357,48 +357,64 @@ impl Bisect<'_> {
     /// differ by more than --slow-factor (a healthy pair at 0.11 GB/s was called slow against
     /// the stage's best group, 0.26 GB/s, two rounds before).
     async fn isolate(&mut self, g: GroupOut, median: Option<f64>, s: &mut Session) -> Result<()> {
-        let what = if g.ok { "slow" } else { "fails" };
-        if g.members.len() > 2 {
-            // Halves first; then, if both halves pass, the pairs across them. A half of one
-            // node runs with a node that passed elsewhere: alone, it sends nothing over the
-            // network, and a node whose own link is slow would pass.
-            let (a, b) = g.members.split_at(g.members.len() / 2);
-            let partner = self.alive().into_iter().find(|i| !g.members.contains(i));
-            let half = |h: &[usize]| match (h.len(), partner) {
-                (1, Some(p)) => vec![h[0], p],
-                _ => h.to_vec(),
-            };
-            let outs = self
-                .round(
-                    &format!("isolate: halves of {}", names(&g.members, s)),
-                    vec![half(a), half(b)],
-                    s,
-                )
-                .await?;
+        match g.members.len() {
+            3.. => self.isolate_halves(g, median, s).await,
+            2 => self.isolate_pair(g, median, s).await,
+            _ => Ok(()),
+        }
+    }
+
+    /// A group of more than two: halves first; then, if both halves pass, the pairs across
+    /// them. A half of one node runs with a node that passed elsewhere: alone, it sends nothing
+    /// over the network, and a node whose own link is slow would pass.
+    async fn isolate_halves(
+        &mut self,
+        g: GroupOut,
+        median: Option<f64>,
+        s: &mut Session,
+    ) -> Result<()> {
+        let (a, b) = g.members.split_at(g.members.len() / 2);
+        let partner = self.alive().into_iter().find(|i| !g.members.contains(i));
+        let half = |h: &[usize]| match (h.len(), partner) {
+            (1, Some(p)) => vec![h[0], p],
+            _ => h.to_vec(),
+        };
+        let outs = self
+            .round(
+                &format!("isolate: halves of {}", names(&g.members, s)),
+                vec![half(a), half(b)],
+                s,
+            )
+            .await?;
+        let m = median_busbw(&outs).or(median);
+        let mut any_bad = false;
+        for h in outs {
+            if !h.ok || self.is_slow(&h, m) {
+                any_bad = true;
+                Box::pin(self.isolate(h, m, s)).await?;
+            }
+        }
+        if !any_bad {
+            let pairs: Vec<Vec<usize>> = a.iter().zip(b).map(|(x, y)| vec![*x, *y]).collect();
+            let outs = self.round("isolate: cross pairs", pairs, s).await?;
             let m = median_busbw(&outs).or(median);
-            let mut any_bad = false;
-            for h in outs {
-                if !h.ok || self.is_slow(&h, m) {
-                    any_bad = true;
-                    Box::pin(self.isolate(h, m, s)).await?;
+            for p in outs {
+                if !p.ok || self.is_slow(&p, m) {
+                    Box::pin(self.isolate(p, m, s)).await?;
                 }
             }
-            if !any_bad {
-                let pairs: Vec<Vec<usize>> = a.iter().zip(b).map(|(x, y)| vec![*x, *y]).collect();
-                let outs = self.round("isolate: cross pairs", pairs, s).await?;
-                let m = median_busbw(&outs).or(median);
-                for p in outs {
-                    if !p.ok || self.is_slow(&p, m) {
-                        Box::pin(self.isolate(p, m, s)).await?;
-                    }
-                }
-            }
-            return Ok(());
         }
-        if g.members.len() < 2 {
-            return Ok(());
-        }
-        // A pair: re-pair each member with a different node that already passed.
+        Ok(())
+    }
+
+    /// A pair: re-pair each member with a different node that already passed.
+    async fn isolate_pair(
+        &mut self,
+        g: GroupOut,
+        median: Option<f64>,
+        s: &mut Session,
+    ) -> Result<()> {
+        let what = if g.ok { "slow" } else { "fails" };
         let (x, y) = (g.members[0], g.members[1]);
         let good: Vec<usize> = self
             .alive()
@@ -446,15 +462,37 @@ impl Bisect<'_> {
                 None
             }
         };
-        let (jx, jy) = (judge(&outs[0]), judge(&outs[1]));
+        let verdicts = [judge(&outs[0]), judge(&outs[1])];
+        let partners = [good[0], good[1]];
+        match verdicts {
+            [None, None] => self.pair_again([x, y], partners, &what, median, s).await,
+            v => {
+                self.mark_repaired([x, y], partners, v, &outs, &what, s);
+                Ok(())
+            }
+        }
+    }
+
+    /// Marks the members of a pair whose re-pairs (`outs`, with `partners`) did not both pass:
+    /// the one that fails (or runs slow) again is the culprit; both, both are.
+    fn mark_repaired(
+        &mut self,
+        [x, y]: [usize; 2],
+        partners: [usize; 2],
+        verdicts: [Option<NodeVerdict>; 2],
+        outs: &[GroupOut],
+        what: &str,
+        s: &Session,
+    ) {
         let again = |o: &GroupOut| match (o.busbw_gbs, &o.slow_link) {
             (_, Some(link)) if o.ok => link.clone(),
             (Some(b), _) if o.ok => format!("{b:.3} GB/s"),
             _ if !o.evidence.is_empty() => o.evidence.clone(),
             _ => "failed".into(),
         };
-        match (jx, jy) {
-            (Some(v), None) => self.mark(
+        let good = partners;
+        match verdicts {
+            [Some(v), None] => self.mark(
                 x,
                 v,
                 format!(
@@ -464,7 +502,7 @@ impl Bisect<'_> {
                     again(&outs[0])
                 ),
             ),
-            (None, Some(v)) => self.mark(
+            [None, Some(v)] => self.mark(
                 y,
                 v,
                 format!(
@@ -474,7 +512,7 @@ impl Bisect<'_> {
                     again(&outs[1])
                 ),
             ),
-            (Some(vx), Some(vy)) => {
+            [Some(vx), Some(vy)] => {
                 self.mark(
                     x,
                     vx,
@@ -496,40 +534,49 @@ impl Bisect<'_> {
                     ),
                 );
             }
-            (None, None) => {
-                // Both pass with other partners: a link problem, or a measurement disturbed by
-                // the rest of the stage. The pair alone, once more, tells them apart.
-                let again = self
-                    .round(
-                        &format!(
-                            "isolate: {} and {} again",
-                            s.nodes[x].label, s.nodes[y].label
-                        ),
-                        vec![vec![x, y]],
-                        s,
-                    )
-                    .await?;
-                if again[0].ok && !self.is_slow(&again[0], median) {
-                    return Ok(());
-                }
-                self.mark(
-                    x,
-                    NodeVerdict::Link,
-                    format!(
-                        "{what} only with {} (link or pair problem); passes with {}",
-                        s.nodes[y].label, s.nodes[good[0]].label
-                    ),
-                );
-                self.mark(
-                    y,
-                    NodeVerdict::Link,
-                    format!(
-                        "{what} only with {} (link or pair problem); passes with {}",
-                        s.nodes[x].label, s.nodes[good[1]].label
-                    ),
-                );
-            }
+            [None, None] => {}
         }
+    }
+
+    /// Both members of a pair pass with other partners: a link problem, or a measurement
+    /// disturbed by the rest of the stage. The pair alone, once more, tells them apart.
+    async fn pair_again(
+        &mut self,
+        [x, y]: [usize; 2],
+        good: [usize; 2],
+        what: &str,
+        median: Option<f64>,
+        s: &mut Session,
+    ) -> Result<()> {
+        let again = self
+            .round(
+                &format!(
+                    "isolate: {} and {} again",
+                    s.nodes[x].label, s.nodes[y].label
+                ),
+                vec![vec![x, y]],
+                s,
+            )
+            .await?;
+        if again[0].ok && !self.is_slow(&again[0], median) {
+            return Ok(());
+        }
+        self.mark(
+            x,
+            NodeVerdict::Link,
+            format!(
+                "{what} only with {} (link or pair problem); passes with {}",
+                s.nodes[y].label, s.nodes[good[0]].label
+            ),
+        );
+        self.mark(
+            y,
+            NodeVerdict::Link,
+            format!(
+                "{what} only with {} (link or pair problem); passes with {}",
+                s.nodes[x].label, s.nodes[good[1]].label
+            ),
+        );
         Ok(())
     }
 

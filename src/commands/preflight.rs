@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::plan::{PreflightPlan, RunSettings};
 use crate::protocol::{RunResult, StepResult, THIS_NRUN};
-use crate::session::spec::Launch;
+use crate::session::spec::{Group, Launch};
 use crate::session::{Policy, Session};
 use nrun_base::error::{Result, exit};
 use nrun_preflight::{self as preflight, Mode, Settings};
@@ -93,32 +93,11 @@ pub(crate) async fn run(
         Err(e) => return Ok(Ended::early(e.code)),
     };
     since("ranks ended");
-    let mut crashed = None;
-    for r in results.iter().flatten() {
-        match r {
-            StepResult::Run(RunResult::Interrupted(sig)) => {
-                tracing::warn!("preflight stopped by {}", nrun_node::signal_name(*sig));
-                return Ok(Ended::early(exit::signal(*sig)));
-            }
-            StepResult::Run(RunResult::Failed(f)) if crashed.is_none() => {
-                crashed = Some((f.rank, format!("pid {} {}", f.pid, f.how)));
-            }
-            StepResult::Run(RunResult::TimedOut) => {
-                tracing::warn!("the preflight ran past its deadline and was stopped")
-            }
-            StepResult::Run(RunResult::SpawnError(e) | RunResult::Lost(e)) => {
-                tracing::warn!("preflight: {e}")
-            }
-            _ => {}
-        }
-    }
-    let mut ranks = group.rank_hosts(s);
-    // A static launch's node sees only its own ranks; the others are named by node.
-    let mine: std::collections::BTreeSet<usize> = ranks.iter().map(|r| r.0).collect();
-    for r in (0..group.world).filter(|r| !mine.contains(r)) {
-        ranks.push((r, format!("node {}", r / job.workers.nproc.max(1))));
-    }
-    ranks.sort();
+    let crashed = match first_crash(&results) {
+        Ok(c) => c,
+        Err(code) => return Ok(Ended::early(code)),
+    };
+    let ranks = every_rank(s, &group, job.workers.nproc);
     let values = read_reports(s, &settings[0], &ranks).await;
     since("reports gathered");
     let other_libs = match other_libs {
@@ -149,25 +128,64 @@ pub(crate) async fn run(
     if let Some(path) = &pf.report {
         crate::report::write_json("--report", path, &summary.json)?;
     }
-    // Failing findings that all name a node blame those nodes; one without a node (wrong
-    // results everywhere, a version mismatch) blames nobody.
-    let failing: Vec<&preflight::finding::Finding> = summary
-        .findings
+    Ok(Ended {
+        code: summary.verdict.exit_code(),
+        blamed: blamed(&summary.findings),
+        report: Some(summary.json),
+    })
+}
+
+/// The first rank that crashed (rank, how), warning about ranks that timed out or were lost;
+/// Err: nrun was stopped by a signal (the exit code).
+fn first_crash(results: &[Option<StepResult>]) -> std::result::Result<Option<(usize, String)>, u8> {
+    let mut crashed = None;
+    for r in results.iter().flatten() {
+        match r {
+            StepResult::Run(RunResult::Interrupted(sig)) => {
+                tracing::warn!("preflight stopped by {}", nrun_node::signal_name(*sig));
+                return Err(exit::signal(*sig));
+            }
+            StepResult::Run(RunResult::Failed(f)) if crashed.is_none() => {
+                crashed = Some((f.rank, format!("pid {} {}", f.pid, f.how)));
+            }
+            StepResult::Run(RunResult::TimedOut) => {
+                tracing::warn!("the preflight ran past its deadline and was stopped")
+            }
+            StepResult::Run(RunResult::SpawnError(e) | RunResult::Lost(e)) => {
+                tracing::warn!("preflight: {e}")
+            }
+            _ => {}
+        }
+    }
+    Ok(crashed)
+}
+
+/// Every rank of the group with its host, in rank order. A static launch's node sees only its
+/// own ranks; the others are named by node.
+fn every_rank(s: &Session, group: &Group, nproc: usize) -> Vec<(usize, String)> {
+    let mut ranks = group.rank_hosts(s);
+    let mine: std::collections::BTreeSet<usize> = ranks.iter().map(|r| r.0).collect();
+    for r in (0..group.world).filter(|r| !mine.contains(r)) {
+        ranks.push((r, format!("node {}", r / nproc.max(1))));
+    }
+    ranks.sort();
+    ranks
+}
+
+/// Failing findings that all name a node blame those nodes (host, evidence); one without a
+/// node (wrong results everywhere, a version mismatch) blames nobody.
+fn blamed(findings: &[preflight::finding::Finding]) -> Vec<(String, String)> {
+    let failing: Vec<&preflight::finding::Finding> = findings
         .iter()
         .filter(|f| matches!(f.severity, preflight::finding::Severity::Fail(_)))
         .collect();
-    let blamed = match failing.iter().all(|f| f.node.is_some()) {
+    match failing.iter().all(|f| f.node.is_some()) {
         true => failing
             .iter()
             .filter_map(|f| Some((f.node.clone()?, f.evidence.clone())))
             .collect(),
         false => Vec::new(),
-    };
-    Ok(Ended {
-        code: summary.verdict.exit_code(),
-        report: Some(summary.json),
-        blamed,
-    })
+    }
 }
 
 /// Node `i`'s preflight settings (`id`: the run's key space): --nccl-lib, else the library the

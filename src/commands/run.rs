@@ -503,76 +503,43 @@ async fn attempt_loop(
     for attempt in 0u32.. {
         rec.attempts = attempt as usize + 1;
         rec.restarts = restarts;
-        if attempt > 0 {
-            if let Some(st) = s.store() {
-                st.clear_user_keys();
-            }
-        }
-        let world = s.group().world;
-        if let Some(w) = s.watch.as_mut() {
-            w.reset(world);
-        }
-        let launch = Launch {
-            port: s.rendezvous.port,
-            attempt,
-            restart_count: restarts,
-            program,
-            args,
-            logs: true,
-            scratch: "job",
-            extra: &|_| Vec::new(),
-            grace_ms: job.shutdown_timeout.as_millis() as u64,
-            deadline_ms: None,
-            watch: s.watch.is_some(),
-            secret: false,
-        };
-        let group = s.group();
-        let steps = s.steps(&job.workers, &group, &launch);
-        let results = match s.run_step(steps, Policy::Together).await {
-            Ok(r) => r,
-            Err(e) => {
-                rec.outcome = Some(if e.code > 128 {
-                    "interrupted"
-                } else {
-                    "failed"
-                });
-                return e.code;
-            }
-        };
+        let (group, results) =
+            match run_attempt(s, job, program, args, attempt, restarts, rec).await {
+                Ok(r) => r,
+                Err(code) => return code,
+            };
         let restart_left = restarts < job.workers.max_restarts;
         let hung = s.watch.as_ref().is_some_and(|w| w.stopped);
         if hung {
             if let Some(w) = s.watch.as_mut() {
                 w.stopped = false;
             }
-            let d = judge(
+            let pinned = hang_pinned(s, &group);
+            let (_, applied) = apply(
                 s,
                 &results,
-                hang_pinned(s, &group),
+                pinned,
                 &mut history,
                 restart_left,
+                attempt,
+                rec,
             );
-            tell(s, &d, attempt, rec);
-            for (i, why) in &d.kept {
-                s.flag(*i, why);
-            }
-            if d.action == fault::Action::Restart {
-                if let Err(why) = s.reform(&d.leave_out) {
+            match applied {
+                Applied::Restarted => {
+                    restarts += 1;
+                    tracing::warn!(
+                        "restarting the worker group after the hang ({restarts} of {} restarts)",
+                        job.workers.max_restarts
+                    );
+                    continue;
+                }
+                Applied::CannotReform(why) => {
                     eprintln!("nrun: error: {why}; the job cannot go on");
                     rec.outcome = Some("hang");
                     return exit::NO_NODES;
                 }
-                restarts += 1;
-                tracing::warn!(
-                    "restarting the worker group after the hang ({restarts} of {} restarts)",
-                    job.workers.max_restarts
-                );
-                continue;
+                Applied::Stopped => return hang_stop(s, rec),
             }
-            for (i, why) in &d.leave_out {
-                s.leave_out(*i, Stage::Run, why);
-            }
-            return hang_stop(s, rec);
         }
         // Elastic: nodes arrived while the group ran; it was stopped to take them in.
         if std::mem::take(&mut s.grow) {
@@ -605,38 +572,26 @@ async fn attempt_loop(
         };
         rec.outcome = Some("failed");
         rec.headline = Some(headline.clone());
-        let d = judge(s, &results, None, &mut history, restart_left);
-        tell(s, &d, attempt, rec);
-        for (i, why) in &d.kept {
-            s.flag(*i, why);
-        }
-        let lost: Vec<usize> = d
-            .judged
-            .iter()
-            .filter(|j| j.verdict == fault::Verdict::Lost)
-            .map(|j| j.node)
-            .collect();
-        match d.action {
-            fault::Action::Restart => {
-                if let Err(why) = s.reform(&d.leave_out) {
-                    let told = match lost.is_empty() {
-                        true => format!("{summary}nrun: error: {why}; the job cannot go on\n"),
-                        false => format!("{}nrun: error: {why}\n", lost_text(s, &d)),
-                    };
-                    eprint!("{told}");
-                    tell_every_node(s, &told, error_json.as_deref());
-                    return exit::NO_NODES;
-                }
+        let (d, applied) = apply(s, &results, None, &mut history, restart_left, attempt, rec);
+        match applied {
+            Applied::Restarted => {
                 restarts += 1;
                 tracing::warn!(
                     "{headline}; restarting the worker group ({restarts} of {} restarts)",
                     job.workers.max_restarts
                 );
             }
-            fault::Action::StopShort => {
-                for (i, why) in &d.leave_out {
-                    s.leave_out(*i, Stage::Run, why);
-                }
+            Applied::CannotReform(why) => {
+                let lost = d.judged.iter().any(|j| j.verdict == fault::Verdict::Lost);
+                let told = match lost {
+                    false => format!("{summary}nrun: error: {why}; the job cannot go on\n"),
+                    true => format!("{}nrun: error: {why}\n", lost_text(s, &d)),
+                };
+                eprint!("{told}");
+                tell_every_node(s, &told, error_json.as_deref());
+                return exit::NO_NODES;
+            }
+            Applied::Stopped if d.action == fault::Action::StopShort => {
                 let told = format!(
                     "{}nrun: error: the job cannot go on without it: no restart left \
                      (--max-restarts; exit {}: too few healthy nodes)\n",
@@ -647,16 +602,102 @@ async fn attempt_loop(
                 tell_every_node(s, &told, error_json.as_deref());
                 return exit::NO_NODES;
             }
-            fault::Action::Stop => {
-                // No restart left: remembered all the same (--exclude-file, --report).
-                for (i, why) in &d.leave_out {
-                    s.leave_out(*i, Stage::Run, why);
-                }
-                return stop_failed(s, job, shape, code, summary, error_json);
-            }
+            Applied::Stopped => return stop_failed(s, job, shape, code, summary, error_json),
         }
     }
     exit::SUCCESS
+}
+
+/// Starts one attempt's worker group and waits for it to end: the group and each node's
+/// result; Err: the job's exit code (nrun was stopped, or the session failed).
+async fn run_attempt(
+    s: &mut Session,
+    job: &RunSettings,
+    program: &str,
+    args: &[String],
+    attempt: u32,
+    restarts: u32,
+    rec: &mut Record,
+) -> Result<(crate::session::spec::Group, Vec<Option<StepResult>>), u8> {
+    if attempt > 0 {
+        if let Some(st) = s.store() {
+            st.clear_user_keys();
+        }
+    }
+    let world = s.group().world;
+    if let Some(w) = s.watch.as_mut() {
+        w.reset(world);
+    }
+    let launch = Launch {
+        port: s.rendezvous.port,
+        attempt,
+        restart_count: restarts,
+        program,
+        args,
+        logs: true,
+        scratch: "job",
+        extra: &|_| Vec::new(),
+        grace_ms: job.shutdown_timeout.as_millis() as u64,
+        deadline_ms: None,
+        watch: s.watch.is_some(),
+        secret: false,
+    };
+    let group = s.group();
+    let steps = s.steps(&job.workers, &group, &launch);
+    match s.run_step(steps, Policy::Together).await {
+        Ok(r) => Ok((group, r)),
+        Err(e) => {
+            rec.outcome = Some(if e.code > 128 {
+                "interrupted"
+            } else {
+                "failed"
+            });
+            Err(e.code)
+        }
+    }
+}
+
+/// What applying the fault model's decision did.
+enum Applied {
+    /// The group re-formed without the nodes left out: the next attempt starts.
+    Restarted,
+    /// A restart was decided but the group cannot re-form (too few nodes left).
+    CannotReform(Error),
+    /// No restart: the nodes left out are recorded as such (--exclude-file, --report).
+    Stopped,
+}
+
+/// The fault model's decision on an attempt's end (a hang the watch stopped, pinned on a node
+/// or not, or a failure), told and applied: the nodes kept are flagged; a restart re-forms the
+/// group without the nodes left out, a stop records them as left out. One path for a hang and
+/// a failure alike; what is said and the exit code are the caller's.
+fn apply(
+    s: &mut Session,
+    results: &[Option<StepResult>],
+    hang: Option<(usize, String)>,
+    history: &mut fault::History,
+    restart_left: bool,
+    attempt: u32,
+    rec: &mut Record,
+) -> (fault::Decision, Applied) {
+    let d = judge(s, results, hang, history, restart_left);
+    tell(s, &d, attempt, rec);
+    for (i, why) in &d.kept {
+        s.flag(*i, why);
+    }
+    let applied = match d.action {
+        fault::Action::Restart => match s.reform(&d.leave_out) {
+            Ok(()) => Applied::Restarted,
+            Err(why) => Applied::CannotReform(why),
+        },
+        fault::Action::Stop | fault::Action::StopShort => {
+            for (i, why) in &d.leave_out {
+                s.leave_out(*i, Stage::Run, why);
+            }
+            Applied::Stopped
+        }
+    };
+    (d, applied)
 }
 
 /// The nodes a decision found lost, each with what to check: the cause of the attempt's end

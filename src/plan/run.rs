@@ -1,0 +1,379 @@
+//! The job's settings (the default command): [`RunSettings::resolve`] in steps of one concern
+//! each: the rendezvous ([`job_rdzv`]), the command, the log files, what the workers get, the
+//! session; and the watch over the running job.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use nrun_base::error::{Error, Result};
+use nrun_cli::{
+    ColorWhen, JobArgs, RendezvousArgs, RunArgs, TargetArgs, WatchArgs, WatchWhen, WorkerArgs,
+};
+
+use super::parse::{
+    check_prefix_template, parse_bytes, parse_rank_set, parse_signals, parse_stdin, positive_secs,
+    resolve_nproc,
+};
+use super::preflight::resolve_preflight;
+use super::program::{find_python, resolve_command};
+use super::rdzv::{JobRdzv, job_rdzv, resolve_store};
+use super::{
+    ConsolePlan, Env, LogPlan, RunSettings, SessionPlan, Shape, StorePlan, StreamSpec, WorkersPlan,
+    nodes,
+};
+
+impl RunSettings {
+    /// The job's settings from the default command's flags. Checked in the order the flags'
+    /// concerns are resolved, so that of several bad values the same one is named first.
+    pub(super) fn resolve(run: &RunArgs, env: Env<'_>) -> Result<RunSettings> {
+        let uses_hosts = uses_hosts(run, env);
+        let RunArgs {
+            workers: WorkerArgs { nproc_per_node },
+            rdzv,
+            job,
+            target,
+            preflight,
+            watch,
+            nodes: _,
+            compat,
+            // Handled before a plan is made (see `lib.rs`).
+            print_completion: _,
+            command,
+        } = run;
+        compat.notes();
+        // nrun reacts to exits at once; accepted (and checked) for torchrun's command lines.
+        if let Some(m) = job.monitor_interval {
+            positive_secs("--monitor-interval", m, true)?;
+        }
+        let nproc = resolve_nproc(nproc_per_node, env)?;
+        let rz = job_rdzv(rdzv, uses_hosts, env)?;
+        let shutdown_timeout = positive_secs("--shutdown-timeout", job.shutdown_timeout, true)?;
+        let preflight_plan = resolve_preflight(preflight, env)?;
+        let command = job_command(target, command, env)?;
+        let python = find_python(target.python.as_deref(), env);
+        let store = match &rz.c10d {
+            // As with a host list: every node learns its store address when it joins.
+            Some(c) => StorePlan::Host {
+                port: c.port,
+                advertise: String::new(),
+            },
+            None => resolve_store(rdzv, rz.nnodes, uses_hosts)?,
+        };
+        let log = LogPlan::for_job(job, nproc, &rz.run_id)?;
+        let shape = Shape {
+            nproc,
+            nnodes: rz.nnodes,
+            min_nodes: rz.min_nodes,
+            node_rank: rz.node_rank,
+            last_call: rz.last_call,
+            rdzv_join_timeout: rz.rdzv_join_timeout,
+            c10d: rz.c10d.is_some(),
+            python: !target.no_python && python.is_some(),
+        };
+        let several_nodes = rz.nnodes > 1 || uses_hosts;
+        let workers = WorkersPlan::for_job(job, nproc, command, log, several_nodes, env)?;
+        let session = SessionPlan::for_job(rdzv, job, rz, store, uses_hosts, python, env)?;
+        Ok(RunSettings {
+            session,
+            workers,
+            shape,
+            shutdown_timeout,
+            preflight: preflight_plan,
+            preflight_only: preflight.preflight_only,
+            watch: resolve_watch(watch)?,
+            report: preflight.report.clone(),
+            launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
+        })
+    }
+}
+
+/// Whether nrun starts the nodes itself: a host list, or a Slurm allocation of several nodes
+/// (salloc, sbatch; not a step on every node), where `--nnodes N` without a rank or an address
+/// takes its nodes from the allocation, the rest of it being spares.
+fn uses_hosts(run: &RunArgs, env: Env<'_>) -> bool {
+    let allocation = nodes::in_allocation(&run.nodes, env)
+        && run.rdzv.node_rank.is_none()
+        && run.rdzv.master_addr.is_none()
+        && run.rdzv.rdzv_endpoint.is_none();
+    run.nodes.hosts.is_some() || run.nodes.hostfile.is_some() || allocation
+}
+
+/// The job's program and arguments; none for a preflight alone (no TARGET).
+fn job_command(
+    target: &TargetArgs,
+    command: &[String],
+    env: Env<'_>,
+) -> Result<(OsString, Vec<OsString>)> {
+    if let Some(name) = command.first().filter(|c| nrun_cli::is_command_name(c)) {
+        return Err(Error::usage(format!(
+            "`{name}` is a command: give its flags after it (nrun {name} -H ...); a script or \
+             program named {name} runs as ./{name}"
+        )));
+    }
+    if command.is_empty() {
+        return Ok((OsString::new(), Vec::new()));
+    }
+    resolve_command(target, command, env)
+}
+
+impl LogPlan {
+    /// `--redirects`, `--tee`, `--local-ranks-filter` and `--log-dir`: which streams go to files
+    /// and where, and which ranks reach the console.
+    fn for_job(job: &JobArgs, nproc: usize, run_id: &str) -> Result<LogPlan> {
+        let redirects = match &job.redirects {
+            Some(s) => StreamSpec::parse("--redirects", s)?,
+            None => StreamSpec::None,
+        };
+        let tee = match &job.tee {
+            Some(s) => StreamSpec::parse("--tee", s)?,
+            None => StreamSpec::None,
+        };
+        let console_ranks = match &job.local_ranks_filter {
+            None => None,
+            Some(s) => Some(parse_rank_set(s, nproc)?),
+        };
+        let wants_files = !redirects.is_none() || !tee.is_none();
+        // torchrun's layout: a directory of its own for each run, `<run id>_<random>`, so a
+        // second run with the same --log-dir and id keeps the first's logs.
+        let (base, dir_is_temp) = match &job.log_dir {
+            Some(d) => {
+                nrun_base::files::check_parent_dir(d)
+                    .map_err(|e| Error::usage(format!("--log-dir: {e}")))?;
+                (Some(d.clone()), false)
+            }
+            None if wants_files => (Some(std::env::temp_dir()), true),
+            None => (None, false),
+        };
+        let dir = match base {
+            Some(b) => {
+                let suffix = nrun_base::random_hex()
+                    .map_err(|e| Error::internal(format!("cannot read random bytes: {e}")))?;
+                let prefix = if dir_is_temp { "nrun-logs-" } else { "" };
+                Some(b.join(format!("{prefix}{run_id}_{}", &suffix[..8])))
+            }
+            None => None,
+        };
+        Ok(LogPlan {
+            dir,
+            redirects,
+            console_ranks,
+        })
+    }
+}
+
+impl WorkersPlan {
+    /// What the job's workers get: the command, torchrun's defaults where the environment
+    /// leaves them unset, the console, stdin, and the role and binding flags.
+    fn for_job(
+        job: &JobArgs,
+        nproc: usize,
+        (program, args): (OsString, Vec<OsString>),
+        log: LogPlan,
+        several_nodes: bool,
+        env: Env<'_>,
+    ) -> Result<WorkersPlan> {
+        // Every job flag named, so that a new one is not forgotten: the timeouts are read by
+        // `RunSettings::resolve`, the log flags by `LogPlan::for_job`.
+        let JobArgs {
+            max_restarts,
+            monitor_interval: _,
+            shutdown_timeout: _,
+            log_dir: _,
+            redirects: _,
+            tee: _,
+            local_ranks_filter: _,
+            role,
+            log_line_prefix_template,
+            color,
+            signals_to_handle,
+            stdin,
+            virtual_local_rank,
+            numa_binding,
+        } = job;
+        Ok(WorkersPlan {
+            nproc,
+            program,
+            args,
+            role: role.clone(),
+            max_restarts: *max_restarts,
+            log,
+            set_omp_threads: nproc > 1 && env("OMP_NUM_THREADS").is_none(),
+            set_async_error_handling: env("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none(),
+            console: ConsolePlan {
+                prefix_template: match log_line_prefix_template {
+                    Some(t) => Some(check_prefix_template(t)?),
+                    None => None,
+                },
+                color: resolve_color(*color, env),
+            },
+            stdin_rank: parse_stdin(stdin.as_deref(), several_nodes)?,
+            signals_to_handle: signals_to_handle.clone(),
+            virtual_local_rank: *virtual_local_rank,
+            numa_binding: match numa_binding.as_deref() {
+                None => false,
+                Some("node" | "socket" | "exclusive" | "core-complex") => true,
+                Some(other) => {
+                    return Err(Error::usage(format!(
+                        "--numa-binding {other:?}: expected node, socket, exclusive or core-complex"
+                    )));
+                }
+            },
+        })
+    }
+}
+
+impl SessionPlan {
+    /// The job's session: its rendezvous, store, the store's bound, the signals passed on, and
+    /// a static launch's secret.
+    fn for_job(
+        rdzv: &RendezvousArgs,
+        job: &JobArgs,
+        rz: JobRdzv,
+        store: StorePlan,
+        uses_hosts: bool,
+        python: Option<PathBuf>,
+        env: Env<'_>,
+    ) -> Result<SessionPlan> {
+        let JobRdzv {
+            nnodes,
+            run_id,
+            c10d,
+            ..
+        } = rz;
+        Ok(SessionPlan {
+            store,
+            store_max_bytes: parse_bytes("--store-max-bytes", &rdzv.store_max_bytes)?,
+            forward_signals: parse_signals(&job.signals_to_handle)?,
+            static_secret: env("NRUN_RDZV_SECRET")
+                .filter(|v| !v.is_empty() && nnodes > 1 && !uses_hosts && c10d.is_none())
+                .map(|v| nrun_store::auth::derive(v.as_bytes(), &run_id)),
+            run_id,
+            c10d,
+            python,
+        })
+    }
+}
+
+/// The watch: on unless turned off. `auto` and `on` differ no more: with either, each node's
+/// agent watches every worker whose process tree runs Python (a `--no-python` wrapper that
+/// execs or starts python included) and leaves other programs alone.
+fn resolve_watch(args: &WatchArgs) -> Result<Option<crate::watch::WatchPlan>> {
+    use crate::watch::WatchPlan;
+    let WatchArgs {
+        watch,
+        hang_timeout,
+        on_hang,
+    } = args;
+    let on = match watch {
+        WatchWhen::Auto | WatchWhen::On => true,
+        WatchWhen::Off => false,
+    };
+    let hang_timeout = positive_secs("--hang-timeout", *hang_timeout, false)?;
+    Ok(on.then_some(WatchPlan {
+        hang_timeout,
+        on_hang: *on_hang,
+    }))
+}
+
+/// `--color`: auto (a terminal, and NO_COLOR unset or empty), always, never.
+fn resolve_color(when: ColorWhen, env: Env<'_>) -> nrun_node::output::Color {
+    use nrun_node::output::Color;
+    match when {
+        ColorWhen::Auto if env("NO_COLOR").is_some_and(|v| !v.is_empty()) => Color::Never,
+        ColorWhen::Auto => Color::Auto,
+        ColorWhen::Always => Color::Always,
+        ColorWhen::Never => Color::Never,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::super::tests::{plan, worker_env};
+    use crate::plan::{StorePlan, WorkerSlot};
+
+    #[test]
+    fn worker_env_matches_torchrun() {
+        let p = plan(&["--nproc", "4", "--no-python", "true"]).unwrap();
+        let env = worker_env(
+            &p,
+            &WorkerSlot {
+                local_rank: 2,
+                restart_count: 1,
+                master_addr: "127.0.0.1",
+                master_port: 1234,
+                error_file: Path::new("/tmp/e.json"),
+            },
+        );
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("RANK"), Some("2"));
+        assert_eq!(get("LOCAL_RANK"), Some("2"));
+        assert_eq!(get("WORLD_SIZE"), Some("4"));
+        assert_eq!(get("LOCAL_WORLD_SIZE"), Some("4"));
+        assert_eq!(get("GROUP_RANK"), Some("0"));
+        assert_eq!(get("ROLE_NAME"), Some("default"));
+        assert_eq!(get("MASTER_PORT"), Some("1234"));
+        assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("1"));
+        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), Some("True"));
+        assert_eq!(get("TORCHELASTIC_ERROR_FILE"), Some("/tmp/e.json"));
+        // A run nrun starts alone gets a fresh UUID, as torchrun's standalone runs.
+        let id = get("TORCHELASTIC_RUN_ID").unwrap();
+        assert_eq!(
+            (id.len(), &id[14..15], id.matches('-').count()),
+            (36, "4", 4),
+            "{id}"
+        );
+    }
+
+    #[test]
+    fn static_multi_node_ranks_and_store() {
+        let p = plan(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc",
+            "4",
+            "--master-addr",
+            "10.0.0.1",
+            "--no-python",
+            "true",
+        ])
+        .unwrap();
+        assert_eq!(
+            p.session.store,
+            StorePlan::Remote {
+                addr: "10.0.0.1".into(),
+                port: 29500
+            }
+        );
+        let env = worker_env(
+            &p,
+            &WorkerSlot {
+                local_rank: 3,
+                restart_count: 0,
+                master_addr: "10.0.0.1",
+                master_port: 29500,
+                error_file: Path::new("/e"),
+            },
+        );
+        assert!(env.contains(&("RANK".into(), "7".into())));
+        assert!(env.contains(&("WORLD_SIZE".into(), "8".into())));
+        assert!(
+            plan(&["--nnodes", "2", "--no-python", "true"])
+                .unwrap_err()
+                .message
+                .contains("--master-addr")
+        );
+    }
+
+    #[test]
+    fn a_command_name_after_run_flags_is_refused() {
+        let e = plan(&["-H", "a,b", "doctor"]).unwrap_err();
+        assert_eq!(e.code, nrun_base::error::exit::USAGE);
+        assert!(e.message.contains("runs as ./doctor"), "{}", e.message);
+    }
+}
