@@ -151,23 +151,46 @@ fn ranks_text(r: &[usize]) -> String {
     }
 }
 
+/// What a diagnosis concludes: its kind, its sentence, the ranks it blames.
+type Conclusion = (Kind, String, Vec<usize>);
+
+/// The ranks of a stall, by what their stacks show.
+struct Groups<'s, 'a> {
+    /// The ranks waiting in each collective.
+    by_op: BTreeMap<String, Vec<usize>>,
+    /// Alive and in no collective.
+    busy: Vec<&'s Seen<'a>>,
+    exited: Vec<&'s Seen<'a>>,
+    /// Alive, but no stack could be read.
+    unreadable: Vec<usize>,
+}
+
+impl<'s, 'a> Groups<'s, 'a> {
+    fn of(ranks: &'s [Seen<'a>]) -> Self {
+        let mut g = Groups {
+            by_op: BTreeMap::new(),
+            busy: Vec::new(),
+            exited: Vec::new(),
+            unreadable: Vec::new(),
+        };
+        for s in ranks {
+            match (&s.view.exited, waits_in(s.view)) {
+                (Some(_), _) => g.exited.push(s),
+                (None, Some(op)) => g.by_op.entry(op).or_default().push(s.view.rank),
+                (None, None) if s.view.frames.is_empty() => g.unreadable.push(s.view.rank),
+                (None, None) => g.busy.push(s),
+            }
+        }
+        g
+    }
+}
+
 /// The diagnosis of a stall, from every rank's latest view.
 pub(crate) fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
     if ranks.is_empty() {
         return None;
     }
-    let mut by_op: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-    let mut busy: Vec<&Seen<'_>> = Vec::new();
-    let mut exited: Vec<&Seen<'_>> = Vec::new();
-    let mut unreadable: Vec<usize> = Vec::new();
-    for s in ranks {
-        match (&s.view.exited, waits_in(s.view)) {
-            (Some(_), _) => exited.push(s),
-            (None, Some(op)) => by_op.entry(op).or_default().push(s.view.rank),
-            (None, None) if s.view.frames.is_empty() => unreadable.push(s.view.rank),
-            (None, None) => busy.push(s),
-        }
-    }
+    let g = Groups::of(ranks);
     // How long the stall has lasted: the longest wait in a collective (a peer that has not
     // entered it may be moving all the while), else the time every stack stood still.
     let waited_ms = ranks
@@ -183,7 +206,40 @@ pub(crate) fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
             .min()
             .unwrap_or(0)
     });
-    let states = ranks
+    let states = rank_states(ranks);
+    let (kind, conclusion, culprits) = stacks_conclusion(&g);
+    // The flight recorder (NCCL jobs) knows which collective each rank last enqueued and
+    // completed: where it speaks, its sentence is the conclusion.
+    let (kind, conclusion, culprits) = match flight_conclusion(ranks) {
+        Some(fr) => fr,
+        None => (kind, conclusion, culprits),
+    };
+    // A collective the ranks called differently before the stall is where it went wrong.
+    let (kind, conclusion, culprits) = match mismatch(ranks) {
+        Some(m) => (Kind::Disagree, m.text(), m.culprits),
+        None => (kind, conclusion, culprits),
+    };
+    let conclusion = match g.unreadable.is_empty() {
+        true => conclusion,
+        false => format!(
+            "{conclusion} ({}: stack unreadable)",
+            ranks_text(&g.unreadable)
+        ),
+    };
+    Some(Diagnosis {
+        kind,
+        conclusion,
+        culprits,
+        stalled_s: stalled_ms as f64 / 1e3,
+        in_collective: waited_ms.is_some(),
+        ranks: states,
+        nccl_ras: None,
+    })
+}
+
+/// Each rank's state and stack, as the diagnosis shows them.
+fn rank_states(ranks: &[Seen<'_>]) -> Vec<RankState> {
+    ranks
         .iter()
         .map(|s| RankState {
             rank: s.view.rank,
@@ -197,45 +253,14 @@ pub(crate) fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
             },
             frames: s.view.frames.iter().map(frame_text).collect(),
         })
-        .collect();
-    let (kind, conclusion, culprits) = if !by_op.is_empty()
-        && (!busy.is_empty() || !exited.is_empty())
-    {
-        // The collective most ranks wait in is the one the others have not reached.
-        let (op, waiting) = by_op
-            .iter()
-            .max_by_key(|(_, r)| r.len())
-            .map(|(o, r)| (o.clone(), r.clone()))
-            .unwrap_or_default();
-        let mut parts = Vec::new();
-        let mut culprits = Vec::new();
-        for s in &busy {
-            parts.push(format!(
-                "rank {} on {} has not entered it: it is in {}",
-                s.view.rank,
-                s.host,
-                place(s.view)
-            ));
-            culprits.push(s.view.rank);
-        }
-        for s in &exited {
-            parts.push(format!(
-                "rank {} on {} {} before entering it",
-                s.view.rank,
-                s.host,
-                s.view.exited.as_deref().unwrap_or("exited")
-            ));
-            culprits.push(s.view.rank);
-        }
-        for (o, r) in by_op.iter().filter(|(o, _)| **o != op) {
-            parts.push(format!("{} in {o} instead", wait_text(r)));
-            culprits.extend(r);
-        }
-        (
-            Kind::Missing,
-            format!("{} in {op}; {}", wait_text(&waiting), parts.join("; ")),
-            culprits,
-        )
+        .collect()
+}
+
+/// What the stacks alone say.
+fn stacks_conclusion(g: &Groups<'_, '_>) -> Conclusion {
+    let by_op = &g.by_op;
+    if !by_op.is_empty() && (!g.busy.is_empty() || !g.exited.is_empty()) {
+        missing(g)
     } else if by_op.len() > 1 {
         let most = by_op
             .values()
@@ -271,58 +296,75 @@ pub(crate) fn diagnose(ranks: &[Seen<'_>]) -> Option<Diagnosis> {
             Vec::new(),
         )
     } else {
-        let places: BTreeMap<String, Vec<usize>> = busy.iter().fold(BTreeMap::new(), |mut m, s| {
-            m.entry(place(s.view)).or_default().push(s.view.rank);
-            m
-        });
-        if places.len() == 1 {
-            let p = places.keys().next().cloned().unwrap_or_default();
-            (
-                Kind::AllBusy,
-                format!(
-                    "all ranks in {p}: a long step, checkpoint or evaluation, not one rank's hang"
-                ),
-                Vec::new(),
-            )
-        } else {
-            let list: Vec<String> = places
-                .iter()
-                .map(|(p, r)| format!("{} in {p}", ranks_text(r)))
-                .collect();
-            (
-                Kind::Busy,
-                format!("no rank waits in a collective: {}", list.join("; ")),
-                Vec::new(),
-            )
-        }
-    };
-    // The flight recorder (NCCL jobs) knows which collective each rank last enqueued and
-    // completed: where it speaks, its sentence is the conclusion.
-    let (kind, conclusion, culprits) = match flight_conclusion(ranks) {
-        Some(fr) => fr,
-        None => (kind, conclusion, culprits),
-    };
-    // A collective the ranks called differently before the stall is where it went wrong.
-    let (kind, conclusion, culprits) = match mismatch(ranks) {
-        Some(m) => (Kind::Disagree, m.text(), m.culprits),
-        None => (kind, conclusion, culprits),
-    };
-    let conclusion = match unreadable.is_empty() {
-        true => conclusion,
-        false => format!(
-            "{conclusion} ({}: stack unreadable)",
-            ranks_text(&unreadable)
-        ),
-    };
-    Some(Diagnosis {
-        kind,
-        conclusion,
+        all_busy(&g.busy)
+    }
+}
+
+/// Some ranks wait in a collective the others have not entered (busy elsewhere, exited, or in
+/// another collective): those are the culprits.
+fn missing(g: &Groups<'_, '_>) -> Conclusion {
+    // The collective most ranks wait in is the one the others have not reached.
+    let (op, waiting) = g
+        .by_op
+        .iter()
+        .max_by_key(|(_, r)| r.len())
+        .map(|(o, r)| (o.clone(), r.clone()))
+        .unwrap_or_default();
+    let mut parts = Vec::new();
+    let mut culprits = Vec::new();
+    for s in &g.busy {
+        parts.push(format!(
+            "rank {} on {} has not entered it: it is in {}",
+            s.view.rank,
+            s.host,
+            place(s.view)
+        ));
+        culprits.push(s.view.rank);
+    }
+    for s in &g.exited {
+        parts.push(format!(
+            "rank {} on {} {} before entering it",
+            s.view.rank,
+            s.host,
+            s.view.exited.as_deref().unwrap_or("exited")
+        ));
+        culprits.push(s.view.rank);
+    }
+    for (o, r) in g.by_op.iter().filter(|(o, _)| **o != op) {
+        parts.push(format!("{} in {o} instead", wait_text(r)));
+        culprits.extend(r);
+    }
+    (
+        Kind::Missing,
+        format!("{} in {op}; {}", wait_text(&waiting), parts.join("; ")),
         culprits,
-        stalled_s: stalled_ms as f64 / 1e3,
-        in_collective: waited_ms.is_some(),
-        ranks: states,
-        nccl_ras: None,
-    })
+    )
+}
+
+/// No rank waits in a collective: all in one place (a long step), or in several.
+fn all_busy(busy: &[&Seen<'_>]) -> Conclusion {
+    let places: BTreeMap<String, Vec<usize>> = busy.iter().fold(BTreeMap::new(), |mut m, s| {
+        m.entry(place(s.view)).or_default().push(s.view.rank);
+        m
+    });
+    if places.len() == 1 {
+        let p = places.keys().next().cloned().unwrap_or_default();
+        (
+            Kind::AllBusy,
+            format!("all ranks in {p}: a long step, checkpoint or evaluation, not one rank's hang"),
+            Vec::new(),
+        )
+    } else {
+        let list: Vec<String> = places
+            .iter()
+            .map(|(p, r)| format!("{} in {p}", ranks_text(r)))
+            .collect();
+        (
+            Kind::Busy,
+            format!("no rank waits in a collective: {}", list.join("; ")),
+            Vec::new(),
+        )
+    }
 }
 
 /// "4 MiB", "512 KiB", "8 B".
@@ -348,7 +390,7 @@ fn op_text(o: &crate::protocol::FrOp) -> String {
 /// wait in (sequence number, op, size), the ranks that completed only the one before (and
 /// where their stack is), or the ranks that disagree on its op or size. None unless every rank
 /// still running has a dump and one of them waits.
-fn flight_conclusion(ranks: &[Seen<'_>]) -> Option<(Kind, String, Vec<usize>)> {
+fn flight_conclusion(ranks: &[Seen<'_>]) -> Option<Conclusion> {
     use crate::protocol::FrOp;
     let running: Vec<&Seen<'_>> = ranks.iter().filter(|s| s.view.exited.is_none()).collect();
     if running.is_empty() || running.iter().any(|s| s.view.fr.is_none()) {
@@ -771,82 +813,30 @@ impl WatchState {
             return false;
         }
         self.last_check = Some(Instant::now());
-        let seen = seen_of(&self.views, hosts);
+        // The views are lent out while the parts of the check look at them and update the rest.
+        let views = std::mem::take(&mut self.views);
+        let stop = self.check_views(&views, hosts);
+        self.views = views;
+        stop
+    }
+
+    fn check_views(&mut self, views: &HashMap<usize, NodeWatch>, hosts: &[String]) -> bool {
+        let seen = seen_of(views, hosts);
         // The last stall seen is what explains a failure that follows it: by the time ranks
         // fail, their stacks show the error being raised, then every rank stopped.
         if stall_of(&seen).is_some() {
-            self.last_stall = Some((Instant::now(), self.views.clone()));
+            self.last_stall = Some((Instant::now(), views.clone()));
         }
-        // A collective called differently by some ranks is said as soon as the dumps show it:
-        // NCCL may hang on it, or go on with wrong results while the stacks keep moving.
-        if let Some(m) = mismatch(&seen) {
-            let key = (m.pg.clone(), m.seq);
-            if self.mismatch_said.as_ref() != Some(&key) {
-                self.mismatch_said = Some(key);
-                let stop = self.plan.on_hang == OnHang::Stop;
-                let host = |r: usize| {
-                    seen.iter()
-                        .find(|s| s.view.rank == r)
-                        .map_or("?", |s| s.host)
-                };
-                let who = match m.culprits.as_slice() {
-                    [] => "each rank does".to_string(),
-                    [r] => format!("rank {r} on {} does", host(*r)),
-                    r => format!(
-                        "{} (on {}) do",
-                        ranks_text(r),
-                        r.iter().map(|&r| host(r)).collect::<Vec<_>>().join(", ")
-                    ),
-                };
-                tracing::warn!(
-                    "collective mismatch: {}; NCCL does not check this, so the job hangs or computes \
-                     wrong results: see what {who} differently before that collective{}",
-                    m.text(),
-                    if stop {
-                        "; stopping the job (--on-hang stop)"
-                    } else {
-                        ""
-                    }
-                );
-                self.mismatches.push(m);
-                if stop {
-                    self.stopped = true;
-                    return true;
-                }
-            }
+        if self.say_mismatch(&seen) {
+            self.stopped = true;
+            return true;
         }
         // A rank whose stack cannot be read (not yet, or not at all) says nothing about progress.
         let live: Vec<&Seen<'_>> = seen
             .iter()
             .filter(|s| s.view.exited.is_none() && !s.view.frames.is_empty())
             .collect();
-        // Ranks unreadable now, each since when it was first seen so (read again: forgotten).
-        let before = std::mem::take(&mut self.unreadable_since);
-        self.unreadable_since = seen
-            .iter()
-            .filter(|s| s.view.frames.is_empty() && s.view.error.is_some())
-            .filter(|s| s.view.exited.is_none())
-            .map(|s| {
-                let r = s.view.rank;
-                (r, before.get(&r).copied().unwrap_or_else(Instant::now))
-            })
-            .collect();
-        if !self.unreadable_said {
-            if let Some(s) = seen.iter().find(|s| {
-                self.unreadable_since
-                    .get(&s.view.rank)
-                    .is_some_and(|t| t.elapsed() >= UNREADABLE_SAID)
-            }) {
-                self.unreadable_said = true;
-                tracing::warn!(
-                    "the watch cannot read rank {}'s Python stack on {} ({}); a hang is named \
-                     only from the ranks it can read",
-                    s.view.rank,
-                    s.host,
-                    s.view.error.as_deref().unwrap_or("?")
-                );
-            }
-        }
+        self.note_unreadable(&seen);
         if live.is_empty() {
             return false;
         }
@@ -872,13 +862,97 @@ impl WatchState {
         } else if !self.hang_said {
             self.hang_said = true;
             if let Some(mut d) = diagnose(&seen) {
-                d.nccl_ras = ras_of(&self.views, hosts, d.stalled_s);
+                d.nccl_ras = ras_of(views, hosts, d.stalled_s);
                 eprint!("{}", hang_text(&d, self.plan.hang_timeout));
                 stop = self.plan.on_hang == OnHang::Stop && d.kind != Kind::AllBusy;
                 self.hangs.push(d);
             }
         }
-        let by_fr = flight_straggler(&seen).and_then(|s| {
+        let by_fr = self.sustained_flight_straggler(&seen);
+        if let Some(s) = straggler(&seen).or(by_fr).filter(|_| !stalled) {
+            self.say_straggler(s);
+        }
+        self.stopped |= stop;
+        stop
+    }
+
+    /// A collective called differently by some ranks is said as soon as the dumps show it:
+    /// NCCL may hang on it, or go on with wrong results while the stacks keep moving. True:
+    /// said, and the job stops (`--on-hang stop`).
+    fn say_mismatch(&mut self, seen: &[Seen<'_>]) -> bool {
+        let Some(m) = mismatch(seen) else {
+            return false;
+        };
+        let key = (m.pg.clone(), m.seq);
+        if self.mismatch_said.as_ref() == Some(&key) {
+            return false;
+        }
+        self.mismatch_said = Some(key);
+        let stop = self.plan.on_hang == OnHang::Stop;
+        let host = |r: usize| {
+            seen.iter()
+                .find(|s| s.view.rank == r)
+                .map_or("?", |s| s.host)
+        };
+        let who = match m.culprits.as_slice() {
+            [] => "each rank does".to_string(),
+            [r] => format!("rank {r} on {} does", host(*r)),
+            r => format!(
+                "{} (on {}) do",
+                ranks_text(r),
+                r.iter().map(|&r| host(r)).collect::<Vec<_>>().join(", ")
+            ),
+        };
+        tracing::warn!(
+            "collective mismatch: {}; NCCL does not check this, so the job hangs or computes \
+             wrong results: see what {who} differently before that collective{}",
+            m.text(),
+            if stop {
+                "; stopping the job (--on-hang stop)"
+            } else {
+                ""
+            }
+        );
+        self.mismatches.push(m);
+        stop
+    }
+
+    /// Notes since when each rank's stack is unreadable (read again: forgotten), and says the
+    /// first that stays so.
+    fn note_unreadable(&mut self, seen: &[Seen<'_>]) {
+        let before = std::mem::take(&mut self.unreadable_since);
+        self.unreadable_since = seen
+            .iter()
+            .filter(|s| s.view.frames.is_empty() && s.view.error.is_some())
+            .filter(|s| s.view.exited.is_none())
+            .map(|s| {
+                let r = s.view.rank;
+                (r, before.get(&r).copied().unwrap_or_else(Instant::now))
+            })
+            .collect();
+        if self.unreadable_said {
+            return;
+        }
+        if let Some(s) = seen.iter().find(|s| {
+            self.unreadable_since
+                .get(&s.view.rank)
+                .is_some_and(|t| t.elapsed() >= UNREADABLE_SAID)
+        }) {
+            self.unreadable_said = true;
+            tracing::warn!(
+                "the watch cannot read rank {}'s Python stack on {} ({}); a hang is named \
+                 only from the ranks it can read",
+                s.view.rank,
+                s.host,
+                s.view.error.as_deref().unwrap_or("?")
+            );
+        }
+    }
+
+    /// The flight recorders' straggler once two dumps in a row (told apart by their span) name
+    /// it.
+    fn sustained_flight_straggler(&mut self, seen: &[Seen<'_>]) -> Option<Straggler> {
+        let by_fr = flight_straggler(seen).and_then(|s| {
             let span = seen
                 .iter()
                 .find(|x| x.view.rank == s.rank)
@@ -892,36 +966,38 @@ impl WatchState {
             self.fr_suspect = Some((s.rank, n, span));
             (n >= 2).then_some(s)
         });
-        if by_fr.is_none() && flight_straggler(&seen).is_none() {
+        if by_fr.is_none() && flight_straggler(seen).is_none() {
             self.fr_suspect = None;
         }
-        if let Some(s) = straggler(&seen).or(by_fr).filter(|_| !stalled) {
-            let due = self
-                .straggler_said
-                .get(&s.rank)
-                .is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
-            if due {
-                self.straggler_said.insert(s.rank, Instant::now());
-                let each: Vec<String> = s
-                    .waits
-                    .iter()
-                    .map(|(r, p)| format!("{r}: {p:.0}%"))
-                    .collect();
-                tracing::warn!(
-                    "rank {} on {} is a straggler: it waited for peers (in collectives or the GPU \
-                     sync after them) {:.0}% of the time, the median rank {:.0}%: the others \
-                     wait for it (each rank's wait: {})",
-                    s.rank,
-                    s.host,
-                    s.waited_pct,
-                    s.median_pct,
-                    each.join(", ")
-                );
-                self.stragglers.push(s);
-            }
+        by_fr
+    }
+
+    /// Says a straggler, at most once a minute for each rank.
+    fn say_straggler(&mut self, s: Straggler) {
+        let due = self
+            .straggler_said
+            .get(&s.rank)
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
+        if !due {
+            return;
         }
-        self.stopped |= stop;
-        stop
+        self.straggler_said.insert(s.rank, Instant::now());
+        let each: Vec<String> = s
+            .waits
+            .iter()
+            .map(|(r, p)| format!("{r}: {p:.0}%"))
+            .collect();
+        tracing::warn!(
+            "rank {} on {} is a straggler: it waited for peers (in collectives or the GPU \
+             sync after them) {:.0}% of the time, the median rank {:.0}%: the others \
+             wait for it (each rank's wait: {})",
+            s.rank,
+            s.host,
+            s.waited_pct,
+            s.median_pct,
+            each.join(", ")
+        );
+        self.stragglers.push(s);
     }
 
     /// The likely cause of a failure, from the last views: a rank missing from the collective

@@ -117,100 +117,142 @@ async fn run_workers(
         .find(|w| w.rank == 0)
         .and_then(|w| super::ras::target(&w.env));
     for w in specs {
-        let program = match (w.program.as_str(), &this_nrun) {
-            (THIS_NRUN, Ok(exe)) => exe.clone().into_os_string(),
-            (THIS_NRUN, Err(e)) => {
-                return RunResult::SpawnError(format!("cannot find nrun's own executable: {e}"));
-            }
-            (p, _) => p.into(),
-        };
-        if let (None, Some(dir)) = (&w.log_dir, w.error_file.parent()) {
-            // Looked up first: the lookup takes no lock on the parent, a mkdir does.
-            if !dir.is_dir() {
-                let _ = nrun_base::files::make_private_dirs(dir);
-            }
+        match worker_cmd(w, &this_nrun, watch.is_some(), secret, &mut flight_files) {
+            Ok(cmd) => cmds.push(cmd),
+            Err(e) => return RunResult::SpawnError(e),
         }
-        // Log files live on the worker's own node, as torchrun's do.
-        let (out_file, err_file) = match &w.log_dir {
-            Some(d) => match open_logs(d) {
-                Ok(f) => f,
-                Err(e) => return RunResult::SpawnError(e.message),
-            },
-            None => (None, None),
-        };
-        let cpus = match w.numa {
-            true => gpu_cpus(&w.env, w.local_rank),
-            false => None,
-        };
-        let mut env = w.env;
-        // The watch turns on PyTorch's flight recorder (NCCL jobs), its pipe and dump in this
-        // process's scratch directory: dumps are read from there only (a pipe or dump file the
-        // user named is theirs, left alone).
-        if let (true, Ok(dir)) = (watch.is_some(), nrun_base::files::scratch()) {
-            let (add, files) = super::flight::setup(&env, w.rank, &dir);
-            env.extend(add);
-            if files.pipe.starts_with(&dir) && files.dump.starts_with(&dir) {
-                flight_files.push((w.rank, files));
-            }
-        }
-        if let (true, Some(s)) = (w.secret, secret) {
-            env.push(("NRUN_SECRET".into(), s.to_string()));
-        }
-        cmds.push(WorkerCmd {
-            stdin: w.stdin,
-            cpus,
-            rank: w.rank,
-            local_rank: w.local_rank,
-            program,
-            args: w.args.into_iter().map(Into::into).collect(),
-            env,
-            error_file: w.error_file,
-            output: WorkerOutput {
-                rank: w.rank,
-                prefix: w.prefix,
-                colour: w.colour,
-                color: w.color,
-                sinks: [
-                    Sink {
-                        console: w.console[0],
-                        file: out_file,
-                        path: w.log_dir.as_ref().map(|d| d.join("stdout.log")),
-                    },
-                    Sink {
-                        console: w.console[1],
-                        file: err_file,
-                        path: w.log_dir.as_ref().map(|d| d.join("stderr.log")),
-                    },
-                ],
-            },
-        });
     }
     let deadline = deadline_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
-    // The watch's thread starts when its first sample is due: a group that is over by then (a
-    // quick step, a failed start) costs no thread. Its events wait in the channel.
     let (ended, ended_rx) = tokio::sync::oneshot::channel::<()>();
     let events = match watch {
-        Some(out) if !cmds.is_empty() => {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let files = flight_files.clone();
-            tokio::spawn(async move {
-                tokio::select! {
-                    _ = tokio::time::sleep(super::stacks::SAMPLE) => {}
-                    _ = ended_rx => return,
-                }
-                if let Err(e) = super::stacks::spawn(rx, out, files, ras) {
-                    tracing::warn!("cannot start the watch: {e}; the job runs unwatched");
-                }
-            });
-            Some(tx)
-        }
+        Some(out) if !cmds.is_empty() => Some(start_watch(out, ended_rx, &flight_files, ras)),
         _ => None,
     };
     let grace = Duration::from_millis(grace_ms);
     let oom_mark = super::oom::mark();
     let outcome = node::run_group(cmds, grace, deadline, stop, events).await;
     drop(ended);
-    // The failing worker's error file, read once: its traceback, and the file as written.
+    let result = run_result(outcome, &oom_mark, &scratch);
+    // The dump pipes and files are nrun's own (only those are in `flight_files`).
+    for (_, f) in &flight_files {
+        let _ = std::fs::remove_file(&f.pipe);
+        let _ = std::fs::remove_file(&f.dump);
+    }
+    for f in &scratch {
+        // Looked up first: most workers leave none, and an unlink locks the directory.
+        if f.symlink_metadata().is_ok() {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+    result
+}
+
+/// How to start one worker: its program, logs, CPUs and environment. With `watching`, its
+/// flight recorder's files (nrun's own) are added to `flight_files`. Err: why it cannot start.
+fn worker_cmd(
+    w: WorkerSpec,
+    this_nrun: &std::io::Result<std::path::PathBuf>,
+    watching: bool,
+    secret: Option<&str>,
+    flight_files: &mut Vec<(usize, super::flight::FrFiles)>,
+) -> std::result::Result<WorkerCmd, String> {
+    let program = match (w.program.as_str(), this_nrun) {
+        (THIS_NRUN, Ok(exe)) => exe.clone().into_os_string(),
+        (THIS_NRUN, Err(e)) => {
+            return Err(format!("cannot find nrun's own executable: {e}"));
+        }
+        (p, _) => p.into(),
+    };
+    if let (None, Some(dir)) = (&w.log_dir, w.error_file.parent()) {
+        // Looked up first: the lookup takes no lock on the parent, a mkdir does.
+        if !dir.is_dir() {
+            let _ = nrun_base::files::make_private_dirs(dir);
+        }
+    }
+    // Log files live on the worker's own node, as torchrun's do.
+    let (out_file, err_file) = match &w.log_dir {
+        Some(d) => open_logs(d).map_err(|e| e.message)?,
+        None => (None, None),
+    };
+    let cpus = match w.numa {
+        true => gpu_cpus(&w.env, w.local_rank),
+        false => None,
+    };
+    let mut env = w.env;
+    // The watch turns on PyTorch's flight recorder (NCCL jobs), its pipe and dump in this
+    // process's scratch directory: dumps are read from there only (a pipe or dump file the
+    // user named is theirs, left alone).
+    if let (true, Ok(dir)) = (watching, nrun_base::files::scratch()) {
+        let (add, files) = super::flight::setup(&env, w.rank, &dir);
+        env.extend(add);
+        if files.pipe.starts_with(&dir) && files.dump.starts_with(&dir) {
+            flight_files.push((w.rank, files));
+        }
+    }
+    if let (true, Some(s)) = (w.secret, secret) {
+        env.push(("NRUN_SECRET".into(), s.to_string()));
+    }
+    Ok(WorkerCmd {
+        stdin: w.stdin,
+        cpus,
+        rank: w.rank,
+        local_rank: w.local_rank,
+        program,
+        args: w.args.into_iter().map(Into::into).collect(),
+        env,
+        error_file: w.error_file,
+        output: WorkerOutput {
+            rank: w.rank,
+            prefix: w.prefix,
+            colour: w.colour,
+            color: w.color,
+            sinks: [
+                Sink {
+                    console: w.console[0],
+                    file: out_file,
+                    path: w.log_dir.as_ref().map(|d| d.join("stdout.log")),
+                },
+                Sink {
+                    console: w.console[1],
+                    file: err_file,
+                    path: w.log_dir.as_ref().map(|d| d.join("stderr.log")),
+                },
+            ],
+        },
+    })
+}
+
+/// The watch of a step's workers, sending the node's views to `out`; the group's events go to
+/// the sender returned. The watch's thread starts when its first sample is due: a group that is
+/// over by then (`ended`: a quick step, a failed start) costs no thread. Its events wait in the
+/// channel.
+fn start_watch(
+    out: tokio::sync::mpsc::UnboundedSender<NodeWatch>,
+    ended: tokio::sync::oneshot::Receiver<()>,
+    flight_files: &[(usize, super::flight::FrFiles)],
+    ras: Option<String>,
+) -> tokio::sync::mpsc::UnboundedSender<node::GroupEvent> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let files = flight_files.to_vec();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = tokio::time::sleep(super::stacks::SAMPLE) => {}
+            _ = ended => return,
+        }
+        if let Err(e) = super::stacks::spawn(rx, out, files, ras) {
+            tracing::warn!("cannot start the watch: {e}; the job runs unwatched");
+        }
+    });
+    tx
+}
+
+/// What the node reports of its group's outcome: for a failed worker, its error file (read
+/// once: its traceback, and the file as written) and whether the kernel's OOM killer ended it.
+fn run_result(
+    outcome: Result<Outcome>,
+    oom_mark: &super::oom::Mark,
+    scratch: &[std::path::PathBuf],
+) -> RunResult {
     let error_json = match &outcome {
         Ok(Outcome::Failed(f)) => nrun_base::files::read_text(
             &f.error_file,
@@ -226,11 +268,11 @@ async fn run_workers(
     };
     let oom = match &outcome {
         Ok(Outcome::Failed(f)) if f.exit == node::Exit::Signal(libc::SIGKILL) => {
-            super::oom::explain(&oom_mark, f.pid)
+            super::oom::explain(oom_mark, f.pid)
         }
         _ => None,
     };
-    let result = match outcome {
+    match outcome {
         Err(e) => RunResult::SpawnError(e.message),
         Ok(Outcome::Success) => RunResult::Success,
         Ok(Outcome::Interrupted(s)) => RunResult::Interrupted(s),
@@ -255,19 +297,7 @@ async fn run_workers(
             error_file: f.error_file,
             left_early: f.left_early,
         }),
-    };
-    // The dump pipes and files are nrun's own (only those are in `flight_files`).
-    for (_, f) in &flight_files {
-        let _ = std::fs::remove_file(&f.pipe);
-        let _ = std::fs::remove_file(&f.dump);
     }
-    for f in &scratch {
-        // Looked up first: most workers leave none, and an unlink locks the directory.
-        if f.symlink_metadata().is_ok() {
-            let _ = std::fs::remove_file(f);
-        }
-    }
-    result
 }
 
 /// Largest error file read: a traceback with its locals, as torch's `@record` writes it.

@@ -235,6 +235,43 @@ async fn join_and_serve(
     read_end: bool,
 ) -> Result<protocol::Ended> {
     let gone_rx = gone.subscribe();
+    let (hello, me) = checked(hello, &mut signals)?;
+    let keys = Keys::new(&hello.run);
+    let (mut store, reached, local) = reach_store(&hello, &keys, &me).await?;
+    let nonce = publish_joined(&mut store, &hello, &keys, &me, reached, local).await?;
+    // Out of reach (the store silent) sets the same `gone` as stdin closing. An agent of nrun
+    // on this very host needs no watch over a link, nor a heartbeat: nrun sees its process,
+    // and it dies with nrun (a request every half second per agent, and a connection, saved).
+    let _gone = match TIED.load(std::sync::atomic::Ordering::Relaxed) && !hello.heartbeat {
+        true => Some(gone),
+        false => {
+            tokio::spawn(liveness::watch(
+                reached,
+                hello.secret.clone(),
+                hello.heartbeat.then(|| keys.alive(hello.node)),
+                Duration::from_millis(hello.agent_timeout_ms),
+                gone,
+                me.clone(),
+            ));
+            None
+        }
+    };
+
+    let node = Node {
+        keys,
+        secret: hello.secret.clone(),
+        nonce,
+        index: hello.node,
+        me,
+        read_end,
+        mark: hello.output_mark.clone(),
+    };
+    node.steps(&mut store, &mut signals, gone_rx).await
+}
+
+/// The [`Hello`] with this node's place in it, and "label (host)" for messages, once this
+/// host can serve it: the signals it forwards, the same nrun, the launch host's directory.
+fn checked(hello: Hello, signals: &mut Signals) -> Result<(Hello, String)> {
     let here = nrun_base::net::hostname();
     let (node, label) = hello.place()?;
     let hello = Hello {
@@ -259,19 +296,32 @@ async fn join_and_serve(
             hello.cwd.display()
         )));
     }
-    let keys = Keys::new(&hello.run);
+    Ok((hello, me))
+}
 
+/// The error for a store connection lost after it was made.
+fn lost(me: &str) -> impl Fn(std::io::Error) -> Error + Copy + '_ {
+    move |e: std::io::Error| {
+        Error::helper(format!(
+            "nrun agent on {me}: lost the launch host's store: {e}"
+        ))
+    }
+}
+
+/// A proven connection to the coordinator's store, the address that answered, and this end's
+/// address; this node is marked seen there.
+async fn reach_store(
+    hello: &Hello,
+    keys: &Keys,
+    me: &str,
+) -> Result<(Client, SocketAddr, SocketAddr)> {
     // The first coordinator address that answers wins; they are tried at once.
     let (mut store, reached, local) = connect_any(&hello.addrs).await.map_err(|e| {
         Error::helper(format!(
             "nrun agent on {me}: cannot reach the launch host's store: {e}"
         ))
     })?;
-    let lost = |e: std::io::Error| {
-        Error::helper(format!(
-            "nrun agent on {me}: lost the launch host's store: {e}"
-        ))
-    };
+    let lost = lost(me);
     prove(&mut store, &hello.secret, &reached)
         .await
         .map_err(|e| refusal(e, lost))?;
@@ -279,7 +329,19 @@ async fn join_and_serve(
         .set(&keys.observe(hello.node), b"")
         .await
         .map_err(lost)?;
+    Ok((store, reached, local))
+}
 
+/// Publishes this node's [`Joined`] record (its facts, its probe listener, its own work
+/// sealed); returns this join's nonce.
+async fn publish_joined(
+    store: &mut Client,
+    hello: &Hello,
+    keys: &Keys,
+    me: &str,
+    reached: SocketAddr,
+    local: SocketAddr,
+) -> Result<String> {
     let probe_addr = match hello.probed {
         true => exec::listen_for_probes(local).await.map_err(|e| {
             Error::helper(format!(
@@ -336,40 +398,13 @@ async fn join_and_serve(
     store
         .set(&keys.joined(hello.node), &record)
         .await
-        .map_err(lost)?;
+        .map_err(lost(me))?;
     // A c10d node (its own work) says it joined only now that the host can see it: a test or a
     // person acting on the line (a spare is in) finds it true.
     if hello.own.is_some() {
         tracing::info!("joined the rendezvous at {reached} as node {}", hello.node);
     }
-    // Out of reach (the store silent) sets the same `gone` as stdin closing. An agent of nrun
-    // on this very host needs no watch over a link, nor a heartbeat: nrun sees its process,
-    // and it dies with nrun (a request every half second per agent, and a connection, saved).
-    let _gone = match TIED.load(std::sync::atomic::Ordering::Relaxed) && !hello.heartbeat {
-        true => Some(gone),
-        false => {
-            tokio::spawn(liveness::watch(
-                reached,
-                hello.secret.clone(),
-                hello.heartbeat.then(|| keys.alive(hello.node)),
-                Duration::from_millis(hello.agent_timeout_ms),
-                gone,
-                me.clone(),
-            ));
-            None
-        }
-    };
-
-    let node = Node {
-        keys,
-        secret: hello.secret.clone(),
-        nonce,
-        index: hello.node,
-        me,
-        read_end,
-        mark: hello.output_mark.clone(),
-    };
-    node.steps(&mut store, &mut signals, gone_rx).await
+    Ok(nonce)
 }
 
 /// A joined agent's side of the conversation: under which keys it speaks (on its one

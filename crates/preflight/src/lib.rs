@@ -735,6 +735,16 @@ mod tests {
 
     fn golden_outcomes() -> Vec<(&'static str, Outcome)> {
         let mut v: Vec<(&'static str, Outcome)> = Vec::new();
+        whole_outcomes(&mut v);
+        error_outcomes(&mut v);
+        link_outcomes(&mut v);
+        health_outcomes(&mut v);
+        net_outcomes(&mut v);
+        v
+    }
+
+    /// Whole runs: results, busbw, slow and silent nodes, crashes.
+    fn whole_outcomes(v: &mut Vec<(&'static str, Outcome)>) {
         let two = || outcome(vec![report(0, "a", 10.0, 0), report(1, "a", 10.0, 0)]);
         v.push(("ok-two", two()));
         let mut one = outcome(vec![report(0, "a", 10.0, 0)]);
@@ -784,6 +794,10 @@ mod tests {
         let mut partial = two();
         partial.world_size = 3;
         v.push(("incomplete", partial));
+    }
+
+    /// Ranks' errors, versions and empty runs.
+    fn error_outcomes(v: &mut Vec<(&'static str, Outcome)>) {
         let errs = |kinds: &[&str]| {
             let rs = kinds
                 .iter()
@@ -825,8 +839,10 @@ mod tests {
         let mut empty = outcome(vec![]);
         empty.nccl_lib = Some("/lib/libnccl.so.2".into());
         v.push(("empty", empty));
+    }
 
-        // One node's links.
+    /// One node's links.
+    fn link_outcomes(v: &mut Vec<(&'static str, Outcome)>) {
         v.push(("nvlink-ok", nvlink_pair(900.0, "P2P/CUMEM")));
         let mut sockets = nvlink_pair(70_000.0, "NET/Socket");
         sockets.path_vars = vec!["NCCL_P2P_DISABLE=1 (disables NVLink/PCIe peer to peer)".into()];
@@ -872,6 +888,10 @@ mod tests {
             l.nvlink_up = 16;
         }
         v.push(("nvlink-down-bus-ids", down));
+    }
+
+    /// One node's GPU health and memory bandwidth.
+    fn health_outcomes(v: &mut Vec<(&'static str, Outcome)>) {
         let mut hot = nvlink_pair(900.0, "P2P/CUMEM");
         hot.reports.get_mut(&1).unwrap().health = Some(hardware::Health {
             temperature_c: Some(41),
@@ -925,8 +945,10 @@ mod tests {
             r.mem_gbs = Some(1000.0);
         }
         v.push(("memory-unknown-model", mem));
+    }
 
-        // Several nodes.
+    /// Several nodes: their links and NICs, and NCCL over sockets.
+    fn net_outcomes(v: &mut Vec<(&'static str, Outcome)>) {
         v.push(("net-ok", net_ring([1.0, 1.1, 0.9], [10_000; 3])));
         v.push(("net-shaped", net_ring([0.1, 1.1, 0.9], [10_000; 3])));
         v.push(("net-common-host", net_ring([0.1, 0.05, 0.9], [10_000; 3])));
@@ -969,7 +991,6 @@ mod tests {
             }
             v.push((name, nccl));
         }
-        v
     }
 
     #[test]

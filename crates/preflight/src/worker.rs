@@ -848,11 +848,29 @@ impl Drop for Ring {
 
 fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
     let deadline = Instant::now() + Duration::from_millis(ctx.s.timeout_ms);
-    let (rank, n) = (ctx.rank, ctx.world);
-    let net = |what: &str, e: std::io::Error| err("init", format!("{what}: {e}"));
+    let (listener, me) = listen(ctx, rep)?;
+    let t0 = Instant::now();
+    let mut ring = None;
+    if ctx.world > 1 {
+        let mut r = connect_ring(ctx, &listener, me, deadline)?;
+        test_links(ctx, rep, &mut r, deadline)?;
+        ring = Some(r);
+    }
+    rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+    ctx.stage("init");
+    ctx.stage("sweep");
+    sweep(ctx, rep, ring.as_mut())
+}
+
+fn net_err(what: &str, e: std::io::Error) -> RankError {
+    err("init", format!("{what}: {e}"))
+}
+
+/// Listens for the previous rank and publishes the address it reaches us at.
+fn listen(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(TcpListener, SocketAddr), RankError> {
     let listener = TcpListener::bind((ctx.s.listen_addr.as_str(), 0))
-        .map_err(|e| net(&format!("cannot listen on {}", ctx.s.listen_addr), e))?;
-    let mut me = listener.local_addr().map_err(|e| net("listener", e))?;
+        .map_err(|e| net_err(&format!("cannot listen on {}", ctx.s.listen_addr), e))?;
+    let mut me = listener.local_addr().map_err(|e| net_err("listener", e))?;
     // Listening on every address (a node that does not know its own): the others reach it at
     // the address this host uses towards the store.
     if me.ip().is_unspecified() {
@@ -862,7 +880,7 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
             me.set_ip(a.ip());
         }
     }
-    let key = ctx.s.addr_key(rank);
+    let key = ctx.s.addr_key(ctx.rank);
     ctx.set(&key, me.to_string().as_bytes());
     if let Some(i) =
         nrun_base::net::owner(&nrun_base::net::interfaces(), me.ip()).filter(|i| !i.loopback)
@@ -870,124 +888,153 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
         rep.nics = vec![hardware::Nic::read(&i.name)];
     }
     ctx.stage("loaded");
+    Ok((listener, me))
+}
 
-    let t0 = Instant::now();
-    let mut ring = None;
-    if n > 1 {
-        let next = (rank + 1) % n;
-        let key = ctx.s.addr_key(next);
-        let next_addr = String::from_utf8_lossy(&ctx.wait_key(
-            &key,
-            deadline,
-            &format!("rank {next}'s address"),
-        )?)
-        .into_owned();
-        ctx.stage("id");
-        let addr: SocketAddr = next_addr
-            .parse()
-            .map_err(|_| err("init", format!("bad address {next_addr} from rank {next}")))?;
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(100));
-        let mut out = TcpStream::connect_timeout(&addr, left).map_err(|e| {
-            let kind = if e.kind() == std::io::ErrorKind::TimedOut { "init-timeout" } else { "init" };
-            err(kind, format!("cannot connect to rank {next} at {addr}: {e} (firewall or wrong interface between the hosts?)"))
-        })?;
-        out.set_nodelay(true).ok();
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| net("listener", e))?;
-        let prev = (rank + n - 1) % n;
-        let from_prev = loop {
-            match listener.accept() {
-                Ok((s, _)) => break s,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
-                        return Err(err(
-                            "init-timeout",
-                            format!(
-                                "rank {prev} never connected to {me} within {} ms",
-                                ctx.s.timeout_ms
-                            ),
-                        ));
-                    }
-                    if let Some(who) = ctx.aborted() {
-                        return Err(err("aborted", format!("stopped: rank {who} failed")));
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(e) => return Err(net("accept", e)),
-            }
-        };
-        from_prev.set_nonblocking(false).ok();
-        from_prev.set_nodelay(true).ok();
-        from_prev
-            .set_read_timeout(Some(Duration::from_millis(ctx.s.timeout_ms)))
-            .ok();
-        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
-        let sender = std::thread::spawn(move || -> std::io::Result<()> {
-            for buf in rx {
-                out.write_all(&buf)?;
-            }
-            Ok(())
-        });
-        let mut r = Ring {
-            to_next: tx,
-            from_prev,
-            sender: Some(sender),
-        };
-        // Each link alone on its wire, so a slow one is seen and placed (in the all-reduce the
-        // slowest link sets every rank's time). Neighbouring links take turns: a host sending
-        // while it receives delays its own ACKs behind its data, and a shaped or slow egress
-        // would then drag the link into it down too.
-        let phases = match (ctx.s.links, n % 2 == 1) {
-            (false, _) => 0,
-            (true, true) => 3,
-            (true, false) => 2,
-        };
-        let phase = |link: usize| {
-            if n % 2 == 1 && link == n - 1 {
-                2
-            } else {
-                link % 2
-            }
-        };
-        // Each link three times, its best kept: a 5 ms transfer on a busy host can lose half its
-        // time to one scheduling delay, and a link is only named slow for what it cannot do.
-        for turn in 0..phases * LINK_ROUNDS {
-            let p = turn % phases;
-            if phase(rank) == p {
-                r.send_link(LINK_BYTES)
-                    .map_err(|e| err("collective", format!("link test to rank {next}: {e}")))?;
-            }
-            if phase(prev) == p {
-                let gbs = r
-                    .recv_link(LINK_BYTES)
-                    .map_err(|e| err("collective", format!("link test from rank {prev}: {e}")))?;
-                let best = rep.link_in.map_or(gbs, |l| l.gbs.max(gbs));
-                rep.link_in = Some(super::LinkIn {
-                    from: prev,
-                    gbs: best,
-                });
-            }
-            let key = ctx.s.link_key(turn);
-            let left = deadline.saturating_duration_since(Instant::now());
-            let all = ctx
-                .rt
-                .block_on(ctx.store.barrier(&key, n as i64, Some(left)))
-                .map_err(|e| err("collective", format!("link test, turn {turn}: {e}")))?;
-            if !all {
-                return Err(err(
-                    "init-timeout",
-                    format!("link test, turn {turn}: not every rank arrived within the timeout"),
-                ));
-            }
+/// Connects to the next rank and takes the previous one's connection: this rank's place in the
+/// ring.
+fn connect_ring(
+    ctx: &mut Ctx,
+    listener: &TcpListener,
+    me: SocketAddr,
+    deadline: Instant,
+) -> Result<Ring, RankError> {
+    let (rank, n) = (ctx.rank, ctx.world);
+    let next = (rank + 1) % n;
+    let key = ctx.s.addr_key(next);
+    let next_addr = String::from_utf8_lossy(&ctx.wait_key(
+        &key,
+        deadline,
+        &format!("rank {next}'s address"),
+    )?)
+    .into_owned();
+    ctx.stage("id");
+    let addr: SocketAddr = next_addr
+        .parse()
+        .map_err(|_| err("init", format!("bad address {next_addr} from rank {next}")))?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(100));
+    let mut out = TcpStream::connect_timeout(&addr, left).map_err(|e| {
+        let kind = if e.kind() == std::io::ErrorKind::TimedOut { "init-timeout" } else { "init" };
+        err(kind, format!("cannot connect to rank {next} at {addr}: {e} (firewall or wrong interface between the hosts?)"))
+    })?;
+    out.set_nodelay(true).ok();
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| net_err("listener", e))?;
+    let from_prev = accept_prev(ctx, listener, me, deadline)?;
+    from_prev.set_nonblocking(false).ok();
+    from_prev.set_nodelay(true).ok();
+    from_prev
+        .set_read_timeout(Some(Duration::from_millis(ctx.s.timeout_ms)))
+        .ok();
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+        for buf in rx {
+            out.write_all(&buf)?;
         }
-        ring = Some(r);
+        Ok(())
+    });
+    Ok(Ring {
+        to_next: tx,
+        from_prev,
+        sender: Some(sender),
+    })
+}
+
+/// The previous rank's connection, by the deadline, unless a rank fails meanwhile.
+fn accept_prev(
+    ctx: &mut Ctx,
+    listener: &TcpListener,
+    me: SocketAddr,
+    deadline: Instant,
+) -> Result<TcpStream, RankError> {
+    let prev = (ctx.rank + ctx.world - 1) % ctx.world;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    return Err(err(
+                        "init-timeout",
+                        format!(
+                            "rank {prev} never connected to {me} within {} ms",
+                            ctx.s.timeout_ms
+                        ),
+                    ));
+                }
+                if let Some(who) = ctx.aborted() {
+                    return Err(err("aborted", format!("stopped: rank {who} failed")));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(net_err("accept", e)),
+        }
     }
-    rep.init_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
-    ctx.stage("init");
-    ctx.stage("sweep");
+}
+
+/// Measures this rank's incoming link: each link alone on its wire, so a slow one is seen and
+/// placed (in the all-reduce the slowest link sets every rank's time). Neighbouring links take
+/// turns: a host sending while it receives delays its own ACKs behind its data, and a shaped or
+/// slow egress would then drag the link into it down too.
+fn test_links(
+    ctx: &mut Ctx,
+    rep: &mut RankReport,
+    r: &mut Ring,
+    deadline: Instant,
+) -> Result<(), RankError> {
+    let (rank, n) = (ctx.rank, ctx.world);
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    let phases = match (ctx.s.links, n % 2 == 1) {
+        (false, _) => 0,
+        (true, true) => 3,
+        (true, false) => 2,
+    };
+    let phase = |link: usize| {
+        if n % 2 == 1 && link == n - 1 {
+            2
+        } else {
+            link % 2
+        }
+    };
+    // Each link three times, its best kept: a 5 ms transfer on a busy host can lose half its
+    // time to one scheduling delay, and a link is only named slow for what it cannot do.
+    for turn in 0..phases * LINK_ROUNDS {
+        let p = turn % phases;
+        if phase(rank) == p {
+            r.send_link(LINK_BYTES)
+                .map_err(|e| err("collective", format!("link test to rank {next}: {e}")))?;
+        }
+        if phase(prev) == p {
+            let gbs = r
+                .recv_link(LINK_BYTES)
+                .map_err(|e| err("collective", format!("link test from rank {prev}: {e}")))?;
+            let best = rep.link_in.map_or(gbs, |l| l.gbs.max(gbs));
+            rep.link_in = Some(super::LinkIn {
+                from: prev,
+                gbs: best,
+            });
+        }
+        let key = ctx.s.link_key(turn);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let all = ctx
+            .rt
+            .block_on(ctx.store.barrier(&key, n as i64, Some(left)))
+            .map_err(|e| err("collective", format!("link test, turn {turn}: {e}")))?;
+        if !all {
+            return Err(err(
+                "init-timeout",
+                format!("link test, turn {turn}: not every rank arrived within the timeout"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The all-reduce sweep over the ring (none: a single rank), one row per size.
+fn sweep(ctx: &Ctx, rep: &mut RankReport, mut ring: Option<&mut Ring>) -> Result<(), RankError> {
+    let (rank, n) = (ctx.rank, ctx.world);
     let exp = expected(n);
     let sizes = ctx.s.sizes();
     let max_count = (sizes.last().copied().unwrap_or(4) / 4) as usize;
@@ -999,7 +1046,7 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
             let t = Instant::now();
             for _ in 0..iters {
                 buf.copy_from_slice(&input[..count]);
-                if let Some(r) = ring.as_mut() {
+                if let Some(r) = ring.as_deref_mut() {
                     r.all_reduce(buf, rank, n).map_err(|e| {
                         err("collective", format!("ring all-reduce of {bytes} B: {e}"))
                     })?;

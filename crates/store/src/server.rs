@@ -18,13 +18,14 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
@@ -1010,18 +1011,21 @@ fn next_request(scan: &mut FrameScan, buf: &[u8]) -> Result<Next, ProtocolError>
 /// reply is given back once empty.
 const KEEP_BUFFER: usize = 1 << 20;
 
+/// Closes the connection (Break) or keeps serving it (Continue).
+type Flow = ControlFlow<()>;
+
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     store: &Store,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     id: ConnId,
     live: Arc<Live>,
 ) {
     let limits = store.limits();
     let _ = stream.set_nodelay(true);
-    let (mut rd, mut wr) = stream.into_split();
-    let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<u8>();
+    let (rd, wr) = stream.into_split();
+    let (wake_tx, wake_rx) = mpsc::unbounded_channel::<u8>();
     let _ = live.wake.set(wake_tx.clone());
     // Chosen to make room before its task could hear it: said as the others are.
     if live.evicted.load(Ordering::Relaxed) {
@@ -1030,7 +1034,7 @@ async fn connection(
         ));
         return;
     }
-    let mut c = Conn {
+    let c = Conn {
         id,
         validated: false,
         authed: false,
@@ -1041,229 +1045,347 @@ async fn connection(
         live: live.clone(),
         limits: limits.clone(),
     };
-    let mut buf = BytesMut::with_capacity(INITIAL_BUFFER);
+    let buf = BytesMut::with_capacity(INITIAL_BUFFER);
     let mut held = Held::new(&store.partial);
     held.set(buf.capacity());
-    let mut out: Vec<u8> = Vec::with_capacity(256);
-    let mut replies = Replies::new(&store.replies, &live);
-    // A request whose reply did not fit the reply budget yet: served before anything is read.
-    let mut pending: Option<Request> = None;
-    // Since when it has waited for room (with nothing of its own queued).
-    let mut room_since: Option<tokio::time::Instant> = None;
-    let mut need = 1usize;
-    // Where the request being received has got to, so each byte is scanned once.
-    let mut scan = FrameScan::default();
-    // When the first byte of the request being received arrived.
-    let mut begun: Option<tokio::time::Instant> = None;
-    let handshake_by = tokio::time::Instant::now() + HANDSHAKE;
-    'conn: loop {
-        // Serve the whole requests already here, while the replies fit the output budget;
-        // past it, the replies are written before anything more is read or served.
-        while out.len() < limits.out_budget {
-            let parsed = match pending.take() {
+    let mut task = ConnTask {
+        store,
+        peer,
+        rd,
+        wr,
+        wake_rx,
+        stop,
+        c,
+        buf,
+        held,
+        out: Vec::with_capacity(256),
+        replies: Replies::new(&store.replies, &live),
+        live,
+        limits,
+        pending: None,
+        room_since: None,
+        need: 1,
+        scan: FrameScan::default(),
+        begun: None,
+        handshake_by: tokio::time::Instant::now() + HANDSHAKE,
+    };
+    let _ = task.run().await;
+    task.finish();
+}
+
+/// One connection's task: its socket, its buffers, and where its requests have got to.
+struct ConnTask<'a> {
+    store: &'a Store,
+    peer: SocketAddr,
+    limits: Limits,
+    rd: OwnedReadHalf,
+    wr: OwnedWriteHalf,
+    wake_rx: mpsc::UnboundedReceiver<u8>,
+    stop: watch::Receiver<bool>,
+    c: Conn,
+    live: Arc<Live>,
+    /// What has been read and not yet served.
+    buf: BytesMut,
+    /// `buf`'s share of the store's budget for unfinished requests.
+    held: Held<'a>,
+    /// Replies served and not yet written.
+    out: Vec<u8>,
+    /// `out`'s share of the reply budgets.
+    replies: Replies<'a>,
+    /// A request whose reply did not fit the reply budget yet: served before anything is read.
+    pending: Option<Request>,
+    /// Since when it has waited for room (with nothing of its own queued).
+    room_since: Option<tokio::time::Instant>,
+    /// Bytes in all the request being received needs.
+    need: usize,
+    /// Where the request being received has got to, so each byte is scanned once.
+    scan: FrameScan,
+    /// When the first byte of the request being received arrived.
+    begun: Option<tokio::time::Instant>,
+    handshake_by: tokio::time::Instant,
+}
+
+impl ConnTask<'_> {
+    /// Serves the connection until it closes (always Break).
+    async fn run(&mut self) -> Flow {
+        loop {
+            self.serve_buffered()?;
+            if !self.out.is_empty() {
+                self.flush().await?;
+            } else if self.pending.is_some() {
+                self.wait_for_room().await?;
+            } else {
+                self.make_room_to_read()?;
+                self.read().await?;
+            }
+        }
+    }
+
+    /// Serves the whole requests already here, while the replies fit the output budget; past
+    /// it, the replies are written before anything more is read or served.
+    #[inline]
+    fn serve_buffered(&mut self) -> Flow {
+        while self.out.len() < self.limits.out_budget {
+            let parsed = match self.pending.take() {
                 Some(req) => Ok(Next::Request(req, 0)),
-                None => next_request(&mut scan, &buf),
+                None => next_request(&mut self.scan, &self.buf),
             };
             match parsed {
                 Ok(Next::Request(req, 0)) => {
                     // Given back unserved before: its bytes are already consumed.
-                    match store.apply(&mut c, req, &mut out, &mut replies) {
-                        Ok(None) => room_since = None,
-                        Ok(Some(req)) => {
-                            pending = Some(req);
-                            break;
-                        }
-                        Err(msg) => {
-                            quiet_warn(format_args!(
-                                "store: closing connection from {peer}: {msg}"
-                            ));
-                            break 'conn;
-                        }
+                    if !self.apply(req)? {
+                        break;
                     }
+                    self.room_since = None;
                 }
                 Ok(Next::Request(req, len)) => {
-                    begun = None;
-                    if len == buf.len() && len > KEEP_BUFFER {
-                        // A large request, now served: its buffer goes back at once.
-                        buf = BytesMut::with_capacity(INITIAL_BUFFER);
-                    } else {
-                        let _ = buf.split_to(len);
-                    }
-                    live.touch();
-                    live.parked.store(false, Ordering::Relaxed);
+                    self.consume(len);
                     if matches!(req, Request::CancelWait) {
-                        while let Ok(b) = wake_rx.try_recv() {
-                            if b == EVICT {
-                                quiet_warn(format_args!(
-                                    "store: closing an idle connection from {peer} to make room for others (connection caps)"
-                                ));
-                                break 'conn;
-                            }
-                            out.push(b);
-                        }
+                        self.take_wakes()?;
                     }
-                    match store.apply(&mut c, req, &mut out, &mut replies) {
-                        Ok(None) => {}
-                        Ok(Some(req)) => {
-                            pending = Some(req);
-                            break;
-                        }
-                        Err(msg) => {
-                            quiet_warn(format_args!(
-                                "store: closing connection from {peer}: {msg}"
-                            ));
-                            break 'conn;
-                        }
+                    if !self.apply(req)? {
+                        break;
                     }
-                    if c.validated != live.validated.load(Ordering::Relaxed) {
-                        live.validated.store(c.validated, Ordering::Relaxed);
-                    }
-                    if c.authed != live.authed.load(Ordering::Relaxed) {
-                        live.authed.store(c.authed, Ordering::Relaxed);
-                        // Counted where the caps look (a connection evicted meanwhile is
-                        // gone from them: nothing to count).
-                        let mut conns = store.conns_lock();
-                        if !live.evicted.load(Ordering::Relaxed) {
-                            conns.authenticated(&live);
-                        }
-                    }
+                    self.publish_state();
                 }
                 Ok(Next::Need(n)) => {
-                    need = n;
+                    self.need = n;
                     break;
                 }
                 Err(e) => {
-                    let what = if c.validated {
+                    let what = if self.c.validated {
                         e.to_string()
                     } else {
                         PRE_2_2.to_string()
                     };
+                    let peer = self.peer;
                     quiet_warn(format_args!(
                         "store: closing connection from {peer}: {what}"
                     ));
-                    break 'conn;
+                    return Flow::Break(());
                 }
             }
         }
-        if !out.is_empty() {
-            if let Err(e) = write_out(&mut wr, &out, limits.stall).await {
-                if e.kind() == io::ErrorKind::TimedOut {
-                    quiet_warn(format_args!("store: closing connection from {peer}: {e}"));
-                }
-                break;
-            }
-            let written = out.len();
-            out.clear();
-            if out.capacity() > KEEP_BUFFER {
-                out = Vec::with_capacity(256);
-            }
-            replies.set(out.capacity());
-            if written > SMALL_REPLY {
-                store.reply_freed.notify_waiters();
-            }
-            continue;
+        Flow::Continue(())
+    }
+
+    /// Drops the first `len` bytes, a request just received whole.
+    #[inline]
+    fn consume(&mut self, len: usize) {
+        self.begun = None;
+        if len == self.buf.len() && len > KEEP_BUFFER {
+            // A large request, now served: its buffer goes back at once.
+            self.buf = BytesMut::with_capacity(INITIAL_BUFFER);
+        } else {
+            let _ = self.buf.split_to(len);
         }
-        if pending.is_some() {
-            // Nothing of its own queued, and still no room: others' replies hold the budget.
-            // It waits for them to be written (or their connections closed), as long as a
-            // client may leave its replies unread.
-            let since = *room_since.get_or_insert_with(tokio::time::Instant::now);
-            if since.elapsed() > limits.stall {
-                quiet_warn(format_args!(
-                    "store: closing connection from {peer}: its reply waited {} s for room \
-                     in the store's reply budget ({} bytes held by all connections)",
-                    limits.stall.as_secs(),
-                    store.reply_bytes()
-                ));
-                break;
+        self.live.touch();
+        self.live.parked.store(false, Ordering::Relaxed);
+    }
+
+    /// Queues the STOP_WAITING bytes already sent to this connection, ahead of a CANCEL_WAIT's
+    /// reply; Break: it was chosen to make room.
+    #[inline]
+    fn take_wakes(&mut self) -> Flow {
+        while let Ok(b) = self.wake_rx.try_recv() {
+            if b == EVICT {
+                say_evicted(self.peer);
+                return Flow::Break(());
             }
-            tokio::select! {
-                biased;
-                woke = wake_rx.recv() => match woke {
-                    Some(EVICT) | None => break,
-                    Some(b) => out.push(b),
-                },
-                _ = stop.changed() => break,
-                _ = store.reply_freed.notified() => {}
-                // Room given back by a connection that ended, or in small amounts, is not
-                // announced: look again now and then.
-                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-            }
-            continue;
+            self.out.push(b);
         }
-        if buf.is_empty() {
-            begun = None;
-            if buf.capacity() > KEEP_BUFFER {
-                buf = BytesMut::with_capacity(INITIAL_BUFFER);
+        Flow::Continue(())
+    }
+
+    /// Applies one request: true, served; false, given back to wait for room in the reply
+    /// budget (`pending`); Break, refused.
+    #[inline]
+    fn apply(&mut self, req: Request) -> ControlFlow<(), bool> {
+        match self
+            .store
+            .apply(&mut self.c, req, &mut self.out, &mut self.replies)
+        {
+            Ok(None) => ControlFlow::Continue(true),
+            Ok(Some(req)) => {
+                self.pending = Some(req);
+                ControlFlow::Continue(false)
             }
-        } else if begun.is_none() {
-            begun = Some(tokio::time::Instant::now());
-        }
-        // The request under way says how much more it needs (`need` > what is buffered).
-        let want = need.saturating_sub(buf.len());
-        if buf.capacity() - buf.len() < want {
-            if !held.may_grow(buf.len() + want, limits.partial_budget) {
-                quiet_warn(format_args!(
-                    "store: closing connection from {peer}: unfinished requests hold the store's \
-                     whole budget for them ({} bytes)",
-                    limits.partial_budget
-                ));
-                break;
-            }
-            buf.reserve(want);
-        }
-        held.set(buf.capacity());
-        let frame_by = begun.map(|t| t + limits.frame_timeout);
-        tokio::select! {
-            biased;
-            woke = wake_rx.recv() => match woke {
-                Some(EVICT) => {
-                    quiet_warn(format_args!(
-                        "store: closing an idle connection from {peer} to make room for others \
-                         (connection caps)"
-                    ));
-                    break;
-                }
-                Some(b) => {
-                    live.parked.store(false, Ordering::Relaxed);
-                    out.push(b);
-                }
-                None => {}
-            },
-            read = rd.read_buf(&mut buf) => match read {
-                Ok(0) => {
-                    if !buf.is_empty() {
-                        tracing::debug!("store: {peer} closed with {} bytes of a request unread", buf.len());
-                    }
-                    break;
-                }
-                Err(_) => break,
-                Ok(_) => {
-                    // Refuse an old client on its first byte, before its differently-shaped
-                    // request could keep us waiting for bytes it never sends.
-                    if !c.validated && buf.first().is_some_and(|&b| b != 0) {
-                        quiet_warn(format_args!("store: closing connection from {peer}: {PRE_2_2}"));
-                        break 'conn;
-                    }
-                }
-            },
-            _ = stop.changed() => break,
-            _ = tokio::time::sleep_until(handshake_by), if !c.validated => {
-                quiet_warn(format_args!("store: closing connection from {peer}: no VALIDATE within {} s", HANDSHAKE.as_secs()));
-                break;
-            }
-            _ = tokio::time::sleep_until(frame_by.unwrap_or(handshake_by)), if c.validated && frame_by.is_some() => {
-                quiet_warn(format_args!(
-                    "store: closing connection from {peer}: a request begun {} s ago is still \
-                     unfinished ({} bytes received)",
-                    limits.frame_timeout.as_secs(),
-                    buf.len()
-                ));
-                break;
+            Err(msg) => {
+                let peer = self.peer;
+                quiet_warn(format_args!("store: closing connection from {peer}: {msg}"));
+                ControlFlow::Break(())
             }
         }
     }
-    store.disconnect(c.id, &c.live_keys);
-    drop(replies);
-    store.reply_freed.notify_waiters();
+
+    /// Tells the connection caps what the last request changed.
+    #[inline]
+    fn publish_state(&mut self) {
+        let live = &self.live;
+        if self.c.validated != live.validated.load(Ordering::Relaxed) {
+            live.validated.store(self.c.validated, Ordering::Relaxed);
+        }
+        if self.c.authed != live.authed.load(Ordering::Relaxed) {
+            live.authed.store(self.c.authed, Ordering::Relaxed);
+            // Counted where the caps look (a connection evicted meanwhile is gone from them:
+            // nothing to count).
+            let mut conns = self.store.conns_lock();
+            if !live.evicted.load(Ordering::Relaxed) {
+                conns.authenticated(live);
+            }
+        }
+    }
+
+    /// Writes the replies served so far.
+    async fn flush(&mut self) -> Flow {
+        if let Err(e) = write_out(&mut self.wr, &self.out, self.limits.stall).await {
+            if e.kind() == io::ErrorKind::TimedOut {
+                let peer = self.peer;
+                quiet_warn(format_args!("store: closing connection from {peer}: {e}"));
+            }
+            return Flow::Break(());
+        }
+        let written = self.out.len();
+        self.out.clear();
+        if self.out.capacity() > KEEP_BUFFER {
+            self.out = Vec::with_capacity(256);
+        }
+        self.replies.set(self.out.capacity());
+        if written > SMALL_REPLY {
+            self.store.reply_freed.notify_waiters();
+        }
+        Flow::Continue(())
+    }
+
+    /// Nothing of its own queued, and still no room for `pending`'s reply: others' replies hold
+    /// the budget. It waits for them to be written (or their connections closed), as long as a
+    /// client may leave its replies unread.
+    async fn wait_for_room(&mut self) -> Flow {
+        let since = *self
+            .room_since
+            .get_or_insert_with(tokio::time::Instant::now);
+        if since.elapsed() > self.limits.stall {
+            quiet_warn(format_args!(
+                "store: closing connection from {}: its reply waited {} s for room in the \
+                 store's reply budget ({} bytes held by all connections)",
+                self.peer,
+                self.limits.stall.as_secs(),
+                self.store.reply_bytes()
+            ));
+            return Flow::Break(());
+        }
+        tokio::select! {
+            biased;
+            woke = self.wake_rx.recv() => match woke {
+                Some(EVICT) | None => return Flow::Break(()),
+                Some(b) => self.out.push(b),
+            },
+            _ = self.stop.changed() => return Flow::Break(()),
+            _ = self.store.reply_freed.notified() => {}
+            // Room given back by a connection that ended, or in small amounts, is not
+            // announced: look again now and then.
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+        Flow::Continue(())
+    }
+
+    /// Notes when the request under way began and makes room in the buffer for what it still
+    /// needs, within the store's budget for unfinished requests.
+    #[inline]
+    fn make_room_to_read(&mut self) -> Flow {
+        if self.buf.is_empty() {
+            self.begun = None;
+            if self.buf.capacity() > KEEP_BUFFER {
+                self.buf = BytesMut::with_capacity(INITIAL_BUFFER);
+            }
+        } else if self.begun.is_none() {
+            self.begun = Some(tokio::time::Instant::now());
+        }
+        // The request under way says how much more it needs (`need` > what is buffered).
+        let want = self.need.saturating_sub(self.buf.len());
+        if self.buf.capacity() - self.buf.len() < want {
+            if !self
+                .held
+                .may_grow(self.buf.len() + want, self.limits.partial_budget)
+            {
+                quiet_warn(format_args!(
+                    "store: closing connection from {}: unfinished requests hold the store's \
+                     whole budget for them ({} bytes)",
+                    self.peer, self.limits.partial_budget
+                ));
+                return Flow::Break(());
+            }
+            self.buf.reserve(want);
+        }
+        self.held.set(self.buf.capacity());
+        Flow::Continue(())
+    }
+
+    /// Reads more of the request under way, or queues a STOP_WAITING sent meanwhile; closes on
+    /// the peer's end, an eviction, the store's stop, or a request too slow to arrive.
+    async fn read(&mut self) -> Flow {
+        let peer = self.peer;
+        let frame_by = self.begun.map(|t| t + self.limits.frame_timeout);
+        let handshake_by = self.handshake_by;
+        tokio::select! {
+            biased;
+            woke = self.wake_rx.recv() => match woke {
+                Some(EVICT) => {
+                    say_evicted(peer);
+                    return Flow::Break(());
+                }
+                Some(b) => {
+                    self.live.parked.store(false, Ordering::Relaxed);
+                    self.out.push(b);
+                }
+                None => {}
+            },
+            read = self.rd.read_buf(&mut self.buf) => match read {
+                Ok(0) => {
+                    if !self.buf.is_empty() {
+                        tracing::debug!("store: {peer} closed with {} bytes of a request unread", self.buf.len());
+                    }
+                    return Flow::Break(());
+                }
+                Err(_) => return Flow::Break(()),
+                Ok(_) => {
+                    // Refuse an old client on its first byte, before its differently-shaped
+                    // request could keep us waiting for bytes it never sends.
+                    if !self.c.validated && self.buf.first().is_some_and(|&b| b != 0) {
+                        quiet_warn(format_args!("store: closing connection from {peer}: {PRE_2_2}"));
+                        return Flow::Break(());
+                    }
+                }
+            },
+            _ = self.stop.changed() => return Flow::Break(()),
+            _ = tokio::time::sleep_until(handshake_by), if !self.c.validated => {
+                quiet_warn(format_args!("store: closing connection from {peer}: no VALIDATE within {} s", HANDSHAKE.as_secs()));
+                return Flow::Break(());
+            }
+            _ = tokio::time::sleep_until(frame_by.unwrap_or(handshake_by)), if self.c.validated && frame_by.is_some() => {
+                quiet_warn(format_args!(
+                    "store: closing connection from {peer}: a request begun {} s ago is still \
+                     unfinished ({} bytes received)",
+                    self.limits.frame_timeout.as_secs(),
+                    self.buf.len()
+                ));
+                return Flow::Break(());
+            }
+        }
+        Flow::Continue(())
+    }
+
+    /// Forgets the connection's waits and keys, and gives its reply budget back.
+    fn finish(self) {
+        self.store.disconnect(self.c.id, &self.c.live_keys);
+        drop(self.replies);
+        self.store.reply_freed.notify_waiters();
+    }
+}
+
+/// Says that an idle connection is closed to make room ([`EVICT`]).
+fn say_evicted(peer: SocketAddr) {
+    quiet_warn(format_args!(
+        "store: closing an idle connection from {peer} to make room for others (connection caps)"
+    ));
 }
