@@ -414,11 +414,6 @@ impl Store {
         self.max_bytes.store(max, Ordering::Relaxed);
     }
 
-    /// Caps what nrun's own keys (`nrun/`) may hold, apart from --store-max-bytes (tests).
-    pub fn set_control_max_bytes(&self, max: u64) {
-        self.control_max.store(max, Ordering::Relaxed);
-    }
-
     /// Replaces the budgets, timeouts and connection caps (before serving: open connections
     /// keep the limits they started with).
     pub fn set_limits(&self, limits: Limits) {
@@ -521,13 +516,8 @@ impl Store {
         self.lock().bytes
     }
 
-    /// Bytes nrun's own keys hold, counted apart (tests, diagnostics).
-    pub fn control_bytes(&self) -> usize {
-        self.lock().control
-    }
-
     /// Bytes all connections' replies hold, built and not yet written (tests, diagnostics).
-    pub fn reply_bytes(&self) -> usize {
+    pub(crate) fn reply_bytes(&self) -> usize {
         self.replies.load(Ordering::Relaxed)
     }
 
