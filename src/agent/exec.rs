@@ -119,7 +119,7 @@ async fn run_workers(
     for w in specs {
         match worker_cmd(w, &this_nrun, watch.is_some(), secret, &mut flight_files) {
             Ok(cmd) => cmds.push(cmd),
-            Err(e) => return RunResult::SpawnError(e),
+            Err(e) => return RunResult::SpawnError(e.message),
         }
     }
     let deadline = deadline_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
@@ -155,11 +155,13 @@ fn worker_cmd(
     watching: bool,
     secret: Option<&str>,
     flight_files: &mut Vec<(usize, super::flight::FrFiles)>,
-) -> std::result::Result<WorkerCmd, String> {
+) -> Result<WorkerCmd> {
     let program = match (w.program.as_str(), this_nrun) {
         (THIS_NRUN, Ok(exe)) => exe.clone().into_os_string(),
         (THIS_NRUN, Err(e)) => {
-            return Err(format!("cannot find nrun's own executable: {e}"));
+            return Err(Error::internal(format!(
+                "cannot find nrun's own executable: {e}"
+            )));
         }
         (p, _) => p.into(),
     };
@@ -171,7 +173,7 @@ fn worker_cmd(
     }
     // Log files live on the worker's own node, as torchrun's do.
     let (out_file, err_file) = match &w.log_dir {
-        Some(d) => open_logs(d).map_err(|e| e.message)?,
+        Some(d) => open_logs(d)?,
         None => (None, None),
     };
     let cpus = match w.numa {

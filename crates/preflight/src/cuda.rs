@@ -31,13 +31,13 @@ fn check(r: CUresult, what: &str) -> Result<(), CudaError> {
 }
 
 /// Whether libcuda can be loaded at all (false on machines without the NVIDIA driver).
-pub(crate) fn driver_present() -> bool {
+pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the driver library.
     unsafe { sys::is_culib_present() }
 }
 
 /// The driver's CUDA version as (major, minor), e.g. (13, 0).
-pub(crate) fn driver_version() -> Result<(i32, i32), CudaError> {
+pub fn driver_version() -> Result<(i32, i32), CudaError> {
     let mut v = 0;
     // SAFETY: writes one int.
     check(
@@ -94,7 +94,7 @@ impl Gpu {
         }
     }
 
-    pub(crate) fn alloc(&self, bytes: usize) -> Result<DeviceBuf, CudaError> {
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuf, CudaError> {
         let mut p = 0;
         // SAFETY: writes the device pointer.
         check(
@@ -105,7 +105,7 @@ impl Gpu {
     }
 
     /// Page-locked host memory, for fast copies back to check results.
-    pub(crate) fn alloc_host(&self, floats: usize) -> Result<HostBuf, CudaError> {
+    pub fn alloc_host(&self, floats: usize) -> Result<HostBuf, CudaError> {
         let mut p = std::ptr::null_mut();
         let bytes = floats.max(1) * 4;
         // SAFETY: writes the host pointer.
@@ -119,7 +119,7 @@ impl Gpu {
         })
     }
 
-    pub(crate) fn upload(&self, dst: &DeviceBuf, src: &[f32]) -> Result<(), CudaError> {
+    pub fn upload(&self, dst: &DeviceBuf, src: &[f32]) -> Result<(), CudaError> {
         // SAFETY: dst holds at least src.len() floats (caller's allocation).
         check(
             unsafe {
@@ -131,7 +131,7 @@ impl Gpu {
 
     /// Copies `floats` floats from `src` at float offset `off` into the start of `dst`, after
     /// the work queued on our stream.
-    pub(crate) fn download_at(
+    pub fn download_at(
         &self,
         dst: &mut HostBuf,
         src: &DeviceBuf,
@@ -160,7 +160,7 @@ impl Gpu {
     }
 
     /// Copies `n` floats within one buffer, from float offset `from` to `to`, on our stream.
-    pub(crate) fn copy_within_async(
+    pub fn copy_within_async(
         &self,
         buf: &DeviceBuf,
         from: usize,
@@ -181,7 +181,7 @@ impl Gpu {
         )
     }
 
-    pub(crate) fn copy_async(
+    pub fn copy_async(
         &self,
         dst: &DeviceBuf,
         src: &DeviceBuf,
@@ -218,7 +218,7 @@ impl Gpu {
     }
 
     /// Milliseconds between two recorded events, waiting for the second.
-    pub(crate) fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32, CudaError> {
+    pub fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32, CudaError> {
         let mut ms = 0f32;
         // SAFETY: both events were recorded on our stream.
         unsafe {
@@ -250,7 +250,7 @@ pub struct HostBuf {
 
 impl HostBuf {
     /// The first `n` floats as their bit patterns (compared exactly, and as fast as memcmp).
-    pub(crate) fn as_bits(&self, n: usize) -> &[u32] {
+    pub fn as_bits(&self, n: usize) -> &[u32] {
         // SAFETY: ptr holds len floats, allocated by cuMemAllocHost; u32 and f32 share layout.
         unsafe { std::slice::from_raw_parts(self.ptr.cast::<u32>(), n.min(self.len)) }
     }
@@ -359,7 +359,7 @@ impl Checker {
 
     /// Wrong elements among the first `count` floats of `data`, after the work queued on the
     /// GPU's stream.
-    pub(crate) fn count_wrong(
+    pub fn count_wrong(
         &mut self,
         gpu: &Gpu,
         data: &DeviceBuf,

@@ -99,27 +99,27 @@ impl Settings {
     }
 
     /// Set (to its rank) by the first rank that fails, so the others stop waiting.
-    pub(crate) fn abort_key(&self) -> Vec<u8> {
+    pub fn abort_key(&self) -> Vec<u8> {
         self.key(format_args!("abort"))
     }
 
     /// Rank 0's NCCL unique id.
-    pub(crate) fn uid_key(&self) -> Vec<u8> {
+    pub fn uid_key(&self) -> Vec<u8> {
         self.key(format_args!("uid"))
     }
 
     /// The barrier the ranks leave through together.
-    pub(crate) fn finished_key(&self) -> Vec<u8> {
+    pub fn finished_key(&self) -> Vec<u8> {
         self.key(format_args!("finished"))
     }
 
     /// Net mode: the address rank `rank` listens on.
-    pub(crate) fn addr_key(&self, rank: usize) -> Vec<u8> {
+    pub fn addr_key(&self, rank: usize) -> Vec<u8> {
         self.key(format_args!("addr/{rank}"))
     }
 
     /// Net mode: the barrier ending turn `turn` of the link test.
-    pub(crate) fn link_key(&self, turn: usize) -> Vec<u8> {
+    pub fn link_key(&self, turn: usize) -> Vec<u8> {
         self.key(format_args!("link/{turn}"))
     }
 
@@ -144,7 +144,7 @@ pub type Silent = (usize, String, Option<String>);
 
 /// Every rank's report, read with `get` (a key of these settings -> its value); a rank without
 /// one is listed with its host and the last stage it reached (None: it never reached the store).
-pub(crate) fn reports_from(
+pub fn reports_from(
     s: &Settings,
     ranks: &[(usize, String)],
     get: &mut dyn FnMut(&[u8]) -> Option<Vec<u8>>,
@@ -273,7 +273,7 @@ pub const STAGES: [(&str, &str); 6] = [
     ("done", "done"),
 ];
 
-pub(crate) fn stage_text(stage: &str) -> &'static str {
+pub fn stage_text(stage: &str) -> &'static str {
     STAGES.iter().find(|(s, _)| *s == stage).map_or(
         "in a stage this nrun does not know (is nrun the same version on every host?)",
         |(_, t)| t,
@@ -401,7 +401,7 @@ impl Outcome {
     }
 }
 
-pub(crate) fn human_bytes(b: u64) -> String {
+pub fn human_bytes(b: u64) -> String {
     match b {
         b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
         b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),

@@ -56,7 +56,7 @@ pub enum Op {
 }
 
 impl Op {
-    pub(crate) fn from_u8(b: u8) -> Option<Op> {
+    pub fn from_u8(b: u8) -> Option<Op> {
         use Op::*;
         Some(match b {
             0 => Validate,
@@ -490,7 +490,7 @@ pub struct FrameScan {
 
 impl FrameScan {
     /// Whether nothing of a request has been scanned yet.
-    pub(crate) fn is_fresh(&self) -> bool {
+    pub fn is_fresh(&self) -> bool {
         self.op.is_none()
     }
 
@@ -586,13 +586,13 @@ impl FrameScan {
 }
 
 /// Writes a length-prefixed byte string (a key, a value, or a reply value).
-pub(crate) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+pub fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(&(b.len() as u64).to_le_bytes());
     out.extend_from_slice(b);
 }
 
 /// Writes a numeric reply.
-pub(crate) fn put_i64(out: &mut Vec<u8>, v: i64) {
+pub fn put_i64(out: &mut Vec<u8>, v: i64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
