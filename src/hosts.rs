@@ -68,7 +68,8 @@ fn usage(message: String) -> Error {
 }
 
 /// Parses `-H/--hosts`: "h1,h2" or "h1:8,h2:8" (slots), surrounding whitespace ignored, empty items
-/// rejected. Also accepts IPv6 in brackets "[fe80::1]:4". A duplicate host is an error naming it.
+/// rejected. Also accepts IPv6 in brackets "[fe80::1]:4" and hostlist ranges "gpu[01-04,07]:8"
+/// (commas inside brackets belong to the range). A duplicate host is an error naming it.
 pub(crate) fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
     if s.trim().is_empty() {
         return Err(usage(
@@ -78,14 +79,8 @@ pub(crate) fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
     }
     let mut hosts = Vec::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
-    for (i, raw) in s.split(',').enumerate() {
+    for (i, raw) in split_outside_brackets(s).into_iter().enumerate() {
         let number = i + 1;
-        if number > MAX_HOSTS {
-            return Err(usage(format!(
-                "-H/--hosts names more than {MAX_HOSTS} hosts; nrun drives at most {MAX_HOSTS} \
-                 nodes from one launch host"
-            )));
-        }
         let item = raw.trim();
         if item.is_empty() {
             return Err(usage(format!(
@@ -93,31 +88,117 @@ pub(crate) fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
             )));
         }
         let ctx = format!("-H/--hosts item {item:?}");
-        let (name, slots) = parse_item(item, &ctx)?;
-        if let Some(first) = seen.insert(name.clone(), number) {
-            return Err(usage(format!(
-                "-H/--hosts names host {name:?} twice (items {first} and {number}); \
-                 list each host once, with its slot count as host:N"
-            )));
+        for (name, slots) in parse_ranged_item(item, &ctx)? {
+            if hosts.len() >= MAX_HOSTS {
+                return Err(usage(format!(
+                    "-H/--hosts names more than {MAX_HOSTS} hosts; nrun drives at most {MAX_HOSTS} \
+                     nodes from one launch host"
+                )));
+            }
+            if let Some(first) = seen.insert(name.clone(), number) {
+                return Err(usage(format!(
+                    "-H/--hosts names host {name:?} twice (items {first} and {number}); \
+                     list each host once, with its slot count as host:N"
+                )));
+            }
+            hosts.push(Host {
+                name,
+                slots,
+                only_slots: None,
+            });
         }
-        hosts.push(Host {
-            name,
-            slots,
-            only_slots: None,
-        });
     }
     Ok(hosts)
 }
 
+/// `s` split at the commas outside brackets (`gpu[1,3],cpu1` -> `gpu[1,3]`, `cpu1`). Unbalanced
+/// brackets are left for the item's own parser to name.
+fn split_outside_brackets(s: &str) -> Vec<&str> {
+    let mut items = Vec::new();
+    let (mut start, mut depth) = (0, 0usize);
+    for (i, c) in s.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                items.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&s[start..]);
+    items
+}
+
+/// One `-H` item or hostfile host token, with hostlist ranges expanded: `gpu[1-3]:8` is gpu1,
+/// gpu2 and gpu3 with 8 slots each, `alice@gpu[1-2]` is alice@gpu1 and alice@gpu2. A bracket
+/// holding a ':' is an IPv6 address (`[fe80::1]:4`), as before ranges existed.
+fn parse_ranged_item(item: &str, ctx: &str) -> Result<Vec<(String, Option<usize>)>> {
+    let Some(open) = item.find('[') else {
+        return Ok(vec![parse_item(item, ctx)?]);
+    };
+    let inner = &item[open + 1..];
+    if inner
+        .find(']')
+        .is_none_or(|close| inner[..close].contains(':'))
+    {
+        return Ok(vec![parse_item(item, ctx)?]);
+    }
+    // The slot count follows the last ']': `r[1-2]n[1-2].ib:4`.
+    let last = item.rfind(']').unwrap_or(0);
+    let (expr, slots) = match item[last..].find(':') {
+        Some(c) => (&item[..last + c], Some(&item[last + c + 1..])),
+        None => (item, None),
+    };
+    if expr.contains(':') || slots.is_some_and(|s| s.contains(':')) {
+        return Err(usage(format!(
+            "{ctx} has more than one ':'; write a range as gpu[1-4] or gpu[1-4]:N"
+        )));
+    }
+    let slots = match slots {
+        Some(n) => Some(parse_count(n, ctx, "slot count")?),
+        None => None,
+    };
+    let (user, range) = match expr.rsplit_once('@') {
+        Some((u, r)) => (Some(u), r),
+        None => (None, expr),
+    };
+    let names = expand_slurm_hostlist(range).map_err(|e| {
+        usage(format!(
+            "{ctx}: {}",
+            e.message.replacen("the Slurm node list", "the range", 1)
+        ))
+    })?;
+    if names.len() > MAX_HOSTS {
+        return Err(usage(format!(
+            "{ctx} expands to {} hosts; nrun drives at most {MAX_HOSTS} nodes from one launch host",
+            names.len()
+        )));
+    }
+    names
+        .into_iter()
+        .map(|n| {
+            let name = match user {
+                Some(u) => format!("{u}@{n}"),
+                None => n,
+            };
+            check_name(&name, ctx)?;
+            Ok((name, slots))
+        })
+        .collect()
+}
+
 /// Parses a hostfile's text. `origin` names the file in messages. Accepted per line: Open MPI /
 /// DeepSpeed form `host slots=N` (also `max_slots=M`, ignored but accepted; other key=value ->
-/// error naming it), MPICH form `host:N`, bare `host`. `#` starts a comment (whole line or
-/// trailing), blank lines skipped. A duplicate host is an error naming both line numbers ("line 3
-/// and line 7").
+/// error naming it), MPICH form `host:N`, bare `host`; the host may be a range (`gpu[01-16]
+/// slots=8`: one host per number, each with the line's slots). `#` starts a comment (whole line
+/// or trailing), blank lines skipped. A duplicate host is an error naming both line numbers
+/// ("line 3 and line 7").
 pub(crate) fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
     Ok(hostfile_lines(text, origin)?
         .into_iter()
-        .filter_map(|(_, host)| host)
+        .flat_map(|(_, hosts)| hosts)
         .collect())
 }
 
@@ -126,38 +207,50 @@ pub(crate) fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
 ///
 /// `name` is [`Host::name`] as [`parse_hostfile`] gives it (`[fe80::1]:4` -> `fe80::1`). Lines
 /// are split as `str::lines` does and each ends with "\n" in the output (a CRLF file comes out
-/// LF). Text that `parse_hostfile` rejects gives the same error; dropping every host is not one.
+/// LF). A range line with some of its hosts dropped becomes one `host slots=N` line per kept
+/// host. Text that `parse_hostfile` rejects gives the same error; dropping every host is not one.
 pub(crate) fn filter_hostfile(
     text: &str,
     origin: &str,
     keep: &dyn Fn(&str) -> bool,
 ) -> Result<String> {
     let mut out = String::with_capacity(text.len() + 1);
-    for (line, host) in hostfile_lines(text, origin)? {
-        if host.is_none_or(|h| keep(&h.name)) {
+    for (line, hosts) in hostfile_lines(text, origin)? {
+        let kept: Vec<&Host> = hosts.iter().filter(|h| keep(&h.name)).collect();
+        if kept.len() == hosts.len() {
             out.push_str(line);
+            out.push('\n');
+            continue;
+        }
+        // Only a range line keeps some hosts of several; its names have no ':' to bracket.
+        for h in kept {
+            out.push_str(&h.name);
+            if let Some(n) = h.slots {
+                out.push_str(&format!(" slots={n}"));
+            }
             out.push('\n');
         }
     }
     Ok(out)
 }
 
-/// Every line of a hostfile with the host it names (None: blank or comment only). Shared by
-/// [`parse_hostfile`] and [`filter_hostfile`] so both accept and reject exactly the same text.
-fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Option<Host>)>> {
+/// Every line of a hostfile with the hosts it names (none: blank or comment only; several: a
+/// range). Shared by [`parse_hostfile`] and [`filter_hostfile`] so both accept and reject
+/// exactly the same text.
+fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Vec<Host>)>> {
     let mut lines = Vec::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (i, raw) in text.lines().enumerate() {
         let lineno = i + 1;
-        let host = parse_hostfile_line(raw, origin, lineno)?;
-        if host.is_some() && seen.len() >= MAX_HOSTS {
-            return Err(usage(format!(
-                "{origin}: more than {MAX_HOSTS} hosts (line {lineno} names host number {}); \
-                 nrun drives at most {MAX_HOSTS} nodes from one launch host",
-                MAX_HOSTS + 1
-            )));
-        }
-        if let Some(Host { name, .. }) = &host {
+        let hosts = parse_hostfile_line(raw, origin, lineno)?;
+        for Host { name, .. } in &hosts {
+            if seen.len() >= MAX_HOSTS {
+                return Err(usage(format!(
+                    "{origin}: more than {MAX_HOSTS} hosts (line {lineno} names host number {}); \
+                     nrun drives at most {MAX_HOSTS} nodes from one launch host",
+                    MAX_HOSTS + 1
+                )));
+            }
             if let Some(&first_line) = seen.get(name) {
                 return Err(usage(format!(
                     "{origin}: host {name:?} is listed twice, on line {first_line} and line {lineno}; \
@@ -166,7 +259,7 @@ fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Optio
             }
             seen.insert(name.clone(), lineno);
         }
-        lines.push((raw, host));
+        lines.push((raw, hosts));
     }
     if seen.is_empty() {
         return Err(usage(format!(
@@ -176,13 +269,13 @@ fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Optio
     Ok(lines)
 }
 
-/// One hostfile line, without its line ending: the host it names, or None when it is blank or
-/// only a comment. `lineno` counts from 1.
-fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Option<Host>> {
+/// One hostfile line, without its line ending: the hosts it names (one, or a range's), none
+/// when it is blank or only a comment. `lineno` counts from 1.
+fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Vec<Host>> {
     let line = raw.split('#').next().unwrap_or_default().trim();
     let mut tokens = line.split_whitespace();
     let Some(first) = tokens.next() else {
-        return Ok(None); // blank or comment-only
+        return Ok(Vec::new()); // blank or comment-only
     };
     let ctx = format!("{origin} line {lineno}");
     if first.contains('=') {
@@ -191,7 +284,8 @@ fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Option<
              write e.g. node1 slots=8"
         )));
     }
-    let (name, mut slots) = parse_item(first, &ctx)?;
+    let names = parse_ranged_item(first, &ctx)?;
+    let mut slots = names.first().and_then(|n| n.1);
     let colon_slots = slots.is_some();
     let mut seen_slots_key = false;
     let mut seen_max_slots = false;
@@ -232,11 +326,14 @@ fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Option<
             }
         }
     }
-    Ok(Some(Host {
-        name,
-        slots,
-        only_slots: None,
-    }))
+    Ok(names
+        .into_iter()
+        .map(|(name, _)| Host {
+            name,
+            slots,
+            only_slots: None,
+        })
+        .collect())
 }
 
 /// Splits an item into its host name and what follows a ':' (a slot count or slot list),
@@ -254,7 +351,8 @@ fn split_host_suffix<'a>(item: &'a str, ctx: &str) -> Result<(String, Option<&'a
     let prefix = &item[..open];
     if !(prefix.is_empty() || prefix.ends_with('@')) {
         return Err(usage(format!(
-            "{ctx}: brackets are only for IPv6 addresses, as in [fe80::1]:4 or user@[fe80::1]"
+            "{ctx}: brackets hold an IPv6 address, as in [fe80::1]:4 or user@[fe80::1], or a \
+             range of numbers, as in gpu[1-4]"
         )));
     }
     let after_open = &item[open + 1..];
@@ -612,6 +710,134 @@ fn parse_slurm_num(digits: &str, item: &str, whole: &str) -> Result<u64> {
             "the Slurm node list {whole:?} has {item:?} in brackets, which is not a number"
         ))
     })
+}
+
+// ---- batch schedulers' node lists ----
+
+/// Hosts in first-seen order with the slots counted for each: several lines or words naming
+/// one host are that many slots of it, as PBS and LSF write them.
+#[derive(Default)]
+struct SlotCount {
+    hosts: Vec<Host>,
+    index: HashMap<String, usize>,
+}
+
+impl SlotCount {
+    /// `n` more slots of `name`; `ctx` says where in messages.
+    fn add(&mut self, name: &str, n: usize, ctx: &str) -> Result<()> {
+        check_name(name, ctx)?;
+        let i = match self.index.get(name) {
+            Some(&i) => i,
+            None if self.hosts.len() >= MAX_HOSTS => {
+                return Err(usage(format!(
+                    "{ctx}: more than {MAX_HOSTS} hosts; nrun drives at most {MAX_HOSTS} nodes \
+                     from one launch host"
+                )));
+            }
+            None => {
+                self.index.insert(name.to_string(), self.hosts.len());
+                self.hosts.push(Host {
+                    name: name.to_string(),
+                    slots: Some(0),
+                    only_slots: None,
+                });
+                self.hosts.len() - 1
+            }
+        };
+        let slots = self.hosts[i].slots.unwrap_or(0).saturating_add(n);
+        if slots > MAX_SLOTS {
+            return Err(usage(format!(
+                "{ctx}: host {name:?} has more than {MAX_SLOTS} slots; check the file"
+            )));
+        }
+        self.hosts[i].slots = Some(slots);
+        Ok(())
+    }
+
+    fn done(self, origin: &str, example: &str) -> Result<Vec<Host>> {
+        if self.hosts.is_empty() {
+            return Err(usage(format!(
+                "{origin} lists no hosts; the scheduler writes {example}; check that the job \
+                 runs inside the allocation, or give the hosts with -H"
+            )));
+        }
+        Ok(self.hosts)
+    }
+}
+
+/// A node file of one host per slot, as PBS/Torque writes `$PBS_NODEFILE` and LSF
+/// `$LSB_DJOB_HOSTFILE`: `node1` on 8 lines is node1 with 8 slots. Hosts keep the order of
+/// their first line; blank lines are skipped; anything else on a line is an error naming it.
+pub(crate) fn parse_slot_lines(text: &str, origin: &str) -> Result<Vec<Host>> {
+    let mut count = SlotCount::default();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let ctx = format!("{origin} line {}", i + 1);
+        if line.contains(char::is_whitespace) {
+            return Err(usage(format!(
+                "{ctx}: {line:?} is not one host name; this file lists one host per line, \
+                 once per slot"
+            )));
+        }
+        count.add(line, 1, &ctx)?;
+    }
+    count.done(origin, "one host name per line, once per slot")
+}
+
+/// LSF's `LSB_HOSTS`: host names separated by spaces, once per slot (`h1 h1 h2 h2`).
+pub(crate) fn parse_lsb_hosts(s: &str) -> Result<Vec<Host>> {
+    let mut count = SlotCount::default();
+    for name in s.split_whitespace() {
+        count.add(name, 1, "LSB_HOSTS")?;
+    }
+    count.done(
+        "LSB_HOSTS",
+        "host names once per slot, as in \"h1 h1 h2 h2\"",
+    )
+}
+
+/// LSF's `LSB_MCPU_HOSTS`: pairs of a host and its slots, `hostA 8 hostB 8`.
+pub(crate) fn parse_lsf_mcpu_hosts(s: &str) -> Result<Vec<Host>> {
+    let words: Vec<&str> = s.split_whitespace().collect();
+    if words.len() % 2 == 1 {
+        return Err(usage(format!(
+            "LSB_MCPU_HOSTS {s:?} has a host without its slot count; LSF writes pairs, as in \
+             \"hostA 8 hostB 8\""
+        )));
+    }
+    let mut count = SlotCount::default();
+    for pair in words.chunks(2) {
+        let ctx = format!("LSB_MCPU_HOSTS host {:?}", pair[0]);
+        let n = parse_count(pair[1], &ctx, "slot count")?;
+        count.add(pair[0], n, &ctx)?;
+    }
+    count.done("LSB_MCPU_HOSTS", "pairs of a host and its slots")
+}
+
+/// SGE/UGE's `$PE_HOSTFILE`: `host slots queue processor-range` per line
+/// (`node01 4 all.q@node01 UNDEFINED`); a host on several lines (several queues) has their
+/// slots together. Only the host and slots are read.
+pub(crate) fn parse_pe_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
+    let mut count = SlotCount::default();
+    for (i, raw) in text.lines().enumerate() {
+        let mut words = raw.split_whitespace();
+        let Some(name) = words.next() else {
+            continue;
+        };
+        let ctx = format!("{origin} line {}", i + 1);
+        let Some(slots) = words.next() else {
+            return Err(usage(format!(
+                "{ctx}: {name:?} has no slot count; SGE writes `host slots queue \
+                 processor-range` per line"
+            )));
+        };
+        let n = parse_count(slots, &ctx, "slot count")?;
+        count.add(name, n, &ctx)?;
+    }
+    count.done(origin, "`host slots queue processor-range` per line")
 }
 
 /// DeepSpeed's include/exclude syntax: "worker-0@worker-1:0,2" means all of worker-0, and slots 0
