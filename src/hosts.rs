@@ -139,10 +139,7 @@ fn parse_ranged_item(item: &str, ctx: &str) -> Result<Vec<(String, Option<usize>
         return Ok(vec![parse_item(item, ctx)?]);
     };
     let inner = &item[open + 1..];
-    if inner
-        .find(']')
-        .is_none_or(|close| inner[..close].contains(':'))
-    {
+    if inner[..inner.find(']').unwrap_or(inner.len())].contains(':') {
         return Ok(vec![parse_item(item, ctx)?]);
     }
     // The slot count follows the last ']': `r[1-2]n[1-2].ib:4`.
@@ -172,7 +169,8 @@ fn parse_ranged_item(item: &str, ctx: &str) -> Result<Vec<(String, Option<usize>
     })?;
     if names.len() > MAX_HOSTS {
         return Err(usage(format!(
-            "{ctx} expands to {} hosts; nrun drives at most {MAX_HOSTS} nodes from one launch host",
+            "{ctx} expands to {} hosts, more than the {MAX_HOSTS} nodes nrun drives from one \
+             launch host; split the job or check the range",
             names.len()
         )));
     }
@@ -791,10 +789,10 @@ pub(crate) fn parse_slot_lines(text: &str, origin: &str) -> Result<Vec<Host>> {
 pub(crate) fn parse_lsb_hosts(s: &str) -> Result<Vec<Host>> {
     let mut count = SlotCount::default();
     for name in s.split_whitespace() {
-        count.add(name, 1, "LSB_HOSTS")?;
+        count.add(name, 1, "$LSB_HOSTS")?;
     }
     count.done(
-        "LSB_HOSTS",
+        "$LSB_HOSTS",
         "host names once per slot, as in \"h1 h1 h2 h2\"",
     )
 }
@@ -804,17 +802,17 @@ pub(crate) fn parse_lsf_mcpu_hosts(s: &str) -> Result<Vec<Host>> {
     let words: Vec<&str> = s.split_whitespace().collect();
     if words.len() % 2 == 1 {
         return Err(usage(format!(
-            "LSB_MCPU_HOSTS {s:?} has a host without its slot count; LSF writes pairs, as in \
+            "$LSB_MCPU_HOSTS {s:?} has a host without its slot count; LSF writes pairs, as in \
              \"hostA 8 hostB 8\""
         )));
     }
     let mut count = SlotCount::default();
     for pair in words.chunks(2) {
-        let ctx = format!("LSB_MCPU_HOSTS host {:?}", pair[0]);
+        let ctx = format!("$LSB_MCPU_HOSTS host {:?}", pair[0]);
         let n = parse_count(pair[1], &ctx, "slot count")?;
         count.add(pair[0], n, &ctx)?;
     }
-    count.done("LSB_MCPU_HOSTS", "pairs of a host and its slots")
+    count.done("$LSB_MCPU_HOSTS", "pairs of a host and its slots")
 }
 
 /// SGE/UGE's `$PE_HOSTFILE`: `host slots queue processor-range` per line
@@ -1681,6 +1679,189 @@ mod tests {
         }
         let long = format!("{}[1-100000]", "x".repeat(1000));
         assert!(err(expand_slurm_hostlist(&long)).contains("longer than"));
+    }
+
+    // ---- hostlist ranges in -H and hostfiles ----
+
+    #[test]
+    fn flag_ranges_expand() {
+        // README's own example, and Slurm's forms with slots and a user.
+        assert_eq!(
+            parse_hosts_flag("gpu[1-5]").unwrap(),
+            (1..=5)
+                .map(|i| host(&format!("gpu{i}"), None))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            parse_hosts_flag("gpu[01-02,07]:8,cpu1").unwrap(),
+            vec![
+                host("gpu01", Some(8)),
+                host("gpu02", Some(8)),
+                host("gpu07", Some(8)),
+                host("cpu1", None),
+            ]
+        );
+        assert_eq!(
+            names(&parse_hosts_flag("alice@r[1-2]n[1-2].ib:2").unwrap()),
+            [
+                "alice@r1n1.ib",
+                "alice@r1n2.ib",
+                "alice@r2n1.ib",
+                "alice@r2n2.ib"
+            ]
+        );
+        // IPv6 in brackets stays an address beside ranges.
+        assert_eq!(
+            parse_hosts_flag("[::1]:2,n[1-2],bob@[fe80::1]").unwrap(),
+            vec![
+                host("::1", Some(2)),
+                host("n1", None),
+                host("n2", None),
+                host("bob@fe80::1", None),
+            ]
+        );
+    }
+
+    #[test]
+    fn flag_bad_ranges_say_what() {
+        for (bad, needle) in [
+            ("gpu[3-1]", "reversed range"),
+            ("gpu[1-2", "'[' without a ']'"),
+            ("gpu[a-b]", "not a number"),
+            ("gpu[1-2]:0", "is 0"),
+            ("gpu[1-2]:4:4", "more than one ':'"),
+            ("gpu[1-3],gpu2", "\"gpu2\" twice (items 1 and 2)"),
+            (
+                "gpu[1-20000]",
+                "expands to 20000 hosts, more than the 16384",
+            ),
+            ("-x[1-2]", "starts with '-'"),
+        ] {
+            let m = err(parse_hosts_flag(bad));
+            assert!(m.contains(needle), "{bad}: {m}");
+            assert!(m.contains("-H/--hosts"), "{bad}: {m}");
+            assert!(!m.contains("Slurm"), "{bad}: {m}");
+        }
+    }
+
+    #[test]
+    fn hostfile_ranges_expand_and_filter() {
+        let text = "# rack 1\ngpu[01-03] slots=8\ncpu[1-2]:2 # cpus\nlone\n";
+        let h = parse_hostfile(text, "hf").unwrap();
+        assert_eq!(
+            h,
+            vec![
+                host("gpu01", Some(8)),
+                host("gpu02", Some(8)),
+                host("gpu03", Some(8)),
+                host("cpu1", Some(2)),
+                host("cpu2", Some(2)),
+                host("lone", None),
+            ]
+        );
+        // Whole lines are kept as written; a range with hosts dropped lists the rest.
+        let kept = filter_hostfile(text, "hf", &|n| n != "gpu02" && n != "cpu1").unwrap();
+        assert_eq!(
+            kept,
+            "# rack 1\ngpu01 slots=8\ngpu03 slots=8\ncpu2 slots=2\nlone\n"
+        );
+        let m = err(parse_hostfile("n[1-3]\nn2\n", "hf"));
+        assert!(
+            m.contains("\"n2\" is listed twice, on line 1 and line 2"),
+            "{m}"
+        );
+        let m = err(parse_hostfile("n1\nn[1-2-3]\n", "hf"));
+        assert!(m.contains("hf line 2"), "{m}");
+    }
+
+    // ---- batch schedulers' node lists, as each scheduler writes them ----
+
+    #[test]
+    fn pbs_nodefile_lines_are_slots() {
+        // Torque, `qsub -l nodes=3:ppn=4`: each host once per processor, in order.
+        let torque = "node01\nnode01\nnode01\nnode01\nnode02\nnode02\nnode02\nnode02\n\
+                      node03\nnode03\nnode03\nnode03\n";
+        assert_eq!(
+            parse_slot_lines(torque, "PBS_NODEFILE").unwrap(),
+            vec![
+                host("node01", Some(4)),
+                host("node02", Some(4)),
+                host("node03", Some(4)),
+            ]
+        );
+        // PBS Pro, `-l select=2:ncpus=8:mpiprocs=2` (mpiprocs lines per chunk, full names).
+        let pro = "gpu-a01.cluster.local\ngpu-a01.cluster.local\n\
+                   gpu-a02.cluster.local\ngpu-a02.cluster.local\n";
+        assert_eq!(
+            parse_slot_lines(pro, "PBS_NODEFILE").unwrap(),
+            vec![
+                host("gpu-a01.cluster.local", Some(2)),
+                host("gpu-a02.cluster.local", Some(2)),
+            ]
+        );
+        // Chunks of one host apart still count together; order is first seen.
+        assert_eq!(
+            parse_slot_lines("b\na\nb\n", "PBS_NODEFILE").unwrap(),
+            vec![host("b", Some(2)), host("a", Some(1))]
+        );
+    }
+
+    #[test]
+    fn pbs_nodefile_errors_name_the_line() {
+        let m = err(parse_slot_lines("n1\nn2 slots=4\n", "$PBS_NODEFILE (/x)"));
+        assert!(m.contains("$PBS_NODEFILE (/x) line 2"), "{m}");
+        assert!(m.contains("one host per line"), "{m}");
+        let m = err(parse_slot_lines("\n\n", "$PBS_NODEFILE (/x)"));
+        assert!(m.contains("lists no hosts"), "{m}");
+        let m = err(parse_slot_lines("n1\n-oProxy\n", "$PBS_NODEFILE (/x)"));
+        assert!(m.contains("line 2") && m.contains("starts with '-'"), "{m}");
+    }
+
+    #[test]
+    fn lsf_node_lists() {
+        // `bsub -n 8 -R "span[ptile=4]"`: LSB_DJOB_HOSTFILE, one line per slot.
+        let file = "hostA\nhostA\nhostA\nhostA\nhostB\nhostB\nhostB\nhostB\n";
+        let want = vec![host("hostA", Some(4)), host("hostB", Some(4))];
+        assert_eq!(parse_slot_lines(file, "LSB_DJOB_HOSTFILE").unwrap(), want);
+        // The same job's LSB_MCPU_HOSTS (LSF ends it with a space) and LSB_HOSTS.
+        assert_eq!(parse_lsf_mcpu_hosts("hostA 4 hostB 4 ").unwrap(), want);
+        assert_eq!(
+            parse_lsb_hosts("hostA hostA hostA hostA hostB hostB hostB hostB").unwrap(),
+            want
+        );
+        let m = err(parse_lsf_mcpu_hosts("hostA 4 hostB"));
+        assert!(m.contains("without its slot count"), "{m}");
+        let m = err(parse_lsf_mcpu_hosts("hostA four"));
+        assert!(m.contains("$LSB_MCPU_HOSTS host \"hostA\""), "{m}");
+        assert!(err(parse_lsb_hosts("  ")).contains("$LSB_HOSTS lists no hosts"));
+    }
+
+    #[test]
+    fn sge_pe_hostfile() {
+        // `qsub -pe mpi 8` over two hosts; one host in two queues counts once, slots added.
+        let text = "node01.example.com 4 all.q@node01.example.com UNDEFINED\n\
+                    node02.example.com 2 all.q@node02.example.com UNDEFINED\n\
+                    node02.example.com 2 gpu.q@node02.example.com <NULL>\n";
+        assert_eq!(
+            parse_pe_hostfile(text, "PE_HOSTFILE").unwrap(),
+            vec![
+                host("node01.example.com", Some(4)),
+                host("node02.example.com", Some(4)),
+            ]
+        );
+        let m = err(parse_pe_hostfile(
+            "n1 4 all.q@n1 UNDEFINED\nn2\n",
+            "$PE_HOSTFILE (/p)",
+        ));
+        assert!(
+            m.contains("$PE_HOSTFILE (/p) line 2") && m.contains("no slot count"),
+            "{m}"
+        );
+        let m = err(parse_pe_hostfile(
+            "n1 0 all.q@n1 UNDEFINED\n",
+            "$PE_HOSTFILE (/p)",
+        ));
+        assert!(m.contains("line 1") && m.contains("is 0"), "{m}");
     }
 
     // ---- include / exclude ----

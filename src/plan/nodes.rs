@@ -521,7 +521,7 @@ fn scheduler_nodes(
     }
     // A file a scheduler names: its path in messages, with the variable.
     let file = |var: &'static str, path: String, parse: fn(&str, &str) -> Result<Vec<Host>>| {
-        let label = format!("{var} ({path})");
+        let label = format!("${var} ({path})");
         let hint = format!("; check that nrun runs inside the job, or unset {var} and give -H");
         let text = read_hostfile(std::path::Path::new(&path), &label, &hint)?;
         found(var, parse(&text, &label)?, false)
