@@ -446,7 +446,8 @@ fn host_list(
     }
     // Static torchrun-style launches name their nodes by rank, not by a host list (inside
     // an allocation, a c10d or a ranked launch is one).
-    let static_launch = shape.nnodes > 1 && (shape.c10d || !in_allocation(args, env));
+    let static_launch =
+        shape.ranked || (shape.nnodes > 1 && (shape.c10d || !in_allocation(args, env)));
     if static_launch {
         return Ok(out);
     }
