@@ -13,13 +13,20 @@
 //!
 //!   `#` starts a comment, whole-line or trailing; blank lines are skipped.
 //! - Slurm hostlist expressions (`SLURM_JOB_NODELIST`): `node[01-04,07]`, `gpu[1-2],cpu3`,
-//!   `r[1-2]n[1-2]`. Zero padding follows the first number of each range.
+//!   `r[1-2]n[1-2]`. Zero padding follows the first number of each range. The same ranges are
+//!   taken wherever hosts are given (`-H 'gpu[1-4]:8'`, a hostfile's `gpu[1-4] slots=8`); a
+//!   bracket holding a ':' is an IPv6 address.
+//! - Batch schedulers' node lists, each as its scheduler writes it: PBS/Torque's
+//!   `$PBS_NODEFILE` and LSF's `$LSB_DJOB_HOSTFILE` (a host per line, once per slot),
+//!   `LSB_MCPU_HOSTS` (`hostA 8 hostB 8`), `LSB_HOSTS` (a host per slot), SGE/UGE's
+//!   `$PE_HOSTFILE` (`host slots queue processor-range`). `plan::nodes` decides which is read.
 //!
 //! Then, in order: DeepSpeed's `--include`/`--exclude` (`worker-0@worker-1:0,2`), `--nnodes N`
 //! (the first N hosts), and [`rank_layout`], which numbers the workers contiguously per node.
 //!
-//! A host listed twice is an error everywhere: silently merging or doubling it would change the
-//! world size behind the user's back. Everything here is pure (no I/O, no environment) and returns
+//! A host listed twice in `-H` or a hostfile is an error: silently merging or doubling it would
+//! change the world size behind the user's back. (A scheduler's list names a host once per slot:
+//! there its repeats are its slots.) Everything here is pure (no I/O, no environment) and returns
 //! a usage error rather than panicking, whatever the input.
 
 use std::collections::{HashMap, HashSet};
