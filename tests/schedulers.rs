@@ -215,3 +215,25 @@ fn a_bad_scheduler_file_is_one_line_naming_it() {
     );
     s.assert_no_survivors();
 }
+
+#[test]
+fn a_flux_job_of_several_nodes_says_how_to_give_them() {
+    let s = Scene::new();
+    // Flux puts no node list in a job's environment, only its size.
+    let out = run_under(&s, SAY_RANK, &[("FLUX_JOB_NNODES", "4")]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("rank=0 world=1"), "{stdout}");
+    assert!(
+        stderr.starts_with(
+            "nrun: warning: inside a Flux job of 4 nodes, but nrun reads no Flux node list: this \
+             run uses this node only; give the nodes with -H \"$(flux hostlist local)\""
+        ),
+        "{stderr}"
+    );
+    // A Flux job of one node is this node: nothing to say.
+    let out = run_under(&s, SAY_RANK, &[("FLUX_JOB_NNODES", "1")]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(!text(&out.stderr).contains("Flux"), "{}", text(&out.stderr));
+    s.assert_no_survivors();
+}

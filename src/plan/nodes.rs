@@ -629,6 +629,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_first_line_says_the_variable_hosts_and_slots() {
+        let said = |var, hosts: Vec<Host>| {
+            Allocation {
+                var,
+                hosts,
+                slurm: false,
+            }
+            .said()
+        };
+        let slots = |n: &str, s| Host {
+            slots: Some(s),
+            ..Host::new(n)
+        };
+        assert_eq!(
+            said("PBS_NODEFILE", vec![slots("a", 8), slots("b", 8)]),
+            "nodes from PBS_NODEFILE: 2 hosts, 8 slots each (a, b)"
+        );
+        assert_eq!(
+            said("PE_HOSTFILE", vec![slots("a", 1), slots("b", 1)]),
+            "nodes from PE_HOSTFILE: 2 hosts, 1 slot each (a, b)"
+        );
+        assert_eq!(
+            said("LSB_MCPU_HOSTS", vec![slots("a", 4), slots("b", 2)]),
+            "nodes from LSB_MCPU_HOSTS: 2 hosts, 6 slots in all (a, b)"
+        );
+        let many: Vec<Host> = (1..=10).map(|i| Host::new(format!("n{i}"))).collect();
+        assert_eq!(
+            said("SLURM_JOB_NODELIST", many),
+            "nodes from SLURM_JOB_NODELIST: 10 hosts (n1, n2, n3, n4, n5, n6, n7, n8 and 2 more)"
+        );
+    }
+
+    #[test]
     fn hostfile_reads_only_bounded_regular_files() {
         let msg = |p: &str| {
             read_hostfile(std::path::Path::new(p), p, "")
