@@ -259,7 +259,8 @@ fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Vec<H
             if let Some(&first_line) = seen.get(name) {
                 return Err(usage(format!(
                     "{origin}: host {name:?} is listed twice, on line {first_line} and line {lineno}; \
-                     list each host once, with its slot count"
+                     list each host once, with its slot count (a scheduler's node file, one line \
+                     per slot as $PBS_NODEFILE, is read without --hostfile)"
                 )));
             }
             seen.insert(name.clone(), lineno);
@@ -1772,6 +1773,9 @@ mod tests {
             kept,
             "# rack 1\ngpu01 slots=8\ngpu03 slots=8\ncpu2 slots=2\nlone\n"
         );
+        // $PBS_NODEFILE given as a hostfile: the way to give it is named.
+        let m = err(parse_hostfile("n1\nn1\n", "hf"));
+        assert!(m.contains("read without --hostfile"), "{m}");
         let m = err(parse_hostfile("n[1-3]\nn2\n", "hf"));
         assert!(
             m.contains("\"n2\" is listed twice, on line 1 and line 2"),
