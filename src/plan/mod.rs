@@ -81,7 +81,8 @@ pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
             let nodes = NodesPlan::resolve(&args.nodes, &shape, env)?;
             if nodes.in_process {
                 return Err(Error::usage(
-                    "nrun bisect needs nodes: -H, --hostfile, or a scheduler's allocation of several nodes (Slurm, PBS, LSF, SGE)",
+                    "nrun bisect needs nodes: -H, --hostfile, or a scheduler's allocation of several \
+                     nodes (Slurm, PBS, LSF, SGE)",
                 ));
             }
             Ok(Mode::Bisect { bisect, nodes })
