@@ -2180,6 +2180,23 @@ mod tests {
                 (a, b) => panic!("{s:?}: {a:?} vs {b:?}"),
             }
             let _ = expand_slurm_hostlist(&s);
+            // Schedulers' lists: never a panic, and every host within its bounds.
+            for hosts in [
+                parse_slot_lines(&s, "f"),
+                parse_pe_hostfile(&s, "f"),
+                parse_lsf_mcpu_hosts(&s),
+                parse_lsb_hosts(&s),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                assert!(!hosts.is_empty(), "{s:?}");
+                assert!(
+                    hosts
+                        .iter()
+                        .all(|h| h.slots.is_some_and(|n| (1..=MAX_SLOTS).contains(&n)))
+                );
+            }
             let _ = apply_include_exclude(base.clone(), Some(&s), None);
             let _ = apply_include_exclude(base.clone(), None, Some(&s));
             if let Ok(hosts) = parse_hosts_flag(&s) {

@@ -1,7 +1,8 @@
 //! Which nodes a run uses and how: `-H`, `--hostfile`, or inside a batch scheduler's allocation
 //! of several nodes its node list (Slurm, PBS/Torque, LSF, SGE/UGE: [`scheduler_nodes`]);
-//! `--include/--exclude`, `--nnodes`; the rank layout; how each node's agent starts; what every worker everywhere gets. Without a host list the run is a single node
-//! (this host, or this node of a torchrun-style static launch) whose agent runs in-process.
+//! `--include/--exclude`, `--nnodes`; the rank layout; how each node's agent starts; what every
+//! worker everywhere gets. Without a host list the run is a single node (this host, or this
+//! node of a torchrun-style static launch) whose agent runs in-process.
 
 use std::time::Duration;
 
