@@ -457,7 +457,15 @@ fn host_list(
         Some(a) if a.hosts.len() > 1 => {
             out.said = Some(a.said());
             out.from_slurm = a.slurm;
-            out.list = Some(a.hosts);
+            // A scheduler's slots are said, not a cap on --nproc-per-node: they count CPU
+            // slots as often as GPUs (PBS Pro writes one line per chunk unless mpiprocs is
+            // asked), and torchrun, whose flags nrun takes, starts --nproc-per-node whatever
+            // the scheduler gave.
+            let mut hosts = a.hosts;
+            for h in &mut hosts {
+                h.slots = None;
+            }
+            out.list = Some(hosts);
         }
         Some(_) => {}
         None => flux_note(env),
