@@ -13,13 +13,20 @@
 //!
 //!   `#` starts a comment, whole-line or trailing; blank lines are skipped.
 //! - Slurm hostlist expressions (`SLURM_JOB_NODELIST`): `node[01-04,07]`, `gpu[1-2],cpu3`,
-//!   `r[1-2]n[1-2]`. Zero padding follows the first number of each range.
+//!   `r[1-2]n[1-2]`. Zero padding follows the first number of each range. The same ranges are
+//!   taken wherever hosts are given (`-H 'gpu[1-4]:8'`, a hostfile's `gpu[1-4] slots=8`); a
+//!   bracket holding a ':' is an IPv6 address.
+//! - Batch schedulers' node lists, each as its scheduler writes it: PBS/Torque's
+//!   `$PBS_NODEFILE` and LSF's `$LSB_DJOB_HOSTFILE` (a host per line, once per slot),
+//!   `LSB_MCPU_HOSTS` (`hostA 8 hostB 8`), `LSB_HOSTS` (a host per slot), SGE/UGE's
+//!   `$PE_HOSTFILE` (`host slots queue processor-range`). `plan::nodes` decides which is read.
 //!
 //! Then, in order: DeepSpeed's `--include`/`--exclude` (`worker-0@worker-1:0,2`), `--nnodes N`
 //! (the first N hosts), and [`rank_layout`], which numbers the workers contiguously per node.
 //!
-//! A host listed twice is an error everywhere: silently merging or doubling it would change the
-//! world size behind the user's back. Everything here is pure (no I/O, no environment) and returns
+//! A host listed twice in `-H` or a hostfile is an error: silently merging or doubling it would
+//! change the world size behind the user's back. (A scheduler's list names a host once per slot:
+//! there its repeats are its slots.) Everything here is pure (no I/O, no environment) and returns
 //! a usage error rather than panicking, whatever the input.
 
 use std::collections::{HashMap, HashSet};
@@ -68,7 +75,8 @@ fn usage(message: String) -> Error {
 }
 
 /// Parses `-H/--hosts`: "h1,h2" or "h1:8,h2:8" (slots), surrounding whitespace ignored, empty items
-/// rejected. Also accepts IPv6 in brackets "[fe80::1]:4". A duplicate host is an error naming it.
+/// rejected. Also accepts IPv6 in brackets "[fe80::1]:4" and hostlist ranges "gpu[01-04,07]:8"
+/// (commas inside brackets belong to the range). A duplicate host is an error naming it.
 pub(crate) fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
     if s.trim().is_empty() {
         return Err(usage(
@@ -78,14 +86,8 @@ pub(crate) fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
     }
     let mut hosts = Vec::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
-    for (i, raw) in s.split(',').enumerate() {
+    for (i, raw) in split_outside_brackets(s).into_iter().enumerate() {
         let number = i + 1;
-        if number > MAX_HOSTS {
-            return Err(usage(format!(
-                "-H/--hosts names more than {MAX_HOSTS} hosts; nrun drives at most {MAX_HOSTS} \
-                 nodes from one launch host"
-            )));
-        }
         let item = raw.trim();
         if item.is_empty() {
             return Err(usage(format!(
@@ -93,31 +95,115 @@ pub(crate) fn parse_hosts_flag(s: &str) -> Result<Vec<Host>> {
             )));
         }
         let ctx = format!("-H/--hosts item {item:?}");
-        let (name, slots) = parse_item(item, &ctx)?;
-        if let Some(first) = seen.insert(name.clone(), number) {
-            return Err(usage(format!(
-                "-H/--hosts names host {name:?} twice (items {first} and {number}); \
-                 list each host once, with its slot count as host:N"
-            )));
+        for (name, slots) in parse_ranged_item(item, &ctx)? {
+            if hosts.len() >= MAX_HOSTS {
+                return Err(usage(format!(
+                    "-H/--hosts names more than {MAX_HOSTS} hosts; nrun drives at most {MAX_HOSTS} \
+                     nodes from one launch host"
+                )));
+            }
+            if let Some(first) = seen.insert(name.clone(), number) {
+                return Err(usage(format!(
+                    "-H/--hosts names host {name:?} twice (items {first} and {number}); \
+                     list each host once, with its slot count as host:N"
+                )));
+            }
+            hosts.push(Host {
+                name,
+                slots,
+                only_slots: None,
+            });
         }
-        hosts.push(Host {
-            name,
-            slots,
-            only_slots: None,
-        });
     }
     Ok(hosts)
 }
 
+/// `s` split at the commas outside brackets (`gpu[1,3],cpu1` -> `gpu[1,3]`, `cpu1`). Unbalanced
+/// brackets are left for the item's own parser to name.
+fn split_outside_brackets(s: &str) -> Vec<&str> {
+    let mut items = Vec::new();
+    let (mut start, mut depth) = (0, 0usize);
+    for (i, c) in s.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                items.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&s[start..]);
+    items
+}
+
+/// One `-H` item or hostfile host token, with hostlist ranges expanded: `gpu[1-3]:8` is gpu1,
+/// gpu2 and gpu3 with 8 slots each, `alice@gpu[1-2]` is alice@gpu1 and alice@gpu2. A bracket
+/// holding a ':' is an IPv6 address (`[fe80::1]:4`), as before ranges existed.
+fn parse_ranged_item(item: &str, ctx: &str) -> Result<Vec<(String, Option<usize>)>> {
+    let Some(open) = item.find('[') else {
+        return Ok(vec![parse_item(item, ctx)?]);
+    };
+    let inner = &item[open + 1..];
+    if inner[..inner.find(']').unwrap_or(inner.len())].contains(':') {
+        return Ok(vec![parse_item(item, ctx)?]);
+    }
+    // The slot count follows the last ']': `r[1-2]n[1-2].ib:4`.
+    let last = item.rfind(']').unwrap_or(0);
+    let (expr, slots) = match item[last..].find(':') {
+        Some(c) => (&item[..last + c], Some(&item[last + c + 1..])),
+        None => (item, None),
+    };
+    if expr.contains(':') || slots.is_some_and(|s| s.contains(':')) {
+        return Err(usage(format!(
+            "{ctx} has more than one ':'; write a range as gpu[1-4] or gpu[1-4]:N"
+        )));
+    }
+    let slots = match slots {
+        Some(n) => Some(parse_count(n, ctx, "slot count")?),
+        None => None,
+    };
+    let (user, range) = match expr.rsplit_once('@') {
+        Some((u, r)) => (Some(u), r),
+        None => (None, expr),
+    };
+    let names = expand_slurm_hostlist(range).map_err(|e| {
+        usage(format!(
+            "{ctx}: {}",
+            e.message.replacen("the Slurm node list", "the range", 1)
+        ))
+    })?;
+    if names.len() > MAX_HOSTS {
+        return Err(usage(format!(
+            "{ctx} expands to {} hosts, more than the {MAX_HOSTS} nodes nrun drives from one \
+             launch host; split the job or check the range",
+            names.len()
+        )));
+    }
+    names
+        .into_iter()
+        .map(|n| {
+            let name = match user {
+                Some(u) => format!("{u}@{n}"),
+                None => n,
+            };
+            check_name(&name, ctx)?;
+            Ok((name, slots))
+        })
+        .collect()
+}
+
 /// Parses a hostfile's text. `origin` names the file in messages. Accepted per line: Open MPI /
 /// DeepSpeed form `host slots=N` (also `max_slots=M`, ignored but accepted; other key=value ->
-/// error naming it), MPICH form `host:N`, bare `host`. `#` starts a comment (whole line or
-/// trailing), blank lines skipped. A duplicate host is an error naming both line numbers ("line 3
-/// and line 7").
+/// error naming it), MPICH form `host:N`, bare `host`; the host may be a range (`gpu[01-16]
+/// slots=8`: one host per number, each with the line's slots). `#` starts a comment (whole line
+/// or trailing), blank lines skipped. A duplicate host is an error naming both line numbers
+/// ("line 3 and line 7").
 pub(crate) fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
     Ok(hostfile_lines(text, origin)?
         .into_iter()
-        .filter_map(|(_, host)| host)
+        .flat_map(|(_, hosts)| hosts)
         .collect())
 }
 
@@ -126,47 +212,60 @@ pub(crate) fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
 ///
 /// `name` is [`Host::name`] as [`parse_hostfile`] gives it (`[fe80::1]:4` -> `fe80::1`). Lines
 /// are split as `str::lines` does and each ends with "\n" in the output (a CRLF file comes out
-/// LF). Text that `parse_hostfile` rejects gives the same error; dropping every host is not one.
+/// LF). A range line with some of its hosts dropped becomes one `host slots=N` line per kept
+/// host. Text that `parse_hostfile` rejects gives the same error; dropping every host is not one.
 pub(crate) fn filter_hostfile(
     text: &str,
     origin: &str,
     keep: &dyn Fn(&str) -> bool,
 ) -> Result<String> {
     let mut out = String::with_capacity(text.len() + 1);
-    for (line, host) in hostfile_lines(text, origin)? {
-        if host.is_none_or(|h| keep(&h.name)) {
+    for (line, hosts) in hostfile_lines(text, origin)? {
+        let kept: Vec<&Host> = hosts.iter().filter(|h| keep(&h.name)).collect();
+        if kept.len() == hosts.len() {
             out.push_str(line);
+            out.push('\n');
+            continue;
+        }
+        // Only a range line keeps some hosts of several; its names have no ':' to bracket.
+        for h in kept {
+            out.push_str(&h.name);
+            if let Some(n) = h.slots {
+                out.push_str(&format!(" slots={n}"));
+            }
             out.push('\n');
         }
     }
     Ok(out)
 }
 
-/// Every line of a hostfile with the host it names (None: blank or comment only). Shared by
-/// [`parse_hostfile`] and [`filter_hostfile`] so both accept and reject exactly the same text.
-fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Option<Host>)>> {
+/// Every line of a hostfile with the hosts it names (none: blank or comment only; several: a
+/// range). Shared by [`parse_hostfile`] and [`filter_hostfile`] so both accept and reject
+/// exactly the same text.
+fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Vec<Host>)>> {
     let mut lines = Vec::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (i, raw) in text.lines().enumerate() {
         let lineno = i + 1;
-        let host = parse_hostfile_line(raw, origin, lineno)?;
-        if host.is_some() && seen.len() >= MAX_HOSTS {
-            return Err(usage(format!(
-                "{origin}: more than {MAX_HOSTS} hosts (line {lineno} names host number {}); \
-                 nrun drives at most {MAX_HOSTS} nodes from one launch host",
-                MAX_HOSTS + 1
-            )));
-        }
-        if let Some(Host { name, .. }) = &host {
+        let hosts = parse_hostfile_line(raw, origin, lineno)?;
+        for Host { name, .. } in &hosts {
+            if seen.len() >= MAX_HOSTS {
+                return Err(usage(format!(
+                    "{origin}: more than {MAX_HOSTS} hosts (line {lineno} names host number {}); \
+                     nrun drives at most {MAX_HOSTS} nodes from one launch host",
+                    MAX_HOSTS + 1
+                )));
+            }
             if let Some(&first_line) = seen.get(name) {
                 return Err(usage(format!(
                     "{origin}: host {name:?} is listed twice, on line {first_line} and line {lineno}; \
-                     list each host once, with its slot count"
+                     list each host once, with its slot count (a scheduler's node file, one line \
+                     per slot as $PBS_NODEFILE, is read without --hostfile)"
                 )));
             }
             seen.insert(name.clone(), lineno);
         }
-        lines.push((raw, host));
+        lines.push((raw, hosts));
     }
     if seen.is_empty() {
         return Err(usage(format!(
@@ -176,13 +275,13 @@ fn hostfile_lines<'a>(text: &'a str, origin: &str) -> Result<Vec<(&'a str, Optio
     Ok(lines)
 }
 
-/// One hostfile line, without its line ending: the host it names, or None when it is blank or
-/// only a comment. `lineno` counts from 1.
-fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Option<Host>> {
+/// One hostfile line, without its line ending: the hosts it names (one, or a range's), none
+/// when it is blank or only a comment. `lineno` counts from 1.
+fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Vec<Host>> {
     let line = raw.split('#').next().unwrap_or_default().trim();
     let mut tokens = line.split_whitespace();
     let Some(first) = tokens.next() else {
-        return Ok(None); // blank or comment-only
+        return Ok(Vec::new()); // blank or comment-only
     };
     let ctx = format!("{origin} line {lineno}");
     if first.contains('=') {
@@ -191,7 +290,8 @@ fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Option<
              write e.g. node1 slots=8"
         )));
     }
-    let (name, mut slots) = parse_item(first, &ctx)?;
+    let names = parse_ranged_item(first, &ctx)?;
+    let mut slots = names.first().and_then(|n| n.1);
     let colon_slots = slots.is_some();
     let mut seen_slots_key = false;
     let mut seen_max_slots = false;
@@ -232,11 +332,14 @@ fn parse_hostfile_line(raw: &str, origin: &str, lineno: usize) -> Result<Option<
             }
         }
     }
-    Ok(Some(Host {
-        name,
-        slots,
-        only_slots: None,
-    }))
+    Ok(names
+        .into_iter()
+        .map(|(name, _)| Host {
+            name,
+            slots,
+            only_slots: None,
+        })
+        .collect())
 }
 
 /// Splits an item into its host name and what follows a ':' (a slot count or slot list),
@@ -254,7 +357,8 @@ fn split_host_suffix<'a>(item: &'a str, ctx: &str) -> Result<(String, Option<&'a
     let prefix = &item[..open];
     if !(prefix.is_empty() || prefix.ends_with('@')) {
         return Err(usage(format!(
-            "{ctx}: brackets are only for IPv6 addresses, as in [fe80::1]:4 or user@[fe80::1]"
+            "{ctx}: brackets hold an IPv6 address, as in [fe80::1]:4 or user@[fe80::1], or a \
+             range of numbers, as in gpu[1-4]"
         )));
     }
     let after_open = &item[open + 1..];
@@ -612,6 +716,134 @@ fn parse_slurm_num(digits: &str, item: &str, whole: &str) -> Result<u64> {
             "the Slurm node list {whole:?} has {item:?} in brackets, which is not a number"
         ))
     })
+}
+
+// ---- batch schedulers' node lists ----
+
+/// Hosts in first-seen order with the slots counted for each: several lines or words naming
+/// one host are that many slots of it, as PBS and LSF write them.
+#[derive(Default)]
+struct SlotCount {
+    hosts: Vec<Host>,
+    index: HashMap<String, usize>,
+}
+
+impl SlotCount {
+    /// `n` more slots of `name`; `ctx` says where in messages.
+    fn add(&mut self, name: &str, n: usize, ctx: &str) -> Result<()> {
+        check_name(name, ctx)?;
+        let i = match self.index.get(name) {
+            Some(&i) => i,
+            None if self.hosts.len() >= MAX_HOSTS => {
+                return Err(usage(format!(
+                    "{ctx}: more than {MAX_HOSTS} hosts; nrun drives at most {MAX_HOSTS} nodes \
+                     from one launch host"
+                )));
+            }
+            None => {
+                self.index.insert(name.to_string(), self.hosts.len());
+                self.hosts.push(Host {
+                    name: name.to_string(),
+                    slots: Some(0),
+                    only_slots: None,
+                });
+                self.hosts.len() - 1
+            }
+        };
+        let slots = self.hosts[i].slots.unwrap_or(0).saturating_add(n);
+        if slots > MAX_SLOTS {
+            return Err(usage(format!(
+                "{ctx}: host {name:?} has more than {MAX_SLOTS} slots; check the file"
+            )));
+        }
+        self.hosts[i].slots = Some(slots);
+        Ok(())
+    }
+
+    fn done(self, origin: &str, example: &str) -> Result<Vec<Host>> {
+        if self.hosts.is_empty() {
+            return Err(usage(format!(
+                "{origin} lists no hosts; the scheduler writes {example}; check that the job \
+                 runs inside the allocation, or give the hosts with -H"
+            )));
+        }
+        Ok(self.hosts)
+    }
+}
+
+/// A node file of one host per slot, as PBS/Torque writes `$PBS_NODEFILE` and LSF
+/// `$LSB_DJOB_HOSTFILE`: `node1` on 8 lines is node1 with 8 slots. Hosts keep the order of
+/// their first line; blank lines are skipped; anything else on a line is an error naming it.
+pub(crate) fn parse_slot_lines(text: &str, origin: &str) -> Result<Vec<Host>> {
+    let mut count = SlotCount::default();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let ctx = format!("{origin} line {}", i + 1);
+        if line.contains(char::is_whitespace) {
+            return Err(usage(format!(
+                "{ctx}: {line:?} is not one host name; this file lists one host per line, \
+                 once per slot"
+            )));
+        }
+        count.add(line, 1, &ctx)?;
+    }
+    count.done(origin, "one host name per line, once per slot")
+}
+
+/// LSF's `LSB_HOSTS`: host names separated by spaces, once per slot (`h1 h1 h2 h2`).
+pub(crate) fn parse_lsb_hosts(s: &str) -> Result<Vec<Host>> {
+    let mut count = SlotCount::default();
+    for name in s.split_whitespace() {
+        count.add(name, 1, "$LSB_HOSTS")?;
+    }
+    count.done(
+        "$LSB_HOSTS",
+        "host names once per slot, as in \"h1 h1 h2 h2\"",
+    )
+}
+
+/// LSF's `LSB_MCPU_HOSTS`: pairs of a host and its slots, `hostA 8 hostB 8`.
+pub(crate) fn parse_lsf_mcpu_hosts(s: &str) -> Result<Vec<Host>> {
+    let words: Vec<&str> = s.split_whitespace().collect();
+    if words.len() % 2 == 1 {
+        return Err(usage(format!(
+            "$LSB_MCPU_HOSTS {s:?} has a host without its slot count; LSF writes pairs, as in \
+             \"hostA 8 hostB 8\""
+        )));
+    }
+    let mut count = SlotCount::default();
+    for pair in words.chunks(2) {
+        let ctx = format!("$LSB_MCPU_HOSTS host {:?}", pair[0]);
+        let n = parse_count(pair[1], &ctx, "slot count")?;
+        count.add(pair[0], n, &ctx)?;
+    }
+    count.done("$LSB_MCPU_HOSTS", "pairs of a host and its slots")
+}
+
+/// SGE/UGE's `$PE_HOSTFILE`: `host slots queue processor-range` per line
+/// (`node01 4 all.q@node01 UNDEFINED`); a host on several lines (several queues) has their
+/// slots together. Only the host and slots are read.
+pub(crate) fn parse_pe_hostfile(text: &str, origin: &str) -> Result<Vec<Host>> {
+    let mut count = SlotCount::default();
+    for (i, raw) in text.lines().enumerate() {
+        let mut words = raw.split_whitespace();
+        let Some(name) = words.next() else {
+            continue;
+        };
+        let ctx = format!("{origin} line {}", i + 1);
+        let Some(slots) = words.next() else {
+            return Err(usage(format!(
+                "{ctx}: {name:?} has no slot count; SGE writes `host slots queue \
+                 processor-range` per line"
+            )));
+        };
+        let n = parse_count(slots, &ctx, "slot count")?;
+        count.add(name, n, &ctx)?;
+    }
+    count.done(origin, "`host slots queue processor-range` per line")
 }
 
 /// DeepSpeed's include/exclude syntax: "worker-0@worker-1:0,2" means all of worker-0, and slots 0
@@ -1457,6 +1689,192 @@ mod tests {
         assert!(err(expand_slurm_hostlist(&long)).contains("longer than"));
     }
 
+    // ---- hostlist ranges in -H and hostfiles ----
+
+    #[test]
+    fn flag_ranges_expand() {
+        // README's own example, and Slurm's forms with slots and a user.
+        assert_eq!(
+            parse_hosts_flag("gpu[1-5]").unwrap(),
+            (1..=5)
+                .map(|i| host(&format!("gpu{i}"), None))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            parse_hosts_flag("gpu[01-02,07]:8,cpu1").unwrap(),
+            vec![
+                host("gpu01", Some(8)),
+                host("gpu02", Some(8)),
+                host("gpu07", Some(8)),
+                host("cpu1", None),
+            ]
+        );
+        assert_eq!(
+            names(&parse_hosts_flag("alice@r[1-2]n[1-2].ib:2").unwrap()),
+            [
+                "alice@r1n1.ib",
+                "alice@r1n2.ib",
+                "alice@r2n1.ib",
+                "alice@r2n2.ib"
+            ]
+        );
+        // IPv6 in brackets stays an address beside ranges.
+        assert_eq!(
+            parse_hosts_flag("[::1]:2,n[1-2],bob@[fe80::1]").unwrap(),
+            vec![
+                host("::1", Some(2)),
+                host("n1", None),
+                host("n2", None),
+                host("bob@fe80::1", None),
+            ]
+        );
+    }
+
+    #[test]
+    fn flag_bad_ranges_say_what() {
+        for (bad, needle) in [
+            ("gpu[3-1]", "reversed range"),
+            ("gpu[1-2", "'[' without a ']'"),
+            ("gpu[a-b]", "not a number"),
+            ("gpu[1-2]:0", "is 0"),
+            ("gpu[1-2]:4:4", "more than one ':'"),
+            ("gpu[1-3],gpu2", "\"gpu2\" twice (items 1 and 2)"),
+            (
+                "gpu[1-20000]",
+                "expands to 20000 hosts, more than the 16384",
+            ),
+            ("-x[1-2]", "starts with '-'"),
+        ] {
+            let m = err(parse_hosts_flag(bad));
+            assert!(m.contains(needle), "{bad}: {m}");
+            assert!(m.contains("-H/--hosts"), "{bad}: {m}");
+            assert!(!m.contains("Slurm"), "{bad}: {m}");
+        }
+    }
+
+    #[test]
+    fn hostfile_ranges_expand_and_filter() {
+        let text = "# rack 1\ngpu[01-03] slots=8\ncpu[1-2]:2 # cpus\nlone\n";
+        let h = parse_hostfile(text, "hf").unwrap();
+        assert_eq!(
+            h,
+            vec![
+                host("gpu01", Some(8)),
+                host("gpu02", Some(8)),
+                host("gpu03", Some(8)),
+                host("cpu1", Some(2)),
+                host("cpu2", Some(2)),
+                host("lone", None),
+            ]
+        );
+        // Whole lines are kept as written; a range with hosts dropped lists the rest.
+        let kept = filter_hostfile(text, "hf", &|n| n != "gpu02" && n != "cpu1").unwrap();
+        assert_eq!(
+            kept,
+            "# rack 1\ngpu01 slots=8\ngpu03 slots=8\ncpu2 slots=2\nlone\n"
+        );
+        // $PBS_NODEFILE given as a hostfile: the way to give it is named.
+        let m = err(parse_hostfile("n1\nn1\n", "hf"));
+        assert!(m.contains("read without --hostfile"), "{m}");
+        let m = err(parse_hostfile("n[1-3]\nn2\n", "hf"));
+        assert!(
+            m.contains("\"n2\" is listed twice, on line 1 and line 2"),
+            "{m}"
+        );
+        let m = err(parse_hostfile("n1\nn[1-2-3]\n", "hf"));
+        assert!(m.contains("hf line 2"), "{m}");
+    }
+
+    // ---- batch schedulers' node lists, as each scheduler writes them ----
+
+    #[test]
+    fn pbs_nodefile_lines_are_slots() {
+        // Torque, `qsub -l nodes=3:ppn=4`: each host once per processor, in order.
+        let torque = "node01\nnode01\nnode01\nnode01\nnode02\nnode02\nnode02\nnode02\n\
+                      node03\nnode03\nnode03\nnode03\n";
+        assert_eq!(
+            parse_slot_lines(torque, "PBS_NODEFILE").unwrap(),
+            vec![
+                host("node01", Some(4)),
+                host("node02", Some(4)),
+                host("node03", Some(4)),
+            ]
+        );
+        // PBS Pro, `-l select=2:ncpus=8:mpiprocs=2` (mpiprocs lines per chunk, full names).
+        let pro = "gpu-a01.cluster.local\ngpu-a01.cluster.local\n\
+                   gpu-a02.cluster.local\ngpu-a02.cluster.local\n";
+        assert_eq!(
+            parse_slot_lines(pro, "PBS_NODEFILE").unwrap(),
+            vec![
+                host("gpu-a01.cluster.local", Some(2)),
+                host("gpu-a02.cluster.local", Some(2)),
+            ]
+        );
+        // Chunks of one host apart still count together; order is first seen.
+        assert_eq!(
+            parse_slot_lines("b\na\nb\n", "PBS_NODEFILE").unwrap(),
+            vec![host("b", Some(2)), host("a", Some(1))]
+        );
+    }
+
+    #[test]
+    fn pbs_nodefile_errors_name_the_line() {
+        let m = err(parse_slot_lines("n1\nn2 slots=4\n", "$PBS_NODEFILE (/x)"));
+        assert!(m.contains("$PBS_NODEFILE (/x) line 2"), "{m}");
+        assert!(m.contains("one host per line"), "{m}");
+        let m = err(parse_slot_lines("\n\n", "$PBS_NODEFILE (/x)"));
+        assert!(m.contains("lists no hosts"), "{m}");
+        let m = err(parse_slot_lines("n1\n-oProxy\n", "$PBS_NODEFILE (/x)"));
+        assert!(m.contains("line 2") && m.contains("starts with '-'"), "{m}");
+    }
+
+    #[test]
+    fn lsf_node_lists() {
+        // `bsub -n 8 -R "span[ptile=4]"`: LSB_DJOB_HOSTFILE, one line per slot.
+        let file = "hostA\nhostA\nhostA\nhostA\nhostB\nhostB\nhostB\nhostB\n";
+        let want = vec![host("hostA", Some(4)), host("hostB", Some(4))];
+        assert_eq!(parse_slot_lines(file, "LSB_DJOB_HOSTFILE").unwrap(), want);
+        // The same job's LSB_MCPU_HOSTS (LSF ends it with a space) and LSB_HOSTS.
+        assert_eq!(parse_lsf_mcpu_hosts("hostA 4 hostB 4 ").unwrap(), want);
+        assert_eq!(
+            parse_lsb_hosts("hostA hostA hostA hostA hostB hostB hostB hostB").unwrap(),
+            want
+        );
+        let m = err(parse_lsf_mcpu_hosts("hostA 4 hostB"));
+        assert!(m.contains("without its slot count"), "{m}");
+        let m = err(parse_lsf_mcpu_hosts("hostA four"));
+        assert!(m.contains("$LSB_MCPU_HOSTS host \"hostA\""), "{m}");
+        assert!(err(parse_lsb_hosts("  ")).contains("$LSB_HOSTS lists no hosts"));
+    }
+
+    #[test]
+    fn sge_pe_hostfile() {
+        // `qsub -pe mpi 8` over two hosts; one host in two queues counts once, slots added.
+        let text = "node01.example.com 4 all.q@node01.example.com UNDEFINED\n\
+                    node02.example.com 2 all.q@node02.example.com UNDEFINED\n\
+                    node02.example.com 2 gpu.q@node02.example.com <NULL>\n";
+        assert_eq!(
+            parse_pe_hostfile(text, "PE_HOSTFILE").unwrap(),
+            vec![
+                host("node01.example.com", Some(4)),
+                host("node02.example.com", Some(4)),
+            ]
+        );
+        let m = err(parse_pe_hostfile(
+            "n1 4 all.q@n1 UNDEFINED\nn2\n",
+            "$PE_HOSTFILE (/p)",
+        ));
+        assert!(
+            m.contains("$PE_HOSTFILE (/p) line 2") && m.contains("no slot count"),
+            "{m}"
+        );
+        let m = err(parse_pe_hostfile(
+            "n1 0 all.q@n1 UNDEFINED\n",
+            "$PE_HOSTFILE (/p)",
+        ));
+        assert!(m.contains("line 1") && m.contains("is 0"), "{m}");
+    }
+
     // ---- include / exclude ----
 
     fn cluster() -> Vec<Host> {
@@ -1762,6 +2180,23 @@ mod tests {
                 (a, b) => panic!("{s:?}: {a:?} vs {b:?}"),
             }
             let _ = expand_slurm_hostlist(&s);
+            // Schedulers' lists: never a panic, and every host within its bounds.
+            for hosts in [
+                parse_slot_lines(&s, "f"),
+                parse_pe_hostfile(&s, "f"),
+                parse_lsf_mcpu_hosts(&s),
+                parse_lsb_hosts(&s),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                assert!(!hosts.is_empty(), "{s:?}");
+                assert!(
+                    hosts
+                        .iter()
+                        .all(|h| h.slots.is_some_and(|n| (1..=MAX_SLOTS).contains(&n)))
+                );
+            }
             let _ = apply_include_exclude(base.clone(), Some(&s), None);
             let _ = apply_include_exclude(base.clone(), None, Some(&s));
             if let Ok(hosts) = parse_hosts_flag(&s) {

@@ -81,7 +81,8 @@ pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
             let nodes = NodesPlan::resolve(&args.nodes, &shape, env)?;
             if nodes.in_process {
                 return Err(Error::usage(
-                    "nrun bisect needs nodes: -H, --hostfile, or a Slurm allocation of several nodes",
+                    "nrun bisect needs nodes: -H, --hostfile, or a scheduler's allocation of several \
+                     nodes (Slurm, PBS, LSF, SGE)",
                 ));
             }
             Ok(Mode::Bisect { bisect, nodes })
@@ -174,6 +175,123 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.code, nrun_base::error::exit::NO_NODES);
         assert!(e.message.contains("b (lost)"), "{}", e.message);
+    }
+
+    /// One place decides where the hosts come from: -H/--hostfile, else Slurm, PBS, LSF, SGE
+    /// in that order; a scheduler's slots bound --nproc as a hostfile's do; only Slurm's nodes
+    /// start with srun.
+    #[test]
+    fn schedulers_node_lists_in_a_fixed_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let pbs = dir.path().join("aux-42.pbs");
+        std::fs::write(&pbs, "p1\np1\np2\np2\n").unwrap();
+        let pe = dir.path().join("pe_hostfile");
+        std::fs::write(&pe, "s1 4 all.q@s1 UNDEFINED\ns2 4 all.q@s2 UNDEFINED\n").unwrap();
+        let pbs = pbs.to_str().unwrap().to_string();
+        let pe = pe.to_str().unwrap().to_string();
+        let vars = |set: &'static [&'static str]| {
+            let (pbs, pe) = (pbs.clone(), pe.clone());
+            move |k: &str| -> Option<String> {
+                let scheduler = ["SLURM", "PBS_", "LSB_", "PE_HOSTFILE", "FLUX_"];
+                if !set.contains(&k) {
+                    // The test's own environment, but for any scheduler's.
+                    return std::env::var(k)
+                        .ok()
+                        .filter(|_| !scheduler.iter().any(|p| k.starts_with(p)));
+                }
+                Some(match k {
+                    "SLURM_JOB_NODELIST" => "n[1-3]".into(),
+                    "PBS_NODEFILE" => pbs.clone(),
+                    "LSB_MCPU_HOSTS" => "l1 2 l2 2 ".into(),
+                    "PE_HOSTFILE" => pe.clone(),
+                    _ => return None,
+                })
+            }
+        };
+        let nodes_of = |args: &[&str], env: &dyn Fn(&str) -> Option<String>| {
+            let mut v = vec!["nrun"];
+            v.extend_from_slice(args);
+            v.extend_from_slice(&["--no-python", "true"]);
+            match resolve(Cli::try_parse_from(v).unwrap(), env) {
+                Ok(Mode::Run { nodes, .. }) => Ok(nodes),
+                Ok(_) => panic!("not a run"),
+                Err(e) => Err(e),
+            }
+        };
+        let names = |n: &NodesPlan| n.hosts.iter().map(|h| h.name.clone()).collect::<Vec<_>>();
+        let all = vars(&[
+            "SLURM_JOB_NODELIST",
+            "PBS_NODEFILE",
+            "LSB_MCPU_HOSTS",
+            "PE_HOSTFILE",
+        ]);
+        // The user's hosts first, then each scheduler in turn.
+        let n = nodes_of(&["-H", "gpu[1-2]"], &all).unwrap();
+        assert_eq!(
+            (names(&n), n.launcher),
+            (vec!["gpu1".into(), "gpu2".into()], "ssh")
+        );
+        let n = nodes_of(&[], &all).unwrap();
+        assert_eq!(
+            (names(&n), n.launcher, n.from_slurm),
+            (vec!["n1".into(), "n2".into(), "n3".into()], "srun", true)
+        );
+        let n = nodes_of(
+            &[],
+            &vars(&["PBS_NODEFILE", "LSB_MCPU_HOSTS", "PE_HOSTFILE"]),
+        )
+        .unwrap();
+        assert_eq!(
+            (names(&n), n.launcher, n.from_slurm),
+            (vec!["p1".into(), "p2".into()], "ssh", false)
+        );
+        // The scheduler's slots are said in the first line, not kept as a cap.
+        assert_eq!(n.hosts[0].slots, None);
+        let n = nodes_of(&[], &vars(&["LSB_MCPU_HOSTS", "PE_HOSTFILE"])).unwrap();
+        assert_eq!(names(&n), ["l1", "l2"]);
+        let n = nodes_of(&["--nproc", "4"], &vars(&["PE_HOSTFILE"])).unwrap();
+        assert_eq!(
+            (names(&n), n.world, n.in_process),
+            (vec!["s1".into(), "s2".into()], 8, false)
+        );
+        // More workers than the scheduler's slots: started as asked, as torchrun would.
+        let n = nodes_of(&["--nproc", "3"], &vars(&["PBS_NODEFILE"])).unwrap();
+        assert_eq!(n.world, 6);
+        // --launcher ssh reaches Slurm's nodes no more (as before); PBS's are reached over ssh.
+        let n = nodes_of(
+            &["--launcher", "ssh"],
+            &vars(&["SLURM_JOB_NODELIST", "PBS_NODEFILE"]),
+        )
+        .unwrap();
+        assert_eq!(names(&n), ["p1", "p2"]);
+        // A static launch (every node's own nrun) reads no list.
+        let n = nodes_of(
+            &["--nnodes", "2", "--node-rank", "1", "--master-addr", "p1"],
+            &vars(&["PBS_NODEFILE"]),
+        )
+        .unwrap();
+        assert!(n.in_process);
+        // A file the variable names that cannot be read: what, where and what to check.
+        let gone = |k: &str| match k {
+            "PBS_NODEFILE" => Some("/nonexistent/aux/7.pbs".to_string()),
+            k => vars(&[])(k),
+        };
+        let e = nodes_of(&[], &gone).unwrap_err();
+        assert_eq!(e.code, nrun_base::error::exit::USAGE);
+        assert!(
+            e.message
+                .starts_with("$PBS_NODEFILE (/nonexistent/aux/7.pbs): No such file"),
+            "{}",
+            e.message
+        );
+        assert!(
+            e.message.contains("unset PBS_NODEFILE and give -H"),
+            "{}",
+            e.message
+        );
+        // One node of a scheduler is this one: no list, as without a scheduler.
+        std::fs::write(&pbs, "p1\np1\n").unwrap();
+        assert!(nodes_of(&[], &vars(&["PBS_NODEFILE"])).unwrap().in_process);
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub(crate) struct Shape {
     pub rdzv_join_timeout: Option<Duration>,
     /// Nodes rendezvous as torchrun's c10d.
     pub c10d: bool,
+    /// A torchrun-style launch by rank or address (--node-rank, --master-addr,
+    /// --rdzv-endpoint): every node runs its own nrun, which reads no scheduler's node list.
+    pub ranked: bool,
     /// The nodes' Python can be probed for torch (a Python job, an interpreter found).
     pub python: bool,
 }
@@ -99,6 +102,7 @@ impl Shape {
             last_call: LAST_CALL,
             rdzv_join_timeout: None,
             c10d: false,
+            ranked: false,
             python,
         }
     }

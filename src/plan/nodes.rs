@@ -1,7 +1,8 @@
-//! Which nodes a run uses and how: `-H`, `--hostfile`, or inside a Slurm allocation of several
-//! nodes SLURM_JOB_NODELIST; `--include/--exclude`, `--nnodes`; the rank layout; how each node's
-//! agent starts; what every worker everywhere gets. Without a host list the run is a single node
-//! (this host, or this node of a torchrun-style static launch) whose agent runs in-process.
+//! Which nodes a run uses and how: `-H`, `--hostfile`, or inside a batch scheduler's allocation
+//! of several nodes its node list (Slurm, PBS/Torque, LSF, SGE/UGE: [`scheduler_nodes`]);
+//! `--include/--exclude`, `--nnodes`; the rank layout; how each node's agent starts; what every
+//! worker everywhere gets. Without a host list the run is a single node (this host, or this
+//! node of a torchrun-style static launch) whose agent runs in-process.
 
 use std::time::Duration;
 
@@ -122,10 +123,18 @@ impl NodesPlan {
         shape: &Shape,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<NodesPlan> {
-        let (list, source_text, from_slurm) = host_list(args, shape, env)?;
+        let HostList {
+            list,
+            hostfile,
+            from_slurm,
+            said,
+        } = host_list(args, shape, env)?;
+        if let Some(line) = said {
+            tracing::info!("{line}");
+        }
         let mut nodes = NodesPlan::settings(args, shape, env, from_slurm)?;
         nodes.in_process = list.is_none();
-        nodes.hostfile = source_text;
+        nodes.hostfile = hostfile;
         if shape.c10d {
             nodes.c10d(shape, args.spares)?;
             return Ok(nodes);
@@ -259,12 +268,12 @@ impl NodesPlan {
         if args.spares.is_some() {
             return Err(Error::usage(
                 "--spares needs more nodes than the job uses: a host list (-H, --hostfile, a \
-                 Slurm allocation), or --rdzv-backend c10d where spares join by themselves",
+                 scheduler's allocation), or --rdzv-backend c10d where spares join by themselves",
             ));
         }
         if args.include.is_some() || args.exclude.is_some() {
             return Err(Error::usage(
-                "--include/--exclude need a host list (-H, --hostfile or a Slurm allocation)",
+                "--include/--exclude need a host list (-H, --hostfile or a scheduler's allocation)",
             ));
         }
         let r0 = shape.node_rank * shape.nproc;
@@ -392,63 +401,185 @@ impl NodesPlan {
 /// A hostfile's origin and text.
 type Hostfile = (String, String);
 
-/// The host list: -H, --hostfile (with its origin and text), or inside a Slurm allocation of
-/// several nodes (unless a static launch) SLURM_JOB_NODELIST (the last: true). None: no list.
+/// Where the hosts of a run come from, as [`host_list`] decides.
+struct HostList {
+    /// None: no list (this node alone, or a static launch).
+    list: Option<Vec<Host>>,
+    /// The --hostfile's origin and text.
+    hostfile: Option<Hostfile>,
+    /// The hosts are a Slurm allocation's.
+    from_slurm: bool,
+    /// The scheduler's variable they came from, said as the run starts.
+    said: Option<String>,
+}
+
+/// The host list, from one place in a fixed order: -H or --hostfile; else, unless a static
+/// launch, the node list of the batch scheduler nrun runs under ([`scheduler_nodes`]: Slurm,
+/// PBS/Torque, LSF, SGE/UGE) when it names several nodes. None: no list.
 fn host_list(
     args: &NodesArgs,
     shape: &Shape,
     env: &dyn Fn(&str) -> Option<String>,
-) -> Result<(Option<Vec<Host>>, Option<Hostfile>, bool)> {
-    let mut source_text = None;
-    let mut list = match (&args.hosts, &args.hostfile) {
+) -> Result<HostList> {
+    let mut out = HostList {
+        list: None,
+        hostfile: None,
+        from_slurm: false,
+        said: None,
+    };
+    match (&args.hosts, &args.hostfile) {
         (Some(_), Some(_)) => {
             return Err(Error::usage(
                 "-H/--hosts and --hostfile exclude each other; give one of them",
             ));
         }
-        (Some(h), None) => Some(hosts::parse_hosts_flag(h)?),
+        (Some(h), None) => out.list = Some(hosts::parse_hosts_flag(h)?),
         (None, Some(f)) => {
             let origin = f.display().to_string();
-            let text = read_hostfile(f, &origin)?;
-            let list = hosts::parse_hostfile(&text, &origin)?;
-            source_text = Some((origin, text));
-            Some(list)
+            let text = read_hostfile(f, &format!("--hostfile {origin}"), "")?;
+            out.list = Some(hosts::parse_hostfile(&text, &origin)?);
+            out.hostfile = Some((origin, text));
         }
-        (None, None) => None,
-    };
+        (None, None) => {}
+    }
+    if out.list.is_some() {
+        return Ok(out);
+    }
     // Static torchrun-style launches name their nodes by rank, not by a host list (inside
     // an allocation, a c10d or a ranked launch is one).
     let static_launch =
-        shape.nnodes > 1 && list.is_none() && (shape.c10d || !in_allocation(args, env));
-    let mut from_slurm = false;
-    if list.is_none() && args.launcher != LauncherChoice::Ssh && !static_launch {
-        if let Some(nl) = env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
-            let names = hosts::expand_slurm_hostlist(&nl)?;
-            if names.len() > 1 {
-                from_slurm = true;
-                list = Some(names.into_iter().map(Host::new).collect());
-            }
-        }
+        shape.ranked || (shape.nnodes > 1 && (shape.c10d || !in_allocation(args, env)));
+    if static_launch {
+        return Ok(out);
     }
-    Ok((list, source_text, from_slurm))
+    match scheduler_nodes(args, env)? {
+        // One node: this one, run in-process as without a scheduler.
+        Some(a) if a.hosts.len() > 1 => {
+            out.said = Some(a.said());
+            out.from_slurm = a.slurm;
+            // A scheduler's slots are said, not a cap on --nproc-per-node: they count CPU
+            // slots as often as GPUs (PBS Pro writes one line per chunk unless mpiprocs is
+            // asked), and torchrun, whose flags nrun takes, starts --nproc-per-node whatever
+            // the scheduler gave.
+            let mut hosts = a.hosts;
+            for h in &mut hosts {
+                h.slots = None;
+            }
+            out.list = Some(hosts);
+        }
+        Some(_) => {}
+        None => flux_note(env),
+    }
+    Ok(out)
 }
 
-/// Inside a Slurm allocation of several nodes and not in a step of several (srun on every
-/// node), with no host list and a launcher that may be srun: the allocation is the host list.
-pub(crate) fn in_allocation(args: &NodesArgs, env: &dyn Fn(&str) -> Option<String>) -> bool {
-    let several = |k: &str| {
-        env(k)
-            .and_then(|v| hosts::expand_slurm_hostlist(&v).ok())
-            .is_some_and(|l| l.len() > 1)
+/// A batch scheduler's node list, read when nrun was given no hosts.
+struct Allocation {
+    /// The variable the nodes came from ("PBS_NODEFILE").
+    var: &'static str,
+    hosts: Vec<Host>,
+    /// Slurm's: its agents may start with srun.
+    slurm: bool,
+}
+
+impl Allocation {
+    /// "nodes from PBS_NODEFILE: 4 hosts, 8 slots each (n1, n2, n3, n4)".
+    fn said(&self) -> String {
+        let slots: Vec<usize> = self.hosts.iter().filter_map(|h| h.slots).collect();
+        let slots = match slots.first() {
+            None => String::new(),
+            Some(&n) if slots.iter().all(|&s| s == n) => {
+                format!(", {n} slot{} each", if n == 1 { "" } else { "s" })
+            }
+            Some(_) => format!(", {} slots in all", slots.iter().sum::<usize>()),
+        };
+        const SHOWN: usize = 8;
+        let names: Vec<&str> = self
+            .hosts
+            .iter()
+            .take(SHOWN)
+            .map(|h| h.name.as_str())
+            .collect();
+        let more = self.hosts.len().saturating_sub(SHOWN);
+        let more = match more {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        format!(
+            "nodes from {}: {} hosts{slots} ({}{more})",
+            self.var,
+            self.hosts.len(),
+            names.join(", ")
+        )
+    }
+}
+
+/// The node list of the batch scheduler nrun runs under, looked for in a fixed order: Slurm
+/// (unless `--launcher ssh`), PBS/Torque, LSF, SGE/UGE; the first whose variable is set decides.
+/// None: no scheduler's variable. Slots come from the scheduler where it says them.
+fn scheduler_nodes(
+    args: &NodesArgs,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<Allocation>> {
+    let set = |k: &'static str| env(k).filter(|v| !v.trim().is_empty()).map(|v| (k, v));
+    let found = |var, hosts, slurm| Ok(Some(Allocation { var, hosts, slurm }));
+    if args.launcher != LauncherChoice::Ssh {
+        if let Some((var, nl)) = set("SLURM_JOB_NODELIST").or_else(|| set("SLURM_NODELIST")) {
+            let names = hosts::expand_slurm_hostlist(&nl)?;
+            return found(var, names.into_iter().map(Host::new).collect(), true);
+        }
+    }
+    // A file a scheduler names: its path in messages, with the variable.
+    let file = |var: &'static str, path: String, parse: fn(&str, &str) -> Result<Vec<Host>>| {
+        let label = format!("${var} ({path})");
+        let hint = format!("; check that nrun runs inside the job, or unset {var} and give -H");
+        let text = read_hostfile(std::path::Path::new(&path), &label, &hint)?;
+        found(var, parse(&text, &label)?, false)
     };
+    if let Some((var, path)) = set("PBS_NODEFILE") {
+        return file(var, path, hosts::parse_slot_lines);
+    }
+    if let Some((var, path)) = set("LSB_DJOB_HOSTFILE") {
+        return file(var, path, hosts::parse_slot_lines);
+    }
+    if let Some((var, v)) = set("LSB_MCPU_HOSTS") {
+        return found(var, hosts::parse_lsf_mcpu_hosts(&v)?, false);
+    }
+    if let Some((var, v)) = set("LSB_HOSTS") {
+        return found(var, hosts::parse_lsb_hosts(&v)?, false);
+    }
+    if let Some((var, path)) = set("PE_HOSTFILE") {
+        return file(var, path, hosts::parse_pe_hostfile);
+    }
+    Ok(None)
+}
+
+/// Flux gives a job no node list in its environment: inside a Flux job of several nodes with no
+/// hosts given, say how to give them rather than run on this node alone unannounced.
+fn flux_note(env: &dyn Fn(&str) -> Option<String>) {
+    let nodes = env("FLUX_JOB_NNODES").and_then(|n| n.trim().parse::<usize>().ok());
+    if let Some(n) = nodes.filter(|&n| n > 1) {
+        tracing::warn!(
+            "inside a Flux job of {n} nodes, but nrun reads no Flux node list: this run uses this \
+             node only; give the nodes with -H \"$(flux hostlist local)\""
+        );
+    }
+}
+
+/// Inside a scheduler's allocation of several nodes ([`scheduler_nodes`]) and not in a Slurm
+/// step of several (srun on every node), with no host list: the allocation is the host list. A
+/// scheduler's list that cannot be read counts, so that [`host_list`] names what is wrong.
+pub(crate) fn in_allocation(args: &NodesArgs, env: &dyn Fn(&str) -> Option<String>) -> bool {
     let in_step = env("SLURM_STEP_NUM_NODES")
         .and_then(|n| n.parse::<usize>().ok())
         .is_some_and(|n| n > 1);
     args.hosts.is_none()
         && args.hostfile.is_none()
-        && args.launcher != LauncherChoice::Ssh
-        && (several("SLURM_JOB_NODELIST") || several("SLURM_NODELIST"))
         && !in_step
+        && match scheduler_nodes(args, env) {
+            Ok(a) => a.is_some_and(|a| a.hosts.len() > 1),
+            Err(_) => true,
+        }
 }
 
 /// "2 hosts: a, b" for messages.
@@ -473,7 +604,8 @@ pub(crate) const MAX_HOSTFILE_BYTES: u64 = 16 << 20;
 /// A hostfile's text: a regular file (not a device such as /dev/zero or /dev/urandom, not a
 /// FIFO, socket or directory, which could block or never end) of at most
 /// [`MAX_HOSTFILE_BYTES`], in UTF-8 ([`nrun_base::files::read_text`]).
-fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
+/// `label` names the file in messages ("--hostfile hosts"); `extra` ends a message.
+fn read_hostfile(path: &std::path::Path, label: &str, extra: &str) -> Result<String> {
     use nrun_base::files::ReadError;
     nrun_base::files::read_text(path, MAX_HOSTFILE_BYTES, nrun_base::files::Writer::Anyone).map_err(
         |e| {
@@ -496,7 +628,7 @@ fn read_hostfile(path: &std::path::Path, origin: &str) -> Result<String> {
                 ReadError::Missing => "No such file or directory".to_string(),
                 e => e.to_string(),
             };
-            Error::usage(format!("--hostfile {origin}: {e}{hint}"))
+            Error::usage(format!("{label}: {e}{hint}{extra}"))
         },
     )
 }
@@ -506,9 +638,42 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_first_line_says_the_variable_hosts_and_slots() {
+        let said = |var, hosts: Vec<Host>| {
+            Allocation {
+                var,
+                hosts,
+                slurm: false,
+            }
+            .said()
+        };
+        let slots = |n: &str, s| Host {
+            slots: Some(s),
+            ..Host::new(n)
+        };
+        assert_eq!(
+            said("PBS_NODEFILE", vec![slots("a", 8), slots("b", 8)]),
+            "nodes from PBS_NODEFILE: 2 hosts, 8 slots each (a, b)"
+        );
+        assert_eq!(
+            said("PE_HOSTFILE", vec![slots("a", 1), slots("b", 1)]),
+            "nodes from PE_HOSTFILE: 2 hosts, 1 slot each (a, b)"
+        );
+        assert_eq!(
+            said("LSB_MCPU_HOSTS", vec![slots("a", 4), slots("b", 2)]),
+            "nodes from LSB_MCPU_HOSTS: 2 hosts, 6 slots in all (a, b)"
+        );
+        let many: Vec<Host> = (1..=10).map(|i| Host::new(format!("n{i}"))).collect();
+        assert_eq!(
+            said("SLURM_JOB_NODELIST", many),
+            "nodes from SLURM_JOB_NODELIST: 10 hosts (n1, n2, n3, n4, n5, n6, n7, n8 and 2 more)"
+        );
+    }
+
+    #[test]
     fn hostfile_reads_only_bounded_regular_files() {
         let msg = |p: &str| {
-            read_hostfile(std::path::Path::new(p), p)
+            read_hostfile(std::path::Path::new(p), p, "")
                 .unwrap_err()
                 .message
         };
@@ -526,15 +691,15 @@ mod tests {
         let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: a plain syscall on a valid C string.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let e = read_hostfile(&fifo, "fifo").unwrap_err();
+        let e = read_hostfile(&fifo, "fifo", "").unwrap_err();
         assert!(e.message.contains("is a FIFO"), "{}", e.message);
         let big = dir.join("big");
         std::fs::write(&big, vec![b'a'; MAX_HOSTFILE_BYTES as usize + 1]).unwrap();
-        let e = read_hostfile(&big, "big").unwrap_err();
+        let e = read_hostfile(&big, "big", "").unwrap_err();
         assert!(e.message.contains("larger than 16 MiB"), "{}", e.message);
         let bin = dir.join("bin");
         std::fs::write(&bin, b"node1\n\xff\xfe\n").unwrap();
-        let e = read_hostfile(&bin, "bin").unwrap_err();
+        let e = read_hostfile(&bin, "bin", "").unwrap_err();
         assert!(
             e.message
                 .contains("not UTF-8 text (invalid byte at offset 6)"),
@@ -543,7 +708,7 @@ mod tests {
         );
         let ok = dir.join("ok");
         std::fs::write(&ok, "node1 slots=2\n").unwrap();
-        assert_eq!(read_hostfile(&ok, "ok").unwrap(), "node1 slots=2\n");
+        assert_eq!(read_hostfile(&ok, "ok", "").unwrap(), "node1 slots=2\n");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

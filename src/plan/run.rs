@@ -68,6 +68,7 @@ impl RunSettings {
             last_call: rz.last_call,
             rdzv_join_timeout: rz.rdzv_join_timeout,
             c10d: rz.c10d.is_some(),
+            ranked: ranked(rdzv),
             python: !target.no_python && python.is_some(),
         };
         let several_nodes = rz.nnodes > 1 || uses_hosts;
@@ -89,15 +90,17 @@ impl RunSettings {
     }
 }
 
-/// Whether nrun starts the nodes itself: a host list, or a Slurm allocation of several nodes
-/// (salloc, sbatch; not a step on every node), where `--nnodes N` without a rank or an address
+/// Whether nrun starts the nodes itself: a host list, or a scheduler's allocation of several
+/// nodes (Slurm's salloc or sbatch, not a step on every node; PBS, LSF, SGE), where `--nnodes N` without a rank or an address
 /// takes its nodes from the allocation, the rest of it being spares.
 fn uses_hosts(run: &RunArgs, env: Env<'_>) -> bool {
-    let allocation = nodes::in_allocation(&run.nodes, env)
-        && run.rdzv.node_rank.is_none()
-        && run.rdzv.master_addr.is_none()
-        && run.rdzv.rdzv_endpoint.is_none();
+    let allocation = nodes::in_allocation(&run.nodes, env) && !ranked(&run.rdzv);
     run.nodes.hosts.is_some() || run.nodes.hostfile.is_some() || allocation
+}
+
+/// A torchrun-style launch by rank or address: every node's own nrun takes its place by them.
+fn ranked(rdzv: &RendezvousArgs) -> bool {
+    rdzv.node_rank.is_some() || rdzv.master_addr.is_some() || rdzv.rdzv_endpoint.is_some()
 }
 
 /// The job's program and arguments; none for a preflight alone (no TARGET).
