@@ -59,5 +59,5 @@ if [ $# -eq 0 ]; then
 else
   echo "test.sh: a FILTER was given: the wheel checks (scripts/wheel-check.sh) are not run" >&2
 fi
-# A hung test must fail the run, not stall it: 30 minutes is far above the suite's 2-3.
+# A hung test must fail the run, not stall it: 30 minutes is far above the suite's 11-20.
 timeout --kill-after=30 1800 cargo test --workspace --all-targets --no-fail-fast "$@"
