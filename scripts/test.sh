@@ -2,9 +2,11 @@
 # Installs what the tests need and runs all of them: formatting, lints, the pip wheel's checks
 # (scripts/wheel-check.sh), unit and integration tests (real torch clients from a cached venv,
 # real processes and signals).
-#   scripts/test.sh            everything (what CI and README's quick start run)
+#   scripts/test.sh            everything (what CI and README's quick start run): ~14 min on a
+#                              fresh clone with 2 CPUs, ~20 with two CPU hogs beside it
+#                              (BENCHMARKS.md section 24)
 #   scripts/test.sh -- FILTER  passes FILTER on to cargo test
-#   scripts/test.sh --fast     the floor, for a change in a minute: formatting, every crate's
+#   scripts/test.sh --fast     the floor, for a change: ~20 s warm: formatting, every crate's
 #                              unit tests (the fault model's table included), the store's codec
 #                              and socket tests; no namespaces, torch, Slurm, wheel or clippy
 set -euo pipefail

@@ -1,9 +1,10 @@
 //! The fault model: what nrun can see when an attempt of the worker group fails (evidence), what
 //! it concludes about each node (verdict), and what it does under the job's policy (action).
 //!
-//! One table, written down in README ("Fault model") and checked twice: the unit tests below
-//! (the rules, on synthetic results) and `tests/faults.rs` (the matrix: real processes, every
-//! mode, read from README's table). A change of rule changes all three.
+//! One table, written down in README ("Fault model", the verdicts) and docs/fault-model.md (the
+//! verdicts and the fault matrix), and checked twice: the unit tests below (the rules, on
+//! synthetic results) and `tests/faults.rs` (the matrix: real processes, every mode, read from
+//! docs/fault-model.md). A change of rule changes all of them.
 //!
 //! The rules, in short:
 //! - torchrun's behaviour is the floor: where it would restart the group (any worker failure,

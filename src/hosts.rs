@@ -1693,7 +1693,7 @@ mod tests {
 
     #[test]
     fn flag_ranges_expand() {
-        // README's own example, and Slurm's forms with slots and a user.
+        // docs/spares.md's own example, and Slurm's forms with slots and a user.
         assert_eq!(
             parse_hosts_flag("gpu[1-5]").unwrap(),
             (1..=5)

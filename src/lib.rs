@@ -1,7 +1,7 @@
 //! nrun: a launcher for distributed PyTorch/NCCL jobs; the top crate of the workspace (plan,
 //! session and links, agent, watch, fault model, commands, the binary's entry).
 //!
-//! The crates below it, each a layer that knows nothing of those above (README, "Design"):
+//! The crates below it, each a layer that knows nothing of those above (docs/architecture.md):
 //! `nrun-base` (errors and exit codes, host names, private files), `nrun-store` (the TCPStore
 //! codec, server, client, the run's secret), `nrun-preflight` (NCCL/CUDA, the all-reduce
 //! worker, findings), `nrun-node` (one node's worker group: spawning, supervision, output, the

@@ -330,12 +330,12 @@ fn help_texts_are_true() {
         assert!(p.exists(), "{} (from --help) is missing", p.display());
     }
 
-    // -x: .nrun_env is read from home, then the cwd, the later winning, as --help and README say.
+    // -x: .nrun_env is read from home, then the cwd, the later winning, as --help and the docs say.
     let said = "KEY=VALUE lines of .nrun_env (home, then cwd; the later wins)";
     assert!(h.contains(said), "-x help lacks {said:?}");
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    assert!(flat(&readme).contains("`.nrun_env` (home, then cwd"));
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/multi-node.md"))
+        .unwrap();
+    assert!(flat(&doc).contains("`.nrun_env` (home, then cwd"));
     let home = s.dir.path().join("home");
     let cwd = s.dir.path().join("cwd");
     std::fs::create_dir_all(&home).unwrap();

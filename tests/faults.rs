@@ -1,10 +1,11 @@
-//! The fault matrix: every row of README's fault-model table (between the `fault-matrix`
+//! The fault matrix: every row of docs/fault-model.md's matrix (between the `fault-matrix`
 //! markers), run for real. Rows: mode (local, ssh over namespace hosts, srun under a real Slurm,
 //! c10d) x fault (injected by tests/fixtures/fault.sh, or from outside: an agent killed, a node
 //! cut off, ssh dropped, the launcher signalled) x policy (the row's flags, and `spare`: one host
 //! more than --nnodes). Each row checks the exit code, the restarts and the nodes left out
 //! (`--report`), that every line of every rank of the last attempt arrived, and that nothing is
-//! left running. The expected column is README's: a change of rule changes both.
+//! left running. The expected columns are the docs': a change of rule changes both (and README's
+//! short table of verdicts where a verdict changes).
 
 mod common;
 
@@ -33,15 +34,15 @@ struct Row {
     left_out: Vec<String>,
 }
 
-/// README's matrix rows of one mode.
+/// The fault matrix's rows of one mode (docs/fault-model.md).
 fn rows(mode: &str) -> Vec<Row> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-        .expect("README.md");
-    let table = readme
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/fault-model.md"))
+        .expect("docs/fault-model.md");
+    let table = doc
         .split("<!-- fault-matrix begin -->")
         .nth(1)
         .and_then(|t| t.split("<!-- fault-matrix end -->").next())
-        .expect("README has the fault-matrix markers");
+        .expect("docs/fault-model.md has the fault-matrix markers");
     let mut out = Vec::new();
     for line in table.lines().filter(|l| l.starts_with('|')).skip(2) {
         let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
@@ -73,7 +74,7 @@ fn rows(mode: &str) -> Vec<Row> {
             },
         });
     }
-    assert!(!out.is_empty(), "README's fault matrix has no {mode} row");
+    assert!(!out.is_empty(), "docs/fault-model.md's fault matrix has no {mode} row");
     out
 }
 
@@ -211,7 +212,7 @@ fn strike(outside: &Outside, child: &Child, c: Option<&Cluster>, node2: usize) {
     }
 }
 
-/// Checks one row's outcome against README's expectation.
+/// Checks one row's outcome against the matrix's expectation.
 fn check(row: &Row, s: &Scene, ran: &Ran, world: usize) {
     let (stdout, stderr) = (text(&ran.out.stdout), text(&ran.out.stderr));
     let ctx = format!("row {row:?}\n--- stdout\n{stdout}\n--- stderr\n{stderr}");

@@ -163,7 +163,7 @@ fn hosts_given_come_before_the_scheduler() {
 #[test]
 fn a_range_in_dash_h_reaches_every_host() {
     let s = Scene::new();
-    // README's `-H gpu[1-3]` form: three hosts, each tried (here ssh can reach none).
+    // The docs' `-H gpu[1-5]` form: three hosts, each tried (here ssh can reach none).
     let out = run_under(
         &s,
         &[

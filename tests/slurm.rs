@@ -347,7 +347,7 @@ fn inside_an_allocation_a_node_lost_mid_run_is_replaced_by_the_spare() {
 
 /// Exit 0 means every line arrived, through the srun step: ranks that write thousands of lines
 /// right before they exit 0 have every one on the console, whole, when nrun exits. (Lines
-/// longer than Slurm's own I/O messages are cut by slurmstepd: see README's "Output".)
+/// longer than Slurm's own I/O messages are cut by slurmstepd: see docs/torchrun.md, "Output".)
 #[test]
 fn inside_an_allocation_every_line_comes_through_srun_before_exit_0() {
     const LINES: usize = 3000;

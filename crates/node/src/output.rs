@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::mpsc;
 
-/// Longest line passed on whole (1 MiB, README's "Output"): a longer run of bytes without a
+/// Longest line passed on whole (1 MiB, docs/torchrun.md, "Output"): a longer run of bytes without a
 /// newline is cut into pieces of this size, each ended with [`CUT_MARK`], so the memory a
 /// worker's output holds stays bounded.
 pub const MAX_LINE: usize = 1024 * 1024;
