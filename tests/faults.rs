@@ -74,7 +74,10 @@ fn rows(mode: &str) -> Vec<Row> {
             },
         });
     }
-    assert!(!out.is_empty(), "docs/fault-model.md's fault matrix has no {mode} row");
+    assert!(
+        !out.is_empty(),
+        "docs/fault-model.md's fault matrix has no {mode} row"
+    );
     out
 }
 
