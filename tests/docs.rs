@@ -1,7 +1,7 @@
 //! The docs' own test: README.md and docs/*.md say only what this binary does.
 //!
 //! - Every command in a `sh` fenced block runs here with the real binary (`nrun` on PATH, a fresh
-//!   working directory and HOME) and must exit 0, unless [`NOT_RUN`] names it with the reason it
+//!   working directory and HOME) and must exit 0 (or N, where its comment says `# exits N`), unless [`NOT_RUN`] names it with the reason it
 //!   cannot run on a machine without a GPU, a cluster or a scheduler. An entry of [`NOT_RUN`] that
 //!   no document shows any more fails the test, so the list stays the docs' own. A `scripts/`
 //!   command's script must exist and be executable, run or not.
@@ -227,8 +227,8 @@ fn blocks(text: &str) -> (Vec<Block>, Vec<String>) {
 }
 
 /// A shell line without its trailing `# comment` (a `#` after a space, outside quotes), its
-/// spaces collapsed.
-fn strip_comment(line: &str) -> String {
+/// spaces collapsed; and the exit code the comment promises (`# exits 3: ...`), else 0.
+fn strip_comment(line: &str) -> (String, i32) {
     let mut quote = None;
     let mut prev = ' ';
     let mut out = String::new();
@@ -243,11 +243,18 @@ fn strip_comment(line: &str) -> String {
         out.push(ch);
         prev = ch;
     }
-    out.split_whitespace().collect::<Vec<_>>().join(" ")
+    let comment = line[out.len()..].trim_start_matches('#').trim_start();
+    let exits = comment
+        .strip_prefix("exits ")
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    (out.split_whitespace().collect::<Vec<_>>().join(" "), exits)
 }
 
-/// The commands of a `sh` block: comment lines and blank lines skipped, `\` continuations joined.
-fn commands(block: &Block) -> Vec<String> {
+/// The commands of a `sh` block with the exit code each promises: comment lines and blank lines
+/// skipped, `\` continuations joined.
+fn commands(block: &Block) -> Vec<(String, i32)> {
     let mut out = Vec::new();
     let mut pending = String::new();
     for line in &block.lines {
@@ -267,13 +274,13 @@ fn commands(block: &Block) -> Vec<String> {
     out
 }
 
-/// Every command of every `sh` block, with where it is.
-fn all_commands() -> Vec<(String, String)> {
+/// Every command of every `sh` block, with where it is and the exit code it promises.
+fn all_commands() -> Vec<(String, String, i32)> {
     let mut out = Vec::new();
     for (path, text) in documents() {
         for b in blocks(&text).0.iter().filter(|b| b.lang == "sh") {
-            for c in commands(b) {
-                out.push((format!("{}:{}", name(&path), b.at), c));
+            for (c, exits) in commands(b) {
+                out.push((format!("{}:{}", name(&path), b.at), c, exits));
             }
         }
     }
@@ -331,7 +338,7 @@ fn every_documented_command_runs_or_says_why_not() {
     let not_run: BTreeMap<&str, Why> = NOT_RUN.iter().copied().collect();
     let cmds = all_commands();
     assert!(!cmds.is_empty(), "no `sh` block in README.md or docs/");
-    let shown: BTreeSet<&str> = cmds.iter().map(|(_, c)| c.as_str()).collect();
+    let shown: BTreeSet<&str> = cmds.iter().map(|(_, c, _)| c.as_str()).collect();
     let stale: Vec<&&str> = not_run.keys().filter(|c| !shown.contains(**c)).collect();
     assert!(
         stale.is_empty(),
@@ -339,7 +346,7 @@ fn every_documented_command_runs_or_says_why_not() {
     );
     let dir = tempfile::tempdir().unwrap();
     let mut ran = BTreeSet::new();
-    for (at, cmd) in &cmds {
+    for (at, cmd, exits) in &cmds {
         let first = cmd.split_whitespace().next().unwrap_or_default();
         if first.starts_with("scripts/") {
             let script = root().join(first);
@@ -359,10 +366,12 @@ fn every_documented_command_runs_or_says_why_not() {
             continue;
         }
         let out = shell(cmd, dir.path()).output().expect("sh");
-        assert!(
-            out.status.success(),
-            "{at}: the documented command `{cmd}` failed here (if it cannot run without a GPU, \
-             a cluster or a scheduler, add it to NOT_RUN with the reason):\n{}",
+        assert_eq!(
+            out.status.code(),
+            Some(*exits),
+            "{at}: the documented command `{cmd}` did not exit {exits} here (a comment \
+             `# exits N` says it should exit N; if it cannot run without a GPU, a cluster or a \
+             scheduler, add it to NOT_RUN with the reason):\n{}",
             said(&out)
         );
         eprintln!("ran: {cmd}");
@@ -529,7 +538,15 @@ fn the_checker_reads_flags_as_written() {
         ],
         at: 1,
     };
-    assert_eq!(commands(&b), ["nrun -H 'a#b' --nproc 2 x", "nrun --a --b"]);
+    let want = [
+        ("nrun -H 'a#b' --nproc 2 x".to_string(), 0),
+        ("nrun --a --b".to_string(), 0),
+    ];
+    assert_eq!(commands(&b), want);
+    assert_eq!(
+        strip_comment("nrun x  # exits 139: SIGSEGV"),
+        ("nrun x".into(), 139)
+    );
 }
 
 /// GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes.
@@ -630,8 +647,8 @@ fn readme_is_a_short_page_with_the_quick_start() {
     );
     let quick: Vec<String> = all_commands()
         .into_iter()
-        .filter(|(at, _)| at.starts_with("README.md"))
-        .map(|(_, c)| c)
+        .filter(|(at, _, _)| at.starts_with("README.md"))
+        .map(|(_, c, _)| c)
         .collect();
     for c in ["scripts/demo.sh", "scripts/test.sh"] {
         assert!(
