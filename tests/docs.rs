@@ -10,7 +10,8 @@
 //!   hides from `--help` (asked of the binary), or is another tool's, listed in [`FOREIGN`] with
 //!   its owner. The known flags are read from the binary, so a flag
 //!   that lands in nrun is known here as soon as its `--help` shows it: nothing to add.
-//! - Every relative link leads to a file, and a `#anchor` to a heading there.
+//! - Every relative link leads to a file, and a `#anchor` to a heading there; every `scripts/X`
+//!   named is an executable file there.
 //! - Every fenced block names its language (an unnamed one could hide a command from this test).
 //! - README stays a page a newcomer reads in 5 minutes (at most 15,000 bytes) and shows the quick
 //!   start's two commands; its table of verdicts is docs/fault-model.md's.
@@ -33,6 +34,8 @@ enum Why {
     Builds,
     /// Writes a system directory.
     System,
+    /// Makes network namespaces, sshd or Slurm daemons as root (the cluster tests do).
+    Root,
 }
 
 /// The documented commands this test does not run, exactly as the docs write them (comments
@@ -45,6 +48,13 @@ const NOT_RUN: &[(&str, Why)] = &[
     ("scripts/test.sh", Why::Builds),
     ("scripts/test.sh --fast", Why::Builds),
     ("cargo test --test docs", Why::Builds),
+    ("cargo test -p nrun-store", Why::Builds),
+    (
+        ". \"$(scripts/slurm-cluster.sh up 3 | tail -1)\"",
+        Why::Root,
+    ),
+    ("scripts/slurm-cluster.sh down", Why::Root),
+    ("scripts/netns-cluster.sh up 3", Why::Root),
     (
         "nrun completions bash > /etc/bash_completion.d/nrun",
         Why::System,
@@ -617,6 +627,32 @@ fn every_link_leads_to_a_file_and_heading() {
         }
     }
     assert!(bad.is_empty(), "broken links:\n{}", bad.join("\n"));
+}
+
+#[test]
+fn every_script_named_exists() {
+    let mut bad = Vec::new();
+    for (path, text) in documents() {
+        for part in text.split("scripts/").skip(1) {
+            let file: String = part
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'))
+                .collect();
+            let file = file.trim_end_matches('.');
+            let p = root().join("scripts").join(file);
+            let ok = std::fs::metadata(&p).is_ok_and(|m| {
+                m.is_dir() || std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0
+            });
+            if !ok {
+                bad.push(format!("{}: scripts/{file}", name(&path)));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "the docs name scripts that are not there (or not executable):\n{}",
+        bad.join("\n")
+    );
 }
 
 #[test]
