@@ -53,7 +53,7 @@ type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// Decides the [`Mode`] from the parsed command line, the environment and the filesystem.
 pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
-    let Cli { command, run } = cli;
+    let Cli { command, run } = cli.into_default();
     match command {
         None => {
             let run_settings = RunSettings::resolve(&run, env)?;
@@ -73,8 +73,9 @@ pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
             };
             Ok(Mode::Doctor { doctor, nodes })
         }
-        Some(Command::Completions { .. } | Command::Man) => Err(Error::internal(
-            "completions and the manual page are printed before a plan is made",
+        Some(Command::Run(_) | Command::Completions { .. } | Command::Man) => Err(Error::internal(
+            "completions and the manual page are printed before a plan is made (and run is the \
+             default command)",
         )),
         Some(Command::Bisect(args)) => {
             let (bisect, shape) = BisectSettings::resolve(&args, env)?;
@@ -257,13 +258,19 @@ mod tests {
         // More workers than the scheduler's slots: started as asked, as torchrun would.
         let n = nodes_of(&["--nproc", "3"], &vars(&["PBS_NODEFILE"])).unwrap();
         assert_eq!(n.world, 6);
-        // --launcher ssh reaches Slurm's nodes no more (as before); PBS's are reached over ssh.
+        // --launcher ssh reaches Slurm's nodes over ssh (before this it read PBS's list
+        // instead, or none); PBS's are reached over ssh.
         let n = nodes_of(
             &["--launcher", "ssh"],
             &vars(&["SLURM_JOB_NODELIST", "PBS_NODEFILE"]),
         )
         .unwrap();
-        assert_eq!(names(&n), ["p1", "p2"]);
+        assert_eq!(
+            (names(&n), n.launcher, n.from_slurm),
+            (vec!["n1".into(), "n2".into(), "n3".into()], "ssh", true)
+        );
+        let n = nodes_of(&["--launcher", "ssh"], &vars(&["PBS_NODEFILE"])).unwrap();
+        assert_eq!((names(&n), n.launcher), (vec!["p1".into(), "p2".into()], "ssh"));
         // A static launch (every node's own nrun) reads no list.
         let n = nodes_of(
             &["--nnodes", "2", "--node-rank", "1", "--master-addr", "p1"],
