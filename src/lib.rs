@@ -47,7 +47,6 @@ pub(crate) mod watch;
 
 use std::process::ExitCode;
 
-
 /// The `nrun` binary.
 pub fn main() -> ExitCode {
     // nrun re-runs itself as the preflight rank, and to read a libnccl's version in isolation;

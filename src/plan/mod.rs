@@ -270,7 +270,10 @@ mod tests {
             (vec!["n1".into(), "n2".into(), "n3".into()], "ssh", true)
         );
         let n = nodes_of(&["--launcher", "ssh"], &vars(&["PBS_NODEFILE"])).unwrap();
-        assert_eq!((names(&n), n.launcher), (vec!["p1".into(), "p2".into()], "ssh"));
+        assert_eq!(
+            (names(&n), n.launcher),
+            (vec!["p1".into(), "p2".into()], "ssh")
+        );
         // A static launch (every node's own nrun) reads no list.
         let n = nodes_of(
             &["--nnodes", "2", "--node-rank", "1", "--master-addr", "p1"],
@@ -299,6 +302,173 @@ mod tests {
         // One node of a scheduler is this one: no list, as without a scheduler.
         std::fs::write(&pbs, "p1\np1\n").unwrap();
         assert!(nodes_of(&[], &vars(&["PBS_NODEFILE"])).unwrap().in_process);
+    }
+
+    /// Flags that would override each other in silence are usage errors naming both flags
+    /// (issue 37): the store's place, the nodes, the count of nodes.
+    #[test]
+    fn conflicting_flags_are_usage_errors_naming_both() {
+        let none = |k: &str| {
+            let scheduler = ["SLURM", "PBS_", "LSB_", "PE_HOSTFILE", "FLUX_"];
+            std::env::var(k)
+                .ok()
+                .filter(|_| !scheduler.iter().any(|p| k.starts_with(p)))
+        };
+        let resolve_with = |args: &[&str], env: &dyn Fn(&str) -> Option<String>| {
+            let mut v = vec!["nrun"];
+            v.extend_from_slice(args);
+            v.extend_from_slice(&["--no-python", "true"]);
+            resolve(Cli::try_parse_from(v).unwrap(), env)
+        };
+        let refused = |args: &[&str], both: [&str; 2]| {
+            let e = resolve_with(args, &none).unwrap_err();
+            assert_eq!(
+                e.code,
+                nrun_base::error::exit::USAGE,
+                "{args:?}: {}",
+                e.message
+            );
+            for flag in both {
+                assert!(
+                    e.message.contains(flag),
+                    "{args:?}: {flag} not in {}",
+                    e.message
+                );
+            }
+            e.message
+        };
+        let m = refused(
+            &["--standalone", "--rdzv-endpoint", "nosuch.invalid:29400"],
+            ["--standalone", "--rdzv-endpoint"],
+        );
+        assert!(
+            m.contains("drop --rdzv-endpoint for a single-node job"),
+            "{m}"
+        );
+        refused(
+            &["--standalone", "--master-addr", "10.0.0.1"],
+            ["--standalone", "--master-addr"],
+        );
+        refused(
+            &["--standalone", "--node-rank", "0"],
+            ["--standalone", "--node-rank"],
+        );
+        refused(&["--standalone", "-H", "a,b"], ["--standalone", "-H"]);
+        refused(
+            &["--standalone", "--nnodes", "2"],
+            ["--standalone", "--nnodes 1"],
+        );
+        refused(
+            &[
+                "--master-addr",
+                "a",
+                "--rdzv-endpoint",
+                "b:29400",
+                "--nnodes",
+                "2",
+            ],
+            ["--master-addr a", "--rdzv-endpoint b:29400"],
+        );
+        refused(
+            &[
+                "--master-port",
+                "1",
+                "--rdzv-endpoint",
+                "b:29400",
+                "--nnodes",
+                "2",
+            ],
+            ["--master-port 1", "--rdzv-endpoint b:29400"],
+        );
+        refused(
+            &["-H", "a,b", "--rdzv-endpoint", "a:1"],
+            ["-H", "--rdzv-endpoint"],
+        );
+        refused(
+            &["-H", "a,b", "--master-addr", "a"],
+            ["-H", "--master-addr"],
+        );
+        refused(
+            &["-H", "a,b", "--rdzv-backend", "c10d"],
+            ["-H", "--rdzv-backend c10d"],
+        );
+        refused(
+            &["-H", "a,b,c", "--nnodes", "1", "--spares", "1"],
+            ["--spares", "--nnodes"],
+        );
+        refused(&["-H", "a,b", "--nnodes", "3"], ["--nnodes 3", "2 hosts"]);
+        let e = resolve(
+            Cli::try_parse_from(["nrun", "--preflight-only", "--preflight", "net", "x.py"])
+                .unwrap(),
+            &none,
+        )
+        .unwrap_err();
+        assert!(e.message.contains("--preflight-only") && e.message.contains("x.py"));
+        // Agreeing flags are no conflict: the same host, the port given once.
+        resolve_with(
+            &[
+                "--master-addr",
+                "b",
+                "--rdzv-endpoint",
+                "b:29400",
+                "--master-port",
+                "29400",
+            ],
+            &none,
+        )
+        .unwrap();
+        resolve_with(
+            &["--standalone", "--rdzv-backend", "c10d", "--nproc", "2"],
+            &none,
+        )
+        .unwrap();
+
+        // An explicit --nnodes 1 with a host list is one node; the other hosts are spares.
+        let nodes = |r: Result<Mode>| match r.unwrap() {
+            Mode::Run { nodes, .. } => nodes,
+            _ => panic!("not a run"),
+        };
+        let n = nodes(resolve_with(&["-H", "a,b", "--nnodes", "1"], &none));
+        assert_eq!(
+            (n.hosts.len(), n.size, n.world, n.group_world),
+            (2, 1, 1, 1)
+        );
+        assert!(!n.in_process);
+        // Not given: every host of the list.
+        let n = nodes(resolve_with(&["-H", "a,b"], &none));
+        assert_eq!((n.size, n.group_world), (2, 2));
+
+        // --standalone inside an allocation: this node alone.
+        let slurm = |k: &str| match k {
+            "SLURM_JOB_NODELIST" => Some("n[1-4]".to_string()),
+            k => none(k),
+        };
+        assert!(nodes(resolve_with(&["--standalone"], &slurm)).in_process);
+        assert!(!nodes(resolve_with(&[], &slurm)).in_process);
+
+        // srun on every node: --nnodes must say Slurm's count, which it may.
+        let step = |k: &str| match k {
+            "SLURM_JOB_NODELIST" | "SLURM_STEP_NODELIST" => Some("n[1-4]".to_string()),
+            "SLURM_STEP_NUM_NODES" | "SLURM_STEP_NUM_TASKS" => Some("4".to_string()),
+            "SLURM_STEP_ID" => Some("0".to_string()),
+            "SLURM_NODEID" => Some("1".to_string()),
+            "SLURM_JOB_ID" => Some("7".to_string()),
+            k => none(k),
+        };
+        let e = resolve_with(&["--nnodes", "2"], &step).unwrap_err();
+        assert!(
+            e.message.contains("--nnodes 2") && e.message.contains("on 4 nodes"),
+            "{}",
+            e.message
+        );
+        let Mode::Run { run, .. } = resolve_with(&["--nnodes", "4"], &step).unwrap() else {
+            panic!("not a run")
+        };
+        assert_eq!((run.shape.nnodes, run.session.c10d.is_some()), (4, true));
+        let Mode::Run { run, .. } = resolve_with(&[], &step).unwrap() else {
+            panic!("not a run")
+        };
+        assert_eq!(run.shape.nnodes, 4);
     }
 
     #[test]

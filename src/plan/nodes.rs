@@ -708,6 +708,43 @@ mod tests {
         );
     }
 
+    /// --nproc-per-node not given under a scheduler with slots: 1 worker, said with the way
+    /// to use the slots; given, nothing more is said.
+    #[test]
+    fn unused_slots_are_said_when_nproc_is_not_given() {
+        let slots = |n: &str, s| Host {
+            slots: Some(s),
+            ..Host::new(n)
+        };
+        let hosts = [slots("a", 8), slots("b", 8)];
+        let mut shape = Shape::per_host(1, false);
+        shape.nproc_given = false;
+        let said = unused_slots(&hosts, &shape);
+        assert!(
+            said.contains("1 worker per node, torchrun's default")
+                && said.contains("--nproc-per-node 8, or gpu"),
+            "{said}"
+        );
+        shape.nproc_given = true;
+        assert_eq!(unused_slots(&hosts, &shape), "");
+        shape.nproc_given = false;
+        assert_eq!(unused_slots(&[slots("a", 1), slots("b", 1)], &shape), "");
+        assert_eq!(unused_slots(&[Host::new("a")], &shape), "");
+    }
+
+    #[test]
+    fn the_spares_are_said() {
+        let hosts: Vec<Host> = ["a", "b", "c"].into_iter().map(Host::new).collect();
+        let mut shape = Shape::per_host(1, false);
+        shape.nnodes_given = true;
+        assert_eq!(
+            spares_line(&hosts, 1, &shape, None),
+            "the job runs on 1 of 3 hosts (--nnodes 1); the others are spares, which join, are \
+             checked and take a left-out node's place: b, c"
+        );
+        assert!(spares_line(&hosts, 2, &shape, Some(1)).contains("(--spares 1)"));
+    }
+
     #[test]
     fn hostfile_reads_only_bounded_regular_files() {
         let msg = |p: &str| {

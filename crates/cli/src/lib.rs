@@ -1037,21 +1037,81 @@ pub fn print_man() -> u8 {
 /// The flags `nrun -h` shows (by id), under which heading, with the one line it says of each;
 /// `--help` shows every flag with its whole text. The ~15 flags most runs use.
 const SHORT_HELP: &[(&str, &str, &str)] = &[
-    ("nproc_per_node", "Workers", "Workers on this node: N, gpu, cpu, auto [default: 1]"),
-    ("module", "Workers", "Run TARGET as a Python module (python -u -m TARGET)"),
-    ("no_python", "Workers", "Run TARGET as a program, not through Python"),
-    ("hosts", "Nodes", "Nodes: h1,h2 or gpu[01-16]:8, over ssh (srun in Slurm)"),
-    ("hostfile", "Nodes", "Nodes from a file: `host slots=N`, `host:N`, `host`"),
-    ("nnodes", "Nodes", "Nodes running the job (N or MIN:MAX); more are spares"),
-    ("node_rank", "Nodes", "This node's rank, nrun on each node (0 hosts the store)"),
-    ("master_addr", "Nodes", "Address of node rank 0, which hosts the store"),
-    ("rdzv_endpoint", "Nodes", "The store's HOST:PORT, for --rdzv-backend c10d"),
-    ("max_restarts", "Job", "Restart the workers up to N times on failure"),
-    ("log_dir", "Job", "Each worker's stdout and stderr to files under DIR"),
-    ("tee", "Job", "To log files and the console: 1 stdout, 2 stderr, 3 both"),
-    ("preflight", "Job", "All-reduce check first: auto, nccl, net, off [default: auto]"),
-    ("preflight_only", "Job", "Run the preflight alone and report (no TARGET)"),
-    ("on_hang", "Job", "On a hang: report, or stop the job (exit 97)"),
+    (
+        "nproc_per_node",
+        "Workers",
+        "Workers on this node: N, gpu, cpu, auto [default: 1]",
+    ),
+    (
+        "module",
+        "Workers",
+        "Run TARGET as a Python module (python -u -m TARGET)",
+    ),
+    (
+        "no_python",
+        "Workers",
+        "Run TARGET as a program, not through Python",
+    ),
+    (
+        "hosts",
+        "Nodes",
+        "Nodes: h1,h2 or gpu[01-16]:8, over ssh (srun in Slurm)",
+    ),
+    (
+        "hostfile",
+        "Nodes",
+        "Nodes from a file: `host slots=N`, `host:N`, `host`",
+    ),
+    (
+        "nnodes",
+        "Nodes",
+        "Nodes running the job (N or MIN:MAX); more are spares",
+    ),
+    (
+        "node_rank",
+        "Nodes",
+        "This node's rank, nrun on each node (0 hosts the store)",
+    ),
+    (
+        "master_addr",
+        "Nodes",
+        "Address of node rank 0, which hosts the store",
+    ),
+    (
+        "rdzv_endpoint",
+        "Nodes",
+        "The store's HOST:PORT, for --rdzv-backend c10d",
+    ),
+    (
+        "max_restarts",
+        "Job",
+        "Restart the workers up to N times on failure",
+    ),
+    (
+        "log_dir",
+        "Job",
+        "Each worker's stdout and stderr to files under DIR",
+    ),
+    (
+        "tee",
+        "Job",
+        "To log files and the console: 1 stdout, 2 stderr, 3 both",
+    ),
+    (
+        "preflight",
+        "Job",
+        "All-reduce check first: auto, nccl, net, off [default: auto]",
+    ),
+    (
+        "preflight_only",
+        "Job",
+        "Run the preflight alone and report (no TARGET)",
+    ),
+    (
+        "on_hang",
+        "Job",
+        "On a hang: report, or stop the job (exit 97)",
+    ),
 ];
 
 /// Shorter value names in `nrun -h`, so each flag keeps to one line.
@@ -1068,8 +1128,14 @@ const SHORT_VALUE_NAMES: &[(&str, &str)] = &[
 /// The one line `nrun -h` says of each command.
 const SHORT_COMMANDS: &[(&str, &str)] = &[
     ("run", "Run a job: `nrun run ARGS` is `nrun ARGS`"),
-    ("doctor", "What each node has, and whether the nodes reach each other"),
-    ("bisect", "Find the bad nodes and links, by a staged scale-up"),
+    (
+        "doctor",
+        "What each node has, and whether the nodes reach each other",
+    ),
+    (
+        "bisect",
+        "Find the bad nodes and links, by a staged scale-up",
+    ),
     ("completions", "Shell completions on stdout"),
     ("man", "The manual page on stdout"),
 ];
@@ -1219,6 +1285,85 @@ mod tests {
     #[test]
     fn definitions_are_consistent() {
         Cli::command().debug_assert();
+        short_command().debug_assert();
+        // Every flag the short help names is one of the command's.
+        let ids: Vec<String> = Cli::command()
+            .get_arguments()
+            .map(|a| a.get_id().to_string())
+            .collect();
+        for (id, _, _) in SHORT_HELP {
+            assert!(ids.iter().any(|i| i == id), "{id}");
+        }
+        for (name, _) in SHORT_COMMANDS {
+            assert!(Cli::command().find_subcommand(name).is_some(), "{name}");
+        }
+    }
+
+    /// `-h` (top level or `run`) is the short help; `--help` and a command's `-h` are clap's.
+    #[test]
+    fn short_help_is_asked_by_h_only() {
+        let ask = |args: &[&str]| {
+            let argv: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+            let e = Cli::try_parse_from(&argv).unwrap_err();
+            short_help(&e, &argv)
+        };
+        let short = ask(&["nrun", "-h"]).unwrap();
+        assert!(short.lines().count() < 40, "{short}");
+        assert!(
+            short
+                .trim_end()
+                .ends_with("nrun --help for all flags, examples and the exit status.")
+        );
+        assert!(!short.contains("--ssh-opts") && short.contains("--nproc-per-node <N>"));
+        assert_eq!(ask(&["nrun", "run", "-h"]).as_deref(), Some(short.as_str()));
+        assert_eq!(
+            ask(&["nrun", "--nproc", "2", "-h"]).as_deref(),
+            Some(short.as_str())
+        );
+        assert!(ask(&["nrun", "--help"]).is_none());
+        assert!(ask(&["nrun", "doctor", "-h"]).is_none());
+        assert!(ask(&["nrun", "bisect", "-h"]).is_none());
+    }
+
+    /// clap's usage errors read as nrun's: the prefix, hints and usage indented, no blank line.
+    #[test]
+    fn clap_errors_in_nruns_style() {
+        let e = Cli::try_parse_from(["nrun", "--bogus", "x.py"]).unwrap_err();
+        let t = error_text(&e);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0], "nrun: error: unexpected argument '--bogus' found",
+            "{t}"
+        );
+        assert!(lines[1..].iter().all(|l| l.starts_with("  ")), "{t}");
+        assert!(t.contains("\n  usage: nrun "), "{t}");
+        assert!(t.contains("\n  hint: "), "{t}");
+        assert!(
+            !t.contains("\n\n") && !t.contains("For more information"),
+            "{t}"
+        );
+        let e = Cli::try_parse_from(["nrun", "run"]).unwrap_err();
+        let t = error_text(&e);
+        assert!(
+            t.starts_with(
+                "nrun: error: the following required arguments were not provided: <TARGET"
+            ),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn run_is_the_default_command_by_name() {
+        let c = Cli::try_parse_from(["nrun", "run", "--nproc", "2", "x.py", "-h"]).unwrap();
+        let c = c.into_default();
+        assert!(c.command.is_none());
+        assert_eq!(c.run.workers.nproc_per_node.as_deref(), Some("2"));
+        assert_eq!(c.run.command, ["x.py", "-h"]);
+        // After flags, run is a TARGET like any other (a script or program named run).
+        let c = Cli::try_parse_from(["nrun", "--no-python", "run", "a"]).unwrap();
+        assert!(c.command.is_none());
+        assert_eq!(c.run.command, ["run", "a"]);
+        assert!(!is_command_name("run") && is_command_name("doctor"));
     }
 
     #[test]
@@ -1235,7 +1380,7 @@ mod tests {
             "0.1",
         ])
         .unwrap();
-        assert_eq!(c.run.workers.nproc_per_node, "4");
+        assert_eq!(c.run.workers.nproc_per_node.as_deref(), Some("4"));
         assert_eq!(c.run.rdzv.master_port, Some(1234));
         assert_eq!(c.run.job.max_restarts, 2);
         assert_eq!(c.run.command, ["train.py", "--lr", "0.1"]);
@@ -1244,7 +1389,7 @@ mod tests {
     #[test]
     fn options_after_the_target_belong_to_it() {
         let c = Cli::try_parse_from(["nrun", "--nproc", "2", "x.py", "--nproc", "9"]).unwrap();
-        assert_eq!(c.run.workers.nproc_per_node, "2");
+        assert_eq!(c.run.workers.nproc_per_node.as_deref(), Some("2"));
         assert_eq!(c.run.command, ["x.py", "--nproc", "9"]);
     }
 
