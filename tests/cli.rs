@@ -1596,6 +1596,20 @@ fn conflicting_flags_name_both_and_exit_2() {
             &["--preflight-only", "--preflight", "net", "train.py"],
             ["--preflight-only", "train.py"],
         ),
+        (
+            &["--print-completion", "bash", "train.py"],
+            ["--print-completion", "train.py"],
+        ),
+        (
+            &[
+                "--no-preflight",
+                "--preflight",
+                "net",
+                "--no-python",
+                "true",
+            ],
+            ["--no-preflight", "--preflight net"],
+        ),
     ] {
         let start = std::time::Instant::now();
         let out = s.run(args, &[]);

@@ -304,6 +304,13 @@ mod tests {
         assert!(nodes_of(&[], &vars(&["PBS_NODEFILE"])).unwrap().in_process);
     }
 
+    fn nodes_or_err(r: Result<Mode>) -> NodesPlan {
+        match r.unwrap() {
+            Mode::Run { nodes, .. } => nodes,
+            _ => panic!("not a run"),
+        }
+    }
+
     /// Flags that would override each other in silence are usage errors naming both flags
     /// (issue 37): the store's place, the nodes, the count of nodes.
     #[test]
@@ -397,6 +404,27 @@ mod tests {
             ["--spares", "--nnodes"],
         );
         refused(&["-H", "a,b", "--nnodes", "3"], ["--nnodes 3", "2 hosts"]);
+        refused(
+            &[
+                "-H",
+                "a,b",
+                "--join-timeout",
+                "5",
+                "--rdzv-conf",
+                "join_timeout=3",
+            ],
+            ["--join-timeout", "--rdzv-conf join_timeout"],
+        );
+        refused(
+            &["--no-preflight", "--preflight", "nccl,warn"],
+            ["--no-preflight", "--preflight nccl,warn"],
+        );
+        resolve_with(&["--no-preflight", "--preflight", "off"], &none).unwrap();
+        let n = nodes_or_err(resolve_with(
+            &["-H", "a", "--rdzv-conf", "join_timeout=3"],
+            &none,
+        ));
+        assert_eq!(n.join_timeout, std::time::Duration::from_secs(3));
         let e = resolve(
             Cli::try_parse_from(["nrun", "--preflight-only", "--preflight", "net", "x.py"])
                 .unwrap(),
@@ -424,10 +452,7 @@ mod tests {
         .unwrap();
 
         // An explicit --nnodes 1 with a host list is one node; the other hosts are spares.
-        let nodes = |r: Result<Mode>| match r.unwrap() {
-            Mode::Run { nodes, .. } => nodes,
-            _ => panic!("not a run"),
-        };
+        let nodes = nodes_or_err;
         let n = nodes(resolve_with(&["-H", "a,b", "--nnodes", "1"], &none));
         assert_eq!(
             (n.hosts.len(), n.size, n.world, n.group_world),

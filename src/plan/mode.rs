@@ -77,7 +77,7 @@ pub(crate) struct Shape {
     pub node_rank: usize,
     /// `--rdzv-conf last_call_timeout`: how long to wait for more nodes once MIN have joined.
     pub last_call: Duration,
-    /// `--rdzv-conf join_timeout=S`, which overrides --join-timeout.
+    /// `--rdzv-conf join_timeout=S`, which says what --join-timeout says (both: refused).
     pub rdzv_join_timeout: Option<Duration>,
     /// Nodes rendezvous as torchrun's c10d.
     pub c10d: bool,

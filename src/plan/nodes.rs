@@ -13,6 +13,9 @@ use nrun_cli::{LauncherChoice, NodesArgs};
 
 use super::Shape;
 
+/// How long the nodes have to join when neither --join-timeout nor --rdzv-conf says.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// One node's place in the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct NodeLayout {
@@ -194,9 +197,16 @@ impl NodesPlan {
             LauncherChoice::Srun => "srun",
         };
         let vars = super::env::job_env(export, env)?;
-        let join_timeout = match shape.rdzv_join_timeout {
-            Some(t) => t,
-            None => super::positive_secs("--join-timeout", *join_timeout, false)?,
+        let join_timeout = match (shape.rdzv_join_timeout, join_timeout) {
+            (Some(_), Some(_)) => {
+                return Err(Error::usage(
+                    "--join-timeout and --rdzv-conf join_timeout both say how long the nodes \
+                     have to join; give one of them",
+                ));
+            }
+            (Some(t), None) => t,
+            (None, Some(t)) => super::positive_secs("--join-timeout", *t, false)?,
+            (None, None) => JOIN_TIMEOUT,
         };
         let ssh_opts = remote::split_opts(ssh_opts.as_deref().unwrap_or(""))?;
         let remote_nrun = match remote_nrun {

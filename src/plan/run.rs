@@ -131,7 +131,13 @@ fn job_command(
     if command.is_empty() {
         return Ok((OsString::new(), Vec::new()));
     }
-    resolve_command(target, command, env)
+    resolve_command(target, command, env).map_err(|mut e| {
+        // `nrun -H a,b run x.py`: run as a command comes first.
+        if command[0] == "run" {
+            e.message += "; to run a job, `run` comes first: nrun run [OPTIONS] TARGET";
+        }
+        e
+    })
 }
 
 impl LogPlan {

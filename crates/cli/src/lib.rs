@@ -513,14 +513,9 @@ pub struct TargetArgs {
 pub struct PreflightArgs {
     /// Before the job, prove the GPUs and links with an all-reduce: auto (NCCL when GPUs are
     /// visible, else none), nccl, net (TCP ring over the network path, no GPU needed) or off;
-    /// add `,warn` to start the job even if the preflight fails.
-    #[arg(
-        long,
-        env = "NRUN_PREFLIGHT_MODE",
-        default_value = "auto",
-        value_name = "MODE[,warn]"
-    )]
-    pub preflight: String,
+    /// add `,warn` to start the job even if the preflight fails [default: auto]
+    #[arg(long, env = "NRUN_PREFLIGHT_MODE", value_name = "MODE[,warn]")]
+    pub preflight: Option<String>,
 
     /// Skip the preflight (same as --preflight off).
     #[arg(long = "no-preflight", env = "NRUN_NO_PREFLIGHT", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
@@ -743,15 +738,15 @@ pub struct NodesArgs {
     #[arg(long, env = "NRUN_IFNAME", value_name = "NAME")]
     pub ifname: Option<String>,
 
-    /// Seconds every node has to start its agent and report.
+    /// Seconds every node has to start its agent and report (--rdzv-conf join_timeout says
+    /// the same: give one) [default: 30]
     #[arg(
         long = "join-timeout",
         env = "NRUN_JOIN_TIMEOUT",
-        default_value_t = 30.0,
         value_name = "SECS",
         allow_negative_numbers = true
     )]
-    pub join_timeout: f64,
+    pub join_timeout: Option<f64>,
 
     /// Launch even when NCCL (major.minor) or torch differ between nodes.
     #[arg(long = "allow-mismatch", env = "NRUN_ALLOW_MISMATCH", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
