@@ -298,7 +298,8 @@ pub struct RendezvousArgs {
     )]
     pub rdzv_backend: Option<String>,
 
-    /// Rendezvous settings KEY=VALUE[,KEY=VALUE] (torchrun's): join_timeout sets --join-timeout;
+    /// Rendezvous settings KEY=VALUE[,KEY=VALUE] (torchrun's): join_timeout sets --join-timeout
+    /// (give one of them);
     /// last_call_timeout (30 s) is how long an elastic MIN:MAX waits for more nodes past MIN;
     /// timeout, close_timeout, read_timeout, is_host and the like are accepted.
     #[arg(
@@ -738,8 +739,7 @@ pub struct NodesArgs {
     #[arg(long, env = "NRUN_IFNAME", value_name = "NAME")]
     pub ifname: Option<String>,
 
-    /// Seconds every node has to start its agent and report (--rdzv-conf join_timeout says
-    /// the same: give one) [default: 30]
+    /// Seconds every node has to start its agent and report [default: 30]
     #[arg(
         long = "join-timeout",
         env = "NRUN_JOIN_TIMEOUT",
