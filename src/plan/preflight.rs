@@ -145,13 +145,13 @@ pub(super) fn sweep_plan(sweep: &SweepArgs, mode: nrun_preflight::Mode) -> Resul
         None => (8, 256 << 20, 2),
     };
     let timeout = positive_secs("--preflight-timeout", *preflight_timeout, false)?;
-    if let Some(p) = nccl_lib {
-        if !p.is_file() {
-            return Err(Error::usage(format!(
-                "--nccl-lib {}: no such file",
-                p.display()
-            )));
-        }
+    if let Some(p) = nccl_lib
+        && !p.is_file()
+    {
+        return Err(Error::usage(format!(
+            "--nccl-lib {}: no such file",
+            p.display()
+        )));
     }
     Ok(PreflightPlan {
         mode,

@@ -52,21 +52,24 @@ pub(super) fn job_rdzv(rdzv: &RendezvousArgs, uses_hosts: bool, env: Env<'_>) ->
     let mut c10d = resolve_c10d(rdzv, nnodes, uses_hosts, &run_id, env)?;
     // Under `srun` on every node, Slurm says how many nodes there are and which this is;
     // a --nnodes given must say the same (`--standalone`: each node a job of its own).
-    if c10d.is_none() && !uses_hosts && rdzv.node_rank.is_none() && !rdzv.standalone {
-        if let Some((n, c)) = slurm_every_node(env)? {
-            if rdzv.nnodes.is_some() && (min_nodes, nnodes) != (n, n) {
-                return Err(Error::usage(format!(
-                    "--nnodes {nnodes_text} but this srun step runs nrun on {n} nodes \
+    if c10d.is_none()
+        && !uses_hosts
+        && rdzv.node_rank.is_none()
+        && !rdzv.standalone
+        && let Some((n, c)) = slurm_every_node(env)?
+    {
+        if rdzv.nnodes.is_some() && (min_nodes, nnodes) != (n, n) {
+            return Err(Error::usage(format!(
+                "--nnodes {nnodes_text} but this srun step runs nrun on {n} nodes \
                      (SLURM_STEP_NUM_NODES), each node one of the job; drop --nnodes, or give \
                      srun --nodes {nnodes_text}"
-                )));
-            }
-            (nnodes, min_nodes) = (n, n);
-            if rdzv.rdzv_id.is_none() {
-                run_id = c.id.clone();
-            }
-            c10d = Some(c);
+            )));
         }
+        (nnodes, min_nodes) = (n, n);
+        if rdzv.rdzv_id.is_none() {
+            run_id = c.id.clone();
+        }
+        c10d = Some(c);
     }
     if min_nodes < nnodes && !uses_hosts && c10d.is_none() {
         return Err(Error::usage(format!(
