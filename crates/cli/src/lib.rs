@@ -149,6 +149,15 @@ pub enum Command {
 /// `nrun [OPTIONS] TARGET [ARGS]...`: the job, with its preflight, on one node or many.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
+    /// Print a completion script for SHELL (bash, zsh, fish) and exit (torchrun's flag; same as
+    /// `nrun completions SHELL`).
+    #[arg(
+        long = "print-completion",
+        alias = "print_completion",
+        value_name = "SHELL"
+    )]
+    pub print_completion: Option<String>,
+
     #[command(flatten)]
     pub workers: WorkerArgs,
     #[command(flatten)]
@@ -165,15 +174,6 @@ pub struct RunArgs {
     pub nodes: NodesArgs,
     #[command(flatten)]
     pub compat: CompatArgs,
-
-    /// Print a completion script for SHELL (bash, zsh, fish) and exit (torchrun's flag; same as
-    /// `nrun completions SHELL`).
-    #[arg(
-        long = "print-completion",
-        alias = "print_completion",
-        value_name = "SHELL"
-    )]
-    pub print_completion: Option<String>,
 
     /// The script, module or program, followed by its arguments.
     #[arg(
@@ -241,7 +241,8 @@ pub struct RendezvousArgs {
     /// Number of nodes, N or MIN:MAX (elastic, with a host list or c10d: starts with MAX nodes,
     /// or MIN after last_call_timeout, and goes on while at least MIN remain). With a host list
     /// (-H, --hostfile, a scheduler's), the job runs on its first N hosts and the rest are
-    /// spares; a list shorter than N is an error. Not given: every host of the list, else 1.
+    /// spares; a list shorter than N is an error. Not given: every host of the list (under
+    /// srun on every node, Slurm's node count), else 1.
     #[arg(
         long,
         env = "NRUN_NNODES",
