@@ -119,14 +119,6 @@ pub fn main() -> ExitCode {
         None => cli.run.print_completion.as_deref(),
         _ => None,
     };
-    // torchrun's --print-completion prints and exits: a TARGET beside it would not run.
-    if let (Some(_), None, Some(target)) = (shell, &cli.command, cli.run.command.first()) {
-        eprintln!(
-            "nrun: error: --print-completion prints a completion script and runs nothing, not \
-             {target}; give one of them"
-        );
-        return ExitCode::from(nrun_base::error::exit::USAGE);
-    }
     if let Some(shell) = shell {
         return ExitCode::from(nrun_cli::print_completions(shell));
     }

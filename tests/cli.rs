@@ -1597,10 +1597,6 @@ fn conflicting_flags_name_both_and_exit_2() {
             ["--preflight-only", "train.py"],
         ),
         (
-            &["--print-completion", "bash", "train.py"],
-            ["--print-completion", "train.py"],
-        ),
-        (
             &[
                 "--no-preflight",
                 "--preflight",

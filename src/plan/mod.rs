@@ -420,6 +420,15 @@ mod tests {
             ["--no-preflight", "--preflight nccl,warn"],
         );
         resolve_with(&["--no-preflight", "--preflight", "off"], &none).unwrap();
+        refused(
+            &["--watch", "off", "--on-hang", "stop"],
+            ["--watch off", "--on-hang stop"],
+        );
+        refused(
+            &["--watch", "off", "--hang-timeout", "5"],
+            ["--watch off", "--hang-timeout"],
+        );
+        resolve_with(&["--watch", "off", "--on-hang", "report"], &none).unwrap();
         let n = nodes_or_err(resolve_with(
             &["-H", "a", "--rdzv-conf", "join_timeout=3"],
             &none,

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 
 use nrun_base::error::{Error, Result};
 use nrun_cli::{
-    ColorWhen, JobArgs, RendezvousArgs, RunArgs, TargetArgs, WatchArgs, WatchWhen, WorkerArgs,
+    ColorWhen, JobArgs, OnHang, RendezvousArgs, RunArgs, TargetArgs, WatchArgs, WatchWhen,
+    WorkerArgs,
 };
 
 use super::parse::{
@@ -278,6 +279,9 @@ impl SessionPlan {
     }
 }
 
+/// How long a rank may wait in one collective before a hang is diagnosed, unless given.
+const HANG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The watch: on unless turned off. `auto` and `on` differ no more: with either, each node's
 /// agent watches every worker whose process tree runs Python (a `--no-python` wrapper that
 /// execs or starts python included) and leaves other programs alone.
@@ -292,10 +296,28 @@ fn resolve_watch(args: &WatchArgs) -> Result<Option<crate::watch::WatchPlan>> {
         WatchWhen::Auto | WatchWhen::On => true,
         WatchWhen::Off => false,
     };
-    let hang_timeout = positive_secs("--hang-timeout", *hang_timeout, false)?;
+    // The watch's flags with the watch off would do nothing: refused, as any conflict.
+    if let (false, Some(flag)) = (
+        on,
+        [
+            (hang_timeout.is_some(), "--hang-timeout"),
+            (*on_hang == Some(OnHang::Stop), "--on-hang stop"),
+        ]
+        .iter()
+        .find_map(|(given, flag)| given.then_some(*flag)),
+    ) {
+        return Err(Error::usage(format!(
+            "--watch off and {flag} exclude each other: with the watch off no hang is found; \
+             drop one of them"
+        )));
+    }
+    let hang_timeout = match hang_timeout {
+        Some(t) => positive_secs("--hang-timeout", *t, false)?,
+        None => HANG_TIMEOUT,
+    };
     Ok(on.then_some(WatchPlan {
         hang_timeout,
-        on_hang: *on_hang,
+        on_hang: on_hang.unwrap_or(OnHang::Report),
     }))
 }
 

@@ -585,26 +585,26 @@ pub struct WatchArgs {
     pub watch: WatchWhen,
 
     /// Seconds a rank may wait in one collective (with none waiting: every rank's stack stand
-    /// still) before a hang is diagnosed; the rank missing from that collective is named.
+    /// still) before a hang is diagnosed; the rank missing from that collective is named
+    /// [default: 60]
     #[arg(
         long = "hang-timeout",
         env = "NRUN_HANG_TIMEOUT",
-        default_value_t = 60.0,
         value_name = "SECS",
         allow_negative_numbers = true
     )]
-    pub hang_timeout: f64,
+    pub hang_timeout: Option<f64>,
 
-    /// On a hang: report (say it, keep watching) or stop (say it, stop the job, exit 97).
+    /// On a hang: report (say it, keep watching) or stop (say it, stop the job, exit 97)
+    /// [default: report]
     #[arg(
         long = "on-hang",
         env = "NRUN_ON_HANG",
-        default_value = "report",
         value_name = "report|stop",
         value_parser = Choice::<OnHang>::new("--on-hang"),
         hide_possible_values = true
     )]
-    pub on_hang: OnHang,
+    pub on_hang: Option<OnHang>,
 }
 
 /// The all-reduce sweep: shared by the preflight and bisect's probes.
@@ -1106,7 +1106,7 @@ const SHORT_HELP: &[(&str, &str, &str)] = &[
     (
         "on_hang",
         "Job",
-        "On a hang: report, or stop the job (exit 97)",
+        "On a hang: report, or stop the job (exit 97) [default: report]",
     ),
 ];
 
