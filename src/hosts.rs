@@ -427,12 +427,12 @@ fn check_name(name: &str, ctx: &str) -> Result<()> {
             "{ctx}: host name {name:?} contains {c:?}, which no host name has; fix the name"
         )));
     }
-    if let Some((user, host)) = name.split_once('@') {
-        if user.is_empty() || host.is_empty() || host.contains('@') {
-            return Err(usage(format!(
-                "{ctx}: {name:?} is not a host or user@host; fix the name"
-            )));
-        }
+    if let Some((user, host)) = name.split_once('@')
+        && (user.is_empty() || host.is_empty() || host.contains('@'))
+    {
+        return Err(usage(format!(
+            "{ctx}: {name:?} is not a host or user@host; fix the name"
+        )));
     }
     Ok(())
 }
@@ -974,15 +974,15 @@ fn include_hosts(hosts: Vec<Host>, spec: &str) -> Result<Vec<Host>> {
     for sel in selection {
         if let Some(wanted) = &sel.slots {
             let host = &hosts[sel.index];
-            if let Some(available) = available_slots(host) {
-                if let Some(bad) = wanted.iter().find(|s| !available.contains(s)) {
-                    return Err(usage(format!(
-                        "--include asks for slot {bad} of host {:?}, which has {}; \
+            if let Some(available) = available_slots(host)
+                && let Some(bad) = wanted.iter().find(|s| !available.contains(s))
+            {
+                return Err(usage(format!(
+                    "--include asks for slot {bad} of host {:?}, which has {}; \
                          name only slots it has",
-                        host.name,
-                        describe_slots(&available)
-                    )));
-                }
+                    host.name,
+                    describe_slots(&available)
+                )));
             }
         }
         chosen.insert(sel.index, sel.slots);
@@ -1171,15 +1171,15 @@ pub(crate) fn rank_layout(hosts: &[Host], nproc: usize) -> Result<Vec<Vec<(usize
                         "--nproc-per-node 0 asks for no workers; give at least 1".to_string(),
                     ));
                 }
-                if let Some(n) = host.slots {
-                    if nproc > n {
-                        return Err(usage(format!(
-                            "host {} has {n} slot{} but --nproc-per-node {nproc} asks for {nproc} workers; \
+                if let Some(n) = host.slots
+                    && nproc > n
+                {
+                    return Err(usage(format!(
+                        "host {} has {n} slot{} but --nproc-per-node {nproc} asks for {nproc} workers; \
                              lower --nproc-per-node or raise the host's slot count",
-                            host.name,
-                            if n == 1 { "" } else { "s" }
-                        )));
-                    }
+                        host.name,
+                        if n == 1 { "" } else { "s" }
+                    )));
                 }
                 nproc
             }
@@ -1221,14 +1221,14 @@ fn checked_only_slots(host: &Host, only: &[usize]) -> Result<Vec<usize>> {
             host.name, w[0]
         )));
     }
-    if let (Some(n), Some(&last)) = (host.slots, sorted.last()) {
-        if last >= n {
-            return Err(usage(format!(
-                "host {} has {n} slots (0-{}) but slot {last} is asked for; name only slots it has",
-                host.name,
-                n.saturating_sub(1)
-            )));
-        }
+    if let (Some(n), Some(&last)) = (host.slots, sorted.last())
+        && last >= n
+    {
+        return Err(usage(format!(
+            "host {} has {n} slots (0-{}) but slot {last} is asked for; name only slots it has",
+            host.name,
+            n.saturating_sub(1)
+        )));
     }
     Ok(sorted)
 }

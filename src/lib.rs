@@ -47,8 +47,6 @@ pub(crate) mod watch;
 
 use std::process::ExitCode;
 
-use clap::Parser;
-
 /// The `nrun` binary.
 pub fn main() -> ExitCode {
     // nrun re-runs itself as the preflight rank, and to read a libnccl's version in isolation;
@@ -90,8 +88,8 @@ pub fn main() -> ExitCode {
         _ => {}
     }
     nrun_cli::apply_pet_env();
-    let cli = match nrun_cli::Cli::try_parse() {
-        Ok(c) => c,
+    let cli = match nrun_cli::parse() {
+        Ok(c) => c.into_default(),
         Err(e) => {
             // A closed choice refused (cli::Choice): nrun's own one line, as for any bad value.
             let ours = std::error::Error::source(&e)
@@ -100,8 +98,17 @@ pub fn main() -> ExitCode {
                 eprintln!("nrun: error: {ours}");
                 return ExitCode::from(ours.code);
             }
-            // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
-            let _ = e.print();
+            // Help and version go to stdout (exit 0); usage errors to stderr in nrun's style.
+            let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+            if let Some(short) = nrun_cli::short_help(&e, &argv) {
+                nrun_base::stdout(short.into_bytes());
+                return ExitCode::SUCCESS;
+            }
+            if e.use_stderr() {
+                eprintln!("{}", nrun_cli::error_text(&e));
+            } else {
+                let _ = e.print();
+            }
             return ExitCode::from(e.exit_code().clamp(0, 255) as u8);
         }
     };

@@ -1539,3 +1539,288 @@ fn hostile_values_through_the_binary_exit_0_1_or_2() {
         );
     }
 }
+
+/// Flags that would override each other in silence are refused at once (exit 2), naming both
+/// flags (issue 37): the issue's own `--standalone --rdzv-endpoint` line hung 30 minutes.
+#[test]
+fn conflicting_flags_name_both_and_exit_2() {
+    let s = Scene::new();
+    for (args, both) in [
+        (
+            &[
+                "--standalone",
+                "--rdzv-endpoint",
+                "nosuch.invalid:29400",
+                "--nproc",
+                "2",
+                "ok.py",
+            ][..],
+            ["--standalone", "--rdzv-endpoint"],
+        ),
+        (
+            &[
+                "-H",
+                "127.0.0.2,127.0.0.3",
+                "--nnodes",
+                "3",
+                "--no-python",
+                "true",
+            ],
+            ["--nnodes 3", "the host list has 2 hosts"],
+        ),
+        (
+            &[
+                "-H",
+                "127.0.0.2",
+                "--rdzv-backend",
+                "c10d",
+                "--no-python",
+                "true",
+            ],
+            ["-H", "--rdzv-backend c10d"],
+        ),
+        (
+            &[
+                "--master-addr",
+                "a",
+                "--rdzv-endpoint",
+                "b:29400",
+                "--nnodes",
+                "2",
+                "--no-python",
+                "true",
+            ],
+            ["--master-addr a", "--rdzv-endpoint b:29400"],
+        ),
+        (
+            &["--preflight-only", "--preflight", "net", "train.py"],
+            ["--preflight-only", "train.py"],
+        ),
+        (
+            &[
+                "--no-preflight",
+                "--preflight",
+                "net",
+                "--no-python",
+                "true",
+            ],
+            ["--no-preflight", "--preflight net"],
+        ),
+    ] {
+        let start = std::time::Instant::now();
+        let out = s.run(args, &[]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.starts_with("nrun: error: "), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        for flag in both {
+            assert!(err.contains(flag), "{args:?}: {flag:?} not in {err}");
+        }
+        // Refused before anything starts (a hang guard, not a benchmark).
+        assert!(
+            start.elapsed() < HANG,
+            "{args:?} took {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+/// An explicit `--nnodes 1` with a host list of two is one node, the other a spare, said as
+/// the run starts (it ran on both before); from NRUN_NNODES as from the command line.
+#[test]
+fn explicit_nnodes_1_is_one_node() {
+    let s = Scene::new();
+    let job = [
+        "-H",
+        "127.0.0.2,127.0.0.3",
+        "--no-python",
+        "sh",
+        "-c",
+        "echo world=$WORLD_SIZE nodes=$GROUP_WORLD_SIZE",
+    ];
+    for (extra, env) in [
+        (&["--nnodes", "1"][..], &[][..]),
+        (&[][..], &[("NRUN_NNODES", "1")][..]),
+    ] {
+        let args: Vec<&str> = extra.iter().chain(job.iter()).copied().collect();
+        let out = s.run(&args, env);
+        let (o, err) = (text(&out.stdout), text(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        let lines: Vec<&str> = o.lines().collect();
+        assert_eq!(lines.len(), 1, "{o}");
+        assert!(lines[0].ends_with("world=1 nodes=1"), "{o}");
+        assert!(
+            err.contains("the job runs on 1 of 2 hosts (--nnodes 1)")
+                && err.contains("spares")
+                && err.contains("127.0.0.3"),
+            "{err}"
+        );
+    }
+    // Not given: every host of the list.
+    let out = s.run(&job, &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        2,
+        "{}",
+        text(&out.stdout)
+    );
+    s.assert_no_survivors();
+}
+
+/// `-h` is a short help that fits a screen and points at `--help`; `--help` has every flag.
+#[test]
+fn short_and_long_help() {
+    let s = Scene::new();
+    let out = s.run(&["-h"], &[]);
+    assert_eq!(out.status.code(), Some(0));
+    let short = text(&out.stdout);
+    assert!(
+        short.lines().count() < 40,
+        "{} lines:\n{short}",
+        short.lines().count()
+    );
+    assert!(
+        short
+            .trim_end()
+            .ends_with("nrun --help for all flags, examples and the exit status.")
+    );
+    for flag in [
+        "--nproc-per-node",
+        "-H, --hosts",
+        "--nnodes",
+        "--max-restarts",
+        "--no-python",
+    ] {
+        assert!(short.contains(flag), "-h lacks {flag}");
+    }
+    assert!(
+        !short.contains("--ssh-opts") && !short.contains("[env: "),
+        "{short}"
+    );
+    let long = text(&s.run(&["--help"], &[]).stdout);
+    assert!(
+        long.lines().count() > 100 && long.contains("--ssh-opts") && long.contains("Examples:")
+    );
+    assert_eq!(text(&s.run(&["run", "-h"], &[]).stdout), short);
+    // -H's help says ranges are taken.
+    assert!(
+        flat(&long).contains("(gpu[01-16,20]:8)"),
+        "-H help lacks ranges"
+    );
+}
+
+/// `nrun run ...` is the default command; a script or program named run still runs, by its
+/// path or after flags.
+#[test]
+fn run_by_name_and_a_script_named_run() {
+    let s = Scene::new();
+    let out = s.run(
+        &[
+            "run",
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo w=$WORLD_SIZE",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).matches("w=2").count(),
+        2,
+        "{}",
+        text(&out.stdout)
+    );
+    let out = s.run(&["run", "--help"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("--nproc-per-node"));
+
+    let bin = s.dir.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = bin.join("run");
+    std::fs::write(&script, "#!/bin/sh\necho ran \"$@\" rank=$RANK\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    for args in [
+        &["--no-python", "./run", "a"][..],
+        &["--no-python", "run", "a"],
+        &["run", "--no-python", "run", "a"],
+    ] {
+        let out = s
+            .cmd(args)
+            .current_dir(&bin)
+            .env("PATH", &path)
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert_eq!(text(&out.stdout), "ran a rank=0\n", "{args:?}");
+    }
+}
+
+/// Every command's help ends with an example.
+#[test]
+fn every_commands_help_has_an_example() {
+    let s = Scene::new();
+    for cmd in ["run", "doctor", "bisect", "completions", "man"] {
+        for help in ["-h", "--help"] {
+            let out = s.run(&[cmd, help], &[]);
+            assert_eq!(out.status.code(), Some(0), "{cmd} {help}");
+            let h = text(&out.stdout);
+            let tail: Vec<&str> = h.trim_end().lines().rev().take(8).collect();
+            assert!(
+                tail.iter().any(|l| l.starts_with("Example"))
+                    && tail.iter().any(|l| l.contains(" nrun ")),
+                "nrun {cmd} {help} does not end with an example:\n{h}"
+            );
+        }
+    }
+}
+
+/// clap's usage errors look like nrun's own: `nrun: error:` first, hint and usage lines
+/// indented under it, no blank line, exit 2.
+#[test]
+fn usage_errors_in_one_style() {
+    let s = Scene::new();
+    for args in [
+        &["--bogus", "x.py"][..],
+        &["run"],
+        &["--nproc"],
+        &["doctor", "--max-restarts", "2"],
+    ] {
+        let out = s.run(args, &[]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        let lines: Vec<&str> = err.lines().collect();
+        assert!(lines[0].starts_with("nrun: error: "), "{args:?}: {err}");
+        assert!(
+            lines[1..].iter().all(|l| l.starts_with("  ")),
+            "{args:?}: {err}"
+        );
+        // clap gives a usage line with most errors (not a missing value's).
+        assert!(
+            err.contains("\n  usage: nrun") || args == ["--nproc"],
+            "{args:?}: {err}"
+        );
+        assert!(
+            lines.last().unwrap().starts_with("  hint: "),
+            "{args:?}: {err}"
+        );
+        assert!(
+            !err.contains("\n\n") && !err.contains("Usage:"),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -93,7 +93,11 @@ fn sge_pe_hostfile() {
     let out = run_under(&s, SAY_RANK, &[("PE_HOSTFILE", file.to_str().unwrap())]);
     assert_ran(
         &out,
-        "nrun: nodes from PE_HOSTFILE: 2 hosts, 3 slots in all (localhost, 127.0.0.3)",
+        // --nproc-per-node not given: one worker per node, and the first line says how to use
+        // the slots (issue 37).
+        "nrun: nodes from PE_HOSTFILE: 2 hosts, 3 slots in all (localhost, 127.0.0.3); 1 worker \
+         per node, torchrun's default, as --nproc-per-node is not given (give --nproc-per-node \
+         2, or gpu for one per GPU)",
         &[("localhost", &[0]), ("127.0.0.3", &[1])],
     );
     s.assert_no_survivors();
@@ -235,5 +239,33 @@ fn a_flux_job_of_several_nodes_says_how_to_give_them() {
     let out = run_under(&s, SAY_RANK, &[("FLUX_JOB_NNODES", "1")]);
     assert_eq!(out.status.code(), Some(0));
     assert!(!text(&out.stderr).contains("Flux"), "{}", text(&out.stderr));
+    s.assert_no_survivors();
+}
+
+/// `--launcher ssh` inside a Slurm allocation with no hosts given: Slurm's node list, reached
+/// over ssh (before, the list was not read and the job ran on this node alone); `--standalone`
+/// inside an allocation: this node alone.
+#[test]
+fn launcher_ssh_reads_slurms_list_and_standalone_none() {
+    let s = Scene::new();
+    let slurm = [("SLURM_JOB_NODELIST", "127.0.0.[2-3]")];
+    let mut args = vec!["--launcher", "ssh"];
+    args.extend_from_slice(SAY_RANK);
+    let out = run_under(&s, &args, &slurm);
+    assert_ran(
+        &out,
+        "nrun: nodes from SLURM_JOB_NODELIST: 2 hosts (127.0.0.2, 127.0.0.3)",
+        &[("127.0.0.2", &[0]), ("127.0.0.3", &[1])],
+    );
+    let mut args = vec!["--standalone", "--nproc", "2"];
+    args.extend_from_slice(SAY_RANK);
+    let out = run_under(&s, &args, &slurm);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("nodes from"), "{stderr}");
+    for rank in 0..2 {
+        let line = format!("[rank{rank}]: rank={rank} world=2 local={rank}");
+        assert!(stdout.lines().any(|l| l == line), "{line} not in {stdout}");
+    }
     s.assert_no_survivors();
 }

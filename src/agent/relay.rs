@@ -180,19 +180,19 @@ impl Passing {
     }
 
     async fn line(&self, mut buf: Vec<u8>) {
-        if let Some(m) = &self.marks {
-            if let Some((at, node, no)) = find_mark(&buf, &m.token) {
-                // A mark is written whole, after a whole line; but srun passes its nodes'
-                // output on in pieces as they come, so another node's long line may be cut
-                // by it: the part before it is passed on unended, and that line's rest
-                // follows.
-                buf.truncate(at);
-                if !buf.is_empty() {
-                    put(Item::Bytes(self.stream, buf, None)).await;
-                }
-                put(Item::Mark(m.clone(), self.stream, node, no)).await;
-                return;
+        if let Some(m) = &self.marks
+            && let Some((at, node, no)) = find_mark(&buf, &m.token)
+        {
+            // A mark is written whole, after a whole line; but srun passes its nodes'
+            // output on in pieces as they come, so another node's long line may be cut
+            // by it: the part before it is passed on unended, and that line's rest
+            // follows.
+            buf.truncate(at);
+            if !buf.is_empty() {
+                put(Item::Bytes(self.stream, buf, None)).await;
             }
+            put(Item::Mark(m.clone(), self.stream, node, no)).await;
+            return;
         }
         let text = String::from_utf8_lossy(&buf[..buf.len() - 1]).into_owned();
         if let Some(tail) = &self.tail {

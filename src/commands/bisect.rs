@@ -308,25 +308,25 @@ impl Bisect<'_> {
             return;
         };
         for (i, n) in s.nodes.iter().enumerate() {
-            if let Some(x) = sig(n) {
-                if x != majority {
-                    let show = |x: &(Option<String>, Option<String>)| {
-                        format!(
-                            "NCCL {} / torch {}",
-                            x.0.as_deref().unwrap_or("-"),
-                            x.1.as_deref().unwrap_or("-")
-                        )
-                    };
-                    self.mark(
-                        i,
-                        NodeVerdict::Bad,
-                        format!(
-                            "facts differ: {} here, {} on the other nodes",
-                            show(&x),
-                            show(&majority)
-                        ),
-                    );
-                }
+            if let Some(x) = sig(n)
+                && x != majority
+            {
+                let show = |x: &(Option<String>, Option<String>)| {
+                    format!(
+                        "NCCL {} / torch {}",
+                        x.0.as_deref().unwrap_or("-"),
+                        x.1.as_deref().unwrap_or("-")
+                    )
+                };
+                self.mark(
+                    i,
+                    NodeVerdict::Bad,
+                    format!(
+                        "facts differ: {} here, {} on the other nodes",
+                        show(&x),
+                        show(&majority)
+                    ),
+                );
             }
         }
     }
@@ -334,18 +334,19 @@ impl Bisect<'_> {
     fn slow_check(&mut self, outs: &[GroupOut], how: &str) {
         let Some(m) = median_busbw(outs) else { return };
         for g in outs {
-            if let Some(b) = g.busbw_gbs {
-                if g.ok && b < self.bp.slow_factor * m {
-                    for &i in &g.members {
-                        self.mark(
-                            i,
-                            NodeVerdict::Slow,
-                            format!(
-                                "busbw {b:.2} GB/s {how}, under {} x the median {m:.2}",
-                                self.bp.slow_factor
-                            ),
-                        );
-                    }
+            if let Some(b) = g.busbw_gbs
+                && g.ok
+                && b < self.bp.slow_factor * m
+            {
+                for &i in &g.members {
+                    self.mark(
+                        i,
+                        NodeVerdict::Slow,
+                        format!(
+                            "busbw {b:.2} GB/s {how}, under {} x the median {m:.2}",
+                            self.bp.slow_factor
+                        ),
+                    );
                 }
             }
         }

@@ -619,10 +619,10 @@ async fn run_attempt(
     restarts: u32,
     rec: &mut Record,
 ) -> Result<(crate::session::spec::Group, Vec<Option<StepResult>>), u8> {
-    if attempt > 0 {
-        if let Some(st) = s.store() {
-            st.clear_user_keys();
-        }
+    if attempt > 0
+        && let Some(st) = s.store()
+    {
+        st.clear_user_keys();
     }
     let world = s.group().world;
     if let Some(w) = s.watch.as_mut() {
@@ -755,13 +755,13 @@ fn stop_failed(
     eprint!("{summary}");
     tell_every_node(s, &summary, error_json.as_deref());
     // torchrun's habit: the launcher's own error file gets the root cause.
-    if let (Some(path), Some(json)) = (&job.launcher_error_file, error_json) {
-        if let Err(e) = std::fs::write(path, json) {
-            tracing::warn!(
-                "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
-                path.display()
-            );
-        }
+    if let (Some(path), Some(json)) = (&job.launcher_error_file, error_json)
+        && let Err(e) = std::fs::write(path, json)
+    {
+        tracing::warn!(
+            "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
+            path.display()
+        );
     }
     code
 }

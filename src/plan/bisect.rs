@@ -31,7 +31,7 @@ impl BisectSettings {
             nodes,
             command,
         } = args;
-        let nproc = resolve_nproc(nproc_per_node, env)?;
+        let nproc = resolve_nproc(nproc_per_node.as_deref().unwrap_or("1"), env)?;
         let probe = *probe;
         if probe == Probe::Cmd && command.is_empty() {
             return Err(Error::usage(

@@ -53,7 +53,7 @@ type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// Decides the [`Mode`] from the parsed command line, the environment and the filesystem.
 pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
-    let Cli { command, run } = cli;
+    let Cli { command, run } = cli.into_default();
     match command {
         None => {
             let run_settings = RunSettings::resolve(&run, env)?;
@@ -73,8 +73,9 @@ pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
             };
             Ok(Mode::Doctor { doctor, nodes })
         }
-        Some(Command::Completions { .. } | Command::Man) => Err(Error::internal(
-            "completions and the manual page are printed before a plan is made",
+        Some(Command::Run(_) | Command::Completions { .. } | Command::Man) => Err(Error::internal(
+            "completions and the manual page are printed before a plan is made (and run is the \
+             default command)",
         )),
         Some(Command::Bisect(args)) => {
             let (bisect, shape) = BisectSettings::resolve(&args, env)?;
@@ -257,13 +258,22 @@ mod tests {
         // More workers than the scheduler's slots: started as asked, as torchrun would.
         let n = nodes_of(&["--nproc", "3"], &vars(&["PBS_NODEFILE"])).unwrap();
         assert_eq!(n.world, 6);
-        // --launcher ssh reaches Slurm's nodes no more (as before); PBS's are reached over ssh.
+        // --launcher ssh reaches Slurm's nodes over ssh (before this it read PBS's list
+        // instead, or none); PBS's are reached over ssh.
         let n = nodes_of(
             &["--launcher", "ssh"],
             &vars(&["SLURM_JOB_NODELIST", "PBS_NODEFILE"]),
         )
         .unwrap();
-        assert_eq!(names(&n), ["p1", "p2"]);
+        assert_eq!(
+            (names(&n), n.launcher, n.from_slurm),
+            (vec!["n1".into(), "n2".into(), "n3".into()], "ssh", true)
+        );
+        let n = nodes_of(&["--launcher", "ssh"], &vars(&["PBS_NODEFILE"])).unwrap();
+        assert_eq!(
+            (names(&n), n.launcher),
+            (vec!["p1".into(), "p2".into()], "ssh")
+        );
         // A static launch (every node's own nrun) reads no list.
         let n = nodes_of(
             &["--nnodes", "2", "--node-rank", "1", "--master-addr", "p1"],
@@ -292,6 +302,207 @@ mod tests {
         // One node of a scheduler is this one: no list, as without a scheduler.
         std::fs::write(&pbs, "p1\np1\n").unwrap();
         assert!(nodes_of(&[], &vars(&["PBS_NODEFILE"])).unwrap().in_process);
+    }
+
+    fn nodes_or_err(r: Result<Mode>) -> NodesPlan {
+        match r.unwrap() {
+            Mode::Run { nodes, .. } => nodes,
+            _ => panic!("not a run"),
+        }
+    }
+
+    /// Flags that would override each other in silence are usage errors naming both flags
+    /// (issue 37): the store's place, the nodes, the count of nodes.
+    #[test]
+    fn conflicting_flags_are_usage_errors_naming_both() {
+        let none = |k: &str| {
+            let scheduler = ["SLURM", "PBS_", "LSB_", "PE_HOSTFILE", "FLUX_"];
+            std::env::var(k)
+                .ok()
+                .filter(|_| !scheduler.iter().any(|p| k.starts_with(p)))
+        };
+        let resolve_with = |args: &[&str], env: &dyn Fn(&str) -> Option<String>| {
+            let mut v = vec!["nrun"];
+            v.extend_from_slice(args);
+            v.extend_from_slice(&["--no-python", "true"]);
+            resolve(Cli::try_parse_from(v).unwrap(), env)
+        };
+        let refused = |args: &[&str], both: [&str; 2]| {
+            let e = resolve_with(args, &none).unwrap_err();
+            assert_eq!(
+                e.code,
+                nrun_base::error::exit::USAGE,
+                "{args:?}: {}",
+                e.message
+            );
+            for flag in both {
+                assert!(
+                    e.message.contains(flag),
+                    "{args:?}: {flag} not in {}",
+                    e.message
+                );
+            }
+            e.message
+        };
+        let m = refused(
+            &["--standalone", "--rdzv-endpoint", "nosuch.invalid:29400"],
+            ["--standalone", "--rdzv-endpoint"],
+        );
+        assert!(
+            m.contains("drop --rdzv-endpoint for a single-node job"),
+            "{m}"
+        );
+        refused(
+            &["--standalone", "--master-addr", "10.0.0.1"],
+            ["--standalone", "--master-addr"],
+        );
+        refused(
+            &["--standalone", "--node-rank", "0"],
+            ["--standalone", "--node-rank"],
+        );
+        refused(&["--standalone", "-H", "a,b"], ["--standalone", "-H"]);
+        refused(
+            &["--standalone", "--nnodes", "2"],
+            ["--standalone", "--nnodes 1"],
+        );
+        refused(
+            &[
+                "--master-addr",
+                "a",
+                "--rdzv-endpoint",
+                "b:29400",
+                "--nnodes",
+                "2",
+            ],
+            ["--master-addr a", "--rdzv-endpoint b:29400"],
+        );
+        refused(
+            &[
+                "--master-port",
+                "1",
+                "--rdzv-endpoint",
+                "b:29400",
+                "--nnodes",
+                "2",
+            ],
+            ["--master-port 1", "--rdzv-endpoint b:29400"],
+        );
+        refused(
+            &["-H", "a,b", "--rdzv-endpoint", "a:1"],
+            ["-H", "--rdzv-endpoint"],
+        );
+        refused(
+            &["-H", "a,b", "--master-addr", "a"],
+            ["-H", "--master-addr"],
+        );
+        refused(
+            &["-H", "a,b", "--rdzv-backend", "c10d"],
+            ["-H", "--rdzv-backend c10d"],
+        );
+        refused(
+            &["-H", "a,b,c", "--nnodes", "1", "--spares", "1"],
+            ["--spares", "--nnodes"],
+        );
+        refused(&["-H", "a,b", "--nnodes", "3"], ["--nnodes 3", "2 hosts"]);
+        refused(
+            &[
+                "-H",
+                "a,b",
+                "--join-timeout",
+                "5",
+                "--rdzv-conf",
+                "join_timeout=3",
+            ],
+            ["--join-timeout", "--rdzv-conf join_timeout"],
+        );
+        refused(
+            &["--no-preflight", "--preflight", "nccl,warn"],
+            ["--no-preflight", "--preflight nccl,warn"],
+        );
+        resolve_with(&["--no-preflight", "--preflight", "off"], &none).unwrap();
+        refused(
+            &["--watch", "off", "--on-hang", "stop"],
+            ["--watch off", "--on-hang stop"],
+        );
+        refused(
+            &["--watch", "off", "--hang-timeout", "5"],
+            ["--watch off", "--hang-timeout"],
+        );
+        resolve_with(&["--watch", "off", "--on-hang", "report"], &none).unwrap();
+        let n = nodes_or_err(resolve_with(
+            &["-H", "a", "--rdzv-conf", "join_timeout=3"],
+            &none,
+        ));
+        assert_eq!(n.join_timeout, std::time::Duration::from_secs(3));
+        let e = resolve(
+            Cli::try_parse_from(["nrun", "--preflight-only", "--preflight", "net", "x.py"])
+                .unwrap(),
+            &none,
+        )
+        .unwrap_err();
+        assert!(e.message.contains("--preflight-only") && e.message.contains("x.py"));
+        // Agreeing flags are no conflict: the same host, the port given once.
+        resolve_with(
+            &[
+                "--master-addr",
+                "b",
+                "--rdzv-endpoint",
+                "b:29400",
+                "--master-port",
+                "29400",
+            ],
+            &none,
+        )
+        .unwrap();
+        resolve_with(
+            &["--standalone", "--rdzv-backend", "c10d", "--nproc", "2"],
+            &none,
+        )
+        .unwrap();
+
+        // An explicit --nnodes 1 with a host list is one node; the other hosts are spares.
+        let nodes = nodes_or_err;
+        let n = nodes(resolve_with(&["-H", "a,b", "--nnodes", "1"], &none));
+        assert_eq!(
+            (n.hosts.len(), n.size, n.world, n.group_world),
+            (2, 1, 1, 1)
+        );
+        assert!(!n.in_process);
+        // Not given: every host of the list.
+        let n = nodes(resolve_with(&["-H", "a,b"], &none));
+        assert_eq!((n.size, n.group_world), (2, 2));
+
+        // --standalone inside an allocation: this node alone.
+        let slurm = |k: &str| match k {
+            "SLURM_JOB_NODELIST" => Some("n[1-4]".to_string()),
+            k => none(k),
+        };
+        assert!(nodes(resolve_with(&["--standalone"], &slurm)).in_process);
+        assert!(!nodes(resolve_with(&[], &slurm)).in_process);
+
+        // srun on every node: --nnodes must say Slurm's count, which it may.
+        let step = |k: &str| match k {
+            "SLURM_JOB_NODELIST" | "SLURM_STEP_NODELIST" => Some("n[1-4]".to_string()),
+            "SLURM_STEP_NUM_NODES" | "SLURM_STEP_NUM_TASKS" => Some("4".to_string()),
+            "SLURM_STEP_ID" => Some("0".to_string()),
+            "SLURM_NODEID" => Some("1".to_string()),
+            "SLURM_JOB_ID" => Some("7".to_string()),
+            k => none(k),
+        };
+        let e = resolve_with(&["--nnodes", "2"], &step).unwrap_err();
+        assert!(
+            e.message.contains("--nnodes 2") && e.message.contains("on 4 nodes"),
+            "{}",
+            e.message
+        );
+        let Mode::Run { run, .. } = resolve_with(&["--nnodes", "4"], &step).unwrap() else {
+            panic!("not a run")
+        };
+        assert_eq!((run.shape.nnodes, run.session.c10d.is_some()), (4, true));
+        let Mode::Run { run, .. } = resolve_with(&[], &step).unwrap() else {
+            panic!("not a run")
+        };
+        assert_eq!(run.shape.nnodes, 4);
     }
 
     #[test]

@@ -64,20 +64,26 @@ impl SessionPlan {
 #[derive(Clone, Debug)]
 pub(crate) struct Shape {
     pub nproc: usize,
+    /// `--nproc-per-node` was given: not given, a scheduler's slots are said to be unused.
+    pub nproc_given: bool,
     /// Nodes wanted (the most, for an elastic range).
     pub nnodes: usize,
+    /// `--nnodes` was given (on the command line or in the environment): with a host list, the
+    /// job runs on that many of its hosts, even 1; not given, on all of them.
+    pub nnodes_given: bool,
     /// Elastic `--nnodes MIN:MAX`: the job goes on with at least this many nodes.
     pub min_nodes: usize,
     /// This node's rank in a static launch.
     pub node_rank: usize,
     /// `--rdzv-conf last_call_timeout`: how long to wait for more nodes once MIN have joined.
     pub last_call: Duration,
-    /// `--rdzv-conf join_timeout=S`, which overrides --join-timeout.
+    /// `--rdzv-conf join_timeout=S`, which says what --join-timeout says (both: refused).
     pub rdzv_join_timeout: Option<Duration>,
     /// Nodes rendezvous as torchrun's c10d.
     pub c10d: bool,
     /// A torchrun-style launch by rank or address (--node-rank, --master-addr,
-    /// --rdzv-endpoint): every node runs its own nrun, which reads no scheduler's node list.
+    /// --rdzv-endpoint), where every node runs its own nrun, or `--standalone` (this node
+    /// alone): no scheduler's node list is read.
     pub ranked: bool,
     /// The nodes' Python can be probed for torch (a Python job, an interpreter found).
     pub python: bool,
@@ -96,7 +102,9 @@ impl Shape {
     pub(super) fn per_host(nproc: usize, python: bool) -> Shape {
         Shape {
             nproc,
+            nproc_given: true,
             nnodes: 1,
+            nnodes_given: false,
             min_nodes: 1,
             node_rank: 0,
             last_call: LAST_CALL,

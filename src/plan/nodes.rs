@@ -13,6 +13,9 @@ use nrun_cli::{LauncherChoice, NodesArgs};
 
 use super::Shape;
 
+/// How long the nodes have to join when neither --join-timeout nor --rdzv-conf says.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// One node's place in the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct NodeLayout {
@@ -152,6 +155,12 @@ impl NodesPlan {
         // What the launcher's kind cannot hold (ssh's open files per node) is refused when
         // the command starts (`session::link::check`).
         nodes.lay_out(list, shape)?;
+        if nodes.size < nodes.hosts.len() {
+            tracing::info!(
+                "{}",
+                spares_line(&nodes.hosts, nodes.size, shape, args.spares)
+            );
+        }
         Ok(nodes)
     }
 
@@ -188,9 +197,16 @@ impl NodesPlan {
             LauncherChoice::Srun => "srun",
         };
         let vars = super::env::job_env(export, env)?;
-        let join_timeout = match shape.rdzv_join_timeout {
-            Some(t) => t,
-            None => super::positive_secs("--join-timeout", *join_timeout, false)?,
+        let join_timeout = match (shape.rdzv_join_timeout, join_timeout) {
+            (Some(_), Some(_)) => {
+                return Err(Error::usage(
+                    "--join-timeout and --rdzv-conf join_timeout both say how long the nodes \
+                     have to join; give one of them",
+                ));
+            }
+            (Some(t), None) => t,
+            (None, Some(t)) => super::positive_secs("--join-timeout", *t, false)?,
+            (None, None) => JOIN_TIMEOUT,
         };
         let ssh_opts = remote::split_opts(ssh_opts.as_deref().unwrap_or(""))?;
         let remote_nrun = match remote_nrun {
@@ -311,7 +327,8 @@ impl NodesPlan {
             });
         }
         let elastic = shape.min_nodes < shape.nnodes;
-        let nnodes_given = shape.nnodes != 1 || elastic;
+        // An explicit `--nnodes 1` is one node (the rest spares), as any other N.
+        let nnodes_given = shape.nnodes_given;
         self.size = match (args.spares, nnodes_given) {
             (Some(_), true) => {
                 return Err(Error::usage(format!(
@@ -452,10 +469,10 @@ fn host_list(
     if static_launch {
         return Ok(out);
     }
-    match scheduler_nodes(args, env)? {
+    match scheduler_nodes(env)? {
         // One node: this one, run in-process as without a scheduler.
         Some(a) if a.hosts.len() > 1 => {
-            out.said = Some(a.said());
+            out.said = Some(a.said() + &unused_slots(&a.hosts, shape));
             out.from_slurm = a.slurm;
             // A scheduler's slots are said, not a cap on --nproc-per-node: they count CPU
             // slots as often as GPUs (PBS Pro writes one line per chunk unless mpiprocs is
@@ -471,6 +488,41 @@ fn host_list(
         None => flux_note(env),
     }
     Ok(out)
+}
+
+/// Where `--nproc-per-node` was not given and the scheduler gives more slots than the one
+/// worker per node torchrun starts, the end of the first line says so and how to use them
+/// (slots do not become --nproc: they count CPUs as often as GPUs).
+fn unused_slots(hosts: &[Host], shape: &Shape) -> String {
+    let most = hosts.iter().filter_map(|h| h.slots).max().unwrap_or(1);
+    if shape.nproc_given || most <= shape.nproc {
+        return String::new();
+    }
+    format!(
+        "; {} worker per node, torchrun's default, as --nproc-per-node is not given (give \
+         --nproc-per-node {most}, or gpu for one per GPU)",
+        shape.nproc
+    )
+}
+
+/// The line said when a host list is longer than the job: which hosts wait as spares.
+fn spares_line(hosts: &[Host], size: usize, shape: &Shape, spares: Option<usize>) -> String {
+    let why = match spares {
+        Some(k) => format!("--spares {k}"),
+        None => format!("--nnodes {}", shape.nnodes_text()),
+    };
+    let rest: Vec<&str> = hosts[size..].iter().map(|h| h.name.as_str()).collect();
+    const SHOWN: usize = 8;
+    let more = match rest.len().saturating_sub(SHOWN) {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    format!(
+        "the job runs on {size} of {} hosts ({why}); the others are spares, which join, are \
+         checked and take a left-out node's place: {}{more}",
+        hosts.len(),
+        rest[..rest.len().min(SHOWN)].join(", ")
+    )
 }
 
 /// A batch scheduler's node list, read when nrun was given no hosts.
@@ -515,19 +567,15 @@ impl Allocation {
 }
 
 /// The node list of the batch scheduler nrun runs under, looked for in a fixed order: Slurm
-/// (unless `--launcher ssh`), PBS/Torque, LSF, SGE/UGE; the first whose variable is set decides.
+/// (started with srun, or over ssh with `--launcher ssh`), PBS/Torque, LSF, SGE/UGE; the first whose variable is set decides.
 /// None: no scheduler's variable. Slots come from the scheduler where it says them.
-fn scheduler_nodes(
-    args: &NodesArgs,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Option<Allocation>> {
+fn scheduler_nodes(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Allocation>> {
     let set = |k: &'static str| env(k).filter(|v| !v.trim().is_empty()).map(|v| (k, v));
     let found = |var, hosts, slurm| Ok(Some(Allocation { var, hosts, slurm }));
-    if args.launcher != LauncherChoice::Ssh {
-        if let Some((var, nl)) = set("SLURM_JOB_NODELIST").or_else(|| set("SLURM_NODELIST")) {
-            let names = hosts::expand_slurm_hostlist(&nl)?;
-            return found(var, names.into_iter().map(Host::new).collect(), true);
-        }
+    // Under `--launcher ssh` too: the allocation's nodes, reached over ssh.
+    if let Some((var, nl)) = set("SLURM_JOB_NODELIST").or_else(|| set("SLURM_NODELIST")) {
+        let names = hosts::expand_slurm_hostlist(&nl)?;
+        return found(var, names.into_iter().map(Host::new).collect(), true);
     }
     // A file a scheduler names: its path in messages, with the variable.
     let file = |var: &'static str, path: String, parse: fn(&str, &str) -> Result<Vec<Host>>| {
@@ -576,7 +624,7 @@ pub(crate) fn in_allocation(args: &NodesArgs, env: &dyn Fn(&str) -> Option<Strin
     args.hosts.is_none()
         && args.hostfile.is_none()
         && !in_step
-        && match scheduler_nodes(args, env) {
+        && match scheduler_nodes(env) {
             Ok(a) => a.is_some_and(|a| a.hosts.len() > 1),
             Err(_) => true,
         }
@@ -668,6 +716,43 @@ mod tests {
             said("SLURM_JOB_NODELIST", many),
             "nodes from SLURM_JOB_NODELIST: 10 hosts (n1, n2, n3, n4, n5, n6, n7, n8 and 2 more)"
         );
+    }
+
+    /// --nproc-per-node not given under a scheduler with slots: 1 worker, said with the way
+    /// to use the slots; given, nothing more is said.
+    #[test]
+    fn unused_slots_are_said_when_nproc_is_not_given() {
+        let slots = |n: &str, s| Host {
+            slots: Some(s),
+            ..Host::new(n)
+        };
+        let hosts = [slots("a", 8), slots("b", 8)];
+        let mut shape = Shape::per_host(1, false);
+        shape.nproc_given = false;
+        let said = unused_slots(&hosts, &shape);
+        assert!(
+            said.contains("1 worker per node, torchrun's default")
+                && said.contains("--nproc-per-node 8, or gpu"),
+            "{said}"
+        );
+        shape.nproc_given = true;
+        assert_eq!(unused_slots(&hosts, &shape), "");
+        shape.nproc_given = false;
+        assert_eq!(unused_slots(&[slots("a", 1), slots("b", 1)], &shape), "");
+        assert_eq!(unused_slots(&[Host::new("a")], &shape), "");
+    }
+
+    #[test]
+    fn the_spares_are_said() {
+        let hosts: Vec<Host> = ["a", "b", "c"].into_iter().map(Host::new).collect();
+        let mut shape = Shape::per_host(1, false);
+        shape.nnodes_given = true;
+        assert_eq!(
+            spares_line(&hosts, 1, &shape, None),
+            "the job runs on 1 of 3 hosts (--nnodes 1); the others are spares, which join, are \
+             checked and take a left-out node's place: b, c"
+        );
+        assert!(spares_line(&hosts, 2, &shape, Some(1)).contains("(--spares 1)"));
     }
 
     #[test]

@@ -45,10 +45,12 @@ pub(super) fn parse_bytes(flag: &str, s: &str) -> Result<u64> {
 pub(super) const MAX_SECS: f64 = 1e8;
 
 pub(super) fn positive_secs(flag: &str, v: f64, zero_ok: bool) -> Result<Duration> {
-    if v.is_finite() && v <= MAX_SECS && (v > 0.0 || (zero_ok && v == 0.0)) {
-        if let Ok(d) = Duration::try_from_secs_f64(v) {
-            return Ok(d);
-        }
+    if v.is_finite()
+        && v <= MAX_SECS
+        && (v > 0.0 || (zero_ok && v == 0.0))
+        && let Ok(d) = Duration::try_from_secs_f64(v)
+    {
+        return Ok(d);
     }
     let what = if zero_ok { "non-negative" } else { "positive" };
     Err(Error::usage(format!(

@@ -63,6 +63,8 @@ pub(super) fn resolve_preflight(
     let mut mode: Option<Option<Mode>> = None;
     let mut warn_only = false;
     for part in preflight
+        .as_deref()
+        .unwrap_or("auto")
         .split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
@@ -85,6 +87,12 @@ pub(super) fn resolve_preflight(
             return Err(Error::usage(
                 "--no-preflight and --preflight-only exclude each other",
             ));
+        }
+        if let (Some(p), Some(Some(_))) = (preflight, mode) {
+            return Err(Error::usage(format!(
+                "--no-preflight and --preflight {p} exclude each other: one skips the preflight, \
+                 the other asks for it; give one of them"
+            )));
         }
         mode = Some(None);
     }
@@ -137,13 +145,13 @@ pub(super) fn sweep_plan(sweep: &SweepArgs, mode: nrun_preflight::Mode) -> Resul
         None => (8, 256 << 20, 2),
     };
     let timeout = positive_secs("--preflight-timeout", *preflight_timeout, false)?;
-    if let Some(p) = nccl_lib {
-        if !p.is_file() {
-            return Err(Error::usage(format!(
-                "--nccl-lib {}: no such file",
-                p.display()
-            )));
-        }
+    if let Some(p) = nccl_lib
+        && !p.is_file()
+    {
+        return Err(Error::usage(format!(
+            "--nccl-lib {}: no such file",
+            p.display()
+        )));
     }
     Ok(PreflightPlan {
         mode,

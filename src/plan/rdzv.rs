@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use nrun_base::error::{Error, Result};
-use nrun_cli::RendezvousArgs;
+use nrun_cli::{NodesArgs, RendezvousArgs};
 
 use super::parse::{MAX_SECS, parse_nnodes, positive_secs};
 use super::{C10d, Env, StorePlan};
@@ -26,7 +26,8 @@ pub(super) struct JobRdzv {
 /// flags and, under `srun` on every node, Slurm's variables.
 pub(super) fn job_rdzv(rdzv: &RendezvousArgs, uses_hosts: bool, env: Env<'_>) -> Result<JobRdzv> {
     // Elastic MIN:MAX: up to MAX nodes, going on with MIN or more.
-    let (mut min_nodes, mut nnodes) = parse_nnodes(&rdzv.nnodes)?;
+    let nnodes_text = rdzv.nnodes.as_deref().unwrap_or("1");
+    let (mut min_nodes, mut nnodes) = parse_nnodes(nnodes_text)?;
     let (rdzv_join_timeout, last_call) = parse_rdzv_conf(rdzv.rdzv_conf.as_deref())?;
     if let Some(a) = &rdzv.master_addr {
         check_host("--master-addr", a)?;
@@ -38,9 +39,8 @@ pub(super) fn job_rdzv(rdzv: &RendezvousArgs, uses_hosts: bool, env: Env<'_>) ->
     let node_rank = rdzv.node_rank.unwrap_or(0);
     if min_nodes < nnodes && rdzv.node_rank.is_some() {
         return Err(Error::usage(format!(
-            "--nnodes {}: an elastic range needs nodes that join (a host list, or c10d \
-             without --node-rank); a static --node-rank launch has a fixed number of nodes",
-            rdzv.nnodes
+            "--nnodes {nnodes_text}: an elastic range needs nodes that join (a host list, or \
+             c10d without --node-rank); a static --node-rank launch has a fixed number of nodes"
         )));
     }
     if node_rank >= nnodes {
@@ -50,22 +50,32 @@ pub(super) fn job_rdzv(rdzv: &RendezvousArgs, uses_hosts: bool, env: Env<'_>) ->
         )));
     }
     let mut c10d = resolve_c10d(rdzv, nnodes, uses_hosts, &run_id, env)?;
-    // Under `srun` on every node, Slurm says how many nodes there are and which this is.
-    if c10d.is_none() && !uses_hosts && rdzv.node_rank.is_none() && nnodes == 1 {
-        if let Some((n, c)) = slurm_every_node(env)? {
-            (nnodes, min_nodes) = (n, n);
-            if rdzv.rdzv_id.is_none() {
-                run_id = c.id.clone();
-            }
-            c10d = Some(c);
+    // Under `srun` on every node, Slurm says how many nodes there are and which this is;
+    // a --nnodes given must say the same (`--standalone`: each node a job of its own).
+    if c10d.is_none()
+        && !uses_hosts
+        && rdzv.node_rank.is_none()
+        && !rdzv.standalone
+        && let Some((n, c)) = slurm_every_node(env)?
+    {
+        if rdzv.nnodes.is_some() && (min_nodes, nnodes) != (n, n) {
+            return Err(Error::usage(format!(
+                "--nnodes {nnodes_text} but this srun step runs nrun on {n} nodes \
+                     (SLURM_STEP_NUM_NODES), each node one of the job; drop --nnodes, or give \
+                     srun --nodes {nnodes_text}"
+            )));
         }
+        (nnodes, min_nodes) = (n, n);
+        if rdzv.rdzv_id.is_none() {
+            run_id = c.id.clone();
+        }
+        c10d = Some(c);
     }
     if min_nodes < nnodes && !uses_hosts && c10d.is_none() {
         return Err(Error::usage(format!(
-            "--nnodes {}: an elastic range needs nodes that join: a host list (-H, \
+            "--nnodes {nnodes_text}: an elastic range needs nodes that join: a host list (-H, \
              --hostfile), or the same command on every node with --rdzv-backend c10d \
-             --rdzv-endpoint HOST:PORT",
-            rdzv.nnodes
+             --rdzv-endpoint HOST:PORT"
         )));
     }
     Ok(JobRdzv {
@@ -77,6 +87,76 @@ pub(super) fn job_rdzv(rdzv: &RendezvousArgs, uses_hosts: bool, env: Env<'_>) ->
         last_call,
         rdzv_join_timeout,
     })
+}
+
+/// Flags that would otherwise silently override one another, refused with both named and what
+/// to do: `--standalone` against the flags that put the store elsewhere or ask for other
+/// nodes; `--master-addr`/`--master-port` against an `--rdzv-endpoint` that says otherwise; a
+/// host list (nrun starts every node and hosts the store here) against the flags of a launch
+/// where every node runs its own nrun.
+pub(super) fn check_conflicts(rdzv: &RendezvousArgs, nodes: &NodesArgs) -> Result<()> {
+    let list = match (&nodes.hosts, &nodes.hostfile) {
+        (Some(_), _) => Some("-H"),
+        (None, Some(_)) => Some("--hostfile"),
+        (None, None) => None,
+    };
+    if rdzv.standalone {
+        let store_elsewhere = [
+            (rdzv.rdzv_endpoint.is_some(), "--rdzv-endpoint"),
+            (rdzv.master_addr.is_some(), "--master-addr"),
+        ];
+        if let Some((_, flag)) = store_elsewhere.iter().find(|(given, _)| *given) {
+            return Err(Error::usage(format!(
+                "--standalone and {flag} exclude each other: --standalone runs this node alone \
+                 with its store on a free local port, {flag} says the store is elsewhere; drop \
+                 {flag} for a single-node job, or drop --standalone to use it (every node \
+                 running the same command)"
+            )));
+        }
+        let others = [
+            (rdzv.node_rank.is_some(), "--node-rank"),
+            (list.is_some(), list.unwrap_or("-H")),
+        ];
+        if let Some((_, flag)) = others.iter().find(|(given, _)| *given) {
+            return Err(Error::usage(format!(
+                "--standalone and {flag} exclude each other: --standalone runs this node alone, \
+                 {flag} asks for several nodes; drop one of them"
+            )));
+        }
+    }
+    if let Some(ep) = &rdzv.rdzv_endpoint {
+        let (host, port) = split_host_port(ep)?;
+        if let Some(addr) = rdzv.master_addr.as_ref().filter(|a| **a != host) {
+            return Err(Error::usage(format!(
+                "--master-addr {addr} and --rdzv-endpoint {ep} name different hosts for the \
+                 store; give one of them (--rdzv-endpoint HOST:PORT, or --master-addr with \
+                 --master-port)"
+            )));
+        }
+        if let (Some(p), Some(mp)) = (port, rdzv.master_port.filter(|mp| Some(*mp) != port)) {
+            return Err(Error::usage(format!(
+                "--master-port {mp} and --rdzv-endpoint {ep} name different ports ({p}) for the \
+                 store; give the port once"
+            )));
+        }
+    }
+    if let Some(list) = list {
+        let c10d = rdzv.rdzv_backend.as_deref() == Some("c10d");
+        let every_node = [
+            (rdzv.rdzv_endpoint.is_some(), "--rdzv-endpoint"),
+            (rdzv.master_addr.is_some(), "--master-addr"),
+            (c10d, "--rdzv-backend c10d"),
+        ];
+        if let Some((_, flag)) = every_node.iter().find(|(given, _)| *given) {
+            return Err(Error::usage(format!(
+                "{list} and {flag} exclude each other: with a host list nrun starts every node \
+                 itself and hosts the store on this host; {flag} is for the same command run on \
+                 every node. Drop one of them (--local-addr sets the address the nodes use to \
+                 reach this host)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The run id names log directories and goes into store keys and the workers' environment:

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 
 use nrun_base::error::{Error, Result};
 use nrun_cli::{
-    ColorWhen, JobArgs, RendezvousArgs, RunArgs, TargetArgs, WatchArgs, WatchWhen, WorkerArgs,
+    ColorWhen, JobArgs, OnHang, RendezvousArgs, RunArgs, TargetArgs, WatchArgs, WatchWhen,
+    WorkerArgs,
 };
 
 use super::parse::{
@@ -16,7 +17,7 @@ use super::parse::{
 };
 use super::preflight::resolve_preflight;
 use super::program::{find_python, resolve_command};
-use super::rdzv::{JobRdzv, job_rdzv, resolve_store};
+use super::rdzv::{JobRdzv, check_conflicts, job_rdzv, resolve_store};
 use super::{
     ConsolePlan, Env, LogPlan, RunSettings, SessionPlan, Shape, StorePlan, StreamSpec, WorkersPlan,
     nodes,
@@ -34,18 +35,27 @@ impl RunSettings {
             target,
             preflight,
             watch,
-            nodes: _,
+            nodes,
             compat,
             // Handled before a plan is made (see `lib.rs`).
             print_completion: _,
             command,
         } = run;
         compat.notes();
+        check_conflicts(rdzv, nodes)?;
+        if preflight.preflight_only && !command.is_empty() {
+            return Err(Error::usage(format!(
+                "--preflight-only runs the preflight alone, not {}: drop --preflight-only to run \
+                 it after the preflight, or drop it to test the nodes only",
+                command[0]
+            )));
+        }
         // nrun reacts to exits at once; accepted (and checked) for torchrun's command lines.
         if let Some(m) = job.monitor_interval {
             positive_secs("--monitor-interval", m, true)?;
         }
-        let nproc = resolve_nproc(nproc_per_node, env)?;
+        // Not given: torchrun's 1, whatever slots a host list or scheduler gives.
+        let nproc = resolve_nproc(nproc_per_node.as_deref().unwrap_or("1"), env)?;
         let rz = job_rdzv(rdzv, uses_hosts, env)?;
         let shutdown_timeout = positive_secs("--shutdown-timeout", job.shutdown_timeout, true)?;
         let preflight_plan = resolve_preflight(preflight, env)?;
@@ -62,13 +72,15 @@ impl RunSettings {
         let log = LogPlan::for_job(job, nproc, &rz.run_id)?;
         let shape = Shape {
             nproc,
+            nproc_given: nproc_per_node.is_some(),
             nnodes: rz.nnodes,
+            nnodes_given: rdzv.nnodes.is_some(),
             min_nodes: rz.min_nodes,
             node_rank: rz.node_rank,
             last_call: rz.last_call,
             rdzv_join_timeout: rz.rdzv_join_timeout,
             c10d: rz.c10d.is_some(),
-            ranked: ranked(rdzv),
+            ranked: ranked(rdzv) || rdzv.standalone,
             python: !target.no_python && python.is_some(),
         };
         let several_nodes = rz.nnodes > 1 || uses_hosts;
@@ -94,7 +106,9 @@ impl RunSettings {
 /// nodes (Slurm's salloc or sbatch, not a step on every node; PBS, LSF, SGE), where `--nnodes N` without a rank or an address
 /// takes its nodes from the allocation, the rest of it being spares.
 fn uses_hosts(run: &RunArgs, env: Env<'_>) -> bool {
-    let allocation = nodes::in_allocation(&run.nodes, env) && !ranked(&run.rdzv);
+    // `--standalone` is this node alone, inside an allocation too.
+    let allocation =
+        nodes::in_allocation(&run.nodes, env) && !ranked(&run.rdzv) && !run.rdzv.standalone;
     run.nodes.hosts.is_some() || run.nodes.hostfile.is_some() || allocation
 }
 
@@ -118,7 +132,13 @@ fn job_command(
     if command.is_empty() {
         return Ok((OsString::new(), Vec::new()));
     }
-    resolve_command(target, command, env)
+    resolve_command(target, command, env).map_err(|mut e| {
+        // `nrun -H a,b run x.py`: run as a command comes first.
+        if command[0] == "run" {
+            e.message += "; to run a job, `run` comes first: nrun run [OPTIONS] TARGET";
+        }
+        e
+    })
 }
 
 impl LogPlan {
@@ -259,6 +279,9 @@ impl SessionPlan {
     }
 }
 
+/// How long a rank may wait in one collective before a hang is diagnosed, unless given.
+const HANG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The watch: on unless turned off. `auto` and `on` differ no more: with either, each node's
 /// agent watches every worker whose process tree runs Python (a `--no-python` wrapper that
 /// execs or starts python included) and leaves other programs alone.
@@ -273,10 +296,28 @@ fn resolve_watch(args: &WatchArgs) -> Result<Option<crate::watch::WatchPlan>> {
         WatchWhen::Auto | WatchWhen::On => true,
         WatchWhen::Off => false,
     };
-    let hang_timeout = positive_secs("--hang-timeout", *hang_timeout, false)?;
+    // The watch's flags with the watch off would do nothing: refused, as any conflict.
+    if let (false, Some(flag)) = (
+        on,
+        [
+            (hang_timeout.is_some(), "--hang-timeout"),
+            (*on_hang == Some(OnHang::Stop), "--on-hang stop"),
+        ]
+        .iter()
+        .find_map(|(given, flag)| given.then_some(*flag)),
+    ) {
+        return Err(Error::usage(format!(
+            "--watch off and {flag} exclude each other: with the watch off no hang is found; \
+             drop one of them"
+        )));
+    }
+    let hang_timeout = match hang_timeout {
+        Some(t) => positive_secs("--hang-timeout", *t, false)?,
+        None => HANG_TIMEOUT,
+    };
     Ok(on.then_some(WatchPlan {
         hang_timeout,
-        on_hang: *on_hang,
+        on_hang: on_hang.unwrap_or(OnHang::Report),
     }))
 }
 

@@ -93,13 +93,13 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
             if !why.summary.is_empty() {
                 eprint!("{}", why.summary);
             }
-            if let (Some(path), Some(json)) = (&job.launcher_error_file, &why.error_json) {
-                if let Err(e) = std::fs::write(path, json) {
-                    tracing::warn!(
-                        "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
-                        path.display()
-                    );
-                }
+            if let (Some(path), Some(json)) = (&job.launcher_error_file, &why.error_json)
+                && let Err(e) = std::fs::write(path, json)
+            {
+                tracing::warn!(
+                    "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
+                    path.display()
+                );
             }
             Ok(ended.code.unwrap_or(0))
         }

@@ -42,10 +42,10 @@ pub fn interfaces() -> Vec<Iface> {
                 .map(|v4| IpAddr::V4(v4.ip()))
                 .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
         });
-        if let Some(ip) = ip {
-            if !e.addrs.contains(&ip) {
-                e.addrs.push(ip);
-            }
+        if let Some(ip) = ip
+            && !e.addrs.contains(&ip)
+        {
+            e.addrs.push(ip);
         }
     }
     by_name.into_values().collect()

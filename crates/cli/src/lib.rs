@@ -62,12 +62,33 @@ Examples:
 
 Exit status: 0 every node is good; 2 bad usage; 96 a node or link is not good.";
 
+const RUN_EXAMPLES: &str = "\
+Examples:
+  nrun run --nproc 8 train.py --lr 0.1    the same as nrun --nproc 8 train.py --lr 0.1
+  nrun ./run                              a script or program named run
+
+nrun --help for every flag, more examples and the exit status.";
+
+const COMPLETIONS_EXAMPLES: &str = "\
+Example:
+  nrun completions bash > ~/.local/share/bash-completion/completions/nrun";
+
+const MAN_EXAMPLES: &str = "\
+Example:
+  nrun man | man -l -                     read it now";
+
+/// The end of `nrun -h`, which shows the flags most runs use; `--help` shows them all.
+const SHORT_FOOTER: &str = "\
+Example: nrun --nproc 8 train.py --lr 0.1
+nrun --help for all flags, examples and the exit status.";
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "nrun",
     version = VERSION,
     about = "Launch distributed PyTorch/NCCL jobs: one process per GPU, a built-in rendezvous store, clear failures.",
-    after_help = EXAMPLES,
+    after_help = SHORT_FOOTER,
+    after_long_help = EXAMPLES,
     max_term_width = 100,
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true,
@@ -85,9 +106,26 @@ pub struct Cli {
     pub run: RunArgs,
 }
 
+impl Cli {
+    /// `nrun run ARGS` as what it means, `nrun ARGS`: the default command, no subcommand.
+    pub fn into_default(self) -> Cli {
+        match self.command {
+            Some(Command::Run(run)) => Cli {
+                command: None,
+                run: *run,
+            },
+            command => Cli { command, ..self },
+        }
+    }
+}
+
 /// Subcommands besides the default run. Each has its own `--help` and takes only its own flags.
 #[derive(Subcommand, Debug, Clone)]
 pub enum Command {
+    /// Run a job: the default command by name (`nrun run [OPTIONS] TARGET` is
+    /// `nrun [OPTIONS] TARGET`); a script named run runs as ./run.
+    #[command(after_help = RUN_EXAMPLES, args_override_self = true)]
+    Run(Box<RunArgs>),
     /// What each node has (GPUs, driver, NCCL, torch, interfaces) and whether the nodes reach
     /// each other; runs nothing.
     #[command(after_help = DOCTOR_EXAMPLES, args_override_self = true)]
@@ -98,17 +136,28 @@ pub enum Command {
     Bisect(Box<BisectArgs>),
     /// Shell completions on stdout: `nrun completions bash > /etc/bash_completion.d/nrun`
     /// (zsh: a file `_nrun` on $fpath; fish: ~/.config/fish/completions/nrun.fish).
+    #[command(after_help = COMPLETIONS_EXAMPLES)]
     Completions {
         /// bash, zsh, fish, elvish or powershell.
         shell: String,
     },
     /// The manual page on stdout: `nrun man > /usr/local/share/man/man1/nrun.1`.
+    #[command(after_help = MAN_EXAMPLES)]
     Man,
 }
 
 /// `nrun [OPTIONS] TARGET [ARGS]...`: the job, with its preflight, on one node or many.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
+    /// Print a completion script for SHELL (bash, zsh, fish) and exit (torchrun's flag; same as
+    /// `nrun completions SHELL`).
+    #[arg(
+        long = "print-completion",
+        alias = "print_completion",
+        value_name = "SHELL"
+    )]
+    pub print_completion: Option<String>,
+
     #[command(flatten)]
     pub workers: WorkerArgs,
     #[command(flatten)]
@@ -126,17 +175,9 @@ pub struct RunArgs {
     #[command(flatten)]
     pub compat: CompatArgs,
 
-    /// Print a completion script for SHELL (bash, zsh, fish) and exit (torchrun's flag; same as
-    /// `nrun completions SHELL`).
-    #[arg(
-        long = "print-completion",
-        alias = "print_completion",
-        value_name = "SHELL"
-    )]
-    pub print_completion: Option<String>,
-
     /// The script, module or program, followed by its arguments.
     #[arg(
+        help_heading = "Arguments",
         value_name = "TARGET [ARGS]...",
         required_unless_present_any = ["preflight_only", "print_completion"],
         num_args = 1..,
@@ -177,34 +218,38 @@ pub struct BisectArgs {
 
 /// How many workers each node runs.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Workers")]
 pub struct WorkerArgs {
     /// Workers on this node: a number, `gpu` (one per visible GPU), `cpu` (one per core), or
-    /// `auto` (GPUs if any, else cores).
+    /// `auto` (GPUs if any, else cores). Not given: 1, torchrun's default, also where a
+    /// scheduler's node list gives slots (they count CPUs as often as GPUs) [default: 1]
     #[arg(
         long = "nproc-per-node",
         visible_alias = "nproc",
         alias = "nproc_per_node",
         env = "NRUN_NPROC_PER_NODE",
-        default_value = "1",
         value_name = "N|gpu|cpu|auto",
         allow_negative_numbers = true
     )]
-    pub nproc_per_node: String,
+    pub nproc_per_node: Option<String>,
 }
 
 /// Where the store is and who hosts it (torchrun's rendezvous flags).
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Rendezvous (torchrun's)")]
 pub struct RendezvousArgs {
     /// Number of nodes, N or MIN:MAX (elastic, with a host list or c10d: starts with MAX nodes,
-    /// or MIN after last_call_timeout, and goes on while at least MIN remain).
+    /// or MIN after last_call_timeout, and goes on while at least MIN remain). With a host list
+    /// (-H, --hostfile, a scheduler's), the job runs on its first N hosts and the rest are
+    /// spares; a list shorter than N is an error. Not given: every host of the list (under
+    /// srun on every node, Slurm's node count), else 1.
     #[arg(
         long,
         env = "NRUN_NNODES",
-        default_value = "1",
         value_name = "N",
         allow_negative_numbers = true
     )]
-    pub nnodes: String,
+    pub nnodes: Option<String>,
 
     /// This node's rank among --nnodes (torchrun-style static multi-node: rank 0 hosts the store).
     /// Without it, several nodes rendezvous as torchrun's c10d: ranks in join order.
@@ -230,10 +275,14 @@ pub struct RendezvousArgs {
     pub master_port: Option<u16>,
 
     /// Single-node job with the store on a free local port (torchrun compatibility; the default).
+    /// It says where the store is, so it refuses the flags that say it elsewhere or ask for
+    /// several nodes (--rdzv-endpoint, --master-addr, --node-rank, --nnodes N>1, -H, --hostfile);
+    /// inside a scheduler's allocation it runs on this node alone.
     #[arg(long, env = "NRUN_STANDALONE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub standalone: bool,
 
-    /// Rendezvous endpoint HOST[:PORT]; same as --master-addr/--master-port.
+    /// Rendezvous endpoint HOST[:PORT]; same as --master-addr/--master-port (given with them,
+    /// they must agree).
     #[arg(
         long = "rdzv-endpoint",
         alias = "rdzv_endpoint",
@@ -250,7 +299,8 @@ pub struct RendezvousArgs {
     )]
     pub rdzv_backend: Option<String>,
 
-    /// Rendezvous settings KEY=VALUE[,KEY=VALUE] (torchrun's): join_timeout sets --join-timeout;
+    /// Rendezvous settings KEY=VALUE[,KEY=VALUE] (torchrun's): join_timeout sets --join-timeout
+    /// (give one of them);
     /// last_call_timeout (30 s) is how long an elastic MIN:MAX waits for more nodes past MIN;
     /// timeout, close_timeout, read_timeout, is_host and the like are accepted.
     #[arg(
@@ -289,6 +339,7 @@ pub struct RendezvousArgs {
 
 /// The worker group's life and its output.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Job")]
 pub struct JobArgs {
     /// Restart the whole worker group up to N times after a failure (any failure, as
     /// torchrun; a node lost, or at fault twice, gives its place to a spare: README's "Fault
@@ -439,6 +490,7 @@ pub struct CompatArgs {
 
 /// How TARGET runs: a Python script, a module, or a program.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Target")]
 pub struct TargetArgs {
     /// Python interpreter for .py targets and -m (default: $PYTHON_EXEC, else python3 on PATH).
     #[arg(long, env = "NRUN_PYTHON", value_name = "PATH")]
@@ -463,14 +515,9 @@ pub struct TargetArgs {
 pub struct PreflightArgs {
     /// Before the job, prove the GPUs and links with an all-reduce: auto (NCCL when GPUs are
     /// visible, else none), nccl, net (TCP ring over the network path, no GPU needed) or off;
-    /// add `,warn` to start the job even if the preflight fails.
-    #[arg(
-        long,
-        env = "NRUN_PREFLIGHT_MODE",
-        default_value = "auto",
-        value_name = "MODE[,warn]"
-    )]
-    pub preflight: String,
+    /// add `,warn` to start the job even if the preflight fails [default: auto]
+    #[arg(long, env = "NRUN_PREFLIGHT_MODE", value_name = "MODE[,warn]")]
+    pub preflight: Option<String>,
 
     /// Skip the preflight (same as --preflight off).
     #[arg(long = "no-preflight", env = "NRUN_NO_PREFLIGHT", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
@@ -538,26 +585,26 @@ pub struct WatchArgs {
     pub watch: WatchWhen,
 
     /// Seconds a rank may wait in one collective (with none waiting: every rank's stack stand
-    /// still) before a hang is diagnosed; the rank missing from that collective is named.
+    /// still) before a hang is diagnosed; the rank missing from that collective is named
+    /// [default: 60]
     #[arg(
         long = "hang-timeout",
         env = "NRUN_HANG_TIMEOUT",
-        default_value_t = 60.0,
         value_name = "SECS",
         allow_negative_numbers = true
     )]
-    pub hang_timeout: f64,
+    pub hang_timeout: Option<f64>,
 
-    /// On a hang: report (say it, keep watching) or stop (say it, stop the job, exit 97).
+    /// On a hang: report (say it, keep watching) or stop (say it, stop the job, exit 97)
+    /// [default: report]
     #[arg(
         long = "on-hang",
         env = "NRUN_ON_HANG",
-        default_value = "report",
         value_name = "report|stop",
         value_parser = Choice::<OnHang>::new("--on-hang"),
         hide_possible_values = true
     )]
-    pub on_hang: OnHang,
+    pub on_hang: Option<OnHang>,
 }
 
 /// The all-reduce sweep: shared by the preflight and bisect's probes.
@@ -611,7 +658,8 @@ pub struct SweepArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Nodes")]
 pub struct NodesArgs {
-    /// Nodes: h1,h2 or h1:8,h2:8 (slots), reached over ssh (or srun inside a Slurm allocation).
+    /// Nodes: h1,h2 or h1:8,h2:8 (slots), hostlist ranges as Slurm writes them
+    /// (gpu[01-16,20]:8), reached over ssh (or srun inside a Slurm allocation).
     #[arg(short = 'H', long, env = "NRUN_HOSTS", value_name = "HOSTS")]
     pub hosts: Option<String>,
 
@@ -627,7 +675,8 @@ pub struct NodesArgs {
     #[arg(long, env = "NRUN_EXCLUDE", value_name = "SPEC")]
     pub exclude: Option<String>,
 
-    /// How to start the node agents: auto (srun inside a Slurm allocation, else ssh), ssh, srun.
+    /// How to start the node agents: auto (srun inside a Slurm allocation, else ssh), ssh (a
+    /// Slurm allocation's nodes too, when no hosts are given), srun.
     #[arg(
         long,
         env = "NRUN_LAUNCHER",
@@ -691,15 +740,14 @@ pub struct NodesArgs {
     #[arg(long, env = "NRUN_IFNAME", value_name = "NAME")]
     pub ifname: Option<String>,
 
-    /// Seconds every node has to start its agent and report.
+    /// Seconds every node has to start its agent and report [default: 30]
     #[arg(
         long = "join-timeout",
         env = "NRUN_JOIN_TIMEOUT",
-        default_value_t = 30.0,
         value_name = "SECS",
         allow_negative_numbers = true
     )]
-    pub join_timeout: f64,
+    pub join_timeout: Option<f64>,
 
     /// Launch even when NCCL (major.minor) or torch differ between nodes.
     #[arg(long = "allow-mismatch", env = "NRUN_ALLOW_MISMATCH", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
@@ -982,12 +1030,223 @@ pub fn print_man() -> u8 {
     }
 }
 
-/// Whether `target` is the name of a subcommand (`doctor`, `bisect`), which a run refuses as a
-/// script name: `nrun -H a,b doctor` means the command with its flags misplaced.
-pub fn is_command_name(target: &str) -> bool {
+/// The flags `nrun -h` shows (by id), under which heading, with the one line it says of each;
+/// `--help` shows every flag with its whole text. The ~15 flags most runs use.
+const SHORT_HELP: &[(&str, &str, &str)] = &[
+    (
+        "nproc_per_node",
+        "Workers",
+        "Workers on this node: N, gpu, cpu, auto [default: 1]",
+    ),
+    (
+        "module",
+        "Workers",
+        "Run TARGET as a Python module (python -u -m TARGET)",
+    ),
+    (
+        "no_python",
+        "Workers",
+        "Run TARGET as a program, not through Python",
+    ),
+    (
+        "hosts",
+        "Nodes",
+        "Nodes: h1,h2 or gpu[01-16]:8, over ssh (srun in Slurm)",
+    ),
+    (
+        "hostfile",
+        "Nodes",
+        "Nodes from a file: `host slots=N`, `host:N`, `host`",
+    ),
+    (
+        "nnodes",
+        "Nodes",
+        "Nodes running the job (N or MIN:MAX); more are spares",
+    ),
+    (
+        "node_rank",
+        "Nodes",
+        "This node's rank, nrun on each node (0 hosts the store)",
+    ),
+    (
+        "master_addr",
+        "Nodes",
+        "Address of node rank 0, which hosts the store",
+    ),
+    (
+        "rdzv_endpoint",
+        "Nodes",
+        "The store's HOST:PORT, for --rdzv-backend c10d",
+    ),
+    (
+        "max_restarts",
+        "Job",
+        "Restart the workers up to N times on failure",
+    ),
+    (
+        "log_dir",
+        "Job",
+        "Each worker's stdout and stderr to files under DIR",
+    ),
+    (
+        "tee",
+        "Job",
+        "To log files and the console: 1 stdout, 2 stderr, 3 both",
+    ),
+    (
+        "preflight",
+        "Job",
+        "All-reduce check first: auto, nccl, net, off [default: auto]",
+    ),
+    (
+        "preflight_only",
+        "Job",
+        "Run the preflight alone and report (no TARGET)",
+    ),
+    (
+        "on_hang",
+        "Job",
+        "On a hang: report, or stop the job (exit 97) [default: report]",
+    ),
+];
+
+/// Shorter value names in `nrun -h`, so each flag keeps to one line.
+const SHORT_VALUE_NAMES: &[(&str, &str)] = &[
+    ("nproc_per_node", "N"),
+    ("node_rank", "RANK"),
+    ("master_addr", "HOST"),
+    ("rdzv_endpoint", "HOST:PORT"),
+    ("max_restarts", "N"),
+    ("preflight", "MODE"),
+    ("on_hang", "WHAT"),
+];
+
+/// The one line `nrun -h` says of each command.
+const SHORT_COMMANDS: &[(&str, &str)] = &[
+    ("run", "Run a job: `nrun run ARGS` is `nrun ARGS`"),
+    (
+        "doctor",
+        "What each node has, and whether the nodes reach each other",
+    ),
+    (
+        "bisect",
+        "Find the bad nodes and links, by a staged scale-up",
+    ),
+    ("completions", "Shell completions on stdout"),
+    ("man", "The manual page on stdout"),
+];
+
+/// nrun's command line as clap parses it (and `--help` shows it, whole).
+pub fn command() -> clap::Command {
     Cli::command()
-        .get_subcommands()
-        .any(|c| c.get_name() == target)
+}
+
+/// The command as `nrun -h` shows it: only the flags of [`SHORT_HELP`], one line each, under
+/// their headings, without the environment variables and defaults `--help` lists.
+fn short_command() -> clap::Command {
+    let cmd = command().mut_args(|a| {
+        let id = a.get_id().as_str().to_string();
+        match SHORT_HELP.iter().find(|(k, _, _)| *k == id) {
+            Some((_, heading, line)) => {
+                let values = a.get_action().takes_values();
+                let a = match SHORT_VALUE_NAMES.iter().find(|(k, _)| *k == id) {
+                    Some((_, v)) => a.value_name(*v),
+                    None => a,
+                };
+                a.help(*line)
+                    .long_help(None)
+                    .help_heading(*heading)
+                    .hide_env(true)
+                    .hide_default_value(values)
+                    .hide_possible_values(values)
+            }
+            // TARGET is in the usage line.
+            None => a.hide(true),
+        }
+    });
+    let cmd = cmd
+        .about("Launch distributed PyTorch/NCCL jobs, with torchrun's flags.")
+        .override_usage("nrun [OPTIONS] TARGET [ARGS]...\n       nrun COMMAND [OPTIONS]")
+        .disable_help_subcommand(true);
+    SHORT_COMMANDS.iter().fold(cmd, |cmd, (name, about)| {
+        cmd.mut_subcommand(*name, |c| c.about(*about).long_about(None))
+    })
+}
+
+/// Parses the process's command line ([`command`]).
+pub fn parse() -> Result<Cli, clap::Error> {
+    Cli::try_parse()
+}
+
+/// The short help, when the command line that gave `e` asked for it: `nrun -h` or
+/// `nrun run -h` (`--help` asks for the whole one; a command's `-h` is that command's help).
+pub fn short_help(e: &clap::Error, argv: &[std::ffi::OsString]) -> Option<String> {
+    if e.kind() != clap::error::ErrorKind::DisplayHelp {
+        return None;
+    }
+    let mut words = argv.iter().skip(1).map(|a| a.to_str().unwrap_or(""));
+    let mut short = false;
+    for (i, w) in words.by_ref().enumerate() {
+        match w {
+            "--help" | "--" => return None,
+            "-h" => short = true,
+            "run" if i == 0 => {}
+            w if i == 0 && is_command_name(w) => return None,
+            // A flag's value or TARGET: clap stopped at the help flag before it, or after.
+            _ => {}
+        }
+    }
+    short.then(|| short_command().render_help().to_string())
+}
+
+/// A clap usage error in nrun's own style: `nrun: error: ...` first, then `  hint: ...` and
+/// `  usage: ...` lines, as nrun's own errors with hints (no blank lines, no "For more
+/// information" line: the usage line says where help is).
+pub fn error_text(e: &clap::Error) -> String {
+    let plain = e.render().to_string();
+    let mut out: Vec<String> = Vec::new();
+    let mut lines = plain.lines().map(str::trim_end).peekable();
+    let mut in_usage = false;
+    while let Some(line) = lines.next() {
+        let t = line.trim_start();
+        if t.is_empty() || t.starts_with("For more information") {
+            in_usage = false;
+            continue;
+        }
+        if let Some(m) = t.strip_prefix("error: ") {
+            // An error ending in ':' lists its items on the next lines: one line instead.
+            let mut first = format!("nrun: error: {m}");
+            if m.ends_with(':') {
+                let mut items = Vec::new();
+                while let Some(item) = lines.next_if(|l| !l.trim().is_empty()) {
+                    items.push(item.trim().to_string());
+                }
+                first = format!("{first} {}", items.join(", "));
+            }
+            out.push(first);
+        } else if let Some(m) = t.strip_prefix("tip: ") {
+            out.push(format!("  hint: {m}"));
+        } else if let Some(m) = t.strip_prefix("Usage: ") {
+            out.push(format!("  usage: {m}"));
+            in_usage = true;
+        } else if in_usage {
+            out.push(format!("         {t}"));
+        } else {
+            out.push(format!("  {t}"));
+        }
+    }
+    out.push("  hint: nrun -h for the common flags, nrun --help for all of them".into());
+    out.join("\n")
+}
+
+/// Whether `target` is the name of a subcommand (`doctor`, `bisect`), which a run refuses as a
+/// script name: `nrun -H a,b doctor` means the command with its flags misplaced. Not `run`:
+/// after flags it is a job's TARGET (`nrun --no-python run`), as the run's flags come before it.
+pub fn is_command_name(target: &str) -> bool {
+    target != "run"
+        && Cli::command()
+            .get_subcommands()
+            .any(|c| c.get_name() == target)
 }
 
 /// torchrun reads `PET_<OPTION>` for each option; nrun reads `NRUN_<OPTION>`. Copy every
@@ -1022,6 +1281,85 @@ mod tests {
     #[test]
     fn definitions_are_consistent() {
         Cli::command().debug_assert();
+        short_command().debug_assert();
+        // Every flag the short help names is one of the command's.
+        let ids: Vec<String> = Cli::command()
+            .get_arguments()
+            .map(|a| a.get_id().to_string())
+            .collect();
+        for (id, _, _) in SHORT_HELP {
+            assert!(ids.iter().any(|i| i == id), "{id}");
+        }
+        for (name, _) in SHORT_COMMANDS {
+            assert!(Cli::command().find_subcommand(name).is_some(), "{name}");
+        }
+    }
+
+    /// `-h` (top level or `run`) is the short help; `--help` and a command's `-h` are clap's.
+    #[test]
+    fn short_help_is_asked_by_h_only() {
+        let ask = |args: &[&str]| {
+            let argv: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+            let e = Cli::try_parse_from(&argv).unwrap_err();
+            short_help(&e, &argv)
+        };
+        let short = ask(&["nrun", "-h"]).unwrap();
+        assert!(short.lines().count() < 40, "{short}");
+        assert!(
+            short
+                .trim_end()
+                .ends_with("nrun --help for all flags, examples and the exit status.")
+        );
+        assert!(!short.contains("--ssh-opts") && short.contains("--nproc-per-node <N>"));
+        assert_eq!(ask(&["nrun", "run", "-h"]).as_deref(), Some(short.as_str()));
+        assert_eq!(
+            ask(&["nrun", "--nproc", "2", "-h"]).as_deref(),
+            Some(short.as_str())
+        );
+        assert!(ask(&["nrun", "--help"]).is_none());
+        assert!(ask(&["nrun", "doctor", "-h"]).is_none());
+        assert!(ask(&["nrun", "bisect", "-h"]).is_none());
+    }
+
+    /// clap's usage errors read as nrun's: the prefix, hints and usage indented, no blank line.
+    #[test]
+    fn clap_errors_in_nruns_style() {
+        let e = Cli::try_parse_from(["nrun", "--bogus", "x.py"]).unwrap_err();
+        let t = error_text(&e);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0], "nrun: error: unexpected argument '--bogus' found",
+            "{t}"
+        );
+        assert!(lines[1..].iter().all(|l| l.starts_with("  ")), "{t}");
+        assert!(t.contains("\n  usage: nrun "), "{t}");
+        assert!(t.contains("\n  hint: "), "{t}");
+        assert!(
+            !t.contains("\n\n") && !t.contains("For more information"),
+            "{t}"
+        );
+        let e = Cli::try_parse_from(["nrun", "run"]).unwrap_err();
+        let t = error_text(&e);
+        assert!(
+            t.starts_with(
+                "nrun: error: the following required arguments were not provided: <TARGET"
+            ),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn run_is_the_default_command_by_name() {
+        let c = Cli::try_parse_from(["nrun", "run", "--nproc", "2", "x.py", "-h"]).unwrap();
+        let c = c.into_default();
+        assert!(c.command.is_none());
+        assert_eq!(c.run.workers.nproc_per_node.as_deref(), Some("2"));
+        assert_eq!(c.run.command, ["x.py", "-h"]);
+        // After flags, run is a TARGET like any other (a script or program named run).
+        let c = Cli::try_parse_from(["nrun", "--no-python", "run", "a"]).unwrap();
+        assert!(c.command.is_none());
+        assert_eq!(c.run.command, ["run", "a"]);
+        assert!(!is_command_name("run") && is_command_name("doctor"));
     }
 
     #[test]
@@ -1038,7 +1376,7 @@ mod tests {
             "0.1",
         ])
         .unwrap();
-        assert_eq!(c.run.workers.nproc_per_node, "4");
+        assert_eq!(c.run.workers.nproc_per_node.as_deref(), Some("4"));
         assert_eq!(c.run.rdzv.master_port, Some(1234));
         assert_eq!(c.run.job.max_restarts, 2);
         assert_eq!(c.run.command, ["train.py", "--lr", "0.1"]);
@@ -1047,7 +1385,7 @@ mod tests {
     #[test]
     fn options_after_the_target_belong_to_it() {
         let c = Cli::try_parse_from(["nrun", "--nproc", "2", "x.py", "--nproc", "9"]).unwrap();
-        assert_eq!(c.run.workers.nproc_per_node, "2");
+        assert_eq!(c.run.workers.nproc_per_node.as_deref(), Some("2"));
         assert_eq!(c.run.command, ["x.py", "--nproc", "9"]);
     }
 

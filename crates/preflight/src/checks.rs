@@ -739,20 +739,20 @@ impl Outcome {
                     ),
                 ));
             }
-            if let Some((n, speed)) = nic.and_then(|n| n.gbs().map(|s| (n, s))) {
-                if *g < TCP_FLOOR * speed {
-                    slow.push((from, to));
-                    out.push(slow_link(
-                        from,
-                        format!(
-                            "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the {} \
+            if let Some((n, speed)) = nic.and_then(|n| n.gbs().map(|s| (n, s)))
+                && *g < TCP_FLOOR * speed
+            {
+                slow.push((from, to));
+                out.push(slow_link(
+                    from,
+                    format!(
+                        "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the {} \
                              that {from}'s {} reports ({speed:.2} GB/s)",
-                            100.0 * g / speed,
-                            hardware::speed_text(n.mbps.unwrap_or(0)),
-                            n.name
-                        ),
-                    ));
-                }
+                        100.0 * g / speed,
+                        hardware::speed_text(n.mbps.unwrap_or(0)),
+                        n.name
+                    ),
+                ));
             }
         }
         slow.dedup();

@@ -27,7 +27,7 @@ type HmacSha256 = Hmac<Sha256>;
 pub const SHARED_SECRET_VAR: &str = "NRUN_RDZV_SECRET";
 
 fn unhex(s: &[u8]) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     s.chunks(2)

@@ -204,10 +204,10 @@ impl State {
             }
             p.remaining -= 1;
             woken += 1;
-            if p.remaining == 0 {
-                if let Some(p) = self.unpark(conn) {
-                    let _ = p.wake.send(STOP_WAITING);
-                }
+            if p.remaining == 0
+                && let Some(p) = self.unpark(conn)
+            {
+                let _ = p.wake.send(STOP_WAITING);
             }
         }
         if i < list.len() {
@@ -612,10 +612,10 @@ impl Store {
             validate_first(c, req)?;
             return Ok(None);
         }
-        if let Some(secret) = &self.secret {
-            if authenticate(secret, c, &req, out)? {
-                return Ok(None);
-            }
+        if let Some(secret) = &self.secret
+            && authenticate(secret, c, &req, out)?
+        {
+            return Ok(None);
         }
         let req = observed(c, req);
         let mut s = self.lock();
@@ -757,18 +757,18 @@ fn authenticate(
             return Ok(true);
         }
     }
-    if let Request::Set { key, value } = req {
-        if key == AUTH_KEY {
-            let proven = c
-                .nonce
-                .take()
-                .is_some_and(|n| super::auth::verify(secret, &n, value));
-            if proven {
-                c.authed = true;
-                return Ok(true);
-            }
-            return Err("wrong proof of nrun's secret for its control keys".into());
+    if let Request::Set { key, value } = req
+        && key == AUTH_KEY
+    {
+        let proven = c
+            .nonce
+            .take()
+            .is_some_and(|n| super::auth::verify(secret, &n, value));
+        if proven {
+            c.authed = true;
+            return Ok(true);
         }
+        return Err("wrong proof of nrun's secret for its control keys".into());
     }
     if !c.authed && touches_control(req) {
         return Err(
@@ -979,10 +979,10 @@ enum Next {
 /// once; one that does not is framed by the resumable scan (each byte looked at once, however
 /// many reads it takes) and parsed when whole, so a request costs at most two parses.
 fn next_request(scan: &mut FrameScan, buf: &[u8]) -> Result<Next, ProtocolError> {
-    if scan.is_fresh() {
-        if let Parsed::Complete(req, len) = Request::parse(buf)? {
-            return Ok(Next::Request(req, len));
-        }
+    if scan.is_fresh()
+        && let Parsed::Complete(req, len) = Request::parse(buf)?
+    {
+        return Ok(Next::Request(req, len));
     }
     match scan.scan(buf)? {
         Scanned::Incomplete { need } => Ok(Next::Need(need)),

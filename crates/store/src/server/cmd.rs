@@ -284,10 +284,9 @@ pub(super) fn barrier(
             if s.parked
                 .get(&conn)
                 .is_some_and(|p| p.generation == generation)
+                && let Some(p) = s.unpark(conn)
             {
-                if let Some(p) = s.unpark(conn) {
-                    let _ = p.wake.send(STOP_WAITING);
-                }
+                let _ = p.wake.send(STOP_WAITING);
             }
         }
         out.push(STOP_WAITING);

@@ -222,12 +222,12 @@ impl Conns {
         if let Some(m) = self.by_peer.get_mut(&ip) {
             if let Some(live) = m.remove(&id) {
                 self.total -= 1;
-                if live.authed.load(Ordering::Relaxed) {
-                    if let Some(n) = self.authed_by_peer.get_mut(&ip) {
-                        *n -= 1;
-                        if *n == 0 {
-                            self.authed_by_peer.remove(&ip);
-                        }
+                if live.authed.load(Ordering::Relaxed)
+                    && let Some(n) = self.authed_by_peer.get_mut(&ip)
+                {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.authed_by_peer.remove(&ip);
                     }
                 }
             }
