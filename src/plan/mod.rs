@@ -73,9 +73,11 @@ pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
             };
             Ok(Mode::Doctor { doctor, nodes })
         }
-        Some(Command::Completions { .. } | Command::Man) => Err(Error::internal(
-            "completions and the manual page are printed before a plan is made",
-        )),
+        Some(Command::Completions { .. } | Command::Man | Command::Report(_)) => {
+            Err(Error::internal(
+                "completions, the manual page and `nrun report` are done before a plan is made",
+            ))
+        }
         Some(Command::Bisect(args)) => {
             let (bisect, shape) = BisectSettings::resolve(&args, env)?;
             let nodes = NodesPlan::resolve(&args.nodes, &shape, env)?;
