@@ -716,10 +716,10 @@ dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:.2em 1em}dt{colo
 .badge{padding:0 .5em;border-radius:3px;color:#fff}.badge.good{background:#2a7}.badge.bad{background:#c33}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
 th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}tr.total td{font-weight:bold}
-tr.out td,tr.culprit td{background:#fdecea}pre{margin:0;white-space:pre-wrap;font-size:12px}
+tr.out td,tr.culprit td{background:#fdecea}td:first-child{white-space:nowrap}pre{margin:0;white-space:pre-wrap;font-size:12px}
 .not-recorded,.cut,.source,footer{color:#777;font-style:italic}
 svg{display:block;max-width:100%;height:auto;margin:.5em 0}svg text{font:11px system-ui,sans-serif;fill:#333}
-.axis line,.axis path{stroke:#888}.grid{stroke:#eee}
+.axis path{stroke:#888}.axis line.grid{stroke:#e4e4e4}
 .sw{display:inline-block;width:.8em;height:.8em;margin-right:.3em;vertical-align:-1px}
 .ph-launch{fill:#8da0cb;background:#8da0cb}.ph-join{fill:#a6cee3;background:#a6cee3}
 .ph-checks{fill:#b3b3b3;background:#b3b3b3}.ph-preflight{fill:#80b1d3;background:#80b1d3}
@@ -736,7 +736,7 @@ svg{display:block;max-width:100%;height:auto;margin:.5em 0}svg text{font:11px sy
 .legend span.item{margin-right:1em;white-space:nowrap}.legend .sw{border:1px solid #555}
 .legend .m-failed{background:#e41a1c}.legend .m-hang{background:#ff7f00}.legend .m-straggler{background:#ffd92f}
 .legend .m-left_out{background:#222}.legend .m-spare_in{background:#1f78b4}.legend .m-decision{background:#984ea3}
-.legend .m-restart{background:#f781bf}.legend .m-joined{background:#aaa}.legend .m-waiting{background:#ffd92f}
+.legend .m-preflight{background:#80b1d3}.legend .m-end{background:#555}.legend .m-restart{background:#f781bf}.legend .m-joined{background:#aaa}.legend .m-waiting{background:#ffd92f}
 .curve-oop{fill:none;stroke:#1f78b4;stroke-width:2}.curve-ip{fill:none;stroke:#a6cee3;stroke-width:2;stroke-dasharray:5 3}
 .pt{fill:#1f78b4}.line-rate{stroke:#e41a1c;stroke-width:1.5;stroke-dasharray:6 4}
 .cell-good{fill:#4daf4a}.cell-bad{fill:#e41a1c}.cell-slow{fill:#ff7f00}.cell-unreachable{fill:#222}

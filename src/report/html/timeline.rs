@@ -256,6 +256,8 @@ fn legend(nodes: usize, attempts: &[(Value, f64, Vec<String>, Option<(f64, Strin
         ("decision", "decision"),
         ("restart", "restart"),
         ("waiting", "waiting for nodes"),
+        ("preflight", "preflight ended"),
+        ("end", "job ended"),
     ] {
         let _ = write!(
             s,
