@@ -627,6 +627,12 @@ fn a_1024_node_report_is_small_and_opens_quickly() {
     let input = s.dir.path().join("big.json");
     std::fs::write(&input, serde_json::to_string(&synthetic_1024()).unwrap()).unwrap();
     let page = render(&s, &input, "big.html");
+    // NRUN_REPORT_HTML_KEEP=DIR keeps the report and its page there, to time them by hand
+    // (BENCHMARKS.md).
+    if let Some(dir) = std::env::var_os("NRUN_REPORT_HTML_KEEP") {
+        std::fs::copy(&input, Path::new(&dir).join("report-1024.json")).unwrap();
+        std::fs::copy(&page, Path::new(&dir).join("report-1024.html")).unwrap();
+    }
     let size = std::fs::metadata(&page).unwrap().len();
     assert!(size < 5_000_000, "the page is {size} bytes");
     // A screenshot makes Chromium lay out and paint the page, not only parse it.

@@ -317,6 +317,9 @@ struct NodeRow {
     evidence: String,
 }
 
+/// Which of a row's fields a fact fills.
+type Field = fn(&mut NodeRow) -> &mut String;
+
 /// The node table: status in the job, versions, GPUs, interface, the preflight's facts and
 /// bisect's verdict.
 fn nodes(v: &Value) -> String {
@@ -332,7 +335,7 @@ fn nodes(v: &Value) -> String {
             rows.len() - 1
         })
     };
-    let mut set: Vec<(usize, fn(&mut NodeRow) -> &mut String, String)> = Vec::new();
+    let mut set: Vec<(usize, Field, String)> = Vec::new();
     for e in events(v) {
         let host = text(&e["host"]);
         if e["name"] == "node_joined" && !host.is_empty() {
@@ -745,3 +748,72 @@ svg{display:block;max-width:100%;height:auto;margin:.5em 0}svg text{font:11px sy
 .legend .cell-unreachable{background:#222}.legend .cell-link{background:#984ea3}
 .legend .cell-group_failed{background:#f4b0b0}.legend .cell-untested{background:#eee}
 ";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn markup_in_a_string_is_escaped_in_text_and_attributes() {
+        assert_eq!(
+            esc("<a href=\"x\">'&'</a>"),
+            "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
+        );
+    }
+
+    /// Any key may be missing: an empty object, a list, nulls everywhere, wrong types: every
+    /// view is still there, saying what it lacks.
+    #[test]
+    fn a_report_missing_its_keys_still_makes_every_view() {
+        let odd = [
+            json!({}),
+            json!({"job": null, "events": [{"t": "soon"}, 3, null], "ledger": {"wall_s": "x"}}),
+            json!({"job": {"decisions": [null, 1]}, "rows": [{}], "watch": {"hangs": [{}]},
+                   "nodes": {"left_out": [{}], "ran_on": [null]}, "ledger": {"wall_s": 0.0}}),
+            json!({"rounds": [{"groups": [{"hosts": ["a"]}, {}]}], "nodes": [{"host": "a"}, {}]}),
+        ];
+        for v in odd {
+            let page = render(&v, "t.json");
+            for id in [
+                "summary",
+                "timeline",
+                "ledger",
+                "preflight",
+                "nodes",
+                "decisions",
+                "watch",
+            ] {
+                assert!(page.contains(&format!("id=\"{id}\"")), "{id} in {v}");
+            }
+            assert!(page.ends_with("</html>\n"));
+        }
+    }
+
+    #[test]
+    fn time_ticks_are_round_in_seconds_minutes_or_hours() {
+        assert_eq!(timeline::ticks(21.0), [0.0, 5.0, 10.0, 15.0, 20.0]);
+        assert_eq!(timeline::ticks(20010.0)[1], 3600.0);
+        assert!(timeline::ticks(1e-3).len() <= 9);
+    }
+
+    /// A node's 8 ranks failing at once are one mark whose tooltip counts them; a second
+    /// failure later on the same row stays its own mark.
+    #[test]
+    fn marks_of_one_kind_at_one_place_merge_and_count() {
+        let mut ev: Vec<serde_json::Value> = (0..8)
+            .map(|r| {
+                json!({"name": "worker_failed", "t": 100.0 + r as f64 * 0.001, "node": 0,
+                       "host": "h1", "rank": r, "message": format!("rank {r} failed")})
+            })
+            .collect();
+        ev.push(
+            json!({"name": "worker_failed", "t": 900.0, "node": 0, "host": "h1",
+                       "rank": 0, "message": "again"}),
+        );
+        let page = render(&json!({"events": ev}), "t.json");
+        assert_eq!(page.matches("class=\"m m-failed\"").count(), 2);
+        assert!(page.contains("8 × failed"), "{page}");
+        assert!(page.contains("… and 3 more"));
+    }
+}

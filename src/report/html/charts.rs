@@ -183,9 +183,9 @@ pub(super) fn busbw(v: &Value, pts: &[Point]) -> String {
             gbs(g)
         );
     }
-    let _ = write!(
+    let _ = writeln!(
         s,
-        "<path d=\"M{left} {top}V{}H{}\" fill=\"none\"/><text x=\"{}\" y=\"{}\" text-anchor=\"middle\">message size (bytes, log scale)</text><text x=\"14\" y=\"{}\" transform=\"rotate(-90 14 {})\" text-anchor=\"middle\">busbw GB/s</text></g>\n",
+        "<path d=\"M{left} {top}V{}H{}\" fill=\"none\"/><text x=\"{}\" y=\"{}\" text-anchor=\"middle\">message size (bytes, log scale)</text><text x=\"14\" y=\"{}\" transform=\"rotate(-90 14 {})\" text-anchor=\"middle\">busbw GB/s</text></g>",
         top + h,
         left + w,
         left + w / 2.0,
@@ -195,9 +195,9 @@ pub(super) fn busbw(v: &Value, pts: &[Point]) -> String {
     );
     if let Some((g, what)) = &rate {
         let yg = y(*g);
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "<line class=\"line-rate\" x1=\"{left}\" x2=\"{}\" y1=\"{yg:.1}\" y2=\"{yg:.1}\"><title>{}</title></line><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">line rate {} GB/s</text>\n",
+            "<line class=\"line-rate\" x1=\"{left}\" x2=\"{}\" y1=\"{yg:.1}\" y2=\"{yg:.1}\"><title>{}</title></line><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">line rate {} GB/s</text>",
             left + w,
             esc(&format!("expected line rate: {g:.1} GB/s ({what})")),
             left + w - 4.0,
@@ -324,18 +324,11 @@ pub(super) fn bisect(v: &Value) -> String {
                 (_, 2, _) => Cell::Bad,
                 _ => Cell::GroupFailed,
             };
-            let why = format!(
-                "{stage}: {} {}{}",
-                text(&g["evidence"]),
-                g["busbw_gbs"]
-                    .as_f64()
-                    .map_or(String::new(), |b| format!("({b:.2} GB/s)")),
-                if slow.is_empty() {
-                    String::new()
-                } else {
-                    format!("; {slow}")
-                }
-            );
+            let mut said: Vec<String> = vec![stage.clone()];
+            said.extend(g["busbw_gbs"].as_f64().map(|b| format!("{b:.2} GB/s")));
+            said.extend([text(&g["evidence"]), slow.clone()]);
+            said.retain(|x| !x.is_empty());
+            let why = said.join("; ");
             for &a in &members {
                 for &b in &members {
                     let c = &mut cells[a * n + b];
@@ -349,9 +342,9 @@ pub(super) fn bisect(v: &Value) -> String {
     let cell_px = if n <= 16 { 28.0 } else { 14.0 };
     let gutter = 8.0 + 7.0 * hosts.iter().map(String::len).max().unwrap_or(4).min(30) as f64;
     let size = gutter + cell_px * n as f64 + 4.0;
-    let _ = write!(
+    let _ = writeln!(
         s,
-        "<svg class=\"bisect-matrix\" viewBox=\"0 0 {size:.0} {size:.0}\" width=\"{size:.0}\" height=\"{size:.0}\" role=\"img\" aria-label=\"bisect verdicts\">\n"
+        "<svg class=\"bisect-matrix\" viewBox=\"0 0 {size:.0} {size:.0}\" width=\"{size:.0}\" height=\"{size:.0}\" role=\"img\" aria-label=\"bisect verdicts\">"
     );
     for (i, h) in hosts.iter().enumerate() {
         let c = gutter + cell_px * (i as f64 + 0.5);
@@ -450,14 +443,17 @@ fn rounds_table(rounds: &[Value]) -> String {
             .filter(|g| g["ok"] != true || !text(&g["slow_link"]).is_empty())
             .take(20)
             .map(|g| {
+                let mut said = vec![match g["ok"].as_bool() {
+                    Some(true) => "ok".to_string(),
+                    _ => "failed".to_string(),
+                }];
+                said.extend(g["busbw_gbs"].as_f64().map(|b| format!("{b:.2} GB/s")));
+                said.extend([text(&g["evidence"]), text(&g["slow_link"])]);
+                said.retain(|x| !x.is_empty());
                 format!(
-                    "{}: {}{}",
+                    "{}: {}",
                     list_text(&g["hosts"]).replace("; ", "+"),
-                    text(&g["evidence"]),
-                    match text(&g["slow_link"]) {
-                        l if l.is_empty() => String::new(),
-                        l => format!("; {l}"),
-                    }
+                    said.join("; ")
                 )
             })
             .collect();

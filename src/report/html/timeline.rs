@@ -47,6 +47,14 @@ struct Row {
     marks: Vec<Mark>,
 }
 
+/// An attempt as its events tell it: its number, start, nodes, and end (time, outcome).
+struct Attempt {
+    n: Value,
+    t0: f64,
+    hosts: Vec<String>,
+    ended: Option<(f64, String)>,
+}
+
 /// The rows, by host, in the order of their node index (then of first mention).
 #[derive(Default)]
 struct Rows {
@@ -109,8 +117,7 @@ pub(super) fn section(v: &Value) -> String {
     };
     let mut restarts: Vec<(f64, String)> = Vec::new();
     let mut phases: Vec<(f64, String)> = Vec::new();
-    // attempt number -> (start t, hosts, ended (t, outcome)).
-    let mut attempts: Vec<(Value, f64, Vec<String>, Option<(f64, String)>)> = Vec::new();
+    let mut attempts: Vec<Attempt> = Vec::new();
     for e in &evs {
         let t = e["t"].as_f64().unwrap_or(0.0);
         let name = e["name"].as_str().unwrap_or("");
@@ -124,15 +131,20 @@ pub(super) fn section(v: &Value) -> String {
                     .flatten()
                     .map(text)
                     .collect();
-                attempts.push((e["attempt"].clone(), t, hosts, None));
+                attempts.push(Attempt {
+                    n: e["attempt"].clone(),
+                    t0: t,
+                    hosts,
+                    ended: None,
+                });
             }
             "attempt_end" => {
                 if let Some(a) = attempts
                     .iter_mut()
                     .rev()
-                    .find(|a| a.0 == e["attempt"] && a.3.is_none())
+                    .find(|a| a.n == e["attempt"] && a.ended.is_none())
                 {
-                    a.3 = Some((t, text(&m["outcome"])));
+                    a.ended = Some((t, text(&m["outcome"])));
                 }
             }
             "restart" => restarts.push((t, title(e, t))),
@@ -152,7 +164,13 @@ pub(super) fn section(v: &Value) -> String {
             false => rows.get(&host, e["node"].as_u64()).marks.push(mark),
         }
     }
-    for (attempt, t0, hosts, ended) in &attempts {
+    for Attempt {
+        n: attempt,
+        t0,
+        hosts,
+        ended,
+    } in &attempts
+    {
         let (t1, outcome) = ended
             .clone()
             .unwrap_or((end, "running at the report's end".to_string()));
@@ -241,7 +259,7 @@ fn merge(marks: &mut Vec<Mark>) {
 }
 
 /// The key to the colours and marks, and what the chart shows.
-fn legend(nodes: usize, attempts: &[(Value, f64, Vec<String>, Option<(f64, String)>)]) -> String {
+fn legend(nodes: usize, attempts: &[Attempt]) -> String {
     let mut s = format!(
         "<p class=\"legend\">{nodes} node(s), one row each; {} attempt(s). ",
         attempts.len()
@@ -288,7 +306,7 @@ fn draw(
     let job_h = 22.0;
     let y0 = top + job_h + 6.0;
     let height = y0 + rh * rows.len() as f64 + 8.0;
-    let width = GUTTER + PLOT_W + 10.0;
+    let width = GUTTER + PLOT_W + 40.0;
     let mut s = format!(
         "<svg class=\"timeline-chart\" viewBox=\"0 0 {width} {height}\" width=\"{width}\" height=\"{height}\" role=\"img\" aria-label=\"timeline\">\n"
     );
@@ -360,7 +378,7 @@ fn draw(
             );
         }
         for m in &r.marks {
-            s.push_str(&mark(m, y + rh / 2.0, (rh * 0.45).max(2.0)));
+            s.push_str(&mark(m, y + rh / 2.0, (rh * 0.45).max(3.0)));
         }
         s.push_str("</g>\n");
     }
@@ -401,15 +419,18 @@ fn mark(m: &Mark, y: f64, r: f64) -> String {
     }
 }
 
-/// Round time ticks over [0, end]: 1, 2 or 5 times a power of ten seconds, 4 to 10 of them.
+/// Round time ticks over [0, end]: the first step of seconds, minutes or hours a person
+/// counts in that gives at most 8 of them.
 pub(super) fn ticks(end: f64) -> Vec<f64> {
-    let raw = end / 6.0;
-    let p = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 5.0, 10.0]
+    const STEPS: [f64; 22] = [
+        0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0,
+        3600.0, 7200.0, 10800.0, 21600.0, 43200.0, 86400.0, 172800.0,
+    ];
+    let step = STEPS
         .iter()
-        .map(|m| m * p)
+        .copied()
         .find(|s| end / s <= 8.0)
-        .unwrap_or(10.0 * p);
+        .unwrap_or(end / 8.0);
     (0..=((end / step) as usize))
         .map(|i| i as f64 * step)
         .collect()
