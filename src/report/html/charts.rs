@@ -306,39 +306,7 @@ pub(super) fn bisect(v: &Value) -> String {
         .map(|(i, h)| (h.as_str(), i))
         .collect();
     let n = hosts.len();
-    let mut cells = vec![(Cell::Untested, String::new()); n * n];
-    for r in rounds {
-        let stage = text(&r["stage"]);
-        for g in r["groups"].as_array().into_iter().flatten() {
-            let members: Vec<usize> = g["hosts"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|h| at.get(text(h).as_str()).copied())
-                .collect();
-            let size = g["hosts"].as_array().map_or(0, Vec::len);
-            let slow = text(&g["slow_link"]);
-            let cell = match (g["ok"].as_bool(), size, slow.is_empty()) {
-                (Some(true), _, true) => Cell::Good,
-                (Some(true), _, false) => Cell::Slow,
-                (_, 2, _) => Cell::Bad,
-                _ => Cell::GroupFailed,
-            };
-            let mut said: Vec<String> = vec![stage.clone()];
-            said.extend(g["busbw_gbs"].as_f64().map(|b| format!("{b:.2} GB/s")));
-            said.extend([text(&g["evidence"]), slow.clone()]);
-            said.retain(|x| !x.is_empty());
-            let why = said.join("; ");
-            for &a in &members {
-                for &b in &members {
-                    let c = &mut cells[a * n + b];
-                    if a != b && cell >= c.0 {
-                        *c = (cell, why.clone());
-                    }
-                }
-            }
-        }
-    }
+    let cells = pair_cells(rounds, &at, n);
     let cell_px = if n <= 16 { 28.0 } else { 14.0 };
     let gutter = 8.0 + 7.0 * hosts.iter().map(String::len).max().unwrap_or(4).min(30) as f64;
     let size = gutter + cell_px * n as f64 + 4.0;
@@ -429,6 +397,63 @@ pub(super) fn bisect(v: &Value) -> String {
     s.push_str(&super::cut_at(all, MATRIX_HOSTS, "nodes (all good)"));
     s.push_str(&rounds_table(rounds));
     s + "</section>\n"
+}
+
+/// How each pair of the matrix's hosts did together over the rounds (row-major, n x n): the
+/// worst that any group of both says, with its words. A slow link names its two ends; only
+/// that pair is slow, the rest of its group passed.
+fn pair_cells(rounds: &[Value], at: &HashMap<&str, usize>, n: usize) -> Vec<(Cell, String)> {
+    let mut cells = vec![(Cell::Untested, String::new()); n * n];
+    for r in rounds {
+        let stage = text(&r["stage"]);
+        for g in r["groups"].as_array().into_iter().flatten() {
+            let members: Vec<usize> = g["hosts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|h| at.get(text(h).as_str()).copied())
+                .collect();
+            let size = g["hosts"].as_array().map_or(0, Vec::len);
+            let slow = text(&g["slow_link"]);
+            let ends = link_ends(&slow).map(|(a, b)| (at.get(a).copied(), at.get(b).copied()));
+            let cell = match (g["ok"].as_bool(), size) {
+                (Some(true), _) => Cell::Good,
+                (_, 2) => Cell::Bad,
+                _ => Cell::GroupFailed,
+            };
+            let mut said: Vec<String> = vec![stage.clone()];
+            said.extend(g["busbw_gbs"].as_f64().map(|b| format!("{b:.2} GB/s")));
+            said.extend([text(&g["evidence"]), slow.clone()]);
+            said.retain(|x| !x.is_empty());
+            let why = said.join("; ");
+            for &a in &members {
+                for &b in &members {
+                    // The slow link's pair, or the whole group where its ends are not named.
+                    let slow_here = !slow.is_empty()
+                        && ends.is_none_or(|(x, y)| {
+                            (x, y) == (Some(a), Some(b)) || (x, y) == (Some(b), Some(a))
+                        });
+                    let cell = match slow_here && cell == Cell::Good {
+                        true => Cell::Slow,
+                        false => cell,
+                    };
+                    let c = &mut cells[a * n + b];
+                    if a != b && cell >= c.0 {
+                        *c = (cell, why.clone());
+                    }
+                }
+            }
+        }
+    }
+    cells
+}
+
+/// The two hosts of bisect's "the link from A to B carried ...".
+fn link_ends(slow: &str) -> Option<(&str, &str)> {
+    let rest = slow.strip_prefix("the link from ")?;
+    let (from, rest) = rest.split_once(" to ")?;
+    let (to, _) = rest.split_once(" carried")?;
+    Some((from, to))
 }
 
 /// Each round: its stage and groups, the failed and slow ones spelled out.
