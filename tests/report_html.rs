@@ -191,6 +191,7 @@ fn a_job_with_a_hang_restarts_and_a_spare_shows_all_of_it() {
             // Nodes, decisions, the watch.
             "class=\"node-table\"",
             "left out (run)",
+            "spare, in for hbsq9-h2",
             "class=\"decision-table\"",
             "restart without the node",
             "node at fault",

@@ -324,70 +324,7 @@ type Field = fn(&mut NodeRow) -> &mut String;
 /// bisect's verdict.
 fn nodes(v: &Value) -> String {
     let mut s = open("nodes", "Nodes");
-    let mut rows: Vec<NodeRow> = Vec::new();
-    let mut at = std::collections::HashMap::<String, usize>::new();
-    let mut row = |host: &str| -> usize {
-        *at.entry(host.to_string()).or_insert_with(|| {
-            rows.push(NodeRow {
-                host: host.to_string(),
-                ..Default::default()
-            });
-            rows.len() - 1
-        })
-    };
-    let mut set: Vec<(usize, Field, String)> = Vec::new();
-    for e in events(v) {
-        let host = text(&e["host"]);
-        if e["name"] == "node_joined" && !host.is_empty() {
-            let i = row(&host);
-            let m = &e["metadata"];
-            set.push((i, |r| &mut r.gpus, text(&m["gpus"])));
-            set.push((i, |r| &mut r.nccl, text(&m["nccl"])));
-            set.push((i, |r| &mut r.torch, text(&m["torch"])));
-            set.push((i, |r| &mut r.ifname, text(&m["ifname"])));
-        }
-    }
-    let n = &v["nodes"];
-    for (key, status) in [("ran_on", "ran the job"), ("spares", "spare")] {
-        for h in n[key].as_array().into_iter().flatten() {
-            let i = row(&text(h));
-            set.push((i, |r| &mut r.status, status.to_string()));
-        }
-    }
-    for l in n["left_out"].as_array().into_iter().flatten() {
-        let i = row(&text(&l["host"]));
-        let status = format!("left out ({})", text(&l["stage"]));
-        set.push((i, |r| &mut r.status, status));
-        set.push((i, |r| &mut r.evidence, text(&l["why"])));
-    }
-    // bisect's nodes: a list of verdicts.
-    for b in n.as_array().into_iter().flatten() {
-        let i = row(&text(&b["host"]));
-        set.push((i, |r| &mut r.verdict, text(&b["verdict"])));
-        set.push((i, |r| &mut r.evidence, list_text(&b["evidence"])));
-    }
-    let mut ranks: Vec<(usize, &Value)> = Vec::new();
-    for r in v["ranks"].as_array().into_iter().flatten() {
-        ranks.push((row(&text(&r["host"])), r));
-    }
-    for (i, f, val) in set {
-        if !val.is_empty() {
-            *f(&mut rows[i]) = val;
-        }
-    }
-    for (i, r) in ranks {
-        let row = &mut rows[i];
-        row.ranks += 1;
-        for (dst, key) in [
-            (&mut row.gpu_model, "gpu"),
-            (&mut row.driver, "driver"),
-            (&mut row.nccl, "nccl_version"),
-        ] {
-            if dst.is_empty() {
-                *dst = text(&r[key]);
-            }
-        }
-    }
+    let rows = node_rows(v);
     if rows.is_empty() {
         return s + NOT_RECORDED + "</section>\n";
     }
@@ -440,6 +377,81 @@ fn nodes(v: &Value) -> String {
     s.push_str("</tbody></table>\n");
     s.push_str(&cut_at(rows.len(), TABLE_ROWS * 6, "nodes"));
     s + "</section>\n"
+}
+
+/// The node table's rows, in the order the report first names each node.
+fn node_rows(v: &Value) -> Vec<NodeRow> {
+    let mut rows: Vec<NodeRow> = Vec::new();
+    let mut at = std::collections::HashMap::<String, usize>::new();
+    let mut row = |host: &str| -> usize {
+        *at.entry(host.to_string()).or_insert_with(|| {
+            rows.push(NodeRow {
+                host: host.to_string(),
+                ..Default::default()
+            });
+            rows.len() - 1
+        })
+    };
+    let mut set: Vec<(usize, Field, String)> = Vec::new();
+    for e in events(v) {
+        let host = text(&e["host"]);
+        if e["name"] == "node_joined" && !host.is_empty() {
+            let i = row(&host);
+            let m = &e["metadata"];
+            set.push((i, |r| &mut r.gpus, text(&m["gpus"])));
+            set.push((i, |r| &mut r.nccl, text(&m["nccl"])));
+            set.push((i, |r| &mut r.torch, text(&m["torch"])));
+            set.push((i, |r| &mut r.ifname, text(&m["ifname"])));
+        }
+    }
+    let n = &v["nodes"];
+    for (key, status) in [("ran_on", "ran the job"), ("spares", "spare")] {
+        for h in n[key].as_array().into_iter().flatten() {
+            let i = row(&text(h));
+            set.push((i, |r| &mut r.status, status.to_string()));
+        }
+    }
+    for l in n["left_out"].as_array().into_iter().flatten() {
+        let i = row(&text(&l["host"]));
+        let status = format!("left out ({})", text(&l["stage"]));
+        set.push((i, |r| &mut r.status, status));
+        set.push((i, |r| &mut r.evidence, text(&l["why"])));
+    }
+    // A spare that came in says whose place it took.
+    for e in events(v).filter(|e| e["name"] == "spare_in") {
+        let i = row(&text(&e["host"]));
+        let status = format!("spare, in for {}", text(&e["metadata"]["replaces"]));
+        set.push((i, |r| &mut r.status, status));
+    }
+    // bisect's nodes: a list of verdicts.
+    for b in n.as_array().into_iter().flatten() {
+        let i = row(&text(&b["host"]));
+        set.push((i, |r| &mut r.verdict, text(&b["verdict"])));
+        set.push((i, |r| &mut r.evidence, list_text(&b["evidence"])));
+    }
+    let mut ranks: Vec<(usize, &Value)> = Vec::new();
+    for r in v["ranks"].as_array().into_iter().flatten() {
+        ranks.push((row(&text(&r["host"])), r));
+    }
+    for (i, f, val) in set {
+        if !val.is_empty() {
+            *f(&mut rows[i]) = val;
+        }
+    }
+    for (i, r) in ranks {
+        let row = &mut rows[i];
+        row.ranks += 1;
+        for (dst, key) in [
+            (&mut row.gpu_model, "gpu"),
+            (&mut row.driver, "driver"),
+            (&mut row.nccl, "nccl_version"),
+        ] {
+            if dst.is_empty() {
+                *dst = text(&r[key]);
+            }
+        }
+    }
+    rows
 }
 
 /// Every decision of the fault model, with its evidence.
