@@ -151,6 +151,13 @@ fn summary(v: &Value, kind: Kind, source: &str) -> String {
     fact("attempts", esc(&text(&job["attempts"])));
     fact("restarts", esc(&text(&job["restarts"])));
     fact("ledger", esc(&text(&v["ledger"]["summary"])));
+    if let Some(took) = v["seconds"].as_f64() {
+        let rounds = v["rounds"].as_array().map_or(0, Vec::len);
+        fact(
+            "took",
+            esc(&format!("{rounds} rounds in {}", fmt_secs(took))),
+        );
+    }
     if let Some(e) = v["ledger"]["effective"].as_f64() {
         fact("effective training time", format!("{:.1}%", e * 100.0));
     }
