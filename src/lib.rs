@@ -29,7 +29,8 @@
 //!   worker-spec builder; a c10d node's own side ([`session::c10d`]). The seam:
 //!   [`session::link::NodeLink`], one per node, implemented by each kind of node (in-process,
 //!   a child here or over ssh, an srun step, a c10d peer; a fake in tests).
-//! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session.
+//! - [`commands`]: one file per command (`run`, `preflight`, `doctor`, `bisect`) on a session;
+//!   `report` draws a `--report` JSON as a page.
 
 // Only `main` is public: the integration tests use the crates below as libraries, so an
 // item of this crate that nobody uses is reported as dead.
@@ -124,6 +125,16 @@ pub fn main() -> ExitCode {
     }
     if matches!(cli.command, Some(nrun_cli::Command::Man)) {
         return ExitCode::from(nrun_cli::print_man());
+    }
+    // `nrun report` reads one file and writes one: no plan, no session.
+    if let Some(nrun_cli::Command::Report(a)) = &cli.command {
+        return match commands::report::run(&a.input, a.output.as_deref()) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("nrun: error: {e}");
+                ExitCode::from(e.code)
+            }
+        };
     }
     let env = |k: &str| std::env::var(k).ok();
     match plan::resolve(cli, &env).and_then(commands::execute) {

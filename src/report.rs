@@ -1,5 +1,8 @@
 //! What nrun tells people: how a job ended and the failure summary (one for one node or many),
-//! JSON reports, and log formatting. The one place that knows how messages look.
+//! JSON reports, and log formatting. The one place that knows how messages look; [`html`]: the
+//! same reports as a page a person reads.
+
+pub(crate) mod html;
 
 use std::fmt::Write as _;
 use std::path::Path;

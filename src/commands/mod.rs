@@ -4,10 +4,12 @@
 //!   and summarized (the job's and bisect's probes).
 //! - [`doctor`]: facts and checks, running nothing.
 //! - [`bisect`]: the staged scale-up.
+//! - [`report`]: a `--report` JSON drawn as a page (no session).
 
 pub(crate) mod bisect;
 pub(crate) mod doctor;
 pub(crate) mod preflight;
+pub(crate) mod report;
 pub(crate) mod run;
 
 use crate::plan::Mode;

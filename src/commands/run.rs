@@ -26,25 +26,32 @@ pub(crate) async fn run(
     // --report is written at the end of every job, however it ended, with the nodes left out;
     // --preflight-only's own report is the preflight's (written by it), rewritten only to add
     // the nodes left out.
+    // --report-html draws the very value --report holds.
     let nodes = s.nodes_json();
-    let written = match (&job.report, job.preflight_only, &rec.preflight) {
-        (Some(path), false, _) => {
-            let mut v = rec.json(code_of, &s);
-            if let Some(n) = nodes {
-                v["nodes"] = n;
-            }
-            report::write_json("--report", path, &v)
+    let rewrite = !job.preflight_only || nodes.is_some();
+    let value = match (job.preflight_only, &rec.preflight) {
+        (false, _) => Some(rec.json(code_of, &s)),
+        (true, Some(pf)) => Some(pf.clone()),
+        (true, None) => None,
+    };
+    let value = value.map(|mut v| {
+        if let Some(n) = nodes {
+            v["nodes"] = n;
         }
-        (Some(path), true, Some(pf)) if nodes.is_some() => {
-            let mut v = pf.clone();
-            v["nodes"] = nodes.unwrap_or_default();
-            report::write_json("--report", path, &v)
-        }
+        v
+    });
+    let written = match (&job.report, &value) {
+        (Some(path), Some(v)) if rewrite => report::write_json("--report", path, v),
+        _ => Ok(()),
+    };
+    let drawn = match (&job.report_html, &value) {
+        (Some(path), Some(v)) => report::html::write("--report-html", path, v, "this job"),
         _ => Ok(()),
     };
     // Nodes whose own nrun joined (c10d) exit with the job's code.
     s.end_with(code_of).await;
     written?;
+    drawn?;
     code
 }
 

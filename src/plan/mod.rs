@@ -73,10 +73,12 @@ pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
             };
             Ok(Mode::Doctor { doctor, nodes })
         }
-        Some(Command::Run(_) | Command::Completions { .. } | Command::Man) => Err(Error::internal(
-            "completions and the manual page are printed before a plan is made (and run is the \
-             default command)",
-        )),
+        Some(Command::Run(_) | Command::Completions { .. } | Command::Man | Command::Report(_)) => {
+            Err(Error::internal(
+                "completions, the manual page and `nrun report` are done before a plan is made \
+                 (and run is the default command)",
+            ))
+        }
         Some(Command::Bisect(args)) => {
             let (bisect, shape) = BisectSettings::resolve(&args, env)?;
             let nodes = NodesPlan::resolve(&args.nodes, &shape, env)?;

@@ -134,6 +134,8 @@ pub(crate) struct RunSettings {
     pub watch: Option<crate::watch::WatchPlan>,
     /// `--report FILE`: the preflight's and the watch's findings as JSON.
     pub report: Option<PathBuf>,
+    /// `--report-html FILE`: the same report as a page a person reads.
+    pub report_html: Option<PathBuf>,
     /// TORCHELASTIC_ERROR_FILE set for nrun itself: the root cause goes there on failure.
     pub launcher_error_file: Option<PathBuf>,
 }

@@ -95,6 +95,7 @@ impl RunSettings {
             preflight_only: preflight.preflight_only,
             watch: resolve_watch(watch)?,
             report: preflight.report.clone(),
+            report_html: job.report_html.clone(),
             launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
@@ -207,6 +208,7 @@ impl WorkersPlan {
             redirects: _,
             tee: _,
             local_ranks_filter: _,
+            report_html: _,
             role,
             log_line_prefix_template,
             color,

@@ -54,6 +54,16 @@ Examples:
 Exit status: 0 the nodes are ready; 2 bad usage; 95 a node could not join, the nodes disagree,
 or the python a job would run has no torch there (--no-python-probe: not looked at).";
 
+const REPORT_EXAMPLES: &str = "\
+Examples:
+  nrun --report run.json --max-restarts 2 train.py   the job writes run.json, then:
+  nrun report run.json                    writes run.html beside it and prints its path
+  nrun report run.json -o /tmp/incident.html
+  nrun --report-html run.html train.py    the job writes the page itself at its end
+
+Exit status: 0 the page was written; 2 the report is missing or not nrun's JSON, or the page
+cannot be written.";
+
 const BISECT_EXAMPLES: &str = "\
 Examples:
   nrun bisect --hostfile hosts --nproc 8 --write-hostfile good-hosts
@@ -134,6 +144,11 @@ pub enum Command {
     /// ... all, isolating what fails or is slow.
     #[command(after_help = BISECT_EXAMPLES, args_override_self = true)]
     Bisect(Box<BisectArgs>),
+    /// The incident report a person reads: a job's, bisect's or the preflight's --report JSON
+    /// as one self-contained HTML page (timeline, ledger, bus-bandwidth curve, bisect's matrix,
+    /// nodes, decisions, hangs and stragglers); opens from disk, loads nothing.
+    #[command(after_help = REPORT_EXAMPLES, args_override_self = true)]
+    Report(ReportArgs),
     /// Shell completions on stdout: `nrun completions bash > /etc/bash_completion.d/nrun`
     /// (zsh: a file `_nrun` on $fpath; fish: ~/.config/fish/completions/nrun.fish).
     #[command(after_help = COMPLETIONS_EXAMPLES)]
@@ -144,6 +159,17 @@ pub enum Command {
     /// The manual page on stdout: `nrun man > /usr/local/share/man/man1/nrun.1`.
     #[command(after_help = MAN_EXAMPLES)]
     Man,
+}
+
+/// `nrun report REPORT.json [-o OUT.html]`.
+#[derive(Args, Debug, Clone)]
+pub struct ReportArgs {
+    /// The JSON a job's, bisect's or `--preflight-only`'s --report wrote.
+    #[arg(value_name = "REPORT.json")]
+    pub input: PathBuf,
+    /// Where to write the page (default: beside the input, its name ending in .html).
+    #[arg(short = 'o', long = "output", value_name = "OUT.html")]
+    pub output: Option<PathBuf>,
 }
 
 /// `nrun [OPTIONS] TARGET [ARGS]...`: the job, with its preflight, on one node or many.
@@ -383,6 +409,12 @@ pub struct JobArgs {
         value_name = "DIR"
     )]
     pub log_dir: Option<PathBuf>,
+
+    /// At the job's end, however it ended, write the incident report as one self-contained
+    /// HTML page to FILE (what --report holds, drawn: timeline, ledger, preflight, nodes,
+    /// decisions, hangs); `nrun report REPORT.json` draws one later.
+    #[arg(long = "report-html", env = "NRUN_REPORT_HTML", value_name = "FILE")]
+    pub report_html: Option<PathBuf>,
 
     /// Send streams to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank
     /// like 0:3,1:1.

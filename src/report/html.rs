@@ -1,0 +1,838 @@
+//! The incident report a person reads: one self-contained HTML page drawn from a `--report`
+//! JSON value (the job's, `--preflight-only`'s or bisect's), for `nrun report` and the job's
+//! `--report-html`.
+//!
+//! The page has no script and loads nothing: inline CSS, charts as inline SVG drawn here, a
+//! Content-Security-Policy that forbids every fetch (so a browser says so if anything ever
+//! tried), and it opens from disk. Every string from the report is escaped ([`esc`]): a host
+//! name or a worker's message is data, never markup. Any key may be missing (an older report,
+//! a bisect or preflight report): a view whose data is absent says "not recorded".
+//!
+//! Views, each a `<section class="view" id=...>`: `summary`, `timeline` ([`timeline`]),
+//! `ledger`, `preflight` (the bus-bandwidth curve), `bisect` (the verdict matrix, bisect
+//! reports only), `nodes`, `decisions`, `watch`. Sizes stay bounded at scale: the timeline
+//! merges a row's marks that fall on the same pixels, long lists are cut with a count of what
+//! was left out.
+
+mod charts;
+mod timeline;
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use nrun_base::error::{Error, Result};
+use serde_json::Value;
+
+/// The ledger's phases, in the order time flows (the schema's keys).
+pub(super) const PHASES: [&str; 11] = [
+    "launch",
+    "join",
+    "checks",
+    "preflight",
+    "starting",
+    "running",
+    "detecting",
+    "stopping",
+    "restarting",
+    "waiting",
+    "ending",
+];
+
+/// Most rows a table shows before it says how many it left out.
+const TABLE_ROWS: usize = 200;
+
+/// Renders and writes the page; `flag` names where the path came from in an error.
+pub(crate) fn write(flag: &str, path: &Path, report: &Value, source: &str) -> Result<()> {
+    std::fs::write(path, render(report, source)).map_err(|e| {
+        Error::usage(format!(
+            "cannot write {flag} {}: {e} (check that its directory exists and is writable)",
+            path.display()
+        ))
+    })
+}
+
+/// The whole page. `source`: what the report was read from, shown in the header.
+pub(crate) fn render(v: &Value, source: &str) -> String {
+    let kind = Kind::of(v);
+    let mut body = String::new();
+    body.push_str(&summary(v, kind, source));
+    body.push_str(&timeline::section(v));
+    body.push_str(&ledger(v));
+    body.push_str(&preflight(v));
+    if kind == Kind::Bisect {
+        body.push_str(&charts::bisect(v));
+    }
+    body.push_str(&nodes(v));
+    body.push_str(&decisions(v));
+    body.push_str(&watch(v));
+    let title = match kind {
+        Kind::Job => format!("nrun job: {}", text(&v["job"]["outcome"])),
+        Kind::Preflight => format!("nrun preflight: {}", text(&v["verdict"])),
+        Kind::Bisect => "nrun bisect".to_string(),
+        Kind::Unknown => "nrun report".to_string(),
+    };
+    format!(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n\
+         <meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">\n\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n\
+         <title>{}</title>\n<style>{CSS}</style></head>\n<body>\n{body}<footer>written by nrun {}</footer>\n</body></html>\n",
+        esc(&title),
+        esc(nrun_base::VERSION),
+    )
+}
+
+/// Which command's report it is, by its keys.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Job,
+    Preflight,
+    Bisect,
+    Unknown,
+}
+
+impl Kind {
+    fn of(v: &Value) -> Kind {
+        if v.get("job").is_some() {
+            Kind::Job
+        } else if v.get("rounds").is_some() || v["nodes"].is_array() {
+            Kind::Bisect
+        } else if v.get("verdict").is_some() || v.get("rows").is_some() {
+            Kind::Preflight
+        } else {
+            Kind::Unknown
+        }
+    }
+}
+
+/// The header: what ended how, the ledger's one line, and links to the views.
+fn summary(v: &Value, kind: Kind, source: &str) -> String {
+    let mut s = String::from("<section class=\"view\" id=\"summary\">\n");
+    let what = match kind {
+        Kind::Job => "job",
+        Kind::Preflight => "preflight",
+        Kind::Bisect => "bisect",
+        Kind::Unknown => "report",
+    };
+    let _ = writeln!(s, "<h1>nrun {what} report</h1>");
+    let _ = write!(
+        s,
+        "<p class=\"source\">from <code>{}</code></p>\n<dl class=\"facts\">",
+        esc(source)
+    );
+    let mut fact = |k: &str, val: String| {
+        if !val.is_empty() {
+            let _ = write!(s, "<dt>{}</dt><dd>{}</dd>", esc(k), val);
+        }
+    };
+    let job = &v["job"];
+    let outcome = match kind {
+        Kind::Job => text(&job["outcome"]),
+        Kind::Preflight => text(&v["verdict"]),
+        Kind::Bisect => bisect_outcome(v),
+        Kind::Unknown => String::new(),
+    };
+    if !outcome.is_empty() {
+        let class = match outcome.as_str() {
+            "success" | "ok" | "every node good" => "good",
+            _ => "bad",
+        };
+        fact(
+            "outcome",
+            format!("<span class=\"badge {class}\">{}</span>", esc(&outcome)),
+        );
+    }
+    let code = if kind == Kind::Job {
+        &job["exit_code"]
+    } else {
+        &v["exit_code"]
+    };
+    fact("exit code", esc(&text(code)));
+    fact("what failed", esc(&text(&job["headline"])));
+    fact("attempts", esc(&text(&job["attempts"])));
+    fact("restarts", esc(&text(&job["restarts"])));
+    fact("ledger", esc(&text(&v["ledger"]["summary"])));
+    if let Some(took) = v["seconds"].as_f64() {
+        let rounds = v["rounds"].as_array().map_or(0, Vec::len);
+        fact(
+            "took",
+            esc(&format!("{rounds} rounds in {}", fmt_secs(took))),
+        );
+    }
+    if let Some(e) = v["ledger"]["effective"].as_f64() {
+        fact("effective training time", format!("{:.1}%", e * 100.0));
+    }
+    s.push_str(
+        "</dl>\n<nav><a href=\"#timeline\">timeline</a> <a href=\"#ledger\">ledger</a> \
+                <a href=\"#preflight\">preflight</a> ",
+    );
+    if kind == Kind::Bisect {
+        s.push_str("<a href=\"#bisect\">bisect</a> ");
+    }
+    s.push_str(
+        "<a href=\"#nodes\">nodes</a> <a href=\"#decisions\">decisions</a> \
+                <a href=\"#watch\">hangs and stragglers</a></nav>\n</section>\n",
+    );
+    s
+}
+
+fn bisect_outcome(v: &Value) -> String {
+    let nodes = v["nodes"].as_array().map_or(&[][..], Vec::as_slice);
+    let bad = nodes.iter().filter(|n| n["verdict"] != "good").count();
+    match bad {
+        0 if nodes.is_empty() => String::new(),
+        0 => "every node good".to_string(),
+        n => format!("{n} of {} nodes not good", nodes.len()),
+    }
+}
+
+/// The ledger: where the wall time went, in total and per attempt.
+fn ledger(v: &Value) -> String {
+    let l = &v["ledger"];
+    let mut s = open("ledger", "Where the time went (ledger)");
+    let Some(wall) = l["wall_s"].as_f64() else {
+        return s + NOT_RECORDED + "</section>\n";
+    };
+    let _ = write!(
+        s,
+        "<p class=\"ledger-summary\">{}",
+        esc(&text(&l["summary"]))
+    );
+    if let Some(e) = l["effective"].as_f64() {
+        let _ = write!(
+            s,
+            " <strong class=\"effective\">{:.1}% effective training time</strong>",
+            e * 100.0
+        );
+    }
+    if let Some(lost) = l["lost_s"].as_f64() {
+        let _ = write!(s, " (lost: {})", fmt_secs(lost));
+    }
+    s.push_str("</p>\n");
+    s.push_str(&charts::ledger_bars(l, wall));
+    s.push_str("<table class=\"phases\"><thead><tr><th>phase</th><th>seconds</th><th>share</th></tr></thead><tbody>\n");
+    for p in PHASES {
+        let secs = l["phases"][p].as_f64();
+        let share = secs.map_or(String::new(), |x| pct(x, wall));
+        let _ = writeln!(
+            s,
+            "<tr><td><span class=\"sw ph-{p}\"></span>{p}</td><td class=\"n\">{}</td><td class=\"n\">{share}</td></tr>",
+            secs.map_or("not recorded".to_string(), |x| format!("{x:.1}")),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "<tr class=\"total\"><td>wall time</td><td class=\"n\">{wall:.1}</td><td class=\"n\">100%</td></tr></tbody></table>"
+    );
+    if let Some(attempts) = l["attempts"].as_array().filter(|a| !a.is_empty()) {
+        s.push_str("<h3>Attempts</h3><table class=\"attempts\"><thead><tr><th>attempt</th><th>from</th><th>to</th><th>outcome</th><th>running</th><th>lost</th></tr></thead><tbody>\n");
+        for a in attempts.iter().take(TABLE_ROWS) {
+            let running = a["phases"]["running"].as_f64().unwrap_or(0.0);
+            let all: f64 = PHASES.iter().filter_map(|p| a["phases"][p].as_f64()).sum();
+            let _ = writeln!(
+                s,
+                "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td><td class=\"n\">{running:.1} s</td><td class=\"n\">{:.1} s</td></tr>",
+                esc(&text(&a["attempt"])),
+                esc(&secs_at(&a["start_s"])),
+                esc(&secs_at(&a["end_s"])),
+                esc(&text(&a["outcome"])),
+                (all - running).max(0.0),
+            );
+        }
+        s.push_str("</tbody></table>\n");
+        s.push_str(&cut(attempts.len(), "attempts"));
+    }
+    s + "</section>\n"
+}
+
+/// The preflight: the bus-bandwidth curve against the line rate, and its verdict.
+fn preflight(v: &Value) -> String {
+    let mut s = open("preflight", "Preflight: bus bandwidth by message size");
+    let points = charts::busbw_points(v);
+    if points.is_empty() && v.get("verdict").is_none() {
+        return s + NOT_RECORDED + "</section>\n";
+    }
+    let _ = write!(s, "<dl class=\"facts\">");
+    for (k, key) in [
+        ("verdict", "verdict"),
+        ("exit code", "exit_code"),
+        ("mode", "mode"),
+        ("ranks", "world_size"),
+    ] {
+        let t = text(&v[key]);
+        if !t.is_empty() {
+            let _ = write!(s, "<dt>{k}</dt><dd>{}</dd>", esc(&t));
+        }
+    }
+    if let Some(w) = v["wall_s"].as_f64() {
+        let _ = write!(s, "<dt>took</dt><dd>{}</dd>", fmt_secs(w));
+    }
+    let nccl = list_text(&v["nccl"]);
+    if !nccl.is_empty() {
+        let _ = write!(s, "<dt>NCCL</dt><dd>{}</dd>", esc(&nccl));
+    }
+    let lr = &v["line_rate"];
+    if let Some(g) = lr["gbs"].as_f64() {
+        let _ = write!(
+            s,
+            "<dt>line rate</dt><dd>{g:.1} GB/s ({}); busbw {:.1} GB/s, {:.0}% of it</dd>",
+            esc(&text(&lr["what"])),
+            lr["busbw_gbs"].as_f64().unwrap_or(0.0),
+            lr["efficiency"].as_f64().unwrap_or(0.0) * 100.0
+        );
+    }
+    s.push_str("</dl>\n");
+    s.push_str(&charts::busbw(v, &points));
+    for (what, key) in [("problem", "problems"), ("hint", "hints")] {
+        if let Some(items) = v[key].as_array().filter(|a| !a.is_empty()) {
+            let _ = write!(s, "<ul class=\"{key}\">");
+            for i in items.iter().take(TABLE_ROWS) {
+                let _ = write!(s, "<li>{what}: {}</li>", esc(&text(i)));
+            }
+            s.push_str("</ul>\n");
+            s.push_str(&cut(items.len(), key));
+        }
+    }
+    if let Some(silent) = v["silent_ranks"].as_array().filter(|a| !a.is_empty()) {
+        let _ = write!(
+            s,
+            "<p class=\"problems\">{} rank(s) never reported: ",
+            silent.len()
+        );
+        let names: Vec<String> = silent
+            .iter()
+            .take(20)
+            .map(|r| format!("rank {} on {}", text(&r["rank"]), text(&r["host"])))
+            .collect();
+        let _ = writeln!(s, "{}</p>", esc(&names.join(", ")));
+    }
+    s + "</section>\n"
+}
+
+/// One row of the node table, gathered from wherever the report mentions the node.
+#[derive(Default)]
+struct NodeRow {
+    host: String,
+    status: String,
+    gpus: String,
+    nccl: String,
+    torch: String,
+    ifname: String,
+    gpu_model: String,
+    driver: String,
+    ranks: usize,
+    verdict: String,
+    evidence: String,
+}
+
+/// Which of a row's fields a fact fills.
+type Field = fn(&mut NodeRow) -> &mut String;
+
+/// The node table: status in the job, versions, GPUs, interface, the preflight's facts and
+/// bisect's verdict.
+fn nodes(v: &Value) -> String {
+    let mut s = open("nodes", "Nodes");
+    let rows = node_rows(v);
+    if rows.is_empty() {
+        return s + NOT_RECORDED + "</section>\n";
+    }
+    let cols = [
+        "node",
+        "status",
+        "GPUs",
+        "GPU",
+        "driver",
+        "NCCL",
+        "torch",
+        "interface",
+        "preflight ranks",
+        "bisect",
+        "evidence",
+    ];
+    s.push_str("<table class=\"node-table\"><thead><tr>");
+    for c in cols {
+        let _ = write!(s, "<th>{c}</th>");
+    }
+    s.push_str("</tr></thead><tbody>\n");
+    for r in rows.iter().take(TABLE_ROWS * 6) {
+        let ranks = match r.ranks {
+            0 => String::new(),
+            n => n.to_string(),
+        };
+        let class = match (r.status.starts_with("left out"), r.verdict.as_str()) {
+            (true, _) => " class=\"out\"",
+            (_, "" | "good") => "",
+            _ => " class=\"out\"",
+        };
+        s.push_str(&format!("<tr{class}>"));
+        for c in [
+            &r.host,
+            &r.status,
+            &r.gpus,
+            &r.gpu_model,
+            &r.driver,
+            &r.nccl,
+            &r.torch,
+            &r.ifname,
+            &ranks,
+            &r.verdict,
+            &r.evidence,
+        ] {
+            let _ = write!(s, "<td>{}</td>", esc(c));
+        }
+        s.push_str("</tr>\n");
+    }
+    s.push_str("</tbody></table>\n");
+    s.push_str(&cut_at(rows.len(), TABLE_ROWS * 6, "nodes"));
+    s + "</section>\n"
+}
+
+/// The node table's rows, in the order the report first names each node.
+fn node_rows(v: &Value) -> Vec<NodeRow> {
+    let mut rows: Vec<NodeRow> = Vec::new();
+    let mut at = std::collections::HashMap::<String, usize>::new();
+    let mut row = |host: &str| -> usize {
+        *at.entry(host.to_string()).or_insert_with(|| {
+            rows.push(NodeRow {
+                host: host.to_string(),
+                ..Default::default()
+            });
+            rows.len() - 1
+        })
+    };
+    let mut set: Vec<(usize, Field, String)> = Vec::new();
+    for e in events(v) {
+        let host = text(&e["host"]);
+        if e["name"] == "node_joined" && !host.is_empty() {
+            let i = row(&host);
+            let m = &e["metadata"];
+            set.push((i, |r| &mut r.gpus, text(&m["gpus"])));
+            set.push((i, |r| &mut r.nccl, text(&m["nccl"])));
+            set.push((i, |r| &mut r.torch, text(&m["torch"])));
+            set.push((i, |r| &mut r.ifname, text(&m["ifname"])));
+        }
+    }
+    let n = &v["nodes"];
+    for (key, status) in [("ran_on", "ran the job"), ("spares", "spare")] {
+        for h in n[key].as_array().into_iter().flatten() {
+            let i = row(&text(h));
+            set.push((i, |r| &mut r.status, status.to_string()));
+        }
+    }
+    for l in n["left_out"].as_array().into_iter().flatten() {
+        let i = row(&text(&l["host"]));
+        let status = format!("left out ({})", text(&l["stage"]));
+        set.push((i, |r| &mut r.status, status));
+        set.push((i, |r| &mut r.evidence, text(&l["why"])));
+    }
+    // A spare that came in says whose place it took.
+    for e in events(v).filter(|e| e["name"] == "spare_in") {
+        let i = row(&text(&e["host"]));
+        let status = format!("spare, in for {}", text(&e["metadata"]["replaces"]));
+        set.push((i, |r| &mut r.status, status));
+    }
+    // bisect's nodes: a list of verdicts.
+    for b in n.as_array().into_iter().flatten() {
+        let i = row(&text(&b["host"]));
+        set.push((i, |r| &mut r.verdict, text(&b["verdict"])));
+        set.push((i, |r| &mut r.evidence, list_text(&b["evidence"])));
+    }
+    let mut ranks: Vec<(usize, &Value)> = Vec::new();
+    for r in v["ranks"].as_array().into_iter().flatten() {
+        ranks.push((row(&text(&r["host"])), r));
+    }
+    for (i, f, val) in set {
+        if !val.is_empty() {
+            *f(&mut rows[i]) = val;
+        }
+    }
+    for (i, r) in ranks {
+        let row = &mut rows[i];
+        row.ranks += 1;
+        for (dst, key) in [
+            (&mut row.gpu_model, "gpu"),
+            (&mut row.driver, "driver"),
+            (&mut row.nccl, "nccl_version"),
+        ] {
+            if dst.is_empty() {
+                *dst = text(&r[key]);
+            }
+        }
+    }
+    rows
+}
+
+/// Every decision of the fault model, with its evidence.
+fn decisions(v: &Value) -> String {
+    let mut s = open("decisions", "Decisions and their evidence");
+    let mut rows: Vec<[String; 6]> = Vec::new();
+    for d in v["job"]["decisions"].as_array().into_iter().flatten() {
+        rows.push([
+            text(&d["attempt"]),
+            text(&d["host"]),
+            text(&d["verdict"]),
+            text(&d["action"]),
+            match d["left_out"].as_bool() {
+                Some(true) => "yes".into(),
+                Some(false) => "no".into(),
+                None => String::new(),
+            },
+            text(&d["evidence"]),
+        ]);
+    }
+    // A report without the job's list still has the decisions among its events.
+    if rows.is_empty() {
+        for e in events(v).filter(|e| e["name"] == "decision") {
+            let m = &e["metadata"];
+            rows.push([
+                text(&e["attempt"]),
+                text(&e["host"]),
+                text(&m["verdict"]),
+                text(&m["action"]),
+                String::new(),
+                text(&m["evidence"]),
+            ]);
+        }
+    }
+    if rows.is_empty() {
+        let said = match v.get("job") {
+            Some(_) => "<p class=\"not-recorded\">no decision was taken: no attempt failed</p>\n",
+            None => NOT_RECORDED,
+        };
+        return s + said + "</section>\n";
+    }
+    s.push_str("<table class=\"decision-table\"><thead><tr><th>attempt</th><th>node</th><th>verdict</th><th>action</th><th>left out</th><th>evidence</th></tr></thead><tbody>\n");
+    for r in rows.iter().take(TABLE_ROWS) {
+        s.push_str("<tr class=\"decision\">");
+        for c in r {
+            let _ = write!(s, "<td>{}</td>", esc(c));
+        }
+        s.push_str("</tr>\n");
+    }
+    s.push_str("</tbody></table>\n");
+    s.push_str(&cut(rows.len(), "decisions"));
+    s + "</section>\n"
+}
+
+/// Most ranks of a hang listed (its culprits always are).
+const HANG_RANKS: usize = 16;
+
+/// The watch's hangs, stragglers and mismatched collectives.
+fn watch(v: &Value) -> String {
+    let w = &v["watch"];
+    let mut s = open("watch", "Hangs and stragglers (the watch)");
+    if !w.is_object() {
+        return s + NOT_RECORDED + "</section>\n";
+    }
+    let hangs = w["hangs"].as_array().map_or(&[][..], Vec::as_slice);
+    let stragglers = w["stragglers"].as_array().map_or(&[][..], Vec::as_slice);
+    let mismatches = w["mismatches"].as_array().map_or(&[][..], Vec::as_slice);
+    if hangs.is_empty() && stragglers.is_empty() && mismatches.is_empty() {
+        return s
+            + "<p class=\"not-recorded\">the watch found no hang, straggler or mismatch</p>\n</section>\n";
+    }
+    for h in hangs.iter().take(TABLE_ROWS) {
+        let culprits: Vec<u64> = h["culprits"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_u64)
+            .collect();
+        let _ = write!(
+            s,
+            "<div class=\"hang\"><h3>hang: {}</h3><p>stalled {}; {}</p>",
+            esc(&text(&h["kind"])),
+            h["stalled_s"].as_f64().map_or(String::new(), fmt_secs),
+            esc(&text(&h["conclusion"])),
+        );
+        let ranks = h["ranks"].as_array().map_or(&[][..], Vec::as_slice);
+        s.push_str("<table><thead><tr><th>rank</th><th>node</th><th>pid</th><th>state</th><th>innermost frames</th></tr></thead><tbody>\n");
+        let shown = ranks
+            .iter()
+            .filter(|r| r["rank"].as_u64().is_some_and(|x| culprits.contains(&x)))
+            .chain(
+                ranks
+                    .iter()
+                    .filter(|r| !r["rank"].as_u64().is_some_and(|x| culprits.contains(&x))),
+            )
+            .take(HANG_RANKS);
+        for r in shown {
+            let frames: Vec<String> = r["frames"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .take(4)
+                .map(text)
+                .collect();
+            let class = match r["rank"].as_u64().is_some_and(|x| culprits.contains(&x)) {
+                true => " class=\"culprit\"",
+                false => "",
+            };
+            let _ = writeln!(
+                s,
+                "<tr{class}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><pre>{}</pre></td></tr>",
+                esc(&text(&r["rank"])),
+                esc(&text(&r["host"])),
+                esc(&text(&r["pid"])),
+                esc(&text(&r["state"])),
+                esc(&frames.join("\n")),
+            );
+        }
+        s.push_str("</tbody></table>");
+        s.push_str(&cut_at(ranks.len(), HANG_RANKS, "ranks"));
+        let ras = &h["nccl_ras"];
+        if let Some(f) = ras["findings"].as_array().filter(|f| !f.is_empty()) {
+            let lines: Vec<String> = f.iter().take(20).map(text).collect();
+            let _ = write!(
+                s,
+                "<p>NCCL's RAS (asked on {}):</p><pre>{}</pre>",
+                esc(&text(&ras["host"])),
+                esc(&lines.join("\n"))
+            );
+        }
+        s.push_str("</div>\n");
+    }
+    if !stragglers.is_empty() {
+        s.push_str("<h3>Stragglers</h3><table class=\"stragglers\"><thead><tr><th>rank</th><th>node</th><th>waited for peers</th><th>median rank waited</th></tr></thead><tbody>\n");
+        for st in stragglers.iter().take(TABLE_ROWS) {
+            let _ = writeln!(
+                s,
+                "<tr class=\"straggler\"><td>{}</td><td>{}</td><td class=\"n\">{:.0}%</td><td class=\"n\">{:.0}%</td></tr>",
+                esc(&text(&st["rank"])),
+                esc(&text(&st["host"])),
+                st["waited_pct"].as_f64().unwrap_or(0.0),
+                st["median_pct"].as_f64().unwrap_or(0.0),
+            );
+        }
+        s.push_str("</tbody></table>\n");
+        s.push_str(&cut(stragglers.len(), "stragglers"));
+    }
+    if !mismatches.is_empty() {
+        s.push_str("<h3>Mismatched collectives</h3><ul class=\"mismatches\">");
+        for m in mismatches.iter().take(TABLE_ROWS) {
+            let _ = write!(
+                s,
+                "<li>group {} call #{}: {} (culprits: {})</li>",
+                esc(&text(&m["pg"])),
+                esc(&text(&m["seq"])),
+                esc(&text(&m["calls"])),
+                esc(&list_text(&m["culprits"])),
+            );
+        }
+        s.push_str("</ul>\n");
+    }
+    s + "</section>\n"
+}
+
+const NOT_RECORDED: &str = "<p class=\"not-recorded\">not recorded in this report</p>\n";
+
+/// A view's opening: its section and heading.
+fn open(id: &str, title: &str) -> String {
+    format!("<section class=\"view\" id=\"{id}\">\n<h2>{title}</h2>\n")
+}
+
+/// "N more not shown" under a list cut at [`TABLE_ROWS`].
+fn cut(len: usize, what: &str) -> String {
+    cut_at(len, TABLE_ROWS, what)
+}
+
+fn cut_at(len: usize, max: usize, what: &str) -> String {
+    match len > max {
+        true => format!("<p class=\"cut\">{} more {what} not shown</p>\n", len - max),
+        false => String::new(),
+    }
+}
+
+/// The report's events (schema38's `events`), none when absent.
+pub(super) fn events(v: &Value) -> impl Iterator<Item = &Value> {
+    v["events"].as_array().into_iter().flatten()
+}
+
+/// Escapes text for HTML content and attribute values alike.
+pub(super) fn esc(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => o.push_str("&amp;"),
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '"' => o.push_str("&quot;"),
+            '\'' => o.push_str("&#39;"),
+            c => o.push(c),
+        }
+    }
+    o
+}
+
+/// A JSON value as a person reads it: a string as is, null as nothing, the rest as JSON.
+pub(super) fn text(v: &Value) -> String {
+    match v {
+        Value::Null => String::new(),
+        Value::String(s) => s.clone(),
+        Value::Number(n) => match n.as_f64() {
+            Some(f) if n.is_f64() => format!("{}", (f * 1000.0).round() / 1000.0),
+            _ => n.to_string(),
+        },
+        v => v.to_string(),
+    }
+}
+
+/// A list of strings joined with "; " (a single value as [`text`]).
+pub(super) fn list_text(v: &Value) -> String {
+    match v.as_array() {
+        Some(a) => a.iter().map(text).collect::<Vec<_>>().join("; "),
+        None => text(v),
+    }
+}
+
+/// "12.3 s" for seconds since nrun started.
+fn secs_at(v: &Value) -> String {
+    v.as_f64().map_or(String::new(), |x| format!("{x:.1} s"))
+}
+
+/// A duration as a person reads it: 0.4 s, 12 s, 3 m 20 s, 2 h 05 m.
+pub(super) fn fmt_secs(s: f64) -> String {
+    let s = s.max(0.0);
+    if s < 10.0 {
+        format!("{s:.1} s")
+    } else if s < 60.0 {
+        format!("{s:.0} s")
+    } else if s < 3600.0 {
+        format!("{} m {:02} s", (s / 60.0) as u64, (s % 60.0) as u64)
+    } else {
+        format!(
+            "{} h {:02} m",
+            (s / 3600.0) as u64,
+            ((s % 3600.0) / 60.0) as u64
+        )
+    }
+}
+
+/// 8 B, 32 KiB, 8 MiB, 1 GiB.
+pub(super) fn fmt_bytes(b: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = b;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < units.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    match x.fract() == 0.0 {
+        true => format!("{x:.0} {}", units[u]),
+        false => format!("{x:.1} {}", units[u]),
+    }
+}
+
+fn pct(part: f64, whole: f64) -> String {
+    match whole > 0.0 {
+        true => format!("{:.1}%", 100.0 * part / whole),
+        false => String::new(),
+    }
+}
+
+/// One stylesheet for the page; the phase and mark colours are shared by charts and legends.
+const CSS: &str = "
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;color:#222}
+h1{font-size:1.5em;margin:.2em 0}h2{font-size:1.2em;border-bottom:1px solid #ccc;padding-bottom:.2em}
+h3{font-size:1em}section.view{margin-bottom:2em}nav a{margin-right:1em}
+dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:.2em 1em}dt{color:#666}dd{margin:0}
+.badge{padding:0 .5em;border-radius:3px;color:#fff}.badge.good{background:#2a7}.badge.bad{background:#c33}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
+th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}tr.total td{font-weight:bold}
+tr.out td,tr.culprit td{background:#fdecea}td:first-child{white-space:nowrap}pre{margin:0;white-space:pre-wrap;font-size:12px}
+.not-recorded,.cut,.source,footer{color:#777;font-style:italic}
+svg{display:block;max-width:100%;height:auto;margin:.5em 0}svg text{font:11px system-ui,sans-serif;fill:#333}
+.axis path{stroke:#888}.axis line.grid{stroke:#e4e4e4}
+.sw{display:inline-block;width:.8em;height:.8em;margin-right:.3em;vertical-align:-1px}
+.ph-launch{fill:#8da0cb;background:#8da0cb}.ph-join{fill:#a6cee3;background:#a6cee3}
+.ph-checks{fill:#b3b3b3;background:#b3b3b3}.ph-preflight{fill:#80b1d3;background:#80b1d3}
+.ph-starting{fill:#bebada;background:#bebada}.ph-running{fill:#4daf4a;background:#4daf4a}
+.ph-detecting{fill:#ff7f00;background:#ff7f00}.ph-stopping{fill:#e41a1c;background:#e41a1c}
+.ph-restarting{fill:#f781bf;background:#f781bf}.ph-waiting{fill:#ffd92f;background:#ffd92f}
+.ph-ending{fill:#999;background:#999}
+.bar-success{fill:#4daf4a}.bar-failed{fill:#e8a0a0}.bar-hang{fill:#f4b860}.bar-interrupted{fill:#bbb}.bar-running{fill:#9fd39b}
+.row-bg{fill:transparent}.row-bg:hover{fill:#f0f0ff}
+.m{stroke:#222;stroke-width:.5}.m-failed{fill:#e41a1c}.m-hang{fill:#ff7f00}.m-straggler{fill:#ffd92f}
+.m-left_out{fill:#222}.m-spare_in{fill:#1f78b4}.m-joined{fill:#aaa;stroke:none}.m-decision{fill:#984ea3}
+.m-restart{fill:#f781bf}.m-waiting{fill:#ffd92f}.m-preflight{fill:#80b1d3}.m-end{fill:#555}
+.restart-line{stroke:#f781bf;stroke-dasharray:4 3}
+.legend span.item{margin-right:1em;white-space:nowrap}.legend .sw{border:1px solid #555}
+.legend .m-failed{background:#e41a1c}.legend .m-hang{background:#ff7f00}.legend .m-straggler{background:#ffd92f}
+.legend .m-left_out{background:#222}.legend .m-spare_in{background:#1f78b4}.legend .m-decision{background:#984ea3}
+.legend .m-preflight{background:#80b1d3}.legend .m-end{background:#555}.legend .m-restart{background:#f781bf}.legend .m-joined{background:#aaa}.legend .m-waiting{background:#ffd92f}
+.curve-oop{fill:none;stroke:#1f78b4;stroke-width:2}.curve-ip{fill:none;stroke:#a6cee3;stroke-width:2;stroke-dasharray:5 3}
+.pt{fill:#1f78b4}.line-rate{stroke:#e41a1c;stroke-width:1.5;stroke-dasharray:6 4}
+.cell-good{fill:#4daf4a}.cell-bad{fill:#e41a1c}.cell-slow{fill:#ff7f00}.cell-unreachable{fill:#222}
+.cell-link{fill:#984ea3}.cell-group_failed{fill:#f4b0b0}.cell-untested{fill:#eee}
+.legend .cell-good{background:#4daf4a}.legend .cell-bad{background:#e41a1c}.legend .cell-slow{background:#ff7f00}
+.legend .cell-unreachable{background:#222}.legend .cell-link{background:#984ea3}
+.legend .cell-group_failed{background:#f4b0b0}.legend .cell-untested{background:#eee}
+";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn markup_in_a_string_is_escaped_in_text_and_attributes() {
+        assert_eq!(
+            esc("<a href=\"x\">'&'</a>"),
+            "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
+        );
+    }
+
+    /// Any key may be missing: an empty object, a list, nulls everywhere, wrong types: every
+    /// view is still there, saying what it lacks.
+    #[test]
+    fn a_report_missing_its_keys_still_makes_every_view() {
+        let odd = [
+            json!({}),
+            json!({"job": null, "events": [{"t": "soon"}, 3, null], "ledger": {"wall_s": "x"}}),
+            json!({"job": {"decisions": [null, 1]}, "rows": [{}], "watch": {"hangs": [{}]},
+                   "nodes": {"left_out": [{}], "ran_on": [null]}, "ledger": {"wall_s": 0.0}}),
+            json!({"rounds": [{"groups": [{"hosts": ["a"]}, {}]}], "nodes": [{"host": "a"}, {}]}),
+        ];
+        for v in odd {
+            let page = render(&v, "t.json");
+            for id in [
+                "summary",
+                "timeline",
+                "ledger",
+                "preflight",
+                "nodes",
+                "decisions",
+                "watch",
+            ] {
+                assert!(page.contains(&format!("id=\"{id}\"")), "{id} in {v}");
+            }
+            assert!(page.ends_with("</html>\n"));
+        }
+    }
+
+    #[test]
+    fn time_ticks_are_round_in_seconds_minutes_or_hours() {
+        assert_eq!(timeline::ticks(21.0), [0.0, 5.0, 10.0, 15.0, 20.0]);
+        assert_eq!(timeline::ticks(20010.0)[1], 3600.0);
+        assert!(timeline::ticks(1e-3).len() <= 9);
+    }
+
+    /// A node's 8 ranks failing at once are one mark whose tooltip counts them; a second
+    /// failure later on the same row stays its own mark.
+    #[test]
+    fn marks_of_one_kind_at_one_place_merge_and_count() {
+        let mut ev: Vec<serde_json::Value> = (0..8)
+            .map(|r| {
+                json!({"name": "worker_failed", "t": 100.0 + r as f64 * 0.001, "node": 0,
+                       "host": "h1", "rank": r, "message": format!("rank {r} failed")})
+            })
+            .collect();
+        ev.push(
+            json!({"name": "worker_failed", "t": 900.0, "node": 0, "host": "h1",
+                       "rank": 0, "message": "again"}),
+        );
+        let page = render(&json!({"events": ev}), "t.json");
+        assert_eq!(page.matches("class=\"m m-failed\"").count(), 2);
+        assert!(page.contains("8 × failed"), "{page}");
+        assert!(page.contains("… and 3 more"));
+    }
+}

@@ -1,0 +1,437 @@
+//! The timeline: one row per node over the job's time, from the report's `events`: each
+//! attempt as a bar on the nodes it ran on, and marks for failures, hangs, stragglers, nodes
+//! left out, spares in, joins; a top row for the job itself (its phases, decisions, waits) and
+//! a dashed line at each restart. Every bar and mark has a `<title>` (the browser's tooltip).
+//!
+//! At scale a row's marks of one kind that land within [`MERGE_PX`] of each other become one
+//! mark whose title counts them (a node whose 8 ranks failed at once is one mark), and rows
+//! shrink to a few pixels with a label every few rows; the file stays a few hundred bytes a
+//! node.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use serde_json::Value;
+
+use super::{PHASES, esc, events, fmt_secs, text};
+
+/// Width of the plot area and of the label gutter, in SVG units.
+const PLOT_W: f64 = 1000.0;
+const GUTTER: f64 = 150.0;
+/// Marks of one kind on one row closer than this (in SVG units) are drawn as one.
+const MERGE_PX: f64 = 3.0;
+/// Titles a merged mark lists before it counts the rest.
+const MERGED_TITLES: usize = 4;
+
+/// A mark on a row: its kind (the CSS class `m-<kind>`), where, and what its tooltip says.
+struct Mark {
+    kind: &'static str,
+    x: f64,
+    title: String,
+}
+
+/// An attempt's bar on a row.
+struct Bar {
+    x0: f64,
+    x1: f64,
+    class: String,
+    title: String,
+}
+
+#[derive(Default)]
+struct Row {
+    label: String,
+    /// The node's index where an event gave it, for the rows' order.
+    node: Option<u64>,
+    bars: Vec<Bar>,
+    marks: Vec<Mark>,
+}
+
+/// An attempt as its events tell it: its number, start, nodes, and end (time, outcome).
+struct Attempt {
+    n: Value,
+    t0: f64,
+    hosts: Vec<String>,
+    ended: Option<(f64, String)>,
+}
+
+/// The rows, by host, in the order of their node index (then of first mention).
+#[derive(Default)]
+struct Rows {
+    rows: Vec<Row>,
+    at: HashMap<String, usize>,
+}
+
+impl Rows {
+    fn get(&mut self, host: &str, node: Option<u64>) -> &mut Row {
+        let i = *self.at.entry(host.to_string()).or_insert_with(|| {
+            self.rows.push(Row {
+                label: host.to_string(),
+                ..Default::default()
+            });
+            self.rows.len() - 1
+        });
+        let r = &mut self.rows[i];
+        if r.node.is_none() {
+            r.node = node;
+        }
+        r
+    }
+}
+
+/// The mark kind an event draws on its node's row (or the job's row), if any.
+fn mark_kind(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "worker_failed" => "failed",
+        "hang" => "hang",
+        "straggler" => "straggler",
+        "node_left_out" => "left_out",
+        "spare_in" => "spare_in",
+        "node_joined" => "joined",
+        "decision" => "decision",
+        "restart" => "restart",
+        "waiting_nodes" => "waiting",
+        "preflight_end" => "preflight",
+        "job_end" => "end",
+        _ => return None,
+    })
+}
+
+/// The timeline section.
+pub(super) fn section(v: &Value) -> String {
+    let mut s = super::open("timeline", "Timeline: nodes over time");
+    let evs: Vec<&Value> = events(v).filter(|e| e["t"].is_number()).collect();
+    if evs.is_empty() {
+        return s + super::NOT_RECORDED + "</section>\n";
+    }
+    let end = evs
+        .iter()
+        .filter_map(|e| e["t"].as_f64())
+        .fold(v["ledger"]["wall_s"].as_f64().unwrap_or(0.0), f64::max)
+        .max(1e-3);
+    let x = |t: f64| GUTTER + (t.clamp(0.0, end) / end) * PLOT_W;
+    let mut rows = Rows::default();
+    let mut job = Row {
+        label: "job".into(),
+        ..Default::default()
+    };
+    let mut restarts: Vec<(f64, String)> = Vec::new();
+    let mut phases: Vec<(f64, String)> = Vec::new();
+    let mut attempts: Vec<Attempt> = Vec::new();
+    for e in &evs {
+        let t = e["t"].as_f64().unwrap_or(0.0);
+        let name = e["name"].as_str().unwrap_or("");
+        let m = &e["metadata"];
+        match name {
+            "phase" => phases.push((t, text(&m["phase"]))),
+            "attempt_start" => {
+                let hosts = m["nodes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(text)
+                    .collect();
+                attempts.push(Attempt {
+                    n: e["attempt"].clone(),
+                    t0: t,
+                    hosts,
+                    ended: None,
+                });
+            }
+            "attempt_end" => {
+                if let Some(a) = attempts
+                    .iter_mut()
+                    .rev()
+                    .find(|a| a.n == e["attempt"] && a.ended.is_none())
+                {
+                    a.ended = Some((t, text(&m["outcome"])));
+                }
+            }
+            "restart" => restarts.push((t, title(e, t))),
+            _ => {}
+        }
+        let Some(kind) = mark_kind(name) else {
+            continue;
+        };
+        let host = text(&e["host"]);
+        let mark = Mark {
+            kind,
+            x: x(t),
+            title: title(e, t),
+        };
+        match host.is_empty() {
+            true => job.marks.push(mark),
+            false => rows.get(&host, e["node"].as_u64()).marks.push(mark),
+        }
+    }
+    for Attempt {
+        n: attempt,
+        t0,
+        hosts,
+        ended,
+    } in &attempts
+    {
+        let (t1, outcome) = ended
+            .clone()
+            .unwrap_or((end, "running at the report's end".to_string()));
+        let class = match outcome.as_str() {
+            "success" | "failed" | "hang" | "interrupted" => format!("bar-{outcome}"),
+            _ => "bar-running".to_string(),
+        };
+        let on: Vec<String> = match hosts.is_empty() {
+            true => rows.rows.iter().map(|r| r.label.clone()).collect(),
+            false => hosts.clone(),
+        };
+        for h in on {
+            let title = format!(
+                "attempt {} on {h}: {} to {}, {outcome}",
+                text(attempt),
+                fmt_secs(*t0),
+                fmt_secs(t1)
+            );
+            rows.get(&h, None).bars.push(Bar {
+                x0: x(*t0),
+                x1: x(t1),
+                class: class.clone(),
+                title,
+            });
+        }
+    }
+    let mut rows = rows.rows;
+    // Node order; rows without an index (a host only named) keep theirs after.
+    rows.sort_by_key(|r| r.node.unwrap_or(u64::MAX));
+    for r in rows.iter_mut().chain(std::iter::once(&mut job)) {
+        merge(&mut r.marks);
+    }
+    s.push_str(&legend(rows.len(), &attempts));
+    s.push_str(&draw(&job, &rows, &phases, &restarts, end, &x));
+    s + "</section>\n"
+}
+
+/// An event's tooltip: when, where, what.
+fn title(e: &Value, t: f64) -> String {
+    let mut s = format!("{} ", fmt_secs(t));
+    let host = text(&e["host"]);
+    if !host.is_empty() {
+        let _ = write!(s, "{host}");
+        if let Some(r) = e["rank"].as_u64() {
+            let _ = write!(s, " rank {r}");
+        }
+        s.push_str(": ");
+    }
+    let msg = text(&e["message"]);
+    match msg.is_empty() {
+        true => s.push_str(&text(&e["name"]).replace('_', " ")),
+        false => s.push_str(&msg),
+    }
+    s
+}
+
+/// Merges each run of same-kind marks within [`MERGE_PX`] into one whose title counts them.
+fn merge(marks: &mut Vec<Mark>) {
+    marks.sort_by(|a, b| a.kind.cmp(b.kind).then(a.x.total_cmp(&b.x)));
+    let mut out: Vec<(Mark, usize, Vec<String>)> = Vec::new();
+    for m in marks.drain(..) {
+        match out.last_mut() {
+            Some((first, n, titles)) if first.kind == m.kind && m.x - first.x <= MERGE_PX => {
+                *n += 1;
+                if titles.len() < MERGED_TITLES {
+                    titles.push(m.title);
+                }
+            }
+            _ => out.push((m, 1, Vec::new())),
+        }
+    }
+    for (mut m, n, more) in out {
+        if n > 1 {
+            let mut t = format!("{n} × {}\n{}", m.kind.replace('_', " "), m.title);
+            for o in &more {
+                t.push('\n');
+                t.push_str(o);
+            }
+            if n > 1 + more.len() {
+                let _ = write!(t, "\n… and {} more", n - 1 - more.len());
+            }
+            m.title = t;
+        }
+        marks.push(m);
+    }
+}
+
+/// The key to the colours and marks, and what the chart shows.
+fn legend(nodes: usize, attempts: &[Attempt]) -> String {
+    let mut s = format!(
+        "<p class=\"legend\">{nodes} node(s), one row each; {} attempt(s). ",
+        attempts.len()
+    );
+    for (k, what) in [
+        ("failed", "worker failed"),
+        ("hang", "hang"),
+        ("straggler", "straggler"),
+        ("left_out", "node left out"),
+        ("spare_in", "spare in"),
+        ("joined", "node joined"),
+        ("decision", "decision"),
+        ("restart", "restart"),
+        ("waiting", "waiting for nodes"),
+        ("preflight", "preflight ended"),
+        ("end", "job ended"),
+    ] {
+        let _ = write!(
+            s,
+            "<span class=\"item\"><span class=\"sw m-{k}\"></span>{what}</span>"
+        );
+    }
+    s.push_str("<br>Bars: attempts (green: succeeded, red: failed, orange: hang, grey: interrupted); top row: the job's phases. Hover a mark or bar for its details.</p>\n");
+    s
+}
+
+/// The SVG: axis, the job's row, the nodes' rows, restart lines.
+fn draw(
+    job: &Row,
+    rows: &[Row],
+    phases: &[(f64, String)],
+    restarts: &[(f64, String)],
+    end: f64,
+    x: &dyn Fn(f64) -> f64,
+) -> String {
+    let rh: f64 = match rows.len() {
+        0..=40 => 18.0,
+        41..=200 => 8.0,
+        _ => 4.0,
+    };
+    // A label every `every` rows, where rows are too thin for one each.
+    let every = (12.0 / rh).ceil().max(1.0) as usize;
+    let top = 24.0;
+    let job_h = 22.0;
+    let y0 = top + job_h + 6.0;
+    let height = y0 + rh * rows.len() as f64 + 8.0;
+    let width = GUTTER + PLOT_W + 40.0;
+    let mut s = format!(
+        "<svg class=\"timeline-chart\" viewBox=\"0 0 {width} {height}\" width=\"{width}\" height=\"{height}\" role=\"img\" aria-label=\"timeline\">\n"
+    );
+    // Time axis along the top.
+    s.push_str("<g class=\"axis\">");
+    for t in ticks(end) {
+        let xt = x(t);
+        let _ = write!(
+            s,
+            "<line class=\"grid\" x1=\"{xt:.1}\" x2=\"{xt:.1}\" y1=\"{}\" y2=\"{height}\"/><text x=\"{xt:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
+            top - 6.0,
+            top - 10.0,
+            esc(&fmt_secs(t))
+        );
+    }
+    s.push_str("</g>\n");
+    // The job's row: its phases as segments, then its marks.
+    let _ = write!(
+        s,
+        "<text x=\"4\" y=\"{:.1}\">job</text><g class=\"job-row\">",
+        top + job_h / 2.0 + 4.0
+    );
+    for (i, (t, p)) in phases.iter().enumerate() {
+        let t1 = phases.get(i + 1).map_or(end, |n| n.0);
+        let class = match PHASES.contains(&p.as_str()) {
+            true => p.as_str(),
+            false => "ending",
+        };
+        let _ = write!(
+            s,
+            "<rect class=\"phase ph-{class}\" x=\"{:.1}\" y=\"{top}\" width=\"{:.2}\" height=\"{}\"><title>{}</title></rect>",
+            x(*t),
+            (x(t1) - x(*t)).max(0.5),
+            job_h / 2.0,
+            esc(&format!(
+                "{p}: {} to {} ({})",
+                fmt_secs(*t),
+                fmt_secs(t1),
+                fmt_secs(t1 - t)
+            ))
+        );
+    }
+    for m in &job.marks {
+        s.push_str(&mark(m, top + job_h * 0.75, 5.0));
+    }
+    s.push_str("</g>\n<g class=\"node-rows\">\n");
+    for (i, r) in rows.iter().enumerate() {
+        let y = y0 + rh * i as f64;
+        let label = match rh >= 8.0 || i % every == 0 {
+            true => format!(
+                "<text x=\"4\" y=\"{:.1}\" font-size=\"{}\">{}</text>",
+                y + rh.max(10.0) - 2.0,
+                if rh >= 8.0 { 11.0 } else { 9.0 },
+                esc(&r.label)
+            ),
+            false => String::new(),
+        };
+        let _ = write!(s, "<g class=\"node-row\">{label}");
+        for b in &r.bars {
+            let _ = write!(
+                s,
+                "<rect class=\"attempt {}\" x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\"><title>{}</title></rect>",
+                b.class,
+                b.x0,
+                y + rh * 0.15,
+                (b.x1 - b.x0).max(0.5),
+                rh * 0.7,
+                esc(&b.title)
+            );
+        }
+        for m in &r.marks {
+            s.push_str(&mark(m, y + rh / 2.0, (rh * 0.45).max(3.0)));
+        }
+        s.push_str("</g>\n");
+    }
+    s.push_str("</g>\n");
+    for (t, title) in restarts {
+        let xt = x(*t);
+        let _ = writeln!(
+            s,
+            "<line class=\"restart-line\" x1=\"{xt:.1}\" x2=\"{xt:.1}\" y1=\"{top}\" y2=\"{height}\"><title>{}</title></line>",
+            esc(title)
+        );
+    }
+    s + "</svg>\n"
+}
+
+/// One mark: a shape by kind, centred at (m.x, y), `r` its half size.
+fn mark(m: &Mark, y: f64, r: f64) -> String {
+    let (x, k, t) = (m.x, m.kind, esc(&m.title));
+    match k {
+        // Diamonds for the watch's findings, squares for nodes leaving or coming, circles else.
+        "hang" | "straggler" => format!(
+            "<path class=\"m m-{k}\" d=\"M{x:.1} {:.1}L{:.1} {y:.1}L{x:.1} {:.1}L{:.1} {y:.1}Z\"><title>{t}</title></path>",
+            y - r * 1.2,
+            x + r * 1.2,
+            y + r * 1.2,
+            x - r * 1.2
+        ),
+        "left_out" | "spare_in" => format!(
+            "<rect class=\"m m-{k}\" x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\"><title>{t}</title></rect>",
+            x - r,
+            y - r,
+            2.0 * r,
+            2.0 * r
+        ),
+        _ => format!(
+            "<circle class=\"m m-{k}\" cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"{r:.1}\"><title>{t}</title></circle>"
+        ),
+    }
+}
+
+/// Round time ticks over [0, end]: the first step of seconds, minutes or hours a person
+/// counts in that gives at most 8 of them.
+pub(super) fn ticks(end: f64) -> Vec<f64> {
+    const STEPS: [f64; 22] = [
+        0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0,
+        3600.0, 7200.0, 10800.0, 21600.0, 43200.0, 86400.0, 172800.0,
+    ];
+    let step = STEPS
+        .iter()
+        .copied()
+        .find(|s| end / s <= 8.0)
+        .unwrap_or(end / 8.0);
+    (0..=((end / step) as usize))
+        .map(|i| i as f64 * step)
+        .collect()
+}
