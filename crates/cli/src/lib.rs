@@ -89,8 +89,7 @@ Example:
 
 /// The end of `nrun -h`, which shows the flags most runs use; `--help` shows them all.
 const SHORT_FOOTER: &str = "\
-Example: nrun --nproc 8 train.py --lr 0.1
-nrun --help for all flags, examples and the exit status.";
+Example: nrun --nproc 8 train.py. nrun --help for all flags, examples and the exit status.";
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -144,9 +143,11 @@ pub enum Command {
     /// ... all, isolating what fails or is slow.
     #[command(after_help = BISECT_EXAMPLES, args_override_self = true)]
     Bisect(Box<BisectArgs>),
-    /// The incident report a person reads: a job's, bisect's or the preflight's --report JSON
-    /// as one self-contained HTML page (timeline, ledger, bus-bandwidth curve, bisect's matrix,
-    /// nodes, decisions, hangs and stragglers); opens from disk, loads nothing.
+    /// A --report JSON as an HTML page a person reads
+    ///
+    /// The incident report: a job's, bisect's or the preflight's --report JSON as one
+    /// self-contained HTML page (timeline, ledger, bus-bandwidth curve, bisect's matrix, nodes,
+    /// decisions, hangs and stragglers); opens from disk, loads nothing.
     #[command(after_help = REPORT_EXAMPLES, args_override_self = true)]
     Report(ReportArgs),
     /// Shell completions on stdout: `nrun completions bash > /etc/bash_completion.d/nrun`
