@@ -126,6 +126,8 @@ pub(crate) struct RunSettings {
     pub watch: Option<crate::watch::WatchPlan>,
     /// `--report FILE`: the preflight's and the watch's findings as JSON.
     pub report: Option<PathBuf>,
+    /// `--events`, `--metrics-file`, `--metrics-port`: the journal's consumers.
+    pub journal: crate::journal::JournalPlan,
     /// TORCHELASTIC_ERROR_FILE set for nrun itself: the root cause goes there on failure.
     pub launcher_error_file: Option<PathBuf>,
 }
