@@ -70,7 +70,10 @@ fn events_of(path: &Path) -> Vec<Value> {
                 assert!(v.get(k).is_some(), "no {k} in {l}");
             }
             assert!(v["timestamp"].as_u64().unwrap() > 1_600_000_000_000, "{l}");
-            assert!(["AGENT", "WORKER"].contains(&v["source"].as_str().unwrap()), "{l}");
+            assert!(
+                ["AGENT", "WORKER"].contains(&v["source"].as_str().unwrap()),
+                "{l}"
+            );
             assert!(v["metadata"]["run_id"].is_string(), "{l}");
             v
         })
@@ -102,7 +105,10 @@ fn assert_adds_up(ledger: &Value) {
     let sum: f64 = phases.values().map(|v| v.as_f64().unwrap()).sum();
     let wall = ledger["wall_s"].as_f64().unwrap();
     assert!(wall > 0.0, "{ledger}");
-    assert!((sum - wall).abs() <= 0.01 * wall, "sum {sum} vs wall {wall}: {ledger}");
+    assert!(
+        (sum - wall).abs() <= 0.01 * wall,
+        "sum {sum} vs wall {wall}: {ledger}"
+    );
     let effective = ledger["effective"].as_f64().unwrap();
     let running = phases["running"].as_f64().unwrap();
     assert!((effective - running / wall).abs() < 1e-3, "{ledger}");
@@ -177,7 +183,10 @@ fn a_job_that_fails_once_and_restarts_has_both_attempts_in_its_ledger() {
         assert!(n.contains(&want), "no {want} in {n:?}");
     }
     let at = |name: &str| n.iter().position(|x| *x == name).unwrap();
-    assert!(at("worker_failed") < at("decision") && at("decision") < at("restart"), "{n:?}");
+    assert!(
+        at("worker_failed") < at("decision") && at("decision") < at("restart"),
+        "{n:?}"
+    );
     let failed = &lines[at("worker_failed")];
     assert_eq!(failed["rank"], 1, "{failed}");
     assert_eq!(failed["source"], "WORKER", "{failed}");
@@ -190,7 +199,9 @@ fn a_job_that_fails_once_and_restarts_has_both_attempts_in_its_ledger() {
     assert_eq!(end["metadata"]["outcome"], "success");
     let starts = lines.iter().filter(|e| e["name"] == "attempt_start");
     assert_eq!(
-        starts.map(|e| e["attempt"].as_u64().unwrap()).collect::<Vec<_>>(),
+        starts
+            .map(|e| e["attempt"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
         [0, 1]
     );
 
@@ -219,7 +230,10 @@ fn a_job_that_fails_once_and_restarts_has_both_attempts_in_its_ledger() {
     // The job's last line: the summary, as in the report.
     let last = err.lines().last().unwrap();
     assert_eq!(last, format!("nrun: {summary}"), "{err}");
-    assert!(last.starts_with("nrun: ran ") && last.contains("% of it training"), "{err}");
+    assert!(
+        last.starts_with("nrun: ran ") && last.contains("% of it training"),
+        "{err}"
+    );
     s.assert_no_survivors();
 }
 
@@ -275,7 +289,11 @@ fn the_metrics_port_is_scraped_while_the_job_runs() {
         body.contains("nrun_job_state{state=\"running\"} 1\n")
     });
     assert_promtool_accepts(&body);
-    for want in ["nrun_attempts 1\n", "nrun_exit_code -1\n", "nrun_restarts 0\n"] {
+    for want in [
+        "nrun_attempts 1\n",
+        "nrun_exit_code -1\n",
+        "nrun_restarts 0\n",
+    ] {
         assert!(body.contains(want), "{want:?} not in {body}");
     }
     let (head, _) = http_get(port, "/nothing");
@@ -307,7 +325,10 @@ fn unwritable_paths_and_a_taken_port_are_usage_errors() {
         let out = s.run(&[flag, path, "--no-python", "true"], &[]);
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{err}");
-        assert!(err.starts_with(&format!("nrun: error: {flag} {path}: ")), "{err}");
+        assert!(
+            err.starts_with(&format!("nrun: error: {flag} {path}: ")),
+            "{err}"
+        );
         assert_eq!(err.lines().count(), 1, "{err}");
     }
     let dir = s.dir.path().to_str().unwrap().to_string();
@@ -319,7 +340,10 @@ fn unwritable_paths_and_a_taken_port_are_usage_errors() {
     let out = s.run(&["--metrics-port", &port, "--no-python", "true"], &[]);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.starts_with(&format!("nrun: error: --metrics-port {port}: ")), "{err}");
+    assert!(
+        err.starts_with(&format!("nrun: error: --metrics-port {port}: ")),
+        "{err}"
+    );
     s.assert_no_survivors();
 }
 
@@ -378,7 +402,11 @@ fn a_hang_is_an_event_and_its_stall_is_detecting_time() {
     assert_eq!(hang["metadata"]["culprit_rank"], 1, "{hang}");
     assert_eq!(hang["rank"], 1, "{hang}");
     assert_eq!(hang["metadata"]["waiting_in"], "all_reduce", "{hang}");
-    assert_eq!(hang["metadata"]["ranks_waiting"], serde_json::json!([0]), "{hang}");
+    assert_eq!(
+        hang["metadata"]["ranks_waiting"],
+        serde_json::json!([0]),
+        "{hang}"
+    );
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     let ledger = &v["ledger"];
     assert_adds_up(ledger);
@@ -389,7 +417,13 @@ fn a_hang_is_an_event_and_its_stall_is_detecting_time() {
         "{ledger}"
     );
     let n = names(&lines);
-    assert!(n.contains(&"decision") && n.ends_with(&["job_end"]), "{n:?}");
-    assert!(err.lines().last().unwrap().starts_with("nrun: ran "), "{err}");
+    assert!(
+        n.contains(&"decision") && n.ends_with(&["job_end"]),
+        "{n:?}"
+    );
+    assert!(
+        err.lines().last().unwrap().starts_with("nrun: ran "),
+        "{err}"
+    );
     s.assert_no_survivors();
 }
