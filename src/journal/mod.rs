@@ -357,10 +357,11 @@ impl Ledger {
     }
 }
 
-/// "13 m 32 s", "3 h 12 m", "41 s", "4.2 s".
+/// "13 m 32 s", "3 h 12 m", "41 s", "4.2 s", "0.05 s".
 pub(crate) fn duration_text(s: f64) -> String {
     let whole = s.round() as u64;
     match s {
+        s if s < 0.995 => format!("{s:.2} s"),
         s if s < 9.95 => format!("{s:.1} s"),
         _ if whole < 60 => format!("{whole} s"),
         _ if whole < 3600 => format!("{} m {} s", whole / 60, whole % 60),

@@ -109,6 +109,7 @@ fn summaries_of_short_long_and_faultless_jobs() {
         "ran 4.2 s, 88.1% of it training; nothing lost"
     );
     assert_eq!(duration_text(41.2), "41 s");
+    assert_eq!(duration_text(0.046), "0.05 s");
     assert_eq!(duration_text(812.4), "13 m 32 s");
     assert_eq!(duration_text(3.0 * 3600.0 + 12.0 * 60.0 + 5.0), "3 h 12 m");
     let mut two = job();
