@@ -723,6 +723,13 @@ impl Journal {
         }
     }
 
+    /// The watch stops the job for a hang just found (or a collective mismatch): the stall
+    /// before the hang was called was spent detecting it.
+    pub(crate) fn hang_stops(&mut self, watch: Option<&WatchState>) {
+        let new = watch.and_then(|w| w.hangs.get(self.told.hangs..)?.last());
+        self.fault(new.map_or(0.0, |d| d.stalled_s));
+    }
+
     /// The worker group is being stopped (a fault, a signal, nodes arriving).
     pub(crate) fn stopping(&mut self) {
         if self.phase().in_attempt() {

@@ -173,9 +173,7 @@ impl Session {
                 self.read_views(no, &look, &mut last_views);
                 let hang = self.watch.as_mut().is_some_and(|ws| ws.check(&hosts));
                 if hang && !w.stopped {
-                    // The stall before the hang was called was spent detecting it.
-                    let stalled = self.watch.as_ref().and_then(|ws| ws.hangs.last());
-                    self.journal.fault(stalled.map_or(0.0, |d| d.stalled_s));
+                    self.journal.hang_stops(self.watch.as_ref());
                     self.stop_step(no, None, &mut w);
                 }
             }
