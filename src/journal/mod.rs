@@ -319,9 +319,15 @@ impl Ledger {
             1 => "1 restart, ".to_string(),
             n => format!("{n} restarts, "),
         };
-        let lost = match (self.restarts, lost >= 0.05) {
-            (0, false) => "nothing lost".to_string(),
-            _ => format!("lost: {restarts}{}", duration_text(lost)),
+        // A job without a fault says so in other words: "lost" on a console means a node.
+        let faulted = self.restarts > 0
+            || self
+                .attempts
+                .iter()
+                .any(|a| matches!(a.outcome, Some("failed" | "hang")));
+        let lost = match faulted {
+            false => "no faults".to_string(),
+            true => format!("lost: {restarts}{}", duration_text(lost)),
         };
         format!(
             "ran {}, {:.1}% of it training; {lost}",

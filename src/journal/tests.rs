@@ -104,14 +104,23 @@ fn summaries_of_short_long_and_faultless_jobs() {
     l.end_attempt("success", 4.0);
     l.enter(Phase::Ending, 4.0);
     l.finish(4.2);
-    assert_eq!(
-        l.summary(0.0),
-        "ran 4.2 s, 88.1% of it training; nothing lost"
-    );
+    assert_eq!(l.summary(0.0), "ran 4.2 s, 88.1% of it training; no faults");
     assert_eq!(duration_text(41.2), "41 s");
     assert_eq!(duration_text(0.046), "0.05 s");
     assert_eq!(duration_text(812.4), "13 m 32 s");
     assert_eq!(duration_text(3.0 * 3600.0 + 12.0 * 60.0 + 5.0), "3 h 12 m");
+    // A job that failed without a restart says what the failure cost.
+    let mut failed = Ledger::default();
+    failed.start_attempt(0, 0.0);
+    failed.progress(0.5);
+    failed.enter(Phase::Detecting, 2.0);
+    failed.enter(Phase::Stopping, 2.0);
+    failed.end_attempt("failed", 2.3);
+    failed.finish(2.3);
+    assert_eq!(
+        failed.summary(0.0),
+        "ran 2.3 s, 65.2% of it training; lost: 0.30 s"
+    );
     let mut two = job();
     two.restarts = 2;
     assert!(two.summary(0.0).ends_with("lost: 2 restarts, 5.4 s"));
