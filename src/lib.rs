@@ -22,6 +22,8 @@
 //!   in-process node's), sampling the workers' Python stacks, and the `nrun __agent` process.
 //! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank
 //!   is missing from the collective the others wait in), stragglers, a failure's likely cause.
+//! - [`journal`]: the job's events and phases, one stream: the goodput ledger (derived from
+//!   the phase transitions), `--events`, the metrics (`--metrics-file`, `--metrics-port`).
 //! - [`plan`]: from flags to a [`plan::Mode`]: each command's own resolved settings (the
 //!   session's, the workers', the preflight's...) and its nodes and rank layout; no I/O besides
 //!   reading the hostfile and the filesystem checks.
@@ -39,6 +41,7 @@ pub(crate) mod commands;
 pub(crate) mod facts;
 pub(crate) mod fault;
 pub(crate) mod hosts;
+pub(crate) mod journal;
 pub(crate) mod plan;
 pub(crate) mod protocol;
 pub(crate) mod remote;
@@ -52,6 +55,8 @@ use std::process::ExitCode;
 pub fn main() -> ExitCode {
     // nrun re-runs itself as the preflight rank, and to read a libnccl's version in isolation;
     // these internal entry points are dispatched before the user-facing command line.
+    // The ledger's zero: launch time counts from here.
+    journal::mark_start();
     nrun_node::process::raise_fd_limit();
     let mut argv = std::env::args_os().skip(1);
     let first = argv.next();

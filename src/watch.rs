@@ -733,6 +733,16 @@ fn seen_of<'a>(views: &'a HashMap<usize, NodeWatch>, hosts: &'a [String]) -> Vec
     v
 }
 
+/// One rank's figures from the latest views, for the metrics (see `journal::metrics`).
+pub(crate) struct RankFigure {
+    pub rank: usize,
+    pub host: String,
+    /// Seconds its stack has not changed (in a collective: how long it has waited there).
+    pub progress_age_s: f64,
+    /// Share of its samples it waited for peers (0..1); None before it has any.
+    pub wait_share: Option<f64>,
+}
+
 /// The coordinator's watch over one step: the latest view of every node, what was said.
 pub(crate) struct WatchState {
     pub plan: WatchPlan,
@@ -1014,6 +1024,33 @@ impl WatchState {
             waited as f64 / 1e3,
             d.conclusion
         ))
+    }
+
+    /// Some rank of the step has been seen in a collective (or its flight recorder has one):
+    /// the workers are at work, the journal's sign that they left their start-up.
+    pub(crate) fn progressed(&self) -> bool {
+        self.views
+            .values()
+            .flat_map(|v| &v.ranks)
+            .any(|r| r.waiting > 0 || r.collective.is_some() || r.fr.is_some())
+    }
+
+    /// Each rank's last-progress age and wait share, as the latest views say (the metrics).
+    pub(crate) fn rank_figures(&self, hosts: &[String]) -> Vec<RankFigure> {
+        let mut out: Vec<_> = self
+            .views
+            .iter()
+            .flat_map(|(node, v)| v.ranks.iter().map(move |r| (*node, r)))
+            .filter(|(_, r)| r.exited.is_none())
+            .map(|(node, r)| RankFigure {
+                rank: r.rank,
+                host: hosts.get(node).cloned().unwrap_or_default(),
+                progress_age_s: r.unchanged_ms as f64 / 1e3,
+                wait_share: (r.samples > 0).then(|| f64::from(r.waiting) / f64::from(r.samples)),
+            })
+            .collect();
+        out.sort_by_key(|f| f.rank);
+        out
     }
 
     /// The watch's findings for `--report`.

@@ -112,6 +112,15 @@ fn a_firewalled_host_is_left_out_and_a_spare_runs_in_its_place() {
             "{json}"
         );
         assert_eq!(json["nodes"]["ran_on"].as_array().unwrap().len(), 4);
+        // The journal's events say it too (issue 38): the node left out, the spare in its place.
+        let events = json["events"].as_array().unwrap();
+        let named = |n: &str| events.iter().find(|e| e["name"] == n).cloned();
+        let left = named("node_left_out").unwrap_or_else(|| panic!("{json}"));
+        assert_eq!(left["host"], "sq1-h2", "{left}");
+        assert_eq!(left["metadata"]["stage"], "check", "{left}");
+        let spare = named("spare_in").unwrap_or_else(|| panic!("{json}"));
+        assert_eq!(spare["host"], "sq1-h5", "{spare}");
+        assert_eq!(spare["metadata"]["replaces"], "sq1-h2", "{spare}");
         s.assert_no_survivors();
     }
     c.assert_nothing_left(5);

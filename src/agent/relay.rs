@@ -195,6 +195,10 @@ impl Passing {
             return;
         }
         let text = String::from_utf8_lossy(&buf[..buf.len() - 1]).into_owned();
+        // A worker's line (not an agent's, ssh's or srun's own) is the journal's sign of work.
+        if !own_line(&text) {
+            nrun_base::activity::line();
+        }
         if let Some(tail) = &self.tail {
             let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
             if t.len() == TAIL_LINES {

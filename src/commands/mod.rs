@@ -31,6 +31,11 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
         Some(_) => crate::session::bind_rendezvous(session)?,
         None => crate::session::bind_store(session)?,
     };
+    // --metrics-port, bound as early: a port that cannot be had is a usage error.
+    let metrics = match &mode {
+        Mode::Run { run, .. } => crate::journal::metrics::bind(run.journal.metrics_port)?,
+        _ => None,
+    };
     // Agents started on this host or over ssh are started by a small process forked now,
     // while nrun has one thread and few descriptors (see node::spawner).
     if crate::session::link::needs_spawner(nodes) {
@@ -50,7 +55,7 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
     let code = match mode {
         Mode::Run { run, nodes } => match (&run.session.c10d, listener) {
             (Some(c), None) => rt.block_on(crate::session::c10d::join(&run, &nodes, c)),
-            (_, listener) => rt.block_on(run::run(&run, &nodes, listener)),
+            (_, listener) => rt.block_on(run::run(&run, &nodes, listener, metrics)),
         },
         Mode::Doctor { doctor, nodes } => rt.block_on(doctor::run(&doctor, &nodes, listener)),
         Mode::Bisect { bisect, nodes } => rt.block_on(bisect::run(&bisect, &nodes, listener)),

@@ -2,7 +2,10 @@
 //! worker group on every node until one succeeds or --max-restarts runs out.
 
 use super::preflight;
+use serde_json::json;
+
 use crate::fault;
+use crate::journal::{Event, Phase};
 use crate::plan::{NodesPlan, RunSettings};
 use crate::protocol::StepResult;
 use crate::report::{self, JobEnd, JobShape};
@@ -17,11 +20,15 @@ pub(crate) async fn run(
     job: &RunSettings,
     nodes: &NodesPlan,
     listener: Option<std::net::TcpListener>,
+    metrics: Option<std::net::TcpListener>,
 ) -> Result<u8> {
     let mut s = Session::start(&job.session, nodes, listener).await?;
+    s.journal.attach(&job.journal, metrics);
+    job_start(&mut s, job);
     let mut rec = Record::default();
     let code = drive(&mut s, job, &mut rec).await;
     let code_of = code.as_ref().map_or_else(|e| e.code, |c| *c);
+    s.journal.enter(Phase::Ending);
     s.settle(code.is_ok());
     // --report is written at the end of every job, however it ended, with the nodes left out;
     // --preflight-only's own report is the preflight's (written by it), rewritten only to add
@@ -40,6 +47,18 @@ pub(crate) async fn run(
         }
         v
     });
+    s.journal
+        .nodes(s.active.len(), s.left_out.len(), s.spares().len());
+    // The journal outlives the session: stopping the nodes is the ledger's last phase.
+    let mut journal = std::mem::replace(&mut s.journal, crate::journal::Journal::new(""));
+    // Nodes whose own nrun joined (c10d) exit with the job's code.
+    s.end_with(code_of).await;
+    let (ledger, events, summary) = journal.finish(code_of, rec.outcome_of(code_of));
+    let value = value.map(|mut v| {
+        v["ledger"] = ledger;
+        v["events"] = events;
+        v
+    });
     let written = match (&job.report, &value) {
         (Some(path), Some(v)) if rewrite => report::write_json("--report", path, v),
         _ => Ok(()),
@@ -48,11 +67,29 @@ pub(crate) async fn run(
         (Some(path), Some(v)) => report::html::write("--report-html", path, v, "this job"),
         _ => Ok(()),
     };
-    // Nodes whose own nrun joined (c10d) exit with the job's code.
-    s.end_with(code_of).await;
+    // The job's last line: where its time went.
+    tracing::info!("{summary}");
     written?;
     drawn?;
     code
+}
+
+/// The `job_start` event: the job's shape and command.
+fn job_start(s: &mut Session, job: &RunSettings) {
+    let command: Vec<String> = std::iter::once(&job.workers.program)
+        .chain(&job.workers.args)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let command = command.join(" ");
+    let (nnodes, world) = (s.plan.size, s.plan.world);
+    s.journal.emit(
+        Event::new("job_start", format!("job {} starts: {command}", s.run_id)).meta(json!({
+            "nnodes": nnodes,
+            "nproc": job.workers.nproc,
+            "world_size": world,
+            "command": command,
+        })),
+    );
 }
 
 /// What `--report` says about the job beside the preflight's findings.
@@ -72,12 +109,17 @@ struct Record {
 }
 
 impl Record {
-    fn json(&self, code: u8, s: &Session) -> serde_json::Value {
-        let outcome = match (self.outcome, code) {
+    /// How the job ended, for a person and the report.
+    fn outcome_of(&self, code: u8) -> &'static str {
+        match (self.outcome, code) {
             (Some(o), _) => o,
             (None, exit::SUCCESS) => "success",
             (None, _) => "not started",
-        };
+        }
+    }
+
+    fn json(&self, code: u8, s: &Session) -> serde_json::Value {
+        let outcome = self.outcome_of(code);
         // The preflight's keys stay at the top level, where --preflight-only puts them.
         let mut v = self
             .preflight
@@ -103,9 +145,11 @@ async fn drive(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u
     ready(s, Some(&crate::session::c10d::own_work(job))).await?;
     let mut code = exit::SUCCESS;
     if let Some(pf) = &job.preflight {
+        s.journal.enter(Phase::Preflight);
         let mut rounds = 0;
         loop {
             let ended = preflight::run(s, job, pf, rounds).await?;
+            preflight_events(s, &ended);
             (code, rec.preflight) = (ended.code, ended.report);
             rounds += 1;
             // A job (not the health check alone) with spares leaves out the nodes the
@@ -174,7 +218,9 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
             );
         }
     }
+    s.journal.enter(Phase::Join);
     let failures = s.join(false, None).await?;
+    joined_events(s);
     if let Some(own) = own.filter(|_| s.plan.peers > 0) {
         for n in s.nodes.iter_mut() {
             if let Some(f) = n.joined.as_mut().and_then(|j| j.facts.as_mut()) {
@@ -212,6 +258,7 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
         }
         return Ok(());
     }
+    s.journal.enter(Phase::Checks);
     let findings = s.assign_interfaces();
     for (i, why) in s.readiness(findings)? {
         s.leave_out(i, Stage::Check, &why);
@@ -518,6 +565,7 @@ async fn attempt_loop(
         let restart_left = restarts < job.workers.max_restarts;
         let hung = s.watch.as_ref().is_some_and(|w| w.stopped);
         if hung {
+            s.journal.attempt_end("hang", exit::HANG);
             if let Some(w) = s.watch.as_mut() {
                 w.stopped = false;
             }
@@ -534,6 +582,7 @@ async fn attempt_loop(
             match applied {
                 Applied::Restarted => {
                     restarts += 1;
+                    s.journal.restart(restarts);
                     tracing::warn!(
                         "restarting the worker group after the hang ({restarts} of {} restarts)",
                         job.workers.max_restarts
@@ -550,6 +599,8 @@ async fn attempt_loop(
         }
         // Elastic: nodes arrived while the group ran; it was stopped to take them in.
         if std::mem::take(&mut s.grow) {
+            s.journal.attempt_end("interrupted", exit::SUCCESS);
+            s.journal.enter(Phase::Waiting);
             if let Err(why) = s.reform(&[]) {
                 eprintln!("nrun: error: {why}; the job cannot go on");
                 rec.outcome = Some("failed");
@@ -560,10 +611,12 @@ async fn attempt_loop(
         let (code, headline, summary, error_json) = match report::job_end(shape, &results) {
             JobEnd::Success => {
                 rec.outcome = Some("success");
+                s.journal.attempt_end("success", exit::SUCCESS);
                 return exit::SUCCESS;
             }
             JobEnd::Interrupted(c) => {
                 rec.outcome = Some("interrupted");
+                s.journal.attempt_end("interrupted", c);
                 tracing::warn!(
                     "stopped by {}; every worker was stopped",
                     nrun_node::signal_name(i32::from(c) - 128)
@@ -579,10 +632,12 @@ async fn attempt_loop(
         };
         rec.outcome = Some("failed");
         rec.headline = Some(headline.clone());
+        s.journal.attempt_end("failed", code);
         let (d, applied) = apply(s, &results, None, &mut history, restart_left, attempt, rec);
         match applied {
             Applied::Restarted => {
                 restarts += 1;
+                s.journal.restart(restarts);
                 tracing::warn!(
                     "{headline}; restarting the worker group ({restarts} of {} restarts)",
                     job.workers.max_restarts
@@ -651,14 +706,22 @@ async fn run_attempt(
     };
     let group = s.group();
     let steps = s.steps(&job.workers, &group, &launch);
+    s.journal
+        .nodes(s.active.len(), s.left_out.len(), s.spares().len());
+    let hosts = group.members.iter().map(|m| s.nodes[m.node].label.clone());
+    s.journal.attempt_start(attempt, world, hosts.collect());
     match s.run_step(steps, Policy::Together).await {
-        Ok(r) => Ok((group, r)),
+        Ok(r) => {
+            failed_events(s, &r);
+            Ok((group, r))
+        }
         Err(e) => {
-            rec.outcome = Some(if e.code > 128 {
-                "interrupted"
-            } else {
-                "failed"
-            });
+            let outcome = match e.code > 128 {
+                true => "interrupted",
+                false => "failed",
+            };
+            rec.outcome = Some(outcome);
+            s.journal.attempt_end(outcome, e.code);
             Err(e.code)
         }
     }
@@ -689,6 +752,7 @@ fn apply(
 ) -> (fault::Decision, Applied) {
     let d = judge(s, results, hang, history, restart_left);
     tell(s, &d, attempt, rec);
+    decision_events(s, &d, rec);
     for (i, why) in &d.kept {
         s.flag(*i, why);
     }
@@ -771,4 +835,115 @@ fn stop_failed(
         );
     }
     code
+}
+
+/// A `node_joined` event for every node that joined, with its facts in brief.
+fn joined_events(s: &mut Session) {
+    let joined: Vec<(usize, String, serde_json::Value)> = s
+        .joined()
+        .map(|(i, n, j)| {
+            let f = j.facts.as_ref();
+            let facts = json!({
+                "gpus": f.map_or(0, |f| f.gpus.len()),
+                "nccl": f.and_then(|f| f.nccl.first()).and_then(|l| l.version.clone()),
+                "torch": f.and_then(|f| f.torch.clone()),
+                "ifname": j.ifname,
+            });
+            (i, n.label.clone(), facts)
+        })
+        .collect();
+    for (i, host, facts) in joined {
+        s.journal.emit(
+            Event::new("node_joined", format!("{host} joined"))
+                .node(i, &host)
+                .meta(facts),
+        );
+    }
+}
+
+/// A `preflight_size` event per size the preflight measured, and `preflight_end`.
+fn preflight_events(s: &mut Session, ended: &preflight::Ended) {
+    let r = ended.report.as_ref();
+    let line_rate = r.and_then(|r| r["line_rate"]["gbs"].as_f64());
+    let rows = r
+        .and_then(|r| r["rows"].as_array())
+        .cloned()
+        .unwrap_or_default();
+    for row in rows {
+        let o = &row["out_of_place"];
+        s.journal.emit(
+            Event::new(
+                "preflight_size",
+                format!("{} B: busbw {} GB/s", row["bytes"], o["busbw_gbs"]),
+            )
+            .meta(json!({
+                "bytes": row["bytes"],
+                "busbw_gbs": o["busbw_gbs"],
+                "algbw_gbs": o["algbw_gbs"],
+                "line_rate_gbs": line_rate,
+            })),
+        );
+    }
+    let verdict = r.and_then(|r| r["verdict"].as_str()).unwrap_or("none");
+    s.journal.emit(
+        Event::new(
+            "preflight_end",
+            format!("preflight: {verdict} (exit {})", ended.code),
+        )
+        .meta(json!({"exit_code": ended.code, "verdict": verdict})),
+    );
+}
+
+/// A `worker_failed` event for each node's failure in an attempt's results.
+fn failed_events(s: &mut Session, results: &[Option<StepResult>]) {
+    use crate::protocol::RunResult;
+    for (i, r) in results.iter().enumerate() {
+        let Some(StepResult::Run(r)) = r else {
+            continue;
+        };
+        let (rank, how, code) = match r {
+            RunResult::Failed(f) => (Some(f.rank), f.how.clone(), Some(f.exit_code)),
+            RunResult::SpawnError(e) => (None, format!("could not start: {e}"), None),
+            RunResult::TimedOut => (None, "timed out".to_string(), None),
+            RunResult::Lost(why) => (None, format!("lost: {why}"), None),
+            _ => continue,
+        };
+        let signal = how
+            .split_whitespace()
+            .find(|w| w.starts_with("SIG"))
+            .map(|w| w.trim_matches(|c: char| !c.is_ascii_alphanumeric()));
+        let host = s.nodes[i].label.clone();
+        let e = Event::new("worker_failed", format!("{host}: {how}"))
+            .node(i, &host)
+            .meta(json!({"how": how, "exit_code": code, "signal": signal}));
+        s.journal.emit(match rank {
+            Some(r) => e.rank(r).node(i, &host),
+            None => e,
+        });
+    }
+}
+
+/// A `decision` event per node the fault model judged, as `--report`'s decisions say it.
+fn decision_events(s: &mut Session, d: &fault::Decision, rec: &Record) {
+    let told = rec.decisions.len().saturating_sub(d.judged.len());
+    for (j, v) in d.judged.iter().zip(&rec.decisions[told..]) {
+        let host = s.nodes[j.node].label.clone();
+        s.journal.emit(
+            Event::new(
+                "decision",
+                format!(
+                    "{host}: {} -> {}",
+                    j.verdict.as_str(),
+                    v["action"].as_str().unwrap_or("")
+                ),
+            )
+            .node(j.node, &host)
+            .meta(json!({
+                "verdict": j.verdict.as_str(),
+                "action": v["action"],
+                "evidence": j.why,
+                "left_out": v["left_out"],
+            })),
+        );
+    }
 }

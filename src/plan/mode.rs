@@ -136,6 +136,8 @@ pub(crate) struct RunSettings {
     pub report: Option<PathBuf>,
     /// `--report-html FILE`: the same report as a page a person reads.
     pub report_html: Option<PathBuf>,
+    /// `--events`, `--metrics-file`, `--metrics-port`: the journal's consumers.
+    pub journal: crate::journal::JournalPlan,
     /// TORCHELASTIC_ERROR_FILE set for nrun itself: the root cause goes there on failure.
     pub launcher_error_file: Option<PathBuf>,
 }

@@ -96,11 +96,62 @@ impl RunSettings {
             watch: resolve_watch(watch)?,
             report: preflight.report.clone(),
             report_html: job.report_html.clone(),
+            journal: journal_plan(job)?,
             launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
         })
     }
+}
+
+/// `--events` and `--metrics-file` must be writable now (a usage error, not a job that runs
+/// for hours and then cannot say what happened); checked without creating anything (the file,
+/// or its directory where it does not exist yet). `--metrics-port` is bound by the command.
+fn journal_plan(job: &JobArgs) -> Result<crate::journal::JournalPlan> {
+    for (flag, path) in [
+        ("--events", &job.events),
+        ("--metrics-file", &job.metrics_file),
+    ] {
+        if let Some(p) = path {
+            if let Err(why) = writable(p) {
+                return Err(Error::usage(format!(
+                    "{flag} {}: cannot write it ({why}); give a file in a writable directory",
+                    p.display()
+                )));
+            }
+        }
+    }
+    Ok(crate::journal::JournalPlan {
+        events: job.events.clone(),
+        metrics_file: job.metrics_file.clone(),
+        metrics_port: job.metrics_port,
+    })
+}
+
+/// Whether `p` can be written (created in its directory, or replaced there): why not.
+fn writable(p: &std::path::Path) -> std::result::Result<(), String> {
+    use nix::unistd::{AccessFlags, access};
+    if p.as_os_str().is_empty() {
+        return Err("no path given".into());
+    }
+    if p.is_dir() {
+        return Err("it is a directory".into());
+    }
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("no directory {}", dir.display()));
+    }
+    // The metrics file is replaced through a temporary file beside it, the events file may be
+    // created: both need the directory; an existing file must be writable itself.
+    access(dir, AccessFlags::W_OK | AccessFlags::X_OK)
+        .map_err(|e| format!("directory {}: {}", dir.display(), e.desc()))?;
+    if p.exists() {
+        access(p, AccessFlags::W_OK).map_err(|e| e.desc().to_string())?;
+    }
+    Ok(())
 }
 
 /// Whether nrun starts the nodes itself: a host list, or a scheduler's allocation of several
@@ -216,6 +267,10 @@ impl WorkersPlan {
             stdin,
             virtual_local_rank,
             numa_binding,
+            // The journal's consumers: `journal_plan`.
+            events: _,
+            metrics_file: _,
+            metrics_port: _,
         } = job;
         Ok(WorkersPlan {
             nproc,

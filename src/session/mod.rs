@@ -126,6 +126,8 @@ pub(crate) struct Session {
     arrivals_checked: Option<Instant>,
     /// The c10d rendezvous this nrun hosts (its id): nodes that come back join it.
     c10d_id: Option<String>,
+    /// The job's events and phases (the goodput ledger, `--events`, the metrics).
+    pub journal: crate::journal::Journal,
 }
 
 impl Session {
@@ -183,6 +185,7 @@ impl Session {
             grow: false,
             arrivals_checked: None,
             c10d_id: None,
+            journal: crate::journal::Journal::new(&plan.run_id),
         };
         session.announce(plan);
         let starting = link::Starting {

@@ -6,7 +6,10 @@
 
 use std::time::SystemTime;
 
+use serde_json::json;
+
 use super::Session;
+use crate::journal::Event;
 use nrun_base::error::{Error, Result};
 
 /// When a node was left out.
@@ -102,6 +105,11 @@ impl Session {
             .unwrap_or(why)
             .to_string();
         tracing::warn!("leaving out {host} ({}): {why}", stage.as_str());
+        self.journal.emit(
+            Event::new("node_left_out", format!("leaving out {host}: {why}"))
+                .node(i, &host)
+                .meta(json!({"stage": stage.as_str(), "reason": why})),
+        );
         self.left_out.push(LeftOut {
             node: i,
             host,
@@ -140,6 +148,16 @@ impl Session {
             }
         }
         let mut came = Vec::new();
+        // The places the spares fill: the last nodes left out, as many as are missing.
+        let gaps: Vec<String> = {
+            let missing = self.plan.size.saturating_sub(self.active.len());
+            let l = &self.left_out;
+            l[l.len().saturating_sub(missing)..]
+                .iter()
+                .map(|x| x.host.clone())
+                .collect()
+        };
+        let mut spared = 0;
         for i in self.spares() {
             if self.active.len() >= self.plan.size {
                 break;
@@ -157,6 +175,16 @@ impl Session {
             }
             self.active.push(i);
             came.push(i);
+            if i >= self.plan.size {
+                let replaces = gaps.get(spared).cloned();
+                spared += 1;
+                let host = self.nodes[i].label.clone();
+                self.journal.emit(
+                    Event::new("spare_in", format!("spare {host} takes a place in the job"))
+                        .node(i, &host)
+                        .meta(json!({"replaces": replaces})),
+                );
+            }
         }
         self.active.sort_unstable();
         self.publish_room();

@@ -143,6 +143,9 @@ impl Session {
                         left -= 1;
                         failed |= matches!(r, StepResult::Run(r) if r.is_failure());
                     }
+                    if failed && !w.stopped {
+                        self.journal.fault(0.0);
+                    }
                 }
             }
             if left == 0 {
@@ -170,9 +173,11 @@ impl Session {
                 self.read_views(no, &look, &mut last_views);
                 let hang = self.watch.as_mut().is_some_and(|ws| ws.check(&hosts));
                 if hang && !w.stopped {
+                    self.journal.hang_stops(self.watch.as_ref());
                     self.stop_step(no, None, &mut w);
                 }
             }
+            self.journal.tick(self.watch.as_ref(), &hosts);
             tokio::select! {
                 // An agent's record arrived.
                 () = super::store_changed(&mut changed) => {}
@@ -256,6 +261,7 @@ impl Session {
     /// Asks every node to stop step `no`: forwarding the user's signal, or politely.
     fn stop_step(&mut self, no: usize, signal: Option<i32>, w: &mut Waiting) {
         w.stopped = true;
+        self.journal.stopping();
         self.bus.stop(no, signal);
         self.request_all(signal.map_or(StopRequest::Polite, StopRequest::Signal));
     }

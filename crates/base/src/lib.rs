@@ -61,3 +61,37 @@ pub fn random_hex() -> std::io::Result<String> {
     random_bytes(&mut b)?;
     Ok(hex(&b))
 }
+
+/// The first worker output line since the launch host's journal armed it: the journal's sign
+/// that a worker group moved from starting to running. Written by whichever puts the workers'
+/// lines on this host's console (an in-process node's writer, an agent's relay); one atomic
+/// load per line once set.
+pub mod activity {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// Milliseconds since the Unix epoch of the first line after [`arm`]; 0: none yet.
+    static FIRST: AtomicU64 = AtomicU64::new(0);
+    /// Whether lines are looked for at all (not in an agent, nor before a group starts).
+    static ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    /// Looks for the next first line (a worker group starts).
+    pub fn arm() {
+        FIRST.store(0, Ordering::Relaxed);
+        ARMED.store(true, Ordering::Relaxed);
+    }
+
+    /// A worker's line reached the console.
+    pub fn line() {
+        if ARMED.load(Ordering::Relaxed) && FIRST.load(Ordering::Relaxed) == 0 {
+            let ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_millis().max(1) as u64);
+            let _ = FIRST.compare_exchange(0, ms, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+
+    /// When the first line since [`arm`] came, in ms since the Unix epoch.
+    pub fn first_line_ms() -> Option<u64> {
+        Some(FIRST.load(Ordering::Relaxed)).filter(|&t| t != 0)
+    }
+}

@@ -486,6 +486,24 @@ pub struct JobArgs {
         value_name = "MODE"
     )]
     pub numa_binding: Option<String>,
+
+    /// Append one JSON object per line to PATH for every event of the job as it happens
+    /// (phases, nodes joined and left out, attempts, failures, hangs, restarts, decisions;
+    /// torchelastic's fields name, source, timestamp, metadata), e.g. --events job.jsonl.
+    #[arg(long = "events", env = "NRUN_EVENTS", value_name = "PATH")]
+    pub events: Option<PathBuf>,
+
+    /// Write the job's metrics to PATH in OpenMetrics text (the node-exporter textfile
+    /// collector's format), replaced every 5 s and at the end: state, attempts, restarts,
+    /// nodes, each rank's progress, busbw, time by phase; e.g. --metrics-file
+    /// /var/lib/node_exporter/nrun.prom.
+    #[arg(long = "metrics-file", env = "NRUN_METRICS_FILE", value_name = "PATH")]
+    pub metrics_file: Option<PathBuf>,
+
+    /// Serve the same metrics on http://0.0.0.0:PORT/metrics while the job runs, e.g.
+    /// --metrics-port 9464.
+    #[arg(long = "metrics-port", env = "NRUN_METRICS_PORT", value_name = "PORT")]
+    pub metrics_port: Option<u16>,
 }
 
 /// torchrun flags that have no effect in nrun: accepted, with a note, so command lines carry over.

@@ -240,6 +240,8 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
         let Some(w) = workers.get_mut(worker) else {
             continue;
         };
+        // A line (to the console or a log file) is the launch host's sign of work.
+        nrun_base::activity::line();
         let sink = &mut w.sinks[stream as usize];
         lost += usize::from(sink.log(&data, w.rank));
         if !sink.console {

@@ -138,6 +138,7 @@ pub(crate) fn session(
         grow: false,
         arrivals_checked: None,
         c10d_id: None,
+        journal: crate::journal::Journal::new("fake"),
     };
     for n in &mut s.nodes {
         n.joined = Some(crate::session::JoinedNode {

@@ -1,0 +1,367 @@
+//! The journal's metrics in OpenMetrics text (encoded by `prometheus-client`): written to
+//! `--metrics-file` (the node-exporter textfile collector's way: a temporary file renamed over
+//! it, every few seconds and at the end) and served on `--metrics-port` at `/metrics` by a tiny
+//! HTTP responder. All are gauges (attempts and restarts too: promtool's classic text parser
+//! wants a counter's HELP under its `_total` name, which OpenMetrics puts on the family's name);
+//! they move with the journal's events; the ledger's seconds are
+//! read from the ledger itself at each encoding, so a scrape sees the open phase's time too.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+use super::{Ledger, Phase, now_s};
+use crate::watch::RankFigure;
+use nrun_base::error::{Error, Result};
+
+/// How often `--metrics-file` is replaced while the job runs.
+const FILE_EVERY: Duration = Duration::from_secs(5);
+
+type Labels = Vec<(String, String)>;
+type FGauge = Gauge<f64, AtomicU64>;
+
+/// The states `nrun_job_state` has a series for: the phases, then how a job ends.
+const ENDS: [&str; 5] = ["success", "failed", "hang", "interrupted", "not started"];
+
+#[derive(Default)]
+struct Metrics {
+    state: Family<Labels, Gauge>,
+    attempts: Gauge,
+    restarts: Gauge,
+    nodes: Family<Labels, Gauge>,
+    rank_age: Family<Labels, FGauge>,
+    rank_wait: Family<Labels, FGauge>,
+    busbw: Family<Labels, FGauge>,
+    line_rate: FGauge,
+    ledger: Family<Labels, FGauge>,
+    wall: FGauge,
+    effective: FGauge,
+    lost: FGauge,
+    exit_code: Gauge,
+}
+
+struct Shared {
+    registry: Registry,
+    m: Metrics,
+    ledger: Arc<Mutex<Ledger>>,
+}
+
+/// The metrics of one job, and the tasks that publish them.
+pub(crate) struct Exporter {
+    shared: Arc<Shared>,
+    file: Option<PathBuf>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+fn label(k: &str, v: impl ToString) -> Labels {
+    vec![(k.to_string(), v.to_string())]
+}
+
+impl Metrics {
+    fn register(&self, r: &mut Registry) {
+        r.register(
+            "nrun_job_state",
+            "The job's state: 1 for the phase it is in, or how it ended",
+            self.state.clone(),
+        );
+        r.register(
+            "nrun_attempts",
+            "Worker groups started so far",
+            self.attempts.clone(),
+        );
+        r.register(
+            "nrun_restarts",
+            "Restarts of the worker group so far (after a failure or a hang)",
+            self.restarts.clone(),
+        );
+        r.register(
+            "nrun_nodes",
+            "Nodes by state: in the job, left out, spare",
+            self.nodes.clone(),
+        );
+        r.register_with_unit(
+            "nrun_rank_last_progress_age",
+            "Since when each rank's Python stack last moved (the watch's view)",
+            Unit::Seconds,
+            self.rank_age.clone(),
+        );
+        r.register(
+            "nrun_rank_wait_share",
+            "Share of the watch's samples each rank waited for its peers in collectives (0..1)",
+            self.rank_wait.clone(),
+        );
+        r.register(
+            "nrun_preflight_busbw_gbs",
+            "The preflight's all-reduce bus bandwidth (GB/s) by message size (bytes)",
+            self.busbw.clone(),
+        );
+        r.register(
+            "nrun_preflight_line_rate_gbs",
+            "The line rate the preflight compared the bus bandwidth against (GB/s; 0: none)",
+            self.line_rate.clone(),
+        );
+        r.register_with_unit(
+            "nrun_ledger",
+            "Wall time charged to each phase of the job",
+            Unit::Seconds,
+            self.ledger.clone(),
+        );
+        r.register_with_unit(
+            "nrun_wall",
+            "Time since nrun started (until the job's end)",
+            Unit::Seconds,
+            self.wall.clone(),
+        );
+        r.register(
+            "nrun_effective_ratio",
+            "Running time over wall time",
+            self.effective.clone(),
+        );
+        r.register_with_unit(
+            "nrun_lost",
+            "Time faults cost (detecting, stopping, restarting, waiting)",
+            Unit::Seconds,
+            self.lost.clone(),
+        );
+        r.register(
+            "nrun_exit_code",
+            "nrun's exit code (-1 while the job runs)",
+            self.exit_code.clone(),
+        );
+    }
+}
+
+impl Exporter {
+    /// Registers the metrics and starts the file's writer and the port's server (on the tokio
+    /// runtime the job runs on).
+    pub(crate) fn start(
+        ledger: Arc<Mutex<Ledger>>,
+        file: Option<PathBuf>,
+        listener: Option<std::net::TcpListener>,
+    ) -> Exporter {
+        let m = Metrics::default();
+        let mut registry = Registry::default();
+        m.register(&mut registry);
+        m.exit_code.set(-1);
+        let shared = Arc::new(Shared {
+            registry,
+            m,
+            ledger,
+        });
+        set_state(&shared.m, Phase::Launch.key());
+        let mut tasks = Vec::new();
+        if let Some(path) = file.clone() {
+            let sh = shared.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    write_file(&path, &render(&sh));
+                    tokio::time::sleep(FILE_EVERY).await;
+                }
+            }));
+        }
+        if let Some(l) = listener {
+            match tokio::net::TcpListener::from_std(l) {
+                Ok(l) => tasks.push(tokio::spawn(serve(l, shared.clone()))),
+                Err(e) => tracing::warn!("--metrics-port: cannot serve it: {e}"),
+            }
+        }
+        Exporter {
+            shared,
+            file,
+            tasks,
+        }
+    }
+
+    /// The OpenMetrics text now.
+    #[cfg(test)]
+    pub(crate) fn text(&self) -> String {
+        render(&self.shared)
+    }
+
+    /// The job entered `state` (a phase's key).
+    pub(crate) fn phase(&self, state: &str) {
+        set_state(&self.shared.m, state);
+    }
+
+    /// An event's effect on the counters and gauges.
+    pub(crate) fn event(&self, name: &str, meta: &Value) {
+        let m = &self.shared.m;
+        let f = |k: &str| meta.get(k).and_then(Value::as_f64);
+        match name {
+            "attempt_start" => {
+                m.attempts.inc();
+            }
+            "restart" => {
+                m.restarts.inc();
+            }
+            "preflight_size" => {
+                if let (Some(b), Some(bw)) = (f("bytes"), f("busbw_gbs")) {
+                    m.busbw.get_or_create(&label("bytes", b as u64)).set(bw);
+                }
+                if let Some(r) = f("line_rate_gbs") {
+                    m.line_rate.set(r);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The nodes in the job, left out and spare now.
+    pub(crate) fn nodes(&self, active: usize, left_out: usize, spares: usize) {
+        let m = &self.shared.m;
+        for (k, v) in [("in", active), ("left_out", left_out), ("spare", spares)] {
+            m.nodes.get_or_create(&label("state", k)).set(v as i64);
+        }
+    }
+
+    /// The watch's latest per-rank figures (replacing the previous ones).
+    pub(crate) fn ranks(&self, figures: &[RankFigure]) {
+        let m = &self.shared.m;
+        m.rank_age.clear();
+        m.rank_wait.clear();
+        for r in figures {
+            let l = vec![
+                ("rank".to_string(), r.rank.to_string()),
+                ("host".to_string(), r.host.clone()),
+            ];
+            m.rank_age.get_or_create(&l).set(r.progress_age_s);
+            if let Some(w) = r.wait_share {
+                m.rank_wait.get_or_create(&l).set(w);
+            }
+        }
+    }
+
+    /// The job's end: the final state and exit code, the file written one last time, the
+    /// server stopped.
+    pub(crate) fn finish(self, outcome: &str, code: u8) {
+        set_state(&self.shared.m, outcome);
+        self.shared.m.exit_code.set(i64::from(code));
+        for t in &self.tasks {
+            t.abort();
+        }
+        if let Some(path) = &self.file {
+            write_file(path, &render(&self.shared));
+        }
+    }
+}
+
+/// One series per state, 1 for `now`.
+fn set_state(m: &Metrics, now: &str) {
+    for s in Phase::ALL.iter().map(|p| p.key()).chain(ENDS) {
+        m.state
+            .get_or_create(&label("state", s))
+            .set(i64::from(s == now));
+    }
+}
+
+/// The OpenMetrics text now: the ledger's figures are taken from the ledger first.
+fn render(sh: &Shared) -> String {
+    let now = now_s();
+    {
+        let l = sh.ledger.lock().unwrap_or_else(|e| e.into_inner());
+        let t = l.totals(now);
+        for p in Phase::ALL {
+            sh.m.ledger
+                .get_or_create(&label("phase", p.key()))
+                .set(t.get(p));
+        }
+        sh.m.wall.set(t.sum());
+        sh.m.effective.set(l.effective(now));
+        sh.m.lost.set(l.lost(now));
+    }
+    let mut out = String::new();
+    // Encoding into a String cannot fail.
+    let _ = encode(&mut out, &sh.registry);
+    out
+}
+
+/// Replaces `path` with `text` at once: a reader sees the old file or the new, never part.
+fn write_file(path: &Path, text: &str) {
+    let tmp = temp_of(path);
+    let done = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = done {
+        let _ = std::fs::remove_file(&tmp);
+        tracing::warn!("--metrics-file {}: cannot write it: {e}", path.display());
+    }
+}
+
+/// The temporary file beside `path` (a name the textfile collector, reading *.prom, skips).
+pub(crate) fn temp_of(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map_or_else(|| "metrics".into(), |n| n.to_string_lossy().into_owned());
+    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
+}
+
+/// Binds `--metrics-port` on every address; a port that cannot be had is a usage error.
+pub(crate) fn bind(port: Option<u16>) -> Result<Option<std::net::TcpListener>> {
+    let Some(port) = port else {
+        return Ok(None);
+    };
+    let l = std::net::TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+        Error::usage(format!(
+            "--metrics-port {port}: cannot listen on it ({e}); pick a free port (above 1024 \
+             unless nrun runs as root)"
+        ))
+    })?;
+    l.set_nonblocking(true)
+        .map_err(|e| Error::internal(format!("--metrics-port {port}: {e}")))?;
+    Ok(Some(l))
+}
+
+/// Answers each connection's one request: GET /metrics gets the text, anything else 404.
+async fn serve(l: tokio::net::TcpListener, sh: Arc<Shared>) {
+    loop {
+        let Ok((mut conn, _)) = l.accept().await else {
+            continue;
+        };
+        let sh = sh.clone();
+        tokio::spawn(async move {
+            let mut req = Vec::new();
+            let mut buf = [0u8; 1024];
+            // A client that sends no whole request head in 10 s (or 8 KiB) is dropped.
+            let read = tokio::time::timeout(Duration::from_secs(10), async {
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => return false,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                true
+            })
+            .await;
+            if read != Ok(true) {
+                return;
+            }
+            let head = String::from_utf8_lossy(&req);
+            let mut words = head.split_whitespace();
+            let (method, target) = (words.next(), words.next().unwrap_or(""));
+            let path = target.split('?').next().unwrap_or("");
+            let answer = match (method, path) {
+                (Some("GET" | "HEAD"), "/metrics") => {
+                    let body = render(&sh);
+                    format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/openmetrics-text; \
+                         version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\nConnection: \
+                         close\r\n\r\n{}",
+                        body.len(),
+                        if method == Some("HEAD") { "" } else { &body }
+                    )
+                }
+                _ => "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: \
+                      22\r\nConnection: close\r\n\r\nnrun serves /metrics\r\n"
+                    .to_string(),
+            };
+            let _ = conn.write_all(answer.as_bytes()).await;
+            let _ = conn.shutdown().await;
+        });
+    }
+}

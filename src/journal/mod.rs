@@ -1,0 +1,786 @@
+//! The job's journal: one timestamped stream of events (schema: the `events` of `--report`,
+//! the lines of `--events`), and the phase the job is in. The goodput ledger is derived from
+//! the phase transitions alone: every moment since nrun started is charged to exactly one
+//! phase, so the phases add up to the wall time by construction, per attempt and in total.
+//!
+//! Consumers of the one stream: `--report`'s `ledger` and `events` ([`Journal::finish`]),
+//! `--events PATH` (a JSON line per event, flushed as it happens), the metrics
+//! ([`metrics`]: `--metrics-file`, `--metrics-port`) and the one summary line at the job's end.
+//! The journal decides nothing: it only records what the session and the job command did.
+
+pub(crate) mod metrics;
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use serde_json::{Value, json};
+
+use crate::watch::WatchState;
+
+/// nrun's start (the ledger's zero), as an instant and in ms since the Unix epoch.
+static START: OnceLock<(Instant, u64)> = OnceLock::new();
+
+/// Marks nrun's start: called first thing in `main`, so launch time includes the plan's.
+pub(crate) fn mark_start() {
+    start();
+}
+
+fn start() -> (Instant, u64) {
+    *START.get_or_init(|| (Instant::now(), crate::protocol::unix_ms()))
+}
+
+/// Seconds since nrun started.
+pub(crate) fn now_s() -> f64 {
+    start().0.elapsed().as_secs_f64()
+}
+
+/// Where the journal's consumers write (the job's flags; resolved and checked by the plan).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct JournalPlan {
+    /// `--events PATH`: a JSON line per event, appended.
+    pub events: Option<PathBuf>,
+    /// `--metrics-file PATH`: OpenMetrics text, replaced every few seconds.
+    pub metrics_file: Option<PathBuf>,
+    /// `--metrics-port PORT`: the same text over HTTP.
+    pub metrics_port: Option<u16>,
+}
+
+/// What the job is doing; the ledger's keys, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Launch,
+    Join,
+    Checks,
+    Preflight,
+    Starting,
+    Running,
+    Detecting,
+    Stopping,
+    Restarting,
+    Waiting,
+    Ending,
+}
+
+impl Phase {
+    pub(crate) const ALL: [Phase; 11] = [
+        Phase::Launch,
+        Phase::Join,
+        Phase::Checks,
+        Phase::Preflight,
+        Phase::Starting,
+        Phase::Running,
+        Phase::Detecting,
+        Phase::Stopping,
+        Phase::Restarting,
+        Phase::Waiting,
+        Phase::Ending,
+    ];
+
+    pub(crate) fn key(self) -> &'static str {
+        match self {
+            Phase::Launch => "launch",
+            Phase::Join => "join",
+            Phase::Checks => "checks",
+            Phase::Preflight => "preflight",
+            Phase::Starting => "starting",
+            Phase::Running => "running",
+            Phase::Detecting => "detecting",
+            Phase::Stopping => "stopping",
+            Phase::Restarting => "restarting",
+            Phase::Waiting => "waiting",
+            Phase::Ending => "ending",
+        }
+    }
+
+    /// The phases of a worker group's life, where the watch and the step's wait move the job.
+    fn in_attempt(self) -> bool {
+        matches!(self, Phase::Starting | Phase::Running | Phase::Detecting)
+    }
+}
+
+/// Seconds spent in each phase.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Phases([f64; 11]);
+
+impl Phases {
+    pub(crate) fn get(&self, p: Phase) -> f64 {
+        self.0[p as usize]
+    }
+
+    fn add(&mut self, p: Phase, s: f64) {
+        self.0[p as usize] += s;
+    }
+
+    pub(crate) fn sum(&self) -> f64 {
+        self.0.iter().sum()
+    }
+
+    fn json(&self) -> Value {
+        let m: serde_json::Map<String, Value> = Phase::ALL
+            .iter()
+            .map(|p| (p.key().to_string(), json!(round6(self.get(*p)))))
+            .collect();
+        Value::Object(m)
+    }
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1e3).round() / 1e3
+}
+
+/// Seconds to the microsecond: the phases' sum stays within rounding of the wall time.
+fn round6(x: f64) -> f64 {
+    (x * 1e6).round() / 1e6
+}
+
+/// One worker group's time.
+#[derive(Clone, Debug)]
+struct AttemptTime {
+    attempt: u32,
+    start_s: f64,
+    end_s: Option<f64>,
+    outcome: Option<&'static str>,
+    phases: Phases,
+    /// Output or progress was seen (the move from starting to running happened).
+    progressed: bool,
+}
+
+/// The ledger: the current phase since when, and the seconds charged to each phase so far.
+#[derive(Clone, Debug)]
+pub(crate) struct Ledger {
+    phase: Phase,
+    since: f64,
+    total: Phases,
+    attempts: Vec<AttemptTime>,
+    restarts: u32,
+    /// Set by [`Ledger::finish`]: the job's end (the wall time).
+    ended: Option<f64>,
+}
+
+impl Default for Ledger {
+    fn default() -> Ledger {
+        Ledger {
+            phase: Phase::Launch,
+            since: 0.0,
+            total: Phases::default(),
+            attempts: Vec::new(),
+            restarts: 0,
+            ended: None,
+        }
+    }
+}
+
+impl Ledger {
+    fn open(&mut self) -> Option<&mut AttemptTime> {
+        self.attempts.last_mut().filter(|a| a.end_s.is_none())
+    }
+
+    /// Charges the time since the last transition to the current phase (and open attempt).
+    fn charge(&mut self, now: f64) {
+        let dt = (now - self.since).max(0.0);
+        let p = self.phase;
+        self.total.add(p, dt);
+        if let Some(a) = self.open() {
+            a.phases.add(p, dt);
+        }
+        self.since = now.max(self.since);
+    }
+
+    /// Enters phase `p` at `now`. False: already in it.
+    pub(crate) fn enter(&mut self, p: Phase, now: f64) -> bool {
+        if self.ended.is_some() || p == self.phase {
+            return false;
+        }
+        self.charge(now);
+        self.phase = p;
+        true
+    }
+
+    /// Moves up to `secs` already charged to `from` in the open attempt (and the total) to `to`:
+    /// a hang's stall was spent detecting it, not running.
+    fn shift(&mut self, from: Phase, to: Phase, secs: f64) {
+        let Some(a) = self.open() else {
+            return;
+        };
+        let s = secs.min(a.phases.get(from)).max(0.0);
+        a.phases.add(from, -s);
+        a.phases.add(to, s);
+        self.total.add(from, -s);
+        self.total.add(to, s);
+    }
+
+    /// A worker group starts at `now`.
+    pub(crate) fn start_attempt(&mut self, attempt: u32, now: f64) {
+        self.enter(Phase::Starting, now);
+        self.charge(now);
+        self.attempts.push(AttemptTime {
+            attempt,
+            start_s: now,
+            end_s: None,
+            outcome: None,
+            phases: Phases::default(),
+            progressed: false,
+        });
+    }
+
+    /// The first output or progress of the open attempt: starting -> running. False: the
+    /// attempt had already progressed (or none is open, or it is past starting).
+    pub(crate) fn progress(&mut self, now: f64) -> bool {
+        match self.open() {
+            Some(a) if !a.progressed => a.progressed = true,
+            _ => return false,
+        }
+        self.phase == Phase::Starting && self.enter(Phase::Running, now)
+    }
+
+    /// The open attempt ends at `now` (its phase goes on outside it until the next one).
+    pub(crate) fn end_attempt(&mut self, outcome: &'static str, now: f64) {
+        self.charge(now);
+        let Some(a) = self.open() else {
+            return;
+        };
+        // Nothing was seen of the workers before the attempt ended: its time counts as
+        // running from its start (nrun cannot tell their start-up from their work).
+        if !a.progressed {
+            let s = a.phases.get(Phase::Starting);
+            a.phases.add(Phase::Starting, -s);
+            a.phases.add(Phase::Running, s);
+            self.total.add(Phase::Starting, -s);
+            self.total.add(Phase::Running, s);
+        }
+        if let Some(a) = self.open() {
+            a.outcome = Some(outcome);
+            a.end_s = Some(now);
+        }
+    }
+
+    /// The job ends at `now`: the last phase is charged and the ledger closes.
+    pub(crate) fn finish(&mut self, now: f64) {
+        if self.ended.is_none() {
+            if self.open().is_some() {
+                self.end_attempt("interrupted", now);
+            }
+            self.charge(now);
+            self.ended = Some(now);
+        }
+    }
+
+    /// The totals at `now`, the open phase's time included.
+    pub(crate) fn totals(&self, now: f64) -> Phases {
+        let mut t = self.total;
+        if self.ended.is_none() {
+            t.add(self.phase, (now - self.since).max(0.0));
+        }
+        t
+    }
+
+    fn wall(&self, now: f64) -> f64 {
+        self.ended.unwrap_or(now)
+    }
+
+    /// What faults cost: detecting, stopping, restarting, waiting for nodes, and the start-up
+    /// of every worker group after the first (the first one's is the job's own cost).
+    pub(crate) fn lost(&self, now: f64) -> f64 {
+        let t = self.totals(now);
+        let later_starts: f64 = self
+            .attempts
+            .iter()
+            .skip(1)
+            .map(|a| a.phases.get(Phase::Starting))
+            .sum();
+        [
+            Phase::Detecting,
+            Phase::Stopping,
+            Phase::Restarting,
+            Phase::Waiting,
+        ]
+        .iter()
+        .map(|p| t.get(*p))
+        .sum::<f64>()
+            + later_starts
+    }
+
+    /// Running over wall (0 for a job that took no time).
+    pub(crate) fn effective(&self, now: f64) -> f64 {
+        let wall = self.wall(now);
+        match wall > 0.0 {
+            true => self.totals(now).get(Phase::Running) / wall,
+            false => 0.0,
+        }
+    }
+
+    /// The one line said at the job's end (without "nrun: ").
+    pub(crate) fn summary(&self, now: f64) -> String {
+        let lost = self.lost(now);
+        let restarts = match self.restarts {
+            0 => String::new(),
+            1 => "1 restart, ".to_string(),
+            n => format!("{n} restarts, "),
+        };
+        // A job without a fault says so in other words: "lost" on a console means a node.
+        let faulted = self.restarts > 0
+            || self
+                .attempts
+                .iter()
+                .any(|a| matches!(a.outcome, Some("failed" | "hang")));
+        let lost = match faulted {
+            false => "no faults".to_string(),
+            true => format!("lost: {restarts}{}", duration_text(lost)),
+        };
+        format!(
+            "ran {}, {:.1}% of it training; {lost}",
+            duration_text(self.wall(now)),
+            100.0 * self.effective(now)
+        )
+    }
+
+    /// `--report`'s `ledger`.
+    pub(crate) fn json(&self, now: f64) -> Value {
+        let attempts: Vec<Value> = self
+            .attempts
+            .iter()
+            .map(|a| {
+                json!({
+                    "attempt": a.attempt,
+                    "start_s": round6(a.start_s),
+                    "end_s": round6(a.end_s.unwrap_or(now)),
+                    "outcome": a.outcome.unwrap_or("running"),
+                    "phases": a.phases.json(),
+                })
+            })
+            .collect();
+        json!({
+            "wall_s": round6(self.wall(now)),
+            "phases": self.totals(now).json(),
+            "effective": (self.effective(now) * 1e4).round() / 1e4,
+            "attempts": attempts,
+            "restarts": self.restarts,
+            "lost_s": round6(self.lost(now)),
+            "summary": self.summary(now),
+        })
+    }
+}
+
+/// "13 m 32 s", "3 h 12 m", "41 s", "4.2 s", "0.05 s".
+pub(crate) fn duration_text(s: f64) -> String {
+    let whole = s.round() as u64;
+    match s {
+        s if s < 0.995 => format!("{s:.2} s"),
+        s if s < 9.95 => format!("{s:.1} s"),
+        _ if whole < 60 => format!("{whole} s"),
+        _ if whole < 3600 => format!("{} m {} s", whole / 60, whole % 60),
+        _ => format!("{} h {} m", whole / 3600, (whole % 3600) / 60),
+    }
+}
+
+/// One event, before the journal stamps it.
+pub(crate) struct Event {
+    name: &'static str,
+    message: String,
+    node: Option<(usize, String)>,
+    rank: Option<usize>,
+    meta: Value,
+    source: &'static str,
+}
+
+impl Event {
+    pub(crate) fn new(name: &'static str, message: impl Into<String>) -> Event {
+        Event {
+            name,
+            message: message.into(),
+            node: None,
+            rank: None,
+            meta: json!({}),
+            source: "AGENT",
+        }
+    }
+
+    pub(crate) fn node(mut self, i: usize, host: &str) -> Event {
+        self.node = Some((i, host.to_string()));
+        self
+    }
+
+    /// A rank's event (torchelastic's source WORKER).
+    pub(crate) fn rank(mut self, r: usize) -> Event {
+        self.rank = Some(r);
+        self.source = "WORKER";
+        self
+    }
+
+    pub(crate) fn meta(mut self, m: Value) -> Event {
+        self.meta = m;
+        self
+    }
+}
+
+/// What the journal has already told of the watch's findings.
+#[derive(Default)]
+struct Told {
+    hangs: usize,
+    stragglers: usize,
+}
+
+/// The session's journal (see the module's doc).
+pub(crate) struct Journal {
+    run_id: String,
+    ledger: Arc<Mutex<Ledger>>,
+    events: Vec<Value>,
+    /// `--events`: the file and its path (for the warning when a write fails).
+    sink: Option<(PathBuf, std::fs::File)>,
+    metrics: Option<metrics::Exporter>,
+    attempt: Option<u32>,
+    told: Told,
+    /// When the metrics last took the watch's per-rank figures.
+    ranks_at: Option<Instant>,
+}
+
+impl Journal {
+    /// The journal of a session; the ledger starts in `launch` at nrun's start.
+    pub(crate) fn new(run_id: &str) -> Journal {
+        Journal {
+            run_id: run_id.to_string(),
+            ledger: Arc::default(),
+            events: Vec::new(),
+            sink: None,
+            metrics: None,
+            attempt: None,
+            told: Told::default(),
+            ranks_at: None,
+        }
+    }
+
+    /// Starts the consumers the job asked for: the events file (opened for appending), the
+    /// metrics file's writer and the metrics port's server (on `listener`, bound earlier).
+    /// The plan checked the paths; a failure now is said and the job goes on without it.
+    pub(crate) fn attach(&mut self, plan: &JournalPlan, listener: Option<std::net::TcpListener>) {
+        if let Some(p) = &plan.events {
+            match open_append(p) {
+                Ok(f) => self.sink = Some((p.clone(), f)),
+                Err(e) => tracing::warn!("--events {}: cannot open it: {e}", p.display()),
+            }
+        }
+        if plan.metrics_file.is_some() || listener.is_some() {
+            let m =
+                metrics::Exporter::start(self.ledger.clone(), plan.metrics_file.clone(), listener);
+            m.phase(self.phase().key());
+            self.metrics = Some(m);
+        }
+        // The events recorded before (the session's start) go out first, in order.
+        for v in &self.events {
+            if let (Some(m), Some(name)) = (&self.metrics, v["name"].as_str()) {
+                m.event(name, &v["metadata"]);
+            }
+        }
+        let earlier: Vec<String> = self.events.iter().map(Value::to_string).collect();
+        for line in earlier {
+            self.write_line(line);
+        }
+    }
+
+    /// The nodes in the job, left out and spare now (the metrics).
+    pub(crate) fn nodes(&self, active: usize, left_out: usize, spares: usize) {
+        if let Some(m) = &self.metrics {
+            m.nodes(active, left_out, spares);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The phase the job is in.
+    pub(crate) fn phase(&self) -> Phase {
+        self.lock().phase
+    }
+
+    /// Enters phase `p` (an event when it changes).
+    pub(crate) fn enter(&mut self, p: Phase) {
+        let now = now_s();
+        if self.lock().enter(p, now) {
+            self.stamp(
+                Event::new("phase", format!("entering {}", p.key()))
+                    .meta(json!({"phase": p.key()})),
+                now,
+            );
+            if let Some(m) = &self.metrics {
+                m.phase(p.key());
+            }
+        }
+    }
+
+    /// Records `e` now.
+    pub(crate) fn emit(&mut self, e: Event) {
+        self.stamp(e, now_s());
+    }
+
+    fn stamp(&mut self, e: Event, t: f64) {
+        let mut meta = e.meta;
+        if let Some(m) = meta.as_object_mut() {
+            m.insert("run_id".into(), json!(self.run_id));
+        }
+        if let Some(m) = &self.metrics {
+            m.event(e.name, &meta);
+        }
+        let v = json!({
+            "name": e.name,
+            "source": e.source,
+            "timestamp": start().1 + (t * 1000.0) as u64,
+            "t": round3(t),
+            "attempt": self.attempt,
+            "node": e.node.as_ref().map(|n| n.0),
+            "host": e.node.as_ref().map(|n| n.1.clone()),
+            "rank": e.rank,
+            "message": e.message,
+            "metadata": meta,
+        });
+        if self.sink.is_some() {
+            self.write_line(v.to_string());
+        }
+        self.events.push(v);
+    }
+
+    /// One line to `--events`: one write, unbuffered, so `tail -f` sees it at once.
+    fn write_line(&mut self, mut line: String) {
+        let Some((path, f)) = &mut self.sink else {
+            return;
+        };
+        line.push('\n');
+        if let Err(err) = f.write_all(line.as_bytes()) {
+            tracing::warn!(
+                "--events {}: cannot write to it ({err}); no more events go there",
+                path.display()
+            );
+            self.sink = None;
+        }
+    }
+
+    /// A worker group starts: attempt `attempt` (a `phase` and an `attempt_start` event).
+    pub(crate) fn attempt_start(&mut self, attempt: u32, world: usize, hosts: Vec<String>) {
+        let now = now_s();
+        nrun_base::activity::arm();
+        self.attempt = Some(attempt);
+        self.lock().start_attempt(attempt, now);
+        if let Some(m) = &self.metrics {
+            m.phase(Phase::Starting.key());
+        }
+        self.stamp(
+            Event::new("phase", "entering starting").meta(json!({"phase": "starting"})),
+            now,
+        );
+        self.stamp(
+            Event::new(
+                "attempt_start",
+                format!("worker group {attempt} starts ({world} workers)"),
+            )
+            .meta(json!({"world_size": world, "nodes": hosts})),
+            now,
+        );
+    }
+
+    /// The attempt ended (its results are in).
+    pub(crate) fn attempt_end(&mut self, outcome: &'static str, exit_code: u8) {
+        let now = now_s();
+        self.lock().end_attempt(outcome, now);
+        self.stamp(
+            Event::new("attempt_end", format!("worker group ended: {outcome}"))
+                .meta(json!({"outcome": outcome, "exit_code": exit_code})),
+            now,
+        );
+    }
+
+    /// A restart was decided: the `restart` event, and the ledger's count.
+    pub(crate) fn restart(&mut self, restart_count: u32) {
+        self.lock().restarts = restart_count;
+        self.enter(Phase::Restarting);
+        self.emit(
+            Event::new("restart", format!("restart {restart_count}"))
+                .meta(json!({"restart_count": restart_count})),
+        );
+    }
+
+    /// Looked at from the step's wait (often): the first output line or sign of progress moves
+    /// the attempt from starting to running; the watch's new hangs and stragglers become events;
+    /// the metrics get the per-rank figures (once a second).
+    pub(crate) fn tick(&mut self, watch: Option<&WatchState>, hosts: &[String]) {
+        if let Some(w) = watch {
+            self.watch_findings(w, hosts);
+        }
+        self.see_progress(watch);
+    }
+
+    /// Starting -> running at the first output line or sign of progress.
+    fn see_progress(&mut self, watch: Option<&WatchState>) {
+        if self.phase() != Phase::Starting {
+            return;
+        }
+        let output = nrun_base::activity::first_line_ms();
+        let progressed = watch.is_some_and(WatchState::progressed);
+        if output.is_some() || progressed {
+            // The line's own time where one came first (the wait looks every 50 ms at most).
+            let now = now_s();
+            let at = output.map_or(now, |ms| {
+                (ms.saturating_sub(start().1) as f64 / 1e3).min(now)
+            });
+            let how = match output {
+                Some(_) => "output",
+                None => "progress",
+            };
+            if self.lock().progress(at) {
+                self.stamp(
+                    Event::new("phase", "entering running").meta(json!({"phase": "running"})),
+                    at,
+                );
+                self.stamp(
+                    Event::new(
+                        "first_progress",
+                        format!("first {how} seen from the workers"),
+                    )
+                    .meta(json!({"seen": how})),
+                    at,
+                );
+                if let Some(m) = &self.metrics {
+                    m.phase(Phase::Running.key());
+                }
+            }
+        }
+    }
+
+    /// The watch's hangs and stragglers not told yet; per-rank figures for the metrics.
+    fn watch_findings(&mut self, w: &WatchState, hosts: &[String]) {
+        for d in w.hangs.iter().skip(self.told.hangs) {
+            let waiting: Vec<usize> = d
+                .ranks
+                .iter()
+                .filter(|r| r.state.starts_with("waiting in"))
+                .map(|r| r.rank)
+                .collect();
+            let waiting_in = d
+                .ranks
+                .iter()
+                .find_map(|r| r.state.strip_prefix("waiting in ").map(str::to_string));
+            let e = Event::new("hang", d.conclusion.clone()).meta(json!({
+                "culprit_rank": d.culprits.first(),
+                "culprits": d.culprits,
+                "waiting_in": waiting_in,
+                "ranks_waiting": waiting,
+                "stalled_s": d.stalled_s,
+                "kind": d.kind,
+            }));
+            let e = match d.culprits.first() {
+                Some(r) => e.rank(*r),
+                None => e,
+            };
+            self.emit(e);
+        }
+        self.told.hangs = w.hangs.len();
+        for s in w.stragglers.iter().skip(self.told.stragglers) {
+            self.emit(
+                Event::new(
+                    "straggler",
+                    format!("rank {} on {} is a straggler", s.rank, s.host),
+                )
+                .rank(s.rank)
+                .meta(json!({
+                    "wait_share": s.waited_pct / 100.0,
+                    "median_wait_share": s.median_pct / 100.0,
+                    "host": s.host,
+                })),
+            );
+        }
+        self.told.stragglers = w.stragglers.len();
+        if let Some(m) = &self.metrics {
+            if self
+                .ranks_at
+                .is_none_or(|t| t.elapsed().as_secs_f64() >= 1.0)
+            {
+                self.ranks_at = Some(Instant::now());
+                m.ranks(&w.rank_figures(hosts));
+            }
+        }
+    }
+
+    /// A fault was seen (a failure's result, or a hang that stops the job): the time of the
+    /// stall (`stalled_s`, a hang's) was spent detecting it; the job is detecting until nrun
+    /// stops the group.
+    pub(crate) fn fault(&mut self, stalled_s: f64) {
+        if !self.phase().in_attempt() {
+            return;
+        }
+        // Output that came before the fault was seen moved the attempt to running first.
+        self.see_progress(None);
+        let now = now_s();
+        let mut l = self.lock();
+        let from = l.phase;
+        let entered = l.enter(Phase::Detecting, now);
+        if entered && stalled_s > 0.0 {
+            l.shift(from, Phase::Detecting, stalled_s);
+        }
+        drop(l);
+        if entered {
+            self.stamp(
+                Event::new("phase", "entering detecting").meta(json!({"phase": "detecting"})),
+                now,
+            );
+            if let Some(m) = &self.metrics {
+                m.phase(Phase::Detecting.key());
+            }
+        }
+    }
+
+    /// The watch stops the job for a hang just found (or a collective mismatch): the stall
+    /// before the hang was called was spent detecting it.
+    pub(crate) fn hang_stops(&mut self, watch: Option<&WatchState>) {
+        let new = watch.and_then(|w| w.hangs.get(self.told.hangs..)?.last());
+        self.fault(new.map_or(0.0, |d| d.stalled_s));
+    }
+
+    /// The worker group is being stopped (a fault, a signal, nodes arriving).
+    pub(crate) fn stopping(&mut self) {
+        if self.phase().in_attempt() {
+            self.enter(Phase::Stopping);
+        }
+    }
+
+    /// The job ended with `code`: the ledger closes, `job_end` is recorded and the metrics
+    /// written one last time. Returns `--report`'s `ledger` and `events`, and the summary line.
+    pub(crate) fn finish(&mut self, code: u8, outcome: &str) -> (Value, Value, String) {
+        let now = now_s();
+        self.enter(Phase::Ending);
+        let summary = {
+            let mut l = self.lock();
+            l.finish(now);
+            l.summary(now)
+        };
+        self.attempt = None;
+        self.stamp(
+            Event::new("job_end", format!("nrun: {summary}")).meta(json!({
+                "exit_code": code,
+                "outcome": outcome,
+                "summary": summary,
+            })),
+            now,
+        );
+        if let Some(m) = self.metrics.take() {
+            m.finish(outcome, code);
+        }
+        let ledger = self.lock().json(now);
+        (
+            ledger,
+            Value::Array(std::mem::take(&mut self.events)),
+            summary,
+        )
+    }
+}
+
+/// Opens `path` for appending (created if missing).
+pub(crate) fn open_append(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,184 @@
+//! The ledger's arithmetic on a made-up timeline (seconds since nrun started).
+
+use super::*;
+
+/// A job: launch 0.2 s, join 1.1, checks 0.4, preflight 9.8; attempt 0 starts at 11.5, its
+/// first output at 14.5, fails at 400 (detecting 0.5 s, stopping 1.5), restarts (0.4 s);
+/// attempt 1 starts at 402.4, output at 405.4, succeeds at 810.4; ending until 812.4.
+fn job() -> Ledger {
+    let mut l = Ledger::default();
+    l.enter(Phase::Join, 0.2);
+    l.enter(Phase::Checks, 1.3);
+    l.enter(Phase::Preflight, 1.7);
+    l.start_attempt(0, 11.5);
+    assert!(l.progress(14.5));
+    assert!(!l.progress(15.0), "the first progress is taken once");
+    l.enter(Phase::Detecting, 400.0);
+    l.enter(Phase::Stopping, 400.5);
+    l.end_attempt("failed", 402.0);
+    l.restarts = 1;
+    l.enter(Phase::Restarting, 402.0);
+    l.start_attempt(1, 402.4);
+    l.progress(405.4);
+    l.end_attempt("success", 810.4);
+    l.enter(Phase::Ending, 810.4);
+    l.finish(812.4);
+    l
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9
+}
+
+#[test]
+fn the_phases_add_up_to_the_wall_time() {
+    let l = job();
+    let t = l.totals(9999.0);
+    assert!(close(t.sum(), 812.4), "{t:?}");
+    let v = l.json(9999.0);
+    let sum: f64 = v["phases"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|x| x.as_f64().unwrap())
+        .sum();
+    let wall = v["wall_s"].as_f64().unwrap();
+    assert!((sum - wall).abs() <= 0.01 * wall, "{sum} vs {wall}");
+    assert_eq!(v["phases"].as_object().unwrap().len(), Phase::ALL.len());
+    assert!(close(t.get(Phase::Launch), 0.2));
+    assert!(close(t.get(Phase::Join), 1.1));
+    assert!(close(t.get(Phase::Checks), 0.4));
+    assert!(close(t.get(Phase::Preflight), 9.8));
+    assert!(close(t.get(Phase::Starting), 6.0));
+    assert!(close(t.get(Phase::Running), 385.5 + 405.0));
+    assert!(close(t.get(Phase::Detecting), 0.5));
+    assert!(close(t.get(Phase::Stopping), 1.5));
+    assert!(close(t.get(Phase::Restarting), 0.4));
+    assert!(close(t.get(Phase::Ending), 2.0));
+}
+
+#[test]
+fn each_attempt_has_its_own_phases_and_outcome() {
+    let v = job().json(9999.0);
+    let a = v["attempts"].as_array().unwrap();
+    assert_eq!(a.len(), 2);
+    assert_eq!(a[0]["outcome"], "failed");
+    assert_eq!(a[1]["outcome"], "success");
+    assert_eq!(a[0]["start_s"], 11.5);
+    assert_eq!(a[0]["end_s"], 402.0);
+    assert_eq!(a[0]["phases"]["starting"], 3.0);
+    assert_eq!(a[0]["phases"]["running"], 385.5);
+    assert_eq!(a[0]["phases"]["stopping"], 1.5);
+    // The restart's time is between the attempts, in no attempt.
+    assert_eq!(a[0]["phases"]["restarting"], 0.0);
+    assert_eq!(a[1]["phases"]["restarting"], 0.0);
+    let in_attempt = |x: &Value| -> f64 {
+        x["phases"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|p| p.as_f64().unwrap())
+            .sum()
+    };
+    assert!((in_attempt(&a[1]) - 408.0).abs() < 1e-6);
+}
+
+#[test]
+fn the_effective_ratio_and_what_faults_cost() {
+    let l = job();
+    assert!(close(l.effective(0.0), 790.5 / 812.4));
+    // Detecting, stopping, restarting, and the second attempt's start-up.
+    assert!(close(l.lost(0.0), 0.5 + 1.5 + 0.4 + 3.0), "{}", l.lost(0.0));
+    assert_eq!(
+        l.summary(0.0),
+        "ran 13 m 32 s, 97.3% of it training; lost: 1 restart, 5.4 s"
+    );
+}
+
+#[test]
+fn summaries_of_short_long_and_faultless_jobs() {
+    let mut l = Ledger::default();
+    l.enter(Phase::Join, 0.1);
+    l.start_attempt(0, 0.2);
+    l.progress(0.3);
+    l.end_attempt("success", 4.0);
+    l.enter(Phase::Ending, 4.0);
+    l.finish(4.2);
+    assert_eq!(l.summary(0.0), "ran 4.2 s, 88.1% of it training; no faults");
+    assert_eq!(duration_text(41.2), "41 s");
+    assert_eq!(duration_text(0.046), "0.05 s");
+    assert_eq!(duration_text(812.4), "13 m 32 s");
+    assert_eq!(duration_text(3.0 * 3600.0 + 12.0 * 60.0 + 5.0), "3 h 12 m");
+    // A job that failed without a restart says what the failure cost.
+    let mut failed = Ledger::default();
+    failed.start_attempt(0, 0.0);
+    failed.progress(0.5);
+    failed.enter(Phase::Detecting, 2.0);
+    failed.enter(Phase::Stopping, 2.0);
+    failed.end_attempt("failed", 2.3);
+    failed.finish(2.3);
+    assert_eq!(
+        failed.summary(0.0),
+        "ran 2.3 s, 65.2% of it training; lost: 0.30 s"
+    );
+    let mut two = job();
+    two.restarts = 2;
+    assert!(two.summary(0.0).ends_with("lost: 2 restarts, 5.4 s"));
+}
+
+#[test]
+fn an_attempt_never_seen_to_start_counts_as_running_from_its_start() {
+    let mut l = Ledger::default();
+    l.start_attempt(0, 1.0);
+    l.enter(Phase::Stopping, 5.0);
+    l.end_attempt("failed", 6.0);
+    l.finish(6.0);
+    let t = l.totals(0.0);
+    assert!(close(t.get(Phase::Starting), 0.0));
+    assert!(close(t.get(Phase::Running), 4.0));
+    assert!(close(t.sum(), 6.0));
+}
+
+#[test]
+fn a_hangs_stall_is_charged_to_detecting() {
+    let mut l = Ledger::default();
+    l.start_attempt(0, 0.0);
+    l.progress(1.0);
+    // Declared at 100 s after 60 s of stall: 60 s of "running" were a hang being detected.
+    l.enter(Phase::Detecting, 100.0);
+    l.shift(Phase::Running, Phase::Detecting, 60.0);
+    l.enter(Phase::Stopping, 100.0);
+    l.end_attempt("hang", 101.0);
+    l.finish(101.0);
+    let t = l.totals(0.0);
+    assert!(close(t.get(Phase::Running), 39.0));
+    assert!(close(t.get(Phase::Detecting), 60.0));
+    assert!(close(t.sum(), 101.0));
+}
+
+#[test]
+fn the_metrics_parse_as_openmetrics_with_the_ledgers_seconds() {
+    let ledger = Arc::new(Mutex::new(job()));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let _g = rt.enter();
+    let m = metrics::Exporter::start(ledger, None, None);
+    m.event("attempt_start", &json!({}));
+    m.event("restart", &json!({}));
+    m.event(
+        "preflight_size",
+        &json!({"bytes": 1048576, "busbw_gbs": 12.5, "line_rate_gbs": 25.0}),
+    );
+    let text = m.text();
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    for want in [
+        "nrun_attempts 1\n",
+        "nrun_restarts 1\n",
+        "nrun_preflight_busbw_gbs{bytes=\"1048576\"} 12.5\n",
+        "nrun_ledger_seconds{phase=\"preflight\"} 9.8",
+        "nrun_job_state{state=\"launch\"} 1\n",
+    ] {
+        assert!(text.contains(want), "{want:?} not in {text}");
+    }
+}
