@@ -161,6 +161,7 @@ impl LogPlan {
         Ok(LogPlan {
             dir,
             redirects,
+            tee,
             console_ranks,
         })
     }

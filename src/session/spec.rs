@@ -227,8 +227,13 @@ impl Session {
                     .console_ranks
                     .as_ref()
                     .is_none_or(|s| s.contains(&local_rank));
-            let red = match l.logs {
-                true => plan.log.redirects.for_rank(local_rank),
+            // Redirected streams leave the console unless teed (torchrun: tee implies the
+            // file, and the console too).
+            let (red, tee) = match l.logs {
+                true => (
+                    plan.log.redirects.for_rank(local_rank),
+                    plan.log.tee.for_rank(local_rank),
+                ),
                 false => Default::default(),
             };
             let prefix = match (&plan.console.prefix_template, several, group.world > 1) {
@@ -250,7 +255,10 @@ impl Session {
                 error_file,
                 prefix,
                 colour: rank,
-                console: [shown && !red.stdout(), shown && !red.stderr()],
+                console: [
+                    shown && (!red.stdout() || tee.stdout()),
+                    shown && (!red.stderr() || tee.stderr()),
+                ],
                 log_dir,
                 // A remote agent's own stdout is a pipe (ssh) or srun's: the launcher's
                 // terminal decides.
