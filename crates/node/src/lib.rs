@@ -169,6 +169,16 @@ async fn stop_requested(rx: &mut tokio::sync::watch::Receiver<StopRequest>) -> S
     }
 }
 
+/// What the workers get when nrun is stopped by `sig`: the same signal, but SIGTERM for
+/// SIGPIPE (nrun's console closed): Python ignores SIGPIPE, and a worker would see it only
+/// when it wrote, so the job would not end.
+pub fn worker_stop_signal(sig: i32) -> Signal {
+    match Signal::try_from(sig) {
+        Ok(Signal::SIGPIPE) | Err(_) => Signal::SIGTERM,
+        Ok(s) => s,
+    }
+}
+
 /// SIGINT, SIGTERM and SIGHUP to nrun, which stop the job, and the signals to pass on to the
 /// workers (`--signals-to-handle`), as one stream. Installed once, before any worker starts, so
 /// a signal arriving during start-up is not lost. Whoever drives a node turns them into
@@ -180,6 +190,8 @@ pub struct Signals {
     forward: Vec<(i32, tokio::signal::unix::Signal)>,
     /// Signals a test sends without signalling the test process.
     injected: Option<tokio::sync::mpsc::UnboundedReceiver<Caught>>,
+    /// The console's pipe closed ([`Signals::stop_on_closed_console`]).
+    console: Option<tokio::sync::mpsc::UnboundedReceiver<Caught>>,
 }
 
 /// A signal nrun caught.
@@ -202,6 +214,7 @@ impl Signals {
             hup: s(SignalKind::hangup())?,
             forward: Vec::new(),
             injected: None,
+            console: None,
         };
         me.also_forward(forward)?;
         Ok(me)
@@ -224,6 +237,16 @@ impl Signals {
         Ok(())
     }
 
+    /// A console pipe of this process found closed while writing the workers' output (the
+    /// reader of `nrun ... | head` exited) reads as SIGPIPE to nrun: a stop (exit 141),
+    /// the workers get SIGTERM (see [`worker_stop_signal`]). For the processes a user started
+    /// (the launcher, a c10d node), not an agent.
+    pub fn stop_on_closed_console(&mut self) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        output::on_console_closed(tx);
+        self.console = Some(rx);
+    }
+
     /// Signals as a caller sends them on the returned channel, besides the real ones: how a
     /// test (the fake link's) plays a Ctrl-C without signalling itself.
     pub fn injected() -> (Signals, tokio::sync::mpsc::UnboundedSender<Caught>) {
@@ -236,8 +259,13 @@ impl Signals {
     pub async fn recv(&mut self) -> Caught {
         std::future::poll_fn(|cx| {
             use std::task::Poll;
-            if let Some(Poll::Ready(Some(c))) = self.injected.as_mut().map(|r| r.poll_recv(cx)) {
-                return Poll::Ready(c);
+            for r in [&mut self.injected, &mut self.console]
+                .into_iter()
+                .flatten()
+            {
+                if let Poll::Ready(Some(c)) = r.poll_recv(cx) {
+                    return Poll::Ready(c);
+                }
             }
             for (sig, st) in [
                 (libc::SIGINT, &mut self.int),
@@ -636,7 +664,7 @@ impl Group {
                 }
             }
             StopRequest::Signal(sig) if !matches!(self.phase, Phase::Grace(_)) => {
-                self.terminate(Signal::try_from(sig).unwrap_or(Signal::SIGTERM));
+                self.terminate(worker_stop_signal(sig));
                 self.ending.interrupted.get_or_insert(sig);
             }
             // A second signal, or a request to kill: no more waiting.
@@ -981,6 +1009,16 @@ pub fn find_program(name: &str, path: Option<&str>) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// nrun stopped by its console's closed pipe stops Python workers (which ignore SIGPIPE)
+    /// with SIGTERM; the user's signals are passed on as they are.
+    #[test]
+    fn a_closed_console_stops_the_workers_with_sigterm() {
+        assert_eq!(worker_stop_signal(libc::SIGPIPE), Signal::SIGTERM);
+        assert_eq!(worker_stop_signal(libc::SIGINT), Signal::SIGINT);
+        assert_eq!(worker_stop_signal(libc::SIGHUP), Signal::SIGHUP);
+        assert_eq!(worker_stop_signal(1000), Signal::SIGTERM);
+    }
 
     /// A group of `n` workers that exist only on paper: their process group id is above any
     /// pid_max, so the signals the group sends reach nothing.

@@ -219,17 +219,7 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
     let mut open: Option<(usize, Stream, bool)> = None;
     // Log files given up on a failed write.
     let mut lost = 0;
-    let write = |stream: Stream, b: &[u8], flush: bool| {
-        // Errors writing to the console (a closed pipe) must not stop the job.
-        let _ = match stream {
-            Stream::Out => {
-                let mut o = std::io::stdout().lock();
-                o.write_all(b)
-                    .and_then(|()| if flush { o.flush() } else { Ok(()) })
-            }
-            Stream::Err => std::io::stderr().lock().write_all(b),
-        };
-    };
+    let write = console_write;
     while let Some(Msg::Line {
         worker,
         stream,
@@ -294,6 +284,55 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
 }
 
 const COLOURS: [&str; 6] = ["36", "32", "33", "35", "34", "31"];
+
+/// Writes worker output to this process's own stdout or stderr (`flush`: stdout now, for a
+/// line left open). A write error does not stop the writer; a closed pipe (the reader of
+/// `nrun ... | head` exited) is told once to whoever asked with [`on_console_closed`].
+pub fn console_write(stream: Stream, b: &[u8], flush: bool) {
+    let r = match stream {
+        Stream::Out => {
+            let mut o = std::io::stdout().lock();
+            o.write_all(b)
+                .and_then(|()| if flush { o.flush() } else { Ok(()) })
+        }
+        Stream::Err => std::io::stderr().lock().write_all(b),
+    };
+    if r.is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) {
+        console_closed(stream);
+    }
+}
+
+/// Who is told that the console's pipe closed: the launcher's signal stream, which stops the
+/// job as if nrun had got SIGPIPE (a worker writing to a closed pipe itself would have, or
+/// BrokenPipeError: how torchrun's job ends there). An agent registers nobody: its stdout
+/// is its coordinator's pipe, whose loss is told otherwise.
+static CLOSED_TELLS: Mutex<Option<tokio::sync::mpsc::UnboundedSender<crate::Caught>>> =
+    Mutex::new(None);
+static CLOSED_TOLD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// From now on, a console pipe found closed sends [`crate::Caught::Stop`]`(SIGPIPE)` on `tx`.
+pub(crate) fn on_console_closed(tx: tokio::sync::mpsc::UnboundedSender<crate::Caught>) {
+    *CLOSED_TELLS.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+}
+
+fn console_closed(stream: Stream) {
+    let tells = CLOSED_TELLS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(tx) = tells.as_ref() else { return };
+    if CLOSED_TOLD.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    let which = match stream {
+        Stream::Out => "stdout",
+        Stream::Err => "stderr",
+    };
+    tracing::warn!(
+        "{which} is a pipe whose reader exited (`nrun ... | head`): stopping the job, exit {} \
+         (SIGPIPE), as torchrun's ends when its workers write there; to keep a job running, \
+         send its output to a file or use --redirects",
+        nrun_base::error::exit::signal(libc::SIGPIPE)
+    );
+    let _ = tx.send(crate::Caught::Stop(libc::SIGPIPE));
+}
 
 /// Copies one pipe to the writer a line at a time ('\n'), a progress segment at a time ('\r'),
 /// and the start of a line that waits longer than [`PARTIAL_AFTER`] for its end; the last
