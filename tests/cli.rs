@@ -1137,6 +1137,20 @@ fn torchrun_output_and_flag_habits() {
         &[("NO_COLOR", "1")],
     );
     assert_eq!(text(&out.stdout), "[rank0]: x\n");
+    // CLICOLOR_FORCE colours a pipe with --color auto, unless NO_COLOR is set too.
+    let auto = [
+        "--nproc",
+        "2",
+        "--local-ranks-filter",
+        "0",
+        "--no-python",
+        "echo",
+        "x",
+    ];
+    let out = s.run(&auto, &[("CLICOLOR_FORCE", "1")]);
+    assert_eq!(text(&out.stdout), "\x1b[36m[rank0]: \x1b[0mx\n");
+    let out = s.run(&auto, &[("CLICOLOR_FORCE", "1"), ("NO_COLOR", "1")]);
+    assert_eq!(text(&out.stdout), "[rank0]: x\n");
     // --virtual-local-rank: LOCAL_RANK 0 and one GPU each.
     let out = s.run(
         &[

@@ -2,13 +2,12 @@
 //! node or many: torchrun's environment at each worker's place, the run's variables, the
 //! node's interface and GPUs, output prefixes, console filters, log and error files.
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use super::Session;
 use crate::plan::{Place, WorkerSlot, WorkersPlan};
 use crate::protocol::{Step, WorkerSpec};
-use nrun_node::output::Color;
+use nrun_node::output::{Color, Stream};
 
 /// One node of a group that runs together, with its ranks in that group.
 #[derive(Clone, Debug)]
@@ -263,7 +262,9 @@ impl Session {
                 // A remote agent's own stdout is a pipe (ssh) or srun's: the launcher's
                 // terminal decides.
                 color: match (plan.console.color, n.is_local()) {
-                    (Color::Auto, false) if std::io::stdout().is_terminal() => Color::Always,
+                    (Color::Auto, false) if nrun_node::output::colours(Stream::Out) => {
+                        Color::Always
+                    }
                     (Color::Auto, false) => Color::Never,
                     (c, _) => c,
                 },

@@ -13,7 +13,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -209,10 +209,7 @@ impl Lines {
 
 /// The writer's thread: each line to its console stream (prefixed) and its log file.
 fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
-    let colour = [
-        std::io::stdout().is_terminal(),
-        std::io::stderr().is_terminal(),
-    ];
+    let colour = [colours(Stream::Out), colours(Stream::Err)];
     let mut line = Vec::with_capacity(256);
     // The console line left unfinished: whose, on which stream, and whether it
     // ended at '\r' (the cursor is back at its start) or mid-line.
@@ -256,8 +253,8 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
                 Color::Auto => colour[stream as usize],
             };
             if coloured {
-                let c = COLOURS[w.colour % COLOURS.len()];
-                let _ = write!(line, "\x1b[{c}m{}\x1b[0m", w.prefix);
+                let c = COLOURS[w.colour % COLOURS.len()].on_default();
+                let _ = write!(line, "{c}{}{c:#}", w.prefix);
             } else {
                 line.extend_from_slice(w.prefix.as_bytes());
             }
@@ -283,7 +280,21 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
     }
 }
 
-const COLOURS: [&str; 6] = ["36", "32", "33", "35", "34", "31"];
+const COLOURS: [anstyle::AnsiColor; 6] = {
+    use anstyle::AnsiColor::*;
+    [Cyan, Green, Yellow, Magenta, Blue, Red]
+};
+
+/// Whether `--color auto` colours what goes to this process's `stream`: a terminal, unless
+/// NO_COLOR, CLICOLOR=0 or TERM=dumb say otherwise; CLICOLOR_FORCE colours a pipe too
+/// (anstream's reading of those conventions).
+pub fn colours(stream: Stream) -> bool {
+    let choice = match stream {
+        Stream::Out => anstream::AutoStream::choice(&std::io::stdout()),
+        Stream::Err => anstream::AutoStream::choice(&std::io::stderr()),
+    };
+    choice != anstream::ColorChoice::Never
+}
 
 /// Writes worker output to this process's own stdout or stderr (`flush`: stdout now, for a
 /// line left open). A write error does not stop the writer; a closed pipe (the reader of
