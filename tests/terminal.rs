@@ -96,8 +96,22 @@ fn pdb_on_rank_0_through_the_terminal() {
     );
     let t = sc.text();
     assert_eq!(sc.status, 0, "{t}");
-    // pdb's answer, on the line after the echoed command (the prompt's line continued).
-    assert!(t.lines().any(|l| l.trim_end() == "42"), "{t}");
+    // pdb's answer, on the line after the echoed command. Rank 0's stdout is a terminal too,
+    // so readline edits the line and echoes it itself (through nrun, after the prompt), and
+    // the answer is a line of rank 0's own.
+    let unprefixed = |l: &str| {
+        let l = l.trim_end();
+        l.strip_prefix("\u{1b}[36m[rank0]: \u{1b}[0m")
+            .or_else(|| l.strip_prefix("[rank0]: "))
+            .unwrap_or(l)
+            .to_string()
+    };
+    let lines: Vec<String> = t.lines().map(unprefixed).collect();
+    let asked = lines
+        .iter()
+        .position(|l| l.ends_with("p answer + 41"))
+        .unwrap_or_else(|| panic!("{t}"));
+    assert_eq!(lines.get(asked + 1).map(String::as_str), Some("42"), "{t}");
     assert!(
         t.contains("[rank0]: \u{1b}[0m(Pdb) ") || t.contains("[rank0]: (Pdb) "),
         "{t}"
@@ -296,4 +310,71 @@ fn a_pipe_whose_reader_exits_ends_the_job() {
         );
         s.assert_no_survivors();
     }
+}
+
+/// On a terminal, each worker's stdout and stderr are a terminal too, of nrun's size less the
+/// rank prefix ("[rank0]: ", 9 columns), so tqdm draws a full-width bar and rich and Python
+/// colour, as under torchrun (whose workers write to the terminal itself); bytes pass as
+/// written. A stream that goes to a log file, or nrun's own output into a pipe, stays a pipe.
+#[test]
+fn workers_see_a_terminal_of_nruns_width() {
+    let Some(py) = python() else { return };
+    let s = Scene::new();
+    let args = |extra: &'static [&'static str]| {
+        let mut a = vec!["--nproc", "2", "--watch", "off"];
+        a.extend_from_slice(extra);
+        a.extend(["--python", &py]);
+        a.push(Box::leak(script("terminal_shape.py").into_boxed_str()));
+        a
+    };
+    // SAFETY (of the test): the variable is read by pty_drive.py, a child; no thread of this
+    // test binary reads the environment meanwhile.
+    let sc = {
+        let mut cmd = std::process::Command::new("python3");
+        cmd.arg(script("pty_drive.py")).arg("--").arg(nrun_bin());
+        cmd.args(args(&[]))
+            .env("PTY_SIZE", "100x30")
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark());
+        let out = cmd.output().unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let t: String = v["chunks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c[1].as_str().unwrap().to_string())
+            .collect();
+        (v["status"].as_i64().unwrap(), t)
+    };
+    let (status, t) = sc;
+    assert_eq!(status, 0, "{t}");
+    for r in 0..2 {
+        for stream in ["stdout", "stderr"] {
+            assert!(
+                t.contains(&format!("rank {r} {stream} tty=True size=(91, 30)")),
+                "{t:?}"
+            );
+        }
+        // tqdm's bar, where installed: as wide as the worker's terminal, not its 10 columns
+        // for a pipe.
+        if !t.contains(&format!("rank {r} has no tqdm")) {
+            let bar = t
+                .split(['\r', '\n'])
+                .find(|l| l.contains(&format!("bar{r}: 100%")))
+                .unwrap_or_else(|| panic!("{t:?}"));
+            let body = bar.split('|').nth(1).unwrap_or("");
+            assert!(body.chars().count() > 40, "{bar:?}");
+        }
+    }
+    // Into a pipe, or with a log file taking the streams: pipes, as for torchrun's workers.
+    let logs = s.dir.path().join("logs");
+    for extra in [&[][..], &["--log-dir", logs.to_str().unwrap()][..]] {
+        let mut a = args(&[]);
+        a.splice(4..4, extra.iter().copied());
+        let out = s.run(&a, &[]);
+        let all = text(&out.stdout) + &text(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{all}");
+        assert_eq!(all.matches("tty=False size=None").count(), 4, "{all}");
+    }
+    s.assert_no_survivors();
 }

@@ -245,6 +245,18 @@ impl Session {
                 (_, false, true) => format!("[rank{rank:>width$}]: "),
                 (_, false, false) => String::new(),
             };
+            let console = [
+                shown && (!red.stdout() || tee.stdout()),
+                shown && (!red.stderr() || tee.stderr()),
+            ];
+            // A stream that reaches nrun's terminal alone is a terminal for the worker too
+            // (torchrun's workers write to it); one that a log file takes stays a pipe, so
+            // the file gets no colour codes (torchrun's redirected workers write to files).
+            let tty = [Stream::Out, Stream::Err].map(|st| {
+                (l.logs && console[st as usize] && log_dir.is_none())
+                    .then(|| nrun_node::output::Tty::of_console(st, &prefix))
+                    .flatten()
+            });
             specs.push(WorkerSpec {
                 rank,
                 local_rank,
@@ -254,10 +266,7 @@ impl Session {
                 error_file,
                 prefix,
                 colour: rank,
-                console: [
-                    shown && (!red.stdout() || tee.stdout()),
-                    shown && (!red.stderr() || tee.stderr()),
-                ],
+                console,
                 log_dir,
                 // A remote agent's own stdout is a pipe (ssh) or srun's: the launcher's
                 // terminal decides.
@@ -271,6 +280,7 @@ impl Session {
                 stdin: l.logs && plan.stdin_rank == Some(rank),
                 numa: l.logs && plan.numa_binding,
                 secret: l.secret,
+                tty,
             });
         }
         specs

@@ -49,6 +49,8 @@ pub struct WorkerCmd {
     pub stdin: bool,
     /// CPUs to bind the worker to (--numa-binding).
     pub cpus: Option<Vec<usize>>,
+    /// Per stream: a terminal of this size instead of a pipe (see [`output::Tty`]).
+    pub tty: [Option<output::Tty>; 2],
 }
 
 /// What happens to a group's workers, for whoever watches them (the stack sampler).
@@ -329,6 +331,7 @@ struct Start {
     error_file: PathBuf,
     stdin: bool,
     cpus: Option<Vec<usize>>,
+    tty: [Option<output::Tty>; 2],
 }
 
 impl Start {
@@ -343,6 +346,7 @@ impl Start {
             output,
             stdin,
             cpus,
+            tty,
         } = w;
         let start = Start {
             rank,
@@ -353,6 +357,7 @@ impl Start {
             error_file,
             stdin,
             cpus,
+            tty,
         };
         (start, output)
     }
@@ -402,6 +407,7 @@ impl Start {
             stdin: self.stdin,
             foreground,
             cpus: self.cpus.as_deref(),
+            tty: self.tty,
         })
         .map_err(|e| {
             // The file is there (it was just found): exec found no interpreter for it.
@@ -452,11 +458,17 @@ impl Worker {
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
         // A pipe tokio cannot take (never seen: pipe2 made them) loses that stream's output, not
         // the worker.
-        for (fd, stream, name, tail) in [
+        for ((fd, tty), stream, name, tail) in [
             (child.stdout, Stream::Out, "stdout", None),
             (child.stderr, Stream::Err, "stderr", Some(tail.clone())),
         ] {
-            match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+            let read = match tty {
+                // A terminal's master side (non-blocking already): read as a pipe is; its end
+                // reads as EIO, which the pump takes for the end.
+                true => tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(fd),
+                false => tokio::net::unix::pipe::Receiver::from_owned_fd(fd),
+            };
+            match read {
                 Ok(r) => pumps.push((
                     idx,
                     tokio::spawn(output::pump(r, idx, stream, out.sender(), tail)),

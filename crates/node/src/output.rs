@@ -49,6 +49,42 @@ pub enum Color {
     Never,
 }
 
+/// The size of a terminal a worker writes to instead of a pipe: where nrun's own stream is
+/// a terminal (and no log file takes the stream), each worker gets a pseudo-terminal of its
+/// size, less the rank prefix, so that what checks for a terminal (tqdm's width, rich's and
+/// Python's colours, `isatty`) sees one, as torchrun's workers see the terminal itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Tty {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+impl Tty {
+    /// This process's `stream`, if it is a terminal: its size (0 x 0 where it tells none),
+    /// `prefix` columns narrower.
+    pub fn of_console(stream: Stream, prefix: &str) -> Option<Tty> {
+        let fd = match stream {
+            Stream::Out => libc::STDOUT_FILENO,
+            Stream::Err => libc::STDERR_FILENO,
+        };
+        // SAFETY: isatty and TIOCGWINSZ read this process's own descriptor into a local.
+        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+        if unsafe { libc::isatty(fd) } != 1 {
+            return None;
+        }
+        unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) };
+        let prefix = u16::try_from(prefix.chars().count()).unwrap_or(u16::MAX);
+        Some(Tty {
+            // A terminal of unknown width stays unknown (0), not 1.
+            cols: match ws.ws_col {
+                0 => 0,
+                c => c.saturating_sub(prefix).max(1),
+            },
+            rows: ws.ws_row,
+        })
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stream {
     Out = 0,
@@ -443,7 +479,11 @@ impl TailLine {
         match seg.last() {
             Some(b'\n') => {
                 self.extend(seg);
-                let text = String::from_utf8_lossy(&self.line).trim_end().to_string();
+                // Without colour codes (a worker on a terminal colours its traceback): the
+                // summary and the JSON report quote it as text.
+                let line = String::from_utf8_lossy(&self.line);
+                let text = anstream::adapter::strip_str(&line).to_string();
+                let text = text.trim_end().to_string();
                 self.line.clear();
                 let Some(t) = &self.tail else { return };
                 let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
@@ -479,7 +519,19 @@ async fn emit(tx: &Lines, worker: usize, stream: Stream, tail: &mut TailLine, da
 
 #[cfg(test)]
 mod tests {
-    use super::strip_torch_prefix;
+    use super::{TailLine, strip_torch_prefix};
+
+    /// The failure summary's tail is text: a coloured traceback line (a worker on a
+    /// terminal) is kept without its colour codes.
+    #[test]
+    fn the_tail_is_plain_text() {
+        let tail = super::Tail::default();
+        let mut t = TailLine::new(Some(tail.clone()));
+        t.add(b"\x1b[1;35mValueError\x1b[0m: \x1b[35mbad\x1b[0m\n");
+        t.add(b"plain\n");
+        let got: Vec<String> = tail.lock().unwrap().iter().cloned().collect();
+        assert_eq!(got, ["ValueError: bad", "plain"]);
+    }
 
     #[test]
     fn torchs_own_rank_prefix_is_said_once() {
