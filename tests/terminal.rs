@@ -313,26 +313,24 @@ fn a_pipe_whose_reader_exits_ends_the_job() {
 }
 
 /// On a terminal, each worker's stdout and stderr are a terminal too, of nrun's size less the
-/// rank prefix ("[rank0]: ", 9 columns), so tqdm draws a full-width bar and rich and Python
-/// colour, as under torchrun (whose workers write to the terminal itself); bytes pass as
-/// written. A stream that goes to a log file, or nrun's own output into a pipe, stays a pipe.
+/// rank prefix, so tqdm draws a full-width bar and rich and Python colour, as under torchrun
+/// (whose workers write to the terminal itself); on one node ("[rank0]: ", 9 columns) and on
+/// two, whose agents start the workers ("[localhost:rank0]: ", 19). A stream that goes to a
+/// log file, or nrun's own output into a pipe, stays a pipe.
 #[test]
 fn workers_see_a_terminal_of_nruns_width() {
     let Some(py) = python() else { return };
-    let s = Scene::new();
-    let args = |extra: &'static [&'static str]| {
-        let mut a = vec!["--nproc", "2", "--watch", "off"];
-        a.extend_from_slice(extra);
-        a.extend(["--python", &py]);
-        a.push(Box::leak(script("terminal_shape.py").into_boxed_str()));
+    let shape = script("terminal_shape.py");
+    let args = |extra: &[&'static str]| -> Vec<String> {
+        let mut a: Vec<String> = extra.iter().map(|x| x.to_string()).collect();
+        a.extend(["--nproc", "2", "--watch", "off", "--python", &py, &shape].map(String::from));
         a
     };
-    // SAFETY (of the test): the variable is read by pty_drive.py, a child; no thread of this
-    // test binary reads the environment meanwhile.
-    let sc = {
+    for (hosts, cols) in [(&[][..], 91), (&["-H", "localhost,127.0.0.1"][..], 81)] {
+        let s = Scene::new();
         let mut cmd = std::process::Command::new("python3");
         cmd.arg(script("pty_drive.py")).arg("--").arg(nrun_bin());
-        cmd.args(args(&[]))
+        cmd.args(args(hosts))
             .env("PTY_SIZE", "100x30")
             .env("NRUN_TEST_TAG", &s.tag)
             .env("MARK", s.mark());
@@ -342,35 +340,36 @@ fn workers_see_a_terminal_of_nruns_width() {
             .as_array()
             .unwrap()
             .iter()
-            .map(|c| c[1].as_str().unwrap().to_string())
+            .map(|c| c[1].as_str().unwrap())
             .collect();
-        (v["status"].as_i64().unwrap(), t)
-    };
-    let (status, t) = sc;
-    assert_eq!(status, 0, "{t}");
-    for r in 0..2 {
-        for stream in ["stdout", "stderr"] {
-            assert!(
-                t.contains(&format!("rank {r} {stream} tty=True size=(91, 30)")),
-                "{t:?}"
-            );
+        assert_eq!(v["status"].as_i64(), Some(0), "{t}");
+        let ranks = if hosts.is_empty() { 2 } else { 4 };
+        for r in 0..ranks {
+            for stream in ["stdout", "stderr"] {
+                let want = format!("rank {r} {stream} tty=True size=({cols}, 30)");
+                assert!(t.contains(&want), "{want}: {t:?}");
+            }
+            // tqdm's bar, where installed: as wide as the worker's terminal, not the 10
+            // columns it draws into a pipe.
+            if !t.contains(&format!("rank {r} has no tqdm")) {
+                let bar = t
+                    .split(['\r', '\n'])
+                    .find(|l| l.contains(&format!("bar{r}: 100%")))
+                    .unwrap_or_else(|| panic!("{t:?}"));
+                let body = bar.split('|').nth(1).unwrap_or("");
+                assert!(body.chars().count() > 40, "{bar:?}");
+            }
         }
-        // tqdm's bar, where installed: as wide as the worker's terminal, not its 10 columns
-        // for a pipe.
-        if !t.contains(&format!("rank {r} has no tqdm")) {
-            let bar = t
-                .split(['\r', '\n'])
-                .find(|l| l.contains(&format!("bar{r}: 100%")))
-                .unwrap_or_else(|| panic!("{t:?}"));
-            let body = bar.split('|').nth(1).unwrap_or("");
-            assert!(body.chars().count() > 40, "{bar:?}");
-        }
+        s.assert_no_survivors();
     }
     // Into a pipe, or with a log file taking the streams: pipes, as for torchrun's workers.
+    let s = Scene::new();
     let logs = s.dir.path().join("logs");
-    for extra in [&[][..], &["--log-dir", logs.to_str().unwrap()][..]] {
+    let logs = logs.to_str().unwrap().to_string();
+    for extra in [vec![], vec!["--log-dir".to_string(), logs]] {
         let mut a = args(&[]);
-        a.splice(4..4, extra.iter().copied());
+        a.splice(0..0, extra);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
         let out = s.run(&a, &[]);
         let all = text(&out.stdout) + &text(&out.stderr);
         assert_eq!(out.status.code(), Some(0), "{all}");
