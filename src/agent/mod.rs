@@ -778,7 +778,8 @@ mod tests {
                 said,
                 format!(
                     "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET \
-                     differs?): refusing it"
+                     differs, or the nodes run different nrun versions: compare `nrun \
+                     --version`): refusing it"
                 )
             );
         }
