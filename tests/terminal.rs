@@ -269,17 +269,24 @@ fn ctrl_c_at_the_terminal_stops_the_job() {
 /// next write of the workers' output finds the pipe closed and the job stops, as torchrun's
 /// does (its workers die of BrokenPipeError there): said once on stderr, exit 141 (SIGPIPE)
 /// under `pipefail`, every worker gone. On one node (nrun writes the workers' lines itself)
-/// and two (nrun relays its agents' pipes).
+/// and two (nrun relays its agents' pipes); and with `2>&1`, where nrun's own stderr is the
+/// closed pipe too (nothing can be said, the job still ends).
 #[test]
 fn a_pipe_whose_reader_exits_ends_the_job() {
     let Some(py) = python() else { return };
-    for hosts in ["", "-H localhost,127.0.0.1"] {
+    for (hosts, merged) in [
+        ("", false),
+        ("-H localhost,127.0.0.1", false),
+        ("", true),
+        ("-H localhost,127.0.0.1", true),
+    ] {
         let s = Scene::new();
         let line = format!(
-            "set -o pipefail; '{}' {hosts} --nproc 2 --watch off --python {py} '{}' | head -2; \
+            "set -o pipefail; '{}' {hosts} --nproc 2 --watch off --python {py} '{}' {} | head -2; \
              echo \"statuses ${{PIPESTATUS[*]}}\" >&2",
             nrun_bin().display(),
-            script("print_forever.py")
+            script("print_forever.py"),
+            if merged { "2>&1" } else { "" }
         );
         let mut c = std::process::Command::new("bash");
         c.args(["-c", &line])
@@ -291,23 +298,26 @@ fn a_pipe_whose_reader_exits_ends_the_job() {
             .stderr(std::process::Stdio::piped());
         let (out, _) = wait_with_timeout(c.spawn().unwrap(), Duration::from_secs(60));
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-        assert_eq!(stdout.lines().count(), 2, "{hosts}: {stdout}");
-        assert!(
-            stdout
-                .lines()
-                .all(|l| l.contains("rank") && l.contains(" line ")),
-            "{hosts}: {stdout}"
-        );
-        assert!(stderr.contains("statuses 141 0"), "{hosts}: {stderr}");
-        assert_eq!(
-            stderr.matches("a pipe whose reader exited").count(),
-            1,
-            "{hosts}: {stderr}"
-        );
-        assert!(
-            stderr.contains("stopped by SIGPIPE; every worker was stopped"),
-            "{hosts}: {stderr}"
-        );
+        let case = format!("{hosts} merged={merged}");
+        assert_eq!(stdout.lines().count(), 2, "{case}: {stdout}");
+        assert!(stderr.contains("statuses 141 0"), "{case}: {stderr}");
+        if !merged {
+            assert!(
+                stdout
+                    .lines()
+                    .all(|l| l.contains("rank") && l.contains(" line ")),
+                "{case}: {stdout}"
+            );
+            assert_eq!(
+                stderr.matches("a pipe whose reader exited").count(),
+                1,
+                "{case}: {stderr}"
+            );
+            assert!(
+                stderr.contains("stopped by SIGPIPE; every worker was stopped"),
+                "{case}: {stderr}"
+            );
+        }
         s.assert_no_survivors();
     }
 }

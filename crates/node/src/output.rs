@@ -368,6 +368,8 @@ fn console_closed(stream: Stream) {
     if CLOSED_TOLD.swap(true, std::sync::atomic::Ordering::Relaxed) {
         return;
     }
+    // Told before it is said: stderr may be the closed pipe too (`2>&1 | head`).
+    let _ = tx.send(crate::Caught::Stop(libc::SIGPIPE));
     let which = match stream {
         Stream::Out => "stdout",
         Stream::Err => "stderr",
@@ -378,7 +380,6 @@ fn console_closed(stream: Stream) {
          send its output to a file or use --redirects",
         nrun_base::error::exit::signal(libc::SIGPIPE)
     );
-    let _ = tx.send(crate::Caught::Stop(libc::SIGPIPE));
 }
 
 /// Copies one pipe to the writer a line at a time ('\n'), a progress segment at a time ('\r'),
