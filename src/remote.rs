@@ -190,6 +190,9 @@ mod tests {
         // Inside double quotes a backslash escapes only what a shell's does.
         assert_eq!(split_opts(r#""a\"b" "c\d""#).unwrap(), [r#"a"b"#, r"c\d"]);
         assert_eq!(split_opts("  ").unwrap(), Vec::<String>::new());
+        // As in a shell, a word that starts with '#' starts a comment.
+        assert_eq!(split_opts("-p 22 # the port").unwrap(), ["-p", "22"]);
+        assert_eq!(split_opts("-o X=#1").unwrap(), ["-o", "X=#1"]);
         assert_eq!(shell_quote("/usr/bin/nrun"), "/usr/bin/nrun");
         assert_eq!(shell_quote("/a b/it's"), r"'/a b/it'\''s'");
     }
