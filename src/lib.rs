@@ -157,14 +157,17 @@ pub fn main() -> ExitCode {
 struct LogWriter;
 
 impl std::io::Write for LogWriter {
+    /// A stderr that fails (closed: `nrun ... 2>&1 | head`) loses the line, quietly: an error
+    /// here is reported by the log subscriber with `eprintln!`, which panics on that stderr.
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match nrun_base::logging_silenced() {
-            true => Ok(buf.len()),
-            false => std::io::stderr().write(buf),
+        if !nrun_base::logging_silenced() {
+            let _ = std::io::stderr().write_all(buf);
         }
+        Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
-        std::io::stderr().flush()
+        let _ = std::io::stderr().flush();
+        Ok(())
     }
 }
 

@@ -282,6 +282,10 @@ pub(crate) struct WorkerSpec {
     /// never written into a step (nothing that opens a step belongs in one).
     #[serde(default)]
     pub secret: bool,
+    /// Per stream (stdout, stderr): a terminal of this size (columns, rows) instead of a pipe,
+    /// where the launcher's own stream is one ([`nrun_node::output::Tty`]).
+    #[serde(default)]
+    pub tty: [Option<nrun_node::output::Tty>; 2],
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -90,50 +90,13 @@ pub(crate) fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsSt
     ]
 }
 
-/// Splits `--ssh-opts "-F file -p 2222 -i key"` like a shell would (quotes, backslashes).
+/// Splits `--ssh-opts "-F file -p 2222 -i key"` like a POSIX shell would (quotes, backslashes).
 pub(crate) fn split_opts(s: &str) -> nrun_base::error::Result<Vec<String>> {
-    let mut out = Vec::new();
-    let mut cur = String::new();
-    let mut has = false;
-    let mut quote: Option<char> = None;
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        match (quote, c) {
-            (Some(q), c) if c == q => quote = None,
-            (Some('"'), '\\') => {
-                if let Some(n) = chars.next() {
-                    cur.push(n);
-                }
-            }
-            (Some(_), c) => cur.push(c),
-            (None, '\'' | '"') => {
-                quote = Some(c);
-                has = true;
-            }
-            (None, '\\') => {
-                if let Some(n) = chars.next() {
-                    cur.push(n);
-                    has = true;
-                }
-            }
-            (None, c) if c.is_whitespace() => {
-                if has || !cur.is_empty() {
-                    out.push(std::mem::take(&mut cur));
-                    has = false;
-                }
-            }
-            (None, c) => cur.push(c),
-        }
-    }
-    if quote.is_some() {
-        return Err(nrun_base::error::Error::usage(format!(
-            "--ssh-opts {s:?}: unbalanced quote"
-        )));
-    }
-    if has || !cur.is_empty() {
-        out.push(cur);
-    }
-    Ok(out)
+    shlex::split(s).ok_or_else(|| {
+        nrun_base::error::Error::usage(format!(
+            "--ssh-opts {s:?}: unbalanced quote (or a trailing backslash); quote as in a shell"
+        ))
+    })
 }
 
 /// Quotes for a POSIX shell, keeping a leading `~/` expandable.
@@ -223,6 +186,13 @@ mod tests {
         );
         assert_eq!(split_opts(r"a\ b ''").unwrap(), ["a b", ""]);
         assert!(split_opts("-o 'x").is_err());
+        assert!(split_opts(r#"-o "x"#).is_err());
+        // Inside double quotes a backslash escapes only what a shell's does.
+        assert_eq!(split_opts(r#""a\"b" "c\d""#).unwrap(), [r#"a"b"#, r"c\d"]);
+        assert_eq!(split_opts("  ").unwrap(), Vec::<String>::new());
+        // As in a shell, a word that starts with '#' starts a comment.
+        assert_eq!(split_opts("-p 22 # the port").unwrap(), ["-p", "22"]);
+        assert_eq!(split_opts("-o X=#1").unwrap(), ["-o", "X=#1"]);
         assert_eq!(shell_quote("/usr/bin/nrun"), "/usr/bin/nrun");
         assert_eq!(shell_quote("/a b/it's"), r"'/a b/it'\''s'");
     }

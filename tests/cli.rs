@@ -586,6 +586,67 @@ fn single_worker_output_is_unprefixed() {
     assert_eq!(text(&out.stdout), "hello\n");
 }
 
+/// `--redirects 3 --tee 3`, as torchrun users pass them: tee wins, so the console shows every
+/// stream (torchrun's does) and the files get them too; per rank, only the teed streams of a
+/// redirected rank reach the console.
+#[test]
+fn tee_wins_over_redirects() {
+    let s = Scene::new();
+    let w = fixture("worker.sh");
+    let logs = s.dir.path().join("logs");
+    let logs_s = logs.to_str().unwrap();
+    let fx = [("NRUN_FIXTURE", "output")];
+    let run = |id: &str, r: &str, t: &str| {
+        let args = [
+            "--nproc",
+            "2",
+            "--log-dir",
+            logs_s,
+            "--rdzv-id",
+            id,
+            "--redirects",
+            r,
+            "--tee",
+            t,
+            "--no-python",
+            "sh",
+            &w,
+        ];
+        let out = s.run(&args, &fx);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        (text(&out.stdout), text(&out.stderr))
+    };
+    let (out, err) = run("both", "3", "3");
+    for r in 0..2 {
+        assert!(out.contains(&format!("[rank{r}]: out of {r}\n")), "{out}");
+        assert!(
+            out.contains(&format!("[rank{r}]: partial of {r}\n")),
+            "{out}"
+        );
+        assert!(err.contains(&format!("[rank{r}]: err of {r}\n")), "{err}");
+        let d = run_dir(&logs, "both").join(format!("attempt_0/{r}"));
+        assert_eq!(
+            std::fs::read_to_string(d.join("stdout.log")).unwrap(),
+            format!("out of {r}\npartial of {r}\n")
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("stderr.log")).unwrap(),
+            format!("err of {r}\n")
+        );
+    }
+    // Rank 0's stdout teed, its stderr and all of rank 1 redirected only.
+    let (out, err) = run("part", "3", "0:1");
+    assert_eq!(out, "[rank0]: out of 0\n[rank0]: partial of 0\n");
+    assert!(!err.contains("err of"), "{err}");
+    for r in 0..2 {
+        let d = run_dir(&logs, "part").join(format!("attempt_0/{r}"));
+        assert_eq!(
+            std::fs::read_to_string(d.join("stderr.log")).unwrap(),
+            format!("err of {r}\n")
+        );
+    }
+}
+
 #[test]
 fn log_dir_redirects_tee_and_filter() {
     let s = Scene::new();
@@ -1075,6 +1136,20 @@ fn torchrun_output_and_flag_habits() {
         ],
         &[("NO_COLOR", "1")],
     );
+    assert_eq!(text(&out.stdout), "[rank0]: x\n");
+    // CLICOLOR_FORCE colours a pipe with --color auto, unless NO_COLOR is set too.
+    let auto = [
+        "--nproc",
+        "2",
+        "--local-ranks-filter",
+        "0",
+        "--no-python",
+        "echo",
+        "x",
+    ];
+    let out = s.run(&auto, &[("CLICOLOR_FORCE", "1")]);
+    assert_eq!(text(&out.stdout), "\x1b[36m[rank0]: \x1b[0mx\n");
+    let out = s.run(&auto, &[("CLICOLOR_FORCE", "1"), ("NO_COLOR", "1")]);
     assert_eq!(text(&out.stdout), "[rank0]: x\n");
     // --virtual-local-rank: LOCAL_RANK 0 and one GPU each.
     let out = s.run(

@@ -134,7 +134,7 @@ async fn a_fake_store_is_refused_before_any_step() {
         assert_ne!(code, Some(0), "{all}");
         assert!(
             all.contains(&format!(
-                "the store at {}:{} does not know this run's secret (NRUN_RDZV_SECRET differs?)",
+                "the store at {}:{} does not know this run's secret (NRUN_RDZV_SECRET differs, or the nodes run different nrun versions",
                 at.ip(),
                 at.port()
             )),

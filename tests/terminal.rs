@@ -96,8 +96,22 @@ fn pdb_on_rank_0_through_the_terminal() {
     );
     let t = sc.text();
     assert_eq!(sc.status, 0, "{t}");
-    // pdb's answer, on the line after the echoed command (the prompt's line continued).
-    assert!(t.lines().any(|l| l.trim_end() == "42"), "{t}");
+    // pdb's answer, on the line after the echoed command. Rank 0's stdout is a terminal too,
+    // so readline edits the line and echoes it itself (through nrun, after the prompt), and
+    // the answer is a line of rank 0's own.
+    let unprefixed = |l: &str| {
+        let l = l.trim_end();
+        l.strip_prefix("\u{1b}[36m[rank0]: \u{1b}[0m")
+            .or_else(|| l.strip_prefix("[rank0]: "))
+            .unwrap_or(l)
+            .to_string()
+    };
+    let lines: Vec<String> = t.lines().map(unprefixed).collect();
+    let asked = lines
+        .iter()
+        .position(|l| l.ends_with("p answer + 41"))
+        .unwrap_or_else(|| panic!("{t}"));
+    assert_eq!(lines.get(asked + 1).map(String::as_str), Some("42"), "{t}");
     assert!(
         t.contains("[rank0]: \u{1b}[0m(Pdb) ") || t.contains("[rank0]: (Pdb) "),
         "{t}"
@@ -248,5 +262,128 @@ fn ctrl_c_at_the_terminal_stops_the_job() {
     assert!(!t.contains("first failure"), "{t}");
     // (The ranks sleep 600 s and pty_drive.py kills what runs past 120 s: status 130 is the
     // interrupt's doing.)
+    s.assert_no_survivors();
+}
+
+/// `nrun ... | head -2`, with the real `head` in a shell pipeline: once head has exited, nrun's
+/// next write of the workers' output finds the pipe closed and the job stops, as torchrun's
+/// does (its workers die of BrokenPipeError there): said once on stderr, exit 141 (SIGPIPE)
+/// under `pipefail`, every worker gone. On one node (nrun writes the workers' lines itself)
+/// and two (nrun relays its agents' pipes); and with `2>&1`, where nrun's own stderr is the
+/// closed pipe too (nothing can be said, the job still ends).
+#[test]
+fn a_pipe_whose_reader_exits_ends_the_job() {
+    let Some(py) = python() else { return };
+    for (hosts, merged) in [
+        ("", false),
+        ("-H localhost,127.0.0.1", false),
+        ("", true),
+        ("-H localhost,127.0.0.1", true),
+    ] {
+        let s = Scene::new();
+        let line = format!(
+            "set -o pipefail; '{}' {hosts} --nproc 2 --watch off --python {py} '{}' {} | head -2; \
+             echo \"statuses ${{PIPESTATUS[*]}}\" >&2",
+            nrun_bin().display(),
+            script("print_forever.py"),
+            if merged { "2>&1" } else { "" }
+        );
+        let mut c = std::process::Command::new("bash");
+        c.args(["-c", &line])
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark())
+            .env_remove("NRUN_LOG")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let (out, _) = wait_with_timeout(c.spawn().unwrap(), Duration::from_secs(60));
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        let case = format!("{hosts} merged={merged}");
+        assert_eq!(stdout.lines().count(), 2, "{case}: {stdout}");
+        assert!(stderr.contains("statuses 141 0"), "{case}: {stderr}");
+        if !merged {
+            assert!(
+                stdout
+                    .lines()
+                    .all(|l| l.contains("rank") && l.contains(" line ")),
+                "{case}: {stdout}"
+            );
+            assert_eq!(
+                stderr.matches("a pipe whose reader exited").count(),
+                1,
+                "{case}: {stderr}"
+            );
+            assert!(
+                stderr.contains("stopped by SIGPIPE; every worker was stopped"),
+                "{case}: {stderr}"
+            );
+        }
+        s.assert_no_survivors();
+    }
+}
+
+/// On a terminal, each worker's stdout and stderr are a terminal too, of nrun's size less the
+/// rank prefix, so tqdm draws a full-width bar and rich and Python colour, as under torchrun
+/// (whose workers write to the terminal itself); on one node ("[rank0]: ", 9 columns) and on
+/// two, whose agents start the workers ("[localhost:rank0]: ", 19). A stream that goes to a
+/// log file, or nrun's own output into a pipe, stays a pipe.
+#[test]
+fn workers_see_a_terminal_of_nruns_width() {
+    let Some(py) = python() else { return };
+    let shape = script("terminal_shape.py");
+    let args = |extra: &[&'static str]| -> Vec<String> {
+        let mut a: Vec<String> = extra.iter().map(|x| x.to_string()).collect();
+        a.extend(["--nproc", "2", "--watch", "off", "--python", &py, &shape].map(String::from));
+        a
+    };
+    for (hosts, cols) in [(&[][..], 91), (&["-H", "localhost,127.0.0.1"][..], 81)] {
+        let s = Scene::new();
+        let mut cmd = std::process::Command::new("python3");
+        cmd.arg(script("pty_drive.py")).arg("--").arg(nrun_bin());
+        cmd.args(args(hosts))
+            .env("PTY_SIZE", "100x30")
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark());
+        let out = cmd.output().unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let t: String = v["chunks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c[1].as_str().unwrap())
+            .collect();
+        assert_eq!(v["status"].as_i64(), Some(0), "{t}");
+        let ranks = if hosts.is_empty() { 2 } else { 4 };
+        for r in 0..ranks {
+            for stream in ["stdout", "stderr"] {
+                let want = format!("rank {r} {stream} tty=True size=({cols}, 30)");
+                assert!(t.contains(&want), "{want}: {t:?}");
+            }
+            // tqdm's bar, where installed: as wide as the worker's terminal, not the 10
+            // columns it draws into a pipe.
+            if !t.contains(&format!("rank {r} has no tqdm")) {
+                let bar = t
+                    .split(['\r', '\n'])
+                    .find(|l| l.contains(&format!("bar{r}: 100%")))
+                    .unwrap_or_else(|| panic!("{t:?}"));
+                let body = bar.split('|').nth(1).unwrap_or("");
+                assert!(body.chars().count() > 20, "{bar:?}");
+            }
+        }
+        s.assert_no_survivors();
+    }
+    // Into a pipe, or with a log file taking the streams: pipes, as for torchrun's workers.
+    let s = Scene::new();
+    let logs = s.dir.path().join("logs");
+    let logs = logs.to_str().unwrap().to_string();
+    for extra in [vec![], vec!["--log-dir".to_string(), logs]] {
+        let mut a = args(&[]);
+        a.splice(0..0, extra);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let out = s.run(&a, &[]);
+        let all = text(&out.stdout) + &text(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{all}");
+        assert_eq!(all.matches("tty=False size=None").count(), 4, "{all}");
+    }
     s.assert_no_survivors();
 }

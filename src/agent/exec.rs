@@ -195,6 +195,7 @@ fn worker_cmd(
         env.push(("NRUN_SECRET".into(), s.to_string()));
     }
     Ok(WorkerCmd {
+        tty: w.tty,
         stdin: w.stdin,
         cpus,
         rank: w.rank,

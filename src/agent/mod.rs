@@ -139,8 +139,8 @@ pub(crate) async fn prove(
     };
     if !nrun_store::auth::verify_store(secret.as_bytes(), &mine, &answer?) {
         return Err(refuse(format!(
-            "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET differs?): \
-             refusing it"
+            "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET differs, or \
+             the nodes run different nrun versions: compare `nrun --version`): refusing it"
         )));
     }
     conn.authenticate(secret.as_bytes()).await
@@ -778,7 +778,8 @@ mod tests {
                 said,
                 format!(
                     "the store at {at} does not know this run's secret (NRUN_RDZV_SECRET \
-                     differs?): refusing it"
+                     differs, or the nodes run different nrun versions: compare `nrun \
+                     --version`): refusing it"
                 )
             );
         }

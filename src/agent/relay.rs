@@ -10,7 +10,6 @@
 //! written: "arrived" means on the console.
 
 use std::collections::VecDeque;
-use std::io::Write as _;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::io::AsyncBufReadExt as _;
@@ -134,6 +133,15 @@ impl Marks {
 pub(crate) enum Stream {
     Out = 0,
     Err = 1,
+}
+
+/// `b` to this process's console stream (see [`nrun_node::output::console_write`]).
+fn console_write(stream: Stream, b: &[u8], flush: bool) {
+    let s = match stream {
+        Stream::Out => nrun_node::output::Stream::Out,
+        Stream::Err => nrun_node::output::Stream::Err,
+    };
+    nrun_node::output::console_write(s, b, flush);
 }
 
 /// How one of an agent's pipes is passed on.
@@ -271,16 +279,11 @@ fn console() -> &'static Console {
             .spawn(move || {
                 while let Some(item) = rx.blocking_recv() {
                     match item {
-                        // Errors writing to the console (a closed pipe) must not stop the job.
-                        Item::Bytes(Stream::Out, b, _held) => {
-                            let _ = std::io::stdout().lock().write_all(&b);
-                        }
-                        Item::Bytes(Stream::Err, b, _held) => {
-                            let _ = std::io::stderr().lock().write_all(&b);
-                        }
+                        // A closed console is told once (the launcher then stops the job).
+                        Item::Bytes(stream, b, _held) => console_write(stream, &b, false),
                         Item::Mark(m, stream, node, no) => {
                             if stream == Stream::Out {
-                                let _ = std::io::stdout().lock().flush();
+                                console_write(Stream::Out, b"", true);
                             }
                             m.saw(stream, node, no);
                         }

@@ -467,20 +467,16 @@ fn slurm_every_node(env: Env<'_>) -> Result<Option<(usize, C10d)>> {
     )))
 }
 
-/// A random (version 4) UUID, as torchrun's standalone run ids.
+/// A random (version 4) UUID, as torchrun's standalone run ids. The bytes come from
+/// [`nrun_base::random_bytes`]: no randomness is an error here, where `Uuid::new_v4` panics.
 fn uuid4() -> Result<String> {
-    let h = nrun_base::random_hex()
+    let mut b = [0u8; 16];
+    nrun_base::random_bytes(&mut b)
         .map_err(|e| Error::internal(format!("cannot read random bytes: {e}")))?;
-    // Version 4 and the RFC 4122 variant, in their nibbles.
-    let variant = ["8", "9", "a", "b"][usize::from(h.as_bytes()[16] % 4)];
-    Ok(format!(
-        "{}-{}-4{}-{variant}{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[13..16],
-        &h[17..20],
-        &h[20..32]
-    ))
+    Ok(uuid::Builder::from_random_bytes(b)
+        .into_uuid()
+        .hyphenated()
+        .to_string())
 }
 
 /// torchrun's default wait for more nodes once MIN have joined.
@@ -601,6 +597,29 @@ fn unknown_keys_line(unknown: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A standalone run id is a random version-4 UUID in torchrun's form (lowercase, hyphens,
+    /// the version and RFC 4122 variant nibbles), a new one each time.
+    #[test]
+    fn standalone_run_ids_are_uuid4() {
+        let (a, b) = (uuid4().unwrap(), uuid4().unwrap());
+        assert_ne!(a, b);
+        for id in [&a, &b] {
+            let parts: Vec<&str> = id.split('-').collect();
+            assert_eq!(
+                parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+                [8, 4, 4, 4, 12],
+                "{id}"
+            );
+            assert!(
+                id.bytes()
+                    .all(|c| c == b'-' || c.is_ascii_digit() || (b'a'..=b'f').contains(&c)),
+                "{id}"
+            );
+            assert!(parts[2].starts_with('4'), "{id}");
+            assert!(parts[3].starts_with(['8', '9', 'a', 'b']), "{id}");
+        }
+    }
 
     #[test]
     fn addresses_checked() {

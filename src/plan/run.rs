@@ -233,6 +233,7 @@ impl LogPlan {
         Ok(LogPlan {
             dir,
             redirects,
+            tee,
             console_ranks,
         })
     }
@@ -286,7 +287,7 @@ impl WorkersPlan {
                     Some(t) => Some(check_prefix_template(t)?),
                     None => None,
                 },
-                color: resolve_color(*color, env),
+                color: resolve_color(*color),
             },
             stdin_rank: parse_stdin(stdin.as_deref(), several_nodes)?,
             signals_to_handle: signals_to_handle.clone(),
@@ -378,11 +379,11 @@ fn resolve_watch(args: &WatchArgs) -> Result<Option<crate::watch::WatchPlan>> {
     }))
 }
 
-/// `--color`: auto (a terminal, and NO_COLOR unset or empty), always, never.
-fn resolve_color(when: ColorWhen, env: Env<'_>) -> nrun_node::output::Color {
+/// `--color`: auto (decided where the lines are written: [`nrun_node::output::colours`]),
+/// always, never.
+fn resolve_color(when: ColorWhen) -> nrun_node::output::Color {
     use nrun_node::output::Color;
     match when {
-        ColorWhen::Auto if env("NO_COLOR").is_some_and(|v| !v.is_empty()) => Color::Never,
         ColorWhen::Auto => Color::Auto,
         ColorWhen::Always => Color::Always,
         ColorWhen::Never => Color::Never,

@@ -78,7 +78,11 @@ impl StreamSpec {
 pub(crate) struct LogPlan {
     /// Root of the per-rank log files; `None`: no files.
     pub dir: Option<PathBuf>,
+    /// Streams kept off the console (written to the files only)...
     pub redirects: StreamSpec,
+    /// ... unless teed: to the files and the console (torchrun's `--tee` wins over
+    /// `--redirects`).
+    pub tee: StreamSpec,
     /// Local ranks whose output reaches the console; `None`: all.
     pub console_ranks: Option<BTreeSet<usize>>,
 }

@@ -82,7 +82,8 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
         probed: true,
     };
     // "joined the rendezvous" is said once the host can see this node (agent::join_and_serve).
-    let signals = Signals::install(&job.session.forward_signals)?;
+    let mut signals = Signals::install(&job.session.forward_signals)?;
+    signals.stop_on_closed_console();
     // Nothing closes: the host going away shows as its store going away.
     let (gone, _) = watch::channel(false);
     match crate::agent::serve(hello, signals, gone, true).await {

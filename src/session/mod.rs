@@ -138,7 +138,8 @@ impl Session {
         nodes: &NodesPlan,
         listener: Option<std::net::TcpListener>,
     ) -> Result<Session> {
-        let signals = Signals::install(&plan.forward_signals)?;
+        let mut signals = Signals::install(&plan.forward_signals)?;
+        signals.stop_on_closed_console();
         // Leftovers of killed nruns: a directory listing off the launch's path.
         tokio::task::spawn_blocking(nrun_base::files::sweep_scratch);
         nrun_node::process::become_subreaper();

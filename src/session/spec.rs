@@ -2,13 +2,12 @@
 //! node or many: torchrun's environment at each worker's place, the run's variables, the
 //! node's interface and GPUs, output prefixes, console filters, log and error files.
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use super::Session;
 use crate::plan::{Place, WorkerSlot, WorkersPlan};
 use crate::protocol::{Step, WorkerSpec};
-use nrun_node::output::Color;
+use nrun_node::output::{Color, Stream};
 
 /// One node of a group that runs together, with its ranks in that group.
 #[derive(Clone, Debug)]
@@ -227,8 +226,13 @@ impl Session {
                     .console_ranks
                     .as_ref()
                     .is_none_or(|s| s.contains(&local_rank));
-            let red = match l.logs {
-                true => plan.log.redirects.for_rank(local_rank),
+            // Redirected streams leave the console unless teed (torchrun: tee implies the
+            // file, and the console too).
+            let (red, tee) = match l.logs {
+                true => (
+                    plan.log.redirects.for_rank(local_rank),
+                    plan.log.tee.for_rank(local_rank),
+                ),
                 false => Default::default(),
             };
             let prefix = match (&plan.console.prefix_template, several, group.world > 1) {
@@ -241,6 +245,18 @@ impl Session {
                 (_, false, true) => format!("[rank{rank:>width$}]: "),
                 (_, false, false) => String::new(),
             };
+            let console = [
+                shown && (!red.stdout() || tee.stdout()),
+                shown && (!red.stderr() || tee.stderr()),
+            ];
+            // A stream that reaches nrun's terminal alone is a terminal for the worker too
+            // (torchrun's workers write to it); one that a log file takes stays a pipe, so
+            // the file gets no colour codes (torchrun's redirected workers write to files).
+            let tty = [Stream::Out, Stream::Err].map(|st| {
+                (l.logs && console[st as usize] && log_dir.is_none())
+                    .then(|| nrun_node::output::Tty::of_console(st, &prefix))
+                    .flatten()
+            });
             specs.push(WorkerSpec {
                 rank,
                 local_rank,
@@ -250,18 +266,21 @@ impl Session {
                 error_file,
                 prefix,
                 colour: rank,
-                console: [shown && !red.stdout(), shown && !red.stderr()],
+                console,
                 log_dir,
                 // A remote agent's own stdout is a pipe (ssh) or srun's: the launcher's
                 // terminal decides.
                 color: match (plan.console.color, n.is_local()) {
-                    (Color::Auto, false) if std::io::stdout().is_terminal() => Color::Always,
+                    (Color::Auto, false) if nrun_node::output::colours(Stream::Out) => {
+                        Color::Always
+                    }
                     (Color::Auto, false) => Color::Never,
                     (c, _) => c,
                 },
                 stdin: l.logs && plan.stdin_rank == Some(rank),
                 numa: l.logs && plan.numa_binding,
                 secret: l.secret,
+                tty,
             });
         }
         specs

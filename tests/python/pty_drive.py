@@ -3,12 +3,17 @@ output is answered with its TEXT (backslash escapes allowed), in order. Prints w
 showed as JSON: {"chunks": [[seconds since start, text], ...], "status": exit code, "end": s}.
 
     pty_drive.py [PATTERN TEXT]... -- COMMAND [ARGS]...
+
+PTY_SIZE=COLSxROWS in the environment sets the terminal's size (else the pty's own, 0 x 0).
 """
+import fcntl
 import json
 import os
 import pty
 import select
+import struct
 import sys
+import termios
 import time
 
 args = sys.argv[1:]
@@ -17,6 +22,10 @@ pairs, cmd = args[:sep], args[sep + 1 :]
 answers = [(p.encode(), t.encode().decode("unicode_escape").encode()) for p, t in zip(pairs[0::2], pairs[1::2])]
 pid, fd = pty.fork()
 if pid == 0:
+    size = os.environ.get("PTY_SIZE")
+    if size:
+        cols, rows = (int(v) for v in size.split("x"))
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
     os.execvp(cmd[0], cmd)
 t0 = time.time()
 seen = b""

@@ -449,7 +449,8 @@ pub struct JobArgs {
     )]
     pub log_line_prefix_template: Option<String>,
 
-    /// Colour the rank prefixes: auto (on a terminal, unless NO_COLOR is set), always, never.
+    /// Colour the rank prefixes: auto (on a terminal; NO_COLOR, CLICOLOR=0 and CLICOLOR_FORCE are
+    /// honoured), always, never.
     #[arg(long, env = "NRUN_COLOR", default_value = "auto", value_name = "WHEN",
           value_parser = Choice::<ColorWhen>::new("--color"), hide_possible_values = true)]
     pub color: ColorWhen,
@@ -946,7 +947,7 @@ impl CompatArgs {
 /// `--color`: when rank prefixes are coloured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ColorWhen {
-    /// On a terminal, unless NO_COLOR is set.
+    /// On a terminal (NO_COLOR, CLICOLOR=0 and CLICOLOR_FORCE honoured).
     Auto,
     Always,
     Never,

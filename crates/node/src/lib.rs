@@ -49,6 +49,8 @@ pub struct WorkerCmd {
     pub stdin: bool,
     /// CPUs to bind the worker to (--numa-binding).
     pub cpus: Option<Vec<usize>>,
+    /// Per stream: a terminal of this size instead of a pipe (see [`output::Tty`]).
+    pub tty: [Option<output::Tty>; 2],
 }
 
 /// What happens to a group's workers, for whoever watches them (the stack sampler).
@@ -169,6 +171,16 @@ async fn stop_requested(rx: &mut tokio::sync::watch::Receiver<StopRequest>) -> S
     }
 }
 
+/// What the workers get when nrun is stopped by `sig`: the same signal, but SIGTERM for
+/// SIGPIPE (nrun's console closed): Python ignores SIGPIPE, and a worker would see it only
+/// when it wrote, so the job would not end.
+pub fn worker_stop_signal(sig: i32) -> Signal {
+    match Signal::try_from(sig) {
+        Ok(Signal::SIGPIPE) | Err(_) => Signal::SIGTERM,
+        Ok(s) => s,
+    }
+}
+
 /// SIGINT, SIGTERM and SIGHUP to nrun, which stop the job, and the signals to pass on to the
 /// workers (`--signals-to-handle`), as one stream. Installed once, before any worker starts, so
 /// a signal arriving during start-up is not lost. Whoever drives a node turns them into
@@ -180,6 +192,8 @@ pub struct Signals {
     forward: Vec<(i32, tokio::signal::unix::Signal)>,
     /// Signals a test sends without signalling the test process.
     injected: Option<tokio::sync::mpsc::UnboundedReceiver<Caught>>,
+    /// The console's pipe closed ([`Signals::stop_on_closed_console`]).
+    console: Option<tokio::sync::mpsc::UnboundedReceiver<Caught>>,
 }
 
 /// A signal nrun caught.
@@ -202,6 +216,7 @@ impl Signals {
             hup: s(SignalKind::hangup())?,
             forward: Vec::new(),
             injected: None,
+            console: None,
         };
         me.also_forward(forward)?;
         Ok(me)
@@ -224,6 +239,16 @@ impl Signals {
         Ok(())
     }
 
+    /// A console pipe of this process found closed while writing the workers' output (the
+    /// reader of `nrun ... | head` exited) reads as SIGPIPE to nrun: a stop (exit 141),
+    /// the workers get SIGTERM (see [`worker_stop_signal`]). For the processes a user started
+    /// (the launcher, a c10d node), not an agent.
+    pub fn stop_on_closed_console(&mut self) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        output::on_console_closed(tx);
+        self.console = Some(rx);
+    }
+
     /// Signals as a caller sends them on the returned channel, besides the real ones: how a
     /// test (the fake link's) plays a Ctrl-C without signalling itself.
     pub fn injected() -> (Signals, tokio::sync::mpsc::UnboundedSender<Caught>) {
@@ -236,8 +261,13 @@ impl Signals {
     pub async fn recv(&mut self) -> Caught {
         std::future::poll_fn(|cx| {
             use std::task::Poll;
-            if let Some(Poll::Ready(Some(c))) = self.injected.as_mut().map(|r| r.poll_recv(cx)) {
-                return Poll::Ready(c);
+            for r in [&mut self.injected, &mut self.console]
+                .into_iter()
+                .flatten()
+            {
+                if let Poll::Ready(Some(c)) = r.poll_recv(cx) {
+                    return Poll::Ready(c);
+                }
             }
             for (sig, st) in [
                 (libc::SIGINT, &mut self.int),
@@ -301,6 +331,7 @@ struct Start {
     error_file: PathBuf,
     stdin: bool,
     cpus: Option<Vec<usize>>,
+    tty: [Option<output::Tty>; 2],
 }
 
 impl Start {
@@ -315,6 +346,7 @@ impl Start {
             output,
             stdin,
             cpus,
+            tty,
         } = w;
         let start = Start {
             rank,
@@ -325,6 +357,7 @@ impl Start {
             error_file,
             stdin,
             cpus,
+            tty,
         };
         (start, output)
     }
@@ -374,6 +407,7 @@ impl Start {
             stdin: self.stdin,
             foreground,
             cpus: self.cpus.as_deref(),
+            tty: self.tty,
         })
         .map_err(|e| {
             // The file is there (it was just found): exec found no interpreter for it.
@@ -424,11 +458,17 @@ impl Worker {
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
         // A pipe tokio cannot take (never seen: pipe2 made them) loses that stream's output, not
         // the worker.
-        for (fd, stream, name, tail) in [
+        for ((fd, tty), stream, name, tail) in [
             (child.stdout, Stream::Out, "stdout", None),
             (child.stderr, Stream::Err, "stderr", Some(tail.clone())),
         ] {
-            match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+            let read = match tty {
+                // A terminal's master side (non-blocking already): read as a pipe is; its end
+                // reads as EIO, which the pump takes for the end.
+                true => tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(fd),
+                false => tokio::net::unix::pipe::Receiver::from_owned_fd(fd),
+            };
+            match read {
                 Ok(r) => pumps.push((
                     idx,
                     tokio::spawn(output::pump(r, idx, stream, out.sender(), tail)),
@@ -636,7 +676,7 @@ impl Group {
                 }
             }
             StopRequest::Signal(sig) if !matches!(self.phase, Phase::Grace(_)) => {
-                self.terminate(Signal::try_from(sig).unwrap_or(Signal::SIGTERM));
+                self.terminate(worker_stop_signal(sig));
                 self.ending.interrupted.get_or_insert(sig);
             }
             // A second signal, or a request to kill: no more waiting.
@@ -981,6 +1021,16 @@ pub fn find_program(name: &str, path: Option<&str>) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// nrun stopped by its console's closed pipe stops Python workers (which ignore SIGPIPE)
+    /// with SIGTERM; the user's signals are passed on as they are.
+    #[test]
+    fn a_closed_console_stops_the_workers_with_sigterm() {
+        assert_eq!(worker_stop_signal(libc::SIGPIPE), Signal::SIGTERM);
+        assert_eq!(worker_stop_signal(libc::SIGINT), Signal::SIGINT);
+        assert_eq!(worker_stop_signal(libc::SIGHUP), Signal::SIGHUP);
+        assert_eq!(worker_stop_signal(1000), Signal::SIGTERM);
+    }
 
     /// A group of `n` workers that exist only on paper: their process group id is above any
     /// pid_max, so the signals the group sends reach nothing.

@@ -13,7 +13,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -47,6 +47,42 @@ pub enum Color {
     Auto,
     Always,
     Never,
+}
+
+/// The size of a terminal a worker writes to instead of a pipe: where nrun's own stream is
+/// a terminal (and no log file takes the stream), each worker gets a pseudo-terminal of its
+/// size, less the rank prefix, so that what checks for a terminal (tqdm's width, rich's and
+/// Python's colours, `isatty`) sees one, as torchrun's workers see the terminal itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Tty {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+impl Tty {
+    /// This process's `stream`, if it is a terminal: its size (0 x 0 where it tells none),
+    /// `prefix` columns narrower.
+    pub fn of_console(stream: Stream, prefix: &str) -> Option<Tty> {
+        let fd = match stream {
+            Stream::Out => libc::STDOUT_FILENO,
+            Stream::Err => libc::STDERR_FILENO,
+        };
+        // SAFETY: isatty and TIOCGWINSZ read this process's own descriptor into a local.
+        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+        if unsafe { libc::isatty(fd) } != 1 {
+            return None;
+        }
+        unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) };
+        let prefix = u16::try_from(prefix.chars().count()).unwrap_or(u16::MAX);
+        Some(Tty {
+            // A terminal of unknown width stays unknown (0), not 1.
+            cols: match ws.ws_col {
+                0 => 0,
+                c => c.saturating_sub(prefix).max(1),
+            },
+            rows: ws.ws_row,
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,27 +245,14 @@ impl Lines {
 
 /// The writer's thread: each line to its console stream (prefixed) and its log file.
 fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
-    let colour = [
-        std::io::stdout().is_terminal(),
-        std::io::stderr().is_terminal(),
-    ];
+    let colour = [colours(Stream::Out), colours(Stream::Err)];
     let mut line = Vec::with_capacity(256);
     // The console line left unfinished: whose, on which stream, and whether it
     // ended at '\r' (the cursor is back at its start) or mid-line.
     let mut open: Option<(usize, Stream, bool)> = None;
     // Log files given up on a failed write.
     let mut lost = 0;
-    let write = |stream: Stream, b: &[u8], flush: bool| {
-        // Errors writing to the console (a closed pipe) must not stop the job.
-        let _ = match stream {
-            Stream::Out => {
-                let mut o = std::io::stdout().lock();
-                o.write_all(b)
-                    .and_then(|()| if flush { o.flush() } else { Ok(()) })
-            }
-            Stream::Err => std::io::stderr().lock().write_all(b),
-        };
-    };
+    let write = console_write;
     while let Some(Msg::Line {
         worker,
         stream,
@@ -268,8 +291,8 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
                 Color::Auto => colour[stream as usize],
             };
             if coloured {
-                let c = COLOURS[w.colour % COLOURS.len()];
-                let _ = write!(line, "\x1b[{c}m{}\x1b[0m", w.prefix);
+                let c = COLOURS[w.colour % COLOURS.len()].on_default();
+                let _ = write!(line, "{c}{}{c:#}", w.prefix);
             } else {
                 line.extend_from_slice(w.prefix.as_bytes());
             }
@@ -295,7 +318,71 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
     }
 }
 
-const COLOURS: [&str; 6] = ["36", "32", "33", "35", "34", "31"];
+const COLOURS: [anstyle::AnsiColor; 6] = {
+    use anstyle::AnsiColor::*;
+    [Cyan, Green, Yellow, Magenta, Blue, Red]
+};
+
+/// Whether `--color auto` colours what goes to this process's `stream`: a terminal, unless
+/// NO_COLOR, CLICOLOR=0 or TERM=dumb say otherwise; CLICOLOR_FORCE colours a pipe too
+/// (anstream's reading of those conventions).
+pub fn colours(stream: Stream) -> bool {
+    let choice = match stream {
+        Stream::Out => anstream::AutoStream::choice(&std::io::stdout()),
+        Stream::Err => anstream::AutoStream::choice(&std::io::stderr()),
+    };
+    choice != anstream::ColorChoice::Never
+}
+
+/// Writes worker output to this process's own stdout or stderr (`flush`: stdout now, for a
+/// line left open). A write error does not stop the writer; a closed pipe (the reader of
+/// `nrun ... | head` exited) is told once to whoever asked with [`on_console_closed`].
+pub fn console_write(stream: Stream, b: &[u8], flush: bool) {
+    let r = match stream {
+        Stream::Out => {
+            let mut o = std::io::stdout().lock();
+            o.write_all(b)
+                .and_then(|()| if flush { o.flush() } else { Ok(()) })
+        }
+        Stream::Err => std::io::stderr().lock().write_all(b),
+    };
+    if r.is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) {
+        console_closed(stream);
+    }
+}
+
+/// Who is told that the console's pipe closed: the launcher's signal stream, which stops the
+/// job as if nrun had got SIGPIPE (a worker writing to a closed pipe itself would have, or
+/// BrokenPipeError: how torchrun's job ends there). An agent registers nobody: its stdout
+/// is its coordinator's pipe, whose loss is told otherwise.
+static CLOSED_TELLS: Mutex<Option<tokio::sync::mpsc::UnboundedSender<crate::Caught>>> =
+    Mutex::new(None);
+static CLOSED_TOLD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// From now on, a console pipe found closed sends [`crate::Caught::Stop`]`(SIGPIPE)` on `tx`.
+pub(crate) fn on_console_closed(tx: tokio::sync::mpsc::UnboundedSender<crate::Caught>) {
+    *CLOSED_TELLS.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+}
+
+fn console_closed(stream: Stream) {
+    let tells = CLOSED_TELLS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(tx) = tells.as_ref() else { return };
+    if CLOSED_TOLD.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    // Told before it is said: stderr may be the closed pipe too (`2>&1 | head`).
+    let _ = tx.send(crate::Caught::Stop(libc::SIGPIPE));
+    let which = match stream {
+        Stream::Out => "stdout",
+        Stream::Err => "stderr",
+    };
+    tracing::warn!(
+        "{which} is a pipe whose reader exited (`nrun ... | head`): stopping the job, exit {} \
+         (SIGPIPE), as torchrun's ends when its workers write there; to keep a job running, \
+         send its output to a file or use --redirects",
+        nrun_base::error::exit::signal(libc::SIGPIPE)
+    );
+}
 
 /// Copies one pipe to the writer a line at a time ('\n'), a progress segment at a time ('\r'),
 /// and the start of a line that waits longer than [`PARTIAL_AFTER`] for its end; the last
@@ -395,7 +482,11 @@ impl TailLine {
         match seg.last() {
             Some(b'\n') => {
                 self.extend(seg);
-                let text = String::from_utf8_lossy(&self.line).trim_end().to_string();
+                // Without colour codes (a worker on a terminal colours its traceback): the
+                // summary and the JSON report quote it as text.
+                let line = String::from_utf8_lossy(&self.line);
+                let text = anstream::adapter::strip_str(&line).to_string();
+                let text = text.trim_end().to_string();
                 self.line.clear();
                 let Some(t) = &self.tail else { return };
                 let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
@@ -431,7 +522,19 @@ async fn emit(tx: &Lines, worker: usize, stream: Stream, tail: &mut TailLine, da
 
 #[cfg(test)]
 mod tests {
-    use super::strip_torch_prefix;
+    use super::{TailLine, strip_torch_prefix};
+
+    /// The failure summary's tail is text: a coloured traceback line (a worker on a
+    /// terminal) is kept without its colour codes.
+    #[test]
+    fn the_tail_is_plain_text() {
+        let tail = super::Tail::default();
+        let mut t = TailLine::new(Some(tail.clone()));
+        t.add(b"\x1b[1;35mValueError\x1b[0m: \x1b[35mbad\x1b[0m\n");
+        t.add(b"plain\n");
+        let got: Vec<String> = tail.lock().unwrap().iter().cloned().collect();
+        assert_eq!(got, ["ValueError: bad", "plain"]);
+    }
 
     #[test]
     fn torchs_own_rank_prefix_is_said_once() {

@@ -38,13 +38,16 @@ pub(crate) struct Spec<'a> {
     /// Take the terminal's foreground for the new process group.
     pub foreground: bool,
     pub cpus: Option<&'a [usize]>,
+    /// Per stream: a terminal of this size rather than a pipe.
+    pub tty: [Option<super::output::Tty>; 2],
 }
 
-/// A started child: the leader of its own process group, its stdout and stderr piped here.
+/// A started child: the leader of its own process group, its stdout and stderr piped here
+/// (each with whether it is a terminal's master side rather than a pipe).
 pub(crate) struct Spawned {
     pub pid: libc::pid_t,
-    pub stdout: OwnedFd,
-    pub stderr: OwnedFd,
+    pub stdout: (OwnedFd, bool),
+    pub stderr: (OwnedFd, bool),
 }
 
 /// What the child reads (and, on a failure before exec, writes: `errno`).
@@ -100,8 +103,8 @@ pub(crate) fn spawn(spec: &Spec) -> io::Result<Spawned> {
         .chain(std::iter::once(std::ptr::null()))
         .collect();
 
-    let (out_r, out_w) = pipe()?;
-    let (err_r, err_w) = pipe()?;
+    let (out_r, out_w, out_tty) = pipe_or_tty(spec.tty[0])?;
+    let (err_r, err_w, err_tty) = pipe_or_tty(spec.tty[1])?;
     let null = if spec.stdin {
         None
     } else {
@@ -177,8 +180,8 @@ pub(crate) fn spawn(spec: &Spec) -> io::Result<Spawned> {
     drop((out_w, err_w, null));
     Ok(Spawned {
         pid,
-        stdout: out_r,
-        stderr: err_r,
+        stdout: (out_r, out_tty),
+        stderr: (err_r, err_tty),
     })
 }
 
@@ -255,6 +258,65 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
             format!("{} holds a NUL byte", s.to_string_lossy()),
         )
     })
+}
+
+/// A terminal of size `tty` (master side, worker's side, true), or a pipe where none was asked
+/// for or none can be had (no /dev/ptmx in a container: the worker then sees a pipe, as it
+/// would have).
+fn pipe_or_tty(tty: Option<super::output::Tty>) -> io::Result<(OwnedFd, OwnedFd, bool)> {
+    if let Some(t) = tty {
+        match pseudo_terminal(t) {
+            Ok((m, s)) => return Ok((m, s, true)),
+            Err(e) => tracing::debug!("no terminal for a worker ({e}): a pipe instead"),
+        }
+    }
+    pipe().map(|(r, w)| (r, w, false))
+}
+
+/// A pseudo-terminal of `size`, (master, worker's side), close-on-exec, both 3 or above. The
+/// worker's side is raw (bytes pass as written: no "\n" to "\r\n", no echo) and never
+/// anyone's controlling terminal (O_NOCTTY; the worker is no session leader either); the
+/// master is non-blocking, for the runtime.
+fn pseudo_terminal(size: super::output::Tty) -> io::Result<(OwnedFd, OwnedFd)> {
+    let fail = || Err(io::Error::last_os_error());
+    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
+    // SAFETY: plain system calls on descriptors owned at once; `name` is NUL-terminated by
+    // ptsname_r on success, `t` and `ws` are plain structs filled or read by the calls.
+    unsafe {
+        let m = libc::open(c"/dev/ptmx".as_ptr(), flags | libc::O_NONBLOCK);
+        if m < 0 {
+            return fail();
+        }
+        let master = OwnedFd::from_raw_fd(m);
+        let mut name = [0 as c_char; 128];
+        if libc::grantpt(m) != 0
+            || libc::unlockpt(m) != 0
+            || libc::ptsname_r(m, name.as_mut_ptr(), name.len()) != 0
+        {
+            return fail();
+        }
+        let s = libc::open(name.as_ptr(), flags);
+        if s < 0 {
+            return fail();
+        }
+        let worker = OwnedFd::from_raw_fd(s);
+        let mut t: libc::termios = std::mem::zeroed();
+        if libc::tcgetattr(s, &mut t) != 0 {
+            return fail();
+        }
+        libc::cfmakeraw(&mut t);
+        let ws = libc::winsize {
+            ws_col: size.cols,
+            ws_row: size.rows,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        if libc::tcsetattr(s, libc::TCSANOW, &t) != 0 || libc::ioctl(s, libc::TIOCSWINSZ, &ws) != 0
+        {
+            return fail();
+        }
+        Ok((high(master)?, high(worker)?))
+    }
 }
 
 /// A close-on-exec pipe, (read end, write end), both 3 or above.

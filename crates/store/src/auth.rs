@@ -2,7 +2,7 @@
 //! (GET `nrun/challenge`), the client answers with HMAC-SHA256(secret, nonce) (SET `nrun/auth`).
 //! A sniffer sees a nonce and a proof good for that connection only. Values that start processes
 //! (the agents' steps) are sealed: encrypted with ChaCha20-Poly1305 under a key derived from
-//! the secret, the tag covering their key and a nonce the agent chose when it joined (published
+//! the secret (HKDF), the tag covering their key and a nonce the agent chose when it joined (published
 //! in its `Joined` record), so an injected step, or one replayed from an earlier run, is
 //! refused by the agent, and a step's environment is not readable on the wire.
 //!
@@ -14,6 +14,7 @@
 
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
+use hkdf::Hkdf;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
@@ -46,12 +47,20 @@ fn mac(secret: &[u8], parts: &[&[u8]]) -> Option<HmacSha256> {
     Some(m)
 }
 
+/// `N` bytes of key for `label` from `secret` (HKDF-SHA256, RFC 5869; `salt` names the use,
+/// `label` the instance: the two are kept apart, so no two uses collide).
+fn hkdf<const N: usize>(salt: &[u8], secret: &[u8], label: &[u8]) -> [u8; N] {
+    let mut k = [0u8; N];
+    // N is at most 32 here, far below HKDF-SHA256's 8160 bytes: the error case does not happen.
+    let _ = Hkdf::<Sha256>::new(Some(salt), secret).expand(label, &mut k);
+    k
+}
+
 /// A run's secret derived from one shared by every node (`NRUN_RDZV_SECRET`) and the run id,
-/// for nodes that start on their own and must agree without sending it.
+/// for nodes that start on their own and must agree without sending it. (Derived by HKDF since
+/// this version: every node of a run must run the same nrun, as the agents already check.)
 pub fn derive(shared: &[u8], run_id: &str) -> String {
-    mac(shared, &[b"nrun-rdzv", run_id.as_bytes()])
-        .map(|m| hex(&m.finalize().into_bytes()))
-        .unwrap_or_default()
+    hex(&hkdf::<32>(b"nrun-rdzv", shared, run_id.as_bytes()))
 }
 
 /// Runs the ciphers' CPU feature checks once (cached for the process, and for every process
@@ -97,10 +106,10 @@ pub fn verify_store(secret: &[u8], nonce: &[u8], proof: &[u8]) -> bool {
     m.verify_slice(&p).is_ok()
 }
 
-/// The key steps are encrypted with: the secret's MAC of a label of its own (never a proof,
-/// never a seal).
+/// The key steps are encrypted with: derived from the secret for this use alone (never a
+/// proof's key, never a seal).
 fn step_cipher(secret: &[u8]) -> Option<ChaCha20Poly1305> {
-    let k = mac(secret, &[b"nrun-step-key"])?.finalize().into_bytes();
+    let k = hkdf::<32>(b"nrun-step-key", secret, b"");
     Some(ChaCha20Poly1305::new(Key::from_slice(&k)))
 }
 
@@ -215,6 +224,30 @@ mod tests {
             "a client's proof reflected back is no store's proof"
         );
         assert!(!verify(b"s3cret", &mine, &answer));
+    }
+
+    /// Nodes that start on their own agree on a run's secret by HKDF-SHA256 (RFC 5869) of
+    /// the shared one, the use as salt and the run id as info: pinned by a value computed
+    /// apart (Python's hmac), so a change of derivation is seen (nodes of two derivations
+    /// cannot join one run).
+    #[test]
+    fn the_run_secret_is_hkdf_of_the_shared_one() {
+        assert_eq!(
+            derive(b"s3cret", "slurm-42.0"),
+            "a68d9357ef666d6b136e1d2094efa601883f31da1227657c460b3dff20d821fa"
+        );
+        assert_ne!(
+            derive(b"s3cret", "slurm-42.1"),
+            derive(b"s3cret", "slurm-42.0")
+        );
+        assert_ne!(
+            derive(b"other", "slurm-42.0"),
+            derive(b"s3cret", "slurm-42.0")
+        );
+        // The step key is not the derived secret, nor a proof's.
+        let d = derive(b"s3cret", "");
+        let step = hkdf::<32>(b"nrun-step-key", b"s3cret", b"");
+        assert_ne!(hex(&step), d);
     }
 
     /// A step's contents (a token in its workers' environment) are not in its sealed bytes,
