@@ -548,10 +548,15 @@ fn a_hang_pinned_twice_on_a_node_brings_in_the_spare() {
          print(f'done rank {rank} restart {restart} on {host}', flush=True)\n",
     )
     .unwrap();
+    let (report, page) = (s.dir.path().join("job.json"), s.dir.path().join("job.html"));
     let out = c.run_on(
         &s,
         3,
         &[
+            "--report",
+            report.to_str().unwrap(),
+            "--report-html",
+            page.to_str().unwrap(),
             "--nnodes",
             "2",
             "--nproc",
@@ -590,4 +595,70 @@ fn a_hang_pinned_twice_on_a_node_brings_in_the_spare() {
     );
     s.assert_no_survivors();
     c.assert_nothing_left(3);
+    hang_restart_spare_page(&s, &report, &page);
+}
+
+/// Issue 38's "done when", on the real job above: its ledger adds up, and its --report-html page,
+/// opened in headless Chromium, shows both hangs, the restarts, the node left out and the spare
+/// in, with nothing failing to load.
+fn hang_restart_spare_page(s: &Scene, report: &std::path::Path, page: &std::path::Path) {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    let ledger = &v["ledger"];
+    let wall = ledger["wall_s"].as_f64().unwrap();
+    let sum: f64 = ledger["phases"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p.as_f64().unwrap())
+        .sum();
+    assert!(
+        (sum - wall).abs() <= wall * 0.01,
+        "phases {sum} s, wall {wall} s: {ledger}"
+    );
+    assert_eq!(ledger["attempts"].as_array().unwrap().len(), 3, "{ledger}");
+    assert!(
+        ledger["phases"]["detecting"].as_f64().unwrap() > 0.0,
+        "{ledger}"
+    );
+    let names: Vec<&str> = v["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    for n in ["hang", "restart", "node_left_out", "spare_in", "decision"] {
+        assert!(names.contains(&n), "no {n} event: {names:?}");
+    }
+    let Some(chrome) =
+        common::chromium::chromium("a_hang_pinned_twice_on_a_node_brings_in_the_spare (its page)")
+    else {
+        return;
+    };
+    let b = common::chromium::browse(s, &chrome, page, &[]);
+    assert_eq!(
+        common::chromium::page_complaints(&b.stderr),
+        Vec::<&str>::new()
+    );
+    for needle in [
+        "id=\"timeline\"",
+        "class=\"attempt bar-hang\"",
+        "class=\"attempt bar-success\"",
+        "class=\"m m-hang\"",
+        "class=\"m m-left_out\"",
+        "class=\"m m-spare_in\"",
+        "class=\"restart-line\"",
+        "class=\"ledger-chart\"",
+        "class=\"phase ph-running\"",
+        "spare, in for sq9-h2",
+        "class=\"decision-table\"",
+        "class=\"culprit\"",
+    ] {
+        assert!(b.dom.contains(needle), "the page lacks {needle}");
+    }
+    assert_eq!(
+        b.dom.matches("class=\"m m-hang\"").count(),
+        2,
+        "two hangs on sq9-h2's row"
+    );
 }

@@ -1,6 +1,7 @@
 //! Helpers for tests that run the real `nrun` binary.
 #![allow(dead_code)]
 
+pub(crate) mod chromium;
 pub(crate) mod slurm;
 
 pub(crate) use nix::sys::signal::Signal;
