@@ -741,8 +741,9 @@ impl Bisect<'_> {
         deadline: Duration,
     ) -> crate::progress::Progress {
         let k = self.rounds.len() + 1;
-        // Stage 1, then one round per doubling of the group size up to all the nodes alive.
-        let doublings = self.alive().len().max(1).next_power_of_two().trailing_zeros() as usize;
+        // Stage 1, then one round per doubling of the group size while two groups fit (a
+        // leftover joins the last group).
+        let doublings = self.alive().len().max(1).ilog2() as usize;
         let planned = self.stage1_rounds.max(1) + doublings;
         let nodes: usize = groups.iter().map(Vec::len).sum();
         let plan = format!("{k} of at least {}", planned.max(k));
@@ -752,7 +753,7 @@ impl Bisect<'_> {
             Some(Instant::now() + deadline),
         );
         p.line(&format!(
-            "bisect: round {plan} ({stage}): {} group(s) on {nodes} node(s): {}",
+            "bisect round {plan} ({stage}): {} group(s) on {nodes} node(s): {}",
             groups.len(),
             crate::progress::few(&groups.iter().map(|g| names(g, s)).collect::<Vec<_>>())
         ));

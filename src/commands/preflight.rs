@@ -88,10 +88,15 @@ pub(crate) async fn run(
     };
     let steps = s.steps(&job.workers, &group, &launch);
     since("starting ranks");
-    let results = match s.run_step(steps, Policy::Together).await {
+    let mut sweep = Sweep::new(s, &settings[0], group.world, deadline);
+    let ran = sweep.p.during(s.run_step(steps, Policy::Together), |p| {
+        sweep.sizes.read(p)
+    });
+    let results = match ran.await {
         Ok(r) => r,
         Err(e) => return Ok(Ended::early(e.code)),
     };
+    sweep.done();
     since("ranks ended");
     let crashed = match first_crash(&results) {
         Ok(c) => c,
@@ -133,6 +138,71 @@ pub(crate) async fn run(
         blamed: blamed(&summary.findings),
         report: Some(summary.json),
     })
+}
+
+/// The sweep's progress as the ranks run: each size's line as rank 0 publishes it
+/// ([`preflight::SizeReader`]) in the store this nrun hosts (a static launch's other nodes
+/// host none: they say only what they wait for).
+struct Sweep {
+    p: crate::progress::Progress,
+    sizes: Sizes,
+}
+
+struct Sizes {
+    store: Option<std::sync::Arc<nrun_store::Store>>,
+    settings: Settings,
+    reader: preflight::SizeReader,
+    total: usize,
+    world: usize,
+}
+
+impl Sweep {
+    fn new(s: &Session, settings: &Settings, world: usize, deadline: Duration) -> Sweep {
+        let total = settings.sizes().len();
+        Sweep {
+            p: crate::progress::Progress::new(
+                "preflight",
+                Some(total as u64),
+                Some(Instant::now() + deadline),
+            ),
+            sizes: Sizes {
+                store: s.store().cloned(),
+                settings: settings.clone(),
+                reader: preflight::SizeReader::default(),
+                total,
+                world,
+            },
+        }
+    }
+
+    /// The ranks ended: the sizes published last are said, the bar cleared.
+    fn done(mut self) {
+        self.sizes.read(&mut self.p);
+        self.p.finish(None);
+    }
+}
+
+impl Sizes {
+    fn read(&mut self, p: &mut crate::progress::Progress) {
+        if let Some(st) = &self.store {
+            let before = self.reader.count();
+            let rows = self.reader.read(&self.settings, &mut |k| st.get(k));
+            for (n, row) in (before + 1..).zip(rows) {
+                p.line(&format!("preflight {n}/{}: {}", self.total, row.line(self.world)));
+                p.set(n as u64);
+            }
+        }
+        let next = self.settings.sizes().get(self.reader.count()).copied();
+        p.waiting(|| match next {
+            Some(b) if self.store.is_some() => format!(
+                "the preflight ranks (next: {}, size {} of {})",
+                preflight::human_bytes(b),
+                self.reader.count() + 1,
+                self.total
+            ),
+            _ => "the preflight ranks to finish".to_string(),
+        });
+    }
 }
 
 /// The first rank that crashed (rank, how), warning about ranks that timed out or were lost;
