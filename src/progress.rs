@@ -53,11 +53,11 @@ impl Progress {
             let (b, template) = match total {
                 Some(n) => (
                     indicatif::ProgressBar::new(n),
-                    "nrun: {prefix} {bar:30} {pos}/{len} {elapsed} {wide_msg}",
+                    "nrun: {prefix} {bar:20} {pos}/{len} {elapsed} {msg}",
                 ),
                 None => (
                     indicatif::ProgressBar::new_spinner(),
-                    "nrun: {prefix} {spinner} {elapsed} {wide_msg}",
+                    "nrun: {prefix} {spinner} {elapsed} {msg}",
                 ),
             };
             b.set_style(
