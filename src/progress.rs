@@ -11,6 +11,8 @@ use std::time::{Duration, Instant, SystemTime};
 pub(crate) const FIRST_WAIT: Duration = Duration::from_secs(5);
 /// The longest gap between two "still waiting" lines.
 const MAX_GAP: Duration = Duration::from_secs(30);
+/// When a bar is first drawn.
+const SHOW_AFTER: Duration = Duration::from_secs(1);
 /// How often a terminal's bar message is recomputed (the waited-for list may be long).
 const REDRAW: Duration = Duration::from_millis(500);
 
@@ -40,6 +42,8 @@ pub(crate) struct Progress {
     next_wait: Duration,
     gap: Duration,
     drawn: Option<Instant>,
+    /// Whether the bar is drawn yet.
+    shown: bool,
 }
 
 impl Progress {
@@ -65,7 +69,8 @@ impl Progress {
                     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             b.set_prefix(what.to_string());
-            b.enable_steady_tick(Duration::from_millis(200));
+            // Drawn once the work took a second (see `show`): a quick step flashes no bar.
+            b.set_draw_target(indicatif::ProgressDrawTarget::hidden());
             b
         });
         Progress {
@@ -76,6 +81,25 @@ impl Progress {
             next_wait: FIRST_WAIT,
             gap: FIRST_WAIT,
             drawn: None,
+            shown: false,
+        }
+    }
+
+    /// Draws the bar from the work's second second on.
+    fn show(&mut self) {
+        if let Some(b) = self.bar.as_ref().filter(|_| !self.shown) {
+            if self.started.elapsed() >= SHOW_AFTER {
+                b.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+                b.enable_steady_tick(Duration::from_millis(200));
+                self.shown = true;
+            }
+        }
+    }
+
+    /// The bar is cleared (the work goes on without it: a c10d node that found its host).
+    pub(crate) fn clear(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
         }
     }
 
@@ -85,7 +109,8 @@ impl Progress {
     }
 
     /// `done` steps are done.
-    pub(crate) fn set(&self, done: u64) {
+    pub(crate) fn set(&mut self, done: u64) {
+        self.show();
         if let Some(b) = &self.bar {
             b.set_position(done);
         }
@@ -109,22 +134,22 @@ impl Progress {
     /// [`FIRST_WAIT`], a line "still waiting for ... after N s; deadline HH:MM:SS (in N s)", again after
     /// 10, 20, then every 30 s.
     pub(crate) fn waiting(&mut self, waits_for: impl FnOnce() -> String) {
+        self.show();
         let now = Instant::now();
         let waited = now - self.started;
         match &self.bar {
             Some(b) => {
-                if waited >= Duration::from_secs(1)
-                    && self.drawn.is_none_or(|t| now - t >= REDRAW)
+                if waited >= SHOW_AFTER && self.drawn.is_none_or(|t| now - t >= REDRAW)
                 {
                     self.drawn = Some(now);
                     b.set_message(format!("waiting for {}{}", waits_for(), self.until(now)));
                 }
             }
             None if waited >= self.next_wait => {
+                let what = waits_for();
                 tracing::info!(
-                    "{}: still waiting for {} after {} s{}",
+                    "{}: still waiting for {what} after {} s{}",
                     self.what,
-                    waits_for(),
                     waited.as_secs(),
                     self.until(now)
                 );
