@@ -154,7 +154,11 @@ impl Progress {
                     self.until(now)
                 );
                 self.gap = (self.gap * 2).min(MAX_GAP);
-                self.next_wait = waited + self.gap;
+                // On the schedule (5, 15, 35 s...), not drifting with when the line came.
+                self.next_wait = match self.next_wait + self.gap {
+                    t if t > waited => t,
+                    _ => waited + self.gap,
+                };
             }
             None => {}
         }
