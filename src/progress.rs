@@ -19,10 +19,9 @@ const REDRAW: Duration = Duration::from_millis(500);
 /// Whether progress is drawn live: stderr is a terminal, and neither `NO_COLOR` (set, not empty)
 /// nor `TERM=dumb` asks for plain text, and nrun's log lines are not silenced.
 pub(crate) fn live() -> bool {
-    live_in(
-        std::io::IsTerminal::is_terminal(&std::io::stderr()),
-        &|k| std::env::var(k).ok(),
-    ) && !nrun_base::logging_silenced()
+    live_in(std::io::IsTerminal::is_terminal(&std::io::stderr()), &|k| {
+        std::env::var(k).ok()
+    }) && !nrun_base::logging_silenced()
         && tracing::enabled!(tracing::Level::INFO)
 }
 
@@ -139,8 +138,7 @@ impl Progress {
         let waited = now - self.started;
         match &self.bar {
             Some(b) => {
-                if waited >= SHOW_AFTER && self.drawn.is_none_or(|t| now - t >= REDRAW)
-                {
+                if waited >= SHOW_AFTER && self.drawn.is_none_or(|t| now - t >= REDRAW) {
                     self.drawn = Some(now);
                     b.set_message(format!("waiting for {}{}", waits_for(), self.until(now)));
                 }
@@ -234,7 +232,11 @@ pub(crate) fn few(names: &[String]) -> String {
     match names.len() {
         0 => "nothing".to_string(),
         n if n <= SHOWN => names.join(", "),
-        n => format!("{} and {} more", names[..SHOWN - 1].join(", "), n - SHOWN + 1),
+        n => format!(
+            "{} and {} more",
+            names[..SHOWN - 1].join(", "),
+            n - SHOWN + 1
+        ),
     }
 }
 
@@ -276,11 +278,19 @@ mod tests {
 
     #[test]
     fn the_deadline_reads_as_a_clock_time_and_seconds_left() {
-        let p = Progress::drawn("x", None, Some(Instant::now() + Duration::from_secs(25)), false);
+        let p = Progress::drawn(
+            "x",
+            None,
+            Some(Instant::now() + Duration::from_secs(25)),
+            false,
+        );
         let u = p.until(Instant::now());
         assert!(u.starts_with("; deadline "), "{u}");
         assert!(u.ends_with("(in 25 s)"), "{u}");
-        assert_eq!(clock(SystemTime::UNIX_EPOCH + Duration::from_secs(3)).len(), 8);
+        assert_eq!(
+            clock(SystemTime::UNIX_EPOCH + Duration::from_secs(3)).len(),
+            8
+        );
     }
 
     #[test]

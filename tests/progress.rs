@@ -125,7 +125,10 @@ fn on_a_terminal_the_join_is_a_live_bar_then_one_clean_line() {
     assert!(!shown.contains("still waiting"), "{shown:?}");
     // The last draw is cleared and the final line stands alone on its line.
     let (bar, after) = shown.split_once("nrun: 1/2 nodes joined in").unwrap();
-    assert!(bar.ends_with("\u{1b}[2K") || bar.ends_with("\u{1b}[1A"), "{bar:?}");
+    assert!(
+        bar.ends_with("\u{1b}[2K") || bar.ends_with("\u{1b}[1A"),
+        "{bar:?}"
+    );
     assert!(!after.contains("joining nodes"), "{after:?}");
     let final_line = after.split("\r\n").next().unwrap();
     assert!(final_line.ends_with(" s"), "{after:?}");
@@ -147,12 +150,18 @@ fn no_color_and_a_dumb_term_give_plain_lines() {
                 || shown.starts_with("nrun: joining nodes: still waiting for node1 (joined: "),
             "{env:?}: {shown:?}"
         );
-        assert!(shown.contains(" after 5 s; deadline "), "{env:?}: {shown:?}");
+        assert!(
+            shown.contains(" after 5 s; deadline "),
+            "{env:?}: {shown:?}"
+        );
         assert!(
             !shown.contains('\u{1b}') && !shown.contains('█'),
             "{env:?}: {shown:?}"
         );
-        assert!(shown.contains("nrun: 1/2 nodes joined in"), "{env:?}: {shown:?}");
+        assert!(
+            shown.contains("nrun: 1/2 nodes joined in"),
+            "{env:?}: {shown:?}"
+        );
     }
 }
 
@@ -175,7 +184,9 @@ fn the_preflight_says_each_size_as_it_is_measured() {
     );
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
-    let sizes = ["8 B", "32 B", "128 B", "512 B", "2 KiB", "8 KiB", "32 KiB", "128 KiB", "512 KiB"];
+    let sizes = [
+        "8 B", "32 B", "128 B", "512 B", "2 KiB", "8 KiB", "32 KiB", "128 KiB", "512 KiB",
+    ];
     let lines: Vec<&str> = err
         .lines()
         .filter(|l| l.starts_with("nrun: preflight ") && l.contains(" wrong (rank 0)"))
@@ -219,7 +230,9 @@ fn bisect_says_its_rounds() {
     let (a, b) = (err.find(r1), err.find(r2));
     assert!(a.is_some() && b.is_some(), "{err}");
     // Each round's verdicts follow it.
-    let v1 = err.find("nrun bisect: stage 1: every node alone: 127.0.0.1 ok").unwrap();
+    let v1 = err
+        .find("nrun bisect: stage 1: every node alone: 127.0.0.1 ok")
+        .unwrap();
     let v2 = err
         .find("nrun bisect: stage: all 3 nodes: 127.0.0.1+127.0.0.2+127.0.0.3 ok")
         .unwrap();

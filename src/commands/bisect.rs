@@ -692,10 +692,7 @@ impl Bisect<'_> {
         }
         let deadline = self.bp.timeout + Duration::from_secs(30);
         let mut p = self.round_progress(stage, &groups, s, deadline);
-        let waits_for = groups
-            .iter()
-            .map(|g| names(g, s))
-            .collect::<Vec<_>>();
+        let waits_for = groups.iter().map(|g| names(g, s)).collect::<Vec<_>>();
         let results = p
             .during(s.run_step(steps, Policy::Apart { deadline }), |p| {
                 p.waiting(|| format!("the probes of {}", crate::progress::few(&waits_for)))

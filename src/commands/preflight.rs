@@ -89,9 +89,9 @@ pub(crate) async fn run(
     let steps = s.steps(&job.workers, &group, &launch);
     since("starting ranks");
     let mut sweep = Sweep::new(s, &settings[0], group.world, deadline);
-    let ran = sweep.p.during(s.run_step(steps, Policy::Together), |p| {
-        sweep.sizes.read(p)
-    });
+    let ran = sweep
+        .p
+        .during(s.run_step(steps, Policy::Together), |p| sweep.sizes.read(p));
     let results = match ran.await {
         Ok(r) => r,
         Err(e) => return Ok(Ended::early(e.code)),
@@ -188,7 +188,11 @@ impl Sizes {
             let before = self.reader.count();
             let rows = self.reader.read(&self.settings, &mut |k| st.get(k));
             for (n, row) in (before + 1..).zip(rows) {
-                p.line(&format!("preflight {n}/{}: {}", self.total, row.line(self.world)));
+                p.line(&format!(
+                    "preflight {n}/{}: {}",
+                    self.total,
+                    row.line(self.world)
+                ));
                 p.set(n as u64);
             }
         }

@@ -251,8 +251,8 @@ impl SizeReader {
         get: &mut dyn FnMut(&[u8]) -> Option<Vec<u8>>,
     ) -> Vec<Row> {
         let mut rows = Vec::new();
-        while let Some(row) = get(&s.size_key(self.next))
-            .and_then(|v| serde_json::from_slice::<Row>(&v).ok())
+        while let Some(row) =
+            get(&s.size_key(self.next)).and_then(|v| serde_json::from_slice::<Row>(&v).ok())
         {
             rows.push(row);
             self.next += 1;

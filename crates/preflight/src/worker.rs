@@ -1044,7 +1044,11 @@ fn test_links(
 }
 
 /// The all-reduce sweep over the ring (none: a single rank), one row per size.
-fn sweep(ctx: &mut Ctx, rep: &mut RankReport, mut ring: Option<&mut Ring>) -> Result<(), RankError> {
+fn sweep(
+    ctx: &mut Ctx,
+    rep: &mut RankReport,
+    mut ring: Option<&mut Ring>,
+) -> Result<(), RankError> {
     let (rank, n) = (ctx.rank, ctx.world);
     let exp = expected(n);
     let sizes = ctx.s.sizes();

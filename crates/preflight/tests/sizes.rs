@@ -86,5 +86,8 @@ async fn sizes_published_by_rank_0_are_read_in_order_as_they_come() {
         row(1 << 20, 100.0).line(4),
         "1 MiB: busbw 15.73 GB/s, 0 wrong (rank 0)"
     );
-    assert_eq!(row(1 << 20, 100.0).line(1), "1 MiB: algbw 10.49 GB/s, 0 wrong (rank 0)");
+    assert_eq!(
+        row(1 << 20, 100.0).line(1),
+        "1 MiB: algbw 10.49 GB/s, 0 wrong (rank 0)"
+    );
 }
