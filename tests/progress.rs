@@ -238,3 +238,49 @@ fn bisect_says_its_rounds() {
         .unwrap();
     assert!(a < Some(v1) && Some(v1) < b && b < Some(v2), "{err}");
 }
+
+/// ssh connects and --ship copies that hang (ssh's proxy never answers) name the hosts waited
+/// for once 5 s passed; SIGTERM then ends nrun at once.
+#[test]
+fn slow_ssh_connects_and_copies_name_their_hosts() {
+    if std::process::Command::new("ssh")
+        .arg("-V")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED: no ssh");
+        return;
+    }
+    let s = Scene::new();
+    for (ship, line) in [
+        (
+            false,
+            "nrun: joining nodes: still waiting for nohost-a.invalid, nohost-b.invalid after 5 s; \
+             deadline ",
+        ),
+        (
+            true,
+            "nrun: shipping nrun: still waiting for the copies to nohost-a.invalid, \
+             nohost-b.invalid after 5 s",
+        ),
+    ] {
+        let mut args = vec![
+            "-H",
+            "nohost-a.invalid,nohost-b.invalid",
+            "--ssh-opts",
+            "-o ProxyCommand=sleep\\ 100",
+            "--no-python-probe",
+            "--no-python",
+            "true",
+        ];
+        if ship {
+            args.insert(0, "--ship");
+        }
+        let nrun = Watched::new(s.spawn(&args, &[]));
+        nrun.wait_stderr(line);
+        signal(nrun.child(), "TERM");
+        let (out, _) = nrun.finish();
+        assert_eq!(out.status.code(), Some(128 + 15), "{}", text(&out.stderr));
+    }
+    s.assert_no_survivors();
+}
