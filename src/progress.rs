@@ -130,19 +130,18 @@ impl Progress {
 
     /// Called as the work waits (at least once a second): on a terminal, the bar says what it
     /// waits for (`waits_for`, computed only when it is shown); elsewhere, once the wait passed
-    /// [`FIRST_WAIT`], a line "still waiting for ... after N s; deadline HH:MM:SS (in N s)", again after
-    /// 10, 20, then every 30 s.
+    /// [`FIRST_WAIT`], a line "still waiting for ... after N s; deadline HH:MM:SS (in N s)",
+    /// again 10, 20, then every 30 s later.
     pub(crate) fn waiting(&mut self, waits_for: impl FnOnce() -> String) {
         self.show();
         let now = Instant::now();
         let waited = now - self.started;
         match &self.bar {
-            Some(b) => {
-                if waited >= SHOW_AFTER && self.drawn.is_none_or(|t| now - t >= REDRAW) {
-                    self.drawn = Some(now);
-                    b.set_message(format!("waiting for {}{}", waits_for(), self.until(now)));
-                }
+            Some(b) if waited >= SHOW_AFTER && self.drawn.is_none_or(|t| now - t >= REDRAW) => {
+                self.drawn = Some(now);
+                b.set_message(format!("waiting for {}{}", waits_for(), self.until(now)));
             }
+            Some(_) => {}
             None if waited >= self.next_wait => {
                 let what = waits_for();
                 tracing::info!(
