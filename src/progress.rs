@@ -34,6 +34,10 @@ fn live_in(terminal: bool, env: &dyn Fn(&str) -> Option<String>) -> bool {
 /// One piece of long work: `done` of `total` (no total: a wait with nothing to count).
 pub(crate) struct Progress {
     what: String,
+    /// Whether a bar is drawn here ([`live`]); it is made once the work took a second.
+    live: bool,
+    total: Option<u64>,
+    done: u64,
     bar: Option<indicatif::ProgressBar>,
     started: Instant,
     deadline: Option<Instant>,
@@ -41,8 +45,6 @@ pub(crate) struct Progress {
     next_wait: Duration,
     gap: Duration,
     drawn: Option<Instant>,
-    /// Whether the bar is drawn yet.
-    shown: bool,
 }
 
 impl Progress {
@@ -52,47 +54,45 @@ impl Progress {
     }
 
     fn drawn(what: &str, total: Option<u64>, deadline: Option<Instant>, live: bool) -> Progress {
-        let bar = live.then(|| {
-            let (b, template) = match total {
-                Some(n) => (
-                    indicatif::ProgressBar::new(n),
-                    "nrun: {prefix} {bar:20} {pos}/{len} {elapsed} {msg}",
-                ),
-                None => (
-                    indicatif::ProgressBar::new_spinner(),
-                    "nrun: {prefix} {spinner} {elapsed} {msg}",
-                ),
-            };
-            b.set_style(
-                indicatif::ProgressStyle::with_template(template)
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            b.set_prefix(what.to_string());
-            // Drawn once the work took a second (see `show`): a quick step flashes no bar.
-            b.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-            b
-        });
         Progress {
             what: what.to_string(),
-            bar,
+            live,
+            total,
+            done: 0,
+            bar: None,
             started: Instant::now(),
             deadline,
             next_wait: FIRST_WAIT,
             gap: FIRST_WAIT,
             drawn: None,
-            shown: false,
         }
     }
 
-    /// Draws the bar from the work's second second on.
+    /// Draws the bar once the work took [`SHOW_AFTER`]: a quick step flashes no bar.
     fn show(&mut self) {
-        if let Some(b) = self.bar.as_ref().filter(|_| !self.shown) {
-            if self.started.elapsed() >= SHOW_AFTER {
-                b.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-                b.enable_steady_tick(Duration::from_millis(200));
-                self.shown = true;
-            }
+        if !self.live || self.bar.is_some() || self.started.elapsed() < SHOW_AFTER {
+            return;
         }
+        let (b, template) = match self.total {
+            Some(n) => (
+                indicatif::ProgressBar::new(n),
+                "nrun: {prefix} {bar:20} {pos}/{len} {elapsed} {msg}",
+            ),
+            None => (
+                indicatif::ProgressBar::new_spinner(),
+                "nrun: {prefix} {spinner} {elapsed} {msg}",
+            ),
+        };
+        b.set_style(
+            indicatif::ProgressStyle::with_template(template)
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b.set_prefix(self.what.clone());
+        // Its clock counts from the work's start, not from the first draw.
+        let b = b.with_elapsed(self.started.elapsed());
+        b.set_position(self.done);
+        b.enable_steady_tick(Duration::from_millis(200));
+        self.bar = Some(b);
     }
 
     /// The bar is cleared (the work goes on without it: a c10d node that found its host).
@@ -104,11 +104,12 @@ impl Progress {
 
     /// Whether a bar is drawn (else plain lines are written).
     pub(crate) fn is_live(&self) -> bool {
-        self.bar.is_some()
+        self.live
     }
 
     /// `done` steps are done.
     pub(crate) fn set(&mut self, done: u64) {
+        self.done = done;
         self.show();
         if let Some(b) = &self.bar {
             b.set_position(done);
@@ -142,7 +143,7 @@ impl Progress {
                 b.set_message(format!("waiting for {}{}", waits_for(), self.until(now)));
             }
             Some(_) => {}
-            None if waited >= self.next_wait => {
+            None if !self.live && waited >= self.next_wait => {
                 let what = waits_for();
                 tracing::info!(
                     "{}: still waiting for {what} after {} s{}",
