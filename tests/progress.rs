@@ -166,7 +166,8 @@ fn no_color_and_a_dumb_term_give_plain_lines() {
 }
 
 /// The preflight's sweep: each size's line as rank 0 measured it, in order, besides the table
-/// at the end (the TCP ring on 3 real ranks; the NCCL sweep publishes the same way).
+/// at the end (the TCP ring on 3 real ranks; the NCCL sweep publishes the same way). With
+/// --preflight-only every size is said (before a job, once the sweep took 2 s).
 #[test]
 fn the_preflight_says_each_size_as_it_is_measured() {
     let s = Scene::new();

@@ -89,6 +89,7 @@ pub(crate) async fn run(
     let steps = s.steps(&job.workers, &group, &launch);
     since("starting ranks");
     let mut sweep = Sweep::new(s, &settings[0], group.world, deadline);
+    sweep.sizes.always = job.preflight_only;
     let ran = sweep
         .p
         .during(s.run_step(steps, Policy::Together), |p| sweep.sizes.read(p));
@@ -149,6 +150,9 @@ struct Sweep {
 }
 
 struct Sizes {
+    started: Instant,
+    /// Sizes are said from the first (the preflight is the command: --preflight-only).
+    always: bool,
     store: Option<std::sync::Arc<nrun_store::Store>>,
     settings: Settings,
     reader: preflight::SizeReader,
@@ -166,6 +170,8 @@ impl Sweep {
                 Some(Instant::now() + deadline),
             ),
             sizes: Sizes {
+                started: Instant::now(),
+                always: false,
                 store: s.store().cloned(),
                 settings: settings.clone(),
                 reader: preflight::SizeReader::default(),
@@ -177,14 +183,26 @@ impl Sweep {
 
     /// The ranks ended: the sizes published last are said, the bar cleared.
     fn done(mut self) {
-        self.sizes.read(&mut self.p);
+        if self.sizes.said() {
+            self.sizes.read(&mut self.p);
+        }
         self.p.finish(None);
     }
 }
 
+/// When a sweep's sizes start being said (issue 38: steps of more than ~2 s show progress).
+const SAY_SIZES_AFTER: Duration = Duration::from_secs(2);
+
 impl Sizes {
+    /// Whether sizes are said: with --preflight-only, each as it comes; before a job, a sweep
+    /// of a second or two (every job's NCCL preflight on one node) says nothing but its
+    /// verdict, and a longer one says what it has measured, then each size.
+    fn said(&self) -> bool {
+        self.always || self.started.elapsed() >= SAY_SIZES_AFTER
+    }
+
     fn read(&mut self, p: &mut crate::progress::Progress) {
-        if let Some(st) = &self.store {
+        if let Some(st) = self.store.as_ref().filter(|_| self.said()) {
             let before = self.reader.count();
             let rows = self.reader.read(&self.settings, &mut |k| st.get(k));
             for (n, row) in (before + 1..).zip(rows) {
