@@ -11,6 +11,8 @@
 //! A run flows one way: the command line becomes a [`plan::Mode`]; a [`session::Session`]
 //! starts the store and one link per node, joins and checks them and drives their steps; a
 //! command (the job, doctor, bisect) decides which steps.
+//! - [`progress`]: bars on a terminal, plain lines elsewhere, and "still waiting" lines, for
+//!   every long step.
 //! - [`hosts`]: host lists: hostfile formats, Slurm hostlists, include/exclude, rank layout.
 //! - [`facts`]: what a node reports about itself (GPUs, interfaces, NCCL, torch), compared.
 //! - [`protocol`]: the messages and store keys between the launch host, agents and ranks.
@@ -43,6 +45,7 @@ pub(crate) mod fault;
 pub(crate) mod hosts;
 pub(crate) mod journal;
 pub(crate) mod plan;
+pub(crate) mod progress;
 pub(crate) mod protocol;
 pub(crate) mod remote;
 pub(crate) mod report;

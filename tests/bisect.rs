@@ -134,6 +134,19 @@ fn a_node_with_blocked_high_ports_is_named() {
     );
     // One bad node among 8: at most ceil(log2 8) + 3 = 6 rounds after stage 1.
     assert!(rounds_after_stage1(&stdout) <= 6, "{stdout}\n{stderr}");
+    // Each round was said as it started: which of how many, on which nodes.
+    assert!(
+        stderr.contains(
+            "nrun: bisect round 1 of at least 4 (stage 1: every node alone): 8 group(s) on 8 \
+             node(s): "
+        ),
+        "{stderr}"
+    );
+    let said = stderr
+        .lines()
+        .filter(|l| l.starts_with("nrun: bisect round ") && l.contains(" of at least "))
+        .count();
+    assert_eq!(said, rounds_after_stage1(&stdout) + 1, "{stdout}\n{stderr}");
     s.assert_no_survivors();
 }
 

@@ -692,7 +692,14 @@ impl Bisect<'_> {
             stops.push(stop);
         }
         let deadline = self.bp.timeout + Duration::from_secs(30);
-        let results = s.run_step(steps, Policy::Apart { deadline }).await?;
+        let mut p = self.round_progress(stage, &groups, s, deadline);
+        let waits_for = groups.iter().map(|g| names(g, s)).collect::<Vec<_>>();
+        let results = p
+            .during(s.run_step(steps, Policy::Apart { deadline }), |p| {
+                p.waiting(|| format!("the probes of {}", crate::progress::few(&waits_for)))
+            })
+            .await?;
+        p.finish(None);
         let mut outs: Vec<GroupOut> = groups
             .iter()
             .enumerate()
@@ -719,6 +726,36 @@ impl Bisect<'_> {
             groups: outs.clone(),
         });
         Ok(outs)
+    }
+
+    /// Says which round starts, of how many (those stage 1 and the doubling group sizes
+    /// take; isolating a failure adds rounds), and on which nodes; its progress until
+    /// `deadline`.
+    fn round_progress(
+        &self,
+        stage: &str,
+        groups: &[Vec<usize>],
+        s: &Session,
+        deadline: Duration,
+    ) -> crate::progress::Progress {
+        let k = self.rounds.len() + 1;
+        // Stage 1, then one round per doubling of the group size while two groups fit (a
+        // leftover joins the last group).
+        let doublings = self.alive().len().max(1).ilog2() as usize;
+        let planned = self.stage1_rounds.max(1) + doublings;
+        let nodes: usize = groups.iter().map(Vec::len).sum();
+        let plan = format!("{k} of at least {}", planned.max(k));
+        let p = crate::progress::Progress::new(
+            &format!("bisect round {k}"),
+            None,
+            Some(Instant::now() + deadline),
+        );
+        p.line(&format!(
+            "bisect round {plan} ({stage}): {} group(s) on {nodes} node(s): {}",
+            groups.len(),
+            crate::progress::few(&groups.iter().map(|g| names(g, s)).collect::<Vec<_>>())
+        ));
+        p
     }
 
     /// Settings of the preflight ranks on joined node `i` (probes nccl and net).

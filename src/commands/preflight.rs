@@ -88,10 +88,16 @@ pub(crate) async fn run(
     };
     let steps = s.steps(&job.workers, &group, &launch);
     since("starting ranks");
-    let results = match s.run_step(steps, Policy::Together).await {
+    let mut sweep = Sweep::new(s, &settings[0], group.world, deadline);
+    sweep.sizes.always = job.preflight_only;
+    let ran = sweep
+        .p
+        .during(s.run_step(steps, Policy::Together), |p| sweep.sizes.read(p));
+    let results = match ran.await {
         Ok(r) => r,
         Err(e) => return Ok(Ended::early(e.code)),
     };
+    sweep.done();
     since("ranks ended");
     let crashed = match first_crash(&results) {
         Ok(c) => c,
@@ -133,6 +139,92 @@ pub(crate) async fn run(
         blamed: blamed(&summary.findings),
         report: Some(summary.json),
     })
+}
+
+/// The sweep's progress as the ranks run: each size's line as rank 0 publishes it
+/// ([`preflight::SizeReader`]) in the store this nrun hosts (a static launch's other nodes
+/// host none: they say only what they wait for).
+struct Sweep {
+    p: crate::progress::Progress,
+    sizes: Sizes,
+}
+
+struct Sizes {
+    started: Instant,
+    /// Sizes are said from the first (the preflight is the command: --preflight-only).
+    always: bool,
+    store: Option<std::sync::Arc<nrun_store::Store>>,
+    settings: Settings,
+    reader: preflight::SizeReader,
+    total: usize,
+    world: usize,
+}
+
+impl Sweep {
+    fn new(s: &Session, settings: &Settings, world: usize, deadline: Duration) -> Sweep {
+        let total = settings.sizes().len();
+        Sweep {
+            p: crate::progress::Progress::new(
+                "preflight",
+                Some(total as u64),
+                Some(Instant::now() + deadline),
+            ),
+            sizes: Sizes {
+                started: Instant::now(),
+                always: false,
+                store: s.store().cloned(),
+                settings: settings.clone(),
+                reader: preflight::SizeReader::default(),
+                total,
+                world,
+            },
+        }
+    }
+
+    /// The ranks ended: the sizes published last are said, the bar cleared.
+    fn done(mut self) {
+        if self.sizes.said() {
+            self.sizes.read(&mut self.p);
+        }
+        self.p.finish(None);
+    }
+}
+
+/// When a sweep's sizes start being said (issue 38: steps of more than ~2 s show progress).
+const SAY_SIZES_AFTER: Duration = Duration::from_secs(2);
+
+impl Sizes {
+    /// Whether sizes are said: with --preflight-only, each as it comes; before a job, a sweep
+    /// of a second or two (every job's NCCL preflight on one node) says nothing but its
+    /// verdict, and a longer one says what it has measured, then each size.
+    fn said(&self) -> bool {
+        self.always || self.started.elapsed() >= SAY_SIZES_AFTER
+    }
+
+    fn read(&mut self, p: &mut crate::progress::Progress) {
+        if let Some(st) = self.store.as_ref().filter(|_| self.said()) {
+            let before = self.reader.count();
+            let rows = self.reader.read(&self.settings, &mut |k| st.get(k));
+            for (n, row) in (before + 1..).zip(rows) {
+                p.line(&format!(
+                    "preflight {n}/{}: {}",
+                    self.total,
+                    row.line(self.world)
+                ));
+                p.set(n as u64);
+            }
+        }
+        let next = self.settings.sizes().get(self.reader.count()).copied();
+        p.waiting(|| match next {
+            Some(b) if self.store.is_some() => format!(
+                "the preflight ranks (next: {}, size {} of {})",
+                preflight::human_bytes(b),
+                self.reader.count() + 1,
+                self.total
+            ),
+            _ => "the preflight ranks to finish".to_string(),
+        });
+    }
 }
 
 /// The first rank that crashed (rank, how), warning about ranks that timed out or were lost;

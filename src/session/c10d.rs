@@ -34,7 +34,7 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
     }
     // Everything up to the node index, bounded by --join-timeout to the second: a connect or
     // a reply that never comes (packets dropped) cannot hold it past the deadline.
-    let mut look = Looking::new(started);
+    let mut look = Looking::new(started, deadline);
     // The job's --nnodes and the --spares that may wait beside them. A node past them (its
     // index is the next in join order: one that came back after its first nrun was lost) may
     // wait for room where the job can take a node again: elastic, or with spares.
@@ -52,6 +52,7 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
         Err(_) if look.full => return Err(too_many(&endpoint, c, job, &slots)),
         Err(_) => return Err(look.timed_out(&endpoint, c, secs)),
     };
+    look.wait.clear();
     if node >= slots.slots && !slots.may_wait {
         return Err(too_many(&endpoint, c, job, &slots));
     }
@@ -151,7 +152,6 @@ const CONNECT: Duration = Duration::from_secs(2);
 /// What a joining node has learnt about the endpoint so far: for the waiting lines, and for
 /// the message if --join-timeout passes.
 struct Looking {
-    started: Instant,
     /// The last connection error.
     last: String,
     /// A connection was accepted and closed at once (a store that serves its own host only).
@@ -162,8 +162,10 @@ struct Looking {
     joining: bool,
     /// This node's index is past the job's nodes and spares: it waited for room.
     full: bool,
-    /// When the next progress line is due (the first says what this node waits for).
+    /// When the line that says what this node waits for is due (None: said).
     next_line: Option<Instant>,
+    /// The wait's progress: "still waiting" lines with the deadline (a spinner on a terminal).
+    wait: crate::progress::Progress,
 }
 
 /// Who listens at the endpoint, from what it holds.
@@ -179,15 +181,15 @@ enum Listener {
 }
 
 impl Looking {
-    fn new(started: Instant) -> Looking {
+    fn new(started: Instant, deadline: Instant) -> Looking {
         Looking {
-            started,
             last: String::new(),
             closed: false,
             store: false,
             joining: false,
             full: false,
             next_line: Some(started + Duration::from_secs(1)),
+            wait: crate::progress::Progress::new("c10d join", None, Some(deadline)),
         }
     }
 
@@ -199,24 +201,17 @@ impl Looking {
 
     /// A joiner started before the host says once what it waits for, then how long it has.
     fn progress(&mut self, endpoint: &str, c: &C10d, secs: u64) {
-        let now = Instant::now();
-        let Some(due) = self.next_line.filter(|t| now >= *t) else {
-            return;
-        };
-        let waited = (now - self.started).as_secs();
-        if due == self.started + Duration::from_secs(1) {
-            tracing::info!(
+        if self.next_line.is_some_and(|t| Instant::now() >= t) {
+            self.wait.line(&format!(
                 "waiting for the nrun that hosts rendezvous {:?} at {endpoint} (it may start \
                  after this one; up to {secs} s, --join-timeout)",
                 c.id
-            );
-        } else {
-            tracing::info!(
-                "still waiting for the rendezvous at {endpoint}: {waited} of {secs} s ({})",
-                self.last
-            );
+            ));
+            self.next_line = None;
         }
-        self.next_line = Some(now + Duration::from_secs(5));
+        let last = &self.last;
+        self.wait
+            .waiting(|| format!("the rendezvous at {endpoint}: {last}"));
     }
 
     /// The message when --join-timeout passed, from what was seen.
@@ -404,12 +399,14 @@ async fn admitted(
             return Ok(());
         }
         if !said {
-            tracing::info!(
+            look.wait.line(&format!(
                 "the rendezvous at {endpoint} has all its nodes: this node waits for room (a \
                  node of the job lost) up to --join-timeout"
-            );
+            ));
             said = true;
         }
+        look.wait
+            .waiting(|| format!("room in the rendezvous at {endpoint} (a node of the job lost)"));
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }

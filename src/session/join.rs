@@ -52,7 +52,11 @@ impl Session {
         let mut min_reached: Option<Instant> = None;
         let mut size_reached: Option<Instant> = None;
         let early;
-        let bar = join_bar(k);
+        let mut progress = crate::progress::Progress::new(
+            "joining nodes",
+            Some(k as u64),
+            Some(started + timeout),
+        );
         // Counted as they change: a node is looked at when a key of its changed or its link
         // nudged (its agent's process ended), and every node on the periodic look (links that
         // nudge nothing: an srun step, a heartbeat).
@@ -74,22 +78,23 @@ impl Session {
             };
             self.look_joined(look, &mut joined, &mut gone, &mut gones);
             let pending = k - joined - gones;
-            match &bar {
-                Some(b) => b.set_position(joined as u64),
-                None if joined != last_report
-                    && joined < k
-                    && started.elapsed() > Duration::from_secs(1) =>
-                {
-                    tracing::info!("{joined}/{k} nodes joined");
-                    last_report = joined;
-                }
-                None => {}
+            progress.set(joined as u64);
+            if !progress.is_live()
+                && joined != last_report
+                && joined < k
+                && started.elapsed() > Duration::from_secs(1)
+            {
+                tracing::info!("{joined}/{k} nodes joined");
+                last_report = joined;
             }
+            progress.waiting(|| self.not_joined(&gone));
             // Elastic: once MIN nodes are in, the others get the last call, then the job starts.
             let size = self.plan.size;
             let last_call = match joined >= self.plan.min_nodes && joined < size {
                 true => {
-                    min_reached.get_or_insert_with(Instant::now).elapsed() >= self.plan.last_call
+                    let at = *min_reached.get_or_insert_with(Instant::now);
+                    progress.set_deadline((at + self.plan.last_call).min(started + timeout));
+                    at.elapsed() >= self.plan.last_call
                 }
                 false => false,
             };
@@ -101,9 +106,7 @@ impl Session {
             };
             if pending == 0 || started.elapsed() > timeout || last_call || spares_waited {
                 early = !(pending == 0 || started.elapsed() > timeout);
-                if let Some(b) = &bar {
-                    b.finish_and_clear();
-                }
+                progress.finish(None);
                 break;
             }
             // Records arrive as store writes, exits of agents as nudges; the tick keeps the
@@ -125,6 +128,26 @@ impl Session {
             waited.as_secs_f64()
         );
         Ok(failures)
+    }
+
+    /// Who the join waits for (nodes neither joined nor `gone`), and who is in.
+    fn not_joined(&self, gone: &[bool]) -> String {
+        let (mut missing, mut joined) = (Vec::new(), Vec::new());
+        for (i, n) in self.nodes.iter().enumerate() {
+            match (n.joined.is_some(), gone.get(i).copied().unwrap_or(false)) {
+                (true, _) => joined.push(n.label.clone()),
+                (false, false) => missing.push(n.label.clone()),
+                (false, true) => {}
+            }
+        }
+        match joined.is_empty() {
+            true => crate::progress::few(&missing),
+            false => format!(
+                "{} (joined: {})",
+                crate::progress::few(&missing),
+                crate::progress::few(&joined)
+            ),
+        }
     }
 
     /// Looks at nodes `look` that have not joined: takes in those whose record came (counted
@@ -343,19 +366,4 @@ impl Session {
         let facts = self.nodes.get(i)?.joined.as_ref()?.facts.as_ref()?;
         Some(facts.hostname.clone())
     }
-}
-
-/// A progress bar of `k` nodes joining where a person watches (stderr is a terminal); None
-/// elsewhere (plain lines are logged instead).
-fn join_bar(k: usize) -> Option<indicatif::ProgressBar> {
-    std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
-        let b = indicatif::ProgressBar::new(k as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "nrun: joining nodes {bar:30} {pos}/{len} {elapsed}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    })
 }

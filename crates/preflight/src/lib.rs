@@ -98,6 +98,13 @@ impl Settings {
         self.key(format_args!("stage/{rank}"))
     }
 
+    /// Size `index` of the sweep (in [`Settings::sizes`]' order), as rank 0 measured it: a
+    /// [`Row`] as JSON, set as soon as it is measured, so that the launcher shows the sweep as
+    /// it goes ([`SizeReader`]); the reports come only at the end.
+    pub fn size_key(&self, index: usize) -> Vec<u8> {
+        self.key(format_args!("size/{index}"))
+    }
+
     /// Set (to its rank) by the first rank that fails, so the others stop waiting.
     pub fn abort_key(&self) -> Vec<u8> {
         self.key(format_args!("abort"))
@@ -209,6 +216,54 @@ pub struct Row {
     pub oop_wrong: u64,
     pub ip_us: f64,
     pub ip_wrong: u64,
+}
+
+impl Row {
+    /// One line for this size as rank 0 measured it: "1 MiB: busbw 12.30 GB/s, 0 wrong (rank
+    /// 0)" (the better of out-of-place and in-place; one rank alone: its algbw). The table at
+    /// the end has every rank's.
+    pub fn line(&self, world: usize) -> String {
+        let best = self.oop_us.min(self.ip_us).max(0.0);
+        let (alg, bus) = busbw(self.bytes, best, world);
+        let bw = match world > 1 {
+            true => format!("busbw {bus:.2} GB/s"),
+            false => format!("algbw {alg:.2} GB/s"),
+        };
+        format!(
+            "{}: {bw}, {} wrong (rank 0)",
+            human_bytes(self.bytes),
+            self.oop_wrong + self.ip_wrong
+        )
+    }
+}
+
+/// Reads the sweep's sizes as rank 0 publishes them ([`Settings::size_key`]), in order.
+#[derive(Default)]
+pub struct SizeReader {
+    next: usize,
+}
+
+impl SizeReader {
+    /// The sizes published since the last call, in order (a size waits for those before it).
+    pub fn read(
+        &mut self,
+        s: &Settings,
+        get: &mut dyn FnMut(&[u8]) -> Option<Vec<u8>>,
+    ) -> Vec<Row> {
+        let mut rows = Vec::new();
+        while let Some(row) =
+            get(&s.size_key(self.next)).and_then(|v| serde_json::from_slice::<Row>(&v).ok())
+        {
+            rows.push(row);
+            self.next += 1;
+        }
+        rows
+    }
+
+    /// How many sizes were read.
+    pub fn count(&self) -> usize {
+        self.next
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -62,6 +62,15 @@ impl Ctx {
         let _ = self.rt.block_on(self.store.set(key, value));
     }
 
+    /// Rank 0 publishes each size's row as soon as it is measured (the launcher shows the
+    /// sweep as it goes); outside the timed runs, one store write per size.
+    fn measured(&mut self, index: usize, row: &Row) {
+        if self.rank == 0 {
+            let key = self.s.size_key(index);
+            self.set(&key, &serde_json::to_vec(row).unwrap_or_default());
+        }
+    }
+
     fn stage(&mut self, stage: &str) {
         let key = self.s.stage_key(self.rank);
         self.set(&key, stage.as_bytes());
@@ -716,13 +725,15 @@ fn nccl_sweep(
         all_reduce(recv.ptr, recv.ptr, count)?;
         gpu.synchronize().map_err(cu)?;
         let ip_wrong = check(recv, count).map_err(cu)?;
-        rep.rows.push(Row {
+        let row = Row {
             bytes,
             oop_us,
             oop_wrong,
             ip_us,
             ip_wrong,
-        });
+        };
+        ctx.measured(rep.rows.len(), &row);
+        rep.rows.push(row);
     }
     Ok(())
 }
@@ -1033,7 +1044,11 @@ fn test_links(
 }
 
 /// The all-reduce sweep over the ring (none: a single rank), one row per size.
-fn sweep(ctx: &Ctx, rep: &mut RankReport, mut ring: Option<&mut Ring>) -> Result<(), RankError> {
+fn sweep(
+    ctx: &mut Ctx,
+    rep: &mut RankReport,
+    mut ring: Option<&mut Ring>,
+) -> Result<(), RankError> {
     let (rank, n) = (ctx.rank, ctx.world);
     let exp = expected(n);
     let sizes = ctx.s.sizes();
@@ -1059,13 +1074,15 @@ fn sweep(ctx: &Ctx, rep: &mut RankReport, mut ring: Option<&mut Ring>) -> Result
         let wrong = count_wrong(&buf[..count], &exp);
         // The ring works in place; out-of-place would only add a copy, so both columns show the
         // same run.
-        rep.rows.push(Row {
+        let row = Row {
             bytes,
             oop_us: us,
             oop_wrong: wrong,
             ip_us: us,
             ip_wrong: wrong,
-        });
+        };
+        ctx.measured(rep.rows.len(), &row);
+        rep.rows.push(row);
     }
     Ok(())
 }

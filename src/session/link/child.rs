@@ -6,7 +6,7 @@
 //! these too; its loss names the nodes started through it.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::tree::{Inner, TreeLink};
 use super::{BoxFuture, Bus, Ending, Instructions, Joining, Kind, NodeLink, Nudges};
@@ -264,6 +264,9 @@ pub(crate) async fn start(
             start_one(&np, &label, local, &hello, relay).await
         }));
     }
+    if np.ship && starts.iter().any(|b| !b.local) {
+        shipping(&starts, &tasks).await;
+    }
     let mut links: Vec<Option<Box<dyn NodeLink>>> = (0..hosts.len()).map(|_| None).collect();
     for (b, t) in starts.iter().zip(tasks) {
         let mut link = t
@@ -298,6 +301,41 @@ pub(crate) async fn start(
                 .ok_or_else(|| Error::internal(format!("no agent planned for {}", h.name)))
         })
         .collect()
+}
+
+/// --ship: progress of the copies of nrun (each start copies, then starts its agent) until
+/// every start ended, naming the hosts still copying once it takes long.
+async fn shipping<T>(starts: &[Branch], tasks: &[tokio::task::JoinHandle<T>]) {
+    let started = Instant::now();
+    // This host's own node copies nothing.
+    let copies: Vec<(&str, &tokio::task::JoinHandle<T>)> = starts
+        .iter()
+        .zip(tasks)
+        .filter(|(b, _)| !b.local)
+        .map(|(b, t)| (b.label.as_str(), t))
+        .collect();
+    let n = copies.len();
+    let mut p = crate::progress::Progress::new("shipping nrun", Some(n as u64), None);
+    loop {
+        let done = copies.iter().filter(|(_, t)| t.is_finished()).count();
+        p.set(done as u64);
+        if done == n {
+            break;
+        }
+        p.waiting(|| {
+            let going: Vec<String> = copies
+                .iter()
+                .filter(|(_, t)| !t.is_finished())
+                .map(|(l, _)| l.to_string())
+                .collect();
+            format!("the copies to {}", crate::progress::few(&going))
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    p.finish(Some(&format!(
+        "shipped nrun to {n} node(s) in {:.1} s",
+        started.elapsed().as_secs_f64()
+    )));
 }
 
 /// The agents this host starts, in node order, each with the subtree it starts in turn; and
