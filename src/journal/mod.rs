@@ -690,14 +690,13 @@ impl Journal {
             );
         }
         self.told.stragglers = w.stragglers.len();
-        if let Some(m) = &self.metrics {
-            if self
+        if let Some(m) = &self.metrics
+            && self
                 .ranks_at
                 .is_none_or(|t| t.elapsed().as_secs_f64() >= 1.0)
-            {
-                self.ranks_at = Some(Instant::now());
-                m.ranks(&w.rank_figures(hosts));
-            }
+        {
+            self.ranks_at = Some(Instant::now());
+            m.ranks(&w.rank_figures(hosts));
         }
     }
 

@@ -112,13 +112,13 @@ fn journal_plan(job: &JobArgs) -> Result<crate::journal::JournalPlan> {
         ("--events", &job.events),
         ("--metrics-file", &job.metrics_file),
     ] {
-        if let Some(p) = path {
-            if let Err(why) = writable(p) {
-                return Err(Error::usage(format!(
-                    "{flag} {}: cannot write it ({why}); give a file in a writable directory",
-                    p.display()
-                )));
-            }
+        if let Some(p) = path
+            && let Err(why) = writable(p)
+        {
+            return Err(Error::usage(format!(
+                "{flag} {}: cannot write it ({why}); give a file in a writable directory",
+                p.display()
+            )));
         }
     }
     Ok(crate::journal::JournalPlan {
