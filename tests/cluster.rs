@@ -1783,11 +1783,17 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
     assert_eq!(oa.status.code(), Some(7), "{ea}");
     assert_eq!(ob.status.code(), Some(7), "{eb}");
     let headline = "nrun: error: rank 2 on ";
+    // The root cause, up to the ledger's summary line: the host's alone (its session's).
     let tail = |e: &str| {
-        e[e.rfind(headline)
-            .unwrap_or_else(|| panic!("no root cause in {e}"))..]
-            .to_string()
+        let t = &e[e
+            .rfind(headline)
+            .unwrap_or_else(|| panic!("no root cause in {e}"))..];
+        t[..t.find("\nnrun: ran ").map_or(t.len(), |i| i + 1)].to_string()
     };
+    assert!(
+        ea.contains("\nnrun: ran "),
+        "no ledger summary on the host: {ea}"
+    );
     assert!(tail(&ea).contains("\n  host:       "), "{ea}");
     // The failed rank's own node's command line (sealed on the way, as the secret is set).
     assert!(
