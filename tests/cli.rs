@@ -490,6 +490,37 @@ fn a_joiner_started_first_says_what_it_waits_for() {
     assert!(err.contains("joined the rendezvous at"), "{err}");
 }
 
+/// A c10d node that joins another nrun's rendezvous keeps no record of the job: its --events,
+/// --report and metrics flags are said to be the hosting nrun's, not silently dropped; the
+/// hosting nrun writes its own.
+#[test]
+fn a_joiner_says_the_job_record_flags_are_the_hosts() {
+    let s = Scene::new();
+    let endpoint = format!("127.0.0.1:{}", common::free_port());
+    let (mine, hosts) = (
+        s.dir.path().join("joiner.jsonl"),
+        s.dir.path().join("host.jsonl"),
+    );
+    let mut args = c10d_args(&endpoint, "record", "120");
+    args.extend(["--events", mine.to_str().unwrap(), "--no-python", "true"]);
+    let hold = TcpListener::bind(&endpoint).unwrap();
+    let joiner = Watched::new(s.spawn(&args, &[]));
+    joiner.wait_stderr(
+        "--events not served on this node: it joins the rendezvous another node's nrun hosts at ",
+    );
+    drop(hold);
+    let mut host_args = c10d_args(&endpoint, "record", "120");
+    host_args.extend(["--events", hosts.to_str().unwrap(), "--no-python", "true"]);
+    let host = s.spawn(&host_args, &[]);
+    let (oj, _) = joiner.finish();
+    let (oh, _) = wait_with_timeout(host, std::time::Duration::from_secs(60));
+    assert_eq!(oj.status.code(), Some(0), "{}", text(&oj.stderr));
+    assert_eq!(oh.status.code(), Some(0), "{}", text(&oh.stderr));
+    assert!(!mine.exists(), "the joiner wrote an events file");
+    let events = std::fs::read_to_string(&hosts).unwrap();
+    assert!(events.contains("\"name\":\"job_end\""), "{events}");
+}
+
 fn lines_of(out: &std::process::Output) -> Vec<String> {
     text(&out.stdout).lines().map(String::from).collect()
 }

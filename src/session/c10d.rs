@@ -26,6 +26,24 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
     let deadline = started + nodes.join_timeout;
     let secs = nodes.join_timeout.as_secs();
     let secret = c.secret.clone().unwrap_or_default();
+    // The job's record is kept where its session is: the nrun that hosts the rendezvous.
+    let unwritten: Vec<&str> = [
+        ("--report", job.report.is_some()),
+        ("--report-html", job.report_html.is_some()),
+        ("--events", job.journal.events.is_some()),
+        ("--metrics-file", job.journal.metrics_file.is_some()),
+        ("--metrics-port", job.journal.metrics_port.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, given)| given.then_some(flag))
+    .collect();
+    if !unwritten.is_empty() {
+        tracing::warn!(
+            "{} not served on this node: it joins the rendezvous another node's nrun hosts at \
+             {endpoint}, which keeps the job's record; give them to the nrun there",
+            unwritten.join(", ")
+        );
+    }
     if secret.is_empty() {
         tracing::warn!(
             "no NRUN_RDZV_SECRET here: this node runs the steps any client of {endpoint} writes; \
