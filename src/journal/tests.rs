@@ -182,3 +182,11 @@ fn the_metrics_parse_as_openmetrics_with_the_ledgers_seconds() {
         assert!(text.contains(want), "{want:?} not in {text}");
     }
 }
+
+/// The page (a layer below the journal) keeps its own list of the ledger's keys: the same ones,
+/// in the same order, or a phase would go missing from the report's bars.
+#[test]
+fn the_report_page_knows_every_phase_in_order() {
+    let keys: Vec<&str> = Phase::ALL.iter().map(|p| p.key()).collect();
+    assert_eq!(keys, crate::report::html::PHASES);
+}

@@ -24,7 +24,7 @@ use nrun_base::error::{Error, Result};
 use serde_json::Value;
 
 /// The ledger's phases, in the order time flows (the schema's keys).
-pub(super) const PHASES: [&str; 11] = [
+pub(crate) const PHASES: [&str; 11] = [
     "launch",
     "join",
     "checks",
