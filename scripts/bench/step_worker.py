@@ -1,10 +1,12 @@
 """A training-like loop for step-time comparisons (ledger_ab.py): a matmul and an NCCL (or gloo)
 all-reduce per step, one output line per step (the launcher's relay and the ledger's per-line
-hook are on that path). Rank 0 prints `STEP_US <median of steps 50..>` at the end."""
+hook are on that path; PRINT=0: none, to see the launcher without its relay). Rank 0 prints
+`STEP_US <median of steps 50..>` at the end."""
 import os, sys, time
 import torch, torch.distributed as dist
 
 steps = int(os.environ.get("STEPS", "1500"))
+print_steps = os.environ.get("PRINT", "1") != "0"
 cuda = torch.cuda.is_available()
 dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
 dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -19,7 +21,8 @@ for i in range(steps):
     if cuda:
         torch.cuda.synchronize()
     times.append(time.perf_counter() - t0)
-    print(f"step {i} loss {float(b[0, 0]):.3f}", flush=True)
+    if print_steps:
+        print(f"step {i} loss {float(b[0, 0]):.3f}", flush=True)
 dist.barrier()
 if dist.get_rank() == 0:
     t = sorted(times[50:])

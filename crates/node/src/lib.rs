@@ -362,10 +362,10 @@ impl Start {
         (start, output)
     }
 
-    /// Starts the worker as the leader of its own process group; with `foreground`, it also
-    /// takes the terminal's foreground (it reads nrun's stdin). `base` is nrun's environment,
-    /// read once for the group. Called on the thread whose end is the process's end: the
-    /// worker's parent-death signal is tied to it.
+    /// Starts the worker as the leader of its own session and process group; with `foreground`,
+    /// its own group in nrun's session, and the terminal's foreground (it reads nrun's stdin).
+    /// `base` is nrun's environment, read once for the group. Called on the thread whose end is
+    /// the process's end: the worker's parent-death signal is tied to it.
     fn spawn(
         &self,
         base: &BTreeMap<OsString, OsString>,

@@ -1,8 +1,9 @@
 //! Process groups and leftovers: the OS-level half of "nothing is left running".
 //!
-//! Each worker leads its own process group (`process_group(0)`), so one `killpg` reaches the
-//! worker and every descendant that stayed in its group; the terminal's Ctrl-C does not reach
-//! workers directly (they are not in the foreground group), nrun forwards it instead.
+//! Each worker leads its own session and process group (as torchrun's, `start_new_session`; one
+//! that reads the terminal only its own group), so one `killpg` reaches the worker and every
+//! descendant that stayed in its group; the terminal's Ctrl-C does not reach workers directly
+//! (they are not in the foreground group), nrun forwards it instead.
 //!
 //! A descendant that leaves its group (`setsid`, daemons) escapes `killpg`. nrun therefore makes
 //! itself a child subreaper (`PR_SET_CHILD_SUBREAPER`, Linux >= 3.4): orphaned descendants are

@@ -193,7 +193,16 @@ extern "C" fn child(arg: *mut c_void) -> c_int {
         let s = &*(arg as *const Steps);
         // If the agent is killed outright (SIGKILL), its workers die with it.
         super::process::die_with(s.parent);
-        if libc::setpgid(0, 0) != 0 {
+        // Its own session, as torchrun's workers (`start_new_session`): its own process group
+        // and its own scheduler autogroup; two CPU-bound workers sharing nrun's stepped 6% slower
+        // (BENCHMARKS 26). One that reads the terminal stays in nrun's session, whose
+        // foreground group it must become.
+        let led = if s.foreground {
+            libc::setpgid(0, 0)
+        } else {
+            libc::setsid()
+        };
+        if led < 0 {
             fail(s);
         }
         if s.foreground {
@@ -275,7 +284,7 @@ fn pipe_or_tty(tty: Option<super::output::Tty>) -> io::Result<(OwnedFd, OwnedFd,
 
 /// A pseudo-terminal of `size`, (master, worker's side), close-on-exec, both 3 or above. The
 /// worker's side is raw (bytes pass as written: no "\n" to "\r\n", no echo) and never
-/// anyone's controlling terminal (O_NOCTTY; the worker is no session leader either); the
+/// anyone's controlling terminal (O_NOCTTY: the worker, a session leader, does not open it); the
 /// master is non-blocking, for the runtime.
 fn pseudo_terminal(size: super::output::Tty) -> io::Result<(OwnedFd, OwnedFd)> {
     let fail = || Err(io::Error::last_os_error());
