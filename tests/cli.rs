@@ -492,25 +492,40 @@ fn a_joiner_started_first_says_what_it_waits_for() {
 
 /// A c10d node that joins another nrun's rendezvous keeps no record of the job: its --events,
 /// --report and metrics flags are said to be the hosting nrun's, not silently dropped; the
-/// hosting nrun writes its own.
+/// hosting nrun writes its own. The joiner does not take --metrics-port either: the host on
+/// the same machine, given the same command line, binds it.
 #[test]
 fn a_joiner_says_the_job_record_flags_are_the_hosts() {
     let s = Scene::new();
     let endpoint = format!("127.0.0.1:{}", common::free_port());
+    let metrics_port = common::free_port().to_string();
     let (mine, hosts) = (
         s.dir.path().join("joiner.jsonl"),
         s.dir.path().join("host.jsonl"),
     );
     let mut args = c10d_args(&endpoint, "record", "120");
-    args.extend(["--events", mine.to_str().unwrap(), "--no-python", "true"]);
+    args.extend([
+        "--events",
+        mine.to_str().unwrap(),
+        "--metrics-port",
+        &metrics_port,
+    ]);
+    args.extend(["--no-python", "true"]);
     let hold = TcpListener::bind(&endpoint).unwrap();
     let joiner = Watched::new(s.spawn(&args, &[]));
     joiner.wait_stderr(
-        "--events not served on this node: it joins the rendezvous another node's nrun hosts at ",
+        "--events, --metrics-port not served on this node: it joins the rendezvous another \
+         node's nrun hosts at ",
     );
     drop(hold);
     let mut host_args = c10d_args(&endpoint, "record", "120");
-    host_args.extend(["--events", hosts.to_str().unwrap(), "--no-python", "true"]);
+    host_args.extend([
+        "--events",
+        hosts.to_str().unwrap(),
+        "--metrics-port",
+        &metrics_port,
+    ]);
+    host_args.extend(["--no-python", "true"]);
     let host = s.spawn(&host_args, &[]);
     let (oj, _) = joiner.finish();
     let (oh, _) = wait_with_timeout(host, std::time::Duration::from_secs(60));

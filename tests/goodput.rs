@@ -320,7 +320,7 @@ fn the_metrics_port_is_scraped_while_the_job_runs() {
 #[test]
 fn unwritable_paths_and_a_taken_port_are_usage_errors() {
     let s = Scene::new();
-    for flag in ["--events", "--metrics-file"] {
+    for flag in ["--events", "--metrics-file", "--report", "--report-html"] {
         let path = "/nonexistent-nrun-dir/x";
         let out = s.run(&[flag, path, "--no-python", "true"], &[]);
         let err = text(&out.stderr);
@@ -342,6 +342,39 @@ fn unwritable_paths_and_a_taken_port_are_usage_errors() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
         err.starts_with(&format!("nrun: error: --metrics-port {port}: ")),
+        "{err}"
+    );
+    s.assert_no_survivors();
+}
+
+/// A report that cannot be written at the end (its directory went away while the job ran) is
+/// said, and the job's own exit code stands: what ran matters more than where its record went.
+#[test]
+fn a_report_lost_at_the_end_is_said_and_the_exit_code_stands() {
+    let s = Scene::new();
+    let dir = s.dir.path().join("gone");
+    std::fs::create_dir(&dir).unwrap();
+    let (json, html) = (dir.join("r.json"), dir.join("r.html"));
+    let out = s.run(
+        &[
+            "--report",
+            json.to_str().unwrap(),
+            "--report-html",
+            html.to_str().unwrap(),
+            "--no-python",
+            "rmdir",
+            dir.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    for (flag, path) in [("--report", &json), ("--report-html", &html)] {
+        let said = format!("nrun: error: cannot write {flag} {} on ", path.display());
+        assert!(err.contains(&said), "{said:?} not in {err}");
+    }
+    assert!(
+        err.lines().last().unwrap().starts_with("nrun: ran "),
         "{err}"
     );
     s.assert_no_survivors();

@@ -203,8 +203,10 @@ impl Passing {
             return;
         }
         let text = String::from_utf8_lossy(&buf[..buf.len() - 1]).into_owned();
-        // A worker's line (not an agent's, ssh's or srun's own) is the journal's sign of work.
-        if !own_line(&text) {
+        // Whose line it is matters for the journal's sign of work (a worker's, not an agent's,
+        // ssh's or srun's own), looked for until the first, and for a tagged stream.
+        let own = (nrun_base::activity::wanted() || self.tag.is_some()) && own_line(&text);
+        if !own {
             nrun_base::activity::line();
         }
         if let Some(tail) = &self.tail {
@@ -218,9 +220,7 @@ impl Passing {
             // A child's own words, passed up the tree, named by their node: the launch host
             // takes its inner agent's unnamed nrun and ssh lines as that agent's last words (a
             // child's are not).
-            Some(t) if self.stream == Stream::Err && own_line(&text) => {
-                format!("{t}: {text}\n").into_bytes()
-            }
+            Some(t) if self.stream == Stream::Err && own => format!("{t}: {text}\n").into_bytes(),
             _ => buf,
         };
         put(Item::Bytes(self.stream, buf, None)).await;

@@ -896,7 +896,7 @@ impl Bisect<'_> {
         nrun_base::stdout(table);
         if let Some(path) = &self.bp.report {
             let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
-            crate::report::write_json("--report", path, &v)?;
+            crate::report::said(crate::report::write_json("--report", path, &v));
         }
         if let Some(path) = &self.bp.write_hostfile {
             let good: Vec<&str> = self

@@ -31,9 +31,12 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
         Some(_) => crate::session::bind_rendezvous(session)?,
         None => crate::session::bind_store(session)?,
     };
-    // --metrics-port, bound as early: a port that cannot be had is a usage error.
+    // --metrics-port, bound as early: a port that cannot be had is a usage error. Only by the
+    // nrun that hosts the job: a c10d node that joins another's serves none (it says so).
     let metrics = match &mode {
-        Mode::Run { run, .. } => crate::journal::metrics::bind(run.journal.metrics_port)?,
+        Mode::Run { run, .. } if session.c10d.is_none() || listener.is_some() => {
+            crate::journal::metrics::bind(run.journal.metrics_port)?
+        }
         _ => None,
     };
     // Agents started on this host or over ssh are started by a small process forked now,

@@ -132,7 +132,7 @@ pub(crate) async fn run(
     let summary = outcome.summarize();
     nrun_base::stdout(&summary.text);
     if let Some(path) = &pf.report {
-        crate::report::write_json("--report", path, &summary.json)?;
+        crate::report::said(crate::report::write_json("--report", path, &summary.json));
     }
     Ok(Ended {
         code: summary.verdict.exit_code(),

@@ -67,10 +67,10 @@ pub(crate) async fn run(
         (Some(path), Some(v)) => report::html::write("--report-html", path, v, "this job"),
         _ => Ok(()),
     };
+    report::said(written);
+    report::said(drawn);
     // The job's last line: where its time went.
     tracing::info!("{summary}");
-    written?;
-    drawn?;
     code
 }
 
@@ -908,16 +908,17 @@ fn failed_events(s: &mut Session, results: &[Option<StepResult>]) {
             RunResult::Lost(why) => (None, format!("lost: {why}"), None),
             _ => continue,
         };
+        // Said by `Exit::describe` as "was killed by SIGNAME" (what follows it is evidence,
+        // which may name other signals).
         let signal = how
-            .split_whitespace()
-            .find(|w| w.starts_with("SIG"))
-            .map(|w| w.trim_matches(|c: char| !c.is_ascii_alphanumeric()));
+            .strip_prefix("was killed by ")
+            .and_then(|rest| rest.split_whitespace().next());
         let host = s.nodes[i].label.clone();
         let e = Event::new("worker_failed", format!("{host}: {how}"))
             .node(i, &host)
             .meta(json!({"how": how, "exit_code": code, "signal": signal}));
         s.journal.emit(match rank {
-            Some(r) => e.rank(r).node(i, &host),
+            Some(r) => e.rank(r),
             None => e,
         });
     }

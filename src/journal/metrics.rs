@@ -24,6 +24,8 @@ use nrun_base::error::{Error, Result};
 
 /// How often `--metrics-file` is replaced while the job runs.
 const FILE_EVERY: Duration = Duration::from_secs(5);
+/// `--metrics-port`'s connections served at once.
+const CONNECTIONS: usize = 16;
 
 type Labels = Vec<(String, String)>;
 type FGauge = Gauge<f64, AtomicU64>;
@@ -52,6 +54,18 @@ struct Shared {
     registry: Registry,
     m: Metrics,
     ledger: Arc<Mutex<Ledger>>,
+    /// The per-rank series set last.
+    rank_labels: Mutex<std::collections::HashSet<Labels>>,
+    /// `--metrics-file`'s writes, one at a time; `Some(true)` once the last is written (a
+    /// periodic write still under way then must not replace it), `Some(false)` after a write
+    /// failed (said once).
+    file: Mutex<FileState>,
+}
+
+#[derive(Default)]
+struct FileState {
+    ended: bool,
+    failing: bool,
 }
 
 /// The metrics of one job, and the tasks that publish them.
@@ -94,18 +108,18 @@ impl Metrics {
             self.rank_age.clone(),
         );
         r.register(
-            "nrun_rank_wait_share",
+            "nrun_rank_wait_ratio",
             "Share of the watch's samples each rank waited for its peers in collectives (0..1)",
             self.rank_wait.clone(),
         );
         r.register(
-            "nrun_preflight_busbw_gbs",
-            "The preflight's all-reduce bus bandwidth (GB/s) by message size (bytes)",
+            "nrun_preflight_busbw_bytes_per_second",
+            "The preflight's all-reduce bus bandwidth by message size (bytes)",
             self.busbw.clone(),
         );
         r.register(
-            "nrun_preflight_line_rate_gbs",
-            "The line rate the preflight compared the bus bandwidth against (GB/s; 0: none)",
+            "nrun_preflight_line_rate_bytes_per_second",
+            "The line rate the preflight compared the bus bandwidth against (0: none)",
             self.line_rate.clone(),
         );
         r.register_with_unit(
@@ -155,6 +169,8 @@ impl Exporter {
             registry,
             m,
             ledger,
+            rank_labels: Mutex::default(),
+            file: Mutex::default(),
         });
         set_state(&shared.m, Phase::Launch.key());
         let mut tasks = Vec::new();
@@ -162,7 +178,10 @@ impl Exporter {
             let sh = shared.clone();
             tasks.push(tokio::spawn(async move {
                 loop {
-                    write_file(&path, &render(&sh));
+                    // Off the runtime's threads: a stalled filesystem holds up only this.
+                    let (sh, path) = (sh.clone(), path.clone());
+                    let _ =
+                        tokio::task::spawn_blocking(move || write_file(&sh, &path, false)).await;
                     tokio::time::sleep(FILE_EVERY).await;
                 }
             }));
@@ -203,11 +222,14 @@ impl Exporter {
                 m.restarts.inc();
             }
             "preflight_size" => {
+                // The events say GB/s, as the console does; metrics are in base units.
                 if let (Some(b), Some(bw)) = (f("bytes"), f("busbw_gbs")) {
-                    m.busbw.get_or_create(&label("bytes", b as u64)).set(bw);
+                    m.busbw
+                        .get_or_create(&label("bytes", b as u64))
+                        .set(bw * 1e9);
                 }
                 if let Some(r) = f("line_rate_gbs") {
-                    m.line_rate.set(r);
+                    m.line_rate.set(r * 1e9);
                 }
             }
             _ => {}
@@ -222,11 +244,11 @@ impl Exporter {
         }
     }
 
-    /// The watch's latest per-rank figures (replacing the previous ones).
+    /// The watch's latest per-rank figures (replacing the previous ones): the current series
+    /// are set first and only the ranks gone are removed, so a scrape never sees none.
     pub(crate) fn ranks(&self, figures: &[RankFigure]) {
         let m = &self.shared.m;
-        m.rank_age.clear();
-        m.rank_wait.clear();
+        let mut now = std::collections::HashSet::new();
         for r in figures {
             let l = vec![
                 ("rank".to_string(), r.rank.to_string()),
@@ -236,7 +258,18 @@ impl Exporter {
             if let Some(w) = r.wait_share {
                 m.rank_wait.get_or_create(&l).set(w);
             }
+            now.insert(l);
         }
+        let mut known = self
+            .shared
+            .rank_labels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for gone in known.difference(&now) {
+            m.rank_age.remove(gone);
+            m.rank_wait.remove(gone);
+        }
+        *known = now;
     }
 
     /// The job's end: the final state and exit code, the file written one last time, the
@@ -248,7 +281,7 @@ impl Exporter {
             t.abort();
         }
         if let Some(path) = &self.file {
-            write_file(path, &render(&self.shared));
+            write_file(&self.shared, path, true);
         }
     }
 }
@@ -283,22 +316,33 @@ fn render(sh: &Shared) -> String {
     out
 }
 
-/// Replaces `path` with `text` at once: a reader sees the old file or the new, never part.
-fn write_file(path: &Path, text: &str) {
-    let tmp = temp_of(path);
-    let done = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = done {
-        let _ = std::fs::remove_file(&tmp);
-        tracing::warn!("--metrics-file {}: cannot write it: {e}", path.display());
+/// Replaces `--metrics-file` with the metrics now (see [`nrun_base::files::replace`]); `last`:
+/// the job's end, after which no periodic write may replace it. A failure is said once, and
+/// once when writing works again.
+fn write_file(sh: &Shared, path: &Path, last: bool) {
+    let mut st = sh.file.lock().unwrap_or_else(|e| e.into_inner());
+    if st.ended {
+        return;
     }
-}
-
-/// The temporary file beside `path` (a name the textfile collector, reading *.prom, skips).
-pub(crate) fn temp_of(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map_or_else(|| "metrics".into(), |n| n.to_string_lossy().into_owned());
-    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
+    st.ended = last;
+    match nrun_base::files::replace(path, render(sh).as_bytes()) {
+        Err(e) if !st.failing => {
+            st.failing = true;
+            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+            tracing::warn!(
+                "--metrics-file {}: cannot write it on {}: {e}; the file keeps its last \
+                 figures until a write works (check free space and permissions of {})",
+                path.display(),
+                nrun_base::net::hostname(),
+                dir.map_or_else(|| ".".into(), |d| d.display().to_string())
+            );
+        }
+        Ok(()) if st.failing => {
+            st.failing = false;
+            tracing::info!("--metrics-file {}: written again", path.display());
+        }
+        _ => {}
+    }
 }
 
 /// Binds `--metrics-port` on every address; a port that cannot be had is a usage error.
@@ -319,12 +363,29 @@ pub(crate) fn bind(port: Option<u16>) -> Result<Option<std::net::TcpListener>> {
 
 /// Answers each connection's one request: GET /metrics gets the text, anything else 404.
 async fn serve(l: tokio::net::TcpListener, sh: Arc<Shared>) {
+    // A scraper or two is the use: more connections at once wait, and hold no descriptors the
+    // store needs.
+    let room = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS));
+    let mut pause = Duration::from_millis(100);
     loop {
-        let Ok((mut conn, _)) = l.accept().await else {
-            continue;
+        let Ok(permit) = room.clone().acquire_owned().await else {
+            return;
+        };
+        let mut conn = match l.accept().await {
+            Ok((c, _)) => {
+                pause = Duration::from_millis(100);
+                c
+            }
+            // Out of descriptors (EMFILE) and the like: not a reason to spin.
+            Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+                continue;
+            }
         };
         let sh = sh.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let mut req = Vec::new();
             let mut buf = [0u8; 1024];
             // A client that sends no whole request head in 10 s (or 8 KiB) is dropped.

@@ -363,17 +363,7 @@ impl Ledger {
     }
 }
 
-/// "13 m 32 s", "3 h 12 m", "41 s", "4.2 s", "0.05 s".
-pub(crate) fn duration_text(s: f64) -> String {
-    let whole = s.round() as u64;
-    match s {
-        s if s < 0.995 => format!("{s:.2} s"),
-        s if s < 9.95 => format!("{s:.1} s"),
-        _ if whole < 60 => format!("{whole} s"),
-        _ if whole < 3600 => format!("{} m {} s", whole / 60, whole % 60),
-        _ => format!("{} h {} m", whole / 3600, (whole % 3600) / 60),
-    }
-}
+pub(crate) use nrun_base::duration_text;
 
 /// One event, before the journal stamps it.
 pub(crate) struct Event {

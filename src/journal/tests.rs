@@ -175,12 +175,46 @@ fn the_metrics_parse_as_openmetrics_with_the_ledgers_seconds() {
     for want in [
         "nrun_attempts 1\n",
         "nrun_restarts 1\n",
-        "nrun_preflight_busbw_gbs{bytes=\"1048576\"} 12.5\n",
+        "nrun_preflight_busbw_bytes_per_second{bytes=\"1048576\"} 12500000000.0\n",
+        "nrun_preflight_line_rate_bytes_per_second 25000000000.0\n",
         "nrun_ledger_seconds{phase=\"preflight\"} 9.8",
         "nrun_job_state{state=\"launch\"} 1\n",
     ] {
         assert!(text.contains(want), "{want:?} not in {text}");
     }
+}
+
+/// Per-rank series follow the watch's latest figures: a rank gone is removed, the others stay
+/// (set before the old ones go: a scrape never sees none).
+#[test]
+fn per_rank_series_follow_the_latest_figures() {
+    let ledger = Arc::new(Mutex::new(job()));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let _g = rt.enter();
+    let m = metrics::Exporter::start(ledger, None, None);
+    let fig = |rank: usize, age: f64| crate::watch::RankFigure {
+        rank,
+        host: "h".into(),
+        progress_age_s: age,
+        wait_share: Some(0.25),
+    };
+    m.ranks(&[fig(0, 1.0), fig(1, 2.0)]);
+    let text = m.text();
+    for want in [
+        "nrun_rank_last_progress_age_seconds{rank=\"1\",host=\"h\"} 2.0\n",
+        "nrun_rank_wait_ratio{rank=\"0\",host=\"h\"} 0.25\n",
+    ] {
+        assert!(text.contains(want), "{want:?} not in {text}");
+    }
+    m.ranks(&[fig(0, 3.0)]);
+    let text = m.text();
+    assert!(
+        text.contains("nrun_rank_last_progress_age_seconds{rank=\"0\",host=\"h\"} 3.0\n"),
+        "{text}"
+    );
+    assert!(!text.contains("rank=\"1\""), "{text}");
 }
 
 /// The page (a layer below the journal) keeps its own list of the ledger's keys: the same ones,

@@ -83,6 +83,7 @@ impl BisectSettings {
                 "--write-exclude appends to --exclude-file PATH: give that too",
             ));
         }
+        super::run::check_outputs(&[("--report", report.as_ref())])?;
         Ok((
             BisectSettings {
                 session: SessionPlan::own("bisect", "", python),

@@ -45,8 +45,8 @@ impl RunSettings {
         check_conflicts(rdzv, nodes)?;
         if preflight.preflight_only && !command.is_empty() {
             return Err(Error::usage(format!(
-                "--preflight-only runs the preflight alone, not {}: drop --preflight-only to run \
-                 it after the preflight, or drop it to test the nodes only",
+                "--preflight-only runs the preflight alone, not {0}: drop --preflight-only to \
+                 run {0} after the preflight, or drop {0} to test the nodes only",
                 command[0]
             )));
         }
@@ -96,7 +96,7 @@ impl RunSettings {
             watch: resolve_watch(watch)?,
             report: preflight.report.clone(),
             report_html: job.report_html.clone(),
-            journal: journal_plan(job)?,
+            journal: journal_plan(job, preflight.report.as_ref())?,
             launcher_error_file: env("TORCHELASTIC_ERROR_FILE")
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
@@ -104,14 +104,27 @@ impl RunSettings {
     }
 }
 
-/// `--events` and `--metrics-file` must be writable now (a usage error, not a job that runs
-/// for hours and then cannot say what happened); checked without creating anything (the file,
-/// or its directory where it does not exist yet). `--metrics-port` is bound by the command.
-fn journal_plan(job: &JobArgs) -> Result<crate::journal::JournalPlan> {
-    for (flag, path) in [
-        ("--events", &job.events),
-        ("--metrics-file", &job.metrics_file),
-    ] {
+/// The files the job writes (`--report`, `--report-html`, `--events`, `--metrics-file`) must be
+/// writable now: see [`check_outputs`]. `--metrics-port` is bound by the command.
+fn journal_plan(job: &JobArgs, report: Option<&PathBuf>) -> Result<crate::journal::JournalPlan> {
+    check_outputs(&[
+        ("--report", report),
+        ("--report-html", job.report_html.as_ref()),
+        ("--events", job.events.as_ref()),
+        ("--metrics-file", job.metrics_file.as_ref()),
+    ])?;
+    Ok(crate::journal::JournalPlan {
+        events: job.events.clone(),
+        metrics_file: job.metrics_file.clone(),
+        metrics_port: job.metrics_port,
+    })
+}
+
+/// Files a command writes must be writable before it starts: a usage error, not a job that runs
+/// for hours and then cannot say what happened. Checked without creating anything (the file,
+/// or its directory where it does not exist yet).
+pub(crate) fn check_outputs(outputs: &[(&str, Option<&PathBuf>)]) -> Result<()> {
+    for (flag, path) in outputs {
         if let Some(p) = path
             && let Err(why) = writable(p)
         {
@@ -121,11 +134,7 @@ fn journal_plan(job: &JobArgs) -> Result<crate::journal::JournalPlan> {
             )));
         }
     }
-    Ok(crate::journal::JournalPlan {
-        events: job.events.clone(),
-        metrics_file: job.metrics_file.clone(),
-        metrics_port: job.metrics_port,
-    })
+    Ok(())
 }
 
 /// Whether `p` can be written (created in its directory, or replaced there): why not.
@@ -144,8 +153,8 @@ fn writable(p: &std::path::Path) -> std::result::Result<(), String> {
     if !dir.is_dir() {
         return Err(format!("no directory {}", dir.display()));
     }
-    // The metrics file is replaced through a temporary file beside it, the events file may be
-    // created: both need the directory; an existing file must be writable itself.
+    // Reports and the metrics file are replaced through a temporary file beside them, the
+    // events file may be created: all need the directory; an existing file must be writable.
     access(dir, AccessFlags::W_OK | AccessFlags::X_OK)
         .map_err(|e| format!("directory {}: {}", dir.display(), e.desc()))?;
     if p.exists() {

@@ -20,7 +20,6 @@ mod timeline;
 use std::fmt::Write as _;
 use std::path::Path;
 
-use nrun_base::error::{Error, Result};
 use serde_json::Value;
 
 /// The ledger's phases, in the order time flows (the schema's keys).
@@ -42,13 +41,13 @@ pub(crate) const PHASES: [&str; 11] = [
 const TABLE_ROWS: usize = 200;
 
 /// Renders and writes the page; `flag` names where the path came from in an error.
-pub(crate) fn write(flag: &str, path: &Path, report: &Value, source: &str) -> Result<()> {
-    std::fs::write(path, render(report, source)).map_err(|e| {
-        Error::usage(format!(
-            "cannot write {flag} {}: {e} (check that its directory exists and is writable)",
-            path.display()
-        ))
-    })
+pub(crate) fn write(
+    flag: &str,
+    path: &Path,
+    report: &Value,
+    source: &str,
+) -> std::result::Result<(), String> {
+    crate::report::write_out(flag, path, render(report, source).as_bytes())
 }
 
 /// The whole page. `source`: what the report was read from, shown in the header.
@@ -155,7 +154,10 @@ fn summary(v: &Value, kind: Kind, source: &str) -> String {
         let rounds = v["rounds"].as_array().map_or(0, Vec::len);
         fact(
             "took",
-            esc(&format!("{rounds} rounds in {}", fmt_secs(took))),
+            esc(&format!(
+                "{rounds} rounds in {}",
+                nrun_base::duration_text(took)
+            )),
         );
     }
     if let Some(e) = v["ledger"]["effective"].as_f64() {
@@ -203,9 +205,6 @@ fn ledger(v: &Value) -> String {
             " <strong class=\"effective\">{:.1}% effective training time</strong>",
             e * 100.0
         );
-    }
-    if let Some(lost) = l["lost_s"].as_f64() {
-        let _ = write!(s, " (lost: {})", fmt_secs(lost));
     }
     s.push_str("</p>\n");
     s.push_str(&charts::ledger_bars(l, wall));
@@ -264,7 +263,7 @@ fn preflight(v: &Value) -> String {
         }
     }
     if let Some(w) = v["wall_s"].as_f64() {
-        let _ = write!(s, "<dt>took</dt><dd>{}</dd>", fmt_secs(w));
+        let _ = write!(s, "<dt>took</dt><dd>{}</dd>", nrun_base::duration_text(w));
     }
     let nccl = list_text(&v["nccl"]);
     if !nccl.is_empty() {
@@ -541,7 +540,9 @@ fn watch(v: &Value) -> String {
             s,
             "<div class=\"hang\"><h3>hang: {}</h3><p>stalled {}; {}</p>",
             esc(&text(&h["kind"])),
-            h["stalled_s"].as_f64().map_or(String::new(), fmt_secs),
+            h["stalled_s"]
+                .as_f64()
+                .map_or(String::new(), nrun_base::duration_text),
             esc(&text(&h["conclusion"])),
         );
         let ranks = h["ranks"].as_array().map_or(&[][..], Vec::as_slice);
@@ -687,39 +688,6 @@ pub(super) fn list_text(v: &Value) -> String {
 /// "12.3 s" for seconds since nrun started.
 fn secs_at(v: &Value) -> String {
     v.as_f64().map_or(String::new(), |x| format!("{x:.1} s"))
-}
-
-/// A duration as a person reads it: 0.4 s, 12 s, 3 m 20 s, 2 h 05 m.
-pub(super) fn fmt_secs(s: f64) -> String {
-    let s = s.max(0.0);
-    if s < 10.0 {
-        format!("{s:.1} s")
-    } else if s < 60.0 {
-        format!("{s:.0} s")
-    } else if s < 3600.0 {
-        format!("{} m {:02} s", (s / 60.0) as u64, (s % 60.0) as u64)
-    } else {
-        format!(
-            "{} h {:02} m",
-            (s / 3600.0) as u64,
-            ((s % 3600.0) / 60.0) as u64
-        )
-    }
-}
-
-/// 8 B, 32 KiB, 8 MiB, 1 GiB.
-pub(super) fn fmt_bytes(b: f64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = b;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < units.len() {
-        x /= 1024.0;
-        u += 1;
-    }
-    match x.fract() == 0.0 {
-        true => format!("{x:.0} {}", units[u]),
-        false => format!("{x:.1} {}", units[u]),
-    }
 }
 
 fn pct(part: f64, whole: f64) -> String {

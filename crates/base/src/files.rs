@@ -140,6 +140,30 @@ pub fn make_private_dirs(dir: &Path) -> io::Result<()> {
     check_private_dir(dir)
 }
 
+/// Replaces `path` with `bytes` at once: written to a new temporary file beside it (a dot
+/// name, which readers such as the textfile collector skip; never an existing file or a link
+/// planted there), then renamed over it: a reader sees the old file or the new one, never part.
+/// Each call has a name of its own, so two writers of one path cannot cut each other's file.
+pub fn replace(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write as _;
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path
+        .file_name()
+        .map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    let done = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(bytes))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if done.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    done
+}
+
 /// Creates the file `path` for writing, fresh (never one that exists, never through a
 /// symlink), mode 0600.
 pub fn create_private_file(path: &Path) -> io::Result<std::fs::File> {
@@ -382,6 +406,29 @@ pub fn sweep_scratch() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file replaced holds the new bytes whole, leaves no temporary beside it, and a
+    /// reader's open copy of the old one is not cut (the rename swaps whole files).
+    #[test]
+    fn replace_swaps_whole_files_and_leaves_nothing_beside() {
+        let top = tempfile::tempdir().unwrap();
+        let p = top.path().join("m.prom");
+        replace(&p, b"old\n").unwrap();
+        let mut held = std::fs::File::open(&p).unwrap();
+        replace(&p, b"new\n").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"new\n");
+        let mut old = String::new();
+        held.read_to_string(&mut old).unwrap();
+        assert_eq!(old, "old\n");
+        let names: Vec<_> = std::fs::read_dir(top.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["m.prom"]);
+        // No directory: the error is the write's, and nothing is left.
+        let gone = top.path().join("no").join("m.prom");
+        assert!(replace(&gone, b"x").is_err());
+    }
 
     #[test]
     fn private_dirs_are_fresh_0700_and_checked() {

@@ -66,6 +66,18 @@ pub fn random_hex() -> std::io::Result<String> {
 /// that a worker group moved from starting to running. Written by whichever puts the workers'
 /// lines on this host's console (an in-process node's writer, an agent's relay); one atomic
 /// load per line once set.
+/// "13 m 32 s", "3 h 12 m", "41 s", "4.2 s", "0.05 s".
+pub fn duration_text(s: f64) -> String {
+    let whole = s.round() as u64;
+    match s {
+        s if s < 0.995 => format!("{s:.2} s"),
+        s if s < 9.95 => format!("{s:.1} s"),
+        _ if whole < 60 => format!("{whole} s"),
+        _ if whole < 3600 => format!("{} m {} s", whole / 60, whole % 60),
+        _ => format!("{} h {} m", whole / 3600, (whole % 3600) / 60),
+    }
+}
+
 pub mod activity {
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -80,9 +92,15 @@ pub mod activity {
         ARMED.store(true, Ordering::Relaxed);
     }
 
+    /// Whether a line is looked for now (armed, none seen yet): the relay asks before it looks
+    /// at whose a line is.
+    pub fn wanted() -> bool {
+        ARMED.load(Ordering::Relaxed) && FIRST.load(Ordering::Relaxed) == 0
+    }
+
     /// A worker's line reached the console.
     pub fn line() {
-        if ARMED.load(Ordering::Relaxed) && FIRST.load(Ordering::Relaxed) == 0 {
+        if wanted() {
             let ms = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_millis().max(1) as u64);

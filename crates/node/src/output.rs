@@ -485,8 +485,11 @@ impl TailLine {
                 // Without colour codes (a worker on a terminal colours its traceback): the
                 // summary and the JSON report quote it as text.
                 let line = String::from_utf8_lossy(&self.line);
-                let text = anstream::adapter::strip_str(&line).to_string();
-                let text = text.trim_end().to_string();
+                let mut text = match self.line.contains(&0x1b) {
+                    true => anstream::adapter::strip_str(&line).to_string(),
+                    false => line.into_owned(),
+                };
+                text.truncate(text.trim_end().len());
                 self.line.clear();
                 let Some(t) = &self.tail else { return };
                 let mut t = t.lock().unwrap_or_else(|e| e.into_inner());

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
-use super::{PHASES, esc, events, fmt_bytes, fmt_secs, list_text, text};
+use super::{PHASES, esc, events, list_text, text};
 
 /// The ledger as stacked bars: the whole job, then each attempt placed on the job's time.
 pub(super) fn ledger_bars(l: &Value, wall: f64) -> String {
@@ -32,7 +32,7 @@ pub(super) fn ledger_bars(l: &Value, wall: f64) -> String {
                 "<rect class=\"phase ph-{p}\" x=\"{x:.2}\" y=\"{y:.1}\" width=\"{dx:.2}\" height=\"{h:.1}\"><title>{}</title></rect>",
                 esc(&format!(
                     "{of}{p}: {} ({:.1}% of the wall time)",
-                    fmt_secs(secs),
+                    nrun_base::duration_text(secs),
                     100.0 * secs / wall.max(1e-9)
                 ))
             );
@@ -88,7 +88,7 @@ pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
                 ip: r["in_place"]["busbw_gbs"].as_f64(),
                 title: format!(
                     "{}: busbw {oop:.2} GB/s, algbw {:.2} GB/s, {:.1} us out of place; {} wrong",
-                    fmt_bytes(bytes),
+                    nrun_preflight::human_bytes(bytes as u64),
                     o["algbw_gbs"].as_f64().unwrap_or(0.0),
                     o["time_us"].as_f64().unwrap_or(0.0),
                     text(&o["wrong"])
@@ -104,7 +104,10 @@ pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
                     bytes,
                     oop,
                     ip: None,
-                    title: format!("{}: busbw {oop:.2} GB/s", fmt_bytes(bytes)),
+                    title: format!(
+                        "{}: busbw {oop:.2} GB/s",
+                        nrun_preflight::human_bytes(bytes as u64)
+                    ),
                 });
             }
         }
@@ -166,7 +169,7 @@ pub(super) fn busbw(v: &Value, pts: &[Point]) -> String {
                 "<line class=\"grid\" x1=\"{xb:.1}\" x2=\"{xb:.1}\" y1=\"{top}\" y2=\"{}\"/><text x=\"{xb:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
                 top + h,
                 top + h + 16.0,
-                esc(&fmt_bytes(b))
+                esc(&nrun_preflight::human_bytes(b as u64))
             );
         }
         b *= 2.0;
@@ -333,12 +336,12 @@ pub(super) fn bisect(v: &Value) -> String {
                 true => {
                     let (vd, ev) = verdict.get(&hosts[a]).cloned().unwrap_or_default();
                     (
+                        // A class of the page's own, whatever the report's verdict says.
                         format!(
                             "cell-{}",
-                            if vd.is_empty() {
-                                "untested"
-                            } else {
-                                vd.as_str()
+                            match vd.as_str() {
+                                v @ ("good" | "bad" | "slow" | "unreachable" | "link") => v,
+                                _ => "untested",
                             }
                         ),
                         format!(

@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
-use super::{PHASES, esc, events, fmt_secs, text};
+use super::{PHASES, esc, events, text};
 
 /// Width of the plot area and of the label gutter, in SVG units.
 const PLOT_W: f64 = 1000.0;
@@ -186,8 +186,8 @@ pub(super) fn section(v: &Value) -> String {
             let title = format!(
                 "attempt {} on {h}: {} to {}, {outcome}",
                 text(attempt),
-                fmt_secs(*t0),
-                fmt_secs(t1)
+                nrun_base::duration_text(*t0),
+                nrun_base::duration_text(t1)
             );
             rows.get(&h, None).bars.push(Bar {
                 x0: x(*t0),
@@ -210,7 +210,7 @@ pub(super) fn section(v: &Value) -> String {
 
 /// An event's tooltip: when, where, what.
 fn title(e: &Value, t: f64) -> String {
-    let mut s = format!("{} ", fmt_secs(t));
+    let mut s = format!("{} ", nrun_base::duration_text(t));
     let host = text(&e["host"]);
     if !host.is_empty() {
         let _ = write!(s, "{host}");
@@ -319,7 +319,7 @@ fn draw(
             "<line class=\"grid\" x1=\"{xt:.1}\" x2=\"{xt:.1}\" y1=\"{}\" y2=\"{height}\"/><text x=\"{xt:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
             top - 6.0,
             top - 10.0,
-            esc(&fmt_secs(t))
+            esc(&nrun_base::duration_text(t))
         );
     }
     s.push_str("</g>\n");
@@ -343,9 +343,9 @@ fn draw(
             job_h / 2.0,
             esc(&format!(
                 "{p}: {} to {} ({})",
-                fmt_secs(*t),
-                fmt_secs(t1),
-                fmt_secs(t1 - t)
+                nrun_base::duration_text(*t),
+                nrun_base::duration_text(t1),
+                nrun_base::duration_text(t1 - t)
             ))
         );
     }
