@@ -540,6 +540,36 @@ fn lines_of(out: &std::process::Output) -> Vec<String> {
     text(&out.stdout).lines().map(String::from).collect()
 }
 
+/// Each worker leads a session of its own, as torchrun's (`start_new_session`): its own process
+/// group, and its own scheduler autogroup, not nrun's (BENCHMARKS 26: 5-6% of step time).
+#[test]
+fn workers_lead_their_own_sessions_as_torchruns() {
+    let s = Scene::new();
+    let out = s.run(
+        &[
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            // Fields 5 and 6 of /proc/PID/stat: the process group and the session.
+            "echo $$ $(cut -d' ' -f5,6 /proc/$$/stat)",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let lines = lines_of(&out);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for l in &lines {
+        let ids: Vec<&str> = l.split(": ").nth(1).unwrap().split(' ').collect();
+        assert_eq!(ids.len(), 3, "{l}");
+        assert!(
+            ids[0] == ids[1] && ids[1] == ids[2],
+            "not a session leader: {l}"
+        );
+    }
+}
+
 #[test]
 fn worker_environment_is_torchruns() {
     let s = Scene::new();

@@ -224,3 +224,80 @@ fn the_report_page_knows_every_phase_in_order() {
     let keys: Vec<&str> = Phase::ALL.iter().map(|p| p.key()).collect();
     assert_eq!(keys, crate::report::html::PHASES);
 }
+
+/// The journal's own work, timed, for BENCHMARKS 26 (its share of a step is this work over the
+/// step's time): a worker's output line in the steady state, a tick of the attempt's wait
+/// (20 a second), an event appended to `--events`, the metrics encoded and the file replaced
+/// (every 5 s). Not a check: `cargo test --release --lib journal::tests::cost -- --ignored
+/// --nocapture`.
+#[test]
+#[ignore]
+fn cost() {
+    let per = |n: u32, t: Instant| t.elapsed().as_nanos() as f64 / f64::from(n);
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _g = rt.enter();
+    let mut j = Journal::new("cost");
+    j.attach(
+        &JournalPlan {
+            events: Some(dir.path().join("ev.jsonl")),
+            metrics_file: Some(dir.path().join("m.prom")),
+            metrics_port: None,
+        },
+        None,
+    );
+    j.attempt_start(0, 16, (0..2).map(|i| format!("node{i}")).collect());
+    nrun_base::activity::line();
+    let hosts: Vec<String> = (0..2).map(|i| format!("node{i}")).collect();
+    j.tick(None, &hosts);
+    assert_eq!(j.phase(), Phase::Running);
+    // What the relay does per line once the first was seen.
+    let n = 50_000_000;
+    let t = Instant::now();
+    for _ in 0..n {
+        if std::hint::black_box(nrun_base::activity::wanted()) {
+            nrun_base::activity::line();
+        }
+    }
+    let line = per(n, t);
+    let n = 1_000_000;
+    let t = Instant::now();
+    for _ in 0..n {
+        j.tick(None, std::hint::black_box(&hosts));
+    }
+    let tick = per(n, t);
+    let n = 20_000;
+    let t = Instant::now();
+    for i in 0..n {
+        j.emit(Event::new("node_joined", format!("node{i} joined")).node(0, "node0"));
+    }
+    let event = per(n, t);
+    let (m, path) = (j.metrics.as_ref().unwrap(), dir.path().join("m2.prom"));
+    m.ranks(
+        &(0..16)
+            .map(|r| crate::watch::RankFigure {
+                rank: r,
+                host: hosts[r / 8].clone(),
+                progress_age_s: 0.5,
+                wait_share: Some(0.1),
+            })
+            .collect::<Vec<_>>(),
+    );
+    let n = 2_000;
+    let t = Instant::now();
+    for _ in 0..n {
+        nrun_base::files::replace(&path, m.text().as_bytes()).unwrap();
+    }
+    let write = per(n, t);
+    println!(
+        "journal cost: per output line {line:.2} ns; per tick {tick:.0} ns (20/s: {:.1} us/s); \
+         per --events event {event:.0} ns; metrics encoded and replaced (16 ranks) {:.1} us \
+         (every 5 s: {:.1} us/s)",
+        tick * 20.0 / 1e3,
+        write / 1e3,
+        write / 5e3
+    );
+}
