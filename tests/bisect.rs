@@ -22,6 +22,7 @@ fn bisect(
     std::fs::write(&hostfile, text_in).unwrap();
     let good = s.dir.path().join("good");
     let report = s.dir.path().join("report.json");
+    let page = s.dir.path().join("report.html");
     let cfg = c.ssh_opts();
     let mut a = vec![
         "bisect",
@@ -45,6 +46,8 @@ fn bisect(
         good.to_str().unwrap(),
         "--report",
         report.to_str().unwrap(),
+        "--report-html",
+        page.to_str().unwrap(),
         "-x",
         "NRUN_TEST_TAG",
     ];
@@ -63,6 +66,19 @@ fn bisect(
             v["rounds"].as_array().is_some(),
             "report without rounds: {v}"
         );
+        // The page draws the same report: the verdict matrix, a row for every node.
+        let html = std::fs::read_to_string(&page).unwrap_or_default();
+        assert!(
+            html.contains("class=\"bisect-matrix\""),
+            "no matrix: {html}"
+        );
+        for n in v["nodes"].as_array().unwrap() {
+            let host = n["host"].as_str().unwrap();
+            assert!(
+                html.contains(&format!(">{host}</text>")),
+                "{host} not drawn"
+            );
+        }
     }
     (
         out.status.code(),

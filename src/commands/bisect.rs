@@ -140,6 +140,7 @@ pub(crate) async fn on_the_spot(
         write_hostfile: None,
         write_exclude: false,
         report: None,
+        report_html: None,
     };
     let mut b = Bisect {
         bp: &bp,
@@ -894,9 +895,17 @@ impl Bisect<'_> {
             took.as_secs_f64()
         );
         nrun_base::stdout(table);
+        let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
         if let Some(path) = &self.bp.report {
-            let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
             crate::report::said(crate::report::write_json("--report", path, &v));
+        }
+        if let Some(path) = &self.bp.report_html {
+            crate::report::said(crate::report::html::write(
+                "--report-html",
+                path,
+                &v,
+                "this bisect",
+            ));
         }
         if let Some(path) = &self.bp.write_hostfile {
             let good: Vec<&str> = self

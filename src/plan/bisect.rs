@@ -25,6 +25,7 @@ impl BisectSettings {
                     write_hostfile,
                     write_exclude,
                     report,
+                    report_html,
                 },
             target,
             sweep,
@@ -83,7 +84,10 @@ impl BisectSettings {
                 "--write-exclude appends to --exclude-file PATH: give that too",
             ));
         }
-        super::run::check_outputs(&[("--report", report.as_ref())])?;
+        super::run::check_outputs(&[
+            ("--report", report.as_ref()),
+            ("--report-html", report_html.as_ref()),
+        ])?;
         Ok((
             BisectSettings {
                 session: SessionPlan::own("bisect", "", python),
@@ -95,6 +99,7 @@ impl BisectSettings {
                 write_hostfile: write_hostfile.clone(),
                 write_exclude: *write_exclude,
                 report: report.clone(),
+                report_html: report_html.clone(),
             },
             shape,
         ))

@@ -196,4 +196,6 @@ pub(crate) struct BisectSettings {
     /// Append the nodes found not good to --exclude-file.
     pub write_exclude: bool,
     pub report: Option<PathBuf>,
+    /// `--report-html FILE`: the report drawn.
+    pub report_html: Option<PathBuf>,
 }

@@ -899,6 +899,11 @@ pub struct ProbeArgs {
     /// Write the rounds and each node's verdict as JSON to FILE.
     #[arg(long, env = "NRUN_REPORT", value_name = "FILE")]
     pub report: Option<PathBuf>,
+
+    /// Write the same as one self-contained HTML page to FILE (the node x node verdict matrix,
+    /// the rounds, the nodes); `nrun report REPORT.json` draws one later.
+    #[arg(long = "report-html", env = "NRUN_REPORT_HTML", value_name = "FILE")]
+    pub report_html: Option<PathBuf>,
 }
 
 impl CompatArgs {
