@@ -228,15 +228,9 @@ pub(crate) fn clock(t: SystemTime) -> String {
 
 /// `names` as a short list: the first few, then how many more ("a, b, c and 12 more").
 pub(crate) fn few(names: &[String]) -> String {
-    const SHOWN: usize = 4;
-    match names.len() {
-        0 => "nothing".to_string(),
-        n if n <= SHOWN => names.join(", "),
-        n => format!(
-            "{} and {} more",
-            names[..SHOWN - 1].join(", "),
-            n - SHOWN + 1
-        ),
+    match names.is_empty() {
+        true => "nothing".to_string(),
+        false => nrun_base::few(names, 4),
     }
 }
 

@@ -502,8 +502,8 @@ fn judge(
     fault::decide(&evidence, history, policy)
 }
 
-/// Says a decision once, with its evidence, and keeps it for --report.
-fn tell(s: &Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
+/// Says a decision once, with its evidence, and keeps it for --report and as an event.
+fn tell(s: &mut Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
     let action = match d.action {
         fault::Action::Restart if d.leave_out.is_empty() => "restart in place",
         fault::Action::Restart => "restart without the node",
@@ -511,7 +511,7 @@ fn tell(s: &Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
         fault::Action::StopShort => "stop (too few healthy nodes)",
     };
     for j in &d.judged {
-        let host = &s.nodes[j.node].label;
+        let host = s.nodes[j.node].label.clone();
         let out = d.leave_out.iter().any(|(n, _)| *n == j.node);
         if j.verdict != fault::Verdict::Program {
             tracing::warn!(
@@ -539,6 +539,19 @@ fn tell(s: &Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
             "left_out": out,
             "action": action,
         }));
+        s.journal.emit(
+            Event::new(
+                "decision",
+                format!("{host}: {} -> {action}", j.verdict.as_str()),
+            )
+            .node(j.node, &host)
+            .meta(json!({
+                "verdict": j.verdict.as_str(),
+                "action": action,
+                "evidence": j.why,
+                "left_out": out,
+            })),
+        );
     }
 }
 
@@ -609,14 +622,9 @@ async fn attempt_loop(
             continue;
         }
         let (code, headline, summary, error_json) = match report::job_end(shape, &results) {
-            JobEnd::Success => {
-                rec.outcome = Some("success");
-                s.journal.attempt_end("success", exit::SUCCESS);
-                return exit::SUCCESS;
-            }
+            JobEnd::Success => return ended(s, rec, "success", exit::SUCCESS),
             JobEnd::Interrupted(c) => {
-                rec.outcome = Some("interrupted");
-                s.journal.attempt_end("interrupted", c);
+                ended(s, rec, "interrupted", c);
                 tracing::warn!(
                     "stopped by {}; every worker was stopped",
                     nrun_node::signal_name(i32::from(c) - 128)
@@ -630,9 +638,8 @@ async fn attempt_loop(
                 error_json,
             } => (code, headline, summary, error_json),
         };
-        rec.outcome = Some("failed");
+        ended(s, rec, "failed", code);
         rec.headline = Some(headline.clone());
-        s.journal.attempt_end("failed", code);
         let (d, applied) = apply(s, &results, None, &mut history, restart_left, attempt, rec);
         match applied {
             Applied::Restarted => {
@@ -668,6 +675,14 @@ async fn attempt_loop(
         }
     }
     exit::SUCCESS
+}
+
+/// The attempt ended, and with it the job (as far as this attempt knows): the record's outcome
+/// and the journal's attempt, kept together. Returns `code`.
+fn ended(s: &mut Session, rec: &mut Record, outcome: &'static str, code: u8) -> u8 {
+    rec.outcome = Some(outcome);
+    s.journal.attempt_end(outcome, code);
+    code
 }
 
 /// Starts one attempt's worker group and waits for it to end: the group and each node's
@@ -720,8 +735,7 @@ async fn run_attempt(
                 true => "interrupted",
                 false => "failed",
             };
-            rec.outcome = Some(outcome);
-            s.journal.attempt_end(outcome, e.code);
+            ended(s, rec, outcome, e.code);
             Err(e.code)
         }
     }
@@ -752,7 +766,6 @@ fn apply(
 ) -> (fault::Decision, Applied) {
     let d = judge(s, results, hang, history, restart_left);
     tell(s, &d, attempt, rec);
-    decision_events(s, &d, rec);
     for (i, why) in &d.kept {
         s.flag(*i, why);
     }
@@ -921,30 +934,5 @@ fn failed_events(s: &mut Session, results: &[Option<StepResult>]) {
             Some(r) => e.rank(r),
             None => e,
         });
-    }
-}
-
-/// A `decision` event per node the fault model judged, as `--report`'s decisions say it.
-fn decision_events(s: &mut Session, d: &fault::Decision, rec: &Record) {
-    let told = rec.decisions.len().saturating_sub(d.judged.len());
-    for (j, v) in d.judged.iter().zip(&rec.decisions[told..]) {
-        let host = s.nodes[j.node].label.clone();
-        s.journal.emit(
-            Event::new(
-                "decision",
-                format!(
-                    "{host}: {} -> {}",
-                    j.verdict.as_str(),
-                    v["action"].as_str().unwrap_or("")
-                ),
-            )
-            .node(j.node, &host)
-            .meta(json!({
-                "verdict": j.verdict.as_str(),
-                "action": v["action"],
-                "evidence": j.why,
-                "left_out": v["left_out"],
-            })),
-        );
     }
 }

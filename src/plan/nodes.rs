@@ -512,16 +512,11 @@ fn spares_line(hosts: &[Host], size: usize, shape: &Shape, spares: Option<usize>
         None => format!("--nnodes {}", shape.nnodes_text()),
     };
     let rest: Vec<&str> = hosts[size..].iter().map(|h| h.name.as_str()).collect();
-    const SHOWN: usize = 8;
-    let more = match rest.len().saturating_sub(SHOWN) {
-        0 => String::new(),
-        n => format!(" and {n} more"),
-    };
     format!(
         "the job runs on {size} of {} hosts ({why}); the others are spares, which join, are \
-         checked and take a left-out node's place: {}{more}",
+         checked and take a left-out node's place: {}",
         hosts.len(),
-        rest[..rest.len().min(SHOWN)].join(", ")
+        nrun_base::few(&rest, 8)
     )
 }
 
@@ -545,23 +540,12 @@ impl Allocation {
             }
             Some(_) => format!(", {} slots in all", slots.iter().sum::<usize>()),
         };
-        const SHOWN: usize = 8;
-        let names: Vec<&str> = self
-            .hosts
-            .iter()
-            .take(SHOWN)
-            .map(|h| h.name.as_str())
-            .collect();
-        let more = self.hosts.len().saturating_sub(SHOWN);
-        let more = match more {
-            0 => String::new(),
-            n => format!(" and {n} more"),
-        };
+        let names: Vec<&str> = self.hosts.iter().map(|h| h.name.as_str()).collect();
         format!(
-            "nodes from {}: {} hosts{slots} ({}{more})",
+            "nodes from {}: {} hosts{slots} ({})",
             self.var,
             self.hosts.len(),
-            names.join(", ")
+            nrun_base::few(&names, 8)
         )
     }
 }
@@ -714,7 +698,7 @@ mod tests {
         let many: Vec<Host> = (1..=10).map(|i| Host::new(format!("n{i}"))).collect();
         assert_eq!(
             said("SLURM_JOB_NODELIST", many),
-            "nodes from SLURM_JOB_NODELIST: 10 hosts (n1, n2, n3, n4, n5, n6, n7, n8 and 2 more)"
+            "nodes from SLURM_JOB_NODELIST: 10 hosts (n1, n2, n3, n4, n5, n6, n7 and 3 more)"
         );
     }
 

@@ -78,6 +78,19 @@ pub fn duration_text(s: f64) -> String {
     }
 }
 
+/// Names said in one line: all of them up to `shown`, else the first `shown - 1` and "and K
+/// more" (never "and 1 more": that name fits in its place).
+pub fn few<S: AsRef<str>>(names: &[S], shown: usize) -> String {
+    let all = |n: &[S]| n.iter().map(AsRef::as_ref).collect::<Vec<_>>().join(", ");
+    match names.len() {
+        n if n <= shown.max(1) => all(names),
+        n => {
+            let first = shown.max(2) - 1;
+            format!("{} and {} more", all(&names[..first]), n - first)
+        }
+    }
+}
+
 pub mod activity {
     use std::sync::atomic::{AtomicU64, Ordering};
 
