@@ -129,20 +129,7 @@ impl Marks {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Stream {
-    Out = 0,
-    Err = 1,
-}
-
-/// `b` to this process's console stream (see [`nrun_node::output::console_write`]).
-fn console_write(stream: Stream, b: &[u8], flush: bool) {
-    let s = match stream {
-        Stream::Out => nrun_node::output::Stream::Out,
-        Stream::Err => nrun_node::output::Stream::Err,
-    };
-    nrun_node::output::console_write(s, b, flush);
-}
+pub(crate) use nrun_node::output::{Stream, console_write};
 
 /// How one of an agent's pipes is passed on.
 pub(crate) struct Passing {

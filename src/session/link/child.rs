@@ -332,8 +332,9 @@ async fn shipping<T>(starts: &[Branch], tasks: &[tokio::task::JoinHandle<T>]) {
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Each start is the copy and then the agent's start: the time is both.
     p.finish(Some(&format!(
-        "shipped nrun to {n} node(s) in {:.1} s",
+        "shipped nrun to {n} node(s) and started its agents in {:.1} s",
         started.elapsed().as_secs_f64()
     )));
 }
