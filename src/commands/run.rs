@@ -769,14 +769,27 @@ fn apply(
     for (i, why) in &d.kept {
         s.flag(*i, why);
     }
+    // A node lost (its agent or link) may join again; one a fault was pinned on may not.
+    let gone: Vec<(usize, Stage, String)> = d
+        .leave_out
+        .iter()
+        .map(|(i, why)| {
+            let lost = d
+                .judged
+                .iter()
+                .any(|j| j.node == *i && j.verdict == fault::Verdict::Lost);
+            let stage = if lost { Stage::Lost } else { Stage::Run };
+            (*i, stage, why.clone())
+        })
+        .collect();
     let applied = match d.action {
-        fault::Action::Restart => match s.reform(&d.leave_out) {
+        fault::Action::Restart => match s.reform(&gone) {
             Ok(()) => Applied::Restarted,
             Err(why) => Applied::CannotReform(why),
         },
         fault::Action::Stop | fault::Action::StopShort => {
-            for (i, why) in &d.leave_out {
-                s.leave_out(*i, Stage::Run, why);
+            for (i, stage, why) in &gone {
+                s.leave_out(*i, *stage, why);
             }
             Applied::Stopped
         }

@@ -21,8 +21,11 @@ pub(crate) enum Stage {
     Check,
     /// The preflight named it bad or slow.
     Preflight,
-    /// It was lost, or a failure was pinned on it, while the job ran.
+    /// A failure was pinned on it while the job ran.
     Run,
+    /// It was lost while the job ran (its agent or link gone): said as "run" too (when it left),
+    /// but nothing is held against the node itself.
+    Lost,
 }
 
 impl Stage {
@@ -31,7 +34,7 @@ impl Stage {
             Stage::Join => "join",
             Stage::Check => "check",
             Stage::Preflight => "preflight",
-            Stage::Run => "run",
+            Stage::Run | Stage::Lost => "run",
         }
     }
 }
@@ -50,14 +53,12 @@ pub(crate) struct LeftOut {
 impl LeftOut {
     /// Whether the evidence is against the node itself (a failed check or preflight, a fault of
     /// its workers pinned on it), so that a node of its host that joins again within the job
-    /// is refused. A node that never joined, or whose agent or link was lost (the words of
-    /// [`super::link::NodeLink::lost`] and of a result that means the agent left), may come
-    /// back: that is a fresh join, checked as any.
+    /// is refused. A node that never joined, or whose agent or link was lost, may come back:
+    /// that is a fresh join, checked as any.
     pub(crate) fn bars_return(&self) -> bool {
         match self.stage {
-            Stage::Join => false,
-            Stage::Check | Stage::Preflight => true,
-            Stage::Run => !(self.why.starts_with("lost") || self.why.contains("'s agent ")),
+            Stage::Join | Stage::Lost => false,
+            Stage::Check | Stage::Preflight | Stage::Run => true,
         }
     }
 }
@@ -170,7 +171,7 @@ impl Session {
                     true => "lost while a spare",
                     false => "lost before its first step",
                 };
-                self.leave_out(i, Stage::Run, &format!("{when}: {why}"));
+                self.leave_out(i, Stage::Lost, &format!("{when}: {why}"));
                 continue;
             }
             self.active.push(i);
@@ -244,12 +245,12 @@ impl Session {
             .join(", ")
     }
 
-    /// Between attempts: nodes `lost` (each with the evidence) leave the job, spares and late
-    /// joiners come in. Err: fewer than the minimum are left.
-    pub(crate) fn reform(&mut self, lost: &[(usize, String)]) -> Result<()> {
+    /// Between attempts: nodes `gone` (each with its stage, Run or Lost, and the evidence)
+    /// leave the job, spares and late joiners come in. Err: fewer than the minimum are left.
+    pub(crate) fn reform(&mut self, gone: &[(usize, Stage, String)]) -> Result<()> {
         let before: Vec<usize> = self.active.clone();
-        for (i, why) in lost {
-            self.leave_out(*i, Stage::Run, why);
+        for (i, stage, why) in gone {
+            self.leave_out(*i, *stage, why);
         }
         let came = self.fill()?;
         if self.active != before {

@@ -242,6 +242,7 @@ mod tests {
     use super::*;
     use crate::protocol::WorkerFailure;
     use crate::session::Policy;
+    use crate::session::roster::Stage;
     use nrun_node::Caught;
 
     fn run_step() -> Step {
@@ -534,11 +535,11 @@ mod tests {
             .map(|(no, st)| (*no, st.is_some()))
             .collect();
         assert_eq!(seen, [(0, false)]);
-        let lost: Vec<(usize, String)> = r
+        let lost: Vec<(usize, Stage, String)> = r
             .iter()
             .enumerate()
             .filter_map(|(i, x)| match x {
-                Some(StepResult::Run(RunResult::Lost(w))) => Some((i, w.clone())),
+                Some(StepResult::Run(RunResult::Lost(w))) => Some((i, Stage::Lost, w.clone())),
                 _ => None,
             })
             .collect();
@@ -557,7 +558,9 @@ mod tests {
         assert_eq!(g.members[1].ranks, [(1, 0)]);
         assert_eq!((g.world, g.group_world), (2, 2));
         // Now no spare is left: losing another node leaves the job short, exit 98.
-        let e = s.reform(&[(0, "lost a".to_string())]).unwrap_err();
+        let e = s
+            .reform(&[(0, Stage::Lost, "lost a".to_string())])
+            .unwrap_err();
         assert_eq!(e.code, nrun_base::error::exit::NO_NODES);
         assert!(
             e.message.contains("needs 2 healthy node(s) but has 1 (c)"),
@@ -627,7 +630,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_node_that_comes_back_gets_a_new_index_unless_its_host_was_refused() {
         use crate::protocol::{Joined, c10d_next_key, c10d_refused_key, c10d_room_key};
-        use crate::session::roster::Stage;
+
         let (a, _) = node("a", Script::UntilStopped);
         let (b, _) = node("b", Script::UntilStopped);
         let (mut s, _sig) = session(vec![a, b]);
@@ -643,8 +646,12 @@ mod tests {
         let st = s.store().unwrap().clone();
         let room = || String::from_utf8(st.get(&c10d_room_key("j")).unwrap()).unwrap();
         s.step = 3;
-        s.reform(&[(1, "lost b: its agent closed its connection".into())])
-            .unwrap();
+        s.reform(&[(
+            1,
+            Stage::Lost,
+            "lost b: its agent closed its connection".into(),
+        )])
+        .unwrap();
         assert_eq!(s.active, [0]);
         assert_eq!(room(), "1");
         assert!(!st.contains(&c10d_refused_key("j", "hb")));
