@@ -134,6 +134,39 @@ fn workers_ignoring_sigterm_are_killed_after_the_grace_period() {
     s.assert_no_survivors();
 }
 
+/// A grace period is not waited through in silence: past 5 s nrun says which ranks it waits
+/// for after which signal, how long more, and what comes next; a second signal ends it.
+#[test]
+fn a_long_grace_period_says_what_it_waits_for() {
+    let s = Scene::new();
+    let w = worker();
+    let child = Watched::new(s.spawn(
+        &[
+            "--nproc",
+            "2",
+            "--shutdown-timeout",
+            "600",
+            "--no-python",
+            "sh",
+            &w,
+        ],
+        &[("NRUN_FIXTURE", "stubborn")],
+    ));
+    s.wait_marks("ready", 2, Duration::from_secs(10));
+    signal(child.child(), "TERM");
+    child.wait_stderr("still running 5 s after SIGTERM; nrun waits up to ");
+    let err = child.stderr();
+    assert!(
+        err.contains(": rank(s) 0, 1 still running 5 s after SIGTERM"),
+        "{err}"
+    );
+    assert!(err.contains("then sends SIGKILL"), "{err}");
+    signal(child.child(), "TERM");
+    let (out, _) = child.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    s.assert_no_survivors();
+}
+
 #[test]
 fn second_ctrl_c_kills_at_once() {
     let s = Scene::new();

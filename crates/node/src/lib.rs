@@ -577,7 +577,14 @@ struct Group {
     foreground: Option<usize>,
     /// The signal last passed on, and when.
     passed_on: Option<(i32, Instant)>,
+    /// When the polite signal went out (the grace period began), which it was, and whether the
+    /// wait for the workers to end was said (once it took [`GRACE_SAID`]).
+    grace_from: Option<(Instant, Signal)>,
+    grace_said: bool,
 }
+
+/// A grace period longer than this is not waited through silently.
+const GRACE_SAID: Duration = Duration::from_secs(5);
 
 impl Group {
     fn new(grace: Duration) -> Group {
@@ -589,7 +596,54 @@ impl Group {
             ending: Ending::default(),
             foreground: None,
             passed_on: None,
+            grace_from: None,
+            grace_said: false,
         }
+    }
+
+    /// The grace period after `sig` runs until `until` (SIGKILL then); its start is kept for
+    /// the note.
+    fn grace_until(&mut self, sig: Signal, until: Instant) {
+        if !matches!(self.phase, Phase::Grace(_)) {
+            self.grace_from = Some((Instant::now(), sig));
+        }
+        self.phase = Phase::Grace(until);
+    }
+
+    /// When to say that the grace period is being waited through (None: said, or none).
+    fn grace_note(&self) -> Option<Instant> {
+        match (self.phase, self.grace_from, self.grace_said) {
+            (Phase::Grace(k), Some((from, _)), false) if k > from + GRACE_SAID => {
+                Some(from + GRACE_SAID)
+            }
+            _ => None,
+        }
+    }
+
+    /// Says which workers are still running after the polite signal, and until when nrun
+    /// waits for them.
+    fn say_grace(&mut self) {
+        self.grace_said = true;
+        let (Phase::Grace(kill_at), Some((_, sig))) = (self.phase, self.grace_from) else {
+            return;
+        };
+        let ranks: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|w| w.running())
+            .map(|w| w.rank.to_string())
+            .collect();
+        tracing::warn!(
+            "on {}: rank(s) {} still running {} s after {}; nrun waits up to {} s more \
+             (--shutdown-timeout), then sends SIGKILL (a worker that handles {3} and does not \
+             exit holds up the job's end: check its signal handler; a second Ctrl-C kills at \
+             once)",
+            nrun_base::net::hostname(),
+            nrun_base::few(&ranks, 8),
+            GRACE_SAID.as_secs(),
+            sig.as_str(),
+            kill_at.saturating_duration_since(Instant::now()).as_secs()
+        );
     }
 
     /// Whether to pass `sig` on now. One signal can reach a node's agent by several paths (the
@@ -626,7 +680,7 @@ impl Group {
     /// `sig` now, SIGKILL after the grace period.
     fn terminate(&mut self, sig: Signal) {
         self.signal(sig);
-        self.phase = Phase::Grace(Instant::now() + self.grace);
+        self.grace_until(sig, Instant::now() + self.grace);
     }
 
     fn kill(&mut self) {
@@ -693,10 +747,10 @@ impl Group {
                 let by = Instant::now() + grace;
                 self.signal(Signal::SIGTERM);
                 // A SIGKILL already due sooner stays due.
-                self.phase = match self.phase {
-                    Phase::Grace(k) => Phase::Grace(k.min(by)),
-                    _ => Phase::Grace(by),
-                };
+                match self.phase {
+                    Phase::Grace(k) => self.grace_until(Signal::SIGTERM, k.min(by)),
+                    _ => self.grace_until(Signal::SIGTERM, by),
+                }
             }
         }
     }
@@ -901,7 +955,7 @@ pub async fn run_group(
     // After Abandon the sender is gone; there is nothing more to hear.
     let mut stop = Some(stop);
     while group.running() > 0 {
-        let timer = group.timer();
+        let (timer, note) = (group.timer(), group.grace_note());
         tokio::select! {
             ev = exited.recv() => {
                 let Some((idx, exit, at)) = ev else { break };
@@ -919,6 +973,9 @@ pub async fn run_group(
             }
             _ = tokio::time::sleep_until(timer.unwrap_or_else(Instant::now)), if timer.is_some() => {
                 group.timer_passed();
+            }
+            _ = tokio::time::sleep_until(note.unwrap_or_else(Instant::now)), if note.is_some() => {
+                group.say_grace();
             }
         }
     }
