@@ -19,11 +19,28 @@ use std::time::{Duration, Instant};
 pub(crate) const HANG: Duration = Duration::from_secs(120);
 
 /// Polls `done` until it holds; panics naming `what` after [`HANG`] (a hang, not slowness).
-pub(crate) fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, done: impl FnMut() -> bool) {
+    wait_until_within(what, HANG, done);
+}
+
+/// As [`wait_until`], with a hang guard of `guard` (at least [`HANG`]) for work known to take
+/// long on a loaded machine (thousands of processes).
+pub(crate) fn wait_until_within(what: &str, guard: Duration, mut done: impl FnMut() -> bool) {
+    let guard = guard.max(HANG);
+    let end = Instant::now() + guard;
+    while !done() {
+        assert!(Instant::now() < end, "hung: waited {guard:?} for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// As [`wait_until`], inside async code: the runtime's other tasks (a store the test serves)
+/// run while it waits.
+pub(crate) async fn wait_until_async(what: &str, mut done: impl FnMut() -> bool) {
     let end = Instant::now() + HANG;
     while !done() {
         assert!(Instant::now() < end, "hung: waited {HANG:?} for {what}");
-        std::thread::sleep(Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
