@@ -182,27 +182,14 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
     let at = serve(store.clone()).await;
     let child = join(&s, at, id);
     let joined = format!("nrun/{OLD_RUN}/n1/joined").into_bytes();
-    let mut record = None;
-    // Polled until the node joins (2 minutes at most: a hang guard).
-    for _ in 0..2400 {
-        record = store.get(&joined);
-        if record.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_async("the node's Joined record", || store.get(&joined).is_some()).await;
     let record: serde_json::Value =
-        serde_json::from_slice(&record.expect("no Joined record")).unwrap();
+        serde_json::from_slice(&store.get(&joined).expect("no Joined record")).unwrap();
     let nonce = record["nonce"].as_str().unwrap().to_string();
     assert_eq!(nonce.len(), 32, "128 random bits, hex");
     store.set(&step_key(0), &captured(&secret, &marker, nonce.as_bytes()));
     let result = format!("nrun/{OLD_RUN}/n1/result/0").into_bytes();
-    for _ in 0..2400 {
-        if store.get(&result).is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_async("the live step's result", || store.get(&result).is_some()).await;
     store.set(format!("nrun/{OLD_RUN}/exit").as_bytes(), b"0");
     let end = nrun_store::auth::seal(
         secret.as_bytes(),
@@ -300,15 +287,8 @@ async fn a_c10d_step_result_is_sealed_in_the_store() {
     let at = serve(store.clone()).await;
     let child = join(&s, at, id);
     let joined = format!("nrun/{OLD_RUN}/n1/joined").into_bytes();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let record = loop {
-        if let Some(r) = store.get(&joined) {
-            break r;
-        }
-        assert!(std::time::Instant::now() < deadline, "no Joined record");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let record: serde_json::Value = serde_json::from_slice(&record).unwrap();
+    wait_until_async("the node's Joined record", || store.get(&joined).is_some()).await;
+    let record: serde_json::Value = serde_json::from_slice(&store.get(&joined).unwrap()).unwrap();
     let nonce = record["nonce"].as_str().unwrap().to_string();
     let step = serde_json::json!({"Run": {
         "workers": [{
@@ -328,13 +308,8 @@ async fn a_c10d_step_result_is_sealed_in_the_store() {
     );
     store.set(&step_key(0), &sealed);
     let key = format!("nrun/{OLD_RUN}/n1/result/0").into_bytes();
-    let raw = loop {
-        if let Some(r) = store.get(&key) {
-            break r;
-        }
-        assert!(std::time::Instant::now() < deadline, "no result published");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    wait_until_async("the step's result", || store.get(&key).is_some()).await;
+    let raw = store.get(&key).unwrap();
     store.set(format!("nrun/{OLD_RUN}/exit").as_bytes(), b"3");
     let end = nrun_store::auth::seal(
         secret.as_bytes(),
