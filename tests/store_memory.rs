@@ -275,7 +275,7 @@ fn nrun_pids(child: u32) -> Vec<u32> {
 /// Waits for nrun's store on `addr`; nrun ending first fails the test with its words.
 fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
     use std::io::Read;
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + HANG;
     while std::net::TcpStream::connect(addr).is_err() {
         if let Some(status) = child.try_wait().unwrap() {
             let mut err = String::new();
