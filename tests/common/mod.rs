@@ -2,7 +2,9 @@
 #![allow(dead_code)]
 
 pub(crate) mod chromium;
+pub(crate) mod setup;
 pub(crate) mod slurm;
+pub(crate) mod store;
 
 pub(crate) use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -252,6 +254,26 @@ pub(crate) fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output,
             );
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits for nrun's store on `addr` (nrun spawned with piped stderr); nrun ending first fails the test with its words.
+pub(crate) fn await_listen(child: &mut std::process::Child, addr: std::net::SocketAddr) {
+    use std::io::Read;
+    let deadline = Instant::now() + HANG;
+    while std::net::TcpStream::connect(addr).is_err() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            panic!("nrun ended ({status}) before its store listened on {addr}:\n{err}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nrun's store never listened on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
