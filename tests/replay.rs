@@ -9,25 +9,17 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
+use common::store::serve_store;
 use common::*;
-use nrun_store::{Store, server};
+use nrun_store::Store;
 
 const SHARED: &str = "a-shared-secret-of-this-cluster";
 /// The run whose keys the captured step was written under.
 const OLD_RUN: &str = "j-replay-4242";
 
 /// A store on a free port of this host; its address.
-async fn serve(store: Arc<Store>) -> SocketAddr {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    tokio::spawn(async move { server::serve(l, store, std::future::pending()).await });
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
 /// A step running one worker that writes its environment to `marker`, as a coordinator
 /// writes it.
 fn run_step(marker: &std::path::Path) -> Vec<u8> {
@@ -129,7 +121,7 @@ async fn a_fake_store_is_refused_before_any_step() {
         let marker = s.dir.path().join("ran-the-captured-step");
         host_keys(&store, id);
         store.set(&step_key(0), &captured(&secret, &marker, b"an-old-nonce"));
-        let at = serve(store).await;
+        let at = serve_store(store).await;
         let (code, all) = finish(join(&s, at, id)).await;
         assert_ne!(code, Some(0), "{all}");
         assert!(
@@ -160,7 +152,7 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
         let store = Store::with_secret(secret.clone().into_bytes());
         host_keys(&store, id);
         store.set(&step_key(0), &captured(&secret, &marker, old_nonce));
-        let at = serve(store).await;
+        let at = serve_store(store).await;
         let (code, all) = finish(join(&s, at, id)).await;
         assert_ne!(code, Some(0), "{all}");
         assert!(
@@ -179,7 +171,7 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
     let marker = s.dir.path().join("ran-the-live-step");
     let store = Store::with_secret(secret.clone().into_bytes());
     host_keys(&store, id);
-    let at = serve(store.clone()).await;
+    let at = serve_store(store.clone()).await;
     let child = join(&s, at, id);
     let joined = format!("nrun/{OLD_RUN}/n1/joined").into_bytes();
     wait_until_async("the node's Joined record", || store.get(&joined).is_some()).await;
@@ -262,7 +254,7 @@ async fn a_node_without_the_secret_is_told_why() {
     let secret = nrun_store::auth::derive(SHARED.as_bytes(), id);
     let store = Store::with_secret(secret.into_bytes());
     host_keys(&store, id);
-    let at = serve(store).await;
+    let at = serve_store(store).await;
     let s = Scene::new();
     let (code, all) = finish(join_with(&s, at, id, None)).await;
     assert_ne!(code, Some(0), "{all}");
@@ -284,7 +276,7 @@ async fn a_c10d_step_result_is_sealed_in_the_store() {
     let words = format!("Traceback-of-{}", s.tag);
     let store = Store::with_secret(secret.clone().into_bytes());
     host_keys(&store, id);
-    let at = serve(store.clone()).await;
+    let at = serve_store(store.clone()).await;
     let child = join(&s, at, id);
     let joined = format!("nrun/{OLD_RUN}/n1/joined").into_bytes();
     wait_until_async("the node's Joined record", || store.get(&joined).is_some()).await;

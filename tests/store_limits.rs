@@ -8,43 +8,24 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::store::{VALIDATE, raw_from, serve_store};
 use common::{
-    HANG, Scene, signal, text, torch_python, wait_until, wait_until_async, wait_with_timeout,
+    HANG, Scene, await_listen, signal, text, torch_python, wait_until, wait_until_async,
+    wait_with_timeout,
 };
+use nrun_store::Store;
 use nrun_store::client::Client;
 use nrun_store::protocol::Request;
 use nrun_store::server::Limits;
-use nrun_store::{Store, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpSocket, TcpStream};
-
-async fn start(store: Arc<Store>) -> SocketAddr {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    let s = store.clone();
-    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
+use tokio::net::TcpStream;
 
 fn enc(r: Request) -> Vec<u8> {
     let mut v = Vec::new();
     r.encode(&mut v);
     v
-}
-
-const VALIDATE: [u8; 5] = [0x00, 0xce, 0xf7, 0x85, 0x3c];
-
-/// A validated raw connection from `from` (any 127.0.0.x) to `addr`.
-async fn raw_from(from: [u8; 4], addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let sock = TcpSocket::new_v4()?;
-    sock.bind(SocketAddr::from((from, 0)))?;
-    let mut s = sock.connect(addr).await?;
-    s.write_all(&VALIDATE).await?;
-    Ok(s)
 }
 
 /// Whether the server closes `s` within `within`.
@@ -57,26 +38,6 @@ async fn closed(s: &mut TcpStream, within: Duration) -> bool {
             Ok(Ok(_)) => continue,
             Err(_) => return false,
         }
-    }
-}
-
-/// Waits for nrun's store on `addr`; nrun ending first fails the test with its words.
-fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
-    use std::io::Read;
-    let deadline = Instant::now() + HANG;
-    while std::net::TcpStream::connect(addr).is_err() {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut err);
-            }
-            panic!("nrun ended ({status}) before its store listened on {addr}:\n{err}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "nrun's store never listened on {addr}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -257,7 +218,7 @@ async fn a_client_that_never_reads_is_closed() {
         out_budget: 1 << 20,
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     c.set(b"/big", &vec![1u8; 4 << 20]).await.unwrap();
     assert_eq!(c.ping(1).await.unwrap(), 1);
@@ -301,7 +262,7 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
         frame_timeout: Duration::from_secs(1),
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let baseline = store.buffered_bytes();
     let mut frame = enc(Request::MultiSet {
         pairs: vec![(b"/k".to_vec(), vec![3u8; 8 << 20])],
@@ -358,7 +319,7 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
 async fn queue_pushes_are_refused_past_the_store_cap() {
     let store = Store::new();
     store.set_max_bytes(1 << 20);
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     // 1 KiB items: at most 1,024 fit.
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     let mut pushed = 0;
@@ -371,7 +332,7 @@ async fn queue_pushes_are_refused_past_the_store_cap() {
     // Empty items (pipelined, into a store of their own): each still costs its place.
     let store = Store::new();
     store.set_max_bytes(1 << 20);
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut s = raw_from([127, 0, 0, 1], addr).await.unwrap();
     let mut req = Vec::new();
     for i in 0..200_000u32 {
@@ -414,7 +375,7 @@ async fn queue_pushes_are_refused_past_the_store_cap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_of_many_large_keys_parses_in_linear_time() {
     let store = Store::new();
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     async fn check_time(addr: SocketAddr, n: usize) -> Duration {
         let keys: Vec<Vec<u8>> = (0..n)
             .map(|i| {
@@ -467,7 +428,7 @@ async fn many_idle_connections_do_not_lock_out_a_torch_client() {
         total: 600,
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut agent = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     agent.authenticate(b"s3cret").await.unwrap();
     agent.set(b"nrun/x", b"1").await.unwrap();
@@ -563,7 +524,7 @@ async fn unfinished_requests_share_one_budget() {
         partial_budget: 6 << 20,
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut frame = enc(Request::Set {
         key: b"/k".to_vec(),
         value: vec![3u8; 4 << 20],
@@ -601,7 +562,7 @@ async fn parked_waits_share_one_budget() {
         wait_budget: 1 << 20,
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let big = |tag: &str| {
         (0..100)
             .map(|i| {
