@@ -5,6 +5,7 @@ mod common;
 
 use std::net::TcpListener;
 
+use common::setup::c10d_args;
 use common::*;
 
 /// Bad input: exit 2, one line naming the problem, never a panic or backtrace.
@@ -392,21 +393,6 @@ fn a_c10d_join_failure_gets_a_hint_of_its_mode() {
         "{err}"
     );
     assert!(!err.contains("ssh"), "{err}");
-}
-
-fn c10d_args<'a>(endpoint: &'a str, id: &'a str, timeout: &'a str) -> Vec<&'a str> {
-    vec![
-        "--nnodes",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        id,
-        "--join-timeout",
-        timeout,
-    ]
 }
 
 /// Another job holding the endpoint (a single-node nrun on that port, a c10d job of another

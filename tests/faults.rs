@@ -169,23 +169,13 @@ fn job_args(s: &Scene, row: &Row, fault: &str, report: &str) -> Vec<String> {
 
 /// Waits until `n` ranks of attempt 0 marked themselves started.
 fn wait_started(s: &Scene, n: usize) {
-    let end = std::time::Instant::now() + GUARD;
-    loop {
-        let started = s
-            .marks()
+    wait_until_within(&format!("{n} ranks of attempt 0 to start"), GUARD, || {
+        let marks = s.marks();
+        let started = marks
             .iter()
-            .filter(|l| l.starts_with("started") && l.contains("attempt=0"))
-            .count();
-        if started >= n {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < end,
-            "ranks never started: {:?}",
-            s.marks()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+            .filter(|l| l.starts_with("started") && l.contains("attempt=0"));
+        started.count() >= n
+    });
 }
 
 /// Does the outside fault to node2 (or the launcher `child`).

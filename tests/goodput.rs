@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+use common::setup::{LEDGER_PHASES, hang_script, stopped_hang_args};
 use common::*;
 use serde_json::Value;
 
@@ -87,19 +88,7 @@ fn names(events: &[Value]) -> Vec<&str> {
 /// The phases of a ledger add up to its wall time within 1%, and every key is there.
 fn assert_adds_up(ledger: &Value) {
     let phases = ledger["phases"].as_object().unwrap();
-    for k in [
-        "launch",
-        "join",
-        "checks",
-        "preflight",
-        "starting",
-        "running",
-        "detecting",
-        "stopping",
-        "restarting",
-        "waiting",
-        "ending",
-    ] {
+    for k in LEDGER_PHASES {
         assert!(phases[k].as_f64().unwrap() >= 0.0, "{k}: {ledger}");
     }
     let sum: f64 = phases.values().map(|v| v.as_f64().unwrap()).sum();
@@ -408,25 +397,16 @@ fn a_hang_is_an_event_and_its_stall_is_detecting_time() {
     let s = Scene::new();
     let dir = s.dir.path();
     let (report, events) = (dir.join("report.json"), dir.join("events.jsonl"));
-    let script = format!("{}/tests/python/hang.py", env!("CARGO_MANIFEST_DIR"));
-    let out = s.run(
-        &[
-            "--nproc",
-            "2",
-            "--python",
-            &py,
-            "--hang-timeout",
-            "4",
-            "--on-hang",
-            "stop",
-            "--report",
-            report.to_str().unwrap(),
-            "--events",
-            events.to_str().unwrap(),
-            &script,
-        ],
-        &[("NRUN_HANG_CASE", "sleep")],
-    );
+    let script = hang_script();
+    let mut args = stopped_hang_args(&py);
+    args.extend([
+        "--report",
+        report.to_str().unwrap(),
+        "--events",
+        events.to_str().unwrap(),
+        &script,
+    ]);
+    let out = s.run(&args, &[("NRUN_HANG_CASE", "sleep")]);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(97), "{err}");
     let lines = events_of(&events);

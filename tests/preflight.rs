@@ -6,26 +6,16 @@ mod common;
 
 use std::path::PathBuf;
 
+use common::setup::net_preflight_args;
 use common::*;
 
 #[test]
 fn net_preflight_on_three_ranks_reports_and_passes() {
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
-    let out = s.run(
-        &[
-            "--preflight-only",
-            "--preflight",
-            "net",
-            "--nproc",
-            "3",
-            "--preflight-sizes",
-            "8:1M:4",
-            "--report",
-            report.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let mut args = net_preflight_args();
+    args.extend(["--report", report.to_str().unwrap()]);
+    let out = s.run(&args, &[]);
     let stdout = text(&out.stdout);
     assert_eq!(
         out.status.code(),

@@ -5,26 +5,14 @@
 
 mod common;
 
+use common::setup::{c10d_args, net_preflight_args};
 use common::*;
 
 /// A c10d host of 2 nodes whose second node is not started (yet): the join waits.
 fn c10d_host(endpoint: &str, timeout: &str) -> Vec<String> {
-    [
-        "--nnodes",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        "progress",
-        "--join-timeout",
-        timeout,
-        "--no-python",
-        "true",
-    ]
-    .map(String::from)
-    .to_vec()
+    let mut args = c10d_args(endpoint, "progress", timeout);
+    args.extend(["--no-python", "true"]);
+    args.into_iter().map(String::from).collect()
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
@@ -171,18 +159,7 @@ fn no_color_and_a_dumb_term_give_plain_lines() {
 #[test]
 fn the_preflight_says_each_size_as_it_is_measured() {
     let s = Scene::new();
-    let out = s.run(
-        &[
-            "--preflight-only",
-            "--preflight",
-            "net",
-            "--nproc",
-            "3",
-            "--preflight-sizes",
-            "8:1M:4",
-        ],
-        &[],
-    );
+    let out = s.run(&net_preflight_args(), &[]);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     let sizes = [

@@ -9,25 +9,17 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
+use common::store::serve_store;
 use common::*;
-use nrun_store::{Store, server};
+use nrun_store::Store;
 
 const SHARED: &str = "a-shared-secret-of-this-cluster";
 /// The run whose keys the captured step was written under.
 const OLD_RUN: &str = "j-replay-4242";
 
 /// A store on a free port of this host; its address.
-async fn serve(store: Arc<Store>) -> SocketAddr {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    tokio::spawn(async move { server::serve(l, store, std::future::pending()).await });
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
 /// A step running one worker that writes its environment to `marker`, as a coordinator
 /// writes it.
 fn run_step(marker: &std::path::Path) -> Vec<u8> {
@@ -129,7 +121,7 @@ async fn a_fake_store_is_refused_before_any_step() {
         let marker = s.dir.path().join("ran-the-captured-step");
         host_keys(&store, id);
         store.set(&step_key(0), &captured(&secret, &marker, b"an-old-nonce"));
-        let at = serve(store).await;
+        let at = serve_store(store).await;
         let (code, all) = finish(join(&s, at, id)).await;
         assert_ne!(code, Some(0), "{all}");
         assert!(
@@ -160,7 +152,7 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
         let store = Store::with_secret(secret.clone().into_bytes());
         host_keys(&store, id);
         store.set(&step_key(0), &captured(&secret, &marker, old_nonce));
-        let at = serve(store).await;
+        let at = serve_store(store).await;
         let (code, all) = finish(join(&s, at, id)).await;
         assert_ne!(code, Some(0), "{all}");
         assert!(
@@ -179,30 +171,17 @@ async fn a_step_sealed_for_an_earlier_join_is_refused() {
     let marker = s.dir.path().join("ran-the-live-step");
     let store = Store::with_secret(secret.clone().into_bytes());
     host_keys(&store, id);
-    let at = serve(store.clone()).await;
+    let at = serve_store(store.clone()).await;
     let child = join(&s, at, id);
     let joined = format!("nrun/{OLD_RUN}/n1/joined").into_bytes();
-    let mut record = None;
-    // Polled until the node joins (2 minutes at most: a hang guard).
-    for _ in 0..2400 {
-        record = store.get(&joined);
-        if record.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_async("the node's Joined record", || store.get(&joined).is_some()).await;
     let record: serde_json::Value =
-        serde_json::from_slice(&record.expect("no Joined record")).unwrap();
+        serde_json::from_slice(&store.get(&joined).expect("no Joined record")).unwrap();
     let nonce = record["nonce"].as_str().unwrap().to_string();
     assert_eq!(nonce.len(), 32, "128 random bits, hex");
     store.set(&step_key(0), &captured(&secret, &marker, nonce.as_bytes()));
     let result = format!("nrun/{OLD_RUN}/n1/result/0").into_bytes();
-    for _ in 0..2400 {
-        if store.get(&result).is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_async("the live step's result", || store.get(&result).is_some()).await;
     store.set(format!("nrun/{OLD_RUN}/exit").as_bytes(), b"0");
     let end = nrun_store::auth::seal(
         secret.as_bytes(),
@@ -275,7 +254,7 @@ async fn a_node_without_the_secret_is_told_why() {
     let secret = nrun_store::auth::derive(SHARED.as_bytes(), id);
     let store = Store::with_secret(secret.into_bytes());
     host_keys(&store, id);
-    let at = serve(store).await;
+    let at = serve_store(store).await;
     let s = Scene::new();
     let (code, all) = finish(join_with(&s, at, id, None)).await;
     assert_ne!(code, Some(0), "{all}");
@@ -297,18 +276,11 @@ async fn a_c10d_step_result_is_sealed_in_the_store() {
     let words = format!("Traceback-of-{}", s.tag);
     let store = Store::with_secret(secret.clone().into_bytes());
     host_keys(&store, id);
-    let at = serve(store.clone()).await;
+    let at = serve_store(store.clone()).await;
     let child = join(&s, at, id);
     let joined = format!("nrun/{OLD_RUN}/n1/joined").into_bytes();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let record = loop {
-        if let Some(r) = store.get(&joined) {
-            break r;
-        }
-        assert!(std::time::Instant::now() < deadline, "no Joined record");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let record: serde_json::Value = serde_json::from_slice(&record).unwrap();
+    wait_until_async("the node's Joined record", || store.get(&joined).is_some()).await;
+    let record: serde_json::Value = serde_json::from_slice(&store.get(&joined).unwrap()).unwrap();
     let nonce = record["nonce"].as_str().unwrap().to_string();
     let step = serde_json::json!({"Run": {
         "workers": [{
@@ -328,13 +300,8 @@ async fn a_c10d_step_result_is_sealed_in_the_store() {
     );
     store.set(&step_key(0), &sealed);
     let key = format!("nrun/{OLD_RUN}/n1/result/0").into_bytes();
-    let raw = loop {
-        if let Some(r) = store.get(&key) {
-            break r;
-        }
-        assert!(std::time::Instant::now() < deadline, "no result published");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    wait_until_async("the step's result", || store.get(&key).is_some()).await;
+    let raw = store.get(&key).unwrap();
     store.set(format!("nrun/{OLD_RUN}/exit").as_bytes(), b"3");
     let end = nrun_store::auth::seal(
         secret.as_bytes(),

@@ -278,7 +278,9 @@ fn the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires() {
         "{stderr}"
     );
     assert!(!stdout.contains(&format!("host={bad}")), "{stdout}");
-    // An entry older than --exclude-ttl counts no more (time passing: load only adds to it).
+    // An entry older than --exclude-ttl counts no more. Time passing is the subject, and the
+    // expiry is certain: the entry's time is written to the second rounded down, before the
+    // second job, and a sleep lasts at least as long as asked (load only adds to it).
     std::thread::sleep(Duration::from_millis(2100));
     let out = job(&["--exclude-ttl", "2"]);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));

@@ -18,11 +18,11 @@ mod common;
 use std::io::Write;
 use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
+use common::store::serve_store;
 use common::{nix_is_root, text, torch_python, wait_with_timeout};
-use nrun_store::{Store, server};
+use nrun_store::Store;
 
 /// Clients released at once.
 const CLIENTS: usize = 300;
@@ -61,11 +61,7 @@ async fn hundreds_of_torch_clients_connect_at_once_without_a_stall() {
         return;
     };
     let store = Store::new();
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    let s: Arc<Store> = store.clone();
-    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
+    let port = serve_store(store.clone()).await.port();
 
     let dir = tempfile::tempdir().unwrap();
     let hosts = dir.path().join("hosts");

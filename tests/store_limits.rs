@@ -8,41 +8,24 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{HANG, Scene, signal, text, torch_python, wait_with_timeout};
+use common::store::{VALIDATE, raw_from, serve_store};
+use common::{
+    HANG, Scene, await_listen, signal, text, torch_python, wait_until, wait_until_async,
+    wait_with_timeout,
+};
+use nrun_store::Store;
 use nrun_store::client::Client;
 use nrun_store::protocol::Request;
 use nrun_store::server::Limits;
-use nrun_store::{Store, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpSocket, TcpStream};
-
-async fn start(store: Arc<Store>) -> SocketAddr {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    let s = store.clone();
-    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
+use tokio::net::TcpStream;
 
 fn enc(r: Request) -> Vec<u8> {
     let mut v = Vec::new();
     r.encode(&mut v);
     v
-}
-
-const VALIDATE: [u8; 5] = [0x00, 0xce, 0xf7, 0x85, 0x3c];
-
-/// A validated raw connection from `from` (any 127.0.0.x) to `addr`.
-async fn raw_from(from: [u8; 4], addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let sock = TcpSocket::new_v4()?;
-    sock.bind(SocketAddr::from((from, 0)))?;
-    let mut s = sock.connect(addr).await?;
-    s.write_all(&VALIDATE).await?;
-    Ok(s)
 }
 
 /// Whether the server closes `s` within `within`.
@@ -58,24 +41,35 @@ async fn closed(s: &mut TcpStream, within: Duration) -> bool {
     }
 }
 
-/// Waits for nrun's store on `addr`; nrun ending first fails the test with its words.
-fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
-    use std::io::Read;
-    let deadline = Instant::now() + HANG;
-    while std::net::TcpStream::connect(addr).is_err() {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut err);
+/// The kernel's send and receive queues (bytes) of this machine's TCP sockets on local port
+/// `local` (and remote port `remote`, where given; a listening socket's receive queue is its
+/// backlog of connections not yet accepted), from /proc/net/tcp and tcp6.
+fn tcp_queues(local: u16, remote: Option<u16>) -> Vec<(u64, u64)> {
+    let port = |addr: &str| u16::from_str_radix(addr.rsplit(':').next()?, 16).ok();
+    let mut found = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let t = std::fs::read_to_string(table).unwrap_or_default();
+        for line in t.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let queues = f.get(4).and_then(|q| q.split_once(':'));
+            let (Some(l), Some(r), Some((tx, rx))) = (f.get(1), f.get(2), queues) else {
+                continue;
+            };
+            let remote_ok = remote.is_none_or(|want| port(r) == Some(want));
+            if port(l) == Some(local) && remote_ok {
+                let hex = |h: &str| u64::from_str_radix(h, 16).unwrap_or(0);
+                found.push((hex(tx), hex(rx)));
             }
-            panic!("nrun ended ({status}) before its store listened on {addr}:\n{err}");
         }
-        assert!(
-            Instant::now() < deadline,
-            "nrun's store never listened on {addr}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
     }
+    found
+}
+
+/// Whether the store on `port` took every connection off its listen queue (accepted it, or
+/// accepted and closed it past its caps).
+fn all_accepted(port: u16) -> bool {
+    let listening = tcp_queues(port, Some(0));
+    !listening.is_empty() && listening.iter().all(|&(_, backlog)| backlog == 0)
 }
 
 /// A torch TCPStore client's set/get against `port`, or nrun's client where torch is missing.
@@ -170,7 +164,17 @@ fn pipelined_gets_of_a_large_value_stay_within_an_address_space_limit() {
         }));
     }
     conn.write_all(&req).unwrap();
-    // Not reading: the store must pause this connection, not build 8 GiB of replies.
+    // Not reading: the store must pause this connection, not build 8 GiB of replies. It has
+    // answered as far as the socket takes (its end's send queue backs up: the SET and GETs
+    // were read and replies are waiting on this client) ...
+    let mine = conn.local_addr().unwrap().port();
+    wait_until(
+        "the store's replies to back up on a client that does not read",
+        || tcp_queues(port, Some(mine)).iter().any(|&(tx, _)| tx > 0),
+    );
+    // ... and a store that did not pause would grow past the bound below in milliseconds
+    // (32 replies past its budget): this is time for such a store to show, not a wait for an
+    // event.
     std::thread::sleep(Duration::from_secs(3));
     let paused = rss_mib();
     // Reading: the replies flow (each is the 8-byte length, then the value).
@@ -214,7 +218,7 @@ async fn a_client_that_never_reads_is_closed() {
         out_budget: 1 << 20,
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     c.set(b"/big", &vec![1u8; 4 << 20]).await.unwrap();
     assert_eq!(c.ping(1).await.unwrap(), 1);
@@ -227,26 +231,18 @@ async fn a_client_that_never_reads_is_closed() {
     }
     // Counted by the store first (its accept may lag the client's connect on a busy host),
     // so that the wait below sees this connection close, not its arrival.
-    let deadline = Instant::now() + HANG;
-    while store.connections() < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the store never took the connection"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async("the store to take the connection", || {
+        store.connections() >= 2
+    })
+    .await;
     // Timed from before the request: the store cannot give up sooner than the stall time.
     let t0 = Instant::now();
     s.write_all(&req).await.unwrap();
     // Wait for the store to give up on it, without reading; then the reads see the close.
-    let deadline = Instant::now() + HANG;
-    while store.connections() > 1 {
-        assert!(
-            Instant::now() < deadline,
-            "a client that never reads is still connected"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_async("the store to close a client that never reads", || {
+        store.connections() <= 1
+    })
+    .await;
     assert!(
         t0.elapsed() >= Duration::from_millis(950),
         "closed too early: {:?}",
@@ -266,7 +262,7 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
         frame_timeout: Duration::from_secs(1),
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let baseline = store.buffered_bytes();
     let mut frame = enc(Request::MultiSet {
         pairs: vec![(b"/k".to_vec(), vec![3u8; 8 << 20])],
@@ -275,11 +271,10 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
     let mut s = raw_from([127, 0, 0, 1], addr).await.unwrap();
     s.write_all(&frame).await.unwrap();
     let t0 = Instant::now();
-    let deadline = Instant::now() + HANG;
-    while store.buffered_bytes() < baseline + (8 << 20) {
-        assert!(Instant::now() < deadline, "the frame was never buffered");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async("the frame to be buffered", || {
+        store.buffered_bytes() >= baseline + (8 << 20)
+    })
+    .await;
     // A second one trickles a byte every 200 ms.
     let mut t = raw_from([127, 0, 0, 1], addr).await.unwrap();
     let trickle = tokio::spawn(async move {
@@ -307,15 +302,10 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
         "closed after {took:?}"
     );
     assert!(trickle.await.unwrap(), "a trickled request was served");
-    let deadline = Instant::now() + HANG;
-    while store.buffered_bytes() > baseline + (1 << 20) {
-        assert!(
-            Instant::now() < deadline,
-            "{} bytes still buffered",
-            store.buffered_bytes()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async("the closed frames' buffers to be given back", || {
+        store.buffered_bytes() <= baseline + (1 << 20)
+    })
+    .await;
     assert!(store.get(b"/k").is_none() && store.get(b"/t").is_none());
     // Whole requests are served as ever, however slow the client between them.
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
@@ -329,7 +319,7 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
 async fn queue_pushes_are_refused_past_the_store_cap() {
     let store = Store::new();
     store.set_max_bytes(1 << 20);
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     // 1 KiB items: at most 1,024 fit.
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     let mut pushed = 0;
@@ -342,7 +332,7 @@ async fn queue_pushes_are_refused_past_the_store_cap() {
     // Empty items (pipelined, into a store of their own): each still costs its place.
     let store = Store::new();
     store.set_max_bytes(1 << 20);
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut s = raw_from([127, 0, 0, 1], addr).await.unwrap();
     let mut req = Vec::new();
     for i in 0..200_000u32 {
@@ -385,7 +375,7 @@ async fn queue_pushes_are_refused_past_the_store_cap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_of_many_large_keys_parses_in_linear_time() {
     let store = Store::new();
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     async fn check_time(addr: SocketAddr, n: usize) -> Duration {
         let keys: Vec<Vec<u8>> = (0..n)
             .map(|i| {
@@ -438,7 +428,7 @@ async fn many_idle_connections_do_not_lock_out_a_torch_client() {
         total: 600,
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut agent = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     agent.authenticate(b"s3cret").await.unwrap();
     agent.set(b"nrun/x", b"1").await.unwrap();
@@ -451,7 +441,11 @@ async fn many_idle_connections_do_not_lock_out_a_torch_client() {
             }
         }
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every one of them went through the caps (accepted, or accepted and closed).
+    wait_until_async("the store to accept every idle socket", || {
+        all_accepted(addr.port())
+    })
+    .await;
     assert!(store.connections() <= 600, "{} open", store.connections());
     let port = addr.port();
     // The client's own 20 s timeout (connect retries included) is the check: locked out, it
@@ -499,8 +493,11 @@ fn idle_sockets_never_run_nrun_out_of_file_descriptors() {
                 idle.push(s);
             }
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
         idle
+    });
+    // Every one of them went through nrun's caps (accepted, or accepted and closed).
+    wait_until("nrun's store to accept every idle socket", || {
+        all_accepted(port)
     });
     assert!(
         child.try_wait().unwrap().is_none(),
@@ -527,7 +524,7 @@ async fn unfinished_requests_share_one_budget() {
         partial_budget: 6 << 20,
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut frame = enc(Request::Set {
         key: b"/k".to_vec(),
         value: vec![3u8; 4 << 20],
@@ -535,14 +532,10 @@ async fn unfinished_requests_share_one_budget() {
     frame.truncate(frame.len() - 1);
     let mut a = raw_from([127, 0, 0, 1], addr).await.unwrap();
     a.write_all(&frame).await.unwrap();
-    let deadline = Instant::now() + HANG;
-    while store.buffered_bytes() < 4 << 20 {
-        assert!(
-            Instant::now() < deadline,
-            "the first frame was never buffered"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async("the first frame to be buffered", || {
+        store.buffered_bytes() >= 4 << 20
+    })
+    .await;
     let mut b = raw_from([127, 0, 0, 2], addr).await.unwrap();
     let _ = b.write_all(&frame).await;
     assert!(
@@ -553,14 +546,10 @@ async fn unfinished_requests_share_one_budget() {
     // The first finishes and is served; small requests always are.
     a.write_all(&[3]).await.unwrap();
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
-    let deadline = Instant::now() + HANG;
-    while store.get(b"/k").is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "the first request was not served"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async("the first request to be served", || {
+        store.get(b"/k").is_some()
+    })
+    .await;
     assert_eq!(c.get(b"/k").await.unwrap().len(), 4 << 20);
 }
 
@@ -573,7 +562,7 @@ async fn parked_waits_share_one_budget() {
         wait_budget: 1 << 20,
         ..Limits::default()
     });
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let big = |tag: &str| {
         (0..100)
             .map(|i| {
@@ -588,11 +577,7 @@ async fn parked_waits_share_one_budget() {
     a.write_all(&enc(Request::Wait { keys: big("a") }))
         .await
         .unwrap();
-    let deadline = Instant::now() + HANG;
-    while store.pending_waits().0 < 1 {
-        assert!(Instant::now() < deadline, "the first wait never parked");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async("the first wait to park", || store.pending_waits().0 >= 1).await;
     let mut b = raw_from([127, 0, 0, 1], addr).await.unwrap();
     b.write_all(&enc(Request::Wait { keys: big("b") }))
         .await
@@ -616,18 +601,16 @@ async fn parked_waits_share_one_budget() {
     );
     // The first wait ends (its connection goes): its share comes back.
     drop(a);
-    let deadline = Instant::now() + HANG;
-    while store.pending_waits() != (0, 0, 0) {
-        assert!(Instant::now() < deadline, "{:?}", store.pending_waits());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async("the ended waits to give their share back", || {
+        store.pending_waits() == (0, 0, 0)
+    })
+    .await;
     let mut d = raw_from([127, 0, 0, 1], addr).await.unwrap();
     d.write_all(&enc(Request::Wait { keys: big("d") }))
         .await
         .unwrap();
-    let deadline = Instant::now() + HANG;
-    while store.pending_waits().0 < 1 {
-        assert!(Instant::now() < deadline, "the budget was not given back");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async("a wait to park in the budget given back", || {
+        store.pending_waits().0 >= 1
+    })
+    .await;
 }

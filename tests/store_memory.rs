@@ -11,40 +11,22 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::store::{raw_from, serve_store};
 use common::*;
+use nrun_store::Store;
 use nrun_store::client::Client;
 use nrun_store::protocol::{MAX_VALUE_LEN, Request};
-use nrun_store::{Store, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
-const VALIDATE: [u8; 5] = [0x00, 0xce, 0xf7, 0x85, 0x3c];
 const VALUE: usize = MAX_VALUE_LEN as usize;
 
 fn enc(r: Request) -> Vec<u8> {
     let mut v = Vec::new();
     r.encode(&mut v);
     v
-}
-
-async fn start(store: Arc<Store>) -> SocketAddr {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    tokio::spawn(async move { server::serve(l, store, std::future::pending()).await });
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
-/// A validated raw connection from `from` (any 127.0.0.x: another "host") to `addr`.
-async fn raw_from(from: [u8; 4], addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let sock = TcpSocket::new_v4()?;
-    sock.bind(SocketAddr::from((from, 0)))?;
-    let mut s = sock.connect(addr).await?;
-    s.write_all(&VALIDATE).await?;
-    Ok(s)
 }
 
 /// Whether the server closes `s` (reading and dropping whatever it sends first).
@@ -102,7 +84,7 @@ fn torch_set_get(port: u16, key: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn append_past_the_value_limit_is_refused() {
     let store = Store::new();
-    let addr = start(store.clone()).await;
+    let addr = serve_store(store.clone()).await;
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     c.set(b"/v", &vec![1u8; VALUE - 10]).await.unwrap();
     // Up to the limit exactly: taken.
@@ -270,26 +252,6 @@ fn nrun_pids(child: u32) -> Vec<u32> {
         }
     }
     pids
-}
-
-/// Waits for nrun's store on `addr`; nrun ending first fails the test with its words.
-fn await_listen(child: &mut std::process::Child, addr: SocketAddr) {
-    use std::io::Read;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(addr).is_err() {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut err);
-            }
-            panic!("nrun ended ({status}) before its store listened on {addr}:\n{err}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "nrun's store never listened on {addr}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// What a test says when nrun's store stops answering mid-attack.

@@ -8,7 +8,7 @@
 mod common;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -302,19 +302,13 @@ fn a_killed_or_interrupted_launcher_leaves_nothing_in_the_tree() {
 /// Waits until each of `n` workers has written "RANK PPID" to the mark file, then kills rank
 /// `rank`'s agent (its worker's parent) outright.
 fn kill_agent_of_rank(s: &Scene, rank: usize, n: usize) {
-    let t0 = Instant::now();
-    let agent = loop {
-        let marks = s.marks();
-        if marks.len() >= n {
-            let line = marks
-                .iter()
-                .find(|m| m.split(' ').next() == Some(rank.to_string().as_str()))
-                .unwrap();
-            break line.split(' ').nth(1).unwrap().to_string();
-        }
-        assert!(t0.elapsed() < HANG, "hung: {marks:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    wait_until(&format!("{n} workers' marks"), || s.marks().len() >= n);
+    let marks = s.marks();
+    let line = marks
+        .iter()
+        .find(|m| m.split(' ').next() == Some(rank.to_string().as_str()))
+        .unwrap();
+    let agent = line.split(' ').nth(1).unwrap().to_string();
     signal_pid(&agent, "KILL");
 }
 

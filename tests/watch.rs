@@ -5,11 +5,8 @@
 
 mod common;
 
+use common::setup::{hang_script, stopped_hang_args};
 use common::*;
-
-fn script() -> String {
-    format!("{}/tests/python/hang.py", env!("CARGO_MANIFEST_DIR"))
-}
 
 /// Runs hang.py's `case` on `nproc` ranks with extra flags; returns (exit code, stderr).
 fn hang(
@@ -20,7 +17,7 @@ fn hang(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> (Option<i32>, String) {
-    let script = script();
+    let script = hang_script();
     let mut args = vec!["--nproc", nproc, "--python", py];
     args.extend_from_slice(extra);
     args.push(&script);
@@ -102,7 +99,7 @@ fn a_rank_that_polls_instead_of_entering_the_collective_is_the_culprit() {
     let _one = serial();
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
-    let script = script();
+    let script = hang_script();
     let child = s.spawn(
         &[
             "--nproc",
@@ -310,7 +307,7 @@ fn the_watch_follows_a_restarted_group_and_the_report_says_how_the_job_ended() {
     let _one = serial();
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
-    let script = script();
+    let script = hang_script();
     let out = s.run(
         &[
             "--nproc",
@@ -394,7 +391,7 @@ fn a_hang_under_a_no_python_wrapper_is_named() {
     let Some(py) = python("wrapper") else { return };
     let _one = serial();
     let s = Scene::new();
-    let script = script();
+    let script = hang_script();
     for wrapper in [
         format!("exec {py} {script}"),
         format!("{py} {script}; exit $?"),
@@ -455,25 +452,11 @@ fn a_hang_across_hosts_names_the_rank_and_its_host() {
         return;
     };
     let s = Scene::new();
-    let script = script();
-    let out = c.run_on(
-        &s,
-        2,
-        &[
-            "-x",
-            "NRUN_HANG_CASE=sleep",
-            "--nproc",
-            "2",
-            "--python",
-            &py,
-            "--hang-timeout",
-            "4",
-            "--on-hang",
-            "stop",
-            &script,
-        ],
-        &[],
-    );
+    let script = hang_script();
+    let mut args = vec!["-x", "NRUN_HANG_CASE=sleep"];
+    args.extend(stopped_hang_args(&py));
+    args.push(&script);
+    let out = c.run_on(&s, 2, &args, &[]);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(97), "{err}");
     assert!(
@@ -503,7 +486,7 @@ fn an_elastic_group_that_re_forms_while_training_raises_no_false_hang() {
         return;
     };
     let s = Scene::new();
-    let script = script();
+    let script = hang_script();
     let hosts = c.hosts(3);
     let opts = c.ssh_opts();
     let child = s.spawn(

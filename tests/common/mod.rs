@@ -2,7 +2,9 @@
 #![allow(dead_code)]
 
 pub(crate) mod chromium;
+pub(crate) mod setup;
 pub(crate) mod slurm;
+pub(crate) mod store;
 
 pub(crate) use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -19,11 +21,28 @@ use std::time::{Duration, Instant};
 pub(crate) const HANG: Duration = Duration::from_secs(120);
 
 /// Polls `done` until it holds; panics naming `what` after [`HANG`] (a hang, not slowness).
-pub(crate) fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, done: impl FnMut() -> bool) {
+    wait_until_within(what, HANG, done);
+}
+
+/// As [`wait_until`], with a hang guard of `guard` (at least [`HANG`]) for work known to take
+/// long on a loaded machine (thousands of processes).
+pub(crate) fn wait_until_within(what: &str, guard: Duration, mut done: impl FnMut() -> bool) {
+    let guard = guard.max(HANG);
+    let end = Instant::now() + guard;
+    while !done() {
+        assert!(Instant::now() < end, "hung: waited {guard:?} for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// As [`wait_until`], inside async code: the runtime's other tasks (a store the test serves)
+/// run while it waits.
+pub(crate) async fn wait_until_async(what: &str, mut done: impl FnMut() -> bool) {
     let end = Instant::now() + HANG;
     while !done() {
         assert!(Instant::now() < end, "hung: waited {HANG:?} for {what}");
-        std::thread::sleep(Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -235,6 +254,26 @@ pub(crate) fn wait_with_timeout(mut child: Child, timeout: Duration) -> (Output,
             );
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits for nrun's store on `addr` (nrun spawned with piped stderr); nrun ending first fails the test with its words.
+pub(crate) fn await_listen(child: &mut std::process::Child, addr: std::net::SocketAddr) {
+    use std::io::Read;
+    let deadline = Instant::now() + HANG;
+    while std::net::TcpStream::connect(addr).is_err() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            panic!("nrun ended ({status}) before its store listened on {addr}:\n{err}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nrun's store never listened on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

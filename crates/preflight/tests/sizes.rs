@@ -2,22 +2,21 @@
 //! (as the preflight worker does, over a client connection) and the launcher reads them from
 //! the store it hosts, in order, as they come.
 
+// The workspace's one way to serve a store in a test (tests/common/store.rs).
+#[path = "../../../tests/common/store.rs"]
+mod served;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use nrun_preflight::{Mode, Row, Settings, SizeReader};
+use nrun_store::Store;
 use nrun_store::client::Client;
-use nrun_store::{Store, server};
 
 async fn start() -> (SocketAddr, Arc<Store>) {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
     let store = Store::new();
-    let s = store.clone();
-    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
-    (SocketAddr::from(([127, 0, 0, 1], port)), store)
+    (served::serve_store(store.clone()).await, store)
 }
 
 fn settings() -> Settings {

@@ -1,13 +1,17 @@
 //! The store over real sockets: nrun's client and raw protocol bytes against nrun's server.
 //! (Compatibility with torch's own client is in tests/torch.rs.)
 
+// The workspace's one way to serve a store in a test (tests/common/store.rs).
+#[path = "../../../tests/common/store.rs"]
+mod served;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use nrun_store::Store;
 use nrun_store::client::Client;
 use nrun_store::protocol::{Request, STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED};
-use nrun_store::{Store, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -32,13 +36,8 @@ async fn parked(store: &Store, n: usize) {
 }
 
 async fn start() -> (SocketAddr, Arc<Store>) {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
     let store = Store::new();
-    let s = store.clone();
-    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
-    (SocketAddr::from(([127, 0, 0, 1], port)), store)
+    (served::serve_store(store.clone()).await, store)
 }
 
 async fn client(addr: SocketAddr) -> Client {
@@ -47,13 +46,8 @@ async fn client(addr: SocketAddr) -> Client {
 
 /// nrun's store with `secret`, served on a loopback port of its own.
 async fn serve_with_secret(secret: &[u8]) -> (std::sync::Arc<Store>, SocketAddr) {
-    let l = server::bind(0).unwrap();
-    let port = l.local_addr().unwrap().port();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
     let store = Store::with_secret(secret.to_vec());
-    let s = store.clone();
-    tokio::spawn(async move { server::serve(l, s, std::future::pending()).await });
-    (store, SocketAddr::from(([127, 0, 0, 1], port)))
+    (store.clone(), served::serve_store(store).await)
 }
 
 async fn raw(addr: SocketAddr) -> TcpStream {

@@ -20,6 +20,9 @@ const LOOKED_AWAY: Duration = Duration::from_millis(500);
 pub(crate) struct Heartbeat {
     last: Option<(Vec<u8>, Instant)>,
     looked: Option<Instant>,
+    /// The whole seconds of stillness last logged (debug, once a second while still): the
+    /// record that this host counted that long and did not call the node lost.
+    said: u64,
 }
 
 impl Heartbeat {
@@ -36,7 +39,7 @@ impl Heartbeat {
         // The store removes the counter when the agent's connection closes: the agent ended,
         // or its process was killed (its kernel closed the socket). Silence is for the rest.
         let closed = beat.is_empty() && self.last.as_ref().is_some_and(|(v, _)| !v.is_empty());
-        let quiet = self.quiet(beat, Instant::now());
+        let quiet = self.quiet(node, beat, Instant::now());
         let why = match (stopped, closed, quiet > bus.silence) {
             (true, ..) => "stopped its workers when its link to this host broke".to_string(),
             (false, true, _) => {
@@ -58,13 +61,13 @@ impl Heartbeat {
     /// How long node `node`'s heartbeat has been still, once that is longer than the bus's
     /// silence.
     pub(crate) fn silent(&mut self, bus: &Bus, node: usize) -> Option<Duration> {
-        let quiet = self.quiet(bus.heartbeat(node), Instant::now());
+        let quiet = self.quiet(node, bus.heartbeat(node), Instant::now());
         (quiet > bus.silence).then_some(quiet)
     }
 
     /// How long the heartbeat has been still at `now`, not counting time this process spent
     /// elsewhere (a launch host under load must not call its nodes dead).
-    fn quiet(&mut self, beat: Vec<u8>, now: Instant) -> Duration {
+    fn quiet(&mut self, node: usize, beat: Vec<u8>, now: Instant) -> Duration {
         if let (Some(looked), Some((_, since))) = (self.looked, self.last.as_mut()) {
             let away = now - looked;
             if away > LOOKED_AWAY {
@@ -74,10 +77,18 @@ impl Heartbeat {
         self.looked = Some(now);
         if self.last.as_ref().is_none_or(|(v, _)| *v != beat) {
             self.last = Some((beat, now));
+            self.said = 0;
         }
-        self.last
-            .as_ref()
-            .map_or(Duration::ZERO, |(_, t)| now.saturating_duration_since(*t))
+        let Some((beat, since)) = self.last.as_ref() else {
+            return Duration::ZERO;
+        };
+        let quiet = now.saturating_duration_since(*since);
+        // Counted stillness, for the debug log (no counter yet: not joined, nothing to say).
+        if quiet.as_secs() > self.said && !beat.is_empty() {
+            self.said = quiet.as_secs();
+            tracing::debug!("node {node}'s heartbeat has been still for {} s", self.said);
+        }
+        quiet
     }
 }
 
