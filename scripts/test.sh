@@ -27,10 +27,17 @@ command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need_apt+=(i
 # The wheel's checks: objdump reads its GLIBC versions, debootstrap makes the old Debian.
 command -v objdump >/dev/null 2>&1 || need_apt+=(binutils)
 command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need_apt+=(debootstrap)
+# The incident report's page is loaded in a real browser; the metrics are checked by promtool.
+command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ] || need_apt+=(chromium)
+[ -x /usr/bin/promtool ] || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "test.sh: installing ${need_apt[*]}" >&2
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}") >/dev/null
+    # prometheus' package would start its server: services are kept from starting.
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends "${need_apt[@]}") >/dev/null
+    rm -f /usr/sbin/policy-rc.d
   else
     echo "test.sh: missing ${need_apt[*]} (not root: install them yourself)" >&2
   fi
@@ -50,6 +57,8 @@ fi
 
 venv=$(scripts/venv.sh)
 export NRUN_TEST_PYTHON="$venv/bin/python"
+# A test whose tool above is missing fails here instead of skipping (tests/common missing_tool).
+export NRUN_TEST_REQUIRE_TOOLS=1
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings

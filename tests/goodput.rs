@@ -16,12 +16,15 @@ use serde_json::Value;
 const FAILS_ONCE: &str = "echo \"rank $RANK attempt $TORCHELASTIC_RESTART_COUNT\"; \
     if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 1; fi";
 
-/// `promtool check metrics` on `text`: None when promtool is not installed (said), else its
-/// exit status and output.
+/// `promtool check metrics` on `text`: None when promtool is not installed (`missing_tool`),
+/// else its exit status and output.
 fn promtool(text: &str) -> Option<(bool, String)> {
     let bin = Path::new("/usr/bin/promtool");
     if !bin.exists() {
-        eprintln!("SKIPPED the promtool check: /usr/bin/promtool is not installed");
+        missing_tool(
+            "the promtool check",
+            "promtool (Debian's `prometheus` package)",
+        );
         return None;
     }
     let mut c = Command::new(bin)

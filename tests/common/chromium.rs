@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::{HANG, Scene, wait_with_timeout};
 
-/// Debian's chromium, else one on PATH; None (the test says it skipped) when there is none.
+/// Debian's chromium, else one on PATH; None when there is none (see `missing_tool`).
 pub(crate) fn chromium(test: &str) -> Option<PathBuf> {
     let found = std::iter::once(PathBuf::from("/usr/bin/chromium")).chain(
         std::env::var_os("PATH")
@@ -24,7 +24,7 @@ pub(crate) fn chromium(test: &str) -> Option<PathBuf> {
             return Some(c);
         }
     }
-    eprintln!("SKIPPED {test}: no chromium installed (Debian's `chromium` package)");
+    super::missing_tool(test, "chromium (Debian's `chromium` package)");
     None
 }
 

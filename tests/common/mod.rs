@@ -46,6 +46,16 @@ pub(crate) async fn wait_until_async(what: &str, mut done: impl FnMut() -> bool)
     }
 }
 
+/// A test whose tool (`tool`, installed by scripts/test.sh) is missing: skipped and said when
+/// run by hand; a failure under scripts/test.sh (NRUN_TEST_REQUIRE_TOOLS=1), where a skip would
+/// let CI pass a check it never ran.
+pub(crate) fn missing_tool(test: &str, tool: &str) {
+    if std::env::var_os("NRUN_TEST_REQUIRE_TOOLS").is_some_and(|v| v == "1") {
+        panic!("{test}: {tool} is not installed; scripts/test.sh installs it (apt-get)");
+    }
+    eprintln!("SKIPPED {test}: {tool} is not installed (scripts/test.sh installs it)");
+}
+
 pub(crate) fn nrun_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_nrun"))
 }
