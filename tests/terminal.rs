@@ -387,3 +387,41 @@ fn workers_see_a_terminal_of_nruns_width() {
     }
     s.assert_no_survivors();
 }
+
+/// A resized terminal resizes the workers' terminals, less the prefix, and each worker gets
+/// SIGWINCH, as under torchrun, whose workers share the terminal: with rank 0 holding the
+/// terminal's foreground (it reads stdin; the terminal's SIGWINCH goes to it, not to nrun) and
+/// with `--stdin none` (nrun's own SIGWINCH).
+#[test]
+fn a_resized_terminal_resizes_the_workers() {
+    let Some(py) = python() else { return };
+    let resize = script("terminal_resize.py");
+    for stdin in ["0", "none"] {
+        let s = Scene::new();
+        let mut cmd = std::process::Command::new("python3");
+        cmd.arg(script("pty_drive.py"))
+            .args(["resize-ready", "", "resize-ready", "@resize 120x40"])
+            .arg("--")
+            .arg(nrun_bin())
+            .args(["--nproc", "2", "--watch", "off", "--stdin", stdin])
+            .args(["--python", &py, &resize])
+            .env("PTY_SIZE", "100x30")
+            .env("WANT", "111x40")
+            .env("NRUN_TEST_TAG", &s.tag)
+            .env("MARK", s.mark());
+        let out = cmd.output().unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let t: String = v["chunks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c[1].as_str().unwrap())
+            .collect();
+        assert_eq!(v["status"].as_i64(), Some(0), "--stdin {stdin}: {t}");
+        for r in 0..2 {
+            let want = format!("rank {r} resized to (111, 40) on SIGWINCH");
+            assert!(t.contains(&want), "--stdin {stdin}: {want}: {t:?}");
+        }
+        s.assert_no_survivors();
+    }
+}

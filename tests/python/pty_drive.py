@@ -5,6 +5,8 @@ showed as JSON: {"chunks": [[seconds since start, text], ...], "status": exit co
     pty_drive.py [PATTERN TEXT]... -- COMMAND [ARGS]...
 
 PTY_SIZE=COLSxROWS in the environment sets the terminal's size (else the pty's own, 0 x 0).
+A TEXT of "@resize COLSxROWS" resizes the terminal instead of typing (its foreground process
+group gets SIGWINCH, as from a terminal window made larger).
 """
 import fcntl
 import json
@@ -45,7 +47,12 @@ while time.time() - t0 < 120:
     seen += data
     while answers and answers[0][0] in seen:
         seen = seen.split(answers[0][0], 1)[1]
-        os.write(fd, answers[0][1])
+        text = answers[0][1]
+        if text.startswith(b"@resize "):
+            cols, rows = (int(v) for v in text[8:].decode().split("x"))
+            fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        else:
+            os.write(fd, text)
         answers.pop(0)
 else:
     os.kill(pid, 9)

@@ -441,6 +441,9 @@ struct Worker {
     exit: Option<(Exit, SystemTime)>,
     tail: Tail,
     error_file: PathBuf,
+    /// Its terminals' master sides (copies; the pumps read the originals), with the rank
+    /// prefix their width is less: resized as nrun's terminal is ([`Group::follow_console`]).
+    ptys: Option<(String, Vec<(Stream, std::os::fd::OwnedFd)>)>,
 }
 
 impl Worker {
@@ -450,18 +453,24 @@ impl Worker {
         idx: usize,
         start: Start,
         child: vfork::Spawned,
-        out: &Output,
+        (out, prefix): (&Output, &str),
         pumps: &mut Vec<(usize, JoinHandle<()>)>,
         exits: &mpsc::UnboundedSender<(usize, Exit, SystemTime)>,
     ) -> Worker {
         let pid = child.pid as u32;
         let tail: Tail = Arc::new(Mutex::new(Default::default()));
+        let mut masters = Vec::new();
         // A pipe tokio cannot take (never seen: pipe2 made them) loses that stream's output, not
         // the worker.
         for ((fd, tty), stream, name, tail) in [
             (child.stdout, Stream::Out, "stdout", None),
             (child.stderr, Stream::Err, "stderr", Some(tail.clone())),
         ] {
+            // A copy of a terminal's master side, to resize it; none where the copy fails
+            // (out of descriptors): the worker keeps its first size.
+            if let (true, Ok(m)) = (tty, fd.try_clone()) {
+                masters.push((stream, m));
+            }
             let read = match tty {
                 // A terminal's master side (non-blocking already): read as a pipe is; its end
                 // reads as EIO, which the pump takes for the end.
@@ -494,6 +503,7 @@ impl Worker {
             exit: None,
             tail,
             error_file: start.error_file,
+            ptys: (!masters.is_empty()).then(|| (prefix.to_string(), masters)),
         }
     }
 
@@ -581,6 +591,8 @@ struct Group {
     /// wait for the workers to end was said (once it took [`GRACE_SAID`]).
     grace_from: Option<(Instant, Signal)>,
     grace_said: bool,
+    /// nrun's terminal's size (stdout's, stderr's) as the workers' terminals last followed it.
+    console: [Option<output::Tty>; 2],
 }
 
 /// A grace period longer than this is not waited through silently.
@@ -598,6 +610,33 @@ impl Group {
             passed_on: None,
             grace_from: None,
             grace_said: false,
+            console: [Stream::Out, Stream::Err].map(output::console_size),
+        }
+    }
+
+    /// nrun's terminal was resized (or may have been): each running worker's terminals take
+    /// the new size less its prefix, and its process group gets SIGWINCH, as a program at the
+    /// terminal itself would (theirs are no one's controlling terminal, so the kernel sends
+    /// none).
+    fn follow_console(&mut self) {
+        let now = [Stream::Out, Stream::Err].map(output::console_size);
+        if now == self.console {
+            return;
+        }
+        self.console = now;
+        for w in self.workers.iter().filter(|w| w.running()) {
+            let Some((prefix, masters)) = &w.ptys else {
+                continue;
+            };
+            let mut resized = false;
+            for (stream, m) in masters {
+                if let Some(t) = output::Tty::of_console(*stream, prefix) {
+                    resized |= t.set(m).is_ok();
+                }
+            }
+            if resized {
+                w.group.signal(Signal::SIGWINCH);
+            }
         }
     }
 
@@ -907,6 +946,7 @@ pub async fn run_group(
     };
     let (starts, outputs): (Vec<Start>, Vec<WorkerOutput>) =
         workers.into_iter().map(Start::split).unzip();
+    let prefixes: Vec<String> = outputs.iter().map(|o| o.prefix.clone()).collect();
     let base_env: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
     let terminal = Terminal::ours();
     let mut gave_terminal = false;
@@ -944,7 +984,14 @@ pub async fn run_group(
             rank: start.rank,
             pid: child.pid as u32,
         });
-        let worker = Worker::watch(idx, start, child, &out, &mut pumps, &exits);
+        let worker = Worker::watch(
+            idx,
+            start,
+            child,
+            (&out, &prefixes[idx]),
+            &mut pumps,
+            &exits,
+        );
         group.add(worker);
     }
     drop(exits);
@@ -954,6 +1001,11 @@ pub async fn run_group(
 
     // After Abandon the sender is gone; there is nothing more to hear.
     let mut stop = Some(stop);
+    let mut resizes = group
+        .workers
+        .iter()
+        .any(|w| w.ptys.is_some())
+        .then(Resizes::new);
     while group.running() > 0 {
         let (timer, note) = (group.timer(), group.grace_note());
         tokio::select! {
@@ -977,6 +1029,7 @@ pub async fn run_group(
             _ = tokio::time::sleep_until(note.unwrap_or_else(Instant::now)), if note.is_some() => {
                 group.say_grace();
             }
+            _ = Resizes::next(&mut resizes) => group.follow_console(),
         }
     }
 
@@ -984,6 +1037,45 @@ pub async fn run_group(
     match spawn_error {
         Some(e) => Err(e),
         None => Ok(group.outcome()),
+    }
+}
+
+/// When nrun's terminal may have been resized: SIGWINCH, and a look once a second besides,
+/// since a worker holding the terminal's foreground (rank 0 reading stdin) gets the terminal's
+/// SIGWINCH and nrun does not.
+struct Resizes {
+    winch: Option<tokio::signal::unix::Signal>,
+    tick: tokio::time::Interval,
+}
+
+impl Resizes {
+    fn new() -> Resizes {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Resizes {
+            // Without the handler the look once a second still follows.
+            winch: signal(SignalKind::window_change()).ok(),
+            tick,
+        }
+    }
+
+    /// Never, where no worker has a terminal.
+    async fn next(me: &mut Option<Resizes>) {
+        let Some(r) = me else {
+            return std::future::pending().await;
+        };
+        let winch = async {
+            match &mut r.winch {
+                Some(w) => {
+                    w.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = winch => {}
+            _ = r.tick.tick() => {}
+        }
     }
 }
 
@@ -1102,6 +1194,7 @@ mod tests {
                 exit: None,
                 tail: Default::default(),
                 error_file: PathBuf::new(),
+                ptys: None,
             });
         }
         g

@@ -63,26 +63,50 @@ impl Tty {
     /// This process's `stream`, if it is a terminal: its size (0 x 0 where it tells none),
     /// `prefix` columns narrower.
     pub fn of_console(stream: Stream, prefix: &str) -> Option<Tty> {
-        let fd = match stream {
-            Stream::Out => libc::STDOUT_FILENO,
-            Stream::Err => libc::STDERR_FILENO,
-        };
-        // SAFETY: isatty and TIOCGWINSZ read this process's own descriptor into a local.
-        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
-        if unsafe { libc::isatty(fd) } != 1 {
-            return None;
-        }
-        unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) };
+        let ws = console_size(stream)?;
         let prefix = u16::try_from(prefix.chars().count()).unwrap_or(u16::MAX);
         Some(Tty {
             // A terminal of unknown width stays unknown (0), not 1.
-            cols: match ws.ws_col {
+            cols: match ws.cols {
                 0 => 0,
                 c => c.saturating_sub(prefix).max(1),
             },
-            rows: ws.ws_row,
+            rows: ws.rows,
         })
     }
+
+    /// Makes this the size of the terminal whose master side is `master`.
+    pub(crate) fn set(self, master: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {
+        let ws = libc::winsize {
+            ws_col: self.cols,
+            ws_row: self.rows,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        // SAFETY: TIOCSWINSZ reads `ws`, a plain struct, on a descriptor the caller holds open.
+        match unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    }
+}
+
+/// The size of this process's `stream`, if it is a terminal (0 x 0 where it tells none).
+pub(crate) fn console_size(stream: Stream) -> Option<Tty> {
+    let fd = match stream {
+        Stream::Out => libc::STDOUT_FILENO,
+        Stream::Err => libc::STDERR_FILENO,
+    };
+    // SAFETY: isatty and TIOCGWINSZ read this process's own descriptor into a local.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    if unsafe { libc::isatty(fd) } != 1 {
+        return None;
+    }
+    unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) };
+    Some(Tty {
+        cols: ws.ws_col,
+        rows: ws.ws_row,
+    })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

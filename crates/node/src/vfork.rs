@@ -290,7 +290,7 @@ fn pseudo_terminal(size: super::output::Tty) -> io::Result<(OwnedFd, OwnedFd)> {
     let fail = || Err(io::Error::last_os_error());
     let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
     // SAFETY: plain system calls on descriptors owned at once; `name` is NUL-terminated by
-    // ptsname_r on success, `t` and `ws` are plain structs filled or read by the calls.
+    // ptsname_r on success, `t` is a plain struct filled and read by the calls.
     unsafe {
         let m = libc::open(c"/dev/ptmx".as_ptr(), flags | libc::O_NONBLOCK);
         if m < 0 {
@@ -314,16 +314,10 @@ fn pseudo_terminal(size: super::output::Tty) -> io::Result<(OwnedFd, OwnedFd)> {
             return fail();
         }
         libc::cfmakeraw(&mut t);
-        let ws = libc::winsize {
-            ws_col: size.cols,
-            ws_row: size.rows,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
-        if libc::tcsetattr(s, libc::TCSANOW, &t) != 0 || libc::ioctl(s, libc::TIOCSWINSZ, &ws) != 0
-        {
+        if libc::tcsetattr(s, libc::TCSANOW, &t) != 0 {
             return fail();
         }
+        size.set(&worker)?;
         Ok((high(master)?, high(worker)?))
     }
 }
