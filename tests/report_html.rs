@@ -146,6 +146,8 @@ fn real_reports_draw_what_they_hold_and_say_what_they_lack() {
             &[
                 "class=\"busbw-chart\"",
                 "rank 1 exited with code 1",
+                // It succeeded after the restart: the failure is what it got over.
+                "<dt>recovered from</dt><dd>rank 1 on vm exited with code 1</dd>",
                 "the program's",
                 "restart in place",
             ],

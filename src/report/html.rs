@@ -146,7 +146,12 @@ fn summary(v: &Value, kind: Kind, source: &str) -> String {
         &v["exit_code"]
     };
     fact("exit code", esc(&text(code)));
-    fact("what failed", esc(&text(&job["headline"])));
+    // A job that succeeded after a restart still names the failure it got over.
+    let failed = match outcome.as_str() {
+        "success" => "recovered from",
+        _ => "what failed",
+    };
+    fact(failed, esc(&text(&job["headline"])));
     fact("attempts", esc(&text(&job["attempts"])));
     fact("restarts", esc(&text(&job["restarts"])));
     fact("ledger", esc(&text(&v["ledger"]["summary"])));
