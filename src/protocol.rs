@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::facts::Facts;
+use nrun_node::output::Tty;
 
 /// Why the job ended, as the coordinator told it: every node whose own nrun joined (c10d)
 /// tells it too, so each node's console (a Kubernetes pod's log) says which rank failed,
@@ -455,6 +456,9 @@ pub(crate) enum Control {
     Stop(Option<i32>),
     /// Pass this signal on to every worker.
     Forward(i32),
+    /// The launcher's terminal (stdout's and stderr's sizes) was resized: the workers'
+    /// terminals follow it.
+    Resize([Option<Tty>; 2]),
 }
 
 impl Control {
@@ -463,11 +467,31 @@ impl Control {
             Control::Stop(None) => b"stop".to_vec(),
             Control::Stop(Some(s)) => format!("stop {s}").into_bytes(),
             Control::Forward(s) => format!("signal {s}").into_bytes(),
+            Control::Resize(sizes) => {
+                let [o, e] =
+                    sizes.map(|t| t.map_or("-".into(), |t| format!("{}x{}", t.cols, t.rows)));
+                format!("resize {o} {e}").into_bytes()
+            }
         }
     }
 
     pub(crate) fn decode(value: &[u8]) -> Option<Control> {
         let text = std::str::from_utf8(value).ok()?;
+        if let Some(sizes) = text.strip_prefix("resize ") {
+            let size = |w: &str| -> Option<Option<Tty>> {
+                if w == "-" {
+                    return Some(None);
+                }
+                let (c, r) = w.split_once('x')?;
+                Some(Some(Tty {
+                    cols: c.parse().ok()?,
+                    rows: r.parse().ok()?,
+                }))
+            };
+            let mut words = sizes.split(' ');
+            let (o, e) = (size(words.next()?)?, size(words.next()?)?);
+            return words.next().is_none().then_some(Control::Resize([o, e]));
+        }
         let mut words = text.split(' ');
         let what = words.next()?;
         let sig = words.next().map(str::parse::<i32>);
@@ -647,10 +671,29 @@ mod tests {
             Control::Stop(None),
             Control::Stop(Some(2)),
             Control::Forward(10),
+            Control::Resize([
+                Some(Tty {
+                    cols: 120,
+                    rows: 40,
+                }),
+                None,
+            ]),
+            Control::Resize([None, Some(Tty { cols: 0, rows: 0 })]),
         ] {
             assert_eq!(Control::decode(&c.encode()), Some(c));
         }
-        for bad in [&b""[..], b"stop x", b"signal", b"signal 1 2", b"go"] {
+        for bad in [
+            &b""[..],
+            b"stop x",
+            b"signal",
+            b"signal 1 2",
+            b"go",
+            b"resize",
+            b"resize 1x2",
+            b"resize 1x2 3x4 5x6",
+            b"resize 1x -",
+            b"resize 70000x2 -",
+        ] {
             assert_eq!(Control::decode(bad), None);
         }
     }

@@ -389,24 +389,34 @@ fn workers_see_a_terminal_of_nruns_width() {
 }
 
 /// A resized terminal resizes the workers' terminals, less the prefix, and each worker gets
-/// SIGWINCH, as under torchrun, whose workers share the terminal: with rank 0 holding the
-/// terminal's foreground (it reads stdin; the terminal's SIGWINCH goes to it, not to nrun) and
-/// with `--stdin none` (nrun's own SIGWINCH).
+/// SIGWINCH, as under torchrun, whose workers share the terminal: on one node with rank 0
+/// holding the terminal's foreground (it reads stdin; the terminal's SIGWINCH goes to it, not
+/// to nrun) and with `--stdin none` (nrun's own SIGWINCH); on two, whose agents are told the
+/// launcher's new size ("[localhost:rank0]: ", 19 columns).
 #[test]
 fn a_resized_terminal_resizes_the_workers() {
     let Some(py) = python() else { return };
     let resize = script("terminal_resize.py");
-    for stdin in ["0", "none"] {
+    let cases: [(&[&str], usize, &str); 3] = [
+        (&["--stdin", "0"], 2, "111x40"),
+        (&["--stdin", "none"], 2, "111x40"),
+        (&["-H", "localhost,127.0.0.1"], 4, "101x40"),
+    ];
+    for (extra, ranks, want) in cases {
         let s = Scene::new();
         let mut cmd = std::process::Command::new("python3");
-        cmd.arg(script("pty_drive.py"))
-            .args(["resize-ready", "", "resize-ready", "@resize 120x40"])
-            .arg("--")
+        cmd.arg(script("pty_drive.py"));
+        // Every rank's handler is in, then the terminal is made larger.
+        for _ in 1..ranks {
+            cmd.args(["resize-ready", ""]);
+        }
+        cmd.args(["resize-ready", "@resize 120x40", "--"])
             .arg(nrun_bin())
-            .args(["--nproc", "2", "--watch", "off", "--stdin", stdin])
+            .args(["--nproc", "2", "--watch", "off"])
+            .args(extra)
             .args(["--python", &py, &resize])
             .env("PTY_SIZE", "100x30")
-            .env("WANT", "111x40")
+            .env("WANT", want)
             .env("NRUN_TEST_TAG", &s.tag)
             .env("MARK", s.mark());
         let out = cmd.output().unwrap();
@@ -417,10 +427,11 @@ fn a_resized_terminal_resizes_the_workers() {
             .iter()
             .map(|c| c[1].as_str().unwrap())
             .collect();
-        assert_eq!(v["status"].as_i64(), Some(0), "--stdin {stdin}: {t}");
-        for r in 0..2 {
-            let want = format!("rank {r} resized to (111, 40) on SIGWINCH");
-            assert!(t.contains(&want), "--stdin {stdin}: {want}: {t:?}");
+        assert_eq!(v["status"].as_i64(), Some(0), "{extra:?}: {t}");
+        let (c, r) = want.split_once('x').unwrap();
+        for rank in 0..ranks {
+            let said = format!("rank {rank} resized to ({c}, {r}) on SIGWINCH");
+            assert!(t.contains(&said), "{extra:?}: {said}: {t:?}");
         }
         s.assert_no_survivors();
     }

@@ -654,6 +654,7 @@ impl Node {
                     };
                     requests.send(match value.as_deref().and_then(Control::decode) {
                         Some(Control::Forward(sig)) => StopRequest::Forward(sig),
+                        Some(Control::Resize(sizes)) => StopRequest::Resize(sizes),
                         Some(Control::Stop(Some(sig))) => StopRequest::Signal(sig),
                         Some(Control::Stop(None)) => StopRequest::Polite,
                         // A value nrun did not write: nothing to do.
@@ -694,7 +695,7 @@ impl Requests {
         if self.stopping || matches!(req, StopRequest::None) {
             return;
         }
-        self.stopping = !matches!(req, StopRequest::Forward(_));
+        self.stopping = req.stops();
         let _ = self.tx.send(req);
     }
 }

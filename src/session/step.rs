@@ -10,6 +10,7 @@ use super::Session;
 use crate::protocol::{RunResult, Step, StepResult};
 use crate::session::link::Delivery;
 use nrun_base::error::{Error, Result};
+use nrun_node::output::Tty;
 use nrun_node::{Caught, StopRequest};
 
 /// How [`Session::run_step`] waits.
@@ -120,6 +121,9 @@ impl Session {
         let mut left = waiting.len();
         let mut failed = false;
         let mut looked: Option<Instant> = None;
+        let mut console = matches!(policy, Policy::Together)
+            .then(Console::watch)
+            .flatten();
         let mut look_all = true;
         loop {
             let touched = super::link::touched(&self.bus);
@@ -188,6 +192,7 @@ impl Session {
                 // The watch's clock, and the periodic look (a dead host's heartbeat).
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                 caught = self.signals.recv() => self.caught(no, caught, together, &mut w)?,
+                sizes = Console::resized(&mut console) => self.bus.resize(no, sizes),
             }
         }
     }
@@ -329,5 +334,45 @@ impl Session {
                 .collect::<Vec<_>>()
                 .join(", ")
         ))))
+    }
+}
+
+/// The launcher's terminal, watched during a job's step: its agents' workers have terminals
+/// of its size (less their prefix) and are told when it changes (the in-process node's
+/// workers follow nrun's terminal by themselves, in the node's own loop).
+struct Console {
+    winch: tokio::signal::unix::Signal,
+    sent: [Option<Tty>; 2],
+}
+
+impl Console {
+    /// None where neither of nrun's outputs is a terminal.
+    fn watch() -> Option<Console> {
+        let sent = nrun_node::output::console_sizes();
+        if sent.iter().all(Option::is_none) {
+            return None;
+        }
+        let kind = tokio::signal::unix::SignalKind::window_change();
+        Some(Console {
+            winch: tokio::signal::unix::signal(kind).ok()?,
+            sent,
+        })
+    }
+
+    /// The terminal's new sizes, once they differ from those last told.
+    async fn resized(me: &mut Option<Console>) -> [Option<Tty>; 2] {
+        let Some(c) = me else {
+            return std::future::pending().await;
+        };
+        loop {
+            if c.winch.recv().await.is_none() {
+                return std::future::pending().await;
+            }
+            let now = nrun_node::output::console_sizes();
+            if now != c.sent {
+                c.sent = now;
+                return now;
+            }
+        }
     }
 }

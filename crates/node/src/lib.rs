@@ -155,6 +155,19 @@ pub enum StopRequest {
     Abandon,
     /// Not a stop: pass this signal to every worker's process group and go on.
     Forward(i32),
+    /// Not a stop: the launcher's terminal (stdout's, stderr's size) was resized; the workers'
+    /// terminals follow it ([`Group::follow_console`]).
+    Resize([Option<output::Tty>; 2]),
+}
+
+impl StopRequest {
+    /// Whether it stops the group (a forwarded signal or a resize does not).
+    pub fn stops(self) -> bool {
+        !matches!(
+            self,
+            StopRequest::None | StopRequest::Forward(_) | StopRequest::Resize(_)
+        )
+    }
 }
 
 /// Resolves with the next request other than [`StopRequest::None`]; a sender that went away
@@ -610,7 +623,7 @@ impl Group {
             passed_on: None,
             grace_from: None,
             grace_said: false,
-            console: [Stream::Out, Stream::Err].map(output::console_size),
+            console: output::console_sizes(),
         }
     }
 
@@ -618,8 +631,8 @@ impl Group {
     /// the new size less its prefix, and its process group gets SIGWINCH, as a program at the
     /// terminal itself would (theirs are no one's controlling terminal, so the kernel sends
     /// none).
-    fn follow_console(&mut self) {
-        let now = [Stream::Out, Stream::Err].map(output::console_size);
+    /// `now`: the sizes of nrun's terminal here, or of the launcher's (told to an agent).
+    fn follow_console(&mut self, now: [Option<output::Tty>; 2]) {
         if now == self.console {
             return;
         }
@@ -630,8 +643,8 @@ impl Group {
             };
             let mut resized = false;
             for (stream, m) in masters {
-                if let Some(t) = output::Tty::of_console(*stream, prefix) {
-                    resized |= t.set(m).is_ok();
+                if let Some(t) = now[*stream as usize] {
+                    resized |= t.less(prefix).set(m).is_ok();
                 }
             }
             if resized {
@@ -768,6 +781,7 @@ impl Group {
                     self.signal(s);
                 }
             }
+            StopRequest::Resize(sizes) => self.follow_console(sizes),
             StopRequest::Signal(sig) if !matches!(self.phase, Phase::Grace(_)) => {
                 self.terminate(worker_stop_signal(sig));
                 self.ending.interrupted.get_or_insert(sig);
@@ -962,7 +976,7 @@ pub async fn run_group(
         if idx % 64 == 63 {
             tokio::task::yield_now().await;
         }
-        if !matches!(*stop.borrow(), StopRequest::None | StopRequest::Forward(_)) {
+        if stop.borrow().stops() {
             break;
         }
         // Workers are in background process groups: a worker reading the terminal would be
@@ -1001,11 +1015,11 @@ pub async fn run_group(
 
     // After Abandon the sender is gone; there is nothing more to hear.
     let mut stop = Some(stop);
-    let mut resizes = group
-        .workers
-        .iter()
-        .any(|w| w.ptys.is_some())
-        .then(Resizes::new);
+    // Where nrun's own output is a terminal (not an agent's, whose launcher tells it of
+    // resizes as requests).
+    let mut resizes = (group.workers.iter().any(|w| w.ptys.is_some())
+        && group.console.iter().any(Option::is_some))
+    .then(Resizes::new);
     while group.running() > 0 {
         let (timer, note) = (group.timer(), group.grace_note());
         tokio::select! {
@@ -1029,7 +1043,7 @@ pub async fn run_group(
             _ = tokio::time::sleep_until(note.unwrap_or_else(Instant::now)), if note.is_some() => {
                 group.say_grace();
             }
-            _ = Resizes::next(&mut resizes) => group.follow_console(),
+            _ = Resizes::next(&mut resizes) => group.follow_console(output::console_sizes()),
         }
     }
 
@@ -1067,7 +1081,9 @@ impl Resizes {
         let winch = async {
             match &mut r.winch {
                 Some(w) => {
-                    w.recv().await;
+                    if w.recv().await.is_none() {
+                        std::future::pending::<()>().await;
+                    }
                 }
                 None => std::future::pending().await,
             }

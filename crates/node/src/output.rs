@@ -63,16 +63,20 @@ impl Tty {
     /// This process's `stream`, if it is a terminal: its size (0 x 0 where it tells none),
     /// `prefix` columns narrower.
     pub fn of_console(stream: Stream, prefix: &str) -> Option<Tty> {
-        let ws = console_size(stream)?;
+        Some(console_size(stream)?.less(prefix))
+    }
+
+    /// This size `prefix` columns narrower.
+    pub fn less(self, prefix: &str) -> Tty {
         let prefix = u16::try_from(prefix.chars().count()).unwrap_or(u16::MAX);
-        Some(Tty {
+        Tty {
             // A terminal of unknown width stays unknown (0), not 1.
-            cols: match ws.cols {
+            cols: match self.cols {
                 0 => 0,
                 c => c.saturating_sub(prefix).max(1),
             },
-            rows: ws.rows,
-        })
+            rows: self.rows,
+        }
     }
 
     /// Makes this the size of the terminal whose master side is `master`.
@@ -91,8 +95,13 @@ impl Tty {
     }
 }
 
+/// The sizes of this process's stdout and stderr, where they are terminals.
+pub fn console_sizes() -> [Option<Tty>; 2] {
+    [Stream::Out, Stream::Err].map(console_size)
+}
+
 /// The size of this process's `stream`, if it is a terminal (0 x 0 where it tells none).
-pub(crate) fn console_size(stream: Stream) -> Option<Tty> {
+fn console_size(stream: Stream) -> Option<Tty> {
     let fd = match stream {
         Stream::Out => libc::STDOUT_FILENO,
         Stream::Err => libc::STDERR_FILENO,

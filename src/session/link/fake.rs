@@ -187,9 +187,7 @@ impl NodeLink for FakeLink {
         let probe = matches!(step, Step::Probe { .. });
         tokio::spawn(async move {
             let stopped = async {
-                let _ = rx
-                    .wait_for(|r| !matches!(r, StopRequest::None | StopRequest::Forward(_)))
-                    .await;
+                let _ = rx.wait_for(|r| r.stops()).await;
                 *rx.borrow()
             };
             match script {

@@ -429,6 +429,11 @@ impl Bus {
         self.control(no, Control::Forward(sig));
     }
 
+    /// Tells every agent of step `no` the launcher's terminal's new sizes.
+    pub(crate) fn resize(&self, no: usize, sizes: [Option<nrun_node::output::Tty>; 2]) {
+        self.control(no, Control::Resize(sizes));
+    }
+
     /// Writes step `no`'s next control, in the one series agents read in order.
     fn control(&self, no: usize, c: Control) {
         let Some(st) = &self.store else { return };
