@@ -654,7 +654,11 @@ impl Node {
                     };
                     requests.send(match value.as_deref().and_then(Control::decode) {
                         Some(Control::Forward(sig)) => StopRequest::Forward(sig),
-                        Some(Control::Resize(sizes)) => StopRequest::Resize(sizes),
+                        // Not a request: the workers' loop looks once a second.
+                        Some(Control::Resize(sizes)) => {
+                            nrun_node::output::tell_console(sizes);
+                            StopRequest::None
+                        }
                         Some(Control::Stop(Some(sig))) => StopRequest::Signal(sig),
                         Some(Control::Stop(None)) => StopRequest::Polite,
                         // A value nrun did not write: nothing to do.

@@ -255,8 +255,14 @@ impl Exporter {
                 ("host".to_string(), r.host.clone()),
             ];
             m.rank_age.get_or_create(&l).set(r.progress_age_s);
-            if let Some(w) = r.wait_share {
-                m.rank_wait.get_or_create(&l).set(w);
+            // No samples yet (a group just restarted): no figure, not the last attempt's.
+            match r.wait_share {
+                Some(w) => {
+                    m.rank_wait.get_or_create(&l).set(w);
+                }
+                None => {
+                    m.rank_wait.remove(&l);
+                }
             }
             now.insert(l);
         }
@@ -326,12 +332,17 @@ fn write_file(sh: &Shared, path: &Path, last: bool) {
     }
     st.ended = last;
     match nrun_base::files::replace(path, render(sh).as_bytes()) {
-        Err(e) if !st.failing => {
+        // The last write is said even after earlier failures: no later one will mend it.
+        Err(e) if !st.failing || last => {
             st.failing = true;
             let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+            let then = match last {
+                true => "the job's final figures are not in it",
+                false => "the file keeps its last figures until a write works",
+            };
             tracing::warn!(
-                "--metrics-file {}: cannot write it on {}: {e}; the file keeps its last \
-                 figures until a write works (check free space and permissions of {})",
+                "--metrics-file {}: cannot write it on {}: {e}; {then} (check free space and \
+                 permissions of {})",
                 path.display(),
                 nrun_base::net::hostname(),
                 dir.map_or_else(|| ".".into(), |d| d.display().to_string())
@@ -388,7 +399,8 @@ async fn serve(l: tokio::net::TcpListener, sh: Arc<Shared>) {
             let _permit = permit;
             let mut req = Vec::new();
             let mut buf = [0u8; 1024];
-            // A client that sends no whole request head in 10 s (or 8 KiB) is dropped.
+            // A client that sends no whole request head in 10 s (or 8 KiB) is dropped: 16
+            // idle connections must not hold every place.
             let read = tokio::time::timeout(Duration::from_secs(10), async {
                 while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
                     match conn.read(&mut buf).await {
@@ -421,8 +433,12 @@ async fn serve(l: tokio::net::TcpListener, sh: Arc<Shared>) {
                       22\r\nConnection: close\r\n\r\nnrun serves /metrics\r\n"
                     .to_string(),
             };
-            let _ = conn.write_all(answer.as_bytes()).await;
-            let _ = conn.shutdown().await;
+            // A client that does not read its answer in 10 s gives its place back too.
+            let _ = tokio::time::timeout(Duration::from_secs(10), async {
+                let _ = conn.write_all(answer.as_bytes()).await;
+                let _ = conn.shutdown().await;
+            })
+            .await;
         });
     }
 }

@@ -215,6 +215,17 @@ fn per_rank_series_follow_the_latest_figures() {
         "{text}"
     );
     assert!(!text.contains("rank=\"1\""), "{text}");
+    // A restarted group's rank without samples yet has no wait figure, not the last one.
+    m.ranks(&[crate::watch::RankFigure {
+        wait_share: None,
+        ..fig(0, 0.5)
+    }]);
+    let text = m.text();
+    assert!(!text.contains("nrun_rank_wait_ratio{"), "{text}");
+    assert!(
+        text.contains("nrun_rank_last_progress_age_seconds{rank=\"0\",host=\"h\"} 0.5\n"),
+        "{text}"
+    );
 }
 
 /// The page (a layer below the journal) keeps its own list of the ledger's keys: the same ones,

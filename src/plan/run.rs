@@ -146,6 +146,14 @@ fn writable(p: &std::path::Path) -> std::result::Result<(), String> {
     if p.is_dir() {
         return Err("it is a directory".into());
     }
+    let p = match nrun_base::files::destination(p).map_err(|e| e.to_string())? {
+        // /dev/stdout, a FIFO: written to as they are.
+        nrun_base::files::Destination::InPlace(f) => {
+            return access(&f, AccessFlags::W_OK).map_err(|e| e.desc().to_string());
+        }
+        nrun_base::files::Destination::Replace(f) => f,
+    };
+    let p = p.as_path();
     let dir = match p.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),

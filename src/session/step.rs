@@ -338,39 +338,58 @@ impl Session {
 }
 
 /// The launcher's terminal, watched during a job's step: its agents' workers have terminals
-/// of its size (less their prefix) and are told when it changes (the in-process node's
-/// workers follow nrun's terminal by themselves, in the node's own loop).
+/// of its size (less their prefix) and are told its sizes at the step's start and when they
+/// change (the in-process node's workers follow nrun's terminal by themselves, in the node's
+/// own loop). On SIGWINCH, and a look once a second besides (a worker holding the terminal's
+/// foreground would get the signal instead).
 struct Console {
-    winch: tokio::signal::unix::Signal,
-    sent: [Option<Tty>; 2],
+    winch: Option<tokio::signal::unix::Signal>,
+    tick: tokio::time::Interval,
+    /// None: not told yet.
+    sent: Option<[Option<Tty>; 2]>,
 }
 
 impl Console {
     /// None where neither of nrun's outputs is a terminal.
     fn watch() -> Option<Console> {
-        let sent = nrun_node::output::console_sizes();
-        if sent.iter().all(Option::is_none) {
+        if nrun_node::output::console_sizes()
+            .iter()
+            .all(Option::is_none)
+        {
             return None;
         }
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let kind = tokio::signal::unix::SignalKind::window_change();
         Some(Console {
-            winch: tokio::signal::unix::signal(kind).ok()?,
-            sent,
+            winch: tokio::signal::unix::signal(kind).ok(),
+            tick,
+            sent: None,
         })
     }
 
-    /// The terminal's new sizes, once they differ from those last told.
+    /// The terminal's sizes, once they differ from those last told.
     async fn resized(me: &mut Option<Console>) -> [Option<Tty>; 2] {
         let Some(c) = me else {
             return std::future::pending().await;
         };
         loop {
-            if c.winch.recv().await.is_none() {
-                return std::future::pending().await;
+            let winch = async {
+                let heard = match &mut c.winch {
+                    Some(w) => w.recv().await.is_some(),
+                    None => false,
+                };
+                if !heard {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                () = winch => {}
+                _ = c.tick.tick() => {}
             }
             let now = nrun_node::output::console_sizes();
-            if now != c.sent {
-                c.sent = now;
+            if c.sent != Some(now) {
+                c.sent = Some(now);
                 return now;
             }
         }

@@ -62,10 +62,6 @@ pub fn random_hex() -> std::io::Result<String> {
     Ok(hex(&b))
 }
 
-/// The first worker output line since the launch host's journal armed it: the journal's sign
-/// that a worker group moved from starting to running. Written by whichever puts the workers'
-/// lines on this host's console (an in-process node's writer, an agent's relay); one atomic
-/// load per line once set.
 /// "13 m 32 s", "3 h 12 m", "41 s", "4.2 s", "0.05 s".
 pub fn duration_text(s: f64) -> String {
     let whole = s.round() as u64;
@@ -91,6 +87,10 @@ pub fn few<S: AsRef<str>>(names: &[S], shown: usize) -> String {
     }
 }
 
+/// The first worker output line since the launch host's journal armed it: the journal's sign
+/// that a worker group moved from starting to running. Written by whichever puts the workers'
+/// lines on this host's console (an in-process node's writer, an agent's relay); one atomic
+/// load per line once set.
 pub mod activity {
     use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -97,7 +97,14 @@ impl Exit {
 }
 
 pub fn signal_name(sig: i32) -> String {
-    Signal::try_from(sig).map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_string())
+    match Signal::try_from(sig) {
+        Ok(s) => s.as_str().to_string(),
+        // One word, as kill -l says them, so the name reads (and parses) as the others do.
+        Err(_) if (libc::SIGRTMIN()..=libc::SIGRTMAX()).contains(&sig) => {
+            format!("SIGRTMIN+{}", sig - libc::SIGRTMIN())
+        }
+        Err(_) => format!("signal {sig}"),
+    }
 }
 
 /// The first worker failure of an attempt, with what the summary shows.
@@ -155,18 +162,12 @@ pub enum StopRequest {
     Abandon,
     /// Not a stop: pass this signal to every worker's process group and go on.
     Forward(i32),
-    /// Not a stop: the launcher's terminal (stdout's, stderr's size) was resized; the workers'
-    /// terminals follow it ([`Group::follow_console`]).
-    Resize([Option<output::Tty>; 2]),
 }
 
 impl StopRequest {
-    /// Whether it stops the group (a forwarded signal or a resize does not).
+    /// Whether it stops the group (a forwarded signal does not).
     pub fn stops(self) -> bool {
-        !matches!(
-            self,
-            StopRequest::None | StopRequest::Forward(_) | StopRequest::Resize(_)
-        )
+        !matches!(self, StopRequest::None | StopRequest::Forward(_))
     }
 }
 
@@ -604,8 +605,9 @@ struct Group {
     /// wait for the workers to end was said (once it took [`GRACE_SAID`]).
     grace_from: Option<(Instant, Signal)>,
     grace_said: bool,
-    /// nrun's terminal's size (stdout's, stderr's) as the workers' terminals last followed it.
-    console: [Option<output::Tty>; 2],
+    /// The terminal's sizes (stdout's, stderr's) the workers' terminals last followed; None
+    /// before the first look.
+    console: Option<[Option<output::Tty>; 2]>,
 }
 
 /// A grace period longer than this is not waited through silently.
@@ -623,28 +625,31 @@ impl Group {
             passed_on: None,
             grace_from: None,
             grace_said: false,
-            console: output::console_sizes(),
+            console: None,
         }
     }
 
-    /// nrun's terminal was resized (or may have been): each running worker's terminals take
-    /// the new size less its prefix, and its process group gets SIGWINCH, as a program at the
+    /// The terminal the workers' follow (nrun's, or the launcher's as told to an agent) may
+    /// have been resized: each running worker's terminals that are not its size less the
+    /// worker's prefix are made so, and its process group gets SIGWINCH, as a program at the
     /// terminal itself would (theirs are no one's controlling terminal, so the kernel sends
-    /// none).
-    /// `now`: the sizes of nrun's terminal here, or of the launcher's (told to an agent).
+    /// none). A worker started at the size already is left alone.
     fn follow_console(&mut self, now: [Option<output::Tty>; 2]) {
-        if now == self.console {
+        if self.console == Some(now) {
             return;
         }
-        self.console = now;
+        self.console = Some(now);
         for w in self.workers.iter().filter(|w| w.running()) {
             let Some((prefix, masters)) = &w.ptys else {
                 continue;
             };
             let mut resized = false;
             for (stream, m) in masters {
-                if let Some(t) = now[*stream as usize] {
-                    resized |= t.less(prefix).set(m).is_ok();
+                let Some(want) = now[*stream as usize].map(|t| t.less(prefix)) else {
+                    continue;
+                };
+                if output::Tty::of(m) != Some(want) {
+                    resized |= want.set(m).is_ok();
                 }
             }
             if resized {
@@ -688,8 +693,8 @@ impl Group {
         tracing::warn!(
             "on {}: rank(s) {} still running {} s after {}; nrun waits up to {} s more \
              (--shutdown-timeout), then sends SIGKILL (a worker that handles {3} and does not \
-             exit holds up the job's end: check its signal handler; a second Ctrl-C kills at \
-             once)",
+             exit holds up the job's end: check its signal handler; Ctrl-C to nrun on the launch \
+             host kills at once)",
             nrun_base::net::hostname(),
             nrun_base::few(&ranks, 8),
             GRACE_SAID.as_secs(),
@@ -781,7 +786,6 @@ impl Group {
                     self.signal(s);
                 }
             }
-            StopRequest::Resize(sizes) => self.follow_console(sizes),
             StopRequest::Signal(sig) if !matches!(self.phase, Phase::Grace(_)) => {
                 self.terminate(worker_stop_signal(sig));
                 self.ending.interrupted.get_or_insert(sig);
@@ -1015,11 +1019,11 @@ pub async fn run_group(
 
     // After Abandon the sender is gone; there is nothing more to hear.
     let mut stop = Some(stop);
-    // Where nrun's own output is a terminal (not an agent's, whose launcher tells it of
-    // resizes as requests).
-    let mut resizes = (group.workers.iter().any(|w| w.ptys.is_some())
-        && group.console.iter().any(Option::is_some))
-    .then(Resizes::new);
+    let mut resizes = group
+        .workers
+        .iter()
+        .any(|w| w.ptys.is_some())
+        .then(Resizes::new);
     while group.running() > 0 {
         let (timer, note) = (group.timer(), group.grace_note());
         tokio::select! {
@@ -1043,7 +1047,7 @@ pub async fn run_group(
             _ = tokio::time::sleep_until(note.unwrap_or_else(Instant::now)), if note.is_some() => {
                 group.say_grace();
             }
-            _ = Resizes::next(&mut resizes) => group.follow_console(output::console_sizes()),
+            _ = Resizes::next(&mut resizes) => group.follow_console(output::followed_console()),
         }
     }
 
@@ -1054,9 +1058,10 @@ pub async fn run_group(
     }
 }
 
-/// When nrun's terminal may have been resized: SIGWINCH, and a look once a second besides,
-/// since a worker holding the terminal's foreground (rank 0 reading stdin) gets the terminal's
-/// SIGWINCH and nrun does not.
+/// When the workers' terminal may have been resized: SIGWINCH, and a look once a second
+/// besides, since a worker holding the terminal's foreground (rank 0 reading stdin) gets the
+/// terminal's SIGWINCH and nrun does not, and an agent hears of the launcher's terminal from
+/// the launcher.
 struct Resizes {
     winch: Option<tokio::signal::unix::Signal>,
     tick: tokio::time::Interval,
@@ -1189,6 +1194,18 @@ mod tests {
 
     /// nrun stopped by its console's closed pipe stops Python workers (which ignore SIGPIPE)
     /// with SIGTERM; the user's signals are passed on as they are.
+    /// Every signal is one word: a real-time one as `kill -l` says it, not "signal 40".
+    #[test]
+    fn signals_are_named_in_one_word() {
+        assert_eq!(signal_name(libc::SIGKILL), "SIGKILL");
+        assert_eq!(signal_name(libc::SIGRTMIN() + 6), "SIGRTMIN+6");
+        assert_eq!(
+            Exit::Signal(libc::SIGRTMIN()).describe(),
+            "was killed by SIGRTMIN+0"
+        );
+        assert_eq!(signal_name(999), "signal 999");
+    }
+
     #[test]
     fn a_closed_console_stops_the_workers_with_sigterm() {
         assert_eq!(worker_stop_signal(libc::SIGPIPE), Signal::SIGTERM);

@@ -79,6 +79,18 @@ impl Tty {
         }
     }
 
+    /// The size of the terminal whose master side is `master`.
+    pub(crate) fn of(master: &impl std::os::fd::AsRawFd) -> Option<Tty> {
+        // SAFETY: TIOCGWINSZ fills a local plain struct from a descriptor the caller holds.
+        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+        (unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) } == 0).then_some(
+            Tty {
+                cols: ws.ws_col,
+                rows: ws.ws_row,
+            },
+        )
+    }
+
     /// Makes this the size of the terminal whose master side is `master`.
     pub(crate) fn set(self, master: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {
         let ws = libc::winsize {
@@ -98,6 +110,21 @@ impl Tty {
 /// The sizes of this process's stdout and stderr, where they are terminals.
 pub fn console_sizes() -> [Option<Tty>; 2] {
     [Stream::Out, Stream::Err].map(console_size)
+}
+
+/// The launcher's terminal's sizes as it told this agent last (whose own outputs are pipes).
+static TOLD: Mutex<Option<[Option<Tty>; 2]>> = Mutex::new(None);
+
+/// An agent is told the launcher's terminal's sizes: its workers' terminals follow them.
+pub fn tell_console(sizes: [Option<Tty>; 2]) {
+    *TOLD.lock().unwrap_or_else(|e| e.into_inner()) = Some(sizes);
+}
+
+/// The terminal the workers' terminals follow: the launcher's as told, else this process's.
+pub(crate) fn followed_console() -> [Option<Tty>; 2] {
+    TOLD.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .unwrap_or_else(console_sizes)
 }
 
 /// The size of this process's `stream`, if it is a terminal (0 x 0 where it tells none).
