@@ -2,9 +2,9 @@
 # Installs what the tests need and runs all of them: formatting, lints, the pip wheel's checks
 # (scripts/wheel-check.sh), unit and integration tests (real torch clients from a cached venv,
 # real processes and signals).
-#   scripts/test.sh            everything (what CI and README's quick start run): ~14 min on a
-#                              fresh clone with 2 CPUs, ~20 with two CPU hogs beside it
-#                              (BENCHMARKS.md section 24)
+#   scripts/test.sh            everything (what CI and README's quick start run): ~17 min on a
+#                              fresh clone with 2 CPUs (CI: 1,010 s), ~23 with two CPU hogs
+#                              beside it (1,368 s on 2026-12-05)
 #   scripts/test.sh -- FILTER  passes FILTER on to cargo test
 #   scripts/test.sh --fast     the floor, for a change: ~20 s warm: formatting, every crate's
 #                              unit tests (the fault model's table included), the store's codec
