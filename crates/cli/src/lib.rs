@@ -608,8 +608,10 @@ pub struct PreflightArgs {
     #[arg(long, env = "NRUN_WAIVE", value_name = "CHECK[,CHECK]", action = ArgAction::Append)]
     pub waive: Vec<String>,
 
-    /// Write the preflight's report, and what the watch found (hangs, stragglers), as JSON to
-    /// FILE.
+    /// At the end, however it ended, write the job's record as JSON to FILE: its outcome, the
+    /// ledger (wall time by phase, per attempt), every event and decision with its evidence,
+    /// the nodes, the preflight's figures and what the watch found (with --preflight-only: the
+    /// preflight's); `nrun report FILE` draws it as a page.
     #[arg(long, env = "NRUN_REPORT", value_name = "FILE")]
     pub report: Option<PathBuf>,
 
