@@ -42,7 +42,8 @@ struct Metrics {
     rank_age: Family<Labels, FGauge>,
     rank_wait: Family<Labels, FGauge>,
     busbw: Family<Labels, FGauge>,
-    line_rate: FGauge,
+    /// No labels: a family only so that it is absent until a line rate is known.
+    line_rate: Family<Labels, FGauge>,
     ledger: Family<Labels, FGauge>,
     wall: FGauge,
     effective: FGauge,
@@ -119,7 +120,7 @@ impl Metrics {
         );
         r.register(
             "nrun_preflight_line_rate_bytes_per_second",
-            "The line rate the preflight compared the bus bandwidth against (0: none)",
+            "The line rate the preflight compared the bus bandwidth against (absent: none)",
             self.line_rate.clone(),
         );
         r.register_with_unit(
@@ -228,8 +229,8 @@ impl Exporter {
                         .get_or_create(&label("bytes", b as u64))
                         .set(bw * 1e9);
                 }
-                if let Some(r) = f("line_rate_gbs") {
-                    m.line_rate.set(r * 1e9);
+                if let Some(r) = f("line_rate_gbs").filter(|r| *r > 0.0) {
+                    m.line_rate.get_or_create(&Vec::new()).set(r * 1e9);
                 }
             }
             _ => {}

@@ -166,6 +166,11 @@ fn the_metrics_parse_as_openmetrics_with_the_ledgers_seconds() {
     let m = metrics::Exporter::start(ledger, None, None);
     m.event("attempt_start", &json!({}));
     m.event("restart", &json!({}));
+    // No line rate known: none said (not a line rate of 0).
+    assert!(
+        !m.text()
+            .contains("nrun_preflight_line_rate_bytes_per_second ")
+    );
     m.event(
         "preflight_size",
         &json!({"bytes": 1048576, "busbw_gbs": 12.5, "line_rate_gbs": 25.0}),
