@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::protocol::{RunResult, StepResult, WorkerFailure};
-use nrun_base::error::exit;
+use nrun_base::error::{Error, Result, exit};
 
 /// How one attempt of the job ended, over every node.
 #[derive(Debug)]
@@ -255,33 +255,29 @@ fn epoch_seconds(rfc3339: &str) -> String {
 }
 
 /// Writes a `--report FILE` as pretty JSON.
-pub(crate) fn write_json(
-    flag: &str,
-    path: &Path,
-    json: &serde_json::Value,
-) -> std::result::Result<(), String> {
+pub(crate) fn write_json(flag: &str, path: &Path, json: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(json).unwrap_or_default();
     write_out(flag, path, (text + "\n").as_bytes())
 }
 
 /// Replaces the file of `flag` (a report) at once (a reader never sees part of it); what
 /// failed, where, and what to check.
-pub(crate) fn write_out(flag: &str, path: &Path, bytes: &[u8]) -> std::result::Result<(), String> {
+pub(crate) fn write_out(flag: &str, path: &Path, bytes: &[u8]) -> Result<()> {
     nrun_base::files::replace(path, bytes).map_err(|e| {
-        format!(
+        Error::usage(format!(
             "cannot write {flag} {} on {}: {e} (check that its directory exists and is \
              writable, and its free space)",
             path.display(),
             nrun_base::net::hostname()
-        )
+        ))
     })
 }
 
 /// A report that could not be written at a command's end: said, and the command's exit code
 /// kept (what the job did matters more than where its report went).
-pub(crate) fn said(written: std::result::Result<(), String>) {
-    if let Err(why) = written {
-        tracing::error!("{why}");
+pub(crate) fn said(written: Result<()>) {
+    if let Err(e) = written {
+        tracing::error!("{}", e.message);
     }
 }
 

@@ -489,30 +489,21 @@ fn a_joiner_says_the_job_record_flags_are_the_hosts() {
         s.dir.path().join("joiner.jsonl"),
         s.dir.path().join("host.jsonl"),
     );
-    let mut args = c10d_args(&endpoint, "record", "120");
-    args.extend([
-        "--events",
-        mine.to_str().unwrap(),
-        "--metrics-port",
-        &metrics_port,
-    ]);
-    args.extend(["--no-python", "true"]);
+    // The same command on both, but for its events file.
+    let spawn = |events: &std::path::Path| {
+        let mut a = c10d_args(&endpoint, "record", "120");
+        a.extend(["--events", events.to_str().unwrap()]);
+        a.extend(["--metrics-port", &metrics_port, "--no-python", "true"]);
+        s.spawn(&a, &[])
+    };
     let hold = TcpListener::bind(&endpoint).unwrap();
-    let joiner = Watched::new(s.spawn(&args, &[]));
+    let joiner = Watched::new(spawn(&mine));
     joiner.wait_stderr(
         "--events, --metrics-port not served on this node: it joins the rendezvous another \
          node's nrun hosts at ",
     );
     drop(hold);
-    let mut host_args = c10d_args(&endpoint, "record", "120");
-    host_args.extend([
-        "--events",
-        hosts.to_str().unwrap(),
-        "--metrics-port",
-        &metrics_port,
-    ]);
-    host_args.extend(["--no-python", "true"]);
-    let host = s.spawn(&host_args, &[]);
+    let host = spawn(&hosts);
     let (oj, _) = joiner.finish();
     let (oh, _) = wait_with_timeout(host, std::time::Duration::from_secs(60));
     assert_eq!(oj.status.code(), Some(0), "{}", text(&oj.stderr));

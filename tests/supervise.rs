@@ -12,6 +12,25 @@ fn worker() -> String {
     fixture("worker.sh")
 }
 
+/// Two workers that ignore SIGTERM and SIGINT, under a 600 s grace period, both started.
+fn stubborn_pair(s: &Scene) -> std::process::Child {
+    let w = worker();
+    let child = s.spawn(
+        &[
+            "--nproc",
+            "2",
+            "--shutdown-timeout",
+            "600",
+            "--no-python",
+            "sh",
+            &w,
+        ],
+        &[("NRUN_FIXTURE", "stubborn")],
+    );
+    s.wait_marks("ready", 2, HANG);
+    child
+}
+
 #[test]
 fn first_failure_stops_everyone_and_its_code_passes_through() {
     let s = Scene::new();
@@ -139,20 +158,7 @@ fn workers_ignoring_sigterm_are_killed_after_the_grace_period() {
 #[test]
 fn a_long_grace_period_says_what_it_waits_for() {
     let s = Scene::new();
-    let w = worker();
-    let child = Watched::new(s.spawn(
-        &[
-            "--nproc",
-            "2",
-            "--shutdown-timeout",
-            "600",
-            "--no-python",
-            "sh",
-            &w,
-        ],
-        &[("NRUN_FIXTURE", "stubborn")],
-    ));
-    s.wait_marks("ready", 2, Duration::from_secs(10));
+    let child = Watched::new(stubborn_pair(&s));
     signal(child.child(), "TERM");
     child.wait_stderr("still running 5 s after SIGTERM; nrun waits up to ");
     let err = child.stderr();
@@ -170,20 +176,7 @@ fn a_long_grace_period_says_what_it_waits_for() {
 #[test]
 fn second_ctrl_c_kills_at_once() {
     let s = Scene::new();
-    let w = worker();
-    let child = s.spawn(
-        &[
-            "--nproc",
-            "2",
-            "--shutdown-timeout",
-            "600",
-            "--no-python",
-            "sh",
-            &w,
-        ],
-        &[("NRUN_FIXTURE", "stubborn")],
-    );
-    s.wait_marks("ready", 2, Duration::from_secs(10));
+    let child = stubborn_pair(&s);
     signal(&child, "INT");
     // The first was passed on (both workers ignored it): the next one is a second Ctrl-C, not
     // a copy of the first still pending.

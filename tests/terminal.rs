@@ -50,6 +50,16 @@ impl Screen {
 
 /// Runs `nrun ARGS` on a pseudo-terminal, answering each pattern with its text.
 fn on_terminal(s: &Scene, answers: &[(&str, &str)], args: &[&str]) -> Screen {
+    on_terminal_with(s, answers, args, &[])
+}
+
+/// `on_terminal` with more environment: `PTY_SIZE` (the terminal's size), the worker's own.
+fn on_terminal_with(
+    s: &Scene,
+    answers: &[(&str, &str)],
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Screen {
     let mut cmd = std::process::Command::new("python3");
     cmd.arg(script("pty_drive.py"));
     for (p, t) in answers {
@@ -57,6 +67,7 @@ fn on_terminal(s: &Scene, answers: &[(&str, &str)], args: &[&str]) -> Screen {
     }
     cmd.arg("--").arg(nrun_bin()).args(args);
     cmd.env("NRUN_TEST_TAG", &s.tag).env("MARK", s.mark());
+    cmd.envs(env.iter().copied());
     let out = cmd.output().unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
@@ -338,21 +349,11 @@ fn workers_see_a_terminal_of_nruns_width() {
     };
     for (hosts, cols) in [(&[][..], 91), (&["-H", "localhost,127.0.0.1"][..], 81)] {
         let s = Scene::new();
-        let mut cmd = std::process::Command::new("python3");
-        cmd.arg(script("pty_drive.py")).arg("--").arg(nrun_bin());
-        cmd.args(args(hosts))
-            .env("PTY_SIZE", "100x30")
-            .env("NRUN_TEST_TAG", &s.tag)
-            .env("MARK", s.mark());
-        let out = cmd.output().unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let t: String = v["chunks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c[1].as_str().unwrap())
-            .collect();
-        assert_eq!(v["status"].as_i64(), Some(0), "{t}");
+        let a = args(hosts);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let sc = on_terminal_with(&s, &[], &a, &[("PTY_SIZE", "100x30")]);
+        let t = sc.text();
+        assert_eq!(sc.status, 0, "{t}");
         let ranks = if hosts.is_empty() { 2 } else { 4 };
         for r in 0..ranks {
             for stream in ["stdout", "stderr"] {
@@ -404,30 +405,20 @@ fn a_resized_terminal_resizes_the_workers() {
     ];
     for (extra, ranks, want) in cases {
         let s = Scene::new();
-        let mut cmd = std::process::Command::new("python3");
-        cmd.arg(script("pty_drive.py"));
         // Every rank's handler is in, then the terminal is made larger.
-        for _ in 1..ranks {
-            cmd.args(["resize-ready", ""]);
-        }
-        cmd.args(["resize-ready", "@resize 120x40", "--"])
-            .arg(nrun_bin())
-            .args(["--nproc", "2", "--watch", "off"])
-            .args(extra)
-            .args(["--python", &py, &resize])
-            .env("PTY_SIZE", "100x30")
-            .env("WANT", want)
-            .env("NRUN_TEST_TAG", &s.tag)
-            .env("MARK", s.mark());
-        let out = cmd.output().unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let t: String = v["chunks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c[1].as_str().unwrap())
-            .collect();
-        assert_eq!(v["status"].as_i64(), Some(0), "{extra:?}: {t}");
+        let mut answers = vec![("resize-ready", ""); ranks - 1];
+        answers.push(("resize-ready", "@resize 120x40"));
+        let mut args = vec!["--nproc", "2", "--watch", "off"];
+        args.extend(extra);
+        args.extend(["--python", &py, &resize]);
+        let sc = on_terminal_with(
+            &s,
+            &answers,
+            &args,
+            &[("PTY_SIZE", "100x30"), ("WANT", want)],
+        );
+        let t = sc.text();
+        assert_eq!(sc.status, 0, "{extra:?}: {t}");
         let (c, r) = want.split_once('x').unwrap();
         for rank in 0..ranks {
             let said = format!("rank {rank} resized to ({c}, {r}) on SIGWINCH");

@@ -30,7 +30,7 @@ pub(crate) fn run(input: &Path, output: Option<&Path>) -> Result<u8> {
     }
     let out = output.map_or_else(|| beside(input), Path::to_path_buf);
     let source = input.display().to_string();
-    crate::report::html::write("-o", &out, &v, &source).map_err(Error::usage)?;
+    crate::report::html::write("-o", &out, &v, &source)?;
     nrun_base::stdout(format!("{}\n", out.display()));
     Ok(exit::SUCCESS)
 }

@@ -57,15 +57,15 @@ struct Shared {
     ledger: Arc<Mutex<Ledger>>,
     /// The per-rank series set last.
     rank_labels: Mutex<std::collections::HashSet<Labels>>,
-    /// `--metrics-file`'s writes, one at a time; `Some(true)` once the last is written (a
-    /// periodic write still under way then must not replace it), `Some(false)` after a write
-    /// failed (said once).
+    /// `--metrics-file`'s writes, one at a time.
     file: Mutex<FileState>,
 }
 
 #[derive(Default)]
 struct FileState {
+    /// The last is written: a periodic write still under way then must not replace it.
     ended: bool,
+    /// A write failed (said once, and once when one works again).
     failing: bool,
 }
 

@@ -327,11 +327,11 @@ impl Ledger {
                 .any(|a| matches!(a.outcome, Some("failed" | "hang")));
         let lost = match faulted {
             false => "no faults".to_string(),
-            true => format!("lost: {restarts}{}", duration_text(lost)),
+            true => format!("lost: {restarts}{}", nrun_base::duration_text(lost)),
         };
         format!(
             "ran {}, {:.1}% of it training; {lost}",
-            duration_text(self.wall(now)),
+            nrun_base::duration_text(self.wall(now)),
             100.0 * self.effective(now)
         )
     }
@@ -362,8 +362,6 @@ impl Ledger {
         })
     }
 }
-
-pub(crate) use nrun_base::duration_text;
 
 /// One event, before the journal stamps it.
 pub(crate) struct Event {

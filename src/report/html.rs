@@ -46,7 +46,7 @@ pub(crate) fn write(
     path: &Path,
     report: &Value,
     source: &str,
-) -> std::result::Result<(), String> {
+) -> nrun_base::error::Result<()> {
     crate::report::write_out(flag, path, render(report, source).as_bytes())
 }
 

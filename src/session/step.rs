@@ -10,7 +10,7 @@ use super::Session;
 use crate::protocol::{RunResult, Step, StepResult};
 use crate::session::link::Delivery;
 use nrun_base::error::{Error, Result};
-use nrun_node::output::Tty;
+use nrun_node::output::{Resizes, Tty};
 use nrun_node::{Caught, StopRequest};
 
 /// How [`Session::run_step`] waits.
@@ -121,9 +121,8 @@ impl Session {
         let mut left = waiting.len();
         let mut failed = false;
         let mut looked: Option<Instant> = None;
-        let mut console = matches!(policy, Policy::Together)
-            .then(Console::watch)
-            .flatten();
+        let agents = self.nodes.iter().any(|n| !n.link.kind().in_process);
+        let mut console = Console::watch(matches!(policy, Policy::Together) && agents);
         let mut look_all = true;
         loop {
             let touched = super::link::touched(&self.bus);
@@ -340,30 +339,21 @@ impl Session {
 /// The launcher's terminal, watched during a job's step: its agents' workers have terminals
 /// of its size (less their prefix) and are told its sizes at the step's start and when they
 /// change (the in-process node's workers follow nrun's terminal by themselves, in the node's
-/// own loop). On SIGWINCH, and a look once a second besides (a worker holding the terminal's
-/// foreground would get the signal instead).
+/// own loop).
 struct Console {
-    winch: Option<tokio::signal::unix::Signal>,
-    tick: tokio::time::Interval,
+    resizes: Option<Resizes>,
     /// None: not told yet.
     sent: Option<[Option<Tty>; 2]>,
 }
 
 impl Console {
-    /// None where neither of nrun's outputs is a terminal.
-    fn watch() -> Option<Console> {
-        if nrun_node::output::console_sizes()
+    /// None where no node has an agent to tell, or neither of nrun's outputs is a terminal.
+    fn watch(agents: bool) -> Option<Console> {
+        let terminal = nrun_node::output::console_sizes()
             .iter()
-            .all(Option::is_none)
-        {
-            return None;
-        }
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let kind = tokio::signal::unix::SignalKind::window_change();
-        Some(Console {
-            winch: tokio::signal::unix::signal(kind).ok(),
-            tick,
+            .any(Option::is_some);
+        (agents && terminal).then(|| Console {
+            resizes: Some(Resizes::start()),
             sent: None,
         })
     }
@@ -374,19 +364,7 @@ impl Console {
             return std::future::pending().await;
         };
         loop {
-            let winch = async {
-                let heard = match &mut c.winch {
-                    Some(w) => w.recv().await.is_some(),
-                    None => false,
-                };
-                if !heard {
-                    std::future::pending::<()>().await;
-                }
-            };
-            tokio::select! {
-                () = winch => {}
-                _ = c.tick.tick() => {}
-            }
+            Resizes::next(&mut c.resizes).await;
             let now = nrun_node::output::console_sizes();
             if c.sent != Some(now) {
                 c.sent = Some(now);

@@ -126,3 +126,15 @@ pub mod activity {
         Some(FIRST.load(Ordering::Relaxed)).filter(|&t| t != 0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn durations_read_as_a_person_says_them() {
+        use super::duration_text;
+        assert_eq!(duration_text(41.2), "41 s");
+        assert_eq!(duration_text(0.046), "0.05 s");
+        assert_eq!(duration_text(812.4), "13 m 32 s");
+        assert_eq!(duration_text(3.0 * 3600.0 + 12.0 * 60.0 + 5.0), "3 h 12 m");
+    }
+}

@@ -467,7 +467,7 @@ impl Worker {
         idx: usize,
         start: Start,
         child: vfork::Spawned,
-        (out, prefix): (&Output, &str),
+        (out, prefix): (&Output, String),
         pumps: &mut Vec<(usize, JoinHandle<()>)>,
         exits: &mpsc::UnboundedSender<(usize, Exit, SystemTime)>,
     ) -> Worker {
@@ -517,7 +517,7 @@ impl Worker {
             exit: None,
             tail,
             error_file: start.error_file,
-            ptys: (!masters.is_empty()).then(|| (prefix.to_string(), masters)),
+            ptys: (!masters.is_empty()).then_some((prefix, masters)),
         }
     }
 
@@ -964,7 +964,15 @@ pub async fn run_group(
     };
     let (starts, outputs): (Vec<Start>, Vec<WorkerOutput>) =
         workers.into_iter().map(Start::split).unzip();
-    let prefixes: Vec<String> = outputs.iter().map(|o| o.prefix.clone()).collect();
+    // The prefix a worker's terminal is narrower by (kept for its resizes): where it has one.
+    let mut prefixes: Vec<String> = starts
+        .iter()
+        .zip(&outputs)
+        .map(|(s, o)| match s.tty.iter().any(Option::is_some) {
+            true => o.prefix.clone(),
+            false => String::new(),
+        })
+        .collect();
     let base_env: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
     let terminal = Terminal::ours();
     let mut gave_terminal = false;
@@ -1006,7 +1014,7 @@ pub async fn run_group(
             idx,
             start,
             child,
-            (&out, &prefixes[idx]),
+            (&out, std::mem::take(&mut prefixes[idx])),
             &mut pumps,
             &exits,
         );
@@ -1023,7 +1031,7 @@ pub async fn run_group(
         .workers
         .iter()
         .any(|w| w.ptys.is_some())
-        .then(Resizes::new);
+        .then(output::Resizes::start);
     while group.running() > 0 {
         let (timer, note) = (group.timer(), group.grace_note());
         tokio::select! {
@@ -1047,7 +1055,7 @@ pub async fn run_group(
             _ = tokio::time::sleep_until(note.unwrap_or_else(Instant::now)), if note.is_some() => {
                 group.say_grace();
             }
-            _ = Resizes::next(&mut resizes) => group.follow_console(output::followed_console()),
+            _ = output::Resizes::next(&mut resizes) => group.follow_console(output::followed_console()),
         }
     }
 
@@ -1055,48 +1063,6 @@ pub async fn run_group(
     match spawn_error {
         Some(e) => Err(e),
         None => Ok(group.outcome()),
-    }
-}
-
-/// When the workers' terminal may have been resized: SIGWINCH, and a look once a second
-/// besides, since a worker holding the terminal's foreground (rank 0 reading stdin) gets the
-/// terminal's SIGWINCH and nrun does not, and an agent hears of the launcher's terminal from
-/// the launcher.
-struct Resizes {
-    winch: Option<tokio::signal::unix::Signal>,
-    tick: tokio::time::Interval,
-}
-
-impl Resizes {
-    fn new() -> Resizes {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        Resizes {
-            // Without the handler the look once a second still follows.
-            winch: signal(SignalKind::window_change()).ok(),
-            tick,
-        }
-    }
-
-    /// Never, where no worker has a terminal.
-    async fn next(me: &mut Option<Resizes>) {
-        let Some(r) = me else {
-            return std::future::pending().await;
-        };
-        let winch = async {
-            match &mut r.winch {
-                Some(w) => {
-                    if w.recv().await.is_none() {
-                        std::future::pending::<()>().await;
-                    }
-                }
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            _ = winch => {}
-            _ = r.tick.tick() => {}
-        }
     }
 }
 
@@ -1192,8 +1158,6 @@ pub fn find_program(name: &str, path: Option<&str>) -> Option<PathBuf> {
 mod tests {
     use super::*;
 
-    /// nrun stopped by its console's closed pipe stops Python workers (which ignore SIGPIPE)
-    /// with SIGTERM; the user's signals are passed on as they are.
     /// Every signal is one word: a real-time one as `kill -l` says it, not "signal 40".
     #[test]
     fn signals_are_named_in_one_word() {
@@ -1206,6 +1170,8 @@ mod tests {
         assert_eq!(signal_name(999), "signal 999");
     }
 
+    /// nrun stopped by its console's closed pipe stops Python workers (which ignore SIGPIPE)
+    /// with SIGTERM; the user's signals are passed on as they are.
     #[test]
     fn a_closed_console_stops_the_workers_with_sigterm() {
         assert_eq!(worker_stop_signal(libc::SIGPIPE), Signal::SIGTERM);

@@ -79,16 +79,16 @@ impl Tty {
         }
     }
 
-    /// The size of the terminal whose master side is `master`.
-    pub(crate) fn of(master: &impl std::os::fd::AsRawFd) -> Option<Tty> {
+    /// The size of the terminal `fd` is (either side).
+    pub(crate) fn of(fd: impl std::os::fd::AsFd) -> Option<Tty> {
+        use std::os::fd::AsRawFd as _;
         // SAFETY: TIOCGWINSZ fills a local plain struct from a descriptor the caller holds.
         let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
-        (unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) } == 0).then_some(
-            Tty {
-                cols: ws.ws_col,
-                rows: ws.ws_row,
-            },
-        )
+        let fd = fd.as_fd().as_raw_fd();
+        (unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) } == 0).then_some(Tty {
+            cols: ws.ws_col,
+            rows: ws.ws_row,
+        })
     }
 
     /// Makes this the size of the terminal whose master side is `master`.
@@ -129,20 +129,56 @@ pub(crate) fn followed_console() -> [Option<Tty>; 2] {
 
 /// The size of this process's `stream`, if it is a terminal (0 x 0 where it tells none).
 fn console_size(stream: Stream) -> Option<Tty> {
-    let fd = match stream {
-        Stream::Out => libc::STDOUT_FILENO,
-        Stream::Err => libc::STDERR_FILENO,
+    use std::io::IsTerminal as _;
+    let size = match stream {
+        Stream::Out if std::io::stdout().is_terminal() => Tty::of(std::io::stdout()),
+        Stream::Err if std::io::stderr().is_terminal() => Tty::of(std::io::stderr()),
+        _ => return None,
     };
-    // SAFETY: isatty and TIOCGWINSZ read this process's own descriptor into a local.
-    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
-    if unsafe { libc::isatty(fd) } != 1 {
-        return None;
+    Some(size.unwrap_or(Tty { cols: 0, rows: 0 }))
+}
+
+/// When the workers' terminal may have been resized: SIGWINCH, and a look once a second
+/// besides, since a worker holding the terminal's foreground (rank 0 reading stdin) gets the
+/// terminal's SIGWINCH and nrun does not, and an agent hears of the launcher's terminal from
+/// the launcher.
+pub struct Resizes {
+    winch: Option<tokio::signal::unix::Signal>,
+    tick: tokio::time::Interval,
+}
+
+impl Resizes {
+    /// Needs the runtime (the timer and the signal's handler).
+    pub fn start() -> Resizes {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Resizes {
+            // Without the handler the look once a second still follows.
+            winch: signal(SignalKind::window_change()).ok(),
+            tick,
+        }
     }
-    unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) };
-    Some(Tty {
-        cols: ws.ws_col,
-        rows: ws.ws_row,
-    })
+
+    /// The next SIGWINCH or look; never where there is nothing to watch (`None`).
+    pub async fn next(me: &mut Option<Resizes>) {
+        let Some(r) = me else {
+            return std::future::pending().await;
+        };
+        let winch = async {
+            let heard = match &mut r.winch {
+                Some(w) => w.recv().await.is_some(),
+                None => false,
+            };
+            if !heard {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            () = winch => {}
+            _ = r.tick.tick() => {}
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

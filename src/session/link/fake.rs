@@ -628,7 +628,6 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_node_that_comes_back_gets_a_new_index_unless_its_host_was_refused() {
         use crate::protocol::{Joined, c10d_next_key, c10d_refused_key, c10d_room_key};
-
         let (a, _) = node("a", Script::UntilStopped);
         let (b, _) = node("b", Script::UntilStopped);
         let (mut s, _sig) = session(vec![a, b]);
