@@ -19,6 +19,7 @@
 //! ([`child`]: the same agent process the launch host starts) and keeps them until the end.
 
 pub(crate) mod child;
+mod cost;
 pub(crate) mod exec;
 pub(crate) mod flight;
 mod liveness;

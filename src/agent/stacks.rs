@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
+use super::cost::{Costs, Look};
 use super::flight::{self, FrFiles, FrState};
 use crate::protocol::{Frame, NodeWatch, RankView};
 use nrun_node::GroupEvent;
@@ -101,6 +102,11 @@ pub(crate) fn spawn(
             let mut published = Instant::now();
             let mut periodic = Instant::now();
             let mut ras = ras.map(super::ras::Asker::new);
+            let mut costs = Costs::from_env();
+            if costs.skips("ras") {
+                ras = None;
+            }
+            let end = |costs: &Costs| tracing::debug!("the watch's looks: {}", costs.summary());
             loop {
                 loop {
                     match events.try_recv() {
@@ -136,7 +142,10 @@ pub(crate) fn spawn(
                             }
                         }
                         Err(mpsc::error::TryRecvError::Empty) => break,
-                        Err(mpsc::error::TryRecvError::Disconnected) => return,
+                        Err(mpsc::error::TryRecvError::Disconnected) => {
+                            end(&costs);
+                            return;
+                        }
                     }
                 }
                 // One look at /proc's process tree serves every rank searched for Python in
@@ -147,7 +156,7 @@ pub(crate) fn spawn(
                     // that changes under it) costs the rank a sample, never the watch: the
                     // thread ended silently once, and a restarted group's hang went unnamed.
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        sample(w, &mut sources, &mut tree)
+                        sample(w, &mut sources, &mut tree, &mut costs)
                     }));
                 }
                 // Straggler statistics count the job's running time, not a stall: a sample
@@ -155,16 +164,19 @@ pub(crate) fn spawn(
                 // may be caught at the same line every time).
                 if ranks.iter().any(|w| w.since.elapsed() < ACTIVE) {
                     for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
-                        count(w);
+                        count(w, &mut costs);
                     }
                 }
                 let periodic_due = periodic.elapsed() >= flight::PERIOD;
                 if periodic_due {
                     periodic = Instant::now();
                 }
-                flight_recorders(&mut ranks, periodic_due);
+                if !costs.skips("fr") {
+                    flight_recorders(&mut ranks, periodic_due, &mut costs);
+                }
                 if let Some(asker) = ras.as_mut() {
-                    asker.poll(nccl_stalled(&mut ranks));
+                    let stalled = nccl_stalled(&mut ranks, &mut costs);
+                    costs.time(Look::Ras, 0, || asker.poll(stalled));
                 }
                 if published.elapsed() >= PUBLISH {
                     published = Instant::now();
@@ -179,6 +191,7 @@ pub(crate) fn spawn(
                         ras: ras.as_ref().and_then(|a| a.view.clone()),
                     };
                     if out.send(snapshot).is_err() {
+                        end(&costs);
                         return;
                     }
                 }
@@ -189,7 +202,7 @@ pub(crate) fn spawn(
 
 /// Asks the ranks' flight recorders for dumps (when the node's ranks stall, and when `periodic`)
 /// and reads the dumps that arrived.
-fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
+fn flight_recorders(ranks: &mut [Watched], periodic: bool, costs: &mut Costs) {
     let live = || {
         ranks
             .iter()
@@ -205,7 +218,10 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
             w.fr.asked_in_stall = false;
         }
         let ask = (stalled && !w.fr.asked_in_stall) || periodic;
-        if ask && w.fr.asked.is_none() && flight::ask(files) {
+        if ask
+            && w.fr.asked.is_none()
+            && costs.time(Look::FrAsk, w.view.rank, || flight::ask(files))
+        {
             w.fr.asked = Some((Instant::now(), std::time::SystemTime::now()));
             w.fr.asked_in_stall |= stalled;
         }
@@ -229,7 +245,9 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool) {
         return;
     };
     let paths: Vec<&std::path::Path> = ready.iter().map(|(_, p)| p.as_path()).collect();
-    let read = flight::read(&python, &paths);
+    let read = costs.time(Look::FrRead, ranks[*first].view.rank, || {
+        flight::read(&python, &paths)
+    });
     for ((i, _), v) in ready.iter().zip(read) {
         let i = *i;
         let w = &mut ranks[i];
@@ -266,19 +284,23 @@ fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone) -> bool {
 
 /// Whether the node's live ranks stall (see [`stalling`]) and some of them run NCCL (its RAS
 /// has something to say).
-fn nccl_stalled(ranks: &mut [Watched]) -> bool {
+fn nccl_stalled(ranks: &mut [Watched], costs: &mut Costs) -> bool {
     let live = |w: &&mut Watched| w.view.exited.is_none();
     stalling(ranks.iter().filter(|w| w.view.exited.is_none()))
-        && ranks.iter_mut().filter(live).any(loaded_nccl)
+        && ranks.iter_mut().filter(live).any(|w| loaded_nccl(w, costs))
 }
 
 /// Whether the rank's process loaded libnccl (looked up once, at its first GPU sync or stall:
 /// torch is loaded by then).
-fn loaded_nccl(w: &mut Watched) -> bool {
+fn loaded_nccl(w: &mut Watched, costs: &mut Costs) -> bool {
     if !w.nccl_checked {
         w.nccl_checked = true;
-        w.nccl = std::fs::read_to_string(format!("/proc/{}/maps", w.view.pid))
-            .is_ok_and(|m| m.contains("/libnccl"));
+        let pid = w.view.pid;
+        w.nccl = !costs.skips("maps")
+            && costs.time(Look::Maps, w.view.rank, || {
+                std::fs::read_to_string(format!("/proc/{pid}/maps"))
+                    .is_ok_and(|m| m.contains("/libnccl"))
+            });
         w.collectives |= w.nccl;
     }
     w.nccl
@@ -303,7 +325,7 @@ const WINDOW: u32 = 240;
 /// One sample in the straggler statistics: a rank waits when it is in a collective, or in a GPU
 /// sync (`.item()`, `synchronize()`, a copy to the CPU) of a job that runs collectives: NCCL's
 /// return at once and the wait for the peers happens at the next sync.
-fn count(w: &mut Watched) {
+fn count(w: &mut Watched, costs: &mut Costs) {
     let v = &mut w.view;
     if v.samples >= WINDOW {
         v.samples /= 2;
@@ -313,7 +335,7 @@ fn count(w: &mut Watched) {
     let in_collective = v.collective.is_some();
     let in_sync = crate::protocol::waits_in(v).is_some();
     w.collectives |= in_collective;
-    let waits = in_collective || (in_sync && (w.collectives || loaded_nccl(w)));
+    let waits = in_collective || (in_sync && (w.collectives || loaded_nccl(w, costs)));
     if waits {
         w.view.waiting += 1;
     }
@@ -336,6 +358,7 @@ fn sample(
     w: &mut Watched,
     sources: &mut HashMap<String, Vec<String>>,
     tree: &mut Option<HashMap<u32, Vec<u32>>>,
+    costs: &mut Costs,
 ) {
     if w.spy.is_none() {
         // The Python process to watch: the worker, what it exec'd, or its topmost Python
@@ -345,10 +368,10 @@ fn sample(
         }
         // The worker's descendants are looked at from the second search on: a wrapper starts
         // its python within moments, and a start of many workers is not slowed by a scan.
-        let found = match w.searched {
+        let found = costs.time(Look::Search, w.view.rank, || match w.searched {
             None => Some(w.worker).filter(|p| is_python(*p)),
             Some(_) => python_in_tree(w.worker, tree),
-        };
+        });
         let Some(pid) = found else {
             w.searched = Some(Instant::now());
             return;
@@ -361,8 +384,11 @@ fn sample(
         config.blocking = py_spy::config::LockingStrategy::NonBlocking;
         // The addresses of each frame's arguments tell a new call from the same call: a rank
         // that loops through the same line is sampled there again, but with new objects.
-        config.dump_locals = 1;
-        match py_spy::PythonSpy::new(w.view.pid as py_spy::Pid, &config) {
+        config.dump_locals = u64::from(!costs.skips("locals"));
+        let pid = w.view.pid;
+        match costs.time(Look::Open, w.view.rank, || {
+            py_spy::PythonSpy::new(pid as py_spy::Pid, &config)
+        }) {
             Ok(s) => {
                 w.spy = Some(s);
                 w.view.error = None;
@@ -376,10 +402,15 @@ fn sample(
             }
         }
     }
+    if costs.skips("stack") {
+        return;
+    }
     let Some(spy) = w.spy.as_mut() else { return };
     // Reading a running process's memory races with it; py-spy can trip over a half-written
     // object. That costs one sample, never the watch (see `quiet_panics`).
-    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spy.get_stack_traces()));
+    let read = costs.time(Look::Stack, w.view.rank, || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spy.get_stack_traces()))
+    });
     let traces = match read {
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
@@ -417,7 +448,10 @@ fn sample(
     // step from the next) is sampled at the same stack again and again: the main thread
     // blocking and waking (a sleep, a socket read, a lock) since the last sample says it moved.
     // A rank that hangs blocks once and stays blocked; one spinning in a GPU sync never blocks.
-    let switches = voluntary_switches(w.view.pid);
+    let switches = match costs.skips("status") {
+        true => None,
+        false => costs.time(Look::Status, w.view.rank, || voluntary_switches(pid as u32)),
+    };
     if switches.is_some() && w.switches.is_some() && switches != w.switches {
         w.since = Instant::now();
     }
@@ -595,20 +629,20 @@ mod tests {
     #[test]
     fn a_gpu_sync_counts_as_waiting_once_the_rank_runs_collectives() {
         let mut w = watched("loss.item()", None);
-        count(&mut w);
+        count(&mut w, &mut Costs::from_env());
         assert_eq!(
             (w.view.samples, w.view.waiting),
             (1, 0),
             "no collectives yet"
         );
         w.view.collective = Some("all_reduce".into());
-        count(&mut w);
+        count(&mut w, &mut Costs::from_env());
         w.view.collective = None;
-        count(&mut w);
+        count(&mut w, &mut Costs::from_env());
         assert_eq!((w.view.samples, w.view.waiting), (3, 2));
         // Plain Python code never counts.
         w.view.frames[0].code = Some("x = x + 1".into());
-        count(&mut w);
+        count(&mut w, &mut Costs::from_env());
         assert_eq!((w.view.samples, w.view.waiting), (4, 2));
     }
 
@@ -616,9 +650,9 @@ mod tests {
     fn the_statistics_speak_of_the_last_minutes_and_unread_stacks_are_not_stalled() {
         let mut w = watched("loss.item()", Some("all_reduce"));
         for _ in 0..WINDOW {
-            count(&mut w);
+            count(&mut w, &mut Costs::from_env());
         }
-        count(&mut w);
+        count(&mut w, &mut Costs::from_env());
         assert_eq!(
             (w.view.samples, w.view.waiting),
             (WINDOW / 2 + 1, WINDOW / 2 + 1)
