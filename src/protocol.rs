@@ -230,6 +230,11 @@ pub(crate) enum Step {
         /// Sample the workers' Python stacks and publish a [`NodeWatch`] (see `watch`).
         #[serde(default)]
         watch: bool,
+        /// With the watch: the hang timeout the coordinator judges by, which tells the node
+        /// when a stall is worth a flight-recorder dump (absent from an older launcher: the
+        /// node asks early).
+        #[serde(default)]
+        hang_timeout_ms: Option<u64>,
     },
     End,
 }
@@ -247,6 +252,7 @@ impl Step {
             grace_ms: 0,
             deadline_ms: None,
             watch: false,
+            hang_timeout_ms: None,
         }
     }
 }

@@ -33,3 +33,17 @@ for look in sorted(cost):
     print(f"{look:8} {len(cost[look]):5} looks, mean {statistics.fmean(cost[look]):8.0f} us, "
           f"max {max(cost[look]):8d} us; steps hit {len(h):5}, slow {100 * share:5.1f}%, "
           f"median of those {1e3 * statistics.median(h) if h else 0:.2f} ms")
+
+# Steps in the seconds after a flight-recorder dump was asked (torch writes it a few seconds
+# later), against the others.
+W = float(os.environ.get("DUMP_WINDOW", "8"))
+asks = sorted(float(l.split()[0]) for l in open(trace) if l.split()[1] == "fr")
+inside, outside = [], []
+for rows in steps.values():
+    for w, d in rows:
+        j = bisect.bisect_right(asks, w) - 1
+        (inside if j >= 0 and w - asks[j] <= W else outside).append(d)
+for name, v in (("after a dump asked", inside), ("other steps", outside)):
+    if v:
+        print(f"{name:20} {len(v):5} steps, mean {1e3 * statistics.fmean(v):.2f} ms, "
+              f"slow {100 * sum(d > 1.5 * med for d in v) / len(v):.1f}%")

@@ -28,6 +28,21 @@ cause)
     [ -f "$d/trace" ] && { echo "== $d"; python3 scripts/bench/tail_cause.py "$d" "$d/trace"; }
   done
   ;;
+dump)
+  # A flight-recorder dump asked every FR_PERIOD s (no stall needed): what one dump costs the
+  # workers, with nrun's settings (no stack traces in its dumps) and with torch's (traces).
+  export NRUN_WATCH_FR_PERIOD=${FR_PERIOD:-3}
+  D="NRUN_WATCH_TRACE=\$TAIL_DIR/trace $NR"
+  python3 scripts/bench/step_tail.py "$ROUNDS" "watch-off=$NR --watch off $W" "dumps=$D $W" \
+    "dumps-stack-traces=TORCH_INCLUDE_STACK_TRACE=1 $D $W" \
+    "stack-traces-fast=TORCH_INCLUDE_STACK_TRACE=1 TORCH_SYMBOLIZE_MODE=fast $D $W" \
+    2>/tmp/tail-runs
+  cat /tmp/tail-runs
+  for d in $(grep -o '/tmp/tail-[^)]*' /tmp/tail-runs); do
+    [ -f "$d/trace" ] && { echo "== $(grep -F "$d" /tmp/tail-runs | cut -d: -f1)"; python3 scripts/bench/tail_cause.py "$d" "$d/trace" | grep -v '^ras\|^search\|^open\|^maps'; }
+  done
+  [ -n "${OUT:-}" ] && tar czf "$OUT/dump-runs.tgz" $(grep -o '/tmp/tail-[^)]*' /tmp/tail-runs) 2>/dev/null
+  ;;
 compare)
   runs=("watch-off=$NR --watch off $W" "watch-on=$NR $W" "torchrun=$TR")
   [ -n "${OLD:-}" ] && runs+=("old-watch-on=$OLD --nproc $NPROC --no-preflight $W" "old-watch-off=$OLD --nproc $NPROC --no-preflight --watch off $W")

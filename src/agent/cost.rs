@@ -80,6 +80,15 @@ impl Costs {
         }
     }
 
+    /// The time between two flight-recorder dumps asked while the job runs: `default`, or
+    /// `NRUN_WATCH_FR_PERIOD` seconds (to measure a dump's cost with many of them).
+    pub(crate) fn fr_period(default: std::time::Duration) -> std::time::Duration {
+        std::env::var("NRUN_WATCH_FR_PERIOD")
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .map_or(default, std::time::Duration::from_secs_f64)
+    }
+
     /// Whether `part` (a look's name, or "locals") is turned off.
     pub(crate) fn skips(&self, part: &str) -> bool {
         self.skip.iter().any(|s| s == part)
@@ -127,5 +136,137 @@ impl Costs {
             })
             .collect::<Vec<_>>()
             .join("; ")
+    }
+}
+
+/// What one sample of one worker (every look at it in one round) may take. A stack read takes
+/// 1-2 ms on an H100 node (BENCHMARKS.md); a read that takes ten times that contends with
+/// something in the worker (its memory map's lock, a driver call) and may cost it as much.
+pub(crate) const LOOK_BUDGET: Duration = Duration::from_millis(20);
+/// The longest time between two samples of a worker backed off: under the five seconds after
+/// which a stack not read counts as unknown (stacks::READ_RECENTLY), so hangs are still named.
+pub(crate) const MAX_EVERY: Duration = Duration::from_secs(2);
+/// Samples over budget in a row before backing off (one may be the watch's own thread
+/// preempted on a busy node, which costs the worker nothing).
+const OVER: u32 = 2;
+/// Samples under budget in a row before looking more often again.
+const UNDER: u32 = 40;
+
+/// How often the watch looks at one worker: every `base`, less often while looks at it cost
+/// more than [`LOOK_BUDGET`].
+#[derive(Clone, Debug)]
+pub(crate) struct Pace {
+    base: Duration,
+    every: Duration,
+    next: Option<Instant>,
+    over: u32,
+    under: u32,
+}
+
+/// A change of pace, to be said.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Paced {
+    /// Looks cost `took` (the last one): every `every` from now.
+    Slower { took: Duration, every: Duration },
+    /// Looks are cheap again: every `every` from now.
+    Faster { every: Duration },
+}
+
+impl Pace {
+    pub(crate) fn new(base: Duration) -> Pace {
+        Pace {
+            base,
+            every: base,
+            next: None,
+            over: 0,
+            under: 0,
+        }
+    }
+
+    /// Whether the worker is due for a sample at `now`.
+    pub(crate) fn due(&self, now: Instant) -> bool {
+        self.next.is_none_or(|n| now >= n)
+    }
+
+    /// Accounts a sample that took `took`, ending at `now`.
+    pub(crate) fn took(&mut self, took: Duration, now: Instant) -> Option<Paced> {
+        let mut changed = None;
+        if took > LOOK_BUDGET {
+            self.under = 0;
+            self.over += 1;
+            if self.over >= OVER && self.every < MAX_EVERY {
+                self.over = 0;
+                self.every = (self.every * 2).min(MAX_EVERY);
+                changed = Some(Paced::Slower {
+                    took,
+                    every: self.every,
+                });
+            }
+        } else {
+            self.over = 0;
+            self.under += 1;
+            if self.under >= UNDER && self.every > self.base {
+                self.under = 0;
+                self.every = (self.every / 2).max(self.base);
+                changed = Some(Paced::Faster { every: self.every });
+            }
+        }
+        // Less a little: the watch's round comes every `base`, and a worker due a moment
+        // after a round would wait a whole round more.
+        self.next = Some(now + self.every.saturating_sub(self.base / 2));
+        changed
+    }
+
+    #[cfg(test)]
+    pub(crate) fn every(&self) -> Duration {
+        self.every
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: Duration = Duration::from_millis(500);
+
+    #[test]
+    fn a_costly_worker_is_looked_at_less_often_and_again_when_cheap() {
+        let mut p = Pace::new(BASE);
+        let t = Instant::now();
+        let cheap = Duration::from_millis(2);
+        let dear = LOOK_BUDGET * 3;
+        assert!(p.due(t));
+        assert_eq!(p.took(cheap, t), None);
+        assert!(!p.due(t) && p.due(t + BASE));
+        // One dear sample may be the watch's own thread preempted: not yet.
+        assert_eq!(p.took(dear, t), None);
+        assert_eq!(
+            p.took(dear, t),
+            Some(Paced::Slower {
+                took: dear,
+                every: BASE * 2
+            })
+        );
+        assert!(!p.due(t + BASE) && p.due(t + BASE * 2));
+        // Never past MAX_EVERY, so a hang is still named.
+        for _ in 0..20 {
+            p.took(dear, t);
+        }
+        assert_eq!(p.every(), MAX_EVERY);
+        // Cheap again for a while: back step by step.
+        let mut back = Vec::new();
+        for _ in 0..(UNDER * 3) {
+            if let Some(c) = p.took(cheap, t) {
+                back.push(c);
+            }
+        }
+        assert_eq!(
+            back,
+            vec![
+                Paced::Faster { every: BASE * 2 },
+                Paced::Faster { every: BASE }
+            ]
+        );
+        assert_eq!(p.every(), BASE);
     }
 }

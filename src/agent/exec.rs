@@ -71,6 +71,7 @@ pub(crate) async fn dispatch(step: Step, io: StepIo) -> Done {
             grace_ms,
             deadline_ms,
             watch,
+            hang_timeout_ms,
         } => {
             let views = io.views.filter(|_| watch);
             let r = run_workers(
@@ -79,6 +80,7 @@ pub(crate) async fn dispatch(step: Step, io: StepIo) -> Done {
                 deadline_ms,
                 io.stop,
                 views,
+                hang_timeout_ms.map(Duration::from_millis),
                 io.secret.as_deref(),
             );
             StepResult::Run(r.await)
@@ -95,6 +97,7 @@ async fn run_workers(
     deadline_ms: Option<u64>,
     stop: watch::Receiver<StopRequest>,
     watch: Option<tokio::sync::mpsc::UnboundedSender<NodeWatch>>,
+    hang_timeout: Option<Duration>,
     secret: Option<&str>,
 ) -> RunResult {
     let mut cmds = Vec::with_capacity(specs.len());
@@ -125,7 +128,10 @@ async fn run_workers(
     let deadline = deadline_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
     let (ended, ended_rx) = tokio::sync::oneshot::channel::<()>();
     let events = match watch {
-        Some(out) if !cmds.is_empty() => Some(start_watch(out, ended_rx, &flight_files, ras)),
+        Some(out) if !cmds.is_empty() => {
+            let stall = super::stacks::Stalls::new(hang_timeout);
+            Some(start_watch(out, ended_rx, &flight_files, ras, stall))
+        }
         _ => None,
     };
     let grace = Duration::from_millis(grace_ms);
@@ -234,6 +240,7 @@ fn start_watch(
     ended: tokio::sync::oneshot::Receiver<()>,
     flight_files: &[(usize, super::flight::FrFiles)],
     ras: Option<String>,
+    stall: super::stacks::Stalls,
 ) -> tokio::sync::mpsc::UnboundedSender<node::GroupEvent> {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let files = flight_files.to_vec();
@@ -242,7 +249,7 @@ fn start_watch(
             _ = tokio::time::sleep(super::stacks::SAMPLE) => {}
             _ = ended => return,
         }
-        if let Err(e) = super::stacks::spawn(rx, out, files, ras) {
+        if let Err(e) = super::stacks::spawn(rx, out, files, ras, stall) {
             tracing::warn!("cannot start the watch: {e}; the job runs unwatched");
         }
     });

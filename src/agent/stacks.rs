@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use super::cost::{Costs, Look};
+use super::cost::{Costs, Look, Pace, Paced};
 use super::flight::{self, FrFiles, FrState};
 use crate::protocol::{Frame, NodeWatch, RankView};
 use nrun_node::GroupEvent;
@@ -56,13 +56,41 @@ struct Watched {
     searched: Option<Instant>,
     /// Its flight recorder (NCCL jobs).
     fr: FrState,
+    /// How often it is sampled: less often while samples cost it more than their budget.
+    pace: Pace,
+    /// Whether it was sampled in this round (a rank backed off keeps its last view, which
+    /// counts once in the straggler statistics, not at every round).
+    fresh: bool,
 }
 
-/// A node's ranks all unchanged this long: their flight recorders are asked for a dump, so
-/// that the collective they stall in is known by the time a hang is called. Early: on an H200
-/// torch wrote the dump about 5 s after the request (it gathers C++ stacks first), which missed
-/// a 10 s --hang-timeout when asked at 5 s.
+/// The earliest a stall's dump is asked (see [`Stalls`]), so that with a short --hang-timeout
+/// the collective the ranks stall in is known by the time a hang is called: on an H200 torch
+/// wrote the dump about 5 s after the request, which missed a 10 s --hang-timeout when asked
+/// at 5 s.
 const STALL_DUMP: Duration = Duration::from_secs(2);
+/// How long before the coordinator's hang timeout a stall's dump is asked: torch writes it a few
+/// seconds after the ask (about 5 s on an H200 with its stack traces), and the hang's
+/// conclusion should name the collective.
+const DUMP_LEAD: Duration = Duration::from_secs(8);
+
+/// When a node's stall is worth asking its ranks' flight recorders (and NCCL's RAS) for their
+/// account. A dump costs the workers (torch stops to write it: BENCHMARKS.md, "The watch's
+/// cost"), so it is asked when the stall could become the hang the coordinator calls, not at
+/// every communicator's start or short pause: [`DUMP_LEAD`] before the hang timeout, never
+/// sooner than [`STALL_DUMP`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stalls {
+    dump_after: Duration,
+}
+
+impl Stalls {
+    pub(crate) fn new(hang_timeout: Option<Duration>) -> Stalls {
+        Stalls {
+            dump_after: hang_timeout
+                .map_or(STALL_DUMP, |t| t.saturating_sub(DUMP_LEAD).max(STALL_DUMP)),
+        }
+    }
+}
 /// A dump asked for and not there after this long is not coming (not an NCCL job).
 const DUMP_WAIT: Duration = Duration::from_secs(10);
 
@@ -92,6 +120,7 @@ pub(crate) fn spawn(
     out: mpsc::UnboundedSender<NodeWatch>,
     flight_files: Vec<(usize, FrFiles)>,
     ras: Option<String>,
+    stall: Stalls,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     quiet_panics();
     std::thread::Builder::new()
@@ -103,6 +132,8 @@ pub(crate) fn spawn(
             let mut periodic = Instant::now();
             let mut ras = ras.map(super::ras::Asker::new);
             let mut costs = Costs::from_env();
+            let fr_period = Costs::fr_period(flight::PERIOD);
+            let mut dumps = Periodic { due: false, on: true };
             if costs.skips("ras") {
                 ras = None;
             }
@@ -134,6 +165,8 @@ pub(crate) fn spawn(
                                     .map(|(_, f)| f.clone()),
                                 ..FrState::default()
                             },
+                            pace: Pace::new(SAMPLE),
+                            fresh: false,
                         }),
                         Ok(GroupEvent::Exited { rank, exit }) => {
                             if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
@@ -151,31 +184,40 @@ pub(crate) fn spawn(
                 // One look at /proc's process tree serves every rank searched for Python in
                 // this round (a thousand workers of another program cost one scan, not 1000).
                 let mut tree = None;
-                for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
+                let now = Instant::now();
+                for w in ranks.iter_mut() {
+                    w.fresh = w.view.exited.is_none() && w.pace.due(now);
+                    if !w.fresh {
+                        continue;
+                    }
+                    let t0 = Instant::now();
                     // A panic in py-spy (attaching to a Python still starting, or reading one
                     // that changes under it) costs the rank a sample, never the watch: the
                     // thread ended silently once, and a restarted group's hang went unnamed.
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         sample(w, &mut sources, &mut tree, &mut costs)
                     }));
+                    if let Some(p) = w.pace.took(t0.elapsed(), Instant::now()) {
+                        say_pace(&w.view, p);
+                    }
                 }
                 // Straggler statistics count the job's running time, not a stall: a sample
                 // counts while some rank of the node moved in the last few seconds (a slow rank
                 // may be caught at the same line every time).
                 if ranks.iter().any(|w| w.since.elapsed() < ACTIVE) {
-                    for w in ranks.iter_mut().filter(|w| w.view.exited.is_none()) {
+                    for w in ranks.iter_mut().filter(|w| w.fresh) {
                         count(w, &mut costs);
                     }
                 }
-                let periodic_due = periodic.elapsed() >= flight::PERIOD;
-                if periodic_due {
+                dumps.due = periodic.elapsed() >= fr_period;
+                if dumps.due {
                     periodic = Instant::now();
                 }
                 if !costs.skips("fr") {
-                    flight_recorders(&mut ranks, periodic_due, &mut costs);
+                    flight_recorders(&mut ranks, &mut dumps, stall, &mut costs);
                 }
                 if let Some(asker) = ras.as_mut() {
-                    let stalled = nccl_stalled(&mut ranks, &mut costs);
+                    let stalled = nccl_stalled(&mut ranks, stall, &mut costs);
                     costs.time(Look::Ras, 0, || asker.poll(stalled));
                 }
                 if published.elapsed() >= PUBLISH {
@@ -200,15 +242,74 @@ pub(crate) fn spawn(
         })
 }
 
+/// Says that the watch looks at a rank less often (once per rank, as a warning: a new driver or
+/// kernel that makes reading a worker dear shows here) or more often again (in the debug log).
+fn say_pace(view: &RankView, p: Paced) {
+    static SAID: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+    match p {
+        Paced::Slower { took, every } => {
+            let first = SAID.lock().map_or(true, |mut s| match s.contains(&view.rank) {
+                true => false,
+                false => {
+                    s.push(view.rank);
+                    true
+                }
+            });
+            let text = format!(
+                "the watch's sample of rank {} (pid {}) took {} ms, over its budget of {} ms \
+                 twice in a row; it now samples that rank every {:.1} s instead of {:.1} s (a \
+                 hang is named up to that much later). Reading the worker's stack may contend \
+                 with it: docs/watch.md, \"What the watch costs\"",
+                view.rank,
+                view.pid,
+                took.as_millis(),
+                super::cost::LOOK_BUDGET.as_millis(),
+                every.as_secs_f64(),
+                SAMPLE.as_secs_f64()
+            );
+            match first {
+                true => tracing::warn!("{text}"),
+                false => tracing::debug!("{text}"),
+            }
+        }
+        Paced::Faster { every } => tracing::debug!(
+            "the watch's samples of rank {} are cheap again: every {:.1} s",
+            view.rank,
+            every.as_secs_f64()
+        ),
+    }
+}
+
+/// The dumps asked while the ranks run, for the straggler statistics and collective mismatches
+/// that do not hang (every [`flight::PERIOD`]).
+struct Periodic {
+    /// One is due this round.
+    due: bool,
+    /// Not turned off for their cost.
+    on: bool,
+}
+
+/// A flight-recorder dump asked while the ranks run that torch takes longer than this to write
+/// (from the ask to the file's time) held its worker up that long: the watch then asks for
+/// dumps only when ranks stall. Torch looks at its pipe about once a second; a dump without
+/// stack traces is written within moments of that.
+const DUMP_BUDGET: Duration = Duration::from_secs(3);
+
 /// Asks the ranks' flight recorders for dumps (when the node's ranks stall, and when `periodic`)
-/// and reads the dumps that arrived.
-fn flight_recorders(ranks: &mut [Watched], periodic: bool, costs: &mut Costs) {
+/// and reads the dumps that arrived. A dump asked while the ranks run that costs more than
+/// [`DUMP_BUDGET`] turns `periodic` dumps off for the rest of the group (said once).
+fn flight_recorders(
+    ranks: &mut [Watched],
+    periodic: &mut Periodic,
+    stall: Stalls,
+    costs: &mut Costs,
+) {
     let live = || {
         ranks
             .iter()
             .filter(|w| w.view.exited.is_none() && w.fr.files.is_some())
     };
-    let stalled = stalling(live());
+    let stalled = stalling(live(), stall.dump_after);
     for w in ranks
         .iter_mut()
         .filter(|w| w.view.exited.is_none() && w.spy.is_some())
@@ -217,13 +318,14 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool, costs: &mut Costs) {
         if !stalled {
             w.fr.asked_in_stall = false;
         }
-        let ask = (stalled && !w.fr.asked_in_stall) || periodic;
+        let ask = (stalled && !w.fr.asked_in_stall) || (periodic.due && periodic.on);
         if ask
             && w.fr.asked.is_none()
             && costs.time(Look::FrAsk, w.view.rank, || flight::ask(files))
         {
             w.fr.asked = Some((Instant::now(), std::time::SystemTime::now()));
             w.fr.asked_in_stall |= stalled;
+            w.fr.asked_running = !stalled;
         }
     }
     // The dumps that arrived, read together by one interpreter.
@@ -233,6 +335,24 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool, costs: &mut Costs) {
             continue;
         };
         if let Some(p) = flight::dumped_since(files, wall) {
+            let took = std::fs::metadata(&p)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.duration_since(wall).ok());
+            if let Some(took) = took.filter(|t| w.fr.asked_running && *t > DUMP_BUDGET)
+                && std::mem::replace(&mut periodic.on, false)
+            {
+                tracing::warn!(
+                    "torch took {:.1} s to write rank {}'s flight-recorder dump, over the \
+                     watch's budget of {} s (the worker is held up while it writes): nrun now \
+                     asks for dumps only when ranks stall, so stragglers and collective \
+                     mismatches that do not hang are named from the stacks alone \
+                     (docs/watch.md, \"What the watch costs\")",
+                    took.as_secs_f64(),
+                    w.view.rank,
+                    DUMP_BUDGET.as_secs()
+                );
+            }
             ready.push((i, p));
         } else if at.elapsed() > DUMP_WAIT {
             w.fr.asked = None;
@@ -260,21 +380,21 @@ fn flight_recorders(ranks: &mut [Watched], periodic: bool, costs: &mut Costs) {
 }
 
 /// Whether these ranks stall, as the coordinator judges a hang (the watch module): one of them
-/// has waited in a collective (or the GPU sync after one) for [`STALL_DUMP`], whatever the
+/// has waited in a collective (or the GPU sync after one) for `after`, whatever the
 /// others do (a peer polling in a sleep loop moves its own stack, not the collective); or,
 /// none waiting, they (some at least) have all been still that long.
-fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone) -> bool {
+fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone, after: Duration) -> bool {
     let waits = |w: &&Watched| crate::protocol::waits_in(&w.view).is_some();
     if ranks
         .clone()
         .filter(waits)
-        .any(|w| unchanged(w) >= STALL_DUMP)
+        .any(|w| unchanged(w) >= after)
     {
         return true;
     }
     let mut any = false;
     for w in ranks {
-        if unchanged(w) < STALL_DUMP {
+        if unchanged(w) < after {
             return false;
         }
         any = true;
@@ -284,9 +404,9 @@ fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone) -> bool {
 
 /// Whether the node's live ranks stall (see [`stalling`]) and some of them run NCCL (its RAS
 /// has something to say).
-fn nccl_stalled(ranks: &mut [Watched], costs: &mut Costs) -> bool {
+fn nccl_stalled(ranks: &mut [Watched], stall: Stalls, costs: &mut Costs) -> bool {
     let live = |w: &&mut Watched| w.view.exited.is_none();
-    stalling(ranks.iter().filter(|w| w.view.exited.is_none()))
+    stalling(ranks.iter().filter(|w| w.view.exited.is_none()), stall.dump_after)
         && ranks.iter_mut().filter(live).any(|w| loaded_nccl(w, costs))
 }
 
@@ -623,6 +743,8 @@ mod tests {
             nccl: false,
             searched: None,
             fr: FrState::default(),
+            pace: Pace::new(SAMPLE),
+            fresh: true,
         }
     }
 

@@ -676,7 +676,7 @@ impl Bisect<'_> {
                 extra: &extra,
                 grace_ms: 2000,
                 deadline_ms: Some(self.bp.timeout.as_millis() as u64),
-                watch: false,
+                watch: None,
                 secret: false,
             };
             let group = Group::of(s, g);

@@ -83,7 +83,7 @@ pub(crate) async fn run(
         extra: &env,
         grace_ms: 3000,
         deadline_ms: Some(deadline.as_millis() as u64),
-        watch: false,
+        watch: None,
         secret: true,
     };
     let steps = s.steps(&job.workers, &group, &launch);

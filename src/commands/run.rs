@@ -716,7 +716,7 @@ async fn run_attempt(
         extra: &|_| Vec::new(),
         grace_ms: job.shutdown_timeout.as_millis() as u64,
         deadline_ms: None,
-        watch: s.watch.is_some(),
+        watch: s.watch.as_ref().map(|w| w.plan.hang_timeout),
         secret: false,
     };
     let group = s.group();

@@ -122,8 +122,9 @@ pub(crate) struct Launch<'a> {
     pub extra: &'a dyn Fn(usize) -> Vec<(String, String)>,
     pub grace_ms: u64,
     pub deadline_ms: Option<u64>,
-    /// Sample the workers' stacks (the job's attempts, when the watch is on).
-    pub watch: bool,
+    /// Sample the workers' stacks (the job's attempts, when the watch is on), with this hang
+    /// timeout.
+    pub watch: Option<std::time::Duration>,
     /// The workers are nrun's own (preflight ranks) and get the run's secret from their agent.
     pub secret: bool,
 }
@@ -142,7 +143,8 @@ impl Session {
                 workers: self.specs(plan, group, m, l),
                 grace_ms: l.grace_ms,
                 deadline_ms: l.deadline_ms,
-                watch: l.watch,
+                watch: l.watch.is_some(),
+                hang_timeout_ms: l.watch.map(|t| t.as_millis() as u64),
             });
         }
         steps

@@ -249,6 +249,7 @@ mod tests {
             grace_ms: 1000,
             deadline_ms: None,
             watch: false,
+            hang_timeout_ms: None,
         }
     }
 
