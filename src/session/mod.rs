@@ -24,7 +24,7 @@ pub(crate) mod roster;
 pub(crate) mod spec;
 pub(crate) mod step;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -71,6 +71,8 @@ impl Node {
 pub(crate) struct AgentLink {
     pub local_addr: String,
     pub reached: String,
+    /// How the agent chose `reached`.
+    pub chosen: crate::protocol::AddrChoice,
     pub probe_addr: String,
 }
 
@@ -421,6 +423,26 @@ pub(crate) fn coordinator_addrs(port: u16) -> Vec<String> {
         .into_iter()
         .map(|ip| SocketAddr::new(ip, port).to_string())
         .collect()
+}
+
+/// The user's launch-host address for every remote agent (`--local-addr`), "ip:port"; a name
+/// is resolved here. Err: it does not resolve (usage).
+pub(crate) fn pinned_addr(plan: &SessionPlan, port: u16) -> Result<Option<String>> {
+    let Some(a) = &plan.control_addr else {
+        return Ok(None);
+    };
+    let found = (a.as_str(), port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut v| v.next());
+    match found {
+        Some(sa) => Ok(Some(
+            SocketAddr::new(nrun_base::net::canonical(sa.ip()), port).to_string(),
+        )),
+        None => Err(Error::usage(format!(
+            "--local-addr {a}: not an address of this host, nor a name it resolves"
+        ))),
+    }
 }
 
 /// The store this nrun hosts, and the stop that ends its serving.
