@@ -139,3 +139,59 @@ fn agents_use_the_address_their_ssh_came_from_and_not_another() {
     s.assert_no_survivors();
     c.assert_nothing_left(2);
 }
+
+/// Three namespace hosts with one host name (cloned machines look so): they are three
+/// machines, since their kernels say so (network namespaces), so the preflight lays out 3
+/// nodes, measures the links between them and names the shaped one by the name the user gave
+/// (not the host name all three share).
+#[test]
+fn hosts_sharing_one_hostname_are_three_nodes_and_a_shaped_one_is_named() {
+    let Some(c) = Cluster::up("va2", 3) else {
+        return;
+    };
+    for i in 1..=3 {
+        c.set_hostname(i, "twin");
+    }
+    if !c.try_exec(
+        3,
+        "tc qdisc add dev eth0 root tbf rate 200mbit burst 256kbit latency 400ms",
+    ) {
+        missing_tool(
+            "hosts_sharing_one_hostname_are_three_nodes_and_a_shaped_one_is_named",
+            "tc",
+        );
+        return;
+    }
+    let s = Scene::new();
+    let out = c.run_on(
+        &s,
+        3,
+        &[
+            "--preflight-only",
+            "--preflight",
+            "net",
+            "--nproc",
+            "1",
+            "--preflight-sizes",
+            "8:256K:4",
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("network (TCP ring) all-reduce, 3 ranks on 3 node(s)"),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(94),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    let problems: Vec<&str> = stdout.lines().filter(|l| l.contains("problem:")).collect();
+    assert!(problems.iter().any(|p| p.contains("va2-h3")), "{stdout}");
+    assert!(!stdout.contains("twin:"), "{stdout}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}

@@ -64,6 +64,34 @@ impl Node {
     pub(crate) fn is_local(&self) -> bool {
         self.link.is_local()
     }
+
+    /// Which machine and network stack it is, as its kernel said when it joined (None:
+    /// unknown: not joined, or no facts).
+    pub(crate) fn machine(&self) -> Option<&str> {
+        let m = &self.joined.as_ref()?.facts.as_ref()?.machine;
+        (!m.is_empty()).then_some(m.as_str())
+    }
+}
+
+impl Session {
+    /// Whether nodes `a` and `b` are one machine and network stack: their kernels say so
+    /// (boot id and network namespace), or both are the launch host's own. Host names never
+    /// decide it: cloned machines share one.
+    pub(crate) fn same_machine(&self, a: usize, b: usize) -> bool {
+        let (x, y) = (&self.nodes[a], &self.nodes[b]);
+        (x.is_local() && y.is_local())
+            || matches!((x.machine(), y.machine()), (Some(m), Some(n)) if m == n)
+    }
+
+    /// The label of node `i`'s machine: that of the first node that is the same machine, so
+    /// that nodes of one machine share it and every other machine has its own (labels are the
+    /// names the user gave, distinct where host names are not).
+    pub(crate) fn machine_label(&self, i: usize) -> String {
+        (0..i).find(|&j| self.same_machine(i, j)).map_or_else(
+            || self.nodes[i].label.clone(),
+            |j| self.nodes[j].label.clone(),
+        )
+    }
 }
 
 /// Where a remote agent connected from and where it answers probes: its

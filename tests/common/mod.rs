@@ -699,6 +699,18 @@ impl Cluster {
         assert!(st.success(), "bind a speed over {}'s eth0", self.host(i));
     }
 
+    /// Sets host i's host name (in the UTS namespace of its sshd, which every ssh session
+    /// there inherits).
+    pub(crate) fn set_hostname(&self, i: usize, name: &str) {
+        let pid =
+            std::fs::read_to_string(format!("{}/{}/sshd.pid", self.dir(), self.host(i))).unwrap();
+        let st = Command::new("nsenter")
+            .args(["-t", pid.trim(), "-u", "hostname", name])
+            .status()
+            .unwrap();
+        assert!(st.success(), "set {}'s host name", self.host(i));
+    }
+
     /// Runs `cmd` on the launch host (the root namespace); panics if it fails.
     pub(crate) fn exec_here(&self, cmd: &str) {
         let st = Command::new("sh").args(["-c", cmd]).status().unwrap();
