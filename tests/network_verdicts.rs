@@ -195,3 +195,130 @@ fn hosts_sharing_one_hostname_are_three_nodes_and_a_shaped_one_is_named() {
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
+
+/// The reason written down is the evidence seen: a spare that never joins because ssh cannot
+/// reach it is remembered in --exclude-file and --report with ssh's own error, as the console
+/// says it, not as an agent still starting; the job's end line does not say "no faults".
+#[test]
+fn an_unreachable_hosts_reason_is_sshs_own_error() {
+    let Some(c) = Cluster::up("va3", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    // In the cluster's subnet, held by no host: ssh's ARP goes unanswered.
+    let nowhere = format!("10.213.{}.99", c.net());
+    let hosts = format!("{},{nowhere}", c.host(1));
+    let exclude = s.dir.path().join("exclude");
+    let report = s.dir.path().join("report.json");
+    let opts = c.ssh_opts();
+    let out = s.run(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "--nnodes",
+            "1",
+            "--exclude-file",
+            exclude.to_str().unwrap(),
+            "--report",
+            report.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let remembered = std::fs::read_to_string(&exclude).unwrap();
+    let line = remembered
+        .lines()
+        .find(|l| l.starts_with(&nowhere))
+        .unwrap_or_else(|| panic!("{nowhere} not remembered: {remembered}\n{err}"));
+    assert!(
+        line.contains("ssh: connect to host") && line.contains("No route to host"),
+        "{line}\n{err}"
+    );
+    assert!(!line.contains("still starting"), "{line}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let left = &v["nodes"]["left_out"][0];
+    assert_eq!(left["host"], nowhere.as_str(), "{v}");
+    assert_eq!(left["evidence"], "seen", "{v}");
+    assert!(
+        left["why"].as_str().unwrap().contains("No route to host"),
+        "{v}"
+    );
+    // The summary's list says the same.
+    assert!(
+        err.contains(&format!("  {nowhere} (join): ")) && err.contains("No route to host"),
+        "{err}"
+    );
+    let last = err
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("nrun: ran "))
+        .unwrap();
+    assert!(last.ends_with("; 1 node left out (see above)"), "{err}");
+    c.assert_nothing_left(1);
+}
+
+/// Ctrl-C while a node is still joining (its ssh hanging on dropped packets) blames nothing
+/// on that node: it is said to be interrupted, in the summary and --report, and nothing is
+/// remembered in --exclude-file; the end line says the job was interrupted, not "no faults".
+#[test]
+fn ctrl_c_during_a_join_blames_no_host() {
+    let Some(c) = Cluster::up("va4", 2) else {
+        return;
+    };
+    c.exec(2, "iptables -A INPUT -p tcp --dport 22 -j DROP");
+    let s = Scene::new();
+    let exclude = s.dir.path().join("exclude");
+    let report = s.dir.path().join("report.json");
+    let child = c.spawn_on(
+        &s,
+        2,
+        &[
+            "--exclude-file",
+            exclude.to_str().unwrap(),
+            "--report",
+            report.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let w = Watched::new(child);
+    w.wait_stderr("1/2 nodes joined");
+    signal(w.child(), "INT");
+    let (out, _) = w.finish();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    let host2 = c.host(2);
+    assert!(
+        err.contains(&format!(
+            "leaving out {host2} (join): had not joined when nrun was stopped by SIGINT; \
+             nothing is known against it"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("still starting"), "{err}");
+    assert!(
+        std::fs::read_to_string(&exclude)
+            .unwrap_or_default()
+            .is_empty(),
+        "nothing is remembered of an interrupted join"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(v["nodes"]["left_out"][0]["evidence"], "interrupted", "{v}");
+    let last = err
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("nrun: ran "))
+        .unwrap();
+    assert!(last.ends_with("; interrupted, exit 130"), "{err}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(1);
+}
