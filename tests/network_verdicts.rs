@@ -322,3 +322,149 @@ fn ctrl_c_during_a_join_blames_no_host() {
     s.assert_no_survivors();
     c.assert_nothing_left(1);
 }
+
+/// A static launch meets as torchrun's does: node 1 with no node 0 says what it waits for,
+/// where and until when (within a second of its start), and ends with exit 95 naming node 0's
+/// store at the deadline: never exit 0 (its workers never start), never torch's stack.
+#[test]
+fn a_static_node_without_node_0_waits_says_so_and_fails() {
+    let s = Scene::new();
+    let port = free_port().to_string();
+    let marker = s.dir.path().join("worker-ran");
+    let script = format!("touch {}", marker.display());
+    let child = s.spawn(
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--join-timeout",
+            "3",
+            "--no-python",
+            "sh",
+            "-c",
+            &script,
+        ],
+        &[],
+    );
+    let w = Watched::new(child);
+    w.wait_stderr("waiting at node 0's store");
+    let (out, _) = w.finish();
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "node 1 of 2: waiting at node 0's store 127.0.0.1:{port} for node 0 ("
+        )) && err.contains("until ")
+            && err.contains("3 s, --join-timeout"),
+        "{err}"
+    );
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "node 1 of 2: node 0's store at 127.0.0.1:{port} did not answer within 3 s"
+        )),
+        "{err}"
+    );
+    assert!(!marker.exists(), "no worker starts before the nodes met");
+    assert!(
+        !err.contains("Traceback") && !err.contains("terminate called"),
+        "{err}"
+    );
+}
+
+/// A static launch whose node 0 comes late: node 1 waits, node 0 arrives, both run.
+#[test]
+fn static_nodes_meet_whichever_starts_first() {
+    let s = Scene::new();
+    let port = free_port().to_string();
+    let node = |rank: &str| {
+        s.spawn(
+            &[
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+                "--no-python",
+                "sh",
+                "-c",
+                "echo rank=$RANK",
+            ],
+            &[],
+        )
+    };
+    let one = Watched::new(node("1"));
+    one.wait_stderr("waiting at node 0's store");
+    let zero = Watched::new(node("0"));
+    let (o1, _) = one.finish();
+    let (o0, _) = zero.finish();
+    let all = format!("{}{}", text(&o0.stdout), text(&o1.stdout));
+    assert_eq!(o0.status.code(), Some(0), "{all}\n{}", text(&o0.stderr));
+    assert_eq!(o1.status.code(), Some(0), "{all}\n{}", text(&o1.stderr));
+    assert!(all.contains("rank=0") && all.contains("rank=1"), "{all}");
+}
+
+/// Another program on the rendezvous port (one that greets with a banner, one that says
+/// nothing) is named as such, with what it answered, for c10d and for a static node; not "no
+/// answer ... check the firewall".
+#[test]
+fn another_program_on_the_rendezvous_port_is_named() {
+    use std::io::Write;
+    for banner in [Some("SSH-2.0-OpenSSH_9.2"), None] {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port().to_string();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for c in l.incoming() {
+                let Ok(mut c) = c else { break };
+                if let Some(b) = banner {
+                    let _ = c.write_all(format!("{b}\r\n").as_bytes());
+                }
+                held.push(c);
+            }
+        });
+        let s = Scene::new();
+        let endpoint = format!("127.0.0.1:{port}");
+        let mut c10d = setup::c10d_args(&endpoint, "job", "20");
+        c10d.extend(["--no-python", "true"]);
+        let static_node = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--join-timeout",
+            "20",
+            "--no-python",
+            "true",
+        ];
+        for (args, flag) in [
+            (&c10d[..], "--rdzv-endpoint"),
+            (&static_node[..], "--master-port"),
+        ] {
+            let out = s.run(args, &[]);
+            let err = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(95), "{err}");
+            assert!(
+                err.contains(&format!("something else listens at {endpoint}: ")),
+                "{err}"
+            );
+            assert!(err.contains(&format!("another {flag} port")), "{err}");
+            match banner {
+                Some(b) => assert!(err.contains(b), "{err}"),
+                None => assert!(err.contains("answered nothing"), "{err}"),
+            }
+            assert!(!err.contains("check the firewall"), "{err}");
+        }
+    }
+}

@@ -266,6 +266,10 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
             s.plan.size
         );
     }
+    // A static launch's node waits at node 0's store for the others, as torchrun's does.
+    if s.is_static() {
+        s.meet().await?;
+    }
     if s.in_process() {
         // Nothing to compare on one node; what the checks would say about variables still holds.
         if let Some(w) = crate::plan::env::port_range_warning(&s.plan.env) {
