@@ -606,3 +606,50 @@ fn bisect_takes_the_address_it_is_given() {
     }
     c.assert_nothing_left(2);
 }
+
+/// Node 0 of a static launch whose node 1 never comes: it says it waits at its own store for
+/// node 1, and at the deadline ends with exit 95 naming node 1 and the flag to start it with;
+/// its workers never start.
+#[test]
+fn a_static_node_0_without_node_1_names_it() {
+    let s = Scene::new();
+    let port = free_port().to_string();
+    let marker = s.dir.path().join("worker-ran");
+    let script = format!("touch {}", marker.display());
+    let out = s.run(
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--join-timeout",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            &script,
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "node 0 of 2: waiting at this node's store 127.0.0.1:{port} for node 1 before the \
+             workers start"
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "node 0 of 2: node 1 did not arrive at this node's store 127.0.0.1:{port} within 2 s \
+             (--join-timeout): start the same command there with --node-rank 1"
+        )),
+        "{err}"
+    );
+    assert!(!marker.exists(), "no worker starts before the nodes met");
+}
