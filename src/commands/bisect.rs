@@ -109,8 +109,11 @@ pub(crate) async fn run(
             .collect(),
         rounds: Vec::new(),
         stage1_rounds: 0,
+        control: serde_json::Value::Null,
     };
     let outcome = b.stages(&mut s).await;
+    // Where each node's agent reached this host, and why that address (--report).
+    b.control = s.control_json();
     s.end().await;
     // An interrupted or failed stage has said why; only its exit code is left.
     outcome?;
@@ -155,6 +158,7 @@ pub(crate) async fn on_the_spot(
             .collect(),
         rounds: Vec::new(),
         stage1_rounds: 0,
+        control: serde_json::Value::Null,
     };
     let outside: Vec<usize> = (0..s.len())
         .filter(|i| s.nodes[*i].joined.is_none() || s.is_left_out(*i))
@@ -181,6 +185,8 @@ struct Bisect<'a> {
     rounds: Vec<Round>,
     /// Rounds up to and including stage 1 (the efficiency target counts those after it).
     stage1_rounds: usize,
+    /// `--report`'s `control` section: each node's launch-host address and how it was chosen.
+    control: serde_json::Value,
 }
 
 impl Bisect<'_> {
@@ -895,7 +901,7 @@ impl Bisect<'_> {
             took.as_secs_f64()
         );
         nrun_base::stdout(table);
-        let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
+        let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64(), "control": self.control });
         if let Some(path) = &self.bp.report {
             crate::report::said(crate::report::write_json("--report", path, &v));
         }

@@ -29,13 +29,22 @@ pub(crate) async fn run(
     let code = drive(&mut s, job, &mut rec).await;
     let code_of = code.as_ref().map_or_else(|e| e.code, |c| *c);
     s.journal.enter(Phase::Ending);
-    s.settle(code.is_ok());
+    // Stopped by a signal: the exit code says which (128 + its number).
+    let interrupted = code
+        .as_ref()
+        .err()
+        .filter(|e| e.code > 128)
+        .map(|e| i32::from(e.code) - 128);
+    s.await_last_words(interrupted.is_some()).await;
+    s.settle(code.is_ok(), interrupted);
     // --report is written at the end of every job, however it ended, with the nodes left out;
     // --preflight-only's own report is the preflight's (written by it), rewritten only to add
     // the nodes left out.
     // --report-html draws the very value --report holds.
     let nodes = s.nodes_json();
-    let rewrite = !job.preflight_only || nodes.is_some();
+    let control = s.control_json();
+    let has_control = control.as_array().is_some_and(|c| !c.is_empty());
+    let rewrite = !job.preflight_only || nodes.is_some() || has_control;
     let value = match (job.preflight_only, &rec.preflight) {
         (false, _) => Some(rec.json(code_of, &s)),
         (true, Some(pf)) => Some(pf.clone()),
@@ -44,6 +53,10 @@ pub(crate) async fn run(
     let value = value.map(|mut v| {
         if let Some(n) = nodes {
             v["nodes"] = n;
+        }
+        // Where each node's agent reaches this host, and why that address.
+        if has_control {
+            v["control"] = control.clone();
         }
         v
     });
@@ -114,6 +127,8 @@ impl Record {
         match (self.outcome, code) {
             (Some(o), _) => o,
             (None, exit::SUCCESS) => "success",
+            // Stopped by a signal before the workers started (Ctrl-C during the join).
+            (None, c) if c > 128 => "interrupted",
             (None, _) => "not started",
         }
     }
@@ -250,6 +265,10 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
             s.plan.min_nodes,
             s.plan.size
         );
+    }
+    // A static launch's node waits at node 0's store for the others, as torchrun's does.
+    if s.is_static() {
+        s.meet().await?;
     }
     if s.in_process() {
         // Nothing to compare on one node; what the checks would say about variables still holds.

@@ -236,12 +236,14 @@ pub(crate) async fn start(
     for b in &starts {
         let (i, label, local) = (b.node, b.label.clone(), b.local);
         // This machine's own node talks to the store over loopback: an address of some other
-        // interface could go away under it (and buys nothing).
-        let addrs = match local {
-            true => loopback_addrs(&how.addrs),
-            false => how.addrs.clone(),
+        // interface could go away under it (and buys nothing). Another's uses the address its
+        // ssh connection comes from, else the one the launch host's route to it starts at
+        // (`agent::choose`).
+        let mut hello = match local {
+            true => how.hello(i, &label, loopback_addrs(&how.addrs), Vec::new()),
+            false => how.remote_hello(i, &label, None, Vec::new()),
         };
-        let mut hello = how.hello(i, &label, addrs, Vec::new());
+        let routed = !local && how.pinned.is_none();
         // This host's own agent is watched as a process, not by its heartbeat.
         hello.heartbeat = !local;
         hello.probed = elsewhere;
@@ -261,7 +263,7 @@ pub(crate) async fn start(
         let (sem, np) = (sem.clone(), shared.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
-            start_one(&np, &label, local, &hello, relay).await
+            start_one(&np, &label, local, &hello, routed, relay).await
         }));
     }
     if np.ship && starts.iter().any(|b| !b.local) {
@@ -444,11 +446,14 @@ impl TreeParts<'_> {
     }
 }
 
+/// Starts node `label`'s agent; `routed`: its Hello gets the launch host's route to it as the
+/// address to prefer (looked up while ssh connects).
 async fn start_one(
     np: &NodesPlan,
     label: &str,
     local: bool,
     hello: &Hello,
+    routed: bool,
     relay: Relay,
 ) -> Result<ChildLink> {
     let mut reaper = None;
@@ -469,7 +474,8 @@ async fn start_one(
         });
         Starter::Program(remote::ssh_command(label, &np.ssh_opts, &remote_nrun))
     };
-    let process = AgentProcess::spawn(&starter, label, hello, relay).await?;
+    let prefer = routed.then(|| route_prefer(label));
+    let process = AgentProcess::spawn_with(&starter, label, hello, relay, prefer).await?;
     Ok(ChildLink {
         process,
         local,
@@ -579,6 +585,30 @@ impl ChildLink {
             )),
         }
     }
+}
+
+/// The source address of the launch host's route to `host` (an ssh destination: `user@`
+/// dropped), as the address its agent is to use where its ssh connection does not say; None
+/// where the name does not resolve here within 2 s (an alias of ssh_config, say).
+pub(crate) async fn route_prefer(host: &str) -> Option<crate::protocol::Prefer> {
+    let name = host.rsplit('@').next().unwrap_or(host);
+    let name = name
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let found = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::lookup_host((name.as_str(), 22)),
+    )
+    .await
+    .ok()?
+    .ok()?
+    .next()?;
+    let (src, _) = nrun_base::net::route_from(found)?;
+    Some(crate::protocol::Prefer {
+        ip: src.to_string(),
+        how: crate::protocol::AddrChoice::Route,
+    })
 }
 
 /// The loopback entries of the coordinator's address list (all of it, if it has none).
