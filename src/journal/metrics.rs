@@ -323,7 +323,7 @@ fn render(sh: &Shared) -> String {
     out
 }
 
-/// Replaces `--metrics-file` with the metrics now (see [`nrun_base::files::replace`]); `last`:
+/// Replaces `--metrics-file` with the metrics now (see [`nrun_base::outputs::replace`]); `last`:
 /// the job's end, after which no periodic write may replace it. A failure is said once, and
 /// once when writing works again.
 fn write_file(sh: &Shared, path: &Path, last: bool) {
@@ -332,7 +332,7 @@ fn write_file(sh: &Shared, path: &Path, last: bool) {
         return;
     }
     st.ended = last;
-    match nrun_base::files::replace(path, render(sh).as_bytes()) {
+    match nrun_base::outputs::replace(path, render(sh).as_bytes()) {
         // The last write is said even after earlier failures: no later one will mend it.
         Err(e) if !st.failing || last => {
             st.failing = true;

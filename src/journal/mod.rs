@@ -416,7 +416,7 @@ pub(crate) struct Journal {
     ledger: Arc<Mutex<Ledger>>,
     events: Vec<Value>,
     /// `--events`: the file and its path (for the warning when a write fails).
-    sink: Option<(PathBuf, std::fs::File)>,
+    sink: Option<(PathBuf, nrun_base::outputs::OutFile)>,
     metrics: Option<metrics::Exporter>,
     attempt: Option<u32>,
     told: Told,
@@ -444,7 +444,7 @@ impl Journal {
     /// The plan checked the paths; a failure now is said and the job goes on without it.
     pub(crate) fn attach(&mut self, plan: &JournalPlan, listener: Option<std::net::TcpListener>) {
         if let Some(p) = &plan.events {
-            match open_append(p) {
+            match nrun_base::outputs::append(p) {
                 Ok(f) => self.sink = Some((p.clone(), f)),
                 Err(e) => tracing::warn!("--events {}: cannot open it: {e}", p.display()),
             }
@@ -759,14 +759,6 @@ impl Journal {
             summary,
         )
     }
-}
-
-/// Opens `path` for appending (created if missing).
-pub(crate) fn open_append(path: &std::path::Path) -> std::io::Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
 }
 
 #[cfg(test)]

@@ -30,6 +30,8 @@ impl BisectSettings {
             target,
             sweep,
             nodes,
+            // Set before a plan is made (see `lib.rs`).
+            files: _,
             command,
         } = args;
         let nproc = resolve_nproc(nproc_per_node.as_deref().unwrap_or("1"), env)?;
@@ -87,6 +89,11 @@ impl BisectSettings {
         super::run::check_outputs(&[
             ("--report", report.as_ref()),
             ("--report-html", report_html.as_ref()),
+            ("--write-hostfile", write_hostfile.as_ref()),
+            (
+                "--exclude-file",
+                nodes.exclude_file.as_ref().filter(|_| *write_exclude),
+            ),
         ])?;
         Ok((
             BisectSettings {

@@ -171,6 +171,30 @@ pub struct ReportArgs {
     /// Where to write the page (default: beside the input, its name ending in .html).
     #[arg(short = 'o', long = "output", value_name = "OUT.html")]
     pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub files: FilesArgs,
+}
+
+/// How the files nrun writes are made.
+#[derive(Args, Debug, Clone)]
+pub struct FilesArgs {
+    /// Mode of the files nrun creates (reports, pages, events, metrics, exclude file, hostfile),
+    /// in octal: 600 by default, as they hold the whole command line; e.g. 644 for a metrics
+    /// file another user's collector reads. The umask still applies.
+    #[arg(long = "file-mode", env = "NRUN_FILE_MODE", value_name = "OCTAL",
+          value_parser = parse_file_mode, default_value = "600")]
+    pub file_mode: u32,
+}
+
+/// `--file-mode`: three octal digits (or four, the first 0), nothing above 0777.
+fn parse_file_mode(s: &str) -> std::result::Result<u32, String> {
+    let t = s.trim();
+    match u32::from_str_radix(t, 8) {
+        Ok(m) if m <= 0o777 && (3..=4).contains(&t.len()) => Ok(m),
+        _ => Err(format!(
+            "--file-mode {s}: give an octal mode such as 600 or 644 (at most 777)"
+        )),
+    }
 }
 
 /// `nrun [OPTIONS] TARGET [ARGS]...`: the job, with its preflight, on one node or many.
@@ -201,6 +225,8 @@ pub struct RunArgs {
     pub nodes: NodesArgs,
     #[command(flatten)]
     pub compat: CompatArgs,
+    #[command(flatten)]
+    pub files: FilesArgs,
 
     /// The script, module or program, followed by its arguments.
     #[arg(
@@ -237,6 +263,8 @@ pub struct BisectArgs {
     pub sweep: SweepArgs,
     #[command(flatten)]
     pub nodes: NodesArgs,
+    #[command(flatten)]
+    pub files: FilesArgs,
 
     /// With --probe cmd: the command each group runs, after `--`.
     #[arg(value_name = "COMMAND [ARGS]...", trailing_var_arg = true, num_args = 1..)]

@@ -224,6 +224,9 @@ impl Signals {
         let s = |k: SignalKind| {
             signal(k).map_err(|e| Error::internal(format!("cannot install signal handlers: {e}")))
         };
+        // From here a stop signal no longer ends nrun by itself: a write waiting for a
+        // FIFO's reader must see it (nrun_base::outputs).
+        nrun_base::outputs::watch_stops();
         let mut me = Signals {
             int: s(SignalKind::interrupt())?,
             term: s(SignalKind::terminate())?,
