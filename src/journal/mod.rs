@@ -43,8 +43,8 @@ pub(crate) struct JournalPlan {
     pub events: Option<PathBuf>,
     /// `--metrics-file PATH`: OpenMetrics text, replaced every few seconds.
     pub metrics_file: Option<PathBuf>,
-    /// `--metrics-port PORT`: the same text over HTTP.
-    pub metrics_port: Option<u16>,
+    /// `--metrics-port [ADDR:]PORT`: the same text over HTTP, as given and as the address.
+    pub metrics_port: Option<(String, std::net::SocketAddr)>,
 }
 
 /// What the job is doing; the ledger's keys, in order.

@@ -118,7 +118,25 @@ fn journal_plan(job: &JobArgs, report: Option<&PathBuf>) -> Result<crate::journa
     Ok(crate::journal::JournalPlan {
         events: job.events.clone(),
         metrics_file: job.metrics_file.clone(),
-        metrics_port: job.metrics_port,
+        metrics_port: match &job.metrics_port {
+            Some(given) => Some((given.clone(), metrics_addr(given)?)),
+            None => None,
+        },
+    })
+}
+
+/// `--metrics-port [ADDR:]PORT`: a port alone is on loopback (a scraper on this host, as
+/// exporters serve by default); an address is taken as given (`0.0.0.0:9464`, `[::1]:9464`).
+fn metrics_addr(given: &str) -> Result<std::net::SocketAddr> {
+    let t = given.trim();
+    if let Ok(port) = t.parse::<u16>() {
+        return Ok((std::net::Ipv4Addr::LOCALHOST, port).into());
+    }
+    t.parse().map_err(|_| {
+        Error::usage(format!(
+            "--metrics-port {given}: give a port (9464, served on 127.0.0.1) or an address and \
+             a port (0.0.0.0:9464 for every IPv4 interface, [::]:9464 for IPv6)"
+        ))
     })
 }
 

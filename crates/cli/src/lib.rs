@@ -529,10 +529,16 @@ pub struct JobArgs {
     #[arg(long = "metrics-file", env = "NRUN_METRICS_FILE", value_name = "PATH")]
     pub metrics_file: Option<PathBuf>,
 
-    /// Serve the same metrics on http://0.0.0.0:PORT/metrics while the job runs, e.g.
-    /// --metrics-port 9464.
-    #[arg(long = "metrics-port", env = "NRUN_METRICS_PORT", value_name = "PORT")]
-    pub metrics_port: Option<u16>,
+    /// Serve the same metrics on http://ADDR:PORT/metrics while the job runs: on loopback
+    /// (127.0.0.1) unless ADDR is given, as an exporter for a scraper on this host; e.g.
+    /// --metrics-port 9464, or --metrics-port 0.0.0.0:9464 for every interface ([::]:9464 for
+    /// IPv6 too).
+    #[arg(
+        long = "metrics-port",
+        env = "NRUN_METRICS_PORT",
+        value_name = "[ADDR:]PORT"
+    )]
+    pub metrics_port: Option<String>,
 }
 
 /// torchrun flags that have no effect in nrun: accepted, with a note, so command lines carry over.
