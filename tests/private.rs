@@ -583,8 +583,9 @@ fn a_stop_signal_ends_nrun_waiting_on_a_fifo() {
         &[
             "--report",
             fifo.to_str().unwrap(),
+            // Four workers' events: a report well past the pipe's page.
             "--nproc",
-            "1",
+            "4",
             "--no-python",
             "true",
         ],
