@@ -444,7 +444,11 @@ impl Journal {
     /// The plan checked the paths; a failure now is said and the job goes on without it.
     pub(crate) fn attach(&mut self, plan: &JournalPlan, listener: Option<std::net::TcpListener>) {
         if let Some(p) = &plan.events {
-            match nrun_base::outputs::append(p) {
+            // A FIFO's reader that stalls must not stall the job: a line it does not take
+            // within a second ends the events there (said).
+            match nrun_base::outputs::append(p)
+                .map(|f| f.patience(std::time::Duration::from_secs(1)))
+            {
                 Ok(f) => self.sink = Some((p.clone(), f)),
                 Err(e) => tracing::warn!("--events {}: cannot open it: {e}", p.display()),
             }

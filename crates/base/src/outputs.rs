@@ -361,11 +361,29 @@ fn device_ok(fd: &OwnedFd, st: &libc::stat, shown: &Path) -> io::Result<()> {
 pub struct OutFile {
     file: std::fs::File,
     path: PathBuf,
+    /// How long one write may wait for a reader; None: until a stop signal.
+    patience: Option<std::time::Duration>,
 }
 
 impl OutFile {
-    /// Waits until `fd` takes bytes again; Err once a stop signal came since `seen`.
-    fn wait(&self, seen: u32) -> io::Result<()> {
+    /// Gives up a write that waited `d` for the reader (an error that says so): for a file
+    /// written while the job runs (`--events`), whose writer must not stall the job.
+    pub fn patience(mut self, d: std::time::Duration) -> OutFile {
+        self.patience = Some(d);
+        self
+    }
+
+    /// Waits until `fd` takes bytes again; Err once a stop signal came since `seen`, or the
+    /// write began longer ago than its patience.
+    fn wait(&self, seen: u32, began: std::time::Instant) -> io::Result<()> {
+        if let Some(d) = self.patience
+            && began.elapsed() >= d
+        {
+            return Err(io::Error::other(format!(
+                "its reader took nothing for {} s",
+                d.as_secs_f64()
+            )));
+        }
         if STOPS.load(Ordering::Relaxed) != seen {
             return Err(io::Error::other(format!(
                 "a stop signal came while nrun waited for the reader of {} (the rest is not \
@@ -386,10 +404,10 @@ impl OutFile {
 
 impl Write for OutFile {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let seen = STOPS.load(Ordering::Relaxed);
+        let (seen, began) = (STOPS.load(Ordering::Relaxed), std::time::Instant::now());
         loop {
             match (&self.file).write(buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait(seen)?,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait(seen, began)?,
                 r => return r,
             }
         }
@@ -442,6 +460,7 @@ fn open_in_place(r: &Resolved, how: How) -> io::Result<OutFile> {
     Ok(OutFile {
         file: std::fs::File::from(fd),
         path: r.shown.clone(),
+        patience: None,
     })
 }
 
@@ -712,6 +731,16 @@ mod tests {
         let mut got = [0u8; 5];
         reader.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"line\n");
+        // A reader that takes nothing: a write with patience gives up, saying so.
+        let mut w = append(&fifo)
+            .unwrap()
+            .patience(std::time::Duration::from_millis(50));
+        let e = loop {
+            if let Err(e) = w.write_all(&[b'x'; 4096]) {
+                break e.to_string();
+            }
+        };
+        assert!(e.contains("took nothing"), "{e}");
         let linked = top.path().join("linked");
         std::fs::hard_link(&target, &linked).unwrap();
         let e = append(&linked).unwrap_err().to_string();
