@@ -142,28 +142,6 @@ pub fn make_private_dirs(dir: &Path) -> io::Result<()> {
     check_private_dir(dir)
 }
 
-/// Creates the file `path` for writing, fresh (never one that exists, never through a
-/// symlink), mode 0600.
-pub fn create_private_file(path: &Path) -> io::Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => with(
-                &e,
-                format!(
-                    "refusing to write {}: it exists already (nrun makes its files fresh); was it \
-                 planted by another user? Remove it or choose another directory",
-                    path.display()
-                ),
-            ),
-            _ => with(&e, format!("cannot create {}: {e}", path.display())),
-        })
-}
-
 /// A refusal of nrun's own (a directory or file another user could use), as an I/O error whose
 /// message says what and what to do.
 fn denied(message: String) -> io::Error {
@@ -411,19 +389,19 @@ mod tests {
                 .contains("symbolic link")
         );
         let f = a.join("f");
-        let mut w = create_private_file(&f).unwrap();
+        let mut w = crate::outputs::create_private(&f).unwrap();
         std::io::Write::write_all(&mut w, b"hi").unwrap();
         assert_eq!(std::fs::metadata(&f).unwrap().mode() & 0o777, 0o600);
         // Never an existing file, never through a symlink.
         assert!(
-            create_private_file(&f)
+            crate::outputs::create_private(&f)
                 .unwrap_err()
                 .to_string()
                 .contains("exists already")
         );
         let l2 = a.join("l2");
         std::os::unix::fs::symlink("/nonexistent-target", &l2).unwrap();
-        assert!(create_private_file(&l2).is_err());
+        assert!(crate::outputs::create_private(&l2).is_err());
         assert!(!Path::new("/nonexistent-target").exists());
     }
 

@@ -1,8 +1,8 @@
 //! Files nrun writes where a person said (`--report`, `--report-html`, `nrun report -o`,
 //! `--events`, `--metrics-file`, `--exclude-file`, bisect's `--write-hostfile`, the launcher's
 //! `TORCHELASTIC_ERROR_FILE`): one opener for all, [`replace`] and [`append`], and one check
-//! before a job starts, [`check`]. Workers' log files are made fresh in nrun's private
-//! directories ([`crate::files::create_private_file`]).
+//! before a job starts, [`check`]; workers' log files, made fresh in nrun's private
+//! directories: [`create_private`].
 //!
 //! The path is walked one name at a time (`openat`, never following a name by itself), so what
 //! is judged is what is written:
@@ -561,6 +561,29 @@ pub fn replace(path: &Path, bytes: &[u8]) -> io::Result<()> {
         unsafe { libc::unlinkat(r.dir.as_raw_fd(), tmp.as_ptr(), 0) };
     }
     done
+}
+
+/// Creates the file `path` for writing, fresh (never one that exists, never through a
+/// symlink), mode 0600.
+pub fn create_private(path: &Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::AlreadyExists => io::Error::new(
+                e.kind(),
+                format!(
+                    "refusing to write {}: it exists already (nrun makes its files fresh); was it \
+                 planted by another user? Remove it or choose another directory",
+                    path.display()
+                ),
+            ),
+            _ => io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display())),
+        })
 }
 
 /// Whether `path` can be written as [`replace`] (`append` false) or [`append`] would, checked
