@@ -501,7 +501,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
             dir.path().join("__agent"),
-            "if [ \"$1\" = keeper ]; then sh __agent agent & wait; else while :; do sleep 0.05; done; fi\n",
+            "if [ \"$1\" = keeper ]; then sh __agent agent & fi; while :; do sleep 0.05; done\n",
         )
         .unwrap();
         let mut keeper = std::process::Command::new("sh")
@@ -514,14 +514,16 @@ mod tests {
         wait_for("the agent", || {
             let kids =
                 std::fs::read_to_string(format!("/proc/{k}/task/{k}/children")).unwrap_or_default();
+            let is_agent = |p: &i32| {
+                std::fs::read(format!("/proc/{p}/cmdline"))
+                    .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"__agent".as_slice()))
+            };
             agent = kids
                 .split_whitespace()
-                .next()
-                .and_then(|p| p.parse().ok())
+                .filter_map(|p| p.parse().ok())
+                .find(is_agent)
                 .unwrap_or(0);
             agent > 0
-                && std::fs::read(format!("/proc/{agent}/cmdline"))
-                    .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"__agent".as_slice()))
         });
         let started = super::start_time(k).unwrap();
         // Another start time: another process by that pid. Nothing is killed; said.
@@ -534,6 +536,7 @@ mod tests {
         // The keeper's own token: both killed.
         let token = format!("{k}.{started}");
         assert_eq!(reap(&[k.to_string(), agent.to_string(), token.clone()]), 0);
+        // Neither ends by itself (each loops): both were killed.
         let st = keeper.wait().unwrap();
         assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(9));
         wait_for("the agent to end", || !alive(agent));
