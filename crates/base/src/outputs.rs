@@ -20,7 +20,8 @@
 //!   place, never truncated.
 //! - Opened non-blocking (a FIFO nobody reads is an error, not a hang) and checked on the open
 //!   descriptor. A write that must wait for a FIFO's reader waits only until a stop signal
-//!   (SIGINT, SIGTERM, SIGHUP) comes: the write fails then and nrun goes on ending.
+//!   (SIGINT, SIGTERM, SIGHUP) comes, or for its patience ([`OutFile::patience`]: `--events`
+//!   must not stall the job): the write fails then, said, and nrun goes on.
 //! - Files nrun creates get mode 0600 (less what the umask takes), or [`set_mode`]'s
 //!   (`--file-mode`): reports and events hold the whole command line.
 
