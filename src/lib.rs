@@ -122,6 +122,16 @@ pub fn main() -> ExitCode {
         }
     };
     init_logging();
+    // Every file nrun creates from here on gets this mode (nrun_base::outputs).
+    let files = match &cli.command {
+        None => Some(&cli.run.files),
+        Some(nrun_cli::Command::Bisect(b)) => Some(&b.files),
+        Some(nrun_cli::Command::Report(r)) => Some(&r.files),
+        _ => None,
+    };
+    if let Some(f) = files {
+        nrun_base::outputs::set_mode(f.file_mode);
+    }
     // Completions and the manual page need the command line's definition, not a plan.
     let shell = match &cli.command {
         Some(nrun_cli::Command::Completions { shell }) => Some(shell.as_str()),

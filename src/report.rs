@@ -263,7 +263,7 @@ pub(crate) fn write_json(flag: &str, path: &Path, json: &serde_json::Value) -> R
 /// Replaces the file of `flag` (a report) at once (a reader never sees part of it); what
 /// failed, where, and what to check.
 pub(crate) fn write_out(flag: &str, path: &Path, bytes: &[u8]) -> Result<()> {
-    nrun_base::files::replace(path, bytes).map_err(|e| {
+    nrun_base::outputs::replace(path, bytes).map_err(|e| {
         Error::usage(format!(
             "cannot write {flag} {} on {}: {e} (check that its directory exists and is \
              writable, and its free space)",

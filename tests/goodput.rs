@@ -307,6 +307,104 @@ fn the_metrics_port_is_scraped_while_the_job_runs() {
     s.assert_no_survivors();
 }
 
+/// `--metrics-port` beside 1,000 slow clients (issue 46): connections that send half a request
+/// head and wait. The port is on loopback only (a port alone); nrun keeps accepting and closes
+/// the oldest connections past the ones it holds, so every scrape is answered while they are
+/// open (the old server took 16 at a time, each for up to 10 s: a scrape waited minutes).
+#[test]
+fn the_metrics_port_serves_scrapes_beside_1000_slow_connections() {
+    // 1,000 sockets and the test's own: past the usual soft limit of 1,024.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain calls on a valid rlimit.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        lim.rlim_cur = lim.rlim_max.min(8192);
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+    }
+    if lim.rlim_cur < 1100 {
+        eprintln!(
+            "SKIPPED: the descriptor limit {} is under 1,100",
+            lim.rlim_cur
+        );
+        return;
+    }
+    let s = Scene::new();
+    let go = s.dir.path().join("go");
+    let port = free_port();
+    let worker = format!("while [ ! -e {} ]; do sleep 0.05; done", go.display());
+    let child = s.spawn(
+        &[
+            "--metrics-port",
+            &port.to_string(),
+            "--no-python",
+            "sh",
+            "-c",
+            &worker,
+        ],
+        &[],
+    );
+    let w = Watched::new(child);
+    wait_until("the metrics port to answer", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    // Loopback only: not on this host's other addresses.
+    let other = nrun_base::net::interfaces()
+        .into_iter()
+        .flat_map(|i| i.addrs)
+        .find(|a| a.is_ipv4() && !a.is_loopback());
+    if let Some(a) = other {
+        assert!(
+            std::net::TcpStream::connect((a, port)).is_err(),
+            "--metrics-port {port} answers on {a}"
+        );
+    }
+    let slow: Vec<std::net::TcpStream> = (0..1000)
+        .map(|_| {
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                .unwrap();
+            c
+        })
+        .collect();
+    let mut took = Vec::new();
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        // A hang guard only: a scrape that waits behind the slow clients never comes back.
+        c.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        write!(c, "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+        let mut all = String::new();
+        c.read_to_string(&mut all).unwrap();
+        took.push(t.elapsed());
+        assert!(all.starts_with("HTTP/1.1 200 OK"), "{all}");
+        assert!(all.contains("nrun_job_state"), "{all}");
+    }
+    eprintln!("5 scrapes beside 1,000 slow connections took {took:?}");
+    // nrun held only some of them: the rest were closed (a read sees the end at once).
+    let closed = slow
+        .iter()
+        .filter(|c| {
+            c.set_read_timeout(Some(std::time::Duration::from_millis(1)))
+                .unwrap();
+            match (&mut &**c).read(&mut [0u8; 1]) {
+                Ok(0) => true,
+                Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+                Ok(_) => false,
+            }
+        })
+        .count();
+    assert!(closed >= 900, "{closed} of 1,000 slow connections closed");
+    drop(slow);
+    std::fs::write(&go, "").unwrap();
+    let (out, _) = w.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    s.assert_no_survivors();
+}
+
 /// Paths nrun cannot write and a port it cannot have are usage errors (exit 2) before
 /// anything starts, naming the flag and the path or port.
 #[test]

@@ -10,7 +10,7 @@
 mod common;
 
 use common::*;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -451,4 +451,162 @@ fn a_second_users_nrun_env_and_log_dir_are_refused() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&shared);
+}
+
+/// Issue 46: another user's symlink or FIFO at every path nrun writes (`--report`,
+/// `--report-html`, `--events`, `--metrics-file`, bisect's `--write-hostfile` and
+/// `--exclude-file`, `nrun report -o`), in a sticky directory every user may write: refused
+/// before anything runs (exit 2, the link or FIFO and its owner named), nothing written where
+/// a link points, no open blocked on a FIFO. Also a chain: root's `latest` -> the other user's
+/// `run43` -> the target.
+#[test]
+fn a_second_users_links_and_fifos_at_output_paths_are_refused() {
+    let Some(other) = other_user() else { return };
+    let s = Scene::new();
+    let shared = std::env::temp_dir().join(format!("wd-out-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&shared);
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let target = s.dir.path().join("target");
+    std::fs::write(&target, "keep\n").unwrap();
+    let sh = shared.display();
+    let tg = target.display();
+    let names = [
+        "report", "html", "events", "prom", "hosts", "exclude", "page",
+    ];
+    let plant: String = names
+        .iter()
+        .map(|n| format!("ln -s {tg} {sh}/{n}; mkfifo -m 0666 {sh}/{n}.fifo\n"))
+        .collect();
+    as_other(&format!("{plant}ln -s {tg} {sh}/run43"));
+    std::os::unix::fs::symlink("run43", shared.join("latest")).unwrap();
+    // An input for `nrun report`, and a job's report to compare.
+    let input = s.dir.path().join("r.json");
+    let out = s.run(
+        &["--report", input.to_str().unwrap(), "--no-python", "true"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let run = |args: Vec<String>| {
+        let mut c = s.cmd(&[]);
+        c.args(&args);
+        let (out, _) = wait_with_timeout(c.spawn().unwrap(), HANG);
+        (out.status.code(), text(&out.stderr))
+    };
+    let at = |n: &str| format!("{sh}/{n}");
+    for fifo in ["", ".fifo"] {
+        let job = |flag: &str, n: &str| {
+            vec![
+                flag.to_string(),
+                at(&format!("{n}{fifo}")),
+                "--no-python".into(),
+                "true".into(),
+            ]
+        };
+        let bisect = |flags: &[&str], n: &str| {
+            let mut a: Vec<String> = ["bisect", "-H", "localhost", "--probe", "cmd", "--no-python"]
+                .map(String::from)
+                .to_vec();
+            a.extend(flags.iter().map(|f| f.to_string()));
+            a.push(at(&format!("{n}{fifo}")));
+            a.extend(["--", "true"].map(String::from));
+            a
+        };
+        let cases = [
+            ("--report", job("--report", "report")),
+            ("--report-html", job("--report-html", "html")),
+            ("--events", job("--events", "events")),
+            ("--metrics-file", job("--metrics-file", "prom")),
+            ("--write-hostfile", bisect(&["--write-hostfile"], "hosts")),
+            (
+                "--exclude-file",
+                bisect(&["--write-exclude", "--exclude-file"], "exclude"),
+            ),
+            (
+                "-o",
+                vec![
+                    "report".into(),
+                    input.display().to_string(),
+                    "-o".into(),
+                    at(&format!("page{fifo}")),
+                ],
+            ),
+        ];
+        for (flag, args) in cases {
+            let (code, err) = run(args);
+            let owner = format!("uid {other}");
+            let what = match fifo {
+                "" => "symbolic link",
+                _ => "FIFO",
+            };
+            assert_eq!(code, Some(2), "{flag} at another user's {what}: {err}");
+            assert!(
+                err.contains(flag) && err.contains(&owner) && err.contains(what),
+                "{flag} at another user's {what}: {err}"
+            );
+        }
+    }
+    // root's link to the other user's link: refused at the other user's.
+    let (code, err) = run(vec![
+        "--report".into(),
+        at("latest"),
+        "--no-python".into(),
+        "true".into(),
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains(&format!("{sh}/run43")), "{err}");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep\n");
+    let _ = std::fs::remove_dir_all(&shared);
+}
+
+/// Issue 46: a FIFO of this user's at `--report` whose reader takes nothing (its pipe full): a
+/// SIGTERM ends nrun, which waits for the reader only until a stop signal comes (it used to
+/// stay blocked in the write, its signal handler having taken SIGTERM's default action away).
+#[test]
+fn a_stop_signal_ends_nrun_waiting_on_a_fifo() {
+    let s = Scene::new();
+    let fifo = s.dir.path().join("report.fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a plain syscall on a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // The reader: opened, its pipe made one page, never read.
+    let reader = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&fifo)
+        .unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on a valid descriptor.
+    let size = unsafe { libc::fcntl(reader.as_raw_fd(), libc::F_SETPIPE_SZ, 4096) };
+    assert!(size > 0);
+    let child = s.spawn(
+        &[
+            "--report",
+            fifo.to_str().unwrap(),
+            // Four workers' events: a report well past the pipe's page.
+            "--nproc",
+            "4",
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let pid = child.id();
+    let queued = || {
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD on a valid descriptor, into an int.
+        unsafe { libc::ioctl(reader.as_raw_fd(), libc::FIONREAD, &mut n) };
+        n
+    };
+    // The report is larger than the pipe: nrun waits for the reader once it is full.
+    wait_until("nrun to fill the FIFO", || queued() >= size);
+    signal_pid(&pid.to_string(), "TERM");
+    let (out, took) = wait_with_timeout(child, HANG);
+    let err = text(&out.stderr);
+    eprintln!("nrun ended {took:?} after SIGTERM");
+    assert!(
+        err.contains("a stop signal came while nrun waited for the reader"),
+        "{err}"
+    );
+    drop(reader);
 }

@@ -661,3 +661,85 @@ fn report_html_on_a_job_is_the_page_of_its_report() {
     assert_eq!(body(&page), body(&again));
     s.assert_no_survivors();
 }
+
+/// The audit's crafted report (issue 46): many hosts named only by marks and many attempts
+/// that name no node. Each such attempt used to be drawn on every host row (a 395 KiB file
+/// needed more than 2 GiB); it is one band over all rows now, so the page grows as the report
+/// does: twice the report, about twice the page, and a few bytes of page per byte of report.
+#[test]
+fn a_crafted_reports_page_is_linear_in_its_size() {
+    let s = Scene::new();
+    let craft = |n: usize| {
+        let mut events: Vec<Value> = (0..n)
+            .map(|i| json!({"name": "worker_failed", "t": i as f64 * 0.01, "host": format!("h{i}"), "node": i}))
+            .collect();
+        events.extend(
+            (0..n).map(|i| json!({"name": "attempt_start", "t": i as f64 * 0.01, "attempt": i})),
+        );
+        let path = s.dir.path().join(format!("crafted-{n}.json"));
+        std::fs::write(
+            &path,
+            json!({"job": {"outcome": "failed"}, "events": events}).to_string(),
+        )
+        .unwrap();
+        let page = render(&s, &path, &format!("crafted-{n}.html"));
+        let (i, o) = (
+            std::fs::metadata(&path).unwrap().len(),
+            std::fs::metadata(&page).unwrap().len(),
+        );
+        eprintln!("{n} hosts and attempts: report {i} B, page {o} B");
+        (i, o)
+    };
+    let (i1, o1) = craft(1_800);
+    let (i2, o2) = craft(3_600);
+    assert!(i2 >= 395 << 10, "the audit's size: {i2}");
+    assert!(o2 < 8 * i2, "page {o2} B for a report of {i2} B");
+    let growth = o2 as f64 / o1 as f64;
+    let input = i2 as f64 / i1 as f64;
+    assert!(
+        growth < 1.5 * input,
+        "page grew {growth:.2}x for {input:.2}x"
+    );
+    s.assert_no_survivors();
+}
+
+/// `nrun report` reads its input as every file a person names is read (issue 46): a regular
+/// file only, opened without blocking, at most 64 MiB; and only a report: JSON that is not one
+/// is refused, saying why (exit 2 each, the input named).
+#[test]
+fn nrun_report_reads_only_bounded_reports() {
+    let s = Scene::new();
+    let fifo = s.dir.path().join("fifo.json");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a plain syscall on a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let big = s.dir.path().join("big.json");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len((64 << 20) + 1)
+        .unwrap();
+    let other = s.dir.path().join("other.json");
+    std::fs::write(&other, r#"{"name": "not a report", "events": []}"#).unwrap();
+    let wrong = s.dir.path().join("wrong.json");
+    std::fs::write(&wrong, r#"{"job": "x", "events": {}}"#).unwrap();
+    for (input, why) in [
+        (Path::new("/dev/zero"), "is a device"),
+        (fifo.as_path(), "is a FIFO"),
+        (big.as_path(), "larger than 64 MiB"),
+        (other.as_path(), "not a report"),
+        (wrong.as_path(), "not a report"),
+    ] {
+        let mut c = s.cmd(&["report", input.to_str().unwrap(), "-o"]);
+        c.arg(s.dir.path().join("out.html"));
+        let (o, _) = wait_with_timeout(c.spawn().unwrap(), HANG);
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{}: {err}", input.display());
+        assert!(
+            err.contains(&input.display().to_string()) && err.contains(why),
+            "{}: {err}",
+            input.display()
+        );
+    }
+    assert!(!s.dir.path().join("out.html").exists());
+    s.assert_no_survivors();
+}

@@ -427,3 +427,48 @@ fn a_resized_terminal_resizes_the_workers() {
         s.assert_no_survivors();
     }
 }
+
+/// Issue 46: each worker on a terminal takes two of the host's ptys; a group gives terminals
+/// to at most 64 workers (fewer where the host has few free), the others write into pipes,
+/// and nrun says so once. Their output reaches the terminal all the same.
+#[test]
+fn terminals_for_workers_are_bounded_and_said() {
+    // The bound is 64 where the host has ptys to spare (384 free, and room for the test's own).
+    let read = |f: &str| -> Option<usize> {
+        std::fs::read_to_string(format!("/proc/sys/kernel/pty/{f}"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    if let (Some(max), Some(nr)) = (read("max"), read("nr"))
+        && max.saturating_sub(nr) < 1024
+    {
+        eprintln!("SKIPPED terminals_for_workers_are_bounded_and_said: {max} ptys, {nr} in use");
+        return;
+    }
+    let s = Scene::new();
+    let sc = on_terminal(
+        &s,
+        &[],
+        &[
+            "--nproc",
+            "70",
+            "--watch",
+            "off",
+            "--no-python",
+            "sh",
+            "-c",
+            "if [ -t 1 ]; then echo is-a-tty; else echo is-a-pipe; fi",
+        ],
+    );
+    let t = sc.text();
+    assert_eq!(sc.status, 0, "{t}");
+    assert_eq!(t.matches("is-a-tty").count(), 64, "{t}");
+    assert_eq!(t.matches("is-a-pipe").count(), 6, "{t}");
+    assert!(
+        t.contains("70 workers on this host write to the terminal: the first 64"),
+        "{t}"
+    );
+    s.assert_no_survivors();
+}

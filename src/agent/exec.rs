@@ -342,7 +342,7 @@ type Logs = (Option<std::fs::File>, Option<std::fs::File>);
 fn open_logs(dir: &std::path::Path) -> Result<Logs> {
     let fail = |e: std::io::Error| Error::internal(format!("log directory: {e}"));
     nrun_base::files::make_private_dirs(dir).map_err(fail)?;
-    let open = |name: &str| nrun_base::files::create_private_file(&dir.join(name)).map_err(fail);
+    let open = |name: &str| nrun_base::outputs::create_private(&dir.join(name)).map_err(fail);
     Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
 }
 

@@ -927,7 +927,7 @@ impl Bisect<'_> {
                 }
                 None => good.iter().map(|h| format!("{h}\n")).collect(),
             };
-            std::fs::write(path, text).map_err(|e| {
+            nrun_base::outputs::replace(path, text.as_bytes()).map_err(|e| {
                 Error::usage(format!(
                     "cannot write --write-hostfile {}: {e}",
                     path.display()

@@ -35,7 +35,7 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
     // nrun that hosts the job: a c10d node that joins another's serves none (it says so).
     let metrics = match &mode {
         Mode::Run { run, .. } if session.c10d.is_none() || listener.is_some() => {
-            crate::journal::metrics::bind(run.journal.metrics_port)?
+            crate::journal::metrics::bind(run.journal.metrics_port.as_ref())?
         }
         _ => None,
     };

@@ -6,25 +6,33 @@ use std::path::{Path, PathBuf};
 
 use nrun_base::error::{Error, Result, exit};
 
-/// Writes the page and prints its path; a missing or unreadable input is a usage error (2).
+/// The largest report `nrun report` reads: a 1,024-node job's is a few MiB; more is not a
+/// report nrun wrote (and its JSON would take several times this in memory).
+const MAX_REPORT: u64 = 64 << 20;
+
+/// Writes the page and prints its path; a missing or unreadable input, or one that is not a
+/// report, is a usage error (2). The input is read as [`nrun_base::files::read_bounded`] reads:
+/// a regular file of at most [`MAX_REPORT`], opened without blocking (`/dev/zero` or a FIFO is
+/// refused at once, named).
 pub(crate) fn run(input: &Path, output: Option<&Path>) -> Result<u8> {
-    let text = std::fs::read_to_string(input).map_err(|e| {
+    let bytes = nrun_base::files::read_bounded(input, MAX_REPORT).map_err(|e| {
         Error::usage(format!(
             "cannot read the report {}: {e} (give the file a job's, bisect's or \
              --preflight-only's --report FILE wrote)",
             input.display()
         ))
     })?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+    let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
         Error::usage(format!(
             "{} is not JSON ({e}); nrun report reads the file --report FILE wrote",
             input.display()
         ))
     })?;
-    if !v.is_object() {
+    drop(bytes);
+    if !crate::report::html::is_report(&v) {
         return Err(Error::usage(format!(
-            "{} holds JSON but not a report (an object with nrun's keys, such as job, rows, \
-             rounds, ledger, events); nrun report reads the file --report FILE wrote",
+            "{} holds JSON but not a report (an object with nrun's keys: job, rounds, nodes, \
+             verdict or rows, each of its kind); nrun report reads the file --report FILE wrote",
             input.display()
         )));
     }

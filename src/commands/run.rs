@@ -872,7 +872,7 @@ fn stop_failed(
     tell_every_node(s, &summary, error_json.as_deref());
     // torchrun's habit: the launcher's own error file gets the root cause.
     if let (Some(path), Some(json)) = (&job.launcher_error_file, error_json)
-        && let Err(e) = std::fs::write(path, json)
+        && let Err(e) = nrun_base::outputs::replace(path, json.as_bytes())
     {
         tracing::warn!(
             "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",

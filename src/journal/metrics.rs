@@ -24,8 +24,9 @@ use nrun_base::error::{Error, Result};
 
 /// How often `--metrics-file` is replaced while the job runs.
 const FILE_EVERY: Duration = Duration::from_secs(5);
-/// `--metrics-port`'s connections served at once.
-const CONNECTIONS: usize = 16;
+/// `--metrics-port`'s connections held at once: one more closes the oldest, so connections that
+/// never finish a request cannot keep a scraper out.
+const CONNECTIONS: usize = 64;
 
 type Labels = Vec<(String, String)>;
 type FGauge = Gauge<f64, AtomicU64>;
@@ -323,7 +324,7 @@ fn render(sh: &Shared) -> String {
     out
 }
 
-/// Replaces `--metrics-file` with the metrics now (see [`nrun_base::files::replace`]); `last`:
+/// Replaces `--metrics-file` with the metrics now (see [`nrun_base::outputs::replace`]); `last`:
 /// the job's end, after which no periodic write may replace it. A failure is said once, and
 /// once when writing works again.
 fn write_file(sh: &Shared, path: &Path, last: bool) {
@@ -332,7 +333,7 @@ fn write_file(sh: &Shared, path: &Path, last: bool) {
         return;
     }
     st.ended = last;
-    match nrun_base::files::replace(path, render(sh).as_bytes()) {
+    match nrun_base::outputs::replace(path, render(sh).as_bytes()) {
         // The last write is said even after earlier failures: no later one will mend it.
         Err(e) if !st.failing || last => {
             st.failing = true;
@@ -357,32 +358,32 @@ fn write_file(sh: &Shared, path: &Path, last: bool) {
     }
 }
 
-/// Binds `--metrics-port` on every address; a port that cannot be had is a usage error.
-pub(crate) fn bind(port: Option<u16>) -> Result<Option<std::net::TcpListener>> {
-    let Some(port) = port else {
+/// Binds `--metrics-port` (the address [`crate::plan`] resolved: loopback unless one was
+/// given); a port that cannot be had is a usage error.
+pub(crate) fn bind(
+    port: Option<&(String, std::net::SocketAddr)>,
+) -> Result<Option<std::net::TcpListener>> {
+    let Some((given, addr)) = port else {
         return Ok(None);
     };
-    let l = std::net::TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+    let l = std::net::TcpListener::bind(addr).map_err(|e| {
         Error::usage(format!(
-            "--metrics-port {port}: cannot listen on it ({e}); pick a free port (above 1024 \
-             unless nrun runs as root)"
+            "--metrics-port {given}: cannot listen on {addr} ({e}); pick a free port (above \
+             1024 unless nrun runs as root) and an address of this host"
         ))
     })?;
     l.set_nonblocking(true)
-        .map_err(|e| Error::internal(format!("--metrics-port {port}: {e}")))?;
+        .map_err(|e| Error::internal(format!("--metrics-port {given}: {e}")))?;
     Ok(Some(l))
 }
 
 /// Answers each connection's one request: GET /metrics gets the text, anything else 404.
+/// Accepting never waits: past [`CONNECTIONS`] held, the oldest connection is closed, so a
+/// scraper (which sends its request at once) is served beside any number of slow clients.
 async fn serve(l: tokio::net::TcpListener, sh: Arc<Shared>) {
-    // A scraper or two is the use: more connections at once wait, and hold no descriptors the
-    // store needs.
-    let room = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS));
+    let mut held: std::collections::VecDeque<tokio::task::AbortHandle> = Default::default();
     let mut pause = Duration::from_millis(100);
     loop {
-        let Ok(permit) = room.clone().acquire_owned().await else {
-            return;
-        };
         let mut conn = match l.accept().await {
             Ok((c, _)) => {
                 pause = Duration::from_millis(100);
@@ -395,13 +396,18 @@ async fn serve(l: tokio::net::TcpListener, sh: Arc<Shared>) {
                 continue;
             }
         };
+        held.retain(|h| !h.is_finished());
+        if held.len() >= CONNECTIONS
+            && let Some(oldest) = held.pop_front()
+        {
+            // Its task dropped, its socket closes.
+            oldest.abort();
+        }
         let sh = sh.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
+        let task = tokio::spawn(async move {
             let mut req = Vec::new();
             let mut buf = [0u8; 1024];
-            // A client that sends no whole request head in 10 s (or 8 KiB) is dropped: 16
-            // idle connections must not hold every place.
+            // A client that sends no whole request head in 10 s (or 8 KiB) is dropped.
             let read = tokio::time::timeout(Duration::from_secs(10), async {
                 while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
                     match conn.read(&mut buf).await {
@@ -434,12 +440,13 @@ async fn serve(l: tokio::net::TcpListener, sh: Arc<Shared>) {
                       22\r\nConnection: close\r\n\r\nnrun serves /metrics\r\n"
                     .to_string(),
             };
-            // A client that does not read its answer in 10 s gives its place back too.
+            // A client that does not read its answer in 10 s is dropped too.
             let _ = tokio::time::timeout(Duration::from_secs(10), async {
                 let _ = conn.write_all(answer.as_bytes()).await;
                 let _ = conn.shutdown().await;
             })
             .await;
         });
+        held.push_back(task.abort_handle());
     }
 }

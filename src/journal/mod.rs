@@ -43,8 +43,8 @@ pub(crate) struct JournalPlan {
     pub events: Option<PathBuf>,
     /// `--metrics-file PATH`: OpenMetrics text, replaced every few seconds.
     pub metrics_file: Option<PathBuf>,
-    /// `--metrics-port PORT`: the same text over HTTP.
-    pub metrics_port: Option<u16>,
+    /// `--metrics-port [ADDR:]PORT`: the same text over HTTP, as given and as the address.
+    pub metrics_port: Option<(String, std::net::SocketAddr)>,
 }
 
 /// What the job is doing; the ledger's keys, in order.
@@ -427,7 +427,7 @@ pub(crate) struct Journal {
     ledger: Arc<Mutex<Ledger>>,
     events: Vec<Value>,
     /// `--events`: the file and its path (for the warning when a write fails).
-    sink: Option<(PathBuf, std::fs::File)>,
+    sink: Option<(PathBuf, nrun_base::outputs::OutFile)>,
     metrics: Option<metrics::Exporter>,
     attempt: Option<u32>,
     told: Told,
@@ -455,7 +455,11 @@ impl Journal {
     /// The plan checked the paths; a failure now is said and the job goes on without it.
     pub(crate) fn attach(&mut self, plan: &JournalPlan, listener: Option<std::net::TcpListener>) {
         if let Some(p) = &plan.events {
-            match open_append(p) {
+            // A FIFO's reader that stalls must not stall the job: a line it does not take
+            // within a second ends the events there (said).
+            match nrun_base::outputs::append(p)
+                .map(|f| f.patience(std::time::Duration::from_secs(1)))
+            {
                 Ok(f) => self.sink = Some((p.clone(), f)),
                 Err(e) => tracing::warn!("--events {}: cannot open it: {e}", p.display()),
             }
@@ -772,14 +776,6 @@ impl Journal {
             summary,
         )
     }
-}
-
-/// Opens `path` for appending (created if missing).
-pub(crate) fn open_append(path: &std::path::Path) -> std::io::Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
 }
 
 #[cfg(test)]

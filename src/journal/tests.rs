@@ -319,7 +319,7 @@ fn cost() {
     let n = 2_000;
     let t = Instant::now();
     for _ in 0..n {
-        nrun_base::files::replace(&path, m.text().as_bytes()).unwrap();
+        nrun_base::outputs::replace(&path, m.text().as_bytes()).unwrap();
     }
     let write = per(n, t);
     println!(

@@ -31,6 +31,8 @@ impl BisectSettings {
             sweep,
             nodes,
             local_addr,
+            // Set before a plan is made (see `lib.rs`).
+            files: _,
             command,
         } = args;
         if let Some(a) = local_addr {
@@ -91,6 +93,11 @@ impl BisectSettings {
         super::run::check_outputs(&[
             ("--report", report.as_ref()),
             ("--report-html", report_html.as_ref()),
+            ("--write-hostfile", write_hostfile.as_ref()),
+            (
+                "--exclude-file",
+                nodes.exclude_file.as_ref().filter(|_| *write_exclude),
+            ),
         ])?;
         Ok((
             BisectSettings {

@@ -81,16 +81,12 @@ impl ExcludeFile {
         }
         let text: String = entries.iter().map(format_line).collect();
         let origin = self.path.display();
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.path)
-            .map_err(|e| {
-                Error::internal(format!(
-                    "cannot append to --exclude-file {origin}: {e}; the nodes left out were \
+        let mut f = nrun_base::outputs::append(&self.path).map_err(|e| {
+            Error::internal(format!(
+                "cannot append to --exclude-file {origin}: {e}; the nodes left out were \
                      printed above"
-                ))
-            })?;
+            ))
+        })?;
         f.write_all(text.as_bytes())
             .map_err(|e| Error::internal(format!("cannot write --exclude-file {origin}: {e}")))
     }

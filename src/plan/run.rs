@@ -39,6 +39,8 @@ impl RunSettings {
             compat,
             // Handled before a plan is made (see `lib.rs`).
             print_completion: _,
+            // Set before a plan is made (see `lib.rs`).
+            files: _,
             command,
         } = run;
         compat.notes();
@@ -116,7 +118,25 @@ fn journal_plan(job: &JobArgs, report: Option<&PathBuf>) -> Result<crate::journa
     Ok(crate::journal::JournalPlan {
         events: job.events.clone(),
         metrics_file: job.metrics_file.clone(),
-        metrics_port: job.metrics_port,
+        metrics_port: match &job.metrics_port {
+            Some(given) => Some((given.clone(), metrics_addr(given)?)),
+            None => None,
+        },
+    })
+}
+
+/// `--metrics-port [ADDR:]PORT`: a port alone is on loopback (a scraper on this host, as
+/// exporters serve by default); an address is taken as given (`0.0.0.0:9464`, `[::1]:9464`).
+fn metrics_addr(given: &str) -> Result<std::net::SocketAddr> {
+    let t = given.trim();
+    if let Ok(port) = t.parse::<u16>() {
+        return Ok((std::net::Ipv4Addr::LOCALHOST, port).into());
+    }
+    t.parse().map_err(|_| {
+        Error::usage(format!(
+            "--metrics-port {given}: give a port (9464, served on 127.0.0.1) or an address and \
+             a port (0.0.0.0:9464 for every IPv4 interface, [::]:9464 for IPv6)"
+        ))
     })
 }
 
@@ -126,49 +146,24 @@ fn journal_plan(job: &JobArgs, report: Option<&PathBuf>) -> Result<crate::journa
 pub(crate) fn check_outputs(outputs: &[(&str, Option<&PathBuf>)]) -> Result<()> {
     for (flag, path) in outputs {
         if let Some(p) = path
-            && let Err(why) = writable(p)
+            && let Err(why) = writable(flag, p)
         {
-            return Err(Error::usage(format!(
-                "{flag} {}: cannot write it ({why}); give a file in a writable directory",
-                p.display()
-            )));
+            // A refusal says what to do itself.
+            let why = match why.starts_with("refusing") {
+                true => why,
+                false => format!("cannot write it ({why}); give a file in a writable directory"),
+            };
+            return Err(Error::usage(format!("{flag} {}: {why}", p.display())));
         }
     }
     Ok(())
 }
 
-/// Whether `p` can be written (created in its directory, or replaced there): why not.
-fn writable(p: &std::path::Path) -> std::result::Result<(), String> {
-    use nix::unistd::{AccessFlags, access};
-    if p.as_os_str().is_empty() {
-        return Err("no path given".into());
-    }
-    if p.is_dir() {
-        return Err("it is a directory".into());
-    }
-    let p = match nrun_base::files::destination(p).map_err(|e| e.to_string())? {
-        // /dev/stdout, a FIFO: written to as they are.
-        nrun_base::files::Destination::InPlace(f) => {
-            return access(&f, AccessFlags::W_OK).map_err(|e| e.desc().to_string());
-        }
-        nrun_base::files::Destination::Replace(f) => f,
-    };
-    let p = p.as_path();
-    let dir = match p.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => std::path::Path::new("."),
-    };
-    if !dir.is_dir() {
-        return Err(format!("no directory {}", dir.display()));
-    }
-    // Reports and the metrics file are replaced through a temporary file beside them, the
-    // events file may be created: all need the directory; an existing file must be writable.
-    access(dir, AccessFlags::W_OK | AccessFlags::X_OK)
-        .map_err(|e| format!("directory {}: {}", dir.display(), e.desc()))?;
-    if p.exists() {
-        access(p, AccessFlags::W_OK).map_err(|e| e.desc().to_string())?;
-    }
-    Ok(())
+/// Whether `p` can be written (created in its directory, replaced there, or appended to for
+/// `--events` and `--exclude-file`): why not ([`nrun_base::outputs::check`]).
+fn writable(flag: &str, p: &std::path::Path) -> std::result::Result<(), String> {
+    let append = matches!(flag, "--events" | "--exclude-file");
+    nrun_base::outputs::check(p, append).map_err(|e| e.to_string())
 }
 
 /// Whether nrun starts the nodes itself: a host list, or a scheduler's allocation of several

@@ -89,6 +89,28 @@ enum Kind {
     Unknown,
 }
 
+/// Whether `v` is a report nrun wrote (a job's, bisect's or a preflight's): an object with one
+/// of their keys, of the kind they hold there. Anything else is refused, not drawn.
+pub(crate) fn is_report(v: &Value) -> bool {
+    let Some(o) = v.as_object() else {
+        return false;
+    };
+    let kind_ok = match Kind::of(v) {
+        Kind::Job => o["job"].is_object(),
+        Kind::Bisect => {
+            o.get("rounds").is_none_or(Value::is_array)
+                && o.get("nodes").is_none_or(Value::is_array)
+        }
+        Kind::Preflight => o.get("rows").is_none_or(Value::is_array),
+        Kind::Unknown => false,
+    };
+    // What the views read as lists must be lists where present.
+    kind_ok
+        && ["events"]
+            .iter()
+            .all(|k| o.get(*k).is_none_or(Value::is_array))
+}
+
 impl Kind {
     fn of(v: &Value) -> Kind {
         if v.get("job").is_some() {

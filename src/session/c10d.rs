@@ -117,7 +117,7 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
                 eprint!("{}", why.summary);
             }
             if let (Some(path), Some(json)) = (&job.launcher_error_file, &why.error_json)
-                && let Err(e) = std::fs::write(path, json)
+                && let Err(e) = nrun_base::outputs::replace(path, json.as_bytes())
             {
                 tracing::warn!(
                     "cannot write TORCHELASTIC_ERROR_FILE {}: {e}",

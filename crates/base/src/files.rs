@@ -11,6 +11,8 @@
 //!   without blocking and judged by what was opened, at most a given size.
 //! - [`open_own`]: a file a worker wrote, trusted only if this user owns it and nobody else may
 //!   write it (opened without following a symlink, checked on the open file).
+//!
+//! The files nrun writes where a person said are [`crate::outputs`]'s.
 
 use std::io::{self, Read};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -138,113 +140,6 @@ pub fn make_private_dirs(dir: &Path) -> io::Result<()> {
             })?;
     }
     check_private_dir(dir)
-}
-
-/// Where [`replace`] puts a file's bytes.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Destination {
-    /// A regular file (or none yet) at this path: a temporary file beside it renamed over it.
-    Replace(std::path::PathBuf),
-    /// A special file (`/dev/stdout`, `/dev/null`, a FIFO): written to, as a shell's `>` would;
-    /// a rename would put a regular file in the device's place.
-    InPlace(std::path::PathBuf),
-}
-
-/// Where `path`'s bytes go. A symlink there is followed (the link stays, its file is replaced)
-/// only if trusted as the kernel's protected_symlinks trusts one: owned by this user or by the
-/// owner of its directory. Another user's link planted in a shared directory such as /tmp is
-/// replaced itself, never followed (a root nrun must not write where it points). The same
-/// holds for a special file.
-pub fn destination(path: &Path) -> io::Result<Destination> {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(own) = std::fs::symlink_metadata(path) else {
-        return Ok(Destination::Replace(path.to_path_buf()));
-    };
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    // SAFETY: geteuid cannot fail.
-    let me = unsafe { libc::geteuid() };
-    let trusted = own.uid() == me || std::fs::metadata(dir).is_ok_and(|d| d.uid() == own.uid());
-    // A plain regular file, or one not to be followed: the rename goes at the path itself.
-    let plain = own.is_file() && !own.file_type().is_symlink();
-    if plain || !trusted {
-        return Ok(Destination::Replace(path.to_path_buf()));
-    }
-    match std::fs::metadata(path) {
-        // The kernel resolves the link (/proc's too: /dev/stdout names a pipe so).
-        Ok(m) if !m.is_file() && !m.is_dir() => Ok(Destination::InPlace(path.to_path_buf())),
-        Ok(_) => Ok(Destination::Replace(std::fs::canonicalize(path)?)),
-        // A dangling link: the file it names, made.
-        Err(e) if e.kind() == io::ErrorKind::NotFound && own.file_type().is_symlink() => {
-            Ok(Destination::Replace(dir.join(std::fs::read_link(path)?)))
-        }
-        Err(e) => Err(e),
-    }
-}
-
-/// Replaces `path` with `bytes` at once: written to a new temporary file beside it (a dot
-/// name, which readers such as the textfile collector skip; never an existing file or a link
-/// planted there), then renamed over it: a reader sees the old file or the new one, never part.
-/// Each call has a name of its own (pid and random bits), so two writers of one path cannot
-/// cut each other's file. Links and special files: see [`destination`].
-pub fn replace(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    use std::io::Write as _;
-    let path = match destination(path)? {
-        Destination::InPlace(p) => {
-            return std::fs::OpenOptions::new()
-                .write(true)
-                .truncate(true)
-                .open(p)?
-                .write_all(bytes);
-        }
-        Destination::Replace(p) => p,
-    };
-    let name = path
-        .file_name()
-        .map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
-    let mut salt = [0u8; 6];
-    crate::random_bytes(&mut salt)?;
-    let tmp = path.with_file_name(format!(
-        ".{name}.{}.{}.tmp",
-        std::process::id(),
-        crate::hex(&salt)
-    ));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)?;
-    // From here the temporary file is this call's own: removed if the rest fails.
-    let done = f
-        .write_all(bytes)
-        .and_then(|()| std::fs::rename(&tmp, &path));
-    if done.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    done
-}
-
-/// Creates the file `path` for writing, fresh (never one that exists, never through a
-/// symlink), mode 0600.
-pub fn create_private_file(path: &Path) -> io::Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => with(
-                &e,
-                format!(
-                    "refusing to write {}: it exists already (nrun makes its files fresh); was it \
-                 planted by another user? Remove it or choose another directory",
-                    path.display()
-                ),
-            ),
-            _ => with(&e, format!("cannot create {}: {e}", path.display())),
-        })
 }
 
 /// A refusal of nrun's own (a directory or file another user could use), as an I/O error whose
@@ -468,83 +363,6 @@ pub fn sweep_scratch() {
 mod tests {
     use super::*;
 
-    /// A file replaced holds the new bytes whole, leaves no temporary beside it, and a
-    /// reader's open copy of the old one is not cut (the rename swaps whole files).
-    #[test]
-    fn replace_swaps_whole_files_and_leaves_nothing_beside() {
-        let top = tempfile::tempdir().unwrap();
-        let p = top.path().join("m.prom");
-        replace(&p, b"old\n").unwrap();
-        let mut held = std::fs::File::open(&p).unwrap();
-        replace(&p, b"new\n").unwrap();
-        assert_eq!(std::fs::read(&p).unwrap(), b"new\n");
-        let mut old = String::new();
-        held.read_to_string(&mut old).unwrap();
-        assert_eq!(old, "old\n");
-        let names: Vec<_> = std::fs::read_dir(top.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names, ["m.prom"]);
-        // No directory: the error is the write's, and nothing is left.
-        let gone = top.path().join("no").join("m.prom");
-        assert!(replace(&gone, b"x").is_err());
-    }
-
-    /// A link at the path is followed: its file gets the bytes, the link stays (a dangling
-    /// one makes its file); a special file is written to, never renamed over (`--report
-    /// /dev/null` as root must not put a regular file in /dev/null's place).
-    #[test]
-    fn replace_follows_links_and_writes_into_special_files() {
-        use std::os::unix::fs::{FileTypeExt, symlink};
-        let top = tempfile::tempdir().unwrap();
-        let run = top.path().join("run42.html");
-        std::fs::write(&run, "old").unwrap();
-        let latest = top.path().join("latest.html");
-        symlink("run42.html", &latest).unwrap();
-        replace(&latest, b"new").unwrap();
-        assert!(
-            std::fs::symlink_metadata(&latest)
-                .unwrap()
-                .file_type()
-                .is_symlink()
-        );
-        assert_eq!(std::fs::read(&run).unwrap(), b"new");
-        let dangling = top.path().join("next.html");
-        symlink("run43.html", &dangling).unwrap();
-        replace(&dangling, b"43").unwrap();
-        assert_eq!(std::fs::read(top.path().join("run43.html")).unwrap(), b"43");
-        let looped = top.path().join("loop");
-        symlink("loop", &looped).unwrap();
-        assert!(replace(&looped, b"x").is_err());
-        // Another user's link in a directory not theirs is replaced, not followed.
-        if unsafe { libc::geteuid() } == 0 {
-            let planted = top.path().join("planted");
-            symlink("run42.html", &planted).unwrap();
-            std::os::unix::fs::lchown(&planted, Some(65534), Some(65534)).unwrap();
-            assert_eq!(
-                destination(&planted).unwrap(),
-                Destination::Replace(planted.clone())
-            );
-            replace(&planted, b"mine").unwrap();
-            assert!(std::fs::symlink_metadata(&planted).unwrap().is_file());
-            assert_eq!(std::fs::read(&run).unwrap(), b"new");
-        }
-        replace(Path::new("/dev/null"), b"nothing").unwrap();
-        let null = std::fs::metadata("/dev/null").unwrap();
-        assert!(null.file_type().is_char_device());
-        // Through a link to a device too.
-        let to_null = top.path().join("to-null");
-        symlink("/dev/null", &to_null).unwrap();
-        replace(&to_null, b"nothing").unwrap();
-        assert!(
-            std::fs::metadata("/dev/null")
-                .unwrap()
-                .file_type()
-                .is_char_device()
-        );
-    }
-
     #[test]
     fn private_dirs_are_fresh_0700_and_checked() {
         let top = tempfile::tempdir().unwrap();
@@ -571,19 +389,19 @@ mod tests {
                 .contains("symbolic link")
         );
         let f = a.join("f");
-        let mut w = create_private_file(&f).unwrap();
+        let mut w = crate::outputs::create_private(&f).unwrap();
         std::io::Write::write_all(&mut w, b"hi").unwrap();
         assert_eq!(std::fs::metadata(&f).unwrap().mode() & 0o777, 0o600);
         // Never an existing file, never through a symlink.
         assert!(
-            create_private_file(&f)
+            crate::outputs::create_private(&f)
                 .unwrap_err()
                 .to_string()
                 .contains("exists already")
         );
         let l2 = a.join("l2");
         std::os::unix::fs::symlink("/nonexistent-target", &l2).unwrap();
-        assert!(create_private_file(&l2).is_err());
+        assert!(crate::outputs::create_private(&l2).is_err());
         assert!(!Path::new("/nonexistent-target").exists());
     }
 

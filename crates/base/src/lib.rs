@@ -1,11 +1,12 @@
 //! What every layer of nrun shares, and nothing of any layer above: errors for people and the
 //! exit codes ([`error`]), this host's names and interfaces ([`net`]), private scratch and
-//! bounded reads ([`files`]), randomness, nrun's version, and the two switches on what the
+//! bounded reads ([`files`]), the one opener of the files nrun writes ([`outputs`]), randomness, nrun's version, and the two switches on what the
 //! process prints.
 
 pub mod error;
 pub mod files;
 pub mod net;
+pub mod outputs;
 
 /// nrun's version, with the git revision it was built from: `nrun --version`, and what each
 /// node reports so that the launch host can refuse a different nrun.

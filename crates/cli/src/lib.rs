@@ -171,6 +171,30 @@ pub struct ReportArgs {
     /// Where to write the page (default: beside the input, its name ending in .html).
     #[arg(short = 'o', long = "output", value_name = "OUT.html")]
     pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub files: FilesArgs,
+}
+
+/// How the files nrun writes are made.
+#[derive(Args, Debug, Clone)]
+pub struct FilesArgs {
+    /// Mode of the files nrun creates (reports, pages, events, metrics, exclude file, hostfile),
+    /// in octal: 600 by default, as they hold the whole command line; e.g. 644 for a metrics
+    /// file another user's collector reads. The umask still applies.
+    #[arg(long = "file-mode", env = "NRUN_FILE_MODE", value_name = "OCTAL",
+          value_parser = parse_file_mode, default_value = "600")]
+    pub file_mode: u32,
+}
+
+/// `--file-mode`: three octal digits (or four, the first 0), nothing above 0777.
+fn parse_file_mode(s: &str) -> std::result::Result<u32, String> {
+    let t = s.trim();
+    match u32::from_str_radix(t, 8) {
+        Ok(m) if m <= 0o777 && (3..=4).contains(&t.len()) => Ok(m),
+        _ => Err(format!(
+            "--file-mode {s}: give an octal mode such as 600 or 644 (at most 777)"
+        )),
+    }
 }
 
 /// `nrun [OPTIONS] TARGET [ARGS]...`: the job, with its preflight, on one node or many.
@@ -201,6 +225,8 @@ pub struct RunArgs {
     pub nodes: NodesArgs,
     #[command(flatten)]
     pub compat: CompatArgs,
+    #[command(flatten)]
+    pub files: FilesArgs,
 
     /// The script, module or program, followed by its arguments.
     #[arg(
@@ -241,6 +267,8 @@ pub struct BisectArgs {
     pub sweep: SweepArgs,
     #[command(flatten)]
     pub nodes: NodesArgs,
+    #[command(flatten)]
+    pub files: FilesArgs,
 
     /// The launch host's address every node's agent and the groups' MASTER_ADDR use (default:
     /// the address its ssh connection came from, else this host's route to it).
@@ -512,10 +540,16 @@ pub struct JobArgs {
     #[arg(long = "metrics-file", env = "NRUN_METRICS_FILE", value_name = "PATH")]
     pub metrics_file: Option<PathBuf>,
 
-    /// Serve the same metrics on http://0.0.0.0:PORT/metrics while the job runs, e.g.
-    /// --metrics-port 9464.
-    #[arg(long = "metrics-port", env = "NRUN_METRICS_PORT", value_name = "PORT")]
-    pub metrics_port: Option<u16>,
+    /// Serve the same metrics on http://ADDR:PORT/metrics while the job runs: on loopback
+    /// (127.0.0.1) unless ADDR is given, as an exporter for a scraper on this host; e.g.
+    /// --metrics-port 9464, or --metrics-port 0.0.0.0:9464 for every interface ([::]:9464 for
+    /// IPv6 too).
+    #[arg(
+        long = "metrics-port",
+        env = "NRUN_METRICS_PORT",
+        value_name = "[ADDR:]PORT"
+    )]
+    pub metrics_port: Option<String>,
 }
 
 /// torchrun flags that have no effect in nrun: accepted, with a note, so command lines carry over.

@@ -64,9 +64,12 @@ pub fn kept() -> Option<Kept> {
 /// `nrun __reap KEEPER AGENT TOKEN`, run over ssh by a launch host that lost this host's agent
 /// by its silent heartbeat: an agent stopped (SIGSTOP) or hung cannot stop its workers, nor can
 /// its keeper and watch if they were stopped with it. SIGKILL, which a stopped process cannot
-/// hold off, goes to the keeper and its children (the agent, the watch) if they are still that
-/// run's (a pid reused since names another process), then to every process carrying the token
-/// (the workers and theirs). Exit 0 once none is left; 2 for arguments that do not parse.
+/// hold off, goes only to processes the token names, each checked on a pidfd held across the
+/// check (a pid reused in between is never hit): the keeper if it is the very process the
+/// token names (its pid and start time, [`start`]), its children (the agent first, then the
+/// watch) while they are that keeper's, then every process carrying the token (the workers and
+/// theirs). Exit 0 once it killed some and none is left; 1 when it found none of them (said on
+/// stderr: the launch host warns), or could not kill one; 2 for arguments that do not parse.
 pub fn reap_main(mut args: impl Iterator<Item = std::ffi::OsString>) -> u8 {
     let mut arg = || args.next().and_then(|a| a.into_string().ok());
     let (Some(keeper), Some(agent), Some(token)) = (
@@ -75,7 +78,20 @@ pub fn reap_main(mut args: impl Iterator<Item = std::ffi::OsString>) -> u8 {
         arg().filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit() || b == b'.')),
     ) else {
         eprintln!(
-            "nrun __reap: expected KEEPER-PID AGENT-PID TOKEN (as an agent's joined record has              them); this entry point is nrun's own, run by a launch host over ssh"
+            "nrun __reap: expected KEEPER-PID AGENT-PID TOKEN (as an agent's joined record has \
+             them); this entry point is nrun's own, run by a launch host over ssh"
+        );
+        return nrun_base::error::exit::USAGE;
+    };
+    let host = nrun_base::net::hostname();
+    let started = token
+        .split_once('.')
+        .filter(|(pid, _)| pid.parse() == Ok(keeper))
+        .and_then(|(_, t)| t.parse::<u64>().ok());
+    let Some(started) = started else {
+        eprintln!(
+            "nrun __reap on {host}: token {token} does not name keeper {keeper} (KEEPER.START); \
+             nothing killed"
         );
         return nrun_base::error::exit::USAGE;
     };
@@ -83,46 +99,137 @@ pub fn reap_main(mut args: impl Iterator<Item = std::ffi::OsString>) -> u8 {
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         cmd.split(|b| *b == 0).nth(1) == Some(b"__agent".as_slice())
     };
-    let parent = |pid: i32| {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        // The fields after the command name, which is in parentheses and may hold spaces.
-        stat.rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok())
+    let the_keeper = |pid: i32| start_time(pid) == Some(started) && is_agent(pid);
+    let mut killed = 0usize;
+    let mut failed: Vec<String> = Vec::new();
+    let mut hit = |pid: i32, ours: &dyn Fn() -> bool| match kill_checked(pid, ours) {
+        Ok(true) => killed += 1,
+        Ok(false) => {}
+        Err(e) => failed.push(format!("{pid}: {e}")),
     };
-    if keeper > 1 && is_agent(keeper) && is_agent(agent) && parent(agent) == Some(keeper) {
+    if keeper > 1 && the_keeper(keeper) {
+        let keepers_child = |pid: i32| the_keeper(keeper) && parent(pid) == Some(keeper);
+        // The agent first: its workers get their parent-death signal at once.
+        if is_agent(agent) {
+            hit(agent, &|| keepers_child(agent));
+        }
         let children = std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
             .unwrap_or_default();
-        let kill = |p: i32| {
-            let _ = nix::sys::signal::kill(Pid::from_raw(p), Signal::SIGKILL);
-        };
-        // The agent first: its workers get their parent-death signal at once.
-        kill(agent);
-        children
+        for c in children
             .split_whitespace()
-            .filter_map(|p| p.parse().ok())
-            .for_each(kill);
-        kill(keeper);
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            hit(c, &|| keepers_child(c));
+        }
+        hit(keeper, &|| the_keeper(keeper));
     }
     let me = std::process::id();
+    let killed_workers = std::cell::Cell::new(0usize);
     kill_until_gone(
         || carrying(&token, me),
         |p| {
-            let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
+            let ours = || carries(p.as_raw() as u32, &token);
+            if kill_checked(p.as_raw(), &ours) == Ok(true) {
+                killed_workers.set(killed_workers.get() + 1);
+            }
         },
     );
+    let killed = killed + killed_workers.get();
+    let left = carrying(&token, me).len();
+    if !failed.is_empty() || left > 0 {
+        eprintln!(
+            "nrun __reap on {host}: could not kill every process of run {token} ({}{left} \
+             still carry its token); check with `pgrep -a nrun` there",
+            failed.iter().map(|f| format!("{f}; ")).collect::<String>()
+        );
+        return nrun_base::error::exit::INTERNAL;
+    }
+    if killed == 0 {
+        eprintln!(
+            "nrun __reap on {host}: found nothing of run {token}: keeper {keeper} and agent \
+             {agent} are gone or other processes now, and no process carries the token; \
+             nothing killed"
+        );
+        return nrun_base::error::exit::INTERNAL;
+    }
     0
+}
+
+/// `pid`'s start time, in clock ticks since boot (/proc/PID/stat's 22nd field): with its pid,
+/// which process it is (a pid reused later has a later one).
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces: the
+    // state is the 3rd field, the start time the 22nd.
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
+/// `pid`'s parent.
+fn parent(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok())
+}
+
+/// SIGKILL to `pid` if `ours()` holds of it, on a pidfd opened before the check: if the pid was
+/// reused between, the pidfd names the old process and the signal goes nowhere. Ok(true):
+/// killed; Ok(false): not ours, or gone.
+fn kill_checked(pid: i32, ours: &dyn Fn() -> bool) -> Result<bool, String> {
+    // SAFETY: pidfd_open takes a pid and flags; it returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ESRCH) => Ok(false),
+            // A kernel older than 5.3: the check and the kill by pid, as close as they come.
+            Some(libc::ENOSYS) if ours() => {
+                nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL)
+                    .map(|()| true)
+                    .or_else(|e| match e {
+                        nix::errno::Errno::ESRCH => Ok(false),
+                        e => Err(e.to_string()),
+                    })
+            }
+            Some(libc::ENOSYS) => Ok(false),
+            _ => Err(e.to_string()),
+        };
+    }
+    // SAFETY: a descriptor just returned, owned here.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    if !ours() {
+        return Ok(false);
+    }
+    // SAFETY: pidfd_send_signal on a valid pidfd, no siginfo, no flags.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    match r {
+        0 => Ok(true),
+        _ => match std::io::Error::last_os_error() {
+            e if e.raw_os_error() == Some(libc::ESRCH) => Ok(false),
+            e => Err(e.to_string()),
+        },
+    }
 }
 
 /// Forks the keeper off. Returns in the child (the real nrun); never returns in the keeper.
 /// Must run before any thread exists. Where fork fails, nrun runs without a keeper.
 pub fn start() {
-    let token = format!(
-        "{}.{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos())
-    );
+    // The keeper's pid and start time: which process it is, as `nrun __reap` checks it (the
+    // watch and the workers carry it in their environment).
+    let me = std::process::id();
+    let token = format!("{me}.{}", start_time(me as i32).unwrap_or(0));
     let tokens = match std::env::var(KEEP_VAR) {
         Ok(v) if !v.is_empty() => format!("{v} {token}"),
         _ => token.clone(),
@@ -233,23 +340,25 @@ fn watch(read: std::os::fd::OwnedFd, token: &str) -> ! {
 
 /// Processes (other than `me`) whose environment lists `token` in [`KEEP_VAR`].
 fn carrying(token: &str, me: u32) -> Vec<Pid> {
-    let needle = format!("{KEEP_VAR}=");
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     dir.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| *pid != me)
-        .filter(|pid| {
-            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            env.split(|b| *b == 0).any(|v| {
-                v.strip_prefix(needle.as_bytes()).is_some_and(|list| {
-                    String::from_utf8_lossy(list).split(' ').any(|t| t == token)
-                })
-            })
-        })
+        .filter(|pid| carries(*pid, token))
         .map(|pid| Pid::from_raw(pid as i32))
         .collect()
+}
+
+/// Whether process `pid`'s environment lists `token` in [`KEEP_VAR`].
+fn carries(pid: u32, token: &str) -> bool {
+    let needle = format!("{KEEP_VAR}=");
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    env.split(|b| *b == 0).any(|v| {
+        v.strip_prefix(needle.as_bytes())
+            .is_some_and(|list| String::from_utf8_lossy(list).split(' ').any(|t| t == token))
+    })
 }
 
 /// `watch`: the watch's pipe (held open while the keeper lives) and pid, which is no orphan to
@@ -362,5 +471,91 @@ mod tests {
             let args = args.iter().map(std::ffi::OsString::from);
             assert_eq!(super::reap_main(args), nrun_base::error::exit::USAGE);
         }
+    }
+
+    fn reap(args: &[String]) -> u8 {
+        super::reap_main(args.iter().map(std::ffi::OsString::from))
+    }
+
+    fn alive(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+        })
+    }
+
+    fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while !done() {
+            assert!(std::time::Instant::now() < end, "hung waiting for {what}");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// Issue 46: `__reap` kills a keeper only if it is the very process the token names (pid
+    /// and start time), its agent only while that keeper's child, workers only if they carry
+    /// the token; and says (exit 1) when it found nothing of the run. Real processes: a keeper
+    /// and an agent whose command lines read `... __agent ...`, as nrun's do.
+    #[test]
+    fn reap_kills_only_what_the_token_names_and_says_when_it_found_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("__agent"),
+            "if [ \"$1\" = keeper ]; then sh __agent agent & fi; while :; do sleep 0.05; done\n",
+        )
+        .unwrap();
+        let mut keeper = std::process::Command::new("sh")
+            .args(["__agent", "keeper"])
+            .current_dir(dir.path())
+            .spawn()
+            .unwrap();
+        let k = keeper.id() as i32;
+        let mut agent = 0;
+        wait_for("the agent", || {
+            let kids =
+                std::fs::read_to_string(format!("/proc/{k}/task/{k}/children")).unwrap_or_default();
+            let is_agent = |p: &i32| {
+                std::fs::read(format!("/proc/{p}/cmdline"))
+                    .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"__agent".as_slice()))
+            };
+            agent = kids
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .find(is_agent)
+                .unwrap_or(0);
+            agent > 0
+        });
+        let started = super::start_time(k).unwrap();
+        // Another start time: another process by that pid. Nothing is killed; said.
+        let stale = format!("{k}.{}", started + 1);
+        assert_eq!(reap(&[k.to_string(), agent.to_string(), stale]), 1);
+        assert!(alive(k) && alive(agent));
+        // A token that names another keeper: refused.
+        assert_eq!(reap(&[k.to_string(), agent.to_string(), "1.5".into()]), 2);
+        assert!(alive(k) && alive(agent));
+        // The keeper's own token: both killed.
+        let token = format!("{k}.{started}");
+        assert_eq!(reap(&[k.to_string(), agent.to_string(), token.clone()]), 0);
+        // Neither ends by itself (each loops): both were killed.
+        let st = keeper.wait().unwrap();
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(9));
+        wait_for("the agent to end", || !alive(agent));
+        // Nothing of the run left: exit 1.
+        assert_eq!(reap(&[k.to_string(), agent.to_string(), token]), 1);
+        // Workers are found by their token alone (their keeper and agent gone).
+        let gone = 999_999_999;
+        let token = format!("{gone}.5");
+        let mut worker = std::process::Command::new("sleep")
+            .arg("60")
+            .env(super::KEEP_VAR, format!("1.2 {token}"))
+            .spawn()
+            .unwrap();
+        wait_for("the worker's exec", || {
+            std::fs::read(format!("/proc/{}/environ", worker.id()))
+                .is_ok_and(|e| e.windows(token.len()).any(|w| w == token.as_bytes()))
+        });
+        assert_eq!(reap(&[gone.to_string(), "2".into(), token]), 0);
+        let st = worker.wait().unwrap();
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(9));
     }
 }

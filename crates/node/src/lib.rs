@@ -224,6 +224,9 @@ impl Signals {
         let s = |k: SignalKind| {
             signal(k).map_err(|e| Error::internal(format!("cannot install signal handlers: {e}")))
         };
+        // From here a stop signal no longer ends nrun by itself: a write waiting for a
+        // FIFO's reader must see it (nrun_base::outputs).
+        nrun_base::outputs::watch_stops();
         let mut me = Signals {
             int: s(SignalKind::interrupt())?,
             term: s(SignalKind::terminate())?,
@@ -444,6 +447,54 @@ impl Start {
             ))
         })
     }
+}
+
+/// Most workers of a group that get terminals of their own: each takes two of the host's ptys
+/// (stdout, stderr), which every login and terminal on the host shares (kernel.pty.max, 4,096
+/// by default). The others write into pipes: the same output, only `isatty` tells.
+const TERMINAL_WORKERS: usize = 64;
+
+/// Ptys left for the host's own use (logins, other jobs) when workers take theirs.
+const PTYS_KEPT: usize = 256;
+
+/// The host's ptys not in use now, from /proc (unbounded where it cannot be read).
+fn free_ptys() -> usize {
+    let read = |f: &str| {
+        std::fs::read_to_string(format!("/proc/sys/kernel/pty/{f}"))
+            .ok()?
+            .trim()
+            .parse::<usize>()
+            .ok()
+    };
+    match (read("max"), read("nr")) {
+        (Some(max), Some(nr)) => max.saturating_sub(nr),
+        _ => usize::MAX,
+    }
+}
+
+/// Gives terminals to the first workers that asked for one, at most [`TERMINAL_WORKERS`] and
+/// as many as `free` ptys allow (keeping [`PTYS_KEPT`]); the others get pipes, said once.
+fn bound_terminals(starts: &mut [Start], free: usize) {
+    let wanting = starts
+        .iter()
+        .filter(|s| s.tty.iter().any(Option::is_some))
+        .count();
+    let room = TERMINAL_WORKERS.min(free.saturating_sub(PTYS_KEPT) / 2);
+    if wanting <= room {
+        return;
+    }
+    starts
+        .iter_mut()
+        .filter(|s| s.tty.iter().any(Option::is_some))
+        .skip(room)
+        .for_each(|s| s.tty = [None, None]);
+    tracing::info!(
+        "{wanting} workers on this host write to the terminal: the first {room} see terminals \
+         of their own, the other {} pipes (each terminal takes 2 of the host's ptys, {free} \
+         free; at most {TERMINAL_WORKERS} are given, {PTYS_KEPT} kept for the host); their \
+         output is the same",
+        wanting - room
+    );
 }
 
 /// One started worker: running until its exit is reported.
@@ -962,8 +1013,9 @@ pub async fn run_group(
             let _ = tx.send(e);
         }
     };
-    let (starts, outputs): (Vec<Start>, Vec<WorkerOutput>) =
+    let (mut starts, outputs): (Vec<Start>, Vec<WorkerOutput>) =
         workers.into_iter().map(Start::split).unzip();
+    bound_terminals(&mut starts, free_ptys());
     // The prefix a worker's terminal is narrower by (kept for its resizes): where it has one.
     let mut prefixes: Vec<String> = starts
         .iter()
@@ -1159,6 +1211,38 @@ mod tests {
     use super::*;
 
     /// Every signal is one word: a real-time one as `kill -l` says it, not "signal 40".
+    /// A group's terminals: at most 64 workers get them, fewer where the host has few ptys
+    /// free (256 kept for it); workers that asked for none are not counted.
+    #[test]
+    fn terminals_are_bounded_by_the_group_and_the_hosts_free_ptys() {
+        let start = |tty: bool| Start {
+            rank: 0,
+            local_rank: 0,
+            program: "true".into(),
+            args: Vec::new(),
+            env: Vec::new(),
+            error_file: PathBuf::new(),
+            stdin: false,
+            cpus: None,
+            tty: [tty.then_some(output::Tty { cols: 80, rows: 24 }), None],
+        };
+        for (asked, free, given) in [
+            (10, usize::MAX, 10),
+            (100, usize::MAX, TERMINAL_WORKERS),
+            (100, PTYS_KEPT + 20, 10),
+            (100, PTYS_KEPT, 0),
+            (5, 0, 0),
+        ] {
+            let mut starts: Vec<Start> = (0..asked).map(|_| start(true)).collect();
+            starts.push(start(false));
+            bound_terminals(&mut starts, free);
+            let got = starts.iter().filter(|s| s.tty[0].is_some()).count();
+            assert_eq!(got, given, "{asked} asked, {free} free");
+            // The first ones keep theirs.
+            assert!(starts[..got].iter().all(|s| s.tty[0].is_some()));
+        }
+    }
+
     #[test]
     fn signals_are_named_in_one_word() {
         assert_eq!(signal_name(libc::SIGKILL), "SIGKILL");

@@ -118,6 +118,8 @@ pub(super) fn section(v: &Value) -> String {
     let mut restarts: Vec<(f64, String)> = Vec::new();
     let mut phases: Vec<(f64, String)> = Vec::new();
     let mut attempts: Vec<Attempt> = Vec::new();
+    // The attempts not ended yet, by number: an end finds its start at once, whatever the count.
+    let mut open: HashMap<String, Vec<usize>> = HashMap::new();
     for e in &evs {
         let t = e["t"].as_f64().unwrap_or(0.0);
         let name = e["name"].as_str().unwrap_or("");
@@ -131,6 +133,9 @@ pub(super) fn section(v: &Value) -> String {
                     .flatten()
                     .map(text)
                     .collect();
+                open.entry(e["attempt"].to_string())
+                    .or_default()
+                    .push(attempts.len());
                 attempts.push(Attempt {
                     n: e["attempt"].clone(),
                     t0: t,
@@ -139,12 +144,8 @@ pub(super) fn section(v: &Value) -> String {
                 });
             }
             "attempt_end" => {
-                if let Some(a) = attempts
-                    .iter_mut()
-                    .rev()
-                    .find(|a| a.n == e["attempt"] && a.ended.is_none())
-                {
-                    a.ended = Some((t, text(&m["outcome"])));
+                if let Some(i) = open.get_mut(&e["attempt"].to_string()).and_then(Vec::pop) {
+                    attempts[i].ended = Some((t, text(&m["outcome"])));
                 }
             }
             "restart" => restarts.push((t, title(e, t))),
@@ -164,6 +165,7 @@ pub(super) fn section(v: &Value) -> String {
             false => rows.get(&host, e["node"].as_u64()).marks.push(mark),
         }
     }
+    let mut on_all: Vec<Bar> = Vec::new();
     for Attempt {
         n: attempt,
         t0,
@@ -178,18 +180,29 @@ pub(super) fn section(v: &Value) -> String {
             "success" | "failed" | "hang" | "interrupted" => format!("bar-{outcome}"),
             _ => "bar-running".to_string(),
         };
-        let on: Vec<String> = match hosts.is_empty() {
-            true => rows.rows.iter().map(|r| r.label.clone()).collect(),
-            false => hosts.clone(),
-        };
-        for h in on {
+        // An attempt that names no node is one band across every node's row, not a bar on each:
+        // the page stays linear in the report (a bar per row and attempt was quadratic).
+        if hosts.is_empty() {
+            on_all.push(Bar {
+                x0: x(*t0),
+                x1: x(t1),
+                class: class.clone(),
+                title: format!(
+                    "attempt {} on every node: {} to {}, {outcome}",
+                    text(attempt),
+                    nrun_base::duration_text(*t0),
+                    nrun_base::duration_text(t1)
+                ),
+            });
+        }
+        for h in hosts {
             let title = format!(
                 "attempt {} on {h}: {} to {}, {outcome}",
                 text(attempt),
                 nrun_base::duration_text(*t0),
                 nrun_base::duration_text(t1)
             );
-            rows.get(&h, None).bars.push(Bar {
+            rows.get(h, None).bars.push(Bar {
                 x0: x(*t0),
                 x1: x(t1),
                 class: class.clone(),
@@ -204,7 +217,7 @@ pub(super) fn section(v: &Value) -> String {
         merge(&mut r.marks);
     }
     s.push_str(&legend(rows.len(), &attempts));
-    s.push_str(&draw(&job, &rows, &phases, &restarts, end, &x));
+    s.push_str(&draw(&job, &rows, &on_all, &phases, &restarts, end, &x));
     s + "</section>\n"
 }
 
@@ -290,6 +303,7 @@ fn legend(nodes: usize, attempts: &[Attempt]) -> String {
 fn draw(
     job: &Row,
     rows: &[Row],
+    on_all: &[Bar],
     phases: &[(f64, String)],
     restarts: &[(f64, String)],
     end: f64,
@@ -353,6 +367,20 @@ fn draw(
         s.push_str(&mark(m, top + job_h * 0.75, 5.0));
     }
     s.push_str("</g>\n<g class=\"node-rows\">\n");
+    // Attempts on every node: one band over all the rows.
+    let band = rh * rows.len().max(1) as f64;
+    for b in on_all {
+        let _ = writeln!(
+            s,
+            "<rect class=\"attempt {}\" x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\"><title>{}</title></rect>",
+            b.class,
+            b.x0,
+            y0 + rh * 0.15,
+            (b.x1 - b.x0).max(0.5),
+            band - rh * 0.3,
+            esc(&b.title)
+        );
+    }
     for (i, r) in rows.iter().enumerate() {
         let y = y0 + rh * i as f64;
         let label = match rh >= 8.0 || i % every == 0 {

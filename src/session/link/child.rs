@@ -73,6 +73,17 @@ impl Reaper {
                 Ok(Ok(o)) if o.status.success() => {
                     tracing::debug!("{host}: its silent agent and its workers were ended over ssh")
                 }
+                // `nrun __reap` found none of the run's processes (exit 1, said): gone already,
+                // or its record names processes that are not the run's any more.
+                Ok(Ok(o))
+                    if String::from_utf8_lossy(&o.stderr).contains("found nothing of run") =>
+                {
+                    tracing::warn!(
+                        "{host}: its silent agent was not found there over ssh ({}); its workers \
+                         ended with it, or check with `ssh {host} pgrep -a nrun`",
+                        String::from_utf8_lossy(&o.stderr).trim()
+                    )
+                }
                 Ok(Ok(o)) => tracing::warn!(
                     "{host}: could not end its silent agent over ssh ({}: {}); its workers may run \
                      on there until that agent stops them (check with `ssh {host} pgrep -a nrun`)",
