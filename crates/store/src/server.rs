@@ -7,12 +7,13 @@
 //! connection's channel. Keeping every write in one task is what makes the CANCEL_WAIT race come
 //! out right: a STOP_WAITING already queued is written before the WAIT_CANCELED reply.
 //!
-//! That task serves the requests it has buffered only while their replies fit the reply budget,
-//! sized and counted before each is built (its own share, its address's, the store's), then
-//! writes them before reading or serving more: a client that pipelines GETs of a large value
-//! without reading holds one budget's worth of replies, not all of them, and no number of such
-//! connections holds more than the store's. What else a client may hold (unfinished requests,
-//! time, connections) is in [`conns`].
+//! That task serves the requests it has buffered only while their replies fit the connection's
+//! memory budget, sized and counted before each is built (its own share, its address's, the
+//! store's), then writes them before reading or serving more: a client that pipelines GETs of
+//! a large value without reading holds one budget's worth of replies, not all of them, and no
+//! number of such connections holds more than the store's. Its read buffer is counted in the
+//! same budget before it grows (see [`conns`], with what else a client may hold: time,
+//! connections).
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -23,7 +24,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -37,7 +38,7 @@ mod cmd;
 mod conns;
 
 pub use conns::Limits;
-use conns::{Conns, EVICT, Held, Live, Replies, Room, SMALL_REPLY};
+use conns::{Account, Conns, EVICT, Live, Memory, Part, Room, SMALL};
 
 type ConnId = u64;
 
@@ -263,13 +264,12 @@ pub struct Store {
     limits: Mutex<Limits>,
     /// Every open connection, by peer address (the caps, and who is closed first).
     conns: Mutex<Conns>,
-    /// Bytes held in connections' read buffers (requests not yet whole), all together.
-    partial: AtomicUsize,
-    /// Bytes held in connections' replies (built, not yet written), all together.
-    replies: AtomicUsize,
-    /// Told when a connection gives back a large share of [`Store::replies`]: whoever waits
+    /// What connections hold (read buffers, requests being applied, replies), counted by
+    /// each connection's [`Account`].
+    memory: Memory,
+    /// Told when a connection gives back a large share of [`Store::memory`]: whoever waits
     /// for room for a reply asks again.
-    reply_freed: tokio::sync::Notify,
+    freed: tokio::sync::Notify,
     /// Most bytes nrun's own keys may hold ([`CONTROL_MAX_BYTES`]), apart from clients'.
     control_max: AtomicU64,
     /// [`Limits::wait_budget`], where the state's lock holder reads it.
@@ -506,19 +506,15 @@ impl Store {
         )
     }
 
-    /// Bytes all connections' read buffers hold (tests, diagnostics).
-    pub fn buffered_bytes(&self) -> usize {
-        self.partial.load(Ordering::Relaxed)
+    /// Bytes all connections hold: read buffers, requests being applied, replies not yet
+    /// written (tests, diagnostics).
+    pub fn held_bytes(&self) -> usize {
+        self.memory.held()
     }
 
     /// Bytes counted against --store-max-bytes (tests, diagnostics).
     pub fn stored_bytes(&self) -> usize {
         self.lock().bytes
-    }
-
-    /// Bytes all connections' replies hold, built and not yet written (tests, diagnostics).
-    pub(crate) fn reply_bytes(&self) -> usize {
-        self.replies.load(Ordering::Relaxed)
     }
 
     /// Number of keys, as GETNUMKEYS would answer.
@@ -551,7 +547,7 @@ impl Store {
         c: &mut Conn,
         req: Request,
         out: &mut Vec<u8>,
-        replies: &mut Replies<'_>,
+        acct: &mut Account<'_>,
     ) -> Result<Option<Request>, Refusal> {
         let control = match &req {
             Request::Set { key, .. } if is_control(key) => Some(key.clone()),
@@ -570,7 +566,7 @@ impl Store {
             }
             _ => None,
         };
-        let r = self.apply_request(c, req, out, replies);
+        let r = self.apply_request(c, req, out, acct);
         let served = matches!(r, Ok(None));
         if let (Some(key), true) = (live, served) {
             c.live_keys.push(key);
@@ -606,7 +602,7 @@ impl Store {
         c: &mut Conn,
         req: Request,
         out: &mut Vec<u8>,
-        replies: &mut Replies<'_>,
+        acct: &mut Account<'_>,
     ) -> Result<Option<Request>, Refusal> {
         if !c.validated {
             validate_first(c, req)?;
@@ -625,13 +621,20 @@ impl Store {
         let hide = self.secret.is_some() && !c.authed;
         // The reply is sized and counted before a byte of it is built.
         let size = cmd::reply_size(s, &req, hide);
-        match replies.room(out.len(), size, !c.authed, &c.limits) {
-            Room::Fits => {}
-            Room::Later => return Ok(Some(req)),
-            Room::Never(why) => return Err(why.into()),
-        }
-        if size > SMALL_REPLY {
-            out.try_reserve_exact(size)
+        let want = out.len().saturating_add(size);
+        if want > out.capacity() {
+            // Past the connection's own share of queued replies, what is queued is written
+            // first.
+            if !out.is_empty() && want > c.limits.out_budget {
+                return Ok(Some(req));
+            }
+            match acct.room(Part::Out, want, &c.limits) {
+                Room::Fits => {}
+                Room::Later(_) => return Ok(Some(req)),
+                Room::Never(why) => return Err(format!("a reply of {size} bytes: {why}").into()),
+            }
+            // Exactly what was counted: the reply is built in it without growing it.
+            out.try_reserve_exact(want - out.len())
                 .map_err(|_| format!("cannot allocate a reply of {size} bytes"))?;
         }
         match req {
@@ -997,9 +1000,9 @@ fn next_request(scan: &mut FrameScan, buf: &[u8]) -> Result<Next, ProtocolError>
     }
 }
 
-/// Largest idle buffer a connection keeps: beyond it, a buffer that served a large request or
-/// reply is given back once empty.
-const KEEP_BUFFER: usize = 1 << 20;
+/// Largest buffer a connection keeps between requests: beyond it, a buffer that served a large
+/// request or reply is given back once empty (smaller ones once idle, [`Limits::idle_hold`]).
+const KEEP_BUFFER: usize = 64 << 10;
 
 /// Closes the connection (Break) or keeps serving it (Continue).
 type Flow = ControlFlow<()>;
@@ -1035,9 +1038,19 @@ async fn connection(
         live: live.clone(),
         limits: limits.clone(),
     };
+    // Its first buffer is asked for as any other: an address that holds its whole budget
+    // gets no more connections served.
+    let mut acct = Account::new(&store.memory, &live);
+    if let Room::Later(why) | Room::Never(why) = acct.room(Part::Read, INITIAL_BUFFER, &limits) {
+        quiet_warn(format_args!(
+            "store: closing a new connection from {peer}: no room in {why}"
+        ));
+        return;
+    }
     let buf = BytesMut::with_capacity(INITIAL_BUFFER);
-    let mut held = Held::new(&store.partial);
-    held.set(buf.capacity());
+    let out = Vec::with_capacity(256);
+    acct.set(Part::Read, buf.capacity());
+    acct.set(Part::Out, out.capacity());
     let mut task = ConnTask {
         store,
         peer,
@@ -1046,10 +1059,11 @@ async fn connection(
         wake_rx,
         stop,
         c,
+        alloc: buf.capacity(),
         buf,
-        held,
-        out: Vec::with_capacity(256),
-        replies: Replies::new(&store.replies, &live),
+        frame: 0,
+        out,
+        acct,
         live,
         limits,
         pending: None,
@@ -1076,12 +1090,15 @@ struct ConnTask<'a> {
     live: Arc<Live>,
     /// What has been read and not yet served.
     buf: BytesMut,
-    /// `buf`'s share of the store's budget for unfinished requests.
-    held: Held<'a>,
+    /// The size of `buf`'s allocation (its capacity less what was served from its front).
+    alloc: usize,
+    /// The request being received, counted a second time while it is parsed and applied (the
+    /// request's own copy of its value): 0 for small ones.
+    frame: usize,
     /// Replies served and not yet written.
     out: Vec<u8>,
-    /// `out`'s share of the reply budgets.
-    replies: Replies<'a>,
+    /// What `buf`, `frame` and `out` hold, in the store's budgets.
+    acct: Account<'a>,
     /// A request whose reply did not fit the reply budget yet: served before anything is read.
     pending: Option<Request>,
     /// Since when it has waited for room (with nothing of its own queued).
@@ -1126,6 +1143,7 @@ impl ConnTask<'_> {
                     if !self.apply(req)? {
                         break;
                     }
+                    self.applied();
                     self.room_since = None;
                 }
                 Ok(Next::Request(req, len)) => {
@@ -1136,6 +1154,7 @@ impl ConnTask<'_> {
                     if !self.apply(req)? {
                         break;
                     }
+                    self.applied();
                     self.publish_state();
                 }
                 Ok(Next::Need(n)) => {
@@ -1159,18 +1178,37 @@ impl ConnTask<'_> {
         Flow::Continue(())
     }
 
-    /// Drops the first `len` bytes, a request just received whole.
+    /// Drops the first `len` bytes, a request just received whole (its parsed copy is still
+    /// counted until it is applied).
     #[inline]
     fn consume(&mut self, len: usize) {
         self.begun = None;
-        if len == self.buf.len() && len > KEEP_BUFFER {
-            // A large request, now served: its buffer goes back at once.
-            self.buf = BytesMut::with_capacity(INITIAL_BUFFER);
+        if len == self.buf.len() && self.alloc > KEEP_BUFFER {
+            // A large request, now parsed: its buffer goes back at once.
+            self.fresh_buffer();
         } else {
-            let _ = self.buf.split_to(len);
+            // Advanced, never split: the allocation stays the buffer's own, so its front is
+            // reused in place (see `make_room_to_read`).
+            self.buf.advance(len);
         }
         self.live.touch();
         self.live.parked.store(false, Ordering::Relaxed);
+    }
+
+    /// A first-size read buffer in place of the one held (empty).
+    fn fresh_buffer(&mut self) {
+        self.buf = BytesMut::with_capacity(INITIAL_BUFFER);
+        self.alloc = self.buf.capacity();
+        self.acct.set(Part::Read, self.alloc + self.frame);
+    }
+
+    /// The request just applied no longer holds its copy of the frame.
+    #[inline]
+    fn applied(&mut self) {
+        if self.frame > 0 {
+            self.frame = 0;
+            self.acct.set(Part::Read, self.alloc);
+        }
     }
 
     /// Queues the STOP_WAITING bytes already sent to this connection, ahead of a CANCEL_WAIT's
@@ -1191,10 +1229,14 @@ impl ConnTask<'_> {
     /// budget (`pending`); Break, refused.
     #[inline]
     fn apply(&mut self, req: Request) -> ControlFlow<(), bool> {
-        match self
+        let r = self
             .store
-            .apply(&mut self.c, req, &mut self.out, &mut self.replies)
-        {
+            .apply(&mut self.c, req, &mut self.out, &mut self.acct);
+        // Small replies that were built without asking (a challenge, a flag) are counted too.
+        if self.out.capacity() != self.acct.out() {
+            self.acct.set(Part::Out, self.out.capacity());
+        }
+        match r {
             Ok(None) => ControlFlow::Continue(true),
             Ok(Some(req)) => {
                 self.pending = Some(req);
@@ -1217,6 +1259,8 @@ impl ConnTask<'_> {
         }
         if self.c.authed != live.authed.load(Ordering::Relaxed) {
             live.authed.store(self.c.authed, Ordering::Relaxed);
+            // Its memory is counted apart from strangers' from now on.
+            self.acct.promote();
             // Counted where the caps look (a connection evicted meanwhile is gone from them:
             // nothing to count).
             let mut conns = self.store.conns_lock();
@@ -1240,9 +1284,9 @@ impl ConnTask<'_> {
         if self.out.capacity() > KEEP_BUFFER {
             self.out = Vec::with_capacity(256);
         }
-        self.replies.set(self.out.capacity());
-        if written > SMALL_REPLY {
-            self.store.reply_freed.notify_waiters();
+        self.acct.set(Part::Out, self.out.capacity());
+        if written > SMALL {
+            self.store.freed.notify_waiters();
         }
         Flow::Continue(())
     }
@@ -1257,10 +1301,10 @@ impl ConnTask<'_> {
         if since.elapsed() > self.limits.stall {
             quiet_warn(format_args!(
                 "store: closing connection from {}: its reply waited {} s for room in the \
-                 store's reply budget ({} bytes held by all connections)",
+                 store's memory budget ({} bytes held by all connections)",
                 self.peer,
                 self.limits.stall.as_secs(),
-                self.store.reply_bytes()
+                self.store.held_bytes()
             ));
             return Flow::Break(());
         }
@@ -1271,7 +1315,7 @@ impl ConnTask<'_> {
                 Some(b) => self.out.push(b),
             },
             _ = self.stop.changed() => return Flow::Break(()),
-            _ = self.store.reply_freed.notified() => {}
+            _ = self.store.freed.notified() => {}
             // Room given back by a connection that ended, or in small amounts, is not
             // announced: look again now and then.
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
@@ -1280,34 +1324,52 @@ impl ConnTask<'_> {
     }
 
     /// Notes when the request under way began and makes room in the buffer for what it still
-    /// needs, within the store's budget for unfinished requests.
+    /// needs, asked of the connection's budgets before it is taken: a request that does not
+    /// fit closes its connection.
     #[inline]
     fn make_room_to_read(&mut self) -> Flow {
         if self.buf.is_empty() {
             self.begun = None;
-            if self.buf.capacity() > KEEP_BUFFER {
-                self.buf = BytesMut::with_capacity(INITIAL_BUFFER);
-            }
         } else if self.begun.is_none() {
             self.begun = Some(tokio::time::Instant::now());
         }
         // The request under way says how much more it needs (`need` > what is buffered).
-        let want = self.need.saturating_sub(self.buf.len());
-        if self.buf.capacity() - self.buf.len() < want {
-            if !self
-                .held
-                .may_grow(self.buf.len() + want, self.limits.partial_budget)
-            {
+        let len = self.buf.len();
+        let want = self.need.saturating_sub(len).max(1);
+        if self.buf.capacity() - len >= want {
+            return Flow::Continue(());
+        }
+        // What was served from the front of the allocation is reused in place where that is
+        // cheap (BytesMut moves the bytes back when at least as many were served as remain):
+        // no more memory.
+        let front = self.alloc - self.buf.capacity();
+        if len + want <= self.alloc && front >= len {
+            self.buf.reserve(want);
+            debug_assert_eq!(self.buf.capacity(), self.alloc);
+            return Flow::Continue(());
+        }
+        // A larger allocation (what the request needs, or twice the last one where a request
+        // of many keys says its size a key at a time: linear, not quadratic, copying), and the
+        // request's parsed copy once whole: both asked for first.
+        let alloc = (len + want).max(2 * self.alloc).max(INITIAL_BUFFER);
+        let frame = if self.need > SMALL { self.need } else { 0 };
+        match self.acct.room(Part::Read, alloc + frame, &self.limits) {
+            Room::Fits => {}
+            Room::Later(why) | Room::Never(why) => {
                 quiet_warn(format_args!(
-                    "store: closing connection from {}: unfinished requests hold the store's \
-                     whole budget for them ({} bytes)",
-                    self.peer, self.limits.partial_budget
+                    "store: closing connection from {}: a request of {} bytes does not fit \
+                     {why}",
+                    self.peer, self.need
                 ));
                 return Flow::Break(());
             }
-            self.buf.reserve(want);
         }
-        self.held.set(self.buf.capacity());
+        let mut grown = BytesMut::with_capacity(alloc);
+        grown.extend_from_slice(&self.buf);
+        self.buf = grown;
+        self.alloc = self.buf.capacity();
+        self.frame = frame;
+        self.acct.set(Part::Read, self.alloc + self.frame);
         Flow::Continue(())
     }
 
@@ -1348,6 +1410,13 @@ impl ConnTask<'_> {
                 }
             },
             _ = self.stop.changed() => return Flow::Break(()),
+            // Idle: a buffer grown for an earlier request goes back (a torch client may sit
+            // idle for hours between requests; its first-size buffer is all it keeps).
+            _ = tokio::time::sleep(self.limits.idle_hold), if self.buf.is_empty() && (self.alloc > INITIAL_BUFFER || self.out.capacity() > 256) => {
+                self.fresh_buffer();
+                self.out = Vec::with_capacity(256);
+                self.acct.set(Part::Out, self.out.capacity());
+            }
             _ = tokio::time::sleep_until(handshake_by), if !self.c.validated => {
                 quiet_warn(format_args!("store: closing connection from {peer}: no VALIDATE within {} s", HANDSHAKE.as_secs()));
                 return Flow::Break(());
@@ -1368,8 +1437,8 @@ impl ConnTask<'_> {
     /// Forgets the connection's waits and keys, and gives its reply budget back.
     fn finish(self) {
         self.store.disconnect(self.c.id, &self.c.live_keys);
-        drop(self.replies);
-        self.store.reply_freed.notify_waiters();
+        drop(self.acct);
+        self.store.freed.notify_waiters();
     }
 }
 
