@@ -18,7 +18,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -58,10 +58,27 @@ struct Parked {
     cost: usize,
 }
 
+/// A stored value and the address that wrote it last: its whole cost counts in that address's
+/// share of --store-max-bytes ([`State::by_owner`]).
+struct Value {
+    bytes: Vec<u8>,
+    owner: IpAddr,
+}
+
+/// A queue, with the address that made it (its key's cost counts in that address's share);
+/// each item counts in its pusher's.
+struct Queue {
+    owner: IpAddr,
+    items: VecDeque<Value>,
+}
+
+/// The owner of what nrun writes in-process (the coordinator's own keys).
+const NRUN: IpAddr = IpAddr::V6(Ipv6Addr::UNSPECIFIED);
+
 #[derive(Default)]
 struct State {
-    kv: HashMap<Vec<u8>, Vec<u8>>,
-    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
+    kv: HashMap<Vec<u8>, Value>,
+    queues: HashMap<Vec<u8>, Queue>,
     /// key -> waits that still miss it.
     watchers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
     parked: HashMap<ConnId, Parked>,
@@ -75,6 +92,9 @@ struct State {
     /// The same for nrun's own keys (`nrun/`), checked against their own reserved budget
     /// ([`CONTROL_MAX_BYTES`]): clients filling the store never make the control plane fail.
     control: usize,
+    /// `bytes` by the address that wrote them: who filled the store, refused past
+    /// [`RESERVE_DIV`]'s mark while others' small writes go on (see `Store::check_room`).
+    by_owner: HashMap<IpAddr, usize>,
 }
 
 /// What a key (of the map or a queue) costs beyond its bytes: the map's slot, the vectors'
@@ -84,72 +104,76 @@ const ENTRY_COST: usize = 64;
 const ITEM_COST: usize = 32;
 
 impl State {
-    /// The count `key`'s bytes are held in: nrun's own, or its clients'.
-    fn held(&mut self, key: &[u8]) -> &mut usize {
-        match is_control(key) {
-            true => &mut self.control,
-            false => &mut self.bytes,
+    /// Counts `n` bytes of `key`'s (nrun's own, or a client's, in its owner's share).
+    fn charge(&mut self, control: bool, owner: IpAddr, n: usize) {
+        if control {
+            self.control += n;
+        } else {
+            self.bytes += n;
+            *self.by_owner.entry(owner).or_default() += n;
         }
     }
 
-    /// Stores `value` under `key`, keeping the byte count.
-    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+    /// Gives back `n` bytes counted by [`State::charge`].
+    fn credit(&mut self, control: bool, owner: IpAddr, n: usize) {
+        if control {
+            self.control = self.control.saturating_sub(n);
+            return;
+        }
+        self.bytes = self.bytes.saturating_sub(n);
+        if let Some(held) = self.by_owner.get_mut(&owner) {
+            *held = held.saturating_sub(n);
+            if *held == 0 {
+                self.by_owner.remove(&owner);
+            }
+        }
+    }
+
+    /// Stores `value` under `key` for `owner`, keeping the byte counts.
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>, owner: IpAddr) {
         let (klen, control) = (key.len(), is_control(&key));
         let added = ENTRY_COST + klen + value.len();
-        let freed = self
-            .kv
-            .insert(key, value)
-            .map_or(0, |old| ENTRY_COST + klen + old.len());
-        let held = match control {
-            true => &mut self.control,
-            false => &mut self.bytes,
-        };
-        *held = (*held + added).saturating_sub(freed);
+        let old = self.kv.insert(
+            key,
+            Value {
+                bytes: value,
+                owner,
+            },
+        );
+        if let Some(old) = old {
+            self.credit(control, old.owner, ENTRY_COST + klen + old.bytes.len());
+        }
+        self.charge(control, owner, added);
     }
 
     fn remove(&mut self, key: &[u8]) -> bool {
         match self.kv.remove(key) {
             Some(old) => {
-                let held = self.held(key);
-                *held = held.saturating_sub(ENTRY_COST + key.len() + old.len());
+                let n = ENTRY_COST + key.len() + old.bytes.len();
+                self.credit(is_control(key), old.owner, n);
                 true
             }
             None => false,
         }
     }
 
-    /// The byte count from scratch (after a clear).
+    /// The byte counts from scratch (after a clear).
     fn recount(&mut self) {
-        let kv: usize = self
-            .kv
-            .iter()
-            .map(|(k, v)| ENTRY_COST + k.len() + v.len())
-            .sum();
-        let q: usize = self
-            .queues
-            .iter()
-            .map(|(k, q)| {
-                ENTRY_COST + k.len() + q.iter().map(|v| ITEM_COST + v.len()).sum::<usize>()
-            })
-            .sum();
-        self.bytes = kv + q;
-        // nrun's keys are recounted apart from its clients'.
-        let control: usize = self
-            .kv
-            .iter()
-            .filter(|(k, _)| is_control(k))
-            .map(|(k, v)| ENTRY_COST + k.len() + v.len())
-            .sum();
-        let control_q: usize = self
-            .queues
-            .iter()
-            .filter(|(k, _)| is_control(k))
-            .map(|(k, q)| {
-                ENTRY_COST + k.len() + q.iter().map(|v| ITEM_COST + v.len()).sum::<usize>()
-            })
-            .sum();
-        self.control = control + control_q;
-        self.bytes -= self.control;
+        (self.bytes, self.control) = (0, 0);
+        self.by_owner.clear();
+        let mut counts = Vec::new();
+        for (k, v) in &self.kv {
+            counts.push((is_control(k), v.owner, ENTRY_COST + k.len() + v.bytes.len()));
+        }
+        for (k, q) in &self.queues {
+            counts.push((is_control(k), q.owner, ENTRY_COST + k.len()));
+            for v in &q.items {
+                counts.push((is_control(k), v.owner, ITEM_COST + v.bytes.len()));
+            }
+        }
+        for (control, owner, n) in counts {
+            self.charge(control, owner, n);
+        }
     }
 
     /// Takes connection `conn`'s parked wait, giving back what its keys cost.
@@ -180,7 +204,7 @@ impl State {
     }
 
     fn exists(&self, key: &[u8]) -> bool {
-        self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+        self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.items.is_empty())
     }
 
     /// A key was written: every wait that missed it has one key fewer to wait for. `only_one`
@@ -220,7 +244,7 @@ impl State {
     fn counter(&self, key: &[u8]) -> Result<i64, Refusal> {
         match self.kv.get(key) {
             None => Ok(0),
-            Some(v) => std::str::from_utf8(v)
+            Some(v) => std::str::from_utf8(&v.bytes)
                 .ok()
                 .and_then(|s| s.trim().parse::<i64>().ok())
                 .ok_or_else(|| {
@@ -233,9 +257,9 @@ impl State {
         }
     }
 
-    fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, Refusal> {
+    fn add(&mut self, key: &[u8], delta: i64, owner: IpAddr) -> Result<i64, Refusal> {
         let v = self.counter(key)?.wrapping_add(delta);
-        self.put(key.to_vec(), v.to_string().into_bytes());
+        self.put(key.to_vec(), v.to_string().into_bytes(), owner);
         self.written(key, false);
         Ok(v)
     }
@@ -321,6 +345,8 @@ struct Conn {
     /// The challenge this connection was given, until it answers.
     nonce: Option<Vec<u8>>,
     peer: SocketAddr,
+    /// Its address, as the store's shares count it (the owner of what it writes).
+    owner: IpAddr,
     wake: mpsc::UnboundedSender<u8>,
     /// What the connection caps see of this connection.
     live: Arc<Live>,
@@ -460,7 +486,7 @@ impl Store {
     /// Sets a key in-process (the coordinator's own writes), waking waiters.
     pub fn set(&self, key: &[u8], value: &[u8]) {
         let mut s = self.lock();
-        s.put(key.to_vec(), value.to_vec());
+        s.put(key.to_vec(), value.to_vec(), NRUN);
         s.written(key, false);
     }
 
@@ -487,7 +513,7 @@ impl Store {
 
     /// A key's value, read in-process.
     pub fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
-        self.lock().kv.get(key).cloned()
+        self.lock().kv.get(key).map(|v| v.bytes.clone())
     }
 
     /// Whether `key` is set (nothing copied).
@@ -615,7 +641,7 @@ impl Store {
         }
         let req = observed(c, req);
         let mut s = self.lock();
-        self.check_room(&s, &req)?;
+        self.check_room(&s, &req, c.owner)?;
         let s = &mut *s;
         // Without the secret, nrun's own keys are neither listed nor counted.
         let hide = self.secret.is_some() && !c.authed;
@@ -639,26 +665,26 @@ impl Store {
         }
         match req {
             Request::Validate { magic } => cmd::validate(magic)?,
-            Request::Set { key, value } => cmd::set(s, key, value),
+            Request::Set { key, value } => cmd::set(s, key, value, c.owner),
             Request::CompareSet {
                 key,
                 expected,
                 desired,
-            } => cmd::compare_set(s, key, expected, desired, out),
+            } => cmd::compare_set(s, key, expected, desired, c.owner, out),
             Request::Get { key } => cmd::get(s, &key, out),
-            Request::Add { key, delta } => cmd::add(s, &key, delta, out)?,
+            Request::Add { key, delta } => cmd::add(s, &key, delta, c.owner, out)?,
             Request::Check { keys } => cmd::check(s, &keys, out),
             Request::Wait { keys } => {
                 cmd::wait(s, c, &self.next_wait, keys, self.wait_budget(), out)?
             }
             Request::GetNumKeys => cmd::get_num_keys(s, hide, out),
             Request::DeleteKey { key } => cmd::delete_key(s, &key, out),
-            Request::Append { key, value } => cmd::append(s, key, value)?,
+            Request::Append { key, value } => cmd::append(s, key, value, c.owner)?,
             Request::MultiGet { keys } => cmd::multi_get(s, &keys, out),
-            Request::MultiSet { pairs } => cmd::multi_set(s, pairs),
+            Request::MultiSet { pairs } => cmd::multi_set(s, pairs, c.owner),
             Request::CancelWait => cmd::cancel_wait(s, c, out),
             Request::Ping { nonce } => cmd::ping(nonce, out),
-            Request::QueuePush { key, value } => cmd::queue_push(s, key, value),
+            Request::QueuePush { key, value } => cmd::queue_push(s, key, value, c.owner),
             Request::QueuePop { key } => cmd::queue_pop(s, &key, out),
             Request::QueueLen { key } => cmd::queue_len(s, &key, out),
             Request::ListKeys => cmd::list_keys(s, hide, out),
@@ -671,8 +697,11 @@ impl Store {
 
     /// Refuses a write that would take clients' keys past --store-max-bytes (0: no cap), or
     /// nrun's own keys past their reserved budget: each class fills only itself, so a client
-    /// filling the store fails that client, never nrun's control plane.
-    fn check_room(&self, s: &State, req: &Request) -> Result<(), Refusal> {
+    /// filling the store fails that client, never nrun's control plane. Within clients' keys,
+    /// the last quarter of the cap is kept for addresses holding little (each under a 64th of
+    /// it: the job's ranks, whose keys are a rendezvous's and a few barriers'): the address that
+    /// filled the store is refused there, while the others' writes go on.
+    fn check_room(&self, s: &State, req: &Request, owner: IpAddr) -> Result<(), Refusal> {
         // (clients' bytes, nrun's bytes) the write may add.
         let mut incoming = (0usize, 0usize);
         let mut add = |key: &[u8], n: usize| match is_control(key) {
@@ -701,11 +730,25 @@ impl Store {
             _ => {}
         }
         let max = self.max_bytes.load(Ordering::Relaxed) as usize;
-        if incoming.0 > 0 && max > 0 && s.bytes.saturating_add(incoming.0) > max {
+        let after = s.bytes.saturating_add(incoming.0);
+        if incoming.0 > 0 && max > 0 && after > max {
             return Err(format!(
                 "the store is full: {} bytes held, {} more asked, limit {max} \
                  (--store-max-bytes)",
                 s.bytes, incoming.0
+            )
+            .into());
+        }
+        let mine = s.by_owner.get(&owner).copied().unwrap_or(0) + incoming.0;
+        let (reserve, small) = (max / RESERVE_DIV, max / SMALL_SHARE_DIV);
+        if incoming.0 > 0 && max > 0 && after > max - reserve && mine > small {
+            return Err(format!(
+                "the store is full but for its reserve: {} bytes held, {} more asked, limit \
+                 {max} (--store-max-bytes), of which the last {reserve} are kept for clients \
+                 whose address holds under {small} bytes; {owner} holds {}",
+                s.bytes,
+                incoming.0,
+                mine - incoming.0
             )
             .into());
         }
@@ -801,6 +844,10 @@ fn observed(c: &Conn, req: Request) -> Request {
 const INITIAL_BUFFER: usize = 512;
 /// What clients may store by default (--store-max-bytes): generous, but not the whole machine.
 pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
+/// The part of --store-max-bytes (a quarter) that only addresses holding little may fill.
+const RESERVE_DIV: usize = 4;
+/// What "little" is: under this part of --store-max-bytes (a 64th) for all of an address's keys.
+const SMALL_SHARE_DIV: usize = 64;
 /// What nrun's own keys (agents' records and heartbeats, steps, results, views) may hold,
 /// reserved apart from --store-max-bytes. Only nrun writes them where the run has a secret.
 pub const CONTROL_MAX_BYTES: u64 = 512 << 20;
@@ -1034,6 +1081,7 @@ async fn connection(
         live_keys: Vec::new(),
         nonce: None,
         peer,
+        owner: live.ip,
         wake: wake_tx,
         live: live.clone(),
         limits: limits.clone(),
