@@ -15,8 +15,8 @@ connections that never read their replies:
 
 and, with connections spread over 127.0.0.2 to .5 (four "hosts", issue 46):
 
-  half_sent:  VALIDATE, then a SET of a 1 MiB value one byte short, left unfinished;
-  whole_idle: VALIDATE, then a whole SET of a 1 MiB value (one of 8 keys), then idle.
+  half_sent:  VALIDATE, then a SET of 1 MiB one byte short, left unfinished;
+  whole_idle: VALIDATE, then a whole SET of 1 MiB (one of 8 keys), then idle.
 
 Usage for those: store_attack.py NRUN_BINARY CONNECTIONS LIMIT_MIB half_sent whole_idle
 (the attacks to run may follow the limit; all five by default).
@@ -57,8 +57,10 @@ def req_multi_get(keys):
 
 
 def free_port():
+    # Free on every address: nrun binds them all, and an earlier attack's sockets (127.0.0.2..,
+    # their ports from the same range) may hold this one on theirs.
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    s.bind(("0.0.0.0", 0))
     p = s.getsockname()[1]
     s.close()
     return p
@@ -218,9 +220,11 @@ def attack(nrun, kind, n, cg):
                     c = connect(port, f"127.0.0.{2 + i % 4}")
                     c.settimeout(10)
                     if kind == "half_sent":
-                        c.sendall(req_set(f"/half/{i}".encode(), b"h" * (1 << 20))[:-1])
+                        # One byte short of 1 MiB: the buffers nrun used to exempt.
+                        c.sendall(req_set(f"/half/{i}".encode(), b"h" * ((1 << 20) - 64))[:-1])
                     else:
-                        c.sendall(req_set(f"/whole/{i % 8}".encode(), b"w" * (1 << 20)))
+                        # Whole in 1 MiB (what a buffer kept after its request may hold).
+                        c.sendall(req_set(f"/whole/{i % 8}".encode(), b"w" * ((1 << 20) - 64)))
                     conns.append(c)
                 except OSError:
                     refused += 1
