@@ -320,14 +320,18 @@ async fn queue_pushes_are_refused_past_the_store_cap() {
     let store = Store::new();
     store.set_max_bytes(1 << 20);
     let addr = serve_store(store.clone()).await;
-    // 1 KiB items: at most 1,024 fit.
+    // 1 KiB items: at most 768 fit, the three quarters one client may fill (the last quarter
+    // is kept for addresses holding little, issue 46).
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     let mut pushed = 0;
     while c.queue_push(b"/q", &[5u8; 1024]).await.is_ok() && c.ping(1).await.is_ok() {
         pushed += 1;
-        assert!(pushed <= 1024, "pushed {pushed} KiB into a 1 MiB store");
+        assert!(
+            pushed <= 768,
+            "pushed {pushed} KiB into 3/4 of a 1 MiB store"
+        );
     }
-    assert!(pushed > 900, "refused after {pushed} pushes");
+    assert!(pushed > 700, "refused after {pushed} pushes");
     assert!(store.stored_bytes() <= 1 << 20);
     // Empty items (pipelined, into a store of their own): each still costs its place.
     let store = Store::new();

@@ -567,7 +567,7 @@ impl Store {
 
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
     /// connection with that message; `Ok(Some(req))` gives the request back unserved: its reply
-    /// does not fit the reply budget yet (see [`conns`]).
+    /// does not fit the connection's memory budget yet (see [`conns`]).
     fn apply(
         &self,
         c: &mut Conn,
@@ -1147,7 +1147,7 @@ struct ConnTask<'a> {
     out: Vec<u8>,
     /// What `buf`, `frame` and `out` hold, in the store's budgets.
     acct: Account<'a>,
-    /// A request whose reply did not fit the reply budget yet: served before anything is read.
+    /// A request whose reply did not fit the memory budget yet: served before anything is read.
     pending: Option<Request>,
     /// Since when it has waited for room (with nothing of its own queued).
     room_since: Option<tokio::time::Instant>,
@@ -1427,6 +1427,8 @@ impl ConnTask<'_> {
         let peer = self.peer;
         let frame_by = self.begun.map(|t| t + self.limits.frame_timeout);
         let handshake_by = self.handshake_by;
+        let grown =
+            self.buf.is_empty() && (self.alloc > INITIAL_BUFFER || self.out.capacity() > 256);
         tokio::select! {
             biased;
             woke = self.wake_rx.recv() => match woke {
@@ -1460,7 +1462,7 @@ impl ConnTask<'_> {
             _ = self.stop.changed() => return Flow::Break(()),
             // Idle: a buffer grown for an earlier request goes back (a torch client may sit
             // idle for hours between requests; its first-size buffer is all it keeps).
-            _ = tokio::time::sleep(self.limits.idle_hold), if self.buf.is_empty() && (self.alloc > INITIAL_BUFFER || self.out.capacity() > 256) => {
+            _ = tokio::time::sleep(self.limits.idle_hold), if grown => {
                 self.fresh_buffer();
                 self.out = Vec::with_capacity(256);
                 self.acct.set(Part::Out, self.out.capacity());
@@ -1482,7 +1484,7 @@ impl ConnTask<'_> {
         Flow::Continue(())
     }
 
-    /// Forgets the connection's waits and keys, and gives its reply budget back.
+    /// Forgets the connection's waits and keys, and gives its memory back.
     fn finish(self) {
         self.store.disconnect(self.c.id, &self.c.live_keys);
         drop(self.acct);

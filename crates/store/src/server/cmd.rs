@@ -16,7 +16,7 @@ use crate::protocol::{
 };
 
 /// The most bytes `req`'s reply can take, from the state as it is (under the same lock that
-/// then serves it): what the reply budget is asked for before the reply is built.
+/// then serves it): what the memory budget is asked for before the reply is built.
 pub(super) fn reply_size(s: &State, req: &Request, hide: bool) -> usize {
     let value = |k: &[u8]| 8 + s.kv.get(k).map_or(0, |v| v.bytes.len());
     match req {
@@ -219,7 +219,7 @@ pub(super) fn append(
     Ok(())
 }
 
-/// Its size was counted against the reply budget before (see [`reply_size`]): one request
+/// Its size was counted against the memory budget before (see [`reply_size`]): one request
 /// naming a large value many times costs that connection, not the store's memory.
 pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) {
     for k in keys {
@@ -291,7 +291,7 @@ pub(super) fn queue_len(s: &State, key: &[u8], out: &mut Vec<u8>) {
 }
 
 /// With `hide`, nrun's own keys are not listed. Like MULTI_GET, its size was counted against
-/// the reply budget before (a store of millions of keys: refused, not built).
+/// the memory budget before (a store of millions of keys: refused, not built).
 pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) {
     let keys: Vec<&Vec<u8>> = s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
     put_i64(out, keys.len() as i64);

@@ -46,7 +46,8 @@ pub(super) const EVICT: u8 = 0xff;
 pub struct Limits {
     /// Replies queued but unwritten past which a connection is no longer read.
     pub out_budget: usize,
-    /// Bytes one connection may hold (read buffer, request being applied, replies).
+    /// Bytes one connection that has not proven nrun's secret may hold (read buffer, request
+    /// being applied, replies).
     pub conn_budget: usize,
     /// Bytes the connections of one address that have not proven nrun's secret may hold
     /// together, beyond their small holdings.
