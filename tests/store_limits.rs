@@ -263,7 +263,7 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
         ..Limits::default()
     });
     let addr = serve_store(store.clone()).await;
-    let baseline = store.buffered_bytes();
+    let baseline = store.held_bytes();
     let mut frame = enc(Request::MultiSet {
         pairs: vec![(b"/k".to_vec(), vec![3u8; 8 << 20])],
     });
@@ -272,7 +272,7 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
     s.write_all(&frame).await.unwrap();
     let t0 = Instant::now();
     wait_until_async("the frame to be buffered", || {
-        store.buffered_bytes() >= baseline + (8 << 20)
+        store.held_bytes() >= baseline + (8 << 20)
     })
     .await;
     // A second one trickles a byte every 200 ms.
@@ -303,7 +303,7 @@ async fn an_unfinished_request_is_closed_after_the_frame_timeout() {
     );
     assert!(trickle.await.unwrap(), "a trickled request was served");
     wait_until_async("the closed frames' buffers to be given back", || {
-        store.buffered_bytes() <= baseline + (1 << 20)
+        store.held_bytes() <= baseline + (1 << 20)
     })
     .await;
     assert!(store.get(b"/k").is_none() && store.get(b"/t").is_none());
@@ -320,14 +320,18 @@ async fn queue_pushes_are_refused_past_the_store_cap() {
     let store = Store::new();
     store.set_max_bytes(1 << 20);
     let addr = serve_store(store.clone()).await;
-    // 1 KiB items: at most 1,024 fit.
+    // 1 KiB items: at most 768 fit, the three quarters one client may fill (the last quarter
+    // is kept for addresses holding little, issue 46).
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();
     let mut pushed = 0;
     while c.queue_push(b"/q", &[5u8; 1024]).await.is_ok() && c.ping(1).await.is_ok() {
         pushed += 1;
-        assert!(pushed <= 1024, "pushed {pushed} KiB into a 1 MiB store");
+        assert!(
+            pushed <= 768,
+            "pushed {pushed} KiB into 3/4 of a 1 MiB store"
+        );
     }
-    assert!(pushed > 900, "refused after {pushed} pushes");
+    assert!(pushed > 700, "refused after {pushed} pushes");
     assert!(store.stored_bytes() <= 1 << 20);
     // Empty items (pipelined, into a store of their own): each still costs its place.
     let store = Store::new();
@@ -375,6 +379,13 @@ async fn queue_pushes_are_refused_past_the_store_cap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_of_many_large_keys_parses_in_linear_time() {
     let store = Store::new();
+    // Budgets past the request's size (twice it while it is parsed): this is about time.
+    store.set_limits(Limits {
+        conn_budget: 1 << 30,
+        peer_budget: 1 << 30,
+        memory_budget: 2 << 30,
+        ..Limits::default()
+    });
     let addr = serve_store(store.clone()).await;
     async fn check_time(addr: SocketAddr, n: usize) -> Duration {
         let keys: Vec<Vec<u8>> = (0..n)
@@ -516,12 +527,15 @@ fn idle_sockets_never_run_nrun_out_of_file_descriptors() {
 }
 
 /// Item 2: unfinished requests of all connections together stay under the store's budget for
-/// them: the connection whose request would pass it is closed; the others are served.
+/// what connections hold: the connection whose request would pass it is closed; the others are
+/// served. A request being received counts twice its size (its buffer, and the copy parsed out
+/// of it), and large holdings may use three quarters of the budget: 16 MiB holds one 4 MiB
+/// request, not two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unfinished_requests_share_one_budget() {
     let store = Store::new();
     store.set_limits(Limits {
-        partial_budget: 6 << 20,
+        memory_budget: 16 << 20,
         ..Limits::default()
     });
     let addr = serve_store(store.clone()).await;
@@ -533,16 +547,16 @@ async fn unfinished_requests_share_one_budget() {
     let mut a = raw_from([127, 0, 0, 1], addr).await.unwrap();
     a.write_all(&frame).await.unwrap();
     wait_until_async("the first frame to be buffered", || {
-        store.buffered_bytes() >= 4 << 20
+        store.held_bytes() >= 4 << 20
     })
     .await;
     let mut b = raw_from([127, 0, 0, 2], addr).await.unwrap();
     let _ = b.write_all(&frame).await;
     assert!(
         closed(&mut b, HANG).await,
-        "a second 4 MiB unfinished request fit a 6 MiB budget"
+        "a second 4 MiB unfinished request fit a 16 MiB budget"
     );
-    assert!(store.buffered_bytes() <= 6 << 20);
+    assert!(store.held_bytes() <= 12 << 20);
     // The first finishes and is served; small requests always are.
     a.write_all(&[3]).await.unwrap();
     let mut c = Client::connect(addr, Duration::from_secs(5)).await.unwrap();

@@ -13,6 +13,14 @@ connections that never read their replies:
   get:       SET an 8 MiB value, 64 pipelined GETs of it on each connection;
   multi_get: SET an 8 MiB value, one MULTI_GET naming it 31 times (248 MiB) on each connection.
 
+and, with connections spread over 127.0.0.2 to .5 (four "hosts", issue 46):
+
+  half_sent:  VALIDATE, then a SET of 1 MiB one byte short, left unfinished;
+  whole_idle: VALIDATE, then a whole SET of 1 MiB (one of 8 keys), then idle.
+
+Usage for those: store_attack.py NRUN_BINARY CONNECTIONS LIMIT_MIB half_sent whole_idle
+(the attacks to run may follow the limit; all five by default).
+
 Prints one line per attack: nrun's peak RSS in MiB, whether nrun survived, and whether the
 attacker's requests were refused (connections closed). The peak is read once it has not moved
 for 3 s (at most 60 s).
@@ -49,8 +57,10 @@ def req_multi_get(keys):
 
 
 def free_port():
+    # Free on every address: nrun binds them all, and an earlier attack's sockets (127.0.0.2..,
+    # their ports from the same range) may hold this one on theirs.
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    s.bind(("0.0.0.0", 0))
     p = s.getsockname()[1]
     s.close()
     return p
@@ -124,6 +134,30 @@ def closed(s, within=2.0):
         return True
 
 
+def closed_now(s):
+    """Whether the server has closed `s`, without waiting."""
+    s.setblocking(False)
+    try:
+        return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def rss_mib(pids):
+    best = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        best = max(best, int(line.split()[1]) // 1024)
+        except OSError:
+            pass
+    return best
+
+
 def cgroup_peak_mib(d):
     for f in ["memory.peak", "memory.max_usage_in_bytes"]:
         try:
@@ -175,6 +209,32 @@ def attack(nrun, kind, n, cg):
     conns, refused = [], 0
     seen = [0]
     try:
+        if kind in ("half_sent", "whole_idle"):
+            for i in range(n):
+                if i % 500 == 0:
+                    print(f"# {kind}: {i} connections", file=sys.stderr, flush=True)
+                if i % 50 == 0:
+                    # Sampled while it grows: a peak before the kernel kills it still counts.
+                    seen[0] = max(seen[0], hwm_mib(nrun_pids(proc.pid)))
+                try:
+                    c = connect(port, f"127.0.0.{2 + i % 4}")
+                    c.settimeout(10)
+                    if kind == "half_sent":
+                        # One byte short of 1 MiB: the buffers nrun used to exempt.
+                        c.sendall(req_set(f"/half/{i}".encode(), b"h" * ((1 << 20) - 64))[:-1])
+                    else:
+                        # Whole in 1 MiB (what a buffer kept after its request may hold).
+                        c.sendall(req_set(f"/whole/{i % 8}".encode(), b"w" * ((1 << 20) - 64)))
+                    conns.append(c)
+                except OSError:
+                    refused += 1
+            settle(proc, seen)
+            peak = seen[0]
+            refused += sum(closed_now(c) for c in conns)
+            alive = proc.poll() is None
+            held = rss_mib(nrun_pids(proc.pid))
+            print(f"# {kind}: nrun's RSS once settled {held} MiB", file=sys.stderr)
+            return peak, alive, refused, cgroup_peak_mib(cg) if cg else 0
         setter = connect(port)
         if kind == "append":
             setter.sendall(req_set(b"/v", b""))
@@ -232,7 +292,16 @@ def main():
     nrun = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     limit = int(sys.argv[3]) if len(sys.argv) > 3 else 4096
-    for kind in ["append", "get", "multi_get"]:
+    kinds = sys.argv[4:] or ["append", "get", "multi_get", "half_sent", "whole_idle"]
+    try:
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = min(hard, max(4096, 2 * n + 256))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+    for kind in kinds:
         cg = cgroup(limit, kind)
         try:
             peak, alive, refused, cg_peak = attack(nrun, kind, n, cg)

@@ -25,9 +25,58 @@ fn why(addr: SocketAddr, timeout: Duration) -> String {
     )
 }
 
+/// Runs [`watch`] on a thread of its own, with its own runtime, at a higher priority where
+/// this process may raise it (CAP_SYS_NICE, root): the agent's one runtime thread also forwards
+/// workers' output, takes stacks and publishes views, and a node whose data loaders pin every
+/// core must still beat on time. Where no thread can be made, on the agent's runtime.
+pub(super) fn spawn(
+    addr: SocketAddr,
+    secret: String,
+    heartbeat: Option<Vec<u8>>,
+    timeout: Duration,
+    gone: watch::Sender<bool>,
+    me: String,
+) {
+    // Taken back from the thread's closure if the thread cannot start.
+    let args = std::sync::Arc::new(std::sync::Mutex::new(Some((secret, heartbeat, gone, me))));
+    let theirs = args.clone();
+    let started = std::thread::Builder::new()
+        .name("nrun-heartbeat".into())
+        .spawn(move || {
+            let Some((secret, heartbeat, gone, me)) =
+                theirs.lock().unwrap_or_else(|e| e.into_inner()).take()
+            else {
+                return;
+            };
+            // Nice -5 for this thread only (Linux: a thread's own nice); refused without
+            // CAP_SYS_NICE, and the thread is then still apart from the agent's work.
+            // SAFETY: gettid and setpriority on this thread's own id.
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                libc::setpriority(libc::PRIO_PROCESS, tid, -5);
+            }
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(watch(addr, secret, heartbeat, timeout, gone, me)),
+                Err(e) => {
+                    eprintln!("nrun agent on {me}: cannot start its heartbeat: {e}");
+                    gone.send_replace(true);
+                }
+            }
+        });
+    if started.is_err()
+        && let Some((secret, heartbeat, gone, me)) =
+            args.lock().unwrap_or_else(|e| e.into_inner()).take()
+    {
+        tokio::spawn(watch(addr, secret, heartbeat, timeout, gone, me));
+    }
+}
+
 /// Asks the store at `addr` every half second (bumping `heartbeat`, if given); when a request is not
 /// answered within `timeout`, or the connection fails, says so once and sets `gone`.
-pub(super) async fn watch(
+async fn watch(
     addr: SocketAddr,
     secret: String,
     heartbeat: Option<Vec<u8>>,

@@ -254,14 +254,14 @@ async fn join_and_serve(
     let _gone = match TIED.load(std::sync::atomic::Ordering::Relaxed) && !hello.heartbeat {
         true => Some(gone),
         false => {
-            tokio::spawn(liveness::watch(
+            liveness::spawn(
                 reached,
                 hello.secret.clone(),
                 hello.heartbeat.then(|| keys.alive(hello.node)),
                 Duration::from_millis(hello.agent_timeout_ms),
                 gone,
                 me.clone(),
-            ));
+            );
             None
         }
     };

@@ -388,6 +388,8 @@ pub struct RendezvousArgs {
 
     /// Most bytes the store holds for its clients (K/M/G suffixes); a write past it fails that
     /// client with a message, never the job's store (nrun's own keys have a budget of their own).
+    /// Its last quarter is kept for addresses holding under a 64th of it each: a client that
+    /// fills the store is refused there, while the ranks of other hosts go on writing.
     #[arg(
         long = "store-max-bytes",
         env = "NRUN_STORE_MAX_BYTES",

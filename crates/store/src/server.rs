@@ -7,23 +7,24 @@
 //! connection's channel. Keeping every write in one task is what makes the CANCEL_WAIT race come
 //! out right: a STOP_WAITING already queued is written before the WAIT_CANCELED reply.
 //!
-//! That task serves the requests it has buffered only while their replies fit the reply budget,
-//! sized and counted before each is built (its own share, its address's, the store's), then
-//! writes them before reading or serving more: a client that pipelines GETs of a large value
-//! without reading holds one budget's worth of replies, not all of them, and no number of such
-//! connections holds more than the store's. What else a client may hold (unfinished requests,
-//! time, connections) is in [`conns`].
+//! That task serves the requests it has buffered only while their replies fit the connection's
+//! memory budget, sized and counted before each is built (its own share, its address's, the
+//! store's), then writes them before reading or serving more: a client that pipelines GETs of
+//! a large value without reading holds one budget's worth of replies, not all of them, and no
+//! number of such connections holds more than the store's. Its read buffer is counted in the
+//! same budget before it grows (see [`conns`], with what else a client may hold: time,
+//! connections).
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -37,7 +38,7 @@ mod cmd;
 mod conns;
 
 pub use conns::Limits;
-use conns::{Conns, EVICT, Held, Live, Replies, Room, SMALL_REPLY};
+use conns::{Account, Conns, EVICT, Live, Memory, Part, Room, SMALL};
 
 type ConnId = u64;
 
@@ -57,10 +58,27 @@ struct Parked {
     cost: usize,
 }
 
+/// A stored value and the address that wrote it last: its whole cost counts in that address's
+/// share of --store-max-bytes ([`State::by_owner`]).
+struct Value {
+    bytes: Vec<u8>,
+    owner: IpAddr,
+}
+
+/// A queue, with the address that made it (its key's cost counts in that address's share);
+/// each item counts in its pusher's.
+struct Queue {
+    owner: IpAddr,
+    items: VecDeque<Value>,
+}
+
+/// The owner of what nrun writes in-process (the coordinator's own keys).
+const NRUN: IpAddr = IpAddr::V6(Ipv6Addr::UNSPECIFIED);
+
 #[derive(Default)]
 struct State {
-    kv: HashMap<Vec<u8>, Vec<u8>>,
-    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
+    kv: HashMap<Vec<u8>, Value>,
+    queues: HashMap<Vec<u8>, Queue>,
     /// key -> waits that still miss it.
     watchers: HashMap<Vec<u8>, Vec<(ConnId, u64)>>,
     parked: HashMap<ConnId, Parked>,
@@ -74,6 +92,9 @@ struct State {
     /// The same for nrun's own keys (`nrun/`), checked against their own reserved budget
     /// ([`CONTROL_MAX_BYTES`]): clients filling the store never make the control plane fail.
     control: usize,
+    /// `bytes` by the address that wrote them: who filled the store, refused past
+    /// [`RESERVE_DIV`]'s mark while others' small writes go on (see `Store::check_room`).
+    by_owner: HashMap<IpAddr, usize>,
 }
 
 /// What a key (of the map or a queue) costs beyond its bytes: the map's slot, the vectors'
@@ -83,72 +104,76 @@ const ENTRY_COST: usize = 64;
 const ITEM_COST: usize = 32;
 
 impl State {
-    /// The count `key`'s bytes are held in: nrun's own, or its clients'.
-    fn held(&mut self, key: &[u8]) -> &mut usize {
-        match is_control(key) {
-            true => &mut self.control,
-            false => &mut self.bytes,
+    /// Counts `n` bytes of `key`'s (nrun's own, or a client's, in its owner's share).
+    fn charge(&mut self, control: bool, owner: IpAddr, n: usize) {
+        if control {
+            self.control += n;
+        } else {
+            self.bytes += n;
+            *self.by_owner.entry(owner).or_default() += n;
         }
     }
 
-    /// Stores `value` under `key`, keeping the byte count.
-    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+    /// Gives back `n` bytes counted by [`State::charge`].
+    fn credit(&mut self, control: bool, owner: IpAddr, n: usize) {
+        if control {
+            self.control = self.control.saturating_sub(n);
+            return;
+        }
+        self.bytes = self.bytes.saturating_sub(n);
+        if let Some(held) = self.by_owner.get_mut(&owner) {
+            *held = held.saturating_sub(n);
+            if *held == 0 {
+                self.by_owner.remove(&owner);
+            }
+        }
+    }
+
+    /// Stores `value` under `key` for `owner`, keeping the byte counts.
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>, owner: IpAddr) {
         let (klen, control) = (key.len(), is_control(&key));
         let added = ENTRY_COST + klen + value.len();
-        let freed = self
-            .kv
-            .insert(key, value)
-            .map_or(0, |old| ENTRY_COST + klen + old.len());
-        let held = match control {
-            true => &mut self.control,
-            false => &mut self.bytes,
-        };
-        *held = (*held + added).saturating_sub(freed);
+        let old = self.kv.insert(
+            key,
+            Value {
+                bytes: value,
+                owner,
+            },
+        );
+        if let Some(old) = old {
+            self.credit(control, old.owner, ENTRY_COST + klen + old.bytes.len());
+        }
+        self.charge(control, owner, added);
     }
 
     fn remove(&mut self, key: &[u8]) -> bool {
         match self.kv.remove(key) {
             Some(old) => {
-                let held = self.held(key);
-                *held = held.saturating_sub(ENTRY_COST + key.len() + old.len());
+                let n = ENTRY_COST + key.len() + old.bytes.len();
+                self.credit(is_control(key), old.owner, n);
                 true
             }
             None => false,
         }
     }
 
-    /// The byte count from scratch (after a clear).
+    /// The byte counts from scratch (after a clear).
     fn recount(&mut self) {
-        let kv: usize = self
-            .kv
-            .iter()
-            .map(|(k, v)| ENTRY_COST + k.len() + v.len())
-            .sum();
-        let q: usize = self
-            .queues
-            .iter()
-            .map(|(k, q)| {
-                ENTRY_COST + k.len() + q.iter().map(|v| ITEM_COST + v.len()).sum::<usize>()
-            })
-            .sum();
-        self.bytes = kv + q;
-        // nrun's keys are recounted apart from its clients'.
-        let control: usize = self
-            .kv
-            .iter()
-            .filter(|(k, _)| is_control(k))
-            .map(|(k, v)| ENTRY_COST + k.len() + v.len())
-            .sum();
-        let control_q: usize = self
-            .queues
-            .iter()
-            .filter(|(k, _)| is_control(k))
-            .map(|(k, q)| {
-                ENTRY_COST + k.len() + q.iter().map(|v| ITEM_COST + v.len()).sum::<usize>()
-            })
-            .sum();
-        self.control = control + control_q;
-        self.bytes -= self.control;
+        (self.bytes, self.control) = (0, 0);
+        self.by_owner.clear();
+        let mut counts = Vec::new();
+        for (k, v) in &self.kv {
+            counts.push((is_control(k), v.owner, ENTRY_COST + k.len() + v.bytes.len()));
+        }
+        for (k, q) in &self.queues {
+            counts.push((is_control(k), q.owner, ENTRY_COST + k.len()));
+            for v in &q.items {
+                counts.push((is_control(k), v.owner, ITEM_COST + v.bytes.len()));
+            }
+        }
+        for (control, owner, n) in counts {
+            self.charge(control, owner, n);
+        }
     }
 
     /// Takes connection `conn`'s parked wait, giving back what its keys cost.
@@ -179,7 +204,7 @@ impl State {
     }
 
     fn exists(&self, key: &[u8]) -> bool {
-        self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+        self.kv.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.items.is_empty())
     }
 
     /// A key was written: every wait that missed it has one key fewer to wait for. `only_one`
@@ -219,7 +244,7 @@ impl State {
     fn counter(&self, key: &[u8]) -> Result<i64, Refusal> {
         match self.kv.get(key) {
             None => Ok(0),
-            Some(v) => std::str::from_utf8(v)
+            Some(v) => std::str::from_utf8(&v.bytes)
                 .ok()
                 .and_then(|s| s.trim().parse::<i64>().ok())
                 .ok_or_else(|| {
@@ -232,9 +257,9 @@ impl State {
         }
     }
 
-    fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, Refusal> {
+    fn add(&mut self, key: &[u8], delta: i64, owner: IpAddr) -> Result<i64, Refusal> {
         let v = self.counter(key)?.wrapping_add(delta);
-        self.put(key.to_vec(), v.to_string().into_bytes());
+        self.put(key.to_vec(), v.to_string().into_bytes(), owner);
         self.written(key, false);
         Ok(v)
     }
@@ -263,13 +288,12 @@ pub struct Store {
     limits: Mutex<Limits>,
     /// Every open connection, by peer address (the caps, and who is closed first).
     conns: Mutex<Conns>,
-    /// Bytes held in connections' read buffers (requests not yet whole), all together.
-    partial: AtomicUsize,
-    /// Bytes held in connections' replies (built, not yet written), all together.
-    replies: AtomicUsize,
-    /// Told when a connection gives back a large share of [`Store::replies`]: whoever waits
+    /// What connections hold (read buffers, requests being applied, replies), counted by
+    /// each connection's [`Account`].
+    memory: Memory,
+    /// Told when a connection gives back a large share of [`Store::memory`]: whoever waits
     /// for room for a reply asks again.
-    reply_freed: tokio::sync::Notify,
+    freed: tokio::sync::Notify,
     /// Most bytes nrun's own keys may hold ([`CONTROL_MAX_BYTES`]), apart from clients'.
     control_max: AtomicU64,
     /// [`Limits::wait_budget`], where the state's lock holder reads it.
@@ -321,6 +345,8 @@ struct Conn {
     /// The challenge this connection was given, until it answers.
     nonce: Option<Vec<u8>>,
     peer: SocketAddr,
+    /// Its address, as the store's shares count it (the owner of what it writes).
+    owner: IpAddr,
     wake: mpsc::UnboundedSender<u8>,
     /// What the connection caps see of this connection.
     live: Arc<Live>,
@@ -460,7 +486,7 @@ impl Store {
     /// Sets a key in-process (the coordinator's own writes), waking waiters.
     pub fn set(&self, key: &[u8], value: &[u8]) {
         let mut s = self.lock();
-        s.put(key.to_vec(), value.to_vec());
+        s.put(key.to_vec(), value.to_vec(), NRUN);
         s.written(key, false);
     }
 
@@ -487,7 +513,7 @@ impl Store {
 
     /// A key's value, read in-process.
     pub fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
-        self.lock().kv.get(key).cloned()
+        self.lock().kv.get(key).map(|v| v.bytes.clone())
     }
 
     /// Whether `key` is set (nothing copied).
@@ -506,19 +532,15 @@ impl Store {
         )
     }
 
-    /// Bytes all connections' read buffers hold (tests, diagnostics).
-    pub fn buffered_bytes(&self) -> usize {
-        self.partial.load(Ordering::Relaxed)
+    /// Bytes all connections hold: read buffers, requests being applied, replies not yet
+    /// written (tests, diagnostics).
+    pub fn held_bytes(&self) -> usize {
+        self.memory.held()
     }
 
     /// Bytes counted against --store-max-bytes (tests, diagnostics).
     pub fn stored_bytes(&self) -> usize {
         self.lock().bytes
-    }
-
-    /// Bytes all connections' replies hold, built and not yet written (tests, diagnostics).
-    pub(crate) fn reply_bytes(&self) -> usize {
-        self.replies.load(Ordering::Relaxed)
     }
 
     /// Number of keys, as GETNUMKEYS would answer.
@@ -545,13 +567,13 @@ impl Store {
 
     /// Applies one request, appending its reply (if any) to `out`. An `Err` closes the
     /// connection with that message; `Ok(Some(req))` gives the request back unserved: its reply
-    /// does not fit the reply budget yet (see [`conns`]).
+    /// does not fit the connection's memory budget yet (see [`conns`]).
     fn apply(
         &self,
         c: &mut Conn,
         req: Request,
         out: &mut Vec<u8>,
-        replies: &mut Replies<'_>,
+        acct: &mut Account<'_>,
     ) -> Result<Option<Request>, Refusal> {
         let control = match &req {
             Request::Set { key, .. } if is_control(key) => Some(key.clone()),
@@ -570,7 +592,7 @@ impl Store {
             }
             _ => None,
         };
-        let r = self.apply_request(c, req, out, replies);
+        let r = self.apply_request(c, req, out, acct);
         let served = matches!(r, Ok(None));
         if let (Some(key), true) = (live, served) {
             c.live_keys.push(key);
@@ -606,7 +628,7 @@ impl Store {
         c: &mut Conn,
         req: Request,
         out: &mut Vec<u8>,
-        replies: &mut Replies<'_>,
+        acct: &mut Account<'_>,
     ) -> Result<Option<Request>, Refusal> {
         if !c.validated {
             validate_first(c, req)?;
@@ -619,43 +641,50 @@ impl Store {
         }
         let req = observed(c, req);
         let mut s = self.lock();
-        self.check_room(&s, &req)?;
+        self.check_room(&s, &req, c.owner)?;
         let s = &mut *s;
         // Without the secret, nrun's own keys are neither listed nor counted.
         let hide = self.secret.is_some() && !c.authed;
         // The reply is sized and counted before a byte of it is built.
         let size = cmd::reply_size(s, &req, hide);
-        match replies.room(out.len(), size, !c.authed, &c.limits) {
-            Room::Fits => {}
-            Room::Later => return Ok(Some(req)),
-            Room::Never(why) => return Err(why.into()),
-        }
-        if size > SMALL_REPLY {
-            out.try_reserve_exact(size)
+        let want = out.len().saturating_add(size);
+        if want > out.capacity() {
+            // Past the connection's own share of queued replies, what is queued is written
+            // first.
+            if !out.is_empty() && want > c.limits.out_budget {
+                return Ok(Some(req));
+            }
+            match acct.room(Part::Out, want, &c.limits) {
+                Room::Fits => {}
+                Room::Later(_) => return Ok(Some(req)),
+                Room::Never(why) => return Err(format!("a reply of {size} bytes: {why}").into()),
+            }
+            // Exactly what was counted: the reply is built in it without growing it.
+            out.try_reserve_exact(want - out.len())
                 .map_err(|_| format!("cannot allocate a reply of {size} bytes"))?;
         }
         match req {
             Request::Validate { magic } => cmd::validate(magic)?,
-            Request::Set { key, value } => cmd::set(s, key, value),
+            Request::Set { key, value } => cmd::set(s, key, value, c.owner),
             Request::CompareSet {
                 key,
                 expected,
                 desired,
-            } => cmd::compare_set(s, key, expected, desired, out),
+            } => cmd::compare_set(s, key, expected, desired, c.owner, out),
             Request::Get { key } => cmd::get(s, &key, out),
-            Request::Add { key, delta } => cmd::add(s, &key, delta, out)?,
+            Request::Add { key, delta } => cmd::add(s, &key, delta, c.owner, out)?,
             Request::Check { keys } => cmd::check(s, &keys, out),
             Request::Wait { keys } => {
                 cmd::wait(s, c, &self.next_wait, keys, self.wait_budget(), out)?
             }
             Request::GetNumKeys => cmd::get_num_keys(s, hide, out),
             Request::DeleteKey { key } => cmd::delete_key(s, &key, out),
-            Request::Append { key, value } => cmd::append(s, key, value)?,
+            Request::Append { key, value } => cmd::append(s, key, value, c.owner)?,
             Request::MultiGet { keys } => cmd::multi_get(s, &keys, out),
-            Request::MultiSet { pairs } => cmd::multi_set(s, pairs),
+            Request::MultiSet { pairs } => cmd::multi_set(s, pairs, c.owner),
             Request::CancelWait => cmd::cancel_wait(s, c, out),
             Request::Ping { nonce } => cmd::ping(nonce, out),
-            Request::QueuePush { key, value } => cmd::queue_push(s, key, value),
+            Request::QueuePush { key, value } => cmd::queue_push(s, key, value, c.owner),
             Request::QueuePop { key } => cmd::queue_pop(s, &key, out),
             Request::QueueLen { key } => cmd::queue_len(s, &key, out),
             Request::ListKeys => cmd::list_keys(s, hide, out),
@@ -668,8 +697,11 @@ impl Store {
 
     /// Refuses a write that would take clients' keys past --store-max-bytes (0: no cap), or
     /// nrun's own keys past their reserved budget: each class fills only itself, so a client
-    /// filling the store fails that client, never nrun's control plane.
-    fn check_room(&self, s: &State, req: &Request) -> Result<(), Refusal> {
+    /// filling the store fails that client, never nrun's control plane. Within clients' keys,
+    /// the last quarter of the cap is kept for addresses holding little (each under a 64th of
+    /// it: the job's ranks, whose keys are a rendezvous's and a few barriers'): the address that
+    /// filled the store is refused there, while the others' writes go on.
+    fn check_room(&self, s: &State, req: &Request, owner: IpAddr) -> Result<(), Refusal> {
         // (clients' bytes, nrun's bytes) the write may add.
         let mut incoming = (0usize, 0usize);
         let mut add = |key: &[u8], n: usize| match is_control(key) {
@@ -698,11 +730,25 @@ impl Store {
             _ => {}
         }
         let max = self.max_bytes.load(Ordering::Relaxed) as usize;
-        if incoming.0 > 0 && max > 0 && s.bytes.saturating_add(incoming.0) > max {
+        let after = s.bytes.saturating_add(incoming.0);
+        if incoming.0 > 0 && max > 0 && after > max {
             return Err(format!(
                 "the store is full: {} bytes held, {} more asked, limit {max} \
                  (--store-max-bytes)",
                 s.bytes, incoming.0
+            )
+            .into());
+        }
+        let mine = s.by_owner.get(&owner).copied().unwrap_or(0) + incoming.0;
+        let (reserve, small) = (max / RESERVE_DIV, max / SMALL_SHARE_DIV);
+        if incoming.0 > 0 && max > 0 && after > max - reserve && mine > small {
+            return Err(format!(
+                "the store is full but for its reserve: {} bytes held, {} more asked, limit \
+                 {max} (--store-max-bytes), of which the last {reserve} are kept for clients \
+                 whose address holds under {small} bytes; {owner} holds {}",
+                s.bytes,
+                incoming.0,
+                mine - incoming.0
             )
             .into());
         }
@@ -798,6 +844,10 @@ fn observed(c: &Conn, req: Request) -> Request {
 const INITIAL_BUFFER: usize = 512;
 /// What clients may store by default (--store-max-bytes): generous, but not the whole machine.
 pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
+/// The part of --store-max-bytes (a quarter) that only addresses holding little may fill.
+const RESERVE_DIV: usize = 4;
+/// What "little" is: under this part of --store-max-bytes (a 64th) for all of an address's keys.
+const SMALL_SHARE_DIV: usize = 64;
 /// What nrun's own keys (agents' records and heartbeats, steps, results, views) may hold,
 /// reserved apart from --store-max-bytes. Only nrun writes them where the run has a secret.
 pub const CONTROL_MAX_BYTES: u64 = 512 << 20;
@@ -997,9 +1047,9 @@ fn next_request(scan: &mut FrameScan, buf: &[u8]) -> Result<Next, ProtocolError>
     }
 }
 
-/// Largest idle buffer a connection keeps: beyond it, a buffer that served a large request or
-/// reply is given back once empty.
-const KEEP_BUFFER: usize = 1 << 20;
+/// Largest buffer a connection keeps between requests: beyond it, a buffer that served a large
+/// request or reply is given back once empty (smaller ones once idle, [`Limits::idle_hold`]).
+const KEEP_BUFFER: usize = 64 << 10;
 
 /// Closes the connection (Break) or keeps serving it (Continue).
 type Flow = ControlFlow<()>;
@@ -1031,13 +1081,24 @@ async fn connection(
         live_keys: Vec::new(),
         nonce: None,
         peer,
+        owner: live.ip,
         wake: wake_tx,
         live: live.clone(),
         limits: limits.clone(),
     };
+    // Its first buffer is asked for as any other: an address that holds its whole budget
+    // gets no more connections served.
+    let mut acct = Account::new(&store.memory, &live);
+    if let Room::Later(why) | Room::Never(why) = acct.room(Part::Read, INITIAL_BUFFER, &limits) {
+        quiet_warn(format_args!(
+            "store: closing a new connection from {peer}: no room in {why}"
+        ));
+        return;
+    }
     let buf = BytesMut::with_capacity(INITIAL_BUFFER);
-    let mut held = Held::new(&store.partial);
-    held.set(buf.capacity());
+    let out = Vec::with_capacity(256);
+    acct.set(Part::Read, buf.capacity());
+    acct.set(Part::Out, out.capacity());
     let mut task = ConnTask {
         store,
         peer,
@@ -1046,10 +1107,11 @@ async fn connection(
         wake_rx,
         stop,
         c,
+        alloc: buf.capacity(),
         buf,
-        held,
-        out: Vec::with_capacity(256),
-        replies: Replies::new(&store.replies, &live),
+        frame: 0,
+        out,
+        acct,
         live,
         limits,
         pending: None,
@@ -1076,13 +1138,16 @@ struct ConnTask<'a> {
     live: Arc<Live>,
     /// What has been read and not yet served.
     buf: BytesMut,
-    /// `buf`'s share of the store's budget for unfinished requests.
-    held: Held<'a>,
+    /// The size of `buf`'s allocation (its capacity less what was served from its front).
+    alloc: usize,
+    /// The request being received, counted a second time while it is parsed and applied (the
+    /// request's own copy of its value): 0 for small ones.
+    frame: usize,
     /// Replies served and not yet written.
     out: Vec<u8>,
-    /// `out`'s share of the reply budgets.
-    replies: Replies<'a>,
-    /// A request whose reply did not fit the reply budget yet: served before anything is read.
+    /// What `buf`, `frame` and `out` hold, in the store's budgets.
+    acct: Account<'a>,
+    /// A request whose reply did not fit the memory budget yet: served before anything is read.
     pending: Option<Request>,
     /// Since when it has waited for room (with nothing of its own queued).
     room_since: Option<tokio::time::Instant>,
@@ -1126,6 +1191,7 @@ impl ConnTask<'_> {
                     if !self.apply(req)? {
                         break;
                     }
+                    self.applied();
                     self.room_since = None;
                 }
                 Ok(Next::Request(req, len)) => {
@@ -1136,6 +1202,7 @@ impl ConnTask<'_> {
                     if !self.apply(req)? {
                         break;
                     }
+                    self.applied();
                     self.publish_state();
                 }
                 Ok(Next::Need(n)) => {
@@ -1159,18 +1226,37 @@ impl ConnTask<'_> {
         Flow::Continue(())
     }
 
-    /// Drops the first `len` bytes, a request just received whole.
+    /// Drops the first `len` bytes, a request just received whole (its parsed copy is still
+    /// counted until it is applied).
     #[inline]
     fn consume(&mut self, len: usize) {
         self.begun = None;
-        if len == self.buf.len() && len > KEEP_BUFFER {
-            // A large request, now served: its buffer goes back at once.
-            self.buf = BytesMut::with_capacity(INITIAL_BUFFER);
+        if len == self.buf.len() && self.alloc > KEEP_BUFFER {
+            // A large request, now parsed: its buffer goes back at once.
+            self.fresh_buffer();
         } else {
-            let _ = self.buf.split_to(len);
+            // Advanced, never split: the allocation stays the buffer's own, so its front is
+            // reused in place (see `make_room_to_read`).
+            self.buf.advance(len);
         }
         self.live.touch();
         self.live.parked.store(false, Ordering::Relaxed);
+    }
+
+    /// A first-size read buffer in place of the one held (empty).
+    fn fresh_buffer(&mut self) {
+        self.buf = BytesMut::with_capacity(INITIAL_BUFFER);
+        self.alloc = self.buf.capacity();
+        self.acct.set(Part::Read, self.alloc + self.frame);
+    }
+
+    /// The request just applied no longer holds its copy of the frame.
+    #[inline]
+    fn applied(&mut self) {
+        if self.frame > 0 {
+            self.frame = 0;
+            self.acct.set(Part::Read, self.alloc);
+        }
     }
 
     /// Queues the STOP_WAITING bytes already sent to this connection, ahead of a CANCEL_WAIT's
@@ -1191,10 +1277,14 @@ impl ConnTask<'_> {
     /// budget (`pending`); Break, refused.
     #[inline]
     fn apply(&mut self, req: Request) -> ControlFlow<(), bool> {
-        match self
+        let r = self
             .store
-            .apply(&mut self.c, req, &mut self.out, &mut self.replies)
-        {
+            .apply(&mut self.c, req, &mut self.out, &mut self.acct);
+        // Small replies that were built without asking (a challenge, a flag) are counted too.
+        if self.out.capacity() != self.acct.out() {
+            self.acct.set(Part::Out, self.out.capacity());
+        }
+        match r {
             Ok(None) => ControlFlow::Continue(true),
             Ok(Some(req)) => {
                 self.pending = Some(req);
@@ -1217,6 +1307,8 @@ impl ConnTask<'_> {
         }
         if self.c.authed != live.authed.load(Ordering::Relaxed) {
             live.authed.store(self.c.authed, Ordering::Relaxed);
+            // Its memory is counted apart from strangers' from now on.
+            self.acct.promote();
             // Counted where the caps look (a connection evicted meanwhile is gone from them:
             // nothing to count).
             let mut conns = self.store.conns_lock();
@@ -1240,9 +1332,9 @@ impl ConnTask<'_> {
         if self.out.capacity() > KEEP_BUFFER {
             self.out = Vec::with_capacity(256);
         }
-        self.replies.set(self.out.capacity());
-        if written > SMALL_REPLY {
-            self.store.reply_freed.notify_waiters();
+        self.acct.set(Part::Out, self.out.capacity());
+        if written > SMALL {
+            self.store.freed.notify_waiters();
         }
         Flow::Continue(())
     }
@@ -1257,10 +1349,10 @@ impl ConnTask<'_> {
         if since.elapsed() > self.limits.stall {
             quiet_warn(format_args!(
                 "store: closing connection from {}: its reply waited {} s for room in the \
-                 store's reply budget ({} bytes held by all connections)",
+                 store's memory budget ({} bytes held by all connections)",
                 self.peer,
                 self.limits.stall.as_secs(),
-                self.store.reply_bytes()
+                self.store.held_bytes()
             ));
             return Flow::Break(());
         }
@@ -1271,7 +1363,7 @@ impl ConnTask<'_> {
                 Some(b) => self.out.push(b),
             },
             _ = self.stop.changed() => return Flow::Break(()),
-            _ = self.store.reply_freed.notified() => {}
+            _ = self.store.freed.notified() => {}
             // Room given back by a connection that ended, or in small amounts, is not
             // announced: look again now and then.
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
@@ -1280,34 +1372,52 @@ impl ConnTask<'_> {
     }
 
     /// Notes when the request under way began and makes room in the buffer for what it still
-    /// needs, within the store's budget for unfinished requests.
+    /// needs, asked of the connection's budgets before it is taken: a request that does not
+    /// fit closes its connection.
     #[inline]
     fn make_room_to_read(&mut self) -> Flow {
         if self.buf.is_empty() {
             self.begun = None;
-            if self.buf.capacity() > KEEP_BUFFER {
-                self.buf = BytesMut::with_capacity(INITIAL_BUFFER);
-            }
         } else if self.begun.is_none() {
             self.begun = Some(tokio::time::Instant::now());
         }
         // The request under way says how much more it needs (`need` > what is buffered).
-        let want = self.need.saturating_sub(self.buf.len());
-        if self.buf.capacity() - self.buf.len() < want {
-            if !self
-                .held
-                .may_grow(self.buf.len() + want, self.limits.partial_budget)
-            {
+        let len = self.buf.len();
+        let want = self.need.saturating_sub(len).max(1);
+        if self.buf.capacity() - len >= want {
+            return Flow::Continue(());
+        }
+        // What was served from the front of the allocation is reused in place where that is
+        // cheap (BytesMut moves the bytes back when at least as many were served as remain):
+        // no more memory.
+        let front = self.alloc - self.buf.capacity();
+        if len + want <= self.alloc && front >= len {
+            self.buf.reserve(want);
+            debug_assert_eq!(self.buf.capacity(), self.alloc);
+            return Flow::Continue(());
+        }
+        // A larger allocation (what the request needs, or twice the last one where a request
+        // of many keys says its size a key at a time: linear, not quadratic, copying), and the
+        // request's parsed copy once whole: both asked for first.
+        let alloc = (len + want).max(2 * self.alloc).max(INITIAL_BUFFER);
+        let frame = if self.need > SMALL { self.need } else { 0 };
+        match self.acct.room(Part::Read, alloc + frame, &self.limits) {
+            Room::Fits => {}
+            Room::Later(why) | Room::Never(why) => {
                 quiet_warn(format_args!(
-                    "store: closing connection from {}: unfinished requests hold the store's \
-                     whole budget for them ({} bytes)",
-                    self.peer, self.limits.partial_budget
+                    "store: closing connection from {}: a request of {} bytes does not fit \
+                     {why}",
+                    self.peer, self.need
                 ));
                 return Flow::Break(());
             }
-            self.buf.reserve(want);
         }
-        self.held.set(self.buf.capacity());
+        let mut grown = BytesMut::with_capacity(alloc);
+        grown.extend_from_slice(&self.buf);
+        self.buf = grown;
+        self.alloc = self.buf.capacity();
+        self.frame = frame;
+        self.acct.set(Part::Read, self.alloc + self.frame);
         Flow::Continue(())
     }
 
@@ -1317,6 +1427,8 @@ impl ConnTask<'_> {
         let peer = self.peer;
         let frame_by = self.begun.map(|t| t + self.limits.frame_timeout);
         let handshake_by = self.handshake_by;
+        let grown =
+            self.buf.is_empty() && (self.alloc > INITIAL_BUFFER || self.out.capacity() > 256);
         tokio::select! {
             biased;
             woke = self.wake_rx.recv() => match woke {
@@ -1348,6 +1460,13 @@ impl ConnTask<'_> {
                 }
             },
             _ = self.stop.changed() => return Flow::Break(()),
+            // Idle: a buffer grown for an earlier request goes back (a torch client may sit
+            // idle for hours between requests; its first-size buffer is all it keeps).
+            _ = tokio::time::sleep(self.limits.idle_hold), if grown => {
+                self.fresh_buffer();
+                self.out = Vec::with_capacity(256);
+                self.acct.set(Part::Out, self.out.capacity());
+            }
             _ = tokio::time::sleep_until(handshake_by), if !self.c.validated => {
                 quiet_warn(format_args!("store: closing connection from {peer}: no VALIDATE within {} s", HANDSHAKE.as_secs()));
                 return Flow::Break(());
@@ -1365,11 +1484,11 @@ impl ConnTask<'_> {
         Flow::Continue(())
     }
 
-    /// Forgets the connection's waits and keys, and gives its reply budget back.
+    /// Forgets the connection's waits and keys, and gives its memory back.
     fn finish(self) {
         self.store.disconnect(self.c.id, &self.c.live_keys);
-        drop(self.replies);
-        self.store.reply_freed.notify_waiters();
+        drop(self.acct);
+        self.store.freed.notify_waiters();
     }
 }
 

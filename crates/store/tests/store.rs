@@ -675,8 +675,9 @@ async fn a_full_store_fails_the_writer_not_the_store() {
     let (addr, store) = start().await;
     store.set_max_bytes(4 << 20);
     let mut a = client(addr).await;
-    a.set(b"/a", &vec![1u8; 3 << 20]).await.unwrap();
-    assert_eq!(a.get(b"/a").await.unwrap().len(), 3 << 20);
+    // Within the three quarters any client may fill (the last is kept for small holders).
+    a.set(b"/a", &vec![1u8; 5 << 19]).await.unwrap();
+    assert_eq!(a.get(b"/a").await.unwrap().len(), 5 << 19);
     let mut b = client(addr).await;
     let _ = b.set(b"/b", &vec![2u8; 2 << 20]).await;
     assert!(b.ping(1).await.is_err(), "the write past the cap was taken");
@@ -686,6 +687,91 @@ async fn a_full_store_fails_the_writer_not_the_store() {
     let mut c = client(addr).await;
     c.set(b"/b", &vec![2u8; 2 << 20]).await.unwrap();
     assert_eq!(c.get(b"/b").await.unwrap().len(), 2 << 20);
+}
+
+/// A client from another address that fills the store is refused at three quarters of the
+/// cap; the last quarter stays for addresses holding little (under a 64th of the cap each: the
+/// job's ranks), whose writes go on until it too is full; what the filler frees, and a SET
+/// overwriting its key, count back where they were charged.
+#[tokio::test]
+async fn a_filled_store_refuses_only_the_client_that_filled_it() {
+    let (addr, store) = start().await;
+    store.set_max_bytes(64 << 20);
+    let from = |ip: [u8; 4]| async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(SocketAddr::from((ip, 0))).unwrap();
+        Client::from_stream(sock.connect(addr).await.unwrap())
+            .await
+            .unwrap()
+    };
+    let mut filler = from([127, 0, 0, 2]).await;
+    let mut taken = 0usize;
+    for i in 0.. {
+        let key = format!("/fill/{i}");
+        if filler
+            .set(key.as_bytes(), &vec![7u8; 1 << 20])
+            .await
+            .is_err()
+            || filler.ping(1).await.is_err()
+        {
+            break;
+        }
+        taken += 1 << 20;
+    }
+    assert!(
+        (46 << 20..=48 << 20).contains(&taken),
+        "the filler took {taken} bytes of 64 MiB"
+    );
+    // The job's ranks (another address, a few KiB each) still write and read.
+    let mut ranks = Vec::new();
+    for r in 0..8 {
+        let mut c = from([127, 0, 0, 3]).await;
+        let key = format!("/rank/{r}");
+        c.set(key.as_bytes(), &vec![r as u8; 4000]).await.unwrap();
+        assert_eq!(c.get(key.as_bytes()).await.unwrap().len(), 4000);
+        ranks.push(c);
+    }
+    // A second filler from a third address gets only its small share of the reserve.
+    let mut second = from([127, 0, 0, 4]).await;
+    let mut more = 0usize;
+    for i in 0.. {
+        let key = format!("/second/{i}");
+        if second
+            .set(key.as_bytes(), &vec![8u8; 64 << 10])
+            .await
+            .is_err()
+            || second.ping(1).await.is_err()
+        {
+            break;
+        }
+        more += 64 << 10;
+    }
+    assert!(
+        more <= 1 << 20,
+        "a second address took {more} bytes of the reserve"
+    );
+    // The ranks go on.
+    assert_eq!(ranks[0].get(b"/rank/7").await.unwrap().len(), 4000);
+    ranks[0].set(b"/rank/0/again", b"x").await.unwrap();
+    assert_eq!(ranks[0].get(b"/rank/0/again").await.unwrap(), b"x");
+    // What the filler holds, given back by another client's delete and overwrite, is room
+    // for the filler again (counted where it was charged).
+    for i in 0..4 {
+        assert!(
+            ranks[1]
+                .delete_key(format!("/fill/{i}").as_bytes())
+                .await
+                .unwrap()
+        );
+    }
+    ranks[1].set(b"/fill/4", b"").await.unwrap();
+    ranks[1].get(b"/fill/4").await.unwrap();
+    let mut again = from([127, 0, 0, 2]).await;
+    again
+        .set(b"/fill/again", &vec![7u8; 4 << 20])
+        .await
+        .unwrap();
+    assert_eq!(again.get(b"/fill/again").await.unwrap().len(), 4 << 20);
 }
 
 /// The coordinator learns which of nrun's keys clients set (and only those, in order), so that

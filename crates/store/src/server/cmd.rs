@@ -5,18 +5,20 @@
 //! secret for its own keys) and whether a write fits (--store-max-bytes) is decided before, in
 //! `Store::apply_request`, so every verb here sees a request it must serve.
 
+use std::collections::VecDeque;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Conn, ENTRY_COST, ITEM_COST, Parked, Refusal, State, is_control};
+use super::{Conn, ENTRY_COST, ITEM_COST, Parked, Queue, Refusal, State, Value, is_control};
 use crate::protocol::{
     CHECK_NOT_READY, CHECK_READY, MAX_VALUE_LEN, Request, STOP_WAITING, VALIDATE_MAGIC,
     WAIT_CANCELED, put_bytes, put_i64,
 };
 
 /// The most bytes `req`'s reply can take, from the state as it is (under the same lock that
-/// then serves it): what the reply budget is asked for before the reply is built.
+/// then serves it): what the memory budget is asked for before the reply is built.
 pub(super) fn reply_size(s: &State, req: &Request, hide: bool) -> usize {
-    let value = |k: &[u8]| 8 + s.kv.get(k).map_or(0, Vec::len);
+    let value = |k: &[u8]| 8 + s.kv.get(k).map_or(0, |v| v.bytes.len());
     match req {
         Request::Get { key } => value(key),
         Request::MultiGet { keys } => keys
@@ -32,8 +34,8 @@ pub(super) fn reply_size(s: &State, req: &Request, hide: bool) -> usize {
             16 + s
                 .queues
                 .get(key)
-                .and_then(|q| q.front())
-                .map_or(0, Vec::len)
+                .and_then(|q| q.items.front())
+                .map_or(0, |v| v.bytes.len())
         }
         Request::ListKeys => {
             8 + s
@@ -56,10 +58,10 @@ pub(super) fn validate(magic: u32) -> Result<(), Refusal> {
     Ok(())
 }
 
-pub(super) fn set(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
+pub(super) fn set(s: &mut State, key: Vec<u8>, value: Vec<u8>, owner: IpAddr) {
     // Woken first, stored after: both under the state's lock, so no one sees the order.
     s.written(&key, false);
-    s.put(key, value);
+    s.put(key, value, owner);
 }
 
 /// Replies with the value the key holds afterwards: `desired` if it was swapped in, else the
@@ -69,31 +71,38 @@ pub(super) fn compare_set(
     key: Vec<u8>,
     expected: Vec<u8>,
     desired: Vec<u8>,
+    owner: IpAddr,
     out: &mut Vec<u8>,
 ) {
     let reply = match s.kv.get(&key) {
         None if expected.is_empty() => {
-            s.put(key.clone(), desired.clone());
+            s.put(key.clone(), desired.clone(), owner);
             s.written(&key, false);
             desired
         }
         None => expected,
-        Some(cur) if *cur == expected => {
-            s.put(key.clone(), desired.clone());
+        Some(cur) if cur.bytes == expected => {
+            s.put(key.clone(), desired.clone(), owner);
             s.written(&key, false);
             desired
         }
-        Some(cur) => cur.clone(),
+        Some(cur) => cur.bytes.clone(),
     };
     put_bytes(out, &reply);
 }
 
 pub(super) fn get(s: &State, key: &[u8], out: &mut Vec<u8>) {
-    put_bytes(out, s.kv.get(key).map_or(&[][..], |v| v));
+    put_bytes(out, s.kv.get(key).map_or(&[][..], |v| &v.bytes));
 }
 
-pub(super) fn add(s: &mut State, key: &[u8], delta: i64, out: &mut Vec<u8>) -> Result<(), Refusal> {
-    put_i64(out, s.add(key, delta)?);
+pub(super) fn add(
+    s: &mut State,
+    key: &[u8],
+    delta: i64,
+    owner: IpAddr,
+    out: &mut Vec<u8>,
+) -> Result<(), Refusal> {
+    put_i64(out, s.add(key, delta, owner)?);
     Ok(())
 }
 
@@ -177,42 +186,51 @@ pub(super) fn delete_key(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
 }
 
 /// The limit on a value applies to what APPEND makes of it: a value grown past what SET may
-/// store is refused (the connection closed), and the value is left as it was.
-pub(super) fn append(s: &mut State, key: Vec<u8>, value: Vec<u8>) -> Result<(), Refusal> {
-    let had = s.kv.get(&key).map(Vec::len);
+/// store is refused (the connection closed), and the value is left as it was. The grown value
+/// is the appender's, as after a SET.
+pub(super) fn append(
+    s: &mut State,
+    key: Vec<u8>,
+    value: Vec<u8>,
+    owner: IpAddr,
+) -> Result<(), Refusal> {
+    let had = s.kv.get(&key).map(|v| v.bytes.len());
     let grown = had.unwrap_or(0).saturating_add(value.len());
     if grown as u64 > MAX_VALUE_LEN {
         return Err(format!(
-            "APPEND would grow key {} to {grown} bytes, past the limit on a value              ({MAX_VALUE_LEN} bytes, as for SET)",
+            "APPEND would grow key {} to {grown} bytes, past the limit on a value \
+             ({MAX_VALUE_LEN} bytes, as for SET)",
             String::from_utf8_lossy(&key)
         )
         .into());
     }
-    *s.held(&key) += value.len()
-        + if had.is_none() {
-            ENTRY_COST + key.len()
-        } else {
-            0
-        };
-    s.kv.entry(key.clone())
-        .or_default()
-        .extend_from_slice(&value);
+    let (control, cost) = (is_control(&key), ENTRY_COST + key.len());
+    match s.kv.get_mut(&key) {
+        Some(v) => {
+            let was = (v.owner, cost + v.bytes.len());
+            v.bytes.extend_from_slice(&value);
+            v.owner = owner;
+            s.credit(control, was.0, was.1);
+            s.charge(control, owner, cost + grown);
+        }
+        None => s.put(key.clone(), value, owner),
+    }
     s.written(&key, false);
     Ok(())
 }
 
-/// Its size was counted against the reply budget before (see [`reply_size`]): one request
+/// Its size was counted against the memory budget before (see [`reply_size`]): one request
 /// naming a large value many times costs that connection, not the store's memory.
 pub(super) fn multi_get(s: &State, keys: &[Vec<u8>], out: &mut Vec<u8>) {
     for k in keys {
-        put_bytes(out, s.kv.get(k).map_or(&[][..], |v| v));
+        put_bytes(out, s.kv.get(k).map_or(&[][..], |v| &v.bytes));
     }
 }
 
-pub(super) fn multi_set(s: &mut State, pairs: Vec<(Vec<u8>, Vec<u8>)>) {
+pub(super) fn multi_set(s: &mut State, pairs: Vec<(Vec<u8>, Vec<u8>)>, owner: IpAddr) {
     for (k, v) in pairs {
         s.written(&k, false);
-        s.put(k, v);
+        s.put(k, v, owner);
     }
 }
 
@@ -229,37 +247,51 @@ pub(super) fn ping(nonce: u32, out: &mut Vec<u8>) {
 }
 
 /// Wakes at most one blocked pop (a pushed item serves one reader). The item, and the key
-/// of a new queue, count toward --store-max-bytes like any stored byte.
-pub(super) fn queue_push(s: &mut State, key: Vec<u8>, value: Vec<u8>) {
-    let fresh = !s.queues.contains_key(&key);
-    *s.held(&key) += ITEM_COST + value.len() + if fresh { ENTRY_COST + key.len() } else { 0 };
-    s.queues.entry(key.clone()).or_default().push_back(value);
+/// of a new queue, count toward --store-max-bytes like any stored byte, in the pusher's share.
+pub(super) fn queue_push(s: &mut State, key: Vec<u8>, value: Vec<u8>, owner: IpAddr) {
+    let control = is_control(&key);
+    if !s.queues.contains_key(&key) {
+        s.charge(control, owner, ENTRY_COST + key.len());
+        let q = Queue {
+            owner,
+            items: VecDeque::new(),
+        };
+        s.queues.insert(key.clone(), q);
+    }
+    s.charge(control, owner, ITEM_COST + value.len());
+    if let Some(q) = s.queues.get_mut(&key) {
+        q.items.push_back(Value {
+            bytes: value,
+            owner,
+        });
+    }
     s.written(&key, true);
 }
 
 /// Replies with the queue's length before the pop, then the item if there was one.
 pub(super) fn queue_pop(s: &mut State, key: &[u8], out: &mut Vec<u8>) {
+    let control = is_control(key);
     let q = s.queues.get_mut(key);
-    let len = q.as_ref().map_or(0, |q| q.len());
+    let len = q.as_ref().map_or(0, |q| q.items.len());
     put_i64(out, len as i64);
-    if let Some(item) = q.and_then(|q| q.pop_front()) {
-        let held = s.held(key);
-        *held = held.saturating_sub(ITEM_COST + item.len());
-        put_bytes(out, &item);
+    if let Some(item) = q.and_then(|q| q.items.pop_front()) {
+        s.credit(control, item.owner, ITEM_COST + item.bytes.len());
+        put_bytes(out, &item.bytes);
     }
     // An emptied queue is forgotten, and its key with it.
-    if len == 1 && s.queues.remove(key).is_some() {
-        let held = s.held(key);
-        *held = held.saturating_sub(ENTRY_COST + key.len());
+    if len == 1
+        && let Some(q) = s.queues.remove(key)
+    {
+        s.credit(control, q.owner, ENTRY_COST + key.len());
     }
 }
 
 pub(super) fn queue_len(s: &State, key: &[u8], out: &mut Vec<u8>) {
-    put_i64(out, s.queues.get(key).map_or(0, |q| q.len()) as i64);
+    put_i64(out, s.queues.get(key).map_or(0, |q| q.items.len()) as i64);
 }
 
 /// With `hide`, nrun's own keys are not listed. Like MULTI_GET, its size was counted against
-/// the reply budget before (a store of millions of keys: refused, not built).
+/// the memory budget before (a store of millions of keys: refused, not built).
 pub(super) fn list_keys(s: &State, hide: bool, out: &mut Vec<u8>) {
     let keys: Vec<&Vec<u8>> = s.kv.keys().filter(|k| !(hide && is_control(k))).collect();
     put_i64(out, keys.len() as i64);
@@ -278,7 +310,7 @@ pub(super) fn barrier(
     world_size: i64,
     out: &mut Vec<u8>,
 ) -> Result<(), Refusal> {
-    let arrived = s.add(&key, 1)?;
+    let arrived = s.add(&key, 1, c.owner)?;
     if arrived >= world_size {
         for (conn, generation) in s.barriers.remove(&key).unwrap_or_default() {
             if s.parked

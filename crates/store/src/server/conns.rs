@@ -1,20 +1,24 @@
-//! What one client may hold of the store's process: memory in replies and unfinished requests,
-//! time, and file descriptors.
+//! What one client may hold of the store's process: memory, time, and file descriptors.
 //!
-//! - Replies: one budget, counted while a reply is built, not after. A reply is sized under the
-//!   state's lock before a byte of it is copied, and built only if it fits: the connection's own
-//!   [`Limits::out_budget`] (past it, what is queued is written first: pipelined GETs of a large
-//!   value cost a bounded buffer), its address's [`Limits::peer_reply_budget`] (all connections
-//!   of one client that has not proven nrun's secret, together) and the store's
-//!   [`Limits::reply_budget`] (every connection together). A reply that does not fit waits,
-//!   unbuilt, until others' replies are written (closed after [`Limits::stall`]); one larger than
-//!   a whole budget is refused (the connection closed). Replies of up to [`SMALL_REPLY`] always
-//!   fit, so heartbeats and ordinary requests are never held up by someone's large ones, and a
-//!   connection that proved nrun's secret (an agent) is counted but never held up. A connection
-//!   whose socket takes nothing for [`Limits::stall`] is closed.
-//! - Unfinished requests: a request begun must be whole within [`Limits::frame_timeout`], and all
-//!   connections' read buffers together stay under [`Limits::partial_budget`] (the connection
-//!   whose growth would pass it is closed).
+//! - Memory: one budget for everything a connection holds (its read buffer of any size, the
+//!   request being parsed out of it and applied, its replies built and not yet written), kept
+//!   by one type, [`Account`], and asked before the memory is taken: the connection's own
+//!   [`Limits::conn_budget`], its address's [`Limits::peer_budget`] (all its connections that
+//!   have not proven nrun's secret, loopback addresses included, each address apart) and the
+//!   pool of every such connection, [`Limits::memory_budget`], whose last quarter only small
+//!   holdings (up to [`SMALL`]: an ordinary request or reply) may use. Connections that proved
+//!   nrun's secret (agents) are counted in a pool of their own, [`Limits::own_budget`], which
+//!   no stranger can fill: heartbeats, steps and results never wait on an attacker's memory.
+//!   A read that does not fit closes its connection (what it sent is the client's to send
+//!   again; holding it unread would hold the kernel's buffers instead). A reply that does not
+//!   fit waits, unbuilt, until what is queued is written or others give room back (closed
+//!   after [`Limits::stall`]); one past the connection's own budget is refused (the connection
+//!   closed). Past [`Limits::out_budget`] of queued replies a connection is no longer read, so
+//!   pipelined GETs of a large value cost a bounded buffer. A connection whose socket takes
+//!   nothing for [`Limits::stall`] is closed.
+//! - Time: a request begun must be whole within [`Limits::frame_timeout`]; a connection idle
+//!   for [`Limits::idle_hold`] gives back a read buffer larger than the first one (a whole
+//!   request of 1 MiB does not keep its megabyte for good).
 //! - File descriptors: at most [`Limits::per_peer`] connections from one address that have not
 //!   proven nrun's secret (loopback, this host's own ranks and agents, excepted; a thousand
 //!   nodes' agents behind one NAT address, or the loopback hosts of a benchmark, are this run's
@@ -42,17 +46,23 @@ pub(super) const EVICT: u8 = 0xff;
 pub struct Limits {
     /// Replies queued but unwritten past which a connection is no longer read.
     pub out_budget: usize,
-    /// Bytes the replies of all connections may hold together (built and unwritten).
-    pub reply_budget: usize,
-    /// Bytes the replies of one address's connections that have not proven nrun's secret may
-    /// hold together.
-    pub peer_reply_budget: usize,
+    /// Bytes one connection that has not proven nrun's secret may hold (read buffer, request
+    /// being applied, replies).
+    pub conn_budget: usize,
+    /// Bytes the connections of one address that have not proven nrun's secret may hold
+    /// together, beyond their small holdings.
+    pub peer_budget: usize,
+    /// Bytes all connections that have not proven nrun's secret may hold together.
+    pub memory_budget: usize,
+    /// Bytes the connections that proved nrun's secret (agents) may hold together.
+    pub own_budget: usize,
     /// A connection whose socket accepts no reply bytes for this long is closed.
     pub stall: Duration,
     /// A request begun must be whole within this (from its first byte).
     pub frame_timeout: Duration,
-    /// Bytes all connections' read buffers may hold together.
-    pub partial_budget: usize,
+    /// A connection with nothing to read for this long gives back a read buffer grown past
+    /// its first size.
+    pub idle_hold: Duration,
     /// Bytes the keys of all parked WAITs may hold together; a WAIT past it closes its
     /// connection.
     pub wait_budget: usize,
@@ -67,11 +77,13 @@ impl Default for Limits {
     fn default() -> Limits {
         Limits {
             out_budget: 64 << 20,
-            reply_budget: 256 << 20,
-            peer_reply_budget: 64 << 20,
+            conn_budget: 80 << 20,
+            peer_budget: 64 << 20,
+            memory_budget: 256 << 20,
+            own_budget: 256 << 20,
             stall: Duration::from_secs(30),
             frame_timeout: Duration::from_secs(30),
-            partial_budget: 1 << 30,
+            idle_hold: Duration::from_secs(1),
             wait_budget: 1 << 30,
             per_peer: 1024,
             total: 0,
@@ -89,12 +101,13 @@ impl Limits {
     }
 }
 
-/// Read buffers up to this size never count against the partial budget's refusal (every
-/// connection may always read ordinary requests); they are still counted.
-pub(super) const SMALL_BUFFER: usize = 1 << 20;
+/// A connection holding at most this much (an ordinary request or reply, of any number of
+/// connections) may use the strangers' whole pool; one holding more, all but its reserve.
+pub(super) const SMALL: usize = 4 << 10;
 
-/// Replies (all of one connection's queued ones) up to this size fit whatever the budgets hold.
-pub(super) const SMALL_REPLY: usize = 64 << 10;
+/// The strangers' pool keeps this part of itself (a quarter) for small holdings: the job's
+/// ranks' requests fit however many large ones strangers hold.
+const RESERVE_DIV: usize = 4;
 
 /// The most connections this process can hold: its open-file limit less room for nrun's own
 /// files (workers' pipes and logs, agents' links, the listener itself).
@@ -127,8 +140,9 @@ pub(super) struct Live {
     pub(super) wake: OnceLock<mpsc::UnboundedSender<u8>>,
     /// Chosen to make room (read by a task that had not yet set `wake`).
     pub(super) evicted: AtomicBool,
-    /// Reply bytes held by all connections from this address (shared by them).
-    pub(super) peer_replies: Arc<AtomicUsize>,
+    /// Bytes held by all connections from this address that have not proven nrun's secret
+    /// (shared by them; see [`Account`]).
+    pub(super) peer_held: Arc<AtomicUsize>,
     origin: Instant,
 }
 
@@ -153,9 +167,9 @@ pub(super) struct Conns {
     by_peer: HashMap<IpAddr, HashMap<u64, Arc<Live>>>,
     /// How many of each address's connections proved nrun's secret.
     authed_by_peer: HashMap<IpAddr, usize>,
-    /// Reply bytes each address's connections hold (see [`Live::peer_replies`]); kept while a
+    /// Bytes each address's connections hold (see [`Live::peer_held`]); kept while a
     /// connection of the address, even one closed to make room, still holds the count.
-    replies_by_peer: HashMap<IpAddr, Arc<AtomicUsize>>,
+    held_by_peer: HashMap<IpAddr, Arc<AtomicUsize>>,
     total: usize,
     origin: Instant,
 }
@@ -165,7 +179,7 @@ impl Default for Conns {
         Conns {
             by_peer: HashMap::new(),
             authed_by_peer: HashMap::new(),
-            replies_by_peer: HashMap::new(),
+            held_by_peer: HashMap::new(),
             total: 0,
             origin: Instant::now(),
         }
@@ -204,7 +218,7 @@ impl Conns {
             parked: AtomicBool::new(false),
             wake: OnceLock::new(),
             evicted: AtomicBool::new(false),
-            peer_replies: self.replies_by_peer.entry(ip).or_default().clone(),
+            peer_held: self.held_by_peer.entry(ip).or_default().clone(),
             origin: self.origin,
         });
         self.by_peer.entry(ip).or_default().insert(id, live.clone());
@@ -237,11 +251,11 @@ impl Conns {
         }
         // Only the registry's own reference left: no connection of the address counts in it.
         if self
-            .replies_by_peer
+            .held_by_peer
             .get(&ip)
             .is_some_and(|r| Arc::strong_count(r) == 1)
         {
-            self.replies_by_peer.remove(&ip);
+            self.held_by_peer.remove(&ip);
         }
     }
 
@@ -277,133 +291,216 @@ impl Conns {
     }
 }
 
-/// Bytes one connection holds in a shared budget, given back when it ends.
-pub(super) struct Held<'a> {
-    total: &'a AtomicUsize,
-    n: usize,
+/// Where a connection's bytes are counted: strangers (every connection that has not proven
+/// nrun's secret, the job's torch clients among them) share one pool; nrun's own connections
+/// (agents) have theirs, which strangers cannot fill.
+pub(super) struct Memory {
+    strangers: AtomicUsize,
+    own: AtomicUsize,
 }
 
-impl<'a> Held<'a> {
-    pub(super) fn new(total: &'a AtomicUsize) -> Held<'a> {
-        Held { total, n: 0 }
-    }
-
-    /// Whether growing to `n` bytes keeps the total within `budget` (small holdings always
-    /// may).
-    pub(super) fn may_grow(&self, n: usize, budget: usize) -> bool {
-        n <= SMALL_BUFFER
-            || n <= self.n
-            || self.total.load(Ordering::Relaxed).saturating_sub(self.n) + n <= budget
-    }
-
-    pub(super) fn set(&mut self, n: usize) {
-        // Most calls change nothing: skip the shared atomic then.
-        if n == self.n {
-            return;
+impl Default for Memory {
+    fn default() -> Memory {
+        Memory {
+            strangers: AtomicUsize::new(0),
+            own: AtomicUsize::new(0),
         }
-        if n > self.n {
-            self.total.fetch_add(n - self.n, Ordering::Relaxed);
-        } else {
-            self.total.fetch_sub(self.n - n, Ordering::Relaxed);
-        }
-        self.n = n;
     }
 }
 
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        self.total.fetch_sub(self.n, Ordering::Relaxed);
+impl Memory {
+    /// Bytes held by all connections together (strangers' and nrun's own).
+    pub(super) fn held(&self) -> usize {
+        self.strangers.load(Ordering::Relaxed) + self.own.load(Ordering::Relaxed)
     }
 }
 
-/// What [`Replies::room`] decided about a reply.
+/// What [`Account::room`] decided.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Room {
-    /// Counted: build it.
+    /// Counted: take it.
     Fits,
-    /// Not now: write what is queued, or wait for others', then ask again.
-    Later,
-    /// Larger than a whole budget: it never will.
+    /// Not now: a budget this connection shares is full (what it names); written replies,
+    /// ended connections or served requests give room back.
+    Later(String),
+    /// Past what this connection may ever hold (its own budget): it never will.
     Never(String),
 }
 
-/// The reply bytes one connection holds, counted in its address's and the store's totals
-/// (see the module's doc); given back when it ends.
-pub(super) struct Replies<'a> {
-    total: &'a AtomicUsize,
-    peer: Arc<AtomicUsize>,
-    n: usize,
+/// Which part of a connection's holding a request for room is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Part {
+    /// Its read buffer, and the request being parsed out of it (a value about to be written).
+    Read,
+    /// Replies built and not yet written.
+    Out,
 }
 
-impl<'a> Replies<'a> {
-    pub(super) fn new(total: &'a AtomicUsize, live: &Live) -> Replies<'a> {
-        Replies {
-            total,
-            peer: live.peer_replies.clone(),
-            n: 0,
+/// Everything one connection holds of the store's memory (its read buffer, the request being
+/// applied, its replies), counted in its own total, its address's and its pool's, and checked
+/// against all three before the memory is taken (see the module's doc); given back when it
+/// ends. The one accounting type of the store's connections.
+pub(super) struct Account<'a> {
+    memory: &'a Memory,
+    /// The address's count (strangers only; see [`Live::peer_held`]).
+    peer: Arc<AtomicUsize>,
+    /// Proved nrun's secret: counted in nrun's own pool, not its address's or strangers'.
+    own: bool,
+    read: usize,
+    out: usize,
+}
+
+impl<'a> Account<'a> {
+    pub(super) fn new(memory: &'a Memory, live: &Live) -> Account<'a> {
+        Account {
+            memory,
+            peer: live.peer_held.clone(),
+            own: false,
+            read: 0,
+            out: 0,
         }
     }
 
-    /// Counts room for `size` more bytes after the `queued` ones, if every budget has it.
-    /// `stranger`: the connection has not proven nrun's secret. One that has (nrun's own agent)
-    /// is counted but never held up by the shared budgets, which strangers may have filled: no
-    /// client makes the control plane wait.
-    pub(super) fn room(&mut self, queued: usize, size: usize, stranger: bool, l: &Limits) -> Room {
-        let want = queued.saturating_add(size);
-        if want <= self.n || want <= SMALL_REPLY || (!stranger && queued == 0) {
-            self.set(want.max(self.n));
+    /// Bytes this connection holds.
+    pub(super) fn held(&self) -> usize {
+        self.read + self.out
+    }
+
+    /// Bytes its replies hold.
+    pub(super) fn out(&self) -> usize {
+        self.out
+    }
+
+    /// Asks for `part` to hold `n` bytes (from what it holds now), every budget checked
+    /// before it is counted; counted only where it fits. Giving back always fits.
+    pub(super) fn room(&mut self, part: Part, n: usize, l: &Limits) -> Room {
+        let now = self.part(part);
+        if n <= now {
+            self.set(part, n);
             return Room::Fits;
         }
-        if queued > 0 && want > l.out_budget {
-            return Room::Later;
-        }
-        if !stranger {
-            self.set(want);
+        let more = n - now;
+        let want = self.held() + more;
+        if self.own {
+            // Counted first, then checked: two connections racing for the last room cannot
+            // both pass; the one that does not fit takes its count back.
+            let own = self.memory.own.fetch_add(more, Ordering::Relaxed) + more;
+            if own > l.own_budget {
+                self.memory.own.fetch_sub(more, Ordering::Relaxed);
+                return Room::Later(format!(
+                    "nrun's own connections' budget ({} bytes)",
+                    l.own_budget
+                ));
+            }
+            *self.part_mut(part) = n;
             return Room::Fits;
         }
-        let (budget, which) = if l.peer_reply_budget < l.reply_budget {
-            (l.peer_reply_budget, "one client's replies")
-        } else {
-            (l.reply_budget, "all replies")
+        // Small holdings (every ordinary request and reply) may use the whole pool; larger
+        // ones all but a reserve, which the many small ones (the job's ranks) keep to
+        // themselves, however many large ones strangers hold.
+        let small = want <= SMALL;
+        let pool_cap = match small {
+            true => l.memory_budget,
+            false => l.memory_budget - l.memory_budget / RESERVE_DIV,
         };
-        if size > budget {
+        let most = l.conn_budget.min(l.peer_budget).min(pool_cap);
+        if !small && want > most {
             return Room::Never(format!(
-                "a reply of {size} bytes is over the store's budget for {which} ({budget} bytes)"
+                "{want} bytes are past what one connection without nrun's secret may hold \
+                 ({most} bytes: the least of its own, its address's and all such \
+                 connections' budgets)"
             ));
         }
-        let more = want - self.n;
-        // Counted first, then checked: two connections racing for the last room cannot both
-        // pass; the one that does not fit takes its count back.
-        let total = self.total.fetch_add(more, Ordering::Relaxed) + more;
+        let pool = self.memory.strangers.fetch_add(more, Ordering::Relaxed) + more;
         let peer = self.peer.fetch_add(more, Ordering::Relaxed) + more;
-        if total > l.reply_budget || peer > l.peer_reply_budget {
-            self.total.fetch_sub(more, Ordering::Relaxed);
+        let full = if pool > pool_cap {
+            Some(format!(
+                "the budget of all clients without nrun's secret ({pool_cap} bytes{})",
+                if small {
+                    ""
+                } else {
+                    " for holdings over 4 KiB"
+                }
+            ))
+        } else if !small && peer > l.peer_budget {
+            Some(format!(
+                "the budget of one address's clients ({} bytes)",
+                l.peer_budget
+            ))
+        } else {
+            None
+        };
+        if let Some(which) = full {
+            self.memory.strangers.fetch_sub(more, Ordering::Relaxed);
             self.peer.fetch_sub(more, Ordering::Relaxed);
-            return Room::Later;
+            return Room::Later(which);
         }
-        self.n = want;
+        *self.part_mut(part) = n;
         Room::Fits
     }
 
-    /// Counts `n` bytes (the connection's reply buffer as it now is).
-    pub(super) fn set(&mut self, n: usize) {
-        if n == self.n {
+    /// Counts `part` as holding `n` bytes, unchecked: what a connection gives back, or the
+    /// slack of a small reply's growth after it was asked for.
+    pub(super) fn set(&mut self, part: Part, n: usize) {
+        let now = self.part(part);
+        if n == now {
             return;
         }
-        if n > self.n {
-            self.total.fetch_add(n - self.n, Ordering::Relaxed);
-            self.peer.fetch_add(n - self.n, Ordering::Relaxed);
+        if n > now {
+            self.add(n - now);
         } else {
-            self.total.fetch_sub(self.n - n, Ordering::Relaxed);
-            self.peer.fetch_sub(self.n - n, Ordering::Relaxed);
+            self.sub(now - n);
         }
-        self.n = n;
+        *self.part_mut(part) = n;
+    }
+
+    /// The connection proved nrun's secret: what it holds moves to nrun's own pool.
+    pub(super) fn promote(&mut self) {
+        if self.own {
+            return;
+        }
+        let n = self.held();
+        self.sub(n);
+        self.own = true;
+        self.add(n);
+    }
+
+    fn part(&self, part: Part) -> usize {
+        match part {
+            Part::Read => self.read,
+            Part::Out => self.out,
+        }
+    }
+
+    fn part_mut(&mut self, part: Part) -> &mut usize {
+        match part {
+            Part::Read => &mut self.read,
+            Part::Out => &mut self.out,
+        }
+    }
+
+    fn add(&self, n: usize) {
+        if self.own {
+            self.memory.own.fetch_add(n, Ordering::Relaxed);
+        } else {
+            self.memory.strangers.fetch_add(n, Ordering::Relaxed);
+            self.peer.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    fn sub(&self, n: usize) {
+        if self.own {
+            self.memory.own.fetch_sub(n, Ordering::Relaxed);
+        } else {
+            self.memory.strangers.fetch_sub(n, Ordering::Relaxed);
+            self.peer.fetch_sub(n, Ordering::Relaxed);
+        }
     }
 }
 
-impl Drop for Replies<'_> {
+impl Drop for Account<'_> {
     fn drop(&mut self) {
-        self.set(0);
+        self.sub(self.held());
     }
 }
 
@@ -451,48 +548,69 @@ mod tests {
         assert!(!c.authed_by_peer.contains_key(&ip));
     }
 
-    /// One reply budget: strangers of one address share theirs, everyone shares the store's, a
-    /// reply past a whole budget never fits, small replies and agents' always do, and what a
-    /// connection gives back is room for the others.
+    /// One budget for what connections hold: strangers of one address share theirs (loopback
+    /// addresses each their own), every stranger shares the pool, whose last quarter only small
+    /// holdings use; nothing past a connection's most is ever counted; nrun's own connections
+    /// have a pool strangers cannot fill; and what a connection gives back is room for others.
     #[test]
-    fn replies_share_one_budget() {
+    fn connections_share_one_memory_budget() {
+        let k = 1 << 10;
         let l = Limits {
-            out_budget: 64,
-            reply_budget: 300 << 10,
-            peer_reply_budget: 200 << 10,
+            conn_budget: 300 * k,
+            peer_budget: 200 * k,
+            memory_budget: 400 * k,
+            own_budget: 100 * k,
             ..Limits::default()
         };
-        let total = AtomicUsize::new(0);
+        let memory = Memory::default();
         let mut c = Conns::default();
-        let a: IpAddr = "10.0.0.1".parse().unwrap();
-        let b: IpAddr = "10.0.0.2".parse().unwrap();
-        let lives: Vec<_> = [a, a, b, b]
+        let a: IpAddr = "127.0.0.2".parse().unwrap();
+        let b: IpAddr = "127.0.0.3".parse().unwrap();
+        let lives: Vec<_> = [a, a, b, b, b]
             .iter()
             .enumerate()
             .map(|(i, ip)| c.admit(i as u64, *ip, 10, 100).unwrap())
             .collect();
-        let mut r: Vec<_> = lives.iter().map(|l| Replies::new(&total, l)).collect();
-        let k = 1 << 10;
-        assert_eq!(r[0].room(0, 150 * k, true, &l), Room::Fits);
-        // Its address has 50 KiB left: the second connection of `a` waits.
-        assert_eq!(r[1].room(0, 100 * k, true, &l), Room::Later);
-        // Another address has its own share, within the store's 300 KiB.
-        assert_eq!(r[2].room(0, 100 * k, true, &l), Room::Fits);
-        // Within its address's share, past the store's.
-        assert_eq!(r[3].room(0, 70 * k, true, &l), Room::Later);
-        // Small replies always fit; past a whole budget, never.
-        assert_eq!(r[3].room(0, 1000, true, &l), Room::Fits);
-        assert!(matches!(r[3].room(0, 250 * k, true, &l), Room::Never(_)));
-        // An agent is counted, never held up.
+        let mut acct: Vec<_> = lives.iter().map(|l| Account::new(&memory, l)).collect();
+        assert_eq!(acct[0].room(Part::Read, 150 * k, &l), Room::Fits);
+        // Its address has 50 KiB left: the second connection of `a` does not fit, whether it
+        // reads or replies.
+        assert!(matches!(
+            acct[1].room(Part::Read, 100 * k, &l),
+            Room::Later(_)
+        ));
+        assert!(matches!(
+            acct[1].room(Part::Out, 100 * k, &l),
+            Room::Later(_)
+        ));
+        // Another address has its own share, within the pool's 300 KiB for large holdings.
+        assert_eq!(acct[2].room(Part::Out, 100 * k, &l), Room::Fits);
+        assert!(matches!(
+            acct[3].room(Part::Read, 60 * k, &l),
+            Room::Later(_)
+        ));
+        // Small holdings fit in the reserved quarter; past a connection's most, never.
+        assert_eq!(acct[3].room(Part::Read, 4 * k, &l), Room::Fits);
+        assert!(matches!(
+            acct[4].room(Part::Read, 250 * k, &l),
+            Room::Never(_)
+        ));
+        assert_eq!(memory.held(), 254 * k);
+        // An agent (it proved the secret) is counted in its own pool: strangers holding theirs
+        // do not hold it up, and it never takes theirs.
         let agent = c.admit(9, b, 10, 100).unwrap();
-        let mut ra = Replies::new(&total, &agent);
-        assert_eq!(ra.room(0, 400 * k, false, &l), Room::Fits);
-        drop(ra);
-        // Written: the room is the others'.
-        r[0].set(0);
-        assert_eq!(r[1].room(0, 100 * k, true, &l), Room::Fits);
-        drop(r);
-        assert_eq!(total.load(Ordering::Relaxed), 0);
-        assert_eq!(lives[0].peer_replies.load(Ordering::Relaxed), 0);
+        let mut own = Account::new(&memory, &agent);
+        assert_eq!(own.room(Part::Read, 512, &l), Room::Fits);
+        own.promote();
+        assert_eq!(own.room(Part::Out, 90 * k, &l), Room::Fits);
+        assert!(matches!(own.room(Part::Out, 120 * k, &l), Room::Later(_)));
+        assert_eq!(lives[2].peer_held.load(Ordering::Relaxed), 104 * k);
+        drop(own);
+        // Given back: the room is the others'.
+        acct[0].set(Part::Read, 512);
+        assert_eq!(acct[1].room(Part::Read, 100 * k, &l), Room::Fits);
+        drop(acct);
+        assert_eq!(memory.held(), 0);
+        assert_eq!(lives[0].peer_held.load(Ordering::Relaxed), 0);
     }
 }
