@@ -181,6 +181,26 @@ impl Outcome {
             .collect()
     }
 
+    /// The ring's links as ranks (from, to, GB/s, the sending rank's NIC speed where it has
+    /// one and says it), every one measured, for a caller that places ranks by itself (bisect:
+    /// by node, whatever the hostnames).
+    pub fn rank_links(&self) -> Vec<(usize, usize, f64, Option<f64>)> {
+        self.complete()
+            .into_iter()
+            .filter_map(|r| {
+                let l = r.link_in?;
+                let nic = self
+                    .reports
+                    .get(&l.from)
+                    .and_then(|f| match f.nics.as_slice() {
+                        [n] => n.gbs(),
+                        _ => None,
+                    });
+                Some((l.from, r.rank, l.gbs, nic))
+            })
+            .collect()
+    }
+
     /// Each NCCL the ranks loaded ("2.28.9 (/path)"), with the ranks that loaded it.
     pub(super) fn versions(&self) -> BTreeMap<String, Vec<usize>> {
         let mut versions: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -720,6 +740,9 @@ impl Outcome {
                 parts.join(", ")
             ),
         )];
+        if let Some(cut) = complete.iter().find_map(|r| r.sweep_cut.as_ref()) {
+            out.push(Finding::info(Check::Link, format!("the sweep's {cut}")));
+        }
         let all: Vec<f64> = links.iter().map(|l| l.2).collect();
         let median = median(all);
         let mut slow: Vec<(&str, &str)> = Vec::new();

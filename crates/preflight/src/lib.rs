@@ -130,6 +130,11 @@ impl Settings {
         self.key(format_args!("link/{turn}"))
     }
 
+    /// Net mode: what the link into rank `rank` carried in the link test (GB/s, as text).
+    pub fn link_rate_key(&self, rank: usize) -> Vec<u8> {
+        self.key(format_args!("link-rate/{rank}"))
+    }
+
     /// What a preflight rank gets on top of the job's environment: these settings, and with
     /// --preflight-loopback no NVLink/shared-memory path. (The store's secret for nrun's keys
     /// is added by the rank's own agent: it never travels in a step.)
@@ -307,6 +312,9 @@ pub struct RankReport {
     /// The link from the previous rank of the ring, measured alone (`--preflight net`).
     #[serde(default)]
     pub link_in: Option<LinkIn>,
+    /// The sweep's larger sizes left out, and why (a slow link would take too long on them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep_cut: Option<String>,
 }
 
 /// What one ring link carried when it was the only thing being measured.
@@ -507,6 +515,7 @@ mod tests {
         RankReport {
             nics: Vec::new(),
             link_in: None,
+            sweep_cut: None,
             rank,
             local_rank: rank,
             host: host.into(),
