@@ -347,7 +347,16 @@ impl Outcome {
                     ),
                     (None, Some(_)) => (
                         Check::Silent,
-                        format!("rank {rank} on {host} went silent; {last}"),
+                        match &self.stopped {
+                            Some(why) => {
+                                format!("rank {rank} on {host} went silent; {last}; {why}")
+                            }
+                            None => format!(
+                                "rank {rank} on {host} went silent; {last}; its process ended \
+                                 without a report and no deadline of nrun's passed (it lost the \
+                                 store?)"
+                            ),
+                        },
                     ),
                 };
                 Finding::fail(check, v, text).node(host).rank(*rank)

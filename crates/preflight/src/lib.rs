@@ -327,10 +327,14 @@ pub struct LinkIn {
 
 /// Progress marks a rank leaves in the store, so a silent rank can be placed; each text reads
 /// after "last seen: ".
-pub const STAGES: [(&str, &str); 6] = [
+pub const STAGES: [(&str, &str); 7] = [
     ("started", "connected to the store"),
     ("loaded", "libraries and GPU loaded"),
     ("id", "unique id in hand, entering communicator init"),
+    (
+        "links",
+        "the TCP ring connected, measuring its links between nodes",
+    ),
     ("init", "communicator init finished"),
     ("sweep", "in the all-reduce sweep"),
     ("done", "done"),
@@ -407,6 +411,10 @@ pub struct Outcome {
     pub silent: Vec<Silent>,
     /// A rank that crashed, and how (exit code or signal), from the supervisor.
     pub crashed: Option<(usize, String)>,
+    /// Why nrun ended the ranks before every one reported, where it did: a node lost (its
+    /// agent's silence, with how long), or the preflight's own deadline passed. A silent rank
+    /// is said with it: which deadline passed, not only where the rank was.
+    pub stopped: Option<String>,
     /// The library the ranks were told to load.
     pub nccl_lib: Option<String>,
     pub min_busbw: Option<f64>,
@@ -453,6 +461,7 @@ impl Outcome {
             reports,
             silent,
             crashed: None,
+            stopped: None,
             nccl_lib: None,
             min_busbw: None,
             min_efficiency: None,
@@ -548,6 +557,7 @@ mod tests {
             reports: reports.into_iter().map(|r| (r.rank, r)).collect(),
             silent: vec![],
             crashed: None,
+            stopped: None,
             nccl_lib: None,
             min_busbw: None,
             min_efficiency: Some(0.4),
@@ -846,7 +856,17 @@ mod tests {
             (4, "e".into(), Some("bogus".into())),
         ];
         silent.world_size = 5;
+        // The same ranks when nrun ended them after losing a node: the silence says so.
+        let mut lost = outcome(silent.reports.values().cloned().collect());
+        lost.silent = silent.silent.clone();
+        lost.world_size = 5;
+        lost.stopped = Some(
+            "nrun ended every rank: lost the connection to c: its agent sent no heartbeat for \
+             2.6 s"
+                .into(),
+        );
         v.push(("silent", silent));
+        v.push(("silent-lost", lost));
         let mut crashed = outcome(vec![report(0, "a", 10.0, 0)]);
         crashed.silent = vec![(1, "b".into(), Some("init".into())), (2, "c".into(), None)];
         crashed.world_size = 3;

@@ -943,6 +943,7 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
     let mut ring = None;
     if ctx.world > 1 {
         let mut r = connect_ring(ctx, &listener, me, deadline)?;
+        ctx.stage("links");
         test_links(ctx, rep, &mut r, deadline)?;
         ring = Some(r);
     }
@@ -1095,18 +1096,11 @@ fn test_links(
 ) -> Result<(), RankError> {
     let (rank, n) = (ctx.rank, ctx.world);
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-    let phases = match (ctx.s.links, n % 2 == 1) {
-        (false, _) => 0,
-        (true, true) => 3,
-        (true, false) => 2,
-    };
-    let phase = |link: usize| {
-        if n % 2 == 1 && link == n - 1 {
-            2
-        } else {
-            link % 2
-        }
-    };
+    if !ctx.s.links {
+        return Ok(());
+    }
+    let (phases, phase_of) = link_phases(&ring_hosts(ctx, deadline)?);
+    let phase = |link: usize| phase_of[link];
     // Once a turn runs out of time on either end, that link is measured: its later turns
     // would only wait out their windows again (its connection still full of the first's bytes).
     let (mut send_done, mut recv_done) = (false, false);
@@ -1149,7 +1143,7 @@ fn test_links(
         }
     }
     // Every rank's measured link, for the sweep's sizes (each rank reads the same).
-    if phases > 0 {
+    {
         let gbs = rep.link_in.map_or(0.0, |l| l.gbs);
         let key = ctx.s.link_rate_key(rank);
         ctx.set(&key, gbs.to_string().as_bytes());
@@ -1168,6 +1162,54 @@ fn test_links(
     }
     r.probe = None;
     Ok(())
+}
+
+/// Each rank's address without its port (ranks of one node share it), in rank order, once
+/// every rank has published its own.
+fn ring_hosts(ctx: &mut Ctx, deadline: Instant) -> Result<Vec<String>, RankError> {
+    let keys: Vec<Vec<u8>> = (0..ctx.world).map(|r| ctx.s.addr_key(r)).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let left = deadline.saturating_duration_since(Instant::now());
+    let lost = |e: std::io::Error| err("store", format!("lost the store reading the ring: {e}"));
+    if !ctx
+        .rt
+        .block_on(ctx.store.wait(&refs, Some(left)))
+        .map_err(lost)?
+    {
+        return Err(err(
+            "init-timeout",
+            "not every rank published its address within the timeout",
+        ));
+    }
+    let values = ctx.rt.block_on(ctx.store.multi_get(&refs)).map_err(lost)?;
+    Ok(values
+        .iter()
+        .map(|v| {
+            let a = String::from_utf8_lossy(v);
+            a.parse::<SocketAddr>()
+                .map_or_else(|_| a.to_string(), |s| s.ip().to_string())
+        })
+        .collect())
+}
+
+/// The link test's turns: (how many, each link's turn; link r goes from rank r to r + 1).
+/// Links between nodes alternate (a third turn for the last of an odd count), so no node sends
+/// and receives between nodes in one turn: its ACKs would queue behind its own data, and a
+/// slow egress would drag the link into it down too. A node's ranks are consecutive, so with
+/// several ranks a node the links between nodes are not every other link: they are counted
+/// by the hosts' addresses. Links within a node take the first turn.
+fn link_phases(hosts: &[String]) -> (usize, Vec<usize>) {
+    let n = hosts.len();
+    let crossing: Vec<usize> = (0..n).filter(|&r| hosts[r] != hosts[(r + 1) % n]).collect();
+    let m = crossing.len();
+    let mut phase = vec![0; n];
+    for (k, &r) in crossing.iter().enumerate() {
+        phase[r] = match m % 2 == 1 && k == m - 1 {
+            true => 2,
+            false => k % 2,
+        };
+    }
+    (if m % 2 == 1 { 3 } else { 2 }, phase)
 }
 
 /// The slowest link of the ring as every rank published it (rank, GB/s); None where a rate
@@ -1269,6 +1311,37 @@ fn sweep(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn links_between_nodes_take_turns_whatever_the_ranks_per_node() {
+        let h = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        // One rank a node: every other link; the last of an odd count a turn of its own.
+        assert_eq!(
+            link_phases(&h(&["a", "b", "c", "d"])),
+            (2, vec![0, 1, 0, 1])
+        );
+        assert_eq!(link_phases(&h(&["a", "b", "c"])), (3, vec![0, 1, 2]));
+        // Two ranks a node, three nodes: the links between nodes (1, 3, 5) take turns.
+        let (p, of) = link_phases(&h(&["a", "a", "b", "b", "c", "c"]));
+        assert_eq!((p, [of[1], of[3], of[5]]), (3, [0, 1, 2]));
+        let (p, of) = link_phases(&h(&["a", "a", "b", "b"]));
+        assert_eq!((p, [of[1], of[3]]), (2, [0, 1]));
+    }
+
+    #[test]
+    fn a_slow_link_leaves_out_the_sizes_it_would_take_seconds_on() {
+        let sizes: Vec<u64> = (0..11).map(|k| 8u64 << (2 * k)).collect();
+        // 20 Mbit/s into rank 0, 6 runs a size, 3 ranks: 512 KiB takes 1.7 s, 2 MiB 6.7 s.
+        let (kept, note) = sizes_within_budget(sizes.clone(), 6, 3, Some((0, 0.0025)));
+        assert_eq!(kept.last(), Some(&(512 << 10)), "{kept:?}");
+        assert!(note.is_some_and(|n| n.contains("into rank 0")));
+        // A healthy veth ring keeps every size.
+        let (kept, note) = sizes_within_budget(sizes.clone(), 6, 3, Some((1, 1.5)));
+        assert_eq!((kept, note), (sizes.clone(), None));
+        // A link that carried nothing keeps the first size only.
+        let (kept, _) = sizes_within_budget(sizes, 6, 3, Some((2, 0.0)));
+        assert_eq!(kept, vec![8]);
+    }
 
     #[test]
     fn ring_chunks_cover_everything_once() {
