@@ -23,7 +23,13 @@ pub(crate) struct NcclLib {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Facts {
+    /// A label, not an identity: cloned VMs and containers share one ([`Facts::machine`]).
     pub hostname: String,
+    /// Which machine and network stack this is, as the kernel says: its boot id and its
+    /// network namespace ("<boot id>/net:[<inode>]"). Two nodes are one machine only when
+    /// these are equal (empty: unknown, an older nrun).
+    #[serde(default)]
+    pub machine: String,
     pub os: String,
     pub ifaces: Vec<Iface>,
     pub gpus: Vec<String>,
@@ -71,10 +77,23 @@ fn ld_library_path() -> Option<String> {
         .filter(|v| !v.is_empty())
 }
 
+/// This machine and network stack as the kernel names them ([`Facts::machine`]); empty where
+/// either cannot be read.
+pub(crate) fn machine() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net").unwrap_or_default();
+    match (boot.trim(), netns.to_string_lossy()) {
+        ("", _) => String::new(),
+        (_, n) if n.is_empty() => String::new(),
+        (b, n) => format!("{b}/{n}"),
+    }
+}
+
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
 pub(crate) fn gather(python: Option<&Path>) -> Facts {
     let mut f = Facts {
         hostname: nrun_base::net::hostname(),
+        machine: machine(),
         os: os_name(),
         ifaces: nrun_base::net::interfaces(),
         nrun: nrun_base::VERSION.to_string(),

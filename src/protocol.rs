@@ -41,8 +41,18 @@ pub(crate) struct Hello {
     pub node: usize,
     /// How the user named this host.
     pub label: String,
-    /// Coordinator addresses to try, "ip:port".
+    /// Coordinator addresses, "ip:port": the one this agent uses is chosen among them
+    /// ([`Hello::pinned`], then its ssh connection, then [`Hello::prefer`]; see
+    /// `agent::choose`), and only with nothing to choose by is the first to answer taken.
     pub addrs: Vec<String>,
+    /// `addrs` holds the one address the user gave (`--local-addr`): that one, nothing else.
+    #[serde(default)]
+    pub pinned: bool,
+    /// The launch host's address this node is to use where its ssh connection does not say
+    /// (the source address of the launch host's route to it; a launch tree's child: the one
+    /// its parent uses), and how it was chosen. None: unknown.
+    #[serde(default)]
+    pub prefer: Option<Prefer>,
     pub cwd: PathBuf,
     pub version: String,
     /// The Python to probe for torch's versions; None skips the probe.
@@ -110,6 +120,60 @@ pub(crate) fn read_output_mark(line: &str, token: &str) -> Option<(usize, usize)
 
 fn probed_by_default() -> bool {
     true
+}
+
+/// How the launch host's address an agent uses was chosen: said in the join's output where
+/// nodes differ, and in `--report`'s `control` section.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum AddrChoice {
+    /// The user gave it (`--local-addr`; a c10d node: the endpoint it found).
+    Given,
+    /// The launch host's address this node's ssh connection came from (`SSH_CONNECTION`).
+    Ssh,
+    /// The source address of the launch host's route to this node.
+    Route,
+    /// The address this node's parent in the launch tree uses.
+    Tree,
+    /// Loopback: a node of the launch host's own machine.
+    Local,
+    /// Nothing to choose by (an agent started by srun whose name the launch host could not
+    /// resolve, or an older nrun): the first address to answer.
+    #[default]
+    First,
+}
+
+impl AddrChoice {
+    /// In words, for messages: "the address <this>".
+    pub(crate) fn words(self) -> &'static str {
+        match self {
+            AddrChoice::Given => "given on the command line (--local-addr, --rdzv-endpoint)",
+            AddrChoice::Ssh => "its ssh connection came from",
+            AddrChoice::Route => "of the launch host's route to it",
+            AddrChoice::Tree => "its parent in the launch tree uses",
+            AddrChoice::Local => "of loopback (the launch host's own machine)",
+            AddrChoice::First => "that answered first (nothing to choose by)",
+        }
+    }
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            AddrChoice::Given => "given",
+            AddrChoice::Ssh => "ssh",
+            AddrChoice::Route => "route",
+            AddrChoice::Tree => "tree",
+            AddrChoice::Local => "local",
+            AddrChoice::First => "first",
+        }
+    }
+}
+
+/// A launch-host address chosen for a node by someone other than the node ([`Hello::prefer`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Prefer {
+    /// The launch host's IP address (no port).
+    pub ip: String,
+    pub how: AddrChoice,
 }
 
 /// A node of the launch tree and the nodes its agent starts.
@@ -192,8 +256,11 @@ impl Hello {
 pub(crate) struct Joined {
     /// The address of this node's end of its store connection.
     pub local_addr: String,
-    /// The coordinator address that answered.
+    /// The coordinator address this agent uses.
     pub reached: String,
+    /// How it was chosen.
+    #[serde(default)]
+    pub chosen: AddrChoice,
     /// Where this node answers reachability probes from other nodes (empty: it is not probed,
     /// see [`Hello::probed`]).
     pub probe_addr: String,
@@ -714,6 +781,11 @@ mod tests {
             node: 1,
             label: "b1".into(),
             addrs: vec!["10.0.0.1:29500".into()],
+            pinned: false,
+            prefer: Some(Prefer {
+                ip: "10.0.0.1".into(),
+                how: AddrChoice::Route,
+            }),
             cwd: "/w".into(),
             version: "v".into(),
             python: None,
@@ -745,6 +817,7 @@ mod tests {
         assert_eq!(back.tree, hello.tree);
         assert_eq!(back.tree_ssh, hello.tree_ssh);
         assert!(!back.probed);
+        assert_eq!(back.prefer, hello.prefer);
         // The mark behind a step's output reads back only with its own token, whole.
         let mark = output_mark(&back.output_mark, 3, 7);
         let line = mark.trim_end_matches('\n');
@@ -764,6 +837,7 @@ mod tests {
             "version":"v","python":null}"#;
         let old: Hello = serde_json::from_str(old).unwrap();
         assert!(old.tree.is_empty() && old.tree_ssh.is_none() && old.probed);
+        assert!(!old.pinned && old.prefer.is_none());
         assert_eq!(Keys::new("r").tree_lost(7), b"nrun/r/n7/tree-lost");
         assert_eq!(
             Keys::new("r").node_of(&Keys::new("r").tree_lost(7)),

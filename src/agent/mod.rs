@@ -29,16 +29,19 @@ pub(crate) mod relay;
 pub(crate) mod stacks;
 pub(crate) mod tree;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio::sync::watch;
 
-use crate::protocol::{self, Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult};
+use crate::protocol::{
+    self, AddrChoice, Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
+};
 use exec::{Done, StepIo};
 use nrun_base::error::{Error, Result};
+use nrun_base::net;
 use nrun_node::{Caught, Signals, StopRequest};
 use nrun_store::client::Client;
 
@@ -237,8 +240,13 @@ async fn join_and_serve(
     let gone_rx = gone.subscribe();
     let (hello, me) = checked(hello, &mut signals)?;
     let keys = Keys::new(&hello.run);
-    let (mut store, reached, local) = reach_store(&hello, &keys, &me).await?;
-    let nonce = publish_joined(&mut store, &hello, &keys, &me, reached, local).await?;
+    let (mut store, reached, local, chosen) = reach_store(&hello, &keys, &me).await?;
+    let at = Reached {
+        reached,
+        local,
+        chosen,
+    };
+    let nonce = publish_joined(&mut store, &hello, &keys, &me, &at).await?;
     // Out of reach (the store silent) sets the same `gone` as stdin closing. An agent of nrun
     // on this very host needs no watch over a link, nor a heartbeat: nrun sees its process,
     // and it dies with nrun (a request every half second per agent, and a connection, saved).
@@ -308,19 +316,19 @@ fn lost(me: &str) -> impl Fn(std::io::Error) -> Error + Copy + '_ {
     }
 }
 
-/// A proven connection to the coordinator's store, the address that answered, and this end's
-/// address; this node is marked seen there.
+/// A proven connection to the coordinator's store, the address it went to and how that was
+/// chosen, and this end's address; this node is marked seen there.
 async fn reach_store(
     hello: &Hello,
     keys: &Keys,
     me: &str,
-) -> Result<(Client, SocketAddr, SocketAddr)> {
-    // The first coordinator address that answers wins; they are tried at once.
-    let (mut store, reached, local) = connect_any(&hello.addrs).await.map_err(|e| {
-        Error::helper(format!(
-            "nrun agent on {me}: cannot reach the launch host's store: {e}"
-        ))
-    })?;
+) -> Result<(Client, SocketAddr, SocketAddr, AddrChoice)> {
+    let (mut store, reached, local, how) =
+        connect(&hello.addrs, choose(hello)).await.map_err(|e| {
+            Error::helper(format!(
+                "nrun agent on {me}: cannot reach the launch host's store: {e}"
+            ))
+        })?;
     let lost = lost(me);
     prove(&mut store, &hello.secret, &reached)
         .await
@@ -329,7 +337,94 @@ async fn reach_store(
         .set(&keys.observe(hello.node), b"")
         .await
         .map_err(lost)?;
-    Ok((store, reached, local))
+    Ok((store, reached, local, how))
+}
+
+/// The launch host's address this agent uses, and how it was chosen (None: nothing to choose
+/// by). The control plane takes the path that was already checked: the user's address, else
+/// loopback on the launch host's own machine, else the address this node's ssh connection came
+/// from, else the one the launch host (or this node's parent in the launch tree) chose for it.
+/// Never whichever answers first: that may be a network nobody checked (a docker bridge, a
+/// management network), and it can change from run to run.
+pub(crate) fn choose(hello: &Hello) -> Option<(SocketAddr, AddrChoice)> {
+    let addrs: Vec<SocketAddr> = hello.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+    let of = |ip: IpAddr| {
+        addrs
+            .iter()
+            .find(|a| net::canonical(a.ip()) == net::canonical(ip))
+            .copied()
+    };
+    if hello.pinned {
+        return addrs.first().map(|a| (*a, AddrChoice::Given));
+    }
+    if !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback()) {
+        return Some((addrs[0], AddrChoice::Local));
+    }
+    // Behind NAT or a jump host the client address is none of the launch host's: not taken.
+    if let Some(a) = ssh_client().and_then(of) {
+        return Some((a, AddrChoice::Ssh));
+    }
+    let p = hello.prefer.as_ref()?;
+    let a = p.ip.parse().ok().and_then(of)?;
+    Some((a, p.how))
+}
+
+/// The client's address of the ssh connection this agent runs in (`SSH_CONNECTION`: client
+/// address, client port, server address, server port).
+fn ssh_client() -> Option<IpAddr> {
+    std::env::var("SSH_CONNECTION")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A connection to the store at the `chosen` address (the route it took is named when it
+/// fails), or with none chosen the first of `addrs` to answer; with the address it went to,
+/// how that was chosen, and this end's address.
+pub(crate) async fn connect(
+    addrs: &[String],
+    chosen: Option<(SocketAddr, AddrChoice)>,
+) -> Result<(Client, SocketAddr, SocketAddr, AddrChoice)> {
+    let Some((sa, how)) = chosen else {
+        let (c, reached, local) = connect_any(addrs).await?;
+        return Ok((c, reached, local, AddrChoice::First));
+    };
+    let (c, local) = connect_one(sa).await.map_err(|e| {
+        let route = match net::route_from(sa) {
+            Some((src, Some(dev))) => format!("this node's route to it goes from {src} on {dev}"),
+            Some((src, None)) => format!("this node's route to it goes from {src}"),
+            None => "this node has no route to it".to_string(),
+        };
+        Error::helper(format!(
+            "{sa}, the address {} ({route}): {e}; check the firewall on the launch host and \
+             the route between them (`ip route get {}` here), or give the address to use \
+             (--local-addr)",
+            how.words(),
+            sa.ip()
+        ))
+    })?;
+    Ok((c, sa, local, how))
+}
+
+/// A store connection to `sa` and this end's address, within 10 s.
+async fn connect_one(sa: SocketAddr) -> std::result::Result<(Client, SocketAddr), String> {
+    let s = tokio::time::timeout(Duration::from_secs(10), tokio::net::TcpStream::connect(sa))
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|e| e.to_string())?;
+    let local = s.local_addr().map_err(|e| e.to_string())?;
+    let c = Client::from_stream(s).await.map_err(|e| e.to_string())?;
+    Ok((c, local))
+}
+
+/// Where this agent reached the store: the address, this end's, and how it was chosen.
+#[derive(Clone, Copy)]
+struct Reached {
+    reached: SocketAddr,
+    local: SocketAddr,
+    chosen: AddrChoice,
 }
 
 /// Publishes this node's [`Joined`] record (its facts, its probe listener, its own work
@@ -339,9 +434,13 @@ async fn publish_joined(
     hello: &Hello,
     keys: &Keys,
     me: &str,
-    reached: SocketAddr,
-    local: SocketAddr,
+    at: &Reached,
 ) -> Result<String> {
+    let Reached {
+        reached,
+        local,
+        chosen,
+    } = *at;
     let probe_addr = match hello.probed {
         true => exec::listen_for_probes(local).await.map_err(|e| {
             Error::helper(format!(
@@ -390,6 +489,7 @@ async fn publish_joined(
         nonce: nonce.clone(),
         local_addr: local.to_string(),
         reached: reached.to_string(),
+        chosen,
         probe_addr,
         facts,
         own_sealed,
@@ -704,6 +804,7 @@ impl Requests {
     }
 }
 
+/// The first of `addrs` to answer (all tried at once): only where nothing chose one.
 async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr)> {
     let mut set = tokio::task::JoinSet::new();
     for a in addrs {
@@ -711,27 +812,17 @@ async fn connect_any(addrs: &[String]) -> Result<(Client, SocketAddr, SocketAddr
             continue;
         };
         set.spawn(async move {
-            let s =
-                tokio::time::timeout(Duration::from_secs(10), tokio::net::TcpStream::connect(sa))
-                    .await;
-            match s {
-                Ok(Ok(s)) => {
-                    let local = s.local_addr().map_err(|e| Error::helper(e.to_string()))?;
-                    let c = Client::from_stream(s)
-                        .await
-                        .map_err(|e| Error::helper(format!("{sa}: {e}")))?;
-                    Ok((c, sa, local))
-                }
-                Ok(Err(e)) => Err(Error::helper(format!("{sa}: {e}"))),
-                Err(_) => Err(Error::helper(format!("{sa}: timed out"))),
-            }
+            connect_one(sa)
+                .await
+                .map(|(c, local)| (c, sa, local))
+                .map_err(|e| format!("{sa}: {e}"))
         });
     }
     let mut errors = Vec::new();
     while let Some(r) = set.join_next().await {
         match r {
             Ok(Ok(v)) => return Ok(v),
-            Ok(Err(e)) => errors.push(e.message),
+            Ok(Err(e)) => errors.push(e),
             Err(e) => errors.push(e.to_string()),
         }
     }

@@ -57,9 +57,20 @@ impl Subtree {
         let ssh = hello.tree_ssh.clone().unwrap_or_default();
         let sem = Arc::new(tokio::sync::Semaphore::new(ssh.concurrency.max(1)));
         let (phase, _) = watch::channel(Phase::Running);
+        // Its children use the launch host's address it uses: their ssh connections come from
+        // this node, which says nothing of the launch host's addresses.
+        let chosen = super::choose(hello);
+        let prefer = match chosen {
+            Some((a, _)) => Some(crate::protocol::Prefer {
+                ip: a.ip().to_string(),
+                how: crate::protocol::AddrChoice::Tree,
+            }),
+            None => hello.prefer.clone(),
+        };
         let report = Arc::new(Reporter {
             me: hello.label.clone(),
             addrs: hello.addrs.clone(),
+            chosen,
             secret: hello.secret.clone(),
             keys: Keys::new(&hello.run),
             conn: tokio::sync::Mutex::new(None),
@@ -77,6 +88,7 @@ impl Subtree {
                 heartbeat: !b.local,
                 nodes: Vec::new(),
                 own: None,
+                prefer: prefer.clone(),
                 ..hello.clone()
             };
             children.spawn(serve_child(
@@ -188,6 +200,8 @@ struct Reporter {
     /// This agent's node, for its last words.
     me: String,
     addrs: Vec<String>,
+    /// The launch host's address this agent uses ([`super::choose`]).
+    chosen: Option<(std::net::SocketAddr, crate::protocol::AddrChoice)>,
     secret: String,
     keys: Keys,
     conn: tokio::sync::Mutex<Option<Client>>,
@@ -235,7 +249,7 @@ impl Reporter {
     }
 
     async fn connect(&self) -> Option<Client> {
-        let (mut c, reached, _) = super::connect_any(&self.addrs).await.ok()?;
+        let (mut c, reached, _, _) = super::connect(&self.addrs, self.chosen).await.ok()?;
         super::prove(&mut c, &self.secret, &reached).await.ok()?;
         Some(c)
     }

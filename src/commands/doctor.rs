@@ -66,9 +66,13 @@ async fn cluster(s: &mut Session, python: Option<&std::path::Path>) -> u8 {
     use std::fmt::Write as _;
     let mut out = String::new();
     for (_, n, j) in s.joined() {
+        // How its agent chose that address (none for the launch host's own in-process node).
+        let how = j.link.as_ref().map_or(String::new(), |l| {
+            format!(", the address {}", l.chosen.words())
+        });
         let _ = writeln!(
             out,
-            "{}: NCCL_SOCKET_IFNAME would be =={} (it reached the launch host at {})",
+            "{}: NCCL_SOCKET_IFNAME would be =={} (it reached the launch host at {}{how})",
             n.label,
             j.ifname.as_deref().unwrap_or("?"),
             j.master_addr

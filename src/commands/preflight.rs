@@ -329,7 +329,9 @@ pub(super) fn node_settings(
         },
         (None, _) => "0.0.0.0".into(),
     };
-    pf.settings(id.to_string(), lib, listen)
+    let mut settings = pf.settings(id.to_string(), lib, listen);
+    settings.host = Some(s.machine_label(i));
+    settings
 }
 
 /// Every rank's report and last stage, in one read: from the store this nrun hosts, or with

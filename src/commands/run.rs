@@ -35,7 +35,9 @@ pub(crate) async fn run(
     // the nodes left out.
     // --report-html draws the very value --report holds.
     let nodes = s.nodes_json();
-    let rewrite = !job.preflight_only || nodes.is_some();
+    let control = s.control_json();
+    let has_control = control.as_array().is_some_and(|c| !c.is_empty());
+    let rewrite = !job.preflight_only || nodes.is_some() || has_control;
     let value = match (job.preflight_only, &rec.preflight) {
         (false, _) => Some(rec.json(code_of, &s)),
         (true, Some(pf)) => Some(pf.clone()),
@@ -44,6 +46,10 @@ pub(crate) async fn run(
     let value = value.map(|mut v| {
         if let Some(n) = nodes {
             v["nodes"] = n;
+        }
+        // Where each node's agent reaches this host, and why that address.
+        if has_control {
+            v["control"] = control.clone();
         }
         v
     });

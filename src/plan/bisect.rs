@@ -30,8 +30,12 @@ impl BisectSettings {
             target,
             sweep,
             nodes,
+            local_addr,
             command,
         } = args;
+        if let Some(a) = local_addr {
+            super::rdzv::check_host("--local-addr", a)?;
+        }
         let nproc = resolve_nproc(nproc_per_node.as_deref().unwrap_or("1"), env)?;
         let probe = *probe;
         if probe == Probe::Cmd && command.is_empty() {
@@ -90,7 +94,7 @@ impl BisectSettings {
         ])?;
         Ok((
             BisectSettings {
-                session: SessionPlan::own("bisect", "", python),
+                session: SessionPlan::own("bisect", "", python, local_addr.clone()),
                 workers,
                 sweep: preflight,
                 probe,

@@ -64,12 +64,19 @@ pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
             })
         }
         Some(Command::Doctor(args)) => {
-            let DoctorArgs { python, nodes } = *args;
+            let DoctorArgs {
+                python,
+                local_addr,
+                nodes,
+            } = *args;
+            if let Some(a) = &local_addr {
+                rdzv::check_host("--local-addr", a)?;
+            }
             let python = find_python(python.as_deref(), env);
             let shape = Shape::per_host(1, python.is_some());
             let nodes = NodesPlan::resolve(&nodes, &shape, env)?;
             let doctor = DoctorSettings {
-                session: SessionPlan::own("doctor", "127.0.0.1", python),
+                session: SessionPlan::own("doctor", "127.0.0.1", python, local_addr),
             };
             Ok(Mode::Doctor { doctor, nodes })
         }

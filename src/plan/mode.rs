@@ -39,12 +39,20 @@ pub(crate) struct SessionPlan {
     pub static_secret: Option<String>,
     /// The Python interpreter the job uses (or would use): torch's NCCL, the nodes' facts.
     pub python: Option<PathBuf>,
+    /// The launch host's address every remote agent uses (`--local-addr` with nodes nrun
+    /// starts); None: chosen per node (`agent::choose`).
+    pub control_addr: Option<String>,
 }
 
 impl SessionPlan {
     /// A session of nrun's own (doctor, bisect) on a store it hosts on any free port, named
     /// `run_id`, open to nothing but its agents.
-    pub(super) fn own(run_id: &str, advertise: &str, python: Option<PathBuf>) -> SessionPlan {
+    pub(super) fn own(
+        run_id: &str,
+        advertise: &str,
+        python: Option<PathBuf>,
+        control_addr: Option<String>,
+    ) -> SessionPlan {
         SessionPlan {
             run_id: run_id.into(),
             store: StorePlan::Host {
@@ -56,6 +64,7 @@ impl SessionPlan {
             c10d: None,
             static_secret: None,
             python,
+            control_addr,
         }
     }
 }

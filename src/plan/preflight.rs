@@ -200,6 +200,7 @@ impl PreflightPlan {
             nccl_lib,
             listen_addr,
             links: true,
+            host: None,
         }
     }
 }

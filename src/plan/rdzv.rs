@@ -193,7 +193,7 @@ fn is_run_id(id: &str) -> bool {
 /// An address flag's value (`--master-addr`, `--local-addr`): a host name (letters, digits,
 /// '-', '.', '_') or an IP address (IPv6 bare, as workers get it in MASTER_ADDR, with an
 /// optional zone). The port has its own flag.
-fn check_host(flag: &str, s: &str) -> Result<()> {
+pub(super) fn check_host(flag: &str, s: &str) -> Result<()> {
     let v6 = s
         .split_once('%')
         .map_or(s, |(a, _)| a)

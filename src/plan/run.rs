@@ -350,6 +350,7 @@ impl SessionPlan {
             run_id,
             c10d,
             python,
+            control_addr: rdzv.local_addr.clone().filter(|_| uses_hosts),
         })
     }
 }

@@ -80,6 +80,9 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
         node,
         label: nrun_base::net::hostname(),
         addrs: vec![reached.to_string()],
+        // The endpoint that answered is the one it uses.
+        pinned: true,
+        prefer: None,
         cwd: std::env::current_dir()
             .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?,
         version: nrun_base::VERSION.to_string(),

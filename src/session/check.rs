@@ -216,8 +216,7 @@ impl Session {
             .filter(|i| self.nodes[*i].joined.is_some() && !self.is_left_out(*i))
             .collect();
         let k = ring.len();
-        let local: Vec<bool> = self.nodes.iter().map(|n| n.is_local()).collect();
-        let pairs = ring_pairs(&ring, |i| local[i]);
+        let pairs = ring_pairs(&ring, |a, b| self.same_machine(a, b));
         if pairs.is_empty() {
             return Ok(Vec::new());
         }
@@ -397,17 +396,18 @@ impl Session {
 }
 
 /// The ring's links `(a, b)` (a connects to b) that can be blocked: those between two nodes of
-/// the launch host's machine share one network stack and are left out, so a job of this
-/// machine's nodes alone probes nothing (its agents open no probe listener: the same locality,
-/// decided in `link::child::start`, sets their `Hello::probed`).
-fn ring_pairs(ring: &[usize], local: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+/// one machine (`same`: the launch host's, or one the kernels say is one) share one network
+/// stack and are left out, so a job of this machine's nodes alone probes nothing (its agents
+/// open no probe listener: the same locality, decided in `link::child::start`, sets their
+/// `Hello::probed`).
+fn ring_pairs(ring: &[usize], same: impl Fn(usize, usize) -> bool) -> Vec<(usize, usize)> {
     let k = ring.len();
     if k < 2 {
         return Vec::new();
     }
     (0..k)
         .map(|p| (ring[p], ring[(p + 1) % k]))
-        .filter(|&(a, b)| !(local(a) && local(b)))
+        .filter(|&(a, b)| !same(a, b))
         .collect()
 }
 
@@ -449,13 +449,16 @@ mod tests {
     }
 
     #[test]
-    fn links_within_the_launch_hosts_machine_are_not_probed() {
-        let all = |_| false;
+    fn links_within_one_machine_are_not_probed() {
+        let all = |_, _| false;
         assert_eq!(ring_pairs(&[0, 1, 2], all), [(0, 1), (1, 2), (2, 0)]);
         assert_eq!(ring_pairs(&[4], all), []);
-        // Two loopback nodes (0, 1) and one elsewhere (2): 0 -> 1 is one machine's own.
-        assert_eq!(ring_pairs(&[0, 1, 2], |i| i < 2), [(1, 2), (2, 0)]);
-        assert_eq!(ring_pairs(&[0, 1, 2], |_| true), []);
+        // Two nodes of one machine (0, 1) and one elsewhere (2): 0 -> 1 is one machine's own.
+        assert_eq!(
+            ring_pairs(&[0, 1, 2], |a, b| a < 2 && b < 2),
+            [(1, 2), (2, 0)]
+        );
+        assert_eq!(ring_pairs(&[0, 1, 2], |_, _| true), []);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::link::{JoinHere, Joining};
 use super::{AgentLink, JoinedNode, Node, Session};
-use crate::protocol::{Joined, Step, c10d_next_key, c10d_refused_key, c10d_room_key};
+use crate::protocol::{AddrChoice, Joined, Step, c10d_next_key, c10d_refused_key, c10d_room_key};
 use nrun_base::error::{Error, Result};
 
 /// How long nodes beyond the job's size may still join once the job has its nodes.
@@ -127,7 +127,67 @@ impl Session {
             self.nodes.iter().filter(|n| n.joined.is_some()).count(),
             waited.as_secs_f64()
         );
+        if let Some(differ) = self.control_paths_differ() {
+            tracing::info!("{differ}");
+        }
         Ok(failures)
+    }
+
+    /// Where the joined remote nodes' agents reach the launch host, when that is not one
+    /// address for all: each address, how it was chosen, and its nodes. None: one address.
+    pub(crate) fn control_paths_differ(&self) -> Option<String> {
+        let mut by_addr: std::collections::BTreeMap<String, (AddrChoice, Vec<String>)> =
+            std::collections::BTreeMap::new();
+        for n in self.nodes.iter().filter(|n| !n.is_local()) {
+            let Some(l) = n.joined.as_ref().and_then(|j| j.link.as_ref()) else {
+                continue;
+            };
+            let ip = l
+                .reached
+                .parse::<std::net::SocketAddr>()
+                .map_or(l.reached.clone(), |a| a.ip().to_string());
+            by_addr
+                .entry(ip)
+                .or_insert_with(|| (l.chosen, Vec::new()))
+                .1
+                .push(n.label.clone());
+        }
+        if by_addr.len() < 2 {
+            return None;
+        }
+        let each: Vec<String> = by_addr
+            .iter()
+            .map(|(ip, (how, nodes))| {
+                format!(
+                    "{ip} (the address {}) from {}",
+                    how.words(),
+                    crate::progress::few(nodes)
+                )
+            })
+            .collect();
+        Some(format!(
+            "the nodes reach the launch host at different addresses: {}",
+            each.join("; ")
+        ))
+    }
+
+    /// `--report`'s `control` section: each joined node's launch-host address, how its agent
+    /// chose it, and the node's own end of that connection.
+    pub(crate) fn control_json(&self) -> serde_json::Value {
+        let nodes: Vec<serde_json::Value> = self
+            .nodes
+            .iter()
+            .filter_map(|n| {
+                let l = n.joined.as_ref()?.link.as_ref()?;
+                Some(serde_json::json!({
+                    "host": n.label,
+                    "launch_addr": l.reached,
+                    "chosen": l.chosen.as_str(),
+                    "node_addr": l.local_addr,
+                }))
+            })
+            .collect();
+        serde_json::Value::Array(nodes)
     }
 
     /// Who the join waits for (nodes neither joined nor `gone`), and who is in.
@@ -209,6 +269,7 @@ impl Session {
         let Joined {
             local_addr,
             reached,
+            chosen,
             probe_addr,
             mut facts,
             nonce,
@@ -249,6 +310,7 @@ impl Session {
             link: Some(AgentLink {
                 local_addr,
                 reached,
+                chosen,
                 probe_addr,
             }),
             ifname: None,

@@ -24,7 +24,7 @@ pub(crate) mod roster;
 pub(crate) mod spec;
 pub(crate) mod step;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -64,6 +64,34 @@ impl Node {
     pub(crate) fn is_local(&self) -> bool {
         self.link.is_local()
     }
+
+    /// Which machine and network stack it is, as its kernel said when it joined (None:
+    /// unknown: not joined, or no facts).
+    pub(crate) fn machine(&self) -> Option<&str> {
+        let m = &self.joined.as_ref()?.facts.as_ref()?.machine;
+        (!m.is_empty()).then_some(m.as_str())
+    }
+}
+
+impl Session {
+    /// Whether nodes `a` and `b` are one machine and network stack: their kernels say so
+    /// (boot id and network namespace), or both are the launch host's own. Host names never
+    /// decide it: cloned machines share one.
+    pub(crate) fn same_machine(&self, a: usize, b: usize) -> bool {
+        let (x, y) = (&self.nodes[a], &self.nodes[b]);
+        (x.is_local() && y.is_local())
+            || matches!((x.machine(), y.machine()), (Some(m), Some(n)) if m == n)
+    }
+
+    /// The label of node `i`'s machine: that of the first node that is the same machine, so
+    /// that nodes of one machine share it and every other machine has its own (labels are the
+    /// names the user gave, distinct where host names are not).
+    pub(crate) fn machine_label(&self, i: usize) -> String {
+        (0..i).find(|&j| self.same_machine(i, j)).map_or_else(
+            || self.nodes[i].label.clone(),
+            |j| self.nodes[j].label.clone(),
+        )
+    }
 }
 
 /// Where a remote agent connected from and where it answers probes: its
@@ -71,6 +99,8 @@ impl Node {
 pub(crate) struct AgentLink {
     pub local_addr: String,
     pub reached: String,
+    /// How the agent chose `reached`.
+    pub chosen: crate::protocol::AddrChoice,
     pub probe_addr: String,
 }
 
@@ -421,6 +451,26 @@ pub(crate) fn coordinator_addrs(port: u16) -> Vec<String> {
         .into_iter()
         .map(|ip| SocketAddr::new(ip, port).to_string())
         .collect()
+}
+
+/// The user's launch-host address for every remote agent (`--local-addr`), "ip:port"; a name
+/// is resolved here. Err: it does not resolve (usage).
+pub(crate) fn pinned_addr(plan: &SessionPlan, port: u16) -> Result<Option<String>> {
+    let Some(a) = &plan.control_addr else {
+        return Ok(None);
+    };
+    let found = (a.as_str(), port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut v| v.next());
+    match found {
+        Some(sa) => Ok(Some(
+            SocketAddr::new(nrun_base::net::canonical(sa.ip()), port).to_string(),
+        )),
+        None => Err(Error::usage(format!(
+            "--local-addr {a}: not an address of this host, nor a name it resolves"
+        ))),
+    }
 }
 
 /// The store this nrun hosts, and the stop that ends its serving.

@@ -516,14 +516,22 @@ impl Cluster {
 
     /// Host i's address on the cluster's bridge (10.213.N.(10+i)).
     pub(crate) fn addr(&self, i: usize) -> String {
+        format!("10.213.{}.{}", self.net(), 10 + i)
+    }
+
+    /// The cluster's N (its subnet is 10.213.N.0/24): unique among clusters of other names.
+    pub(crate) fn net(&self) -> String {
         let env = std::fs::read_to_string(format!("{}/cluster.env", self.dir())).unwrap();
-        let net = env
-            .lines()
+        env.lines()
             .find_map(|l| l.strip_prefix("NRUN_CLUSTER_NET="))
             .unwrap()
             .trim()
-            .to_string();
-        format!("10.213.{net}.{}", 10 + i)
+            .to_string()
+    }
+
+    /// The launch host's address on the cluster's bridge (10.213.N.1).
+    pub(crate) fn launch_addr(&self) -> String {
+        format!("10.213.{}.1", self.net())
     }
 
     pub(crate) fn host(&self, i: usize) -> String {
@@ -689,6 +697,24 @@ impl Cluster {
             .status()
             .unwrap();
         assert!(st.success(), "bind a speed over {}'s eth0", self.host(i));
+    }
+
+    /// Sets host i's host name (in the UTS namespace of its sshd, which every ssh session
+    /// there inherits).
+    pub(crate) fn set_hostname(&self, i: usize, name: &str) {
+        let pid =
+            std::fs::read_to_string(format!("{}/{}/sshd.pid", self.dir(), self.host(i))).unwrap();
+        let st = Command::new("nsenter")
+            .args(["-t", pid.trim(), "-u", "hostname", name])
+            .status()
+            .unwrap();
+        assert!(st.success(), "set {}'s host name", self.host(i));
+    }
+
+    /// Runs `cmd` on the launch host (the root namespace); panics if it fails.
+    pub(crate) fn exec_here(&self, cmd: &str) {
+        let st = Command::new("sh").args(["-c", cmd]).status().unwrap();
+        assert!(st.success(), "on the launch host: {cmd}");
     }
 
     pub(crate) fn exec(&self, i: usize, cmd: &str) {

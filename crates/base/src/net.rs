@@ -115,6 +115,12 @@ pub fn is_this_host(label: &str) -> bool {
 /// The interface this host would send from to reach `target`. A connected UDP socket sends
 /// nothing; it only asks the kernel for the route's source address.
 pub fn route_interface(target: std::net::SocketAddr) -> Option<String> {
+    route_from(target)?.1
+}
+
+/// The source address of this host's route to `target`, and the interface holding it (None:
+/// no route). Sends nothing (a connected UDP socket only asks the kernel).
+pub fn route_from(target: std::net::SocketAddr) -> Option<(IpAddr, Option<String>)> {
     let bind: std::net::SocketAddr = if target.is_ipv4() {
         ([0, 0, 0, 0], 0).into()
     } else {
@@ -123,7 +129,8 @@ pub fn route_interface(target: std::net::SocketAddr) -> Option<String> {
     let local = std::net::UdpSocket::bind(bind)
         .and_then(|u| u.connect(target).and_then(|_| u.local_addr()))
         .ok()?;
-    owner(&interfaces(), local.ip()).map(|i| i.name.clone())
+    let dev = owner(&interfaces(), local.ip()).map(|i| i.name.clone());
+    Some((canonical(local.ip()), dev))
 }
 
 #[cfg(test)]

@@ -219,6 +219,10 @@ pub struct DoctorArgs {
     /// Python interpreter whose torch is reported (default: $PYTHON_EXEC, else python3 on PATH).
     #[arg(long, env = "NRUN_PYTHON", value_name = "PATH")]
     pub python: Option<PathBuf>,
+    /// The launch host's address every node's agent uses (default: the address its ssh
+    /// connection came from, else this host's route to it).
+    #[arg(long = "local-addr", env = "NRUN_LOCAL_ADDR", value_name = "ADDR")]
+    pub local_addr: Option<String>,
     #[command(flatten)]
     pub nodes: NodesArgs,
 }
@@ -237,6 +241,11 @@ pub struct BisectArgs {
     pub sweep: SweepArgs,
     #[command(flatten)]
     pub nodes: NodesArgs,
+
+    /// The launch host's address every node's agent and the groups' MASTER_ADDR use (default:
+    /// the address its ssh connection came from, else this host's route to it).
+    #[arg(long = "local-addr", env = "NRUN_LOCAL_ADDR", value_name = "ADDR")]
+    pub local_addr: Option<String>,
 
     /// With --probe cmd: the command each group runs, after `--`.
     #[arg(value_name = "COMMAND [ARGS]...", trailing_var_arg = true, num_args = 1..)]
@@ -359,7 +368,9 @@ pub struct RendezvousArgs {
     )]
     pub store_max_bytes: String,
 
-    /// Address of this node that workers and other nodes use for the store.
+    /// Address of this node that workers and other nodes use for the store; with a host list,
+    /// the launch host's address every node's agent uses (default: the address its ssh
+    /// connection came from, else this host's route to it).
     #[arg(long = "local-addr", alias = "local_addr", env = "NRUN_LOCAL_ADDR")]
     pub local_addr: Option<String>,
 }

@@ -62,6 +62,11 @@ pub struct Settings {
     /// compares whole groups instead).
     #[serde(default)]
     pub links: bool,
+    /// The node's label as the launcher names it, one per machine (host names are labels that
+    /// cloned machines share): what the ranks report as their host, so that ranks are grouped
+    /// by machine and links between machines are told apart. None: this host's name.
+    #[serde(default)]
+    pub host: Option<String>,
 }
 
 pub const ENV: &str = "NRUN_PREFLIGHT";
@@ -494,6 +499,7 @@ mod tests {
         assert!(parse_sizes("8:4K:1").is_err());
         assert!(parse_sizes("x").is_err());
         let s = Settings {
+            host: None,
             id: "x".into(),
             mode: Mode::Net,
             min_bytes: 8,

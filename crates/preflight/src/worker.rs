@@ -215,7 +215,7 @@ fn run() -> Result<()> {
         rt.block_on(store.authenticate(secret.as_bytes()))
             .map_err(|e| Error::helper(format!("rank {rank}: store: {e}")))?;
     }
-    let host = nrun_base::net::hostname();
+    let host = s.host.clone().unwrap_or_else(nrun_base::net::hostname);
     let mut ctx = Ctx {
         rt,
         store,

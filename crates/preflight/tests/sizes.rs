@@ -32,6 +32,7 @@ fn settings() -> Settings {
         nccl_lib: None,
         listen_addr: "127.0.0.1".into(),
         links: false,
+        host: None,
     }
 }
 

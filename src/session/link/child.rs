@@ -236,12 +236,14 @@ pub(crate) async fn start(
     for b in &starts {
         let (i, label, local) = (b.node, b.label.clone(), b.local);
         // This machine's own node talks to the store over loopback: an address of some other
-        // interface could go away under it (and buys nothing).
-        let addrs = match local {
-            true => loopback_addrs(&how.addrs),
-            false => how.addrs.clone(),
+        // interface could go away under it (and buys nothing). Another's uses the address its
+        // ssh connection comes from, else the one the launch host's route to it starts at
+        // (`agent::choose`).
+        let mut hello = match local {
+            true => how.hello(i, &label, loopback_addrs(&how.addrs), Vec::new()),
+            false => how.remote_hello(i, &label, None, Vec::new()),
         };
-        let mut hello = how.hello(i, &label, addrs, Vec::new());
+        let routed = !local && how.pinned.is_none();
         // This host's own agent is watched as a process, not by its heartbeat.
         hello.heartbeat = !local;
         hello.probed = elsewhere;
@@ -261,6 +263,9 @@ pub(crate) async fn start(
         let (sem, np) = (sem.clone(), shared.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
+            if routed {
+                hello.prefer = route_prefer(&label).await;
+            }
             start_one(&np, &label, local, &hello, relay).await
         }));
     }
@@ -579,6 +584,30 @@ impl ChildLink {
             )),
         }
     }
+}
+
+/// The source address of the launch host's route to `host` (an ssh destination: `user@`
+/// dropped), as the address its agent is to use where its ssh connection does not say; None
+/// where the name does not resolve here within 2 s (an alias of ssh_config, say).
+pub(crate) async fn route_prefer(host: &str) -> Option<crate::protocol::Prefer> {
+    let name = host.rsplit('@').next().unwrap_or(host);
+    let name = name
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let found = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::lookup_host((name.as_str(), 22)),
+    )
+    .await
+    .ok()?
+    .ok()?
+    .next()?;
+    let (src, _) = nrun_base::net::route_from(found)?;
+    Some(crate::protocol::Prefer {
+        ip: src.to_string(),
+        how: crate::protocol::AddrChoice::Route,
+    })
 }
 
 /// The loopback entries of the coordinator's address list (all of it, if it has none).

@@ -657,6 +657,7 @@ mod tests {
         let joined = |host: &str| Joined {
             local_addr: String::new(),
             reached: String::new(),
+            chosen: Default::default(),
             probe_addr: String::new(),
             nonce: "n2".into(),
             facts: crate::facts::Facts {
@@ -797,6 +798,7 @@ mod tests {
             c10d: None,
             static_secret: None,
             python: None,
+            control_addr: None,
         };
         let rendezvous = Rendezvous {
             addr: "127.0.0.1".into(),

@@ -460,7 +460,10 @@ impl Bus {
 pub(crate) struct Instructions {
     pub secret: String,
     pub run: String,
+    /// Every address of the launch host's store, "ip:port" (loopback last).
     pub addrs: Vec<String>,
+    /// The one address the user gave (`--local-addr`), "ip:port": every remote agent uses it.
+    pub pinned: Option<String>,
     pub cwd: std::path::PathBuf,
     pub python: Option<std::path::PathBuf>,
     pub forward_signals: Vec<i32>,
@@ -474,12 +477,34 @@ impl Instructions {
             secret: s.rendezvous.secret.clone().unwrap_or_default(),
             run: s.run.to_string(),
             addrs: super::coordinator_addrs(s.rendezvous.port),
+            pinned: super::pinned_addr(plan, s.rendezvous.port)?,
             cwd: std::env::current_dir()
                 .map_err(|e| Error::usage(format!("cannot read the current directory: {e}")))?,
             python: s.plan.python_probe.then(|| plan.python.clone()).flatten(),
             forward_signals: plan.forward_signals.clone(),
             agent_timeout: s.plan.agent_timeout,
         })
+    }
+
+    /// The Hello of a node of another machine, as [`Instructions::hello`]: the user's address
+    /// pinned, else every address with `prefer` (the launch host's choice for it).
+    pub(crate) fn remote_hello(
+        &self,
+        node: usize,
+        label: &str,
+        prefer: Option<crate::protocol::Prefer>,
+        nodes: Vec<String>,
+    ) -> Hello {
+        match &self.pinned {
+            Some(p) => Hello {
+                pinned: true,
+                ..self.hello(node, label, vec![p.clone()], nodes)
+            },
+            None => Hello {
+                prefer,
+                ..self.hello(node, label, self.addrs.clone(), nodes)
+            },
+        }
     }
 
     /// The Hello of node `node` (`label`), or with `nodes` the one Hello of a step starting
@@ -497,6 +522,8 @@ impl Instructions {
             node,
             label: label.to_string(),
             addrs,
+            pinned: false,
+            prefer: None,
             cwd: self.cwd.clone(),
             version: nrun_base::VERSION.to_string(),
             python: self.python.clone(),

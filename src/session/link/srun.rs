@@ -68,7 +68,13 @@ pub(crate) async fn start(
     nudges: &Arc<Nudges>,
 ) -> Result<Vec<Node>> {
     let names: Vec<String> = hosts.iter().map(|h| h.name.clone()).collect();
-    let hello = how.hello(0, "", how.addrs.clone(), names.clone());
+    // One Hello for every node: the launch host's route to the first of them (a Slurm
+    // allocation's nodes share a network) where no address was given.
+    let prefer = match names.first() {
+        Some(n) => super::child::route_prefer(n).await,
+        None => None,
+    };
+    let hello = how.remote_hello(0, "", prefer, names.clone());
     let starter = Starter::Program(remote::srun_step_command(&names, &np.remote_nrun));
     // Every node's output comes through srun's pipes, each step's ended by its node's marks.
     let relay = Relay {
