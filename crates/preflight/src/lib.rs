@@ -317,9 +317,22 @@ pub struct RankReport {
     /// The link from the previous rank of the ring, measured alone (`--preflight net`).
     #[serde(default)]
     pub link_in: Option<LinkIn>,
+    /// What the link to the next rank lost in the link test (`--preflight net`): the kernel's
+    /// count of segments sent and retransmitted on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_out: Option<LinkOut>,
     /// The sweep's larger sizes left out, and why (a slow link would take too long on them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sweep_cut: Option<String>,
+}
+
+/// What the sender of a ring link saw of it in the link test (TCP_INFO).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct LinkOut {
+    /// The rank it sends to.
+    pub to: usize,
+    pub segments: u32,
+    pub retransmitted: u32,
 }
 
 /// What one ring link carried when it was the only thing being measured.
@@ -530,6 +543,7 @@ mod tests {
         RankReport {
             nics: Vec::new(),
             link_in: None,
+            link_out: None,
             sweep_cut: None,
             rank,
             local_rank: rank,
@@ -1050,6 +1064,24 @@ mod tests {
         let mut down = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
         down.reports.get_mut(&2).unwrap().nics[0].up = false;
         v.push(("net-nic-down", down));
+        // A lossy link at full rate (5% of its segments sent again), and a healthy one's few.
+        let mut lossy = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
+        for (r, retransmitted) in [(0, 770), (1, 3), (2, 0)] {
+            lossy.reports.get_mut(&r).unwrap().link_out = Some(LinkOut {
+                to: (r + 1) % 3,
+                segments: 18_000,
+                retransmitted,
+            });
+        }
+        v.push(("net-lossy", lossy));
+        // The sweep cut short over a slow link.
+        let mut cut = net_ring([0.002, 1.1, 0.9], [10_000; 3]);
+        cut.reports.get_mut(&0).unwrap().sweep_cut = Some(
+            "sizes from 2 MiB up not run: over the slowest link (into rank 0, 0.0020 GB/s) each \
+             would take over 2 s"
+                .into(),
+        );
+        v.push(("net-sweep-cut", cut));
         let mut unknown = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
         unknown.reports.get_mut(&1).unwrap().nics[0].mbps = None;
         v.push(("net-speed-unknown", unknown));

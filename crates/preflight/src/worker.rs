@@ -244,6 +244,7 @@ fn run() -> Result<()> {
         mem_gbs: None,
         nics: Vec::new(),
         link_in: None,
+        link_out: None,
         sweep_cut: None,
     };
     let result = match ctx.s.mode {
@@ -1160,8 +1161,44 @@ fn test_links(
             ));
         }
     }
+    if let Some((out, _)) = r.probe.as_ref() {
+        rep.link_out = sent_and_lost(out).map(|(segments, retransmitted)| super::LinkOut {
+            to: next,
+            segments,
+            retransmitted,
+        });
+    }
     r.probe = None;
     Ok(())
+}
+
+/// The kernel's count of segments sent on `s` and of those sent again (TCP_INFO's
+/// tcpi_segs_out and tcpi_total_retrans; read from the kernel's layout, which glibc's struct
+/// stops short of).
+fn sent_and_lost(s: &TcpStream) -> Option<(u32, u32)> {
+    use std::os::fd::AsRawFd;
+    let mut buf = [0u8; 256];
+    let mut len = buf.len() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `buf` and sets `len` to how many.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            buf.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    // 8 one-byte fields, 23 u32 fields (tcpi_rto .. tcpi_rcv_space), tcpi_total_retrans,
+    // 4 u64 fields (pacing rates, bytes acked and received), tcpi_segs_out.
+    let u32_at = |at: usize| {
+        buf.get(at..at + 4)
+            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    match rc == 0 && len as usize >= 140 {
+        true => Some((u32_at(136)?, u32_at(100)?)),
+        false => None,
+    }
 }
 
 /// Each rank's address without its port (ranks of one node share it), in rank order, once
