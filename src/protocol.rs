@@ -646,6 +646,12 @@ impl Keys {
         self.key(format_args!("n{node}/watch/{step}"))
     }
 
+    /// Set at node 0's store by node `node` of a static launch when it arrives (its host
+    /// name): each waits there until all have (`session::meet`).
+    pub(crate) fn static_arrived(&self, node: usize) -> Vec<u8> {
+        self.key(format_args!("static/{node}"))
+    }
+
     /// A SET here stores the address the store sees node `node` connect from (NAT check).
     pub(crate) fn observe(&self, node: usize) -> Vec<u8> {
         [

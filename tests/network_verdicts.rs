@@ -195,3 +195,276 @@ fn hosts_sharing_one_hostname_are_three_nodes_and_a_shaped_one_is_named() {
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
+
+/// The reason written down is the evidence seen: a spare that never joins because ssh cannot
+/// reach it is remembered in --exclude-file and --report with ssh's own error, as the console
+/// says it, not as an agent still starting; the job's end line does not say "no faults".
+#[test]
+fn an_unreachable_hosts_reason_is_sshs_own_error() {
+    let Some(c) = Cluster::up("va3", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    // In the cluster's subnet, held by no host: ssh's ARP goes unanswered.
+    let nowhere = format!("10.213.{}.99", c.net());
+    let hosts = format!("{},{nowhere}", c.host(1));
+    let exclude = s.dir.path().join("exclude");
+    let report = s.dir.path().join("report.json");
+    let opts = c.ssh_opts();
+    let out = s.run(
+        &[
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--no-python-probe",
+            "--nnodes",
+            "1",
+            "--exclude-file",
+            exclude.to_str().unwrap(),
+            "--report",
+            report.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let remembered = std::fs::read_to_string(&exclude).unwrap();
+    let line = remembered
+        .lines()
+        .find(|l| l.starts_with(&nowhere))
+        .unwrap_or_else(|| panic!("{nowhere} not remembered: {remembered}\n{err}"));
+    assert!(
+        line.contains("ssh: connect to host") && line.contains("No route to host"),
+        "{line}\n{err}"
+    );
+    assert!(!line.contains("still starting"), "{line}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let left = &v["nodes"]["left_out"][0];
+    assert_eq!(left["host"], nowhere.as_str(), "{v}");
+    assert_eq!(left["evidence"], "seen", "{v}");
+    assert!(
+        left["why"].as_str().unwrap().contains("No route to host"),
+        "{v}"
+    );
+    // The summary's list says the same.
+    assert!(
+        err.contains(&format!("  {nowhere} (join): ")) && err.contains("No route to host"),
+        "{err}"
+    );
+    let last = err
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("nrun: ran "))
+        .unwrap();
+    assert!(last.ends_with("; 1 node left out (see above)"), "{err}");
+    c.assert_nothing_left(1);
+}
+
+/// Ctrl-C while a node is still joining (its ssh hanging on dropped packets) blames nothing
+/// on that node: it is said to be interrupted, in the summary and --report, and nothing is
+/// remembered in --exclude-file; the end line says the job was interrupted, not "no faults".
+#[test]
+fn ctrl_c_during_a_join_blames_no_host() {
+    let Some(c) = Cluster::up("va4", 2) else {
+        return;
+    };
+    c.exec(2, "iptables -A INPUT -p tcp --dport 22 -j DROP");
+    let s = Scene::new();
+    let exclude = s.dir.path().join("exclude");
+    let report = s.dir.path().join("report.json");
+    let child = c.spawn_on(
+        &s,
+        2,
+        &[
+            "--exclude-file",
+            exclude.to_str().unwrap(),
+            "--report",
+            report.to_str().unwrap(),
+            "--no-python",
+            "true",
+        ],
+        &[],
+    );
+    let w = Watched::new(child);
+    w.wait_stderr("1/2 nodes joined");
+    signal(w.child(), "INT");
+    let (out, _) = w.finish();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    let host2 = c.host(2);
+    assert!(
+        err.contains(&format!(
+            "leaving out {host2} (join): had not joined when nrun was stopped by SIGINT; \
+             nothing is known against it"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("still starting"), "{err}");
+    assert!(
+        std::fs::read_to_string(&exclude)
+            .unwrap_or_default()
+            .is_empty(),
+        "nothing is remembered of an interrupted join"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(v["nodes"]["left_out"][0]["evidence"], "interrupted", "{v}");
+    let last = err
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("nrun: ran "))
+        .unwrap();
+    assert!(last.ends_with("; interrupted, exit 130"), "{err}");
+    s.assert_no_survivors();
+    c.assert_nothing_left(1);
+}
+
+/// A static launch meets as torchrun's does: node 1 with no node 0 says what it waits for,
+/// where and until when (within a second of its start), and ends with exit 95 naming node 0's
+/// store at the deadline: never exit 0 (its workers never start), never torch's stack.
+#[test]
+fn a_static_node_without_node_0_waits_says_so_and_fails() {
+    let s = Scene::new();
+    let port = free_port().to_string();
+    let marker = s.dir.path().join("worker-ran");
+    let script = format!("touch {}", marker.display());
+    let child = s.spawn(
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--join-timeout",
+            "3",
+            "--no-python",
+            "sh",
+            "-c",
+            &script,
+        ],
+        &[],
+    );
+    let w = Watched::new(child);
+    w.wait_stderr("waiting at node 0's store");
+    let (out, _) = w.finish();
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "node 1 of 2: waiting at node 0's store 127.0.0.1:{port} for node 0 ("
+        )) && err.contains("until ")
+            && err.contains("3 s, --join-timeout"),
+        "{err}"
+    );
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "node 1 of 2: node 0's store at 127.0.0.1:{port} did not answer within 3 s"
+        )),
+        "{err}"
+    );
+    assert!(!marker.exists(), "no worker starts before the nodes met");
+    assert!(
+        !err.contains("Traceback") && !err.contains("terminate called"),
+        "{err}"
+    );
+}
+
+/// A static launch whose node 0 comes late: node 1 waits, node 0 arrives, both run.
+#[test]
+fn static_nodes_meet_whichever_starts_first() {
+    let s = Scene::new();
+    let port = free_port().to_string();
+    let node = |rank: &str| {
+        s.spawn(
+            &[
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+                "--no-python",
+                "sh",
+                "-c",
+                "echo rank=$RANK",
+            ],
+            &[],
+        )
+    };
+    let one = Watched::new(node("1"));
+    one.wait_stderr("waiting at node 0's store");
+    let zero = Watched::new(node("0"));
+    let (o1, _) = one.finish();
+    let (o0, _) = zero.finish();
+    let all = format!("{}{}", text(&o0.stdout), text(&o1.stdout));
+    assert_eq!(o0.status.code(), Some(0), "{all}\n{}", text(&o0.stderr));
+    assert_eq!(o1.status.code(), Some(0), "{all}\n{}", text(&o1.stderr));
+    assert!(all.contains("rank=0") && all.contains("rank=1"), "{all}");
+}
+
+/// Another program on the rendezvous port (one that greets with a banner, one that says
+/// nothing) is named as such, with what it answered, for c10d and for a static node; not "no
+/// answer ... check the firewall".
+#[test]
+fn another_program_on_the_rendezvous_port_is_named() {
+    use std::io::Write;
+    for banner in [Some("SSH-2.0-OpenSSH_9.2"), None] {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port().to_string();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for c in l.incoming() {
+                let Ok(mut c) = c else { break };
+                if let Some(b) = banner {
+                    let _ = c.write_all(format!("{b}\r\n").as_bytes());
+                }
+                held.push(c);
+            }
+        });
+        let s = Scene::new();
+        let endpoint = format!("127.0.0.1:{port}");
+        let mut c10d = setup::c10d_args(&endpoint, "job", "20");
+        c10d.extend(["--no-python", "true"]);
+        let static_node = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--join-timeout",
+            "20",
+            "--no-python",
+            "true",
+        ];
+        for (args, flag) in [
+            (&c10d[..], "--rdzv-endpoint"),
+            (&static_node[..], "--master-port"),
+        ] {
+            let out = s.run(args, &[]);
+            let err = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(95), "{err}");
+            assert!(
+                err.contains(&format!("something else listens at {endpoint}: ")),
+                "{err}"
+            );
+            assert!(err.contains(&format!("another {flag} port")), "{err}");
+            match banner {
+                Some(b) => assert!(err.contains(b), "{err}"),
+                None => assert!(err.contains("answered nothing"), "{err}"),
+            }
+            assert!(!err.contains("check the firewall"), "{err}");
+        }
+    }
+}

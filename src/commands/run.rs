@@ -29,7 +29,14 @@ pub(crate) async fn run(
     let code = drive(&mut s, job, &mut rec).await;
     let code_of = code.as_ref().map_or_else(|e| e.code, |c| *c);
     s.journal.enter(Phase::Ending);
-    s.settle(code.is_ok());
+    // Stopped by a signal: the exit code says which (128 + its number).
+    let interrupted = code
+        .as_ref()
+        .err()
+        .filter(|e| e.code > 128)
+        .map(|e| i32::from(e.code) - 128);
+    s.await_last_words(interrupted.is_some()).await;
+    s.settle(code.is_ok(), interrupted);
     // --report is written at the end of every job, however it ended, with the nodes left out;
     // --preflight-only's own report is the preflight's (written by it), rewritten only to add
     // the nodes left out.
@@ -120,6 +127,8 @@ impl Record {
         match (self.outcome, code) {
             (Some(o), _) => o,
             (None, exit::SUCCESS) => "success",
+            // Stopped by a signal before the workers started (Ctrl-C during the join).
+            (None, c) if c > 128 => "interrupted",
             (None, _) => "not started",
         }
     }
@@ -256,6 +265,10 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
             s.plan.min_nodes,
             s.plan.size
         );
+    }
+    // A static launch's node waits at node 0's store for the others, as torchrun's does.
+    if s.is_static() {
+        s.meet().await?;
     }
     if s.in_process() {
         // Nothing to compare on one node; what the checks would say about variables still holds.

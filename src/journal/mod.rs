@@ -157,6 +157,11 @@ pub(crate) struct Ledger {
     restarts: u32,
     /// Set by [`Ledger::finish`]: the job's end (the wall time).
     ended: Option<f64>,
+    /// How the job ended: its exit code and outcome ("interrupted", "not started", ...), once
+    /// known ([`Journal::finish`]).
+    exit: Option<(u8, String)>,
+    /// Nodes left out of the job, as last told ([`Journal::nodes`]).
+    left_out: usize,
 }
 
 impl Default for Ledger {
@@ -168,6 +173,8 @@ impl Default for Ledger {
             attempts: Vec::new(),
             restarts: 0,
             ended: None,
+            exit: None,
+            left_out: 0,
         }
     }
 }
@@ -325,9 +332,13 @@ impl Ledger {
                 .attempts
                 .iter()
                 .any(|a| matches!(a.outcome, Some("failed" | "hang")));
-        let lost = match faulted {
-            false => "no faults".to_string(),
-            true => format!("lost: {restarts}{}", nrun_base::duration_text(lost)),
+        // "no faults" only where there were none: no failure, no node left out, exit 0.
+        let lost = match (faulted, &self.exit, self.left_out) {
+            (true, _, _) => format!("lost: {restarts}{}", nrun_base::duration_text(lost)),
+            (false, Some((code, outcome)), _) if *code != 0 => format!("{outcome}, exit {code}"),
+            (false, _, 0) => "no faults".to_string(),
+            (false, _, 1) => "1 node left out (see above)".to_string(),
+            (false, _, n) => format!("{n} nodes left out (see above)"),
         };
         format!(
             "ran {}, {:.1}% of it training; {lost}",
@@ -469,6 +480,7 @@ impl Journal {
 
     /// The nodes in the job, left out and spare now (the metrics).
     pub(crate) fn nodes(&self, active: usize, left_out: usize, spares: usize) {
+        self.lock().left_out = left_out;
         if let Some(m) = &self.metrics {
             m.nodes(active, left_out, spares);
         }
@@ -737,6 +749,7 @@ impl Journal {
         self.enter(Phase::Ending);
         let summary = {
             let mut l = self.lock();
+            l.exit = Some((code, outcome.to_string()));
             l.finish(now);
             l.summary(now)
         };

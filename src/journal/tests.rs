@@ -120,6 +120,32 @@ fn summaries_of_short_long_and_faultless_jobs() {
     let mut two = job();
     two.restarts = 2;
     assert!(two.summary(0.0).ends_with("lost: 2 restarts, 5.4 s"));
+    // No attempt failed, yet the job did not end well, or without leaving nodes out: no
+    // "no faults" (issue 45: it was said after exits 95, 130 and 141).
+    for (code, outcome) in [(95, "not started"), (130, "interrupted"), (141, "failed")] {
+        let mut l = Ledger {
+            exit: Some((code, outcome.to_string())),
+            ..Ledger::default()
+        };
+        l.finish(1.0);
+        assert_eq!(
+            l.summary(0.0),
+            format!("ran 1.0 s, 0.0% of it training; {outcome}, exit {code}")
+        );
+    }
+    let mut spare_out = Ledger {
+        exit: Some((0, "success".into())),
+        left_out: 1,
+        ..Ledger::default()
+    };
+    spare_out.finish(1.0);
+    assert!(
+        spare_out
+            .summary(0.0)
+            .ends_with("; 1 node left out (see above)"),
+        "{}",
+        spare_out.summary(0.0)
+    );
 }
 
 #[test]

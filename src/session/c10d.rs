@@ -167,9 +167,6 @@ pub(crate) fn own_work(job: &RunSettings) -> crate::facts::OwnWork {
     }
 }
 
-/// How long one attempt to connect to the endpoint may take.
-const CONNECT: Duration = Duration::from_secs(2);
-
 /// What a joining node has learnt about the endpoint so far: for the waiting lines, and for
 /// the message if --join-timeout passes.
 struct Looking {
@@ -291,18 +288,19 @@ async fn find(
     let (mut store, reached) = loop {
         let mut conn = None;
         for a in addrs {
-            match tokio::time::timeout(CONNECT, Client::connect(*a, CONNECT)).await {
-                Ok(Ok(s)) => {
+            match super::meet::store_at(*a).await {
+                Ok(s) => {
                     conn = Some((s, *a));
                     break;
                 }
-                Ok(Err(e)) => look.failed(*a, &e),
-                Err(_) => {
-                    look.last = format!(
-                        "{a}: no answer within {} s (packets dropped on the way?)",
-                        CONNECT.as_secs()
-                    );
+                // It answered, but as no TCPStore does: said at once, with what it answered.
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                    return Err(super::meet::something_else(endpoint, "--rdzv-endpoint", &e));
                 }
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    look.last = format!("{a}: {e}");
+                }
+                Err(e) => look.failed(*a, &e),
             }
         }
         if let Some((mut store, a)) = conn {
@@ -449,7 +447,7 @@ async fn what_listens(store: &mut Client, id: &str) -> std::io::Result<Listener>
 
 /// The endpoint's addresses: its name resolved, or (a Slurm node name the resolver does not
 /// know) the NodeAddr Slurm has for it.
-fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
+pub(super) fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
     let found = (host, port)
         .to_socket_addrs()
         .map(|a| a.collect::<Vec<_>>());

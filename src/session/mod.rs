@@ -20,6 +20,7 @@ pub(crate) mod c10d;
 pub(crate) mod check;
 pub(crate) mod join;
 pub(crate) mod link;
+pub(crate) mod meet;
 pub(crate) mod roster;
 pub(crate) mod spec;
 pub(crate) mod step;

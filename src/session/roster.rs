@@ -39,12 +39,39 @@ impl Stage {
     }
 }
 
+/// What kind of evidence left a node out: typed where it was seen, so that the summary, the
+/// events, `--report` and `--exclude-file` tell the same story.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Evidence {
+    /// Something seen: its link's own error (ssh's, srun's, its agent's), a check's or the
+    /// preflight's finding, a fault of its workers, its loss.
+    Seen,
+    /// Nothing heard: it had not joined when the job ended and its link, given a moment more,
+    /// still said nothing (ssh still connecting, or its agent still starting).
+    Unheard,
+    /// nrun was stopped (Ctrl-C, a signal) while the node was still joining: nothing is known
+    /// against it, and nothing is remembered (--exclude-file).
+    Interrupted,
+}
+
+impl Evidence {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Evidence::Seen => "seen",
+            Evidence::Unheard => "unheard",
+            Evidence::Interrupted => "interrupted",
+        }
+    }
+}
+
 /// A node left out, and why.
 #[derive(Clone, Debug)]
 pub(crate) struct LeftOut {
     pub node: usize,
     pub host: String,
     pub stage: Stage,
+    /// What kind of evidence it is.
+    pub evidence: Evidence,
     /// The evidence, in words.
     pub why: String,
     pub at: SystemTime,
@@ -61,7 +88,18 @@ impl LeftOut {
             Stage::Check | Stage::Preflight | Stage::Run => true,
         }
     }
+
+    /// Whether it is worth remembering in --exclude-file: not a node nrun was stopped from
+    /// waiting for.
+    pub(crate) fn remembered(&self) -> bool {
+        self.evidence != Evidence::Interrupted
+    }
 }
+
+/// How long the job's end waits for the link of a node that has not joined to end by itself
+/// and say why (ssh's own error: "No route to host" comes after a few seconds of ARP), before
+/// the node is written down as unheard.
+const LAST_WORDS: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Session {
     /// Nodes that joined and wait to take a left-out node's place, in node order.
@@ -88,13 +126,19 @@ impl Session {
             node: i,
             host,
             stage: Stage::Run,
+            evidence: Evidence::Seen,
             why: format!("{why} (kept in: nothing could take its place)"),
             at: SystemTime::now(),
         });
     }
 
-    /// Takes node `i` out of the job for good, saying why.
+    /// Takes node `i` out of the job for good, saying why (evidence seen).
     pub(crate) fn leave_out(&mut self, i: usize, stage: Stage, why: &str) {
+        self.leave_out_for(i, stage, Evidence::Seen, why);
+    }
+
+    /// Takes node `i` out of the job for good on `evidence` of that kind, in words `why`.
+    pub(crate) fn leave_out_for(&mut self, i: usize, stage: Stage, evidence: Evidence, why: &str) {
         if self.is_left_out(i) {
             return;
         }
@@ -109,12 +153,17 @@ impl Session {
         self.journal.emit(
             Event::new("node_left_out", format!("leaving out {host}: {why}"))
                 .node(i, &host)
-                .meta(json!({"stage": stage.as_str(), "reason": why})),
+                .meta(json!({
+                    "stage": stage.as_str(),
+                    "evidence": evidence.as_str(),
+                    "reason": why,
+                })),
         );
         self.left_out.push(LeftOut {
             node: i,
             host,
             stage,
+            evidence,
             why,
             at: SystemTime::now(),
         });
@@ -316,6 +365,7 @@ impl Session {
                     serde_json::json!({
                         "host": l.host,
                         "stage": l.stage.as_str(),
+                        "evidence": l.evidence.as_str(),
                         "why": l.why,
                         "at": humantime::format_rfc3339_seconds(l.at).to_string(),
                     })
@@ -324,28 +374,80 @@ impl Session {
         )
     }
 
-    /// At the job's end: nodes that never joined are named with their links' last words, the
-    /// nodes left out are listed, remembered in --exclude-file and given as the next sbatch's
-    /// --exclude= inside Slurm. `list`: print the nodes left out (an error that ended the job
-    /// named them already).
-    pub(crate) fn settle(&mut self, list: bool) {
-        let timeout = self.plan.join_timeout;
-        for i in 0..self.nodes.len() {
-            // c10d slots nobody came to are no nodes.
-            let by_itself = self.nodes[i].link.kind().joins_by_itself;
-            if by_itself || self.nodes[i].joined.is_some() || self.is_left_out(i) {
-                continue;
+    /// Nodes that never joined and are not written down yet (c10d slots nobody came to are no
+    /// nodes).
+    fn unsettled(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| {
+                !self.nodes[i].link.kind().joins_by_itself
+                    && self.nodes[i].joined.is_none()
+                    && !self.is_left_out(i)
+            })
+            .collect()
+    }
+
+    /// At the job's end, before [`Session::settle`]: gives the links of nodes that never
+    /// joined up to [`LAST_WORDS`] to end by themselves, so that each is written down with its
+    /// own error (ssh's "No route to host") rather than as unheard. Not when nrun was
+    /// interrupted: the user wants out.
+    pub(crate) async fn await_last_words(&mut self, interrupted: bool) {
+        if interrupted || self.unsettled().is_empty() {
+            return;
+        }
+        let until = tokio::time::Instant::now() + LAST_WORDS;
+        loop {
+            let waiting = self
+                .unsettled()
+                .into_iter()
+                .any(|i| self.nodes[i].link.joining() == super::link::Joining::Pending);
+            if !waiting || tokio::time::Instant::now() >= until {
+                break;
             }
+            // A link's end nudges; the tick bounds the wait.
+            tokio::select! {
+                () = self.bus.nudges.notify.notified() => {}
+                () = tokio::time::sleep(std::time::Duration::from_millis(50)) => {}
+            }
+        }
+        // Let the relays of their stderr pass on the last line.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    /// At the job's end: nodes that never joined are named with their links' last words (or
+    /// as unheard; as interrupted where nrun was stopped by signal `interrupted` while they
+    /// joined), the nodes left out are listed, remembered in --exclude-file (all but the
+    /// interrupted) and given as the next sbatch's --exclude= inside Slurm. `list`: print the
+    /// nodes left out (an error that ended the job named them already).
+    pub(crate) fn settle(&mut self, list: bool, interrupted: Option<i32>) {
+        let timeout = self.plan.join_timeout;
+        for i in self.unsettled() {
             let n = &mut self.nodes[i];
-            let why = match n.link.joining() {
-                super::link::Joining::Gone => n.link.join_failure(&n.label, timeout, timeout),
-                super::link::Joining::Pending => format!(
-                    "{}: had not joined when the job started and never did (its agent was still \
-                     starting: a slow host, or a network that drops its packets)",
-                    n.label
+            let (evidence, why) = match (n.link.joining(), interrupted) {
+                (super::link::Joining::Gone, _) => (
+                    Evidence::Seen,
+                    n.link.join_failure(&n.label, timeout, timeout),
+                ),
+                (super::link::Joining::Pending, Some(sig)) => (
+                    Evidence::Interrupted,
+                    format!(
+                        "{}: had not joined when nrun was stopped by {}; nothing is known \
+                         against it",
+                        n.label,
+                        nrun_node::signal_name(sig)
+                    ),
+                ),
+                (super::link::Joining::Pending, None) => (
+                    Evidence::Unheard,
+                    format!(
+                        "{}: had not joined by the job's end, and its link said nothing in {} s \
+                         more (ssh still connecting, or its agent still starting: a slow host, \
+                         or a network that drops its packets)",
+                        n.label,
+                        LAST_WORDS.as_secs()
+                    ),
                 ),
             };
-            self.leave_out(i, Stage::Join, &why);
+            self.leave_out_for(i, Stage::Join, evidence, &why);
         }
         for f in std::mem::take(&mut self.faulty) {
             if !self.is_left_out(f.node) {
@@ -365,10 +467,16 @@ impl Session {
         if list {
             eprintln!("{text}");
         }
-        if let Some(f) = &self.plan.exclude_file {
+        if let Some(f) = self
+            .plan
+            .exclude_file
+            .as_ref()
+            .filter(|_| self.left_out.iter().any(LeftOut::remembered))
+        {
             let entries: Vec<crate::plan::exclude::Entry> = self
                 .left_out
                 .iter()
+                .filter(|l| l.remembered())
                 .map(|l| crate::plan::exclude::Entry {
                     host: l.host.clone(),
                     at: l.at,
@@ -384,8 +492,13 @@ impl Session {
                 Err(e) => tracing::warn!("{e}"),
             }
         }
-        if self.plan.from_slurm {
-            let hosts: Vec<&str> = self.left_out.iter().map(|l| l.host.as_str()).collect();
+        let hosts: Vec<&str> = self
+            .left_out
+            .iter()
+            .filter(|l| l.remembered())
+            .map(|l| l.host.as_str())
+            .collect();
+        if self.plan.from_slurm && !hosts.is_empty() {
             eprintln!(
                 "nrun: for the next sbatch of this job: --exclude={}",
                 hosts.join(",")

@@ -76,6 +76,57 @@ impl Client {
         Ok(c)
     }
 
+    /// As [`Client::from_stream`], within `wait`, telling a TCPStore from another program
+    /// that accepted the connection: one that answers the handshake with other bytes, or
+    /// nothing within `wait` (a TCPStore answers at once), is an error of kind `InvalidData`
+    /// whose message says what it answered. A connection closed at once stays an
+    /// `UnexpectedEof` (a store may close clients it does not serve).
+    pub async fn from_stream_within(stream: TcpStream, wait: Duration) -> io::Result<Client> {
+        stream.set_nodelay(true)?;
+        let mut c = Client {
+            stream: BufReader::with_capacity(512, stream),
+            out: Vec::with_capacity(64),
+        };
+        c.send(&Request::Validate {
+            magic: VALIDATE_MAGIC,
+        })
+        .await?;
+        let nonce = std::process::id();
+        c.send(&Request::Ping { nonce }).await?;
+        let mut got = [0u8; 4];
+        match tokio::time::timeout(wait, c.stream.read_exact(&mut got)).await {
+            Err(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "it accepted the connection but answered nothing to the TCPStore \
+                         handshake within {} s (a TCPStore answers at once)",
+                        wait.as_secs_f64()
+                    ),
+                ));
+            }
+            Ok(r) => r?,
+        };
+        if u32::from_le_bytes(got) == nonce {
+            return Ok(c);
+        }
+        // What else it says, briefly, to name it ("SSH-2.0-OpenSSH", "HTTP/1.1 400").
+        let mut said = got.to_vec();
+        let mut more = [0u8; 60];
+        if let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_millis(200), c.stream.read(&mut more)).await
+        {
+            said.extend_from_slice(&more[..n]);
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "it answered the TCPStore handshake with {:?}, which no TCPStore says",
+                String::from_utf8_lossy(&said).trim_end()
+            ),
+        ))
+    }
+
     async fn send(&mut self, req: &Request) -> io::Result<()> {
         self.out.clear();
         req.encode(&mut self.out);

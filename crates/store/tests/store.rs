@@ -721,3 +721,50 @@ async fn the_store_lists_the_control_keys_clients_set() {
     assert!(got.keys.len() < 70_000);
     assert!(!store.take_changes().overflowed, "cleared by the taking");
 }
+
+/// The handshake tells a TCPStore from another program on its port: nrun's store answers;
+/// one that greets with its own banner (an sshd) is named with what it said; one that says
+/// nothing is named as silent within the wait; a store's at-once close stays an EOF.
+#[tokio::test]
+async fn the_handshake_names_what_else_listens() {
+    let (store_at, _store) = start().await;
+    let s = TcpStream::connect(store_at).await.unwrap();
+    Client::from_stream_within(s, HANG).await.unwrap();
+
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let other = l.local_addr().unwrap();
+    let (keep, mut kept) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        // First a banner, then silence, then a close.
+        let (mut a, _) = l.accept().await.unwrap();
+        a.write_all(b"SSH-2.0-OpenSSH_9.2\r\n").await.unwrap();
+        let _ = keep.send(a);
+        let (b, _) = l.accept().await.unwrap();
+        let _ = keep.send(b);
+        let (c, _) = l.accept().await.unwrap();
+        drop(c);
+    });
+    let e = Client::from_stream_within(TcpStream::connect(other).await.unwrap(), HANG)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    assert!(e.to_string().contains("\"SSH-2.0-OpenSSH_9.2\""), "{e}");
+    let _banner = kept.recv().await;
+    // Silence: the wait is the bound itself, short (nothing is to come).
+    let e = Client::from_stream_within(
+        TcpStream::connect(other).await.unwrap(),
+        Duration::from_millis(300),
+    )
+    .await
+    .err()
+    .unwrap();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    assert!(e.to_string().contains("answered nothing"), "{e}");
+    let _silent = kept.recv().await;
+    let e = Client::from_stream_within(TcpStream::connect(other).await.unwrap(), HANG)
+        .await
+        .err()
+        .unwrap();
+    assert_ne!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+}

@@ -1,0 +1,223 @@
+//! A static launch's meeting (`--node-rank`/`--master-addr`, torchrun's static rendezvous):
+//! every node checks in at node 0's store and waits there for the others before its workers
+//! start, saying what it waits for, where and until when; a node 0 that never comes, or a port
+//! where something other than a TCPStore answers, ends the wait with that said (never exit 0,
+//! never torch's own stack).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use super::Session;
+use nrun_base::error::{Error, Result};
+use nrun_store::client::Client;
+
+/// How long one attempt to reach a store may take: a TCPStore answers its handshake at once.
+pub(crate) const CONNECT: Duration = Duration::from_secs(2);
+
+/// When a waiting node first says what it waits for (well within 5 s of its start).
+const FIRST_LINE: Duration = Duration::from_secs(1);
+
+/// How often a waiting node looks again.
+const LOOK: Duration = Duration::from_millis(200);
+
+/// A store connection to `a`, within [`CONNECT`] for the connection and again for the
+/// handshake. An error of kind `InvalidData`: something other than a TCPStore answered there
+/// (said in its message, with what it answered); `TimedOut`: nothing answered the connection.
+pub(crate) async fn store_at(a: SocketAddr) -> std::io::Result<Client> {
+    let s = tokio::time::timeout(CONNECT, tokio::net::TcpStream::connect(a))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no answer within {} s (packets dropped on the way?)",
+                    CONNECT.as_secs()
+                ),
+            )
+        })??;
+    Client::from_stream_within(s, CONNECT).await
+}
+
+/// The error for a port where something other than a TCPStore answered: `e` says what.
+pub(crate) fn something_else(endpoint: &str, flag: &str, e: &std::io::Error) -> Error {
+    let port = endpoint.rsplit(':').next().unwrap_or(endpoint);
+    Error::cluster(format!(
+        "something else listens at {endpoint}: {e}; it is no TCPStore (no nrun, no torchrun): \
+         give this job another {flag} port, or stop the program that holds it there (`ss \
+         -ltnp 'sport = :{port}'` shows which)"
+    ))
+}
+
+/// The key node `k` of a static launch sets at node 0's store when it arrives.
+fn arrived(s: &Session, k: usize) -> Vec<u8> {
+    s.keys().static_arrived(k)
+}
+
+impl Session {
+    /// Whether this is a static launch's node (one of several, each with its own nrun).
+    pub(crate) fn is_static(&self) -> bool {
+        self.in_process() && self.plan.group_world > 1
+    }
+
+    /// A static launch: this node checks in at node 0's store and waits until every node has
+    /// (up to --join-timeout), saying within a second what it waits for, where and until
+    /// when. `Err`: a node missing at the deadline, node 0's store never reached, something
+    /// other than a TCPStore at its port (exit 95), or interrupted.
+    pub(crate) async fn meet(&mut self) -> Result<()> {
+        let me = self.plan.layout.first().map_or(0, |l| l.group_rank);
+        let n = self.plan.group_world;
+        let timeout = self.plan.join_timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let endpoint = format!("{}:{}", self.rendezvous.addr, self.rendezvous.port);
+        let mut progress =
+            crate::progress::Progress::new("static rendezvous", Some(n as u64), Some(deadline));
+        let mut said = false;
+        let mut say = |progress: &crate::progress::Progress, what: &str| {
+            if !said && started.elapsed() >= FIRST_LINE {
+                let until = humantime::format_rfc3339_seconds(
+                    std::time::SystemTime::now()
+                        + deadline.saturating_duration_since(Instant::now()),
+                );
+                progress.line(&format!(
+                    "node {me} of {n}: waiting at node 0's store {endpoint} for {what} before \
+                     the workers start (until {until}: {} s, --join-timeout)",
+                    timeout.as_secs()
+                ));
+                said = true;
+            }
+        };
+        let others = |present: &dyn Fn(usize) -> bool| -> Vec<usize> {
+            (0..n).filter(|&k| !present(k)).collect()
+        };
+        let missing_words = |missing: &[usize]| -> String {
+            let list: Vec<String> = missing.iter().map(|k| k.to_string()).collect();
+            match missing.len() {
+                1 => format!("node {}", list[0]),
+                _ => format!("nodes {}", list.join(", ")),
+            }
+        };
+        // Node 0 hosts the store: it checks in and looks there itself.
+        if let Some(st) = self.store().cloned() {
+            st.set(&arrived(self, me), nrun_base::net::hostname().as_bytes());
+            let mut changed = Some(st.subscribe());
+            loop {
+                let missing = others(&|k| st.contains(&arrived(self, k)));
+                progress.set((n - missing.len()) as u64);
+                if missing.is_empty() {
+                    progress.finish(None);
+                    return Ok(());
+                }
+                if Instant::now() >= deadline {
+                    progress.finish(None);
+                    return Err(Error::cluster(format!(
+                        "node {me} of {n}: {} did not arrive at this node's store {endpoint} \
+                         within {} s (--join-timeout): start the same command there with \
+                         --node-rank {} (--master-addr {} --master-port {}), and check that \
+                         it reaches this host (the firewall, the route)",
+                        missing_words(&missing),
+                        timeout.as_secs(),
+                        missing
+                            .iter()
+                            .map(|k| k.to_string())
+                            .collect::<Vec<_>>()
+                            .join("/"),
+                        self.rendezvous.addr,
+                        self.rendezvous.port
+                    )));
+                }
+                say(&progress, &missing_words(&missing));
+                progress.waiting(|| missing_words(&missing));
+                tokio::select! {
+                    () = super::store_changed(&mut changed) => {}
+                    () = tokio::time::sleep(LOOK) => {}
+                    sig = self.signals.stop() => return Err(Error::interrupted(sig)),
+                }
+            }
+        }
+        // Another node: reach node 0's store, check in, and look there.
+        let addrs = super::c10d::resolve(&self.rendezvous.addr, self.rendezvous.port)?;
+        let secret = self.rendezvous.secret.clone().unwrap_or_default();
+        let mut last = String::from("no answer yet");
+        let mut conn: Option<Client> = None;
+        loop {
+            if conn.is_none() {
+                for a in &addrs {
+                    match store_at(*a).await {
+                        Ok(mut c) => {
+                            let lost = |e: std::io::Error| Error::cluster(format!("{e}"));
+                            crate::agent::prove(&mut c, &secret, &endpoint)
+                                .await
+                                .map_err(|e| crate::agent::refusal(e, lost))?;
+                            conn = Some(c);
+                            break;
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                            progress.finish(None);
+                            return Err(something_else(&endpoint, "--master-port", &e));
+                        }
+                        Err(e) => last = format!("{a}: {e}"),
+                    }
+                }
+            }
+            let mut missing: Option<Vec<usize>> = None;
+            if let Some(c) = conn.as_mut() {
+                let looked = async {
+                    c.set(&arrived(self, me), nrun_base::net::hostname().as_bytes())
+                        .await?;
+                    let mut out = Vec::new();
+                    for k in 0..n {
+                        if !c.check(&[&arrived(self, k)]).await? {
+                            out.push(k);
+                        }
+                    }
+                    std::io::Result::Ok(out)
+                };
+                match looked.await {
+                    Ok(m) => missing = Some(m),
+                    Err(e) => {
+                        last = format!("{endpoint}: {e}");
+                        conn = None;
+                    }
+                }
+            }
+            match &missing {
+                Some(m) if m.is_empty() => {
+                    progress.finish(None);
+                    return Ok(());
+                }
+                Some(m) => progress.set((n - m.len()) as u64),
+                None => {}
+            }
+            if Instant::now() >= deadline {
+                progress.finish(None);
+                return Err(Error::cluster(match &missing {
+                    Some(m) => format!(
+                        "node {me} of {n}: {} did not arrive at node 0's store {endpoint} \
+                         within {} s (--join-timeout): start the same command there with its \
+                         --node-rank",
+                        missing_words(m),
+                        timeout.as_secs()
+                    ),
+                    None => format!(
+                        "node {me} of {n}: node 0's store at {endpoint} did not answer within \
+                         {} s (--join-timeout; {last}): start the same command with \
+                         --node-rank 0 on {}, and check the firewall and the route there",
+                        timeout.as_secs(),
+                        self.rendezvous.addr
+                    ),
+                }));
+            }
+            let what = match &missing {
+                Some(m) => missing_words(m),
+                None => format!("node 0 ({last})"),
+            };
+            say(&progress, &what);
+            progress.waiting(|| what.clone());
+            tokio::select! {
+                () = tokio::time::sleep(LOOK) => {}
+                sig = self.signals.stop() => return Err(Error::interrupted(sig)),
+            }
+        }
+    }
+}
