@@ -556,7 +556,6 @@ fn the_static_rows() {
             }
             _ => None,
         };
-        let endpoint = format!("127.0.0.1:{port}");
         let args: Vec<&str> = match fault_of(row) {
             Fault::StaticNode0 => vec![
                 "--nnodes",
@@ -574,13 +573,16 @@ fn the_static_rows() {
                 "--no-python",
                 "true",
             ],
+            // A node of the static form meeting at node 0's store, where the other listens.
             Fault::OtherProgram => vec![
                 "--nnodes",
+                "2",
+                "--node-rank",
                 "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
                 "--nproc",
                 "1",
                 "--join-timeout",
