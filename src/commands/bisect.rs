@@ -4,11 +4,11 @@
 //! facts; a node whose NCCL (major.minor) or torch differs from the majority is bad. Stage 1:
 //! every node alone, all at once. Then disjoint pairs, groups of 4, 8, ... up to all nodes; the
 //! groups of a stage run at the same time, each with a store (and so a key space and a
-//! communicator) of its own. A failing or slow group is isolated: a pair's members are re-paired
-//! with nodes that already passed (a node that fails with every partner is bad; a pair whose
-//! members pass elsewhere has a bad link); a larger group's halves are re-tested, then its
-//! cross pairs. Slow: busbw under `--slow-factor` of the stage's median, or (`--probe net`) a
-//! link of the group's ring, measured alone, far under the median of the round's links.
+//! communicator) of its own. Every group adds to a node x node matrix ([`matrix`]); after each
+//! stage, rounds of disjoint pairs are run until its one rule judges every bad pair: a node
+//! alone, a pair, or (only when no pair that could tell is left) too few nodes to tell. Slow:
+//! busbw under `--slow-factor` of a round's median, or (`--probe net`) a link of the group's
+//! ring, measured alone, far under the median of every link measured so far.
 //!
 //! Probes: the NCCL preflight (default), `--probe net` (TCP ring, no GPU), or `--probe cmd`
 //! (the user's own command, which must exit 0 within `--timeout`).
