@@ -7,6 +7,8 @@
 #
 #   scripts/bench/bisect_shaped.sh NEW_NRUN PREV_NRUN [RUNS]      (root: namespaces, tc)
 #
+# PREV_NRUN `-`: the new binary alone (its spread over more runs, where the previous one takes
+# minutes a run).
 # Env: RATE (20mbit), PREV_TIMEOUT (600 s a run of the previous binary), NAME (cluster, bsh).
 set -euo pipefail
 new=$1 prev=$2 runs=${3:-1}
@@ -20,6 +22,7 @@ echo "# $(date -u +%FT%TZ) $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)
 for k in 3 4 8; do
   hosts=$(seq -s, -f "$name-h%g" 1 "$k")
   for bin in new prev; do
+    [ "$bin" = prev ] && [ "$prev" = - ] && continue
     exe=$new limit=600
     [ "$bin" = prev ] && exe=$prev limit=${PREV_TIMEOUT:-600}
     for r in $(seq 1 "$runs"); do
