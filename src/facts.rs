@@ -89,6 +89,16 @@ pub(crate) fn machine() -> String {
     }
 }
 
+/// This machine as [`machine`] names it, else (unreadable) its host name: the key under which
+/// a host left out is refused when its nrun comes back (c10d).
+pub(crate) fn machine_or_hostname() -> String {
+    let m = machine();
+    match m.is_empty() {
+        true => nrun_base::net::hostname(),
+        false => m,
+    }
+}
+
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
 pub(crate) fn gather(python: Option<&Path>) -> Facts {
     let mut f = Facts {

@@ -697,8 +697,10 @@ pub(crate) fn c10d_room_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/room").into_bytes()
 }
 
-/// Set by the nrun hosting c10d rendezvous `id` for a host it left out on evidence against the
-/// node itself (not its nrun's loss): the evidence, in words. A node of that host is refused.
+/// Set by the nrun hosting c10d rendezvous `id` for a machine it left out on evidence against
+/// the node itself (not its nrun's loss): the evidence, in words. A node of that machine
+/// (`host`: its boot id and network namespace, `facts::machine_or_hostname`; host names are
+/// shared by clones) is refused.
 pub(crate) fn c10d_refused_key(id: &str, host: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/refused/{host}").into_bytes()
 }

@@ -1078,10 +1078,10 @@ fn pods_with_pet_environment_form_the_job() {
             .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
-    // The worker pod may start before the head: the head starts once the worker pod's
-    // preflight ranks, which reach for the head's store, are starting.
+    // The worker pod may start before the head: the head starts once the worker pod waits at
+    // the head's store for it (the static launch's meeting, before any rank starts).
     let b = Watched::new(pod(1));
-    b.wait_stderr("preflight: starting ranks");
+    b.wait_stderr("waiting at node 0's store");
     let a = pod(0);
     let (oa, _) = wait_with_timeout(a, Duration::from_secs(120));
     let (ob, _) = b.finish();

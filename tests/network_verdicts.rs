@@ -468,3 +468,188 @@ fn another_program_on_the_rendezvous_port_is_named() {
         }
     }
 }
+
+/// The launch tree's inner agents start their children over ssh from their own nodes, whose
+/// ssh connections say nothing of the launch host's addresses: each child uses the address
+/// its parent uses (chosen "tree"), the launch host's on the cluster's bridge, not another of
+/// the launch host's addresses the hosts also route to.
+#[test]
+fn nodes_of_the_launch_tree_use_their_parents_address() {
+    let Some(c) = Cluster::up("va5", 3) else {
+        return;
+    };
+    let launch = c.launch_addr();
+    for i in 1..=3 {
+        c.exec(i, &format!("ip route add default via {launch}"));
+    }
+    let _extra = ExtraBridge::add(
+        &c,
+        &format!("{}-x", c.name),
+        &format!("10.214.{}.1", c.net()),
+    );
+    let s = Scene::new();
+    let report = s.dir.path().join("report.json");
+    let out = c.run_on(
+        &s,
+        3,
+        &[
+            // h1 and h2 started here, h3 by h1.
+            "--tree-width",
+            "2",
+            "--report",
+            report.to_str().unwrap(),
+            "--no-python",
+            "sh",
+            "-c",
+            "echo master=$MASTER_ADDR",
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        stdout.matches(&format!("master={launch}\n")).count(),
+        3,
+        "{stdout}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let chosen: Vec<(String, String)> = v["control"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            assert!(
+                n["launch_addr"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with(&format!("{launch}:")),
+                "{n}"
+            );
+            (
+                n["host"].as_str().unwrap().to_string(),
+                n["chosen"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        chosen,
+        [
+            (c.host(1), "ssh".to_string()),
+            (c.host(2), "ssh".to_string()),
+            (c.host(3), "tree".to_string())
+        ],
+        "{v}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+/// bisect's own --local-addr pins the launch host's address for every node (said "given" in
+/// its --report), whatever else the hosts route to.
+#[test]
+fn bisect_takes_the_address_it_is_given() {
+    let Some(c) = Cluster::up("va6", 2) else {
+        return;
+    };
+    let launch = c.launch_addr();
+    for i in 1..=2 {
+        c.exec(i, &format!("ip route add default via {launch}"));
+    }
+    let _extra = ExtraBridge::add(
+        &c,
+        &format!("{}-x", c.name),
+        &format!("10.214.{}.1", c.net()),
+    );
+    let s = Scene::new();
+    let report = s.dir.path().join("report.json");
+    let hosts = c.hosts(2);
+    let opts = c.ssh_opts();
+    let out = s.run(
+        &[
+            "bisect",
+            "-H",
+            &hosts,
+            "--ssh-opts",
+            &opts,
+            "--local-addr",
+            &launch,
+            "--report",
+            report.to_str().unwrap(),
+            "--probe",
+            "cmd",
+            "--no-python",
+            "--",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let control = v["control"].as_array().expect("a control section");
+    assert_eq!(control.len(), 2, "{v}");
+    for n in control {
+        assert_eq!(n["chosen"], "given", "{n}");
+        assert!(
+            n["launch_addr"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("{launch}:")),
+            "{n}"
+        );
+    }
+    c.assert_nothing_left(2);
+}
+
+/// Node 0 of a static launch whose node 1 never comes: it says it waits at its own store for
+/// node 1, and at the deadline ends with exit 95 naming node 1 and the flag to start it with;
+/// its workers never start.
+#[test]
+fn a_static_node_0_without_node_1_names_it() {
+    let s = Scene::new();
+    let port = free_port().to_string();
+    let marker = s.dir.path().join("worker-ran");
+    let script = format!("touch {}", marker.display());
+    let out = s.run(
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--join-timeout",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            &script,
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(95), "{err}");
+    assert!(
+        err.contains(&format!(
+            "node 0 of 2: waiting at this node's store 127.0.0.1:{port} for node 1 before the \
+             workers start"
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "node 0 of 2: node 1 did not arrive at this node's store 127.0.0.1:{port} within 2 s \
+             (--join-timeout): start the same command there with --node-rank 1"
+        )),
+        "{err}"
+    );
+    assert!(!marker.exists(), "no worker starts before the nodes met");
+}

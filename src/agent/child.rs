@@ -66,6 +66,20 @@ impl AgentProcess {
         hello: &Hello,
         relay: Relay,
     ) -> Result<Self> {
+        let none: Option<std::future::Ready<Option<crate::protocol::Prefer>>> = None;
+        Self::spawn_with(starter, what, hello, relay, none).await
+    }
+
+    /// As [`AgentProcess::spawn`], the Hello's [`Hello::prefer`] set from `prefer` (when
+    /// given) once the process runs: a name lookup for it overlaps ssh's own connection
+    /// instead of delaying it.
+    pub(crate) async fn spawn_with(
+        starter: &Starter,
+        what: &str,
+        hello: &Hello,
+        relay: Relay,
+        prefer: Option<impl std::future::Future<Output = Option<crate::protocol::Prefer>>>,
+    ) -> Result<Self> {
         let cannot = |e: &dyn std::fmt::Display| {
             let program = match starter {
                 Starter::Here => "nrun".to_string(),
@@ -89,6 +103,17 @@ impl AgentProcess {
             ended,
             kill,
         } = started.map_err(|e| cannot(&e))?;
+        let late;
+        let hello = match prefer {
+            Some(p) => {
+                late = Hello {
+                    prefer: p.await,
+                    ..hello.clone()
+                };
+                &late
+            }
+            None => hello,
+        };
         if let Some(s) = stdin.as_mut() {
             let line = serde_json::to_string(hello)
                 .map_err(|e| Error::internal(format!("encoding the agent's instructions: {e}")))?;

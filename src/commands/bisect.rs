@@ -126,8 +126,11 @@ pub(crate) async fn run(
         matrix: matrix::Matrix::default(),
         median: None,
         links_seen: Vec::new(),
+        control: serde_json::Value::Null,
     };
     let outcome = b.stages(&mut s).await;
+    // Where each node's agent reached this host, and why that address (--report).
+    b.control = s.control_json();
     s.end().await;
     // An interrupted or failed stage has said why; only its exit code is left.
     outcome?;
@@ -175,6 +178,7 @@ pub(crate) async fn on_the_spot(
         matrix: matrix::Matrix::default(),
         median: None,
         links_seen: Vec::new(),
+        control: serde_json::Value::Null,
     };
     let outside: Vec<usize> = (0..s.len())
         .filter(|i| s.nodes[*i].joined.is_none() || s.is_left_out(*i))
@@ -208,6 +212,8 @@ struct Bisect<'a> {
     /// Every link between nodes measured so far (GB/s): a round of one pair judges its links
     /// against these, not against each other alone.
     links_seen: Vec<f64>,
+    /// `--report`'s `control` section: each node's launch-host address and how it was chosen.
+    control: serde_json::Value,
 }
 
 impl Bisect<'_> {
@@ -747,7 +753,7 @@ impl Bisect<'_> {
             took.as_secs_f64()
         );
         nrun_base::stdout(table);
-        let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64() });
+        let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64(), "control": self.control });
         if let Some(path) = &self.bp.report {
             crate::report::said(crate::report::write_json("--report", path, &v));
         }

@@ -386,7 +386,7 @@ async fn admitted(
     slots: &Slots,
     io: &dyn Fn(std::io::Error) -> Error,
 ) -> Result<()> {
-    let host = nrun_base::net::hostname();
+    let host = crate::facts::machine_or_hostname();
     let refused = c10d_refused_key(&c.id, &host);
     if store.check(&[&refused]).await.map_err(io)? {
         let why = String::from_utf8_lossy(&store.get(&refused).await.map_err(io)?).into_owned();

@@ -415,7 +415,7 @@ impl Session {
         );
         for l in self.left_out.iter().filter(|l| l.bars_return()) {
             // The first evidence stands (a node refused later repeats it).
-            let key = self.hostname(l.node).map(|h| c10d_refused_key(id, &h));
+            let key = self.machine_key(l.node).map(|h| c10d_refused_key(id, &h));
             if let Some(key) = key.filter(|k| !st.contains(k)) {
                 let why = format!("{} ({}): {}", l.host, l.stage.as_str(), l.why);
                 st.set(&key, why.as_bytes());
@@ -423,9 +423,14 @@ impl Session {
         }
     }
 
-    /// The host name node `i` reported when it joined.
-    pub(super) fn hostname(&self, i: usize) -> Option<String> {
+    /// Which machine node `i` is, as it reported when it joined ([`crate::facts::Facts::machine`];
+    /// its host name where it could not say): host names alone would refuse a clone that shares
+    /// one (see [`crate::facts::machine_or_hostname`], its own side).
+    pub(super) fn machine_key(&self, i: usize) -> Option<String> {
         let facts = self.nodes.get(i)?.joined.as_ref()?.facts.as_ref()?;
-        Some(facts.hostname.clone())
+        Some(match facts.machine.is_empty() {
+            true => facts.hostname.clone(),
+            false => facts.machine.clone(),
+        })
     }
 }

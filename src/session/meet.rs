@@ -73,14 +73,19 @@ impl Session {
         let mut progress =
             crate::progress::Progress::new("static rendezvous", Some(n as u64), Some(deadline));
         let mut said = false;
-        let mut say = |progress: &crate::progress::Progress, what: &str| {
-            if !said && started.elapsed() >= FIRST_LINE {
+        let whose = match self.store().is_some() {
+            true => "this node's store",
+            false => "node 0's store",
+        };
+        // Said once after FIRST_LINE, or at the deadline if a loaded host never looked before.
+        let mut say = |progress: &crate::progress::Progress, what: &str, now: bool| {
+            if !said && (now || started.elapsed() >= FIRST_LINE) {
                 let until = humantime::format_rfc3339_seconds(
                     std::time::SystemTime::now()
                         + deadline.saturating_duration_since(Instant::now()),
                 );
                 progress.line(&format!(
-                    "node {me} of {n}: waiting at node 0's store {endpoint} for {what} before \
+                    "node {me} of {n}: waiting at {whose} {endpoint} for {what} before \
                      the workers start (until {until}: {} s, --join-timeout)",
                     timeout.as_secs()
                 ));
@@ -109,6 +114,7 @@ impl Session {
                     return Ok(());
                 }
                 if Instant::now() >= deadline {
+                    say(&progress, &missing_words(&missing), true);
                     progress.finish(None);
                     return Err(Error::cluster(format!(
                         "node {me} of {n}: {} did not arrive at this node's store {endpoint} \
@@ -126,7 +132,7 @@ impl Session {
                         self.rendezvous.port
                     )));
                 }
-                say(&progress, &missing_words(&missing));
+                say(&progress, &missing_words(&missing), false);
                 progress.waiting(|| missing_words(&missing));
                 tokio::select! {
                     () = super::store_changed(&mut changed) => {}
@@ -189,7 +195,12 @@ impl Session {
                 Some(m) => progress.set((n - m.len()) as u64),
                 None => {}
             }
+            let what = match &missing {
+                Some(m) => missing_words(m),
+                None => format!("node 0 ({last})"),
+            };
             if Instant::now() >= deadline {
+                say(&progress, &what, true);
                 progress.finish(None);
                 return Err(Error::cluster(match &missing {
                     Some(m) => format!(
@@ -208,11 +219,7 @@ impl Session {
                     ),
                 }));
             }
-            let what = match &missing {
-                Some(m) => missing_words(m),
-                None => format!("node 0 ({last})"),
-            };
-            say(&progress, &what);
+            say(&progress, &what, false);
             progress.waiting(|| what.clone());
             tokio::select! {
                 () = tokio::time::sleep(LOOK) => {}

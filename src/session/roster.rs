@@ -248,10 +248,12 @@ impl Session {
     /// evidence against the node itself (its nrun is told so when it joins, session::c10d; this
     /// is for one that joined before that was known).
     fn barred(&self, n: usize) -> Option<String> {
-        let host = self.hostname(n)?;
+        let host = self.machine_key(n)?;
         self.left_out
             .iter()
-            .find(|l| l.node != n && l.bars_return() && self.hostname(l.node) == Some(host.clone()))
+            .find(|l| {
+                l.node != n && l.bars_return() && self.machine_key(l.node) == Some(host.clone())
+            })
             .map(|l| {
                 format!(
                     "this host was left out earlier in this job ({}): {}",

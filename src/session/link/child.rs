@@ -263,10 +263,7 @@ pub(crate) async fn start(
         let (sem, np) = (sem.clone(), shared.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
-            if routed {
-                hello.prefer = route_prefer(&label).await;
-            }
-            start_one(&np, &label, local, &hello, relay).await
+            start_one(&np, &label, local, &hello, routed, relay).await
         }));
     }
     if np.ship && starts.iter().any(|b| !b.local) {
@@ -449,11 +446,14 @@ impl TreeParts<'_> {
     }
 }
 
+/// Starts node `label`'s agent; `routed`: its Hello gets the launch host's route to it as the
+/// address to prefer (looked up while ssh connects).
 async fn start_one(
     np: &NodesPlan,
     label: &str,
     local: bool,
     hello: &Hello,
+    routed: bool,
     relay: Relay,
 ) -> Result<ChildLink> {
     let mut reaper = None;
@@ -474,7 +474,8 @@ async fn start_one(
         });
         Starter::Program(remote::ssh_command(label, &np.ssh_opts, &remote_nrun))
     };
-    let process = AgentProcess::spawn(&starter, label, hello, relay).await?;
+    let prefer = routed.then(|| route_prefer(label));
+    let process = AgentProcess::spawn_with(&starter, label, hello, relay, prefer).await?;
     Ok(ChildLink {
         process,
         local,
