@@ -185,15 +185,16 @@ fn sshd_pid(c: &Cluster, i: usize) -> String {
 const SHAPE: &str = "tc qdisc replace dev eth0 root tbf rate 100mbit burst 64kbit latency 400ms";
 const UNSHAPE: &str = "tc qdisc del dev eth0 root";
 
-/// Shapes what host `i` sends to `to` (its address) alone: htb, one class for that address.
+/// Shapes what host `i` sends to `to` (its address) alone: htb, one class for that address
+/// (htb's note on the quantum of a 10 Gbit/s class is not wanted in the test's output).
 fn shape_pair(a: &mut Applied<'_>, i: usize, to: &str) {
     a.on(
         i,
         &format!(
-            "tc qdisc add dev eth0 root handle 1: htb default 10 && tc class add dev eth0 \
+            "{{ tc qdisc add dev eth0 root handle 1: htb default 10 && tc class add dev eth0 \
              parent 1: classid 1:10 htb rate 10gbit && tc class add dev eth0 parent 1: classid \
              1:20 htb rate 100mbit && tc filter add dev eth0 parent 1: protocol ip prio 1 u32 \
-             match ip dst {to}/32 flowid 1:20 2>/dev/null"
+             match ip dst {to}/32 flowid 1:20; }} 2>/dev/null"
         ),
         UNSHAPE,
     );
