@@ -106,8 +106,13 @@ fn verdicts(stdout: &str) -> Vec<(String, String)> {
 }
 
 fn only_bad(stdout: &str, host: &str, verdict: &str) {
+    only_bad_of(stdout, 8, host, verdict)
+}
+
+/// Of `n` hosts, `host` alone has `verdict`; every other is good.
+fn only_bad_of(stdout: &str, n: usize, host: &str, verdict: &str) {
     let v = verdicts(stdout);
-    assert_eq!(v.len(), 8, "every host of the list has a verdict: {stdout}");
+    assert_eq!(v.len(), n, "every host of the list has a verdict: {stdout}");
     for (h, ver) in &v {
         if h == host {
             assert_eq!(ver, verdict, "{host} should be {verdict}: {stdout}");
@@ -143,9 +148,9 @@ fn a_node_with_blocked_high_ports_is_named() {
     let (code, stdout, stderr, good) =
         bisect(&s, &c, "", &["--no-python-probe", "--slow-factor", "0.01"]);
     assert_eq!(code, Some(96), "{stdout}\n{stderr}");
-    only_bad(&stdout, "cb1-h5", "bad");
+    only_bad(&stdout, &c.host(5), "bad");
     assert!(
-        !good.contains("cb1-h5") && good.lines().count() == 7,
+        !good.contains(&c.host(5)) && good.lines().count() == 7,
         "{good}"
     );
     // One bad node among 8: at most ceil(log2 8) + 3 = 6 rounds after stage 1.
@@ -183,8 +188,29 @@ fn a_rate_limited_node_is_slow() {
     let (code, stdout, stderr, good) =
         bisect(&s, &c, "", &["--no-python-probe", "--slow-factor", "0.1"]);
     assert_eq!(code, Some(96), "{stdout}\n{stderr}");
-    only_bad(&stdout, "cb2-h3", "slow");
-    assert!(!good.contains("cb2-h3"), "{good}");
+    only_bad(&stdout, &c.host(3), "slow");
+    assert!(!good.contains(&c.host(3)), "{good}");
+    s.assert_no_survivors();
+}
+
+/// The case that named a healthy node: one host of three shaped to 20 Mbit/s. The ring of all
+/// three shows one slow link; only pairs with the shaped host may be slow, so the pairs are
+/// tried until it alone is named, and both healthy hosts stay in --write-hostfile.
+#[test]
+fn one_shaped_node_of_three_is_named_alone() {
+    let Some(c) = Cluster::up("cb5", 3) else {
+        return;
+    };
+    let limited = c.try_exec(3, "tc qdisc add dev eth0 root netem rate 20mbit 2>/dev/null || tc qdisc add dev eth0 root tbf rate 20mbit burst 64kbit latency 400ms");
+    assert!(limited, "no tc qdisc for rate limiting");
+    let s = Scene::new();
+    let (code, stdout, stderr, good) = bisect(&s, &c, "", &["--no-python-probe"]);
+    assert_eq!(code, Some(96), "{stdout}\n{stderr}");
+    only_bad_of(&stdout, 3, &c.host(3), "slow");
+    assert!(!stdout.contains("too few"), "{stdout}");
+    let mut kept: Vec<&str> = good.lines().collect();
+    kept.sort();
+    assert_eq!(kept, vec![c.host(1), c.host(2)], "{good}");
     s.assert_no_survivors();
 }
 
@@ -194,9 +220,9 @@ fn a_node_whose_torch_differs_is_named() {
         return;
     };
     let s = Scene::new();
-    // A stand-in Python answering the facts probe: torch differs on cb3-h6 only.
+    // A stand-in Python answering the facts probe: torch differs on host 6 only.
     let py = s.dir.path().join("python3");
-    std::fs::write(&py, "#!/bin/sh\nif [ \"$(hostname)\" = cb3-h6 ]; then echo 2.14.0; else echo 2.15.0; fi\necho 13.2\necho 2.30.7\n").unwrap();
+    std::fs::write(&py, format!("#!/bin/sh\nif [ \"$(hostname)\" = {} ]; then echo 2.14.0; else echo 2.15.0; fi\necho 13.2\necho 2.30.7\n", c.host(6))).unwrap();
     Command::new("chmod")
         .args(["+x", py.to_str().unwrap()])
         .status()
@@ -209,14 +235,14 @@ fn a_node_whose_torch_differs_is_named() {
         &["--python", py.to_str().unwrap(), "--slow-factor", "0.01"],
     );
     assert_eq!(code, Some(96), "{stdout}\n{stderr}");
-    only_bad(&stdout, "cb3-h6", "bad");
+    only_bad(&stdout, &c.host(6), "bad");
     assert!(
         stdout.contains(
             "facts differ: NCCL - / torch 2.14.0 here, NCCL - / torch 2.15.0 on the other nodes"
         ),
         "{stdout}"
     );
-    assert!(!good.contains("cb3-h6"), "{good}");
+    assert!(!good.contains(&c.host(6)), "{good}");
     s.assert_no_survivors();
 }
 

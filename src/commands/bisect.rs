@@ -4,11 +4,11 @@
 //! facts; a node whose NCCL (major.minor) or torch differs from the majority is bad. Stage 1:
 //! every node alone, all at once. Then disjoint pairs, groups of 4, 8, ... up to all nodes; the
 //! groups of a stage run at the same time, each with a store (and so a key space and a
-//! communicator) of its own. A failing or slow group is isolated: a pair's members are re-paired
-//! with nodes that already passed (a node that fails with every partner is bad; a pair whose
-//! members pass elsewhere has a bad link); a larger group's halves are re-tested, then its
-//! cross pairs. Slow: busbw under `--slow-factor` of the stage's median, or (`--probe net`) a
-//! link of the group's ring, measured alone, far under the median of the round's links.
+//! communicator) of its own. Every group adds to a node x node matrix ([`matrix`]); after each
+//! stage, rounds of disjoint pairs are run until its one rule judges every bad pair: a node
+//! alone, a pair, or (only when no pair that could tell is left) too few nodes to tell. Slow:
+//! busbw under `--slow-factor` of a round's median, or (`--probe net`) a link of the group's
+//! ring, measured alone, far under the median of every link measured so far.
 //!
 //! Probes: the NCCL preflight (default), `--probe net` (TCP ring, no GPU), or `--probe cmd`
 //! (the user's own command, which must exit 0 within `--timeout`).
@@ -26,6 +26,8 @@ use nrun_base::error::{Error, Result, exit};
 use nrun_cli::Probe;
 use nrun_preflight::{self as preflight, Settings, Verdict};
 use nrun_store::Store;
+
+mod matrix;
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -80,12 +82,24 @@ struct GroupOut {
     /// alone): slow whatever the group's busbw, which a busy host's latency can even out.
     #[serde(skip_serializing_if = "Option::is_none")]
     slow_link: Option<String>,
-    /// The ring's links that cross between nodes, measured alone: (from, to, GB/s, the speed
-    /// of the sender's NIC in GB/s where known).
+    /// The ring's links that cross between nodes, measured alone.
     #[serde(skip)]
-    links: Vec<(String, String, f64, Option<f64>)>,
+    links: Vec<NodeLink>,
     #[serde(skip)]
     members: Vec<usize>,
+}
+
+/// A ring link between two nodes of a group, measured alone (the net probe).
+#[derive(Clone, Debug)]
+struct NodeLink {
+    /// The nodes (the session's index) the link leaves and enters.
+    from: usize,
+    to: usize,
+    gbs: f64,
+    /// The speed of the sender's NIC in GB/s, where it says.
+    nic: Option<f64>,
+    /// Far under the links measured so far: the words that say so.
+    slow: Option<String>,
 }
 
 /// Entry point: runs the stages, prints the table, writes the report and hostfile.
@@ -109,6 +123,9 @@ pub(crate) async fn run(
             .collect(),
         rounds: Vec::new(),
         stage1_rounds: 0,
+        matrix: matrix::Matrix::default(),
+        median: None,
+        links_seen: Vec::new(),
         control: serde_json::Value::Null,
     };
     let outcome = b.stages(&mut s).await;
@@ -158,6 +175,9 @@ pub(crate) async fn on_the_spot(
             .collect(),
         rounds: Vec::new(),
         stage1_rounds: 0,
+        matrix: matrix::Matrix::default(),
+        median: None,
+        links_seen: Vec::new(),
         control: serde_json::Value::Null,
     };
     let outside: Vec<usize> = (0..s.len())
@@ -185,6 +205,13 @@ struct Bisect<'a> {
     rounds: Vec<Round>,
     /// Rounds up to and including stage 1 (the efficiency target counts those after it).
     stage1_rounds: usize,
+    /// What pairs did together, and the judge over it.
+    matrix: matrix::Matrix,
+    /// The last median busbw of a round of several groups.
+    median: Option<f64>,
+    /// Every link between nodes measured so far (GB/s): a round of one pair judges its links
+    /// against these, not against each other alone.
+    links_seen: Vec<f64>,
     /// `--report`'s `control` section: each node's launch-host address and how it was chosen.
     control: serde_json::Value,
 }
@@ -208,7 +235,8 @@ impl Bisect<'_> {
         self.scale_up(s).await
     }
 
-    /// Stage 1 (every node alone), then pairs, groups of 4, ... all, isolating what fails.
+    /// Stage 1 (every node alone), then pairs, groups of 4, ... all; after each stage, what
+    /// failed or ran slow is taken apart in pairs until the matrix ([`matrix`]) judges it.
     async fn scale_up(&mut self, s: &mut Session) -> Result<()> {
         // ---- stage 1: every node alone ----------------------------------------------------
         let singles: Vec<Vec<usize>> = self.alive().into_iter().map(|i| vec![i]).collect();
@@ -243,30 +271,98 @@ impl Bisect<'_> {
                 format!("stage: groups of {size}")
             };
             let groups_len = groups.len();
-            let mut outs = self.round(&label, groups, s).await?;
-            let median = median_busbw(&outs);
-            // A group slow once is measured again before it is taken apart: isolating it costs
-            // rounds, and on a busy host one slow figure is often the host's, not the group's.
-            self.confirm_slow(&mut outs, median, s).await?;
-            let mut suspects: Vec<GroupOut> = Vec::new();
-            for g in outs {
-                let slow = self.is_slow(&g, median);
-                if !g.ok || slow {
-                    suspects.push(GroupOut {
-                        ok: g.ok && !slow,
-                        ..g
-                    });
-                }
+            let outs = self.round(&label, groups, s).await?;
+            self.median = median_busbw(&outs).or(self.median);
+            for g in &outs {
+                self.record(g);
             }
-            for g in suspects {
-                self.isolate(g, median, s).await?;
-            }
+            self.settle(s).await?;
             // One group was all of them (a leftover joins the last group, so this can come
             // before size reaches their count): a larger size would run the same group again.
             if groups_len == 1 || size >= alive.len() {
                 break;
             }
             size *= 2;
+        }
+        Ok(())
+    }
+
+    /// Adds what group `g` did to the matrix: a pair's run; a larger group that passed clears
+    /// its nodes; a larger group's ring links between nodes (the net probe) are runs of those
+    /// pairs, and clear the nodes whose links in and out were good; a larger group that failed
+    /// or ran slow with no link to show makes its nodes suspects, tried in pairs. Slow busbw is
+    /// judged against the last median of several groups (a round of one group has none).
+    fn record(&mut self, g: &GroupOut) {
+        let median = self.median;
+        let slow = self.is_slow(g, median);
+        let run = match (g.ok, slow) {
+            (false, _) => matrix::Run::Fails(g.evidence.clone()),
+            (true, true) => matrix::Run::Slow(
+                g.slow_link
+                    .clone()
+                    .or_else(|| {
+                        let (b, m) = (g.busbw_gbs?, median?);
+                        Some(format!(
+                            "busbw {b:.3} GB/s, under {} x the median group's {m:.3}",
+                            self.bp.slow_factor
+                        ))
+                    })
+                    .unwrap_or_default(),
+            ),
+            (true, false) => matrix::Run::Good,
+        };
+        match g.members.as_slice() {
+            [] | [_] => {}
+            [a, b] => self.matrix.record(*a, *b, run),
+            members if run == matrix::Run::Good => {
+                members.iter().for_each(|&n| self.matrix.clear(n));
+            }
+            members => {
+                let slow_links: Vec<&NodeLink> =
+                    g.links.iter().filter(|l| l.slow.is_some()).collect();
+                if !g.ok || slow_links.is_empty() {
+                    members.iter().for_each(|&n| self.matrix.suspect(n));
+                    return;
+                }
+                for l in &slow_links {
+                    let e = l.slow.clone().unwrap_or_default();
+                    self.matrix.record(l.from, l.to, matrix::Run::Slow(e));
+                }
+                // A node whose links in and out of the ring were good passed.
+                for &n in members {
+                    let mine: Vec<&NodeLink> = g
+                        .links
+                        .iter()
+                        .filter(|l| l.from == n || l.to == n)
+                        .collect();
+                    if mine.len() >= 2 && mine.iter().all(|l| l.slow.is_none()) {
+                        self.matrix.clear(n);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs the pairs the matrix asks for, a round at a time, until it has nothing left to
+    /// try; then marks what it judged.
+    async fn settle(&mut self, s: &mut Session) -> Result<()> {
+        loop {
+            let alive = self.alive();
+            let next = self.matrix.next_round(&alive);
+            if next.is_empty() {
+                break;
+            }
+            let groups: Vec<Vec<usize>> = next.iter().map(|p| p.to_vec()).collect();
+            let outs = self.round("isolate: pairs", groups, s).await?;
+            self.median = median_busbw(&outs).or(self.median);
+            for g in &outs {
+                self.record(g);
+            }
+        }
+        let alive = self.alive();
+        let names: Vec<String> = s.nodes.iter().map(|n| n.label.clone()).collect();
+        for j in self.matrix.judge(&alive, &names) {
+            self.mark(j.node, j.verdict, j.evidence);
         }
         Ok(())
     }
@@ -359,273 +455,6 @@ impl Bisect<'_> {
         }
     }
 
-    /// Narrows a failing or slow group down to nodes or links, re-testing with known-good nodes.
-    /// Each round's groups are judged against that round's median busbw (`median`, the one
-    /// above, only where a round has a single group): on a busy host another round's figures
-    /// differ by more than --slow-factor (a healthy pair at 0.11 GB/s was called slow against
-    /// the stage's best group, 0.26 GB/s, two rounds before).
-    async fn isolate(&mut self, g: GroupOut, median: Option<f64>, s: &mut Session) -> Result<()> {
-        match g.members.len() {
-            3.. => self.isolate_halves(g, median, s).await,
-            2 => self.isolate_pair(g, median, s).await,
-            _ => Ok(()),
-        }
-    }
-
-    /// A group of more than two: halves first; then, if both halves pass, the pairs across
-    /// them. A half of one node runs with a node that passed elsewhere: alone, it sends nothing
-    /// over the network, and a node whose own link is slow would pass.
-    async fn isolate_halves(
-        &mut self,
-        g: GroupOut,
-        median: Option<f64>,
-        s: &mut Session,
-    ) -> Result<()> {
-        let (a, b) = g.members.split_at(g.members.len() / 2);
-        let partner = self.alive().into_iter().find(|i| !g.members.contains(i));
-        let half = |h: &[usize]| match (h.len(), partner) {
-            (1, Some(p)) => vec![h[0], p],
-            _ => h.to_vec(),
-        };
-        let outs = self
-            .round(
-                &format!("isolate: halves of {}", names(&g.members, s)),
-                vec![half(a), half(b)],
-                s,
-            )
-            .await?;
-        let m = median_busbw(&outs).or(median);
-        let mut any_bad = false;
-        for h in outs {
-            if !h.ok || self.is_slow(&h, m) {
-                any_bad = true;
-                Box::pin(self.isolate(h, m, s)).await?;
-            }
-        }
-        if !any_bad {
-            let pairs: Vec<Vec<usize>> = a.iter().zip(b).map(|(x, y)| vec![*x, *y]).collect();
-            let outs = self.round("isolate: cross pairs", pairs, s).await?;
-            let m = median_busbw(&outs).or(median);
-            for p in outs {
-                if !p.ok || self.is_slow(&p, m) {
-                    Box::pin(self.isolate(p, m, s)).await?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// A pair: re-pair each member with a different node that already passed.
-    async fn isolate_pair(
-        &mut self,
-        g: GroupOut,
-        median: Option<f64>,
-        s: &mut Session,
-    ) -> Result<()> {
-        let what = if g.ok { "slow" } else { "fails" };
-        let (x, y) = (g.members[0], g.members[1]);
-        let good: Vec<usize> = self
-            .alive()
-            .into_iter()
-            .filter(|i| *i != x && *i != y)
-            .collect();
-        if good.len() < 2 {
-            for &i in &g.members {
-                self.mark(
-                    i,
-                    NodeVerdict::Link,
-                    format!(
-                        "{what} together with {}; too few other good nodes to tell which",
-                        s.nodes[if i == x { y } else { x }].label
-                    ),
-                );
-            }
-            return Ok(());
-        }
-        let mut outs = self
-            .round(
-                &format!(
-                    "isolate: re-pair {} and {}",
-                    s.nodes[x].label, s.nodes[y].label
-                ),
-                vec![vec![x, good[0]], vec![y, good[1]]],
-                s,
-            )
-            .await?;
-        let median = median_busbw(&outs).or(median);
-        self.confirm_slow(&mut outs, median, s).await?;
-        let why = match (g.evidence.as_str(), &g.slow_link) {
-            ("", None) => String::new(),
-            ("", Some(link)) => format!(" ({link})"),
-            (e, _) => format!(" ({e})"),
-        };
-        let what = format!("{what}{why}");
-        // A re-pair that fails makes its node bad; one that only runs slow, slow.
-        let judge = |o: &GroupOut| {
-            if !o.ok {
-                Some(NodeVerdict::Bad)
-            } else if self.is_slow(o, median) {
-                Some(NodeVerdict::Slow)
-            } else {
-                None
-            }
-        };
-        let verdicts = [judge(&outs[0]), judge(&outs[1])];
-        let partners = [good[0], good[1]];
-        match verdicts {
-            [None, None] => self.pair_again([x, y], partners, &what, median, s).await,
-            v => {
-                self.mark_repaired([x, y], partners, v, &outs, &what, s);
-                Ok(())
-            }
-        }
-    }
-
-    /// Marks the members of a pair whose re-pairs (`outs`, with `partners`) did not both pass:
-    /// the one that fails (or runs slow) again is the culprit; both, both are.
-    fn mark_repaired(
-        &mut self,
-        [x, y]: [usize; 2],
-        partners: [usize; 2],
-        verdicts: [Option<NodeVerdict>; 2],
-        outs: &[GroupOut],
-        what: &str,
-        s: &Session,
-    ) {
-        let again = |o: &GroupOut| match (o.busbw_gbs, &o.slow_link) {
-            (_, Some(link)) if o.ok => link.clone(),
-            (Some(b), _) if o.ok => format!("{b:.3} GB/s"),
-            _ if !o.evidence.is_empty() => o.evidence.clone(),
-            _ => "failed".into(),
-        };
-        let good = partners;
-        match verdicts {
-            [Some(v), None] => self.mark(
-                x,
-                v,
-                format!(
-                    "{what} with {}, and again with {} ({}), who pass elsewhere",
-                    s.nodes[y].label,
-                    s.nodes[good[0]].label,
-                    again(&outs[0])
-                ),
-            ),
-            [None, Some(v)] => self.mark(
-                y,
-                v,
-                format!(
-                    "{what} with {}, and again with {} ({}), who pass elsewhere",
-                    s.nodes[x].label,
-                    s.nodes[good[1]].label,
-                    again(&outs[1])
-                ),
-            ),
-            [Some(vx), Some(vy)] => {
-                self.mark(
-                    x,
-                    vx,
-                    format!(
-                        "{what} with {}, and again with {} ({})",
-                        s.nodes[y].label,
-                        s.nodes[good[0]].label,
-                        again(&outs[0])
-                    ),
-                );
-                self.mark(
-                    y,
-                    vy,
-                    format!(
-                        "{what} with {}, and again with {} ({})",
-                        s.nodes[x].label,
-                        s.nodes[good[1]].label,
-                        again(&outs[1])
-                    ),
-                );
-            }
-            [None, None] => {}
-        }
-    }
-
-    /// Both members of a pair pass with other partners: a link problem, or a measurement
-    /// disturbed by the rest of the stage. The pair alone, once more, tells them apart.
-    async fn pair_again(
-        &mut self,
-        [x, y]: [usize; 2],
-        good: [usize; 2],
-        what: &str,
-        median: Option<f64>,
-        s: &mut Session,
-    ) -> Result<()> {
-        let again = self
-            .round(
-                &format!(
-                    "isolate: {} and {} again",
-                    s.nodes[x].label, s.nodes[y].label
-                ),
-                vec![vec![x, y]],
-                s,
-            )
-            .await?;
-        if again[0].ok && !self.is_slow(&again[0], median) {
-            return Ok(());
-        }
-        self.mark(
-            x,
-            NodeVerdict::Link,
-            format!(
-                "{what} only with {} (link or pair problem); passes with {}",
-                s.nodes[y].label, s.nodes[good[0]].label
-            ),
-        );
-        self.mark(
-            y,
-            NodeVerdict::Link,
-            format!(
-                "{what} only with {} (link or pair problem); passes with {}",
-                s.nodes[x].label, s.nodes[good[1]].label
-            ),
-        );
-        Ok(())
-    }
-
-    /// A group that ran but slow is measured once more and keeps the better figure: one
-    /// measurement on a busy host (a shared machine, another job's burst) is not enough to call
-    /// a group or a node slow, while a slow NIC or link is slow both times. A failure needs no
-    /// second look.
-    async fn confirm_slow(
-        &mut self,
-        outs: &mut [GroupOut],
-        median: Option<f64>,
-        s: &mut Session,
-    ) -> Result<()> {
-        let slow: Vec<usize> = (0..outs.len())
-            .filter(|&k| outs[k].ok && self.is_slow(&outs[k], median))
-            .collect();
-        if slow.is_empty() {
-            return Ok(());
-        }
-        let groups: Vec<Vec<usize>> = slow.iter().map(|&k| outs[k].members.clone()).collect();
-        let label = groups
-            .iter()
-            .map(|g| names(g, s))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let again = self
-            .round(&format!("slow, once more: {label}"), groups, s)
-            .await?;
-        for (k, o) in slow.into_iter().zip(again) {
-            // The better of the two is kept (a second run that fails says no more than slow).
-            let first = &mut outs[k];
-            if let (true, Some(a), Some(b)) = (o.ok, first.busbw_gbs, o.busbw_gbs) {
-                first.busbw_gbs = Some(a.max(b));
-            }
-            if o.ok && o.slow_link.is_none() {
-                first.slow_link = None;
-            }
-        }
-        Ok(())
-    }
-
     /// Under --slow-factor of the stage's median busbw, or with a slow link.
     fn is_slow(&self, g: &GroupOut, median: Option<f64>) -> bool {
         g.slow_link.is_some()
@@ -712,7 +541,9 @@ impl Bisect<'_> {
             .enumerate()
             .map(|(gi, g)| self.evaluate(g, &stores[gi], &results, s, &settings))
             .collect();
-        slow_links(&mut outs);
+        slow_links(&mut outs, &mut self.links_seen, &|i| {
+            s.nodes[i].label.clone()
+        });
         for (g, out) in groups.iter().zip(&outs) {
             eprintln!(
                 "nrun bisect: {stage}: {} {}{}{}",
@@ -837,7 +668,28 @@ impl Bisect<'_> {
             let ranks = group.rank_hosts(s);
             let outcome =
                 preflight::Outcome::gather(first, &ranks, group.world, &mut |k| st.get(k));
-            links = outcome.crossing_links();
+            // Ranks to nodes by the group's layout (not by the hostnames the ranks report).
+            let node_of = |r: usize| {
+                group
+                    .members
+                    .iter()
+                    .find(|m| m.ranks.iter().any(|&(x, _)| x == r))
+                    .map(|m| m.node)
+            };
+            links = outcome
+                .rank_links()
+                .into_iter()
+                .filter_map(|(from, to, gbs, nic)| {
+                    let (from, to) = (node_of(from)?, node_of(to)?);
+                    (from != to).then_some(NodeLink {
+                        from,
+                        to,
+                        gbs,
+                        nic,
+                        slow: None,
+                    })
+                })
+                .collect();
             let summary = outcome.summarize();
             // Slow is judged here, against the other groups of the stage.
             if !matches!(summary.verdict, Verdict::Ok | Verdict::Slow) {
@@ -990,32 +842,36 @@ fn group_store() -> Result<(std::sync::Arc<Store>, u16, tokio::sync::oneshot::Se
     Ok((store, port, stop))
 }
 
-/// Marks each group with a link far under the median of all the round's links (the preflight's
-/// rule, [`preflight::far_under_peers`]): one median over every group, not each ring's own, as
-/// on a busy host a healthy link measures many times under another (veth links of one round:
-/// 1.1 and 17 GB/s), while a shaped or failing one is tens of times under.
-fn slow_links(outs: &mut [GroupOut]) {
-    let all: Vec<f64> = outs
-        .iter()
-        .flat_map(|g| g.links.iter().map(|l| l.2))
-        .collect();
-    if all.len() < 2 {
+/// Marks each link far under the median of every link measured so far (`seen`, this round's
+/// added; the preflight's rule, [`preflight::far_under_peers`]), and each group by its slowest
+/// such link: one median over many links, not each ring's own, as on a busy host a healthy
+/// link measures many times under another (veth links of one round: 1.1 and 17 GB/s), while a
+/// shaped or failing one is tens of times under; and a round of one pair has only two.
+fn slow_links(outs: &mut [GroupOut], seen: &mut Vec<f64>, name: &dyn Fn(usize) -> String) {
+    seen.extend(outs.iter().flat_map(|g| g.links.iter().map(|l| l.gbs)));
+    if seen.len() < 2 {
         return;
     }
-    let median = preflight::median(all);
+    let median = preflight::median(seen.clone());
     for g in outs.iter_mut().filter(|g| g.ok) {
+        for l in g.links.iter_mut() {
+            if preflight::far_under_peers(l.gbs, median, l.nic) {
+                l.slow = Some(format!(
+                    "the link from {} to {} carried {:.3} GB/s, {:.0}% of the median link \
+                     ({median:.2} GB/s)",
+                    name(l.from),
+                    name(l.to),
+                    l.gbs,
+                    100.0 * l.gbs / median
+                ));
+            }
+        }
         g.slow_link = g
             .links
             .iter()
-            .filter(|l| preflight::far_under_peers(l.2, median, l.3))
-            .min_by(|a, b| a.2.total_cmp(&b.2))
-            .map(|(from, to, gbs, _)| {
-                format!(
-                    "the link from {from} to {to} carried {gbs:.3} GB/s, {:.0}% of the round's \
-                     median link ({median:.2} GB/s)",
-                    100.0 * gbs / median
-                )
-            });
+            .filter(|l| l.slow.is_some())
+            .min_by(|a, b| a.gbs.total_cmp(&b.gbs))
+            .and_then(|l| l.slow.clone());
     }
 }
 
@@ -1080,7 +936,7 @@ mod tests {
         assert_eq!(partition(&[0, 1], 4), vec![vec![0, 1]]);
     }
 
-    fn group(links: &[(&str, &str, f64)], nic: Option<f64>) -> GroupOut {
+    fn group(links: &[(usize, usize, f64)], nic: Option<f64>) -> GroupOut {
         GroupOut {
             hosts: Vec::new(),
             ok: true,
@@ -1089,39 +945,57 @@ mod tests {
             slow_link: None,
             links: links
                 .iter()
-                .map(|(a, b, g)| (a.to_string(), b.to_string(), *g, nic))
+                .map(|&(from, to, gbs)| NodeLink {
+                    from,
+                    to,
+                    gbs,
+                    nic,
+                    slow: None,
+                })
                 .collect(),
             members: Vec::new(),
         }
     }
 
+    fn name(i: usize) -> String {
+        format!("h{i}")
+    }
+
     #[test]
-    fn a_link_far_under_the_rounds_links_and_its_nic_makes_its_group_slow() {
+    fn a_link_far_under_the_links_so_far_and_its_nic_makes_its_group_slow() {
         // The CI round: a shaped link (200 Mbit/s) among healthy veth links of a loaded host.
         let mut outs = vec![
-            group(&[("h1", "h2", 0.88), ("h2", "h1", 1.24)], Some(1.25)),
-            group(
-                &[("h3", "h4", 0.024), ("h4", "h5", 2.69), ("h5", "h3", 1.1)],
-                Some(1.25),
-            ),
+            group(&[(1, 2, 0.88), (2, 1, 1.24)], Some(1.25)),
+            group(&[(3, 4, 0.024), (4, 5, 2.69), (5, 3, 1.1)], Some(1.25)),
         ];
-        super::slow_links(&mut outs);
+        let mut seen = Vec::new();
+        super::slow_links(&mut outs, &mut seen, &name);
         assert_eq!(outs[0].slow_link, None);
         let slow = outs[1].slow_link.as_deref().unwrap_or_default();
-        assert!(slow.starts_with("the link from h3 to h4 carried 0.024 GB/s, 2% of the round's median link (1.10 GB/s)"), "{slow}");
+        assert!(
+            slow.starts_with(
+                "the link from h3 to h4 carried 0.024 GB/s, 2% of the median link (1.10 GB/s)"
+            ),
+            "{slow}"
+        );
+        // A later round of the shaped pair alone is judged against every link so far.
+        let mut alone = vec![group(&[(3, 4, 0.02), (4, 3, 0.03)], Some(1.25))];
+        super::slow_links(&mut alone, &mut seen, &name);
+        assert!(
+            alone[0].links.iter().all(|l| l.slow.is_some()),
+            "{:?}",
+            alone[0].links
+        );
         // Healthy links a loaded host measured 15x apart: the slowest is over a tenth of its NIC.
         let mut busy = vec![
-            group(&[("h1", "h2", 1.136), ("h2", "h1", 17.08)], Some(1.25)),
-            group(&[("h3", "h4", 10.44), ("h4", "h3", 12.0)], Some(1.25)),
+            group(&[(1, 2, 1.136), (2, 1, 17.08)], Some(1.25)),
+            group(&[(3, 4, 10.44), (4, 3, 12.0)], Some(1.25)),
         ];
-        super::slow_links(&mut busy);
+        super::slow_links(&mut busy, &mut Vec::new(), &name);
         assert!(busy.iter().all(|g| g.slow_link.is_none()));
         // Where no NIC says its speed, the median alone decides.
-        let mut unknown = vec![group(
-            &[("h1", "h2", 0.05), ("h2", "h1", 1.0), ("h1", "h3", 1.1)],
-            None,
-        )];
-        super::slow_links(&mut unknown);
+        let mut unknown = vec![group(&[(1, 2, 0.05), (2, 1, 1.0), (1, 3, 1.1)], None)];
+        super::slow_links(&mut unknown, &mut Vec::new(), &name);
         assert!(unknown[0].slow_link.is_some());
     }
 }

@@ -114,6 +114,7 @@ pub(crate) async fn run(
         values.get(k).cloned().filter(|v| !v.is_empty())
     });
     outcome.crashed = crashed;
+    outcome.stopped = why_stopped(s, &results, deadline);
     outcome.nccl_lib = here_lib.map(|p| p.display().to_string());
     outcome.min_busbw = pf.min_busbw;
     // --preflight-loopback pushes the traffic off NVLink on purpose: no line rate applies.
@@ -250,6 +251,24 @@ fn first_crash(results: &[Option<StepResult>]) -> std::result::Result<Option<(us
         }
     }
     Ok(crashed)
+}
+
+/// Why nrun ended the preflight's ranks before they all finished, in the words a silent
+/// rank is said with: the node lost (its agent's own account: no heartbeat for how long), or
+/// the step's deadline (`deadline`) that passed.
+fn why_stopped(s: &Session, results: &[Option<StepResult>], deadline: Duration) -> Option<String> {
+    results.iter().enumerate().find_map(|(i, r)| match r {
+        Some(StepResult::Run(RunResult::Lost(m) | RunResult::SpawnError(m))) => {
+            Some(format!("nrun ended every rank: {m}"))
+        }
+        Some(StepResult::Run(RunResult::TimedOut)) => Some(format!(
+            "nrun ended the ranks of {} at the preflight's deadline, {} s (twice \
+             --preflight-timeout, and 120 s)",
+            s.nodes[i].label,
+            deadline.as_secs()
+        )),
+        _ => None,
+    })
 }
 
 /// Every rank of the group with its host, in rank order. A static launch's node sees only its

@@ -136,16 +136,17 @@ impl Session {
                 }
             }
         }
-        let mtus: std::collections::BTreeSet<u32> = self
+        let mtus: Vec<(String, u32)> = self
             .joined()
-            .filter_map(|(_, _, j)| {
+            .filter_map(|(_, n, j)| {
                 let facts = j.facts.as_ref()?;
                 let name = j.ifname.as_ref()?;
-                facts.ifaces.iter().find(|x| &x.name == name)?.mtu
+                let mtu = facts.ifaces.iter().find(|x| &x.name == name)?.mtu?;
+                Some((n.label.clone(), mtu))
             })
             .collect();
-        if mtus.len() > 1 {
-            f.warnings.push(format!("the chosen interfaces' MTUs differ between nodes ({mtus:?}): large messages may be dropped or fragmented"));
+        if let Some(w) = mtu_warning(&mtus) {
+            f.warnings.push(w);
         }
         if let Some(w) = crate::plan::env::port_range_warning(&self.plan.env) {
             f.warnings.push(w.to_string());
@@ -411,6 +412,29 @@ fn ring_pairs(ring: &[usize], same: impl Fn(usize, usize) -> bool) -> Vec<(usize
         .collect()
 }
 
+/// The chosen interfaces' MTUs (node, MTU) where they differ: the nodes off the most common
+/// MTU named with theirs.
+fn mtu_warning(mtus: &[(String, u32)]) -> Option<String> {
+    let mut count: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
+    for (_, m) in mtus {
+        *count.entry(*m).or_default() += 1;
+    }
+    if count.len() < 2 {
+        return None;
+    }
+    let (&common, _) = count.iter().max_by_key(|(m, c)| (**c, **m))?;
+    let odd: Vec<String> = mtus
+        .iter()
+        .filter(|(_, m)| *m != common)
+        .map(|(n, m)| format!("{n}: {m}"))
+        .collect();
+    Some(format!(
+        "the chosen interfaces' MTUs differ between nodes ({}; the others: {common}): large \
+         messages may be dropped or fragmented; set one MTU on every node's interface",
+        nrun_base::few(&odd, 4)
+    ))
+}
+
 /// NCCL_SOCKET_IFNAME semantics: comma list of prefixes; `=` exact names; `^` excludes.
 fn ifname_matches_any(spec: &str, ifs: &[net::Iface]) -> bool {
     let (exclude, rest) = match spec.strip_prefix('^') {
@@ -437,6 +461,18 @@ fn ifname_matches_any(spec: &str, ifs: &[net::Iface]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_mtu_off_the_others_names_its_node() {
+        let m = |v: &[(&str, u32)]| {
+            v.iter()
+                .map(|(n, m)| (n.to_string(), *m))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(mtu_warning(&m(&[("a", 1500), ("b", 1500)])), None);
+        let w = mtu_warning(&m(&[("a", 1500), ("b", 1400), ("c", 1500)])).unwrap();
+        assert!(w.contains("(b: 1400; the others: 1500)"), "{w}");
+    }
 
     fn iface(name: &str) -> net::Iface {
         net::Iface {

@@ -137,6 +137,11 @@ const LINK_FLOOR: f64 = 0.15;
 /// 100 Gb/s; a link under it is shaped, erroring or negotiated down.
 const TCP_FLOOR: f64 = 0.1;
 
+/// A link that retransmitted more than this share of its segments, and at least
+/// [`LOSS_SEGMENTS`] of them, in the link test loses packets (a healthy one: none).
+const LOSS_SHARE: f64 = 0.01;
+const LOSS_SEGMENTS: u32 = 20;
+
 /// Whether a link measured alone at `gbs` is far under its peers' `median`: under
 /// [`LINK_FLOOR`] of it and, where its NIC says its speed (`nic_gbs`), under [`TCP_FLOOR`] of
 /// that too (a CPU-bound link of a loaded host can measure a tenth of another's). The
@@ -177,6 +182,26 @@ impl Outcome {
             .map(|(a, b, g)| {
                 let nic = nodes.single_nic(a).and_then(|n| n.gbs());
                 (a.to_string(), b.to_string(), g, nic)
+            })
+            .collect()
+    }
+
+    /// The ring's links as ranks (from, to, GB/s, the sending rank's NIC speed where it has
+    /// one and says it), every one measured, for a caller that places ranks by itself (bisect:
+    /// by node, whatever the hostnames).
+    pub fn rank_links(&self) -> Vec<(usize, usize, f64, Option<f64>)> {
+        self.complete()
+            .into_iter()
+            .filter_map(|r| {
+                let l = r.link_in?;
+                let nic = self
+                    .reports
+                    .get(&l.from)
+                    .and_then(|f| match f.nics.as_slice() {
+                        [n] => n.gbs(),
+                        _ => None,
+                    });
+                Some((l.from, r.rank, l.gbs, nic))
             })
             .collect()
     }
@@ -327,7 +352,16 @@ impl Outcome {
                     ),
                     (None, Some(_)) => (
                         Check::Silent,
-                        format!("rank {rank} on {host} went silent; {last}"),
+                        match &self.stopped {
+                            Some(why) => {
+                                format!("rank {rank} on {host} went silent; {last}; {why}")
+                            }
+                            None => format!(
+                                "rank {rank} on {host} went silent; {last}; its process ended \
+                                 without a report and no deadline of nrun's passed (it lost the \
+                                 store?)"
+                            ),
+                        },
                     ),
                 };
                 Finding::fail(check, v, text).node(host).rank(*rank)
@@ -720,6 +754,9 @@ impl Outcome {
                 parts.join(", ")
             ),
         )];
+        if let Some(cut) = complete.iter().find_map(|r| r.sweep_cut.as_ref()) {
+            out.push(Finding::info(Check::Link, format!("the sweep's {cut}")));
+        }
         let all: Vec<f64> = links.iter().map(|l| l.2).collect();
         let median = median(all);
         let mut slow: Vec<(&str, &str)> = Vec::new();
@@ -751,6 +788,31 @@ impl Outcome {
                         100.0 * g / speed,
                         hardware::speed_text(n.mbps.unwrap_or(0)),
                         n.name
+                    ),
+                ));
+            }
+        }
+        // A link that lost packets (its sender sent them again): slow for NCCL whatever the
+        // rate a short test reached over it.
+        let by_rank: BTreeMap<usize, &RankReport> = complete.iter().map(|r| (r.rank, *r)).collect();
+        for r in complete {
+            let Some(l) = r.link_out else { continue };
+            let Some(to) = by_rank.get(&l.to).map(|t| t.host.as_str()) else {
+                continue;
+            };
+            let share = f64::from(l.retransmitted) / f64::from(l.segments.max(1));
+            if to != r.host && l.retransmitted >= LOSS_SEGMENTS && share > LOSS_SHARE {
+                slow.push((r.host.as_str(), to));
+                out.push(Finding::fail(
+                    Check::Link,
+                    Verdict::Slow,
+                    format!(
+                        "the link from {} to {to} retransmitted {:.1}% of its segments ({} of \
+                         {}): packets are lost between them",
+                        r.host,
+                        100.0 * share,
+                        l.retransmitted,
+                        l.segments
                     ),
                 ));
             }

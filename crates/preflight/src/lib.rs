@@ -135,6 +135,11 @@ impl Settings {
         self.key(format_args!("link/{turn}"))
     }
 
+    /// Net mode: what the link into rank `rank` carried in the link test (GB/s, as text).
+    pub fn link_rate_key(&self, rank: usize) -> Vec<u8> {
+        self.key(format_args!("link-rate/{rank}"))
+    }
+
     /// What a preflight rank gets on top of the job's environment: these settings, and with
     /// --preflight-loopback no NVLink/shared-memory path. (The store's secret for nrun's keys
     /// is added by the rank's own agent: it never travels in a step.)
@@ -312,6 +317,22 @@ pub struct RankReport {
     /// The link from the previous rank of the ring, measured alone (`--preflight net`).
     #[serde(default)]
     pub link_in: Option<LinkIn>,
+    /// What the link to the next rank lost in the link test (`--preflight net`): the kernel's
+    /// count of segments sent and retransmitted on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_out: Option<LinkOut>,
+    /// The sweep's larger sizes left out, and why (a slow link would take too long on them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep_cut: Option<String>,
+}
+
+/// What the sender of a ring link saw of it in the link test (TCP_INFO).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct LinkOut {
+    /// The rank it sends to.
+    pub to: usize,
+    pub segments: u32,
+    pub retransmitted: u32,
 }
 
 /// What one ring link carried when it was the only thing being measured.
@@ -324,10 +345,14 @@ pub struct LinkIn {
 
 /// Progress marks a rank leaves in the store, so a silent rank can be placed; each text reads
 /// after "last seen: ".
-pub const STAGES: [(&str, &str); 6] = [
+pub const STAGES: [(&str, &str); 7] = [
     ("started", "connected to the store"),
     ("loaded", "libraries and GPU loaded"),
     ("id", "unique id in hand, entering communicator init"),
+    (
+        "links",
+        "the TCP ring connected, measuring its links between nodes",
+    ),
     ("init", "communicator init finished"),
     ("sweep", "in the all-reduce sweep"),
     ("done", "done"),
@@ -404,6 +429,10 @@ pub struct Outcome {
     pub silent: Vec<Silent>,
     /// A rank that crashed, and how (exit code or signal), from the supervisor.
     pub crashed: Option<(usize, String)>,
+    /// Why nrun ended the ranks before every one reported, where it did: a node lost (its
+    /// agent's silence, with how long), or the preflight's own deadline passed. A silent rank
+    /// is said with it: which deadline passed, not only where the rank was.
+    pub stopped: Option<String>,
     /// The library the ranks were told to load.
     pub nccl_lib: Option<String>,
     pub min_busbw: Option<f64>,
@@ -450,6 +479,7 @@ impl Outcome {
             reports,
             silent,
             crashed: None,
+            stopped: None,
             nccl_lib: None,
             min_busbw: None,
             min_efficiency: None,
@@ -513,6 +543,8 @@ mod tests {
         RankReport {
             nics: Vec::new(),
             link_in: None,
+            link_out: None,
+            sweep_cut: None,
             rank,
             local_rank: rank,
             host: host.into(),
@@ -545,6 +577,7 @@ mod tests {
             reports: reports.into_iter().map(|r| (r.rank, r)).collect(),
             silent: vec![],
             crashed: None,
+            stopped: None,
             nccl_lib: None,
             min_busbw: None,
             min_efficiency: Some(0.4),
@@ -843,7 +876,17 @@ mod tests {
             (4, "e".into(), Some("bogus".into())),
         ];
         silent.world_size = 5;
+        // The same ranks when nrun ended them after losing a node: the silence says so.
+        let mut lost = outcome(silent.reports.values().cloned().collect());
+        lost.silent = silent.silent.clone();
+        lost.world_size = 5;
+        lost.stopped = Some(
+            "nrun ended every rank: lost the connection to c: its agent sent no heartbeat for \
+             2.6 s"
+                .into(),
+        );
         v.push(("silent", silent));
+        v.push(("silent-lost", lost));
         let mut crashed = outcome(vec![report(0, "a", 10.0, 0)]);
         crashed.silent = vec![(1, "b".into(), Some("init".into())), (2, "c".into(), None)];
         crashed.world_size = 3;
@@ -1021,6 +1064,24 @@ mod tests {
         let mut down = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
         down.reports.get_mut(&2).unwrap().nics[0].up = false;
         v.push(("net-nic-down", down));
+        // A lossy link at full rate (5% of its segments sent again), and a healthy one's few.
+        let mut lossy = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
+        for (r, retransmitted) in [(0, 770), (1, 3), (2, 0)] {
+            lossy.reports.get_mut(&r).unwrap().link_out = Some(LinkOut {
+                to: (r + 1) % 3,
+                segments: 18_000,
+                retransmitted,
+            });
+        }
+        v.push(("net-lossy", lossy));
+        // The sweep cut short over a slow link.
+        let mut cut = net_ring([0.002, 1.1, 0.9], [10_000; 3]);
+        cut.reports.get_mut(&0).unwrap().sweep_cut = Some(
+            "sizes from 2 MiB up not run: over the slowest link (into rank 0, 0.0020 GB/s) each \
+             would take over 2 s"
+                .into(),
+        );
+        v.push(("net-sweep-cut", cut));
         let mut unknown = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
         unknown.reports.get_mut(&1).unwrap().nics[0].mbps = None;
         v.push(("net-speed-unknown", unknown));

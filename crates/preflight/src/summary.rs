@@ -396,6 +396,7 @@ mod tests {
             reports: Default::default(),
             silent: vec![],
             crashed: None,
+            stopped: None,
             nccl_lib: None,
             min_busbw: None,
             min_efficiency: None,

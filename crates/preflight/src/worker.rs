@@ -244,6 +244,8 @@ fn run() -> Result<()> {
         mem_gbs: None,
         nics: Vec::new(),
         link_in: None,
+        link_out: None,
+        sweep_cut: None,
     };
     let result = match ctx.s.mode {
         Mode::Nccl => run_nccl(&mut ctx, &mut rep, local_rank),
@@ -776,39 +778,117 @@ struct Ring {
     to_next: std::sync::mpsc::Sender<Vec<u8>>,
     from_prev: TcpStream,
     sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    /// The link test's own connections (to the next rank, from the previous one), dropped
+    /// after it: what a slow link still holds in flight when its time is up is thrown away
+    /// with them, never waited for.
+    probe: Option<(TcpStream, TcpStream)>,
 }
 
 /// What each link of the net preflight's ring carries alone before the sweep, and how often.
 const LINK_BYTES: usize = 8 << 20;
 const LINK_ROUNDS: usize = 3;
+/// How long one turn of the link test may take: a healthy link moves [`LINK_BYTES`] in
+/// milliseconds, a link 100x slower than its peers is known from what arrives in this time,
+/// and a slow link costs the test about a second, not the minutes its bytes would take.
+const LINK_WINDOW: Duration = Duration::from_millis(250);
+/// How long the receiver of a turn waits for its first byte: the sender's start may lag on a
+/// loaded host; a link that carries nothing in this time is broken.
+const LINK_FIRST_BYTE: Duration = Duration::from_secs(3);
+/// The most time one size of the sweep is predicted to take (all its runs) over the ring's
+/// slowest link: larger sizes are left out, so a slow link costs the sweep seconds.
+const SIZE_BUDGET: Duration = Duration::from_secs(2);
+
+/// How one turn of the link test went on the receiving side.
+enum Received {
+    /// The rate in GB/s, and whether the window ran out before every byte came.
+    Rate(f64, bool),
+    /// Nothing arrived within [`LINK_FIRST_BYTE`].
+    Nothing,
+}
 
 impl Ring {
-    fn send_link(&mut self, bytes: usize) -> std::io::Result<()> {
-        self.to_next
-            .send(vec![0x5a; bytes])
-            .map_err(|_| std::io::Error::other("sender thread ended"))
+    /// Sends up to `bytes` on the link test's connection for at most [`LINK_WINDOW`] (twice
+    /// it: the receiver's window starts at its first byte); whether the time ran out.
+    fn send_link(&mut self, bytes: usize) -> std::io::Result<bool> {
+        let Some((out, _)) = self.probe.as_mut() else {
+            return Ok(false);
+        };
+        let buf = vec![0x5au8; 256 << 10];
+        let end = Instant::now() + 2 * LINK_WINDOW;
+        let mut sent = 0;
+        while sent < bytes {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(true);
+            }
+            out.set_write_timeout(Some(left))?;
+            match out.write(&buf[..(bytes - sent).min(buf.len())]) {
+                Ok(k) => sent += k,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(true);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(false)
     }
 
-    /// Receives `bytes` from the previous rank: the rate in GB/s, timed from the first bytes
-    /// to arrive (not the wait for the sender).
-    fn recv_link(&mut self, bytes: usize) -> std::io::Result<f64> {
+    /// Receives up to `bytes` from the previous rank for at most [`LINK_WINDOW`] after the
+    /// first of them arrives: the rate in GB/s, timed from the first bytes (not the wait for
+    /// the sender) to the last or to the window's end.
+    fn recv_link(&mut self, bytes: usize) -> std::io::Result<Received> {
+        let Some((_, from)) = self.probe.as_mut() else {
+            return Ok(Received::Nothing);
+        };
         let mut buf = vec![0u8; 1 << 20];
         let (mut got, mut first) = (0, 0);
-        let mut start = None;
+        let mut start: Option<Instant> = None;
+        let waited = Instant::now();
         while got < bytes {
-            let want = (bytes - got).min(buf.len());
-            let k = self.from_prev.read(&mut buf[..want])?;
-            if k == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            let end = match start {
+                Some(s) => s + LINK_WINDOW,
+                None => waited + LINK_FIRST_BYTE,
+            };
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
             }
+            from.set_read_timeout(Some(left))?;
+            let want = (bytes - got).min(buf.len());
+            let k = match from.read(&mut buf[..want]) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(k) => k,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    break;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
             if start.is_none() {
                 start = Some(Instant::now());
                 first = k;
             }
             got += k;
         }
-        let secs = start.map_or(0.0, |s| s.elapsed().as_secs_f64()).max(1e-6);
-        Ok((bytes - first) as f64 / secs / 1e9)
+        let Some(start) = start else {
+            return Ok(Received::Nothing);
+        };
+        let secs = start.elapsed().as_secs_f64().max(1e-6);
+        Ok(Received::Rate(
+            (got - first) as f64 / secs / 1e9,
+            got < bytes,
+        ))
     }
 
     fn chunk(count: usize, n: usize, i: usize) -> std::ops::Range<usize> {
@@ -864,6 +944,7 @@ fn run_net(ctx: &mut Ctx, rep: &mut RankReport) -> Result<(), RankError> {
     let mut ring = None;
     if ctx.world > 1 {
         let mut r = connect_ring(ctx, &listener, me, deadline)?;
+        ctx.stage("links");
         test_links(ctx, rep, &mut r, deadline)?;
         ring = Some(r);
     }
@@ -926,15 +1007,32 @@ fn connect_ring(
     let left = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(100));
-    let mut out = TcpStream::connect_timeout(&addr, left).map_err(|e| {
-        let kind = if e.kind() == std::io::ErrorKind::TimedOut { "init-timeout" } else { "init" };
-        err(kind, format!("cannot connect to rank {next} at {addr}: {e} (firewall or wrong interface between the hosts?)"))
-    })?;
+    let connect = || {
+        TcpStream::connect_timeout(&addr, left).map_err(|e| {
+            let kind = if e.kind() == std::io::ErrorKind::TimedOut { "init-timeout" } else { "init" };
+            err(kind, format!("cannot connect to rank {next} at {addr}: {e} (firewall or wrong interface between the hosts?)"))
+        })
+    };
+    // The ring's connection, then the link test's: the previous rank accepts them in this
+    // order (one peer connects to each listener, one connection after the other).
+    let mut out = connect()?;
     out.set_nodelay(true).ok();
+    let probe_out = match ctx.s.links {
+        true => Some(connect()?),
+        false => None,
+    };
     listener
         .set_nonblocking(true)
         .map_err(|e| net_err("listener", e))?;
     let from_prev = accept_prev(ctx, listener, me, deadline)?;
+    let probe = match probe_out {
+        Some(o) => {
+            let from = accept_prev(ctx, listener, me, deadline)?;
+            from.set_nonblocking(false).ok();
+            Some((o, from))
+        }
+        None => None,
+    };
     from_prev.set_nonblocking(false).ok();
     from_prev.set_nodelay(true).ok();
     from_prev
@@ -951,6 +1049,7 @@ fn connect_ring(
         to_next: tx,
         from_prev,
         sender: Some(sender),
+        probe,
     })
 }
 
@@ -988,7 +1087,8 @@ fn accept_prev(
 /// Measures this rank's incoming link: each link alone on its wire, so a slow one is seen and
 /// placed (in the all-reduce the slowest link sets every rank's time). Neighbouring links take
 /// turns: a host sending while it receives delays its own ACKs behind its data, and a shaped or
-/// slow egress would then drag the link into it down too.
+/// slow egress would then drag the link into it down too. Each turn is bounded by time
+/// ([`LINK_WINDOW`]), not bytes: a slow link is measured from what it carries in that time.
 fn test_links(
     ctx: &mut Ctx,
     rep: &mut RankReport,
@@ -997,30 +1097,33 @@ fn test_links(
 ) -> Result<(), RankError> {
     let (rank, n) = (ctx.rank, ctx.world);
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-    let phases = match (ctx.s.links, n % 2 == 1) {
-        (false, _) => 0,
-        (true, true) => 3,
-        (true, false) => 2,
-    };
-    let phase = |link: usize| {
-        if n % 2 == 1 && link == n - 1 {
-            2
-        } else {
-            link % 2
-        }
-    };
+    if !ctx.s.links {
+        return Ok(());
+    }
+    let (phases, phase_of) = link_phases(&ring_hosts(ctx, deadline)?);
+    let phase = |link: usize| phase_of[link];
+    // Once a turn runs out of time on either end, that link is measured: its later turns
+    // would only wait out their windows again (its connection still full of the first's bytes).
+    let (mut send_done, mut recv_done) = (false, false);
     // Each link three times, its best kept: a 5 ms transfer on a busy host can lose half its
     // time to one scheduling delay, and a link is only named slow for what it cannot do.
     for turn in 0..phases * LINK_ROUNDS {
         let p = turn % phases;
-        if phase(rank) == p {
-            r.send_link(LINK_BYTES)
+        if phase(rank) == p && !send_done {
+            send_done = r
+                .send_link(LINK_BYTES)
                 .map_err(|e| err("collective", format!("link test to rank {next}: {e}")))?;
         }
-        if phase(prev) == p {
-            let gbs = r
+        if phase(prev) == p && !recv_done {
+            let got = r
                 .recv_link(LINK_BYTES)
                 .map_err(|e| err("collective", format!("link test from rank {prev}: {e}")))?;
+            let (gbs, timed_out) = match got {
+                Received::Rate(gbs, cut) => (gbs, cut),
+                // Nothing in seconds: the link carries nothing, and is measured at 0.
+                Received::Nothing => (0.0, true),
+            };
+            recv_done = timed_out;
             let best = rep.link_in.map_or(gbs, |l| l.gbs.max(gbs));
             rep.link_in = Some(super::LinkIn {
                 from: prev,
@@ -1040,7 +1143,156 @@ fn test_links(
             ));
         }
     }
+    // Every rank's measured link, for the sweep's sizes (each rank reads the same).
+    {
+        let gbs = rep.link_in.map_or(0.0, |l| l.gbs);
+        let key = ctx.s.link_rate_key(rank);
+        ctx.set(&key, gbs.to_string().as_bytes());
+        let key = ctx.s.link_key(phases * LINK_ROUNDS);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let all = ctx
+            .rt
+            .block_on(ctx.store.barrier(&key, n as i64, Some(left)))
+            .map_err(|e| err("collective", format!("link test, rates: {e}")))?;
+        if !all {
+            return Err(err(
+                "init-timeout",
+                "link test, rates: not every rank arrived within the timeout",
+            ));
+        }
+    }
+    if let Some((out, _)) = r.probe.as_ref() {
+        rep.link_out = sent_and_lost(out).map(|(segments, retransmitted)| super::LinkOut {
+            to: next,
+            segments,
+            retransmitted,
+        });
+    }
+    r.probe = None;
     Ok(())
+}
+
+/// The kernel's count of segments sent on `s` and of those sent again (TCP_INFO's
+/// tcpi_segs_out and tcpi_total_retrans; read from the kernel's layout, which glibc's struct
+/// stops short of).
+fn sent_and_lost(s: &TcpStream) -> Option<(u32, u32)> {
+    use std::os::fd::AsRawFd;
+    let mut buf = [0u8; 256];
+    let mut len = buf.len() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `buf` and sets `len` to how many.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            buf.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    // 8 one-byte fields, 23 u32 fields (tcpi_rto .. tcpi_rcv_space), tcpi_total_retrans,
+    // 4 u64 fields (pacing rates, bytes acked and received), tcpi_segs_out.
+    let u32_at = |at: usize| {
+        buf.get(at..at + 4)
+            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    match rc == 0 && len as usize >= 140 {
+        true => Some((u32_at(136)?, u32_at(100)?)),
+        false => None,
+    }
+}
+
+/// Each rank's address without its port (ranks of one node share it), in rank order, once
+/// every rank has published its own.
+fn ring_hosts(ctx: &mut Ctx, deadline: Instant) -> Result<Vec<String>, RankError> {
+    let keys: Vec<Vec<u8>> = (0..ctx.world).map(|r| ctx.s.addr_key(r)).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let left = deadline.saturating_duration_since(Instant::now());
+    let lost = |e: std::io::Error| err("store", format!("lost the store reading the ring: {e}"));
+    if !ctx
+        .rt
+        .block_on(ctx.store.wait(&refs, Some(left)))
+        .map_err(lost)?
+    {
+        return Err(err(
+            "init-timeout",
+            "not every rank published its address within the timeout",
+        ));
+    }
+    let values = ctx.rt.block_on(ctx.store.multi_get(&refs)).map_err(lost)?;
+    Ok(values
+        .iter()
+        .map(|v| {
+            let a = String::from_utf8_lossy(v);
+            a.parse::<SocketAddr>()
+                .map_or_else(|_| a.to_string(), |s| s.ip().to_string())
+        })
+        .collect())
+}
+
+/// The link test's turns: (how many, each link's turn; link r goes from rank r to r + 1).
+/// Links between nodes alternate (a third turn for the last of an odd count), so no node sends
+/// and receives between nodes in one turn: its ACKs would queue behind its own data, and a
+/// slow egress would drag the link into it down too. A node's ranks are consecutive, so with
+/// several ranks a node the links between nodes are not every other link: they are counted
+/// by the hosts' addresses. Links within a node take the first turn.
+fn link_phases(hosts: &[String]) -> (usize, Vec<usize>) {
+    let n = hosts.len();
+    let crossing: Vec<usize> = (0..n).filter(|&r| hosts[r] != hosts[(r + 1) % n]).collect();
+    let m = crossing.len();
+    let mut phase = vec![0; n];
+    for (k, &r) in crossing.iter().enumerate() {
+        phase[r] = match m % 2 == 1 && k == m - 1 {
+            true => 2,
+            false => k % 2,
+        };
+    }
+    (if m % 2 == 1 { 3 } else { 2 }, phase)
+}
+
+/// The slowest link of the ring as every rank published it (rank, GB/s); None where a rate
+/// is missing (the link test was off).
+fn slowest_link(ctx: &mut Ctx) -> Option<(usize, f64)> {
+    let mut slowest: Option<(usize, f64)> = None;
+    for rank in 0..ctx.world {
+        let key = ctx.s.link_rate_key(rank);
+        let v = ctx.rt.block_on(ctx.store.get(&key)).ok()?;
+        let gbs: f64 = String::from_utf8_lossy(&v).parse().ok()?;
+        if slowest.is_none_or(|(_, g)| gbs < g) {
+            slowest = Some((rank, gbs));
+        }
+    }
+    slowest
+}
+
+/// The sweep's sizes, less those predicted to take over [`SIZE_BUDGET`] over the slowest link
+/// (`gbs`, into `rank`): a ring all-reduce moves 2(n-1)/n of a size over every link, once per
+/// run. The first size always stays. Every rank computes the same list from the same rates.
+fn sizes_within_budget(
+    sizes: Vec<u64>,
+    runs: u32,
+    world: usize,
+    slowest: Option<(usize, f64)>,
+) -> (Vec<u64>, Option<String>) {
+    let Some((rank, gbs)) = slowest else {
+        return (sizes, None);
+    };
+    let n = world as f64;
+    let secs = |b: u64| runs.max(1) as f64 * 2.0 * (n - 1.0) / n * b as f64 / (gbs.max(1e-9) * 1e9);
+    let keep = sizes
+        .iter()
+        .enumerate()
+        .take_while(|(k, b)| *k == 0 || secs(**b) <= SIZE_BUDGET.as_secs_f64())
+        .count();
+    if keep == sizes.len() {
+        return (sizes, None);
+    }
+    let note = format!(
+        "sizes from {} up not run: over the slowest link (into rank {rank}, {gbs:.4} GB/s) each \
+         would take over {} s",
+        super::human_bytes(sizes[keep]),
+        SIZE_BUDGET.as_secs()
+    );
+    (sizes[..keep].to_vec(), Some(note))
 }
 
 /// The all-reduce sweep over the ring (none: a single rank), one row per size.
@@ -1051,7 +1303,13 @@ fn sweep(
 ) -> Result<(), RankError> {
     let (rank, n) = (ctx.rank, ctx.world);
     let exp = expected(n);
-    let sizes = ctx.s.sizes();
+    let slowest = match ring.is_some() && ctx.s.links {
+        true => slowest_link(ctx),
+        false => None,
+    };
+    let (sizes, cut) =
+        sizes_within_budget(ctx.s.sizes(), ctx.s.warmup + ctx.s.iters.max(1), n, slowest);
+    rep.sweep_cut = cut;
     let max_count = (sizes.last().copied().unwrap_or(4) / 4) as usize;
     let input: Vec<f32> = (0..max_count).map(|i| pattern(rank, i)).collect();
     let mut buf = vec![0f32; max_count];
@@ -1090,6 +1348,37 @@ fn sweep(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn links_between_nodes_take_turns_whatever_the_ranks_per_node() {
+        let h = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        // One rank a node: every other link; the last of an odd count a turn of its own.
+        assert_eq!(
+            link_phases(&h(&["a", "b", "c", "d"])),
+            (2, vec![0, 1, 0, 1])
+        );
+        assert_eq!(link_phases(&h(&["a", "b", "c"])), (3, vec![0, 1, 2]));
+        // Two ranks a node, three nodes: the links between nodes (1, 3, 5) take turns.
+        let (p, of) = link_phases(&h(&["a", "a", "b", "b", "c", "c"]));
+        assert_eq!((p, [of[1], of[3], of[5]]), (3, [0, 1, 2]));
+        let (p, of) = link_phases(&h(&["a", "a", "b", "b"]));
+        assert_eq!((p, [of[1], of[3]]), (2, [0, 1]));
+    }
+
+    #[test]
+    fn a_slow_link_leaves_out_the_sizes_it_would_take_seconds_on() {
+        let sizes: Vec<u64> = (0..11).map(|k| 8u64 << (2 * k)).collect();
+        // 20 Mbit/s into rank 0, 6 runs a size, 3 ranks: 512 KiB takes 1.7 s, 2 MiB 6.7 s.
+        let (kept, note) = sizes_within_budget(sizes.clone(), 6, 3, Some((0, 0.0025)));
+        assert_eq!(kept.last(), Some(&(512 << 10)), "{kept:?}");
+        assert!(note.is_some_and(|n| n.contains("into rank 0")));
+        // A healthy veth ring keeps every size.
+        let (kept, note) = sizes_within_budget(sizes.clone(), 6, 3, Some((1, 1.5)));
+        assert_eq!((kept, note), (sizes.clone(), None));
+        // A link that carried nothing keeps the first size only.
+        let (kept, _) = sizes_within_budget(sizes, 6, 3, Some((2, 0.0)));
+        assert_eq!(kept, vec![8]);
+    }
 
     #[test]
     fn ring_chunks_cover_everything_once() {
