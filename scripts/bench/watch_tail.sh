@@ -35,7 +35,6 @@ dump)
   D="NRUN_WATCH_TRACE=\$TAIL_DIR/trace $NR"
   python3 scripts/bench/step_tail.py "$ROUNDS" "watch-off=$NR --watch off $W" "dumps=$D $W" \
     "dumps-stack-traces=TORCH_INCLUDE_STACK_TRACE=1 $D $W" \
-    "stack-traces-fast=TORCH_INCLUDE_STACK_TRACE=1 TORCH_SYMBOLIZE_MODE=fast $D $W" \
     2>/tmp/tail-runs
   cat /tmp/tail-runs
   for d in $(grep -o '/tmp/tail-[^)]*' /tmp/tail-runs); do
@@ -45,7 +44,7 @@ dump)
   ;;
 compare)
   runs=("watch-off=$NR --watch off $W" "watch-on=$NR $W" "torchrun=$TR")
-  [ -n "${OLD:-}" ] && runs+=("old-watch-on=$OLD --nproc $NPROC --no-preflight $W" "old-watch-off=$OLD --nproc $NPROC --no-preflight --watch off $W")
+  [ -n "${OLD:-}" ] && runs+=("old-watch-on=$OLD --nproc $NPROC --no-preflight $W")
   python3 scripts/bench/step_tail.py "$ROUNDS" "${runs[@]}"
   ;;
 esac
