@@ -192,6 +192,10 @@ fi
 if only watch; then
 echo "== the watch: overhead on an 8-rank gloo loop, time from a stall to its diagnosis" >&2
 python3 scripts/bench/watch_bench.py "$NRUN" "$PY" "$SLOW_RUNS" | tee -a "$out"
+# The step as a distribution (mean, p90, p99, max beside the median): nrun with the watch on and
+# off and torchrun, alternating (gloo on the CPU here; NCCL where a GPU is: issue 44).
+echo "== step-time distributions: nrun watch on/off, torchrun (scripts/bench/watch_tail.sh)" >&2
+TAIL_JSON=1 PYTHON="$PY" NRUN="$NRUN" ROUNDS="$SLOW_RUNS" MODE=compare scripts/bench/watch_tail.sh | tee -a "$out"
 fi
 
 echo "results: $out" >&2

@@ -45,6 +45,6 @@ dump)
 compare)
   runs=("watch-off=$NR --watch off $W" "watch-on=$NR $W" "torchrun=$TR")
   [ -n "${OLD:-}" ] && runs+=("old-watch-on=$OLD --nproc $NPROC --no-preflight $W")
-  python3 scripts/bench/step_tail.py "$ROUNDS" "${runs[@]}"
+  python3 scripts/bench/step_tail.py ${TAIL_JSON:+--json} "$ROUNDS" "${runs[@]}"
   ;;
 esac
