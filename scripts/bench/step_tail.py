@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Step-time distributions under launchers, alternating their order every round:
 `python3 step_tail.py ROUNDS NAME=CMD...`, each CMD a shell line that runs tail_worker.py with
 TAIL_DIR (set here, fresh per run) in its environment. Steps 0..SKIP (default 20) are warm-up and

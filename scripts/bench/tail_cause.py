@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Lays the watch's looks (NRUN_WATCH_TRACE: `wall_s look rank us` per line) beside the workers'
 steps (tail_worker.py's TAIL_DIR): for each kind of look, how many of the steps it fell in were
 slow (over 1.5x the median), against the share of slow steps overall, and the median step it fell

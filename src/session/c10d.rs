@@ -176,6 +176,9 @@ struct Looking {
     closed: bool,
     /// A TCPStore answered there, neither an nrun's nor torchrun's rendezvous (yet).
     store: bool,
+    /// The last connection was accepted and answered nothing (another program, or a stopped
+    /// nrun): named at the deadline.
+    silent: Option<std::io::Error>,
     /// The rendezvous was found: this node was joining it when time ran out.
     joining: bool,
     /// This node's index is past the job's nodes and spares: it waited for room.
@@ -204,6 +207,7 @@ impl Looking {
             last: String::new(),
             closed: false,
             store: false,
+            silent: None,
             joining: false,
             full: false,
             next_line: Some(started + Duration::from_secs(1)),
@@ -241,6 +245,8 @@ impl Looking {
                  firewall and the route to {}",
                 c.host
             )
+        } else if let Some(e) = &self.silent {
+            return super::meet::something_else(endpoint, "--rdzv-endpoint", e);
         } else if self.store {
             format!(
                 "a TCPStore answers at {endpoint}, but neither an nrun nor torchrun hosts a \
@@ -288,19 +294,31 @@ async fn find(
     let (mut store, reached) = loop {
         let mut conn = None;
         for a in addrs {
+            use super::meet::Unreached;
             match super::meet::store_at(*a).await {
                 Ok(s) => {
                     conn = Some((s, *a));
+                    look.silent = None;
                     break;
                 }
                 // It answered, but as no TCPStore does: said at once, with what it answered.
-                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                Err(Unreached::Other(e)) => {
                     return Err(super::meet::something_else(endpoint, "--rdzv-endpoint", &e));
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                // Accepted and silent: the host may be about to serve (or stopped); named if
+                // it stays so to the deadline.
+                Err(Unreached::Silent(e)) => {
                     look.last = format!("{a}: {e}");
+                    look.silent = Some(e);
                 }
-                Err(e) => look.failed(*a, &e),
+                Err(Unreached::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    look.last = format!("{a}: {e}");
+                    look.silent = None;
+                }
+                Err(Unreached::Io(e)) => {
+                    look.silent = None;
+                    look.failed(*a, &e);
+                }
             }
         }
         if let Some((mut store, a)) = conn {

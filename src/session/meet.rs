@@ -20,22 +20,41 @@ const FIRST_LINE: Duration = Duration::from_secs(1);
 /// How often a waiting node looks again.
 const LOOK: Duration = Duration::from_millis(200);
 
+/// Why a store could not be reached.
+#[derive(Debug)]
+pub(crate) enum Unreached {
+    /// Something answered as no TCPStore does (its message says what): said at once.
+    Other(std::io::Error),
+    /// Something accepted the connection and answered nothing: another program, or a store's
+    /// nrun that is stopped or not serving yet. Waited for; named at the deadline.
+    Silent(std::io::Error),
+    /// Nothing answered the connection (`TimedOut`), or the connection failed.
+    Io(std::io::Error),
+}
+
 /// A store connection to `a`, within [`CONNECT`] for the connection and again for the
-/// handshake. An error of kind `InvalidData`: something other than a TCPStore answered there
-/// (said in its message, with what it answered); `TimedOut`: nothing answered the connection.
-pub(crate) async fn store_at(a: SocketAddr) -> std::io::Result<Client> {
-    let s = tokio::time::timeout(CONNECT, tokio::net::TcpStream::connect(a))
-        .await
-        .map_err(|_| {
-            std::io::Error::new(
+/// handshake.
+pub(crate) async fn store_at(a: SocketAddr) -> std::result::Result<Client, Unreached> {
+    let s = match tokio::time::timeout(CONNECT, tokio::net::TcpStream::connect(a)).await {
+        Err(_) => {
+            return Err(Unreached::Io(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!(
                     "no answer within {} s (packets dropped on the way?)",
                     CONNECT.as_secs()
                 ),
-            )
-        })??;
-    Client::from_stream_within(s, CONNECT).await
+            )));
+        }
+        Ok(Err(e)) => return Err(Unreached::Io(e)),
+        Ok(Ok(s)) => s,
+    };
+    Client::from_stream_within(s, CONNECT)
+        .await
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => Unreached::Other(e),
+            std::io::ErrorKind::TimedOut => Unreached::Silent(e),
+            _ => Unreached::Io(e),
+        })
 }
 
 /// The error for a port where something other than a TCPStore answered: `e` says what.
@@ -145,6 +164,8 @@ impl Session {
         let addrs = super::c10d::resolve(&self.rendezvous.addr, self.rendezvous.port)?;
         let secret = self.rendezvous.secret.clone().unwrap_or_default();
         let mut last = String::from("no answer yet");
+        // The last answer was a silent one: at the deadline, something else listens there.
+        let mut silent: Option<std::io::Error> = None;
         let mut conn: Option<Client> = None;
         loop {
             if conn.is_none() {
@@ -158,11 +179,18 @@ impl Session {
                             conn = Some(c);
                             break;
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                        Err(Unreached::Other(e)) => {
                             progress.finish(None);
                             return Err(something_else(&endpoint, "--master-port", &e));
                         }
-                        Err(e) => last = format!("{a}: {e}"),
+                        Err(Unreached::Silent(e)) => {
+                            last = format!("{a}: {e}");
+                            silent = Some(e);
+                        }
+                        Err(Unreached::Io(e)) => {
+                            last = format!("{a}: {e}");
+                            silent = None;
+                        }
                     }
                 }
             }
@@ -202,6 +230,9 @@ impl Session {
             if Instant::now() >= deadline {
                 say(&progress, &what, true);
                 progress.finish(None);
+                if let (None, Some(e)) = (&missing, &silent) {
+                    return Err(something_else(&endpoint, "--master-port", e));
+                }
                 return Err(Error::cluster(match &missing {
                     Some(m) => format!(
                         "node {me} of {n}: {} did not arrive at node 0's store {endpoint} \

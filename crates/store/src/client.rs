@@ -77,10 +77,11 @@ impl Client {
     }
 
     /// As [`Client::from_stream`], within `wait`, telling a TCPStore from another program
-    /// that accepted the connection: one that answers the handshake with other bytes, or
-    /// nothing within `wait` (a TCPStore answers at once), is an error of kind `InvalidData`
-    /// whose message says what it answered. A connection closed at once stays an
-    /// `UnexpectedEof` (a store may close clients it does not serve).
+    /// that accepted the connection: one that answers the handshake with other bytes is an
+    /// error of kind `InvalidData` whose message says what it answered; one that answers
+    /// nothing within `wait` (a TCPStore answers at once: another program, or a stopped one)
+    /// is `TimedOut`. A connection closed at once stays an `UnexpectedEof` (a store may close
+    /// clients it does not serve).
     pub async fn from_stream_within(stream: TcpStream, wait: Duration) -> io::Result<Client> {
         stream.set_nodelay(true)?;
         let mut c = Client {
@@ -97,7 +98,7 @@ impl Client {
         match tokio::time::timeout(wait, c.stream.read_exact(&mut got)).await {
             Err(_) => {
                 return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
+                    io::ErrorKind::TimedOut,
                     format!(
                         "it accepted the connection but answered nothing to the TCPStore \
                          handshake within {} s (a TCPStore answers at once)",
