@@ -248,3 +248,57 @@ impl NodeLink for PeerLink {
         Box::pin(e.acknowledged())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUND: Duration = Duration::from_millis(2500);
+
+    fn view(received_ms: u64, sent_ms: u64, unacked: u32) -> Option<LinkView> {
+        Some(LinkView {
+            established: true,
+            since_received: Duration::from_millis(received_ms),
+            since_sent: Duration::from_millis(sent_ms),
+            unacked,
+        })
+    }
+
+    fn beating(e: &Evidence) -> bool {
+        matches!(e, Evidence::Beating(_))
+    }
+
+    #[test]
+    fn a_still_heartbeat_is_lost_only_when_its_connection_is_silent_too() {
+        let still = Duration::from_millis(2600);
+        // A beat came 0.3 s ago, which this host has not taken yet: spared.
+        assert!(beating(&evidence(view(300, 800, 0), BOUND, still)));
+        // Its last beat awaits this host's reply (this host did not answer): spared.
+        let e = evidence(view(2700, 3200, 0), BOUND, still);
+        assert!(beating(&e), "{e:?}");
+        // Answered, then nothing for 2.6 s (an agent stopped, or its host cut off): lost.
+        let e = evidence(view(2700, 2600, 0), BOUND, still);
+        assert_eq!(
+            e,
+            Evidence::Gone("nothing came on its connection for 2.7 s".into())
+        );
+        let e = evidence(view(2700, 200, 3), BOUND, still);
+        assert!(
+            matches!(&e, Evidence::Gone(w) if w.contains("acknowledged none of this host's last 3")),
+            "{e:?}"
+        );
+        // No connection, or one closing: lost.
+        assert!(!beating(&evidence(None, BOUND, still)));
+        let mut closing = view(100, 600, 0);
+        if let Some(v) = closing.as_mut() {
+            v.established = false;
+        }
+        assert!(!beating(&evidence(closing, BOUND, still)));
+        // Spared for twice the bound at most, whatever the connection shows.
+        assert!(!beating(&evidence(
+            view(100, 600, 0),
+            BOUND,
+            Duration::from_millis(5100)
+        )));
+    }
+}
