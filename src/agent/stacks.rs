@@ -133,10 +133,7 @@ pub(crate) fn spawn(
             let mut ras = ras.map(super::ras::Asker::new);
             let mut costs = Costs::from_env();
             let fr_period = Costs::fr_period(flight::PERIOD);
-            let mut dumps = Periodic {
-                due: false,
-                on: true,
-            };
+            let mut dumps = Periodic { due: false, on: true };
             if costs.skips("ras") {
                 ras = None;
             }
@@ -251,15 +248,13 @@ fn say_pace(view: &RankView, p: Paced) {
     static SAID: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
     match p {
         Paced::Slower { took, every } => {
-            let first = SAID
-                .lock()
-                .map_or(true, |mut s| match s.contains(&view.rank) {
-                    true => false,
-                    false => {
-                        s.push(view.rank);
-                        true
-                    }
-                });
+            let first = SAID.lock().map_or(true, |mut s| match s.contains(&view.rank) {
+                true => false,
+                false => {
+                    s.push(view.rank);
+                    true
+                }
+            });
             let text = format!(
                 "the watch's sample of rank {} (pid {}) took {} ms, over its budget of {} ms \
                  twice in a row; it now samples that rank every {:.1} s instead of {:.1} s (a \
@@ -390,7 +385,11 @@ fn flight_recorders(
 /// none waiting, they (some at least) have all been still that long.
 fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone, after: Duration) -> bool {
     let waits = |w: &&Watched| crate::protocol::waits_in(&w.view).is_some();
-    if ranks.clone().filter(waits).any(|w| unchanged(w) >= after) {
+    if ranks
+        .clone()
+        .filter(waits)
+        .any(|w| unchanged(w) >= after)
+    {
         return true;
     }
     let mut any = false;
@@ -407,10 +406,8 @@ fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone, after: Duratio
 /// has something to say).
 fn nccl_stalled(ranks: &mut [Watched], stall: Stalls, costs: &mut Costs) -> bool {
     let live = |w: &&mut Watched| w.view.exited.is_none();
-    stalling(
-        ranks.iter().filter(|w| w.view.exited.is_none()),
-        stall.dump_after,
-    ) && ranks.iter_mut().filter(live).any(|w| loaded_nccl(w, costs))
+    stalling(ranks.iter().filter(|w| w.view.exited.is_none()), stall.dump_after)
+        && ranks.iter_mut().filter(live).any(|w| loaded_nccl(w, costs))
 }
 
 /// Whether the rank's process loaded libnccl (looked up once, at its first GPU sync or stall:
