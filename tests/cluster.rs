@@ -1539,6 +1539,85 @@ fn a_node_silent_for_a_while_is_lost_or_waited_for_by_agent_timeout() {
     }
 }
 
+/// Busy-looping shells started by a test, killed when it ends however it ends.
+struct Hogs(Vec<std::process::Child>);
+
+impl Hogs {
+    fn start(n: usize) -> Hogs {
+        Hogs(
+            (0..n)
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .unwrap()
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Hogs {
+    fn drop(&mut self) {
+        for h in &mut self.0 {
+            let _ = h.kill();
+            let _ = h.wait();
+        }
+    }
+}
+
+/// Busy is not lost (issue 46, item 4): a 4-node job whose every worker spins the CPU, beside
+/// two CPU hogs of this host, is run twice (`NRUN_TEST_HOG_RUNS` more); no node is called
+/// lost, each job exits 0. A still heartbeat loses a node only when its connection shows its
+/// agent silent too (a node really stopped or cut off still is: the tests beside this one).
+#[test]
+fn a_node_busy_beside_cpu_hogs_is_not_lost() {
+    let Some(c) = Cluster::up("chog", 4) else {
+        return;
+    };
+    let runs: usize = std::env::var("NRUN_TEST_HOG_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let _hogs = Hogs::start(2);
+    for run in 0..runs {
+        let s = Scene::new();
+        // Each worker spins for 4 s of its own clock: the job's own load.
+        let out = c.run_on(
+            &s,
+            4,
+            &[
+                "--nproc",
+                "2",
+                "--no-python",
+                "sh",
+                "-c",
+                "end=$(($(date +%s) + 4)); while [ $(date +%s) -lt $end ]; do :; done; \
+                 echo spun >> $MARK",
+            ],
+            &[("NRUN_LOG", "debug")],
+        );
+        let err = text(&out.stderr);
+        let spared = err
+            .lines()
+            .filter(|l| l.contains(": not lost"))
+            .collect::<Vec<_>>();
+        eprintln!(
+            "run {run}: {} still heartbeats spared: {spared:?}",
+            spared.len()
+        );
+        assert_eq!(out.status.code(), Some(0), "run {run}: {err}");
+        assert!(!err.contains("lost the connection"), "run {run}: {err}");
+        assert_eq!(
+            s.marks().iter().filter(|l| *l == "spun").count(),
+            8,
+            "run {run}: {err}"
+        );
+        s.assert_no_survivors();
+    }
+    c.assert_nothing_left(4);
+}
+
 /// A host cut off (every packet dropped, nothing refused): no connection closes for many seconds,
 /// but its agent notices the store's silence and stops its workers by itself within
 /// --agent-timeout; the launcher names the node lost and says so.

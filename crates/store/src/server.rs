@@ -298,6 +298,54 @@ pub struct Store {
     control_max: AtomicU64,
     /// [`Limits::wait_budget`], where the state's lock holder reads it.
     wait_budget: AtomicUsize,
+    /// The socket of the connection that tied each key to itself ([`LIVE_SUFFIX`]), for
+    /// [`Store::tied_link`]: forgotten (under this lock) before that socket is closed, so the
+    /// descriptor read is never another's.
+    tied: Mutex<HashMap<Vec<u8>, (ConnId, std::os::fd::RawFd)>>,
+}
+
+/// The kernel's view of a connection (TCP_INFO), as [`Store::tied_link`] gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkView {
+    /// The connection is established (not closing, not closed by the peer).
+    pub established: bool,
+    /// Since the peer last sent data.
+    pub since_received: Duration,
+    /// Since this end last sent data (a reply).
+    pub since_sent: Duration,
+    /// Segments this end sent that the peer's host has not acknowledged.
+    pub unacked: u32,
+}
+
+impl LinkView {
+    /// Whether the peer spoke after this end last did: its request is this end's to answer.
+    pub fn awaits_reply(&self) -> bool {
+        self.since_received < self.since_sent
+    }
+}
+
+/// Reads TCP_INFO of socket `fd`.
+fn link_view(fd: std::os::fd::RawFd) -> Option<LinkView> {
+    // SAFETY: tcp_info is plain data; the kernel fills at most `len` bytes of it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `fd` is an open socket of this store (see `Store::tied`), `info` is `len` bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then(|| LinkView {
+        // TCP_ESTABLISHED is 1 in Linux's tcp_states.h.
+        established: info.tcpi_state == 1,
+        since_received: Duration::from_millis(info.tcpi_last_data_recv.into()),
+        since_sent: Duration::from_millis(info.tcpi_last_data_sent.into()),
+        unacked: info.tcpi_unacked,
+    })
 }
 
 /// nrun's keys that clients set, in order, until the coordinator takes them.
@@ -342,6 +390,8 @@ struct Conn {
     authed: bool,
     /// The keys removed when this connection closes ([`LIVE_SUFFIX`]).
     live_keys: Vec<Vec<u8>>,
+    /// Its socket, for the kernel's view of it ([`Store::tied_link`]).
+    fd: std::os::fd::RawFd,
     /// The challenge this connection was given, until it answers.
     nonce: Option<Vec<u8>>,
     peer: SocketAddr,
@@ -550,6 +600,14 @@ impl Store {
 
     /// Forgets connection `conn`: its parked wait, and the keys it tied to itself.
     fn disconnect(&self, conn: ConnId, live_keys: &[Vec<u8>]) {
+        {
+            let mut tied = self.tied_lock();
+            for k in live_keys {
+                if tied.get(k).is_some_and(|(c, _)| *c == conn) {
+                    tied.remove(k);
+                }
+            }
+        }
         let mut s = self.lock();
         s.forget_wait(conn);
         for k in live_keys {
@@ -595,6 +653,7 @@ impl Store {
         let r = self.apply_request(c, req, out, acct);
         let served = matches!(r, Ok(None));
         if let (Some(key), true) = (live, served) {
+            self.tied_lock().insert(key.clone(), (c.id, c.fd));
             c.live_keys.push(key);
         }
         // After the write, so whoever wakes finds it.
@@ -613,6 +672,19 @@ impl Store {
             c.overflowed = true;
             c.keys = Vec::new();
         }
+    }
+
+    fn tied_lock(&self) -> MutexGuard<'_, HashMap<Vec<u8>, (ConnId, std::os::fd::RawFd)>> {
+        self.tied.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The kernel's view of the connection that tied `key` to itself ([`LIVE_SUFFIX`]): None
+    /// when no open connection holds it. The coordinator asks it of an agent whose heartbeat is
+    /// still: whether that agent's host sent anything lately, or waits on this one.
+    pub fn tied_link(&self, key: &[u8]) -> Option<LinkView> {
+        let tied = self.tied_lock();
+        let (_, fd) = tied.get(key)?;
+        link_view(*fd)
     }
 
     /// nrun's keys clients set since the last call, for the coordinator (see [`Changes`]).
@@ -1064,6 +1136,7 @@ async fn connection(
 ) {
     let limits = store.limits();
     let _ = stream.set_nodelay(true);
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
     let (rd, wr) = stream.into_split();
     let (wake_tx, wake_rx) = mpsc::unbounded_channel::<u8>();
     let _ = live.wake.set(wake_tx.clone());
@@ -1079,6 +1152,7 @@ async fn connection(
         validated: false,
         authed: false,
         live_keys: Vec::new(),
+        fd,
         nonce: None,
         peer,
         owner: live.ip,

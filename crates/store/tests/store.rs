@@ -447,9 +447,19 @@ async fn an_agents_alive_counter_goes_with_its_connection() {
     agent.add(b"nrun/run/n3/alive", 1).await.unwrap();
     agent.add(b"nrun/run/n3/count", 1).await.unwrap();
     assert_eq!(store.get(b"nrun/run/n3/alive").unwrap(), b"2");
+    // The kernel's view of the connection that tied it, for the coordinator's verdict on a
+    // still heartbeat: open, its last beat answered, heard within the test's bound.
+    let view = store
+        .tied_link(b"nrun/run/n3/alive")
+        .expect("a tied connection");
+    assert!(view.established, "{view:?}");
+    assert!(!view.awaits_reply(), "{view:?}");
+    assert!(view.since_received < HANG, "{view:?}");
+    assert!(store.tied_link(b"nrun/run/n3/count").is_none());
     // A torch client's key of the same name is its own business: it stays.
     let mut worker = client(addr).await;
     worker.add(b"job/alive", 1).await.unwrap();
+    assert!(store.tied_link(b"job/alive").is_none());
     drop(worker);
     // The agent's process ends (or is killed: its kernel closes the socket the same way).
     drop(agent);
@@ -461,6 +471,7 @@ async fn an_agents_alive_counter_goes_with_its_connection() {
         !store.contains(b"nrun/run/n3/alive"),
         "removed with its connection"
     );
+    assert!(store.tied_link(b"nrun/run/n3/alive").is_none());
     assert_eq!(
         store.get(b"nrun/run/n3/count").unwrap(),
         b"1",

@@ -580,12 +580,13 @@ impl ChildLink {
                     r.start(bus, node, self.agent_timeout);
                 }
                 Some(format!(
-                    "lost the connection to {label}: its agent sent no heartbeat for {:.1} s (its \
-                     host is down, cut off from this one or too busy to answer); it stops its \
-                     workers there by itself within {} s of losing this host (--agent-timeout; \
-                     this host waits half of it, at least 2.5 s), and nrun ends them from here \
-                     over ssh if that host answers (an agent stopped or hung)",
+                    "lost the connection to {label}: its agent sent no heartbeat for {:.1} s and \
+                     {} (its host is down, cut off from this one or its agent stopped); it stops \
+                     its workers there by itself within {} s of losing this host \
+                     (--agent-timeout; this host waits half of it, at least 2.5 s), and nrun ends \
+                     them from here over ssh if that host answers (an agent stopped or hung)",
                     quiet.as_secs_f64(),
+                    self.beat.seen(),
                     self.agent_timeout.as_secs_f64()
                 ))
             }

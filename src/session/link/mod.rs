@@ -315,9 +315,10 @@ pub(crate) struct Bus {
     /// How long a node's heartbeat (every half second, [`crate::agent::liveness`]) may be still
     /// before the node is lost: half of --agent-timeout, at least [`MIN_SILENCE`] (2.5 s by
     /// default: five beats missed), so that this host calls a cut-off node lost (and a spare
-    /// may take its place) before that node's agent stops its workers by itself. An agent
-    /// whose connection closes is lost at once: the store removes its counter
-    /// ([`nrun_store::server::LIVE_SUFFIX`]).
+    /// may take its place) before that node's agent stops its workers by itself, unless the
+    /// kernel's view of the agent's connection shows the agent still beating (see
+    /// [`peer::Heartbeat`]). An agent whose connection closes is lost at once: the store
+    /// removes its counter ([`nrun_store::server::LIVE_SUFFIX`]).
     pub(super) silence: std::time::Duration,
 }
 
@@ -417,6 +418,13 @@ impl Bus {
             .as_ref()
             .and_then(|st| st.get(&self.keys.alive(node)))
             .unwrap_or_default()
+    }
+
+    /// The kernel's view of node `node`'s heartbeat connection to this host's store (None: no
+    /// open one), the evidence asked for before a still heartbeat loses the node
+    /// ([`peer::Heartbeat`]).
+    pub(crate) fn heartbeat_link(&self, node: usize) -> Option<nrun_store::server::LinkView> {
+        self.store.as_ref()?.tied_link(&self.keys.alive(node))
     }
 
     /// Asks every agent to stop step `no`: forwarding the user's signal, or politely.

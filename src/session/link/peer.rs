@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use nrun_store::server::LinkView;
+
 use super::{BoxFuture, Bus, Ending, Joining, Kind, NodeLink};
 use crate::session::Node;
 
@@ -23,6 +25,53 @@ pub(crate) struct Heartbeat {
     /// The whole seconds of stillness last logged (debug, once a second while still): the
     /// record that this host counted that long and did not call the node lost.
     said: u64,
+    /// What the node's connection showed when its stillness passed the bound, for the verdict.
+    seen: String,
+    /// Spared once while still (logged once).
+    spared: bool,
+}
+
+/// The kernel's view of a still node's heartbeat connection: its agent is alive when its host
+/// sent a beat within the bound (this host has not taken it yet: a launch host too busy) or its
+/// last beat awaits this host's reply. Either is this host's delay, not the node's; past
+/// [`SPARED_FOR`] bounds, the node is lost whatever this host's state.
+#[derive(Debug, PartialEq, Eq)]
+enum Evidence {
+    /// Its connection shows it beating.
+    Beating(String),
+    /// Its connection is gone or silent too.
+    Gone(String),
+}
+
+/// How many silence bounds a node whose connection shows it beating may stay still.
+const SPARED_FOR: u32 = 2;
+
+fn evidence(view: Option<LinkView>, silence: Duration, quiet: Duration) -> Evidence {
+    let Some(v) = view else {
+        return Evidence::Gone("its connection to this host's store is gone".into());
+    };
+    if !v.established {
+        return Evidence::Gone("its connection to this host's store is closing".into());
+    }
+    let heard = v.since_received.as_secs_f64();
+    let beating = v.since_received < silence || v.awaits_reply();
+    if beating && quiet <= silence * SPARED_FOR {
+        return Evidence::Beating(format!(
+            "its host sent its last beat {heard:.1} s ago{}",
+            if v.awaits_reply() {
+                ", which awaits this host's reply"
+            } else {
+                ""
+            }
+        ));
+    }
+    let unacked = match v.unacked {
+        0 => String::new(),
+        n => format!(", and its host acknowledged none of this host's last {n} segments"),
+    };
+    Evidence::Gone(format!(
+        "nothing came on its connection for {heard:.1} s{unacked}"
+    ))
 }
 
 impl Heartbeat {
@@ -39,19 +88,20 @@ impl Heartbeat {
         // The store removes the counter when the agent's connection closes: the agent ended,
         // or its process was killed (its kernel closed the socket). Silence is for the rest.
         let closed = beat.is_empty() && self.last.as_ref().is_some_and(|(v, _)| !v.is_empty());
-        let quiet = self.quiet(node, beat, Instant::now());
-        let why = match (stopped, closed, quiet > bus.silence) {
+        let silent = self.still(bus, node, beat);
+        let why = match (stopped, closed, silent) {
             (true, ..) => "stopped its workers when its link to this host broke".to_string(),
             (false, true, _) => {
                 "closed its connection to this host: its nrun ended there, or was killed"
                     .to_string()
             }
-            (false, false, true) => format!(
-                "sent no heartbeat for {:.1} s: its host is down, cut off from this one or too \
-                 busy to answer (--agent-timeout sets how long that may last)",
-                quiet.as_secs_f64()
+            (false, false, Some(quiet)) => format!(
+                "sent no heartbeat for {:.1} s and {}: its host is down, cut off from this one \
+                 or its nrun stopped (--agent-timeout sets how long silence may last)",
+                quiet.as_secs_f64(),
+                self.seen
             ),
-            (false, false, false) => return None,
+            (false, false, None) => return None,
         };
         Some(format!(
             "lost {label}: its agent {why}; check that it still runs there and reaches this host"
@@ -59,10 +109,39 @@ impl Heartbeat {
     }
 
     /// How long node `node`'s heartbeat has been still, once that is longer than the bus's
-    /// silence.
+    /// silence and the kernel's view of its connection shows no beat either (what it showed:
+    /// [`Heartbeat::seen`]).
     pub(crate) fn silent(&mut self, bus: &Bus, node: usize) -> Option<Duration> {
-        let quiet = self.quiet(node, bus.heartbeat(node), Instant::now());
-        (quiet > bus.silence).then_some(quiet)
+        self.still(bus, node, bus.heartbeat(node))
+    }
+
+    /// What the node's connection showed when it was found silent (for its verdict).
+    pub(crate) fn seen(&self) -> &str {
+        &self.seen
+    }
+
+    fn still(&mut self, bus: &Bus, node: usize, beat: Vec<u8>) -> Option<Duration> {
+        let quiet = self.quiet(node, beat, Instant::now());
+        if quiet <= bus.silence {
+            return None;
+        }
+        // Silence alone is no verdict: a busy launch host may not have taken beats that came.
+        match evidence(bus.heartbeat_link(node), bus.silence, quiet) {
+            Evidence::Beating(why) => {
+                if !self.spared {
+                    self.spared = true;
+                    tracing::debug!(
+                        "node {node}'s heartbeat has been still for {:.1} s, but {why}: not lost",
+                        quiet.as_secs_f64()
+                    );
+                }
+                None
+            }
+            Evidence::Gone(why) => {
+                self.seen = why;
+                Some(quiet)
+            }
+        }
     }
 
     /// How long the heartbeat has been still at `now`, not counting time this process spent
@@ -78,6 +157,7 @@ impl Heartbeat {
         if self.last.as_ref().is_none_or(|(v, _)| *v != beat) {
             self.last = Some((beat, now));
             self.said = 0;
+            self.spared = false;
         }
         let Some((beat, since)) = self.last.as_ref() else {
             return Duration::ZERO;
@@ -166,5 +246,59 @@ impl NodeLink for PeerLink {
 
     fn end<'a>(&'a mut self, e: Ending<'a>) -> BoxFuture<'a, ()> {
         Box::pin(e.acknowledged())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUND: Duration = Duration::from_millis(2500);
+
+    fn view(received_ms: u64, sent_ms: u64, unacked: u32) -> Option<LinkView> {
+        Some(LinkView {
+            established: true,
+            since_received: Duration::from_millis(received_ms),
+            since_sent: Duration::from_millis(sent_ms),
+            unacked,
+        })
+    }
+
+    fn beating(e: &Evidence) -> bool {
+        matches!(e, Evidence::Beating(_))
+    }
+
+    #[test]
+    fn a_still_heartbeat_is_lost_only_when_its_connection_is_silent_too() {
+        let still = Duration::from_millis(2600);
+        // A beat came 0.3 s ago, which this host has not taken yet: spared.
+        assert!(beating(&evidence(view(300, 800, 0), BOUND, still)));
+        // Its last beat awaits this host's reply (this host did not answer): spared.
+        let e = evidence(view(2700, 3200, 0), BOUND, still);
+        assert!(beating(&e), "{e:?}");
+        // Answered, then nothing for 2.6 s (an agent stopped, or its host cut off): lost.
+        let e = evidence(view(2700, 2600, 0), BOUND, still);
+        assert_eq!(
+            e,
+            Evidence::Gone("nothing came on its connection for 2.7 s".into())
+        );
+        let e = evidence(view(2700, 200, 3), BOUND, still);
+        assert!(
+            matches!(&e, Evidence::Gone(w) if w.contains("acknowledged none of this host's last 3")),
+            "{e:?}"
+        );
+        // No connection, or one closing: lost.
+        assert!(!beating(&evidence(None, BOUND, still)));
+        let mut closing = view(100, 600, 0);
+        if let Some(v) = closing.as_mut() {
+            v.established = false;
+        }
+        assert!(!beating(&evidence(closing, BOUND, still)));
+        // Spared for twice the bound at most, whatever the connection shows.
+        assert!(!beating(&evidence(
+            view(100, 600, 0),
+            BOUND,
+            Duration::from_millis(5100)
+        )));
     }
 }
