@@ -139,10 +139,51 @@ impl Costs {
     }
 }
 
-/// What one sample of one worker (every look at it in one round) may take. A stack read takes
-/// 1-2 ms on an H100 node (BENCHMARKS.md); a read that takes ten times that contends with
-/// something in the worker (its memory map's lock, a driver call) and may cost it as much.
-pub(crate) const LOOK_BUDGET: Duration = Duration::from_millis(20);
+/// What one sample of one worker (every look at it in one round) may take, less the time the
+/// watch's thread waited for a CPU ([`Clock`]). A stack read takes 1-2 ms on an H100 node
+/// (BENCHMARKS.md); one that takes ten times that contends with something in the worker (its
+/// memory map's lock, a driver call) and may cost it as much. A debug build reads about ten
+/// times slower.
+pub(crate) const LOOK_BUDGET: Duration = Duration::from_millis(match cfg!(debug_assertions) {
+    true => 200,
+    false => 20,
+});
+
+/// The time a look took on the watch's own thread, less the time that thread waited for a CPU
+/// (its schedstat's run delay): a busy node that keeps the watch off the CPU costs the workers
+/// nothing, while a read blocked on a worker's lock counts.
+pub(crate) struct Clock {
+    wall: Instant,
+    queued: Option<u64>,
+}
+
+impl Clock {
+    pub(crate) fn start() -> Clock {
+        Clock {
+            wall: Instant::now(),
+            queued: run_delay_ns(),
+        }
+    }
+
+    pub(crate) fn took(&self) -> Duration {
+        let wall = self.wall.elapsed();
+        match (self.queued, run_delay_ns()) {
+            (Some(a), Some(b)) => wall.saturating_sub(Duration::from_nanos(b.saturating_sub(a))),
+            _ => wall,
+        }
+    }
+}
+
+/// This thread's time spent waiting on a run queue, nanoseconds (the second field of
+/// /proc/thread-self/schedstat); None where the kernel keeps no such account.
+fn run_delay_ns() -> Option<u64> {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
 /// The longest time between two samples of a worker backed off: under the five seconds after
 /// which a stack not read counts as unknown (stacks::READ_RECENTLY), so hangs are still named.
 pub(crate) const MAX_EVERY: Duration = Duration::from_secs(2);
@@ -268,5 +309,22 @@ mod tests {
             ]
         );
         assert_eq!(p.every(), BASE);
+    }
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use super::*;
+
+    #[test]
+    fn a_look_is_timed_less_the_wait_for_a_cpu() {
+        // Where the kernel keeps the account, the run delay is read and grows monotonically.
+        if let Some(a) = run_delay_ns() {
+            assert!(run_delay_ns().unwrap() >= a);
+        }
+        let c = Clock::start();
+        std::thread::sleep(Duration::from_millis(30));
+        // Sleeping is not waiting for a CPU: it counts (a read blocked on a lock would too).
+        assert!(c.took() >= Duration::from_millis(25), "{:?}", c.took());
     }
 }

@@ -193,14 +193,14 @@ pub(crate) fn spawn(
                     if !w.fresh {
                         continue;
                     }
-                    let t0 = Instant::now();
+                    let clock = super::cost::Clock::start();
                     // A panic in py-spy (attaching to a Python still starting, or reading one
                     // that changes under it) costs the rank a sample, never the watch: the
                     // thread ended silently once, and a restarted group's hang went unnamed.
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         sample(w, &mut sources, &mut tree, &mut costs)
                     }));
-                    if let Some(p) = w.pace.took(t0.elapsed(), Instant::now()) {
+                    if let Some(p) = w.pace.took(clock.took(), Instant::now()) {
                         say_pace(&w.view, p);
                     }
                 }
