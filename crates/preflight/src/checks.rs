@@ -137,14 +137,12 @@ const LINK_FLOOR: f64 = 0.15;
 /// 100 Gb/s; a link under it is shaped, erroring or negotiated down.
 const TCP_FLOOR: f64 = 0.1;
 
-/// A link that retransmitted more than this share of its segments, at least [`LOSS_SEGMENTS`]
-/// of them, and [`LOSS_OVER_PEERS`] times the median link's share, in the link test loses
-/// packets. The last because a healthy veth between busy namespace hosts was seen
-/// retransmitting 1.8% (its receiver's backlog overflowing on a loaded CPU): load hits every
-/// link, a lossy cable or port one.
-const LOSS_SHARE: f64 = 0.01;
+/// A link that retransmitted more than this share of its segments, and at least
+/// [`LOSS_SEGMENTS`] of them, in the link test loses packets. Seen on namespace hosts: a link
+/// dropping 5% of its packets retransmitted 6.7%; healthy links on a loaded host up to 1.8%
+/// (the receiver's backlog overflowing), and as much beside a shaped link.
+const LOSS_SHARE: f64 = 0.03;
 const LOSS_SEGMENTS: u32 = 20;
-const LOSS_OVER_PEERS: f64 = 4.0;
 
 /// Whether a link measured alone at `gbs` is far under its peers' `median`: under
 /// [`LINK_FLOOR`] of it and, where its NIC says its speed (`nic_gbs`), under [`TCP_FLOOR`] of
@@ -799,24 +797,13 @@ impl Outcome {
         // A link that lost packets (its sender sent them again): slow for NCCL whatever the
         // rate a short test reached over it.
         let by_rank: BTreeMap<usize, &RankReport> = complete.iter().map(|r| (r.rank, *r)).collect();
-        let mut shares: Vec<f64> = complete
-            .iter()
-            .filter_map(|r| r.link_out)
-            .map(|l| f64::from(l.retransmitted) / f64::from(l.segments.max(1)))
-            .collect();
-        shares.sort_by(f64::total_cmp);
-        let typical = shares.get(shares.len() / 2).copied().unwrap_or(0.0);
         for r in complete {
             let Some(l) = r.link_out else { continue };
             let Some(to) = by_rank.get(&l.to).map(|t| t.host.as_str()) else {
                 continue;
             };
             let share = f64::from(l.retransmitted) / f64::from(l.segments.max(1));
-            if to != r.host
-                && l.retransmitted >= LOSS_SEGMENTS
-                && share > LOSS_SHARE
-                && share > LOSS_OVER_PEERS * typical
-            {
+            if to != r.host && l.retransmitted >= LOSS_SEGMENTS && share > LOSS_SHARE {
                 slow.push((r.host.as_str(), to));
                 out.push(Finding::fail(
                     Check::Link,
