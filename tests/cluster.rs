@@ -687,7 +687,7 @@ fn include_slots_pin_those_gpus() {
 
 #[test]
 fn doctor_reports_the_nodes_and_runs_nothing() {
-    let Some(c) = Cluster::up("cq4", 2) else {
+    let Some(c) = Cluster::up("qa1", 2) else {
         return;
     };
     let s = Scene::new();
@@ -706,11 +706,11 @@ fn doctor_reports_the_nodes_and_runs_nothing() {
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert!(
-        stderr.contains("cq4-h1") && stderr.contains("cq4-h2") && stderr.contains("driver"),
+        stderr.contains("qa1-h1") && stderr.contains("qa1-h2") && stderr.contains("driver"),
         "{stderr}"
     );
     assert!(
-        stdout.contains("cq4-h2: NCCL_SOCKET_IFNAME would be ==eth0"),
+        stdout.contains("qa1-h2: NCCL_SOCKET_IFNAME would be ==eth0"),
         "{stdout}"
     );
     assert!(
@@ -738,8 +738,8 @@ fn doctor_reports_the_nodes_and_runs_nothing() {
     assert_eq!(out.status.code(), Some(95), "{stdout}\n{stderr}");
     assert!(
         stderr.contains("not ready: 2 of 2 nodes cannot run a Python job")
-            && stderr.contains("cq4-h1: ")
-            && stderr.contains("cq4-h2: ")
+            && stderr.contains("qa1-h1: ")
+            && stderr.contains("qa1-h2: ")
             && stderr.contains("has no usable torch"),
         "{stderr}"
     );
@@ -811,7 +811,7 @@ fn the_same_c10d_command_on_every_node() {
         eprintln!("SKIPPED the_same_c10d_command_on_every_node: no python with torch");
         return;
     };
-    let Some(c) = Cluster::up("zc", 2) else {
+    let Some(c) = Cluster::up("qb1", 2) else {
         return;
     };
     let endpoint = format!("{}:29661", c.addr(1));
@@ -1627,7 +1627,7 @@ fn a_partitioned_node_stops_its_workers_by_itself() {
         eprintln!("SKIPPED a_partitioned_node_stops_its_workers_by_itself: no iptables");
         return;
     }
-    let Some(c) = Cluster::up("ct9", 2) else {
+    let Some(c) = Cluster::up("qz1", 2) else {
         return;
     };
     let s = Scene::new();
@@ -1707,7 +1707,7 @@ fn join_timeout_is_kept_when_packets_are_dropped() {
         eprintln!("SKIPPED join_timeout_is_kept_when_packets_are_dropped: no iptables");
         return;
     }
-    let Some(c) = Cluster::up("jd", 2) else {
+    let Some(c) = Cluster::up("jdx", 2) else {
         return;
     };
     let s = Scene::new();
