@@ -558,39 +558,13 @@ fn the_static_rows() {
             _ => None,
         };
         let args: Vec<&str> = match fault_of(row) {
-            Fault::StaticNode0 => vec![
-                "--nnodes",
-                "2",
-                "--node-rank",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                &port,
-                "--nproc",
-                "1",
-                "--join-timeout",
-                "10",
-                "--no-python",
-                "true",
-            ],
-            // A node of the static form meeting at node 0's store, where the other listens.
-            Fault::OtherProgram => vec![
-                "--nnodes",
-                "2",
-                "--node-rank",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                &port,
-                "--nproc",
-                "1",
-                "--join-timeout",
-                "10",
-                "--no-python",
-                "true",
-            ],
+            // A node of the static form meeting at node 0's store: none there, or the other
+            // program listening where it should be.
+            Fault::StaticNode0 | Fault::OtherProgram => {
+                let mut a = setup::static_args("1", &port, "10");
+                a.extend(["--nproc", "1", "--no-python", "true"]);
+                a
+            }
             f => panic!("{f:?} is not a static row's fault"),
         };
         let w = Watched::new(s.spawn(&args, &[]));

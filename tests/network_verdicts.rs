@@ -334,21 +334,10 @@ fn a_static_node_without_node_0_waits_says_so_and_fails() {
     let script = format!("touch {}", marker.display());
     let child = s.spawn(
         &[
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--join-timeout",
-            "3",
-            "--no-python",
-            "sh",
-            "-c",
-            &script,
-        ],
+            &setup::static_args("1", &port, "3")[..],
+            &["--no-python", "sh", "-c", script.as_str()],
+        ]
+        .concat(),
         &[],
     );
     let w = Watched::new(child);
@@ -434,20 +423,8 @@ fn another_program_on_the_rendezvous_port_is_named() {
         let endpoint = format!("127.0.0.1:{port}");
         let mut c10d = setup::c10d_args(&endpoint, "job", "20");
         c10d.extend(["--no-python", "true"]);
-        let static_node = [
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--join-timeout",
-            "20",
-            "--no-python",
-            "true",
-        ];
+        let mut static_node = setup::static_args("1", &port, "20");
+        static_node.extend(["--no-python", "true"]);
         for (args, flag) in [
             (&c10d[..], "--rdzv-endpoint"),
             (&static_node[..], "--master-port"),
@@ -618,21 +595,10 @@ fn a_static_node_0_without_node_1_names_it() {
     let script = format!("touch {}", marker.display());
     let out = s.run(
         &[
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "0",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--join-timeout",
-            "2",
-            "--no-python",
-            "sh",
-            "-c",
-            &script,
-        ],
+            &setup::static_args("0", &port, "2")[..],
+            &["--no-python", "sh", "-c", script.as_str()],
+        ]
+        .concat(),
         &[],
     );
     let err = text(&out.stderr);

@@ -202,13 +202,20 @@ pub(crate) struct Pace {
     next: Option<Instant>,
     over: u32,
     under: u32,
+    /// It has backed off before (said once).
+    slowed: bool,
 }
 
 /// A change of pace, to be said.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Paced {
-    /// Looks cost `took` (the last one): every `every` from now.
-    Slower { took: Duration, every: Duration },
+    /// Looks cost `took` (the last one): every `every` from now; `first`: the first time for
+    /// this worker.
+    Slower {
+        took: Duration,
+        every: Duration,
+        first: bool,
+    },
     /// Looks are cheap again: every `every` from now.
     Faster { every: Duration },
 }
@@ -221,6 +228,7 @@ impl Pace {
             next: None,
             over: 0,
             under: 0,
+            slowed: false,
         }
     }
 
@@ -241,6 +249,7 @@ impl Pace {
                 changed = Some(Paced::Slower {
                     took,
                     every: self.every,
+                    first: !std::mem::replace(&mut self.slowed, true),
                 });
             }
         } else {
@@ -285,7 +294,8 @@ mod tests {
             p.took(dear, t),
             Some(Paced::Slower {
                 took: dear,
-                every: BASE * 2
+                every: BASE * 2,
+                first: true
             })
         );
         assert!(!p.due(t + BASE) && p.due(t + BASE * 2));

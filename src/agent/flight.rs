@@ -112,14 +112,15 @@ pub(crate) fn ask(f: &FrFiles) -> bool {
         .is_ok()
 }
 
-/// The dump, if one newer than `since` is in the file nrun named (never a symlink).
-pub(crate) fn dumped_since(f: &FrFiles, since: SystemTime) -> Option<PathBuf> {
+/// The dump and when it was written, if one newer than `since` is in the file nrun named
+/// (never a symlink).
+pub(crate) fn dumped_since(f: &FrFiles, since: SystemTime) -> Option<(PathBuf, SystemTime)> {
     std::fs::symlink_metadata(&f.dump)
         .ok()
         .filter(|m| m.is_file())
         .and_then(|m| m.modified().ok())
-        .is_some_and(|t| t >= since)
-        .then(|| f.dump.clone())
+        .filter(|t| *t >= since)
+        .map(|t| (f.dump.clone(), t))
 }
 
 /// Largest dump read: a ring of [`BUFFER`] entries per group is a few hundred KiB.

@@ -245,26 +245,18 @@ pub(crate) fn spawn(
         })
 }
 
-/// Says that the watch looks at a rank less often (once per rank, as a warning: a new driver or
-/// kernel that makes reading a worker dear shows here) or more often again (in the debug log).
+/// Says that the watch looks at a rank less often (as a warning the first time for that rank:
+/// a new driver or kernel that makes reading a worker dear shows here; later in the debug log)
+/// or more often again (in the debug log).
 fn say_pace(view: &RankView, p: Paced) {
-    static SAID: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
     match p {
-        Paced::Slower { took, every } => {
-            let first = SAID
-                .lock()
-                .map_or(true, |mut s| match s.contains(&view.rank) {
-                    true => false,
-                    false => {
-                        s.push(view.rank);
-                        true
-                    }
-                });
+        Paced::Slower { took, every, first } => {
             let text = format!(
-                "the watch's sample of rank {} (pid {}) took {} ms, over its budget of {} ms \
-                 twice in a row; it now samples that rank every {:.1} s instead of {:.1} s (a \
+                "on {}: the watch's sample of rank {} (pid {}) took {} ms, over its budget of {} \
+                 ms twice in a row; it now samples that rank every {:.1} s instead of {:.1} s (a \
                  hang is named up to that much later). Reading the worker's stack may contend \
                  with it: docs/watch.md, \"What the watch costs\"",
+                nrun_base::net::hostname(),
                 view.rank,
                 view.pid,
                 took.as_millis(),
@@ -339,20 +331,18 @@ fn flight_recorders(
         let (Some(files), Some((at, wall))) = (&w.fr.files, w.fr.asked) else {
             continue;
         };
-        if let Some(p) = flight::dumped_since(files, wall) {
-            let took = std::fs::metadata(&p)
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.duration_since(wall).ok());
+        if let Some((p, written)) = flight::dumped_since(files, wall) {
+            let took = written.duration_since(wall).ok();
             if let Some(took) = took.filter(|t| w.fr.asked_running && *t > DUMP_BUDGET)
                 && std::mem::replace(&mut periodic.on, false)
             {
                 tracing::warn!(
-                    "torch took {:.1} s to write rank {}'s flight-recorder dump, over the \
+                    "on {}: torch took {:.1} s to write rank {}'s flight-recorder dump, over the \
                      watch's budget of {} s (the worker is held up while it writes): nrun now \
                      asks for dumps only when ranks stall, so stragglers and collective \
                      mismatches that do not hang are named from the stacks alone \
                      (docs/watch.md, \"What the watch costs\")",
+                    nrun_base::net::hostname(),
                     took.as_secs_f64(),
                     w.view.rank,
                     DUMP_BUDGET.as_secs()

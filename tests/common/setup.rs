@@ -33,6 +33,23 @@ pub(crate) fn c10d_args<'a>(endpoint: &'a str, id: &'a str, join_timeout: &'a st
     ]
 }
 
+/// A static launch's node `rank` of 2 meeting at 127.0.0.1:`port` (torchrun's
+/// --node-rank/--master-addr form), waiting up to `join_timeout` seconds.
+pub(crate) fn static_args<'a>(rank: &'a str, port: &'a str, join_timeout: &'a str) -> Vec<&'a str> {
+    vec![
+        "--nnodes",
+        "2",
+        "--node-rank",
+        rank,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--join-timeout",
+        join_timeout,
+    ]
+}
+
 /// tests/python/hang.py: a gloo job whose ranks hang, stall, disagree or fail as
 /// NRUN_HANG_CASE says.
 pub(crate) fn hang_script() -> String {
