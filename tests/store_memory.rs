@@ -249,6 +249,30 @@ impl Drop for MemCgroup {
 }
 
 /// A process's peak resident memory (VmHWM), in MiB.
+/// Values from address `from` into the store at `addr` until it refuses one (closing that
+/// connection), then values of each next size on a fresh connection, down the list: the bytes
+/// this client got stored.
+async fn fill_from(from: [u8; 4], addr: SocketAddr, sizes: &[usize]) -> usize {
+    let mut taken = 0usize;
+    for (round, &size) in sizes.iter().enumerate() {
+        let sock = TcpSocket::new_v4().unwrap();
+        sock.bind(SocketAddr::from((from, 0))).unwrap();
+        let mut conn = Client::from_stream(sock.connect(addr).await.unwrap())
+            .await
+            .unwrap();
+        for i in 0.. {
+            let key = format!("/f{round}/{i}");
+            if conn.set(key.as_bytes(), &vec![9u8; size]).await.is_err()
+                || conn.ping(1).await.is_err()
+            {
+                break;
+            }
+            taken += size;
+        }
+    }
+    taken
+}
+
 fn peak_rss_mib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
@@ -449,27 +473,8 @@ fn a_filled_store_fails_the_writer_not_the_job() {
         // then smaller ones on fresh connections, down to empty ones: full to the last bytes
         // this client may fill (three quarters; the last is kept for addresses holding
         // little), where not even an empty value with a short key fits.
-        let mut taken = 0usize;
-        for (round, size) in [1usize << 20, 64 << 10, 4 << 10, 256, 0]
-            .into_iter()
-            .enumerate()
-        {
-            let sock = TcpSocket::new_v4().unwrap();
-            sock.bind(SocketAddr::from(([127, 0, 0, 2], 0))).unwrap();
-            let mut conn = Client::from_stream(sock.connect(addr).await.unwrap())
-                .await
-                .unwrap();
-            for i in 0.. {
-                let key = format!("/f{round}/{i}");
-                if conn.set(key.as_bytes(), &vec![9u8; size]).await.is_err()
-                    || conn.ping(1).await.is_err()
-                {
-                    break;
-                }
-                taken += size;
-                assert!(taken <= 8 << 20, "{taken} bytes taken by an 8 MiB store");
-            }
-        }
+        let taken = fill_from([127, 0, 0, 2], addr, &[1 << 20, 64 << 10, 4 << 10, 256, 0]).await;
+        assert!(taken <= 8 << 20, "{taken} bytes taken by an 8 MiB store");
         taken
     });
     assert!(
@@ -764,26 +769,7 @@ fn a_client_filling_the_store_fails_itself_not_the_torch_job() {
     s.wait_marks("started", 2, Duration::from_secs(120));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let filled = rt.block_on(async {
-        let mut taken = 0usize;
-        for (round, size) in [1usize << 20, 4 << 10, 0].into_iter().enumerate() {
-            let sock = TcpSocket::new_v4().unwrap();
-            sock.bind(SocketAddr::from(([127, 0, 0, 2], 0))).unwrap();
-            let mut conn = Client::from_stream(sock.connect(addr).await.unwrap())
-                .await
-                .unwrap();
-            for i in 0.. {
-                let key = format!("/f{round}/{i}");
-                if conn.set(key.as_bytes(), &vec![9u8; size]).await.is_err()
-                    || conn.ping(1).await.is_err()
-                {
-                    break;
-                }
-                taken += size;
-            }
-        }
-        taken
-    });
+    let filled = rt.block_on(fill_from([127, 0, 0, 2], addr, &[1 << 20, 4 << 10, 0]));
     assert!(
         (180 << 20..=192 << 20).contains(&filled),
         "the filler took {filled} bytes of a 256 MiB store"
