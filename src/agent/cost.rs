@@ -81,12 +81,15 @@ impl Costs {
     }
 
     /// The time between two flight-recorder dumps asked while the job runs: `default`, or
-    /// `NRUN_WATCH_FR_PERIOD` seconds (to measure a dump's cost with many of them).
-    pub(crate) fn fr_period(default: std::time::Duration) -> std::time::Duration {
+    /// `NRUN_WATCH_FR_PERIOD` seconds (to measure a dump's cost, or to have mismatches that do
+    /// not hang named at that cost).
+    pub(crate) fn fr_period(default: Option<std::time::Duration>) -> Option<std::time::Duration> {
         std::env::var("NRUN_WATCH_FR_PERIOD")
             .ok()
             .and_then(|s| s.parse::<f64>().ok())
-            .map_or(default, std::time::Duration::from_secs_f64)
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(std::time::Duration::from_secs_f64)
+            .or(default)
     }
 
     /// Whether `part` (a look's name, or "locals") is turned off.

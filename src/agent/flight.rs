@@ -4,7 +4,7 @@
 //! written to its dump pipe (`TORCH_NCCL_DEBUG_INFO_PIPE_FILE<rank>.pipe`, polled by torch's
 //! heartbeat monitor about once a second). nrun turns it on with a small ring ([`BUFFER`]
 //! entries; measured on an H200: no step-time cost within 0.1%), asks for a dump when a node's
-//! ranks stall (and every [`PERIOD`] for the straggler statistics) and reads each rank's last
+//! ranks stall (see [`PERIOD`] for why not while they run) and reads each rank's last
 //! enqueued and last completed collective. The dump is a Python pickle: the worker's own
 //! interpreter turns it into JSON ([`HELPER`]), so no pickle reader lives here.
 //!
@@ -26,8 +26,11 @@ use crate::protocol::{FrOp, FrRun, FrView};
 
 /// Entries in each process group's ring: enough to see the last few steps' collectives.
 pub(crate) const BUFFER: &str = "64";
-/// Time between two dumps asked for the straggler statistics while the job runs.
-pub(crate) const PERIOD: Duration = Duration::from_secs(15);
+/// Time between two dumps asked while the job runs: none by default. Torch symbolizes every
+/// entry's Python stack while it writes a pipe dump (it ignores `TORCH_INCLUDE_STACK_TRACE`
+/// there), taking the workers' GIL for seconds: one dump on an H100 held 10 ms steps at 2-8x
+/// for about 5 s (BENCHMARKS.md section 30). `NRUN_WATCH_FR_PERIOD` asks for them.
+pub(crate) const PERIOD: Option<Duration> = None;
 
 /// One rank's pipe and dump file.
 #[derive(Clone, Debug)]

@@ -212,7 +212,7 @@ pub(crate) fn spawn(
                         count(w, &mut costs);
                     }
                 }
-                dumps.due = periodic.elapsed() >= fr_period;
+                dumps.due = fr_period.is_some_and(|p| periodic.elapsed() >= p);
                 if dumps.due {
                     periodic = Instant::now();
                 }
@@ -278,7 +278,7 @@ fn say_pace(view: &RankView, p: Paced) {
 }
 
 /// The dumps asked while the ranks run, for the straggler statistics and collective mismatches
-/// that do not hang (every [`flight::PERIOD`]).
+/// that do not hang (only when `NRUN_WATCH_FR_PERIOD` asks: see [`flight::PERIOD`]).
 struct Periodic {
     /// One is due this round.
     due: bool,
@@ -286,10 +286,9 @@ struct Periodic {
     on: bool,
 }
 
-/// A flight-recorder dump asked while the ranks run that torch takes longer than this to write
-/// (from the ask to the file's time) held its worker up that long: the watch then asks for
-/// dumps only when ranks stall. Torch looks at its pipe about once a second; a dump without
-/// stack traces is written within moments of that.
+/// A flight-recorder dump asked while the ranks run (`NRUN_WATCH_FR_PERIOD`) that torch takes
+/// longer than this to write (from the ask to the file's time) held its worker up that long: the
+/// watch then asks for dumps only when ranks stall. Torch looks at its pipe about once a second.
 const DUMP_BUDGET: Duration = Duration::from_secs(3);
 
 /// Asks the ranks' flight recorders for dumps (when the node's ranks stall, and when `periodic`)
