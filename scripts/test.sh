@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fast" ]; then
   shift
   cargo fmt --all --check
+  python3 scripts/unused-deps.py
   # Python-reading unit tests skip without NRUN_TEST_PYTHON (no venv is made here).
   exec cargo test --workspace --lib --test store --test codec_props --test codec_scan_props "$@"
 fi
@@ -61,6 +62,7 @@ export NRUN_TEST_PYTHON="$venv/bin/python"
 export NRUN_TEST_REQUIRE_TOOLS=1
 
 cargo fmt --all --check
+python3 scripts/unused-deps.py
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 if [ "${1:-}" = "--" ]; then shift; fi
 # The pip wheel (issue 24): built, installed into a fresh venv, run in an older Debian. A few
