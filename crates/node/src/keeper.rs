@@ -37,7 +37,7 @@ const PASSED_ON: [Signal; 7] = [
 
 /// The variable every process of a run inherits, listing the tokens of the keepers above it
 /// (an agent started by nrun on the same host adds its own).
-pub const KEEP_VAR: &str = "NRUN_KEEP";
+pub(crate) const KEEP_VAR: &str = "NRUN_KEEP";
 
 /// This process's keeper and its run's token, once forked off ([`start`]).
 static KEPT: std::sync::OnceLock<(u32, String)> = std::sync::OnceLock::new();

@@ -188,7 +188,7 @@ async fn stop_requested(rx: &mut tokio::sync::watch::Receiver<StopRequest>) -> S
 /// What the workers get when nrun is stopped by `sig`: the same signal, but SIGTERM for
 /// SIGPIPE (nrun's console closed): Python ignores SIGPIPE, and a worker would see it only
 /// when it wrote, so the job would not end.
-pub fn worker_stop_signal(sig: i32) -> Signal {
+pub(crate) fn worker_stop_signal(sig: i32) -> Signal {
     match Signal::try_from(sig) {
         Ok(Signal::SIGPIPE) | Err(_) => Signal::SIGTERM,
         Ok(s) => s,

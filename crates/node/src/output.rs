@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 /// worker's output holds stays bounded.
 pub const MAX_LINE: usize = 1024 * 1024;
 /// What ends each piece of a line cut at [`MAX_LINE`], visibly.
-pub const CUT_MARK: &[u8] = b" [nrun: line longer than 1 MiB, continued on the next line]\n";
+pub(crate) const CUT_MARK: &[u8] = b" [nrun: line longer than 1 MiB, continued on the next line]\n";
 /// The start of a line shown before its end comes (a prompt) is at most this long; a longer
 /// one is a long line being written, and waits for its end.
 const PROMPT_MAX: usize = 4096;
@@ -232,7 +232,7 @@ pub struct WorkerOutput {
     pub sinks: [Sink; 2],
 }
 
-pub enum Msg {
+pub(crate) enum Msg {
     Line {
         worker: usize,
         stream: Stream,
@@ -269,7 +269,7 @@ fn strip_torch_prefix(line: &[u8], rank: usize) -> &[u8] {
 }
 
 /// Last lines of a worker's stderr, kept for the failure summary.
-pub type Tail = Arc<Mutex<VecDeque<String>>>;
+pub(crate) type Tail = Arc<Mutex<VecDeque<String>>>;
 
 pub struct Output {
     lines: Lines,

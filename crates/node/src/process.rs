@@ -17,16 +17,16 @@ use nix::unistd::Pid;
 
 /// A worker's process group; its id is the worker's pid.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ProcessGroup(pub Pid);
+pub(crate) struct ProcessGroup(pub Pid);
 
 impl ProcessGroup {
     /// Sends `sig` to every process of the group; false when none is left.
-    pub fn signal(self, sig: Signal) -> bool {
+    pub(crate) fn signal(self, sig: Signal) -> bool {
         killpg(self.0, sig) != Err(Errno::ESRCH)
     }
 
     /// Whether any process of the group is still alive (zombies included until reaped).
-    pub fn alive(self) -> bool {
+    pub(crate) fn alive(self) -> bool {
         killpg(self.0, None) != Err(Errno::ESRCH)
     }
 }
@@ -206,7 +206,7 @@ pub(crate) fn kill_orphans() -> usize {
 /// Where the kernel reads this process's command line from: its argv area, `[start, end)`
 /// (fields 48 and 49 of /proc/self/stat). The same in every process forked from this one.
 #[derive(Clone, Copy)]
-pub struct ArgArea {
+pub(crate) struct ArgArea {
     start: usize,
     end: usize,
 }

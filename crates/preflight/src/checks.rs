@@ -174,20 +174,6 @@ impl Outcome {
             .collect()
     }
 
-    /// The ring's links that cross between nodes, each with the speed (GB/s) of the sending
-    /// node's NIC where it has one and says it.
-    pub fn crossing_links(&self) -> Vec<(String, String, f64, Option<f64>)> {
-        let complete = self.complete();
-        let nodes = Nodes::of(&complete);
-        crossing_links(&complete)
-            .into_iter()
-            .map(|(a, b, g)| {
-                let nic = nodes.single_nic(a).and_then(|n| n.gbs());
-                (a.to_string(), b.to_string(), g, nic)
-            })
-            .collect()
-    }
-
     /// The ring's links as ranks (from, to, GB/s, the sending rank's NIC speed where it has
     /// one and says it), every one measured, for a caller that places ranks by itself (bisect:
     /// by node, whatever the hostnames).

@@ -6,7 +6,7 @@ use std::ffi::{CStr, c_char};
 use cudarc::driver::sys::{self, CUresult};
 
 #[derive(Debug)]
-pub struct CudaError(pub String);
+pub(crate) struct CudaError(pub String);
 
 impl std::fmt::Display for CudaError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -31,13 +31,13 @@ fn check(r: CUresult, what: &str) -> Result<(), CudaError> {
 }
 
 /// Whether libcuda can be loaded at all (false on machines without the NVIDIA driver).
-pub fn driver_present() -> bool {
+pub(crate) fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the driver library.
     unsafe { sys::is_culib_present() }
 }
 
 /// The driver's CUDA version as (major, minor), e.g. (13, 0).
-pub fn driver_version() -> Result<(i32, i32), CudaError> {
+pub(crate) fn driver_version() -> Result<(i32, i32), CudaError> {
     let mut v = 0;
     // SAFETY: writes one int.
     check(
@@ -48,7 +48,7 @@ pub fn driver_version() -> Result<(i32, i32), CudaError> {
 }
 
 /// One GPU with a current context and a stream of its own.
-pub struct Gpu {
+pub(crate) struct Gpu {
     pub name: String,
     pub pci_bus_id: String,
     pub stream: sys::CUstream,
@@ -56,7 +56,7 @@ pub struct Gpu {
 
 impl Gpu {
     /// Initialises CUDA and makes device `ordinal`'s primary context current on this thread.
-    pub fn open(ordinal: i32) -> Result<Gpu, CudaError> {
+    pub(crate) fn open(ordinal: i32) -> Result<Gpu, CudaError> {
         // SAFETY: plain driver API calls with out-pointers we own.
         unsafe {
             check(sys::cuInit(0), "cuInit")?;
@@ -94,7 +94,7 @@ impl Gpu {
         }
     }
 
-    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuf, CudaError> {
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<DeviceBuf, CudaError> {
         let mut p = 0;
         // SAFETY: writes the device pointer.
         check(
@@ -105,7 +105,7 @@ impl Gpu {
     }
 
     /// Page-locked host memory, for fast copies back to check results.
-    pub fn alloc_host(&self, floats: usize) -> Result<HostBuf, CudaError> {
+    pub(crate) fn alloc_host(&self, floats: usize) -> Result<HostBuf, CudaError> {
         let mut p = std::ptr::null_mut();
         let bytes = floats.max(1) * 4;
         // SAFETY: writes the host pointer.
@@ -119,7 +119,7 @@ impl Gpu {
         })
     }
 
-    pub fn upload(&self, dst: &DeviceBuf, src: &[f32]) -> Result<(), CudaError> {
+    pub(crate) fn upload(&self, dst: &DeviceBuf, src: &[f32]) -> Result<(), CudaError> {
         // SAFETY: dst holds at least src.len() floats (caller's allocation).
         check(
             unsafe {
@@ -131,7 +131,7 @@ impl Gpu {
 
     /// Copies `floats` floats from `src` at float offset `off` into the start of `dst`, after
     /// the work queued on our stream.
-    pub fn download_at(
+    pub(crate) fn download_at(
         &self,
         dst: &mut HostBuf,
         src: &DeviceBuf,
@@ -160,7 +160,7 @@ impl Gpu {
     }
 
     /// Copies `n` floats within one buffer, from float offset `from` to `to`, on our stream.
-    pub fn copy_within_async(
+    pub(crate) fn copy_within_async(
         &self,
         buf: &DeviceBuf,
         from: usize,
@@ -181,7 +181,7 @@ impl Gpu {
         )
     }
 
-    pub fn copy_async(
+    pub(crate) fn copy_async(
         &self,
         dst: &DeviceBuf,
         src: &DeviceBuf,
@@ -194,7 +194,7 @@ impl Gpu {
         )
     }
 
-    pub fn synchronize(&self) -> Result<(), CudaError> {
+    pub(crate) fn synchronize(&self) -> Result<(), CudaError> {
         // SAFETY: our own stream.
         check(
             unsafe { sys::cuStreamSynchronize(self.stream) },
@@ -202,14 +202,14 @@ impl Gpu {
         )
     }
 
-    pub fn event(&self) -> Result<Event, CudaError> {
+    pub(crate) fn event(&self) -> Result<Event, CudaError> {
         let mut e = std::ptr::null_mut();
         // SAFETY: writes the event handle; flags 0 = default (timing enabled).
         check(unsafe { sys::cuEventCreate(&mut e, 0) }, "cuEventCreate")?;
         Ok(Event(e))
     }
 
-    pub fn record(&self, e: &Event) -> Result<(), CudaError> {
+    pub(crate) fn record(&self, e: &Event) -> Result<(), CudaError> {
         // SAFETY: event and stream are ours.
         check(
             unsafe { sys::cuEventRecord(e.0, self.stream) },
@@ -218,7 +218,7 @@ impl Gpu {
     }
 
     /// Milliseconds between two recorded events, waiting for the second.
-    pub fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32, CudaError> {
+    pub(crate) fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32, CudaError> {
         let mut ms = 0f32;
         // SAFETY: both events were recorded on our stream.
         unsafe {
@@ -232,7 +232,7 @@ impl Gpu {
     }
 }
 
-pub struct DeviceBuf {
+pub(crate) struct DeviceBuf {
     pub ptr: sys::CUdeviceptr,
 }
 
@@ -243,14 +243,14 @@ impl Drop for DeviceBuf {
     }
 }
 
-pub struct HostBuf {
+pub(crate) struct HostBuf {
     ptr: *mut f32,
     len: usize,
 }
 
 impl HostBuf {
     /// The first `n` floats as their bit patterns (compared exactly, and as fast as memcmp).
-    pub fn as_bits(&self, n: usize) -> &[u32] {
+    pub(crate) fn as_bits(&self, n: usize) -> &[u32] {
         // SAFETY: ptr holds len floats, allocated by cuMemAllocHost; u32 and f32 share layout.
         unsafe { std::slice::from_raw_parts(self.ptr.cast::<u32>(), n.min(self.len)) }
     }
@@ -270,7 +270,7 @@ pub struct Event(sys::CUevent);
 ///
 /// The kernel is a few lines of hand-written PTX (no CUDA toolkit needed: the driver JIT-compiles
 /// it for the device at load). Callers self-test it before trusting it (see the worker).
-pub struct Checker {
+pub(crate) struct Checker {
     func: sys::CUfunction,
     expected: DeviceBuf,
     counter: DeviceBuf,
@@ -331,7 +331,7 @@ END:
 
 impl Checker {
     /// Loads the kernel and uploads one period of expected values (as f32 bit patterns).
-    pub fn new(gpu: &Gpu, expected: &[f32]) -> Result<Checker, CudaError> {
+    pub(crate) fn new(gpu: &Gpu, expected: &[f32]) -> Result<Checker, CudaError> {
         let ptx = std::ffi::CString::new(CHECK_PTX).map_err(|e| CudaError(e.to_string()))?;
         let mut module = std::ptr::null_mut();
         let mut func = std::ptr::null_mut();
@@ -359,7 +359,7 @@ impl Checker {
 
     /// Wrong elements among the first `count` floats of `data`, after the work queued on the
     /// GPU's stream.
-    pub fn count_wrong(
+    pub(crate) fn count_wrong(
         &mut self,
         gpu: &Gpu,
         data: &DeviceBuf,

@@ -119,7 +119,7 @@ impl Finding {
     }
 
     /// A problem (printed as one), not a fact.
-    pub fn is_problem(&self) -> bool {
+    pub(crate) fn is_problem(&self) -> bool {
         self.severity != Severity::Info
     }
 }

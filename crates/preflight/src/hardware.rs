@@ -36,7 +36,7 @@ fn nvlink_gbs(version: u32) -> f64 {
 }
 
 /// PCIe data rate per direction (GB/s): per-lane rate after encoding, times lanes.
-pub fn pcie_gbs(generation: u32, width: u32) -> f64 {
+pub(crate) fn pcie_gbs(generation: u32, width: u32) -> f64 {
     let lane = match generation {
         1 => 0.25,
         2 => 0.5,
@@ -74,18 +74,18 @@ impl Links {
     }
 
     /// The PCIe link runs below what the GPU supports (a slot or riser trained down).
-    pub fn pcie_degraded(&self) -> bool {
+    pub(crate) fn pcie_degraded(&self) -> bool {
         self.pcie_max_gen > 0
             && (self.pcie_gen < self.pcie_max_gen || self.pcie_width < self.pcie_max_width)
     }
 }
 
 /// A device-to-device copy under this fraction of the GPU model's memory bandwidth is slow.
-pub const MEMORY_FLOOR: f64 = 0.5;
+pub(crate) const MEMORY_FLOOR: f64 = 0.5;
 
 /// The memory bandwidth (GB/s) of the GPU model named in `gpu` ("NVIDIA H200 (bus)"), with
 /// the model's short name; None for a model not in the table.
-pub fn memory_gbs(gpu: &str) -> Option<(f64, &'static str)> {
+pub(crate) fn memory_gbs(gpu: &str) -> Option<(f64, &'static str)> {
     const MODELS: [(&str, f64); 8] = [
         ("H200", 4800.0),
         ("H100 NVL", 3900.0),
@@ -336,7 +336,7 @@ fn nvlink_errors(dev: &nvml_wrapper::Device<'_>) -> Option<u64> {
 }
 
 /// The links and health of the GPU at PCI bus id `bus_id` (as CUDA writes it).
-pub fn inspect(bus_id: &str) -> nrun_base::error::Result<(Links, Health)> {
+pub(crate) fn inspect(bus_id: &str) -> nrun_base::error::Result<(Links, Health)> {
     let nvml = nvml_wrapper::Nvml::init()
         .map_err(|e| nrun_base::error::Error::internal(format!("NVML: {e}")))?;
     let dev = nvml
@@ -424,7 +424,7 @@ impl Nic {
     }
 
     /// `name` under a sysfs class directory `root` (tests pass a recorded tree).
-    pub fn read_at(root: &std::path::Path, name: &str) -> Nic {
+    pub(crate) fn read_at(root: &std::path::Path, name: &str) -> Nic {
         let read = |p: std::path::PathBuf| {
             std::fs::read_to_string(p)
                 .map(|s| s.trim().to_string())
@@ -473,7 +473,7 @@ impl Nic {
 }
 
 /// "10 Gb/s", "2.5 Gb/s", "100 Mb/s".
-pub fn speed_text(mbps: u64) -> String {
+pub(crate) fn speed_text(mbps: u64) -> String {
     if mbps >= 1000 {
         let g = mbps as f64 / 1000.0;
         if g.fract() == 0.0 {
@@ -513,14 +513,14 @@ impl NcclPath {
     }
 
     /// Whether every connection went peer to peer (NVLink or PCIe P2P).
-    pub fn all_p2p(&self) -> bool {
+    pub(crate) fn all_p2p(&self) -> bool {
         !self.transports.is_empty() && self.transports.keys().all(|k| k.starts_with("P2P"))
     }
 }
 
 /// Parses NCCL's INFO lines such as
 /// `host:123:456 [0] NCCL INFO Channel 03/0 : 0[0] -> 1[1] via P2P/CUMEM/read`.
-pub fn parse_nccl_log(text: &str) -> NcclPath {
+pub(crate) fn parse_nccl_log(text: &str) -> NcclPath {
     let mut p = NcclPath::default();
     let mut channels = std::collections::BTreeSet::new();
     // Each network transport's devices by index, from `NET/IB : Using [0]mlx5_0:1/IB [1]...`

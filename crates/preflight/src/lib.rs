@@ -69,7 +69,7 @@ pub struct Settings {
     pub host: Option<String>,
 }
 
-pub const ENV: &str = "NRUN_PREFLIGHT";
+pub(crate) const ENV: &str = "NRUN_PREFLIGHT";
 
 impl Settings {
     /// Message sizes of the sweep, in bytes, each a multiple of 4 (float32 elements).
@@ -111,32 +111,32 @@ impl Settings {
     }
 
     /// Set (to its rank) by the first rank that fails, so the others stop waiting.
-    pub fn abort_key(&self) -> Vec<u8> {
+    pub(crate) fn abort_key(&self) -> Vec<u8> {
         self.key(format_args!("abort"))
     }
 
     /// Rank 0's NCCL unique id.
-    pub fn uid_key(&self) -> Vec<u8> {
+    pub(crate) fn uid_key(&self) -> Vec<u8> {
         self.key(format_args!("uid"))
     }
 
     /// The barrier the ranks leave through together.
-    pub fn finished_key(&self) -> Vec<u8> {
+    pub(crate) fn finished_key(&self) -> Vec<u8> {
         self.key(format_args!("finished"))
     }
 
     /// Net mode: the address rank `rank` listens on.
-    pub fn addr_key(&self, rank: usize) -> Vec<u8> {
+    pub(crate) fn addr_key(&self, rank: usize) -> Vec<u8> {
         self.key(format_args!("addr/{rank}"))
     }
 
     /// Net mode: the barrier ending turn `turn` of the link test.
-    pub fn link_key(&self, turn: usize) -> Vec<u8> {
+    pub(crate) fn link_key(&self, turn: usize) -> Vec<u8> {
         self.key(format_args!("link/{turn}"))
     }
 
     /// Net mode: what the link into rank `rank` carried in the link test (GB/s, as text).
-    pub fn link_rate_key(&self, rank: usize) -> Vec<u8> {
+    pub(crate) fn link_rate_key(&self, rank: usize) -> Vec<u8> {
         self.key(format_args!("link-rate/{rank}"))
     }
 
@@ -161,7 +161,7 @@ pub type Silent = (usize, String, Option<String>);
 
 /// Every rank's report, read with `get` (a key of these settings -> its value); a rank without
 /// one is listed with its host and the last stage it reached (None: it never reached the store).
-pub fn reports_from(
+pub(crate) fn reports_from(
     s: &Settings,
     ranks: &[(usize, String)],
     get: &mut dyn FnMut(&[u8]) -> Option<Vec<u8>>,
@@ -345,7 +345,7 @@ pub struct LinkIn {
 
 /// Progress marks a rank leaves in the store, so a silent rank can be placed; each text reads
 /// after "last seen: ".
-pub const STAGES: [(&str, &str); 7] = [
+pub(crate) const STAGES: [(&str, &str); 7] = [
     ("started", "connected to the store"),
     ("loaded", "libraries and GPU loaded"),
     ("id", "unique id in hand, entering communicator init"),
@@ -358,7 +358,7 @@ pub const STAGES: [(&str, &str); 7] = [
     ("done", "done"),
 ];
 
-pub fn stage_text(stage: &str) -> &'static str {
+pub(crate) fn stage_text(stage: &str) -> &'static str {
     STAGES.iter().find(|(s, _)| *s == stage).map_or(
         "in a stage this nrun does not know (is nrun the same version on every host?)",
         |(_, t)| t,

@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 
 use libloading::Library;
 
-pub type NcclResult = c_int;
-pub const NCCL_SUCCESS: NcclResult = 0;
-pub const NCCL_IN_PROGRESS: NcclResult = 7;
-pub const NCCL_FLOAT32: c_int = 7;
-pub const NCCL_SUM: c_int = 0;
+pub(crate) type NcclResult = c_int;
+pub(crate) const NCCL_SUCCESS: NcclResult = 0;
+pub(crate) const NCCL_IN_PROGRESS: NcclResult = 7;
+pub(crate) const NCCL_FLOAT32: c_int = 7;
+pub(crate) const NCCL_SUM: c_int = 0;
 
 /// An `ncclComm_t` made by [`Nccl::init_nonblocking`] or [`Nccl::split_blocking`]; only
 /// those make one, so the functions taking it never see a stray pointer.
@@ -120,7 +120,7 @@ pub struct NcclVersion {
 impl NcclVersion {
     /// Since 2.9 the code is major*10000 + minor*100 + patch; before, major*1000 + minor*100 +
     /// patch (so 2.8.4 is 2804 and 2.9.6 is 20906).
-    pub fn from_code(code: i32) -> NcclVersion {
+    pub(crate) fn from_code(code: i32) -> NcclVersion {
         let c = code.max(0) as u32;
         if c >= 10000 {
             NcclVersion {
@@ -199,14 +199,14 @@ impl Nccl {
         Ok(nccl)
     }
 
-    pub fn error_string(&self, r: NcclResult) -> String {
+    pub(crate) fn error_string(&self, r: NcclResult) -> String {
         // SAFETY: NCCL returns a static string for any code.
         let p = unsafe { (self.get_error_string)(r) };
         cstr(p).unwrap_or_else(|| format!("NCCL error {r}"))
     }
 
     /// NCCL's own description of the last error, of a communicator or (None) global.
-    pub fn last_error(&self, comm: Option<Comm>) -> Option<String> {
+    pub(crate) fn last_error(&self, comm: Option<Comm>) -> Option<String> {
         let f = self.get_last_error?;
         // SAFETY: returns a pointer to an internal, NUL-terminated buffer.
         cstr(unsafe { f(comm.unwrap_or_else(Comm::null).0) }).filter(|s| !s.is_empty())
@@ -221,7 +221,12 @@ impl Nccl {
 
     /// Starts a non-blocking communicator init; poll [`Nccl::async_error`] until it is not
     /// IN_PROGRESS.
-    pub fn init_nonblocking(&self, nranks: i32, id: UniqueId, rank: i32) -> (Comm, NcclResult) {
+    pub(crate) fn init_nonblocking(
+        &self,
+        nranks: i32,
+        id: UniqueId,
+        rank: i32,
+    ) -> (Comm, NcclResult) {
         let mut comm: RawComm = std::ptr::null_mut();
         let mut config = Config::new(false);
         // SAFETY: comm and config outlive the call; NCCL copies the config.
@@ -229,7 +234,7 @@ impl Nccl {
         (Comm(comm), r)
     }
 
-    pub fn async_error(&self, comm: Comm) -> NcclResult {
+    pub(crate) fn async_error(&self, comm: Comm) -> NcclResult {
         let mut state = NCCL_SUCCESS;
         // SAFETY: comm came from init; state is written.
         let r = unsafe { (self.get_async_error)(comm.0, &mut state) };
@@ -242,7 +247,7 @@ impl Nccl {
     /// its own (and returns IN_PROGRESS), tens of microseconds per call that small-message
     /// latency would show. Init stays non-blocking (for the deadline); timing uses this child.
     /// `None` when the library has no ncclCommSplit (< 2.18).
-    pub fn split_blocking(
+    pub(crate) fn split_blocking(
         &self,
         comm: Comm,
         rank: i32,
@@ -290,7 +295,7 @@ impl Nccl {
     /// # Safety
     /// `send` and `recv` must be device buffers of at least `count` floats on the
     /// communicator's device, and `stream` a stream of that device.
-    pub unsafe fn all_reduce_f32(
+    pub(crate) unsafe fn all_reduce_f32(
         &self,
         send: u64,
         recv: u64,
@@ -461,7 +466,7 @@ pub fn python_package_dirs(python: &Path) -> Vec<PathBuf> {
 }
 
 /// The target Python's sys.path. One short probe of the interpreter.
-pub fn python_sys_path(python: &Path) -> Vec<PathBuf> {
+pub(crate) fn python_sys_path(python: &Path) -> Vec<PathBuf> {
     std::process::Command::new(python)
         .args([
             "-c",

@@ -13,16 +13,16 @@ use std::fmt;
 /// The magic that follows opcode 0 (VALIDATE) as a u32: bytes `CE F7 85 3C` on the wire.
 pub const VALIDATE_MAGIC: u32 = 0x3C85_F7CE;
 /// Longest key PyTorch's server accepts.
-pub const MAX_KEY_LEN: u64 = 8 * 1024;
+pub(crate) const MAX_KEY_LEN: u64 = 8 * 1024;
 /// Longest value PyTorch's server accepts.
 pub const MAX_VALUE_LEN: u64 = 8 * 1024 * 1024;
 /// Most keys in one request (CHECK, WAIT, MULTI_GET, MULTI_SET).
-pub const MAX_KEYS: u64 = 131_072;
+pub(crate) const MAX_KEYS: u64 = 131_072;
 /// Upper bound for one whole request, so many maximal values cannot add up without limit.
 pub const MAX_REQUEST_LEN: usize = 256 * 1024 * 1024;
 
 /// CHECK reply: every key exists.
-pub const CHECK_READY: u8 = 0;
+pub(crate) const CHECK_READY: u8 = 0;
 /// CHECK reply: at least one key is missing.
 pub const CHECK_NOT_READY: u8 = 1;
 /// WAIT/BARRIER reply: the keys exist (or the barrier is complete).
@@ -33,7 +33,7 @@ pub const WAIT_CANCELED: u8 = 1;
 /// Opcodes of torch >= 2.2 (VALIDATE inserted at 0 shifted the older ones up by one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
-pub enum Op {
+pub(crate) enum Op {
     Validate = 0,
     Set = 1,
     CompareSet = 2,
@@ -56,7 +56,7 @@ pub enum Op {
 }
 
 impl Op {
-    pub fn from_u8(b: u8) -> Option<Op> {
+    pub(crate) fn from_u8(b: u8) -> Option<Op> {
         use Op::*;
         Some(match b {
             0 => Validate,
@@ -490,7 +490,7 @@ pub struct FrameScan {
 
 impl FrameScan {
     /// Whether nothing of a request has been scanned yet.
-    pub fn is_fresh(&self) -> bool {
+    pub(crate) fn is_fresh(&self) -> bool {
         self.op.is_none()
     }
 
@@ -586,13 +586,13 @@ impl FrameScan {
 }
 
 /// Writes a length-prefixed byte string (a key, a value, or a reply value).
-pub fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+pub(crate) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(&(b.len() as u64).to_le_bytes());
     out.extend_from_slice(b);
 }
 
 /// Writes a numeric reply.
-pub fn put_i64(out: &mut Vec<u8>, v: i64) {
+pub(crate) fn put_i64(out: &mut Vec<u8>, v: i64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 

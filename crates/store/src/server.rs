@@ -362,7 +362,7 @@ pub struct Changes {
 const MAX_CHANGES: usize = 1 << 16;
 
 /// Prefix of nrun's own keys.
-pub const CONTROL_PREFIX: &[u8] = b"nrun/";
+pub(crate) const CONTROL_PREFIX: &[u8] = b"nrun/";
 /// GET this key for a challenge (a fresh nonce for this connection), then SET [`AUTH_KEY`] to
 /// the proof of the secret over it (see `store::auth`); neither is stored.
 pub const CHALLENGE_KEY: &[u8] = b"nrun/challenge";
@@ -411,7 +411,7 @@ fn is_control(key: &[u8]) -> bool {
 /// nrun's keys anyone may read (never write) without the secret: what an nrun that connects
 /// needs to know before it can prove anything, namely whether this store is an nrun's and which
 /// c10d rendezvous it hosts (so a node of another job, or of another launcher, is told so).
-pub const PUBLIC_PREFIX: &[u8] = b"nrun/public/";
+pub(crate) const PUBLIC_PREFIX: &[u8] = b"nrun/public/";
 
 /// A key a read request may name without the secret: not nrun's, or nrun's public ones.
 fn readable(key: &[u8]) -> bool {
@@ -922,7 +922,7 @@ const RESERVE_DIV: usize = 4;
 const SMALL_SHARE_DIV: usize = 64;
 /// What nrun's own keys (agents' records and heartbeats, steps, results, views) may hold,
 /// reserved apart from --store-max-bytes. Only nrun writes them where the run has a secret.
-pub const CONTROL_MAX_BYTES: u64 = 512 << 20;
+pub(crate) const CONTROL_MAX_BYTES: u64 = 512 << 20;
 /// Time a new connection has to send VALIDATE before it is closed.
 const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
 
