@@ -115,8 +115,10 @@ check nccl-size 97 stamped $T env NRUN_HANG_CASE=size NRUN_STEPS=60 NRUN_HANG_BA
 check nccl-size-named 0 grep -Eq "disagree on collective #6: rank 0 all_reduce \(4 KiB\), rank 1 all_reduce \(16 KiB\)" "$OUTDIR/nccl-size.log"
 echo "  mismatch named $(since "$OUTDIR/nccl-size.log" '.' 'collective mismatch') s after the job's first line"
 # Rank 1 does 3x the matrix work of rank 0 each step: named within a minute, with each rank's
-# wait; the same job balanced names nobody; the watch's cost beside --watch off.
-check nccl-straggler 0 stamped $T env NRUN_MM=6 NRUN_SLOW_MM=18 NRUN_SECONDS=45 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py
+# wait; the same job balanced names nobody; the watch's cost beside --watch off. Both ranks wait
+# at the same .item(), so only the flight recorder's timings tell them apart, from dumps asked
+# while they run: off by default for their cost (BENCHMARKS.md section 30), asked here.
+check nccl-straggler 0 stamped $T env NRUN_WATCH_FR_PERIOD=15 NRUN_MM=6 NRUN_SLOW_MM=18 NRUN_SECONDS=45 "$NRUN" "${W2[@]}" tests/python/gpu_steps.py
 check nccl-straggler-named 0 grep -q "rank 1 on .* is a straggler" "$OUTDIR/nccl-straggler.log"
 echo "  straggler named $(since "$OUTDIR/nccl-straggler.log" '.' 'is a straggler') s after the job's first line"
 # BALANCED_S=300: the issue's five-minute run (default 40 s, to keep the check short).
