@@ -84,12 +84,10 @@ impl Costs {
     /// `NRUN_WATCH_FR_PERIOD` seconds (to measure a dump's cost, or to have mismatches that do
     /// not hang named at that cost).
     pub(crate) fn fr_period(default: Option<std::time::Duration>) -> Option<std::time::Duration> {
-        std::env::var("NRUN_WATCH_FR_PERIOD")
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(std::time::Duration::from_secs_f64)
-            .or(default)
+        period_from(
+            std::env::var("NRUN_WATCH_FR_PERIOD").ok().as_deref(),
+            default,
+        )
     }
 
     /// Whether `part` (a look's name, or "locals") is turned off.
@@ -276,11 +274,30 @@ impl Pace {
     }
 }
 
+/// `NRUN_WATCH_FR_PERIOD`'s value read as seconds (positive), else `default`.
+fn period_from(var: Option<&str>, default: Option<Duration>) -> Option<Duration> {
+    var.and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .or(default)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const BASE: Duration = Duration::from_millis(500);
+
+    #[test]
+    fn no_dump_is_asked_while_ranks_run_unless_a_period_is_given() {
+        // A pipe dump holds a GPU job's steps at 2-8x for ~5 s (BENCHMARKS.md section 30).
+        assert_eq!(crate::agent::flight::PERIOD, None);
+        assert_eq!(period_from(None, None), None);
+        assert_eq!(period_from(Some("15"), None), Some(Duration::from_secs(15)));
+        for bad in ["0", "-3", "inf", "NaN", "soon"] {
+            assert_eq!(period_from(Some(bad), None), None, "{bad}");
+        }
+    }
 
     #[test]
     fn a_costly_worker_is_looked_at_less_often_and_again_when_cheap() {
