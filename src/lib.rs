@@ -38,16 +38,16 @@
 
 // Only `main` is public: the integration tests use the crates below as libraries, so an
 // item of this crate that nobody uses is reported as dead.
-pub(crate) mod agent;
+pub(crate) use nrun_agent as agent;
 pub(crate) mod commands;
-pub(crate) mod facts;
+pub(crate) use nrun_proto::facts;
 pub(crate) mod fault;
 pub(crate) mod hosts;
 pub(crate) mod journal;
 pub(crate) mod plan;
 pub(crate) mod progress;
-pub(crate) mod protocol;
-pub(crate) mod remote;
+pub(crate) use nrun_proto::protocol;
+pub(crate) use nrun_proto::remote;
 pub(crate) mod report;
 pub(crate) mod session;
 pub(crate) mod watch;

@@ -22,7 +22,7 @@ use crate::protocol::{Frame, NodeWatch, RankView};
 use nrun_node::GroupEvent;
 
 /// Time between two samples of a rank's stack.
-pub(crate) const SAMPLE: Duration = Duration::from_millis(500);
+pub const SAMPLE: Duration = Duration::from_millis(500);
 /// Time between two published views.
 const PUBLISH: Duration = Duration::from_secs(1);
 /// Frames kept per rank, innermost first.
@@ -79,7 +79,7 @@ const DUMP_LEAD: Duration = Duration::from_secs(8);
 /// every communicator's start or short pause: [`DUMP_LEAD`] before the hang timeout, never
 /// sooner than [`STALL_DUMP`].
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Stalls {
+pub struct Stalls {
     dump_after: Duration,
 }
 
@@ -115,7 +115,7 @@ fn quiet_panics() {
 
 /// Samples the workers of one step until `events` closes (the group ended); sends views to
 /// `out`. Runs on a thread of its own: reading another process's memory blocks.
-pub(crate) fn spawn(
+pub fn spawn(
     mut events: mpsc::UnboundedReceiver<GroupEvent>,
     out: mpsc::UnboundedSender<NodeWatch>,
     flight_files: Vec<(usize, FrFiles)>,
@@ -660,7 +660,7 @@ fn children_by_parent() -> HashMap<u32, Vec<u32>> {
 }
 
 /// The torch.distributed call a stack waits in: its innermost frame in `distributed_c10d.py`.
-pub(crate) fn collective(frames: &[Frame]) -> Option<String> {
+pub fn collective(frames: &[Frame]) -> Option<String> {
     frames
         .iter()
         .find(|f| f.file.ends_with("distributed/distributed_c10d.py"))

@@ -16,10 +16,10 @@ use std::process::ExitStatus;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch};
 
-use crate::agent::relay::Nudges;
-pub(crate) use crate::agent::relay::{Delivery, Marks};
-use crate::agent::relay::{Passing, Reader, Stream, own_line};
 use crate::protocol::Hello;
+use crate::relay::Nudges;
+pub use crate::relay::{Delivery, Marks};
+use crate::relay::{Passing, Reader, Stream, own_line};
 use crate::remote;
 use nrun_base::error::{Error, Result};
 
@@ -29,7 +29,7 @@ const RELAY_DRAIN: Duration = Duration::from_secs(2);
 /// An agent process (or the srun step of all of them) and what nrun saw of it. A task of its
 /// own waits for it (and kills it when asked, or when this is dropped), so that its end is an
 /// event for the session (a nudge for its node), not something to ask every node about.
-pub(crate) struct AgentProcess {
+pub struct AgentProcess {
     /// How it ended, once it has (set by its task).
     ended: watch::Receiver<Option<ExitStatus>>,
     /// Tells its task to kill it (dropped: the same).
@@ -43,11 +43,11 @@ pub(crate) struct AgentProcess {
 }
 
 /// What starts a node's agent.
-pub(crate) enum Starter {
+pub enum Starter {
     /// This very binary's agent, on this machine (the launch host's own nodes, an inner agent's
     /// nodes of its own machine): forked by nrun's spawner where there is one (no exec, see
     /// [`nrun_node::spawner::Program::Agent`]), else `nrun __agent`, which sets its
-    /// parent-death signal itself (see [`crate::agent::PARENT_VAR`]).
+    /// parent-death signal itself (see [`crate::PARENT_VAR`]).
     Here,
     /// A program that starts it elsewhere (ssh, srun): it gets its parent-death signal
     /// between fork and exec.
@@ -60,12 +60,7 @@ impl AgentProcess {
     /// spawner where there is one (see [`nrun_node::spawner`]: starting a program from nrun
     /// itself costs a copy of its file table, which grows with the nodes), else by nrun.
     /// `relay`: how its lines are passed on (see [`Relay`]).
-    pub(crate) async fn spawn(
-        starter: &Starter,
-        what: &str,
-        hello: &Hello,
-        relay: Relay,
-    ) -> Result<Self> {
+    pub async fn spawn(starter: &Starter, what: &str, hello: &Hello, relay: Relay) -> Result<Self> {
         let none: Option<std::future::Ready<Option<crate::protocol::Prefer>>> = None;
         Self::spawn_with(starter, what, hello, relay, none).await
     }
@@ -73,7 +68,7 @@ impl AgentProcess {
     /// As [`AgentProcess::spawn`], the Hello's [`Hello::prefer`] set from `prefer` (when
     /// given) once the process runs: a name lookup for it overlaps ssh's own connection
     /// instead of delaying it.
-    pub(crate) async fn spawn_with(
+    pub async fn spawn_with(
         starter: &Starter,
         what: &str,
         hello: &Hello,
@@ -160,18 +155,18 @@ impl AgentProcess {
     }
 
     /// How the process ended, if it has.
-    pub(crate) fn exited(&mut self) -> Option<ExitStatus> {
+    pub fn exited(&mut self) -> Option<ExitStatus> {
         *self.ended.borrow()
     }
 
     /// Its end, for another to watch (the nodes of the launch tree it starts).
-    pub(crate) fn ended(&self) -> watch::Receiver<Option<ExitStatus>> {
+    pub fn ended(&self) -> watch::Receiver<Option<ExitStatus>> {
         self.ended.clone()
     }
 
     /// Kills it now and waits for its end (an inner agent of the launch tree leaving early:
     /// its children must not outlive it).
-    pub(crate) async fn kill(&mut self) {
+    pub async fn kill(&mut self) {
         if let Some(k) = self.kill.take() {
             let _ = k.send(());
         }
@@ -179,12 +174,12 @@ impl AgentProcess {
     }
 
     /// Until the process ended.
-    pub(crate) async fn wait(&mut self) {
+    pub async fn wait(&mut self) {
         let _ = self.ended.wait_for(|s| s.is_some()).await;
     }
 
     /// The last non-empty line it wrote to stderr.
-    pub(crate) fn last_words(&self) -> Option<String> {
+    pub fn last_words(&self) -> Option<String> {
         self.stderr_tail
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -197,7 +192,7 @@ impl AgentProcess {
     /// The last line nrun itself (the agent: its lines start with "nrun"), ssh or srun wrote:
     /// the agent's stderr also carries its workers' lines, and a worker's unrelated complaint
     /// is no cause of a lost node.
-    pub(crate) fn own_words(&self) -> Option<String> {
+    pub fn own_words(&self) -> Option<String> {
         self.stderr_tail
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -208,7 +203,7 @@ impl AgentProcess {
     }
 
     /// How it ended, with nrun's or ssh's last words: " (exit status: 255): what it said".
-    pub(crate) fn epitaph(&mut self) -> Option<String> {
+    pub fn epitaph(&mut self) -> Option<String> {
         let st = self.exited()?;
         Some(format!(
             " ({st}){}",
@@ -219,7 +214,7 @@ impl AgentProcess {
     /// Ends it after the End step: agents leave by themselves; stdin is closed only after
     /// that, so they do not mistake the end for the launcher going away. Stragglers: stdin
     /// closed, then killed.
-    pub(crate) async fn finish(&mut self) {
+    pub async fn finish(&mut self) {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.wait()).await;
         self.stdin.take();
         let _ = tokio::time::timeout(Duration::from_secs(3), self.wait()).await;
@@ -236,7 +231,7 @@ impl AgentProcess {
     }
 
     /// The marks read from its pipes, if the launch host reads them.
-    pub(crate) fn marks(&self) -> Option<Arc<Marks>> {
+    pub fn marks(&self) -> Option<Arc<Marks>> {
         self.marks.clone()
     }
 }
@@ -249,7 +244,7 @@ async fn futures_join(tasks: Vec<tokio::task::JoinHandle<()>>) {
 }
 
 /// How an exit status reads in a node's failure: "exited 255", "was killed by SIGKILL".
-pub(crate) fn how_it_ended(st: &ExitStatus) -> String {
+pub fn how_it_ended(st: &ExitStatus) -> String {
     match (st.code(), st.signal()) {
         (Some(c), _) => format!("exited {c}"),
         (None, Some(s)) => format!("was killed by {}", nrun_node::signal_name(s)),
@@ -259,7 +254,7 @@ pub(crate) fn how_it_ended(st: &ExitStatus) -> String {
 
 /// How an agent process's output is passed on and its end told.
 #[derive(Default)]
-pub(crate) struct Relay {
+pub struct Relay {
     /// The launch host: it reads the marks behind each step's output (an inner agent of the
     /// launch tree passes them on).
     pub marks: bool,
@@ -340,7 +335,7 @@ fn by_nrun(starter: &Starter) -> std::io::Result<Started> {
         .stderr(Stdio::piped())
         .process_group(0);
     if own_agent {
-        cmd.env(crate::agent::PARENT_VAR, std::process::id().to_string());
+        cmd.env(crate::PARENT_VAR, std::process::id().to_string());
     } else {
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
@@ -392,7 +387,7 @@ fn by_nrun(starter: &Starter) -> std::io::Result<Started> {
 }
 
 /// Copies the running nrun to `~/.cache/nrun/nrun-<version>` on the host; returns that path.
-pub(crate) async fn ship(ssh_opts: &[String], label: &str) -> Result<String> {
+pub async fn ship(ssh_opts: &[String], label: &str) -> Result<String> {
     let exe = std::env::current_exe()
         .map_err(|e| Error::internal(format!("cannot find nrun's own executable: {e}")))?;
     let version = env!("CARGO_PKG_VERSION");

@@ -16,10 +16,10 @@ use tokio::io::AsyncBufReadExt as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 /// What one agent's pipe is read from.
-pub(crate) type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+pub type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 
 /// Lines of an agent's stderr kept to explain why it failed.
-pub(crate) const TAIL_LINES: usize = 10;
+pub const TAIL_LINES: usize = 10;
 
 /// Bytes read at a time from an agent's stdout and stderr: small, two per node (8 KiB each
 /// were a third of the launch host's memory at a thousand nodes); longer lines still come
@@ -34,7 +34,7 @@ const RELAY_LINE: usize = nrun_node::output::MAX_LINE + 4096;
 /// The marks that came through one agent process's pipes: for each node it serves (one, an
 /// srun step's many, an inner agent's subtree), the steps whose output ended on stdout and on
 /// stderr, and whether each pipe ended.
-pub(crate) struct Marks {
+pub struct Marks {
     token: String,
     /// Whom to nudge when a mark arrives (the session waits for it).
     nudges: Option<Arc<Nudges>>,
@@ -42,7 +42,7 @@ pub(crate) struct Marks {
 }
 
 impl Marks {
-    pub(crate) fn new(token: String, nudges: Option<Arc<Nudges>>) -> Marks {
+    pub fn new(token: String, nudges: Option<Arc<Nudges>>) -> Marks {
         Marks {
             token,
             nudges,
@@ -65,7 +65,7 @@ struct Seen {
 
 /// Whether a node's output of a step has reached this host.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Delivery {
+pub enum Delivery {
     /// Every line of it is on this host's console: both marks came.
     Arrived,
     /// Not yet: `console`, this host's console is behind (the relay waits for it); else the
@@ -110,7 +110,7 @@ impl Marks {
     }
 
     /// Where node `node`'s output of step `no` is.
-    pub(crate) fn delivery(&self, node: usize, no: usize) -> Delivery {
+    pub fn delivery(&self, node: usize, no: usize) -> Delivery {
         let s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let next = s.next.get(&node).copied().unwrap_or_default();
         for (stream, name) in [(Stream::Out, "stdout"), (Stream::Err, "stderr")] {
@@ -129,7 +129,7 @@ impl Marks {
     }
 }
 
-pub(crate) use nrun_node::output::{Stream, console_write};
+pub use nrun_node::output::{Stream, console_write};
 
 /// How one of an agent's pipes is passed on.
 pub(crate) struct Passing {
@@ -306,13 +306,13 @@ async fn put(item: Item) {
 /// that goes with them: with the store's changed keys, what lets the session look at the nodes
 /// that changed instead of at every node on every event.
 #[derive(Default)]
-pub(crate) struct Nudges {
+pub struct Nudges {
     nodes: std::sync::Mutex<Vec<usize>>,
-    pub(crate) notify: tokio::sync::Notify,
+    pub notify: tokio::sync::Notify,
 }
 
 impl Nudges {
-    pub(crate) fn nudge(&self, node: usize) {
+    pub fn nudge(&self, node: usize) {
         self.nodes
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -320,7 +320,7 @@ impl Nudges {
         self.notify.notify_one();
     }
 
-    pub(crate) fn take(&self) -> Vec<usize> {
+    pub fn take(&self) -> Vec<usize> {
         std::mem::take(&mut *self.nodes.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }

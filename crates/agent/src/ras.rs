@@ -28,7 +28,7 @@ const AGAIN: Duration = Duration::from_secs(10);
 
 /// Where this node's NCCL answers, from the workers' environment: None when they turned RAS
 /// off (NCCL_RAS_ENABLE=0).
-pub(crate) fn target(env: &[(String, String)]) -> Option<String> {
+pub fn target(env: &[(String, String)]) -> Option<String> {
     let get = |k: &str| {
         env.iter()
             .rev()
@@ -43,7 +43,7 @@ pub(crate) fn target(env: &[(String, String)]) -> Option<String> {
 }
 
 /// Asks RAS at `addr` for its status, as `ncclras` does; the text it answered, or why not.
-pub(crate) fn status(addr: &str) -> std::io::Result<String> {
+pub fn status(addr: &str) -> std::io::Result<String> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| std::io::Error::new(e.kind(), format!("cannot resolve {addr}: {e}")))?
@@ -91,7 +91,7 @@ fn ask(a: SocketAddr) -> std::io::Result<String> {
 /// The lines of a status's "Errors" and "Warnings" sections: what RAS found wrong, as NCCL
 /// words it ("Communicator ranks have different AllReduce operation counts", "Rank 1 has
 /// launched up to operation 5 -- GPU 0 managed by process 456 on node 10.0.0.2").
-pub(crate) fn findings(text: &str) -> Vec<String> {
+pub fn findings(text: &str) -> Vec<String> {
     let lines: Vec<&str> = text.lines().collect();
     let mut out = Vec::new();
     let mut inside = false;

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use nrun_base::net::Iface;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(crate) struct NcclLib {
+pub struct NcclLib {
     pub path: String,
     pub version: Option<String>,
     /// --nccl-lib, torch's, LD_LIBRARY_PATH or system.
@@ -22,7 +22,7 @@ pub(crate) struct NcclLib {
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(crate) struct Facts {
+pub struct Facts {
     /// A label, not an identity: cloned VMs and containers share one ([`Facts::machine`]).
     pub hostname: String,
     /// Which machine and network stack this is, as the kernel says: its boot id and its
@@ -53,7 +53,7 @@ pub(crate) struct Facts {
 
 /// One node's own worker count and command line (c10d).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct OwnWork {
+pub struct OwnWork {
     pub nproc: usize,
     /// The program and its arguments, as the workers run them.
     pub command: Vec<String>,
@@ -61,7 +61,7 @@ pub(crate) struct OwnWork {
 
 /// Whether [`gather`] only reads files and netlink (no Python probe, no GPU driver whose NVML
 /// and NCCL copies it would load and run), so that a caller may do it on its own thread.
-pub(crate) fn quick(python: Option<&Path>) -> bool {
+pub fn quick(python: Option<&Path>) -> bool {
     python.is_none() && !gpu_driver() && ld_library_path().is_none()
 }
 
@@ -79,7 +79,7 @@ fn ld_library_path() -> Option<String> {
 
 /// This machine and network stack as the kernel names them ([`Facts::machine`]); empty where
 /// either cannot be read.
-pub(crate) fn machine() -> String {
+pub fn machine() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     let netns = std::fs::read_link("/proc/self/ns/net").unwrap_or_default();
     match (boot.trim(), netns.to_string_lossy()) {
@@ -91,7 +91,7 @@ pub(crate) fn machine() -> String {
 
 /// This machine as [`machine`] names it, else (unreadable) its host name: the key under which
 /// a host left out is refused when its nrun comes back (c10d).
-pub(crate) fn machine_or_hostname() -> String {
+pub fn machine_or_hostname() -> String {
     let m = machine();
     match m.is_empty() {
         true => nrun_base::net::hostname(),
@@ -100,7 +100,7 @@ pub(crate) fn machine_or_hostname() -> String {
 }
 
 /// Gathers this node's facts. `python`: the interpreter to probe for torch (None: skip).
-pub(crate) fn gather(python: Option<&Path>) -> Facts {
+pub fn gather(python: Option<&Path>) -> Facts {
     let mut f = Facts {
         hostname: nrun_base::net::hostname(),
         machine: machine(),
@@ -302,7 +302,7 @@ fn major_minor(v: &str) -> String {
 }
 
 /// What must agree between nodes for a job to run: NCCL major.minor and torch ("?" unknown).
-pub(crate) fn compat_key(f: &Facts) -> String {
+pub fn compat_key(f: &Facts) -> String {
     let nccl = f
         .nccl
         .first()
@@ -324,7 +324,7 @@ fn outliers(keys: &[String]) -> Vec<usize> {
 }
 
 /// The table, what differs between nodes, and whether that must refuse the launch.
-pub(crate) struct Comparison {
+pub struct Comparison {
     pub table: String,
     pub differences: Vec<String>,
     pub refuse: bool,
@@ -334,7 +334,7 @@ pub(crate) struct Comparison {
     pub notes: Vec<String>,
 }
 
-pub(crate) fn compare(nodes: &[(String, &Facts)]) -> Comparison {
+pub fn compare(nodes: &[(String, &Facts)]) -> Comparison {
     let cols = columns(nodes);
     let mut t = String::new();
     let widths: Vec<usize> = cols

@@ -18,17 +18,20 @@
 //! An inner agent of the launch tree ([`tree`]) also starts the agents of its subtree over ssh
 //! ([`child`]: the same agent process the launch host starts) and keeps them until the end.
 
-pub(crate) mod child;
+// The modules below name the protocol as `crate::protocol`, as when they lived in the launcher.
+use nrun_proto::{facts, protocol, remote};
+
+pub mod child;
 mod cost;
-pub(crate) mod exec;
-pub(crate) mod flight;
+pub mod exec;
+pub mod flight;
 mod liveness;
 mod oom;
 
-pub(crate) mod ras;
-pub(crate) mod relay;
-pub(crate) mod stacks;
-pub(crate) mod tree;
+pub mod ras;
+pub mod relay;
+pub mod stacks;
+pub mod tree;
 
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd;
@@ -38,7 +41,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio::sync::watch;
 
 use crate::protocol::{
-    self, AddrChoice, Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
+    AddrChoice, Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
 };
 use exec::{Done, StepIo};
 use nrun_base::error::{Error, Result};
@@ -57,7 +60,7 @@ pub(crate) const PARENT_VAR: &str = "NRUN_AGENT_PARENT";
 /// (as the parent's pre_exec used to arrange), and exits at once if nrun is already gone (the
 /// signal could not be set in time). Returns whether this is such an agent. Must run before any
 /// thread exists.
-pub(crate) fn tie_to_parent() -> bool {
+pub fn tie_to_parent() -> bool {
     let Some(want) = std::env::var_os(PARENT_VAR) else {
         return false;
     };
@@ -82,7 +85,7 @@ pub(crate) fn tie_to(parent: i32) {
 
 /// The agent forked by nrun's spawner (`nrun_node::spawner::fork`): tied to the spawner, then
 /// [`main`].
-pub(crate) fn forked(spawner: i32) -> u8 {
+pub fn forked(spawner: i32) -> u8 {
     tie_to(spawner);
     main()
 }
@@ -91,7 +94,7 @@ pub(crate) fn forked(spawner: i32) -> u8 {
 static TIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Entry point of `nrun __agent`; returns the exit code.
-pub(crate) fn main() -> u8 {
+pub fn main() -> u8 {
     // One thread: an agent waits on its store connections and its workers, and a thousand
     // agents on one host each waking idle worker threads cost their host more than the work.
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -122,7 +125,7 @@ pub(crate) fn main() -> u8 {
 /// that cannot is refused with an error of kind `PermissionDenied` naming the secret (see
 /// [`refusal`]). A run without a secret (a c10d rendezvous whose nodes share none) has nothing
 /// to prove. `at` names the store in messages.
-pub(crate) async fn prove(
+pub async fn prove(
     conn: &mut Client,
     secret: &str,
     at: &(dyn std::fmt::Display + Sync),
@@ -152,7 +155,7 @@ pub(crate) async fn prove(
 
 /// The error for a failed [`prove`]: a store refused for not knowing the secret as it is,
 /// anything else as `lost` words it.
-pub(crate) fn refusal(e: std::io::Error, lost: impl FnOnce(std::io::Error) -> Error) -> Error {
+pub fn refusal(e: std::io::Error, lost: impl FnOnce(std::io::Error) -> Error) -> Error {
     match e.kind() {
         std::io::ErrorKind::PermissionDenied => Error::helper(e.to_string()),
         _ => lost(e),
@@ -219,7 +222,7 @@ fn stdin_reader() -> Box<dyn tokio::io::AsyncRead + Unpin + Send> {
 /// The agent's life after its [`Hello`]: join the coordinator's store, run the steps it is
 /// given, until the end (Ok: the job's exit code, when the coordinator left one) or the
 /// coordinator is gone (`gone` set: stdin closed, or the store silent; or the store lost).
-pub(crate) async fn serve(
+pub async fn serve(
     hello: Hello,
     signals: Signals,
     gone: watch::Sender<bool>,
@@ -347,7 +350,7 @@ async fn reach_store(
 /// from, else the one the launch host (or this node's parent in the launch tree) chose for it.
 /// Never whichever answers first: that may be a network nobody checked (a docker bridge, a
 /// management network), and it can change from run to run.
-pub(crate) fn choose(hello: &Hello) -> Option<(SocketAddr, AddrChoice)> {
+pub fn choose(hello: &Hello) -> Option<(SocketAddr, AddrChoice)> {
     let addrs: Vec<SocketAddr> = hello.addrs.iter().filter_map(|a| a.parse().ok()).collect();
     let of = |ip: IpAddr| {
         addrs
@@ -384,7 +387,7 @@ fn ssh_client() -> Option<IpAddr> {
 /// A connection to the store at the `chosen` address (the route it took is named when it
 /// fails), or with none chosen the first of `addrs` to answer; with the address it went to,
 /// how that was chosen, and this end's address.
-pub(crate) async fn connect(
+pub async fn connect(
     addrs: &[String],
     chosen: Option<(SocketAddr, AddrChoice)>,
 ) -> Result<(Client, SocketAddr, SocketAddr, AddrChoice)> {

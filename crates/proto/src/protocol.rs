@@ -18,7 +18,7 @@ use nrun_node::output::Tty;
 /// tells it too, so each node's console (a Kubernetes pod's log) says which rank failed,
 /// where and how.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(crate) struct RootCause {
+pub struct RootCause {
     /// The failure summary as the coordinator printed it (empty: nothing failed).
     pub summary: String,
     /// What the launcher's own TORCHELASTIC_ERROR_FILE gets (torchrun's habit).
@@ -27,7 +27,7 @@ pub(crate) struct RootCause {
 
 /// How the coordinator ended the job, as an agent read it at the End.
 #[derive(Debug, Default)]
-pub(crate) struct Ended {
+pub struct Ended {
     /// The job's exit code, when the coordinator left one.
     pub code: Option<u8>,
     pub root_cause: RootCause,
@@ -35,7 +35,7 @@ pub(crate) struct Ended {
 
 /// The first line an agent reads on stdin (the per-run secret never appears on a command line).
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct Hello {
+pub struct Hello {
     pub secret: String,
     pub run: String,
     pub node: usize,
@@ -99,15 +99,15 @@ pub(crate) struct Hello {
 /// What starts the line that ends a step's output in an agent's stdout and stderr: then the
 /// Hello's `output_mark`, the node and the step number. A control character first: no
 /// worker's line is taken for one by chance (and the token, random per run, by intent).
-pub(crate) const OUTPUT_MARK: &str = "\u{1}nrun-output-end ";
+pub const OUTPUT_MARK: &str = "\u{1}nrun-output-end ";
 
 /// The line an agent writes behind step `no`'s output of node `node`.
-pub(crate) fn output_mark(token: &str, node: usize, no: usize) -> String {
+pub fn output_mark(token: &str, node: usize, no: usize) -> String {
     format!("{OUTPUT_MARK}{token} {node} {no}\n")
 }
 
 /// A mark line read back (without its '\n'): its node and step, if it is one with `token`.
-pub(crate) fn read_output_mark(line: &str, token: &str) -> Option<(usize, usize)> {
+pub fn read_output_mark(line: &str, token: &str) -> Option<(usize, usize)> {
     let rest = line.strip_prefix(OUTPUT_MARK)?;
     let mut parts = rest.split(' ');
     if parts.next()? != token {
@@ -126,7 +126,7 @@ fn probed_by_default() -> bool {
 /// nodes differ, and in `--report`'s `control` section.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub(crate) enum AddrChoice {
+pub enum AddrChoice {
     /// The user gave it (`--local-addr`; a c10d node: the endpoint it found).
     Given,
     /// The launch host's address this node's ssh connection came from (`SSH_CONNECTION`).
@@ -145,7 +145,7 @@ pub(crate) enum AddrChoice {
 
 impl AddrChoice {
     /// In words, for messages: "the address <this>".
-    pub(crate) fn words(self) -> &'static str {
+    pub fn words(self) -> &'static str {
         match self {
             AddrChoice::Given => "given on the command line (--local-addr, --rdzv-endpoint)",
             AddrChoice::Ssh => "its ssh connection came from",
@@ -156,7 +156,7 @@ impl AddrChoice {
         }
     }
 
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             AddrChoice::Given => "given",
             AddrChoice::Ssh => "ssh",
@@ -170,7 +170,7 @@ impl AddrChoice {
 
 /// A launch-host address chosen for a node by someone other than the node ([`Hello::prefer`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Prefer {
+pub struct Prefer {
     /// The launch host's IP address (no port).
     pub ip: String,
     pub how: AddrChoice,
@@ -178,7 +178,7 @@ pub(crate) struct Prefer {
 
 /// A node of the launch tree and the nodes its agent starts.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Branch {
+pub struct Branch {
     pub node: usize,
     pub label: String,
     #[serde(default)]
@@ -192,14 +192,14 @@ pub(crate) struct Branch {
 
 impl Branch {
     /// This branch and all below it marked as nodes of the launch host's own machine.
-    pub(crate) fn into_local(mut self) -> Branch {
+    pub fn into_local(mut self) -> Branch {
         self.local = true;
         self.children = self.children.into_iter().map(Branch::into_local).collect();
         self
     }
 
     /// Every node below this one, depth first.
-    pub(crate) fn below(&self) -> Vec<&Branch> {
+    pub fn below(&self) -> Vec<&Branch> {
         let mut out = Vec::new();
         let mut todo: Vec<&Branch> = self.children.iter().rev().collect();
         while let Some(b) = todo.pop() {
@@ -213,7 +213,7 @@ impl Branch {
 /// What an inner agent of the launch tree needs to start its children as the launch host
 /// starts its own: the same ssh options, nrun's path there, how many at once, `--ship`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct TreeSsh {
+pub struct TreeSsh {
     pub ssh_opts: Vec<String>,
     pub remote_nrun: String,
     pub concurrency: usize,
@@ -229,7 +229,7 @@ fn default_agent_timeout_ms() -> u64 {
 
 impl Hello {
     /// This agent's node index and label: its own, or (a shared Hello) found by node name.
-    pub(crate) fn place(&self) -> nrun_base::error::Result<(usize, String)> {
+    pub fn place(&self) -> nrun_base::error::Result<(usize, String)> {
         if self.nodes.is_empty() {
             return Ok((self.node, self.label.clone()));
         }
@@ -253,7 +253,7 @@ impl Hello {
 
 /// What an agent publishes once connected.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct Joined {
+pub struct Joined {
     /// The address of this node's end of its store connection.
     pub local_addr: String,
     /// The coordinator address this agent uses.
@@ -280,10 +280,10 @@ pub(crate) struct Joined {
     pub kept: Option<Kept>,
 }
 
-pub(crate) use nrun_node::keeper::Kept;
+pub use nrun_node::keeper::Kept;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum Step {
+pub enum Step {
     /// Connect to another node's probe listener.
     Probe {
         target: String,
@@ -308,12 +308,12 @@ pub(crate) enum Step {
 
 impl Step {
     /// Whether it starts workers (and so needs stop requests and signals while it runs).
-    pub(crate) fn runs_workers(&self) -> bool {
+    pub fn runs_workers(&self) -> bool {
         matches!(self, Step::Run { workers, .. } if !workers.is_empty())
     }
 
     /// Nothing to do this step (a node outside every group of a bisect round).
-    pub(crate) fn idle() -> Step {
+    pub fn idle() -> Step {
         Step::Run {
             workers: Vec::new(),
             grace_ms: 0,
@@ -326,11 +326,11 @@ impl Step {
 
 /// A [`WorkerSpec::program`] meaning "the nrun that runs this agent" (preflight ranks): the
 /// path differs between nodes with --ship or --remote-nrun.
-pub(crate) const THIS_NRUN: &str = "<nrun>";
+pub const THIS_NRUN: &str = "<nrun>";
 
 /// One worker as its node's agent starts it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct WorkerSpec {
+pub struct WorkerSpec {
     pub rank: usize,
     pub local_rank: usize,
     pub program: String,
@@ -363,13 +363,13 @@ pub(crate) struct WorkerSpec {
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum StepResult {
+pub enum StepResult {
     Probe { error: Option<String> },
     Run(RunResult),
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) enum RunResult {
+pub enum RunResult {
     Success,
     Failed(WorkerFailure),
     Interrupted(i32),
@@ -382,7 +382,7 @@ pub(crate) enum RunResult {
 
 impl RunResult {
     /// A result that stops the other nodes' workers (a failure here, or a lost node).
-    pub(crate) fn is_failure(&self) -> bool {
+    pub fn is_failure(&self) -> bool {
         matches!(
             self,
             RunResult::Failed(_)
@@ -395,7 +395,7 @@ impl RunResult {
 
 /// The first failing worker of a node, with what the failure summary shows.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct WorkerFailure {
+pub struct WorkerFailure {
     pub rank: usize,
     pub local_rank: usize,
     pub pid: u32,
@@ -423,7 +423,7 @@ pub(crate) struct WorkerFailure {
 
 /// One frame of a rank's Python stack.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Frame {
+pub struct Frame {
     pub name: String,
     pub file: String,
     pub line: i32,
@@ -434,7 +434,7 @@ pub(crate) struct Frame {
 
 /// One rank as its node's watch last saw it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(crate) struct RankView {
+pub struct RankView {
     pub rank: usize,
     pub pid: u32,
     /// The main thread's stack, innermost frame first (at most a few).
@@ -457,7 +457,7 @@ pub(crate) struct RankView {
 
 /// A rank's flight recorder, summed up (see `agent::flight`).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub(crate) struct FrView {
+pub struct FrView {
     /// The last collective enqueued, and the last completed (of the same process group).
     pub last: FrOp,
     pub completed: Option<FrOp>,
@@ -473,7 +473,7 @@ pub(crate) struct FrView {
 
 /// Collectives `first..=last` of one process group, all the same op and size.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub(crate) struct FrRun {
+pub struct FrRun {
     pub first: u64,
     pub last: u64,
     pub op: String,
@@ -482,7 +482,7 @@ pub(crate) struct FrRun {
 
 /// One collective in a flight recorder.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub(crate) struct FrOp {
+pub struct FrOp {
     /// The collective's sequence number in its process group.
     pub seq: u64,
     pub op: String,
@@ -496,7 +496,7 @@ pub(crate) struct FrOp {
 
 /// What a node's watch publishes about its ranks, about once a second.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(crate) struct NodeWatch {
+pub struct NodeWatch {
     pub ranks: Vec<RankView>,
     /// NCCL's RAS status, asked while the node's ranks stall (the node of rank 0 only).
     #[serde(default)]
@@ -504,7 +504,7 @@ pub(crate) struct NodeWatch {
 }
 
 /// Milliseconds since the Unix epoch: when a [`RasView`] was taken, comparable across hosts.
-pub(crate) fn unix_ms() -> u64 {
+pub fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -512,7 +512,7 @@ pub(crate) fn unix_ms() -> u64 {
 
 /// What NCCL's RAS said when last asked (see `agent::ras`), or why it could not be asked.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub(crate) struct RasView {
+pub struct RasView {
     /// When it answered, ms since the Unix epoch.
     pub at_ms: u64,
     pub text: Option<String>,
@@ -523,7 +523,7 @@ pub(crate) struct RasView {
 /// stops and forwarded signals are one series, so an agent waits on one key at a time on its
 /// one connection to the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Control {
+pub enum Control {
     /// Stop the step: politely (None: another node failed; SIGTERM, SIGKILL after the grace
     /// period), or with the signal the user sent nrun.
     Stop(Option<i32>),
@@ -535,7 +535,7 @@ pub(crate) enum Control {
 }
 
 impl Control {
-    pub(crate) fn encode(self) -> Vec<u8> {
+    pub fn encode(self) -> Vec<u8> {
         match self {
             Control::Stop(None) => b"stop".to_vec(),
             Control::Stop(Some(s)) => format!("stop {s}").into_bytes(),
@@ -548,7 +548,7 @@ impl Control {
         }
     }
 
-    pub(crate) fn decode(value: &[u8]) -> Option<Control> {
+    pub fn decode(value: &[u8]) -> Option<Control> {
         let text = std::str::from_utf8(value).ok()?;
         if let Some(sizes) = text.strip_prefix("resize ") {
             let size = |w: &str| -> Option<Option<Tty>> {
@@ -579,12 +579,12 @@ impl Control {
 
 /// The keys of one run's conversation.
 #[derive(Clone, Debug)]
-pub(crate) struct Keys {
+pub struct Keys {
     run: String,
 }
 
 impl Keys {
-    pub(crate) fn new(run: &str) -> Keys {
+    pub fn new(run: &str) -> Keys {
         Keys { run: run.into() }
     }
 
@@ -593,7 +593,7 @@ impl Keys {
     }
 
     /// The node a key of this run is about (`nrun/<run>/n<node>/...`), if any.
-    pub(crate) fn node_of(&self, key: &[u8]) -> Option<usize> {
+    pub fn node_of(&self, key: &[u8]) -> Option<usize> {
         let rest = key
             .strip_prefix(b"nrun/")?
             .strip_prefix(self.run.as_bytes())?
@@ -606,60 +606,60 @@ impl Keys {
     }
 
     /// Where node `node` publishes its [`Joined`] record.
-    pub(crate) fn joined(&self, node: usize) -> Vec<u8> {
+    pub fn joined(&self, node: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/joined"))
     }
 
     /// Node `node`'s step number `step`.
-    pub(crate) fn step(&self, node: usize, step: usize) -> Vec<u8> {
+    pub fn step(&self, node: usize, step: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/step/{step}"))
     }
 
     /// Node `node`'s result of step `step`.
-    pub(crate) fn result(&self, node: usize, step: usize) -> Vec<u8> {
+    pub fn result(&self, node: usize, step: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/result/{step}"))
     }
 
     /// The `seq`th [`Control`] of step `step`, for every node.
-    pub(crate) fn control(&self, step: usize, seq: usize) -> Vec<u8> {
+    pub fn control(&self, step: usize, seq: usize) -> Vec<u8> {
         self.key(format_args!("ctl/{step}/{seq}"))
     }
 
     /// The job's exit code, set before the end (a node started on its own exits with it).
-    pub(crate) fn exit(&self) -> Vec<u8> {
+    pub fn exit(&self) -> Vec<u8> {
         self.key(format_args!("exit"))
     }
 
     /// The job's [`RootCause`] (JSON), set with the exit code: a node started on its own ends
     /// its console with it and writes it to its TORCHELASTIC_ERROR_FILE.
-    pub(crate) fn root_cause(&self) -> Vec<u8> {
+    pub fn root_cause(&self) -> Vec<u8> {
         self.key(format_args!("root-cause"))
     }
 
     /// Bumped every second by a node started on its own (c10d): it is alive.
-    pub(crate) fn alive(&self, node: usize) -> Vec<u8> {
+    pub fn alive(&self, node: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/alive"))
     }
 
     /// Set by an inner agent of the launch tree when the ssh that starts node `node`'s agent
     /// ended before the End: how it ended and what ssh or nrun said last (text).
-    pub(crate) fn tree_lost(&self, node: usize) -> Vec<u8> {
+    pub fn tree_lost(&self, node: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/tree-lost"))
     }
 
     /// Node `node`'s latest [`NodeWatch`] during step `step`.
-    pub(crate) fn watch(&self, node: usize, step: usize) -> Vec<u8> {
+    pub fn watch(&self, node: usize, step: usize) -> Vec<u8> {
         self.key(format_args!("n{node}/watch/{step}"))
     }
 
     /// Set at node 0's store by node `node` of a static launch when it arrives (its host
     /// name): each waits there until all have (`session::meet`).
-    pub(crate) fn static_arrived(&self, node: usize) -> Vec<u8> {
+    pub fn static_arrived(&self, node: usize) -> Vec<u8> {
         self.key(format_args!("static/{node}"))
     }
 
     /// A SET here stores the address the store sees node `node` connect from (NAT check).
-    pub(crate) fn observe(&self, node: usize) -> Vec<u8> {
+    pub fn observe(&self, node: usize) -> Vec<u8> {
         [
             nrun_store::server::OBSERVE_PREFIX,
             format!("{}/{node}", self.run).as_bytes(),
@@ -669,17 +669,17 @@ impl Keys {
 }
 
 /// Where the nrun hosting a c10d rendezvous `id` leaves its run's name (the keys' namespace).
-pub(crate) fn c10d_run_key(id: &str) -> Vec<u8> {
+pub fn c10d_run_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/run").into_bytes()
 }
 
 /// Readable without the secret: set by every nrun that hosts a store (its version), so a
 /// joining nrun knows an nrun listens there.
-pub(crate) const NRUN_STORE_KEY: &[u8] = b"nrun/public/store";
+pub const NRUN_STORE_KEY: &[u8] = b"nrun/public/store";
 
 /// Readable without the secret: set by the nrun hosting c10d rendezvous `id`, so a node with
 /// another id (another job on that endpoint) is told so at once.
-pub(crate) fn c10d_public_key(id: &str) -> Vec<u8> {
+pub fn c10d_public_key(id: &str) -> Vec<u8> {
     format!("nrun/public/c10d/{id}").into_bytes()
 }
 
@@ -687,19 +687,19 @@ pub(crate) fn c10d_public_key(id: &str) -> Vec<u8> {
 /// (`torch.distributed.elastic.rendezvous.c10d_rendezvous_backend`: `"torch.rendezvous." +
 /// run_id`, by compare_set at its start): how nrun tells a torchrun node apart. On the wire,
 /// as torch's TCPStore client sends every key, with its "/" prefix (`keyPrefix_`).
-pub(crate) fn torchrun_rdzv_key(id: &str) -> Vec<u8> {
+pub fn torchrun_rdzv_key(id: &str) -> Vec<u8> {
     format!("/torch.rendezvous.{id}").into_bytes()
 }
 
 /// The counter a joining node adds 1 to for its node index, in join order.
-pub(crate) fn c10d_next_key(id: &str) -> Vec<u8> {
+pub fn c10d_next_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/next").into_bytes()
 }
 
 /// How many more nodes the nrun hosting c10d rendezvous `id` takes now (decimal; unset: none
 /// beyond its slots): a node whose index is past the slots (one that came back after its first
 /// nrun was lost) joins if this is above 0 (the session publishes it).
-pub(crate) fn c10d_room_key(id: &str) -> Vec<u8> {
+pub fn c10d_room_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/room").into_bytes()
 }
 
@@ -707,14 +707,14 @@ pub(crate) fn c10d_room_key(id: &str) -> Vec<u8> {
 /// the node itself (not its nrun's loss): the evidence, in words. A node of that machine
 /// (`host`: its boot id and network namespace, `facts::machine_or_hostname`; host names are
 /// shared by clones) is refused.
-pub(crate) fn c10d_refused_key(id: &str, host: &str) -> Vec<u8> {
+pub fn c10d_refused_key(id: &str, host: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/refused/{host}").into_bytes()
 }
 
 /// What a rank waits in: a torch.distributed collective, or a point where the CPU waits for the
 /// GPU (NCCL collectives are asynchronous: a rank stuck behind one waits at its next `.item()`,
 /// `.cpu()` or `synchronize()`), said as "a GPU sync (<its line>)".
-pub(crate) fn waits_in(v: &RankView) -> Option<String> {
+pub fn waits_in(v: &RankView) -> Option<String> {
     if let Some(op) = &v.collective {
         return Some(op.clone());
     }

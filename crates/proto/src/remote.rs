@@ -24,13 +24,13 @@ pub(crate) const SSH_BASE_OPTS: [&str; 8] = [
 /// No `-t`: without a tty, stdin is a plain pipe whose end the agent notices (a tty would merge
 /// stdout and stderr and mangle output). The remote command gets its own shell line so `~` in
 /// the path expands there.
-pub(crate) fn ssh_command(host: &str, user_opts: &[String], remote_nrun: &str) -> Vec<OsString> {
+pub fn ssh_command(host: &str, user_opts: &[String], remote_nrun: &str) -> Vec<OsString> {
     ssh_nrun(host, user_opts, remote_nrun, "__agent")
 }
 
 /// `ssh [base] [user opts] -- HOST 'exec REMOTE_NRUN __reap KEEPER AGENT TOKEN'`: ends a lost
 /// node's agent that cannot end itself, with its workers (see `node::keeper::reap_main`).
-pub(crate) fn ssh_reap_command(
+pub fn ssh_reap_command(
     host: &str,
     user_opts: &[String],
     remote_nrun: &str,
@@ -68,7 +68,7 @@ fn ssh_nrun(host: &str, user_opts: &[String], remote_nrun: &str, sub: &str) -> V
 /// one task per node, the same instructions to all on stdin (each agent finds its node by name),
 /// the whole of each node's allocation (CPUs and GPUs) for the step, and the step killed if one
 /// agent fails.
-pub(crate) fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
+pub fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsString> {
     vec![
         "srun".into(),
         format!("--nodes={}", nodes.len()).into(),
@@ -91,7 +91,7 @@ pub(crate) fn srun_step_command(nodes: &[String], remote_nrun: &str) -> Vec<OsSt
 }
 
 /// Splits `--ssh-opts "-F file -p 2222 -i key"` like a POSIX shell would (quotes, backslashes).
-pub(crate) fn split_opts(s: &str) -> nrun_base::error::Result<Vec<String>> {
+pub fn split_opts(s: &str) -> nrun_base::error::Result<Vec<String>> {
     shlex::split(s).ok_or_else(|| {
         nrun_base::error::Error::usage(format!(
             "--ssh-opts {s:?}: unbalanced quote (or a trailing backslash); quote as in a shell"

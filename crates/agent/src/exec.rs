@@ -19,7 +19,7 @@ use nrun_node::{self as node, Outcome, StopRequest, WorkerCmd};
 /// warning, when unknown. NVML numbers GPUs in PCI order, as CUDA does for GPUs of one model
 /// (CUDA_DEVICE_ORDER=PCI_BUS_ID makes it so for mixed ones).
 fn gpu_cpus(env: &[(String, String)], local_rank: usize) -> Option<Vec<usize>> {
-    let gpu = crate::agent::exec::worker_gpu(env, local_rank);
+    let gpu = crate::exec::worker_gpu(env, local_rank);
     let Ok(index) = gpu.parse::<u32>() else {
         tracing::warn!(
             "--numa-binding: local rank {local_rank}'s GPU is {gpu:?}, not an index; not bound"
@@ -37,7 +37,7 @@ fn gpu_cpus(env: &[(String, String)], local_rank: usize) -> Option<Vec<usize>> {
 
 /// What a node made of a step.
 #[derive(Debug)]
-pub(crate) enum Done {
+pub enum Done {
     /// Its result, to publish.
     Result(StepResult),
     /// The session ended: leave the step loop.
@@ -45,7 +45,7 @@ pub(crate) enum Done {
 }
 
 /// What a node's side of a running step gets from outside the node.
-pub(crate) struct StepIo {
+pub struct StepIo {
     /// Stop requests and signals to pass on.
     pub stop: watch::Receiver<StopRequest>,
     /// Where the watch's views go, if the step asks for the watch.
@@ -56,7 +56,7 @@ pub(crate) struct StepIo {
 
 /// The one step dispatcher: does `step` on this node. A Run with no workers (a node outside
 /// every group of a bisect round) succeeds at once.
-pub(crate) async fn dispatch(step: Step, io: StepIo) -> Done {
+pub async fn dispatch(step: Step, io: StepIo) -> Done {
     let result = match step {
         Step::End => return Done::End,
         Step::Probe { target, timeout_ms } => StepResult::Probe {
@@ -409,7 +409,7 @@ pub(crate) async fn probe_peer(target: &str, timeout_ms: u64) -> Result<()> {
 /// The GPU (as CUDA_VISIBLE_DEVICES names it) a worker of local rank `local_rank` uses: the
 /// entry at its local rank of the list it sees (its own variables, else nrun's), the one entry
 /// when it sees one, or its local rank when nothing narrows the GPUs.
-pub(crate) fn worker_gpu(env: &[(String, String)], local_rank: usize) -> String {
+pub fn worker_gpu(env: &[(String, String)], local_rank: usize) -> String {
     let seen = env
         .iter()
         .rev()

@@ -30,18 +30,18 @@ pub(crate) const BUFFER: &str = "64";
 /// entry's Python stack while it writes a pipe dump (it ignores `TORCH_INCLUDE_STACK_TRACE`
 /// there), taking the workers' GIL for seconds: one dump on an H100 held 10 ms steps at 2-8x
 /// for about 5 s (BENCHMARKS.md section 30). `NRUN_WATCH_FR_PERIOD` asks for them.
-pub(crate) const PERIOD: Option<Duration> = None;
+pub const PERIOD: Option<Duration> = None;
 
 /// One rank's pipe and dump file.
 #[derive(Clone, Debug)]
-pub(crate) struct FrFiles {
+pub struct FrFiles {
     pub pipe: PathBuf,
     pub dump: PathBuf,
 }
 
 /// The variables that turn the recorder on for global rank `rank` (each only where neither the
 /// worker's environment `env` nor nrun's own sets it), with the files they name, under `dir`.
-pub(crate) fn setup(
+pub fn setup(
     env: &[(String, String)],
     rank: usize,
     dir: &Path,
@@ -101,7 +101,7 @@ pub(crate) fn setup(
 /// Asks for a dump: one byte down the pipe. A pipe nobody reads (not an NCCL job, torch not yet
 /// there) refuses at once (ENXIO) rather than block; anything but a FIFO (never through a
 /// symlink) gets nothing.
-pub(crate) fn ask(f: &FrFiles) -> bool {
+pub fn ask(f: &FrFiles) -> bool {
     use std::io::Write;
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     std::fs::OpenOptions::new()
@@ -194,7 +194,7 @@ impl Entry {
 
 /// Reads the dumps in `files` with `python` (the workers' interpreter); one summary per file, in
 /// order (None where a file could not be read, or was refused: see the module's doc).
-pub(crate) fn read(python: &Path, files: &[&Path]) -> Vec<Option<FrView>> {
+pub fn read(python: &Path, files: &[&Path]) -> Vec<Option<FrView>> {
     // Each dump length-prefixed on the helper's stdin (an empty one where it was refused).
     let mut input = Vec::new();
     for f in files {

@@ -291,7 +291,7 @@ mod tests {
     #[test]
     fn no_dump_is_asked_while_ranks_run_unless_a_period_is_given() {
         // A pipe dump holds a GPU job's steps at 2-8x for ~5 s (BENCHMARKS.md section 30).
-        assert_eq!(crate::agent::flight::PERIOD, None);
+        assert_eq!(crate::flight::PERIOD, None);
         assert_eq!(period_from(None, None), None);
         assert_eq!(period_from(Some("15"), None), Some(Duration::from_secs(15)));
         for bad in ["0", "-3", "inf", "NaN", "soon"] {
