@@ -186,10 +186,12 @@ impl Nccl {
             comm_abort: sym!(b"ncclCommAbort\0", FnComm),
             get_error_string: sym!(b"ncclGetErrorString\0", FnGetErrorString),
             // ncclGetLastError arrived in 2.13; treat it as optional all the same.
+            // SAFETY: where present, the symbol has this C signature.
             get_last_error: unsafe { lib.get::<FnGetLastError>(b"ncclGetLastError\0") }
                 .ok()
                 .map(|s| *s),
             // ncclCommSplit arrived in 2.18.
+            // SAFETY: where present (>= 2.18), the symbol has this C signature.
             comm_split: unsafe { lib.get::<FnCommSplit>(b"ncclCommSplit\0") }
                 .ok()
                 .map(|s| *s),
@@ -298,6 +300,8 @@ impl Nccl {
         comm: Comm,
         stream: *mut c_void,
     ) -> NcclResult {
+        // SAFETY: the caller upholds the buffers' and stream's contract above; `comm` came
+        // from init.
         unsafe {
             (self.all_reduce)(
                 send as *const c_void,
