@@ -176,7 +176,13 @@ fn check_log_dir(d: &std::path::Path) -> Result<()> {
     let meta = loop {
         match std::fs::metadata(at) {
             Ok(m) => break m,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // Missing, or under a file: the parts above say which.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                ) =>
+            {
                 at = match at.parent() {
                     Some(p) if p.as_os_str().is_empty() => std::path::Path::new("."),
                     Some(p) => p,
