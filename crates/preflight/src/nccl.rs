@@ -2,8 +2,10 @@
 //!
 //! A preflight that loads another NCCL than the job proves little, and loaders that dlopen fixed
 //! names ("libnccl.so") silently pick the system's copy over the one PyTorch bundles. So nrun
-//! resolves a path first ([`resolve`]) and opens exactly that file. The ~12 functions used are
-//! bound by hand: NCCL's C API is small and stable, and this keeps nrun free of CUDA headers.
+//! resolves a path first ([`candidates`], in the order the job's loader would look; the
+//! launcher picks one and hands it to the ranks as `Settings::nccl_lib`) and opens exactly
+//! that file. The 9 functions used are bound by hand: NCCL's C API is small and stable, and
+//! this keeps nrun free of CUDA headers.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
