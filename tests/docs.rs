@@ -139,6 +139,7 @@ const FOREIGN: &[(&str, &str)] = &[
     ("--lr", "examples/train.py, or the user's script"),
     ("--epochs", "train.py, the user's script"),
     ("--steps", "examples/train.py, or the user's script"),
+    ("--batch", "examples/train.py"),
 ];
 
 /// What the docs say nrun refuses: (the phrase in the docs, the arguments, the exit code, a
