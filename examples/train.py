@@ -1,6 +1,6 @@
 """A small DistributedDataParallel training: NCCL on GPUs, gloo on CPU.
 
-    nrun --nproc 4 examples/train.py [--steps N]
+    nrun --nproc 4 examples/train.py [--steps N] [--batch N] [--lr LR]
 
 Each rank trains the same tiny regression model on its own shard of synthetic data; DDP
 averages gradients. Rank 0 prints the loss; every rank checks at the end that its parameters
@@ -23,6 +23,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     args = p.parse_args()
 
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -37,13 +38,13 @@ def main():
     dist.init_process_group(backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        print(f"backend={backend} world_size={world} device={device.type} "
+        print(f"backend={backend} world_size={world} device={device.type} lr={args.lr} "
               f"init {time.monotonic() - t_start:.2f}s after start", flush=True)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
     ddp = DDP(model, device_ids=[device.index] if use_cuda else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(1234 + rank)
     w_true = torch.arange(16, dtype=torch.float32) / 16
 

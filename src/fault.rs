@@ -195,8 +195,8 @@ fn worker_evidence(f: &WorkerFailure) -> Evidence {
     Evidence::Program(who)
 }
 
-/// Judges an attempt's results (one per node of the job, in node order; `hang`: the node the
-/// watch pinned a hang on, with its conclusion) and decides under `policy`. Records the
+/// Judges an attempt's results (one per node of the job, in node order; a hang the watch
+/// pinned on a node is that node's [`Evidence::Hang`]) and decides under `policy`. Records the
 /// suspicions in `history`.
 pub(crate) fn decide(
     results: &[(usize, Evidence)],

@@ -217,8 +217,9 @@ pub(crate) fn clock(t: SystemTime) -> String {
     let secs = t
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs()) as libc::time_t;
-    // SAFETY: localtime_r writes only into `tm`, a plain struct of ours.
+    // SAFETY: tm is a plain C struct, valid all zeroes.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    // SAFETY: localtime_r writes only into `tm`, a plain struct of ours.
     let ok = !unsafe { libc::localtime_r(&secs, &mut tm) }.is_null();
     match ok {
         true => format!("{:02}:{:02}:{:02}", tm.tm_hour, tm.tm_min, tm.tm_sec),

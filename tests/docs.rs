@@ -24,7 +24,7 @@ use std::process::{Command, Output};
 /// Why a documented command does not run in this test.
 #[derive(Debug, Clone, Copy)]
 enum Why {
-    /// Needs GPUs (NCCL preflight) or torch with the user's own `train.py`.
+    /// Needs GPUs (NCCL preflight), or torch (examples/train.py, or the user's own `train.py`).
     GpuOrTorch,
     /// Names hosts of a real cluster (gpu1, a hostfile `hosts`) reached over ssh.
     Cluster,
@@ -60,7 +60,7 @@ const NOT_RUN: &[(&str, Why)] = &[
         Why::System,
     ),
     ("nrun man > /usr/local/share/man/man1/nrun.1", Why::System),
-    ("nrun --nproc 8 train.py --lr 0.1", Why::GpuOrTorch),
+    ("nrun --nproc 8 examples/train.py --lr 0.1", Why::GpuOrTorch),
     ("nrun --nproc 8 train.py", Why::GpuOrTorch),
     (
         "nrun --nproc 8 --hang-timeout 120 --on-hang stop train.py",
@@ -136,9 +136,10 @@ const FOREIGN: &[(&str, &str)] = &[
     ("--release", "cargo build"),
     ("--test", "cargo test"),
     ("--fast", "scripts/test.sh"),
-    ("--lr", "train.py, the user's script"),
+    ("--lr", "examples/train.py, or the user's script"),
     ("--epochs", "train.py, the user's script"),
-    ("--steps", "train.py, the user's script"),
+    ("--steps", "examples/train.py, or the user's script"),
+    ("--batch", "examples/train.py"),
 ];
 
 /// What the docs say nrun refuses: (the phrase in the docs, the arguments, the exit code, a

@@ -95,6 +95,31 @@ fn the_effective_ratio_and_what_faults_cost() {
     );
 }
 
+/// The report page's "lost" per attempt follows the job's rule, and with the time between
+/// attempts adds up to the job's `lost_s` (it once counted the first attempt's start-up and
+/// left out the restart: 5.0 s + 3.0 s beside the job's 5.4 s).
+#[test]
+fn the_attempts_lost_add_up_to_the_jobs() {
+    let v = job().json(9999.0);
+    let a = v["attempts"].as_array().unwrap();
+    let lost = |i: usize| crate::report::html::attempt_lost(&a[i], i == 0);
+    // Attempt 0: detecting and stopping (its start-up is the job's own); attempt 1: its
+    // start-up after the restart.
+    assert!(close(lost(0), 0.5 + 1.5), "{}", lost(0));
+    assert!(close(lost(1), 3.0), "{}", lost(1));
+    let job = v["lost_s"].as_f64().unwrap();
+    // The restart, between the attempts, is the rest.
+    assert!(close(job - lost(0) - lost(1), 0.4), "{job}");
+    let page = crate::report::html::render(&json!({ "ledger": v }), "job.json");
+    assert!(
+        page.contains(
+            ">between attempts (restarting, waiting for nodes)</td><td class=\"n\">0.4 s<"
+        ),
+        "{page}"
+    );
+    assert!(page.contains("<td class=\"n\">5.4 s</td></tr>"), "{page}");
+}
+
 #[test]
 fn summaries_of_short_long_and_faultless_jobs() {
     let mut l = Ledger::default();

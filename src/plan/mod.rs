@@ -58,6 +58,15 @@ pub(crate) fn resolve(cli: Cli, env: Env<'_>) -> Result<Mode> {
         None => {
             let run_settings = RunSettings::resolve(&run, env)?;
             let nodes = NodesPlan::resolve(&run.nodes, &run_settings.shape, env)?;
+            // The nodes a job leaves out are appended at its end: a file that cannot take them
+            // is said now, not after the job.
+            run::check_outputs(&[(
+                "--exclude-file",
+                nodes.exclude_file.as_ref().map(|f| &f.path),
+            )])?;
+            if let Some(line) = workers::replaced_vars_line(env, &nodes.env) {
+                tracing::warn!("{line}");
+            }
             Ok(Mode::Run {
                 run: run_settings,
                 nodes,
@@ -124,6 +133,44 @@ mod tests {
             group_world_size: shape.nnodes,
         };
         p.workers.worker_env_at(&p.session.run_id, &place, w)
+    }
+
+    /// Every variable torchrun sets whatever the environment holds is named when it was set
+    /// for nrun; the list is the worker environment's own fixed part.
+    #[test]
+    fn torchrun_variables_set_for_nrun_are_named_as_replaced() {
+        let p = plan(&["--nproc", "2", "--no-python", "true"]).unwrap();
+        let slot = WorkerSlot {
+            local_rank: 1,
+            restart_count: 0,
+            master_addr: "127.0.0.1",
+            master_port: 29500,
+            error_file: std::path::Path::new("/e"),
+        };
+        // Those are set only where unset (torchrun's defaults) or asked for.
+        let fixed: Vec<String> = worker_env(&p, &slot)
+            .into_iter()
+            .map(|(k, _)| k)
+            .filter(|k| {
+                !matches!(
+                    k.as_str(),
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+                        | "OMP_NUM_THREADS"
+                        | "TORCHELASTIC_SIGNALS_TO_HANDLE"
+                )
+            })
+            .collect();
+        assert_eq!(fixed, workers::TORCHRUN_VARS);
+        let none = |_: &str| None;
+        assert_eq!(workers::replaced_vars_line(&none, &[]), None);
+        let env = |k: &str| matches!(k, "MASTER_PORT" | "RANK").then(|| "7".to_string());
+        let job = [("WORLD_SIZE".to_string(), "3".to_string())];
+        let line = workers::replaced_vars_line(&env, &job).unwrap();
+        assert!(
+            line.starts_with("RANK, WORLD_SIZE, MASTER_PORT set for nrun"),
+            "{line}"
+        );
+        assert!(line.contains("--master-addr/--master-port"), "{line}");
     }
 
     /// Hosts beyond --nnodes (or --spares K of them) are spares; a Slurm allocation of several

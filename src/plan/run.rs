@@ -166,6 +166,54 @@ fn writable(flag: &str, p: &std::path::Path) -> std::result::Result<(), String> 
     nrun_base::outputs::check(p, append).map_err(|e| e.to_string())
 }
 
+/// `--log-dir` must take the run's directory now (this host's; each node makes its own at
+/// the start): made where it does not exist, so the nearest part of the path that does must be
+/// a directory this user may write in. Not a job that starts and then cannot log.
+fn check_log_dir(d: &std::path::Path) -> Result<()> {
+    use nix::unistd::{AccessFlags, access};
+    let given = d.display();
+    let mut at = d;
+    let meta = loop {
+        match std::fs::metadata(at) {
+            Ok(m) => break m,
+            // Missing, or under a file: the parts above say which.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                ) =>
+            {
+                at = match at.parent() {
+                    Some(p) if p.as_os_str().is_empty() => std::path::Path::new("."),
+                    Some(p) => p,
+                    None => return Ok(()),
+                }
+            }
+            Err(e) => {
+                return Err(Error::usage(format!(
+                    "--log-dir {given}: cannot reach {}: {e}; give a directory you may write in",
+                    at.display()
+                )));
+            }
+        }
+    };
+    if !meta.is_dir() {
+        return Err(Error::usage(format!(
+            "--log-dir {given}: {} is not a directory; give a directory for the workers' logs",
+            at.display()
+        )));
+    }
+    access(at, AccessFlags::W_OK | AccessFlags::X_OK).map_err(|e| {
+        Error::usage(format!(
+            "--log-dir {given}: nrun cannot create the run's log directory in {} ({}, as uid \
+             {}); give a directory you may write in, or leave --log-dir out",
+            at.display(),
+            std::io::Error::from(e),
+            nix::unistd::geteuid()
+        ))
+    })
+}
+
 /// Whether nrun starts the nodes itself: a host list, or a scheduler's allocation of several
 /// nodes (Slurm's salloc or sbatch, not a step on every node; PBS, LSF, SGE), where `--nnodes N` without a rank or an address
 /// takes its nodes from the allocation, the rest of it being spares.
@@ -228,6 +276,7 @@ impl LogPlan {
             Some(d) => {
                 nrun_base::files::check_parent_dir(d)
                     .map_err(|e| Error::usage(format!("--log-dir: {e}")))?;
+                check_log_dir(d)?;
                 (Some(d.clone()), false)
             }
             None if wants_files => (Some(std::env::temp_dir()), true),

@@ -122,6 +122,55 @@ pub(crate) struct ConsolePlan {
     pub color: nrun_node::output::Color,
 }
 
+/// torchrun's variables that every worker gets from nrun whatever nrun was given: the
+/// fixed part of [`WorkersPlan::worker_env_at`].
+pub(crate) const TORCHRUN_VARS: [&str; 16] = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+];
+
+/// The one line that says which of [`TORCHRUN_VARS`] were set for nrun (its environment, `-x`,
+/// `.nrun_env`: `job`) and so replaced in every worker, as torchrun replaces them without a
+/// word; None where none was. A user who exported MASTER_PORT expects the workers to use it.
+pub(crate) fn replaced_vars_line(
+    env: &dyn Fn(&str) -> Option<String>,
+    job: &[(String, String)],
+) -> Option<String> {
+    let set: Vec<&str> = TORCHRUN_VARS
+        .into_iter()
+        .filter(|k| env(k).is_some() || job.iter().any(|(x, _)| x == k))
+        .collect();
+    if set.is_empty() {
+        return None;
+    }
+    let mut line = format!(
+        "{} set for nrun (its environment, -x or .nrun_env): each worker gets the job's own \
+         instead (its rank, the world size, the store nrun hosts), as torchrun sets them",
+        set.join(", ")
+    );
+    if set.iter().any(|k| k.starts_with("MASTER_")) {
+        line += "; to choose the store's address give --master-addr/--master-port";
+    }
+    if env("TORCHELASTIC_RUN_ID").is_some() {
+        line += "; TORCHELASTIC_RUN_ID is set: is nrun started inside another launcher's worker?";
+    }
+    Some(line)
+}
+
 impl WorkersPlan {
     /// The environment a worker gets on top of nrun's own, exactly as torchrun sets it.
     pub(crate) fn worker_env_at(

@@ -214,6 +214,19 @@ fn bisect_outcome(v: &Value) -> String {
     }
 }
 
+/// What faults cost inside attempt `a` of the ledger (`first`: the job's first), by the rule
+/// of the ledger's `lost_s` (`journal::Ledger::lost`): detecting, stopping, restarting and
+/// waiting, and the start-up of every worker group after the first.
+pub(crate) fn attempt_lost(a: &Value, first: bool) -> f64 {
+    let get = |p: &str| a["phases"][p].as_f64().unwrap_or(0.0);
+    let start_up = if first { 0.0 } else { get("starting") };
+    ["detecting", "stopping", "restarting", "waiting"]
+        .into_iter()
+        .map(get)
+        .sum::<f64>()
+        + start_up
+}
+
 /// The ledger: where the wall time went, in total and per attempt.
 fn ledger(v: &Value) -> String {
     let l = &v["ledger"];
@@ -251,9 +264,8 @@ fn ledger(v: &Value) -> String {
     );
     if let Some(attempts) = l["attempts"].as_array().filter(|a| !a.is_empty()) {
         s.push_str("<h3>Attempts</h3><table class=\"attempts\"><thead><tr><th>attempt</th><th>from</th><th>to</th><th>outcome</th><th>running</th><th>lost</th></tr></thead><tbody>\n");
-        for a in attempts.iter().take(TABLE_ROWS) {
+        for (i, a) in attempts.iter().enumerate().take(TABLE_ROWS) {
             let running = a["phases"]["running"].as_f64().unwrap_or(0.0);
-            let all: f64 = PHASES.iter().filter_map(|p| a["phases"][p].as_f64()).sum();
             let _ = writeln!(
                 s,
                 "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td><td class=\"n\">{running:.1} s</td><td class=\"n\">{:.1} s</td></tr>",
@@ -261,7 +273,27 @@ fn ledger(v: &Value) -> String {
                 esc(&secs_at(&a["start_s"])),
                 esc(&secs_at(&a["end_s"])),
                 esc(&text(&a["outcome"])),
-                (all - running).max(0.0),
+                attempt_lost(a, i == 0),
+            );
+        }
+        // The rows add up to the job's lost time: what no attempt holds (restarting and
+        // waiting for nodes between them) has a row of its own.
+        if let Some(job) = l["lost_s"].as_f64() {
+            let within: f64 = attempts
+                .iter()
+                .enumerate()
+                .map(|(i, a)| attempt_lost(a, i == 0))
+                .sum();
+            let between = job - within;
+            if between >= 0.05 {
+                let _ = writeln!(
+                    s,
+                    "<tr><td colspan=\"5\">between attempts (restarting, waiting for nodes)</td><td class=\"n\">{between:.1} s</td></tr>"
+                );
+            }
+            let _ = writeln!(
+                s,
+                "<tr class=\"total\"><td colspan=\"5\">lost in all (the first attempt's start-up is the job's own cost, not lost)</td><td class=\"n\">{job:.1} s</td></tr>"
             );
         }
         s.push_str("</tbody></table>\n");

@@ -340,7 +340,12 @@ type Logs = (Option<std::fs::File>, Option<std::fs::File>);
 /// files, as torchrun's run directory is private): one planted by another user is refused,
 /// named.
 fn open_logs(dir: &std::path::Path) -> Result<Logs> {
-    let fail = |e: std::io::Error| Error::internal(format!("log directory: {e}"));
+    let fail = |e: std::io::Error| {
+        Error::internal(format!(
+            "worker log directory (--log-dir, or $TMPDIR for --redirects/--tee without it): \
+             {e}; check that it is writable on this node"
+        ))
+    };
     nrun_base::files::make_private_dirs(dir).map_err(fail)?;
     let open = |name: &str| nrun_base::outputs::create_private(&dir.join(name)).map_err(fail);
     Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))

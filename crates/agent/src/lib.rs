@@ -11,8 +11,11 @@
 //!    publishes a [`Joined`] record with its facts and a nonce chosen for this join;
 //! 2. it then executes numbered [`Step`]s (a reachability probe, a group of workers, the end),
 //!    each sealed for that nonce, and publishes a [`StepResult`] for each;
-//! 3. a `stop/<step>` key stops a running group politely; its stdin closing (ssh dropped, the
-//!    launcher killed) or the store connection failing stops it within 2 s. Nothing the agent
+//! 3. while a group runs, the agent waits on the step's numbered [`Control`] keys
+//!    ([`Keys::control`]): a stop (polite, or the signal the user sent nrun), a signal to pass
+//!    on, or the launcher's terminal resized. Its stdin closing (ssh dropped, the launcher
+//!    killed), the store unanswered for `--agent-timeout` ([`liveness`]) or the store
+//!    connection failing stops the workers at once (SIGKILL within 2 s). Nothing the agent
 //!    started outlives it.
 //!
 //! An inner agent of the launch tree ([`tree`]) also starts the agents of its subtree over ssh

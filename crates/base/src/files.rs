@@ -9,7 +9,7 @@
 //! - [`read_bounded`]: the one way nrun reads a file a person or another program names
 //!   (hostfiles, `.nrun_env`, exclude files, error files, dumps): a regular file only, opened
 //!   without blocking and judged by what was opened, at most a given size.
-//! - [`open_own`]: a file a worker wrote, trusted only if this user owns it and nobody else may
+//! - [`read_own`]: a file a worker wrote, trusted only if this user owns it and nobody else may
 //!   write it (opened without following a symlink, checked on the open file).
 //!
 //! The files nrun writes where a person said are [`crate::outputs`]'s.
@@ -161,7 +161,7 @@ pub enum ReadError {
     /// What it is instead of a regular file.
     NotRegular(&'static str),
     TooBig(u64),
-    /// Refused by [`open_own`]: whose it is or who may write it.
+    /// Refused by [`read_own`]: whose it is or who may write it.
     NotOwn(String),
 }
 

@@ -200,8 +200,8 @@ fn parse_file_mode(s: &str) -> std::result::Result<u32, String> {
 /// `nrun [OPTIONS] TARGET [ARGS]...`: the job, with its preflight, on one node or many.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
-    /// Print a completion script for SHELL (bash, zsh, fish) and exit (torchrun's flag; same as
-    /// `nrun completions SHELL`).
+    /// Print a completion script for SHELL (bash, zsh, fish, elvish or powershell) and exit
+    /// (torchrun's flag; same as `nrun completions SHELL`).
     #[arg(
         long = "print-completion",
         alias = "print_completion",
@@ -1383,6 +1383,33 @@ pub fn apply_pet_env() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every shell clap_complete writes for is named where a shell is asked for (the help of
+    /// `--print-completion` and of `nrun completions`, and the refusal of another).
+    #[test]
+    fn every_completion_shell_is_named() {
+        use clap::ValueEnum;
+        let mut cmd = Cli::command();
+        let flag = cmd
+            .get_arguments()
+            .find(|a| a.get_id() == "print_completion")
+            .and_then(|a| a.get_long_help().or(a.get_help()))
+            .map(|h| h.to_string())
+            .unwrap();
+        let sub = cmd
+            .find_subcommand_mut("completions")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        for sh in clap_complete::Shell::value_variants() {
+            let name = sh.to_possible_value().unwrap().get_name().to_string();
+            assert!(
+                flag.contains(&name),
+                "--print-completion's help lacks {name}: {flag}"
+            );
+            assert!(sub.contains(&name), "completions' help lacks {name}: {sub}");
+        }
+    }
 
     #[test]
     fn definitions_are_consistent() {

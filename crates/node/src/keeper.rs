@@ -368,6 +368,7 @@ fn keep(child: Pid, set: &SigSet, watch: Option<(std::os::fd::OwnedFd, Pid)>) ->
     super::process::become_subreaper();
     let mut status = None;
     while status.is_none() {
+        // SAFETY: siginfo_t is a plain C struct for which all zeroes is a valid value.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
         // SAFETY: waits for one of the blocked signals in `set`.
         let sig = unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) };

@@ -82,9 +82,10 @@ impl Tty {
     /// The size of the terminal `fd` is (either side).
     pub(crate) fn of(fd: impl std::os::fd::AsFd) -> Option<Tty> {
         use std::os::fd::AsRawFd as _;
-        // SAFETY: TIOCGWINSZ fills a local plain struct from a descriptor the caller holds.
+        // SAFETY: winsize is a plain C struct, valid all zeroes.
         let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
         let fd = fd.as_fd().as_raw_fd();
+        // SAFETY: TIOCGWINSZ fills a local plain struct from a descriptor the caller holds.
         (unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) } == 0).then_some(Tty {
             cols: ws.ws_col,
             rows: ws.ws_row,

@@ -121,6 +121,7 @@ pub(crate) fn spawn(spec: &Spec) -> io::Result<Spawned> {
         // SAFETY: cpu_set_t is plain bits; CPU_SET ignores indexes past CPU_SETSIZE.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
         for c in cpus {
+            // SAFETY: as above: sets one bit of a local set.
             unsafe { libc::CPU_SET(*c, &mut set) };
         }
         set
@@ -329,6 +330,7 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: the two descriptors pipe2 just made, owned by nothing else.
     let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     Ok((high(r)?, high(w)?))
 }
@@ -344,6 +346,7 @@ fn high(fd: OwnedFd) -> io::Result<OwnedFd> {
     if new < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: the descriptor fcntl just made, owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(new) })
 }
 
@@ -352,6 +355,7 @@ pub(crate) async fn wait(pid: libc::pid_t) -> io::Result<ExitStatus> {
     // SAFETY: pidfd_open takes a pid and flags; a descriptor it returns is owned at once.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd >= 0 {
+        // SAFETY: the descriptor pidfd_open just returned, owned by nothing else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
         // SAFETY: the AsyncFd owns the descriptor, which stays open and the same until dropped.
         let fd = unsafe {

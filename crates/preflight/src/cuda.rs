@@ -39,8 +39,8 @@ pub(crate) fn driver_present() -> bool {
 /// The driver's CUDA version as (major, minor), e.g. (13, 0).
 pub(crate) fn driver_version() -> Result<(i32, i32), CudaError> {
     let mut v = 0;
-    // SAFETY: writes one int.
     check(
+        // SAFETY: writes one int.
         unsafe { sys::cuDriverGetVersion(&mut v) },
         "cuDriverGetVersion",
     )?;
@@ -96,8 +96,8 @@ impl Gpu {
 
     pub(crate) fn alloc(&self, bytes: usize) -> Result<DeviceBuf, CudaError> {
         let mut p = 0;
-        // SAFETY: writes the device pointer.
         check(
+            // SAFETY: writes the device pointer.
             unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(4)) },
             "cuMemAlloc",
         )?;
@@ -108,8 +108,8 @@ impl Gpu {
     pub(crate) fn alloc_host(&self, floats: usize) -> Result<HostBuf, CudaError> {
         let mut p = std::ptr::null_mut();
         let bytes = floats.max(1) * 4;
-        // SAFETY: writes the host pointer.
         check(
+            // SAFETY: writes the host pointer.
             unsafe { sys::cuMemAllocHost_v2(&mut p, bytes) },
             "cuMemAllocHost",
         )?;

@@ -2,8 +2,10 @@
 //!
 //! A preflight that loads another NCCL than the job proves little, and loaders that dlopen fixed
 //! names ("libnccl.so") silently pick the system's copy over the one PyTorch bundles. So nrun
-//! resolves a path first ([`resolve`]) and opens exactly that file. The ~12 functions used are
-//! bound by hand: NCCL's C API is small and stable, and this keeps nrun free of CUDA headers.
+//! resolves a path first ([`candidates`], in the order the job's loader would look; the
+//! launcher picks one and hands it to the ranks as `Settings::nccl_lib`) and opens exactly
+//! that file. The 9 functions used are bound by hand: NCCL's C API is small and stable, and
+//! this keeps nrun free of CUDA headers.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
@@ -186,10 +188,12 @@ impl Nccl {
             comm_abort: sym!(b"ncclCommAbort\0", FnComm),
             get_error_string: sym!(b"ncclGetErrorString\0", FnGetErrorString),
             // ncclGetLastError arrived in 2.13; treat it as optional all the same.
+            // SAFETY: where present, the symbol has this C signature.
             get_last_error: unsafe { lib.get::<FnGetLastError>(b"ncclGetLastError\0") }
                 .ok()
                 .map(|s| *s),
             // ncclCommSplit arrived in 2.18.
+            // SAFETY: where present (>= 2.18), the symbol has this C signature.
             comm_split: unsafe { lib.get::<FnCommSplit>(b"ncclCommSplit\0") }
                 .ok()
                 .map(|s| *s),
@@ -303,6 +307,8 @@ impl Nccl {
         comm: Comm,
         stream: *mut c_void,
     ) -> NcclResult {
+        // SAFETY: the caller upholds the buffers' and stream's contract above; `comm` came
+        // from init.
         unsafe {
             (self.all_reduce)(
                 send as *const c_void,

@@ -2,8 +2,9 @@
 //!
 //! Everything goes through the coordinator's store, in nrun's authenticated key space
 //! (`nrun/<run>/...`), so there is one port, one protocol and one client. The coordinator
-//! writes a node's numbered [`Step`]s; the agent answers each with a [`StepResult`]; a stop key
-//! asks every node to stop the step's workers. [`Keys`] spells the agents' keys (the preflight's
+//! writes a node's numbered [`Step`]s; the agent answers each with a [`StepResult`]; a step's
+//! numbered [`Control`] keys ask every node to stop its workers, pass a signal on, or resize
+//! their terminals. [`Keys`] spells the agents' keys (the preflight's
 //! ranks spell theirs in `preflight::Settings`); the coordinator reads and writes them through
 //! `session::link::Bus`.
 

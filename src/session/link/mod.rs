@@ -312,7 +312,7 @@ pub(crate) struct Bus {
     pub(super) nudges: Arc<Nudges>,
     /// The step whose controls were last written, and how many (see [`Keys::control`]).
     pub(super) controls: std::sync::Mutex<(usize, usize)>,
-    /// How long a node's heartbeat (every half second, [`crate::agent::liveness`]) may be still
+    /// How long a node's heartbeat (every half second, `agent::liveness`) may be still
     /// before the node is lost: half of --agent-timeout, at least [`MIN_SILENCE`] (2.5 s by
     /// default: five beats missed), so that this host calls a cut-off node lost (and a spare
     /// may take its place) before that node's agent stops its workers by itself, unless the
