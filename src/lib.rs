@@ -1,11 +1,14 @@
 //! nrun: a launcher for distributed PyTorch/NCCL jobs; the top crate of the workspace (plan,
-//! session and links, agent, watch, fault model, commands, the binary's entry).
+//! session and links, watch, fault model, commands, the binary's entry).
 //!
 //! The crates below it, each a layer that knows nothing of those above (docs/architecture.md):
 //! `nrun-base` (errors and exit codes, host names, private files), `nrun-store` (the TCPStore
 //! codec, server, client, the run's secret), `nrun-preflight` (NCCL/CUDA, the all-reduce
 //! worker, findings), `nrun-node` (one node's worker group: spawning, supervision, output, the
-//! keeper and the spawner), `nrun-cli` (clap definitions only).
+//! keeper and the spawner), `nrun-proto` (what the launcher and the agents say: `protocol`,
+//! `facts`, `remote`, re-exported here under those names), `nrun-agent` (the per-node side,
+//! `nrun __agent`, re-exported as `agent`: it cannot name plan, session or commands),
+//! `nrun-cli` (clap definitions only).
 //!
 //! Map of this crate, lowest layer first; a module uses only those before it (no cycle).
 //! A run flows one way: the command line becomes a [`plan::Mode`]; a [`session::Session`]
@@ -14,13 +17,11 @@
 //! - [`progress`]: bars on a terminal, plain lines elsewhere, and "still waiting" lines, for
 //!   every long step.
 //! - [`hosts`]: host lists: hostfile formats, Slurm hostlists, include/exclude, rank layout.
-//! - [`facts`]: what a node reports about itself (GPUs, interfaces, NCCL, torch), compared.
-//! - [`protocol`]: the messages and store keys between the launch host, agents and ranks.
-//! - [`remote`]: ssh and srun command lines (pure). [`report`]: how a job ended, the failure
+//! - `facts`, `protocol`, `remote` (from `nrun-proto`). [`report`]: how a job ended, the failure
 //!   summary, JSON reports, log format. [`fault`]: the fault model: a failed attempt's
 //!   evidence per node, the verdict (the program's, a node suspected, at fault or lost) and the
 //!   action (restart, spare, shrink, stop).
-//! - [`agent`]: the per-node side: the one step dispatcher ([`agent::exec::dispatch`], also the
+//! - `agent` (from `nrun-agent`): the per-node side: the one step dispatcher (also the
 //!   in-process node's), sampling the workers' Python stacks, and the `nrun __agent` process.
 //! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank
 //!   is missing from the collective the others wait in), stragglers, a failure's likely cause.
