@@ -946,18 +946,18 @@ fn failed_events(s: &mut Session, results: &[Option<StepResult>]) {
         let Some(StepResult::Run(r)) = r else {
             continue;
         };
-        let (rank, how, code) = match r {
-            RunResult::Failed(f) => (Some(f.rank), f.how.clone(), Some(f.exit_code)),
-            RunResult::SpawnError(e) => (None, format!("could not start: {e}"), None),
-            RunResult::TimedOut => (None, "timed out".to_string(), None),
-            RunResult::Lost(why) => (None, format!("lost: {why}"), None),
+        let (rank, how, code, signal) = match r {
+            RunResult::Failed(f) => (
+                Some(f.rank),
+                f.how.to_string(),
+                Some(f.exit_code),
+                f.how.signal_name(),
+            ),
+            RunResult::SpawnError(e) => (None, format!("could not start: {e}"), None, None),
+            RunResult::TimedOut => (None, "timed out".to_string(), None, None),
+            RunResult::Lost(why) => (None, format!("lost: {why}"), None, None),
             _ => continue,
         };
-        // Said by `Exit::describe` as "was killed by SIGNAME" (what follows it is evidence,
-        // which may name other signals).
-        let signal = how
-            .strip_prefix("was killed by ")
-            .and_then(|rest| rest.split_whitespace().next());
         let host = s.nodes[i].label.clone();
         let e = Event::new("worker_failed", format!("{host}: {how}"))
             .node(i, &host)
