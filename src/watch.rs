@@ -49,6 +49,9 @@ pub(crate) struct RankState {
     pub pid: u32,
     /// "waiting in all_reduce", "in Python code", "exited with code 0", "unknown".
     pub state: String,
+    /// The collective it waits in, where it waits in one (what `state` says in words).
+    #[serde(skip)]
+    pub waiting_in: Option<String>,
     /// Innermost first, "name (file:line): code".
     pub frames: Vec<String>,
 }
@@ -250,6 +253,10 @@ fn rank_states(ranks: &[Seen<'_>]) -> Vec<RankState> {
                 (None, Some(op), _) => format!("waiting in {op}"),
                 (None, None, Some(e)) if s.view.frames.is_empty() => format!("unknown: {e}"),
                 (None, None, _) => "in Python code".into(),
+            },
+            waiting_in: match &s.view.exited {
+                Some(_) => None,
+                None => waits_in(s.view),
             },
             frames: s.view.frames.iter().map(frame_text).collect(),
         })

@@ -8,7 +8,10 @@
 //! ([`metrics`]: `--metrics-file`, `--metrics-port`) and the one summary line at the job's end.
 //! The journal decides nothing: it only records what the session and the job command did.
 
+mod event;
 pub(crate) mod metrics;
+
+pub(crate) use event::{Event, Seen};
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -374,43 +377,31 @@ impl Ledger {
     }
 }
 
-/// One event, before the journal stamps it.
-pub(crate) struct Event {
-    name: &'static str,
-    message: String,
-    node: Option<(usize, String)>,
-    rank: Option<usize>,
-    meta: Value,
-    source: &'static str,
+/// An event as the journal recorded it: when, in which attempt.
+struct Stamped {
+    event: Event,
+    /// Seconds since nrun started.
+    t: f64,
+    attempt: Option<u32>,
 }
 
-impl Event {
-    pub(crate) fn new(name: &'static str, message: impl Into<String>) -> Event {
-        Event {
-            name,
-            message: message.into(),
-            node: None,
-            rank: None,
-            meta: json!({}),
-            source: "AGENT",
-        }
-    }
-
-    pub(crate) fn node(mut self, i: usize, host: &str) -> Event {
-        self.node = Some((i, host.to_string()));
-        self
-    }
-
-    /// A rank's event (torchelastic's source WORKER).
-    pub(crate) fn rank(mut self, r: usize) -> Event {
-        self.rank = Some(r);
-        self.source = "WORKER";
-        self
-    }
-
-    pub(crate) fn meta(mut self, m: Value) -> Event {
-        self.meta = m;
-        self
+impl Stamped {
+    /// The event's line of `--events` (an element of `--report`'s `events`).
+    fn json(&self, run_id: &str) -> Value {
+        let (name, metadata) = self.event.name_and_metadata(run_id);
+        let node = self.event.node();
+        json!({
+            "name": name,
+            "source": self.event.source(),
+            "timestamp": start().1 + (self.t * 1000.0) as u64,
+            "t": round3(self.t),
+            "attempt": self.attempt,
+            "node": node.map(|n| n.0),
+            "host": node.map(|n| n.1),
+            "rank": self.event.rank(),
+            "message": self.event.message(),
+            "metadata": metadata,
+        })
     }
 }
 
@@ -425,7 +416,7 @@ struct Told {
 pub(crate) struct Journal {
     run_id: String,
     ledger: Arc<Mutex<Ledger>>,
-    events: Vec<Value>,
+    events: Vec<Stamped>,
     /// `--events`: the file and its path (for the warning when a write fails).
     sink: Option<(PathBuf, nrun_base::outputs::OutFile)>,
     metrics: Option<metrics::Exporter>,
@@ -471,12 +462,16 @@ impl Journal {
             self.metrics = Some(m);
         }
         // The events recorded before (the session's start) go out first, in order.
-        for v in &self.events {
-            if let (Some(m), Some(name)) = (&self.metrics, v["name"].as_str()) {
-                m.event(name, &v["metadata"]);
+        if let Some(m) = &self.metrics {
+            for e in &self.events {
+                m.event(&e.event);
             }
         }
-        let earlier: Vec<String> = self.events.iter().map(Value::to_string).collect();
+        let earlier: Vec<String> = self
+            .events
+            .iter()
+            .map(|e| e.json(&self.run_id).to_string())
+            .collect();
         for line in earlier {
             self.write_line(line);
         }
@@ -503,11 +498,7 @@ impl Journal {
     pub(crate) fn enter(&mut self, p: Phase) {
         let now = now_s();
         if self.lock().enter(p, now) {
-            self.stamp(
-                Event::new("phase", format!("entering {}", p.key()))
-                    .meta(json!({"phase": p.key()})),
-                now,
-            );
+            self.stamp(Event::Phase { phase: p }, now);
             if let Some(m) = &self.metrics {
                 m.phase(p.key());
             }
@@ -519,30 +510,19 @@ impl Journal {
         self.stamp(e, now_s());
     }
 
-    fn stamp(&mut self, e: Event, t: f64) {
-        let mut meta = e.meta;
-        if let Some(m) = meta.as_object_mut() {
-            m.insert("run_id".into(), json!(self.run_id));
-        }
+    fn stamp(&mut self, event: Event, t: f64) {
         if let Some(m) = &self.metrics {
-            m.event(e.name, &meta);
+            m.event(&event);
         }
-        let v = json!({
-            "name": e.name,
-            "source": e.source,
-            "timestamp": start().1 + (t * 1000.0) as u64,
-            "t": round3(t),
-            "attempt": self.attempt,
-            "node": e.node.as_ref().map(|n| n.0),
-            "host": e.node.as_ref().map(|n| n.1.clone()),
-            "rank": e.rank,
-            "message": e.message,
-            "metadata": meta,
-        });
+        let e = Stamped {
+            event,
+            t,
+            attempt: self.attempt,
+        };
         if self.sink.is_some() {
-            self.write_line(v.to_string());
+            self.write_line(e.json(&self.run_id).to_string());
         }
-        self.events.push(v);
+        self.events.push(e);
     }
 
     /// One line to `--events`: one write, unbuffered, so `tail -f` sees it at once.
@@ -570,15 +550,17 @@ impl Journal {
             m.phase(Phase::Starting.key());
         }
         self.stamp(
-            Event::new("phase", "entering starting").meta(json!({"phase": "starting"})),
+            Event::Phase {
+                phase: Phase::Starting,
+            },
             now,
         );
         self.stamp(
-            Event::new(
-                "attempt_start",
-                format!("worker group {attempt} starts ({world} workers)"),
-            )
-            .meta(json!({"world_size": world, "nodes": hosts})),
+            Event::AttemptStart {
+                attempt,
+                world_size: world,
+                nodes: hosts,
+            },
             now,
         );
     }
@@ -587,21 +569,14 @@ impl Journal {
     pub(crate) fn attempt_end(&mut self, outcome: &'static str, exit_code: u8) {
         let now = now_s();
         self.lock().end_attempt(outcome, now);
-        self.stamp(
-            Event::new("attempt_end", format!("worker group ended: {outcome}"))
-                .meta(json!({"outcome": outcome, "exit_code": exit_code})),
-            now,
-        );
+        self.stamp(Event::AttemptEnd { outcome, exit_code }, now);
     }
 
     /// A restart was decided: the `restart` event, and the ledger's count.
     pub(crate) fn restart(&mut self, restart_count: u32) {
         self.lock().restarts = restart_count;
         self.enter(Phase::Restarting);
-        self.emit(
-            Event::new("restart", format!("restart {restart_count}"))
-                .meta(json!({"restart_count": restart_count})),
-        );
+        self.emit(Event::Restart { restart_count });
     }
 
     /// Looked at from the step's wait (often): the first output line or sign of progress moves
@@ -627,23 +602,18 @@ impl Journal {
             let at = output.map_or(now, |ms| {
                 (ms.saturating_sub(start().1) as f64 / 1e3).min(now)
             });
-            let how = match output {
-                Some(_) => "output",
-                None => "progress",
+            let seen = match output {
+                Some(_) => Seen::Output,
+                None => Seen::Progress,
             };
             if self.lock().progress(at) {
                 self.stamp(
-                    Event::new("phase", "entering running").meta(json!({"phase": "running"})),
+                    Event::Phase {
+                        phase: Phase::Running,
+                    },
                     at,
                 );
-                self.stamp(
-                    Event::new(
-                        "first_progress",
-                        format!("first {how} seen from the workers"),
-                    )
-                    .meta(json!({"seen": how})),
-                    at,
-                );
+                self.stamp(Event::FirstProgress { seen }, at);
                 if let Some(m) = &self.metrics {
                     m.phase(Phase::Running.key());
                 }
@@ -654,44 +624,11 @@ impl Journal {
     /// The watch's hangs and stragglers not told yet; per-rank figures for the metrics.
     fn watch_findings(&mut self, w: &WatchState, hosts: &[String]) {
         for d in w.hangs.iter().skip(self.told.hangs) {
-            let waiting: Vec<usize> = d
-                .ranks
-                .iter()
-                .filter(|r| r.state.starts_with("waiting in"))
-                .map(|r| r.rank)
-                .collect();
-            let waiting_in = d
-                .ranks
-                .iter()
-                .find_map(|r| r.state.strip_prefix("waiting in ").map(str::to_string));
-            let e = Event::new("hang", d.conclusion.clone()).meta(json!({
-                "culprit_rank": d.culprits.first(),
-                "culprits": d.culprits,
-                "waiting_in": waiting_in,
-                "ranks_waiting": waiting,
-                "stalled_s": d.stalled_s,
-                "kind": d.kind,
-            }));
-            let e = match d.culprits.first() {
-                Some(r) => e.rank(*r),
-                None => e,
-            };
-            self.emit(e);
+            self.emit(Event::hang(d));
         }
         self.told.hangs = w.hangs.len();
-        for s in w.stragglers.iter().skip(self.told.stragglers) {
-            self.emit(
-                Event::new(
-                    "straggler",
-                    format!("rank {} on {} is a straggler", s.rank, s.host),
-                )
-                .rank(s.rank)
-                .meta(json!({
-                    "wait_share": s.waited_pct / 100.0,
-                    "median_wait_share": s.median_pct / 100.0,
-                    "host": s.host,
-                })),
-            );
+        for st in w.stragglers.iter().skip(self.told.stragglers) {
+            self.emit(Event::straggler(st));
         }
         self.told.stragglers = w.stragglers.len();
         if let Some(m) = &self.metrics
@@ -723,7 +660,9 @@ impl Journal {
         drop(l);
         if entered {
             self.stamp(
-                Event::new("phase", "entering detecting").meta(json!({"phase": "detecting"})),
+                Event::Phase {
+                    phase: Phase::Detecting,
+                },
                 now,
             );
             if let Some(m) = &self.metrics {
@@ -759,22 +698,22 @@ impl Journal {
         };
         self.attempt = None;
         self.stamp(
-            Event::new("job_end", format!("nrun: {summary}")).meta(json!({
-                "exit_code": code,
-                "outcome": outcome,
-                "summary": summary,
-            })),
+            Event::JobEnd {
+                exit_code: code,
+                outcome: outcome.to_string(),
+                summary: summary.clone(),
+            },
             now,
         );
         if let Some(m) = self.metrics.take() {
             m.finish(outcome, code);
         }
         let ledger = self.lock().json(now);
-        (
-            ledger,
-            Value::Array(std::mem::take(&mut self.events)),
-            summary,
-        )
+        let events = std::mem::take(&mut self.events)
+            .iter()
+            .map(|e| e.json(&self.run_id))
+            .collect();
+        (ledger, Value::Array(events), summary)
     }
 }
 

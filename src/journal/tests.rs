@@ -182,17 +182,23 @@ fn a_hangs_stall_is_charged_to_detecting() {
 fn the_metrics_parse_as_openmetrics_with_the_ledgers_seconds() {
     // No file, no port: nothing runs in the background, so no runtime is needed.
     let m = metrics::Exporter::start(Arc::new(Mutex::new(job())), None, None);
-    m.event("attempt_start", &json!({}));
-    m.event("restart", &json!({}));
+    m.event(&Event::AttemptStart {
+        attempt: 0,
+        world_size: 2,
+        nodes: vec!["a".into()],
+    });
+    m.event(&Event::Restart { restart_count: 1 });
     // No line rate known: none said (not a line rate of 0).
     assert!(
         !m.text()
             .contains("nrun_preflight_line_rate_bytes_per_second ")
     );
-    m.event(
-        "preflight_size",
-        &json!({"bytes": 1048576, "busbw_gbs": 12.5, "line_rate_gbs": 25.0}),
-    );
+    m.event(&Event::PreflightSize {
+        bytes: Some(1048576),
+        busbw_gbs: Some(12.5),
+        algbw_gbs: None,
+        line_rate_gbs: Some(25.0),
+    });
     let text = m.text();
     assert!(text.ends_with("# EOF\n"), "{text}");
     for want in [
@@ -302,7 +308,14 @@ fn cost() {
     let n = 20_000;
     let t = Instant::now();
     for i in 0..n {
-        j.emit(Event::new("node_joined", format!("node{i} joined")).node(0, "node0"));
+        j.emit(Event::NodeJoined {
+            node: 0,
+            host: format!("node{i}"),
+            gpus: 8,
+            nccl: None,
+            torch: None,
+            ifname: None,
+        });
     }
     let event = per(n, t);
     let (m, path) = (j.metrics.as_ref().unwrap(), dir.path().join("m2.prom"));
