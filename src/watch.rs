@@ -773,6 +773,8 @@ pub(crate) struct WatchState {
     /// views on the way), for at most twice the hang timeout.
     world: usize,
     step_started: Instant,
+    /// The findings not yet taken by the journal ([`WatchState::take_found`]).
+    found: Vec<Finding>,
     /// Every hang found, for the report.
     pub hangs: Vec<Diagnosis>,
     pub stragglers: Vec<Straggler>,
@@ -781,7 +783,24 @@ pub(crate) struct WatchState {
     pub stopped: bool,
 }
 
+/// A hang or a straggler the watch found, as it found it (the journal makes it an event).
+#[derive(Clone, Debug)]
+pub(crate) enum Finding {
+    Hang(Diagnosis),
+    Straggler(Straggler),
+}
+
 impl WatchState {
+    /// The findings since the last call, in the order found.
+    pub(crate) fn take_found(&mut self) -> Vec<Finding> {
+        std::mem::take(&mut self.found)
+    }
+
+    /// The findings not taken yet.
+    pub(crate) fn found(&self) -> &[Finding] {
+        &self.found
+    }
+
     pub(crate) fn new(plan: WatchPlan) -> WatchState {
         WatchState {
             plan,
@@ -796,6 +815,7 @@ impl WatchState {
             last_check: None,
             world: 0,
             step_started: Instant::now(),
+            found: Vec::new(),
             hangs: Vec::new(),
             stragglers: Vec::new(),
             mismatches: Vec::new(),
@@ -882,6 +902,7 @@ impl WatchState {
                 d.nccl_ras = ras_of(views, hosts, d.stalled_s);
                 eprint!("{}", hang_text(&d, self.plan.hang_timeout));
                 stop = self.plan.on_hang == OnHang::Stop && d.kind != Kind::AllBusy;
+                self.found.push(Finding::Hang(d.clone()));
                 self.hangs.push(d);
             }
         }
@@ -1014,6 +1035,7 @@ impl WatchState {
             s.median_pct,
             each.join(", ")
         );
+        self.found.push(Finding::Straggler(s.clone()));
         self.stragglers.push(s);
     }
 

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 
-use crate::watch::WatchState;
+use crate::watch::{Finding, WatchState};
 
 /// nrun's start (the ledger's zero), as an instant and in ms since the Unix epoch.
 static START: OnceLock<(Instant, u64)> = OnceLock::new();
@@ -405,13 +405,6 @@ impl Stamped {
     }
 }
 
-/// What the journal has already told of the watch's findings.
-#[derive(Default)]
-struct Told {
-    hangs: usize,
-    stragglers: usize,
-}
-
 /// The session's journal (see the module's doc).
 pub(crate) struct Journal {
     run_id: String,
@@ -421,7 +414,6 @@ pub(crate) struct Journal {
     sink: Option<(PathBuf, nrun_base::outputs::OutFile)>,
     metrics: Option<metrics::Exporter>,
     attempt: Option<u32>,
-    told: Told,
     /// When the metrics last took the watch's per-rank figures.
     ranks_at: Option<Instant>,
 }
@@ -436,7 +428,6 @@ impl Journal {
             sink: None,
             metrics: None,
             attempt: None,
-            told: Told::default(),
             ranks_at: None,
         }
     }
@@ -582,11 +573,11 @@ impl Journal {
     /// Looked at from the step's wait (often): the first output line or sign of progress moves
     /// the attempt from starting to running; the watch's new hangs and stragglers become events;
     /// the metrics get the per-rank figures (once a second).
-    pub(crate) fn tick(&mut self, watch: Option<&WatchState>, hosts: &[String]) {
-        if let Some(w) = watch {
+    pub(crate) fn tick(&mut self, mut watch: Option<&mut WatchState>, hosts: &[String]) {
+        if let Some(w) = watch.as_deref_mut() {
             self.watch_findings(w, hosts);
         }
-        self.see_progress(watch);
+        self.see_progress(watch.as_deref());
     }
 
     /// Starting -> running at the first output line or sign of progress.
@@ -621,16 +612,14 @@ impl Journal {
         }
     }
 
-    /// The watch's hangs and stragglers not told yet; per-rank figures for the metrics.
-    fn watch_findings(&mut self, w: &WatchState, hosts: &[String]) {
-        for d in w.hangs.iter().skip(self.told.hangs) {
-            self.emit(Event::hang(d));
+    /// The watch's new hangs and stragglers become events; per-rank figures for the metrics.
+    fn watch_findings(&mut self, w: &mut WatchState, hosts: &[String]) {
+        for f in w.take_found() {
+            self.emit(match &f {
+                Finding::Hang(d) => Event::hang(d),
+                Finding::Straggler(st) => Event::straggler(st),
+            });
         }
-        self.told.hangs = w.hangs.len();
-        for st in w.stragglers.iter().skip(self.told.stragglers) {
-            self.emit(Event::straggler(st));
-        }
-        self.told.stragglers = w.stragglers.len();
         if let Some(m) = &self.metrics
             && self
                 .ranks_at
@@ -674,8 +663,13 @@ impl Journal {
     /// The watch stops the job for a hang just found (or a collective mismatch): the stall
     /// before the hang was called was spent detecting it.
     pub(crate) fn hang_stops(&mut self, watch: Option<&WatchState>) {
-        let new = watch.and_then(|w| w.hangs.get(self.told.hangs..)?.last());
-        self.fault(new.map_or(0.0, |d| d.stalled_s));
+        let new = watch.and_then(|w| {
+            w.found().iter().rev().find_map(|f| match f {
+                Finding::Hang(d) => Some(d.stalled_s),
+                Finding::Straggler(_) => None,
+            })
+        });
+        self.fault(new.unwrap_or(0.0));
     }
 
     /// The worker group is being stopped (a fault, a signal, nodes arriving).
