@@ -25,7 +25,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::protocol::{RunResult, StepResult, WorkerFailure};
+use crate::protocol::{Ending, GpuSign, RunResult, StepResult, WorkerFailure};
 
 /// What one node's result of a failed attempt says about the node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -134,9 +134,16 @@ impl History {
 
 /// The evidence one node's result gives.
 pub(crate) fn evidence(r: Option<&StepResult>) -> Evidence {
+    evidence_worded(r, &|e| e.to_string())
+}
+
+/// [`evidence`], with a worker's ending said by `words`: the evidence's kind is read from the
+/// types alone (the ending, the GPU signs its node read), never from the words, which only
+/// go into the evidence's text for the console and the report.
+fn evidence_worded(r: Option<&StepResult>, words: &dyn Fn(&Ending) -> String) -> Evidence {
     match r {
         Some(StepResult::Run(RunResult::Lost(why))) => Evidence::Lost(why.clone()),
-        Some(StepResult::Run(RunResult::Failed(f))) => worker_evidence(f),
+        Some(StepResult::Run(RunResult::Failed(f))) => worker_evidence(f, words),
         Some(StepResult::Run(RunResult::SpawnError(e))) => {
             Evidence::Program(format!("its workers could not start: {e}"))
         }
@@ -147,57 +154,27 @@ pub(crate) fn evidence(r: Option<&StepResult>) -> Evidence {
     }
 }
 
-/// Signs in a worker's last words of a GPU or driver fault that no program causes.
-const HARD_GPU: [&str; 6] = [
-    "xid",
-    "uncorrectable ecc",
-    "ecc error",
-    "fallen off the bus",
-    "gpu is lost",
-    "nvml_error_gpu_is_lost",
-];
-
-/// Signs of a GPU error a program can cause as well as a sick GPU.
-const SOFT_GPU: [&str; 3] = [
-    "unhandled cuda error",
-    "unspecified launch failure",
-    "cudaerrordevicesunavailable",
-];
-
-fn worker_evidence(f: &WorkerFailure) -> Evidence {
-    let who = format!("rank {} {}", f.rank, f.how);
-    let text: Vec<String> = f
-        .stderr_tail
-        .iter()
-        .chain(f.traceback.iter())
-        .map(|l| l.to_lowercase())
-        .collect();
-    let find = |signs: &[&str]| {
-        signs.iter().find_map(|s| {
-            text.iter()
-                .find(|l| l.contains(s))
-                .map(|l| l.trim().to_string())
-        })
-    };
-    if let Some(line) = find(&HARD_GPU) {
-        return Evidence::HardGpu(format!("{who}: its output shows a GPU fault: {line}"));
+fn worker_evidence(f: &WorkerFailure, words: &dyn Fn(&Ending) -> String) -> Evidence {
+    let who = format!("rank {} {}", f.rank, words(&f.how));
+    match (f.gpu.as_deref(), &f.how) {
+        (Some(GpuSign::Hard(line)), _) => {
+            Evidence::HardGpu(format!("{who}: its output shows a GPU fault: {line}"))
+        }
+        // The node's agent names an OOM kill where it knows.
+        (_, Ending::OutOfMemory(_)) => Evidence::Killed(who),
+        (_, how) if how.by_the_system() => Evidence::Killed(format!(
+            "{who}: killed by the system (out of memory, a cgroup, or the node)"
+        )),
+        (Some(GpuSign::Soft(line)), _) => {
+            Evidence::SoftGpu(format!("{who}: its output shows a GPU error: {line}"))
+        }
+        _ => Evidence::Program(who),
     }
-    if f.how.contains("killed by SIGKILL") || f.how.contains("killed by SIGBUS") {
-        // The node's agent names an OOM kill in `how` where it knows.
-        return Evidence::Killed(match f.how.contains("out-of-memory") {
-            true => who,
-            false => format!("{who}: killed by the system (out of memory, a cgroup, or the node)"),
-        });
-    }
-    if let Some(line) = find(&SOFT_GPU) {
-        return Evidence::SoftGpu(format!("{who}: its output shows a GPU error: {line}"));
-    }
-    Evidence::Program(who)
 }
 
-/// Judges an attempt's results (one per node of the job, in node order; a hang the watch
-/// pinned on a node is that node's [`Evidence::Hang`]) and decides under `policy`. Records the
-/// suspicions in `history`.
+/// Judges an attempt's evidence (one per node of the job, in node order; a hang the watch
+/// pinned on one node's ranks comes as that node's [`Evidence::Hang`]) and decides under
+/// `policy`. Records the suspicions in `history`.
 pub(crate) fn decide(
     results: &[(usize, Evidence)],
     history: &mut History,
@@ -281,22 +258,39 @@ pub(crate) fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::Oom;
+    use nrun_node::Exit;
 
-    fn failure(rank: usize, how: &str, tail: &[&str]) -> Option<StepResult> {
-        Some(StepResult::Run(RunResult::Failed(WorkerFailure {
-            rank,
-            local_rank: 0,
-            pid: 1,
-            exit_code: 1,
-            how: how.into(),
-            at: String::new(),
-            stderr_tail: tail.iter().map(|s| s.to_string()).collect(),
-            traceback: None,
-            error_file: Default::default(),
-            left_early: Vec::new(),
-            error_json: None,
-            error_file_kept: false,
-        })))
+    fn failure(rank: usize, how: Ending, tail: &[&str]) -> Option<StepResult> {
+        Some(StepResult::Run(RunResult::Failed(
+            WorkerFailure {
+                rank,
+                local_rank: 0,
+                pid: 1,
+                exit_code: 1,
+                how,
+                gpu: None,
+                at: String::new(),
+                stderr_tail: tail.iter().map(|s| s.to_string()).collect(),
+                traceback: None,
+                error_file: Default::default(),
+                left_early: Vec::new(),
+                error_json: None,
+                error_file_kept: false,
+            }
+            .with_signs(),
+        )))
+    }
+
+    const EXIT1: Ending = Ending::Exit(Exit::Code(1));
+    const KILL: Ending = Ending::Exit(Exit::Signal(libc::SIGKILL));
+    const BUS: Ending = Ending::Exit(Exit::Signal(libc::SIGBUS));
+    const SEGV: Ending = Ending::Exit(Exit::Signal(libc::SIGSEGV));
+
+    fn oom() -> Ending {
+        Ending::OutOfMemory(Box::new(Oom::Kernel {
+            rss: "123456kB".into(),
+        }))
     }
 
     fn ev(rs: &[Option<StepResult>]) -> Vec<(usize, Evidence)> {
@@ -335,8 +329,8 @@ mod tests {
     #[test]
     fn the_programs_failure_restarts_in_place_and_leaves_nobody_out() {
         let r = [
-            failure(0, "exited with code 1", &["ValueError: bad"]),
-            failure(1, "exited with code 1", &["ValueError: bad"]),
+            failure(0, EXIT1, &["ValueError: bad"]),
+            failure(1, EXIT1, &["ValueError: bad"]),
         ];
         for p in [NO_SPARE, SPARE] {
             let d = decide(&ev(&r), &mut History::default(), p);
@@ -345,7 +339,7 @@ mod tests {
             assert!(d.judged.iter().all(|j| j.verdict == Verdict::Program));
         }
         // A segfault is a bug as often as not: the program's.
-        let r = [stopped(), failure(1, "was killed by SIGSEGV", &[])];
+        let r = [stopped(), failure(1, SEGV, &[])];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
         assert_eq!(d.judged[0].verdict, Verdict::Program);
         assert!(d.leave_out.is_empty());
@@ -357,7 +351,7 @@ mod tests {
     #[test]
     fn a_worker_killed_by_the_system_is_a_suspicion_restarted_in_place() {
         // On one node, with or without a spare: the group restarts in place (torchrun would).
-        let r = [stopped(), failure(1, "was killed by SIGKILL", &[])];
+        let r = [stopped(), failure(1, KILL, &[])];
         for p in [NO_SPARE, SPARE] {
             let mut h = History::default();
             let d = decide(&ev(&r), &mut h, p);
@@ -376,22 +370,18 @@ mod tests {
             }
         }
         // SIGBUS too; an OOM kill is named as such.
-        let oom = failure(
-            0,
-            "was killed by SIGKILL (killed by the kernel's out-of-memory killer)",
-            &[],
+        let d = decide(
+            &ev(&[failure(0, oom(), &[])]),
+            &mut History::default(),
+            NO_SPARE,
         );
-        let d = decide(&ev(&[oom]), &mut History::default(), NO_SPARE);
         assert_eq!(d.judged[0].verdict, Verdict::Suspect);
         assert!(d.judged[0].why.contains("out-of-memory"), "{d:?}");
-        let r = [failure(0, "was killed by SIGBUS", &[])];
+        let r = [failure(0, BUS, &[])];
         let d = decide(&ev(&r), &mut History::default(), NO_SPARE);
         assert_eq!(d.judged[0].verdict, Verdict::Suspect);
         // Killed on two nodes at once: the program's (it ate the memory everywhere).
-        let r = [
-            failure(0, "was killed by SIGKILL", &[]),
-            failure(1, "was killed by SIGKILL", &[]),
-        ];
+        let r = [failure(0, KILL, &[]), failure(1, KILL, &[])];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
         assert!(
             d.judged.iter().all(|j| j.verdict == Verdict::Program),
@@ -401,10 +391,7 @@ mod tests {
 
     #[test]
     fn a_lost_node_is_left_out_and_its_place_taken_or_the_job_stops_short() {
-        let r = [
-            failure(0, "exited with code 1", &["connection closed"]),
-            lost(),
-        ];
+        let r = [failure(0, EXIT1, &["connection closed"]), lost()];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
         assert_eq!(d.action, Action::Restart);
         assert_eq!(d.leave_out, [(1, "lost b: no heartbeat".to_string())]);
@@ -437,14 +424,10 @@ mod tests {
     #[test]
     fn a_gpu_fault_no_program_causes_is_node_level_at_once() {
         let r = [
-            failure(
-                0,
-                "exited with code 1",
-                &["RuntimeError: NCCL communicator was aborted"],
-            ),
+            failure(0, EXIT1, &["RuntimeError: NCCL communicator was aborted"]),
             failure(
                 1,
-                "exited with code 1",
+                EXIT1,
                 &["NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"],
             ),
         ];
@@ -463,7 +446,7 @@ mod tests {
             stopped(),
             failure(
                 1,
-                "exited with code 1",
+                EXIT1,
                 &["DistBackendError: NCCL error: unhandled cuda error"],
             ),
         ];
@@ -472,8 +455,8 @@ mod tests {
         assert!(d.leave_out.is_empty());
         // The same error on two nodes: the program's.
         let r = [
-            failure(0, "exited with code 1", &["unhandled cuda error"]),
-            failure(1, "exited with code 1", &["unhandled cuda error"]),
+            failure(0, EXIT1, &["unhandled cuda error"]),
+            failure(1, EXIT1, &["unhandled cuda error"]),
         ];
         let d = decide(&ev(&r), &mut History::default(), SPARE);
         assert!(
@@ -497,5 +480,56 @@ mod tests {
             (Verdict::Faulty, 1)
         );
         assert_eq!(h.times_suspected(0), 2);
+    }
+    /// No verdict depends on a message's words: every ending said in other words (the old
+    /// words of another ending among them, which the fault model once read) gives the same
+    /// table: each kind of ending's verdict, and the same sign on two nodes the program's.
+    #[test]
+    fn the_verdicts_hold_whatever_the_words() {
+        let hard = &["NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"][..];
+        let soft = &["DistBackendError: NCCL error: unhandled cuda error"][..];
+        let table: [(Option<StepResult>, Verdict); 9] = [
+            (failure(0, EXIT1, &[]), Verdict::Program),
+            (failure(0, SEGV, &[]), Verdict::Program),
+            (failure(0, KILL, &[]), Verdict::Suspect),
+            (failure(0, BUS, &[]), Verdict::Suspect),
+            (failure(0, oom(), &[]), Verdict::Suspect),
+            (failure(0, EXIT1, hard), Verdict::Faulty),
+            (failure(0, EXIT1, soft), Verdict::Suspect),
+            (failure(0, KILL, hard), Verdict::Faulty),
+            (lost(), Verdict::Lost),
+        ];
+        let wordings: [&dyn Fn(&Ending) -> String; 4] = [
+            &|e| e.to_string(),
+            &|e| format!("{e:?}").chars().rev().collect(),
+            &|_| "was killed by SIGKILL (killed by the kernel's out-of-memory killer)".into(),
+            &|_| "exited with code 0".into(),
+        ];
+        for words in wordings {
+            let ev = |rs: &[&Option<StepResult>]| -> Vec<(usize, Evidence)> {
+                rs.iter()
+                    .enumerate()
+                    .map(|(i, r)| (i, evidence_worded(r.as_ref(), words)))
+                    .collect()
+            };
+            for (r, want) in &table {
+                let d = decide(&ev(&[r]), &mut History::default(), SPARE);
+                let said = words(&match r {
+                    Some(StepResult::Run(RunResult::Failed(f))) => f.how.clone(),
+                    _ => EXIT1,
+                });
+                assert_eq!(d.judged[0].verdict, *want, "{r:?} said as {said:?}: {d:?}");
+                assert_eq!(d.action, Action::Restart);
+                let out = usize::from(matches!(want, Verdict::Faulty | Verdict::Lost));
+                assert_eq!(d.leave_out.len(), out, "{d:?}");
+            }
+            // A system kill on two nodes at once: the program's, in any words.
+            let two = [&table[2].0, &failure(1, KILL, &[])];
+            let d = decide(&ev(&two), &mut History::default(), SPARE);
+            assert!(
+                d.judged.iter().all(|j| j.verdict == Verdict::Program),
+                "{d:?}"
+            );
+        }
     }
 }

@@ -49,6 +49,9 @@ pub(crate) struct RankState {
     pub pid: u32,
     /// "waiting in all_reduce", "in Python code", "exited with code 0", "unknown".
     pub state: String,
+    /// The collective it waits in, where it waits in one (what `state` says in words).
+    #[serde(skip)]
+    pub waiting_in: Option<String>,
     /// Innermost first, "name (file:line): code".
     pub frames: Vec<String>,
 }
@@ -250,6 +253,10 @@ fn rank_states(ranks: &[Seen<'_>]) -> Vec<RankState> {
                 (None, Some(op), _) => format!("waiting in {op}"),
                 (None, None, Some(e)) if s.view.frames.is_empty() => format!("unknown: {e}"),
                 (None, None, _) => "in Python code".into(),
+            },
+            waiting_in: match &s.view.exited {
+                Some(_) => None,
+                None => waits_in(s.view),
             },
             frames: s.view.frames.iter().map(frame_text).collect(),
         })
@@ -766,6 +773,8 @@ pub(crate) struct WatchState {
     /// views on the way), for at most twice the hang timeout.
     world: usize,
     step_started: Instant,
+    /// The findings not yet taken by the journal ([`WatchState::take_found`]).
+    found: Vec<Finding>,
     /// Every hang found, for the report.
     pub hangs: Vec<Diagnosis>,
     pub stragglers: Vec<Straggler>,
@@ -774,7 +783,24 @@ pub(crate) struct WatchState {
     pub stopped: bool,
 }
 
+/// A hang or a straggler the watch found, as it found it (the journal makes it an event).
+#[derive(Clone, Debug)]
+pub(crate) enum Finding {
+    Hang(Diagnosis),
+    Straggler(Straggler),
+}
+
 impl WatchState {
+    /// The findings since the last call, in the order found.
+    pub(crate) fn take_found(&mut self) -> Vec<Finding> {
+        std::mem::take(&mut self.found)
+    }
+
+    /// The findings not taken yet.
+    pub(crate) fn found(&self) -> &[Finding] {
+        &self.found
+    }
+
     pub(crate) fn new(plan: WatchPlan) -> WatchState {
         WatchState {
             plan,
@@ -789,6 +815,7 @@ impl WatchState {
             last_check: None,
             world: 0,
             step_started: Instant::now(),
+            found: Vec::new(),
             hangs: Vec::new(),
             stragglers: Vec::new(),
             mismatches: Vec::new(),
@@ -875,6 +902,7 @@ impl WatchState {
                 d.nccl_ras = ras_of(views, hosts, d.stalled_s);
                 eprint!("{}", hang_text(&d, self.plan.hang_timeout));
                 stop = self.plan.on_hang == OnHang::Stop && d.kind != Kind::AllBusy;
+                self.found.push(Finding::Hang(d.clone()));
                 self.hangs.push(d);
             }
         }
@@ -1007,6 +1035,7 @@ impl WatchState {
             s.median_pct,
             each.join(", ")
         );
+        self.found.push(Finding::Straggler(s.clone()));
         self.stragglers.push(s);
     }
 

@@ -2,7 +2,6 @@
 //! worker group on every node until one succeeds or --max-restarts runs out.
 
 use super::preflight;
-use serde_json::json;
 
 use crate::fault;
 use crate::journal::{Event, Phase};
@@ -95,14 +94,13 @@ fn job_start(s: &mut Session, job: &RunSettings) {
         .collect();
     let command = command.join(" ");
     let (nnodes, world) = (s.plan.size, s.plan.world);
-    s.journal.emit(
-        Event::new("job_start", format!("job {} starts: {command}", s.run_id)).meta(json!({
-            "nnodes": nnodes,
-            "nproc": job.workers.nproc,
-            "world_size": world,
-            "command": command,
-        })),
-    );
+    s.journal.emit(Event::JobStart {
+        run_id: s.run_id.clone(),
+        nnodes,
+        nproc: job.workers.nproc,
+        world_size: world,
+        command,
+    });
 }
 
 /// What `--report` says about the job beside the preflight's findings.
@@ -558,19 +556,14 @@ fn tell(s: &mut Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
             "left_out": out,
             "action": action,
         }));
-        s.journal.emit(
-            Event::new(
-                "decision",
-                format!("{host}: {} -> {action}", j.verdict.as_str()),
-            )
-            .node(j.node, &host)
-            .meta(json!({
-                "verdict": j.verdict.as_str(),
-                "action": action,
-                "evidence": j.why,
-                "left_out": out,
-            })),
-        );
+        s.journal.emit(Event::Decision {
+            node: j.node,
+            host,
+            verdict: j.verdict.as_str(),
+            action,
+            evidence: j.why.clone(),
+            left_out: out,
+        });
     }
 }
 
@@ -884,25 +877,24 @@ fn stop_failed(
 
 /// A `node_joined` event for every node that joined, with its facts in brief.
 fn joined_events(s: &mut Session) {
-    let joined: Vec<(usize, String, serde_json::Value)> = s
+    let joined: Vec<Event> = s
         .joined()
         .map(|(i, n, j)| {
             let f = j.facts.as_ref();
-            let facts = json!({
-                "gpus": f.map_or(0, |f| f.gpus.len()),
-                "nccl": f.and_then(|f| f.nccl.first()).and_then(|l| l.version.clone()),
-                "torch": f.and_then(|f| f.torch.clone()),
-                "ifname": j.ifname,
-            });
-            (i, n.label.clone(), facts)
+            Event::NodeJoined {
+                node: i,
+                host: n.label.clone(),
+                gpus: f.map_or(0, |f| f.gpus.len()),
+                nccl: f
+                    .and_then(|f| f.nccl.first())
+                    .and_then(|l| l.version.clone()),
+                torch: f.and_then(|f| f.torch.clone()),
+                ifname: j.ifname.clone(),
+            }
         })
         .collect();
-    for (i, host, facts) in joined {
-        s.journal.emit(
-            Event::new("node_joined", format!("{host} joined"))
-                .node(i, &host)
-                .meta(facts),
-        );
+    for e in joined {
+        s.journal.emit(e);
     }
 }
 
@@ -916,27 +908,18 @@ fn preflight_events(s: &mut Session, ended: &preflight::Ended) {
         .unwrap_or_default();
     for row in rows {
         let o = &row["out_of_place"];
-        s.journal.emit(
-            Event::new(
-                "preflight_size",
-                format!("{} B: busbw {} GB/s", row["bytes"], o["busbw_gbs"]),
-            )
-            .meta(json!({
-                "bytes": row["bytes"],
-                "busbw_gbs": o["busbw_gbs"],
-                "algbw_gbs": o["algbw_gbs"],
-                "line_rate_gbs": line_rate,
-            })),
-        );
+        s.journal.emit(Event::PreflightSize {
+            bytes: row["bytes"].as_u64(),
+            busbw_gbs: o["busbw_gbs"].as_f64(),
+            algbw_gbs: o["algbw_gbs"].as_f64(),
+            line_rate_gbs: line_rate,
+        });
     }
     let verdict = r.and_then(|r| r["verdict"].as_str()).unwrap_or("none");
-    s.journal.emit(
-        Event::new(
-            "preflight_end",
-            format!("preflight: {verdict} (exit {})", ended.code),
-        )
-        .meta(json!({"exit_code": ended.code, "verdict": verdict})),
-    );
+    s.journal.emit(Event::PreflightEnd {
+        exit_code: ended.code,
+        verdict: verdict.to_string(),
+    });
 }
 
 /// A `worker_failed` event for each node's failure in an attempt's results.
@@ -946,25 +929,26 @@ fn failed_events(s: &mut Session, results: &[Option<StepResult>]) {
         let Some(StepResult::Run(r)) = r else {
             continue;
         };
-        let (rank, how, code) = match r {
-            RunResult::Failed(f) => (Some(f.rank), f.how.clone(), Some(f.exit_code)),
-            RunResult::SpawnError(e) => (None, format!("could not start: {e}"), None),
-            RunResult::TimedOut => (None, "timed out".to_string(), None),
-            RunResult::Lost(why) => (None, format!("lost: {why}"), None),
+        let (rank, how, exit_code, signal) = match r {
+            RunResult::Failed(f) => (
+                Some(f.rank),
+                f.how.to_string(),
+                Some(f.exit_code),
+                f.how.signal_name(),
+            ),
+            RunResult::SpawnError(e) => (None, format!("could not start: {e}"), None, None),
+            RunResult::TimedOut => (None, "timed out".to_string(), None, None),
+            RunResult::Lost(why) => (None, format!("lost: {why}"), None, None),
             _ => continue,
         };
-        // Said by `Exit::describe` as "was killed by SIGNAME" (what follows it is evidence,
-        // which may name other signals).
-        let signal = how
-            .strip_prefix("was killed by ")
-            .and_then(|rest| rest.split_whitespace().next());
         let host = s.nodes[i].label.clone();
-        let e = Event::new("worker_failed", format!("{host}: {how}"))
-            .node(i, &host)
-            .meta(json!({"how": how, "exit_code": code, "signal": signal}));
-        s.journal.emit(match rank {
-            Some(r) => e.rank(r),
-            None => e,
+        s.journal.emit(Event::WorkerFailed {
+            node: i,
+            host,
+            rank,
+            how,
+            exit_code,
+            signal,
         });
     }
 }

@@ -15,10 +15,9 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
-use serde_json::Value;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use super::{Ledger, Phase, now_s};
+use super::{Event, Ledger, Phase, now_s};
 use crate::watch::RankFigure;
 use nrun_base::error::{Error, Result};
 
@@ -213,24 +212,26 @@ impl Exporter {
     }
 
     /// An event's effect on the counters and gauges.
-    pub(crate) fn event(&self, name: &str, meta: &Value) {
+    pub(crate) fn event(&self, e: &Event) {
         let m = &self.shared.m;
-        let f = |k: &str| meta.get(k).and_then(Value::as_f64);
-        match name {
-            "attempt_start" => {
+        match e {
+            Event::AttemptStart { .. } => {
                 m.attempts.inc();
             }
-            "restart" => {
+            Event::Restart { .. } => {
                 m.restarts.inc();
             }
-            "preflight_size" => {
+            Event::PreflightSize {
+                bytes,
+                busbw_gbs,
+                line_rate_gbs,
+                ..
+            } => {
                 // The events say GB/s, as the console does; metrics are in base units.
-                if let (Some(b), Some(bw)) = (f("bytes"), f("busbw_gbs")) {
-                    m.busbw
-                        .get_or_create(&label("bytes", b as u64))
-                        .set(bw * 1e9);
+                if let (Some(b), Some(bw)) = (bytes, busbw_gbs) {
+                    m.busbw.get_or_create(&label("bytes", b)).set(bw * 1e9);
                 }
-                if let Some(r) = f("line_rate_gbs").filter(|r| *r > 0.0) {
+                if let Some(r) = line_rate_gbs.filter(|r| *r > 0.0) {
                     m.line_rate.get_or_create(&Vec::new()).set(r * 1e9);
                 }
             }

@@ -8,7 +8,10 @@
 //! ([`metrics`]: `--metrics-file`, `--metrics-port`) and the one summary line at the job's end.
 //! The journal decides nothing: it only records what the session and the job command did.
 
+mod event;
 pub(crate) mod metrics;
+
+pub(crate) use event::{Event, Seen};
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -17,7 +20,7 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 
-use crate::watch::WatchState;
+use crate::watch::{Finding, WatchState};
 
 /// nrun's start (the ledger's zero), as an instant and in ms since the Unix epoch.
 static START: OnceLock<(Instant, u64)> = OnceLock::new();
@@ -374,63 +377,43 @@ impl Ledger {
     }
 }
 
-/// One event, before the journal stamps it.
-pub(crate) struct Event {
-    name: &'static str,
-    message: String,
-    node: Option<(usize, String)>,
-    rank: Option<usize>,
-    meta: Value,
-    source: &'static str,
+/// An event as the journal recorded it: when, in which attempt.
+struct Stamped {
+    event: Event,
+    /// Seconds since nrun started.
+    t: f64,
+    attempt: Option<u32>,
 }
 
-impl Event {
-    pub(crate) fn new(name: &'static str, message: impl Into<String>) -> Event {
-        Event {
-            name,
-            message: message.into(),
-            node: None,
-            rank: None,
-            meta: json!({}),
-            source: "AGENT",
-        }
+impl Stamped {
+    /// The event's line of `--events` (an element of `--report`'s `events`).
+    fn json(&self, run_id: &str) -> Value {
+        let (name, metadata) = self.event.name_and_metadata(run_id);
+        let node = self.event.node();
+        json!({
+            "name": name,
+            "source": self.event.source(),
+            "timestamp": start().1 + (self.t * 1000.0) as u64,
+            "t": round3(self.t),
+            "attempt": self.attempt,
+            "node": node.map(|n| n.0),
+            "host": node.map(|n| n.1),
+            "rank": self.event.rank(),
+            "message": self.event.message(),
+            "metadata": metadata,
+        })
     }
-
-    pub(crate) fn node(mut self, i: usize, host: &str) -> Event {
-        self.node = Some((i, host.to_string()));
-        self
-    }
-
-    /// A rank's event (torchelastic's source WORKER).
-    pub(crate) fn rank(mut self, r: usize) -> Event {
-        self.rank = Some(r);
-        self.source = "WORKER";
-        self
-    }
-
-    pub(crate) fn meta(mut self, m: Value) -> Event {
-        self.meta = m;
-        self
-    }
-}
-
-/// What the journal has already told of the watch's findings.
-#[derive(Default)]
-struct Told {
-    hangs: usize,
-    stragglers: usize,
 }
 
 /// The session's journal (see the module's doc).
 pub(crate) struct Journal {
     run_id: String,
     ledger: Arc<Mutex<Ledger>>,
-    events: Vec<Value>,
+    events: Vec<Stamped>,
     /// `--events`: the file and its path (for the warning when a write fails).
     sink: Option<(PathBuf, nrun_base::outputs::OutFile)>,
     metrics: Option<metrics::Exporter>,
     attempt: Option<u32>,
-    told: Told,
     /// When the metrics last took the watch's per-rank figures.
     ranks_at: Option<Instant>,
 }
@@ -445,7 +428,6 @@ impl Journal {
             sink: None,
             metrics: None,
             attempt: None,
-            told: Told::default(),
             ranks_at: None,
         }
     }
@@ -471,12 +453,16 @@ impl Journal {
             self.metrics = Some(m);
         }
         // The events recorded before (the session's start) go out first, in order.
-        for v in &self.events {
-            if let (Some(m), Some(name)) = (&self.metrics, v["name"].as_str()) {
-                m.event(name, &v["metadata"]);
+        if let Some(m) = &self.metrics {
+            for e in &self.events {
+                m.event(&e.event);
             }
         }
-        let earlier: Vec<String> = self.events.iter().map(Value::to_string).collect();
+        let earlier: Vec<String> = self
+            .events
+            .iter()
+            .map(|e| e.json(&self.run_id).to_string())
+            .collect();
         for line in earlier {
             self.write_line(line);
         }
@@ -503,11 +489,7 @@ impl Journal {
     pub(crate) fn enter(&mut self, p: Phase) {
         let now = now_s();
         if self.lock().enter(p, now) {
-            self.stamp(
-                Event::new("phase", format!("entering {}", p.key()))
-                    .meta(json!({"phase": p.key()})),
-                now,
-            );
+            self.stamp(Event::Phase { phase: p }, now);
             if let Some(m) = &self.metrics {
                 m.phase(p.key());
             }
@@ -519,30 +501,19 @@ impl Journal {
         self.stamp(e, now_s());
     }
 
-    fn stamp(&mut self, e: Event, t: f64) {
-        let mut meta = e.meta;
-        if let Some(m) = meta.as_object_mut() {
-            m.insert("run_id".into(), json!(self.run_id));
-        }
+    fn stamp(&mut self, event: Event, t: f64) {
         if let Some(m) = &self.metrics {
-            m.event(e.name, &meta);
+            m.event(&event);
         }
-        let v = json!({
-            "name": e.name,
-            "source": e.source,
-            "timestamp": start().1 + (t * 1000.0) as u64,
-            "t": round3(t),
-            "attempt": self.attempt,
-            "node": e.node.as_ref().map(|n| n.0),
-            "host": e.node.as_ref().map(|n| n.1.clone()),
-            "rank": e.rank,
-            "message": e.message,
-            "metadata": meta,
-        });
+        let e = Stamped {
+            event,
+            t,
+            attempt: self.attempt,
+        };
         if self.sink.is_some() {
-            self.write_line(v.to_string());
+            self.write_line(e.json(&self.run_id).to_string());
         }
-        self.events.push(v);
+        self.events.push(e);
     }
 
     /// One line to `--events`: one write, unbuffered, so `tail -f` sees it at once.
@@ -570,15 +541,17 @@ impl Journal {
             m.phase(Phase::Starting.key());
         }
         self.stamp(
-            Event::new("phase", "entering starting").meta(json!({"phase": "starting"})),
+            Event::Phase {
+                phase: Phase::Starting,
+            },
             now,
         );
         self.stamp(
-            Event::new(
-                "attempt_start",
-                format!("worker group {attempt} starts ({world} workers)"),
-            )
-            .meta(json!({"world_size": world, "nodes": hosts})),
+            Event::AttemptStart {
+                attempt,
+                world_size: world,
+                nodes: hosts,
+            },
             now,
         );
     }
@@ -587,31 +560,24 @@ impl Journal {
     pub(crate) fn attempt_end(&mut self, outcome: &'static str, exit_code: u8) {
         let now = now_s();
         self.lock().end_attempt(outcome, now);
-        self.stamp(
-            Event::new("attempt_end", format!("worker group ended: {outcome}"))
-                .meta(json!({"outcome": outcome, "exit_code": exit_code})),
-            now,
-        );
+        self.stamp(Event::AttemptEnd { outcome, exit_code }, now);
     }
 
     /// A restart was decided: the `restart` event, and the ledger's count.
     pub(crate) fn restart(&mut self, restart_count: u32) {
         self.lock().restarts = restart_count;
         self.enter(Phase::Restarting);
-        self.emit(
-            Event::new("restart", format!("restart {restart_count}"))
-                .meta(json!({"restart_count": restart_count})),
-        );
+        self.emit(Event::Restart { restart_count });
     }
 
     /// Looked at from the step's wait (often): the first output line or sign of progress moves
     /// the attempt from starting to running; the watch's new hangs and stragglers become events;
     /// the metrics get the per-rank figures (once a second).
-    pub(crate) fn tick(&mut self, watch: Option<&WatchState>, hosts: &[String]) {
-        if let Some(w) = watch {
+    pub(crate) fn tick(&mut self, mut watch: Option<&mut WatchState>, hosts: &[String]) {
+        if let Some(w) = watch.as_deref_mut() {
             self.watch_findings(w, hosts);
         }
-        self.see_progress(watch);
+        self.see_progress(watch.as_deref());
     }
 
     /// Starting -> running at the first output line or sign of progress.
@@ -627,23 +593,18 @@ impl Journal {
             let at = output.map_or(now, |ms| {
                 (ms.saturating_sub(start().1) as f64 / 1e3).min(now)
             });
-            let how = match output {
-                Some(_) => "output",
-                None => "progress",
+            let seen = match output {
+                Some(_) => Seen::Output,
+                None => Seen::Progress,
             };
             if self.lock().progress(at) {
                 self.stamp(
-                    Event::new("phase", "entering running").meta(json!({"phase": "running"})),
+                    Event::Phase {
+                        phase: Phase::Running,
+                    },
                     at,
                 );
-                self.stamp(
-                    Event::new(
-                        "first_progress",
-                        format!("first {how} seen from the workers"),
-                    )
-                    .meta(json!({"seen": how})),
-                    at,
-                );
+                self.stamp(Event::FirstProgress { seen }, at);
                 if let Some(m) = &self.metrics {
                     m.phase(Phase::Running.key());
                 }
@@ -651,49 +612,14 @@ impl Journal {
         }
     }
 
-    /// The watch's hangs and stragglers not told yet; per-rank figures for the metrics.
-    fn watch_findings(&mut self, w: &WatchState, hosts: &[String]) {
-        for d in w.hangs.iter().skip(self.told.hangs) {
-            let waiting: Vec<usize> = d
-                .ranks
-                .iter()
-                .filter(|r| r.state.starts_with("waiting in"))
-                .map(|r| r.rank)
-                .collect();
-            let waiting_in = d
-                .ranks
-                .iter()
-                .find_map(|r| r.state.strip_prefix("waiting in ").map(str::to_string));
-            let e = Event::new("hang", d.conclusion.clone()).meta(json!({
-                "culprit_rank": d.culprits.first(),
-                "culprits": d.culprits,
-                "waiting_in": waiting_in,
-                "ranks_waiting": waiting,
-                "stalled_s": d.stalled_s,
-                "kind": d.kind,
-            }));
-            let e = match d.culprits.first() {
-                Some(r) => e.rank(*r),
-                None => e,
-            };
-            self.emit(e);
+    /// The watch's new hangs and stragglers become events; per-rank figures for the metrics.
+    fn watch_findings(&mut self, w: &mut WatchState, hosts: &[String]) {
+        for f in w.take_found() {
+            self.emit(match &f {
+                Finding::Hang(d) => Event::hang(d),
+                Finding::Straggler(st) => Event::straggler(st),
+            });
         }
-        self.told.hangs = w.hangs.len();
-        for s in w.stragglers.iter().skip(self.told.stragglers) {
-            self.emit(
-                Event::new(
-                    "straggler",
-                    format!("rank {} on {} is a straggler", s.rank, s.host),
-                )
-                .rank(s.rank)
-                .meta(json!({
-                    "wait_share": s.waited_pct / 100.0,
-                    "median_wait_share": s.median_pct / 100.0,
-                    "host": s.host,
-                })),
-            );
-        }
-        self.told.stragglers = w.stragglers.len();
         if let Some(m) = &self.metrics
             && self
                 .ranks_at
@@ -723,7 +649,9 @@ impl Journal {
         drop(l);
         if entered {
             self.stamp(
-                Event::new("phase", "entering detecting").meta(json!({"phase": "detecting"})),
+                Event::Phase {
+                    phase: Phase::Detecting,
+                },
                 now,
             );
             if let Some(m) = &self.metrics {
@@ -735,8 +663,13 @@ impl Journal {
     /// The watch stops the job for a hang just found (or a collective mismatch): the stall
     /// before the hang was called was spent detecting it.
     pub(crate) fn hang_stops(&mut self, watch: Option<&WatchState>) {
-        let new = watch.and_then(|w| w.hangs.get(self.told.hangs..)?.last());
-        self.fault(new.map_or(0.0, |d| d.stalled_s));
+        let new = watch.and_then(|w| {
+            w.found().iter().rev().find_map(|f| match f {
+                Finding::Hang(d) => Some(d.stalled_s),
+                Finding::Straggler(_) => None,
+            })
+        });
+        self.fault(new.unwrap_or(0.0));
     }
 
     /// The worker group is being stopped (a fault, a signal, nodes arriving).
@@ -759,22 +692,22 @@ impl Journal {
         };
         self.attempt = None;
         self.stamp(
-            Event::new("job_end", format!("nrun: {summary}")).meta(json!({
-                "exit_code": code,
-                "outcome": outcome,
-                "summary": summary,
-            })),
+            Event::JobEnd {
+                exit_code: code,
+                outcome: outcome.to_string(),
+                summary: summary.clone(),
+            },
             now,
         );
         if let Some(m) = self.metrics.take() {
             m.finish(outcome, code);
         }
         let ledger = self.lock().json(now);
-        (
-            ledger,
-            Value::Array(std::mem::take(&mut self.events)),
-            summary,
-        )
+        let events = std::mem::take(&mut self.events)
+            .iter()
+            .map(|e| e.json(&self.run_id))
+            .collect();
+        (ledger, Value::Array(events), summary)
     }
 }
 

@@ -207,17 +207,23 @@ fn a_hangs_stall_is_charged_to_detecting() {
 fn the_metrics_parse_as_openmetrics_with_the_ledgers_seconds() {
     // No file, no port: nothing runs in the background, so no runtime is needed.
     let m = metrics::Exporter::start(Arc::new(Mutex::new(job())), None, None);
-    m.event("attempt_start", &json!({}));
-    m.event("restart", &json!({}));
+    m.event(&Event::AttemptStart {
+        attempt: 0,
+        world_size: 2,
+        nodes: vec!["a".into()],
+    });
+    m.event(&Event::Restart { restart_count: 1 });
     // No line rate known: none said (not a line rate of 0).
     assert!(
         !m.text()
             .contains("nrun_preflight_line_rate_bytes_per_second ")
     );
-    m.event(
-        "preflight_size",
-        &json!({"bytes": 1048576, "busbw_gbs": 12.5, "line_rate_gbs": 25.0}),
-    );
+    m.event(&Event::PreflightSize {
+        bytes: Some(1048576),
+        busbw_gbs: Some(12.5),
+        algbw_gbs: None,
+        line_rate_gbs: Some(25.0),
+    });
     let text = m.text();
     assert!(text.ends_with("# EOF\n"), "{text}");
     for want in [
@@ -327,7 +333,14 @@ fn cost() {
     let n = 20_000;
     let t = Instant::now();
     for i in 0..n {
-        j.emit(Event::new("node_joined", format!("node{i} joined")).node(0, "node0"));
+        j.emit(Event::NodeJoined {
+            node: 0,
+            host: format!("node{i}"),
+            gpus: 8,
+            nccl: None,
+            torch: None,
+            ifname: None,
+        });
     }
     let event = per(n, t);
     let (m, path) = (j.metrics.as_ref().unwrap(), dir.path().join("m2.prom"));
@@ -355,4 +368,138 @@ fn cost() {
         write / 1e3,
         write / 5e3
     );
+}
+
+/// Every event's name, source, node, rank, message and metadata as `--events` had them before
+/// the events were one enum (the shapes the old `json!` literals wrote), for the variants the
+/// golden file of tests/events.rs does not reach (a hang, a straggler, a node left out, a
+/// spare, the preflight's) and one of each kind it does.
+#[test]
+fn every_event_keeps_its_name_and_metadata() {
+    use crate::watch::{Diagnosis, Kind, RankState, Straggler};
+    let state = |rank: usize, waiting_in: Option<&str>| RankState {
+        rank,
+        host: "h".into(),
+        pid: 1,
+        state: waiting_in.map_or("in Python code".into(), |o| format!("waiting in {o}")),
+        waiting_in: waiting_in.map(String::from),
+        frames: Vec::new(),
+    };
+    let hang = Diagnosis {
+        kind: Kind::Missing,
+        conclusion: "rank 1 never entered all_reduce".into(),
+        culprits: vec![1],
+        stalled_s: 4.5,
+        in_collective: true,
+        ranks: vec![
+            state(0, Some("all_reduce")),
+            state(1, None),
+            state(2, Some("all_reduce")),
+        ],
+        nccl_ras: None,
+    };
+    let straggler = Straggler {
+        rank: 3,
+        host: "h".into(),
+        waited_pct: 5.0,
+        median_pct: 40.0,
+        waits: Vec::new(),
+    };
+    let table: Vec<(Event, Value)> = vec![
+        (
+            Event::hang(&hang),
+            json!({"name": "hang", "source": "WORKER", "node": null, "host": null, "rank": 1,
+                "message": "rank 1 never entered all_reduce",
+                "metadata": {"culprit_rank": 1, "culprits": [1], "waiting_in": "all_reduce",
+                    "ranks_waiting": [0, 2], "stalled_s": 4.5, "kind": "missing"}}),
+        ),
+        (
+            Event::straggler(&straggler),
+            json!({"name": "straggler", "source": "WORKER", "node": null, "host": null,
+                "rank": 3, "message": "rank 3 on h is a straggler",
+                "metadata": {"wait_share": 0.05, "median_wait_share": 0.4, "host": "h"}}),
+        ),
+        (
+            Event::NodeLeftOut {
+                node: 2,
+                host: "b".into(),
+                stage: "check",
+                evidence: "link",
+                reason: "cannot be reached".into(),
+            },
+            json!({"name": "node_left_out", "source": "AGENT", "node": 2, "host": "b",
+                "rank": null, "message": "leaving out b: cannot be reached",
+                "metadata": {"stage": "check", "evidence": "link",
+                    "reason": "cannot be reached"}}),
+        ),
+        (
+            Event::SpareIn {
+                node: 4,
+                host: "e".into(),
+                replaces: Some("b".into()),
+            },
+            json!({"name": "spare_in", "source": "AGENT", "node": 4, "host": "e", "rank": null,
+                "message": "spare e takes a place in the job",
+                "metadata": {"replaces": "b"}}),
+        ),
+        (
+            Event::PreflightSize {
+                bytes: Some(1 << 20),
+                busbw_gbs: Some(12.0),
+                algbw_gbs: Some(6.5),
+                line_rate_gbs: None,
+            },
+            json!({"name": "preflight_size", "source": "AGENT", "node": null, "host": null,
+                "rank": null, "message": "1048576 B: busbw 12.0 GB/s",
+                "metadata": {"bytes": 1048576, "busbw_gbs": 12.0, "algbw_gbs": 6.5,
+                    "line_rate_gbs": null}}),
+        ),
+        (
+            Event::PreflightEnd {
+                exit_code: 0,
+                verdict: "ok".into(),
+            },
+            json!({"name": "preflight_end", "source": "AGENT", "node": null, "host": null,
+                "rank": null, "message": "preflight: ok (exit 0)",
+                "metadata": {"exit_code": 0, "verdict": "ok"}}),
+        ),
+        (
+            Event::WorkerFailed {
+                node: 1,
+                host: "b".into(),
+                rank: None,
+                how: "lost: no heartbeat".into(),
+                exit_code: None,
+                signal: None,
+            },
+            json!({"name": "worker_failed", "source": "AGENT", "node": 1, "host": "b",
+                "rank": null, "message": "b: lost: no heartbeat",
+                "metadata": {"how": "lost: no heartbeat", "exit_code": null, "signal": null}}),
+        ),
+        (
+            Event::FirstProgress {
+                seen: Seen::Progress,
+            },
+            json!({"name": "first_progress", "source": "AGENT", "node": null, "host": null,
+                "rank": null, "message": "first progress seen from the workers",
+                "metadata": {"seen": "progress"}}),
+        ),
+    ];
+    for (event, want) in table {
+        let mut got = Stamped {
+            event,
+            t: 1.5,
+            attempt: Some(0),
+        }
+        .json("r1");
+        assert_eq!(got["metadata"]["run_id"], "r1", "{got}");
+        assert_eq!(got["t"], 1.5);
+        assert_eq!(got["attempt"], 0);
+        let o = got.as_object_mut().unwrap();
+        o["metadata"].as_object_mut().unwrap().remove("run_id");
+        for k in ["t", "timestamp", "attempt"] {
+            o.remove(k);
+        }
+        assert_eq!(got, want);
+    }
 }

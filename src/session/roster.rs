@@ -6,8 +6,6 @@
 
 use std::time::SystemTime;
 
-use serde_json::json;
-
 use super::Session;
 use crate::journal::Event;
 use nrun_base::error::{Error, Result};
@@ -150,15 +148,13 @@ impl Session {
             .unwrap_or(why)
             .to_string();
         tracing::warn!("leaving out {host} ({}): {why}", stage.as_str());
-        self.journal.emit(
-            Event::new("node_left_out", format!("leaving out {host}: {why}"))
-                .node(i, &host)
-                .meta(json!({
-                    "stage": stage.as_str(),
-                    "evidence": evidence.as_str(),
-                    "reason": why,
-                })),
-        );
+        self.journal.emit(Event::NodeLeftOut {
+            node: i,
+            host: host.clone(),
+            stage: stage.as_str(),
+            evidence: evidence.as_str(),
+            reason: why.clone(),
+        });
         self.left_out.push(LeftOut {
             node: i,
             host,
@@ -229,11 +225,11 @@ impl Session {
                 let replaces = gaps.get(spared).cloned();
                 spared += 1;
                 let host = self.nodes[i].label.clone();
-                self.journal.emit(
-                    Event::new("spare_in", format!("spare {host} takes a place in the job"))
-                        .node(i, &host)
-                        .meta(json!({"replaces": replaces})),
-                );
+                self.journal.emit(Event::SpareIn {
+                    node: i,
+                    host,
+                    replaces,
+                });
             }
         }
         self.active.sort_unstable();

@@ -180,7 +180,7 @@ impl Session {
                     self.stop_step(no, None, &mut w);
                 }
             }
-            self.journal.tick(self.watch.as_ref(), &hosts);
+            self.journal.tick(self.watch.as_mut(), &hosts);
             tokio::select! {
                 // An agent's record arrived.
                 () = super::store_changed(&mut changed) => {}

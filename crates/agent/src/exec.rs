@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::protocol::{
-    NodeWatch, RunResult, Step, StepResult, THIS_NRUN, WorkerFailure, WorkerSpec,
+    Ending, NodeWatch, RunResult, Step, StepResult, THIS_NRUN, WorkerFailure, WorkerSpec,
 };
 use nrun_base::error::{Error, Result};
 use nrun_node::output::{Sink, WorkerOutput};
@@ -288,25 +288,27 @@ fn run_result(
         Ok(Outcome::Interrupted(s)) => RunResult::Interrupted(s),
         Ok(Outcome::TimedOut) => RunResult::TimedOut,
         Ok(Outcome::Stopped) => RunResult::Stopped,
-        Ok(Outcome::Failed(f)) => RunResult::Failed(WorkerFailure {
-            rank: f.rank,
-            local_rank: f.local_rank,
-            pid: f.pid,
-            exit_code: f.exit.exit_code(),
-            how: match (f.exit, &oom) {
-                (node::Exit::Signal(libc::SIGKILL), Some(why)) => {
-                    format!("{} ({why})", f.exit.describe())
-                }
-                _ => f.exit.describe(),
-            },
-            at: humantime::format_rfc3339_seconds(f.at).to_string(),
-            traceback: error_json.as_deref().and_then(node::error_file_traceback),
-            error_json,
-            error_file_kept: !scratch.contains(&f.error_file),
-            stderr_tail: f.stderr_tail,
-            error_file: f.error_file,
-            left_early: f.left_early,
-        }),
+        Ok(Outcome::Failed(f)) => RunResult::Failed(
+            WorkerFailure {
+                rank: f.rank,
+                local_rank: f.local_rank,
+                pid: f.pid,
+                exit_code: f.exit.exit_code(),
+                how: match oom {
+                    Some(o) => Ending::OutOfMemory(Box::new(o)),
+                    None => Ending::Exit(f.exit),
+                },
+                gpu: None,
+                at: humantime::format_rfc3339_seconds(f.at).to_string(),
+                traceback: error_json.as_deref().and_then(node::error_file_traceback),
+                error_json,
+                error_file_kept: !scratch.contains(&f.error_file),
+                stderr_tail: f.stderr_tail,
+                error_file: f.error_file,
+                left_early: f.left_early,
+            }
+            .with_signs(),
+        ),
     }
 }
 

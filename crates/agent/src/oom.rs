@@ -12,6 +12,8 @@ use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
+use crate::protocol::Oom;
+
 /// The cgroup's OOM kills when the workers started.
 pub(super) struct Mark {
     /// The file with the cgroup's oom_kill counter, and the one with its limit.
@@ -27,24 +29,18 @@ pub(super) fn mark() -> Mark {
 }
 
 /// Why worker `pid`, just dead of SIGKILL, was killed, where a witness says it was memory.
-pub(super) fn explain(mark: &Mark, pid: u32) -> Option<String> {
+pub(super) fn explain(mark: &Mark, pid: u32) -> Option<Oom> {
     if let Some(rss) = kernel_says(pid) {
-        return Some(format!(
-            "killed by the kernel's out-of-memory killer (kernel log: {rss} resident at the kill)"
-        ));
+        return Some(Oom::Kernel { rss });
     }
     let ((path, limit), before) = (mark.events.as_ref()?, mark.kills?);
     let after = oom_kills(path)?;
-    (after > before).then(|| {
-        let max = std::fs::read_to_string(limit)
+    (after > before).then(|| Oom::Cgroup {
+        limit: std::fs::read_to_string(limit)
             .map(|m| m.trim().to_string())
-            .unwrap_or_else(|_| "?".into());
-        format!(
-            "killed by the out-of-memory killer of its cgroup ({}: {max}, {} OOM kill(s) since \
-             the workers started)",
-            limit.display(),
-            after - before
-        )
+            .unwrap_or_else(|_| "?".into()),
+        limit_file: limit.clone(),
+        kills: after - before,
     })
 }
 
@@ -139,7 +135,17 @@ mod tests {
         std::fs::write(&ev, "oom_kill 2\n").unwrap();
         std::fs::write(dir.path().join("memory.max"), "268435456\n").unwrap();
         let why = explain(&m, u32::MAX).unwrap();
-        assert!(why.contains("memory.max: 268435456"), "{why}");
-        assert!(why.contains("1 OOM kill(s)"), "{why}");
+        assert_eq!(
+            why,
+            Oom::Cgroup {
+                limit_file: dir.path().join("memory.max"),
+                limit: "268435456".into(),
+                kills: 1
+            }
+        );
+        // Said as the summary says it.
+        let said = why.to_string();
+        assert!(said.contains("memory.max: 268435456"), "{said}");
+        assert!(said.contains("1 OOM kill(s)"), "{said}");
     }
 }

@@ -173,7 +173,7 @@ pub fn spawn(
                         }),
                         Ok(GroupEvent::Exited { rank, exit }) => {
                             if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
-                                w.view.exited = Some(exit.describe());
+                                w.view.exited = Some(exit.to_string());
                                 w.spy = None;
                             }
                         }

@@ -60,8 +60,8 @@ pub enum GroupEvent {
     Exited { rank: usize, exit: Exit },
 }
 
-/// How a process ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a process ended (said in words by its `Display`, only where a person reads it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Exit {
     Code(i32),
     Signal(i32),
@@ -88,10 +88,20 @@ impl Exit {
         }
     }
 
-    pub fn describe(self) -> String {
+    /// The signal that ended it, if one did.
+    pub fn signal(self) -> Option<i32> {
         match self {
-            Exit::Code(c) => format!("exited with code {c}"),
-            Exit::Signal(s) => format!("was killed by {}", signal_name(s)),
+            Exit::Code(_) => None,
+            Exit::Signal(s) => Some(s),
+        }
+    }
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Exit::Code(c) => write!(f, "exited with code {c}"),
+            Exit::Signal(s) => write!(f, "was killed by {}", signal_name(s)),
         }
     }
 }
@@ -1248,7 +1258,7 @@ mod tests {
         assert_eq!(signal_name(libc::SIGKILL), "SIGKILL");
         assert_eq!(signal_name(libc::SIGRTMIN() + 6), "SIGRTMIN+6");
         assert_eq!(
-            Exit::Signal(libc::SIGRTMIN()).describe(),
+            Exit::Signal(libc::SIGRTMIN()).to_string(),
             "was killed by SIGRTMIN+0"
         );
         assert_eq!(signal_name(999), "signal 999");

@@ -401,9 +401,13 @@ pub struct WorkerFailure {
     pub local_rank: usize,
     pub pid: u32,
     pub exit_code: u8,
-    /// "exited with code 3", "was killed by SIGSEGV"; "was killed by SIGKILL (killed by the
-    /// kernel's out-of-memory killer ...)" where the node knows (agent::oom).
-    pub how: String,
+    /// How it ended: what the fault model and the events match on; its words ("exited with
+    /// code 3", "was killed by SIGKILL (killed by the kernel's out-of-memory killer ...)") are
+    /// for the console and the report.
+    pub how: Ending,
+    /// A GPU error in its last words (its stderr's tail, its traceback), as its node read them.
+    #[serde(default)]
+    pub gpu: Option<Box<GpuSign>>,
     /// RFC 3339, seconds.
     pub at: String,
     pub stderr_tail: Vec<String>,
@@ -420,6 +424,139 @@ pub struct WorkerFailure {
     /// The error file stays after the job (it is under --log-dir, not nrun's scratch).
     #[serde(default)]
     pub error_file_kept: bool,
+}
+
+impl WorkerFailure {
+    /// Reads the GPU signs in its last words ([`GpuSign::find`]): the node does, once.
+    pub fn with_signs(mut self) -> WorkerFailure {
+        let tail = self.stderr_tail.iter().chain(self.traceback.iter());
+        self.gpu = GpuSign::find(tail.map(String::as_str)).map(Box::new);
+        self
+    }
+}
+
+/// How a failed worker ended, as its node saw it. Said in words (`Display`) only where a
+/// person reads them: no decision depends on the wording.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Ending {
+    /// It exited with a code, or a signal ended it.
+    Exit(nrun_node::Exit),
+    /// SIGKILL, and a witness on its node says the out-of-memory killer sent it.
+    OutOfMemory(Box<Oom>),
+}
+
+/// The witness of an out-of-memory kill (agent::oom).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Oom {
+    /// The kernel log's line for the kill: the worker's resident memory then ("123456kB").
+    Kernel { rss: String },
+    /// The oom_kill counter of the agent's memory cgroup rose: the limit's file, the limit,
+    /// and the kills since the workers started.
+    Cgroup {
+        limit_file: PathBuf,
+        limit: String,
+        kills: u64,
+    },
+}
+
+impl Ending {
+    /// The signal that ended the worker, if one did.
+    pub fn signal(&self) -> Option<i32> {
+        match self {
+            Ending::Exit(e) => e.signal(),
+            Ending::OutOfMemory(_) => Some(libc::SIGKILL),
+        }
+    }
+
+    /// The signal's name ("SIGKILL"), if one ended the worker.
+    pub fn signal_name(&self) -> Option<String> {
+        self.signal().map(nrun_node::signal_name)
+    }
+
+    /// Killed by the system, not by its own doing: SIGKILL or SIGBUS (the OOM killer, a
+    /// cgroup, the node).
+    pub fn by_the_system(&self) -> bool {
+        matches!(self.signal(), Some(libc::SIGKILL | libc::SIGBUS))
+    }
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Ending::Exit(e) => write!(f, "{e}"),
+            Ending::OutOfMemory(o) => {
+                write!(f, "{} ({o})", nrun_node::Exit::Signal(libc::SIGKILL))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Oom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Oom::Kernel { rss } => write!(
+                f,
+                "killed by the kernel's out-of-memory killer (kernel log: {rss} resident at the \
+                 kill)"
+            ),
+            Oom::Cgroup {
+                limit_file,
+                limit,
+                kills,
+            } => write!(
+                f,
+                "killed by the out-of-memory killer of its cgroup ({}: {limit}, {kills} OOM \
+                 kill(s) since the workers started)",
+                limit_file.display()
+            ),
+        }
+    }
+}
+
+/// A GPU error in a worker's last words, the line that shows it (lower case, trimmed).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GpuSign {
+    /// A GPU or driver fault no program causes: an XID, an ECC error, a GPU lost or fallen
+    /// off the bus.
+    Hard(String),
+    /// An error a program can cause as well as a sick GPU ("unhandled cuda error",
+    /// "unspecified launch failure").
+    Soft(String),
+}
+
+/// Signs in a worker's last words of a GPU or driver fault that no program causes.
+const HARD_GPU: [&str; 6] = [
+    "xid",
+    "uncorrectable ecc",
+    "ecc error",
+    "fallen off the bus",
+    "gpu is lost",
+    "nvml_error_gpu_is_lost",
+];
+
+/// Signs of a GPU error a program can cause as well as a sick GPU.
+const SOFT_GPU: [&str; 3] = [
+    "unhandled cuda error",
+    "unspecified launch failure",
+    "cudaerrordevicesunavailable",
+];
+
+impl GpuSign {
+    /// The worker's own output is text: it is read here, where its node turns it into
+    /// evidence, and nowhere after. A hard sign anywhere wins over a soft one.
+    pub fn find<'a>(lines: impl Iterator<Item = &'a str>) -> Option<GpuSign> {
+        let text: Vec<String> = lines.map(str::to_lowercase).collect();
+        let find = |signs: &[&str]| {
+            signs.iter().find_map(|s| {
+                text.iter()
+                    .find(|l| l.contains(s))
+                    .map(|l| l.trim().to_string())
+            })
+        };
+        find(&HARD_GPU)
+            .map(GpuSign::Hard)
+            .or_else(|| find(&SOFT_GPU).map(GpuSign::Soft))
+    }
 }
 
 /// One frame of a rank's Python stack.
