@@ -142,47 +142,9 @@ pub fn spawn(
             }
             let end = |costs: &Costs| tracing::debug!("the watch's looks: {}", costs.summary());
             loop {
-                loop {
-                    match events.try_recv() {
-                        Ok(GroupEvent::Started { rank, pid }) => ranks.push(Watched {
-                            view: RankView {
-                                rank,
-                                pid,
-                                ..RankView::default()
-                            },
-                            worker: pid,
-                            spy: None,
-                            tries: 0,
-                            stack: 0,
-                            since: Instant::now(),
-                            read: None,
-                            switches: None,
-                            collectives: false,
-                            nccl_checked: false,
-                            nccl: false,
-                            searched: None,
-                            fr: FrState {
-                                files: flight_files
-                                    .iter()
-                                    .find(|(r, _)| *r == rank)
-                                    .map(|(_, f)| f.clone()),
-                                ..FrState::default()
-                            },
-                            pace: Pace::new(SAMPLE),
-                            fresh: false,
-                        }),
-                        Ok(GroupEvent::Exited { rank, exit }) => {
-                            if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
-                                w.view.exited = Some(exit.to_string());
-                                w.spy = None;
-                            }
-                        }
-                        Err(mpsc::error::TryRecvError::Empty) => break,
-                        Err(mpsc::error::TryRecvError::Disconnected) => {
-                            end(&costs);
-                            return;
-                        }
-                    }
+                if !take_events(&mut events, &mut ranks, &flight_files) {
+                    end(&costs);
+                    return;
                 }
                 // One look at /proc's process tree serves every rank searched for Python in
                 // this round (a thousand workers of another program cost one scan, not 1000).
@@ -243,6 +205,53 @@ pub fn spawn(
                 std::thread::sleep(SAMPLE);
             }
         })
+}
+
+/// Takes the group's news (ranks started and exited) into `ranks`; false once the group ended.
+fn take_events(
+    events: &mut mpsc::UnboundedReceiver<GroupEvent>,
+    ranks: &mut Vec<Watched>,
+    flight_files: &[(usize, FrFiles)],
+) -> bool {
+    loop {
+        match events.try_recv() {
+            Ok(GroupEvent::Started { rank, pid }) => ranks.push(Watched {
+                view: RankView {
+                    rank,
+                    pid,
+                    ..RankView::default()
+                },
+                worker: pid,
+                spy: None,
+                tries: 0,
+                stack: 0,
+                since: Instant::now(),
+                read: None,
+                switches: None,
+                collectives: false,
+                nccl_checked: false,
+                nccl: false,
+                searched: None,
+                fr: FrState {
+                    files: flight_files
+                        .iter()
+                        .find(|(r, _)| *r == rank)
+                        .map(|(_, f)| f.clone()),
+                    ..FrState::default()
+                },
+                pace: Pace::new(SAMPLE),
+                fresh: false,
+            }),
+            Ok(GroupEvent::Exited { rank, exit }) => {
+                if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
+                    w.view.exited = Some(exit.to_string());
+                    w.spy = None;
+                }
+            }
+            Err(mpsc::error::TryRecvError::Empty) => return true,
+            Err(mpsc::error::TryRecvError::Disconnected) => return false,
+        }
+    }
 }
 
 /// Says that the watch looks at a rank less often (as a warning the first time for that rank:
@@ -472,47 +481,8 @@ fn sample(
     tree: &mut Option<HashMap<u32, Vec<u32>>>,
     costs: &mut Costs,
 ) {
-    if w.spy.is_none() {
-        // The Python process to watch: the worker, what it exec'd, or its topmost Python
-        // descendant; searched again every few seconds until found.
-        if w.searched.is_some_and(|t| t.elapsed() < SEARCH) {
-            return;
-        }
-        // The worker's descendants are looked at from the second search on: a wrapper starts
-        // its python within moments, and a start of many workers is not slowed by a scan.
-        let found = costs.time(Look::Search, w.view.rank, || match w.searched {
-            None => Some(w.worker).filter(|p| is_python(*p)),
-            Some(_) => python_in_tree(w.worker, tree),
-        });
-        let Some(pid) = found else {
-            w.searched = Some(Instant::now());
-            return;
-        };
-        if pid != w.view.pid {
-            w.view.pid = pid;
-            w.tries = 0;
-        }
-        let mut config = py_spy::Config::default();
-        config.blocking = py_spy::config::LockingStrategy::NonBlocking;
-        // The addresses of each frame's arguments tell a new call from the same call: a rank
-        // that loops through the same line is sampled there again, but with new objects.
-        config.dump_locals = u64::from(!costs.skips("locals"));
-        let pid = w.view.pid;
-        match costs.time(Look::Open, w.view.rank, || {
-            py_spy::PythonSpy::new(pid as py_spy::Pid, &config)
-        }) {
-            Ok(s) => {
-                w.spy = Some(s);
-                w.view.error = None;
-            }
-            Err(e) => {
-                w.tries += 1;
-                if w.tries >= OPEN_TRIES {
-                    w.view.error = Some(format!("cannot read its Python stack: {e}"));
-                }
-                return;
-            }
-        }
+    if w.spy.is_none() && !attach(w, tree, costs) {
+        return;
     }
     if costs.skips("stack") {
         return;
@@ -585,6 +555,52 @@ fn sample(
             .collect();
         w.view.collective = collective(&w.view.frames);
         w.view.error = None;
+    }
+}
+
+/// Finds the rank's Python process and opens it for reading; false while it cannot (searched
+/// again every few seconds, an error said after a few failed opens).
+fn attach(w: &mut Watched, tree: &mut Option<HashMap<u32, Vec<u32>>>, costs: &mut Costs) -> bool {
+    // The Python process to watch: the worker, what it exec'd, or its topmost Python
+    // descendant; searched again every few seconds until found.
+    if w.searched.is_some_and(|t| t.elapsed() < SEARCH) {
+        return false;
+    }
+    // The worker's descendants are looked at from the second search on: a wrapper starts
+    // its python within moments, and a start of many workers is not slowed by a scan.
+    let found = costs.time(Look::Search, w.view.rank, || match w.searched {
+        None => Some(w.worker).filter(|p| is_python(*p)),
+        Some(_) => python_in_tree(w.worker, tree),
+    });
+    let Some(pid) = found else {
+        w.searched = Some(Instant::now());
+        return false;
+    };
+    if pid != w.view.pid {
+        w.view.pid = pid;
+        w.tries = 0;
+    }
+    let mut config = py_spy::Config::default();
+    config.blocking = py_spy::config::LockingStrategy::NonBlocking;
+    // The addresses of each frame's arguments tell a new call from the same call: a rank
+    // that loops through the same line is sampled there again, but with new objects.
+    config.dump_locals = u64::from(!costs.skips("locals"));
+    let pid = w.view.pid;
+    match costs.time(Look::Open, w.view.rank, || {
+        py_spy::PythonSpy::new(pid as py_spy::Pid, &config)
+    }) {
+        Ok(s) => {
+            w.spy = Some(s);
+            w.view.error = None;
+            true
+        }
+        Err(e) => {
+            w.tries += 1;
+            if w.tries >= OPEN_TRIES {
+                w.view.error = Some(format!("cannot read its Python stack: {e}"));
+            }
+            false
+        }
     }
 }
 
