@@ -94,7 +94,7 @@ pub(crate) async fn run(
         .p
         .during(s.run_step(steps, Policy::Together), |p| sweep.sizes.read(p));
     let results = match ran.await {
-        Ok(r) => r,
+        Ok(r) => r.results,
         Err(e) => return Ok(Ended::early(e.code)),
     };
     sweep.done();

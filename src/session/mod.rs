@@ -144,16 +144,9 @@ pub(crate) struct Session {
     step: usize,
     /// The watch over the job's steps that ask for it (set by the run command).
     pub watch: Option<WatchState>,
-    /// The nodes the job runs on now (see [`roster`]): lost or failing nodes leave, spares and
-    /// an elastic job's late joiners come in, between attempts.
-    pub active: Vec<usize>,
-    /// Nodes taken out of the job, with the evidence.
-    pub left_out: Vec<roster::LeftOut>,
-    /// Node-level evidence against nodes that stayed in, nothing being there to take their
-    /// place (see [`crate::fault`]): remembered like the nodes left out at the end.
-    pub faulty: Vec<roster::LeftOut>,
-    /// Elastic: the running group was stopped because nodes arrived to take in.
-    pub grow: bool,
+    /// The nodes the job runs on, the spares, those left out and why (see [`roster`]): lost or
+    /// failing nodes leave, spares and an elastic job's late joiners come in, between attempts.
+    roster: roster::Roster,
     arrivals_checked: Option<Instant>,
     /// The c10d rendezvous this nrun hosts (its id): nodes that come back join it.
     c10d_id: Option<String>,
@@ -211,10 +204,7 @@ impl Session {
             signals,
             step: 0,
             watch: None,
-            active: Vec::new(),
-            left_out: Vec::new(),
-            faulty: Vec::new(),
-            grow: false,
+            roster: roster::Roster::default(),
             arrivals_checked: None,
             c10d_id: None,
             journal: crate::journal::Journal::new(&plan.run_id),
@@ -304,9 +294,10 @@ impl Session {
     /// The job's group: every node as laid out, or the active ones, ranks numbered anew in
     /// node order (spares, left-out nodes, an elastic job's re-forming).
     pub(crate) fn group(&self) -> spec::Group {
-        match self.active.len() == self.nodes.len() || self.active.is_empty() {
+        let active = self.roster.active();
+        match active.len() == self.nodes.len() || active.is_empty() {
             true => spec::Group::all(self),
-            false => spec::Group::of(self, &self.active),
+            false => spec::Group::of(self, active),
         }
     }
 
@@ -326,7 +317,7 @@ impl Session {
             n.link.deliver(&self.bus, i, no, Some(&Step::End));
         }
         let bus = &self.bus;
-        let left: Vec<usize> = self.left_out.iter().map(|l| l.node).collect();
+        let left: Vec<usize> = self.roster.left_out().iter().map(|l| l.node).collect();
         let ends = self
             .nodes
             .iter_mut()
