@@ -154,10 +154,7 @@ impl Record {
             "restarts": self.restarts,
             "decisions": self.decisions,
         });
-        v["watch"] = s
-            .watch
-            .as_ref()
-            .map_or(serde_json::Value::Null, WatchState::json);
+        v["watch"] = s.watch().map_or(serde_json::Value::Null, WatchState::json);
         v
     }
 }
@@ -357,7 +354,9 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
             "  a torchrun node came to {}:{} for rendezvous {:?}: this endpoint is an nrun \
              rendezvous (every node must use the same launcher): start every node with nrun, \
              or every node with torchrun",
-            s.rendezvous.addr, s.rendezvous.port, s.run_id
+            s.rendezvous().addr,
+            s.rendezvous().port,
+            s.run_id
         ),
         false => eprintln!("  hint: {}", join_hint(s, failures)),
     }
@@ -393,7 +392,7 @@ fn join_hint(s: &Session, failures: &[(usize, String)]) -> String {
         .find(|k| !k.joins_by_itself)
         .or_else(|| kinds().next())
         .unwrap_or(crate::session::link::launcher(&s.plan));
-    (kind.join_hint)(&s.plan, &s.rendezvous)
+    (kind.join_hint)(&s.plan, s.rendezvous())
 }
 
 /// The job's attempts, counted in `rec`.
@@ -441,7 +440,7 @@ async fn attempts(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Resul
         world: s.group().world,
         command: &command,
     };
-    s.watch = job.watch.map(WatchState::new);
+    s.set_watch(job.watch.map(WatchState::new));
     Ok(attempt_loop(s, job, &program, &args, &shape, rec).await)
 }
 
@@ -475,7 +474,7 @@ fn hang_pinned(
     group: &crate::session::spec::Group,
     stop: &crate::watch::Stop,
 ) -> Option<(usize, String)> {
-    let w = s.watch.as_ref()?;
+    let w = s.watch()?;
     // Ranks that called different collectives (or sizes) are the program's doing, not a
     // node's: nobody is suspected for it (nor after they did once in this job).
     let crate::watch::Stop::Hang(d) = stop else {
@@ -769,11 +768,9 @@ async fn run_attempt(
         st.clear_user_keys();
     }
     let world = s.group().world;
-    if let Some(w) = s.watch.as_mut() {
-        w.reset(world);
-    }
+    s.reset_watch(world);
     let launch = Launch {
-        port: s.rendezvous.port,
+        port: s.rendezvous().port,
         attempt,
         restart_count: restarts,
         program,
@@ -783,7 +780,7 @@ async fn run_attempt(
         extra: &|_| Vec::new(),
         grace_ms: job.shutdown_timeout.as_millis() as u64,
         deadline_ms: None,
-        watch: s.watch.as_ref().map(|w| w.plan.hang_timeout),
+        watch: s.watch().map(|w| w.plan.hang_timeout),
         secret: false,
     };
     let group = s.group();
@@ -914,7 +911,7 @@ fn stop_failed(
     error_json: Option<String>,
 ) -> u8 {
     // The watch's likely cause goes right under the headline.
-    let summary = match s.watch.as_ref().and_then(|w| w.cause(shape.hosts)) {
+    let summary = match s.watch().and_then(|w| w.cause(shape.hosts)) {
         Some(cause) => summary.replacen('\n', &format!("\n{cause}"), 1),
         None => summary,
     };

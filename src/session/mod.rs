@@ -131,9 +131,9 @@ pub(crate) struct Rendezvous {
 pub(crate) struct Session {
     pub nodes: Vec<Node>,
     pub plan: NodesPlan,
-    pub rendezvous: Rendezvous,
+    rendezvous: Rendezvous,
     /// Distinguishes this run's keys (and temp files) from any other's.
-    pub run: String,
+    run: String,
     /// The run's name as the user gave it (TORCHELASTIC_RUN_ID).
     pub run_id: String,
     /// The conversation with the nodes' agents through the store.
@@ -143,7 +143,7 @@ pub(crate) struct Session {
     signals: Signals,
     step: usize,
     /// The watch over the job's steps that ask for it (set by the run command).
-    pub watch: Option<WatchState>,
+    watch: Option<WatchState>,
     /// The nodes the job runs on, the spares, those left out and why (see [`roster`]): lost or
     /// failing nodes leave, spares and an elastic job's late joiners come in, between attempts.
     roster: roster::Roster,
@@ -271,6 +271,33 @@ impl Session {
 
     pub(crate) fn keys(&self) -> &Keys {
         &self.bus.keys
+    }
+
+    /// Where workers find the store.
+    pub(crate) fn rendezvous(&self) -> &Rendezvous {
+        &self.rendezvous
+    }
+
+    /// What distinguishes this run's keys (and temp files) from any other's.
+    pub(crate) fn run(&self) -> &str {
+        &self.run
+    }
+
+    /// The watch over the job's steps, when the job has one.
+    pub(crate) fn watch(&self) -> Option<&WatchState> {
+        self.watch.as_ref()
+    }
+
+    /// Watches the job's steps from now on (None: no more).
+    pub(crate) fn set_watch(&mut self, watch: Option<WatchState>) {
+        self.watch = watch;
+    }
+
+    /// The watch starts afresh for a step of `world` ranks (a restart's).
+    pub(crate) fn reset_watch(&mut self, world: usize) {
+        if let Some(w) = self.watch.as_mut() {
+            w.reset(world);
+        }
     }
 
     /// How many nodes the session has.
