@@ -615,3 +615,52 @@ impl Session {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out(node: usize, stage: Stage) -> LeftOut {
+        LeftOut {
+            node,
+            host: format!("h{node}"),
+            stage,
+            evidence: Evidence::Seen,
+            why: format!("why {node}"),
+            at: SystemTime::now(),
+        }
+    }
+
+    /// The transitions: a node left out leaves the active ones once (its first evidence
+    /// stands); spares are the joined nodes in neither list; a spare taken in fills the place
+    /// of the last node left out; nodes kept in on evidence join the list at the end, unless
+    /// they left since.
+    #[test]
+    fn the_roster_moves_nodes_between_states_once() {
+        let mut r = Roster::of(vec![0, 1, 2]);
+        let joined = |i: usize| i != 4;
+        assert_eq!(r.spares(5, joined), [3]);
+        assert!(r.leave_out(out(1, Stage::Run)));
+        assert!(!r.leave_out(out(1, Stage::Lost)), "left out once");
+        assert_eq!(r.left_out()[0].stage, Stage::Run);
+        assert_eq!(r.active(), [0, 2]);
+        assert!(r.is_left_out(1) && !r.is_active(1));
+        assert_eq!(r.gaps(3), ["h1"]);
+        r.take_in(3);
+        assert!(r.spares(5, joined).is_empty());
+        assert!(r.gaps(3).is_empty());
+        r.keep(out(0, Stage::Run));
+        r.keep(out(1, Stage::Run));
+        r.keep(out(2, Stage::Run));
+        assert!(r.leave_out(out(2, Stage::Lost)));
+        assert_eq!(r.left_out().len(), 2, "kept nodes wait for the end");
+        r.settle();
+        let listed: Vec<(usize, Stage)> = r.left_out().iter().map(|l| (l.node, l.stage)).collect();
+        assert_eq!(
+            listed,
+            [(1, Stage::Run), (2, Stage::Lost), (0, Stage::Run)],
+            "a kept node is listed once, and one left out since with its own evidence"
+        );
+        assert_eq!(r.left_out_json()[1]["stage"], "run");
+    }
+}

@@ -503,6 +503,31 @@ mod tests {
         }
     }
 
+    /// Elastic: a node that joins while the group runs stops it, and the step says so (the job
+    /// re-forms with the node; no side flag carries it).
+    #[tokio::test(start_paused = true)]
+    async fn a_node_that_joins_mid_step_ends_it_to_grow() {
+        let (a, seen_a) = node("a", Script::UntilStopped);
+        let (b, seen_b) = node("b", Script::UntilStopped);
+        let (c, _) = node("c", Script::Deaf);
+        let (mut s, _sig) = session(vec![a, b, c]);
+        s.nodes[2].joined = None;
+        s.roster = Roster::of(vec![0, 1]);
+        s.plan.min_nodes = 2;
+        s.store().unwrap().set(&s.keys().joined(2), b"{}");
+        let ended = s
+            .run_step(
+                vec![Some(run_step()), Some(run_step()), None],
+                Policy::Together,
+            )
+            .await
+            .unwrap();
+        assert!(matches!(ended.ending, StepEnd::Grow), "{:?}", ended.ending);
+        assert!(is(&ended.results[0], |x| matches!(x, RunResult::Stopped)));
+        assert_eq!(seen_a.lock().unwrap().requests, [StopRequest::Polite]);
+        assert_eq!(seen_b.lock().unwrap().requests, [StopRequest::Polite]);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_signal_stops_waiting_at_once_outside_a_job() {
         let (a, seen_a) = node("a", Script::Deaf);
