@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::Session;
+use crate::protocol::Keys;
 use nrun_base::error::{Error, Result};
 use nrun_store::client::Client;
 
@@ -95,6 +96,7 @@ impl Session {
             started,
             deadline,
             endpoint: format!("{}:{}", self.rendezvous.addr, self.rendezvous.port),
+            addr: self.rendezvous.addr.clone(),
             whose: match self.store().is_some() {
                 true => "this node's store",
                 false => "node 0's store",
@@ -171,7 +173,7 @@ impl Session {
             }
             let mut missing: Option<Vec<usize>> = None;
             if let Some(c) = conn.as_mut() {
-                match self.look(c, m.me, m.n).await {
+                match look(c, self.keys(), m.me, m.n).await {
                     Ok(v) => missing = Some(v),
                     Err(e) => {
                         last = format!("{}: {e}", m.endpoint);
@@ -192,7 +194,7 @@ impl Session {
             };
             if Instant::now() >= m.deadline {
                 m.say(&what, true);
-                return Err(self.not_met(m, missing.as_deref(), &last, silent.as_ref()));
+                return Err(m.not_met(missing.as_deref(), &last, silent.as_ref()));
             }
             m.say(&what, false);
             m.progress.waiting(|| what.clone());
@@ -202,31 +204,36 @@ impl Session {
             }
         }
     }
+}
 
-    /// Checks in at node 0's store over `c` and reads who has: the nodes still missing.
-    async fn look(&self, c: &mut Client, me: usize, n: usize) -> std::io::Result<Vec<usize>> {
-        c.set(&arrived(self, me), nrun_base::net::hostname().as_bytes())
-            .await?;
-        let mut out = Vec::new();
-        for k in 0..n {
-            if !c.check(&[&arrived(self, k)]).await? {
-                out.push(k);
-            }
+/// Checks in at node 0's store over `c` (as node `me` of `n`) and reads who has: the nodes
+/// still missing.
+async fn look(c: &mut Client, keys: &Keys, me: usize, n: usize) -> std::io::Result<Vec<usize>> {
+    c.set(
+        &keys.static_arrived(me),
+        nrun_base::net::hostname().as_bytes(),
+    )
+    .await?;
+    let mut out = Vec::new();
+    for k in 0..n {
+        if !c.check(&[&keys.static_arrived(k)]).await? {
+            out.push(k);
         }
-        Ok(out)
     }
+    Ok(out)
+}
 
+impl Meeting {
     /// The error at the deadline of a node other than node 0: the nodes still `missing`, or
     /// node 0's store never reached (`last` said why; `silent`: something there answered
     /// nothing).
     fn not_met(
         &self,
-        m: &Meeting,
         missing: Option<&[usize]>,
         last: &str,
         silent: Option<&std::io::Error>,
     ) -> Error {
-        let (me, n, endpoint) = (m.me, m.n, &m.endpoint);
+        let (me, n, endpoint) = (self.me, self.n, &self.endpoint);
         if let (None, Some(e)) = (missing, silent) {
             return something_else(endpoint, "--master-port", e);
         }
@@ -235,14 +242,14 @@ impl Session {
                 "node {me} of {n}: {} did not arrive at node 0's store {endpoint} within {} s \
                  (--join-timeout): start the same command there with its --node-rank",
                 missing_words(v),
-                m.timeout.as_secs()
+                self.timeout.as_secs()
             ),
             None => format!(
                 "node {me} of {n}: node 0's store at {endpoint} did not answer within {} s \
                  (--join-timeout; {last}): start the same command with --node-rank 0 on {}, \
                  and check the firewall and the route there",
-                m.timeout.as_secs(),
-                self.rendezvous.addr
+                self.timeout.as_secs(),
+                self.addr
             ),
         })
     }
@@ -257,6 +264,8 @@ struct Meeting {
     started: Instant,
     deadline: Instant,
     endpoint: String,
+    /// Node 0's address, as given.
+    addr: String,
     whose: &'static str,
     progress: crate::progress::Progress,
     said: bool,

@@ -207,7 +207,8 @@ impl Session {
                 master_port: l.port,
                 error_file: &error_file,
             };
-            let mut env = self.worker_env(plan, &place, &slot, &node_env);
+            let mut env = worker_env(&self.plan.env, &self.run_id, plan, &place, &slot);
+            env.extend(node_env.iter().cloned());
             if l.logs && plan.virtual_local_rank {
                 virtual_local_rank(&mut env, local_rank);
             }
@@ -272,29 +273,26 @@ impl Session {
         }
         specs
     }
+}
 
-    /// A worker's environment: the run's variables, then torchrun's and nrun's own for its
-    /// `place` and `slot`, then its node's (`node_env`).
-    fn worker_env(
-        &self,
-        plan: &WorkersPlan,
-        place: &Place,
-        slot: &WorkerSlot<'_>,
-        node_env: &[(String, String)],
-    ) -> Vec<(String, String)> {
-        // The shared secret never reaches a worker, even if a user forwards it (-x,
-        // .nrun_env); what workers inherit goes without it too (node::Start::spawn).
-        let mut env: Vec<(String, String)> = self
-            .plan
-            .env
-            .iter()
-            .filter(|(k, _)| k != nrun_store::auth::SHARED_SECRET_VAR)
-            .cloned()
-            .collect();
-        env.extend(plan.worker_env_at(&self.run_id, place, slot));
-        env.extend(node_env.iter().cloned());
-        env
-    }
+/// A worker's environment before its node's: the run's variables (`run_env`), then torchrun's
+/// and nrun's own for its place and slot in run `run_id`.
+fn worker_env(
+    run_env: &[(String, String)],
+    run_id: &str,
+    plan: &WorkersPlan,
+    place: &Place,
+    slot: &WorkerSlot<'_>,
+) -> Vec<(String, String)> {
+    // The shared secret never reaches a worker, even if a user forwards it (-x, .nrun_env);
+    // what workers inherit goes without it too (node::Start::spawn).
+    let mut env: Vec<(String, String)> = run_env
+        .iter()
+        .filter(|(k, _)| k != nrun_store::auth::SHARED_SECRET_VAR)
+        .cloned()
+        .collect();
+    env.extend(plan.worker_env_at(run_id, place, slot));
+    env
 }
 
 /// A worker's ranks, for its prefix.
