@@ -597,15 +597,15 @@ async fn attempt_loop(
     loop {
         rec.attempts = count.attempt as usize + 1;
         rec.restarts = count.restarts;
-        let (group, ended) = match run_attempt(s, job, program, args, &count, rec).await {
+        let (group, step) = match run_attempt(s, job, program, args, &count, rec).await {
             Ok(r) => r,
             Err(code) => return code,
         };
-        let next = match &ended.ending {
-            StepEnd::Hung(stop) => after_hang(s, job, &mut count, &group, stop, &ended, rec),
+        let next = match &step.ending {
+            StepEnd::Hung(stop) => after_hang(s, job, &mut count, &group, stop, &step, rec),
             // Elastic: nodes arrived while the group ran; it was stopped to take them in.
             StepEnd::Grow => grown(s, rec),
-            _ => after_end(s, job, &mut count, shape, &ended, rec),
+            _ => after_end(s, job, &mut count, shape, &step, rec),
         };
         if let ControlFlow::Break(code) = next {
             return code;
@@ -642,13 +642,13 @@ fn after_hang(
     count: &mut Count,
     group: &crate::session::spec::Group,
     stop: &crate::watch::Stop,
-    ended: &Ended,
+    step: &Ended,
     rec: &mut Record,
 ) -> ControlFlow<u8> {
     s.journal.attempt_end("hang", exit::HANG);
     let pinned = hang_pinned(s, group, stop);
     let restart_left = count.restart_left(job);
-    let (_, applied) = apply(s, &ended.results, pinned, restart_left, count.attempt, rec);
+    let (_, applied) = apply(s, &step.results, pinned, restart_left, count.attempt, rec);
     match applied {
         Applied::Restarted => {
             let restarts = count.restart(s);
@@ -686,15 +686,15 @@ fn after_end(
     job: &RunSettings,
     count: &mut Count,
     shape: &JobShape<'_>,
-    ended: &Ended,
+    step: &Ended,
     rec: &mut Record,
 ) -> ControlFlow<u8> {
-    let (code, headline, summary, error_json) = match report::job_end(shape, &ended.results) {
+    let (code, headline, summary, error_json) = match report::job_end(shape, &step.results) {
         JobEnd::Success => {
-            return ControlFlow::Break(self::ended(s, rec, "success", exit::SUCCESS));
+            return ControlFlow::Break(ended(s, rec, "success", exit::SUCCESS));
         }
         JobEnd::Interrupted(c) => {
-            self::ended(s, rec, "interrupted", c);
+            ended(s, rec, "interrupted", c);
             tracing::warn!(
                 "stopped by {}; every worker was stopped",
                 nrun_node::signal_name(i32::from(c) - 128)
@@ -708,10 +708,10 @@ fn after_end(
             error_json,
         } => (code, headline, summary, error_json),
     };
-    self::ended(s, rec, "failed", code);
+    ended(s, rec, "failed", code);
     rec.headline = Some(headline.clone());
     let restart_left = count.restart_left(job);
-    let (d, applied) = apply(s, &ended.results, None, restart_left, count.attempt, rec);
+    let (d, applied) = apply(s, &step.results, None, restart_left, count.attempt, rec);
     let told = match applied {
         Applied::Restarted => {
             let restarts = count.restart(s);
@@ -793,9 +793,9 @@ async fn run_attempt(
     let hosts = group.members.iter().map(|m| s.nodes[m.node].label.clone());
     s.journal.attempt_start(attempt, world, hosts.collect());
     match s.run_step(steps, Policy::Together).await {
-        Ok(ended) => {
-            failed_events(s, &ended.results);
-            Ok((group, ended))
+        Ok(step) => {
+            failed_events(s, &step.results);
+            Ok((group, step))
         }
         Err(e) => {
             let outcome = match e.code > 128 {
