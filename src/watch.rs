@@ -779,8 +779,15 @@ pub(crate) struct WatchState {
     pub hangs: Vec<Diagnosis>,
     pub stragglers: Vec<Straggler>,
     pub mismatches: Vec<Mismatch>,
-    /// The job was stopped because of a hang (or a collective mismatch).
-    pub stopped: bool,
+}
+
+/// Why the watch stops a job (`--on-hang stop`).
+#[derive(Clone, Debug)]
+pub(crate) enum Stop {
+    /// Ranks called a collective differently (the last of [`WatchState::mismatches`]).
+    Mismatch,
+    /// The job hung, as diagnosed (also the last of [`WatchState::hangs`]).
+    Hang(Diagnosis),
 }
 
 /// A hang or a straggler the watch found, as it found it (the journal makes it an event).
@@ -819,7 +826,6 @@ impl WatchState {
             hangs: Vec::new(),
             stragglers: Vec::new(),
             mismatches: Vec::new(),
-            stopped: false,
         }
     }
 
@@ -841,13 +847,14 @@ impl WatchState {
     }
 
     /// Looks at the views (at most once a second): prints a hang or a straggler when one is
-    /// found. Returns true when the job should stop (a hang, with `--on-hang stop`).
-    pub(crate) fn check(&mut self, hosts: &[String]) -> bool {
+    /// found. Some: the job should stop, and why (a hang or a collective mismatch, with
+    /// `--on-hang stop`).
+    pub(crate) fn check(&mut self, hosts: &[String]) -> Option<Stop> {
         if self
             .last_check
             .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
         {
-            return false;
+            return None;
         }
         self.last_check = Some(Instant::now());
         // The views are lent out while the parts of the check look at them and update the rest.
@@ -857,7 +864,7 @@ impl WatchState {
         stop
     }
 
-    fn check_views(&mut self, views: &HashMap<usize, NodeWatch>, hosts: &[String]) -> bool {
+    fn check_views(&mut self, views: &HashMap<usize, NodeWatch>, hosts: &[String]) -> Option<Stop> {
         let seen = seen_of(views, hosts);
         // The last stall seen is what explains a failure that follows it: by the time ranks
         // fail, their stacks show the error being raised, then every rank stopped.
@@ -865,8 +872,7 @@ impl WatchState {
             self.last_stall = Some((Instant::now(), views.clone()));
         }
         if self.say_mismatch(&seen) {
-            self.stopped = true;
-            return true;
+            return Some(Stop::Mismatch);
         }
         // A rank whose stack cannot be read (not yet, or not at all) says nothing about progress.
         let live: Vec<&Seen<'_>> = seen
@@ -875,7 +881,7 @@ impl WatchState {
             .collect();
         self.note_unreadable(&seen);
         if live.is_empty() {
-            return false;
+            return None;
         }
         for s in &live {
             tracing::trace!(
@@ -893,7 +899,7 @@ impl WatchState {
         let all_seen =
             seen.len() >= self.world || self.step_started.elapsed() >= 2 * self.plan.hang_timeout;
         let stalled = all_seen && stalled(&live, timeout);
-        let mut stop = false;
+        let mut stop = None;
         if !stalled {
             self.hang_said = false;
         } else if !self.hang_said {
@@ -901,7 +907,9 @@ impl WatchState {
             if let Some(mut d) = diagnose(&seen) {
                 d.nccl_ras = ras_of(views, hosts, d.stalled_s);
                 eprint!("{}", hang_text(&d, self.plan.hang_timeout));
-                stop = self.plan.on_hang == OnHang::Stop && d.kind != Kind::AllBusy;
+                if self.plan.on_hang == OnHang::Stop && d.kind != Kind::AllBusy {
+                    stop = Some(Stop::Hang(d.clone()));
+                }
                 self.found.push(Finding::Hang(d.clone()));
                 self.hangs.push(d);
             }
@@ -910,7 +918,6 @@ impl WatchState {
         if let Some(s) = straggler(&seen).or(by_fr).filter(|_| !stalled) {
             self.say_straggler(s);
         }
-        self.stopped |= stop;
         stop
     }
 
@@ -1270,7 +1277,7 @@ mod tests {
                 ranks: vec![unread],
             },
         );
-        assert!(!w.check(&["h1".to_string()]));
+        assert!(w.check(&["h1".to_string()]).is_none());
         assert!(w.hangs.is_empty());
         // Said only once it has stayed unreadable a while (a Python still starting cannot be
         // read for a moment); a rank read again starts over.
@@ -1554,11 +1561,13 @@ mod tests {
                 on_hang,
             });
             w.observe(0, ranks());
-            assert_eq!(w.check(&hosts), stops);
-            assert_eq!((w.mismatches.len(), w.stopped), (1, stops));
+            let stop = w.check(&hosts);
+            assert_eq!(stop.is_some(), stops);
+            assert!(matches!(stop, None | Some(Stop::Mismatch)));
+            assert_eq!(w.mismatches.len(), 1);
             w.last_check = None;
             w.observe(0, ranks());
-            assert!(!w.check(&hosts) || stops);
+            assert!(w.check(&hosts).is_none() || stops);
             assert_eq!(w.mismatches.len(), 1, "said once");
             assert_eq!(w.json()["mismatches"][0]["seq"], 6);
         }
@@ -1581,7 +1590,7 @@ mod tests {
                 ranks: vec![waiting(0, "all_reduce")],
             },
         );
-        assert!(!w.check(&hosts));
+        assert!(w.check(&hosts).is_none());
         assert!(w.hangs.is_empty());
         w.last_check = None;
         w.observe(
@@ -1591,7 +1600,7 @@ mod tests {
                 ranks: vec![busy(1, 30)],
             },
         );
-        assert!(w.check(&hosts));
+        assert!(w.check(&hosts).is_some());
         assert_eq!(w.hangs.len(), 1);
         assert!(
             w.hangs[0].conclusion.contains("rank 1 on h2"),
@@ -1616,7 +1625,7 @@ mod tests {
             },
         );
         // Everyone at the same place: reported, never stopped.
-        assert!(!w.check(&hosts));
+        assert!(w.check(&hosts).is_none());
         assert_eq!(w.hangs.len(), 1);
         w.last_check = None;
         w.observe(
@@ -1626,7 +1635,10 @@ mod tests {
                 ranks: vec![waiting(0, "all_reduce"), busy(1, 7)],
             },
         );
-        assert!(!w.check(&hosts), "said once until progress resumes");
+        assert!(
+            w.check(&hosts).is_none(),
+            "said once until progress resumes"
+        );
         w.last_check = None;
         // Progress: the collective completed, rank 0 is in the next one.
         let (mut next, mut moving) = (waiting(0, "all_reduce"), busy(1, 8));
@@ -1638,7 +1650,7 @@ mod tests {
                 ranks: vec![next, moving],
             },
         );
-        assert!(!w.check(&hosts));
+        assert!(w.check(&hosts).is_none());
         assert!(!w.hang_said);
         w.last_check = None;
         w.observe(
@@ -1648,8 +1660,8 @@ mod tests {
                 ranks: vec![waiting(0, "all_reduce"), busy(1, 7)],
             },
         );
-        assert!(w.check(&hosts));
-        assert!(w.stopped && w.hangs.len() == 2);
+        assert!(matches!(w.check(&hosts), Some(Stop::Hang(_))));
+        assert_eq!(w.hangs.len(), 2);
         assert!(
             w.cause(&hosts)
                 .is_some_and(|c| c.contains("rank 1 on h1 has not entered it"))
@@ -1690,8 +1702,8 @@ mod tests {
                     ranks: vec![poller.clone()],
                 },
             );
-            assert_eq!(w.check(&hosts), hang, "waited {waited_ms} ms");
-            assert_eq!((w.hangs.len(), w.stopped), (usize::from(hang), hang));
+            assert_eq!(w.check(&hosts).is_some(), hang, "waited {waited_ms} ms");
+            assert_eq!(w.hangs.len(), usize::from(hang));
             if hang {
                 let d = &w.hangs[0];
                 assert_eq!(
@@ -1722,7 +1734,7 @@ mod tests {
                 ranks: vec![poller.clone(), RankView { rank: 0, ..poller }],
             },
         );
-        assert!(!w.check(&hosts[..1]));
+        assert!(w.check(&hosts[..1]).is_none());
         assert!(w.hangs.is_empty());
     }
 

@@ -534,7 +534,8 @@ impl Bisect<'_> {
             .during(s.run_step(steps, Policy::Apart { deadline }), |p| {
                 p.waiting(|| format!("the probes of {}", crate::progress::few(&waits_for)))
             })
-            .await?;
+            .await?
+            .results;
         p.finish(None);
         let mut outs: Vec<GroupOut> = groups
             .iter()

@@ -61,8 +61,8 @@ pub(crate) async fn run(
     // Each run of the preflight its own keys (it runs again after nodes were left out); the
     // first's are the same on every node of a static launch.
     let id = match round {
-        0 => format!("{}/pf", s.run),
-        n => format!("{}/pf{n}", s.run),
+        0 => format!("{}/pf", s.run()),
+        n => format!("{}/pf{n}", s.run()),
     };
     let settings: Vec<Settings> = (0..s.len())
         .map(|i| node_settings(s, pf, i, here_lib.clone(), &id))
@@ -73,7 +73,7 @@ pub(crate) async fn run(
     let deadline = pf.timeout * 2 + Duration::from_secs(120);
     let group = s.group();
     let launch = Launch {
-        port: s.rendezvous.port,
+        port: s.rendezvous().port,
         attempt: 0,
         restart_count: 0,
         program: THIS_NRUN,
@@ -94,7 +94,7 @@ pub(crate) async fn run(
         .p
         .during(s.run_step(steps, Policy::Together), |p| sweep.sizes.read(p));
     let results = match ran.await {
-        Ok(r) => r,
+        Ok(r) => r.results,
         Err(e) => return Ok(Ended::early(e.code)),
     };
     sweep.done();
@@ -323,8 +323,8 @@ pub(super) fn node_settings(
     ) {
         (Some(a), _) => a.to_string(),
         // Ranks on a single node listen where the store is, loopback included.
-        (None, true) => match s.rendezvous.addr.parse::<std::net::IpAddr>() {
-            Ok(a) if a.is_loopback() => s.rendezvous.addr.clone(),
+        (None, true) => match s.rendezvous().addr.parse::<std::net::IpAddr>() {
+            Ok(a) if a.is_loopback() => s.rendezvous().addr.clone(),
             _ => "0.0.0.0".into(),
         },
         (None, _) => "0.0.0.0".into(),
@@ -351,14 +351,14 @@ async fn read_reports(
             .filter_map(|k| st.get(&k).map(|v| (k, v)))
             .collect();
     }
-    let store = format!("{}:{}", s.rendezvous.addr, s.rendezvous.port);
+    let store = format!("{}:{}", s.rendezvous().addr, s.rendezvous().port);
     let read = async {
         let addr = store
             .to_socket_addrs()?
             .next()
             .ok_or_else(|| std::io::Error::other("the address resolves to nothing"))?;
         let mut c = Client::connect(addr, Duration::from_secs(5)).await?;
-        if let Some(secret) = &s.rendezvous.secret {
+        if let Some(secret) = &s.rendezvous().secret {
             c.authenticate(secret.as_bytes()).await?;
         }
         let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();

@@ -1,6 +1,8 @@
 //! The job: start the session, join and check the nodes, the preflight, then attempts of the
 //! worker group on every node until one succeeds or --max-restarts runs out.
 
+use std::ops::ControlFlow;
+
 use super::preflight;
 
 use crate::fault;
@@ -10,6 +12,7 @@ use crate::protocol::StepResult;
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::roster::Stage;
 use crate::session::spec::Launch;
+use crate::session::step::{Ended, StepEnd};
 use crate::session::{Policy, Session};
 use crate::watch::WatchState;
 use nrun_base::error::{Error, Result, exit};
@@ -59,8 +62,11 @@ pub(crate) async fn run(
         }
         v
     });
-    s.journal
-        .nodes(s.active.len(), s.left_out.len(), s.spares().len());
+    s.journal.nodes(
+        s.roster().active().len(),
+        s.roster().left_out().len(),
+        s.spares().len(),
+    );
     // The journal outlives the session: stopping the nodes is the ledger's last phase.
     let mut journal = std::mem::replace(&mut s.journal, crate::journal::Journal::new(""));
     // Nodes whose own nrun joined (c10d) exit with the job's code.
@@ -146,10 +152,7 @@ impl Record {
             "restarts": self.restarts,
             "decisions": self.decisions,
         });
-        v["watch"] = s
-            .watch
-            .as_ref()
-            .map_or(serde_json::Value::Null, WatchState::json);
+        v["watch"] = s.watch().map_or(serde_json::Value::Null, WatchState::json);
         v
     }
 }
@@ -175,7 +178,7 @@ async fn drive(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u
                 true => super::bisect::on_the_spot(s, job, pf).await?,
                 false => blamed_nodes(s, &ended.blamed),
             };
-            if blamed.is_empty() || blamed.len() * 2 > s.active.len() {
+            if blamed.is_empty() || blamed.len() * 2 > s.roster().active().len() {
                 break;
             }
             // A spare the bisect found bad is left out too, but only a node of the job being
@@ -183,7 +186,7 @@ async fn drive(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Result<u
             let replaced: Vec<usize> = blamed
                 .iter()
                 .map(|b| b.0)
-                .filter(|i| s.active.contains(i))
+                .filter(|i| s.roster().is_active(*i))
                 .collect();
             for (i, why) in &blamed {
                 s.leave_out(*i, Stage::Preflight, why);
@@ -254,11 +257,11 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
     if let Err(e) = s.fill() {
         return Err(short_at_join(s, &failures, e));
     }
-    if s.active.len() < s.plan.size && s.elastic() {
+    if s.roster().active().len() < s.plan.size && s.elastic() {
         tracing::warn!(
             "{} of {} nodes joined; the job starts with them (--nnodes {}:{}); a node that \
              joins later is taken in (the worker group restarts with it)",
-            s.active.len(),
+            s.roster().active().len(),
             s.plan.size,
             s.plan.min_nodes,
             s.plan.size
@@ -289,8 +292,8 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
         .filter(|i| !sick.iter().any(|(j, _)| j == i))
         .count();
     for (i, why) in sick {
-        if !s.active.contains(&i) || free > 0 {
-            free -= usize::from(s.active.contains(&i));
+        if !s.roster().is_active(i) || free > 0 {
+            free -= usize::from(s.roster().is_active(i));
             s.leave_out(i, Stage::Check, &why);
         } else {
             tracing::warn!("{why}; no spare to take its place, so it stays in");
@@ -302,18 +305,18 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
     }
     s.fill()?;
     let spares = s.spares();
-    if !s.left_out.is_empty() {
+    if !s.roster().left_out().is_empty() {
         tracing::warn!(
             "the job runs on {} nodes: {} ({} left out, see above)",
-            s.active.len(),
-            s.names(&s.active),
-            s.left_out.len()
+            s.roster().active().len(),
+            s.names(s.roster().active()),
+            s.roster().left_out().len()
         );
     }
     if !spares.is_empty() {
         tracing::info!(
             "the job runs on {} nodes; spare(s): {}",
-            s.active.len(),
+            s.roster().active().len(),
             s.names(&spares)
         );
     }
@@ -322,7 +325,7 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
 
 /// Too few nodes joined: the nodes that did not, as before spares existed, then exit 98.
 fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
-    if failures.is_empty() || s.left_out.iter().any(|l| l.stage != Stage::Join) {
+    if failures.is_empty() || s.roster().left_out().iter().any(|l| l.stage != Stage::Join) {
         return e;
     }
     // Most nodes failing to join is the setup's fault (ssh, nrun's path), not theirs; so is a
@@ -349,7 +352,9 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
             "  a torchrun node came to {}:{} for rendezvous {:?}: this endpoint is an nrun \
              rendezvous (every node must use the same launcher): start every node with nrun, \
              or every node with torchrun",
-            s.rendezvous.addr, s.rendezvous.port, s.run_id
+            s.rendezvous().addr,
+            s.rendezvous().port,
+            s.run_id
         ),
         false => eprintln!("  hint: {}", join_hint(s, failures)),
     }
@@ -358,7 +363,7 @@ fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
             "nrun: error: the job needs {} node(s) and {} joined (exit {code}: too few healthy \
              nodes)",
             s.plan.min_nodes,
-            s.active.len(),
+            s.roster().active().len(),
         );
     }
     Error::exit(code)
@@ -385,7 +390,7 @@ fn join_hint(s: &Session, failures: &[(usize, String)]) -> String {
         .find(|k| !k.joins_by_itself)
         .or_else(|| kinds().next())
         .unwrap_or(crate::session::link::launcher(&s.plan));
-    (kind.join_hint)(&s.plan, &s.rendezvous)
+    (kind.join_hint)(&s.plan, s.rendezvous())
 }
 
 /// The job's attempts, counted in `rec`.
@@ -433,7 +438,7 @@ async fn attempts(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Resul
         world: s.group().world,
         command: &command,
     };
-    s.watch = job.watch.map(WatchState::new);
+    s.set_watch(job.watch.map(WatchState::new));
     Ok(attempt_loop(s, job, &program, &args, &shape, rec).await)
 }
 
@@ -442,7 +447,8 @@ fn blamed_nodes(s: &Session, blamed: &[(String, String)]) -> Vec<(usize, String)
     let mut out: Vec<(usize, String)> = Vec::new();
     for (host, why) in blamed {
         let Some(i) = s
-            .active
+            .roster()
+            .active()
             .iter()
             .copied()
             .find(|i| s.nodes[*i].label == *host)
@@ -460,16 +466,19 @@ fn blamed_nodes(s: &Session, blamed: &[(String, String)]) -> Vec<(usize, String)
     out
 }
 
-/// The node of the ranks the watch's last hang blames, when they are all on one node.
-fn hang_pinned(s: &Session, group: &crate::session::spec::Group) -> Option<(usize, String)> {
-    let w = s.watch.as_ref()?;
+/// The node of the ranks the hang that stopped the job blames, when they are all on one node.
+fn hang_pinned(
+    s: &Session,
+    group: &crate::session::spec::Group,
+    stop: &crate::watch::Stop,
+) -> Option<(usize, String)> {
+    let w = s.watch()?;
     // Ranks that called different collectives (or sizes) are the program's doing, not a
-    // node's: nobody is suspected for it.
-    if !w.mismatches.is_empty() {
+    // node's: nobody is suspected for it (nor after they did once in this job).
+    let crate::watch::Stop::Hang(d) = stop else {
         return None;
-    }
-    let d = w.hangs.last()?;
-    if d.kind == crate::watch::Kind::Disagree {
+    };
+    if !w.mismatches.is_empty() || d.kind == crate::watch::Kind::Disagree {
         return None;
     }
     let node_of = |r: usize| {
@@ -493,10 +502,9 @@ fn hang_pinned(s: &Session, group: &crate::session::spec::Group) -> Option<(usiz
 /// The fault model's reading of a failed (or hung) attempt: each active node's evidence, and
 /// the decision under the job's policy now.
 fn judge(
-    s: &Session,
+    s: &mut Session,
     results: &[Option<StepResult>],
     hang: Option<(usize, String)>,
-    history: &mut fault::History,
     restart_left: bool,
 ) -> fault::Decision {
     let evidence: Vec<(usize, fault::Evidence)> = results
@@ -508,7 +516,7 @@ fn judge(
         })
         .collect();
     let room = match s.elastic() {
-        true => s.active.len().saturating_sub(s.plan.min_nodes),
+        true => s.roster().active().len().saturating_sub(s.plan.min_nodes),
         false => 0,
     };
     let policy = fault::Policy {
@@ -516,7 +524,7 @@ fn judge(
         spares: s.spares().len(),
         room,
     };
-    fault::decide(&evidence, history, policy)
+    fault::decide(&evidence, s.suspicions(), policy)
 }
 
 /// Says a decision once, with its evidence, and keeps it for --report and as an event.
@@ -567,6 +575,7 @@ fn tell(s: &mut Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
     }
 }
 
+/// The job's attempts until one ends it: the exit code.
 async fn attempt_loop(
     s: &mut Session,
     job: &RunSettings,
@@ -577,116 +586,154 @@ async fn attempt_loop(
 ) -> u8 {
     // `attempt` numbers the worker groups started (log directories); `restarts` those after a
     // failure (TORCHELASTIC_RESTART_COUNT): an elastic job growing is not a failure.
-    let mut restarts = 0;
-    let mut history = fault::History::default();
-    for attempt in 0u32.. {
-        rec.attempts = attempt as usize + 1;
-        rec.restarts = restarts;
-        let (group, results) =
-            match run_attempt(s, job, program, args, attempt, restarts, rec).await {
-                Ok(r) => r,
-                Err(code) => return code,
-            };
-        let restart_left = restarts < job.workers.max_restarts;
-        let hung = s.watch.as_ref().is_some_and(|w| w.stopped);
-        if hung {
-            s.journal.attempt_end("hang", exit::HANG);
-            if let Some(w) = s.watch.as_mut() {
-                w.stopped = false;
-            }
-            let pinned = hang_pinned(s, &group);
-            let (_, applied) = apply(
-                s,
-                &results,
-                pinned,
-                &mut history,
-                restart_left,
-                attempt,
-                rec,
-            );
-            match applied {
-                Applied::Restarted => {
-                    restarts += 1;
-                    s.journal.restart(restarts);
-                    tracing::warn!(
-                        "restarting the worker group after the hang ({restarts} of {} restarts)",
-                        job.workers.max_restarts
-                    );
-                    continue;
-                }
-                Applied::CannotReform(why) => {
-                    eprintln!("nrun: error: {why}; the job cannot go on");
-                    rec.outcome = Some("hang");
-                    return exit::NO_NODES;
-                }
-                Applied::Stopped => return hang_stop(s, rec),
-            }
-        }
-        // Elastic: nodes arrived while the group ran; it was stopped to take them in.
-        if std::mem::take(&mut s.grow) {
-            s.journal.attempt_end("interrupted", exit::SUCCESS);
-            s.journal.enter(Phase::Waiting);
-            if let Err(why) = s.reform(&[]) {
-                eprintln!("nrun: error: {why}; the job cannot go on");
-                rec.outcome = Some("failed");
-                return exit::CLUSTER;
-            }
-            continue;
-        }
-        let (code, headline, summary, error_json) = match report::job_end(shape, &results) {
-            JobEnd::Success => return ended(s, rec, "success", exit::SUCCESS),
-            JobEnd::Interrupted(c) => {
-                ended(s, rec, "interrupted", c);
-                tracing::warn!(
-                    "stopped by {}; every worker was stopped",
-                    nrun_node::signal_name(i32::from(c) - 128)
-                );
-                return c;
-            }
-            JobEnd::Failed {
-                code,
-                headline,
-                summary,
-                error_json,
-            } => (code, headline, summary, error_json),
+    let mut count = Count::default();
+    loop {
+        rec.attempts = count.attempt as usize + 1;
+        rec.restarts = count.restarts;
+        let (group, step) = match run_attempt(s, job, program, args, &count, rec).await {
+            Ok(r) => r,
+            Err(code) => return code,
         };
-        ended(s, rec, "failed", code);
-        rec.headline = Some(headline.clone());
-        let (d, applied) = apply(s, &results, None, &mut history, restart_left, attempt, rec);
-        match applied {
-            Applied::Restarted => {
-                restarts += 1;
-                s.journal.restart(restarts);
-                tracing::warn!(
-                    "{headline}; restarting the worker group ({restarts} of {} restarts)",
-                    job.workers.max_restarts
-                );
-            }
-            Applied::CannotReform(why) => {
-                let lost = d.judged.iter().any(|j| j.verdict == fault::Verdict::Lost);
-                let told = match lost {
-                    false => format!("{summary}nrun: error: {why}; the job cannot go on\n"),
-                    true => format!("{}nrun: error: {why}\n", lost_text(s, &d)),
-                };
-                eprint!("{told}");
-                tell_every_node(s, &told, error_json.as_deref());
-                return exit::NO_NODES;
-            }
-            Applied::Stopped if d.action == fault::Action::StopShort => {
-                let told = format!(
-                    "{}nrun: error: the job cannot go on without it: no restart left \
-                     (--max-restarts; exit {}: too few healthy nodes)\n",
-                    lost_text(s, &d),
-                    exit::NO_NODES
-                );
-                eprint!("{told}");
-                tell_every_node(s, &told, error_json.as_deref());
-                return exit::NO_NODES;
-            }
-            Applied::Stopped => return stop_failed(s, job, shape, code, summary, error_json),
+        let next = match &step.ending {
+            StepEnd::Hung(stop) => after_hang(s, job, &mut count, &group, stop, &step, rec),
+            // Elastic: nodes arrived while the group ran; it was stopped to take them in.
+            StepEnd::Grow => grown(s, rec),
+            _ => after_end(s, job, &mut count, shape, &step, rec),
+        };
+        if let ControlFlow::Break(code) = next {
+            return code;
         }
+        count.attempt += 1;
     }
-    exit::SUCCESS
+}
+
+/// Worker groups started so far, and restarts after a failure or a hang.
+#[derive(Clone, Copy, Default)]
+struct Count {
+    attempt: u32,
+    restarts: u32,
+}
+
+impl Count {
+    fn restart_left(&self, job: &RunSettings) -> bool {
+        self.restarts < job.workers.max_restarts
+    }
+
+    /// One more restart, in the journal too: how many so far.
+    fn restart(&mut self, s: &mut Session) -> u32 {
+        self.restarts += 1;
+        s.journal.restart(self.restarts);
+        self.restarts
+    }
+}
+
+/// The watch stopped a hung attempt: the fault model's decision on it, applied (a restart
+/// goes on; a stop is the job's end, exit 97, or 98 where the group cannot re-form).
+fn after_hang(
+    s: &mut Session,
+    job: &RunSettings,
+    count: &mut Count,
+    group: &crate::session::spec::Group,
+    stop: &crate::watch::Stop,
+    step: &Ended,
+    rec: &mut Record,
+) -> ControlFlow<u8> {
+    s.journal.attempt_end("hang", exit::HANG);
+    let pinned = hang_pinned(s, group, stop);
+    let restart_left = count.restart_left(job);
+    let (_, applied) = apply(s, &step.results, pinned, restart_left, count.attempt, rec);
+    match applied {
+        Applied::Restarted => {
+            let restarts = count.restart(s);
+            tracing::warn!(
+                "restarting the worker group after the hang ({restarts} of {} restarts)",
+                job.workers.max_restarts
+            );
+            ControlFlow::Continue(())
+        }
+        Applied::CannotReform(why) => {
+            eprintln!("nrun: error: {why}; the job cannot go on");
+            rec.outcome = Some("hang");
+            ControlFlow::Break(exit::NO_NODES)
+        }
+        Applied::Stopped => ControlFlow::Break(hang_stop(s, stop, rec)),
+    }
+}
+
+/// Elastic: the group stopped to take in nodes that arrived re-forms with them.
+fn grown(s: &mut Session, rec: &mut Record) -> ControlFlow<u8> {
+    s.journal.attempt_end("interrupted", exit::SUCCESS);
+    s.journal.enter(Phase::Waiting);
+    if let Err(why) = s.reform(&[]) {
+        eprintln!("nrun: error: {why}; the job cannot go on");
+        rec.outcome = Some("failed");
+        return ControlFlow::Break(exit::CLUSTER);
+    }
+    ControlFlow::Continue(())
+}
+
+/// An attempt whose workers all ended: success and an interrupt end the job; a failure gets the
+/// fault model's decision, applied (a restart goes on; a stop says why and ends the job).
+fn after_end(
+    s: &mut Session,
+    job: &RunSettings,
+    count: &mut Count,
+    shape: &JobShape<'_>,
+    step: &Ended,
+    rec: &mut Record,
+) -> ControlFlow<u8> {
+    let (code, headline, summary, error_json) = match report::job_end(shape, &step.results) {
+        JobEnd::Success => {
+            return ControlFlow::Break(ended(s, rec, "success", exit::SUCCESS));
+        }
+        JobEnd::Interrupted(c) => {
+            ended(s, rec, "interrupted", c);
+            tracing::warn!(
+                "stopped by {}; every worker was stopped",
+                nrun_node::signal_name(i32::from(c) - 128)
+            );
+            return ControlFlow::Break(c);
+        }
+        JobEnd::Failed {
+            code,
+            headline,
+            summary,
+            error_json,
+        } => (code, headline, summary, error_json),
+    };
+    ended(s, rec, "failed", code);
+    rec.headline = Some(headline.clone());
+    let restart_left = count.restart_left(job);
+    let (d, applied) = apply(s, &step.results, None, restart_left, count.attempt, rec);
+    let told = match applied {
+        Applied::Restarted => {
+            let restarts = count.restart(s);
+            tracing::warn!(
+                "{headline}; restarting the worker group ({restarts} of {} restarts)",
+                job.workers.max_restarts
+            );
+            return ControlFlow::Continue(());
+        }
+        Applied::CannotReform(why) => {
+            let lost = d.judged.iter().any(|j| j.verdict == fault::Verdict::Lost);
+            match lost {
+                false => format!("{summary}nrun: error: {why}; the job cannot go on\n"),
+                true => format!("{}nrun: error: {why}\n", lost_text(s, &d)),
+            }
+        }
+        Applied::Stopped if d.action == fault::Action::StopShort => format!(
+            "{}nrun: error: the job cannot go on without it: no restart left \
+             (--max-restarts; exit {}: too few healthy nodes)\n",
+            lost_text(s, &d),
+            exit::NO_NODES
+        ),
+        Applied::Stopped => {
+            return ControlFlow::Break(stop_failed(s, job, shape, code, summary, error_json));
+        }
+    };
+    eprint!("{told}");
+    tell_every_node(s, &told, error_json.as_deref());
+    ControlFlow::Break(exit::NO_NODES)
 }
 
 /// The attempt ended, and with it the job (as far as this attempt knows): the record's outcome
@@ -704,21 +751,19 @@ async fn run_attempt(
     job: &RunSettings,
     program: &str,
     args: &[String],
-    attempt: u32,
-    restarts: u32,
+    count: &Count,
     rec: &mut Record,
-) -> Result<(crate::session::spec::Group, Vec<Option<StepResult>>), u8> {
+) -> Result<(crate::session::spec::Group, Ended), u8> {
+    let Count { attempt, restarts } = *count;
     if attempt > 0
         && let Some(st) = s.store()
     {
         st.clear_user_keys();
     }
     let world = s.group().world;
-    if let Some(w) = s.watch.as_mut() {
-        w.reset(world);
-    }
+    s.reset_watch(world);
     let launch = Launch {
-        port: s.rendezvous.port,
+        port: s.rendezvous().port,
         attempt,
         restart_count: restarts,
         program,
@@ -728,19 +773,22 @@ async fn run_attempt(
         extra: &|_| Vec::new(),
         grace_ms: job.shutdown_timeout.as_millis() as u64,
         deadline_ms: None,
-        watch: s.watch.as_ref().map(|w| w.plan.hang_timeout),
+        watch: s.watch().map(|w| w.plan.hang_timeout),
         secret: false,
     };
     let group = s.group();
     let steps = s.steps(&job.workers, &group, &launch);
-    s.journal
-        .nodes(s.active.len(), s.left_out.len(), s.spares().len());
+    s.journal.nodes(
+        s.roster().active().len(),
+        s.roster().left_out().len(),
+        s.spares().len(),
+    );
     let hosts = group.members.iter().map(|m| s.nodes[m.node].label.clone());
     s.journal.attempt_start(attempt, world, hosts.collect());
     match s.run_step(steps, Policy::Together).await {
-        Ok(r) => {
-            failed_events(s, &r);
-            Ok((group, r))
+        Ok(step) => {
+            failed_events(s, &step.results);
+            Ok((group, step))
         }
         Err(e) => {
             let outcome = match e.code > 128 {
@@ -771,12 +819,11 @@ fn apply(
     s: &mut Session,
     results: &[Option<StepResult>],
     hang: Option<(usize, String)>,
-    history: &mut fault::History,
     restart_left: bool,
     attempt: u32,
     rec: &mut Record,
 ) -> (fault::Decision, Applied) {
-    let d = judge(s, results, hang, history, restart_left);
+    let d = judge(s, results, hang, restart_left);
     tell(s, &d, attempt, rec);
     for (i, why) in &d.kept {
         s.flag(*i, why);
@@ -826,10 +873,10 @@ fn lost_text(s: &Session, d: &fault::Decision) -> String {
 }
 
 /// The watch stopped a hung job and no restart follows: exit 97.
-fn hang_stop(s: &Session, rec: &mut Record) -> u8 {
-    let what = match s.watch.as_ref().is_some_and(|w| !w.mismatches.is_empty()) {
-        true => "calling a collective differently on some ranks",
-        false => "hung",
+fn hang_stop(s: &Session, stop: &crate::watch::Stop, rec: &mut Record) -> u8 {
+    let what = match stop {
+        crate::watch::Stop::Mismatch => "calling a collective differently on some ranks",
+        crate::watch::Stop::Hang(_) => "hung",
     };
     eprintln!(
         "nrun: error: the watch found the job {what} (see above) and stopped it (--on-hang stop)"
@@ -857,7 +904,7 @@ fn stop_failed(
     error_json: Option<String>,
 ) -> u8 {
     // The watch's likely cause goes right under the headline.
-    let summary = match s.watch.as_ref().and_then(|w| w.cause(shape.hosts)) {
+    let summary = match s.watch().and_then(|w| w.cause(shape.hosts)) {
         Some(cause) => summary.replacen('\n', &format!("\n{cause}"), 1),
         None => summary,
     };

@@ -343,7 +343,7 @@ impl Session {
                 },
             });
         }
-        let results = self.run_step(steps, Policy::Probe).await?;
+        let results = self.run_step(steps, Policy::Probe).await?.results;
         Ok(results
             .into_iter()
             .enumerate()

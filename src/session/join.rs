@@ -335,7 +335,8 @@ impl Session {
     /// Whether a node outside the group has published its joined record while the job is
     /// short of its size (elastic, or spares used up), checked at most once a second.
     pub(super) fn arrivals(&mut self) -> bool {
-        if self.active.len() >= self.plan.size || self.active.is_empty() {
+        let active = self.roster.active();
+        if active.len() >= self.plan.size || active.is_empty() {
             return false;
         }
         let now = Instant::now();
@@ -350,7 +351,7 @@ impl Session {
         let beyond = self.handed_out().unwrap_or(0) + 1;
         (0..self.nodes.len().max(beyond))
             .filter(|i| {
-                !self.active.contains(i)
+                !self.roster.is_active(*i)
                     && self.nodes.get(*i).is_none_or(|n| n.joined.is_none())
                     && !self.is_left_out(*i)
             })
@@ -413,7 +414,7 @@ impl Session {
             &c10d_room_key(id),
             slots.saturating_sub(held).to_string().as_bytes(),
         );
-        for l in self.left_out.iter().filter(|l| l.bars_return()) {
+        for l in self.roster.left_out().iter().filter(|l| l.bars_return()) {
             // The first evidence stands (a node refused later repeats it).
             let key = self.machine_key(l.node).map(|h| c10d_refused_key(id, &h));
             if let Some(key) = key.filter(|k| !st.contains(k)) {

@@ -131,9 +131,9 @@ pub(crate) struct Rendezvous {
 pub(crate) struct Session {
     pub nodes: Vec<Node>,
     pub plan: NodesPlan,
-    pub rendezvous: Rendezvous,
+    rendezvous: Rendezvous,
     /// Distinguishes this run's keys (and temp files) from any other's.
-    pub run: String,
+    run: String,
     /// The run's name as the user gave it (TORCHELASTIC_RUN_ID).
     pub run_id: String,
     /// The conversation with the nodes' agents through the store.
@@ -143,17 +143,10 @@ pub(crate) struct Session {
     signals: Signals,
     step: usize,
     /// The watch over the job's steps that ask for it (set by the run command).
-    pub watch: Option<WatchState>,
-    /// The nodes the job runs on now (see [`roster`]): lost or failing nodes leave, spares and
-    /// an elastic job's late joiners come in, between attempts.
-    pub active: Vec<usize>,
-    /// Nodes taken out of the job, with the evidence.
-    pub left_out: Vec<roster::LeftOut>,
-    /// Node-level evidence against nodes that stayed in, nothing being there to take their
-    /// place (see [`crate::fault`]): remembered like the nodes left out at the end.
-    pub faulty: Vec<roster::LeftOut>,
-    /// Elastic: the running group was stopped because nodes arrived to take in.
-    pub grow: bool,
+    watch: Option<WatchState>,
+    /// The nodes the job runs on, the spares, those left out and why (see [`roster`]): lost or
+    /// failing nodes leave, spares and an elastic job's late joiners come in, between attempts.
+    roster: roster::Roster,
     arrivals_checked: Option<Instant>,
     /// The c10d rendezvous this nrun hosts (its id): nodes that come back join it.
     c10d_id: Option<String>,
@@ -211,10 +204,7 @@ impl Session {
             signals,
             step: 0,
             watch: None,
-            active: Vec::new(),
-            left_out: Vec::new(),
-            faulty: Vec::new(),
-            grow: false,
+            roster: roster::Roster::default(),
             arrivals_checked: None,
             c10d_id: None,
             journal: crate::journal::Journal::new(&plan.run_id),
@@ -283,6 +273,33 @@ impl Session {
         &self.bus.keys
     }
 
+    /// Where workers find the store.
+    pub(crate) fn rendezvous(&self) -> &Rendezvous {
+        &self.rendezvous
+    }
+
+    /// What distinguishes this run's keys (and temp files) from any other's.
+    pub(crate) fn run(&self) -> &str {
+        &self.run
+    }
+
+    /// The watch over the job's steps, when the job has one.
+    pub(crate) fn watch(&self) -> Option<&WatchState> {
+        self.watch.as_ref()
+    }
+
+    /// Watches the job's steps from now on (None: no more).
+    pub(crate) fn set_watch(&mut self, watch: Option<WatchState>) {
+        self.watch = watch;
+    }
+
+    /// The watch starts afresh for a step of `world` ranks (a restart's).
+    pub(crate) fn reset_watch(&mut self, world: usize) {
+        if let Some(w) = self.watch.as_mut() {
+            w.reset(world);
+        }
+    }
+
     /// How many nodes the session has.
     pub(crate) fn len(&self) -> usize {
         self.nodes.len()
@@ -304,9 +321,10 @@ impl Session {
     /// The job's group: every node as laid out, or the active ones, ranks numbered anew in
     /// node order (spares, left-out nodes, an elastic job's re-forming).
     pub(crate) fn group(&self) -> spec::Group {
-        match self.active.len() == self.nodes.len() || self.active.is_empty() {
+        let active = self.roster.active();
+        match active.len() == self.nodes.len() || active.is_empty() {
             true => spec::Group::all(self),
-            false => spec::Group::of(self, &self.active),
+            false => spec::Group::of(self, active),
         }
     }
 
@@ -326,7 +344,7 @@ impl Session {
             n.link.deliver(&self.bus, i, no, Some(&Step::End));
         }
         let bus = &self.bus;
-        let left: Vec<usize> = self.left_out.iter().map(|l| l.node).collect();
+        let left: Vec<usize> = self.roster.left_out().iter().map(|l| l.node).collect();
         let ends = self
             .nodes
             .iter_mut()

@@ -1,14 +1,132 @@
 //! Which nodes the job runs on: the active ones (at most the plan's `size`, ranks numbered by
-//! node order), the spares (joined, checked, running nothing), and the nodes left out with the
-//! evidence that put them out. One mechanism for every reason a node leaves (it did not join,
-//! failed a check, was lost or failed in a way pinned on it mid-run) and for every way one
-//! comes in (a spare, or an elastic job's late joiner).
+//! node order), the spares (joined, checked, running nothing), the nodes left out with the
+//! evidence that put them out, and the suspicions against those that stay. One mechanism for
+//! every reason a node leaves (it did not join, failed a check, was lost or failed in a way
+//! pinned on it mid-run) and for every way one comes in (a spare, or an elastic job's late
+//! joiner).
+//!
+//! [`Roster`] holds those states and their transitions; the session's methods here do what
+//! goes with them (the events, the checks of a node taken in, the words at the job's end).
 
 use std::time::SystemTime;
 
 use super::Session;
+use crate::fault;
 use crate::journal::Event;
 use nrun_base::error::{Error, Result};
+
+/// The nodes' states in the job. A node is active, a spare (joined, neither active nor left
+/// out), left out (with why), or none of those yet (not joined); an active node may also be
+/// kept in on evidence against it, or suspected once (the fault model's [`fault::History`]).
+#[derive(Default)]
+pub(crate) struct Roster {
+    /// The nodes the job runs on now, in node order once filled.
+    active: Vec<usize>,
+    /// Nodes taken out of the job, with the evidence, in the order they left.
+    left_out: Vec<LeftOut>,
+    /// Node-level evidence against nodes that stayed in, nothing being there to take their
+    /// place (see [`crate::fault`]): remembered like the nodes left out at the end.
+    kept: Vec<LeftOut>,
+    /// Suspicions: a second one against a node is node-level evidence.
+    suspicions: fault::History,
+}
+
+impl Roster {
+    /// The nodes the job runs on now.
+    pub(crate) fn active(&self) -> &[usize] {
+        &self.active
+    }
+
+    pub(crate) fn is_active(&self, i: usize) -> bool {
+        self.active.contains(&i)
+    }
+
+    /// The nodes left out so far, in the order they left.
+    pub(crate) fn left_out(&self) -> &[LeftOut] {
+        &self.left_out
+    }
+
+    pub(crate) fn is_left_out(&self, i: usize) -> bool {
+        self.left_out.iter().any(|l| l.node == i)
+    }
+
+    /// Of `nodes` nodes, those that joined (`joined`) and wait to take a place, in node order.
+    fn spares(&self, nodes: usize, joined: impl Fn(usize) -> bool) -> Vec<usize> {
+        (0..nodes)
+            .filter(|&i| joined(i) && !self.is_active(i) && !self.is_left_out(i))
+            .collect()
+    }
+
+    /// Takes `l.node` out of the job (and out of the active nodes). False: it was out already.
+    fn leave_out(&mut self, l: LeftOut) -> bool {
+        if self.is_left_out(l.node) {
+            return false;
+        }
+        self.active.retain(|a| *a != l.node);
+        self.left_out.push(l);
+        true
+    }
+
+    /// Keeps `l.node` in on node-level evidence, remembered for the end (the first evidence
+    /// stands; a node left out has its own).
+    fn keep(&mut self, l: LeftOut) {
+        if !self.is_left_out(l.node) && !self.kept.iter().any(|k| k.node == l.node) {
+            self.kept.push(l);
+        }
+    }
+
+    /// Node `i` takes a place in the job.
+    fn take_in(&mut self, i: usize) {
+        self.active.push(i);
+    }
+
+    /// The hosts whose places spares fill: the last nodes left out, as many as the job of
+    /// `size` misses.
+    fn gaps(&self, size: usize) -> Vec<String> {
+        let missing = size.saturating_sub(self.active.len());
+        let l = &self.left_out;
+        l[l.len().saturating_sub(missing)..]
+            .iter()
+            .map(|x| x.host.clone())
+            .collect()
+    }
+
+    /// At the job's end: the nodes kept in on evidence are listed with those left out.
+    fn settle(&mut self) {
+        for k in std::mem::take(&mut self.kept) {
+            if !self.is_left_out(k.node) {
+                self.left_out.push(k);
+            }
+        }
+    }
+
+    /// The nodes left out, as `--report` JSON.
+    pub(crate) fn left_out_json(&self) -> serde_json::Value {
+        serde_json::Value::Array(
+            self.left_out
+                .iter()
+                .map(|l| {
+                    serde_json::json!({
+                        "host": l.host,
+                        "stage": l.stage.as_str(),
+                        "evidence": l.evidence.as_str(),
+                        "why": l.why,
+                        "at": humantime::format_rfc3339_seconds(l.at).to_string(),
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// A roster whose active nodes are `active` (the fake links' sessions).
+    #[cfg(test)]
+    pub(crate) fn of(active: Vec<usize>) -> Roster {
+        Roster {
+            active,
+            ..Roster::default()
+        }
+    }
+}
 
 /// When a node was left out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,27 +218,31 @@ impl LeftOut {
 const LAST_WORDS: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Session {
+    /// Which nodes run the job, wait as spares, or were left out.
+    pub(crate) fn roster(&self) -> &Roster {
+        &self.roster
+    }
+
     /// Nodes that joined and wait to take a left-out node's place, in node order.
     pub(crate) fn spares(&self) -> Vec<usize> {
-        (0..self.nodes.len())
-            .filter(|i| {
-                self.nodes[*i].joined.is_some() && !self.active.contains(i) && !self.is_left_out(*i)
-            })
-            .collect()
+        self.roster
+            .spares(self.nodes.len(), |i| self.nodes[i].joined.is_some())
     }
 
     pub(crate) fn is_left_out(&self, i: usize) -> bool {
-        self.left_out.iter().any(|l| l.node == i)
+        self.roster.is_left_out(i)
+    }
+
+    /// The suspicions against the job's nodes, which the fault model reads and adds to.
+    pub(crate) fn suspicions(&mut self) -> &mut fault::History {
+        &mut self.roster.suspicions
     }
 
     /// Remembers node-level evidence against node `i`, which stays in the job (nothing can take
     /// its place): at the end it is listed and remembered (--exclude-file) with those left out.
     pub(crate) fn flag(&mut self, i: usize, why: &str) {
-        if self.is_left_out(i) || self.faulty.iter().any(|l| l.node == i) {
-            return;
-        }
         let host = self.nodes[i].label.clone();
-        self.faulty.push(LeftOut {
+        self.roster.keep(LeftOut {
             node: i,
             host,
             stage: Stage::Run,
@@ -140,7 +262,6 @@ impl Session {
         if self.is_left_out(i) {
             return;
         }
-        self.active.retain(|a| *a != i);
         let host = self.nodes[i].label.clone();
         // The reason usually names the node already.
         let why = why
@@ -155,7 +276,7 @@ impl Session {
             evidence: evidence.as_str(),
             reason: why.clone(),
         });
-        self.left_out.push(LeftOut {
+        self.roster.leave_out(LeftOut {
             node: i,
             host,
             stage,
@@ -194,18 +315,11 @@ impl Session {
             }
         }
         let mut came = Vec::new();
-        // The places the spares fill: the last nodes left out, as many as are missing.
-        let gaps: Vec<String> = {
-            let missing = self.plan.size.saturating_sub(self.active.len());
-            let l = &self.left_out;
-            l[l.len().saturating_sub(missing)..]
-                .iter()
-                .map(|x| x.host.clone())
-                .collect()
-        };
+        // The places the spares fill.
+        let gaps = self.roster.gaps(self.plan.size);
         let mut spared = 0;
         for i in self.spares() {
-            if self.active.len() >= self.plan.size {
+            if self.roster.active.len() >= self.plan.size {
                 break;
             }
             // A spare that died while it waited is no spare.
@@ -219,7 +333,7 @@ impl Session {
                 self.leave_out(i, Stage::Lost, &format!("{when}: {why}"));
                 continue;
             }
-            self.active.push(i);
+            self.roster.take_in(i);
             came.push(i);
             if i >= self.plan.size {
                 let replaces = gaps.get(spared).cloned();
@@ -232,9 +346,9 @@ impl Session {
                 });
             }
         }
-        self.active.sort_unstable();
+        self.roster.active.sort_unstable();
         self.publish_room();
-        if self.active.len() < self.plan.min_nodes {
+        if self.roster.active.len() < self.plan.min_nodes {
             return Err(self.too_few());
         }
         Ok(came)
@@ -245,7 +359,8 @@ impl Session {
     /// is for one that joined before that was known).
     fn barred(&self, n: usize) -> Option<String> {
         let host = self.machine_key(n)?;
-        self.left_out
+        self.roster
+            .left_out
             .iter()
             .find(|l| {
                 l.node != n && l.bars_return() && self.machine_key(l.node) == Some(host.clone())
@@ -265,13 +380,13 @@ impl Session {
         let mut m = format!(
             "the job needs {} healthy node(s) but has {}",
             self.plan.min_nodes,
-            self.active.len()
+            self.roster.active.len()
         );
-        if !self.active.is_empty() {
-            m.push_str(&format!(" ({})", self.names(&self.active)));
+        if !self.roster.active.is_empty() {
+            m.push_str(&format!(" ({})", self.names(&self.roster.active)));
         }
         m.push_str("; left out:");
-        for l in &self.left_out {
+        for l in &self.roster.left_out {
             m.push_str(&format!("\n  {} ({}): {}", l.host, l.stage.as_str(), l.why));
         }
         let spares = self.plan.hosts.len().saturating_sub(self.plan.size);
@@ -295,16 +410,17 @@ impl Session {
     /// Between attempts: nodes `gone` (each with its stage, Run or Lost, and the evidence)
     /// leave the job, spares and late joiners come in. Err: fewer than the minimum are left.
     pub(crate) fn reform(&mut self, gone: &[(usize, Stage, String)]) -> Result<()> {
-        let before: Vec<usize> = self.active.clone();
+        let before: Vec<usize> = self.roster.active.clone();
         for (i, stage, why) in gone {
             self.leave_out(*i, *stage, why);
         }
         let came = self.fill()?;
-        if self.active != before {
+        let active = &self.roster.active;
+        if *active != before {
             let gone: Vec<usize> = before
                 .iter()
                 .copied()
-                .filter(|i| !self.active.contains(i))
+                .filter(|i| !active.contains(i))
                 .collect();
             // Spares have the places past the job's size; past those, nodes that came back.
             let spares = self.plan.size..self.plan.hosts.len();
@@ -312,8 +428,8 @@ impl Session {
                 came.iter().partition(|i| spares.contains(*i));
             tracing::warn!(
                 "the job goes on with {} nodes: {}{}{}{}",
-                self.active.len(),
-                self.names(&self.active),
+                active.len(),
+                self.names(active),
                 match gone.is_empty() {
                     true => String::new(),
                     false => format!(" (lost: {})", self.names(&gone)),
@@ -345,31 +461,13 @@ impl Session {
                 .map(crate::facts::compat_key)
         };
         let mine = key(n)?;
-        let other = self.active.iter().find_map(|&a| key(a))?;
+        let other = self.roster.active.iter().find_map(|&a| key(a))?;
         (mine != other).then(|| {
             format!(
                 "its NCCL/torch ({}) differ from the job's nodes' ({})",
                 mine, other
             )
         })
-    }
-
-    /// The nodes left out, as `--report` JSON.
-    pub(crate) fn left_out_json(&self) -> serde_json::Value {
-        serde_json::Value::Array(
-            self.left_out
-                .iter()
-                .map(|l| {
-                    serde_json::json!({
-                        "host": l.host,
-                        "stage": l.stage.as_str(),
-                        "evidence": l.evidence.as_str(),
-                        "why": l.why,
-                        "at": humantime::format_rfc3339_seconds(l.at).to_string(),
-                    })
-                })
-                .collect(),
-        )
     }
 
     /// Nodes that never joined and are not written down yet (c10d slots nobody came to are no
@@ -447,19 +545,13 @@ impl Session {
             };
             self.leave_out_for(i, Stage::Join, evidence, &why);
         }
-        for f in std::mem::take(&mut self.faulty) {
-            if !self.is_left_out(f.node) {
-                self.left_out.push(f);
-            }
-        }
-        if self.left_out.is_empty() {
+        self.roster.settle();
+        let left_out = &self.roster.left_out;
+        if left_out.is_empty() {
             return;
         }
-        let mut text = format!(
-            "nrun: {} node(s) left out of this job:",
-            self.left_out.len()
-        );
-        for l in &self.left_out {
+        let mut text = format!("nrun: {} node(s) left out of this job:", left_out.len());
+        for l in left_out {
             text.push_str(&format!("\n  {} ({}): {}", l.host, l.stage.as_str(), l.why));
         }
         if list {
@@ -469,10 +561,9 @@ impl Session {
             .plan
             .exclude_file
             .as_ref()
-            .filter(|_| self.left_out.iter().any(LeftOut::remembered))
+            .filter(|_| left_out.iter().any(LeftOut::remembered))
         {
-            let entries: Vec<crate::plan::exclude::Entry> = self
-                .left_out
+            let entries: Vec<crate::plan::exclude::Entry> = left_out
                 .iter()
                 .filter(|l| l.remembered())
                 .map(|l| crate::plan::exclude::Entry {
@@ -490,8 +581,7 @@ impl Session {
                 Err(e) => tracing::warn!("{e}"),
             }
         }
-        let hosts: Vec<&str> = self
-            .left_out
+        let hosts: Vec<&str> = left_out
             .iter()
             .filter(|l| l.remembered())
             .map(|l| l.host.as_str())
@@ -507,7 +597,7 @@ impl Session {
     /// `--report`'s `nodes` section: the job's size, where it ran, the spares left, the nodes
     /// left out with their evidence; None when nothing was left out.
     pub(crate) fn nodes_json(&self) -> Option<serde_json::Value> {
-        if self.left_out.is_empty() {
+        if self.roster.left_out.is_empty() {
             return None;
         }
         let names = |v: &[usize]| -> Vec<String> {
@@ -515,9 +605,58 @@ impl Session {
         };
         Some(serde_json::json!({
             "size": self.plan.size,
-            "ran_on": names(&self.active),
+            "ran_on": names(&self.roster.active),
             "spares": names(&self.spares()),
-            "left_out": self.left_out_json(),
+            "left_out": self.roster.left_out_json(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out(node: usize, stage: Stage) -> LeftOut {
+        LeftOut {
+            node,
+            host: format!("h{node}"),
+            stage,
+            evidence: Evidence::Seen,
+            why: format!("why {node}"),
+            at: SystemTime::now(),
+        }
+    }
+
+    /// The transitions: a node left out leaves the active ones once (its first evidence
+    /// stands); spares are the joined nodes in neither list; a spare taken in fills the place
+    /// of the last node left out; nodes kept in on evidence join the list at the end, unless
+    /// they left since.
+    #[test]
+    fn the_roster_moves_nodes_between_states_once() {
+        let mut r = Roster::of(vec![0, 1, 2]);
+        let joined = |i: usize| i != 4;
+        assert_eq!(r.spares(5, joined), [3]);
+        assert!(r.leave_out(out(1, Stage::Run)));
+        assert!(!r.leave_out(out(1, Stage::Lost)), "left out once");
+        assert_eq!(r.left_out()[0].stage, Stage::Run);
+        assert_eq!(r.active(), [0, 2]);
+        assert!(r.is_left_out(1) && !r.is_active(1));
+        assert_eq!(r.gaps(3), ["h1"]);
+        r.take_in(3);
+        assert!(r.spares(5, joined).is_empty());
+        assert!(r.gaps(3).is_empty());
+        r.keep(out(0, Stage::Run));
+        r.keep(out(1, Stage::Run));
+        r.keep(out(2, Stage::Run));
+        assert!(r.leave_out(out(2, Stage::Lost)));
+        assert_eq!(r.left_out().len(), 2, "kept nodes wait for the end");
+        r.settle();
+        let listed: Vec<(usize, Stage)> = r.left_out().iter().map(|l| (l.node, l.stage)).collect();
+        assert_eq!(
+            listed,
+            [(1, Stage::Run), (2, Stage::Lost), (0, Stage::Run)],
+            "a kept node is listed once, and one left out since with its own evidence"
+        );
+        assert_eq!(r.left_out_json()[1]["stage"], "run");
     }
 }

@@ -167,7 +167,6 @@ impl Session {
             .and_then(|o| o.command.split_first());
         let master_addr = joined.map_or(self.rendezvous.addr.as_str(), |j| &j.master_addr);
         let several = self.nodes.len() > 1;
-        let width = group.world.saturating_sub(1).to_string().len();
         // The run's variables first: torchrun's and nrun's own win over them.
         let mut node_env = Vec::new();
         if let Some(ifname) = joined.and_then(|j| j.ifname.as_deref()) {
@@ -208,16 +207,7 @@ impl Session {
                 master_port: l.port,
                 error_file: &error_file,
             };
-            // The shared secret never reaches a worker, even if a user forwards it (-x,
-            // .nrun_env); what workers inherit goes without it too (node::Start::spawn).
-            let mut env: Vec<(String, String)> = self
-                .plan
-                .env
-                .iter()
-                .filter(|(k, _)| k != nrun_store::auth::SHARED_SECRET_VAR)
-                .cloned()
-                .collect();
-            env.extend(plan.worker_env_at(&self.run_id, &place, &slot));
+            let mut env = worker_env(&self.plan.env, &self.run_id, plan, &place, &slot);
             env.extend(node_env.iter().cloned());
             if l.logs && plan.virtual_local_rank {
                 virtual_local_rank(&mut env, local_rank);
@@ -237,16 +227,12 @@ impl Session {
                 ),
                 false => Default::default(),
             };
-            let prefix = match (&plan.console.prefix_template, several, group.world > 1) {
-                (Some(t), _, _) if l.logs => t
-                    .replace("${rank}", &rank.to_string())
-                    .replace("${local_rank}", &local_rank.to_string())
-                    .replace("${role_name}", &plan.role)
-                    .replace("${host}", &n.label),
-                (_, true, _) => format!("[{}:rank{rank:>width$}]: ", n.label),
-                (_, false, true) => format!("[rank{rank:>width$}]: "),
-                (_, false, false) => String::new(),
+            let at = Rank {
+                rank,
+                local_rank,
+                world: group.world,
             };
+            let prefix = prefix_of(plan, l.logs, &n.label, several, at);
             let console = [
                 shown && (!red.stdout() || tee.stdout()),
                 shown && (!red.stderr() || tee.stderr()),
@@ -286,6 +272,56 @@ impl Session {
             });
         }
         specs
+    }
+}
+
+/// A worker's environment before its node's: the run's variables (`run_env`), then torchrun's
+/// and nrun's own for its place and slot in run `run_id`.
+fn worker_env(
+    run_env: &[(String, String)],
+    run_id: &str,
+    plan: &WorkersPlan,
+    place: &Place,
+    slot: &WorkerSlot<'_>,
+) -> Vec<(String, String)> {
+    // The shared secret never reaches a worker, even if a user forwards it (-x, .nrun_env);
+    // what workers inherit goes without it too (node::Start::spawn).
+    let mut env: Vec<(String, String)> = run_env
+        .iter()
+        .filter(|(k, _)| k != nrun_store::auth::SHARED_SECRET_VAR)
+        .cloned()
+        .collect();
+    env.extend(plan.worker_env_at(run_id, place, slot));
+    env
+}
+
+/// A worker's ranks, for its prefix.
+#[derive(Clone, Copy)]
+struct Rank {
+    rank: usize,
+    local_rank: usize,
+    /// How many ranks the group has.
+    world: usize,
+}
+
+/// What starts each of a worker's lines: the user's template (a job's workers, `logs`), else
+/// its host (`several` nodes) and rank, or nothing for a lone worker.
+fn prefix_of(plan: &WorkersPlan, logs: bool, host: &str, several: bool, at: Rank) -> String {
+    let Rank {
+        rank,
+        local_rank,
+        world,
+    } = at;
+    let width = world.saturating_sub(1).to_string().len();
+    match (&plan.console.prefix_template, several, world > 1) {
+        (Some(t), _, _) if logs => t
+            .replace("${rank}", &rank.to_string())
+            .replace("${local_rank}", &local_rank.to_string())
+            .replace("${role_name}", &plan.role)
+            .replace("${host}", host),
+        (_, true, _) => format!("[{host}:rank{rank:>width$}]: "),
+        (_, false, true) => format!("[rank{rank:>width$}]: "),
+        (_, false, false) => String::new(),
     }
 }
 

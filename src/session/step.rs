@@ -36,11 +36,44 @@ const OUTPUT_WAIT: Duration = Duration::from_secs(30);
 /// The result of a step for each node (None: the node had no step, or did not answer).
 pub(crate) type Results = Vec<Option<StepResult>>;
 
+/// Why a step's wait ended; how each node's workers ended is in the results beside it.
+#[derive(Clone, Debug)]
+pub(crate) enum StepEnd {
+    /// Every node with the step answered, and nothing stopped them.
+    Done,
+    /// A node failed (its workers, or its link): in a job, every node was asked to stop.
+    Failed,
+    /// The watch found the job hung, or its ranks calling a collective differently, and
+    /// stopped it (`--on-hang stop`); said first, whatever else ended the step meanwhile.
+    Hung(crate::watch::Stop),
+    /// Elastic: a node waited to join, and the group was stopped to re-form with it.
+    Grow,
+    /// The user's stop signal, forwarded to every worker, whose ends were waited for (a second
+    /// signal, or a step that is no job's, ends the wait at once: [`Session::run_step`]'s Err).
+    Interrupted,
+    /// The policy's wait ran out (a probe's, or the groups' deadline) before every node
+    /// answered.
+    TimedOut,
+}
+
+/// A step's end: why, and each node's result.
+#[derive(Debug)]
+pub(crate) struct Ended {
+    pub results: Results,
+    pub ending: StepEnd,
+}
+
 /// What one wait has done so far.
 #[derive(Default)]
 struct Waiting {
     /// Every node was asked to stop (a failure, a hang, a signal, arrivals).
     stopped: bool,
+    /// The watch asked to stop the job (the last time it did).
+    hung: Option<crate::watch::Stop>,
+    /// Nodes arrived to take in (elastic), and the group was stopped for them.
+    grow: bool,
+    /// A node failed.
+    failed: bool,
     /// Stop signals the user sent.
     signalled: usize,
     /// Since when a node's result waits for the end of its output.
@@ -49,14 +82,31 @@ struct Waiting {
     ranks: Vec<Vec<usize>>,
 }
 
+impl Waiting {
+    /// Why the wait ended, every node having answered (or the wait having run out).
+    fn ending(&mut self, timed_out: bool) -> StepEnd {
+        if let Some(stop) = self.hung.take() {
+            return StepEnd::Hung(stop);
+        }
+        match (self.grow, timed_out, self.failed, self.signalled > 0) {
+            (true, ..) => StepEnd::Grow,
+            (_, true, ..) => StepEnd::TimedOut,
+            (_, _, true, _) => StepEnd::Failed,
+            (.., true) => StepEnd::Interrupted,
+            _ => StepEnd::Done,
+        }
+    }
+}
+
 impl Session {
     /// Sends each node its step (`None`: the node sits this step out) and waits for the results
-    /// as `policy` says. `Err`: interrupted, with the exit code.
+    /// as `policy` says: they, and why the step ended. `Err`: interrupted without waiting for
+    /// the workers' ends, with the exit code.
     pub(crate) async fn run_step(
         &mut self,
         steps: Vec<Option<Step>>,
         policy: Policy,
-    ) -> Result<Results> {
+    ) -> Result<Ended> {
         let no = self.step;
         self.step += 1;
         let mut waiting = Vec::new();
@@ -99,7 +149,7 @@ impl Session {
         waiting: &[usize],
         policy: Policy,
         ranks: Vec<Vec<usize>>,
-    ) -> Result<Results> {
+    ) -> Result<Ended> {
         let mut results: Results = vec![None; self.nodes.len()];
         let started = Instant::now();
         let mut changed = self.store().map(|s| s.subscribe());
@@ -119,7 +169,6 @@ impl Session {
             waited[i] = true;
         }
         let mut left = waiting.len();
-        let mut failed = false;
         let mut looked: Option<Instant> = None;
         let agents = self.nodes.iter().any(|n| !n.link.kind().in_process);
         let mut console = Console::watch(matches!(policy, Policy::Together) && agents);
@@ -144,41 +193,45 @@ impl Session {
                     results[i] = self.node_result(i, no, &mut w);
                     if let Some(r) = &results[i] {
                         left -= 1;
-                        failed |= matches!(r, StepResult::Run(r) if r.is_failure());
+                        w.failed |= matches!(r, StepResult::Run(r) if r.is_failure());
                     }
-                    if failed && !w.stopped {
+                    if w.failed && !w.stopped {
                         self.journal.fault(0.0);
                     }
                 }
             }
-            if left == 0 {
-                return Ok(results);
-            }
-            match policy {
-                Policy::Probe if started.elapsed() > PROBE_WAIT => {
+            let timed_out = match policy {
+                Policy::Probe => started.elapsed() > PROBE_WAIT,
+                Policy::Apart { deadline } => started.elapsed() > deadline,
+                Policy::Together => false,
+            };
+            if left == 0 || timed_out {
+                if matches!(policy, Policy::Probe) && left > 0 {
                     self.unanswered(waiting, &mut results);
-                    return Ok(results);
                 }
-                Policy::Apart { deadline } if started.elapsed() > deadline => return Ok(results),
-                _ => {}
+                let ending = w.ending(left > 0);
+                return Ok(Ended { results, ending });
             }
             let together = matches!(policy, Policy::Together);
             // Elastic, as torchrun: a node waiting to join makes the group re-form with it.
             if together && !w.stopped && self.arrivals() {
                 tracing::warn!("a node joined: the worker group restarts to take it in");
-                self.grow = true;
+                w.grow = true;
                 self.stop_step(no, None, &mut w);
             }
-            if together && failed && !w.stopped {
+            if together && w.failed && !w.stopped {
                 self.stop_step(no, None, &mut w);
             }
             if self.watch.is_some() {
                 self.read_views(no, &look, &mut last_views);
-                let hang = self.watch.as_mut().is_some_and(|ws| ws.check(&hosts));
-                if hang && !w.stopped {
+                let hang = self.watch.as_mut().and_then(|ws| ws.check(&hosts));
+                if hang.is_some() && !w.stopped {
                     self.journal.hang_stops(self.watch.as_ref());
                     self.stop_step(no, None, &mut w);
                 }
+                // A hang found after the group was stopped for another reason still says why
+                // its ranks did not end.
+                w.hung = hang.or(w.hung.take());
             }
             self.journal.tick(self.watch.as_mut(), &hosts);
             tokio::select! {

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use super::{BoxFuture, Bus, Ending, Joining, Kind, NodeLink};
 use crate::protocol::{Keys, RunResult, Step, StepResult};
+use crate::session::roster::Roster;
 use crate::session::{Node, Rendezvous, Session};
 use nrun_node::{Signals, StopRequest};
 use nrun_store::Store;
@@ -132,10 +133,7 @@ pub(crate) fn session(
         signals,
         step: 0,
         watch: None,
-        active: Vec::new(),
-        left_out: Vec::new(),
-        faulty: Vec::new(),
-        grow: false,
+        roster: Roster::default(),
         arrivals_checked: None,
         c10d_id: None,
         journal: crate::journal::Journal::new("fake"),
@@ -149,7 +147,7 @@ pub(crate) fn session(
             addr: None,
         });
     }
-    s.active = (0..s.nodes.len()).collect();
+    s.roster = Roster::of((0..s.nodes.len()).collect());
     (s, inject)
 }
 
@@ -241,6 +239,7 @@ mod tests {
     use crate::protocol::WorkerFailure;
     use crate::session::Policy;
     use crate::session::roster::Stage;
+    use crate::session::step::StepEnd;
     use nrun_node::Caught;
 
     fn run_step() -> Step {
@@ -286,7 +285,13 @@ mod tests {
         let (c, seen_c) = node("c", Script::UntilStopped);
         let (mut s, _sig) = session(vec![a, b, c]);
         let steps = vec![Some(run_step()); 3];
-        let r = s.run_step(steps, Policy::Together).await.unwrap();
+        let ended = s.run_step(steps, Policy::Together).await.unwrap();
+        assert!(
+            matches!(ended.ending, StepEnd::Failed),
+            "{:?}",
+            ended.ending
+        );
+        let r = ended.results;
         assert!(is(
             &r[0],
             |x| matches!(x, RunResult::Failed(f) if f.rank == 0)
@@ -305,10 +310,16 @@ mod tests {
         );
         let (b, seen_b) = node("b", Script::UntilStopped);
         let (mut s, _sig) = session(vec![a, b]);
-        let r = s
+        let ended = s
             .run_step(vec![Some(run_step()); 2], Policy::Together)
             .await
             .unwrap();
+        assert!(
+            matches!(ended.ending, StepEnd::Failed),
+            "{:?}",
+            ended.ending
+        );
+        let r = ended.results;
         assert!(is(&r[0], |x| matches!(x, RunResult::Lost(w)
             if w == "lost the connection to a (exit status: 255): Connection reset by peer")));
         assert!(is(&r[1], |x| matches!(x, RunResult::Stopped)));
@@ -330,7 +341,8 @@ mod tests {
                 },
             )
             .await
-            .unwrap();
+            .unwrap()
+            .results;
         assert!(is(
             &r[0],
             |x| matches!(x, RunResult::Lost(w) if w.contains("a: it stopped unasked"))
@@ -349,10 +361,16 @@ mod tests {
         let (mut s, _sig) = session(vec![a, b, c]);
         let t = Instant::now();
         let deadline = Duration::from_secs(10);
-        let r = s
+        let ended = s
             .run_step(vec![Some(run_step()); 3], Policy::Apart { deadline })
             .await
             .unwrap();
+        assert!(
+            matches!(ended.ending, StepEnd::TimedOut),
+            "{:?}",
+            ended.ending
+        );
+        let r = ended.results;
         assert!(is(&r[0], |x| matches!(x, RunResult::Failed(_))));
         assert!(is(&r[1], |x| matches!(x, RunResult::Success)));
         assert!(r[2].is_none(), "a node that never answers has no result");
@@ -372,10 +390,16 @@ mod tests {
             timeout_ms: 100,
         };
         let t = Instant::now();
-        let r = s
+        let ended = s
             .run_step(vec![None, Some(probe)], Policy::Probe)
             .await
             .unwrap();
+        assert!(
+            matches!(ended.ending, StepEnd::TimedOut),
+            "{:?}",
+            ended.ending
+        );
+        let r = ended.results;
         assert!(
             r[0].is_none(),
             "a node sitting the step out is not waited for"
@@ -397,12 +421,13 @@ mod tests {
         let (a, seen_a) = node("a", Script::Answer(ok(), Duration::from_millis(5)));
         let (b, seen_b) = node("b", Script::Deaf);
         let (mut s, _sig) = session(vec![a, b]);
-        s.run_step(vec![Some(run_step()), None], Policy::Together)
-            .await
-            .unwrap();
-        s.run_step(vec![Some(run_step()), None], Policy::Together)
-            .await
-            .unwrap();
+        for _ in 0..2 {
+            let ended = s
+                .run_step(vec![Some(run_step()), None], Policy::Together)
+                .await
+                .unwrap();
+            assert!(matches!(ended.ending, StepEnd::Done), "{:?}", ended.ending);
+        }
         let steps: Vec<(usize, bool)> = seen_b
             .lock()
             .unwrap()
@@ -458,10 +483,16 @@ mod tests {
         let (b, _) = node("b", Script::UntilStopped);
         let (mut s, sig) = session(vec![a, b]);
         sig.send(Caught::Stop(libc::SIGTERM)).unwrap();
-        let r = s
+        let ended = s
             .run_step(vec![Some(run_step()); 2], Policy::Together)
             .await
             .unwrap();
+        assert!(
+            matches!(ended.ending, StepEnd::Interrupted),
+            "{:?}",
+            ended.ending
+        );
+        let r = ended.results;
         for x in &r {
             assert!(
                 is(
@@ -471,6 +502,31 @@ mod tests {
                 "{x:?}"
             );
         }
+    }
+
+    /// Elastic: a node that joins while the group runs stops it, and the step says so (the job
+    /// re-forms with the node; no side flag carries it).
+    #[tokio::test(start_paused = true)]
+    async fn a_node_that_joins_mid_step_ends_it_to_grow() {
+        let (a, seen_a) = node("a", Script::UntilStopped);
+        let (b, seen_b) = node("b", Script::UntilStopped);
+        let (c, _) = node("c", Script::Deaf);
+        let (mut s, _sig) = session(vec![a, b, c]);
+        s.nodes[2].joined = None;
+        s.roster = Roster::of(vec![0, 1]);
+        s.plan.min_nodes = 2;
+        s.store().unwrap().set(&s.keys().joined(2), b"{}");
+        let ended = s
+            .run_step(
+                vec![Some(run_step()), Some(run_step()), None],
+                Policy::Together,
+            )
+            .await
+            .unwrap();
+        assert!(matches!(ended.ending, StepEnd::Grow), "{:?}", ended.ending);
+        assert!(is(&ended.results[0], |x| matches!(x, RunResult::Stopped)));
+        assert_eq!(seen_a.lock().unwrap().requests, [StopRequest::Polite]);
+        assert_eq!(seen_b.lock().unwrap().requests, [StopRequest::Polite]);
     }
 
     #[tokio::test(start_paused = true)]
@@ -519,13 +575,13 @@ mod tests {
         s.plan.min_nodes = 2;
         s.plan.world = 2;
         s.plan.group_world = 2;
-        s.active = vec![0, 1];
+        s.roster = Roster::of(vec![0, 1]);
         assert_eq!(s.spares(), [2]);
         let mut steps = vec![None; 3];
         for m in &s.group().members {
             steps[m.node] = Some(run_step());
         }
-        let r = s.run_step(steps, Policy::Together).await.unwrap();
+        let r = s.run_step(steps, Policy::Together).await.unwrap().results;
         // The spare sat the step out.
         let seen: Vec<(usize, bool)> = seen_c
             .lock()
@@ -546,11 +602,15 @@ mod tests {
         assert_eq!(lost.len(), 1);
         assert_eq!(lost[0].0, 1);
         s.reform(&lost).unwrap();
-        assert_eq!(s.active, [0, 2]);
+        assert_eq!(s.roster().active(), [0, 2]);
         assert!(s.spares().is_empty());
-        assert_eq!(s.left_out.len(), 1);
-        assert_eq!(s.left_out[0].host, "b");
-        assert!(s.left_out[0].why.contains("Connection reset by peer"));
+        assert_eq!(s.roster().left_out().len(), 1);
+        assert_eq!(s.roster().left_out()[0].host, "b");
+        assert!(
+            s.roster().left_out()[0]
+                .why
+                .contains("Connection reset by peer")
+        );
         let g = s.group();
         let placed: Vec<(usize, usize)> =
             g.members.iter().map(|m| (m.node, m.group_rank)).collect();
@@ -651,7 +711,7 @@ mod tests {
             "lost b: its agent closed its connection".into(),
         )])
         .unwrap();
-        assert_eq!(s.active, [0]);
+        assert_eq!(s.roster().active(), [0]);
         assert_eq!(room(), "1");
         assert!(!st.contains(&c10d_refused_key("j", "hb")));
         // The same host's nrun again: index 2 (the host is 0, b was 1).
@@ -706,9 +766,9 @@ mod tests {
         );
         s.fill().unwrap();
         assert!(s.is_left_out(3));
-        let l = s.left_out.iter().find(|l| l.node == 3).unwrap();
+        let l = s.roster().left_out().iter().find(|l| l.node == 3).unwrap();
         assert!(l.why.contains("left out earlier in this job"), "{}", l.why);
-        assert_eq!(s.active, [0]);
+        assert_eq!(s.roster().active(), [0]);
     }
 
     /// Each kind words its own hints: a node an srun step started, or one whose own nrun joined
@@ -729,7 +789,8 @@ mod tests {
         let r = s
             .run_step(vec![probe(), probe(), probe()], Policy::Probe)
             .await
-            .unwrap();
+            .unwrap()
+            .results;
         let said: Vec<String> = r
             .iter()
             .map(|r| match r {
@@ -831,7 +892,8 @@ mod tests {
         let r = s
             .run_step(vec![Some(run_step()), Some(run_step())], Policy::Together)
             .await
-            .unwrap();
+            .unwrap()
+            .results;
         assert!(
             r.iter().all(|r| is(r, |x| matches!(x, RunResult::Success))),
             "{r:?}"
