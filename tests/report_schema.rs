@@ -1,7 +1,8 @@
 //! The `--report` schema holds still: a cheap local job's report (a failure, a restart in
 //! place), normalized, is compared with a golden file the binary wrote before the report became
-//! typed structs (tests/fixtures/report/golden/). And `nrun report` refuses what is not a
-//! report, saying what it expected and what it found (exit 2).
+//! typed structs (tests/fixtures/report/golden/), and so is the page `nrun report` draws from
+//! each report fixture (golden/pages/). (`nrun report` refusing what is not a report:
+//! tests/report_html.rs and the schema's unit tests.)
 //!
 //! Normalized: every float (times, shares) becomes `"<f64>"`, which keeps its type (an integer
 //! stays an integer); the volatile integers (`timestamp`, `pid`) become `"<int>"`; in strings, the
@@ -233,4 +234,57 @@ fn the_normalizer_hides_only_what_varies() {
     );
     assert_eq!(n.value("", &v), Value::Object(m));
     assert!(Path::new(&fixture(GOLDEN)).exists());
+}
+
+/// The page of a report, without what names the binary or the file: the footer's version and
+/// the header's source.
+fn page_body(page: &str) -> String {
+    page.lines()
+        .filter(|l| !l.starts_with("<footer>written by nrun"))
+        .map(|l| match l.starts_with("<p class=\"source\">from <code>") {
+            true => "<p class=\"source\">from <code>REPORT</code></p>",
+            false => l,
+        })
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// `nrun report` draws each report fixture as the binary before the typed schema drew it
+/// (golden pages in tests/fixtures/report/golden/pages/): reading a report into the schema's
+/// types loses nothing the page shows.
+#[test]
+fn the_page_of_each_report_fixture_is_the_golden_one() {
+    let s = Scene::new();
+    for name in [
+        "bisect-slow-node",
+        "job-fail-restart",
+        "job-hang-restart-spare",
+        "job-hang-restart-spare.schema38-sample",
+        "preflight-only-net",
+    ] {
+        let out = s.dir.path().join(format!("{name}.html"));
+        let input = fixture(&format!("report/{name}.json"));
+        let o = s.run(&["report", &input, "-o", out.to_str().unwrap()], &[]);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", text(&o.stderr));
+        let got = page_body(&std::fs::read_to_string(&out).unwrap());
+        let golden = fixture(&format!("report/golden/pages/{name}.html"));
+        if std::env::var_os(UPDATE).is_some() {
+            std::fs::write(&golden, &got).unwrap();
+        }
+        let want = std::fs::read_to_string(&golden).unwrap();
+        if got != want {
+            let at = got
+                .lines()
+                .zip(want.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
+            panic!(
+                "{name}: the page differs from {golden} at line {}:\n  got:  {}\n  want: {}",
+                at + 1,
+                got.lines().nth(at).unwrap_or("(end)"),
+                want.lines().nth(at).unwrap_or("(end)")
+            );
+        }
+    }
+    s.assert_no_survivors();
 }
