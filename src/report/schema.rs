@@ -4,7 +4,9 @@
 //!
 //! Written reports hold every key their writer knows; a report read back may lack any key but
 //! the one that says what it is (`job`; `verdict`, `rows`; `rounds`, `nodes` as a list): an
-//! older report, or one cut by hand, still draws, saying what it lacks. The sections other
+//! older report, or one cut by hand, still draws, saying what it lacks. What it has must be of
+//! the type nrun writes there (a `ledger` has its wall time, phases and share), or the report
+//! is refused, the first such key named. The sections other
 //! parts own as they write them (`events`, `watch`, `nodes`, `control`, a preflight's `ranks`
 //! and `rows`, bisect's `nodes` and `rounds`) are carried as JSON of the kind they must be.
 
@@ -262,6 +264,24 @@ pub(crate) enum Report {
     Bisect(BisectReport),
 }
 
+/// Which command wrote a report, told by the key only its report has.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Job,
+    Preflight,
+    Bisect,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Job => "job",
+            Kind::Preflight => "preflight",
+            Kind::Bisect => "bisect",
+        }
+    }
+}
+
 /// Where a report is written from: a job's, a bisect's, a preflight's.
 const WRITTEN_BY: &str = "written by `nrun --report FILE`, `nrun --preflight-only --report FILE` \
                           or `nrun bisect --report FILE`";
@@ -276,7 +296,7 @@ impl Report {
         }
         let v: Value =
             serde_json::from_slice(bytes).map_err(|e| not(format!("it is not JSON ({e})")))?;
-        let Value::Object(o) = &v else {
+        let Value::Object(mut o) = v else {
             return Err(not(format!(
                 "it holds {} where a report is an object",
                 what(&v)
@@ -284,11 +304,11 @@ impl Report {
         };
         let is = |k: &str| o.get(k).is_some_and(|x| !x.is_null());
         let kind = if o.contains_key("job") {
-            "job"
+            Kind::Job
         } else if is("rounds") || o.get("nodes").is_some_and(Value::is_array) {
-            "bisect"
+            Kind::Bisect
         } else if is("verdict") || is("rows") {
-            "preflight"
+            Kind::Preflight
         } else {
             let keys: Vec<&str> = o.keys().map(String::as_str).take(8).collect();
             return Err(not(format!(
@@ -299,43 +319,32 @@ impl Report {
                 }
             )));
         };
-        if let Some(k) = o
-            .iter()
-            .find(|(k, x)| *k == "events" && !x.is_array() && !x.is_null())
-            .map(|(_, x)| x)
-        {
+        if let Some(e) = o.get("events").filter(|e| !e.is_array() && !e.is_null()) {
             return Err(not(format!(
                 "its `events` is {} where a report has a list",
-                what(k)
+                what(e)
             )));
         }
+        if kind == Kind::Job && !o["job"].is_object() {
+            return Err(not(format!(
+                "its `job` is {} where a job's report has an object",
+                what(&o["job"])
+            )));
+        }
+        // A preflight report cut down to its sweep (no verdict) still draws the sweep.
+        if kind == Kind::Preflight && !is("verdict") {
+            o.insert("verdict".into(), Value::String(String::new()));
+        }
+        let v = Value::Object(o);
         let parsed = match kind {
-            "job" => {
-                if !o["job"].is_object() {
-                    return Err(not(format!(
-                        "its `job` is {} where a job's report has an object",
-                        what(&o["job"])
-                    )));
-                }
-                serde_json::from_value(v).map(Report::Job)
-            }
-            "bisect" => serde_json::from_value(v).map(Report::Bisect),
-            _ => {
-                // A preflight report without a verdict (cut by hand) still draws its sweep.
-                let mut v = v;
-                if let Some(o) = v.as_object_mut() {
-                    o.entry("verdict")
-                        .or_insert_with(|| Value::String(String::new()));
-                    if o["verdict"].is_null() {
-                        o["verdict"] = Value::String(String::new());
-                    }
-                }
-                serde_json::from_value(v).map(Report::Preflight)
-            }
+            Kind::Job => serde_json::from_value(v).map(Report::Job),
+            Kind::Bisect => serde_json::from_value(v).map(Report::Bisect),
+            Kind::Preflight => serde_json::from_value(v).map(Report::Preflight),
         };
         parsed.map_err(|e| {
             not(format!(
-                "a {kind} report whose keys do not hold what nrun writes: {e}"
+                "a {} report whose keys do not hold what nrun writes: {e}",
+                kind.name()
             ))
         })
     }
