@@ -55,7 +55,8 @@ fn replace_word(s: &str, word: &str, by: &str) -> String {
     out
 }
 
-/// Decimal numbers (`0.05`, `20.1`) as `<n>`: durations and shares in a sentence.
+/// Decimal numbers (`0.05`, `20.1`) and whole seconds (`12 s`: a duration of 10 s or more) as
+/// `<n>`: durations and shares in a sentence.
 fn decimals(s: &str) -> String {
     let c: Vec<char> = s.chars().collect();
     let mut out = String::new();
@@ -74,7 +75,11 @@ fn decimals(s: &str) -> String {
             out.push_str("<n>");
             continue;
         }
+        let seconds = c.get(i) == Some(&' ')
+            && c.get(i + 1) == Some(&'s')
+            && !c.get(i + 2).is_some_and(|x| x.is_alphanumeric());
         match digits {
+            true if seconds => out.push_str("<n>"),
             true => out.extend(&c[start..i]),
             false => {
                 out.push(c[i]);
@@ -222,7 +227,7 @@ fn the_normalizer_hides_only_what_varies() {
         host: "vm".into(),
     };
     let v = json!({"t": 0.5, "attempt": 1, "pid": 77, "timestamp": 9,
-        "message": "vm: job abc-123 ran 0.05 s in /src/nrun/x, 20.1% (vmx 3)"});
+        "message": "vm: job abc-123 ran 0.05 s in /src/nrun/x, 20.1% (vmx 3), 12 s, 2 sets"});
     let mut m = Map::new();
     m.insert("t".into(), json!("<f64>"));
     m.insert("attempt".into(), json!(1));
@@ -230,7 +235,7 @@ fn the_normalizer_hides_only_what_varies() {
     m.insert("timestamp".into(), json!("<int>"));
     m.insert(
         "message".into(),
-        json!("<host>: job <run_id> ran <n> s in <repo>/x, <n>% (vmx 3)"),
+        json!("<host>: job <run_id> ran <n> s in <repo>/x, <n>% (vmx 3), <n> s, 2 sets"),
     );
     assert_eq!(n.value("", &v), Value::Object(m));
     assert!(Path::new(&fixture(GOLDEN)).exists());
