@@ -266,6 +266,7 @@ fn the_page_of_each_report_fixture_is_the_golden_one() {
         "job-hang-restart-spare",
         "job-hang-restart-spare.schema38-sample",
         "preflight-only-net",
+        "job-net-preflight-restart",
     ] {
         let out = s.dir.path().join(format!("{name}.html"));
         let input = fixture(&format!("report/{name}.json"));
