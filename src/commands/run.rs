@@ -70,13 +70,13 @@ pub(crate) async fn run(
     s.end_with(code_of).await;
     let (ledger, events, summary) = journal.finish(code_of, rec.outcome_of(code_of));
     let value = value.map(|mut r| {
-        let parts = match &mut r {
-            Report::Job(j) => &mut j.session,
-            Report::Preflight(p) => &mut p.session,
-            Report::Bisect(_) => unreachable!("a job writes no bisect report"),
-        };
-        parts.ledger = Some(ledger);
-        parts.events = events.as_array().cloned();
+        if let Some(parts) = r.session_mut() {
+            parts.ledger = Some(ledger);
+            parts.events = match events {
+                serde_json::Value::Array(a) => Some(a),
+                _ => None,
+            };
+        }
         r
     });
     let written = match (&job.report, &value) {

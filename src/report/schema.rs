@@ -396,6 +396,15 @@ impl Report {
         }
     }
 
+    /// What the job's session adds at its end (none to bisect's).
+    pub(crate) fn session_mut(&mut self) -> Option<&mut SessionParts> {
+        match self {
+            Report::Job(r) => Some(&mut r.session),
+            Report::Preflight(r) => Some(&mut r.session),
+            Report::Bisect(_) => None,
+        }
+    }
+
     /// The preflight's findings: a job's that ran one, `--preflight-only`'s.
     pub(crate) fn preflight(&self) -> Option<&PreflightReport> {
         match self {
