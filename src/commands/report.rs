@@ -11,9 +11,9 @@ use nrun_base::error::{Error, Result, exit};
 const MAX_REPORT: u64 = 64 << 20;
 
 /// Writes the page and prints its path; a missing or unreadable input, or one that is not a
-/// report ([`crate::report::schema::Report::read`] says why), is a usage error (2). The input is read as [`nrun_base::files::read_bounded`] reads:
-/// a regular file of at most [`MAX_REPORT`], opened without blocking (`/dev/zero` or a FIFO is
-/// refused at once, named).
+/// report ([`crate::report::schema::Report::read`] says why), is a usage error (2). The input
+/// is read as [`nrun_base::files::read_bounded`] reads: a regular file of at most
+/// [`MAX_REPORT`], opened without blocking (`/dev/zero` or a FIFO is refused at once, named).
 pub(crate) fn run(input: &Path, output: Option<&Path>) -> Result<u8> {
     let bytes = nrun_base::files::read_bounded(input, MAX_REPORT).map_err(|e| {
         Error::usage(format!(

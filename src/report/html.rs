@@ -1,12 +1,15 @@
 //! The incident report a person reads: one self-contained HTML page drawn from a `--report`
-//! JSON value (the job's, `--preflight-only`'s or bisect's), for `nrun report` and the job's
-//! `--report-html`.
+//! (the job's, `--preflight-only`'s or bisect's, as the schema's [`Report`]), for `nrun report`
+//! and the job's `--report-html`. The summary, ledger, preflight facts and decisions read the
+//! schema's types; the views of sections it carries as JSON (events, nodes, watch, a sweep's
+//! rows, bisect's rounds) read that JSON.
 //!
 //! The page has no script and loads nothing: inline CSS, charts as inline SVG drawn here, a
 //! Content-Security-Policy that forbids every fetch (so a browser says so if anything ever
 //! tried), and it opens from disk. Every string from the report is escaped ([`esc`]): a host
-//! name or a worker's message is data, never markup. Any key may be missing (an older report,
-//! a bisect or preflight report): a view whose data is absent says "not recorded".
+//! name or a worker's message is data, never markup. Any key but the one that makes a report
+//! may be missing (an older report, a bisect or preflight report): a view whose data is absent
+//! says "not recorded".
 //!
 //! Views, each a `<section class="view" id=...>`: `summary`, `timeline` ([`timeline`]),
 //! `ledger`, `preflight` (the bus-bandwidth curve), `bisect` (the verdict matrix, bisect
@@ -253,7 +256,7 @@ fn preflight(p: Option<&PreflightReport>, v: &Value) -> String {
         }
     }
     s.push_str("</dl>\n");
-    s.push_str(&charts::busbw(v, &points));
+    s.push_str(&charts::busbw(p, v, &points));
     let none = Vec::new();
     for (what, key, items) in [
         ("problem", "problems", p.map_or(&none, |p| &p.problems)),

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde_json::Value;
 
 use super::{esc, events, list_text, text};
-use crate::report::schema::{LedgerReport, PhaseTimes};
+use crate::report::schema::{LedgerReport, PhaseTimes, PreflightReport};
 
 /// The ledger as stacked bars: the whole job, then each attempt placed on the job's time.
 pub(super) fn ledger_bars(l: &LedgerReport) -> String {
@@ -113,11 +113,12 @@ pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
     pts
 }
 
-/// The expected line rate and what it is, from the report or the preflight's events.
-fn line_rate(v: &Value) -> Option<(f64, String)> {
-    let lr = &v["line_rate"];
-    if let Some(g) = lr["gbs"].as_f64() {
-        return Some((g, text(&lr["what"])));
+/// The expected line rate and what it is, from the preflight's report or its events.
+fn line_rate(p: Option<&PreflightReport>, v: &Value) -> Option<(f64, String)> {
+    if let Some(lr) = p.and_then(|p| p.line_rate.as_ref())
+        && let Some(g) = lr.gbs
+    {
+        return Some((g, lr.what.clone()));
     }
     events(v)
         .filter(|e| e["name"] == "preflight_size")
@@ -126,12 +127,12 @@ fn line_rate(v: &Value) -> Option<(f64, String)> {
 }
 
 /// The bus-bandwidth curve: busbw by message size (log2 x), the line rate as a dashed line.
-pub(super) fn busbw(v: &Value, pts: &[Point]) -> String {
+pub(super) fn busbw(p: Option<&PreflightReport>, v: &Value, pts: &[Point]) -> String {
     if pts.is_empty() {
         return "<p class=\"not-recorded\">no sweep recorded (the preflight did not get as far as measuring)</p>\n".into();
     }
     let (left, right, top, bottom, w, h) = (70.0, 20.0, 20.0, 40.0, 900.0, 320.0);
-    let rate = line_rate(v);
+    let rate = line_rate(p, v);
     let ymax = pts
         .iter()
         .map(|p| p.oop.max(p.ip.unwrap_or(0.0)))
