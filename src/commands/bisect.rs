@@ -767,7 +767,7 @@ impl Bisect<'_> {
             crate::report::said(crate::report::html::write(
                 "--report-html",
                 path,
-                &v,
+                v,
                 "this bisect",
             ));
         }

@@ -26,7 +26,7 @@ pub(crate) fn run(input: &Path, output: Option<&Path>) -> Result<u8> {
     let report = crate::report::schema::Report::read(&name, &bytes).map_err(Error::usage)?;
     drop(bytes);
     let out = output.map_or_else(|| beside(input), Path::to_path_buf);
-    crate::report::html::write("-o", &out, &report, &name)?;
+    crate::report::html::write("-o", &out, report, &name)?;
     nrun_base::stdout(format!("{}\n", out.display()));
     Ok(exit::SUCCESS)
 }

@@ -83,7 +83,7 @@ pub(crate) async fn run(
         (Some(path), Some(v)) if rewrite => report::write_json("--report", path, v),
         _ => Ok(()),
     };
-    let drawn = match (&job.report_html, &value) {
+    let drawn = match (&job.report_html, value) {
         (Some(path), Some(v)) => report::html::write("--report-html", path, v, "this job"),
         _ => Ok(()),
     };

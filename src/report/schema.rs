@@ -335,11 +335,16 @@ impl Report {
         if kind == Kind::Preflight && !is("verdict") {
             o.insert("verdict".into(), Value::String(String::new()));
         }
-        let v = Value::Object(o);
+        // Taken apart key by key, moving each part (the events, most of a large report, are
+        // not copied): serde's flatten would buffer the whole report once more.
         let parsed = match kind {
-            Kind::Job => serde_json::from_value(v).map(Report::Job),
-            Kind::Bisect => serde_json::from_value(v).map(Report::Bisect),
-            Kind::Preflight => serde_json::from_value(v).map(Report::Preflight),
+            Kind::Job => job_of(o).map(Report::Job),
+            Kind::Bisect => serde_json::from_value(Value::Object(o))
+                .map(Report::Bisect)
+                .map_err(|e| e.to_string()),
+            Kind::Preflight => preflight_of(o).map(|(preflight, session)| {
+                Report::Preflight(PreflightOnlyReport { preflight, session })
+            }),
         };
         parsed.map_err(|e| {
             not(format!(
@@ -348,11 +353,56 @@ impl Report {
             ))
         })
     }
+}
 
-    /// The report as the JSON it is written as.
-    pub(crate) fn to_value(&self) -> Value {
-        serde_json::to_value(self).unwrap_or_default()
+type Map = serde_json::Map<String, Value>;
+
+/// Key `k` of `o`, taken out, as a `T` (absent or null: None); an error names the key.
+fn take<T: serde::de::DeserializeOwned>(o: &mut Map, k: &str) -> Result<Option<T>, String> {
+    match o.remove(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => serde_json::from_value(v)
+            .map(Some)
+            .map_err(|e| format!("its `{k}`: {e}")),
     }
+}
+
+/// The parts a job's session adds, taken out of `o`.
+fn session_of(o: &mut Map) -> Result<SessionParts, String> {
+    Ok(SessionParts {
+        nodes: o.remove("nodes").filter(|n| !n.is_null()),
+        control: take(o, "control")?,
+        ledger: take(o, "ledger")?,
+        events: match o.remove("events") {
+            Some(Value::Array(a)) => Some(a),
+            _ => None,
+        },
+    })
+}
+
+/// A job's report (its `job` an object: checked by the caller).
+fn job_of(mut o: Map) -> Result<JobReport, String> {
+    let job = take(&mut o, "job")?.unwrap_or_default();
+    let watch = o.remove("watch").filter(|w| !w.is_null());
+    let session = session_of(&mut o)?;
+    // The preflight's keys are what is left, where one ran.
+    let preflight = match o.get("verdict").is_some_and(|v| !v.is_null()) {
+        true => Some(serde_json::from_value(Value::Object(o)).map_err(|e| e.to_string())?),
+        false => None,
+    };
+    Ok(JobReport {
+        preflight,
+        job,
+        watch,
+        session,
+    })
+}
+
+/// `--preflight-only`'s report: the preflight's keys and the session's parts.
+fn preflight_of(mut o: Map) -> Result<(PreflightReport, SessionParts), String> {
+    let session = session_of(&mut o)?;
+    let preflight = serde_json::from_value(Value::Object(o)).map_err(|e| e.to_string())?;
+    Ok((preflight, session))
 }
 
 /// A JSON value's kind, for saying what was found.
