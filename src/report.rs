@@ -1,8 +1,9 @@
 //! What nrun tells people: how a job ended and the failure summary (one for one node or many),
-//! JSON reports, and log formatting. The one place that knows how messages look; [`html`]: the
-//! same reports as a page a person reads.
+//! JSON reports ([`schema`]: their types), and log formatting. The one place that knows how
+//! messages look; [`html`]: the same reports as a page a person reads.
 
 pub(crate) mod html;
+pub(crate) mod schema;
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -254,9 +255,11 @@ fn epoch_seconds(rfc3339: &str) -> String {
         .map_or_else(|| "0".to_string(), |d| d.as_secs().to_string())
 }
 
-/// Writes a `--report FILE` as pretty JSON.
-pub(crate) fn write_json(flag: &str, path: &Path, json: &serde_json::Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(json).unwrap_or_default();
+/// Writes a `--report FILE` as pretty JSON, its keys in order at every level (as a JSON value
+/// holds them), whatever order the report's structs declare them in.
+pub(crate) fn write_json(flag: &str, path: &Path, report: &impl serde::Serialize) -> Result<()> {
+    let json = serde_json::to_value(report).unwrap_or_default();
+    let text = serde_json::to_string_pretty(&json).unwrap_or_default();
     write_out(flag, path, (text + "\n").as_bytes())
 }
 

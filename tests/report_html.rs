@@ -603,7 +603,10 @@ fn nrun_report_writes_beside_the_input_and_names_a_bad_file() {
     let o = s.run(&["report", broken.to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(
-        text(&o.stderr).contains(&format!("{} is not JSON", broken.display())),
+        text(&o.stderr).contains(&format!(
+            "{} is not an nrun report: it is not JSON",
+            broken.display()
+        )),
         "{}",
         text(&o.stderr)
     );
@@ -612,7 +615,10 @@ fn nrun_report_writes_beside_the_input_and_names_a_bad_file() {
     let o = s.run(&["report", list.to_str().unwrap()], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(
-        text(&o.stderr).contains("not a report"),
+        text(&o.stderr).contains(&format!(
+            "{} is not an nrun report: it holds a list of 2 where a report is an object",
+            list.display()
+        )),
         "{}",
         text(&o.stderr)
     );
@@ -704,8 +710,9 @@ fn a_crafted_reports_page_is_linear_in_its_size() {
 }
 
 /// `nrun report` reads its input as every file a person names is read (issue 46): a regular
-/// file only, opened without blocking, at most 64 MiB; and only a report: JSON that is not one
-/// is refused, saying why (exit 2 each, the input named).
+/// file only, opened without blocking, at most 64 MiB; and only a report: an empty file, JSON
+/// that is not one or a report's key holding what nrun never writes is refused, saying what it
+/// expected and what it found (exit 2 each, the input named).
 #[test]
 fn nrun_report_reads_only_bounded_reports() {
     let s = Scene::new();
@@ -722,12 +729,29 @@ fn nrun_report_reads_only_bounded_reports() {
     std::fs::write(&other, r#"{"name": "not a report", "events": []}"#).unwrap();
     let wrong = s.dir.path().join("wrong.json");
     std::fs::write(&wrong, r#"{"job": "x", "events": {}}"#).unwrap();
+    let empty = s.dir.path().join("empty.json");
+    std::fs::write(&empty, "").unwrap();
+    let odd = s.dir.path().join("odd.json");
+    std::fs::write(
+        &odd,
+        r#"{"job": {}, "ledger": {"wall_s": 1.0, "phases": {}}}"#,
+    )
+    .unwrap();
     for (input, why) in [
         (Path::new("/dev/zero"), "is a device"),
         (fifo.as_path(), "is a FIFO"),
         (big.as_path(), "larger than 64 MiB"),
-        (other.as_path(), "not a report"),
-        (wrong.as_path(), "not a report"),
+        (
+            other.as_path(),
+            "is not an nrun report: no `job` object, no preflight `verdict`, no bisect `rounds` \
+             (its keys: events, name)",
+        ),
+        (
+            wrong.as_path(),
+            "is not an nrun report: its `events` is an object where a report has a list",
+        ),
+        (empty.as_path(), "is not an nrun report: it is empty"),
+        (odd.as_path(), "missing field `effective`"),
     ] {
         let mut c = s.cmd(&["report", input.to_str().unwrap(), "-o"]);
         c.arg(s.dir.path().join("out.html"));

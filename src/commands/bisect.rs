@@ -754,7 +754,13 @@ impl Bisect<'_> {
             took.as_secs_f64()
         );
         nrun_base::stdout(table);
-        let v = serde_json::json!({ "nodes": self.results, "rounds": self.rounds, "rounds_after_stage1": after, "seconds": took.as_secs_f64(), "control": self.control });
+        let v = crate::report::schema::Report::Bisect(crate::report::schema::BisectReport {
+            nodes: crate::report::schema::json_list(&self.results),
+            rounds: crate::report::schema::json_list(&self.rounds),
+            rounds_after_stage1: after,
+            seconds: Some(took.as_secs_f64()),
+            control: Some(self.control.clone()),
+        });
         if let Some(path) = &self.bp.report {
             crate::report::said(crate::report::write_json("--report", path, &v));
         }
@@ -762,7 +768,7 @@ impl Bisect<'_> {
             crate::report::said(crate::report::html::write(
                 "--report-html",
                 path,
-                &v,
+                v,
                 "this bisect",
             ));
         }

@@ -20,7 +20,7 @@ use nrun_store::client::Client;
 /// far, and the nodes its failing findings name (host, evidence).
 pub(crate) struct Ended {
     pub code: u8,
-    pub report: Option<serde_json::Value>,
+    pub report: Option<crate::report::schema::PreflightReport>,
     pub blamed: Vec<(String, String)>,
 }
 
@@ -138,7 +138,7 @@ pub(crate) async fn run(
     Ok(Ended {
         code: summary.verdict.exit_code(),
         blamed: blamed(&summary.findings),
-        report: Some(summary.json),
+        report: crate::report::schema::PreflightReport::from_json(summary.json),
     })
 }
 

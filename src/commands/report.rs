@@ -11,9 +11,9 @@ use nrun_base::error::{Error, Result, exit};
 const MAX_REPORT: u64 = 64 << 20;
 
 /// Writes the page and prints its path; a missing or unreadable input, or one that is not a
-/// report, is a usage error (2). The input is read as [`nrun_base::files::read_bounded`] reads:
-/// a regular file of at most [`MAX_REPORT`], opened without blocking (`/dev/zero` or a FIFO is
-/// refused at once, named).
+/// report ([`crate::report::schema::Report::read`] says why), is a usage error (2). The input
+/// is read as [`nrun_base::files::read_bounded`] reads: a regular file of at most
+/// [`MAX_REPORT`], opened without blocking (`/dev/zero` or a FIFO is refused at once, named).
 pub(crate) fn run(input: &Path, output: Option<&Path>) -> Result<u8> {
     let bytes = nrun_base::files::read_bounded(input, MAX_REPORT).map_err(|e| {
         Error::usage(format!(
@@ -22,23 +22,11 @@ pub(crate) fn run(input: &Path, output: Option<&Path>) -> Result<u8> {
             input.display()
         ))
     })?;
-    let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
-        Error::usage(format!(
-            "{} is not JSON ({e}); nrun report reads the file --report FILE wrote",
-            input.display()
-        ))
-    })?;
+    let name = input.display().to_string();
+    let report = crate::report::schema::Report::read(&name, &bytes).map_err(Error::usage)?;
     drop(bytes);
-    if !crate::report::html::is_report(&v) {
-        return Err(Error::usage(format!(
-            "{} holds JSON but not a report (an object with nrun's keys: job, rounds, nodes, \
-             verdict or rows, each of its kind); nrun report reads the file --report FILE wrote",
-            input.display()
-        )));
-    }
     let out = output.map_or_else(|| beside(input), Path::to_path_buf);
-    let source = input.display().to_string();
-    crate::report::html::write("-o", &out, &v, &source)?;
+    crate::report::html::write("-o", &out, report, &name)?;
     nrun_base::stdout(format!("{}\n", out.display()));
     Ok(exit::SUCCESS)
 }

@@ -9,6 +9,9 @@ use crate::fault;
 use crate::journal::{Event, Phase};
 use crate::plan::{NodesPlan, RunSettings};
 use crate::protocol::StepResult;
+use crate::report::schema::{
+    Decision, JobReport, JobSection, PreflightOnlyReport, PreflightReport, Report, SessionParts,
+};
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::roster::Stage;
 use crate::session::spec::Launch;
@@ -43,25 +46,24 @@ pub(crate) async fn run(
     // --preflight-only's own report is the preflight's (written by it), rewritten only to add
     // the nodes left out.
     // --report-html draws the very value --report holds.
-    let nodes = s.nodes_json();
-    let control = s.control_json();
-    let has_control = control.as_array().is_some_and(|c| !c.is_empty());
-    let rewrite = !job.preflight_only || nodes.is_some() || has_control;
+    let parts = SessionParts {
+        nodes: s.nodes_json(),
+        control: s
+            .control_json()
+            .as_array()
+            .cloned()
+            .filter(|c| !c.is_empty()),
+        ..SessionParts::default()
+    };
+    let rewrite = !job.preflight_only || parts.nodes.is_some() || parts.control.is_some();
     let value = match (job.preflight_only, &rec.preflight) {
-        (false, _) => Some(rec.json(code_of, &s)),
-        (true, Some(pf)) => Some(pf.clone()),
+        (false, _) => Some(Report::Job(rec.report(code_of, &s, parts))),
+        (true, Some(pf)) => Some(Report::Preflight(PreflightOnlyReport {
+            preflight: pf.clone(),
+            session: parts,
+        })),
         (true, None) => None,
     };
-    let value = value.map(|mut v| {
-        if let Some(n) = nodes {
-            v["nodes"] = n;
-        }
-        // Where each node's agent reaches this host, and why that address.
-        if has_control {
-            v["control"] = control.clone();
-        }
-        v
-    });
     s.journal.nodes(
         s.roster().active().len(),
         s.roster().left_out().len(),
@@ -72,16 +74,21 @@ pub(crate) async fn run(
     // Nodes whose own nrun joined (c10d) exit with the job's code.
     s.end_with(code_of).await;
     let (ledger, events, summary) = journal.finish(code_of, rec.outcome_of(code_of));
-    let value = value.map(|mut v| {
-        v["ledger"] = ledger;
-        v["events"] = events;
-        v
+    let value = value.map(|mut r| {
+        if let Some(parts) = r.session_mut() {
+            parts.ledger = Some(ledger);
+            parts.events = match events {
+                serde_json::Value::Array(a) => Some(a),
+                _ => None,
+            };
+        }
+        r
     });
     let written = match (&job.report, &value) {
         (Some(path), Some(v)) if rewrite => report::write_json("--report", path, v),
         _ => Ok(()),
     };
-    let drawn = match (&job.report_html, &value) {
+    let drawn = match (&job.report_html, value) {
         (Some(path), Some(v)) => report::html::write("--report-html", path, v, "this job"),
         _ => Ok(()),
     };
@@ -113,7 +120,7 @@ fn job_start(s: &mut Session, job: &RunSettings) {
 #[derive(Default)]
 struct Record {
     /// The preflight's report, when one ran.
-    preflight: Option<serde_json::Value>,
+    preflight: Option<PreflightReport>,
     /// Worker groups started, and restarts after a failure (TORCHELASTIC_RESTART_COUNT).
     attempts: usize,
     restarts: u32,
@@ -122,7 +129,7 @@ struct Record {
     /// The last failure, in one line (a restart may have followed it).
     headline: Option<String>,
     /// The fault model's decisions, each with its evidence.
-    decisions: Vec<serde_json::Value>,
+    decisions: Vec<Decision>,
 }
 
 impl Record {
@@ -137,23 +144,21 @@ impl Record {
         }
     }
 
-    fn json(&self, code: u8, s: &Session) -> serde_json::Value {
-        let outcome = self.outcome_of(code);
-        // The preflight's keys stay at the top level, where --preflight-only puts them.
-        let mut v = self
-            .preflight
-            .clone()
-            .unwrap_or_else(|| serde_json::json!({}));
-        v["job"] = serde_json::json!({
-            "outcome": outcome,
-            "exit_code": code,
-            "headline": self.headline,
-            "attempts": self.attempts,
-            "restarts": self.restarts,
-            "decisions": self.decisions,
-        });
-        v["watch"] = s.watch().map_or(serde_json::Value::Null, WatchState::json);
-        v
+    fn report(&self, code: u8, s: &Session, session: SessionParts) -> JobReport {
+        JobReport {
+            // The preflight's keys stay at the top level, where --preflight-only puts them.
+            preflight: self.preflight.clone(),
+            job: JobSection {
+                outcome: self.outcome_of(code).to_string(),
+                exit_code: Some(code),
+                headline: self.headline.clone(),
+                attempts: Some(self.attempts),
+                restarts: Some(self.restarts),
+                decisions: self.decisions.clone(),
+            },
+            watch: s.watch().map(WatchState::json),
+            session,
+        }
     }
 }
 
@@ -556,14 +561,14 @@ fn tell(s: &mut Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
                 }
             );
         }
-        rec.decisions.push(serde_json::json!({
-            "attempt": attempt,
-            "host": host,
-            "evidence": j.why,
-            "verdict": j.verdict.as_str(),
-            "left_out": out,
-            "action": action,
-        }));
+        rec.decisions.push(Decision {
+            attempt: Some(attempt),
+            host: host.clone(),
+            evidence: j.why.clone(),
+            verdict: j.verdict.as_str().to_string(),
+            left_out: out,
+            action: action.to_string(),
+        });
         s.journal.emit(Event::Decision {
             node: j.node,
             host,
@@ -948,11 +953,8 @@ fn joined_events(s: &mut Session) {
 /// A `preflight_size` event per size the preflight measured, and `preflight_end`.
 fn preflight_events(s: &mut Session, ended: &preflight::Ended) {
     let r = ended.report.as_ref();
-    let line_rate = r.and_then(|r| r["line_rate"]["gbs"].as_f64());
-    let rows = r
-        .and_then(|r| r["rows"].as_array())
-        .cloned()
-        .unwrap_or_default();
+    let line_rate = r.and_then(|r| r.line_rate.as_ref()?.gbs);
+    let rows = r.map(|r| r.rows.clone()).unwrap_or_default();
     for row in rows {
         let o = &row["out_of_place"];
         s.journal.emit(Event::PreflightSize {
@@ -962,7 +964,7 @@ fn preflight_events(s: &mut Session, ended: &preflight::Ended) {
             line_rate_gbs: line_rate,
         });
     }
-    let verdict = r.and_then(|r| r["verdict"].as_str()).unwrap_or("none");
+    let verdict = r.map_or("none", |r| r.verdict.as_str());
     s.journal.emit(Event::PreflightEnd {
         exit_code: ended.code,
         verdict: verdict.to_string(),

@@ -139,12 +139,6 @@ pub(crate) enum Seen {
     Progress,
 }
 
-impl Serialize for Phase {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(self.key())
-    }
-}
-
 impl Event {
     /// The `hang` event of the watch's diagnosis `d`.
     pub(crate) fn hang(d: &Diagnosis) -> Event {

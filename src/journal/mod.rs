@@ -50,62 +50,12 @@ pub(crate) struct JournalPlan {
     pub metrics_port: Option<(String, std::net::SocketAddr)>,
 }
 
-/// What the job is doing; the ledger's keys, in order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Phase {
-    Launch,
-    Join,
-    Checks,
-    Preflight,
-    Starting,
-    Running,
-    Detecting,
-    Stopping,
-    Restarting,
-    Waiting,
-    Ending,
-}
-
-impl Phase {
-    pub(crate) const ALL: [Phase; 11] = [
-        Phase::Launch,
-        Phase::Join,
-        Phase::Checks,
-        Phase::Preflight,
-        Phase::Starting,
-        Phase::Running,
-        Phase::Detecting,
-        Phase::Stopping,
-        Phase::Restarting,
-        Phase::Waiting,
-        Phase::Ending,
-    ];
-
-    pub(crate) fn key(self) -> &'static str {
-        match self {
-            Phase::Launch => "launch",
-            Phase::Join => "join",
-            Phase::Checks => "checks",
-            Phase::Preflight => "preflight",
-            Phase::Starting => "starting",
-            Phase::Running => "running",
-            Phase::Detecting => "detecting",
-            Phase::Stopping => "stopping",
-            Phase::Restarting => "restarting",
-            Phase::Waiting => "waiting",
-            Phase::Ending => "ending",
-        }
-    }
-
-    /// The phases of a worker group's life, where the watch and the step's wait move the job.
-    fn in_attempt(self) -> bool {
-        matches!(self, Phase::Starting | Phase::Running | Phase::Detecting)
-    }
-}
+pub(crate) use crate::report::schema::Phase;
+use crate::report::schema::{AttemptReport, LedgerReport, PhaseTimes};
 
 /// Seconds spent in each phase.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct Phases([f64; 11]);
+pub(crate) struct Phases([f64; Phase::ALL.len()]);
 
 impl Phases {
     pub(crate) fn get(&self, p: Phase) -> f64 {
@@ -120,12 +70,12 @@ impl Phases {
         self.0.iter().sum()
     }
 
-    fn json(&self) -> Value {
-        let m: serde_json::Map<String, Value> = Phase::ALL
+    /// The report's seconds per phase, to the microsecond.
+    fn times(&self) -> PhaseTimes {
+        Phase::ALL
             .iter()
-            .map(|p| (p.key().to_string(), json!(round6(self.get(*p)))))
-            .collect();
-        Value::Object(m)
+            .map(|p| (*p, round6(self.get(*p))))
+            .collect()
     }
 }
 
@@ -351,29 +301,27 @@ impl Ledger {
     }
 
     /// `--report`'s `ledger`.
-    pub(crate) fn json(&self, now: f64) -> Value {
-        let attempts: Vec<Value> = self
+    pub(crate) fn report(&self, now: f64) -> LedgerReport {
+        let attempts = self
             .attempts
             .iter()
-            .map(|a| {
-                json!({
-                    "attempt": a.attempt,
-                    "start_s": round6(a.start_s),
-                    "end_s": round6(a.end_s.unwrap_or(now)),
-                    "outcome": a.outcome.unwrap_or("running"),
-                    "phases": a.phases.json(),
-                })
+            .map(|a| AttemptReport {
+                attempt: a.attempt,
+                start_s: round6(a.start_s),
+                end_s: round6(a.end_s.unwrap_or(now)),
+                outcome: a.outcome.unwrap_or("running").to_string(),
+                phases: a.phases.times(),
             })
             .collect();
-        json!({
-            "wall_s": round6(self.wall(now)),
-            "phases": self.totals(now).json(),
-            "effective": (self.effective(now) * 1e4).round() / 1e4,
-            "attempts": attempts,
-            "restarts": self.restarts,
-            "lost_s": round6(self.lost(now)),
-            "summary": self.summary(now),
-        })
+        LedgerReport {
+            wall_s: round6(self.wall(now)),
+            phases: self.totals(now).times(),
+            effective: (self.effective(now) * 1e4).round() / 1e4,
+            attempts,
+            restarts: self.restarts,
+            lost_s: round6(self.lost(now)),
+            summary: self.summary(now),
+        }
     }
 }
 
@@ -681,7 +629,7 @@ impl Journal {
 
     /// The job ended with `code`: the ledger closes, `job_end` is recorded and the metrics
     /// written one last time. Returns `--report`'s `ledger` and `events`, and the summary line.
-    pub(crate) fn finish(&mut self, code: u8, outcome: &str) -> (Value, Value, String) {
+    pub(crate) fn finish(&mut self, code: u8, outcome: &str) -> (LedgerReport, Value, String) {
         let now = now_s();
         self.enter(Phase::Ending);
         let summary = {
@@ -702,7 +650,7 @@ impl Journal {
         if let Some(m) = self.metrics.take() {
             m.finish(outcome, code);
         }
-        let ledger = self.lock().json(now);
+        let ledger = self.lock().report(now);
         let events = std::mem::take(&mut self.events)
             .iter()
             .map(|e| e.json(&self.run_id))

@@ -35,7 +35,7 @@ fn the_phases_add_up_to_the_wall_time() {
     let l = job();
     let t = l.totals(9999.0);
     assert!(close(t.sum(), 812.4), "{t:?}");
-    let v = l.json(9999.0);
+    let v = serde_json::to_value(l.report(9999.0)).unwrap();
     let sum: f64 = v["phases"]
         .as_object()
         .unwrap()
@@ -59,7 +59,7 @@ fn the_phases_add_up_to_the_wall_time() {
 
 #[test]
 fn each_attempt_has_its_own_phases_and_outcome() {
-    let v = job().json(9999.0);
+    let v = serde_json::to_value(job().report(9999.0)).unwrap();
     let a = v["attempts"].as_array().unwrap();
     assert_eq!(a.len(), 2);
     assert_eq!(a[0]["outcome"], "failed");
@@ -100,17 +100,19 @@ fn the_effective_ratio_and_what_faults_cost() {
 /// left out the restart: 5.0 s + 3.0 s beside the job's 5.4 s).
 #[test]
 fn the_attempts_lost_add_up_to_the_jobs() {
-    let v = job().json(9999.0);
-    let a = v["attempts"].as_array().unwrap();
+    let l = job().report(9999.0);
+    let a = &l.attempts;
     let lost = |i: usize| crate::report::html::attempt_lost(&a[i], i == 0);
     // Attempt 0: detecting and stopping (its start-up is the job's own); attempt 1: its
     // start-up after the restart.
     assert!(close(lost(0), 0.5 + 1.5), "{}", lost(0));
     assert!(close(lost(1), 3.0), "{}", lost(1));
-    let job = v["lost_s"].as_f64().unwrap();
+    let job = l.lost_s;
     // The restart, between the attempts, is the rest.
     assert!(close(job - lost(0) - lost(1), 0.4), "{job}");
-    let page = crate::report::html::render(&json!({ "ledger": v }), "job.json");
+    let v = json!({ "job": { "outcome": "success" }, "ledger": serde_json::to_value(&l).unwrap() });
+    let r = crate::report::schema::Report::read("job.json", v.to_string().as_bytes()).unwrap();
+    let page = crate::report::html::render(r, "job.json");
     assert!(
         page.contains(
             ">between attempts (restarting, waiting for nodes)</td><td class=\"n\">0.4 s<"
@@ -276,14 +278,6 @@ fn per_rank_series_follow_the_latest_figures() {
         text.contains("nrun_rank_last_progress_age_seconds{rank=\"0\",host=\"h\"} 0.5\n"),
         "{text}"
     );
-}
-
-/// The page (a layer below the journal) keeps its own list of the ledger's keys: the same ones,
-/// in the same order, or a phase would go missing from the report's bars.
-#[test]
-fn the_report_page_knows_every_phase_in_order() {
-    let keys: Vec<&str> = Phase::ALL.iter().map(|p| p.key()).collect();
-    assert_eq!(keys, crate::report::html::PHASES);
 }
 
 /// The journal's own work, timed, for BENCHMARKS 26 (its share of a step is this work over the

@@ -1,12 +1,15 @@
 //! The incident report a person reads: one self-contained HTML page drawn from a `--report`
-//! JSON value (the job's, `--preflight-only`'s or bisect's), for `nrun report` and the job's
-//! `--report-html`.
+//! (the job's, `--preflight-only`'s or bisect's, as the schema's [`Report`]), for `nrun report`
+//! and the job's `--report-html`. The summary, ledger, preflight facts and decisions read the
+//! schema's types; the views of sections it carries as JSON (events, nodes, watch, a sweep's
+//! rows, bisect's rounds) read that JSON.
 //!
 //! The page has no script and loads nothing: inline CSS, charts as inline SVG drawn here, a
 //! Content-Security-Policy that forbids every fetch (so a browser says so if anything ever
 //! tried), and it opens from disk. Every string from the report is escaped ([`esc`]): a host
-//! name or a worker's message is data, never markup. Any key may be missing (an older report,
-//! a bisect or preflight report): a view whose data is absent says "not recorded".
+//! name or a worker's message is data, never markup. Any key but the one that makes a report
+//! may be missing (an older report, a bisect or preflight report): a view whose data is absent
+//! says "not recorded".
 //!
 //! Views, each a `<section class="view" id=...>`: `summary`, `timeline` ([`timeline`]),
 //! `ledger`, `preflight` (the bus-bandwidth curve), `bisect` (the verdict matrix, bisect
@@ -22,20 +25,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-/// The ledger's phases, in the order time flows (the schema's keys).
-pub(crate) const PHASES: [&str; 11] = [
-    "launch",
-    "join",
-    "checks",
-    "preflight",
-    "starting",
-    "running",
-    "detecting",
-    "stopping",
-    "restarting",
-    "waiting",
-    "ending",
-];
+use super::schema::{AttemptReport, JobSection, LedgerReport, Phase, PreflightReport, Report};
 
 /// Most rows a table shows before it says how many it left out.
 const TABLE_ROWS: usize = 200;
@@ -44,31 +34,32 @@ const TABLE_ROWS: usize = 200;
 pub(crate) fn write(
     flag: &str,
     path: &Path,
-    report: &Value,
+    report: Report,
     source: &str,
 ) -> nrun_base::error::Result<()> {
     crate::report::write_out(flag, path, render(report, source).as_bytes())
 }
 
-/// The whole page. `source`: what the report was read from, shown in the header.
-pub(crate) fn render(v: &Value, source: &str) -> String {
-    let kind = Kind::of(v);
+/// The whole page. `source`: what the report was read from, shown in the header. The views of
+/// sections the schema carries as JSON (events, nodes, watch, a sweep's rows) read that JSON.
+pub(crate) fn render(mut r: Report, source: &str) -> String {
+    let v = json_parts(&mut r);
+    let r = &r;
     let mut body = String::new();
-    body.push_str(&summary(v, kind, source));
-    body.push_str(&timeline::section(v));
-    body.push_str(&ledger(v));
-    body.push_str(&preflight(v));
-    if kind == Kind::Bisect {
-        body.push_str(&charts::bisect(v));
+    body.push_str(&summary(r, &v, source));
+    body.push_str(&timeline::section(&v));
+    body.push_str(&ledger(r.ledger()));
+    body.push_str(&preflight(r.preflight(), &v));
+    if let Report::Bisect(_) = r {
+        body.push_str(&charts::bisect(&v));
     }
-    body.push_str(&nodes(v));
-    body.push_str(&decisions(v));
-    body.push_str(&watch(v));
-    let title = match kind {
-        Kind::Job => format!("nrun job: {}", text(&v["job"]["outcome"])),
-        Kind::Preflight => format!("nrun preflight: {}", text(&v["verdict"])),
-        Kind::Bisect => "nrun bisect".to_string(),
-        Kind::Unknown => "nrun report".to_string(),
+    body.push_str(&nodes(&v));
+    body.push_str(&decisions(r.job(), &v));
+    body.push_str(&watch(&v));
+    let title = match r {
+        Report::Job(j) => format!("nrun job: {}", j.job.outcome),
+        Report::Preflight(p) => format!("nrun preflight: {}", p.preflight.verdict),
+        Report::Bisect(_) => "nrun bisect".to_string(),
     };
     format!(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n\
@@ -80,59 +71,52 @@ pub(crate) fn render(v: &Value, source: &str) -> String {
     )
 }
 
-/// Which command's report it is, by its keys.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Kind {
-    Job,
-    Preflight,
-    Bisect,
-    Unknown,
-}
-
-/// Whether `v` is a report nrun wrote (a job's, bisect's or a preflight's): an object with one
-/// of their keys, of the kind they hold there. Anything else is refused, not drawn.
-pub(crate) fn is_report(v: &Value) -> bool {
-    let Some(o) = v.as_object() else {
-        return false;
-    };
-    let kind_ok = match Kind::of(v) {
-        Kind::Job => o["job"].is_object(),
-        Kind::Bisect => {
-            o.get("rounds").is_none_or(Value::is_array)
-                && o.get("nodes").is_none_or(Value::is_array)
+/// The sections the schema carries as JSON, moved out of `r` into one object the views of them
+/// read (not copied: the events are most of a large report), with the ledger's wall time (the
+/// timeline's span).
+fn json_parts(r: &mut Report) -> Value {
+    let mut o = serde_json::Map::new();
+    let mut put = |k: &str, v: Value| {
+        if !v.is_null() {
+            o.insert(k.to_string(), v);
         }
-        Kind::Preflight => o.get("rows").is_none_or(Value::is_array),
-        Kind::Unknown => false,
     };
-    // What the views read as lists must be lists where present.
-    kind_ok
-        && ["events"]
-            .iter()
-            .all(|k| o.get(*k).is_none_or(Value::is_array))
-}
-
-impl Kind {
-    fn of(v: &Value) -> Kind {
-        if v.get("job").is_some() {
-            Kind::Job
-        } else if v.get("rounds").is_some() || v["nodes"].is_array() {
-            Kind::Bisect
-        } else if v.get("verdict").is_some() || v.get("rows").is_some() {
-            Kind::Preflight
-        } else {
-            Kind::Unknown
+    let list = |l: &mut Vec<Value>| Value::Array(std::mem::take(l));
+    if let Some(p) = match r {
+        Report::Job(j) => j.preflight.as_mut(),
+        Report::Preflight(p) => Some(&mut p.preflight),
+        Report::Bisect(_) => None,
+    } {
+        put("ranks", list(&mut p.ranks));
+        put("rows", list(&mut p.rows));
+    }
+    if let Report::Job(j) = r {
+        put("watch", j.watch.take().unwrap_or_default());
+    }
+    if let Report::Bisect(b) = r {
+        put("nodes", list(&mut b.nodes));
+        put("rounds", list(&mut b.rounds));
+    }
+    if let Some(parts) = r.session_mut() {
+        put("nodes", parts.nodes.take().unwrap_or_default());
+        put(
+            "events",
+            parts.events.take().map_or(Value::Null, Value::Array),
+        );
+        if let Some(l) = &parts.ledger {
+            put("ledger", serde_json::json!({ "wall_s": l.wall_s }));
         }
     }
+    Value::Object(o)
 }
 
 /// The header: what ended how, the ledger's one line, and links to the views.
-fn summary(v: &Value, kind: Kind, source: &str) -> String {
+fn summary(r: &Report, v: &Value, source: &str) -> String {
     let mut s = String::from("<section class=\"view\" id=\"summary\">\n");
-    let what = match kind {
-        Kind::Job => "job",
-        Kind::Preflight => "preflight",
-        Kind::Bisect => "bisect",
-        Kind::Unknown => "report",
+    let what = match r {
+        Report::Job(_) => "job",
+        Report::Preflight(_) => "preflight",
+        Report::Bisect(_) => "bisect",
     };
     let _ = writeln!(s, "<h1>nrun {what} report</h1>");
     let _ = write!(
@@ -145,12 +129,10 @@ fn summary(v: &Value, kind: Kind, source: &str) -> String {
             let _ = write!(s, "<dt>{}</dt><dd>{}</dd>", esc(k), val);
         }
     };
-    let job = &v["job"];
-    let outcome = match kind {
-        Kind::Job => text(&job["outcome"]),
-        Kind::Preflight => text(&v["verdict"]),
-        Kind::Bisect => bisect_outcome(v),
-        Kind::Unknown => String::new(),
+    let (outcome, code) = match r {
+        Report::Job(j) => (j.job.outcome.clone(), j.job.exit_code),
+        Report::Preflight(p) => (p.preflight.verdict.clone(), Some(p.preflight.exit_code)),
+        Report::Bisect(_) => (bisect_outcome(v), None),
     };
     if !outcome.is_empty() {
         let class = match outcome.as_str() {
@@ -162,39 +144,45 @@ fn summary(v: &Value, kind: Kind, source: &str) -> String {
             format!("<span class=\"badge {class}\">{}</span>", esc(&outcome)),
         );
     }
-    let code = if kind == Kind::Job {
-        &job["exit_code"]
-    } else {
-        &v["exit_code"]
-    };
-    fact("exit code", esc(&text(code)));
+    let some = |x: Option<String>| x.map_or(String::new(), |t| esc(&t));
+    fact("exit code", some(code.map(|c| c.to_string())));
     // A job that succeeded after a restart still names the failure it got over.
     let failed = match outcome.as_str() {
         "success" => "recovered from",
         _ => "what failed",
     };
-    fact(failed, esc(&text(&job["headline"])));
-    fact("attempts", esc(&text(&job["attempts"])));
-    fact("restarts", esc(&text(&job["restarts"])));
-    fact("ledger", esc(&text(&v["ledger"]["summary"])));
-    if let Some(took) = v["seconds"].as_f64() {
-        let rounds = v["rounds"].as_array().map_or(0, Vec::len);
+    let job = r.job();
+    fact(failed, some(job.and_then(|j| j.headline.clone())));
+    fact(
+        "attempts",
+        some(job.and_then(|j| j.attempts).map(|n| n.to_string())),
+    );
+    fact(
+        "restarts",
+        some(job.and_then(|j| j.restarts).map(|n| n.to_string())),
+    );
+    let ledger = r.ledger();
+    fact("ledger", some(ledger.map(|l| l.summary.clone())));
+    if let Report::Bisect(b) = r
+        && let Some(took) = b.seconds
+    {
         fact(
             "took",
             esc(&format!(
-                "{rounds} rounds in {}",
+                "{} rounds in {}",
+                v["rounds"].as_array().map_or(0, Vec::len),
                 nrun_base::duration_text(took)
             )),
         );
     }
-    if let Some(e) = v["ledger"]["effective"].as_f64() {
+    if let Some(e) = ledger.map(|l| l.effective) {
         fact("effective training time", format!("{:.1}%", e * 100.0));
     }
     s.push_str(
         "</dl>\n<nav><a href=\"#timeline\">timeline</a> <a href=\"#ledger\">ledger</a> \
                 <a href=\"#preflight\">preflight</a> ",
     );
-    if kind == Kind::Bisect {
+    if let Report::Bisect(_) = r {
         s.push_str("<a href=\"#bisect\">bisect</a> ");
     }
     s.push_str(
@@ -217,140 +205,150 @@ fn bisect_outcome(v: &Value) -> String {
 /// What faults cost inside attempt `a` of the ledger (`first`: the job's first), by the rule
 /// of the ledger's `lost_s` (`journal::Ledger::lost`): detecting, stopping, restarting and
 /// waiting, and the start-up of every worker group after the first.
-pub(crate) fn attempt_lost(a: &Value, first: bool) -> f64 {
-    let get = |p: &str| a["phases"][p].as_f64().unwrap_or(0.0);
-    let start_up = if first { 0.0 } else { get("starting") };
-    ["detecting", "stopping", "restarting", "waiting"]
-        .into_iter()
-        .map(get)
-        .sum::<f64>()
+pub(crate) fn attempt_lost(a: &AttemptReport, first: bool) -> f64 {
+    let get = |p: Phase| a.phases.get(&p).copied().unwrap_or(0.0);
+    let start_up = if first { 0.0 } else { get(Phase::Starting) };
+    [
+        Phase::Detecting,
+        Phase::Stopping,
+        Phase::Restarting,
+        Phase::Waiting,
+    ]
+    .into_iter()
+    .map(get)
+    .sum::<f64>()
         + start_up
 }
 
 /// The ledger: where the wall time went, in total and per attempt.
-fn ledger(v: &Value) -> String {
-    let l = &v["ledger"];
+fn ledger(l: Option<&LedgerReport>) -> String {
     let mut s = open("ledger", "Where the time went (ledger)");
-    let Some(wall) = l["wall_s"].as_f64() else {
+    let Some(l) = l else {
         return s + NOT_RECORDED + "</section>\n";
     };
-    let _ = write!(
+    let wall = l.wall_s;
+    let _ = writeln!(
         s,
-        "<p class=\"ledger-summary\">{}",
-        esc(&text(&l["summary"]))
+        "<p class=\"ledger-summary\">{} <strong class=\"effective\">{:.1}% effective training time</strong></p>",
+        esc(&l.summary),
+        l.effective * 100.0
     );
-    if let Some(e) = l["effective"].as_f64() {
-        let _ = write!(
-            s,
-            " <strong class=\"effective\">{:.1}% effective training time</strong>",
-            e * 100.0
-        );
-    }
-    s.push_str("</p>\n");
-    s.push_str(&charts::ledger_bars(l, wall));
+    s.push_str(&charts::ledger_bars(l));
     s.push_str("<table class=\"phases\"><thead><tr><th>phase</th><th>seconds</th><th>share</th></tr></thead><tbody>\n");
-    for p in PHASES {
-        let secs = l["phases"][p].as_f64();
+    for p in Phase::ALL {
+        let secs = l.phases.get(&p).copied();
         let share = secs.map_or(String::new(), |x| pct(x, wall));
         let _ = writeln!(
             s,
             "<tr><td><span class=\"sw ph-{p}\"></span>{p}</td><td class=\"n\">{}</td><td class=\"n\">{share}</td></tr>",
             secs.map_or("not recorded".to_string(), |x| format!("{x:.1}")),
+            p = p.key(),
         );
     }
     let _ = writeln!(
         s,
         "<tr class=\"total\"><td>wall time</td><td class=\"n\">{wall:.1}</td><td class=\"n\">100%</td></tr></tbody></table>"
     );
-    if let Some(attempts) = l["attempts"].as_array().filter(|a| !a.is_empty()) {
+    if !l.attempts.is_empty() {
         s.push_str("<h3>Attempts</h3><table class=\"attempts\"><thead><tr><th>attempt</th><th>from</th><th>to</th><th>outcome</th><th>running</th><th>lost</th></tr></thead><tbody>\n");
-        for (i, a) in attempts.iter().enumerate().take(TABLE_ROWS) {
-            let running = a["phases"]["running"].as_f64().unwrap_or(0.0);
+        for (i, a) in l.attempts.iter().enumerate().take(TABLE_ROWS) {
+            let running = a.phases.get(&Phase::Running).copied().unwrap_or(0.0);
             let _ = writeln!(
                 s,
                 "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td><td class=\"n\">{running:.1} s</td><td class=\"n\">{:.1} s</td></tr>",
-                esc(&text(&a["attempt"])),
-                esc(&secs_at(&a["start_s"])),
-                esc(&secs_at(&a["end_s"])),
-                esc(&text(&a["outcome"])),
+                a.attempt,
+                format_args!("{:.1} s", a.start_s),
+                format_args!("{:.1} s", a.end_s),
+                esc(&a.outcome),
                 attempt_lost(a, i == 0),
             );
         }
         // The rows add up to the job's lost time: what no attempt holds (restarting and
         // waiting for nodes between them) has a row of its own.
-        if let Some(job) = l["lost_s"].as_f64() {
-            let within: f64 = attempts
-                .iter()
-                .enumerate()
-                .map(|(i, a)| attempt_lost(a, i == 0))
-                .sum();
-            let between = job - within;
-            if between >= 0.05 {
-                let _ = writeln!(
-                    s,
-                    "<tr><td colspan=\"5\">between attempts (restarting, waiting for nodes)</td><td class=\"n\">{between:.1} s</td></tr>"
-                );
-            }
+        let within: f64 = l
+            .attempts
+            .iter()
+            .enumerate()
+            .map(|(i, a)| attempt_lost(a, i == 0))
+            .sum();
+        let between = l.lost_s - within;
+        if between >= 0.05 {
             let _ = writeln!(
                 s,
-                "<tr class=\"total\"><td colspan=\"5\">lost in all (the first attempt's start-up is the job's own cost, not lost)</td><td class=\"n\">{job:.1} s</td></tr>"
+                "<tr><td colspan=\"5\">between attempts (restarting, waiting for nodes)</td><td class=\"n\">{between:.1} s</td></tr>"
             );
         }
+        let _ = writeln!(
+            s,
+            "<tr class=\"total\"><td colspan=\"5\">lost in all (the first attempt's start-up is the job's own cost, not lost)</td><td class=\"n\">{:.1} s</td></tr>",
+            l.lost_s
+        );
         s.push_str("</tbody></table>\n");
-        s.push_str(&cut(attempts.len(), "attempts"));
+        s.push_str(&cut(l.attempts.len(), "attempts"));
     }
     s + "</section>\n"
 }
 
 /// The preflight: the bus-bandwidth curve against the line rate, and its verdict.
-fn preflight(v: &Value) -> String {
+fn preflight(p: Option<&PreflightReport>, v: &Value) -> String {
     let mut s = open("preflight", "Preflight: bus bandwidth by message size");
     let points = charts::busbw_points(v);
-    if points.is_empty() && v.get("verdict").is_none() {
+    if points.is_empty() && p.is_none() {
         return s + NOT_RECORDED + "</section>\n";
     }
     let _ = write!(s, "<dl class=\"facts\">");
-    for (k, key) in [
-        ("verdict", "verdict"),
-        ("exit code", "exit_code"),
-        ("mode", "mode"),
-        ("ranks", "world_size"),
-    ] {
-        let t = text(&v[key]);
-        if !t.is_empty() {
-            let _ = write!(s, "<dt>{k}</dt><dd>{}</dd>", esc(&t));
+    if let Some(p) = p {
+        let mode = p.mode.map(|m| match m {
+            nrun_preflight::Mode::Nccl => "nccl",
+            nrun_preflight::Mode::Net => "net",
+        });
+        for (k, t) in [
+            ("verdict", Some(p.verdict.clone())),
+            ("exit code", Some(p.exit_code.to_string())),
+            ("mode", mode.map(String::from)),
+            ("ranks", Some(p.world_size.to_string())),
+        ] {
+            if let Some(t) = t.filter(|t| !t.is_empty()) {
+                let _ = write!(s, "<dt>{k}</dt><dd>{}</dd>", esc(&t));
+            }
         }
-    }
-    if let Some(w) = v["wall_s"].as_f64() {
-        let _ = write!(s, "<dt>took</dt><dd>{}</dd>", nrun_base::duration_text(w));
-    }
-    let nccl = list_text(&v["nccl"]);
-    if !nccl.is_empty() {
-        let _ = write!(s, "<dt>NCCL</dt><dd>{}</dd>", esc(&nccl));
-    }
-    let lr = &v["line_rate"];
-    if let Some(g) = lr["gbs"].as_f64() {
         let _ = write!(
             s,
-            "<dt>line rate</dt><dd>{g:.1} GB/s ({}); busbw {:.1} GB/s, {:.0}% of it</dd>",
-            esc(&text(&lr["what"])),
-            lr["busbw_gbs"].as_f64().unwrap_or(0.0),
-            lr["efficiency"].as_f64().unwrap_or(0.0) * 100.0
+            "<dt>took</dt><dd>{}</dd>",
+            nrun_base::duration_text(p.wall_s)
         );
+        if !p.nccl.is_empty() {
+            let _ = write!(s, "<dt>NCCL</dt><dd>{}</dd>", esc(&p.nccl.join(", ")));
+        }
+        if let Some(lr) = &p.line_rate
+            && let Some(g) = lr.gbs
+        {
+            let _ = write!(
+                s,
+                "<dt>line rate</dt><dd>{g:.1} GB/s ({}); busbw {:.1} GB/s, {:.0}% of it</dd>",
+                esc(&lr.what),
+                lr.busbw_gbs.unwrap_or(0.0),
+                lr.efficiency.unwrap_or(0.0) * 100.0
+            );
+        }
     }
     s.push_str("</dl>\n");
-    s.push_str(&charts::busbw(v, &points));
-    for (what, key) in [("problem", "problems"), ("hint", "hints")] {
-        if let Some(items) = v[key].as_array().filter(|a| !a.is_empty()) {
+    s.push_str(&charts::busbw(p, v, &points));
+    let none = Vec::new();
+    for (what, key, items) in [
+        ("problem", "problems", p.map_or(&none, |p| &p.problems)),
+        ("hint", "hints", p.map_or(&none, |p| &p.hints)),
+    ] {
+        if !items.is_empty() {
             let _ = write!(s, "<ul class=\"{key}\">");
             for i in items.iter().take(TABLE_ROWS) {
-                let _ = write!(s, "<li>{what}: {}</li>", esc(&text(i)));
+                let _ = write!(s, "<li>{what}: {}</li>", esc(i));
             }
             s.push_str("</ul>\n");
             s.push_str(&cut(items.len(), key));
         }
     }
-    if let Some(silent) = v["silent_ranks"].as_array().filter(|a| !a.is_empty()) {
+    if let Some(silent) = p.map(|p| &p.silent_ranks).filter(|a| !a.is_empty()) {
         let _ = write!(
             s,
             "<p class=\"problems\">{} rank(s) never reported: ",
@@ -359,7 +357,7 @@ fn preflight(v: &Value) -> String {
         let names: Vec<String> = silent
             .iter()
             .take(20)
-            .map(|r| format!("rank {} on {}", text(&r["rank"]), text(&r["host"])))
+            .map(|r| format!("rank {} on {}", r.rank, r.host))
             .collect();
         let _ = writeln!(s, "{}</p>", esc(&names.join(", ")));
     }
@@ -520,21 +518,20 @@ fn node_rows(v: &Value) -> Vec<NodeRow> {
 }
 
 /// Every decision of the fault model, with its evidence.
-fn decisions(v: &Value) -> String {
+fn decisions(job: Option<&JobSection>, v: &Value) -> String {
     let mut s = open("decisions", "Decisions and their evidence");
     let mut rows: Vec<[String; 6]> = Vec::new();
-    for d in v["job"]["decisions"].as_array().into_iter().flatten() {
+    for d in job.map_or(&[][..], |j| &j.decisions[..]) {
         rows.push([
-            text(&d["attempt"]),
-            text(&d["host"]),
-            text(&d["verdict"]),
-            text(&d["action"]),
-            match d["left_out"].as_bool() {
-                Some(true) => "yes".into(),
-                Some(false) => "no".into(),
-                None => String::new(),
+            d.attempt.map_or(String::new(), |a| a.to_string()),
+            d.host.clone(),
+            d.verdict.clone(),
+            d.action.clone(),
+            match d.left_out {
+                true => "yes".into(),
+                false => "no".into(),
             },
-            text(&d["evidence"]),
+            d.evidence.clone(),
         ]);
     }
     // A report without the job's list still has the decisions among its events.
@@ -552,7 +549,7 @@ fn decisions(v: &Value) -> String {
         }
     }
     if rows.is_empty() {
-        let said = match v.get("job") {
+        let said = match job {
             Some(_) => "<p class=\"not-recorded\">no decision was taken: no attempt failed</p>\n",
             None => NOT_RECORDED,
         };
@@ -744,11 +741,7 @@ pub(super) fn list_text(v: &Value) -> String {
     }
 }
 
-/// "12.3 s" for seconds since nrun started.
-fn secs_at(v: &Value) -> String {
-    v.as_f64().map_or(String::new(), |x| format!("{x:.1} s"))
-}
-
+/// `part` as a share of `whole`, "12.3%" (nothing for a whole of 0).
 fn pct(part: f64, whole: f64) -> String {
     match whole > 0.0 {
         true => format!("{:.1}%", 100.0 * part / whole),
@@ -808,19 +801,27 @@ mod tests {
         );
     }
 
-    /// Any key may be missing: an empty object, a list, nulls everywhere, wrong types: every
-    /// view is still there, saying what it lacks.
+    /// The page of `v`, read as `nrun report` reads a file.
+    fn page(v: &Value) -> String {
+        let r = Report::read("t.json", v.to_string().as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        render(r, "t.json")
+    }
+
+    /// A report may lack any key but the one that says what it is (an older report, one cut
+    /// by hand): every view is still there, saying what it lacks.
     #[test]
     fn a_report_missing_its_keys_still_makes_every_view() {
-        let odd = [
-            json!({}),
-            json!({"job": null, "events": [{"t": "soon"}, 3, null], "ledger": {"wall_s": "x"}}),
-            json!({"job": {"decisions": [null, 1]}, "rows": [{}], "watch": {"hangs": [{}]},
-                   "nodes": {"left_out": [{}], "ran_on": [null]}, "ledger": {"wall_s": 0.0}}),
+        let partial = [
+            json!({"job": {}}),
+            json!({"job": {"outcome": "failed"}, "events": [{"t": "soon"}, 3, null]}),
+            json!({"job": {"decisions": [{}]}, "rows": [{}], "watch": {"hangs": [{}]},
+                   "nodes": {"left_out": [{}], "ran_on": [null]}, "events": null}),
+            json!({"verdict": "ok"}),
+            json!({"rows": [{}]}),
             json!({"rounds": [{"groups": [{"hosts": ["a"]}, {}]}], "nodes": [{"host": "a"}, {}]}),
         ];
-        for v in odd {
-            let page = render(&v, "t.json");
+        for v in partial {
+            let page = page(&v);
             for id in [
                 "summary",
                 "timeline",
@@ -833,6 +834,110 @@ mod tests {
                 assert!(page.contains(&format!("id=\"{id}\"")), "{id} in {v}");
             }
             assert!(page.ends_with("</html>\n"));
+        }
+    }
+
+    /// What is not a report is refused, the file named, with what was expected and what was
+    /// found: no JSON, JSON of another kind, a report's key holding what nrun never writes.
+    #[test]
+    fn what_is_not_a_report_is_refused_saying_why() {
+        let cases: [(&[u8], &str); 9] = [
+            (b"", "it is empty"),
+            (b" \n", "it is empty"),
+            (b"{\"job\": ", "it is not JSON (EOF while parsing"),
+            (
+                b"[1, 2]",
+                "it holds a list of 2 where a report is an object",
+            ),
+            (
+                b"{}",
+                "no `job` object, no preflight `verdict`, no bisect `rounds` (its keys: none)",
+            ),
+            (b"{\"name\": 1, \"x\": []}", "(its keys: name, x)"),
+            (
+                b"{\"job\": null}",
+                "its `job` is null where a job's report has an object",
+            ),
+            (
+                b"{\"job\": {}, \"events\": {}}",
+                "its `events` is an object where a report has a list",
+            ),
+            (
+                b"{\"job\": {}, \"ledger\": {\"wall_s\": \"x\"}}",
+                "a job report whose keys do not hold what nrun writes: its `ledger`: invalid type: \
+                 string",
+            ),
+        ];
+        for (bytes, why) in cases {
+            let e = Report::read("x.json", bytes).unwrap_err();
+            assert!(
+                e.starts_with("x.json is not an nrun report: ") && e.contains(why),
+                "{}: {e}",
+                String::from_utf8_lossy(bytes)
+            );
+            assert!(e.contains("written by `nrun --report FILE`"), "{e}");
+        }
+        let e = Report::read("x.json", br#"{"job": {"decisions": [null, 1]}}"#).unwrap_err();
+        assert!(
+            e.contains("invalid type: null, expected struct Decision"),
+            "{e}"
+        );
+        let e = Report::read("x.json", br#"{"job": {}, "ledger": {"wall_s": 1.0, "phases": {"coffee": 1.0}, "effective": 0.5}}"#).unwrap_err();
+        assert!(e.contains("unknown variant `coffee`"), "{e}");
+    }
+
+    /// What nrun wrote reads back as it was: the report fixtures, typed and written again,
+    /// hold the same JSON (keys older fixtures lack aside: those are written as null or empty);
+    /// job-net-preflight-restart.json (a job with a net preflight, a failure and a restart,
+    /// written by the binary before the typed schema) reads back whole.
+    #[test]
+    fn a_report_reads_back_as_it_was_written() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/report");
+        for name in [
+            "job-fail-restart.json",
+            "job-hang-restart-spare.json",
+            "job-hang-restart-spare.schema38-sample.json",
+            "preflight-only-net.json",
+            "bisect-slow-node.json",
+            "job-net-preflight-restart.json",
+        ] {
+            let text = std::fs::read_to_string(format!("{dir}/{name}")).unwrap();
+            let r = Report::read(name, text.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+            let mut want: Value = serde_json::from_str(&text).unwrap();
+            let got = serde_json::to_value(&r).unwrap();
+            // What the fixture lacks is written by today's nrun: compare the keys it has.
+            fn within(want: &Value, got: &Value, at: &str) {
+                match (want, got) {
+                    (Value::Object(w), Value::Object(g)) => {
+                        for (k, x) in w {
+                            match g.get(k) {
+                                Some(y) => within(x, y, &format!("{at}.{k}")),
+                                None => panic!("{at}.{k} was dropped"),
+                            }
+                        }
+                    }
+                    (Value::Array(w), Value::Array(g)) => {
+                        assert_eq!(w.len(), g.len(), "{at}");
+                        for (i, (x, y)) in w.iter().zip(g).enumerate() {
+                            within(x, y, &format!("{at}[{i}]"));
+                        }
+                    }
+                    _ => assert_eq!(want, got, "{at}"),
+                }
+            }
+            if let Some(o) = want.as_object_mut() {
+                o.remove("_comment");
+            }
+            within(&want, &got, name);
+            // Today's report (the binary's before the typed schema) reads back whole.
+            if name == "job-net-preflight-restart.json" {
+                assert_eq!(got, want, "{name}");
+            }
+            assert_eq!(
+                Report::read(name, got.to_string().as_bytes()).unwrap(),
+                r,
+                "{name}"
+            );
         }
     }
 
@@ -857,7 +962,7 @@ mod tests {
             json!({"name": "worker_failed", "t": 900.0, "node": 0, "host": "h1",
                        "rank": 0, "message": "again"}),
         );
-        let page = render(&json!({"events": ev}), "t.json");
+        let page = page(&json!({"job": {}, "events": ev}));
         assert_eq!(page.matches("class=\"m m-failed\"").count(), 2);
         assert!(page.contains("8 × failed"), "{page}");
         assert!(page.contains("… and 3 more"));

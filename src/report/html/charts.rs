@@ -6,13 +6,14 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
-use super::{PHASES, esc, events, list_text, text};
+use super::{esc, events, list_text, text};
+use crate::report::schema::{LedgerReport, PhaseTimes, PreflightReport};
 
 /// The ledger as stacked bars: the whole job, then each attempt placed on the job's time.
-pub(super) fn ledger_bars(l: &Value, wall: f64) -> String {
+pub(super) fn ledger_bars(l: &LedgerReport) -> String {
+    let wall = l.wall_s;
     let (w, gutter, bar_h) = (1000.0, 90.0, 22.0);
-    let attempts = l["attempts"].as_array().map_or(&[][..], Vec::as_slice);
-    let shown = attempts.len().min(super::TABLE_ROWS);
+    let shown = l.attempts.len().min(super::TABLE_ROWS);
     let height = bar_h + 10.0 + (bar_h * 0.7 + 4.0) * shown as f64 + 4.0;
     let mut s = format!(
         "<svg class=\"ledger-chart\" viewBox=\"0 0 {} {height:.0}\" width=\"{}\" height=\"{height:.0}\" role=\"img\" aria-label=\"ledger\">\n",
@@ -20,19 +21,18 @@ pub(super) fn ledger_bars(l: &Value, wall: f64) -> String {
         gutter + w
     );
     let scale = |secs: f64| secs / wall.max(1e-9) * w;
-    let stack = |s: &mut String, phases: &Value, x0: f64, y: f64, h: f64, of: &str| {
+    let stack = |s: &mut String, phases: &PhaseTimes, x0: f64, y: f64, h: f64, of: &str| {
         let mut x = x0;
-        for p in PHASES {
-            let Some(secs) = phases[p].as_f64().filter(|x| *x > 0.0) else {
-                continue;
-            };
-            let dx = scale(secs);
+        for (p, secs) in phases.iter().filter(|(_, x)| **x > 0.0) {
+            let dx = scale(*secs);
             let _ = write!(
                 s,
-                "<rect class=\"phase ph-{p}\" x=\"{x:.2}\" y=\"{y:.1}\" width=\"{dx:.2}\" height=\"{h:.1}\"><title>{}</title></rect>",
+                "<rect class=\"phase ph-{}\" x=\"{x:.2}\" y=\"{y:.1}\" width=\"{dx:.2}\" height=\"{h:.1}\"><title>{}</title></rect>",
+                p.key(),
                 esc(&format!(
-                    "{of}{p}: {} ({:.1}% of the wall time)",
-                    nrun_base::duration_text(secs),
+                    "{of}{}: {} ({:.1}% of the wall time)",
+                    p.key(),
+                    nrun_base::duration_text(*secs),
                     100.0 * secs / wall.max(1e-9)
                 ))
             );
@@ -44,22 +44,18 @@ pub(super) fn ledger_bars(l: &Value, wall: f64) -> String {
         "<text x=\"0\" y=\"{:.1}\">whole job</text>",
         bar_h / 2.0 + 4.0
     );
-    stack(&mut s, &l["phases"], gutter, 0.0, bar_h, "");
-    for (i, a) in attempts.iter().take(shown).enumerate() {
+    stack(&mut s, &l.phases, gutter, 0.0, bar_h, "");
+    for (i, a) in l.attempts.iter().take(shown).enumerate() {
         let y = bar_h + 10.0 + (bar_h * 0.7 + 4.0) * i as f64;
         let _ = write!(
             s,
             "<text x=\"0\" y=\"{:.1}\">attempt {}</text>",
             y + bar_h * 0.35 + 4.0,
-            esc(&text(&a["attempt"]))
+            a.attempt
         );
-        let x0 = gutter + scale(a["start_s"].as_f64().unwrap_or(0.0));
-        let of = format!(
-            "attempt {} ({}): ",
-            text(&a["attempt"]),
-            text(&a["outcome"])
-        );
-        stack(&mut s, &a["phases"], x0, y, bar_h * 0.7, &of);
+        let x0 = gutter + scale(a.start_s);
+        let of = format!("attempt {} ({}): ", a.attempt, a.outcome);
+        stack(&mut s, &a.phases, x0, y, bar_h * 0.7, &of);
     }
     s + "</svg>\n"
 }
@@ -117,11 +113,12 @@ pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
     pts
 }
 
-/// The expected line rate and what it is, from the report or the preflight's events.
-fn line_rate(v: &Value) -> Option<(f64, String)> {
-    let lr = &v["line_rate"];
-    if let Some(g) = lr["gbs"].as_f64() {
-        return Some((g, text(&lr["what"])));
+/// The expected line rate and what it is, from the preflight's report or its events.
+fn line_rate(p: Option<&PreflightReport>, v: &Value) -> Option<(f64, String)> {
+    if let Some(lr) = p.and_then(|p| p.line_rate.as_ref())
+        && let Some(g) = lr.gbs
+    {
+        return Some((g, lr.what.clone()));
     }
     events(v)
         .filter(|e| e["name"] == "preflight_size")
@@ -130,12 +127,12 @@ fn line_rate(v: &Value) -> Option<(f64, String)> {
 }
 
 /// The bus-bandwidth curve: busbw by message size (log2 x), the line rate as a dashed line.
-pub(super) fn busbw(v: &Value, pts: &[Point]) -> String {
+pub(super) fn busbw(p: Option<&PreflightReport>, v: &Value, pts: &[Point]) -> String {
     if pts.is_empty() {
         return "<p class=\"not-recorded\">no sweep recorded (the preflight did not get as far as measuring)</p>\n".into();
     }
     let (left, right, top, bottom, w, h) = (70.0, 20.0, 20.0, 40.0, 900.0, 320.0);
-    let rate = line_rate(v);
+    let rate = line_rate(p, v);
     let ymax = pts
         .iter()
         .map(|p| p.oop.max(p.ip.unwrap_or(0.0)))

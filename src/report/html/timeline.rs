@@ -13,7 +13,8 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
-use super::{PHASES, esc, events, text};
+use super::{esc, events, text};
+use crate::report::schema::Phase;
 
 /// Width of the plot area and of the label gutter, in SVG units.
 const PLOT_W: f64 = 1000.0;
@@ -345,7 +346,7 @@ fn draw(
     );
     for (i, (t, p)) in phases.iter().enumerate() {
         let t1 = phases.get(i + 1).map_or(end, |n| n.0);
-        let class = match PHASES.contains(&p.as_str()) {
+        let class = match Phase::ALL.iter().any(|k| k.key() == p) {
             true => p.as_str(),
             false => "ending",
         };
