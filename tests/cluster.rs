@@ -75,8 +75,7 @@ fn workers_on_three_hosts_get_their_own_interface_and_ranks() {
 
 #[test]
 fn gloo_all_reduce_across_three_hosts() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED gloo_all_reduce_across_three_hosts: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("ct2", 3) else {
@@ -257,8 +256,7 @@ fn blocked_ports_between_two_nodes_are_named() {
     let Some(c) = Cluster::up("ct5", 3) else {
         return;
     };
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED blocked_ports_between_two_nodes_are_named: no iptables");
+    if !need_tool("iptables", "iptables") {
         return;
     }
     // ct5-h2 accepts ssh and established connections only: the store path (outgoing) works,
@@ -502,11 +500,7 @@ fn a_shaped_link_and_a_slow_nic_are_named() {
     let Some(c) = Cluster::up("cq4", 3) else {
         return;
     };
-    if !c.try_exec(
-        3,
-        "tc qdisc add dev eth0 root tbf rate 200mbit burst 256kbit latency 400ms",
-    ) {
-        eprintln!("SKIPPED a_shaped_link_and_a_slow_nic_are_named: no tc qdisc for rate limiting");
+    if !c.shape(3, &["tbf rate 200mbit burst 256kbit latency 400ms"]) {
         return;
     }
     c.report_speed(2, 1000);
@@ -751,8 +745,7 @@ fn doctor_reports_the_nodes_and_runs_nothing() {
 /// Node 0's nrun hosts the store; each node's workers get the interface it reaches node 0 on.
 #[test]
 fn torchrun_style_static_nodes() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED torchrun_style_static_nodes: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("zs", 2) else {
@@ -807,8 +800,7 @@ fn torchrun_style_static_nodes() {
 /// A failure on either node stops both, and each nrun exits with the job's code.
 #[test]
 fn the_same_c10d_command_on_every_node() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED the_same_c10d_command_on_every_node: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("qb1", 2) else {
@@ -1043,8 +1035,7 @@ fn an_elastic_job_goes_on_with_the_nodes_it_has() {
 /// "pod" (a namespace host given that environment) forms the job as torchrun would.
 #[test]
 fn pods_with_pet_environment_form_the_job() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED pods_with_pet_environment_form_the_job: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("zk", 2) else {
@@ -1623,8 +1614,7 @@ fn a_node_busy_beside_cpu_hogs_is_not_lost() {
 /// --agent-timeout; the launcher names the node lost and says so.
 #[test]
 fn a_partitioned_node_stops_its_workers_by_itself() {
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED a_partitioned_node_stops_its_workers_by_itself: no iptables");
+    if !need_tool("iptables", "iptables") {
         return;
     }
     let Some(c) = Cluster::up("qz1", 2) else {
@@ -1703,8 +1693,7 @@ fn a_partitioned_node_stops_its_workers_by_itself() {
 /// item 4).
 #[test]
 fn join_timeout_is_kept_when_packets_are_dropped() {
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED join_timeout_is_kept_when_packets_are_dropped: no iptables");
+    if !need_tool("iptables", "iptables") {
         return;
     }
     let Some(c) = Cluster::up("jdx", 2) else {
@@ -1923,8 +1912,7 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
 /// left on either host. Prints how long the returning node took to be in the world again.
 #[test]
 fn an_elastic_c10d_node_killed_and_started_again_grows_the_world_back() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED an_elastic_c10d_node_killed_and_started_again: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("zr", 2) else {

@@ -345,14 +345,20 @@ fn memory_cgroups() -> bool {
     ok
 }
 
-/// OOM rows need a memory cgroup this user can make; the hang row a torch python.
+/// OOM rows need a memory cgroup this user can make; the hang row a torch python. A row that
+/// cannot run is said, or fails the test under scripts/test.sh (see `cannot_set_up`).
 fn runnable(row: &Row) -> bool {
     if row.fault.contains("OOM") && !memory_cgroups() {
-        eprintln!("SKIPPED fault matrix row {row:?}: no memory cgroup can be made here");
+        cannot_set_up(&format!(
+            "fault matrix row {row:?}: no memory cgroup can be made here (root and the memory \
+             controller)"
+        ));
         return false;
     }
     if row.fault.contains("hang") && torch_python().is_none() {
-        eprintln!("SKIPPED fault matrix row {row:?}: no torch python");
+        cannot_set_up(&format!(
+            "fault matrix row {row:?}: no python with torch (scripts/venv.sh; NRUN_TEST_PYTHON)"
+        ));
         return false;
     }
     true

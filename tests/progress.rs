@@ -86,7 +86,7 @@ fn has_python_pty() -> bool {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED: no python3 with the pty module");
+        cannot_set_up("no python3 with the pty module (it drives the terminal)");
     }
     ok
 }

@@ -23,8 +23,7 @@ fn run(mut c: Command, timeout: Duration) -> Output {
 
 #[test]
 fn inside_an_allocation_one_srun_step_starts_every_node() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED inside_an_allocation_one_srun_step_starts_every_node: no torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(sl) = Slurm::up("sa1", 3) else {
@@ -179,8 +178,7 @@ fn scancel_ends_every_worker_and_agent() {
 /// it to its workers, whose handler runs, and the job goes on to finish.
 #[test]
 fn a_slurm_signal_reaches_every_worker() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED a_slurm_signal_reaches_every_worker: no python");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(sl) = Slurm::up("sa4", 2) else {
@@ -237,8 +235,7 @@ fn a_slurm_signal_reaches_every_worker() {
 
 #[test]
 fn inside_an_allocation_of_four_a_bad_node_is_left_out_for_a_job_of_three() {
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED inside_an_allocation_of_four_...: no iptables");
+    if !need_tool("iptables", "iptables") {
         return;
     }
     let Some(sl) = Slurm::up("sa5", 4) else {

@@ -28,14 +28,6 @@ fn firewall(c: &Cluster, i: usize) {
     );
 }
 
-fn has_iptables(test: &str) -> bool {
-    let ok = Command::new("iptables").arg("--version").output().is_ok();
-    if !ok {
-        eprintln!("SKIPPED {test}: no iptables");
-    }
-    ok
-}
-
 /// nrun on `hosts` (names) with the cluster's ssh config.
 fn run_hosts(c: &Cluster, s: &Scene, hosts: &[String], extra: &[&str]) -> std::process::Output {
     let list = hosts.join(",");
@@ -60,7 +52,7 @@ fn a_firewalled_host_is_left_out_and_a_spare_runs_in_its_place() {
     let Some(c) = Cluster::up("sq1", 5) else {
         return;
     };
-    if !has_iptables("a_firewalled_host_is_left_out_and_a_spare_runs_in_its_place") {
+    if !need_tool("iptables", "iptables") {
         return;
     }
     firewall(&c, 2);
@@ -203,8 +195,7 @@ fn the_programs_own_failure_leaves_nobody_out() {
     let Some(c) = Cluster::up("sq3", 3) else {
         return;
     };
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED the_programs_own_failure_leaves_nobody_out: no torch python");
+    let Some(py) = need_torch() else {
         return;
     };
     let s = Scene::new();
@@ -244,7 +235,7 @@ fn the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires() {
     let Some(c) = Cluster::up("sq4", 4) else {
         return;
     };
-    if !has_iptables("the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires") {
+    if !need_tool("iptables", "iptables") {
         return;
     }
     let s = Scene::new();
@@ -299,7 +290,7 @@ fn without_a_spare_a_bad_node_fails_the_job_with_98_naming_it() {
     let Some(c) = Cluster::up("sq5", 3) else {
         return;
     };
-    if !has_iptables("without_a_spare_a_bad_node_fails_the_job_with_98_naming_it") {
+    if !need_tool("iptables", "iptables") {
         return;
     }
     firewall(&c, 3);
@@ -464,11 +455,7 @@ fn a_preflight_without_a_culprit_is_bisected_on_the_spot() {
     let Some(c) = Cluster::up("sq8", 5) else {
         return;
     };
-    if !c.try_exec(
-        3,
-        "tc qdisc add dev eth0 root tbf rate 200mbit burst 256kbit latency 400ms",
-    ) {
-        eprintln!("SKIPPED a_preflight_without_a_culprit_is_bisected_on_the_spot: no tc");
+    if !c.shape(3, &["tbf rate 200mbit burst 256kbit latency 400ms"]) {
         return;
     }
     let s = Scene::new();
@@ -524,8 +511,7 @@ fn a_preflight_without_a_culprit_is_bisected_on_the_spot() {
 /// its place.
 #[test]
 fn a_hang_pinned_twice_on_a_node_brings_in_the_spare() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED a_hang_pinned_twice_on_a_node_brings_in_the_spare: no torch python");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("sq9", 3) else {

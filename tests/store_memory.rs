@@ -42,7 +42,7 @@ async fn closed(s: &mut TcpStream) -> bool {
 }
 
 /// Runs `code` in the test python with torch against the store at `port`; its stdout and
-/// stderr. None without torch (said once by the caller).
+/// stderr. None without torch (said by the caller: see `need_torch`).
 fn torch(port: u16, code: &str) -> Option<(String, String)> {
     let py = torch_python()?;
     let script = format!(
@@ -64,7 +64,8 @@ fn torch_set_get(port: u16, key: &str) {
     match torch(port, &code) {
         Some((out, err)) => assert!(out.contains("torch client ok"), "{out}\n{err}"),
         None => {
-            eprintln!("no python with torch (set NRUN_TEST_PYTHON): checking with nrun's client");
+            // Said, or a failure under scripts/test.sh; nrun's client checks instead.
+            need_torch();
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async {
                 let addr = SocketAddr::from(([127, 0, 0, 1], port));
@@ -132,7 +133,8 @@ async fn append_past_the_value_limit_is_refused() {
         .unwrap();
     match seen {
         Some((out, err)) => assert!(out.contains("refused:"), "{out}\n{err}"),
-        None => eprintln!("no python with torch (set NRUN_TEST_PYTHON): torch half not run"),
+        // The torch half not run: said, or a failure under scripts/test.sh.
+        None => drop(need_torch()),
     }
     assert_eq!(c.get(b"/v").await.unwrap().len(), VALUE);
     tokio::task::spawn_blocking(move || torch_set_get(port, "after-append"))
@@ -141,8 +143,8 @@ async fn append_past_the_value_limit_is_refused() {
 }
 
 /// A memory cgroup nrun runs in (cgroup v2's memory.max, or v1's memory.limit_in_bytes where
-/// only v1 has the memory controller), removed on drop. None, with a visible SKIPPED line,
-/// where neither can be made.
+/// only v1 has the memory controller), removed on drop. None, after `cannot_set_up`, where
+/// neither can be made.
 struct MemCgroup {
     dir: PathBuf,
     v2: bool,
@@ -167,10 +169,11 @@ impl MemCgroup {
             .and_then(|_| std::fs::write(dir.join(limit), bytes.to_string()));
         if let Err(e) = made {
             let _ = std::fs::remove_dir(&dir);
-            eprintln!(
-                "SKIPPED {test}: cannot make a memory cgroup at {} ({e}); cgroups not writable",
+            cannot_set_up(&format!(
+                "cannot make a memory cgroup at {} ({e}): it needs root and a writable \
+                 cgroup tree with the memory controller",
                 dir.display()
-            );
+            ));
             return None;
         }
         if !v2 {
@@ -590,10 +593,7 @@ async fn attack(addr: SocketAddr, n: usize, frame: fn(usize) -> Vec<u8>) -> Vec<
 /// 1 MiB request outside any budget and be killed.
 #[test]
 fn half_sent_megabyte_requests_leave_the_job_running() {
-    let Some(py) = torch_python() else {
-        eprintln!(
-            "SKIPPED half_sent_megabyte_requests_leave_the_job_running: no python with torch"
-        );
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(cg) = MemCgroup::new("half_sent", 512 << 20) else {
@@ -727,11 +727,7 @@ async fn whole_megabyte_requests_then_idle_keep_no_buffer() {
 /// too (their connections closed: "connection closed" in every rank, exit 7).
 #[test]
 fn a_client_filling_the_store_fails_itself_not_the_torch_job() {
-    let Some(py) = torch_python() else {
-        eprintln!(
-            "SKIPPED a_client_filling_the_store_fails_itself_not_the_torch_job: no python with \
-             torch"
-        );
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("sft", 2) else {

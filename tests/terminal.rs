@@ -14,7 +14,7 @@ fn python() -> Option<String> {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED: no python3 with the pty module");
+        cannot_set_up("no python3 with the pty module (it drives the terminal)");
     }
     ok.then(|| "python3".to_string())
 }
@@ -444,7 +444,9 @@ fn terminals_for_workers_are_bounded_and_said() {
     if let (Some(max), Some(nr)) = (read("max"), read("nr"))
         && max.saturating_sub(nr) < 1024
     {
-        eprintln!("SKIPPED terminals_for_workers_are_bounded_and_said: {max} ptys, {nr} in use");
+        cannot_set_up(&format!(
+            "too few free ptys: {max} (kernel.pty.max), {nr} in use; it needs 1,024 free"
+        ));
         return;
     }
     let s = Scene::new();

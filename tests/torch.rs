@@ -1,5 +1,6 @@
 //! Real torch.distributed clients against nrun's store and under nrun's supervision. Needs the
-//! venv that scripts/test.sh makes (or NRUN_TEST_PYTHON); without it each test says it skipped.
+//! venv that scripts/test.sh makes (or NRUN_TEST_PYTHON); without it each test says it skipped
+//! (a failure under scripts/test.sh: see common's `cannot_set_up`).
 
 mod common;
 
@@ -7,16 +8,8 @@ use std::time::Duration;
 
 use common::*;
 
-fn python_or_skip(test: &str) -> Option<String> {
-    match torch_python() {
-        Some(p) => Some(p.display().to_string()),
-        None => {
-            eprintln!(
-                "SKIPPED {test}: no python with torch (run scripts/test.sh, or set NRUN_TEST_PYTHON)"
-            );
-            None
-        }
-    }
+fn python_or_skip() -> Option<String> {
+    need_torch().map(|p| p.display().to_string())
 }
 
 fn script(name: &str) -> String {
@@ -25,7 +18,7 @@ fn script(name: &str) -> String {
 
 #[test]
 fn every_store_operation_from_torchs_client() {
-    let Some(py) = python_or_skip("every_store_operation_from_torchs_client") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -43,7 +36,7 @@ fn every_store_operation_from_torchs_client() {
 /// The same checks against PyTorch's own (libuv) server: the expectations are torch's.
 #[test]
 fn store_expectations_hold_on_torchs_own_server() {
-    let Some(py) = python_or_skip("store_expectations_hold_on_torchs_own_server") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let out = std::process::Command::new(&py)
@@ -56,7 +49,7 @@ fn store_expectations_hold_on_torchs_own_server() {
 
 #[test]
 fn gloo_all_reduce_on_four_ranks() {
-    let Some(py) = python_or_skip("gloo_all_reduce_on_four_ranks") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -88,7 +81,7 @@ fn gloo_all_reduce_on_four_ranks() {
 
 #[test]
 fn ddp_example_trains() {
-    let Some(py) = python_or_skip("ddp_example_trains") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -114,7 +107,7 @@ fn ddp_example_trains() {
 /// the failure summary shows it.
 #[test]
 fn failure_summary_shows_the_error_file_traceback() {
-    let Some(py) = python_or_skip("failure_summary_shows_the_error_file_traceback") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -143,7 +136,7 @@ fn failure_summary_shows_the_error_file_traceback() {
 /// must not leak into the next one.
 #[test]
 fn restart_rendezvous_again() {
-    let Some(py) = python_or_skip("restart_rendezvous_again") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -174,7 +167,7 @@ fn restart_rendezvous_again() {
 /// nrun on a one-node command line (with a value where it takes one).
 #[test]
 fn every_torchrun_flag_parses() {
-    let Some(py) = python_or_skip("every_torchrun_flag_parses") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let dump = std::process::Command::new(&py)
@@ -349,7 +342,7 @@ fn fuzz_frame(r: &mut Rng) -> Vec<u8> {
 #[test]
 fn fuzzed_frames_do_not_hurt_the_store() {
     use std::io::{Read, Write};
-    let Some(py) = python_or_skip("fuzzed_frames_do_not_hurt_the_store") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let port = common::free_port();
@@ -446,7 +439,7 @@ fn fuzzed_frames_do_not_hurt_the_store() {
 /// seconds, and workers see TORCHELASTIC_SIGNALS_TO_HANDLE.
 #[test]
 fn launcher_error_file_and_env_read_as_torchs() {
-    let Some(py) = python_or_skip("launcher_error_file_and_env_read_as_torchs") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -512,7 +505,7 @@ fn launcher_error_file_and_env_read_as_torchs() {
 /// says the rank once, as torchrun shows it (issue 23, item 7).
 #[test]
 fn torchs_own_rank_prefix_is_not_doubled() {
-    let Some(py) = python_or_skip("torchs_own_rank_prefix_is_not_doubled") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -545,7 +538,7 @@ fn torchs_own_rank_prefix_is_not_doubled() {
 /// item 2).
 #[test]
 fn mixed_launchers_are_named_both_ways() {
-    let Some(py) = python_or_skip("mixed_launchers_are_named_both_ways") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let torchrun = std::path::Path::new(&py).with_file_name("torchrun");

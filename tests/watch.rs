@@ -35,17 +35,13 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn python(test: &str) -> Option<String> {
-    let p = torch_python().map(|p| p.display().to_string());
-    if p.is_none() {
-        eprintln!("SKIPPED {test}: no python with torch (run scripts/test.sh)");
-    }
-    p
+fn python() -> Option<String> {
+    need_torch().map(|p| p.display().to_string())
 }
 
 #[test]
 fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
-    let Some(py) = python("sleep") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
@@ -95,7 +91,7 @@ fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
 /// the user's run, and the bound here is only a guard against a hung test.
 #[test]
 fn a_rank_that_polls_instead_of_entering_the_collective_is_the_culprit() {
-    let Some(py) = python("poll") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
@@ -141,7 +137,7 @@ fn a_rank_that_polls_instead_of_entering_the_collective_is_the_culprit() {
 /// is rank 1's, with its traceback, and no likely cause points at rank 0.
 #[test]
 fn a_rank_that_raised_is_named_not_a_peer_that_exited_0() {
-    let Some(py) = python("raise") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
     let script = format!(
@@ -164,7 +160,7 @@ fn a_rank_that_raised_is_named_not_a_peer_that_exited_0() {
 
 #[test]
 fn a_rank_that_leaves_early_or_calls_another_collective_is_named() {
-    let Some(py) = python("early") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
     // One collective fewer: the others fail at once; the summary names the rank that left.
@@ -194,7 +190,7 @@ fn a_rank_that_leaves_early_or_calls_another_collective_is_named() {
 
 #[test]
 fn a_collective_timeout_names_the_rank_that_caused_it() {
-    let Some(py) = python("timeout") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
     // torch's own timeout (8 s) comes before --hang-timeout (60 s): the failure summary names
@@ -223,7 +219,7 @@ fn a_collective_timeout_names_the_rank_that_caused_it() {
 
 #[test]
 fn a_straggler_is_named_and_a_pause_of_every_rank_blames_nobody() {
-    let Some(py) = python("straggler") else {
+    let Some(py) = python() else {
         return;
     };
     let _one = serial();
@@ -266,7 +262,7 @@ fn a_straggler_is_named_and_a_pause_of_every_rank_blames_nobody() {
 /// timings, on the GPU machine: scripts/gpu-check.sh.)
 #[test]
 fn a_slower_rank_is_named_within_a_minute_and_a_balanced_job_names_nobody() {
-    let Some(py) = python("slow20") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
     for (slow, named) in [("0.15", true), ("0.10", false)] {
@@ -303,7 +299,7 @@ fn a_slower_rank_is_named_within_a_minute_and_a_balanced_job_names_nobody() {
 /// with the new worker's pid, and `--report` (with `--no-preflight`) says how the job ended.
 #[test]
 fn the_watch_follows_a_restarted_group_and_the_report_says_how_the_job_ended() {
-    let Some(py) = python("restart") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
@@ -388,7 +384,7 @@ fn the_watch_follows_a_restarted_group_and_the_report_says_how_the_job_ended() {
 /// (the same process becomes Python) and one that starts python as its child.
 #[test]
 fn a_hang_under_a_no_python_wrapper_is_named() {
-    let Some(py) = python("wrapper") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
     let script = hang_script();
@@ -446,7 +442,7 @@ fn the_watch_is_off_for_programs_and_when_asked() {
 /// store; the coordinator names the rank on the other host.
 #[test]
 fn a_hang_across_hosts_names_the_rank_and_its_host() {
-    let Some(py) = python("cluster") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let Some(c) = Cluster::up("cw1", 2) else {
         return;
@@ -480,7 +476,7 @@ fn a_hang_across_hosts_names_the_rank_and_its_host() {
 /// stalled): no hang is called, before or after the re-form.
 #[test]
 fn an_elastic_group_that_re_forms_while_training_raises_no_false_hang() {
-    let Some(py) = python("elastic") else { return };
+    let Some(py) = python() else { return };
     let _one = serial();
     let Some(c) = Cluster::up("cwe", 3) else {
         return;

@@ -8,7 +8,7 @@ pub(crate) mod store;
 
 pub(crate) use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -46,14 +46,72 @@ pub(crate) async fn wait_until_async(what: &str, mut done: impl FnMut() -> bool)
     }
 }
 
-/// A test whose tool (`tool`, installed by scripts/test.sh) is missing: skipped and said when
-/// run by hand; a failure under scripts/test.sh (NRUN_TEST_REQUIRE_TOOLS=1), where a skip would
-/// let CI pass a check it never ran.
+/// Whether this run must run every scenario (scripts/test.sh sets NRUN_TEST_REQUIRE_TOOLS=1):
+/// a test whose set-up cannot be made then fails instead of skipping, so that CI cannot pass a
+/// check it never ran.
+pub(crate) fn setup_required() -> bool {
+    std::env::var_os("NRUN_TEST_REQUIRE_TOOLS").is_some_and(|v| v == "1")
+}
+
+/// The running test's name: libtest runs each test on a thread named after it.
+pub(crate) fn current_test() -> String {
+    std::thread::current()
+        .name()
+        .unwrap_or("a test off its own thread")
+        .to_string()
+}
+
+/// A test whose set-up cannot be made here; `missing` says what is missing and what provides
+/// it. Under scripts/test.sh (NRUN_TEST_REQUIRE_TOOLS=1) a failure naming it; in a developer's
+/// run a skip, said in one line on stderr. The caller returns (passes) after it.
+pub(crate) fn cannot_set_up(missing: &str) {
+    skip_or_fail(&current_test(), missing);
+}
+
+/// A test whose tool (`tool`, installed by scripts/test.sh) is missing: as [`cannot_set_up`].
 pub(crate) fn missing_tool(test: &str, tool: &str) {
-    if std::env::var_os("NRUN_TEST_REQUIRE_TOOLS").is_some_and(|v| v == "1") {
-        panic!("{test}: {tool} is not installed; scripts/test.sh installs it (apt-get)");
+    skip_or_fail(
+        test,
+        &format!("{tool} is not installed (scripts/test.sh installs it)"),
+    );
+}
+
+fn skip_or_fail(test: &str, missing: &str) {
+    if setup_required() {
+        panic!(
+            "{test}: cannot run its scenario: {missing}; NRUN_TEST_REQUIRE_TOOLS=1 makes that a failure, not a skip"
+        );
     }
-    eprintln!("SKIPPED {test}: {tool} is not installed (scripts/test.sh installs it)");
+    // Straight to fd 2, not through eprintln!: libtest keeps a passing test's eprintln! to
+    // itself, and a skip nobody sees is the silent pass this is here to end.
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {missing}");
+}
+
+/// Whether `prog` is on PATH or in the sbin directories (where Debian puts iptables and sshd,
+/// off a plain user's PATH).
+pub(crate) fn have(prog: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .any(|d| d.join(prog).is_file())
+}
+
+/// Whether `prog` is here; if not, [`missing_tool`] with `package`, the one that provides it.
+pub(crate) fn need_tool(prog: &str, package: &str) -> bool {
+    let here = have(prog);
+    if !here {
+        missing_tool(&current_test(), &format!("{prog} ({package})"));
+    }
+    here
+}
+
+/// Whether this process runs as root; if not, [`cannot_set_up`] naming `what` needs it.
+pub(crate) fn need_root(what: &str) -> bool {
+    let root = nix_is_root();
+    if !root {
+        cannot_set_up(&format!("not root: {what} needs root"));
+    }
+    root
 }
 
 pub(crate) fn nrun_bin() -> PathBuf {
@@ -430,12 +488,23 @@ pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// The venv python with torch that scripts/test.sh prepares, if present.
 /// The venv's python with torch, looked up once per test binary (an `import torch` takes
 /// seconds on a loaded machine).
 pub(crate) fn torch_python() -> Option<PathBuf> {
     static FOUND: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
     FOUND.get_or_init(find_torch_python).clone()
+}
+
+/// [`torch_python`], or None after [`cannot_set_up`] where there is none.
+pub(crate) fn need_torch() -> Option<PathBuf> {
+    let py = torch_python();
+    if py.is_none() {
+        cannot_set_up(
+            "no python with torch.distributed: scripts/venv.sh makes one; \
+             NRUN_TEST_PYTHON=<venv>/bin/python names it",
+        );
+    }
+    py
 }
 
 fn find_torch_python() -> Option<PathBuf> {
@@ -463,7 +532,8 @@ pub(crate) struct Cluster {
 }
 
 impl Cluster {
-    /// None (with a visible SKIPPED line) where namespaces cannot be made (not root).
+    /// None where namespaces cannot be made (not root, no sshd): a skip said on stderr, or a
+    /// failure under scripts/test.sh (see [`cannot_set_up`]).
     /// `NRUN_TEST_CLUSTER_PREFIX` goes before `name`, so test runs of several worktrees at
     /// once on one machine make clusters of their own (names up to 11 characters in all).
     pub(crate) fn up(name: &str, k: usize) -> Option<Cluster> {
@@ -473,8 +543,11 @@ impl Cluster {
         );
         let name = prefixed.as_str();
         let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
-        if !nix_is_root() {
-            eprintln!("SKIPPED cluster test {name}: needs root for network namespaces");
+        if !need_root(&format!(
+            "cluster {name} (network namespaces, scripts/netns-cluster.sh)"
+        )) || !need_tool("ip", "iproute2")
+            || !need_tool("sshd", "openssh-server")
+        {
             return None;
         }
         let out = Command::new("bash")
@@ -512,6 +585,21 @@ impl Cluster {
             .args(["netns", "exec", &self.host(i), "sh", "-c", cmd])
             .status()
             .is_ok_and(|s| s.success())
+    }
+
+    /// Slows host i's eth0 with the first of `qdiscs` (tc's words after `root`: "tbf rate
+    /// 200mbit burst 256kbit latency 400ms") the kernel has; false, after [`cannot_set_up`],
+    /// where it has none of them.
+    pub(crate) fn shape(&self, i: usize, qdiscs: &[&str]) -> bool {
+        let quiet = |q: &str| format!("tc qdisc add dev eth0 root {q} 2>/dev/null");
+        if qdiscs.iter().any(|q| self.try_exec(i, &quiet(q))) {
+            return true;
+        }
+        cannot_set_up(&format!(
+            "no tc qdisc to slow {}'s link: the kernel lacks {qdiscs:?} (sch_netem, sch_tbf)",
+            self.host(i)
+        ));
+        false
     }
 
     /// Host i's address on the cluster's bridge (10.213.N.(10+i)).
