@@ -758,25 +758,23 @@ fn torchrun_style_static_nodes() {
     );
     let s = Scene::new();
     let node = |rank: &str| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(if rank == "0" { 1 } else { 2 })])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--node-rank",
-                rank,
-                "--master-addr",
-                &master,
-                "--master-port",
-                "29555",
-                "--nproc",
-                "2",
-            ])
-            .args(["--python", py.to_str().unwrap(), &script])
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(if rank == "0" { 1 } else { 2 });
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            &master,
+            "--master-port",
+            "29555",
+            "--nproc",
+            "2",
+        ])
+        .args(["--python", py.to_str().unwrap(), &script])
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
     let (a, b) = (node("0"), node("1"));
@@ -813,26 +811,24 @@ fn the_same_c10d_command_on_every_node() {
     );
     let s = Scene::new();
     let node = |host: usize, target: &[&str]| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--nproc",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                "j1",
-                "--no-python-probe",
-            ])
-            .args(target)
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(host);
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--nproc",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            "j1",
+            "--no-python-probe",
+        ])
+        .args(target)
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
     // The joining node first: the host's nrun starts once the joiner says it waits for it.
@@ -887,26 +883,23 @@ fn the_same_c10d_command_on_every_node() {
 
     // A different --rdzv-id does not join this job: it says so.
     let a = node(1, &["--no-python", "sleep", "3"]);
-    let mut other = Command::new("ip");
-    other
-        .args(["netns", "exec", &c.host(2)])
-        .arg(nrun_bin())
-        .args([
-            "--nnodes",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            &endpoint,
-            "--rdzv-id",
-            "other",
-            // Retried while the host's store is not up yet (however long a loaded machine
-            // takes to start it); refused at once when it answers.
-            "--join-timeout",
-            "120",
-            "--no-python",
-            "true",
-        ]);
+    let mut other = c.nrun_in(2);
+    other.args([
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "other",
+        // Retried while the host's store is not up yet (however long a loaded machine
+        // takes to start it); refused at once when it answers.
+        "--join-timeout",
+        "120",
+        "--no-python",
+        "true",
+    ]);
     let out = other.output().unwrap();
     assert_eq!(out.status.code(), Some(95), "{}", text(&out.stderr));
     assert!(
@@ -1048,10 +1041,8 @@ fn pods_with_pet_environment_form_the_job() {
     );
     let s = Scene::new();
     let pod = |index: usize| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(index + 1)])
-            .arg(nrun_bin())
-            .args(["--python", py.to_str().unwrap(), &script])
+        let mut cmd = c.nrun_in(index + 1);
+        cmd.args(["--python", py.to_str().unwrap(), &script])
             // What the operator puts in each pod's environment.
             .env("PET_NNODES", "2")
             .env("PET_NPROC_PER_NODE", "2")
@@ -1107,27 +1098,10 @@ fn the_secret_never_crosses_the_wire() {
     };
     let endpoint = format!("{}:29681", c.addr(1));
     let s = Scene::new();
-    let capture = s.dir.path().join("eth0.bin");
-    let sniff = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));
-    let mut sniffer = Command::new("ip")
-        .args(["netns", "exec", &c.host(2), "python3", &sniff, "eth0", "8"])
-        .arg(&capture)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::BufRead;
-        let mut line = String::new();
-        std::io::BufReader::new(sniffer.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "sniffing");
-    }
+    let sniffer = c.sniff(2, 8, &s.dir.path().join("eth0.bin"));
     let shared = "a-shared-secret-of-this-cluster";
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
+        c.nrun_in(host)
             .args([
                 "--nnodes",
                 "2",
@@ -1160,8 +1134,7 @@ fn the_secret_never_crosses_the_wire() {
     let (ob, _) = wait_with_timeout(b, Duration::from_secs(60));
     assert_eq!(oa.status.code(), Some(0), "{}", text(&oa.stderr));
     assert_eq!(ob.status.code(), Some(0), "{}", text(&ob.stderr));
-    let _ = sniffer.wait();
-    let wire = std::fs::read(&capture).unwrap();
+    let wire = sniffer.wire();
     let derived = nrun_store::auth::derive(shared.as_bytes(), "j-sniff");
     let has = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
     // The capture saw the store's conversation...
@@ -1193,29 +1166,12 @@ fn a_token_in_the_steps_is_never_on_the_wire_and_workers_lack_the_shared_secret(
     };
     let endpoint = format!("{}:29683", c.addr(1));
     let s = Scene::new();
-    let capture = s.dir.path().join("eth0.bin");
-    let sniff = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));
-    let mut sniffer = Command::new("ip")
-        .args(["netns", "exec", &c.host(2), "python3", &sniff, "eth0", "8"])
-        .arg(&capture)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::BufRead;
-        let mut line = String::new();
-        std::io::BufReader::new(sniffer.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "sniffing");
-    }
+    let sniffer = c.sniff(2, 8, &s.dir.path().join("eth0.bin"));
     let shared = "a-shared-secret-of-this-cluster";
     let token = "hf_TOKENnotForTheWire0123456789";
     let export = format!("HF_TOKEN={token}");
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
+        c.nrun_in(host)
             .args([
                 "--nnodes",
                 "2",
@@ -1265,8 +1221,7 @@ fn a_token_in_the_steps_is_never_on_the_wire_and_workers_lack_the_shared_secret(
         "{}",
         text(&oa.stderr)
     );
-    let _ = sniffer.wait();
-    let wire = std::fs::read(&capture).unwrap();
+    let wire = sniffer.wire();
     let has = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
     assert!(
         has(b"nrun/c10d/j-token/run"),
@@ -1353,9 +1308,7 @@ fn an_elastic_job_takes_in_a_node_that_joins_later() {
     let work = "echo \"world=$WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT rank=$RANK\"; \
                 echo world=$WORLD_SIZE >> $MARK; [ $WORLD_SIZE = 2 ] && exec sleep 60; exit 0";
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
+        c.nrun_in(host)
             .args([
                 "--nnodes",
                 "1:2",
@@ -1414,9 +1367,7 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
     let endpoint = format!("{}:29695", c.addr(1));
     let s = Scene::new();
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
+        c.nrun_in(host)
             .args([
                 "--nnodes",
                 "2",
@@ -1702,27 +1653,25 @@ fn join_timeout_is_kept_when_packets_are_dropped() {
     let s = Scene::new();
     let endpoint = format!("{}:29671", c.addr(1));
     let node = |host: usize| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                "dropped",
-                "--join-timeout",
-                "4",
-                "--no-python-probe",
-                "--no-python",
-                "true",
-            ])
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(host);
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            "dropped",
+            "--join-timeout",
+            "4",
+            "--no-python-probe",
+            "--no-python",
+            "true",
+        ])
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
     // Host 2's packets never reach host 1.
@@ -1774,27 +1723,25 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
     let s = Scene::new();
     let endpoint = format!("{}:29681", c.addr(1));
     let node = |host: usize, nproc: &str, id: &str, target: &[&str], error_file: Option<&str>| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--nproc",
-                nproc,
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                id,
-                "--no-python-probe",
-                "--no-python",
-            ])
-            .args(target)
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(host);
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--nproc",
+            nproc,
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            id,
+            "--no-python-probe",
+            "--no-python",
+        ])
+        .args(target)
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         if let Some(f) = error_file {
             // This phase with a shared secret too: a node's own command line then travels
             // sealed, and must still be what its workers run.
@@ -1925,17 +1872,7 @@ fn an_elastic_c10d_node_killed_and_started_again_grows_the_world_back() {
     );
     let s = Scene::new();
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .args([
-                "unshare",
-                "--uts",
-                "sh",
-                "-c",
-                "hostname \"$0\" && exec \"$@\"",
-            ])
-            .arg(format!("{}-n{host}", c.host(host)))
-            .arg(nrun_bin())
+        c.nrun_named_in(host)
             .args([
                 "--nnodes",
                 "1:2",
@@ -2046,17 +1983,7 @@ fn an_elastic_c10d_node_left_out_for_a_gpu_fault_is_refused_when_it_comes_back()
                   exec sleep 120; fi; \
                 while [ ! -e $MARK.done ]; do sleep 0.1; done";
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .args([
-                "unshare",
-                "--uts",
-                "sh",
-                "-c",
-                "hostname \"$0\" && exec \"$@\"",
-            ])
-            .arg(format!("{}-n{host}", c.host(host)))
-            .arg(nrun_bin())
+        c.nrun_named_in(host)
             .args([
                 "--nnodes",
                 "1:2",

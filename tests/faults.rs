@@ -444,10 +444,8 @@ fn c10d_rows() {
         let mut second: Option<Child> = None;
         let mut ran = run_row(row, &s, 2, hosts, Some(&c), |fault, report| {
             let node = |i: usize, report: &str| {
-                let mut cmd = Command::new("ip");
-                cmd.args(["netns", "exec", &c.host(i)])
-                    .arg(nrun_bin())
-                    .args(["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d"])
+                let mut cmd = c.nrun_in(i);
+                cmd.args(["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d"])
                     .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "fm"])
                     .arg("--no-python-probe")
                     .args(job_args(&s, row, fault, report))

@@ -378,34 +378,32 @@ fn a_c10d_spare_takes_the_place_of_a_node_that_dies() {
     let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(ip netns identify)\"; \
                 echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
     let node = |host: usize| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--spares",
-                "1",
-                "--nproc",
-                "1",
-                "--max-restarts",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                "sp",
-                "--no-python-probe",
-                "--no-python",
-                "sh",
-                "-c",
-                work,
-            ])
-            .env("NRUN_TEST_TAG", &s.tag)
-            .env("MARK", s.mark())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(host);
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--spares",
+            "1",
+            "--nproc",
+            "1",
+            "--max-restarts",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            "sp",
+            "--no-python-probe",
+            "--no-python",
+            "sh",
+            "-c",
+            work,
+        ])
+        .env("NRUN_TEST_TAG", &s.tag)
+        .env("MARK", s.mark())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
     let a = node(1);

@@ -540,6 +540,55 @@ impl Cluster {
             .map_or(String::new(), |p| p.display().to_string())
     }
 
+    /// nrun started by hand inside host i's namespace (a node's own command, not over ssh);
+    /// the caller adds the flags, the target and where its output goes.
+    pub(crate) fn nrun_in(&self, i: usize) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.host(i)]).arg(nrun_bin());
+        c
+    }
+
+    /// As [`Cluster::nrun_in`], under a host name of its own (HOST-nI, in a UTS namespace of
+    /// its own), as a real host has.
+    pub(crate) fn nrun_named_in(&self, i: usize) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.host(i)])
+            .args([
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                "hostname \"$0\" && exec \"$@\"",
+            ])
+            .arg(format!("{}-n{i}", self.host(i)))
+            .arg(nrun_bin());
+        c
+    }
+
+    /// A passive sniffer on host i's eth0 for `secs` seconds (tests/python/sniff.py), writing
+    /// every frame to `capture`; capturing when this returns.
+    pub(crate) fn sniff(&self, i: usize, secs: u32, capture: &Path) -> Sniffer {
+        let script = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.host(i), "python3", &script, "eth0"])
+            .arg(secs.to_string())
+            .arg(capture)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line.trim(), "sniffing", "sniff.py on {}", self.host(i));
+        Sniffer {
+            child,
+            capture: capture.to_path_buf(),
+        }
+    }
+
     /// Runs `cmd` inside host i's namespace; whether it succeeded.
     pub(crate) fn try_exec(&self, i: usize, cmd: &str) -> bool {
         Command::new("ip")
@@ -772,6 +821,20 @@ impl Cluster {
             .status()
             .unwrap();
         assert!(st.success(), "in {}: {cmd}", self.host(i));
+    }
+}
+
+/// A capture running on a host's wire ([`Cluster::sniff`]).
+pub(crate) struct Sniffer {
+    child: Child,
+    capture: PathBuf,
+}
+
+impl Sniffer {
+    /// Every frame it saw, concatenated, once its time is up.
+    pub(crate) fn wire(mut self) -> Vec<u8> {
+        let _ = self.child.wait();
+        std::fs::read(&self.capture).unwrap()
     }
 }
 
