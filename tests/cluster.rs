@@ -82,10 +82,7 @@ fn gloo_all_reduce_across_three_hosts() {
         return;
     };
     let s = Scene::new();
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let out = c.run_on(
         &s,
         3,
@@ -200,19 +197,10 @@ fn killed_launcher_or_dropped_ssh_leaves_nothing_running() {
     };
     for how in ["launcher", "ssh"] {
         let s = Scene::new();
-        let hosts = c.hosts(3);
-        let opts = c.ssh_opts();
-        let child = s.spawn(
+        let child = c.spawn_on(
+            &s,
+            3,
             &[
-                "-H",
-                &hosts,
-                "--ssh-opts",
-                &opts,
-                "--no-python-probe",
-                "-x",
-                "NRUN_TEST_TAG",
-                "-x",
-                "MARK",
                 "--nproc",
                 "2",
                 "--no-python",
@@ -752,10 +740,7 @@ fn torchrun_style_static_nodes() {
         return;
     };
     let master = c.addr(1);
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let s = Scene::new();
     let node = |rank: &str| {
         let mut cmd = c.nrun_in(if rank == "0" { 1 } else { 2 });
@@ -805,10 +790,7 @@ fn the_same_c10d_command_on_every_node() {
         return;
     };
     let endpoint = format!("{}:29661", c.addr(1));
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let s = Scene::new();
     let node = |host: usize, target: &[&str]| {
         let mut cmd = c.nrun_in(host);
@@ -924,34 +906,23 @@ fn an_elastic_job_goes_on_with_the_nodes_it_has() {
     // Attempt 0 waits (to be cut short); attempt 1 reports and ends.
     let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(hostname)\"; \
                 echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
-    let child = {
-        let hosts = c.hosts(3);
-        let opts = c.ssh_opts();
-        s.spawn(
-            &[
-                "-H",
-                &hosts,
-                "--ssh-opts",
-                &opts,
-                "--no-python-probe",
-                "-x",
-                "NRUN_TEST_TAG",
-                "-x",
-                "MARK",
-                "--nnodes",
-                "2:3",
-                "--max-restarts",
-                "1",
-                "--nproc",
-                "2",
-                "--no-python",
-                "sh",
-                "-c",
-                work,
-            ],
-            &[],
-        )
-    };
+    let child = c.spawn_on(
+        &s,
+        3,
+        &[
+            "--nnodes",
+            "2:3",
+            "--max-restarts",
+            "1",
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            work,
+        ],
+        &[],
+    );
     s.wait_marks("started", 6, Duration::from_secs(30));
     // ze-h3's agent dies (and its keeper): the node is lost. (Process ids are not per
     // namespace: the host's own are picked by `ip netns pids`.)
@@ -1035,10 +1006,7 @@ fn pods_with_pet_environment_form_the_job() {
         return;
     };
     let head = c.addr(1);
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let s = Scene::new();
     let pod = |index: usize| {
         let mut cmd = c.nrun_in(index + 1);
@@ -1255,19 +1223,10 @@ fn kill_9_leaves_no_grandchildren_on_any_node() {
     let worker = fixture("worker.sh");
     for target in ["keeper", "nrun"] {
         let s = Scene::new();
-        let hosts = c.hosts(2);
-        let opts = c.ssh_opts();
-        let child = s.spawn(
+        let child = c.spawn_on(
+            &s,
+            2,
             &[
-                "-H",
-                &hosts,
-                "--ssh-opts",
-                &opts,
-                "--no-python-probe",
-                "-x",
-                "NRUN_TEST_TAG",
-                "-x",
-                "MARK",
                 "-x",
                 "NRUN_FIXTURE",
                 "--nproc",
@@ -1572,21 +1531,12 @@ fn a_partitioned_node_stops_its_workers_by_itself() {
         return;
     };
     let s = Scene::new();
-    let hosts = c.hosts(2);
-    let opts = c.ssh_opts();
-    let child = s.spawn(
+    let child = c.spawn_on(
+        &s,
+        2,
         &[
-            "-H",
-            &hosts,
-            "--ssh-opts",
-            &opts,
-            "--no-python-probe",
             "--agent-timeout",
             "2",
-            "-x",
-            "NRUN_TEST_TAG",
-            "-x",
-            "MARK",
             "--nproc",
             "1",
             "--no-python",
@@ -1866,10 +1816,7 @@ fn an_elastic_c10d_node_killed_and_started_again_grows_the_world_back() {
         return;
     };
     let endpoint = format!("{}:29697", c.addr(1));
-    let script = format!(
-        "{}/tests/python/elastic_return.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("elastic_return.py");
     let s = Scene::new();
     let node = |host: usize| {
         c.nrun_named_in(host)
@@ -2163,21 +2110,12 @@ fn a_stopped_agents_workers_are_stopped_within_agent_timeout() {
         return;
     };
     let s = Scene::new();
-    let hosts = c.hosts(2);
-    let opts = c.ssh_opts();
-    let child = s.spawn(
+    let child = c.spawn_on(
+        &s,
+        2,
         &[
-            "-H",
-            &hosts,
-            "--ssh-opts",
-            &opts,
-            "--no-python-probe",
             "--agent-timeout",
             "3",
-            "-x",
-            "NRUN_TEST_TAG",
-            "-x",
-            "MARK",
             "--nproc",
             "1",
             "--no-python",

@@ -30,10 +30,7 @@ fn inside_an_allocation_one_srun_step_starts_every_node() {
         return;
     };
     let s = Scene::new();
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let mut c = sl.cmd(&s, "salloc");
     c.args(["-N3", &nrun(), "--nproc", "2", "--no-python-probe"])
         .args(["--python", py.to_str().unwrap(), &script]);
@@ -185,10 +182,7 @@ fn a_slurm_signal_reaches_every_worker() {
         return;
     };
     let s = Scene::new();
-    let script = format!(
-        "{}/tests/python/usr1_handler.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("usr1_handler.py");
     let mut c = sl.cmd(&s, "srun");
     c.args([
         "-N2",

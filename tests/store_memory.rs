@@ -606,10 +606,7 @@ fn half_sent_megabyte_requests_leave_the_job_running() {
     let port = free_port();
     let s = Scene::new();
     let go = s.dir.path().join("go");
-    let script = format!(
-        "{}/tests/python/store_after_attack.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("store_after_attack.py");
     let child = cl.spawn_on(
         &s,
         2,
@@ -738,10 +735,7 @@ fn a_client_filling_the_store_fails_itself_not_the_torch_job() {
     let exclude = s.dir.path().join("bad-nodes");
     std::fs::write(&exclude, "").unwrap();
     let go = s.dir.path().join("go");
-    let script = format!(
-        "{}/tests/python/store_after_attack.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("store_after_attack.py");
     let child = c.spawn_on(
         &s,
         2,

@@ -12,17 +12,13 @@ fn python_or_skip() -> Option<String> {
     need_torch().map(|p| p.display().to_string())
 }
 
-fn script(name: &str) -> String {
-    format!("{}/tests/python/{name}", env!("CARGO_MANIFEST_DIR"))
-}
-
 #[test]
 fn every_store_operation_from_torchs_client() {
     let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
-    let out = s.run(&["--python", &py, &script("store_compat.py")], &[]);
+    let out = s.run(&["--python", &py, &py_script("store_compat.py")], &[]);
     let stdout = text(&out.stdout);
     assert_eq!(
         out.status.code(),
@@ -40,7 +36,7 @@ fn store_expectations_hold_on_torchs_own_server() {
         return;
     };
     let out = std::process::Command::new(&py)
-        .args([&script("store_compat.py"), "--reference"])
+        .args([&py_script("store_compat.py"), "--reference"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
@@ -59,7 +55,7 @@ fn gloo_all_reduce_on_four_ranks() {
             "4",
             "--python",
             &py,
-            &script("gloo_allreduce.py"),
+            &py_script("gloo_allreduce.py"),
         ],
         &[],
     );
@@ -117,7 +113,7 @@ fn failure_summary_shows_the_error_file_traceback() {
             "2",
             "--python",
             &py,
-            &script("fail_with_record.py"),
+            &py_script("fail_with_record.py"),
         ],
         &[],
     );
@@ -148,7 +144,7 @@ fn restart_rendezvous_again() {
             "1",
             "--python",
             &py,
-            &script("fail_first_attempt.py"),
+            &py_script("fail_first_attempt.py"),
         ],
         &[],
     );
@@ -515,7 +511,7 @@ fn torchs_own_rank_prefix_is_not_doubled() {
             "2",
             "--python",
             &py,
-            &script("raise_after_init.py"),
+            &py_script("raise_after_init.py"),
         ],
         &[],
     );

@@ -140,10 +140,7 @@ fn a_rank_that_raised_is_named_not_a_peer_that_exited_0() {
     let Some(py) = python() else { return };
     let _one = serial();
     let s = Scene::new();
-    let script = format!(
-        "{}/tests/python/raise_after_peer_exit.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("raise_after_peer_exit.py");
     let out = s.run(&["--nproc", "2", "--python", &py, &script], &[]);
     let (stdout, err) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "{stdout}\n{err}");

@@ -111,6 +111,11 @@ pub(crate) fn scratch_of(pid: u32) -> Option<PathBuf> {
         .map(|e| e.path())
 }
 
+/// tests/python/`name`: a script the tests run under a python (torch's, or python3).
+pub(crate) fn py_script(name: &str) -> String {
+    format!("{}/tests/python/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
 pub(crate) fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
 }
@@ -568,7 +573,7 @@ impl Cluster {
     /// A passive sniffer on host i's eth0 for `secs` seconds (tests/python/sniff.py), writing
     /// every frame to `capture`; capturing when this returns.
     pub(crate) fn sniff(&self, i: usize, secs: u32, capture: &Path) -> Sniffer {
-        let script = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));
+        let script = py_script("sniff.py");
         let mut child = Command::new("ip")
             .args(["netns", "exec", &self.host(i), "python3", &script, "eth0"])
             .arg(secs.to_string())
@@ -649,21 +654,7 @@ impl Cluster {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> std::process::Output {
-        let hosts = self.hosts(k);
-        let opts = self.ssh_opts();
-        let mut args = vec![
-            "-H",
-            &hosts,
-            "--ssh-opts",
-            &opts,
-            "--no-python-probe",
-            "-x",
-            "NRUN_TEST_TAG",
-            "-x",
-            "MARK",
-        ];
-        args.extend_from_slice(extra);
-        s.run(&args, env)
+        self.cmd_on(s, k, extra, env).output().unwrap()
     }
 
     /// Starts nrun as `s` on the first `k` hosts, as [`Cluster::run_on`] runs it, without waiting.
@@ -674,9 +665,19 @@ impl Cluster {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Child {
-        let hosts = self.hosts(k);
-        let opts = self.ssh_opts();
-        let mut args = vec![
+        self.cmd_on(s, k, extra, env).spawn().unwrap()
+    }
+
+    /// The command of [`Cluster::run_on`].
+    pub(crate) fn cmd_on(
+        &self,
+        s: &Scene,
+        k: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Command {
+        let (hosts, opts) = (self.hosts(k), self.ssh_opts());
+        let mut c = s.cmd(&[
             "-H",
             &hosts,
             "--ssh-opts",
@@ -686,9 +687,9 @@ impl Cluster {
             "NRUN_TEST_TAG",
             "-x",
             "MARK",
-        ];
-        args.extend_from_slice(extra);
-        s.spawn(&args, env)
+        ]);
+        c.args(extra).envs(env.iter().copied());
+        c
     }
 
     /// Kills host i's nrun agents with SIGKILL (as a node dies; not the ssh clients an inner
