@@ -49,16 +49,7 @@ fn gloo_all_reduce_on_four_ranks() {
         return;
     };
     let s = Scene::new();
-    let out = s.run(
-        &[
-            "--nproc",
-            "4",
-            "--python",
-            &py,
-            &py_script("gloo_allreduce.py"),
-        ],
-        &[],
-    );
+    let out = s.run_python(&py, "4", &py_script("gloo_allreduce.py"));
     let stdout = text(&out.stdout);
     assert_eq!(
         out.status.code(),
@@ -107,16 +98,7 @@ fn failure_summary_shows_the_error_file_traceback() {
         return;
     };
     let s = Scene::new();
-    let out = s.run(
-        &[
-            "--nproc",
-            "2",
-            "--python",
-            &py,
-            &py_script("fail_with_record.py"),
-        ],
-        &[],
-    );
+    let out = s.run_python(&py, "2", &py_script("fail_with_record.py"));
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -505,16 +487,7 @@ fn torchs_own_rank_prefix_is_not_doubled() {
         return;
     };
     let s = Scene::new();
-    let out = s.run(
-        &[
-            "--nproc",
-            "2",
-            "--python",
-            &py,
-            &py_script("raise_after_init.py"),
-        ],
-        &[],
-    );
+    let out = s.run_python(&py, "2", &py_script("raise_after_init.py"));
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(

@@ -168,6 +168,11 @@ impl Scene {
         c.output().unwrap()
     }
 
+    /// Runs `nrun --nproc NPROC --python PY SCRIPT`: a one-node torch job.
+    pub(crate) fn run_python(&self, py: &str, nproc: &str, script: &str) -> Output {
+        self.run(&["--nproc", nproc, "--python", py, script], &[])
+    }
+
     pub(crate) fn spawn(&self, args: &[&str], env: &[(&str, &str)]) -> Child {
         let mut c = self.cmd(args);
         c.envs(env.iter().copied());
