@@ -244,12 +244,11 @@ fn blocked_ports_between_two_nodes_are_named() {
     let Some(c) = Cluster::up("ct5", 3) else {
         return;
     };
-    if !need_tool("iptables", "iptables") {
-        return;
-    }
     // ct5-h2 accepts ssh and established connections only: the store path (outgoing) works,
     // connections from other nodes to its high ports are dropped.
-    c.exec(2, "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP");
+    if !c.firewall(2) {
+        return;
+    }
     let s = Scene::new();
     let out = c.run_on(&s, 3, &["--nproc", "1", "--no-python", "true"], &[]);
     let err = text(&out.stderr);

@@ -18,33 +18,11 @@ fn cores() -> std::sync::MutexGuard<'static, ()> {
     CORES.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Drops other nodes' connections to host `i` (ssh and its own outgoing traffic still work),
-/// so only the node-to-node ring can tell.
-fn firewall(c: &Cluster, i: usize) {
-    c.exec(
-        i,
-        "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state \
-         ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP",
-    );
-}
-
 /// nrun on `hosts` (names) with the cluster's ssh config.
 fn run_hosts(c: &Cluster, s: &Scene, hosts: &[String], extra: &[&str]) -> std::process::Output {
-    let list = hosts.join(",");
-    let opts = c.ssh_opts();
-    let mut args = vec![
-        "-H",
-        &list,
-        "--ssh-opts",
-        &opts,
-        "--no-python-probe",
-        "-x",
-        "NRUN_TEST_TAG",
-        "-x",
-        "MARK",
-    ];
-    args.extend_from_slice(extra);
-    s.run(&args, &[])
+    c.cmd_on_hosts(s, &hosts.join(","), extra, &[])
+        .output()
+        .unwrap()
 }
 
 #[test]
@@ -52,10 +30,9 @@ fn a_firewalled_host_is_left_out_and_a_spare_runs_in_its_place() {
     let Some(c) = Cluster::up("sq1", 5) else {
         return;
     };
-    if !need_tool("iptables", "iptables") {
+    if !c.firewall(2) {
         return;
     }
-    firewall(&c, 2);
     let hosts: Vec<String> = (1..=5).map(|i| c.host(i)).collect();
     // As listed, and with the bad host first.
     let first: Vec<String> = [2, 1, 3, 4, 5].iter().map(|i| c.host(*i)).collect();
@@ -235,9 +212,6 @@ fn the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires() {
     let Some(c) = Cluster::up("sq4", 4) else {
         return;
     };
-    if !need_tool("iptables", "iptables") {
-        return;
-    }
     let s = Scene::new();
     let file = s.dir.path().join("bad-nodes");
     let file_s = file.to_str().unwrap().to_string();
@@ -247,7 +221,9 @@ fn the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires() {
         a.extend_from_slice(&["--no-python", "sh", "-c", "echo host=$(hostname)"]);
         c.run_on(&s, 4, &a, &[])
     };
-    firewall(&c, 1);
+    if !c.firewall(1) {
+        return;
+    }
     let out = job(&[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let memo = std::fs::read_to_string(&file).unwrap();
@@ -290,10 +266,9 @@ fn without_a_spare_a_bad_node_fails_the_job_with_98_naming_it() {
     let Some(c) = Cluster::up("sq5", 3) else {
         return;
     };
-    if !need_tool("iptables", "iptables") {
+    if !c.firewall(3) {
         return;
     }
-    firewall(&c, 3);
     let s = Scene::new();
     let out = c.run_on(&s, 3, &["--nproc", "1", "--no-python", "true"], &[]);
     let stderr = text(&out.stderr);

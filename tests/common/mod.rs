@@ -599,6 +599,21 @@ impl Cluster {
         }
     }
 
+    /// Host i takes new TCP connections to its sshd only (ssh, established connections and its
+    /// own outgoing ones still work), so only node-to-node traffic can tell; false, after
+    /// [`missing_tool`], without iptables.
+    pub(crate) fn firewall(&self, i: usize) -> bool {
+        if !need_tool("iptables", "iptables") {
+            return false;
+        }
+        self.exec(
+            i,
+            "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state \
+             ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP",
+        );
+        true
+    }
+
     /// Runs `cmd` inside host i's namespace; whether it succeeded.
     pub(crate) fn try_exec(&self, i: usize, cmd: &str) -> bool {
         Command::new("ip")
@@ -681,10 +696,21 @@ impl Cluster {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Command {
-        let (hosts, opts) = (self.hosts(k), self.ssh_opts());
+        self.cmd_on_hosts(s, &self.hosts(k), extra, env)
+    }
+
+    /// As [`Cluster::cmd_on`], on `hosts` (names, comma-separated, in the order given).
+    pub(crate) fn cmd_on_hosts(
+        &self,
+        s: &Scene,
+        hosts: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Command {
+        let opts = self.ssh_opts();
         let mut c = s.cmd(&[
             "-H",
-            &hosts,
+            hosts,
             "--ssh-opts",
             &opts,
             "--no-python-probe",
