@@ -327,22 +327,10 @@ fn run_row(
     ran
 }
 
-/// Whether a memory cgroup with a limit can be made here (v2 with the memory controller, or
-/// v1's), as tests/fixtures/fault.sh makes one for its OOM.
+/// Whether a memory cgroup with a limit can be made here, as tests/fixtures/fault.sh makes
+/// one for its OOM.
 fn memory_cgroups() -> bool {
-    let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.subtree_control")
-        .is_ok_and(|c| c.split_whitespace().any(|w| w == "memory"));
-    let (dir, limit) = match v2 {
-        true => ("/sys/fs/cgroup/nrun-fm-probe", "memory.max"),
-        false => (
-            "/sys/fs/cgroup/memory/nrun-fm-probe",
-            "memory.limit_in_bytes",
-        ),
-    };
-    let ok =
-        std::fs::create_dir(dir).is_ok() && std::fs::write(format!("{dir}/{limit}"), "64M").is_ok();
-    let _ = std::fs::remove_dir(dir);
-    ok
+    common::cgroup::MemCgroup::try_new("fm-probe", 64 << 20).is_ok()
 }
 
 /// OOM rows need a memory cgroup this user can make; the hang row a torch python. A row that

@@ -1,6 +1,7 @@
 //! Helpers for tests that run the real `nrun` binary.
 #![allow(dead_code)]
 
+pub(crate) mod cgroup;
 pub(crate) mod chromium;
 pub(crate) mod setup;
 pub(crate) mod skip;
