@@ -58,7 +58,8 @@ fi
 
 venv=$(scripts/venv.sh)
 export NRUN_TEST_PYTHON="$venv/bin/python"
-# A test whose tool above is missing fails here instead of skipping (tests/common missing_tool).
+# A test whose set-up cannot be made (a tool above missing, not root, no torch) fails here,
+# naming what is missing, instead of skipping (tests/common/skip.rs).
 export NRUN_TEST_REQUIRE_TOOLS=1
 
 cargo fmt --all --check

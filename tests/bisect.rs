@@ -177,9 +177,13 @@ fn a_rate_limited_node_is_slow() {
         return;
     };
     // A slowed link: netem where the kernel has it, else a token bucket on the node's interface.
-    let limited = c.try_exec(3, "tc qdisc add dev eth0 root netem rate 50mbit 2>/dev/null || tc qdisc add dev eth0 root tbf rate 50mbit burst 64kbit latency 400ms");
-    if !limited {
-        eprintln!("SKIPPED a_rate_limited_node_is_slow: no tc qdisc for rate limiting");
+    if !c.shape(
+        3,
+        &[
+            "netem rate 50mbit",
+            "tbf rate 50mbit burst 64kbit latency 400ms",
+        ],
+    ) {
         return;
     }
     let s = Scene::new();
@@ -201,8 +205,15 @@ fn one_shaped_node_of_three_is_named_alone() {
     let Some(c) = Cluster::up("cb5", 3) else {
         return;
     };
-    let limited = c.try_exec(3, "tc qdisc add dev eth0 root netem rate 20mbit 2>/dev/null || tc qdisc add dev eth0 root tbf rate 20mbit burst 64kbit latency 400ms");
-    assert!(limited, "no tc qdisc for rate limiting");
+    if !c.shape(
+        3,
+        &[
+            "netem rate 20mbit",
+            "tbf rate 20mbit burst 64kbit latency 400ms",
+        ],
+    ) {
+        return;
+    }
     let s = Scene::new();
     let (code, stdout, stderr, good) = bisect(&s, &c, "", &["--no-python-probe"]);
     assert_eq!(code, Some(96), "{stdout}\n{stderr}");

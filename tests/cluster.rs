@@ -75,18 +75,14 @@ fn workers_on_three_hosts_get_their_own_interface_and_ranks() {
 
 #[test]
 fn gloo_all_reduce_across_three_hosts() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED gloo_all_reduce_across_three_hosts: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("ct2", 3) else {
         return;
     };
     let s = Scene::new();
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let out = c.run_on(
         &s,
         3,
@@ -201,19 +197,10 @@ fn killed_launcher_or_dropped_ssh_leaves_nothing_running() {
     };
     for how in ["launcher", "ssh"] {
         let s = Scene::new();
-        let hosts = c.hosts(3);
-        let opts = c.ssh_opts();
-        let child = s.spawn(
+        let child = c.spawn_on(
+            &s,
+            3,
             &[
-                "-H",
-                &hosts,
-                "--ssh-opts",
-                &opts,
-                "--no-python-probe",
-                "-x",
-                "NRUN_TEST_TAG",
-                "-x",
-                "MARK",
                 "--nproc",
                 "2",
                 "--no-python",
@@ -257,13 +244,11 @@ fn blocked_ports_between_two_nodes_are_named() {
     let Some(c) = Cluster::up("ct5", 3) else {
         return;
     };
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED blocked_ports_between_two_nodes_are_named: no iptables");
-        return;
-    }
     // ct5-h2 accepts ssh and established connections only: the store path (outgoing) works,
     // connections from other nodes to its high ports are dropped.
-    c.exec(2, "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP");
+    if !c.firewall(2) {
+        return;
+    }
     let s = Scene::new();
     let out = c.run_on(&s, 3, &["--nproc", "1", "--no-python", "true"], &[]);
     let err = text(&out.stderr);
@@ -502,11 +487,7 @@ fn a_shaped_link_and_a_slow_nic_are_named() {
     let Some(c) = Cluster::up("cq4", 3) else {
         return;
     };
-    if !c.try_exec(
-        3,
-        "tc qdisc add dev eth0 root tbf rate 200mbit burst 256kbit latency 400ms",
-    ) {
-        eprintln!("SKIPPED a_shaped_link_and_a_slow_nic_are_named: no tc qdisc for rate limiting");
+    if !c.shape(3, &["tbf rate 200mbit burst 256kbit latency 400ms"]) {
         return;
     }
     c.report_speed(2, 1000);
@@ -751,39 +732,33 @@ fn doctor_reports_the_nodes_and_runs_nothing() {
 /// Node 0's nrun hosts the store; each node's workers get the interface it reaches node 0 on.
 #[test]
 fn torchrun_style_static_nodes() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED torchrun_style_static_nodes: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("zs", 2) else {
         return;
     };
     let master = c.addr(1);
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let s = Scene::new();
     let node = |rank: &str| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(if rank == "0" { 1 } else { 2 })])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--node-rank",
-                rank,
-                "--master-addr",
-                &master,
-                "--master-port",
-                "29555",
-                "--nproc",
-                "2",
-            ])
-            .args(["--python", py.to_str().unwrap(), &script])
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(if rank == "0" { 1 } else { 2 });
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            &master,
+            "--master-port",
+            "29555",
+            "--nproc",
+            "2",
+        ])
+        .args(["--python", py.to_str().unwrap(), &script])
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
     let (a, b) = (node("0"), node("1"));
@@ -807,40 +782,34 @@ fn torchrun_style_static_nodes() {
 /// A failure on either node stops both, and each nrun exits with the job's code.
 #[test]
 fn the_same_c10d_command_on_every_node() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED the_same_c10d_command_on_every_node: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("qb1", 2) else {
         return;
     };
     let endpoint = format!("{}:29661", c.addr(1));
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let s = Scene::new();
     let node = |host: usize, target: &[&str]| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--nproc",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                "j1",
-                "--no-python-probe",
-            ])
-            .args(target)
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(host);
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--nproc",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            "j1",
+            "--no-python-probe",
+        ])
+        .args(target)
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
     // The joining node first: the host's nrun starts once the joiner says it waits for it.
@@ -895,26 +864,23 @@ fn the_same_c10d_command_on_every_node() {
 
     // A different --rdzv-id does not join this job: it says so.
     let a = node(1, &["--no-python", "sleep", "3"]);
-    let mut other = Command::new("ip");
-    other
-        .args(["netns", "exec", &c.host(2)])
-        .arg(nrun_bin())
-        .args([
-            "--nnodes",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            &endpoint,
-            "--rdzv-id",
-            "other",
-            // Retried while the host's store is not up yet (however long a loaded machine
-            // takes to start it); refused at once when it answers.
-            "--join-timeout",
-            "120",
-            "--no-python",
-            "true",
-        ]);
+    let mut other = c.nrun_in(2);
+    other.args([
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "other",
+        // Retried while the host's store is not up yet (however long a loaded machine
+        // takes to start it); refused at once when it answers.
+        "--join-timeout",
+        "120",
+        "--no-python",
+        "true",
+    ]);
     let out = other.output().unwrap();
     assert_eq!(out.status.code(), Some(95), "{}", text(&out.stderr));
     assert!(
@@ -939,34 +905,23 @@ fn an_elastic_job_goes_on_with_the_nodes_it_has() {
     // Attempt 0 waits (to be cut short); attempt 1 reports and ends.
     let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(hostname)\"; \
                 echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
-    let child = {
-        let hosts = c.hosts(3);
-        let opts = c.ssh_opts();
-        s.spawn(
-            &[
-                "-H",
-                &hosts,
-                "--ssh-opts",
-                &opts,
-                "--no-python-probe",
-                "-x",
-                "NRUN_TEST_TAG",
-                "-x",
-                "MARK",
-                "--nnodes",
-                "2:3",
-                "--max-restarts",
-                "1",
-                "--nproc",
-                "2",
-                "--no-python",
-                "sh",
-                "-c",
-                work,
-            ],
-            &[],
-        )
-    };
+    let child = c.spawn_on(
+        &s,
+        3,
+        &[
+            "--nnodes",
+            "2:3",
+            "--max-restarts",
+            "1",
+            "--nproc",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            work,
+        ],
+        &[],
+    );
     s.wait_marks("started", 6, Duration::from_secs(30));
     // ze-h3's agent dies (and its keeper): the node is lost. (Process ids are not per
     // namespace: the host's own are picked by `ip netns pids`.)
@@ -1043,24 +998,18 @@ fn an_elastic_job_goes_on_with_the_nodes_it_has() {
 /// "pod" (a namespace host given that environment) forms the job as torchrun would.
 #[test]
 fn pods_with_pet_environment_form_the_job() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED pods_with_pet_environment_form_the_job: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("zk", 2) else {
         return;
     };
     let head = c.addr(1);
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let s = Scene::new();
     let pod = |index: usize| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(index + 1)])
-            .arg(nrun_bin())
-            .args(["--python", py.to_str().unwrap(), &script])
+        let mut cmd = c.nrun_in(index + 1);
+        cmd.args(["--python", py.to_str().unwrap(), &script])
             // What the operator puts in each pod's environment.
             .env("PET_NNODES", "2")
             .env("PET_NPROC_PER_NODE", "2")
@@ -1116,27 +1065,10 @@ fn the_secret_never_crosses_the_wire() {
     };
     let endpoint = format!("{}:29681", c.addr(1));
     let s = Scene::new();
-    let capture = s.dir.path().join("eth0.bin");
-    let sniff = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));
-    let mut sniffer = Command::new("ip")
-        .args(["netns", "exec", &c.host(2), "python3", &sniff, "eth0", "8"])
-        .arg(&capture)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::BufRead;
-        let mut line = String::new();
-        std::io::BufReader::new(sniffer.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "sniffing");
-    }
+    let sniffer = c.sniff(2, 8, &s.dir.path().join("eth0.bin"));
     let shared = "a-shared-secret-of-this-cluster";
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
+        c.nrun_in(host)
             .args([
                 "--nnodes",
                 "2",
@@ -1169,8 +1101,7 @@ fn the_secret_never_crosses_the_wire() {
     let (ob, _) = wait_with_timeout(b, Duration::from_secs(60));
     assert_eq!(oa.status.code(), Some(0), "{}", text(&oa.stderr));
     assert_eq!(ob.status.code(), Some(0), "{}", text(&ob.stderr));
-    let _ = sniffer.wait();
-    let wire = std::fs::read(&capture).unwrap();
+    let wire = sniffer.wire();
     let derived = nrun_store::auth::derive(shared.as_bytes(), "j-sniff");
     let has = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
     // The capture saw the store's conversation...
@@ -1202,29 +1133,12 @@ fn a_token_in_the_steps_is_never_on_the_wire_and_workers_lack_the_shared_secret(
     };
     let endpoint = format!("{}:29683", c.addr(1));
     let s = Scene::new();
-    let capture = s.dir.path().join("eth0.bin");
-    let sniff = format!("{}/tests/python/sniff.py", env!("CARGO_MANIFEST_DIR"));
-    let mut sniffer = Command::new("ip")
-        .args(["netns", "exec", &c.host(2), "python3", &sniff, "eth0", "8"])
-        .arg(&capture)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::BufRead;
-        let mut line = String::new();
-        std::io::BufReader::new(sniffer.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "sniffing");
-    }
+    let sniffer = c.sniff(2, 8, &s.dir.path().join("eth0.bin"));
     let shared = "a-shared-secret-of-this-cluster";
     let token = "hf_TOKENnotForTheWire0123456789";
     let export = format!("HF_TOKEN={token}");
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
+        c.nrun_in(host)
             .args([
                 "--nnodes",
                 "2",
@@ -1274,8 +1188,7 @@ fn a_token_in_the_steps_is_never_on_the_wire_and_workers_lack_the_shared_secret(
         "{}",
         text(&oa.stderr)
     );
-    let _ = sniffer.wait();
-    let wire = std::fs::read(&capture).unwrap();
+    let wire = sniffer.wire();
     let has = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
     assert!(
         has(b"nrun/c10d/j-token/run"),
@@ -1309,19 +1222,10 @@ fn kill_9_leaves_no_grandchildren_on_any_node() {
     let worker = fixture("worker.sh");
     for target in ["keeper", "nrun"] {
         let s = Scene::new();
-        let hosts = c.hosts(2);
-        let opts = c.ssh_opts();
-        let child = s.spawn(
+        let child = c.spawn_on(
+            &s,
+            2,
             &[
-                "-H",
-                &hosts,
-                "--ssh-opts",
-                &opts,
-                "--no-python-probe",
-                "-x",
-                "NRUN_TEST_TAG",
-                "-x",
-                "MARK",
                 "-x",
                 "NRUN_FIXTURE",
                 "--nproc",
@@ -1362,9 +1266,7 @@ fn an_elastic_job_takes_in_a_node_that_joins_later() {
     let work = "echo \"world=$WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT rank=$RANK\"; \
                 echo world=$WORLD_SIZE >> $MARK; [ $WORLD_SIZE = 2 ] && exec sleep 60; exit 0";
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
+        c.nrun_in(host)
             .args([
                 "--nnodes",
                 "1:2",
@@ -1423,9 +1325,7 @@ fn a_c10d_node_killed_outright_is_named_and_the_job_ends() {
     let endpoint = format!("{}:29695", c.addr(1));
     let s = Scene::new();
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
+        c.nrun_in(host)
             .args([
                 "--nnodes",
                 "2",
@@ -1623,29 +1523,19 @@ fn a_node_busy_beside_cpu_hogs_is_not_lost() {
 /// --agent-timeout; the launcher names the node lost and says so.
 #[test]
 fn a_partitioned_node_stops_its_workers_by_itself() {
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED a_partitioned_node_stops_its_workers_by_itself: no iptables");
+    if !need_tool("iptables", "iptables") {
         return;
     }
     let Some(c) = Cluster::up("qz1", 2) else {
         return;
     };
     let s = Scene::new();
-    let hosts = c.hosts(2);
-    let opts = c.ssh_opts();
-    let child = s.spawn(
+    let child = c.spawn_on(
+        &s,
+        2,
         &[
-            "-H",
-            &hosts,
-            "--ssh-opts",
-            &opts,
-            "--no-python-probe",
             "--agent-timeout",
             "2",
-            "-x",
-            "NRUN_TEST_TAG",
-            "-x",
-            "MARK",
             "--nproc",
             "1",
             "--no-python",
@@ -1703,8 +1593,7 @@ fn a_partitioned_node_stops_its_workers_by_itself() {
 /// item 4).
 #[test]
 fn join_timeout_is_kept_when_packets_are_dropped() {
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED join_timeout_is_kept_when_packets_are_dropped: no iptables");
+    if !need_tool("iptables", "iptables") {
         return;
     }
     let Some(c) = Cluster::up("jdx", 2) else {
@@ -1713,27 +1602,25 @@ fn join_timeout_is_kept_when_packets_are_dropped() {
     let s = Scene::new();
     let endpoint = format!("{}:29671", c.addr(1));
     let node = |host: usize| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                "dropped",
-                "--join-timeout",
-                "4",
-                "--no-python-probe",
-                "--no-python",
-                "true",
-            ])
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(host);
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            "dropped",
+            "--join-timeout",
+            "4",
+            "--no-python-probe",
+            "--no-python",
+            "true",
+        ])
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
     // Host 2's packets never reach host 1.
@@ -1785,27 +1672,25 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
     let s = Scene::new();
     let endpoint = format!("{}:29681", c.addr(1));
     let node = |host: usize, nproc: &str, id: &str, target: &[&str], error_file: Option<&str>| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--nproc",
-                nproc,
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                id,
-                "--no-python-probe",
-                "--no-python",
-            ])
-            .args(target)
-            .env("NRUN_TEST_TAG", &s.tag)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(host);
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--nproc",
+            nproc,
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            id,
+            "--no-python-probe",
+            "--no-python",
+        ])
+        .args(target)
+        .env("NRUN_TEST_TAG", &s.tag)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         if let Some(f) = error_file {
             // This phase with a shared secret too: a node's own command line then travels
             // sealed, and must still be what its workers run.
@@ -1923,31 +1808,17 @@ fn c10d_nodes_run_their_own_command_and_tell_the_same_story() {
 /// left on either host. Prints how long the returning node took to be in the world again.
 #[test]
 fn an_elastic_c10d_node_killed_and_started_again_grows_the_world_back() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED an_elastic_c10d_node_killed_and_started_again: no python with torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("zr", 2) else {
         return;
     };
     let endpoint = format!("{}:29697", c.addr(1));
-    let script = format!(
-        "{}/tests/python/elastic_return.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("elastic_return.py");
     let s = Scene::new();
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .args([
-                "unshare",
-                "--uts",
-                "sh",
-                "-c",
-                "hostname \"$0\" && exec \"$@\"",
-            ])
-            .arg(format!("{}-n{host}", c.host(host)))
-            .arg(nrun_bin())
+        c.nrun_named_in(host)
             .args([
                 "--nnodes",
                 "1:2",
@@ -2058,17 +1929,7 @@ fn an_elastic_c10d_node_left_out_for_a_gpu_fault_is_refused_when_it_comes_back()
                   exec sleep 120; fi; \
                 while [ ! -e $MARK.done ]; do sleep 0.1; done";
     let node = |host: usize| {
-        Command::new("ip")
-            .args(["netns", "exec", &c.host(host)])
-            .args([
-                "unshare",
-                "--uts",
-                "sh",
-                "-c",
-                "hostname \"$0\" && exec \"$@\"",
-            ])
-            .arg(format!("{}-n{host}", c.host(host)))
-            .arg(nrun_bin())
+        c.nrun_named_in(host)
             .args([
                 "--nnodes",
                 "1:2",
@@ -2248,21 +2109,12 @@ fn a_stopped_agents_workers_are_stopped_within_agent_timeout() {
         return;
     };
     let s = Scene::new();
-    let hosts = c.hosts(2);
-    let opts = c.ssh_opts();
-    let child = s.spawn(
+    let child = c.spawn_on(
+        &s,
+        2,
         &[
-            "-H",
-            &hosts,
-            "--ssh-opts",
-            &opts,
-            "--no-python-probe",
             "--agent-timeout",
             "3",
-            "-x",
-            "NRUN_TEST_TAG",
-            "-x",
-            "MARK",
             "--nproc",
             "1",
             "--no-python",

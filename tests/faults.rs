@@ -327,32 +327,26 @@ fn run_row(
     ran
 }
 
-/// Whether a memory cgroup with a limit can be made here (v2 with the memory controller, or
-/// v1's), as tests/fixtures/fault.sh makes one for its OOM.
+/// Whether a memory cgroup with a limit can be made here, as tests/fixtures/fault.sh makes
+/// one for its OOM.
 fn memory_cgroups() -> bool {
-    let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.subtree_control")
-        .is_ok_and(|c| c.split_whitespace().any(|w| w == "memory"));
-    let (dir, limit) = match v2 {
-        true => ("/sys/fs/cgroup/nrun-fm-probe", "memory.max"),
-        false => (
-            "/sys/fs/cgroup/memory/nrun-fm-probe",
-            "memory.limit_in_bytes",
-        ),
-    };
-    let ok =
-        std::fs::create_dir(dir).is_ok() && std::fs::write(format!("{dir}/{limit}"), "64M").is_ok();
-    let _ = std::fs::remove_dir(dir);
-    ok
+    common::cgroup::MemCgroup::try_new("fm-probe", 64 << 20).is_ok()
 }
 
-/// OOM rows need a memory cgroup this user can make; the hang row a torch python.
+/// OOM rows need a memory cgroup this user can make; the hang row a torch python. A row that
+/// cannot run is said, or fails the test under scripts/test.sh (see `cannot_set_up`).
 fn runnable(row: &Row) -> bool {
     if row.fault.contains("OOM") && !memory_cgroups() {
-        eprintln!("SKIPPED fault matrix row {row:?}: no memory cgroup can be made here");
+        cannot_set_up(&format!(
+            "fault matrix row {row:?}: no memory cgroup can be made here (root and the memory \
+             controller)"
+        ));
         return false;
     }
     if row.fault.contains("hang") && torch_python().is_none() {
-        eprintln!("SKIPPED fault matrix row {row:?}: no torch python");
+        cannot_set_up(&format!(
+            "fault matrix row {row:?}: no python with torch (scripts/venv.sh; NRUN_TEST_PYTHON)"
+        ));
         return false;
     }
     true
@@ -438,10 +432,8 @@ fn c10d_rows() {
         let mut second: Option<Child> = None;
         let mut ran = run_row(row, &s, 2, hosts, Some(&c), |fault, report| {
             let node = |i: usize, report: &str| {
-                let mut cmd = Command::new("ip");
-                cmd.args(["netns", "exec", &c.host(i)])
-                    .arg(nrun_bin())
-                    .args(["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d"])
+                let mut cmd = c.nrun_in(i);
+                cmd.args(["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d"])
                     .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "fm"])
                     .arg("--no-python-probe")
                     .args(job_args(&s, row, fault, report))

@@ -21,10 +21,7 @@ const FAILS_ONCE: &str = "echo \"rank $RANK attempt $TORCHELASTIC_RESTART_COUNT\
 fn promtool(text: &str) -> Option<(bool, String)> {
     let bin = Path::new("/usr/bin/promtool");
     if !bin.exists() {
-        missing_tool(
-            "the promtool check",
-            "promtool (Debian's `prometheus` package)",
-        );
+        missing_tool(&current_test(), "promtool (Debian's `prometheus` package)");
         return None;
     }
     let mut c = Command::new(bin)
@@ -325,10 +322,10 @@ fn the_metrics_port_serves_scrapes_beside_1000_slow_connections() {
         libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
     }
     if lim.rlim_cur < 1100 {
-        eprintln!(
-            "SKIPPED: the descriptor limit {} is under 1,100",
+        cannot_set_up(&format!(
+            "the descriptor limit ({}, its hard limit) is under 1,100: raise it (ulimit -Hn)",
             lim.rlim_cur
-        );
+        ));
         return;
     }
     let s = Scene::new();
@@ -491,8 +488,7 @@ fn a_short_job_ends_with_its_summary() {
 /// ledger's detecting time, not running.
 #[test]
 fn a_hang_is_an_event_and_its_stall_is_detecting_time() {
-    let Some(py) = torch_python().map(|p| p.display().to_string()) else {
-        eprintln!("SKIPPED the hang's event: no python with torch (NRUN_TEST_PYTHON)");
+    let Some(py) = need_torch().map(|p| p.display().to_string()) else {
         return;
     };
     let s = Scene::new();

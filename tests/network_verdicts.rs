@@ -152,14 +152,7 @@ fn hosts_sharing_one_hostname_are_three_nodes_and_a_shaped_one_is_named() {
     for i in 1..=3 {
         c.set_hostname(i, "twin");
     }
-    if !c.try_exec(
-        3,
-        "tc qdisc add dev eth0 root tbf rate 200mbit burst 256kbit latency 400ms",
-    ) {
-        missing_tool(
-            "hosts_sharing_one_hostname_are_three_nodes_and_a_shaped_one_is_named",
-            "tc",
-        );
+    if !c.shape(3, &["tbf rate 200mbit burst 256kbit latency 400ms"]) {
         return;
     }
     let s = Scene::new();

@@ -5,7 +5,8 @@
 //! takes only a plain `--rdzv-id`.
 //!
 //! The second user: where the tests run as root, `nrun-other` (made with `useradd` if absent)
-//! plants files with `setpriv`; elsewhere those tests print SKIPPED.
+//! plants files with `setpriv`; elsewhere those tests skip, said (a failure under
+//! scripts/test.sh: see common's `cannot_set_up`).
 
 mod common;
 
@@ -17,11 +18,9 @@ use std::time::Duration;
 
 const OTHER: &str = "nrun-other";
 
-/// The second user's uid, made if absent; None (with a SKIPPED line) where that cannot be.
+/// The second user's uid, made if absent; None (after `cannot_set_up`) where that cannot be.
 fn other_user() -> Option<u32> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIPPED: not root: no second local user to plant files");
+    if !need_root(&format!("a second local user ({OTHER}) to plant files")) {
         return None;
     }
     let uid = || {
@@ -40,12 +39,13 @@ fn other_user() -> Option<u32> {
             .status();
         // Another test binary may have made it meanwhile.
         if !made.is_ok_and(|s| s.success()) && uid().is_none() {
-            eprintln!("SKIPPED: useradd {OTHER} failed");
+            cannot_set_up(&format!(
+                "useradd {OTHER} failed (a second user to plant files)"
+            ));
             return None;
         }
     }
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        eprintln!("SKIPPED: no setpriv to run a step as {OTHER}");
+    if !need_tool("setpriv", "util-linux") {
         return None;
     }
     uid()
@@ -297,7 +297,7 @@ fn a_second_users_planted_files_are_neither_read_nor_run() {
         .status()
         .is_ok_and(|s| s.success())
     {
-        eprintln!("SKIPPED: no Python (NRUN_TEST_PYTHON or python3)");
+        cannot_set_up("no Python (NRUN_TEST_PYTHON or python3)");
         return;
     }
     let s = Scene::new();

@@ -58,10 +58,7 @@ fn a_c10d_host_says_who_it_waits_for_and_until_when() {
 /// What the terminal showed, and the exit code.
 fn on_terminal(s: &Scene, args: &[String], env: &[(&str, &str)]) -> (String, i64) {
     let mut cmd = std::process::Command::new("python3");
-    cmd.arg(format!(
-        "{}/tests/python/pty_drive.py",
-        env!("CARGO_MANIFEST_DIR")
-    ));
+    cmd.arg(py_script("pty_drive.py"));
     cmd.arg("--").arg(nrun_bin()).args(args);
     cmd.env("NRUN_TEST_TAG", &s.tag)
         .env_remove("NO_COLOR")
@@ -86,7 +83,7 @@ fn has_python_pty() -> bool {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED: no python3 with the pty module");
+        cannot_set_up("no python3 with the pty module (it drives the terminal)");
     }
     ok
 }

@@ -23,18 +23,14 @@ fn run(mut c: Command, timeout: Duration) -> Output {
 
 #[test]
 fn inside_an_allocation_one_srun_step_starts_every_node() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED inside_an_allocation_one_srun_step_starts_every_node: no torch");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(sl) = Slurm::up("sa1", 3) else {
         return;
     };
     let s = Scene::new();
-    let script = format!(
-        "{}/tests/python/gloo_allreduce.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("gloo_allreduce.py");
     let mut c = sl.cmd(&s, "salloc");
     c.args(["-N3", &nrun(), "--nproc", "2", "--no-python-probe"])
         .args(["--python", py.to_str().unwrap(), &script]);
@@ -179,18 +175,14 @@ fn scancel_ends_every_worker_and_agent() {
 /// it to its workers, whose handler runs, and the job goes on to finish.
 #[test]
 fn a_slurm_signal_reaches_every_worker() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED a_slurm_signal_reaches_every_worker: no python");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(sl) = Slurm::up("sa4", 2) else {
         return;
     };
     let s = Scene::new();
-    let script = format!(
-        "{}/tests/python/usr1_handler.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("usr1_handler.py");
     let mut c = sl.cmd(&s, "srun");
     c.args([
         "-N2",
@@ -237,8 +229,7 @@ fn a_slurm_signal_reaches_every_worker() {
 
 #[test]
 fn inside_an_allocation_of_four_a_bad_node_is_left_out_for_a_job_of_three() {
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED inside_an_allocation_of_four_...: no iptables");
+    if !need_tool("iptables", "iptables") {
         return;
     }
     let Some(sl) = Slurm::up("sa5", 4) else {

@@ -18,41 +18,11 @@ fn cores() -> std::sync::MutexGuard<'static, ()> {
     CORES.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Drops other nodes' connections to host `i` (ssh and its own outgoing traffic still work),
-/// so only the node-to-node ring can tell.
-fn firewall(c: &Cluster, i: usize) {
-    c.exec(
-        i,
-        "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state \
-         ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP",
-    );
-}
-
-fn has_iptables(test: &str) -> bool {
-    let ok = Command::new("iptables").arg("--version").output().is_ok();
-    if !ok {
-        eprintln!("SKIPPED {test}: no iptables");
-    }
-    ok
-}
-
 /// nrun on `hosts` (names) with the cluster's ssh config.
 fn run_hosts(c: &Cluster, s: &Scene, hosts: &[String], extra: &[&str]) -> std::process::Output {
-    let list = hosts.join(",");
-    let opts = c.ssh_opts();
-    let mut args = vec![
-        "-H",
-        &list,
-        "--ssh-opts",
-        &opts,
-        "--no-python-probe",
-        "-x",
-        "NRUN_TEST_TAG",
-        "-x",
-        "MARK",
-    ];
-    args.extend_from_slice(extra);
-    s.run(&args, &[])
+    c.cmd_on_hosts(s, &hosts.join(","), extra, &[])
+        .output()
+        .unwrap()
 }
 
 #[test]
@@ -60,10 +30,9 @@ fn a_firewalled_host_is_left_out_and_a_spare_runs_in_its_place() {
     let Some(c) = Cluster::up("sq1", 5) else {
         return;
     };
-    if !has_iptables("a_firewalled_host_is_left_out_and_a_spare_runs_in_its_place") {
+    if !c.firewall(2) {
         return;
     }
-    firewall(&c, 2);
     let hosts: Vec<String> = (1..=5).map(|i| c.host(i)).collect();
     // As listed, and with the bad host first.
     let first: Vec<String> = [2, 1, 3, 4, 5].iter().map(|i| c.host(*i)).collect();
@@ -203,8 +172,7 @@ fn the_programs_own_failure_leaves_nobody_out() {
     let Some(c) = Cluster::up("sq3", 3) else {
         return;
     };
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED the_programs_own_failure_leaves_nobody_out: no torch python");
+    let Some(py) = need_torch() else {
         return;
     };
     let s = Scene::new();
@@ -244,9 +212,6 @@ fn the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires() {
     let Some(c) = Cluster::up("sq4", 4) else {
         return;
     };
-    if !has_iptables("the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires") {
-        return;
-    }
     let s = Scene::new();
     let file = s.dir.path().join("bad-nodes");
     let file_s = file.to_str().unwrap().to_string();
@@ -256,7 +221,9 @@ fn the_exclude_file_keeps_a_bad_host_out_of_the_next_run_until_it_expires() {
         a.extend_from_slice(&["--no-python", "sh", "-c", "echo host=$(hostname)"]);
         c.run_on(&s, 4, &a, &[])
     };
-    firewall(&c, 1);
+    if !c.firewall(1) {
+        return;
+    }
     let out = job(&[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let memo = std::fs::read_to_string(&file).unwrap();
@@ -299,10 +266,9 @@ fn without_a_spare_a_bad_node_fails_the_job_with_98_naming_it() {
     let Some(c) = Cluster::up("sq5", 3) else {
         return;
     };
-    if !has_iptables("without_a_spare_a_bad_node_fails_the_job_with_98_naming_it") {
+    if !c.firewall(3) {
         return;
     }
-    firewall(&c, 3);
     let s = Scene::new();
     let out = c.run_on(&s, 3, &["--nproc", "1", "--no-python", "true"], &[]);
     let stderr = text(&out.stderr);
@@ -387,34 +353,32 @@ fn a_c10d_spare_takes_the_place_of_a_node_that_dies() {
     let work = "echo \"attempt=$TORCHELASTIC_RESTART_COUNT world=$WORLD_SIZE rank=$RANK host=$(ip netns identify)\"; \
                 echo started >> $MARK; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 60; exit 0";
     let node = |host: usize| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &c.host(host)])
-            .arg(nrun_bin())
-            .args([
-                "--nnodes",
-                "2",
-                "--spares",
-                "1",
-                "--nproc",
-                "1",
-                "--max-restarts",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                "sp",
-                "--no-python-probe",
-                "--no-python",
-                "sh",
-                "-c",
-                work,
-            ])
-            .env("NRUN_TEST_TAG", &s.tag)
-            .env("MARK", s.mark())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut cmd = c.nrun_in(host);
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--spares",
+            "1",
+            "--nproc",
+            "1",
+            "--max-restarts",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            "sp",
+            "--no-python-probe",
+            "--no-python",
+            "sh",
+            "-c",
+            work,
+        ])
+        .env("NRUN_TEST_TAG", &s.tag)
+        .env("MARK", s.mark())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
         cmd.spawn().unwrap()
     };
     let a = node(1);
@@ -464,11 +428,7 @@ fn a_preflight_without_a_culprit_is_bisected_on_the_spot() {
     let Some(c) = Cluster::up("sq8", 5) else {
         return;
     };
-    if !c.try_exec(
-        3,
-        "tc qdisc add dev eth0 root tbf rate 200mbit burst 256kbit latency 400ms",
-    ) {
-        eprintln!("SKIPPED a_preflight_without_a_culprit_is_bisected_on_the_spot: no tc");
+    if !c.shape(3, &["tbf rate 200mbit burst 256kbit latency 400ms"]) {
         return;
     }
     let s = Scene::new();
@@ -524,8 +484,7 @@ fn a_preflight_without_a_culprit_is_bisected_on_the_spot() {
 /// its place.
 #[test]
 fn a_hang_pinned_twice_on_a_node_brings_in_the_spare() {
-    let Some(py) = torch_python() else {
-        eprintln!("SKIPPED a_hang_pinned_twice_on_a_node_brings_in_the_spare: no torch python");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("sq9", 3) else {

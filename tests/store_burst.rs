@@ -21,7 +21,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::store::serve_store;
-use common::{nix_is_root, text, torch_python, wait_with_timeout};
+use common::{cannot_set_up, need_torch, nix_is_root, text, wait_with_timeout};
 use nrun_store::Store;
 
 /// Clients released at once.
@@ -49,14 +49,13 @@ fn mount_namespace() -> Option<Vec<&'static str>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundreds_of_torch_clients_connect_at_once_without_a_stall() {
-    let Some(py) = torch_python() else {
-        eprintln!("no python with torch (set NRUN_TEST_PYTHON): nothing to check");
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(ns) = mount_namespace() else {
-        eprintln!(
+        cannot_set_up(
             "no private mount namespace here (unshare -m): torch clients would ask DNS for the \
-             store's name, which is not the store's to answer; nothing checked"
+             store's name, which is not the store's to answer",
         );
         return;
     };

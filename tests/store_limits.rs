@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::store::{VALIDATE, raw_from, serve_store};
 use common::{
-    HANG, Scene, await_listen, signal, text, torch_python, wait_until, wait_until_async,
+    HANG, Scene, await_listen, need_torch, signal, text, wait_until, wait_until_async,
     wait_with_timeout,
 };
 use nrun_store::Store;
@@ -74,8 +74,8 @@ fn all_accepted(port: u16) -> bool {
 
 /// A torch TCPStore client's set/get against `port`, or nrun's client where torch is missing.
 fn torch_set_get(port: u16, key: &str) {
-    let Some(py) = torch_python() else {
-        eprintln!("no python with torch (set NRUN_TEST_PYTHON): checking with nrun's client");
+    // Without torch (said, or a failure under scripts/test.sh): nrun's client checks instead.
+    let Some(py) = need_torch() else {
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(async {
             let addr = SocketAddr::from(([127, 0, 0, 1], port));

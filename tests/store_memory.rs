@@ -10,9 +10,9 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
+use common::cgroup::MemCgroup;
 use common::store::{raw_from, serve_store};
 use common::*;
 use nrun_store::Store;
@@ -42,7 +42,7 @@ async fn closed(s: &mut TcpStream) -> bool {
 }
 
 /// Runs `code` in the test python with torch against the store at `port`; its stdout and
-/// stderr. None without torch (said once by the caller).
+/// stderr. None without torch (said by the caller: see `need_torch`).
 fn torch(port: u16, code: &str) -> Option<(String, String)> {
     let py = torch_python()?;
     let script = format!(
@@ -64,7 +64,8 @@ fn torch_set_get(port: u16, key: &str) {
     match torch(port, &code) {
         Some((out, err)) => assert!(out.contains("torch client ok"), "{out}\n{err}"),
         None => {
-            eprintln!("no python with torch (set NRUN_TEST_PYTHON): checking with nrun's client");
+            // Said, or a failure under scripts/test.sh; nrun's client checks instead.
+            need_torch();
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async {
                 let addr = SocketAddr::from(([127, 0, 0, 1], port));
@@ -132,120 +133,13 @@ async fn append_past_the_value_limit_is_refused() {
         .unwrap();
     match seen {
         Some((out, err)) => assert!(out.contains("refused:"), "{out}\n{err}"),
-        None => eprintln!("no python with torch (set NRUN_TEST_PYTHON): torch half not run"),
+        // The torch half not run: said, or a failure under scripts/test.sh.
+        None => drop(need_torch()),
     }
     assert_eq!(c.get(b"/v").await.unwrap().len(), VALUE);
     tokio::task::spawn_blocking(move || torch_set_get(port, "after-append"))
         .await
         .unwrap();
-}
-
-/// A memory cgroup nrun runs in (cgroup v2's memory.max, or v1's memory.limit_in_bytes where
-/// only v1 has the memory controller), removed on drop. None, with a visible SKIPPED line,
-/// where neither can be made.
-struct MemCgroup {
-    dir: PathBuf,
-    v2: bool,
-}
-
-impl MemCgroup {
-    fn new(test: &str, bytes: u64) -> Option<MemCgroup> {
-        let name = format!("nrun-test-{}-{}", std::process::id(), test);
-        let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
-            .is_ok_and(|c| c.split_whitespace().any(|w| w == "memory"));
-        let (dir, v2, limit) = if v2 {
-            (
-                PathBuf::from("/sys/fs/cgroup").join(&name),
-                true,
-                "memory.max",
-            )
-        } else {
-            let v1 = PathBuf::from("/sys/fs/cgroup/memory");
-            (v1.join(&name), false, "memory.limit_in_bytes")
-        };
-        let made = std::fs::create_dir(&dir)
-            .and_then(|_| std::fs::write(dir.join(limit), bytes.to_string()));
-        if let Err(e) = made {
-            let _ = std::fs::remove_dir(&dir);
-            eprintln!(
-                "SKIPPED {test}: cannot make a memory cgroup at {} ({e}); cgroups not writable",
-                dir.display()
-            );
-            return None;
-        }
-        if !v2 {
-            // Without swap limits a v1 cgroup would swap rather than fail: none here.
-            let _ = std::fs::write(dir.join("memory.swappiness"), "0");
-        }
-        Some(MemCgroup { dir, v2 })
-    }
-
-    fn procs(&self) -> PathBuf {
-        self.dir.join("cgroup.procs")
-    }
-
-    /// Moves process `pid` (and the children it starts from now on) into the cgroup.
-    fn add(&self, pid: u32) {
-        std::fs::write(self.procs(), pid.to_string()).unwrap();
-    }
-
-    /// Starts `c`'s process in the cgroup (before it execs, so all it allocates is counted).
-    fn enter(&self, c: &mut std::process::Command) {
-        let procs = std::ffi::CString::new(self.procs().to_str().unwrap()).unwrap();
-        // SAFETY: open, write, close only, between fork and exec (no allocation).
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            c.pre_exec(move || {
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
-                if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                libc::close(fd);
-                Ok(())
-            });
-        }
-    }
-
-    /// How many processes the kernel killed for the cgroup's limit.
-    fn oom_kills(&self) -> u64 {
-        let file = if self.v2 {
-            "memory.events"
-        } else {
-            "memory.oom_control"
-        };
-        std::fs::read_to_string(self.dir.join(file))
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix("oom_kill "))
-            .and_then(|n| n.trim().parse().ok())
-            .unwrap_or(0)
-    }
-
-    /// The cgroup's peak memory (all its processes, their sockets and page cache), in MiB.
-    fn peak_mib(&self) -> u64 {
-        let file = if self.v2 {
-            "memory.peak"
-        } else {
-            "memory.max_usage_in_bytes"
-        };
-        std::fs::read_to_string(self.dir.join(file))
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .map_or(0, |b| b >> 20)
-    }
-}
-
-impl Drop for MemCgroup {
-    fn drop(&mut self) {
-        // Its processes have ended by now (the test waited for nrun); the kernel frees the
-        // cgroup a moment after the last one.
-        for _ in 0..100 {
-            if std::fs::remove_dir(&self.dir).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
 }
 
 /// A process's peak resident memory (VmHWM), in MiB.
@@ -407,7 +301,7 @@ fn big_gets_on_many_connections_stay_within_a_memory_bound() {
     eprintln!(
         "nrun's peak RSS: {peak} MiB ({before} MiB before); the cgroup's peak {} MiB; {} MiB \
          read by 8 connections while 8 others held theirs unread",
-        cg.peak_mib(),
+        cg.peak() >> 20,
         read >> 20
     );
     assert!(
@@ -590,10 +484,7 @@ async fn attack(addr: SocketAddr, n: usize, frame: fn(usize) -> Vec<u8>) -> Vec<
 /// 1 MiB request outside any budget and be killed.
 #[test]
 fn half_sent_megabyte_requests_leave_the_job_running() {
-    let Some(py) = torch_python() else {
-        eprintln!(
-            "SKIPPED half_sent_megabyte_requests_leave_the_job_running: no python with torch"
-        );
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(cg) = MemCgroup::new("half_sent", 512 << 20) else {
@@ -606,10 +497,7 @@ fn half_sent_megabyte_requests_leave_the_job_running() {
     let port = free_port();
     let s = Scene::new();
     let go = s.dir.path().join("go");
-    let script = format!(
-        "{}/tests/python/store_after_attack.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("store_after_attack.py");
     let child = cl.spawn_on(
         &s,
         2,
@@ -646,7 +534,7 @@ fn half_sent_megabyte_requests_leave_the_job_running() {
         .map(peak_rss_mib)
         .max()
         .unwrap();
-    let cg_peak = cg.peak_mib();
+    let cg_peak = cg.peak() >> 20;
     // A new torch client is served while the attackers hold what they could.
     torch_set_get(port, "during-half-sent");
     std::fs::write(&go, "").unwrap();
@@ -727,11 +615,7 @@ async fn whole_megabyte_requests_then_idle_keep_no_buffer() {
 /// too (their connections closed: "connection closed" in every rank, exit 7).
 #[test]
 fn a_client_filling_the_store_fails_itself_not_the_torch_job() {
-    let Some(py) = torch_python() else {
-        eprintln!(
-            "SKIPPED a_client_filling_the_store_fails_itself_not_the_torch_job: no python with \
-             torch"
-        );
+    let Some(py) = need_torch() else {
         return;
     };
     let Some(c) = Cluster::up("sft", 2) else {
@@ -742,10 +626,7 @@ fn a_client_filling_the_store_fails_itself_not_the_torch_job() {
     let exclude = s.dir.path().join("bad-nodes");
     std::fs::write(&exclude, "").unwrap();
     let go = s.dir.path().join("go");
-    let script = format!(
-        "{}/tests/python/store_after_attack.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let script = py_script("store_after_attack.py");
     let child = c.spawn_on(
         &s,
         2,

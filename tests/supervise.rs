@@ -381,7 +381,7 @@ fn a_python_without_torch_gets_a_hint() {
         .status()
         .is_ok_and(|st| st.success());
     if has_torch {
-        eprintln!("SKIPPED a_python_without_torch_gets_a_hint: python3 here has torch");
+        cannot_set_up("python3 here has torch: the scenario is a python without it");
         return;
     }
     let s = Scene::new();
@@ -410,10 +410,7 @@ fn a_python_without_torch_gets_a_hint() {
 /// are incomplete.
 #[test]
 fn a_full_log_filesystem_is_said_and_the_console_keeps_the_output() {
-    if !nix_is_root() {
-        eprintln!(
-            "SKIPPED a_full_log_filesystem_is_said_and_the_console_keeps_the_output: not root"
-        );
+    if !need_root("a small tmpfs for the logs (mount)") {
         return;
     }
     let s = Scene::new();
@@ -424,9 +421,7 @@ fn a_full_log_filesystem_is_said_and_the_console_keeps_the_output() {
         .status()
         .is_ok_and(|st| st.success());
     if !mounted {
-        eprintln!(
-            "SKIPPED a_full_log_filesystem_is_said_and_the_console_keeps_the_output: no tmpfs"
-        );
+        cannot_set_up("no tmpfs could be mounted for the logs (mount -t tmpfs)");
         return;
     }
     let logs = dir.path().to_str().unwrap();
@@ -467,8 +462,7 @@ fn a_full_log_filesystem_is_said_and_the_console_keeps_the_output() {
 /// answer) ends nrun at once, with nothing left behind.
 #[test]
 fn sigterm_while_agents_start_is_honoured_at_once() {
-    if Command::new("ssh").arg("-V").output().is_err() {
-        eprintln!("SKIPPED sigterm_while_agents_start_is_honoured_at_once: no ssh");
+    if !need_tool("ssh", "openssh-client") {
         return;
     }
     let s = Scene::new();

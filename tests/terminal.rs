@@ -14,13 +14,9 @@ fn python() -> Option<String> {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED: no python3 with the pty module");
+        cannot_set_up("no python3 with the pty module (it drives the terminal)");
     }
     ok.then(|| "python3".to_string())
-}
-
-fn script(name: &str) -> String {
-    format!("{}/tests/python/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
 /// What the terminal showed, and how the command ended.
@@ -61,7 +57,7 @@ fn on_terminal_with(
     env: &[(&str, &str)],
 ) -> Screen {
     let mut cmd = std::process::Command::new("python3");
-    cmd.arg(script("pty_drive.py"));
+    cmd.arg(py_script("pty_drive.py"));
     for (p, t) in answers {
         cmd.args([p, t]);
     }
@@ -102,7 +98,7 @@ fn pdb_on_rank_0_through_the_terminal() {
             "off",
             "--python",
             &py,
-            &script("pdb_rank0.py"),
+            &py_script("pdb_rank0.py"),
         ],
     );
     let t = sc.text();
@@ -220,7 +216,7 @@ fn sigusr1_reaches_every_worker_and_the_job_goes_on() {
             "off",
             "--python",
             &py,
-            &script("usr1_handler.py"),
+            &py_script("usr1_handler.py"),
         ],
         &[],
     );
@@ -261,7 +257,7 @@ fn ctrl_c_at_the_terminal_stops_the_job() {
             "off",
             "--python",
             &py,
-            &script("sleep_ready.py"),
+            &py_script("sleep_ready.py"),
         ],
     );
     let t = sc.text();
@@ -296,7 +292,7 @@ fn a_pipe_whose_reader_exits_ends_the_job() {
             "set -o pipefail; '{}' {hosts} --nproc 2 --watch off --python {py} '{}' {} | head -2; \
              echo \"statuses ${{PIPESTATUS[*]}}\" >&2",
             nrun_bin().display(),
-            script("print_forever.py"),
+            py_script("print_forever.py"),
             if merged { "2>&1" } else { "" }
         );
         let mut c = std::process::Command::new("bash");
@@ -341,7 +337,7 @@ fn a_pipe_whose_reader_exits_ends_the_job() {
 #[test]
 fn workers_see_a_terminal_of_nruns_width() {
     let Some(py) = python() else { return };
-    let shape = script("terminal_shape.py");
+    let shape = py_script("terminal_shape.py");
     let args = |extra: &[&'static str]| -> Vec<String> {
         let mut a: Vec<String> = extra.iter().map(|x| x.to_string()).collect();
         a.extend(["--nproc", "2", "--watch", "off", "--python", &py, &shape].map(String::from));
@@ -397,7 +393,7 @@ fn workers_see_a_terminal_of_nruns_width() {
 #[test]
 fn a_resized_terminal_resizes_the_workers() {
     let Some(py) = python() else { return };
-    let resize = script("terminal_resize.py");
+    let resize = py_script("terminal_resize.py");
     let cases: [(&[&str], usize, &str); 3] = [
         (&["--stdin", "0"], 2, "111x40"),
         (&["--stdin", "none"], 2, "111x40"),
@@ -444,7 +440,9 @@ fn terminals_for_workers_are_bounded_and_said() {
     if let (Some(max), Some(nr)) = (read("max"), read("nr"))
         && max.saturating_sub(nr) < 1024
     {
-        eprintln!("SKIPPED terminals_for_workers_are_bounded_and_said: {max} ptys, {nr} in use");
+        cannot_set_up(&format!(
+            "too few free ptys: {max} (kernel.pty.max), {nr} in use; it needs 1,024 free"
+        ));
         return;
     }
     let s = Scene::new();

@@ -1,5 +1,6 @@
 //! Real torch.distributed clients against nrun's store and under nrun's supervision. Needs the
-//! venv that scripts/test.sh makes (or NRUN_TEST_PYTHON); without it each test says it skipped.
+//! venv that scripts/test.sh makes (or NRUN_TEST_PYTHON); without it each test says it skipped
+//! (a failure under scripts/test.sh: see common's `cannot_set_up`).
 
 mod common;
 
@@ -7,29 +8,17 @@ use std::time::Duration;
 
 use common::*;
 
-fn python_or_skip(test: &str) -> Option<String> {
-    match torch_python() {
-        Some(p) => Some(p.display().to_string()),
-        None => {
-            eprintln!(
-                "SKIPPED {test}: no python with torch (run scripts/test.sh, or set NRUN_TEST_PYTHON)"
-            );
-            None
-        }
-    }
-}
-
-fn script(name: &str) -> String {
-    format!("{}/tests/python/{name}", env!("CARGO_MANIFEST_DIR"))
+fn python_or_skip() -> Option<String> {
+    need_torch().map(|p| p.display().to_string())
 }
 
 #[test]
 fn every_store_operation_from_torchs_client() {
-    let Some(py) = python_or_skip("every_store_operation_from_torchs_client") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
-    let out = s.run(&["--python", &py, &script("store_compat.py")], &[]);
+    let out = s.run(&["--python", &py, &py_script("store_compat.py")], &[]);
     let stdout = text(&out.stdout);
     assert_eq!(
         out.status.code(),
@@ -43,11 +32,11 @@ fn every_store_operation_from_torchs_client() {
 /// The same checks against PyTorch's own (libuv) server: the expectations are torch's.
 #[test]
 fn store_expectations_hold_on_torchs_own_server() {
-    let Some(py) = python_or_skip("store_expectations_hold_on_torchs_own_server") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let out = std::process::Command::new(&py)
-        .args([&script("store_compat.py"), "--reference"])
+        .args([&py_script("store_compat.py"), "--reference"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
@@ -56,20 +45,11 @@ fn store_expectations_hold_on_torchs_own_server() {
 
 #[test]
 fn gloo_all_reduce_on_four_ranks() {
-    let Some(py) = python_or_skip("gloo_all_reduce_on_four_ranks") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
-    let out = s.run(
-        &[
-            "--nproc",
-            "4",
-            "--python",
-            &py,
-            &script("gloo_allreduce.py"),
-        ],
-        &[],
-    );
+    let out = s.run_python(&py, "4", &py_script("gloo_allreduce.py"));
     let stdout = text(&out.stdout);
     assert_eq!(
         out.status.code(),
@@ -88,7 +68,7 @@ fn gloo_all_reduce_on_four_ranks() {
 
 #[test]
 fn ddp_example_trains() {
-    let Some(py) = python_or_skip("ddp_example_trains") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -114,20 +94,11 @@ fn ddp_example_trains() {
 /// the failure summary shows it.
 #[test]
 fn failure_summary_shows_the_error_file_traceback() {
-    let Some(py) = python_or_skip("failure_summary_shows_the_error_file_traceback") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
-    let out = s.run(
-        &[
-            "--nproc",
-            "2",
-            "--python",
-            &py,
-            &script("fail_with_record.py"),
-        ],
-        &[],
-    );
+    let out = s.run_python(&py, "2", &py_script("fail_with_record.py"));
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -143,7 +114,7 @@ fn failure_summary_shows_the_error_file_traceback() {
 /// must not leak into the next one.
 #[test]
 fn restart_rendezvous_again() {
-    let Some(py) = python_or_skip("restart_rendezvous_again") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -155,7 +126,7 @@ fn restart_rendezvous_again() {
             "1",
             "--python",
             &py,
-            &script("fail_first_attempt.py"),
+            &py_script("fail_first_attempt.py"),
         ],
         &[],
     );
@@ -174,7 +145,7 @@ fn restart_rendezvous_again() {
 /// nrun on a one-node command line (with a value where it takes one).
 #[test]
 fn every_torchrun_flag_parses() {
-    let Some(py) = python_or_skip("every_torchrun_flag_parses") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let dump = std::process::Command::new(&py)
@@ -349,7 +320,7 @@ fn fuzz_frame(r: &mut Rng) -> Vec<u8> {
 #[test]
 fn fuzzed_frames_do_not_hurt_the_store() {
     use std::io::{Read, Write};
-    let Some(py) = python_or_skip("fuzzed_frames_do_not_hurt_the_store") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let port = common::free_port();
@@ -446,7 +417,7 @@ fn fuzzed_frames_do_not_hurt_the_store() {
 /// seconds, and workers see TORCHELASTIC_SIGNALS_TO_HANDLE.
 #[test]
 fn launcher_error_file_and_env_read_as_torchs() {
-    let Some(py) = python_or_skip("launcher_error_file_and_env_read_as_torchs") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
@@ -512,20 +483,11 @@ fn launcher_error_file_and_env_read_as_torchs() {
 /// says the rank once, as torchrun shows it (issue 23, item 7).
 #[test]
 fn torchs_own_rank_prefix_is_not_doubled() {
-    let Some(py) = python_or_skip("torchs_own_rank_prefix_is_not_doubled") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let s = Scene::new();
-    let out = s.run(
-        &[
-            "--nproc",
-            "2",
-            "--python",
-            &py,
-            &script("raise_after_init.py"),
-        ],
-        &[],
-    );
+    let out = s.run_python(&py, "2", &py_script("raise_after_init.py"));
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -545,7 +507,7 @@ fn torchs_own_rank_prefix_is_not_doubled() {
 /// item 2).
 #[test]
 fn mixed_launchers_are_named_both_ways() {
-    let Some(py) = python_or_skip("mixed_launchers_are_named_both_ways") else {
+    let Some(py) = python_or_skip() else {
         return;
     };
     let torchrun = std::path::Path::new(&py).with_file_name("torchrun");

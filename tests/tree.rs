@@ -118,8 +118,7 @@ fn a_child_its_inner_host_cannot_reach_is_named_with_ssh_and_that_host() {
     let Some(c) = Cluster::up("tr2", 5) else {
         return;
     };
-    if Command::new("iptables").arg("--version").output().is_err() {
-        eprintln!("SKIPPED: no iptables");
+    if !need_tool("iptables", "iptables") {
         return;
     }
     c.exec(

@@ -35,18 +35,18 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn python(test: &str) -> Option<String> {
-    let p = torch_python().map(|p| p.display().to_string());
-    if p.is_none() {
-        eprintln!("SKIPPED {test}: no python with torch (run scripts/test.sh)");
-    }
-    p
+/// The torch python, with this binary's one-at-a-time lock held while the case runs (see
+/// [`ONE_AT_A_TIME`]); None (said, or a failure under scripts/test.sh) without torch.
+fn torch_case() -> Option<(String, std::sync::MutexGuard<'static, ()>)> {
+    let py = need_torch()?.display().to_string();
+    Some((py, serial()))
 }
 
 #[test]
 fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
-    let Some(py) = python("sleep") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
     let started = std::time::Instant::now();
@@ -95,8 +95,9 @@ fn a_rank_that_sleeps_instead_of_entering_the_collective_is_named() {
 /// the user's run, and the bound here is only a guard against a hung test.
 #[test]
 fn a_rank_that_polls_instead_of_entering_the_collective_is_the_culprit() {
-    let Some(py) = python("poll") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
     let script = hang_script();
@@ -141,14 +142,12 @@ fn a_rank_that_polls_instead_of_entering_the_collective_is_the_culprit() {
 /// is rank 1's, with its traceback, and no likely cause points at rank 0.
 #[test]
 fn a_rank_that_raised_is_named_not_a_peer_that_exited_0() {
-    let Some(py) = python("raise") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let s = Scene::new();
-    let script = format!(
-        "{}/tests/python/raise_after_peer_exit.py",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let out = s.run(&["--nproc", "2", "--python", &py, &script], &[]);
+    let script = py_script("raise_after_peer_exit.py");
+    let out = s.run_python(&py, "2", &script);
     let (stdout, err) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "{stdout}\n{err}");
     // Rank 0 ended by itself, with its last line, before rank 1 raised.
@@ -164,8 +163,9 @@ fn a_rank_that_raised_is_named_not_a_peer_that_exited_0() {
 
 #[test]
 fn a_rank_that_leaves_early_or_calls_another_collective_is_named() {
-    let Some(py) = python("early") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let s = Scene::new();
     // One collective fewer: the others fail at once; the summary names the rank that left.
     let (code, err) = hang(&s, &py, "early", "3", &[], &[]);
@@ -194,8 +194,9 @@ fn a_rank_that_leaves_early_or_calls_another_collective_is_named() {
 
 #[test]
 fn a_collective_timeout_names_the_rank_that_caused_it() {
-    let Some(py) = python("timeout") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let s = Scene::new();
     // torch's own timeout (8 s) comes before --hang-timeout (60 s): the failure summary names
     // rank 1, not only the first rank to exit.
@@ -223,10 +224,9 @@ fn a_collective_timeout_names_the_rank_that_caused_it() {
 
 #[test]
 fn a_straggler_is_named_and_a_pause_of_every_rank_blames_nobody() {
-    let Some(py) = python("straggler") else {
+    let Some((py, _one)) = torch_case() else {
         return;
     };
-    let _one = serial();
     let s = Scene::new();
     let (code, err) = hang(&s, &py, "straggler", "3", &[], &[("NRUN_STEPS", "50")]);
     assert_eq!(code, Some(0), "{err}");
@@ -266,8 +266,9 @@ fn a_straggler_is_named_and_a_pause_of_every_rank_blames_nobody() {
 /// timings, on the GPU machine: scripts/gpu-check.sh.)
 #[test]
 fn a_slower_rank_is_named_within_a_minute_and_a_balanced_job_names_nobody() {
-    let Some(py) = python("slow20") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let s = Scene::new();
     for (slow, named) in [("0.15", true), ("0.10", false)] {
         // 350 steps of 0.15 s for rank 2: named within the 53 s the job straggles.
@@ -303,8 +304,9 @@ fn a_slower_rank_is_named_within_a_minute_and_a_balanced_job_names_nobody() {
 /// with the new worker's pid, and `--report` (with `--no-preflight`) says how the job ended.
 #[test]
 fn the_watch_follows_a_restarted_group_and_the_report_says_how_the_job_ended() {
-    let Some(py) = python("restart") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let s = Scene::new();
     let report = s.dir.path().join("report.json");
     let script = hang_script();
@@ -388,8 +390,9 @@ fn the_watch_follows_a_restarted_group_and_the_report_says_how_the_job_ended() {
 /// (the same process becomes Python) and one that starts python as its child.
 #[test]
 fn a_hang_under_a_no_python_wrapper_is_named() {
-    let Some(py) = python("wrapper") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let s = Scene::new();
     let script = hang_script();
     for wrapper in [
@@ -446,8 +449,9 @@ fn the_watch_is_off_for_programs_and_when_asked() {
 /// store; the coordinator names the rank on the other host.
 #[test]
 fn a_hang_across_hosts_names_the_rank_and_its_host() {
-    let Some(py) = python("cluster") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let Some(c) = Cluster::up("cw1", 2) else {
         return;
     };
@@ -480,8 +484,9 @@ fn a_hang_across_hosts_names_the_rank_and_its_host() {
 /// stalled): no hang is called, before or after the re-form.
 #[test]
 fn an_elastic_group_that_re_forms_while_training_raises_no_false_hang() {
-    let Some(py) = python("elastic") else { return };
-    let _one = serial();
+    let Some((py, _one)) = torch_case() else {
+        return;
+    };
     let Some(c) = Cluster::up("cwe", 3) else {
         return;
     };

@@ -1,13 +1,16 @@
 //! Helpers for tests that run the real `nrun` binary.
 #![allow(dead_code)]
 
+pub(crate) mod cgroup;
 pub(crate) mod chromium;
 pub(crate) mod setup;
+pub(crate) mod skip;
 pub(crate) mod slurm;
 pub(crate) mod store;
 
 pub(crate) use nix::sys::signal::Signal;
 use nix::unistd::Pid;
+pub(crate) use skip::{cannot_set_up, current_test, missing_tool};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -46,14 +49,31 @@ pub(crate) async fn wait_until_async(what: &str, mut done: impl FnMut() -> bool)
     }
 }
 
-/// A test whose tool (`tool`, installed by scripts/test.sh) is missing: skipped and said when
-/// run by hand; a failure under scripts/test.sh (NRUN_TEST_REQUIRE_TOOLS=1), where a skip would
-/// let CI pass a check it never ran.
-pub(crate) fn missing_tool(test: &str, tool: &str) {
-    if std::env::var_os("NRUN_TEST_REQUIRE_TOOLS").is_some_and(|v| v == "1") {
-        panic!("{test}: {tool} is not installed; scripts/test.sh installs it (apt-get)");
+/// Whether `prog` is on PATH or in the sbin directories (where Debian puts iptables and sshd,
+/// off a plain user's PATH).
+pub(crate) fn have(prog: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .any(|d| d.join(prog).is_file())
+}
+
+/// Whether `prog` is here; if not, [`missing_tool`] with `package`, the one that provides it.
+pub(crate) fn need_tool(prog: &str, package: &str) -> bool {
+    let here = have(prog);
+    if !here {
+        missing_tool(&current_test(), &format!("{prog} ({package})"));
     }
-    eprintln!("SKIPPED {test}: {tool} is not installed (scripts/test.sh installs it)");
+    here
+}
+
+/// Whether this process runs as root; if not, [`cannot_set_up`] naming `what` needs it.
+pub(crate) fn need_root(what: &str) -> bool {
+    let root = nix_is_root();
+    if !root {
+        cannot_set_up(&format!("not root: {what} needs root"));
+    }
+    root
 }
 
 pub(crate) fn nrun_bin() -> PathBuf {
@@ -90,6 +110,11 @@ pub(crate) fn scratch_of(pid: u32) -> Option<PathBuf> {
         .flatten()
         .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
         .map(|e| e.path())
+}
+
+/// tests/python/`name`: a script the tests run under a python (torch's, or python3).
+pub(crate) fn py_script(name: &str) -> String {
+    format!("{}/tests/python/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
 pub(crate) fn fixture(name: &str) -> String {
@@ -142,6 +167,11 @@ impl Scene {
         let mut c = self.cmd(args);
         c.envs(env.iter().copied());
         c.output().unwrap()
+    }
+
+    /// Runs `nrun --nproc NPROC --python PY SCRIPT`: a one-node torch job.
+    pub(crate) fn run_python(&self, py: &str, nproc: &str, script: &str) -> Output {
+        self.run(&["--nproc", nproc, "--python", py, script], &[])
     }
 
     pub(crate) fn spawn(&self, args: &[&str], env: &[(&str, &str)]) -> Child {
@@ -430,12 +460,23 @@ pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// The venv python with torch that scripts/test.sh prepares, if present.
 /// The venv's python with torch, looked up once per test binary (an `import torch` takes
 /// seconds on a loaded machine).
 pub(crate) fn torch_python() -> Option<PathBuf> {
     static FOUND: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
     FOUND.get_or_init(find_torch_python).clone()
+}
+
+/// [`torch_python`], or None after [`cannot_set_up`] where there is none.
+pub(crate) fn need_torch() -> Option<PathBuf> {
+    let py = torch_python();
+    if py.is_none() {
+        cannot_set_up(
+            "no python with torch.distributed: scripts/venv.sh makes one; \
+             NRUN_TEST_PYTHON=<venv>/bin/python names it",
+        );
+    }
+    py
 }
 
 fn find_torch_python() -> Option<PathBuf> {
@@ -463,7 +504,8 @@ pub(crate) struct Cluster {
 }
 
 impl Cluster {
-    /// None (with a visible SKIPPED line) where namespaces cannot be made (not root).
+    /// None where namespaces cannot be made (not root, no sshd): a skip said on stderr, or a
+    /// failure under scripts/test.sh (see [`cannot_set_up`]).
     /// `NRUN_TEST_CLUSTER_PREFIX` goes before `name`, so test runs of several worktrees at
     /// once on one machine make clusters of their own (names up to 11 characters in all).
     pub(crate) fn up(name: &str, k: usize) -> Option<Cluster> {
@@ -473,8 +515,11 @@ impl Cluster {
         );
         let name = prefixed.as_str();
         let script = format!("{}/scripts/netns-cluster.sh", env!("CARGO_MANIFEST_DIR"));
-        if !nix_is_root() {
-            eprintln!("SKIPPED cluster test {name}: needs root for network namespaces");
+        if !need_root(&format!(
+            "cluster {name} (network namespaces, scripts/netns-cluster.sh)"
+        )) || !need_tool("ip", "iproute2")
+            || !need_tool("sshd", "openssh-server")
+        {
             return None;
         }
         let out = Command::new("bash")
@@ -506,12 +551,91 @@ impl Cluster {
             .map_or(String::new(), |p| p.display().to_string())
     }
 
+    /// nrun started by hand inside host i's namespace (a node's own command, not over ssh);
+    /// the caller adds the flags, the target and where its output goes.
+    pub(crate) fn nrun_in(&self, i: usize) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.host(i)]).arg(nrun_bin());
+        c
+    }
+
+    /// As [`Cluster::nrun_in`], under a host name of its own (HOST-nI, in a UTS namespace of
+    /// its own), as a real host has.
+    pub(crate) fn nrun_named_in(&self, i: usize) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.host(i)])
+            .args([
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                "hostname \"$0\" && exec \"$@\"",
+            ])
+            .arg(format!("{}-n{i}", self.host(i)))
+            .arg(nrun_bin());
+        c
+    }
+
+    /// A passive sniffer on host i's eth0 for `secs` seconds (tests/python/sniff.py), writing
+    /// every frame to `capture`; capturing when this returns.
+    pub(crate) fn sniff(&self, i: usize, secs: u32, capture: &Path) -> Sniffer {
+        let script = py_script("sniff.py");
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.host(i), "python3", &script, "eth0"])
+            .arg(secs.to_string())
+            .arg(capture)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line.trim(), "sniffing", "sniff.py on {}", self.host(i));
+        Sniffer {
+            child,
+            capture: capture.to_path_buf(),
+        }
+    }
+
+    /// Host i takes new TCP connections to its sshd only (ssh, established connections and its
+    /// own outgoing ones still work), so only node-to-node traffic can tell; false, after
+    /// [`missing_tool`], without iptables.
+    pub(crate) fn firewall(&self, i: usize) -> bool {
+        if !need_tool("iptables", "iptables") {
+            return false;
+        }
+        self.exec(
+            i,
+            "iptables -A INPUT -p tcp --dport 22 -j ACCEPT && iptables -A INPUT -m state --state \
+             ESTABLISHED,RELATED -j ACCEPT && iptables -A INPUT -p tcp -j DROP",
+        );
+        true
+    }
+
     /// Runs `cmd` inside host i's namespace; whether it succeeded.
     pub(crate) fn try_exec(&self, i: usize, cmd: &str) -> bool {
         Command::new("ip")
             .args(["netns", "exec", &self.host(i), "sh", "-c", cmd])
             .status()
             .is_ok_and(|s| s.success())
+    }
+
+    /// Slows host i's eth0 with the first of `qdiscs` (tc's words after `root`: "tbf rate
+    /// 200mbit burst 256kbit latency 400ms") the kernel has; false, after [`cannot_set_up`],
+    /// where it has none of them.
+    pub(crate) fn shape(&self, i: usize, qdiscs: &[&str]) -> bool {
+        let quiet = |q: &str| format!("tc qdisc add dev eth0 root {q} 2>/dev/null");
+        if qdiscs.iter().any(|q| self.try_exec(i, &quiet(q))) {
+            return true;
+        }
+        cannot_set_up(&format!(
+            "no tc qdisc to slow {}'s link: the kernel lacks {qdiscs:?} (sch_netem, sch_tbf)",
+            self.host(i)
+        ));
+        false
     }
 
     /// Host i's address on the cluster's bridge (10.213.N.(10+i)).
@@ -551,21 +675,7 @@ impl Cluster {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> std::process::Output {
-        let hosts = self.hosts(k);
-        let opts = self.ssh_opts();
-        let mut args = vec![
-            "-H",
-            &hosts,
-            "--ssh-opts",
-            &opts,
-            "--no-python-probe",
-            "-x",
-            "NRUN_TEST_TAG",
-            "-x",
-            "MARK",
-        ];
-        args.extend_from_slice(extra);
-        s.run(&args, env)
+        self.cmd_on(s, k, extra, env).output().unwrap()
     }
 
     /// Starts nrun as `s` on the first `k` hosts, as [`Cluster::run_on`] runs it, without waiting.
@@ -576,11 +686,32 @@ impl Cluster {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Child {
-        let hosts = self.hosts(k);
+        self.cmd_on(s, k, extra, env).spawn().unwrap()
+    }
+
+    /// The command of [`Cluster::run_on`].
+    pub(crate) fn cmd_on(
+        &self,
+        s: &Scene,
+        k: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Command {
+        self.cmd_on_hosts(s, &self.hosts(k), extra, env)
+    }
+
+    /// As [`Cluster::cmd_on`], on `hosts` (names, comma-separated, in the order given).
+    pub(crate) fn cmd_on_hosts(
+        &self,
+        s: &Scene,
+        hosts: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Command {
         let opts = self.ssh_opts();
-        let mut args = vec![
+        let mut c = s.cmd(&[
             "-H",
-            &hosts,
+            hosts,
             "--ssh-opts",
             &opts,
             "--no-python-probe",
@@ -588,9 +719,9 @@ impl Cluster {
             "NRUN_TEST_TAG",
             "-x",
             "MARK",
-        ];
-        args.extend_from_slice(extra);
-        s.spawn(&args, env)
+        ]);
+        c.args(extra).envs(env.iter().copied());
+        c
     }
 
     /// Kills host i's nrun agents with SIGKILL (as a node dies; not the ssh clients an inner
@@ -723,6 +854,20 @@ impl Cluster {
             .status()
             .unwrap();
         assert!(st.success(), "in {}: {cmd}", self.host(i));
+    }
+}
+
+/// A capture running on a host's wire ([`Cluster::sniff`]).
+pub(crate) struct Sniffer {
+    child: Child,
+    capture: PathBuf,
+}
+
+impl Sniffer {
+    /// Every frame it saw, concatenated, once its time is up.
+    pub(crate) fn wire(mut self) -> Vec<u8> {
+        let _ = self.child.wait();
+        std::fs::read(&self.capture).unwrap()
     }
 }
 

@@ -53,7 +53,7 @@ pub(crate) fn static_args<'a>(rank: &'a str, port: &'a str, join_timeout: &'a st
 /// tests/python/hang.py: a gloo job whose ranks hang, stall, disagree or fail as
 /// NRUN_HANG_CASE says.
 pub(crate) fn hang_script() -> String {
-    format!("{}/tests/python/hang.py", env!("CARGO_MANIFEST_DIR"))
+    super::py_script("hang.py")
 }
 
 /// The flags of a 2-rank job under python `py` whose hang the watch stops after 4 s (other

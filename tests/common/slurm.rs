@@ -21,8 +21,11 @@ impl Slurm {
             std::env::var("NRUN_TEST_CLUSTER_PREFIX").unwrap_or_default()
         );
         let name = prefixed.as_str();
-        if !nix_is_root() {
-            eprintln!("SKIPPED slurm test {name}: needs root");
+        // The script installs Slurm and munge itself (as root); the hosts need an sshd.
+        if !need_root(&format!("Slurm cluster {name} (scripts/slurm-cluster.sh)"))
+            || !need_tool("ip", "iproute2")
+            || !need_tool("sshd", "openssh-server")
+        {
             return None;
         }
         let script = format!("{}/scripts/slurm-cluster.sh", env!("CARGO_MANIFEST_DIR"));

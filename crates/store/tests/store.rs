@@ -4,6 +4,8 @@
 // The workspace's one way to serve a store in a test (tests/common/store.rs).
 #[path = "../../../tests/common/store.rs"]
 mod served;
+#[path = "../../../tests/common/skip.rs"]
+mod skip;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -668,7 +670,7 @@ async fn a_loopback_only_store_refuses_other_hosts() {
         .into_iter()
         .find(|ip| ip.is_ipv4() && !ip.is_loopback());
     let Some(ip) = other else {
-        eprintln!("SKIPPED the remote half: no non-loopback IPv4 address here");
+        skip::cannot_set_up("no non-loopback IPv4 address here for the remote half");
         return;
     };
     let mut s = TcpStream::connect(SocketAddr::new(ip, addr.port()))
