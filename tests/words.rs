@@ -270,13 +270,7 @@ fn readmes_first_command_runs_as_written() {
             .any(|a| a.ends_with(".py") && root.join(a).is_file()),
         "README's first command names no script of this repository: {first}"
     );
-    let Some(py) = torch_python() else {
-        missing_tool(
-            "readmes_first_command_runs_as_written",
-            "a python with torch (NRUN_TEST_PYTHON, or scripts/venv.sh)",
-        );
-        return;
-    };
+    let Some(py) = need_torch() else { return };
     let s = Scene::new();
     let out = s
         .cmd(&args)
