@@ -6,9 +6,10 @@
 #                              fresh clone with 2 CPUs (CI: 1,010 s), ~23 with two CPU hogs
 #                              beside it (1,368 s on 2026-12-05)
 #   scripts/test.sh -- FILTER  passes FILTER on to cargo test
-#   scripts/test.sh --fast     the floor, for a change: ~20 s warm: formatting, every crate's
-#                              unit tests (the fault model's table included), the store's codec
-#                              and socket tests; no namespaces, torch, Slurm, wheel or clippy
+#   scripts/test.sh --fast     the floor, for a change: ~20 s warm: formatting, unused
+#                              dependencies, functions over 120 lines, every crate's unit tests
+#                              (the fault model's table included), the store's codec and socket
+#                              tests; no namespaces, torch, Slurm, wheel or clippy
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,8 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   cargo fmt --all --check
   python3 scripts/unused-deps.py
+  python3 scripts/fn-lengths.py --self-test
+  python3 scripts/fn-lengths.py
   # Python-reading unit tests skip without NRUN_TEST_PYTHON (no venv is made here).
   exec cargo test --workspace --lib --test store --test codec_props --test codec_scan_props "$@"
 fi
@@ -64,6 +67,8 @@ export NRUN_TEST_REQUIRE_TOOLS=1
 
 cargo fmt --all --check
 python3 scripts/unused-deps.py
+python3 scripts/fn-lengths.py --self-test
+python3 scripts/fn-lengths.py
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 if [ "${1:-}" = "--" ]; then shift; fi
 # The pip wheel (issue 24): built, installed into a fresh venv, run in an older Debian. A few

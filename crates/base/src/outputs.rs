@@ -154,41 +154,92 @@ struct Resolved {
 /// The most links one path may go through (the kernel's own bound).
 const MAX_LINKS: usize = 40;
 
+/// Where a walk starts: "/" for an absolute path, else the working directory; held open.
+fn open_root(absolute: bool) -> io::Result<OwnedFd> {
+    let start: &CStr = if absolute { c"/" } else { c"." };
+    // SAFETY: a valid C string.
+    check_fd(unsafe {
+        libc::open(
+            start.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    })
+}
+
+/// A path's names, in order: empty names and "." left out (they name where the walk is).
+fn names(path: &[u8]) -> Vec<Vec<u8>> {
+    path.split(|&c| c == b'/')
+        .filter(|c| !c.is_empty() && *c != b".")
+        .map(<[u8]>::to_vec)
+        .collect()
+}
+
+/// The error for a path that names a directory, where nrun writes a file.
+fn is_a_directory(p: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::IsADirectory,
+        format!("{}: it is a directory", p.display()),
+    )
+}
+
+/// Opens the symbolic link `name` in `dir` itself (held, so that its owner and its text are
+/// read from what was opened) if it is this user's or root's; Err: it is another user's, who
+/// may have planted it. `here` is the link as walked and `path` the path given, for the message.
+fn open_trusted_link(
+    dir: &OwnedFd,
+    name: &CStr,
+    here: &Path,
+    path: &Path,
+) -> io::Result<(OwnedFd, libc::stat)> {
+    let link = open_at(dir, name, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+    let st = stat_fd(&link)?;
+    let me = euid();
+    if st.st_uid != me && st.st_uid != 0 {
+        return Err(refuse(format!(
+            "refusing to follow the symbolic link {} (in the path {}): it belongs to uid {}, \
+             neither this user ({me}) nor root, so another user may have planted it; nrun \
+             writes nothing where it points. Remove it, or give the path you mean",
+            here.display(),
+            path.display(),
+            st.st_uid
+        )));
+    }
+    Ok((link, st))
+}
+
+/// The text of the symbolic link open at `link` (by [`open_trusted_link`]).
+fn read_link(link: &OwnedFd) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; libc::PATH_MAX as usize];
+    // SAFETY: a valid descriptor, an empty name (the link itself) and a buffer of its size.
+    let n = unsafe {
+        libc::readlinkat(
+            link.as_raw_fd(),
+            c"".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    buf.truncate(n as usize);
+    Ok(buf)
+}
+
 /// Walks `path` a name at a time, following only trusted links (see the module's doc).
 fn resolve(path: &Path) -> io::Result<Resolved> {
     let bytes = path.as_os_str().as_bytes();
     if bytes.is_empty() {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "no path given"));
     }
-    let root = |abs: bool| {
-        let start: &CStr = if abs { c"/" } else { c"." };
-        // SAFETY: a valid C string.
-        check_fd(unsafe {
-            libc::open(
-                start.as_ptr(),
-                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            )
-        })
-    };
-    let split = |b: &[u8]| -> Vec<Vec<u8>> {
-        b.split(|&c| c == b'/')
-            .filter(|c| !c.is_empty() && *c != b".")
-            .map(<[u8]>::to_vec)
-            .collect()
-    };
-    let mut dir = root(bytes[0] == b'/')?;
+    let mut dir = open_root(bytes[0] == b'/')?;
     let mut shown = PathBuf::from(if bytes[0] == b'/' { "/" } else { "" });
-    let mut todo: VecDeque<Vec<u8>> = split(bytes).into();
+    // The names still to walk: a link's text goes in front of the rest.
+    let mut todo: VecDeque<Vec<u8>> = names(bytes).into();
     let mut links = 0;
-    let is_dir_err = |p: &Path| {
-        io::Error::new(
-            io::ErrorKind::IsADirectory,
-            format!("{}: it is a directory", p.display()),
-        )
-    };
     loop {
         let Some(c) = todo.pop_front() else {
-            return Err(is_dir_err(if shown.as_os_str().is_empty() {
+            return Err(is_a_directory(if shown.as_os_str().is_empty() {
                 Path::new(".")
             } else {
                 &shown
@@ -244,20 +295,7 @@ fn resolve(path: &Path) -> io::Result<Resolved> {
                 path.display()
             )));
         }
-        // The link itself, held: its owner and its text are read from what was opened.
-        let link = open_at(&dir, &name, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
-        let ls = stat_fd(&link)?;
-        let me = euid();
-        if ls.st_uid != me && ls.st_uid != 0 {
-            return Err(refuse(format!(
-                "refusing to follow the symbolic link {} (in the path {}): it belongs to uid {}, \
-                 neither this user ({me}) nor root, so another user may have planted it; nrun \
-                 writes nothing where it points. Remove it, or give the path you mean",
-                here.display(),
-                path.display(),
-                ls.st_uid
-            )));
-        }
+        let (link, ls) = open_trusted_link(&dir, &name, &here, path)?;
         if !is_type(&ls, libc::S_IFLNK) {
             // Swapped since the look: walk it again.
             todo.push_front(c);
@@ -272,30 +310,17 @@ fn resolve(path: &Path) -> io::Result<Resolved> {
                 proc_link: true,
             });
         }
-        let mut buf = vec![0u8; libc::PATH_MAX as usize];
-        // SAFETY: a valid descriptor, an empty name (the link itself) and a buffer of its size.
-        let n = unsafe {
-            libc::readlinkat(
-                link.as_raw_fd(),
-                c"".as_ptr(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        buf.truncate(n as usize);
-        if buf.first() == Some(&b'/') {
-            dir = root(true)?;
+        let target = read_link(&link)?;
+        if target.first() == Some(&b'/') {
+            dir = open_root(true)?;
             shown = PathBuf::from("/");
         }
-        for part in split(&buf).into_iter().rev() {
+        for part in names(&target).into_iter().rev() {
             todo.push_front(part);
         }
         if todo.is_empty() {
             // A link to "/" or ".": a directory.
-            return Err(is_dir_err(&here));
+            return Err(is_a_directory(&here));
         }
     }
 }
@@ -320,10 +345,7 @@ fn special_ok(st: &libc::stat, shown: &Path, proc_link: bool) -> io::Result<()> 
         _ => "not a regular file",
     };
     if t == libc::S_IFDIR {
-        return Err(io::Error::new(
-            io::ErrorKind::IsADirectory,
-            format!("{}: it is a directory", shown.display()),
-        ));
+        return Err(is_a_directory(shown));
     }
     if t == libc::S_IFBLK {
         return Err(refuse(format!(

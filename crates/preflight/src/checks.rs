@@ -165,6 +165,114 @@ fn crossing_links<'a>(complete: &[&'a RankReport]) -> Vec<(&'a str, &'a str, f64
         .collect()
 }
 
+/// A link found slow: the host it leaves, the host it reaches, and the finding that says so.
+type SlowLink<'a> = (&'a str, &'a str, Finding);
+
+/// The ring's links that carried far less than the median link or than the NIC they leave by
+/// reports, each named by the node it leaves, whose egress is the likelier cause.
+fn slow_rates<'a>(links: &[(&'a str, &'a str, f64)], nodes: &Nodes) -> Vec<SlowLink<'a>> {
+    let median = median(links.iter().map(|l| l.2).collect());
+    let slow_link =
+        |from: &str, text: String| Finding::fail(Check::Link, Verdict::Slow, text).node(from);
+    let mut out = Vec::new();
+    for &(from, to, g) in links {
+        let nic = nodes.single_nic(from);
+        if links.len() >= 2 && far_under_peers(g, median, nic.and_then(|n| n.gbs())) {
+            let text = format!(
+                "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the median link's \
+                 {median:.2} GB/s",
+                100.0 * g / median,
+            );
+            out.push((from, to, slow_link(from, text)));
+        }
+        if let Some((n, speed)) = nic.and_then(|n| n.gbs().map(|s| (n, s)))
+            && g < TCP_FLOOR * speed
+        {
+            let text = format!(
+                "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the {} that \
+                 {from}'s {} reports ({speed:.2} GB/s)",
+                100.0 * g / speed,
+                hardware::speed_text(n.mbps.unwrap_or(0)),
+                n.name
+            );
+            out.push((from, to, slow_link(from, text)));
+        }
+    }
+    out
+}
+
+/// The ring's links that lost packets (their senders sent them again): slow for NCCL whatever
+/// the rate a short test reached over them.
+fn lossy_links<'a>(complete: &[&'a RankReport]) -> Vec<SlowLink<'a>> {
+    let by_rank: BTreeMap<usize, &RankReport> = complete.iter().map(|r| (r.rank, *r)).collect();
+    let mut out = Vec::new();
+    for r in complete {
+        let Some(l) = r.link_out else { continue };
+        let Some(to) = by_rank.get(&l.to).map(|t| t.host.as_str()) else {
+            continue;
+        };
+        let share = f64::from(l.retransmitted) / f64::from(l.segments.max(1));
+        if to != r.host && l.retransmitted >= LOSS_SEGMENTS && share > LOSS_SHARE {
+            let text = format!(
+                "the link from {} to {to} retransmitted {:.1}% of its segments ({} of {}): \
+                 packets are lost between them",
+                r.host,
+                100.0 * share,
+                l.retransmitted,
+                l.segments
+            );
+            out.push((
+                r.host.as_str(),
+                to,
+                Finding::fail(Check::Link, Verdict::Slow, text),
+            ));
+        }
+    }
+    out
+}
+
+/// Where to look for the slow links' cause. A link's data leaves one host and its ACKs the
+/// other: either end may be at fault. A host in every slow link (of several) is the one to look
+/// at; otherwise each link's two ends are.
+fn slow_ends(slow: &[(&str, &str)]) -> Vec<Finding> {
+    let common: Vec<&str> = slow
+        .first()
+        .map(|(a, b)| {
+            [*a, *b]
+                .into_iter()
+                .filter(|h| slow.iter().all(|(x, y)| x == h || y == h))
+                .collect()
+        })
+        .unwrap_or_default();
+    match (slow.len(), common.as_slice()) {
+        (0, _) => Vec::new(),
+        (n, [h]) if n > 1 => vec![
+            Finding::fail(
+                Check::Link,
+                Verdict::Slow,
+                format!(
+                    "{h} is in every slow link: check its network first (traffic shaping, \
+                     errors, a bad cable or port, its negotiated speed)"
+                ),
+            )
+            .node(h),
+        ],
+        (_, _) => slow
+            .iter()
+            .map(|(a, b)| {
+                Finding::fail(
+                    Check::Link,
+                    Verdict::Slow,
+                    format!(
+                        "{a} or {b}: check their network (traffic shaping, errors, a bad cable \
+                         or port, the negotiated speed)"
+                    ),
+                )
+            })
+            .collect(),
+    }
+}
+
 impl Outcome {
     /// The reports of the ranks that finished without an error.
     pub(super) fn complete(&self) -> Vec<&RankReport> {
@@ -722,7 +830,8 @@ impl Outcome {
     }
 
     /// The net preflight's ring links between nodes, each measured alone: one far under the
-    /// others or under its NIC's speed is named with the node it leaves.
+    /// others or under its NIC's speed is named with the node it leaves, one that lost packets
+    /// is named, and then where to look ([`slow_ends`]).
     pub(super) fn ring_links(&self, complete: &[&RankReport], nodes: &Nodes) -> Vec<Finding> {
         if self.mode != Mode::Net || !nodes.several() {
             return Vec::new();
@@ -745,104 +854,12 @@ impl Outcome {
         if let Some(cut) = complete.iter().find_map(|r| r.sweep_cut.as_ref()) {
             out.push(Finding::info(Check::Link, format!("the sweep's {cut}")));
         }
-        let all: Vec<f64> = links.iter().map(|l| l.2).collect();
-        let median = median(all);
-        let mut slow: Vec<(&str, &str)> = Vec::new();
-        // Named by the node the link leaves, whose egress is the likelier cause.
-        let slow_link =
-            |from: &str, text: String| Finding::fail(Check::Link, Verdict::Slow, text).node(from);
-        for (from, to, g) in &links {
-            let nic = nodes.single_nic(from);
-            if links.len() >= 2 && far_under_peers(*g, median, nic.and_then(|n| n.gbs())) {
-                slow.push((from, to));
-                out.push(slow_link(
-                    from,
-                    format!(
-                        "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the median \
-                         link's {median:.2} GB/s",
-                        100.0 * g / median,
-                    ),
-                ));
-            }
-            if let Some((n, speed)) = nic.and_then(|n| n.gbs().map(|s| (n, s)))
-                && *g < TCP_FLOOR * speed
-            {
-                slow.push((from, to));
-                out.push(slow_link(
-                    from,
-                    format!(
-                        "the link from {from} to {to} carried {g:.3} GB/s, {:.0}% of the {} \
-                             that {from}'s {} reports ({speed:.2} GB/s)",
-                        100.0 * g / speed,
-                        hardware::speed_text(n.mbps.unwrap_or(0)),
-                        n.name
-                    ),
-                ));
-            }
-        }
-        // A link that lost packets (its sender sent them again): slow for NCCL whatever the
-        // rate a short test reached over it.
-        let by_rank: BTreeMap<usize, &RankReport> = complete.iter().map(|r| (r.rank, *r)).collect();
-        for r in complete {
-            let Some(l) = r.link_out else { continue };
-            let Some(to) = by_rank.get(&l.to).map(|t| t.host.as_str()) else {
-                continue;
-            };
-            let share = f64::from(l.retransmitted) / f64::from(l.segments.max(1));
-            if to != r.host && l.retransmitted >= LOSS_SEGMENTS && share > LOSS_SHARE {
-                slow.push((r.host.as_str(), to));
-                out.push(Finding::fail(
-                    Check::Link,
-                    Verdict::Slow,
-                    format!(
-                        "the link from {} to {to} retransmitted {:.1}% of its segments ({} of \
-                         {}): packets are lost between them",
-                        r.host,
-                        100.0 * share,
-                        l.retransmitted,
-                        l.segments
-                    ),
-                ));
-            }
-        }
+        let mut found = slow_rates(&links, nodes);
+        found.extend(lossy_links(complete));
+        let mut slow: Vec<(&str, &str)> = found.iter().map(|(a, b, _)| (*a, *b)).collect();
+        out.extend(found.into_iter().map(|(_, _, f)| f));
         slow.dedup();
-        // A link's data leaves one host and its ACKs the other: either end may be at fault. A
-        // host in every slow link (of several) is the one to look at.
-        let common: Vec<&str> = slow
-            .first()
-            .map(|(a, b)| {
-                [*a, *b]
-                    .into_iter()
-                    .filter(|h| slow.iter().all(|(x, y)| x == h || y == h))
-                    .collect()
-            })
-            .unwrap_or_default();
-        match (slow.len(), common.as_slice()) {
-            (0, _) => {}
-            (n, [h]) if n > 1 => out.push(
-                Finding::fail(
-                    Check::Link,
-                    Verdict::Slow,
-                    format!(
-                        "{h} is in every slow link: check its network first (traffic shaping, \
-                         errors, a bad cable or port, its negotiated speed)"
-                    ),
-                )
-                .node(h),
-            ),
-            (_, _) => {
-                for (a, b) in &slow {
-                    out.push(Finding::fail(
-                        Check::Link,
-                        Verdict::Slow,
-                        format!(
-                            "{a} or {b}: check their network (traffic shaping, errors, a bad \
-                             cable or port, the negotiated speed)"
-                        ),
-                    ));
-                }
-            }
-        }
+        out.extend(slow_ends(&slow));
         out
     }
 
