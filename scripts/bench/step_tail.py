@@ -65,4 +65,6 @@ for name, _ in runs:
         f = lambda k: f"{rng[k][0]:.2f}-{rng[k][1]:.2f}" if k in rng else "?"
         print(f"{name:28} mean {f('mean_ms')}  median {f('median_ms')}  p90 {f('p90_ms')}  "
               f"p99 {f('p99_ms')}  max {f('max_ms')} ms  over 2x {f('over_2x')}  "
-              f"mean/first {['%.3f' % x for x in mean_ratio]}", flush=True)
+              f"mean/first {['%.3f' % x for x in mean_ratio]}  "
+              f"p99/first {['%.3f' % x for x in p99_ratio]}  pooled mean "
+              f"{pooled.get('mean_ms', 0):.2f} p99 {pooled.get('p99_ms', 0):.2f} ms", flush=True)
