@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::protocol::{NodeWatch, RankView, waits_in};
 use nrun_cli::OnHang;
@@ -26,7 +26,7 @@ pub(crate) struct WatchPlan {
 }
 
 /// How a stall looks.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Kind {
     /// Some ranks wait in a collective that others have not entered (or have exited).

@@ -25,6 +25,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use crate::journal::{Event, EventRecord};
+
 use super::schema::{AttemptReport, JobSection, LedgerReport, Phase, PreflightReport, Report};
 
 /// Most rows a table shows before it says how many it left out.
@@ -43,18 +45,18 @@ pub(crate) fn write(
 /// The whole page. `source`: what the report was read from, shown in the header. The views of
 /// sections the schema carries as JSON (events, nodes, watch, a sweep's rows) read that JSON.
 pub(crate) fn render(mut r: Report, source: &str) -> String {
-    let v = json_parts(&mut r);
+    let (v, evs) = json_parts(&mut r);
     let r = &r;
     let mut body = String::new();
     body.push_str(&summary(r, &v, source));
-    body.push_str(&timeline::section(&v));
+    body.push_str(&timeline::section(&evs, r.ledger().map(|l| l.wall_s)));
     body.push_str(&ledger(r.ledger()));
-    body.push_str(&preflight(r.preflight(), &v));
+    body.push_str(&preflight(r.preflight(), &v, &evs));
     if let Report::Bisect(_) = r {
         body.push_str(&charts::bisect(&v));
     }
-    body.push_str(&nodes(&v));
-    body.push_str(&decisions(r.job(), &v));
+    body.push_str(&nodes(&v, &evs));
+    body.push_str(&decisions(r.job(), &evs));
     body.push_str(&watch(&v));
     let title = match r {
         Report::Job(j) => format!("nrun job: {}", j.job.outcome),
@@ -72,9 +74,9 @@ pub(crate) fn render(mut r: Report, source: &str) -> String {
 }
 
 /// The sections the schema carries as JSON, moved out of `r` into one object the views of them
-/// read (not copied: the events are most of a large report), with the ledger's wall time (the
-/// timeline's span).
-fn json_parts(r: &mut Report) -> Value {
+/// read, and the events (moved, not copied: they are most of a large report).
+fn json_parts(r: &mut Report) -> (Value, Vec<EventRecord>) {
+    let mut evs = Vec::new();
     let mut o = serde_json::Map::new();
     let mut put = |k: &str, v: Value| {
         if !v.is_null() {
@@ -99,15 +101,9 @@ fn json_parts(r: &mut Report) -> Value {
     }
     if let Some(parts) = r.session_mut() {
         put("nodes", parts.nodes.take().unwrap_or_default());
-        put(
-            "events",
-            parts.events.take().map_or(Value::Null, Value::Array),
-        );
-        if let Some(l) = &parts.ledger {
-            put("ledger", serde_json::json!({ "wall_s": l.wall_s }));
-        }
+        evs = parts.events.take().unwrap_or_default();
     }
-    Value::Object(o)
+    (Value::Object(o), evs)
 }
 
 /// The header: what ended how, the ledger's one line, and links to the views.
@@ -290,9 +286,9 @@ fn ledger(l: Option<&LedgerReport>) -> String {
 }
 
 /// The preflight: the bus-bandwidth curve against the line rate, and its verdict.
-fn preflight(p: Option<&PreflightReport>, v: &Value) -> String {
+fn preflight(p: Option<&PreflightReport>, v: &Value, evs: &[EventRecord]) -> String {
     let mut s = open("preflight", "Preflight: bus bandwidth by message size");
-    let points = charts::busbw_points(v);
+    let points = charts::busbw_points(v, evs);
     if points.is_empty() && p.is_none() {
         return s + NOT_RECORDED + "</section>\n";
     }
@@ -333,7 +329,7 @@ fn preflight(p: Option<&PreflightReport>, v: &Value) -> String {
         }
     }
     s.push_str("</dl>\n");
-    s.push_str(&charts::busbw(p, v, &points));
+    s.push_str(&charts::busbw(p, evs, &points));
     let none = Vec::new();
     for (what, key, items) in [
         ("problem", "problems", p.map_or(&none, |p| &p.problems)),
@@ -385,9 +381,9 @@ type Field = fn(&mut NodeRow) -> &mut String;
 
 /// The node table: status in the job, versions, GPUs, interface, the preflight's facts and
 /// bisect's verdict.
-fn nodes(v: &Value) -> String {
+fn nodes(v: &Value, evs: &[EventRecord]) -> String {
     let mut s = open("nodes", "Nodes");
-    let rows = node_rows(v);
+    let rows = node_rows(v, evs);
     if rows.is_empty() {
         return s + NOT_RECORDED + "</section>\n";
     }
@@ -443,7 +439,7 @@ fn nodes(v: &Value) -> String {
 }
 
 /// The node table's rows, in the order the report first names each node.
-fn node_rows(v: &Value) -> Vec<NodeRow> {
+fn node_rows(v: &Value, evs: &[EventRecord]) -> Vec<NodeRow> {
     let mut rows: Vec<NodeRow> = Vec::new();
     let mut at = std::collections::HashMap::<String, usize>::new();
     let mut row = |host: &str| -> usize {
@@ -456,15 +452,23 @@ fn node_rows(v: &Value) -> Vec<NodeRow> {
         })
     };
     let mut set: Vec<(usize, Field, String)> = Vec::new();
-    for e in events(v) {
-        let host = text(&e["host"]);
-        if e["name"] == "node_joined" && !host.is_empty() {
-            let i = row(&host);
-            let m = &e["metadata"];
-            set.push((i, |r| &mut r.gpus, text(&m["gpus"])));
-            set.push((i, |r| &mut r.nccl, text(&m["nccl"])));
-            set.push((i, |r| &mut r.torch, text(&m["torch"])));
-            set.push((i, |r| &mut r.ifname, text(&m["ifname"])));
+    for e in evs {
+        let host = e.host.as_deref().unwrap_or_default();
+        if let Some(Event::NodeJoined {
+            gpus,
+            nccl,
+            torch,
+            ifname,
+            ..
+        }) = e.event()
+            && !host.is_empty()
+        {
+            let i = row(host);
+            let said = |x: &Option<String>| x.clone().unwrap_or_default();
+            set.push((i, |r| &mut r.gpus, gpus.to_string()));
+            set.push((i, |r| &mut r.nccl, said(nccl)));
+            set.push((i, |r| &mut r.torch, said(torch)));
+            set.push((i, |r| &mut r.ifname, said(ifname)));
         }
     }
     let n = &v["nodes"];
@@ -481,9 +485,12 @@ fn node_rows(v: &Value) -> Vec<NodeRow> {
         set.push((i, |r| &mut r.evidence, text(&l["why"])));
     }
     // A spare that came in says whose place it took.
-    for e in events(v).filter(|e| e["name"] == "spare_in") {
-        let i = row(&text(&e["host"]));
-        let status = format!("spare, in for {}", text(&e["metadata"]["replaces"]));
+    for (e, replaces) in evs.iter().filter_map(|e| match e.event() {
+        Some(Event::SpareIn { replaces, .. }) => Some((e, replaces)),
+        _ => None,
+    }) {
+        let i = row(e.host.as_deref().unwrap_or_default());
+        let status = format!("spare, in for {}", replaces.as_deref().unwrap_or_default());
         set.push((i, |r| &mut r.status, status));
     }
     // bisect's nodes: a list of verdicts.
@@ -518,7 +525,7 @@ fn node_rows(v: &Value) -> Vec<NodeRow> {
 }
 
 /// Every decision of the fault model, with its evidence.
-fn decisions(job: Option<&JobSection>, v: &Value) -> String {
+fn decisions(job: Option<&JobSection>, evs: &[EventRecord]) -> String {
     let mut s = open("decisions", "Decisions and their evidence");
     let mut rows: Vec<[String; 6]> = Vec::new();
     for d in job.map_or(&[][..], |j| &j.decisions[..]) {
@@ -536,16 +543,23 @@ fn decisions(job: Option<&JobSection>, v: &Value) -> String {
     }
     // A report without the job's list still has the decisions among its events.
     if rows.is_empty() {
-        for e in events(v).filter(|e| e["name"] == "decision") {
-            let m = &e["metadata"];
-            rows.push([
-                text(&e["attempt"]),
-                text(&e["host"]),
-                text(&m["verdict"]),
-                text(&m["action"]),
-                String::new(),
-                text(&m["evidence"]),
-            ]);
+        for e in evs {
+            if let Some(Event::Decision {
+                verdict,
+                action,
+                evidence,
+                ..
+            }) = e.event()
+            {
+                rows.push([
+                    e.attempt.map_or(String::new(), |a| a.to_string()),
+                    e.host.clone().unwrap_or_default(),
+                    verdict.clone(),
+                    action.clone(),
+                    String::new(),
+                    evidence.clone(),
+                ]);
+            }
         }
     }
     if rows.is_empty() {
@@ -697,11 +711,6 @@ fn cut_at(len: usize, max: usize, what: &str) -> String {
         true => format!("<p class=\"cut\">{} more {what} not shown</p>\n", len - max),
         false => String::new(),
     }
-}
-
-/// The report's events (schema38's `events`), none when absent.
-pub(super) fn events(v: &Value) -> impl Iterator<Item = &Value> {
-    v["events"].as_array().into_iter().flatten()
 }
 
 /// Escapes text for HTML content and attribute values alike.
@@ -955,12 +964,13 @@ mod tests {
         let mut ev: Vec<serde_json::Value> = (0..8)
             .map(|r| {
                 json!({"name": "worker_failed", "t": 100.0 + r as f64 * 0.001, "node": 0,
-                       "host": "h1", "rank": r, "message": format!("rank {r} failed")})
+                       "host": "h1", "rank": r, "message": format!("rank {r} failed"),
+                       "metadata": {"how": "exited with code 1", "exit_code": 1}})
             })
             .collect();
         ev.push(
             json!({"name": "worker_failed", "t": 900.0, "node": 0, "host": "h1",
-                       "rank": 0, "message": "again"}),
+                       "rank": 0, "message": "again", "metadata": {"how": "was killed by SIGKILL"}}),
         );
         let page = page(&json!({"job": {}, "events": ev}));
         assert_eq!(page.matches("class=\"m m-failed\"").count(), 2);

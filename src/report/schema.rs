@@ -7,7 +7,7 @@
 //! older report, or one cut by hand, still draws, saying what it lacks. What it has must be of
 //! the type nrun writes there (a `ledger` has its wall time, phases and share), or the report
 //! is refused, the first such key named. The sections other
-//! parts own as they write them (`events`, `watch`, `nodes`, `control`, a preflight's `ranks`
+//! parts own as they write them (`watch`, `nodes`, `control`, a preflight's `ranks`
 //! and `rows`, bisect's `nodes` and `rounds`) are carried as JSON of the kind they must be.
 
 use std::collections::BTreeMap;
@@ -15,6 +15,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::journal::EventRecord;
 
 /// The ledger's phases, each with its key in the report, in the order time flows: the one list
 /// ([`Phase::ALL`], [`Phase::key`] and serde's names all come from it).
@@ -206,7 +208,7 @@ pub(crate) struct SessionParts {
     pub ledger: Option<LedgerReport>,
     /// The journal's events (the lines of `--events`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub events: Option<Vec<Value>>,
+    pub events: Option<Vec<EventRecord>>,
 }
 
 /// A job's `--report`.
@@ -374,7 +376,7 @@ fn session_of(o: &mut Map) -> Result<SessionParts, String> {
         control: take(o, "control")?,
         ledger: take(o, "ledger")?,
         events: match o.remove("events") {
-            Some(Value::Array(a)) => Some(a),
+            Some(Value::Array(a)) => Some(a.into_iter().map(EventRecord::of_json).collect()),
             _ => None,
         },
     })

@@ -272,8 +272,8 @@ impl Session {
         self.journal.emit(Event::NodeLeftOut {
             node: i,
             host: host.clone(),
-            stage: stage.as_str(),
-            evidence: evidence.as_str(),
+            stage: stage.as_str().to_string(),
+            evidence: evidence.as_str().to_string(),
             reason: why.clone(),
         });
         self.roster.leave_out(LeftOut {

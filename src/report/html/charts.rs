@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
-use super::{esc, events, list_text, text};
+use super::{esc, list_text, text};
+use crate::journal::{Event, EventRecord};
 use crate::report::schema::{LedgerReport, PhaseTimes, PreflightReport};
 
 /// The ledger as stacked bars: the whole job, then each attempt placed on the job's time.
@@ -69,7 +70,7 @@ pub(super) struct Point {
 }
 
 /// The sweep's sizes: the report's `rows`, else the `preflight_size` events.
-pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
+pub(super) fn busbw_points(v: &Value, evs: &[EventRecord]) -> Vec<Point> {
     let mut pts: Vec<Point> = v["rows"]
         .as_array()
         .into_iter()
@@ -93,9 +94,14 @@ pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
         })
         .collect();
     if pts.is_empty() {
-        for e in events(v).filter(|e| e["name"] == "preflight_size") {
-            let m = &e["metadata"];
-            if let (Some(bytes), Some(oop)) = (m["bytes"].as_f64(), m["busbw_gbs"].as_f64()) {
+        for e in evs.iter().filter_map(EventRecord::event) {
+            if let Event::PreflightSize {
+                bytes: Some(bytes),
+                busbw_gbs: Some(oop),
+                ..
+            } = *e
+            {
+                let bytes = bytes as f64;
                 pts.push(Point {
                     bytes,
                     oop,
@@ -114,25 +120,28 @@ pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
 }
 
 /// The expected line rate and what it is, from the preflight's report or its events.
-fn line_rate(p: Option<&PreflightReport>, v: &Value) -> Option<(f64, String)> {
+fn line_rate(p: Option<&PreflightReport>, evs: &[EventRecord]) -> Option<(f64, String)> {
     if let Some(lr) = p.and_then(|p| p.line_rate.as_ref())
         && let Some(g) = lr.gbs
     {
         return Some((g, lr.what.clone()));
     }
-    events(v)
-        .filter(|e| e["name"] == "preflight_size")
-        .find_map(|e| e["metadata"]["line_rate_gbs"].as_f64())
+    evs.iter()
+        .filter_map(EventRecord::event)
+        .find_map(|e| match *e {
+            Event::PreflightSize { line_rate_gbs, .. } => line_rate_gbs,
+            _ => None,
+        })
         .map(|g| (g, "the GPUs' or NICs' line rate".to_string()))
 }
 
 /// The bus-bandwidth curve: busbw by message size (log2 x), the line rate as a dashed line.
-pub(super) fn busbw(p: Option<&PreflightReport>, v: &Value, pts: &[Point]) -> String {
+pub(super) fn busbw(p: Option<&PreflightReport>, evs: &[EventRecord], pts: &[Point]) -> String {
     if pts.is_empty() {
         return "<p class=\"not-recorded\">no sweep recorded (the preflight did not get as far as measuring)</p>\n".into();
     }
     let (left, right, top, bottom, w, h) = (70.0, 20.0, 20.0, 40.0, 900.0, 320.0);
-    let rate = line_rate(p, v);
+    let rate = line_rate(p, evs);
     let ymax = pts
         .iter()
         .map(|p| p.oop.max(p.ip.unwrap_or(0.0)))
