@@ -160,7 +160,7 @@ impl Record {
                 restarts: Some(self.restarts),
                 decisions: self.decisions.clone(),
             },
-            watch: s.watch().map(WatchState::json),
+            watch: s.watch().map(WatchState::report),
             session,
         }
     }

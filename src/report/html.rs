@@ -26,6 +26,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::journal::{Event, EventRecord};
+use crate::watch::{Diagnosis, RankState, WatchReport};
 
 use super::schema::{AttemptReport, JobSection, LedgerReport, Phase, PreflightReport, Report};
 
@@ -57,7 +58,10 @@ pub(crate) fn render(mut r: Report, source: &str) -> String {
     }
     body.push_str(&nodes(&v, &evs));
     body.push_str(&decisions(r.job(), &evs));
-    body.push_str(&watch(&v));
+    body.push_str(&watch(match r {
+        Report::Job(j) => j.watch.as_ref(),
+        _ => None,
+    }));
     let title = match r {
         Report::Job(j) => format!("nrun job: {}", j.job.outcome),
         Report::Preflight(p) => format!("nrun preflight: {}", p.preflight.verdict),
@@ -91,9 +95,6 @@ fn json_parts(r: &mut Report) -> (Value, Vec<EventRecord>) {
     } {
         put("ranks", list(&mut p.ranks));
         put("rows", list(&mut p.rows));
-    }
-    if let Report::Job(j) = r {
-        put("watch", j.watch.take().unwrap_or_default());
     }
     if let Report::Bisect(b) = r {
         put("nodes", list(&mut b.nodes));
@@ -586,112 +587,105 @@ fn decisions(job: Option<&JobSection>, evs: &[EventRecord]) -> String {
 const HANG_RANKS: usize = 16;
 
 /// The watch's hangs, stragglers and mismatched collectives.
-fn watch(v: &Value) -> String {
-    let w = &v["watch"];
+fn watch(w: Option<&WatchReport>) -> String {
     let mut s = open("watch", "Hangs and stragglers (the watch)");
-    if !w.is_object() {
+    let Some(w) = w else {
         return s + NOT_RECORDED + "</section>\n";
-    }
-    let hangs = w["hangs"].as_array().map_or(&[][..], Vec::as_slice);
-    let stragglers = w["stragglers"].as_array().map_or(&[][..], Vec::as_slice);
-    let mismatches = w["mismatches"].as_array().map_or(&[][..], Vec::as_slice);
-    if hangs.is_empty() && stragglers.is_empty() && mismatches.is_empty() {
+    };
+    if w.hangs.is_empty() && w.stragglers.is_empty() && w.mismatches.is_empty() {
         return s
             + "<p class=\"not-recorded\">the watch found no hang, straggler or mismatch</p>\n</section>\n";
     }
-    for h in hangs.iter().take(TABLE_ROWS) {
-        let culprits: Vec<u64> = h["culprits"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_u64)
-            .collect();
-        let _ = write!(
-            s,
-            "<div class=\"hang\"><h3>hang: {}</h3><p>stalled {}; {}</p>",
-            esc(&text(&h["kind"])),
-            h["stalled_s"]
-                .as_f64()
-                .map_or(String::new(), nrun_base::duration_text),
-            esc(&text(&h["conclusion"])),
-        );
-        let ranks = h["ranks"].as_array().map_or(&[][..], Vec::as_slice);
-        s.push_str("<table><thead><tr><th>rank</th><th>node</th><th>pid</th><th>state</th><th>innermost frames</th></tr></thead><tbody>\n");
-        let shown = ranks
-            .iter()
-            .filter(|r| r["rank"].as_u64().is_some_and(|x| culprits.contains(&x)))
-            .chain(
-                ranks
-                    .iter()
-                    .filter(|r| !r["rank"].as_u64().is_some_and(|x| culprits.contains(&x))),
-            )
-            .take(HANG_RANKS);
-        for r in shown {
-            let frames: Vec<String> = r["frames"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .take(4)
-                .map(text)
-                .collect();
-            let class = match r["rank"].as_u64().is_some_and(|x| culprits.contains(&x)) {
-                true => " class=\"culprit\"",
-                false => "",
-            };
-            let _ = writeln!(
-                s,
-                "<tr{class}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><pre>{}</pre></td></tr>",
-                esc(&text(&r["rank"])),
-                esc(&text(&r["host"])),
-                esc(&text(&r["pid"])),
-                esc(&text(&r["state"])),
-                esc(&frames.join("\n")),
-            );
-        }
-        s.push_str("</tbody></table>");
-        s.push_str(&cut_at(ranks.len(), HANG_RANKS, "ranks"));
-        let ras = &h["nccl_ras"];
-        if let Some(f) = ras["findings"].as_array().filter(|f| !f.is_empty()) {
-            let lines: Vec<String> = f.iter().take(20).map(text).collect();
-            let _ = write!(
-                s,
-                "<p>NCCL's RAS (asked on {}):</p><pre>{}</pre>",
-                esc(&text(&ras["host"])),
-                esc(&lines.join("\n"))
-            );
-        }
-        s.push_str("</div>\n");
+    for h in w.hangs.iter().take(TABLE_ROWS) {
+        s.push_str(&hang(h));
     }
-    if !stragglers.is_empty() {
+    if !w.stragglers.is_empty() {
         s.push_str("<h3>Stragglers</h3><table class=\"stragglers\"><thead><tr><th>rank</th><th>node</th><th>waited for peers</th><th>median rank waited</th></tr></thead><tbody>\n");
-        for st in stragglers.iter().take(TABLE_ROWS) {
+        for st in w.stragglers.iter().take(TABLE_ROWS) {
             let _ = writeln!(
                 s,
                 "<tr class=\"straggler\"><td>{}</td><td>{}</td><td class=\"n\">{:.0}%</td><td class=\"n\">{:.0}%</td></tr>",
-                esc(&text(&st["rank"])),
-                esc(&text(&st["host"])),
-                st["waited_pct"].as_f64().unwrap_or(0.0),
-                st["median_pct"].as_f64().unwrap_or(0.0),
+                st.rank,
+                esc(&st.host),
+                st.waited_pct,
+                st.median_pct,
             );
         }
         s.push_str("</tbody></table>\n");
-        s.push_str(&cut(stragglers.len(), "stragglers"));
+        s.push_str(&cut(w.stragglers.len(), "stragglers"));
     }
-    if !mismatches.is_empty() {
+    if !w.mismatches.is_empty() {
         s.push_str("<h3>Mismatched collectives</h3><ul class=\"mismatches\">");
-        for m in mismatches.iter().take(TABLE_ROWS) {
+        for m in w.mismatches.iter().take(TABLE_ROWS) {
             let _ = write!(
                 s,
                 "<li>group {} call #{}: {} (culprits: {})</li>",
-                esc(&text(&m["pg"])),
-                esc(&text(&m["seq"])),
-                esc(&text(&m["calls"])),
-                esc(&list_text(&m["culprits"])),
+                esc(&m.pg),
+                m.seq,
+                esc(&serde_json::to_string(&m.calls).unwrap_or_default()),
+                esc(&numbers(&m.culprits)),
             );
         }
         s.push_str("</ul>\n");
     }
     s + "</section>\n"
+}
+
+/// One hang: its kind, stall and conclusion, its ranks (culprits first), and what NCCL's RAS
+/// said.
+fn hang(h: &Diagnosis) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "<div class=\"hang\"><h3>hang: {}</h3><p>stalled {}; {}</p>",
+        esc(h.kind.as_str()),
+        nrun_base::duration_text(h.stalled_s),
+        esc(&h.conclusion),
+    );
+    s.push_str("<table><thead><tr><th>rank</th><th>node</th><th>pid</th><th>state</th><th>innermost frames</th></tr></thead><tbody>\n");
+    let culprit = |r: &&RankState| h.culprits.contains(&r.rank);
+    let shown = h
+        .ranks
+        .iter()
+        .filter(culprit)
+        .chain(h.ranks.iter().filter(|r| !culprit(r)))
+        .take(HANG_RANKS);
+    for r in shown {
+        let frames: Vec<&str> = r.frames.iter().take(4).map(String::as_str).collect();
+        let class = match culprit(&r) {
+            true => " class=\"culprit\"",
+            false => "",
+        };
+        let _ = writeln!(
+            s,
+            "<tr{class}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><pre>{}</pre></td></tr>",
+            r.rank,
+            esc(&r.host),
+            r.pid,
+            esc(&r.state),
+            esc(&frames.join("\n")),
+        );
+    }
+    s.push_str("</tbody></table>");
+    s.push_str(&cut_at(h.ranks.len(), HANG_RANKS, "ranks"));
+    if let Some(ras) = h.nccl_ras.as_ref().filter(|r| !r.findings.is_empty()) {
+        let lines: Vec<&str> = ras.findings.iter().take(20).map(String::as_str).collect();
+        let _ = write!(
+            s,
+            "<p>NCCL's RAS (asked on {}):</p><pre>{}</pre>",
+            esc(&ras.host),
+            esc(&lines.join("\n"))
+        );
+    }
+    s + "</div>\n"
+}
+
+/// Numbers joined with "; " (as [`list_text`] says a list).
+fn numbers(xs: &[usize]) -> String {
+    xs.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 const NOT_RECORDED: &str = "<p class=\"not-recorded\">not recorded in this report</p>\n";

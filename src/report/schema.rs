@@ -6,8 +6,9 @@
 //! the one that says what it is (`job`; `verdict`, `rows`; `rounds`, `nodes` as a list): an
 //! older report, or one cut by hand, still draws, saying what it lacks. What it has must be of
 //! the type nrun writes there (a `ledger` has its wall time, phases and share), or the report
-//! is refused, the first such key named. The sections other
-//! parts own as they write them (`watch`, `nodes`, `control`, a preflight's `ranks`
+//! is refused, the first such key named. The events read back as [`EventRecord`]s (a line of
+//! another nrun as it was), the watch's findings as its types. The sections other
+//! parts own as they write them (`nodes`, `control`, a preflight's `ranks`
 //! and `rows`, bisect's `nodes` and `rounds`) are carried as JSON of the kind they must be.
 
 use std::collections::BTreeMap;
@@ -17,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::journal::EventRecord;
+use crate::watch::WatchReport;
 
 /// The ledger's phases, each with its key in the report, in the order time flows: the one list
 /// ([`Phase::ALL`], [`Phase::key`] and serde's names all come from it).
@@ -220,7 +222,7 @@ pub(crate) struct JobReport {
     pub job: JobSection,
     /// The watch's hangs, stragglers and mismatches; null where no watch ran.
     #[serde(default)]
-    pub watch: Option<Value>,
+    pub watch: Option<WatchReport>,
     #[serde(flatten)]
     pub session: SessionParts,
 }
@@ -385,7 +387,7 @@ fn session_of(o: &mut Map) -> Result<SessionParts, String> {
 /// A job's report (its `job` an object: checked by the caller).
 fn job_of(mut o: Map) -> Result<JobReport, String> {
     let job = take(&mut o, "job")?.unwrap_or_default();
-    let watch = o.remove("watch").filter(|w| !w.is_null());
+    let watch = take(&mut o, "watch")?;
     let session = session_of(&mut o)?;
     // The preflight's keys are what is left, where one ran.
     let preflight = match o.get("verdict").is_some_and(|v| !v.is_null()) {
