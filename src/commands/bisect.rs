@@ -130,7 +130,7 @@ pub(crate) async fn run(
     };
     let outcome = b.stages(&mut s).await;
     // Where each node's agent reached this host, and why that address (--report).
-    b.control = s.control_json();
+    b.control = serde_json::to_value(s.control_report()).unwrap_or_default();
     s.end().await;
     // An interrupted or failed stage has said why; only its exit code is left.
     outcome?;

@@ -47,12 +47,8 @@ pub(crate) async fn run(
     // the nodes left out.
     // --report-html draws the very value --report holds.
     let parts = SessionParts {
-        nodes: s.nodes_json(),
-        control: s
-            .control_json()
-            .as_array()
-            .cloned()
-            .filter(|c| !c.is_empty()),
+        nodes: s.nodes_report(),
+        control: Some(s.control_report()).filter(|c| !c.is_empty()),
         ..SessionParts::default()
     };
     let rewrite = !job.preflight_only || parts.nodes.is_some() || parts.control.is_some();

@@ -28,7 +28,9 @@ use serde_json::Value;
 use crate::journal::{Event, EventRecord};
 use crate::watch::{Diagnosis, RankState, WatchReport};
 
-use super::schema::{AttemptReport, JobSection, LedgerReport, Phase, PreflightReport, Report};
+use super::schema::{
+    AttemptReport, JobSection, LedgerReport, NodesReport, Phase, PreflightReport, Report,
+};
 
 /// Most rows a table shows before it says how many it left out.
 const TABLE_ROWS: usize = 200;
@@ -56,7 +58,7 @@ pub(crate) fn render(mut r: Report, source: &str) -> String {
     if let Report::Bisect(_) = r {
         body.push_str(&charts::bisect(&v));
     }
-    body.push_str(&nodes(&v, &evs));
+    body.push_str(&nodes(&v, &evs, r.session().and_then(|p| p.nodes.as_ref())));
     body.push_str(&decisions(r.job(), &evs));
     body.push_str(&watch(match r {
         Report::Job(j) => j.watch.as_ref(),
@@ -101,7 +103,6 @@ fn json_parts(r: &mut Report) -> (Value, Vec<EventRecord>) {
         put("rounds", list(&mut b.rounds));
     }
     if let Some(parts) = r.session_mut() {
-        put("nodes", parts.nodes.take().unwrap_or_default());
         evs = parts.events.take().unwrap_or_default();
     }
     (Value::Object(o), evs)
@@ -382,9 +383,9 @@ type Field = fn(&mut NodeRow) -> &mut String;
 
 /// The node table: status in the job, versions, GPUs, interface, the preflight's facts and
 /// bisect's verdict.
-fn nodes(v: &Value, evs: &[EventRecord]) -> String {
+fn nodes(v: &Value, evs: &[EventRecord], job: Option<&NodesReport>) -> String {
     let mut s = open("nodes", "Nodes");
-    let rows = node_rows(v, evs);
+    let rows = node_rows(v, evs, job);
     if rows.is_empty() {
         return s + NOT_RECORDED + "</section>\n";
     }
@@ -440,7 +441,7 @@ fn nodes(v: &Value, evs: &[EventRecord]) -> String {
 }
 
 /// The node table's rows, in the order the report first names each node.
-fn node_rows(v: &Value, evs: &[EventRecord]) -> Vec<NodeRow> {
+fn node_rows(v: &Value, evs: &[EventRecord], job: Option<&NodesReport>) -> Vec<NodeRow> {
     let mut rows: Vec<NodeRow> = Vec::new();
     let mut at = std::collections::HashMap::<String, usize>::new();
     let mut row = |host: &str| -> usize {
@@ -472,18 +473,21 @@ fn node_rows(v: &Value, evs: &[EventRecord]) -> Vec<NodeRow> {
             set.push((i, |r| &mut r.ifname, said(ifname)));
         }
     }
-    let n = &v["nodes"];
-    for (key, status) in [("ran_on", "ran the job"), ("spares", "spare")] {
-        for h in n[key].as_array().into_iter().flatten() {
-            let i = row(&text(h));
+    let (ran_on, spares, left_out) = match job {
+        Some(n) => (&n.ran_on[..], &n.spares[..], &n.left_out[..]),
+        None => (&[][..], &[][..], &[][..]),
+    };
+    for (hosts, status) in [(ran_on, "ran the job"), (spares, "spare")] {
+        for h in hosts {
+            let i = row(h);
             set.push((i, |r| &mut r.status, status.to_string()));
         }
     }
-    for l in n["left_out"].as_array().into_iter().flatten() {
-        let i = row(&text(&l["host"]));
-        let status = format!("left out ({})", text(&l["stage"]));
+    for l in left_out {
+        let i = row(&l.host);
+        let status = format!("left out ({})", l.stage);
         set.push((i, |r| &mut r.status, status));
-        set.push((i, |r| &mut r.evidence, text(&l["why"])));
+        set.push((i, |r| &mut r.evidence, l.why.clone()));
     }
     // A spare that came in says whose place it took.
     for (e, replaces) in evs.iter().filter_map(|e| match e.event() {
@@ -495,7 +499,7 @@ fn node_rows(v: &Value, evs: &[EventRecord]) -> Vec<NodeRow> {
         set.push((i, |r| &mut r.status, status));
     }
     // bisect's nodes: a list of verdicts.
-    for b in n.as_array().into_iter().flatten() {
+    for b in v["nodes"].as_array().into_iter().flatten() {
         let i = row(&text(&b["host"]));
         set.push((i, |r| &mut r.verdict, text(&b["verdict"])));
         set.push((i, |r| &mut r.evidence, list_text(&b["evidence"])));

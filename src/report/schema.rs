@@ -7,8 +7,8 @@
 //! older report, or one cut by hand, still draws, saying what it lacks. What it has must be of
 //! the type nrun writes there (a `ledger` has its wall time, phases and share), or the report
 //! is refused, the first such key named. The events read back as [`EventRecord`]s (a line of
-//! another nrun as it was), the watch's findings as its types. The sections other
-//! parts own as they write them (`nodes`, `control`, a preflight's `ranks`
+//! another nrun as it was), the watch's findings as its types, a job's `nodes` and `control`
+//! as theirs. The sections other parts own as they write them (a preflight's `ranks`
 //! and `rows`, bisect's `nodes` and `rounds`) are carried as JSON of the kind they must be.
 
 use std::collections::BTreeMap;
@@ -202,15 +202,66 @@ pub(crate) struct LineRate {
 pub(crate) struct SessionParts {
     /// The nodes left out and who ran (the roster's); absent when none was left out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nodes: Option<Value>,
+    pub nodes: Option<NodesReport>,
     /// Where each node's agent reaches the launch host; absent when no agent joined.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub control: Option<Vec<Value>>,
+    pub control: Option<Vec<ControlLink>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ledger: Option<LedgerReport>,
     /// The journal's events (the lines of `--events`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub events: Option<Vec<EventRecord>>,
+}
+
+/// A job's `nodes`: its size, where it ran, the spares left, the nodes left out.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct NodesReport {
+    pub size: usize,
+    #[serde(deserialize_with = "words")]
+    pub ran_on: Vec<String>,
+    #[serde(deserialize_with = "words")]
+    pub spares: Vec<String>,
+    pub left_out: Vec<LeftOutReport>,
+}
+
+/// A node left out of the job, with its evidence.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct LeftOutReport {
+    pub host: String,
+    /// Where it was left out ("check", "run", ...).
+    pub stage: String,
+    /// What kind of evidence ("seen", "link", ...); absent from an older report.
+    pub evidence: String,
+    pub why: String,
+    /// When, RFC 3339 to the second.
+    pub at: String,
+}
+
+/// How a node's agent reaches the launch host (`control`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct ControlLink {
+    pub host: String,
+    /// The launch host's address it reached.
+    pub launch_addr: String,
+    /// How that address was chosen.
+    pub chosen: String,
+    /// The node's own end of the link.
+    pub node_addr: String,
+}
+
+/// A list of names read leniently: a null says nothing (""), a number as its digits.
+fn words<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let v = Vec::<Value>::deserialize(d)?;
+    Ok(v.into_iter()
+        .map(|w| match w {
+            Value::String(s) => s,
+            Value::Null => String::new(),
+            w => w.to_string(),
+        })
+        .collect())
 }
 
 /// A job's `--report`.
@@ -374,7 +425,7 @@ fn take<T: serde::de::DeserializeOwned>(o: &mut Map, k: &str) -> Result<Option<T
 /// The parts a job's session adds, taken out of `o`.
 fn session_of(o: &mut Map) -> Result<SessionParts, String> {
     Ok(SessionParts {
-        nodes: o.remove("nodes").filter(|n| !n.is_null()),
+        nodes: take(o, "nodes")?,
         control: take(o, "control")?,
         ledger: take(o, "ledger")?,
         events: match o.remove("events") {
@@ -446,6 +497,15 @@ impl Report {
         match self {
             Report::Job(r) => r.session.ledger.as_ref(),
             Report::Preflight(r) => r.session.ledger.as_ref(),
+            Report::Bisect(_) => None,
+        }
+    }
+
+    /// What the job's session added at its end (none to bisect's).
+    pub(crate) fn session(&self) -> Option<&SessionParts> {
+        match self {
+            Report::Job(r) => Some(&r.session),
+            Report::Preflight(r) => Some(&r.session),
             Report::Bisect(_) => None,
         }
     }
