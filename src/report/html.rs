@@ -1,8 +1,8 @@
 //! The incident report a person reads: one self-contained HTML page drawn from a `--report`
 //! (the job's, `--preflight-only`'s or bisect's, as the schema's [`Report`]), for `nrun report`
-//! and the job's `--report-html`. The summary, ledger, preflight facts and decisions read the
-//! schema's types; the views of sections it carries as JSON (events, nodes, watch, a sweep's
-//! rows, bisect's rounds) read that JSON.
+//! and the job's `--report-html`. Every view reads the schema's types (the events as
+//! [`EventRecord`]s, matched by variant), but the preflight's ranks and sweep rows, which the
+//! schema carries as JSON.
 //!
 //! The page has no script and loads nothing: inline CSS, charts as inline SVG drawn here, a
 //! Content-Security-Policy that forbids every fetch (so a browser says so if anything ever
@@ -29,7 +29,8 @@ use crate::journal::{Event, EventRecord};
 use crate::watch::{Diagnosis, RankState, WatchReport};
 
 use super::schema::{
-    AttemptReport, JobSection, LedgerReport, NodesReport, Phase, PreflightReport, Report,
+    AttemptReport, BisectNode, JobSection, LedgerReport, NodesReport, Phase, PreflightReport,
+    Report,
 };
 
 /// Most rows a table shows before it says how many it left out.
@@ -46,19 +47,27 @@ pub(crate) fn write(
 }
 
 /// The whole page. `source`: what the report was read from, shown in the header. The views of
-/// sections the schema carries as JSON (events, nodes, watch, a sweep's rows) read that JSON.
+/// the preflight's ranks and sweep rows (carried as JSON by the schema) read that JSON.
 pub(crate) fn render(mut r: Report, source: &str) -> String {
     let (v, evs) = json_parts(&mut r);
     let r = &r;
     let mut body = String::new();
-    body.push_str(&summary(r, &v, source));
+    body.push_str(&summary(r, source));
     body.push_str(&timeline::section(&evs, r.ledger().map(|l| l.wall_s)));
     body.push_str(&ledger(r.ledger()));
     body.push_str(&preflight(r.preflight(), &v, &evs));
-    if let Report::Bisect(_) = r {
-        body.push_str(&charts::bisect(&v));
+    if let Report::Bisect(b) = r {
+        body.push_str(&charts::bisect(b));
     }
-    body.push_str(&nodes(&v, &evs, r.session().and_then(|p| p.nodes.as_ref())));
+    body.push_str(&nodes(
+        &v,
+        &evs,
+        r.session().and_then(|p| p.nodes.as_ref()),
+        match r {
+            Report::Bisect(b) => &b.nodes[..],
+            _ => &[],
+        },
+    ));
     body.push_str(&decisions(r.job(), &evs));
     body.push_str(&watch(match r {
         Report::Job(j) => j.watch.as_ref(),
@@ -79,8 +88,9 @@ pub(crate) fn render(mut r: Report, source: &str) -> String {
     )
 }
 
-/// The sections the schema carries as JSON, moved out of `r` into one object the views of them
-/// read, and the events (moved, not copied: they are most of a large report).
+/// The preflight's ranks and sweep rows (the sections the schema carries as JSON), moved out
+/// of `r` into one object the views of them read, and the events (moved, not copied: they are
+/// most of a large report).
 fn json_parts(r: &mut Report) -> (Value, Vec<EventRecord>) {
     let mut evs = Vec::new();
     let mut o = serde_json::Map::new();
@@ -98,10 +108,6 @@ fn json_parts(r: &mut Report) -> (Value, Vec<EventRecord>) {
         put("ranks", list(&mut p.ranks));
         put("rows", list(&mut p.rows));
     }
-    if let Report::Bisect(b) = r {
-        put("nodes", list(&mut b.nodes));
-        put("rounds", list(&mut b.rounds));
-    }
     if let Some(parts) = r.session_mut() {
         evs = parts.events.take().unwrap_or_default();
     }
@@ -109,7 +115,7 @@ fn json_parts(r: &mut Report) -> (Value, Vec<EventRecord>) {
 }
 
 /// The header: what ended how, the ledger's one line, and links to the views.
-fn summary(r: &Report, v: &Value, source: &str) -> String {
+fn summary(r: &Report, source: &str) -> String {
     let mut s = String::from("<section class=\"view\" id=\"summary\">\n");
     let what = match r {
         Report::Job(_) => "job",
@@ -130,7 +136,7 @@ fn summary(r: &Report, v: &Value, source: &str) -> String {
     let (outcome, code) = match r {
         Report::Job(j) => (j.job.outcome.clone(), j.job.exit_code),
         Report::Preflight(p) => (p.preflight.verdict.clone(), Some(p.preflight.exit_code)),
-        Report::Bisect(_) => (bisect_outcome(v), None),
+        Report::Bisect(b) => (bisect_outcome(&b.nodes), None),
     };
     if !outcome.is_empty() {
         let class = match outcome.as_str() {
@@ -168,7 +174,7 @@ fn summary(r: &Report, v: &Value, source: &str) -> String {
             "took",
             esc(&format!(
                 "{} rounds in {}",
-                v["rounds"].as_array().map_or(0, Vec::len),
+                b.rounds.len(),
                 nrun_base::duration_text(took)
             )),
         );
@@ -190,9 +196,8 @@ fn summary(r: &Report, v: &Value, source: &str) -> String {
     s
 }
 
-fn bisect_outcome(v: &Value) -> String {
-    let nodes = v["nodes"].as_array().map_or(&[][..], Vec::as_slice);
-    let bad = nodes.iter().filter(|n| n["verdict"] != "good").count();
+fn bisect_outcome(nodes: &[BisectNode]) -> String {
+    let bad = nodes.iter().filter(|n| n.verdict != "good").count();
     match bad {
         0 if nodes.is_empty() => String::new(),
         0 => "every node good".to_string(),
@@ -383,9 +388,14 @@ type Field = fn(&mut NodeRow) -> &mut String;
 
 /// The node table: status in the job, versions, GPUs, interface, the preflight's facts and
 /// bisect's verdict.
-fn nodes(v: &Value, evs: &[EventRecord], job: Option<&NodesReport>) -> String {
+fn nodes(
+    v: &Value,
+    evs: &[EventRecord],
+    job: Option<&NodesReport>,
+    bisect: &[BisectNode],
+) -> String {
     let mut s = open("nodes", "Nodes");
-    let rows = node_rows(v, evs, job);
+    let rows = node_rows(v, evs, job, bisect);
     if rows.is_empty() {
         return s + NOT_RECORDED + "</section>\n";
     }
@@ -441,7 +451,12 @@ fn nodes(v: &Value, evs: &[EventRecord], job: Option<&NodesReport>) -> String {
 }
 
 /// The node table's rows, in the order the report first names each node.
-fn node_rows(v: &Value, evs: &[EventRecord], job: Option<&NodesReport>) -> Vec<NodeRow> {
+fn node_rows(
+    v: &Value,
+    evs: &[EventRecord],
+    job: Option<&NodesReport>,
+    bisect: &[BisectNode],
+) -> Vec<NodeRow> {
     let mut rows: Vec<NodeRow> = Vec::new();
     let mut at = std::collections::HashMap::<String, usize>::new();
     let mut row = |host: &str| -> usize {
@@ -499,10 +514,10 @@ fn node_rows(v: &Value, evs: &[EventRecord], job: Option<&NodesReport>) -> Vec<N
         set.push((i, |r| &mut r.status, status));
     }
     // bisect's nodes: a list of verdicts.
-    for b in v["nodes"].as_array().into_iter().flatten() {
-        let i = row(&text(&b["host"]));
-        set.push((i, |r| &mut r.verdict, text(&b["verdict"])));
-        set.push((i, |r| &mut r.evidence, list_text(&b["evidence"])));
+    for b in bisect {
+        let i = row(&b.host);
+        set.push((i, |r| &mut r.verdict, b.verdict.clone()));
+        set.push((i, |r| &mut r.evidence, b.evidence.join("; ")));
     }
     let mut ranks: Vec<(usize, &Value)> = Vec::new();
     for r in v["ranks"].as_array().into_iter().flatten() {
@@ -684,7 +699,7 @@ fn hang(h: &Diagnosis) -> String {
     s + "</div>\n"
 }
 
-/// Numbers joined with "; " (as [`list_text`] says a list).
+/// Numbers joined with "; ", as the page says a list.
 fn numbers(xs: &[usize]) -> String {
     xs.iter()
         .map(usize::to_string)
@@ -737,14 +752,6 @@ pub(super) fn text(v: &Value) -> String {
             _ => n.to_string(),
         },
         v => v.to_string(),
-    }
-}
-
-/// A list of strings joined with "; " (a single value as [`text`]).
-pub(super) fn list_text(v: &Value) -> String {
-    match v.as_array() {
-        Some(a) => a.iter().map(text).collect::<Vec<_>>().join("; "),
-        None => text(v),
     }
 }
 

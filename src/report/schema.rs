@@ -8,8 +8,8 @@
 //! the type nrun writes there (a `ledger` has its wall time, phases and share), or the report
 //! is refused, the first such key named. The events read back as [`EventRecord`]s (a line of
 //! another nrun as it was), the watch's findings as its types, a job's `nodes` and `control`
-//! as theirs. The sections other parts own as they write them (a preflight's `ranks`
-//! and `rows`, bisect's `nodes` and `rounds`) are carried as JSON of the kind they must be.
+//! as theirs, bisect's nodes and rounds as theirs. A preflight's `ranks` and `rows` (the
+//! preflight crate's) are carried as JSON of the kind they must be.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -292,9 +292,9 @@ pub(crate) struct PreflightOnlyReport {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub(crate) struct BisectReport {
     #[serde(default)]
-    pub nodes: Vec<Value>,
+    pub nodes: Vec<BisectNode>,
     #[serde(default)]
-    pub rounds: Vec<Value>,
+    pub rounds: Vec<BisectRound>,
     #[serde(default)]
     pub rounds_after_stage1: usize,
     #[serde(default)]
@@ -303,12 +303,38 @@ pub(crate) struct BisectReport {
     pub control: Option<Value>,
 }
 
-/// Each item as the JSON a report carries it as (bisect's nodes and rounds).
-pub(crate) fn json_list<T: Serialize>(items: &[T]) -> Vec<Value> {
-    items
-        .iter()
-        .map(|x| serde_json::to_value(x).unwrap_or_default())
-        .collect()
+/// A node's verdict in bisect's report.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct BisectNode {
+    pub host: String,
+    /// "good", "bad", "slow", "unreachable", "link".
+    pub verdict: String,
+    #[serde(deserialize_with = "words")]
+    pub evidence: Vec<String>,
+}
+
+/// One round of bisect: its stage and the groups it ran.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct BisectRound {
+    pub stage: String,
+    pub groups: Vec<BisectGroup>,
+}
+
+/// A group of a bisect round and how it did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct BisectGroup {
+    #[serde(deserialize_with = "words")]
+    pub hosts: Vec<String>,
+    /// Always written; absent from a report cut by hand.
+    pub ok: Option<bool>,
+    pub busbw_gbs: Option<f64>,
+    pub evidence: String,
+    /// A link of the group's ring far under the round's links.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slow_link: Option<String>,
 }
 
 /// A report nrun wrote, of one of its commands.
