@@ -166,6 +166,7 @@ pub(crate) enum Event {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Seen {
+    /// Also an older nrun's, which said no more than "first output".
     #[default]
     Output,
     Progress,
@@ -395,22 +396,10 @@ impl EventRecord {
 
     /// The record of a line read back: see the type's doc for what is lenient.
     pub(crate) fn of_json(v: Value) -> EventRecord {
-        let Value::Object(mut o) = v else {
-            return EventRecord {
-                body: Body::Other {
-                    name: String::new(),
-                    metadata: Value::Null,
-                },
-                run_id: String::new(),
-                source: String::new(),
-                timestamp: None,
-                t: None,
-                attempt: None,
-                node: None,
-                host: None,
-                rank: None,
-                message: String::new(),
-            };
+        // What is not an object is a line that says nothing.
+        let mut o = match v {
+            Value::Object(o) => o,
+            _ => Map::new(),
         };
         let string = |v: Option<Value>| match v {
             Some(Value::String(s)) => Some(s),
@@ -418,15 +407,26 @@ impl EventRecord {
         };
         let index = |v: Option<Value>| v.and_then(|n| n.as_u64()).map(|n| n as usize);
         let name = string(o.remove("name")).unwrap_or_default();
-        let metadata = o.remove("metadata").unwrap_or(Value::Null);
+        let metadata = match o.remove("metadata") {
+            None | Some(Value::Null) => Value::Object(Map::new()),
+            Some(m) => m,
+        };
         let run_id = metadata
             .get("run_id")
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_string();
-        let body = match serde_json::from_value(json!({"name": name, "metadata": metadata})) {
-            Ok(e) => Body::Known(e),
-            Err(_) => Body::Other { name, metadata },
+        // Read in place (a line's metadata is not copied to try it); none reads as empty.
+        let line = Value::Object(Map::from_iter([
+            ("name".to_string(), Value::String(name)),
+            ("metadata".to_string(), metadata),
+        ]));
+        let body = match (Event::deserialize(&line), line) {
+            (Ok(e), _) => Body::Known(e),
+            (Err(_), mut l) => Body::Other {
+                name: string(l.get_mut("name").map(Value::take)).unwrap_or_default(),
+                metadata: l.get_mut("metadata").map(Value::take).unwrap_or_default(),
+            },
         };
         EventRecord {
             body,
