@@ -6,7 +6,7 @@ use std::ops::ControlFlow;
 use super::preflight;
 
 use crate::fault;
-use crate::journal::{Event, EventRecord, Outcome, Phase};
+use crate::journal::{Event, Outcome, Phase};
 use crate::plan::{NodesPlan, RunSettings};
 use crate::protocol::StepResult;
 use crate::report::schema::{
@@ -70,10 +70,11 @@ pub(crate) async fn run(
     // Nodes whose own nrun joined (c10d) exit with the job's code.
     s.end_with(code_of).await;
     let (ledger, events) = journal.finish(code_of, rec.outcome_of(code_of));
+    // The console's last line is said from the job's end as the events record it.
     let end_line = events
-        .last()
-        .and_then(EventRecord::event)
-        .and_then(Event::end_line)
+        .iter()
+        .rev()
+        .find_map(|e| e.event().and_then(Event::end_line))
         .map(str::to_string);
     let value = value.map(|mut r| {
         if let Some(parts) = r.session_mut() {
