@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::protocol::{NodeWatch, RankView, waits_in};
 use nrun_cli::OnHang;
@@ -26,7 +26,7 @@ pub(crate) struct WatchPlan {
 }
 
 /// How a stall looks.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Kind {
     /// Some ranks wait in a collective that others have not entered (or have exited).
@@ -39,10 +39,30 @@ pub(crate) enum Kind {
     AllBusy,
     /// No rank waits in a collective, and they are at different places.
     Busy,
+    /// Read back from a report that does not say, or says what this nrun does not know; the
+    /// watch never finds it.
+    #[default]
+    #[serde(other)]
+    Unknown,
+}
+
+impl Kind {
+    /// Its name in the report (`all_waiting`).
+    pub(crate) fn as_str(&self) -> &'static str {
+        match self {
+            Kind::Missing => "missing",
+            Kind::Disagree => "disagree",
+            Kind::AllWaiting => "all_waiting",
+            Kind::AllBusy => "all_busy",
+            Kind::Busy => "busy",
+            Kind::Unknown => "",
+        }
+    }
 }
 
 /// One rank's line in a diagnosis.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub(crate) struct RankState {
     pub rank: usize,
     pub host: String,
@@ -57,27 +77,35 @@ pub(crate) struct RankState {
 }
 
 /// What the watch concluded about a stall.
-#[derive(Clone, Debug, Serialize)]
+/// Read back from a report, a key an older nrun did not write reads as its default; what the
+/// watch does not report (`in_collective`) as false.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Diagnosis {
+    #[serde(default)]
     pub kind: Kind,
     /// The conclusion in one sentence.
+    #[serde(default)]
     pub conclusion: String,
     /// The ranks it blames (none for AllWaiting, AllBusy, Busy).
+    #[serde(default)]
     pub culprits: Vec<usize>,
     /// Seconds since the last progress: the longest wait in a collective, or (no rank in
     /// one) since any rank's stack last moved.
+    #[serde(default)]
     pub stalled_s: f64,
     /// Some rank waits in a collective (the stall is judged by it, not by the stacks).
     #[serde(skip)]
     pub in_collective: bool,
+    #[serde(default)]
     pub ranks: Vec<RankState>,
     /// NCCL's own account of the job (its RAS), asked during this stall, where it answered.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nccl_ras: Option<NcclRas>,
 }
 
 /// What NCCL's RAS said during a stall (see `agent::ras`).
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub(crate) struct NcclRas {
     /// The node that asked.
     pub host: String,
@@ -510,7 +538,8 @@ const SAME_SIZE: &[&str] = &[
 /// or the same all_reduce (broadcast, all_gather, ...) with another size, at the same sequence
 /// number of the same process group. NCCL does not check: such a job hangs, or goes on with
 /// wrong results.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub(crate) struct Mismatch {
     pub pg: String,
     pub seq: u64,
@@ -597,7 +626,8 @@ pub(crate) fn mismatch(ranks: &[Seen<'_>]) -> Option<Mismatch> {
 }
 
 /// A rank the others keep waiting for.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub(crate) struct Straggler {
     pub rank: usize,
     pub host: String,
@@ -776,6 +806,16 @@ pub(crate) struct WatchState {
     /// The findings not yet taken by the journal ([`WatchState::take_found`]).
     found: Vec<Finding>,
     /// Every hang found, for the report.
+    pub hangs: Vec<Diagnosis>,
+    pub stragglers: Vec<Straggler>,
+    pub mismatches: Vec<Mismatch>,
+}
+
+/// `--report`'s `watch`: every hang, straggler and mismatch the watch found (a list an older
+/// report lacks is empty).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct WatchReport {
     pub hangs: Vec<Diagnosis>,
     pub stragglers: Vec<Straggler>,
     pub mismatches: Vec<Mismatch>,
@@ -1090,12 +1130,12 @@ impl WatchState {
     }
 
     /// The watch's findings for `--report`.
-    pub(crate) fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "hangs": self.hangs,
-            "stragglers": self.stragglers,
-            "mismatches": self.mismatches,
-        })
+    pub(crate) fn report(&self) -> WatchReport {
+        WatchReport {
+            hangs: self.hangs.clone(),
+            stragglers: self.stragglers.clone(),
+            mismatches: self.mismatches.clone(),
+        }
     }
 }
 
@@ -1569,7 +1609,7 @@ mod tests {
             w.observe(0, ranks());
             assert!(w.check(&hosts).is_none() || stops);
             assert_eq!(w.mismatches.len(), 1, "said once");
-            assert_eq!(w.json()["mismatches"][0]["seq"], 6);
+            assert_eq!(w.report().mismatches[0].seq, 6);
         }
     }
 
@@ -1780,7 +1820,7 @@ mod tests {
                 assert!(text.contains(
                     "      Communicator ranks have different AllReduce operation counts\n"
                 ));
-                let json = w.json();
+                let json = serde_json::to_value(w.report()).unwrap();
                 assert_eq!(json["hangs"][0]["nccl_ras"]["host"], "h2");
                 assert_eq!(json["hangs"][0]["nccl_ras"]["status"], status);
             }

@@ -424,7 +424,8 @@ fn synthetic_1024() -> Value {
                 Some(4139),
                 Some(1),
                 "rank 4139 has not entered all_reduce".into(),
-                json!({"culprit_rank": 4139, "waiting_in": "all_reduce", "ranks_waiting": 8191}),
+                json!({"culprit_rank": 4139, "waiting_in": "all_reduce",
+                    "ranks_waiting": (0..8192).filter(|r| *r != 4139).collect::<Vec<usize>>()}),
             );
             e(
                 "node_left_out",
@@ -572,6 +573,8 @@ fn a_1024_node_report_is_small_and_opens_quickly() {
         "the 8 failures at once are not merged"
     );
     assert_eq!(b.dom.matches("class=\"m m-failed\"").count(), 1);
+    // The hang is marked on the timeline (its event read as nrun writes it).
+    assert_eq!(b.dom.matches("class=\"m m-hang\"").count(), 1);
     // The hang lists its culprit and a few more, not 8,192 ranks.
     assert!(b.dom.contains("8176 more ranks not shown"));
 }

@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::plan::{BisectSettings, NodesPlan};
 use crate::protocol::{RunResult, Step, StepResult, THIS_NRUN};
+use crate::report::schema::{BisectGroup, BisectNode, BisectRound};
 use crate::session::spec::{Group, Launch};
 use crate::session::{Policy, Session};
 use nrun_base::error::{Error, Result, exit};
@@ -55,6 +56,15 @@ struct NodeResult {
 }
 
 impl NodeResult {
+    /// As the report holds it.
+    fn report(&self) -> BisectNode {
+        BisectNode {
+            host: self.host.clone(),
+            verdict: self.verdict.name(),
+            evidence: self.evidence.clone(),
+        }
+    }
+
     /// "bisect: slow (...) with h1" where the evidence begins with the verdict's name, else
     /// "bisect: failed: ...": why the node is left out (on the spot) or excluded.
     fn why(&self) -> String {
@@ -70,6 +80,26 @@ impl NodeResult {
 struct Round {
     stage: String,
     groups: Vec<GroupOut>,
+}
+
+impl Round {
+    /// As the report holds it.
+    fn report(&self) -> BisectRound {
+        BisectRound {
+            stage: self.stage.clone(),
+            groups: self
+                .groups
+                .iter()
+                .map(|g| BisectGroup {
+                    hosts: g.hosts.clone(),
+                    ok: Some(g.ok),
+                    busbw_gbs: g.busbw_gbs,
+                    evidence: g.evidence.clone(),
+                    slow_link: g.slow_link.clone(),
+                })
+                .collect(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -130,7 +160,7 @@ pub(crate) async fn run(
     };
     let outcome = b.stages(&mut s).await;
     // Where each node's agent reached this host, and why that address (--report).
-    b.control = s.control_json();
+    b.control = serde_json::to_value(s.control_report()).unwrap_or_default();
     s.end().await;
     // An interrupted or failed stage has said why; only its exit code is left.
     outcome?;
@@ -755,8 +785,8 @@ impl Bisect<'_> {
         );
         nrun_base::stdout(table);
         let v = crate::report::schema::Report::Bisect(crate::report::schema::BisectReport {
-            nodes: crate::report::schema::json_list(&self.results),
-            rounds: crate::report::schema::json_list(&self.rounds),
+            nodes: self.results.iter().map(NodeResult::report).collect(),
+            rounds: self.rounds.iter().map(Round::report).collect(),
             rounds_after_stage1: after,
             seconds: Some(took.as_secs_f64()),
             control: Some(self.control.clone()),

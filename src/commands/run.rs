@@ -6,7 +6,7 @@ use std::ops::ControlFlow;
 use super::preflight;
 
 use crate::fault;
-use crate::journal::{Event, Phase};
+use crate::journal::{Event, Outcome, Phase};
 use crate::plan::{NodesPlan, RunSettings};
 use crate::protocol::StepResult;
 use crate::report::schema::{
@@ -47,12 +47,8 @@ pub(crate) async fn run(
     // the nodes left out.
     // --report-html draws the very value --report holds.
     let parts = SessionParts {
-        nodes: s.nodes_json(),
-        control: s
-            .control_json()
-            .as_array()
-            .cloned()
-            .filter(|c| !c.is_empty()),
+        nodes: s.nodes_report(),
+        control: Some(s.control_report()).filter(|c| !c.is_empty()),
         ..SessionParts::default()
     };
     let rewrite = !job.preflight_only || parts.nodes.is_some() || parts.control.is_some();
@@ -73,14 +69,17 @@ pub(crate) async fn run(
     let mut journal = std::mem::replace(&mut s.journal, crate::journal::Journal::new(""));
     // Nodes whose own nrun joined (c10d) exit with the job's code.
     s.end_with(code_of).await;
-    let (ledger, events, summary) = journal.finish(code_of, rec.outcome_of(code_of));
+    let (ledger, events) = journal.finish(code_of, rec.outcome_of(code_of));
+    // The console's last line is said from the job's end as the events record it.
+    let end_line = events
+        .iter()
+        .rev()
+        .find_map(|e| e.event().and_then(Event::end_line))
+        .map(str::to_string);
     let value = value.map(|mut r| {
         if let Some(parts) = r.session_mut() {
             parts.ledger = Some(ledger);
-            parts.events = match events {
-                serde_json::Value::Array(a) => Some(a),
-                _ => None,
-            };
+            parts.events = Some(events);
         }
         r
     });
@@ -95,7 +94,9 @@ pub(crate) async fn run(
     report::said(written);
     report::said(drawn);
     // The job's last line: where its time went.
-    tracing::info!("{summary}");
+    if let Some(line) = end_line {
+        tracing::info!("{line}");
+    }
     code
 }
 
@@ -125,7 +126,7 @@ struct Record {
     attempts: usize,
     restarts: u32,
     /// How the job ended ("success", "failed", "hang", "interrupted"); None: it never started.
-    outcome: Option<&'static str>,
+    outcome: Option<Outcome>,
     /// The last failure, in one line (a restart may have followed it).
     headline: Option<String>,
     /// The fault model's decisions, each with its evidence.
@@ -136,7 +137,7 @@ impl Record {
     /// How the job ended, for a person and the report.
     fn outcome_of(&self, code: u8) -> &'static str {
         match (self.outcome, code) {
-            (Some(o), _) => o,
+            (Some(o), _) => o.as_str(),
             (None, exit::SUCCESS) => "success",
             // Stopped by a signal before the workers started (Ctrl-C during the join).
             (None, c) if c > 128 => "interrupted",
@@ -156,7 +157,7 @@ impl Record {
                 restarts: Some(self.restarts),
                 decisions: self.decisions.clone(),
             },
-            watch: s.watch().map(WatchState::json),
+            watch: s.watch().map(WatchState::report),
             session,
         }
     }
@@ -572,8 +573,8 @@ fn tell(s: &mut Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
         s.journal.emit(Event::Decision {
             node: j.node,
             host,
-            verdict: j.verdict.as_str(),
-            action,
+            verdict: j.verdict.as_str().to_string(),
+            action: action.to_string(),
             evidence: j.why.clone(),
             left_out: out,
         });
@@ -643,7 +644,7 @@ fn after_hang(
     step: &Ended,
     rec: &mut Record,
 ) -> ControlFlow<u8> {
-    s.journal.attempt_end("hang", exit::HANG);
+    s.journal.attempt_end(Outcome::Hang, exit::HANG);
     let pinned = hang_pinned(s, group, stop);
     let restart_left = count.restart_left(job);
     let (_, applied) = apply(s, &step.results, pinned, restart_left, count.attempt, rec);
@@ -658,7 +659,7 @@ fn after_hang(
         }
         Applied::CannotReform(why) => {
             eprintln!("nrun: error: {why}; the job cannot go on");
-            rec.outcome = Some("hang");
+            rec.outcome = Some(Outcome::Hang);
             ControlFlow::Break(exit::NO_NODES)
         }
         Applied::Stopped => ControlFlow::Break(hang_stop(s, stop, rec)),
@@ -667,11 +668,11 @@ fn after_hang(
 
 /// Elastic: the group stopped to take in nodes that arrived re-forms with them.
 fn grown(s: &mut Session, rec: &mut Record) -> ControlFlow<u8> {
-    s.journal.attempt_end("interrupted", exit::SUCCESS);
+    s.journal.attempt_end(Outcome::Interrupted, exit::SUCCESS);
     s.journal.enter(Phase::Waiting);
     if let Err(why) = s.reform(&[]) {
         eprintln!("nrun: error: {why}; the job cannot go on");
-        rec.outcome = Some("failed");
+        rec.outcome = Some(Outcome::Failed);
         return ControlFlow::Break(exit::CLUSTER);
     }
     ControlFlow::Continue(())
@@ -689,10 +690,10 @@ fn after_end(
 ) -> ControlFlow<u8> {
     let (code, headline, summary, error_json) = match report::job_end(shape, &step.results) {
         JobEnd::Success => {
-            return ControlFlow::Break(ended(s, rec, "success", exit::SUCCESS));
+            return ControlFlow::Break(ended(s, rec, Outcome::Success, exit::SUCCESS));
         }
         JobEnd::Interrupted(c) => {
-            ended(s, rec, "interrupted", c);
+            ended(s, rec, Outcome::Interrupted, c);
             tracing::warn!(
                 "stopped by {}; every worker was stopped",
                 nrun_node::signal_name(i32::from(c) - 128)
@@ -706,7 +707,7 @@ fn after_end(
             error_json,
         } => (code, headline, summary, error_json),
     };
-    ended(s, rec, "failed", code);
+    ended(s, rec, Outcome::Failed, code);
     rec.headline = Some(headline.clone());
     let restart_left = count.restart_left(job);
     let (d, applied) = apply(s, &step.results, None, restart_left, count.attempt, rec);
@@ -743,7 +744,7 @@ fn after_end(
 
 /// The attempt ended, and with it the job (as far as this attempt knows): the record's outcome
 /// and the journal's attempt, kept together. Returns `code`.
-fn ended(s: &mut Session, rec: &mut Record, outcome: &'static str, code: u8) -> u8 {
+fn ended(s: &mut Session, rec: &mut Record, outcome: Outcome, code: u8) -> u8 {
     rec.outcome = Some(outcome);
     s.journal.attempt_end(outcome, code);
     code
@@ -797,8 +798,8 @@ async fn run_attempt(
         }
         Err(e) => {
             let outcome = match e.code > 128 {
-                true => "interrupted",
-                false => "failed",
+                true => Outcome::Interrupted,
+                false => Outcome::Failed,
             };
             ended(s, rec, outcome, e.code);
             Err(e.code)
@@ -894,7 +895,7 @@ fn hang_stop(s: &Session, stop: &crate::watch::Stop, rec: &mut Record) -> u8 {
         ),
         None,
     );
-    rec.outcome = Some("hang");
+    rec.outcome = Some(Outcome::Hang);
     exit::HANG
 }
 

@@ -11,14 +11,12 @@
 mod event;
 pub(crate) mod metrics;
 
-pub(crate) use event::{Event, Seen};
+pub(crate) use event::{Body, Event, EventRecord, Outcome, Seen};
 
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
-
-use serde_json::{Value, json};
 
 use crate::watch::{Finding, WatchState};
 
@@ -94,7 +92,7 @@ struct AttemptTime {
     attempt: u32,
     start_s: f64,
     end_s: Option<f64>,
-    outcome: Option<&'static str>,
+    outcome: Option<Outcome>,
     phases: Phases,
     /// Output or progress was seen (the move from starting to running happened).
     progressed: bool,
@@ -196,7 +194,7 @@ impl Ledger {
     }
 
     /// The open attempt ends at `now` (its phase goes on outside it until the next one).
-    pub(crate) fn end_attempt(&mut self, outcome: &'static str, now: f64) {
+    pub(crate) fn end_attempt(&mut self, outcome: Outcome, now: f64) {
         self.charge(now);
         let Some(a) = self.open() else {
             return;
@@ -220,7 +218,7 @@ impl Ledger {
     pub(crate) fn finish(&mut self, now: f64) {
         if self.ended.is_none() {
             if self.open().is_some() {
-                self.end_attempt("interrupted", now);
+                self.end_attempt(Outcome::Interrupted, now);
             }
             self.charge(now);
             self.ended = Some(now);
@@ -284,7 +282,7 @@ impl Ledger {
             || self
                 .attempts
                 .iter()
-                .any(|a| matches!(a.outcome, Some("failed" | "hang")));
+                .any(|a| a.outcome.is_some_and(Outcome::is_fault));
         // "no faults" only where there were none: no failure, no node left out, exit 0.
         let lost = match (faulted, &self.exit, self.left_out) {
             (true, _, _) => format!("lost: {restarts}{}", nrun_base::duration_text(lost)),
@@ -309,7 +307,7 @@ impl Ledger {
                 attempt: a.attempt,
                 start_s: round6(a.start_s),
                 end_s: round6(a.end_s.unwrap_or(now)),
-                outcome: a.outcome.unwrap_or("running").to_string(),
+                outcome: a.outcome.map_or("running", Outcome::as_str).to_string(),
                 phases: a.phases.times(),
             })
             .collect();
@@ -335,29 +333,39 @@ struct Stamped {
 
 impl Stamped {
     /// The event's line of `--events` (an element of `--report`'s `events`).
-    fn json(&self, run_id: &str) -> Value {
-        let (name, metadata) = self.event.name_and_metadata(run_id);
-        let node = self.event.node();
-        json!({
-            "name": name,
-            "source": self.event.source(),
-            "timestamp": start().1 + (self.t * 1000.0) as u64,
-            "t": round3(self.t),
-            "attempt": self.attempt,
-            "node": node.map(|n| n.0),
-            "host": node.map(|n| n.1),
-            "rank": self.event.rank(),
-            "message": self.event.message(),
-            "metadata": metadata,
-        })
+    fn record(self, run_id: &str) -> EventRecord {
+        let node = self.event.node().map(|(i, h)| (i, h.to_string()));
+        EventRecord {
+            run_id: run_id.to_string(),
+            source: self.event.source().to_string(),
+            timestamp: Some(start().1 + (self.t * 1000.0) as u64),
+            t: Some(round3(self.t)),
+            attempt: self.attempt,
+            node: node.as_ref().map(|n| n.0),
+            host: node.map(|n| n.1),
+            rank: self.event.rank(),
+            message: self.event.message(),
+            body: Body::Known(self.event),
+        }
     }
+
+    /// The line as JSON.
+    #[cfg(test)]
+    fn json(self, run_id: &str) -> serde_json::Value {
+        serde_json::to_value(self.record(run_id)).unwrap_or_default()
+    }
+}
+
+/// An event's line of `--events`.
+fn line(e: &EventRecord) -> String {
+    serde_json::to_string(e).unwrap_or_default()
 }
 
 /// The session's journal (see the module's doc).
 pub(crate) struct Journal {
     run_id: String,
     ledger: Arc<Mutex<Ledger>>,
-    events: Vec<Stamped>,
+    events: Vec<EventRecord>,
     /// `--events`: the file and its path (for the warning when a write fails).
     sink: Option<(PathBuf, nrun_base::outputs::OutFile)>,
     metrics: Option<metrics::Exporter>,
@@ -402,15 +410,11 @@ impl Journal {
         }
         // The events recorded before (the session's start) go out first, in order.
         if let Some(m) = &self.metrics {
-            for e in &self.events {
-                m.event(&e.event);
+            for e in self.events.iter().filter_map(EventRecord::event) {
+                m.event(e);
             }
         }
-        let earlier: Vec<String> = self
-            .events
-            .iter()
-            .map(|e| e.json(&self.run_id).to_string())
-            .collect();
+        let earlier: Vec<String> = self.events.iter().map(line).collect();
         for line in earlier {
             self.write_line(line);
         }
@@ -457,9 +461,10 @@ impl Journal {
             event,
             t,
             attempt: self.attempt,
-        };
+        }
+        .record(&self.run_id);
         if self.sink.is_some() {
-            self.write_line(e.json(&self.run_id).to_string());
+            self.write_line(line(&e));
         }
         self.events.push(e);
     }
@@ -505,7 +510,7 @@ impl Journal {
     }
 
     /// The attempt ended (its results are in).
-    pub(crate) fn attempt_end(&mut self, outcome: &'static str, exit_code: u8) {
+    pub(crate) fn attempt_end(&mut self, outcome: Outcome, exit_code: u8) {
         let now = now_s();
         self.lock().end_attempt(outcome, now);
         self.stamp(Event::AttemptEnd { outcome, exit_code }, now);
@@ -628,8 +633,9 @@ impl Journal {
     }
 
     /// The job ended with `code`: the ledger closes, `job_end` is recorded and the metrics
-    /// written one last time. Returns `--report`'s `ledger` and `events`, and the summary line.
-    pub(crate) fn finish(&mut self, code: u8, outcome: &str) -> (LedgerReport, Value, String) {
+    /// written one last time. Returns `--report`'s `ledger` and `events` (the last one the
+    /// `job_end` that the console's end line is said from: [`Event::end_line`]).
+    pub(crate) fn finish(&mut self, code: u8, outcome: &str) -> (LedgerReport, Vec<EventRecord>) {
         let now = now_s();
         self.enter(Phase::Ending);
         let summary = {
@@ -643,7 +649,7 @@ impl Journal {
             Event::JobEnd {
                 exit_code: code,
                 outcome: outcome.to_string(),
-                summary: summary.clone(),
+                summary,
             },
             now,
         );
@@ -651,11 +657,7 @@ impl Journal {
             m.finish(outcome, code);
         }
         let ledger = self.lock().report(now);
-        let events = std::mem::take(&mut self.events)
-            .iter()
-            .map(|e| e.json(&self.run_id))
-            .collect();
-        (ledger, Value::Array(events), summary)
+        (ledger, std::mem::take(&mut self.events))
     }
 }
 

@@ -1,6 +1,7 @@
 //! The ledger's arithmetic on a made-up timeline (seconds since nrun started).
 
 use super::*;
+use serde_json::{Value, json};
 
 /// A job: launch 0.2 s, join 1.1, checks 0.4, preflight 9.8; attempt 0 starts at 11.5, its
 /// first output at 14.5, fails at 400 (detecting 0.5 s, stopping 1.5), restarts (0.4 s);
@@ -15,12 +16,12 @@ fn job() -> Ledger {
     assert!(!l.progress(15.0), "the first progress is taken once");
     l.enter(Phase::Detecting, 400.0);
     l.enter(Phase::Stopping, 400.5);
-    l.end_attempt("failed", 402.0);
+    l.end_attempt(Outcome::Failed, 402.0);
     l.restarts = 1;
     l.enter(Phase::Restarting, 402.0);
     l.start_attempt(1, 402.4);
     l.progress(405.4);
-    l.end_attempt("success", 810.4);
+    l.end_attempt(Outcome::Success, 810.4);
     l.enter(Phase::Ending, 810.4);
     l.finish(812.4);
     l
@@ -128,7 +129,7 @@ fn summaries_of_short_long_and_faultless_jobs() {
     l.enter(Phase::Join, 0.1);
     l.start_attempt(0, 0.2);
     l.progress(0.3);
-    l.end_attempt("success", 4.0);
+    l.end_attempt(Outcome::Success, 4.0);
     l.enter(Phase::Ending, 4.0);
     l.finish(4.2);
     assert_eq!(l.summary(0.0), "ran 4.2 s, 88.1% of it training; no faults");
@@ -138,7 +139,7 @@ fn summaries_of_short_long_and_faultless_jobs() {
     failed.progress(0.5);
     failed.enter(Phase::Detecting, 2.0);
     failed.enter(Phase::Stopping, 2.0);
-    failed.end_attempt("failed", 2.3);
+    failed.end_attempt(Outcome::Failed, 2.3);
     failed.finish(2.3);
     assert_eq!(
         failed.summary(0.0),
@@ -180,7 +181,7 @@ fn an_attempt_never_seen_to_start_counts_as_running_from_its_start() {
     let mut l = Ledger::default();
     l.start_attempt(0, 1.0);
     l.enter(Phase::Stopping, 5.0);
-    l.end_attempt("failed", 6.0);
+    l.end_attempt(Outcome::Failed, 6.0);
     l.finish(6.0);
     let t = l.totals(0.0);
     assert!(close(t.get(Phase::Starting), 0.0));
@@ -197,7 +198,7 @@ fn a_hangs_stall_is_charged_to_detecting() {
     l.enter(Phase::Detecting, 100.0);
     l.shift(Phase::Running, Phase::Detecting, 60.0);
     l.enter(Phase::Stopping, 100.0);
-    l.end_attempt("hang", 101.0);
+    l.end_attempt(Outcome::Hang, 101.0);
     l.finish(101.0);
     let t = l.totals(0.0);
     assert!(close(t.get(Phase::Running), 39.0));
@@ -417,8 +418,8 @@ fn every_event_keeps_its_name_and_metadata() {
             Event::NodeLeftOut {
                 node: 2,
                 host: "b".into(),
-                stage: "check",
-                evidence: "link",
+                stage: "check".into(),
+                evidence: "link".into(),
                 reason: "cannot be reached".into(),
             },
             json!({"name": "node_left_out", "source": "AGENT", "node": 2, "host": "b",
@@ -495,5 +496,62 @@ fn every_event_keeps_its_name_and_metadata() {
             o.remove(k);
         }
         assert_eq!(got, want);
+    }
+}
+
+/// A line the journal writes reads back as the same event and writes out the same; an older
+/// nrun's line that lacks a key still reads as its event; what is not an event line reads as
+/// one nrun does not know, whole.
+#[test]
+fn an_event_line_reads_back_as_its_event() {
+    let written = Stamped {
+        event: Event::AttemptEnd {
+            outcome: Outcome::Hang,
+            exit_code: 97,
+        },
+        t: 8.9,
+        attempt: Some(0),
+    }
+    .json("r1");
+    let back: EventRecord = serde_json::from_value(written.clone()).unwrap();
+    assert_eq!(
+        back.event(),
+        Some(&Event::AttemptEnd {
+            outcome: Outcome::Hang,
+            exit_code: 97
+        })
+    );
+    assert_eq!(serde_json::to_value(&back).unwrap(), written);
+
+    let older = json!({"name": "hang", "t": 8.2, "attempt": 0, "node": 1, "host": "h2",
+        "rank": 1, "message": "hang: ...",
+        "metadata": {"culprit_rank": 1, "waiting_in": "all_reduce", "run_id": "r0"}});
+    let back: EventRecord = serde_json::from_value(older).unwrap();
+    match back.event() {
+        Some(Event::Hang {
+            culprit_rank, kind, ..
+        }) => assert_eq!((*culprit_rank, kind), (Some(1), &None)),
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(
+        (back.host.as_deref(), back.node, back.rank),
+        (Some("h2"), Some(1), Some(1))
+    );
+    assert_eq!(back.run_id, "r0");
+
+    for (line, name) in [
+        (
+            json!({"name": "waiting_nodes", "t": 3.0, "metadata": {"n": 2}}),
+            "waiting_nodes",
+        ),
+        (
+            json!({"name": "phase", "t": "soon", "metadata": {"phase": "lunch"}}),
+            "phase",
+        ),
+        (json!(3), ""),
+    ] {
+        let back: EventRecord = serde_json::from_value(line.clone()).unwrap();
+        assert_eq!(back.event(), None, "{line}");
+        assert_eq!(back.name(), name);
     }
 }

@@ -1,8 +1,8 @@
 //! The incident report a person reads: one self-contained HTML page drawn from a `--report`
 //! (the job's, `--preflight-only`'s or bisect's, as the schema's [`Report`]), for `nrun report`
-//! and the job's `--report-html`. The summary, ledger, preflight facts and decisions read the
-//! schema's types; the views of sections it carries as JSON (events, nodes, watch, a sweep's
-//! rows, bisect's rounds) read that JSON.
+//! and the job's `--report-html`. Every view reads the schema's types (the events as
+//! [`EventRecord`]s, matched by variant), but the preflight's ranks and sweep rows, which the
+//! schema carries as JSON.
 //!
 //! The page has no script and loads nothing: inline CSS, charts as inline SVG drawn here, a
 //! Content-Security-Policy that forbids every fetch (so a browser says so if anything ever
@@ -25,7 +25,13 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::schema::{AttemptReport, JobSection, LedgerReport, Phase, PreflightReport, Report};
+use crate::journal::{Event, EventRecord};
+use crate::watch::{Diagnosis, RankState, WatchReport};
+
+use super::schema::{
+    AttemptReport, BisectNode, JobSection, LedgerReport, NodesReport, Phase, PreflightReport,
+    Report,
+};
 
 /// Most rows a table shows before it says how many it left out.
 const TABLE_ROWS: usize = 200;
@@ -41,21 +47,32 @@ pub(crate) fn write(
 }
 
 /// The whole page. `source`: what the report was read from, shown in the header. The views of
-/// sections the schema carries as JSON (events, nodes, watch, a sweep's rows) read that JSON.
+/// the preflight's ranks and sweep rows (carried as JSON by the schema) read that JSON.
 pub(crate) fn render(mut r: Report, source: &str) -> String {
-    let v = json_parts(&mut r);
+    let (v, evs) = json_parts(&mut r);
     let r = &r;
     let mut body = String::new();
-    body.push_str(&summary(r, &v, source));
-    body.push_str(&timeline::section(&v));
+    body.push_str(&summary(r, source));
+    body.push_str(&timeline::section(&evs, r.ledger().map(|l| l.wall_s)));
     body.push_str(&ledger(r.ledger()));
-    body.push_str(&preflight(r.preflight(), &v));
-    if let Report::Bisect(_) = r {
-        body.push_str(&charts::bisect(&v));
+    body.push_str(&preflight(r.preflight(), &v, &evs));
+    if let Report::Bisect(b) = r {
+        body.push_str(&charts::bisect(b));
     }
-    body.push_str(&nodes(&v));
-    body.push_str(&decisions(r.job(), &v));
-    body.push_str(&watch(&v));
+    body.push_str(&nodes(
+        &v,
+        &evs,
+        r.session().and_then(|p| p.nodes.as_ref()),
+        match r {
+            Report::Bisect(b) => &b.nodes[..],
+            _ => &[],
+        },
+    ));
+    body.push_str(&decisions(r.job(), &evs));
+    body.push_str(&watch(match r {
+        Report::Job(j) => j.watch.as_ref(),
+        _ => None,
+    }));
     let title = match r {
         Report::Job(j) => format!("nrun job: {}", j.job.outcome),
         Report::Preflight(p) => format!("nrun preflight: {}", p.preflight.verdict),
@@ -71,10 +88,11 @@ pub(crate) fn render(mut r: Report, source: &str) -> String {
     )
 }
 
-/// The sections the schema carries as JSON, moved out of `r` into one object the views of them
-/// read (not copied: the events are most of a large report), with the ledger's wall time (the
-/// timeline's span).
-fn json_parts(r: &mut Report) -> Value {
+/// The preflight's ranks and sweep rows (the sections the schema carries as JSON), moved out
+/// of `r` into one object the views of them read, and the events (moved, not copied: they are
+/// most of a large report).
+fn json_parts(r: &mut Report) -> (Value, Vec<EventRecord>) {
+    let mut evs = Vec::new();
     let mut o = serde_json::Map::new();
     let mut put = |k: &str, v: Value| {
         if !v.is_null() {
@@ -90,28 +108,14 @@ fn json_parts(r: &mut Report) -> Value {
         put("ranks", list(&mut p.ranks));
         put("rows", list(&mut p.rows));
     }
-    if let Report::Job(j) = r {
-        put("watch", j.watch.take().unwrap_or_default());
-    }
-    if let Report::Bisect(b) = r {
-        put("nodes", list(&mut b.nodes));
-        put("rounds", list(&mut b.rounds));
-    }
     if let Some(parts) = r.session_mut() {
-        put("nodes", parts.nodes.take().unwrap_or_default());
-        put(
-            "events",
-            parts.events.take().map_or(Value::Null, Value::Array),
-        );
-        if let Some(l) = &parts.ledger {
-            put("ledger", serde_json::json!({ "wall_s": l.wall_s }));
-        }
+        evs = parts.events.take().unwrap_or_default();
     }
-    Value::Object(o)
+    (Value::Object(o), evs)
 }
 
 /// The header: what ended how, the ledger's one line, and links to the views.
-fn summary(r: &Report, v: &Value, source: &str) -> String {
+fn summary(r: &Report, source: &str) -> String {
     let mut s = String::from("<section class=\"view\" id=\"summary\">\n");
     let what = match r {
         Report::Job(_) => "job",
@@ -132,7 +136,7 @@ fn summary(r: &Report, v: &Value, source: &str) -> String {
     let (outcome, code) = match r {
         Report::Job(j) => (j.job.outcome.clone(), j.job.exit_code),
         Report::Preflight(p) => (p.preflight.verdict.clone(), Some(p.preflight.exit_code)),
-        Report::Bisect(_) => (bisect_outcome(v), None),
+        Report::Bisect(b) => (bisect_outcome(&b.nodes), None),
     };
     if !outcome.is_empty() {
         let class = match outcome.as_str() {
@@ -170,7 +174,7 @@ fn summary(r: &Report, v: &Value, source: &str) -> String {
             "took",
             esc(&format!(
                 "{} rounds in {}",
-                v["rounds"].as_array().map_or(0, Vec::len),
+                b.rounds.len(),
                 nrun_base::duration_text(took)
             )),
         );
@@ -192,9 +196,8 @@ fn summary(r: &Report, v: &Value, source: &str) -> String {
     s
 }
 
-fn bisect_outcome(v: &Value) -> String {
-    let nodes = v["nodes"].as_array().map_or(&[][..], Vec::as_slice);
-    let bad = nodes.iter().filter(|n| n["verdict"] != "good").count();
+fn bisect_outcome(nodes: &[BisectNode]) -> String {
+    let bad = nodes.iter().filter(|n| n.verdict != "good").count();
     match bad {
         0 if nodes.is_empty() => String::new(),
         0 => "every node good".to_string(),
@@ -290,9 +293,9 @@ fn ledger(l: Option<&LedgerReport>) -> String {
 }
 
 /// The preflight: the bus-bandwidth curve against the line rate, and its verdict.
-fn preflight(p: Option<&PreflightReport>, v: &Value) -> String {
+fn preflight(p: Option<&PreflightReport>, v: &Value, evs: &[EventRecord]) -> String {
     let mut s = open("preflight", "Preflight: bus bandwidth by message size");
-    let points = charts::busbw_points(v);
+    let points = charts::busbw_points(v, evs);
     if points.is_empty() && p.is_none() {
         return s + NOT_RECORDED + "</section>\n";
     }
@@ -333,7 +336,7 @@ fn preflight(p: Option<&PreflightReport>, v: &Value) -> String {
         }
     }
     s.push_str("</dl>\n");
-    s.push_str(&charts::busbw(p, v, &points));
+    s.push_str(&charts::busbw(p, evs, &points));
     let none = Vec::new();
     for (what, key, items) in [
         ("problem", "problems", p.map_or(&none, |p| &p.problems)),
@@ -385,9 +388,14 @@ type Field = fn(&mut NodeRow) -> &mut String;
 
 /// The node table: status in the job, versions, GPUs, interface, the preflight's facts and
 /// bisect's verdict.
-fn nodes(v: &Value) -> String {
+fn nodes(
+    v: &Value,
+    evs: &[EventRecord],
+    job: Option<&NodesReport>,
+    bisect: &[BisectNode],
+) -> String {
     let mut s = open("nodes", "Nodes");
-    let rows = node_rows(v);
+    let rows = node_rows(v, evs, job, bisect);
     if rows.is_empty() {
         return s + NOT_RECORDED + "</section>\n";
     }
@@ -443,7 +451,12 @@ fn nodes(v: &Value) -> String {
 }
 
 /// The node table's rows, in the order the report first names each node.
-fn node_rows(v: &Value) -> Vec<NodeRow> {
+fn node_rows(
+    v: &Value,
+    evs: &[EventRecord],
+    job: Option<&NodesReport>,
+    bisect: &[BisectNode],
+) -> Vec<NodeRow> {
     let mut rows: Vec<NodeRow> = Vec::new();
     let mut at = std::collections::HashMap::<String, usize>::new();
     let mut row = |host: &str| -> usize {
@@ -456,41 +469,55 @@ fn node_rows(v: &Value) -> Vec<NodeRow> {
         })
     };
     let mut set: Vec<(usize, Field, String)> = Vec::new();
-    for e in events(v) {
-        let host = text(&e["host"]);
-        if e["name"] == "node_joined" && !host.is_empty() {
-            let i = row(&host);
-            let m = &e["metadata"];
-            set.push((i, |r| &mut r.gpus, text(&m["gpus"])));
-            set.push((i, |r| &mut r.nccl, text(&m["nccl"])));
-            set.push((i, |r| &mut r.torch, text(&m["torch"])));
-            set.push((i, |r| &mut r.ifname, text(&m["ifname"])));
+    for e in evs {
+        let host = e.host.as_deref().unwrap_or_default();
+        if let Some(Event::NodeJoined {
+            gpus,
+            nccl,
+            torch,
+            ifname,
+            ..
+        }) = e.event()
+            && !host.is_empty()
+        {
+            let i = row(host);
+            let said = |x: &Option<String>| x.clone().unwrap_or_default();
+            set.push((i, |r| &mut r.gpus, gpus.to_string()));
+            set.push((i, |r| &mut r.nccl, said(nccl)));
+            set.push((i, |r| &mut r.torch, said(torch)));
+            set.push((i, |r| &mut r.ifname, said(ifname)));
         }
     }
-    let n = &v["nodes"];
-    for (key, status) in [("ran_on", "ran the job"), ("spares", "spare")] {
-        for h in n[key].as_array().into_iter().flatten() {
-            let i = row(&text(h));
+    let (ran_on, spares, left_out) = match job {
+        Some(n) => (&n.ran_on[..], &n.spares[..], &n.left_out[..]),
+        None => (&[][..], &[][..], &[][..]),
+    };
+    for (hosts, status) in [(ran_on, "ran the job"), (spares, "spare")] {
+        for h in hosts {
+            let i = row(h);
             set.push((i, |r| &mut r.status, status.to_string()));
         }
     }
-    for l in n["left_out"].as_array().into_iter().flatten() {
-        let i = row(&text(&l["host"]));
-        let status = format!("left out ({})", text(&l["stage"]));
+    for l in left_out {
+        let i = row(&l.host);
+        let status = format!("left out ({})", l.stage);
         set.push((i, |r| &mut r.status, status));
-        set.push((i, |r| &mut r.evidence, text(&l["why"])));
+        set.push((i, |r| &mut r.evidence, l.why.clone()));
     }
     // A spare that came in says whose place it took.
-    for e in events(v).filter(|e| e["name"] == "spare_in") {
-        let i = row(&text(&e["host"]));
-        let status = format!("spare, in for {}", text(&e["metadata"]["replaces"]));
+    for (e, replaces) in evs.iter().filter_map(|e| match e.event() {
+        Some(Event::SpareIn { replaces, .. }) => Some((e, replaces)),
+        _ => None,
+    }) {
+        let i = row(e.host.as_deref().unwrap_or_default());
+        let status = format!("spare, in for {}", replaces.as_deref().unwrap_or_default());
         set.push((i, |r| &mut r.status, status));
     }
     // bisect's nodes: a list of verdicts.
-    for b in n.as_array().into_iter().flatten() {
-        let i = row(&text(&b["host"]));
-        set.push((i, |r| &mut r.verdict, text(&b["verdict"])));
-        set.push((i, |r| &mut r.evidence, list_text(&b["evidence"])));
+    for b in bisect {
+        let i = row(&b.host);
+        set.push((i, |r| &mut r.verdict, b.verdict.clone()));
+        set.push((i, |r| &mut r.evidence, b.evidence.join("; ")));
     }
     let mut ranks: Vec<(usize, &Value)> = Vec::new();
     for r in v["ranks"].as_array().into_iter().flatten() {
@@ -518,7 +545,7 @@ fn node_rows(v: &Value) -> Vec<NodeRow> {
 }
 
 /// Every decision of the fault model, with its evidence.
-fn decisions(job: Option<&JobSection>, v: &Value) -> String {
+fn decisions(job: Option<&JobSection>, evs: &[EventRecord]) -> String {
     let mut s = open("decisions", "Decisions and their evidence");
     let mut rows: Vec<[String; 6]> = Vec::new();
     for d in job.map_or(&[][..], |j| &j.decisions[..]) {
@@ -536,16 +563,23 @@ fn decisions(job: Option<&JobSection>, v: &Value) -> String {
     }
     // A report without the job's list still has the decisions among its events.
     if rows.is_empty() {
-        for e in events(v).filter(|e| e["name"] == "decision") {
-            let m = &e["metadata"];
-            rows.push([
-                text(&e["attempt"]),
-                text(&e["host"]),
-                text(&m["verdict"]),
-                text(&m["action"]),
-                String::new(),
-                text(&m["evidence"]),
-            ]);
+        for e in evs {
+            if let Some(Event::Decision {
+                verdict,
+                action,
+                evidence,
+                ..
+            }) = e.event()
+            {
+                rows.push([
+                    e.attempt.map_or(String::new(), |a| a.to_string()),
+                    e.host.clone().unwrap_or_default(),
+                    verdict.clone(),
+                    action.clone(),
+                    String::new(),
+                    evidence.clone(),
+                ]);
+            }
         }
     }
     if rows.is_empty() {
@@ -572,112 +606,105 @@ fn decisions(job: Option<&JobSection>, v: &Value) -> String {
 const HANG_RANKS: usize = 16;
 
 /// The watch's hangs, stragglers and mismatched collectives.
-fn watch(v: &Value) -> String {
-    let w = &v["watch"];
+fn watch(w: Option<&WatchReport>) -> String {
     let mut s = open("watch", "Hangs and stragglers (the watch)");
-    if !w.is_object() {
+    let Some(w) = w else {
         return s + NOT_RECORDED + "</section>\n";
-    }
-    let hangs = w["hangs"].as_array().map_or(&[][..], Vec::as_slice);
-    let stragglers = w["stragglers"].as_array().map_or(&[][..], Vec::as_slice);
-    let mismatches = w["mismatches"].as_array().map_or(&[][..], Vec::as_slice);
-    if hangs.is_empty() && stragglers.is_empty() && mismatches.is_empty() {
+    };
+    if w.hangs.is_empty() && w.stragglers.is_empty() && w.mismatches.is_empty() {
         return s
             + "<p class=\"not-recorded\">the watch found no hang, straggler or mismatch</p>\n</section>\n";
     }
-    for h in hangs.iter().take(TABLE_ROWS) {
-        let culprits: Vec<u64> = h["culprits"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_u64)
-            .collect();
-        let _ = write!(
-            s,
-            "<div class=\"hang\"><h3>hang: {}</h3><p>stalled {}; {}</p>",
-            esc(&text(&h["kind"])),
-            h["stalled_s"]
-                .as_f64()
-                .map_or(String::new(), nrun_base::duration_text),
-            esc(&text(&h["conclusion"])),
-        );
-        let ranks = h["ranks"].as_array().map_or(&[][..], Vec::as_slice);
-        s.push_str("<table><thead><tr><th>rank</th><th>node</th><th>pid</th><th>state</th><th>innermost frames</th></tr></thead><tbody>\n");
-        let shown = ranks
-            .iter()
-            .filter(|r| r["rank"].as_u64().is_some_and(|x| culprits.contains(&x)))
-            .chain(
-                ranks
-                    .iter()
-                    .filter(|r| !r["rank"].as_u64().is_some_and(|x| culprits.contains(&x))),
-            )
-            .take(HANG_RANKS);
-        for r in shown {
-            let frames: Vec<String> = r["frames"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .take(4)
-                .map(text)
-                .collect();
-            let class = match r["rank"].as_u64().is_some_and(|x| culprits.contains(&x)) {
-                true => " class=\"culprit\"",
-                false => "",
-            };
-            let _ = writeln!(
-                s,
-                "<tr{class}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><pre>{}</pre></td></tr>",
-                esc(&text(&r["rank"])),
-                esc(&text(&r["host"])),
-                esc(&text(&r["pid"])),
-                esc(&text(&r["state"])),
-                esc(&frames.join("\n")),
-            );
-        }
-        s.push_str("</tbody></table>");
-        s.push_str(&cut_at(ranks.len(), HANG_RANKS, "ranks"));
-        let ras = &h["nccl_ras"];
-        if let Some(f) = ras["findings"].as_array().filter(|f| !f.is_empty()) {
-            let lines: Vec<String> = f.iter().take(20).map(text).collect();
-            let _ = write!(
-                s,
-                "<p>NCCL's RAS (asked on {}):</p><pre>{}</pre>",
-                esc(&text(&ras["host"])),
-                esc(&lines.join("\n"))
-            );
-        }
-        s.push_str("</div>\n");
+    for h in w.hangs.iter().take(TABLE_ROWS) {
+        s.push_str(&hang(h));
     }
-    if !stragglers.is_empty() {
+    if !w.stragglers.is_empty() {
         s.push_str("<h3>Stragglers</h3><table class=\"stragglers\"><thead><tr><th>rank</th><th>node</th><th>waited for peers</th><th>median rank waited</th></tr></thead><tbody>\n");
-        for st in stragglers.iter().take(TABLE_ROWS) {
+        for st in w.stragglers.iter().take(TABLE_ROWS) {
             let _ = writeln!(
                 s,
                 "<tr class=\"straggler\"><td>{}</td><td>{}</td><td class=\"n\">{:.0}%</td><td class=\"n\">{:.0}%</td></tr>",
-                esc(&text(&st["rank"])),
-                esc(&text(&st["host"])),
-                st["waited_pct"].as_f64().unwrap_or(0.0),
-                st["median_pct"].as_f64().unwrap_or(0.0),
+                st.rank,
+                esc(&st.host),
+                st.waited_pct,
+                st.median_pct,
             );
         }
         s.push_str("</tbody></table>\n");
-        s.push_str(&cut(stragglers.len(), "stragglers"));
+        s.push_str(&cut(w.stragglers.len(), "stragglers"));
     }
-    if !mismatches.is_empty() {
+    if !w.mismatches.is_empty() {
         s.push_str("<h3>Mismatched collectives</h3><ul class=\"mismatches\">");
-        for m in mismatches.iter().take(TABLE_ROWS) {
+        for m in w.mismatches.iter().take(TABLE_ROWS) {
             let _ = write!(
                 s,
                 "<li>group {} call #{}: {} (culprits: {})</li>",
-                esc(&text(&m["pg"])),
-                esc(&text(&m["seq"])),
-                esc(&text(&m["calls"])),
-                esc(&list_text(&m["culprits"])),
+                esc(&m.pg),
+                m.seq,
+                esc(&serde_json::to_string(&m.calls).unwrap_or_default()),
+                esc(&numbers(&m.culprits)),
             );
         }
         s.push_str("</ul>\n");
     }
     s + "</section>\n"
+}
+
+/// One hang: its kind, stall and conclusion, its ranks (culprits first), and what NCCL's RAS
+/// said.
+fn hang(h: &Diagnosis) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "<div class=\"hang\"><h3>hang: {}</h3><p>stalled {}; {}</p>",
+        esc(h.kind.as_str()),
+        nrun_base::duration_text(h.stalled_s),
+        esc(&h.conclusion),
+    );
+    s.push_str("<table><thead><tr><th>rank</th><th>node</th><th>pid</th><th>state</th><th>innermost frames</th></tr></thead><tbody>\n");
+    let culprit = |r: &&RankState| h.culprits.contains(&r.rank);
+    let shown = h
+        .ranks
+        .iter()
+        .filter(culprit)
+        .chain(h.ranks.iter().filter(|r| !culprit(r)))
+        .take(HANG_RANKS);
+    for r in shown {
+        let frames: Vec<&str> = r.frames.iter().take(4).map(String::as_str).collect();
+        let class = match culprit(&r) {
+            true => " class=\"culprit\"",
+            false => "",
+        };
+        let _ = writeln!(
+            s,
+            "<tr{class}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><pre>{}</pre></td></tr>",
+            r.rank,
+            esc(&r.host),
+            r.pid,
+            esc(&r.state),
+            esc(&frames.join("\n")),
+        );
+    }
+    s.push_str("</tbody></table>");
+    s.push_str(&cut_at(h.ranks.len(), HANG_RANKS, "ranks"));
+    if let Some(ras) = h.nccl_ras.as_ref().filter(|r| !r.findings.is_empty()) {
+        let lines: Vec<&str> = ras.findings.iter().take(20).map(String::as_str).collect();
+        let _ = write!(
+            s,
+            "<p>NCCL's RAS (asked on {}):</p><pre>{}</pre>",
+            esc(&ras.host),
+            esc(&lines.join("\n"))
+        );
+    }
+    s + "</div>\n"
+}
+
+/// Numbers joined with "; ", as the page says a list.
+fn numbers(xs: &[usize]) -> String {
+    xs.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 const NOT_RECORDED: &str = "<p class=\"not-recorded\">not recorded in this report</p>\n";
@@ -697,11 +724,6 @@ fn cut_at(len: usize, max: usize, what: &str) -> String {
         true => format!("<p class=\"cut\">{} more {what} not shown</p>\n", len - max),
         false => String::new(),
     }
-}
-
-/// The report's events (schema38's `events`), none when absent.
-pub(super) fn events(v: &Value) -> impl Iterator<Item = &Value> {
-    v["events"].as_array().into_iter().flatten()
 }
 
 /// Escapes text for HTML content and attribute values alike.
@@ -730,14 +752,6 @@ pub(super) fn text(v: &Value) -> String {
             _ => n.to_string(),
         },
         v => v.to_string(),
-    }
-}
-
-/// A list of strings joined with "; " (a single value as [`text`]).
-pub(super) fn list_text(v: &Value) -> String {
-    match v.as_array() {
-        Some(a) => a.iter().map(text).collect::<Vec<_>>().join("; "),
-        None => text(v),
     }
 }
 
@@ -955,12 +969,13 @@ mod tests {
         let mut ev: Vec<serde_json::Value> = (0..8)
             .map(|r| {
                 json!({"name": "worker_failed", "t": 100.0 + r as f64 * 0.001, "node": 0,
-                       "host": "h1", "rank": r, "message": format!("rank {r} failed")})
+                       "host": "h1", "rank": r, "message": format!("rank {r} failed"),
+                       "metadata": {"how": "exited with code 1", "exit_code": 1}})
             })
             .collect();
         ev.push(
             json!({"name": "worker_failed", "t": 900.0, "node": 0, "host": "h1",
-                       "rank": 0, "message": "again"}),
+                       "rank": 0, "message": "again", "metadata": {"how": "was killed by SIGKILL"}}),
         );
         let page = page(&json!({"job": {}, "events": ev}));
         assert_eq!(page.matches("class=\"m m-failed\"").count(), 2);

@@ -6,15 +6,19 @@
 //! the one that says what it is (`job`; `verdict`, `rows`; `rounds`, `nodes` as a list): an
 //! older report, or one cut by hand, still draws, saying what it lacks. What it has must be of
 //! the type nrun writes there (a `ledger` has its wall time, phases and share), or the report
-//! is refused, the first such key named. The sections other
-//! parts own as they write them (`events`, `watch`, `nodes`, `control`, a preflight's `ranks`
-//! and `rows`, bisect's `nodes` and `rounds`) are carried as JSON of the kind they must be.
+//! is refused, the first such key named. The events read back as [`EventRecord`]s (a line of
+//! another nrun as it was), the watch's findings as its types, a job's `nodes` and `control`
+//! as theirs, bisect's nodes and rounds as theirs. A preflight's `ranks` and `rows` (the
+//! preflight crate's) are carried as JSON of the kind they must be.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::journal::EventRecord;
+use crate::watch::WatchReport;
 
 /// The ledger's phases, each with its key in the report, in the order time flows: the one list
 /// ([`Phase::ALL`], [`Phase::key`] and serde's names all come from it).
@@ -198,15 +202,66 @@ pub(crate) struct LineRate {
 pub(crate) struct SessionParts {
     /// The nodes left out and who ran (the roster's); absent when none was left out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nodes: Option<Value>,
+    pub nodes: Option<NodesReport>,
     /// Where each node's agent reaches the launch host; absent when no agent joined.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub control: Option<Vec<Value>>,
+    pub control: Option<Vec<ControlLink>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ledger: Option<LedgerReport>,
     /// The journal's events (the lines of `--events`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub events: Option<Vec<Value>>,
+    pub events: Option<Vec<EventRecord>>,
+}
+
+/// A job's `nodes`: its size, where it ran, the spares left, the nodes left out.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct NodesReport {
+    pub size: usize,
+    #[serde(deserialize_with = "words")]
+    pub ran_on: Vec<String>,
+    #[serde(deserialize_with = "words")]
+    pub spares: Vec<String>,
+    pub left_out: Vec<LeftOutReport>,
+}
+
+/// A node left out of the job, with its evidence.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct LeftOutReport {
+    pub host: String,
+    /// Where it was left out ("check", "run", ...).
+    pub stage: String,
+    /// What kind of evidence ("seen", "link", ...); absent from an older report.
+    pub evidence: String,
+    pub why: String,
+    /// When, RFC 3339 to the second.
+    pub at: String,
+}
+
+/// How a node's agent reaches the launch host (`control`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct ControlLink {
+    pub host: String,
+    /// The launch host's address it reached.
+    pub launch_addr: String,
+    /// How that address was chosen.
+    pub chosen: String,
+    /// The node's own end of the link.
+    pub node_addr: String,
+}
+
+/// A list of names read leniently: a null says nothing (""), a number as its digits.
+fn words<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let v = Vec::<Value>::deserialize(d)?;
+    Ok(v.into_iter()
+        .map(|w| match w {
+            Value::String(s) => s,
+            Value::Null => String::new(),
+            w => w.to_string(),
+        })
+        .collect())
 }
 
 /// A job's `--report`.
@@ -218,7 +273,7 @@ pub(crate) struct JobReport {
     pub job: JobSection,
     /// The watch's hangs, stragglers and mismatches; null where no watch ran.
     #[serde(default)]
-    pub watch: Option<Value>,
+    pub watch: Option<WatchReport>,
     #[serde(flatten)]
     pub session: SessionParts,
 }
@@ -237,9 +292,9 @@ pub(crate) struct PreflightOnlyReport {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub(crate) struct BisectReport {
     #[serde(default)]
-    pub nodes: Vec<Value>,
+    pub nodes: Vec<BisectNode>,
     #[serde(default)]
-    pub rounds: Vec<Value>,
+    pub rounds: Vec<BisectRound>,
     #[serde(default)]
     pub rounds_after_stage1: usize,
     #[serde(default)]
@@ -248,12 +303,38 @@ pub(crate) struct BisectReport {
     pub control: Option<Value>,
 }
 
-/// Each item as the JSON a report carries it as (bisect's nodes and rounds).
-pub(crate) fn json_list<T: Serialize>(items: &[T]) -> Vec<Value> {
-    items
-        .iter()
-        .map(|x| serde_json::to_value(x).unwrap_or_default())
-        .collect()
+/// A node's verdict in bisect's report.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct BisectNode {
+    pub host: String,
+    /// "good", "bad", "slow", "unreachable", "link".
+    pub verdict: String,
+    #[serde(deserialize_with = "words")]
+    pub evidence: Vec<String>,
+}
+
+/// One round of bisect: its stage and the groups it ran.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct BisectRound {
+    pub stage: String,
+    pub groups: Vec<BisectGroup>,
+}
+
+/// A group of a bisect round and how it did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct BisectGroup {
+    #[serde(deserialize_with = "words")]
+    pub hosts: Vec<String>,
+    /// Always written; absent from a report cut by hand.
+    pub ok: Option<bool>,
+    pub busbw_gbs: Option<f64>,
+    pub evidence: String,
+    /// A link of the group's ring far under the round's links.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slow_link: Option<String>,
 }
 
 /// A report nrun wrote, of one of its commands.
@@ -370,11 +451,11 @@ fn take<T: serde::de::DeserializeOwned>(o: &mut Map, k: &str) -> Result<Option<T
 /// The parts a job's session adds, taken out of `o`.
 fn session_of(o: &mut Map) -> Result<SessionParts, String> {
     Ok(SessionParts {
-        nodes: o.remove("nodes").filter(|n| !n.is_null()),
+        nodes: take(o, "nodes")?,
         control: take(o, "control")?,
         ledger: take(o, "ledger")?,
         events: match o.remove("events") {
-            Some(Value::Array(a)) => Some(a),
+            Some(Value::Array(a)) => Some(a.into_iter().map(EventRecord::of_json).collect()),
             _ => None,
         },
     })
@@ -383,7 +464,7 @@ fn session_of(o: &mut Map) -> Result<SessionParts, String> {
 /// A job's report (its `job` an object: checked by the caller).
 fn job_of(mut o: Map) -> Result<JobReport, String> {
     let job = take(&mut o, "job")?.unwrap_or_default();
-    let watch = o.remove("watch").filter(|w| !w.is_null());
+    let watch = take(&mut o, "watch")?;
     let session = session_of(&mut o)?;
     // The preflight's keys are what is left, where one ran.
     let preflight = match o.get("verdict").is_some_and(|v| !v.is_null()) {
@@ -442,6 +523,15 @@ impl Report {
         match self {
             Report::Job(r) => r.session.ledger.as_ref(),
             Report::Preflight(r) => r.session.ledger.as_ref(),
+            Report::Bisect(_) => None,
+        }
+    }
+
+    /// What the job's session added at its end (none to bisect's).
+    pub(crate) fn session(&self) -> Option<&SessionParts> {
+        match self {
+            Report::Job(r) => Some(&r.session),
+            Report::Preflight(r) => Some(&r.session),
             Report::Bisect(_) => None,
         }
     }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use super::link::{JoinHere, Joining};
 use super::{AgentLink, JoinedNode, Node, Session};
 use crate::protocol::{AddrChoice, Joined, Step, c10d_next_key, c10d_refused_key, c10d_room_key};
+use crate::report::schema::ControlLink;
 use nrun_base::error::{Error, Result};
 
 /// How long nodes beyond the job's size may still join once the job has its nodes.
@@ -173,21 +174,19 @@ impl Session {
 
     /// `--report`'s `control` section: each joined node's launch-host address, how its agent
     /// chose it, and the node's own end of that connection.
-    pub(crate) fn control_json(&self) -> serde_json::Value {
-        let nodes: Vec<serde_json::Value> = self
-            .nodes
+    pub(crate) fn control_report(&self) -> Vec<ControlLink> {
+        self.nodes
             .iter()
             .filter_map(|n| {
                 let l = n.joined.as_ref()?.link.as_ref()?;
-                Some(serde_json::json!({
-                    "host": n.label,
-                    "launch_addr": l.reached,
-                    "chosen": l.chosen.as_str(),
-                    "node_addr": l.local_addr,
-                }))
+                Some(ControlLink {
+                    host: n.label.clone(),
+                    launch_addr: l.reached.clone(),
+                    chosen: l.chosen.as_str().to_string(),
+                    node_addr: l.local_addr.clone(),
+                })
             })
-            .collect();
-        serde_json::Value::Array(nodes)
+            .collect()
     }
 
     /// Who the join waits for (nodes neither joined nor `gone`), and who is in.

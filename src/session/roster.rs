@@ -13,6 +13,7 @@ use std::time::SystemTime;
 use super::Session;
 use crate::fault;
 use crate::journal::Event;
+use crate::report::schema::{LeftOutReport, NodesReport};
 use nrun_base::error::{Error, Result};
 
 /// The nodes' states in the job. A node is active, a spare (joined, neither active nor left
@@ -101,21 +102,17 @@ impl Roster {
     }
 
     /// The nodes left out, as `--report` JSON.
-    pub(crate) fn left_out_json(&self) -> serde_json::Value {
-        serde_json::Value::Array(
-            self.left_out
-                .iter()
-                .map(|l| {
-                    serde_json::json!({
-                        "host": l.host,
-                        "stage": l.stage.as_str(),
-                        "evidence": l.evidence.as_str(),
-                        "why": l.why,
-                        "at": humantime::format_rfc3339_seconds(l.at).to_string(),
-                    })
-                })
-                .collect(),
-        )
+    pub(crate) fn left_out_report(&self) -> Vec<LeftOutReport> {
+        self.left_out
+            .iter()
+            .map(|l| LeftOutReport {
+                host: l.host.clone(),
+                stage: l.stage.as_str().to_string(),
+                evidence: l.evidence.as_str().to_string(),
+                why: l.why.clone(),
+                at: humantime::format_rfc3339_seconds(l.at).to_string(),
+            })
+            .collect()
     }
 
     /// A roster whose active nodes are `active` (the fake links' sessions).
@@ -272,8 +269,8 @@ impl Session {
         self.journal.emit(Event::NodeLeftOut {
             node: i,
             host: host.clone(),
-            stage: stage.as_str(),
-            evidence: evidence.as_str(),
+            stage: stage.as_str().to_string(),
+            evidence: evidence.as_str().to_string(),
             reason: why.clone(),
         });
         self.roster.leave_out(LeftOut {
@@ -596,19 +593,19 @@ impl Session {
 
     /// `--report`'s `nodes` section: the job's size, where it ran, the spares left, the nodes
     /// left out with their evidence; None when nothing was left out.
-    pub(crate) fn nodes_json(&self) -> Option<serde_json::Value> {
+    pub(crate) fn nodes_report(&self) -> Option<NodesReport> {
         if self.roster.left_out.is_empty() {
             return None;
         }
         let names = |v: &[usize]| -> Vec<String> {
             v.iter().map(|i| self.nodes[*i].label.clone()).collect()
         };
-        Some(serde_json::json!({
-            "size": self.plan.size,
-            "ran_on": names(&self.roster.active),
-            "spares": names(&self.spares()),
-            "left_out": self.roster.left_out_json(),
-        }))
+        Some(NodesReport {
+            size: self.plan.size,
+            ran_on: names(&self.roster.active),
+            spares: names(&self.spares()),
+            left_out: self.roster.left_out_report(),
+        })
     }
 }
 
@@ -657,6 +654,6 @@ mod tests {
             [(1, Stage::Run), (2, Stage::Lost), (0, Stage::Run)],
             "a kept node is listed once, and one left out since with its own evidence"
         );
-        assert_eq!(r.left_out_json()[1]["stage"], "run");
+        assert_eq!(r.left_out_report()[1].stage, "run");
     }
 }

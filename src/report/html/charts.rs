@@ -6,7 +6,9 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
-use super::{esc, events, list_text, text};
+use super::{esc, text};
+use crate::journal::{Event, EventRecord};
+use crate::report::schema::{BisectReport, BisectRound};
 use crate::report::schema::{LedgerReport, PhaseTimes, PreflightReport};
 
 /// The ledger as stacked bars: the whole job, then each attempt placed on the job's time.
@@ -69,7 +71,7 @@ pub(super) struct Point {
 }
 
 /// The sweep's sizes: the report's `rows`, else the `preflight_size` events.
-pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
+pub(super) fn busbw_points(v: &Value, evs: &[EventRecord]) -> Vec<Point> {
     let mut pts: Vec<Point> = v["rows"]
         .as_array()
         .into_iter()
@@ -93,9 +95,14 @@ pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
         })
         .collect();
     if pts.is_empty() {
-        for e in events(v).filter(|e| e["name"] == "preflight_size") {
-            let m = &e["metadata"];
-            if let (Some(bytes), Some(oop)) = (m["bytes"].as_f64(), m["busbw_gbs"].as_f64()) {
+        for e in evs.iter().filter_map(EventRecord::event) {
+            if let Event::PreflightSize {
+                bytes: Some(bytes),
+                busbw_gbs: Some(oop),
+                ..
+            } = *e
+            {
+                let bytes = bytes as f64;
                 pts.push(Point {
                     bytes,
                     oop,
@@ -114,25 +121,28 @@ pub(super) fn busbw_points(v: &Value) -> Vec<Point> {
 }
 
 /// The expected line rate and what it is, from the preflight's report or its events.
-fn line_rate(p: Option<&PreflightReport>, v: &Value) -> Option<(f64, String)> {
+fn line_rate(p: Option<&PreflightReport>, evs: &[EventRecord]) -> Option<(f64, String)> {
     if let Some(lr) = p.and_then(|p| p.line_rate.as_ref())
         && let Some(g) = lr.gbs
     {
         return Some((g, lr.what.clone()));
     }
-    events(v)
-        .filter(|e| e["name"] == "preflight_size")
-        .find_map(|e| e["metadata"]["line_rate_gbs"].as_f64())
+    evs.iter()
+        .filter_map(EventRecord::event)
+        .find_map(|e| match *e {
+            Event::PreflightSize { line_rate_gbs, .. } => line_rate_gbs,
+            _ => None,
+        })
         .map(|g| (g, "the GPUs' or NICs' line rate".to_string()))
 }
 
 /// The bus-bandwidth curve: busbw by message size (log2 x), the line rate as a dashed line.
-pub(super) fn busbw(p: Option<&PreflightReport>, v: &Value, pts: &[Point]) -> String {
+pub(super) fn busbw(p: Option<&PreflightReport>, evs: &[EventRecord], pts: &[Point]) -> String {
     if pts.is_empty() {
         return "<p class=\"not-recorded\">no sweep recorded (the preflight did not get as far as measuring)</p>\n".into();
     }
     let (left, right, top, bottom, w, h) = (70.0, 20.0, 20.0, 40.0, 900.0, 320.0);
-    let rate = line_rate(p, v);
+    let rate = line_rate(p, evs);
     let ymax = pts
         .iter()
         .map(|p| p.oop.max(p.ip.unwrap_or(0.0)))
@@ -279,24 +289,18 @@ impl Cell {
 
 /// bisect's verdicts: a node x node matrix (diagonal: each node's verdict; off it: how the
 /// pair did together), and each round's groups.
-pub(super) fn bisect(v: &Value) -> String {
+pub(super) fn bisect(b: &BisectReport) -> String {
     let mut s = super::open("bisect", "Bisect: nodes and links");
-    let nodes = v["nodes"].as_array().map_or(&[][..], Vec::as_slice);
-    let rounds = v["rounds"].as_array().map_or(&[][..], Vec::as_slice);
+    let (nodes, rounds) = (&b.nodes[..], &b.rounds[..]);
     if nodes.is_empty() && rounds.is_empty() {
         return s + super::NOT_RECORDED + "</section>\n";
     }
     let verdict: HashMap<String, (String, String)> = nodes
         .iter()
-        .map(|n| {
-            (
-                text(&n["host"]),
-                (text(&n["verdict"]), list_text(&n["evidence"])),
-            )
-        })
+        .map(|n| (n.host.clone(), (n.verdict.clone(), n.evidence.join("; "))))
         .collect();
     // Hosts: the nodes not good first, then the rest, cut at MATRIX_HOSTS.
-    let mut hosts: Vec<String> = nodes.iter().map(|n| text(&n["host"])).collect();
+    let mut hosts: Vec<String> = nodes.iter().map(|n| n.host.clone()).collect();
     hosts.sort_by_key(|h| verdict.get(h).is_some_and(|v| v.0 == "good"));
     let all = hosts.len();
     hosts.truncate(MATRIX_HOSTS);
@@ -402,28 +406,27 @@ pub(super) fn bisect(v: &Value) -> String {
 /// How each pair of the matrix's hosts did together over the rounds (row-major, n x n): the
 /// worst that any group of both says, with its words. A slow link names its two ends; only
 /// that pair is slow, the rest of its group passed.
-fn pair_cells(rounds: &[Value], at: &HashMap<&str, usize>, n: usize) -> Vec<(Cell, String)> {
+fn pair_cells(rounds: &[BisectRound], at: &HashMap<&str, usize>, n: usize) -> Vec<(Cell, String)> {
     let mut cells = vec![(Cell::Untested, String::new()); n * n];
     for r in rounds {
-        let stage = text(&r["stage"]);
-        for g in r["groups"].as_array().into_iter().flatten() {
-            let members: Vec<usize> = g["hosts"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|h| at.get(text(h).as_str()).copied())
+        let stage = r.stage.clone();
+        for g in &r.groups {
+            let members: Vec<usize> = g
+                .hosts
+                .iter()
+                .filter_map(|h| at.get(h.as_str()).copied())
                 .collect();
-            let size = g["hosts"].as_array().map_or(0, Vec::len);
-            let slow = text(&g["slow_link"]);
+            let size = g.hosts.len();
+            let slow = g.slow_link.clone().unwrap_or_default();
             let ends = link_ends(&slow).map(|(a, b)| (at.get(a).copied(), at.get(b).copied()));
-            let cell = match (g["ok"].as_bool(), size) {
+            let cell = match (g.ok, size) {
                 (Some(true), _) => Cell::Good,
                 (_, 2) => Cell::Bad,
                 _ => Cell::GroupFailed,
             };
             let mut said: Vec<String> = vec![stage.clone()];
-            said.extend(g["busbw_gbs"].as_f64().map(|b| format!("{b:.2} GB/s")));
-            said.extend([text(&g["evidence"]), slow.clone()]);
+            said.extend(g.busbw_gbs.map(|b| format!("{b:.2} GB/s")));
+            said.extend([g.evidence.clone(), slow.clone()]);
             said.retain(|x| !x.is_empty());
             let why = said.join("; ");
             for &a in &members {
@@ -457,36 +460,32 @@ fn link_ends(slow: &str) -> Option<(&str, &str)> {
 }
 
 /// Each round: its stage and groups, the failed and slow ones spelled out.
-fn rounds_table(rounds: &[Value]) -> String {
+fn rounds_table(rounds: &[BisectRound]) -> String {
     let mut s = String::from(
         "<h3>Rounds</h3><table class=\"rounds\"><thead><tr><th>round</th><th>stage</th><th>groups</th><th>not ok or slow</th></tr></thead><tbody>\n",
     );
     for (i, r) in rounds.iter().enumerate().take(super::TABLE_ROWS) {
-        let groups = r["groups"].as_array().map_or(&[][..], Vec::as_slice);
+        let groups = &r.groups;
         let odd: Vec<String> = groups
             .iter()
-            .filter(|g| g["ok"] != true || !text(&g["slow_link"]).is_empty())
+            .filter(|g| g.ok != Some(true) || g.slow_link.as_ref().is_some_and(|l| !l.is_empty()))
             .take(20)
             .map(|g| {
-                let mut said = vec![match g["ok"].as_bool() {
+                let mut said = vec![match g.ok {
                     Some(true) => "ok".to_string(),
                     _ => "failed".to_string(),
                 }];
-                said.extend(g["busbw_gbs"].as_f64().map(|b| format!("{b:.2} GB/s")));
-                said.extend([text(&g["evidence"]), text(&g["slow_link"])]);
+                said.extend(g.busbw_gbs.map(|b| format!("{b:.2} GB/s")));
+                said.extend([g.evidence.clone(), g.slow_link.clone().unwrap_or_default()]);
                 said.retain(|x| !x.is_empty());
-                format!(
-                    "{}: {}",
-                    list_text(&g["hosts"]).replace("; ", "+"),
-                    said.join("; ")
-                )
+                format!("{}: {}", g.hosts.join("+"), said.join("; "))
             })
             .collect();
         let _ = writeln!(
             s,
             "<tr><td>{}</td><td>{}</td><td class=\"n\">{}</td><td>{}</td></tr>",
             i + 1,
-            esc(&text(&r["stage"])),
+            esc(&r.stage),
             groups.len(),
             esc(&odd.join("\n")).replace('\n', "<br>")
         );

@@ -11,9 +11,8 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
-use serde_json::Value;
-
-use super::{esc, events, text};
+use super::esc;
+use crate::journal::{Event, EventRecord, Outcome};
 use crate::report::schema::Phase;
 
 /// Width of the plot area and of the label gutter, in SVG units.
@@ -43,17 +42,17 @@ struct Bar {
 struct Row {
     label: String,
     /// The node's index where an event gave it, for the rows' order.
-    node: Option<u64>,
+    node: Option<usize>,
     bars: Vec<Bar>,
     marks: Vec<Mark>,
 }
 
 /// An attempt as its events tell it: its number, start, nodes, and end (time, outcome).
 struct Attempt {
-    n: Value,
+    n: Option<u32>,
     t0: f64,
     hosts: Vec<String>,
-    ended: Option<(f64, String)>,
+    ended: Option<(f64, Outcome)>,
 }
 
 /// The rows, by host, in the order of their node index (then of first mention).
@@ -64,7 +63,7 @@ struct Rows {
 }
 
 impl Rows {
-    fn get(&mut self, host: &str, node: Option<u64>) -> &mut Row {
+    fn get(&mut self, host: &str, node: Option<usize>) -> &mut Row {
         let i = *self.at.entry(host.to_string()).or_insert_with(|| {
             self.rows.push(Row {
                 label: host.to_string(),
@@ -81,162 +80,172 @@ impl Rows {
 }
 
 /// The mark kind an event draws on its node's row (or the job's row), if any.
-fn mark_kind(name: &str) -> Option<&'static str> {
-    Some(match name {
-        "worker_failed" => "failed",
-        "hang" => "hang",
-        "straggler" => "straggler",
-        "node_left_out" => "left_out",
-        "spare_in" => "spare_in",
-        "node_joined" => "joined",
-        "decision" => "decision",
-        "restart" => "restart",
-        "waiting_nodes" => "waiting",
-        "preflight_end" => "preflight",
-        "job_end" => "end",
+fn mark_kind(e: &Event) -> Option<&'static str> {
+    Some(match e {
+        Event::WorkerFailed { .. } => "failed",
+        Event::Hang { .. } => "hang",
+        Event::Straggler { .. } => "straggler",
+        Event::NodeLeftOut { .. } => "left_out",
+        Event::SpareIn { .. } => "spare_in",
+        Event::NodeJoined { .. } => "joined",
+        Event::Decision { .. } => "decision",
+        Event::Restart { .. } => "restart",
+        Event::PreflightEnd { .. } => "preflight",
+        Event::JobEnd { .. } => "end",
         _ => return None,
     })
 }
 
-/// The timeline section.
-pub(super) fn section(v: &Value) -> String {
-    let mut s = super::open("timeline", "Timeline: nodes over time");
-    let evs: Vec<&Value> = events(v).filter(|e| e["t"].is_number()).collect();
+/// What the events put on the chart: the rows' marks, the job's row, the restarts, the
+/// phases and the attempts.
+#[derive(Default)]
+struct Chart {
+    rows: Rows,
+    job: Row,
+    restarts: Vec<(f64, String)>,
+    phases: Vec<(f64, Phase)>,
+    attempts: Vec<Attempt>,
+}
+
+impl Chart {
+    /// The chart of `evs` (each with its time), `x` placing a time on it.
+    fn of(evs: &[(f64, &EventRecord)], x: &dyn Fn(f64) -> f64) -> Chart {
+        let mut c = Chart {
+            job: Row {
+                label: "job".into(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        // The attempts not ended yet, by number: an end finds its start at once, whatever
+        // the count.
+        let mut open: HashMap<Option<u32>, Vec<usize>> = HashMap::new();
+        for &(t, e) in evs {
+            let Some(ev) = e.event() else {
+                continue;
+            };
+            match ev {
+                Event::Phase { phase } => c.phases.push((t, *phase)),
+                Event::AttemptStart { nodes, .. } => {
+                    open.entry(e.attempt).or_default().push(c.attempts.len());
+                    c.attempts.push(Attempt {
+                        n: e.attempt,
+                        t0: t,
+                        hosts: nodes.clone(),
+                        ended: None,
+                    });
+                }
+                Event::AttemptEnd { outcome, .. } => {
+                    if let Some(i) = open.get_mut(&e.attempt).and_then(Vec::pop) {
+                        c.attempts[i].ended = Some((t, *outcome));
+                    }
+                }
+                Event::Restart { .. } => c.restarts.push((t, title(e, t))),
+                _ => {}
+            }
+            let Some(kind) = mark_kind(ev) else {
+                continue;
+            };
+            let mark = Mark {
+                kind,
+                x: x(t),
+                title: title(e, t),
+            };
+            match e.host.as_deref().filter(|h| !h.is_empty()) {
+                None => c.job.marks.push(mark),
+                Some(host) => c.rows.get(host, e.node).marks.push(mark),
+            }
+        }
+        c
+    }
+
+    /// Each attempt's bar on the rows of its nodes; an attempt that names no node is one band
+    /// across every node's row (returned), not a bar on each: the page stays linear in the
+    /// report (a bar per row and attempt was quadratic).
+    fn bars(&mut self, end: f64, x: &dyn Fn(f64) -> f64) -> Vec<Bar> {
+        let mut on_all: Vec<Bar> = Vec::new();
+        for a in &self.attempts {
+            let (t1, outcome, class) = match a.ended {
+                Some((t1, o)) => (t1, o.as_str(), format!("bar-{o}")),
+                None => (
+                    end,
+                    "running at the report's end",
+                    "bar-running".to_string(),
+                ),
+            };
+            let n = a.n.map_or(String::new(), |n| n.to_string());
+            let span = format!(
+                "{} to {}, {outcome}",
+                nrun_base::duration_text(a.t0),
+                nrun_base::duration_text(t1)
+            );
+            if a.hosts.is_empty() {
+                on_all.push(Bar {
+                    x0: x(a.t0),
+                    x1: x(t1),
+                    class: class.clone(),
+                    title: format!("attempt {n} on every node: {span}"),
+                });
+            }
+            for h in &a.hosts {
+                self.rows.get(h, None).bars.push(Bar {
+                    x0: x(a.t0),
+                    x1: x(t1),
+                    class: class.clone(),
+                    title: format!("attempt {n} on {h}: {span}"),
+                });
+            }
+        }
+        on_all
+    }
+}
+
+/// The timeline section, of the report's events over `wall_s` (the ledger's, where one).
+pub(super) fn section(events: &[EventRecord], wall_s: Option<f64>) -> String {
+    let s = super::open("timeline", "Timeline: nodes over time");
+    let evs: Vec<(f64, &EventRecord)> = events.iter().filter_map(|e| Some((e.t?, e))).collect();
     if evs.is_empty() {
         return s + super::NOT_RECORDED + "</section>\n";
     }
     let end = evs
         .iter()
-        .filter_map(|e| e["t"].as_f64())
-        .fold(v["ledger"]["wall_s"].as_f64().unwrap_or(0.0), f64::max)
+        .map(|e| e.0)
+        .fold(wall_s.unwrap_or(0.0), f64::max)
         .max(1e-3);
     let x = |t: f64| GUTTER + (t.clamp(0.0, end) / end) * PLOT_W;
-    let mut rows = Rows::default();
-    let mut job = Row {
-        label: "job".into(),
-        ..Default::default()
-    };
-    let mut restarts: Vec<(f64, String)> = Vec::new();
-    let mut phases: Vec<(f64, String)> = Vec::new();
-    let mut attempts: Vec<Attempt> = Vec::new();
-    // The attempts not ended yet, by number: an end finds its start at once, whatever the count.
-    let mut open: HashMap<String, Vec<usize>> = HashMap::new();
-    for e in &evs {
-        let t = e["t"].as_f64().unwrap_or(0.0);
-        let name = e["name"].as_str().unwrap_or("");
-        let m = &e["metadata"];
-        match name {
-            "phase" => phases.push((t, text(&m["phase"]))),
-            "attempt_start" => {
-                let hosts = m["nodes"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(text)
-                    .collect();
-                open.entry(e["attempt"].to_string())
-                    .or_default()
-                    .push(attempts.len());
-                attempts.push(Attempt {
-                    n: e["attempt"].clone(),
-                    t0: t,
-                    hosts,
-                    ended: None,
-                });
-            }
-            "attempt_end" => {
-                if let Some(i) = open.get_mut(&e["attempt"].to_string()).and_then(Vec::pop) {
-                    attempts[i].ended = Some((t, text(&m["outcome"])));
-                }
-            }
-            "restart" => restarts.push((t, title(e, t))),
-            _ => {}
-        }
-        let Some(kind) = mark_kind(name) else {
-            continue;
-        };
-        let host = text(&e["host"]);
-        let mark = Mark {
-            kind,
-            x: x(t),
-            title: title(e, t),
-        };
-        match host.is_empty() {
-            true => job.marks.push(mark),
-            false => rows.get(&host, e["node"].as_u64()).marks.push(mark),
-        }
-    }
-    let mut on_all: Vec<Bar> = Vec::new();
-    for Attempt {
-        n: attempt,
-        t0,
-        hosts,
-        ended,
-    } in &attempts
-    {
-        let (t1, outcome) = ended
-            .clone()
-            .unwrap_or((end, "running at the report's end".to_string()));
-        let class = match outcome.as_str() {
-            "success" | "failed" | "hang" | "interrupted" => format!("bar-{outcome}"),
-            _ => "bar-running".to_string(),
-        };
-        // An attempt that names no node is one band across every node's row, not a bar on each:
-        // the page stays linear in the report (a bar per row and attempt was quadratic).
-        if hosts.is_empty() {
-            on_all.push(Bar {
-                x0: x(*t0),
-                x1: x(t1),
-                class: class.clone(),
-                title: format!(
-                    "attempt {} on every node: {} to {}, {outcome}",
-                    text(attempt),
-                    nrun_base::duration_text(*t0),
-                    nrun_base::duration_text(t1)
-                ),
-            });
-        }
-        for h in hosts {
-            let title = format!(
-                "attempt {} on {h}: {} to {}, {outcome}",
-                text(attempt),
-                nrun_base::duration_text(*t0),
-                nrun_base::duration_text(t1)
-            );
-            rows.get(h, None).bars.push(Bar {
-                x0: x(*t0),
-                x1: x(t1),
-                class: class.clone(),
-                title,
-            });
-        }
-    }
+    let mut chart = Chart::of(&evs, &x);
+    let on_all = chart.bars(end, &x);
+    let Chart {
+        rows,
+        mut job,
+        restarts,
+        phases,
+        attempts,
+    } = chart;
     let mut rows = rows.rows;
     // Node order; rows without an index (a host only named) keep theirs after.
-    rows.sort_by_key(|r| r.node.unwrap_or(u64::MAX));
+    rows.sort_by_key(|r| r.node.unwrap_or(usize::MAX));
     for r in rows.iter_mut().chain(std::iter::once(&mut job)) {
         merge(&mut r.marks);
     }
-    s.push_str(&legend(rows.len(), &attempts));
-    s.push_str(&draw(&job, &rows, &on_all, &phases, &restarts, end, &x));
-    s + "</section>\n"
+    s + &legend(rows.len(), &attempts)
+        + &draw(&job, &rows, &on_all, &phases, &restarts, end, &x)
+        + "</section>\n"
 }
 
 /// An event's tooltip: when, where, what.
-fn title(e: &Value, t: f64) -> String {
+fn title(e: &EventRecord, t: f64) -> String {
     let mut s = format!("{} ", nrun_base::duration_text(t));
-    let host = text(&e["host"]);
-    if !host.is_empty() {
+    if let Some(host) = e.host.as_deref().filter(|h| !h.is_empty()) {
         let _ = write!(s, "{host}");
-        if let Some(r) = e["rank"].as_u64() {
+        if let Some(r) = e.rank {
             let _ = write!(s, " rank {r}");
         }
         s.push_str(": ");
     }
-    let msg = text(&e["message"]);
-    match msg.is_empty() {
-        true => s.push_str(&text(&e["name"]).replace('_', " ")),
-        false => s.push_str(&msg),
+    match e.message.is_empty() {
+        true => s.push_str(&e.name().replace('_', " ")),
+        false => s.push_str(&e.message),
     }
     s
 }
@@ -305,7 +314,7 @@ fn draw(
     job: &Row,
     rows: &[Row],
     on_all: &[Bar],
-    phases: &[(f64, String)],
+    phases: &[(f64, Phase)],
     restarts: &[(f64, String)],
     end: f64,
     x: &dyn Fn(f64) -> f64,
@@ -346,10 +355,7 @@ fn draw(
     );
     for (i, (t, p)) in phases.iter().enumerate() {
         let t1 = phases.get(i + 1).map_or(end, |n| n.0);
-        let class = match Phase::ALL.iter().any(|k| k.key() == p) {
-            true => p.as_str(),
-            false => "ending",
-        };
+        let class = p.key();
         let _ = write!(
             s,
             "<rect class=\"phase ph-{class}\" x=\"{:.1}\" y=\"{top}\" width=\"{:.2}\" height=\"{}\"><title>{}</title></rect>",
@@ -357,7 +363,7 @@ fn draw(
             (x(t1) - x(*t)).max(0.5),
             job_h / 2.0,
             esc(&format!(
-                "{p}: {} to {} ({})",
+                "{class}: {} to {} ({})",
                 nrun_base::duration_text(*t),
                 nrun_base::duration_text(t1),
                 nrun_base::duration_text(t1 - t)
