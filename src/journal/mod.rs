@@ -10,6 +10,7 @@
 
 mod event;
 pub(crate) mod metrics;
+mod phase;
 
 pub(crate) use event::{Body, Event, EventRecord, Outcome, Seen};
 
@@ -48,8 +49,7 @@ pub(crate) struct JournalPlan {
     pub metrics_port: Option<(String, std::net::SocketAddr)>,
 }
 
-pub(crate) use crate::report::schema::Phase;
-use crate::report::schema::{AttemptReport, LedgerReport, PhaseTimes};
+pub(crate) use phase::{AttemptReport, LedgerReport, Phase, PhaseTimes};
 
 /// Seconds spent in each phase.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
