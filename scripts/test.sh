@@ -17,6 +17,7 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   cargo fmt --all --check
   python3 scripts/unused-deps.py
+  python3 scripts/module-cycles.py
   python3 scripts/fn-lengths.py --self-test
   python3 scripts/fn-lengths.py
   # Python-reading unit tests skip without NRUN_TEST_PYTHON (no venv is made here).
@@ -67,6 +68,7 @@ export NRUN_TEST_REQUIRE_TOOLS=1
 
 cargo fmt --all --check
 python3 scripts/unused-deps.py
+python3 scripts/module-cycles.py
 python3 scripts/fn-lengths.py --self-test
 python3 scripts/fn-lengths.py
 cargo clippy --workspace --all-targets --quiet -- -D warnings
