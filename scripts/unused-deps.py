@@ -5,7 +5,12 @@ sources (src, tests, examples, benches, build.rs) name it as a path (`name::`), 
 `extern crate`. One kept for a reason other than its code (a feature of another crate's
 dependency, say) carries `# kept: WHY` on its manifest line.
     python3 scripts/unused-deps.py   (run by scripts/test.sh)"""
-import glob, os, re, sys, tomllib
+import glob, os, re, sys
+
+try:
+    import tomllib
+except ImportError:  # Python before 3.11
+    sys.exit("unused-deps.py: needs Python 3.11 or later (tomllib) to read the manifests")
 
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 os.chdir(root)
