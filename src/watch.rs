@@ -277,7 +277,7 @@ fn rank_states(ranks: &[Seen<'_>]) -> Vec<RankState> {
             host: s.host.to_string(),
             pid: s.view.pid,
             state: match (&s.view.exited, waits_in(s.view), &s.view.error) {
-                (Some(e), _, _) => e.clone(),
+                (Some(e), _, _) => e.to_string(),
                 (None, Some(op), _) => format!("waiting in {op}"),
                 (None, None, Some(e)) if s.view.frames.is_empty() => format!("unknown: {e}"),
                 (None, None, _) => "in Python code".into(),
@@ -361,7 +361,9 @@ fn missing(g: &Groups<'_, '_>) -> Conclusion {
             "rank {} on {} {} before entering it",
             s.view.rank,
             s.host,
-            s.view.exited.as_deref().unwrap_or("exited")
+            s.view
+                .exited
+                .map_or_else(|| "exited".to_string(), |e| e.to_string())
         ));
         culprits.push(s.view.rank);
     }
@@ -1245,7 +1247,7 @@ mod tests {
             d.conclusion
         );
         let mut gone = busy(1, 7);
-        gone.exited = Some("exited with code 0".into());
+        gone.exited = Some(nrun_node::Exit::Code(0));
         let v = [waiting(0, "all_reduce"), gone];
         let d = diagnose(&seen(&v)).unwrap();
         assert_eq!((d.kind, d.culprits), (Kind::Missing, vec![1]));

@@ -244,7 +244,7 @@ fn take_events(
             }),
             Ok(GroupEvent::Exited { rank, exit }) => {
                 if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
-                    w.view.exited = Some(exit.to_string());
+                    w.view.exited = Some(exit);
                     w.spy = None;
                 }
             }

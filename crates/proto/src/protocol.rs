@@ -584,8 +584,8 @@ pub struct RankView {
     /// Samples taken, and in how many it waited in a collective (straggler statistics).
     pub samples: u32,
     pub waiting: u32,
-    /// Set once the worker has ended ("exited with code 0").
-    pub exited: Option<String>,
+    /// Set once the worker has ended (words only where a person reads them: its `Display`).
+    pub exited: Option<nrun_node::Exit>,
     /// Why its stack could not be read, if it could not.
     pub error: Option<String>,
     /// Its flight recorder's last dump (NCCL jobs), if one was read.
