@@ -16,12 +16,12 @@ use std::process::ExitStatus;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch};
 
-use crate::protocol::Hello;
 use crate::relay::Nudges;
 pub use crate::relay::{Delivery, Marks};
 use crate::relay::{Passing, Reader, Stream, own_line};
-use crate::remote;
 use nrun_base::error::{Error, Result};
+use nrun_proto::protocol::Hello;
+use nrun_proto::remote;
 
 /// How long an agent's pipes may stay open after its end, held by something it left.
 const RELAY_DRAIN: Duration = Duration::from_secs(2);
@@ -61,7 +61,7 @@ impl AgentProcess {
     /// itself costs a copy of its file table, which grows with the nodes), else by nrun.
     /// `relay`: how its lines are passed on (see [`Relay`]).
     pub async fn spawn(starter: &Starter, what: &str, hello: &Hello, relay: Relay) -> Result<Self> {
-        let none: Option<std::future::Ready<Option<crate::protocol::Prefer>>> = None;
+        let none: Option<std::future::Ready<Option<nrun_proto::protocol::Prefer>>> = None;
         Self::spawn_with(starter, what, hello, relay, none).await
     }
 
@@ -73,7 +73,7 @@ impl AgentProcess {
         what: &str,
         hello: &Hello,
         relay: Relay,
-        prefer: Option<impl std::future::Future<Output = Option<crate::protocol::Prefer>>>,
+        prefer: Option<impl std::future::Future<Output = Option<nrun_proto::protocol::Prefer>>>,
     ) -> Result<Self> {
         let cannot = |e: &dyn std::fmt::Display| {
             let program = match starter {

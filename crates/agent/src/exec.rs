@@ -8,12 +8,12 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
-use crate::protocol::{
-    Ending, NodeWatch, RunResult, Step, StepResult, THIS_NRUN, WorkerFailure, WorkerSpec,
-};
 use nrun_base::error::{Error, Result};
 use nrun_node::output::{Sink, WorkerOutput};
 use nrun_node::{self as node, Outcome, StopRequest, WorkerCmd};
+use nrun_proto::protocol::{
+    Ending, NodeWatch, RunResult, Step, StepResult, THIS_NRUN, WorkerFailure, WorkerSpec,
+};
 
 /// The CPUs close to the GPU a worker uses (NVML's affinity of that device); None, with a
 /// warning, when unknown. NVML numbers GPUs in PCI order, as CUDA does for GPUs of one model

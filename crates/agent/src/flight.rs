@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Deserialize;
 
-use crate::protocol::{FrOp, FrRun, FrView};
+use nrun_proto::protocol::{FrOp, FrRun, FrView};
 
 /// Entries in each process group's ring: enough to see the last few steps' collectives.
 pub(crate) const BUFFER: &str = "64";

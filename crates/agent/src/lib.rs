@@ -21,9 +21,6 @@
 //! An inner agent of the launch tree ([`tree`]) also starts the agents of its subtree over ssh
 //! ([`child`]: the same agent process the launch host starts) and keeps them until the end.
 
-// The modules below name the protocol as `crate::protocol`, as when they lived in the launcher.
-use nrun_proto::{facts, protocol, remote};
-
 pub mod child;
 mod cost;
 pub mod exec;
@@ -43,13 +40,13 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio::sync::watch;
 
-use crate::protocol::{
-    AddrChoice, Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
-};
 use exec::{Done, StepIo};
 use nrun_base::error::{Error, Result};
 use nrun_base::net;
 use nrun_node::{Caught, Signals, StopRequest};
+use nrun_proto::protocol::{
+    self, AddrChoice, Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
+};
 use nrun_store::client::Client;
 
 /// Set by nrun (to its pid) on an agent it starts on its own host by exec, without ssh or a
@@ -458,14 +455,14 @@ async fn publish_joined(
         })?,
         false => String::new(),
     };
-    let mut facts = if crate::facts::quick(hello.python.as_deref()) {
+    let mut facts = if nrun_proto::facts::quick(hello.python.as_deref()) {
         // Files and netlink only: a thread of its own would cost the agent more than the work
         // (a thousand agents on one machine: a tenth of their start).
-        crate::facts::gather(hello.python.as_deref())
+        nrun_proto::facts::gather(hello.python.as_deref())
     } else {
         tokio::task::spawn_blocking({
             let py = hello.python.clone();
-            move || crate::facts::gather(py.as_deref())
+            move || nrun_proto::facts::gather(py.as_deref())
         })
         .await
         .map_err(|e| Error::helper(e.to_string()))?

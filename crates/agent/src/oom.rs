@@ -12,7 +12,7 @@ use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
-use crate::protocol::Oom;
+use nrun_proto::protocol::Oom;
 
 /// The cgroup's OOM kills when the workers started.
 pub(super) struct Mark {

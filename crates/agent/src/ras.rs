@@ -13,7 +13,7 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::protocol::RasView;
+use nrun_proto::protocol::RasView;
 
 /// NCCL's default client address.
 const DEFAULT_ADDR: &str = "localhost:28028";
@@ -143,7 +143,7 @@ impl Asker {
                         Err(e) => (None, Some(e.to_string())),
                     };
                     self.view = Some(RasView {
-                        at_ms: crate::protocol::unix_ms(),
+                        at_ms: nrun_proto::protocol::unix_ms(),
                         text,
                         error,
                     });

@@ -216,7 +216,7 @@ impl Passing {
 
 /// Where a mark with `token` starts in the line `buf` ('\n'-ended), and its node and step.
 fn find_mark(buf: &[u8], token: &str) -> Option<(usize, usize, usize)> {
-    let mark = crate::protocol::OUTPUT_MARK.as_bytes();
+    let mark = nrun_proto::protocol::OUTPUT_MARK.as_bytes();
     let body = &buf[..buf.len() - 1];
     // Its first byte, a control character, starts the search (a line is searched once).
     let at = body
@@ -226,7 +226,7 @@ fn find_mark(buf: &[u8], token: &str) -> Option<(usize, usize, usize)> {
         .map(|(i, _)| i)
         .find(|&i| body[i..].starts_with(mark))?;
     let tail = std::str::from_utf8(&body[at..]).ok()?;
-    let (node, no) = crate::protocol::read_output_mark(tail, token)?;
+    let (node, no) = nrun_proto::protocol::read_output_mark(tail, token)?;
     Some((at, node, no))
 }
 
@@ -371,7 +371,7 @@ mod tests {
 
     #[test]
     fn a_mark_is_found_alone_or_behind_another_nodes_unended_piece() {
-        let mark = crate::protocol::output_mark("tok", 4, 9);
+        let mark = nrun_proto::protocol::output_mark("tok", 4, 9);
         assert_eq!(find_mark(mark.as_bytes(), "tok"), Some((0, 4, 9)));
         let glued = format!("[h1:rank0]: half a li{mark}");
         assert_eq!(find_mark(glued.as_bytes(), "tok"), Some((21, 4, 9)));

@@ -18,8 +18,8 @@ use tokio::sync::mpsc;
 
 use super::cost::{Costs, Look, Pace, Paced};
 use super::flight::{self, FrFiles, FrState};
-use crate::protocol::{Frame, NodeWatch, RankView};
 use nrun_node::GroupEvent;
+use nrun_proto::protocol::{Frame, NodeWatch, RankView};
 
 /// Time between two samples of a rank's stack.
 pub const SAMPLE: Duration = Duration::from_millis(500);
@@ -387,7 +387,7 @@ fn flight_recorders(
 /// others do (a peer polling in a sleep loop moves its own stack, not the collective); or,
 /// none waiting, they (some at least) have all been still that long.
 fn stalling<'a>(ranks: impl Iterator<Item = &'a Watched> + Clone, after: Duration) -> bool {
-    let waits = |w: &&Watched| crate::protocol::waits_in(&w.view).is_some();
+    let waits = |w: &&Watched| nrun_proto::protocol::waits_in(&w.view).is_some();
     if ranks.clone().filter(waits).any(|w| unchanged(w) >= after) {
         return true;
     }
@@ -454,7 +454,7 @@ fn count(w: &mut Watched, costs: &mut Costs) {
     }
     v.samples += 1;
     let in_collective = v.collective.is_some();
-    let in_sync = crate::protocol::waits_in(v).is_some();
+    let in_sync = nrun_proto::protocol::waits_in(v).is_some();
     w.collectives |= in_collective;
     let waits = in_collective || (in_sync && (w.collectives || loaded_nccl(w, costs)));
     if waits {

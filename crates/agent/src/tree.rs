@@ -29,7 +29,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::child::{AgentProcess, Relay, Starter, how_it_ended, ship};
-use crate::protocol::{Branch, Hello, Keys, TreeSsh};
+use nrun_proto::protocol::{Branch, Hello, Keys, TreeSsh};
 use nrun_store::client::Client;
 
 /// Where the subtree's agents are in their lives, as the inner agent decides.
@@ -61,9 +61,9 @@ impl Subtree {
         // this node, which says nothing of the launch host's addresses.
         let chosen = super::choose(hello);
         let prefer = match chosen {
-            Some((a, _)) => Some(crate::protocol::Prefer {
+            Some((a, _)) => Some(nrun_proto::protocol::Prefer {
                 ip: a.ip().to_string(),
-                how: crate::protocol::AddrChoice::Tree,
+                how: nrun_proto::protocol::AddrChoice::Tree,
             }),
             None => hello.prefer.clone(),
         };
@@ -139,9 +139,13 @@ async fn serve_child(
             (true, _) => Starter::Here,
             (false, true) => {
                 let nrun = ship(&ssh.ssh_opts, &b.label).await?;
-                Starter::Program(crate::remote::ssh_command(&b.label, &ssh.ssh_opts, &nrun))
+                Starter::Program(nrun_proto::remote::ssh_command(
+                    &b.label,
+                    &ssh.ssh_opts,
+                    &nrun,
+                ))
             }
-            (false, false) => Starter::Program(crate::remote::ssh_command(
+            (false, false) => Starter::Program(nrun_proto::remote::ssh_command(
                 &b.label,
                 &ssh.ssh_opts,
                 &ssh.remote_nrun,
@@ -201,7 +205,7 @@ struct Reporter {
     me: String,
     addrs: Vec<String>,
     /// The launch host's address this agent uses ([`super::choose`]).
-    chosen: Option<(std::net::SocketAddr, crate::protocol::AddrChoice)>,
+    chosen: Option<(std::net::SocketAddr, nrun_proto::protocol::AddrChoice)>,
     secret: String,
     keys: Keys,
     conn: tokio::sync::Mutex<Option<Client>>,
