@@ -1,6 +1,7 @@
 """A gloo DDP training loop at about 10 steps/s for measuring recovery from a lost node. Rank 0
-prints `start t=...` as its process starts (before torch is imported) and `step N world W
-restart R t=...` after every step; the loop ends after SECONDS of steps."""
+prints `start restart R t=...` as its process starts (before torch is imported) and `step N
+world W restart R t=... master=ADDR` after every step (MASTER_ADDR: which host's store the
+world formed at); the loop ends after SECONDS_TO_RUN seconds of steps."""
 
 import time
 
@@ -9,6 +10,7 @@ import os  # noqa: E402
 
 RANK = os.environ.get("RANK", "0")
 RESTART = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+MASTER = os.environ.get("MASTER_ADDR", "-")
 if RANK == "0":
     print(f"start restart {RESTART} t={T0:.3f}", flush=True)
 
@@ -30,6 +32,7 @@ while time.time() < end:
     opt.step()
     step += 1
     if RANK == "0":
-        print(f"step {step} world {world} restart {RESTART} t={time.time():.3f}", flush=True)
+        print(f"step {step} world {world} restart {RESTART} t={time.time():.3f} master={MASTER}",
+              flush=True)
     time.sleep(0.1)
 dist.destroy_process_group()
