@@ -131,8 +131,15 @@ impl ProgressPlan {
     /// `--progress-regex REGEX` checked: a pattern the regex crate refuses is a usage error.
     pub(crate) fn parse(regex: &str) -> Result<ProgressPlan> {
         let re = regex::Regex::new(regex).map_err(|e| {
+            // The crate's parse errors draw the pattern over lines; their last line says what.
+            let e = e.to_string();
+            let what = e
+                .lines()
+                .last()
+                .unwrap_or_default()
+                .trim_start_matches("error: ");
             Error::usage(format!(
-                "--progress-regex {regex:?} is not a regular expression: {e} (the syntax is \
+                "--progress-regex '{regex}' is not a regular expression: {what} (the syntax is \
                  Rust's regex crate's, close to Python's re without look-around; e.g. \
                  'step (\\d+)')"
             ))
