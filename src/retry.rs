@@ -203,7 +203,7 @@ pub(crate) fn progress(
     let read = results
         .iter()
         .filter_map(|r| match r {
-            Some(StepResult::Run(RunResult::Failed(f))) => f.progress,
+            Some(StepResult::Run(RunResult::Failed(f))) => f.progress.as_deref().copied(),
             _ => None,
         })
         .reduce(|a, b| nrun_node::output::Progress {
@@ -346,9 +346,11 @@ ValueError: bad batch at step 5";
             left_early: Vec::new(),
             error_json: None,
             error_file_kept: false,
-            progress: progress.map(|s| nrun_node::output::Progress {
-                marks: s + 1,
-                step: Some(s),
+            progress: progress.map(|s| {
+                Box::new(nrun_node::output::Progress {
+                    marks: s + 1,
+                    step: Some(s),
+                })
             }),
         })))
     }

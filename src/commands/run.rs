@@ -11,7 +11,7 @@ use crate::plan::{NodesPlan, RunSettings};
 use crate::protocol::StepResult;
 use crate::report::schema::{
     AttemptFailure, Decision, JobReport, JobSection, PreflightOnlyReport, PreflightReport, Report,
-    SessionParts,
+    RetrySection, SessionParts,
 };
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::roster::Stage;
@@ -161,8 +161,10 @@ impl Record {
                 attempts: Some(self.attempts),
                 restarts: Some(self.restarts),
                 decisions: self.decisions.clone(),
-                failures: self.failures.clone(),
-                stopped_because: self.stopped_because.clone(),
+                retry: Box::new(RetrySection {
+                    failures: self.failures.clone(),
+                    stopped_because: self.stopped_because.clone(),
+                }),
             },
             watch: s.watch().map(WatchState::report),
             session,

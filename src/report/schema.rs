@@ -34,8 +34,18 @@ pub(crate) struct JobSection {
     pub attempts: Option<usize>,
     pub restarts: Option<u32>,
     pub decisions: Vec<Decision>,
+    /// The restart policy's view of the failures (boxed: a report's variants stay of a size).
+    #[serde(flatten)]
+    pub retry: Box<RetrySection>,
+}
+
+/// `job`'s keys of the restart policy (crate::retry).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct RetrySection {
     /// Each failed attempt of the program's (not a node's fault): how it failed and how far it
-    /// got, what `--max-no-progress-restarts` compares.
+    /// got, what `--max-no-progress-restarts` compares (absent where none failed).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub failures: Vec<AttemptFailure>,
     /// Why the job stopped with restarts left (restarting could not help), if it did.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -327,7 +327,7 @@ fn run_result(
                 stderr_tail: f.stderr_tail,
                 error_file: f.error_file,
                 left_early: f.left_early,
-                progress: f.progress,
+                progress: f.progress.map(Box::new),
             }
             .with_signs(),
         ),

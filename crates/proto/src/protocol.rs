@@ -431,7 +431,7 @@ pub struct WorkerFailure {
     /// What its node's workers' output showed of their progress (`--progress-regex`; none
     /// without it, or from an older agent).
     #[serde(default)]
-    pub progress: Option<nrun_node::output::Progress>,
+    pub progress: Option<Box<nrun_node::output::Progress>>,
 }
 
 impl WorkerFailure {
