@@ -683,7 +683,44 @@ async fn emit(tx: &Lines, worker: usize, stream: Stream, tail: &mut TailLine, da
 
 #[cfg(test)]
 mod tests {
-    use super::{TailLine, strip_torch_prefix};
+    use super::{Progress, TailLine, Tally, strip_torch_prefix};
+
+    /// `--progress-regex`: each matching line counts for its worker, the group's figure is the
+    /// most of one worker, and the first capture group that matched, read as a number, is a
+    /// step (the highest wins; a capture that is no number counts the line only).
+    #[test]
+    fn progress_counts_matching_lines_and_the_highest_step() {
+        let step = regex::Regex::new(r"step (\d+)|epoch (\w+)").unwrap();
+        let mut t = Tally::default();
+        for (w, line) in [
+            (0, "step 3\n"),
+            (1, "loss 0.5\n"),
+            (1, "[rank1]: step 7\r"),
+            (0, "step 4\n"),
+            (0, "epoch two\n"),
+        ] {
+            t.line(w, &step, line.as_bytes());
+        }
+        assert_eq!(
+            t.progress(),
+            Progress {
+                marks: 3,
+                step: Some(7)
+            }
+        );
+        let plain = regex::Regex::new("iteration done").unwrap();
+        let mut t = Tally::default();
+        t.line(2, &plain, b"iteration done\n");
+        t.line(2, &plain, b"nothing\n");
+        assert_eq!(
+            t.progress(),
+            Progress {
+                marks: 1,
+                step: None
+            }
+        );
+        assert_eq!(Tally::default().progress(), Progress::default());
+    }
 
     /// The failure summary's tail is text: a coloured traceback line (a worker on a
     /// terminal) is kept without its colour codes.
