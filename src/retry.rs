@@ -195,24 +195,32 @@ impl Streak {
 
 /// The attempt's progress: by `--progress-regex` (`step`: it has a capture group) where a failed
 /// worker's node read it, else the flight recorders' collectives completed; None: not known.
+/// Only nodes whose worker failed report it: "no match" is no progress only where every node
+/// reported (else the matches may be on a node nrun stopped, as where rank 0 alone prints).
 pub(crate) fn progress(
     results: &[Option<StepResult>],
     regex: Option<bool>,
     collectives: Option<u64>,
 ) -> Option<Progress> {
-    let read = results
+    let reports: Vec<Option<nrun_node::output::Progress>> = results
         .iter()
-        .filter_map(|r| match r {
-            Some(StepResult::Run(RunResult::Failed(f))) => f.progress.as_deref().copied(),
+        .flatten()
+        .map(|r| match r {
+            StepResult::Run(RunResult::Failed(f)) => f.progress.as_deref().copied(),
             _ => None,
         })
+        .collect();
+    let every = reports.iter().all(Option::is_some);
+    let read = reports
+        .into_iter()
+        .flatten()
         .reduce(|a, b| nrun_node::output::Progress {
             marks: a.marks.max(b.marks),
             step: a.step.max(b.step),
         });
     match (regex, read) {
-        (Some(true), Some(p)) => Some(Progress::Step(p.step)),
-        (Some(false), Some(p)) => Some(Progress::Marks(p.marks)),
+        (Some(true), Some(p)) if p.step.is_some() || every => Some(Progress::Step(p.step)),
+        (Some(false), Some(p)) if p.marks > 0 || every => Some(Progress::Marks(p.marks)),
         _ => collectives.map(Progress::Collectives),
     }
 }
@@ -497,5 +505,27 @@ ValueError: bad batch at step 5";
             Some(Progress::Collectives(40))
         );
         assert_eq!(progress(&r, None, None), None);
+        // No step printed: none where every node reported, unknown where one did not (its
+        // workers, stopped by nrun, may be the ones that print).
+        let silent = |rank| {
+            let mut f = failed(rank, TB, Some(0));
+            if let Some(StepResult::Run(RunResult::Failed(w))) = &mut f {
+                w.progress = Some(Box::new(nrun_node::output::Progress::default()));
+            }
+            f
+        };
+        let all = [silent(0), silent(1)];
+        assert_eq!(progress(&all, Some(true), None), Some(Progress::Step(None)));
+        assert_eq!(progress(&all, Some(false), None), Some(Progress::Marks(0)));
+        let stopped = [Some(StepResult::Run(RunResult::Stopped)), silent(1)];
+        assert_eq!(progress(&stopped, Some(true), None), None);
+        let printed = [
+            Some(StepResult::Run(RunResult::Stopped)),
+            failed(1, TB, Some(5)),
+        ];
+        assert_eq!(
+            progress(&printed, Some(true), None),
+            Some(Progress::Step(Some(5)))
+        );
     }
 }
