@@ -35,7 +35,7 @@ fn ctx(out: &std::process::Output) -> String {
 /// with the program's exit code and a line that says why.
 #[test]
 fn the_same_failure_with_no_progress_stops_after_three_restarts() {
-    let (out, r, _s) = run("same", STEP);
+    let (out, r, s) = run("same", STEP);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{}", ctx(&out));
     assert_eq!(r["job"]["restarts"], 3, "{}", ctx(&out));
@@ -94,6 +94,26 @@ fn the_same_failure_with_no_progress_stops_after_three_restarts() {
     ] {
         assert_eq!(m[k], v, "{k}: {m}");
     }
+    // The incident page says it too.
+    let report = s.dir.path().join("report.json");
+    let page = s.dir.path().join("page.html");
+    let drawn = s.run(
+        &[
+            "report",
+            report.to_str().unwrap(),
+            "-o",
+            page.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(drawn.status.code(), Some(0), "{}", text(&drawn.stderr));
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(
+        html.contains(
+            "restarting cannot help (--max-no-progress-restarts 3; 7 restarts were left)"
+        ),
+        "the page lacks the reason"
+    );
 }
 
 /// More progress each attempt (step 5, 7, 9, ...), another exception each attempt, the rule
