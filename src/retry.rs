@@ -413,6 +413,42 @@ ValueError: bad batch at step 5";
         );
     }
 
+    #[test]
+    fn a_hang_s_signature_is_the_ranks_blamed_and_the_collective() {
+        use crate::watch::{Diagnosis, Kind, RankState, Stop};
+        let d = |culprits: Vec<usize>, op: Option<&str>| Diagnosis {
+            kind: Kind::Missing,
+            conclusion: "rank 1 never entered all_reduce".into(),
+            culprits,
+            stalled_s: 3.0,
+            in_collective: true,
+            ranks: vec![RankState {
+                rank: 0,
+                waiting_in: op.map(str::to_string),
+                ..RankState::default()
+            }],
+            nccl_ras: None,
+        };
+        let s = hang_signature(&Stop::Hang(d(vec![1], Some("all_reduce"))), None);
+        assert_eq!(s.to_string(), "rank 1: hang in all_reduce");
+        // The same again (another stall time, other words): the same way.
+        let mut again = d(vec![1], Some("all_reduce"));
+        again.stalled_s = 9.0;
+        assert_eq!(hang_signature(&Stop::Hang(again), None), s);
+        assert_ne!(
+            hang_signature(&Stop::Hang(d(vec![0], Some("all_reduce"))), None),
+            s
+        );
+        assert_ne!(
+            hang_signature(&Stop::Hang(d(vec![1], Some("barrier"))), None),
+            s
+        );
+        assert_eq!(
+            hang_signature(&Stop::Hang(d(vec![0, 1], None)), None).to_string(),
+            "ranks 0,1: hang (missing)"
+        );
+    }
+
     fn at(attempt: u32, what: &str, progress: Option<Progress>) -> Failed {
         Failed {
             attempt,
