@@ -277,6 +277,7 @@ mod tests {
                 left_early: Vec::new(),
                 error_json: None,
                 error_file_kept: false,
+                progress: None,
             }
             .with_signs(),
         )))

@@ -25,6 +25,9 @@
 //!   in-process node's), sampling the workers' Python stacks, and the `nrun __agent` process.
 //! - [`watch`]: the coordinator's conclusions from the agents' stack samples: hangs (which rank
 //!   is missing from the collective the others wait in), stragglers, a failure's likely cause.
+//! - [`retry`]: when restarting cannot help: each failed attempt's signature and progress,
+//!   and the streak of restarts without progress that stops the job
+//!   (`--max-no-progress-restarts`).
 //! - [`journal`]: the job's events and phases, one stream: the goodput ledger (derived from
 //!   the phase transitions), `--events`, the metrics (`--metrics-file`, `--metrics-port`).
 //! - [`plan`]: from flags to a [`plan::Mode`]: each command's own resolved settings (the
@@ -50,6 +53,7 @@ pub(crate) mod progress;
 pub(crate) use nrun_proto::protocol;
 pub(crate) use nrun_proto::remote;
 pub(crate) mod report;
+pub(crate) mod retry;
 pub(crate) mod session;
 pub(crate) mod watch;
 

@@ -46,28 +46,7 @@ pub(crate) struct JobShape<'a> {
 /// failed because of a peer (a connection closed, a collective timed out), whose clock may
 /// even read earlier on another node.
 pub(crate) fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> JobEnd {
-    let mut first: Option<(usize, &RunResult)> = None;
-    for (i, r) in results.iter().enumerate() {
-        let Some(StepResult::Run(rr)) = r else {
-            continue;
-        };
-        if !rr.is_failure() {
-            continue;
-        }
-        let better = match (first, rr) {
-            (None, _) => true,
-            (Some((_, RunResult::Failed(a))), RunResult::Failed(b)) => {
-                (by_peer(b), &b.at) < (by_peer(a), &a.at)
-            }
-            (Some((_, RunResult::Failed(_))), _) => false,
-            (Some(_), RunResult::Failed(_)) => true,
-            _ => false,
-        };
-        if better {
-            first = Some((i, rr));
-        }
-    }
-    if let Some((i, r)) = first {
+    if let Some((i, r)) = first_failure(results) {
         let host = shape.hosts.get(i).map_or("?", |h| h.as_str());
         return match r {
             RunResult::Failed(f) => {
@@ -114,6 +93,33 @@ pub(crate) fn job_end(shape: &JobShape<'_>, results: &[Option<StepResult>]) -> J
         return JobEnd::Interrupted(exit::signal(libc::SIGINT));
     }
     JobEnd::Success
+}
+
+/// The failure that caused the others among the nodes' results (see [`job_end`]): its node
+/// and result.
+pub(crate) fn first_failure(results: &[Option<StepResult>]) -> Option<(usize, &RunResult)> {
+    let mut first: Option<(usize, &RunResult)> = None;
+    for (i, r) in results.iter().enumerate() {
+        let Some(StepResult::Run(rr)) = r else {
+            continue;
+        };
+        if !rr.is_failure() {
+            continue;
+        }
+        let better = match (first, rr) {
+            (None, _) => true,
+            (Some((_, RunResult::Failed(a))), RunResult::Failed(b)) => {
+                (by_peer(b), &b.at) < (by_peer(a), &a.at)
+            }
+            (Some((_, RunResult::Failed(_))), _) => false,
+            (Some(_), RunResult::Failed(_)) => true,
+            _ => false,
+        };
+        if better {
+            first = Some((i, rr));
+        }
+    }
+    first
 }
 
 /// Whether a worker's failure shows a peer's doing (see [`nrun_node::failed_by_peer`]).
@@ -330,6 +336,7 @@ mod tests {
             left_early: Vec::new(),
             error_json: None,
             error_file_kept: false,
+            progress: None,
         })))
     }
 

@@ -1113,6 +1113,17 @@ impl WatchState {
             .any(|r| r.waiting > 0 || r.collective.is_some() || r.fr.is_some())
     }
 
+    /// The most collectives any rank's flight recorder completed, as the last dumps read this
+    /// step say (the sequence number of its last completed one); None: no dump was read.
+    pub(crate) fn collectives_completed(&self) -> Option<u64> {
+        self.views
+            .values()
+            .flat_map(|v| &v.ranks)
+            .filter_map(|r| r.fr.as_ref()?.completed.as_ref())
+            .map(|op| op.seq)
+            .max()
+    }
+
     /// Each rank's last-progress age and wait share, as the latest views say (the metrics).
     pub(crate) fn rank_figures(&self, hosts: &[String]) -> Vec<RankFigure> {
         let mut out: Vec<_> = self

@@ -271,6 +271,13 @@ fn check(row: &Row, s: &Scene, ran: &Ran, world: usize) {
             "{ctx}\n{d:?}"
         );
     }
+    // Restarts that cannot help: the job stops with restarts left, and says why.
+    if row.flags.iter().any(|f| f == "--progress-regex") && row.exit != Some(0) {
+        assert!(
+            stderr.contains("; restarting cannot help (--max-no-progress-restarts 3;"),
+            "{ctx}"
+        );
+    }
     // An OOM kill is named as one (the kernel log or the memory cgroup says so).
     if row.fault.starts_with("OOM") {
         assert!(stderr.contains("out-of-memory killer"), "{ctx}");

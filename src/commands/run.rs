@@ -10,7 +10,8 @@ use crate::journal::{Event, Outcome, Phase};
 use crate::plan::{NodesPlan, RunSettings};
 use crate::protocol::StepResult;
 use crate::report::schema::{
-    Decision, JobReport, JobSection, PreflightOnlyReport, PreflightReport, Report, SessionParts,
+    AttemptFailure, Decision, JobReport, JobSection, PreflightOnlyReport, PreflightReport, Report,
+    RetrySection, SessionParts,
 };
 use crate::report::{self, JobEnd, JobShape};
 use crate::session::roster::Stage;
@@ -131,6 +132,10 @@ struct Record {
     headline: Option<String>,
     /// The fault model's decisions, each with its evidence.
     decisions: Vec<Decision>,
+    /// Each failed attempt of the program's: its signature and progress.
+    failures: Vec<AttemptFailure>,
+    /// Why the job stopped with restarts left (restarting could not help).
+    stopped_because: Option<String>,
 }
 
 impl Record {
@@ -156,6 +161,10 @@ impl Record {
                 attempts: Some(self.attempts),
                 restarts: Some(self.restarts),
                 decisions: self.decisions.clone(),
+                retry: Box::new(RetrySection {
+                    failures: self.failures.clone(),
+                    stopped_because: self.stopped_because.clone(),
+                }),
             },
             watch: s.watch().map(WatchState::report),
             session,
@@ -534,10 +543,12 @@ fn judge(
 }
 
 /// Says a decision once, with its evidence, and keeps it for --report and as an event.
-fn tell(s: &mut Session, d: &fault::Decision, attempt: u32, rec: &mut Record) {
+/// `futile`: restarts are left, but restarting cannot help (crate::retry).
+fn tell(s: &mut Session, d: &fault::Decision, attempt: u32, futile: bool, rec: &mut Record) {
     let action = match d.action {
         fault::Action::Restart if d.leave_out.is_empty() => "restart in place",
         fault::Action::Restart => "restart without the node",
+        fault::Action::Stop if futile => "stop (restarting cannot help)",
         fault::Action::Stop => "stop (no restart left)",
         fault::Action::StopShort => "stop (too few healthy nodes)",
     };
@@ -592,7 +603,10 @@ async fn attempt_loop(
 ) -> u8 {
     // `attempt` numbers the worker groups started (log directories); `restarts` those after a
     // failure (TORCHELASTIC_RESTART_COUNT): an elastic job growing is not a failure.
-    let mut count = Count::default();
+    let mut count = Count {
+        streak: crate::retry::Streak::new(job.workers.max_no_progress_restarts),
+        ..Count::default()
+    };
     loop {
         rec.attempts = count.attempt as usize + 1;
         rec.restarts = count.restarts;
@@ -603,7 +617,7 @@ async fn attempt_loop(
         let next = match &step.ending {
             StepEnd::Hung(stop) => after_hang(s, job, &mut count, &group, stop, &step, rec),
             // Elastic: nodes arrived while the group ran; it was stopped to take them in.
-            StepEnd::Grow => grown(s, rec),
+            StepEnd::Grow => grown(s, &mut count, rec),
             _ => after_end(s, job, &mut count, shape, &step, rec),
         };
         if let ControlFlow::Break(code) = next {
@@ -613,11 +627,13 @@ async fn attempt_loop(
     }
 }
 
-/// Worker groups started so far, and restarts after a failure or a hang.
-#[derive(Clone, Copy, Default)]
+/// Worker groups started so far, restarts after a failure or a hang, and the restarts in a row
+/// that made no progress.
+#[derive(Clone, Default)]
 struct Count {
     attempt: u32,
     restarts: u32,
+    streak: crate::retry::Streak,
 }
 
 impl Count {
@@ -646,8 +662,25 @@ fn after_hang(
 ) -> ControlFlow<u8> {
     s.journal.attempt_end(Outcome::Hang, exit::HANG);
     let pinned = hang_pinned(s, group, stop);
-    let restart_left = count.restart_left(job);
-    let (_, applied) = apply(s, &step.results, pinned, restart_left, count.attempt, rec);
+    // A hang pinned on a node is the fault model's (a node suspected), not the program's.
+    let signature = match pinned {
+        None => Some(crate::retry::hang_signature(
+            stop,
+            s.watch().and_then(|w| w.mismatches.last()),
+        )),
+        Some(_) => None,
+    };
+    let futile = no_progress(s, job, count, &step.results, signature, rec);
+    let restart_left = count.restart_left(job) && futile.is_none();
+    let (_, applied) = apply(
+        s,
+        &step.results,
+        pinned,
+        restart_left,
+        futile.is_some(),
+        count.attempt,
+        rec,
+    );
     match applied {
         Applied::Restarted => {
             let restarts = count.restart(s);
@@ -662,12 +695,21 @@ fn after_hang(
             rec.outcome = Some(Outcome::Hang);
             ControlFlow::Break(exit::NO_NODES)
         }
-        Applied::Stopped => ControlFlow::Break(hang_stop(s, stop, rec)),
+        Applied::Stopped => {
+            let code = hang_stop(s, stop, rec);
+            if let Some(g) = futile {
+                let line = give_up(s, job, count, &g, rec);
+                eprint!("{line}");
+            }
+            ControlFlow::Break(code)
+        }
     }
 }
 
-/// Elastic: the group stopped to take in nodes that arrived re-forms with them.
-fn grown(s: &mut Session, rec: &mut Record) -> ControlFlow<u8> {
+/// Elastic: the group stopped to take in nodes that arrived re-forms with them (not a failure:
+/// the next one starts a streak of its own).
+fn grown(s: &mut Session, count: &mut Count, rec: &mut Record) -> ControlFlow<u8> {
+    count.streak.reset();
     s.journal.attempt_end(Outcome::Interrupted, exit::SUCCESS);
     s.journal.enter(Phase::Waiting);
     if let Err(why) = s.reform(&[]) {
@@ -709,8 +751,19 @@ fn after_end(
     };
     ended(s, rec, Outcome::Failed, code);
     rec.headline = Some(headline.clone());
-    let restart_left = count.restart_left(job);
-    let (d, applied) = apply(s, &step.results, None, restart_left, count.attempt, rec);
+    let first = report::first_failure(&step.results).map(|(_, r)| r);
+    let signature = Some(crate::retry::signature(first));
+    let futile = no_progress(s, job, count, &step.results, signature, rec);
+    let restart_left = count.restart_left(job) && futile.is_none();
+    let (d, applied) = apply(
+        s,
+        &step.results,
+        None,
+        restart_left,
+        futile.is_some(),
+        count.attempt,
+        rec,
+    );
     let told = match applied {
         Applied::Restarted => {
             let restarts = count.restart(s);
@@ -734,12 +787,85 @@ fn after_end(
             exit::NO_NODES
         ),
         Applied::Stopped => {
+            // Restarts left but no use: the failure's summary, then why the job stops.
+            let summary = match &futile {
+                Some(g) => summary + &give_up(s, job, count, g, rec),
+                None => summary,
+            };
             return ControlFlow::Break(stop_failed(s, job, shape, code, summary, error_json));
         }
     };
     eprint!("{told}");
     tell_every_node(s, &told, error_json.as_deref());
     ControlFlow::Break(exit::NO_NODES)
+}
+
+/// The restart policy's other stop (crate::retry): a failed attempt counted towards
+/// --max-no-progress-restarts where it is the program's alone (every node's evidence the
+/// program's, no hang pinned on a node: `signature` given), else the streak starts anew; the
+/// attempt's signature and progress kept for --report. Some: restarts are left, but the job
+/// stops, and why.
+fn no_progress(
+    s: &Session,
+    job: &RunSettings,
+    count: &mut Count,
+    results: &[Option<StepResult>],
+    signature: Option<crate::retry::Signature>,
+    rec: &mut Record,
+) -> Option<crate::retry::GiveUp> {
+    let programs = results.iter().all(|r| {
+        matches!(
+            fault::evidence(r.as_ref()),
+            fault::Evidence::Clear | fault::Evidence::Program(_)
+        )
+    });
+    let Some(signature) = signature.filter(|_| programs) else {
+        count.streak.reset();
+        return None;
+    };
+    let regex = job.workers.progress.as_ref().map(|p| p.step);
+    let collectives = s.watch().and_then(|w| w.collectives_completed());
+    let progress = crate::retry::progress(results, regex, collectives);
+    let (measure, value) = progress.map_or(("", None), |p| p.parts());
+    let failed = crate::retry::Failed {
+        attempt: count.attempt,
+        signature: signature.clone(),
+        progress,
+    };
+    let stop = count.streak.failed(failed);
+    rec.failures.push(AttemptFailure {
+        attempt: count.attempt,
+        signature: signature.to_string(),
+        progress: progress.map(|p| p.to_string()),
+        progress_measure: Some(measure.to_string()).filter(|m| !m.is_empty()),
+        progress_value: value,
+        no_progress_restarts: count.streak.count(),
+    });
+    stop.filter(|_| count.restart_left(job))
+}
+
+/// The job stops with restarts left: the line that says why (said by the caller), kept for
+/// --report and as an event.
+fn give_up(
+    s: &mut Session,
+    job: &RunSettings,
+    count: &Count,
+    g: &crate::retry::GiveUp,
+    rec: &mut Record,
+) -> String {
+    let left = job.workers.max_restarts.saturating_sub(count.restarts);
+    let why = g.why(left);
+    rec.stopped_because = Some(why.clone());
+    s.journal.emit(Event::NoProgressStop {
+        base: g.base,
+        first: g.first,
+        last: g.last,
+        signature: g.signature.to_string(),
+        progress: g.best.to_string(),
+        limit: g.limit,
+        restarts_left: left,
+    });
+    format!("nrun: stopping: {why}\n")
 }
 
 /// The attempt ended, and with it the job (as far as this attempt knows): the record's outcome
@@ -760,7 +886,7 @@ async fn run_attempt(
     count: &Count,
     rec: &mut Record,
 ) -> Result<(crate::session::spec::Group, Ended), u8> {
-    let Count { attempt, restarts } = *count;
+    let (attempt, restarts) = (count.attempt, count.restarts);
     if attempt > 0
         && let Some(st) = s.store()
     {
@@ -826,11 +952,12 @@ fn apply(
     results: &[Option<StepResult>],
     hang: Option<(usize, String)>,
     restart_left: bool,
+    futile: bool,
     attempt: u32,
     rec: &mut Record,
 ) -> (fault::Decision, Applied) {
     let d = judge(s, results, hang, restart_left);
-    tell(s, &d, attempt, rec);
+    tell(s, &d, attempt, futile, rec);
     for (i, why) in &d.kept {
         s.flag(*i, why);
     }

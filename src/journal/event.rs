@@ -96,6 +96,24 @@ pub(crate) enum Event {
     },
     /// A restart was decided.
     Restart { restart_count: u32 },
+    /// Restarts were left but the job stops: attempts `first..=last` failed as attempt `base`
+    /// did (`signature`) with no progress past `progress` (`--max-no-progress-restarts`).
+    NoProgressStop {
+        #[serde(default)]
+        base: u32,
+        #[serde(default)]
+        first: u32,
+        #[serde(default)]
+        last: u32,
+        #[serde(default)]
+        signature: String,
+        #[serde(default)]
+        progress: String,
+        #[serde(default)]
+        limit: u32,
+        #[serde(default)]
+        restarts_left: u32,
+    },
     /// The watch found a hang.
     Hang {
         #[serde(skip)]
@@ -294,6 +312,16 @@ impl Event {
                 ..
             } => format!("{host}: {verdict} -> {action}"),
             Event::Restart { restart_count } => format!("restart {restart_count}"),
+            Event::NoProgressStop {
+                first,
+                last,
+                signature,
+                progress,
+                ..
+            } => format!(
+                "stopping: attempts {first}-{last} failed the same way ({signature}) with no \
+                 progress past {progress}"
+            ),
             Event::Hang { conclusion, .. } => conclusion.clone(),
             Event::Straggler { rank, host, .. } => {
                 format!("rank {rank} on {host} is a straggler")

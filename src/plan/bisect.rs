@@ -76,6 +76,8 @@ impl BisectSettings {
             args,
             role: "default".into(),
             max_restarts: 0,
+            max_no_progress_restarts: 0,
+            progress: None,
             log: LogPlan::default(),
             set_omp_threads: false,
             set_async_error_handling: false,

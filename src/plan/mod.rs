@@ -40,7 +40,7 @@ pub(crate) use mode::{
 pub(crate) use nodes::NodesPlan;
 pub(crate) use preflight::PreflightPlan;
 use workers::{ConsolePlan, LogPlan, StreamSpec};
-pub(crate) use workers::{Place, WorkerSlot, WorkersPlan, attempt_dir};
+pub(crate) use workers::{Place, ProgressPlan, WorkerSlot, WorkersPlan, attempt_dir};
 // nodes.rs reads its durations as every flag does.
 use parse::positive_secs;
 

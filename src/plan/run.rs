@@ -19,8 +19,8 @@ use super::preflight::resolve_preflight;
 use super::program::{find_python, resolve_command};
 use super::rdzv::{JobRdzv, check_conflicts, job_rdzv, resolve_store};
 use super::{
-    ConsolePlan, Env, LogPlan, RunSettings, SessionPlan, Shape, StorePlan, StreamSpec, WorkersPlan,
-    nodes,
+    ConsolePlan, Env, LogPlan, ProgressPlan, RunSettings, SessionPlan, Shape, StorePlan,
+    StreamSpec, WorkersPlan, nodes,
 };
 
 impl RunSettings {
@@ -315,6 +315,8 @@ impl WorkersPlan {
         // `RunSettings::resolve`, the log flags by `LogPlan::for_job`.
         let JobArgs {
             max_restarts,
+            max_no_progress_restarts,
+            progress_regex,
             monitor_interval: _,
             shutdown_timeout: _,
             log_dir: _,
@@ -340,6 +342,11 @@ impl WorkersPlan {
             args,
             role: role.clone(),
             max_restarts: *max_restarts,
+            max_no_progress_restarts: *max_no_progress_restarts,
+            progress: progress_regex
+                .as_deref()
+                .map(ProgressPlan::parse)
+                .transpose()?,
             log,
             set_omp_threads: nproc > 1 && env("OMP_NUM_THREADS").is_none(),
             set_async_error_handling: env("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none(),

@@ -96,6 +96,11 @@ pub(crate) struct WorkersPlan {
     pub args: Vec<OsString>,
     pub role: String,
     pub max_restarts: u32,
+    /// `--max-no-progress-restarts`: restarts in a row that failed the same way with no more
+    /// progress before the job stops (0: never).
+    pub max_no_progress_restarts: u32,
+    /// `--progress-regex`, checked: what the workers' nodes match their output lines with.
+    pub progress: Option<ProgressPlan>,
     pub log: LogPlan,
     /// Whether OMP_NUM_THREADS gets torchrun's default of 1 (unset and more than one worker).
     pub set_omp_threads: bool,
@@ -112,6 +117,38 @@ pub(crate) struct WorkersPlan {
     /// `--signals-to-handle` as given, exported as TORCHELASTIC_SIGNALS_TO_HANDLE (torchrun sets
     /// it in its own environment, which its workers inherit); empty: not set.
     pub signals_to_handle: String,
+}
+
+/// `--progress-regex`: a line of a worker's output matching `regex` is one unit of progress.
+#[derive(Clone, Debug)]
+pub(crate) struct ProgressPlan {
+    pub regex: String,
+    /// It has a capture group: its number is the step (else the count of lines is progress).
+    pub step: bool,
+}
+
+impl ProgressPlan {
+    /// `--progress-regex REGEX` checked: a pattern the regex crate refuses is a usage error.
+    pub(crate) fn parse(regex: &str) -> Result<ProgressPlan> {
+        let re = regex::Regex::new(regex).map_err(|e| {
+            // The crate's parse errors draw the pattern over lines; their last line says what.
+            let e = e.to_string();
+            let what = e
+                .lines()
+                .last()
+                .unwrap_or_default()
+                .trim_start_matches("error: ");
+            Error::usage(format!(
+                "--progress-regex '{regex}' is not a regular expression: {what} (the syntax is \
+                 Rust's regex crate's, close to Python's re without look-around; e.g. \
+                 'step (\\d+)')"
+            ))
+        })?;
+        Ok(ProgressPlan {
+            regex: regex.to_string(),
+            step: re.captures_len() > 1,
+        })
+    }
 }
 
 /// How worker lines look on the console.

@@ -165,6 +165,11 @@ fn summary(r: &Report, source: &str) -> String {
         "restarts",
         some(job.and_then(|j| j.restarts).map(|n| n.to_string())),
     );
+    // Restarts were left, but could not help (--max-no-progress-restarts).
+    fact(
+        "stopped",
+        some(job.and_then(|j| j.retry.stopped_because.clone())),
+    );
     let ledger = r.ledger();
     fact("ledger", some(ledger.map(|l| l.summary.clone())));
     if let Report::Bisect(b) = r

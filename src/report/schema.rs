@@ -34,6 +34,39 @@ pub(crate) struct JobSection {
     pub attempts: Option<usize>,
     pub restarts: Option<u32>,
     pub decisions: Vec<Decision>,
+    /// The restart policy's view of the failures (boxed: a report's variants stay of a size).
+    #[serde(flatten)]
+    pub retry: Box<RetrySection>,
+}
+
+/// `job`'s keys of the restart policy (crate::retry).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct RetrySection {
+    /// Each failed attempt of the program's (not a node's fault): how it failed and how far it
+    /// got, what `--max-no-progress-restarts` compares (absent where none failed).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<AttemptFailure>,
+    /// Why the job stopped with restarts left (restarting could not help), if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped_because: Option<String>,
+}
+
+/// One failed attempt as the restart policy saw it (crate::retry).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct AttemptFailure {
+    pub attempt: u32,
+    /// "rank 1: ValueError at train.py:12": two attempts with the same failed the same way.
+    pub signature: String,
+    /// Its progress in words ("step 5"); None: not known (no --progress-regex, no flight
+    /// recorder read).
+    pub progress: Option<String>,
+    /// "step", "progress_lines" or "collectives", and the number.
+    pub progress_measure: Option<String>,
+    pub progress_value: Option<u64>,
+    /// Restarts in a row, up to this one, that failed this way with no more progress.
+    pub no_progress_restarts: u32,
 }
 
 /// One of the fault model's decisions, with its evidence.

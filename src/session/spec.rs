@@ -269,6 +269,7 @@ impl Session {
                 numa: l.logs && plan.numa_binding,
                 secret: l.secret,
                 tty,
+                progress: plan.progress.as_ref().map(|p| p.regex.clone()),
             });
         }
         specs

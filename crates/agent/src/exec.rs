@@ -119,8 +119,27 @@ async fn run_workers(
         .iter()
         .find(|w| w.rank == 0)
         .and_then(|w| super::ras::target(&w.env));
+    // --progress-regex, checked by the launcher: one compiled pattern for every worker.
+    let progress = specs
+        .iter()
+        .find_map(|w| w.progress.as_deref())
+        .and_then(|re| match regex::Regex::new(re) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!("--progress-regex {re:?}: {e}; this node's progress is not read");
+                None
+            }
+        });
     for w in specs {
-        match worker_cmd(w, &this_nrun, watch.is_some(), secret, &mut flight_files) {
+        let progress = progress.clone().filter(|_| w.progress.is_some());
+        match worker_cmd(
+            w,
+            &this_nrun,
+            watch.is_some(),
+            secret,
+            &mut flight_files,
+            progress,
+        ) {
             Ok(cmd) => cmds.push(cmd),
             Err(e) => return RunResult::SpawnError(e.message),
         }
@@ -161,6 +180,7 @@ fn worker_cmd(
     watching: bool,
     secret: Option<&str>,
     flight_files: &mut Vec<(usize, super::flight::FrFiles)>,
+    progress: Option<regex::Regex>,
 ) -> Result<WorkerCmd> {
     let program = match (w.program.as_str(), this_nrun) {
         (THIS_NRUN, Ok(exe)) => exe.clone().into_os_string(),
@@ -227,6 +247,7 @@ fn worker_cmd(
                     path: w.log_dir.as_ref().map(|d| d.join("stderr.log")),
                 },
             ],
+            progress,
         },
     })
 }
@@ -306,6 +327,7 @@ fn run_result(
                 stderr_tail: f.stderr_tail,
                 error_file: f.error_file,
                 left_early: f.left_early,
+                progress: f.progress.map(Box::new),
             }
             .with_signs(),
         ),

@@ -421,6 +421,29 @@ pub struct JobArgs {
     )]
     pub max_restarts: u32,
 
+    /// Stop restarting after N restarts in a row that failed the same way with no more
+    /// progress (0: never; torchrun has no such flag). The same way: the same failing rank,
+    /// exception type and innermost frame (its traceback), or the same hang. Progress: the
+    /// highest step --progress-regex matched, else the collectives its flight recorder
+    /// completed (where the watch read one); unknown progress never stops a job early.
+    #[arg(
+        long = "max-no-progress-restarts",
+        env = "NRUN_MAX_NO_PROGRESS_RESTARTS",
+        default_value_t = 3,
+        value_name = "N"
+    )]
+    pub max_no_progress_restarts: u32,
+
+    /// A line of a worker's output matching REGEX is one unit of progress; its first capture
+    /// group, if any, is read as a number: the step (e.g. 'step (\d+)'). What
+    /// --max-no-progress-restarts compares between attempts.
+    #[arg(
+        long = "progress-regex",
+        env = "NRUN_PROGRESS_REGEX",
+        value_name = "REGEX"
+    )]
+    pub progress_regex: Option<String>,
+
     /// Accepted for torchrun compatibility: nrun reacts to worker exits at once, it does not poll.
     #[arg(
         long = "monitor-interval",

@@ -131,6 +131,8 @@ pub struct Failure {
     /// others still ran (rank, seconds before; negative: after): a rank that left its loop
     /// early makes its peers fail.
     pub left_early: Vec<(usize, f64)>,
+    /// What the group's output showed of its progress (`--progress-regex`).
+    pub progress: Option<output::Progress>,
 }
 
 /// How long the rest of a group keeps running after its first failure before it is stopped.
@@ -970,6 +972,7 @@ impl Group {
             stderr_tail,
             error_file: w.error_file.clone(),
             left_early,
+            progress: None,
         }
     }
 
@@ -1121,22 +1124,23 @@ pub async fn run_group(
         }
     }
 
-    sweep(&group, gave_terminal, pumps, out).await;
-    match spawn_error {
-        Some(e) => Err(e),
-        None => Ok(group.outcome()),
+    let progress = sweep(&group, gave_terminal, pumps, out).await;
+    match (spawn_error, group.outcome()) {
+        (Some(e), _) => Err(e),
+        (None, Outcome::Failed(f)) => Ok(Outcome::Failed(Failure { progress, ..f })),
+        (None, o) => Ok(o),
     }
 }
 
 /// Once every worker has exited: kills what they left behind (first what stayed in their process
 /// groups, then what escaped them and was re-parented to nrun), takes the terminal back, and
-/// writes out the last of their output.
+/// writes out the last of their output, and returns what it showed of progress.
 async fn sweep(
     group: &Group,
     gave_terminal: bool,
     pumps: Vec<(usize, JoinHandle<()>)>,
     out: Output,
-) {
+) -> Option<output::Progress> {
     let leftovers = group.kill_leftovers();
     let orphans = process::kill_orphans();
     if gave_terminal {
@@ -1155,7 +1159,7 @@ async fn sweep(
         }
     }
     held.dedup();
-    out.finish();
+    let progress = out.finish();
     if !leftovers.is_empty() || orphans > 0 {
         tracing::warn!(
             "workers left processes running after they exited (ranks {leftovers:?}, {orphans} outside \
@@ -1171,6 +1175,7 @@ async fn sweep(
             PUMP_GRACE.as_secs()
         );
     }
+    progress
 }
 
 /// The traceback a worker decorated with torch's `@record` wrote to TORCHELASTIC_ERROR_FILE:

@@ -231,6 +231,53 @@ pub struct WorkerOutput {
     pub colour: usize,
     pub color: Color,
     pub sinks: [Sink; 2],
+    /// `--progress-regex`: a line of this worker's output (either stream) that matches is one
+    /// unit of progress; its first capture group, read as a number, a step.
+    pub progress: Option<regex::Regex>,
+}
+
+/// What a group's output showed of its progress (`--progress-regex`), read by its writer from
+/// every line, on the console or not: the most matching lines of one worker, and the highest
+/// step a match named (none: no match named one).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Progress {
+    pub marks: u64,
+    pub step: Option<u64>,
+}
+
+/// The writer's count towards [`Progress`]: per worker, its matching lines.
+#[derive(Default)]
+struct Tally {
+    marks: Vec<u64>,
+    step: Option<u64>,
+}
+
+impl Tally {
+    /// Counts `line` of worker `idx` if it matches `re`.
+    fn line(&mut self, idx: usize, re: &regex::Regex, line: &[u8]) {
+        let text = String::from_utf8_lossy(line);
+        let Some(c) = re.captures(text.trim_end_matches(['\n', '\r'])) else {
+            return;
+        };
+        if self.marks.len() <= idx {
+            self.marks.resize(idx + 1, 0);
+        }
+        self.marks[idx] += 1;
+        let step = c
+            .iter()
+            .skip(1)
+            .flatten()
+            .next()
+            .and_then(|m| m.as_str().trim().parse::<u64>().ok());
+        self.step = self.step.max(step);
+    }
+
+    fn progress(&self) -> Progress {
+        Progress {
+            marks: self.marks.iter().copied().max().unwrap_or(0),
+            step: self.step,
+        }
+    }
 }
 
 pub(crate) enum Msg {
@@ -274,6 +321,8 @@ pub(crate) type Tail = Arc<Mutex<VecDeque<String>>>;
 
 pub struct Output {
     lines: Lines,
+    /// Some worker's lines are matched for progress.
+    progress: bool,
 }
 
 /// Where the pumps send: the writer's channel, and the writer's thread, started with the first
@@ -288,7 +337,7 @@ pub struct Lines {
 enum Writer {
     /// No line yet: what the thread takes when it starts.
     Waiting(mpsc::Receiver<Msg>, Vec<WorkerOutput>),
-    Running(JoinHandle<()>),
+    Running(JoinHandle<Tally>),
     /// Joined, or its thread could not start (never seen): the lines go nowhere rather than
     /// stop the job.
     Gone,
@@ -297,8 +346,10 @@ enum Writer {
 impl Output {
     pub fn start(workers: Vec<WorkerOutput>) -> Output {
         let (tx, rx) = mpsc::channel::<Msg>(1024);
+        let progress = workers.iter().any(|w| w.progress.is_some());
         let writer = Arc::new(Mutex::new(Writer::Waiting(rx, workers)));
         Output {
+            progress,
             lines: Lines {
                 tx,
                 writer,
@@ -312,15 +363,20 @@ impl Output {
     }
 
     /// Waits until every line sent so far is written. Pumps hold their own senders: finish
-    /// them first.
-    pub fn finish(self) {
+    /// them first. Returns what the lines showed of progress, where a worker has
+    /// `--progress-regex` (no line at all: none matched).
+    pub fn finish(self) -> Option<Progress> {
         let Lines { tx, writer, .. } = self.lines;
         drop(tx);
         let state = writer
             .lock()
             .map(|mut w| std::mem::replace(&mut *w, Writer::Gone));
-        if let Ok(Writer::Running(t)) = state {
-            let _ = t.join();
+        match state {
+            Ok(Writer::Running(t)) => {
+                let tally = t.join().unwrap_or_default();
+                self.progress.then(|| tally.progress())
+            }
+            _ => self.progress.then(Progress::default),
         }
     }
 }
@@ -341,7 +397,8 @@ impl Lines {
 }
 
 /// The writer's thread: each line to its console stream (prefixed) and its log file.
-fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
+fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) -> Tally {
+    let mut tally = Tally::default();
     let colour = [colours(Stream::Out), colours(Stream::Err)];
     let mut line = Vec::with_capacity(256);
     // The console line left unfinished: whose, on which stream, and whether it
@@ -362,6 +419,9 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
         };
         // A line (to the console or a log file) is the launch host's sign of work.
         nrun_base::activity::line();
+        if let Some(re) = &w.progress {
+            tally.line(worker, re, &data);
+        }
         let sink = &mut w.sinks[stream as usize];
         lost += usize::from(sink.log(&data, w.rank));
         if !sink.console {
@@ -413,6 +473,7 @@ fn write_lines(mut rx: mpsc::Receiver<Msg>, mut workers: Vec<WorkerOutput>) {
             nrun_base::net::hostname()
         );
     }
+    tally
 }
 
 const COLOURS: [anstyle::AnsiColor; 6] = {
@@ -622,7 +683,44 @@ async fn emit(tx: &Lines, worker: usize, stream: Stream, tail: &mut TailLine, da
 
 #[cfg(test)]
 mod tests {
-    use super::{TailLine, strip_torch_prefix};
+    use super::{Progress, TailLine, Tally, strip_torch_prefix};
+
+    /// `--progress-regex`: each matching line counts for its worker, the group's figure is the
+    /// most of one worker, and the first capture group that matched, read as a number, is a
+    /// step (the highest wins; a capture that is no number counts the line only).
+    #[test]
+    fn progress_counts_matching_lines_and_the_highest_step() {
+        let step = regex::Regex::new(r"step (\d+)|epoch (\w+)").unwrap();
+        let mut t = Tally::default();
+        for (w, line) in [
+            (0, "step 3\n"),
+            (1, "loss 0.5\n"),
+            (1, "[rank1]: step 7\r"),
+            (0, "step 4\n"),
+            (0, "epoch two\n"),
+        ] {
+            t.line(w, &step, line.as_bytes());
+        }
+        assert_eq!(
+            t.progress(),
+            Progress {
+                marks: 3,
+                step: Some(7)
+            }
+        );
+        let plain = regex::Regex::new("iteration done").unwrap();
+        let mut t = Tally::default();
+        t.line(2, &plain, b"iteration done\n");
+        t.line(2, &plain, b"nothing\n");
+        assert_eq!(
+            t.progress(),
+            Progress {
+                marks: 1,
+                step: None
+            }
+        );
+        assert_eq!(Tally::default().progress(), Progress::default());
+    }
 
     /// The failure summary's tail is text: a coloured traceback line (a worker on a
     /// terminal) is kept without its colour codes.

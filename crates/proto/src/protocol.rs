@@ -361,6 +361,10 @@ pub struct WorkerSpec {
     /// where the launcher's own stream is one ([`nrun_node::output::Tty`]).
     #[serde(default)]
     pub tty: [Option<nrun_node::output::Tty>; 2],
+    /// `--progress-regex`: its node counts the lines of its output that match, and the
+    /// highest step they name ([`nrun_node::output::Progress`]).
+    #[serde(default)]
+    pub progress: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -424,6 +428,10 @@ pub struct WorkerFailure {
     /// The error file stays after the job (it is under --log-dir, not nrun's scratch).
     #[serde(default)]
     pub error_file_kept: bool,
+    /// What its node's workers' output showed of their progress (`--progress-regex`; none
+    /// without it, or from an older agent).
+    #[serde(default)]
+    pub progress: Option<Box<nrun_node::output::Progress>>,
 }
 
 impl WorkerFailure {

@@ -267,6 +267,7 @@ mod tests {
             left_early: Vec::new(),
             error_json: None,
             error_file_kept: false,
+            progress: None,
         }))
     }
 
