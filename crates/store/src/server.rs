@@ -1271,6 +1271,14 @@ impl ConnTask<'_> {
                 Ok(Next::Request(req, len)) => {
                     self.consume(len);
                     if matches!(req, Request::CancelWait) {
+                        // Forgotten first, then the wakes taken: a write that wakes the wait
+                        // does so under the store's lock, so once the wait is forgotten every
+                        // STOP_WAITING sent for it is in the channel and goes out ahead of the
+                        // reply. Taken before the forget, a write landing between the two
+                        // sent its STOP_WAITING after WAIT_CANCELED: a byte the client took
+                        // for the answer to its next request (an agent's next GET then read a
+                        // length off by one byte and waited forever).
+                        self.store.lock().forget_wait(self.c.id);
                         self.take_wakes()?;
                     }
                     if !self.apply(req)? {
@@ -1334,7 +1342,7 @@ impl ConnTask<'_> {
     }
 
     /// Queues the STOP_WAITING bytes already sent to this connection, ahead of a CANCEL_WAIT's
-    /// reply; Break: it was chosen to make room.
+    /// reply (its wait forgotten first); Break: it was chosen to make room.
     #[inline]
     fn take_wakes(&mut self) -> Flow {
         while let Ok(b) = self.wake_rx.try_recv() {

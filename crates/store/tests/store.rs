@@ -217,6 +217,60 @@ async fn a_wait_interrupted_by_other_work_keeps_the_connection_in_step() {
     assert_eq!(c.num_keys().await.unwrap(), 3);
 }
 
+/// The launcher writes a step's control in-process (`Store::set`, from its own thread) just as
+/// the agent cancels its wait for it (a signal of its own, its workers' end): whatever the
+/// order, the wake comes ahead of the cancel's reply or not at all. A STOP_WAITING sent after
+/// WAIT_CANCELED was read as the first byte of the agent's next reply (a GET's length off by
+/// one byte, waited for forever: the hang of `srun nrun` after a forwarded SIGUSR1). Every
+/// round waits until the wait is parked, then lets the write and the cancel race, the write
+/// delayed a little more each round to sweep the cancel's window; the connection is in step
+/// when a PING right after answers its own nonce.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_racing_the_cancel_of_its_wait_keeps_the_connection_in_step() {
+    use std::sync::mpsc;
+    let (addr, store) = start().await;
+    let mut c = client(addr).await;
+    let (go, rounds) = mpsc::channel::<(Vec<u8>, u32)>();
+    let (done, written) = mpsc::channel::<()>();
+    let writer = {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            for (key, spin) in rounds {
+                // A busy wait, not a sleep: microseconds that move the write across the
+                // cancel's window from round to round.
+                let at = std::time::Instant::now() + Duration::from_nanos(u64::from(spin));
+                while std::time::Instant::now() < at {
+                    std::hint::spin_loop();
+                }
+                store.set(&key, b"signal 10");
+                done.send(()).unwrap();
+            }
+        })
+    };
+    for round in 0..3000u32 {
+        let key = format!("nrun/r/ctl/1/{round}").into_bytes();
+        // The interrupt comes once the wait is parked, and starts the write with it.
+        let interrupt = async {
+            while store.pending_waits().0 == 0 {
+                tokio::task::yield_now().await;
+            }
+            go.send((key.clone(), (round % 100) * 200)).unwrap();
+        };
+        let (ready, woke) = c.wait_or(&[&key], interrupt).await;
+        let ready = ready.unwrap();
+        assert!(ready || woke.is_some(), "round {round}");
+        written.recv().unwrap();
+        // A stray byte shifts the PING's answer (a GET first would wait for a length that
+        // never comes).
+        let pong = tokio::time::timeout(HANG, c.ping(round)).await;
+        assert_eq!(pong.unwrap().unwrap(), round, "round {round}: out of step");
+        assert_eq!(c.get(&key).await.unwrap(), b"signal 10", "round {round}");
+        assert_eq!(store.pending_waits(), (0, 0, 0), "round {round}");
+    }
+    drop(go);
+    writer.join().unwrap();
+}
+
 /// A store cut off (packets dropped: nothing answers, nothing closes) never answers the cancel
 /// of an interrupted wait: the wait gives up within CANCEL_REPLY and still hands back what
 /// interrupted it (an agent must act on it: its workers stop when the launch host is lost).

@@ -236,8 +236,9 @@ pub(super) fn multi_set(s: &mut State, pairs: Vec<(Vec<u8>, Vec<u8>)>, owner: Ip
 
 /// Answered whether or not a wait is pending.
 pub(super) fn cancel_wait(s: &mut State, c: &Conn, out: &mut Vec<u8>) {
-    // A STOP_WAITING already queued for this connection goes out first: the connection drains
-    // its wake channel before applying CANCEL_WAIT.
+    // A STOP_WAITING already sent to this connection goes out first: the connection forgets
+    // its wait and drains its wake channel before applying CANCEL_WAIT (ConnTask's
+    // serve_buffered), so this forget finds nothing left there.
     s.forget_wait(c.id);
     out.push(WAIT_CANCELED);
 }
