@@ -1,0 +1,156 @@
+//! A node lost mid-run comes back (issue 48, item 2), on a real cluster of network-namespace
+//! hosts (real sshd, real iptables): cut off, it is left out and a spare takes its place; opened
+//! again, nrun's background tries start its agent again, it passes the checks and waits as a
+//! spare; the job ends 0, --exclude-file does not list it, --report says it came back, and
+//! nothing is left running. (An elastic job growing back with it is the fault matrix's row
+//! "node2 cut off and back", tests/faults.rs.)
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+/// A hung run fails the test instead of stalling it.
+const GUARD: Duration = Duration::from_secs(150);
+
+#[test]
+fn a_node_cut_off_and_opened_again_comes_back_as_a_spare() {
+    let Some(c) = Cluster::up("cb1", 3) else {
+        return;
+    };
+    if !need_tool("iptables", "iptables") {
+        return;
+    }
+    let s = Scene::new();
+    let report = s.dir.path().join("report.json");
+    let events = s.dir.path().join("events.jsonl");
+    let exclude = s.dir.path().join("exclude");
+    let release = s.dir.path().join("release");
+    // Each rank marks its start, then runs until the test releases it (every node shares this
+    // machine's files).
+    let worker = format!(
+        "echo \"started rank=$RANK attempt=$TORCHELASTIC_RESTART_COUNT host=$(ip netns identify)\" \
+         >> \"$MARK\"; while [ ! -e {} ]; do sleep 0.1; done; \
+         echo \"done rank=$RANK world=$WORLD_SIZE\"",
+        release.display()
+    );
+    let (report_s, events_s, exclude_s) = (
+        report.display().to_string(),
+        events.display().to_string(),
+        exclude.display().to_string(),
+    );
+    // Three hosts for two nodes: the third is a spare.
+    let child = c.spawn_on(
+        &s,
+        3,
+        &[
+            "--nnodes",
+            "2",
+            "--nproc",
+            "1",
+            "--max-restarts",
+            "1",
+            "--no-preflight",
+            "--report",
+            &report_s,
+            "--events",
+            &events_s,
+            "--exclude-file",
+            &exclude_s,
+            "--no-python",
+            "sh",
+            "-c",
+            &worker,
+        ],
+        &[],
+    );
+    let started = |attempt: usize, n: usize| {
+        let want = format!("attempt={attempt}");
+        wait_until_within(
+            &format!("{n} ranks of attempt {attempt} to start"),
+            GUARD,
+            || {
+                s.marks()
+                    .iter()
+                    .filter(|l| l.starts_with("started") && l.contains(&want))
+                    .count()
+                    >= n
+            },
+        );
+    };
+    started(0, 2);
+    let h2 = c.host(2);
+    c.exec(
+        2,
+        "iptables -A INPUT -i lo -j ACCEPT && iptables -A INPUT -j DROP && \
+         iptables -A OUTPUT -o lo -j ACCEPT && iptables -A OUTPUT -j DROP",
+    );
+    // The spare took node2's place: then node2 is opened again.
+    started(1, 2);
+    let on_spare = s
+        .marks()
+        .iter()
+        .any(|l| l.contains("attempt=1") && l.ends_with(&c.host(3)));
+    c.exec(2, "iptables -F INPUT && iptables -F OUTPUT");
+    wait_until_within("node2 to come back (a node_back event)", GUARD, || {
+        std::fs::read_to_string(&events)
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.contains("\"name\":\"node_back\"") && l.contains(&h2))
+    });
+    std::fs::write(&release, "").unwrap();
+    let (out, _) = wait_with_timeout(child, GUARD);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    let ctx = format!("--- stdout\n{stdout}\n--- stderr\n{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{ctx}");
+    assert!(on_spare, "the spare ran in node2's place: {:?}", s.marks());
+    // Said with why: how long it was out, how it was lost, what it is now.
+    let said = stderr
+        .lines()
+        .find(|l| l.contains(&format!("{h2} answers again (lost ")))
+        .unwrap_or_else(|| panic!("no line says {h2} came back\n{ctx}"));
+    assert!(said.contains("its heartbeat stopped"), "{said}");
+    assert!(
+        said.ends_with("it passed the checks and is a spare now"),
+        "{said}"
+    );
+    for rank in 0..2 {
+        let done = format!("done rank={rank} world=2");
+        assert!(stdout.contains(&done), "missing {done:?}\n{ctx}");
+    }
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let nodes = &r["nodes"];
+    assert_eq!(nodes["left_out"], serde_json::json!([]), "{nodes}");
+    assert_eq!(nodes["came_back"][0]["host"], h2.as_str(), "{nodes}");
+    assert!(
+        nodes["came_back"][0]["why"]
+            .as_str()
+            .is_some_and(|w| w.contains("no heartbeat")),
+        "{nodes}"
+    );
+    assert_eq!(nodes["spares"], serde_json::json!([h2]), "{nodes}");
+    assert_eq!(r["job"]["restarts"], 1, "{}", r["job"]);
+    // The event carries the same: lost some seconds before, as a spare.
+    let back = r["events"]
+        .as_array()
+        .and_then(|v| v.iter().find(|e| e["name"] == "node_back"))
+        .unwrap_or_else(|| panic!("no node_back event: {}", r["events"]));
+    assert_eq!(back["host"], h2.as_str(), "{back}");
+    assert_eq!(back["metadata"]["now"], "spare", "{back}");
+    assert!(
+        back["metadata"]["lost_s"].as_f64().is_some_and(|s| s > 0.0),
+        "{back}"
+    );
+    // A node that came back is not remembered against.
+    let listed = std::fs::read_to_string(&exclude).unwrap_or_default();
+    assert!(
+        !listed
+            .lines()
+            .any(|l| !l.starts_with('#') && l.starts_with(&h2)),
+        "--exclude-file lists {h2}:\n{listed}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
