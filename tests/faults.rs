@@ -330,8 +330,18 @@ fn run_row(
     let (fault, outside) = fault_of(row);
     let report = s.dir.path().join("report.json");
     let child = start(&fault, report.to_str().unwrap());
+    // Over ssh, nrun starts a lost node's agent again and takes it back once it answers: a
+    // node whose agent or ssh the row ends takes no new ssh connection for the rest of the row,
+    // so it stays out as the row says (the row "cut off and back" is the one that comes back).
+    let held = row.mode == "ssh" && matches!(outside, Outside::KillAgent | Outside::DropSsh);
     if outside != Outside::None {
         wait_started(s, world);
+        if held {
+            c.expect("a cluster").exec(
+                2,
+                "iptables -A INPUT -p tcp --dport 22 -m state --state NEW -j DROP",
+            );
+        }
         strike(&outside, &child, c, 2);
     }
     if outside == Outside::CutOffAndBack {
@@ -352,7 +362,7 @@ fn run_row(
         report: report_of(&report),
         hosts,
     };
-    if matches!(outside, Outside::CutOff | Outside::CutOffAndBack) {
+    if held || matches!(outside, Outside::CutOff | Outside::CutOffAndBack) {
         // Open node2 again for the next row.
         c.expect("a cluster")
             .exec(2, "iptables -F INPUT && iptables -F OUTPUT");

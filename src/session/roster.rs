@@ -761,4 +761,36 @@ mod tests {
         );
         assert_eq!(r.left_out_report()[1].stage, "run");
     }
+
+    /// A node lost and started again: being started, it is neither a spare nor left out; back,
+    /// its entry no longer fills a gap, is reported as came back (not left out), and is not
+    /// remembered; it is tried once.
+    #[test]
+    fn a_lost_node_that_came_back_is_no_longer_held_against() {
+        let mut r = Roster::of(vec![0, 1]);
+        assert!(r.leave_out(out(1, Stage::Lost)));
+        r.start_return(Returning { node: 2, was: 1 });
+        assert!(r.is_returning(2) && r.retried(1) && !r.is_left_out(2));
+        assert_eq!(r.gaps(2), ["h1"]);
+        let came = r.end_return(2).map(|x| x.was);
+        assert_eq!(came, Some(1));
+        assert!(!r.is_returning(2));
+        r.came_back(
+            1,
+            Back {
+                at: SystemTime::now(),
+                tries: 3,
+            },
+        );
+        assert!(r.retried(1), "tried once");
+        assert!(r.gaps(2).is_empty(), "it fills no gap");
+        assert!(r.left_out_report().is_empty());
+        assert_eq!(r.came_back_report()[0].host, "h1");
+        assert_eq!(r.came_back_report()[0].tries, 3);
+        assert!(!r.left_out()[0].remembered());
+        assert!(
+            r.is_left_out(1),
+            "its first node stays out: it came back as another"
+        );
+    }
 }
