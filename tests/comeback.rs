@@ -154,3 +154,101 @@ fn a_node_cut_off_and_opened_again_comes_back_as_a_spare() {
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
+
+/// An elastic job (`--nnodes 1:2`) whose node's agent is killed (its host up, its sshd
+/// answering) goes on with one node; the agent started again joins within a try or two and
+/// grows the job back to two nodes (the group restarts, no restart counted). The node that
+/// came back is named like any other: its rank's failure in the grown group is said on its
+/// host, and the restart in place that follows ends the job 0.
+#[test]
+fn an_elastic_job_grows_back_with_a_node_whose_agent_was_killed() {
+    let Some(c) = Cluster::up("cb2", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let report = s.dir.path().join("report.json");
+    let report_s = report.display().to_string();
+    // Attempt 0 and the shrunk group wait; in the grown one (restart 1, both nodes) rank 1
+    // fails once; the restart after it ends.
+    let worker = "a=$TORCHELASTIC_RESTART_COUNT; \
+         echo \"started rank=$RANK attempt=$a world=$WORLD_SIZE\" >> \"$MARK\"; \
+         if [ $a = 0 ] || [ $WORLD_SIZE = 1 ]; then exec sleep 600; fi; \
+         if [ $a = 1 ] && [ $RANK = 1 ]; then echo 'rank 1 fails once' >&2; exit 1; fi; \
+         [ $a = 1 ] && exec sleep 600; \
+         echo \"done rank=$RANK attempt=$a world=$WORLD_SIZE\"";
+    let child = c.spawn_on(
+        &s,
+        2,
+        &[
+            "--nnodes",
+            "1:2",
+            "--nproc",
+            "1",
+            "--max-restarts",
+            "2",
+            "--no-preflight",
+            "--report",
+            &report_s,
+            "--no-python",
+            "sh",
+            "-c",
+            worker,
+        ],
+        &[],
+    );
+    let started = |attempt: usize, world: usize, n: usize| {
+        let want = format!("attempt={attempt} world={world}");
+        wait_until_within(&format!("{n} x {want}"), GUARD, || {
+            s.marks().iter().filter(|l| l.ends_with(&want)).count() >= n
+        });
+    };
+    started(0, 2, 2);
+    assert!(c.kill_agents(2), "no agent on node2");
+    let (out, _) = wait_with_timeout(child, GUARD);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    let ctx = format!(
+        "--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- marks {:?}",
+        s.marks()
+    );
+    assert_eq!(out.status.code(), Some(0), "{ctx}");
+    // The shrunk group ran, then the grown one.
+    started(1, 1, 1);
+    started(1, 2, 2);
+    let h2 = c.host(2);
+    let said = stderr
+        .lines()
+        .find(|l| l.contains(&format!("{h2} answers again (lost ")))
+        .unwrap_or_else(|| panic!("no line says {h2} came back\n{ctx}"));
+    assert!(
+        said.ends_with("it passed the checks and grows the job to 2 nodes"),
+        "{said}"
+    );
+    assert!(stderr.contains(&format!("rank 1 on {h2} ")), "{ctx}");
+    for rank in 0..2 {
+        let done = format!("done rank={rank} attempt=2 world=2");
+        assert!(stdout.contains(&done), "missing {done:?}\n{ctx}");
+    }
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["job"]["restarts"], 2, "{}", r["job"]);
+    assert_eq!(
+        r["nodes"]["came_back"][0]["host"],
+        h2.as_str(),
+        "{}",
+        r["nodes"]
+    );
+    assert_eq!(
+        r["nodes"]["left_out"],
+        serde_json::json!([]),
+        "{}",
+        r["nodes"]
+    );
+    assert_eq!(
+        r["nodes"]["ran_on"],
+        serde_json::json!([c.host(1), h2]),
+        "{}",
+        r["nodes"]
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(2);
+}
