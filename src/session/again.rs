@@ -113,10 +113,11 @@ impl Session {
                 }),
             ));
             self.roster.start_return(Returning { node, was });
-            tracing::debug!(
-                "{host}: its agent is started again in the background (node {node}; first try \
-                 in {} s)",
-                FIRST_TRY.as_secs()
+            tracing::info!(
+                "{host} is started again in the background while the job goes on (a try in {} \
+                 s, then {} s apart at most): it comes back once it answers",
+                FIRST_TRY.as_secs(),
+                LONGEST_WAIT.as_secs()
             );
         }
     }

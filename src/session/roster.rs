@@ -492,8 +492,6 @@ impl Session {
             self.leave_out(*i, *stage, why);
         }
         let came = self.fill()?;
-        // The job goes on: nodes lost in it are started again, to come back.
-        self.retry_lost();
         let active = &self.roster.active;
         if *active != before {
             let gone: Vec<usize> = before
@@ -523,6 +521,8 @@ impl Session {
                 }
             );
         }
+        // The job goes on: nodes lost in it are started again, to come back.
+        self.retry_lost();
         Ok(())
     }
 
