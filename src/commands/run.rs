@@ -62,7 +62,7 @@ pub(crate) async fn run(
     };
     s.journal.nodes(
         s.roster().active().len(),
-        s.roster().left_out().len(),
+        s.roster().out_now(),
         s.spares().len(),
     );
     // The journal outlives the session: stopping the nodes is the ledger's last phase.
@@ -815,7 +815,7 @@ async fn run_attempt(
     let steps = s.steps(&job.workers, &group, &launch);
     s.journal.nodes(
         s.roster().active().len(),
-        s.roster().left_out().len(),
+        s.roster().out_now(),
         s.spares().len(),
     );
     let hosts = group.members.iter().map(|m| s.nodes[m.node].label.clone());

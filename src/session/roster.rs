@@ -61,6 +61,11 @@ impl Roster {
         self.left_out.iter().any(|l| l.node == i)
     }
 
+    /// How many nodes are out of the job now: those left out, less those that came back.
+    pub(crate) fn out_now(&self) -> usize {
+        self.left_out.iter().filter(|l| l.back.is_none()).count()
+    }
+
     /// Whether node `i` is one whose agent is being started again (not joined yet).
     pub(crate) fn is_returning(&self, i: usize) -> bool {
         self.returning.iter().any(|r| r.node == i)
@@ -772,6 +777,7 @@ mod tests {
         r.start_return(Returning { node: 2, was: 1 });
         assert!(r.is_returning(2) && r.retried(1) && !r.is_left_out(2));
         assert_eq!(r.gaps(2), ["h1"]);
+        assert_eq!(r.out_now(), 1);
         let came = r.end_return(2).map(|x| x.was);
         assert_eq!(came, Some(1));
         assert!(!r.is_returning(2));
@@ -785,6 +791,7 @@ mod tests {
         assert!(r.retried(1), "tried once");
         assert!(r.gaps(2).is_empty(), "it fills no gap");
         assert!(r.left_out_report().is_empty());
+        assert_eq!(r.out_now(), 0, "the metrics count it out no more");
         assert_eq!(r.came_back_report()[0].host, "h1");
         assert_eq!(r.came_back_report()[0].tries, 3);
         assert!(!r.left_out()[0].remembered());
