@@ -93,12 +93,18 @@ fn a_node_cut_off_and_opened_again_comes_back_as_a_spare() {
         .iter()
         .any(|l| l.contains("attempt=1") && l.ends_with(&c.host(3)));
     c.exec(2, "iptables -F INPUT && iptables -F OUTPUT");
+    let opened = std::time::Instant::now();
     wait_until_within("node2 to come back (a node_back event)", GUARD, || {
         std::fs::read_to_string(&events)
             .unwrap_or_default()
             .lines()
             .any(|l| l.contains("\"name\":\"node_back\"") && l.contains(&h2))
     });
+    // How long nrun took to take it back once it could (the tries' 2 s first wait included).
+    eprintln!(
+        "comeback: opened -> node_back {:.2} s",
+        opened.elapsed().as_secs_f64()
+    );
     std::fs::write(&release, "").unwrap();
     let (out, _) = wait_with_timeout(child, GUARD);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
@@ -203,7 +209,15 @@ fn an_elastic_job_grows_back_with_a_node_whose_agent_was_killed() {
         });
     };
     started(0, 2, 2);
+    let killed = std::time::Instant::now();
     assert!(c.kill_agents(2), "no agent on node2");
+    // From the kill to the grown group's start (the node lost, the job shrunk, the node's
+    // agent started again after 2 s, checked, the group restarted with it).
+    started(1, 2, 2);
+    eprintln!(
+        "comeback: agent killed -> grown group started {:.2} s",
+        killed.elapsed().as_secs_f64()
+    );
     let (out, _) = wait_with_timeout(child, GUARD);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     let ctx = format!(
