@@ -32,6 +32,9 @@ pub(crate) struct Roster {
     suspicions: fault::History,
     /// Nodes lost mid-run whose agents are being started again (see [`super::again`]).
     returning: Vec<Returning>,
+    /// The nodes lost whose agents were started again, once each (back, failed the checks, or
+    /// still being tried).
+    tried: Vec<usize>,
 }
 
 /// A node whose agent is being started again: the session's node `node` (a placeholder until
@@ -71,17 +74,15 @@ impl Roster {
         self.returning.iter().any(|r| r.node == i)
     }
 
-    /// Whether node `was`, left out, is being started again or came back already.
+    /// Whether node `was`, left out, had its agent started again already (one that came back
+    /// as another node, or failed the checks then, is not tried again).
     pub(crate) fn retried(&self, was: usize) -> bool {
-        self.returning.iter().any(|r| r.was == was)
-            || self
-                .left_out
-                .iter()
-                .any(|l| l.node == was && l.back.is_some())
+        self.tried.contains(&was)
     }
 
     /// Node `r.node` starts node `r.was`'s agent again.
     pub(crate) fn start_return(&mut self, r: Returning) {
+        self.tried.push(r.was);
         self.returning.push(r);
     }
 
@@ -781,6 +782,7 @@ mod tests {
         let came = r.end_return(2).map(|x| x.was);
         assert_eq!(came, Some(1));
         assert!(!r.is_returning(2));
+        assert!(r.retried(1), "tried once, whatever its checks say");
         r.came_back(
             1,
             Back {
