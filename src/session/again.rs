@@ -114,9 +114,11 @@ impl Session {
             ));
             self.roster.start_return(Returning { node, was });
             tracing::info!(
-                "{host} is started again in the background while the job goes on (a try in {} \
-                 s, then {} s apart at most): it comes back once it answers",
+                "{host} is started again in the background while the job goes on (tries {}, {}, \
+                 {} ... s apart, at most {} s): it comes back once it answers",
                 FIRST_TRY.as_secs(),
+                FIRST_TRY.as_secs() * 2,
+                FIRST_TRY.as_secs() * 4,
                 LONGEST_WAIT.as_secs()
             );
         }
