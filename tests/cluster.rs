@@ -924,7 +924,13 @@ fn an_elastic_job_goes_on_with_the_nodes_it_has() {
     );
     s.wait_marks("started", 6, Duration::from_secs(30));
     // ze-h3's agent dies (and its keeper): the node is lost. (Process ids are not per
-    // namespace: the host's own are picked by `ip netns pids`.)
+    // namespace: the host's own are picked by `ip netns pids`.) It takes no new ssh connection
+    // from then on, so nrun's tries to start it again fail and the job stays at two nodes (one
+    // that comes back grows the job: tests/comeback.rs, tests/faults.rs).
+    c.exec(
+        3,
+        "iptables -A INPUT -p tcp --dport 22 -m state --state NEW -j DROP",
+    );
     let killed = c.kill_agents(3);
     assert!(killed);
     let (out, _) = wait_with_timeout(child, Duration::from_secs(60));

@@ -50,6 +50,10 @@ fn rows(mode: &str) -> Vec<Row> {
         if cells[0] != mode {
             continue;
         }
+        // NRUN_FAULT_ROW=WORDS: only the rows whose fault holds them (one row, by hand).
+        if std::env::var("NRUN_FAULT_ROW").is_ok_and(|w| !cells[1].contains(w.as_str())) {
+            continue;
+        }
         let policy = cells[2];
         let flags = policy
             .split('`')
@@ -87,6 +91,8 @@ enum Outside {
     None,
     KillAgent,
     CutOff,
+    /// Cut off, then opened again once the job went on without it.
+    CutOffAndBack,
     DropSsh,
     Signal(Signal),
 }
@@ -97,6 +103,7 @@ fn fault_of(row: &Row) -> (String, Outside) {
     let outside = match f {
         _ if f.starts_with("agent kill -9") => Outside::KillAgent,
         _ if f.ends_with("cut off") => Outside::CutOff,
+        _ if f.ends_with("cut off and back") => Outside::CutOffAndBack,
         _ if f.starts_with("ssh to") => Outside::DropSsh,
         "launcher SIGTERM" => Outside::Signal(Signal::SIGTERM),
         "launcher kill -9" => Outside::Signal(Signal::SIGKILL),
@@ -107,6 +114,8 @@ fn fault_of(row: &Row) -> (String, Outside) {
         // signalled has no next attempt.
         let when = match outside {
             Outside::Signal(_) => "always",
+            // The group shrunk without the node runs until the node grows it back.
+            Outside::CutOffAndBack => "short",
             _ => "first",
         };
         return (format!("wait:all:{when}"), outside);
@@ -153,6 +162,8 @@ fn job_args(s: &Scene, row: &Row, fault: &str, report: &str) -> Vec<String> {
     for kv in [
         format!("FAULT={fault}"),
         format!("LINES={LINES}"),
+        // Every row's world: a group smaller than this is a shrunk one.
+        "FULL=2".to_string(),
         format!("MARK={}", s.mark().display()),
         format!("NRUN_TEST_TAG={}", s.tag),
         format!("PY={}", torch_python().unwrap_or_default().display()),
@@ -184,7 +195,7 @@ fn strike(outside: &Outside, child: &Child, c: Option<&Cluster>, node2: usize) {
         Outside::None => {}
         Outside::Signal(sig) => signal(child, sig.as_str()),
         Outside::KillAgent => assert!(c.expect("a cluster").kill_agents(node2)),
-        Outside::CutOff => c.expect("a cluster").exec(
+        Outside::CutOff | Outside::CutOffAndBack => c.expect("a cluster").exec(
             node2,
             "iptables -A INPUT -i lo -j ACCEPT && iptables -A INPUT -j DROP && \
              iptables -A OUTPUT -o lo -j ACCEPT && iptables -A OUTPUT -j DROP",
@@ -278,6 +289,17 @@ fn check(row: &Row, s: &Scene, ran: &Ran, world: usize) {
             "{ctx}"
         );
     }
+    // A node that came back says so, with why, and the job grew with it.
+    if row.fault.ends_with("and back") {
+        assert!(stderr.contains("answers again (lost"), "{ctx}");
+        assert!(stderr.contains("grows the job to 2 nodes"), "{ctx}");
+        let back = report.map(|r| r["nodes"]["came_back"][0]["host"].clone());
+        assert_eq!(
+            back.as_ref().and_then(|h| h.as_str()),
+            ran.hosts.get(1).map(String::as_str),
+            "{ctx}"
+        );
+    }
     // An OOM kill is named as one (the kernel log or the memory cgroup says so).
     if row.fault.starts_with("OOM") {
         assert!(stderr.contains("out-of-memory killer"), "{ctx}");
@@ -315,9 +337,30 @@ fn run_row(
     let (fault, outside) = fault_of(row);
     let report = s.dir.path().join("report.json");
     let child = start(&fault, report.to_str().unwrap());
+    // Over ssh, nrun starts a lost node's agent again and takes it back once it answers: a
+    // node whose agent or ssh the row ends takes no new ssh connection for the rest of the row,
+    // so it stays out as the row says (the row "cut off and back" is the one that comes back).
+    let held = row.mode == "ssh" && matches!(outside, Outside::KillAgent | Outside::DropSsh);
     if outside != Outside::None {
         wait_started(s, world);
+        if held {
+            c.expect("a cluster").exec(
+                2,
+                "iptables -A INPUT -p tcp --dport 22 -m state --state NEW -j DROP",
+            );
+        }
         strike(&outside, &child, c, 2);
+    }
+    if outside == Outside::CutOffAndBack {
+        // Once the job went on without node2 (the shrunk group's rank started), it is opened
+        // again: nrun's tries to start its agent again find it.
+        wait_until_within("the group without node2 to start", GUARD, || {
+            s.marks()
+                .iter()
+                .any(|l| l.starts_with("started") && l.contains("attempt=1"))
+        });
+        c.expect("a cluster")
+            .exec(2, "iptables -F INPUT && iptables -F OUTPUT");
     }
     let (out, took) = wait_with_timeout(child, GUARD);
     eprintln!("fault matrix: row took {:.1} s", took.as_secs_f64());
@@ -326,7 +369,7 @@ fn run_row(
         report: report_of(&report),
         hosts,
     };
-    if outside == Outside::CutOff {
+    if held || matches!(outside, Outside::CutOff | Outside::CutOffAndBack) {
         // Open node2 again for the next row.
         c.expect("a cluster")
             .exec(2, "iptables -F INPUT && iptables -F OUTPUT");

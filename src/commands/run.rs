@@ -63,7 +63,7 @@ pub(crate) async fn run(
     };
     s.journal.nodes(
         s.roster().active().len(),
-        s.roster().left_out().len(),
+        s.roster().out_now(),
         s.spares().len(),
     );
     // The journal outlives the session: stopping the nodes is the ledger's last phase.
@@ -431,30 +431,49 @@ async fn attempts(s: &mut Session, job: &RunSettings, rec: &mut Record) -> Resul
         .chain(args.iter().cloned())
         .collect::<Vec<_>>()
         .join(" ");
-    let hosts: Vec<String> = s.nodes.iter().map(|n| n.label.clone()).collect();
-    let node_commands: Vec<Option<String>> = s
-        .nodes
-        .iter()
-        .map(|n| {
-            let own = n.joined.as_ref()?.facts.as_ref()?.own.as_ref()?;
-            Some(own.command.join(" "))
-        })
-        .collect();
-    let lost_hints: Vec<String> = s
-        .nodes
-        .iter()
-        .map(|n| (n.link.kind().lost_hint)(&n.label))
-        .collect();
-    let shape = JobShape {
-        node_commands: &node_commands,
-        hosts: &hosts,
-        lost_hints: &lost_hints,
-        // c10d nodes with their own worker counts: the sum (as torchrun's WORLD_SIZE).
-        world: s.group().world,
-        command: &command,
-    };
+    let named = Named::of(s);
+    // c10d nodes with their own worker counts: the sum (as torchrun's WORLD_SIZE).
+    let shape = named.shape(s.group().world, &command);
     s.set_watch(job.watch.map(WatchState::new));
     Ok(attempt_loop(s, job, &program, &args, &shape, rec).await)
+}
+
+/// Each node's label, own command and what to check if it is lost, by node index.
+struct Named {
+    hosts: Vec<String>,
+    node_commands: Vec<Option<String>>,
+    lost_hints: Vec<String>,
+}
+
+impl Named {
+    fn of(s: &Session) -> Named {
+        Named {
+            hosts: s.nodes.iter().map(|n| n.label.clone()).collect(),
+            node_commands: s
+                .nodes
+                .iter()
+                .map(|n| {
+                    let own = n.joined.as_ref()?.facts.as_ref()?.own.as_ref()?;
+                    Some(own.command.join(" "))
+                })
+                .collect(),
+            lost_hints: s
+                .nodes
+                .iter()
+                .map(|n| (n.link.kind().lost_hint)(&n.label))
+                .collect(),
+        }
+    }
+
+    fn shape<'a>(&'a self, world: usize, command: &'a str) -> JobShape<'a> {
+        JobShape {
+            node_commands: &self.node_commands,
+            hosts: &self.hosts,
+            lost_hints: &self.lost_hints,
+            world,
+            command,
+        }
+    }
 }
 
 /// The session's nodes named by the preflight's findings, each with its evidence joined.
@@ -608,6 +627,16 @@ async fn attempt_loop(
         ..Count::default()
     };
     loop {
+        // Nodes started again since the job began (session::again) have indices of their own.
+        let (named, wider);
+        let shape = match s.len() > shape.hosts.len() {
+            true => {
+                named = Named::of(s);
+                wider = named.shape(shape.world, shape.command);
+                &wider
+            }
+            false => shape,
+        };
         rec.attempts = count.attempt as usize + 1;
         rec.restarts = count.restarts;
         let (group, step) = match run_attempt(s, job, program, args, &count, rec).await {
@@ -912,7 +941,7 @@ async fn run_attempt(
     let steps = s.steps(&job.workers, &group, &launch);
     s.journal.nodes(
         s.roster().active().len(),
-        s.roster().left_out().len(),
+        s.roster().out_now(),
         s.spares().len(),
     );
     let hosts = group.members.iter().map(|m| s.nodes[m.node].label.clone());

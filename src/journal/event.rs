@@ -161,6 +161,25 @@ pub(crate) enum Event {
         host: String,
         replaces: Option<String>,
     },
+    /// A node lost earlier in the job answers again and passed the checks: a spare now
+    /// (`now`: "spare"), or the elastic job grows with it ("grows").
+    NodeBack {
+        #[serde(skip)]
+        node: usize,
+        #[serde(skip)]
+        host: String,
+        /// Seconds since it was lost.
+        #[serde(default)]
+        lost_s: f64,
+        /// How it was lost, in short.
+        #[serde(default)]
+        cause: String,
+        /// Starts of its agent it took.
+        #[serde(default)]
+        tries: u32,
+        #[serde(default)]
+        now: String,
+    },
     /// One message size the preflight measured (GB/s, as the console says them).
     PreflightSize {
         bytes: Option<u64>,
@@ -260,7 +279,8 @@ impl Event {
             | Event::WorkerFailed { node, host, .. }
             | Event::Decision { node, host, .. }
             | Event::NodeLeftOut { node, host, .. }
-            | Event::SpareIn { node, host, .. } => Some((*node, host)),
+            | Event::SpareIn { node, host, .. }
+            | Event::NodeBack { node, host, .. } => Some((*node, host)),
             _ => None,
         }
     }
@@ -328,6 +348,12 @@ impl Event {
             }
             Event::NodeLeftOut { host, reason, .. } => format!("leaving out {host}: {reason}"),
             Event::SpareIn { host, .. } => format!("spare {host} takes a place in the job"),
+            Event::NodeBack {
+                host, lost_s, now, ..
+            } => match now.as_str() {
+                "grows" => format!("{host} answers again after {lost_s} s: the job grows with it"),
+                _ => format!("{host} answers again after {lost_s} s: a spare now"),
+            },
             // Said as the report's JSON has them (a whole number of GB/s keeps its ".0").
             Event::PreflightSize {
                 bytes, busbw_gbs, ..

@@ -173,6 +173,23 @@ pub(crate) struct NodesReport {
     #[serde(deserialize_with = "words")]
     pub spares: Vec<String>,
     pub left_out: Vec<LeftOutReport>,
+    /// Nodes lost mid-run whose agents were started again and passed the checks (absent from
+    /// an older report).
+    pub came_back: Vec<CameBackReport>,
+}
+
+/// A node lost mid-run that came back.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub(crate) struct CameBackReport {
+    pub host: String,
+    /// How it was lost.
+    pub why: String,
+    /// When it was lost, and when it came back: RFC 3339 to the second.
+    pub lost_at: String,
+    pub back_at: String,
+    /// Starts of its agent it took.
+    pub tries: u32,
 }
 
 /// A node left out of the job, with its evidence.

@@ -261,7 +261,7 @@ impl Session {
     }
 
     /// Takes node `i`'s joined record into the session, if it has published one.
-    fn take_joined(&mut self, i: usize) -> bool {
+    pub(super) fn take_joined(&mut self, i: usize) -> bool {
         let Some(record) = self.bus.joined(i) else {
             return false;
         };
@@ -319,11 +319,13 @@ impl Session {
         true
     }
 
-    /// Nodes that joined after the join ended (elastic): taken in, their indices returned.
+    /// Nodes that joined after the join ended (elastic): taken in, their indices returned. A
+    /// lost node's agent started again is not one of them: it comes back through
+    /// [`Session::take_back`], with its link.
     pub(super) fn admit_late(&mut self) -> Vec<usize> {
         self.open_slots();
         let waiting: Vec<usize> = (0..self.nodes.len())
-            .filter(|i| self.nodes[*i].joined.is_none())
+            .filter(|i| self.nodes[*i].joined.is_none() && !self.roster.is_returning(*i))
             .collect();
         waiting
             .into_iter()
@@ -332,8 +334,13 @@ impl Session {
     }
 
     /// Whether a node outside the group has published its joined record while the job is
-    /// short of its size (elastic, or spares used up), checked at most once a second.
+    /// short of its size (elastic, or spares used up), checked at most once a second; or a
+    /// node lost earlier came back with room for it ([`Session::take_back`], every call: a
+    /// spare is said at once).
     pub(super) fn arrivals(&mut self) -> bool {
+        if self.take_back() {
+            return true;
+        }
         let active = self.roster.active();
         if active.len() >= self.plan.size || active.is_empty() {
             return false;
@@ -353,6 +360,7 @@ impl Session {
                 !self.roster.is_active(*i)
                     && self.nodes.get(*i).is_none_or(|n| n.joined.is_none())
                     && !self.is_left_out(*i)
+                    && !self.roster.is_returning(*i)
             })
             .any(|i| self.bus.has_joined(i))
     }

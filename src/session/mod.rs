@@ -11,11 +11,13 @@
 //!   failure or a signal, and notices lost ones.
 //! - [`check`]: interfaces, NAT, user variables, facts across nodes, node-to-node reachability.
 //! - [`roster`]: which nodes run the job, the spares, the nodes left out and why.
+//! - [`again`]: a node lost mid-run is started again in the background until it comes back.
 //! - [`spec`]: the one builder of workers' specs (environment, prefixes, log and error files).
 //!
 //! Remote agents get their steps through the store and answer there; the session waits on the
 //! store's change notification (and the in-process node's wake), not on a timer.
 
+pub(crate) mod again;
 pub(crate) mod c10d;
 pub(crate) mod check;
 pub(crate) mod join;
@@ -150,6 +152,8 @@ pub(crate) struct Session {
     arrivals_checked: Option<Instant>,
     /// The c10d rendezvous this nrun hosts (its id): nodes that come back join it.
     c10d_id: Option<String>,
+    /// Lost nodes' agents started again in the background, and those that came back.
+    returns: again::Returns,
     /// The job's events and phases (the goodput ledger, `--events`, the metrics).
     pub journal: crate::journal::Journal,
 }
@@ -207,6 +211,7 @@ impl Session {
             roster: roster::Roster::default(),
             arrivals_checked: None,
             c10d_id: None,
+            returns: again::Returns::new(),
             journal: crate::journal::Journal::new(&plan.run_id),
         };
         session.announce(plan);
@@ -218,6 +223,7 @@ impl Session {
             nudges: &session.bus.nudges,
             store: session.bus.store.clone(),
         };
+        let again = link::Again::new(&starting).map(Arc::new);
         // Thousands of agents take a while to start: a stop signal meanwhile ends nrun at once
         // (the agents started so far die with it: PR_SET_PDEATHSIG, their stdin closed).
         let began = Instant::now();
@@ -233,6 +239,7 @@ impl Session {
             session.nodes.len(),
             began.elapsed().as_secs_f64()
         );
+        session.returns.again = again;
         Ok(session)
     }
 
@@ -338,6 +345,7 @@ impl Session {
     pub(crate) async fn end_with(mut self, code: u8) {
         // A node come back but not taken in yet still gets its End (its nrun waits on it).
         self.open_slots();
+        self.adopt_back();
         let no = self.step;
         self.bus.exit(code);
         for (i, n) in self.nodes.iter_mut().enumerate() {

@@ -13,7 +13,7 @@ use std::time::SystemTime;
 use super::Session;
 use crate::fault;
 use crate::journal::Event;
-use crate::report::schema::{LeftOutReport, NodesReport};
+use crate::report::schema::{CameBackReport, LeftOutReport, NodesReport};
 use nrun_base::error::{Error, Result};
 
 /// The nodes' states in the job. A node is active, a spare (joined, neither active nor left
@@ -30,6 +30,19 @@ pub(crate) struct Roster {
     kept: Vec<LeftOut>,
     /// Suspicions: a second one against a node is node-level evidence.
     suspicions: fault::History,
+    /// Nodes lost mid-run whose agents are being started again (see [`super::again`]).
+    returning: Vec<Returning>,
+    /// The nodes lost whose agents were started again, once each (back, failed the checks, or
+    /// still being tried).
+    tried: Vec<usize>,
+}
+
+/// A node whose agent is being started again: the session's node `node` (a placeholder until
+/// its agent joins) for node `was`, left out as lost.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Returning {
+    pub node: usize,
+    pub was: usize,
 }
 
 impl Roster {
@@ -49,6 +62,42 @@ impl Roster {
 
     pub(crate) fn is_left_out(&self, i: usize) -> bool {
         self.left_out.iter().any(|l| l.node == i)
+    }
+
+    /// How many nodes are out of the job now: those left out, less those that came back.
+    pub(crate) fn out_now(&self) -> usize {
+        self.left_out.iter().filter(|l| l.back.is_none()).count()
+    }
+
+    /// Whether node `i` is one whose agent is being started again (not joined yet).
+    pub(crate) fn is_returning(&self, i: usize) -> bool {
+        self.returning.iter().any(|r| r.node == i)
+    }
+
+    /// Whether node `was`, left out, had its agent started again already (one that came back
+    /// as another node, or failed the checks then, is not tried again).
+    pub(crate) fn retried(&self, was: usize) -> bool {
+        self.tried.contains(&was)
+    }
+
+    /// Node `r.node` starts node `r.was`'s agent again.
+    pub(crate) fn start_return(&mut self, r: Returning) {
+        self.tried.push(r.was);
+        self.returning.push(r);
+    }
+
+    /// Node `node`'s agent joined (or gave up): it is no longer being started; whose it was.
+    pub(crate) fn end_return(&mut self, node: usize) -> Option<Returning> {
+        let at = self.returning.iter().position(|r| r.node == node)?;
+        Some(self.returning.remove(at))
+    }
+
+    /// Node `was`, left out as lost, came back as node `back.node` and passed the checks: it
+    /// is no longer held against (not remembered, not reported as left out).
+    pub(crate) fn came_back(&mut self, was: usize, back: Back) {
+        if let Some(l) = self.left_out.iter_mut().find(|l| l.node == was) {
+            l.back = Some(back);
+        }
     }
 
     /// Of `nodes` nodes, those that joined (`joined`) and wait to take a place, in node order.
@@ -85,7 +134,7 @@ impl Roster {
     /// `size` misses.
     fn gaps(&self, size: usize) -> Vec<String> {
         let missing = size.saturating_sub(self.active.len());
-        let l = &self.left_out;
+        let l: Vec<&LeftOut> = self.left_out.iter().filter(|l| l.back.is_none()).collect();
         l[l.len().saturating_sub(missing)..]
             .iter()
             .map(|x| x.host.clone())
@@ -101,16 +150,34 @@ impl Roster {
         }
     }
 
-    /// The nodes left out, as `--report` JSON.
+    /// The nodes left out (not those that came back), as `--report` JSON.
     pub(crate) fn left_out_report(&self) -> Vec<LeftOutReport> {
         self.left_out
             .iter()
+            .filter(|l| l.back.is_none())
             .map(|l| LeftOutReport {
                 host: l.host.clone(),
                 stage: l.stage.as_str().to_string(),
                 evidence: l.evidence.as_str().to_string(),
                 why: l.why.clone(),
                 at: humantime::format_rfc3339_seconds(l.at).to_string(),
+            })
+            .collect()
+    }
+
+    /// The nodes lost mid-run that came back, as `--report` JSON.
+    pub(crate) fn came_back_report(&self) -> Vec<CameBackReport> {
+        self.left_out
+            .iter()
+            .filter_map(|l| {
+                let b = l.back.as_ref()?;
+                Some(CameBackReport {
+                    host: l.host.clone(),
+                    why: l.why.clone(),
+                    lost_at: humantime::format_rfc3339_seconds(l.at).to_string(),
+                    back_at: humantime::format_rfc3339_seconds(b.at).to_string(),
+                    tries: b.tries,
+                })
             })
             .collect()
     }
@@ -188,6 +255,16 @@ pub(crate) struct LeftOut {
     /// The evidence, in words.
     pub why: String,
     pub at: SystemTime,
+    /// Lost, it came back (its agent started again, the checks passed).
+    pub back: Option<Back>,
+}
+
+/// How a node lost mid-run came back.
+#[derive(Clone, Debug)]
+pub(crate) struct Back {
+    pub at: SystemTime,
+    /// Starts of its agent it took.
+    pub tries: u32,
 }
 
 impl LeftOut {
@@ -203,9 +280,9 @@ impl LeftOut {
     }
 
     /// Whether it is worth remembering in --exclude-file: not a node nrun was stopped from
-    /// waiting for.
+    /// waiting for, nor one that came back.
     pub(crate) fn remembered(&self) -> bool {
-        self.evidence != Evidence::Interrupted
+        self.evidence != Evidence::Interrupted && self.back.is_none()
     }
 }
 
@@ -246,6 +323,7 @@ impl Session {
             evidence: Evidence::Seen,
             why: format!("{why} (kept in: nothing could take its place)"),
             at: SystemTime::now(),
+            back: None,
         });
     }
 
@@ -280,6 +358,7 @@ impl Session {
             evidence,
             why,
             at: SystemTime::now(),
+            back: None,
         });
     }
 
@@ -288,29 +367,7 @@ impl Session {
     /// in. `Err`: fewer nodes than the job's minimum remain (exit 98, the left-out nodes named).
     pub(crate) fn fill(&mut self) -> Result<Vec<usize>> {
         let late = self.admit_late();
-        // Its host's earlier evidence is the reason that matters, before any check of its own.
-        for &n in &late {
-            if let Some(why) = self.barred(n) {
-                self.leave_out(n, Stage::Check, &why);
-            }
-        }
-        if !late.is_empty() {
-            let f = self.assign_interfaces();
-            for w in f.warnings.iter() {
-                tracing::warn!("{w}");
-            }
-            for (node, p) in f.problems {
-                match node.filter(|n| late.contains(n)) {
-                    Some(n) => self.leave_out(n, Stage::Check, &p),
-                    None => tracing::warn!("{p}"),
-                }
-            }
-            for &n in &late {
-                if let Some(why) = self.mismatch(n) {
-                    self.leave_out(n, Stage::Check, &why);
-                }
-            }
-        }
+        self.check_late(&late);
         let mut came = Vec::new();
         // The places the spares fill.
         let gaps = self.roster.gaps(self.plan.size);
@@ -351,6 +408,35 @@ impl Session {
         Ok(came)
     }
 
+    /// The checks of nodes `late` that joined after the job began (an elastic job's late
+    /// joiners, a lost node's agent started again): those that fail are left out, said why.
+    pub(crate) fn check_late(&mut self, late: &[usize]) {
+        // Its host's earlier evidence is the reason that matters, before any check of its own.
+        for &n in late {
+            if let Some(why) = self.barred(n) {
+                self.leave_out(n, Stage::Check, &why);
+            }
+        }
+        if late.is_empty() {
+            return;
+        }
+        let f = self.assign_interfaces();
+        for w in f.warnings.iter() {
+            tracing::warn!("{w}");
+        }
+        for (node, p) in f.problems {
+            match node.filter(|n| late.contains(n)) {
+                Some(n) => self.leave_out(n, Stage::Check, &p),
+                None => tracing::warn!("{p}"),
+            }
+        }
+        for &n in late {
+            if let Some(why) = self.mismatch(n) {
+                self.leave_out(n, Stage::Check, &why);
+            }
+        }
+    }
+
     /// Why node `n`, joined late, may not run: its host was left out earlier in this job on
     /// evidence against the node itself (its nrun is told so when it joins, session::c10d; this
     /// is for one that joined before that was known).
@@ -383,7 +469,7 @@ impl Session {
             m.push_str(&format!(" ({})", self.names(&self.roster.active)));
         }
         m.push_str("; left out:");
-        for l in &self.roster.left_out {
+        for l in self.roster.left_out.iter().filter(|l| l.back.is_none()) {
             m.push_str(&format!("\n  {} ({}): {}", l.host, l.stage.as_str(), l.why));
         }
         let spares = self.plan.hosts.len().saturating_sub(self.plan.size);
@@ -441,6 +527,8 @@ impl Session {
                 }
             );
         }
+        // The job goes on: nodes lost in it are started again, to come back.
+        self.retry_lost();
         Ok(())
     }
 
@@ -475,6 +563,7 @@ impl Session {
                 !self.nodes[i].link.kind().joins_by_itself
                     && self.nodes[i].joined.is_none()
                     && !self.is_left_out(i)
+                    && !self.roster.is_returning(i)
             })
             .collect()
     }
@@ -543,12 +632,32 @@ impl Session {
             self.leave_out_for(i, Stage::Join, evidence, &why);
         }
         self.roster.settle();
-        let left_out = &self.roster.left_out;
+        let back: Vec<&LeftOut> = self
+            .roster
+            .left_out
+            .iter()
+            .filter(|l| l.back.is_some())
+            .collect();
+        if list && !back.is_empty() {
+            let mut text = format!("nrun: {} node(s) lost in this job came back:", back.len());
+            for l in back {
+                let at = l.back.as_ref().map_or(l.at, |b| b.at);
+                let gone = at.duration_since(l.at).unwrap_or_default().as_secs_f64();
+                text.push_str(&format!("\n  {} (out for {gone:.0} s): {}", l.host, l.why));
+            }
+            eprintln!("{text}");
+        }
+        let left_out: Vec<&LeftOut> = self
+            .roster
+            .left_out
+            .iter()
+            .filter(|l| l.back.is_none())
+            .collect();
         if left_out.is_empty() {
             return;
         }
         let mut text = format!("nrun: {} node(s) left out of this job:", left_out.len());
-        for l in left_out {
+        for l in &left_out {
             text.push_str(&format!("\n  {} ({}): {}", l.host, l.stage.as_str(), l.why));
         }
         if list {
@@ -558,7 +667,7 @@ impl Session {
             .plan
             .exclude_file
             .as_ref()
-            .filter(|_| left_out.iter().any(LeftOut::remembered))
+            .filter(|_| left_out.iter().any(|l| l.remembered()))
         {
             let entries: Vec<crate::plan::exclude::Entry> = left_out
                 .iter()
@@ -605,6 +714,7 @@ impl Session {
             ran_on: names(&self.roster.active),
             spares: names(&self.spares()),
             left_out: self.roster.left_out_report(),
+            came_back: self.roster.came_back_report(),
         })
     }
 }
@@ -621,6 +731,7 @@ mod tests {
             evidence: Evidence::Seen,
             why: format!("why {node}"),
             at: SystemTime::now(),
+            back: None,
         }
     }
 
@@ -655,5 +766,40 @@ mod tests {
             "a kept node is listed once, and one left out since with its own evidence"
         );
         assert_eq!(r.left_out_report()[1].stage, "run");
+    }
+
+    /// A node lost and started again: being started, it is neither a spare nor left out; back,
+    /// its entry no longer fills a gap, is reported as came back (not left out), and is not
+    /// remembered; it is tried once.
+    #[test]
+    fn a_lost_node_that_came_back_is_no_longer_held_against() {
+        let mut r = Roster::of(vec![0, 1]);
+        assert!(r.leave_out(out(1, Stage::Lost)));
+        r.start_return(Returning { node: 2, was: 1 });
+        assert!(r.is_returning(2) && r.retried(1) && !r.is_left_out(2));
+        assert_eq!(r.gaps(2), ["h1"]);
+        assert_eq!(r.out_now(), 1);
+        let came = r.end_return(2).map(|x| x.was);
+        assert_eq!(came, Some(1));
+        assert!(!r.is_returning(2));
+        assert!(r.retried(1), "tried once, whatever its checks say");
+        r.came_back(
+            1,
+            Back {
+                at: SystemTime::now(),
+                tries: 3,
+            },
+        );
+        assert!(r.retried(1), "tried once");
+        assert!(r.gaps(2).is_empty(), "it fills no gap");
+        assert!(r.left_out_report().is_empty());
+        assert_eq!(r.out_now(), 0, "the metrics count it out no more");
+        assert_eq!(r.came_back_report()[0].host, "h1");
+        assert_eq!(r.came_back_report()[0].tries, 3);
+        assert!(!r.left_out()[0].remembered());
+        assert!(
+            r.is_left_out(1),
+            "its first node stays out: it came back as another"
+        );
     }
 }

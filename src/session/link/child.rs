@@ -132,7 +132,36 @@ pub(crate) static KIND: Kind = Kind {
     },
     lost_hint,
     unanswered_hint,
+    again: Some(start_again),
 };
+
+/// Starts host `label`'s agent again as node `node` (its first was lost), from this host as
+/// any spare is (never through the launch tree: the agent that started it may be gone too).
+fn start_again(
+    again: Arc<super::Again>,
+    node: usize,
+    label: String,
+) -> BoxFuture<'static, Result<Box<dyn NodeLink>>> {
+    Box::pin(async move {
+        let how = &again.how;
+        let local = nrun_base::net::is_this_host(&label);
+        let mut hello = match local {
+            true => how.hello(node, &label, loopback_addrs(&how.addrs), Vec::new()),
+            false => how.remote_hello(node, &label, None, Vec::new()),
+        };
+        hello.heartbeat = !local;
+        // It joins a job whose other nodes may be elsewhere: it answers probes.
+        hello.probed = true;
+        let relay = Relay {
+            nudge: Some((again.nudges.clone(), vec![node])),
+            tag: None,
+            marks: true,
+        };
+        let routed = !local && how.pinned.is_none();
+        let link = start_one(&again.plan, &label, local, &hello, routed, relay).await?;
+        Ok(Box::new(link) as Box<dyn NodeLink>)
+    })
+}
 
 /// Refuses (exit 1: the system's limit, not the input) nodes `hosts` of the plan whose ssh
 /// connections this host's open-file limit cannot hold.
@@ -551,6 +580,15 @@ impl NodeLink for ChildLink {
                 }
             };
             tokio::join!(reap, self.process.finish());
+        })
+    }
+
+    fn kill(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.process.kill().await;
+            if let Some(r) = self.reaper.as_mut() {
+                r.finish().await;
+            }
         })
     }
 }

@@ -64,6 +64,7 @@ pub(crate) static KIND: Kind = Kind {
     join_hint: |_, _| "a fake node never joins".to_string(),
     lost_hint: |host| format!("{host} is a fake node"),
     unanswered_hint: |host| format!("{host} is a fake node"),
+    again: None,
 };
 
 pub(crate) struct FakeLink {
@@ -136,6 +137,7 @@ pub(crate) fn session(
         roster: Roster::default(),
         arrivals_checked: None,
         c10d_id: None,
+        returns: crate::session::again::Returns::new(),
         journal: crate::journal::Journal::new("fake"),
     };
     for n in &mut s.nodes {

@@ -41,6 +41,7 @@ pub(crate) static KIND: Kind = Kind {
     join_hint: |_, _| "check this host's node with `nrun doctor`".to_string(),
     lost_hint: super::child::lost_hint,
     unanswered_hint: |_| "check that this host is not overloaded".to_string(),
+    again: None,
 };
 
 pub(crate) fn link() -> Box<dyn NodeLink> {

@@ -104,6 +104,36 @@ pub(crate) struct Kind {
     pub lost_hint: fn(host: &str) -> String,
     /// What to check when node `host`'s agent did not answer a quick check in time.
     pub unanswered_hint: fn(host: &str) -> String,
+    /// Starts a node's agent again, as a node of its own (its first agent was lost): None
+    /// where this kind cannot (its agents start elsewhere, or by themselves).
+    pub again: Option<StartAgain>,
+}
+
+/// Starts host `label`'s agent as node `node` of the session: the link, once its process runs
+/// (whether it joins is the caller's to see).
+pub(crate) type StartAgain =
+    fn(Arc<Again>, usize, String) -> BoxFuture<'static, Result<Box<dyn NodeLink>>>;
+
+/// What starting a node's agent again needs, kept from the session's start: the plan, what
+/// every agent is told, and where their ends are said.
+pub(crate) struct Again {
+    pub plan: Arc<NodesPlan>,
+    pub how: Instructions,
+    pub nudges: Arc<Nudges>,
+}
+
+impl Again {
+    /// None where the plan's launcher starts no agent again.
+    pub(crate) fn new(s: &Starting<'_>) -> Option<Again> {
+        if launcher(s.plan).again.is_none() || s.plan.in_process {
+            return None;
+        }
+        Some(Again {
+            plan: Arc::new(s.plan.clone()),
+            how: Instructions::new(s).ok()?,
+            nudges: s.nudges.clone(),
+        })
+    }
 }
 
 /// The kinds `--launcher` picks among (the plan names one): one line per kind. A run without a
@@ -234,6 +264,12 @@ pub(crate) trait NodeLink: Send {
     /// Ends the link, once the session delivered End: waits for its agent to leave, then ends
     /// what is left of it. Every link's end runs at once. Nothing to end by default.
     fn end<'a>(&'a mut self, _: Ending<'a>) -> BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
+
+    /// Ends the link at once, its agent killed without waiting for it to leave (one started
+    /// again that did not join before the job ended, or gave up). Nothing to end by default.
+    fn kill(&mut self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
 }

@@ -190,6 +190,7 @@ pub(crate) static KIND: Kind = Kind {
         format!("check that {host} is up and that its nrun still runs and reaches this host")
     },
     unanswered_hint: |host| format!("check that {host}'s nrun still runs and reaches this host"),
+    again: None,
 };
 
 /// What to check when nodes whose own nrun joins did not: no ssh or srun is involved (they

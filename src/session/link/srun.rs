@@ -58,6 +58,7 @@ pub(crate) static KIND: Kind = Kind {
     unanswered_hint: |host| {
         format!("check that {host} still reaches the launch host (`srun -w {host} true`)")
     },
+    again: None,
 };
 
 /// Starts the one srun step of every node's agent.

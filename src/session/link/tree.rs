@@ -280,6 +280,7 @@ pub(crate) static KIND: Kind = Kind {
     join_hint: |np, r| (super::child::KIND.join_hint)(np, r),
     lost_hint: super::child::lost_hint,
     unanswered_hint: super::child::unanswered_hint,
+    again: None,
 };
 
 impl NodeLink for TreeLink {
