@@ -769,6 +769,24 @@ mod tests {
             "{}",
             s.text
         );
+        // The CI's lossy link (5% of what reaches h2 dropped) on a loaded host: stalled in
+        // timeouts, it sent few segments, too few for the loss rule of a link at full rate.
+        let mut stalled = net_ring([3.37, 0.005, 0.0004], [10_000; 3]);
+        for (r, segments, retransmitted) in [(0, 60, 8), (1, 30, 0), (2, 17_400, 0)] {
+            stalled.reports.get_mut(&r).unwrap().link_out = Some(LinkOut {
+                to: (r + 1) % 3,
+                segments,
+                retransmitted,
+            });
+        }
+        let s = stalled.summarize();
+        assert!(
+            s.text
+                .contains("the link from h1 to h2 retransmitted 13.3% of its segments (8 of 60)")
+                && !s.text.contains("from h2 to h3 retransmitted"),
+            "{}",
+            s.text
+        );
         // A NIC that is down.
         let mut down = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
         down.reports.get_mut(&2).unwrap().nics[0].up = false;
