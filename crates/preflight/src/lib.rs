@@ -135,6 +135,11 @@ impl Settings {
         self.key(format_args!("link/{turn}"))
     }
 
+    /// Net mode: the barrier every rank reaches, its ring connected, before the link test.
+    pub(crate) fn link_start_key(&self) -> Vec<u8> {
+        self.key(format_args!("link/start"))
+    }
+
     /// Net mode: what the link into rank `rank` carried in the link test (GB/s, as text).
     pub(crate) fn link_rate_key(&self, rank: usize) -> Vec<u8> {
         self.key(format_args!("link-rate/{rank}"))
