@@ -140,8 +140,10 @@ const TCP_FLOOR: f64 = 0.1;
 /// A link that retransmitted more than this share of its segments, and at least
 /// [`LOSS_SEGMENTS`] of them, in the link test loses packets. Seen on namespace hosts: a link
 /// dropping 5% of its packets retransmitted 6.7%; healthy links on a loaded host up to 1.8%
-/// (the receiver's backlog overflowing), and as much beside a shaped link.
-const LOSS_SHARE: f64 = 0.03;
+/// (the receiver's backlog overflowing), and as much beside a shaped link. Beside two or four
+/// CPU hogs, 45 runs of the 5% link: 2.4% to 7.6% (427 of 17857 the least, its three rounds
+/// 3.0, 2.2 and 2.0%), about 80 healthy links 0 to 0.9%.
+const LOSS_SHARE: f64 = 0.02;
 const LOSS_SEGMENTS: u32 = 20;
 /// A link already slow by its rate that retransmitted more than this share of its segments,
 /// however few, loses packets: loss that stalls a link in retransmission timeouts leaves it
@@ -1038,6 +1040,9 @@ mod tests {
         assert!(loses_packets(134, 38, true));
         assert!(loses_packets(1573, 91, true));
         assert!(loses_packets(13_053, 492, true));
+        // The least a 5% lossy link showed in the matrix, and the most a healthy one did.
+        assert!(loses_packets(17_857, 427, false));
+        assert!(!loses_packets(17_603, 158, false));
         // Too few to tell at a rate that is not slow.
         assert!(!loses_packets(60, 8, false));
         assert!(loses_packets(60, 8, true));
