@@ -1014,8 +1014,8 @@ fn connect_ring(
         })
     };
     // The ring's connection, then the link test's, each saying which it is in its first byte:
-    // the previous rank may accept them in either order (a lost final ACK of the first
-    // handshake leaves it out of the accept queue until after the second).
+    // the accept queue orders them by when each handshake completed there, which loss can
+    // reorder (a lossy row's run, taken one for the other, read link-test bytes as results).
     let tagged = |tag: u8| -> Result<TcpStream, RankError> {
         let mut s = connect()?;
         s.write_all(&[tag]).map_err(|e| {
@@ -1152,10 +1152,9 @@ fn test_links(
     let (phases, phase_of) = link_phases(&ring_hosts(ctx, deadline)?);
     let phase = |link: usize| phase_of[link];
     // Every rank in its ring first: a sender bounds its turn from its own start, and a
-    // receiver still connecting (a SYN-ACK lost to a lossy link costs it a second) would find
-    // the sender gone and measure only what the sockets buffered. Seen with 5% of the packets
-    // into a node dropped: a link that carries 1-3 GB/s measured 0.0026, its receiver 0.77 s
-    // late.
+    // receiver still connecting (a lost handshake packet costs a second) would find the sender
+    // gone and measure only what the sockets buffered. Seen with 5% of the packets into a node
+    // dropped: a link that carries 1-3 GB/s measured 0.0026, its receiver 0.77 s late.
     {
         let key = ctx.s.link_start_key();
         let left = deadline.saturating_duration_since(Instant::now());
