@@ -7,8 +7,9 @@
 //! communicator) of its own. Every group adds to a node x node matrix ([`matrix`]); after each
 //! stage, rounds of disjoint pairs are run until its one rule judges every bad pair: a node
 //! alone, a pair, or (only when no pair that could tell is left) too few nodes to tell. Slow:
-//! busbw under `--slow-factor` of a round's median, or (`--probe net`) a link of the group's
-//! ring, measured alone, far under the median of every link measured so far.
+//! busbw under `--slow-factor` of a round's median, or (`--probe net`, whose links judge it
+//! instead of its busbw) a link of the group's ring, measured alone, far under the median of
+//! every link measured so far.
 //!
 //! Probes: the NCCL preflight (default), `--probe net` (TCP ring, no GPU), or `--probe cmd`
 //! (the user's own command, which must exit 0 within `--timeout`).
@@ -485,10 +486,13 @@ impl Bisect<'_> {
         }
     }
 
-    /// Under --slow-factor of the stage's median busbw, or with a slow link.
+    /// With a slow link; where no link between nodes was measured (the NCCL and command
+    /// probes), under --slow-factor of the stage's median busbw. A ring's links measured alone
+    /// judge it without its busbw: under two CPU hogs every pair of 4 nodes ran near 0.2 GB/s
+    /// and a healthy one at 0.151, under 0.8 x the median 0.201, over links that measured
+    /// healthy; a shaped link measures a hundredth of its peers.
     fn is_slow(&self, g: &GroupOut, median: Option<f64>) -> bool {
-        g.slow_link.is_some()
-            || matches!((g.busbw_gbs, median), (Some(b), Some(m)) if b < self.bp.slow_factor * m)
+        group_slow(g, median, self.bp.slow_factor)
     }
 
     /// Runs one round: every group at once, each with its own store. Nodes not in a group idle.
@@ -912,6 +916,13 @@ fn slow_links(outs: &mut [GroupOut], seen: &mut Vec<f64>, name: &dyn Fn(usize) -
     }
 }
 
+/// [`Bisect::is_slow`] with `factor` for --slow-factor.
+fn group_slow(g: &GroupOut, median: Option<f64>, factor: f64) -> bool {
+    g.slow_link.is_some()
+        || (g.links.is_empty()
+            && matches!((g.busbw_gbs, median), (Some(b), Some(m)) if b < factor * m))
+}
+
 fn median_busbw(outs: &[GroupOut]) -> Option<f64> {
     let v: Vec<f64> = outs
         .iter()
@@ -996,6 +1007,26 @@ mod tests {
 
     fn name(i: usize) -> String {
         format!("h{i}")
+    }
+
+    #[test]
+    fn a_group_whose_links_were_measured_is_judged_by_them_not_its_busbw() {
+        // The load flake: a healthy pair at 0.151 GB/s under 0.8 x the median group's 0.201,
+        // over links that measured healthy.
+        let mut healthy = vec![group(&[(1, 3, 1.9), (3, 1, 2.4)], Some(1.25))];
+        healthy[0].busbw_gbs = Some(0.151);
+        super::slow_links(&mut healthy, &mut vec![2.0, 2.2, 0.01], &name);
+        assert!(!group_slow(&healthy[0], Some(0.201), 0.8));
+        // The shaped pair of the same round: its link is slow whatever its busbw.
+        let mut shaped = vec![group(&[(1, 2, 0.012), (2, 1, 2.1)], Some(1.25))];
+        super::slow_links(&mut shaped, &mut vec![2.0, 2.2, 1.9], &name);
+        assert!(group_slow(&shaped[0], Some(0.201), 0.8));
+        // No links measured (the NCCL or command probe): busbw against the median decides.
+        let mut nccl = group(&[], None);
+        nccl.busbw_gbs = Some(0.151);
+        assert!(group_slow(&nccl, Some(0.201), 0.8));
+        nccl.busbw_gbs = Some(0.19);
+        assert!(!group_slow(&nccl, Some(0.201), 0.8));
     }
 
     #[test]

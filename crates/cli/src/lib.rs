@@ -935,8 +935,8 @@ pub struct ProbeArgs {
     pub probe: Probe,
 
     /// A group whose busbw is under this fraction of its stage's median is slow (with --probe
-    /// net, so is a group with a link under 15% of the round's median link and a tenth of its
-    /// NIC's speed).
+    /// net, a group's links judge it instead: slow with a link under 15% of the round's median
+    /// link and a tenth of its NIC's speed).
     #[arg(
         long = "slow-factor",
         env = "NRUN_SLOW_FACTOR",

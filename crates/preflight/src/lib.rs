@@ -135,6 +135,11 @@ impl Settings {
         self.key(format_args!("link/{turn}"))
     }
 
+    /// Net mode: the barrier every rank reaches, its ring connected, before the link test.
+    pub(crate) fn link_start_key(&self) -> Vec<u8> {
+        self.key(format_args!("link/start"))
+    }
+
     /// Net mode: what the link into rank `rank` carried in the link test (GB/s, as text).
     pub(crate) fn link_rate_key(&self, rank: usize) -> Vec<u8> {
         self.key(format_args!("link-rate/{rank}"))
@@ -766,6 +771,24 @@ mod tests {
         assert!(
             s.text.contains("network: h1 eth0 10 Gb/s; h2 eth0 1 Gb/s; h3 eth0 10 Gb/s")
                 && s.text.contains("node h2's network (eth0 1 Gb/s, 0.12 GB/s) is 10% of the median node's (1.25 GB/s)"),
+            "{}",
+            s.text
+        );
+        // The CI's lossy link (5% of what reaches h2 dropped) on a loaded host: stalled in
+        // timeouts, it sent few segments, too few for the loss rule of a link at full rate.
+        let mut stalled = net_ring([3.37, 0.005, 0.0004], [10_000; 3]);
+        for (r, segments, retransmitted) in [(0, 60, 8), (1, 30, 0), (2, 17_400, 0)] {
+            stalled.reports.get_mut(&r).unwrap().link_out = Some(LinkOut {
+                to: (r + 1) % 3,
+                segments,
+                retransmitted,
+            });
+        }
+        let s = stalled.summarize();
+        assert!(
+            s.text
+                .contains("the link from h1 to h2 retransmitted 13.3% of its segments (8 of 60)")
+                && !s.text.contains("from h2 to h3 retransmitted"),
             "{}",
             s.text
         );
