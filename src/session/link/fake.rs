@@ -136,6 +136,7 @@ pub(crate) fn session(
         roster: Roster::default(),
         arrivals_checked: None,
         c10d_id: None,
+        hosting: None,
         journal: crate::journal::Journal::new("fake"),
     };
     for n in &mut s.nodes {
@@ -249,6 +250,7 @@ mod tests {
             deadline_ms: None,
             watch: false,
             hang_timeout_ms: None,
+            succession: None,
         }
     }
 
