@@ -183,6 +183,9 @@ pub(crate) struct C10d {
 pub(crate) struct TookOver {
     pub epoch: u64,
     pub quorum: usize,
+    /// The last world's nodes that may be alive (those known dead not counted): once that
+    /// many are in, no other is waited for.
+    pub alive: usize,
 }
 
 /// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs):

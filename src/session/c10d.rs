@@ -178,6 +178,7 @@ async fn succeed(
                         took_over: Some(TookOver {
                             epoch: succ.epoch + 1,
                             quorum,
+                            alive,
                         }),
                     };
                     return Ok(Next::Host(next, l));

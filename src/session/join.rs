@@ -107,7 +107,9 @@ impl Session {
                 true => size_reached.get_or_insert_with(Instant::now).elapsed() >= SPARE_GRACE,
                 false => false,
             };
-            if pending == 0 || started.elapsed() > timeout || last_call || spares_waited {
+            // A host that took over has every node that may be alive: the rest are dead.
+            let all_in = pending == 0 || self.all_alive_in(joined);
+            if all_in || started.elapsed() > timeout || last_call || spares_waited {
                 early = !(pending == 0 || started.elapsed() > timeout);
                 progress.finish(None);
                 break;

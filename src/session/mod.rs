@@ -257,6 +257,7 @@ impl Session {
                 epoch: c.took_over.as_ref().map_or(1, |t| t.epoch),
                 port: c.port,
                 quorum: c.took_over.as_ref().map_or(0, |t| t.quorum),
+                alive: c.took_over.as_ref().map_or(0, |t| t.alive),
                 last: None,
             });
         }

@@ -23,6 +23,9 @@ pub(crate) struct Hosting {
     /// majority of the last world's nodes (those known dead not counted), for a host that took
     /// over; 0 for the first host.
     pub quorum: usize,
+    /// A host that took over: the last world's nodes that may be alive; once they are all in,
+    /// the join waits for no other (the rest are known dead). 0 for the first host.
+    pub alive: usize,
     /// The last succession stamped: the last world, and who would take over.
     pub last: Option<Succession>,
 }
@@ -91,6 +94,7 @@ impl Session {
         // one in place (it keeps a tie).
         if let Some(h) = self.hosting.as_mut() {
             h.quorum = 0;
+            h.alive = 0;
             h.last = Some(s);
         }
     }
@@ -176,6 +180,14 @@ impl Session {
     /// over waits for a strict majority of the last world (0: no such wait).
     pub(crate) fn quorum(&self) -> usize {
         self.hosting.as_ref().map_or(0, |h| h.quorum)
+    }
+
+    /// A host that took over: whether every node of the last world that may be alive is in
+    /// (`joined` of them), so that the join need not wait for the others.
+    pub(crate) fn all_alive_in(&self, joined: usize) -> bool {
+        self.hosting
+            .as_ref()
+            .is_some_and(|h| h.alive > 0 && joined >= h.alive)
     }
 
     /// The error when a host that took over has no majority at its join's end.
