@@ -48,6 +48,19 @@ fn start(
     run: usize,
     extra: &[&str],
 ) -> Node {
+    start_with(c, s, py, i, run, extra, ("3", &c.addr(1)))
+}
+
+/// As [`start`], the job ending at a world of `end.0` under a master other than `end.1`.
+fn start_with(
+    c: &Cluster,
+    s: &Scene,
+    py: &std::path::Path,
+    i: usize,
+    run: usize,
+    extra: &[&str],
+    end: (&str, &str),
+) -> Node {
     let endpoint = format!("{}:29711", c.addr(1));
     let err = s.dir.path().join(format!("n{i}-{run}.err"));
     let out = s.dir.path().join(format!("n{i}-{run}.out"));
@@ -73,8 +86,8 @@ fn start(
     .arg(py_script("succession.py"))
     .env("NRUN_TEST_TAG", &s.tag)
     .env("MARK", s.mark())
-    .env("FULL_WORLD", "3")
-    .env("FIRST_MASTER", c.addr(1))
+    .env("FULL_WORLD", end.0)
+    .env("FIRST_MASTER", end.1)
     // Each node keeps its last succession in a directory of the scene's (not the user's).
     .env("XDG_RUNTIME_DIR", s.dir.path())
     .stdin(Stdio::null())
@@ -217,10 +230,91 @@ fn the_c10d_host_killed_hands_over_and_comes_back_as_a_node() {
         eh.contains("waiting for a majority: 2 of the last 3 nodes"),
         "{eh}"
     );
-    assert!(ej.contains(&format!("looks for node")), "{ej}");
+    assert!(ej.contains("looks for node"), "{ej}");
     assert!(
         ea.contains(&format!("is hosted at {host}:29711 now")),
         "{ea}"
+    );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+/// Waits until node `n`'s console says it joined the rendezvous.
+fn joined(n: &Node) {
+    wait_until("a node's join", || {
+        n.stderr().contains("joined the rendezvous at")
+    });
+}
+
+/// Three c10d nodes; the first in the succession (node 2, joined first) cut off from the others
+/// by a firewall that drops every packet in its namespace. The host keeps the other two (2 of
+/// 3) and trains on at world 2; node 2, alone, takes over hosting by the succession but waits
+/// for a majority (2 of 3: the silent host may be alive) that never comes, never trains, and
+/// stops at its --join-timeout saying why (exit 95).
+#[test]
+fn a_c10d_node_cut_off_alone_never_trains_alone() {
+    let Some(py) = need_torch() else {
+        return;
+    };
+    if !need_tool("iptables", "iptables") {
+        return;
+    }
+    let Some(c) = Cluster::up("sp", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let first = c.addr(1);
+    // The job ends once it trained at world 2 under the first host.
+    let end = ("2", "none");
+    let flags = ["--join-timeout", "20"];
+    let a = start_with(&c, &s, &py, 1, 0, &flags, end);
+    let b = start_with(&c, &s, &py, 2, 0, &flags, end);
+    joined(&b);
+    let d = start_with(&c, &s, &py, 3, 0, &flags, end);
+    wait_until("the first world of 3", || {
+        s.marks()
+            .iter()
+            .filter(|l| **l == format!("up world=3 master={first}"))
+            .count()
+            >= 3
+    });
+    c.exec(
+        2,
+        "iptables -A INPUT -i eth0 -j DROP && iptables -A OUTPUT -o eth0 -j DROP",
+    );
+    let (cb, eb) = b.wait();
+    let (ca, ea) = a.wait();
+    let (cd, ed) = d.wait();
+    assert_eq!(ca, Some(0), "{ea}");
+    assert_eq!(cd, Some(0), "{ed}");
+    assert_eq!(cb, Some(95), "{eb}");
+    assert!(
+        eb.contains(&format!(
+            "takes over hosting at {}:29711 (epoch 2; first in the succession",
+            c.addr(2)
+        )),
+        "{eb}"
+    );
+    assert!(
+        eb.contains("waiting for a majority: 2 of the last 3 nodes"),
+        "{eb}"
+    );
+    assert!(eb.contains("a minority never trains"), "{eb}");
+    // Node 2 never trained alone: no world of 1, no step under its address.
+    let marks = s.marks();
+    assert!(
+        !marks.iter().any(|l| l.starts_with("up world=1 ")),
+        "{marks:?}"
+    );
+    let steps = std::fs::read_to_string(format!("{}.steps", s.mark().display())).unwrap();
+    assert!(!steps.contains(&format!(" {} ", c.addr(2))), "{steps}");
+    assert_eq!(
+        marks
+            .iter()
+            .filter(|l| **l == format!("up world=2 master={first}"))
+            .count(),
+        2,
+        "{marks:?}"
     );
     s.assert_no_survivors();
     c.assert_nothing_left(3);
