@@ -119,6 +119,12 @@ fn ups(s: &Scene, world: usize, not: &str) -> (usize, String) {
 /// Kills every process of host `i`'s namespace but its sshd with SIGKILL (the node dies);
 /// when, in seconds since the epoch.
 fn kill_host(c: &Cluster, i: usize) -> f64 {
+    signal_host(c, i, nix::sys::signal::Signal::SIGKILL)
+}
+
+/// Sends `sig` to every process of host `i`'s namespace but its sshd; when, in seconds since
+/// the epoch.
+fn signal_host(c: &Cluster, i: usize, sig: nix::sys::signal::Signal) -> f64 {
     let out = std::process::Command::new("ip")
         .args(["netns", "pids", &c.host(i)])
         .output()
@@ -129,10 +135,7 @@ fn kill_host(c: &Cluster, i: usize) -> f64 {
         if String::from_utf8_lossy(&cmd).contains("sshd") {
             continue;
         }
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid.parse().unwrap()),
-            nix::sys::signal::Signal::SIGKILL,
-        );
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid.parse().unwrap()), sig);
     }
     at
 }
@@ -316,6 +319,93 @@ fn a_c10d_node_cut_off_alone_never_trains_alone() {
         2,
         "{marks:?}"
     );
+    s.assert_no_survivors();
+    c.assert_nothing_left(3);
+}
+
+/// Three c10d nodes; the host node's every process frozen with SIGSTOP. The others find it
+/// silent, node 2 (first in the succession) takes over at epoch 2 and node 3 joins it: they
+/// train at world 2. Then the old host is resumed (SIGCONT): it finds the newer host, stands
+/// down (its workers stop) and its node joins the new host as a fresh node: world 3 under
+/// the new host, the job ends 0 everywhere. Exactly one world trained at any time: the steps
+/// each world's rank 0 wrote, by MASTER_ADDR, fall in intervals that do not overlap.
+#[test]
+fn a_c10d_host_frozen_and_resumed_stands_down_and_one_world_trains() {
+    let Some(py) = need_torch() else {
+        return;
+    };
+    let Some(c) = Cluster::up("sf", 3) else {
+        return;
+    };
+    let s = Scene::new();
+    let first = c.addr(1);
+    let flags = ["--rdzv-conf", "last_call_timeout=3"];
+    let a = start(&c, &s, &py, 1, 0, &flags);
+    let b = start(&c, &s, &py, 2, 0, &flags);
+    joined(&b);
+    let d = start(&c, &s, &py, 3, 0, &flags);
+    wait_until("the first world of 3", || {
+        s.marks()
+            .iter()
+            .filter(|l| **l == format!("up world=3 master={first}"))
+            .count()
+            >= 3
+    });
+    signal_host(&c, 1, nix::sys::signal::Signal::SIGSTOP);
+    let new = c.addr(2);
+    wait_until("the world of 2 under node 2", || {
+        s.marks()
+            .iter()
+            .filter(|l| **l == format!("up world=2 master={new}"))
+            .count()
+            >= 2
+    });
+    signal_host(&c, 1, nix::sys::signal::Signal::SIGCONT);
+    let (ca, ea) = a.wait();
+    let (cb, eb) = b.wait();
+    let (cd, ed) = d.wait();
+    assert_eq!(ca, Some(0), "{ea}");
+    assert_eq!(cb, Some(0), "{eb}");
+    assert_eq!(cd, Some(0), "{ed}");
+    assert!(
+        eb.contains(&format!(
+            "takes over hosting at {new}:29711 (epoch 2; first in the succession"
+        )),
+        "{eb}"
+    );
+    assert!(ea.contains("it stands down"), "{ea}");
+    let marks = s.marks();
+    assert_eq!(
+        marks
+            .iter()
+            .filter(|l| **l == format!("up world=3 master={new}"))
+            .count(),
+        3,
+        "{marks:?}"
+    );
+    // One world at a time: each master's steps span an interval; no two overlap.
+    let steps = std::fs::read_to_string(format!("{}.steps", s.mark().display())).unwrap();
+    let mut spans: std::collections::BTreeMap<(String, String), (f64, f64)> = Default::default();
+    for l in steps.lines() {
+        let f: Vec<&str> = l.split(' ').collect();
+        let t: f64 = f[3].parse().unwrap();
+        let e = spans
+            .entry((f[1].to_string(), f[2].to_string()))
+            .or_insert((t, t));
+        e.0 = e.0.min(t);
+        e.1 = e.1.max(t);
+    }
+    let v: Vec<_> = spans.iter().collect();
+    for (i, (wa, a)) in v.iter().enumerate() {
+        for (wb, b) in &v[i + 1..] {
+            if wa.1 != wb.1 {
+                assert!(
+                    a.1 < b.0 || b.1 < a.0,
+                    "{wa:?} {a:?} and {wb:?} {b:?} overlap:\n{steps}"
+                );
+            }
+        }
+    }
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
