@@ -55,7 +55,13 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
 /// A hosting nrun that stood down (a newer host, or no majority left with it): its node goes
 /// down `succ` as a fresh node, as a joined node that lost its host does; never hosts.
 pub(crate) async fn rejoin(job: &RunSettings, nodes: &NodesPlan, succ: Succession) -> Result<u8> {
-    let loss = HostLoss::Silent(String::new());
+    let lost = Lost {
+        words: format!(
+            "this node stood down as the host of rendezvous {:?} (epoch {})",
+            succ.id, succ.epoch
+        ),
+        dead: 0,
+    };
     let c = C10d {
         host: succ.host.clone(),
         port: succ.nodes.first().map_or(0, |n| n.port),
@@ -64,7 +70,7 @@ pub(crate) async fn rejoin(job: &RunSettings, nodes: &NodesPlan, succ: Successio
         node: None,
         took_over: None,
     };
-    match succeed(nodes, &c, &succ, None, &loss).await? {
+    match succeed(nodes, &c, &succ, None, &lost).await? {
         Next::Join(next) => serve_from(job, nodes, next, succ.epoch + 1).await,
         Next::Host(..) => Err(Error::internal("a node that stood down took over hosting")),
     }
@@ -89,7 +95,8 @@ async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: u64) -
         if succ.id != c.id {
             return Err(Error::cluster(e.message));
         }
-        match succeed(nodes, &c, &succ, Some(node), &loss).await? {
+        let lost = Lost::of(&loss, &c, nodes);
+        match succeed(nodes, &c, &succ, Some(node), &lost).await? {
             Next::Join(next) => {
                 known = succ.epoch + 1;
                 c = next;
@@ -104,6 +111,34 @@ async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: u64) -
                 return Box::pin(crate::commands::run::run(&job, nodes, Some(listener), None))
                     .await;
             }
+        }
+    }
+}
+
+/// How the host was lost, for the words and the majority.
+struct Lost {
+    /// What happened, in words ("the rendezvous host H:P is gone (...)").
+    words: String,
+    /// 1 when the host is known dead (its connection closed), else 0.
+    dead: usize,
+}
+
+impl Lost {
+    fn of(loss: &HostLoss, c: &C10d, nodes: &NodesPlan) -> Lost {
+        let host = format!("the rendezvous host {}:{}", c.host, c.port);
+        match loss {
+            HostLoss::Closed(e) => Lost {
+                words: format!("{host} is gone (its connection closed: {e})"),
+                dead: 1,
+            },
+            HostLoss::Silent(_) => Lost {
+                words: format!(
+                    "{host} does not answer (for {} s, --agent-timeout: frozen, or cut off from \
+                     this node)",
+                    nodes.agent_timeout.as_secs_f64()
+                ),
+                dead: 0,
+            },
         }
     }
 }
@@ -126,25 +161,16 @@ async fn succeed(
     c: &C10d,
     succ: &Succession,
     me: Option<usize>,
-    loss: &HostLoss,
+    lost: &Lost,
 ) -> Result<Next> {
     let started = Instant::now();
     let deadline = started + nodes.join_timeout;
     let per = nodes.agent_timeout * 2 + Duration::from_secs(2);
-    let (dead, how) = match loss {
-        HostLoss::Closed(e) => (1, format!("is gone (its connection closed: {e})")),
-        HostLoss::Silent(_) => (
-            0,
-            format!(
-                "does not answer (--agent-timeout {} s: frozen, or cut off from this node)",
-                nodes.agent_timeout.as_secs_f64()
-            ),
-        ),
-    };
+    let (dead, how) = (lost.dead, &lost.words);
     let quorum = super::succession::successor_quorum(succ.world, dead);
     let alive = succ.world.saturating_sub(dead);
     let who = match me {
-        Some(n) => format!("node {n}"),
+        Some(n) => format!("{} (node {n})", nrun_base::net::hostname()),
         None => "this node".to_string(),
     };
     let mut tried = Vec::new();
@@ -158,10 +184,9 @@ async fn succeed(
             match nrun_store::server::bind(cand.port) {
                 Ok(l) => {
                     eprintln!(
-                        "nrun: the rendezvous host {} {how}; {who} takes over hosting at {at} \
+                        "nrun: {how}; {who} takes over hosting at {at} \
                          (epoch {}; {place} in the succession of the last step); waiting for a \
                          majority: {quorum} of the last {} nodes{}",
-                        succ.host,
                         succ.epoch + 1,
                         succ.world,
                         match dead {
@@ -190,9 +215,8 @@ async fn succeed(
             }
         }
         eprintln!(
-            "nrun: the rendezvous host {} {how}; {who} looks for node {} at {at} ({place} in the \
+            "nrun: {how}; {who} looks for node {} at {at} ({place} in the \
              succession of the last step, epoch {})",
-            succ.host,
             cand.node,
             succ.epoch + 1
         );
@@ -214,10 +238,9 @@ async fn succeed(
         }
     }
     Err(Error::cluster(format!(
-        "the rendezvous host {} {how}, and no node of the last step's succession hosts \
-         rendezvous {:?} at epoch {} or later after {:.0} s: tried {}; check that the nodes' \
-         nrun still run and reach each other, then start the same command again on every node",
-        succ.host,
+        "{how}, and no node of the last step's succession hosts rendezvous {:?} at epoch {} or \
+         later after {:.0} s: tried {}; check that the nodes' nrun still run and reach each \
+         other, then start the same command again on every node",
         c.id,
         succ.epoch + 1,
         started.elapsed().as_secs_f64(),

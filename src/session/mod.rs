@@ -254,6 +254,7 @@ impl Session {
             // The c10d form's host is replaceable: its steps say who takes over.
             self.hosting = plan.c10d.as_ref().map(|c| succession::Hosting {
                 id: c.id.clone(),
+                host: c.host.clone(),
                 epoch: c.took_over.as_ref().map_or(1, |t| t.epoch),
                 port: c.port,
                 quorum: c.took_over.as_ref().map_or(0, |t| t.quorum),

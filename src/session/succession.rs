@@ -16,6 +16,9 @@ use nrun_base::error::Error;
 #[derive(Clone, Debug)]
 pub(crate) struct Hosting {
     pub id: String,
+    /// This host as its nodes reach it: the endpoint's host (or the address a host that took
+    /// over was seen at).
+    pub host: String,
     pub epoch: u64,
     /// The port every node would host on: the endpoint's.
     pub port: u16,
@@ -80,7 +83,7 @@ impl Session {
         let s = Succession {
             id: h.id.clone(),
             epoch: h.epoch,
-            host: self.rendezvous.addr.clone(),
+            host: h.host.clone(),
             world: world.len(),
             nodes,
         };

@@ -328,7 +328,8 @@ pub struct Succession {
     /// 1 for the host the nodes first found at the endpoint, +1 each time a new host takes
     /// over: a host of an older epoch is refused.
     pub epoch: u64,
-    /// The host's address as its nodes reached it (for the words when it is lost).
+    /// The host as its nodes reach it: the endpoint's host, or the address a host that took
+    /// over was seen at.
     pub host: String,
     /// How many nodes the step's world has, the host included (the majority is of these).
     pub world: usize,
