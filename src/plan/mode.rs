@@ -182,6 +182,8 @@ pub(crate) struct C10d {
 #[derive(Clone, Debug)]
 pub(crate) struct TookOver {
     pub epoch: u64,
+    /// The job's lineage (its first host's run name), kept.
+    pub lineage: String,
     pub quorum: usize,
     /// The last world's nodes that may be alive (those known dead not counted): once that
     /// many are in, no other is waited for.

@@ -48,7 +48,10 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
         );
     }
     // The epoch of the last host this node knew: an older host is refused.
-    let known = super::succession::kept(&c.id).map_or(0, |s| s.epoch);
+    let known = super::succession::kept(&c.id).map_or_else(Known::default, |s| Known {
+        epoch: s.epoch,
+        lineage: s.lineage,
+    });
     serve_from(job, nodes, c.clone(), known).await
 }
 
@@ -71,17 +74,17 @@ pub(crate) async fn rejoin(job: &RunSettings, nodes: &NodesPlan, succ: Successio
         took_over: None,
     };
     match succeed(nodes, &c, &succ, None, &lost).await? {
-        Next::Join(next) => serve_from(job, nodes, next, succ.epoch + 1).await,
+        Next::Join(next) => serve_from(job, nodes, next, Known::after(&succ)).await,
         Next::Host(..) => Err(Error::internal("a node that stood down took over hosting")),
     }
 }
 
 /// Joins the rendezvous `c` (a host of epoch `known` or newer) and serves as a node of its job,
 /// going down the succession each time the host is lost.
-async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: u64) -> Result<u8> {
+async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: Known) -> Result<u8> {
     let (mut c, mut known) = (c, known);
     loop {
-        let (served, node) = join_once(job, nodes, &c, known).await?;
+        let (served, node) = join_once(job, nodes, &c, &known).await?;
         let e = match served {
             Ok(ended) => return Ok(ended),
             Err(e) => e,
@@ -98,7 +101,7 @@ async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: u64) -
         let lost = Lost::of(&loss, &c, nodes);
         match succeed(nodes, &c, &succ, Some(node), &lost).await? {
             Next::Join(next) => {
-                known = succ.epoch + 1;
+                known = Known::after(&succ);
                 c = next;
             }
             Next::Host(next, listener) => {
@@ -140,6 +143,29 @@ impl Lost {
                 dead: 0,
             },
         }
+    }
+}
+
+/// The last host a node knew: its epoch within its job's lineage (epochs compare within one
+/// job only: a later job may reuse the rendezvous id). Default: none.
+#[derive(Clone, Debug, Default)]
+struct Known {
+    epoch: u64,
+    lineage: String,
+}
+
+impl Known {
+    /// The host after `succ`'s: its epoch + 1, the same job.
+    fn after(succ: &Succession) -> Known {
+        Known {
+            epoch: succ.epoch + 1,
+            lineage: succ.lineage.clone(),
+        }
+    }
+
+    /// Whether a host of `epoch` in `lineage` is older than this one (then refused).
+    fn refuses(&self, epoch: u64, lineage: &str) -> bool {
+        lineage == self.lineage && epoch < self.epoch
     }
 }
 
@@ -202,6 +228,7 @@ async fn succeed(
                         node: None,
                         took_over: Some(TookOver {
                             epoch: succ.epoch + 1,
+                            lineage: succ.lineage.clone(),
                             quorum,
                             alive,
                         }),
@@ -229,7 +256,7 @@ async fn succeed(
             took_over: None,
         };
         let until = (Instant::now() + per).min(deadline);
-        match hosts_at(&next, succ.epoch + 1, until).await {
+        match hosts_at(&next, &Known::after(succ), until).await {
             Ok(()) => return Ok(Next::Join(next)),
             Err(why) => tried.push(format!("node {} at {at}: {why}", cand.node)),
         }
@@ -253,7 +280,7 @@ async fn succeed(
 
 /// Whether an nrun hosts rendezvous `c` at its endpoint with epoch `epoch` or later, asked
 /// until `until` (each attempt bounded); Err: what was found instead.
-async fn hosts_at(c: &C10d, epoch: u64, until: Instant) -> std::result::Result<(), String> {
+async fn hosts_at(c: &C10d, want: &Known, until: Instant) -> std::result::Result<(), String> {
     let Ok(addrs) = resolve(&c.host, c.port) else {
         return Err("no address".into());
     };
@@ -278,8 +305,11 @@ async fn hosts_at(c: &C10d, epoch: u64, until: Instant) -> std::result::Result<(
                     Err(e) => return Err(e.to_string()),
                 }
                 match host_epoch(&mut store, &c.id).await {
-                    Ok(e) if e >= epoch => Ok(()),
-                    Ok(e) => Err(format!("a host of epoch {e}, older than {epoch}")),
+                    Ok((e, l)) if l == want.lineage && e >= want.epoch => Ok(()),
+                    Ok((e, l)) if l == want.lineage => {
+                        Err(format!("a host of epoch {e}, older than {}", want.epoch))
+                    }
+                    Ok(_) => Err("a host of another job with this rendezvous id".into()),
                     Err(e) => Err(e.to_string()),
                 }
             })
@@ -307,21 +337,27 @@ pub(super) async fn newer_among(last: &Succession) -> Option<String> {
             node: None,
             took_over: None,
         };
-        if hosts_at(&c, last.epoch + 1, Instant::now()).await.is_ok() {
+        if hosts_at(&c, &Known::after(last), Instant::now())
+            .await
+            .is_ok()
+        {
             return Some(format!("node {} at {}:{}", cand.node, cand.addr, cand.port));
         }
     }
     None
 }
 
-/// The epoch of the nrun hosting rendezvous `id` on `store` (1 where it says none).
-async fn host_epoch(store: &mut Client, id: &str) -> std::io::Result<u64> {
+/// The epoch of the nrun hosting rendezvous `id` on `store` and its job's lineage (1 and none
+/// where it says none).
+async fn host_epoch(store: &mut Client, id: &str) -> std::io::Result<(u64, String)> {
     let key = c10d_epoch_key(id);
     if !store.check(&[&key]).await? {
-        return Ok(1);
+        return Ok((1, String::new()));
     }
-    let v = store.get(&key).await?;
-    Ok(String::from_utf8_lossy(&v).trim().parse().unwrap_or(1))
+    let v = String::from_utf8_lossy(&store.get(&key).await?).into_owned();
+    let mut w = v.split_whitespace();
+    let epoch = w.next().and_then(|e| e.parse().ok()).unwrap_or(1);
+    Ok((epoch, w.next().unwrap_or_default().to_string()))
 }
 
 /// Where an nrun started again with the same command finds the current host of rendezvous
@@ -347,7 +383,7 @@ pub(crate) fn current_host(c: &C10d) -> Option<C10d> {
                 took_over: None,
                 ..c.clone()
             };
-            if hosts_at(&next, succ.epoch + 1, Instant::now())
+            if hosts_at(&next, &Known::after(&succ), Instant::now())
                 .await
                 .is_ok()
             {
@@ -373,7 +409,7 @@ async fn join_once(
     job: &RunSettings,
     nodes: &NodesPlan,
     c: &C10d,
-    known: u64,
+    known: &Known,
 ) -> Result<(std::result::Result<u8, Error>, usize)> {
     let endpoint = format!("{}:{}", c.host, c.port);
     let addrs = resolve(&c.host, c.port)
@@ -385,7 +421,7 @@ async fn join_once(
     // Everything up to the node index, bounded by --join-timeout to the second: a connect or
     // a reply that never comes (packets dropped) cannot hold it past the deadline.
     let mut look = Looking::new(started, deadline);
-    look.known = known;
+    look.known = known.clone();
     // The job's --nnodes and the --spares that may wait beside them. A node past them (its
     // index is the next in join order: one that came back after its first nrun was lost) may
     // wait for room where the job can take a node again: elastic, or with spares.
@@ -436,7 +472,7 @@ async fn join_once(
         // The launch host's nodes are elsewhere: they probe this one.
         probed: true,
         state_file: Some(super::succession::state_file(&c.id)),
-        epoch: known,
+        epoch: known.epoch,
     };
     // "joined the rendezvous" is said once the host can see this node (agent::join_and_serve).
     let mut signals = Signals::install(&job.session.forward_signals)?;
@@ -527,7 +563,7 @@ struct Looking {
     wait: crate::progress::Progress,
     /// The epoch of the last host this node knew: a host of an older one is refused (it is
     /// told so, and stands down).
-    known: u64,
+    known: Known,
     /// A host of an older epoch was found there (its epoch).
     stale: Option<u64>,
 }
@@ -555,7 +591,7 @@ impl Looking {
             full: false,
             next_line: Some(started + Duration::from_secs(1)),
             wait: crate::progress::Progress::new("c10d join", None, Some(deadline)),
-            known: 0,
+            known: Known::default(),
             stale: None,
         }
     }
@@ -589,7 +625,7 @@ impl Looking {
                  epoch {} this node last knew (a host that was frozen or cut off while another \
                  took over), and no newer host took it back within {secs} s (--join-timeout): \
                  find the current host in the other nodes' consoles and start this node again",
-                c.id, self.known
+                c.id, self.known.epoch
             )
         } else if self.joining {
             format!(
@@ -677,7 +713,7 @@ async fn find(
         if let Some((mut store, a)) = conn {
             match what_listens(&mut store, &c.id).await {
                 Ok(Listener::Ours) => match host_epoch(&mut store, &c.id).await {
-                    Ok(e) if e < look.known => {
+                    Ok((e, l)) if look.known.refuses(e, &l) => {
                         // A host that was frozen, or cut off, while the others went on: told
                         // so, it stands down (see session::succession); this node waits for
                         // the current one to be found.
@@ -687,13 +723,17 @@ async fn find(
                                 .is_ok()
                         {
                             let _ = store
-                                .set(&c10d_newer_key(&c.id), look.known.to_string().as_bytes())
+                                .set(
+                                    &c10d_newer_key(&c.id),
+                                    format!("{} {}", look.known.epoch, look.known.lineage)
+                                        .as_bytes(),
+                                )
                                 .await;
                         }
                         look.stale = Some(e);
                         look.last = format!(
                             "{a}: a host of epoch {e}, older than this node's last ({})",
-                            look.known
+                            look.known.epoch
                         );
                     }
                     Ok(_) => break (store, a),

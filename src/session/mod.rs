@@ -256,6 +256,10 @@ impl Session {
                 id: c.id.clone(),
                 host: c.host.clone(),
                 epoch: c.took_over.as_ref().map_or(1, |t| t.epoch),
+                lineage: c
+                    .took_over
+                    .as_ref()
+                    .map_or_else(|| self.run.clone(), |t| t.lineage.clone()),
                 port: c.port,
                 quorum: c.took_over.as_ref().map_or(0, |t| t.quorum),
                 alive: c.took_over.as_ref().map_or(0, |t| t.alive),
@@ -266,7 +270,7 @@ impl Session {
             // Read before joining: a node that knew a newer host refuses this one.
             st.set(
                 &crate::protocol::c10d_epoch_key(&h.id),
-                h.epoch.to_string().as_bytes(),
+                format!("{} {}", h.epoch, h.lineage).as_bytes(),
             );
         }
         if let Some(st) = self.store() {

@@ -20,6 +20,8 @@ pub(crate) struct Hosting {
     /// over was seen at).
     pub host: String,
     pub epoch: u64,
+    /// The job's first host's run name, kept by every host that takes over.
+    pub lineage: String,
     /// The port every node would host on: the endpoint's.
     pub port: u16,
     /// Nodes (this one included) that must be in before the first workers start: a strict
@@ -83,6 +85,7 @@ impl Session {
         let s = Succession {
             id: h.id.clone(),
             epoch: h.epoch,
+            lineage: h.lineage.clone(),
             host: h.host.clone(),
             world: world.len(),
             nodes,
@@ -156,7 +159,11 @@ impl Session {
     /// said so in this store, or a node of the last succession answers so (one look each).
     fn newer_host(&self, last: &Succession) -> Option<String> {
         let key = crate::protocol::c10d_newer_key(&last.id);
-        if let Some(v) = self.store().and_then(|st| st.get(&key)) {
+        if let Some(v) = self
+            .store()
+            .and_then(|st| st.get(&key))
+            .filter(|v| newer_than(v, last.epoch, &last.lineage))
+        {
             return Some(format!(
                 "a host of epoch {} (a node that left this one said so)",
                 String::from_utf8_lossy(&v)
@@ -208,6 +215,14 @@ impl Session {
             self.roster().active().len()
         ))
     }
+}
+
+/// Whether a "newer" word (`EPOCH LINEAGE`) names an epoch past `epoch` of `lineage`.
+fn newer_than(v: &[u8], epoch: u64, lineage: &str) -> bool {
+    let v = String::from_utf8_lossy(v);
+    let mut w = v.split_whitespace();
+    let e: u64 = w.next().and_then(|e| e.parse().ok()).unwrap_or(0);
+    e > epoch && w.next() == Some(lineage)
 }
 
 /// Keeps `s` in this machine's state file for its rendezvous, replaced whole.
@@ -293,6 +308,16 @@ mod tests {
         // 3 nodes, one killed and one cut off: the host alone keeps the tie of the 2 that may
         // be alive.
         assert!(host_keeps(1, 3, 1));
+    }
+
+    /// A "newer host" word counts within the job's own lineage only: a later job that reuses
+    /// the rendezvous id (torchrun's default is "none") is no newer host of this one.
+    #[test]
+    fn a_newer_host_is_of_the_same_job() {
+        assert!(newer_than(b"2 job-41", 1, "job-41"));
+        assert!(!newer_than(b"1 job-41", 1, "job-41"));
+        assert!(!newer_than(b"5 job-77", 1, "job-41"));
+        assert!(!newer_than(b"garbage", 1, "job-41"));
     }
 
     #[test]

@@ -328,6 +328,10 @@ pub struct Succession {
     /// 1 for the host the nodes first found at the endpoint, +1 each time a new host takes
     /// over: a host of an older epoch is refused.
     pub epoch: u64,
+    /// The run name of the job's first host, kept by every host that takes over: epochs
+    /// compare within one job only (a later job may reuse the rendezvous id).
+    #[serde(default)]
+    pub lineage: String,
     /// The host as its nodes reach it: the endpoint's host, or the address a host that took
     /// over was seen at.
     pub host: String,
@@ -877,7 +881,8 @@ pub fn c10d_newer_key(id: &str) -> Vec<u8> {
     format!("nrun/public/c10d/{id}/newer").into_bytes()
 }
 
-/// The epoch of the nrun hosting c10d rendezvous `id` (decimal), readable before joining.
+/// The epoch of the nrun hosting c10d rendezvous `id` and its job's lineage ("EPOCH LINEAGE",
+/// see [`Succession::lineage`]), readable before joining.
 pub fn c10d_epoch_key(id: &str) -> Vec<u8> {
     format!("nrun/public/c10d/{id}/epoch").into_bytes()
 }
