@@ -195,10 +195,15 @@ fn strike(outside: &Outside, child: &Child, c: Option<&Cluster>, node2: usize) {
                 .args(["netns", "pids", &c.host(node2)])
                 .output()
                 .unwrap();
+            // One at a time, each allowed to be gone already (a process of the list may end
+            // between the listing and its signal).
             for p in text(&pids.stdout).split_whitespace() {
                 let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-                if !String::from_utf8_lossy(&cmd).contains("sshd") {
-                    signal_pid(p, "KILL");
+                if let (false, Ok(pid)) =
+                    (String::from_utf8_lossy(&cmd).contains("sshd"), p.parse())
+                {
+                    let _ =
+                        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
                 }
             }
         }
