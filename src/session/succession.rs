@@ -143,6 +143,17 @@ impl Session {
             .filter(|(_, _, why)| why.contains("closed its connection"))
             .count();
         let active = self.roster().active().len();
+        let alive = last.world.saturating_sub(dead);
+        if host_keeps(active, last.world, dead) && 2 * active == alive {
+            tracing::warn!(
+                "this host keeps rendezvous {:?} (epoch {}) with {active} of the last world's {} \
+                 nodes that may be alive: a tie, which the host in place keeps (a node that took \
+                 over would need a strict majority), so only this world trains",
+                h.id,
+                h.epoch,
+                alive
+            );
+        }
         if !host_keeps(active, last.world, dead) {
             return stand_down(format!(
                 "this host has {active} of the last world's {} nodes ({dead} known dead): under \
