@@ -90,6 +90,8 @@ fn rows(mode: &str) -> Vec<Row> {
 enum Outside {
     None,
     KillAgent,
+    /// Every process of node1's namespace (c10d: the rendezvous host) killed with SIGKILL.
+    KillHost,
     CutOff,
     /// Cut off, then opened again once the job went on without it.
     CutOffAndBack,
@@ -102,6 +104,7 @@ fn fault_of(row: &Row) -> (String, Outside) {
     let f = row.fault.as_str();
     let outside = match f {
         _ if f.starts_with("agent kill -9") => Outside::KillAgent,
+        "host kill -9" => Outside::KillHost,
         _ if f.ends_with("cut off") => Outside::CutOff,
         _ if f.ends_with("cut off and back") => Outside::CutOffAndBack,
         _ if f.starts_with("ssh to") => Outside::DropSsh,
@@ -111,11 +114,13 @@ fn fault_of(row: &Row) -> (String, Outside) {
     };
     if outside != Outside::None {
         // Everyone runs until the outside fault; the next attempt finishes. A launcher
-        // signalled has no next attempt.
+        // signalled has no next attempt. A c10d host's loss starts the world again under a
+        // new host (its attempt 0): the world of 2 runs until the fault.
         let when = match outside {
             Outside::Signal(_) => "always",
             // The group shrunk without the node runs until the node grows it back.
             Outside::CutOffAndBack => "short",
+            _ if f.starts_with("host ") => "w2",
             _ => "first",
         };
         return (format!("wait:all:{when}"), outside);
@@ -189,12 +194,30 @@ fn wait_started(s: &Scene, n: usize) {
     });
 }
 
-/// Does the outside fault to node2 (or the launcher `child`).
+/// Does the outside fault to node2 (or node1 for a host's fault, or the launcher `child`).
 fn strike(outside: &Outside, child: &Child, c: Option<&Cluster>, node2: usize) {
     match outside {
         Outside::None => {}
         Outside::Signal(sig) => signal(child, sig.as_str()),
         Outside::KillAgent => assert!(c.expect("a cluster").kill_agents(node2)),
+        Outside::KillHost => {
+            let c = c.expect("a cluster");
+            let pids = Command::new("ip")
+                .args(["netns", "pids", &c.host(node2)])
+                .output()
+                .unwrap();
+            // One at a time, each allowed to be gone already (a process of the list may end
+            // between the listing and its signal).
+            for p in text(&pids.stdout).split_whitespace() {
+                let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+                if let (false, Ok(pid)) =
+                    (String::from_utf8_lossy(&cmd).contains("sshd"), p.parse())
+                {
+                    let _ =
+                        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+                }
+            }
+        }
         Outside::CutOff | Outside::CutOffAndBack => c.expect("a cluster").exec(
             node2,
             "iptables -A INPUT -i lo -j ACCEPT && iptables -A INPUT -j DROP && \
@@ -337,6 +360,11 @@ fn run_row(
     let (fault, outside) = fault_of(row);
     let report = s.dir.path().join("report.json");
     let child = start(&fault, report.to_str().unwrap());
+    // A c10d host's fault strikes node1, the host (the row's nrun is node2's).
+    let target = match row.fault.starts_with("host ") {
+        true => 1,
+        false => 2,
+    };
     // Over ssh, nrun starts a lost node's agent again and takes it back once it answers: a
     // node whose agent or ssh the row ends takes no new ssh connection for the rest of the row,
     // so it stays out as the row says (the row "cut off and back" is the one that comes back).
@@ -349,7 +377,7 @@ fn run_row(
                 "iptables -A INPUT -p tcp --dport 22 -m state --state NEW -j DROP",
             );
         }
-        strike(&outside, &child, c, 2);
+        strike(&outside, &child, c, target);
     }
     if outside == Outside::CutOffAndBack {
         // Once the job went on without node2 (the shrunk group's rank started), it is opened
@@ -372,7 +400,7 @@ fn run_row(
     if held || matches!(outside, Outside::CutOff | Outside::CutOffAndBack) {
         // Open node2 again for the next row.
         c.expect("a cluster")
-            .exec(2, "iptables -F INPUT && iptables -F OUTPUT");
+            .exec(target, "iptables -F INPUT && iptables -F OUTPUT");
     }
     ran
 }
@@ -478,30 +506,73 @@ fn c10d_rows() {
     for (n, row) in rows("c10d").iter().filter(|r| runnable(r)).enumerate() {
         let s = Scene::new();
         let endpoint = format!("{}:{}", c.addr(1), 29700 + n);
-        let hosts = vec![c.host(1), c.host(2)];
+        // A row of the host's loss is read from node2 (it hosts after the loss; its report),
+        // the host's own end beside it: killed, or (cut off: it keeps the tie) the job's.
+        let host_row = row.fault.starts_with("host ");
+        let (main, other) = match host_row {
+            true => (2, 1),
+            false => (1, 2),
+        };
+        let hosts = vec![c.host(main), c.host(other)];
         let mut second: Option<Child> = None;
         let mut ran = run_row(row, &s, 2, hosts, Some(&c), |fault, report| {
             let node = |i: usize, report: &str| {
                 let mut cmd = c.nrun_in(i);
-                cmd.args(["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d"])
+                cmd.args(["--nproc", "1", "--rdzv-backend", "c10d"])
                     .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "fm"])
-                    .arg("--no-python-probe")
-                    .args(job_args(&s, row, fault, report))
+                    .arg("--no-python-probe");
+                if !row.flags.iter().any(|f| f == "--nnodes") {
+                    cmd.args(["--nnodes", "2"]);
+                }
+                // The other node's --exclude-file apart: the row's is the checked node's.
+                let exclude = s.dir.path().join("exclude").display().to_string();
+                let apart = s.dir.path().join("exclude-other").display().to_string();
+                let args = job_args(&s, row, fault, report).into_iter().map(|a| {
+                    match i == other && a == exclude {
+                        true => apart.clone(),
+                        false => a,
+                    }
+                });
+                cmd.args(args)
                     .env("NRUN_TEST_TAG", &s.tag)
+                    // Each node keeps its last succession in the row's directory.
+                    .env("XDG_RUNTIME_DIR", s.dir.path())
                     .stdin(std::process::Stdio::null())
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped());
                 cmd.spawn().unwrap()
             };
-            let other = s.dir.path().join("report-node2.json");
-            second = Some(node(2, other.to_str().unwrap()));
-            node(1, report)
+            let report_of_other = s.dir.path().join(format!("report-node{other}.json"));
+            // The host first: node2 joins it (a host's row reads node2).
+            match host_row {
+                true => {
+                    second = Some(node(1, report_of_other.to_str().unwrap()));
+                    node(2, report)
+                }
+                false => {
+                    second = Some(node(2, report_of_other.to_str().unwrap()));
+                    node(1, report)
+                }
+            }
         });
-        // The joining node ends with the job's code too; its ranks' lines are on its console.
+        // The other node ends with the job's code too (the host killed: by SIGKILL; cut off:
+        // the host keeps the tie and its world ends 0); its ranks' lines are on its console.
         let (o2, _) = wait_with_timeout(second.take().unwrap(), GUARD);
-        assert_eq!(o2.status.code(), row.exit, "node2: {}", text(&o2.stderr));
-        ran.out.stdout.extend_from_slice(&o2.stdout);
-        check(row, &s, &ran, 2);
+        let want = match row.fault.as_str() {
+            "host kill -9" => None,
+            "host cut off" => Some(0),
+            _ => row.exit,
+        };
+        assert_eq!(o2.status.code(), want, "node{other}: {}", text(&o2.stderr));
+        if !host_row {
+            ran.out.stdout.extend_from_slice(&o2.stdout);
+        }
+        // After the host's loss node2's world is node2 alone.
+        let world = match row.fault.as_str() {
+            "host kill -9" => 1,
+            _ => 2,
+        };
+        check(row, &s, &ran, world);
         c.assert_nothing_left(2);
     }
 }

@@ -26,10 +26,21 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
         Mode::Run { nodes, .. } | Mode::Doctor { nodes, .. } | Mode::Bisect { nodes, .. } => nodes,
     };
     crate::session::link::check(nodes)?;
-    let listener = match session.c10d {
+    // c10d, started again with the same command: a node that took over hosting, as this
+    // machine's last succession names it, is the host now (not the endpoint's).
+    let moved = match &mode {
+        Mode::Run { run, .. } => run
+            .session
+            .c10d
+            .as_ref()
+            .and_then(crate::session::c10d::current_host),
+        _ => None,
+    };
+    let listener = match (&session.c10d, &moved) {
+        (Some(_), Some(_)) => None,
         // c10d: the nrun on the endpoint's host that binds its port hosts; the rest join.
-        Some(_) => crate::session::bind_rendezvous(session)?,
-        None => crate::session::bind_store(session)?,
+        (Some(_), None) => crate::session::bind_rendezvous(session)?,
+        (None, _) => crate::session::bind_store(session)?,
     };
     // --metrics-port, bound as early: a port that cannot be had is a usage error. Only by the
     // nrun that hosts the job: a c10d node that joins another's serves none (it says so).
@@ -57,8 +68,20 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
     let started = std::time::Instant::now();
     let code = match mode {
         Mode::Run { run, nodes } => match (&run.session.c10d, listener) {
-            (Some(c), None) => rt.block_on(crate::session::c10d::join(&run, &nodes, c)),
-            (_, listener) => rt.block_on(run::run(&run, &nodes, listener, metrics)),
+            (Some(c), None) => rt.block_on(crate::session::c10d::join(
+                &run,
+                &nodes,
+                moved.as_ref().unwrap_or(c),
+            )),
+            (_, listener) => {
+                let code = rt.block_on(run::run(&run, &nodes, listener, metrics));
+                // A c10d host that stood down (a newer host, or no majority left with it):
+                // its node joins the current host as a fresh node.
+                match crate::session::succession::stood_down() {
+                    Some(succ) => rt.block_on(crate::session::c10d::rejoin(&run, &nodes, succ)),
+                    None => code,
+                }
+            }
         },
         Mode::Doctor { doctor, nodes } => rt.block_on(doctor::run(&doctor, &nodes, listener)),
         Mode::Bisect { bisect, nodes } => rt.block_on(bisect::run(&bisect, &nodes, listener)),

@@ -340,7 +340,11 @@ pub(crate) async fn ready(s: &mut Session, own: Option<&crate::facts::OwnWork>) 
 
 /// Too few nodes joined: the nodes that did not, as before spares existed, then exit 98.
 fn short_at_join(s: &Session, failures: &[(usize, String)], e: Error) -> Error {
-    if failures.is_empty() || s.roster().left_out().iter().any(|l| l.stage != Stage::Join) {
+    // A c10d host that took over and found no majority: its own words say why.
+    if s.quorum() > 0
+        || failures.is_empty()
+        || s.roster().left_out().iter().any(|l| l.stage != Stage::Join)
+    {
         return e;
     }
     // Most nodes failing to join is the setup's fault (ssh, nrun's path), not theirs; so is a

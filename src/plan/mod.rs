@@ -36,6 +36,7 @@ mod workers;
 
 pub(crate) use mode::{
     BisectSettings, C10d, DoctorSettings, Mode, RunSettings, SessionPlan, Shape, StorePlan,
+    TookOver,
 };
 pub(crate) use nodes::NodesPlan;
 pub(crate) use preflight::PreflightPlan;

@@ -171,6 +171,23 @@ pub(crate) struct C10d {
     /// This node's index when the launcher fixed it (srun: SLURM_NODEID; 0 hosts the store);
     /// None: the nrun that binds the endpoint hosts, the others join in order.
     pub node: Option<usize>,
+    /// Set on the node that took over hosting after the host was lost (see
+    /// `session::c10d`): the epoch it hosts and the majority it waits for.
+    pub took_over: Option<TookOver>,
+}
+
+/// A c10d node that took over hosting: its epoch, and how many nodes (itself included) must
+/// be with it before its workers start (a strict majority of the last world's nodes, those
+/// known dead not counted).
+#[derive(Clone, Debug)]
+pub(crate) struct TookOver {
+    pub epoch: u64,
+    /// The job's lineage (its first host's run name), kept.
+    pub lineage: String,
+    pub quorum: usize,
+    /// The last world's nodes that may be alive (those known dead not counted): once that
+    /// many are in, no other is waited for.
+    pub alive: usize,
 }
 
 /// What nrun was asked to do, decided once from the command line (ripgrep's LowArgs -> HiArgs):

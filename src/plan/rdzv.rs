@@ -412,6 +412,7 @@ fn resolve_c10d(
         id: run_id.to_string(),
         secret,
         node: None,
+        took_over: None,
     }))
 }
 
@@ -463,6 +464,7 @@ fn slurm_every_node(env: Env<'_>) -> Result<Option<(usize, C10d)>> {
             id,
             secret,
             node: Some(node),
+            took_over: None,
         },
     )))
 }

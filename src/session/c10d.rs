@@ -8,24 +8,21 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::plan::{C10d, NodesPlan, RunSettings};
+use crate::agent::HostLoss;
+use crate::plan::{C10d, NodesPlan, RunSettings, TookOver};
 use crate::protocol::{
-    Hello, NRUN_STORE_KEY, c10d_next_key, c10d_public_key, c10d_refused_key, c10d_room_key,
-    c10d_run_key, torchrun_rdzv_key,
+    Hello, NRUN_STORE_KEY, Succession, c10d_epoch_key, c10d_newer_key, c10d_next_key,
+    c10d_public_key, c10d_refused_key, c10d_room_key, c10d_run_key, torchrun_rdzv_key,
 };
 use nrun_base::error::{Error, Result};
 use nrun_node::Signals;
 use nrun_store::client::Client;
 
-/// Joins the rendezvous `c` and serves as a node of its job; nrun's exit code.
+/// Joins the rendezvous `c` and serves as a node of its job; nrun's exit code. When the host
+/// is lost, goes down the last step's succession: joins the node that took over hosting, or
+/// takes it over itself (see [`super::succession`]).
 pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
     let endpoint = format!("{}:{}", c.host, c.port);
-    let addrs = resolve(&c.host, c.port)
-        .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {}", e.message)))?;
-    let started = Instant::now();
-    let deadline = started + nodes.join_timeout;
-    let secs = nodes.join_timeout.as_secs();
-    let secret = c.secret.clone().unwrap_or_default();
     // The job's record is kept where its session is: the nrun that hosts the rendezvous.
     let unwritten: Vec<&str> = [
         ("--report", job.report.is_some()),
@@ -44,15 +41,387 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
             unwritten.join(", ")
         );
     }
-    if secret.is_empty() {
+    if c.secret.as_deref().unwrap_or_default().is_empty() {
         tracing::warn!(
             "no NRUN_RDZV_SECRET here: this node runs the steps any client of {endpoint} writes; \
              give every node the same NRUN_RDZV_SECRET to have them signed"
         );
     }
+    // The epoch of the last host this node knew: an older host is refused.
+    let known = super::succession::kept(&c.id).map_or_else(Known::default, |s| Known {
+        epoch: s.epoch,
+        lineage: s.lineage,
+    });
+    serve_from(job, nodes, c.clone(), known).await
+}
+
+/// A hosting nrun that stood down (a newer host, or no majority left with it): its node goes
+/// down `succ` as a fresh node, as a joined node that lost its host does; never hosts.
+pub(crate) async fn rejoin(job: &RunSettings, nodes: &NodesPlan, succ: Succession) -> Result<u8> {
+    let lost = Lost {
+        words: format!(
+            "this node stood down as the host of rendezvous {:?} (epoch {})",
+            succ.id, succ.epoch
+        ),
+        dead: 0,
+    };
+    let c = C10d {
+        host: succ.host.clone(),
+        port: succ.nodes.first().map_or(0, |n| n.port),
+        id: succ.id.clone(),
+        secret: job.session.c10d.as_ref().and_then(|c| c.secret.clone()),
+        node: None,
+        took_over: None,
+    };
+    match succeed(nodes, &c, &succ, None, &lost).await? {
+        Next::Join(next) => serve_from(job, nodes, next, Known::after(&succ)).await,
+        Next::Host(..) => Err(Error::internal("a node that stood down took over hosting")),
+    }
+}
+
+/// Joins the rendezvous `c` (a host of epoch `known` or newer) and serves as a node of its job,
+/// going down the succession each time the host is lost.
+async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: Known) -> Result<u8> {
+    let (mut c, mut known) = (c, known);
+    loop {
+        let (served, node) = join_once(job, nodes, &c, &known).await?;
+        let e = match served {
+            Ok(ended) => return Ok(ended),
+            Err(e) => e,
+        };
+        // No succession (the host was lost before any step came) or no word on a lost host
+        // (this node's own failure): ends as before.
+        let (Some(succ), Some(loss)) = (crate::agent::last_succession(), crate::agent::host_loss())
+        else {
+            return Err(Error::cluster(e.message));
+        };
+        if succ.id != c.id {
+            return Err(Error::cluster(e.message));
+        }
+        let lost = Lost::of(&loss, &c, nodes);
+        match succeed(nodes, &c, &succ, Some(node), &lost).await? {
+            Next::Join(next) => {
+                known = Known::after(&succ);
+                c = next;
+            }
+            Next::Host(next, listener) => {
+                let mut job = job.clone();
+                job.session.store = crate::plan::StorePlan::Host {
+                    port: next.port,
+                    advertise: next.host.clone(),
+                };
+                job.session.c10d = Some(next);
+                return Box::pin(crate::commands::run::run(&job, nodes, Some(listener), None))
+                    .await;
+            }
+        }
+    }
+}
+
+/// How the host was lost, for the words and the majority.
+struct Lost {
+    /// What happened, in words ("the rendezvous host H:P is gone (...)").
+    words: String,
+    /// 1 when the host is known dead (its connection closed), else 0.
+    dead: usize,
+}
+
+impl Lost {
+    fn of(loss: &HostLoss, c: &C10d, nodes: &NodesPlan) -> Lost {
+        let host = format!("the rendezvous host {}:{}", c.host, c.port);
+        match loss {
+            HostLoss::Closed(e) => Lost {
+                words: format!("{host} is gone (its connection closed: {e})"),
+                dead: 1,
+            },
+            HostLoss::Silent(_) => Lost {
+                words: format!(
+                    "{host} does not answer (for {} s, --agent-timeout: frozen, or cut off from \
+                     this node)",
+                    nodes.agent_timeout.as_secs_f64()
+                ),
+                dead: 0,
+            },
+        }
+    }
+}
+
+/// The last host a node knew: its epoch within its job's lineage (epochs compare within one
+/// job only: a later job may reuse the rendezvous id). Default: none.
+#[derive(Clone, Debug, Default)]
+struct Known {
+    epoch: u64,
+    lineage: String,
+}
+
+impl Known {
+    /// The host after `succ`'s: its epoch + 1, the same job.
+    fn after(succ: &Succession) -> Known {
+        Known {
+            epoch: succ.epoch + 1,
+            lineage: succ.lineage.clone(),
+        }
+    }
+
+    /// Whether a host of `epoch` in `lineage` is older than this one (then refused).
+    fn refuses(&self, epoch: u64, lineage: &str) -> bool {
+        lineage == self.lineage && epoch < self.epoch
+    }
+}
+
+/// What a node that lost its host does next.
+enum Next {
+    /// Join the node that took over hosting (its endpoint).
+    Join(C10d),
+    /// Host: this node is the next in the succession (its endpoint, bound).
+    Host(C10d, std::net::TcpListener),
+}
+
+/// Goes down the last step's succession after the host was lost (`loss`): each node in turn
+/// is given the time to notice the loss and bind (twice --agent-timeout and 2 s) and joined if
+/// it hosts the rendezvous at a newer epoch; this node (`me`, its index under the lost host;
+/// None: a host that stood down, which never hosts) takes over when its turn comes. Err: none
+/// within --join-timeout, with what was tried.
+async fn succeed(
+    nodes: &NodesPlan,
+    c: &C10d,
+    succ: &Succession,
+    me: Option<usize>,
+    lost: &Lost,
+) -> Result<Next> {
+    let started = Instant::now();
+    let deadline = started + nodes.join_timeout;
+    let per = nodes.agent_timeout * 2 + Duration::from_secs(2);
+    let (dead, how) = (lost.dead, &lost.words);
+    let quorum = super::succession::successor_quorum(succ.world, dead);
+    let alive = succ.world.saturating_sub(dead);
+    let who = match me {
+        Some(n) => format!("{} (node {n})", nrun_base::net::hostname()),
+        None => "this node".to_string(),
+    };
+    let mut tried = Vec::new();
+    for (k, cand) in succ.nodes.iter().enumerate() {
+        let place = match k {
+            0 => "first".to_string(),
+            k => format!("number {} after {} that did not", k + 1, tried.len()),
+        };
+        let at = format!("{}:{}", cand.addr, cand.port);
+        if Some(cand.node) == me {
+            match nrun_store::server::bind(cand.port) {
+                Ok(l) => {
+                    eprintln!(
+                        "nrun: {how}; {who} takes over hosting at {at} \
+                         (epoch {}; {place} in the succession of the last step); waiting for a \
+                         majority: {quorum} of the last {} nodes{}",
+                        succ.epoch + 1,
+                        succ.world,
+                        match dead {
+                            0 => String::new(),
+                            _ => format!(" ({alive} that may be alive, the host's counted dead)"),
+                        }
+                    );
+                    let next = C10d {
+                        host: cand.addr.clone(),
+                        port: cand.port,
+                        id: c.id.clone(),
+                        secret: c.secret.clone(),
+                        node: None,
+                        took_over: Some(TookOver {
+                            epoch: succ.epoch + 1,
+                            lineage: succ.lineage.clone(),
+                            quorum,
+                            alive,
+                        }),
+                    };
+                    return Ok(Next::Host(next, l));
+                }
+                Err(e) => {
+                    tried.push(format!("hosting here at port {}: {e}", cand.port));
+                    continue;
+                }
+            }
+        }
+        eprintln!(
+            "nrun: {how}; {who} looks for node {} at {at} ({place} in the \
+             succession of the last step, epoch {})",
+            cand.node,
+            succ.epoch + 1
+        );
+        let next = C10d {
+            host: cand.addr.clone(),
+            port: cand.port,
+            id: c.id.clone(),
+            secret: c.secret.clone(),
+            node: None,
+            took_over: None,
+        };
+        let until = (Instant::now() + per).min(deadline);
+        match hosts_at(&next, &Known::after(succ), until).await {
+            Ok(()) => return Ok(Next::Join(next)),
+            Err(why) => tried.push(format!("node {} at {at}: {why}", cand.node)),
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+    }
+    Err(Error::cluster(format!(
+        "{how}, and no node of the last step's succession hosts rendezvous {:?} at epoch {} or \
+         later after {:.0} s: tried {}; check that the nodes' nrun still run and reach each \
+         other, then start the same command again on every node",
+        c.id,
+        succ.epoch + 1,
+        started.elapsed().as_secs_f64(),
+        match tried.is_empty() {
+            true => "nothing (no other node in the last step)".to_string(),
+            false => tried.join("; "),
+        }
+    )))
+}
+
+/// Whether an nrun hosts rendezvous `c` at its endpoint with epoch `epoch` or later, asked
+/// until `until` (each attempt bounded); Err: what was found instead.
+async fn hosts_at(c: &C10d, want: &Known, until: Instant) -> std::result::Result<(), String> {
+    let Ok(addrs) = resolve(&c.host, c.port) else {
+        return Err("no address".into());
+    };
+    let mut last = "no answer".to_string();
+    // At least one look, however little time is left.
+    let mut first = true;
+    while std::mem::take(&mut first) || Instant::now() < until {
+        for a in &addrs {
+            let left = until.saturating_duration_since(Instant::now());
+            let bound = left.clamp(Duration::from_millis(500), Duration::from_secs(2));
+            let got = tokio::time::timeout(bound, async {
+                let mut store = match super::meet::store_at(*a).await {
+                    Ok(s) => s,
+                    Err(super::meet::Unreached::Io(e) | super::meet::Unreached::Silent(e)) => {
+                        return Err(e.to_string());
+                    }
+                    Err(super::meet::Unreached::Other(e)) => return Err(e.to_string()),
+                };
+                match what_listens(&mut store, &c.id).await {
+                    Ok(Listener::Ours) => {}
+                    Ok(_) => return Err(format!("no rendezvous {:?} there", c.id)),
+                    Err(e) => return Err(e.to_string()),
+                }
+                match host_epoch(&mut store, &c.id).await {
+                    Ok((e, l)) if l == want.lineage && e >= want.epoch => Ok(()),
+                    Ok((e, l)) if l == want.lineage => {
+                        Err(format!("a host of epoch {e}, older than {}", want.epoch))
+                    }
+                    Ok(_) => Err("a host of another job with this rendezvous id".into()),
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+            .await;
+            match got {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(why)) => last = why,
+                Err(_) => last = "no answer within 2 s".into(),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(last)
+}
+
+/// The first node of `last` that hosts its rendezvous at a newer epoch, in words (one look
+/// each); None: none does.
+pub(super) async fn newer_among(last: &Succession) -> Option<String> {
+    for cand in &last.nodes {
+        let c = C10d {
+            host: cand.addr.clone(),
+            port: cand.port,
+            id: last.id.clone(),
+            secret: None,
+            node: None,
+            took_over: None,
+        };
+        if hosts_at(&c, &Known::after(last), Instant::now())
+            .await
+            .is_ok()
+        {
+            return Some(format!("node {} at {}:{}", cand.node, cand.addr, cand.port));
+        }
+    }
+    None
+}
+
+/// The epoch of the nrun hosting rendezvous `id` on `store` and its job's lineage (1 and none
+/// where it says none).
+async fn host_epoch(store: &mut Client, id: &str) -> std::io::Result<(u64, String)> {
+    let key = c10d_epoch_key(id);
+    if !store.check(&[&key]).await? {
+        return Ok((1, String::new()));
+    }
+    let v = String::from_utf8_lossy(&store.get(&key).await?).into_owned();
+    let mut w = v.split_whitespace();
+    let epoch = w.next().and_then(|e| e.parse().ok()).unwrap_or(1);
+    Ok((epoch, w.next().unwrap_or_default().to_string()))
+}
+
+/// Where an nrun started again with the same command finds the current host of rendezvous
+/// `c`, from the last succession this machine kept: the first of its nodes that hosts `c`'s id
+/// at a newer epoch (one look each, a second or two at most). None: none does (host at the
+/// endpoint, or join it, as at a first start).
+pub(crate) fn current_host(c: &C10d) -> Option<C10d> {
+    if c.node.is_some() {
+        return None;
+    }
+    let succ = super::succession::kept(&c.id)?;
+    // A runtime of its own, gone when this returns: nrun still has one thread after it (the
+    // spawner is forked next).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    rt.block_on(async {
+        for cand in &succ.nodes {
+            let next = C10d {
+                host: cand.addr.clone(),
+                port: cand.port,
+                took_over: None,
+                ..c.clone()
+            };
+            if hosts_at(&next, &Known::after(&succ), Instant::now())
+                .await
+                .is_ok()
+            {
+                tracing::info!(
+                    "rendezvous {:?} is hosted at {}:{} now (epoch {} or later; this machine's \
+                     last succession, {}): this node joins it there",
+                    c.id,
+                    next.host,
+                    next.port,
+                    succ.epoch + 1,
+                    super::succession::state_file(&c.id).display()
+                );
+                return Some(next);
+            }
+        }
+        None
+    })
+}
+
+/// Finds the host of rendezvous `c` (epoch `known` or later) and serves as its node until the
+/// job's end (Ok: nrun's exit code) or the host's loss (Err); with this node's index there.
+async fn join_once(
+    job: &RunSettings,
+    nodes: &NodesPlan,
+    c: &C10d,
+    known: &Known,
+) -> Result<(std::result::Result<u8, Error>, usize)> {
+    let endpoint = format!("{}:{}", c.host, c.port);
+    let addrs = resolve(&c.host, c.port)
+        .map_err(|e| Error::usage(format!("the rendezvous endpoint {endpoint}: {}", e.message)))?;
+    let started = Instant::now();
+    let deadline = started + nodes.join_timeout;
+    let secs = nodes.join_timeout.as_secs();
+    let secret = c.secret.clone().unwrap_or_default();
     // Everything up to the node index, bounded by --join-timeout to the second: a connect or
     // a reply that never comes (packets dropped) cannot hold it past the deadline.
     let mut look = Looking::new(started, deadline);
+    look.known = known.clone();
     // The job's --nnodes and the --spares that may wait beside them. A node past them (its
     // index is the next in join order: one that came back after its first nrun was lost) may
     // wait for room where the job can take a node again: elastic, or with spares.
@@ -102,13 +471,15 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
         output_mark: String::new(),
         // The launch host's nodes are elsewhere: they probe this one.
         probed: true,
+        state_file: Some(super::succession::state_file(&c.id)),
+        epoch: known.epoch,
     };
     // "joined the rendezvous" is said once the host can see this node (agent::join_and_serve).
     let mut signals = Signals::install(&job.session.forward_signals)?;
     signals.stop_on_closed_console();
     // Nothing closes: the host going away shows as its store going away.
     let (gone, _) = watch::channel(false);
-    match crate::agent::serve(hello, signals, gone, true).await {
+    let served = match crate::agent::serve(hello, signals, gone, true).await {
         Ok(ended) => {
             // This node's console (a pod's log) ends with the job's root cause, as the hosting
             // node's does, and its own TORCHELASTIC_ERROR_FILE gets it (issue 23).
@@ -124,10 +495,13 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
                     path.display()
                 );
             }
+            // The job is over: there is no host to find for it any more.
+            let _ = std::fs::remove_file(super::succession::state_file(&c.id));
             Ok(ended.code.unwrap_or(0))
         }
-        Err(e) => Err(Error::cluster(e.message)),
-    }
+        Err(e) => Err(e),
+    };
+    Ok((served, node))
 }
 
 /// How many node indices the job has (its nodes and spares), and whether a node past them may
@@ -187,6 +561,11 @@ struct Looking {
     next_line: Option<Instant>,
     /// The wait's progress: "still waiting" lines with the deadline (a spinner on a terminal).
     wait: crate::progress::Progress,
+    /// The epoch of the last host this node knew: a host of an older one is refused (it is
+    /// told so, and stands down).
+    known: Known,
+    /// A host of an older epoch was found there (its epoch).
+    stale: Option<u64>,
 }
 
 /// Who listens at the endpoint, from what it holds.
@@ -212,6 +591,8 @@ impl Looking {
             full: false,
             next_line: Some(started + Duration::from_secs(1)),
             wait: crate::progress::Progress::new("c10d join", None, Some(deadline)),
+            known: Known::default(),
+            stale: None,
         }
     }
 
@@ -238,7 +619,15 @@ impl Looking {
 
     /// The message when --join-timeout passed, from what was seen.
     fn timed_out(&self, endpoint: &str, c: &C10d, secs: u64) -> Error {
-        let msg = if self.joining {
+        let msg = if let Some(e) = self.stale {
+            format!(
+                "the nrun at {endpoint} hosts rendezvous {:?} at epoch {e}, older than the \
+                 epoch {} this node last knew (a host that was frozen or cut off while another \
+                 took over), and no newer host took it back within {secs} s (--join-timeout): \
+                 find the current host in the other nodes' consoles and start this node again",
+                c.id, self.known.epoch
+            )
+        } else if self.joining {
             format!(
                 "the rendezvous at {endpoint} stopped answering while this node joined it \
                  ({secs} s, --join-timeout): packets dropped between here and there? check the \
@@ -323,7 +712,33 @@ async fn find(
         }
         if let Some((mut store, a)) = conn {
             match what_listens(&mut store, &c.id).await {
-                Ok(Listener::Ours) => break (store, a),
+                Ok(Listener::Ours) => match host_epoch(&mut store, &c.id).await {
+                    Ok((e, l)) if look.known.refuses(e, &l) => {
+                        // A host that was frozen, or cut off, while the others went on: told
+                        // so, it stands down (see session::succession); this node waits for
+                        // the current one to be found.
+                        if look.stale.is_none()
+                            && crate::agent::prove(&mut store, secret, &endpoint)
+                                .await
+                                .is_ok()
+                        {
+                            let _ = store
+                                .set(
+                                    &c10d_newer_key(&c.id),
+                                    format!("{} {}", look.known.epoch, look.known.lineage)
+                                        .as_bytes(),
+                                )
+                                .await;
+                        }
+                        look.stale = Some(e);
+                        look.last = format!(
+                            "{a}: a host of epoch {e}, older than this node's last ({})",
+                            look.known.epoch
+                        );
+                    }
+                    Ok(_) => break (store, a),
+                    Err(e) => look.failed(a, &e),
+                },
                 Ok(Listener::Torchrun) => {
                     return Err(Error::cluster(format!(
                         "the rendezvous at {endpoint} (id {:?}): this endpoint is a torchrun \

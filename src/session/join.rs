@@ -91,7 +91,9 @@ impl Session {
             progress.waiting(|| self.not_joined(&gone));
             // Elastic: once MIN nodes are in, the others get the last call, then the job starts.
             let size = self.plan.size;
-            let last_call = match joined >= self.plan.min_nodes && joined < size {
+            // A host that took over (c10d) waits for a majority of the last world as well.
+            let least = self.plan.min_nodes.max(self.quorum());
+            let last_call = match joined >= least && joined < size {
                 true => {
                     let at = *min_reached.get_or_insert_with(Instant::now);
                     progress.set_deadline((at + self.plan.last_call).min(started + timeout));
@@ -105,7 +107,9 @@ impl Session {
                 true => size_reached.get_or_insert_with(Instant::now).elapsed() >= SPARE_GRACE,
                 false => false,
             };
-            if pending == 0 || started.elapsed() > timeout || last_call || spares_waited {
+            // A host that took over has every node that may be alive: the rest are dead.
+            let all_in = pending == 0 || self.all_alive_in(joined);
+            if all_in || started.elapsed() > timeout || last_call || spares_waited {
                 early = !(pending == 0 || started.elapsed() > timeout);
                 progress.finish(None);
                 break;

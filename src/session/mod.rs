@@ -26,6 +26,7 @@ pub(crate) mod meet;
 pub(crate) mod roster;
 pub(crate) mod spec;
 pub(crate) mod step;
+pub(crate) mod succession;
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 
@@ -154,6 +155,8 @@ pub(crate) struct Session {
     c10d_id: Option<String>,
     /// Lost nodes' agents started again in the background, and those that came back.
     returns: again::Returns,
+    /// The c10d form's host: the succession its steps carry (see [`succession`]).
+    hosting: Option<succession::Hosting>,
     /// The job's events and phases (the goodput ledger, `--events`, the metrics).
     pub journal: crate::journal::Journal,
 }
@@ -212,6 +215,7 @@ impl Session {
             arrivals_checked: None,
             c10d_id: None,
             returns: again::Returns::new(),
+            hosting: None,
             journal: crate::journal::Journal::new(&plan.run_id),
         };
         session.announce(plan);
@@ -254,6 +258,27 @@ impl Session {
         // Nodes join it in order; one that comes back gets the next index (join::open_slots).
         if self.store().is_some() && plan.c10d.as_ref().is_some_and(|c| c.node.is_none()) {
             self.c10d_id = plan.c10d.as_ref().map(|c| c.id.clone());
+            // The c10d form's host is replaceable: its steps say who takes over.
+            self.hosting = plan.c10d.as_ref().map(|c| succession::Hosting {
+                id: c.id.clone(),
+                host: c.host.clone(),
+                epoch: c.took_over.as_ref().map_or(1, |t| t.epoch),
+                lineage: c
+                    .took_over
+                    .as_ref()
+                    .map_or_else(|| self.run.clone(), |t| t.lineage.clone()),
+                port: c.port,
+                quorum: c.took_over.as_ref().map_or(0, |t| t.quorum),
+                alive: c.took_over.as_ref().map_or(0, |t| t.alive),
+                last: None,
+            });
+        }
+        if let (Some(h), Some(st)) = (&self.hosting, self.store()) {
+            // Read before joining: a node that knew a newer host refuses this one.
+            st.set(
+                &crate::protocol::c10d_epoch_key(&h.id),
+                format!("{} {}", h.epoch, h.lineage).as_bytes(),
+            );
         }
         if let Some(st) = self.store() {
             // Any nrun that connects may read that an nrun listens here, and (set before this,
@@ -375,6 +400,12 @@ impl Session {
         tracing::debug!("the nodes ended in {:.3} s", began.elapsed().as_secs_f64());
         if let Some(stop) = self.store_stop.take() {
             let _ = stop.send(());
+        }
+        // A c10d job that ended (not one whose host stood down) has no host to find any more.
+        if let Some(h) = &self.hosting
+            && !succession::standing_down()
+        {
+            let _ = std::fs::remove_file(succession::state_file(&h.id));
         }
         // The in-process node's scratch (this process's).
         nrun_base::files::remove_scratch();

@@ -405,6 +405,9 @@ impl Session {
         if self.roster.active.len() < self.plan.min_nodes {
             return Err(self.too_few());
         }
+        if self.roster.active.len() < self.quorum() {
+            return Err(self.no_majority(self.quorum()));
+        }
         Ok(came)
     }
 
@@ -498,6 +501,9 @@ impl Session {
             self.leave_out(*i, *stage, why);
         }
         let came = self.fill()?;
+        // The c10d host re-forms only with half of the last world, and only if no newer host
+        // took over (see session::succession).
+        self.may_go_on(gone).map_err(Error::no_nodes)?;
         let active = &self.roster.active;
         if *active != before {
             let gone: Vec<usize> = before

@@ -145,6 +145,7 @@ impl Session {
                 deadline_ms: l.deadline_ms,
                 watch: l.watch.is_some(),
                 hang_timeout_ms: l.watch.map(|t| t.as_millis() as u64),
+                succession: None,
             });
         }
         steps

@@ -104,9 +104,10 @@ impl Session {
     /// the workers' ends, with the exit code.
     pub(crate) async fn run_step(
         &mut self,
-        steps: Vec<Option<Step>>,
+        mut steps: Vec<Option<Step>>,
         policy: Policy,
     ) -> Result<Ended> {
+        self.stamp_succession(&mut steps);
         let no = self.step;
         self.step += 1;
         let mut waiting = Vec::new();

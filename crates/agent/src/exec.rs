@@ -72,6 +72,7 @@ pub async fn dispatch(step: Step, io: StepIo) -> Done {
             deadline_ms,
             watch,
             hang_timeout_ms,
+            ..
         } => {
             let views = io.views.filter(|_| watch);
             let r = run_workers(

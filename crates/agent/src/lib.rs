@@ -46,6 +46,7 @@ use nrun_base::net;
 use nrun_node::{Caught, Signals, StopRequest};
 use nrun_proto::protocol::{
     self, AddrChoice, Control, Hello, Joined, Keys, NodeWatch, RunResult, Step, StepResult,
+    Succession,
 };
 use nrun_store::client::Client;
 
@@ -219,6 +220,68 @@ fn stdin_reader() -> Box<dyn tokio::io::AsyncRead + Unpin + Send> {
     }
 }
 
+/// The last [`Succession`] this process's agent received from its host (a c10d node's nrun
+/// reads it when the host is lost).
+static SUCCESSION: std::sync::Mutex<Option<Succession>> = std::sync::Mutex::new(None);
+
+/// How this process's agent lost its host's store, the first word on it (None: not lost).
+static LOSS: std::sync::Mutex<Option<HostLoss>> = std::sync::Mutex::new(None);
+
+/// How a node lost its host's store: what decides whether the host counts as dead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostLoss {
+    /// Its connection ended (EOF, reset, refused): the host's process is gone, the kernel
+    /// closed its sockets.
+    Closed(String),
+    /// No answer within --agent-timeout: the host may be frozen or cut off, alive elsewhere.
+    Silent(String),
+}
+
+impl HostLoss {
+    fn of(e: &std::io::Error) -> HostLoss {
+        match e.kind() {
+            std::io::ErrorKind::TimedOut => HostLoss::Silent(e.to_string()),
+            _ => HostLoss::Closed(e.to_string()),
+        }
+    }
+}
+
+/// The last succession this process's agent received (see [`Succession`]).
+pub fn last_succession() -> Option<Succession> {
+    SUCCESSION.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// How this process's agent lost its host (None: it did not, or it has not noticed yet).
+pub fn host_loss() -> Option<HostLoss> {
+    LOSS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Notes the first word on how the host was lost.
+pub(crate) fn lost_host(how: HostLoss) {
+    LOSS.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert(how);
+}
+
+/// Keeps `s` as the last succession, and in `file` (atomically) when it changed: an nrun
+/// started again with the same command reads it there to find the current host.
+fn keep_succession(s: &Succession, file: Option<&std::path::Path>) {
+    let mut last = SUCCESSION.lock().unwrap_or_else(|e| e.into_inner());
+    if last.as_ref() == Some(s) {
+        return;
+    }
+    *last = Some(s.clone());
+    drop(last);
+    if let (Some(path), Ok(json)) = (file, serde_json::to_vec(s)) {
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        if let Err(e) = nrun_base::outputs::replace(path, &json) {
+            tracing::debug!("cannot keep the succession in {}: {e}", path.display());
+        }
+    }
+}
+
 /// The agent's life after its [`Hello`]: join the coordinator's store, run the steps it is
 /// given, until the end (Ok: the job's exit code, when the coordinator left one) or the
 /// coordinator is gone (`gone` set: stdin closed, or the store silent; or the store lost).
@@ -228,6 +291,8 @@ pub async fn serve(
     gone: watch::Sender<bool>,
     read_end: bool,
 ) -> Result<protocol::Ended> {
+    // A node's nrun that took over, or rejoined, serves again: a loss is this serving's.
+    *LOSS.lock().unwrap_or_else(|e| e.into_inner()) = None;
     let served = join_and_serve(hello, signals, gone, read_end).await;
     // This node's workers are all gone, and so are every other node's (the End): the scratch
     // they used can go.
@@ -277,6 +342,7 @@ async fn join_and_serve(
         me,
         read_end,
         mark: hello.output_mark.clone(),
+        state_file: hello.state_file.clone(),
     };
     node.steps(&mut store, &mut signals, gone_rx).await
 }
@@ -526,6 +592,8 @@ struct Node {
     read_end: bool,
     /// The launch host's token for the line behind each step's output (empty: none).
     mark: String,
+    /// Where a c10d node keeps the last succession (see [`keep_succession`]).
+    state_file: Option<std::path::PathBuf>,
 }
 
 impl Node {
@@ -539,6 +607,7 @@ impl Node {
     }
 
     fn lost(&self, e: std::io::Error) -> Error {
+        lost_host(HostLoss::of(&e));
         Error::helper(format!(
             "nrun agent on {}: lost the launch host's store: {e}",
             self.me
@@ -560,6 +629,13 @@ impl Node {
                 r = self.next_step(store, no) => r?,
                 _ = gone_rx.wait_for(|g| *g) => return Err(Error::helper(format!("nrun agent on {me}: the launch host went away; stopping"))),
             };
+            if let Step::Run {
+                succession: Some(s),
+                ..
+            } = &step
+            {
+                keep_succession(s, self.state_file.as_deref());
+            }
             let done = match step.runs_workers() {
                 true => self.run(store, signals, &gone_rx, no, step).await?,
                 // Nothing runs: no stop requests to wait for.

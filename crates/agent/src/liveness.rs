@@ -110,6 +110,7 @@ async fn watch(
     // the agent is already on its way out.
     if !gone.is_closed() {
         if let Err(e) = r {
+            super::lost_host(super::HostLoss::of(&e));
             let what = match e.kind() {
                 std::io::ErrorKind::TimedOut => why(addr, timeout),
                 _ => format!(

@@ -95,6 +95,14 @@ pub struct Hello {
     /// agent's output is its own console (a c10d peer's nrun), nothing to mark.
     #[serde(default)]
     pub output_mark: String,
+    /// A c10d node's own nrun: where it keeps the last [`Succession`] it received, so that an
+    /// nrun started again with the same command finds the current host (None: kept nowhere).
+    #[serde(default)]
+    pub state_file: Option<PathBuf>,
+    /// A c10d node: the epoch of the last host it knew (0: none), which a host of an older
+    /// epoch is told of and stands down for.
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// What starts the line that ends a step's output in an agent's stdout and stderr: then the
@@ -303,8 +311,44 @@ pub enum Step {
         /// node asks early).
         #[serde(default)]
         hang_timeout_ms: Option<u64>,
+        /// A c10d rendezvous' host: who takes over hosting if it is lost (None: not c10d, or
+        /// an older launcher).
+        #[serde(default)]
+        succession: Option<Succession>,
     },
     End,
+}
+
+/// Who takes over hosting a c10d rendezvous when its host is lost, as the step that carries
+/// it left the world: every node keeps the last one it received (`agent::last_succession`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Succession {
+    /// The rendezvous id (`--rdzv-id`): a host found for another is no successor.
+    pub id: String,
+    /// 1 for the host the nodes first found at the endpoint, +1 each time a new host takes
+    /// over: a host of an older epoch is refused.
+    pub epoch: u64,
+    /// The run name of the job's first host, kept by every host that takes over: epochs
+    /// compare within one job only (a later job may reuse the rendezvous id).
+    #[serde(default)]
+    pub lineage: String,
+    /// The host as its nodes reach it: the endpoint's host, or the address a host that took
+    /// over was seen at.
+    pub host: String,
+    /// How many nodes the step's world has, the host included (the majority is of these).
+    pub world: usize,
+    /// The step's other nodes in join order, the host excluded: the order of takeover.
+    pub nodes: Vec<Successor>,
+}
+
+/// A node that would take over hosting: where the host saw it, and the port it would host on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Successor {
+    /// Its node index under the host that sent the succession.
+    pub node: usize,
+    /// Its address as the host saw its connection come (no port).
+    pub addr: String,
+    pub port: u16,
 }
 
 impl Step {
@@ -321,6 +365,7 @@ impl Step {
             deadline_ms: None,
             watch: false,
             hang_timeout_ms: None,
+            succession: None,
         }
     }
 }
@@ -837,6 +882,19 @@ pub fn torchrun_rdzv_key(id: &str) -> Vec<u8> {
     format!("/torch.rendezvous.{id}").into_bytes()
 }
 
+/// Set by a c10d node in the store of a host it left for a newer one (that epoch, decimal): a
+/// host that was frozen reads it when it wakes and stands down instead of taking its nodes'
+/// closed connections for deaths.
+pub fn c10d_newer_key(id: &str) -> Vec<u8> {
+    format!("nrun/public/c10d/{id}/newer").into_bytes()
+}
+
+/// The epoch of the nrun hosting c10d rendezvous `id` and its job's lineage ("EPOCH LINEAGE",
+/// see [`Succession::lineage`]), readable before joining.
+pub fn c10d_epoch_key(id: &str) -> Vec<u8> {
+    format!("nrun/public/c10d/{id}/epoch").into_bytes()
+}
+
 /// The counter a joining node adds 1 to for its node index, in join order.
 pub fn c10d_next_key(id: &str) -> Vec<u8> {
     format!("nrun/c10d/{id}/next").into_bytes()
@@ -971,6 +1029,8 @@ mod tests {
             }),
             probed: false,
             output_mark: "t0".into(),
+            state_file: None,
+            epoch: 0,
         };
         let json = serde_json::to_string(&hello).unwrap();
         let back: Hello = serde_json::from_str(&json).unwrap();

@@ -138,6 +138,7 @@ pub(crate) fn session(
         arrivals_checked: None,
         c10d_id: None,
         returns: crate::session::again::Returns::new(),
+        hosting: None,
         journal: crate::journal::Journal::new("fake"),
     };
     for n in &mut s.nodes {
@@ -251,6 +252,7 @@ mod tests {
             deadline_ms: None,
             watch: false,
             hang_timeout_ms: None,
+            succession: None,
         }
     }
 

@@ -584,6 +584,8 @@ impl Instructions {
             // Its output comes through a pipe of this host's: marked at each step's end. No
             // random bytes (never seen): no marks, and results are taken as they come.
             output_mark: nrun_base::random_hex().unwrap_or_default(),
+            state_file: None,
+            epoch: 0,
         }
     }
 }
