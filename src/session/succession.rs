@@ -140,7 +140,7 @@ impl Session {
         // one may be alive elsewhere.
         let dead = gone
             .iter()
-            .filter(|(_, _, why)| why.contains("closed its connection"))
+            .filter(|(i, ..)| self.nodes.get(*i).is_some_and(|n| n.link.closed()))
             .count();
         let active = self.roster().active().len();
         let alive = last.world.saturating_sub(dead);

@@ -249,6 +249,12 @@ pub(crate) trait NodeLink: Send {
     /// without being asked (it lost its link to this host).
     fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String>;
 
+    /// Whether the node, found lost, is known dead: its connection closed (its nrun ended or
+    /// was killed), where a frozen or cut-off node is only silent. Only a peer (c10d) tells.
+    fn closed(&self) -> bool {
+        false
+    }
+
     /// A stop or a signal for its running step, for a node that does not read the store's
     /// broadcast keys (which the session writes for all the others).
     fn request(&mut self, _req: StopRequest) {}

@@ -29,6 +29,9 @@ pub(crate) struct Heartbeat {
     seen: String,
     /// Spared once while still (logged once).
     spared: bool,
+    /// Its connection closed when it was found lost: its nrun died (the kernel closed the
+    /// socket), as no node frozen or cut off shows (the c10d host's majority counts on it).
+    closed: bool,
 }
 
 /// The kernel's view of a still node's heartbeat connection: its agent is alive when its host
@@ -89,6 +92,8 @@ impl Heartbeat {
         // or its process was killed (its kernel closed the socket). Silence is for the rest.
         let closed = beat.is_empty() && self.last.as_ref().is_some_and(|(v, _)| !v.is_empty());
         let silent = self.still(bus, node, beat);
+        // Kept: the next look finds the counter gone already, no longer a close.
+        self.closed |= closed && !stopped;
         let why = match (stopped, closed, silent) {
             (true, ..) => "stopped its workers when its link to this host broke".to_string(),
             (false, true, _) => {
@@ -243,6 +248,10 @@ impl NodeLink for PeerLink {
 
     fn lost(&mut self, bus: &Bus, node: usize, label: &str, stopped: bool) -> Option<String> {
         self.beat.lost(bus, node, label, stopped)
+    }
+
+    fn closed(&self) -> bool {
+        self.beat.closed
     }
 
     fn end<'a>(&'a mut self, e: Ending<'a>) -> BoxFuture<'a, ()> {
