@@ -3,7 +3,8 @@
 //! nrun's workers on every node have it from slurmstepd already, and passing it on again kills a
 //! worker that handled the first and is exiting (its handlers back to the default). Measured:
 //! the ranks got SIGUSR1 from slurmstepd and again from nrun 1 ms later. A signal from anyone
-//! else (`kill -USR1 <nrun>`) reached nrun alone and is passed on as before.
+//! else (`kill -USR1 <nrun>`) reached nrun alone and is passed on as before. The keeper, which
+//! Slurm signals too, passes none of those on to nrun ([`crate::keeper`]).
 
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 
@@ -56,16 +57,16 @@ pub(crate) fn from_step(sig: i32) -> bool {
     step > 0 && other == 0
 }
 
-/// The slurmstepd this nrun runs under as a task of an srun step (numbered; the batch step
+/// The slurmstepd this process (nrun, or its keeper) runs under as a task of an srun step (numbered; the batch step
 /// signals the script's process group alone), when its ProctrackType reaches the workers:
 /// proctrack/pgid signals the task's process group, and each worker leads its own.
-fn step_daemon() -> Option<i32> {
+pub(crate) fn step_daemon() -> Option<i32> {
     let step: u32 = std::env::var("SLURM_STEP_ID").ok()?.trim().parse().ok()?;
     // Slurm's special steps (batch, extern, interactive) are numbered from 0xfffffff0 up.
     if step >= 0xffff_fff0 || proctrack_pgid() {
         return None;
     }
-    // nrun itself, or a shell srun started it under (srun bash -c 'nrun ...').
+    // The keeper (nrun's parent), or a shell srun started it under (srun bash -c 'nrun ...').
     let mut pid = std::os::unix::process::parent_id() as i32;
     for _ in 0..4 {
         if pid <= 1 {
