@@ -1374,6 +1374,17 @@ mod tests {
     }
 
     #[test]
+    fn a_signal_slurm_gave_the_workers_is_not_passed_on_again() {
+        let mut g = on_paper(1, GRACE);
+        g.requested(StopRequest::Delivered(libc::SIGUSR1));
+        assert_eq!(g.phase, Phase::Running);
+        assert!(
+            !g.pass_on(libc::SIGUSR1),
+            "a copy by another path within a second"
+        );
+    }
+
+    #[test]
     fn a_forwarded_signal_changes_nothing() {
         let mut g = on_paper(1, GRACE);
         g.requested(StopRequest::Forward(libc::SIGUSR1));
