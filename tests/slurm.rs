@@ -171,8 +171,9 @@ fn scancel_ends_every_worker_and_agent() {
     sl.cluster.assert_nothing_left_but_slurmd(3);
 }
 
-/// Slurm's signal before preemption (`--signal=USR1@90`, or scancel -s USR1): every nrun passes
-/// it to its workers, whose handler runs, and the job goes on to finish.
+/// Slurm's signal before preemption (`--signal=USR1@90`, or scancel -s USR1) reaches every
+/// worker (from Slurm itself, which signals every process of the step; nrun passes it on to no
+/// one again), whose handler runs, and the job goes on to finish.
 #[test]
 fn a_slurm_signal_reaches_every_worker() {
     let Some(py) = need_torch() else {
