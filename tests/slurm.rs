@@ -171,8 +171,9 @@ fn scancel_ends_every_worker_and_agent() {
     sl.cluster.assert_nothing_left_but_slurmd(3);
 }
 
-/// Slurm's signal before preemption (`--signal=USR1@90`, or scancel -s USR1): every nrun passes
-/// it to its workers, whose handler runs, and the job goes on to finish.
+/// Slurm's signal before preemption (`--signal=USR1@90`, or scancel -s USR1) reaches every
+/// worker (from Slurm itself, which signals every process of the step; nrun passes it on to no
+/// one again), whose handler runs, and the job goes on to finish.
 #[test]
 fn a_slurm_signal_reaches_every_worker() {
     let Some(py) = need_torch() else {
@@ -221,6 +222,67 @@ fn a_slurm_signal_reaches_every_worker() {
         assert!(
             stdout.contains(&format!("rank {r} handled SIGUSR1: True")),
             "{stdout}"
+        );
+    }
+    s.assert_no_survivors();
+    sl.cluster.assert_nothing_left_but_slurmd(2);
+}
+
+/// The nrun that srun started as the task of node `node` in scene `s` (its parent is the step's
+/// slurmstepd; nrun's own helpers are its children).
+fn task_nrun(s: &Scene, node: usize) -> Option<String> {
+    let (tag, id) = (
+        format!("NRUN_TEST_TAG={}", s.tag),
+        format!("SLURM_NODEID={node}"),
+    );
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let env = std::fs::read(e.path().join("environ")).ok()?;
+        let has = |v: &str| env.split(|b| *b == 0).any(|x| x == v.as_bytes());
+        let parent = std::fs::read_to_string(format!("/proc/{}/comm", parent_of(pid)?)).ok()?;
+        (has(&tag) && has(&id) && parent.trim_end() == "slurmstepd").then(|| pid.to_string())
+    })
+}
+
+/// Slurm signals every process of the step, the workers included: nrun passes such a signal
+/// on to no one (a copy killed a rank that handled the first). A signal to nrun alone still
+/// reaches every worker on every node, once.
+#[test]
+fn a_slurm_signal_and_one_to_nrun_alone_each_reach_every_worker_once() {
+    let Some(py) = need_torch() else {
+        return;
+    };
+    let Some(sl) = Slurm::up("sa9", 2) else {
+        return;
+    };
+    let s = Scene::new();
+    let script = py_script("usr_count.py");
+    let mut c = sl.cmd(&s, "srun");
+    c.args(["-N2", "--ntasks-per-node=1", "-J", "nrun-count", &nrun()])
+        .args(["--nproc", "2", "--no-python-probe", "--watch", "off"])
+        .args(["--python", py.to_str().unwrap(), &script]);
+    let child = c.spawn().unwrap();
+    s.wait_marks("ready", 4, Duration::from_secs(60));
+    let mut q = sl.cmd(&s, "squeue");
+    q.args(["-h", "-o", "%i", "-n", "nrun-count"]);
+    let id = text(&q.output().unwrap().stdout).trim().to_string();
+    let mut k = sl.cmd(&s, "scancel");
+    k.args(["-s", "USR1", &id]);
+    assert!(k.status().unwrap().success());
+    s.wait_marks("got SIGUSR1", 4, Duration::from_secs(60));
+    // The launching node's nrun alone: it passes the signal on to every node.
+    let first = task_nrun(&s, 0).expect("node 0's nrun");
+    signal_pid(&first, "USR2");
+    s.wait_marks("got SIGUSR2", 4, Duration::from_secs(60));
+    // Ends the count: after any copy nrun sent before it (standard signals in number order).
+    signal_pid(&first, "TERM");
+    let (out, _) = wait_with_timeout(child, Duration::from_secs(60));
+    let stdout = text(&out.stdout);
+    for r in 0..4 {
+        assert!(
+            stdout.contains(&format!("rank {r}: SIGUSR1 x1, SIGUSR2 x1")),
+            "{stdout}\n{}",
+            text(&out.stderr)
         );
     }
     s.assert_no_survivors();

@@ -274,6 +274,15 @@ impl Session {
                 self.forward(no, sig);
                 return Ok(());
             }
+            // Slurm signalled every process of the step, on every node: passed on by no one.
+            Caught::Delivered(sig) => {
+                tracing::debug!(
+                    "{}: Slurm sent it to every process of the step; not passed on",
+                    nrun_node::signal_name(sig)
+                );
+                self.request_all(StopRequest::Delivered(sig));
+                return Ok(());
+            }
         };
         w.signalled += 1;
         if w.signalled >= 2 {

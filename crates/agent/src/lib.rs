@@ -811,6 +811,7 @@ impl Node {
                         reqs.send(match c {
                             Caught::Stop(sig) => StopRequest::Signal(sig),
                             Caught::Forward(sig) => StopRequest::Forward(sig),
+                            Caught::Delivered(sig) => StopRequest::Delivered(sig),
                         });
                         Woke::Told
                     }

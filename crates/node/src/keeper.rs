@@ -11,7 +11,9 @@
 //!   nrun's status.
 //! - Signals sent to the keeper are passed on to nrun. A signal the terminal sent (Ctrl-C, Ctrl-\)
 //!   reached nrun too, being in the same foreground process group, so it is not passed twice:
-//!   `si_code` tells the terminal (SI_KERNEL) from a `kill` (SI_USER).
+//!   `si_code` tells the terminal (SI_KERNEL) from a `kill` (SI_USER). Nor is a signal to pass
+//!   on (not SIGINT, SIGTERM, SIGHUP) that the slurmstepd of the step sent: Slurm signals every
+//!   process of the step, nrun included (see `sender`).
 //! - When both die at once (`kill -9` of the two), neither can clean up: the watch does. The
 //!   keeper forks it first, in a process group of its own, deaf to signals, holding the read end
 //!   of a pipe whose write ends only the keeper and nrun hold (close-on-exec: no worker has
@@ -367,6 +369,15 @@ fn keep(child: Pid, set: &SigSet, watch: Option<(std::os::fd::OwnedFd, Pid)>) ->
     let watch_pid = watch.as_ref().map(|(_, p)| *p);
     super::process::become_subreaper();
     let mut status = None;
+    // Slurm gives a signal to every process of the step, nrun too: the keeper passes on none
+    // of those it passes on without stopping the job (a copy reached nrun's workers twice).
+    let stepd = super::sender::step_daemon();
+    let from_step = |info: &libc::siginfo_t, sig: i32| {
+        // SAFETY: si_pid is set for SI_USER, the only code it is read under.
+        info.si_code == libc::SI_USER
+            && ![libc::SIGINT, libc::SIGTERM, libc::SIGHUP].contains(&sig)
+            && stepd == Some(unsafe { info.si_pid() })
+    };
     while status.is_none() {
         // SAFETY: siginfo_t is a plain C struct for which all zeroes is a valid value.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
@@ -374,7 +385,7 @@ fn keep(child: Pid, set: &SigSet, watch: Option<(std::os::fd::OwnedFd, Pid)>) ->
         let sig = unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) };
         if sig == libc::SIGCHLD {
             status = reap(Some(child));
-        } else if sig > 0 && (info.si_code != libc::SI_KERNEL) {
+        } else if sig > 0 && info.si_code != libc::SI_KERNEL && !from_step(&info, sig) {
             let _ = nix::sys::signal::kill(child, Signal::try_from(sig).ok());
         }
     }

@@ -13,6 +13,7 @@
 pub mod keeper;
 pub mod output;
 pub mod process;
+mod sender;
 pub mod spawner;
 mod vfork;
 
@@ -174,12 +175,19 @@ pub enum StopRequest {
     Abandon,
     /// Not a stop: pass this signal to every worker's process group and go on.
     Forward(i32),
+    /// Not a stop: Slurm gave this signal to every process of the step, the workers included
+    /// (see [`Caught::Delivered`]); nothing to pass on, but a copy by another path soon after
+    /// is this one.
+    Delivered(i32),
 }
 
 impl StopRequest {
     /// Whether it stops the group (a forwarded signal does not).
     pub fn stops(self) -> bool {
-        !matches!(self, StopRequest::None | StopRequest::Forward(_))
+        !matches!(
+            self,
+            StopRequest::None | StopRequest::Forward(_) | StopRequest::Delivered(_)
+        )
     }
 }
 
@@ -229,6 +237,10 @@ pub enum Caught {
     Stop(i32),
     /// Passed on to every worker; the job goes on.
     Forward(i32),
+    /// A signal to pass on that Slurm sent to every process of the srun step nrun is a task of
+    /// (`scancel -s`, srun passing on a signal): every node's workers have it already, so no one
+    /// passes it on again; the job goes on.
+    Delivered(i32),
 }
 
 impl Signals {
@@ -257,6 +269,7 @@ impl Signals {
             if self.forward.iter().any(|(s, _)| *s == sig) {
                 continue;
             }
+            sender::watch(sig);
             let st = signal(SignalKind::from_raw(sig)).map_err(|e| {
                 Error::internal(format!(
                     "cannot catch {} to pass it on: {e}",
@@ -309,7 +322,10 @@ impl Signals {
             }
             for (sig, st) in &mut self.forward {
                 if let Poll::Ready(Some(())) = st.poll_recv(cx) {
-                    return Poll::Ready(Caught::Forward(*sig));
+                    return Poll::Ready(match sender::from_step(*sig) {
+                        true => Caught::Delivered(*sig),
+                        false => Caught::Forward(*sig),
+                    });
                 }
             }
             Poll::Pending
@@ -768,8 +784,9 @@ impl Group {
 
     /// Whether to pass `sig` on now. One signal can reach a node's agent by several paths (the
     /// launcher's forward through the store, and the agent's own catch when Slurm signals every
-    /// process of its step): the same signal within [`ONE_SIGNAL`] is passed on once, or a
-    /// worker that handled it and is exiting would be killed by the copy.
+    /// process of its step, which the workers got too: [`StopRequest::Delivered`]): the same
+    /// signal within [`ONE_SIGNAL`] is passed on once, or a worker that handled it and is
+    /// exiting would be killed by the copy.
     fn pass_on(&mut self, sig: i32) -> bool {
         let now = Instant::now();
         let again = self
@@ -848,6 +865,9 @@ impl Group {
                 if let (Ok(s), true) = (Signal::try_from(sig), self.pass_on(sig)) {
                     self.signal(s);
                 }
+            }
+            StopRequest::Delivered(sig) => {
+                self.pass_on(sig);
             }
             StopRequest::Signal(sig) if !matches!(self.phase, Phase::Grace(_)) => {
                 self.terminate(worker_stop_signal(sig));
@@ -1350,6 +1370,17 @@ mod tests {
         assert!(
             g.pass_on(libc::SIGUSR1),
             "a second later it is a new signal"
+        );
+    }
+
+    #[test]
+    fn a_signal_slurm_gave_the_workers_is_not_passed_on_again() {
+        let mut g = on_paper(1, GRACE);
+        g.requested(StopRequest::Delivered(libc::SIGUSR1));
+        assert_eq!(g.phase, Phase::Running);
+        assert!(
+            !g.pass_on(libc::SIGUSR1),
+            "a copy by another path within a second"
         );
     }
 
