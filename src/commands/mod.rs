@@ -68,20 +68,12 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
     let started = std::time::Instant::now();
     let code = match mode {
         Mode::Run { run, nodes } => match (&run.session.c10d, listener) {
-            (Some(c), None) => rt.block_on(crate::session::c10d::join(
-                &run,
-                &nodes,
-                moved.as_ref().unwrap_or(c),
-            )),
-            (_, listener) => {
-                let code = rt.block_on(run::run(&run, &nodes, listener, metrics));
-                // A c10d host that stood down (a newer host, or no majority left with it):
-                // its node joins the current host as a fresh node.
-                match crate::session::succession::stood_down() {
-                    Some(succ) => rt.block_on(crate::session::c10d::rejoin(&run, &nodes, succ)),
-                    None => code,
-                }
+            (Some(c), None) => {
+                let c = moved.as_ref().unwrap_or(c);
+                rt.block_on(c10d_node(&run, &nodes, Role::Join(c), None))
             }
+            (Some(_), Some(l)) => rt.block_on(c10d_node(&run, &nodes, Role::Host(l), metrics)),
+            (None, listener) => rt.block_on(run::run(&run, &nodes, listener, metrics)),
         },
         Mode::Doctor { doctor, nodes } => rt.block_on(doctor::run(&doctor, &nodes, listener)),
         Mode::Bisect { bisect, nodes } => rt.block_on(bisect::run(&bisect, &nodes, listener)),
@@ -97,4 +89,43 @@ pub(crate) fn execute(mode: Mode) -> Result<u8> {
         );
     }
     code
+}
+
+/// What a c10d node does next.
+enum Role<'a> {
+    /// Join the rendezvous hosted there.
+    Join(&'a crate::plan::C10d),
+    /// Host the job on this bound port.
+    Host(std::net::TcpListener),
+}
+
+/// A c10d node's life, until its job ends: joined to the host, hosting, taking over hosting
+/// when the host is lost, or standing down as the host and joining the current one as a fresh
+/// node (see session::succession).
+async fn c10d_node(
+    run: &crate::plan::RunSettings,
+    nodes: &crate::plan::NodesPlan,
+    role: Role<'_>,
+    metrics: Option<std::net::TcpListener>,
+) -> Result<u8> {
+    use crate::session::c10d::{self, Served};
+    let mut served = match role {
+        Role::Join(c) => c10d::join(run, nodes, c).await?,
+        Role::Host(l) => Served::Host(Box::new(run.clone()), l),
+    };
+    // Only the first host serves --metrics-port; a node that takes over says so (c10d::join).
+    let mut metrics = metrics;
+    loop {
+        let (job, listener) = match served {
+            Served::Ended(code) => return Ok(code),
+            Served::Host(job, listener) => (job, listener),
+        };
+        let code = Box::pin(run::run(&job, nodes, Some(listener), metrics.take())).await;
+        // A host that stood down (a newer host, or no majority left with it): its node joins
+        // the current host as a fresh node.
+        served = match crate::session::succession::stood_down() {
+            Some(succ) => c10d::rejoin(&job, nodes, succ).await?,
+            None => return code,
+        };
+    }
 }

@@ -18,10 +18,18 @@ use nrun_base::error::{Error, Result};
 use nrun_node::Signals;
 use nrun_store::client::Client;
 
-/// Joins the rendezvous `c` and serves as a node of its job; nrun's exit code. When the host
-/// is lost, goes down the last step's succession: joins the node that took over hosting, or
-/// takes it over itself (see [`super::succession`]).
-pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<u8> {
+/// What a c10d node's serving ended with: the job's exit code, or this node's turn to host
+/// the job (it took over: the settings with the new endpoint and epoch, the port bound), which
+/// the caller runs as the hosting nrun does (the session cannot name the commands).
+pub(crate) enum Served {
+    Ended(u8),
+    Host(Box<RunSettings>, std::net::TcpListener),
+}
+
+/// Joins the rendezvous `c` and serves as a node of its job. When the host is lost, goes down
+/// the last step's succession: joins the node that took over hosting, or takes it over itself
+/// (see [`super::succession`]).
+pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Result<Served> {
     let endpoint = format!("{}:{}", c.host, c.port);
     // The job's record is kept where its session is: the nrun that hosts the rendezvous.
     let unwritten: Vec<&str> = [
@@ -57,7 +65,11 @@ pub(crate) async fn join(job: &RunSettings, nodes: &NodesPlan, c: &C10d) -> Resu
 
 /// A hosting nrun that stood down (a newer host, or no majority left with it): its node goes
 /// down `succ` as a fresh node, as a joined node that lost its host does; never hosts.
-pub(crate) async fn rejoin(job: &RunSettings, nodes: &NodesPlan, succ: Succession) -> Result<u8> {
+pub(crate) async fn rejoin(
+    job: &RunSettings,
+    nodes: &NodesPlan,
+    succ: Succession,
+) -> Result<Served> {
     let lost = Lost {
         words: format!(
             "this node stood down as the host of rendezvous {:?} (epoch {})",
@@ -81,12 +93,12 @@ pub(crate) async fn rejoin(job: &RunSettings, nodes: &NodesPlan, succ: Successio
 
 /// Joins the rendezvous `c` (a host of epoch `known` or newer) and serves as a node of its job,
 /// going down the succession each time the host is lost.
-async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: Known) -> Result<u8> {
+async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: Known) -> Result<Served> {
     let (mut c, mut known) = (c, known);
     loop {
         let (served, node) = join_once(job, nodes, &c, &known).await?;
         let e = match served {
-            Ok(ended) => return Ok(ended),
+            Ok(ended) => return Ok(Served::Ended(ended)),
             Err(e) => e,
         };
         // No succession (the host was lost before any step came) or no word on a lost host
@@ -111,8 +123,7 @@ async fn serve_from(job: &RunSettings, nodes: &NodesPlan, c: C10d, known: Known)
                     advertise: next.host.clone(),
                 };
                 job.session.c10d = Some(next);
-                return Box::pin(crate::commands::run::run(&job, nodes, Some(listener), None))
-                    .await;
+                return Ok(Served::Host(Box::new(job), listener));
             }
         }
     }
@@ -667,6 +678,29 @@ impl Looking {
     }
 }
 
+/// A host of an older epoch than this node's last (it was frozen, or cut off, while the
+/// others went on): told so once, it stands down (see session::succession); this node waits
+/// for the current one to be found.
+async fn stale_host(
+    store: &mut Client,
+    c: &C10d,
+    secret: &str,
+    endpoint: &str,
+    look: &mut Looking,
+    a: SocketAddr,
+    epoch: u64,
+) {
+    if look.stale.is_none() && crate::agent::prove(store, secret, &endpoint).await.is_ok() {
+        let newer = format!("{} {}", look.known.epoch, look.known.lineage);
+        let _ = store.set(&c10d_newer_key(&c.id), newer.as_bytes()).await;
+    }
+    look.stale = Some(epoch);
+    look.last = format!(
+        "{a}: a host of epoch {epoch}, older than this node's last ({})",
+        look.known.epoch
+    );
+}
+
 /// Finds the rendezvous at the endpoint and joins it: the address that reached it, the run's
 /// name and this node's index. Retries until the caller's deadline while nothing, or a store
 /// that holds no rendezvous yet, listens there; another job's nrun or a torchrun rendezvous
@@ -714,27 +748,7 @@ async fn find(
             match what_listens(&mut store, &c.id).await {
                 Ok(Listener::Ours) => match host_epoch(&mut store, &c.id).await {
                     Ok((e, l)) if look.known.refuses(e, &l) => {
-                        // A host that was frozen, or cut off, while the others went on: told
-                        // so, it stands down (see session::succession); this node waits for
-                        // the current one to be found.
-                        if look.stale.is_none()
-                            && crate::agent::prove(&mut store, secret, &endpoint)
-                                .await
-                                .is_ok()
-                        {
-                            let _ = store
-                                .set(
-                                    &c10d_newer_key(&c.id),
-                                    format!("{} {}", look.known.epoch, look.known.lineage)
-                                        .as_bytes(),
-                                )
-                                .await;
-                        }
-                        look.stale = Some(e);
-                        look.last = format!(
-                            "{a}: a host of epoch {e}, older than this node's last ({})",
-                            look.known.epoch
-                        );
+                        stale_host(&mut store, c, secret, endpoint, look, a, e).await;
                     }
                     Ok(_) => break (store, a),
                     Err(e) => look.failed(a, &e),
