@@ -109,6 +109,9 @@ fn job_start(s: &mut Session, job: &RunSettings) {
         .collect();
     let command = command.join(" ");
     let (nnodes, world) = (s.plan.size, s.plan.world);
+    if let Some(t) = job.session.c10d.as_ref().and_then(|c| c.took_over.as_ref()) {
+        s.journal.took_over(t.epoch);
+    }
     s.journal.emit(Event::JobStart {
         run_id: s.run_id.clone(),
         nnodes,

@@ -113,6 +113,9 @@ pub(crate) struct Ledger {
     exit: Option<(u8, String)>,
     /// Nodes left out of the job, as last told ([`Journal::nodes`]).
     left_out: usize,
+    /// The epoch at which this nrun took over hosting a c10d job whose host was lost (its
+    /// record starts there: the loss was a fault, not "no faults").
+    took_over: Option<u64>,
 }
 
 impl Default for Ledger {
@@ -126,6 +129,7 @@ impl Default for Ledger {
             ended: None,
             exit: None,
             left_out: 0,
+            took_over: None,
         }
     }
 }
@@ -287,7 +291,13 @@ impl Ledger {
         let lost = match (faulted, &self.exit, self.left_out) {
             (true, _, _) => format!("lost: {restarts}{}", nrun_base::duration_text(lost)),
             (false, Some((code, outcome)), _) if *code != 0 => format!("{outcome}, exit {code}"),
-            (false, _, 0) => "no faults".to_string(),
+            (false, _, 0) => match self.took_over {
+                None => "no faults".to_string(),
+                Some(e) => format!(
+                    "no faults since this node took over hosting (epoch {e}: the host before \
+                     was lost)"
+                ),
+            },
             (false, _, 1) => "1 node left out (see above)".to_string(),
             (false, _, n) => format!("{n} nodes left out (see above)"),
         };
@@ -418,6 +428,11 @@ impl Journal {
         for line in earlier {
             self.write_line(line);
         }
+    }
+
+    /// This nrun took over hosting a c10d job at `epoch` (its host was lost).
+    pub(crate) fn took_over(&self, epoch: u64) {
+        self.lock().took_over = Some(epoch);
     }
 
     /// The nodes in the job, left out and spare now (the metrics).

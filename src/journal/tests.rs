@@ -133,6 +133,14 @@ fn summaries_of_short_long_and_faultless_jobs() {
     l.enter(Phase::Ending, 4.0);
     l.finish(4.2);
     assert_eq!(l.summary(0.0), "ran 4.2 s, 88.1% of it training; no faults");
+    // A node that took over hosting a c10d job: the host's loss was a fault.
+    let mut took = l.clone();
+    took.took_over = Some(2);
+    assert_eq!(
+        took.summary(0.0),
+        "ran 4.2 s, 88.1% of it training; no faults since this node took over hosting (epoch 2: \
+         the host before was lost)"
+    );
     // A job that failed without a restart says what the failure cost.
     let mut failed = Ledger::default();
     failed.start_attempt(0, 0.0);
