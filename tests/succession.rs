@@ -99,6 +99,12 @@ fn start_with(
     }
 }
 
+/// How many ranks marked themselves up in a world of `world` under `master`.
+fn up_under(s: &Scene, world: usize, master: &str) -> usize {
+    let mark = format!("up world={world} master={master}");
+    s.marks().iter().filter(|l| **l == mark).count()
+}
+
 /// How many "up" marks of a world of `world` under a master other than `not` there are, and
 /// that master (the last seen).
 fn ups(s: &Scene, world: usize, not: &str) -> (usize, String) {
@@ -166,13 +172,7 @@ fn the_c10d_host_killed_hands_over_and_comes_back_as_a_node() {
     let a = start(&c, &s, &py, 1, 0, &[]);
     let b = start(&c, &s, &py, 2, 0, &[]);
     let d = start(&c, &s, &py, 3, 0, &[]);
-    wait_until("the first world of 3", || {
-        s.marks()
-            .iter()
-            .filter(|l| **l == format!("up world=3 master={first}"))
-            .count()
-            >= 3
-    });
+    wait_until("the first world of 3", || up_under(&s, 3, &first) >= 3);
     let killed = kill_host(&c, 1);
     let (code, _) = a.wait();
     assert_ne!(code, Some(0));
@@ -207,11 +207,7 @@ fn the_c10d_host_killed_hands_over_and_comes_back_as_a_node() {
     // The old host's node, started again with the same command: it joins the new host.
     let a2 = start(&c, &s, &py, 1, 1, &[]);
     wait_until("the world of 3 again under the new host", || {
-        s.marks()
-            .iter()
-            .filter(|l| **l == format!("up world=3 master={host}"))
-            .count()
-            >= 3
+        up_under(&s, 3, &host) >= 3
     });
     let (new_host, joiner) = match host == c.addr(2) {
         true => (b, d),
@@ -274,13 +270,7 @@ fn a_c10d_node_cut_off_alone_never_trains_alone() {
     let b = start_with(&c, &s, &py, 2, 0, &flags, end);
     joined(&b);
     let d = start_with(&c, &s, &py, 3, 0, &flags, end);
-    wait_until("the first world of 3", || {
-        s.marks()
-            .iter()
-            .filter(|l| **l == format!("up world=3 master={first}"))
-            .count()
-            >= 3
-    });
+    wait_until("the first world of 3", || up_under(&s, 3, &first) >= 3);
     c.exec(
         2,
         "iptables -A INPUT -i eth0 -j DROP && iptables -A OUTPUT -o eth0 -j DROP",
@@ -311,14 +301,7 @@ fn a_c10d_node_cut_off_alone_never_trains_alone() {
     );
     let steps = std::fs::read_to_string(format!("{}.steps", s.mark().display())).unwrap();
     assert!(!steps.contains(&format!(" {} ", c.addr(2))), "{steps}");
-    assert_eq!(
-        marks
-            .iter()
-            .filter(|l| **l == format!("up world=2 master={first}"))
-            .count(),
-        2,
-        "{marks:?}"
-    );
+    assert_eq!(up_under(&s, 2, &first), 2, "{marks:?}");
     s.assert_no_survivors();
     c.assert_nothing_left(3);
 }
@@ -344,22 +327,10 @@ fn a_c10d_host_frozen_and_resumed_stands_down_and_one_world_trains() {
     let b = start(&c, &s, &py, 2, 0, &flags);
     joined(&b);
     let d = start(&c, &s, &py, 3, 0, &flags);
-    wait_until("the first world of 3", || {
-        s.marks()
-            .iter()
-            .filter(|l| **l == format!("up world=3 master={first}"))
-            .count()
-            >= 3
-    });
+    wait_until("the first world of 3", || up_under(&s, 3, &first) >= 3);
     signal_host(&c, 1, nix::sys::signal::Signal::SIGSTOP);
     let new = c.addr(2);
-    wait_until("the world of 2 under node 2", || {
-        s.marks()
-            .iter()
-            .filter(|l| **l == format!("up world=2 master={new}"))
-            .count()
-            >= 2
-    });
+    wait_until("the world of 2 under node 2", || up_under(&s, 2, &new) >= 2);
     signal_host(&c, 1, nix::sys::signal::Signal::SIGCONT);
     let (ca, ea) = a.wait();
     let (cb, eb) = b.wait();
@@ -375,14 +346,7 @@ fn a_c10d_host_frozen_and_resumed_stands_down_and_one_world_trains() {
     );
     assert!(ea.contains("it stands down"), "{ea}");
     let marks = s.marks();
-    assert_eq!(
-        marks
-            .iter()
-            .filter(|l| **l == format!("up world=3 master={new}"))
-            .count(),
-        3,
-        "{marks:?}"
-    );
+    assert_eq!(up_under(&s, 3, &new), 3, "{marks:?}");
     // One world at a time: each master's steps span an interval; no two overlap.
     let steps = std::fs::read_to_string(format!("{}.steps", s.mark().display())).unwrap();
     let mut spans: std::collections::BTreeMap<(String, String), (f64, f64)> = Default::default();

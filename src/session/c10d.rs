@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use crate::agent::HostLoss;
 use crate::plan::{C10d, NodesPlan, RunSettings, TookOver};
 use crate::protocol::{
-    Hello, NRUN_STORE_KEY, Succession, c10d_epoch_key, c10d_newer_key, c10d_next_key,
+    Hello, NRUN_STORE_KEY, Succession, Successor, c10d_epoch_key, c10d_newer_key, c10d_next_key,
     c10d_public_key, c10d_refused_key, c10d_room_key, c10d_run_key, torchrun_rdzv_key,
 };
 use nrun_base::error::{Error, Result};
@@ -232,17 +232,13 @@ async fn succeed(
                         }
                     );
                     let next = C10d {
-                        host: cand.addr.clone(),
-                        port: cand.port,
-                        id: c.id.clone(),
-                        secret: c.secret.clone(),
-                        node: None,
                         took_over: Some(TookOver {
                             epoch: succ.epoch + 1,
                             lineage: succ.lineage.clone(),
                             quorum,
                             alive,
                         }),
+                        ..successor_at(cand, &c.id, c.secret.clone())
                     };
                     return Ok(Next::Host(next, l));
                 }
@@ -258,14 +254,7 @@ async fn succeed(
             cand.node,
             succ.epoch + 1
         );
-        let next = C10d {
-            host: cand.addr.clone(),
-            port: cand.port,
-            id: c.id.clone(),
-            secret: c.secret.clone(),
-            node: None,
-            took_over: None,
-        };
+        let next = successor_at(cand, &c.id, c.secret.clone());
         let until = (Instant::now() + per).min(deadline);
         match hosts_at(&next, &Known::after(succ), until).await {
             Ok(()) => return Ok(Next::Join(next)),
@@ -339,23 +328,35 @@ async fn hosts_at(c: &C10d, want: &Known, until: Instant) -> std::result::Result
 /// The first node of `last` that hosts its rendezvous at a newer epoch, in words (one look
 /// each); None: none does.
 pub(super) async fn newer_among(last: &Succession) -> Option<String> {
+    let (cand, _) = newer_host(last, None).await?;
+    Some(format!("node {} at {}:{}", cand.node, cand.addr, cand.port))
+}
+
+/// The first node of `last`'s succession that hosts its rendezvous at a newer epoch (one look
+/// each): it, and its endpoint with `secret`.
+async fn newer_host(last: &Succession, secret: Option<String>) -> Option<(&Successor, C10d)> {
     for cand in &last.nodes {
-        let c = C10d {
-            host: cand.addr.clone(),
-            port: cand.port,
-            id: last.id.clone(),
-            secret: None,
-            node: None,
-            took_over: None,
-        };
+        let c = successor_at(cand, &last.id, secret.clone());
         if hosts_at(&c, &Known::after(last), Instant::now())
             .await
             .is_ok()
         {
-            return Some(format!("node {} at {}:{}", cand.node, cand.addr, cand.port));
+            return Some((cand, c));
         }
     }
     None
+}
+
+/// Successor `cand`'s endpoint for rendezvous `id`: where it hosts, should its turn come.
+fn successor_at(cand: &Successor, id: &str, secret: Option<String>) -> C10d {
+    C10d {
+        host: cand.addr.clone(),
+        port: cand.port,
+        id: id.to_string(),
+        secret,
+        node: None,
+        took_over: None,
+    }
 }
 
 /// The epoch of the nrun hosting rendezvous `id` on `store` and its job's lineage (1 and none
@@ -386,32 +387,17 @@ pub(crate) fn current_host(c: &C10d) -> Option<C10d> {
         .enable_all()
         .build()
         .ok()?;
-    rt.block_on(async {
-        for cand in &succ.nodes {
-            let next = C10d {
-                host: cand.addr.clone(),
-                port: cand.port,
-                took_over: None,
-                ..c.clone()
-            };
-            if hosts_at(&next, &Known::after(&succ), Instant::now())
-                .await
-                .is_ok()
-            {
-                tracing::info!(
-                    "rendezvous {:?} is hosted at {}:{} now (epoch {} or later; this machine's \
-                     last succession, {}): this node joins it there",
-                    c.id,
-                    next.host,
-                    next.port,
-                    succ.epoch + 1,
-                    super::succession::state_file(&c.id).display()
-                );
-                return Some(next);
-            }
-        }
-        None
-    })
+    let (_, next) = rt.block_on(newer_host(&succ, c.secret.clone()))?;
+    tracing::info!(
+        "rendezvous {:?} is hosted at {}:{} now (epoch {} or later; this machine's last \
+         succession, {}): this node joins it there",
+        c.id,
+        next.host,
+        next.port,
+        succ.epoch + 1,
+        super::succession::state_file(&c.id).display()
+    );
+    Some(next)
 }
 
 /// Finds the host of rendezvous `c` (epoch `known` or later) and serves as its node until the
