@@ -60,7 +60,13 @@ pub(crate) fn from_step(sig: i32) -> bool {
 /// The slurmstepd this process (nrun, or its keeper) runs under as a task of an srun step (numbered; the batch step
 /// signals the script's process group alone), when its ProctrackType reaches the workers:
 /// proctrack/pgid signals the task's process group, and each worker leads its own.
+/// Looked up once per process (slurm.conf and /proc read once, not per signal caught).
 pub(crate) fn step_daemon() -> Option<i32> {
+    static STEP_DAEMON: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
+    *STEP_DAEMON.get_or_init(find_step_daemon)
+}
+
+fn find_step_daemon() -> Option<i32> {
     let step: u32 = std::env::var("SLURM_STEP_ID").ok()?.trim().parse().ok()?;
     // Slurm's special steps (batch, extern, interactive) are numbered from 0xfffffff0 up.
     if step >= 0xffff_fff0 || proctrack_pgid() {
