@@ -142,7 +142,10 @@ const TCP_FLOOR: f64 = 0.1;
 /// dropping 5% of its packets retransmitted 6.7%; healthy links on a loaded host up to 1.8%
 /// (the receiver's backlog overflowing), and as much beside a shaped link. Beside two or four
 /// CPU hogs, 45 runs of the 5% link: 2.4% to 7.6% (427 of 17857 the least, its three rounds
-/// 3.0, 2.2 and 2.0%), about 80 healthy links 0 to 0.9%.
+/// 3.0, 2.2 and 2.0%), about 80 healthy links 0 to 0.9%. But once a healthy link of
+/// tests/cluster.rs's net preflight, run beside another namespace test, resent 2.4% (428 of
+/// 17846): the shares overlap under load, and no share alone tells them apart (open: a rule
+/// relative to the ring's other links, or the drops' place, is what the next pass measures).
 const LOSS_SHARE: f64 = 0.02;
 const LOSS_SEGMENTS: u32 = 20;
 /// A link already slow by its rate that retransmitted more than this share of its segments,

@@ -1155,20 +1155,8 @@ fn test_links(
     // receiver still connecting (a lost handshake packet costs a second) would find the sender
     // gone and measure only what the sockets buffered. Seen with 5% of the packets into a node
     // dropped: a link that carries 1-3 GB/s measured 0.0026, its receiver 0.77 s late.
-    {
-        let key = ctx.s.link_start_key();
-        let left = deadline.saturating_duration_since(Instant::now());
-        let all = ctx
-            .rt
-            .block_on(ctx.store.barrier(&key, n as i64, Some(left)))
-            .map_err(|e| err("collective", format!("link test, start: {e}")))?;
-        if !all {
-            return Err(err(
-                "init-timeout",
-                "link test, start: not every rank arrived within the timeout",
-            ));
-        }
-    }
+    let key = ctx.s.link_start_key();
+    link_barrier(ctx, &key, n, deadline, "start")?;
     // Once a turn runs out of time on either end, that link is measured: its later turns
     // would only wait out their windows again (its connection still full of the first's bytes).
     let (mut send_done, mut recv_done) = (false, false);
@@ -1198,17 +1186,7 @@ fn test_links(
             });
         }
         let key = ctx.s.link_key(turn);
-        let left = deadline.saturating_duration_since(Instant::now());
-        let all = ctx
-            .rt
-            .block_on(ctx.store.barrier(&key, n as i64, Some(left)))
-            .map_err(|e| err("collective", format!("link test, turn {turn}: {e}")))?;
-        if !all {
-            return Err(err(
-                "init-timeout",
-                format!("link test, turn {turn}: not every rank arrived within the timeout"),
-            ));
-        }
+        link_barrier(ctx, &key, n, deadline, &format!("turn {turn}"))?;
     }
     // Every rank's measured link, for the sweep's sizes (each rank reads the same).
     {
@@ -1216,17 +1194,7 @@ fn test_links(
         let key = ctx.s.link_rate_key(rank);
         ctx.set(&key, gbs.to_string().as_bytes());
         let key = ctx.s.link_key(phases * LINK_ROUNDS);
-        let left = deadline.saturating_duration_since(Instant::now());
-        let all = ctx
-            .rt
-            .block_on(ctx.store.barrier(&key, n as i64, Some(left)))
-            .map_err(|e| err("collective", format!("link test, rates: {e}")))?;
-        if !all {
-            return Err(err(
-                "init-timeout",
-                "link test, rates: not every rank arrived within the timeout",
-            ));
-        }
+        link_barrier(ctx, &key, n, deadline, "rates")?;
     }
     if let Some((out, _)) = r.probe.as_ref() {
         rep.link_out = sent_and_lost(out).map(|(segments, retransmitted)| super::LinkOut {
@@ -1265,6 +1233,29 @@ fn sent_and_lost(s: &TcpStream) -> Option<(u32, u32)> {
     match rc == 0 && len as usize >= 140 {
         true => Some((u32_at(136)?, u32_at(100)?)),
         false => None,
+    }
+}
+
+/// Waits at the link test's barrier `key` until all `n` ranks are in, or `deadline`; `what`
+/// names the point of the test in the error.
+fn link_barrier(
+    ctx: &mut Ctx,
+    key: &[u8],
+    n: usize,
+    deadline: Instant,
+    what: &str,
+) -> Result<(), RankError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let all = ctx
+        .rt
+        .block_on(ctx.store.barrier(key, n as i64, Some(left)))
+        .map_err(|e| err("collective", format!("link test, {what}: {e}")))?;
+    match all {
+        true => Ok(()),
+        false => Err(err(
+            "init-timeout",
+            format!("link test, {what}: not every rank arrived within the timeout"),
+        )),
     }
 }
 
