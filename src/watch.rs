@@ -693,18 +693,41 @@ pub(crate) fn straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
 /// straggler: a rank 20% slower makes the others wait 1/6 (17%) of each step.
 const FR_GAP: f64 = 0.15;
 
-/// The straggler by the flight recorders' timings (NCCL jobs, where every rank waits at the
-/// same GPU sync and stacks cannot tell them apart): each rank's time in collectives on the GPU
-/// over the span of its ring. The others wait for a slow rank inside the collective; it does not.
-pub(crate) fn flight_straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
+/// How long the GPU-time counters must name the same straggler before it is said: their
+/// window slides every second, so two looks in a row are nearly the same evidence (two
+/// flight-recorder dumps in a row are not).
+const GPU_SUSTAIN: Duration = Duration::from_secs(5);
+
+/// A rank's share of its time spent in collectives on the GPU, and where it was read: from
+/// nrun's NCCL profiler plugin over the last seconds, else from its flight recorder's last dump.
+fn gpu_share(s: &Seen<'_>) -> Option<(f64, GpuEvidence)> {
+    if let Some(g) = s.view.gpu.filter(|g| g.span_ms > 0.0) {
+        return Some((
+            (g.waited_ms / g.span_ms).clamp(0.0, 1.0),
+            GpuEvidence::Plugin(g),
+        ));
+    }
+    let fr = s.view.fr.as_ref()?;
+    let (w, span) = (fr.waited_ms?, fr.span_ms?);
+    (span >= 500.0).then_some(((w / span).clamp(0.0, 1.0), GpuEvidence::Dump(span)))
+}
+
+/// Where a rank's GPU time was read (see [`gpu_share`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum GpuEvidence {
+    Plugin(crate::protocol::GpuWait),
+    /// A dump, told apart from the next by its span (ms).
+    Dump(f64),
+}
+
+/// The straggler by the ranks' time in collectives on the GPU (NCCL jobs, where every rank
+/// waits at the same GPU sync and stacks cannot tell them apart): the others wait for a slow
+/// rank inside the collective; it does not.
+pub(crate) fn gpu_straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
     let timed: Vec<(&Seen<'_>, f64)> = ranks
         .iter()
         .filter(|s| s.view.exited.is_none())
-        .filter_map(|s| {
-            let fr = s.view.fr.as_ref()?;
-            let (w, span) = (fr.waited_ms?, fr.span_ms?);
-            (span >= 500.0).then_some((s, (w / span).clamp(0.0, 1.0)))
-        })
+        .filter_map(|s| Some((s, gpu_share(s)?.0)))
         .collect();
     if timed.len() < 2 {
         return None;
@@ -794,9 +817,9 @@ pub(crate) struct WatchState {
     /// exiting) cannot be, for a moment, which is not worth a warning.
     unreadable_since: HashMap<usize, Instant>,
     straggler_said: HashMap<usize, Instant>,
-    /// The flight recorders' straggler, and the dumps in a row (told apart by their span) that
-    /// named it: one dump covers a few seconds, two in a row make it sustained.
-    fr_suspect: Option<(usize, u32, u64)>,
+    /// The GPU-time straggler, the distinct readings in a row that named it (one dump covers
+    /// a few seconds, two in a row make it sustained), the last, and since when.
+    gpu_suspect: Option<(usize, u32, GpuEvidence, Instant)>,
     /// The collective mismatch last said (process group, sequence number).
     mismatch_said: Option<(String, u64)>,
     last_check: Option<Instant>,
@@ -859,7 +882,7 @@ impl WatchState {
             unreadable_said: false,
             unreadable_since: HashMap::new(),
             straggler_said: HashMap::new(),
-            fr_suspect: None,
+            gpu_suspect: None,
             mismatch_said: None,
             last_check: None,
             world: 0,
@@ -956,8 +979,8 @@ impl WatchState {
                 self.hangs.push(d);
             }
         }
-        let by_fr = self.sustained_flight_straggler(&seen);
-        if let Some(s) = straggler(&seen).or(by_fr).filter(|_| !stalled) {
+        let by_gpu = self.sustained_gpu_straggler(&seen, Instant::now());
+        if let Some(s) = straggler(&seen).or(by_gpu).filter(|_| !stalled) {
             self.say_straggler(s);
         }
         stop
@@ -1036,27 +1059,27 @@ impl WatchState {
         }
     }
 
-    /// The flight recorders' straggler once two dumps in a row (told apart by their span) name
-    /// it.
-    fn sustained_flight_straggler(&mut self, seen: &[Seen<'_>]) -> Option<Straggler> {
-        let by_fr = flight_straggler(seen).and_then(|s| {
-            let span = seen
-                .iter()
-                .find(|x| x.view.rank == s.rank)
-                .and_then(|x| x.view.fr.as_ref()?.span_ms)
-                .map_or(0, f64::to_bits);
-            let n = match self.fr_suspect {
-                Some((r, n, last)) if r == s.rank && last != span => n + 1,
-                Some((r, n, last)) if r == s.rank && last == span => n,
-                _ => 1,
-            };
-            self.fr_suspect = Some((s.rank, n, span));
-            (n >= 2).then_some(s)
-        });
-        if by_fr.is_none() && flight_straggler(seen).is_none() {
-            self.fr_suspect = None;
-        }
-        by_fr
+    /// The GPU-time straggler once the evidence holds: two flight-recorder dumps in a row (told
+    /// apart by their span), or the plugin's counters over [`GPU_SUSTAIN`].
+    fn sustained_gpu_straggler(&mut self, seen: &[Seen<'_>], now: Instant) -> Option<Straggler> {
+        let Some(s) = gpu_straggler(seen) else {
+            self.gpu_suspect = None;
+            return None;
+        };
+        let evidence = seen
+            .iter()
+            .find(|x| x.view.rank == s.rank)
+            .and_then(|x| Some(gpu_share(x)?.1))?;
+        let (n, since) = match self.gpu_suspect {
+            Some((r, n, last, since)) if r == s.rank => (n + u32::from(last != evidence), since),
+            _ => (1, now),
+        };
+        self.gpu_suspect = Some((s.rank, n, evidence, since));
+        let held = match evidence {
+            GpuEvidence::Plugin(_) => now.duration_since(since) >= GPU_SUSTAIN,
+            GpuEvidence::Dump(_) => true,
+        };
+        (n >= 2 && held).then_some(s)
     }
 
     /// Says a straggler, at most once a minute for each rank.
@@ -1496,13 +1519,91 @@ mod tests {
         // Rank 1 is 20% slower: rank 0 waits a sixth of each step in the all_reduce.
         v[0].fr = Some(timed(900.0));
         v[1].fr = Some(timed(60.0));
-        let s = flight_straggler(&seen(&v)).unwrap();
+        let s = gpu_straggler(&seen(&v)).unwrap();
         assert_eq!((s.rank, s.waits.len()), (1, 2));
         assert!((s.median_pct - 18.0).abs() < 0.1, "{s:?}");
         // Balanced, one rank always a little later (it waits less): nobody.
         v[0].fr = Some(timed(400.0));
         v[1].fr = Some(timed(100.0));
-        assert!(flight_straggler(&seen(&v)).is_none());
+        assert!(gpu_straggler(&seen(&v)).is_none());
+    }
+
+    #[test]
+    fn the_plugin_s_gpu_time_names_a_gpu_straggler_before_a_dump_and_not_a_balanced_job() {
+        use crate::protocol::GpuWait;
+        let mut v = [busy(0, 50), busy(1, 50), busy(2, 50)];
+        let waited = |w: f64| {
+            Some(GpuWait {
+                waited_ms: w,
+                span_ms: 10_000.0,
+                collectives: 400,
+            })
+        };
+        // Rank 2 is slow: ranks 0 and 1 wait a third of the time inside the collectives.
+        (v[0].gpu, v[1].gpu, v[2].gpu) = (waited(3300.0), waited(3500.0), waited(200.0));
+        let s = gpu_straggler(&seen(&v)).unwrap();
+        assert_eq!(s.rank, 2);
+        assert!((s.waited_pct - 2.0).abs() < 0.01 && (s.median_pct - 33.0).abs() < 0.01);
+        // A dump that says otherwise is older evidence: the plugin's reading stands.
+        let mut f = fr(100, "completed", 4 << 20);
+        (f.waited_ms, f.span_ms) = (Some(4000.0), Some(5000.0));
+        v[2].fr = Some(f);
+        assert_eq!(gpu_straggler(&seen(&v)).unwrap().rank, 2);
+        // Balanced (each rank waits a little, one a little less): nobody.
+        (v[0].gpu, v[1].gpu, v[2].gpu) = (waited(900.0), waited(800.0), waited(300.0));
+        assert!(gpu_straggler(&seen(&v)).is_none());
+        // Two slow ranks of three: the median waits as little as they do; nobody is alone.
+        (v[0].gpu, v[1].gpu, v[2].gpu) = (waited(3300.0), waited(200.0), waited(250.0));
+        assert!(gpu_straggler(&seen(&v)).is_none());
+    }
+
+    #[test]
+    fn the_plugin_s_straggler_is_said_once_it_held_five_seconds_and_a_dump_s_after_two_dumps() {
+        use crate::protocol::GpuWait;
+        let mut w = WatchState::new(WatchPlan {
+            hang_timeout: Duration::from_secs(60),
+            on_hang: OnHang::Stop,
+        });
+        let t = Instant::now();
+        let at = |s: u64| t + Duration::from_secs(s);
+        let mut v = [busy(0, 50), busy(1, 50)];
+        let look = |w: &mut WatchState, v: &mut [RankView; 2], s: u64| {
+            // The window slides each second: new counts at every look.
+            let g = |ms: f64| GpuWait {
+                waited_ms: ms,
+                span_ms: 10_000.0,
+                collectives: 400 + s,
+            };
+            (v[0].gpu, v[1].gpu) = (Some(g(4000.0)), Some(g(100.0)));
+            w.sustained_gpu_straggler(&seen(v), at(s)).map(|x| x.rank)
+        };
+        assert_eq!(look(&mut w, &mut v, 0), None);
+        assert_eq!(look(&mut w, &mut v, 3), None, "3 s is not yet held");
+        assert_eq!(look(&mut w, &mut v, 5), Some(1));
+        // A look that names nobody starts the count again.
+        v[1].gpu = None;
+        assert!(w.sustained_gpu_straggler(&seen(&v), at(6)).is_none());
+        assert_eq!(look(&mut w, &mut v, 7), None);
+        assert_eq!(look(&mut w, &mut v, 12), Some(1));
+        // From dumps: the same dump twice is one; a second dump names it.
+        let mut w = WatchState::new(WatchPlan {
+            hang_timeout: Duration::from_secs(60),
+            on_hang: OnHang::Stop,
+        });
+        let dump = |waited: f64, span: f64| {
+            let mut f = fr(100, "completed", 4 << 20);
+            (f.waited_ms, f.span_ms) = (Some(waited), Some(span));
+            Some(f)
+        };
+        let mut v = [busy(0, 50), busy(1, 50)];
+        (v[0].fr, v[1].fr) = (dump(900.0, 5000.0), dump(60.0, 5000.0));
+        assert!(w.sustained_gpu_straggler(&seen(&v), at(0)).is_none());
+        assert!(w.sustained_gpu_straggler(&seen(&v), at(15)).is_none());
+        v[1].fr = dump(70.0, 5100.0);
+        assert_eq!(
+            w.sustained_gpu_straggler(&seen(&v), at(16)).unwrap().rank,
+            1
+        );
     }
 
     /// A view whose flight recorder holds `runs` (first, last, op, bytes) of group `pg`.

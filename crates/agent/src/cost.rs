@@ -2,12 +2,24 @@
 //! ([`Look`]) is timed, summed per kind, and (for measurements) can be turned off alone or
 //! written to a trace file, so that a worker's slow steps can be laid beside the looks that
 //! happened then. `NRUN_WATCH_TRACE=FILE` writes one line per look (`wall_s look rank us`);
-//! `NRUN_WATCH_SKIP=stack,locals,status,maps,fr,ras` turns looks off (docs/watch.md, "What the
+//! `NRUN_WATCH_SKIP=stack,locals,status,maps,fr,ras,gpu` turns looks off (docs/watch.md, "What the
 //! watch costs").
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime};
+
+/// The looks `NRUN_WATCH_SKIP` turns off.
+fn skip_list() -> Vec<String> {
+    std::env::var("NRUN_WATCH_SKIP")
+        .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
+        .unwrap_or_default()
+}
+
+/// Whether `NRUN_WATCH_SKIP` turns look `part` off (for what is set up before the watch runs).
+pub(crate) fn skipped(part: &str) -> bool {
+    skip_list().iter().any(|s| s == part)
+}
 
 /// One kind of look at a worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -28,6 +40,8 @@ pub(crate) enum Look {
     Ras,
     /// The process tree searched for the worker's Python.
     Search,
+    /// Its GPU-time counters read (`gpu_time`: a file nrun's NCCL profiler plugin writes).
+    GpuTime,
 }
 
 impl Look {
@@ -41,6 +55,7 @@ impl Look {
             Look::FrRead => "fr-read",
             Look::Ras => "ras",
             Look::Search => "search",
+            Look::GpuTime => "gpu",
         }
     }
 }
@@ -63,9 +78,7 @@ pub(crate) struct Costs {
 impl Costs {
     /// From the environment (see the module's doc): nothing skipped and no trace by default.
     pub(crate) fn from_env() -> Costs {
-        let skip = std::env::var("NRUN_WATCH_SKIP")
-            .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
-            .unwrap_or_default();
+        let skip = skip_list();
         let trace = std::env::var_os("NRUN_WATCH_TRACE").and_then(|p| {
             std::fs::OpenOptions::new()
                 .create(true)

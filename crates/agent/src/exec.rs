@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
+use super::stacks::WatchFiles;
 use nrun_base::error::{Error, Result};
 use nrun_node::output::{Sink, WorkerOutput};
 use nrun_node::{self as node, Outcome, StopRequest, WorkerCmd};
@@ -114,7 +115,7 @@ async fn run_workers(
         .filter(|w| w.log_dir.is_none())
         .map(|w| w.error_file.clone())
         .collect();
-    let mut flight_files = Vec::new();
+    let mut watch_files = Vec::new();
     // The node of rank 0 asks NCCL's RAS about the job when its ranks stall.
     let ras = specs
         .iter()
@@ -138,7 +139,7 @@ async fn run_workers(
             &this_nrun,
             watch.is_some(),
             secret,
-            &mut flight_files,
+            &mut watch_files,
             progress,
         ) {
             Ok(cmd) => cmds.push(cmd),
@@ -150,7 +151,7 @@ async fn run_workers(
     let events = match watch {
         Some(out) if !cmds.is_empty() => {
             let stall = super::stacks::Stalls::new(hang_timeout);
-            Some(start_watch(out, ended_rx, &flight_files, ras, stall))
+            Some(start_watch(out, ended_rx, &watch_files, ras, stall))
         }
         _ => None,
     };
@@ -159,10 +160,12 @@ async fn run_workers(
     let outcome = node::run_group(cmds, grace, deadline, stop, events).await;
     drop(ended);
     let result = run_result(outcome, &oom_mark, &scratch);
-    // The dump pipes and files are nrun's own (only those are in `flight_files`).
-    for (_, f) in &flight_files {
-        let _ = std::fs::remove_file(&f.pipe);
-        let _ = std::fs::remove_file(&f.dump);
+    // The dump pipes and files and the GPU-time counters are nrun's own (only those are in
+    // `watch_files`).
+    for (_, f) in &watch_files {
+        for p in f.fr.iter().flat_map(|f| [&f.pipe, &f.dump]).chain(&f.gpu) {
+            let _ = std::fs::remove_file(p);
+        }
     }
     for f in &scratch {
         // Looked up first: most workers leave none, and an unlink locks the directory.
@@ -173,14 +176,15 @@ async fn run_workers(
     result
 }
 
-/// How to start one worker: its program, logs, CPUs and environment. With `watching`, its
-/// flight recorder's files (nrun's own) are added to `flight_files`. Err: why it cannot start.
+/// How to start one worker: its program, logs, CPUs and environment. With `watching`, the files
+/// the watch reads of it (its flight recorder's and GPU-time counters, nrun's own) are added to
+/// `watch_files`. Err: why it cannot start.
 fn worker_cmd(
     w: WorkerSpec,
     this_nrun: &std::io::Result<std::path::PathBuf>,
     watching: bool,
     secret: Option<&str>,
-    flight_files: &mut Vec<(usize, super::flight::FrFiles)>,
+    watch_files: &mut Vec<(usize, WatchFiles)>,
     progress: Option<regex::Regex>,
 ) -> Result<WorkerCmd> {
     let program = match (w.program.as_str(), this_nrun) {
@@ -210,13 +214,17 @@ fn worker_cmd(
     let mut env = w.env;
     // The watch turns on PyTorch's flight recorder (NCCL jobs), its pipe and dump in this
     // process's scratch directory: dumps are read from there only (a pipe or dump file the
-    // user named is theirs, left alone).
+    // user named is theirs, left alone); and nrun's NCCL profiler plugin, its counters there.
     if let (true, Ok(dir)) = (watching, nrun_base::files::scratch()) {
         let (add, files) = super::flight::setup(&env, w.rank, &dir);
         env.extend(add);
-        if files.pipe.starts_with(&dir) && files.dump.starts_with(&dir) {
-            flight_files.push((w.rank, files));
-        }
+        let fr = (files.pipe.starts_with(&dir) && files.dump.starts_with(&dir)).then_some(files);
+        let (add, gpu) = match super::cost::skipped("gpu") {
+            true => (Vec::new(), None),
+            false => super::gpu_time::setup(&env, w.rank, &dir),
+        };
+        env.extend(add);
+        watch_files.push((w.rank, WatchFiles { fr, gpu }));
     }
     if let (true, Some(s)) = (w.secret, secret) {
         env.push(("NRUN_SECRET".into(), s.to_string()));
@@ -260,12 +268,12 @@ fn worker_cmd(
 fn start_watch(
     out: tokio::sync::mpsc::UnboundedSender<NodeWatch>,
     ended: tokio::sync::oneshot::Receiver<()>,
-    flight_files: &[(usize, super::flight::FrFiles)],
+    watch_files: &[(usize, WatchFiles)],
     ras: Option<String>,
     stall: super::stacks::Stalls,
 ) -> tokio::sync::mpsc::UnboundedSender<node::GroupEvent> {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let files = flight_files.to_vec();
+    let files = watch_files.to_vec();
     tokio::spawn(async move {
         tokio::select! {
             _ = tokio::time::sleep(super::stacks::SAMPLE) => {}

@@ -25,6 +25,7 @@ pub mod child;
 mod cost;
 pub mod exec;
 pub mod flight;
+mod gpu_time;
 mod liveness;
 mod oom;
 

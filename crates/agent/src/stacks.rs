@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 
 use super::cost::{Costs, Look, Pace, Paced};
 use super::flight::{self, FrFiles, FrState};
+use super::gpu_time;
 use nrun_node::GroupEvent;
 use nrun_proto::protocol::{Frame, NodeWatch, RankView};
 
@@ -31,6 +32,14 @@ const MAX_FRAMES: usize = 8;
 const ACTIVE: Duration = Duration::from_secs(2);
 /// Failed attempts to open a rank (about 5 s: Python may still be starting) before saying why.
 const OPEN_TRIES: u32 = 10;
+
+/// The files of one rank the watch reads, nrun's own: its flight recorder's pipe and dump,
+/// and its GPU-time counters (`gpu_time`).
+#[derive(Clone, Debug, Default)]
+pub struct WatchFiles {
+    pub fr: Option<FrFiles>,
+    pub gpu: Option<std::path::PathBuf>,
+}
 
 struct Watched {
     view: RankView,
@@ -56,6 +65,8 @@ struct Watched {
     searched: Option<Instant>,
     /// Its flight recorder (NCCL jobs).
     fr: FrState,
+    /// Its GPU-time counters (NCCL jobs) and their last readings.
+    gpu: Option<(std::path::PathBuf, gpu_time::Window)>,
     /// How often it is sampled: less often while samples cost it more than their budget.
     pace: Pace,
     /// Whether it was sampled in this round (a rank backed off keeps its last view, which
@@ -118,7 +129,7 @@ fn quiet_panics() {
 pub fn spawn(
     mut events: mpsc::UnboundedReceiver<GroupEvent>,
     out: mpsc::UnboundedSender<NodeWatch>,
-    flight_files: Vec<(usize, FrFiles)>,
+    files: Vec<(usize, WatchFiles)>,
     ras: Option<String>,
     stall: Stalls,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
@@ -142,7 +153,7 @@ pub fn spawn(
             }
             let end = |costs: &Costs| tracing::debug!("the watch's looks: {}", costs.summary());
             loop {
-                if !take_events(&mut events, &mut ranks, &flight_files) {
+                if !take_events(&mut events, &mut ranks, &files) {
                     end(&costs);
                     return;
                 }
@@ -181,6 +192,9 @@ pub fn spawn(
                 if !costs.skips("fr") {
                     flight_recorders(&mut ranks, &mut dumps, stall, &mut costs);
                 }
+                if !costs.skips("gpu") {
+                    gpu_times(&mut ranks, &mut costs);
+                }
                 if let Some(asker) = ras.as_mut() {
                     let stalled = nccl_stalled(&mut ranks, stall, &mut costs);
                     costs.time(Look::Ras, 0, || asker.poll(stalled));
@@ -211,37 +225,42 @@ pub fn spawn(
 fn take_events(
     events: &mut mpsc::UnboundedReceiver<GroupEvent>,
     ranks: &mut Vec<Watched>,
-    flight_files: &[(usize, FrFiles)],
+    files: &[(usize, WatchFiles)],
 ) -> bool {
     loop {
         match events.try_recv() {
-            Ok(GroupEvent::Started { rank, pid }) => ranks.push(Watched {
-                view: RankView {
-                    rank,
-                    pid,
-                    ..RankView::default()
-                },
-                worker: pid,
-                spy: None,
-                tries: 0,
-                stack: 0,
-                since: Instant::now(),
-                read: None,
-                switches: None,
-                collectives: false,
-                nccl_checked: false,
-                nccl: false,
-                searched: None,
-                fr: FrState {
-                    files: flight_files
-                        .iter()
-                        .find(|(r, _)| *r == rank)
-                        .map(|(_, f)| f.clone()),
-                    ..FrState::default()
-                },
-                pace: Pace::new(SAMPLE),
-                fresh: false,
-            }),
+            Ok(GroupEvent::Started { rank, pid }) => {
+                let f = files
+                    .iter()
+                    .find(|(r, _)| *r == rank)
+                    .map(|(_, f)| f.clone())
+                    .unwrap_or_default();
+                ranks.push(Watched {
+                    view: RankView {
+                        rank,
+                        pid,
+                        ..RankView::default()
+                    },
+                    worker: pid,
+                    spy: None,
+                    tries: 0,
+                    stack: 0,
+                    since: Instant::now(),
+                    read: None,
+                    switches: None,
+                    collectives: false,
+                    nccl_checked: false,
+                    nccl: false,
+                    searched: None,
+                    fr: FrState {
+                        files: f.fr,
+                        ..FrState::default()
+                    },
+                    gpu: f.gpu.map(|p| (p, gpu_time::Window::default())),
+                    pace: Pace::new(SAMPLE),
+                    fresh: false,
+                })
+            }
             Ok(GroupEvent::Exited { rank, exit }) => {
                 if let Some(w) = ranks.iter_mut().find(|w| w.view.rank == rank) {
                     w.view.exited = Some(exit);
@@ -250,6 +269,21 @@ fn take_events(
             }
             Err(mpsc::error::TryRecvError::Empty) => return true,
             Err(mpsc::error::TryRecvError::Disconnected) => return false,
+        }
+    }
+}
+
+/// Reads the GPU-time counters of the ranks sampled this round (a file of 1 KiB each: never the
+/// worker's memory) into their views.
+fn gpu_times(ranks: &mut [Watched], costs: &mut Costs) {
+    let now = Instant::now();
+    for w in ranks.iter_mut().filter(|w| w.fresh) {
+        let Some((path, window)) = w.gpu.as_mut() else {
+            continue;
+        };
+        if let Some(c) = costs.time(Look::GpuTime, w.view.rank, || gpu_time::read(path)) {
+            window.push(now, c);
+            w.view.gpu = window.wait();
         }
     }
 }
@@ -751,6 +785,7 @@ mod tests {
             nccl: false,
             searched: None,
             fr: FrState::default(),
+            gpu: None,
             pace: Pace::new(SAMPLE),
             fresh: true,
         }

@@ -644,6 +644,20 @@ pub struct RankView {
     /// Its flight recorder's last dump (NCCL jobs), if one was read.
     #[serde(default)]
     pub fr: Option<FrView>,
+    /// Its time in collectives on the GPU over the last seconds (NCCL jobs, from nrun's NCCL
+    /// profiler plugin: see `agent::gpu_time`).
+    #[serde(default)]
+    pub gpu: Option<GpuWait>,
+}
+
+/// A rank's time in collectives' kernels on its GPU over a span of wall time: the time it
+/// waited for its peers (a slow rank reaches each collective last and hardly waits).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuWait {
+    pub waited_ms: f64,
+    pub span_ms: f64,
+    /// Collectives completed in the span.
+    pub collectives: u64,
 }
 
 /// A rank's flight recorder, summed up (see `agent::flight`).

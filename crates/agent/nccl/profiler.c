@@ -1,0 +1,234 @@
+/* nrun's NCCL profiler plugin: each rank's time in collectives on its GPU, for the watch's
+ * straggler statistics, at no cost to the rank (no dump, no lock, no syscall per collective).
+ *
+ * NCCL (2.23 and later) loads it from NCCL_PROFILER_PLUGIN and calls it from the rank's own
+ * threads: a collective's start on the thread that enqueues it, its kernel's per-channel start
+ * and stop (GPU globaltimer stamps the kernel itself writes) on the proxy thread. The plugin
+ * adds each collective's kernel time (the last channel's stop minus the first channel's start)
+ * to a counter in a file nrun's agent made (NRUN_NCCL_PROFILE, mapped shared): the agent reads
+ * the counters once a second. A rank that waits for a slow peer spends that wait inside the
+ * collective's kernel; the slow rank reaches the collective last and hardly waits, so the rank
+ * with the least kernel time is the one the others wait for.
+ *
+ * The file's layout (native endian) is read by crates/agent/src/gpu_time.rs; keep them alike:
+ *   header, 64 bytes: magic u64, slots claimed u32
+ *   SLOTS slots of 64 bytes: comm hash u64, rank i32, nranks i32, collectives u64,
+ *   kernel ns u64, ready u32 (set last, by release)
+ *
+ * Only the structures of NCCL's profiler API v5 that the plugin reads are declared here, as NCCL
+ * publishes them (ext-profiler/example/nccl/profiler_v5.h). */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+typedef enum { ncclSuccess = 0, ncclInternalError = 3 } ncclResult_t;
+typedef void (*ncclDebugLogger_t)(int level, unsigned long flags, const char* file, int line,
+                                  const char* fmt, ...);
+
+enum { ncclProfileColl = 1 << 1, ncclProfileKernelCh = 1 << 6 };
+enum { ncclProfilerKernelChStop = 22 };
+
+typedef struct {
+  uint64_t type;
+  void* parentObj;
+  int rank;
+  union {
+    struct {
+      uint64_t seqNumber;
+      const char* func;
+      void const* sendBuff;
+      void* recvBuff;
+      size_t count;
+      int root;
+      const char* datatype;
+      uint8_t nChannels;
+      uint8_t nWarps;
+      const char* algo;
+      const char* proto;
+      void* parentGroup;
+    } coll;
+    struct {
+      uint8_t channelId;
+      uint64_t pTimer;
+    } kernelCh;
+    /* The other events' descriptors, never read: room for the largest. */
+    char others[96];
+  };
+} descr_v5;
+
+typedef union {
+  struct {
+    uint64_t pTimer;
+  } kernelCh;
+  char others[16];
+} state_args_v5;
+
+typedef struct {
+  const char* name;
+  ncclResult_t (*init)(void** context, uint64_t commId, int* eActivationMask,
+                       const char* commName, int nNodes, int nranks, int rank,
+                       ncclDebugLogger_t logfn);
+  ncclResult_t (*startEvent)(void* context, void** eHandle, descr_v5* eDescr);
+  ncclResult_t (*stopEvent)(void* eHandle);
+  ncclResult_t (*recordEventState)(void* eHandle, int eState, state_args_v5* eStateArgs);
+  ncclResult_t (*finalize)(void* context);
+} profiler_v5;
+
+#define MAGIC 0x3146525052554e4eULL /* "NNURPRF1" read as little-endian bytes */
+#define SLOTS 16
+#define HEADER 64
+#define FILE_BYTES (HEADER + SLOTS * 64)
+/* Collectives in flight a communicator can have before a record is reused; a kernel event of a
+ * reused record is dropped (its sequence number no longer matches). */
+#define RING 256
+#define CHANNELS 64
+
+struct slot {
+  uint64_t comm;
+  int32_t rank;
+  int32_t nranks;
+  uint64_t colls;
+  uint64_t kernel_ns;
+  uint32_t ready;
+  char pad[28];
+};
+
+/* Each event handle starts with its type, so stopEvent knows what it stops. */
+struct coll;
+struct channel {
+  uint64_t type;
+  struct coll* coll;
+  uint64_t seq;
+  uint64_t start;
+  uint64_t stop;
+};
+
+struct coll {
+  uint64_t type;
+  struct slot* slot;
+  uint64_t seq;
+  uint32_t channels;
+  uint32_t done;
+  uint64_t first_start;
+  uint64_t last_stop;
+  struct channel ch[CHANNELS];
+};
+
+struct comm {
+  struct slot* slot;
+  uint64_t next;
+  struct coll ring[RING];
+};
+
+static char* mapped;
+
+static void map_once(void) {
+  const char* path = getenv("NRUN_NCCL_PROFILE");
+  if (path == NULL || path[0] != '/') return;
+  /* The agent made the file, private to this user; never one to create or follow here. */
+  int fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return;
+  struct stat st;
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == getuid() &&
+      st.st_size >= FILE_BYTES) {
+    void* p = mmap(NULL, FILE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p != MAP_FAILED && *(uint64_t*)p == MAGIC) mapped = p;
+  }
+  close(fd);
+}
+
+static ncclResult_t init(void** context, uint64_t commId, int* mask, const char* name, int nNodes,
+                         int nranks, int rank, ncclDebugLogger_t log) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  (void)name, (void)nNodes, (void)log;
+  *context = NULL;
+  *mask = 0;
+  pthread_once(&once, map_once);
+  if (mapped == NULL) return ncclInternalError; /* NCCL then runs without the plugin */
+  uint32_t i = __atomic_fetch_add((uint32_t*)(mapped + 8), 1, __ATOMIC_RELAXED);
+  if (i >= SLOTS) return ncclSuccess; /* this communicator goes unmeasured */
+  struct comm* c = calloc(1, sizeof *c);
+  if (c == NULL) return ncclSuccess;
+  c->slot = (struct slot*)(mapped + HEADER + 64 * i);
+  c->slot->comm = commId;
+  c->slot->rank = rank;
+  c->slot->nranks = nranks;
+  __atomic_store_n(&c->slot->ready, 1, __ATOMIC_RELEASE);
+  *context = c;
+  *mask = ncclProfileColl | ncclProfileKernelCh;
+  return ncclSuccess;
+}
+
+static ncclResult_t start_event(void* context, void** handle, descr_v5* d) {
+  struct comm* c = context;
+  *handle = NULL;
+  if (c == NULL || d == NULL) return ncclSuccess;
+  if (d->type == ncclProfileColl) {
+    struct coll* r = &c->ring[c->next++ % RING];
+    r->type = ncclProfileColl;
+    r->slot = c->slot;
+    __atomic_store_n(&r->seq, d->coll.seqNumber, __ATOMIC_RELAXED);
+    r->channels = d->coll.nChannels;
+    r->done = 0;
+    r->first_start = UINT64_MAX;
+    r->last_stop = 0;
+    *handle = r;
+  } else if (d->type == ncclProfileKernelCh && d->parentObj != NULL &&
+             *(uint64_t*)d->parentObj == ncclProfileColl && d->kernelCh.channelId < CHANNELS) {
+    struct coll* r = d->parentObj;
+    struct channel* ch = &r->ch[d->kernelCh.channelId];
+    ch->type = ncclProfileKernelCh;
+    ch->coll = r;
+    ch->seq = __atomic_load_n(&r->seq, __ATOMIC_RELAXED);
+    ch->start = d->kernelCh.pTimer;
+    ch->stop = 0;
+    *handle = ch;
+  }
+  return ncclSuccess;
+}
+
+static ncclResult_t record_state(void* handle, int state, state_args_v5* args) {
+  if (handle == NULL || args == NULL || *(uint64_t*)handle != ncclProfileKernelCh ||
+      state != ncclProfilerKernelChStop)
+    return ncclSuccess;
+  ((struct channel*)handle)->stop = args->kernelCh.pTimer;
+  return ncclSuccess;
+}
+
+static ncclResult_t stop_event(void* handle) {
+  if (handle == NULL || *(uint64_t*)handle != ncclProfileKernelCh) return ncclSuccess;
+  struct channel* ch = handle;
+  struct coll* r = ch->coll;
+  if (r == NULL || ch->seq != __atomic_load_n(&r->seq, __ATOMIC_RELAXED) || ch->stop < ch->start)
+    return ncclSuccess;
+  /* Channels stop on the proxy thread, one at a time: no lock between them. */
+  if (ch->start < r->first_start) r->first_start = ch->start;
+  if (ch->stop > r->last_stop) r->last_stop = ch->stop;
+  if (++r->done == r->channels) {
+    __atomic_fetch_add(&r->slot->kernel_ns, r->last_stop - r->first_start, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&r->slot->colls, 1, __ATOMIC_RELEASE);
+  }
+  return ncclSuccess;
+}
+
+static ncclResult_t finalize(void* context) {
+  free(context);
+  return ncclSuccess;
+}
+
+__attribute__((visibility("default"))) profiler_v5 ncclProfiler_v5 = {
+    .name = "nrun",
+    .init = init,
+    .startEvent = start_event,
+    .stopEvent = stop_event,
+    .recordEventState = record_state,
+    .finalize = finalize,
+};

@@ -1,0 +1,413 @@
+//! Each rank's time in collectives on its GPU, counted by nrun's NCCL profiler plugin
+//! (`nccl/profiler.c`, built into this binary): the straggler statistics of NCCL jobs, whose
+//! ranks all wait at the same GPU sync, so that their stacks cannot tell a slow GPU from its
+//! peers. A rank that waits for a slow peer spends the wait inside the collective's kernel; the
+//! slow rank reaches the collective last and hardly waits.
+//!
+//! The flight recorder knows the same, but only in a dump, and a dump costs the running ranks
+//! seconds (BENCHMARKS.md section 30); the plugin costs them nothing measurable (section 33):
+//! NCCL calls it on the rank's own threads, it adds each collective's kernel time to a counter
+//! in a file mapped shared, and the watch reads that file (1 KiB) once a sample, never the
+//! worker's memory.
+//!
+//! A plugin the user named (`NCCL_PROFILER_PLUGIN`) wins: nrun then installs none and names a
+//! GPU straggler only from flight-recorder dumps, if asked for (`NRUN_WATCH_FR_PERIOD`).
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nrun_proto::protocol::GpuWait;
+
+/// The plugin, as built by build.rs.
+const PLUGIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libnccl-profiler-nrun.so"));
+const PLUGIN_FILE: &str = "libnccl-profiler-nrun.so";
+
+// The counters file's layout: profiler.c's header comment.
+const MAGIC: u64 = 0x3146_5250_5255_4e4e;
+const HEADER: usize = 64;
+const SLOTS: usize = 16;
+const SLOT: usize = 64;
+const FILE_BYTES: usize = HEADER + SLOTS * SLOT;
+
+/// The time a rank's wait is measured over: long enough to hold many steps, short enough that
+/// a rank that turns slow is seen within it.
+const WINDOW: Duration = Duration::from_secs(10);
+/// The least span and collectives a window needs before it says anything.
+const MIN_SPAN: Duration = Duration::from_secs(5);
+const MIN_COLLECTIVES: u64 = 20;
+
+/// The variables that load the plugin for global rank `rank` (none where the worker's
+/// environment `env` or nrun's own names a profiler plugin), with its counters file, under
+/// `dir` (the agent's private scratch directory).
+pub(crate) fn setup(
+    env: &[(String, String)],
+    rank: usize,
+    dir: &Path,
+) -> (Vec<(String, String)>, Option<PathBuf>) {
+    const VAR: &str = "NCCL_PROFILER_PLUGIN";
+    if env.iter().any(|(k, _)| k == VAR) || std::env::var_os(VAR).is_some() {
+        return (Vec::new(), None);
+    }
+    let plugin = dir.join(PLUGIN_FILE);
+    let counters = dir.join(format!("gpu-time-{rank}"));
+    let made = install(&plugin).and_then(|()| counters_file(&counters));
+    if let Err(e) = made {
+        tracing::debug!(
+            "cannot set up the NCCL profiler plugin in {}: {e}; GPU stragglers are named only \
+             from flight-recorder dumps",
+            dir.display()
+        );
+        return (Vec::new(), None);
+    }
+    let add = vec![
+        (VAR.to_string(), plugin.to_string_lossy().into_owned()),
+        (
+            "NRUN_NCCL_PROFILE".to_string(),
+            counters.to_string_lossy().into_owned(),
+        ),
+    ];
+    (add, Some(counters))
+}
+
+/// Writes the plugin to `path` unless it is there already (one per scratch directory).
+fn install(path: &Path) -> std::io::Result<()> {
+    if std::fs::metadata(path).is_ok_and(|m| m.len() == PLUGIN.len() as u64) {
+        return Ok(());
+    }
+    let part = path.with_extension("part");
+    std::fs::write(&part, PLUGIN)?;
+    std::fs::rename(&part, path)
+}
+
+/// A fresh counters file at `path`: the header, no slot claimed (private to this user: the
+/// plugin maps only a file of its own user, never creates one).
+fn counters_file(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut b = vec![0u8; FILE_BYTES];
+    b[..8].copy_from_slice(&MAGIC.to_ne_bytes());
+    let _ = std::fs::remove_file(path);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(&b)
+}
+
+/// One reading of a rank's counters: of its largest communicator (the job's world; the first
+/// made among equals), the collectives completed and their kernel time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub colls: u64,
+    pub kernel_ns: u64,
+}
+
+/// The counters in `bytes` (a counters file), if the plugin has claimed a slot.
+pub(crate) fn parse(bytes: &[u8]) -> Option<Counters> {
+    let u64_at = |o: usize| Some(u64::from_ne_bytes(bytes.get(o..o + 8)?.try_into().ok()?));
+    let i32_at = |o: usize| Some(i32::from_ne_bytes(bytes.get(o..o + 4)?.try_into().ok()?));
+    if u64_at(0)? != MAGIC {
+        return None;
+    }
+    let claimed = (i32_at(8)? as u32 as usize).min(SLOTS);
+    (0..claimed)
+        .map(|i| HEADER + i * SLOT)
+        .filter(|&o| i32_at(o + 32).is_some_and(|ready| ready == 1))
+        .filter_map(|o| {
+            let nranks = i32_at(o + 12)?;
+            let c = Counters {
+                colls: u64_at(o + 16)?,
+                kernel_ns: u64_at(o + 24)?,
+            };
+            Some((nranks, c))
+        })
+        .rev()
+        .max_by_key(|(nranks, _)| *nranks)
+        .map(|(_, c)| c)
+}
+
+/// A rank's counters file read now.
+pub(crate) fn read(path: &Path) -> Option<Counters> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut b = Vec::with_capacity(FILE_BYTES);
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?
+        .take(FILE_BYTES as u64)
+        .read_to_end(&mut b)
+        .ok()?;
+    parse(&b)
+}
+
+/// A rank's readings over the last [`WINDOW`].
+#[derive(Debug, Default)]
+pub(crate) struct Window {
+    readings: VecDeque<(Instant, Counters)>,
+}
+
+impl Window {
+    pub(crate) fn push(&mut self, at: Instant, c: Counters) {
+        // A counter that went back is a new process (a restarted worker): start again.
+        if self.readings.back().is_some_and(|(_, b)| c.colls < b.colls) {
+            self.readings.clear();
+        }
+        self.readings.push_back((at, c));
+        while self
+            .readings
+            .get(1)
+            .is_some_and(|(t, _)| at.duration_since(*t) >= WINDOW)
+        {
+            self.readings.pop_front();
+        }
+    }
+
+    /// Its time in collectives over the window, once the window holds enough of both.
+    pub(crate) fn wait(&self) -> Option<GpuWait> {
+        let ((t0, a), (t1, b)) = (self.readings.front()?, self.readings.back()?);
+        let span = t1.duration_since(*t0);
+        let colls = b.colls - a.colls;
+        (span >= MIN_SPAN && colls >= MIN_COLLECTIVES).then(|| GpuWait {
+            waited_ms: (b.kernel_ns - a.kernel_ns) as f64 / 1e6,
+            span_ms: span.as_secs_f64() * 1e3,
+            collectives: colls,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(slots: &[(i32, u64, u64, u32)]) -> Vec<u8> {
+        let mut b = vec![0u8; FILE_BYTES];
+        b[..8].copy_from_slice(&MAGIC.to_ne_bytes());
+        b[8..12].copy_from_slice(&(slots.len() as u32).to_ne_bytes());
+        for (i, &(nranks, colls, ns, ready)) in slots.iter().enumerate() {
+            let o = HEADER + i * SLOT;
+            b[o + 12..o + 16].copy_from_slice(&nranks.to_ne_bytes());
+            b[o + 16..o + 24].copy_from_slice(&colls.to_ne_bytes());
+            b[o + 24..o + 32].copy_from_slice(&ns.to_ne_bytes());
+            b[o + 32..o + 36].copy_from_slice(&ready.to_ne_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn the_largest_communicator_is_read_and_a_slot_being_claimed_is_not() {
+        let c = |colls, kernel_ns| Some(Counters { colls, kernel_ns });
+        assert_eq!(parse(&file(&[(2, 5, 50, 1), (8, 7, 70, 1)])), c(7, 70));
+        // Equal sizes: the first made (a job's world comes before its subgroups).
+        assert_eq!(parse(&file(&[(8, 1, 10, 1), (8, 2, 20, 1)])), c(1, 10));
+        assert_eq!(parse(&file(&[(8, 1, 10, 0), (2, 2, 20, 1)])), c(2, 20));
+        assert_eq!(parse(&file(&[])), None);
+        let mut wrong = file(&[(2, 5, 50, 1)]);
+        wrong[0] ^= 1;
+        assert_eq!(parse(&wrong), None);
+        assert_eq!(parse(&[0u8; 10]), None);
+    }
+
+    #[test]
+    fn a_window_says_nothing_until_it_holds_enough_and_forgets_the_old() {
+        let t = Instant::now();
+        let at = |s: u64| t + Duration::from_secs(s);
+        let mut w = Window::default();
+        for s in 0..5 {
+            w.push(
+                at(s),
+                Counters {
+                    colls: 10 * s,
+                    kernel_ns: 2_000_000 * s,
+                },
+            );
+        }
+        assert!(w.wait().is_none(), "4 s is under the least span");
+        w.push(
+            at(5),
+            Counters {
+                colls: 50,
+                kernel_ns: 10_000_000,
+            },
+        );
+        let g = w.wait().unwrap();
+        assert_eq!((g.waited_ms, g.span_ms, g.collectives), (10.0, 5000.0, 50));
+        for s in 6..=20 {
+            w.push(
+                at(s),
+                Counters {
+                    colls: 10 * s,
+                    kernel_ns: 2_000_000 * s,
+                },
+            );
+        }
+        let g = w.wait().unwrap();
+        assert_eq!(g.span_ms, 10_000.0, "the window keeps the last 10 s");
+        // A restarted worker's counters start from zero.
+        w.push(
+            at(21),
+            Counters {
+                colls: 3,
+                kernel_ns: 1,
+            },
+        );
+        assert!(w.wait().is_none());
+    }
+
+    #[test]
+    fn the_user_s_plugin_wins_and_ours_is_installed_once_with_fresh_counters() {
+        let d = tempfile::tempdir().unwrap();
+        let user = vec![("NCCL_PROFILER_PLUGIN".to_string(), "theirs".to_string())];
+        assert_eq!(setup(&user, 0, d.path()), (Vec::new(), None));
+        let (add, counters) = setup(&[], 3, d.path());
+        let counters = counters.unwrap();
+        assert_eq!(counters, d.path().join("gpu-time-3"));
+        assert!(add.contains(&(
+            "NRUN_NCCL_PROFILE".to_string(),
+            counters.to_string_lossy().into_owned()
+        )));
+        let so = d.path().join(PLUGIN_FILE);
+        assert_eq!(std::fs::read(&so).unwrap(), PLUGIN);
+        assert_eq!(read(&counters), None, "no slot claimed yet");
+        std::fs::write(&counters, file(&[(2, 4, 40, 1)])).unwrap();
+        assert_eq!(read(&counters).unwrap().colls, 4);
+        // Set up again (a restarted group): the counters start afresh.
+        setup(&[], 3, d.path());
+        assert_eq!(read(&counters), None);
+    }
+
+    /// NCCL's side of profiler API v5, as far as the plugin uses it (nccl/profiler.c).
+    #[repr(C)]
+    struct Descr {
+        kind: u64,
+        parent: *mut std::ffi::c_void,
+        rank: i32,
+        /// The union: a collective's (seq u64, 4 pointers/sizes, root, datatype, nChannels at
+        /// byte 32) or a kernel channel's (channel u8, GPU timer u64 at byte 8).
+        u: [u64; 12],
+    }
+    type Init = unsafe extern "C" fn(
+        *mut *mut std::ffi::c_void,
+        u64,
+        *mut i32,
+        *const std::ffi::c_char,
+        i32,
+        i32,
+        i32,
+        *const std::ffi::c_void,
+    ) -> i32;
+    type Start =
+        unsafe extern "C" fn(*mut std::ffi::c_void, *mut *mut std::ffi::c_void, *mut Descr) -> i32;
+    type Stop = unsafe extern "C" fn(*mut std::ffi::c_void) -> i32;
+    type Record = unsafe extern "C" fn(*mut std::ffi::c_void, i32, *mut u64) -> i32;
+    #[repr(C)]
+    struct ProfilerV5 {
+        name: *const std::ffi::c_char,
+        init: Init,
+        start: Start,
+        stop: Stop,
+        record: Record,
+        finalize: Stop,
+    }
+
+    /// The plugin as NCCL drives it: loaded from the file nrun installs, a communicator of 4
+    /// ranks and one of 2 made, collectives of two channels each started, their kernels'
+    /// channels started and stopped with GPU timer stamps, as NCCL's proxy thread does; the
+    /// counters file then holds the larger communicator's collectives and kernel time. The
+    /// plugin reads its file's name from the environment, as in a worker: this test runs in a
+    /// process of its own ([`in_own_process`]) that has it there from the start.
+    #[test]
+    fn the_plugin_counts_each_collective_s_kernel_time_as_nccl_drives_it() {
+        let d = tempfile::tempdir().unwrap();
+        let (_, counters) = setup(&[], 0, d.path());
+        let counters = counters.unwrap();
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "--ignored", "--nocapture"])
+            .arg("gpu_time::tests::in_own_process")
+            .env("NRUN_NCCL_PROFILE", &counters)
+            .env("NRUN_PLUGIN_DIR", d.path())
+            .status()
+            .unwrap();
+        assert!(status.success(), "the plugin's run: {status}");
+        // Each collective: from the first channel's start (1000) to the last's stop (1047).
+        assert_eq!(
+            read(&counters),
+            Some(Counters {
+                colls: 3,
+                kernel_ns: 3 * 47
+            })
+        );
+    }
+
+    /// [`the_plugin_counts_each_collective_s_kernel_time_as_nccl_drives_it`]'s NCCL side.
+    #[test]
+    #[ignore = "run by the_plugin_counts_each_collective_s_kernel_time_as_nccl_drives_it"]
+    fn in_own_process() {
+        let dir = std::env::var_os("NRUN_PLUGIN_DIR").expect("run by its caller");
+        let so = Path::new(&dir).join(PLUGIN_FILE);
+        // SAFETY: the library is the plugin built from nccl/profiler.c, whose load runs no code.
+        let lib = unsafe { libloading::Library::new(&so) }.unwrap();
+        // SAFETY: the symbol is the plugin's ncclProfiler_v5 struct, laid out as ProfilerV5.
+        let p: &ProfilerV5 =
+            unsafe { &**lib.get::<*const ProfilerV5>(b"ncclProfiler_v5").unwrap() };
+        let null = std::ptr::null_mut();
+        let (mut small, mut world, mut mask) = (null, null, 0);
+        // SAFETY: every call below passes arguments as NCCL does, and handles the plugin made.
+        unsafe {
+            assert_eq!(
+                (p.init)(&mut small, 7, &mut mask, null.cast(), 1, 2, 1, null.cast()),
+                0
+            );
+            assert_eq!(mask, 2 | 64, "collectives and kernel channels");
+            assert_eq!(
+                (p.init)(&mut world, 9, &mut mask, null.cast(), 1, 4, 3, null.cast()),
+                0
+            );
+            for seq in 0..3u64 {
+                let mut coll = Descr {
+                    kind: 2,
+                    parent: null,
+                    rank: 3,
+                    u: [0; 12],
+                };
+                coll.u[0] = seq;
+                coll.u[7] = 2; // nChannels: the first byte at offset 56 of the union
+                let mut h = null;
+                (p.start)(world, &mut h, &mut coll);
+                assert!(!h.is_null());
+                for ch in 0..2u64 {
+                    let mut k = Descr {
+                        kind: 64,
+                        parent: h,
+                        rank: 3,
+                        u: [0; 12],
+                    };
+                    (k.u[0], k.u[1]) = (ch, 1_000 + 100 * seq + 5 * ch);
+                    let mut kh = null;
+                    (p.start)(world, &mut kh, &mut k);
+                    let mut stop = 1_040 + 100 * seq + 7 * ch;
+                    (p.record)(kh, 22, &mut stop);
+                    (p.stop)(kh);
+                }
+                (p.stop)(h);
+            }
+            // A collective of the small communicator: not the one read.
+            let mut coll = Descr {
+                kind: 2,
+                parent: null,
+                rank: 1,
+                u: [0; 12],
+            };
+            coll.u[7] = 1;
+            let mut h = null;
+            (p.start)(small, &mut h, &mut coll);
+            // Events the plugin did not ask for, and no handle: ignored.
+            (p.stop)(null);
+            (p.finalize)(small);
+            (p.finalize)(world);
+        }
+    }
+}
