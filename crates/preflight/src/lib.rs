@@ -338,6 +338,10 @@ pub struct LinkOut {
     pub to: usize,
     pub segments: u32,
     pub retransmitted: u32,
+    /// Of those, how many the receiver got twice (its DSACKs, TCP_INFO's tcpi_dsack_dups):
+    /// sent again too early, not lost.
+    #[serde(default)]
+    pub spurious: u32,
 }
 
 /// What one ring link carried when it was the only thing being measured.
@@ -782,6 +786,7 @@ mod tests {
                 to: (r + 1) % 3,
                 segments,
                 retransmitted,
+                spurious: 0,
             });
         }
         let s = stalled.summarize();
@@ -1087,13 +1092,16 @@ mod tests {
         let mut down = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
         down.reports.get_mut(&2).unwrap().nics[0].up = false;
         v.push(("net-nic-down", down));
-        // A lossy link at full rate (5% of its segments sent again), and a healthy one's few.
+        // A lossy link at full rate (5% of its segments sent again, a few of them received
+        // twice), a healthy one's few, and a healthy one on a loaded host that resent 2% too
+        // early (its receiver got each twice).
         let mut lossy = net_ring([1.0, 1.1, 0.9], [10_000; 3]);
-        for (r, retransmitted) in [(0, 770), (1, 3), (2, 0)] {
+        for (r, retransmitted, spurious) in [(0, 815, 45), (1, 3, 0), (2, 360, 360)] {
             lossy.reports.get_mut(&r).unwrap().link_out = Some(LinkOut {
                 to: (r + 1) % 3,
                 segments: 18_000,
                 retransmitted,
+                spurious,
             });
         }
         v.push(("net-lossy", lossy));

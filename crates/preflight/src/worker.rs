@@ -1197,20 +1197,23 @@ fn test_links(
         link_barrier(ctx, &key, n, deadline, "rates")?;
     }
     if let Some((out, _)) = r.probe.as_ref() {
-        rep.link_out = sent_and_lost(out).map(|(segments, retransmitted)| super::LinkOut {
-            to: next,
-            segments,
-            retransmitted,
-        });
+        rep.link_out =
+            sent_and_lost(out).map(|(segments, retransmitted, spurious)| super::LinkOut {
+                to: next,
+                segments,
+                retransmitted,
+                spurious,
+            });
     }
     r.probe = None;
     Ok(())
 }
 
-/// The kernel's count of segments sent on `s` and of those sent again (TCP_INFO's
-/// tcpi_segs_out and tcpi_total_retrans; read from the kernel's layout, which glibc's struct
-/// stops short of).
-fn sent_and_lost(s: &TcpStream) -> Option<(u32, u32)> {
+/// The kernel's count of segments sent on `s`, of those sent again, and of those the receiver
+/// reported getting twice (TCP_INFO's tcpi_segs_out, tcpi_total_retrans and tcpi_dsack_dups;
+/// read from the kernel's layout, which glibc's struct stops short of). A kernel older than
+/// tcpi_dsack_dups (4.19) reports no spurious ones.
+fn sent_and_lost(s: &TcpStream) -> Option<(u32, u32, u32)> {
     use std::os::fd::AsRawFd;
     let mut buf = [0u8; 256];
     let mut len = buf.len() as libc::socklen_t;
@@ -1225,13 +1228,15 @@ fn sent_and_lost(s: &TcpStream) -> Option<(u32, u32)> {
         )
     };
     // 8 one-byte fields, 23 u32 fields (tcpi_rto .. tcpi_rcv_space), tcpi_total_retrans,
-    // 4 u64 fields (pacing rates, bytes acked and received), tcpi_segs_out.
+    // 4 u64 fields (pacing rates, bytes acked and received), tcpi_segs_out; further on, after
+    // 7 u32 and 6 u64 fields (tcpi_segs_in .. tcpi_bytes_retrans), tcpi_dsack_dups.
+    let got = &buf[..(len as usize).min(buf.len())];
     let u32_at = |at: usize| {
-        buf.get(at..at + 4)
+        got.get(at..at + 4)
             .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
     };
-    match rc == 0 && len as usize >= 140 {
-        true => Some((u32_at(136)?, u32_at(100)?)),
+    match rc == 0 {
+        true => Some((u32_at(136)?, u32_at(100)?, u32_at(216).unwrap_or(0))),
         false => None,
     }
 }
