@@ -15,8 +15,9 @@
  *   SLOTS slots of 64 bytes: comm hash u64, rank i32, nranks i32, collectives u64,
  *   kernel ns u64, ready u32 (set last, by release)
  *
- * Only the structures of NCCL's profiler API v5 that the plugin reads are declared here, as NCCL
- * publishes them (ext-profiler/example/nccl/profiler_v5.h). */
+ * It speaks NCCL's profiler API v5 (NCCL 2.28 and later) and v4 (2.27); only the parts of their
+ * structures that it reads are declared here, as NCCL publishes them
+ * (ext-profiler/example/nccl/profiler_v5.h, profiler_v4.h). */
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -64,6 +65,12 @@ typedef struct {
   };
 } descr_v5;
 
+/* v4's descriptor differs from v5's only in its first field, the type, one byte wide: the rest
+ * lies at the same offsets, and is read through descr_v5. */
+typedef struct {
+  uint8_t type;
+} descr_v4;
+
 typedef union {
   struct {
     uint64_t pTimer;
@@ -81,6 +88,17 @@ typedef struct {
   ncclResult_t (*recordEventState)(void* eHandle, int eState, state_args_v5* eStateArgs);
   ncclResult_t (*finalize)(void* context);
 } profiler_v5;
+
+typedef struct {
+  const char* name;
+  ncclResult_t (*init)(void** context, int* eActivationMask, const char* commName,
+                       uint64_t commHash, int nNodes, int nranks, int rank,
+                       ncclDebugLogger_t logfn);
+  ncclResult_t (*startEvent)(void* context, void** eHandle, descr_v4* eDescr);
+  ncclResult_t (*stopEvent)(void* eHandle);
+  ncclResult_t (*recordEventState)(void* eHandle, int eState, state_args_v5* eStateArgs);
+  ncclResult_t (*finalize)(void* context);
+} profiler_v4;
 
 #define MAGIC 0x3146525052554e4eULL /* "NNURPRF1" read as little-endian bytes */
 #define SLOTS 16
@@ -167,11 +185,8 @@ static ncclResult_t init(void** context, uint64_t commId, int* mask, const char*
   return ncclSuccess;
 }
 
-static ncclResult_t start_event(void* context, void** handle, descr_v5* d) {
-  struct comm* c = context;
-  *handle = NULL;
-  if (c == NULL || d == NULL) return ncclSuccess;
-  if (d->type == ncclProfileColl) {
+static void start(struct comm* c, void** handle, uint64_t type, descr_v5* d) {
+  if (type == ncclProfileColl) {
     struct coll* r = &c->ring[c->next++ % RING];
     r->type = ncclProfileColl;
     r->slot = c->slot;
@@ -181,7 +196,7 @@ static ncclResult_t start_event(void* context, void** handle, descr_v5* d) {
     r->first_start = UINT64_MAX;
     r->last_stop = 0;
     *handle = r;
-  } else if (d->type == ncclProfileKernelCh && d->parentObj != NULL &&
+  } else if (type == ncclProfileKernelCh && d->parentObj != NULL &&
              *(uint64_t*)d->parentObj == ncclProfileColl && d->kernelCh.channelId < CHANNELS) {
     struct coll* r = d->parentObj;
     struct channel* ch = &r->ch[d->kernelCh.channelId];
@@ -192,6 +207,17 @@ static ncclResult_t start_event(void* context, void** handle, descr_v5* d) {
     ch->stop = 0;
     *handle = ch;
   }
+}
+
+static ncclResult_t start_event(void* context, void** handle, descr_v5* d) {
+  *handle = NULL;
+  if (context != NULL && d != NULL) start(context, handle, d->type, d);
+  return ncclSuccess;
+}
+
+static ncclResult_t start_event_v4(void* context, void** handle, descr_v4* d) {
+  *handle = NULL;
+  if (context != NULL && d != NULL) start(context, handle, d->type, (descr_v5*)d);
   return ncclSuccess;
 }
 
@@ -224,10 +250,24 @@ static ncclResult_t finalize(void* context) {
   return ncclSuccess;
 }
 
+static ncclResult_t init_v4(void** context, int* mask, const char* name, uint64_t commHash,
+                            int nNodes, int nranks, int rank, ncclDebugLogger_t log) {
+  return init(context, commHash, mask, name, nNodes, nranks, rank, log);
+}
+
 __attribute__((visibility("default"))) profiler_v5 ncclProfiler_v5 = {
     .name = "nrun",
     .init = init,
     .startEvent = start_event,
+    .stopEvent = stop_event,
+    .recordEventState = record_state,
+    .finalize = finalize,
+};
+
+__attribute__((visibility("default"))) profiler_v4 ncclProfiler_v4 = {
+    .name = "nrun",
+    .init = init_v4,
+    .startEvent = start_event_v4,
     .stopEvent = stop_event,
     .recordEventState = record_state,
     .finalize = finalize,

@@ -303,6 +303,34 @@ mod tests {
         unsafe extern "C" fn(*mut std::ffi::c_void, *mut *mut std::ffi::c_void, *mut Descr) -> i32;
     type Stop = unsafe extern "C" fn(*mut std::ffi::c_void) -> i32;
     type Record = unsafe extern "C" fn(*mut std::ffi::c_void, i32, *mut u64) -> i32;
+    /// v4's init takes the communicator's hash after its name; the rest is v5's (the
+    /// descriptor's one-byte type reads the same from [`Descr`]'s, little-endian).
+    type InitV4 = unsafe extern "C" fn(
+        *mut *mut std::ffi::c_void,
+        *mut i32,
+        *const std::ffi::c_char,
+        u64,
+        i32,
+        i32,
+        i32,
+        *const std::ffi::c_void,
+    ) -> i32;
+    #[repr(C)]
+    struct ProfilerV4 {
+        name: *const std::ffi::c_char,
+        init: InitV4,
+        start: Start,
+        stop: Stop,
+        record: Record,
+        finalize: Stop,
+    }
+    /// An API version's event calls.
+    struct Calls {
+        start: Start,
+        stop: Stop,
+        record: Record,
+        finalize: Stop,
+    }
     #[repr(C)]
     struct ProfilerV5 {
         name: *const std::ffi::c_char,
@@ -321,25 +349,27 @@ mod tests {
     /// process of its own ([`in_own_process`]) that has it there from the start.
     #[test]
     fn the_plugin_counts_each_collective_s_kernel_time_as_nccl_drives_it() {
-        let d = tempfile::tempdir().unwrap();
-        let (_, counters) = setup(&[], 0, d.path());
-        let counters = counters.unwrap();
-        let status = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "--ignored", "--nocapture"])
-            .arg("gpu_time::tests::in_own_process")
-            .env("NRUN_NCCL_PROFILE", &counters)
-            .env("NRUN_PLUGIN_DIR", d.path())
-            .status()
-            .unwrap();
-        assert!(status.success(), "the plugin's run: {status}");
-        // Each collective: from the first channel's start (1000) to the last's stop (1047).
-        assert_eq!(
-            read(&counters),
-            Some(Counters {
+        // NCCL 2.28 and later call API v5; 2.27 calls v4.
+        for api in ["5", "4"] {
+            let d = tempfile::tempdir().unwrap();
+            let (_, counters) = setup(&[], 0, d.path());
+            let counters = counters.unwrap();
+            let status = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "--ignored", "--nocapture"])
+                .arg("gpu_time::tests::in_own_process")
+                .env("NRUN_NCCL_PROFILE", &counters)
+                .env("NRUN_PLUGIN_DIR", d.path())
+                .env("NRUN_PLUGIN_API", api)
+                .status()
+                .unwrap();
+            assert!(status.success(), "the plugin's run (API v{api}): {status}");
+            // Each collective: from the first channel's start (1000) to the last's stop (1047).
+            let want = Counters {
                 colls: 3,
-                kernel_ns: 3 * 47
-            })
-        );
+                kernel_ns: 3 * 47,
+            };
+            assert_eq!(read(&counters), Some(want), "API v{api}");
+        }
     }
 
     /// [`the_plugin_counts_each_collective_s_kernel_time_as_nccl_drives_it`]'s NCCL side.
@@ -350,22 +380,41 @@ mod tests {
         let so = Path::new(&dir).join(PLUGIN_FILE);
         // SAFETY: the library is the plugin built from nccl/profiler.c, whose load runs no code.
         let lib = unsafe { libloading::Library::new(&so) }.unwrap();
-        // SAFETY: the symbol is the plugin's ncclProfiler_v5 struct, laid out as ProfilerV5.
-        let p: &ProfilerV5 =
-            unsafe { &**lib.get::<*const ProfilerV5>(b"ncclProfiler_v5").unwrap() };
-        let null = std::ptr::null_mut();
+        let null: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: the symbols are the plugin's ncclProfiler_v5 and _v4 structs, laid out as
+        // ProfilerV5 and ProfilerV4.
+        let (v5, v4) = unsafe {
+            (
+                &**lib.get::<*const ProfilerV5>(b"ncclProfiler_v5").unwrap(),
+                &**lib.get::<*const ProfilerV4>(b"ncclProfiler_v4").unwrap(),
+            )
+        };
+        let v4_called = std::env::var("NRUN_PLUGIN_API").as_deref() == Ok("4");
+        let init = |ctx: &mut *mut std::ffi::c_void, hash: u64, mask: &mut i32, n, rank| {
+            // SAFETY: the arguments NCCL passes, to the API version it calls.
+            unsafe {
+                match v4_called {
+                    false => (v5.init)(ctx, hash, mask, null.cast(), 1, n, rank, null.cast()),
+                    true => (v4.init)(ctx, mask, null.cast(), hash, 1, n, rank, null.cast()),
+                }
+            }
+        };
+        let p = match v4_called {
+            false => (v5.start, v5.stop, v5.record, v5.finalize),
+            true => (v4.start, v4.stop, v4.record, v4.finalize),
+        };
+        let p = Calls {
+            start: p.0,
+            stop: p.1,
+            record: p.2,
+            finalize: p.3,
+        };
         let (mut small, mut world, mut mask) = (null, null, 0);
+        assert_eq!(init(&mut small, 7, &mut mask, 2, 1), 0);
+        assert_eq!(mask, 2 | 64, "collectives and kernel channels");
+        assert_eq!(init(&mut world, 9, &mut mask, 4, 3), 0);
         // SAFETY: every call below passes arguments as NCCL does, and handles the plugin made.
         unsafe {
-            assert_eq!(
-                (p.init)(&mut small, 7, &mut mask, null.cast(), 1, 2, 1, null.cast()),
-                0
-            );
-            assert_eq!(mask, 2 | 64, "collectives and kernel channels");
-            assert_eq!(
-                (p.init)(&mut world, 9, &mut mask, null.cast(), 1, 4, 3, null.cast()),
-                0
-            );
             for seq in 0..3u64 {
                 let mut coll = Descr {
                     kind: 2,
