@@ -445,6 +445,51 @@ fn the_watch_is_off_for_programs_and_when_asked() {
     );
 }
 
+/// The NCCL profiler plugin that times each rank's collectives on its GPU (the GPU straggler's
+/// evidence): installed beside the workers with a counters file of each rank's own, unless the
+/// watch is off or the user names a plugin of their own, which stays theirs.
+#[test]
+fn the_watch_installs_its_nccl_profiler_plugin_unless_off_or_the_user_names_one() {
+    let s = Scene::new();
+    let probe = r#"case "$NCCL_PROFILER_PLUGIN" in /*) test -s "$NCCL_PROFILER_PLUGIN" || exit 7;; esac
+        if [ -n "$NRUN_NCCL_PROFILE" ]; then test -s "$NRUN_NCCL_PROFILE" || exit 8; fi
+        echo "rank $RANK plugin=$NCCL_PROFILER_PLUGIN counters=$NRUN_NCCL_PROFILE""#;
+    let run = |flags: &[&str], env: &[(&str, &str)]| {
+        let mut args = vec!["--nproc", "2"];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&["--no-python", "sh", "-c", probe]);
+        let out = s.run(&args, env);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let on = run(&["--watch", "on"], &[]);
+    let field = |rank: &str, key: &str| {
+        on.lines()
+            .find(|l| l.contains(&format!("rank {rank} ")))
+            .and_then(|l| l.split(' ').find_map(|w| w.strip_prefix(key)))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (p0, p1) = (field("0", "plugin="), field("1", "plugin="));
+    assert!(p0.ends_with("libnccl-profiler-nrun.so"), "{on}");
+    assert_eq!(p0, p1, "one plugin per node: {on}");
+    let (c0, c1) = (field("0", "counters="), field("1", "counters="));
+    assert!(!c0.is_empty() && !c1.is_empty() && c0 != c1, "{on}");
+    // Gone with the job (its scratch directory).
+    assert!(!std::path::Path::new(&c0).exists() && !std::path::Path::new(&p0).exists());
+    let off = run(&["--watch", "off"], &[]);
+    assert!(
+        off.contains("rank 0 plugin= counters=\n")
+            || off.lines().all(|l| l.ends_with("plugin= counters=")),
+        "{off}"
+    );
+    let theirs = run(&["--watch", "on"], &[("NCCL_PROFILER_PLUGIN", "none")]);
+    assert!(
+        theirs.lines().all(|l| l.ends_with("plugin=none counters=")),
+        "{theirs}"
+    );
+}
+
 /// Across namespace hosts: every node's agent samples its own ranks and publishes through the
 /// store; the coordinator names the rank on the other host.
 #[test]
