@@ -303,6 +303,17 @@ mod tests {
         unsafe extern "C" fn(*mut std::ffi::c_void, *mut *mut std::ffi::c_void, *mut Descr) -> i32;
     type Stop = unsafe extern "C" fn(*mut std::ffi::c_void) -> i32;
     type Record = unsafe extern "C" fn(*mut std::ffi::c_void, i32, *mut u64) -> i32;
+    impl Descr {
+        fn new(kind: u64, parent: *mut std::ffi::c_void, rank: i32) -> Descr {
+            Descr {
+                kind,
+                parent,
+                rank,
+                u: [0; 12],
+            }
+        }
+    }
+
     /// v4's init takes the communicator's hash after its name; the rest is v5's (the
     /// descriptor's one-byte type reads the same from [`Descr`]'s, little-endian).
     type InitV4 = unsafe extern "C" fn(
@@ -400,14 +411,18 @@ mod tests {
             }
         };
         let p = match v4_called {
-            false => (v5.start, v5.stop, v5.record, v5.finalize),
-            true => (v4.start, v4.stop, v4.record, v4.finalize),
-        };
-        let p = Calls {
-            start: p.0,
-            stop: p.1,
-            record: p.2,
-            finalize: p.3,
+            false => Calls {
+                start: v5.start,
+                stop: v5.stop,
+                record: v5.record,
+                finalize: v5.finalize,
+            },
+            true => Calls {
+                start: v4.start,
+                stop: v4.stop,
+                record: v4.record,
+                finalize: v4.finalize,
+            },
         };
         let (mut small, mut world, mut mask) = (null, null, 0);
         assert_eq!(init(&mut small, 7, &mut mask, 2, 1), 0);
@@ -416,24 +431,14 @@ mod tests {
         // SAFETY: every call below passes arguments as NCCL does, and handles the plugin made.
         unsafe {
             for seq in 0..3u64 {
-                let mut coll = Descr {
-                    kind: 2,
-                    parent: null,
-                    rank: 3,
-                    u: [0; 12],
-                };
+                let mut coll = Descr::new(2, null, 3);
                 coll.u[0] = seq;
                 coll.u[7] = 2; // nChannels: the first byte at offset 56 of the union
                 let mut h = null;
                 (p.start)(world, &mut h, &mut coll);
                 assert!(!h.is_null());
                 for ch in 0..2u64 {
-                    let mut k = Descr {
-                        kind: 64,
-                        parent: h,
-                        rank: 3,
-                        u: [0; 12],
-                    };
+                    let mut k = Descr::new(64, h, 3);
                     (k.u[0], k.u[1]) = (ch, 1_000 + 100 * seq + 5 * ch);
                     let mut kh = null;
                     (p.start)(world, &mut kh, &mut k);
@@ -444,12 +449,7 @@ mod tests {
                 (p.stop)(h);
             }
             // A collective of the small communicator: not the one read.
-            let mut coll = Descr {
-                kind: 2,
-                parent: null,
-                rank: 1,
-                u: [0; 12],
-            };
+            let mut coll = Descr::new(2, null, 1);
             coll.u[7] = 1;
             let mut h = null;
             (p.start)(small, &mut h, &mut coll);
