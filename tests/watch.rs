@@ -490,6 +490,29 @@ fn the_watch_installs_its_nccl_profiler_plugin_unless_off_or_the_user_names_one(
     );
 }
 
+/// Where nrun's scratch directory is on a file system mounted noexec (a hardened /tmp), no
+/// library loads from there: nrun installs no plugin (NCCL would say why only in its INFO log)
+/// and the job runs as without it. A tmpfs mounted noexec in a mount namespace of its own.
+#[test]
+fn no_plugin_is_installed_where_the_scratch_directory_is_mounted_noexec() {
+    if !nix_is_root() {
+        cannot_set_up("root, to mount a noexec tmpfs in a mount namespace (unshare -m)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        r#"mount -t tmpfs -o noexec tmpfs '{d}' && TMPDIR='{d}' exec '{nrun}' --watch on --nproc 1 --no-python sh -c 'echo "plugin=$NCCL_PROFILER_PLUGIN counters=$NRUN_NCCL_PROFILE"'"#,
+        d = dir.path().display(),
+        nrun = nrun_bin().display()
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "plugin= counters=");
+}
+
 /// Across namespace hosts: every node's agent samples its own ranks and publishes through the
 /// store; the coordinator names the rank on the other host.
 #[test]

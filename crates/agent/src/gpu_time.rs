@@ -52,7 +52,9 @@ pub(crate) fn setup(
     }
     let plugin = dir.join(PLUGIN_FILE);
     let counters = dir.join(format!("gpu-time-{rank}"));
-    let made = install(&plugin).and_then(|()| counters_file(&counters));
+    let made = executable_here(dir)
+        .and_then(|()| install(&plugin))
+        .and_then(|()| counters_file(&counters));
     if let Err(e) = made {
         tracing::debug!(
             "cannot set up the NCCL profiler plugin in {}: {e}; GPU stragglers are named only \
@@ -69,6 +71,18 @@ pub(crate) fn setup(
         ),
     ];
     (add, Some(counters))
+}
+
+/// Err where `dir` is on a file system mounted noexec (a hardened /tmp): no library loads
+/// from there, and NCCL would say why only in its INFO log.
+fn executable_here(dir: &Path) -> std::io::Result<()> {
+    use nix::sys::statvfs::{FsFlags, statvfs};
+    match statvfs(dir) {
+        Ok(s) if s.flags().contains(FsFlags::ST_NOEXEC) => Err(std::io::Error::other(
+            "it is on a file system mounted noexec (set TMPDIR to a directory on another)",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Writes the plugin to `path` unless it is there already (one per scratch directory).
