@@ -693,10 +693,11 @@ pub(crate) fn straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
 /// straggler: a rank 20% slower makes the others wait 1/6 (17%) of each step.
 const FR_GAP: f64 = 0.15;
 
-/// How long the GPU-time counters must name the same straggler before it is said: their
-/// window slides every second, so two looks in a row are nearly the same evidence (two
+/// How long the GPU-time counters must name the same straggler before it is said: a window's
+/// length (the agent's 10 s), so that two windows that share no reading both name it (their
+/// window slides every second: two looks in a row are nearly the same evidence, where two
 /// flight-recorder dumps in a row are not).
-const GPU_SUSTAIN: Duration = Duration::from_secs(5);
+const GPU_SUSTAIN: Duration = Duration::from_secs(10);
 
 /// A rank's share of its time spent in collectives on the GPU, and where it was read: from
 /// nrun's NCCL profiler plugin over the last seconds, else from its flight recorder's last dump.
@@ -724,10 +725,19 @@ enum GpuEvidence {
 /// waits at the same GPU sync and stacks cannot tell them apart): the others wait for a slow
 /// rank inside the collective; it does not.
 pub(crate) fn gpu_straggler(ranks: &[Seen<'_>]) -> Option<Straggler> {
-    let timed: Vec<(&Seen<'_>, f64)> = ranks
+    let shares: Vec<(&Seen<'_>, (f64, GpuEvidence))> = ranks
         .iter()
         .filter(|s| s.view.exited.is_none())
-        .filter_map(|s| Some((s, gpu_share(s)?.0)))
+        .filter_map(|s| Some((s, gpu_share(s)?)))
+        .collect();
+    // The plugin's evidence covers the last seconds, a dump its own span: where some ranks
+    // have the plugin's, only those compare.
+    let plugin = |e: &GpuEvidence| matches!(e, GpuEvidence::Plugin(_));
+    let any_plugin = shares.iter().any(|(_, (_, e))| plugin(e));
+    let timed: Vec<(&Seen<'_>, f64)> = shares
+        .into_iter()
+        .filter(|(_, (_, e))| !any_plugin || plugin(e))
+        .map(|(s, (f, _))| (s, f))
         .collect();
     if timed.len() < 2 {
         return None;
@@ -1547,8 +1557,15 @@ mod tests {
         // A dump that says otherwise is older evidence: the plugin's reading stands.
         let mut f = fr(100, "completed", 4 << 20);
         (f.waited_ms, f.span_ms) = (Some(4000.0), Some(5000.0));
-        v[2].fr = Some(f);
+        v[2].fr = Some(f.clone());
         assert_eq!(gpu_straggler(&seen(&v)).unwrap().rank, 2);
+        // A rank with only a dump (its own span) does not compare with the plugin's ranks.
+        (f.waited_ms, f.span_ms) = (Some(0.0), Some(5000.0));
+        let mut only_dump = busy(3, 50);
+        only_dump.fr = Some(f);
+        let four = [v[0].clone(), v[1].clone(), v[2].clone(), only_dump];
+        let s = gpu_straggler(&seen(&four)).unwrap();
+        assert_eq!((s.rank, s.waits.len()), (2, 3));
         // Balanced (each rank waits a little, one a little less): nobody.
         (v[0].gpu, v[1].gpu, v[2].gpu) = (waited(900.0), waited(800.0), waited(300.0));
         assert!(gpu_straggler(&seen(&v)).is_none());
@@ -1558,7 +1575,7 @@ mod tests {
     }
 
     #[test]
-    fn the_plugin_s_straggler_is_said_once_it_held_five_seconds_and_a_dump_s_after_two_dumps() {
+    fn the_plugin_s_straggler_is_said_once_it_held_a_window_and_a_dump_s_after_two_dumps() {
         use crate::protocol::GpuWait;
         let mut w = WatchState::new(WatchPlan {
             hang_timeout: Duration::from_secs(60),
@@ -1578,13 +1595,17 @@ mod tests {
             w.sustained_gpu_straggler(&seen(v), at(s)).map(|x| x.rank)
         };
         assert_eq!(look(&mut w, &mut v, 0), None);
-        assert_eq!(look(&mut w, &mut v, 3), None, "3 s is not yet held");
-        assert_eq!(look(&mut w, &mut v, 5), Some(1));
+        assert_eq!(
+            look(&mut w, &mut v, 5),
+            None,
+            "5 s is not yet a window's length"
+        );
+        assert_eq!(look(&mut w, &mut v, 10), Some(1));
         // A look that names nobody starts the count again.
         v[1].gpu = None;
-        assert!(w.sustained_gpu_straggler(&seen(&v), at(6)).is_none());
-        assert_eq!(look(&mut w, &mut v, 7), None);
-        assert_eq!(look(&mut w, &mut v, 12), Some(1));
+        assert!(w.sustained_gpu_straggler(&seen(&v), at(11)).is_none());
+        assert_eq!(look(&mut w, &mut v, 12), None);
+        assert_eq!(look(&mut w, &mut v, 22), Some(1));
         // From dumps: the same dump twice is one; a second dump names it.
         let mut w = WatchState::new(WatchPlan {
             hang_timeout: Duration::from_secs(60),

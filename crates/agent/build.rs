@@ -19,7 +19,6 @@ fn main() {
         "-fvisibility=hidden",
         "-Wall",
         "-Wextra",
-        "-Werror",
         "-o",
     ])
     .arg(&out)

@@ -1,22 +1,26 @@
 /* nrun's NCCL profiler plugin: each rank's time in collectives on its GPU, for the watch's
  * straggler statistics, at no cost to the rank (no dump, no lock, no syscall per collective).
  *
- * NCCL (2.23 and later) loads it from NCCL_PROFILER_PLUGIN and calls it from the rank's own
- * threads: a collective's start on the thread that enqueues it, its kernel's per-channel start
- * and stop (GPU globaltimer stamps the kernel itself writes) on the proxy thread. The plugin
- * adds each collective's kernel time (the last channel's stop minus the first channel's start)
- * to a counter in a file nrun's agent made (NRUN_NCCL_PROFILE, mapped shared): the agent reads
- * the counters once a second. A rank that waits for a slow peer spends that wait inside the
- * collective's kernel; the slow rank reaches the collective last and hardly waits, so the rank
- * with the least kernel time is the one the others wait for.
+ * NCCL (2.27 and later: API v4 and v5) loads it from NCCL_PROFILER_PLUGIN and calls it from the
+ * rank's own threads: a collective's start on the thread that enqueues it, its kernel's
+ * per-channel start and stop (GPU globaltimer stamps the kernel itself writes) on the proxy
+ * thread. For each channel that stops, the plugin adds its kernel time over the collective's
+ * channels to a counter in a file nrun's agent made (NRUN_NCCL_PROFILE, mapped shared), and a
+ * collective's share to another: the agent reads them once a sample. A rank that waits for a
+ * slow peer spends that wait inside the collective's kernel; the slow rank reaches the
+ * collective last and hardly waits, so the rank with the least kernel time is the one the
+ * others wait for.
+ *
+ * What the proxy thread changes lives in the channel's own handle, which the enqueuing thread
+ * never writes: a collective's record is reused (RING) while its channels may still run.
  *
  * The file's layout (native endian) is read by crates/agent/src/gpu_time.rs; keep them alike:
  *   header, 64 bytes: magic u64, slots claimed u32
- *   SLOTS slots of 64 bytes: comm hash u64, rank i32, nranks i32, collectives u64,
- *   kernel ns u64, ready u32 (set last, by release)
+ *   SLOTS slots of 64 bytes: comm hash u64, rank i32, nranks i32, collectives u64 (in units
+ *   of 1/65536: each channel adds its share), kernel ns u64, ready u32 (1 once the slot is
+ *   filled in, by release; 0 again when NCCL finalizes the communicator)
  *
- * It speaks NCCL's profiler API v5 (NCCL 2.28 and later) and v4 (2.27); only the parts of their
- * structures that it reads are declared here, as NCCL publishes them
+ * Only the parts of NCCL's structures that it reads are declared here, as NCCL publishes them
  * (ext-profiler/example/nccl/profiler_v5.h, profiler_v4.h). */
 #include <fcntl.h>
 #include <pthread.h>
@@ -34,7 +38,7 @@ typedef enum { ncclSuccess = 0, ncclInternalError = 3 } ncclResult_t;
 typedef void (*ncclDebugLogger_t)(int level, unsigned long flags, const char* file, int line,
                                   const char* fmt, ...);
 
-enum { ncclProfileColl = 1 << 1, ncclProfileKernelCh = 1 << 6 };
+enum { ncclProfileGroup = 1 << 0, ncclProfileColl = 1 << 1, ncclProfileKernelCh = 1 << 6 };
 enum { ncclProfilerKernelChStop = 22 };
 
 typedef struct {
@@ -104,8 +108,9 @@ typedef struct {
 #define SLOTS 16
 #define HEADER 64
 #define FILE_BYTES (HEADER + SLOTS * 64)
-/* Collectives in flight a communicator can have before a record is reused; a kernel event of a
- * reused record is dropped (its sequence number no longer matches). */
+/* A collective's share of the collectives counter, split among its channels. */
+#define ONE_COLL 65536u
+/* Collectives a communicator enqueues before a record is reused. */
 #define RING 256
 #define CHANNELS 64
 
@@ -119,12 +124,11 @@ struct slot {
   char pad[28];
 };
 
-/* Each event handle starts with its type, so stopEvent knows what it stops. */
-struct coll;
+/* Each handle starts with its type, so stopEvent knows what it stops. */
 struct channel {
   uint64_t type;
-  struct coll* coll;
-  uint64_t seq;
+  struct slot* slot;
+  uint32_t of; /* the collective's channels; 0 once counted */
   uint64_t start;
   uint64_t stop;
 };
@@ -132,11 +136,7 @@ struct channel {
 struct coll {
   uint64_t type;
   struct slot* slot;
-  uint64_t seq;
-  uint32_t channels;
-  uint32_t done;
-  uint64_t first_start;
-  uint64_t last_stop;
+  uint32_t channels; /* written by the enqueuing thread, read by the proxy thread */
   struct channel ch[CHANNELS];
 };
 
@@ -146,9 +146,12 @@ struct comm {
   struct coll ring[RING];
 };
 
+/* NCCL 2.27 starts a collective's events only under a group event's handle. */
+static uint64_t group_handle = ncclProfileGroup;
+
 static char* mapped;
 
-static void map_once(void) {
+static void map_file(void) {
   const char* path = getenv("NRUN_NCCL_PROFILE");
   if (path == NULL || path[0] != '/') return;
   /* The agent made the file, private to this user; never one to create or follow here. */
@@ -168,11 +171,13 @@ static ncclResult_t init(void** context, uint64_t commId, int* mask, const char*
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   (void)name, (void)nNodes, (void)log;
   *context = NULL;
-  *mask = 0;
-  pthread_once(&once, map_once);
-  if (mapped == NULL) return ncclInternalError; /* NCCL then runs without the plugin */
+  pthread_once(&once, map_file);
+  /* NCCL keeps one mask for the whole process: every communicator asks for the same events,
+   * and one without a slot (or without the file) has no context, so its events are ignored. */
+  *mask = mapped == NULL ? 0 : ncclProfileColl | ncclProfileKernelCh;
+  if (mapped == NULL) return ncclSuccess;
   uint32_t i = __atomic_fetch_add((uint32_t*)(mapped + 8), 1, __ATOMIC_RELAXED);
-  if (i >= SLOTS) return ncclSuccess; /* this communicator goes unmeasured */
+  if (i >= SLOTS) return ncclSuccess;
   struct comm* c = calloc(1, sizeof *c);
   if (c == NULL) return ncclSuccess;
   c->slot = (struct slot*)(mapped + HEADER + 64 * i);
@@ -181,28 +186,25 @@ static ncclResult_t init(void** context, uint64_t commId, int* mask, const char*
   c->slot->nranks = nranks;
   __atomic_store_n(&c->slot->ready, 1, __ATOMIC_RELEASE);
   *context = c;
-  *mask = ncclProfileColl | ncclProfileKernelCh;
   return ncclSuccess;
 }
 
 static void start(struct comm* c, void** handle, uint64_t type, descr_v5* d) {
-  if (type == ncclProfileColl) {
+  if (type == ncclProfileGroup) {
+    *handle = &group_handle;
+  } else if (type == ncclProfileColl) {
     struct coll* r = &c->ring[c->next++ % RING];
     r->type = ncclProfileColl;
     r->slot = c->slot;
-    __atomic_store_n(&r->seq, d->coll.seqNumber, __ATOMIC_RELAXED);
-    r->channels = d->coll.nChannels;
-    r->done = 0;
-    r->first_start = UINT64_MAX;
-    r->last_stop = 0;
+    __atomic_store_n(&r->channels, d->coll.nChannels, __ATOMIC_RELEASE);
     *handle = r;
   } else if (type == ncclProfileKernelCh && d->parentObj != NULL &&
              *(uint64_t*)d->parentObj == ncclProfileColl && d->kernelCh.channelId < CHANNELS) {
     struct coll* r = d->parentObj;
     struct channel* ch = &r->ch[d->kernelCh.channelId];
     ch->type = ncclProfileKernelCh;
-    ch->coll = r;
-    ch->seq = __atomic_load_n(&r->seq, __ATOMIC_RELAXED);
+    ch->slot = r->slot;
+    ch->of = __atomic_load_n(&r->channels, __ATOMIC_ACQUIRE);
     ch->start = d->kernelCh.pTimer;
     ch->stop = 0;
     *handle = ch;
@@ -232,21 +234,20 @@ static ncclResult_t record_state(void* handle, int state, state_args_v5* args) {
 static ncclResult_t stop_event(void* handle) {
   if (handle == NULL || *(uint64_t*)handle != ncclProfileKernelCh) return ncclSuccess;
   struct channel* ch = handle;
-  struct coll* r = ch->coll;
-  if (r == NULL || ch->seq != __atomic_load_n(&r->seq, __ATOMIC_RELAXED) || ch->stop < ch->start)
-    return ncclSuccess;
-  /* Channels stop on the proxy thread, one at a time: no lock between them. */
-  if (ch->start < r->first_start) r->first_start = ch->start;
-  if (ch->stop > r->last_stop) r->last_stop = ch->stop;
-  if (++r->done == r->channels) {
-    __atomic_fetch_add(&r->slot->kernel_ns, r->last_stop - r->first_start, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&r->slot->colls, 1, __ATOMIC_RELEASE);
-  }
+  uint32_t of = ch->of;
+  ch->of = 0;
+  if (of == 0 || of > CHANNELS || ch->stop <= ch->start) return ncclSuccess;
+  __atomic_fetch_add(&ch->slot->kernel_ns, (ch->stop - ch->start) / of, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&ch->slot->colls, ONE_COLL / of, __ATOMIC_RELEASE);
   return ncclSuccess;
 }
 
+/* The records stay: with resources shared between communicators (NCCL's split-share) the proxy
+ * thread can outlive this one, and a late channel event must not land in freed memory. At most
+ * SLOTS are ever made. */
 static ncclResult_t finalize(void* context) {
-  free(context);
+  struct comm* c = context;
+  if (c != NULL) __atomic_store_n(&c->slot->ready, 0, __ATOMIC_RELEASE);
   return ncclSuccess;
 }
 

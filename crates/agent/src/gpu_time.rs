@@ -47,7 +47,7 @@ pub(crate) fn setup(
     dir: &Path,
 ) -> (Vec<(String, String)>, Option<PathBuf>) {
     const VAR: &str = "NCCL_PROFILER_PLUGIN";
-    if env.iter().any(|(k, _)| k == VAR) || std::env::var_os(VAR).is_some() {
+    if env.iter().any(|(k, _)| k == VAR) || std::env::var_os(VAR).is_some() || in_nccl_conf(env) {
         return (Vec::new(), None);
     }
     let plugin = dir.join(PLUGIN_FILE);
@@ -71,6 +71,31 @@ pub(crate) fn setup(
         ),
     ];
     (add, Some(counters))
+}
+
+/// Whether one of NCCL's configuration files (`NCCL_CONF_FILE`, else `~/.nccl.conf` and
+/// `/etc/nccl.conf`) names a profiler plugin: nrun's variable would override it.
+fn in_nccl_conf(env: &[(String, String)]) -> bool {
+    let var = |k: &str| {
+        env.iter()
+            .find(|(x, _)| x == k)
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var(k).ok())
+    };
+    let files: Vec<PathBuf> = match var("NCCL_CONF_FILE") {
+        Some(f) => vec![f.into()],
+        None => var("HOME")
+            .map(|h| Path::new(&h).join(".nccl.conf"))
+            .into_iter()
+            .chain([PathBuf::from("/etc/nccl.conf")])
+            .collect(),
+    };
+    files.iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|t| {
+            t.lines()
+                .any(|l| l.trim_start().starts_with("NCCL_PROFILER_PLUGIN="))
+        })
+    })
 }
 
 /// Err where `dir` is on a file system mounted noexec (a hardened /tmp): no library loads
@@ -114,9 +139,14 @@ fn counters_file(path: &Path) -> std::io::Result<()> {
 /// made among equals), the collectives completed and their kernel time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Counters {
+    /// The communicator's hash: readings of another communicator do not compare.
+    pub comm: u64,
     pub colls: u64,
     pub kernel_ns: u64,
 }
+
+/// The plugin counts a collective's channels in 1/65536 parts of it.
+const ONE_COLL: u64 = 65536;
 
 /// The counters in `bytes` (a counters file), if the plugin has claimed a slot.
 pub(crate) fn parse(bytes: &[u8]) -> Option<Counters> {
@@ -132,7 +162,8 @@ pub(crate) fn parse(bytes: &[u8]) -> Option<Counters> {
         .filter_map(|o| {
             let nranks = i32_at(o + 12)?;
             let c = Counters {
-                colls: u64_at(o + 16)?,
+                comm: u64_at(o)?,
+                colls: u64_at(o + 16)? / ONE_COLL,
                 kernel_ns: u64_at(o + 24)?,
             };
             Some((nranks, c))
@@ -142,39 +173,62 @@ pub(crate) fn parse(bytes: &[u8]) -> Option<Counters> {
         .map(|(_, c)| c)
 }
 
-/// A rank's counters file read now.
+/// A rank's counters file read now: twice, until two reads agree (the plugin updates it while
+/// it is read; a reading torn between two updates would stay in the window for its length).
 pub(crate) fn read(path: &Path) -> Option<Counters> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
-    let mut b = Vec::with_capacity(FILE_BYTES);
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .ok()?
-        .take(FILE_BYTES as u64)
-        .read_to_end(&mut b)
-        .ok()?;
-    parse(&b)
+    let once = || {
+        let mut b = Vec::with_capacity(FILE_BYTES);
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .ok()?
+            .take(FILE_BYTES as u64)
+            .read_to_end(&mut b)
+            .ok()?;
+        Some(b)
+    };
+    let mut last = once()?;
+    for _ in 0..3 {
+        let now = once()?;
+        if now == last {
+            return parse(&now);
+        }
+        last = now;
+    }
+    None
 }
 
-/// A rank's readings over the last [`WINDOW`].
+/// A rank's readings over the last [`WINDOW`], each with the kernel time counted up to it. A
+/// reading adds at most the wall time since the one before: a long collective (every rank but
+/// one waiting in a barrier while it saves a checkpoint) is counted as it ends, all at once,
+/// and must not make one interval a whole window's evidence.
 #[derive(Debug, Default)]
 pub(crate) struct Window {
-    readings: VecDeque<(Instant, Counters)>,
+    readings: VecDeque<(Instant, Counters, u64)>,
 }
 
 impl Window {
     pub(crate) fn push(&mut self, at: Instant, c: Counters) {
-        // A counter that went back is a new process (a restarted worker): start again.
-        if self.readings.back().is_some_and(|(_, b)| c.colls < b.colls) {
-            self.readings.clear();
-        }
-        self.readings.push_back((at, c));
+        let counted = match self.readings.back() {
+            // Another communicator, or counters that went back (a restarted worker): anew.
+            Some((_, b, _)) if b.comm != c.comm || c.colls < b.colls => {
+                self.readings.clear();
+                0
+            }
+            Some((t, b, counted)) => {
+                let wall = u64::try_from(at.duration_since(*t).as_nanos()).unwrap_or(u64::MAX);
+                counted + c.kernel_ns.saturating_sub(b.kernel_ns).min(wall)
+            }
+            None => 0,
+        };
+        self.readings.push_back((at, c, counted));
         while self
             .readings
             .get(1)
-            .is_some_and(|(t, _)| at.duration_since(*t) >= WINDOW)
+            .is_some_and(|(t, _, _)| at.duration_since(*t) >= WINDOW)
         {
             self.readings.pop_front();
         }
@@ -182,11 +236,11 @@ impl Window {
 
     /// Its time in collectives over the window, once the window holds enough of both.
     pub(crate) fn wait(&self) -> Option<GpuWait> {
-        let ((t0, a), (t1, b)) = (self.readings.front()?, self.readings.back()?);
+        let ((t0, a, k0), (t1, b, k1)) = (self.readings.front()?, self.readings.back()?);
         let span = t1.duration_since(*t0);
-        let colls = b.colls - a.colls;
+        let colls = b.colls.saturating_sub(a.colls);
         (span >= MIN_SPAN && colls >= MIN_COLLECTIVES).then(|| GpuWait {
-            waited_ms: (b.kernel_ns - a.kernel_ns) as f64 / 1e6,
+            waited_ms: k1.saturating_sub(*k0) as f64 / 1e6,
             span_ms: span.as_secs_f64() * 1e3,
             collectives: colls,
         })
@@ -197,27 +251,39 @@ impl Window {
 mod tests {
     use super::*;
 
+    /// A counters file with `slots` (nranks, collectives, kernel ns, ready); slot i's
+    /// communicator hash is 100 + i.
     fn file(slots: &[(i32, u64, u64, u32)]) -> Vec<u8> {
         let mut b = vec![0u8; FILE_BYTES];
         b[..8].copy_from_slice(&MAGIC.to_ne_bytes());
         b[8..12].copy_from_slice(&(slots.len() as u32).to_ne_bytes());
         for (i, &(nranks, colls, ns, ready)) in slots.iter().enumerate() {
             let o = HEADER + i * SLOT;
+            b[o..o + 8].copy_from_slice(&(100 + i as u64).to_ne_bytes());
             b[o + 12..o + 16].copy_from_slice(&nranks.to_ne_bytes());
-            b[o + 16..o + 24].copy_from_slice(&colls.to_ne_bytes());
+            b[o + 16..o + 24].copy_from_slice(&(colls * ONE_COLL).to_ne_bytes());
             b[o + 24..o + 32].copy_from_slice(&ns.to_ne_bytes());
             b[o + 32..o + 36].copy_from_slice(&ready.to_ne_bytes());
         }
         b
     }
 
+    fn counters(comm: u64, colls: u64, kernel_ns: u64) -> Counters {
+        Counters {
+            comm,
+            colls,
+            kernel_ns,
+        }
+    }
+
     #[test]
-    fn the_largest_communicator_is_read_and_a_slot_being_claimed_is_not() {
-        let c = |colls, kernel_ns| Some(Counters { colls, kernel_ns });
-        assert_eq!(parse(&file(&[(2, 5, 50, 1), (8, 7, 70, 1)])), c(7, 70));
+    fn the_largest_communicator_is_read_and_a_slot_not_in_use_is_not() {
+        let c = |comm, colls, ns| Some(counters(comm, colls, ns));
+        assert_eq!(parse(&file(&[(2, 5, 50, 1), (8, 7, 70, 1)])), c(101, 7, 70));
         // Equal sizes: the first made (a job's world comes before its subgroups).
-        assert_eq!(parse(&file(&[(8, 1, 10, 1), (8, 2, 20, 1)])), c(1, 10));
-        assert_eq!(parse(&file(&[(8, 1, 10, 0), (2, 2, 20, 1)])), c(2, 20));
+        assert_eq!(parse(&file(&[(8, 1, 10, 1), (8, 2, 20, 1)])), c(100, 1, 10));
+        // Being filled in, or finalized: not read.
+        assert_eq!(parse(&file(&[(8, 1, 10, 0), (2, 2, 20, 1)])), c(101, 2, 20));
         assert_eq!(parse(&file(&[])), None);
         let mut wrong = file(&[(2, 5, 50, 1)]);
         wrong[0] ^= 1;
@@ -230,45 +296,52 @@ mod tests {
         let t = Instant::now();
         let at = |s: u64| t + Duration::from_secs(s);
         let mut w = Window::default();
+        let ms = 1_000_000;
         for s in 0..5 {
-            w.push(
-                at(s),
-                Counters {
-                    colls: 10 * s,
-                    kernel_ns: 2_000_000 * s,
-                },
-            );
+            w.push(at(s), counters(1, 10 * s, 200 * ms * s));
         }
         assert!(w.wait().is_none(), "4 s is under the least span");
-        w.push(
-            at(5),
-            Counters {
-                colls: 50,
-                kernel_ns: 10_000_000,
-            },
-        );
+        w.push(at(5), counters(1, 50, 1000 * ms));
         let g = w.wait().unwrap();
-        assert_eq!((g.waited_ms, g.span_ms, g.collectives), (10.0, 5000.0, 50));
+        assert_eq!(
+            (g.waited_ms, g.span_ms, g.collectives),
+            (1000.0, 5000.0, 50)
+        );
         for s in 6..=20 {
-            w.push(
-                at(s),
-                Counters {
-                    colls: 10 * s,
-                    kernel_ns: 2_000_000 * s,
-                },
-            );
+            w.push(at(s), counters(1, 10 * s, 200 * ms * s));
         }
         let g = w.wait().unwrap();
-        assert_eq!(g.span_ms, 10_000.0, "the window keeps the last 10 s");
-        // A restarted worker's counters start from zero.
-        w.push(
-            at(21),
-            Counters {
-                colls: 3,
-                kernel_ns: 1,
-            },
+        assert_eq!(
+            (g.waited_ms, g.span_ms),
+            (2000.0, 10_000.0),
+            "the last 10 s"
         );
+        // A restarted worker's counters start from zero; another communicator is another
+        // count.
+        w.push(at(21), counters(1, 3, 1));
         assert!(w.wait().is_none());
+        for s in 22..30 {
+            w.push(at(s), counters(1, 100 * s, 200 * ms * s));
+        }
+        w.push(at(30), counters(2, 100_000, 0));
+        assert!(w.wait().is_none());
+    }
+
+    #[test]
+    fn one_long_collective_counts_no_more_than_the_time_it_was_read_in() {
+        // Every rank but one waits 8 s in a barrier while that one saves a checkpoint: the
+        // barrier's kernel time is counted as it ends, in one reading.
+        let t = Instant::now();
+        let at = |s: u64| t + Duration::from_secs(s);
+        let mut w = Window::default();
+        let ms = 1_000_000;
+        for s in 0..=10 {
+            let barrier = if s >= 5 { 8_000 * ms } else { 0 };
+            w.push(at(s), counters(1, 10 * s, 100 * ms * s + barrier));
+        }
+        let g = w.wait().unwrap();
+        // 100 ms a second, and the barrier's reading its one second: 2 s of 10, not 9.
+        assert_eq!(g.waited_ms, 100.0 * 9.0 + 1000.0);
     }
 
     #[test]
@@ -276,6 +349,13 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let user = vec![("NCCL_PROFILER_PLUGIN".to_string(), "theirs".to_string())];
         assert_eq!(setup(&user, 0, d.path()), (Vec::new(), None));
+        // Named in NCCL's configuration file instead.
+        let conf = d.path().join("nccl.conf");
+        std::fs::write(&conf, "NCCL_DEBUG=WARN\nNCCL_PROFILER_PLUGIN=theirs\n").unwrap();
+        let conf_env = vec![("NCCL_CONF_FILE".to_string(), conf.display().to_string())];
+        assert_eq!(setup(&conf_env, 0, d.path()), (Vec::new(), None));
+        std::fs::write(&conf, "NCCL_DEBUG=WARN\n").unwrap();
+        assert!(setup(&conf_env, 0, d.path()).1.is_some());
         let (add, counters) = setup(&[], 3, d.path());
         let counters = counters.unwrap();
         assert_eq!(counters, d.path().join("gpu-time-3"));
@@ -287,7 +367,12 @@ mod tests {
         assert_eq!(std::fs::read(&so).unwrap(), PLUGIN);
         assert_eq!(read(&counters), None, "no slot claimed yet");
         std::fs::write(&counters, file(&[(2, 4, 40, 1)])).unwrap();
-        assert_eq!(read(&counters).unwrap().colls, 4);
+        let want = Counters {
+            comm: 100,
+            colls: 4,
+            kernel_ns: 40,
+        };
+        assert_eq!(read(&counters), Some(want));
         // Set up again (a restarted group): the counters start afresh.
         setup(&[], 3, d.path());
         assert_eq!(read(&counters), None);
@@ -300,7 +385,7 @@ mod tests {
         parent: *mut std::ffi::c_void,
         rank: i32,
         /// The union: a collective's (seq u64, 4 pointers/sizes, root, datatype, nChannels at
-        /// byte 32) or a kernel channel's (channel u8, GPU timer u64 at byte 8).
+        /// byte 56) or a kernel channel's (channel u8, GPU timer u64 at byte 8).
         u: [u64; 12],
     }
     type Init = unsafe extern "C" fn(
@@ -388,20 +473,27 @@ mod tests {
                 .status()
                 .unwrap();
             assert!(status.success(), "the plugin's run (API v{api}): {status}");
-            // Each collective: from the first channel's start (1000) to the last's stop (1047).
+            // Each collective: its channels' mean kernel time, (40 + 42) / 2.
             let want = Counters {
-                colls: 3,
-                kernel_ns: 3 * 47,
+                comm: 9,
+                colls: IN_FLIGHT,
+                kernel_ns: IN_FLIGHT * 41,
             };
             assert_eq!(read(&counters), Some(want), "API v{api}");
         }
     }
 
+    /// Collectives enqueued before the first kernel runs: more than the plugin's ring (256).
+    const IN_FLIGHT: u64 = 300;
+
     /// [`the_plugin_counts_each_collective_s_kernel_time_as_nccl_drives_it`]'s NCCL side.
     #[test]
     #[ignore = "run by the_plugin_counts_each_collective_s_kernel_time_as_nccl_drives_it"]
     fn in_own_process() {
-        let dir = std::env::var_os("NRUN_PLUGIN_DIR").expect("run by its caller");
+        // Run alone (--include-ignored), it has nothing to do.
+        let Some(dir) = std::env::var_os("NRUN_PLUGIN_DIR") else {
+            return;
+        };
         let so = Path::new(&dir).join(PLUGIN_FILE);
         // SAFETY: the library is the plugin built from nccl/profiler.c, whose load runs no code.
         let lib = unsafe { libloading::Library::new(&so) }.unwrap();
@@ -444,13 +536,26 @@ mod tests {
         assert_eq!(init(&mut world, 9, &mut mask, 4, 3), 0);
         // SAFETY: every call below passes arguments as NCCL does, and handles the plugin made.
         unsafe {
-            for seq in 0..3u64 {
-                let mut coll = Descr::new(2, null, 3);
+            // As NCCL does: a group event (2.27 starts collectives only under one), each
+            // collective started and stopped as it is enqueued, more of them than the plugin's
+            // ring holds before any kernel runs; then each collective's two channels.
+            let mut group = Descr::new(1, null, 3);
+            let mut g = null;
+            (p.start)(world, &mut g, &mut group);
+            assert!(!g.is_null(), "a group event needs a handle");
+            let mut handles = Vec::new();
+            for seq in 0..IN_FLIGHT {
+                let mut coll = Descr::new(2, g, 3);
                 coll.u[0] = seq;
                 coll.u[7] = 2; // nChannels: the first byte at offset 56 of the union
                 let mut h = null;
                 (p.start)(world, &mut h, &mut coll);
                 assert!(!h.is_null());
+                (p.stop)(h);
+                handles.push(h);
+            }
+            (p.stop)(g);
+            for (seq, &h) in (0..).zip(&handles) {
                 for ch in 0..2u64 {
                     let mut k = Descr::new(64, h, 3);
                     (k.u[0], k.u[1]) = (ch, 1_000 + 100 * seq + 5 * ch);
@@ -459,10 +564,10 @@ mod tests {
                     let mut stop = 1_040 + 100 * seq + 7 * ch;
                     (p.record)(kh, 22, &mut stop);
                     (p.stop)(kh);
+                    (p.stop)(kh); // twice: counted once
                 }
-                (p.stop)(h);
             }
-            // A collective of the small communicator: not the one read.
+            // A collective of the small communicator: not the one read; it ends.
             let mut coll = Descr::new(2, null, 1);
             coll.u[7] = 1;
             let mut h = null;
@@ -470,7 +575,14 @@ mod tests {
             // Events the plugin did not ask for, and no handle: ignored.
             (p.stop)(null);
             (p.finalize)(small);
-            (p.finalize)(world);
+        }
+        // Communicators past the file's slots go unmeasured, but NCCL keeps one mask for the
+        // process: theirs must not turn the others' events off.
+        for i in 0..SLOTS as u64 {
+            let mut ctx = null;
+            let mut mask = -1;
+            assert_eq!(init(&mut ctx, 100 + i, &mut mask, 2, 0), 0);
+            assert_eq!(mask, 2 | 64, "communicator {}", i + 3);
         }
     }
 }
