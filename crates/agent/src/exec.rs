@@ -132,16 +132,17 @@ async fn run_workers(
                 None
             }
         });
+    // nrun's NCCL profiler plugin, installed once for the step's workers (see gpu_time).
+    let plugin = match (watch.is_some(), nrun_base::files::scratch(), specs.first()) {
+        (true, Ok(dir), Some(w)) if !super::cost::skipped("gpu") => {
+            super::gpu_time::Plugin::install(&w.env, &dir)
+        }
+        _ => None,
+    };
     for w in specs {
         let progress = progress.clone().filter(|_| w.progress.is_some());
-        match worker_cmd(
-            w,
-            &this_nrun,
-            watch.is_some(),
-            secret,
-            &mut watch_files,
-            progress,
-        ) {
+        let watching = watch.is_some().then_some(plugin.as_ref());
+        match worker_cmd(w, &this_nrun, watching, secret, &mut watch_files, progress) {
             Ok(cmd) => cmds.push(cmd),
             Err(e) => return RunResult::SpawnError(e.message),
         }
@@ -176,13 +177,14 @@ async fn run_workers(
     result
 }
 
-/// How to start one worker: its program, logs, CPUs and environment. With `watching`, the files
-/// the watch reads of it (its flight recorder's and GPU-time counters, nrun's own) are added to
-/// `watch_files`. Err: why it cannot start.
+/// How to start one worker: its program, logs, CPUs and environment. With `watching` (and the
+/// step's NCCL profiler plugin, where installed), the files the watch reads of it (its flight
+/// recorder's and GPU-time counters, nrun's own) are added to `watch_files`. Err: why it cannot
+/// start.
 fn worker_cmd(
     w: WorkerSpec,
     this_nrun: &std::io::Result<std::path::PathBuf>,
-    watching: bool,
+    watching: Option<Option<&super::gpu_time::Plugin>>,
     secret: Option<&str>,
     watch_files: &mut Vec<(usize, WatchFiles)>,
     progress: Option<regex::Regex>,
@@ -215,15 +217,14 @@ fn worker_cmd(
     // The watch turns on PyTorch's flight recorder (NCCL jobs), its pipe and dump in this
     // process's scratch directory: dumps are read from there only (a pipe or dump file the
     // user named is theirs, left alone); and nrun's NCCL profiler plugin, its counters there.
-    if let (true, Ok(dir)) = (watching, nrun_base::files::scratch()) {
+    if let (Some(plugin), Ok(dir)) = (watching, nrun_base::files::scratch()) {
         let (add, files) = super::flight::setup(&env, w.rank, &dir);
         env.extend(add);
         let fr = (files.pipe.starts_with(&dir) && files.dump.starts_with(&dir)).then_some(files);
-        let (add, gpu) = match super::cost::skipped("gpu") {
-            true => (Vec::new(), None),
-            false => super::gpu_time::setup(&env, w.rank, &dir),
-        };
-        env.extend(add);
+        let gpu = plugin.and_then(|p| p.setup(w.rank)).map(|(add, counters)| {
+            env.extend(add);
+            counters
+        });
         watch_files.push((w.rank, WatchFiles { fr, gpu }));
     }
     if let (true, Some(s)) = (w.secret, secret) {
@@ -448,13 +449,7 @@ pub(crate) async fn probe_peer(target: &str, timeout_ms: u64) -> Result<()> {
 /// entry at its local rank of the list it sees (its own variables, else nrun's), the one entry
 /// when it sees one, or its local rank when nothing narrows the GPUs.
 pub fn worker_gpu(env: &[(String, String)], local_rank: usize) -> String {
-    let seen = env
-        .iter()
-        .rev()
-        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
-        .map(|(_, v)| v.clone())
-        .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok())
-        .filter(|v| !v.trim().is_empty());
+    let seen = crate::worker_var(env, "CUDA_VISIBLE_DEVICES").filter(|v| !v.trim().is_empty());
     let Some(list) = seen else {
         return local_rank.to_string();
     };

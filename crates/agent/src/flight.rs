@@ -46,12 +46,7 @@ pub fn setup(
     rank: usize,
     dir: &Path,
 ) -> (Vec<(String, String)>, FrFiles) {
-    let given = |k: &str| {
-        env.iter()
-            .find(|(x, _)| x == k)
-            .map(|(_, v)| v.clone())
-            .or_else(|| std::env::var(k).ok())
-    };
+    let given = |k: &str| crate::worker_var(env, k);
     let mut add = Vec::new();
     // torch renamed some of these (TORCH_NCCL_* to TORCH_FR_*) and warns in every worker's
     // stderr when it finds an old name set, so nrun sets the name torch 2.11 reads without a

@@ -38,50 +38,63 @@ const WINDOW: Duration = Duration::from_secs(10);
 const MIN_SPAN: Duration = Duration::from_secs(5);
 const MIN_COLLECTIVES: u64 = 20;
 
-/// The variables that load the plugin for global rank `rank` (none where the worker's
-/// environment `env` or nrun's own names a profiler plugin), with its counters file, under
-/// `dir` (the agent's private scratch directory).
-pub(crate) fn setup(
-    env: &[(String, String)],
-    rank: usize,
-    dir: &Path,
-) -> (Vec<(String, String)>, Option<PathBuf>) {
-    const VAR: &str = "NCCL_PROFILER_PLUGIN";
-    if env.iter().any(|(k, _)| k == VAR) || std::env::var_os(VAR).is_some() || in_nccl_conf(env) {
-        return (Vec::new(), None);
-    }
-    let plugin = dir.join(PLUGIN_FILE);
-    let counters = dir.join(format!("gpu-time-{rank}"));
-    let made = executable_here(dir)
-        .and_then(|()| install(&plugin))
-        .and_then(|()| counters_file(&counters));
-    if let Err(e) = made {
-        tracing::debug!(
-            "cannot set up the NCCL profiler plugin in {}: {e}; GPU stragglers are named only \
-             from flight-recorder dumps",
-            dir.display()
-        );
-        return (Vec::new(), None);
-    }
-    let add = vec![
-        (VAR.to_string(), plugin.to_string_lossy().into_owned()),
-        (
-            "NRUN_NCCL_PROFILE".to_string(),
-            counters.to_string_lossy().into_owned(),
-        ),
-    ];
-    (add, Some(counters))
+/// nrun's plugin, installed in a node's scratch directory for one step's workers.
+#[derive(Debug)]
+pub(crate) struct Plugin {
+    path: PathBuf,
+    dir: PathBuf,
 }
+
+impl Plugin {
+    /// Installs the plugin under `dir` (the agent's private scratch directory), once per step:
+    /// none where the workers' environment `env` (the node's: they differ only in their ranks)
+    /// or NCCL's configuration names a profiler plugin, or where `dir` cannot load one.
+    pub(crate) fn install(env: &[(String, String)], dir: &Path) -> Option<Plugin> {
+        if crate::worker_var(env, VAR).is_some() || in_nccl_conf(env) {
+            return None;
+        }
+        let path = dir.join(PLUGIN_FILE);
+        if let Err(e) = executable_here(dir).and_then(|()| install(&path)) {
+            tracing::debug!(
+                "cannot set up the NCCL profiler plugin in {}: {e}; GPU stragglers are named \
+                 only from flight-recorder dumps",
+                dir.display()
+            );
+            return None;
+        }
+        Some(Plugin {
+            path,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The variables that load it for global rank `rank`, with that rank's fresh counters file.
+    pub(crate) fn setup(&self, rank: usize) -> Option<(Vec<(String, String)>, PathBuf)> {
+        let counters = self.dir.join(format!("gpu-time-{rank}"));
+        if let Err(e) = counters_file(&counters) {
+            tracing::debug!(
+                "cannot make {}: {e}; rank {rank}'s GPU time is not read",
+                counters.display()
+            );
+            return None;
+        }
+        let add = vec![
+            (VAR.to_string(), self.path.to_string_lossy().into_owned()),
+            (
+                "NRUN_NCCL_PROFILE".to_string(),
+                counters.to_string_lossy().into_owned(),
+            ),
+        ];
+        Some((add, counters))
+    }
+}
+
+const VAR: &str = "NCCL_PROFILER_PLUGIN";
 
 /// Whether one of NCCL's configuration files (`NCCL_CONF_FILE`, else `~/.nccl.conf` and
 /// `/etc/nccl.conf`) names a profiler plugin: nrun's variable would override it.
 fn in_nccl_conf(env: &[(String, String)]) -> bool {
-    let var = |k: &str| {
-        env.iter()
-            .find(|(x, _)| x == k)
-            .map(|(_, v)| v.clone())
-            .or_else(|| std::env::var(k).ok())
-    };
+    let var = |k: &str| crate::worker_var(env, k);
     let files: Vec<PathBuf> = match var("NCCL_CONF_FILE") {
         Some(f) => vec![f.into()],
         None => var("HOME")
@@ -176,18 +189,16 @@ pub(crate) fn parse(bytes: &[u8]) -> Option<Counters> {
 /// A rank's counters file read now: twice, until two reads agree (the plugin updates it while
 /// it is read; a reading torn between two updates would stay in the window for its length).
 pub(crate) fn read(path: &Path) -> Option<Counters> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
     let once = || {
-        let mut b = Vec::with_capacity(FILE_BYTES);
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path)
-            .ok()?
-            .take(FILE_BYTES as u64)
-            .read_to_end(&mut b)
-            .ok()?;
+        let mut b = vec![0u8; FILE_BYTES];
+        let n = f.read_at(&mut b, 0).ok()?;
+        b.truncate(n);
         Some(b)
     };
     let mut last = once()?;
@@ -348,16 +359,16 @@ mod tests {
     fn the_user_s_plugin_wins_and_ours_is_installed_once_with_fresh_counters() {
         let d = tempfile::tempdir().unwrap();
         let user = vec![("NCCL_PROFILER_PLUGIN".to_string(), "theirs".to_string())];
-        assert_eq!(setup(&user, 0, d.path()), (Vec::new(), None));
+        assert!(Plugin::install(&user, d.path()).is_none());
         // Named in NCCL's configuration file instead.
         let conf = d.path().join("nccl.conf");
         std::fs::write(&conf, "NCCL_DEBUG=WARN\nNCCL_PROFILER_PLUGIN=theirs\n").unwrap();
         let conf_env = vec![("NCCL_CONF_FILE".to_string(), conf.display().to_string())];
-        assert_eq!(setup(&conf_env, 0, d.path()), (Vec::new(), None));
+        assert!(Plugin::install(&conf_env, d.path()).is_none());
         std::fs::write(&conf, "NCCL_DEBUG=WARN\n").unwrap();
-        assert!(setup(&conf_env, 0, d.path()).1.is_some());
-        let (add, counters) = setup(&[], 3, d.path());
-        let counters = counters.unwrap();
+        assert!(Plugin::install(&conf_env, d.path()).is_some());
+        let plugin = Plugin::install(&[], d.path()).unwrap();
+        let (add, counters) = plugin.setup(3).unwrap();
         assert_eq!(counters, d.path().join("gpu-time-3"));
         assert!(add.contains(&(
             "NRUN_NCCL_PROFILE".to_string(),
@@ -374,7 +385,7 @@ mod tests {
         };
         assert_eq!(read(&counters), Some(want));
         // Set up again (a restarted group): the counters start afresh.
-        setup(&[], 3, d.path());
+        plugin.setup(3).unwrap();
         assert_eq!(read(&counters), None);
     }
 
@@ -462,8 +473,7 @@ mod tests {
         // NCCL 2.28 and later call API v5; 2.27 calls v4.
         for api in ["5", "4"] {
             let d = tempfile::tempdir().unwrap();
-            let (_, counters) = setup(&[], 0, d.path());
-            let counters = counters.unwrap();
+            let (_, counters) = Plugin::install(&[], d.path()).unwrap().setup(0).unwrap();
             let status = std::process::Command::new(std::env::current_exe().unwrap())
                 .args(["--exact", "--ignored", "--nocapture"])
                 .arg("gpu_time::tests::in_own_process")

@@ -58,6 +58,16 @@ use nrun_store::client::Client;
 /// launcher (they are re-parented to that keeper, and carry its token).
 pub(crate) const PARENT_VAR: &str = "NRUN_AGENT_PARENT";
 
+/// A variable as a worker will see it: the last value its environment `env` gives, else nrun's
+/// own (which the worker inherits).
+pub(crate) fn worker_var(env: &[(String, String)], k: &str) -> Option<String> {
+    env.iter()
+        .rev()
+        .find(|(x, _)| x == k)
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var(k).ok())
+}
+
 /// For an agent started by nrun on this host ([`PARENT_VAR`]): it gets SIGKILL when nrun dies
 /// (as the parent's pre_exec used to arrange), and exits at once if nrun is already gone (the
 /// signal could not be set in time). Returns whether this is such an agent. Must run before any

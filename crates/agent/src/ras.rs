@@ -29,13 +29,7 @@ const AGAIN: Duration = Duration::from_secs(10);
 /// Where this node's NCCL answers, from the workers' environment: None when they turned RAS
 /// off (NCCL_RAS_ENABLE=0).
 pub fn target(env: &[(String, String)]) -> Option<String> {
-    let get = |k: &str| {
-        env.iter()
-            .rev()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.clone())
-            .or_else(|| std::env::var(k).ok())
-    };
+    let get = |k: &str| crate::worker_var(env, k);
     if get("NCCL_RAS_ENABLE").is_some_and(|v| v.trim() == "0") {
         return None;
     }
